@@ -1,0 +1,60 @@
+import abc
+import os
+from datetime import timedelta
+
+import ray
+import torch.distributed as dist
+
+from slime.ray.ray_actor import RayActor
+from slime.utils.device import dist_backend, get_device, is_cpu
+from slime.utils.tensor_serialization import set_shared_authkey
+
+
+class TrainRayActor(RayActor):
+    """Base of the training actors: rank bookkeeping and the training process group (NCCL on GPU, gloo on CPU)."""
+
+    def __init__(self, world_size, rank, master_addr, master_port, wandb_run_id=None):
+        self._world_size, self._rank = world_size, rank
+        if master_addr:
+            self.master_addr, self.master_port = master_addr, master_port
+        else:
+            self.master_addr, self.master_port = self._get_current_node_ip_and_free_port(start_port=20000)
+        os.environ.update(MASTER_ADDR=self.master_addr, MASTER_PORT=str(self.master_port),
+                          WORLD_SIZE=str(world_size), RANK=str(rank))
+        gpu_ids = ray.get_gpu_ids()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        local_rank = 0
+        if gpu_ids:
+            gid = str(int(gpu_ids[0]))
+            local_rank = visible.split(",").index(gid) if visible and gid in visible.split(",") else int(gid)
+        os.environ["LOCAL_RANK"] = str(0 if is_cpu() else local_rank)
+        set_shared_authkey()  # colocated weight sync passes shared-memory handles between actors
+
+    def init(self, args, role, wandb_run_id=None, with_ref=False):
+        self.args, self.role = args, role
+        local_rank = int(os.environ["LOCAL_RANK"])
+        if not is_cpu():
+            import torch
+
+            torch.cuda.set_device(get_device(local_rank))
+        dist.init_process_group(backend=dist_backend(), timeout=timedelta(minutes=30))
+        args.rank, args.world_size = dist.get_rank(), dist.get_world_size()
+        args.local_rank = local_rank
+
+    @abc.abstractmethod
+    def sleep(self, tags=None): ...
+
+    @abc.abstractmethod
+    def wake_up(self, tags=None): ...
+
+    @abc.abstractmethod
+    def connect_rollout_engines(self, rollout_engines, rollout_engine_lock): ...
+
+    @abc.abstractmethod
+    def train(self, rollout_id, rollout_data_ref): ...
+
+    @abc.abstractmethod
+    def save_model(self, iteration, with_optimizer=True): ...
+
+    @abc.abstractmethod
+    def update_weights(self): ...

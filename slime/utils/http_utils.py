@@ -1,0 +1,98 @@
+"""Ports, host info and a small async HTTP client (aiohttp) with timeouts and retries that name the URL."""
+import asyncio
+import json
+import os
+import random
+import socket
+
+import aiohttp
+
+
+def is_port_available(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def find_available_port(base_port: int) -> int:
+    """First bindable port at or after `base_port + randint(100, 1000)`, stepping +42 (wrapping near 60000)."""
+    port = base_port + random.randint(100, 1000)
+    while not is_port_available(port):
+        port = port + 42 if port < 60000 else port - 43
+    return port
+
+
+def get_host_info() -> tuple[str, str]:
+    """(hostname, ip). `SLIME_HOST_IP` overrides the IP; otherwise the hostname's address (127.0.0.1 on a laptop/CI)."""
+    hostname = socket.gethostname()
+    ip = os.environ.get("SLIME_HOST_IP")
+    if not ip:
+        try:
+            ip = socket.gethostbyname(hostname)
+        except OSError:
+            ip = "127.0.0.1"
+    return hostname, ip
+
+
+_sessions: dict = {}
+
+
+def _session() -> aiohttp.ClientSession:
+    # One session per event loop: aiohttp sessions are bound to the loop that created them.
+    loop = asyncio.get_running_loop()
+    s = _sessions.get(loop)
+    if s is None or s.closed:
+        s = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=False), trust_env=False, timeout=aiohttp.ClientTimeout(total=None)
+        )
+        _sessions[loop] = s
+    return s
+
+
+def _decode(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class HTTPStatusError(RuntimeError):
+    def __init__(self, url, status, body):
+        super().__init__(f"{url} answered HTTP {status}: {str(body)[:500]}")
+        self.url, self.status, self.body = url, status, body
+
+
+async def _request(method, url, payload=None, max_retries=60, timeout=None, headers=None, retry_interval=1.0):
+    last = None
+    for attempt in range(max(1, max_retries)):
+        try:
+            async with _session().request(
+                method, url, json=payload, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)
+            ) as resp:
+                text = await resp.text()
+                if resp.status >= 400:
+                    err = HTTPStatusError(url, resp.status, _decode(text))
+                    if resp.status < 500:  # a client error will not get better by retrying
+                        raise err
+                    raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status, message=str(err))
+                return _decode(text)
+        except HTTPStatusError:
+            raise
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+            last = e
+            if attempt + 1 < max_retries:
+                await asyncio.sleep(retry_interval)
+    raise ConnectionError(f"{method} {url} failed after {max_retries} attempt(s): {type(last).__name__}: {last}") from last
+
+
+async def post(url, payload=None, max_retries=60, timeout=None, headers=None):
+    """POST JSON; returns the decoded JSON (or text). Retries connection errors and 5xx once a second."""
+    return await _request("POST", url, payload, max_retries=max_retries, timeout=timeout, headers=headers)
+
+
+async def get(url, max_retries=3, timeout=30, headers=None):
+    return await _request("GET", url, None, max_retries=max_retries, timeout=timeout, headers=headers)

@@ -1,0 +1,90 @@
+"""Core rollout types: `Sample` (one prompt + response trajectory) and `ParamInfo` (weight-sync metadata)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from enum import Enum
+from typing import Any, Optional, Union
+
+
+@dataclass
+class Sample:
+    """One trajectory. `tokens` = prompt ids + response ids; `loss_mask` covers the response only."""
+
+    index: Optional[int] = None
+    prompt: Union[str, list[dict[str, str]]] = ""
+    tokens: list[int] = field(default_factory=list)
+    response: str = ""
+    response_length: int = 0
+    label: Optional[Any] = None
+    reward: Optional[Union[float, dict[str, Any]]] = None
+    loss_mask: Optional[list[int]] = None
+    rollout_log_probs: Optional[list[float]] = None
+    weight_versions: list[str] = field(default_factory=list)
+    group_index: Optional[int] = None
+    rollout_id: Optional[int] = None
+
+    class Status(Enum):
+        PENDING = "pending"
+        COMPLETED = "completed"
+        TRUNCATED = "truncated"
+        ABORTED = "aborted"
+        FAILED = "failed"
+
+    status: Status = Status.PENDING
+    metadata: dict = field(default_factory=dict)
+    # SGLang meta_info extras accumulated over turns (prompt/cached tokens, spec decoding counters, ...).
+    spec_info: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["status"] = self.status.value
+        return d
+
+    @staticmethod
+    def from_dict(d: dict) -> "Sample":
+        d = dict(d)  # never mutate the caller's dict
+        d["status"] = Sample.Status(d.get("status", "pending"))
+        known = {f.name for f in fields(Sample)}
+        sample = Sample(**{k: v for k, v in d.items() if k in known})
+        for k, v in d.items():  # forward compatibility: keep unknown keys as attributes
+            if k not in known:
+                setattr(sample, k, v)
+        return sample
+
+    def get_reward_value(self, args) -> Any:
+        key = getattr(args, "reward_key", None)
+        if not key:
+            return self.reward
+        if not isinstance(self.reward, dict) or key not in self.reward:
+            raise KeyError(f"--reward-key {key!r}: sample {self.index} has reward {self.reward!r}, which has no such key")
+        return self.reward[key]
+
+    @property
+    def effective_response_length(self) -> int:
+        return sum(self.loss_mask) if self.loss_mask is not None else self.response_length
+
+    _FINISH_TO_STATUS = {"length": "TRUNCATED", "abort": "ABORTED", "stop": "COMPLETED"}
+
+    def apply_finish_reason(self, meta_info: dict) -> None:
+        """Map SGLang's `meta_info.finish_reason.type` (stop|length|abort) onto `status`."""
+        reason = (meta_info.get("finish_reason") or {}).get("type")
+        if reason in self._FINISH_TO_STATUS:
+            self.status = Sample.Status[self._FINISH_TO_STATUS[reason]]
+        if meta_info.get("weight_version") is not None:
+            self.weight_versions.append(str(meta_info["weight_version"]))
+        for key in ("prompt_tokens", "cached_tokens", "completion_tokens"):
+            if key in meta_info:
+                self.spec_info[key] = self.spec_info.get(key, 0) + int(meta_info[key] or 0)
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    name: str
+    dtype: Any
+    shape: tuple
+    attrs: dict
+    size: int
+    src_rank: int
+
+
+RolloutBatch = dict[str, list]
