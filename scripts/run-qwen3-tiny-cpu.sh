@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The main job: SFT warm start, then GRPO, of the tiny offline Qwen3 on single-digit addition — on a CPU machine.
+# Same code as the GPU scripts: Ray over logical GPUs, megatron-core over gloo, the real sglang-router in front of
+# slime's CPU inference server, weights pushed by gloo broadcast (or shared-memory handles with --colocate).
+#
+#   bash scripts/run-qwen3-tiny-cpu.sh                 # disaggregated train.py (default)
+#   MODE=colocate bash scripts/run-qwen3-tiny-cpu.sh   # trainers and engine share logical GPUs
+#   MODE=async bash scripts/run-qwen3-tiny-cpu.sh      # train_async.py, one-step off-policy
+#   TP=2 bash scripts/run-qwen3-tiny-cpu.sh            # tensor-parallel training over 2 ranks
+#   EXTRA_ARGS="--partial-rollout --use-wandb --wandb-mode offline" bash scripts/run-qwen3-tiny-cpu.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] && PY=.venv/bin/python || PY=python3
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=${RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER:-0} RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} SLIME_HOST_IP=${SLIME_HOST_IP:-127.0.0.1} GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
+
+MODEL_DIR=${MODEL_DIR:-models/qwen3-tiny}
+DATA_DIR=${DATA_DIR:-data/addition}
+OUT=${OUT:-outputs/qwen3-tiny-${MODE:-sync}}
+MODE=${MODE:-sync}
+TP=${TP:-1}
+NUM_ROLLOUT=${NUM_ROLLOUT:-60}
+[ -f "$MODEL_DIR/config.json" ] || $PY tools/build_tiny_kit.py --model-dir "$MODEL_DIR" --data-dir "$DATA_DIR"
+rm -rf "$OUT"; mkdir -p "$OUT"
+
+source scripts/models/qwen3-tiny.sh
+
+COMMON_ARGS=(
+   --hf-checkpoint "$MODEL_DIR"
+   --actor-num-nodes 1 --actor-num-gpus-per-node "$TP" --tensor-model-parallel-size "$TP"
+   --seed 1
+)
+
+# 1) SFT warm start with slime itself: sft_rollout + sft_loss, trainers only (slime's SFT recipe).
+SFT_ARGS=(
+   --rollout-function-path slime.rollout.sft_rollout.generate_rollout
+   --prompt-data "$DATA_DIR/sft.jsonl" --input-key messages --rollout-shuffle
+   --num-epoch 40 --rollout-batch-size 50 --global-batch-size 50
+   --loss-type sft_loss --calculate-per-token-loss --disable-compute-advantages-and-returns --debug-train-only
+   --optimizer adam --lr 3e-3 --adam-beta1 0.9 --adam-beta2 0.98 --clip-grad 1.0
+   --save "$OUT/sft" --save-interval 1000000
+   --metrics-path "$OUT/sft_metrics.jsonl"
+)
+echo "== SFT warm start =="
+$PY train_async.py "${MODEL_ARGS[@]}" "${COMMON_ARGS[@]}" "${SFT_ARGS[@]}"
+
+# 2) GRPO from the SFT checkpoint, rule reward, dynamic sampling, periodic eval on the eval split.
+CKPT_ARGS=(--ref-load "$OUT/sft" --save "$OUT/grpo" --save-interval 20)
+ROLLOUT_ARGS=(
+   --prompt-data "$DATA_DIR/train.jsonl" --input-key prompt --label-key label --apply-chat-template --rollout-shuffle
+   --rm-type answer_match
+   --num-rollout "$NUM_ROLLOUT" --rollout-batch-size 16 --n-samples-per-prompt 8
+   --rollout-max-response-len 8 --rollout-temperature 1.0
+   --over-sampling-batch-size 24 --dynamic-sampling-filter-path slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std
+   --global-batch-size 128
+)
+EVAL_ARGS=(--eval-interval 10 --eval-prompt-data addition "$DATA_DIR/eval.jsonl" --eval-temperature 0 --eval-max-response-len 8)
+GRPO_ARGS=(--advantage-estimator grpo --eps-clip 0.2 --eps-clip-high 0.28 --entropy-coef 0.0)
+OPTIMIZER_ARGS=(--optimizer adam --lr 5e-4 --adam-beta1 0.9 --adam-beta2 0.99 --clip-grad 1.0 --weight-decay 0.0)
+SGLANG_ARGS=(--rollout-num-gpus-per-engine 1 --sglang-max-running-requests 128)
+MISC_ARGS=(--metrics-path "$OUT/metrics.jsonl")
+case "$MODE" in
+  sync)     DRIVER=train.py;       PLACEMENT=(--rollout-num-gpus 1) ;;
+  colocate) DRIVER=train.py;       PLACEMENT=(--colocate) ;;
+  async)    DRIVER=train_async.py; PLACEMENT=(--rollout-num-gpus 1) ;;
+  *) echo "MODE must be sync, colocate or async (got $MODE)" >&2; exit 2 ;;
+esac
+echo "== GRPO ($DRIVER, $MODE, TP=$TP) =="
+$PY "$DRIVER" "${MODEL_ARGS[@]}" "${COMMON_ARGS[@]}" "${PLACEMENT[@]}" "${CKPT_ARGS[@]}" "${ROLLOUT_ARGS[@]}" \
+   "${EVAL_ARGS[@]}" "${GRPO_ARGS[@]}" "${OPTIMIZER_ARGS[@]}" "${SGLANG_ARGS[@]}" "${MISC_ARGS[@]}" ${EXTRA_ARGS:-}
+
+$PY tools/plot_metrics.py "$OUT/metrics.jsonl" "$OUT/curve.png"
+echo "metrics: $OUT/metrics.jsonl   curve: $OUT/curve.png"

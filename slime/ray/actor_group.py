@@ -1,0 +1,78 @@
+"""Driver-side handle over the N training actors; every `async_*` returns a list of ObjectRefs (one per rank)."""
+import os
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from slime.ray.placement_group import noset_visible_devices_env
+from slime.utils.device import is_cpu
+
+
+class RayTrainGroup:
+    def __init__(self, args, num_nodes, num_gpus_per_node, pg, wandb_run_id=None, num_gpus_per_actor=1,
+                 resources=None, num_resources_per_node=None):
+        self.args = args
+        self._num_nodes, self._num_gpus_per_node = num_nodes, num_gpus_per_node
+        self.wandb_run_id = wandb_run_id
+        self._allocate_gpus_for_actor(pg, num_gpus_per_actor, wandb_run_id)
+
+    def _allocate_gpus_for_actor(self, pg, num_gpus_per_actor, wandb_run_id):
+        from slime.backends.megatron_utils.actor import MegatronTrainRayActor
+
+        world_size = self._num_nodes * self._num_gpus_per_node
+        pg, reordered_bundle_indices = pg
+        env = {"NCCL_CUMEM_ENABLE": "0", **noset_visible_devices_env()}
+        if is_cpu():
+            # One intra-op thread per rank: on a shared 2-core box more threads thrash (see feasibility notes).
+            env.update(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
+        elif self.args.offload:
+            env.update(_torch_memory_saver_env())
+        actor_cls = ray.remote(num_gpus=1, runtime_env={"env_vars": env})(MegatronTrainRayActor)
+        self._actor_handlers = []
+        master_addr, master_port = None, None
+        for rank in range(world_size):
+            actor = actor_cls.options(
+                num_cpus=num_gpus_per_actor, num_gpus=num_gpus_per_actor,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=reordered_bundle_indices[rank]),
+            ).remote(world_size, rank, master_addr, master_port, wandb_run_id)
+            if rank == 0:
+                master_addr, master_port = ray.get(actor.get_master_addr_and_port.remote(), timeout=300)
+            self._actor_handlers.append(actor)
+
+    @property
+    def actors(self):
+        return self._actor_handlers
+
+    def async_init(self, args, role, with_ref=False):
+        return [a.init.remote(args, role, self.wandb_run_id, with_ref=with_ref) for a in self._actor_handlers]
+
+    def async_init_weight_update_connections(self, rollout):
+        self.rollout = rollout
+        return [a.connect_rollout_engines.remote(rollout.rollout_engines, rollout.rollout_engine_lock)
+                for a in self._actor_handlers]
+
+    def async_train(self, rollout_id, rollout_data_ref):
+        return [a.train.remote(rollout_id, rollout_data_ref) for a in self._actor_handlers]
+
+    def async_save_model(self, step_id):
+        return [a.save_model.remote(step_id) for a in self._actor_handlers]
+
+    def async_update_weights(self):
+        return [a.update_weights.remote() for a in self._actor_handlers]
+
+    def async_offload(self):
+        return [a.sleep.remote(("model",)) for a in self._actor_handlers]
+
+    def kill(self):
+        for a in self._actor_handlers:
+            ray.kill(a)
+
+
+def _torch_memory_saver_env() -> dict:
+    import torch_memory_saver
+
+    path = os.path.join(os.path.dirname(torch_memory_saver.__file__), "..", "torch_memory_saver_hook_mode_preload.abi3.so")
+    path = os.path.abspath(path)
+    assert os.path.exists(path), f"--offload needs torch_memory_saver's preload library, not found at {path}"
+    return {"LD_PRELOAD": path, "TMS_INIT_ENABLE": "1", "TMS_INIT_ENABLE_CPU_BACKUP": "1"}

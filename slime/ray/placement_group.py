@@ -1,0 +1,141 @@
+"""GPU reservation: one PACK placement group of {"GPU": 1, "CPU": 1} bundles, split between trainers and engines.
+
+On a machine without GPUs the same code runs over logical GPUs (`ray.init(num_gpus=N)`); see `init_ray`.
+"""
+import logging
+import os
+import socket
+import time
+
+import ray
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from slime.ray.utils import NOSET_VISIBLE_DEVICES_ENV_VARS_LIST
+
+logger = logging.getLogger(__name__)
+PG_READY_TIMEOUT_S = float(os.environ.get("SLIME_PG_READY_TIMEOUT", 60))
+
+
+@ray.remote(num_gpus=1, num_cpus=0)
+class InfoActor:
+    def get_ip_and_gpu_id(self):
+        return ray.util.get_node_ip_address(), ray.get_gpu_ids()[0]
+
+
+def sort_key(x):
+    """Order bundles by (node IP as integers, GPU id); hostnames are resolved, unresolvable ones compared by characters."""
+    _, node_identifier, gpu_id = x
+    try:
+        node_ip_parts = [int(p) for p in node_identifier.split(".")]
+        assert len(node_ip_parts) == 4
+    except (ValueError, AssertionError):
+        try:
+            node_ip_parts = [int(p) for p in socket.gethostbyname(node_identifier).split(".")]
+        except (socket.gaierror, OSError, ValueError):
+            node_ip_parts = [ord(c) for c in node_identifier]
+    return node_ip_parts, int(gpu_id)
+
+
+def get_placement_group_layout(args) -> tuple[int, int]:
+    """(num_gpus, rollout_offset) of the single placement group for this run (spec §3.1)."""
+    actor_total = args.actor_num_nodes * args.actor_num_gpus_per_node
+    if args.debug_train_only:
+        return actor_total, 0
+    if args.debug_rollout_only:
+        return args.rollout_num_gpus, 0
+    if args.colocate:
+        return max(actor_total, args.rollout_num_gpus or 0), 0
+    return actor_total + args.rollout_num_gpus, actor_total
+
+
+def _check_cluster_can_fit(bundles):
+    need = {}
+    for b in bundles:
+        for k, v in b.items():
+            need[k] = need.get(k, 0) + v
+    total = ray.cluster_resources()
+    short = {k: f"{v:g} asked, cluster has {total.get(k, 0):g}" for k, v in need.items() if v > total.get(k, 0)}
+    if short:
+        raise RuntimeError(
+            f"placement group of {len(bundles)} bundles {bundles[0]} cannot be satisfied: {short}. "
+            "Lower --actor-num-gpus-per-node / --rollout-num-gpus, or start Ray with more GPUs "
+            "(`ray start --head --num-gpus N`; on a CPU machine slime declares logical GPUs itself)."
+        )
+
+
+def _create_placement_group(num_gpus):
+    """Reserve `num_gpus` bundles and return (pg, bundle indices reordered by node IP and physical GPU id)."""
+    bundles = [{"GPU": 1, "CPU": 1} for _ in range(num_gpus)]
+    _check_cluster_can_fit(bundles)
+    pg = placement_group(bundles, strategy="PACK")
+    try:
+        ray.get(pg.ready(), timeout=PG_READY_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        state = placement_group_table(pg)
+        remove_placement_group(pg)  # a pending PG would keep retrying and grab resources later
+        raise RuntimeError(
+            f"placement group of {num_gpus} GPU bundles not ready after {PG_READY_TIMEOUT_S:.0f}s "
+            f"(state={state.get('state')}, {state.get('stats', {}).get('scheduling_state')}); "
+            f"free resources: { {k: v for k, v in ray.available_resources().items() if '_group_' not in k} }"
+        ) from None
+    info_actors = [
+        InfoActor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)).remote()
+        for i in range(num_gpus)
+    ]
+    infos = ray.get([a.get_ip_and_gpu_id.remote() for a in info_actors], timeout=PG_READY_TIMEOUT_S)
+    for a in info_actors:
+        ray.kill(a)
+    ordered = sorted(((i, ip, gpu) for i, (ip, gpu) in enumerate(infos)), key=sort_key)
+    for rank, (bundle, ip, gpu) in enumerate(ordered):
+        logger.info(f"placement: rank {rank} -> bundle {bundle} (node {ip}, GPU {gpu})")
+    return pg, [bundle for bundle, _, _ in ordered]
+
+
+def create_placement_groups(args):
+    num_gpus, rollout_offset = get_placement_group_layout(args)
+    pg, reordered = _create_placement_group(num_gpus)
+    return {"actor": (pg, reordered), "rollout": (pg, reordered[rollout_offset:])}
+
+
+def allocate_train_group(args, num_nodes, num_gpus_per_node, pg, wandb_run_id=None):
+    from slime.ray.actor_group import RayTrainGroup
+
+    return RayTrainGroup(args, num_nodes, num_gpus_per_node, pg, wandb_run_id=wandb_run_id, num_gpus_per_actor=0.8)
+
+
+def create_actor_group(args, pg, wandb_run_id=None):
+    return allocate_train_group(args, args.actor_num_nodes, args.actor_num_gpus_per_node, pg, wandb_run_id)
+
+
+def create_rollout_manager(args, pg, wandb_run_id=None):
+    from slime.ray.rollout import RolloutManager
+
+    return RolloutManager(args, pg, wandb_run_id=wandb_run_id)
+
+
+def noset_visible_devices_env() -> dict:
+    return {name: "1" for name in NOSET_VISIBLE_DEVICES_ENV_VARS_LIST}
+
+
+def init_ray(args):
+    """Join the cluster in RAY_ADDRESS (as `ray job submit` / `ray start` users do); otherwise start a local Ray.
+
+    Without GPUs the local Ray declares as many logical GPUs as the layout needs, so placement is the same code.
+    """
+    if ray.is_initialized():
+        return
+    env = {"RAY_DEDUP_LOGS": "0"}
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env})
+        return
+    from slime.utils.device import is_cpu
+
+    num_gpus, _ = get_placement_group_layout(args)
+    kwargs = dict(include_dashboard=False, runtime_env={"env_vars": env})
+    if is_cpu():
+        # Logical CPUs are free: declare enough that every bundle gets one even on a 2-core machine.
+        kwargs.update(num_gpus=num_gpus, num_cpus=max(8, 2 * num_gpus + 4), object_store_memory=1 << 30)
+    t0 = time.time()
+    ray.init(**kwargs)
+    logger.info(f"started a local Ray in {time.time() - t0:.1f}s with {ray.cluster_resources()}")
