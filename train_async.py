@@ -13,12 +13,12 @@ def train(args):
         raise SystemExit("train_async.py overlaps generation with training, so it cannot share GPUs: "
                          "drop --colocate/--offload, or use train.py for colocated runs.")
     init_ray(args)
-    pgs = create_placement_groups(args)
-    wandb_run_id = init_wandb_primary(args)
-    actor_model = create_actor_group(args, pgs["actor"], wandb_run_id)
-    rollout_manager = create_rollout_manager(args, pgs["rollout"], wandb_run_id)
-    recorder = RunRecorder(args, rollout_manager)
-    with cleanup_on_exit(rollout_manager, actor_model):
+    with cleanup_on_exit():  # engines, router, actors and placement group go away however the run ends
+        pgs = create_placement_groups(args)
+        wandb_run_id = init_wandb_primary(args)
+        actor_model = create_actor_group(args, pgs["actor"], wandb_run_id)
+        rollout_manager = create_rollout_manager(args, pgs["rollout"], wandb_run_id)
+        recorder = RunRecorder(args, rollout_manager)
         num_rollout_per_epoch = None
         if args.num_rollout is None:
             num_rollout_per_epoch = ray.get(rollout_manager.controller.get_num_rollout_per_epoch.remote())
@@ -62,7 +62,7 @@ def train(args):
             if should_run_periodic_action(rollout_id, args.eval_interval, num_rollout_per_epoch):
                 recorder.eval(rollout_id, ray.get(rollout_manager.async_eval(rollout_id)))
             recorder.rollout_done(rollout_id, train_metrics, update_metrics)
-    recorder.finish()
+        recorder.finish()
 
 
 if __name__ == "__main__":

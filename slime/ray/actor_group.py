@@ -5,6 +5,7 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from slime.ray.placement_group import noset_visible_devices_env
+from slime.ray.utils import register_cleanup
 from slime.utils.device import is_cpu
 
 
@@ -29,6 +30,7 @@ class RayTrainGroup:
             env.update(_torch_memory_saver_env())
         actor_cls = ray.remote(num_gpus=1, runtime_env={"env_vars": env})(MegatronTrainRayActor)
         self._actor_handlers = []
+        register_cleanup(self.kill)
         master_addr, master_port = None, None
         for rank in range(world_size):
             actor = actor_cls.options(
@@ -67,6 +69,7 @@ class RayTrainGroup:
     def kill(self):
         for a in self._actor_handlers:
             ray.kill(a)
+        self._actor_handlers = []
 
 
 def _torch_memory_saver_env() -> dict:

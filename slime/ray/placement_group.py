@@ -11,7 +11,7 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from slime.ray.utils import NOSET_VISIBLE_DEVICES_ENV_VARS_LIST
+from slime.ray.utils import NOSET_VISIBLE_DEVICES_ENV_VARS_LIST, register_cleanup
 
 logger = logging.getLogger(__name__)
 PG_READY_TIMEOUT_S = float(os.environ.get("SLIME_PG_READY_TIMEOUT", 60))
@@ -95,6 +95,7 @@ def _create_placement_group(num_gpus):
 def create_placement_groups(args):
     num_gpus, rollout_offset = get_placement_group_layout(args)
     pg, reordered = _create_placement_group(num_gpus)
+    register_cleanup(lambda: remove_placement_group(pg))
     return {"actor": (pg, reordered), "rollout": (pg, reordered[rollout_offset:])}
 
 

@@ -6,7 +6,7 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from slime.ray.placement_group import noset_visible_devices_env
-from slime.ray.utils import Lock
+from slime.ray.utils import Lock, register_cleanup
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,8 @@ class RolloutManager:
         from slime.ray.buffer import RolloutController
 
         self.args = args
+        self.router_process, self.all_rollout_engines = None, []
+        register_cleanup(self.shutdown)
         self.router_process = _start_router(args)
         self.controller = RolloutController.options(num_cpus=1, num_gpus=0).remote(args, wandb_run_id)
         self.all_rollout_engines = create_rollout_engines(args, pg)
@@ -105,6 +107,7 @@ class RolloutManager:
             ray.get([e.shutdown.remote() for e in self.all_rollout_engines], timeout=60)
         except Exception as e:  # an engine that already died has nothing left to stop
             logger.warning(f"engine shutdown: {e}")
+        self.all_rollout_engines, self.rollout_engines = [], []
         for e in self.all_rollout_engines:
             ray.kill(e)
         if self.router_process is not None and self.router_process.is_alive():
@@ -112,3 +115,4 @@ class RolloutManager:
             self.router_process.join(10)
             if self.router_process.is_alive():
                 self.router_process.kill()
+        self.router_process = None

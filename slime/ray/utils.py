@@ -33,28 +33,46 @@ class Lock:
         self.locked = False
 
 
+_cleanups: list = []
+
+
+def register_cleanup(fn):
+    """Run `fn` when the enclosing `cleanup_on_exit()` block ends (engines, router, actors, placement groups)."""
+    _cleanups.append(fn)
+    return fn
+
+
 @contextlib.contextmanager
-def cleanup_on_exit(rollout_manager, actor_model=None):
-    """Stop engines, router and training actors however the run ends (return, exception, Ctrl-C, SIGTERM)."""
-    previous = signal.getsignal(signal.SIGTERM)
+def cleanup_on_exit():
+    """Release what the run registered, in reverse order, however it ends (return, exception, Ctrl-C, SIGTERM)."""
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if in_main else None
+
+    owner = os.getpid()
 
     def _on_sigterm(signum, frame):
+        if os.getpid() != owner:  # a forked child (e.g. the router process) inherited this handler: default action
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
         raise KeyboardInterrupt(f"received signal {signum}")
 
-    if threading.current_thread() is threading.main_thread():
+    if in_main:
         signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         yield
     finally:
-        if threading.current_thread() is threading.main_thread():
+        if in_main:
             signal.signal(signal.SIGTERM, previous)
-        rollout_manager.shutdown()
-        if actor_model is not None:
-            actor_model.kill()
+        while _cleanups:
+            fn = _cleanups.pop()
+            try:
+                fn()
+            except Exception as e:  # keep releasing the rest; a dead actor has nothing left to stop
+                print(f"cleanup {getattr(fn, '__qualname__', fn)} failed: {e}", flush=True)
 
 
 class RunRecorder:
-    """Per-rollout metrics on the driver: one compact console line, a JSONL record (`--metrics-path`) and wandb."""
+    """Per-rollout metrics on the driver: one compact console line and a JSONL record (`--metrics-path`)."""
 
     def __init__(self, args, rollout_manager):
         self.args, self.rollout_manager = args, rollout_manager
@@ -70,8 +88,8 @@ class RunRecorder:
         now = time.time()
         record = {"rollout_id": rollout_id}
         record.update(ray.get(self.rollout_manager.controller.get_last_metrics.remote()) or {})
-        record.update(next((m for m in train_metrics or [] if m), {}))  # rank 0 reports for the group
-        record.update(next((m for m in update_metrics or [] if m), {}))
+        record.update(_flatten(next((m for m in train_metrics or [] if m), {})))  # rank 0 reports for the group
+        record.update(_flatten(next((m for m in update_metrics or [] if m), {})))
         record.update(self.pending_eval)
         record["perf/step_time"] = now - self.last_time
         self.pending_eval, self.last_time = {}, now
@@ -79,10 +97,6 @@ class RunRecorder:
         if self.args.metrics_path:
             with open(self.args.metrics_path, "a") as f:
                 f.write(json.dumps(_jsonable(record)) + "\n")
-        if self.args.use_wandb:
-            from slime.utils import wandb_utils
-
-            wandb_utils.log(self.args, record, "rollout/step")
 
     @staticmethod
     def _line(r):
@@ -98,10 +112,24 @@ class RunRecorder:
         return " | ".join(parts)
 
     def finish(self):
-        if self.args.use_wandb:
-            from slime.utils import wandb_utils
+        if self.args.use_wandb:  # the controller and trainers log to wandb themselves; close the driver's run
+            import wandb
 
-            wandb_utils.finish()
+            if wandb.run is not None:
+                wandb.finish()
+
+
+def _flatten(metrics):
+    """Nested metric dicts -> one flat dict; for a list of per-step dicts (several optimizer steps) keep the last."""
+    flat = {}
+    for k, v in (metrics or {}).items():
+        if isinstance(v, dict):
+            flat.update(_flatten(v))
+        elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+            flat.update(_flatten(v[-1]))
+        else:
+            flat[k] = v
+    return flat
 
 
 def _jsonable(d):

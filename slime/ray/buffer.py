@@ -1,0 +1,274 @@
+"""`RolloutController`: the Ray actor that runs the rollout function and turns its samples into train data.
+
+It owns the data source (prompts, epochs, partial-rollout buffer), calls the rollout/eval functions loaded by
+path, post-processes rewards (GRPO-style group normalisation), converts samples to arrays for the trainers and
+returns a `Box(ray.put(train_data))`. Metrics of every call are logged and also returned to the driver.
+"""
+import importlib.util
+import os
+import time
+
+import numpy as np
+import ray
+import torch
+
+from slime.ray.rollout_data_source import RolloutDataSourceWithBuffer
+from slime.utils.misc import load_function
+from slime.utils.ray_utils import Box
+from slime.utils.types import Sample
+
+_GROUP_NORM_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus_baseline", "rloo")
+_STD_NORM_ESTIMATORS = ("grpo", "gspo")
+
+
+def _wandb_utils():
+    # wandb_utils is optional: the controller works (and logs to stdout) without it.
+    if importlib.util.find_spec("slime.utils.wandb_utils") is None:
+        return None
+    return importlib.import_module("slime.utils.wandb_utils")
+
+
+def flatten_rollout_output(data, fn_path):
+    """Validate the rollout function's return value and flatten groups into one `list[Sample]`."""
+    metrics = dict(getattr(data, "metrics", None) or {})
+    if hasattr(data, "samples") and not isinstance(data, list):  # [HEAD]-style RolloutFnTrainOutput
+        data = data.samples
+    bad = None
+    if not isinstance(data, list) or not data:
+        bad = f"{type(data).__name__}" + ("" if not isinstance(data, list) else " (empty)")
+    elif isinstance(data[0], list):
+        if not all(isinstance(g, list) and all(isinstance(s, Sample) for s in g) for g in data):
+            bad = "a list mixing groups and non-Sample items"
+        else:
+            data = [s for group in data for s in group]
+    elif not all(isinstance(s, Sample) for s in data):
+        bad = f"a list containing {type(next(s for s in data if not isinstance(s, Sample))).__name__}"
+    if bad is not None:
+        raise TypeError(
+            f"rollout function {fn_path!r} returned {bad}; it must return list[list[Sample]] "
+            f"(rollout_batch_size groups of n_samples_per_prompt) or a flat list[Sample]."
+        )
+    return data, metrics
+
+
+def post_process_rewards(args, samples, custom_fn=None, fn_path=None):
+    """(raw_rewards, rewards): group-normalised rewards for grpo/gspo/reinforce_plus_plus_baseline/rloo."""
+    if custom_fn is not None:
+        return custom_fn(args, samples)
+
+    raw_rewards = []
+    for i, s in enumerate(samples):
+        r = s.get_reward_value(args)
+        if r is None:
+            raise ValueError(
+                f"sample {s.index} (position {i}) returned by rollout function {fn_path!r} has no reward; the rollout "
+                f"function must set `sample.reward` (check --rm-type / --custom-rm-path, and --group-rm)."
+            )
+        raw_rewards.append(r)
+
+    if args.advantage_estimator in _GROUP_NORM_ESTIMATORS and args.rewards_normalization:
+        n = args.n_samples_per_prompt
+        if len(raw_rewards) % n != 0:
+            raise ValueError(
+                f"rollout function {fn_path!r} returned {len(raw_rewards)} samples, not a multiple of "
+                f"--n-samples-per-prompt={n}; group reward normalisation needs whole groups."
+            )
+        rewards = torch.tensor(raw_rewards, dtype=torch.float).reshape(-1, n)
+        rewards = rewards - rewards.mean(dim=-1, keepdim=True)
+        # std of a group of one is undefined (nan); validation also turns it off for n == 1
+        if args.advantage_estimator in _STD_NORM_ESTIMATORS and args.grpo_std_normalization and n > 1:
+            rewards = rewards / (rewards.std(dim=-1, keepdim=True) + 1e-6)
+        return raw_rewards, rewards.flatten().tolist()
+
+    return raw_rewards, raw_rewards
+
+
+def convert_samples_to_train_data(args, samples, custom_reward_fn=None, fn_path=None):
+    """Samples -> dict of equal-length lists; big per-sample data as numpy arrays (see common brief)."""
+    raw_rewards, rewards = post_process_rewards(args, samples, custom_reward_fn, fn_path)
+    if len(rewards) != len(samples):
+        raise ValueError(
+            f"--custom-reward-post-process-path returned {len(rewards)} rewards for {len(samples)} samples"
+        )
+
+    loss_masks = []
+    for i, s in enumerate(samples):
+        if s.response_length > len(s.tokens):
+            raise ValueError(
+                f"sample {s.index} (position {i}) from rollout function {fn_path!r}: response_length "
+                f"{s.response_length} exceeds its {len(s.tokens)} tokens"
+            )
+        mask = s.loss_mask if s.loss_mask is not None else [1] * s.response_length
+        if len(mask) != s.response_length:
+            raise ValueError(
+                f"sample {s.index} (position {i}) from rollout function {fn_path!r}: loss_mask has {len(mask)} "
+                f"entries but response_length is {s.response_length}; the mask must cover exactly the response tokens."
+            )
+        loss_masks.append(np.asarray(mask, dtype=np.int32))
+
+    train_data = {
+        "tokens": [np.asarray(s.tokens, dtype=np.int64) for s in samples],
+        "response_lengths": [int(s.response_length) for s in samples],
+        "rewards": rewards,
+        "raw_reward": raw_rewards,
+        "truncated": [1 if s.status == Sample.Status.TRUNCATED else 0 for s in samples],
+        "sample_indices": [s.index for s in samples],
+        "loss_masks": loss_masks,
+    }
+
+    # Rewards rewritten by the rollout (e.g. an external buffer) keep the grader's raw value for logging.
+    if "raw_reward" in samples[0].metadata:
+        train_data["raw_reward"] = [s.metadata["raw_reward"] for s in samples]
+    if "round_number" in samples[0].metadata:
+        train_data["round_number"] = [s.metadata["round_number"] for s in samples]
+
+    if samples[0].rollout_log_probs is not None:
+        log_probs = []
+        for i, s in enumerate(samples):
+            if s.rollout_log_probs is None or len(s.rollout_log_probs) != s.response_length:
+                got = None if s.rollout_log_probs is None else len(s.rollout_log_probs)
+                raise ValueError(
+                    f"sample {s.index} (position {i}) from rollout function {fn_path!r}: rollout_log_probs has "
+                    f"{got} entries but response_length is {s.response_length}"
+                )
+            log_probs.append(np.asarray(s.rollout_log_probs, dtype=np.float32))
+        train_data["rollout_log_probs"] = log_probs
+    return train_data
+
+
+def _numeric_mean(values):
+    try:
+        return float(np.mean([float(v) for v in values]))
+    except (TypeError, ValueError):
+        return None  # dict rewards without --reward-key etc.: nothing meaningful to average
+
+
+def rollout_metrics(args, samples, train_data, rollout_time):
+    """Metrics of one training rollout (rollout/* and perf/*)."""
+    lengths = train_data["response_lengths"]
+    metrics = {}
+    raw = _numeric_mean(train_data["raw_reward"])
+    if raw is not None:
+        metrics["rollout/raw_reward"] = raw
+    metrics["rollout/response_length"] = float(np.mean(lengths))
+    metrics["rollout/response_length_max"] = int(max(lengths))
+    metrics["rollout/truncated_ratio"] = float(np.mean(train_data["truncated"]))
+    versions = [s.weight_versions[-1] for s in samples if s.weight_versions]
+    if versions:
+        try:
+            metrics["rollout/weight_version"] = max(int(v) for v in versions)
+        except ValueError:
+            metrics["rollout/weight_version"] = max(versions)
+    if rollout_time is not None and rollout_time > 0:
+        trained_tokens = sum(int(m.sum()) for m in train_data["loss_masks"])
+        metrics["perf/rollout_time"] = rollout_time
+        metrics["perf/tokens_per_gpu_per_sec"] = trained_tokens / rollout_time / max(1, args.rollout_num_gpus or 1)
+        metrics["perf/longest_sample_tokens_per_sec"] = max(lengths) / rollout_time
+    return metrics
+
+
+def eval_metrics(data):
+    metrics = {}
+    for name, d in data.items():
+        mean = _numeric_mean(d["rewards"])
+        if mean is not None:
+            metrics[f"eval/{name}"] = mean
+        if d.get("truncated"):
+            metrics[f"eval/{name}-truncated_ratio"] = float(np.mean([1.0 if t else 0.0 for t in d["truncated"]]))
+    return metrics
+
+
+@ray.remote
+class RolloutController:
+    """Runs rollouts for the trainers; one per job, created by `RolloutManager` with num_gpus=0."""
+
+    def __init__(self, args, wandb_run_id=None):
+        self.args = args
+        # Log to wandb only when this actor joined the driver's run.
+        self.wandb = None
+        wandb_utils = _wandb_utils() if getattr(args, "use_wandb", False) else None
+        if wandb_utils is not None and wandb_utils.init_wandb_secondary(args, wandb_run_id) is not None:
+            self.wandb = wandb_utils
+
+        self.data_source = RolloutDataSourceWithBuffer(args)
+        self.rollout_fn_path = args.rollout_function_path
+        self.eval_fn_path = getattr(args, "eval_function_path", None) or args.rollout_function_path
+        self.generate_rollout = load_function(self.rollout_fn_path)
+        self.eval_generate_rollout = load_function(self.eval_fn_path)
+        path = getattr(args, "custom_reward_post_process_path", None)
+        self.custom_reward_post_process_func = load_function(path) if path else None
+        self._last_metrics = {}
+        print(f"import {self.rollout_fn_path} as generate_rollout function.")
+        print(f"import {self.eval_fn_path} as eval_generate_rollout function.")
+
+    def get_num_rollout_per_epoch(self):
+        if not self.args.rollout_global_dataset:
+            raise ValueError(
+                "the number of rollouts per epoch needs the global dataset: set --num-rollout, or drop "
+                "--disable-rollout-global-dataset"
+            )
+        return len(self.data_source) // self.args.rollout_batch_size
+
+    def generate(self, rollout_id):
+        args = self.args
+        start = time.time()
+        if getattr(args, "load_debug_rollout_data", None):
+            path = args.load_debug_rollout_data.format(rollout_id=rollout_id)
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"--load-debug-rollout-data: {path} does not exist (rollout {rollout_id})")
+            data = [Sample.from_dict(d) for d in torch.load(path, weights_only=False)["samples"]]
+            extra = {}
+        else:
+            output = self.generate_rollout(args, rollout_id, self.data_source, evaluation=False)
+            data, extra = flatten_rollout_output(output, self.rollout_fn_path)
+        rollout_time = time.time() - start
+
+        if getattr(args, "save_debug_rollout_data", None):
+            path = args.save_debug_rollout_data.format(rollout_id=rollout_id)
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            torch.save({"rollout_id": rollout_id, "samples": [s.to_dict() for s in data]}, path)
+
+        train_data = convert_samples_to_train_data(
+            args, data, self.custom_reward_post_process_func, self.rollout_fn_path
+        )
+        # Replayed debug data has no meaningful generation time.
+        loaded = bool(getattr(args, "load_debug_rollout_data", None))
+        metrics = rollout_metrics(args, data, train_data, None if loaded else rollout_time)
+        metrics.update(extra)
+        self._log("rollout", rollout_id, metrics)
+        self._last_metrics = metrics
+        return Box(ray.put(train_data))
+
+    def get_last_metrics(self):
+        """Metrics of the latest `generate` call (the driver prints or records them)."""
+        return dict(self._last_metrics)
+
+    def eval(self, rollout_id):
+        if getattr(self.args, "debug_train_only", False):
+            return {}
+        data = self.eval_generate_rollout(self.args, rollout_id, self.data_source, evaluation=True)
+        if hasattr(data, "data") and not isinstance(data, dict):  # [HEAD]-style RolloutFnEvalOutput
+            data = data.data
+        if not isinstance(data, dict) or not all(isinstance(d, dict) and "rewards" in d for d in data.values()):
+            raise TypeError(
+                f"eval function {self.eval_fn_path!r} returned {type(data).__name__}; it must return "
+                f'{{dataset_name: {{"rewards": [...], "truncated": [...]}}}}'
+            )
+        metrics = eval_metrics(data)
+        self._log("eval", rollout_id, metrics)
+        return metrics
+
+    def _log(self, kind, rollout_id, metrics):
+        print(f"{kind} {rollout_id}: {metrics}")
+        if self.wandb is not None:
+            step = self.wandb.get_step(self.args, kind, rollout_id)
+            self.wandb.log(self.args, metrics, f"{kind}/step", step=step)
+
+    def save(self, rollout_id):
+        self.data_source.save(rollout_id)
+
+    def load(self, rollout_id=None):
+        self.data_source.load(rollout_id)
+
+    def get_buffer_length(self):
+        return self.data_source.get_buffer_length()

@@ -1,0 +1,48 @@
+"""SFT "rollout": tokenise chat transcripts with a loss mask on the assistant turns; no generation.
+
+Use with `--rollout-function-path slime.rollout.sft_rollout.generate_rollout --input-key messages
+--loss-type sft_loss --calculate-per-token-loss --disable-compute-advantages-and-returns --debug-train-only`.
+"""
+from slime.utils.types import Sample
+
+_MASK_GENERATORS = {}  # (hf_checkpoint, loss_mask_type) -> MultiTurnLossMaskGenerator
+
+
+def _mask_generator(args):
+    key = (args.hf_checkpoint, args.loss_mask_type)
+    if key not in _MASK_GENERATORS:
+        from transformers import AutoTokenizer
+
+        from slime.utils.mask_utils import MultiTurnLossMaskGenerator
+
+        tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint, trust_remote_code=True)
+        _MASK_GENERATORS[key] = MultiTurnLossMaskGenerator(tokenizer, tokenizer_type=args.loss_mask_type)
+    return _MASK_GENERATORS[key]
+
+
+def generate_rollout(args, rollout_id, data_source, evaluation=False):
+    if evaluation:
+        raise ValueError("slime.rollout.sft_rollout has no eval mode; set --eval-function-path to a generating rollout")
+    if not args.rollout_global_dataset:
+        raise ValueError("slime.rollout.sft_rollout reads the prompt dataset; remove --disable-rollout-global-dataset")
+    mask_generator = _mask_generator(args)
+
+    samples = data_source.get_samples(args.rollout_batch_size)
+    for group in samples:
+        if len(group) != 1:
+            raise ValueError(f"SFT needs --n-samples-per-prompt 1, got groups of {len(group)}")
+        (sample,) = group
+        messages = sample.prompt
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise TypeError(
+                f"SFT sample {sample.index}: the prompt must be a list of chat messages ({{'role', 'content'}}), got "
+                f"{type(messages).__name__}. Point --input-key at the messages column and do not pass --apply-chat-template."
+            )
+        token_ids, loss_mask = mask_generator.get_loss_mask(messages)
+        response_length = mask_generator.get_response_lengths([loss_mask])[0]
+        sample.tokens = list(token_ids)
+        sample.response_length = response_length
+        sample.loss_mask = list(loss_mask[len(loss_mask) - response_length :])
+        sample.reward = 0
+        sample.status = Sample.Status.COMPLETED
+    return samples

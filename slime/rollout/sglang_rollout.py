@@ -1,0 +1,361 @@
+"""Default rollout: prompts -> router `/generate` -> reward -> filters, with over-sampling, dynamic sampling,
+partial rollout (abort + resume) and eval. Works against SGLang or slime's CPU server (same HTTP API).
+
+Module import needs neither sglang, megatron nor a GPU.
+"""
+import asyncio
+import copy
+from collections import Counter
+
+from tqdm import tqdm
+
+from slime.rollout import RolloutSamples
+from slime.rollout.rm_hub import async_rm, batched_async_rm
+from slime.utils.async_utils import run
+from slime.utils.http_utils import post
+from slime.utils.misc import SingletonMeta, load_function
+from slime.utils.types import Sample
+
+__all__ = ["generate_rollout"]
+
+
+class GenerateState(metaclass=SingletonMeta):
+    """Process-wide rollout state: tokenizer, concurrency limit, default sampling params, in-flight tasks."""
+
+    def __init__(self, args):
+        from transformers import AutoTokenizer
+
+        self.args = args
+        self.tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint, trust_remote_code=True)
+        # Bound in-flight requests to what the engines accept: concurrency per engine x number of engines.
+        self.semaphore = asyncio.Semaphore(
+            max(1, args.sglang_server_concurrency * args.rollout_num_gpus // args.rollout_num_gpus_per_engine)
+        )
+        self.sampling_params = dict(
+            temperature=args.rollout_temperature,
+            top_p=args.rollout_top_p,
+            top_k=args.rollout_top_k,
+            max_new_tokens=args.rollout_max_response_len,
+            stop=args.rollout_stop,
+            stop_token_ids=args.rollout_stop_token_ids,
+            skip_special_tokens=args.rollout_skip_special_tokens,
+            no_stop_trim=True,
+            spaces_between_special_tokens=False,
+        )
+        self.metrics = {}  # of the latest generate_rollout_async call
+        self.reset()
+
+    def reset(self):
+        self.remaining_batch_size = 0  # submitted groups not yet dropped by the dynamic filter
+        self.pendings = set()
+        self.aborted = False
+
+    def submit_generate_tasks(self, samples: list[list[Sample]]):
+        for group in samples:
+            self.pendings.add(
+                asyncio.create_task(
+                    # a copy so per-group changes never leak into the shared defaults
+                    generate_and_rm_group(self.args, group, sampling_params=self.sampling_params.copy(), evaluation=False)
+                )
+            )
+        self.remaining_batch_size += len(samples)
+
+
+def _router_url(args):
+    return f"http://{args.sglang_router_ip}:{args.sglang_router_port}"
+
+
+async def generate(args, sample: Sample, sampling_params) -> Sample:
+    """Default generate: one `/generate` call through the router; resumes a partially generated sample."""
+    state = GenerateState(args)
+    url = f"{_router_url(args)}/generate"
+
+    if sample.status not in (Sample.Status.PENDING, Sample.Status.ABORTED):
+        raise ValueError(f"sample {sample.index} has status {sample.status.value}; only pending or aborted samples are generated")
+
+    if sample.response_length > 0:  # resume a partial rollout: only the remaining token budget
+        sampling_params["max_new_tokens"] -= sample.response_length
+        if sampling_params["max_new_tokens"] <= 0:
+            sample.status = Sample.Status.TRUNCATED
+            return sample
+
+    if sample.tokens:
+        input_ids = sample.tokens
+    else:
+        if not isinstance(sample.prompt, str):
+            raise TypeError(
+                f"sample {sample.index}: the prompt is a {type(sample.prompt).__name__}, not text. The default generate "
+                f"sends text prompts; pass --apply-chat-template for chat-message prompts, or use "
+                f"--custom-generate-function-path."
+            )
+        input_ids = state.tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]
+        sample.tokens = list(input_ids)
+
+    payload = {"input_ids": list(input_ids), "sampling_params": sampling_params, "return_logprob": True}
+    output = await post(url, payload)
+    if not isinstance(output, dict) or "meta_info" not in output:
+        raise RuntimeError(f"{url} returned an unexpected response for sample {sample.index}: {str(output)[:300]}")
+
+    meta_info = output["meta_info"]
+    # An aborted request may carry no tokens at all.
+    token_logprobs = meta_info.get("output_token_logprobs") or []
+    new_tokens = [int(item[1]) for item in token_logprobs]
+    new_log_probs = [float(item[0]) for item in token_logprobs]
+
+    sample.tokens = sample.tokens + new_tokens
+    sample.response_length += len(new_tokens)
+    sample.response += output.get("text", "")
+    if sample.rollout_log_probs is None:
+        sample.rollout_log_probs = []
+    sample.rollout_log_probs += new_log_probs
+    sample.apply_finish_reason(meta_info)
+    return sample
+
+
+async def generate_and_rm(args, sample: Sample, sampling_params: dict, evaluation=False):
+    """Generate one sample (default or `--custom-generate-function-path`) and reward it unless `--group-rm`."""
+    # Groups returned to the buffer may hold samples that already finished in an earlier rollout.
+    if sample.status in (Sample.Status.COMPLETED, Sample.Status.TRUNCATED):
+        if not args.group_rm and sample.reward is None:
+            sample.reward = await async_rm(args, sample)
+        return sample
+
+    state = GenerateState(args)
+    async with state.semaphore:
+        if state.aborted:
+            sample.status = Sample.Status.ABORTED
+            return sample
+        if args.custom_generate_function_path is not None:
+            custom_generate = load_function(args.custom_generate_function_path)
+            sample = await custom_generate(args, sample, sampling_params)
+        else:
+            sample = await generate(args, sample, sampling_params)
+
+    # group RM scores the whole group in generate_and_rm_group
+    if args.group_rm:
+        return sample
+
+    if isinstance(sample, list):  # a custom generate may turn one prompt into several samples
+        if any(s.status == Sample.Status.ABORTED for s in sample):
+            return sample
+        unscored = [s for s in sample if s.reward is None]
+        if unscored:
+            rewards = await batched_async_rm(args, unscored)
+            for s, r in zip(unscored, rewards):
+                s.reward = r
+        return sample
+
+    if sample.status == Sample.Status.ABORTED:
+        return sample
+    if sample.reward is None:  # a custom generate may already have scored it
+        sample.reward = await async_rm(args, sample)
+    return sample
+
+
+async def generate_and_rm_group(args, group: list[Sample], sampling_params: dict, evaluation=False) -> list[Sample]:
+    state = GenerateState(args)
+    if state.aborted:
+        return group
+
+    results = await asyncio.gather(
+        *(generate_and_rm(args, sample, sampling_params.copy(), evaluation=evaluation) for sample in group)
+    )
+    group = [s for r in results for s in (r if isinstance(r, list) else [r])]
+
+    if args.group_rm and not state.aborted and not any(s.status == Sample.Status.ABORTED for s in group):
+        rewards = await batched_async_rm(args, group)
+        for sample, reward in zip(group, rewards):
+            sample.reward = reward
+    return group
+
+
+async def abort(args, rollout_id: int) -> list[list[Sample]]:
+    """Abort every in-flight request on every worker, drain the tasks; with --partial-rollout return the groups."""
+    from slime.backends.sglang_utils.router import abort_all
+
+    state = GenerateState(args)
+    state.aborted = True
+    await abort_all(_router_url(args))
+
+    aborted_samples = []
+    while state.pendings:
+        done, state.pendings = await asyncio.wait(state.pendings, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            group = task.result()
+            if args.partial_rollout:
+                aborted_samples.append(_mark_start_rollout_id(group, rollout_id))
+    return aborted_samples
+
+
+def _mark_start_rollout_id(group, rollout_id):
+    """Remember the rollout a partially generated sample started in (kept across later resumptions)."""
+    for sample in group:
+        if sample.response_length > 0 and "start_rollout_id" not in sample.metadata:
+            sample.metadata["start_rollout_id"] = rollout_id
+    return group
+
+
+def _filter_keep(output):
+    """Normalise a dynamic-filter result (bool, bool tensor, or [HEAD] DynamicFilterOutput) to (keep, reason)."""
+    keep = getattr(output, "keep", output)
+    return bool(keep), getattr(output, "reason", None)
+
+
+async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[list[list[Sample]], list[list[Sample]]]:
+    """Keep `rollout_batch_size` (or over-sampling) groups in flight until enough pass the dynamic filter.
+
+    `data_source` is a callable `n -> list[list[Sample]]`. Returns (groups sorted by index, aborted groups);
+    the metrics of this call (dynamic-filter drops) are left in `GenerateState(args).metrics`. With
+    --partial-rollout the aborted groups (and finished surplus groups) carry `metadata["start_rollout_id"]`.
+    """
+    state = GenerateState(args)
+    n = args.n_samples_per_prompt
+    over_sampling_batch_size = args.over_sampling_batch_size or args.rollout_batch_size
+
+    dynamic_filter = load_function(args.dynamic_sampling_filter_path) if args.dynamic_sampling_filter_path else None
+    over_sampling_filter = (
+        load_function(args.over_sampling_filter_path) if getattr(args, "over_sampling_filter_path", None) else None
+    )
+    target_data_size = over_sampling_batch_size if over_sampling_filter is not None else args.rollout_batch_size
+
+    data = []
+    surplus = []  # groups that finished after the target was reached (in the same wait)
+    drops = Counter()
+    pbar = tqdm(total=target_data_size * n, desc="Rollout generation")
+    try:
+        while len(data) < target_data_size:
+            while state.remaining_batch_size < target_data_size:
+                samples = data_source(over_sampling_batch_size)
+                if not samples:
+                    raise RuntimeError("the data source returned no prompts; cannot fill the rollout batch")
+                state.submit_generate_tasks(samples)
+
+            done, state.pendings = await asyncio.wait(state.pendings, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                group = task.result()
+                if args.custom_generate_function_path is None and len(group) != n:
+                    raise RuntimeError(f"a group of {len(group)} samples came back, expected --n-samples-per-prompt={n}")
+                if dynamic_filter is not None:
+                    keep, reason = _filter_keep(dynamic_filter(args, group))
+                    if not keep:
+                        state.remaining_batch_size -= 1
+                        drops[reason or "filtered"] += 1
+                        continue
+                if len(data) < target_data_size:
+                    data.append(group)
+                    pbar.update(len(group))
+                else:
+                    surplus.append(group)
+        pbar.close()
+        aborted_samples = await abort(args, rollout_id)
+    except BaseException:
+        # Leave nothing running on the loop and the singleton clean for the next rollout.
+        pbar.close()
+        for task in state.pendings:
+            task.cancel()
+        state.reset()
+        raise
+
+    if args.partial_rollout:  # beyond slime, which drops them: finished work goes back to the buffer too
+        aborted_samples = [_mark_start_rollout_id(g, rollout_id) for g in surplus] + aborted_samples
+
+    if over_sampling_filter is not None:
+        data = over_sampling_filter(args, data)[: args.rollout_batch_size]
+    assert len(data) == args.rollout_batch_size, f"got {len(data)} groups, expected {args.rollout_batch_size}"
+    data = sorted(data, key=lambda group: group[0].index)
+
+    metrics = {"rollout/dynamic_filter/drop": sum(drops.values())} if dynamic_filter is not None else {}
+    metrics.update({f"rollout/dynamic_filter/drop_{reason}": c for reason, c in drops.items() if reason != "filtered"})
+    state.reset()
+    state.metrics = metrics
+    return data, aborted_samples
+
+
+EVAL_PROMPT_DATASET = {}
+
+
+def _eval_sampling_params(args, state):
+    def pick(eval_value, default):
+        return default if eval_value is None else eval_value
+
+    params = dict(state.sampling_params)
+    params.update(
+        temperature=pick(args.eval_temperature, args.rollout_temperature),
+        top_p=pick(args.eval_top_p, args.rollout_top_p),
+        top_k=pick(args.eval_top_k, args.rollout_top_k),
+        max_new_tokens=pick(args.eval_max_response_len, args.rollout_max_response_len),
+    )
+    return params
+
+
+async def eval_rollout_single_dataset(args, rollout_id, name, path):
+    """Generate `n_samples_per_eval_prompt` samples per prompt of one eval dataset; {name: {rewards, truncated}}."""
+    from slime.utils.data import Dataset
+
+    state = GenerateState(args)
+    if name not in EVAL_PROMPT_DATASET:
+        EVAL_PROMPT_DATASET[name] = Dataset(
+            path,
+            tokenizer=state.tokenizer,
+            max_length=args.rollout_max_prompt_len,
+            prompt_key=args.eval_input_key or args.input_key,
+            label_key=args.eval_label_key or args.label_key,
+            metadata_key=args.metadata_key,
+            tool_key=args.eval_tool_key or args.tool_key,
+            apply_chat_template=args.apply_chat_template,
+        )
+    dataset = EVAL_PROMPT_DATASET[name]
+    sampling_params = _eval_sampling_params(args, state)
+
+    tasks = []
+    sample_index = 0
+    for prompt_sample in dataset.samples:
+        for _ in range(args.n_samples_per_eval_prompt):
+            sample = copy.deepcopy(prompt_sample)
+            sample.index = sample_index
+            sample_index += 1
+            tasks.append(generate_and_rm(args, sample, sampling_params.copy(), evaluation=True))
+
+    data = []
+    pbar = tqdm(total=len(tasks), desc=f"Eval {name}")
+    for coro in asyncio.as_completed(tasks):
+        result = await coro
+        data.extend(result if isinstance(result, list) else [result])
+        pbar.update(1)
+    pbar.close()
+    data.sort(key=lambda s: s.index)
+
+    reward_key = args.eval_reward_key or args.reward_key
+    return {
+        name: {
+            "rewards": [s.reward if not reward_key else s.reward[reward_key] for s in data],
+            "truncated": [s.status == Sample.Status.TRUNCATED for s in data],
+        }
+    }
+
+
+async def eval_rollout(args, rollout_id):
+    if args.group_rm:
+        raise ValueError("--group-rm is not supported for eval: eval samples are scored one by one")
+    if not args.eval_prompt_data or len(args.eval_prompt_data) % 2 != 0:
+        raise ValueError(f"--eval-prompt-data must be pairs of 'name path', got {args.eval_prompt_data!r}")
+    results = {}
+    for i in range(0, len(args.eval_prompt_data), 2):
+        name, path = args.eval_prompt_data[i : i + 2]
+        results.update(await eval_rollout_single_dataset(args, rollout_id, name, path))
+    return results
+
+
+def generate_rollout(args, rollout_id, data_source, evaluation=False):
+    """The default `--rollout-function-path`: training groups, or eval results when `evaluation`."""
+    if not args.rollout_global_dataset:
+        raise ValueError(
+            "slime.rollout.sglang_rollout needs the global prompt dataset; remove --disable-rollout-global-dataset "
+            "or set a custom --rollout-function-path"
+        )
+    if evaluation:
+        return run(eval_rollout(args, rollout_id))
+
+    completed, aborted = run(generate_rollout_async(args, rollout_id, data_source.get_samples))
+    data_source.add_samples(aborted)
+    return RolloutSamples(completed, metrics=GenerateState(args).metrics)

@@ -1,0 +1,115 @@
+"""SFT rollout: chat transcripts -> tokens + loss mask on the assistant turns, and its bad-input messages.
+
+Expected ids and masks are built here piece by piece from the tiny kit's chat template (each message is
+`<|im_start|>{role}\\n{content}<|im_end|>\\n`; an assistant turn trains on its content, `<|im_end|>` and newline).
+"""
+import argparse
+import json
+import threading
+
+import numpy as np
+import pytest
+
+from slime.ray.buffer import convert_samples_to_train_data
+from slime.ray.rollout_data_source import RolloutDataSourceWithBuffer
+from slime.rollout.sft_rollout import generate_rollout
+from slime.utils.types import Sample
+
+CHATS = [
+    [{"role": "user", "content": "What is 3+4?"}, {"role": "assistant", "content": "7"},
+     {"role": "user", "content": "And 5+5?"}, {"role": "assistant", "content": "10"}],
+    [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "What is 1+1?"},
+     {"role": "assistant", "content": "2"}],
+    [{"role": "user", "content": "Search the capital of France"},
+     {"role": "assistant", "content": "<search>capital of France</search>"},
+     {"role": "tool", "content": "<information>Paris is the capital of France.</information>"},
+     {"role": "assistant", "content": "<answer>Paris</answer>"}],
+]
+
+
+@pytest.fixture(scope="module")
+def sft_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sft") / "chats.jsonl"
+    with open(path, "w") as f:
+        f.writelines(json.dumps({"messages": m}) + "\n" for m in CHATS)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_kit):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_kit[0])
+
+
+def make_args(tiny_kit, sft_file, **overrides):
+    base = dict(
+        hf_checkpoint=tiny_kit[0], loss_mask_type="qwen", rollout_global_dataset=True, prompt_data=sft_file,
+        input_key="messages", label_key=None, metadata_key="metadata", tool_key=None, apply_chat_template=False,
+        rollout_max_prompt_len=None, rollout_seed=42, rollout_shuffle=False, n_samples_per_prompt=1, rollout_batch_size=3,
+        buffer_filter_path=None, dump_details=None, save=None, load=None,
+        advantage_estimator="grpo", rewards_normalization=True, grpo_std_normalization=False, reward_key=None,
+    )
+    base.update(overrides)
+    return argparse.Namespace(**base)
+
+
+def expected_ids_and_mask(tokenizer, messages):
+    ids, mask = [], []
+    for m in messages:
+        head = tokenizer(f"<|im_start|>{m['role']}\n", add_special_tokens=False)["input_ids"]
+        body = tokenizer(f"{m['content']}<|im_end|>\n", add_special_tokens=False)["input_ids"]
+        ids += head + body
+        mask += [0] * len(head) + [1 if m["role"] == "assistant" else 0] * len(body)
+    return ids, mask
+
+
+def test_sft_tokens_and_loss_masks(tiny_kit, sft_file, tokenizer):
+    args = make_args(tiny_kit, sft_file)
+    groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    assert len(groups) == 3 and all(len(g) == 1 for g in groups)
+    for (sample,), messages in zip(groups, CHATS):
+        ids, mask = expected_ids_and_mask(tokenizer, messages)
+        # sanity of the independent construction: it is exactly the chat template's text
+        assert ids == tokenizer(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False)["input_ids"]
+        first = mask.index(1)
+        assert sample.prompt == messages
+        assert sample.tokens == ids
+        assert sample.response_length == len(ids) - first  # from the first trained token to the end
+        assert sample.loss_mask == mask[first:]  # later user/tool turns stay 0 inside the response
+        assert sample.reward == 0 and sample.status == Sample.Status.COMPLETED
+
+    # the multi-turn masks decode back to exactly the assistant turns
+    (s,) = groups[2]
+    trained = [t for t, m in zip(s.tokens[-s.response_length:], s.loss_mask) if m]
+    assert tokenizer.decode(trained) == "<search>capital of France</search><|im_end|>\n<answer>Paris</answer><|im_end|>\n"
+
+    # and the controller's conversion keeps them as int32 arrays of response length
+    data = convert_samples_to_train_data(args, [g[0] for g in groups])
+    assert [m.tolist() for m in data["loss_masks"]] == [g[0].loss_mask for g in groups]
+    assert all(m.dtype == np.int32 for m in data["loss_masks"])
+    assert data["rewards"] == [0.0, 0.0, 0.0]
+
+
+def test_sft_bad_inputs(tiny_kit, sft_file):
+    args = make_args(tiny_kit, sft_file)
+    with pytest.raises(ValueError, match="no eval mode"):
+        generate_rollout(args, 0, RolloutDataSourceWithBuffer(args), evaluation=True)
+    args = make_args(tiny_kit, sft_file, n_samples_per_prompt=2)
+    with pytest.raises(ValueError, match="--n-samples-per-prompt 1"):
+        generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    args = make_args(tiny_kit, sft_file, apply_chat_template=True)  # templated text instead of messages
+    with pytest.raises(TypeError, match="must be a list of chat messages.*--input-key.*--apply-chat-template"):
+        generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    args = make_args(tiny_kit, sft_file, rollout_global_dataset=False)
+    with pytest.raises(ValueError, match="--disable-rollout-global-dataset"):
+        generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+
+
+def test_sleep_rollout_never_returns():
+    from slime.rollout.sleep_rollout import sleep
+
+    t = threading.Thread(target=sleep, args=(None, 0, None), daemon=True)
+    t.start()
+    t.join(0.3)
+    assert t.is_alive()

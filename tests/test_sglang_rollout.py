@@ -1,0 +1,373 @@
+"""Default rollout (`slime.rollout.sglang_rollout`) against slime's real CPU inference server behind the real
+sglang-router, on the tiny kit: generation, rewards (rule, custom, group), dynamic and over-sampling filters,
+abort + partial rollout resumed in the next rollout, eval, and the RolloutController running it inside Ray."""
+import argparse
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from slime.backends.sglang_utils.router import add_worker, start_router, stop_router, wait_for_http
+from slime.ray.rollout_data_source import RolloutDataSourceWithBuffer
+from slime.rollout import sglang_rollout
+from slime.rollout.filter_hub.over_sampling_filters import sort_by_reward_std
+from slime.rollout.sglang_rollout import GenerateState, generate, generate_rollout
+from slime.utils.async_utils import run
+from slime.utils.http_utils import find_available_port
+from slime.utils.misc import SingletonMeta
+from slime.utils.types import Sample
+
+HERE = "tests.test_sglang_rollout"
+SHORT, LONG = 4, 120  # response budgets of the "short" and "long" groups in the abort tests
+
+
+# ------------------------------------------------------------------ plug-ins loaded by path
+
+RECORD = {}
+
+
+async def response_length_rm(args, sample, **kwargs):
+    """Custom RM: the response length (varies with sampling, is known exactly from the sample)."""
+    return float(sample.response_length)
+
+
+async def failing_rm(args, sample, **kwargs):
+    if sample.index == 3:
+        raise ValueError("grader crashed on sample 3")
+    return 0.0
+
+
+async def parity_rm(args, sample, **kwargs):
+    return float(sample.index % 2)
+
+
+async def group_rank_rm(args, samples, **kwargs):
+    """Group RM: called once per group with the whole list."""
+    RECORD.setdefault("group_rm_sizes", []).append(len(samples))
+    return [float(i) for i in range(len(samples))]
+
+
+def drop_odd_groups(args, samples, **kwargs):
+    """Dynamic filter: keep even group_index; records the accounting state it sees."""
+    state = GenerateState(args)
+    RECORD.setdefault("filter_calls", []).append((state.remaining_batch_size, RECORD["submitted"], len(RECORD.get("drops", []))))
+    keep = samples[0].group_index % 2 == 0
+    if not keep:
+        RECORD.setdefault("drops", []).append(samples[0].group_index)
+    return keep
+
+
+def recording_over_sampling_filter(args, groups, **kwargs):
+    RECORD["over_sampling_input"] = [[s.to_dict() for s in g] for g in groups]
+    return sort_by_reward_std(args, groups)
+
+
+async def short_and_long_generate(args, sample, sampling_params):
+    """Custom generate: even groups stop after SHORT tokens, odd ones run their whole budget (EOS ignored)."""
+    if sample.group_index % 2 == 0 and sample.response_length == 0:
+        sampling_params["max_new_tokens"] = SHORT
+    else:
+        sampling_params["ignore_eos"] = True
+    return await generate(args, sample, sampling_params)
+
+
+async def pre_scored_generate(args, sample, sampling_params):
+    """Custom generate that sets the reward itself: the RM must not overwrite it."""
+    sample = await generate(args, sample, sampling_params)
+    sample.reward = -1.0
+    return sample
+
+
+async def two_agents_generate(args, sample, sampling_params):
+    """Custom generate returning a list: one prompt becomes two samples (e.g. two cooperating agents)."""
+    out = []
+    for agent in range(2):
+        s = copy.deepcopy(sample)
+        s.tokens, s.response, s.response_length = [1, 5, 6, 7 + agent], "x", 1
+        s.status, s.metadata = Sample.Status.COMPLETED, {"agent": agent}
+        out.append(s)
+    return out
+
+
+# ------------------------------------------------------------------ fixtures
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_kit):
+    """One CPU inference server registered with one real sglang-router. Yields the router namespace."""
+    model_dir, _ = tiny_kit
+    port = find_available_port(31000)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "slime.backends.cpu_server", "--model-path", model_dir, "--host", "127.0.0.1",
+         "--port", str(port), "--random-seed", "0", "--max-running-requests", "64", "--log-level", "warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    router_args = argparse.Namespace(sglang_router_ip=None, sglang_router_port=None, sglang_router_request_timeout_secs=600)
+    router = None
+    try:
+        wait_for_http(f"http://127.0.0.1:{port}/health", 120, "CPU inference server", server)
+        router = start_router(router_args)
+        add_worker(f"http://{router_args.sglang_router_ip}:{router_args.sglang_router_port}", f"http://127.0.0.1:{port}")
+        yield router_args
+    finally:
+        stop_router(router)
+        server.terminate()
+        try:
+            server.wait(20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(5)
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_kit, tmp_path_factory):
+    """A train file of 8 distinct addition prompts and an eval file of 3."""
+    d = tmp_path_factory.mktemp("prompts")
+    rows = [{"prompt": [{"role": "user", "content": f"What is {a}+{a + 1}?"}], "label": str(2 * a + 1)} for a in range(8)]
+    for name, subset in [("train.jsonl", rows), ("eval.jsonl", rows[:3])]:
+        with open(d / name, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in subset)
+    return str(d / "train.jsonl"), str(d / "eval.jsonl")
+
+
+@pytest.fixture(autouse=True)
+def fresh_state():
+    SingletonMeta.clear_instances(GenerateState)
+    sglang_rollout.EVAL_PROMPT_DATASET.clear()
+    RECORD.clear()
+    yield
+    SingletonMeta.clear_instances(GenerateState)
+
+
+def make_args(engine, tiny_kit, prompts, **overrides):
+    base = dict(
+        hf_checkpoint=tiny_kit[0], sglang_router_ip=engine.sglang_router_ip, sglang_router_port=engine.sglang_router_port,
+        sglang_server_concurrency=64, rollout_num_gpus=1, rollout_num_gpus_per_engine=1,
+        rollout_temperature=1.0, rollout_top_p=1.0, rollout_top_k=-1, rollout_max_response_len=8, rollout_stop=None,
+        rollout_stop_token_ids=None, rollout_skip_special_tokens=False,
+        custom_generate_function_path=None, custom_rm_path=None, rm_type="answer_match", reward_key=None, group_rm=False,
+        partial_rollout=False, rollout_batch_size=2, n_samples_per_prompt=2, over_sampling_batch_size=None,
+        dynamic_sampling_filter_path=None, over_sampling_filter_path=None,
+        rollout_global_dataset=True, prompt_data=prompts[0], input_key="prompt", label_key="label", metadata_key="metadata",
+        tool_key=None, apply_chat_template=True, rollout_max_prompt_len=None, rollout_seed=42, rollout_shuffle=False,
+        buffer_filter_path=None, dump_details=None, save=None, load=None,
+        eval_prompt_data=None, eval_input_key=None, eval_label_key=None, eval_tool_key=None, eval_temperature=None,
+        eval_top_p=None, eval_top_k=None, eval_max_response_len=None, n_samples_per_eval_prompt=1, eval_reward_key=None,
+    )
+    base.update(overrides)
+    return argparse.Namespace(**base)
+
+
+def check_generated(sample, tokenizer, max_len):
+    prompt_ids = tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]
+    assert sample.tokens[: len(prompt_ids)] == prompt_ids
+    assert len(sample.tokens) == len(prompt_ids) + sample.response_length
+    assert 0 < sample.response_length <= max_len
+    assert len(sample.rollout_log_probs) == sample.response_length
+    assert all(lp <= 0 for lp in sample.rollout_log_probs)
+    assert sample.status in (Sample.Status.COMPLETED, Sample.Status.TRUNCATED)
+    if sample.status == Sample.Status.TRUNCATED:
+        assert sample.response_length == max_len
+    elif sample.response_length < max_len:  # stopped early: on an EOS id of the tiny kit (<|im_end|>=2, pad 0)
+        assert sample.tokens[-1] in (0, 2)
+    assert sample.weight_versions == ["default"]
+
+
+# ------------------------------------------------------------------ tests
+
+
+def test_generate_rollout_default_path(engine, tiny_kit, prompts):
+    args = make_args(engine, tiny_kit, prompts, rollout_batch_size=3, n_samples_per_prompt=2)
+    ds = RolloutDataSourceWithBuffer(args)
+    groups = generate_rollout(args, 0, ds)
+    assert len(groups) == 3 and all(len(g) == 2 for g in groups)
+    assert [[s.index for s in g] for g in groups] == [[0, 1], [2, 3], [4, 5]]
+    assert [g[0].label for g in groups] == ["1", "3", "5"]
+    tokenizer = GenerateState(args).tokenizer
+    for group in groups:
+        for s in group:
+            check_generated(s, tokenizer, 8)
+            assert s.reward in (0, 1)  # answer_match (rule RM through rm_hub)
+            assert s.response == tokenizer.decode(s.tokens[-s.response_length:])
+    assert ds.get_buffer_length() == 0
+    assert groups.metrics == {}
+    # the next rollout continues with the next prompts
+    assert [g[0].label for g in generate_rollout(args, 1, ds)] == ["7", "9", "11"]
+
+
+def test_custom_rm_and_custom_generate_by_path(engine, tiny_kit, prompts):
+    args = make_args(engine, tiny_kit, prompts, custom_rm_path=f"{HERE}.response_length_rm")
+    groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    assert all(s.reward == float(s.response_length) for g in groups for s in g)
+
+    args = make_args(engine, tiny_kit, prompts, custom_generate_function_path=f"{HERE}.pre_scored_generate",
+                     custom_rm_path=f"{HERE}.response_length_rm")
+    SingletonMeta.clear_instances(GenerateState)
+    groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    assert all(s.reward == -1.0 for g in groups for s in g)  # a reward set by the generate function is kept
+
+
+def test_custom_generate_returning_a_list(engine, tiny_kit, prompts):
+    # each member of the list is scored by one list-aware RM call, and the group is flattened
+    args = make_args(engine, tiny_kit, prompts, n_samples_per_prompt=1, custom_generate_function_path=f"{HERE}.two_agents_generate",
+                     custom_rm_path=f"{HERE}.group_rank_rm")
+    groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    assert [[(s.index, s.metadata["agent"], s.reward) for s in g] for g in groups] == [[(0, 0, 0.0), (0, 1, 1.0)], [(1, 0, 0.0), (1, 1, 1.0)]]
+    assert RECORD["group_rm_sizes"] == [2, 2]
+
+
+def test_failure_surfaces_and_leaves_a_clean_state(engine, tiny_kit, prompts):
+    args = make_args(engine, tiny_kit, prompts, custom_rm_path=f"{HERE}.failing_rm")
+    ds = RolloutDataSourceWithBuffer(args)
+    with pytest.raises(ValueError, match="grader crashed on sample 3"):
+        generate_rollout(args, 0, ds)
+    state = GenerateState(args)
+    assert not state.aborted and not state.pendings and state.remaining_batch_size == 0
+    args.custom_rm_path = f"{HERE}.parity_rm"
+    assert len(generate_rollout(args, 1, ds)) == 2  # the next rollout runs normally
+
+
+def test_group_rm(engine, tiny_kit, prompts):
+    args = make_args(engine, tiny_kit, prompts, group_rm=True, n_samples_per_prompt=3, custom_rm_path=f"{HERE}.group_rank_rm")
+    groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    assert [[s.reward for s in g] for g in groups] == [[0.0, 1.0, 2.0]] * 2
+    assert RECORD["group_rm_sizes"] == [3, 3]  # one call per group, never per sample
+
+
+def test_dynamic_filter_accounting(engine, tiny_kit, prompts):
+    args = make_args(engine, tiny_kit, prompts, rollout_batch_size=3, over_sampling_batch_size=3, custom_rm_path=f"{HERE}.parity_rm",
+                     dynamic_sampling_filter_path=f"{HERE}.drop_odd_groups")
+    ds = RolloutDataSourceWithBuffer(args)
+    RECORD["submitted"] = 0
+
+    def counting_source(n):
+        groups = ds.get_samples(n)
+        RECORD["submitted"] += len(groups)
+        return groups
+
+    data, aborted = run(sglang_rollout.generate_rollout_async(args, 0, counting_source))
+    assert len(data) == 3 and all(g[0].group_index % 2 == 0 for g in data)
+    assert [g[0].index for g in data] == sorted(g[0].index for g in data)
+    assert aborted == []  # no partial rollout: aborted groups are dropped
+    # remaining_batch_size is always "submitted minus dropped so far" and never lets the in-flight count fall short
+    for remaining, submitted, dropped in RECORD["filter_calls"]:
+        assert remaining == submitted - dropped
+    assert len(RECORD["drops"]) >= 1 and all(i % 2 == 1 for i in RECORD["drops"])
+    assert GenerateState(args).metrics == {"rollout/dynamic_filter/drop": len(RECORD["drops"])}
+    assert GenerateState(args).remaining_batch_size == 0 and not GenerateState(args).pendings  # reset for the next rollout
+
+
+def test_over_sampling_then_filter_to_rollout_batch_size(engine, tiny_kit, prompts):
+    args = make_args(engine, tiny_kit, prompts, rollout_batch_size=2, over_sampling_batch_size=4, n_samples_per_prompt=3,
+                     custom_rm_path=f"{HERE}.response_length_rm", rollout_max_response_len=6,
+                     over_sampling_filter_path=f"{HERE}.recording_over_sampling_filter")
+    groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    received = RECORD["over_sampling_input"]
+    assert len(received) == 4  # the target is the over-sampling size when an over-sampling filter is set
+
+    def std(rewards):
+        m = sum(rewards) / len(rewards)
+        return (sum((r - m) ** 2 for r in rewards) / (len(rewards) - 1)) ** 0.5
+
+    by_std = sorted(received, key=lambda g: std([s["reward"] for s in g]), reverse=True)  # stable, like the filter
+    expected = sorted(by_std[:2], key=lambda g: g[0]["index"])
+    assert [[s.to_dict() for s in g] for g in groups] == expected
+    assert len(groups) == 2
+
+
+def test_abort_returns_partial_groups_that_resume_next_rollout(engine, tiny_kit, prompts):
+    args = make_args(engine, tiny_kit, prompts, partial_rollout=True, rollout_batch_size=2, over_sampling_batch_size=4,
+                     n_samples_per_prompt=1, rollout_max_response_len=LONG, custom_rm_path=f"{HERE}.response_length_rm",
+                     custom_generate_function_path=f"{HERE}.short_and_long_generate")
+    ds = RolloutDataSourceWithBuffer(args)
+    groups = generate_rollout(args, 0, ds)
+    # the two short groups (0, 2) finish first; the long ones (1, 3) are aborted mid-generation
+    assert [g[0].group_index for g in groups] == [0, 2]
+    assert [g[0].response_length for g in groups] == [SHORT, SHORT]
+    assert ds.get_buffer_length() == 2
+    partial = copy.deepcopy(ds.buffer)
+    assert sorted(g[0].group_index for g in partial) == [1, 3]
+    for (s,) in partial:
+        assert s.status == Sample.Status.ABORTED and s.reward is None
+        assert 0 < s.response_length < LONG
+        assert len(s.rollout_log_probs) == s.response_length
+        assert s.metadata["start_rollout_id"] == 0
+
+    # Next rollout: the buffered groups come first and continue from where they stopped, within the same budget.
+    SingletonMeta.clear_instances(GenerateState)
+    groups = generate_rollout(args, 1, ds)
+    done = {g[0].group_index: g[0] for g in groups}
+    assert 4 in done and done[4].response_length == SHORT  # the fresh short group
+    resumed = [done[i] for i in (1, 3) if i in done]
+    assert len(resumed) == 1, f"expected one resumed long group to finish next, got {sorted(done)}"
+    old = next(g[0] for g in partial if g[0].group_index == resumed[0].group_index)
+    s = resumed[0]
+    assert s.tokens[: len(old.tokens)] == old.tokens and s.response.startswith(old.response)
+    assert s.rollout_log_probs[: old.response_length] == old.rollout_log_probs
+    assert s.response_length == LONG and s.status == Sample.Status.TRUNCATED  # total budget, not LONG more tokens
+    assert s.metadata["start_rollout_id"] == 0 and s.reward == float(LONG)
+    # what was still running is back in the buffer; the other old group keeps its original start id
+    left = {g[0].group_index: g[0] for g in ds.buffer}
+    assert set(left) == {1, 3, 5} - set(done)
+    assert left[5].metadata["start_rollout_id"] == 1
+    assert all(left[i].metadata["start_rollout_id"] == 0 for i in left if i != 5)
+
+
+def test_eval_rollout(engine, tiny_kit, prompts):
+    args = make_args(engine, tiny_kit, prompts, eval_prompt_data=["toy", prompts[1], "toy_again", prompts[1]],
+                     n_samples_per_eval_prompt=2, eval_temperature=0.0, eval_max_response_len=4,
+                     custom_rm_path=f"{HERE}.response_length_rm", rollout_max_response_len=30)
+    data = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args), evaluation=True)
+    assert set(data) == {"toy", "toy_again"}
+    for name in data:
+        rewards, truncated = data[name]["rewards"], data[name]["truncated"]
+        assert len(rewards) == len(truncated) == 6  # 3 prompts x 2 samples
+        assert all(1 <= r <= 4 for r in rewards)  # eval max response length overrides the rollout one
+        assert truncated == [r == 4 for r in rewards]
+        assert rewards[0::2] == rewards[1::2]  # greedy eval temperature: both samples of a prompt agree
+    assert data["toy"] == data["toy_again"]
+
+
+def test_default_generate_rejects_message_prompts(engine, tiny_kit, prompts):
+    args = make_args(engine, tiny_kit, prompts)
+    sample = Sample(index=3, prompt=[{"role": "user", "content": "hi"}])
+    with pytest.raises(TypeError, match="sample 3: the prompt is a list, not text.*--apply-chat-template"):
+        run(generate(args, sample, {"max_new_tokens": 4}))
+
+
+def test_resume_with_no_budget_left_is_truncated_without_a_request(tiny_kit, prompts):
+    args = make_args(argparse.Namespace(sglang_router_ip="127.0.0.1", sglang_router_port=9), tiny_kit, prompts)
+    sample = Sample(index=0, prompt="x", tokens=[5, 6, 7], response="ab", response_length=2, status=Sample.Status.ABORTED)
+    out = run(generate(args, sample, {"max_new_tokens": 2}))  # port 9 would fail if a request were sent
+    assert out.status == Sample.Status.TRUNCATED and out.tokens == [5, 6, 7]
+
+
+def test_controller_runs_default_rollout_in_ray(engine, tiny_kit, prompts, ray_session, tmp_path):
+    ray = ray_session
+    from slime.ray.buffer import RolloutController
+
+    args = make_args(engine, tiny_kit, prompts, rollout_function_path="slime.rollout.sglang_rollout.generate_rollout",
+                     eval_function_path=None, custom_reward_post_process_path=None, advantage_estimator="grpo",
+                     rewards_normalization=True, grpo_std_normalization=True, load_debug_rollout_data=None,
+                     save_debug_rollout_data=None, debug_train_only=False, use_wandb=False, global_batch_size=4,
+                     eval_prompt_data=["toy", prompts[1]], save=str(tmp_path), custom_rm_path=f"{HERE}.parity_rm")
+    controller = RolloutController.options(num_cpus=0, num_gpus=0).remote(args, None)
+    try:
+        assert ray.get(controller.get_num_rollout_per_epoch.remote(), timeout=120) == 4  # 8 prompts // 2
+        data = ray.get(ray.get(controller.generate.remote(0), timeout=300).inner)
+        metrics = ray.get(controller.get_last_metrics.remote())
+        eval_metrics = ray.get(controller.eval.remote(0), timeout=300)
+        ray.get(controller.save.remote(0))
+    finally:
+        ray.kill(controller)
+    assert data["sample_indices"] == [0, 1, 2, 3]
+    assert data["raw_reward"] == [0.0, 1.0, 0.0, 1.0]
+    assert all(len(t) == 15 + n for t, n in zip(data["tokens"], data["response_lengths"]))
+    assert [len(lp) for lp in data["rollout_log_probs"]] == data["response_lengths"]
+    assert metrics["rollout/raw_reward"] == 0.5 and metrics["rollout/weight_version"] == "default"
+    assert metrics["perf/rollout_time"] > 0
+    assert eval_metrics["eval/toy"] == pytest.approx(1 / 3)  # parity of indices 0, 1, 2
+    assert os.path.exists(os.path.join(str(tmp_path), "rollout", "global_dataset_state_dict_0.pt"))
