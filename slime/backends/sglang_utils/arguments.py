@@ -1,0 +1,189 @@
+"""`--sglang-*` options: SGLang's own server flags, prefixed, plus slime's router/concurrency flags.
+
+With SGLang installed, `ServerArgs.add_cli_args` adds them (exactly as slime does). Without it (CPU machines) the same
+flags come from `sglang_server_args.json`, a table recorded from SGLang's `add_cli_args` by
+`tools/gen_sglang_server_args.py`, so GPU launch scripts parse unchanged everywhere.
+"""
+import argparse
+import importlib.util
+import json
+import logging
+import os
+import re
+
+logger = logging.getLogger(__name__)
+
+_TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_server_args.json")
+
+# SGLang server fields that slime sets itself (per engine), so they get no --sglang- flag.
+SKIPPED_ARGS = (
+    "model_path", "dtype", "trust_remote_code", "random_seed", "enable_memory_saver", "tp_size", "port", "nnodes",
+    "node_rank", "dist_init_addr", "gpu_id_step", "base_gpu_id", "nccl_port", "skip_server_warmup",
+)
+
+# What slime's CPU inference server honours, by field name (it gets them as its own CLI flags).
+CPU_SERVER_HONOURED = ("max_running_requests", "context_length", "max_total_tokens", "served_model_name", "log_level")
+
+# GPU-only performance knobs: meaningless on the CPU server, harmless to ignore (results do not depend on them).
+_GPU_PERF_KNOB = re.compile(
+    r"mem_fraction|cuda_?graph|torch_compile|chunked_prefill|_backend$|^backend$|all_?reduce|flashinfer|triton|deepep|"
+    r"nccl|symm_mem|mscclpp|overlap|schedule_policy|schedule_conservativeness|page_size|max_prefill_tokens|"
+    r"prefill_max_requests|radix|kv_cache_dtype|cpu_offload|hicache|hierarchical_cache|num_continuous_decode_steps|"
+    r"mixed_chunk|stream_interval|watchdog|log_requests|log_level_http|enable_metrics|show_time_cost|decode_log_interval|"
+    r"tokenizer_worker_num|detokenizer_worker_num|p2p_check|dist_timeout|enable_cache_report|deterministic_inference|"
+    r"enable_tf32_matmul|nvtx|^device$|numa_node|gc_threshold|sleep_on_idle|weights_cpu_backup|enable_fused_|aiter|"
+    r"nvidia|megakernel|monokernel|enable_dp_lm_head|enable_p2p|max_queued_requests|enable_nan_detection"
+)
+
+
+def _human_readable_int(value: str) -> int:
+    """SGLang's `human_readable_int`: 1k=1000, 1Ki=1024, 25.6k=25600 (SI decimals allowed, IEC not)."""
+    value = value.strip()
+    for suffix, mult in (("Ki", 2**10), ("Mi", 2**20), ("Gi", 2**30), ("Ti", 2**40)):
+        if value.endswith(suffix):
+            return int(value[: -len(suffix)]) * mult
+    for suffix, mult in (("k", 10**3), ("M", 10**6), ("G", 10**9), ("T", 10**12)):
+        if value.endswith(suffix):
+            return int(float(value[:-1]) * mult)
+    return int(value)
+
+
+def _nullable_str(value: str):
+    return None if not value or value == "None" else value
+
+
+def _json(value: str):
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"invalid JSON {value!r}: {e}") from None
+
+
+_TYPES = {"str": str, "int": int, "float": float, "json": _json, "human_readable_int": _human_readable_int,
+          "nullable_str": _nullable_str}
+_human_readable_int.__name__ = "human-readable int"  # argparse names the type in "invalid ... value" errors
+_json.__name__ = "JSON"
+
+
+class _StoreValueConst(argparse.Action):
+    """A deprecated flag that stores a fixed value whatever it is given (SGLang's DeprecatedStoreConstAction)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, self.const)
+
+
+def _add_from_table(parser):
+    with open(_TABLE_PATH) as f:
+        table = json.load(f)["arguments"]
+    for entry in table:
+        kw = {k: v for k, v in entry.items() if k not in ("flags", "type", "action")}
+        if "type" in entry:
+            kw["type"] = _TYPES[entry["type"]]
+        action = entry.get("action")
+        if action == "boolean_optional":
+            kw["action"] = argparse.BooleanOptionalAction
+        elif action == "store_value_const":
+            kw["action"] = _StoreValueConst
+        elif action is not None:
+            kw["action"] = action
+        parser.add_argument(*entry["flags"], **kw)
+
+
+def sglang_available() -> bool:
+    return importlib.util.find_spec("sglang") is not None
+
+
+def add_sglang_router_arguments(parser):
+    group = parser.add_argument_group("sglang router")
+    group.add_argument("--sglang-router-ip", type=str, default=None,
+                       help="IP of an already running sglang-router; slime starts one when unset.")
+    group.add_argument("--sglang-router-port", type=int, default=None, help="Port of an already running sglang-router.")
+    group.add_argument("--sglang-router-request-timeout-secs", type=int, default=3600,
+                       help="Per-request timeout of the router (seconds).")
+    group.add_argument("--sglang-server-concurrency", type=int, default=512,
+                       help="Max concurrent /generate requests per inference engine.")
+    return parser
+
+
+def add_sglang_arguments(parser):
+    """Add router flags, then every SGLang server flag as `--sglang-<flag>` with dest `sglang_<field>`."""
+    parser = add_sglang_router_arguments(parser)
+
+    def add_prefixed_argument(*flags, **kwargs):
+        if "dest" in kwargs:
+            name = kwargs["dest"]
+        else:
+            long_flags = [f for f in flags if isinstance(f, str) and f.startswith("--")]
+            name = long_flags[0][2:].replace("-", "_") if long_flags else None
+        if name in SKIPPED_ARGS:
+            return None
+        kwargs = dict(kwargs)
+        if "dest" in kwargs:
+            kwargs["dest"] = f"sglang_{kwargs['dest']}"
+        kwargs.pop("required", None)  # only --model-path is required in SGLang, and slime sets that itself
+        prefixed = [f"--sglang-{f.lstrip('-')}" if isinstance(f, str) and f.startswith("-") else f for f in flags]
+        return original_add_argument(*prefixed, **kwargs)
+
+    if sglang_available():
+        from sglang.srt.server_args import ServerArgs
+
+        # Wrap the parser itself, as slime does: add_cli_args may add its own groups through it.
+        target, add_cli_args = parser, ServerArgs.add_cli_args
+    else:
+        target, add_cli_args = parser.add_argument_group("sglang server (pass-through, --sglang-<flag>)"), _add_from_table
+    original_add_argument = target.add_argument
+    target.add_argument = add_prefixed_argument
+    try:
+        add_cli_args(target)
+    finally:
+        target.add_argument = original_add_argument
+    return parser
+
+
+def _explicit_sglang_options(args, parser):
+    """`sglang_*` fields whose value differs from the parser default (what the user actually set)."""
+    out = {}
+    for action in parser._actions:
+        dest = action.dest
+        if not dest.startswith("sglang_") or dest.startswith("sglang_router_") or dest == "sglang_server_concurrency":
+            continue
+        if getattr(args, dest, action.default) != action.default:
+            out[dest[len("sglang_"):]] = (action.option_strings[0], getattr(args, dest))
+    return out
+
+
+def validate_args(args, parser=None, check_cpu_server=True):
+    """Derive SGLang parallel sizes (spec §4.3 step 19) and, when slime's CPU server will serve, reject the
+    SGLang options it cannot honour. Errors go through `parser.error` (exit status 2, names the flags)."""
+
+    def error(msg):
+        if parser is not None:
+            parser.error(msg)
+        raise ValueError(msg)
+
+    args.sglang_tp_size = args.rollout_num_gpus_per_engine
+    args.sglang_dp_size = getattr(args, "sglang_dp_size", getattr(args, "sglang_data_parallel_size", 1)) or 1
+    args.sglang_pp_size = getattr(args, "sglang_pp_size", 1) or 1
+    args.sglang_ep_size = getattr(args, "sglang_ep_size", 1) or 1
+    if args.sglang_dp_size > 1 and not (getattr(args, "sglang_enable_dp_attention", False)
+                                        or (getattr(args, "sglang_attn_dp_size", None) or 1) > 1):
+        error("--sglang-dp-size > 1 requires --sglang-enable-dp-attention (or --sglang-attn-dp-size) in slime: "
+              "each engine's data-parallel ranks share one router entry.")
+
+    if (not check_cpu_server or parser is None or getattr(args, "inference_server", "cpu") != "cpu"
+            or getattr(args, "debug_train_only", False)):
+        return
+    explicit = _explicit_sglang_options(args, parser)
+    ignored = sorted(flag for name, (flag, _) in explicit.items() if _GPU_PERF_KNOB.search(name))
+    unsupported = sorted(
+        f"{flag}={value!r}" for name, (flag, value) in explicit.items()
+        if name not in CPU_SERVER_HONOURED and not _GPU_PERF_KNOB.search(name)
+    )
+    if unsupported:
+        error(
+            f"slime's CPU inference server cannot honour {', '.join(unsupported)}. It supports "
+            f"{', '.join('--sglang-' + n.replace('_', '-') for n in CPU_SERVER_HONOURED)} (GPU performance knobs are "
+            f"ignored). Remove these options, or run on a GPU machine with SGLang installed (--inference-server sglang)."
+        )
+    if ignored:
+        logger.warning("CPU inference server: ignoring GPU-only SGLang options %s", ", ".join(ignored))

@@ -1,0 +1,995 @@
+"""slime's command line: slime's own flags, Megatron-LM's flags, and SGLang's as `--sglang-*` (spec §4).
+
+`parse_args(add_custom_arguments=None, argv=None)` returns one `argparse.Namespace` for the whole job. With
+Megatron-LM on PYTHONPATH, Megatron's own parser provides its flags (full pass-through, as slime). Otherwise (the
+megatron-core PyPI wheel) slime provides a Megatron-compatible group with Megatron-LM's flag names, meanings and
+defaults, so `scripts/models/*.sh` arrays work unchanged. User mistakes exit with status 2 and one message naming
+the flag(s) at fault.
+
+    python -m slime.utils.arguments ARGS...   # parse + validate only, prints "ok" (launch scripts' dry run)
+"""
+import argparse
+import importlib.util
+import logging
+import os
+import re
+import sys
+
+from slime.backends.sglang_utils.arguments import add_sglang_arguments, sglang_available
+from slime.backends.sglang_utils.arguments import validate_args as sglang_validate_args
+from slime.utils.device import dist_backend, is_cpu
+
+logger = logging.getLogger(__name__)
+
+
+class _Group:
+    """An argument group that skips flags already defined, so the user's custom arguments (added first) and
+    Megatron's own flags win over slime's definitions of the same name."""
+
+    def __init__(self, parser, title):
+        self._parser = parser
+        self._group = parser.add_argument_group(title)
+
+    def add_argument(self, *flags, **kwargs):
+        if any(f in self._parser._option_string_actions for f in flags):
+            return None
+        return self._group.add_argument(*flags, **kwargs)
+
+
+def reset_arg(parser, name, **kwargs):
+    """Change the default of an existing (Megatron) option, or add it (spec §4.1 step 3)."""
+    for action in parser._actions:
+        if name in action.option_strings:
+            if "default" in kwargs:
+                action.default = kwargs["default"]
+                parser.set_defaults(**{action.dest: kwargs["default"]})
+            return action
+    return parser.add_argument(name, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# slime's own argument groups (spec §4.2)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def add_cluster_arguments(parser):
+    g = _Group(parser, "cluster")
+    g.add_argument("--actor-num-nodes", type=int, default=1, help="Number of nodes for training actors.")
+    g.add_argument("--actor-num-gpus-per-node", type=int, default=8, help="GPUs per node for training actors.")
+    g.add_argument("--rollout-num-gpus", type=int, default=None,
+                   help="GPUs for inference engines in total; forced to the actor total with --colocate.")
+    g.add_argument("--rollout-num-gpus-per-engine", type=int, default=1,
+                   help="GPUs per inference engine (SGLang's tp size).")
+    g.add_argument("--rollout-num-gpus-per-node", type=int, default=8, help="GPUs per node for inference engines.")
+    g.add_argument("--colocate", action="store_true", default=False,
+                   help="Training and inference share the GPUs (implies --offload).")
+    g.add_argument("--offload", action="store_true", default=False,
+                   help="Offload training weights/optimizer while rolling out (and engines while training).")
+    g.add_argument("--inference-server", choices=["auto", "sglang", "cpu"], default="auto",
+                   help="Inference engine: SGLang, or slime's CPU server. auto = sglang when it is installed and a "
+                        "GPU exists, else cpu. Resolved to sglang|cpu in args.inference_server.")
+    return parser
+
+
+def add_rollout_arguments(parser):
+    g = _Group(parser, "rollout")
+    g.add_argument("--hf-checkpoint", type=str, default=None,
+                   help="HF model dir: inference engine init and tokenizer; Megatron architecture flags not given "
+                        "are inferred from its config.json.")
+    g.add_argument("--model-name", type=str, default=None,
+                   help="Model family for Megatron->HF conversion; default: lowercased HF config class name.")
+    g.add_argument("--rollout-function-path", type=str, default="slime.rollout.sglang_rollout.generate_rollout",
+                   help="generate_rollout(args, rollout_id, data_buffer, evaluation=False) by dotted path.")
+    g.add_argument("--rollout-temperature", type=float, default=1.0)
+    g.add_argument("--rollout-top-p", type=float, default=1.0)
+    g.add_argument("--rollout-top-k", type=int, default=-1)
+    g.add_argument("--rollout-max-prompt-len", type=int, default=None,
+                   help="Drop prompts longer than this (tokens) when the dataset loads.")
+    g.add_argument("--rollout-max-response-len", type=int, default=1024, help="max_new_tokens of a rollout.")
+    g.add_argument("--rollout-skip-special-tokens", action="store_true", default=False)
+    g.add_argument("--rollout-stop", type=str, nargs="+", default=None, help="Stop strings.")
+    g.add_argument("--rollout-stop-token-ids", type=int, nargs="+", default=None, help="Stop token ids.")
+    g.add_argument("--rollout-shuffle", action="store_true", default=False, help="Shuffle prompts every epoch.")
+    g.add_argument("--rollout-seed", type=int, default=42)
+    g.add_argument("--over-sampling-batch-size", type=int, default=None,
+                   help="Prompts sampled per round with dynamic sampling; default --rollout-batch-size.")
+    g.add_argument("--over-sampling-filter-input-size", type=int, default=None)
+    g.add_argument("--over-sampling-filter-path", type=str, default=None)
+    g.add_argument("--dynamic-sampling-filter-path", type=str, default=None,
+                   help="fn(args, samples) -> bool keeping a group, e.g. "
+                        "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std.")
+    g.add_argument("--partial-rollout", action="store_true", default=False,
+                   help="Keep aborted partial generations in the buffer and continue them next rollout.")
+    g.add_argument("--custom-generate-function-path", type=str, default=None,
+                   help="async generate(args, sample, sampling_params) replacing the default single-turn generate.")
+    g.add_argument("--buffer-filter-path", type=str, default=None)
+    g.add_argument("--update-weight-buffer-size", type=int, default=512 * 1024**2,
+                   help="Bytes per weight-update bucket.")
+    g.add_argument("--update-weights-interval", type=int, default=1, help="Rollouts between weight updates (async).")
+    g.add_argument("--update-weight-timeout", type=float, default=300,
+                   help="Seconds a weight update may take before it fails naming the engine.")
+    g.add_argument("--check-weight-update-equal", action="store_true", default=False,
+                   help="After each weight update, compare sha256 checksums of every HF tensor on the engines "
+                        "with the trainer's.")
+    g.add_argument("--keep-old-actor", action="store_true", default=False)
+    g.add_argument("--rollout-data-postprocess-path", type=str, default=None)
+    return parser
+
+
+def add_data_arguments(parser):
+    g = _Group(parser, "data")
+    g.add_argument("--num-rollout", type=int, default=None, help="Number of rollouts (train steps of the loop).")
+    g.add_argument("--num-epoch", type=int, default=None, help="Epochs over --prompt-data (if --num-rollout unset).")
+    g.add_argument("--disable-rollout-global-dataset", dest="rollout_global_dataset", action="store_false",
+                   default=True, help="Do not load --prompt-data (a custom rollout function brings its own).")
+    g.add_argument("--prompt-data", type=str, default=None, help="Prompt file (.jsonl/.json/.parquet).")
+    g.add_argument("--apply-chat-template", action="store_true", default=False)
+    g.add_argument("--input-key", type=str, default="input", help="Column holding the prompt.")
+    g.add_argument("--label-key", type=str, default=None)
+    g.add_argument("--metadata-key", type=str, default="metadata")
+    g.add_argument("--tool-key", type=str, default=None, help="Column with tools for the chat template.")
+    g.add_argument("--start-rollout-id", type=int, default=None)
+    g.add_argument("--rollout-batch-size", type=int, required=True, help="Prompts per rollout (required).")
+    g.add_argument("--n-samples-per-prompt", type=int, default=1)
+    reset_arg(parser, "--global-batch-size", type=int, default=None,
+              help="Samples per optimizer step; rollout-batch-size*n-samples-per-prompt must be a multiple.")
+    reset_arg(parser, "--micro-batch-size", type=int, default=1)
+    g.add_argument("--num-steps-per-rollout", type=int, default=None,
+                   help="Optimizer steps per rollout; sets --global-batch-size.")
+    g.add_argument("--balance-data", action="store_true", default=False,
+                   help="Balance tokens across DP ranks (Karmarkar-Karp), keeping groups together.")
+    g.add_argument("--use-dynamic-batch-size", action="store_true", default=False)
+    g.add_argument("--max-tokens-per-gpu", type=int, default=None)
+    g.add_argument("--log-probs-max-tokens-per-gpu", type=int, default=None)
+    return parser
+
+
+def add_eval_arguments(parser):
+    g = _Group(parser, "eval")
+    g.add_argument("--eval-function-path", type=str, default=None, help="Default: --rollout-function-path.")
+    reset_arg(parser, "--eval-interval", type=int, default=None)
+    g.add_argument("--eval-prompt-data", type=str, nargs="+", default=None,
+                   help="name path [name path ...]; a single path is named 'aime'.")
+    g.add_argument("--eval-input-key", type=str, default=None)
+    g.add_argument("--eval-label-key", type=str, default=None)
+    g.add_argument("--eval-tool-key", type=str, default=None)
+    g.add_argument("--n-samples-per-eval-prompt", type=int, default=1)
+    g.add_argument("--eval-temperature", type=float, default=None)
+    g.add_argument("--eval-top-p", type=float, default=None)
+    g.add_argument("--eval-top-k", type=int, default=None)
+    g.add_argument("--eval-max-response-len", type=int, default=None)
+    g.add_argument("--eval-min-new-tokens", type=int, default=None)
+    return parser
+
+
+def add_algo_arguments(parser):
+    g = _Group(parser, "algorithm")
+    g.add_argument("--ref-load", type=str, default=None,
+                   help="Reference model checkpoint (also the initial weights when --load has no checkpoint).")
+    g.add_argument("--ref-ckpt-step", type=int, default=None)
+    g.add_argument("--eps-clip", type=float, default=0.2)
+    g.add_argument("--eps-clip-high", type=float, default=None, help="Default: --eps-clip.")
+    g.add_argument("--eps-clip-c", type=float, default=None, help="Dual-clip lower bound (> 1).")
+    g.add_argument("--kl-coef", type=float, default=0.0, help="KL penalty in the reward (REINFORCE++).")
+    g.add_argument("--use-kl-loss", action="store_true", default=False)
+    g.add_argument("--kl-loss-coef", type=float, default=0.0)
+    g.add_argument("--kl-loss-type", choices=["kl", "k1", "k2", "k3", "low_var_kl"], default="kl")
+    g.add_argument("--loss-type", choices=["policy_loss", "sft_loss", "custom_loss"], default="policy_loss")
+    g.add_argument("--custom-loss-function-path", type=str, default=None)
+    g.add_argument("--advantage-estimator", default="grpo",
+                   choices=["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo"])
+    g.add_argument("--disable-compute-advantages-and-returns", dest="compute_advantages_and_returns",
+                   action="store_false", default=True)
+    g.add_argument("--entropy-coef", type=float, default=0.0)
+    g.add_argument("--gamma", type=float, default=1.0)
+    g.add_argument("--normalize-advantages", action="store_true", default=False)
+    g.add_argument("--disable-grpo-std-normalization", dest="grpo_std_normalization", action="store_false",
+                   default=True, help="Dr.GRPO: do not divide advantages by the group std.")
+    g.add_argument("--disable-rewards-normalization", dest="rewards_normalization", action="store_false",
+                   default=True)
+    g.add_argument("--use-rollout-entropy", action="store_true", default=False)
+    g.add_argument("--use-tis", action="store_true", default=False, help="Truncated importance sampling.")
+    g.add_argument("--tis-clip", type=float, default=2.0)
+    g.add_argument("--tis-clip-low", type=float, default=0.0)
+    return parser
+
+
+def add_wandb_arguments(parser):
+    g = _Group(parser, "wandb")
+    g.add_argument("--use-wandb", action="store_true", default=False)
+    g.add_argument("--wandb-mode", choices=["online", "offline", "disabled"], default=None)
+    g.add_argument("--wandb-dir", type=str, default=None)
+    g.add_argument("--wandb-key", type=str, default=None)
+    g.add_argument("--wandb-host", type=str, default=None)
+    g.add_argument("--wandb-team", type=str, default=None)
+    g.add_argument("--wandb-group", type=str, default=None)
+    reset_arg(parser, "--wandb-project", type=str, default=None)
+    g.add_argument("--disable-wandb-random-suffix", dest="wandb_random_suffix", action="store_false", default=True)
+    g.add_argument("--wandb-always-use-train-step", action="store_true", default=False)
+    g.add_argument("--log-multi-turn", action="store_true", default=False)
+    g.add_argument("--log-passrate", action="store_true", default=False)
+    g.add_argument("--wandb-run-id", type=str, default=None)
+    g.add_argument("--metrics-path", type=str, default=None,
+                   help="Append per-rollout metrics (rollout/eval/train) as JSON lines to this file.")
+    return parser
+
+
+def add_debug_arguments(parser):
+    g = _Group(parser, "debug")
+    g.add_argument("--save-debug-rollout-data", type=str, default=None, help="Path format with {rollout_id}.")
+    g.add_argument("--load-debug-rollout-data", type=str, default=None,
+                   help="Path format with {rollout_id}; implies --debug-train-only.")
+    g.add_argument("--debug-rollout-only", action="store_true", default=False, help="No Megatron.")
+    g.add_argument("--debug-train-only", action="store_true", default=False, help="No inference engines.")
+    g.add_argument("--save-debug-train-data", type=str, default=None, help="Path format with {rollout_id}, {rank}.")
+    g.add_argument("--dump-details", type=str, default=None, help="Dir for rollout and train debug dumps.")
+    return parser
+
+
+def add_network_arguments(parser):
+    g = _Group(parser, "network")
+    g.add_argument("--http-proxy", type=str, default=None)
+    g.add_argument("--use-http2", action="store_true", default=False)
+    return parser
+
+
+def add_reward_model_arguments(parser):
+    g = _Group(parser, "reward model")
+    g.add_argument("--rm-type", type=str, default=None,
+                   help="deepscaler | dapo | math | f1 | remote_rm | boxed_<type>.")
+    g.add_argument("--reward-key", type=str, default=None, help="Key of a dict reward used for training.")
+    g.add_argument("--eval-reward-key", type=str, default=None, help="Default: --reward-key.")
+    g.add_argument("--group-rm", action="store_true", default=False, help="Reward a whole group at once.")
+    g.add_argument("--rm-url", type=str, default=None, help="URL of a remote reward model (remote_rm).")
+    g.add_argument("--custom-rm-path", type=str, default=None)
+    g.add_argument("--custom-reward-post-process-path", type=str, default=None)
+    return parser
+
+
+def add_rollout_buffer_arguments(parser):
+    g = _Group(parser, "rollout buffer")
+    g.add_argument("--rollout-buffer-url", type=str, default=None)
+    g.add_argument("--fetch-trajectory-retry-times", type=int, default=-1, help="-1 retries forever.")
+    g.add_argument("--min-batch-collection-ratio", type=float, default=1)
+    g.add_argument("--rollout-task-type", type=str, default="math")
+    g.add_argument("--loss-mask-type", choices=["qwen", "distill_qwen"], default="qwen")
+    return parser
+
+
+def add_custom_megatron_hooks_arguments(parser):
+    g = _Group(parser, "megatron hooks")
+    g.add_argument("--custom-megatron-init-path", type=str, default=None, help="fn(args) after Megatron init.")
+    g.add_argument("--custom-megatron-before-log-prob-hook-path", type=str, default=None,
+                   help="fn(args, model, store_prefix).")
+    g.add_argument("--custom-megatron-before-train-step-hook-path", type=str, default=None,
+                   help="fn(args, rollout_id, step_id, model, optimizer, opt_param_scheduler).")
+    return parser
+
+
+def add_ci_arguments(parser):
+    g = _Group(parser, "ci")
+    g.add_argument("--ci-test", action="store_true", default=False, help="Assert on first-step metrics.")
+    return parser
+
+
+def add_custom_megatron_plugins_arguments(parser):
+    g = _Group(parser, "megatron plugins")
+    g.add_argument("--post-self-attn-layernorm", action="store_true", default=False, help="GLM4 extra norm.")
+    g.add_argument("--post-mlp-layernorm", action="store_true", default=False, help="GLM4 extra norm.")
+    return parser
+
+
+def get_slime_extra_args_provider(add_custom_arguments=None):
+    def add_slime_arguments(parser):
+        if add_custom_arguments is not None:
+            add_custom_arguments(parser)  # first, so it can pre-empt slime's names
+        for add in (add_cluster_arguments, add_rollout_arguments, add_data_arguments, add_eval_arguments,
+                    add_algo_arguments, add_wandb_arguments, add_debug_arguments, add_sglang_arguments,
+                    add_network_arguments, add_reward_model_arguments, add_rollout_buffer_arguments,
+                    add_custom_megatron_hooks_arguments, add_ci_arguments, add_custom_megatron_plugins_arguments):
+            add(parser)
+        if "--padded-vocab-size" not in parser._option_string_actions:
+            parser.add_argument("--padded-vocab-size", type=int, default=None)
+        return parser
+
+    return add_slime_arguments
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Megatron-LM-compatible flags, for when megatron.training is not importable (megatron-core wheel only)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def moe_freq_type(x):
+    """Megatron's `--moe-layer-freq`: an int N (every N-th layer is MoE) or a list expression like "[0]*3+[1]*58"."""
+    if isinstance(x, int):
+        return x
+    x = x.strip()
+    if x.isdigit():
+        return int(x)
+    if not re.fullmatch(r"[\[\]\d\s,*+()]+", x):
+        raise argparse.ArgumentTypeError(f"{x!r} is neither an int nor a list expression like [0]*3+[1]*58")
+    try:
+        value = eval(x, {"__builtins__": {}}, {})  # charset checked above: digits, brackets, * + , only
+    except Exception as e:
+        raise argparse.ArgumentTypeError(f"cannot evaluate {x!r}: {e}") from None
+    if not isinstance(value, list):
+        raise argparse.ArgumentTypeError(f"{x!r} does not evaluate to a list")
+    return value
+
+
+def add_megatron_arguments(parser):
+    """Megatron-LM flag names, meanings and defaults (a default of None below is resolved later where Megatron's
+    default depends on the machine or on the HF config: see `_megatron_defaults`)."""
+    g = parser.add_argument_group("megatron: model")
+    g.add_argument("--num-layers", type=int, default=None)
+    g.add_argument("--encoder-num-layers", type=int, default=None)
+    g.add_argument("--decoder-num-layers", type=int, default=None)
+    g.add_argument("--hidden-size", type=int, default=None)
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="Default 4*hidden (swiglu: 8/3*hidden rounded down to a multiple of 64).")
+    g.add_argument("--num-attention-heads", type=int, default=None)
+    g.add_argument("--kv-channels", type=int, default=None, help="Head dim; default hidden/heads.")
+    g.add_argument("--group-query-attention", action="store_true", default=False)
+    g.add_argument("--num-query-groups", type=int, default=1)
+    g.add_argument("--max-position-embeddings", type=int, default=None, help="Default --seq-length.")
+    g.add_argument("--seq-length", type=int, default=None, help="Default 4096 (slime packs variable lengths).")
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "mrope", "relative", "none"],
+                   default="learned_absolute")
+    g.add_argument("--use-rotary-position-embeddings", action="store_true", default=False,
+                   help="Same as --position-embedding-type rope.")
+    g.add_argument("--rotary-base", type=int, default=None, help="RoPE theta (default 10000).")
+    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--rotary-interleaved", action="store_true", default=False)
+    g.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None)
+    g.add_argument("--use-rope-scaling", action="store_true", default=False, help="Llama-3.x RoPE scaling.")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0)
+    g.add_argument("--rope-type", choices=["rope", "yarn"], default=None, help="Default: yarn with MLA, else rope.")
+    g.add_argument("--no-rope-fusion", dest="apply_rope_fusion", action="store_false", default=True)
+    g.add_argument("--no-position-embedding", dest="add_position_embedding", action="store_false", default=True)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--vocab-size", type=int, default=None)
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    g.add_argument("--norm-epsilon", type=float, default=None, help="Default 1e-5.")
+    g.add_argument("--apply-layernorm-1p", action="store_true", default=False)
+    g.add_argument("--apply-residual-connection-post-layernorm", action="store_true", default=False)
+    g.add_argument("--openai-gelu", action="store_true", default=False)
+    g.add_argument("--squared-relu", action="store_true", default=False)
+    g.add_argument("--swiglu", action="store_true", default=False)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=False)
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false", default=True)
+    g.add_argument("--add-qkv-bias", action="store_true", default=False)
+    g.add_argument("--qk-layernorm", action="store_true", default=False)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--use-cpu-initialization", action="store_true", default=None)
+    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default=None,
+                   help="Default transformer_engine on GPU, local on CPU.")
+    g.add_argument("--spec", type=str, nargs="*", default=None, help="Module and function of a custom layer spec.")
+    g.add_argument("--attention-backend", choices=["flash", "fused", "unfused", "local", "auto"], default="auto")
+    g.add_argument("--attention-softmax-in-fp32", action="store_true", default=False)
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true", default=False)
+    g.add_argument("--use-flash-attn", action="store_true", default=False)
+    g.add_argument("--use-mcore-models", action="store_true", default=False, help="Deprecated no-op (mcore is used).")
+    g.add_argument("--use-legacy-models", action="store_true", default=False)
+    g.add_argument("--multi-latent-attention", action="store_true", default=False)
+    g.add_argument("--q-lora-rank", type=int, default=None)
+    g.add_argument("--kv-lora-rank", type=int, default=32)
+    g.add_argument("--qk-head-dim", type=int, default=128)
+    g.add_argument("--qk-pos-emb-head-dim", type=int, default=64)
+    g.add_argument("--v-head-dim", type=int, default=128)
+    g.add_argument("--rotary-scaling-factor", type=float, default=1.0)
+    g.add_argument("--mscale", type=float, default=1.0)
+    g.add_argument("--mscale-all-dim", type=float, default=0.0)
+    for flag, dest in (("--no-masked-softmax-fusion", "masked_softmax_fusion"),
+                       ("--no-bias-gelu-fusion", "bias_gelu_fusion"),
+                       ("--no-bias-swiglu-fusion", "bias_swiglu_fusion"),
+                       ("--no-bias-dropout-fusion", "bias_dropout_fusion"),
+                       ("--no-persist-layer-norm", "persist_layer_norm"),
+                       ("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion")):
+        g.add_argument(flag, dest=dest, action="store_false", default=None if "gradient" in flag else True)
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true", default=False)
+
+    g = parser.add_argument_group("megatron: mixture of experts")
+    g.add_argument("--num-experts", type=int, default=None)
+    g.add_argument("--moe-layer-freq", type=moe_freq_type, default=1)
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="Default --ffn-hidden-size.")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
+    g.add_argument("--moe-shared-expert-overlap", action="store_true", default=False)
+    g.add_argument("--moe-router-load-balancing-type", default="aux_loss",
+                   choices=["aux_loss", "seq_aux_loss", "sinkhorn", "none"])
+    g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default="softmax")
+    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-router-pre-softmax", action="store_true", default=False)
+    g.add_argument("--moe-router-num-groups", type=int, default=None)
+    g.add_argument("--moe-router-group-topk", type=int, default=None)
+    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None)
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true", default=False)
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
+    g.add_argument("--moe-router-dtype", choices=["fp32", "fp64"], default=None)
+    g.add_argument("--moe-grouped-gemm", action="store_true", default=False)
+    g.add_argument("--moe-use-legacy-grouped-gemm", action="store_true", default=False)
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    g.add_argument("--moe-z-loss-coeff", type=float, default=None)
+    g.add_argument("--moe-input-jitter-eps", type=float, default=None)
+    g.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall", "flex"], default="allgather")
+    g.add_argument("--moe-enable-deepep", action="store_true", default=False)
+    g.add_argument("--moe-per-layer-logging", action="store_true", default=False)
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None)
+    g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true", default=False)
+    g.add_argument("--moe-token-drop-policy", choices=["probs", "position"], default="probs")
+    g.add_argument("--moe-permute-fusion", action="store_true", default=False)
+    g.add_argument("--moe-layer-recompute", action="store_true", default=False)
+
+    g = parser.add_argument_group("megatron: parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true", default=False)
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true", default=False)
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None, help="Default --tensor-model-parallel-size.")
+    g.add_argument("--sequence-parallel", action="store_true", default=False)
+    g.add_argument("--use-distributed-optimizer", action="store_true", default=False)
+    g.add_argument("--overlap-grad-reduce", action="store_true", default=False)
+    g.add_argument("--overlap-param-gather", action="store_true", default=False)
+    g.add_argument("--tp-comm-overlap", action="store_true", default=False)
+    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
+                   help="Default nccl on GPU, gloo on CPU.")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument("--local-rank", type=int, default=int(os.getenv("LOCAL_RANK", "0")))
+
+    g = parser.add_argument_group("megatron: optimizer and learning rate")
+    g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    g.add_argument("--lr", type=float, default=None)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
+                   default="linear")
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--lr-decay-samples", type=int, default=None)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-samples", type=int, default=0)
+    g.add_argument("--lr-warmup-init", type=float, default=0.0)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--start-weight-decay", type=float, default=None)
+    g.add_argument("--end-weight-decay", type=float, default=None)
+    g.add_argument("--weight-decay-incr-style", choices=["constant", "linear", "cosine"], default="constant")
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
+    g.add_argument("--override-opt_param-scheduler", action="store_true", default=False)
+    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true", default=False)
+    g.add_argument("--optimizer-cpu-offload", action="store_true", default=False)
+    g.add_argument("--optimizer-offload-fraction", type=float, default=1.0)
+    g.add_argument("--overlap-cpu-optimizer-d2h-h2d", action="store_true", default=False)
+    g.add_argument("--use-precision-aware-optimizer", action="store_true", default=False)
+
+    g = parser.add_argument_group("megatron: precision")
+    g.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                   help="bf16 training; default on with a GPU, off on CPU.")
+    g.add_argument("--fp16", action="store_true", default=False)
+    g.add_argument("--loss-scale", type=float, default=None)
+    g.add_argument("--initial-loss-scale", type=float, default=2**32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=float, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+    g.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None)
+
+    g = parser.add_argument_group("megatron: training")
+    g.add_argument("--micro-batch-size", type=int, default=None)
+    g.add_argument("--global-batch-size", type=int, default=None)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--train-samples", type=int, default=None)
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--recompute-activations", action="store_true", default=False)
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--recompute-modules", type=str, nargs="*", default=None)
+    g.add_argument("--calculate-per-token-loss", action="store_true", default=False)
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_false", default=True)
+    g.add_argument("--empty-unused-memory-level", type=int, choices=[0, 1, 2], default=0)
+    g.add_argument("--manual-gc", action="store_true", default=False)
+    g.add_argument("--manual-gc-interval", type=int, default=0)
+    g.add_argument("--deterministic-mode", action="store_true", default=False)
+    g.add_argument("--exit-interval", type=int, default=None)
+    g.add_argument("--exit-duration-in-mins", type=int, default=None)
+    g.add_argument("--tensorboard-dir", type=str, default=None)
+    g.add_argument("--log-timers-to-tensorboard", action="store_true", default=False)
+    g.add_argument("--log-params-norm", action="store_true", default=False)
+    g.add_argument("--log-num-zeros-in-grad", action="store_true", default=False)
+    g.add_argument("--log-throughput", action="store_true", default=False)
+    g.add_argument("--timing-log-level", type=int, choices=[0, 1, 2], default=0)
+    g.add_argument("--wandb-project", type=str, default="")
+    g.add_argument("--wandb-exp-name", type=str, default="")
+    g.add_argument("--wandb-save-dir", type=str, default="")
+
+    g = parser.add_argument_group("megatron: checkpointing")
+    g.add_argument("--load", type=str, default=None)
+    g.add_argument("--save", type=str, default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-save-optim", action="store_true", default=None)
+    g.add_argument("--no-save-rng", action="store_true", default=None)
+    g.add_argument("--no-load-optim", action="store_true", default=None)
+    g.add_argument("--no-load-rng", action="store_true", default=None)
+    g.add_argument("--finetune", action="store_true", default=False)
+    g.add_argument("--ckpt-step", type=int, default=None)
+    g.add_argument("--ckpt-format", choices=["torch", "torch_dist", "zarr", "torch_dcp"], default="torch_dist")
+    g.add_argument("--pretrained-checkpoint", type=str, default=None)
+    g.add_argument("--use-checkpoint-args", action="store_true", default=False)
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true", default=False)
+    g.add_argument("--auto-detect-ckpt-format", action="store_true", default=False)
+    g.add_argument("--no-ckpt-fully-parallel-save", dest="ckpt_fully_parallel_save", action="store_false",
+                   default=True)
+    g.add_argument("--ckpt-fully-parallel-load", action="store_true", default=False)
+    g.add_argument("--async-save", action="store_true", default=None)
+    g.add_argument("--ckpt-assume-constant-structure", action="store_true", default=False)
+    g.add_argument("--dist-ckpt-strictness", type=str, default="assume_ok_unexpected")
+    g.add_argument("--non-persistent-save-interval", type=int, default=None)
+
+    g = parser.add_argument_group("megatron: tokenizer and data")
+    g.add_argument("--tokenizer-type", type=str, default=None,
+                   choices=["BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer", "SentencePieceTokenizer",
+                            "GPTSentencePieceTokenizer", "HuggingFaceTokenizer", "Llama2Tokenizer", "TikTokenizer",
+                            "MultimodalTokenizer", "NullTokenizer", "NullMultimodalTokenizer"])
+    g.add_argument("--tokenizer-model", type=str, default=None)
+    g.add_argument("--vocab-file", type=str, default=None)
+    g.add_argument("--merge-file", type=str, default=None)
+    g.add_argument("--data-path", nargs="*", default=None)
+    g.add_argument("--split", type=str, default=None)
+    g.add_argument("--num-workers", type=int, default=2)
+    return parser
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# HF config -> Megatron architecture (inference and consistency check)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _rope_theta(cfg):
+    theta = getattr(cfg, "rope_theta", None)
+    if theta is None:
+        theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta")
+    return theta
+
+
+def _hf_architecture(cfg) -> dict:
+    """Megatron flag values (by dest) that describe the HF model `cfg`."""
+    model_type = getattr(cfg, "model_type", "") or ""
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    arch = {
+        "num_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
+        "ffn_hidden_size": getattr(cfg, "intermediate_size", None), "num_attention_heads": heads,
+        "group_query_attention": kv_heads != heads, "num_query_groups": kv_heads,
+        "kv_channels": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+        "norm_epsilon": getattr(cfg, "rms_norm_eps", None), "rotary_base": _rope_theta(cfg),
+        "untie_embeddings_and_output_weights": not getattr(cfg, "tie_word_embeddings", False),
+        "swiglu": getattr(cfg, "hidden_act", None) == "silu", "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": getattr(cfg, "max_position_embeddings", None),
+        "qk_layernorm": model_type.startswith("qwen3"),
+        "add_qkv_bias": model_type in ("qwen2", "qwen2_moe") or bool(getattr(cfg, "attention_bias", False)),
+        "add_bias_linear": False, "position_embedding_type": "rope",
+    }
+    if arch["norm_epsilon"] is not None:
+        arch["normalization"] = "RMSNorm"
+    if arch["rotary_base"] is not None:
+        arch["rotary_base"] = int(arch["rotary_base"])
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if rope.get("rope_type") == "llama3":
+        arch.update(use_rope_scaling=True, rope_scaling_factor=float(rope.get("factor", 8.0)))
+    if getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None):
+        arch.update(
+            num_experts=getattr(cfg, "num_experts", None) or cfg.num_local_experts,
+            moe_router_topk=cfg.num_experts_per_tok,
+            moe_ffn_hidden_size=getattr(cfg, "moe_intermediate_size", None) or arch["ffn_hidden_size"],
+        )
+        if getattr(cfg, "shared_expert_intermediate_size", None):
+            arch["moe_shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
+    return arch
+
+
+# (HF attribute shown in messages, Megatron flag, dest): pairs that must agree (spec §4.1 step 5, plus kv groups).
+_HF_CHECKS = (
+    ("hidden_size", "--hidden-size", "hidden_size"),
+    ("num_attention_heads", "--num-attention-heads", "num_attention_heads"),
+    ("num_hidden_layers", "--num-layers", "num_layers"),
+    ("intermediate_size", "--ffn-hidden-size", "ffn_hidden_size"),
+    ("tie_word_embeddings", "--untie-embeddings-and-output-weights", "untie_embeddings_and_output_weights"),
+    ("rms_norm_eps", "--norm-epsilon", "norm_epsilon"),
+    ("rope_theta", "--rotary-base", "rotary_base"),
+    ("num_key_value_heads", "--num-query-groups", "num_query_groups"),
+)
+
+
+def _apply_hf_config(args, error, check_paths):
+    """Fill Megatron architecture flags the user did not give from `--hf-checkpoint`'s config.json, and check
+    that the ones given agree with it. Also defaults `--model-name` to the lowercased HF config class name."""
+    path = args.hf_checkpoint
+    if not os.path.exists(path) and not check_paths:
+        return  # dry run of a launch script for another machine: nothing to read
+    from transformers import AutoConfig
+
+    try:
+        cfg = AutoConfig.from_pretrained(path, trust_remote_code=True)
+    except Exception as e:
+        error(f"--hf-checkpoint {path}: cannot read an HF model config there ({type(e).__name__}: "
+              f"{str(e).splitlines()[0] if str(e) else ''}). Point it at a directory with config.json.")
+    if args.model_name is None:
+        args.model_name = type(cfg).__name__.lower()
+    if not hasattr(cfg, "num_hidden_layers") or not hasattr(cfg, "num_attention_heads"):
+        return  # not a decoder LLM config we know how to map; Megatron flags must be given
+    arch = _hf_architecture(cfg)
+    infer_all = args.num_layers is None  # no MODEL_ARGS at all: the HF config is the whole description
+    for dest, value in arch.items():
+        if value is None or not hasattr(args, dest):
+            continue
+        if infer_all or getattr(args, dest) is None:
+            setattr(args, dest, value)
+
+    mismatches = []
+    for hf_name, flag, dest in _HF_CHECKS:
+        hf_value = arch[dest]
+        mine = getattr(args, dest, None)
+        if dest == "num_query_groups" and not args.group_query_attention:
+            mine = args.num_attention_heads
+        if hf_value is None or mine is None:
+            continue
+        if dest == "untie_embeddings_and_output_weights":
+            if bool(mine) != bool(hf_value):
+                mismatches.append(f"{flag} is {'set' if mine else 'not set'} but tie_word_embeddings="
+                                  f"{not hf_value}")
+        elif (abs(float(mine) - float(hf_value)) > 1e-12 * max(1.0, abs(float(hf_value)))
+              if isinstance(hf_value, float) or isinstance(mine, float) else mine != hf_value):
+            mismatches.append(f"{flag} {mine} but {hf_name}={hf_value}")
+    if mismatches:
+        error(f"Megatron model flags disagree with --hf-checkpoint {path}/config.json: {'; '.join(mismatches)}. "
+              "Fix the MODEL_ARGS (or drop them to infer everything from the HF config).")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Defaults and validation
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _vocab_size_with_padding(vocab_size, args):
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    return (vocab_size + multiple - 1) // multiple * multiple
+
+
+def set_default_megatron_args(args):
+    """Spec §4.1 step 6 (bf16 only with a GPU: CPU training runs in fp32)."""
+    args.use_distributed_optimizer = True
+    if args.bf16 is None:
+        args.bf16 = not is_cpu() and not args.fp16
+    if args.seq_length is None:
+        args.seq_length = 4096
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if getattr(args, "rope_type", None) is None:
+        args.rope_type = "yarn" if getattr(args, "multi_latent_attention", False) else "rope"
+    if args.vocab_size and not args.padded_vocab_size:
+        args.padded_vocab_size = _vocab_size_with_padding(args.vocab_size, args)
+    if not args.tokenizer_model and not args.tokenizer_type:
+        args.tokenizer_model = args.hf_checkpoint
+        args.tokenizer_type = "HuggingFaceTokenizer"
+    return args
+
+
+def _checkpoint_exists(path):
+    return path is not None and os.path.exists(os.path.join(path, "latest_checkpointed_iteration.txt"))
+
+
+def slime_validate_args(args, error, check_paths=True):
+    """Spec §4.3 rules 1-18 (v0.1.0 order) plus `--save-interval` needs `--save` and the cluster shape."""
+    # 1. KL needs the reference checkpoint. Without --ref-load the initial weights (--hf-checkpoint) are the reference.
+    if (args.kl_coef != 0 or args.use_kl_loss) and args.ref_load is not None and check_paths:
+        if not os.path.exists(args.ref_load):
+            error(f"--ref-load {args.ref_load} does not exist (needed by --use-kl-loss / --kl-coef).")
+        if not _checkpoint_exists(args.ref_load):
+            logger.warning("--ref-load %s has no latest_checkpointed_iteration.txt", args.ref_load)
+    # 2. Nothing to resume from: start from the reference weights, fresh optimizer.
+    if args.load is None or (check_paths and not _checkpoint_exists(args.load)):
+        args.no_load_optim = args.no_load_rng = args.finetune = True
+        args.load = args.ref_load
+        if args.ref_ckpt_step is not None:
+            args.ckpt_step = args.ref_ckpt_step
+        if args.start_rollout_id is None:
+            args.start_rollout_id = 0
+    # 3.
+    if args.eval_interval is not None and not args.eval_prompt_data:
+        error("--eval-interval needs --eval-prompt-data (name path [name path ...]).")
+    if args.eval_prompt_data is not None:
+        if len(args.eval_prompt_data) == 1:
+            args.eval_prompt_data = ["aime", args.eval_prompt_data[0]]
+        if len(args.eval_prompt_data) % 2 != 0:
+            error(f"--eval-prompt-data takes name/path pairs; got {len(args.eval_prompt_data)} values: "
+                  f"{' '.join(args.eval_prompt_data)}")
+    # 4.
+    if args.kl_coef != 0 and args.kl_loss_coef != 0:
+        error("--kl-coef (KL in the reward) and --kl-loss-coef (KL loss) cannot both be non-zero; pick one.")
+    # 5.
+    if args.advantage_estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline") \
+            and not args.normalize_advantages:
+        error(f"--advantage-estimator {args.advantage_estimator} requires --normalize-advantages.")
+    # 6.
+    if args.use_dynamic_batch_size and args.max_tokens_per_gpu is None:
+        error("--use-dynamic-batch-size requires --max-tokens-per-gpu.")
+    if args.log_probs_max_tokens_per_gpu is None:
+        args.log_probs_max_tokens_per_gpu = args.max_tokens_per_gpu
+    # 7.
+    if args.eps_clip_high is None:
+        args.eps_clip_high = args.eps_clip
+    if args.eps_clip_c is not None and args.eps_clip_c <= 1.0:
+        error(f"--eps-clip-c {args.eps_clip_c}: the dual-clip lower bound must be > 1.")
+    if args.eval_reward_key is None:
+        args.eval_reward_key = args.reward_key
+    # 8.
+    if args.dump_details is not None:
+        args.save_debug_rollout_data = os.path.join(args.dump_details, "rollout_data", "{rollout_id}.pt")
+        args.save_debug_train_data = os.path.join(args.dump_details, "train_data", "{rollout_id}_{rank}.pt")
+    # 9.
+    if args.load_debug_rollout_data is not None:
+        args.debug_train_only = True
+    # 11. (checked before 10 so the message names the real conflict)
+    if args.debug_rollout_only and args.debug_train_only:
+        error("--debug-rollout-only and --debug-train-only (or --load-debug-rollout-data) are mutually exclusive.")
+    actor_total = args.actor_num_nodes * args.actor_num_gpus_per_node
+    # 10.
+    if args.debug_rollout_only:
+        if args.colocate and args.rollout_num_gpus is None:
+            args.rollout_num_gpus = actor_total
+        elif args.rollout_num_gpus is None:
+            error("--debug-rollout-only needs --rollout-num-gpus (or --colocate) to size the inference engines.")
+        else:
+            args.actor_num_gpus_per_node = min(8, args.rollout_num_gpus)
+            args.actor_num_nodes = args.rollout_num_gpus // args.actor_num_gpus_per_node
+        args.colocate = args.offload = False
+    # 12.
+    if args.colocate:
+        args.offload = True
+        if args.rollout_num_gpus != actor_total:
+            if args.rollout_num_gpus is not None:
+                logger.warning("--colocate: rollout_num_gpus %s -> %s (the actor GPUs)", args.rollout_num_gpus,
+                               actor_total)
+            args.rollout_num_gpus = actor_total
+    if not args.debug_train_only:
+        if args.rollout_num_gpus is None:
+            error("--rollout-num-gpus is required unless --colocate or --debug-train-only.")
+        if args.rollout_num_gpus % args.rollout_num_gpus_per_engine != 0:
+            error(f"--rollout-num-gpus {args.rollout_num_gpus} is not a multiple of --rollout-num-gpus-per-engine "
+                  f"{args.rollout_num_gpus_per_engine}.")
+    # 13.
+    if args.eval_function_path is None:
+        args.eval_function_path = args.rollout_function_path
+    # 14, 15.
+    samples = args.rollout_batch_size * args.n_samples_per_prompt
+    if args.num_steps_per_rollout is not None:
+        gbs = samples // args.num_steps_per_rollout
+        if args.global_batch_size is not None and args.global_batch_size != gbs:
+            error(f"--global-batch-size {args.global_batch_size} contradicts --num-steps-per-rollout "
+                  f"{args.num_steps_per_rollout} (rollout-batch-size*n-samples-per-prompt/steps = {gbs}).")
+        if gbs == 0 or samples % args.num_steps_per_rollout != 0:
+            error(f"--num-steps-per-rollout {args.num_steps_per_rollout} does not divide rollout-batch-size*"
+                  f"n-samples-per-prompt = {samples}.")
+        args.global_batch_size = gbs
+    if args.global_batch_size is None:
+        if not args.debug_rollout_only:
+            error("--global-batch-size (or --num-steps-per-rollout) is required.")
+    elif samples % args.global_batch_size != 0:
+        error(f"--rollout-batch-size {args.rollout_batch_size} x --n-samples-per-prompt {args.n_samples_per_prompt} "
+              f"= {samples} samples is not divisible by --global-batch-size {args.global_batch_size}.")
+    # 16.
+    if args.n_samples_per_prompt == 1:
+        args.grpo_std_normalization = False
+    # 17.
+    if args.over_sampling_batch_size is None:
+        args.over_sampling_batch_size = args.rollout_batch_size
+    if args.over_sampling_batch_size < args.rollout_batch_size:
+        error(f"--over-sampling-batch-size {args.over_sampling_batch_size} must be >= --rollout-batch-size "
+              f"{args.rollout_batch_size}.")
+    # 18.
+    if args.num_epoch is not None:
+        if args.num_rollout is not None:
+            logger.warning("Both --num-epoch and --num-rollout are set; --num-epoch is ignored.")
+        elif not args.rollout_global_dataset:
+            error("--num-epoch needs the global dataset (drop --disable-rollout-global-dataset or use --num-rollout).")
+    elif args.num_rollout is None:
+        error("one of --num-rollout or --num-epoch is required.")
+    if args.save_interval is not None and args.save is None:
+        error("--save-interval requires --save (the checkpoint directory).")
+
+
+def _megatron_defaults(args):
+    """Megatron defaults that depend on the machine or on other flags (what Megatron's validate_args derives)."""
+    if args.norm_epsilon is None:
+        args.norm_epsilon = 1e-5
+    if args.rotary_base is None:
+        args.rotary_base = 10000
+    if args.transformer_impl is None:
+        args.transformer_impl = "local" if is_cpu() else "transformer_engine"
+    if args.gradient_accumulation_fusion is None:
+        args.gradient_accumulation_fusion = not is_cpu()
+    if args.distributed_backend is None:
+        args.distributed_backend = dist_backend()
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
+    if args.recompute_activations:
+        args.recompute_granularity = "selective"
+    if args.hidden_size is not None:
+        if args.ffn_hidden_size is None:
+            args.ffn_hidden_size = int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu else 4 * args.hidden_size
+        if args.kv_channels is None and args.num_attention_heads:
+            args.kv_channels = args.hidden_size // args.num_attention_heads
+    if args.num_experts is not None and args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = args.tensor_model_parallel_size
+    for name in ("no_save_optim", "no_save_rng", "no_load_optim", "no_load_rng", "async_save"):
+        if getattr(args, name) is None:
+            setattr(args, name, False)
+    if args.use_cpu_initialization is None:
+        args.use_cpu_initialization = False
+
+
+def megatron_validate_args(args, error):
+    """The checks of Megatron's validate_args that matter for slime, with flag-naming messages."""
+    missing = [f for f, d in (("--num-layers", "num_layers"), ("--hidden-size", "hidden_size"),
+                              ("--num-attention-heads", "num_attention_heads")) if getattr(args, d) is None]
+    if missing:
+        error(f"{', '.join(missing)} required: give the model's MODEL_ARGS (scripts/models/*.sh) or "
+              "--hf-checkpoint to infer them from its config.json.")
+    if args.lr is None:
+        error("--lr is required for training.")
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    model_parallel = tp * pp * cp
+    if args.world_size % model_parallel != 0:
+        error(f"world size {args.world_size} (--actor-num-nodes x --actor-num-gpus-per-node) is not divisible by "
+              f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} x --context-parallel-size {cp}.")
+    args.data_parallel_size = args.world_size // model_parallel
+    if args.global_batch_size is not None and args.global_batch_size % (args.micro_batch_size * args.data_parallel_size):
+        error(f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+              f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}.")
+    if args.fp16 and args.bf16:
+        error("--fp16 and --bf16 are mutually exclusive.")
+    if args.lr_warmup_fraction is not None and args.lr_warmup_iters != 0:
+        error("--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive.")
+    if args.recompute_granularity == "full" and args.recompute_method is None:
+        error("--recompute-granularity full requires --recompute-method (uniform or block).")
+    if args.recompute_method is not None and args.recompute_granularity != "full":
+        error("--recompute-method is only used with --recompute-granularity full.")
+    if args.num_attention_heads % tp:
+        error(f"--num-attention-heads {args.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}.")
+    if args.group_query_attention and args.num_query_groups % tp:
+        error(f"--num-query-groups {args.num_query_groups} is not divisible by --tensor-model-parallel-size {tp}.")
+    if args.kv_channels is None and args.hidden_size % args.num_attention_heads:
+        error(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {args.num_attention_heads}; "
+              "give --kv-channels.")
+    uneven = args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None
+    if not uneven and args.num_layers % pp:
+        error(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}.")
+    args.virtual_pipeline_model_parallel_size = args.num_virtual_stages_per_pipeline_rank
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        per_stage = args.num_layers // pp
+        if pp == 1 or per_stage % args.num_layers_per_virtual_pipeline_stage:
+            error(f"--num-layers-per-virtual-pipeline-stage {args.num_layers_per_virtual_pipeline_stage} needs "
+                  f"--pipeline-model-parallel-size > 1 and must divide the {per_stage} layers per pipeline stage.")
+        args.virtual_pipeline_model_parallel_size = per_stage // args.num_layers_per_virtual_pipeline_stage
+    ep = args.expert_model_parallel_size
+    if ep > 1 and args.num_experts is None:
+        error(f"--expert-model-parallel-size {ep} needs a MoE model (--num-experts).")
+    if args.num_experts is not None and args.num_experts % ep:
+        error(f"--num-experts {args.num_experts} is not divisible by --expert-model-parallel-size {ep}.")
+    if tp == 1:
+        args.sequence_parallel = False
+    if args.sequence_parallel and is_cpu():
+        # Megatron's local (non-TE) norms cannot do sequence parallelism; it only saves activation memory.
+        logger.warning("--sequence-parallel ignored on CPU (needs Transformer Engine / Apex norms)")
+        args.sequence_parallel = False
+    import torch
+
+    args.params_dtype = torch.half if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
+
+
+def _resolve_inference_server(args, error):
+    if args.inference_server == "auto":
+        args.inference_server = "sglang" if sglang_available() and not is_cpu() else "cpu"
+    elif args.inference_server == "sglang" and not sglang_available():
+        error("--inference-server sglang: SGLang is not installed here (pip install 'slime[sglang]' on a GPU machine), "
+              "or use --inference-server cpu.")
+
+
+def _megatron_training_available():
+    try:
+        return importlib.util.find_spec("megatron.training") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def _build_parser(add_slime_arguments):
+    parser = argparse.ArgumentParser(
+        prog=os.path.basename(sys.argv[0]) or "slime", usage="%(prog)s [options]", allow_abbrev=False,
+        description="slime: RL post-training with Megatron + SGLang (slime, Megatron-LM and --sglang-* options).",
+    )
+    add_megatron_arguments(parser)
+    add_slime_arguments(parser)
+    return parser
+
+
+def _parse_with_megatron(add_slime_arguments, argv):
+    """Megatron-LM on PYTHONPATH: its parser with slime's flags as extra args (slime's own layering)."""
+    from megatron.training.arguments import parse_args as megatron_parse_args
+
+    captured = {}
+
+    def provider(parser):
+        captured["parser"] = parser
+        return add_slime_arguments(parser)
+
+    saved = sys.argv
+    if argv is not None:
+        sys.argv = [saved[0] if saved else "slime", *argv]
+    try:
+        args = megatron_parse_args(extra_args_provider=provider)
+    finally:
+        sys.argv = saved
+    if not args.bf16:
+        args.bf16 = None  # Megatron's --bf16 cannot say "off"; None lets slime pick it from the machine
+    return args, captured["parser"]
+
+
+def parse_args(add_custom_arguments=None, argv=None, *, check_paths=True):
+    """Parse and validate the job's arguments (spec §4.1). `argv` defaults to sys.argv[1:].
+
+    `check_paths=False` validates a launch script meant for another machine: no checkpoint / HF paths are read,
+    and with `--inference-server auto` the CPU-server compatibility check is skipped."""
+    add_slime_arguments = get_slime_extra_args_provider(add_custom_arguments)
+    with_megatron = _megatron_training_available()
+    if with_megatron:
+        args, parser = _parse_with_megatron(add_slime_arguments, argv)
+    else:
+        parser = _build_parser(add_slime_arguments)
+        args = parser.parse_args(argv)
+    error = parser.error
+
+    if args.hf_checkpoint:
+        _apply_hf_config(args, error, check_paths)
+    args.rank = 0
+    args.world_size = args.actor_num_nodes * args.actor_num_gpus_per_node
+    set_default_megatron_args(args)
+    slime_validate_args(args, error, check_paths=check_paths)
+    args.world_size = args.actor_num_nodes * args.actor_num_gpus_per_node  # debug-rollout-only may resize the actors
+    if with_megatron:
+        if not args.debug_rollout_only:
+            from megatron.training.arguments import validate_args as megatron_validate
+
+            megatron_validate(args)
+    else:
+        _megatron_defaults(args)
+        if not args.debug_rollout_only:
+            megatron_validate_args(args, error)
+    args.variable_seq_lengths = True
+    if getattr(args, "moe_token_dispatcher_type", None) == "allgather":
+        args.moe_token_dispatcher_type = "alltoall"
+    # A dry run with --inference-server auto validates for the target machine, whose server we cannot know.
+    check_cpu_server = check_paths or args.inference_server == "cpu"
+    _resolve_inference_server(args, error)
+    sglang_validate_args(args, parser, check_cpu_server=check_cpu_server)
+    return args
+
+
+if __name__ == "__main__":
+    parse_args(argv=sys.argv[1:], check_paths=False)
+    print("ok")

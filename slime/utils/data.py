@@ -1,0 +1,99 @@
+"""Prompt datasets: `read_file` (jsonl/json/parquet via HF `datasets`) and `Dataset` (spec §8.6)."""
+import json
+import os
+import random
+
+from slime.utils.types import Sample
+
+_READERS = {".jsonl": "from_json", ".json": "from_json", ".parquet": "from_parquet"}
+
+
+def _check_jsonl(path):
+    """Fail on the first line that is not a JSON object, naming file and line (datasets' own error does not)."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object per line, got {type(record).__name__}")
+
+
+def read_file(path):
+    """Load a .jsonl / .json / .parquet file as an HF `datasets.Dataset` (iterate it for row dicts)."""
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in _READERS:
+        raise ValueError(f"{path}: unsupported data file type {ext or '(none)'!r}; use .jsonl, .json or .parquet")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"data file {path} does not exist")
+    if ext == ".jsonl":
+        _check_jsonl(path)
+    import datasets
+
+    try:
+        return getattr(datasets.Dataset, _READERS[ext])(path)
+    except Exception as e:
+        raise ValueError(f"{path}: cannot read as {ext[1:]} ({type(e).__name__}: {e})") from e
+
+
+class Dataset:
+    """Prompts of one file as `Sample`s, optionally chat-templated, long ones dropped, shufflable per epoch."""
+
+    def __init__(self, path, tokenizer, max_length, *, prompt_key="text", label_key=None, tool_key=None,
+                 metadata_key="metadata", seed=42, apply_chat_template=False):
+        data = read_file(path)
+        for key, flag in ((prompt_key, "--input-key"), (label_key, "--label-key"), (tool_key, "--tool-key")):
+            if key is not None and key not in data.column_names:
+                raise ValueError(f"{path}: no column {key!r} ({flag}); its columns are {data.column_names}")
+
+        prompts, rows = [], []
+        for row in data:
+            prompt = row[prompt_key]
+            if apply_chat_template:
+                tools = row[tool_key] if tool_key is not None else None
+                if isinstance(tools, str):  # tools are often stored as a JSON string column
+                    tools = json.loads(tools)
+                prompt = tokenizer.apply_chat_template(prompt, tools, tokenize=False, add_generation_prompt=True)
+            prompts.append(prompt)
+            rows.append(row)
+
+        keep = self._within_length(prompts, tokenizer, max_length)
+        self.origin_samples = [
+            Sample(prompt=prompt, label=row[label_key] if label_key is not None else None,
+                   metadata=row.get(metadata_key) or {})
+            for prompt, row, ok in zip(prompts, rows, keep) if ok
+        ]
+        self.seed = seed
+        self.epoch_id = -1
+        self.samples = self.origin_samples
+
+    @staticmethod
+    def _within_length(prompts, tokenizer, max_length):
+        """Which prompts are at most `max_length` tokens; message-list prompts (no template applied) are kept."""
+        keep = [True] * len(prompts)
+        if max_length is None:
+            return keep
+        text_idx = [i for i, p in enumerate(prompts) if isinstance(p, str)]
+        if text_idx:
+            ids = tokenizer([prompts[i] for i in text_idx], add_special_tokens=False)["input_ids"]
+            for i, toks in zip(text_idx, ids):
+                keep[i] = len(toks) <= max_length
+        return keep
+
+    def shuffle(self, new_epoch_id):
+        """Deterministic permutation of the original order for `new_epoch_id` (a no-op for the current epoch)."""
+        if self.epoch_id == new_epoch_id:
+            return
+        permutation = list(range(len(self.origin_samples)))
+        random.Random(self.seed + new_epoch_id).shuffle(permutation)  # == random.seed(seed+epoch); random.shuffle
+        self.samples = [self.origin_samples[i] for i in permutation]
+        self.epoch_id = new_epoch_id
+
+    def __getitem__(self, idx):
+        return self.samples[idx]
+
+    def __len__(self):
+        return len(self.samples)

@@ -1,0 +1,228 @@
+"""Core utilities: Sample/ParamInfo types, load_function, SingletonMeta, periodic actions, Timer, async loop, HTTP."""
+import asyncio
+import socket
+import threading
+import time
+from argparse import Namespace
+
+import pytest
+
+from slime.utils import async_utils, http_utils
+from slime.utils.misc import SingletonMeta, load_function, should_run_periodic_action
+from slime.utils.ray_utils import Box
+from slime.utils.timer import Timer, timer
+from slime.utils.types import ParamInfo, Sample
+
+# ---------------------------------------------------------------- types
+
+
+def test_sample_round_trip_and_status_string():
+    s = Sample(index=3, prompt=[{"role": "user", "content": "hi"}], tokens=[1, 2, 3], response="x", response_length=1,
+               label="7", reward={"acc": 1.0}, loss_mask=[1], rollout_log_probs=[-0.5],
+               status=Sample.Status.TRUNCATED, metadata={"k": "v"})
+    d = s.to_dict()
+    assert d["status"] == "truncated" and d["tokens"] == [1, 2, 3] and d["metadata"] == {"k": "v"}
+    snapshot = dict(d)
+    back = Sample.from_dict(d)
+    assert d == snapshot  # the caller's dict is not mutated
+    assert back == s and back.status is Sample.Status.TRUNCATED
+
+
+def test_sample_defaults_are_independent_and_unknown_keys_survive():
+    a, b = Sample(), Sample()
+    a.tokens.append(1)
+    a.metadata["x"] = 1
+    assert b.tokens == [] and b.metadata == {} and b.status is Sample.Status.PENDING
+    s = Sample.from_dict({"prompt": "p", "status": "completed", "future_field": 5})
+    assert s.status is Sample.Status.COMPLETED and s.future_field == 5
+
+
+def test_get_reward_value():
+    s = Sample(index=1, reward={"acc": 0.5, "fmt": 1.0})
+    assert s.get_reward_value(Namespace(reward_key="acc")) == 0.5
+    assert Sample(reward=0.25).get_reward_value(Namespace(reward_key=None)) == 0.25
+    assert Sample(reward=0.25).get_reward_value(Namespace()) == 0.25
+    with pytest.raises(KeyError, match="--reward-key 'score'"):
+        s.get_reward_value(Namespace(reward_key="score"))
+
+
+@pytest.mark.parametrize("reason,status", [("length", "TRUNCATED"), ("abort", "ABORTED"), ("stop", "COMPLETED"),
+                                           ("weird", "PENDING")])
+def test_apply_finish_reason(reason, status):
+    s = Sample()
+    s.apply_finish_reason({"finish_reason": {"type": reason}, "weight_version": 4, "prompt_tokens": 3,
+                           "cached_tokens": 1})
+    s.apply_finish_reason({"finish_reason": {"type": reason}, "weight_version": "5", "prompt_tokens": 2})
+    assert s.status is Sample.Status[status]
+    assert s.weight_versions == ["4", "5"]
+    assert s.spec_info == {"prompt_tokens": 5, "cached_tokens": 1}
+
+
+def test_param_info_is_frozen():
+    p = ParamInfo("w", "float32", (2, 3), {}, 24, 0)
+    with pytest.raises(Exception):
+        p.name = "v"
+    assert p.shape == (2, 3) and p.size == 24
+
+
+def test_box_keeps_its_content():
+    obj = object()
+    assert Box(obj).inner is obj
+
+
+# ---------------------------------------------------------------- misc
+
+
+def test_load_function_and_its_errors():
+    import os.path
+
+    assert load_function("os.path.join") is os.path.join
+    with pytest.raises(ImportError, match=r"cannot load 'nope_pkg\.mod\.fn': module 'nope_pkg\.mod' not found"):
+        load_function("nope_pkg.mod.fn")
+    with pytest.raises(ImportError, match=r"module 'os\.path' has no attribute 'nope'"):
+        load_function("os.path.nope")
+    with pytest.raises(ValueError, match="dotted path"):
+        load_function("join")
+
+
+def test_singleton_meta():
+    class Thing(metaclass=SingletonMeta):
+        def __init__(self):
+            self.n = 0
+
+    a = Thing()
+    a.n = 5
+    assert Thing() is a and Thing().n == 5
+    SingletonMeta.clear_instances(Thing)
+    assert Thing().n == 0
+    SingletonMeta.clear_instances(Thing)
+
+
+def test_should_run_periodic_action():
+    assert not should_run_periodic_action(4, None)
+    assert [r for r in range(12) if should_run_periodic_action(r, 5)] == [4, 9]
+    # epoch boundaries (every 3 rollouts) count too
+    assert [r for r in range(12) if should_run_periodic_action(r, 5, 3)] == [2, 4, 5, 8, 9, 11]
+
+
+# ---------------------------------------------------------------- timer
+
+
+def test_timer_accumulates_and_decorates():
+    SingletonMeta.clear_instances(Timer)
+    t = Timer()
+    assert Timer() is t
+    t.start("step")
+    time.sleep(0.01)
+    t.end("step")
+    t.add("step", 1.0)
+    assert 1.01 <= t.log_dict()["step"] < 2.0
+    with pytest.raises(AssertionError, match="already started"):
+        t.start("x")
+        t.start("x")
+    t.end("x")
+    with pytest.raises(AssertionError, match="not started"):
+        t.end("never")
+
+    @timer
+    def work():
+        return 42
+
+    assert work() == 42 and "work" in t.log_dict()
+    with timer("ctx"):
+        pass
+    assert "ctx" in t.log_dict()
+    t.reset("ctx")
+    assert "ctx" not in t.log_dict()
+    t.reset()
+    assert t.log_dict() == {}
+    SingletonMeta.clear_instances(Timer)
+
+
+# ---------------------------------------------------------------- async loop
+
+
+def test_async_run_uses_one_background_loop():
+    async def loop_id(x):
+        await asyncio.sleep(0)
+        return id(asyncio.get_running_loop()), x * 2
+
+    (l1, v1), (l2, v2) = async_utils.run(loop_id(1)), async_utils.run(loop_id(2))
+    assert l1 == l2 == id(async_utils.get_async_loop()) and (v1, v2) == (2, 4)
+
+    async def slow():
+        await asyncio.sleep(5)
+
+    with pytest.raises(TimeoutError, match="did not finish within 0.2s"):
+        async_utils.run(slow(), timeout=0.2)
+
+
+# ---------------------------------------------------------------- http
+
+
+def test_ports_and_host_info(monkeypatch):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        assert not http_utils.is_port_available(busy)
+    port = http_utils.find_available_port(20000)
+    assert port >= 20100 and http_utils.is_port_available(port)
+    monkeypatch.setenv("SLIME_HOST_IP", "10.1.2.3")
+    assert http_utils.get_host_info()[1] == "10.1.2.3"
+
+
+@pytest.fixture
+def http_server():
+    """A tiny aiohttp server on 127.0.0.1: /echo (JSON echo), /bad (400), /flaky (500 twice, then 200)."""
+    from aiohttp import web
+
+    calls = {"flaky": 0}
+
+    async def echo(request):
+        return web.json_response({"got": await request.json() if request.can_read_body else None})
+
+    async def bad(request):
+        return web.json_response({"error": "no such model"}, status=400)
+
+    async def flaky(request):
+        calls["flaky"] += 1
+        if calls["flaky"] <= 2:
+            return web.Response(status=500, text="busy")
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.add_routes([web.post("/echo", echo), web.get("/echo", echo), web.post("/bad", bad), web.post("/flaky", flaky)])
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = site._server.sockets[0].getsockname()[1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{port}", calls
+    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+    loop.close()
+
+
+def test_http_post_get_and_errors(http_server, monkeypatch):
+    url, calls = http_server
+    assert async_utils.run(http_utils.post(f"{url}/echo", {"a": 1}), timeout=30) == {"got": {"a": 1}}
+    assert async_utils.run(http_utils.get(f"{url}/echo"), timeout=30) == {"got": None}
+    with pytest.raises(http_utils.HTTPStatusError, match=r"/bad answered HTTP 400: .*no such model"):
+        async_utils.run(http_utils.post(f"{url}/bad", {}), timeout=30)
+
+    async def no_wait(_):  # make retries instant
+        return None
+
+    monkeypatch.setattr(http_utils.asyncio, "sleep", no_wait)
+    assert async_utils.run(http_utils.post(f"{url}/flaky", {}, max_retries=5), timeout=30) == {"ok": True}
+    assert calls["flaky"] == 3  # 5xx is retried
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]  # bound but not listening: connection refused
+        with pytest.raises(ConnectionError, match=rf"POST http://127.0.0.1:{dead}/x failed after 2 attempt"):
+            async_utils.run(http_utils.post(f"http://127.0.0.1:{dead}/x", {}, max_retries=2), timeout=30)
