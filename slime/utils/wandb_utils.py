@@ -1,0 +1,149 @@
+"""Weights & Biases: one shared run for the whole job (driver = primary, every actor that logs = secondary).
+
+`init_wandb_primary(args)` runs on the driver and returns the run id (None without `--use-wandb`); actors join the
+same run with `init_wandb_secondary(args, run_id)`. Metric families get their own step axis (spec §4.2 "Metric axes"):
+`train/*` on `train/step`; `rollout/*`, `multi_turn/*`, `passrate/*`, `perf/*` on `rollout/step`; `eval/*` on `eval/step`.
+Without an API key and without an explicit `--wandb-mode`, runs are written offline (sync later with `wandb sync DIR`).
+"""
+import os
+import uuid
+
+# Step axis of each metric family: wandb plots every `<family>/*` metric against its axis.
+METRIC_AXES = {
+    "train": "train/step",
+    "rollout": "rollout/step",
+    "multi_turn": "rollout/step",
+    "passrate": "rollout/step",
+    "perf": "rollout/step",
+    "eval": "eval/step",
+}
+STEP_KEYS = sorted(set(METRIC_AXES.values()))
+
+
+def _resolve_mode(args) -> str:
+    """online | offline | disabled: `--wandb-mode`, else WANDB_MODE, else online only when a key is available."""
+    mode = getattr(args, "wandb_mode", None) or os.environ.get("WANDB_MODE")
+    if mode:
+        if mode not in ("online", "offline", "disabled"):
+            raise ValueError(f"--wandb-mode / WANDB_MODE is {mode!r}; use one of online, offline, disabled")
+        return mode
+    if getattr(args, "wandb_key", None) or os.environ.get("WANDB_API_KEY"):
+        return "online"
+    print("wandb: no --wandb-key / WANDB_API_KEY and no --wandb-mode given: logging offline (upload later with `wandb sync`)")
+    return "offline"
+
+
+def _settings(wandb, mode: str, primary: bool):
+    if mode != "online":
+        return wandb.Settings(mode=mode)
+    # Shared mode lets the driver and every actor write into one run; only the primary finishes it.
+    if primary:
+        return wandb.Settings(mode="shared", x_primary=True)
+    return wandb.Settings(mode="shared", x_primary=False, x_update_finish_state=False)
+
+
+def _login_and_dir(wandb, args, mode: str) -> dict:
+    os.environ["WANDB_MODE"] = mode  # actors started later inherit the mode through the runtime env
+    if mode == "online" and getattr(args, "wandb_key", None):
+        wandb.login(key=args.wandb_key, host=getattr(args, "wandb_host", None))
+    kwargs = {}
+    if getattr(args, "wandb_dir", None):
+        os.makedirs(args.wandb_dir, exist_ok=True)
+        kwargs["dir"] = args.wandb_dir
+    return kwargs
+
+
+def _define_metric_axes(run):
+    for step_key in STEP_KEYS:
+        run.define_metric(step_key)
+    for family, step_key in METRIC_AXES.items():
+        run.define_metric(f"{family}/*", step_metric=step_key)
+
+
+def _config(args) -> dict:
+    return {k: v for k, v in vars(args).items() if not k.startswith("_")}
+
+
+def init_wandb_primary(args):
+    """Start the job's run on the driver. Returns its id (also stored in `args.wandb_run_id`), or None without --use-wandb."""
+    if not getattr(args, "use_wandb", False):
+        args.wandb_run_id = None
+        return None
+    import wandb
+
+    mode = _resolve_mode(args)
+    kwargs = _login_and_dir(wandb, args, mode)
+    group = getattr(args, "wandb_group", None) or "slime"
+    if getattr(args, "wandb_random_suffix", True):
+        group = f"{group}_{uuid.uuid4().hex[:8]}"  # several runs of one script stay apart
+        name = f"{group}-RANK_{getattr(args, 'rank', 0)}"
+    else:
+        name = group
+    run = wandb.init(
+        id=getattr(args, "wandb_run_id", None) or None,
+        entity=getattr(args, "wandb_team", None),
+        project=getattr(args, "wandb_project", None) or "slime",
+        group=group,
+        name=name,
+        config=_config(args),
+        resume="allow",
+        settings=_settings(wandb, mode, primary=True),
+        **kwargs,
+    )
+    _define_metric_axes(run)
+    args.wandb_run_id = run.id
+    return run.id
+
+
+def init_wandb_secondary(args, wandb_run_id):
+    """Join the driver's run from an actor (trainer rank, rollout controller). No-op when `wandb_run_id` is None."""
+    if wandb_run_id is None or not getattr(args, "use_wandb", False):
+        return None
+    import wandb
+
+    mode = _resolve_mode(args)
+    kwargs = _login_and_dir(wandb, args, mode)
+    run = wandb.init(
+        id=wandb_run_id,
+        entity=getattr(args, "wandb_team", None),
+        project=getattr(args, "wandb_project", None) or "slime",
+        config=_config(args),
+        resume="allow",
+        reinit="finish_previous",
+        settings=_settings(wandb, mode, primary=False),
+        **kwargs,
+    )
+    _define_metric_axes(run)
+    return run.id
+
+
+def get_step(args, family: str, step: int) -> int:
+    """The value to log on `family`'s axis. With --wandb-always-use-train-step, rollout-side metrics use the train step
+    reached after rollout `step` (`rollout_id * rollout_batch_size * n_samples_per_prompt // global_batch_size`)."""
+    if family != "train" and getattr(args, "wandb_always_use_train_step", False):
+        return step * args.rollout_batch_size * args.n_samples_per_prompt // args.global_batch_size
+    return step
+
+
+def log(args, metrics: dict, step_key: str, step=None):
+    """Log `metrics` against `step_key` (one of train/step, rollout/step, eval/step). No-op without --use-wandb.
+
+    The step is `step` if given, else `metrics[step_key]`. Returns the dict that was (or would have been) logged.
+    """
+    if step_key not in STEP_KEYS:
+        raise ValueError(f"wandb step_key {step_key!r} is not one of {STEP_KEYS}")
+    record = dict(metrics)
+    if step is not None:
+        record[step_key] = step
+    if step_key not in record:
+        raise ValueError(f"wandb log: pass step= or put {step_key!r} in the metrics dict (got keys {sorted(metrics)})")
+    if getattr(args, "use_wandb", False):
+        import wandb
+
+        if wandb.run is None:
+            raise RuntimeError(
+                "wandb log called with --use-wandb but no run in this process: call init_wandb_primary (driver) or "
+                "init_wandb_secondary(args, run_id) (actors) first"
+            )
+        wandb.log(record)
+    return record

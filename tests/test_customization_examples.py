@@ -1,0 +1,230 @@
+"""Every code example of docs/customization.md, loaded by dotted path as slime loads it, and run.
+
+The `# example` python blocks of the page are written to a module `custom_examples` on sys.path, so the doc cannot
+drift from code that works.
+"""
+import argparse
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+
+from slime.utils.misc import load_function
+from slime.utils.types import Sample
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOC = os.path.join(ROOT, "docs", "customization.md")
+
+
+@pytest.fixture(scope="module")
+def examples(tmp_path_factory):
+    text = open(DOC).read()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.DOTALL) if b.startswith("# example")]
+    assert len(blocks) >= 10, "docs/customization.md lost its examples"
+    d = tmp_path_factory.mktemp("custom_examples")
+    (d / "custom_examples.py").write_text("\n\n".join(blocks))
+    sys.path.insert(0, str(d))
+    yield lambda name: load_function(f"custom_examples.{name}")
+    sys.path.remove(str(d))
+    sys.modules.pop("custom_examples", None)
+
+
+def _data_args(model_dir, prompt_data=None, **kw):
+    base = dict(hf_checkpoint=model_dir, prompt_data=prompt_data, rollout_global_dataset=prompt_data is not None,
+                rollout_max_prompt_len=None, input_key="prompt", label_key="label", metadata_key="metadata",
+                tool_key=None, apply_chat_template=True, rollout_seed=42, rollout_shuffle=False, buffer_filter_path=None,
+                n_samples_per_prompt=2, rollout_batch_size=3, rm_type="answer_match", custom_rm_path=None,
+                reward_key=None)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_rollout_function(examples, tiny_kit):
+    from slime.ray.rollout_data_source import RolloutDataSourceWithBuffer
+
+    model_dir, data_dir = tiny_kit
+    train = os.path.join(data_dir, "train.jsonl")
+    args = _data_args(model_dir, train)
+    fn = examples("fixed_answer_rollout")
+    groups = fn(args, 0, RolloutDataSourceWithBuffer(args))
+    labels = [json.loads(line)["label"] for line in open(train).readlines()[:3]]
+    assert len(groups) == 3 and all(len(g) == 2 for g in groups)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    for group, label in zip(groups, labels):
+        for s in group:
+            assert tok.decode(s.tokens[-s.response_length:]) == "7<|im_end|>"
+            assert s.reward == (1.0 if label == "7" else 0.0) and s.status == Sample.Status.COMPLETED
+
+
+@pytest.fixture(scope="module")
+def cpu_server(tiny_kit, tmp_path_factory):
+    from slime.utils.http_utils import find_available_port
+
+    model_dir, _ = tiny_kit
+    port = find_available_port(34000)
+    log = open(tmp_path_factory.mktemp("server") / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "slime.backends.cpu_server", "--model-path", model_dir, "--host",
+                             "127.0.0.1", "--port", str(port)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"CPU inference server exited with {proc.returncode} (log: {log.name})")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                raise TimeoutError(f"CPU inference server on port {port} not healthy within 120s")
+            time.sleep(0.3)
+        yield port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+@pytest.mark.timeout(240)
+def test_custom_generate(examples, tiny_kit, cpu_server):
+    from transformers import AutoTokenizer
+
+    from slime.utils.async_utils import run
+
+    model_dir, _ = tiny_kit
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    args = argparse.Namespace(hf_checkpoint=model_dir, sglang_router_ip="127.0.0.1", sglang_router_port=cpu_server)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 3+4?"}], tokenize=False,
+                                     add_generation_prompt=True)
+    fn = examples("generate_with_forced_prefix")
+    s = run(fn(args, Sample(prompt=prompt), {"max_new_tokens": 5, "temperature": 1.0}), timeout=120)
+    n_prompt = len(tok(prompt, add_special_tokens=False)["input_ids"])
+    n_prefix = len(tok("Answer:", add_special_tokens=False)["input_ids"])
+    assert len(s.tokens) == n_prompt + s.response_length and s.response.startswith("Answer:")
+    assert s.loss_mask == [0] * n_prefix + [1] * (s.response_length - n_prefix)
+    assert len(s.rollout_log_probs) == s.response_length and all(lp <= 0 for lp in s.rollout_log_probs)
+    assert 1 <= s.response_length - n_prefix <= 5
+    assert s.status in (Sample.Status.COMPLETED, Sample.Status.TRUNCATED)
+    assert s.status == Sample.Status.TRUNCATED or s.response_length - n_prefix < 5
+
+
+def test_rewards(examples):
+    from slime.rollout.rm_hub import async_rm, batched_async_rm
+
+    args = argparse.Namespace(custom_rm_path="custom_examples.length_penalized_rm", rm_type=None, reward_key=None)
+    examples("length_penalized_rm")  # import once so the path resolves
+    # correct answer, 10 response tokens: 1 - 0.01 * (10 - 4)
+    assert asyncio.run(async_rm(args, Sample(response="7 it is", label="7", response_length=10))) == pytest.approx(0.94)
+    assert asyncio.run(async_rm(args, Sample(response="8", label="7", response_length=2))) == 0.0
+    args.custom_rm_path = "custom_examples.majority_vote_rm"
+    group = [Sample(response=r) for r in (" 7", "7", "8", "7 ")]
+    assert asyncio.run(batched_async_rm(args, group)) == [1.0, 1.0, 0.0, 1.0]
+
+
+def test_reward_post_process_and_filters(examples):
+    args = argparse.Namespace(n_samples_per_prompt=2, reward_key=None)
+    samples = [Sample(reward=r) for r in (1.0, 0.0, 0.5, 0.5)]
+    raw, rewards = examples("center_without_std")(args, samples)
+    assert raw == [1.0, 0.0, 0.5, 0.5] and rewards == [0.5, -0.5, 0.0, 0.0]
+
+    keep = examples("keep_mixed_and_untruncated")
+    assert keep(args, [Sample(reward=1.0), Sample(reward=0.0)])
+    assert not keep(args, [Sample(reward=1.0), Sample(reward=1.0)])
+    truncated = [Sample(reward=r, status=Sample.Status.TRUNCATED) for r in (1.0, 0.0)]
+    assert not keep(args, truncated)
+
+    groups = [[Sample(reward=r) for r in rs] for rs in ((1.0, 1.0), (0.0, 1.0), (0.0, 0.0), (1.0, 0.0))]
+    ranked = examples("closest_to_half_first")(args, groups)
+    assert [[s.reward for s in g] for g in ranked] == [[0.0, 1.0], [1.0, 0.0], [1.0, 1.0], [0.0, 0.0]]
+
+
+def test_buffer_filter_through_data_source(examples):
+    from slime.ray.rollout_data_source import RolloutDataSourceWithBuffer
+
+    args = _data_args(None, buffer_filter_path="custom_examples.most_progress_first")
+    examples("most_progress_first")
+    source = RolloutDataSourceWithBuffer(args)
+    source.add_samples([[Sample(index=i, response_length=L) for _ in range(2)] for i, L in ((0, 1), (1, 5), (2, 3))])
+    taken = source.get_samples(2)
+    assert [g[0].index for g in taken] == [1, 2] and source.get_buffer_length() == 1
+
+
+def test_rollout_data_postprocess(examples):
+    data = {"advantages": [torch.tensor([3.0, -0.5]), torch.tensor([-4.0])]}
+    examples("clip_advantages")(None, 0, data)
+    assert [a.tolist() for a in data["advantages"]] == [[2.0, -0.5], [-2.0]]
+
+
+@pytest.fixture()
+def mpu_world1(tmp_path):
+    """One gloo rank with Megatron's parallel state (TP=DP=1), as inside a trainer."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    mpu.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    yield
+    mpu.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def test_custom_loss(examples, mpu_world1):
+    from slime.backends.megatron_utils.loss import loss_function
+
+    examples("reinforce_loss")
+    g = torch.Generator().manual_seed(0)
+    V, T = 16, 6
+    tokens = torch.randint(0, V, (T,), generator=g)
+    logits = torch.randn(1, T, V, generator=g, requires_grad=True)
+    adv = torch.tensor([1.0, -2.0, 0.5])
+    batch = {"unconcat_tokens": [tokens], "total_lengths": [T], "response_lengths": [3],
+             "loss_masks": [torch.ones(3, dtype=torch.int)], "advantages": [adv]}
+    args = argparse.Namespace(loss_type="custom_loss", custom_loss_function_path="custom_examples.reinforce_loss",
+                              calculate_per_token_loss=False, global_batch_size=2, rollout_temperature=1.0)
+    loss, _, report = loss_function(args, batch, 1, logits)
+    # by hand: response tokens 3..5 are predicted by logits at positions 2..4
+    logp = torch.log_softmax(logits[0, 2:5].detach(), -1).gather(-1, tokens[3:6, None])[:, 0]
+    expected = (-(adv * logp)).mean() / 2  # per-sample mean, * num_microbatches(1) / global_batch_size(2)
+    assert loss.item() == pytest.approx(expected.item(), abs=1e-5) and report["keys"] == ["loss"]
+    loss.backward()
+    assert logits.grad is not None and logits.grad[0, 2:5].abs().sum() > 0 and logits.grad[0, 5].abs().sum() == 0
+
+
+def test_megatron_hooks(examples):
+    import random
+
+    examples("seed_everything")(argparse.Namespace(seed=5))
+    a = random.random()
+    random.seed(5)
+    assert a == random.random()
+    model = [torch.nn.Linear(2, 2)]
+    examples("eval_mode_check")(None, model, "ref_")
+    assert not model[0].training
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.25)
+    examples("trace_lr")(None, 3, 1, model, opt, None)
+    assert load_function("custom_examples.LR_TRACE")[-1] == (3, 1, 0.25)
+
+
+def test_custom_arguments(examples, tiny_kit):
+    from slime.utils.arguments import parse_args
+
+    model_dir, _ = tiny_kit
+    argv = ["--hf-checkpoint", model_dir, "--rollout-batch-size", "1", "--num-rollout", "1",
+            "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--global-batch-size", "1", "--lr", "1e-6"]
+    add = examples("add_custom_arguments")
+    assert parse_args(add, argv=argv + ["--length-penalty", "0.05"], check_paths=False).length_penalty == 0.05
+    assert parse_args(add, argv=argv, check_paths=False).length_penalty == 0.01

@@ -1,0 +1,204 @@
+"""scripts/: every models/*.sh sources cleanly and matches the real HF config; every run-*.sh validates its arguments.
+
+The HF config values below are copied from the models' published config.json files (independent of the scripts),
+so a wrong layer count, head count or vocab size in a MODEL_ARGS array fails here.
+"""
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+MODEL_SCRIPTS = sorted(p.name for p in (SCRIPTS / "models").glob("*.sh"))
+# The lead's CPU scripts build and run for real; they are exercised by the e2e tests, not dry-run here.
+RUN_SCRIPTS = sorted(p.name for p in SCRIPTS.glob("run-*.sh") if "cpu" not in p.name)
+
+_QWEN = dict(rms_norm_eps=1e-6, rope_theta=1000000.0, hidden_act="silu")
+_LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5, rope_theta=500000.0,
+              hidden_act="silu", max_position_embeddings=131072, attention_bias=False)
+
+
+def _llama3_scaling(factor):
+    return {"factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192, "rope_type": "llama3"}
+
+
+def _qwen2(h, i, L, nh, kv, vocab, tie):
+    return dict(_QWEN, model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=h, intermediate_size=i,
+                num_hidden_layers=L, num_attention_heads=nh, num_key_value_heads=kv, vocab_size=vocab,
+                tie_word_embeddings=tie, max_position_embeddings=32768)
+
+
+def _qwen3(h, i, L, nh, kv, tie):
+    return dict(_QWEN, model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=h, intermediate_size=i,
+                num_hidden_layers=L, num_attention_heads=nh, num_key_value_heads=kv, head_dim=128, vocab_size=151936,
+                tie_word_embeddings=tie, max_position_embeddings=40960, attention_bias=False)
+
+
+HF_CONFIGS = {
+    "qwen2.5-0.5B.sh": _qwen2(896, 4864, 24, 14, 2, 151936, True),
+    "qwen2.5-1.5B.sh": _qwen2(1536, 8960, 28, 12, 2, 151936, True),
+    "qwen2.5-3B.sh": _qwen2(2048, 11008, 36, 16, 2, 151936, True),
+    "qwen2.5-7B.sh": _qwen2(3584, 18944, 28, 28, 4, 152064, False),
+    "qwen3-0.6B.sh": _qwen3(1024, 3072, 28, 16, 8, True),
+    "qwen3-4B.sh": _qwen3(2560, 9728, 36, 32, 8, True),
+    "qwen3-8B.sh": _qwen3(4096, 12288, 36, 32, 8, False),
+    "qwen3-30B-A3B.sh": dict(
+        _QWEN, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_size=2048, intermediate_size=6144,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+        tie_word_embeddings=False, max_position_embeddings=40960, moe_intermediate_size=768, num_experts=128,
+        num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, attention_bias=False),
+    "llama3.1-8B.sh": dict(_LLAMA, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                           num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
+                           rope_scaling=_llama3_scaling(8.0)),
+    "llama3.2-1B.sh": dict(_LLAMA, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                           num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
+                           rope_scaling=_llama3_scaling(32.0)),
+    "llama3.2-3B.sh": dict(_LLAMA, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+                           num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=True,
+                           rope_scaling=_llama3_scaling(32.0)),
+}
+# HF checkpoint directories the run scripts point at (under $BASE_DIR) -> which config they hold.
+RUN_HF_DIRS = {
+    "Qwen3-4B": "qwen3-4B.sh", "Qwen3-4B-Base": "qwen3-4B.sh",
+    "Qwen2.5-0.5B-Instruct": "qwen2.5-0.5B.sh", "Qwen3-30B-A3B": "qwen3-30B-A3B.sh",
+}
+
+
+def _source_model_args(name):
+    out = subprocess.run(
+        ["bash", "-c", f'set -euo pipefail; source "{SCRIPTS / "models" / name}"; printf "%s\\n" "${{MODEL_ARGS[@]}}"'],
+        capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and out.stderr == "", f"sourcing models/{name} failed: {out.stderr}"
+    return out.stdout.splitlines()
+
+
+def _as_flags(tokens):
+    flags, key = {}, None
+    for t in tokens:
+        if t.startswith("--"):
+            key = t[2:].replace("-", "_")
+            flags[key] = True
+        else:
+            assert key is not None, f"value {t!r} before any flag"
+            flags[key] = t if flags[key] is True else f"{flags[key]} {t}"
+    return flags
+
+
+@pytest.mark.parametrize("name", MODEL_SCRIPTS)
+def test_model_script_sources_cleanly(name):
+    tokens = _source_model_args(name)
+    flags = _as_flags(tokens)
+    assert tokens and tokens[0].startswith("--"), f"models/{name}: MODEL_ARGS must start with a flag"
+    for required in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size"):
+        assert required in flags, f"models/{name} has no --{required.replace('_', '-')}"
+
+
+@pytest.mark.parametrize("name", sorted(HF_CONFIGS))
+def test_model_args_match_hf_config(name):
+    f = _as_flags(_source_model_args(name))
+    c = HF_CONFIGS[name]
+    assert int(f["num_layers"]) == c["num_hidden_layers"]
+    assert int(f["hidden_size"]) == c["hidden_size"]
+    assert int(f["ffn_hidden_size"]) == c["intermediate_size"]
+    assert int(f["num_attention_heads"]) == c["num_attention_heads"]
+    assert f.get("group_query_attention") is True and int(f["num_query_groups"]) == c["num_key_value_heads"]
+    head_dim = c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
+    assert int(f.get("kv_channels", c["hidden_size"] // c["num_attention_heads"])) == head_dim
+    assert int(f["vocab_size"]) == c["vocab_size"]
+    assert float(f["norm_epsilon"]) == c["rms_norm_eps"] and f["normalization"] == "RMSNorm"
+    assert float(f["rotary_base"]) == c["rope_theta"]
+    assert ("untie_embeddings_and_output_weights" in f) == (not c["tie_word_embeddings"])
+    assert f.get("swiglu") is True and f.get("disable_bias_linear") is True
+    assert ("add_qkv_bias" in f) == (c["model_type"] == "qwen2")  # Qwen2/2.5 carry q/k/v biases, the others none
+    assert ("qk_layernorm" in f) == c["model_type"].startswith("qwen3")
+    if "rope_scaling" in c:
+        assert f.get("use_rope_scaling") is True and float(f["rope_scaling_factor"]) == c["rope_scaling"]["factor"]
+        assert int(f["max_position_embeddings"]) == c["max_position_embeddings"]
+    if "num_experts" in c:
+        assert int(f["num_experts"]) == c["num_experts"] and int(f["moe_router_topk"]) == c["num_experts_per_tok"]
+        assert int(f["moe_ffn_hidden_size"]) == c["moe_intermediate_size"]
+        assert json.loads(f["moe_layer_freq"]) == [1] * c["num_hidden_layers"]  # every layer is MoE, no dense ones
+
+
+def _has_arguments_main():
+    path = ROOT / "slime" / "utils" / "arguments.py"
+    return path.exists() and "__main__" in path.read_text()
+
+
+needs_validator = pytest.mark.skipif(
+    not _has_arguments_main(), reason="`python -m slime.utils.arguments` (parse + validate, prints ok) not there yet")
+
+
+def _fake_base_dir(base: Path):
+    """HF dirs holding the real config.json of each model, empty reference checkpoints and tiny data files."""
+    for d, model_script in RUN_HF_DIRS.items():
+        (base / d).mkdir(parents=True)
+        (base / d / "config.json").write_text(json.dumps(HF_CONFIGS[model_script]))
+        (base / f"{d}_torch_dist").mkdir()
+    row = {"prompt": [{"role": "user", "content": "1+1?"}], "label": "2",
+           "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    for f in ("dapo-math-17k/dapo-math-17k.jsonl", "aime-2024/aime-2024.jsonl"):
+        (base / f).parent.mkdir(parents=True, exist_ok=True)
+        (base / f).write_text(json.dumps(row) + "\n")
+    import pandas as pd
+
+    for f in ("gsm8k/train.parquet", "gsm8k/test.parquet", "openhermes2_5.parquet"):
+        (base / f).parent.mkdir(parents=True, exist_ok=True)
+        pd.DataFrame([{"messages": row["messages"], "label": "2"}]).to_parquet(base / f)
+
+
+@needs_validator
+@pytest.mark.parametrize("name", RUN_SCRIPTS)
+def test_run_script_dry_run_validates(name, tmp_path):
+    base = tmp_path / "root"
+    _fake_base_dir(base)
+    env = dict(os.environ, SLIME_DRY_RUN="1", BASE_DIR=str(base),
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    out = subprocess.run(["bash", str(SCRIPTS / name)], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, f"{name} dry run failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    assert out.stdout.strip().splitlines()[-1] == "ok"
+    assert "ray start" not in out.stderr and "ray job submit" not in out.stderr  # dry run launches nothing
+
+
+@needs_validator
+def test_validator_rejects_model_mismatch(tmp_path):
+    """A MODEL_ARGS array that disagrees with the HF checkpoint's config is refused, naming the field."""
+    hf = tmp_path / "Qwen3-4B"
+    hf.mkdir()
+    cfg = dict(HF_CONFIGS["qwen3-4B.sh"], num_hidden_layers=35)
+    (hf / "config.json").write_text(json.dumps(cfg))
+    argv = _source_model_args("qwen3-4B.sh") + ["--hf-checkpoint", str(hf), "--rollout-batch-size", "1",
+                                                "--num-rollout", "1", "--actor-num-gpus-per-node", "1"]
+    out = subprocess.run([sys.executable, "-m", "slime.utils.arguments", *argv], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode != 0, f"mismatch accepted: {shlex.join(argv)}"
+    assert "num_hidden_layers" in out.stderr or "num_layers" in out.stderr, out.stderr[-2000:]
+
+
+def test_plot_metrics(tmp_path):
+    from tools.plot_metrics import default_keys, read_metrics, series
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"rollout_id": i, "rollout/raw_reward": i / 10, "rollout/step": i, "eval/addition-truncated_ratio": 0.0}
+            for i in range(5)]
+    rows[2]["eval/addition"] = 0.5  # eval only every few rollouts: a sparse curve
+    rows[4]["eval/addition"] = 0.75
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert default_keys(read_metrics(str(path))) == ["rollout/raw_reward", "eval/addition"]
+    assert series(rows, "eval/addition") == ([2, 4], [0.5, 0.75])
+    out = tmp_path / "plots" / "curve.png"
+    res = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_metrics.py"), str(path), str(out)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
+
+    (tmp_path / "bad.jsonl").write_text('{"rollout_id": 0}\nnot json\n')
+    res = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_metrics.py"), str(tmp_path / "bad.jsonl"),
+                          str(out)], capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and "bad.jsonl:2" in res.stderr and "Traceback" not in res.stderr

@@ -1,0 +1,107 @@
+"""Plot a run's metrics JSONL (`--metrics-path`) to a PNG: reward and eval curves against rollout id.
+
+    python tools/plot_metrics.py outputs/run/metrics.jsonl outputs/run/curve.png
+    python tools/plot_metrics.py metrics.jsonl curve.png --keys rollout/raw_reward train/pg_loss --x rollout_id
+
+Each line is one JSON object, e.g. {"rollout_id": 3, "rollout/raw_reward": 0.41, "eval/addition": 0.5}. By default
+it plots `rollout/raw_reward` and every numeric `eval/<name>` score (not truncation ratios or step counters), one
+panel per key; a line without a key is a gap in that curve only.
+"""
+import argparse
+import json
+import math
+import os
+import sys
+
+X_KEY = "rollout_id"
+
+
+def read_metrics(path: str) -> list[dict]:
+    rows = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno} is not a JSON object ({e.msg}); each line must be one metrics dict") from e
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{lineno} holds a {type(row).__name__}, not a JSON object")
+            rows.append(row)
+    if not rows:
+        raise ValueError(f"{path} has no metrics lines; was the run started with --metrics-path {path}?")
+    return rows
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def default_keys(rows: list[dict]) -> list[str]:
+    seen = []
+    for row in rows:
+        for k, v in row.items():
+            if k not in seen and _is_number(v):
+                seen.append(k)
+    evals = [k for k in seen if k.startswith("eval/") and not any(s in k for s in ("truncated", "step", "length"))]
+    return [k for k in ["rollout/raw_reward"] if k in seen] + evals
+
+
+def series(rows: list[dict], key: str, x_key: str = X_KEY):
+    xs, ys = [], []
+    for i, row in enumerate(rows):
+        if _is_number(row.get(key)):
+            xs.append(row.get(x_key, i))
+            ys.append(row[key])
+    return xs, ys
+
+
+def plot(rows: list[dict], out_png: str, keys=None, x_key: str = X_KEY, title=None) -> list[str]:
+    """Write the PNG; returns the keys that were plotted."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: no display on training nodes or CI
+    import matplotlib.pyplot as plt
+
+    keys = list(keys) if keys else default_keys(rows)
+    plotted = [k for k in keys if series(rows, k, x_key)[0]]
+    missing = [k for k in keys if k not in plotted]
+    if not plotted:
+        available = sorted({k for r in rows for k, v in r.items() if _is_number(v)})
+        raise ValueError(f"none of {keys} has numeric values in the metrics; available keys: {available}")
+    if missing:
+        print(f"plot_metrics: no values for {missing}, skipped", file=sys.stderr)
+    fig, axes = plt.subplots(len(plotted), 1, figsize=(8, 2.6 * len(plotted)), sharex=True, squeeze=False)
+    for ax, key in zip(axes[:, 0], plotted):
+        xs, ys = series(rows, key, x_key)
+        ax.plot(xs, ys, marker="o" if len(xs) < 40 else None, markersize=3, linewidth=1.2)
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel(x_key)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return plotted
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("metrics_jsonl")
+    p.add_argument("out_png")
+    p.add_argument("--keys", nargs="+", default=None, help="metrics to plot (default: raw reward + eval scores)")
+    p.add_argument("--x", default=X_KEY, help=f"x-axis key (default {X_KEY}; a line without it uses its line number)")
+    p.add_argument("--title", default=None)
+    a = p.parse_args(argv)
+    try:
+        plotted = plot(read_metrics(a.metrics_jsonl), a.out_png, a.keys, a.x, a.title or a.metrics_jsonl)
+    except (OSError, ValueError) as e:
+        sys.exit(f"plot_metrics: {e}")
+    print(f"wrote {a.out_png} ({', '.join(plotted)})")
+
+
+if __name__ == "__main__":
+    main()
