@@ -30,6 +30,7 @@ COMMON_ARGS=(
    --hf-checkpoint "$MODEL_DIR"
    --actor-num-nodes 1 --actor-num-gpus-per-node "$TP" --tensor-model-parallel-size "$TP"
    --seed 1
+   --attention-dropout 0.0 --hidden-dropout 0.0   # slime run scripts turn off Megatron's default dropout for RL
 )
 
 # 1) SFT warm start with slime itself: sft_rollout + sft_loss, trainers only (slime's SFT recipe).

@@ -1,0 +1,154 @@
+"""Megatron-side batching: micro-batch schedule per training step (`get_data_iterator`), model-input layout
+(`get_batch`) and per-rollout data metrics (`log_rollout_data`).
+
+Two layouts, chosen once by whether the model runs Transformer Engine attention (`use_packed_sequences`):
+- THD-packed (TE on GPU, slime's layout): all samples of a micro-batch concatenated into one `[1, T]` row padded to a
+  multiple of 128, with `PackedSeqParams(cu_seqlens)` so attention never crosses sample boundaries;
+- right-padded `[b, s]` with an explicit causal+padding mask (the local spec, e.g. on CPU, asserts
+  `packed_seq_params is None`).
+"""
+import numbers
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state as mpu
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from slime.backends.utils.data import DataIterator, get_micro_batch_partitions, get_minimum_num_micro_batch_size
+from slime.utils.device import get_device, is_cpu
+
+PAD_TOKEN_ID = 0  # pad positions are never scored, any id works
+PACKED_PAD_MULTIPLE = 128  # slime pads packed rows to reduce allocator fragmentation
+
+
+def use_packed_sequences(args) -> bool:
+    """THD packing needs TE attention, i.e. exactly when the model provider picks the TE layer spec."""
+    from slime.backends.megatron_utils.model_provider import use_transformer_engine
+
+    return use_transformer_engine(args)
+
+
+def _dp_size():
+    return mpu.get_data_parallel_world_size(with_context_parallel=False)
+
+
+def get_data_iterator(args, model, rollout_data):
+    """`(data_iterators, num_microbatches)`: one iterator per virtual-pipeline stage and the micro-batch count of
+    each optimizer step of this rollout (identical on every DP rank)."""
+    if mpu.get_context_parallel_world_size() > 1:
+        raise NotImplementedError("--context-parallel-size > 1 is not supported by slime's Megatron batching yet; use CP=1")
+    dp_size = _dp_size()
+    total_samples = args.rollout_batch_size * args.n_samples_per_prompt
+    if args.global_batch_size % dp_size != 0 or total_samples % dp_size != 0:
+        raise ValueError(f"--global-batch-size {args.global_batch_size} and rollout_batch_size*n_samples_per_prompt "
+                         f"{total_samples} must both be divisible by the data-parallel size {dp_size}")
+    num_local_samples = total_samples // dp_size
+    num_local_gbs = args.global_batch_size // dp_size
+    num_steps_per_rollout = num_local_samples // num_local_gbs
+    total_lengths = rollout_data["total_lengths"]
+    if len(total_lengths) != num_local_samples:
+        raise ValueError(f"this DP rank holds {len(total_lengths)} samples but expects rollout_batch_size*n_samples_per_prompt"
+                         f"/dp = {num_local_samples}; the rollout function must return exactly --rollout-batch-size groups "
+                         "of --n-samples-per-prompt samples")
+
+    vpp_size = mpu.get_virtual_pipeline_model_parallel_world_size() or 1
+    packed = use_packed_sequences(args)
+
+    if not args.use_dynamic_batch_size:
+        if num_local_gbs % args.micro_batch_size != 0:
+            raise ValueError(f"global_batch_size/dp = {num_local_gbs} samples per step is not a multiple of "
+                             f"--micro-batch-size {args.micro_batch_size}")
+        num_microbatches = [num_local_gbs // args.micro_batch_size] * num_steps_per_rollout
+        iterators = [DataIterator(rollout_data, args.micro_batch_size, packed_sequences=packed) for _ in range(vpp_size)]
+        return iterators, num_microbatches
+
+    if not args.max_tokens_per_gpu:
+        raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu")
+    steps = [range(i * num_local_gbs, (i + 1) * num_local_gbs) for i in range(num_steps_per_rollout)]
+    counts = [get_minimum_num_micro_batch_size([total_lengths[j] for j in s], args.max_tokens_per_gpu) for s in steps]
+    # every DP rank must run the same number of micro-batches per step
+    counts_t = torch.tensor(counts, dtype=torch.int64, device=get_device() if is_cpu() else torch.cuda.current_device())
+    dist.all_reduce(counts_t, op=dist.ReduceOp.MAX, group=mpu.get_data_parallel_group())
+    if vpp_size > 1:
+        from megatron.core.utils import get_model_config
+
+        group = get_model_config(model[0]).microbatch_group_size_per_vp_stage
+        counts_t = torch.clamp(counts_t // group * group, min=1)
+    num_microbatches = counts_t.tolist()
+
+    micro_batch_indices = []
+    for step, num_mbs in zip(steps, num_microbatches):
+        parts = get_micro_batch_partitions([total_lengths[j] for j in step], num_mbs, args.max_tokens_per_gpu)
+        micro_batch_indices.extend([[step[k] for k in part] for part in parts])
+    assert sorted(i for mb in micro_batch_indices for i in mb) == list(range(num_local_samples))
+    iterators = [DataIterator(rollout_data, None, micro_batch_indices, packed_sequences=packed) for _ in range(vpp_size)]
+    return iterators, num_microbatches
+
+
+def get_batch(data_iterator, keys):
+    """Next micro-batch as model input: `tokens` (`[b, s]` padded or `[1, T]` packed), `unconcat_tokens` (the
+    per-sample token tensors), `attention_mask`/`position_ids` (padded layout) or `packed_seq_params` (packed),
+    plus the requested per-sample `keys` as lists."""
+    assert "tokens" in keys, "get_batch needs 'tokens' among the keys"
+    batch = data_iterator.get_next(keys)
+    tokens = batch["tokens"]
+    batch["unconcat_tokens"] = tokens
+    if data_iterator.packed_sequences:
+        batch.update(_packed_layout(tokens))
+    else:
+        batch.update(_padded_layout(tokens))
+    return batch
+
+
+def _packed_layout(tokens):
+    lengths = [t.size(0) for t in tokens]
+    flat = torch.cat(tokens)
+    cu_seqlens = [0]
+    for n in lengths:
+        cu_seqlens.append(cu_seqlens[-1] + n)
+    pad = -flat.size(0) % PACKED_PAD_MULTIPLE
+    if pad:
+        flat = F.pad(flat, (0, pad), value=PAD_TOKEN_ID)
+        cu_seqlens.append(cu_seqlens[-1] + pad)  # the padding is its own segment, attended by nothing real
+    cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=flat.device)
+    max_seqlen = int((cu[1:] - cu[:-1]).max().item())
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
+    return {"tokens": flat.unsqueeze(0), "packed_seq_params": params, "attention_mask": None, "position_ids": None}
+
+
+def _padded_layout(tokens):
+    lengths = torch.tensor([t.size(0) for t in tokens])
+    b, s = len(tokens), int(lengths.max())
+    device = tokens[0].device
+    padded = torch.full((b, s), PAD_TOKEN_ID, dtype=torch.long, device=device)
+    for i, t in enumerate(tokens):
+        padded[i, :t.size(0)] = t
+    # Megatron's convention: True = masked out. Causal within the row, and no attention to padding keys.
+    causal = torch.ones(s, s, dtype=torch.bool, device=device).tril()
+    key_valid = torch.arange(s, device=device)[None, :] < lengths.to(device)[:, None]
+    attention_mask = ~(causal[None, None] & key_valid[:, None, None, :])
+    position_ids = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
+    return {"tokens": padded, "attention_mask": attention_mask, "position_ids": position_ids, "packed_seq_params": None}
+
+
+def log_rollout_data(rollout_id, args, rollout_data):
+    """`{"rollout/<key>": value}` averaged over the whole rollout (every DP rank holds the same number of samples):
+    per-sample means for token-level tensors, plain means for per-sample numbers (other values are skipped). Computed on TP rank 0 of the last
+    pipeline stage (other ranks return `{}`); every such rank returns the same dict."""
+    if mpu.get_tensor_model_parallel_rank() != 0 or not mpu.is_pipeline_last_stage():
+        return {}
+    local = {}
+    for key, val in rollout_data.items():
+        if key in ("tokens", "loss_masks", "sample_indices") or val is None:
+            continue
+        if isinstance(val, torch.Tensor):
+            local[key] = val.float().mean().item()
+        elif isinstance(val, (list, tuple)) and len(val) > 0:
+            if isinstance(val[0], torch.Tensor):
+                local[key] = (sum(v.float().mean() for v in val) / len(val)).item()
+            elif isinstance(val[0], numbers.Number):
+                local[key] = float(sum(val)) / len(val)
+    gathered = [None] * _dp_size()
+    dist.all_gather_object(gathered, local, group=mpu.get_data_parallel_group_gloo(with_context_parallel=False))
+    return {f"rollout/{key}": sum(d[key] for d in gathered) / len(gathered) for key in local}

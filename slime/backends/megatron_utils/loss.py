@@ -1,0 +1,258 @@
+"""Losses of the Megatron trainer (spec §7.3-7.6): per-sample log-probs/entropy from the model's logits, advantage
+estimators over a rank's rollout data, PPO/GSPO policy loss (dual clip, TIS, KL loss, entropy bonus), SFT loss,
+custom losses by path, and `loss_function` with slime's gradient scaling for Megatron's schedule.
+"""
+import torch
+from megatron.core import parallel_state as mpu
+
+from slime.utils.misc import load_function
+from slime.utils.ppo_utils import (
+    compute_approx_kl,
+    compute_entropy_from_logits,
+    compute_log_probs,
+    compute_policy_loss,
+    distributed_masked_whiten,
+    get_grpo_returns,
+    get_reinforce_plus_plus_baseline_advantages,
+    get_reinforce_plus_plus_returns,
+    get_rloo_returns,
+)
+
+
+def get_responses(logits, *, unconcat_tokens, total_lengths, response_lengths):
+    """Yield `(logits [R, V/tp], tokens [R])` per sample: the positions that predict its R response tokens.
+
+    `logits` is `[1, T, V/tp]` (samples packed back to back) or `[b, s, V/tp]` (sample i right-padded in row i).
+    A sample's response is the last R tokens of its unpadded sequence, predicted by the logits one position earlier.
+    """
+    packed = logits.size(0) == 1
+    assert packed or logits.size(0) == len(unconcat_tokens), (
+        f"logits batch {logits.size(0)} matches neither a packed row nor {len(unconcat_tokens)} padded rows")
+    end = 0
+    for i, (tokens, total_len, resp_len) in enumerate(zip(unconcat_tokens, total_lengths, response_lengths)):
+        if packed:
+            end += total_len
+            row = logits[0]
+        else:
+            end = total_len
+            row = logits[i]
+        start = end - resp_len
+        if resp_len > 0 and resp_len >= total_len:
+            raise ValueError(f"sample {i}: response length {resp_len} leaves no prompt token before the response "
+                             f"(total length {total_len}); every sample needs at least one prompt token")
+        yield row[start - 1:end - 1], tokens[total_len - resp_len:total_len]
+
+
+_MASKED_LOGIT = -1e30  # finite: p = 0 without the 0 * inf = nan of -inf in the entropy and its gradient
+
+
+def _mask_padded_vocab(logits, vocab_size):
+    """Hide the rows Megatron adds to make the vocab divisible by 128*TP: the inference engine's softmax runs over
+    the real vocab only, so the trainer's must too (and the padded rows then get no gradient)."""
+    part = logits.size(-1)
+    start = mpu.get_tensor_model_parallel_rank() * part
+    if not vocab_size or start + part <= vocab_size:
+        return logits
+    column = torch.arange(start, start + part, device=logits.device)
+    return logits.masked_fill(column >= vocab_size, _MASKED_LOGIT)
+
+
+def get_log_probs_and_entropy(logits, *, args, unconcat_tokens, total_lengths, response_lengths, with_entropy=False):
+    """`{"log_probs": [per-sample 1-D], "entropy": [...] (with_entropy)}` of the response tokens.
+
+    Logits are divided by `--rollout-temperature` first so the trainer's log-probs match the rollout engine's
+    temperature-scaled ones.
+    """
+    logits = logits.float()
+    if args.rollout_temperature != 1.0:
+        logits = logits / args.rollout_temperature
+    logits = _mask_padded_vocab(logits, getattr(args, "vocab_size", None))
+    tp_group = mpu.get_tensor_model_parallel_group()
+    log_probs, entropy = [], []
+    for logits_chunk, tokens_chunk in get_responses(
+        logits, unconcat_tokens=unconcat_tokens, total_lengths=total_lengths, response_lengths=response_lengths
+    ):
+        log_probs.append(compute_log_probs(logits_chunk, tokens_chunk, tp_group))
+        if with_entropy:
+            entropy.append(compute_entropy_from_logits(logits_chunk, tp_group))
+    out = {"log_probs": log_probs}
+    if with_entropy:
+        out["entropy"] = entropy
+    return out
+
+
+def compute_advantages_and_returns(args, rollout_data):
+    """Fill `rollout_data["advantages"]` and `["returns"]` (per-sample token tensors) for `--advantage-estimator`.
+    No-op on ranks without `log_probs` (pipeline stages other than the last)."""
+    log_probs = rollout_data.get("log_probs")
+    if log_probs is None:
+        return
+    ref_log_probs = rollout_data.get("ref_log_probs")
+    rewards = rollout_data["rewards"]
+    loss_masks = rollout_data["loss_masks"]
+    device = log_probs[0].device if log_probs else torch.device("cpu")
+
+    if args.kl_coef == 0 or not log_probs:
+        kl = [torch.zeros_like(lp, dtype=torch.float32) for lp in log_probs]
+    else:
+        if ref_log_probs is None:
+            raise ValueError("--kl-coef != 0 needs reference log-probs (--ref-load), but rollout data has no ref_log_probs")
+        kl = [compute_approx_kl(lp, ref, args.kl_loss_type) for lp, ref in zip(log_probs, ref_log_probs)]
+    rewards = torch.tensor(rewards, dtype=torch.float32, device=device)
+
+    estimator = args.advantage_estimator
+    if estimator in ("grpo", "gspo"):
+        returns = get_grpo_returns(rewards, kl)
+        advantages = list(returns)
+    elif estimator == "reinforce_plus_plus":
+        returns = get_reinforce_plus_plus_returns(
+            rewards=rewards, kl=kl, loss_masks=loss_masks, response_lengths=rollout_data["response_lengths"],
+            total_lengths=rollout_data["total_lengths"], kl_coef=args.kl_coef, gamma=args.gamma,
+        )
+        advantages = list(returns)
+    elif estimator == "reinforce_plus_plus_baseline":
+        advantages = get_reinforce_plus_plus_baseline_advantages(rewards, kl, loss_masks, args.kl_coef)
+        returns = advantages
+    elif estimator == "rloo":
+        if not getattr(args, "rewards_normalization", True):
+            raise ValueError("--advantage-estimator rloo builds its leave-one-out baseline from group-mean-centred "
+                             "rewards; drop --disable-rewards-normalization")
+        returns = get_rloo_returns(rewards, kl, args.n_samples_per_prompt)
+        advantages = list(returns)
+    else:
+        raise ValueError(f"unknown --advantage-estimator {estimator!r}; expected grpo, gspo, reinforce_plus_plus, "
+                         "reinforce_plus_plus_baseline or rloo")
+
+    if args.normalize_advantages and advantages:
+        all_advs = torch.cat(advantages)
+        all_masks = torch.cat(loss_masks)
+        assert all_advs.size() == all_masks.size(), f"advantages {all_advs.size()} vs loss masks {all_masks.size()}"
+        whitened = distributed_masked_whiten(all_advs, all_masks, process_group=mpu.get_data_parallel_group(), shift_mean=True)
+        advantages = list(torch.split(whitened, [a.size(0) for a in advantages]))
+
+    rollout_data["advantages"] = advantages
+    rollout_data["returns"] = returns
+
+
+def get_sum_of_sample_mean(total_lengths, response_lengths, loss_masks, calculate_per_token_loss=False):
+    """Reducer over a micro-batch's concatenated per-token values: sum over samples of the masked per-sample mean
+    (`(x_i * m_i).sum() / max(m_i.sum(), 1)`), or with `calculate_per_token_loss` the plain masked sum."""
+
+    def reduce(x):
+        chunks = x.split(response_lengths, dim=0)
+        if calculate_per_token_loss:
+            terms = [(x_i * m_i).sum() for x_i, m_i in zip(chunks, loss_masks)]
+        else:
+            terms = [(x_i * m_i).sum() / torch.clamp_min(m_i.sum(), 1) for x_i, m_i in zip(chunks, loss_masks)]
+        return torch.stack(terms).sum() if terms else x.sum() * 0
+
+    return reduce
+
+
+def _require(batch, key, why):
+    if batch.get(key) is None:
+        raise ValueError(f"the training batch has no {key!r}, which {why}")
+    return batch[key]
+
+
+def policy_loss_function(args, batch, logits, sum_of_sample_mean):
+    """PPO clipped loss (GSPO sequence-level ratio with `--advantage-estimator gspo`), optional dual clip
+    (`--eps-clip-c`), TIS (`--use-tis`), entropy bonus and KL loss. Returns `(loss, metrics)`."""
+    advantages = torch.cat(_require(batch, "advantages", "the policy loss needs (compute_advantages_and_returns)"))
+    old_log_probs = _require(batch, "log_probs", "are the old-policy log-probs of the PPO ratio")
+    response_lengths = batch["response_lengths"]
+    out = get_log_probs_and_entropy(
+        logits, args=args, unconcat_tokens=batch["unconcat_tokens"], total_lengths=batch["total_lengths"],
+        response_lengths=response_lengths, with_entropy=True,
+    )
+    log_probs_list = out["log_probs"]
+    log_probs = torch.cat(log_probs_list) if log_probs_list else logits.new_zeros(0)
+
+    if args.advantage_estimator == "gspo":
+        # sequence-level ratio: masked mean of the token log-ratio, shared by every token of the sample
+        seq_kl = [((old - new) * m).sum() / torch.clamp_min(m.sum(), 1)
+                  for new, old, m in zip(log_probs_list, old_log_probs, batch["loss_masks"])]
+        ppo_kl = torch.cat([k.expand_as(new) for k, new in zip(seq_kl, log_probs_list)]) if seq_kl else log_probs
+    else:
+        ppo_kl = (torch.cat(old_log_probs) if old_log_probs else log_probs.detach()) - log_probs
+
+    pg_loss, pg_clipfrac = compute_policy_loss(ppo_kl, advantages, args.eps_clip, args.eps_clip_high, args.eps_clip_c)
+
+    metrics = {}
+    rollout_log_probs = batch.get("rollout_log_probs")
+    if args.use_tis:
+        rollout_lp = torch.cat(_require(batch, "rollout_log_probs", "--use-tis needs (the rollout must return log-probs)"))
+        tis = torch.exp(torch.cat(old_log_probs) - rollout_lp)
+        tis_clip = torch.clamp(tis, min=args.tis_clip_low if args.tis_clip_low is not None else 0.0, max=args.tis_clip)
+        pg_loss = pg_loss * tis_clip
+        metrics["tis"] = sum_of_sample_mean(tis)
+        metrics["ois"] = sum_of_sample_mean(torch.exp(-ppo_kl.detach()))
+        metrics["tis_clipfrac"] = sum_of_sample_mean((tis_clip != tis).float())
+
+    pg_loss = sum_of_sample_mean(pg_loss)
+    entropy_loss = sum_of_sample_mean(torch.cat(out["entropy"]) if out["entropy"] else log_probs)
+    loss = pg_loss - args.entropy_coef * entropy_loss
+
+    if args.use_kl_loss:
+        ref_log_probs = torch.cat(_require(batch, "ref_log_probs", "--use-kl-loss needs (load a reference model)"))
+        kl_loss = sum_of_sample_mean(compute_approx_kl(log_probs, ref_log_probs, args.kl_loss_type))
+        loss = loss + args.kl_loss_coef * kl_loss
+        metrics["kl_loss"] = kl_loss
+
+    if log_probs.numel() == 0:
+        loss = loss + 0 * logits.sum()  # keep the graph connected so backward still runs
+
+    if rollout_log_probs is not None:
+        # how far the trainer's log-probs are from the inference engine's (precision / kernel mismatch)
+        metrics["train_rollout_logprob_abs_diff"] = sum_of_sample_mean((log_probs.detach() - torch.cat(rollout_log_probs)).abs())
+
+    reported = {
+        "loss": loss, "pg_loss": pg_loss, "entropy_loss": entropy_loss,
+        "pg_clipfrac": sum_of_sample_mean(pg_clipfrac), "ppo_kl": sum_of_sample_mean(ppo_kl), **metrics,
+    }
+    return loss, {k: v.detach().clone() for k, v in reported.items()}
+
+
+def sft_loss_function(args, batch, logits, sum_of_sample_mean):
+    """Negative log-likelihood of the loss-masked response tokens, averaged per sample."""
+    out = get_log_probs_and_entropy(
+        logits, args=args, unconcat_tokens=batch["unconcat_tokens"], total_lengths=batch["total_lengths"],
+        response_lengths=batch["response_lengths"], with_entropy=False,
+    )
+    log_probs = torch.cat(out["log_probs"]) if out["log_probs"] else logits.new_zeros(0)
+    loss = -sum_of_sample_mean(log_probs)
+    if log_probs.numel() == 0:
+        loss = loss + 0 * logits.sum()
+    return loss, {"loss": loss.detach().clone()}
+
+
+def loss_function(args, batch, num_microbatches, logits):
+    """Megatron loss hook: `(scaled_loss, num_tokens or 1, {"keys": [...], "values": tensor([count, *metrics])})`.
+
+    Scaling by `num_microbatches / global_batch_size * dp_size` undoes Megatron's division by the number of
+    micro-batches and DP gradient averaging, so a step's gradient is the sum of per-sample means over the global batch
+    divided by `--global-batch-size`.
+    """
+    loss_masks = batch["loss_masks"]
+    num_tokens = sum(torch.clamp_min(m.sum(), 1) for m in loss_masks)
+    num_samples = len(batch["response_lengths"])
+    sum_of_sample_mean = get_sum_of_sample_mean(
+        batch["total_lengths"], batch["response_lengths"], loss_masks, args.calculate_per_token_loss
+    )
+    kwargs = {"args": args, "batch": batch, "logits": logits, "sum_of_sample_mean": sum_of_sample_mean}
+    if args.loss_type == "policy_loss":
+        loss, log = policy_loss_function(**kwargs)
+    elif args.loss_type == "sft_loss":
+        loss, log = sft_loss_function(**kwargs)
+    elif args.loss_type == "custom_loss":
+        if not getattr(args, "custom_loss_function_path", None):
+            raise ValueError("--loss-type custom_loss needs --custom-loss-function-path pkg.module.fn")
+        loss, log = load_function(args.custom_loss_function_path)(**kwargs)
+    else:
+        raise ValueError(f"unknown --loss-type {args.loss_type!r}; expected policy_loss, sft_loss or custom_loss")
+
+    loss = loss * num_microbatches / args.global_batch_size * mpu.get_data_parallel_world_size(with_context_parallel=True)
+    count = num_tokens if args.calculate_per_token_loss else num_samples
+    values = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=logits.device).detach().reshape(())
+                          for v in [count, *log.values()]])
+    return loss, num_tokens if args.calculate_per_token_loss else 1, {"keys": list(log.keys()), "values": values}

@@ -1,0 +1,204 @@
+"""PPO-family math: KL estimators, clipped policy loss, vocab-parallel log-probs and entropy, advantage estimators,
+masked whitening. Formulas follow slime (spec §7.4-7.6); tensors are per-token 1-D unless stated otherwise.
+
+`process_group` for the vocab-parallel functions is the tensor-parallel group the vocab dimension is sharded over;
+`None` means the logits hold the whole vocabulary.
+"""
+import torch
+import torch.distributed as dist
+from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
+
+KL_LOSS_TYPES = ("kl", "k1", "k2", "k3", "low_var_kl")
+
+
+def compute_approx_kl(log_probs, log_probs_base, kl_loss_type):
+    """Per-token estimate of KL(pi || pi_base) from sampled-token log-probs (Schulman's k1/k2/k3)."""
+    log_ratio = log_probs.float() - log_probs_base.float()
+    if kl_loss_type in ("kl", "k1"):
+        return log_ratio
+    if kl_loss_type == "k2":
+        return log_ratio**2 / 2.0
+    if kl_loss_type in ("k3", "low_var_kl"):
+        kl = torch.exp(-log_ratio) - 1 + log_ratio
+        # low_var_kl is k3 clamped so a single outlier token cannot blow up the loss
+        return kl.clamp(min=-10, max=10) if kl_loss_type == "low_var_kl" else kl
+    raise ValueError(f"unknown kl_loss_type {kl_loss_type!r} (--kl-loss-type); expected one of {', '.join(KL_LOSS_TYPES)}")
+
+
+def compute_policy_loss(ppo_kl, advantages, eps_clip, eps_clip_high, eps_clip_c=None):
+    """PPO clipped surrogate per token, optionally dual-clipped. Returns `(pg_losses, clipfrac)`.
+
+    `ppo_kl = old_log_probs - log_probs`, so `ratio = exp(-ppo_kl)`. Dual clip (Ye et al. 2020) bounds the loss of
+    negative-advantage tokens at `-eps_clip_c * A` when the ratio has grown very large.
+    """
+    ratio = (-ppo_kl).exp()
+    pg_losses1 = -ratio * advantages
+    pg_losses2 = -ratio.clamp(1 - eps_clip, 1 + eps_clip_high) * advantages
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+    clipfrac = torch.gt(pg_losses2, pg_losses1).float()
+    if eps_clip_c is None:
+        return clip_pg_losses1, clipfrac
+    if not eps_clip_c > 1.0:
+        raise ValueError(f"--eps-clip-c must be > 1.0 for dual-clip PPO, got {eps_clip_c}")
+    pg_losses3 = -eps_clip_c * advantages
+    clip_pg_losses2 = torch.minimum(pg_losses3, clip_pg_losses1)
+    return torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1), clipfrac
+
+
+def _tp_rank_and_size(process_group):
+    if process_group is None:
+        return 0, 1
+    return dist.get_rank(process_group), dist.get_world_size(process_group)
+
+
+def _all_reduce(tensor, op, process_group):
+    if process_group is not None and dist.get_world_size(process_group) > 1:
+        dist.all_reduce(tensor, op=op, group=process_group)
+
+
+class _VocabParallelLogProbs(torch.autograd.Function):
+    """-cross_entropy over a vocab-sharded last dim, with an explicit TP group (megatron-core's math and backward)."""
+
+    @staticmethod
+    def forward(ctx, vocab_parallel_logits, target, process_group):
+        # megatron's helpers subtract the max and exponentiate in place: the caller passes a private copy
+        logits, logits_max = VocabParallelCrossEntropy.calculate_logits_max(vocab_parallel_logits)
+        _all_reduce(logits_max, dist.ReduceOp.MAX, process_group)
+        rank, world_size = _tp_rank_and_size(process_group)
+        part = logits.size(-1)
+        target_mask, masked_target_1d, predicted_logits, sum_exp_logits, exp_logits = (
+            VocabParallelCrossEntropy.calculate_predicted_logits(logits, target, logits_max, rank * part, (rank + 1) * part)
+        )
+        _all_reduce(predicted_logits, dist.ReduceOp.SUM, process_group)
+        _all_reduce(sum_exp_logits, dist.ReduceOp.SUM, process_group)
+        softmax, loss = VocabParallelCrossEntropy.calculate_cross_entropy_loss(exp_logits, predicted_logits, sum_exp_logits)
+        ctx.save_for_backward(softmax, target_mask, masked_target_1d)
+        return -loss
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        softmax, target_mask, masked_target_1d = ctx.saved_tensors
+        grad_2d, arange_1d, softmax_update, grad_input = (
+            VocabParallelCrossEntropy.prepare_gradient_calculation_operands(softmax, target_mask)
+        )
+        grad_input = VocabParallelCrossEntropy.calculate_gradients(
+            grad_2d, arange_1d, masked_target_1d, softmax_update, grad_input, -grad_output
+        )
+        return grad_input, None, None
+
+
+def compute_log_probs(logits, tokens, process_group):
+    """log p(tokens) from (vocab-sharded) logits `[..., V/tp]` and token ids `[...]`; differentiable."""
+    return _VocabParallelLogProbs.apply(logits.to(torch.float32, copy=True), tokens, process_group)
+
+
+class _VocabParallelEntropy(torch.autograd.Function):
+    """Entropy of softmax(logits) over a vocab-sharded last dim: H = logsumexp(z) - sum(p * z)."""
+
+    @staticmethod
+    def forward(ctx, vocab_parallel_logits, process_group):
+        logits = vocab_parallel_logits.float()
+        logits_max = logits.max(dim=-1, keepdim=True).values
+        _all_reduce(logits_max, dist.ReduceOp.MAX, process_group)
+        softmax = (logits - logits_max).exp_()
+        sum_exp = softmax.sum(dim=-1, keepdim=True)
+        _all_reduce(sum_exp, dist.ReduceOp.SUM, process_group)
+        softmax.div_(sum_exp)
+        sum_p_z = (softmax * logits).sum(dim=-1, keepdim=True)
+        _all_reduce(sum_p_z, dist.ReduceOp.SUM, process_group)
+        entropy = logits_max + sum_exp.log() - sum_p_z
+        ctx.save_for_backward(logits, softmax, sum_p_z)
+        return entropy.squeeze(-1)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        logits, softmax, sum_p_z = ctx.saved_tensors
+        # dH/dz_j = -p_j * (z_j - sum_i p_i z_i); every shard has the full sum_p_z after the forward all-reduce
+        grad = -softmax * (logits - sum_p_z) * grad_output.unsqueeze(-1)
+        return grad, None
+
+
+def compute_entropy_from_logits(logits, process_group):
+    """Per-position entropy of softmax over (vocab-sharded) logits `[..., V/tp]`; differentiable."""
+    return _VocabParallelEntropy.apply(logits, process_group)
+
+
+def get_grpo_returns(rewards, kl):
+    """GRPO/GSPO: every token's return is the (group-normalised upstream) sequence reward; KL is not subtracted."""
+    return [torch.ones_like(kl[i]) * rewards[i] for i in range(len(rewards))]
+
+
+def _discounted_returns(token_rewards, gamma, chunk=256):
+    """G_t = r_t + gamma * G_{t+1}, computed chunk by chunk with a triangular matrix of non-negative powers of gamma
+    (no Python loop over tokens, and no gamma**-t overflow)."""
+    if gamma == 1.0:
+        return token_rewards.flip(0).cumsum(0).flip(0)
+    n = token_rewards.size(0)
+    idx = torch.arange(min(chunk, n), device=token_rewards.device, dtype=token_rewards.dtype)
+    expo = idx[None, :] - idx[:, None]  # k - t
+    powers = torch.pow(gamma, expo.clamp(min=0)) * (expo >= 0)
+    out = torch.empty_like(token_rewards)
+    carry = token_rewards.new_zeros(())
+    for end in range(n, 0, -chunk):
+        start = max(0, end - chunk)
+        m = end - start
+        tail = powers[:m, m - 1] * gamma  # gamma**(end - t) for the carried-in G_end
+        out[start:end] = powers[:m, :m] @ token_rewards[start:end] + tail * carry
+        carry = out[start]
+    return out
+
+
+def get_reinforce_plus_plus_returns(rewards, kl, loss_masks, response_lengths, total_lengths, kl_coef, gamma):
+    """REINFORCE++: token rewards `-kl_coef * kl`, the sequence reward added at the last loss-masked-in token, then
+    discounted returns `G_t = r_t + gamma * G_{t+1}` over the response."""
+    returns = []
+    for i in range(len(rewards)):
+        token_rewards = -kl_coef * kl[i].float()
+        mask = loss_masks[i]
+        nonzero = mask.nonzero(as_tuple=True)[0]
+        if nonzero.numel() == 0:
+            raise ValueError(
+                f"REINFORCE++ needs at least one loss-masked-in response token, but sample {i} of this batch "
+                f"(response length {response_lengths[i]}, total length {total_lengths[i]}) has an all-zero loss mask"
+            )
+        token_rewards[nonzero[-1]] += rewards[i]
+        returns.append(_discounted_returns(token_rewards, gamma))
+    return returns
+
+
+def get_reinforce_plus_plus_baseline_advantages(rewards, kl, loss_masks, kl_coef):
+    """REINFORCE++-baseline: group-mean-subtracted reward (upstream) minus the per-token KL penalty."""
+    return [torch.ones_like(kl[i]) * rewards[i] - kl_coef * kl[i] for i in range(len(rewards))]
+
+
+def get_rloo_returns(rewards, kl, n_samples_per_prompt):
+    """RLOO: advantage = r_i - mean of the other n-1 rewards of the group (leave-one-out baseline).
+
+    `rewards` arrive centred on their group mean (the rollout controller does that for rloo), and
+    `r_i - mean_{j!=i} r_j = n/(n-1) * (r_i - mean_j r_j)`, so the per-sample reward only needs rescaling; this keeps
+    the estimator correct when a group's samples land on different DP ranks.
+    """
+    n = n_samples_per_prompt
+    if n < 2:
+        raise ValueError(f"--advantage-estimator rloo needs --n-samples-per-prompt >= 2 (got {n}): the leave-one-out "
+                         "baseline averages the other samples of the same prompt")
+    scale = n / (n - 1)
+    return [torch.ones_like(kl[i]) * (rewards[i] * scale) for i in range(len(rewards))]
+
+
+def distributed_masked_whiten(values, mask, process_group=None, shift_mean=True, eps=1e-8):
+    """Whiten `values` with mean/var over masked-in entries of every rank in `process_group` (default: the default
+    group when torch.distributed is initialised, else this process only). Variance is Bessel-corrected."""
+    v, m = values.float(), mask.float()
+    stats = torch.stack([(v * m).sum(), (v.square() * m).sum(), m.sum()])
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(stats, group=process_group)
+    total, total_sq, count = stats.tolist()
+    if count == 0:
+        raise ValueError("cannot whiten advantages (--normalize-advantages): no loss-masked-in token on any rank")
+    mean = total / count
+    var = total_sq / count - mean**2
+    if count >= 2:
+        var *= count / (count - 1)
+    whitened = (values - mean) * torch.rsqrt(torch.tensor(var + eps, dtype=values.dtype, device=values.device))
+    return whitened if shift_mean else whitened + mean

@@ -1,0 +1,273 @@
+"""Megatron losses (spec §7.3-7.6): response log-probs in padded and packed layouts, sum-of-sample-mean reducers,
+PPO/GSPO policy loss (dual clip, TIS, KL loss, entropy), SFT/custom losses and slime's loss scaling, advantage
+estimators over rollout data. Runs in a one-rank gloo world with Megatron's parallel state."""
+import math
+from argparse import Namespace
+
+import pytest
+import torch
+
+from slime.backends.megatron_utils.loss import (
+    compute_advantages_and_returns,
+    get_log_probs_and_entropy,
+    get_sum_of_sample_mean,
+    loss_function,
+    policy_loss_function,
+)
+
+V = 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def mpu_world1(tmp_path_factory):
+    """A one-rank gloo world + Megatron parallel state (TP=DP=1), as inside a single trainer rank."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    assert not dist.is_initialized(), "another test left torch.distributed initialised in this process"
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    mpu.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    yield
+    mpu.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def _args(**kw):
+    base = dict(rollout_temperature=1.0, advantage_estimator="grpo", eps_clip=0.2, eps_clip_high=0.2, eps_clip_c=None,
+                use_tis=False, tis_clip=2.0, tis_clip_low=0.0, entropy_coef=0.0, use_kl_loss=False, kl_loss_coef=0.0,
+                kl_loss_type="kl", loss_type="policy_loss", calculate_per_token_loss=False, global_batch_size=4,
+                custom_loss_function_path=None, kl_coef=0.0, gamma=1.0, normalize_advantages=False,
+                n_samples_per_prompt=2, rewards_normalization=True)
+    base.update(kw)
+    return Namespace(**base)
+
+
+def _ref_response_log_probs(logits_row, tokens, total_len, resp_len, temperature=1.0):
+    logp = torch.log_softmax(logits_row[total_len - resp_len - 1:total_len - 1] / temperature, -1)
+    return logp.gather(-1, tokens[total_len - resp_len:total_len, None])[:, 0]
+
+
+# ---------------------------------------------------------------- reducers
+def test_sum_of_sample_mean_per_sample_and_per_token():
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 7.0])
+    masks = [torch.tensor([1, 1, 0]), torch.tensor([1, 1]), torch.tensor([0])]
+    per_sample = get_sum_of_sample_mean([5, 4, 2], [3, 2, 1], masks)
+    per_token = get_sum_of_sample_mean([5, 4, 2], [3, 2, 1], masks, calculate_per_token_loss=True)
+    assert per_sample(x).item() == pytest.approx((1 + 2) / 2 + (4 + 5) / 2 + 0.0)  # fully masked sample adds 0
+    assert per_token(x).item() == pytest.approx(1 + 2 + 4 + 5)
+
+
+# ---------------------------------------------------------------- log-probs from logits
+def test_log_probs_padded_and_packed_layouts_match_log_softmax():
+    g = torch.Generator().manual_seed(0)
+    tokens = [torch.randint(0, V, (n,), generator=g) for n in (5, 8, 3)]
+    total, resp = [5, 8, 3], [3, 2, 1]
+    padded = torch.randn(3, 8, V, generator=g)
+    packed = torch.cat([padded[i, :n] for i, n in enumerate(total)]).unsqueeze(0)
+    args = _args(rollout_temperature=0.7)
+    for logits in (padded, packed):
+        out = get_log_probs_and_entropy(logits, args=args, unconcat_tokens=tokens, total_lengths=total,
+                                        response_lengths=resp, with_entropy=True)
+        for i in range(3):
+            want = _ref_response_log_probs(padded[i], tokens[i], total[i], resp[i], temperature=0.7)
+            assert torch.allclose(out["log_probs"][i], want, atol=1e-5)
+            p = torch.log_softmax(padded[i, total[i] - resp[i] - 1:total[i] - 1] / 0.7, -1)
+            assert torch.allclose(out["entropy"][i], -(p.exp() * p).sum(-1), atol=1e-5)
+    # temperature really matters
+    t1 = get_log_probs_and_entropy(packed, args=_args(), unconcat_tokens=tokens, total_lengths=total, response_lengths=resp)
+    assert not torch.allclose(t1["log_probs"][0], out["log_probs"][0]) and "entropy" not in t1
+
+
+def test_padded_vocab_rows_are_excluded_from_the_softmax():
+    # Megatron pads the vocab (here 12 -> 16); the engine's softmax only knows the 12 real ids
+    g = torch.Generator().manual_seed(4)
+    tokens = [torch.randint(0, 12, (6,), generator=g)]
+    logits = torch.randn(1, 6, V, generator=g).requires_grad_()
+    out = get_log_probs_and_entropy(logits, args=_args(vocab_size=12), unconcat_tokens=tokens, total_lengths=[6],
+                                    response_lengths=[4], with_entropy=True)
+    logp = torch.log_softmax(logits[0, 1:5, :12].detach(), -1)
+    assert torch.allclose(out["log_probs"][0], logp.gather(-1, tokens[0][2:, None])[:, 0], atol=1e-5)
+    assert torch.allclose(out["entropy"][0], -(logp.exp() * logp).sum(-1), atol=1e-5)
+    (out["log_probs"][0].sum() + out["entropy"][0].sum()).backward()
+    assert torch.isfinite(logits.grad).all() and logits.grad[..., 12:].abs().max() == 0
+
+
+def test_empty_response_and_prompt_less_sample():
+    logits = torch.randn(1, 4, V)
+    out = get_log_probs_and_entropy(logits, args=_args(), unconcat_tokens=[torch.zeros(4, dtype=torch.long)],
+                                    total_lengths=[4], response_lengths=[0], with_entropy=True)
+    assert out["log_probs"][0].shape == (0,) and out["entropy"][0].shape == (0,)
+    with pytest.raises(ValueError, match="no prompt token"):
+        get_log_probs_and_entropy(logits, args=_args(), unconcat_tokens=[torch.zeros(4, dtype=torch.long)],
+                                  total_lengths=[4], response_lengths=[4])
+
+
+# ---------------------------------------------------------------- policy loss
+def _one_sample_batch(ratios, advantages, seed=0, mask=None):
+    """One sample: 2 prompt + len(ratios) response tokens; old log-probs chosen so exp(new - old) == ratios."""
+    g = torch.Generator().manual_seed(seed)
+    r = len(ratios)
+    tokens = torch.randint(0, V, (2 + r,), generator=g)
+    logits = torch.randn(1, 2 + r, V, generator=g).requires_grad_()
+    new = _ref_response_log_probs(logits[0].detach(), tokens, 2 + r, r)
+    old = new - torch.log(torch.tensor(ratios))
+    batch = {"unconcat_tokens": [tokens], "total_lengths": [2 + r], "response_lengths": [r],
+             "loss_masks": [torch.tensor(mask or [1] * r, dtype=torch.int)], "log_probs": [old],
+             "advantages": [torch.tensor(advantages)]}
+    return batch, logits, new
+
+
+def _reducer(batch, per_token=False):
+    return get_sum_of_sample_mean(batch["total_lengths"], batch["response_lengths"], batch["loss_masks"], per_token)
+
+
+def test_policy_loss_dual_clip_passes_eps_clip_c():
+    batch, logits, _ = _one_sample_batch([2.0, 2.0, 0.5], [2.0, -2.0, 2.0])
+    args = _args(eps_clip_c=1.5)
+    loss, m = policy_loss_function(args, batch, logits, _reducer(batch))
+    assert m["pg_loss"].item() == pytest.approx((-2.4 + 3.0 - 1.0) / 3, abs=1e-5)
+    assert m["pg_clipfrac"].item() == pytest.approx(1 / 3)
+    assert m["ppo_kl"].item() == pytest.approx(-(math.log(2) * 2 + math.log(0.5)) / 3, abs=1e-5)
+    assert loss.item() == pytest.approx(m["pg_loss"].item())
+    loss.backward()
+    assert logits.grad is not None and logits.grad.abs().sum() > 0
+    # without --eps-clip-c the A<0 token costs ratio*|A| = 4
+    loss, m = policy_loss_function(_args(), batch, logits, _reducer(batch))
+    assert m["pg_loss"].item() == pytest.approx((-2.4 + 4.0 - 1.0) / 3, abs=1e-5)
+
+
+def test_policy_loss_on_policy_first_step_has_zero_kl_and_clipfrac():
+    batch, logits, new = _one_sample_batch([1.0, 1.0], [0.5, -0.5], mask=[1, 0])
+    loss, m = policy_loss_function(_args(), batch, logits, _reducer(batch))
+    assert m["ppo_kl"].item() == pytest.approx(0.0, abs=1e-6) and m["pg_clipfrac"].item() == 0.0
+    assert m["pg_loss"].item() == pytest.approx(-0.5, abs=1e-5)  # only the masked-in token counts
+
+
+def test_tis_weights_are_clamped():
+    batch, logits, new = _one_sample_batch([1.0, 1.0, 1.0], [1.0, 1.0, 1.0])
+    old = batch["log_probs"][0]
+    batch["rollout_log_probs"] = [old - torch.log(torch.tensor([3.0, 1.0, 0.05]))]  # tis = exp(old - rollout)
+    args = _args(use_tis=True, tis_clip=2.0, tis_clip_low=0.1)
+    loss, m = policy_loss_function(args, batch, logits, _reducer(batch))
+    assert m["tis"].item() == pytest.approx((3.0 + 1.0 + 0.05) / 3, rel=1e-5)
+    assert m["tis_clipfrac"].item() == pytest.approx(2 / 3)
+    assert m["ois"].item() == pytest.approx(1.0, abs=1e-5)
+    # ratio 1, A 1 -> per-token loss -1, times the clamped weights [2, 1, 0.1]
+    assert m["pg_loss"].item() == pytest.approx(-(2.0 + 1.0 + 0.1) / 3, abs=1e-5)
+    with pytest.raises(ValueError, match="rollout_log_probs"):
+        del batch["rollout_log_probs"]
+        policy_loss_function(args, batch, logits, _reducer(batch))
+
+
+def test_gspo_uses_the_sequence_level_ratio():
+    batch, logits, _ = _one_sample_batch([2.0, 1.0], [1.0, 1.0])
+    # sequence ratio = exp(mean(new - old)) = sqrt(2) = 1.414 > 1.2 -> clipped for both tokens
+    loss, m = policy_loss_function(_args(advantage_estimator="gspo"), batch, logits, _reducer(batch))
+    assert m["pg_loss"].item() == pytest.approx(-1.2, abs=1e-5)
+    assert m["pg_clipfrac"].item() == pytest.approx(1.0)
+    loss, m = policy_loss_function(_args(advantage_estimator="gspo", eps_clip_high=0.5), batch, logits, _reducer(batch))
+    assert m["pg_loss"].item() == pytest.approx(-math.sqrt(2), abs=1e-5)
+    # token-level PPO on the same data: token ratios 2 (clipped to 1.2) and 1
+    _, m = policy_loss_function(_args(), batch, logits, _reducer(batch))
+    assert m["pg_loss"].item() == pytest.approx(-(1.2 + 1.0) / 2, abs=1e-5)
+
+
+def test_kl_loss_entropy_bonus_and_rollout_logprob_diff():
+    batch, logits, new = _one_sample_batch([1.0, 1.0, 1.0], [0.0, 0.0, 0.0])
+    batch["ref_log_probs"] = [new - 0.1]  # k1 KL = +0.1 per token
+    batch["rollout_log_probs"] = [new + torch.tensor([0.1, -0.2, 0.3])]
+    args = _args(use_kl_loss=True, kl_loss_coef=0.5, entropy_coef=0.01)
+    loss, m = policy_loss_function(args, batch, logits, _reducer(batch))
+    assert m["kl_loss"].item() == pytest.approx(0.1, abs=1e-5)
+    p = torch.log_softmax(logits[0, 1:4].detach(), -1)
+    entropy = -(p.exp() * p).sum(-1).mean().item()
+    assert m["entropy_loss"].item() == pytest.approx(entropy, abs=1e-5)
+    assert loss.item() == pytest.approx(0.0 - 0.01 * entropy + 0.5 * 0.1, abs=1e-5)
+    assert m["train_rollout_logprob_abs_diff"].item() == pytest.approx(0.2, abs=1e-5)
+    # KL is reported even with a zero coefficient
+    _, m = policy_loss_function(_args(use_kl_loss=True), batch, logits, _reducer(batch))
+    assert m["kl_loss"].item() == pytest.approx(0.1, abs=1e-5)
+
+
+# ---------------------------------------------------------------- loss_function
+def _custom_loss(args, batch, logits, sum_of_sample_mean):
+    loss = logits.sum() * 0 + 7.0
+    return loss, {"my_metric": torch.tensor(3.0)}
+
+
+def test_loss_function_scaling_and_return_shape():
+    batch, logits, new = _one_sample_batch([1.0, 1.0], [1.0, 1.0])
+    args = _args(loss_type="sft_loss", global_batch_size=8)
+    loss, denom, report = loss_function(args, batch, num_microbatches=2, logits=logits)
+    nll = -new.mean().item()
+    assert loss.item() == pytest.approx(nll * 2 / 8, abs=1e-5)  # * num_microbatches / gbs * dp(=1)
+    assert denom == 1 and report["keys"] == ["loss"]
+    assert report["values"].tolist() == pytest.approx([1.0, nll], abs=1e-5)  # [num_samples, *metrics]
+
+    loss, denom, report = loss_function(_args(loss_type="sft_loss", calculate_per_token_loss=True, global_batch_size=8),
+                                        batch, 2, logits)
+    assert denom.item() == 2 and report["values"][0].item() == 2.0  # token count
+    assert loss.item() == pytest.approx(-new.sum().item() * 2 / 8, abs=1e-5)
+
+    loss, _, report = loss_function(_args(loss_type="policy_loss"), batch, 1, logits)
+    assert report["keys"][:5] == ["loss", "pg_loss", "entropy_loss", "pg_clipfrac", "ppo_kl"]
+
+    args = _args(loss_type="custom_loss", custom_loss_function_path="tests.test_loss._custom_loss", global_batch_size=7)
+    loss, _, report = loss_function(args, batch, 1, logits)
+    assert loss.item() == pytest.approx(1.0) and report["keys"] == ["my_metric"] and report["values"][1].item() == 3.0
+    with pytest.raises(ValueError, match="custom-loss-function-path"):
+        loss_function(_args(loss_type="custom_loss"), batch, 1, logits)
+    with pytest.raises(ValueError, match="loss-type"):
+        loss_function(_args(loss_type="nope"), batch, 1, logits)
+
+
+def test_loss_with_no_response_tokens_keeps_the_graph():
+    tokens = torch.arange(3)
+    logits = torch.randn(1, 3, V, requires_grad=True)
+    batch = {"unconcat_tokens": [tokens], "total_lengths": [3], "response_lengths": [0],
+             "loss_masks": [torch.zeros(0, dtype=torch.int)], "log_probs": [torch.zeros(0)], "advantages": [torch.zeros(0)]}
+    loss, _, _ = loss_function(_args(), batch, 1, logits)
+    loss.backward()
+    assert loss.item() == 0.0 and torch.equal(logits.grad, torch.zeros_like(logits))
+
+
+# ---------------------------------------------------------------- advantages over rollout data
+def _rollout(rewards=(1.0, -1.0), resp=(3, 2)):
+    return {"log_probs": [torch.full((r,), -0.5) for r in resp], "ref_log_probs": [torch.full((r,), -0.7) for r in resp],
+            "rewards": list(rewards), "loss_masks": [torch.ones(r, dtype=torch.int) for r in resp],
+            "response_lengths": list(resp), "total_lengths": [r + 4 for r in resp]}
+
+
+def test_compute_advantages_grpo_and_normalisation():
+    data = _rollout()
+    compute_advantages_and_returns(_args(), data)
+    assert [a.tolist() for a in data["advantages"]] == [[1.0] * 3, [-1.0] * 2]
+    assert data["returns"][0].tolist() == [1.0] * 3
+    data = _rollout()
+    compute_advantages_and_returns(_args(normalize_advantages=True), data)
+    values = torch.tensor([1.0] * 3 + [-1.0] * 2)
+    want = (values - values.mean()) / values.std()
+    assert torch.allclose(torch.cat(data["advantages"]), want, atol=1e-5)
+
+
+def test_compute_advantages_reinforce_family_and_rloo():
+    data = _rollout()
+    compute_advantages_and_returns(_args(advantage_estimator="reinforce_plus_plus", kl_coef=0.5, gamma=1.0), data)
+    # kl (k1) = -0.5 - (-0.7) = 0.2 per token -> token reward -0.1; reward at the last token; gamma 1 -> suffix sums
+    assert torch.allclose(data["advantages"][0], torch.tensor([0.7, 0.8, 0.9]))
+    assert torch.allclose(data["returns"][1], torch.tensor([-1.2, -1.1]))
+
+    data = _rollout()
+    compute_advantages_and_returns(_args(advantage_estimator="reinforce_plus_plus_baseline", kl_coef=0.5), data)
+    assert torch.allclose(data["advantages"][0], torch.full((3,), 0.9)) and data["returns"] is data["advantages"]
+
+    data = _rollout(rewards=(0.5, -0.5))  # group [1, 0] centred
+    compute_advantages_and_returns(_args(advantage_estimator="rloo"), data)
+    assert torch.allclose(data["advantages"][0], torch.ones(3)) and torch.allclose(data["advantages"][1], -torch.ones(2))
+
+    with pytest.raises(ValueError, match="advantage-estimator"):
+        compute_advantages_and_returns(_args(advantage_estimator="magic"), _rollout())
+    data = {"rewards": [1.0]}  # a non-last pipeline stage has no log-probs: nothing to do
+    compute_advantages_and_returns(_args(), data)
+    assert "advantages" not in data
