@@ -212,7 +212,7 @@ def test_controller_generate_returns_boxed_train_data_and_metrics(ray_mod, tmp_p
     try:
         box = ray.get(controller.generate.remote(4), timeout=120)
         data = ray.get(box.inner)
-        metrics = ray.get(controller.get_last_metrics.remote())
+        metrics = ray.get(controller.pop_metrics.remote(4))
     finally:
         ray.kill(controller)
 
@@ -240,7 +240,7 @@ def test_controller_generate_returns_boxed_train_data_and_metrics(ray_mod, tmp_p
     replay = _controller(ray, make_args(load_debug_rollout_data=debug_path, rollout_function_path=f"{HERE}.bad_shape_rollout"))
     try:
         replayed = ray.get(ray.get(replay.generate.remote(4), timeout=120).inner)
-        replay_metrics = ray.get(replay.get_last_metrics.remote())
+        replay_metrics = ray.get(replay.pop_metrics.remote(4))
     finally:
         ray.kill(replay)
     assert replayed["raw_reward"] == data["raw_reward"] and replayed["rewards"] == pytest.approx(data["rewards"])

@@ -358,7 +358,7 @@ def test_controller_runs_default_rollout_in_ray(engine, tiny_kit, prompts, ray_s
     try:
         assert ray.get(controller.get_num_rollout_per_epoch.remote(), timeout=120) == 4  # 8 prompts // 2
         data = ray.get(ray.get(controller.generate.remote(0), timeout=300).inner)
-        metrics = ray.get(controller.get_last_metrics.remote())
+        metrics = ray.get(controller.pop_metrics.remote(0))
         eval_metrics = ray.get(controller.eval.remote(0), timeout=300)
         ray.get(controller.save.remote(0))
     finally:

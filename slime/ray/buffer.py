@@ -197,7 +197,7 @@ class RolloutController:
         self.eval_generate_rollout = load_function(self.eval_fn_path)
         path = getattr(args, "custom_reward_post_process_path", None)
         self.custom_reward_post_process_func = load_function(path) if path else None
-        self._last_metrics = {}
+        self._metrics = {}  # rollout_id -> metrics; train_async generates N+1 before the driver records N
         print(f"import {self.rollout_fn_path} as generate_rollout function.")
         print(f"import {self.eval_fn_path} as eval_generate_rollout function.")
 
@@ -236,12 +236,12 @@ class RolloutController:
         metrics = rollout_metrics(args, data, train_data, None if loaded else rollout_time)
         metrics.update(extra)
         self._log("rollout", rollout_id, metrics)
-        self._last_metrics = metrics
+        self._metrics[rollout_id] = metrics
         return Box(ray.put(train_data))
 
-    def get_last_metrics(self):
-        """Metrics of the latest `generate` call (the driver prints or records them)."""
-        return dict(self._last_metrics)
+    def pop_metrics(self, rollout_id):
+        """Metrics of `generate(rollout_id)`, handed over once (the driver prints and records them)."""
+        return self._metrics.pop(rollout_id, {})
 
     def eval(self, rollout_id):
         if getattr(self.args, "debug_train_only", False):

@@ -87,7 +87,7 @@ class RunRecorder:
     def rollout_done(self, rollout_id, train_metrics, update_metrics=None):
         now = time.time()
         record = {"rollout_id": rollout_id}
-        record.update(ray.get(self.rollout_manager.controller.get_last_metrics.remote()) or {})
+        record.update(ray.get(self.rollout_manager.controller.pop_metrics.remote(rollout_id)))
         record.update(_flatten(next((m for m in train_metrics or [] if m), {})))  # rank 0 reports for the group
         record.update(_flatten(next((m for m in update_metrics or [] if m), {})))
         record.update(self.pending_eval)
