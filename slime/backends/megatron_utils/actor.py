@@ -1,0 +1,259 @@
+"""`MegatronTrainRayActor`: one training rank (spec §7.1, §7.2).
+
+Weights are also kept as CPU dicts `self.weights[tag][global_name] -> local shard` (tags: "actor", "ref", and
+"old_actor"/"rollout_actor" with --keep-old-actor). The reference model is such a dict swapped into the live
+parameters for the ref log-prob pass; weight sync reads `weights["actor"]` (works while the model is offloaded).
+"""
+import copy
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+
+from slime.ray.train_actor import TrainRayActor
+from slime.utils.device import is_cpu
+from slime.utils.misc import load_function
+from slime.utils.timer import Timer, timer
+
+from . import initialize as megatron_init
+from .checkpoint import load_checkpoint, save_checkpoint
+from .param_utils import named_parameters
+
+logger = logging.getLogger(__name__)
+
+
+class MegatronTrainRayActor(TrainRayActor):
+    def init(self, args, role, wandb_run_id=None, with_ref=False):
+        """Set up this rank; returns the first rollout id to train (loaded iteration + 1, or 0)."""
+        super().init(args, role, wandb_run_id, with_ref)
+        if getattr(args, "debug_rollout_only", False):
+            Timer().start("train_wait")
+            return 0
+        megatron_init.init(args)
+        if megatron_init.is_megatron_main_rank():
+            from slime.utils.wandb_utils import init_wandb_secondary
+
+            init_wandb_secondary(args, wandb_run_id)
+        self._read_hf_config(args)
+
+        from .model import initialize_model_and_optimizer
+
+        self.model, self.optimizer, self.opt_param_scheduler, iteration = initialize_model_and_optimizer(args, role)
+        start_rollout_id = iteration + 1
+
+        self.weights = {"actor": {}}
+        self.update_cpu_params_dict(self.weights["actor"])
+        if with_ref:
+            self.load_other_checkpoint("ref", getattr(args, "ref_load", None))
+        if getattr(args, "keep_old_actor", False):
+            self.weights["old_actor"] = _clone_dict(self.weights["actor"])
+            self.weights["rollout_actor"] = _clone_dict(self.weights["actor"])
+
+        from .update_weight_utils import UpdateWeightFromDistributed, UpdateWeightFromTensor
+
+        updater_cls = UpdateWeightFromTensor if getattr(args, "colocate", False) else UpdateWeightFromDistributed
+        self.weight_updator = updater_cls(
+            args, self.model, self.weights, model_name=self.model_name, quantization_config=None,
+            vocab_size=getattr(args, "vocab_size", None) or self.vocab_size,
+        )
+        self._offload_backup = None
+        if getattr(args, "offload", False):
+            self.sleep(("model",))
+        Timer().start("train_wait")
+        return start_rollout_id
+
+    def _read_hf_config(self, args):
+        """Model name and vocab size from --hf-checkpoint, read rank by rank (concurrent HF cache writes collide)."""
+        from .megatron_to_hf import resolve_model_name
+
+        self.model_name, self.vocab_size = getattr(args, "model_name", None), getattr(args, "vocab_size", None)
+        if not getattr(args, "hf_checkpoint", None):
+            self.model_name = resolve_model_name(args)
+            return
+        group = megatron_init.get_gloo_group()
+        for r in range(dist.get_world_size()):
+            if r == dist.get_rank():
+                from transformers import AutoConfig
+
+                hf_config = AutoConfig.from_pretrained(args.hf_checkpoint, trust_remote_code=True)
+                self.model_name = self.model_name or type(hf_config).__name__.lower()
+                self.vocab_size = self.vocab_size or hf_config.vocab_size
+            dist.barrier(group=group)
+
+    # ---- CPU weight dicts -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def update_cpu_params_dict(self, params_dict):
+        pin = not is_cpu()
+        for name, param in named_parameters(self.args, self.model):
+            if name not in params_dict:
+                params_dict[name] = torch.empty(param.shape, dtype=param.dtype, device="cpu", pin_memory=pin)
+            params_dict[name].copy_(param.detach(), non_blocking=pin)
+        if pin:
+            torch.cuda.synchronize()
+
+    @torch.no_grad()
+    def update_gpu_params_dict(self, params_dict):
+        for name, param in named_parameters(self.args, self.model):
+            param.copy_(params_dict[name], non_blocking=not is_cpu())
+        if not is_cpu():
+            torch.cuda.synchronize()
+
+    def load_other_checkpoint(self, tag, path):
+        """Fill `weights[tag]` from the Megatron checkpoint at `path` (weights only); the initial actor weights
+        when `path` is None. The live model is restored to the actor weights afterwards."""
+        if not path:
+            self.weights[tag] = _clone_dict(self.weights["actor"])
+            return
+        tmp = copy.copy(self.args)
+        tmp.load, tmp.no_load_optim, tmp.no_load_rng, tmp.finetune = path, True, True, True
+        tmp.ckpt_step = getattr(self.args, "ref_ckpt_step", None) if tag == "ref" else None
+        if load_checkpoint(tmp, self.model, None, None) is None:
+            raise FileNotFoundError(f"--{tag}-load {path}: no Megatron checkpoint there (missing {path}/latest_checkpointed_iteration.txt)")
+        self.weights[tag] = {}
+        self.update_cpu_params_dict(self.weights[tag])
+        self.update_gpu_params_dict(self.weights["actor"])
+
+    # ---- offload ----------------------------------------------------------------------------------------------
+    def _offload_storages(self):
+        """Every storage holding params, grads (DDP buffers) and optimizer state, deduplicated."""
+        tensors = []
+        for chunk in self.model:
+            tensors += [p.data for p in chunk.parameters()]
+            tensors += [p.main_grad for p in chunk.parameters() if getattr(p, "main_grad", None) is not None]
+            for buf in getattr(chunk, "buffers", []) + getattr(chunk, "expert_parallel_buffers", []):
+                tensors += [t for t in (buf.param_data, buf.grad_data) if t is not None]
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = getattr(opt, "optimizer", None)
+            if inner is None:
+                continue
+            for group in inner.param_groups:
+                tensors += list(group["params"])
+            for state in inner.state.values():
+                tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        seen, storages = set(), []
+        for t in tensors:
+            s = t.untyped_storage()
+            if s.nbytes() and s.data_ptr() not in seen:
+                seen.add(s.data_ptr())
+                storages.append(s)
+        return storages
+
+    @torch.no_grad()
+    def sleep(self, tags=None):
+        """Move params, grads and optimizer state out of the training device's memory (storages freed in place, so
+        every view — DDP buffers, optimizer state — stays valid and comes back bit-exact on `wake_up`)."""
+        if self._offload_backup is not None:
+            return
+        backup = []
+        for storage in self._offload_storages():
+            saved = torch.empty(storage.nbytes(), dtype=torch.uint8, device="cpu", pin_memory=not is_cpu())
+            saved.untyped_storage().copy_(storage)
+            backup.append((storage, saved))
+            storage.resize_(0)
+        self._offload_backup = backup
+        if not is_cpu():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+    @torch.no_grad()
+    def wake_up(self, tags=None):
+        if self._offload_backup is None:
+            return
+        for storage, saved in self._offload_backup:
+            storage.resize_(saved.numel())
+            storage.copy_(saved.untyped_storage())
+        self._offload_backup = None
+        if not is_cpu():
+            torch.cuda.synchronize()
+
+    # ---- training ----------------------------------------------------------------------------------------------
+    def compute_log_prob(self, tag, data_iterator, num_microbatches, store_prefix=""):
+        from .model import forward_only
+
+        self.update_gpu_params_dict(self.weights[tag])
+        return forward_only(self.args, self.model, data_iterator, num_microbatches, store_prefix=store_prefix)
+
+    def train(self, rollout_id, rollout_data_ref):
+        """Train on one rollout (`Box(ObjectRef)` of the train-data dict). Returns `{"rollout": {...}, "train": [...]}`."""
+        from slime.backends.utils.data import process_rollout_data
+
+        from .data import get_data_iterator, log_rollout_data
+        from .loss import compute_advantages_and_returns
+        from .model import train as train_steps
+
+        args = self.args
+        if "train_wait" in Timer().start_time:
+            Timer().end("train_wait")
+        if getattr(args, "offload", False):
+            self.wake_up(("model",))
+        dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+        with timer("data_preprocess"):
+            rollout_data = process_rollout_data(args, rollout_data_ref, dp_rank, dp_size)
+            data_iterator, num_microbatches = get_data_iterator(args, self.model, rollout_data)
+
+        if getattr(args, "compute_advantages_and_returns", True):
+            if "ref" in self.weights:
+                with timer("ref_log_probs"):
+                    rollout_data.update(self.compute_log_prob("ref", data_iterator, num_microbatches, "ref_"))
+            with timer("log_probs"):
+                tag = "old_actor" if "old_actor" in self.weights else "actor"
+                rollout_data.update(self.compute_log_prob(tag, data_iterator, num_microbatches))
+                if tag != "actor":
+                    self.update_gpu_params_dict(self.weights["actor"])
+            if getattr(args, "ci_test", False) and rollout_id == 0 and "ref_log_probs" in rollout_data:
+                for lp, ref in zip(rollout_data["log_probs"], rollout_data["ref_log_probs"]):
+                    assert torch.equal(lp, ref), "--ci-test: rollout 0 log_probs differ from ref_log_probs"
+            compute_advantages_and_returns(args, rollout_data)
+
+        if getattr(args, "rollout_data_postprocess_path", None):
+            load_function(args.rollout_data_postprocess_path)(args, rollout_id, rollout_data)
+        rollout_metrics = log_rollout_data(rollout_id, args, rollout_data)
+        if rollout_metrics and megatron_init.is_megatron_main_rank():
+            from .model import log
+
+            log(args, {**rollout_metrics, "rollout/step": rollout_id}, "rollout/step")
+
+        with timer("actor_train"):
+            history = train_steps(args, rollout_id, self.model, self.optimizer, self.opt_param_scheduler,
+                                  data_iterator, num_microbatches)
+
+        if getattr(args, "save_debug_train_data", None):
+            path = args.save_debug_train_data.format(rollout_id=rollout_id, rank=dist.get_rank())
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            torch.save({"rollout_id": rollout_id, "rank": dist.get_rank(), "rollout_data": rollout_data}, path)
+
+        self.update_cpu_params_dict(self.weights["actor"])
+        Timer().start("train_wait")
+        return {"rollout": rollout_metrics, "train": history}
+
+    def save_model(self, iteration, with_optimizer=True):
+        if getattr(self.args, "debug_rollout_only", False):
+            return
+        asleep = self._offload_backup is not None
+        if asleep:
+            self.wake_up(("model",))
+        save_checkpoint(self.args, iteration, self.model, self.optimizer, self.opt_param_scheduler,
+                        with_optimizer=with_optimizer)
+        if asleep:
+            self.sleep(("model",))
+
+    # ---- weight sync (delegated to update_weight_utils) ---------------------------------------------------------
+    def connect_rollout_engines(self, rollout_engines, rollout_engine_lock):
+        self.weight_updator.connect_rollout_engines(rollout_engines, rollout_engine_lock)
+        dist.barrier(group=megatron_init.get_gloo_group())
+
+    def update_weights(self):
+        if getattr(self.args, "debug_train_only", False) or getattr(self.args, "debug_rollout_only", False):
+            return None
+        if getattr(self.args, "keep_old_actor", False):
+            self.weights["old_actor"], self.weights["rollout_actor"] = (
+                self.weights["rollout_actor"], _clone_dict(self.weights["actor"]))
+        result = self.weight_updator.update_weights()
+        dist.barrier(group=megatron_init.get_gloo_group())
+        return result
+
+
+def _clone_dict(params):
+    return {k: v.clone() for k, v in params.items()}

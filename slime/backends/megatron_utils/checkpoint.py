@@ -1,0 +1,173 @@
+"""Megatron checkpoints in slime's layout, on megatron-core `dist_checkpointing` (torch_dist format).
+
+    {save}/iter_{rollout_id:07d}/          model (+ optimizer, scheduler, RNG) shards + common.pt
+    {save}/latest_checkpointed_iteration.txt   the last *complete* iteration (or "release")
+
+The iteration directory is written under a temporary name and renamed when complete; the tracker file is then
+replaced atomically, so a crash mid-save never points `--load` at a partial checkpoint. Sharded tensors are
+stored in global (unsharded) coordinates, so loading with a different TP size reshards.
+"""
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as mpu
+from megatron.core import tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+TRACKER = "latest_checkpointed_iteration.txt"
+_OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}  # allows TP/DP resharding of optimizer state
+
+
+def _unwrap(module):
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def _model_key(i, n):
+    return "model" if n == 1 else f"model{i}"
+
+
+def _model_sharded_state_dict(model):
+    return {_model_key(i, len(model)): _unwrap(m).sharded_state_dict() for i, m in enumerate(model)}
+
+
+def _rng_sharded_object():
+    state = {
+        "random_rng_state": __import__("random").getstate(),
+        "np_rng_state": __import__("numpy").random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    pp, tp = mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank()
+    shape = (mpu.get_pipeline_model_parallel_world_size(), mpu.get_tensor_model_parallel_world_size())
+    return ShardedObject("rng_state", state, shape, (pp, tp), replica_id=mpu.get_data_parallel_rank(with_context_parallel=True))
+
+
+def _restore_rng(state):
+    import random
+
+    import numpy as np
+
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if state.get("cuda_rng_state") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+def checkpoint_dir(root, iteration):
+    return os.path.join(root, "release" if iteration == "release" else f"iter_{int(iteration):07d}")
+
+
+def read_tracker(root):
+    """The iteration recorded in `{root}/latest_checkpointed_iteration.txt` (int or "release"), None if absent."""
+    path = os.path.join(root, TRACKER)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        text = f.read().strip()
+    if text == "release":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{path}: expected an iteration number or 'release', found {text!r}") from None
+
+
+def _parallel_layout():
+    return {"tp": mpu.get_tensor_model_parallel_world_size(), "pp": mpu.get_pipeline_model_parallel_world_size()}
+
+
+def save_checkpoint(args, iteration, model, optimizer, opt_param_scheduler, *, with_optimizer=True):
+    """Write `{args.save}/iter_{iteration:07d}` from every rank (collective), then update the tracker."""
+    root = args.save
+    final_dir = checkpoint_dir(root, iteration)
+    tmp_dir = final_dir + ".tmp"
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        os.makedirs(tmp_dir)
+    dist.barrier()
+
+    state = _model_sharded_state_dict(model)
+    if with_optimizer and not getattr(args, "no_save_optim", False):
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=False, metadata=_OPTIM_METADATA)
+        state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
+    if not getattr(args, "no_save_rng", False):
+        state["rng_state"] = _rng_sharded_object()
+    state["iteration"] = iteration
+    state["parallel_layout"] = _parallel_layout()
+    dist_checkpointing.save(state, tmp_dir)
+    dist.barrier()
+
+    if rank0:
+        shutil.rmtree(final_dir, ignore_errors=True)
+        os.replace(tmp_dir, final_dir)
+        tracker_tmp = os.path.join(root, TRACKER + ".tmp")
+        with open(tracker_tmp, "w") as f:
+            f.write(str(iteration))
+        os.replace(tracker_tmp, os.path.join(root, TRACKER))
+    dist.barrier()
+    return final_dir
+
+
+def load_checkpoint(args, model, optimizer, opt_param_scheduler):
+    """Load `--load` into `model` (+ optimizer/scheduler/RNG unless --no-load-optim / --no-load-rng / --finetune).
+
+    Returns the last completed rollout id of the checkpoint (training resumes at +1), -1 for a release or
+    `--finetune` load (weights only, start from rollout 0), and None when there is nothing to load (no `--load`,
+    or no tracker file and no `--ckpt-step`).
+    """
+    root = getattr(args, "load", None)
+    if not root or not os.path.isdir(root):
+        return None
+    step = getattr(args, "ckpt_step", None)
+    iteration = step if step is not None else read_tracker(root)
+    if iteration is None:
+        return None
+    ckpt = checkpoint_dir(root, iteration)
+    if not os.path.isdir(ckpt):
+        raise FileNotFoundError(
+            f"--load {root}: checkpoint directory {ckpt} does not exist (from "
+            f"{'--ckpt-step' if step is not None else TRACKER}); pick an existing iteration with --ckpt-step"
+        )
+    finetune = bool(getattr(args, "finetune", False)) or iteration == "release"
+    common = dist_checkpointing.load_common_state_dict(ckpt)
+    load_optim = not finetune and not getattr(args, "no_load_optim", False) and "optimizer" in _saved_keys(common, ckpt)
+    load_rng = not finetune and not getattr(args, "no_load_rng", False) and common.get("parallel_layout") == _parallel_layout()
+
+    state = _model_sharded_state_dict(model)
+    if load_optim:
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=_OPTIM_METADATA)
+    if load_rng:
+        state["rng_state"] = _rng_sharded_object()
+    loaded = dist_checkpointing.load(state, ckpt)
+
+    for i, m in enumerate(model):
+        _unwrap(m).load_state_dict(loaded[_model_key(i, len(model))], strict=True)
+    if load_optim:
+        optimizer.load_state_dict(loaded["optimizer"])
+        if "opt_param_scheduler" in common and opt_param_scheduler is not None:
+            opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
+    elif optimizer is not None:
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            if hasattr(opt, "reload_model_params"):
+                opt.reload_model_params()  # master copies must follow the freshly loaded weights
+    if load_rng:
+        _restore_rng(loaded["rng_state"])
+    dist.barrier()
+    return -1 if finetune else int(iteration)
+
+
+def _saved_keys(common, ckpt):
+    # The optimizer's tensors live in the sharded metadata, its scheduler in common.pt; either proves it was saved.
+    if "opt_param_scheduler" in common:
+        return {"optimizer"}
+    return set()

@@ -1,0 +1,190 @@
+"""CUDA-compat shim that lets megatron-core 0.16.1 train on CPU with gloo.
+
+megatron-core has no CPU mode: it hard-codes `torch.cuda.current_device()`, `device="cuda"` literals, the CUDA RNG
+tracker and `torch.cuda.*Tensor` type asserts. Nothing on our path is inherently CUDA-only, so we patch exactly
+those spots (measured in shared/research/feasibility-megatron-cpu.md §3). Patches are *scoped*: module globals
+inside the listed megatron modules, never a global TorchFunctionMode (thread-local, not active in backward).
+
+`apply()` is idempotent and a no-op unless `slime.utils.device.is_cpu()`; call it before building models.
+`cuda_type_spoof()` is a context manager for the few constructors that check `tensor.type()`.
+"""
+import contextlib
+import functools
+import importlib
+import logging
+import types
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from slime.utils.device import is_cpu
+
+logger = logging.getLogger(__name__)
+
+PINNED_MEGATRON_CORE = "0.16"
+_applied = False
+
+# Megatron modules that allocate with device="cuda" (schedules, masks, optimizer scalars, grad clipping, rerun state).
+_PROXIED_MODULES = [
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.transformer.utils",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.rerun_state_machine",
+    "megatron.core.utils",
+]
+
+
+def _is_cuda(device) -> bool:
+    return (isinstance(device, str) and device.startswith("cuda")) or (
+        isinstance(device, torch.device) and device.type == "cuda"
+    )
+
+
+class _CudaTypeSpoofMode(TorchFunctionMode):
+    """Makes `tensor.type()` report `torch.cuda.*` and sends `device="cuda"` to CPU (optimizer constructors)."""
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            t = func(*args)
+            return t if t.startswith("torch.cuda.") else t.replace("torch.", "torch.cuda.", 1)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_type_spoof():
+    """Active only on CPU: wrap `get_megatron_optimizer(...)` (its param-type checks want CUDA tensors)."""
+    if not is_cpu():
+        yield
+        return
+    with _CudaTypeSpoofMode():
+        yield
+
+
+class CpuRNGStatesTracker:
+    """Drop-in for megatron's CudaRNGStatesTracker on the CPU generator (TP-rank dropout streams, recompute)."""
+
+    def __init__(self, *args, **kwargs):
+        self.reset()
+        self.use_cudagraphable_rng = False
+        self.is_inference_rng_tracker = False
+
+    def is_initialized(self):
+        return self._is_initialized
+
+    def reset(self):
+        self._is_initialized, self.states_, self.seeds_ = False, {}, set()
+
+    def get_states(self):
+        return dict(self.states_)
+
+    def set_states(self, states):
+        self._is_initialized, self.states_ = True, states
+
+    def add(self, name, seed):
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        orig = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(orig)
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        orig = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+
+class _CpuTorch(types.ModuleType):
+    """Stands in for the name `torch` inside the proxied modules: factories ignore device="cuda"."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def _cpu_factory(fn):
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return fn(*args, **kwargs)
+
+    return wrapped
+
+
+def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    # megatron's version minus its `param.grad.type() == 'torch.cuda.FloatTensor'` assert.
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    grads = [g.detach() for g in ((p.decoupled_grad if use_decoupled_grad else p.grad) for p in parameters) if g is not None]
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, coeff)
+
+
+def apply() -> bool:
+    """Install the patches once per process (CPU only). Returns True when the shim is active."""
+    global _applied
+    if _applied or not is_cpu():
+        return _applied
+    import megatron.core
+
+    version = getattr(megatron.core, "__version__", "?")
+    if not version.startswith(PINNED_MEGATRON_CORE):
+        logger.warning("cpu_compat is pinned to megatron-core %s.x but found %s; CPU training may break", PINNED_MEGATRON_CORE, version)
+
+    # Rotary embeddings, attention buffers, TP mappings and DDP buffers use device=torch.cuda.current_device().
+    torch.cuda.current_device = lambda: "cpu"
+    # p2p (PP>1) and dist_checkpointing call synchronize; empty_cache is called by offload paths.
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.empty_cache = lambda *a, **k: None
+
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
+    mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = None, False
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+
+    proxy = _proxy_torch()
+    for mod in _PROXIED_MODULES:
+        importlib.import_module(mod).torch = proxy
+
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+    optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+    # MoE router: without transformer_engine, 0.16.1 leaves `te_general_gemm` undefined (NameError on forward).
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    _applied = True
+    return True
+
+
+def _proxy_torch():
+    proxy = _CpuTorch("torch")
+    for name in ("zeros", "ones", "empty", "full", "tensor", "arange", "zeros_like", "ones_like", "empty_like"):
+        setattr(proxy, name, _cpu_factory(getattr(torch, name)))
+    return proxy

@@ -1,0 +1,59 @@
+"""Megatron <-> HF weight conversion, dispatched by `--model-name` substring (slime's order and names).
+
+`convert_to_hf(args, model_name, name, param)` takes a *full* (TP-gathered, padding-removed) Megatron tensor with
+its global name and returns `[(hf_name, tensor)]`. `hf_to_megatron(args, model)` is the reverse: it fills a
+(possibly TP/PP/EP-sharded) Megatron model from an HF safetensors checkpoint, so `--hf-checkpoint` alone can
+initialise training.
+"""
+from . import llama, qwen2, qwen3moe
+from .hf_to_megatron import hf_to_megatron
+
+# Checked in this order: "qwen3moe" must win over "qwen3".
+_FAMILIES = [
+    (("qwen3moe", "qwen3_moe"), qwen3moe.FAMILY),
+    (("qwen2", "qwen3"), qwen2.FAMILY),
+    (("llama",), llama.FAMILY),
+]
+
+
+def get_family(model_name):
+    key = (model_name or "").lower()
+    for substrings, family in _FAMILIES:
+        if any(s in key for s in substrings):
+            return family
+    supported = ", ".join(s for subs, _ in _FAMILIES for s in subs)
+    raise ValueError(
+        f"--model-name {model_name!r}: no Megatron->HF converter matches it (supported substrings: {supported}). "
+        "Set --model-name to one of them, or to the lowercased HF config class name (e.g. qwen3config)."
+    )
+
+
+def resolve_model_name(args, model_name=None):
+    """`model_name`, else `args.model_name`, else the lowercased HF config class of `args.hf_checkpoint`."""
+    name = model_name or getattr(args, "model_name", None)
+    if name:
+        return name
+    hf_dir = getattr(args, "hf_checkpoint", None)
+    if not hf_dir:
+        raise ValueError("Cannot pick a weight converter: set --model-name (e.g. qwen3) or --hf-checkpoint.")
+    from transformers import AutoConfig
+
+    return type(AutoConfig.from_pretrained(hf_dir, trust_remote_code=True)).__name__.lower()
+
+
+def convert_to_hf(args, model_name, name, param, quantization_config=None):
+    if quantization_config:
+        raise ValueError(
+            f"quantization_config {quantization_config!r}: quantised (fp8) weight export is not supported by this "
+            "build; serve the model unquantised."
+        )
+    converted = get_family(model_name).to_hf(args, name, param)
+    if converted is None:
+        raise ValueError(
+            f"Megatron parameter {name!r} has no HF counterpart in the {get_family(model_name).name} converter "
+            f"(model name {model_name!r}); the model has a layer this family does not know."
+        )
+    return converted
+
+
+__all__ = ["convert_to_hf", "hf_to_megatron", "get_family", "resolve_model_name"]

@@ -1,0 +1,140 @@
+"""Name/layout rules shared by the GPT-style families (Qwen2/Qwen3, Llama, Qwen3-MoE), in both directions.
+
+A family is a set of features; each rule maps one Megatron parameter (global name, full unsharded tensor) to its
+HF tensors and back. Megatron names come in two flavours, both handled: the local spec keeps norms as modules
+(`input_layernorm`, `pre_mlp_layernorm`); the TE spec fuses them into `linear_qkv.layer_norm_weight` /
+`linear_fc1.layer_norm_weight`. Layouts (verified against transformers in feasibility-megatron-cpu.md §5):
+- `linear_qkv`: per query group `[q (heads_per_group*d); k (d); v (d)]` rows.
+- `linear_fc1` (gated): `[gate; up]` rows (after `all_gather_param` re-interleaves TP shards).
+"""
+import re
+
+import torch
+
+_TOP_LEVEL = {
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "decoder.final_layernorm.weight": "model.norm.weight",
+    "output_layer.weight": "lm_head.weight",
+}
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT_RE = re.compile(r"^mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.weight|(linear_fc[12])\.weight(\d+))$")
+
+# Megatron layer-relative suffix -> HF layer-relative suffix, copied as is. Keyed by the feature that enables them.
+_COPY_RULES = {
+    None: {
+        "input_layernorm.weight": "input_layernorm.weight",
+        "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+        "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+        "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
+        "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+        "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    },
+    "qk_norm": {
+        "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+        "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    },
+    "moe": {"mlp.router.weight": "mlp.gate.weight"},
+}
+
+
+def strip_prefix(name: str) -> str:
+    while name.startswith("module."):
+        name = name[len("module."):]
+    return name
+
+
+def attention_dims(args):
+    heads = args.num_attention_heads
+    groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", True) else None
+    groups = groups or heads
+    head_dim = getattr(args, "kv_channels", None) or args.hidden_size // heads
+    return heads, groups, head_dim
+
+
+class GPTFamily:
+    """One HF model family. `features` ⊆ {"qkv_bias", "qk_norm", "moe"} decides which parameters it claims."""
+
+    def __init__(self, name, features=()):
+        self.name, self.features = name, frozenset(features)
+        self.copy_rules = {}
+        for feature, rules in _COPY_RULES.items():
+            if feature is None or feature in self.features:
+                self.copy_rules.update(rules)
+
+    # ---- Megatron -> HF -------------------------------------------------------------------------------
+    def to_hf(self, args, name, param):
+        """[(hf_name, tensor)] for a full Megatron tensor, or None when this family has no such parameter."""
+        local = strip_prefix(name)
+        if local in _TOP_LEVEL:
+            return [(_TOP_LEVEL[local], param)]
+        m = _LAYER_RE.match(local)
+        if not m:
+            return None
+        layer, rest = m.group(1), m.group(2)
+        pre = f"model.layers.{layer}."
+        if rest in self.copy_rules:
+            return [(pre + self.copy_rules[rest], param)]
+        if rest == "self_attention.linear_qkv.weight" or (rest == "self_attention.linear_qkv.bias" and "qkv_bias" in self.features):
+            kind = rest.rsplit(".", 1)[1]
+            q, k, v = split_qkv(args, param)
+            return [(f"{pre}self_attn.{p}_proj.{kind}", t) for p, t in zip("qkv", (q, k, v))]
+        if rest == "mlp.linear_fc1.weight":
+            gate, up = param.chunk(2, dim=0)
+            return [(pre + "mlp.gate_proj.weight", gate), (pre + "mlp.up_proj.weight", up)]
+        if "moe" in self.features and (em := _EXPERT_RE.match(rest)):
+            expert, fc = (em.group(1), em.group(2)) if em.group(1) is not None else (em.group(4), em.group(3))
+            epre = f"{pre}mlp.experts.{expert}."
+            if fc == "linear_fc2":
+                return [(epre + "down_proj.weight", param)]
+            gate, up = param.chunk(2, dim=0)
+            return [(epre + "gate_proj.weight", gate), (epre + "up_proj.weight", up)]
+        return None
+
+    # ---- HF -> Megatron -------------------------------------------------------------------------------
+    def from_hf(self, args, name, load):
+        """The full Megatron tensor for `name` built from HF tensors (`load(hf_name)`), or None if unclaimed.
+
+        Exactly inverts `to_hf`, so it needs only the HF names `to_hf` produces for `name`.
+        """
+        local = strip_prefix(name)
+        if local == "output_layer.weight":
+            return load("lm_head.weight", fallback="model.embed_tokens.weight")  # tied HF checkpoints have no lm_head
+        probe = self.to_hf(args, name, _NamesOnly())
+        if probe is None:
+            return None
+        tensors = [load(hf_name) for hf_name, _ in probe]
+        if len(tensors) == 1:
+            return tensors[0]
+        if len(tensors) == 3:  # q, k, v
+            return merge_qkv(args, *tensors)
+        return torch.cat(tensors, dim=0)  # gate, up
+
+
+class _NamesOnly:
+    """Placeholder tensor for `to_hf` when only the produced HF names matter."""
+
+    def chunk(self, n, dim=0):
+        return [self] * n
+
+
+def split_qkv(args, qkv):
+    if isinstance(qkv, _NamesOnly):
+        return qkv, qkv, qkv
+    heads, groups, d = attention_dims(args)
+    per_group = heads // groups
+    tail = qkv.shape[1:]
+    x = qkv.reshape(groups, (per_group + 2) * d, *tail)
+    q = x[:, : per_group * d].reshape(heads * d, *tail)
+    k = x[:, per_group * d: (per_group + 1) * d].reshape(groups * d, *tail)
+    v = x[:, (per_group + 1) * d:].reshape(groups * d, *tail)
+    return q.contiguous(), k.contiguous(), v.contiguous()
+
+
+def merge_qkv(args, q, k, v):
+    heads, groups, d = attention_dims(args)
+    per_group = heads // groups
+    tail = q.shape[1:]
+    x = torch.cat(
+        [q.reshape(groups, per_group * d, *tail), k.reshape(groups, d, *tail), v.reshape(groups, d, *tail)], dim=1
+    )
+    return x.reshape(groups * (per_group + 2) * d, *tail)

@@ -1,0 +1,304 @@
+"""Model, optimizer and LR schedule setup, and the three loops the actor runs: `forward_only` (log-probs),
+`train_one_step` and `train` (one rollout's optimizer steps). Spec §7.1 step 4, §7.3, §7.6.
+
+The PyPI megatron-core wheel has no `megatron.training`, so `get_model` / optimizer wiring that Megatron-LM's
+training loop would do lives here, on megatron.core APIs only.
+"""
+import logging
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from megatron.core import tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_model_config
+
+from slime.utils import wandb_utils
+from slime.utils.device import is_cpu
+from slime.utils.misc import load_function
+
+from .checkpoint import load_checkpoint
+from .cpu_compat import cuda_type_spoof
+from .data import get_batch
+from .initialize import is_megatron_main_rank
+from .loss import get_log_probs_and_entropy, loss_function
+from .model_provider import get_model_provider_func
+
+logger = logging.getLogger(__name__)
+
+TRAIN_KEYS = ["tokens", "total_lengths", "response_lengths", "loss_masks", "log_probs", "ref_log_probs",
+              "advantages", "returns", "rollout_log_probs"]
+
+
+def _arg(args, name, default):
+    value = getattr(args, name, None)
+    return default if value is None else value
+
+
+def get_model(args, wrap_with_ddp=True):
+    """Model chunks for this rank (one per virtual pipeline stage), DDP-wrapped for training."""
+    provider = get_model_provider_func(args)
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        chunk = provider(
+            pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            vp_stage=stage,
+        )
+        chunks.append(chunk)
+    for chunk in chunks:
+        for param in chunk.parameters():
+            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+    if not is_cpu():
+        for chunk in chunks:
+            chunk.cuda(torch.cuda.current_device())
+    config = get_model_config(chunks[0])
+    if config.bf16 or config.fp16:
+        from megatron.core.transformer.module import Float16Module
+
+        chunks = [Float16Module(config, c) for c in chunks]
+    if not wrap_with_ddp:
+        return chunks
+    dp_cp = mpu.get_data_parallel_world_size(with_context_parallel=True)
+    overlap = bool(getattr(args, "overlap_grad_reduce", False))
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=bool(getattr(args, "accumulate_allreduce_grads_in_fp32", True)),
+        overlap_grad_reduce=overlap,
+        use_distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
+        check_for_nan_in_grad=bool(getattr(args, "check_for_nan_in_loss_and_grad", False)),
+        bucket_size=max(40_000_000, 1_000_000 * dp_cp) if overlap else None,
+    )
+    return [
+        DistributedDataParallel(config=config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
+        for i, c in enumerate(chunks)
+    ]
+
+
+def get_optimizer_param_scheduler(args, optimizer):
+    """LR/WD schedule counted in samples, as slime: one step = `--global-batch-size` samples."""
+    gbs = args.global_batch_size
+    train_iters = args.num_rollout * args.rollout_batch_size * args.n_samples_per_prompt // gbs
+    decay_iters = _arg(args, "lr_decay_iters", train_iters)
+    warmup_iters = _arg(args, "lr_warmup_iters", 0)
+    if getattr(args, "lr_warmup_fraction", None) is not None:
+        warmup_steps = args.lr_warmup_fraction * decay_iters * gbs
+    else:
+        warmup_steps = warmup_iters * gbs
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=_arg(args, "lr_warmup_init", 0.0),
+        max_lr=args.lr,
+        min_lr=_arg(args, "min_lr", 0.0),
+        lr_warmup_steps=warmup_steps,
+        lr_decay_steps=max(decay_iters * gbs, 1),
+        lr_decay_style=_arg(args, "lr_decay_style", "constant"),
+        start_wd=_arg(args, "start_weight_decay", _arg(args, "weight_decay", 0.0)),
+        end_wd=_arg(args, "end_weight_decay", _arg(args, "weight_decay", 0.0)),
+        wd_incr_steps=max(train_iters * gbs, 1),
+        wd_incr_style=_arg(args, "weight_decay_incr_style", "constant"),
+        use_checkpoint_opt_param_scheduler=bool(getattr(args, "use_checkpoint_opt_param_scheduler", True)),
+        override_opt_param_scheduler=bool(getattr(args, "override_opt_param_scheduler", False)),
+    )
+
+
+def get_optimizer(args, model):
+    config = get_model_config(model[0])
+    opt_config = OptimizerConfig(
+        optimizer=_arg(args, "optimizer", "adam"),
+        lr=args.lr,
+        min_lr=_arg(args, "min_lr", 0.0),
+        weight_decay=_arg(args, "weight_decay", 0.0),
+        adam_beta1=_arg(args, "adam_beta1", 0.9),
+        adam_beta2=_arg(args, "adam_beta2", 0.999),
+        adam_eps=_arg(args, "adam_eps", 1e-8),
+        sgd_momentum=_arg(args, "sgd_momentum", 0.9),
+        clip_grad=_arg(args, "clip_grad", 1.0),
+        bf16=config.bf16,
+        fp16=config.fp16,
+        params_dtype=config.params_dtype,
+        use_distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
+        loss_scale=getattr(args, "loss_scale", None),
+        initial_loss_scale=_arg(args, "initial_loss_scale", 2**32),
+    )
+    with cuda_type_spoof():  # megatron's optimizer constructors assert torch.cuda.* parameter types
+        return get_megatron_optimizer(opt_config, model)
+
+
+def initialize_model_and_optimizer(args, role="actor"):
+    """`(model, optimizer, opt_param_scheduler, iteration)`; weights from `--load`, else from `--hf-checkpoint`.
+
+    `iteration` is the last completed rollout id (-1 when starting fresh), so training starts at `iteration + 1`.
+    """
+    model = get_model(args)
+    optimizer = get_optimizer(args, model)
+    opt_param_scheduler = get_optimizer_param_scheduler(args, optimizer)
+    config = get_model_config(model[0])
+    config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    iteration = load_checkpoint(args, model, optimizer, opt_param_scheduler)
+    if iteration is None:  # nothing to load: initialise from the HF checkpoint (beyond slime v0.1.0)
+        if getattr(args, "hf_checkpoint", None):
+            from .megatron_to_hf import hf_to_megatron
+
+            hf_to_megatron(args, model)
+            _resync_optimizer_main_params(optimizer)
+        iteration = -1
+    return model, optimizer, opt_param_scheduler, iteration
+
+
+def _resync_optimizer_main_params(optimizer):
+    """After loading model weights in place, refresh fp32 master copies (mixed precision / distributed optimizer)."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if hasattr(opt, "reload_model_params"):
+            opt.reload_model_params()
+
+
+def _forward(model, batch):
+    return model(
+        input_ids=batch["tokens"],
+        position_ids=batch["position_ids"],
+        attention_mask=batch["attention_mask"],
+        labels=None,
+        packed_seq_params=batch["packed_seq_params"],
+    )
+
+
+def _iterator_arg(data_iterator):
+    return data_iterator if len(data_iterator) > 1 else data_iterator[0]
+
+
+@torch.no_grad()
+def forward_only(args, model, data_iterator, num_microbatches, store_prefix=""):
+    """`{store_prefix + "log_probs": [...], (+ "entropy")}` per local sample, in the rollout data's order."""
+    for m in model:
+        m.eval()
+    if getattr(args, "custom_megatron_before_log_prob_hook_path", None):
+        load_function(args.custom_megatron_before_log_prob_hook_path)(args, model, store_prefix)
+    for it in data_iterator:
+        it.reset()
+
+    def forward_step(iterator, chunk):
+        batch = get_batch(iterator, ["tokens", "total_lengths", "response_lengths"])
+
+        def post(logits, non_loss_data=True):  # the schedule calls this with non_loss_data=True
+            return get_log_probs_and_entropy(
+                logits, args=args, unconcat_tokens=batch["unconcat_tokens"], total_lengths=batch["total_lengths"],
+                response_lengths=batch["response_lengths"], with_entropy=bool(getattr(args, "use_rollout_entropy", False)))
+
+        return _forward(chunk, batch), post
+
+    store = []
+    for n in num_microbatches:
+        store += get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=_iterator_arg(data_iterator), model=model,
+            num_microbatches=n, seq_length=_arg(args, "seq_length", 4096), micro_batch_size=args.micro_batch_size,
+            forward_only=True, collect_non_loss_data=True,
+        )
+    for it in data_iterator:
+        it.reset()
+    for m in model:
+        m.train()
+    if not mpu.is_pipeline_last_stage():
+        return {}
+    out = {}
+    for key in store[0] if store else ["log_probs"]:
+        values = [v for d in store for v in d[key]]
+        order = data_iterator[0].micro_batch_indices
+        if order is not None:  # dynamic batching shuffles samples across micro-batches: restore rollout order
+            flat = [i for mb in order for i in mb]
+            restored = [None] * len(values)
+            for pos, idx in enumerate(flat):
+                restored[idx] = values[pos]
+            values = restored
+        out[store_prefix + key] = values
+    return out
+
+
+def train_one_step(args, rollout_id, step_id, data_iterator, model, optimizer, opt_param_scheduler, num_microbatches):
+    """One optimizer step over `num_microbatches` micro-batches. Returns `({metric: mean}, grad_norm)`."""
+    for m in model:
+        m.zero_grad_buffer()
+    optimizer.zero_grad()
+    if getattr(args, "custom_megatron_before_train_step_hook_path", None):
+        load_function(args.custom_megatron_before_train_step_hook_path)(
+            args, rollout_id, step_id, model, optimizer, opt_param_scheduler)
+
+    def forward_step(iterator, chunk):
+        batch = get_batch(iterator, TRAIN_KEYS)
+
+        def loss_func(logits):
+            loss, num_tokens, report = loss_function(args, batch, num_microbatches, logits)
+            # the schedule clamps/sums num_tokens as a tensor
+            return loss, torch.as_tensor(num_tokens, device=loss.device).reshape(()).int(), report
+
+        return _forward(chunk, batch), loss_func
+
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=_iterator_arg(data_iterator), model=model,
+        num_microbatches=num_microbatches, seq_length=_arg(args, "seq_length", 4096),
+        micro_batch_size=args.micro_batch_size, forward_only=False,
+    )
+    update_successful, grad_norm, _ = optimizer.step()
+    if update_successful:
+        opt_param_scheduler.step(increment=args.global_batch_size)
+    elif not getattr(args, "no_check_for_nan_in_loss_and_grad", False) and not (
+        getattr(args, "fp16", False) and not is_cpu()
+    ):
+        raise RuntimeError(f"rollout {rollout_id} step {step_id}: optimizer step failed (inf/NaN gradients)")
+
+    metrics = {}
+    if mpu.is_pipeline_last_stage(ignore_virtual=True) and losses:
+        keys = losses[0]["keys"]
+        values = torch.stack([d["values"] for d in losses]).sum(dim=0)
+        dist.all_reduce(values, group=mpu.get_data_parallel_group(with_context_parallel=True))
+        count = values[0].clamp_min(1)
+        cp = mpu.get_context_parallel_world_size()
+        metrics = {k: (v * cp / count).item() for k, v in zip(keys, values[1:])}
+    return metrics, grad_norm
+
+
+def train(args, rollout_id, model, optimizer, opt_param_scheduler, data_iterator, num_microbatches):
+    """Run this rollout's `len(num_microbatches)` optimizer steps; returns the per-step metric dicts (main rank)."""
+    for m in model:
+        m.train()
+    for it in data_iterator:
+        it.reset()
+    steps = len(num_microbatches)
+    history = []
+    for step_id, n in enumerate(num_microbatches):
+        loss_dict, grad_norm = train_one_step(
+            args, rollout_id, step_id, data_iterator, model, optimizer, opt_param_scheduler, n)
+        if not mpu.is_pipeline_last_stage(ignore_virtual=True):
+            continue
+        if getattr(args, "ci_test", False) and rollout_id == 0 and step_id == 0:
+            _ci_first_step_checks(loss_dict)
+        metrics = {f"train/{k}": v for k, v in loss_dict.items()}
+        metrics["train/grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
+        for i, group in enumerate(optimizer.param_groups):
+            metrics[f"train/lr-pg_{i}"] = group["lr"]
+        metrics["train/lr"] = optimizer.param_groups[0]["lr"]
+        metrics["train/step"] = rollout_id * steps + step_id
+        history.append(metrics)
+        if is_megatron_main_rank():
+            log(args, metrics, "train/step")
+    return history
+
+
+def _ci_first_step_checks(loss_dict):
+    # At the first step the policy is exactly the rollout policy: no ratio, no clipping, and ref == actor.
+    for key in ("ppo_kl", "pg_clipfrac", "kl_loss"):
+        if key in loss_dict:
+            assert abs(loss_dict[key]) < 1e-8, f"--ci-test: first-step {key} = {loss_dict[key]} (expected 0)"
+
+
+def log(args, metrics, step_key):
+    """Main-rank metrics sink: one compact line, plus wandb when --use-wandb."""
+    shown = " ".join(f"{k.split('/', 1)[-1]}={v:.4g}" for k, v in metrics.items() if k != step_key and isinstance(v, float))
+    print(f"[{step_key} {metrics.get(step_key)}] {shown}", flush=True)
+    wandb_utils.log(args, metrics, step_key)

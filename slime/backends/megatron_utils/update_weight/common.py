@@ -1,0 +1,148 @@
+"""Pieces both weight-update transports share: Megatron params -> HF tensors, engine calls that time out and name
+the engine, checksums for `--check-weight-update-equal`, and the metrics dict `update_weights()` returns.
+"""
+import hashlib
+import logging
+import time
+
+import ray
+import torch
+
+from slime.backends.megatron_utils.megatron_to_hf import convert_to_hf
+from slime.backends.megatron_utils.param_utils import all_gather_param, remove_padding
+
+logger = logging.getLogger(__name__)
+
+
+class WeightUpdateError(RuntimeError):
+    """A weight update failed: the message names the engine URL and the step (bucket, group init, check)."""
+
+
+def update_timeout(args) -> float:
+    return float(getattr(args, "update_weight_timeout", None) or 300)
+
+
+def gather_and_convert(args, model_name, name, param, vocab_size, quantization_config=None):
+    """One Megatron param (a TP shard) -> its HF tensors. Collective over the TP group: every TP rank must call it."""
+    full = all_gather_param(name, param, gated_linear_unit=getattr(args, "swiglu", True))
+    full = remove_padding(name, full, vocab_size)
+    return to_hf(args, model_name, name, full, quantization_config)
+
+
+def to_hf(args, model_name, name, param, quantization_config=None):
+    try:
+        converted = convert_to_hf(args, model_name, name, param, quantization_config)
+    except Exception as e:  # a converter that does not know the param: name it, the model and the flag
+        raise WeightUpdateError(
+            f"weight update: cannot convert Megatron parameter {name!r} (shape {tuple(param.shape)}) to HF for "
+            f"--model-name {model_name!r}: {e}"
+        ) from e
+    if not converted:
+        raise WeightUpdateError(f"weight update: no HF tensor for Megatron parameter {name!r} (--model-name {model_name!r})")
+    # gloo/IPC want dense tensors; conversion may return strided views (q/k/v and gate/up splits)
+    return [(hf_name, t.detach().contiguous()) for hf_name, t in converted]
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    """sha256 of the tensor's bytes (contiguous, on CPU): the same definition as the server's `/weights_checker`."""
+    t = t.detach().to("cpu").contiguous()
+    return hashlib.sha256(t.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def engine_urls(engines, timeout) -> list:
+    refs = [e.get_url.remote() for e in engines]
+    return wait_engines(refs, [f"engine #{i}" for i in range(len(engines))], "get_url", timeout)
+
+
+def wait_engines(refs, urls, what, timeout, on_poll=None):
+    """`ray.get(refs)` that fails as soon as one engine fails (naming its URL) and after `timeout` seconds at most.
+
+    `on_poll()` runs between waits (the broadcast loop uses it to notice a failed collective early).
+    """
+    results, pending = [None] * len(refs), {ref: i for i, ref in enumerate(refs)}
+    deadline = time.monotonic() + timeout
+    while pending:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            late = ", ".join(urls[i] for i in sorted(pending.values()))
+            raise WeightUpdateError(
+                f"{what}: no answer from engine(s) {late} within {timeout:.0f}s (--update-weight-timeout); "
+                "check that those inference servers are alive and not blocked"
+            )
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(remaining, 0.05 if on_poll else 1.0))
+        for ref in ready:
+            i = pending.pop(ref)
+            results[i] = get_engine_result(ref, urls[i], what)
+        if on_poll is not None:
+            on_poll()
+    return results
+
+
+def get_engine_result(ref, url, what):
+    try:
+        result = ray.get(ref)
+    except ray.exceptions.RayActorError as e:
+        raise WeightUpdateError(f"{what}: engine {url} is dead ({type(e).__name__}); restart the rollout engines") from e
+    except Exception as e:
+        raise WeightUpdateError(f"{what}: engine {url} failed: {_first_line(e)}") from e
+    if isinstance(result, dict) and result.get("success") is False:
+        raise WeightUpdateError(f"{what}: engine {url} refused: {result.get('message') or result}")
+    return result
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    # RayTaskError puts the remote traceback first; the cause is at the end
+    return f"{type(e).__name__}: {lines[-1] if lines else ''}"
+
+
+def acquire_lock(lock, what, timeout):
+    """Spin on the `Lock` actor (non-blocking acquire), as slime does, but give up after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not ray.get(lock.acquire.remote(), timeout=timeout):
+        if time.monotonic() > deadline:
+            raise WeightUpdateError(
+                f"{what}: the rollout-engine lock stayed held for {timeout:.0f}s (another source rank is stuck mid-update)"
+            )
+        time.sleep(0.1)
+
+
+def compare_checksums(expected: dict, engine_checksums, url: str) -> None:
+    """Raise naming the first differing (or missing) HF tensors when the engine's weights differ from ours."""
+    if isinstance(engine_checksums, dict) and "checksums" in engine_checksums:
+        engine_checksums = engine_checksums["checksums"]
+    missing = [n for n in expected if n not in engine_checksums]
+    differ = [n for n in expected if n in engine_checksums and engine_checksums[n] != expected[n]]
+    if missing or differ:
+        parts = []
+        if differ:
+            parts.append(f"{len(differ)} tensor(s) differ, first: {', '.join(differ[:5])}")
+        if missing:
+            parts.append(f"{len(missing)} tensor(s) missing on the engine, first: {', '.join(missing[:5])}")
+        raise WeightUpdateError(
+            f"--check-weight-update-equal: engine {url} does not hold the trainer's weights after the update: "
+            + "; ".join(parts)
+        )
+
+
+def update_metrics(seconds: float, bytes_moved: int, weight_version: int) -> dict:
+    """`bytes_moved` counts every byte delivered to every engine rank."""
+    return {
+        "perf/update_weights_time": seconds,
+        "perf/update_weights_bytes": bytes_moved,
+        "perf/update_weights_gbps": bytes_moved / seconds / 1e9 if seconds > 0 else 0.0,
+        "update_weights/weight_version": weight_version,
+    }
+
+
+def log_metrics(metrics: dict) -> None:
+    logger.info(
+        "update_weights v%s: %.3fs, %.1f MB, %.2f GB/s",
+        metrics["update_weights/weight_version"], metrics["perf/update_weights_time"],
+        metrics["perf/update_weights_bytes"] / 1e6, metrics["perf/update_weights_gbps"],
+    )
+
+
+def describe_bucket(index: int, named_tensors) -> str:
+    nbytes = sum(t.numel() * t.element_size() for _, t in named_tensors)
+    return f"bucket {index} ({len(named_tensors)} tensors, {nbytes / 1e6:.1f} MB, first {named_tensors[0][0]})"

@@ -1,0 +1,186 @@
+"""Disaggregated weight sync: trainer -> every engine rank by collective broadcast (NCCL on GPU, gloo on CPU).
+
+Each pipeline stage's source rank (dp 0, tp 0) owns a dedicated group `slime-pp_{pp_rank}` = itself (rank 0) + every
+engine rank, separate from the training groups. Per bucket: take the `Lock` (PP stages must not broadcast into the
+same engines at once), tell every engine what arrives (names, dtypes, shapes), broadcast, wait for the engines.
+"""
+import logging
+import threading
+import time
+
+import ray
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+
+from slime.backends.megatron_utils.initialize import get_gloo_group
+from slime.backends.megatron_utils.param_utils import named_parameters
+from slime.utils.device import dist_backend
+from slime.utils.distributed_utils import init_process_group, seconds
+from slime.utils.http_utils import find_available_port, get_host_info
+
+from .common import (
+    WeightUpdateError,
+    acquire_lock,
+    compare_checksums,
+    describe_bucket,
+    engine_urls,
+    gather_and_convert,
+    log_metrics,
+    tensor_sha256,
+    update_metrics,
+    update_timeout,
+    wait_engines,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+class UpdateWeightFromDistributed:
+    def __init__(self, args, model, weights, *, model_name, quantization_config, vocab_size):
+        self.args, self.model, self.weights = args, model, weights
+        self.model_name, self.quantization_config, self.vocab_size = model_name, quantization_config, vocab_size
+        self.weight_version = 0
+        self.rollout_engines, self.rollout_engine_lock = [], None
+        self._group, self._group_name, self._urls = None, None, []
+        self._expected_checksums = {}
+
+    @property
+    def _is_pp_src_rank(self) -> bool:
+        return mpu.get_data_parallel_rank(with_context_parallel=True) == 0 and mpu.get_tensor_model_parallel_rank() == 0
+
+    def connect_rollout_engines(self, rollout_engines, rollout_engine_lock):
+        self.rollout_engines, self.rollout_engine_lock = rollout_engines, rollout_engine_lock
+        timeout = update_timeout(self.args)
+        self._urls = engine_urls(rollout_engines, timeout)
+        if not self._is_pp_src_rank:
+            return
+        self._group_name = f"slime-pp_{mpu.get_pipeline_model_parallel_rank()}"
+        gpus_per_engine = self.args.rollout_num_gpus_per_engine
+        world_size = len(rollout_engines) * gpus_per_engine + 1
+        master_address = get_host_info()[1]
+        master_port = find_available_port(20000 + 1000 * mpu.get_pipeline_model_parallel_rank())
+        backend = dist_backend()
+        refs = [
+            engine.init_process_group.remote(master_address, master_port, i * gpus_per_engine + 1, world_size,
+                                             self._group_name, backend=backend)
+            for i, engine in enumerate(rollout_engines)
+        ]
+        # The trainer's side blocks until every engine rank joined; run it aside so a failing engine is reported at once.
+        joined = {}
+
+        def join():
+            try:
+                joined["group"] = init_process_group(
+                    backend=backend, init_method=f"tcp://{master_address}:{master_port}", world_size=world_size,
+                    rank=0, group_name=self._group_name, timeout=seconds(timeout),
+                )
+            except Exception as e:  # reported by the waiting thread below
+                joined["error"] = e
+
+        thread = threading.Thread(target=join, name=f"{self._group_name}-init", daemon=True)
+        thread.start()
+        what = f"joining weight-update group {self._group_name} at {master_address}:{master_port}"
+        wait_engines(refs, self._urls, what, timeout)
+        thread.join(timeout)
+        if "error" in joined or thread.is_alive():
+            raise WeightUpdateError(f"{what}: the trainer side failed: {joined.get('error', 'timed out')}")
+        self._group = joined["group"]
+
+    @torch.no_grad()
+    def update_weights(self) -> dict:
+        start = time.perf_counter()
+        self.weight_version += 1
+        timeout = update_timeout(self.args)
+        if dist.get_rank() == 0:
+            wait_engines([e.pause_generation.remote() for e in self.rollout_engines], self._urls, "pause_generation", timeout)
+            wait_engines([e.flush_cache.remote() for e in self.rollout_engines], self._urls, "flush_cache", timeout)
+        dist.barrier(group=get_gloo_group())
+
+        self._expected_checksums = {}
+        bucket, bucket_bytes, sent = [], 0, 0
+        num_buckets = 0
+        for name, param in named_parameters(self.args, self.model):
+            hf_tensors = gather_and_convert(self.args, self.model_name, name, param, self.vocab_size,
+                                            self.quantization_config)
+            if not self._is_pp_src_rank:
+                continue
+            size = sum(t.numel() * t.element_size() for _, t in hf_tensors)
+            # a tensor larger than the buffer still goes, alone
+            if bucket and bucket_bytes + size > self.args.update_weight_buffer_size:
+                num_buckets += 1
+                sent += self._send_bucket(bucket, num_buckets)
+                bucket, bucket_bytes = [], 0
+            bucket += hf_tensors
+            bucket_bytes += size
+        if bucket:
+            num_buckets += 1
+            sent += self._send_bucket(bucket, num_buckets)
+        dist.barrier(group=get_gloo_group())
+
+        if dist.get_rank() == 0:
+            wait_engines([e.continue_generation.remote() for e in self.rollout_engines], self._urls,
+                         "continue_generation", timeout)
+        if getattr(self.args, "check_weight_update_equal", False):
+            self.check_weight_update_equal()
+        dist.barrier(group=get_gloo_group())
+        metrics = update_metrics(time.perf_counter() - start, sent * max(1, self._num_engine_ranks), self.weight_version)
+        if dist.get_rank() == 0:
+            log_metrics(metrics)
+        return metrics
+
+    @property
+    def _num_engine_ranks(self) -> int:
+        return len(self.rollout_engines) * self.args.rollout_num_gpus_per_engine
+
+    def _send_bucket(self, named_tensors, index) -> int:
+        what = f"update_weights_from_distributed v{self.weight_version} {describe_bucket(index, named_tensors)} " \
+               f"via {self._group_name}"
+        timeout = update_timeout(self.args)
+        if self._group is None:
+            raise WeightUpdateError(f"{what}: connect_rollout_engines() was not called on this trainer")
+        acquire_lock(self.rollout_engine_lock, what, timeout)
+        try:
+            refs = [
+                engine.update_weights_from_distributed.remote(
+                    names=[n for n, _ in named_tensors],
+                    dtypes=[_dtype_name(t.dtype) for _, t in named_tensors],
+                    shapes=[list(t.shape) for _, t in named_tensors],
+                    group_name=self._group_name,
+                    weight_version=str(self.weight_version),
+                )
+                for engine in self.rollout_engines
+            ]
+            works = [dist.broadcast(t, 0, group=self._group, async_op=True) for _, t in named_tensors]
+
+            def check_broadcast(all_works=False):
+                # a peer that vanished mid-transfer fails the work; name the engine that died if it says so in time
+                for w in works:
+                    if all_works or w.is_completed():
+                        try:
+                            w.wait()
+                        except Exception as e:
+                            wait_engines(refs, self._urls, what, timeout=5)
+                            raise WeightUpdateError(f"{what}: broadcast to engines {self._urls} failed: {e}") from e
+
+            wait_engines(refs, self._urls, what, timeout, on_poll=check_broadcast)
+            check_broadcast(all_works=True)
+        finally:
+            ray.get(self.rollout_engine_lock.release.remote(), timeout=timeout)
+        if getattr(self.args, "check_weight_update_equal", False):
+            self._expected_checksums.update({n: tensor_sha256(t) for n, t in named_tensors})
+        return sum(t.numel() * t.element_size() for _, t in named_tensors)
+
+    def check_weight_update_equal(self) -> None:
+        """Compare sha256 of every HF tensor this stage sent with what each engine now holds."""
+        if not self._is_pp_src_rank:
+            return
+        timeout = update_timeout(self.args)
+        results = wait_engines([e.get_weight_checksums.remote() for e in self.rollout_engines], self._urls,
+                               "weights_checker checksum", timeout)
+        for url, checksums in zip(self._urls, results):
+            compare_checksums(self._expected_checksums, checksums, url)

@@ -1,0 +1,263 @@
+"""Colocated weight sync: trainers hand tensor *handles* to the engine on their own (logical) GPU.
+
+CUDA IPC on GPU, torch shared-memory fds on CPU: the same code through `slime.utils.tensor_serialization`.
+Weights are read from the actor's CPU weight dict `weights["actor"]` (so this works while the model is offloaded),
+gathered to full HF tensors, and packed per dtype into one flat buffer per bucket (one handle per bucket and
+dtype; handles are single-use, so every trainer rank serialises its own copy for its engine TP rank). The first
+trainer rank of each engine's group gathers the handles and calls `engine.update_weights_from_tensor`.
+"""
+import logging
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+
+from slime.backends.megatron_utils.initialize import get_gloo_group
+from slime.backends.megatron_utils.param_utils import named_parameters
+from slime.utils.device import get_device, is_cpu
+from slime.utils.tensor_serialization import FlattenedTensorBucket, FlattenedTensorMetadata, MultiprocessingSerializer
+from slime.utils.types import ParamInfo
+
+from .common import (
+    WeightUpdateError,
+    compare_checksums,
+    describe_bucket,
+    engine_urls,
+    gather_and_convert,
+    log_metrics,
+    tensor_sha256,
+    update_metrics,
+    update_timeout,
+    wait_engines,
+)
+
+logger = logging.getLogger(__name__)
+
+_TP_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "parallel_mode")
+
+
+def get_param_info_buckets(args, model) -> list:
+    """Every parameter of the whole model (all PP stages, all EP ranks) as `ParamInfo`, sorted by name and cut into
+    buckets of at most `--update-weight-buffer-size` full (TP-gathered) bytes. Identical on every rank."""
+    pp_size = mpu.get_pipeline_model_parallel_world_size()
+    ep_size = mpu.get_expert_model_parallel_world_size()
+    if pp_size > 1 and ep_size > 1:
+        raise WeightUpdateError(
+            "colocated weight update (--colocate) with both pipeline and expert parallelism is not supported; "
+            "use --expert-model-parallel-size 1 or --pipeline-model-parallel-size 1"
+        )
+    rank = dist.get_rank()
+    infos = {}
+    for name, param in named_parameters(args, model):
+        attrs = {k: getattr(param, k) for k in _TP_ATTRS if hasattr(param, k)}
+        infos[name] = ParamInfo(name, param.dtype, tuple(param.shape), attrs, param.numel() * param.element_size(), rank)
+    for size, group, only_experts in ((pp_size, mpu.get_pipeline_model_parallel_group, False),
+                                      (ep_size, mpu.get_expert_model_parallel_group, True)):
+        if size > 1:
+            gathered = [None] * size
+            dist.all_gather_object(gathered, infos, group=group())
+            for other in gathered:
+                for name, info in other.items():
+                    if not only_experts or ".experts." in name:
+                        infos.setdefault(name, info)
+
+    tp_size = mpu.get_tensor_model_parallel_world_size()
+    buckets, bucket, bucket_bytes = [], [], 0
+    for name in sorted(infos):
+        info = infos[name]
+        full = info.size * (tp_size if info.attrs.get("tensor_model_parallel") else 1)
+        if bucket and bucket_bytes + full > args.update_weight_buffer_size:
+            buckets.append(bucket)
+            bucket, bucket_bytes = [], 0
+        bucket.append(info)
+        bucket_bytes += full
+    if bucket:
+        buckets.append(bucket)
+    # every rank must walk the same buckets in the same order (the TP gathers are collective)
+    names = [[i.name for i in b] for b in buckets]
+    all_names = [None] * dist.get_world_size()
+    dist.all_gather_object(all_names, names)
+    if any(n != names for n in all_names):
+        raise WeightUpdateError("colocated weight update: ranks disagree on the parameter list (model chunks differ)")
+    return buckets
+
+
+def _offset_in(buf, limit, t):
+    """Element offset of `t` inside `buf[:limit]` when `t` is a contiguous view of it, else None."""
+    if buf is None or not t.is_contiguous() or t.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr():
+        return None
+    offset = (t.data_ptr() - buf.data_ptr()) // t.element_size()
+    return offset if 0 <= offset and offset + t.numel() <= limit else None
+
+
+class UpdateWeightFromTensor:
+    def __init__(self, args, model, weights, *, model_name, quantization_config, vocab_size):
+        self.args, self.model, self.weights = args, model, weights
+        self.model_name, self.quantization_config, self.vocab_size = model_name, quantization_config, vocab_size
+        self.weight_version = 0
+        self.param_info_buckets = get_param_info_buckets(args, model)
+        self.rollout_engines, self._urls = [], []
+        self._ipc_gather_src = self._ipc_gather_group = self._ipc_engine = self._ipc_engine_url = None
+        # flat shared buffers: per (bucket, dtype) on CPU, holding this rank's CPU weights (see `_allocate`);
+        # per dtype on GPU, reused bucket after bucket and freed after the update
+        self._flat = {}
+        if is_cpu():
+            for index, infos in enumerate(self.param_info_buckets, 1):
+                for dtype in {i.dtype for i in infos if i.src_rank == dist.get_rank()}:
+                    self._allocate((index, dtype), index, dtype, scratch=0)
+        self._expected_checksums = {}
+
+    def connect_rollout_engines(self, rollout_engines, rollout_engine_lock):
+        """One gloo group per engine: trainer ranks [i*g, (i+1)*g) sit on the GPUs of engine i."""
+        self.rollout_engines = rollout_engines
+        g = self.args.rollout_num_gpus_per_engine
+        world = dist.get_world_size()
+        if len(rollout_engines) * g != world:
+            raise WeightUpdateError(
+                f"colocated weight update: {len(rollout_engines)} engines x {g} GPUs (--rollout-num-gpus-per-engine) "
+                f"!= {world} training ranks; --colocate needs --rollout-num-gpus equal to the actor GPUs"
+            )
+        self._urls = engine_urls(rollout_engines, update_timeout(self.args))
+        for i, engine in enumerate(rollout_engines):
+            ranks = list(range(i * g, (i + 1) * g))
+            group = dist.new_group(ranks=ranks, backend="gloo")  # every rank creates every group, in order
+            if dist.get_rank() in ranks:
+                self._ipc_gather_src, self._ipc_gather_group = ranks[0], group
+                self._ipc_engine, self._ipc_engine_url = engine, self._urls[i]
+
+    @torch.no_grad()
+    def update_weights(self) -> dict:
+        start = time.perf_counter()
+        self.weight_version += 1
+        timeout = update_timeout(self.args)
+        if self._ipc_engine is None:
+            raise WeightUpdateError("colocated weight update: connect_rollout_engines() was not called on this trainer")
+        if dist.get_rank() == 0:
+            wait_engines([e.flush_cache.remote() for e in self.rollout_engines], self._urls, "flush_cache", timeout)
+        dist.barrier(group=get_gloo_group())
+        self._expected_checksums = {}
+        sent = 0
+        for index, infos in enumerate(self.param_info_buckets, 1):
+            sent += self._update_bucket(index, infos)
+        if not is_cpu():
+            self._flat.clear()  # GPU memory belongs to the engine during rollout
+        if getattr(self.args, "check_weight_update_equal", False):
+            self.check_weight_update_equal()
+        dist.barrier(group=get_gloo_group())
+        metrics = update_metrics(time.perf_counter() - start, sent * len(self.rollout_engines), self.weight_version)
+        if dist.get_rank() == 0:
+            log_metrics(metrics)
+        return metrics
+
+    def _materialize(self, infos) -> list:
+        """This rank's shard of every param of the bucket: from the CPU weight dict where it lives, else received."""
+        device, actor_weights, rank = get_device(), self.weights["actor"], dist.get_rank()
+        params = []
+        for info in infos:
+            if info.src_rank == rank:
+                if info.name not in actor_weights:
+                    raise WeightUpdateError(f"colocated weight update: {info.name!r} is missing from the actor's CPU weight dict")
+                params.append(actor_weights[info.name].to(device, non_blocking=True).detach())
+            else:
+                params.append(torch.empty(info.shape, dtype=info.dtype, device=device))
+        # params of other PP stages (and experts of other EP ranks) come from the rank that holds them
+        for size, group, only_experts in (
+            (mpu.get_pipeline_model_parallel_world_size(), mpu.get_pipeline_model_parallel_group, False),
+            (mpu.get_expert_model_parallel_world_size(), mpu.get_expert_model_parallel_group, True),
+        ):
+            if size > 1:
+                members = set(dist.get_process_group_ranks(group()))
+                works = [dist.broadcast(p, info.src_rank, group=group(), async_op=True)
+                         for info, p in zip(infos, params)
+                         if info.src_rank in members and (not only_experts or ".experts." in info.name)]
+                for w in works:
+                    w.wait()
+        for info, p in zip(infos, params):
+            for k, v in info.attrs.items():
+                setattr(p, k, v)
+        return params
+
+    def _pack(self, index, named_tensors) -> list:
+        """One serialised `FlattenedTensorBucket` per dtype. HF tensors that are plain views of the bucket's shared
+        CPU weights travel as offsets into it (no copy); the rest (gathered, split, received) are copied behind."""
+        by_dtype = defaultdict(list)
+        for name, t in named_tensors:
+            by_dtype[t.dtype].append((name, t))
+        handles = []
+        for dtype, items in by_dtype.items():
+            key = (index, dtype) if is_cpu() else dtype
+            buf, home_numel = self._flat.get(key, (None, 0))
+            offsets = [_offset_in(buf, home_numel, t) for _, t in items]
+            scratch = sum(t.numel() for (_, t), off in zip(items, offsets) if off is None)
+            if buf is None or buf.numel() < home_numel + scratch:
+                buf = self._allocate(key, index, dtype, scratch)
+            metadata, cursor = [], home_numel
+            for (name, t), off in zip(items, offsets):
+                if off is None:
+                    buf[cursor:cursor + t.numel()].copy_(t.reshape(-1))
+                    off, cursor = cursor, cursor + t.numel()
+                metadata.append(FlattenedTensorMetadata(name=name, shape=t.shape, dtype=dtype, start_idx=off,
+                                                        end_idx=off + t.numel(), numel=t.numel()))
+            bucket = FlattenedTensorBucket(flattened_tensor=buf[:cursor], metadata=metadata)
+            payload = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
+            handles.append(MultiprocessingSerializer.serialize(payload, output_str=True))
+        return handles
+
+    def _allocate(self, key, index, dtype, scratch):
+        """A shared flat buffer for `key`. On CPU it starts with this rank's CPU weights of bucket `index` (the
+        weight dict's tensors become views into it, so the actor keeps updating them in place and every update
+        sends them without a copy), followed by `scratch` elements for tensors that need one."""
+        home = [i.name for i in self.param_info_buckets[index - 1] if i.src_rank == dist.get_rank() and i.dtype == dtype] \
+            if is_cpu() else []
+        actor_weights = self.weights["actor"]
+        home_numel = sum(actor_weights[n].numel() for n in home)
+        buf = torch.empty(home_numel + scratch, dtype=dtype, device=get_device())
+        buf.share_memory_()  # CPU: one shared-memory segment, so a handle carries no copy (no-op for CUDA)
+        offset = 0
+        for n in home:
+            t = actor_weights[n]
+            view = buf[offset:offset + t.numel()].view(t.shape)
+            view.copy_(t)
+            actor_weights[n] = view
+            offset += t.numel()
+        self._flat[key] = (buf, home_numel)
+        return buf
+
+    def _update_bucket(self, index, infos) -> int:
+        params = self._materialize(infos)
+        named_tensors = []
+        for info, param in zip(infos, params):
+            named_tensors += gather_and_convert(self.args, self.model_name, info.name, param, self.vocab_size,
+                                                self.quantization_config)
+        del params
+        handles = self._pack(index, named_tensors)
+        is_src = dist.get_rank() == self._ipc_gather_src
+        gathered = [None] * dist.get_world_size(self._ipc_gather_group) if is_src else None
+        dist.gather_object(handles, object_gather_list=gathered, dst=self._ipc_gather_src, group=self._ipc_gather_group)
+        nbytes = sum(t.numel() * t.element_size() for _, t in named_tensors)
+        if is_src:
+            what = f"update_weights_from_tensor v{self.weight_version} {describe_bucket(index, named_tensors)}"
+            refs = [
+                self._ipc_engine.update_weights_from_tensor.remote(
+                    serialized_named_tensors=[h[i] for h in gathered], load_format="flattened_bucket",
+                    flush_cache=False, weight_version=str(self.weight_version),
+                )
+                for i in range(len(handles))
+            ]
+            wait_engines(refs, [self._ipc_engine_url] * len(refs), what, update_timeout(self.args))
+            if getattr(self.args, "check_weight_update_equal", False):
+                self._expected_checksums.update({n: tensor_sha256(t) for n, t in named_tensors})
+        # the engine has copied out of every rank's buffer only once the source's call returned
+        dist.barrier(group=self._ipc_gather_group)
+        return nbytes * len(gathered) if is_src else 0
+
+    def check_weight_update_equal(self) -> None:
+        """Compare sha256 of every HF tensor sent with what this rank's engine now holds (group source ranks)."""
+        if dist.get_rank() != self._ipc_gather_src:
+            return
+        timeout = update_timeout(self.args)
+        (checksums,) = wait_engines([self._ipc_engine.get_weight_checksums.remote()], [self._ipc_engine_url],
+                                    "weights_checker checksum", timeout)
+        compare_checksums(self._expected_checksums, checksums, self._ipc_engine_url)

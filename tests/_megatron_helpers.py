@@ -1,0 +1,149 @@
+"""Shared by the Megatron tests: spawn gloo ranks with a timeout, Megatron args for an HF dir, tiny random HF models."""
+import os
+import socket
+import time
+from argparse import Namespace
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, fn, world_size, port, args):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK="0", SLIME_DEVICE="cpu")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        fn(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, world_size, *args, timeout=240):
+    """Run `fn(rank, *args)` in `world_size` fresh gloo ranks; an assertion in any rank fails the caller."""
+    ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size, join=False,
+                             start_method="spawn")
+    deadline = time.time() + timeout
+    try:
+        while not ctx.join(timeout=max(1.0, deadline - time.time())):
+            if time.time() > deadline:
+                raise TimeoutError(f"{fn.__name__}: {world_size} ranks did not finish within {timeout}s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+def megatron_args(hf_dir, **overrides):
+    """The Megatron-LM flags slime's parse_args would infer from `hf_dir/config.json` (dense Qwen2/3, Llama, Qwen3-MoE)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(hf_dir)
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    mtype = cfg.model_type
+    ns = Namespace(
+        hf_checkpoint=hf_dir, model_name=type(cfg).__name__.lower(),
+        num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
+        num_attention_heads=cfg.num_attention_heads, group_query_attention=True, num_query_groups=cfg.num_key_value_heads,
+        kv_channels=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        normalization="RMSNorm", norm_epsilon=cfg.rms_norm_eps, swiglu=True, add_bias_linear=False,
+        add_qkv_bias=mtype == "qwen2", qk_layernorm=mtype.startswith("qwen3"),
+        untie_embeddings_and_output_weights=not cfg.tie_word_embeddings, position_embedding_type="rope",
+        rotary_base=rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)), rotary_percent=1.0,
+        vocab_size=cfg.vocab_size, padded_vocab_size=None, make_vocab_size_divisible_by=128,
+        max_position_embeddings=cfg.max_position_embeddings, seq_length=128,
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
+        expert_model_parallel_size=1, expert_tensor_parallel_size=None, seed=1234, bf16=False,
+        num_experts=None,
+    )
+    if mtype == "qwen3_moe":
+        ns.num_experts, ns.moe_router_topk = cfg.num_experts, cfg.num_experts_per_tok
+        ns.moe_ffn_hidden_size, ns.moe_router_load_balancing_type = cfg.moe_intermediate_size, "none"
+    for k, v in overrides.items():
+        setattr(ns, k, v)
+    return ns
+
+
+def build_random_hf(kind, out_dir, seed=0):
+    """A tiny random HF model of family `kind` in {qwen2, qwen3, llama, qwen3moe}; every tensor (norms too) random."""
+    import transformers as tf
+
+    common = dict(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    if kind == "qwen2":
+        cfg = tf.Qwen2Config(**common)
+        cls = tf.Qwen2ForCausalLM
+    elif kind == "qwen3":
+        cfg = tf.Qwen3Config(head_dim=24, **{**common, "tie_word_embeddings": True})
+        cls = tf.Qwen3ForCausalLM
+    elif kind == "llama":
+        cfg = tf.LlamaConfig(**common)
+        cls = tf.LlamaForCausalLM
+    elif kind == "qwen3moe":
+        cfg = tf.Qwen3MoeConfig(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                norm_topk_prob=True, **common)
+        cls = tf.Qwen3MoeForCausalLM
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(seed)
+    model = cls(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if p.dim() == 1 else 0.0))
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def causal_mask(seq_len):
+    """Megatron's explicit attention mask (True = masked) for a [b, s] padded batch: the local spec needs one on CPU."""
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), diagonal=1)[None, None]
+
+
+def train_args(model_dir, **overrides):
+    """Megatron + slime RL flags for the tiny kit: GRPO policy loss, 1 rollout of 2 prompts x 2 samples, gbs 4."""
+    args = megatron_args(model_dir)
+    rl = dict(
+        lr=1e-3, min_lr=0.0, clip_grad=1.0, optimizer="adam", weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.98,
+        adam_eps=1e-8, use_distributed_optimizer=False, global_batch_size=4, micro_batch_size=2,
+        rollout_batch_size=2, n_samples_per_prompt=2, num_rollout=4, num_steps_per_rollout=None,
+        use_dynamic_batch_size=False, max_tokens_per_gpu=None, balance_data=False, calculate_per_token_loss=False,
+        loss_type="policy_loss", advantage_estimator="grpo", eps_clip=0.2, eps_clip_high=0.2, eps_clip_c=None,
+        kl_coef=0.0, use_kl_loss=True, kl_loss_coef=0.0, kl_loss_type="low_var_kl", entropy_coef=0.0, gamma=1.0,
+        normalize_advantages=False, use_tis=False, tis_clip=2.0, tis_clip_low=0.0, rollout_temperature=1.0,
+        use_rollout_entropy=False, compute_advantages_and_returns=True, ci_test=True, load=None, save=None,
+        ref_load=None, offload=False, colocate=False, keep_old_actor=False, debug_rollout_only=False,
+        debug_train_only=False, use_wandb=False, update_weight_buffer_size=512 * 1024**2,
+    )
+    rl.update(overrides)
+    for k, v in rl.items():
+        setattr(args, k, v)
+    return args
+
+
+def fixed_rollout(vocab_size=512, n=4, seed=0):
+    """A deterministic train-data dict in the rollout controller's format (spec: tokens as int64 arrays, ...)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    lengths = [(5, 4), (7, 3), (4, 6), (6, 5)][:n]
+    data = {"tokens": [], "response_lengths": [], "loss_masks": [], "rewards": [], "raw_reward": [], "truncated": [],
+            "sample_indices": [], "rollout_log_probs": []}
+    for i, (p, r) in enumerate(lengths):
+        data["tokens"].append(rng.integers(3, vocab_size, p + r).astype(np.int64))
+        data["response_lengths"].append(r)
+        data["loss_masks"].append(np.ones(r, dtype=np.int32))
+        data["rewards"].append([1.0, -1.0, 0.5, -0.5][i])
+        data["raw_reward"].append([1.0, 0.0, 1.0, 0.0][i])
+        data["truncated"].append(0)
+        data["sample_indices"].append(i)
+        data["rollout_log_probs"].append(np.full(r, -6.0, dtype=np.float32))
+    return data
