@@ -186,6 +186,8 @@ class MegatronTrainRayActor(TrainRayActor):
         args = self.args
         if "train_wait" in Timer().start_time:
             Timer().end("train_wait")
+        if getattr(args, "debug_rollout_only", False):  # rollout debugging: the data is produced and dropped here
+            return {}
         if getattr(args, "offload", False):
             self.wake_up(("model",))
         dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
@@ -225,8 +227,13 @@ class MegatronTrainRayActor(TrainRayActor):
             torch.save({"rollout_id": rollout_id, "rank": dist.get_rank(), "rollout_data": rollout_data}, path)
 
         self.update_cpu_params_dict(self.weights["actor"])
+        perf = _perf_metrics()
+        if perf and megatron_init.is_megatron_main_rank():
+            from .model import log
+
+            log(args, {**perf, "rollout/step": rollout_id}, "rollout/step")
         Timer().start("train_wait")
-        return {"rollout": rollout_metrics, "train": history}
+        return {"rollout": rollout_metrics, "train": history, "perf": perf}
 
     def save_model(self, iteration, with_optimizer=True):
         if getattr(self.args, "debug_rollout_only", False):
@@ -241,6 +248,8 @@ class MegatronTrainRayActor(TrainRayActor):
 
     # ---- weight sync (delegated to update_weight_utils) ---------------------------------------------------------
     def connect_rollout_engines(self, rollout_engines, rollout_engine_lock):
+        if getattr(self.args, "debug_rollout_only", False):  # no Megatron model: engines keep the HF weights
+            return
         self.weight_updator.connect_rollout_engines(rollout_engines, rollout_engine_lock)
         dist.barrier(group=megatron_init.get_gloo_group())
 
@@ -253,6 +262,18 @@ class MegatronTrainRayActor(TrainRayActor):
         result = self.weight_updator.update_weights()
         dist.barrier(group=megatron_init.get_gloo_group())
         return result
+
+
+def _perf_metrics():
+    """`perf/<phase>_time` of this rollout's training phases, their sum and the share of time spent waiting."""
+    times = Timer().log_dict()
+    Timer().reset()
+    perf = {f"perf/{k}_time": v for k, v in times.items()}
+    busy = sum(v for k, v in times.items() if k != "train_wait")
+    perf["perf/train_time"] = busy
+    if "train_wait" in times and busy + times["train_wait"] > 0:
+        perf["perf/wait_time_ratio"] = times["train_wait"] / (busy + times["train_wait"])
+    return perf
 
 
 def _clone_dict(params):

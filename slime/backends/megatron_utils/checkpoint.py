@@ -17,8 +17,26 @@ from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from slime.utils.device import dist_backend
+
 TRACKER = "latest_checkpointed_iteration.txt"
-_OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}  # allows TP/DP resharding of optimizer state
+# fully_reshardable allows TP/DP resharding of optimizer state. Its gather goes over gloo where the collective backend
+# is gloo: the default (NCCL) path calls `tensor.cuda()`, which no CPU shim can redirect.
+_OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
+                   "distrib_optim_fully_reshardable_mem_efficient": dist_backend() == "gloo"}
+
+
+def _materialize_optimizer_state(optimizer):
+    """torch Adam creates its state at the first step; loading into a fresh optimizer needs the state to exist."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        if getattr(opt, "init_state_fn", None) is not None:
+            opt.init_state_fn(inner, getattr(opt, "config", None))
+        for group in inner.param_groups:
+            for p in group["params"]:
+                inner.state[p].setdefault("step", torch.zeros((), dtype=torch.float32))
 
 
 def _unwrap(module):
@@ -145,6 +163,7 @@ def load_checkpoint(args, model, optimizer, opt_param_scheduler):
 
     state = _model_sharded_state_dict(model)
     if load_optim:
+        _materialize_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=_OPTIM_METADATA)
     if load_rng:
         state["rng_state"] = _rng_sharded_object()

@@ -179,8 +179,28 @@ def apply() -> bool:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    _patch_torch_adam_step_on_load()
     _applied = True
     return True
+
+
+def _patch_torch_adam_step_on_load():
+    """Without Apex/TE the distributed optimizer wraps torch Adam, which keeps a per-param "step". Checkpoints store
+    the step once (in param_groups) and skip it per param, but 0.16.1's loader copies every key of the live state
+    and fails with KeyError('step'). Keep the live step when the loaded tensors carry none."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+            if "step" in state:
+                tensors = {**tensors, "step": state["step"]}
+        return original(self, model_param, tensors)
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
 
 
 def _proxy_torch():

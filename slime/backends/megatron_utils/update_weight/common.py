@@ -3,6 +3,7 @@ the engine, checksums for `--check-weight-update-equal`, and the metrics dict `u
 """
 import hashlib
 import logging
+import os
 import time
 
 import ray
@@ -10,12 +11,18 @@ import torch
 
 from slime.backends.megatron_utils.megatron_to_hf import convert_to_hf
 from slime.backends.megatron_utils.param_utils import all_gather_param, remove_padding
+from slime.utils.device import get_device
 
 logger = logging.getLogger(__name__)
 
 
 class WeightUpdateError(RuntimeError):
     """A weight update failed: the message names the engine URL and the step (bucket, group init, check)."""
+
+
+def local_device():
+    """This trainer's device (TrainRayActor sets LOCAL_RANK)."""
+    return get_device(int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def update_timeout(args) -> float:

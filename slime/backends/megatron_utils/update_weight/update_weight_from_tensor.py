@@ -5,6 +5,10 @@ Weights are read from the actor's CPU weight dict `weights["actor"]` (so this wo
 gathered to full HF tensors, and packed per dtype into one flat buffer per bucket (one handle per bucket and
 dtype; handles are single-use, so every trainer rank serialises its own copy for its engine TP rank). The first
 trainer rank of each engine's group gathers the handles and calls `engine.update_weights_from_tensor`.
+
+On CPU the CPU weight dict itself lives in those shared buffers (its tensors become views into them; the actor
+updates them in place), so HF tensors that are views of it (everything at TP=1 except the q/k/v split) are sent
+as offsets, without a copy. The engine copies into its own weights during the call, so later writes are harmless.
 """
 import logging
 import time
@@ -16,7 +20,7 @@ from megatron.core import parallel_state as mpu
 
 from slime.backends.megatron_utils.initialize import get_gloo_group
 from slime.backends.megatron_utils.param_utils import named_parameters
-from slime.utils.device import get_device, is_cpu
+from slime.utils.device import is_cpu
 from slime.utils.tensor_serialization import FlattenedTensorBucket, FlattenedTensorMetadata, MultiprocessingSerializer
 from slime.utils.types import ParamInfo
 
@@ -26,6 +30,7 @@ from .common import (
     describe_bucket,
     engine_urls,
     gather_and_convert,
+    local_device,
     log_metrics,
     tensor_sha256,
     update_metrics,
@@ -153,7 +158,7 @@ class UpdateWeightFromTensor:
 
     def _materialize(self, infos) -> list:
         """This rank's shard of every param of the bucket: from the CPU weight dict where it lives, else received."""
-        device, actor_weights, rank = get_device(), self.weights["actor"], dist.get_rank()
+        device, actor_weights, rank = local_device(), self.weights["actor"], dist.get_rank()
         params = []
         for info in infos:
             if info.src_rank == rank:
@@ -213,7 +218,7 @@ class UpdateWeightFromTensor:
             if is_cpu() else []
         actor_weights = self.weights["actor"]
         home_numel = sum(actor_weights[n].numel() for n in home)
-        buf = torch.empty(home_numel + scratch, dtype=dtype, device=get_device())
+        buf = torch.empty(home_numel + scratch, dtype=dtype, device=local_device())
         buf.share_memory_()  # CPU: one shared-memory segment, so a handle carries no copy (no-op for CUDA)
         offset = 0
         for n in home:

@@ -1,0 +1,45 @@
+"""`python -m slime.backends.cpu_server --model-path DIR --host 127.0.0.1 --port P ...` (flag names as SGLang's)."""
+import argparse
+import logging
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m slime.backends.cpu_server", description=__doc__)
+    p.add_argument("--model-path", required=True, help="local HuggingFace model directory")
+    p.add_argument("--tokenizer-path", default=None, help="defaults to --model-path")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--random-seed", type=int, default=0, help="seed of the sampler for requests without sampling_seed")
+    p.add_argument("--max-running-requests", type=int, default=128, help="requests decoded together at most")
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="KV-cache size in tokens (default: max-running-requests x context, capped at 1 GiB of cache)")
+    p.add_argument("--max-prefill-tokens", type=int, default=16384, help="token budget of one prefill batch")
+    p.add_argument("--context-length", type=int, default=None, help="default: the model's max_position_embeddings")
+    p.add_argument("--weight-version", default="default", help="initial weight version reported by /generate")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--dtype", default="auto", help="auto (the checkpoint's dtype), float32, bfloat16 or float16")
+    p.add_argument("--num-threads", type=int, default=1, help="torch threads (the server is single-threaded by default)")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="[%(asctime)s cpu_server] %(levelname)s %(message)s")
+    from .model import UnsupportedModelError
+    from .server import run_server
+    from .weights import WeightError
+
+    try:
+        run_server(args)
+    except (UnsupportedModelError, WeightError, OSError) as e:
+        # a user mistake (bad model dir, busy port): one clear line, no traceback
+        logging.getLogger("slime.cpu_server").error("cannot start: %s", e)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

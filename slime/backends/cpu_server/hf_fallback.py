@@ -1,0 +1,174 @@
+"""Fallback for architectures the compact model does not implement: any transformers causal LM.
+
+It plugs into the same scheduler (continuous batching, retraction, sampling, weight updates by HF name) with the
+interfaces of `Transformer` / `KVPool` / `WeightStore`, but keeps token ids instead of K/V in the pool and recomputes
+each sequence every step (no KV cache): correct for any model, quadratic in length, meant for small models.
+"""
+import os
+import shutil
+import tempfile
+
+import torch
+
+from .weights import WeightError, tensor_sha256
+
+
+class FallbackConfig:
+    """The few ModelConfig fields the server reads, from a transformers config."""
+
+    def __init__(self, model_dir: str, hf_config):
+        self.architecture = (hf_config.architectures or [type(hf_config).__name__])[0]
+        self.model_type = hf_config.model_type
+        text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        self.vocab_size = text.vocab_size
+        self.max_position_embeddings = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", 2048)
+        eos = getattr(text, "eos_token_id", None)
+        self.eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None) or torch.float32
+        self.torch_dtype = str(dtype).replace("torch.", "")
+
+
+class TokenPool:
+    """KVPool's interface over token ids (the fallback recomputes attention from them)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.tokens = None
+        self.allocate()
+
+    def allocate(self):
+        self.tokens = torch.zeros(self.size + 1, dtype=torch.long)
+        self.free = list(range(self.size, 0, -1))
+
+    def release(self):
+        self.tokens, self.free = None, []
+
+    @property
+    def allocated(self) -> bool:
+        return self.tokens is not None
+
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def alloc(self, n: int) -> list:
+        assert n <= len(self.free), "token pool exhausted"
+        out = self.free[-n:] if n else []
+        del self.free[len(self.free) - n:]
+        return out
+
+    def give_back(self, rows):
+        self.free.extend(rows)
+
+
+class HFWeights:
+    """WeightStore's interface over a transformers model's own parameters (HF names by construction)."""
+
+    def __init__(self, model):
+        self.model = model
+        self._backup_dir = None
+
+    @property
+    def named(self) -> dict:
+        return {} if self.released else dict(self.model.named_parameters())
+
+    @property
+    def released(self) -> bool:
+        return self._backup_dir is not None
+
+    def is_ignored(self, name: str) -> bool:
+        tied = getattr(self.model.config, "tie_word_embeddings", False)
+        return name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight")
+
+    def load(self, named_tensors, source: str) -> set:
+        if self.released:
+            raise WeightError("weights are released (release_memory_occupation); resume_memory_occupation first")
+        params, loaded = self.named, set()
+        with torch.no_grad():
+            for name, t in named_tensors:
+                if self.is_ignored(name) and name not in params:
+                    continue
+                dst = params.get(name)
+                if dst is None:
+                    raise WeightError(f"{source}: unknown parameter {name!r} for {self.model.config.architectures}")
+                if tuple(t.shape) != tuple(dst.shape):
+                    raise WeightError(f"{source}: parameter {name!r} has shape {tuple(t.shape)}, the model expects {tuple(dst.shape)}")
+                dst.copy_(t)
+                loaded.add(name)
+        return loaded
+
+    def load_from_dir(self, model_dir: str):
+        from transformers import AutoModelForCausalLM
+
+        src = AutoModelForCausalLM.from_pretrained(model_dir, dtype=next(self.model.parameters()).dtype)
+        self.load(src.named_parameters(), model_dir)
+
+    def checksums(self) -> dict:
+        if self.released:
+            raise WeightError("weights are released (release_memory_occupation); resume_memory_occupation first")
+        return {n: tensor_sha256(t) for n, t in self.named.items()}
+
+    def release(self):
+        if self.released:
+            return
+        d = tempfile.mkdtemp(prefix="slime-cpu-server-weights-")
+        params = dict(self.model.named_parameters())
+        torch.save({n: p.data for n, p in params.items()}, os.path.join(d, "weights.pt"))
+        for p in params.values():
+            p.data = torch.empty(0, dtype=p.dtype)
+        self._backup_dir = d
+
+    def resume(self):
+        if not self.released:
+            return
+        d, self._backup_dir = self._backup_dir, None
+        saved = torch.load(os.path.join(d, "weights.pt"), weights_only=True)
+        for n, p in self.model.named_parameters():
+            p.data = saved[n]
+        shutil.rmtree(d, ignore_errors=True)
+
+    def cleanup(self):
+        if self._backup_dir:
+            shutil.rmtree(self._backup_dir, ignore_errors=True)
+
+
+class HFFallbackModel:
+    """Transformer's forward_prefill / forward_decode over a transformers model and a TokenPool."""
+
+    def __init__(self, model):
+        self.model = model
+
+    @torch.inference_mode()
+    def forward_prefill(self, pool: TokenPool, tokens, lens, rows, all_logits: bool = False):
+        pool.tokens.index_copy_(0, rows, tokens)
+        B, L = len(lens), int(lens.max())
+        starts = torch.cumsum(lens, 0) - lens
+        ids = torch.zeros(B, L, dtype=torch.long)
+        mask = torch.arange(L)[None, :] < lens[:, None]
+        ids[mask] = tokens
+        logits = self.model(input_ids=ids, attention_mask=mask.long()).logits
+        if all_logits:
+            return logits[mask]
+        return logits[torch.arange(B), lens - 1]
+
+    @torch.inference_mode()
+    def forward_decode(self, pool: TokenPool, tokens, positions, new_rows, kv_index, kv_valid):
+        pool.tokens.index_copy_(0, new_rows, tokens)
+        ids = pool.tokens.index_select(0, kv_index.reshape(-1)).view(kv_index.shape)
+        logits = self.model(input_ids=ids, attention_mask=kv_valid.long()).logits
+        return logits[torch.arange(len(tokens)), positions]
+
+
+def load_fallback(model_dir: str, dtype_name: str, trust_remote_code: bool):
+    """(config, weights, model) for a transformers causal LM; raises ValueError naming the directory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001
+        raise WeightError(f"{model_dir}: not a loadable HuggingFace model directory ({e})") from None
+    cfg = FallbackConfig(model_dir, hf_config)
+    from .weights import resolve_dtype
+
+    dtype = resolve_dtype(dtype_name, cfg)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code).eval()
+    return cfg, dtype, HFWeights(model), HFFallbackModel(model)

@@ -1,0 +1,241 @@
+"""A compact batched Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5 with qkv bias, Qwen3 with q/k-norm).
+
+gpt-fast style: plain tensors, no nn.Module tree. Weights live in a `WeightStore` (weights.py) that fuses q/k/v and
+gate/up for speed but exposes every HF parameter name as a view, so loading and weight updates work by HF name.
+The KV cache is a token pool (SGLang's layout with page size 1): `req_to_token[slot, pos]` maps a request's
+position to a row of the per-layer K/V pools, so requests join and leave the batch without moving anyone's cache.
+Numerics follow transformers' implementation (fp32 RoPE tables, RMSNorm in fp32) so log-probs match HF within 1e-6 in fp32.
+"""
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    mlp_bias: bool
+    torch_dtype: str
+    eos_token_ids: list
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str) -> "ModelConfig":
+        path = os.path.join(model_dir, "config.json")
+        if not os.path.isfile(path):
+            raise UnsupportedModelError(f"{path} does not exist: --model-path must be a local HuggingFace model directory.")
+        with open(path) as f:
+            c = json.load(f)
+        arch = (c.get("architectures") or ["?"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"{path}: architecture {arch!r} is not supported by slime's CPU server "
+                f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}). Use a GPU machine with SGLang for other models."
+            )
+        # transformers 5 moved rope settings into `rope_parameters`; older configs use rope_theta / rope_scaling.
+        rope = c.get("rope_parameters") or {}
+        scaling = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if scaling is not None:
+            kind = scaling.get("rope_type", scaling.get("type", "default"))
+            if kind not in ("default", "llama3", "linear"):
+                raise UnsupportedModelError(f"{path}: rope scaling type {kind!r} is not supported by slime's CPU server.")
+            if kind == "default":
+                scaling = None
+        if c.get("sliding_window") and c.get("use_sliding_window", arch == "MistralForCausalLM"):
+            raise UnsupportedModelError(f"{path}: sliding-window attention is not supported by slime's CPU server.")
+        heads = c["num_attention_heads"]
+        eos = c.get("eos_token_id")
+        model_type = c.get("model_type", "")
+        return cls(
+            architecture=arch, model_type=model_type, vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"], num_heads=heads,
+            num_kv_heads=c.get("num_key_value_heads") or heads, head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=float(c.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rope_scaling=scaling, max_position_embeddings=c.get("max_position_embeddings", 4096),
+            tie_word_embeddings=c.get("tie_word_embeddings", False),
+            attention_bias=c.get("attention_bias", arch == "Qwen2ForCausalLM"), qk_norm=model_type.startswith("qwen3"),
+            mlp_bias=c.get("mlp_bias", False), torch_dtype=str(c.get("torch_dtype") or c.get("dtype") or "float32"),
+            eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+        )
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq
+    kind = s.get("rope_type", s.get("type"))
+    if kind == "linear":
+        return inv_freq / s["factor"]
+    # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth blend in between (as transformers does)
+    factor, lo, hi, old = s["factor"], s["low_freq_factor"], s["high_freq_factor"], s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old / lo, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / hi) * ~(wavelen > old / lo)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class KVPool:
+    """Per-layer K/V rows for `size` tokens plus a free list; `release()` really frees the memory."""
+
+    def __init__(self, cfg: ModelConfig, size: int, dtype: torch.dtype):
+        self.cfg, self.size, self.dtype = cfg, size, dtype
+        self.k = self.v = None
+        self.allocate()
+
+    def allocate(self):
+        shape = (self.size + 1, self.cfg.num_kv_heads, self.cfg.head_dim)  # row 0 is a padding sink, never handed out
+        self.k = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.cfg.num_layers)]
+        self.free = list(range(self.size, 0, -1))
+
+    def release(self):
+        self.k = self.v = None
+        self.free = []
+
+    @property
+    def allocated(self) -> bool:
+        return self.k is not None
+
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def alloc(self, n: int) -> list:
+        assert n <= len(self.free), "KV pool exhausted"
+        out = self.free[-n:] if n else []
+        del self.free[len(self.free) - n:]
+        return out
+
+    def give_back(self, rows):
+        self.free.extend(rows)
+
+    def bytes_per_token(self) -> int:
+        return 2 * self.cfg.num_layers * self.cfg.num_kv_heads * self.cfg.head_dim * torch.finfo(self.dtype).bits // 8
+
+
+class Transformer:
+    """forward_prefill / forward_decode over a WeightStore and a KVPool."""
+
+    def __init__(self, cfg: ModelConfig, weights, dtype: torch.dtype, max_positions: int):
+        self.cfg, self.w, self.dtype = cfg, weights, dtype
+        pos = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(pos, rope_inv_freq(cfg))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+
+    def _norm(self, x, w):
+        return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_norm_eps)
+
+    def _qkv(self, layer, h, cos, sin):
+        cfg = self.cfg
+        qkv = F.linear(h, layer["qkv"], layer.get("qkv_bias"))
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.unflatten(-1, (cfg.num_heads, cfg.head_dim))
+        k = k.unflatten(-1, (cfg.num_kv_heads, cfg.head_dim))
+        v = v.unflatten(-1, (cfg.num_kv_heads, cfg.head_dim))
+        if cfg.qk_norm:
+            q, k = self._norm(q, layer["q_norm"]), self._norm(k, layer["k_norm"])
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        return q, k, v
+
+    def _mlp(self, layer, h):
+        gate, up = F.linear(h, layer["gate_up"], layer.get("gate_up_bias")).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, layer["down"], layer.get("down_bias"))
+
+    def _logits(self, h):
+        return F.linear(self._norm(h, self.w.final_norm), self.w.lm_head)
+
+    @torch.inference_mode()
+    def forward_prefill(self, pool: KVPool, tokens: torch.Tensor, lens: torch.Tensor, rows: torch.Tensor,
+                        all_logits: bool = False):
+        """tokens [N]: whole sequences packed back to back, lens [B] their lengths, rows [N] their pool rows.
+        Returns logits at each sequence's last token [B, V] (or at every token [N, V]).
+        Matmuls run on the packed tokens (no padding waste); only attention uses a padded [B, L] layout."""
+        B, N, L = len(lens), len(tokens), int(lens.max())
+        starts = torch.cumsum(lens, 0) - lens
+        seq = torch.repeat_interleave(torch.arange(B), lens)
+        positions = torch.arange(N) - starts[seq]
+        pad_index = seq * L + positions  # where each packed token sits in the padded [B * L] layout
+        ar = torch.arange(L)
+        # queries see earlier tokens of their own sequence causally, nothing past its length
+        mask = ((ar[None, :, None] >= ar[None, None, :]) & (ar[None, None, :] < lens[:, None, None])).unsqueeze(1)
+        cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+        h = F.embedding(tokens, self.w.embed)  # [N, hidden]
+
+        def padded(t):  # [N, heads, D] -> [B, heads, L, D]
+            out = t.new_zeros((B * L,) + t.shape[1:]).index_copy_(0, pad_index, t)
+            return out.unflatten(0, (B, L)).transpose(1, 2)
+
+        for i, layer in enumerate(self.w.layers):
+            x = self._norm(h, layer["input_norm"])
+            q, k, v = self._qkv(layer, x, cos, sin)
+            pool.k[i].index_copy_(0, rows, k)
+            pool.v[i].index_copy_(0, rows, v)
+            o = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=mask, scale=self.scale,
+                                               enable_gqa=True)
+            o = o.transpose(1, 2).flatten(2).flatten(0, 1).index_select(0, pad_index)  # back to packed [N, H*D]
+            h = h + F.linear(o, layer["o"], layer.get("o_bias"))
+            h = h + self._mlp(layer, self._norm(h, layer["post_norm"]))
+        if all_logits:
+            return self._logits(h)
+        return self._logits(h.index_select(0, starts + lens - 1))
+
+    @torch.inference_mode()
+    def forward_decode(self, pool: KVPool, tokens: torch.Tensor, positions: torch.Tensor, new_rows: torch.Tensor,
+                       kv_index: torch.Tensor, kv_valid: torch.Tensor):
+        """One token per request. tokens/positions/new_rows [B]; kv_index [B, S] pool rows of every cached position
+        including the new one (padding points at row 0), kv_valid [B, S]. Returns logits [B, V]."""
+        cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+        B, S = kv_index.shape
+        # one additive float mask per step (a bool mask is converted inside every attention call)
+        mask = torch.zeros(B, 1, 1, S, dtype=self.dtype).masked_fill_(~kv_valid[:, None, None, :], float("-inf"))
+        flat_index = kv_index.reshape(-1)
+        h = F.embedding(tokens, self.w.embed)  # [B, hidden]
+        for i, layer in enumerate(self.w.layers):
+            x = self._norm(h, layer["input_norm"])
+            q, k, v = self._qkv(layer, x, cos, sin)  # [B, heads, D]
+            pool.k[i].index_copy_(0, new_rows, k)
+            pool.v[i].index_copy_(0, new_rows, v)
+            # index_select, not advanced indexing: ~100x faster gathers on CPU
+            ks = pool.k[i].index_select(0, flat_index).unflatten(0, (B, S)).transpose(1, 2)  # [B, kv_heads, S, D]
+            vs = pool.v[i].index_select(0, flat_index).unflatten(0, (B, S)).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=True)
+            h = h + F.linear(o.flatten(1), layer["o"], layer.get("o_bias"))
+            h = h + self._mlp(layer, self._norm(h, layer["post_norm"]))
+        return self._logits(h)

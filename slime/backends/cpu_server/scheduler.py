@@ -1,0 +1,289 @@
+"""Continuous batching on one scheduler thread (torch releases the GIL, so the HTTP loop stays responsive).
+
+Every iteration: run queued control tasks (weight updates, release/resume, ...), drop aborted requests, admit waiting
+requests while a running slot and KV rows are free, prefill them in one padded batch, then decode one token for every
+running request. Requests leave the batch the step they finish. When the KV pool runs dry the newest request is
+retracted (its rows freed) and re-prefilled later from prompt + output, as SGLang does.
+"""
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import deque
+
+import torch
+
+from .sampling import SamplingParams, sample
+
+logger = logging.getLogger("slime.cpu_server")
+
+
+class Req:
+    def __init__(self, input_ids, sp: SamplingParams, *, rid=None, return_logprob=False, logprob_start_len=-1,
+                 top_logprobs_num=0, stream=False, on_update=None):
+        self.rid = rid or uuid.uuid4().hex
+        self.input_ids, self.sp = list(input_ids), sp
+        self.return_logprob, self.logprob_start_len, self.top_logprobs_num = return_logprob, logprob_start_len, top_logprobs_num
+        self.stream, self.on_update = stream, on_update  # on_update(req) is called from the scheduler thread
+        self.generator = None if sp.sampling_seed is None else torch.Generator().manual_seed(sp.sampling_seed)
+        self.output_ids, self.output_logprobs, self.output_top_logprobs = [], [], []
+        self.input_logprobs = None
+        self.finish_reason = None
+        self.slot, self.rows = None, []
+        self.to_abort = None  # abort message once an abort was requested
+        self.weight_version = None
+        self.created = time.time()
+        self.text = ""
+        self.num_retractions = 0
+        self.index, self.text_in_logprobs = 0, False  # position in its HTTP request; token texts in logprobs
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Scheduler:
+    def __init__(self, model, weights, pool, tokenizer, *, max_running: int, context_len: int, eos_ids,
+                 max_prefill_tokens: int, random_seed: int, state):
+        self.model, self.weights, self.pool, self.tok = model, weights, pool, tokenizer
+        self.max_running, self.context_len, self.eos_ids = max_running, context_len, set(eos_ids)
+        self.max_prefill_tokens = max_prefill_tokens
+        self.state = state  # shared ServerState: weight_version, paused, ...
+        self.gen = torch.Generator().manual_seed(random_seed)
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.controls: queue.SimpleQueue = queue.SimpleQueue()
+        self.wakeup = threading.Event()
+        self.req_to_token = torch.zeros(max_running, context_len + 1, dtype=torch.long)
+        self.free_slots = list(range(max_running - 1, -1, -1))
+        self.paused = False
+        self.all_reqs: dict[str, Req] = {}
+        self.num_generated = 0
+        self._stop = False
+        self.thread = threading.Thread(target=self._loop, name="cpu-server-scheduler", daemon=True)
+
+    # ----- called from other threads -----
+    def start(self):
+        self.thread.start()
+
+    def stop(self):
+        self._stop = True
+        self.wakeup.set()
+        self.thread.join(timeout=10)
+
+    def submit(self, req: Req):
+        self.inbox.put(req)
+        self.wakeup.set()
+
+    def abort(self, rid=None, abort_all=False, message="Aborted"):
+        for r in list(self.all_reqs.values()):
+            if abort_all or r.rid == rid:
+                r.to_abort = message
+        self.wakeup.set()
+
+    def run_control(self, fn) -> concurrent.futures.Future:
+        """Run fn() on the scheduler thread between steps (nothing else touches the model meanwhile)."""
+        fut = concurrent.futures.Future()
+        self.controls.put((fn, fut))
+        self.wakeup.set()
+        return fut
+
+    def is_idle(self) -> bool:
+        # while paused, queued requests are held at the door (as in SGLang's tokenizer manager): they do not count
+        return not self.running and (self.paused or (not self.waiting and self.inbox.empty()))
+
+    def load(self) -> dict:
+        return {"num_reqs": len(self.running), "num_waiting_reqs": len(self.waiting),
+                "num_tokens": sum(len(r.rows) for r in self.running)}
+
+    # ----- scheduler thread -----
+    def _loop(self):
+        torch.set_num_threads(self.state.num_threads)
+        while not self._stop:
+            self.wakeup.wait(timeout=0.5)
+            self.wakeup.clear()
+            try:
+                while True:
+                    self._drain()
+                    with torch.inference_mode():
+                        if not self._step():
+                            break
+            except Exception:  # a bug must not leave clients hanging: fail everything in flight and keep serving
+                logger.exception("scheduler step failed; aborting in-flight requests")
+                for r in list(self.running) + list(self.waiting):
+                    self._finish(r, {"type": "abort", "message": "internal server error", "status_code": 500,
+                                     "err_type": "InternalServerError"})
+                self.running, self.waiting = [], deque()
+
+    def _drain(self):
+        while not self.controls.empty():
+            fn, fut = self.controls.get()
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # noqa: BLE001  (the caller re-raises it)
+                    fut.set_exception(e)
+        while not self.inbox.empty():
+            r = self.inbox.get()
+            self.all_reqs[r.rid] = r
+            self.waiting.append(r)
+
+    def _step(self) -> bool:
+        """One scheduling iteration; False when there is nothing to do."""
+        for r in [r for r in list(self.waiting) + self.running if r.to_abort]:
+            self._finish(r, {"type": "abort", "message": r.to_abort, "status_code": None, "err_type": None})
+        if self.paused or not self.pool.allocated or self.weights.released:
+            return False
+        admitted = self._admit()
+        if admitted:
+            self._prefill(admitted)
+        if self.running:
+            self._decode()
+        return bool(self.running or (self.waiting and admitted))
+
+    def _admit(self) -> list:
+        admitted, budget = [], self.max_prefill_tokens
+        while self.waiting and self.free_slots:
+            r = self.waiting[0]
+            n = len(r.input_ids) + max(len(r.output_ids) - 1, 0)
+            reserve = len(self.running) + len(admitted) + 1  # the next decode step must fit too
+            if self.pool.num_free() < n + reserve or (admitted and n > budget):
+                break
+            self.waiting.popleft()
+            r.slot = self.free_slots.pop()
+            r.rows = self.pool.alloc(n)
+            self.req_to_token[r.slot, :n] = torch.tensor(r.rows)
+            budget -= n
+            admitted.append(r)
+        return admitted
+
+    def _prefill(self, reqs):
+        # A retracted request re-fills prompt + output[:-1]; its last output token is the next decode input.
+        seqs = [r.input_ids + r.output_ids[:-1] for r in reqs]
+        lens = torch.tensor([len(x) for x in seqs])
+        tokens = torch.tensor([t for x in seqs for t in x])
+        rows = torch.tensor([x for r in reqs for x in r.rows])
+        need_input_lp = [r.return_logprob and r.logprob_start_len >= 0 and not r.output_ids for r in reqs]
+        logits = self.model.forward_prefill(self.pool, tokens, lens, rows, all_logits=any(need_input_lp))
+        if any(need_input_lp):
+            ends = torch.cumsum(lens, 0)
+            full, logits = logits.float(), logits[ends - 1]
+            for i, r in enumerate(reqs):
+                if need_input_lp[i]:
+                    a, b = int(ends[i] - lens[i]), int(ends[i])
+                    self._input_logprobs(r, full[a:b], tokens[a:b])
+        fresh = [i for i, r in enumerate(reqs) if not r.output_ids]
+        for r in reqs:
+            self.running.append(r)
+        for i, r in enumerate(reqs):
+            if r.sp.max_new_tokens == 0 and not r.output_ids:
+                self._finish(r, {"type": "length", "length": 0})
+        fresh = [i for i in fresh if not reqs[i].finished]
+        if fresh:
+            self._sample_and_append([reqs[i] for i in fresh], logits[fresh].float())
+
+    def _input_logprobs(self, r, logits, tokens):
+        lp = torch.log_softmax(logits / r.sp.temperature, dim=-1)
+        vals = lp[:-1].gather(1, tokens[1:, None]).squeeze(1).tolist()
+        entries = [[None, int(tokens[0]), None]] + [[v, int(t), None] for v, t in zip(vals, tokens[1:].tolist())]
+        r.input_logprobs = entries[r.logprob_start_len:]
+
+    def _decode(self):
+        need = len(self.running)
+        while self.pool.num_free() < need and len(self.running) > 1:
+            self._retract(self.running[-1])
+            need = len(self.running)
+        reqs = self.running
+        kv_lens = torch.tensor([len(r.rows) for r in reqs])  # cached positions before this step
+        new_rows = self.pool.alloc(len(reqs))
+        slots = torch.tensor([r.slot for r in reqs])
+        self.req_to_token[slots, kv_lens] = torch.tensor(new_rows)
+        for r, row in zip(reqs, new_rows):
+            r.rows.append(row)
+        S = int(kv_lens.max()) + 1
+        kv_index = self.req_to_token[slots, :S]
+        kv_valid = torch.arange(S)[None, :] <= kv_lens[:, None]
+        tokens = torch.tensor([r.output_ids[-1] for r in reqs])
+        logits = self.model.forward_decode(self.pool, tokens, kv_lens, torch.tensor(new_rows), kv_index, kv_valid)
+        self._sample_and_append(list(reqs), logits.float())
+
+    def _retract(self, r):
+        logger.info("KV pool full: retracting request %s (%d tokens)", r.rid, len(r.rows))
+        self.running.remove(r)
+        self._free(r)
+        r.num_retractions += 1
+        self.waiting.appendleft(r)
+
+    def _stop_ids(self, r):
+        return list(set(r.sp.stop_token_ids) | (set() if r.sp.ignore_eos else self.eos_ids))
+
+    def _sample_and_append(self, reqs, logits):
+        tokens, logprobs, rows = sample(logits, reqs, self.gen, self._stop_ids)
+        for i, (r, t, lp) in enumerate(zip(reqs, tokens.tolist(), logprobs.tolist())):
+            r.output_ids.append(t)
+            r.output_logprobs.append(lp)
+            if r.return_logprob and r.top_logprobs_num:
+                v, ix = rows[i].topk(r.top_logprobs_num)
+                r.output_top_logprobs.append([[a, b, None] for a, b in zip(v.tolist(), ix.tolist())])
+            self.num_generated += 1
+            reason = self._check_finished(r, t)
+            if reason:
+                self._finish(r, reason)
+            elif r.stream and r.on_update:
+                r.on_update(r)
+
+    def _check_finished(self, r, t):
+        sp, n = r.sp, len(r.output_ids)
+        if n >= sp.max_new_tokens:
+            return {"type": "length", "length": sp.max_new_tokens}
+        if len(r.input_ids) + n >= self.context_len:
+            return {"type": "length", "length": n}
+        if n < sp.min_new_tokens:
+            return None
+        if t in sp.stop_token_ids or (not sp.ignore_eos and t in self.eos_ids):
+            return {"type": "stop", "matched": t}
+        if sp.stop:
+            longest = max(len(s) for s in sp.stop)
+            tail = self.tok.decode(r.output_ids[-(longest + 1):], skip_special_tokens=sp.skip_special_tokens)
+            for s in sp.stop:
+                if s in tail:
+                    return {"type": "stop", "matched": s}
+        return None
+
+    def _free(self, r):
+        if r.rows:
+            self.pool.give_back(r.rows)
+            r.rows = []
+        if r.slot is not None:
+            self.free_slots.append(r.slot)
+            r.slot = None
+
+    def _finish(self, r, reason):
+        if r in self.running:
+            self.running.remove(r)
+        elif r in self.waiting:
+            self.waiting.remove(r)
+        self._free(r)
+        r.finish_reason = reason
+        r.weight_version = self.state.weight_version
+        r.text = self.detokenize(r)
+        self.all_reqs.pop(r.rid, None)
+        if r.on_update:
+            r.on_update(r)
+
+    def detokenize(self, r) -> str:
+        sp, ids, reason = r.sp, r.output_ids, r.finish_reason or {}
+        kw = {"skip_special_tokens": sp.skip_special_tokens}
+        if not sp.spaces_between_special_tokens:
+            kw["spaces_between_special_tokens"] = False
+        if reason.get("type") == "stop" and isinstance(reason.get("matched"), int) and not sp.no_stop_trim:
+            ids = ids[:-1]
+        text = self.tok.decode(ids, **kw)
+        if reason.get("type") == "stop" and isinstance(reason.get("matched"), str) and not sp.no_stop_trim:
+            pos = text.find(reason["matched"])
+            if pos >= 0:
+                text = text[:pos]
+        return text

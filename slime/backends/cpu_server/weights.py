@@ -1,0 +1,187 @@
+"""Model weights kept by HF parameter name.
+
+Compute uses fused tensors (q|k|v and gate|up in one matmul each); every HF name (`model.layers.0.self_attn.q_proj.weight`,
+...) is a view into them, so a weight update or a load from disk is `view.copy_(tensor)` by HF name, in place, as
+SGLang's `load_weights` does. `release()` moves the weights to a file and frees the RAM; `resume()` brings them back.
+"""
+import glob
+import hashlib
+import os
+import shutil
+import tempfile
+
+import torch
+
+from .model import ModelConfig
+
+# Names a checkpoint may carry that the model does not use (as SGLang's loaders skip them).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+class WeightError(ValueError):
+    pass
+
+
+class WeightStore:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        self.cfg, self.dtype = cfg, dtype
+        self._backup_dir = None
+        self._allocate()
+
+    # ----- layout -----
+    def _allocate(self):
+        cfg, dt = self.cfg, self.dtype
+        hd, hid, ffn = cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+        qs, kvs = cfg.num_heads * hd, cfg.num_kv_heads * hd
+        self.storage: dict[str, torch.Tensor] = {}
+        self.named: dict[str, torch.Tensor] = {}
+
+        def new(key, *shape):
+            t = torch.zeros(shape, dtype=dt)
+            self.storage[key] = t
+            return t
+
+        self.embed = new("embed", cfg.vocab_size, hid)
+        self.named["model.embed_tokens.weight"] = self.embed
+        self.final_norm = new("final_norm", hid)
+        self.named["model.norm.weight"] = self.final_norm
+        if cfg.tie_word_embeddings:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = new("lm_head", cfg.vocab_size, hid)
+            self.named["lm_head.weight"] = self.lm_head
+        self.layers = []
+        for i in range(cfg.num_layers):
+            p, key = f"model.layers.{i}.", f"layers.{i}."
+            L = {
+                "input_norm": new(key + "input_norm", hid), "post_norm": new(key + "post_norm", hid),
+                "qkv": new(key + "qkv", qs + 2 * kvs, hid), "o": new(key + "o", hid, qs),
+                "gate_up": new(key + "gate_up", 2 * ffn, hid), "down": new(key + "down", hid, ffn),
+            }
+            self.named[p + "input_layernorm.weight"] = L["input_norm"]
+            self.named[p + "post_attention_layernorm.weight"] = L["post_norm"]
+            for n, sl in (("q_proj", slice(0, qs)), ("k_proj", slice(qs, qs + kvs)), ("v_proj", slice(qs + kvs, None))):
+                self.named[p + f"self_attn.{n}.weight"] = L["qkv"][sl]
+            if cfg.attention_bias:
+                L["qkv_bias"] = new(key + "qkv_bias", qs + 2 * kvs)
+                for n, sl in (("q_proj", slice(0, qs)), ("k_proj", slice(qs, qs + kvs)), ("v_proj", slice(qs + kvs, None))):
+                    self.named[p + f"self_attn.{n}.bias"] = L["qkv_bias"][sl]
+            self.named[p + "self_attn.o_proj.weight"] = L["o"]
+            if cfg.qk_norm:
+                L["q_norm"], L["k_norm"] = new(key + "q_norm", hd), new(key + "k_norm", hd)
+                self.named[p + "self_attn.q_norm.weight"] = L["q_norm"]
+                self.named[p + "self_attn.k_norm.weight"] = L["k_norm"]
+            self.named[p + "mlp.gate_proj.weight"] = L["gate_up"][:ffn]
+            self.named[p + "mlp.up_proj.weight"] = L["gate_up"][ffn:]
+            self.named[p + "mlp.down_proj.weight"] = L["down"]
+            if cfg.mlp_bias:
+                L["gate_up_bias"], L["down_bias"] = new(key + "gate_up_bias", 2 * ffn), new(key + "down_bias", hid)
+                self.named[p + "mlp.gate_proj.bias"] = L["gate_up_bias"][:ffn]
+                self.named[p + "mlp.up_proj.bias"] = L["gate_up_bias"][ffn:]
+                self.named[p + "mlp.down_proj.bias"] = L["down_bias"]
+            self.layers.append(L)
+
+    @property
+    def released(self) -> bool:
+        return self._backup_dir is not None
+
+    # ----- loading by HF name -----
+    def is_ignored(self, name: str) -> bool:
+        return name.endswith(_IGNORED_SUFFIXES) or (self.cfg.tie_word_embeddings and name == "lm_head.weight")
+
+    def load(self, named_tensors, source: str) -> set:
+        """Copy each (hf_name, tensor) into place (casting dtype). Unknown names / wrong shapes raise naming the tensor."""
+        if self.released:
+            raise WeightError("weights are released (release_memory_occupation); resume_memory_occupation first")
+        loaded = set()
+        with torch.no_grad():
+            for name, t in named_tensors:
+                if self.is_ignored(name):
+                    continue
+                dst = self.named.get(name)
+                if dst is None:
+                    raise WeightError(f"{source}: unknown parameter {name!r} for {self.cfg.architecture} "
+                                      f"(expected HF names such as 'model.layers.0.self_attn.q_proj.weight')")
+                if tuple(t.shape) != tuple(dst.shape):
+                    raise WeightError(f"{source}: parameter {name!r} has shape {tuple(t.shape)}, "
+                                      f"the model expects {tuple(dst.shape)}")
+                dst.copy_(t)
+                loaded.add(name)
+        return loaded
+
+    def load_from_dir(self, model_dir: str):
+        files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+        loaded = set()
+        if files:
+            from safetensors import safe_open
+
+            for fn in files:
+                with safe_open(fn, framework="pt") as f:
+                    loaded |= self.load(((k, f.get_tensor(k)) for k in f.keys()), fn)
+        else:
+            bins = sorted(glob.glob(os.path.join(model_dir, "pytorch_model*.bin")))
+            if not bins:
+                raise WeightError(f"{model_dir}: no *.safetensors or pytorch_model*.bin weight files found")
+            for fn in bins:
+                loaded |= self.load(torch.load(fn, map_location="cpu", weights_only=True).items(), fn)
+        missing = sorted(set(self.named) - loaded)
+        if missing:
+            raise WeightError(f"{model_dir}: checkpoint lacks {len(missing)} parameter(s), e.g. {missing[:3]}")
+
+    # ----- verification -----
+    def checksums(self) -> dict:
+        if self.released:
+            raise WeightError("weights are released (release_memory_occupation); resume_memory_occupation first")
+        return {n: tensor_sha256(t) for n, t in self.named.items()}
+
+    # ----- memory release -----
+    def release(self):
+        """Move the current weights to a temporary file and free the tensors (weights updated since load are kept)."""
+        if self.released:
+            return
+        from safetensors.torch import save_file
+
+        d = tempfile.mkdtemp(prefix="slime-cpu-server-weights-")
+        save_file(self.storage, os.path.join(d, "weights.safetensors"))
+        self.storage, self.named, self.layers = {}, {}, []
+        self.embed = self.final_norm = self.lm_head = None
+        self._backup_dir = d
+
+    def resume(self):
+        if not self.released:
+            return
+        from safetensors.torch import load_file
+
+        d, self._backup_dir = self._backup_dir, None
+        saved = load_file(os.path.join(d, "weights.safetensors"))
+        self._allocate()
+        with torch.no_grad():
+            for k, t in saved.items():
+                self.storage[k].copy_(t)
+        shutil.rmtree(d, ignore_errors=True)
+
+    def cleanup(self):
+        if self._backup_dir:
+            shutil.rmtree(self._backup_dir, ignore_errors=True)
+
+
+def resolve_dtype(name: str, cfg: ModelConfig) -> torch.dtype:
+    name = cfg.torch_dtype if name == "auto" else name
+    table = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+             "half": torch.float16}
+    if name not in table:
+        raise ValueError(f"--dtype {name!r} is not one of auto, float32, bfloat16, float16")
+    return table[name]
+
+
+def parse_dtype(s: str) -> torch.dtype:
+    """'float32' / 'torch.bfloat16' -> torch dtype, as sent in update_weights_from_distributed's `dtypes`."""
+    d = getattr(torch, s.replace("torch.", ""), None)
+    if not isinstance(d, torch.dtype):
+        raise WeightError(f"unknown dtype {s!r} in `dtypes`")
+    return d
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    """sha256 of the tensor's raw bytes (contiguous, cpu): the `/weights_checker` checksum both sides compute."""
+    return hashlib.sha256(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()

@@ -1,0 +1,180 @@
+"""sglang-router: start it, register / list / remove workers, and fan an abort out to every worker.
+
+The router is the real `sglang_router` wheel (it runs on CPU). Facts it forces on us (feasibility-sglang-cpu.md §1):
+workers are registered with `POST /workers` after 0.2.1 and `/add_worker?url=` up to 0.2.1; the router does not
+forward `/abort_request` (control calls go to each worker directly); a dead worker stays listed, so fan-outs must
+tolerate dead URLs; its Prometheus exporter binds 0.0.0.0:29000 unless told otherwise, and dies if that port is busy.
+"""
+import asyncio
+import json
+import logging
+import multiprocessing
+import random
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+import aiohttp
+
+from slime.utils.http_utils import find_available_port, get_host_info
+
+logger = logging.getLogger(__name__)
+
+
+def _router_version():
+    from importlib.metadata import version
+
+    from packaging.version import parse
+
+    return parse(version("sglang-router"))
+
+
+def uses_workers_api() -> bool:
+    """True for sglang-router > 0.2.1 (`/workers`), False for the older `/add_worker` / `/list_workers` API."""
+    from packaging.version import parse
+
+    return _router_version() > parse("0.2.1")
+
+
+_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never route loopback calls via a proxy
+
+
+def _http(method, url, body=None, timeout=10.0):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    with _opener.open(req, timeout=timeout) as resp:
+        text = resp.read().decode()
+    try:
+        return json.loads(text) if text else None
+    except ValueError:
+        return text
+
+
+def wait_for_http(url: str, timeout: float, what: str, process=None, interval: float = 0.2):
+    """Poll GET url until it answers 200; raise naming `what` on timeout or when `process` died first."""
+    deadline = time.time() + timeout
+    last = None
+    while time.time() < deadline:
+        if process is not None and not _alive(process):
+            raise RuntimeError(f"{what} exited (code {_exitcode(process)}) before {url} answered")
+        try:
+            _http("GET", url, timeout=5)
+            return
+        except (urllib.error.URLError, OSError) as e:
+            last = e
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what} at {url} (last error: {last})")
+
+
+def _alive(p):
+    return p.is_alive() if hasattr(p, "is_alive") else p.poll() is None
+
+
+def _exitcode(p):
+    return p.exitcode if hasattr(p, "exitcode") else p.returncode
+
+
+def run_router(router_args):
+    """Process target: runs the Rust router until terminated (imports avoid launch_router's heavy mini_lb import)."""
+    from sglang_router.router import Router
+
+    Router.from_args(router_args).start()
+
+
+def start_router(args, timeout: float = 60.0):
+    """Start sglang-router in its own process unless `--sglang-router-ip` points at an external one.
+
+    Sets `args.sglang_router_ip/port` and returns the `multiprocessing.Process` (None for an external router)."""
+    if getattr(args, "sglang_router_ip", None):
+        if not getattr(args, "sglang_router_port", None):
+            raise ValueError("--sglang-router-ip is set but --sglang-router-port is not: give both for an external router")
+        return None
+    from sglang_router.router_args import RouterArgs
+
+    ip = get_host_info()[1]
+    port = getattr(args, "sglang_router_port", None) or find_available_port(random.randint(3000, 4000))
+    router_args = RouterArgs(
+        host=ip, port=port, balance_abs_threshold=0,
+        prometheus_host=ip, prometheus_port=find_available_port(random.randint(4000, 5000)),
+        log_level="warn", request_timeout_secs=int(getattr(args, "sglang_router_request_timeout_secs", None) or 3600),
+    )
+    process = multiprocessing.Process(target=run_router, args=(router_args,), daemon=True, name="sglang-router")
+    process.start()
+    url = f"http://{ip}:{port}"
+    try:
+        wait_for_http(f"{url}/health", timeout, "sglang-router", process)
+    except Exception:
+        stop_router(process)
+        raise
+    args.sglang_router_ip, args.sglang_router_port = ip, port
+    logger.info("sglang-router %s listening on %s", _router_version(), url)
+    return process
+
+
+def stop_router(process, timeout: float = 10.0):
+    if process is None or not process.is_alive():
+        return
+    process.terminate()
+    process.join(timeout)
+    if process.is_alive():
+        process.kill()
+        process.join(5)
+
+
+def router_url(args) -> str:
+    return f"http://{args.sglang_router_ip}:{args.sglang_router_port}"
+
+
+def add_worker(router: str, worker_url: str, timeout: float = 60.0, wait: bool = True):
+    """Register worker_url with the router; with `wait`, return once the router lists it."""
+    if uses_workers_api():
+        _http("POST", f"{router}/workers", {"url": worker_url, "worker_type": "regular"}, timeout=timeout)
+    else:  # 0.2.1 and older: synchronous, waits for the worker's /health itself
+        _http("POST", f"{router}/add_worker?url={urllib.parse.quote(worker_url, safe=':/')}", timeout=timeout)
+    if not wait:
+        return
+    deadline = time.time() + timeout
+    while worker_url not in list_workers(router):
+        if time.time() > deadline:
+            raise TimeoutError(f"router {router} did not list worker {worker_url} within {timeout:.0f}s")
+        time.sleep(0.1)
+
+
+def _workers(router: str, timeout: float = 10.0) -> list:
+    return (_http("GET", f"{router}/workers", timeout=timeout) or {}).get("workers", [])
+
+
+def list_workers(router: str, timeout: float = 10.0) -> list:
+    """URLs of every registered worker (dead ones included: the router keeps them listed)."""
+    if uses_workers_api():
+        return [w["url"] for w in _workers(router, timeout)]
+    return (_http("GET", f"{router}/list_workers", timeout=timeout) or {}).get("urls", [])
+
+
+def remove_worker(router: str, worker_url: str, timeout: float = 10.0):
+    if uses_workers_api():
+        for w in _workers(router, timeout):
+            if w["url"] == worker_url:
+                _http("DELETE", f"{router}/workers/{w['id']}", timeout=timeout)
+    else:
+        _http("POST", f"{router}/remove_worker?url={urllib.parse.quote(worker_url, safe=':/')}", timeout=timeout)
+
+
+async def abort_all(router: str, timeout: float = 10.0) -> list:
+    """POST {"abort_all": true} to every worker's /abort_request (the router does not route it).
+
+    Dead or hanging workers are skipped after `timeout` seconds; returns the URLs that acknowledged."""
+    urls = await asyncio.get_running_loop().run_in_executor(None, list_workers, router, timeout)
+
+    async def one(session, url):
+        try:
+            async with session.post(f"{url}/abort_request", json={"abort_all": True}) as resp:
+                return url if resp.status < 400 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            logger.warning("abort_all: worker %s unreachable (%s); skipping it", url, type(e).__name__)
+            return None
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout), trust_env=False) as session:
+        done = await asyncio.gather(*(one(session, u) for u in urls))
+    return [u for u in done if u]

@@ -1,0 +1,319 @@
+"""SGLangEngine: a Ray actor that owns one inference server process and wraps its admin endpoints.
+
+The server is SGLang (`python -m sglang.launch_server`) where SGLang and a GPU exist, otherwise slime's CPU server
+(`python -m slime.backends.cpu_server`); `server_command` is the one place that chooses. Both speak the same HTTP API,
+so every admin call below is the same for both. The server runs in its own session / process group with a
+parent-death signal, so neither `shutdown()`, a crash nor `ray.kill(engine)` leaves it running.
+"""
+import argparse
+import atexit
+import collections
+import ctypes
+import functools
+import importlib.util
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import requests
+
+from slime.ray.ray_actor import RayActor
+from slime.utils.device import is_cpu
+from slime.utils.http_utils import get_host_info
+
+from .router import add_worker, remove_worker
+
+logger = logging.getLogger(__name__)
+
+# ServerArgs fields slime sets per engine; every other `args.sglang_<field>` is passed through as --<field>.
+_ENGINE_FIELDS = ("model_path", "trust_remote_code", "random_seed", "enable_memory_saver", "host", "port", "nccl_port",
+                  "nnodes", "node_rank", "dist_init_addr", "gpu_id_step", "base_gpu_id", "tp_size", "dp_size",
+                  "pp_size", "ep_size", "skip_server_warmup")
+_NOT_SERVER_ARGS = ("router_ip", "router_port", "router_request_timeout_secs", "server_concurrency")
+# SGLang options the CPU server understands under the same flag name.
+_CPU_SERVER_FIELDS = ("max_running_requests", "context_length", "max_total_tokens", "served_model_name", "log_level")
+
+
+def resolve_inference_server(args) -> str:
+    """'sglang' or 'cpu' from --inference-server (auto: SGLang when it is installed and a GPU is present)."""
+    choice = getattr(args, "inference_server", None) or "auto"
+    if choice == "auto":
+        return "sglang" if importlib.util.find_spec("sglang") is not None and not is_cpu() else "cpu"
+    if choice not in ("sglang", "cpu"):
+        raise ValueError(f"--inference-server must be auto, sglang or cpu, got {choice!r}")
+    return choice
+
+
+def get_base_gpu_id(args, rank: int) -> int:
+    num_gpus = min(args.rollout_num_gpus_per_node, args.rollout_num_gpus_per_engine)
+    if getattr(args, "colocate", False):
+        start = rank * num_gpus
+    else:
+        start = args.actor_num_gpus_per_node * args.actor_num_nodes + rank * num_gpus
+    return start % args.rollout_num_gpus_per_node
+
+
+@functools.lru_cache(None)
+def _sglang_flags() -> dict:
+    """dest -> (flag, default, action) of SGLang's server options: its own parser, else slime's vendored table."""
+    try:
+        from sglang.srt.server_args import ServerArgs
+
+        parser = argparse.ArgumentParser(add_help=False)
+        ServerArgs.add_cli_args(parser)
+        kinds = {argparse._StoreTrueAction: "store_true", argparse._StoreFalseAction: "store_false",
+                 argparse.BooleanOptionalAction: "boolean_optional"}
+        return {a.dest: (a.option_strings[0], a.default, kinds.get(type(a))) for a in parser._actions if a.option_strings}
+    except ImportError:
+        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_server_args.json")) as f:
+            table = json.load(f)["arguments"]
+        return {e.get("dest") or e["flags"][0][2:].replace("-", "_"): (e["flags"][0], e.get("default"), e.get("action"))
+                for e in table}
+
+
+def _sglang_passthrough(args) -> list:
+    """CLI flags for every `args.sglang_<dest>` the user changed from SGLang's default (unknown ones are dropped)."""
+    flags, argv = _sglang_flags(), []
+    for key, value in sorted(vars(args).items()):
+        dest = key[len("sglang_"):]
+        if not key.startswith("sglang_") or dest in _NOT_SERVER_ARGS or dest in _ENGINE_FIELDS:
+            continue
+        if dest not in flags:
+            logger.warning("--sglang-%s is not an option of the installed SGLang; not passing it", dest.replace("_", "-"))
+            continue
+        flag, default, action = flags[dest]
+        if value == default:
+            continue
+        if action in ("store_true", "store_false"):
+            argv += [flag] if value == (action == "store_true") else []
+        elif action == "boolean_optional":
+            argv += [flag if value else "--no-" + flag[2:]]
+        elif isinstance(value, (list, tuple)):
+            argv += [flag] + [str(x) for x in value]
+        elif isinstance(value, dict):
+            argv += [flag, json.dumps(value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _cli(kwargs: dict) -> list:
+    argv = []
+    for k, v in kwargs.items():
+        flag = "--" + k.replace("_", "-")
+        argv += ([flag] if v else []) if isinstance(v, bool) else [flag, str(v)]
+    return argv
+
+
+def server_command(args, rank: int, host: str, port: int, nccl_port: int, dist_init_addr: str) -> tuple[str, list]:
+    """(kind, argv) of the inference server for engine `rank`: THE place that picks SGLang or slime's CPU server."""
+    kind = resolve_inference_server(args)
+    seed = (getattr(args, "seed", None) or 0) + rank
+    if kind == "cpu":
+        kw = {"model_path": args.hf_checkpoint, "host": host, "port": port, "random_seed": seed}
+        for field in _CPU_SERVER_FIELDS:
+            if getattr(args, f"sglang_{field}", None) is not None:
+                kw[field] = getattr(args, f"sglang_{field}")
+        if getattr(args, "trust_remote_code", False):
+            kw["trust_remote_code"] = True
+        return kind, [sys.executable, "-m", "slime.backends.cpu_server"] + _cli(kw)
+    gpus_per_engine, gpus_per_node = args.rollout_num_gpus_per_engine, args.rollout_num_gpus_per_node
+    nnodes = max(1, gpus_per_engine // gpus_per_node)
+    kw = {
+        "model_path": args.hf_checkpoint, "trust_remote_code": bool(getattr(args, "trust_remote_code", False)),
+        "random_seed": seed, "enable_memory_saver": bool(getattr(args, "offload", False)), "host": host, "port": port,
+        "nccl_port": nccl_port, "nnodes": nnodes, "node_rank": rank % nnodes, "dist_init_addr": dist_init_addr,
+        "gpu_id_step": 1, "base_gpu_id": get_base_gpu_id(args, rank), "tp_size": gpus_per_engine,
+        "dp_size": getattr(args, "sglang_dp_size", None) or 1, "pp_size": getattr(args, "sglang_pp_size", None) or 1,
+        "ep_size": getattr(args, "sglang_ep_size", None) or 1, "skip_server_warmup": True,
+    }
+    return kind, [sys.executable, "-m", "sglang.launch_server"] + _cli(kw) + _sglang_passthrough(args)
+
+
+def _die_with_parent():
+    """preexec_fn: new session (own process group) and SIGKILL when the actor process dies (Linux)."""
+    os.setsid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def kill_process_group(proc: subprocess.Popen, timeout: float = 10.0):
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+    except ProcessLookupError:
+        pass
+
+
+class SGLangEngine(RayActor):
+    def __init__(self, args, rank: int):
+        self.args, self.rank = args, rank
+        self.process = None
+        self.host = self.port = self.url = None
+        self.router_url = None
+        self.log_path = None
+        self._http = requests.Session()
+        self._http.trust_env = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def init(self, dist_init_addr, port, nccl_port, host=None, startup_timeout: float | None = None):
+        args = self.args
+        self.host = host or get_host_info()[1]
+        self.port = port
+        self.url = f"http://{self.host}:{port}"
+        kind, cmd = server_command(args, self.rank, self.host, port, nccl_port, dist_init_addr)
+        self.kind = kind
+        env = dict(os.environ, SLIME_PARENT_PID=str(os.getpid()))
+        fd, self.log_path = tempfile.mkstemp(prefix=f"slime-engine{self.rank}-", suffix=".log")
+        with os.fdopen(fd, "w") as log:
+            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                            preexec_fn=_die_with_parent)
+        atexit.register(self.shutdown)
+        logger.info("engine %d: %s server pid %d at %s (log %s)", self.rank, kind, self.process.pid, self.url, self.log_path)
+        nnodes = max(1, args.rollout_num_gpus_per_engine // args.rollout_num_gpus_per_node) if kind == "sglang" else 1
+        if self.rank % nnodes != 0:
+            return  # only node 0 of a multi-node engine serves HTTP
+        self._wait_ready(startup_timeout or float(getattr(args, "sglang_server_startup_timeout", None) or 600))
+        if getattr(args, "sglang_router_ip", None):
+            self.router_url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}"
+            add_worker(self.router_url, self.url)
+
+    def _log_tail(self, n=40) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(collections.deque(f, maxlen=n))
+        except OSError:
+            return "(no log)"
+
+    def _wait_ready(self, timeout: float):
+        deadline = time.time() + timeout
+        probe = "/health_generate" if self.kind == "sglang" else "/health"
+        headers = {"Authorization": f"Bearer {self.args.sglang_api_key}"} if getattr(self.args, "sglang_api_key", None) else {}
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"inference server for engine {self.rank} ({self.url}) exited with code "
+                                   f"{self.process.returncode} during startup. Last log lines ({self.log_path}):\n{self._log_tail()}")
+            try:
+                if self._http.get(self.url + probe, timeout=5, headers=headers).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.time() > deadline:
+                tail = self._log_tail()
+                kill_process_group(self.process)
+                raise TimeoutError(f"inference server for engine {self.rank} at {self.url} was not healthy within "
+                                   f"{timeout:.0f}s. Last log lines ({self.log_path}):\n{tail}")
+            time.sleep(0.5)
+        self.flush_cache(timeout=max(deadline - time.time(), 30))
+
+    def shutdown(self):
+        if self.router_url:
+            try:
+                remove_worker(self.router_url, self.url)
+            except Exception as e:  # noqa: BLE001  (the router may already be gone at teardown)
+                logger.warning("engine %d: could not remove %s from router %s: %s", self.rank, self.url, self.router_url, e)
+            self.router_url = None
+        kill_process_group(self.process)
+
+    def get_url(self) -> str:
+        return self.url
+
+    def get_server_pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    # ------------------------------------------------------------------ admin calls (straight to the worker)
+    def _make_request(self, endpoint: str, payload=None, timeout: float | None = None, method: str = "POST"):
+        url = f"{self.url}/{endpoint}"
+        try:
+            resp = self._http.request(method, url, json=payload if method == "POST" else None, timeout=timeout)
+        except requests.RequestException as e:
+            raise RuntimeError(f"engine {self.rank}: {method} {url} failed: {e}") from e
+        if resp.status_code >= 400:
+            raise RuntimeError(f"engine {self.rank}: {method} {url} answered HTTP {resp.status_code}: {resp.text[:1000]}")
+        try:
+            return resp.json()
+        except ValueError:
+            return resp.text
+
+    def _weight_call(self, endpoint, payload, timeout=None):
+        # SGLang 0.5 only accepts updates inside a begin/end weight-update session; the CPU server accepts both.
+        self._make_request("begin_weight_update", {}, timeout=60)
+        try:
+            result = self._make_request(endpoint, payload, timeout=timeout)
+        finally:
+            self._make_request("end_weight_update", {}, timeout=60)
+        if isinstance(result, dict) and result.get("success") is False:
+            raise RuntimeError(f"engine {self.rank}: {endpoint} failed at {self.url}: {result.get('message')}")
+        return result
+
+    def init_process_group(self, master_address, master_port, rank_offset, world_size, group_name, backend):
+        return self._make_request("init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend})
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name, weight_version=None, flush_cache=False):
+        dtypes = [str(d).replace("torch.", "") for d in dtypes]
+        shapes = [list(s) for s in shapes]
+        payload = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name, "flush_cache": flush_cache}
+        if weight_version is not None:
+            payload["weight_version"] = str(weight_version)
+        return self._weight_call("update_weights_from_distributed", payload)
+
+    def update_weights_from_tensor(self, serialized_named_tensors, load_format=None, flush_cache=False, weight_version=None):
+        payload = {"serialized_named_tensors": serialized_named_tensors, "load_format": load_format, "flush_cache": flush_cache}
+        if weight_version is not None:
+            payload["weight_version"] = str(weight_version)
+        return self._weight_call("update_weights_from_tensor", payload)
+
+    def update_weights_from_disk(self, model_path, weight_version=None):
+        payload = {"model_path": model_path}
+        if weight_version is not None:
+            payload["weight_version"] = str(weight_version)
+        return self._weight_call("update_weights_from_disk", payload)
+
+    def flush_cache(self, timeout: float = 60.0):
+        """GET /flush_cache until 200 (it refuses while requests are in flight)."""
+        deadline = time.time() + timeout
+        while True:
+            try:
+                r = self._http.get(f"{self.url}/flush_cache", timeout=10)
+                if r.status_code == 200:
+                    return
+                last = f"HTTP {r.status_code}: {r.text[:200]}"
+            except requests.RequestException as e:
+                last = str(e)
+            if time.time() > deadline:
+                raise TimeoutError(f"engine {self.rank}: {self.url}/flush_cache did not succeed within {timeout:.0f}s ({last})")
+            time.sleep(0.2)
+
+    def release_memory_occupation(self, tags=None):
+        self.flush_cache()
+        return self._make_request("release_memory_occupation", {"tags": tags})
+
+    def resume_memory_occupation(self, tags=None):
+        return self._make_request("resume_memory_occupation", {"tags": tags})
+
+    def pause_generation(self):
+        return self._make_request("pause_generation", {})
+
+    def continue_generation(self):
+        return self._make_request("continue_generation", {})
+
+    def get_weight_checksums(self) -> dict:
+        result = self._make_request("weights_checker", {"action": "checksum"})
+        return result["checksums"]
+
+    def get_weight_version(self) -> str:
+        return self._make_request("model_info", method="GET", timeout=30)["weight_version"]

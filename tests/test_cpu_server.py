@@ -1,0 +1,631 @@
+"""slime's CPU inference server against a transformers reference on the same weights (real server process)."""
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import requests
+import torch
+
+from slime.utils.http_utils import find_available_port
+
+pytestmark = pytest.mark.timeout(300)
+SESSION = requests.Session()
+SESSION.trust_env = False
+
+
+def start_cpu_server(model_dir, *extra, timeout=120):
+    """Launch `python -m slime.backends.cpu_server` on a free 127.0.0.1 port; returns (process, url). Caller stops it."""
+    port = find_available_port(20000)
+    cmd = [sys.executable, "-m", "slime.backends.cpu_server", "--model-path", model_dir, "--host", "127.0.0.1",
+           "--port", str(port), *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"cpu server exited with {proc.returncode}: {proc.stderr.read()[-3000:]}")
+        try:
+            if SESSION.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except requests.RequestException:
+            pass
+        if time.time() > deadline:
+            stop_cpu_server(proc)
+            raise TimeoutError(f"cpu server at {url} not healthy within {timeout}s")
+        time.sleep(0.2)
+
+
+def stop_cpu_server(proc):
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_kit):
+    proc, url = start_cpu_server(tiny_kit[0], "--max-running-requests", "16", "--random-seed", "1")
+    yield url
+    stop_cpu_server(proc)
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_kit):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_kit[0], dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(tiny_kit[0])
+
+
+@pytest.fixture(scope="module")
+def other_weights(tmp_path_factory):
+    """A second tiny Qwen3 (different init seed, same shapes and tokenizer): the 'new' weights of an update."""
+    from transformers import AutoModelForCausalLM
+
+    from tools.build_tiny_kit import build_model
+
+    d = str(tmp_path_factory.mktemp("other") / "qwen3-tiny-seed1")
+    build_model(d, seed=1)
+    return d, AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+
+
+def gen(url, payload, status=200):
+    r = SESSION.post(url + "/generate", json=payload, timeout=120)
+    assert r.status_code == status, r.text
+    return r.json()
+
+
+PROMPTS = [[1, 87, 198, 54, 104, 105, 115], [40, 41, 42], [300, 301, 302, 303, 304, 305, 306, 307, 308, 309, 310]]
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt, n):
+    ids, lps = list(prompt), []
+    for _ in range(n):
+        logits = model(torch.tensor([ids])).logits[0, -1].float()
+        t = int(logits.argmax())
+        lps.append(float(torch.log_softmax(logits, -1)[t]))
+        ids.append(t)
+    return ids[len(prompt):], lps
+
+
+@torch.no_grad()
+def hf_logprobs(model, prompt, output, temperature=1.0):
+    logits = model(torch.tensor([prompt + output])).logits[0].float() / temperature
+    lp = torch.log_softmax(logits, -1)
+    return [float(lp[len(prompt) - 1 + i, t]) for i, t in enumerate(output)]
+
+
+def test_health_and_info(server, tiny_kit):
+    assert SESSION.get(server + "/health").status_code == 200
+    assert SESSION.get(server + "/health_generate", timeout=60).status_code == 200
+    info = SESSION.get(server + "/model_info").json()
+    assert info["model_type"] == "qwen3" and info["architectures"] == ["Qwen3ForCausalLM"]
+    assert os.path.samefile(info["model_path"], tiny_kit[0]) and info["weight_version"] == "default"
+    assert SESSION.get(server + "/get_model_info").json() == info
+    si = SESSION.get(server + "/server_info").json()
+    assert si["tp_size"] == 1 and si["dp_size"] == 1 and si["max_running_requests"] == 16
+    assert SESSION.get(server + "/get_server_info").json()["served_model_name"] == si["served_model_name"]
+    assert SESSION.get(server + "/v1/models").json()["data"][0]["id"] == si["served_model_name"]
+    assert SESSION.get(server + "/get_load").json()[0]["num_reqs"] == 0
+
+
+def test_greedy_and_logprobs_match_transformers(server, hf):
+    for prompt in PROMPTS:
+        out = gen(server, {"input_ids": prompt, "return_logprob": True,
+                           "sampling_params": {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}})
+        ref_ids, ref_lps = hf_greedy(hf[0], prompt, 12)
+        assert out["output_ids"] == ref_ids
+        lps = out["meta_info"]["output_token_logprobs"]
+        assert [t for _, t, _ in lps] == ref_ids and all(x is None for _, _, x in lps)
+        assert max(abs(a[0] - b) for a, b in zip(lps, ref_lps)) <= 1e-4
+        meta = out["meta_info"]
+        assert meta["finish_reason"] == {"type": "length", "length": 12}
+        assert meta["prompt_tokens"] == len(prompt) and meta["completion_tokens"] == 12 and meta["cached_tokens"] == 0
+        assert meta["weight_version"] == "default" and meta["id"]
+
+
+def test_sampled_logprobs_are_temperature_scaled(server, hf):
+    prompt = PROMPTS[0]
+    for temp in (0.7, 1.3):
+        out = gen(server, {"input_ids": prompt, "return_logprob": True, "sampling_params": {
+            "temperature": temp, "top_p": 0.9, "top_k": 50, "max_new_tokens": 16, "ignore_eos": True}})
+        ref = hf_logprobs(hf[0], prompt, out["output_ids"], temp)
+        got = [x[0] for x in out["meta_info"]["output_token_logprobs"]]
+        assert max(abs(a - b) for a, b in zip(got, ref)) <= 1e-4
+
+
+def test_top_k_1_equals_greedy_and_batch_equals_single(server):
+    sp = {"max_new_tokens": 8, "ignore_eos": True}
+    greedy = [gen(server, {"input_ids": p, "sampling_params": dict(sp, temperature=0)})["output_ids"] for p in PROMPTS]
+    topk1 = [gen(server, {"input_ids": p, "sampling_params": dict(sp, temperature=1.0, top_k=1)})["output_ids"] for p in PROMPTS]
+    assert topk1 == greedy
+    # a tiny top_p or min_p=1 keeps only the most likely token: greedy again, while the log-prob stays the full softmax's
+    tiny_p = [gen(server, {"input_ids": p, "sampling_params": dict(sp, temperature=1.0, top_p=1e-6)})["output_ids"] for p in PROMPTS]
+    min_p1 = [gen(server, {"input_ids": p, "sampling_params": dict(sp, temperature=1.0, min_p=1.0)})["output_ids"] for p in PROMPTS]
+    assert tiny_p == greedy and min_p1 == greedy
+    batch = gen(server, {"input_ids": PROMPTS, "sampling_params": [dict(sp, temperature=0)] * 3})
+    assert isinstance(batch, list) and [o["output_ids"] for o in batch] == greedy
+
+
+def test_seeded_sampling_is_reproducible_under_load(server):
+    sp = {"temperature": 1.0, "max_new_tokens": 24, "ignore_eos": True, "sampling_seed": 1234}
+    first = gen(server, {"input_ids": PROMPTS[1], "sampling_params": sp})["output_ids"]
+    # the same seed in a busy batch (other requests joining and leaving) still gives the same tokens
+    noise = {"input_ids": PROMPTS * 3, "sampling_params": {"temperature": 1.0, "max_new_tokens": 9, "ignore_eos": True}}
+    t = threading.Thread(target=gen, args=(server, noise))
+    t.start()
+    again = gen(server, {"input_ids": PROMPTS[1], "sampling_params": sp})["output_ids"]
+    t.join(60)
+    assert again == first
+    other = gen(server, {"input_ids": PROMPTS[1], "sampling_params": dict(sp, sampling_seed=99)})["output_ids"]
+    assert other != first
+
+
+def _seeded(server, prompt, **extra):
+    sp = {"temperature": 1.0, "max_new_tokens": 24, "ignore_eos": True, "sampling_seed": 7, "skip_special_tokens": True}
+    sp.update(extra)
+    return gen(server, {"input_ids": prompt, "sampling_params": sp})
+
+
+def test_stop_strings_trimmed_or_kept(server, hf):
+    tok = hf[1]
+    base = _seeded(server, PROMPTS[0])
+    text = base["text"]
+    assert len(text) > 6
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    cut = text.find(stop)
+    trimmed = _seeded(server, PROMPTS[0], stop=[stop, "@@never@@"])
+    assert trimmed["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert trimmed["text"] == text[:cut]
+    ids = trimmed["output_ids"]
+    assert ids == base["output_ids"][: len(ids)] and stop in tok.decode(ids) and stop not in tok.decode(ids[:-1])
+    kept = _seeded(server, PROMPTS[0], stop=stop, no_stop_trim=True)
+    assert kept["text"] == tok.decode(ids) and kept["text"].startswith(text[:cut] + stop)
+
+
+def test_stop_token_ids_eos_min_new_tokens_ignore_eos(server, hf):
+    tok = hf[1]
+    base = _seeded(server, PROMPTS[2])
+    ids = base["output_ids"]
+    j = 5
+    stop_id = ids[j]
+    j = ids.index(stop_id)
+    out = _seeded(server, PROMPTS[2], stop_token_ids=[stop_id], ignore_eos=False)
+    assert out["output_ids"] == ids[: j + 1] and out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
+    assert out["text"] == tok.decode(ids[:j], skip_special_tokens=True)
+    # EOS (<|im_end|> = 2) forced by logit_bias: stops at once; ignore_eos keeps going; min_new_tokens delays it
+    sp = {"temperature": 0, "max_new_tokens": 6, "logit_bias": {"2": 100.0}}
+    eos = gen(server, {"input_ids": PROMPTS[0], "sampling_params": sp})
+    assert eos["output_ids"] == [2] and eos["meta_info"]["finish_reason"] == {"type": "stop", "matched": 2} and eos["text"] == ""
+    ign = gen(server, {"input_ids": PROMPTS[0], "sampling_params": dict(sp, ignore_eos=True)})
+    assert ign["output_ids"] == [2] * 6 and ign["meta_info"]["finish_reason"]["type"] == "length"
+    mn = gen(server, {"input_ids": PROMPTS[0], "sampling_params": dict(sp, min_new_tokens=3)})
+    assert len(mn["output_ids"]) == 4 and 2 not in mn["output_ids"][:3] and mn["output_ids"][3] == 2
+    # generation_config's extra eos id (0 = <|endoftext|>) also stops
+    pad = gen(server, {"input_ids": PROMPTS[0], "sampling_params": {"temperature": 0, "max_new_tokens": 6, "logit_bias": {"0": 100.0}}})
+    assert pad["meta_info"]["finish_reason"] == {"type": "stop", "matched": 0}
+
+
+def test_n_and_text_input(server, hf):
+    outs = gen(server, {"text": "What is 3+4?", "sampling_params": {"n": 3, "temperature": 1.0, "max_new_tokens": 10,
+                                                                    "ignore_eos": True}})
+    assert isinstance(outs, list) and len(outs) == 3
+    assert len({tuple(o["output_ids"]) for o in outs}) > 1
+    assert all(o["meta_info"]["prompt_tokens"] == len(hf[1].encode("What is 3+4?")) for o in outs)
+    batch = gen(server, {"text": ["What is 1+1?", "Hello"], "sampling_params": {"n": 2, "max_new_tokens": 3}})
+    assert len(batch) == 4
+
+
+def test_stream(server):
+    r = SESSION.post(server + "/generate", json={"input_ids": PROMPTS[1], "stream": True, "sampling_params": {
+        "temperature": 0, "max_new_tokens": 5, "ignore_eos": True}}, stream=True, timeout=60)
+    events = [line[6:] for line in r.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert [len(c["output_ids"]) for c in chunks] == [1, 2, 3, 4, 5]
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length" and chunks[0]["meta_info"]["finish_reason"] is None
+    full = gen(server, {"input_ids": PROMPTS[1], "sampling_params": {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}})
+    assert chunks[-1]["output_ids"] == full["output_ids"] and chunks[-1]["text"] == full["text"]
+
+
+def test_openai_endpoints(server, hf):
+    r = SESSION.post(server + "/v1/chat/completions", json={
+        "model": "x", "messages": [{"role": "user", "content": "What is 3+4?"}], "max_tokens": 6, "temperature": 0,
+        "logprobs": True}).json()
+    prompt = hf[1].apply_chat_template([{"role": "user", "content": "What is 3+4?"}], add_generation_prompt=True,
+                                       tokenize=True, return_dict=False)
+    ref = gen(server, {"input_ids": list(prompt), "sampling_params": {"temperature": 0, "max_new_tokens": 6}})
+    assert r["object"] == "chat.completion" and r["choices"][0]["message"]["content"] == ref["text"]
+    assert r["usage"]["prompt_tokens"] == len(prompt) and r["choices"][0]["finish_reason"] in ("stop", "length")
+    assert len(r["choices"][0]["logprobs"]["content"]) == r["usage"]["completion_tokens"]
+    c = SESSION.post(server + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0}).json()
+    ref = gen(server, {"text": "Hello", "sampling_params": {"temperature": 0, "max_new_tokens": 4}})
+    assert c["object"] == "text_completion" and c["choices"][0]["text"] == ref["text"]
+
+
+def test_abort_returns_partial_output(server):
+    result = {}
+    payload = {"input_ids": PROMPTS[0], "rid": "long-one", "return_logprob": True,
+               "sampling_params": {"max_new_tokens": 490, "ignore_eos": True}}
+    t = threading.Thread(target=lambda: result.update(gen(server, payload)))
+    t.start()
+    deadline = time.time() + 30
+    while SESSION.get(server + "/get_load").json()[0]["num_reqs"] == 0:
+        assert time.time() < deadline, "the long request never started running"
+        time.sleep(0.01)
+    t0 = time.time()
+    assert SESSION.post(server + "/abort_request", json={"abort_all": True}).status_code == 200
+    t.join(30)
+    assert not t.is_alive() and time.time() - t0 < 10
+    meta = result["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort" and meta["id"] == "long-one"
+    assert 0 < meta["completion_tokens"] < 490 and len(meta["output_token_logprobs"]) == meta["completion_tokens"]
+    # by rid
+    t = threading.Thread(target=lambda: result.update(gen(server, payload)))
+    t.start()
+    while SESSION.get(server + "/get_load").json()[0]["num_reqs"] == 0:
+        time.sleep(0.01)
+    SESSION.post(server + "/abort_request", json={"rid": "long-one"})
+    t.join(30)
+    assert result["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"input_ids": [1, 2], "sampling_params": {"foo": 1}}, "unknown field 'foo'"),
+    ({"input_ids": [1, 2], "text": "hi"}, "Either text or input_ids"),
+    ({}, "Either text or input_ids"),
+    ({"input_ids": "abc"}, "input_ids must be"),
+    ({"input_ids": [1, 2], "sampling_params": {"temperature": -1}}, "temperature must be non-negative"),
+    ({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "top_p"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "ten"}}, "max_new_tokens must be an integer"),
+    ({"input_ids": [1, 999999]}, "outside the vocabulary"),
+    ({"input_ids": [5] * 600}, "longer than the model's context length"),
+    ({"input_ids": [5] * 500, "sampling_params": {"max_new_tokens": 100}}, "exceeds the model's maximum context length"),
+    ({"input_ids": [1, 2], "sampling_params": {"regex": "a+"}}, "not supported"),
+])
+def test_bad_requests_get_400(server, body, needle):
+    r = SESSION.post(server + "/generate", json=body)
+    assert r.status_code == 400 and needle in r.json()["error"], r.text
+
+
+def test_default_budget_is_clipped_to_the_context(server):
+    out = gen(server, {"input_ids": [5] * 500, "sampling_params": {"ignore_eos": True}})
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 11}  # 512 - 500 - 1
+
+
+def test_malformed_json_then_still_serving(server):
+    r = SESSION.post(server + "/generate", data="{not json", headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]
+    r = SESSION.post(server + "/generate", data="[1, 2]")
+    assert r.status_code == 400
+    assert gen(server, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})["meta_info"]["completion_tokens"] == 2
+
+
+def test_pause_and_continue(server):
+    assert SESSION.post(server + "/pause_generation", json={}).json()["status"] == "ok"
+    result = {}
+    t = threading.Thread(target=lambda: result.update(gen(server, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3}})))
+    t.start()
+    t.join(1.0)
+    assert t.is_alive(), "a request must wait while generation is paused"
+    # held requests do not block the weight-update dance: flush, release and resume all succeed while paused
+    assert SESSION.get(server + "/flush_cache").status_code == 200
+    assert SESSION.post(server + "/release_memory_occupation", json={}).status_code == 200
+    assert SESSION.post(server + "/resume_memory_occupation", json={}).status_code == 200
+    assert SESSION.post(server + "/continue_generation", json={}).json()["status"] == "ok"
+    t.join(30)
+    assert result["meta_info"]["completion_tokens"] == 3
+
+
+def test_release_and_resume_memory(server):
+    sp = {"input_ids": PROMPTS[0], "sampling_params": {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}}
+    before = gen(server, sp)["output_ids"]
+    assert SESSION.get(server + "/flush_cache").status_code == 200
+    assert SESSION.post(server + "/release_memory_occupation", json={}).status_code == 200
+    r = SESSION.post(server + "/generate", json=sp)
+    assert r.status_code == 503 and "resume_memory_occupation" in r.json()["error"]
+    assert SESSION.get(server + "/health_generate").status_code == 503
+    assert SESSION.post(server + "/resume_memory_occupation", json={"tags": ["weights"]}).status_code == 200
+    assert SESSION.post(server + "/generate", json=sp).status_code == 503  # kv cache still released
+    assert SESSION.post(server + "/resume_memory_occupation", json={"tags": ["kv_cache"]}).status_code == 200
+    assert gen(server, sp)["output_ids"] == before
+    bad = SESSION.post(server + "/release_memory_occupation", json={"tags": ["gpu"]})
+    assert bad.status_code == 400
+
+
+def _sha(t):
+    return hashlib.sha256(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _hf_named(model):
+    return [(n, p.detach().clone()) for n, p in model.state_dict().items() if n != "lm_head.weight"]
+
+
+def _assert_serves(server, model, version):
+    for prompt in PROMPTS[:2]:
+        out = gen(server, {"input_ids": prompt, "return_logprob": True,
+                           "sampling_params": {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}})
+        ref_ids, ref_lps = hf_greedy(model, prompt, 8)
+        assert out["output_ids"] == ref_ids and out["meta_info"]["weight_version"] == version
+        assert max(abs(a[0] - b) for a, b in zip(out["meta_info"]["output_token_logprobs"], ref_lps)) <= 1e-4
+    sums = SESSION.post(server + "/weights_checker", json={"action": "checksum"}).json()
+    assert sums["success"]
+    assert sums["checksums"] == {n: _sha(t) for n, t in _hf_named(model)}
+
+
+def test_weights_checker_matches_checkpoint(server, tiny_kit):
+    from safetensors.torch import load_file
+
+    sd = load_file(os.path.join(tiny_kit[0], "model.safetensors"))
+    sums = SESSION.post(server + "/weights_checker", json={"action": "checksum"}).json()["checksums"]
+    assert sums == {n: _sha(t) for n, t in sd.items() if n != "lm_head.weight"}
+
+
+def test_update_weights_from_tensor_and_disk(server, hf, other_weights, tiny_kit):
+    from slime.utils.tensor_serialization import FlattenedTensorBucket, MultiprocessingSerializer, set_shared_authkey
+
+    set_shared_authkey()
+    other_dir, other = other_weights
+    named = _hf_named(other)
+    # plain list of (name, tensor): shared-memory handles, not bytes
+    payload = MultiprocessingSerializer.serialize(named[:10], output_str=True)
+    r = SESSION.post(server + "/update_weights_from_tensor", json={"serialized_named_tensors": [payload], "weight_version": "7"})
+    assert r.status_code == 200 and r.json()["success"], r.text
+    bucket = FlattenedTensorBucket(named_tensors=named[10:])
+    payload = MultiprocessingSerializer.serialize({"flattened_tensor": bucket.get_flattened_tensor(),
+                                                   "metadata": bucket.get_metadata()}, output_str=True)
+    r = SESSION.post(server + "/update_weights_from_tensor", json={"serialized_named_tensors": [payload],
+                                                                   "load_format": "flattened_bucket"})
+    assert r.status_code == 200 and r.json()["weight_version"] == "8"
+    _assert_serves(server, other, "8")
+    assert SESSION.get(server + "/model_info").json()["weight_version"] == "8"
+    # a wrong name is a 400 naming it, and the server keeps the weights it had
+    bad = MultiprocessingSerializer.serialize([("model.layers.0.mlp.bogus.weight", torch.zeros(3))], output_str=True)
+    r = SESSION.post(server + "/update_weights_from_tensor", json={"serialized_named_tensors": [bad]})
+    assert r.status_code == 400 and "model.layers.0.mlp.bogus.weight" in r.json()["message"]
+    # back to the original weights from disk
+    r = SESSION.post(server + "/update_weights_from_disk", json={"model_path": tiny_kit[0], "weight_version": "disk"})
+    assert r.status_code == 200 and r.json()["success"]
+    _assert_serves(server, hf[0], "disk")
+
+
+def test_update_weights_from_distributed(server, hf, other_weights, tiny_kit):
+    import torch.distributed as dist
+
+    from slime.utils.distributed_utils import init_process_group
+
+    _, other = other_weights
+    port = find_available_port(25000)
+    group_name = "test-weight-sync"
+    joined = {}
+    t = threading.Thread(target=lambda: joined.update(SESSION.post(server + "/init_weights_update_group", json={
+        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+        "group_name": group_name, "backend": "gloo"}, timeout=120).json()))
+    t.start()
+    group = init_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=0,
+                               group_name=group_name)
+    t.join(60)
+    assert joined.get("success"), joined
+    try:
+        named = _hf_named(other)
+        for chunk in (named[:7], named[7:]):  # two buckets, as the trainer sends them
+            done = {}
+            t = threading.Thread(target=lambda c=chunk: done.update(SESSION.post(
+                server + "/update_weights_from_distributed", json={
+                    "names": [n for n, _ in c], "dtypes": [str(p.dtype).replace("torch.", "") for _, p in c],
+                    "shapes": [list(p.shape) for _, p in c], "group_name": group_name, "flush_cache": False},
+                timeout=120).json()))
+            t.start()
+            for _, p in chunk:
+                dist.broadcast(p, src=0, group=group)
+            t.join(60)
+            assert done.get("success"), done
+        version = SESSION.get(server + "/model_info").json()["weight_version"]
+        _assert_serves(server, other, version)
+    finally:
+        dist.destroy_process_group(group)
+        SESSION.post(server + "/destroy_weights_update_group", json={"group_name": group_name})
+        SESSION.post(server + "/update_weights_from_disk", json={"model_path": tiny_kit[0]})  # later tests expect these
+
+
+def _tiny_hf_model(arch, path):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+    torch.manual_seed(0)
+    if arch == "llama3":  # llama3 rope scaling, untied head
+        cfg = LlamaConfig(**common, tie_word_embeddings=False, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+        model = LlamaForCausalLM(cfg)
+    else:  # qwen2: q/k/v bias, tied embeddings
+        model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1e6))
+    with torch.no_grad():  # non-trivial norms and biases, so a wrong mapping cannot hide
+        for n, p in model.named_parameters():
+            if "norm" in n or n.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+    return model.eval()
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen2"])
+def test_other_llama_family_architectures_match_transformers(arch, tmp_path):
+    from slime.backends.cpu_server.model import KVPool, ModelConfig, Transformer
+    from slime.backends.cpu_server.weights import WeightStore
+
+    ref = _tiny_hf_model(arch, str(tmp_path))
+    cfg = ModelConfig.from_model_dir(str(tmp_path))
+    assert (cfg.rope_scaling is not None) == (arch == "llama3") and cfg.attention_bias == (arch == "qwen2")
+    w = WeightStore(cfg, torch.float32)
+    w.load_from_dir(str(tmp_path))
+    model, pool = Transformer(cfg, w, torch.float32, 257), KVPool(cfg, 1024, torch.float32)
+    seqs = [list(range(3, 103)), [7, 8, 9]]
+    lens = torch.tensor([len(s) for s in seqs])
+    rows = pool.alloc(int(lens.sum()))
+    got = model.forward_prefill(pool, torch.tensor(seqs[0] + seqs[1]), lens, torch.tensor(rows), all_logits=True)
+    with torch.no_grad():
+        want = torch.cat([ref(torch.tensor([s])).logits[0] for s in seqs])
+    assert (got - want).abs().max() < 1e-4
+    # one decode step for both sequences against the full-sequence reference
+    new = pool.alloc(2)
+    index = torch.zeros(2, 101, dtype=torch.long)
+    index[0, :100], index[0, 100] = torch.tensor(rows[:100]), new[0]
+    index[1, :3], index[1, 3] = torch.tensor(rows[100:]), new[1]
+    valid = torch.arange(101)[None, :] <= lens[:, None]
+    got = model.forward_decode(pool, torch.tensor([11, 12]), lens, torch.tensor(new), index, valid)
+    with torch.no_grad():
+        want = torch.stack([ref(torch.tensor([s + [t]])).logits[0, -1] for s, t in zip(seqs, [11, 12])])
+    assert (got - want).abs().max() < 1e-4
+
+
+def test_unsupported_model_is_a_clear_error(tmp_path):
+    from slime.backends.cpu_server.model import ModelConfig, UnsupportedModelError
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel.*not supported"):
+        ModelConfig.from_model_dir(str(tmp_path))
+    with pytest.raises(UnsupportedModelError, match="config.json does not exist"):
+        ModelConfig.from_model_dir(str(tmp_path / "missing"))
+
+
+def _scheduler(model_dir, **kw):
+    from transformers import AutoTokenizer
+
+    from slime.backends.cpu_server.model import KVPool, ModelConfig, Transformer
+    from slime.backends.cpu_server.scheduler import Scheduler
+    from slime.backends.cpu_server.server import ServerState
+    from slime.backends.cpu_server.weights import WeightStore
+
+    cfg = ModelConfig.from_model_dir(model_dir)
+    w = WeightStore(cfg, torch.float32)
+    w.load_from_dir(model_dir)
+    pool = KVPool(cfg, kw.pop("max_total_tokens"), torch.float32)
+    return Scheduler(Transformer(cfg, w, torch.float32, 513), w, pool, AutoTokenizer.from_pretrained(model_dir),
+                     context_len=512, eos_ids=[2], max_prefill_tokens=64, random_seed=0,
+                     state=ServerState("default", 1), **kw)
+
+
+def _run_all(sched, reqs, timeout=120):
+    done = threading.Semaphore(0)
+    for r in reqs:
+        r.on_update = lambda req: req.finished and done.release()
+        sched.submit(r)
+    for _ in reqs:
+        assert done.acquire(timeout=timeout), "scheduler did not finish the requests"
+
+
+def test_scheduler_queues_retracts_and_stays_exact(tiny_kit, hf):
+    """6 requests, 2 slots, a KV pool too small for two long ones: requests wait for slots, the newest is retracted
+    when the pool runs dry and re-prefilled later; every output still equals transformers' greedy decode."""
+    from slime.backends.cpu_server.sampling import SamplingParams
+    from slime.backends.cpu_server.scheduler import Req
+
+    sched = _scheduler(tiny_kit[0], max_running=2, max_total_tokens=70)
+    sched.start()
+    try:
+        prompts = [PROMPTS[i % 3] for i in range(6)]
+        reqs = [Req(p, SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}, 512),
+                    return_logprob=True) for p in prompts]
+        _run_all(sched, reqs)
+    finally:
+        sched.stop()
+    assert sum(r.num_retractions for r in reqs) > 0
+    for r, p in zip(reqs, prompts):
+        ref_ids, ref_lps = hf_greedy(hf[0], p, 40)
+        assert r.output_ids == ref_ids and max(abs(a - b) for a, b in zip(r.output_logprobs, ref_lps)) <= 1e-4
+    assert sched.pool.num_free() == 70 and len(sched.free_slots) == 2  # everything handed back
+
+
+def test_input_and_top_logprobs(server, hf):
+    prompt = PROMPTS[2]
+    out = gen(server, {"input_ids": prompt, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 3,
+                       "sampling_params": {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}})
+    meta = out["meta_info"]
+    with torch.no_grad():
+        lp = torch.log_softmax(hf[0](torch.tensor([prompt])).logits[0].float(), -1)
+    inp = meta["input_token_logprobs"]
+    assert [t for _, t, _ in inp] == prompt and inp[0][0] is None
+    assert max(abs(inp[i][0] - float(lp[i - 1, prompt[i]])) for i in range(1, len(prompt))) <= 1e-4
+    top = meta["output_top_logprobs"]
+    assert len(top) == 4 and all(len(x) == 3 for x in top)
+    assert top[0][0][1] == out["output_ids"][0] and abs(top[0][0][0] - meta["output_token_logprobs"][0][0]) < 1e-6
+    assert top[0][0][0] >= top[0][1][0] >= top[0][2][0]
+
+
+def test_penalties_follow_sglang(server, hf):
+    """Greedy with frequency / presence / repetition penalties equals a hand-written reference on HF logits."""
+    prompt, n, fp, pp, rp = PROMPTS[1], 12, 0.5, 0.3, 1.5
+    out = gen(server, {"input_ids": prompt, "return_logprob": True, "sampling_params": {
+        "temperature": 0, "max_new_tokens": n, "ignore_eos": True, "frequency_penalty": fp, "presence_penalty": pp,
+        "repetition_penalty": rp}})
+    ids, lps = list(prompt), []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = hf[0](torch.tensor([ids])).logits[0, -1].float()
+            counts = torch.bincount(torch.tensor(ids[len(prompt):], dtype=torch.long), minlength=logits.numel()).float()
+            logits = logits - fp * counts - pp * (counts > 0).float()
+            logits = torch.where(counts > 0, torch.where(logits > 0, logits / rp, logits * rp), logits)
+            t = int(logits.argmax())
+            lps.append(float(torch.log_softmax(logits, -1)[t]))
+            ids.append(t)
+    assert out["output_ids"] == ids[len(prompt):]
+    assert max(abs(a[0] - b) for a, b in zip(out["meta_info"]["output_token_logprobs"], lps)) <= 1e-4
+    plain = gen(server, {"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}})
+    assert plain["output_ids"] != out["output_ids"]  # the penalties did something
+
+
+def test_return_text_in_logprobs(server, hf):
+    out = gen(server, {"input_ids": PROMPTS[0], "return_logprob": True, "return_text_in_logprobs": True,
+                       "sampling_params": {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True}})
+    assert [x[2] for x in out["meta_info"]["output_token_logprobs"]] == [hf[1].decode([t]) for t in out["output_ids"]]
+
+
+def test_transformers_fallback_serves_other_architectures(tiny_kit, tmp_path):
+    """GPT-2 is not in the compact model's family: the server runs it through transformers, same API and numerics."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    from slime.utils.tensor_serialization import MultiprocessingSerializer, set_shared_authkey
+
+    d = tmp_path / "gpt2-tiny"
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=512, n_positions=128, n_embd=64, n_layer=2, n_head=2, eos_token_id=2,
+                               bos_token_id=2)).save_pretrained(d)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(tiny_kit[0], f), d / f)
+    ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    proc, url = start_cpu_server(str(d))
+    try:
+        assert SESSION.get(url + "/server_info").json()["model_impl"] == "transformers"
+        outs = gen(url, {"input_ids": PROMPTS, "return_logprob": True, "sampling_params": {
+            "temperature": 0, "max_new_tokens": 6, "ignore_eos": True}})
+        for p, o in zip(PROMPTS, outs):
+            ids, lps = hf_greedy(ref, p, 6)
+            assert o["output_ids"] == ids
+            assert max(abs(a[0] - b) for a, b in zip(o["meta_info"]["output_token_logprobs"], lps)) <= 1e-4
+        sums = SESSION.post(url + "/weights_checker", json={"action": "checksum"}).json()["checksums"]
+        assert sums["transformer.h.0.attn.c_attn.weight"] == _sha(ref.transformer.h[0].attn.c_attn.weight)
+        set_shared_authkey()
+        name = "transformer.h.1.mlp.c_proj.weight"
+        payload = MultiprocessingSerializer.serialize([(name, torch.zeros(256, 64))], output_str=True)
+        assert SESSION.post(url + "/update_weights_from_tensor", json={"serialized_named_tensors": [payload]}).status_code == 200
+        with torch.no_grad():
+            ref.transformer.h[1].mlp.c_proj.weight.zero_()
+        assert SESSION.post(url + "/release_memory_occupation", json={}).status_code == 200
+        assert SESSION.post(url + "/resume_memory_occupation", json={}).status_code == 200
+        out = gen(url, {"input_ids": PROMPTS[0], "sampling_params": {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}})
+        assert out["output_ids"] == hf_greedy(ref, PROMPTS[0], 6)[0]
+    finally:
+        stop_cpu_server(proc)

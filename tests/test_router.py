@@ -1,0 +1,109 @@
+"""The real sglang-router in front of two real CPU inference servers: registration, routing, abort fan-out, dead workers."""
+import argparse
+import asyncio
+import threading
+import time
+
+import pytest
+import requests
+
+from slime.backends.sglang_utils.router import (abort_all, add_worker, list_workers, remove_worker, router_url,
+                                                start_router, stop_router)
+from tests.test_cpu_server import PROMPTS, SESSION, start_cpu_server, stop_cpu_server
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def router():
+    args = argparse.Namespace(sglang_router_ip=None, sglang_router_port=None, sglang_router_request_timeout_secs=600)
+    proc = start_router(args)
+    assert args.sglang_router_ip == "127.0.0.1" and args.sglang_router_port
+    yield router_url(args), proc
+    stop_router(proc)
+    assert not proc.is_alive()
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_kit):
+    procs = [start_cpu_server(tiny_kit[0], "--random-seed", str(i)) for i in range(2)]
+    yield procs
+    for p, _ in procs:
+        stop_cpu_server(p)
+
+
+def test_external_router_is_not_started():
+    args = argparse.Namespace(sglang_router_ip="10.0.0.1", sglang_router_port=3000)
+    assert start_router(args) is None and args.sglang_router_ip == "10.0.0.1"
+
+
+def test_register_and_route(router, workers):
+    url, _ = router
+    urls = [u for _, u in workers]
+    for u in urls:
+        add_worker(url, u)
+    assert sorted(list_workers(url)) == sorted(urls)
+    add_worker(url, urls[0])  # idempotent
+    assert len(list_workers(url)) == 2
+    direct = SESSION.post(urls[0] + "/generate", json={"input_ids": PROMPTS[0], "sampling_params": {
+        "temperature": 0, "max_new_tokens": 6, "ignore_eos": True}}).json()
+    r = SESSION.post(url + "/generate", json={"input_ids": PROMPTS[0], "return_logprob": True, "sampling_params": {
+        "temperature": 0, "max_new_tokens": 6, "ignore_eos": True}}, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["output_ids"] == direct["output_ids"] and len(out["meta_info"]["output_token_logprobs"]) == 6
+    batch = SESSION.post(url + "/generate", json={"input_ids": PROMPTS, "sampling_params": {
+        "temperature": 0, "max_new_tokens": 3}}, timeout=60).json()
+    assert isinstance(batch, list) and len(batch) == 3
+    # many concurrent requests: all answered (balance_abs_threshold=0 spreads them over both workers)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(SESSION.post(url + "/generate", json={
+        "input_ids": PROMPTS[1], "sampling_params": {"max_new_tokens": 4}}, timeout=60).status_code)) for _ in range(16)]
+    [t.start() for t in threads]
+    [t.join(60) for t in threads]
+    assert results == [200] * 16
+
+
+def test_abort_all_fans_out(router, workers):
+    url, _ = router
+    results = []
+
+    def long_request():
+        results.append(SESSION.post(url + "/generate", json={"input_ids": PROMPTS[0], "sampling_params": {
+            "max_new_tokens": 480, "ignore_eos": True}}, timeout=120).json())
+
+    threads = [threading.Thread(target=long_request) for _ in range(4)]
+    [t.start() for t in threads]
+    deadline = time.time() + 30
+    while sum(SESSION.get(u + "/get_load").json()[0]["num_reqs"] for _, u in workers) < 4:
+        assert time.time() < deadline, "requests never started running"
+        time.sleep(0.02)
+    acked = asyncio.run(abort_all(url))
+    assert sorted(acked) == sorted(u for _, u in workers)
+    [t.join(30) for t in threads]
+    assert len(results) == 4 and all(r["meta_info"]["finish_reason"]["type"] == "abort" for r in results)
+
+
+def test_dead_worker_tolerated_then_removed(router, tiny_kit):
+    url, _ = router
+    proc, dead_url = start_cpu_server(tiny_kit[0])
+    add_worker(url, dead_url)
+    stop_cpu_server(proc)
+    assert dead_url in list_workers(url)  # the router keeps dead workers listed
+    t0 = time.time()
+    acked = asyncio.run(abort_all(url, timeout=5))
+    assert dead_url not in acked and len(acked) == 2 and time.time() - t0 < 10
+    remove_worker(url, dead_url)
+    deadline = time.time() + 10
+    while dead_url in list_workers(url):
+        assert time.time() < deadline, "router did not drop the removed worker"
+        time.sleep(0.1)
+    for _ in range(6):
+        r = SESSION.post(url + "/generate", json={"input_ids": PROMPTS[1], "sampling_params": {"max_new_tokens": 2}}, timeout=60)
+        assert r.status_code == 200
+
+
+def test_router_health(router):
+    url, proc = router
+    assert proc.is_alive()
+    assert requests.get(url + "/health", timeout=5).status_code == 200

@@ -1,0 +1,143 @@
+"""SGLangEngine as a Ray actor: launches slime's CPU server, registers with the real router, admin calls, cleanup."""
+import argparse
+import os
+import time
+
+import pytest
+
+from slime.backends.sglang_utils.router import list_workers, router_url, start_router, stop_router
+from slime.backends.sglang_utils.sglang_engine import resolve_inference_server, server_command
+from tests.test_cpu_server import PROMPTS, SESSION
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _args(model_dir, **kw):
+    a = argparse.Namespace(
+        hf_checkpoint=model_dir, seed=3, inference_server="cpu", rollout_num_gpus=2, rollout_num_gpus_per_engine=1,
+        rollout_num_gpus_per_node=4, actor_num_gpus_per_node=2, actor_num_nodes=1, colocate=False, offload=False,
+        sglang_router_ip=None, sglang_router_port=None, sglang_router_request_timeout_secs=600,
+        sglang_max_running_requests=8, sglang_context_length=None, sglang_mem_fraction_static=0.7,
+    )
+    for k, v in kw.items():
+        setattr(a, k, v)
+    return a
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead too
+        return f.read().split()[2] != "Z"
+
+
+def _wait_dead(pid, timeout=30):
+    deadline = time.time() + timeout
+    while _alive(pid):
+        assert time.time() < deadline, f"server process {pid} still alive {timeout}s after its engine went away"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def router():
+    args = argparse.Namespace(sglang_router_ip=None, sglang_router_port=None, sglang_router_request_timeout_secs=600)
+    proc = start_router(args)
+    yield args
+    stop_router(proc)
+
+
+def _engine(ray, args, rank):
+    from slime.backends.sglang_utils.sglang_engine import SGLangEngine
+
+    engine = ray.remote(SGLangEngine).options(num_cpus=0.2, num_gpus=0.2).remote(args, rank)
+    addr, port = ray.get(engine._get_current_node_ip_and_free_port.remote(start_port=21000 + 100 * rank))
+    try:
+        ray.get(engine.init.remote(dist_init_addr=f"{addr}:{port + 3}", port=port, nccl_port=port + 1), timeout=180)
+    except Exception:
+        ray.kill(engine)
+        raise
+    return engine
+
+
+def test_server_command_picks_cpu_server(tiny_kit):
+    a = _args(tiny_kit[0])
+    assert resolve_inference_server(a) == "cpu"
+    kind, cmd = server_command(a, 1, "127.0.0.1", 1234, 1235, "127.0.0.1:1240")
+    assert kind == "cpu" and cmd[1:3] == ["-m", "slime.backends.cpu_server"]
+    assert cmd[cmd.index("--random-seed") + 1] == "4" and cmd[cmd.index("--max-running-requests") + 1] == "8"
+    assert "--mem-fraction-static" not in cmd  # GPU-only knobs are not passed to the CPU server
+    a.inference_server = "sglang"
+    a.sglang_disable_cuda_graph, a.sglang_tokenizer_mode, a.sglang_bogus_option = True, "auto", 1
+    kind, cmd = server_command(a, 1, "127.0.0.1", 1234, 1235, "127.0.0.1:1240")
+    assert kind == "sglang" and cmd[1:3] == ["-m", "sglang.launch_server"]
+    assert cmd[cmd.index("--base-gpu-id") + 1] == "3" and cmd[cmd.index("--mem-fraction-static") + 1] == "0.7"
+    assert cmd[cmd.index("--tp-size") + 1] == "1" and cmd[cmd.index("--random-seed") + 1] == "4"
+    assert "--skip-server-warmup" in cmd and "--disable-cuda-graph" in cmd
+    # only options changed from SGLang's defaults are passed; unknown ones are dropped
+    assert "--tokenizer-mode" not in cmd and "--bogus-option" not in cmd and "--max-running-requests" in cmd
+
+
+def test_engine_lifecycle(ray_session, router, tiny_kit):
+    ray = ray_session
+    from slime.utils.tensor_serialization import MultiprocessingSerializer, set_shared_authkey
+
+    args = _args(tiny_kit[0], sglang_router_ip=router.sglang_router_ip, sglang_router_port=router.sglang_router_port)
+    engine = _engine(ray, args, 0)
+    url = ray.get(engine.get_url.remote())
+    pid = ray.get(engine.get_server_pid.remote())
+    rurl = router_url(router)
+    assert url in list_workers(rurl)
+    sp = {"input_ids": PROMPTS[0], "sampling_params": {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}}
+    first = SESSION.post(rurl + "/generate", json=sp, timeout=60).json()
+    assert first["meta_info"]["completion_tokens"] == 5
+
+    sums = ray.get(engine.get_weight_checksums.remote())
+    assert "model.layers.0.self_attn.q_proj.weight" in sums
+    ray.get(engine.pause_generation.remote())
+    ray.get(engine.continue_generation.remote())
+    ray.get(engine.flush_cache.remote())
+    ray.get(engine.release_memory_occupation.remote())
+    assert SESSION.post(url + "/generate", json=sp).status_code == 503
+    ray.get(engine.resume_memory_occupation.remote(tags=["weights"]))
+    ray.get(engine.resume_memory_occupation.remote(tags=["kv_cache"]))
+    assert SESSION.post(url + "/generate", json=sp).json()["output_ids"] == first["output_ids"]
+
+    # colocated-style update through the actor: zero the last layer's MLP down projection
+    set_shared_authkey()
+    import torch
+
+    name = "model.layers.3.mlp.down_proj.weight"
+    payload = MultiprocessingSerializer.serialize([(name, torch.zeros(128, 512))], output_str=True)
+    ray.get(engine.update_weights_from_tensor.remote([payload], weight_version="42"))
+    new_sums = ray.get(engine.get_weight_checksums.remote())
+    import hashlib
+
+    assert new_sums[name] == hashlib.sha256(bytes(128 * 512 * 4)).hexdigest() and new_sums != sums
+    assert ray.get(engine.get_weight_version.remote()) == "42"
+    ray.get(engine.update_weights_from_disk.remote(tiny_kit[0]))
+    assert ray.get(engine.get_weight_checksums.remote()) == sums
+
+    ray.get(engine.shutdown.remote())
+    _wait_dead(pid)
+    assert url not in list_workers(rurl)
+    ray.kill(engine)
+
+
+def test_ray_kill_leaves_no_server(ray_session, tiny_kit):
+    ray = ray_session
+    engine = _engine(ray, _args(tiny_kit[0]), 1)
+    pid = ray.get(engine.get_server_pid.remote())
+    assert _alive(pid)
+    ray.kill(engine)
+    _wait_dead(pid)
+
+
+def test_startup_failure_reports_log_tail(ray_session, tmp_path):
+    ray = ray_session
+    bad = tmp_path / "not-a-model"
+    bad.mkdir()
+    with pytest.raises(ray.exceptions.RayTaskError) as e:
+        _engine(ray, _args(str(bad)), 2)
+    assert "exited with code" in str(e.value) and "config.json" in str(e.value)
