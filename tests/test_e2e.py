@@ -115,23 +115,35 @@ def test_replay_saved_rollout_reproduces_first_step(ray_session, tiny_kit, tmp_p
         assert again[key] == pytest.approx(first[key], rel=1e-5, abs=1e-7), key
 
 
-def test_resume_continues_data_order_and_weights(ray_session, tiny_kit, tmp_path):
-    """Run 2 rollouts with --save, restart with --load: it continues at rollout 2 with the saved data position."""
+def crash_at_rollout_2(args, rollout_id, step_id, model, optimizer, opt_param_scheduler):
+    """--custom-megatron-before-train-step-hook-path used to kill a run mid-way, after its checkpoint of rollout 1."""
+    if rollout_id == 2:
+        raise RuntimeError("simulated crash at rollout 2")
+
+
+def test_crash_then_resume_continues_data_order(ray_session, tiny_kit, tmp_path):
+    """A run that dies at rollout 2 keeps its rollout-1 checkpoint; restarting with --load continues at rollout 2
+    with the data position of an uninterrupted run and the checkpointed weights."""
+    import ray
+
     from slime.ray.rollout_data_source import RolloutDataSourceWithBuffer
 
     ckpt = tmp_path / "ckpt"
+    common = ["--rollout-num-gpus", "1", "--rollout-shuffle", "--save", str(ckpt), "--save-interval", "1"]
     first = tmp_path / "first"
     first.mkdir()
-    sync_driver.train(make_args(tiny_kit, first, "--rollout-num-gpus", "1", "--rollout-shuffle",
-                                "--save", str(ckpt), "--save-interval", "1", num_rollout=2))
+    with pytest.raises(ray.exceptions.RayTaskError, match="simulated crash"):
+        sync_driver.train(make_args(tiny_kit, first, *common, "--custom-megatron-before-train-step-hook-path",
+                                    f"{__name__}.crash_at_rollout_2", num_rollout=3))
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
     assert (ckpt / "rollout" / "global_dataset_state_dict_1.pt").exists()
+    assert ray.util.placement_group_table() and all(
+        pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()), "the crashed run leaked its placement group"
 
     second = tmp_path / "second"
     second.mkdir()
-    args = make_args(tiny_kit, second, "--rollout-num-gpus", "1", "--rollout-shuffle", "--load", str(ckpt),
-                     "--save", str(ckpt), "--save-debug-rollout-data", str(tmp_path / "resumed_{rollout_id}.pt"),
-                     num_rollout=3)
+    args = make_args(tiny_kit, second, *common, "--load", str(ckpt),
+                     "--save-debug-rollout-data", str(tmp_path / "resumed_{rollout_id}.pt"), num_rollout=3)
     sync_driver.train(args)
     rows = read_metrics(second)
     assert [r["rollout_id"] for r in rows] == [2]
@@ -143,5 +155,6 @@ def test_resume_continues_data_order_and_weights(ray_session, tiny_kit, tmp_path
     resumed = torch.load(tmp_path / "resumed_2.pt", weights_only=False)["samples"]
     assert [s["prompt"] for s in resumed[::4]] == expected
     assert resumed[0]["index"] == 2 * 16
-    # The first rollout after the restart runs on the checkpointed weights: their log-probs match the engine's.
+    # The engines serve the checkpointed weights after the restart: trainer and engine log-probs agree.
     assert rows[0]["train/train_rollout_logprob_abs_diff"] < 1e-4
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
