@@ -30,7 +30,7 @@ class _MultiprocessingSerializer:
     @staticmethod
     def serialize(obj, output_str: bool = False):
         buf = io.BytesIO()
-        ForkingPickler(buf, protocol=4).dump(obj)
+        ForkingPickler(buf, 4).dump(obj)  # ForkingPickler takes positional args only
         data = buf.getvalue()
         return base64.b64encode(data).decode() if output_str else data
 

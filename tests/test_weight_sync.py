@@ -1,0 +1,301 @@
+"""Weight sync Megatron -> inference engines, on CPU: gloo broadcast (disaggregated) and shared-memory handles (colocated).
+
+Real pieces end to end: Megatron GPTModel trainers as Ray actors (TP=1 and TP=2, gloo), real CPU inference servers
+behind `SGLangEngine` actors. The reference for "the engine holds the trainer's weights" is the trainer's own Megatron
+forward (its own greedy decode and log-probs), which does not go through the HF conversion being tested.
+"""
+import itertools
+import json
+import os
+import time
+import urllib.request
+
+import pytest
+import ray
+import torch
+
+from slime.ray.train_actor import TrainRayActor
+from tests._megatron_helpers import causal_mask, megatron_args
+
+PROMPTS = [[1, 20, 57, 3, 88, 140, 9], [1, 300, 12, 12, 45]]
+NEW_TOKENS = 6
+
+
+class WeightSyncTrainer(TrainRayActor):
+    """A Megatron trainer rank: the tiny Qwen3 from HF, nudged away from the checkpoint, with a CPU weight dict."""
+
+    def setup(self, args, colocate, noise_seed, noise=0.02):
+        torch.set_num_threads(1)
+        super().init(args, "actor")
+        from slime.backends.megatron_utils import initialize
+        from slime.backends.megatron_utils.megatron_to_hf import hf_to_megatron
+        from slime.backends.megatron_utils.model_provider import get_model_provider_func
+        from slime.backends.megatron_utils.param_utils import named_parameters
+        from slime.backends.megatron_utils.update_weight_utils import UpdateWeightFromDistributed, UpdateWeightFromTensor
+
+        initialize.init(args)
+        self.model = [get_model_provider_func(args)()]
+        hf_to_megatron(args, self.model)
+        # same noise on every TP rank keeps replicated params identical; a new seed per test, since the
+        # shared engines keep what the previous test sent
+        gen = torch.Generator().manual_seed(noise_seed)
+        with torch.no_grad():
+            for _, p in named_parameters(args, self.model):
+                p.add_(torch.randn(p.shape, generator=gen) * noise)
+        # slime's actor keeps this CPU copy (weights["actor"]) and the colocated path must read from it
+        self.weights = {"actor": {n: p.detach().clone() for n, p in named_parameters(args, self.model)}}
+        cls = UpdateWeightFromTensor if colocate else UpdateWeightFromDistributed
+        self.updater = cls(args, self.model, self.weights, model_name=args.model_name, quantization_config=None,
+                           vocab_size=args.vocab_size)
+
+    def connect(self, engines, lock):
+        self.updater.connect_rollout_engines(engines, lock)
+
+    def update_weights(self):
+        return self.updater.update_weights()
+
+    def check(self):
+        self.updater.check_weight_update_equal()
+
+    def offload(self):
+        """Free the live parameters as an offloaded actor would: the update must come from the CPU dict."""
+        for chunk in self.model:
+            for p in chunk.parameters():
+                p.data.untyped_storage().resize_(0)
+
+    @torch.no_grad()
+    def greedy(self, prompts, n):
+        """The trainer's own greedy continuation of each prompt from its Megatron forward: (token ids, log-probs)."""
+        from megatron.core import tensor_parallel
+
+        out = []
+        for prompt in prompts:
+            seq, lps = list(prompt), []
+            for _ in range(n):
+                logits = self.model[0](torch.tensor([seq]), torch.arange(len(seq))[None], attention_mask=causal_mask(len(seq)))
+                logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)[0, -1, : self.args.vocab_size]
+                logp = torch.log_softmax(logits.float(), dim=-1)
+                seq.append(int(logp.argmax()))
+                lps.append(float(logp[seq[-1]]))
+            out.append((seq[len(prompt):], lps))
+        return out
+
+    def tamper(self, engine, name, version):
+        """Overwrite one engine tensor behind the updater's back (plain list-of-tensors payload)."""
+        from slime.utils.tensor_serialization import MultiprocessingSerializer
+
+        hf = dict(self.updater_hf_tensors())
+        t = (hf[name] + 1.0).contiguous()
+        payload = MultiprocessingSerializer.serialize([(name, t)], output_str=True)
+        return ray.get(engine.update_weights_from_tensor.remote([payload], weight_version=version), timeout=120)
+
+    def updater_hf_tensors(self):
+        from slime.backends.megatron_utils.update_weight.common import gather_and_convert
+        from slime.backends.megatron_utils.param_utils import named_parameters
+
+        out = []
+        for name, p in named_parameters(self.args, self.model):
+            out += gather_and_convert(self.args, self.args.model_name, name, p, self.args.vocab_size)
+        return out
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _post(url, payload, timeout=120):
+    req = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def generate(url, prompt):
+    out = _post(f"{url}/generate", {"input_ids": prompt, "return_logprob": True,
+                                     "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}})
+    meta = out["meta_info"]
+    return out["output_ids"], [lp for lp, _, _ in meta["output_token_logprobs"]], meta["weight_version"]
+
+
+def trainer_greedy(trainers):
+    # the forward is collective over the TP group: every rank runs it
+    return ray.get([t.greedy.remote(PROMPTS, NEW_TOKENS) for t in trainers], timeout=300)[0]
+
+
+def max_logprob_diff(url, reference):
+    """Max |log-prob difference| between the engine's greedy continuations and the trainer's `reference`
+    (from `greedy`), after checking the engine picked the same tokens. Also returns the engine's weight version."""
+    diff, version = 0.0, None
+    for prompt, (ref_ids, ref_lps) in zip(PROMPTS, reference):
+        ids, lps, version = generate(url, prompt)
+        if ids != ref_ids:
+            return float("inf"), version
+        diff = max(diff, max(abs(a - b) for a, b in zip(lps, ref_lps)))
+    return diff, version
+
+
+def hf_checkpoint_bytes(model_dir):
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(model_dir, "model.safetensors"), framework="pt") as f:
+        return sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
+
+
+def _args(model_dir, tp, **kw):
+    return megatron_args(
+        model_dir, tensor_model_parallel_size=tp, rollout_num_gpus_per_engine=1, rollout_num_gpus_per_node=4,
+        inference_server="cpu", update_weight_buffer_size=kw.pop("update_weight_buffer_size", 64 << 10),
+        update_weight_timeout=kw.pop("update_weight_timeout", 120), check_weight_update_equal=True, **kw,
+    )
+
+
+def start_engines(args, n):
+    from slime.backends.sglang_utils.sglang_engine import SGLangEngine
+    from slime.utils.http_utils import find_available_port
+
+    Engine = ray.remote(num_cpus=0.2, num_gpus=0.2)(SGLangEngine)
+    engines = [Engine.remote(args, rank=i) for i in range(n)]
+    ports = [find_available_port(30000 + 1000 * i) for i in range(n)]
+    ray.get([e.init.remote(None, port, None, host="127.0.0.1") for e, port in zip(engines, ports)], timeout=300)
+    return engines
+
+
+def stop(actors):
+    for a in actors:
+        try:
+            if hasattr(a, "shutdown"):
+                ray.get(a.shutdown.remote(), timeout=30)
+        except Exception:  # noqa: BLE001  (already dead: that is what some tests do)
+            pass
+        ray.kill(a)
+
+
+_NOISE_SEEDS = itertools.count(1)
+
+
+def start_trainers(args, colocate):
+    Trainer = ray.remote(num_cpus=0.4, num_gpus=0.3)(WeightSyncTrainer)
+    tp = args.tensor_model_parallel_size
+    first = Trainer.remote(tp, 0, None, None)
+    addr, port = ray.get(first.get_master_addr_and_port.remote(), timeout=120)
+    trainers = [first] + [Trainer.remote(tp, r, addr, port) for r in range(1, tp)]
+    seed = next(_NOISE_SEEDS)
+    ray.get([t.setup.remote(args, colocate, seed) for t in trainers], timeout=300)
+    return trainers
+
+
+@pytest.fixture(scope="module")
+def engines(ray_session, tiny_kit):
+    """Two CPU inference servers on the tiny Qwen3 checkpoint, shared by the module's tests."""
+    engines = start_engines(_args(tiny_kit[0], 1), 2)
+    urls = ray.get([e.get_url.remote() for e in engines])
+    yield list(zip(engines, urls))
+    stop(engines)
+
+
+@pytest.fixture
+def lock(ray_session):
+    from slime.ray.utils import Lock
+
+    lock = Lock.remote()
+    yield lock
+    ray.kill(lock)
+
+
+@pytest.fixture
+def cleanup(engines):
+    """Trainers a test starts are killed after it; their weight-update groups are dropped on the engines."""
+    started = []
+    yield started
+    stop(started)
+    for _, url in engines:
+        try:
+            _post(f"{url}/destroy_weights_update_group", {"group_name": "slime-pp_0"}, timeout=30)
+        except Exception:  # noqa: BLE001  (colocated tests create no group)
+            pass
+
+
+# ------------------------------------------------------------------ tests
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_broadcast_update_gives_engine_the_trainer_weights(tiny_kit, engines, lock, cleanup, tp):
+    # 64 KiB buckets: smaller than the embedding (512 x 128 fp32 = 256 KiB), which must still go (alone)
+    args = _args(tiny_kit[0], tp)
+    engine, url = engines[0]
+    cleanup += start_trainers(args, colocate=False)
+    reference = trainer_greedy(cleanup)
+    assert max_logprob_diff(url, reference)[0] > 1e-3, "trainer weights must differ from the checkpoint"
+
+    ray.get([t.connect.remote([engine], lock) for t in cleanup], timeout=120)
+    metrics = ray.get([t.update_weights.remote() for t in cleanup], timeout=300)[0]
+    diff, version = max_logprob_diff(url, reference)
+    assert diff < 1e-4, f"engine differs from the trainer after the update: max |d logp| {diff}"
+    assert version == "1" == str(metrics["update_weights/weight_version"])
+    # every HF tensor crossed once to the single engine rank: the checkpoint's byte count (tied lm_head not resent)
+    assert metrics["perf/update_weights_bytes"] == hf_checkpoint_bytes(tiny_kit[0])
+    assert metrics["perf/update_weights_time"] > 0 and metrics["perf/update_weights_gbps"] > 0
+
+    ray.get([t.update_weights.remote() for t in cleanup], timeout=300)
+    assert max_logprob_diff(url, reference)[1] == "2"
+
+
+def test_colocated_update_from_cpu_weights_gives_engines_the_trainer_weights(tiny_kit, engines, lock, cleanup):
+    # TP=2 trainers, two engines: each trainer rank hands its own handles to the engine on its GPU
+    args = _args(tiny_kit[0], 2)
+    cleanup += start_trainers(args, colocate=True)
+    reference = trainer_greedy(cleanup)
+    for _, url in engines:
+        assert max_logprob_diff(url, reference)[0] > 1e-3, "trainer weights must differ from the checkpoint"
+    ray.get([t.connect.remote([e for e, _ in engines], lock) for t in cleanup], timeout=120)
+
+    # free the live params as offload does: the update must come from the actor's CPU weight dict
+    ray.get([t.offload.remote() for t in cleanup], timeout=60)
+    metrics = ray.get([t.update_weights.remote() for t in cleanup], timeout=300)[0]
+    for _, url in engines:
+        diff, version = max_logprob_diff(url, reference)
+        assert diff < 1e-4, f"engine {url} differs from the trainer after the update: max |d logp| {diff}"
+        assert version == "1"
+    # each of the two engines received the whole checkpoint once
+    assert metrics["perf/update_weights_bytes"] == hf_checkpoint_bytes(tiny_kit[0]) * 2
+
+
+def test_colocated_tp1_update_and_checksum_check_catches_an_altered_engine_tensor(tiny_kit, engines, lock, cleanup):
+    from slime.backends.megatron_utils.update_weight_utils import WeightUpdateError
+
+    args = _args(tiny_kit[0], 1)
+    engine, url = engines[0]
+    cleanup += start_trainers(args, colocate=True)
+    reference = trainer_greedy(cleanup)
+    ray.get(cleanup[0].connect.remote([engine], lock), timeout=120)
+    ray.get(cleanup[0].update_weights.remote(), timeout=300)  # --check-weight-update-equal passes inside
+    assert max_logprob_diff(url, reference)[0] < 1e-4
+    ray.get(cleanup[0].check.remote(), timeout=120)
+
+    ray.get(cleanup[0].tamper.remote(engine, "model.layers.2.mlp.down_proj.weight", "tampered"), timeout=120)
+    with pytest.raises(ray.exceptions.RayTaskError) as err:
+        ray.get(cleanup[0].check.remote(), timeout=120)
+    assert isinstance(err.value.cause, WeightUpdateError)
+    msg = str(err.value.cause)
+    assert "model.layers.2.mlp.down_proj.weight" in msg and url in msg and "1 tensor(s) differ" in msg
+
+
+def test_dead_engine_fails_the_update_fast_naming_its_url(ray_session, tiny_kit, lock):
+    from slime.backends.megatron_utils.update_weight_utils import WeightUpdateError
+
+    timeout = 300
+    args = _args(tiny_kit[0], 1, update_weight_timeout=timeout)
+    own = start_engines(args, 1)  # killed below, so not a shared one
+    trainers = []
+    try:
+        url = ray.get(own[0].get_url.remote())
+        trainers = start_trainers(args, colocate=False)
+        ray.get(trainers[0].connect.remote(own, lock), timeout=120)
+        ray.get(trainers[0].update_weights.remote(), timeout=300)
+        ray.kill(own[0])
+        start = time.monotonic()
+        with pytest.raises(ray.exceptions.RayTaskError) as err:
+            ray.get(trainers[0].update_weights.remote(), timeout=timeout)
+        assert time.monotonic() - start < timeout / 3, "the update waited for its timeout instead of failing fast"
+        assert isinstance(err.value.cause, WeightUpdateError)
+        assert url in str(err.value.cause) and "dead" in str(err.value.cause), str(err.value.cause)
+    finally:
+        stop(trainers + own)
