@@ -30,6 +30,7 @@ COMMON_ARGS=(
    --hf-checkpoint "$MODEL_DIR"
    --actor-num-nodes 1 --actor-num-gpus-per-node "$TP" --tensor-model-parallel-size "$TP"
    --seed 1
+   --use-dynamic-batch-size --max-tokens-per-gpu 4096   # pack micro-batches by tokens, not one sample each
    --attention-dropout 0.0 --hidden-dropout 0.0   # slime run scripts turn off Megatron's default dropout for RL
 )
 
@@ -54,11 +55,11 @@ ROLLOUT_ARGS=(
    --num-rollout "$NUM_ROLLOUT" --rollout-batch-size 16 --n-samples-per-prompt 8
    --rollout-max-response-len 8 --rollout-temperature 1.0
    --over-sampling-batch-size 24 --dynamic-sampling-filter-path slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std
-   --global-batch-size 128
+   --global-batch-size 32   # 4 optimizer steps per rollout of 16x8 samples
 )
 EVAL_ARGS=(--eval-interval 10 --eval-prompt-data addition "$DATA_DIR/eval.jsonl" --eval-temperature 0 --eval-max-response-len 8)
 GRPO_ARGS=(--advantage-estimator grpo --eps-clip 0.2 --eps-clip-high 0.28 --entropy-coef 0.0)
-OPTIMIZER_ARGS=(--optimizer adam --lr 5e-4 --adam-beta1 0.9 --adam-beta2 0.99 --clip-grad 1.0 --weight-decay 0.0)
+OPTIMIZER_ARGS=(--optimizer adam --lr 3e-4 --adam-beta1 0.9 --adam-beta2 0.99 --clip-grad 1.0 --weight-decay 0.0)
 SGLANG_ARGS=(--rollout-num-gpus-per-engine 1 --sglang-max-running-requests 128)
 MISC_ARGS=(--metrics-path "$OUT/metrics.jsonl")
 case "$MODE" in

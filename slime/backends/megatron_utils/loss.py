@@ -202,9 +202,10 @@ def policy_loss_function(args, batch, logits, sum_of_sample_mean):
     if log_probs.numel() == 0:
         loss = loss + 0 * logits.sum()  # keep the graph connected so backward still runs
 
-    if rollout_log_probs is not None:
-        # how far the trainer's log-probs are from the inference engine's (precision / kernel mismatch)
-        metrics["train_rollout_logprob_abs_diff"] = sum_of_sample_mean((log_probs.detach() - torch.cat(rollout_log_probs)).abs())
+    if rollout_log_probs is not None and old_log_probs:
+        # trainer vs inference engine on the same weights (precision / kernel mismatch): the pre-update log-probs,
+        # so later optimizer steps of this rollout do not count as mismatch
+        metrics["train_rollout_logprob_abs_diff"] = sum_of_sample_mean((torch.cat(old_log_probs) - torch.cat(rollout_log_probs)).abs())
 
     reported = {
         "loss": loss, "pg_loss": pg_loss, "entropy_loss": entropy_loss,
@@ -229,9 +230,11 @@ def sft_loss_function(args, batch, logits, sum_of_sample_mean):
 def loss_function(args, batch, num_microbatches, logits):
     """Megatron loss hook: `(scaled_loss, num_tokens or 1, {"keys": [...], "values": tensor([count, *metrics])})`.
 
-    Scaling by `num_microbatches / global_batch_size * dp_size` undoes Megatron's division by the number of
-    micro-batches and DP gradient averaging, so a step's gradient is the sum of per-sample means over the global batch
-    divided by `--global-batch-size`.
+    Per-sample loss: scaling by `num_microbatches / global_batch_size * dp_size` undoes Megatron's division by the
+    number of micro-batches and DP gradient averaging, so a step's gradient is the sum of per-sample means over the
+    global batch divided by `--global-batch-size`, however the samples are split into micro-batches.
+    Per-token loss (`--calculate-per-token-loss`): the loss stays a plain token sum; Megatron sums it over
+    micro-batches and DP ranks and divides the gradients by the global token count.
     """
     loss_masks = batch["loss_masks"]
     num_tokens = sum(torch.clamp_min(m.sum(), 1) for m in loss_masks)
@@ -251,7 +254,8 @@ def loss_function(args, batch, num_microbatches, logits):
     else:
         raise ValueError(f"unknown --loss-type {args.loss_type!r}; expected policy_loss, sft_loss or custom_loss")
 
-    loss = loss * num_microbatches / args.global_batch_size * mpu.get_data_parallel_world_size(with_context_parallel=True)
+    if not args.calculate_per_token_loss:
+        loss = loss * num_microbatches / args.global_batch_size * mpu.get_data_parallel_world_size(with_context_parallel=True)
     count = num_tokens if args.calculate_per_token_loss else num_samples
     values = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=logits.device).detach().reshape(())
                           for v in [count, *log.values()]])
