@@ -1,8 +1,7 @@
 """One-step off-policy RL: rollout N+1 is generated while the trainers learn from rollout N (disaggregated only)."""
-import ray
 
 from slime.ray.placement_group import create_actor_group, create_placement_groups, create_rollout_manager, init_ray
-from slime.ray.utils import RunRecorder, cleanup_on_exit
+from slime.ray.utils import RunRecorder, Watchdog, cleanup_on_exit
 from slime.utils.arguments import parse_args
 from slime.utils.misc import should_run_periodic_action
 from slime.utils.wandb_utils import init_wandb_primary
@@ -19,48 +18,49 @@ def train(args):
         actor_model = create_actor_group(args, pgs["actor"], wandb_run_id)
         rollout_manager = create_rollout_manager(args, pgs["rollout"], wandb_run_id)
         recorder = RunRecorder(args, rollout_manager)
+        get = Watchdog(rollout_manager, actor_model).get  # ray.get that names a trainer/engine that died
         num_rollout_per_epoch = None
         if args.num_rollout is None:
-            num_rollout_per_epoch = ray.get(rollout_manager.controller.get_num_rollout_per_epoch.remote())
+            num_rollout_per_epoch = get(rollout_manager.controller.get_num_rollout_per_epoch.remote())
             args.num_rollout = num_rollout_per_epoch * args.num_epoch
         assert args.num_rollout > 0, f"nothing to train: num_rollout={args.num_rollout}"
 
-        start_rollout_ids = ray.get(actor_model.async_init(args, role="actor", with_ref=args.kl_coef != 0 or args.use_kl_loss))
+        start_rollout_ids = get(actor_model.async_init(args, role="actor", with_ref=args.kl_coef != 0 or args.use_kl_loss))
         assert len(set(start_rollout_ids)) == 1, f"training ranks disagree on the start rollout id: {start_rollout_ids}"
         if args.start_rollout_id is None:
             args.start_rollout_id = start_rollout_ids[0]
         if args.rollout_global_dataset:
-            ray.get(rollout_manager.controller.load.remote(args.start_rollout_id - 1))
-        ray.get(actor_model.async_init_weight_update_connections(rollout_manager))
-        ray.get(actor_model.async_update_weights())
+            get(rollout_manager.controller.load.remote(args.start_rollout_id - 1))
+        get(actor_model.async_init_weight_update_connections(rollout_manager))
+        get(actor_model.async_update_weights())
 
         rollout_data_next_future = rollout_manager.async_generate(args.start_rollout_id)
         for rollout_id in range(args.start_rollout_id, args.num_rollout):
             if args.eval_interval is not None and rollout_id == 0:
-                recorder.eval(rollout_id, ray.get(rollout_manager.async_eval(rollout_id)))
+                recorder.eval(rollout_id, get(rollout_manager.async_eval(rollout_id)))
             if rollout_data_next_future is not None:
-                rollout_data_curr_ref = ray.get(rollout_data_next_future)
+                rollout_data_curr_ref = get(rollout_data_next_future)
             # Generate N+1 with the current (one update stale) weights while training on N.
             rollout_data_next_future = None
             if rollout_id + 1 < args.num_rollout:
                 rollout_data_next_future = rollout_manager.async_generate(rollout_id + 1)
-            train_metrics = ray.get(actor_model.async_train(rollout_id, rollout_data_curr_ref))
+            train_metrics = get(actor_model.async_train(rollout_id, rollout_data_curr_ref))
 
             if should_run_periodic_action(rollout_id, args.save_interval, num_rollout_per_epoch):
-                ray.get(actor_model.async_save_model(rollout_id))
+                get(actor_model.async_save_model(rollout_id))
                 if args.rollout_global_dataset:
-                    ray.get(rollout_manager.controller.save.remote(rollout_id))
+                    get(rollout_manager.controller.save.remote(rollout_id))
 
             update_metrics = None
             if (rollout_id + 1) % args.update_weights_interval == 0:
                 # Never change weights mid-generation: finish the in-flight rollout, it becomes the next input.
                 if rollout_data_next_future is not None:
-                    rollout_data_curr_ref = ray.get(rollout_data_next_future)
+                    rollout_data_curr_ref = get(rollout_data_next_future)
                     rollout_data_next_future = None
-                update_metrics = ray.get(actor_model.async_update_weights())
+                update_metrics = get(actor_model.async_update_weights())
 
             if should_run_periodic_action(rollout_id, args.eval_interval, num_rollout_per_epoch):
-                recorder.eval(rollout_id, ray.get(rollout_manager.async_eval(rollout_id)))
+                recorder.eval(rollout_id, get(rollout_manager.async_eval(rollout_id)))
             recorder.rollout_done(rollout_id, train_metrics, update_metrics)
         recorder.finish()
 

@@ -158,3 +158,26 @@ def test_crash_then_resume_continues_data_order(ray_session, tiny_kit, tmp_path)
     # The engines serve the checkpointed weights after the restart: trainer and engine log-probs agree.
     assert rows[0]["train/train_rollout_logprob_abs_diff"] < 1e-4
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
+async def kill_engine_then_generate(args, sample, sampling_params):
+    """Custom generate that kills this run's inference server before its first request."""
+    import psutil
+
+    from slime.backends.sglang_utils.router import list_workers
+    from slime.rollout.sglang_rollout import generate
+
+    for url in list_workers(f"http://{args.sglang_router_ip}:{args.sglang_router_port}"):
+        port = url.rsplit(":", 1)[1]
+        for p in psutil.process_iter(["cmdline"]):
+            cmd = p.info["cmdline"] or []
+            if "slime.backends.cpu_server" in " ".join(cmd) and port in cmd:
+                p.kill()
+    return await generate(args, sample, sampling_params)
+
+
+def test_dead_inference_server_fails_the_run_fast_naming_the_engine(ray_session, tiny_kit, tmp_path):
+    args = make_args(tiny_kit, tmp_path, "--rollout-num-gpus", "1",
+                     "--custom-generate-function-path", f"{__name__}.kill_engine_then_generate")
+    with pytest.raises(RuntimeError, match=r"inference server of engine 0 at http://\S+ exited"):
+        sync_driver.train(args)

@@ -67,6 +67,8 @@ class RayTrainGroup:
         return [a.sleep.remote(("model",)) for a in self._actor_handlers]
 
     def kill(self):
+        # Ask the actors to exit first (quietly, after their current call); force-kill whatever is still alive.
+        ray.wait([a.__ray_terminate__.remote() for a in self._actor_handlers], num_returns=len(self._actor_handlers), timeout=10)
         for a in self._actor_handlers:
             ray.kill(a)
         self._actor_handlers = []

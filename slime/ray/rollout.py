@@ -77,7 +77,7 @@ class RolloutManager:
         from slime.ray.buffer import RolloutController
 
         self.args = args
-        self.router_process, self.all_rollout_engines = None, []
+        self.router_process, self.all_rollout_engines, self.controller, self.rollout_engine_lock = None, [], None, None
         register_cleanup(self.shutdown)
         self.router_process = _start_router(args)
         self.controller = RolloutController.options(num_cpus=1, num_gpus=0).remote(args, wandb_run_id)
@@ -102,14 +102,15 @@ class RolloutManager:
         return [e.resume_memory_occupation.remote(tags=tags) for e in self.rollout_engines]
 
     def shutdown(self):
-        """Stop engines (each removes itself from the router and kills its server) and the router."""
+        """Stop engines (each removes itself from the router and kills its server), the controller and the router."""
         try:
             ray.get([e.shutdown.remote() for e in self.all_rollout_engines], timeout=60)
         except Exception as e:  # an engine that already died has nothing left to stop
             logger.warning(f"engine shutdown: {e}")
-        self.all_rollout_engines, self.rollout_engines = [], []
-        for e in self.all_rollout_engines:
-            ray.kill(e)
+        for actor in [*self.all_rollout_engines, self.controller, self.rollout_engine_lock]:
+            if actor is not None:
+                ray.kill(actor)
+        self.all_rollout_engines, self.rollout_engines, self.controller, self.rollout_engine_lock = [], [], None, None
         if self.router_process is not None and self.router_process.is_alive():
             self.router_process.terminate()
             self.router_process.join(10)

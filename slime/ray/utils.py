@@ -71,6 +71,46 @@ def cleanup_on_exit():
                 print(f"cleanup {getattr(fn, '__qualname__', fn)} failed: {e}", flush=True)
 
 
+class Watchdog:
+    """`ray.get` for the driver loop that fails fast, naming the culprit, when a trainer or engine the wait depends
+    on dies — instead of waiting on HTTP retries to a dead server or a collective that will never complete."""
+
+    def __init__(self, rollout_manager, actor_model=None, poll_s: float = 5.0):
+        self.rollout_manager, self.actor_model, self.poll_s = rollout_manager, actor_model, poll_s
+
+    def _names(self):
+        names = {}
+        for i, a in enumerate(self.actor_model.actors if self.actor_model else []):
+            names[a._actor_id.hex()] = f"trainer rank {i}"
+        for i, e in enumerate(self.rollout_manager.all_rollout_engines):
+            names[e._actor_id.hex()] = f"inference engine {i}"
+        names[self.rollout_manager.controller._actor_id.hex()] = "rollout controller"
+        return names
+
+    def _died(self, err):
+        actor_id = getattr(err, "actor_id", None)
+        who = self._names().get(actor_id, f"actor {actor_id}")
+        return RuntimeError(f"{who} died: {err}")
+
+    def get(self, refs):
+        single = not isinstance(refs, list)
+        pending = [refs] if single else list(refs)
+        try:
+            while True:
+                _, not_ready = ray.wait(pending, num_returns=len(pending), timeout=self.poll_s)
+                if not not_ready:
+                    break
+                engines = self.rollout_manager.rollout_engines
+                try:
+                    ray.get([e.check_alive.remote() for e in engines], timeout=60)
+                except ray.exceptions.RayTaskError as e:  # the engine actor is alive but its server process is not
+                    raise RuntimeError(f"inference engine died while waiting: {e.cause}") from None
+            values = ray.get(pending)
+        except ray.exceptions.RayActorError as e:
+            raise self._died(e) from e
+        return values[0] if single else values
+
+
 class RunRecorder:
     """Per-rollout metrics on the driver: one compact console line and a JSONL record (`--metrics-path`)."""
 

@@ -1,5 +1,6 @@
 """Ports, host info and a small async HTTP client (aiohttp) with timeouts and retries that name the URL."""
 import asyncio
+import atexit
 import json
 import os
 import random
@@ -51,6 +52,22 @@ def _session() -> aiohttp.ClientSession:
         )
         _sessions[loop] = s
     return s
+
+
+@atexit.register
+def close_sessions(timeout: float = 2.0) -> None:
+    """Close the shared sessions (at exit, so aiohttp does not warn about unclosed sessions)."""
+    for loop, session in list(_sessions.items()):
+        if session.closed or loop.is_closed():
+            continue
+        try:
+            if loop.is_running():  # the background loop thread of slime.utils.async_utils
+                asyncio.run_coroutine_threadsafe(session.close(), loop).result(timeout)
+            else:
+                loop.run_until_complete(session.close())
+        except Exception:  # exiting anyway: a loop that cannot close its session has nothing left to leak
+            pass
+    _sessions.clear()
 
 
 def _decode(text: str):

@@ -25,6 +25,9 @@ from .sampling import RequestError, SamplingParams
 from .scheduler import Req, Scheduler
 from .weights import WeightError, WeightStore, parse_dtype, resolve_dtype
 
+import time as _pt
+def _prof(tag, t0):  # PROF
+    open('/tmp/wsync/prof.log','a').write(f'{tag} {(_pt.perf_counter()-t0)*1e3:.1f}ms\n')  # PROF
 logger = logging.getLogger("slime.cpu_server")
 VERSION = "slime-cpu-server-0.1"
 
@@ -493,7 +496,9 @@ class CPUInferenceServer:
             raise WeightError(f"no weight update group {name!r}: call /init_weights_update_group first")
         dts = [parse_dtype(d) for d in dtypes]
 
+        _t0 = _pt.perf_counter()
         def receive_and_load():
+            _prof('srv_dist_start', _t0)
             # receive straight into the live weight when it matches (no extra copy), else into a buffer then load;
             # always consume every broadcast, so a rejected update never leaves the trainer blocked in the collective
             received, unknown, released = [], [], self.weights.released
@@ -512,10 +517,12 @@ class CPUInferenceServer:
                 raise WeightError("weights are released (release_memory_occupation); resume_memory_occupation first")
             if unknown:
                 raise WeightError(f"update_weights_from_distributed: unknown parameter(s) {unknown[:5]}")
+            _prof('srv_dist_recv', _t0)
             self.weights.load(received, "update_weights_from_distributed")
             self.state.bump_version(b.get("weight_version"))
 
         await self._control(receive_and_load)
+        _prof('srv_dist_total', _t0)
         return web.json_response({"success": True, "message": "Succeeded to update parameter online.",
                                   "weight_version": self.state.weight_version})
 
@@ -528,6 +535,7 @@ class CPUInferenceServer:
         if fmt not in (None, "flattened_bucket", "direct"):
             raise RequestError(f"load_format {fmt!r} is not supported (use null or 'flattened_bucket')")
 
+        _t0 = _pt.perf_counter()
         def unpack():  # blocking: fetches the shared-memory handles from the sender
             obj = MultiprocessingSerializer.deserialize(items[0])  # this server is TP rank 0
             if fmt == "flattened_bucket":
@@ -535,12 +543,18 @@ class CPUInferenceServer:
             return list(obj)
 
         named = await asyncio.get_running_loop().run_in_executor(None, unpack)
+        _prof('srv_tensor_unpack', _t0)
 
         def load():
+            _t1 = _pt.perf_counter()
             self.weights.load(named, "update_weights_from_tensor")
+            _prof('srv_tensor_copy', _t1)
             self.state.bump_version(b.get("weight_version"))
 
         await self._control(load)
+        _prof('srv_tensor_total', _t0)
+        del named
+        _prof('srv_tensor_total_del', _t0)
         return web.json_response({"success": True, "message": "Succeeded to update parameter online.",
                                   "weight_version": self.state.weight_version})
 

@@ -230,6 +230,13 @@ class SGLangEngine(RayActor):
     def get_url(self) -> str:
         return self.url
 
+    def check_alive(self) -> str:
+        """Raise (with the server's last log lines) if the inference server process has exited; else return the URL."""
+        if self.process is not None and self.process.poll() is not None:
+            raise RuntimeError(f"inference server of engine {self.rank} at {self.url} exited with code "
+                               f"{self.process.returncode}. Last log lines ({self.log_path}):\n{self._log_tail()}")
+        return self.url
+
     def get_server_pid(self) -> int | None:
         return self.process.pid if self.process else None
 
@@ -248,12 +255,16 @@ class SGLangEngine(RayActor):
             return resp.text
 
     def _weight_call(self, endpoint, payload, timeout=None):
+        import time as _pt; _t0 = _pt.perf_counter()  # PROF
         # SGLang 0.5 only accepts updates inside a begin/end weight-update session; the CPU server accepts both.
         self._make_request("begin_weight_update", {}, timeout=60)
         try:
+            open('/tmp/wsync/prof.log','a').write(f'eng_begin {(_pt.perf_counter()-_t0)*1e3:.1f}ms\n')  # PROF
             result = self._make_request(endpoint, payload, timeout=timeout)
+            open('/tmp/wsync/prof.log','a').write(f'eng_call {(_pt.perf_counter()-_t0)*1e3:.1f}ms\n')  # PROF
         finally:
             self._make_request("end_weight_update", {}, timeout=60)
+            open('/tmp/wsync/prof.log','a').write(f'eng_end {(_pt.perf_counter()-_t0)*1e3:.1f}ms\n')  # PROF
         if isinstance(result, dict) and result.get("success") is False:
             raise RuntimeError(f"engine {self.rank}: {endpoint} failed at {self.url}: {result.get('message')}")
         return result

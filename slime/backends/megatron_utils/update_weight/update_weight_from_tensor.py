@@ -38,6 +38,9 @@ from .common import (
     wait_engines,
 )
 
+import time as _pt
+def _prof(tag, t0):  # PROF
+    open('/tmp/wsync/prof.log','a').write(f'{tag} {(_pt.perf_counter()-t0)*1e3:.1f}ms\n')  # PROF
 logger = logging.getLogger(__name__)
 
 _TP_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "parallel_mode")
@@ -142,10 +145,12 @@ class UpdateWeightFromTensor:
         if dist.get_rank() == 0:
             wait_engines([e.flush_cache.remote() for e in self.rollout_engines], self._urls, "flush_cache", timeout)
         dist.barrier(group=get_gloo_group())
+        _prof('tr_flush', start)
         self._expected_checksums = {}
         sent = 0
         for index, infos in enumerate(self.param_info_buckets, 1):
             sent += self._update_bucket(index, infos)
+        _prof('tr_buckets', start)
         if not is_cpu():
             self._flat.clear()  # GPU memory belongs to the engine during rollout
         if getattr(self.args, "check_weight_update_equal", False):
@@ -231,13 +236,16 @@ class UpdateWeightFromTensor:
         return buf
 
     def _update_bucket(self, index, infos) -> int:
+        _t0 = _pt.perf_counter()
         params = self._materialize(infos)
         named_tensors = []
         for info, param in zip(infos, params):
             named_tensors += gather_and_convert(self.args, self.model_name, info.name, param, self.vocab_size,
                                                 self.quantization_config)
         del params
+        _prof('tr_convert', _t0)
         handles = self._pack(index, named_tensors)
+        _prof('tr_pack', _t0)
         is_src = dist.get_rank() == self._ipc_gather_src
         gathered = [None] * dist.get_world_size(self._ipc_gather_group) if is_src else None
         dist.gather_object(handles, object_gather_list=gathered, dst=self._ipc_gather_src, group=self._ipc_gather_group)
@@ -251,7 +259,9 @@ class UpdateWeightFromTensor:
                 )
                 for i in range(len(handles))
             ]
+            _prof('tr_gather', _t0)
             wait_engines(refs, [self._ipc_engine_url] * len(refs), what, update_timeout(self.args))
+            _prof('tr_engine', _t0)
             if getattr(self.args, "check_weight_update_equal", False):
                 self._expected_checksums.update({n: tensor_sha256(t) for n, t in named_tensors})
         # the engine has copied out of every rank's buffer only once the source's call returned
