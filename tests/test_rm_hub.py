@@ -335,11 +335,14 @@ def test_f1_yes_no_noanswer():
 
 def test_answer_match():
     assert compute_answer_match(" 7", "7") == 1.0
-    assert compute_answer_match("7 apples", 7) == 1.0
+    assert compute_answer_match("7\n", 7) == 1.0
+    assert compute_answer_match("7<|im_end|>", 7) == 1.0  # special tokens kept in the text are not part of the answer
+    assert compute_answer_match("7<|im_end|>8", 7) == 0.0
+    assert compute_answer_match("7 apples", 7) == 0.0  # the whole response must be the number
     assert compute_answer_match("-3", "-3") == 1.0
     assert compute_answer_match("007", "7") == 1.0  # integers compared, not strings
     assert compute_answer_match("-3", "3") == 0.0
-    assert compute_answer_match("The answer is 7", "7") == 0.0  # leading integer only
+    assert compute_answer_match("The answer is 7", "7") == 0.0
     assert compute_answer_match("", "7") == 0.0
     with pytest.raises(ValueError, match="answer_match"):
         compute_answer_match("7", "seven")

@@ -25,9 +25,6 @@ from .sampling import RequestError, SamplingParams
 from .scheduler import Req, Scheduler
 from .weights import WeightError, WeightStore, parse_dtype, resolve_dtype
 
-import time as _pt
-def _prof(tag, t0):  # PROF
-    open('/tmp/wsync/prof.log','a').write(f'{tag} {(_pt.perf_counter()-t0)*1e3:.1f}ms\n')  # PROF
 logger = logging.getLogger("slime.cpu_server")
 VERSION = "slime-cpu-server-0.1"
 
@@ -62,6 +59,7 @@ class CPUInferenceServer:
         )
         self.served_model_name = args.served_model_name or self.model_path
         self.groups: dict = {}
+        self.received = ReceivedBuffers()
         self.started = time.time()
         self.last_gen_throughput = 0.0
 
@@ -437,6 +435,7 @@ class CPUInferenceServer:
                 self.pool.release()
             if "weights" in tags:
                 self.weights.release()
+                self.received.clear()
 
         await self._control(release)
         return web.Response(text="")
@@ -470,6 +469,11 @@ class CPUInferenceServer:
             return init_process_group(backend=backend, init_method=url, world_size=int(b["world_size"]),
                                       rank=int(b["rank_offset"]), group_name=name, timeout=seconds(timeout))
 
+        old = self.groups.pop(name, None)
+        if old is not None:
+            # a restarted trainer joins under the same name again: leave the old group first (torch refuses a group
+            # name twice; its peers are gone). On the scheduler thread, so no update is receiving on it meanwhile.
+            await self._control(lambda: dist.destroy_process_group(old))
         try:
             self.groups[name] = await asyncio.get_running_loop().run_in_executor(None, join)
         except Exception as e:  # noqa: BLE001
@@ -496,33 +500,30 @@ class CPUInferenceServer:
             raise WeightError(f"no weight update group {name!r}: call /init_weights_update_group first")
         dts = [parse_dtype(d) for d in dtypes]
 
-        _t0 = _pt.perf_counter()
         def receive_and_load():
-            _prof('srv_dist_start', _t0)
             # receive straight into the live weight when it matches (no extra copy), else into a buffer then load;
-            # always consume every broadcast, so a rejected update never leaves the trainer blocked in the collective
-            received, unknown, released = [], [], self.weights.released
+            # always consume every broadcast, so a rejected update never leaves the trainer blocked in the collective.
+            # All receives are posted at once (the trainer posts all its sends), then awaited.
+            received, unknown, works, released = [], [], [], self.weights.released
+            named = {} if released else self.weights.named
             for n, dt, shape in zip(names, dts, shapes):
-                dst = None if released else self.weights.named.get(n)
-                if dst is not None and dst.dtype == dt and list(dst.shape) == list(shape) and dst.is_contiguous():
-                    dist.broadcast(dst, src=0, group=group)
-                else:
-                    t = torch.empty(shape, dtype=dt)
-                    dist.broadcast(t, src=0, group=group)
+                dst = named.get(n)
+                if dst is None or dst.dtype != dt or list(dst.shape) != list(shape) or not dst.is_contiguous():
                     if dst is None and not self.weights.is_ignored(n) and not released:
                         unknown.append(n)
-                    else:
-                        received.append((n, t))
+                    dst = torch.empty(shape, dtype=dt)
+                    received.append((n, dst))
+                works.append(dist.broadcast(dst, src=0, group=group, async_op=True))
+            for w in works:
+                w.wait()
             if released:
                 raise WeightError("weights are released (release_memory_occupation); resume_memory_occupation first")
             if unknown:
                 raise WeightError(f"update_weights_from_distributed: unknown parameter(s) {unknown[:5]}")
-            _prof('srv_dist_recv', _t0)
             self.weights.load(received, "update_weights_from_distributed")
             self.state.bump_version(b.get("weight_version"))
 
         await self._control(receive_and_load)
-        _prof('srv_dist_total', _t0)
         return web.json_response({"success": True, "message": "Succeeded to update parameter online.",
                                   "weight_version": self.state.weight_version})
 
@@ -535,7 +536,6 @@ class CPUInferenceServer:
         if fmt not in (None, "flattened_bucket", "direct"):
             raise RequestError(f"load_format {fmt!r} is not supported (use null or 'flattened_bucket')")
 
-        _t0 = _pt.perf_counter()
         def unpack():  # blocking: fetches the shared-memory handles from the sender
             obj = MultiprocessingSerializer.deserialize(items[0])  # this server is TP rank 0
             if fmt == "flattened_bucket":
@@ -543,18 +543,13 @@ class CPUInferenceServer:
             return list(obj)
 
         named = await asyncio.get_running_loop().run_in_executor(None, unpack)
-        _prof('srv_tensor_unpack', _t0)
 
         def load():
-            _t1 = _pt.perf_counter()
             self.weights.load(named, "update_weights_from_tensor")
-            _prof('srv_tensor_copy', _t1)
             self.state.bump_version(b.get("weight_version"))
+            self.received.keep(b.get("weight_version"), [t for _, t in named])
 
         await self._control(load)
-        _prof('srv_tensor_total', _t0)
-        del named
-        _prof('srv_tensor_total_del', _t0)
         return web.json_response({"success": True, "message": "Succeeded to update parameter online.",
                                   "weight_version": self.state.weight_version})
 
@@ -676,6 +671,30 @@ class CPUInferenceServer:
                             "matched_stop": r.finish_reason.get("matched")})
         return web.json_response({"id": uuid.uuid4().hex, "object": "chat.completion", "created": int(time.time()),
                                   "model": self.served_model_name, "choices": choices, "usage": self._usage(len(ids), reqs)})
+
+
+class ReceivedBuffers:
+    """The shared-memory buffers `update_weights_from_tensor` received, held until an update no longer sends them.
+
+    Trainers send the same shared buffers on every update. While this server holds one, torch's sharing cache
+    resolves the next handle of it to the mapping it already has: no new mmap, no page faults while copying, no
+    munmap afterwards (together these cost more than the copy itself). Held: the buffers of the previous update
+    and of the current one (calls with the same `weight_version` belong to one update).
+    """
+
+    def __init__(self):
+        self._version, self._current, self._previous = object(), {}, {}
+
+    def keep(self, version, tensors):
+        if version is None or version != self._version:
+            self._version, self._previous, self._current = version, self._current, {}
+        for t in tensors:
+            storage = t.untyped_storage()
+            self._current[storage.data_ptr()] = storage
+            self._previous.pop(storage.data_ptr(), None)
+
+    def clear(self):
+        self._current, self._previous = {}, {}
 
 
 def _exit_with_parent():

@@ -7,6 +7,7 @@ The iteration directory is written under a temporary name and renamed when compl
 replaced atomically, so a crash mid-save never points `--load` at a partial checkpoint. Sharded tensors are
 stored in global (unsharded) coordinates, so loading with a different TP size reshards.
 """
+import argparse
 import os
 import shutil
 
@@ -102,6 +103,14 @@ def _parallel_layout():
     return {"tp": mpu.get_tensor_model_parallel_world_size(), "pp": mpu.get_pipeline_model_parallel_world_size()}
 
 
+def _portable_args(args):
+    """The run's flags with plain values only, for common.pt (as Megatron-LM keeps `args` there): offline tools such as
+    tools/convert_torch_dist_to_hf.py read the architecture from it, and it loads under torch.load(weights_only=True)."""
+    plain = (bool, int, float, str, type(None))
+    ok = lambda v: isinstance(v, plain) or (isinstance(v, (list, tuple)) and all(isinstance(x, plain) for x in v))  # noqa: E731
+    return argparse.Namespace(**{k: v for k, v in vars(args).items() if ok(v)})
+
+
 def save_checkpoint(args, iteration, model, optimizer, opt_param_scheduler, *, with_optimizer=True):
     """Write `{args.save}/iter_{iteration:07d}` from every rank (collective), then update the tracker."""
     root = args.save
@@ -122,6 +131,7 @@ def save_checkpoint(args, iteration, model, optimizer, opt_param_scheduler, *, w
         state["rng_state"] = _rng_sharded_object()
     state["iteration"] = iteration
     state["parallel_layout"] = _parallel_layout()
+    state["args"] = _portable_args(args)
     dist_checkpointing.save(state, tmp_dir)
     dist.barrier()
 

@@ -33,9 +33,6 @@ from .common import (
     wait_engines,
 )
 
-import time as _pt
-def _prof(tag, t0):  # PROF
-    open('/tmp/wsync/prof.log','a').write(f'{tag} {(_pt.perf_counter()-t0)*1e3:.1f}ms\n')  # PROF
 logger = logging.getLogger(__name__)
 
 
@@ -50,6 +47,7 @@ class UpdateWeightFromDistributed:
         self.weight_version = 0
         self.rollout_engines, self.rollout_engine_lock = [], None
         self._group, self._group_name, self._urls = None, None, []
+        self._lock_releases = []
         self._expected_checksums = {}
 
     @property
@@ -100,10 +98,12 @@ class UpdateWeightFromDistributed:
         self.weight_version += 1
         timeout = update_timeout(self.args)
         if dist.get_rank() == 0:
-            wait_engines([e.pause_generation.remote() for e in self.rollout_engines], self._urls, "pause_generation", timeout)
-            wait_engines([e.flush_cache.remote() for e in self.rollout_engines], self._urls, "flush_cache", timeout)
+            # an engine actor runs one caller's calls in order, so each flush follows its pause: one wait for both
+            refs = [e.pause_generation.remote() for e in self.rollout_engines]
+            refs += [e.flush_cache.remote() for e in self.rollout_engines]
+            wait_engines(refs, self._urls * 2, "pause_generation / flush_cache", timeout)
         dist.barrier(group=get_gloo_group())
-        _prof('trd_pause_flush', start)
+
         self._expected_checksums = {}
         bucket, bucket_bytes, sent = [], 0, 0
         num_buckets = 0
@@ -116,23 +116,19 @@ class UpdateWeightFromDistributed:
             # a tensor larger than the buffer still goes, alone
             if bucket and bucket_bytes + size > self.args.update_weight_buffer_size:
                 num_buckets += 1
-                _prof('trd_convert', start)
                 sent += self._send_bucket(bucket, num_buckets)
-                _prof('trd_sent', start)
                 bucket, bucket_bytes = [], 0
             bucket += hf_tensors
             bucket_bytes += size
         if bucket:
             num_buckets += 1
-            _prof('trd_convert', start)
             sent += self._send_bucket(bucket, num_buckets)
-            _prof('trd_sent', start)
         dist.barrier(group=get_gloo_group())
+        self._wait_lock_releases()
 
         if dist.get_rank() == 0:
             wait_engines([e.continue_generation.remote() for e in self.rollout_engines], self._urls,
                          "continue_generation", timeout)
-        _prof('trd_continue', start)
         if getattr(self.args, "check_weight_update_equal", False):
             self.check_weight_update_equal()
         dist.barrier(group=get_gloo_group())
@@ -140,6 +136,11 @@ class UpdateWeightFromDistributed:
         if dist.get_rank() == 0:
             log_metrics(metrics)
         return metrics
+
+    def _wait_lock_releases(self):
+        releases, self._lock_releases = self._lock_releases, []
+        if releases:
+            ray.get(releases, timeout=update_timeout(self.args))
 
     @property
     def _num_engine_ranks(self) -> int:
@@ -163,9 +164,7 @@ class UpdateWeightFromDistributed:
                 )
                 for engine in self.rollout_engines
             ]
-            _tb = _pt.perf_counter()
             works = [dist.broadcast(t, 0, group=self._group, async_op=True) for _, t in named_tensors]
-            _prof('trd_posted', _tb)
 
             def check_broadcast(all_works=False):
                 # a peer that vanished mid-transfer fails the work; name the engine that died if it says so in time
@@ -179,9 +178,10 @@ class UpdateWeightFromDistributed:
 
             wait_engines(refs, self._urls, what, timeout, on_poll=check_broadcast)
             check_broadcast(all_works=True)
-            _prof('trd_bcast_done', _tb)
         finally:
-            ray.get(self.rollout_engine_lock.release.remote(), timeout=timeout)
+            # not awaited here: the lock actor runs our next acquire after this release anyway (calls from one
+            # caller run in order); `update_weights` checks the releases once at the end
+            self._lock_releases.append(self.rollout_engine_lock.release.remote())
         if getattr(self.args, "check_weight_update_equal", False):
             self._expected_checksums.update({n: tensor_sha256(t) for n, t in named_tensors})
         return sum(t.numel() * t.element_size() for _, t in named_tensors)

@@ -38,9 +38,6 @@ from .common import (
     wait_engines,
 )
 
-import time as _pt
-def _prof(tag, t0):  # PROF
-    open('/tmp/wsync/prof.log','a').write(f'{tag} {(_pt.perf_counter()-t0)*1e3:.1f}ms\n')  # PROF
 logger = logging.getLogger(__name__)
 
 _TP_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "parallel_mode")
@@ -142,15 +139,17 @@ class UpdateWeightFromTensor:
         timeout = update_timeout(self.args)
         if self._ipc_engine is None:
             raise WeightUpdateError("colocated weight update: connect_rollout_engines() was not called on this trainer")
-        if dist.get_rank() == 0:
-            wait_engines([e.flush_cache.remote() for e in self.rollout_engines], self._urls, "flush_cache", timeout)
-        dist.barrier(group=get_gloo_group())
-        _prof('tr_flush', start)
+        # the engines drop their caches while the first bucket is gathered and packed; nothing is sent before that
+        flushes = [e.flush_cache.remote() for e in self.rollout_engines] if dist.get_rank() == 0 else []
         self._expected_checksums = {}
         sent = 0
         for index, infos in enumerate(self.param_info_buckets, 1):
-            sent += self._update_bucket(index, infos)
-        _prof('tr_buckets', start)
+            named_tensors, handles = self._prepare_bucket(index, infos)
+            if index == 1:
+                if flushes:
+                    wait_engines(flushes, self._urls, "flush_cache", timeout)
+                dist.barrier(group=get_gloo_group())
+            sent += self._send_bucket(index, named_tensors, handles)
         if not is_cpu():
             self._flat.clear()  # GPU memory belongs to the engine during rollout
         if getattr(self.args, "check_weight_update_equal", False):
@@ -205,8 +204,8 @@ class UpdateWeightFromTensor:
                 buf = self._allocate(key, index, dtype, scratch)
             metadata, cursor = [], home_numel
             for (name, t), off in zip(items, offsets):
-                if off is None:
-                    buf[cursor:cursor + t.numel()].copy_(t.reshape(-1))
+                if off is None:  # view(shape).copy_: a strided tensor is copied once, straight into place
+                    buf[cursor:cursor + t.numel()].view(t.shape).copy_(t)
                     off, cursor = cursor, cursor + t.numel()
                 metadata.append(FlattenedTensorMetadata(name=name, shape=t.shape, dtype=dtype, start_idx=off,
                                                         end_idx=off + t.numel(), numel=t.numel()))
@@ -235,20 +234,25 @@ class UpdateWeightFromTensor:
         self._flat[key] = (buf, home_numel)
         return buf
 
-    def _update_bucket(self, index, infos) -> int:
-        _t0 = _pt.perf_counter()
+    def _prepare_bucket(self, index, infos):
+        """(HF tensors, serialised handles) of bucket `index` on this rank."""
         params = self._materialize(infos)
         named_tensors = []
         for info, param in zip(infos, params):
             named_tensors += gather_and_convert(self.args, self.model_name, info.name, param, self.vocab_size,
                                                 self.quantization_config)
         del params
-        _prof('tr_convert', _t0)
-        handles = self._pack(index, named_tensors)
-        _prof('tr_pack', _t0)
+        return named_tensors, self._pack(index, named_tensors)
+
+    def _send_bucket(self, index, named_tensors, handles) -> int:
         is_src = dist.get_rank() == self._ipc_gather_src
-        gathered = [None] * dist.get_world_size(self._ipc_gather_group) if is_src else None
-        dist.gather_object(handles, object_gather_list=gathered, dst=self._ipc_gather_src, group=self._ipc_gather_group)
+        single = dist.get_world_size(self._ipc_gather_group) == 1
+        if single:
+            gathered = [handles]  # one trainer rank per engine (TP=1 engines): nothing to gather
+        else:
+            gathered = [None] * dist.get_world_size(self._ipc_gather_group) if is_src else None
+            dist.gather_object(handles, object_gather_list=gathered, dst=self._ipc_gather_src,
+                               group=self._ipc_gather_group)
         nbytes = sum(t.numel() * t.element_size() for _, t in named_tensors)
         if is_src:
             what = f"update_weights_from_tensor v{self.weight_version} {describe_bucket(index, named_tensors)}"
@@ -259,13 +263,12 @@ class UpdateWeightFromTensor:
                 )
                 for i in range(len(handles))
             ]
-            _prof('tr_gather', _t0)
             wait_engines(refs, [self._ipc_engine_url] * len(refs), what, update_timeout(self.args))
-            _prof('tr_engine', _t0)
             if getattr(self.args, "check_weight_update_equal", False):
                 self._expected_checksums.update({n: tensor_sha256(t) for n, t in named_tensors})
         # the engine has copied out of every rank's buffer only once the source's call returned
-        dist.barrier(group=self._ipc_gather_group)
+        if not single:
+            dist.barrier(group=self._ipc_gather_group)
         return nbytes * len(gathered) if is_src else 0
 
     def check_weight_update_equal(self) -> None:
