@@ -38,7 +38,7 @@ COMMON_ARGS=(
 SFT_ARGS=(
    --rollout-function-path slime.rollout.sft_rollout.generate_rollout
    --prompt-data "$DATA_DIR/sft.jsonl" --input-key messages --rollout-shuffle
-   --num-epoch 40 --rollout-batch-size 50 --global-batch-size 50
+   --num-epoch ${SFT_EPOCHS:-20} --rollout-batch-size 50 --global-batch-size 50
    --loss-type sft_loss --calculate-per-token-loss --disable-compute-advantages-and-returns --debug-train-only
    --optimizer adam --lr 3e-3 --adam-beta1 0.9 --adam-beta2 0.98 --clip-grad 1.0
    --save "$OUT/sft" --save-interval 1000000
@@ -59,7 +59,8 @@ ROLLOUT_ARGS=(
 )
 EVAL_ARGS=(--eval-interval 10 --eval-prompt-data addition "$DATA_DIR/eval.jsonl" --eval-temperature 0 --eval-max-response-len 8)
 GRPO_ARGS=(--advantage-estimator grpo --eps-clip 0.2 --eps-clip-high 0.28 --entropy-coef 0.0)
-OPTIMIZER_ARGS=(--optimizer adam --lr 3e-4 --adam-beta1 0.9 --adam-beta2 0.99 --clip-grad 1.0 --weight-decay 0.0)
+OPTIMIZER_ARGS=(--optimizer adam --lr ${LR:-3e-4} --lr-decay-style constant --lr-warmup-iters 40
+                --adam-beta1 0.9 --adam-beta2 0.99 --clip-grad 1.0 --weight-decay 0.0)
 SGLANG_ARGS=(--rollout-num-gpus-per-engine 1 --sglang-max-running-requests 128)
 MISC_ARGS=(--metrics-path "$OUT/metrics.jsonl")
 case "$MODE" in

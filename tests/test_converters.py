@@ -78,8 +78,7 @@ def test_tiny_kit_round_trip_through_release_checkpoint_is_exact(tiny_kit, tiny_
     release = os.path.join(tiny_release, "release")
     assert os.path.exists(os.path.join(release, ".metadata")) and os.path.exists(os.path.join(release, "common.pt"))
     out = str(tmp_path / "hf")
-    _run([sys.executable, "tools/convert_torch_dist_to_hf.py", "--input-dir", release, "--output-dir", out,
-          "--origin-hf-dir", model_dir])
+    _to_hf("--input-dir", release, "--output-dir", out, "--origin-hf-dir", model_dir)
     _assert_same_weights(model_dir, out)
     for fname in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         assert open(os.path.join(out, fname), "rb").read() == open(os.path.join(model_dir, fname), "rb").read()

@@ -105,10 +105,11 @@ def _parallel_layout():
 
 def _portable_args(args):
     """The run's flags with plain values only, for common.pt (as Megatron-LM keeps `args` there): offline tools such as
-    tools/convert_torch_dist_to_hf.py read the architecture from it, and it loads under torch.load(weights_only=True)."""
+    tools/convert_torch_dist_to_hf.py read the architecture from it, and it loads under torch.load(weights_only=True).
+    Per-process fields are left out: the common state must be identical on every rank."""
     plain = (bool, int, float, str, type(None))
     ok = lambda v: isinstance(v, plain) or (isinstance(v, (list, tuple)) and all(isinstance(x, plain) for x in v))  # noqa: E731
-    return argparse.Namespace(**{k: v for k, v in vars(args).items() if ok(v)})
+    return argparse.Namespace(**{k: v for k, v in vars(args).items() if ok(v) and k not in ("rank", "local_rank")})
 
 
 def save_checkpoint(args, iteration, model, optimizer, opt_param_scheduler, *, with_optimizer=True):
