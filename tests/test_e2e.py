@@ -181,3 +181,26 @@ def test_dead_inference_server_fails_the_run_fast_naming_the_engine(ray_session,
                      "--custom-generate-function-path", f"{__name__}.kill_engine_then_generate")
     with pytest.raises(RuntimeError, match=r"inference server of engine 0 at http://\S+ exited"):
         sync_driver.train(args)
+
+
+def test_main_job_sft_then_grpo_raises_reward(tiny_kit, tmp_path):
+    """The README's main job (scripts/run-qwen3-tiny-cpu.sh), shortened: SFT warm start, then GRPO whose sampled reward
+    over the last rollouts is clearly above the first ones. A convergence test with a generous margin, not a timing test."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "job"
+    env = dict(os.environ, MODEL_DIR=tiny_kit[0], DATA_DIR=tiny_kit[1], OUT=str(out), NUM_ROLLOUT="60",
+               SFT_EPOCHS="20", PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run(["bash", "scripts/run-qwen3-tiny-cpu.sh"], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["rollout_id"] for r in rows] == list(range(60))
+    first = sum(r["rollout/raw_reward"] for r in rows[:10]) / 10
+    last = sum(r["rollout/raw_reward"] for r in rows[-10:]) / 10
+    assert last > first + 0.05, f"GRPO did not raise the sampled reward: first 10 rollouts {first:.3f}, last 10 {last:.3f}"
+    assert (out / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "eval/addition" in rows[0] and "| reward " in proc.stdout  # per-rollout console line
