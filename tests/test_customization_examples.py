@@ -127,7 +127,7 @@ def test_rewards(examples):
     args = argparse.Namespace(custom_rm_path="custom_examples.length_penalized_rm", rm_type=None, reward_key=None)
     examples("length_penalized_rm")  # import once so the path resolves
     # correct answer, 10 response tokens: 1 - 0.01 * (10 - 4)
-    assert asyncio.run(async_rm(args, Sample(response="7 it is", label="7", response_length=10))) == pytest.approx(0.94)
+    assert asyncio.run(async_rm(args, Sample(response="7", label="7", response_length=10))) == pytest.approx(0.94)
     assert asyncio.run(async_rm(args, Sample(response="8", label="7", response_length=2))) == 0.0
     args.custom_rm_path = "custom_examples.majority_vote_rm"
     group = [Sample(response=r) for r in (" 7", "7", "8", "7 ")]
