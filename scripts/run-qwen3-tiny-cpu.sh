@@ -8,6 +8,7 @@
 #   MODE=async bash scripts/run-qwen3-tiny-cpu.sh      # train_async.py, one-step off-policy
 #   TP=2 bash scripts/run-qwen3-tiny-cpu.sh            # tensor-parallel training over 2 ranks
 #   EXTRA_ARGS="--partial-rollout --use-wandb --wandb-mode offline" bash scripts/run-qwen3-tiny-cpu.sh
+# Other knobs: NUM_ROLLOUT (GRPO rollouts, 100), SFT_EPOCHS (40), LR (GRPO, 3e-4), OUT, MODEL_DIR, DATA_DIR.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] && PY=.venv/bin/python || PY=python3
@@ -20,7 +21,7 @@ DATA_DIR=${DATA_DIR:-data/addition}
 OUT=${OUT:-outputs/qwen3-tiny-${MODE:-sync}}
 MODE=${MODE:-sync}
 TP=${TP:-1}
-NUM_ROLLOUT=${NUM_ROLLOUT:-60}
+NUM_ROLLOUT=${NUM_ROLLOUT:-100}
 [ -f "$MODEL_DIR/config.json" ] || $PY tools/build_tiny_kit.py --model-dir "$MODEL_DIR" --data-dir "$DATA_DIR"
 rm -rf "$OUT"; mkdir -p "$OUT"
 
@@ -38,7 +39,7 @@ COMMON_ARGS=(
 SFT_ARGS=(
    --rollout-function-path slime.rollout.sft_rollout.generate_rollout
    --prompt-data "$DATA_DIR/sft.jsonl" --input-key messages --rollout-shuffle
-   --num-epoch ${SFT_EPOCHS:-20} --rollout-batch-size 50 --global-batch-size 50
+   --num-epoch ${SFT_EPOCHS:-40} --rollout-batch-size 50 --global-batch-size 50
    --loss-type sft_loss --calculate-per-token-loss --disable-compute-advantages-and-returns --debug-train-only
    --optimizer adam --lr 3e-3 --adam-beta1 0.9 --adam-beta2 0.98 --clip-grad 1.0
    --save "$OUT/sft" --save-interval 1000000
