@@ -204,3 +204,43 @@ def test_main_job_sft_then_grpo_raises_reward(tiny_kit, tmp_path):
     assert last > first + 0.05, f"GRPO did not raise the sampled reward: first 10 rollouts {first:.3f}, last 10 {last:.3f}"
     assert (out / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "eval/addition" in rows[0] and "| reward " in proc.stdout  # per-rollout console line
+
+
+def test_ctrl_c_leaves_no_processes_behind(tiny_kit, tmp_path):
+    """SIGINT to a running `python train.py` stops engines, router, trainers and its own Ray: nothing that names this
+    run's files survives."""
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    model = shutil.copytree(tiny_kit[0], tmp_path / "model")  # its path marks this run's server processes
+    argv = TINY_MODEL_ARGS + [
+        "--hf-checkpoint", str(model), "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
+        "--prompt-data", f"{tiny_kit[1]}/train.jsonl", "--input-key", "prompt", "--label-key", "label",
+        "--apply-chat-template", "--rm-type", "answer_match", "--num-rollout", "1000", "--rollout-batch-size", "4",
+        "--n-samples-per-prompt", "4", "--global-batch-size", "16", "--lr", "1e-5", "--rollout-max-response-len", "6",
+        "--metrics-path", str(tmp_path / "m.jsonl"),
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen([sys.executable, "train.py", *argv], cwd=root, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 600
+        for line in proc.stdout:  # wait until the loop is really running
+            if line.startswith("rollout 0 |") or time.time() > deadline:
+                break
+        assert proc.poll() is None, "train.py ended before the first rollout"
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    time.sleep(2)
+    left = [p.info["cmdline"] for p in psutil.process_iter(["cmdline"])
+            if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+    assert not left, f"processes left behind after Ctrl-C: {left}"
