@@ -244,3 +244,46 @@ def test_ctrl_c_leaves_no_processes_behind(tiny_kit, tmp_path):
     left = [p.info["cmdline"] for p in psutil.process_iter(["cmdline"])
             if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
     assert not left, f"processes left behind after Ctrl-C: {left}"
+
+
+def test_driver_joins_an_existing_cluster_from_ray_address(tiny_kit, tmp_path):
+    """As slime's launch scripts do: `ray start --head --num-gpus N`, then `RAY_ADDRESS=... python train.py ...`."""
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    from slime.utils.http_utils import find_available_port
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    import shutil
+    import tempfile
+
+    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short (unix socket paths), marks this cluster's processes
+    port = find_available_port(30000)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--num-gpus=2", "--num-cpus=8", "--include-dashboard=false",
+                    f"--temp-dir={temp_dir}", "--disable-usage-stats"], env=env, check=True, capture_output=True, timeout=180)
+    try:
+        argv = TINY_MODEL_ARGS + [
+            "--hf-checkpoint", tiny_kit[0], "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
+            "--prompt-data", f"{tiny_kit[1]}/train.jsonl", "--input-key", "prompt", "--label-key", "label",
+            "--apply-chat-template", "--rm-type", "answer_match", "--num-rollout", "1", "--rollout-batch-size", "4",
+            "--n-samples-per-prompt", "4", "--global-batch-size", "16", "--lr", "1e-5", "--rollout-max-response-len", "6",
+            "--metrics-path", str(tmp_path / "metrics.jsonl"),
+        ]
+        proc = subprocess.run([sys.executable, "train.py", *argv], cwd=root, env=dict(env, RAY_ADDRESS=f"127.0.0.1:{port}"),
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "Connected to Ray cluster" in proc.stdout + proc.stderr  # joined, did not start its own
+        assert len(read_metrics(tmp_path)) == 1
+    finally:
+        for p in psutil.process_iter(["cmdline"]):
+            if temp_dir in " ".join(p.info["cmdline"] or []):
+                try:
+                    p.send_signal(signal.SIGKILL)
+                except psutil.Error:
+                    pass
+        shutil.rmtree(temp_dir, ignore_errors=True)
