@@ -180,6 +180,7 @@ def apply() -> bool:
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     _patch_torch_adam_step_on_load()
+    _patch_tied_embedding_setup()
     _applied = True
     return True
 
@@ -201,6 +202,22 @@ def _patch_torch_adam_step_on_load():
         return original(self, model_param, tensors)
 
     DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+
+
+def _patch_tied_embedding_setup():
+    """PP>1 with tied embeddings: 0.16.1's `LanguageModule.setup_embeddings_and_output_layer` moves the embedding /
+    output-layer copy with `weight.data.cuda()` before all-reducing it over the embedding group (first + last stage).
+    Run it under the spoof mode, which makes `Tensor.cuda()` return the tensor itself."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    original = LanguageModule.setup_embeddings_and_output_layer
+
+    @functools.wraps(original)
+    def setup_embeddings_and_output_layer(self):
+        with _CudaTypeSpoofMode():
+            return original(self)
+
+    LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
 
 
 def _proxy_torch():

@@ -37,7 +37,10 @@ def get_data_iterator(args, model, rollout_data):
     """`(data_iterators, num_microbatches)`: one iterator per virtual-pipeline stage and the micro-batch count of
     each optimizer step of this rollout (identical on every DP rank)."""
     if mpu.get_context_parallel_world_size() > 1:
-        raise NotImplementedError("--context-parallel-size > 1 is not supported by slime's Megatron batching yet; use CP=1")
+        raise NotImplementedError(
+            f"--context-parallel-size {mpu.get_context_parallel_world_size()}: context parallelism is not supported. "
+            "It needs the Transformer-Engine attention (GPU only), and slime's CP batching (splitting each packed "
+            "sequence across CP ranks) is not implemented here; use --context-parallel-size 1")
     dp_size = _dp_size()
     total_samples = args.rollout_batch_size * args.n_samples_per_prompt
     if args.global_batch_size % dp_size != 0 or total_samples % dp_size != 0:
@@ -73,8 +76,16 @@ def get_data_iterator(args, model, rollout_data):
     if vpp_size > 1:
         from megatron.core.utils import get_model_config
 
+        # The interleaved schedule runs micro-batches in groups of `microbatch_group_size_per_vp_stage` (PP by
+        # default) and needs a whole number of groups. Round *up*: fewer micro-batches would overfill them past
+        # --max-tokens-per-gpu (and fewer than one group is rejected by the schedule).
         group = get_model_config(model[0]).microbatch_group_size_per_vp_stage
-        counts_t = torch.clamp(counts_t // group * group, min=1)
+        counts_t = (counts_t + group - 1) // group * group
+        if int(counts_t.max()) > num_local_gbs:
+            raise ValueError(
+                f"virtual pipeline parallelism runs micro-batches in groups of {group}, so a step needs "
+                f"{int(counts_t.max())} micro-batches, but each DP rank has only {num_local_gbs} samples per step "
+                f"(--global-batch-size / dp); raise --global-batch-size or --max-tokens-per-gpu")
     num_microbatches = counts_t.tolist()
 
     micro_batch_indices = []

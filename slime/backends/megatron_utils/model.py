@@ -89,14 +89,24 @@ def get_optimizer_param_scheduler(args, optimizer):
         warmup_steps = args.lr_warmup_fraction * decay_iters * gbs
     else:
         warmup_steps = warmup_iters * gbs
+    decay_steps = max(decay_iters * gbs, 1)
+    style = _arg(args, "lr_decay_style", "constant")
+    if warmup_steps >= decay_steps:
+        if style != "constant":  # a constant LR never decays, so only a decaying schedule needs warmup < decay
+            raise ValueError(
+                f"--lr-warmup-iters ({warmup_steps // gbs}) must be smaller than the decay length ({decay_iters} "
+                f"optimizer steps: --lr-decay-iters, or --num-rollout x --rollout-batch-size x --n-samples-per-prompt "
+                f"/ --global-batch-size) with --lr-decay-style {style}"
+            )
+        decay_steps = warmup_steps + 1
     return OptimizerParamScheduler(
         optimizer,
         init_lr=_arg(args, "lr_warmup_init", 0.0),
         max_lr=args.lr,
         min_lr=_arg(args, "min_lr", 0.0),
         lr_warmup_steps=warmup_steps,
-        lr_decay_steps=max(decay_iters * gbs, 1),
-        lr_decay_style=_arg(args, "lr_decay_style", "constant"),
+        lr_decay_steps=decay_steps,
+        lr_decay_style=style,
         start_wd=_arg(args, "start_weight_decay", _arg(args, "weight_decay", 0.0)),
         end_wd=_arg(args, "end_weight_decay", _arg(args, "weight_decay", 0.0)),
         wd_incr_steps=max(train_iters * gbs, 1),
@@ -175,7 +185,10 @@ def _iterator_arg(data_iterator):
 
 @torch.no_grad()
 def forward_only(args, model, data_iterator, num_microbatches, store_prefix=""):
-    """`{store_prefix + "log_probs": [...], (+ "entropy")}` per local sample, in the rollout data's order."""
+    """`{store_prefix + "log_probs": [...], (+ "entropy")}` per local sample, in the rollout data's order.
+
+    Only the last pipeline stage has logits, so only its ranks get the values; other stages get `{}`. Nothing there
+    needs them: advantages, rollout metrics and the loss are all computed on the last stage only."""
     for m in model:
         m.eval()
     if getattr(args, "custom_megatron_before_log_prob_hook_path", None):

@@ -41,6 +41,8 @@ def padded_vocab_size(args) -> int:
 def core_transformer_config_from_args(args) -> TransformerConfig:
     dtype = default_dtype(bool(getattr(args, "bf16", False)))
     num_experts = _arg(args, "num_experts", None)
+    vpp = _arg(args, "virtual_pipeline_model_parallel_size", None)
+    vpp_overlap = vpp is not None and bool(_arg(args, "overlap_p2p_comm", True))
     group_query = _arg(args, "group_query_attention", _arg(args, "num_query_groups", None) is not None)
     kw = dict(
         num_layers=args.num_layers,
@@ -67,6 +69,10 @@ def core_transformer_config_from_args(args) -> TransformerConfig:
         tensor_model_parallel_size=_arg(args, "tensor_model_parallel_size", 1),
         pipeline_model_parallel_size=_arg(args, "pipeline_model_parallel_size", 1),
         virtual_pipeline_model_parallel_size=_arg(args, "virtual_pipeline_model_parallel_size", None),
+        num_layers_in_first_pipeline_stage=_arg(args, "decoder_first_pipeline_num_layers", None),
+        num_layers_in_last_pipeline_stage=_arg(args, "decoder_last_pipeline_num_layers", None),
+        account_for_embedding_in_pipeline_split=bool(getattr(args, "account_for_embedding_in_pipeline_split", False)),
+        account_for_loss_in_pipeline_split=bool(getattr(args, "account_for_loss_in_pipeline_split", False)),
         context_parallel_size=_arg(args, "context_parallel_size", 1),
         expert_model_parallel_size=_arg(args, "expert_model_parallel_size", 1),
         expert_tensor_parallel_size=_arg(args, "expert_tensor_parallel_size", None),
@@ -79,6 +85,10 @@ def core_transformer_config_from_args(args) -> TransformerConfig:
         moe_token_dispatcher_type="alltoall",  # the allgather default rejects variable_seq_lengths even without MoE
         # CPU: no CUDA stream sync in p2p (PP>1); see cpu_compat.
         batch_p2p_sync=not is_cpu(),
+        # Megatron-LM's defaults: the interleaved (VPP) schedule overlaps p2p with compute through individual
+        # isend/irecv (which also keeps the two directions apart at PP=2); other schedules batch their p2p ops.
+        overlap_p2p_comm=vpp_overlap,
+        batch_p2p_comm=not vpp_overlap,
     )
     if num_experts:
         kw.update(

@@ -10,7 +10,7 @@ import ray
 import torch
 
 from slime.backends.megatron_utils.megatron_to_hf import convert_to_hf
-from slime.backends.megatron_utils.param_utils import all_gather_param, remove_padding
+from slime.backends.megatron_utils.param_utils import PREFIX, all_gather_param, remove_padding
 from slime.utils.device import get_device
 
 logger = logging.getLogger(__name__)
@@ -27,6 +27,12 @@ def local_device():
 
 def update_timeout(args) -> float:
     return float(getattr(args, "update_weight_timeout", None) or 300)
+
+
+def is_tied_output_copy(args, name) -> bool:
+    """The last pipeline stage's copy of a tied embedding: engines take it from the embedding, so it is not sent
+    (at PP=1 Megatron has no such parameter; sending it would also fail `--check-weight-update-equal`)."""
+    return name == PREFIX + "output_layer.weight" and not getattr(args, "untie_embeddings_and_output_weights", False)
 
 
 def gather_and_convert(args, model_name, name, param, vocab_size, quantization_config=None):

@@ -26,6 +26,7 @@ from .common import (
     describe_bucket,
     engine_urls,
     gather_and_convert,
+    is_tied_output_copy,
     log_metrics,
     tensor_sha256,
     update_metrics,
@@ -108,6 +109,8 @@ class UpdateWeightFromDistributed:
         bucket, bucket_bytes, sent = [], 0, 0
         num_buckets = 0
         for name, param in named_parameters(self.args, self.model):
+            if is_tied_output_copy(self.args, name):
+                continue
             hf_tensors = gather_and_convert(self.args, self.model_name, name, param, self.vocab_size,
                                             self.quantization_config)
             if not self._is_pp_src_rank:

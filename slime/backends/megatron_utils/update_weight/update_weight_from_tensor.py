@@ -30,6 +30,7 @@ from .common import (
     describe_bucket,
     engine_urls,
     gather_and_convert,
+    is_tied_output_copy,
     local_device,
     log_metrics,
     tensor_sha256,
@@ -56,6 +57,8 @@ def get_param_info_buckets(args, model) -> list:
     rank = dist.get_rank()
     infos = {}
     for name, param in named_parameters(args, model):
+        if is_tied_output_copy(args, name):
+            continue
         attrs = {k: getattr(param, k) for k in _TP_ATTRS if hasattr(param, k)}
         infos[name] = ParamInfo(name, param.dtype, tuple(param.shape), attrs, param.numel() * param.element_size(), rank)
     for size, group, only_experts in ((pp_size, mpu.get_pipeline_model_parallel_group, False),
