@@ -8,7 +8,8 @@
 #   MODE=async bash scripts/run-qwen3-tiny-cpu.sh      # train_async.py, one-step off-policy
 #   TP=2 bash scripts/run-qwen3-tiny-cpu.sh            # tensor-parallel training over 2 ranks
 #   EXTRA_ARGS="--partial-rollout --use-wandb --wandb-mode offline" bash scripts/run-qwen3-tiny-cpu.sh
-# Other knobs: NUM_ROLLOUT (GRPO rollouts, 100), SFT_EPOCHS (40), LR (GRPO, 3e-4), OUT, MODEL_DIR, DATA_DIR.
+# Other knobs: NUM_ROLLOUT (GRPO rollouts, 300), SFT_EPOCHS (30), LR (GRPO peak, 3e-4, cosine-decayed to 3e-5),
+# EVAL_INTERVAL (20), OUT, MODEL_DIR, DATA_DIR.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] && PY=.venv/bin/python || PY=python3
@@ -21,7 +22,7 @@ DATA_DIR=${DATA_DIR:-data/addition}
 OUT=${OUT:-outputs/qwen3-tiny-${MODE:-sync}}
 MODE=${MODE:-sync}
 TP=${TP:-1}
-NUM_ROLLOUT=${NUM_ROLLOUT:-100}
+NUM_ROLLOUT=${NUM_ROLLOUT:-300}
 [ -f "$MODEL_DIR/config.json" ] || $PY tools/build_tiny_kit.py --model-dir "$MODEL_DIR" --data-dir "$DATA_DIR"
 rm -rf "$OUT"; mkdir -p "$OUT"
 
@@ -39,7 +40,7 @@ COMMON_ARGS=(
 SFT_ARGS=(
    --rollout-function-path slime.rollout.sft_rollout.generate_rollout
    --prompt-data "$DATA_DIR/sft.jsonl" --input-key messages --rollout-shuffle
-   --num-epoch ${SFT_EPOCHS:-40} --rollout-batch-size 50 --global-batch-size 50
+   --num-epoch ${SFT_EPOCHS:-30} --rollout-batch-size 50 --global-batch-size 50
    --loss-type sft_loss --calculate-per-token-loss --disable-compute-advantages-and-returns --debug-train-only
    --optimizer adam --lr 3e-3 --adam-beta1 0.9 --adam-beta2 0.98 --clip-grad 1.0
    --save "$OUT/sft" --save-interval 1000000
@@ -56,11 +57,11 @@ ROLLOUT_ARGS=(
    --num-rollout "$NUM_ROLLOUT" --rollout-batch-size 16 --n-samples-per-prompt 8
    --rollout-max-response-len 8 --rollout-temperature 1.0
    --over-sampling-batch-size 24 --dynamic-sampling-filter-path slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std
-   --global-batch-size 32   # 4 optimizer steps per rollout of 16x8 samples
+   --global-batch-size 64   # 2 optimizer steps per rollout of 16x8 samples
 )
-EVAL_ARGS=(--eval-interval 10 --eval-prompt-data addition "$DATA_DIR/eval.jsonl" --eval-temperature 0 --eval-max-response-len 8)
+EVAL_ARGS=(--eval-interval ${EVAL_INTERVAL:-20} --eval-prompt-data addition "$DATA_DIR/eval.jsonl" --eval-temperature 0 --eval-max-response-len 8)
 GRPO_ARGS=(--advantage-estimator grpo --eps-clip 0.2 --eps-clip-high 0.28 --entropy-coef 0.0)
-OPTIMIZER_ARGS=(--optimizer adam --lr ${LR:-3e-4} --lr-decay-style constant --lr-warmup-iters 40
+OPTIMIZER_ARGS=(--optimizer adam --lr ${LR:-3e-4} --lr-decay-style cosine --min-lr 3e-5 --lr-warmup-iters 40
                 --adam-beta1 0.9 --adam-beta2 0.99 --clip-grad 1.0 --weight-decay 0.0)
 SGLANG_ARGS=(--rollout-num-gpus-per-engine 1 --sglang-max-running-requests 128)
 MISC_ARGS=(--metrics-path "$OUT/metrics.jsonl")

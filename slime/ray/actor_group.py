@@ -1,4 +1,5 @@
 """Driver-side handle over the N training actors; every `async_*` returns a list of ObjectRefs (one per rank)."""
+import logging
 import os
 
 import ray
@@ -7,6 +8,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from slime.ray.placement_group import noset_visible_devices_env
 from slime.ray.utils import register_cleanup
 from slime.utils.device import is_cpu
+
+logger = logging.getLogger(__name__)
 
 
 class RayTrainGroup:
@@ -75,9 +78,12 @@ class RayTrainGroup:
 
 
 def _torch_memory_saver_env() -> dict:
-    import torch_memory_saver
-
-    path = os.path.join(os.path.dirname(torch_memory_saver.__file__), "..", "torch_memory_saver_hook_mode_preload.abi3.so")
-    path = os.path.abspath(path)
-    assert os.path.exists(path), f"--offload needs torch_memory_saver's preload library, not found at {path}"
+    """Preload torch_memory_saver's hook in GPU trainers with --offload so `sleep` can pause every allocation (with a
+    CPU backup). Without the package the trainers move their storages to pinned memory themselves."""
+    try:
+        from torch_memory_saver.utils import get_binary_path_from_package
+    except ImportError:
+        logger.info("--offload: torch_memory_saver is not installed; trainers offload by copying to pinned memory")
+        return {}
+    path = str(get_binary_path_from_package("torch_memory_saver_hook_mode_preload"))
     return {"LD_PRELOAD": path, "TMS_INIT_ENABLE": "1", "TMS_INIT_ENABLE_CPU_BACKUP": "1"}

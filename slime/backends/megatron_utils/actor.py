@@ -24,6 +24,15 @@ from .param_utils import named_parameters
 logger = logging.getLogger(__name__)
 
 
+def _memory_saver():
+    """torch_memory_saver, when this process runs under its preload hook (set by `slime.ray.actor_group`)."""
+    if is_cpu() or "torch_memory_saver" not in os.environ.get("LD_PRELOAD", ""):
+        return None
+    from torch_memory_saver import torch_memory_saver
+
+    return torch_memory_saver
+
+
 class MegatronTrainRayActor(TrainRayActor):
     def init(self, args, role, wandb_run_id=None, with_ref=False):
         """Set up this rank; returns the first rollout id to train (loaded iteration + 1, or 0)."""
@@ -142,9 +151,16 @@ class MegatronTrainRayActor(TrainRayActor):
 
     @torch.no_grad()
     def sleep(self, tags=None):
-        """Move params, grads and optimizer state out of the training device's memory (storages freed in place, so
-        every view — DDP buffers, optimizer state — stays valid and comes back bit-exact on `wake_up`)."""
+        """Move params, grads and optimizer state out of the training device's memory. With torch_memory_saver's
+        preload hook (GPU --offload, see `slime.ray.actor_group`) every allocation of this process is paused with a
+        CPU backup, as slime does; otherwise storages are copied out and freed in place, so every view — DDP buffers,
+        optimizer state — stays valid and comes back bit-exact on `wake_up`."""
         if self._offload_backup is not None:
+            return
+        if (saver := _memory_saver()) is not None:
+            torch.cuda.synchronize()
+            saver.pause()
+            self._offload_backup = saver
             return
         backup = []
         for storage in self._offload_storages():
@@ -159,12 +175,15 @@ class MegatronTrainRayActor(TrainRayActor):
 
     @torch.no_grad()
     def wake_up(self, tags=None):
-        if self._offload_backup is None:
+        backup, self._offload_backup = self._offload_backup, None
+        if backup is None:
             return
-        for storage, saved in self._offload_backup:
+        if not isinstance(backup, list):  # torch_memory_saver
+            backup.resume()
+            return
+        for storage, saved in backup:
             storage.resize_(saved.numel())
             storage.copy_(saved.untyped_storage())
-        self._offload_backup = None
         if not is_cpu():
             torch.cuda.synchronize()
 
