@@ -216,10 +216,11 @@ def cleanup(engines):
 # ------------------------------------------------------------------ tests
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_broadcast_update_gives_engine_the_trainer_weights(tiny_kit, engines, lock, cleanup, tp):
+@pytest.mark.parametrize("tp,transport", [(1, "broadcast"), (2, "broadcast"), (2, "shm")])
+def test_disaggregated_update_gives_engine_the_trainer_weights(tiny_kit, engines, lock, cleanup, tp, transport):
+    """gloo broadcast, and the same-host shared-memory transport `auto` picks on CPU."""
     # 64 KiB buckets: smaller than the embedding (512 x 128 fp32 = 256 KiB), which must still go (alone)
-    args = _args(tiny_kit[0], tp)
+    args = _args(tiny_kit[0], tp, update_weight_transport=transport)
     engine, url = engines[0]
     cleanup += start_trainers(args, colocate=False)
     reference = trainer_greedy(cleanup)
@@ -282,7 +283,7 @@ def test_dead_engine_fails_the_update_fast_naming_its_url(ray_session, tiny_kit,
     from slime.backends.megatron_utils.update_weight_utils import WeightUpdateError
 
     timeout = 300
-    args = _args(tiny_kit[0], 1, update_weight_timeout=timeout)
+    args = _args(tiny_kit[0], 1, update_weight_timeout=timeout, update_weight_transport="broadcast")
     own = start_engines(args, 1)  # killed below, so not a shared one
     trainers = []
     try:

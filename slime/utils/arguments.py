@@ -105,6 +105,11 @@ def add_rollout_arguments(parser):
     g.add_argument("--buffer-filter-path", type=str, default=None)
     g.add_argument("--update-weight-buffer-size", type=int, default=512 * 1024**2,
                    help="Bytes per weight-update bucket.")
+    g.add_argument("--update-weight-transport", choices=["auto", "broadcast", "shm"], default="auto",
+                   help="Disaggregated weight sync: 'broadcast' over the weight-update process group (NCCL/gloo); "
+                        "'shm' hands flattened buckets to the engines as shared-memory handles (CPU, engines on "
+                        "the trainer's host); 'auto' = shm where it applies (like NCCL's intra-node SHM transport), "
+                        "else broadcast.")
     g.add_argument("--update-weights-interval", type=int, default=1, help="Rollouts between weight updates (async).")
     g.add_argument("--update-weight-timeout", type=float, default=300,
                    help="Seconds a weight update may take before it fails naming the engine.")

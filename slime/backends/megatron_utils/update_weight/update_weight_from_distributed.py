@@ -3,10 +3,16 @@
 Each pipeline stage's source rank (dp 0, tp 0) owns a dedicated group `slime-pp_{pp_rank}` = itself (rank 0) + every
 engine rank, separate from the training groups. Per bucket: take the `Lock` (PP stages must not broadcast into the
 same engines at once), tell every engine what arrives (names, dtypes, shapes), broadcast, wait for the engines.
+
+On CPU with every engine on this host, gloo's TCP loopback caps the transfer at a fraction of memory bandwidth, so
+(`--update-weight-transport auto|shm`) each bucket is instead flattened into a reused shared-memory buffer whose
+handle goes to every engine through `/update_weights_from_tensor`: one copy on each side, as NCCL's SHM transport does.
 """
 import logging
 import threading
 import time
+from collections import defaultdict
+from urllib.parse import urlparse
 
 import ray
 import torch
@@ -15,9 +21,10 @@ from megatron.core import parallel_state as mpu
 
 from slime.backends.megatron_utils.initialize import get_gloo_group
 from slime.backends.megatron_utils.param_utils import named_parameters
-from slime.utils.device import dist_backend
+from slime.utils.device import dist_backend, is_cpu
 from slime.utils.distributed_utils import init_process_group, seconds
 from slime.utils.http_utils import find_available_port, get_host_info
+from slime.utils.tensor_serialization import FlattenedTensorBucket, FlattenedTensorMetadata, MultiprocessingSerializer
 
 from .common import (
     WeightUpdateError,
@@ -50,6 +57,8 @@ class UpdateWeightFromDistributed:
         self._group, self._group_name, self._urls = None, None, []
         self._lock_releases = []
         self._expected_checksums = {}
+        self.transport = None  # "broadcast" or "shm", chosen in connect_rollout_engines
+        self._shm_buffers = {}  # dtype -> shared flat buffer, reused bucket after bucket (see module docstring)
 
     @property
     def _is_pp_src_rank(self) -> bool:
@@ -62,6 +71,10 @@ class UpdateWeightFromDistributed:
         if not self._is_pp_src_rank:
             return
         self._group_name = f"slime-pp_{mpu.get_pipeline_model_parallel_rank()}"
+        self.transport = self._choose_transport()
+        logger.info("weight sync to %s: %s", self._urls, self.transport)
+        if self.transport == "shm":
+            return
         gpus_per_engine = self.args.rollout_num_gpus_per_engine
         world_size = len(rollout_engines) * gpus_per_engine + 1
         master_address = get_host_info()[1]
@@ -92,6 +105,17 @@ class UpdateWeightFromDistributed:
         if "error" in joined or thread.is_alive():
             raise WeightUpdateError(f"{what}: the trainer side failed: {joined.get('error', 'timed out')}")
         self._group = joined["group"]
+
+    def _choose_transport(self) -> str:
+        wanted = getattr(self.args, "update_weight_transport", "auto") or "auto"
+        local = {"127.0.0.1", "localhost", "::1", get_host_info()[1]}
+        same_host = all(urlparse(u).hostname in local for u in self._urls)
+        if wanted == "shm" and not (is_cpu() and same_host):
+            raise WeightUpdateError(
+                f"--update-weight-transport shm needs a CPU run with every engine on this host ({get_host_info()[1]}); "
+                f"engines: {self._urls}"
+            )
+        return "shm" if wanted == "shm" or (wanted == "auto" and is_cpu() and same_host) else "broadcast"
 
     @torch.no_grad()
     def update_weights(self) -> dict:
@@ -150,37 +174,17 @@ class UpdateWeightFromDistributed:
         return len(self.rollout_engines) * self.args.rollout_num_gpus_per_engine
 
     def _send_bucket(self, named_tensors, index) -> int:
-        what = f"update_weights_from_distributed v{self.weight_version} {describe_bucket(index, named_tensors)} " \
-               f"via {self._group_name}"
+        via = "shared memory" if self.transport == "shm" else self._group_name
+        what = f"update_weights_from_distributed v{self.weight_version} {describe_bucket(index, named_tensors)} via {via}"
         timeout = update_timeout(self.args)
-        if self._group is None:
+        if self._group is None and self.transport != "shm":
             raise WeightUpdateError(f"{what}: connect_rollout_engines() was not called on this trainer")
         acquire_lock(self.rollout_engine_lock, what, timeout)
         try:
-            refs = [
-                engine.update_weights_from_distributed.remote(
-                    names=[n for n, _ in named_tensors],
-                    dtypes=[_dtype_name(t.dtype) for _, t in named_tensors],
-                    shapes=[list(t.shape) for _, t in named_tensors],
-                    group_name=self._group_name,
-                    weight_version=str(self.weight_version),
-                )
-                for engine in self.rollout_engines
-            ]
-            works = [dist.broadcast(t, 0, group=self._group, async_op=True) for _, t in named_tensors]
-
-            def check_broadcast(all_works=False):
-                # a peer that vanished mid-transfer fails the work; name the engine that died if it says so in time
-                for w in works:
-                    if all_works or w.is_completed():
-                        try:
-                            w.wait()
-                        except Exception as e:
-                            wait_engines(refs, self._urls, what, timeout=5)
-                            raise WeightUpdateError(f"{what}: broadcast to engines {self._urls} failed: {e}") from e
-
-            wait_engines(refs, self._urls, what, timeout, on_poll=check_broadcast)
-            check_broadcast(all_works=True)
+            if self.transport == "shm":
+                self._send_bucket_shm(named_tensors, what, timeout)
+            else:
+                self._send_bucket_broadcast(named_tensors, what, timeout)
         finally:
             # not awaited here: the lock actor runs our next acquire after this release anyway (calls from one
             # caller run in order); `update_weights` checks the releases once at the end
@@ -188,6 +192,61 @@ class UpdateWeightFromDistributed:
         if getattr(self.args, "check_weight_update_equal", False):
             self._expected_checksums.update({n: tensor_sha256(t) for n, t in named_tensors})
         return sum(t.numel() * t.element_size() for _, t in named_tensors)
+
+    def _send_bucket_broadcast(self, named_tensors, what, timeout):
+        refs = [
+            engine.update_weights_from_distributed.remote(
+                names=[n for n, _ in named_tensors],
+                dtypes=[_dtype_name(t.dtype) for _, t in named_tensors],
+                shapes=[list(t.shape) for _, t in named_tensors],
+                group_name=self._group_name,
+                weight_version=str(self.weight_version),
+            )
+            for engine in self.rollout_engines
+        ]
+        works = [dist.broadcast(t, 0, group=self._group, async_op=True) for _, t in named_tensors]
+
+        def check_broadcast(all_works=False):
+            # a peer that vanished mid-transfer fails the work; name the engine that died if it says so in time
+            for w in works:
+                if all_works or w.is_completed():
+                    try:
+                        w.wait()
+                    except Exception as e:
+                        wait_engines(refs, self._urls, what, timeout=5)
+                        raise WeightUpdateError(f"{what}: broadcast to engines {self._urls} failed: {e}") from e
+
+        wait_engines(refs, self._urls, what, timeout, on_poll=check_broadcast)
+        check_broadcast(all_works=True)
+
+    def _send_bucket_shm(self, named_tensors, what, timeout):
+        """One flattened bucket per dtype in a shared buffer; every engine (each TP rank) gets its own handle."""
+        by_dtype = defaultdict(list)
+        for name, t in named_tensors:
+            by_dtype[t.dtype].append((name, t))
+        refs = []
+        for dtype, items in by_dtype.items():
+            numel = sum(t.numel() for _, t in items)
+            buf = self._shm_buffers.get(dtype)
+            if buf is None or buf.numel() < numel:
+                buf = torch.empty(numel, dtype=dtype).share_memory_()
+                self._shm_buffers[dtype] = buf
+            metadata, offset = [], 0
+            for name, t in items:
+                buf[offset:offset + t.numel()].view(t.shape).copy_(t)
+                metadata.append(FlattenedTensorMetadata(name=name, shape=t.shape, dtype=dtype, start_idx=offset,
+                                                        end_idx=offset + t.numel(), numel=t.numel()))
+                offset += t.numel()
+            bucket = FlattenedTensorBucket(flattened_tensor=buf[:offset], metadata=metadata)
+            payload = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
+            for engine in self.rollout_engines:  # a handle can be opened once: one per engine TP rank
+                handles = [MultiprocessingSerializer.serialize(payload, output_str=True)
+                           for _ in range(self.args.rollout_num_gpus_per_engine)]
+                refs.append(engine.update_weights_from_tensor.remote(
+                    serialized_named_tensors=handles, load_format="flattened_bucket",
+                    weight_version=str(self.weight_version)))
+        # engines answer after copying out of the buffer, so the next bucket may overwrite it
+        wait_engines(refs, [u for _ in by_dtype for u in self._urls], what, timeout)
 
     def check_weight_update_equal(self) -> None:
         """Compare sha256 of every HF tensor this stage sent with what each engine now holds."""
