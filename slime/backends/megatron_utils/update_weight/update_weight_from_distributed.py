@@ -122,11 +122,15 @@ class UpdateWeightFromDistributed:
         start = time.perf_counter()
         self.weight_version += 1
         timeout = update_timeout(self.args)
+        pausing = []
         if dist.get_rank() == 0:
-            # an engine actor runs one caller's calls in order, so each flush follows its pause: one wait for both
-            refs = [e.pause_generation.remote() for e in self.rollout_engines]
-            refs += [e.flush_cache.remote() for e in self.rollout_engines]
-            wait_engines(refs, self._urls * 2, "pause_generation / flush_cache", timeout)
+            # an engine actor runs one caller's calls in order: each flush follows its pause, and with one pipeline
+            # stage (rank 0 the only sender) every bucket follows both, so they are awaited only at the end
+            pausing = [e.pause_generation.remote() for e in self.rollout_engines]
+            pausing += [e.flush_cache.remote() for e in self.rollout_engines]
+            if mpu.get_pipeline_model_parallel_world_size() > 1:
+                wait_engines(pausing, self._urls * 2, "pause_generation / flush_cache", timeout)
+                pausing = []
         dist.barrier(group=get_gloo_group())
 
         self._expected_checksums = {}
@@ -150,6 +154,8 @@ class UpdateWeightFromDistributed:
         if bucket:
             num_buckets += 1
             sent += self._send_bucket(bucket, num_buckets)
+        if pausing:
+            wait_engines(pausing, self._urls * 2, "pause_generation / flush_cache", timeout)
         dist.barrier(group=get_gloo_group())
         self._wait_lock_releases()
 
