@@ -23,6 +23,7 @@ OUT=${OUT:-outputs/qwen3-tiny-${MODE:-sync}}
 MODE=${MODE:-sync}
 TP=${TP:-1}
 NUM_ROLLOUT=${NUM_ROLLOUT:-300}
+WARMUP=$(( NUM_ROLLOUT * 2 >= 160 ? 40 : NUM_ROLLOUT / 2 ))   # 40 optimizer steps, at most a quarter of them
 [ -f "$MODEL_DIR/config.json" ] || $PY tools/build_tiny_kit.py --model-dir "$MODEL_DIR" --data-dir "$DATA_DIR"
 rm -rf "$OUT"; mkdir -p "$OUT"
 
@@ -61,7 +62,7 @@ ROLLOUT_ARGS=(
 )
 EVAL_ARGS=(--eval-interval ${EVAL_INTERVAL:-20} --eval-prompt-data addition "$DATA_DIR/eval.jsonl" --eval-temperature 0 --eval-max-response-len 8)
 GRPO_ARGS=(--advantage-estimator grpo --eps-clip 0.2 --eps-clip-high 0.28 --entropy-coef 0.0)
-OPTIMIZER_ARGS=(--optimizer adam --lr ${LR:-3e-4} --lr-decay-style cosine --min-lr 3e-5 --lr-warmup-iters 40
+OPTIMIZER_ARGS=(--optimizer adam --lr ${LR:-3e-4} --lr-decay-style cosine --min-lr 3e-5 --lr-warmup-iters $WARMUP
                 --adam-beta1 0.9 --adam-beta2 0.99 --clip-grad 1.0 --weight-decay 0.0)
 SGLANG_ARGS=(--rollout-num-gpus-per-engine 1 --sglang-max-running-requests 128)
 MISC_ARGS=(--metrics-path "$OUT/metrics.jsonl")

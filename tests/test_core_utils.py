@@ -226,3 +226,29 @@ def test_http_post_get_and_errors(http_server, monkeypatch):
         dead = s.getsockname()[1]  # bound but not listening: connection refused
         with pytest.raises(ConnectionError, match=rf"POST http://127.0.0.1:{dead}/x failed after 2 attempt"):
             async_utils.run(http_utils.post(f"http://127.0.0.1:{dead}/x", {}, max_retries=2), timeout=30)
+
+
+def test_cleanup_on_exit_runs_every_step_even_when_one_hangs_or_fails(monkeypatch, capsys):
+    """A cleanup step stuck on a half-dead cluster is abandoned after its bound; the others still run, in reverse."""
+    import threading
+
+    from slime.ray import utils
+
+    monkeypatch.setattr(utils, "CLEANUP_STEP_TIMEOUT_S", 0.2)
+    ran, stuck = [], threading.Event()
+
+    def fails():
+        raise RuntimeError("actor already dead")
+
+    def hangs():
+        stuck.wait()  # never set: a Ray call that never returns
+
+    with utils.cleanup_on_exit():
+        utils.register_cleanup(lambda: ran.append("first registered"))
+        utils.register_cleanup(fails)
+        utils.register_cleanup(hangs)
+        utils.register_cleanup(lambda: ran.append("last registered"))
+    stuck.set()
+    assert ran == ["last registered", "first registered"]
+    out = capsys.readouterr().out
+    assert "hangs did not finish within 0.2s" in out and "fails failed: actor already dead" in out

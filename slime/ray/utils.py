@@ -64,11 +64,31 @@ def cleanup_on_exit():
         if in_main:
             signal.signal(signal.SIGTERM, previous)
         while _cleanups:
-            fn = _cleanups.pop()
-            try:
-                fn()
-            except Exception as e:  # keep releasing the rest; a dead actor has nothing left to stop
-                print(f"cleanup {getattr(fn, '__qualname__', fn)} failed: {e}", flush=True)
+            _run_cleanup(_cleanups.pop())
+
+
+CLEANUP_STEP_TIMEOUT_S = 60.0
+
+
+def _run_cleanup(fn):
+    """One cleanup step, bounded: a Ray call can block forever once the cluster is half gone (e.g. removing a
+    placement group after its raylet died), and the run must still end."""
+    name = getattr(fn, "__qualname__", fn)
+    errors = []
+
+    def run():
+        try:
+            fn()
+        except Exception as e:  # keep releasing the rest; a dead actor has nothing left to stop
+            errors.append(e)
+
+    thread = threading.Thread(target=run, name=f"cleanup-{name}", daemon=True)
+    thread.start()
+    thread.join(CLEANUP_STEP_TIMEOUT_S)
+    if thread.is_alive():
+        print(f"cleanup {name} did not finish within {CLEANUP_STEP_TIMEOUT_S:g}s (is Ray still up?); skipped", flush=True)
+    elif errors:
+        print(f"cleanup {name} failed: {errors[0]}", flush=True)
 
 
 class Watchdog:

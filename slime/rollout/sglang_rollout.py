@@ -5,6 +5,7 @@ Module import needs neither sglang, megatron nor a GPU.
 """
 import asyncio
 import copy
+import logging
 from collections import Counter
 
 from tqdm import tqdm
@@ -15,6 +16,8 @@ from slime.utils.async_utils import run
 from slime.utils.http_utils import post
 from slime.utils.misc import SingletonMeta, load_function
 from slime.utils.types import Sample
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["generate_rollout"]
 
@@ -240,6 +243,12 @@ async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[li
                     if not keep:
                         state.remaining_batch_size -= 1
                         drops[reason or "filtered"] += 1
+                        if sum(drops.values()) % (10 * target_data_size) == 0:  # e.g. a policy that never scores
+                            logger.warning(
+                                f"rollout {rollout_id}: --dynamic-sampling-filter-path {args.dynamic_sampling_filter_path} "
+                                f"dropped {sum(drops.values())} groups so far, kept {len(data)}/{target_data_size}; "
+                                "generation continues until enough groups pass"
+                            )
                         continue
                 if len(data) < target_data_size:
                     data.append(group)
