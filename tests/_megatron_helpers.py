@@ -147,3 +147,17 @@ def fixed_rollout(vocab_size=512, n=4, seed=0):
         data["sample_indices"].append(i)
         data["rollout_log_probs"].append(np.full(r, -6.0, dtype=np.float32))
     return data
+
+
+def hf_log_probs(model_dir, data):
+    """Per-sample response log-probs of `data` (tokens, response_lengths) from a transformers fp32 forward."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    out = []
+    with torch.no_grad():
+        for tokens, r in zip(data["tokens"], data["response_lengths"]):
+            t = torch.as_tensor(tokens)[None]
+            logp = torch.log_softmax(ref(t).logits[0].float(), -1)
+            out.append(logp[-r - 1:-1].gather(-1, t[0, -r:, None])[:, 0])
+    return out

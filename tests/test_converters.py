@@ -11,7 +11,15 @@ import sys
 import pytest
 import torch
 
-from tests._megatron_helpers import build_random_hf, causal_mask, fixed_rollout, free_port, spawn, train_args
+from tests._megatron_helpers import (
+    build_random_hf,
+    causal_mask,
+    fixed_rollout,
+    free_port,
+    hf_log_probs,
+    spawn,
+    train_args,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAMILIES = ["qwen2", "qwen3", "llama", "qwen3moe"]
@@ -139,14 +147,14 @@ def _train_from_release(rank, model_dir, release_root, save_dir, out_path):
     from slime.backends.megatron_utils.checkpoint import save_checkpoint
     from slime.backends.megatron_utils.loss import compute_advantages_and_returns
     from slime.backends.megatron_utils.model import forward_only, train
-    from tests.test_megatron_model import _hf_log_probs, _setup
+    from tests.test_megatron_model import _setup
 
     args = train_args(model_dir, load=release_root, save=save_dir)
     data = fixed_rollout()
     model, opt, sched, iteration, rollout, iters, nmb = _setup(args, data)
     assert iteration == -1  # a release checkpoint is loaded as finetune: training starts at rollout 0
     log_probs = forward_only(args, model, iters, nmb)["log_probs"]
-    for got, expected in zip(log_probs, _hf_log_probs(model_dir, data)):
+    for got, expected in zip(log_probs, hf_log_probs(model_dir, data)):
         assert (got - expected).abs().max().item() <= 1e-5
     rollout.update(forward_only(args, model, iters, nmb, store_prefix="ref_"))
     rollout.update({"log_probs": log_probs})

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests._megatron_helpers import fixed_rollout, free_port, train_args
+from tests._megatron_helpers import fixed_rollout, free_port, hf_log_probs, train_args
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_TE = importlib.util.find_spec("transformer_engine") is not None
@@ -81,20 +81,6 @@ def _unwrap(module):
     return module
 
 
-def _hf_log_probs(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    data = fixed_rollout()
-    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
-    out = []
-    with torch.no_grad():
-        for tokens, r in zip(data["tokens"], data["response_lengths"]):
-            t = torch.as_tensor(tokens)[None]
-            logp = torch.log_softmax(ref(t).logits[0].float(), -1)
-            out.append(logp[-r - 1:-1].gather(-1, t[0, -r:, None])[:, 0])
-    return torch.cat(out)
-
-
 # ---- (i) layer specs on the GPU: log-probs vs transformers -------------------------------------------------------
 def _log_probs(index, model_dir, impl, bf16, port, out_path):
     from slime.backends.megatron_utils.model import forward_only
@@ -123,7 +109,7 @@ def test_layer_spec_log_probs_match_transformers_on_gpu(tiny_kit, tmp_path, impl
     matches to 1e-4."""
     out = tmp_path / "lp.pt"
     _spawn(_log_probs, 1, tiny_kit[0], impl, bf16, free_port(), str(out))
-    got, expected = torch.load(out), _hf_log_probs(tiny_kit[0])
+    got, expected = torch.load(out), torch.cat(hf_log_probs(tiny_kit[0], fixed_rollout()))
     assert got.shape == expected.shape
     assert (got - expected).abs().max().item() <= tol, (got, expected)
 

@@ -3,7 +3,7 @@ first-step KL 0, a training step lowers the loss, save -> load -> identical next
 import pytest
 import torch
 
-from tests._megatron_helpers import fixed_rollout, spawn, train_args
+from tests._megatron_helpers import fixed_rollout, hf_log_probs, spawn, train_args
 
 
 class _Ref:
@@ -31,19 +31,6 @@ def _setup(args, data):
     return model, opt, sched, iteration, rollout, iters, nmb
 
 
-def _hf_log_probs(model_dir, data):
-    from transformers import AutoModelForCausalLM
-
-    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
-    out = []
-    with torch.no_grad():
-        for tokens, r in zip(data["tokens"], data["response_lengths"]):
-            t = torch.as_tensor(tokens)[None]
-            logp = torch.log_softmax(ref(t).logits[0].float(), -1)
-            out.append(logp[-r - 1:-1].gather(-1, t[0, -r:, None])[:, 0])
-    return out
-
-
 def _log_probs_match_hf(rank, model_dir, tp, out_path):
     from slime.backends.megatron_utils.model import forward_only
 
@@ -52,7 +39,7 @@ def _log_probs_match_hf(rank, model_dir, tp, out_path):
     model, _, _, iteration, rollout, iters, nmb = _setup(args, data)
     assert iteration == -1  # fresh start from the HF checkpoint
     got = forward_only(args, model, iters, nmb)["log_probs"]
-    expected = _hf_log_probs(model_dir, data)
+    expected = hf_log_probs(model_dir, data)
     for g, e in zip(got, expected):
         assert g.shape == e.shape and (g - e).abs().max().item() <= 1e-5, (g, e)
     if rank == 0:

@@ -7,7 +7,7 @@ weight sync uses. The PP=1 run of the same program and a transformers forward ar
 import pytest
 import torch
 
-from tests._megatron_helpers import fixed_rollout, spawn, train_args
+from tests._megatron_helpers import fixed_rollout, hf_log_probs, spawn, train_args
 
 NUM_ROLLOUTS = 3
 _COMPARED_METRICS = ("train/loss", "train/pg_loss", "train/entropy_loss", "train/grad_norm",
@@ -128,19 +128,6 @@ def _merged(ranks, key):
     return merged
 
 
-def _hf_log_probs(model_dir, data):
-    from transformers import AutoModelForCausalLM
-
-    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
-    out = []
-    with torch.no_grad():
-        for tokens, r in zip(data["tokens"], data["response_lengths"]):
-            t = torch.as_tensor(tokens)[None]
-            logp = torch.log_softmax(ref(t).logits[0].float(), -1)
-            out.append(logp[-r - 1:-1].gather(-1, t[0, -r:, None])[:, 0])
-    return out
-
-
 def _max_diff(a, b):
     assert len(a) == len(b) and all(x.shape == y.shape for x, y in zip(a, b))
     return max((x - y).abs().max().item() for x, y in zip(a, b))
@@ -153,7 +140,7 @@ def _assert_matches_pp1(ranks, pp1, tiny_kit):
     for r in ranks:
         assert r["log_prob_keys"] == (["log_probs"] if r["last"] else []), (r["pp_rank"], r["log_prob_keys"])
     assert _max_diff(last["log_probs"], ref["log_probs"]) <= 1e-5
-    assert _max_diff(last["log_probs"], _hf_log_probs(tiny_kit[0], fixed_rollout())) <= 1e-5
+    assert _max_diff(last["log_probs"], hf_log_probs(tiny_kit[0], fixed_rollout())) <= 1e-5
     # (b) the same loss / grad norm at every step, and training moves the same way.
     assert len(last["history"]) == len(ref["history"]) == NUM_ROLLOUTS
     assert all(r["history"] == [] for r in ranks if not r["last"])  # metrics come from the last stage
