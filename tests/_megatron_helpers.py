@@ -29,18 +29,38 @@ def _entry(rank, fn, world_size, port, args):
 
 def spawn(fn, world_size, *args, timeout=240):
     """Run `fn(rank, *args)` in `world_size` fresh gloo ranks; an assertion in any rank fails the caller."""
-    ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size, join=False,
-                             start_method="spawn")
+    run_processes(_entry, (fn, world_size, free_port(), args), world_size, fn.__name__, timeout)
+
+
+def run_processes(entry, entry_args, nprocs, name, timeout):
+    """`entry(index, *entry_args)` in `nprocs` spawned processes; the first failure (with its traceback) or the
+    deadline fails the caller, and no process outlives the call."""
+    ctx = mp.start_processes(entry, args=entry_args, nprocs=nprocs, join=False, start_method="spawn")
     deadline = time.time() + timeout
     try:
         while not ctx.join(timeout=max(1.0, deadline - time.time())):
             if time.time() > deadline:
-                raise TimeoutError(f"{fn.__name__}: {world_size} ranks did not finish within {timeout}s")
+                raise TimeoutError(f"{name}: {nprocs} process(es) did not finish within {timeout}s")
     finally:
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
                 p.join(5)
+
+
+def train_once_for_offload(args, model, opt, sched, rollout, iters, nmb):
+    """One GRPO step (so grads and Adam moments are non-trivial), then a bare actor holding what offload moves."""
+    from slime.backends.megatron_utils.actor import MegatronTrainRayActor
+    from slime.backends.megatron_utils.loss import compute_advantages_and_returns
+    from slime.backends.megatron_utils.model import forward_only, train
+
+    rollout.update(forward_only(args, model, iters, nmb, store_prefix="ref_"))
+    rollout.update(forward_only(args, model, iters, nmb))
+    compute_advantages_and_returns(args, rollout)
+    train(args, 0, model, opt, sched, iters, nmb)
+    actor = object.__new__(MegatronTrainRayActor)  # offload needs only these fields, not a Ray actor
+    actor.args, actor.model, actor.optimizer, actor._offload_backup = args, model, opt, None
+    return actor
 
 
 def megatron_args(hf_dir, **overrides):

@@ -6,13 +6,19 @@ as a trainer on a GPU node does. Without CUDA every test here is skipped (the re
 """
 import importlib.util
 import os
-import time
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests._megatron_helpers import fixed_rollout, free_port, hf_log_probs, train_args
+from tests._megatron_helpers import (
+    fixed_rollout,
+    free_port,
+    hf_log_probs,
+    run_processes,
+    train_args,
+    train_once_for_offload,
+)
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_TE = importlib.util.find_spec("transformer_engine") is not None
@@ -39,17 +45,7 @@ def _entry(index, fn, args):
 
 def _spawn(fn, nprocs, *args, timeout=300):
     """Run `fn(index, *args)` in `nprocs` fresh processes (one per GPU); an exception in any fails the caller."""
-    ctx = mp.start_processes(_entry, args=(fn, args), nprocs=nprocs, join=False, start_method="spawn")
-    deadline = time.time() + timeout
-    try:
-        while not ctx.join(timeout=max(1.0, deadline - time.time())):  # raises with the failing traceback
-            if time.time() > deadline:
-                raise TimeoutError(f"{fn.__name__}: {nprocs} process(es) did not finish within {timeout}s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+    run_processes(_entry, (fn, args), nprocs, fn.__name__, timeout)
 
 
 def _init_trainer(args, port):
@@ -195,20 +191,12 @@ def test_nccl_broadcast_of_a_weight_bucket_delivers_the_hf_tensors(tiny_kit, tmp
 
 # ---- (iv) offload / onload on the GPU ---------------------------------------------------------------------------
 def _gpu_offload(index, model_dir, port):
-    from slime.backends.megatron_utils.actor import MegatronTrainRayActor
-    from slime.backends.megatron_utils.loss import compute_advantages_and_returns
-    from slime.backends.megatron_utils.model import forward_only, train
+    from slime.backends.megatron_utils.model import train
 
     impl = "transformer_engine" if HAS_TE else "local"
     args = train_args(model_dir, transformer_impl=impl, bf16=True, use_distributed_optimizer=True, ci_test=False)
     model, opt, sched, rollout, iters, nmb = _init_trainer(args, port)
-    rollout.update(forward_only(args, model, iters, nmb, store_prefix="ref_"))
-    rollout.update(forward_only(args, model, iters, nmb))
-    compute_advantages_and_returns(args, rollout)
-    train(args, 0, model, opt, sched, iters, nmb)  # so grads and Adam moments are non-trivial
-
-    actor = object.__new__(MegatronTrainRayActor)  # offload needs only these fields, not a Ray actor
-    actor.args, actor.model, actor.optimizer, actor._offload_backup = args, model, opt, None
+    actor = train_once_for_offload(args, model, opt, sched, rollout, iters, nmb)
     storages = actor._offload_storages()
     assert storages and all(s.device.type == "cuda" for s in storages)
     before = [torch.empty(0, dtype=torch.uint8, device=s.device).set_(s).cpu() for s in storages]

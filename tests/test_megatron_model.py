@@ -3,7 +3,7 @@ first-step KL 0, a training step lowers the loss, save -> load -> identical next
 import pytest
 import torch
 
-from tests._megatron_helpers import fixed_rollout, hf_log_probs, spawn, train_args
+from tests._megatron_helpers import fixed_rollout, hf_log_probs, spawn, train_args, train_once_for_offload
 
 
 class _Ref:
@@ -127,19 +127,11 @@ def test_train_lowers_loss_and_checkpoint_resume_is_identical(tiny_kit, tmp_path
 
 
 def _offload_roundtrip(rank, model_dir):
-    from slime.backends.megatron_utils.actor import MegatronTrainRayActor
-    from slime.backends.megatron_utils.loss import compute_advantages_and_returns
-    from slime.backends.megatron_utils.model import forward_only, train
+    from slime.backends.megatron_utils.model import train
 
     args = train_args(model_dir, use_distributed_optimizer=True)
     model, opt, sched, _, rollout, iters, nmb = _setup(args, fixed_rollout())
-    rollout.update(forward_only(args, model, iters, nmb, store_prefix="ref_"))
-    rollout.update(forward_only(args, model, iters, nmb))
-    compute_advantages_and_returns(args, rollout)
-    train(args, 0, model, opt, sched, iters, nmb)  # so grads and Adam moments are non-trivial
-
-    actor = object.__new__(MegatronTrainRayActor)  # offload needs only these fields, not a Ray actor
-    actor.args, actor.model, actor.optimizer, actor._offload_backup = args, model, opt, None
+    actor = train_once_for_offload(args, model, opt, sched, rollout, iters, nmb)
     storages = actor._offload_storages()
     # (no .numpy() here: exporting a storage to numpy makes it non-resizable)
     before = [torch.empty(0, dtype=torch.uint8).set_(s).clone() for s in storages]

@@ -300,3 +300,23 @@ def test_dead_engine_fails_the_update_fast_naming_its_url(ray_session, tiny_kit,
         assert url in str(err.value.cause) and "dead" in str(err.value.cause), str(err.value.cause)
     finally:
         stop(trainers + own)
+
+
+def test_transport_choice_and_shm_refused_for_a_remote_engine():
+    """auto = shared memory when every engine is on this host (CPU), broadcast otherwise; shm for a remote engine is
+    a clear error naming it."""
+    from argparse import Namespace
+
+    from slime.backends.megatron_utils.update_weight import UpdateWeightFromDistributed
+    from slime.backends.megatron_utils.update_weight_utils import WeightUpdateError
+
+    def choose(transport, urls):
+        updater = UpdateWeightFromDistributed.__new__(UpdateWeightFromDistributed)
+        updater.args, updater._urls = Namespace(update_weight_transport=transport), urls
+        return updater._choose_transport()
+
+    local, remote = ["http://127.0.0.1:30000"], ["http://127.0.0.1:30000", "http://10.9.8.7:30000"]
+    assert choose("auto", local) == "shm" and choose("auto", remote) == "broadcast"
+    assert choose("broadcast", local) == "broadcast"
+    with pytest.raises(WeightUpdateError, match=r"10\.9\.8\.7"):
+        choose("shm", remote)

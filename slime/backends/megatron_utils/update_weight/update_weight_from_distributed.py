@@ -108,14 +108,14 @@ class UpdateWeightFromDistributed:
 
     def _choose_transport(self) -> str:
         wanted = getattr(self.args, "update_weight_transport", "auto") or "auto"
-        local = {"127.0.0.1", "localhost", "::1", get_host_info()[1]}
-        same_host = all(urlparse(u).hostname in local for u in self._urls)
-        if wanted == "shm" and not (is_cpu() and same_host):
+        host = get_host_info()[1]
+        shm_possible = is_cpu() and all(urlparse(u).hostname in {"127.0.0.1", "localhost", "::1", host} for u in self._urls)
+        if wanted == "shm" and not shm_possible:
             raise WeightUpdateError(
-                f"--update-weight-transport shm needs a CPU run with every engine on this host ({get_host_info()[1]}); "
+                f"--update-weight-transport shm needs a CPU run with every engine on this host ({host}); "
                 f"engines: {self._urls}"
             )
-        return "shm" if wanted == "shm" or (wanted == "auto" and is_cpu() and same_host) else "broadcast"
+        return "shm" if wanted == "shm" or (wanted == "auto" and shm_possible) else "broadcast"
 
     @torch.no_grad()
     def update_weights(self) -> dict:
