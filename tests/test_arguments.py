@@ -10,13 +10,10 @@ import pytest
 from slime.backends.sglang_utils import arguments as sglang_arguments
 from slime.utils.arguments import moe_freq_type, parse_args
 from slime.utils.device import is_cpu
+from tests._args import BASE, TINY_MODEL, make_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# A small valid job: 1 trainer GPU, 1 engine GPU, 4 prompts x 2 samples, one optimizer step per rollout.
-BASE = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "8", "--num-rollout", "2",
-        "--lr", "1e-6", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1"]
-TINY_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
 
 # slime's scripts/models/qwen3-4B.sh
 QWEN3_4B_MODEL_ARGS = """--swiglu --num-layers 36 --hidden-size 2560 --ffn-hidden-size 9728 --num-attention-heads 32
@@ -234,6 +231,17 @@ def test_architecture_inferred_from_hf_checkpoint(tiny_kit):
     assert a.tokenizer_model == model_dir and a.tokenizer_type == "HuggingFaceTokenizer"
     # an explicit --model-name wins
     assert parse("--hf-checkpoint", model_dir, "--model-name", "qwen3", model=[]).model_name == "qwen3"
+
+
+def test_make_args_is_parse_args_with_path_checks_off(tiny_kit, tmp_path):
+    """tests/_args.make_args, the helper every test uses for args: real defaults, flags, checked field overrides."""
+    model_dir, _ = tiny_kit
+    a = make_args("--lr", "1e-3", "--ref-load", str(tmp_path / "absent"), "--use-kl-loss", rank=3)
+    assert a.lr == 1e-3 and a.rank == 3 and a.ref_load == str(tmp_path / "absent")  # no path check on ref_load
+    assert a.micro_batch_size == 1 and a.eps_clip == 0.2 and a.num_layers == 2  # argparse defaults, TINY_MODEL
+    with pytest.raises(AttributeError, match="no_such_field"):
+        make_args(no_such_field=1)
+    assert make_args(hf_checkpoint=model_dir).num_layers == 4  # architecture from the kit's config.json
 
 
 def test_matching_model_args_and_hf_checkpoint_agree(tiny_kit):

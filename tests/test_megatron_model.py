@@ -16,12 +16,12 @@ class _Ref:
 def _setup(args, data):
     """Model/optimizer from --hf-checkpoint, this rank's rollout data, its micro-batch iterators."""
     import ray
+    from megatron.core import parallel_state as mpu
 
     from slime.backends.megatron_utils.data import get_data_iterator
     from slime.backends.megatron_utils.initialize import init
     from slime.backends.megatron_utils.model import initialize_model_and_optimizer
     from slime.backends.utils.data import process_rollout_data
-    from megatron.core import parallel_state as mpu
 
     init(args)
     model, opt, sched, iteration = initialize_model_and_optimizer(args)

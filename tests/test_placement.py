@@ -53,7 +53,11 @@ def test_bundles_shared_by_trainer_and_engine(ray_session):
     pg, order = _create_placement_group(2)
     try:
         assert sorted(order) == [0, 1]
-        on = lambda i, frac: Probe.options(num_gpus=frac, num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=order[i]))
+
+        def on(i, frac):
+            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=order[i])
+            return Probe.options(num_gpus=frac, num_cpus=0, scheduling_strategy=strategy)
+
         trainer, engine = on(0, 0.8).remote(), on(0, 0.2).remote()
         assert ray.get(trainer.gpu.remote(), timeout=60) == ray.get(engine.gpu.remote(), timeout=60)
         extra = on(0, 0.2).remote()

@@ -7,8 +7,15 @@ import time
 import pytest
 import requests
 
-from slime.backends.sglang_utils.router import (abort_all, add_worker, list_workers, remove_worker, router_url,
-                                                start_router, stop_router)
+from slime.backends.sglang_utils.router import (
+    abort_all,
+    add_worker,
+    list_workers,
+    remove_worker,
+    router_url,
+    start_router,
+    stop_router,
+)
 from tests.test_cpu_server import PROMPTS, SESSION, start_cpu_server, stop_cpu_server
 
 pytestmark = pytest.mark.timeout(300)

@@ -14,8 +14,8 @@ from slime.backends.utils.data import (
     get_minimum_num_micro_batch_size,
     process_rollout_data,
 )
-from slime.utils.seqlen_balancing import get_seqlen_balanced_partitions
 from slime.utils.ray_utils import Box
+from slime.utils.seqlen_balancing import get_seqlen_balanced_partitions
 from tests._megatron_helpers import build_random_hf, megatron_args, spawn
 
 

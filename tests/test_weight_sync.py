@@ -31,7 +31,10 @@ class WeightSyncTrainer(TrainRayActor):
         from slime.backends.megatron_utils.megatron_to_hf import hf_to_megatron
         from slime.backends.megatron_utils.model_provider import get_model_provider_func
         from slime.backends.megatron_utils.param_utils import named_parameters
-        from slime.backends.megatron_utils.update_weight_utils import UpdateWeightFromDistributed, UpdateWeightFromTensor
+        from slime.backends.megatron_utils.update_weight_utils import (
+            UpdateWeightFromDistributed,
+            UpdateWeightFromTensor,
+        )
 
         initialize.init(args)
         self.model = [get_model_provider_func(args)()]
@@ -90,8 +93,8 @@ class WeightSyncTrainer(TrainRayActor):
         return ray.get(engine.update_weights_from_tensor.remote([payload], weight_version=version), timeout=120)
 
     def updater_hf_tensors(self):
-        from slime.backends.megatron_utils.update_weight.common import gather_and_convert
         from slime.backends.megatron_utils.param_utils import named_parameters
+        from slime.backends.megatron_utils.update_weight.common import gather_and_convert
 
         out = []
         for name, p in named_parameters(self.args, self.model):

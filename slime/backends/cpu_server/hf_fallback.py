@@ -141,7 +141,6 @@ class HFFallbackModel:
     def forward_prefill(self, pool: TokenPool, tokens, lens, rows, all_logits: bool = False):
         pool.tokens.index_copy_(0, rows, tokens)
         B, L = len(lens), int(lens.max())
-        starts = torch.cumsum(lens, 0) - lens
         ids = torch.zeros(B, L, dtype=torch.long)
         mask = torch.arange(L)[None, :] < lens[:, None]
         ids[mask] = tokens

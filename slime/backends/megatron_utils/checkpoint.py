@@ -13,9 +13,8 @@ import shutil
 
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing
+from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core import parallel_state as mpu
-from megatron.core import tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from slime.utils.device import dist_backend
