@@ -55,12 +55,11 @@ def test_policy_loss_worked_dual_clip_example():
     assert torch.allclose(loss, torch.tensor([-2.4, 4.0, -1.0]))
 
 
-def test_policy_loss_asymmetric_clip_and_bad_dual_clip():
+def test_policy_loss_asymmetric_clip():
     loss, _ = compute_policy_loss(_ppo_kl([2.0, 0.5]), torch.tensor([1.0, -1.0]), 0.2, 0.28)
     # ratio 2, A 1 -> clipped at 1.28; ratio 0.5, A -1 -> max(0.5, 0.8) = 0.8
     assert torch.allclose(loss, torch.tensor([-1.28, 0.8]))
-    with pytest.raises(ValueError, match="eps-clip-c"):
-        compute_policy_loss(_ppo_kl([1.0]), torch.ones(1), 0.2, 0.2, eps_clip_c=1.0)
+    # --eps-clip-c <= 1 is refused with the arguments: tests/test_arguments.py::test_rule7_*
 
 
 # ---------------------------------------------------------------- log-probs / entropy

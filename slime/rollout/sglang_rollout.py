@@ -344,10 +344,7 @@ async def eval_rollout_single_dataset(args, rollout_id, name, path):
 
 
 async def eval_rollout(args, rollout_id):
-    if args.group_rm:
-        raise ValueError("--group-rm is not supported for eval: eval samples are scored one by one")
-    if not args.eval_prompt_data or len(args.eval_prompt_data) % 2 != 0:
-        raise ValueError(f"--eval-prompt-data must be pairs of 'name path', got {args.eval_prompt_data!r}")
+    """Scores eval samples one by one (--group-rm with the default eval is refused at start-up)."""
     results = {}
     for i in range(0, len(args.eval_prompt_data), 2):
         name, path = args.eval_prompt_data[i : i + 2]
@@ -356,12 +353,8 @@ async def eval_rollout(args, rollout_id):
 
 
 def generate_rollout(args, rollout_id, data_source, evaluation=False):
-    """The default `--rollout-function-path`: training groups, or eval results when `evaluation`."""
-    if not args.rollout_global_dataset:
-        raise ValueError(
-            "slime.rollout.sglang_rollout needs the global prompt dataset; remove --disable-rollout-global-dataset "
-            "or set a custom --rollout-function-path"
-        )
+    """The default `--rollout-function-path`: training groups, or eval results when `evaluation`. It reads the
+    global prompt dataset (start-up validation refuses --disable-rollout-global-dataset with it)."""
     if evaluation:
         return run(eval_rollout(args, rollout_id))
 

@@ -18,8 +18,11 @@ import sys
 from slime.backends.sglang_utils.arguments import add_sglang_arguments, sglang_available
 from slime.backends.sglang_utils.arguments import validate_args as sglang_validate_args
 from slime.utils.device import dist_backend, is_cpu
+from slime.utils.startup_checks import check_inputs, check_value_ranges
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_ROLLOUT_FUNCTION = "slime.rollout.sglang_rollout.generate_rollout"
 
 
 class _Group:
@@ -78,7 +81,7 @@ def add_rollout_arguments(parser):
                         "are inferred from its config.json.")
     g.add_argument("--model-name", type=str, default=None,
                    help="Model family for Megatron->HF conversion; default: lowercased HF config class name.")
-    g.add_argument("--rollout-function-path", type=str, default="slime.rollout.sglang_rollout.generate_rollout",
+    g.add_argument("--rollout-function-path", type=str, default=DEFAULT_ROLLOUT_FUNCTION,
                    help="generate_rollout(args, rollout_id, data_buffer, evaluation=False) by dotted path.")
     g.add_argument("--rollout-temperature", type=float, default=1.0)
     g.add_argument("--rollout-top-p", type=float, default=1.0)
@@ -698,14 +701,16 @@ def _checkpoint_exists(path):
 
 
 def slime_validate_args(args, error, check_paths=True):
-    """Spec §4.3 rules 1-18 (v0.1.0 order) plus `--save-interval` needs `--save` and the cluster shape."""
-    # 1. KL needs the reference checkpoint. Without --ref-load the initial weights (--hf-checkpoint) are the reference.
+    """slime's flag rules (its `slime_validate_args`, in its order) plus `--save-interval` needs `--save`, the
+    cluster shape and the combinations the loss and the default rollout cannot run with."""
+    check_value_ranges(args, error)  # first: the arithmetic below divides by these
+    # KL needs the reference checkpoint. Without --ref-load the initial weights (--hf-checkpoint) are the reference.
     if (args.kl_coef != 0 or args.use_kl_loss) and args.ref_load is not None and check_paths:
         if not os.path.exists(args.ref_load):
             error(f"--ref-load {args.ref_load} does not exist (needed by --use-kl-loss / --kl-coef).")
         if not _checkpoint_exists(args.ref_load):
             logger.warning("--ref-load %s has no latest_checkpointed_iteration.txt", args.ref_load)
-    # 2. Nothing to resume from: start from the reference weights, fresh optimizer.
+    # Nothing to resume from: start from the reference weights, fresh optimizer.
     if args.load is None or (check_paths and not _checkpoint_exists(args.load)):
         args.no_load_optim = args.no_load_rng = args.finetune = True
         args.load = args.ref_load
@@ -713,7 +718,7 @@ def slime_validate_args(args, error, check_paths=True):
             args.ckpt_step = args.ref_ckpt_step
         if args.start_rollout_id is None:
             args.start_rollout_id = 0
-    # 3.
+    # eval data comes as name/path pairs
     if args.eval_interval is not None and not args.eval_prompt_data:
         error("--eval-interval needs --eval-prompt-data (name path [name path ...]).")
     if args.eval_prompt_data is not None:
@@ -722,37 +727,37 @@ def slime_validate_args(args, error, check_paths=True):
         if len(args.eval_prompt_data) % 2 != 0:
             error(f"--eval-prompt-data takes name/path pairs; got {len(args.eval_prompt_data)} values: "
                   f"{' '.join(args.eval_prompt_data)}")
-    # 4.
+    # one KL at a time
     if args.kl_coef != 0 and args.kl_loss_coef != 0:
         error("--kl-coef (KL in the reward) and --kl-loss-coef (KL loss) cannot both be non-zero; pick one.")
-    # 5.
+    # REINFORCE++ advantages are only meaningful whitened
     if args.advantage_estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline") \
             and not args.normalize_advantages:
         error(f"--advantage-estimator {args.advantage_estimator} requires --normalize-advantages.")
-    # 6.
+    # dynamic batches are sized in tokens
     if args.use_dynamic_batch_size and args.max_tokens_per_gpu is None:
         error("--use-dynamic-batch-size requires --max-tokens-per-gpu.")
     if args.log_probs_max_tokens_per_gpu is None:
         args.log_probs_max_tokens_per_gpu = args.max_tokens_per_gpu
-    # 7.
+    # clip defaults and the dual-clip bound
     if args.eps_clip_high is None:
         args.eps_clip_high = args.eps_clip
     if args.eps_clip_c is not None and args.eps_clip_c <= 1.0:
         error(f"--eps-clip-c {args.eps_clip_c}: the dual-clip lower bound must be > 1.")
     if args.eval_reward_key is None:
         args.eval_reward_key = args.reward_key
-    # 8.
+    # --dump-details is shorthand for both debug dumps
     if args.dump_details is not None:
         args.save_debug_rollout_data = os.path.join(args.dump_details, "rollout_data", "{rollout_id}.pt")
         args.save_debug_train_data = os.path.join(args.dump_details, "train_data", "{rollout_id}_{rank}.pt")
-    # 9.
+    # replaying rollouts means no engines
     if args.load_debug_rollout_data is not None:
         args.debug_train_only = True
-    # 11. (checked before 10 so the message names the real conflict)
+    # checked before the resizing below so the message names the real conflict
     if args.debug_rollout_only and args.debug_train_only:
         error("--debug-rollout-only and --debug-train-only (or --load-debug-rollout-data) are mutually exclusive.")
     actor_total = args.actor_num_nodes * args.actor_num_gpus_per_node
-    # 10.
+    # rollout-only runs size the "actors" to the engines and never offload
     if args.debug_rollout_only:
         if args.colocate and args.rollout_num_gpus is None:
             args.rollout_num_gpus = actor_total
@@ -762,7 +767,7 @@ def slime_validate_args(args, error, check_paths=True):
             args.actor_num_gpus_per_node = min(8, args.rollout_num_gpus)
             args.actor_num_nodes = args.rollout_num_gpus // args.actor_num_gpus_per_node
         args.colocate = args.offload = False
-    # 12.
+    # colocated engines use exactly the actor GPUs and must offload
     if args.colocate:
         args.offload = True
         if args.rollout_num_gpus != actor_total:
@@ -776,10 +781,10 @@ def slime_validate_args(args, error, check_paths=True):
         if args.rollout_num_gpus % args.rollout_num_gpus_per_engine != 0:
             error(f"--rollout-num-gpus {args.rollout_num_gpus} is not a multiple of --rollout-num-gpus-per-engine "
                   f"{args.rollout_num_gpus_per_engine}.")
-    # 13.
+    # eval uses the rollout function unless told otherwise
     if args.eval_function_path is None:
         args.eval_function_path = args.rollout_function_path
-    # 14, 15.
+    # batch arithmetic: a rollout splits into whole optimizer steps
     samples = args.rollout_batch_size * args.n_samples_per_prompt
     if args.num_steps_per_rollout is not None:
         gbs = samples // args.num_steps_per_rollout
@@ -796,16 +801,16 @@ def slime_validate_args(args, error, check_paths=True):
     elif samples % args.global_batch_size != 0:
         error(f"--rollout-batch-size {args.rollout_batch_size} x --n-samples-per-prompt {args.n_samples_per_prompt} "
               f"= {samples} samples is not divisible by --global-batch-size {args.global_batch_size}.")
-    # 16.
+    # a group of one has no std
     if args.n_samples_per_prompt == 1:
         args.grpo_std_normalization = False
-    # 17.
+    # over-sampling submits at least a batch
     if args.over_sampling_batch_size is None:
         args.over_sampling_batch_size = args.rollout_batch_size
     if args.over_sampling_batch_size < args.rollout_batch_size:
         error(f"--over-sampling-batch-size {args.over_sampling_batch_size} must be >= --rollout-batch-size "
               f"{args.rollout_batch_size}.")
-    # 18.
+    # how long to train
     if args.num_epoch is not None:
         if args.num_rollout is not None:
             logger.warning("Both --num-epoch and --num-rollout are set; --num-epoch is ignored.")
@@ -815,6 +820,34 @@ def slime_validate_args(args, error, check_paths=True):
         error("one of --num-rollout or --num-epoch is required.")
     if args.save_interval is not None and args.save is None:
         error("--save-interval requires --save (the checkpoint directory).")
+    _validate_algorithm_and_rollout(args, error)
+
+
+
+def _validate_algorithm_and_rollout(args, error):
+    """Flag combinations the loss and the default rollout cannot run with, found here instead of mid-run."""
+    if args.loss_type == "custom_loss" and not args.custom_loss_function_path:
+        error("--loss-type custom_loss needs --custom-loss-function-path pkg.module.fn (the loss to call).")
+    if args.advantage_estimator == "rloo" and not args.rewards_normalization:
+        error("--advantage-estimator rloo builds its leave-one-out baseline from group-mean-centred rewards; "
+              "drop --disable-rewards-normalization.")
+    if args.rollout_function_path == DEFAULT_ROLLOUT_FUNCTION and not args.rollout_global_dataset \
+            and not args.debug_train_only:
+        error(f"--disable-rollout-global-dataset: the default --rollout-function-path {DEFAULT_ROLLOUT_FUNCTION} "
+              "reads its prompts from --prompt-data; keep the dataset or give your own rollout function.")
+    if args.group_rm and args.eval_prompt_data and args.eval_function_path == DEFAULT_ROLLOUT_FUNCTION:
+        error("--group-rm with --eval-prompt-data: the default eval scores samples one by one; drop --group-rm or "
+              "set --eval-function-path.")
+    if args.rm_type and not args.custom_rm_path:
+        # lazy: the reward hub's imports cost ~1 s
+        from slime.rollout.rm_hub import RM_TYPES
+
+        rm_type = args.rm_type.removeprefix("boxed_")
+        if rm_type not in RM_TYPES:
+            error(f"--rm-type {args.rm_type}: unknown; expected one of {', '.join(RM_TYPES)} (optionally prefixed "
+                  "boxed_), or --custom-rm-path.")
+        if rm_type == "remote_rm" and not args.rm_url:
+            error("--rm-type remote_rm needs --rm-url (the HTTP endpoint of your reward model server).")
 
 
 def _megatron_defaults(args):
@@ -967,7 +1000,8 @@ def parse_args(add_custom_arguments=None, argv=None, *, check_paths=True):
     else:
         parser = _build_parser(add_slime_arguments)
         args = parser.parse_args(argv)
-    error = parser.error
+    error = _one_line_error(parser)
+    user_load = args.load  # validation replaces a --load without a checkpoint by --ref-load
 
     if args.hf_checkpoint:
         _apply_hf_config(args, error, check_paths)
@@ -992,7 +1026,19 @@ def parse_args(add_custom_arguments=None, argv=None, *, check_paths=True):
     check_cpu_server = check_paths or args.inference_server == "cpu"
     _resolve_inference_server(args, error)
     sglang_validate_args(args, parser, check_cpu_server=check_cpu_server)
+    if check_paths:
+        check_inputs(args, error, user_load)
     return args
+
+
+def _one_line_error(parser):
+    """argparse's exit (status 2, `prog: error: ...` on stderr) without the usage line: validation errors are about
+    values, not syntax, so the one line that names the culprit is all the user needs."""
+
+    def error(message):
+        parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+    return error
 
 
 if __name__ == "__main__":

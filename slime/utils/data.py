@@ -22,6 +22,18 @@ def _check_jsonl(path):
                 raise ValueError(f"{path}:{lineno}: expected a JSON object per line, got {type(record).__name__}")
 
 
+def _line_of_row(path, index):
+    """' (line N)' of the `index`-th record of a .jsonl file (blank lines skipped), '' for other formats."""
+    if not path.endswith(".jsonl"):
+        return ""
+    with open(path, encoding="utf-8") as f:
+        records = (lineno for lineno, line in enumerate(f, 1) if line.strip())
+        for i, lineno in enumerate(records):
+            if i == index:
+                return f" (line {lineno})"
+    return ""
+
+
 def read_file(path):
     """Load a .jsonl / .json / .parquet file as an HF `datasets.Dataset` (iterate it for row dicts)."""
     ext = os.path.splitext(path)[1].lower()
@@ -49,9 +61,12 @@ class Dataset:
             if key is not None and key not in data.column_names:
                 raise ValueError(f"{path}: no column {key!r} ({flag}); its columns are {data.column_names}")
 
+        self.column_names = data.column_names
         prompts, rows = [], []
-        for row in data:
+        for i, row in enumerate(data):
             prompt = row[prompt_key]
+            if prompt is None:
+                raise ValueError(f"{path}: row {i + 1}{_line_of_row(path, i)} has no {prompt_key!r} (--input-key)")
             if apply_chat_template:
                 tools = row[tool_key] if tool_key is not None else None
                 if isinstance(tools, str):  # tools are often stored as a JSON string column
@@ -66,6 +81,7 @@ class Dataset:
                    metadata=row.get(metadata_key) or {})
             for prompt, row, ok in zip(prompts, rows, keep) if ok
         ]
+        self.origin_rows = [i for i, ok in enumerate(keep) if ok]  # file row of each sample, for messages
         self.seed = seed
         self.epoch_id = -1
         self.samples = self.origin_samples

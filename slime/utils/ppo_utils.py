@@ -1,5 +1,5 @@
 """PPO-family math: KL estimators, clipped policy loss, vocab-parallel log-probs and entropy, advantage estimators,
-masked whitening. Formulas follow slime (spec §7.4-7.6); tensors are per-token 1-D unless stated otherwise.
+masked whitening. Formulas follow slime; tensors are per-token 1-D unless stated otherwise.
 
 `process_group` for the vocab-parallel functions is the tensor-parallel group the vocab dimension is sharded over;
 `None` means the logits hold the whole vocabulary.
@@ -29,7 +29,8 @@ def compute_policy_loss(ppo_kl, advantages, eps_clip, eps_clip_high, eps_clip_c=
     """PPO clipped surrogate per token, optionally dual-clipped. Returns `(pg_losses, clipfrac)`.
 
     `ppo_kl = old_log_probs - log_probs`, so `ratio = exp(-ppo_kl)`. Dual clip (Ye et al. 2020) bounds the loss of
-    negative-advantage tokens at `-eps_clip_c * A` when the ratio has grown very large.
+    negative-advantage tokens at `-eps_clip_c * A` when the ratio has grown very large (`eps_clip_c > 1`, checked
+    with the arguments).
     """
     ratio = (-ppo_kl).exp()
     pg_losses1 = -ratio * advantages
@@ -38,8 +39,6 @@ def compute_policy_loss(ppo_kl, advantages, eps_clip, eps_clip_high, eps_clip_c=
     clipfrac = torch.gt(pg_losses2, pg_losses1).float()
     if eps_clip_c is None:
         return clip_pg_losses1, clipfrac
-    if not eps_clip_c > 1.0:
-        raise ValueError(f"--eps-clip-c must be > 1.0 for dual-clip PPO, got {eps_clip_c}")
     pg_losses3 = -eps_clip_c * advantages
     clip_pg_losses2 = torch.minimum(pg_losses3, clip_pg_losses1)
     return torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1), clipfrac

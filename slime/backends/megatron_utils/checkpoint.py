@@ -17,9 +17,9 @@ from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core import parallel_state as mpu
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from slime.utils.checkpoint_tracker import TRACKER, checkpoint_dir, read_tracker
 from slime.utils.device import dist_backend
 
-TRACKER = "latest_checkpointed_iteration.txt"
 # fully_reshardable allows TP/DP resharding of optimizer state. Its gather goes over gloo where the collective backend
 # is gloo: the default (NCCL) path calls `tensor.cuda()`, which no CPU shim can redirect.
 _OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
@@ -77,25 +77,6 @@ def _restore_rng(state):
     if state.get("cuda_rng_state") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda_rng_state"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
-
-
-def checkpoint_dir(root, iteration):
-    return os.path.join(root, "release" if iteration == "release" else f"iter_{int(iteration):07d}")
-
-
-def read_tracker(root):
-    """The iteration recorded in `{root}/latest_checkpointed_iteration.txt` (int or "release"), None if absent."""
-    path = os.path.join(root, TRACKER)
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        text = f.read().strip()
-    if text == "release":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"{path}: expected an iteration number or 'release', found {text!r}") from None
 
 
 def _parallel_layout():

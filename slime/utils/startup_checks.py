@@ -1,0 +1,350 @@
+"""Checks of the user's inputs that run once, at start-up, before Ray or any actor starts.
+
+`check_inputs(args, error)` runs at the end of `parse_args` (unless `check_paths=False`, the dry run of a launch
+script meant for another machine): every `--*-path` extension point, the prompt files, the checkpoint directories
+and the prompt + response budget against the model's context. `check_value_ranges` runs on every parse.
+`check_cluster(args)` runs right after the driver connects to Ray, before any actor or placement group exists.
+
+Every failure is one line naming the flag, file, row or function at fault; `error` exits with status 2 (argparse).
+A full list of the checks is in docs/debugging.md.
+"""
+import ast
+import dataclasses
+import inspect
+import os
+import tempfile
+
+from slime.utils.checkpoint_tracker import TRACKER, checkpoint_dir, read_tracker
+from slime.utils.misc import load_function
+
+
+class StartupError(Exception):
+    """A user mistake found after argument parsing (e.g. the cluster is too small): one line, no traceback."""
+
+
+def one_line(text) -> str:
+    return " ".join(str(text).split())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Extension points: one row per `--*-path` flag, with the call slime makes
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtensionPoint:
+    """`call` is the parameter list slime passes, in Python syntax: names before `*` (without defaults) are passed
+    positionally, names with a default or after `*` by keyword. `asynchronous`: True when slime awaits the result
+    (must be `async def`), None when either works."""
+
+    flag: str
+    call: str
+    asynchronous: bool | None = None
+
+    @property
+    def dest(self) -> str:
+        return self.flag[2:].replace("-", "_")
+
+    def arguments(self):
+        """(positional names, keyword names) of slime's call."""
+        fn = ast.parse(f"def f({self.call}): pass").body[0].args
+        n_kw = len(fn.defaults)
+        positional = [a.arg for a in fn.args[: len(fn.args) - n_kw]]
+        keywords = [a.arg for a in fn.args[len(fn.args) - n_kw:]] + [a.arg for a in fn.kwonlyargs]
+        return positional, keywords
+
+
+EXTENSION_POINTS = (
+    ExtensionPoint("--rollout-function-path", "args, rollout_id, data_source, evaluation=False"),
+    ExtensionPoint("--eval-function-path", "args, rollout_id, data_source, evaluation=True"),
+    ExtensionPoint("--custom-generate-function-path", "args, sample, sampling_params", asynchronous=True),
+    ExtensionPoint("--custom-rm-path", "args, sample_or_samples"),
+    ExtensionPoint("--custom-reward-post-process-path", "args, samples"),
+    ExtensionPoint("--dynamic-sampling-filter-path", "args, samples"),
+    ExtensionPoint("--over-sampling-filter-path", "args, samples"),
+    ExtensionPoint("--buffer-filter-path", "args, rollout_id, buffer, num_samples"),
+    ExtensionPoint("--rollout-data-postprocess-path", "args, rollout_id, rollout_data"),
+    ExtensionPoint("--custom-loss-function-path", "*, args, batch, logits, sum_of_sample_mean"),
+    ExtensionPoint("--custom-megatron-init-path", "args"),
+    ExtensionPoint("--custom-megatron-before-log-prob-hook-path", "args, model, store_prefix"),
+    ExtensionPoint("--custom-megatron-before-train-step-hook-path",
+                   "args, rollout_id, step_id, model, optimizer, opt_param_scheduler"),
+)
+
+
+def _is_async(fn) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)  # an async callable object
+
+
+def check_extension_point(point: ExtensionPoint, path: str) -> str | None:
+    """None when `path` loads a callable slime can call as `point.call`, else the one-line reason."""
+    try:
+        fn = load_function(path)
+    except Exception as e:  # noqa: BLE001  (the user's module may fail to import in any way: report it)
+        return f"{point.flag} {path}: cannot import it ({type(e).__name__}: {one_line(e)})"
+    if not callable(fn):
+        return f"{point.flag} {path} is a {type(fn).__name__}, not a function"
+    if point.asynchronous and not _is_async(fn):
+        return f"{point.flag} {path} must be an `async def` function: slime awaits fn({point.call})"
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins and some C callables have no signature to check
+        return None
+    positional, keywords = point.arguments()
+    try:
+        signature.bind(*positional, **{k: k for k in keywords})
+    except TypeError as e:
+        return (f"{point.flag} {path}{signature} cannot be called as slime calls it, fn({point.call}): "
+                f"{one_line(e)}")
+    return None
+
+
+def check_extension_points(args, error):
+    for point in EXTENSION_POINTS:
+        path = getattr(args, point.dest, None)  # a row may name a flag that a custom parser does not define
+        if path:
+            reason = check_extension_point(point, path)
+            if reason:
+                error(reason)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Value ranges (on every parse: they need no files)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _at_least(n):
+    return (lambda v: v >= n), f">= {n}"
+
+
+def _above(n):
+    return (lambda v: v > n), f"> {n}"
+
+
+def _between(lo, hi):
+    return (lambda v: lo <= v <= hi), f"in [{lo}, {hi}]"
+
+
+def _top_k():
+    return (lambda v: v == -1 or v >= 1), "-1 (off) or >= 1"
+
+
+def _top_p():
+    return (lambda v: 0 < v <= 1), "in (0, 1]"
+
+
+# (dest, bound, why); None values are skipped (an unset optional flag).
+VALUE_RANGES = (
+    ("rollout_batch_size", _at_least(1), "prompts per rollout"),
+    ("n_samples_per_prompt", _at_least(1), "responses generated per prompt"),
+    ("n_samples_per_eval_prompt", _at_least(1), "responses generated per eval prompt"),
+    ("rollout_max_response_len", _at_least(1), "the token budget of a response"),
+    ("eval_max_response_len", _at_least(1), "the token budget of an eval response"),
+    ("rollout_max_prompt_len", _at_least(1), "prompts longer than this are dropped"),
+    ("global_batch_size", _at_least(1), "samples per optimizer step"),
+    ("micro_batch_size", _at_least(1), "samples per forward pass"),
+    ("num_steps_per_rollout", _at_least(1), "optimizer steps per rollout"),
+    ("num_rollout", _at_least(1), "rollouts to train"),
+    ("num_epoch", _at_least(1), "epochs over --prompt-data"),
+    ("over_sampling_batch_size", _at_least(1), "prompts submitted per round"),
+    ("actor_num_nodes", _at_least(1), "nodes of training actors"),
+    ("actor_num_gpus_per_node", _at_least(1), "GPUs per training node"),
+    ("rollout_num_gpus", _at_least(1), "GPUs of the inference engines"),
+    ("rollout_num_gpus_per_engine", _at_least(1), "GPUs per inference engine"),
+    ("rollout_num_gpus_per_node", _at_least(1), "GPUs per inference node"),
+    ("update_weights_interval", _at_least(1), "rollouts between weight updates"),
+    ("update_weight_buffer_size", _at_least(1), "bytes per weight-update bucket"),
+    ("update_weight_timeout", _above(0), "seconds a weight update may take"),
+    ("save_interval", _at_least(1), "rollouts between checkpoints"),
+    ("eval_interval", _at_least(1), "rollouts between evaluations"),
+    ("start_rollout_id", _at_least(0), "the first rollout id"),
+    ("max_tokens_per_gpu", _at_least(1), "tokens per micro-batch with --use-dynamic-batch-size"),
+    ("log_probs_max_tokens_per_gpu", _at_least(1), "tokens per log-prob micro-batch"),
+    ("sglang_server_concurrency", _at_least(1), "requests in flight per engine"),
+    ("rollout_temperature", _at_least(0), "the sampling temperature (0 = greedy)"),
+    ("eval_temperature", _at_least(0), "the eval sampling temperature (0 = greedy)"),
+    ("rollout_top_p", _top_p(), "nucleus sampling mass"),
+    ("eval_top_p", _top_p(), "eval nucleus sampling mass"),
+    ("rollout_top_k", _top_k(), "top-k sampling"),
+    ("eval_top_k", _top_k(), "eval top-k sampling"),
+    ("eps_clip", _at_least(0), "the PPO clip range"),
+    ("eps_clip_high", _at_least(0), "the upper PPO clip range"),
+    ("gamma", _between(0, 1), "the discount factor"),
+    ("tis_clip", _above(0), "the truncated importance-sampling cap"),
+    ("min_batch_collection_ratio", _between(0, 1), "the fraction of a batch a rollout buffer must collect"),
+)
+
+
+def check_value_ranges(args, error):
+    for dest, (ok, bound), why in VALUE_RANGES:
+        value = getattr(args, dest, None)  # a custom parser may pre-empt a flag with another meaning
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not ok(value):
+            error(f"--{dest.replace('_', '-')} {value}: must be {bound} ({why}).")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Files: checkpoints, output directories, prompt data
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _check_writable_dir(flag, path, error):
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".slime-write-check-"):
+            pass
+    except OSError as e:
+        error(f"{flag} {path} is not a writable directory ({e.strerror or one_line(e)}).")
+
+
+def check_output_dirs(args, error):
+    if args.save:
+        _check_writable_dir("--save", args.save, error)
+    if args.dump_details:
+        _check_writable_dir("--dump-details", args.dump_details, error)
+    if args.metrics_path:
+        _check_writable_dir("--metrics-path", os.path.dirname(os.path.abspath(args.metrics_path)), error)
+
+
+def _check_checkpoint(flag, root, step, error):
+    """A checkpoint directory with a tracker must name an iteration whose directory exists."""
+    if not os.path.isdir(root):
+        return
+    try:
+        iteration = step if step is not None else read_tracker(root)
+    except (OSError, ValueError) as e:
+        error(f"{flag} {root}: unreadable {TRACKER} ({one_line(e)}).")
+    if iteration is None:
+        return
+    ckpt = checkpoint_dir(root, iteration)
+    if not os.path.isdir(ckpt):
+        source = f"--ckpt-step {step}" if step is not None else f"{TRACKER} says {iteration}"
+        error(f"{flag} {root}: checkpoint directory {os.path.basename(ckpt)} does not exist ({source}).")
+    if not os.access(ckpt, os.R_OK | os.X_OK):
+        error(f"{flag} {root}: checkpoint directory {ckpt} is not readable.")
+
+
+def check_checkpoints(args, error, user_load):
+    """`user_load` is --load as given (validation may replace it with --ref-load when it holds no checkpoint)."""
+    if args.ref_load is not None:
+        if not os.path.isdir(args.ref_load):
+            error(f"--ref-load {args.ref_load} is not a directory (the reference / initial Megatron checkpoint).")
+        _check_checkpoint("--ref-load", args.ref_load, args.ref_ckpt_step, error)
+    if user_load is not None and args.load == user_load:
+        _check_checkpoint("--load", user_load, args.ckpt_step, error)
+
+
+def _prompt_files(args):
+    """(flag, path, input_key, label_key, tool_key, max_response_len) of every prompt file the run reads."""
+    files = []
+    if args.rollout_global_dataset and args.prompt_data and not args.debug_train_only:
+        files.append(("--prompt-data", args.prompt_data, args.input_key, args.label_key, args.tool_key,
+                      args.rollout_max_response_len))
+    for i in range(0, len(args.eval_prompt_data or []), 2):
+        name, path = args.eval_prompt_data[i:i + 2]
+        files.append((f"--eval-prompt-data {name}", path, args.eval_input_key or args.input_key,
+                      args.eval_label_key or args.label_key, args.eval_tool_key or args.tool_key,
+                      args.eval_max_response_len or args.rollout_max_response_len))
+    return files
+
+
+def _model_context(args):
+    """(context length, where it comes from) of the inference engines, or (None, None) when unknown."""
+    if args.sglang_context_length:
+        return args.sglang_context_length, "--sglang-context-length"
+    if not args.hf_checkpoint or not os.path.isdir(args.hf_checkpoint):
+        return None, None
+    from transformers import AutoConfig  # lazy: only with an HF checkpoint to read
+
+    cfg = AutoConfig.from_pretrained(args.hf_checkpoint, trust_remote_code=True)
+    length = getattr(cfg, "max_position_embeddings", None)
+    return length, f"max_position_embeddings of --hf-checkpoint {args.hf_checkpoint}"
+
+
+def check_prompt_data(args, error):
+    """Each prompt file loads as the rollout will load it (keys, rows, chat template), and its longest prompt plus
+    the response budget fits the model's context (SGLang refuses such requests mid-run)."""
+    files = _prompt_files(args)
+    if not files:
+        return
+    import datasets  # lazy, as below: only when there is a file to read
+
+    from slime.utils.data import Dataset
+
+    datasets.disable_progress_bars()  # the driver's stderr carries the one error line, not loading bars
+    tokenizer = None
+    if args.hf_checkpoint and os.path.isdir(args.hf_checkpoint):
+        # lazy: heavy, and only needed with an HF checkpoint
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint, trust_remote_code=True)
+    context, context_source = _model_context(args)
+    default_generate = args.custom_generate_function_path is None
+    for flag, path, input_key, label_key, tool_key, max_response_len in files:
+        if not os.path.isfile(path):
+            error(f"{flag} {path}: no such file.")
+        if not os.access(path, os.R_OK):
+            error(f"{flag} {path}: not readable.")
+        try:
+            dataset = Dataset(path, tokenizer=tokenizer, max_length=args.rollout_max_prompt_len, prompt_key=input_key,
+                              label_key=label_key, tool_key=tool_key, metadata_key=args.metadata_key,
+                              apply_chat_template=args.apply_chat_template and tokenizer is not None)
+        except Exception as e:  # noqa: BLE001  (datasets / tokenizers raise many types; each names the file or row)
+            error(f"{flag} {one_line(e)}")
+        if args.metadata_key != "metadata" and args.metadata_key not in dataset.column_names:  # the default is optional
+            error(f"{flag} {path}: no column {args.metadata_key!r} (--metadata-key); its columns are "
+                  f"{dataset.column_names}.")
+        if len(dataset) == 0:
+            error(f"{flag} {path}: no usable prompts (empty, or every prompt is longer than --rollout-max-prompt-len "
+                  f"{args.rollout_max_prompt_len}).")
+        if context is None or tokenizer is None or not default_generate:
+            continue
+        budget = "--eval-max-response-len" if flag.startswith("--eval") and args.eval_max_response_len \
+            else "--rollout-max-response-len"
+        if max_response_len >= context:
+            error(f"{flag} {path}: {budget} {max_response_len} alone reaches the model's context of {context} tokens "
+                  f"({context_source}).")
+        texts = [(i, s.prompt) for i, s in enumerate(dataset.origin_samples) if isinstance(s.prompt, str)]
+        if not texts:
+            continue
+        lengths = tokenizer([t for _, t in texts], add_special_tokens=False)["input_ids"]
+        longest, index = max((len(ids), i) for (i, _), ids in zip(texts, lengths))
+        row = dataset.origin_rows[index]
+        if longest + max_response_len >= context:
+            error(f"{flag} {path}: row {row + 1} has a prompt of {longest} tokens; with {budget} {max_response_len} it "
+                  f"reaches the model's context of {context} tokens ({context_source}). Lower {budget} or set "
+                  "--rollout-max-prompt-len.")
+
+
+def check_inputs(args, error, user_load=None):
+    """Everything that reads files or imports the user's code; runs at the end of `parse_args`."""
+    check_extension_points(args, error)
+    check_checkpoints(args, error, user_load)
+    check_output_dirs(args, error)
+    check_prompt_data(args, error)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The cluster (right after connecting to Ray, before any actor starts)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def check_cluster(args, num_gpus):
+    """The run's placement group (`num_gpus` bundles of one GPU and one CPU) fits the cluster Ray connected to."""
+    import ray  # lazy: argument parsing must not import Ray
+
+    total = ray.cluster_resources()
+    short = [f"{k} {n} needed, the cluster has {total.get(k, 0):g}" for k, n in (("GPU", num_gpus), ("CPU", num_gpus))
+             if n > total.get(k, 0)]
+    if short:
+        raise StartupError(
+            f"the run needs {num_gpus} GPU bundles (--actor-num-nodes x --actor-num-gpus-per-node + --rollout-num-gpus, "
+            f"or their maximum with --colocate) but {'; '.join(short)}. Lower them, or start Ray with more GPUs "
+            "(ray start --head --num-gpus N).")
+    largest = max((n["Resources"].get("GPU", 0) for n in ray.nodes() if n.get("Alive")), default=0)
+    for flag, per_node in (("--actor-num-gpus-per-node", args.actor_num_gpus_per_node if not args.debug_rollout_only
+                            else 0),
+                           ("--rollout-num-gpus-per-engine", 0 if args.debug_train_only else
+                            min(args.rollout_num_gpus_per_engine, args.rollout_num_gpus_per_node))):
+        if per_node > largest:
+            raise StartupError(f"{flag} {per_node}: no node of the cluster has that many GPUs (the largest has "
+                               f"{largest:g}).")
