@@ -142,6 +142,7 @@ def train_args(model_dir, **overrides):
         use_rollout_entropy=False, compute_advantages_and_returns=True, ci_test=True, load=None, save=None,
         ref_load=None, offload=False, colocate=False, keep_old_actor=False, debug_rollout_only=False,
         debug_train_only=False, use_wandb=False, update_weight_buffer_size=512 * 1024**2,
+        check_for_nan_in_loss_and_grad=True, fp16=False,
     )
     rl.update(overrides)
     for k, v in rl.items():

@@ -305,7 +305,7 @@ def test_parallel_layout_errors(capsys):
     assert "--num-attention-heads 4" in err
     err = parse_error(capsys, "--recompute-granularity", "full")
     assert "--recompute-method" in err
-    err = parse_error(capsys, "--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "3")
+    err = parse_error(capsys, "--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "3", "--train-iters", "5")
     assert "--lr-warmup-fraction" in err
     assert "--lr" in parse_error(capsys, base=without("--lr"))
 

@@ -12,7 +12,7 @@ import numpy as np
 import ray
 import torch
 
-from slime.ray.rollout_data_source import RolloutDataSourceWithBuffer
+from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.utils.misc import load_function
 from slime.utils.ray_utils import Box
 from slime.utils.types import Sample

@@ -14,3 +14,8 @@ class RolloutSamples(list):
     def __init__(self, groups=(), metrics=None):
         super().__init__(groups)
         self.metrics = dict(metrics or {})
+
+    @property
+    def samples(self):
+        """The groups themselves, as `RolloutFnTrainOutput.samples` of current slime."""
+        return self

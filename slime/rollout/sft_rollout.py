@@ -3,6 +3,7 @@
 Use with `--rollout-function-path slime.rollout.sft_rollout.generate_rollout --input-key messages
 --loss-type sft_loss --calculate-per-token-loss --disable-compute-advantages-and-returns --debug-train-only`.
 """
+from slime.rollout.base_types import accepts_data_buffer
 from slime.utils.types import Sample
 
 _MASK_GENERATORS = {}  # (hf_checkpoint, loss_mask_type) -> MultiTurnLossMaskGenerator
@@ -20,6 +21,7 @@ def _mask_generator(args):
     return _MASK_GENERATORS[key]
 
 
+@accepts_data_buffer
 def generate_rollout(args, rollout_id, data_source, evaluation=False):
     if evaluation:
         raise ValueError("slime.rollout.sft_rollout has no eval mode; set --eval-function-path to a generating rollout")

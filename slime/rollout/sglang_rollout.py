@@ -11,6 +11,7 @@ from collections import Counter
 from tqdm import tqdm
 
 from slime.rollout import RolloutSamples
+from slime.rollout.base_types import accepts_data_buffer
 from slime.rollout.rm_hub import async_rm, batched_async_rm
 from slime.utils.async_utils import run
 from slime.utils.http_utils import post
@@ -19,7 +20,7 @@ from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["generate_rollout"]
+__all__ = ["generate_rollout", "generate_abortable_samples"]
 
 
 class GenerateState(metaclass=SingletonMeta):
@@ -352,12 +353,23 @@ async def eval_rollout(args, rollout_id):
     return results
 
 
-def generate_rollout(args, rollout_id, data_source, evaluation=False):
-    """The default `--rollout-function-path`: training groups, or eval results when `evaluation`. It reads the
-    global prompt dataset (start-up validation refuses --disable-rollout-global-dataset with it)."""
+def generate_abortable_samples(args, rollout_id, data_source, evaluation=False):
+    """slime v0.1.0's building block of `generate_rollout`: with `evaluation`, the eval results; otherwise
+    `(completed_groups, aborted_groups)` from `generate_rollout_async`, where `data_source` is `n -> groups`.
+    It reads the global prompt dataset (start-up validation refuses --disable-rollout-global-dataset with it)."""
     if evaluation:
         return run(eval_rollout(args, rollout_id))
+    return run(generate_rollout_async(args, rollout_id, data_source))
 
-    completed, aborted = run(generate_rollout_async(args, rollout_id, data_source.get_samples))
+
+@accepts_data_buffer
+def generate_rollout(args, rollout_id, data_source, evaluation=False):
+    """The default `--rollout-function-path`: training groups, or eval results when `evaluation`.
+
+    The training result is a `list[list[Sample]]` (`RolloutSamples`) that also has `.samples` and `.metrics`, so
+    callers written against either slime v0.1.0 (a list) or current slime (`RolloutFnTrainOutput`) work."""
+    if evaluation:
+        return generate_abortable_samples(args, rollout_id, data_source, evaluation=True)
+    completed, aborted = generate_abortable_samples(args, rollout_id, data_source.get_samples)
     data_source.add_samples(aborted)
     return RolloutSamples(completed, metrics=GenerateState(args).metrics)

@@ -274,6 +274,15 @@ def add_custom_megatron_hooks_arguments(parser):
     return parser
 
 
+def add_mtp_training_arguments(parser):
+    g = _Group(parser, "multi-token prediction")
+    reset_arg(parser, "--mtp-num-layers", type=int, default=None)
+    reset_arg(parser, "--mtp-loss-scaling-factor", type=float, default=0.2)  # current slime's default
+    g.add_argument("--enable-mtp-training", action="store_true", default=False,
+                   help="Update the MTP layers' parameters in training (needs --mtp-num-layers).")
+    return parser
+
+
 def add_ci_arguments(parser):
     g = _Group(parser, "ci")
     g.add_argument("--ci-test", action="store_true", default=False, help="Assert on first-step metrics.")
@@ -294,7 +303,8 @@ def get_slime_extra_args_provider(add_custom_arguments=None):
         for add in (add_cluster_arguments, add_rollout_arguments, add_data_arguments, add_eval_arguments,
                     add_algo_arguments, add_wandb_arguments, add_debug_arguments, add_sglang_arguments,
                     add_network_arguments, add_reward_model_arguments, add_rollout_buffer_arguments,
-                    add_custom_megatron_hooks_arguments, add_ci_arguments, add_custom_megatron_plugins_arguments):
+                    add_custom_megatron_hooks_arguments, add_ci_arguments, add_custom_megatron_plugins_arguments,
+                    add_mtp_training_arguments):
             add(parser)
         if "--padded-vocab-size" not in parser._option_string_actions:
             parser.add_argument("--padded-vocab-size", type=int, default=None)
@@ -368,8 +378,10 @@ def add_megatron_arguments(parser):
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false", default=True)
     g.add_argument("--add-qkv-bias", action="store_true", default=False)
     g.add_argument("--qk-layernorm", action="store_true", default=False)
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=None,
+                   help="Default: the HF config's attention dropout (0.0 for Qwen/Llama), else Megatron's 0.1.")
+    g.add_argument("--hidden-dropout", type=float, default=None,
+                   help="Default: the HF config's hidden dropout (0.0 when it has none), else Megatron's 0.1.")
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--use-cpu-initialization", action="store_true", default=None)
     g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default=None,
@@ -398,6 +410,8 @@ def add_megatron_arguments(parser):
                        ("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion")):
         g.add_argument(flag, dest=dest, action="store_false", default=None if "gradient" in flag else True)
     g.add_argument("--cross-entropy-loss-fusion", action="store_true", default=False)
+    g.add_argument("--mtp-num-layers", type=int, default=None, help="Multi-token-prediction layers (MiMo, DeepSeek-V3).")
+    g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1, help="Weight of the MTP loss.")
 
     g = parser.add_argument_group("megatron: mixture of experts")
     g.add_argument("--num-experts", type=int, default=None)
@@ -622,9 +636,34 @@ _HF_CHECKS = (
 )
 
 
-def _apply_hf_config(args, error, check_paths):
+# HF config keys of the dropout probabilities, per Megatron flag; a config without any has no such dropout.
+_HF_DROPOUT_KEYS = {
+    "attention_dropout": ("attention_dropout", "attention_probs_dropout_prob", "attn_pdrop"),
+    "hidden_dropout": ("hidden_dropout", "hidden_dropout_prob", "resid_pdrop"),
+}
+
+
+def _dropout_from_hf(args, cfg, given):
+    """Megatron's default dropout (0.1) is not what the HF model was trained with and perturbs RL's first-step
+    invariants: flags the user did not give take the HF config's value."""
+    for dest, keys in _HF_DROPOUT_KEYS.items():
+        flag = "--" + dest.replace("_", "-")
+        if flag in given:
+            continue
+        value = next((float(getattr(cfg, k)) for k in keys if getattr(cfg, k, None) is not None), 0.0)
+        setattr(args, dest, value)
+        logger.info("%s %s taken from --hf-checkpoint %s/config.json (flag not given)", flag, value, args.hf_checkpoint)
+
+
+def _given_flags(argv):
+    """Option strings present on the command line (`--x v` and `--x=v`)."""
+    return {a.split("=", 1)[0] for a in (sys.argv[1:] if argv is None else argv) if a.startswith("--")}
+
+
+def _apply_hf_config(args, error, check_paths, given=frozenset()):
     """Fill Megatron architecture flags the user did not give from `--hf-checkpoint`'s config.json, and check
-    that the ones given agree with it. Also defaults `--model-name` to the lowercased HF config class name."""
+    that the ones given agree with it. Also defaults `--model-name` to the lowercased HF config class name and
+    the dropout flags not given to the HF config's dropout."""
     path = args.hf_checkpoint
     if not os.path.exists(path) and not check_paths:
         return  # dry run of a launch script for another machine: nothing to read
@@ -637,6 +676,7 @@ def _apply_hf_config(args, error, check_paths):
               f"{str(e).splitlines()[0] if str(e) else ''}). Point it at a directory with config.json.")
     if args.model_name is None:
         args.model_name = type(cfg).__name__.lower()
+    _dropout_from_hf(args, cfg, given)
     if not hasattr(cfg, "num_hidden_layers") or not hasattr(cfg, "num_attention_heads"):
         return  # not a decoder LLM config we know how to map; Megatron flags must be given
     arch = _hf_architecture(cfg)
@@ -821,7 +861,7 @@ def slime_validate_args(args, error, check_paths=True):
     if args.save_interval is not None and args.save is None:
         error("--save-interval requires --save (the checkpoint directory).")
     _validate_algorithm_and_rollout(args, error)
-
+    _check_mtp(args, error)
 
 
 def _validate_algorithm_and_rollout(args, error):
@@ -848,6 +888,15 @@ def _validate_algorithm_and_rollout(args, error):
                   "boxed_), or --custom-rm-path.")
         if rm_type == "remote_rm" and not args.rm_url:
             error("--rm-type remote_rm needs --rm-url (the HTTP endpoint of your reward model server).")
+
+
+def _check_mtp(args, error):
+    if args.mtp_num_layers is not None and args.mtp_num_layers < 1:
+        error(f"--mtp-num-layers {args.mtp_num_layers}: give a positive number of MTP layers, or drop the flag.")
+    if args.mtp_loss_scaling_factor < 0:
+        error(f"--mtp-loss-scaling-factor {args.mtp_loss_scaling_factor} must be >= 0.")
+    if args.enable_mtp_training and not args.mtp_num_layers:
+        error("--enable-mtp-training needs --mtp-num-layers (the number of MTP layers to train).")
 
 
 def _megatron_defaults(args):
@@ -902,8 +951,7 @@ def megatron_validate_args(args, error):
               f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}.")
     if args.fp16 and args.bf16:
         error("--fp16 and --bf16 are mutually exclusive.")
-    if args.lr_warmup_fraction is not None and args.lr_warmup_iters != 0:
-        error("--lr-warmup-fraction and --lr-warmup-iters are mutually exclusive.")
+    _check_lr_warmup(args, error)
     if args.recompute_granularity == "full" and args.recompute_method is None:
         error("--recompute-granularity full requires --recompute-method (uniform or block).")
     if args.recompute_method is not None and args.recompute_granularity != "full":
@@ -939,6 +987,18 @@ def megatron_validate_args(args, error):
     import torch
 
     args.params_dtype = torch.half if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
+
+
+def _check_lr_warmup(args, error):
+    """Megatron-LM's rule: the two warmup flags exclude each other only in iteration-based training (--train-iters);
+    otherwise (slime's case: the length comes from --num-rollout) --lr-warmup-fraction wins over --lr-warmup-iters,
+    as in Megatron's LR scheduler."""
+    if args.lr_warmup_fraction is None or args.lr_warmup_iters == 0:
+        return
+    if args.train_iters:
+        error("--lr-warmup-fraction and --lr-warmup-iters: give only one with --train-iters (Megatron-LM's rule).")
+    logger.info("--lr-warmup-fraction %s wins over --lr-warmup-iters %s (Megatron-LM's rule)",
+                args.lr_warmup_fraction, args.lr_warmup_iters)
 
 
 def _resolve_inference_server(args, error):
@@ -1004,7 +1064,13 @@ def parse_args(add_custom_arguments=None, argv=None, *, check_paths=True):
     user_load = args.load  # validation replaces a --load without a checkpoint by --ref-load
 
     if args.hf_checkpoint:
-        _apply_hf_config(args, error, check_paths)
+        _apply_hf_config(args, error, check_paths, _given_flags(argv))
+    for dest in _HF_DROPOUT_KEYS:  # no HF config to read: Megatron's default
+        if getattr(args, dest) is None:
+            setattr(args, dest, 0.1)
+    if args.ci_test and (args.attention_dropout > 0 or args.hidden_dropout > 0):
+        error(f"--ci-test checks that the first step reproduces the rollout's log-probs, which dropout breaks: "
+              f"--attention-dropout {args.attention_dropout} --hidden-dropout {args.hidden_dropout}; set both to 0.")
     args.rank = 0
     args.world_size = args.actor_num_nodes * args.actor_num_gpus_per_node
     set_default_megatron_args(args)

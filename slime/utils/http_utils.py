@@ -106,10 +106,14 @@ async def _request(method, url, payload=None, max_retries=60, timeout=None, head
     raise ConnectionError(f"{method} {url} failed after {max_retries} attempt(s): {type(last).__name__}: {last}") from last
 
 
-async def post(url, payload=None, max_retries=60, timeout=None, headers=None):
-    """POST JSON; returns the decoded JSON (or text). Retries connection errors and 5xx once a second."""
+async def post(url, payload=None, max_retries=60, timeout=None, headers=None, *, use_http2=False):
+    """POST JSON; returns the decoded JSON (or text). Retries connection errors and 5xx once a second.
+
+    `use_http2` is accepted for slime v0.1.0 callers and ignored: the client speaks HTTP/1.1, which every
+    SGLang server and router answers."""
     return await _request("POST", url, payload, max_retries=max_retries, timeout=timeout, headers=headers)
 
 
-async def get(url, max_retries=3, timeout=30, headers=None):
+async def get(url, max_retries=3, timeout=30, headers=None, *, use_http2=False):
+    """GET; returns the decoded JSON (or text). `use_http2` is accepted and ignored, as in `post`."""
     return await _request("GET", url, None, max_retries=max_retries, timeout=timeout, headers=headers)

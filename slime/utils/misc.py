@@ -1,4 +1,5 @@
 import importlib
+import inspect
 import threading
 
 
@@ -15,6 +16,37 @@ def load_function(path: str):
         return getattr(module, attr)
     except AttributeError:
         raise ImportError(f"cannot load {path!r}: module {module_path!r} has no attribute {attr!r}") from None
+
+
+def accepted_kwargs(fn, **kwargs) -> dict:
+    """The subset of `kwargs` that `fn` declares (all of them if it takes `**kwargs`): optional keywords such as
+    `evaluation=` reach only the user functions that ask for them."""
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return kwargs
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return {k: v for k, v in kwargs.items() if k in names}
+
+
+def load_rollout_data_postprocess(path):
+    """`--rollout-data-postprocess-path` as a callable `(args, rollout_id, rollout_data)`.
+
+    Current slime calls `fn(args, rollout_id, rollout_data)`; slime v0.1.0 called `fn(args)`. The function is
+    called in the form it declares, so functions written for either version work."""
+    fn = load_function(path)
+    signature = inspect.signature(fn)
+    for form in ((None, None, None), (None,)):
+        try:
+            signature.bind(*form)
+        except TypeError:
+            continue
+        if len(form) == 3:
+            return fn
+        return lambda args, rollout_id, rollout_data: fn(args)
+    raise TypeError(
+        f"--rollout-data-postprocess-path {path}: the function takes {signature}; it must take "
+        "(args, rollout_id, rollout_data), or slime v0.1.0's (args)"
+    )
 
 
 class SingletonMeta(type):

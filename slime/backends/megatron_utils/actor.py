@@ -14,7 +14,7 @@ from megatron.core import parallel_state as mpu
 
 from slime.ray.train_actor import TrainRayActor
 from slime.utils.device import is_cpu
-from slime.utils.misc import load_function
+from slime.utils.misc import load_rollout_data_postprocess
 from slime.utils.timer import Timer, timer
 
 from . import initialize as megatron_init
@@ -67,6 +67,9 @@ class MegatronTrainRayActor(TrainRayActor):
             args, self.model, self.weights, model_name=self.model_name, quantization_config=None,
             vocab_size=getattr(args, "vocab_size", None) or self.vocab_size,
         )
+        self.rollout_data_postprocess = None
+        if args.rollout_data_postprocess_path:
+            self.rollout_data_postprocess = load_rollout_data_postprocess(args.rollout_data_postprocess_path)
         self._offload_backup = None
         if getattr(args, "offload", False):
             self.sleep(("model",))
@@ -228,8 +231,8 @@ class MegatronTrainRayActor(TrainRayActor):
                     assert torch.equal(lp, ref), "--ci-test: rollout 0 log_probs differ from ref_log_probs"
             compute_advantages_and_returns(args, rollout_data)
 
-        if getattr(args, "rollout_data_postprocess_path", None):
-            load_function(args.rollout_data_postprocess_path)(args, rollout_id, rollout_data)
+        if self.rollout_data_postprocess is not None:
+            self.rollout_data_postprocess(self.args, rollout_id, rollout_data)
         rollout_metrics = log_rollout_data(rollout_id, args, rollout_data)
         if rollout_metrics and megatron_init.is_megatron_main_rank():
             from .model import log

@@ -17,7 +17,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
 from slime.utils import wandb_utils
-from slime.utils.device import is_cpu
+from slime.utils.device import get_device, is_cpu
 from slime.utils.misc import load_function
 
 from .checkpoint import load_checkpoint
@@ -70,7 +70,7 @@ def get_model(args, wrap_with_ddp=True):
         grad_reduce_in_fp32=bool(getattr(args, "accumulate_allreduce_grads_in_fp32", True)),
         overlap_grad_reduce=overlap,
         use_distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
-        check_for_nan_in_grad=bool(getattr(args, "check_for_nan_in_loss_and_grad", False)),
+        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
         bucket_size=max(40_000_000, 1_000_000 * dp_cp) if overlap else None,
     )
     return [
@@ -257,12 +257,15 @@ def train_one_step(args, rollout_id, step_id, data_iterator, model, optimizer, o
         num_microbatches=num_microbatches, seq_length=_arg(args, "seq_length", 4096),
         micro_batch_size=args.micro_batch_size, forward_only=False,
     )
-    update_successful, grad_norm, _ = optimizer.step()
+    if not args.check_for_nan_in_loss_and_grad and not _grads_are_finite(model):
+        # --no-check-for-nan-in-loss-and-grad: nothing raised on the inf/NaN, so skip the step rather than apply it
+        logger.warning(f"rollout {rollout_id} step {step_id}: inf/NaN gradients, optimizer step skipped")
+        update_successful, grad_norm = False, float("nan")
+    else:
+        update_successful, grad_norm, _ = optimizer.step()
     if update_successful:
         opt_param_scheduler.step(increment=args.global_batch_size)
-    elif not getattr(args, "no_check_for_nan_in_loss_and_grad", False) and not (
-        getattr(args, "fp16", False) and not is_cpu()
-    ):
+    elif args.check_for_nan_in_loss_and_grad and not (args.fp16 and not is_cpu()):  # fp16's loss scaler skips
         raise RuntimeError(f"rollout {rollout_id} step {step_id}: optimizer step failed (inf/NaN gradients)")
 
     metrics = {}
@@ -274,6 +277,15 @@ def train_one_step(args, rollout_id, step_id, data_iterator, model, optimizer, o
         cp = mpu.get_context_parallel_world_size()
         metrics = {k: (v * cp / count).item() for k, v in zip(keys, values[1:])}
     return metrics, grad_norm
+
+
+def _grads_are_finite(model):
+    """True when no trainer rank has an inf/NaN in its gradient buffers."""
+    grads = [p.main_grad for chunk in model for p in chunk.parameters() if getattr(p, "main_grad", None) is not None]
+    bad = any(not torch.isfinite(g).all() for g in grads)
+    flag = torch.tensor([float(bad)], device=grads[0].device if grads else get_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() == 0
 
 
 def train(args, rollout_id, model, optimizer, opt_param_scheduler, data_iterator, num_microbatches):
