@@ -53,6 +53,16 @@ def test_rollout_data_postprocess_is_called_in_its_declared_form():
         load_rollout_data_postprocess(f"{HERE}.bad_postprocess")
 
 
+def test_startup_check_accepts_both_postprocess_forms():
+    from slime.utils.startup_checks import EXTENSION_POINTS, check_extension_point
+
+    (point,) = [p for p in EXTENSION_POINTS if p.flag == "--rollout-data-postprocess-path"]
+    assert check_extension_point(point, f"{HERE}.v010_postprocess") is None
+    assert check_extension_point(point, f"{HERE}.head_postprocess") is None
+    reason = check_extension_point(point, f"{HERE}.bad_postprocess")
+    assert "fn(args, rollout_id, rollout_data) or fn(args)" in reason
+
+
 # ---------------------------------------------------------------- old names and module paths
 
 

@@ -40,14 +40,15 @@ class ExtensionPoint:
     flag: str
     call: str
     asynchronous: bool | None = None
+    alternatives: tuple = ()  # other calls slime makes when the function declares that form (older slime)
 
     @property
     def dest(self) -> str:
         return self.flag[2:].replace("-", "_")
 
-    def arguments(self):
+    def arguments(self, call=None):
         """(positional names, keyword names) of slime's call."""
-        fn = ast.parse(f"def f({self.call}): pass").body[0].args
+        fn = ast.parse(f"def f({call or self.call}): pass").body[0].args
         n_kw = len(fn.defaults)
         positional = [a.arg for a in fn.args[: len(fn.args) - n_kw]]
         keywords = [a.arg for a in fn.args[len(fn.args) - n_kw:]] + [a.arg for a in fn.kwonlyargs]
@@ -63,7 +64,7 @@ EXTENSION_POINTS = (
     ExtensionPoint("--dynamic-sampling-filter-path", "args, samples"),
     ExtensionPoint("--over-sampling-filter-path", "args, samples"),
     ExtensionPoint("--buffer-filter-path", "args, rollout_id, buffer, num_samples"),
-    ExtensionPoint("--rollout-data-postprocess-path", "args, rollout_id, rollout_data"),
+    ExtensionPoint("--rollout-data-postprocess-path", "args, rollout_id, rollout_data", alternatives=("args",)),
     ExtensionPoint("--custom-loss-function-path", "*, args, batch, logits, sum_of_sample_mean"),
     ExtensionPoint("--custom-megatron-init-path", "args"),
     ExtensionPoint("--custom-megatron-before-log-prob-hook-path", "args, model, store_prefix"),
@@ -90,13 +91,16 @@ def check_extension_point(point: ExtensionPoint, path: str) -> str | None:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # builtins and some C callables have no signature to check
         return None
-    positional, keywords = point.arguments()
-    try:
-        signature.bind(*positional, **{k: k for k in keywords})
-    except TypeError as e:
-        return (f"{point.flag} {path}{signature} cannot be called as slime calls it, fn({point.call}): "
-                f"{one_line(e)}")
-    return None
+    first_error = None
+    for call in (point.call, *point.alternatives):
+        positional, keywords = point.arguments(call)
+        try:
+            signature.bind(*positional, **{k: k for k in keywords})
+            return None
+        except TypeError as e:
+            first_error = first_error or e
+    forms = " or ".join(f"fn({c})" for c in (point.call, *point.alternatives))
+    return f"{point.flag} {path}{signature} cannot be called as slime calls it, {forms}: {one_line(first_error)}"
 
 
 def check_extension_points(args, error):
