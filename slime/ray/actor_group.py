@@ -63,8 +63,8 @@ class RayTrainGroup:
     def async_save_model(self, step_id):
         return [a.save_model.remote(step_id) for a in self._actor_handlers]
 
-    def async_update_weights(self):
-        return [a.update_weights.remote() for a in self._actor_handlers]
+    def async_update_weights(self, weight_version=None):
+        return [a.update_weights.remote(weight_version) for a in self._actor_handlers]
 
     def async_offload(self):
         return [a.sleep.remote(("model",)) for a in self._actor_handlers]

@@ -6,6 +6,7 @@ returns a `Box(ray.put(train_data))`. Metrics of every call are logged and also 
 """
 import importlib.util
 import os
+import threading
 import time
 
 import numpy as np
@@ -198,6 +199,7 @@ class RolloutController:
         path = getattr(args, "custom_reward_post_process_path", None)
         self.custom_reward_post_process_func = load_function(path) if path else None
         self._metrics = {}  # rollout_id -> metrics; train_async generates N+1 before the driver records N
+        self._eval_thread, self._eval_results = None, []  # background eval (fully async)
         print(f"import {self.rollout_fn_path} as generate_rollout function.")
         print(f"import {self.eval_fn_path} as eval_generate_rollout function.")
 
@@ -257,6 +259,38 @@ class RolloutController:
         metrics = eval_metrics(data)
         self._log("eval", rollout_id, metrics)
         return metrics
+
+    def set_weight_version(self, version):
+        """The driver reports the weight version the engines serve after each push (saved with the data source)."""
+        self.data_source.weight_version = version
+
+    def start_eval(self, rollout_id, weight_version):
+        """Evaluate in the background while training goes on; the driver pins `weight_version` on the engines (it
+        pushes no weights) until `collect_evals` says the eval is done."""
+        if self._eval_thread is not None:
+            raise RuntimeError(f"eval of rollout {rollout_id} started while another eval is still running")
+
+        def work():
+            try:
+                result = {"metrics": self.eval(rollout_id)}
+            except Exception as e:  # reported to the driver by collect_evals
+                result = {"error": f"{type(e).__name__}: {e}"}
+            self._eval_results.append({"rollout_id": rollout_id, "weight_version": weight_version, **result})
+
+        self._eval_thread = threading.Thread(target=work, name=f"eval-{rollout_id}", daemon=True)
+        self._eval_thread.start()
+
+    def collect_evals(self, wait=False):
+        """(an eval is still running, finished evals as {rollout_id, weight_version, metrics}); `wait` joins it."""
+        results = []
+        if self._eval_thread is not None and (wait or not self._eval_thread.is_alive()):
+            self._eval_thread.join()  # the thread appends its result last: read only after it ended
+            self._eval_thread = None
+            results, self._eval_results = self._eval_results, []
+        for r in results:
+            if "error" in r:
+                raise RuntimeError(f"background eval of rollout {r['rollout_id']} failed: {r['error']}")
+        return self._eval_thread is not None, results
 
     def _log(self, kind, rollout_id, metrics):
         print(f"{kind} {rollout_id}: {metrics}")

@@ -8,6 +8,7 @@ persist the position (and, beyond slime, the buffered groups) so a resumed run c
 import abc
 import copy
 import os
+import threading
 
 import torch
 
@@ -47,6 +48,13 @@ class RolloutDataSource(DataSource):
         self.sample_group_index = 0  # global index of every handed-out prompt group
         self.sample_offset = 0  # position in the (shuffled) dataset of the current epoch
         self.metadata = {}
+        # The weight version the engines serve (set by the driver after each push), saved with the position.
+        self.weight_version = None
+        # A rollout function that keeps work between calls (the fully async worker) registers a state_dict()
+        # callable here, so its queue is saved and restored with the data source; `lock` makes the two consistent.
+        self.rollout_states = {}
+        self.loaded_rollout_states = {}
+        self.lock = threading.RLock()
 
         if args.rollout_global_dataset and getattr(args, "prompt_data", None) is not None:
             from transformers import AutoTokenizer
@@ -138,6 +146,8 @@ class RolloutDataSource(DataSource):
             "sample_index": self.sample_index,
             "sample_group_index": self.sample_group_index,
             "metadata": self.metadata,
+            "weight_version": self.weight_version,
+            "rollout_states": {name: state_dict() for name, state_dict in self.rollout_states.items()},
         }
 
     def _load_state_dict(self, state):
@@ -146,6 +156,8 @@ class RolloutDataSource(DataSource):
         self.sample_index = state.get("sample_index", 0)
         self.sample_group_index = state.get("sample_group_index", 0)
         self.metadata = state.get("metadata", {})
+        self.weight_version = state.get("weight_version")
+        self.loaded_rollout_states = state.get("rollout_states", {})
 
     def save(self, rollout_id):
         if not self.args.rollout_global_dataset:
@@ -157,7 +169,9 @@ class RolloutDataSource(DataSource):
         # Write then rename, so a crash mid-save never leaves a truncated state file behind.
         tmp = f"{path}.tmp.{os.getpid()}"
         try:
-            torch.save(self._state_dict(), tmp)
+            with self.lock:
+                state = self._state_dict()
+            torch.save(state, tmp)
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
@@ -175,7 +189,8 @@ class RolloutDataSource(DataSource):
             state = torch.load(path, weights_only=False)
         except Exception as e:
             raise RuntimeError(f"cannot read rollout data-source state {path}: {type(e).__name__}: {e}") from e
-        self._load_state_dict(state)
+        with self.lock:
+            self._load_state_dict(state)
         if self.dataset is not None and self.args.rollout_shuffle:
             self.dataset.shuffle(self.epoch_id)
 

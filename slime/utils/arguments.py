@@ -23,6 +23,7 @@ from slime.utils.startup_checks import check_inputs, check_value_ranges
 logger = logging.getLogger(__name__)
 
 DEFAULT_ROLLOUT_FUNCTION = "slime.rollout.sglang_rollout.generate_rollout"
+FULLY_ASYNC_ROLLOUT_FUNCTION = "slime.rollout.fully_async_rollout.generate_rollout_fully_async"
 
 
 class _Group:
@@ -114,6 +115,10 @@ def add_rollout_arguments(parser):
                         "the trainer's host); 'auto' = shm where it applies (like NCCL's intra-node SHM transport), "
                         "else broadcast.")
     g.add_argument("--update-weights-interval", type=int, default=1, help="Rollouts between weight updates (async).")
+    g.add_argument("--max-staleness", "--max-policy-version-lag", dest="max_staleness", type=int, default=1,
+                   help="Fully async rollout: no sample trained at policy version v was started before version v-K. "
+                        "Enforced by pacing the admission of new prompt groups (finished work is never discarded); "
+                        "0 = on-policy.")
     g.add_argument("--update-weight-timeout", type=float, default=300,
                    help="Seconds a weight update may take before it fails naming the engine.")
     g.add_argument("--check-weight-update-equal", action="store_true", default=False,
@@ -888,6 +893,12 @@ def _validate_algorithm_and_rollout(args, error):
                   "boxed_), or --custom-rm-path.")
         if rm_type == "remote_rm" and not args.rm_url:
             error("--rm-type remote_rm needs --rm-url (the HTTP endpoint of your reward model server).")
+    if args.rollout_function_path == FULLY_ASYNC_ROLLOUT_FUNCTION:
+        if args.update_weights_interval != 1:
+            error(f"--update-weights-interval {args.update_weights_interval}: the fully async rollout pushes the "
+                  "weights after every step; bound the lag with --max-staleness instead.")
+        if not args.rollout_global_dataset:
+            error("the fully async rollout needs the global dataset: drop --disable-rollout-global-dataset.")
 
 
 def _check_mtp(args, error):

@@ -157,6 +157,7 @@ VALUE_RANGES = (
     ("rollout_num_gpus_per_engine", _at_least(1), "GPUs per inference engine"),
     ("rollout_num_gpus_per_node", _at_least(1), "GPUs per inference node"),
     ("update_weights_interval", _at_least(1), "rollouts between weight updates"),
+    ("max_staleness", _at_least(0), "weight versions a trained sample may lag, 0 = on-policy"),
     ("update_weight_buffer_size", _at_least(1), "bytes per weight-update bucket"),
     ("update_weight_timeout", _above(0), "seconds a weight update may take"),
     ("save_interval", _at_least(1), "rollouts between checkpoints"),

@@ -70,6 +70,8 @@ class MegatronTrainRayActor(TrainRayActor):
         self.rollout_data_postprocess = None
         if args.rollout_data_postprocess_path:
             self.rollout_data_postprocess = load_rollout_data_postprocess(args.rollout_data_postprocess_path)
+        # weights before rollout r are version r + 1, also after a resume: the first push is start_rollout_id + 1
+        self.weight_updator.weight_version = start_rollout_id
         self._offload_backup = None
         if getattr(args, "offload", False):
             self.sleep(("model",))
@@ -275,13 +277,14 @@ class MegatronTrainRayActor(TrainRayActor):
         self.weight_updator.connect_rollout_engines(rollout_engines, rollout_engine_lock)
         dist.barrier(group=megatron_init.get_gloo_group())
 
-    def update_weights(self):
+    def update_weights(self, weight_version=None):
+        """Push the weights to the engines, labelled `weight_version` (default: the previous label + 1)."""
         if getattr(self.args, "debug_train_only", False) or getattr(self.args, "debug_rollout_only", False):
             return None
         if getattr(self.args, "keep_old_actor", False):
             self.weights["old_actor"], self.weights["rollout_actor"] = (
                 self.weights["rollout_actor"], _clone_dict(self.weights["actor"]))
-        result = self.weight_updator.update_weights()
+        result = self.weight_updator.update_weights(weight_version)
         dist.barrier(group=megatron_init.get_gloo_group())
         return result
 

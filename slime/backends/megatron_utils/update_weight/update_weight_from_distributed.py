@@ -118,9 +118,9 @@ class UpdateWeightFromDistributed:
         return "shm" if wanted == "shm" or (wanted == "auto" and shm_possible) else "broadcast"
 
     @torch.no_grad()
-    def update_weights(self) -> dict:
+    def update_weights(self, weight_version=None) -> dict:
         start = time.perf_counter()
-        self.weight_version += 1
+        self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
         timeout = update_timeout(self.args)
         pausing = []
         if dist.get_rank() == 0:

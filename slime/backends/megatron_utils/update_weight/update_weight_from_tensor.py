@@ -136,9 +136,9 @@ class UpdateWeightFromTensor:
                 self._ipc_engine, self._ipc_engine_url = engine, self._urls[i]
 
     @torch.no_grad()
-    def update_weights(self) -> dict:
+    def update_weights(self, weight_version=None) -> dict:
         start = time.perf_counter()
-        self.weight_version += 1
+        self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
         timeout = update_timeout(self.args)
         if self._ipc_engine is None:
             raise WeightUpdateError("colocated weight update: connect_rollout_engines() was not called on this trainer")

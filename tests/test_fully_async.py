@@ -1,0 +1,179 @@
+"""Fully async rollout (`train_async.py --rollout-function-path slime.rollout.fully_async_rollout.
+generate_rollout_fully_async`): the staleness bound, on-policy at K=0, eval on pinned versions, exactly-once across a
+crash and resume. The bound is asserted from what every trained sample recorded: the weight version of each of its
+generation segments (`Sample.weight_versions`); the trainer's weights at rollout r are version r + 1."""
+import asyncio
+import time
+
+import pytest
+import torch
+
+import train_async as async_driver
+from slime.rollout.fully_async_rollout import Group, select_batch
+from slime.rollout.sglang_rollout import generate
+from slime.utils.types import Sample
+from tests.test_e2e import make_args, read_metrics
+
+FULLY_ASYNC = ["--rollout-function-path", "slime.rollout.fully_async_rollout.generate_rollout_fully_async",
+               "--rollout-num-gpus", "1"]
+
+
+# ---------------------------------------------------------------------------------------------- batch selection
+def groups(*start_versions, first_gid=0):
+    return [Group(first_gid + i, v, []) for i, v in enumerate(start_versions)]
+
+
+def test_select_batch_takes_the_oldest_finished_groups_first():
+    finished = groups(2, 1, 2, 1)
+    assert [g.gid for g in select_batch(finished, [], 2, trainer_version=2, max_staleness=1)] == [1, 3]
+
+
+def test_select_batch_waits_for_a_straggler_that_cannot_wait_any_longer():
+    # K=1, trainer at version 3: the group started at version 2 is due now; it is still running, so no batch.
+    finished, running = groups(3, 3, 3), groups(2, first_gid=3)
+    assert select_batch(finished, running, 2, trainer_version=3, max_staleness=1) is None
+    # once it finished it goes first
+    chosen = select_batch(finished + running, [], 2, trainer_version=3, max_staleness=1)
+    assert [g.start_version for g in chosen] == [2, 3]
+
+
+def test_select_batch_keeps_later_batches_feasible():
+    # K=2, batches of 2, trainer at version 3: four groups started at version 2 must all be trained by version 4.
+    # One finished, three running; two version-3 groups finished. Taking (v2, v3) now would leave three v2 groups
+    # for the one batch at version 4: the trainer waits instead.
+    finished, running = groups(2, 3, 3), groups(2, 2, 2, first_gid=3)
+    assert select_batch(finished, running, 2, trainer_version=3, max_staleness=2) is None
+    # a second v2 group finishes: (v2, v2) now, the other two v2 groups fit the next batch
+    chosen = select_batch(finished + running[:1], running[1:], 2, trainer_version=3, max_staleness=2)
+    assert [(g.gid, g.start_version) for g in chosen] == [(0, 2), (3, 2)]
+
+
+def test_select_batch_with_k0_takes_exactly_the_groups_of_the_current_version():
+    assert select_batch(groups(1, 1), groups(1, first_gid=2), 3, trainer_version=1, max_staleness=0) is None
+    chosen = select_batch(groups(1, 1, 1), [], 3, trainer_version=1, max_staleness=0)
+    assert sorted(g.gid for g in chosen) == [0, 1, 2]
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+def slow_train_step(args, rollout_id, step_id, model, optimizer, opt_param_scheduler):
+    """--custom-megatron-before-train-step-hook-path: a deliberately slow trainer."""
+    time.sleep(1.5)
+
+
+def crash_at_rollout_3(args, rollout_id, step_id, model, optimizer, opt_param_scheduler):
+    slow_train_step(args, rollout_id, step_id, model, optimizer, opt_param_scheduler)
+    if rollout_id == 3:
+        raise RuntimeError("simulated crash at rollout 3")
+
+
+async def slow_generate(args, sample, sampling_params):
+    """--custom-generate-function-path: a deliberately slow engine, one token per request 0.15 s apart, and every
+    third prompt three times slower (stragglers), so weight updates land while samples are half generated."""
+    delay = 0.45 if sample.group_index % 3 == 0 else 0.15
+    budget = sampling_params["max_new_tokens"]
+    while sample.response_length < budget:
+        await asyncio.sleep(delay)
+        # the default generate subtracts what was already generated: one new token per call
+        sample = await generate(args, sample, dict(sampling_params, max_new_tokens=sample.response_length + 1))
+        if sample.status == Sample.Status.COMPLETED:
+            return sample
+        if sample.status == Sample.Status.TRUNCATED and sample.response_length < budget:
+            sample.status = Sample.Status.PENDING
+    return sample
+
+
+def trained_batches(pattern, rollout_ids):
+    return {r: torch.load(str(pattern).format(rollout_id=r), weights_only=False)["samples"] for r in rollout_ids}
+
+
+def lags(batches):
+    """Per trained sample: trainer version (rollout id + 1) minus the version of its first generated segment."""
+    return [r + 1 - int(s["weight_versions"][0]) for r, samples in batches.items() for s in samples]
+
+
+def test_slow_trainer_staleness_bound_eval_versions_and_exactly_once_across_crash_and_resume(
+        ray_session, tiny_kit, tmp_path):
+    import ray
+
+    ckpt = tmp_path / "ckpt"
+    common = [*FULLY_ASYNC, "--max-policy-version-lag", "1", "--rollout-shuffle", "--save", str(ckpt),
+              "--save-interval", "1", "--eval-interval", "2", "--eval-prompt-data", "addition",
+              f"{tiny_kit[1]}/eval.jsonl", "--eval-temperature", "0"]
+    first = tmp_path / "first"
+    first.mkdir()
+    with pytest.raises(ray.exceptions.RayTaskError, match="simulated crash"):
+        async_driver.train(make_args(
+            tiny_kit, first, *common, "--custom-megatron-before-train-step-hook-path",
+            f"{__name__}.crash_at_rollout_3", "--save-debug-rollout-data", str(first / "r_{rollout_id}.pt"),
+            num_rollout=5))
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+    second = tmp_path / "second"
+    second.mkdir()
+    args = make_args(tiny_kit, second, *common, "--load", str(ckpt), "--custom-megatron-before-train-step-hook-path",
+                     f"{__name__}.slow_train_step", "--save-debug-rollout-data", str(second / "r_{rollout_id}.pt"),
+                     num_rollout=5)
+    assert args.max_staleness == 1
+    async_driver.train(args)
+
+    batches = {**trained_batches(first / "r_{rollout_id}.pt", [0, 1, 2]),
+               **trained_batches(second / "r_{rollout_id}.pt", [3, 4])}
+    observed = lags(batches)
+    # the engines run ahead of the slow trainer exactly as far as the bound lets them
+    assert max(observed) == 1 and min(observed) == 0
+
+    # every prompt group handed out by the data source is trained exactly once or still waits in the saved state
+    trained = [s["group_index"] for samples in batches.values() for s in samples[::4]]
+    assert len(trained) == len(set(trained)) == 5 * 4
+    state = torch.load(ckpt / "rollout" / "global_dataset_state_dict_4.pt", weights_only=False)
+    fully_async = state["rollout_states"]["fully_async"]
+    waiting = [q["samples"][0]["group_index"] for q in fully_async["queued"]]
+    waiting += [g[0]["group_index"] for g in fully_async["in_flight"]] + [g[0]["group_index"] for g in state["buffer"]]
+    assert not set(waiting) & set(trained)
+    assert sorted(waiting + trained) == list(range(state["sample_group_index"]))
+    assert state["weight_version"] == 6  # the engines served the weights after rollout 4
+
+    # evals: before training (weights 1) and after rollout 3 (weights 5) are waited for; the one after rollout 1 ran
+    # while rollout 2 trained and is reported if it finished before the crash. Each says what it measured.
+    evals = [r for r in read_metrics(first) + read_metrics(second) if "eval/addition" in r]
+    measured = {(r["eval/step"], r["eval/weight_version"]) for r in evals}
+    assert {(0, 1), (3, 5)} <= measured <= {(0, 1), (1, 3), (3, 5)}, measured
+    for r in evals:
+        assert r["eval/lag_steps"] == r["rollout_id"] - r["eval/step"] >= 0
+        assert r["eval/weight_version"] in (1, r["eval/step"] + 2)
+    rows = read_metrics(second)
+    assert [r["rollout_id"] for r in rows] == [3, 4]
+    for r in rows:
+        assert r["rollout/staleness_max"] <= 1 and 0 <= r["perf/trainer_wait_frac"] <= 1
+        assert 0 <= r["perf/engine_idle_frac"] <= 1 and r["rollout/queue_depth"] >= 0
+
+
+def test_slow_engine_keeps_the_bound_and_records_versions_per_segment(ray_session, tiny_kit, tmp_path):
+    args = make_args(tiny_kit, tmp_path, *FULLY_ASYNC, "--max-staleness", "1",
+                     "--custom-generate-function-path", f"{__name__}.slow_generate",
+                     "--save-debug-rollout-data", str(tmp_path / "r_{rollout_id}.pt"), num_rollout=4)
+    async_driver.train(args)
+    batches = trained_batches(tmp_path / "r_{rollout_id}.pt", range(4))
+    assert max(lags(batches)) <= 1
+    # weight updates landed while samples were half generated: their later tokens come from newer weights
+    spanning = [s for samples in batches.values() for s in samples if len(set(s["weight_versions"])) > 1]
+    assert spanning
+    for s in spanning:
+        versions = [int(v) for v in s["weight_versions"]]
+        assert versions == sorted(versions)
+        assert len(s["rollout_log_probs"]) == s["response_length"]
+
+
+def test_max_staleness_0_is_on_policy(ray_session, tiny_kit, tmp_path):
+    args = make_args(tiny_kit, tmp_path, *FULLY_ASYNC, "--max-staleness", "0",
+                     "--save-debug-rollout-data", str(tmp_path / "r_{rollout_id}.pt"), num_rollout=3)
+    async_driver.train(args)
+    batches = trained_batches(tmp_path / "r_{rollout_id}.pt", range(3))
+    for r, samples in batches.items():
+        assert {v for s in samples for v in s["weight_versions"]} == {str(r + 1)}
+        # the same prompts, in the same order, as a synchronous run: the next 4 groups of the data source
+        assert [s["group_index"] for s in samples[::4]] == [4 * r + i for i in range(4)]
+    rows = read_metrics(tmp_path)
+    assert [r["rollout/staleness_max"] for r in rows] == [0, 0, 0]
+    # the trainer recomputes exactly the log-probs the engine sampled with: same weights
+    assert all(r["train/train_rollout_logprob_abs_diff"] < 1e-4 for r in rows)
