@@ -6,10 +6,11 @@
 #   bash scripts/run-qwen3-tiny-cpu.sh                 # disaggregated train.py (default)
 #   MODE=colocate bash scripts/run-qwen3-tiny-cpu.sh   # trainers and engine share logical GPUs
 #   MODE=async bash scripts/run-qwen3-tiny-cpu.sh      # train_async.py, one-step off-policy
+#   MODE=fully_async bash scripts/run-qwen3-tiny-cpu.sh  # train_async.py, fully async within MAX_STALENESS (1)
 #   TP=2 bash scripts/run-qwen3-tiny-cpu.sh            # tensor-parallel training over 2 ranks
 #   EXTRA_ARGS="--partial-rollout --use-wandb --wandb-mode offline" bash scripts/run-qwen3-tiny-cpu.sh
 # Other knobs: NUM_ROLLOUT (GRPO rollouts, 300), SFT_EPOCHS (30), LR (GRPO peak, 3e-4, cosine-decayed to 3e-5),
-# EVAL_INTERVAL (20), OUT, MODEL_DIR, DATA_DIR.
+# EVAL_INTERVAL (20), MAX_STALENESS (fully_async), OUT, MODEL_DIR, DATA_DIR.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] && PY=.venv/bin/python || PY=python3
@@ -70,7 +71,10 @@ case "$MODE" in
   sync)     DRIVER=train.py;       PLACEMENT=(--rollout-num-gpus 1) ;;
   colocate) DRIVER=train.py;       PLACEMENT=(--colocate) ;;
   async)    DRIVER=train_async.py; PLACEMENT=(--rollout-num-gpus 1) ;;
-  *) echo "MODE must be sync, colocate or async (got $MODE)" >&2; exit 2 ;;
+  fully_async) DRIVER=train_async.py
+            PLACEMENT=(--rollout-num-gpus 1 --max-staleness "${MAX_STALENESS:-1}"
+                       --rollout-function-path slime.rollout.fully_async_rollout.generate_rollout_fully_async) ;;
+  *) echo "MODE must be sync, colocate, async or fully_async (got $MODE)" >&2; exit 2 ;;
 esac
 echo "== GRPO ($DRIVER, $MODE, TP=$TP) =="
 $PY "$DRIVER" "${MODEL_ARGS[@]}" "${COMMON_ARGS[@]}" "${PLACEMENT[@]}" "${CKPT_ARGS[@]}" "${ROLLOUT_ARGS[@]}" \

@@ -541,3 +541,12 @@ def test_module_dry_run_prints_ok_and_exits_2_on_mistakes():
     bad = subprocess.run(cmd + QWEN3_4B_MODEL_ARGS + QWEN3_4B_RUN_ARGS + ["--kl-coef", "0.1", "--kl-loss-coef", "0.1"],
                          capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
     assert bad.returncode == 2 and "--kl-loss-coef" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_fully_async_flags(capsys):
+    fully_async = ["--rollout-function-path", "slime.rollout.fully_async_rollout.generate_rollout_fully_async"]
+    assert parse().max_staleness == 1
+    assert parse(*fully_async, "--max-policy-version-lag", "0").max_staleness == 0
+    assert "--max-staleness -1 must be >= 0" in parse_error(capsys, "--max-staleness", "-1")
+    err = parse_error(capsys, *fully_async, "--update-weights-interval", "2")
+    assert "--update-weights-interval 2" in err and "--max-staleness" in err

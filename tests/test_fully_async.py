@@ -131,7 +131,8 @@ def test_slow_trainer_staleness_bound_eval_versions_and_exactly_once_across_cras
     waiting += [g[0]["group_index"] for g in fully_async["in_flight"]] + [g[0]["group_index"] for g in state["buffer"]]
     assert not set(waiting) & set(trained)
     assert sorted(waiting + trained) == list(range(state["sample_group_index"]))
-    assert state["weight_version"] == 6  # the engines served the weights after rollout 4
+    # saved after training rollout 4, before its push: the engines served version 5, the weights after rollout 3
+    assert state["weight_version"] == 5
 
     # evals: before training (weights 1) and after rollout 3 (weights 5) are waited for; the one after rollout 1 ran
     # while rollout 2 trained and is reported if it finished before the crash. Each says what it measured.

@@ -35,7 +35,7 @@ def mpu_world1(tmp_path_factory):
 
 def _args(**kw):
     base = dict(rollout_temperature=1.0, advantage_estimator="grpo", eps_clip=0.2, eps_clip_high=0.2, eps_clip_c=None,
-                use_tis=False, tis_clip=2.0, tis_clip_low=0.0, entropy_coef=0.0, use_kl_loss=False, kl_loss_coef=0.0,
+                use_tis=False, tis_clip=2.0, tis_clip_low=0.0, tis_mode="truncate", entropy_coef=0.0, use_kl_loss=False, kl_loss_coef=0.0,
                 kl_loss_type="kl", loss_type="policy_loss", calculate_per_token_loss=False, global_batch_size=4,
                 custom_loss_function_path=None, kl_coef=0.0, gamma=1.0, normalize_advantages=False,
                 n_samples_per_prompt=2, rewards_normalization=True)
@@ -158,6 +158,17 @@ def test_tis_weights_are_clamped():
     with pytest.raises(ValueError, match="rollout_log_probs"):
         del batch["rollout_log_probs"]
         policy_loss_function(args, batch, logits, _reducer(batch))
+
+
+def test_tis_mask_mode_zeroes_tokens_outside_the_range():
+    batch, logits, new = _one_sample_batch([1.0, 1.0, 1.0], [1.0, 1.0, 1.0])
+    old = batch["log_probs"][0]
+    batch["rollout_log_probs"] = [old - torch.log(torch.tensor([3.0, 1.5, 0.05]))]
+    loss, m = policy_loss_function(_args(use_tis=True, tis_clip=2.0, tis_clip_low=0.1, tis_mode="mask"), batch, logits,
+                                   _reducer(batch))
+    # weights [0, 1.5, 0]: only the middle token, within [0.1, 2], keeps its (unclipped) weight
+    assert m["pg_loss"].item() == pytest.approx(-1.5 / 3, abs=1e-5)
+    assert m["tis_clipfrac"].item() == pytest.approx(2 / 3)
 
 
 def test_gspo_uses_the_sequence_level_ratio():

@@ -204,6 +204,9 @@ def add_algo_arguments(parser):
     g.add_argument("--use-tis", action="store_true", default=False, help="Truncated importance sampling.")
     g.add_argument("--tis-clip", type=float, default=2.0)
     g.add_argument("--tis-clip-low", type=float, default=0.0)
+    g.add_argument("--tis-mode", choices=["truncate", "mask"], default="truncate",
+                   help="--use-tis weights exp(old - rollout log-prob): 'truncate' clamps them to [--tis-clip-low, "
+                        "--tis-clip]; 'mask' keeps them inside that range and zeroes the tokens outside (IcePop).")
     return parser
 
 
@@ -899,6 +902,9 @@ def _validate_algorithm_and_rollout(args, error):
                   "weights after every step; bound the lag with --max-staleness instead.")
         if not args.rollout_global_dataset:
             error("the fully async rollout needs the global dataset: drop --disable-rollout-global-dataset.")
+        if args.over_sampling_batch_size > args.rollout_batch_size or args.partial_rollout:
+            logger.warning("fully async rollout: --over-sampling-batch-size and --partial-rollout are not used; "
+                           "admission is paced by --max-staleness and interrupted samples always resume")
 
 
 def _check_mtp(args, error):

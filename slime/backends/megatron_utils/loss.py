@@ -177,7 +177,11 @@ def policy_loss_function(args, batch, logits, sum_of_sample_mean):
     if args.use_tis:
         rollout_lp = torch.cat(_require(batch, "rollout_log_probs", "--use-tis needs (the rollout must return log-probs)"))
         tis = torch.exp(torch.cat(old_log_probs) - rollout_lp)
-        tis_clip = torch.clamp(tis, min=args.tis_clip_low if args.tis_clip_low is not None else 0.0, max=args.tis_clip)
+        low = args.tis_clip_low if args.tis_clip_low is not None else 0.0
+        if args.tis_mode == "mask":  # tokens sampled too far from the trainer's policy get no gradient at all
+            tis_clip = tis * ((tis >= low) & (tis <= args.tis_clip)).to(tis.dtype)
+        else:
+            tis_clip = torch.clamp(tis, min=low, max=args.tis_clip)
         pg_loss = pg_loss * tis_clip
         metrics["tis"] = sum_of_sample_mean(tis)
         metrics["ois"] = sum_of_sample_mean(torch.exp(-ppo_kl.detach()))
