@@ -83,7 +83,7 @@ def megatron_args(hf_dir, **overrides):
         max_position_embeddings=cfg.max_position_embeddings, seq_length=128,
         tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
         expert_model_parallel_size=1, expert_tensor_parallel_size=None, seed=1234, bf16=False,
-        num_experts=None,
+        num_experts=None, custom_model_provider_path=None,
     )
     if mtype == "qwen3_moe":
         ns.num_experts, ns.moe_router_topk = cfg.num_experts, cfg.num_experts_per_tok

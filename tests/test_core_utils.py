@@ -56,6 +56,7 @@ def test_apply_finish_reason(reason, status):
     assert s.status is Sample.Status[status]
     assert s.weight_versions == ["4", "5"]
     assert s.spec_info == {"prompt_tokens": 5, "cached_tokens": 1}
+    assert s.prefix_cache_info == {"total_prompt_tokens": 5, "cached_tokens": 1}
 
 
 def test_param_info_is_frozen():

@@ -228,3 +228,114 @@ def test_custom_arguments(examples, tiny_kit):
     add = examples("add_custom_arguments")
     assert parse_args(add, argv=argv + ["--length-penalty", "0.05"], check_paths=False).length_penalty == 0.05
     assert parse_args(add, argv=argv, check_paths=False).length_penalty == 0.01
+
+
+# ---------------------------------------------------------------- current slime's extension points
+
+
+def _check_row(flag, path):
+    from slime.utils.startup_checks import EXTENSION_POINTS, check_extension_point
+
+    (point,) = [p for p in EXTENSION_POINTS if p.flag == flag]
+    assert check_extension_point(point, path) is None
+
+
+def test_data_source(examples):
+    from slime.rollout.data_source import DataSource
+    from tests._args import make_args
+
+    cls = examples("FixedPromptsSource")
+    _check_row("--data-source-path", "custom_examples.FixedPromptsSource")
+    source = cls(make_args("--n-samples-per-prompt", "2"))
+    assert isinstance(source, DataSource) and len(source) == 2
+    groups = source.get_samples(3)
+    assert [[s.index for s in g] for g in groups] == [[0, 1], [2, 3], [4, 5]]
+    assert [g[0].prompt for g in groups] == ["What is 3+4?", "Name a colour.", "What is 3+4?"]
+    assert groups[0][0].custom_rm_path == "custom_examples.length_penalized_rm" and groups[1][0].custom_rm_path is None
+    source.add_samples(groups[:1])
+    assert source.get_samples(2)[0] is groups[0]  # returned groups are handed out first
+
+
+def test_sample_hook(examples):
+    from slime.rollout.sample_hooks import apply_rollout_sample_hooks, set_current_rollout_id
+    from tests._args import make_args
+
+    examples("strip_and_tag")
+    args = make_args("--rollout-sample-hook-path", "custom_examples.strip_and_tag")
+    set_current_rollout_id(4)
+    out = asyncio.run(apply_rollout_sample_hooks(args, [Sample(response="7  ")], evaluation=True))
+    assert out[0].response == "7" and out[0].metadata["generated_in"] == ("eval", 4)
+
+
+def test_filter_output_sample_filter_and_all_samples_process(examples):
+    from slime.rollout.filter_hub.base_types import call_dynamic_filter, should_drop_dynamic_filter_output
+
+    args = argparse.Namespace(reward_key=None)
+    tie = call_dynamic_filter(examples("mixed_rewards_preferred"), args, [Sample(reward=1.0), Sample(reward=1.0)])
+    assert tie.reason == "all_1.0" and not tie.keep
+    assert should_drop_dynamic_filter_output(tie, remaining_batch_size=3, target_data_size=2)
+    assert not should_drop_dynamic_filter_output(tie, remaining_batch_size=2, target_data_size=2)
+
+    groups = [[Sample(status=Sample.Status.TRUNCATED, reward=1.0), Sample(status=Sample.Status.COMPLETED, reward=0.0)]]
+    examples("drop_truncated_from_loss")(args, groups)
+    assert [s.remove_sample for s in groups[0]] == [True, False]
+    groups[0][0].group_index = 7
+    examples("record_solve_rates")(args, groups, lambda n: [])
+    assert load_function("custom_examples.SOLVE_RATES")[-1] == (7, 0.5)
+
+
+def test_convert_and_log_functions(examples):
+    from slime.ray.buffer import CONVERTED_KEYS
+
+    args = argparse.Namespace(reward_key=None)
+    samples = [Sample(index=0, tokens=[1, 2, 3], response_length=2, reward=1.0),
+               Sample(index=1, tokens=[1, 2], response_length=1, reward=0.0, status=Sample.Status.TRUNCATED)]
+    data = examples("convert_with_length_bonus")(args, samples)
+    assert set(CONVERTED_KEYS) <= set(data)
+    assert data["rewards"] == [1.002, 0.001] and data["truncated"] == [0, 1] and data["loss_masks"] == [[1, 1], [1]]
+    assert examples("log_rollout")(3, args, samples, {"x": 1}, 2.0) is True
+    assert examples("log_eval")(3, args, {"toy": {"rewards": [1, 0]}}, None) is False
+    assert load_function("custom_examples.LOGGED")[-2:] == [("rollout", 3, 0.5, {"x": 1}), ("eval", 3, {"toy": 2})]
+
+
+def test_custom_advantage(examples, mpu_world1):
+    from slime.backends.megatron_utils.loss import compute_advantages_and_returns
+    from tests._args import make_args
+
+    examples("reward_minus_kl")
+    args = make_args("--custom-advantage-function-path", "custom_examples.reward_minus_kl", "--kl-coef", "0.5")
+    data = {"log_probs": [torch.tensor([-0.5, -0.5])], "ref_log_probs": [torch.tensor([-0.7, -0.3])],
+            "rewards": [2.0], "loss_masks": [torch.ones(2, dtype=torch.int)], "response_lengths": [2],
+            "total_lengths": [5]}
+    compute_advantages_and_returns(args, data)
+    # kl (k1) = [0.2, -0.2]; 2 - 0.5 * kl
+    assert torch.allclose(data["advantages"][0], torch.tensor([1.9, 2.1])) and data["returns"] is data["advantages"]
+
+
+def test_tis_function_and_pg_loss_reducer(examples):
+    _check_row("--custom-tis-function-path", "custom_examples.reject_far_tokens")
+    args = argparse.Namespace(tis_clip=1.5)
+    old = [torch.zeros(2), torch.zeros(1)]
+    rollout = [torch.log(torch.tensor([3.0, 1.2])), torch.log(torch.tensor([1 / 1.6]))]  # ratios 1/3, 1/1.2, 1.6
+    masks = [torch.ones(2, dtype=torch.int), torch.ones(1, dtype=torch.int)]
+    loss, new_masks, metrics = examples("reject_far_tokens")(
+        args=args, pg_loss=torch.ones(3), train_log_probs=old, rollout_log_probs=rollout, loss_masks=masks,
+        total_lengths=[4, 3], response_lengths=[2, 1])
+    assert [m.tolist() for m in new_masks] == [[0, 1], [1]]
+    assert torch.allclose(loss, torch.tensor([1 / 3, 1 / 1.2, 1.5])) and metrics["rejected"].tolist() == [1.0, 0.0, 0.0]
+
+    reducer = examples("dr_grpo_reducer")([4, 3], [2, 1], [torch.tensor([1, 0]), torch.tensor([1])], False)
+    assert reducer(torch.tensor([2.0, 5.0, 4.0])).item() == pytest.approx(6 / 1024)
+
+
+def test_model_provider(examples, mpu_world1):
+    from slime.backends.megatron_utils.model_provider import get_model_provider_func
+    from tests._args import make_args
+
+    examples("tiny_gpt_provider")
+    _check_row("--custom-model-provider-path", "custom_examples.tiny_gpt_provider")
+    provider = get_model_provider_func(make_args("--custom-model-provider-path", "custom_examples.tiny_gpt_provider"))
+    full = provider(pre_process=True, post_process=True, vp_stage=None)
+    assert full.embedding.word_embeddings.weight.shape == (64, 32) and full.output_layer is not None
+    first_stage = provider(pre_process=True, post_process=False)
+    assert not hasattr(first_stage, "output_layer") or first_stage.output_layer is None

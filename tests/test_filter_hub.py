@@ -14,18 +14,18 @@ def group(*rewards):
 
 
 def test_nonzero_std_keeps_mixed_groups_and_drops_uniform_ones():
-    assert check_reward_nonzero_std(ARGS, group(1, 0, 1)) is True
-    assert check_reward_nonzero_std(ARGS, group(-1.0, 1.0)) is True
-    assert check_reward_nonzero_std(ARGS, group(1, 1, 1, 1)) is False
-    assert check_reward_nonzero_std(ARGS, group(0.1, 0.1, 0.1)) is False  # equal floats: no rounding-noise std
-    assert check_reward_nonzero_std(ARGS, group(1)) is False  # a single sample has no spread
+    assert bool(check_reward_nonzero_std(ARGS, group(1, 0, 1))) is True
+    assert bool(check_reward_nonzero_std(ARGS, group(-1.0, 1.0))) is True
+    assert bool(check_reward_nonzero_std(ARGS, group(1, 1, 1, 1))) is False
+    assert bool(check_reward_nonzero_std(ARGS, group(0.1, 0.1, 0.1))) is False  # equal floats: no rounding-noise std
+    assert bool(check_reward_nonzero_std(ARGS, group(1))) is False  # a single sample has no spread
 
 
 def test_nonzero_std_uses_reward_key():
     args = Namespace(reward_key="score")
     dict_group = [Sample(reward={"score": s, "acc": s > 0}) for s in (1.0, 1.0, -1.0)]
-    assert check_reward_nonzero_std(args, dict_group) is True
-    assert check_reward_nonzero_std(args, dict_group[:2]) is False
+    assert bool(check_reward_nonzero_std(args, dict_group)) is True
+    assert bool(check_reward_nonzero_std(args, dict_group[:2])) is False
 
 
 def test_sort_by_reward_std_descending_and_stable():

@@ -38,7 +38,8 @@ def _args(**kw):
                 use_tis=False, tis_clip=2.0, tis_clip_low=0.0, tis_mode="truncate", entropy_coef=0.0, use_kl_loss=False, kl_loss_coef=0.0,
                 kl_loss_type="kl", loss_type="policy_loss", calculate_per_token_loss=False, global_batch_size=4,
                 custom_loss_function_path=None, kl_coef=0.0, gamma=1.0, normalize_advantages=False,
-                n_samples_per_prompt=2, rewards_normalization=True)
+                n_samples_per_prompt=2, rewards_normalization=True, custom_tis_function_path=None,
+                custom_pg_loss_reducer_function_path=None, custom_advantage_function_path=None)
     base.update(kw)
     return Namespace(**base)
 
@@ -279,3 +280,64 @@ def test_compute_advantages_reinforce_family_and_rloo():
     data = {"rewards": [1.0]}  # a non-last pipeline stage has no log-probs: nothing to do
     compute_advantages_and_returns(_args(), data)
     assert "advantages" not in data
+
+
+# ---------------------------------------------------------------- current slime's loss hooks
+HERE = "tests.test_loss"
+
+
+def reject_middle_tis(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths):
+    """Rejection sampling: drop the middle token of each sample, weight 1 elsewhere; one per-token metric."""
+    masks = [m.clone() for m in loss_masks]
+    for m in masks:
+        m[len(m) // 2] = 0
+    return pg_loss, masks, {"rejected": torch.cat([1 - m for m in masks]).float()}
+
+
+def constant_denominator_reducer(total_lengths, response_lengths, loss_masks, calculate_per_token_loss):
+    """Dr.GRPO: masked token sum over a constant 10."""
+    mask = torch.cat(loss_masks).float()
+    return lambda x: (x * mask).sum() / 10
+
+
+def plus_kl_advantages(args, rollout_data):
+    """A custom estimator: reward + 2 per token, plus the kl slime computed first."""
+    rollout_data["advantages"] = [torch.full_like(k, r) + 2 + k for k, r in zip(rollout_data["kl"], rollout_data["rewards"])]
+    rollout_data["returns"] = [torch.full_like(k, 7.0) for k in rollout_data["kl"]]
+
+
+def test_tis_function_by_path_icepop_and_rejection():
+    batch, logits, _ = _one_sample_batch([1.0, 1.0, 1.0], [1.0, 1.0, 1.0])
+    batch["rollout_log_probs"] = [batch["log_probs"][0] - torch.log(torch.tensor([3.0, 1.0, 0.05]))]
+    icepop = _args(use_tis=True, tis_clip=2.0, tis_clip_low=0.1,
+                   custom_tis_function_path="slime.backends.megatron_utils.loss.icepop_function")
+    _, m = policy_loss_function(icepop, batch, logits, _reducer(batch))
+    # ratios [3, 1, 0.05] in band [0.1, 2] -> weights [0, 1, 0]; per-token loss -1
+    assert m["pg_loss"].item() == pytest.approx(-1 / 3, abs=1e-5)
+    assert m["tis_clipfrac"].item() == pytest.approx(2 / 3) and m["tis_abs"].item() == pytest.approx((2 + 0 + 0.95) / 3)
+
+    reject = _args(use_tis=True, custom_tis_function_path=f"{HERE}.reject_middle_tis")
+    _, m = policy_loss_function(reject, batch, logits, _reducer(batch))
+    # middle token rejected: numerator -(1 + 1), denominator still the 3 original mask tokens
+    assert m["pg_loss"].item() == pytest.approx(-2 / 3, abs=1e-5)
+    assert m["rejected"].item() == pytest.approx(1 / 3)  # reduced with the pre-rejection reducer
+
+
+def test_pg_loss_reducer_by_path_applies_to_pg_loss_only():
+    batch, logits, _ = _one_sample_batch([1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0], mask=[1, 1, 1, 0])
+    args = _args(custom_pg_loss_reducer_function_path=f"{HERE}.constant_denominator_reducer", entropy_coef=0.0)
+    _, m = policy_loss_function(args, batch, logits, _reducer(batch))
+    assert m["pg_loss"].item() == pytest.approx(-3 / 10, abs=1e-5)
+    assert m["ppo_kl"].item() == pytest.approx(0.0, abs=1e-6)  # other metrics keep the default reducer
+
+
+def test_custom_advantage_function_replaces_the_estimator_but_not_normalisation():
+    data = _rollout()
+    compute_advantages_and_returns(_args(custom_advantage_function_path=f"{HERE}.plus_kl_advantages"), data)
+    assert [a.tolist() for a in data["advantages"]] == [[3.0] * 3, [1.0] * 2]  # rewards 1, -1; kl 0 (kl_coef 0)
+    assert data["returns"][1].tolist() == [7.0, 7.0] and [k.tolist() for k in data["kl"]] == [[0.0] * 3, [0.0] * 2]
+    data = _rollout()
+    compute_advantages_and_returns(_args(custom_advantage_function_path=f"{HERE}.plus_kl_advantages",
+                                         normalize_advantages=True), data)
+    values = torch.tensor([3.0] * 3 + [1.0] * 2)
+    assert torch.allclose(torch.cat(data["advantages"]), (values - values.mean()) / values.std(), atol=1e-5)

@@ -1,6 +1,7 @@
 """RolloutController: reward post-processing, sample -> train-data conversion, metrics, debug save/load, eval, and
 the Ray actor itself (driven by rollout functions defined here and loaded by dotted path)."""
 import argparse
+import json
 import math
 import os
 
@@ -10,6 +11,8 @@ import torch
 
 from slime.ray.buffer import convert_samples_to_train_data, flatten_rollout_output, post_process_rewards
 from slime.rollout import RolloutSamples
+from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
+from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.utils.types import Sample
 
 HERE = "tests.test_rollout_controller"
@@ -23,6 +26,9 @@ def make_args(**overrides):
         rewards_normalization=True, grpo_std_normalization=True, reward_key=None, rollout_num_gpus=2,
         load_debug_rollout_data=None, save_debug_rollout_data=None, debug_train_only=False, use_wandb=False,
         buffer_filter_path=None, save=None, load=None,
+        data_source_path="slime.rollout.data_source.RolloutDataSourceWithBuffer",
+        custom_convert_samples_to_train_data_path=None, custom_rollout_log_function_path=None,
+        custom_eval_rollout_log_function_path=None,
     )
     base.update(overrides)
     return argparse.Namespace(**base)
@@ -287,3 +293,74 @@ def test_flat_rollout_output_is_accepted(ray_mod):
     finally:
         ray.kill(controller)
     assert data["rewards"] == [0.0, 1.0, 2.0, 3.0]
+
+
+# ------------------------------------------------------------------ current slime's controller extension points
+
+
+class CountingDataSource(RolloutDataSourceWithBuffer):
+    """--data-source-path: a DataSource subclass built as cls(args) (the rollout function sees its type)."""
+
+
+def typed_rollout(args, rollout_id, data_source, evaluation=False):
+    """Current slime's output types; the data source is the --data-source-path instance."""
+    tag = type(data_source).__name__
+    if evaluation:
+        return RolloutFnEvalOutput(data={"toy": {"rewards": [1.0, 0.0], "truncated": [False, False],
+                                                  "samples": [sample(0), sample(1)]}}, metrics={"eval/extra": 1.0})
+    groups = [[sample(0, reward=1.0, metadata={"ds": tag}), sample(1, reward=0.0)]]
+    return RolloutFnTrainOutput(samples=groups, metrics={"rollout/extra": 2.0})
+
+
+def custom_convert(args, samples):
+    return {"tokens": [s.tokens for s in samples], "response_lengths": [s.response_length for s in samples],
+            "rewards": [42.0] * len(samples), "raw_reward": [s.reward for s in samples],
+            "truncated": [0] * len(samples), "sample_indices": [s.index for s in samples],
+            "loss_masks": [[1] * s.response_length for s in samples], "ds": [s.metadata.get("ds") for s in samples]}
+
+
+def missing_key_convert(args, samples):
+    return {"tokens": [s.tokens for s in samples]}
+
+
+def file_logger(rollout_id, args, samples, rollout_extra_metrics, rollout_time):
+    with open(os.path.join(args.save, f"rollout_{rollout_id}.json"), "w") as f:
+        json.dump({"n": len(samples), "extra": rollout_extra_metrics, "time": rollout_time > 0}, f)
+    return True
+
+
+def eval_file_logger(rollout_id, args, data, extra_metrics):
+    with open(os.path.join(args.save, f"eval_{rollout_id}.json"), "w") as f:
+        json.dump({"names": sorted(data), "samples": len(data["toy"]["samples"]), "extra": extra_metrics}, f)
+    return False
+
+
+def test_controller_data_source_convert_and_log_functions(ray_mod, tmp_path):
+    ray = ray_mod
+    args = make_args(rollout_function_path=f"{HERE}.typed_rollout", data_source_path=f"{HERE}.CountingDataSource",
+                     custom_convert_samples_to_train_data_path=f"{HERE}.custom_convert",
+                     custom_rollout_log_function_path=f"{HERE}.file_logger",
+                     custom_eval_rollout_log_function_path=f"{HERE}.eval_file_logger", save=str(tmp_path))
+    controller = _controller(ray, args)
+    try:
+        data = ray.get(ray.get(controller.generate.remote(3), timeout=120).inner)
+        metrics = ray.get(controller.pop_metrics.remote(3))
+        eval_metrics = ray.get(controller.eval.remote(3), timeout=120)
+    finally:
+        ray.kill(controller)
+    # the custom converter replaced the conversion and the reward post-processing
+    assert data["rewards"] == [42.0, 42.0] and data["raw_reward"] == [1.0, 0.0] and data["ds"][0] == "CountingDataSource"
+    assert metrics["rollout/extra"] == 2.0 and metrics["rollout/raw_reward"] == 0.5
+    with open(tmp_path / "rollout_3.json") as f:
+        assert json.load(f) == {"n": 2, "extra": {"rollout/extra": 2.0}, "time": True}
+    assert eval_metrics == {"eval/toy": 0.5, "eval/toy-truncated_ratio": 0.0, "eval/extra": 1.0}
+    with open(tmp_path / "eval_3.json") as f:
+        assert json.load(f) == {"names": ["toy"], "samples": 2, "extra": {"eval/extra": 1.0}}
+
+    controller = _controller(ray, make_args(rollout_function_path=f"{HERE}.typed_rollout",
+                                            custom_convert_samples_to_train_data_path=f"{HERE}.missing_key_convert"))
+    try:
+        with pytest.raises(ray.exceptions.RayTaskError, match=r"missing_key_convert returned no response_lengths"):
+            ray.get(controller.generate.remote(0), timeout=120)
+    finally:
+        ray.kill(controller)

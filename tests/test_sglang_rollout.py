@@ -156,6 +156,7 @@ def make_args(engine, tiny_kit, prompts, **overrides):
         buffer_filter_path=None, dump_details=None, save=None, load=None,
         eval_prompt_data=None, eval_input_key=None, eval_label_key=None, eval_tool_key=None, eval_temperature=None,
         eval_top_p=None, eval_top_k=None, eval_max_response_len=None, n_samples_per_eval_prompt=1, eval_reward_key=None,
+        rollout_sample_hook_path=[], rollout_sample_filter_path=None, rollout_all_samples_process_path=None,
     )
     base.update(overrides)
     return argparse.Namespace(**base)
@@ -258,6 +259,50 @@ def test_dynamic_filter_accounting(engine, tiny_kit, prompts):
     assert len(RECORD["drops"]) >= 1 and all(i % 2 == 1 for i in RECORD["drops"])
     assert GenerateState(args).metrics == {"rollout/dynamic_filter/drop": len(RECORD["drops"])}
     assert GenerateState(args).remaining_batch_size == 0 and not GenerateState(args).pendings  # reset for the next rollout
+
+
+async def even_groups_tie_generate(args, sample, sampling_params):
+    """No engine call: even prompt groups get equal rewards (zero std), odd groups mixed ones."""
+    sample.tokens, sample.response, sample.response_length = [1, 5, 6], "x", 1
+    sample.status = Sample.Status.COMPLETED
+    sample.reward = 1.0 if sample.group_index % 2 == 0 else float(sample.index % 2)
+    return sample
+
+
+def remove_first_of_each_group(args, groups):
+    RECORD["sample_filter_groups"] = [g[0].group_index for g in groups]
+    for group in groups:
+        group[0].remove_sample = True
+
+
+def record_all_groups(args, all_groups, data_source):
+    RECORD["all_groups"] = [g[0].group_index for g in all_groups]
+    RECORD["third_argument_is_callable"] = callable(data_source)
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_filter_output_sample_filter_and_all_samples_process(engine, tiny_kit, prompts, fallback):
+    filters = "slime.rollout.filter_hub.dynamic_sampling_filters"
+    args = make_args(engine, tiny_kit, prompts, rollout_batch_size=2, over_sampling_batch_size=2,
+                     custom_generate_function_path=f"{HERE}.even_groups_tie_generate",
+                     dynamic_sampling_filter_path=f"{filters}.check_reward_nonzero_std{'_with_fallback' if fallback else ''}",
+                     rollout_sample_filter_path=f"{HERE}.remove_first_of_each_group",
+                     rollout_all_samples_process_path=f"{HERE}.record_all_groups")
+    data, _ = run(sglang_rollout.generate_rollout_async(args, 0, RolloutDataSourceWithBuffer(args).get_samples))
+    kept = [g[0].group_index for g in data]
+    metrics = GenerateState(args).metrics
+    if fallback:
+        # group 0 ties but dropping it would leave fewer than 2 groups in flight: kept, no second round
+        assert kept == [0, 1] and metrics == {"rollout/dynamic_filter/drop": 0}
+        assert RECORD["all_groups"] == [0, 1]
+    else:
+        assert all(i % 2 == 1 for i in kept) and len(kept) == 2
+        drops = metrics["rollout/dynamic_filter/drop"]
+        assert drops >= 1 and metrics["rollout/dynamic_filter/drop_zero_std_1.0"] == drops
+        assert set(kept) < set(RECORD["all_groups"]) and any(i % 2 == 0 for i in RECORD["all_groups"])
+        assert RECORD["all_groups"] == sorted(RECORD["all_groups"])
+    assert RECORD["sample_filter_groups"] == kept and RECORD["third_argument_is_callable"]
+    assert [[s.remove_sample for s in g] for g in data] == [[True, False]] * 2
 
 
 def test_over_sampling_then_filter_to_rollout_batch_size(engine, tiny_kit, prompts):

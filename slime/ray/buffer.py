@@ -13,7 +13,8 @@ import numpy as np
 import ray
 import torch
 
-from slime.rollout.data_source import RolloutDataSourceWithBuffer
+from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput, call_rollout_fn
+from slime.rollout.sample_hooks import set_current_rollout_id
 from slime.utils.misc import load_function
 from slime.utils.ray_utils import Box
 from slime.utils.types import Sample
@@ -29,21 +30,32 @@ def _wandb_utils():
     return importlib.import_module("slime.utils.wandb_utils")
 
 
+def _flatten(data):
+    """Samples of a list nested to any depth (groups, or fan-out groups of groups), in order."""
+    out = []
+    for item in data:
+        if isinstance(item, list):
+            out += _flatten(item)
+        else:
+            out.append(item)
+    return out
+
+
 def flatten_rollout_output(data, fn_path):
-    """Validate the rollout function's return value and flatten groups into one `list[Sample]`."""
+    """Validate the rollout function's return value and flatten it into one `list[Sample]`.
+
+    `data` is a `RolloutFnTrainOutput` or (slime v0.1.0) the bare list; groups may nest further (fan-out)."""
     metrics = dict(getattr(data, "metrics", None) or {})
-    if hasattr(data, "samples") and not isinstance(data, list):  # [HEAD]-style RolloutFnTrainOutput
+    if isinstance(data, RolloutFnTrainOutput):
         data = data.samples
     bad = None
     if not isinstance(data, list) or not data:
         bad = f"{type(data).__name__}" + ("" if not isinstance(data, list) else " (empty)")
-    elif isinstance(data[0], list):
-        if not all(isinstance(g, list) and all(isinstance(s, Sample) for s in g) for g in data):
-            bad = "a list mixing groups and non-Sample items"
-        else:
-            data = [s for group in data for s in group]
-    elif not all(isinstance(s, Sample) for s in data):
-        bad = f"a list containing {type(next(s for s in data if not isinstance(s, Sample))).__name__}"
+    else:
+        data = _flatten(data)
+        if not data or not all(isinstance(s, Sample) for s in data):
+            bad = "a list of empty groups" if not data else \
+                f"a list containing {type(next(s for s in data if not isinstance(s, Sample))).__name__}"
     if bad is not None:
         raise TypeError(
             f"rollout function {fn_path!r} returned {bad}; it must return list[list[Sample]] "
@@ -105,7 +117,8 @@ def convert_samples_to_train_data(args, samples, custom_reward_fn=None, fn_path=
                 f"sample {s.index} (position {i}) from rollout function {fn_path!r}: loss_mask has {len(mask)} "
                 f"entries but response_length is {s.response_length}; the mask must cover exactly the response tokens."
             )
-        loss_masks.append(np.asarray(mask, dtype=np.int32))
+        # remove_sample (set by --rollout-sample-filter-path): no loss, but still in the reward statistics above
+        loss_masks.append(np.zeros(len(mask), dtype=np.int32) if s.remove_sample else np.asarray(mask, dtype=np.int32))
 
     train_data = {
         "tokens": [np.asarray(s.tokens, dtype=np.int64) for s in samples],
@@ -122,6 +135,8 @@ def convert_samples_to_train_data(args, samples, custom_reward_fn=None, fn_path=
         train_data["raw_reward"] = [s.metadata["raw_reward"] for s in samples]
     if "round_number" in samples[0].metadata:
         train_data["round_number"] = [s.metadata["round_number"] for s in samples]
+    if samples[0].train_metadata is not None:
+        train_data["metadata"] = [s.train_metadata for s in samples]
 
     if samples[0].rollout_log_probs is not None:
         log_probs = []
@@ -161,7 +176,7 @@ def rollout_metrics(args, samples, train_data, rollout_time):
         except ValueError:
             metrics["rollout/weight_version"] = max(versions)
     if rollout_time is not None and rollout_time > 0:
-        trained_tokens = sum(int(m.sum()) for m in train_data["loss_masks"])
+        trained_tokens = sum(int(np.sum(m)) for m in train_data["loss_masks"])
         metrics["perf/rollout_time"] = rollout_time
         metrics["perf/tokens_per_gpu_per_sec"] = trained_tokens / rollout_time / max(1, args.rollout_num_gpus or 1)
         metrics["perf/longest_sample_tokens_per_sec"] = max(lengths) / rollout_time
@@ -179,6 +194,14 @@ def eval_metrics(data):
     return metrics
 
 
+# What the trainers need of a custom converter's train data (current slime's contract).
+CONVERTED_KEYS = ("tokens", "response_lengths", "rewards", "raw_reward", "truncated", "sample_indices", "loss_masks")
+
+
+def _load_optional(path):
+    return load_function(path) if path else None
+
+
 @ray.remote
 class RolloutController:
     """Runs rollouts for the trainers; one per job, created by `RolloutManager` with num_gpus=0."""
@@ -191,13 +214,13 @@ class RolloutController:
         if wandb_utils is not None and wandb_utils.init_wandb_secondary(args, wandb_run_id) is not None:
             self.wandb = wandb_utils
 
-        self.data_source = RolloutDataSourceWithBuffer(args)
+        self.data_source = load_function(args.data_source_path)(args)
         self.rollout_fn_path = args.rollout_function_path
-        self.eval_fn_path = getattr(args, "eval_function_path", None) or args.rollout_function_path
+        self.eval_fn_path = args.eval_function_path or args.rollout_function_path
         self.generate_rollout = load_function(self.rollout_fn_path)
         self.eval_generate_rollout = load_function(self.eval_fn_path)
-        path = getattr(args, "custom_reward_post_process_path", None)
-        self.custom_reward_post_process_func = load_function(path) if path else None
+        self.custom_reward_post_process_func = _load_optional(args.custom_reward_post_process_path)
+        self.custom_convert_samples_to_train_data_func = _load_optional(args.custom_convert_samples_to_train_data_path)
         self._metrics = {}  # rollout_id -> metrics; train_async generates N+1 before the driver records N
         self._eval_thread, self._eval_results = None, []  # background eval (fully async)
         print(f"import {self.rollout_fn_path} as generate_rollout function.")
@@ -214,50 +237,71 @@ class RolloutController:
     def generate(self, rollout_id):
         args = self.args
         start = time.time()
-        if getattr(args, "load_debug_rollout_data", None):
+        set_current_rollout_id(rollout_id)
+        if args.load_debug_rollout_data:
             path = args.load_debug_rollout_data.format(rollout_id=rollout_id)
             if not os.path.exists(path):
                 raise FileNotFoundError(f"--load-debug-rollout-data: {path} does not exist (rollout {rollout_id})")
             data = [Sample.from_dict(d) for d in torch.load(path, weights_only=False)["samples"]]
             extra = {}
         else:
-            output = self.generate_rollout(args, rollout_id, self.data_source, evaluation=False)
+            output = call_rollout_fn(self.generate_rollout, args, rollout_id, self.data_source, evaluation=False)
             data, extra = flatten_rollout_output(output, self.rollout_fn_path)
         rollout_time = time.time() - start
 
-        if getattr(args, "save_debug_rollout_data", None):
+        if args.save_debug_rollout_data:
             path = args.save_debug_rollout_data.format(rollout_id=rollout_id)
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             torch.save({"rollout_id": rollout_id, "samples": [s.to_dict() for s in data]}, path)
 
-        train_data = convert_samples_to_train_data(
-            args, data, self.custom_reward_post_process_func, self.rollout_fn_path
-        )
+        train_data = self._convert_samples_to_train_data(data)
         # Replayed debug data has no meaningful generation time.
-        loaded = bool(getattr(args, "load_debug_rollout_data", None))
+        loaded = bool(args.load_debug_rollout_data)
         metrics = rollout_metrics(args, data, train_data, None if loaded else rollout_time)
         metrics.update(extra)
-        self._log("rollout", rollout_id, metrics)
+        custom_log = _load_optional(args.custom_rollout_log_function_path)
+        # a truthy return means the custom function logged this rollout itself
+        if not (custom_log and custom_log(rollout_id, args, data, extra or None, rollout_time)):
+            self._log("rollout", rollout_id, metrics)
         self._metrics[rollout_id] = metrics
         return Box(ray.put(train_data))
+
+    def _convert_samples_to_train_data(self, samples):
+        if self.custom_convert_samples_to_train_data_func is None:
+            return convert_samples_to_train_data(
+                self.args, samples, self.custom_reward_post_process_func, self.rollout_fn_path
+            )
+        # replaces the whole conversion, reward post-processing included
+        train_data = self.custom_convert_samples_to_train_data_func(self.args, samples)
+        missing = [k for k in CONVERTED_KEYS if not isinstance(train_data, dict) or k not in train_data]
+        if missing:
+            raise ValueError(
+                f"--custom-convert-samples-to-train-data-path {self.args.custom_convert_samples_to_train_data_path} "
+                f"returned no {', '.join(missing)}; it must return a dict with per-sample lists "
+                f"{', '.join(CONVERTED_KEYS)}"
+            )
+        return train_data
 
     def pop_metrics(self, rollout_id):
         """Metrics of `generate(rollout_id)`, handed over once (the driver prints and records them)."""
         return self._metrics.pop(rollout_id, {})
 
     def eval(self, rollout_id):
-        if getattr(self.args, "debug_train_only", False):
+        if self.args.debug_train_only:
             return {}
-        data = self.eval_generate_rollout(self.args, rollout_id, self.data_source, evaluation=True)
-        if hasattr(data, "data") and not isinstance(data, dict):  # [HEAD]-style RolloutFnEvalOutput
-            data = data.data
+        set_current_rollout_id(rollout_id)
+        output = call_rollout_fn(self.eval_generate_rollout, self.args, rollout_id, self.data_source, evaluation=True)
+        data = output.data if isinstance(output, RolloutFnEvalOutput) else output
         if not isinstance(data, dict) or not all(isinstance(d, dict) and "rewards" in d for d in data.values()):
             raise TypeError(
                 f"eval function {self.eval_fn_path!r} returned {type(data).__name__}; it must return "
-                f'{{dataset_name: {{"rewards": [...], "truncated": [...]}}}}'
+                f'RolloutFnEvalOutput or {{dataset_name: {{"rewards": [...], "truncated": [...]}}}}'
             )
         metrics = eval_metrics(data)
-        self._log("eval", rollout_id, metrics)
+        metrics.update(output.metrics or {})
+        custom_log = _load_optional(self.args.custom_eval_rollout_log_function_path)
+        if not (custom_log and custom_log(rollout_id, self.args, data, output.metrics)):
+            self._log("eval", rollout_id, metrics)
         return metrics
 
     def set_weight_version(self, version):

@@ -12,10 +12,12 @@ from tqdm import tqdm
 
 from slime.rollout import RolloutSamples
 from slime.rollout.base_types import accepts_data_buffer
+from slime.rollout.filter_hub.base_types import MetricGatherer, call_dynamic_filter, should_drop_dynamic_filter_output
 from slime.rollout.rm_hub import async_rm, batched_async_rm
+from slime.rollout.sample_hooks import apply_rollout_sample_hooks
 from slime.utils.async_utils import run
 from slime.utils.http_utils import post
-from slime.utils.misc import SingletonMeta, load_function
+from slime.utils.misc import SingletonMeta, accepted_kwargs, load_function
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -129,11 +131,11 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict, evaluatio
         if state.aborted:
             sample.status = Sample.Status.ABORTED
             return sample
-        if args.custom_generate_function_path is not None:
-            custom_generate = load_function(args.custom_generate_function_path)
-            sample = await custom_generate(args, sample, sampling_params)
-        else:
-            sample = await generate(args, sample, sampling_params)
+        # a sample's own generate_function_path (e.g. from an eval dataset config) wins over the flag
+        path = sample.generate_function_path or args.custom_generate_function_path
+        generate_fn = load_function(path) if path else generate
+        sample = await generate_fn(args, sample, sampling_params, **accepted_kwargs(generate_fn, evaluation=evaluation))
+    sample = await apply_rollout_sample_hooks(args, sample, evaluation=evaluation)
 
     # group RM scores the whole group in generate_and_rm_group
     if args.group_rm:
@@ -199,18 +201,14 @@ def _mark_start_rollout_id(group, rollout_id):
     return group
 
 
-def _filter_keep(output):
-    """Normalise a dynamic-filter result (bool, bool tensor, or [HEAD] DynamicFilterOutput) to (keep, reason)."""
-    keep = getattr(output, "keep", output)
-    return bool(keep), getattr(output, "reason", None)
-
-
 async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[list[list[Sample]], list[list[Sample]]]:
     """Keep `rollout_batch_size` (or over-sampling) groups in flight until enough pass the dynamic filter.
 
     `data_source` is a callable `n -> list[list[Sample]]`. Returns (groups sorted by index, aborted groups);
     the metrics of this call (dynamic-filter drops) are left in `GenerateState(args).metrics`. With
     --partial-rollout the aborted groups (and finished surplus groups) carry `metadata["start_rollout_id"]`.
+    Then `--rollout-sample-filter-path fn(args, groups)` sees the kept groups (it may set `remove_sample`) and
+    `--rollout-all-samples-process-path fn(args, all_groups, data_source)` every group that finished.
     """
     state = GenerateState(args)
     n = args.n_samples_per_prompt
@@ -224,7 +222,9 @@ async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[li
 
     data = []
     surplus = []  # groups that finished after the target was reached (in the same wait)
+    finished = []  # every group that finished: kept, dropped by the filter, surplus
     drops = Counter()
+    gatherer = MetricGatherer()
     pbar = tqdm(total=target_data_size * n, desc="Rollout generation")
     try:
         while len(data) < target_data_size:
@@ -239,11 +239,14 @@ async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[li
                 group = task.result()
                 if args.custom_generate_function_path is None and len(group) != n:
                     raise RuntimeError(f"a group of {len(group)} samples came back, expected --n-samples-per-prompt={n}")
+                finished.append(group)
                 if dynamic_filter is not None:
-                    keep, reason = _filter_keep(dynamic_filter(args, group))
-                    if not keep:
+                    output = call_dynamic_filter(dynamic_filter, args, group)
+                    if should_drop_dynamic_filter_output(output, remaining_batch_size=state.remaining_batch_size,
+                                                         target_data_size=target_data_size):
                         state.remaining_batch_size -= 1
-                        drops[reason or "filtered"] += 1
+                        drops[output.reason or "filtered"] += 1
+                        gatherer.on_dynamic_filter_drop(output.reason)
                         if sum(drops.values()) % (10 * target_data_size) == 0:  # e.g. a policy that never scores
                             logger.warning(
                                 f"rollout {rollout_id}: --dynamic-sampling-filter-path {args.dynamic_sampling_filter_path} "
@@ -275,9 +278,15 @@ async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[li
     data = sorted(data, key=lambda group: group[0].index)
 
     metrics = {"rollout/dynamic_filter/drop": sum(drops.values())} if dynamic_filter is not None else {}
-    metrics.update({f"rollout/dynamic_filter/drop_{reason}": c for reason, c in drops.items() if reason != "filtered"})
+    metrics.update(gatherer.collect())
     state.reset()
     state.metrics = metrics
+
+    if args.rollout_sample_filter_path:
+        load_function(args.rollout_sample_filter_path)(args, data)
+    if args.rollout_all_samples_process_path:
+        all_groups = sorted(finished, key=lambda group: group[0].index)
+        load_function(args.rollout_all_samples_process_path)(args, all_groups, data_source)
     return data, aborted_samples
 
 
@@ -340,6 +349,7 @@ async def eval_rollout_single_dataset(args, rollout_id, name, path):
         name: {
             "rewards": [s.reward if not reward_key else s.reward[reward_key] for s in data],
             "truncated": [s.status == Sample.Status.TRUNCATED for s in data],
+            "samples": data,
         }
     }
 

@@ -15,6 +15,8 @@ import os
 import re
 import sys
 
+import yaml
+
 from slime.backends.sglang_utils.arguments import add_sglang_arguments, sglang_available
 from slime.backends.sglang_utils.arguments import validate_args as sglang_validate_args
 from slime.utils.device import dist_backend, is_cpu
@@ -125,7 +127,25 @@ def add_rollout_arguments(parser):
                    help="After each weight update, compare sha256 checksums of every HF tensor on the engines "
                         "with the trainer's.")
     g.add_argument("--keep-old-actor", action="store_true", default=False)
-    g.add_argument("--rollout-data-postprocess-path", type=str, default=None)
+    g.add_argument("--rollout-data-postprocess-path", type=str, default=None,
+                   help="fn(args, rollout_id, rollout_data) on every trainer rank after log-probs and advantages "
+                        "(slime v0.1.0's fn(args) also works).")
+    g.add_argument("--data-source-path", type=str, default="slime.rollout.data_source.RolloutDataSourceWithBuffer",
+                   help="DataSource class built as cls(args); rollout functions receive the instance.")
+    g.add_argument("--rollout-sample-hook-path", type=str, action="append", default=[],
+                   help="hook(args, sample, **kw) -> Sample | None on every generated sample before its reward "
+                        "(kw: rollout_id, evaluation, as declared). Repeatable; applied in order.")
+    g.add_argument("--rollout-sample-filter-path", type=str, default=None,
+                   help="fn(args, groups) on the kept groups of the default rollout; sets sample.remove_sample.")
+    g.add_argument("--rollout-all-samples-process-path", type=str, default=None,
+                   help="fn(args, all_groups, data_source) on every group that finished in the default rollout.")
+    g.add_argument("--custom-convert-samples-to-train-data-path", type=str, default=None,
+                   help="fn(args, samples) -> train-data dict, replacing the conversion and reward post-processing.")
+    g.add_argument("--custom-rollout-log-function-path", type=str, default=None,
+                   help="fn(rollout_id, args, samples, rollout_extra_metrics, rollout_time); truthy skips the "
+                        "default rollout logging.")
+    g.add_argument("--custom-eval-rollout-log-function-path", type=str, default=None,
+                   help="fn(rollout_id, args, data, extra_metrics); truthy skips the default eval logging.")
     return parser
 
 
@@ -189,6 +209,15 @@ def add_algo_arguments(parser):
     g.add_argument("--kl-loss-type", choices=["kl", "k1", "k2", "k3", "low_var_kl"], default="kl")
     g.add_argument("--loss-type", choices=["policy_loss", "sft_loss", "custom_loss"], default="policy_loss")
     g.add_argument("--custom-loss-function-path", type=str, default=None)
+    g.add_argument("--custom-advantage-function-path", type=str, default=None,
+                   help="fn(args, rollout_data) setting rollout_data['advantages'] and ['returns'] instead of "
+                        "--advantage-estimator (rollout_data['kl'] is computed first).")
+    g.add_argument("--custom-tis-function-path", type=str, default=None,
+                   help="With --use-tis: fn(*, args, pg_loss, train_log_probs, rollout_log_probs, loss_masks, "
+                        "total_lengths, response_lengths) -> (pg_loss, loss_masks, metrics).")
+    g.add_argument("--custom-pg-loss-reducer-function-path", type=str, default=None,
+                   help="factory(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> reducer "
+                        "used for pg_loss only (e.g. Dr.GRPO's constant denominator).")
     g.add_argument("--advantage-estimator", default="grpo",
                    choices=["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo"])
     g.add_argument("--disable-compute-advantages-and-returns", dest="compute_advantages_and_returns",
@@ -274,6 +303,15 @@ def add_rollout_buffer_arguments(parser):
 
 def add_custom_megatron_hooks_arguments(parser):
     g = _Group(parser, "megatron hooks")
+    g.add_argument("--custom-model-provider-path", type=str, default=None,
+                   help="provider(pre_process, post_process[, vp_stage]) -> GPTModel, replacing slime's model builder.")
+    g.add_argument("--custom-update-weight-post-write-path", type=str, default=None,
+                   help="hook(args, version_dir, rollout_engines) after a disk weight sync is written (current slime's "
+                        "disk transport; not available here).")
+    g.add_argument("--megatron-config-path", type=str, default=None,
+                   help="YAML `megatron: [{name, role: actor, overrides: {lr: 1e-6, ...}}]` over the command line.")
+    g.add_argument("--custom-config-path", type=str, default=None,
+                   help="YAML mapping whose entries are set on args after validation (knobs for custom functions).")
     g.add_argument("--custom-megatron-init-path", type=str, default=None, help="fn(args) after Megatron init.")
     g.add_argument("--custom-megatron-before-log-prob-hook-path", type=str, default=None,
                    help="fn(args, model, store_prefix).")
@@ -870,6 +908,65 @@ def slime_validate_args(args, error, check_paths=True):
         error("--save-interval requires --save (the checkpoint directory).")
     _validate_algorithm_and_rollout(args, error)
     _check_mtp(args, error)
+    if args.custom_update_weight_post_write_path:
+        error("--custom-update-weight-post-write-path runs after current slime's disk weight transport writes a "
+              "weight version; this slime sends weights by broadcast, shared memory or CUDA IPC and never writes "
+              "one: drop the flag.")
+    _apply_custom_config(args, error, check_paths)
+
+
+def _read_yaml(flag, path, error):
+    try:
+        with open(path) as f:
+            return yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as e:
+        error(f"{flag} {path}: cannot read it as YAML ({type(e).__name__}: {e})")
+
+
+def _apply_megatron_config(args, error, check_paths):
+    """--megatron-config-path: YAML `megatron: [{name, role, overrides: {dest: value}}]`; the actor role's overrides
+    replace the command-line values (the trainers are the only Megatron role here). Returns the keys set."""
+    path = args.megatron_config_path
+    if not path or (not check_paths and not os.path.exists(path)):
+        return []
+    config = _read_yaml("--megatron-config-path", path, error)
+    roles = config.get("megatron") if isinstance(config, dict) else None
+    if not isinstance(roles, list) or not all(isinstance(r, dict) for r in roles):
+        error(f"--megatron-config-path {path}: expected a top-level list `megatron: [{{name, role, overrides}}]`")
+    if len({r.get("role", "actor") for r in roles}) != len(roles):
+        error(f"--megatron-config-path {path}: at most one entry per role")
+    overridden = []
+    for entry in roles:
+        role = entry.get("role", "actor")
+        if role != "actor":
+            error(f"--megatron-config-path {path}: role {role!r}: this slime trains only the actor (no critic / PPO)")
+        overrides = entry.get("overrides", entry.get("args")) or {}
+        for key, value in overrides.items():
+            if key in ("num_nodes", "num_gpus_per_node"):  # cluster shape comes from the command line
+                continue
+            if not hasattr(args, key):
+                error(f"--megatron-config-path {path}: {key!r} is not an argument (use argparse names, e.g. lr)")
+            current = getattr(args, key)
+            if isinstance(value, str) and isinstance(current, (int, float)) and not isinstance(current, bool):
+                try:
+                    value = type(current)(float(value)) if isinstance(current, int) else float(value)
+                except ValueError:
+                    error(f"--megatron-config-path {path}: {key}={value!r} is not a number")
+            setattr(args, key, value)
+            overridden.append(key)
+    return overridden
+
+
+def _apply_custom_config(args, error, check_paths):
+    """--custom-config-path: a flat YAML mapping set onto args last, so derived values are not re-derived."""
+    path = args.custom_config_path
+    if not path or (not check_paths and not os.path.exists(path)):
+        return
+    config = _read_yaml("--custom-config-path", path, error)
+    if not isinstance(config, dict) or not all(isinstance(k, str) for k in config):
+        error(f"--custom-config-path {path}: expected a mapping of names to values, got {type(config).__name__}")
+    for key, value in config.items():
+        setattr(args, key, value)
 
 
 def _validate_algorithm_and_rollout(args, error):
@@ -1078,10 +1175,12 @@ def parse_args(add_custom_arguments=None, argv=None, *, check_paths=True):
         parser = _build_parser(add_slime_arguments)
         args = parser.parse_args(argv)
     error = _one_line_error(parser)
+    overridden = _apply_megatron_config(args, error, check_paths)
     user_load = args.load  # validation replaces a --load without a checkpoint by --ref-load
 
     if args.hf_checkpoint:
-        _apply_hf_config(args, error, check_paths, _given_flags(argv))
+        given = _given_flags(argv) | {"--" + key.replace("_", "-") for key in overridden}
+        _apply_hf_config(args, error, check_paths, given)
     for dest in _HF_DROPOUT_KEYS:  # no HF config to read: Megatron's default
         if getattr(args, dest) is None:
             setattr(args, dest, 0.1)

@@ -58,7 +58,8 @@ class ExtensionPoint:
 EXTENSION_POINTS = (
     ExtensionPoint("--rollout-function-path", "args, rollout_id, data_source, evaluation=False"),
     ExtensionPoint("--eval-function-path", "args, rollout_id, data_source, evaluation=True"),
-    ExtensionPoint("--custom-generate-function-path", "args, sample, sampling_params", asynchronous=True),
+    ExtensionPoint("--custom-generate-function-path", "args, sample, sampling_params", asynchronous=True,
+                   alternatives=("args, sample, sampling_params, *, evaluation",)),
     ExtensionPoint("--custom-rm-path", "args, sample_or_samples"),
     ExtensionPoint("--custom-reward-post-process-path", "args, samples"),
     ExtensionPoint("--dynamic-sampling-filter-path", "args, samples"),
@@ -70,6 +71,23 @@ EXTENSION_POINTS = (
     ExtensionPoint("--custom-megatron-before-log-prob-hook-path", "args, model, store_prefix"),
     ExtensionPoint("--custom-megatron-before-train-step-hook-path",
                    "args, rollout_id, step_id, model, optimizer, opt_param_scheduler"),
+    # current slime's extension points
+    ExtensionPoint("--data-source-path", "args"),
+    # keywords are passed only when the function declares them
+    ExtensionPoint("--rollout-sample-hook-path", "args, sample", alternatives=(
+        "args, sample, *, rollout_id", "args, sample, *, evaluation", "args, sample, *, rollout_id, evaluation")),
+    ExtensionPoint("--rollout-sample-filter-path", "args, groups"),
+    ExtensionPoint("--rollout-all-samples-process-path", "args, all_groups, data_source"),
+    ExtensionPoint("--custom-convert-samples-to-train-data-path", "args, samples"),
+    ExtensionPoint("--custom-rollout-log-function-path", "rollout_id, args, samples, rollout_extra_metrics, rollout_time"),
+    ExtensionPoint("--custom-eval-rollout-log-function-path", "rollout_id, args, data, extra_metrics"),
+    ExtensionPoint("--custom-advantage-function-path", "args, rollout_data"),
+    ExtensionPoint("--custom-tis-function-path", "*, args, pg_loss, train_log_probs, rollout_log_probs, loss_masks, "
+                                                 "total_lengths, response_lengths"),
+    ExtensionPoint("--custom-pg-loss-reducer-function-path",
+                   "total_lengths, response_lengths, loss_masks, calculate_per_token_loss"),
+    ExtensionPoint("--custom-model-provider-path", "*, pre_process, post_process",
+                   alternatives=("*, pre_process, post_process, vp_stage",)),
 )
 
 
@@ -105,9 +123,9 @@ def check_extension_point(point: ExtensionPoint, path: str) -> str | None:
 
 def check_extension_points(args, error):
     for point in EXTENSION_POINTS:
-        path = getattr(args, point.dest, None)  # a row may name a flag that a custom parser does not define
-        if path:
-            reason = check_extension_point(point, path)
+        value = getattr(args, point.dest, None)  # a row may name a flag that a custom parser does not define
+        for path in value if isinstance(value, list) else [value]:  # repeatable flags hold a list
+            reason = check_extension_point(point, path) if path else None
             if reason:
                 error(reason)
 

@@ -10,18 +10,28 @@ from typing import Any, Optional, Union
 class Sample:
     """One trajectory. `tokens` = prompt ids + response ids; `loss_mask` covers the response only."""
 
+    # Field order and names follow current slime (user code may construct or read any of them).
+    group_index: Optional[int] = None  # the prompt group's ordinal in data-source order (same for its n samples)
     index: Optional[int] = None
+    rollout_id: Optional[int] = None  # one rollout execution; fan-out siblings share it (one loss denominator)
     prompt: Union[str, list[dict[str, str]]] = ""
     tokens: list[int] = field(default_factory=list)
+    multimodal_inputs: Optional[dict] = None  # raw media, e.g. {"images": [...]}
+    multimodal_train_inputs: Optional[dict] = None  # processor outputs shipped to training (e.g. pixel_values)
+    multimodal_train_input_id: Optional[str] = None
+    apply_chat_template_kwargs: dict = field(default_factory=dict)
     response: str = ""
     response_length: int = 0
     label: Optional[Any] = None
     reward: Optional[Union[float, dict[str, Any]]] = None
     loss_mask: Optional[list[int]] = None
-    rollout_log_probs: Optional[list[float]] = None
     weight_versions: list[str] = field(default_factory=list)
-    group_index: Optional[int] = None
-    rollout_id: Optional[int] = None
+    rollout_log_probs: Optional[list[float]] = None
+    rollout_top_p_token_ids: Optional[Any] = None
+    rollout_top_p_token_offsets: Optional[Any] = None
+    rollout_routed_experts: Optional[Any] = None
+    remove_sample: bool = False  # True: trained with an all-zero loss mask (still counted in reward statistics)
+    teacher_log_probs: Optional[list[float]] = None
 
     class Status(Enum):
         PENDING = "pending"
@@ -32,8 +42,14 @@ class Sample:
 
     status: Status = Status.PENDING
     metadata: dict = field(default_factory=dict)
+    generate_function_path: Optional[str] = None  # per-sample --custom-generate-function-path
+    custom_rm_path: Optional[str] = None  # per-sample --custom-rm-path
+    train_metadata: Optional[dict] = None  # handed to the trainers as train data "metadata"
+    session_id: Optional[str] = None
+    non_generation_time: float = 0.0  # seconds a plugin spent outside the engine (tools, ...)
     # SGLang meta_info extras accumulated over turns (prompt/cached tokens, spec decoding counters, ...).
     spec_info: dict = field(default_factory=dict)
+    prefix_cache_info: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -75,6 +91,10 @@ class Sample:
         for key in ("prompt_tokens", "cached_tokens", "completion_tokens"):
             if key in meta_info:
                 self.spec_info[key] = self.spec_info.get(key, 0) + int(meta_info[key] or 0)
+        # current slime's per-sample prefix-cache counters (summed over turns)
+        for key, name in (("cached_tokens", "cached_tokens"), ("prompt_tokens", "total_prompt_tokens")):
+            if key in meta_info:
+                self.prefix_cache_info[name] = self.prefix_cache_info.get(name, 0) + int(meta_info[key] or 0)
 
 
 @dataclass(frozen=True)

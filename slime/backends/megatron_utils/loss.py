@@ -99,9 +99,14 @@ def compute_advantages_and_returns(args, rollout_data):
             raise ValueError("--kl-coef != 0 needs reference log-probs (--ref-load), but rollout data has no ref_log_probs")
         kl = [compute_approx_kl(lp, ref, args.kl_loss_type) for lp, ref in zip(log_probs, ref_log_probs)]
     rewards = torch.tensor(rewards, dtype=torch.float32, device=device)
+    rollout_data["kl"] = kl
 
     estimator = args.advantage_estimator
-    if estimator in ("grpo", "gspo"):
+    if args.custom_advantage_function_path:
+        # replaces only the estimator: --normalize-advantages still applies below
+        load_function(args.custom_advantage_function_path)(args, rollout_data)
+        advantages, returns = rollout_data["advantages"], rollout_data["returns"]
+    elif estimator in ("grpo", "gspo"):
         returns = get_grpo_returns(rewards, kl)
         advantages = list(returns)
     elif estimator == "reinforce_plus_plus":
@@ -149,6 +154,22 @@ def _require(batch, key, why):
     return batch[key]
 
 
+def vanilla_tis_function(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, **kwargs):
+    """Default `--custom-tis-function-path`: weight = exp(old - rollout) clamped to [--tis-clip-low, --tis-clip]."""
+    ratio = torch.exp(torch.cat(train_log_probs) - torch.cat(rollout_log_probs))
+    weights = torch.clamp(ratio, min=args.tis_clip_low, max=args.tis_clip)
+    metrics = {"tis": ratio.detach(), "tis_clipfrac": (weights != ratio).float(), "tis_abs": (ratio - 1).abs().detach()}
+    return pg_loss * weights, loss_masks, metrics
+
+
+def icepop_function(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, **kwargs):
+    """IcePop: weight = exp(old - rollout) inside [--tis-clip-low, --tis-clip], and 0 (token masked out) outside."""
+    ratio = torch.exp(torch.cat(train_log_probs) - torch.cat(rollout_log_probs))
+    weights = torch.where((ratio >= args.tis_clip_low) & (ratio <= args.tis_clip), ratio, torch.zeros_like(ratio))
+    metrics = {"tis": ratio.detach(), "tis_clipfrac": (weights != ratio).float(), "tis_abs": (ratio - 1).abs().detach()}
+    return pg_loss * weights, loss_masks, metrics
+
+
 def policy_loss_function(args, batch, logits, sum_of_sample_mean):
     """PPO clipped loss (GSPO sequence-level ratio with `--advantage-estimator gspo`), optional dual clip
     (`--eps-clip-c`), TIS (`--use-tis`), entropy bonus and KL loss. Returns `(loss, metrics)`."""
@@ -174,20 +195,28 @@ def policy_loss_function(args, batch, logits, sum_of_sample_mean):
 
     metrics = {}
     rollout_log_probs = batch.get("rollout_log_probs")
+    pg_loss_masks = batch["loss_masks"]
     if args.use_tis:
-        rollout_lp = torch.cat(_require(batch, "rollout_log_probs", "--use-tis needs (the rollout must return log-probs)"))
-        tis = torch.exp(torch.cat(old_log_probs) - rollout_lp)
-        low = args.tis_clip_low if args.tis_clip_low is not None else 0.0
-        if args.tis_mode == "mask":  # tokens sampled too far from the trainer's policy get no gradient at all
-            tis_clip = tis * ((tis >= low) & (tis <= args.tis_clip)).to(tis.dtype)
-        else:
-            tis_clip = torch.clamp(tis, min=low, max=args.tis_clip)
-        pg_loss = pg_loss * tis_clip
-        metrics["tis"] = sum_of_sample_mean(tis)
+        rollout_lp = _require(batch, "rollout_log_probs", "--use-tis needs (the rollout must return log-probs)")
+        if args.custom_tis_function_path:
+            tis_fn = load_function(args.custom_tis_function_path)
+        else:  # --tis-mode mask: tokens sampled too far from the trainer's policy get no gradient (IcePop)
+            tis_fn = icepop_function if args.tis_mode == "mask" else vanilla_tis_function
+        pg_loss, pg_loss_masks, tis_metrics = tis_fn(
+            args=args, pg_loss=pg_loss, train_log_probs=old_log_probs, rollout_log_probs=rollout_lp,
+            loss_masks=batch["loss_masks"], total_lengths=batch["total_lengths"], response_lengths=response_lengths,
+        )
+        if pg_loss_masks is not batch["loss_masks"]:
+            # rejected tokens leave the numerator; each sample's denominator stays its original mask sum
+            pg_loss = pg_loss * torch.cat(pg_loss_masks).to(pg_loss.dtype)
+        metrics.update({k: sum_of_sample_mean(v) for k, v in tis_metrics.items()})
         metrics["ois"] = sum_of_sample_mean(torch.exp(-ppo_kl.detach()))
-        metrics["tis_clipfrac"] = sum_of_sample_mean((tis_clip != tis).float())
 
-    pg_loss = sum_of_sample_mean(pg_loss)
+    pg_loss_reducer = sum_of_sample_mean
+    if args.custom_pg_loss_reducer_function_path:
+        pg_loss_reducer = load_function(args.custom_pg_loss_reducer_function_path)(
+            batch["total_lengths"], response_lengths, pg_loss_masks, args.calculate_per_token_loss)
+    pg_loss = pg_loss_reducer(pg_loss)
     entropy_loss = sum_of_sample_mean(torch.cat(out["entropy"]) if out["entropy"] else log_probs)
     loss = pg_loss - args.entropy_coef * entropy_loss
 

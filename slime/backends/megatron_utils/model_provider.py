@@ -16,6 +16,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.transformer import TransformerConfig
 
 from slime.utils.device import default_dtype, is_cpu
+from slime.utils.misc import accepted_kwargs, load_function
 
 
 def _arg(args, name, default=None):
@@ -123,7 +124,21 @@ def _layer_spec(args, config, vp_stage=None):
     )
 
 
+def _custom_model_provider(path):
+    """--custom-model-provider-path: `provider(pre_process=, post_process=)`, plus `vp_stage=` if it declares it."""
+    provider = load_function(path)
+
+    def model_provider(pre_process=True, post_process=True, vp_stage=None):
+        kwargs = accepted_kwargs(provider, vp_stage=vp_stage)
+        return provider(pre_process=pre_process, post_process=post_process, **kwargs)
+
+    return model_provider
+
+
 def get_model_provider_func(args):
+    if args.custom_model_provider_path:
+        return _custom_model_provider(args.custom_model_provider_path)
+
     def model_provider(pre_process=True, post_process=True, vp_stage=None):
         config = core_transformer_config_from_args(args)
         return GPTModel(

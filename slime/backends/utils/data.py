@@ -10,8 +10,9 @@ from slime.utils.seqlen_balancing import get_seqlen_balanced_partitions
 from slime.utils.timer import Timer
 
 # Per-sample keys split across DP ranks; `raw_reward` stays global (logged over the whole rollout).
+# `metadata` (from `Sample.train_metadata`) reaches hooks such as --rollout-data-postprocess-path.
 PARTITIONED_KEYS = ("tokens", "total_lengths", "response_lengths", "rewards", "truncated", "loss_masks",
-                    "round_number", "sample_indices", "rollout_log_probs")
+                    "round_number", "sample_indices", "rollout_log_probs", "metadata")
 
 
 class DataIterator:

@@ -89,15 +89,17 @@ async def remote_rm(
     ) from last_error
 
 
-async def _call_custom_rm(args, arg, **kwargs):
-    result = load_function(args.custom_rm_path)(args, arg, **kwargs)
+async def _call_custom_rm(path, args, arg, **kwargs):
+    result = load_function(path)(args, arg, **kwargs)
     return await result if inspect.isawaitable(result) else result
 
 
 async def async_rm(args, sample: Sample, **kwargs):
-    """Reward of one sample: a float/int, or a dict for dapo and for custom/remote RMs that return one."""
-    if getattr(args, "custom_rm_path", None):
-        return await _call_custom_rm(args, sample, **kwargs)
+    """Reward of one sample: a float/int, or a dict for dapo and for custom/remote RMs that return one.
+    The sample's own `custom_rm_path` (e.g. from an eval dataset config) wins over `--custom-rm-path`."""
+    path = sample.custom_rm_path or args.custom_rm_path
+    if path:
+        return await _call_custom_rm(path, args, sample, **kwargs)
 
     metadata = sample.metadata if isinstance(sample.metadata, dict) else {}
     rm_type = (metadata.get("rm_type") or getattr(args, "rm_type", None) or "").strip()
@@ -131,8 +133,8 @@ async def async_rm(args, sample: Sample, **kwargs):
 
 async def batched_async_rm(args, samples: list[Sample], **kwargs) -> list:
     """Rewards of a group: one call of a custom (group) RM with the whole list, else `async_rm` per sample concurrently."""
-    if getattr(args, "custom_rm_path", None):
-        rewards = await _call_custom_rm(args, samples, **kwargs)
+    if args.custom_rm_path:
+        rewards = await _call_custom_rm(args.custom_rm_path, args, samples, **kwargs)
         if not isinstance(rewards, (list, tuple)) or len(rewards) != len(samples):
             raise ValueError(
                 f"--custom-rm-path {args.custom_rm_path} must return a list with one reward per sample when given "

@@ -1,0 +1,51 @@
+"""Rollout sample hooks (`--rollout-sample-hook-path`, repeatable): run on every generated sample, train and eval,
+right after generation and before the reward.
+
+A hook is `hook(args, sample, **kw)`, sync or async, where `kw` holds the keywords it declares among `rollout_id`
+and `evaluation` (all of them if it takes `**kwargs`). It returns None (keep the possibly mutated sample) or a
+`Sample` that replaces it. Hooks run in flag order on every `Sample` of a possibly nested list.
+"""
+import inspect
+
+from slime.utils.misc import accepted_kwargs, load_function
+from slime.utils.types import Sample
+
+_current_rollout_id = None
+
+
+def set_current_rollout_id(rollout_id):
+    """The rollout id hooks receive (set by the rollout controller before each rollout and eval)."""
+    global _current_rollout_id
+    _current_rollout_id = rollout_id
+
+
+async def _apply_one(hook, path, args, sample, kwargs):
+    if not isinstance(sample, Sample):
+        raise TypeError(f"--rollout-sample-hook-path {path}: got {type(sample).__name__}, expected Sample or list")
+    result = hook(args, sample, **accepted_kwargs(hook, **kwargs))
+    if inspect.isawaitable(result):
+        result = await result
+    if result is None:
+        return sample
+    if not isinstance(result, Sample):
+        raise TypeError(f"--rollout-sample-hook-path {path} returned {type(result).__name__}; expected Sample or None")
+    return result
+
+
+async def _apply(hook, path, args, item, kwargs):
+    if isinstance(item, list):
+        return [await _apply(hook, path, args, x, kwargs) for x in item]  # a new list: the shape is kept
+    return await _apply_one(hook, path, args, item, kwargs)
+
+
+async def apply_rollout_sample_hooks(args, sample_or_samples, *, evaluation=False, rollout_id=None):
+    """The hooks of `--rollout-sample-hook-path` applied to a `Sample` or a (nested) list of them."""
+    paths = args.rollout_sample_hook_path or []
+    if not paths:
+        return sample_or_samples
+    if not isinstance(sample_or_samples, (Sample, list)):
+        raise TypeError(f"rollout sample hooks take a Sample or a list of them, got {type(sample_or_samples).__name__}")
+    kwargs = {"rollout_id": _current_rollout_id if rollout_id is None else rollout_id, "evaluation": evaluation}
+    for path in paths:
+        sample_or_samples = await _apply(load_function(path), path, args, sample_or_samples, kwargs)
+    return sample_or_samples
