@@ -133,9 +133,16 @@ def test_dropout_comes_from_the_hf_config_unless_given(tiny_kit, caplog, capsys)
     assert parse("--ci-test", "--hf-checkpoint", model_dir, model=[]).ci_test
 
 
+# slime v0.1.0's scripts/models/mimo-7B-rl.sh
+MIMO_7B_RL_MODEL_ARGS = """--swiglu --num-layers 36 --hidden-size 4096 --ffn-hidden-size 11008 --num-attention-heads 32
+--group-query-attention --num-query-groups 8 --use-rotary-position-embeddings --disable-bias-linear --add-qkv-bias
+--normalization RMSNorm --norm-epsilon 1e-05 --rotary-base 640000 --vocab-size 151680
+--untie-embeddings-and-output-weights --max-position-embeddings 32768 --mtp-num-layers 1
+--mtp-loss-scaling-factor 0.1""".split()
+
+
 def test_mtp_flags_parse_and_are_validated(capsys):
-    # scripts/models/mimo-7B-rl.sh of slime v0.1.0
-    args = parse("--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.1")
+    args = parse(model=MIMO_7B_RL_MODEL_ARGS)
     assert (args.mtp_num_layers, args.mtp_loss_scaling_factor, args.enable_mtp_training) == (1, 0.1, False)
     assert (parse().mtp_num_layers, parse().mtp_loss_scaling_factor) == (None, 0.2)  # current slime's defaults
     assert parse("--mtp-num-layers", "2", "--enable-mtp-training").enable_mtp_training
