@@ -309,3 +309,19 @@ def test_megatron_config_overrides_the_actor_role(tmp_path, capsys):
     with pytest.raises(SystemExit):
         make_args("--megatron-config-path", str(path))
     assert "'no_such_flag' is not an argument" in capsys.readouterr().err
+
+
+def test_append_response_tokens_keeps_masks_and_log_probs_aligned():
+    s = Sample(tokens=[1, 2])
+    s.append_response_tokens(tokens=[7, 8], log_probs=[-0.1, -0.2], text="ab", meta_info={"weight_version": 3})
+    s.append_response_tokens(tokens=[9], trainable=False, text="<tool>")
+    s.append_response_tokens(tokens=[10], log_probs=[-0.3], meta_info={"finish_reason": {"type": "length"}})
+    assert s.tokens == [1, 2, 7, 8, 9, 10] and s.response == "ab<tool>" and s.response_length == 4
+    assert s.loss_mask == [1, 1, 0, 1] and s.rollout_log_probs == [-0.1, -0.2, 0.0, -0.3]
+    assert s.status == Sample.Status.TRUNCATED and s.weight_versions == ["3"]
+    with pytest.raises(ValueError, match="need their rollout log-probs"):
+        s.append_response_tokens(tokens=[1])
+    with pytest.raises(ValueError, match="log_probs length 1 != tokens length 2"):
+        s.append_response_tokens(tokens=[1, 2], log_probs=[0.0])
+    with pytest.raises(ValueError, match="no rollout_log_probs"):
+        Sample(response_length=2, tokens=[1, 2, 3]).append_response_tokens(tokens=[4], log_probs=[-1.0])

@@ -79,6 +79,40 @@ class Sample:
     def effective_response_length(self) -> int:
         return sum(self.loss_mask) if self.loss_mask is not None else self.response_length
 
+    def append_response_tokens(self, args=None, *, tokens=None, log_probs=None, trainable=True, meta_info=None,
+                               text=None, update_terminal_info=True):
+        """Append response tokens and keep `loss_mask` and `rollout_log_probs` aligned (current slime's helper for
+        multi-turn generate functions). Model tokens pass `log_probs` (and SGLang's `meta_info`, which sets the
+        status unless `update_terminal_info=False`); tool/environment tokens pass `trainable=False` and get loss-mask
+        zeros and log-prob zeros."""
+        tokens = [int(t) for t in (tokens if tokens is not None else [])]
+        log_probs = None if log_probs is None else [float(x) for x in log_probs]
+        if log_probs is not None and len(log_probs) != len(tokens):
+            raise ValueError(f"log_probs length {len(log_probs)} != tokens length {len(tokens)}")
+        if tokens and trainable and log_probs is None:
+            raise ValueError("trainable response tokens need their rollout log-probs (log_probs=)")
+        if tokens and not trainable:
+            if log_probs is not None:
+                raise ValueError("non-trainable response tokens take no rollout log-probs")
+            log_probs = [0.0] * len(tokens)
+        if text is not None:
+            self.response += text
+        previous = self.response_length
+        if tokens:
+            self.tokens = list(self.tokens) + tokens
+            self.response_length += len(tokens)
+            self.loss_mask = (self.loss_mask if self.loss_mask is not None else [1] * previous) + \
+                [1 if trainable else 0] * len(tokens)
+        if log_probs is not None:
+            if self.rollout_log_probs is None:
+                if trainable and previous:
+                    raise ValueError("cannot append trainable log-probs to a sample whose earlier response tokens "
+                                     "have no rollout_log_probs")
+                self.rollout_log_probs = [0.0] * previous
+            self.rollout_log_probs = list(self.rollout_log_probs) + log_probs
+        if meta_info and update_terminal_info:
+            self.apply_finish_reason(meta_info)
+
     _FINISH_TO_STATUS = {"length": "TRUNCATED", "abort": "ABORTED", "stop": "COMPLETED"}
 
     def apply_finish_reason(self, meta_info: dict) -> None:
