@@ -183,6 +183,13 @@ def test_custom_config_sets_args_after_validation(tmp_path, capsys):
     assert f"--custom-config-path {bad}: expected a mapping" in capsys.readouterr().err
 
 
+def test_custom_tis_function_needs_use_tis(capsys):
+    with pytest.raises(SystemExit):
+        make_args("--custom-tis-function-path", "slime.backends.megatron_utils.loss.icepop_function")
+    assert "--custom-tis-function-path slime.backends.megatron_utils.loss.icepop_function is called only with " \
+           "--use-tis" in capsys.readouterr().err
+
+
 def test_update_weight_post_write_hook_is_refused_at_start_up(capsys):
     with pytest.raises(SystemExit):
         make_args("--custom-update-weight-post-write-path", "my.hook")

@@ -908,6 +908,8 @@ def slime_validate_args(args, error, check_paths=True):
         error("--save-interval requires --save (the checkpoint directory).")
     _validate_algorithm_and_rollout(args, error)
     _check_mtp(args, error)
+    if args.custom_tis_function_path and not args.use_tis:
+        error(f"--custom-tis-function-path {args.custom_tis_function_path} is called only with --use-tis; add it.")
     if args.custom_update_weight_post_write_path:
         error("--custom-update-weight-post-write-path runs after current slime's disk weight transport writes a "
               "weight version; this slime sends weights by broadcast, shared memory or CUDA IPC and never writes "
