@@ -2,10 +2,11 @@
 import os
 import socket
 import time
-from argparse import Namespace
 
 import torch
 import torch.multiprocessing as mp
+
+from tests._args import make_args
 
 
 def free_port():
@@ -63,34 +64,27 @@ def train_once_for_offload(args, model, opt, sched, rollout, iters, nmb):
     return actor
 
 
-def megatron_args(hf_dir, **overrides):
-    """The Megatron-LM flags slime's parse_args would infer from `hf_dir/config.json` (dense Qwen2/3, Llama, Qwen3-MoE)."""
-    from transformers import AutoConfig
+# Megatron's parallel layout: passed as flags (not fields) so that what parse_args derives from it follows.
+_LAYOUT_FLAGS = {"tensor_model_parallel_size": "--tensor-model-parallel-size",
+                 "pipeline_model_parallel_size": "--pipeline-model-parallel-size",
+                 "context_parallel_size": "--context-parallel-size",
+                 "expert_model_parallel_size": "--expert-model-parallel-size",
+                 "virtual_pipeline_model_parallel_size": "--num-virtual-stages-per-pipeline-rank"}
 
-    cfg = AutoConfig.from_pretrained(hf_dir)
-    rope = getattr(cfg, "rope_parameters", None) or {}
-    mtype = cfg.model_type
-    ns = Namespace(
-        hf_checkpoint=hf_dir, model_name=type(cfg).__name__.lower(),
-        num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
-        num_attention_heads=cfg.num_attention_heads, group_query_attention=True, num_query_groups=cfg.num_key_value_heads,
-        kv_channels=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
-        normalization="RMSNorm", norm_epsilon=cfg.rms_norm_eps, swiglu=True, add_bias_linear=False,
-        add_qkv_bias=mtype == "qwen2", qk_layernorm=mtype.startswith("qwen3"),
-        untie_embeddings_and_output_weights=not cfg.tie_word_embeddings, position_embedding_type="rope",
-        rotary_base=rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)), rotary_percent=1.0,
-        vocab_size=cfg.vocab_size, padded_vocab_size=None, make_vocab_size_divisible_by=128,
-        max_position_embeddings=cfg.max_position_embeddings, seq_length=128,
-        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
-        expert_model_parallel_size=1, expert_tensor_parallel_size=None, seed=1234, bf16=False,
-        num_experts=None, custom_model_provider_path=None,
-    )
-    if mtype == "qwen3_moe":
-        ns.num_experts, ns.moe_router_topk = cfg.num_experts, cfg.num_experts_per_tok
-        ns.moe_ffn_hidden_size, ns.moe_router_load_balancing_type = cfg.moe_intermediate_size, "none"
-    for k, v in overrides.items():
-        setattr(ns, k, v)
-    return ns
+
+def megatron_args(hf_dir, **overrides):
+    """Real args (tests/_args.make_args) for the HF model in `hf_dir`: its config.json gives the architecture, as
+    `--hf-checkpoint` does in a job; no dropout, 128-token sequences, no MoE aux loss. The parallel layout in
+    `overrides` becomes flags (with a world size it divides); every other override is set as a field."""
+    argv = ["--seq-length", "128", "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--moe-router-load-balancing-type", "none"]
+    world = 1
+    for name, flag in _LAYOUT_FLAGS.items():
+        size = overrides.pop(name, None)
+        if size is not None:
+            argv += [flag, str(size)]
+            world *= size if name != "virtual_pipeline_model_parallel_size" else 1
+    return make_args(*argv, "--actor-num-gpus-per-node", str(world), hf_checkpoint=hf_dir, **overrides)
 
 
 def build_random_hf(kind, out_dir, seed=0):
@@ -130,7 +124,6 @@ def causal_mask(seq_len):
 
 def train_args(model_dir, **overrides):
     """Megatron + slime RL flags for the tiny kit: GRPO policy loss, 1 rollout of 2 prompts x 2 samples, gbs 4."""
-    args = megatron_args(model_dir)
     rl = dict(
         lr=1e-3, min_lr=0.0, clip_grad=1.0, optimizer="adam", weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.98,
         adam_eps=1e-8, use_distributed_optimizer=False, global_batch_size=4, micro_batch_size=2,
@@ -145,9 +138,7 @@ def train_args(model_dir, **overrides):
         check_for_nan_in_loss_and_grad=True, fp16=False,
     )
     rl.update(overrides)
-    for k, v in rl.items():
-        setattr(args, k, v)
-    return args
+    return megatron_args(model_dir, **rl)
 
 
 def fixed_rollout(vocab_size=512, n=4, seed=0):

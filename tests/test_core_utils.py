@@ -3,7 +3,6 @@ import asyncio
 import socket
 import threading
 import time
-from argparse import Namespace
 
 import pytest
 
@@ -12,6 +11,7 @@ from slime.utils.misc import SingletonMeta, load_function, should_run_periodic_a
 from slime.utils.ray_utils import Box
 from slime.utils.timer import Timer, timer
 from slime.utils.types import ParamInfo, Sample
+from tests._args import make_args
 
 # ---------------------------------------------------------------- types
 
@@ -39,11 +39,12 @@ def test_sample_defaults_are_independent_and_unknown_keys_survive():
 
 def test_get_reward_value():
     s = Sample(index=1, reward={"acc": 0.5, "fmt": 1.0})
-    assert s.get_reward_value(Namespace(reward_key="acc")) == 0.5
-    assert Sample(reward=0.25).get_reward_value(Namespace(reward_key=None)) == 0.25
-    assert Sample(reward=0.25).get_reward_value(Namespace()) == 0.25
+    assert s.get_reward_value(make_args("--reward-key", "acc")) == 0.5
+    assert Sample(reward=0.25).get_reward_value(make_args()) == 0.25  # no --reward-key: the reward itself
+    with pytest.raises(KeyError, match="--reward-key 'acc'"):  # a key asked of a scalar reward
+        Sample(reward=0.25).get_reward_value(make_args("--reward-key", "acc"))
     with pytest.raises(KeyError, match="--reward-key 'score'"):
-        s.get_reward_value(Namespace(reward_key="score"))
+        s.get_reward_value(make_args("--reward-key", "score"))
 
 
 @pytest.mark.parametrize("reason,status", [("length", "TRUNCATED"), ("abort", "ABORTED"), ("stop", "COMPLETED"),

@@ -3,7 +3,6 @@
 The `# example` python blocks of the page are written to a module `custom_examples` on sys.path, so the doc cannot
 drift from code that works.
 """
-import argparse
 import asyncio
 import json
 import os
@@ -18,6 +17,7 @@ import torch
 
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
+from tests._args import make_args as real_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, "docs", "customization.md")
@@ -43,7 +43,7 @@ def _data_args(model_dir, prompt_data=None, **kw):
                 n_samples_per_prompt=2, rollout_batch_size=3, rm_type="answer_match", custom_rm_path=None,
                 reward_key=None)
     base.update(kw)
-    return argparse.Namespace(**base)
+    return real_args(**base)
 
 
 def test_rollout_function(examples, tiny_kit):
@@ -106,7 +106,7 @@ def test_custom_generate(examples, tiny_kit, cpu_server):
 
     model_dir, _ = tiny_kit
     tok = AutoTokenizer.from_pretrained(model_dir)
-    args = argparse.Namespace(hf_checkpoint=model_dir, sglang_router_ip="127.0.0.1", sglang_router_port=cpu_server)
+    args = real_args(hf_checkpoint=model_dir, sglang_router_ip="127.0.0.1", sglang_router_port=cpu_server)
     prompt = tok.apply_chat_template([{"role": "user", "content": "What is 3+4?"}], tokenize=False,
                                      add_generation_prompt=True)
     fn = examples("generate_with_forced_prefix")
@@ -124,7 +124,7 @@ def test_custom_generate(examples, tiny_kit, cpu_server):
 def test_rewards(examples):
     from slime.rollout.rm_hub import async_rm, batched_async_rm
 
-    args = argparse.Namespace(custom_rm_path="custom_examples.length_penalized_rm", rm_type=None, reward_key=None)
+    args = real_args("--custom-rm-path", "custom_examples.length_penalized_rm")
     examples("length_penalized_rm")  # import once so the path resolves
     # correct answer, 10 response tokens: 1 - 0.01 * (10 - 4)
     assert asyncio.run(async_rm(args, Sample(response="7", label="7", response_length=10))) == pytest.approx(0.94)
@@ -135,7 +135,7 @@ def test_rewards(examples):
 
 
 def test_reward_post_process_and_filters(examples):
-    args = argparse.Namespace(n_samples_per_prompt=2, reward_key=None)
+    args = real_args()
     samples = [Sample(reward=r) for r in (1.0, 0.0, 0.5, 0.5)]
     raw, rewards = examples("center_without_std")(args, samples)
     assert raw == [1.0, 0.0, 0.5, 0.5] and rewards == [0.5, -0.5, 0.0, 0.0]
@@ -193,8 +193,8 @@ def test_custom_loss(examples, mpu_world1):
     adv = torch.tensor([1.0, -2.0, 0.5])
     batch = {"unconcat_tokens": [tokens], "total_lengths": [T], "response_lengths": [3],
              "loss_masks": [torch.ones(3, dtype=torch.int)], "advantages": [adv]}
-    args = argparse.Namespace(loss_type="custom_loss", custom_loss_function_path="custom_examples.reinforce_loss",
-                              calculate_per_token_loss=False, global_batch_size=2, rollout_temperature=1.0)
+    args = real_args("--loss-type", "custom_loss", "--custom-loss-function-path", "custom_examples.reinforce_loss",
+                     "--global-batch-size", "2", "--rollout-batch-size", "1")
     loss, _, report = loss_function(args, batch, 1, logits)
     # by hand: response tokens 3..5 are predicted by logits at positions 2..4
     logp = torch.log_softmax(logits[0, 2:5].detach(), -1).gather(-1, tokens[3:6, None])[:, 0]
@@ -207,7 +207,7 @@ def test_custom_loss(examples, mpu_world1):
 def test_megatron_hooks(examples):
     import random
 
-    examples("seed_everything")(argparse.Namespace(seed=5))
+    examples("seed_everything")(real_args("--seed", "5"))
     a = random.random()
     random.seed(5)
     assert a == random.random()
@@ -270,7 +270,7 @@ def test_sample_hook(examples):
 def test_filter_output_sample_filter_and_all_samples_process(examples):
     from slime.rollout.filter_hub.base_types import call_dynamic_filter, should_drop_dynamic_filter_output
 
-    args = argparse.Namespace(reward_key=None)
+    args = real_args()
     tie = call_dynamic_filter(examples("mixed_rewards_preferred"), args, [Sample(reward=1.0), Sample(reward=1.0)])
     assert tie.reason == "all_1.0" and not tie.keep
     assert should_drop_dynamic_filter_output(tie, remaining_batch_size=3, target_data_size=2)
@@ -287,7 +287,7 @@ def test_filter_output_sample_filter_and_all_samples_process(examples):
 def test_convert_and_log_functions(examples):
     from slime.ray.buffer import CONVERTED_KEYS
 
-    args = argparse.Namespace(reward_key=None)
+    args = real_args()
     samples = [Sample(index=0, tokens=[1, 2, 3], response_length=2, reward=1.0),
                Sample(index=1, tokens=[1, 2], response_length=1, reward=0.0, status=Sample.Status.TRUNCATED)]
     data = examples("convert_with_length_bonus")(args, samples)
@@ -314,7 +314,7 @@ def test_custom_advantage(examples, mpu_world1):
 
 def test_tis_function_and_pg_loss_reducer(examples):
     _check_row("--custom-tis-function-path", "custom_examples.reject_far_tokens")
-    args = argparse.Namespace(tis_clip=1.5)
+    args = real_args(tis_clip=1.5)
     old = [torch.zeros(2), torch.zeros(1)]
     rollout = [torch.log(torch.tensor([3.0, 1.2])), torch.log(torch.tensor([1 / 1.6]))]  # ratios 1/3, 1/1.2, 1.6
     masks = [torch.ones(2, dtype=torch.int), torch.ones(1, dtype=torch.int)]

@@ -1,12 +1,11 @@
 """filter_hub (spec §8.2): dynamic sampling keeps only groups whose rewards differ; over-sampling sorts by reward std."""
-from argparse import Namespace
-
 from slime.rollout.filter_hub.dynamic_sampling_filters import check_reward_nonzero_std
 from slime.rollout.filter_hub.over_sampling_filters import sort_by_reward_std
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
+from tests._args import make_args
 
-ARGS = Namespace(reward_key=None)
+ARGS = make_args()
 
 
 def group(*rewards):
@@ -22,7 +21,7 @@ def test_nonzero_std_keeps_mixed_groups_and_drops_uniform_ones():
 
 
 def test_nonzero_std_uses_reward_key():
-    args = Namespace(reward_key="score")
+    args = make_args("--reward-key", "score")
     dict_group = [Sample(reward={"score": s, "acc": s > 0}) for s in (1.0, 1.0, -1.0)]
     assert bool(check_reward_nonzero_std(args, dict_group)) is True
     assert bool(check_reward_nonzero_std(args, dict_group[:2])) is False
@@ -33,7 +32,7 @@ def test_sort_by_reward_std_descending_and_stable():
     # std: 0, 0.7071, 0.5774, 0.7071, 0 (sample std, n-1)
     ordered = sort_by_reward_std(ARGS, [g_zero_a, g_half_a, g_mid, g_half_b, g_zero_b])
     assert [id(g) for g in ordered] == [id(g) for g in (g_half_a, g_half_b, g_mid, g_zero_a, g_zero_b)]
-    args = Namespace(reward_key="score")
+    args = make_args("--reward-key", "score")
     low, high = [Sample(reward={"score": s}) for s in (1, 1)], [Sample(reward={"score": s}) for s in (-1, 1)]
     assert sort_by_reward_std(args, [low, high]) == [high, low]
 

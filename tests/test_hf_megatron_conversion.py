@@ -1,16 +1,16 @@
 """HF <-> Megatron weight conversion: layouts, dispatch, errors, exact round trips and forward parity with transformers."""
-from argparse import Namespace
 
 import pytest
 import torch
 
+from tests._args import make_args
 from tests._megatron_helpers import build_random_hf, causal_mask, megatron_args, spawn
 
 FAMILIES = ["qwen2", "qwen3", "llama", "qwen3moe"]
 
 
 def _qkv_args():
-    return Namespace(num_attention_heads=4, num_query_groups=2, group_query_attention=True, kv_channels=3, hidden_size=5)
+    return make_args(num_attention_heads=4, num_query_groups=2, group_query_attention=True, kv_channels=3, hidden_size=5)
 
 
 def test_qkv_split_follows_megatron_group_layout():

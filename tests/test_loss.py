@@ -2,7 +2,6 @@
 PPO/GSPO policy loss (dual clip, TIS, KL loss, entropy), SFT/custom losses and slime's loss scaling, advantage
 estimators over rollout data. Runs in a one-rank gloo world with Megatron's parallel state."""
 import math
-from argparse import Namespace
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from slime.backends.megatron_utils.loss import (
     loss_function,
     policy_loss_function,
 )
+from tests._args import make_args as real_args
 
 V = 16
 
@@ -41,7 +41,7 @@ def _args(**kw):
                 n_samples_per_prompt=2, rewards_normalization=True, custom_tis_function_path=None,
                 custom_pg_loss_reducer_function_path=None, custom_advantage_function_path=None)
     base.update(kw)
-    return Namespace(**base)
+    return real_args(**base)
 
 
 def _ref_response_log_probs(logits_row, tokens, total_len, resp_len, temperature=1.0):

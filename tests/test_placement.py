@@ -1,17 +1,17 @@
 """Placement: the layout table of spec §3.1, bundle ordering, fractional sharing of bundles, and loud failures."""
 import time
-from types import SimpleNamespace
 
 import pytest
 
 from slime.ray.placement_group import get_placement_group_layout, sort_key
+from tests._args import make_args as real_args
 
 
 def _args(**kw):
     base = dict(actor_num_nodes=1, actor_num_gpus_per_node=2, rollout_num_gpus=2, colocate=False,
                 debug_train_only=False, debug_rollout_only=False)
     base.update(kw)
-    return SimpleNamespace(**base)
+    return real_args(**base)
 
 
 @pytest.mark.parametrize("kw, expected", [

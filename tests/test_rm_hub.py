@@ -1,7 +1,6 @@
 """Reward graders (spec §8.1): every normalisation rule decides a reward, so each is pinned on hand-worked cases."""
 import asyncio
 import time
-from argparse import Namespace
 
 import pytest
 from aiohttp import web
@@ -15,12 +14,11 @@ from slime.rollout.rm_hub.f1 import f1_score, normalize_answer
 from slime.utils.async_utils import run
 from slime.utils.http_utils import find_available_port
 from slime.utils.types import Sample
+from tests import _args
 
 
 def make_args(**kw):
-    base = dict(rm_type=None, custom_rm_path=None, rm_url=None, reward_key=None)
-    base.update(kw)
-    return Namespace(**base)
+    return _args.make_args(**kw)
 
 
 def rm(rm_type, response, label, **sample_kw):

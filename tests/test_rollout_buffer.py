@@ -4,7 +4,6 @@ End to end: slime's CPU inference server (tiny Qwen3) behind the real sglang-rou
 `python -m slime_plugins.rollout_buffer.buffer`, the base "math" generator, and `rollout_buffer_example.generate_rollout`
 feeding a real RolloutDataSourceWithBuffer.
 """
-import argparse
 import importlib.util
 import json
 import os
@@ -19,6 +18,7 @@ import pytest
 from slime.utils.types import Sample
 from slime_plugins.rollout_buffer.buffer import BufferQueue, create_app, discover_generators
 from slime_plugins.rollout_buffer.generator import base_generator
+from tests._args import make_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -170,10 +170,10 @@ def test_end_to_end_cpu(tiny_kit, tmp_path, processes):
                         "--port", str(buffer_port)], log)
     _wait_http(f"http://127.0.0.1:{buffer_port}/health", buffer, "rollout buffer server")
 
-    args = argparse.Namespace(
-        rollout_buffer_url=f"http://127.0.0.1:{buffer_port}", rollout_task_type="math", loss_mask_type="qwen",
+    args = make_args(
+        hf_checkpoint=model_dir, rollout_buffer_url=f"http://127.0.0.1:{buffer_port}", rollout_task_type="math", loss_mask_type="qwen",
         sglang_router_ip="127.0.0.1", sglang_router_port=router_port, prompt_data=str(prompts), input_key="prompt",
-        label_key="label", hf_checkpoint=model_dir, num_epoch=1, rollout_batch_size=2, n_samples_per_prompt=4,
+        label_key="label", num_epoch=1, rollout_batch_size=2, n_samples_per_prompt=4,
         rollout_max_response_len=6, rollout_temperature=1.0, rollout_top_p=1.0, rm_type="answer_match",
         fetch_trajectory_retry_times=120, rollout_global_dataset=False, buffer_filter_path=None)
     data_source = RolloutDataSourceWithBuffer(args)

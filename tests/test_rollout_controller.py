@@ -1,6 +1,5 @@
 """RolloutController: reward post-processing, sample -> train-data conversion, metrics, debug save/load, eval, and
 the Ray actor itself (driven by rollout functions defined here and loaded by dotted path)."""
-import argparse
 import json
 import math
 import os
@@ -14,6 +13,7 @@ from slime.rollout import RolloutSamples
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.utils.types import Sample
+from tests._args import make_args as real_args
 
 HERE = "tests.test_rollout_controller"
 
@@ -31,7 +31,7 @@ def make_args(**overrides):
         custom_eval_rollout_log_function_path=None,
     )
     base.update(overrides)
-    return argparse.Namespace(**base)
+    return real_args(**base)
 
 
 def sample(index, prompt_len=3, response_len=2, reward=1.0, **kw):

@@ -1,5 +1,4 @@
 """RolloutDataSource(WithBuffer): index assignment, epoch wrap + reshuffle, FIFO buffer, save/load incl. the buffer."""
-import argparse
 import json
 import os
 
@@ -7,6 +6,7 @@ import pytest
 
 from slime.ray.rollout_data_source import RolloutDataSource, RolloutDataSourceWithBuffer, pop_first
 from slime.utils.types import Sample
+from tests._args import make_args as real_args
 
 NUM_PROMPTS = 5
 
@@ -41,7 +41,7 @@ def make_args(tiny_kit, prompt_file, **overrides):
         save=None, load=None,
     )
     base.update(overrides)
-    return argparse.Namespace(**base)
+    return real_args(**base)
 
 
 def labels(groups):

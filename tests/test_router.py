@@ -1,5 +1,4 @@
 """The real sglang-router in front of two real CPU inference servers: registration, routing, abort fan-out, dead workers."""
-import argparse
 import asyncio
 import threading
 import time
@@ -16,6 +15,7 @@ from slime.backends.sglang_utils.router import (
     start_router,
     stop_router,
 )
+from tests._args import make_args
 from tests.test_cpu_server import PROMPTS, SESSION, start_cpu_server, stop_cpu_server
 
 pytestmark = pytest.mark.timeout(300)
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def router():
-    args = argparse.Namespace(sglang_router_ip=None, sglang_router_port=None, sglang_router_request_timeout_secs=600)
+    args = make_args("--sglang-router-request-timeout-secs", "600")
     proc = start_router(args)
     assert args.sglang_router_ip == "127.0.0.1" and args.sglang_router_port
     yield router_url(args), proc
@@ -40,7 +40,7 @@ def workers(tiny_kit):
 
 
 def test_external_router_is_not_started():
-    args = argparse.Namespace(sglang_router_ip="10.0.0.1", sglang_router_port=3000)
+    args = make_args("--sglang-router-ip", "10.0.0.1", "--sglang-router-port", "3000")
     assert start_router(args) is None and args.sglang_router_ip == "10.0.0.1"
 
 

@@ -3,7 +3,6 @@
 The tiny model cannot be made to emit <search> tags, so the search/answer branch is driven by scripted engine replies;
 the invalid-action branch runs against slime's real CPU inference server.
 """
-import argparse
 import asyncio
 import itertools
 import json
@@ -16,6 +15,7 @@ import httpx
 import pytest
 
 from slime.utils.types import Sample
+from tests._args import make_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "search-r1")
@@ -87,8 +87,7 @@ def test_search_turns_and_loss_masks(gws, tiny_kit, monkeypatch):
         return next(replies)
 
     monkeypatch.setattr(gws, "post", scripted_engine)
-    args = argparse.Namespace(hf_checkpoint=model_dir, sglang_router_ip="127.0.0.1", sglang_router_port=1,
-                              partial_rollout=False)
+    args = make_args(hf_checkpoint=model_dir, sglang_router_ip="127.0.0.1", sglang_router_port=1)
     prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
     label = {"ground_truth": {"target": ["Paris"]}}
     sample = asyncio.run(gws.generate(args, Sample(prompt=prompt, label=label), {"max_new_tokens": 64}))
@@ -116,7 +115,7 @@ def test_search_turns_and_loss_masks(gws, tiny_kit, monkeypatch):
     assert asyncio.run(gws.reward_func(args, sample)) == 1.0
 
     with pytest.raises(ValueError, match="partial-rollout"):
-        asyncio.run(gws.generate(argparse.Namespace(**{**vars(args), "partial_rollout": True}), Sample(), {}))
+        asyncio.run(gws.generate(make_args(hf_checkpoint=model_dir, partial_rollout=True), Sample(), {}))
 
 
 @pytest.fixture()
@@ -158,8 +157,7 @@ def test_invalid_actions_against_cpu_server(gws, tiny_kit, cpu_server):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    args = argparse.Namespace(hf_checkpoint=model_dir, sglang_router_ip="127.0.0.1", sglang_router_port=cpu_server,
-                              partial_rollout=False)
+    args = make_args(hf_checkpoint=model_dir, sglang_router_ip="127.0.0.1", sglang_router_port=cpu_server)
     with open(os.path.join(data_dir, "train.jsonl")) as f:
         messages = json.loads(f.readline())["prompt"]
     prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -3,7 +3,6 @@
 Expected ids and masks are built here piece by piece from the tiny kit's chat template (each message is
 `<|im_start|>{role}\\n{content}<|im_end|>\\n`; an assistant turn trains on its content, `<|im_end|>` and newline).
 """
-import argparse
 import json
 import threading
 
@@ -14,6 +13,7 @@ from slime.ray.buffer import convert_samples_to_train_data
 from slime.ray.rollout_data_source import RolloutDataSourceWithBuffer
 from slime.rollout.sft_rollout import generate_rollout
 from slime.utils.types import Sample
+from tests._args import make_args as real_args
 
 CHATS = [
     [{"role": "user", "content": "What is 3+4?"}, {"role": "assistant", "content": "7"},
@@ -51,7 +51,7 @@ def make_args(tiny_kit, sft_file, **overrides):
         advantage_estimator="grpo", rewards_normalization=True, grpo_std_normalization=False, reward_key=None,
     )
     base.update(overrides)
-    return argparse.Namespace(**base)
+    return real_args(**base)
 
 
 def expected_ids_and_mask(tokenizer, messages):

@@ -1,5 +1,4 @@
 """SGLangEngine as a Ray actor: launches slime's CPU server, registers with the real router, admin calls, cleanup."""
-import argparse
 import os
 import time
 
@@ -7,21 +6,19 @@ import pytest
 
 from slime.backends.sglang_utils.router import list_workers, router_url, start_router, stop_router
 from slime.backends.sglang_utils.sglang_engine import resolve_inference_server, server_command
+from tests._args import make_args
 from tests.test_cpu_server import PROMPTS, SESSION
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def _args(model_dir, **kw):
-    a = argparse.Namespace(
+    return make_args(
         hf_checkpoint=model_dir, seed=3, inference_server="cpu", rollout_num_gpus=2, rollout_num_gpus_per_engine=1,
         rollout_num_gpus_per_node=4, actor_num_gpus_per_node=2, actor_num_nodes=1, colocate=False, offload=False,
         sglang_router_ip=None, sglang_router_port=None, sglang_router_request_timeout_secs=600,
-        sglang_max_running_requests=8, sglang_context_length=None, sglang_mem_fraction_static=0.7,
+        sglang_max_running_requests=8, sglang_context_length=None, sglang_mem_fraction_static=0.7, **kw,
     )
-    for k, v in kw.items():
-        setattr(a, k, v)
-    return a
 
 
 def _alive(pid):
@@ -42,7 +39,7 @@ def _wait_dead(pid, timeout=30):
 
 @pytest.fixture(scope="module")
 def router():
-    args = argparse.Namespace(sglang_router_ip=None, sglang_router_port=None, sglang_router_request_timeout_secs=600)
+    args = make_args("--sglang-router-request-timeout-secs", "600")
     proc = start_router(args)
     yield args
     stop_router(proc)

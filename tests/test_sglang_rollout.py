@@ -1,7 +1,6 @@
 """Default rollout (`slime.rollout.sglang_rollout`) against slime's real CPU inference server behind the real
 sglang-router, on the tiny kit: generation, rewards (rule, custom, group), dynamic and over-sampling filters,
 abort + partial rollout resumed in the next rollout, eval, and the RolloutController running it inside Ray."""
-import argparse
 import copy
 import json
 import os
@@ -19,6 +18,7 @@ from slime.utils.async_utils import run
 from slime.utils.http_utils import find_available_port
 from slime.utils.misc import SingletonMeta
 from slime.utils.types import Sample
+from tests._args import make_args as real_args
 
 HERE = "tests.test_sglang_rollout"
 SHORT, LONG = 4, 120  # response budgets of the "short" and "long" groups in the abort tests
@@ -105,7 +105,7 @@ def engine(tiny_kit):
          "--port", str(port), "--random-seed", "0", "--max-running-requests", "64", "--log-level", "warning"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
-    router_args = argparse.Namespace(sglang_router_ip=None, sglang_router_port=None, sglang_router_request_timeout_secs=600)
+    router_args = real_args()
     router = None
     try:
         wait_for_http(f"http://127.0.0.1:{port}/health", 120, "CPU inference server", server)
@@ -159,7 +159,7 @@ def make_args(engine, tiny_kit, prompts, **overrides):
         rollout_sample_hook_path=[], rollout_sample_filter_path=None, rollout_all_samples_process_path=None,
     )
     base.update(overrides)
-    return argparse.Namespace(**base)
+    return real_args(**base)
 
 
 def check_generated(sample, tokenizer, max_len):
@@ -384,7 +384,7 @@ def test_default_generate_rejects_message_prompts(engine, tiny_kit, prompts):
 
 
 def test_resume_with_no_budget_left_is_truncated_without_a_request(tiny_kit, prompts):
-    args = make_args(argparse.Namespace(sglang_router_ip="127.0.0.1", sglang_router_port=9), tiny_kit, prompts)
+    args = make_args(real_args(sglang_router_ip="127.0.0.1", sglang_router_port=9), tiny_kit, prompts)
     sample = Sample(index=0, prompt="x", tokens=[5, 6, 7], response="ab", response_length=2, status=Sample.Status.ABORTED)
     out = run(generate(args, sample, {"max_new_tokens": 2}))  # port 9 would fail if a request were sent
     assert out.status == Sample.Status.TRUNCATED and out.tokens == [5, 6, 7]

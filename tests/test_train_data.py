@@ -2,7 +2,6 @@
 batching, DataIterator, DP partition of a rollout (`process_rollout_data`, incl. --balance-data and the rank-0
 broadcast), model-input layouts of `get_batch` (padded layout checked against transformers through a TP=2 Megatron
 model), and `log_rollout_data`."""
-from argparse import Namespace
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ from slime.backends.utils.data import (
 )
 from slime.utils.ray_utils import Box
 from slime.utils.seqlen_balancing import get_seqlen_balanced_partitions
+from tests._args import make_args
 from tests._megatron_helpers import build_random_hf, megatron_args, spawn
 
 
@@ -117,7 +117,7 @@ def test_process_rollout_data_strided_and_balanced(ray_session):
 
     data = _train_data()
     ref = Box(ray_session.put(data))
-    args = Namespace(balance_data=False, n_samples_per_prompt=2)
+    args = make_args()
     shards = [process_rollout_data(args, ref, r, 2) for r in range(2)]
     assert shards[0]["sample_indices"] == [0, 2, 4, 6] and shards[1]["sample_indices"] == [1, 3, 5, 7]
     s = shards[1]
@@ -128,7 +128,7 @@ def test_process_rollout_data_strided_and_balanced(ray_session):
     assert s["raw_reward"] == data["raw_reward"]  # stays global, for logging
     assert Timer().seq_lens == [len(t) for t in data["tokens"]]
 
-    args = Namespace(balance_data=True, n_samples_per_prompt=2)
+    args = make_args("--balance-data")
     shards = [process_rollout_data(args, ref, r, 2) for r in range(2)]
     idx = [sh["sample_indices"] for sh in shards]
     assert sorted(idx[0] + idx[1]) == list(range(8))
@@ -186,8 +186,8 @@ def _dp2_iterators_logging_and_broadcast(rank, gcs_address, data):
         ref = Box(ray.put(data))
     else:
         ref = Box(None)  # only global rank 0 touches the object store
-    args = Namespace(balance_data=False, n_samples_per_prompt=2, rollout_batch_size=4, global_batch_size=4,
-                     micro_batch_size=1, use_dynamic_batch_size=True, max_tokens_per_gpu=40, transformer_impl="local")
+    args = make_args("--global-batch-size", "4", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "40",
+                     "--transformer-impl", "local")
     local = process_rollout_data(args, ref, rank, 2)
     if rank == 0:
         ray.shutdown()
@@ -205,7 +205,7 @@ def _dp2_iterators_logging_and_broadcast(rank, gcs_address, data):
         seen += mb["sample_indices"]
     assert sorted(seen) == local["sample_indices"]
 
-    static_args = Namespace(**{**vars(args), "use_dynamic_batch_size": False, "micro_batch_size": 2})
+    static_args = make_args("--global-batch-size", "4", "--micro-batch-size", "2", "--transformer-impl", "local")
     _, num_mbs = get_data_iterator(static_args, None, local)
     assert num_mbs == [1, 1]  # gbs/dp = 2 samples per step, 2 per micro-batch, 4 local samples -> 2 steps
 

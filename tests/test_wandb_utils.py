@@ -1,13 +1,14 @@
 """wandb_utils: shared offline run, metric step axes, log() no-op without --use-wandb."""
-import argparse
 import glob
 import os
+import pickle
 import subprocess
 import sys
 
 import pytest
 
 from slime.utils import wandb_utils
+from tests._args import make_args
 
 
 def _args(tmp_path, **kw):
@@ -15,11 +16,11 @@ def _args(tmp_path, **kw):
                 wandb_group="unit", wandb_project="slime-test", wandb_team=None, wandb_random_suffix=True, rank=0,
                 rollout_batch_size=4, n_samples_per_prompt=8, global_batch_size=16)
     base.update(kw)
-    return argparse.Namespace(**base)
+    return make_args(**base)
 
 
 def test_disabled_is_noop(monkeypatch):
-    args = argparse.Namespace(use_wandb=False)
+    args = make_args()
     assert wandb_utils.init_wandb_primary(args) is None and args.wandb_run_id is None
     assert wandb_utils.init_wandb_secondary(args, None) is None
     # log() still validates and returns the record it would have logged, but touches no wandb run.
@@ -32,8 +33,7 @@ def test_disabled_is_noop(monkeypatch):
 
 
 def test_train_step_axis():
-    args = argparse.Namespace(wandb_always_use_train_step=True, rollout_batch_size=4, n_samples_per_prompt=8,
-                              global_batch_size=16)
+    args = make_args("--wandb-always-use-train-step", "--n-samples-per-prompt", "8", "--global-batch-size", "16")
     # 4 prompts * 8 samples / 16 per step = 2 optimizer steps per rollout: rollout 3 ends at train step 6.
     assert wandb_utils.get_step(args, "rollout", 3) == 6
     assert wandb_utils.get_step(args, "train", 3) == 3
@@ -82,9 +82,11 @@ def test_offline_primary_and_secondary_share_run(tmp_path, monkeypatch):
     assert axes["eval/*"] == "eval/step"
 
     # An actor process joins the same run id (offline: its own run dir carrying that id).
+    args_file = tmp_path / "args.pkl"
+    args_file.write_bytes(pickle.dumps(args))
     code = (
-        "import argparse, wandb; from slime.utils import wandb_utils as W;"
-        f"a = argparse.Namespace(**{vars(args)!r});"
+        "import pickle, wandb; from slime.utils import wandb_utils as W;"
+        f"a = pickle.load(open({str(args_file)!r}, 'rb'));"
         f"assert W.init_wandb_secondary(a, {run_id!r}) == {run_id!r};"
         "W.log(a, {'eval/acc': 1.0}, 'eval/step', step=0); wandb.finish()"
     )

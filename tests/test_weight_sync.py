@@ -15,6 +15,7 @@ import ray
 import torch
 
 from slime.ray.train_actor import TrainRayActor
+from tests._args import make_args
 from tests._megatron_helpers import causal_mask, megatron_args
 
 PROMPTS = [[1, 20, 57, 3, 88, 140, 9], [1, 300, 12, 12, 45]]
@@ -308,14 +309,12 @@ def test_dead_engine_fails_the_update_fast_naming_its_url(ray_session, tiny_kit,
 def test_transport_choice_and_shm_refused_for_a_remote_engine():
     """auto = shared memory when every engine is on this host (CPU), broadcast otherwise; shm for a remote engine is
     a clear error naming it."""
-    from argparse import Namespace
-
     from slime.backends.megatron_utils.update_weight import UpdateWeightFromDistributed
     from slime.backends.megatron_utils.update_weight_utils import WeightUpdateError
 
     def choose(transport, urls):
         updater = UpdateWeightFromDistributed.__new__(UpdateWeightFromDistributed)
-        updater.args, updater._urls = Namespace(update_weight_transport=transport), urls
+        updater.args, updater._urls = make_args("--update-weight-transport", transport), urls
         return updater._choose_transport()
 
     local, remote = ["http://127.0.0.1:30000"], ["http://127.0.0.1:30000", "http://10.9.8.7:30000"]

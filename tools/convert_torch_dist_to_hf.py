@@ -103,7 +103,11 @@ def model_args(common, origin_hf_dir):
         from slime.utils.arguments import _hf_architecture
 
         args = argparse.Namespace(**_hf_architecture(hf_cfg))
-    if hf_cfg is not None and not getattr(args, "model_name", None):
+    # Args stored by another trainer (Megatron-LM, an older slime) or read from config.json may lack these fields.
+    for name, default in (("model_name", None), ("vocab_size", None), ("untie_embeddings_and_output_weights", False)):
+        if not hasattr(args, name):
+            setattr(args, name, default)
+    if hf_cfg is not None and not args.model_name:
         args.model_name = type(hf_cfg).__name__.lower()
     return args, hf_cfg
 
@@ -273,7 +277,7 @@ def convert(input_dir, output_dir, *, origin_hf_dir=None, model_name=None, vocab
     from slime.backends.megatron_utils.param_utils import PREFIX, remove_padding
 
     args, hf_cfg = model_args(load_common(ckpt), origin_hf_dir)
-    model_name = model_name or getattr(args, "model_name", None)
+    model_name = model_name or args.model_name
     if not model_name:
         raise UserError("cannot tell which converter to use: pass --model-name (qwen2, qwen3, qwen3moe, llama) or "
                         "--origin-hf-dir.")
@@ -282,8 +286,8 @@ def convert(input_dir, output_dir, *, origin_hf_dir=None, model_name=None, vocab
     except ValueError as e:
         raise UserError(str(e)) from None
     if vocab_size is None:
-        vocab_size = getattr(hf_cfg, "vocab_size", None) or getattr(args, "vocab_size", None)
-    tied = not getattr(args, "untie_embeddings_and_output_weights", False)
+        vocab_size = getattr(hf_cfg, "vocab_size", None) or args.vocab_size
+    tied = not args.untie_embeddings_and_output_weights
 
     reader = FileSystemReader(ckpt)
     regions = model_regions(reader.read_metadata(), tied)

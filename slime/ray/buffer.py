@@ -210,7 +210,7 @@ class RolloutController:
         self.args = args
         # Log to wandb only when this actor joined the driver's run.
         self.wandb = None
-        wandb_utils = _wandb_utils() if getattr(args, "use_wandb", False) else None
+        wandb_utils = _wandb_utils() if args.use_wandb else None
         if wandb_utils is not None and wandb_utils.init_wandb_secondary(args, wandb_run_id) is not None:
             self.wandb = wandb_utils
 

@@ -49,7 +49,7 @@ def _allocate_ports(args, engines):
     nodes_per_engine = max(1, gpus_per_engine // args.rollout_num_gpus_per_node)
     engines_per_node = max(1, min(args.rollout_num_gpus_per_node, args.rollout_num_gpus) // gpus_per_engine)
     addr_and_ports = [{} for _ in engines]
-    dp_size = getattr(args, "sglang_dp_size", None) or 1
+    dp_size = args.sglang_dp_size or 1
     for node_start in range(0, len(engines), engines_per_node):
         cursor = 10000
         node_engines = range(node_start, min(node_start + engines_per_node, len(engines)))

@@ -56,13 +56,13 @@ class RolloutDataSource(DataSource):
         self.loaded_rollout_states = {}
         self.lock = threading.RLock()
 
-        if args.rollout_global_dataset and getattr(args, "prompt_data", None) is not None:
+        if args.rollout_global_dataset and args.prompt_data is not None:
             from transformers import AutoTokenizer
 
             from slime.utils.data import Dataset
 
             tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint, trust_remote_code=True)
-            if getattr(args, "dump_details", None):
+            if args.dump_details:
                 tokenizer.save_pretrained(os.path.join(args.dump_details, "tokenizer"))
             self.dataset = Dataset(
                 args.prompt_data,
@@ -209,7 +209,7 @@ class RolloutDataSourceWithBuffer(RolloutDataSource):
     def __init__(self, args):
         super().__init__(args)
         self.buffer: list[list[Sample]] = []
-        path = getattr(args, "buffer_filter_path", None)
+        path = args.buffer_filter_path
         self.buffer_filter = load_function(path) if path else pop_first
 
     def get_samples(self, num_samples: int) -> list[list[Sample]]:

@@ -216,7 +216,7 @@ async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[li
 
     dynamic_filter = load_function(args.dynamic_sampling_filter_path) if args.dynamic_sampling_filter_path else None
     over_sampling_filter = (
-        load_function(args.over_sampling_filter_path) if getattr(args, "over_sampling_filter_path", None) else None
+        load_function(args.over_sampling_filter_path) if args.over_sampling_filter_path else None
     )
     target_data_size = over_sampling_batch_size if over_sampling_filter is not None else args.rollout_batch_size
 

@@ -568,6 +568,8 @@ def add_megatron_arguments(parser):
     g.add_argument("--calculate-per-token-loss", action="store_true", default=False)
     g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
                    action="store_false", default=True)
+    g.add_argument("--no-overlap-p2p-communication", dest="overlap_p2p_comm", action="store_false", default=True)
+    g.add_argument("--data-parallel-random-init", action="store_true", default=False)
     g.add_argument("--empty-unused-memory-level", type=int, choices=[0, 1, 2], default=0)
     g.add_argument("--manual-gc", action="store_true", default=False)
     g.add_argument("--manual-gc-interval", type=int, default=0)
@@ -736,7 +738,7 @@ def _apply_hf_config(args, error, check_paths, given=frozenset()):
     mismatches = []
     for hf_name, flag, dest in _HF_CHECKS:
         hf_value = arch[dest]
-        mine = getattr(args, dest, None)
+        mine = getattr(args, dest)
         if dest == "num_query_groups" and not args.group_query_attention:
             mine = args.num_attention_heads
         if hf_value is None or mine is None:
@@ -772,8 +774,8 @@ def set_default_megatron_args(args):
         args.seq_length = 4096
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
-    if getattr(args, "rope_type", None) is None:
-        args.rope_type = "yarn" if getattr(args, "multi_latent_attention", False) else "rope"
+    if args.rope_type is None:
+        args.rope_type = "yarn" if args.multi_latent_attention else "rope"
     if args.vocab_size and not args.padded_vocab_size:
         args.padded_vocab_size = _vocab_size_with_padding(args.vocab_size, args)
     if not args.tokenizer_model and not args.tokenizer_type:
@@ -1204,7 +1206,7 @@ def parse_args(add_custom_arguments=None, argv=None, *, check_paths=True):
         if not args.debug_rollout_only:
             megatron_validate_args(args, error)
     args.variable_seq_lengths = True
-    if getattr(args, "moe_token_dispatcher_type", None) == "allgather":
+    if args.moe_token_dispatcher_type == "allgather":
         args.moe_token_dispatcher_type = "alltoall"
     # A dry run with --inference-server auto validates for the target machine, whose server we cannot know.
     check_cpu_server = check_paths or args.inference_server == "cpu"

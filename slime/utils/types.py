@@ -68,7 +68,7 @@ class Sample:
         return sample
 
     def get_reward_value(self, args) -> Any:
-        key = getattr(args, "reward_key", None)
+        key = args.reward_key
         if not key:
             return self.reward
         if not isinstance(self.reward, dict) or key not in self.reward:

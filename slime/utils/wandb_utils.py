@@ -22,12 +22,12 @@ STEP_KEYS = sorted(set(METRIC_AXES.values()))
 
 def _resolve_mode(args) -> str:
     """online | offline | disabled: `--wandb-mode`, else WANDB_MODE, else online only when a key is available."""
-    mode = getattr(args, "wandb_mode", None) or os.environ.get("WANDB_MODE")
+    mode = args.wandb_mode or os.environ.get("WANDB_MODE")
     if mode:
         if mode not in ("online", "offline", "disabled"):
             raise ValueError(f"--wandb-mode / WANDB_MODE is {mode!r}; use one of online, offline, disabled")
         return mode
-    if getattr(args, "wandb_key", None) or os.environ.get("WANDB_API_KEY"):
+    if args.wandb_key or os.environ.get("WANDB_API_KEY"):
         return "online"
     print("wandb: no --wandb-key / WANDB_API_KEY and no --wandb-mode given: logging offline (upload later with `wandb sync`)")
     return "offline"
@@ -44,10 +44,10 @@ def _settings(wandb, mode: str, primary: bool):
 
 def _login_and_dir(wandb, args, mode: str) -> dict:
     os.environ["WANDB_MODE"] = mode  # actors started later inherit the mode through the runtime env
-    if mode == "online" and getattr(args, "wandb_key", None):
-        wandb.login(key=args.wandb_key, host=getattr(args, "wandb_host", None))
+    if mode == "online" and args.wandb_key:
+        wandb.login(key=args.wandb_key, host=args.wandb_host)
     kwargs = {}
-    if getattr(args, "wandb_dir", None):
+    if args.wandb_dir:
         os.makedirs(args.wandb_dir, exist_ok=True)
         kwargs["dir"] = args.wandb_dir
     return kwargs
@@ -66,23 +66,23 @@ def _config(args) -> dict:
 
 def init_wandb_primary(args):
     """Start the job's run on the driver. Returns its id (also stored in `args.wandb_run_id`), or None without --use-wandb."""
-    if not getattr(args, "use_wandb", False):
+    if not args.use_wandb:
         args.wandb_run_id = None
         return None
     import wandb
 
     mode = _resolve_mode(args)
     kwargs = _login_and_dir(wandb, args, mode)
-    group = getattr(args, "wandb_group", None) or "slime"
-    if getattr(args, "wandb_random_suffix", True):
+    group = args.wandb_group or "slime"
+    if args.wandb_random_suffix:
         group = f"{group}_{uuid.uuid4().hex[:8]}"  # several runs of one script stay apart
-        name = f"{group}-RANK_{getattr(args, 'rank', 0)}"
+        name = f"{group}-RANK_{args.rank}"
     else:
         name = group
     run = wandb.init(
-        id=getattr(args, "wandb_run_id", None) or None,
-        entity=getattr(args, "wandb_team", None),
-        project=getattr(args, "wandb_project", None) or "slime",
+        id=args.wandb_run_id or None,
+        entity=args.wandb_team,
+        project=args.wandb_project or "slime",
         group=group,
         name=name,
         config=_config(args),
@@ -97,7 +97,7 @@ def init_wandb_primary(args):
 
 def init_wandb_secondary(args, wandb_run_id):
     """Join the driver's run from an actor (trainer rank, rollout controller). No-op when `wandb_run_id` is None."""
-    if wandb_run_id is None or not getattr(args, "use_wandb", False):
+    if wandb_run_id is None or not args.use_wandb:
         return None
     import wandb
 
@@ -105,8 +105,8 @@ def init_wandb_secondary(args, wandb_run_id):
     kwargs = _login_and_dir(wandb, args, mode)
     run = wandb.init(
         id=wandb_run_id,
-        entity=getattr(args, "wandb_team", None),
-        project=getattr(args, "wandb_project", None) or "slime",
+        entity=args.wandb_team,
+        project=args.wandb_project or "slime",
         config=_config(args),
         resume="allow",
         reinit="finish_previous",
@@ -120,7 +120,7 @@ def init_wandb_secondary(args, wandb_run_id):
 def get_step(args, family: str, step: int) -> int:
     """The value to log on `family`'s axis. With --wandb-always-use-train-step, rollout-side metrics use the train step
     reached after rollout `step` (`rollout_id * rollout_batch_size * n_samples_per_prompt // global_batch_size`)."""
-    if family != "train" and getattr(args, "wandb_always_use_train_step", False):
+    if family != "train" and args.wandb_always_use_train_step:
         return step * args.rollout_batch_size * args.n_samples_per_prompt // args.global_batch_size
     return step
 
@@ -137,7 +137,7 @@ def log(args, metrics: dict, step_key: str, step=None):
         record[step_key] = step
     if step_key not in record:
         raise ValueError(f"wandb log: pass step= or put {step_key!r} in the metrics dict (got keys {sorted(metrics)})")
-    if getattr(args, "use_wandb", False):
+    if args.use_wandb:
         import wandb
 
         if wandb.run is None:

@@ -38,8 +38,9 @@ def start_rollout(api_base_url, args, metadata):
     """POST /start_rollout: run the generator of `--rollout-task-type`, skipping groups already trained on."""
     finished = [iid for ids in (metadata or {}).values() if isinstance(ids, list) for iid in ids]
     payload = {
+        # Not a slime flag: a job's own arguments (add_custom_arguments) may add --rollout-num-process.
         "num_process": str(getattr(args, "rollout_num_process", None) or 100),
-        "num_epoch": str(getattr(args, "num_epoch", None) or 3),
+        "num_epoch": str(args.num_epoch or 3),
         "remote_engine_url": f"http://{args.sglang_router_ip}:{args.sglang_router_port}",
         "remote_buffer_url": args.rollout_buffer_url,
         "task_type": args.rollout_task_type,
@@ -53,7 +54,7 @@ def start_rollout(api_base_url, args, metadata):
             "temperature": args.rollout_temperature,
             "top_p": args.rollout_top_p,
         },
-        "rm_type": getattr(args, "rm_type", None),
+        "rm_type": args.rm_type,
         "tokenizer_path": args.hf_checkpoint,
         "skip_instance_ids": finished,
     }

@@ -37,7 +37,7 @@ class MegatronTrainRayActor(TrainRayActor):
     def init(self, args, role, wandb_run_id=None, with_ref=False):
         """Set up this rank; returns the first rollout id to train (loaded iteration + 1, or 0)."""
         super().init(args, role, wandb_run_id, with_ref)
-        if getattr(args, "debug_rollout_only", False):
+        if args.debug_rollout_only:
             Timer().start("train_wait")
             return 0
         megatron_init.init(args)
@@ -55,17 +55,17 @@ class MegatronTrainRayActor(TrainRayActor):
         self.weights = {"actor": {}}
         self.update_cpu_params_dict(self.weights["actor"])
         if with_ref:
-            self.load_other_checkpoint("ref", getattr(args, "ref_load", None))
-        if getattr(args, "keep_old_actor", False):
+            self.load_other_checkpoint("ref", args.ref_load)
+        if args.keep_old_actor:
             self.weights["old_actor"] = _clone_dict(self.weights["actor"])
             self.weights["rollout_actor"] = _clone_dict(self.weights["actor"])
 
         from .update_weight_utils import UpdateWeightFromDistributed, UpdateWeightFromTensor
 
-        updater_cls = UpdateWeightFromTensor if getattr(args, "colocate", False) else UpdateWeightFromDistributed
+        updater_cls = UpdateWeightFromTensor if args.colocate else UpdateWeightFromDistributed
         self.weight_updator = updater_cls(
             args, self.model, self.weights, model_name=self.model_name, quantization_config=None,
-            vocab_size=getattr(args, "vocab_size", None) or self.vocab_size,
+            vocab_size=args.vocab_size or self.vocab_size,
         )
         self.rollout_data_postprocess = None
         if args.rollout_data_postprocess_path:
@@ -73,7 +73,7 @@ class MegatronTrainRayActor(TrainRayActor):
         # weights before rollout r are version r + 1, also after a resume: the first push is start_rollout_id + 1
         self.weight_updator.weight_version = start_rollout_id
         self._offload_backup = None
-        if getattr(args, "offload", False):
+        if args.offload:
             self.sleep(("model",))
         Timer().start("train_wait")
         return start_rollout_id
@@ -82,8 +82,8 @@ class MegatronTrainRayActor(TrainRayActor):
         """Model name and vocab size from --hf-checkpoint, read rank by rank (concurrent HF cache writes collide)."""
         from .megatron_to_hf import resolve_model_name
 
-        self.model_name, self.vocab_size = getattr(args, "model_name", None), getattr(args, "vocab_size", None)
-        if not getattr(args, "hf_checkpoint", None):
+        self.model_name, self.vocab_size = args.model_name, args.vocab_size
+        if not args.hf_checkpoint:
             self.model_name = resolve_model_name(args)
             return
         group = megatron_init.get_gloo_group()
@@ -210,16 +210,16 @@ class MegatronTrainRayActor(TrainRayActor):
         args = self.args
         if "train_wait" in Timer().start_time:
             Timer().end("train_wait")
-        if getattr(args, "debug_rollout_only", False):  # rollout debugging: the data is produced and dropped here
+        if args.debug_rollout_only:  # rollout debugging: the data is produced and dropped here
             return {}
-        if getattr(args, "offload", False):
+        if args.offload:
             self.wake_up(("model",))
         dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
         with timer("data_preprocess"):
             rollout_data = process_rollout_data(args, rollout_data_ref, dp_rank, dp_size)
             data_iterator, num_microbatches = get_data_iterator(args, self.model, rollout_data)
 
-        if getattr(args, "compute_advantages_and_returns", True):
+        if args.compute_advantages_and_returns:
             if "ref" in self.weights:
                 with timer("ref_log_probs"):
                     rollout_data.update(self.compute_log_prob("ref", data_iterator, num_microbatches, "ref_"))
@@ -228,7 +228,7 @@ class MegatronTrainRayActor(TrainRayActor):
                 rollout_data.update(self.compute_log_prob(tag, data_iterator, num_microbatches))
                 if tag != "actor":
                     self.update_gpu_params_dict(self.weights["actor"])
-            if getattr(args, "ci_test", False) and rollout_id == 0 and "ref_log_probs" in rollout_data:
+            if args.ci_test and rollout_id == 0 and "ref_log_probs" in rollout_data:
                 for lp, ref in zip(rollout_data["log_probs"], rollout_data["ref_log_probs"]):
                     assert torch.equal(lp, ref), "--ci-test: rollout 0 log_probs differ from ref_log_probs"
             compute_advantages_and_returns(args, rollout_data)
@@ -245,7 +245,7 @@ class MegatronTrainRayActor(TrainRayActor):
             history = train_steps(args, rollout_id, self.model, self.optimizer, self.opt_param_scheduler,
                                   data_iterator, num_microbatches)
 
-        if getattr(args, "save_debug_train_data", None):
+        if args.save_debug_train_data:
             path = args.save_debug_train_data.format(rollout_id=rollout_id, rank=dist.get_rank())
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             torch.save({"rollout_id": rollout_id, "rank": dist.get_rank(), "rollout_data": rollout_data}, path)

@@ -105,10 +105,10 @@ def save_checkpoint(args, iteration, model, optimizer, opt_param_scheduler, *, w
     dist.barrier()
 
     state = _model_sharded_state_dict(model)
-    if with_optimizer and not getattr(args, "no_save_optim", False):
+    if with_optimizer and not args.no_save_optim:
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=False, metadata=_OPTIM_METADATA)
         state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
-    if not getattr(args, "no_save_rng", False):
+    if not args.no_save_rng:
         state["rng_state"] = _rng_sharded_object()
     state["iteration"] = iteration
     state["parallel_layout"] = _parallel_layout()
@@ -134,10 +134,10 @@ def load_checkpoint(args, model, optimizer, opt_param_scheduler):
     `--finetune` load (weights only, start from rollout 0), and None when there is nothing to load (no `--load`,
     or no tracker file and no `--ckpt-step`).
     """
-    root = getattr(args, "load", None)
+    root = args.load
     if not root or not os.path.isdir(root):
         return None
-    step = getattr(args, "ckpt_step", None)
+    step = args.ckpt_step
     iteration = step if step is not None else read_tracker(root)
     if iteration is None:
         return None
@@ -147,10 +147,10 @@ def load_checkpoint(args, model, optimizer, opt_param_scheduler):
             f"--load {root}: checkpoint directory {ckpt} does not exist (from "
             f"{'--ckpt-step' if step is not None else TRACKER}); pick an existing iteration with --ckpt-step"
         )
-    finetune = bool(getattr(args, "finetune", False)) or iteration == "release"
+    finetune = bool(args.finetune) or iteration == "release"
     common = dist_checkpointing.load_common_state_dict(ckpt)
-    load_optim = not finetune and not getattr(args, "no_load_optim", False) and "optimizer" in _saved_keys(common, ckpt)
-    load_rng = not finetune and not getattr(args, "no_load_rng", False) and common.get("parallel_layout") == _parallel_layout()
+    load_optim = not finetune and not args.no_load_optim and "optimizer" in _saved_keys(common, ckpt)
+    load_rng = not finetune and not args.no_load_rng and common.get("parallel_layout") == _parallel_layout()
 
     state = _model_sharded_state_dict(model)
     if load_optim:

@@ -19,10 +19,6 @@ from . import cpu_compat
 _GLOO_GROUP = None
 
 
-def _size(args, name, default=1):
-    value = getattr(args, name, None)
-    return default if value is None else value
-
 
 def init(args):
     """Set up Megatron's parallel state, the gloo group, seeds and the custom init hook for this rank."""
@@ -30,7 +26,7 @@ def init(args):
     cpu_compat.apply()
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed must be initialised (TrainRayActor.init) before megatron_utils.init")
-    tp, pp, cp = _size(args, "tensor_model_parallel_size"), _size(args, "pipeline_model_parallel_size"), _size(args, "context_parallel_size")
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     world = dist.get_world_size()
     if world % (tp * pp * cp):
         raise ValueError(
@@ -42,21 +38,21 @@ def init(args):
         mpu.initialize_model_parallel(
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
-            virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
+            virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
             context_parallel_size=cp,
-            expert_model_parallel_size=_size(args, "expert_model_parallel_size"),
-            expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
+            expert_model_parallel_size=args.expert_model_parallel_size,
+            expert_tensor_parallel_size=args.expert_tensor_parallel_size,
             order="tp-cp-ep-dp-pp",
         )
     if _GLOO_GROUP is None:
         _GLOO_GROUP = dist.new_group(backend="gloo")
 
-    seed = _size(args, "seed", 1234) + 100 * mpu.get_pipeline_model_parallel_rank()
-    if getattr(args, "data_parallel_random_init", False):
+    seed = args.seed + 100 * mpu.get_pipeline_model_parallel_rank()
+    if args.data_parallel_random_init:
         seed += 10 * mpu.get_data_parallel_rank()
     set_random_seed(seed)
 
-    if getattr(args, "custom_megatron_init_path", None):
+    if args.custom_megatron_init_path:
         load_function(args.custom_megatron_init_path)(args)
 
 

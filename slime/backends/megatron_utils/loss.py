@@ -66,7 +66,7 @@ def get_log_probs_and_entropy(logits, *, args, unconcat_tokens, total_lengths, r
     logits = logits.float()
     if args.rollout_temperature != 1.0:
         logits = logits / args.rollout_temperature
-    logits = _mask_padded_vocab(logits, getattr(args, "vocab_size", None))
+    logits = _mask_padded_vocab(logits, args.vocab_size)
     tp_group = mpu.get_tensor_model_parallel_group()
     log_probs, entropy = [], []
     for logits_chunk, tokens_chunk in get_responses(

@@ -33,15 +33,11 @@ TRAIN_KEYS = ["tokens", "total_lengths", "response_lengths", "loss_masks", "log_
               "advantages", "returns", "rollout_log_probs"]
 
 
-def _arg(args, name, default):
-    value = getattr(args, name, None)
-    return default if value is None else value
-
 
 def get_model(args, wrap_with_ddp=True):
     """Model chunks for this rank (one per virtual pipeline stage), DDP-wrapped for training."""
     provider = get_model_provider_func(args)
-    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    vpp = args.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
@@ -65,11 +61,11 @@ def get_model(args, wrap_with_ddp=True):
     if not wrap_with_ddp:
         return chunks
     dp_cp = mpu.get_data_parallel_world_size(with_context_parallel=True)
-    overlap = bool(getattr(args, "overlap_grad_reduce", False))
+    overlap = bool(args.overlap_grad_reduce)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=bool(getattr(args, "accumulate_allreduce_grads_in_fp32", True)),
+        grad_reduce_in_fp32=bool(args.accumulate_allreduce_grads_in_fp32),
         overlap_grad_reduce=overlap,
-        use_distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
+        use_distributed_optimizer=bool(args.use_distributed_optimizer),
         check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
         bucket_size=max(40_000_000, 1_000_000 * dp_cp) if overlap else None,
     )
@@ -83,14 +79,14 @@ def get_optimizer_param_scheduler(args, optimizer):
     """LR/WD schedule counted in samples, as slime: one step = `--global-batch-size` samples."""
     gbs = args.global_batch_size
     train_iters = args.num_rollout * args.rollout_batch_size * args.n_samples_per_prompt // gbs
-    decay_iters = _arg(args, "lr_decay_iters", train_iters)
-    warmup_iters = _arg(args, "lr_warmup_iters", 0)
-    if getattr(args, "lr_warmup_fraction", None) is not None:
+    decay_iters = args.lr_decay_iters if args.lr_decay_iters is not None else train_iters
+    warmup_iters = args.lr_warmup_iters
+    if args.lr_warmup_fraction is not None:
         warmup_steps = args.lr_warmup_fraction * decay_iters * gbs
     else:
         warmup_steps = warmup_iters * gbs
     decay_steps = max(decay_iters * gbs, 1)
-    style = _arg(args, "lr_decay_style", "constant")
+    style = args.lr_decay_style
     if warmup_steps >= decay_steps:
         if style != "constant":  # a constant LR never decays, so only a decaying schedule needs warmup < decay
             raise ValueError(
@@ -101,39 +97,39 @@ def get_optimizer_param_scheduler(args, optimizer):
         decay_steps = warmup_steps + 1
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=_arg(args, "lr_warmup_init", 0.0),
+        init_lr=args.lr_warmup_init,
         max_lr=args.lr,
-        min_lr=_arg(args, "min_lr", 0.0),
+        min_lr=args.min_lr,
         lr_warmup_steps=warmup_steps,
         lr_decay_steps=decay_steps,
         lr_decay_style=style,
-        start_wd=_arg(args, "start_weight_decay", _arg(args, "weight_decay", 0.0)),
-        end_wd=_arg(args, "end_weight_decay", _arg(args, "weight_decay", 0.0)),
+        start_wd=args.weight_decay if args.start_weight_decay is None else args.start_weight_decay,
+        end_wd=args.weight_decay if args.end_weight_decay is None else args.end_weight_decay,
         wd_incr_steps=max(train_iters * gbs, 1),
-        wd_incr_style=_arg(args, "weight_decay_incr_style", "constant"),
-        use_checkpoint_opt_param_scheduler=bool(getattr(args, "use_checkpoint_opt_param_scheduler", True)),
-        override_opt_param_scheduler=bool(getattr(args, "override_opt_param_scheduler", False)),
+        wd_incr_style=args.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=bool(args.use_checkpoint_opt_param_scheduler),
+        override_opt_param_scheduler=bool(args.override_opt_param_scheduler),
     )
 
 
 def get_optimizer(args, model):
     config = get_model_config(model[0])
     opt_config = OptimizerConfig(
-        optimizer=_arg(args, "optimizer", "adam"),
+        optimizer=args.optimizer,
         lr=args.lr,
-        min_lr=_arg(args, "min_lr", 0.0),
-        weight_decay=_arg(args, "weight_decay", 0.0),
-        adam_beta1=_arg(args, "adam_beta1", 0.9),
-        adam_beta2=_arg(args, "adam_beta2", 0.999),
-        adam_eps=_arg(args, "adam_eps", 1e-8),
-        sgd_momentum=_arg(args, "sgd_momentum", 0.9),
-        clip_grad=_arg(args, "clip_grad", 1.0),
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum,
+        clip_grad=args.clip_grad,
         bf16=config.bf16,
         fp16=config.fp16,
         params_dtype=config.params_dtype,
-        use_distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
-        loss_scale=getattr(args, "loss_scale", None),
-        initial_loss_scale=_arg(args, "initial_loss_scale", 2**32),
+        use_distributed_optimizer=bool(args.use_distributed_optimizer),
+        loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale,
     )
     with cuda_type_spoof():  # megatron's optimizer constructors assert torch.cuda.* parameter types
         return get_megatron_optimizer(opt_config, model)
@@ -153,7 +149,7 @@ def initialize_model_and_optimizer(args, role="actor"):
     config.grad_scale_func = optimizer.scale_loss
     iteration = load_checkpoint(args, model, optimizer, opt_param_scheduler)
     if iteration is None:  # nothing to load: initialise from the HF checkpoint (beyond slime v0.1.0)
-        if getattr(args, "hf_checkpoint", None):
+        if args.hf_checkpoint:
             from .megatron_to_hf import hf_to_megatron
 
             hf_to_megatron(args, model)
@@ -191,7 +187,7 @@ def forward_only(args, model, data_iterator, num_microbatches, store_prefix=""):
     needs them: advantages, rollout metrics and the loss are all computed on the last stage only."""
     for m in model:
         m.eval()
-    if getattr(args, "custom_megatron_before_log_prob_hook_path", None):
+    if args.custom_megatron_before_log_prob_hook_path:
         load_function(args.custom_megatron_before_log_prob_hook_path)(args, model, store_prefix)
     for it in data_iterator:
         it.reset()
@@ -202,7 +198,7 @@ def forward_only(args, model, data_iterator, num_microbatches, store_prefix=""):
         def post(logits, non_loss_data=True):  # the schedule calls this with non_loss_data=True
             return get_log_probs_and_entropy(
                 logits, args=args, unconcat_tokens=batch["unconcat_tokens"], total_lengths=batch["total_lengths"],
-                response_lengths=batch["response_lengths"], with_entropy=bool(getattr(args, "use_rollout_entropy", False)))
+                response_lengths=batch["response_lengths"], with_entropy=bool(args.use_rollout_entropy))
 
         return _forward(chunk, batch), post
 
@@ -210,7 +206,7 @@ def forward_only(args, model, data_iterator, num_microbatches, store_prefix=""):
     for n in num_microbatches:
         store += get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=_iterator_arg(data_iterator), model=model,
-            num_microbatches=n, seq_length=_arg(args, "seq_length", 4096), micro_batch_size=args.micro_batch_size,
+            num_microbatches=n, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
             forward_only=True, collect_non_loss_data=True,
         )
     for it in data_iterator:
@@ -238,7 +234,7 @@ def train_one_step(args, rollout_id, step_id, data_iterator, model, optimizer, o
     for m in model:
         m.zero_grad_buffer()
     optimizer.zero_grad()
-    if getattr(args, "custom_megatron_before_train_step_hook_path", None):
+    if args.custom_megatron_before_train_step_hook_path:
         load_function(args.custom_megatron_before_train_step_hook_path)(
             args, rollout_id, step_id, model, optimizer, opt_param_scheduler)
 
@@ -254,7 +250,7 @@ def train_one_step(args, rollout_id, step_id, data_iterator, model, optimizer, o
 
     losses = get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=_iterator_arg(data_iterator), model=model,
-        num_microbatches=num_microbatches, seq_length=_arg(args, "seq_length", 4096),
+        num_microbatches=num_microbatches, seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size, forward_only=False,
     )
     if not args.check_for_nan_in_loss_and_grad and not _grads_are_finite(model):
@@ -301,7 +297,7 @@ def train(args, rollout_id, model, optimizer, opt_param_scheduler, data_iterator
             args, rollout_id, step_id, data_iterator, model, optimizer, opt_param_scheduler, n)
         if not mpu.is_pipeline_last_stage(ignore_virtual=True):
             continue
-        if getattr(args, "ci_test", False) and rollout_id == 0 and step_id == 0:
+        if args.ci_test and rollout_id == 0 and step_id == 0:
             _ci_first_step_checks(loss_dict)
         metrics = {f"train/{k}": v for k, v in loss_dict.items()}
         metrics["train/grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0

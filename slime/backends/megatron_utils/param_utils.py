@@ -39,7 +39,7 @@ def named_parameters(args, model):
     chunks = model if isinstance(model, (list, tuple)) else [model]
     ep_size = mpu.get_expert_model_parallel_world_size()
     ep_rank = mpu.get_expert_model_parallel_rank()
-    num_experts = getattr(args, "num_experts", None) or 0
+    num_experts = args.num_experts or 0
     experts_per_rank = num_experts // ep_size if num_experts else 0
     for vp_stage, chunk in enumerate(chunks):
         inner = _unwrap(chunk)

@@ -147,7 +147,7 @@ def _explicit_sglang_options(args, parser):
         dest = action.dest
         if not dest.startswith("sglang_") or dest.startswith("sglang_router_") or dest == "sglang_server_concurrency":
             continue
-        if getattr(args, dest, action.default) != action.default:
+        if getattr(args, dest) != action.default:
             out[dest[len("sglang_"):]] = (action.option_strings[0], getattr(args, dest))
     return out
 
@@ -162,16 +162,16 @@ def validate_args(args, parser=None, check_cpu_server=True):
         raise ValueError(msg)
 
     args.sglang_tp_size = args.rollout_num_gpus_per_engine
-    args.sglang_dp_size = getattr(args, "sglang_dp_size", getattr(args, "sglang_data_parallel_size", 1)) or 1
-    args.sglang_pp_size = getattr(args, "sglang_pp_size", 1) or 1
-    args.sglang_ep_size = getattr(args, "sglang_ep_size", 1) or 1
-    if args.sglang_dp_size > 1 and not (getattr(args, "sglang_enable_dp_attention", False)
-                                        or (getattr(args, "sglang_attn_dp_size", None) or 1) > 1):
+    args.sglang_dp_size = args.sglang_dp_size or 1
+    args.sglang_pp_size = args.sglang_pp_size or 1
+    args.sglang_ep_size = args.sglang_ep_size or 1
+    if args.sglang_dp_size > 1 and not (args.sglang_enable_dp_attention
+                                        or (args.sglang_attn_dp_size or 1) > 1):
         error("--sglang-dp-size > 1 requires --sglang-enable-dp-attention (or --sglang-attn-dp-size) in slime: "
               "each engine's data-parallel ranks share one router entry.")
 
-    if (not check_cpu_server or parser is None or getattr(args, "inference_server", "cpu") != "cpu"
-            or getattr(args, "debug_train_only", False)):
+    if (not check_cpu_server or parser is None or args.inference_server != "cpu"
+            or args.debug_train_only):
         return
     explicit = _explicit_sglang_options(args, parser)
     ignored = sorted(flag for name, (flag, _) in explicit.items() if _GPU_PERF_KNOB.search(name))

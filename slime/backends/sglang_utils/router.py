@@ -86,18 +86,18 @@ def start_router(args, timeout: float = 60.0):
     """Start sglang-router in its own process unless `--sglang-router-ip` points at an external one.
 
     Sets `args.sglang_router_ip/port` and returns the `multiprocessing.Process` (None for an external router)."""
-    if getattr(args, "sglang_router_ip", None):
-        if not getattr(args, "sglang_router_port", None):
+    if args.sglang_router_ip:
+        if not args.sglang_router_port:
             raise ValueError("--sglang-router-ip is set but --sglang-router-port is not: give both for an external router")
         return None
     from sglang_router.router_args import RouterArgs
 
     ip = get_host_info()[1]
-    port = getattr(args, "sglang_router_port", None) or find_available_port(random.randint(3000, 4000))
+    port = args.sglang_router_port or find_available_port(random.randint(3000, 4000))
     router_args = RouterArgs(
         host=ip, port=port, balance_abs_threshold=0,
         prometheus_host=ip, prometheus_port=find_available_port(random.randint(4000, 5000)),
-        log_level="warn", request_timeout_secs=int(getattr(args, "sglang_router_request_timeout_secs", None) or 3600),
+        log_level="warn", request_timeout_secs=int(args.sglang_router_request_timeout_secs or 3600),
     )
     process = multiprocessing.Process(target=run_router, args=(router_args,), daemon=True, name="sglang-router")
     process.start()

@@ -41,7 +41,7 @@ _CPU_SERVER_FIELDS = ("max_running_requests", "context_length", "max_total_token
 
 def resolve_inference_server(args) -> str:
     """'sglang' or 'cpu' from --inference-server (auto: SGLang when it is installed and a GPU is present)."""
-    choice = getattr(args, "inference_server", None) or "auto"
+    choice = args.inference_server or "auto"
     if choice == "auto":
         return "sglang" if importlib.util.find_spec("sglang") is not None and not is_cpu() else "cpu"
     if choice not in ("sglang", "cpu"):
@@ -51,7 +51,7 @@ def resolve_inference_server(args) -> str:
 
 def get_base_gpu_id(args, rank: int) -> int:
     num_gpus = min(args.rollout_num_gpus_per_node, args.rollout_num_gpus_per_engine)
-    if getattr(args, "colocate", False):
+    if args.colocate:
         start = rank * num_gpus
     else:
         start = args.actor_num_gpus_per_node * args.actor_num_nodes + rank * num_gpus
@@ -113,24 +113,22 @@ def _cli(kwargs: dict) -> list:
 def server_command(args, rank: int, host: str, port: int, nccl_port: int, dist_init_addr: str) -> tuple[str, list]:
     """(kind, argv) of the inference server for engine `rank`: THE place that picks SGLang or slime's CPU server."""
     kind = resolve_inference_server(args)
-    seed = (getattr(args, "seed", None) or 0) + rank
+    seed = (args.seed or 0) + rank
     if kind == "cpu":
         kw = {"model_path": args.hf_checkpoint, "host": host, "port": port, "random_seed": seed}
         for field in _CPU_SERVER_FIELDS:
-            if getattr(args, f"sglang_{field}", None) is not None:
+            if getattr(args, f"sglang_{field}") is not None:
                 kw[field] = getattr(args, f"sglang_{field}")
-        if getattr(args, "trust_remote_code", False):
-            kw["trust_remote_code"] = True
         return kind, [sys.executable, "-m", "slime.backends.cpu_server"] + _cli(kw)
     gpus_per_engine, gpus_per_node = args.rollout_num_gpus_per_engine, args.rollout_num_gpus_per_node
     nnodes = max(1, gpus_per_engine // gpus_per_node)
     kw = {
-        "model_path": args.hf_checkpoint, "trust_remote_code": bool(getattr(args, "trust_remote_code", False)),
-        "random_seed": seed, "enable_memory_saver": bool(getattr(args, "offload", False)), "host": host, "port": port,
+        "model_path": args.hf_checkpoint,
+        "random_seed": seed, "enable_memory_saver": bool(args.offload), "host": host, "port": port,
         "nccl_port": nccl_port, "nnodes": nnodes, "node_rank": rank % nnodes, "dist_init_addr": dist_init_addr,
         "gpu_id_step": 1, "base_gpu_id": get_base_gpu_id(args, rank), "tp_size": gpus_per_engine,
-        "dp_size": getattr(args, "sglang_dp_size", None) or 1, "pp_size": getattr(args, "sglang_pp_size", None) or 1,
-        "ep_size": getattr(args, "sglang_ep_size", None) or 1, "skip_server_warmup": True,
+        "dp_size": args.sglang_dp_size or 1, "pp_size": args.sglang_pp_size or 1,
+        "ep_size": args.sglang_ep_size or 1, "skip_server_warmup": True,
     }
     return kind, [sys.executable, "-m", "sglang.launch_server"] + _cli(kw) + _sglang_passthrough(args)
 
@@ -185,8 +183,8 @@ class SGLangEngine(RayActor):
         nnodes = max(1, args.rollout_num_gpus_per_engine // args.rollout_num_gpus_per_node) if kind == "sglang" else 1
         if self.rank % nnodes != 0:
             return  # only node 0 of a multi-node engine serves HTTP
-        self._wait_ready(startup_timeout or float(getattr(args, "sglang_server_startup_timeout", None) or 600))
-        if getattr(args, "sglang_router_ip", None):
+        self._wait_ready(startup_timeout or 600.0)
+        if args.sglang_router_ip:
             self.router_url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}"
             add_worker(self.router_url, self.url)
 

@@ -63,7 +63,7 @@ async def remote_rm(
     Connection errors, timeouts and 5xx answers are retried with bounded exponential backoff; a 4xx answer or a
     non-JSON body fails at once (retrying will not fix a bad request).
     """
-    url = getattr(args, "rm_url", None)
+    url = args.rm_url
     if not url:
         raise ValueError("--rm-type remote_rm needs --rm-url (the HTTP endpoint of your reward model server).")
     payload = {"prompt": sample.prompt, "response": sample.response, "label": sample.label}
@@ -102,7 +102,7 @@ async def async_rm(args, sample: Sample, **kwargs):
         return await _call_custom_rm(path, args, sample, **kwargs)
 
     metadata = sample.metadata if isinstance(sample.metadata, dict) else {}
-    rm_type = (metadata.get("rm_type") or getattr(args, "rm_type", None) or "").strip()
+    rm_type = (metadata.get("rm_type") or args.rm_type or "").strip()
     response, label = sample.response, sample.label
     if rm_type.startswith("boxed_"):
         response = extract_boxed_answer(response) or ""

@@ -30,10 +30,10 @@ def get_family(model_name):
 
 def resolve_model_name(args, model_name=None):
     """`model_name`, else `args.model_name`, else the lowercased HF config class of `args.hf_checkpoint`."""
-    name = model_name or getattr(args, "model_name", None)
+    name = model_name or args.model_name
     if name:
         return name
-    hf_dir = getattr(args, "hf_checkpoint", None)
+    hf_dir = args.hf_checkpoint
     if not hf_dir:
         raise ValueError("Cannot pick a weight converter: set --model-name (e.g. qwen3) or --hf-checkpoint.")
     from transformers import AutoConfig

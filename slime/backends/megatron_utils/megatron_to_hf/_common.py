@@ -45,9 +45,9 @@ def strip_prefix(name: str) -> str:
 
 def attention_dims(args):
     heads = args.num_attention_heads
-    groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", True) else None
+    groups = args.num_query_groups if args.group_query_attention else None
     groups = groups or heads
-    head_dim = getattr(args, "kv_channels", None) or args.hidden_size // heads
+    head_dim = args.kv_channels or args.hidden_size // heads
     return heads, groups, head_dim
 
 

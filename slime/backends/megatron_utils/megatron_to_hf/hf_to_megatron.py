@@ -94,7 +94,7 @@ def hf_to_megatron(args, model, hf_checkpoint=None, model_name=None):
     hf_dir = hf_checkpoint or args.hf_checkpoint
     reader = SafetensorsReader(hf_dir)
     family = get_family(resolve_model_name(args, model_name))
-    gated = getattr(args, "swiglu", True)
+    gated = args.swiglu
     for name, param in named_parameters(args, model):
         full = family.from_hf(args, name, reader.get)
         if full is None:

@@ -26,18 +26,18 @@ def local_device():
 
 
 def update_timeout(args) -> float:
-    return float(getattr(args, "update_weight_timeout", None) or 300)
+    return float(args.update_weight_timeout or 300)
 
 
 def is_tied_output_copy(args, name) -> bool:
     """The last pipeline stage's copy of a tied embedding: engines take it from the embedding, so it is not sent
     (at PP=1 Megatron has no such parameter; sending it would also fail `--check-weight-update-equal`)."""
-    return name == PREFIX + "output_layer.weight" and not getattr(args, "untie_embeddings_and_output_weights", False)
+    return name == PREFIX + "output_layer.weight" and not args.untie_embeddings_and_output_weights
 
 
 def gather_and_convert(args, model_name, name, param, vocab_size, quantization_config=None):
     """One Megatron param (a TP shard) -> its HF tensors. Collective over the TP group: every TP rank must call it."""
-    full = all_gather_param(name, param, gated_linear_unit=getattr(args, "swiglu", True))
+    full = all_gather_param(name, param, gated_linear_unit=args.swiglu)
     full = remove_padding(name, full, vocab_size)
     return to_hf(args, model_name, name, full, quantization_config)
 
