@@ -5,7 +5,7 @@ import time
 import pytest
 
 from slime.backends.sglang_utils.router import list_workers, router_url, start_router, stop_router
-from slime.backends.sglang_utils.sglang_engine import resolve_inference_server, server_command
+from slime.backends.sglang_utils.sglang_engine import server_command
 from tests._args import make_args
 from tests.test_cpu_server import PROMPTS, SESSION
 
@@ -14,7 +14,8 @@ pytestmark = pytest.mark.timeout(300)
 
 def _args(model_dir, **kw):
     return make_args(
-        hf_checkpoint=model_dir, seed=3, inference_server="cpu", rollout_num_gpus=2, rollout_num_gpus_per_engine=1,
+        "--inference-server", "cpu",
+        hf_checkpoint=model_dir, seed=3, rollout_num_gpus=2, rollout_num_gpus_per_engine=1,
         rollout_num_gpus_per_node=4, actor_num_gpus_per_node=2, actor_num_nodes=1, colocate=False, offload=False,
         sglang_router_ip=None, sglang_router_port=None, sglang_router_request_timeout_secs=600,
         sglang_max_running_requests=8, sglang_context_length=None, sglang_mem_fraction_static=0.7, **kw,
@@ -60,7 +61,7 @@ def _engine(ray, args, rank):
 
 def test_server_command_picks_cpu_server(tiny_kit):
     a = _args(tiny_kit[0])
-    assert resolve_inference_server(a) == "cpu"
+    assert a.inference_server == "cpu"  # server_command reads the choice parse_args made (auto resolved there)
     kind, cmd = server_command(a, 1, "127.0.0.1", 1234, 1235, "127.0.0.1:1240")
     assert kind == "cpu" and cmd[1:3] == ["-m", "slime.backends.cpu_server"]
     assert cmd[cmd.index("--random-seed") + 1] == "4" and cmd[cmd.index("--max-running-requests") + 1] == "8"

@@ -48,15 +48,13 @@ def get_args(argv, world_size):
 
 
 def _init_distributed(world_size):
-    import torch
     import torch.distributed as dist
 
-    from slime.utils.device import dist_backend, is_cpu
+    from slime.utils.device import dist_backend, set_device
 
     if dist.is_initialized():
         return False
-    if not is_cpu():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if "MASTER_ADDR" in os.environ:  # torchrun
         dist.init_process_group(dist_backend(), rank=int(os.environ.get("RANK", 0)), world_size=world_size)
     else:  # a plain single process: a file store needs no free port

@@ -7,7 +7,7 @@ import ray
 import torch.distributed as dist
 
 from slime.ray.ray_actor import RayActor
-from slime.utils.device import dist_backend, get_device, is_cpu
+from slime.utils import device
 from slime.utils.tensor_serialization import set_shared_authkey
 
 
@@ -28,17 +28,14 @@ class TrainRayActor(RayActor):
         if gpu_ids:
             gid = str(int(gpu_ids[0]))
             local_rank = visible.split(",").index(gid) if visible and gid in visible.split(",") else int(gid)
-        os.environ["LOCAL_RANK"] = str(0 if is_cpu() else local_rank)
+        os.environ["LOCAL_RANK"] = str(device.local_rank(local_rank))
         set_shared_authkey()  # colocated weight sync passes shared-memory handles between actors
 
     def init(self, args, role, wandb_run_id=None, with_ref=False):
         self.args, self.role = args, role
         local_rank = int(os.environ["LOCAL_RANK"])
-        if not is_cpu():
-            import torch
-
-            torch.cuda.set_device(get_device(local_rank))
-        dist.init_process_group(backend=dist_backend(), timeout=timedelta(minutes=30))
+        device.set_device(local_rank)
+        dist.init_process_group(backend=device.dist_backend(), timeout=timedelta(minutes=30))
         args.rank, args.world_size = dist.get_rank(), dist.get_world_size()
         args.local_rank = local_rank
 

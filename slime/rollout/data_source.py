@@ -162,7 +162,7 @@ class RolloutDataSource(DataSource):
     def save(self, rollout_id):
         if not self.args.rollout_global_dataset:
             return
-        if not getattr(self.args, "save", None):
+        if not self.args.save:
             raise ValueError("RolloutDataSource.save needs --save (the directory checkpoints are written to).")
         path = self.state_path(self.args.save, rollout_id)
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -178,7 +178,7 @@ class RolloutDataSource(DataSource):
                 os.remove(tmp)
 
     def load(self, rollout_id=None):
-        if not self.args.rollout_global_dataset or getattr(self.args, "load", None) is None:
+        if not self.args.rollout_global_dataset or self.args.load is None:
             return
         path = self.state_path(self.args.load, rollout_id)
         if not os.path.exists(path):
@@ -225,7 +225,7 @@ class RolloutDataSourceWithBuffer(RolloutDataSource):
         samples = self.buffer_filter(self.args, None, self.buffer, num_samples)
         if not isinstance(samples, list) or len(samples) > num_samples:
             raise ValueError(
-                f"--buffer-filter-path {getattr(self.args, 'buffer_filter_path', None)!r} must return a list of at most "
+                f"--buffer-filter-path {self.args.buffer_filter_path!r} must return a list of at most "
                 f"{num_samples} groups (and remove them from the buffer), got {type(samples).__name__} of "
                 f"{len(samples) if isinstance(samples, list) else '?'} items"
             )

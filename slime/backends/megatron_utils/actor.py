@@ -13,7 +13,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
 from slime.ray.train_actor import TrainRayActor
-from slime.utils.device import is_cpu
+from slime.utils.device import empty_cache, is_cpu, pin_memory, synchronize
 from slime.utils.misc import load_rollout_data_postprocess
 from slime.utils.timer import Timer, timer
 
@@ -99,20 +99,18 @@ class MegatronTrainRayActor(TrainRayActor):
     # ---- CPU weight dicts -----------------------------------------------------------------------------------
     @torch.no_grad()
     def update_cpu_params_dict(self, params_dict):
-        pin = not is_cpu()
+        pin = pin_memory()
         for name, param in named_parameters(self.args, self.model):
             if name not in params_dict:
                 params_dict[name] = torch.empty(param.shape, dtype=param.dtype, device="cpu", pin_memory=pin)
             params_dict[name].copy_(param.detach(), non_blocking=pin)
-        if pin:
-            torch.cuda.synchronize()
+        synchronize()
 
     @torch.no_grad()
     def update_gpu_params_dict(self, params_dict):
         for name, param in named_parameters(self.args, self.model):
-            param.copy_(params_dict[name], non_blocking=not is_cpu())
-        if not is_cpu():
-            torch.cuda.synchronize()
+            param.copy_(params_dict[name], non_blocking=pin_memory())
+        synchronize()
 
     def load_other_checkpoint(self, tag, path):
         """Fill `weights[tag]` from the Megatron checkpoint at `path` (weights only); the initial actor weights
@@ -122,7 +120,7 @@ class MegatronTrainRayActor(TrainRayActor):
             return
         tmp = copy.copy(self.args)
         tmp.load, tmp.no_load_optim, tmp.no_load_rng, tmp.finetune = path, True, True, True
-        tmp.ckpt_step = getattr(self.args, "ref_ckpt_step", None) if tag == "ref" else None
+        tmp.ckpt_step = self.args.ref_ckpt_step if tag == "ref" else None
         if load_checkpoint(tmp, self.model, None, None) is None:
             raise FileNotFoundError(f"--{tag}-load {path}: no Megatron checkpoint there (missing {path}/latest_checkpointed_iteration.txt)")
         self.weights[tag] = {}
@@ -163,20 +161,19 @@ class MegatronTrainRayActor(TrainRayActor):
         if self._offload_backup is not None:
             return
         if (saver := _memory_saver()) is not None:
-            torch.cuda.synchronize()
+            synchronize()
             saver.pause()
             self._offload_backup = saver
             return
         backup = []
         for storage in self._offload_storages():
-            saved = torch.empty(storage.nbytes(), dtype=torch.uint8, device="cpu", pin_memory=not is_cpu())
+            saved = torch.empty(storage.nbytes(), dtype=torch.uint8, device="cpu", pin_memory=pin_memory())
             saved.untyped_storage().copy_(storage)
             backup.append((storage, saved))
             storage.resize_(0)
         self._offload_backup = backup
-        if not is_cpu():
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+        synchronize()
+        empty_cache()
 
     @torch.no_grad()
     def wake_up(self, tags=None):
@@ -189,8 +186,7 @@ class MegatronTrainRayActor(TrainRayActor):
         for storage, saved in backup:
             storage.resize_(saved.numel())
             storage.copy_(saved.untyped_storage())
-        if not is_cpu():
-            torch.cuda.synchronize()
+        synchronize()
 
     # ---- training ----------------------------------------------------------------------------------------------
     def compute_log_prob(self, tag, data_iterator, num_microbatches, store_prefix=""):
@@ -260,7 +256,7 @@ class MegatronTrainRayActor(TrainRayActor):
         return {"rollout": rollout_metrics, "train": history, "perf": perf}
 
     def save_model(self, iteration, with_optimizer=True):
-        if getattr(self.args, "debug_rollout_only", False):
+        if self.args.debug_rollout_only:
             return
         asleep = self._offload_backup is not None
         if asleep:
@@ -272,16 +268,16 @@ class MegatronTrainRayActor(TrainRayActor):
 
     # ---- weight sync (delegated to update_weight_utils) ---------------------------------------------------------
     def connect_rollout_engines(self, rollout_engines, rollout_engine_lock):
-        if getattr(self.args, "debug_rollout_only", False):  # no Megatron model: engines keep the HF weights
+        if self.args.debug_rollout_only:  # no Megatron model: engines keep the HF weights
             return
         self.weight_updator.connect_rollout_engines(rollout_engines, rollout_engine_lock)
         dist.barrier(group=megatron_init.get_gloo_group())
 
     def update_weights(self, weight_version=None):
         """Push the weights to the engines, labelled `weight_version` (default: the previous label + 1)."""
-        if getattr(self.args, "debug_train_only", False) or getattr(self.args, "debug_rollout_only", False):
+        if self.args.debug_train_only or self.args.debug_rollout_only:
             return None
-        if getattr(self.args, "keep_old_actor", False):
+        if self.args.keep_old_actor:
             self.weights["old_actor"], self.weights["rollout_actor"] = (
                 self.weights["rollout_actor"], _clone_dict(self.weights["actor"]))
         result = self.weight_updator.update_weights(weight_version)

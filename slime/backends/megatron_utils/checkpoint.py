@@ -18,7 +18,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from slime.utils.checkpoint_tracker import TRACKER, checkpoint_dir, read_tracker
-from slime.utils.device import dist_backend
+from slime.utils.device import dist_backend, rng_state, set_rng_state
 
 # fully_reshardable allows TP/DP resharding of optimizer state. Its gather goes over gloo where the collective backend
 # is gloo: the default (NCCL) path calls `tensor.cuda()`, which no CPU shim can redirect.
@@ -58,7 +58,7 @@ def _rng_sharded_object():
         "random_rng_state": __import__("random").getstate(),
         "np_rng_state": __import__("numpy").random.get_state(),
         "torch_rng_state": torch.get_rng_state(),
-        "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "cuda_rng_state": rng_state(),
         "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
     pp, tp = mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank()
@@ -74,8 +74,7 @@ def _restore_rng(state):
     random.setstate(state["random_rng_state"])
     np.random.set_state(state["np_rng_state"])
     torch.set_rng_state(state["torch_rng_state"])
-    if state.get("cuda_rng_state") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    set_rng_state(state.get("cuda_rng_state"))
     tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
 
 

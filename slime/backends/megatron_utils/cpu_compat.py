@@ -1,12 +1,20 @@
 """CUDA-compat shim that lets megatron-core 0.16.1 train on CPU with gloo.
 
 megatron-core has no CPU mode: it hard-codes `torch.cuda.current_device()`, `device="cuda"` literals, the CUDA RNG
-tracker and `torch.cuda.*Tensor` type asserts. Nothing on our path is inherently CUDA-only, so we patch exactly
-those spots (measured in shared/research/feasibility-megatron-cpu.md §3). Patches are *scoped*: module globals
-inside the listed megatron modules, never a global TorchFunctionMode (thread-local, not active in backward).
+tracker and `torch.cuda.*Tensor` type asserts. Nothing on our path is inherently CUDA-only, so `apply()` (a no-op
+unless `slime.utils.device.is_cpu()`, idempotent, called by `initialize.init` before any model is built) patches
+exactly those spots, all in this process and for its lifetime:
 
-`apply()` is idempotent and a no-op unless `slime.utils.device.is_cpu()`; call it before building models.
-`cuda_type_spoof()` is a context manager for the few constructors that check `tensor.type()`.
+- process-wide: `torch.cuda.current_device` returns "cpu", `torch.cuda.synchronize` / `empty_cache` do nothing
+  (megatron calls them from too many modules to patch one by one; slime's own code goes through
+  `slime.utils.device` instead and never relies on these);
+- module globals: the name `torch` inside the megatron modules of `_PROXIED_MODULES` is a proxy whose tensor
+  factories send `device="cuda"` to the CPU;
+- megatron functions and classes replaced in place: the RNG tracker, grad clipping, the distributed optimizer's
+  state loader, the tied-embedding setup.
+
+`cuda_type_spoof()` is the one scoped patch: a TorchFunctionMode, active only inside its `with` block (and on the
+thread that entered it), for the constructors that check `tensor.type()`.
 """
 import contextlib
 import functools

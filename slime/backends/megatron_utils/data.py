@@ -16,7 +16,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from slime.backends.utils.data import DataIterator, get_micro_batch_partitions, get_minimum_num_micro_batch_size
-from slime.utils.device import get_device, is_cpu
+from slime.utils.device import current_device
 
 PAD_TOKEN_ID = 0  # pad positions are never scored, any id works
 PACKED_PAD_MULTIPLE = 128  # slime pads packed rows to reduce allocator fragmentation
@@ -71,7 +71,7 @@ def get_data_iterator(args, model, rollout_data):
     steps = [range(i * num_local_gbs, (i + 1) * num_local_gbs) for i in range(num_steps_per_rollout)]
     counts = [get_minimum_num_micro_batch_size([total_lengths[j] for j in s], args.max_tokens_per_gpu) for s in steps]
     # every DP rank must run the same number of micro-batches per step
-    counts_t = torch.tensor(counts, dtype=torch.int64, device=get_device() if is_cpu() else torch.cuda.current_device())
+    counts_t = torch.tensor(counts, dtype=torch.int64, device=current_device())
     dist.all_reduce(counts_t, op=dist.ReduceOp.MAX, group=mpu.get_data_parallel_group())
     if vpp_size > 1:
         from megatron.core.utils import get_model_config

@@ -17,7 +17,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
 from slime.utils import wandb_utils
-from slime.utils.device import get_device, is_cpu
+from slime.utils.device import current_device, is_cpu
 from slime.utils.misc import load_function
 
 from .checkpoint import load_checkpoint
@@ -50,9 +50,8 @@ def get_model(args, wrap_with_ddp=True):
     for chunk in chunks:
         for param in chunk.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
-    if not is_cpu():
-        for chunk in chunks:
-            chunk.cuda(torch.cuda.current_device())
+    for chunk in chunks:
+        chunk.to(current_device())
     config = get_model_config(chunks[0])
     if config.bf16 or config.fp16:
         from megatron.core.transformer.module import Float16Module
@@ -279,7 +278,7 @@ def _grads_are_finite(model):
     """True when no trainer rank has an inf/NaN in its gradient buffers."""
     grads = [p.main_grad for chunk in model for p in chunk.parameters() if getattr(p, "main_grad", None) is not None]
     bad = any(not torch.isfinite(g).all() for g in grads)
-    flag = torch.tensor([float(bad)], device=grads[0].device if grads else get_device())
+    flag = torch.tensor([float(bad)], device=grads[0].device if grads else current_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return flag.item() == 0
 

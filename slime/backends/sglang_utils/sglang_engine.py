@@ -10,7 +10,6 @@ import atexit
 import collections
 import ctypes
 import functools
-import importlib.util
 import json
 import logging
 import os
@@ -23,7 +22,6 @@ import time
 import requests
 
 from slime.ray.ray_actor import RayActor
-from slime.utils.device import is_cpu
 from slime.utils.http_utils import get_host_info
 
 from .router import add_worker, remove_worker
@@ -37,16 +35,6 @@ _ENGINE_FIELDS = ("model_path", "trust_remote_code", "random_seed", "enable_memo
 _NOT_SERVER_ARGS = ("router_ip", "router_port", "router_request_timeout_secs", "server_concurrency")
 # SGLang options the CPU server understands under the same flag name.
 _CPU_SERVER_FIELDS = ("max_running_requests", "context_length", "max_total_tokens", "served_model_name", "log_level")
-
-
-def resolve_inference_server(args) -> str:
-    """'sglang' or 'cpu' from --inference-server (auto: SGLang when it is installed and a GPU is present)."""
-    choice = args.inference_server or "auto"
-    if choice == "auto":
-        return "sglang" if importlib.util.find_spec("sglang") is not None and not is_cpu() else "cpu"
-    if choice not in ("sglang", "cpu"):
-        raise ValueError(f"--inference-server must be auto, sglang or cpu, got {choice!r}")
-    return choice
 
 
 def get_base_gpu_id(args, rank: int) -> int:
@@ -112,7 +100,7 @@ def _cli(kwargs: dict) -> list:
 
 def server_command(args, rank: int, host: str, port: int, nccl_port: int, dist_init_addr: str) -> tuple[str, list]:
     """(kind, argv) of the inference server for engine `rank`: THE place that picks SGLang or slime's CPU server."""
-    kind = resolve_inference_server(args)
+    kind = args.inference_server  # sglang | cpu: parse_args resolved --inference-server auto
     seed = (args.seed or 0) + rank
     if kind == "cpu":
         kw = {"model_path": args.hf_checkpoint, "host": host, "port": port, "random_seed": seed}
@@ -198,7 +186,7 @@ class SGLangEngine(RayActor):
     def _wait_ready(self, timeout: float):
         deadline = time.time() + timeout
         probe = "/health_generate" if self.kind == "sglang" else "/health"
-        headers = {"Authorization": f"Bearer {self.args.sglang_api_key}"} if getattr(self.args, "sglang_api_key", None) else {}
+        headers = {"Authorization": f"Bearer {self.args.sglang_api_key}"} if self.args.sglang_api_key else {}
         while True:
             if self.process.poll() is not None:
                 raise RuntimeError(f"inference server for engine {self.rank} ({self.url}) exited with code "

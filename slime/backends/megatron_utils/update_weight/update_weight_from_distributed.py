@@ -107,7 +107,7 @@ class UpdateWeightFromDistributed:
         self._group = joined["group"]
 
     def _choose_transport(self) -> str:
-        wanted = getattr(self.args, "update_weight_transport", "auto") or "auto"
+        wanted = self.args.update_weight_transport or "auto"
         host = get_host_info()[1]
         shm_possible = is_cpu() and all(urlparse(u).hostname in {"127.0.0.1", "localhost", "::1", host} for u in self._urls)
         if wanted == "shm" and not shm_possible:
@@ -162,7 +162,7 @@ class UpdateWeightFromDistributed:
         if dist.get_rank() == 0:
             wait_engines([e.continue_generation.remote() for e in self.rollout_engines], self._urls,
                          "continue_generation", timeout)
-        if getattr(self.args, "check_weight_update_equal", False):
+        if self.args.check_weight_update_equal:
             self.check_weight_update_equal()
         dist.barrier(group=get_gloo_group())
         metrics = update_metrics(time.perf_counter() - start, sent * max(1, self._num_engine_ranks), self.weight_version)
@@ -195,7 +195,7 @@ class UpdateWeightFromDistributed:
             # not awaited here: the lock actor runs our next acquire after this release anyway (calls from one
             # caller run in order); `update_weights` checks the releases once at the end
             self._lock_releases.append(self.rollout_engine_lock.release.remote())
-        if getattr(self.args, "check_weight_update_equal", False):
+        if self.args.check_weight_update_equal:
             self._expected_checksums.update({n: tensor_sha256(t) for n, t in named_tensors})
         return sum(t.numel() * t.element_size() for _, t in named_tensors)
 

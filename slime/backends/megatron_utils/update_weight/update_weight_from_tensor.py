@@ -155,7 +155,7 @@ class UpdateWeightFromTensor:
             sent += self._send_bucket(index, named_tensors, handles)
         if not is_cpu():
             self._flat.clear()  # GPU memory belongs to the engine during rollout
-        if getattr(self.args, "check_weight_update_equal", False):
+        if self.args.check_weight_update_equal:
             self.check_weight_update_equal()
         dist.barrier(group=get_gloo_group())
         metrics = update_metrics(time.perf_counter() - start, sent * len(self.rollout_engines), self.weight_version)
@@ -267,7 +267,7 @@ class UpdateWeightFromTensor:
                 for i in range(len(handles))
             ]
             wait_engines(refs, [self._ipc_engine_url] * len(refs), what, update_timeout(self.args))
-            if getattr(self.args, "check_weight_update_equal", False):
+            if self.args.check_weight_update_equal:
                 self._expected_checksums.update({n: tensor_sha256(t) for n, t in named_tensors})
         # the engine has copied out of every rank's buffer only once the source's call returned
         if not single:
