@@ -68,6 +68,18 @@ class _CudaTypeSpoofMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def transformer_config_overrides(kw: dict) -> dict:
+    """What the CPU path changes in a TransformerConfig's arguments `kw` (nothing on GPU): fp32 (no fp16), CPU
+    initialisation, no CUDA-stream sync in p2p (PP>1), and for MoE the allgather dispatcher (alltoall creates CUDA
+    streams), which rejects variable_seq_lengths (that matters only for PP>1 p2p shapes)."""
+    if not is_cpu():
+        return {}
+    out = {"fp16": False, "use_cpu_initialization": True, "batch_p2p_sync": False}
+    if kw.get("num_moe_experts"):
+        out.update(moe_token_dispatcher_type="allgather", variable_seq_lengths=False)
+    return out
+
+
 @contextlib.contextmanager
 def cuda_type_spoof():
     """Active only on CPU: wrap `get_megatron_optimizer(...)` (its param-type checks want CUDA tensors)."""

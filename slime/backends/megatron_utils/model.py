@@ -17,7 +17,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
 from slime.utils import wandb_utils
-from slime.utils.device import current_device, is_cpu
+from slime.utils.device import current_device
 from slime.utils.misc import load_function
 
 from .checkpoint import load_checkpoint
@@ -260,7 +260,7 @@ def train_one_step(args, rollout_id, step_id, data_iterator, model, optimizer, o
         update_successful, grad_norm, _ = optimizer.step()
     if update_successful:
         opt_param_scheduler.step(increment=args.global_batch_size)
-    elif args.check_for_nan_in_loss_and_grad and not (args.fp16 and not is_cpu()):  # fp16's loss scaler skips
+    elif args.check_for_nan_in_loss_and_grad and not get_model_config(model[0]).fp16:  # fp16: the scaler skips
         raise RuntimeError(f"rollout {rollout_id} step {step_id}: optimizer step failed (inf/NaN gradients)")
 
     metrics = {}

@@ -18,6 +18,8 @@ from megatron.core.transformer import TransformerConfig
 from slime.utils.device import default_dtype, is_cpu
 from slime.utils.misc import accepted_kwargs, load_function
 
+from . import cpu_compat
+
 
 def use_transformer_engine(args) -> bool:
     """TE spec only on GPU with transformer_engine installed (and not forced off by --transformer-impl local)."""
@@ -59,8 +61,8 @@ def core_transformer_config_from_args(args) -> TransformerConfig:
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
-        fp16=bool(args.fp16) and not is_cpu(),
-        use_cpu_initialization=is_cpu() or bool(args.use_cpu_initialization),
+        fp16=bool(args.fp16),
+        use_cpu_initialization=bool(args.use_cpu_initialization),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
@@ -78,8 +80,7 @@ def core_transformer_config_from_args(args) -> TransformerConfig:
         recompute_num_layers=args.recompute_num_layers,
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",  # the allgather default rejects variable_seq_lengths even without MoE
-        # CPU: no CUDA stream sync in p2p (PP>1); see cpu_compat.
-        batch_p2p_sync=not is_cpu(),
+        batch_p2p_sync=True,
         # Megatron-LM's defaults: the interleaved (VPP) schedule overlaps p2p with compute through individual
         # isend/irecv (which also keeps the two directions apart at PP=2); other schedules batch their p2p ops.
         overlap_p2p_comm=vpp_overlap,
@@ -91,15 +92,13 @@ def core_transformer_config_from_args(args) -> TransformerConfig:
             moe_router_topk=args.moe_router_topk,
             moe_ffn_hidden_size=args.moe_ffn_hidden_size,
             moe_grouped_gemm=bool(args.moe_grouped_gemm) and use_transformer_engine(args),
-            # alltoall creates CUDA streams; allgather is the dispatcher that runs everywhere.
-            moe_token_dispatcher_type="allgather" if is_cpu() else args.moe_token_dispatcher_type,
+            moe_token_dispatcher_type=args.moe_token_dispatcher_type,
             moe_router_load_balancing_type=args.moe_router_load_balancing_type,
             moe_aux_loss_coeff=args.moe_aux_loss_coeff,
             moe_router_pre_softmax=bool(args.moe_router_pre_softmax),
             moe_router_dtype=args.moe_router_dtype,
         )
-        if is_cpu():
-            kw["variable_seq_lengths"] = False  # the allgather dispatcher rejects it; matters only for PP>1 p2p shapes
+    kw.update(cpu_compat.transformer_config_overrides(kw))
     return TransformerConfig(**kw)
 
 
