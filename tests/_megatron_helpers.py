@@ -142,7 +142,7 @@ def train_args(model_dir, **overrides):
 
 
 def fixed_rollout(vocab_size=512, n=4, seed=0):
-    """A deterministic train-data dict in the rollout controller's format (spec: tokens as int64 arrays, ...)."""
+    """A deterministic train-data dict in the rollout controller's format (tokens as int64 arrays, ...)."""
     import numpy as np
 
     rng = np.random.default_rng(seed)

@@ -1,4 +1,4 @@
-"""slime.utils.arguments.parse_args: flags, defaults, HF inference, spec §4.3 rules, --sglang-* pass-through."""
+"""slime.utils.arguments.parse_args: flags, defaults, HF inference, cross-flag rules, --sglang-* pass-through."""
 import json
 import logging
 import os
@@ -310,7 +310,7 @@ def test_parallel_layout_errors(capsys):
     assert "--lr" in parse_error(capsys, base=without("--lr"))
 
 
-# ---------------------------------------------------------------- spec §4.3 rules, one by one
+# ---------------------------------------------------------------- slime's cross-flag rules, one by one
 
 
 def test_rule1_kl_needs_existing_ref_load(capsys, tmp_path):

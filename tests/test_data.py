@@ -1,4 +1,4 @@
-"""slime.utils.data: read_file (jsonl/json/parquet) and the prompt Dataset (spec §8.6)."""
+"""slime.utils.data: read_file (jsonl/json/parquet) and the prompt Dataset."""
 import json
 import random
 

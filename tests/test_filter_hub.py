@@ -1,4 +1,4 @@
-"""filter_hub (spec §8.2): dynamic sampling keeps only groups whose rewards differ; over-sampling sorts by reward std."""
+"""filter_hub: dynamic sampling keeps only groups whose rewards differ; over-sampling sorts by reward std."""
 from slime.rollout.filter_hub.dynamic_sampling_filters import check_reward_nonzero_std
 from slime.rollout.filter_hub.over_sampling_filters import sort_by_reward_std
 from slime.utils.misc import load_function

@@ -1,4 +1,4 @@
-"""Megatron losses (spec §7.3-7.6): response log-probs in padded and packed layouts, sum-of-sample-mean reducers,
+"""Megatron losses: response log-probs in padded and packed layouts, sum-of-sample-mean reducers,
 PPO/GSPO policy loss (dual clip, TIS, KL loss, entropy), SFT/custom losses and slime's loss scaling, advantage
 estimators over rollout data. Runs in a one-rank gloo world with Megatron's parallel state."""
 import math

@@ -1,4 +1,4 @@
-"""MultiTurnLossMaskGenerator: loss mask 1 exactly on what the assistant wrote (spec §8.3)."""
+"""MultiTurnLossMaskGenerator: loss mask 1 exactly on what the assistant wrote."""
 import importlib.util
 import os
 import shutil

@@ -1,4 +1,4 @@
-"""Placement: the layout table of spec §3.1, bundle ordering, fractional sharing of bundles, and loud failures."""
+"""Placement: the layout table (docs/architecture.md), bundle ordering, fractional sharing of bundles, and loud failures."""
 import time
 
 import pytest

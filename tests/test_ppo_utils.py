@@ -1,4 +1,4 @@
-"""PPO math (spec §7.4-7.5): KL estimators, clipped/dual-clipped policy loss, vocab-parallel log-probs and entropy
+"""PPO math: KL estimators, clipped/dual-clipped policy loss, vocab-parallel log-probs and entropy
 (incl. TP=2 gloo ranks), advantage estimators on hand-computed cases, distributed masked whitening."""
 import math
 

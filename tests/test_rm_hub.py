@@ -1,4 +1,4 @@
-"""Reward graders (spec §8.1): every normalisation rule decides a reward, so each is pinned on hand-worked cases."""
+"""Reward graders: every normalisation rule decides a reward, so each is pinned on hand-worked cases."""
 import asyncio
 import time
 

@@ -1,4 +1,4 @@
-"""Rollout data on the trainer (spec §7.2-7.3, §7.6): Karmarkar-Karp balancing, micro-batch counts and dynamic
+"""Rollout data on the trainer: Karmarkar-Karp balancing, micro-batch counts and dynamic
 batching, DataIterator, DP partition of a rollout (`process_rollout_data`, incl. --balance-data and the rank-0
 broadcast), model-input layouts of `get_batch` (padded layout checked against transformers through a TP=2 Megatron
 model), and `log_rollout_data`."""

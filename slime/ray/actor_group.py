@@ -27,7 +27,7 @@ class RayTrainGroup:
         pg, reordered_bundle_indices = pg
         env = {"NCCL_CUMEM_ENABLE": "0", **noset_visible_devices_env()}
         if is_cpu():
-            # One intra-op thread per rank: on a shared 2-core box more threads thrash (see feasibility notes).
+            # One intra-op thread per rank: on a shared 2-core box more threads thrash.
             env.update(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
         elif self.args.offload:
             env.update(_torch_memory_saver_env())

@@ -97,7 +97,7 @@ def post_process_rewards(args, samples, custom_fn=None, fn_path=None):
 
 
 def convert_samples_to_train_data(args, samples, custom_reward_fn=None, fn_path=None):
-    """Samples -> dict of equal-length lists; big per-sample data as numpy arrays (see common brief)."""
+    """Samples -> dict of equal-length lists; big per-sample data as numpy arrays (one Ray object, no per-list pickling)."""
     raw_rewards, rewards = post_process_rewards(args, samples, custom_reward_fn, fn_path)
     if len(rewards) != len(samples):
         raise ValueError(

@@ -38,7 +38,7 @@ def sort_key(x):
 
 
 def get_placement_group_layout(args) -> tuple[int, int]:
-    """(num_gpus, rollout_offset) of the single placement group for this run (spec §3.1)."""
+    """(num_gpus, rollout_offset) of the single placement group for this run (docs/architecture.md, Placement)."""
     actor_total = args.actor_num_nodes * args.actor_num_gpus_per_node
     if args.debug_train_only:
         return actor_total, 0

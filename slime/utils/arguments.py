@@ -1,4 +1,4 @@
-"""slime's command line: slime's own flags, Megatron-LM's flags, and SGLang's as `--sglang-*` (spec §4).
+"""slime's command line: slime's own flags, Megatron-LM's flags, and SGLang's as `--sglang-*`.
 
 `parse_args(add_custom_arguments=None, argv=None)` returns one `argparse.Namespace` for the whole job. With
 Megatron-LM on PYTHONPATH, Megatron's own parser provides its flags (full pass-through, as slime). Otherwise (the
@@ -43,7 +43,7 @@ class _Group:
 
 
 def reset_arg(parser, name, **kwargs):
-    """Change the default of an existing (Megatron) option, or add it (spec §4.1 step 3)."""
+    """Change the default of an existing (Megatron) option, or add it (slime's defaults for Megatron flags)."""
     for action in parser._actions:
         if name in action.option_strings:
             if "default" in kwargs:
@@ -54,7 +54,7 @@ def reset_arg(parser, name, **kwargs):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# slime's own argument groups (spec §4.2)
+# slime's own argument groups
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -671,7 +671,7 @@ def _hf_architecture(cfg) -> dict:
     return arch
 
 
-# (HF attribute shown in messages, Megatron flag, dest): pairs that must agree (spec §4.1 step 5, plus kv groups).
+# (HF attribute shown in messages, Megatron flag, dest): pairs that must agree (flags given next to --hf-checkpoint).
 _HF_CHECKS = (
     ("hidden_size", "--hidden-size", "hidden_size"),
     ("num_attention_heads", "--num-attention-heads", "num_attention_heads"),
@@ -766,7 +766,7 @@ def _vocab_size_with_padding(vocab_size, args):
 
 
 def set_default_megatron_args(args):
-    """Spec §4.1 step 6 (bf16 only with a GPU: CPU training runs in fp32)."""
+    """Megatron defaults slime sets after parsing (bf16 only with a GPU: CPU training runs in fp32)."""
     args.use_distributed_optimizer = True
     if args.bf16 is None:
         args.bf16 = not is_cpu() and not args.fp16
@@ -1167,7 +1167,7 @@ def _parse_with_megatron(add_slime_arguments, argv):
 
 
 def parse_args(add_custom_arguments=None, argv=None, *, check_paths=True):
-    """Parse and validate the job's arguments (spec §4.1). `argv` defaults to sys.argv[1:].
+    """Parse and validate the job's arguments. `argv` defaults to sys.argv[1:].
 
     `check_paths=False` validates a launch script meant for another machine: no checkpoint / HF paths are read,
     and with `--inference-server auto` the CPU-server compatibility check is skipped."""

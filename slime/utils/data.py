@@ -1,4 +1,4 @@
-"""Prompt datasets: `read_file` (jsonl/json/parquet via HF `datasets`) and `Dataset` (spec §8.6)."""
+"""Prompt datasets: `read_file` (jsonl/json/parquet via HF `datasets`) and `Dataset`."""
 import json
 import os
 import random

@@ -1,4 +1,4 @@
-"""Token ids + loss masks for multi-turn chats: train on what the assistant wrote, nothing else (spec §8.3)."""
+"""Token ids + loss masks for multi-turn chats: train on what the assistant wrote, nothing else."""
 from typing import Dict, List, Optional, Tuple
 
 

@@ -1,7 +1,7 @@
 """Weights & Biases: one shared run for the whole job (driver = primary, every actor that logs = secondary).
 
 `init_wandb_primary(args)` runs on the driver and returns the run id (None without `--use-wandb`); actors join the
-same run with `init_wandb_secondary(args, run_id)`. Metric families get their own step axis (spec §4.2 "Metric axes"):
+same run with `init_wandb_secondary(args, run_id)`. Metric families get their own step axis:
 `train/*` on `train/step`; `rollout/*`, `multi_turn/*`, `passrate/*`, `perf/*` on `rollout/step`; `eval/*` on `eval/step`.
 Without an API key and without an explicit `--wandb-mode`, runs are written offline (sync later with `wandb sync DIR`).
 """

@@ -1,4 +1,4 @@
-"""Rollout buffer: a standalone trajectory server between agent/generator code and slime's trainer (spec §8.4).
+"""Rollout buffer: a standalone trajectory server between agent/generator code and slime's trainer.
 
 Generators (discovered in `generator/*.py` by their `TASK_TYPE`) produce trajectories against an OpenAI-compatible
 engine URL and POST them to `/buffer/write`; slime's `rollout_buffer_example.generate_rollout` drains complete groups

@@ -1,4 +1,4 @@
-"""A slime rollout function that trains on trajectories from the rollout buffer server (spec §8.4).
+"""A slime rollout function that trains on trajectories from the rollout buffer server.
 
     --rollout-function-path slime_plugins.rollout_buffer.rollout_buffer_example.generate_rollout
     --rollout-buffer-url http://127.0.0.1:8889 --rollout-task-type math --loss-mask-type qwen

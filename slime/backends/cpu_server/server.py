@@ -1,6 +1,6 @@
 """slime's CPU inference server: SGLang's HTTP API (the subset slime and its users call) on an aiohttp app.
 
-Field names, response shapes and error styles follow SGLang 0.5 (see research/feasibility-sglang-cpu.md §3), so the
+Field names, response shapes and error styles follow SGLang 0.5 (docs/cpu_guide.md lists the endpoints), so the
 same rollout code, the same sglang-router and the same weight-sync code talk to either server.
 """
 import asyncio

@@ -1,4 +1,4 @@
-"""Megatron-Core training backend (spec §7): actor, model/optimizer, checkpoints, HF<->Megatron conversion.
+"""Megatron-Core training backend: actor, model/optimizer, checkpoints, HF<->Megatron conversion.
 
 Heavy modules load lazily so that `param_utils` / `megatron_to_hf` users (weight sync) do not pay for the actor.
 """

@@ -1,4 +1,4 @@
-"""`MegatronTrainRayActor`: one training rank (spec §7.1, §7.2).
+"""`MegatronTrainRayActor`: one training rank.
 
 Weights are also kept as CPU dicts `self.weights[tag][global_name] -> local shard` (tags: "actor", "ref", and
 "old_actor"/"rollout_actor" with --keep-old-actor). The reference model is such a dict swapped into the live

@@ -1,5 +1,5 @@
 """Model, optimizer and LR schedule setup, and the three loops the actor runs: `forward_only` (log-probs),
-`train_one_step` and `train` (one rollout's optimizer steps). Spec §7.1 step 4, §7.3, §7.6.
+`train_one_step` and `train` (one rollout's optimizer steps).
 
 The PyPI megatron-core wheel has no `megatron.training`, so `get_model` / optimizer wiring that Megatron-LM's
 training loop would do lives here, on megatron.core APIs only.

@@ -153,7 +153,7 @@ def _explicit_sglang_options(args, parser):
 
 
 def validate_args(args, parser=None, check_cpu_server=True):
-    """Derive SGLang parallel sizes (spec §4.3 step 19) and, when slime's CPU server will serve, reject the
+    """Derive SGLang parallel sizes (tp = --rollout-num-gpus-per-engine) and, when slime's CPU server will serve, reject the
     SGLang options it cannot honour. Errors go through `parser.error` (exit status 2, names the flags)."""
 
     def error(msg):

@@ -1,6 +1,6 @@
 """sglang-router: start it, register / list / remove workers, and fan an abort out to every worker.
 
-The router is the real `sglang_router` wheel (it runs on CPU). Facts it forces on us (feasibility-sglang-cpu.md §1):
+The router is the real `sglang_router` wheel (it runs on CPU). Facts it forces on us (sglang-router 0.3):
 workers are registered with `POST /workers` after 0.2.1 and `/add_worker?url=` up to 0.2.1; the router does not
 forward `/abort_request` (control calls go to each worker directly); a dead worker stays listed, so fan-outs must
 tolerate dead URLs; its Prometheus exporter binds 0.0.0.0:29000 unless told otherwise, and dies if that port is busy.

@@ -1,6 +1,6 @@
 """Math answer grading (Hendrycks MATH normalisation + deepscaler/verl sympy equivalence).
 
-Every step here decides a reward, so the rules follow the reference graders exactly (spec §8.1); do not "improve" them
+Every step here decides a reward, so the rules follow the reference graders (slime's / verl's) exactly; do not "improve" them
 without knowing that it silently changes training signals.
 """
 import re

@@ -3,7 +3,7 @@
 A family is a set of features; each rule maps one Megatron parameter (global name, full unsharded tensor) to its
 HF tensors and back. Megatron names come in two flavours, both handled: the local spec keeps norms as modules
 (`input_layernorm`, `pre_mlp_layernorm`); the TE spec fuses them into `linear_qkv.layer_norm_weight` /
-`linear_fc1.layer_norm_weight`. Layouts (verified against transformers in feasibility-megatron-cpu.md §5):
+`linear_fc1.layer_norm_weight`. Layouts (checked against transformers by tests/test_hf_megatron_conversion.py):
 - `linear_qkv`: per query group `[q (heads_per_group*d); k (d); v (d)]` rows.
 - `linear_fc1` (gated): `[gate; up]` rows (after `all_gather_param` re-interleaves TP shards).
 """
