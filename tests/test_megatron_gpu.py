@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from slime.backends.megatron_utils.param_utils import unwrap_model
 from tests._megatron_helpers import (
     fixed_rollout,
     free_port,
@@ -71,12 +72,6 @@ def _init_trainer(args, port):
     return model, opt, sched, rollout, iters, nmb
 
 
-def _unwrap(module):
-    while hasattr(module, "module"):
-        module = module.module
-    return module
-
-
 # ---- (i) layer specs on the GPU: log-probs vs transformers -------------------------------------------------------
 def _log_probs(index, model_dir, impl, bf16, port, out_path):
     from slime.backends.megatron_utils.model import forward_only
@@ -86,9 +81,9 @@ def _log_probs(index, model_dir, impl, bf16, port, out_path):
     model, _, _, rollout, iters, nmb = _init_trainer(args, port)
     te = impl == "transformer_engine"
     assert use_transformer_engine(args) == te and iters[0].packed_sequences == te  # TE: THD-packed micro-batches
-    qkv = _unwrap(model[0]).decoder.layers[0].self_attention.linear_qkv
+    qkv = unwrap_model(model[0]).decoder.layers[0].self_attention.linear_qkv
     assert ("transformer_engine" in type(qkv).__module__) == te, type(qkv)
-    param = next(_unwrap(model[0]).parameters())
+    param = next(unwrap_model(model[0]).parameters())
     assert param.is_cuda and param.dtype == (torch.bfloat16 if bf16 else torch.float32)
     got = forward_only(args, model, iters, nmb)["log_probs"]
     assert all(g.is_cuda for g in got)
@@ -117,7 +112,7 @@ def _bf16_train(index, model_dir, port, out_path):
     impl = "transformer_engine" if HAS_TE else "local"
     args = train_args(model_dir, transformer_impl=impl, bf16=True, loss_type="sft_loss", ci_test=False)
     model, opt, sched, _, iters, nmb = _init_trainer(args, port)
-    assert next(_unwrap(model[0]).parameters()).dtype == torch.bfloat16
+    assert next(unwrap_model(model[0]).parameters()).dtype == torch.bfloat16
     history = []
     for step in range(3):  # the same batch three times: the NLL of its responses must fall
         history += train(args, step, model, opt, sched, iters, nmb)

@@ -8,27 +8,17 @@ it plots `rollout/raw_reward` and every numeric `eval/<name>` score (not truncat
 panel per key; a line without a key is a gap in that curve only.
 """
 import argparse
-import json
 import math
 import os
 import sys
+
+from slime.utils.data import iter_jsonl
 
 X_KEY = "rollout_id"
 
 
 def read_metrics(path: str) -> list[dict]:
-    rows = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno} is not a JSON object ({e.msg}); each line must be one metrics dict") from e
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno} holds a {type(row).__name__}, not a JSON object")
-            rows.append(row)
+    rows = list(iter_jsonl(path))
     if not rows:
         raise ValueError(f"{path} has no metrics lines; was the run started with --metrics-path {path}?")
     return rows

@@ -5,6 +5,7 @@ import logging
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from slime.backends.sglang_utils.router import start_router, stop_router
 from slime.ray.placement_group import noset_visible_devices_env
 from slime.ray.utils import Lock, register_cleanup
 
@@ -15,8 +16,6 @@ def _start_router(args):
     """Start sglang-router unless --sglang-router-ip points at an external one. Returns the process (or None)."""
     if args.sglang_router_ip is not None or args.debug_train_only:
         return None
-    from slime.backends.sglang_utils.router import start_router
-
     return start_router(args)
 
 
@@ -111,9 +110,5 @@ class RolloutManager:
             if actor is not None:
                 ray.kill(actor)
         self.all_rollout_engines, self.rollout_engines, self.controller, self.rollout_engine_lock = [], [], None, None
-        if self.router_process is not None and self.router_process.is_alive():
-            self.router_process.terminate()
-            self.router_process.join(10)
-            if self.router_process.is_alive():
-                self.router_process.kill()
+        stop_router(self.router_process)
         self.router_process = None

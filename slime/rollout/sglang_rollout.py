@@ -10,6 +10,7 @@ from collections import Counter
 
 from tqdm import tqdm
 
+from slime.backends.sglang_utils.router import abort_all, router_url
 from slime.rollout import RolloutSamples
 from slime.rollout.base_types import accepts_data_buffer
 from slime.rollout.filter_hub.base_types import MetricGatherer, call_dynamic_filter, should_drop_dynamic_filter_output
@@ -67,14 +68,10 @@ class GenerateState(metaclass=SingletonMeta):
         self.remaining_batch_size += len(samples)
 
 
-def _router_url(args):
-    return f"http://{args.sglang_router_ip}:{args.sglang_router_port}"
-
-
 async def generate(args, sample: Sample, sampling_params) -> Sample:
     """Default generate: one `/generate` call through the router; resumes a partially generated sample."""
     state = GenerateState(args)
-    url = f"{_router_url(args)}/generate"
+    url = f"{router_url(args)}/generate"
 
     if sample.status not in (Sample.Status.PENDING, Sample.Status.ABORTED):
         raise ValueError(f"sample {sample.index} has status {sample.status.value}; only pending or aborted samples are generated")
@@ -177,11 +174,10 @@ async def generate_and_rm_group(args, group: list[Sample], sampling_params: dict
 
 async def abort(args, rollout_id: int) -> list[list[Sample]]:
     """Abort every in-flight request on every worker, drain the tasks; with --partial-rollout return the groups."""
-    from slime.backends.sglang_utils.router import abort_all
 
     state = GenerateState(args)
     state.aborted = True
-    await abort_all(_router_url(args))
+    await abort_all(router_url(args))
 
     aborted_samples = []
     while state.pendings:

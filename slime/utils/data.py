@@ -8,8 +8,9 @@ from slime.utils.types import Sample
 _READERS = {".jsonl": "from_json", ".json": "from_json", ".parquet": "from_parquet"}
 
 
-def _check_jsonl(path):
-    """Fail on the first line that is not a JSON object, naming file and line (datasets' own error does not)."""
+def iter_jsonl(path):
+    """The JSON objects of a .jsonl file, one per non-blank line; fails on the first line that is not one, naming
+    file and line (datasets' own error does not)."""
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -20,6 +21,12 @@ def _check_jsonl(path):
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(record, dict):
                 raise ValueError(f"{path}:{lineno}: expected a JSON object per line, got {type(record).__name__}")
+            yield record
+
+
+def _check_jsonl(path):
+    for _ in iter_jsonl(path):
+        pass
 
 
 def _line_of_row(path, index):

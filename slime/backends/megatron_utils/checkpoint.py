@@ -20,6 +20,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from slime.utils.checkpoint_tracker import TRACKER, checkpoint_dir, read_tracker
 from slime.utils.device import dist_backend, rng_state, set_rng_state
 
+from .param_utils import unwrap_model
+
 # fully_reshardable allows TP/DP resharding of optimizer state. Its gather goes over gloo where the collective backend
 # is gloo: the default (NCCL) path calls `tensor.cuda()`, which no CPU shim can redirect.
 _OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
@@ -39,10 +41,11 @@ def _materialize_optimizer_state(optimizer):
                 inner.state[p].setdefault("step", torch.zeros((), dtype=torch.float32))
 
 
-def _unwrap(module):
-    while hasattr(module, "module"):
-        module = module.module
-    return module
+def resync_optimizer_main_params(optimizer):
+    """After loading model weights in place, refresh fp32 master copies (mixed precision / distributed optimizer)."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if hasattr(opt, "reload_model_params"):
+            opt.reload_model_params()
 
 
 def _model_key(i, n):
@@ -50,7 +53,7 @@ def _model_key(i, n):
 
 
 def _model_sharded_state_dict(model):
-    return {_model_key(i, len(model)): _unwrap(m).sharded_state_dict() for i, m in enumerate(model)}
+    return {_model_key(i, len(model)): unwrap_model(m).sharded_state_dict() for i, m in enumerate(model)}
 
 
 def _rng_sharded_object():
@@ -160,15 +163,13 @@ def load_checkpoint(args, model, optimizer, opt_param_scheduler):
     loaded = dist_checkpointing.load(state, ckpt)
 
     for i, m in enumerate(model):
-        _unwrap(m).load_state_dict(loaded[_model_key(i, len(model))], strict=True)
+        unwrap_model(m).load_state_dict(loaded[_model_key(i, len(model))], strict=True)
     if load_optim:
         optimizer.load_state_dict(loaded["optimizer"])
         if "opt_param_scheduler" in common and opt_param_scheduler is not None:
             opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
     elif optimizer is not None:
-        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-            if hasattr(opt, "reload_model_params"):
-                opt.reload_model_params()  # master copies must follow the freshly loaded weights
+        resync_optimizer_main_params(optimizer)
     if load_rng:
         _restore_rng(loaded["rng_state"])
     dist.barrier()

@@ -20,7 +20,7 @@ from slime.utils import wandb_utils
 from slime.utils.device import current_device
 from slime.utils.misc import load_function
 
-from .checkpoint import load_checkpoint
+from .checkpoint import load_checkpoint, resync_optimizer_main_params
 from .cpu_compat import cuda_type_spoof
 from .data import get_batch
 from .initialize import is_megatron_main_rank
@@ -152,16 +152,9 @@ def initialize_model_and_optimizer(args, role="actor"):
             from .megatron_to_hf import hf_to_megatron
 
             hf_to_megatron(args, model)
-            _resync_optimizer_main_params(optimizer)
+            resync_optimizer_main_params(optimizer)
         iteration = -1
     return model, optimizer, opt_param_scheduler, iteration
-
-
-def _resync_optimizer_main_params(optimizer):
-    """After loading model weights in place, refresh fp32 master copies (mixed precision / distributed optimizer)."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if hasattr(opt, "reload_model_params"):
-            opt.reload_model_params()
 
 
 def _forward(model, batch):

@@ -25,7 +25,8 @@ def canonical_name(name: str) -> str:
     return PREFIX + name
 
 
-def _unwrap(module):
+def unwrap_model(module):
+    """The GPTModel inside DDP / Float16Module wrappers."""
     while hasattr(module, "module"):
         module = module.module
     return module
@@ -42,7 +43,7 @@ def named_parameters(args, model):
     num_experts = args.num_experts or 0
     experts_per_rank = num_experts // ep_size if num_experts else 0
     for vp_stage, chunk in enumerate(chunks):
-        inner = _unwrap(chunk)
+        inner = unwrap_model(chunk)
         vp = vp_stage if len(chunks) > 1 else None
         layer_offset = get_transformer_layer_offset(inner.config, vp_stage=vp)
         items = list(inner.named_parameters())

@@ -1,14 +1,13 @@
 """Pieces both weight-update transports share: Megatron params -> HF tensors, engine calls that time out and name
 the engine, checksums for `--check-weight-update-equal`, and the metrics dict `update_weights()` returns.
 """
-import hashlib
 import logging
 import os
 import time
 
 import ray
-import torch
 
+from slime.backends.cpu_server.weights import tensor_sha256  # noqa: F401  (the checksum the engines compute)
 from slime.backends.megatron_utils.megatron_to_hf import convert_to_hf
 from slime.backends.megatron_utils.param_utils import PREFIX, all_gather_param, remove_padding
 from slime.utils.device import get_device
@@ -54,12 +53,6 @@ def to_hf(args, model_name, name, param, quantization_config=None):
         raise WeightUpdateError(f"weight update: no HF tensor for Megatron parameter {name!r} (--model-name {model_name!r})")
     # gloo/IPC want dense tensors; conversion may return strided views (q/k/v and gate/up splits)
     return [(hf_name, t.detach().contiguous()) for hf_name, t in converted]
-
-
-def tensor_sha256(t: torch.Tensor) -> str:
-    """sha256 of the tensor's bytes (contiguous, on CPU): the same definition as the server's `/weights_checker`."""
-    t = t.detach().to("cpu").contiguous()
-    return hashlib.sha256(t.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def engine_urls(engines, timeout) -> list:
