@@ -5,8 +5,7 @@ import os
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from slime.ray.placement_group import noset_visible_devices_env
-from slime.ray.utils import register_cleanup
+from slime.ray.utils import noset_visible_devices_env, register_cleanup
 from slime.utils.device import is_cpu
 
 logger = logging.getLogger(__name__)
@@ -21,7 +20,7 @@ class RayTrainGroup:
         self._allocate_gpus_for_actor(pg, num_gpus_per_actor, wandb_run_id)
 
     def _allocate_gpus_for_actor(self, pg, num_gpus_per_actor, wandb_run_id):
-        from slime.backends.megatron_utils.actor import MegatronTrainRayActor
+        from slime.backends.megatron_utils.actor import MegatronTrainRayActor  # heavy: Megatron
 
         world_size = self._num_nodes * self._num_gpus_per_node
         pg, reordered_bundle_indices = pg
@@ -81,7 +80,7 @@ def _torch_memory_saver_env() -> dict:
     """Preload torch_memory_saver's hook in GPU trainers with --offload so `sleep` can pause every allocation (with a
     CPU backup). Without the package the trainers move their storages to pinned memory themselves."""
     try:
-        from torch_memory_saver.utils import get_binary_path_from_package
+        from torch_memory_saver.utils import get_binary_path_from_package  # optional: the [sglang] GPU extra
     except ImportError:
         logger.info("--offload: torch_memory_saver is not installed; trainers offload by copying to pinned memory")
         return {}

@@ -11,7 +11,10 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from slime.ray.utils import NOSET_VISIBLE_DEVICES_ENV_VARS_LIST, register_cleanup
+from slime.ray.actor_group import RayTrainGroup
+from slime.ray.rollout import RolloutManager
+from slime.ray.utils import noset_visible_devices_env, register_cleanup  # noqa: F401  (public name, re-exported)
+from slime.utils.device import is_cpu
 
 logger = logging.getLogger(__name__)
 PG_READY_TIMEOUT_S = float(os.environ.get("SLIME_PG_READY_TIMEOUT", 60))
@@ -100,8 +103,6 @@ def create_placement_groups(args):
 
 
 def allocate_train_group(args, num_nodes, num_gpus_per_node, pg, wandb_run_id=None):
-    from slime.ray.actor_group import RayTrainGroup
-
     return RayTrainGroup(args, num_nodes, num_gpus_per_node, pg, wandb_run_id=wandb_run_id, num_gpus_per_actor=0.8)
 
 
@@ -110,13 +111,7 @@ def create_actor_group(args, pg, wandb_run_id=None):
 
 
 def create_rollout_manager(args, pg, wandb_run_id=None):
-    from slime.ray.rollout import RolloutManager
-
     return RolloutManager(args, pg, wandb_run_id=wandb_run_id)
-
-
-def noset_visible_devices_env() -> dict:
-    return {name: "1" for name in NOSET_VISIBLE_DEVICES_ENV_VARS_LIST}
 
 
 def init_ray(args):
@@ -130,8 +125,6 @@ def init_ray(args):
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env})
         return
-    from slime.utils.device import is_cpu
-
     num_gpus, _ = get_placement_group_layout(args)
     kwargs = dict(include_dashboard=False, runtime_env={"env_vars": env})
     if is_cpu():

@@ -6,8 +6,9 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from slime.backends.sglang_utils.router import start_router, stop_router
-from slime.ray.placement_group import noset_visible_devices_env
-from slime.ray.utils import Lock, register_cleanup
+from slime.backends.sglang_utils.sglang_engine import SGLangEngine
+from slime.ray.buffer import RolloutController
+from slime.ray.utils import Lock, noset_visible_devices_env, register_cleanup
 
 logger = logging.getLogger(__name__)
 
@@ -22,8 +23,6 @@ def _start_router(args):
 def create_rollout_engines(args, pg):
     if args.debug_train_only:
         return []
-    from slime.backends.sglang_utils.sglang_engine import SGLangEngine
-
     num_gpu_per_engine = min(args.rollout_num_gpus_per_engine, args.rollout_num_gpus_per_node)
     num_engines = args.rollout_num_gpus // num_gpu_per_engine
     pg, reordered_bundle_indices = pg
@@ -73,8 +72,6 @@ def _allocate_ports(args, engines):
 
 class RolloutManager:
     def __init__(self, args, pg, wandb_run_id=None):
-        from slime.ray.buffer import RolloutController
-
         self.args = args
         self.router_process, self.all_rollout_engines, self.controller, self.rollout_engine_lock = None, [], None, None
         register_cleanup(self.shutdown)

@@ -15,6 +15,11 @@ NOSET_VISIBLE_DEVICES_ENV_VARS_LIST = [
 ]
 
 
+def noset_visible_devices_env() -> dict:
+    """Env vars that stop Ray from narrowing CUDA_VISIBLE_DEVICES: an actor sees every GPU of its node."""
+    return {name: "1" for name in NOSET_VISIBLE_DEVICES_ENV_VARS_LIST}
+
+
 @ray.remote(num_cpus=0)
 class Lock:
     """Non-blocking lock: no weight broadcast into the engines while another source rank holds them."""
@@ -173,7 +178,7 @@ class RunRecorder:
 
     def finish(self):
         if self.args.use_wandb:  # the controller and trainers log to wandb themselves; close the driver's run
-            import wandb
+            import wandb  # heavy: only with --use-wandb
 
             if wandb.run is not None:
                 wandb.finish()

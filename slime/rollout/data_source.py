@@ -12,6 +12,7 @@ import threading
 
 import torch
 
+from slime.utils.data import Dataset
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
 
@@ -57,9 +58,7 @@ class RolloutDataSource(DataSource):
         self.lock = threading.RLock()
 
         if args.rollout_global_dataset and args.prompt_data is not None:
-            from transformers import AutoTokenizer
-
-            from slime.utils.data import Dataset
+            from transformers import AutoTokenizer  # heavy
 
             tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint, trust_remote_code=True)
             if args.dump_details:

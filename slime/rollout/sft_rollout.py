@@ -4,6 +4,7 @@ Use with `--rollout-function-path slime.rollout.sft_rollout.generate_rollout --i
 --loss-type sft_loss --calculate-per-token-loss --disable-compute-advantages-and-returns --debug-train-only`.
 """
 from slime.rollout.base_types import accepts_data_buffer
+from slime.utils.mask_utils import MultiTurnLossMaskGenerator
 from slime.utils.types import Sample
 
 _MASK_GENERATORS = {}  # (hf_checkpoint, loss_mask_type) -> MultiTurnLossMaskGenerator
@@ -12,9 +13,7 @@ _MASK_GENERATORS = {}  # (hf_checkpoint, loss_mask_type) -> MultiTurnLossMaskGen
 def _mask_generator(args):
     key = (args.hf_checkpoint, args.loss_mask_type)
     if key not in _MASK_GENERATORS:
-        from transformers import AutoTokenizer
-
-        from slime.utils.mask_utils import MultiTurnLossMaskGenerator
+        from transformers import AutoTokenizer  # heavy
 
         tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint, trust_remote_code=True)
         _MASK_GENERATORS[key] = MultiTurnLossMaskGenerator(tokenizer, tokenizer_type=args.loss_mask_type)

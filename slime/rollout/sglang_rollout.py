@@ -17,6 +17,7 @@ from slime.rollout.filter_hub.base_types import MetricGatherer, call_dynamic_fil
 from slime.rollout.rm_hub import async_rm, batched_async_rm
 from slime.rollout.sample_hooks import apply_rollout_sample_hooks
 from slime.utils.async_utils import run
+from slime.utils.data import Dataset
 from slime.utils.http_utils import post
 from slime.utils.misc import SingletonMeta, accepted_kwargs, load_function
 from slime.utils.types import Sample
@@ -30,7 +31,7 @@ class GenerateState(metaclass=SingletonMeta):
     """Process-wide rollout state: tokenizer, concurrency limit, default sampling params, in-flight tasks."""
 
     def __init__(self, args):
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # heavy
 
         self.args = args
         self.tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint, trust_remote_code=True)
@@ -305,8 +306,6 @@ def _eval_sampling_params(args, state):
 
 async def eval_rollout_single_dataset(args, rollout_id, name, path):
     """Generate `n_samples_per_eval_prompt` samples per prompt of one eval dataset; {name: {rewards, truncated}}."""
-    from slime.utils.data import Dataset
-
     state = GenerateState(args)
     if name not in EVAL_PROMPT_DATASET:
         EVAL_PROMPT_DATASET[name] = Dataset(

@@ -15,6 +15,7 @@ import os
 import re
 import sys
 
+import torch
 import yaml
 
 from slime.backends.sglang_utils.arguments import add_sglang_arguments, sglang_available
@@ -715,7 +716,7 @@ def _apply_hf_config(args, error, check_paths, given=frozenset()):
     path = args.hf_checkpoint
     if not os.path.exists(path) and not check_paths:
         return  # dry run of a launch script for another machine: nothing to read
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # heavy
 
     try:
         cfg = AutoConfig.from_pretrained(path, trust_remote_code=True)
@@ -1102,8 +1103,6 @@ def megatron_validate_args(args, error):
         # Megatron's local (non-TE) norms cannot do sequence parallelism; it only saves activation memory.
         logger.warning("--sequence-parallel ignored on CPU (needs Transformer Engine / Apex norms)")
         args.sequence_parallel = False
-    import torch
-
     args.params_dtype = torch.half if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
 
 
@@ -1146,7 +1145,7 @@ def _build_parser(add_slime_arguments):
 
 def _parse_with_megatron(add_slime_arguments, argv):
     """Megatron-LM on PYTHONPATH: its parser with slime's flags as extra args (slime's own layering)."""
-    from megatron.training.arguments import parse_args as megatron_parse_args
+    from megatron.training.arguments import parse_args as megatron_parse_args  # optional: Megatron-LM
 
     captured = {}
 
@@ -1198,7 +1197,7 @@ def parse_args(add_custom_arguments=None, argv=None, *, check_paths=True):
     args.world_size = args.actor_num_nodes * args.actor_num_gpus_per_node  # debug-rollout-only may resize the actors
     if with_megatron:
         if not args.debug_rollout_only:
-            from megatron.training.arguments import validate_args as megatron_validate
+            from megatron.training.arguments import validate_args as megatron_validate  # optional: Megatron-LM
 
             megatron_validate(args)
     else:

@@ -50,7 +50,7 @@ def read_file(path):
         raise FileNotFoundError(f"data file {path} does not exist")
     if ext == ".jsonl":
         _check_jsonl(path)
-    import datasets
+    import datasets  # heavy
 
     try:
         return getattr(datasets.Dataset, _READERS[ext])(path)

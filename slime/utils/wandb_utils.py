@@ -69,7 +69,7 @@ def init_wandb_primary(args):
     if not args.use_wandb:
         args.wandb_run_id = None
         return None
-    import wandb
+    import wandb  # heavy: only with --use-wandb
 
     mode = _resolve_mode(args)
     kwargs = _login_and_dir(wandb, args, mode)
@@ -99,7 +99,7 @@ def init_wandb_secondary(args, wandb_run_id):
     """Join the driver's run from an actor (trainer rank, rollout controller). No-op when `wandb_run_id` is None."""
     if wandb_run_id is None or not args.use_wandb:
         return None
-    import wandb
+    import wandb  # heavy: only with --use-wandb
 
     mode = _resolve_mode(args)
     kwargs = _login_and_dir(wandb, args, mode)
@@ -138,7 +138,7 @@ def log(args, metrics: dict, step_key: str, step=None):
     if step_key not in record:
         raise ValueError(f"wandb log: pass step= or put {step_key!r} in the metrics dict (got keys {sorted(metrics)})")
     if args.use_wandb:
-        import wandb
+        import wandb  # heavy: only with --use-wandb
 
         if wandb.run is None:
             raise RuntimeError(

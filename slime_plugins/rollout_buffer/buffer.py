@@ -226,7 +226,7 @@ def create_app(group_size: int = 8, task_type: str = "math", generator_dirs=(GEN
 
 
 def main(argv=None):
-    import uvicorn
+    import uvicorn  # heavy: only the server's main
 
     p = argparse.ArgumentParser(description="slime rollout buffer server")
     p.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1 by default; 0.0.0.0 exposes it)")

@@ -14,6 +14,7 @@ from collections import defaultdict
 
 import httpx
 
+from slime.utils.mask_utils import MultiTurnLossMaskGenerator
 from slime.utils.types import Sample
 
 __all__ = ["generate_rollout"]
@@ -95,9 +96,7 @@ def _group_records(records, n):
 
 def _to_sample(args, record, position):
     if _state["mask_generator"] is None:
-        from transformers import AutoTokenizer
-
-        from slime.utils.mask_utils import MultiTurnLossMaskGenerator
+        from transformers import AutoTokenizer  # heavy
 
         _state["tokenizer"] = AutoTokenizer.from_pretrained(args.hf_checkpoint, trust_remote_code=True)
         _state["mask_generator"] = MultiTurnLossMaskGenerator(_state["tokenizer"], tokenizer_type=args.loss_mask_type)

@@ -29,9 +29,9 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="[%(asctime)s cpu_server] %(levelname)s %(message)s")
-    from .model import UnsupportedModelError
-    from .server import run_server
-    from .weights import WeightError
+    from .model import UnsupportedModelError  # heavy: after the argument checks
+    from .server import run_server  # heavy: after the argument checks
+    from .weights import WeightError  # heavy: after the argument checks
 
     try:
         run_server(args)

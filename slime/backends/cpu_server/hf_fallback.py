@@ -10,7 +10,7 @@ import tempfile
 
 import torch
 
-from .weights import WeightError, tensor_sha256
+from .weights import WeightError, resolve_dtype, tensor_sha256
 
 
 class FallbackConfig:
@@ -97,7 +97,7 @@ class HFWeights:
         return loaded
 
     def load_from_dir(self, model_dir: str):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM  # heavy
 
         src = AutoModelForCausalLM.from_pretrained(model_dir, dtype=next(self.model.parameters()).dtype)
         self.load(src.named_parameters(), model_dir)
@@ -159,15 +159,13 @@ class HFFallbackModel:
 
 def load_fallback(model_dir: str, dtype_name: str, trust_remote_code: bool):
     """(config, weights, model) for a transformers causal LM; raises ValueError naming the directory."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM  # heavy
 
     try:
         hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001
         raise WeightError(f"{model_dir}: not a loadable HuggingFace model directory ({e})") from None
     cfg = FallbackConfig(model_dir, hf_config)
-    from .weights import resolve_dtype
-
     dtype = resolve_dtype(dtype_name, cfg)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code).eval()
     return cfg, dtype, HFWeights(model), HFFallbackModel(model)

@@ -43,7 +43,7 @@ class CPUInferenceServer:
     def __init__(self, args):
         self.args = args
         self.model_path = os.path.abspath(args.model_path)
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # heavy
 
         self._load_model(args)
         tok_path = args.tokenizer_path or self.model_path

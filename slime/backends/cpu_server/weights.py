@@ -11,6 +11,8 @@ import shutil
 import tempfile
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from .model import ModelConfig
 
@@ -113,8 +115,6 @@ class WeightStore:
         files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
         loaded = set()
         if files:
-            from safetensors import safe_open
-
             for fn in files:
                 with safe_open(fn, framework="pt") as f:
                     loaded |= self.load(((k, f.get_tensor(k)) for k in f.keys()), fn)
@@ -139,8 +139,6 @@ class WeightStore:
         """Move the current weights to a temporary file and free the tensors (weights updated since load are kept)."""
         if self.released:
             return
-        from safetensors.torch import save_file
-
         d = tempfile.mkdtemp(prefix="slime-cpu-server-weights-")
         save_file(self.storage, os.path.join(d, "weights.safetensors"))
         self.storage, self.named, self.layers = {}, {}, []
@@ -150,8 +148,6 @@ class WeightStore:
     def resume(self):
         if not self.released:
             return
-        from safetensors.torch import load_file
-
         d, self._backup_dir = self._backup_dir, None
         saved = load_file(os.path.join(d, "weights.safetensors"))
         self._allocate()

@@ -12,14 +12,22 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
+from slime.backends.utils.data import process_rollout_data
 from slime.ray.train_actor import TrainRayActor
 from slime.utils.device import empty_cache, is_cpu, pin_memory, synchronize
 from slime.utils.misc import load_rollout_data_postprocess
 from slime.utils.timer import Timer, timer
+from slime.utils.wandb_utils import init_wandb_secondary
 
 from . import initialize as megatron_init
 from .checkpoint import load_checkpoint, save_checkpoint
+from .data import get_data_iterator, log_rollout_data
+from .loss import compute_advantages_and_returns
+from .megatron_to_hf import resolve_model_name
+from .model import forward_only, initialize_model_and_optimizer, log
+from .model import train as train_steps
 from .param_utils import named_parameters
+from .update_weight_utils import UpdateWeightFromDistributed, UpdateWeightFromTensor
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +36,7 @@ def _memory_saver():
     """torch_memory_saver, when this process runs under its preload hook (set by `slime.ray.actor_group`)."""
     if is_cpu() or "torch_memory_saver" not in os.environ.get("LD_PRELOAD", ""):
         return None
-    from torch_memory_saver import torch_memory_saver
+    from torch_memory_saver import torch_memory_saver  # optional: the [sglang] GPU extra
 
     return torch_memory_saver
 
@@ -42,12 +50,8 @@ class MegatronTrainRayActor(TrainRayActor):
             return 0
         megatron_init.init(args)
         if megatron_init.is_megatron_main_rank():
-            from slime.utils.wandb_utils import init_wandb_secondary
-
             init_wandb_secondary(args, wandb_run_id)
         self._read_hf_config(args)
-
-        from .model import initialize_model_and_optimizer
 
         self.model, self.optimizer, self.opt_param_scheduler, iteration = initialize_model_and_optimizer(args, role)
         start_rollout_id = iteration + 1
@@ -59,8 +63,6 @@ class MegatronTrainRayActor(TrainRayActor):
         if args.keep_old_actor:
             self.weights["old_actor"] = _clone_dict(self.weights["actor"])
             self.weights["rollout_actor"] = _clone_dict(self.weights["actor"])
-
-        from .update_weight_utils import UpdateWeightFromDistributed, UpdateWeightFromTensor
 
         updater_cls = UpdateWeightFromTensor if args.colocate else UpdateWeightFromDistributed
         self.weight_updator = updater_cls(
@@ -80,8 +82,6 @@ class MegatronTrainRayActor(TrainRayActor):
 
     def _read_hf_config(self, args):
         """Model name and vocab size from --hf-checkpoint, read rank by rank (concurrent HF cache writes collide)."""
-        from .megatron_to_hf import resolve_model_name
-
         self.model_name, self.vocab_size = args.model_name, args.vocab_size
         if not args.hf_checkpoint:
             self.model_name = resolve_model_name(args)
@@ -89,7 +89,7 @@ class MegatronTrainRayActor(TrainRayActor):
         group = megatron_init.get_gloo_group()
         for r in range(dist.get_world_size()):
             if r == dist.get_rank():
-                from transformers import AutoConfig
+                from transformers import AutoConfig  # heavy
 
                 hf_config = AutoConfig.from_pretrained(args.hf_checkpoint, trust_remote_code=True)
                 self.model_name = self.model_name or type(hf_config).__name__.lower()
@@ -190,19 +190,11 @@ class MegatronTrainRayActor(TrainRayActor):
 
     # ---- training ----------------------------------------------------------------------------------------------
     def compute_log_prob(self, tag, data_iterator, num_microbatches, store_prefix=""):
-        from .model import forward_only
-
         self.update_gpu_params_dict(self.weights[tag])
         return forward_only(self.args, self.model, data_iterator, num_microbatches, store_prefix=store_prefix)
 
     def train(self, rollout_id, rollout_data_ref):
         """Train on one rollout (`Box(ObjectRef)` of the train-data dict). Returns `{"rollout": {...}, "train": [...]}`."""
-        from slime.backends.utils.data import process_rollout_data
-
-        from .data import get_data_iterator, log_rollout_data
-        from .loss import compute_advantages_and_returns
-        from .model import train as train_steps
-
         args = self.args
         if "train_wait" in Timer().start_time:
             Timer().end("train_wait")
@@ -233,8 +225,6 @@ class MegatronTrainRayActor(TrainRayActor):
             self.rollout_data_postprocess(self.args, rollout_id, rollout_data)
         rollout_metrics = log_rollout_data(rollout_id, args, rollout_data)
         if rollout_metrics and megatron_init.is_megatron_main_rank():
-            from .model import log
-
             log(args, {**rollout_metrics, "rollout/step": rollout_id}, "rollout/step")
 
         with timer("actor_train"):
@@ -249,8 +239,6 @@ class MegatronTrainRayActor(TrainRayActor):
         self.update_cpu_params_dict(self.weights["actor"])
         perf = _perf_metrics()
         if perf and megatron_init.is_megatron_main_rank():
-            from .model import log
-
             log(args, {**perf, "rollout/step": rollout_id}, "rollout/step")
         Timer().start("train_wait")
         return {"rollout": rollout_metrics, "train": history, "perf": perf}

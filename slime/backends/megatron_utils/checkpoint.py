@@ -9,8 +9,10 @@ stored in global (unsharded) coordinates, so loading with a different TP size re
 """
 import argparse
 import os
+import random
 import shutil
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
@@ -58,8 +60,8 @@ def _model_sharded_state_dict(model):
 
 def _rng_sharded_object():
     state = {
-        "random_rng_state": __import__("random").getstate(),
-        "np_rng_state": __import__("numpy").random.get_state(),
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
         "torch_rng_state": torch.get_rng_state(),
         "cuda_rng_state": rng_state(),
         "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
@@ -70,10 +72,6 @@ def _rng_sharded_object():
 
 
 def _restore_rng(state):
-    import random
-
-    import numpy as np
-
     random.setstate(state["random_rng_state"])
     np.random.set_state(state["np_rng_state"])
     torch.set_rng_state(state["torch_rng_state"])

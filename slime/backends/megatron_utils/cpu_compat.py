@@ -167,7 +167,7 @@ def apply() -> bool:
     global _applied
     if _applied or not is_cpu():
         return _applied
-    import megatron.core
+    import megatron.core  # patched only on CPU
 
     version = getattr(megatron.core, "__version__", "?")
     if not version.startswith(PINNED_MEGATRON_CORE):
@@ -179,7 +179,7 @@ def apply() -> bool:
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.empty_cache = lambda *a, **k: None
 
-    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.tensor_parallel import random as mrandom  # patched only on CPU
 
     mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
     mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = None, False
@@ -190,12 +190,12 @@ def apply() -> bool:
     for mod in _PROXIED_MODULES:
         importlib.import_module(mod).torch = proxy
 
-    from megatron.core.optimizer import clip_grads, optimizer
+    from megatron.core.optimizer import clip_grads, optimizer  # patched only on CPU
 
     clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
     optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
     # MoE router: without transformer_engine, 0.16.1 leaves `te_general_gemm` undefined (NameError on forward).
-    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe import moe_utils  # patched only on CPU
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
@@ -209,7 +209,7 @@ def _patch_torch_adam_step_on_load():
     """Without Apex/TE the distributed optimizer wraps torch Adam, which keeps a per-param "step". Checkpoints store
     the step once (in param_groups) and skip it per param, but 0.16.1's loader copies every key of the live state
     and fails with KeyError('step'). Keep the live step when the loaded tensors carry none."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer  # patched only on CPU
 
     original = DistributedOptimizer._set_main_param_and_optimizer_states
 
@@ -228,7 +228,7 @@ def _patch_tied_embedding_setup():
     """PP>1 with tied embeddings: 0.16.1's `LanguageModule.setup_embeddings_and_output_layer` moves the embedding /
     output-layer copy with `weight.data.cuda()` before all-reducing it over the embedding group (first + last stage).
     Run it under the spoof mode, which makes `Tensor.cuda()` return the tensor itself."""
-    from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.models.common.language_module.language_module import LanguageModule  # patched only on CPU
 
     original = LanguageModule.setup_embeddings_and_output_layer
 

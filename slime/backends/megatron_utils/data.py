@@ -14,7 +14,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state as mpu
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.utils import get_model_config
 
+from slime.backends.megatron_utils.model_provider import use_transformer_engine
 from slime.backends.utils.data import DataIterator, get_micro_batch_partitions, get_minimum_num_micro_batch_size
 from slime.utils.device import current_device
 
@@ -24,8 +26,6 @@ PACKED_PAD_MULTIPLE = 128  # slime pads packed rows to reduce allocator fragment
 
 def use_packed_sequences(args) -> bool:
     """THD packing needs TE attention, i.e. exactly when the model provider picks the TE layer spec."""
-    from slime.backends.megatron_utils.model_provider import use_transformer_engine
-
     return use_transformer_engine(args)
 
 
@@ -74,8 +74,6 @@ def get_data_iterator(args, model, rollout_data):
     counts_t = torch.tensor(counts, dtype=torch.int64, device=current_device())
     dist.all_reduce(counts_t, op=dist.ReduceOp.MAX, group=mpu.get_data_parallel_group())
     if vpp_size > 1:
-        from megatron.core.utils import get_model_config
-
         # The interleaved schedule runs micro-batches in groups of `microbatch_group_size_per_vp_stage` (PP by
         # default) and needs a whole number of groups. Round *up*: fewer micro-batches would overfill them past
         # --max-tokens-per-gpu (and fewer than one group is rejected by the schedule).

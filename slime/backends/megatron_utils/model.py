@@ -14,6 +14,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
 from slime.utils import wandb_utils
@@ -25,6 +26,7 @@ from .cpu_compat import cuda_type_spoof
 from .data import get_batch
 from .initialize import is_megatron_main_rank
 from .loss import get_log_probs_and_entropy, loss_function
+from .megatron_to_hf import hf_to_megatron
 from .model_provider import get_model_provider_func
 
 logger = logging.getLogger(__name__)
@@ -54,8 +56,6 @@ def get_model(args, wrap_with_ddp=True):
         chunk.to(current_device())
     config = get_model_config(chunks[0])
     if config.bf16 or config.fp16:
-        from megatron.core.transformer.module import Float16Module
-
         chunks = [Float16Module(config, c) for c in chunks]
     if not wrap_with_ddp:
         return chunks
@@ -149,8 +149,6 @@ def initialize_model_and_optimizer(args, role="actor"):
     iteration = load_checkpoint(args, model, optimizer, opt_param_scheduler)
     if iteration is None:  # nothing to load: initialise from the HF checkpoint (beyond slime v0.1.0)
         if args.hf_checkpoint:
-            from .megatron_to_hf import hf_to_megatron
-
             hf_to_megatron(args, model)
             resync_optimizer_main_params(optimizer)
         iteration = -1

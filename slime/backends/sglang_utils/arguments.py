@@ -125,7 +125,7 @@ def add_sglang_arguments(parser):
         return original_add_argument(*prefixed, **kwargs)
 
     if sglang_available():
-        from sglang.srt.server_args import ServerArgs
+        from sglang.srt.server_args import ServerArgs  # optional: SGLang
 
         # Wrap the parser itself, as slime does: add_cli_args may add its own groups through it.
         target, add_cli_args = parser, ServerArgs.add_cli_args

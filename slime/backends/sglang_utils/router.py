@@ -14,8 +14,10 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from importlib.metadata import version
 
 import aiohttp
+from packaging.version import parse
 
 from slime.utils.http_utils import find_available_port, get_host_info
 
@@ -23,17 +25,11 @@ logger = logging.getLogger(__name__)
 
 
 def _router_version():
-    from importlib.metadata import version
-
-    from packaging.version import parse
-
     return parse(version("sglang-router"))
 
 
 def uses_workers_api() -> bool:
     """True for sglang-router > 0.2.1 (`/workers`), False for the older `/add_worker` / `/list_workers` API."""
-    from packaging.version import parse
-
     return _router_version() > parse("0.2.1")
 
 
@@ -77,7 +73,7 @@ def _exitcode(p):
 
 def run_router(router_args):
     """Process target: runs the Rust router until terminated (imports avoid launch_router's heavy mini_lb import)."""
-    from sglang_router.router import Router
+    from sglang_router.router import Router  # heavy: only the driver starts a router
 
     Router.from_args(router_args).start()
 
@@ -90,7 +86,7 @@ def start_router(args, timeout: float = 60.0):
         if not args.sglang_router_port:
             raise ValueError("--sglang-router-ip is set but --sglang-router-port is not: give both for an external router")
         return None
-    from sglang_router.router_args import RouterArgs
+    from sglang_router.router_args import RouterArgs  # heavy: only the driver starts a router
 
     ip = get_host_info()[1]
     port = args.sglang_router_port or find_available_port(random.randint(3000, 4000))

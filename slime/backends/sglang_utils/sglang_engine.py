@@ -50,7 +50,7 @@ def get_base_gpu_id(args, rank: int) -> int:
 def _sglang_flags() -> dict:
     """dest -> (flag, default, action) of SGLang's server options: its own parser, else slime's vendored table."""
     try:
-        from sglang.srt.server_args import ServerArgs
+        from sglang.srt.server_args import ServerArgs  # optional: SGLang
 
         parser = argparse.ArgumentParser(add_help=False)
         ServerArgs.add_cli_args(parser)

@@ -14,6 +14,9 @@ import uuid
 
 import aiohttp
 
+from slime.rollout.rm_hub import async_rm
+from slime.utils.types import Sample
+
 TASK_TYPE = "math"
 REQUEST_TIMEOUT_S = 600
 
@@ -53,9 +56,6 @@ async def query_chat(session, engine_url, messages, sampling_params, retries=3):
 
 async def reward_func(rm_type, response, label):
     """Score with slime's rule graders (the same code the trainer-side rollout uses)."""
-    from slime.rollout.rm_hub import async_rm
-    from slime.utils.types import Sample
-
     rm_args = argparse.Namespace(rm_type=rm_type, custom_rm_path=None, rm_url=None, reward_key=None)
     return float(await async_rm(rm_args, Sample(prompt="", response=response, label=label)))
 

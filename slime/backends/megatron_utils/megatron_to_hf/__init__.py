@@ -36,7 +36,7 @@ def resolve_model_name(args, model_name=None):
     hf_dir = args.hf_checkpoint
     if not hf_dir:
         raise ValueError("Cannot pick a weight converter: set --model-name (e.g. qwen3) or --hf-checkpoint.")
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # heavy
 
     return type(AutoConfig.from_pretrained(hf_dir, trust_remote_code=True)).__name__.lower()
 

@@ -9,6 +9,7 @@ import os
 
 import torch
 from megatron.core import parallel_state as mpu
+from safetensors import safe_open
 
 from ..param_utils import canonical_name, named_parameters
 
@@ -27,8 +28,6 @@ class SafetensorsReader:
             with open(index) as f:
                 self.key_to_file = json.load(f)["weight_map"]
         else:
-            from safetensors import safe_open
-
             self.key_to_file = {}
             for fname in sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors")):
                 with safe_open(os.path.join(hf_dir, fname), framework="pt") as f:
@@ -47,8 +46,6 @@ class SafetensorsReader:
             raise KeyError(f"HF checkpoint {self.hf_dir!r} has no tensor {key!r} (needed by the Megatron model)")
         fname = self.key_to_file[key]
         if fname not in self._handles:
-            from safetensors import safe_open
-
             self._handles[fname] = safe_open(os.path.join(self.hf_dir, fname), framework="pt")
         return self._handles[fname].get_tensor(key)
 
@@ -89,7 +86,7 @@ def shard_for_rank(name, full, param, *, gated_linear_unit=True):
 @torch.no_grad()
 def hf_to_megatron(args, model, hf_checkpoint=None, model_name=None):
     """Copy `hf_checkpoint` (default `args.hf_checkpoint`) into every parameter of `model` (list of chunks)."""
-    from . import get_family, resolve_model_name
+    from . import get_family, resolve_model_name  # cycle: the package imports this module
 
     hf_dir = hf_checkpoint or args.hf_checkpoint
     reader = SafetensorsReader(hf_dir)
