@@ -58,7 +58,7 @@ def _init_trainer(args, port):
     from slime.backends.megatron_utils.data import get_data_iterator
     from slime.backends.megatron_utils.initialize import init
     from slime.backends.megatron_utils.model import initialize_model_and_optimizer
-    from slime.backends.utils.data import process_rollout_data
+    from slime.backends.megatron_utils.rollout_data import process_rollout_data
     from slime.utils.device import dist_backend, is_cpu
 
     assert not is_cpu() and dist_backend() == "nccl"

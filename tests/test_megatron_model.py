@@ -21,7 +21,7 @@ def _setup(args, data):
     from slime.backends.megatron_utils.data import get_data_iterator
     from slime.backends.megatron_utils.initialize import init
     from slime.backends.megatron_utils.model import initialize_model_and_optimizer
-    from slime.backends.utils.data import process_rollout_data
+    from slime.backends.megatron_utils.rollout_data import process_rollout_data
 
     init(args)
     model, opt, sched, iteration = initialize_model_and_optimizer(args)

@@ -64,7 +64,7 @@ def _run_layout(rank, model_dir, layout, out_dir):
     from slime.backends.megatron_utils.actor import MegatronTrainRayActor
     from slime.backends.megatron_utils.data import get_data_iterator
     from slime.backends.megatron_utils.model import forward_only
-    from slime.backends.utils.data import process_rollout_data
+    from slime.backends.megatron_utils.rollout_data import process_rollout_data
 
     ray.get = lambda x: x  # the test hands the dict itself instead of an ObjectRef
     train_actor.dist.init_process_group = lambda *a, **k: None  # `spawn` already joined the gloo group

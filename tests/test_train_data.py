@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from slime.backends.utils.data import (
+from slime.backends.megatron_utils.rollout_data import (
     DataIterator,
     get_micro_batch_partitions,
     get_minimum_num_micro_batch_size,

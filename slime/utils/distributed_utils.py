@@ -6,8 +6,6 @@ slime's CPU server on CPU (gloo) with the same call. It works with or without a 
 """
 from datetime import timedelta
 
-import torch
-import torch.distributed as dist
 from torch.distributed.distributed_c10d import (
     Backend,
     PrefixStore,
@@ -32,10 +30,6 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
     pg, _ = _new_process_group_helper(world_size, rank, [], backend, store, group_name=group_name, timeout=timeout, **kwargs)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
-
-
-def broadcast_tensor(tensor: torch.Tensor, src: int, group) -> None:
-    dist.broadcast(tensor, src=src, group=group)
 
 
 def seconds(t: float) -> timedelta:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
-from slime.backends.utils.data import process_rollout_data
+from slime.backends.megatron_utils.rollout_data import process_rollout_data
 from slime.ray.train_actor import TrainRayActor
 from slime.utils.device import empty_cache, is_cpu, pin_memory, synchronize
 from slime.utils.misc import load_rollout_data_postprocess

@@ -17,7 +17,11 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.utils import get_model_config
 
 from slime.backends.megatron_utils.model_provider import use_transformer_engine
-from slime.backends.utils.data import DataIterator, get_micro_batch_partitions, get_minimum_num_micro_batch_size
+from slime.backends.megatron_utils.rollout_data import (
+    DataIterator,
+    get_micro_batch_partitions,
+    get_minimum_num_micro_batch_size,
+)
 from slime.utils.device import current_device
 
 PAD_TOKEN_ID = 0  # pad positions are never scored, any id works

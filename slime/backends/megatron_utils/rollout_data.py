@@ -1,0 +1,160 @@
+"""Rollout data on the trainer side: fetch + DP partition (`process_rollout_data`), micro-batch iteration
+(`DataIterator`) and the first-fit micro-batch count used by dynamic batching. Imports no Megatron module."""
+import numpy as np
+import ray
+import torch
+import torch.distributed as dist
+
+from slime.utils.device import get_device, is_cpu
+from slime.utils.seqlen_balancing import get_seqlen_balanced_partitions
+from slime.utils.timer import Timer
+
+# Per-sample keys split across DP ranks; `raw_reward` stays global (logged over the whole rollout).
+# `metadata` (from `Sample.train_metadata`) reaches hooks such as --rollout-data-postprocess-path.
+PARTITIONED_KEYS = ("tokens", "total_lengths", "response_lengths", "rewards", "truncated", "loss_masks",
+                    "round_number", "sample_indices", "rollout_log_probs", "metadata")
+
+
+class DataIterator:
+    """Hands out micro-batches of a rank's rollout data: fixed-size consecutive slices (`micro_batch_size`) or
+    explicit index lists per micro-batch (`micro_batch_indices`, dynamic batching).
+
+    `packed_sequences` tells the batch builder the model takes THD-packed rows (TE attention) rather than a
+    right-padded `[b, s]` batch; it is decided once, where the iterator is built, by the same check as the layer spec.
+    """
+
+    def __init__(self, rollout_data, micro_batch_size=None, micro_batch_indices=None, packed_sequences=False):
+        assert (micro_batch_size is None) != (micro_batch_indices is None), "give exactly one of micro_batch_size / micro_batch_indices"
+        self.rollout_data = rollout_data
+        self.micro_batch_size = micro_batch_size
+        self.micro_batch_indices = micro_batch_indices
+        self.packed_sequences = packed_sequences
+        self.offset = 0
+
+    def get_next(self, keys):
+        """`{key: values of this micro-batch}` for each key (None where the data has no such key); advances."""
+        batch = {}
+        for key in keys:
+            vals = self.rollout_data.get(key)
+            if vals is None:
+                batch[key] = None
+            elif self.micro_batch_indices is not None:
+                batch[key] = [vals[i] for i in self.micro_batch_indices[self.offset]]
+            else:
+                assert self.offset + self.micro_batch_size <= len(vals), (
+                    f"micro-batch [{self.offset}, {self.offset + self.micro_batch_size}) runs past the {len(vals)} samples of {key!r}")
+                batch[key] = vals[self.offset:self.offset + self.micro_batch_size]
+        self.offset += 1 if self.micro_batch_indices is not None else self.micro_batch_size
+        return batch
+
+    def reset(self):
+        self.offset = 0
+        return self
+
+
+def _first_fit(total_lengths, max_tokens_per_gpu):
+    """First-fit bins of sample indices, each within `max_tokens_per_gpu` tokens unless it holds one longer sample."""
+    bins, used = [], []
+    for i, length in enumerate(total_lengths):
+        for b in range(len(bins)):
+            if used[b] + length <= max_tokens_per_gpu:
+                bins[b].append(i)
+                used[b] += length
+                break
+        else:
+            bins.append([i])
+            used.append(length)
+    return bins
+
+
+def get_minimum_num_micro_batch_size(total_lengths, max_tokens_per_gpu):
+    """Number of micro-batches first-fit packing needs so none exceeds `max_tokens_per_gpu` tokens
+    (a single longer sample gets a micro-batch of its own)."""
+    return len(_first_fit(total_lengths, max_tokens_per_gpu))
+
+
+def get_micro_batch_partitions(total_lengths, num_micro_batches, max_tokens_per_gpu):
+    """Split one step's samples into exactly `num_micro_batches` index lists with balanced token counts, none over
+    `max_tokens_per_gpu` (except a lone over-long sample). `num_micro_batches` must be at least the first-fit count.
+
+    Karmarkar-Karp balances sums but ignores the cap; in the rare case it overshoots, split the first-fit packing
+    (which fits by construction) until there are enough micro-batches.
+    """
+    parts = get_seqlen_balanced_partitions(total_lengths, num_micro_batches, equal_size=False)
+    if all(len(p) == 1 or sum(total_lengths[i] for i in p) <= max_tokens_per_gpu for p in parts):
+        return parts
+    bins = _first_fit(total_lengths, max_tokens_per_gpu)
+    assert len(bins) <= num_micro_batches, f"{num_micro_batches} micro-batches cannot hold {len(bins)} first-fit bins"
+    while len(bins) < num_micro_batches:
+        largest = max(bins, key=len)
+        bins.append([largest.pop()])
+    return [sorted(b) for b in bins]
+
+
+def _balanced_dp_partitions(total_lengths, dp_size, n_samples_per_prompt):
+    """Karmarkar-Karp over whole prompt groups (summed lengths), expanded back to sample indices per DP rank."""
+    n = n_samples_per_prompt
+    if len(total_lengths) % n != 0:
+        raise ValueError(f"--balance-data keeps prompt groups together, but {len(total_lengths)} samples are not a "
+                         f"multiple of --n-samples-per-prompt {n}")
+    num_groups = len(total_lengths) // n
+    if num_groups % dp_size != 0:
+        raise ValueError(f"--balance-data gives every DP rank the same number of prompt groups, but {num_groups} groups "
+                         f"do not divide over {dp_size} DP ranks; change --rollout-batch-size or turn off --balance-data")
+    group_lengths = [sum(total_lengths[g * n:(g + 1) * n]) for g in range(num_groups)]
+    group_parts = get_seqlen_balanced_partitions(group_lengths, dp_size, equal_size=True)
+    return [[g * n + j for g in groups for j in range(n)] for groups in group_parts]
+
+
+def _fetch_rollout_data(rollout_data_ref):
+    """Global rank 0 pulls the dict from the object store once and broadcasts it to every trainer rank."""
+    multi_rank = dist.is_initialized() and dist.get_world_size() > 1
+    if not multi_rank or dist.get_rank() == 0:
+        data = ray.get(rollout_data_ref.inner)
+        if not multi_rank:
+            return data
+        holder = [data]
+    else:
+        holder = [None]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def process_rollout_data(args, rollout_data_ref, dp_rank, dp_size):
+    """This DP rank's share of a rollout (`Box(ObjectRef)` of the controller's train-data dict).
+
+    Adds `total_lengths`; tokens become LongTensors and loss masks IntTensors on the training device, rollout
+    log-probs float32 tensors. Partition: strided `val[dp_rank::dp_size]`, or with `--balance-data` Karmarkar-Karp over
+    whole prompt groups so every rank gets about the same number of tokens.
+    """
+    data = _fetch_rollout_data(rollout_data_ref)
+    if "tokens" not in data:
+        raise KeyError(f"rollout data has no 'tokens' (keys: {sorted(data)}); a custom rollout/convert function must "
+                       "produce the train-data dict of RolloutController._convert_samples_to_train_data")
+    data["total_lengths"] = [len(t) for t in data["tokens"]]
+    Timer().seq_lens = data["total_lengths"]  # whole-rollout lengths, for FLOPs accounting
+
+    if getattr(args, "balance_data", False):
+        indices = _balanced_dp_partitions(data["total_lengths"], dp_size, args.n_samples_per_prompt)[dp_rank]
+
+        def partition(vals):
+            return [vals[i] for i in indices]
+    else:
+        def partition(vals):
+            return vals[dp_rank::dp_size]
+
+    device = get_device() if is_cpu() else get_device(torch.cuda.current_device())
+    rollout_data = {"raw_reward": data["raw_reward"]} if "raw_reward" in data else {}
+    for key in PARTITIONED_KEYS:
+        if key not in data or data[key] is None:
+            continue
+        vals = partition(data[key])
+        # torch.tensor copies: arrays from the object store are read-only views of shared memory
+        if key == "tokens":
+            vals = [torch.tensor(np.asarray(t), dtype=torch.long, device=device) for t in vals]
+        elif key == "loss_masks":
+            vals = [torch.tensor(np.asarray(m), dtype=torch.int, device=device) for m in vals]
+        elif key == "rollout_log_probs":
+            vals = [torch.tensor(np.asarray(lp), dtype=torch.float32, device=device) for lp in vals]
+        rollout_data[key] = vals
+    return rollout_data
