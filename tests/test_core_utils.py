@@ -254,3 +254,16 @@ def test_cleanup_on_exit_runs_every_step_even_when_one_hangs_or_fails(monkeypatc
     assert ran == ["last registered", "first registered"]
     out = capsys.readouterr().out
     assert "hangs did not finish within 0.2s" in out and "fails failed: actor already dead" in out
+
+
+def test_one_console_metrics_format():
+    from slime.ray.utils import RunRecorder
+    from slime.utils.console import metrics_line
+
+    # numbers to 4 significant digits; non-numbers (and bools) stay out of the console line
+    assert metrics_line("train/step 5", {"train/loss": 1.23456, "train/n": 7, "train/ok": True, "x": [1]}) == \
+        "train/step 5 | loss 1.235 | n 7"
+    assert metrics_line("eval 2", {"eval/aime": 0.25}, short_names=False) == "eval 2 | eval/aime 0.25"
+    record = {"rollout_id": 3, "rollout/raw_reward": 0.41234, "eval/add": 0.5, "eval/add_truncated_ratio": 0.1,
+              "perf/step_time": 12.34}
+    assert RunRecorder._line(record) == "rollout 3 | reward 0.4123 | eval/add 0.5 | step_time_s 12.34"

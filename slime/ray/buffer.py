@@ -15,6 +15,7 @@ import torch
 
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput, call_rollout_fn
 from slime.rollout.sample_hooks import set_current_rollout_id
+from slime.utils.console import metrics_line
 from slime.utils.misc import load_function
 from slime.utils.ray_utils import Box
 from slime.utils.types import Sample
@@ -337,7 +338,7 @@ class RolloutController:
         return self._eval_thread is not None, results
 
     def _log(self, kind, rollout_id, metrics):
-        print(f"{kind} {rollout_id}: {metrics}")
+        print(metrics_line(f"{kind} {rollout_id}", metrics, short_names=False), flush=True)
         if self.wandb is not None:
             step = self.wandb.get_step(self.args, kind, rollout_id)
             self.wandb.log(self.args, metrics, f"{kind}/step", step=step)

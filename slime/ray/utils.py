@@ -7,6 +7,8 @@ import time
 
 import ray
 
+from slime.utils.console import metrics_line
+
 NOSET_VISIBLE_DEVICES_ENV_VARS_LIST = [
     "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES",
     "RAY_EXPERIMENTAL_NOSET_ROCR_VISIBLE_DEVICES",
@@ -165,16 +167,13 @@ class RunRecorder:
 
     @staticmethod
     def _line(r):
-        parts = [f"rollout {r['rollout_id']}"]
-        for key, label in [("rollout/raw_reward", "reward"), ("rollout/response_length", "resp_len"),
-                           ("train/pg_loss", "pg_loss"), ("train/grad_norm", "grad_norm"),
-                           ("train/train_rollout_logprob_abs_diff", "logp_diff")]:
-            if key in r:
-                parts.append(f"{label} {r[key]:.4g}")
-        parts += [f"{k} {v:.3f}" for k, v in r.items() if k.startswith("eval/") and not k.endswith("truncated_ratio")
-                  and isinstance(v, (int, float))]
-        parts.append(f"step {r['perf/step_time']:.1f}s")
-        return " | ".join(parts)
+        """The headline metrics of a rollout record, in the console format (`slime.utils.console`)."""
+        shown = {label: r[key] for key, label in [
+            ("rollout/raw_reward", "reward"), ("rollout/response_length", "resp_len"), ("train/pg_loss", "pg_loss"),
+            ("train/grad_norm", "grad_norm"), ("train/train_rollout_logprob_abs_diff", "logp_diff")] if key in r}
+        shown.update((k, v) for k, v in r.items() if k.startswith("eval/") and not k.endswith("truncated_ratio"))
+        shown["step_time_s"] = r["perf/step_time"]
+        return metrics_line(f"rollout {r['rollout_id']}", shown, short_names=False)
 
     def finish(self):
         if self.args.use_wandb:  # the controller and trainers log to wandb themselves; close the driver's run

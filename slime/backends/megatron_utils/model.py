@@ -18,6 +18,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
 from slime.utils import wandb_utils
+from slime.utils.console import metrics_line
 from slime.utils.device import current_device
 from slime.utils.misc import load_function
 
@@ -310,6 +311,6 @@ def _ci_first_step_checks(loss_dict):
 
 def log(args, metrics, step_key):
     """Main-rank metrics sink: one compact line, plus wandb when --use-wandb."""
-    shown = " ".join(f"{k.split('/', 1)[-1]}={v:.4g}" for k, v in metrics.items() if k != step_key and isinstance(v, float))
-    print(f"[{step_key} {metrics.get(step_key)}] {shown}", flush=True)
+    shown = {k: v for k, v in metrics.items() if k != step_key}
+    print(metrics_line(f"{step_key} {metrics.get(step_key)}", shown), flush=True)
     wandb_utils.log(args, metrics, step_key)
