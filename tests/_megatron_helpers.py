@@ -75,7 +75,8 @@ _LAYOUT_FLAGS = {"tensor_model_parallel_size": "--tensor-model-parallel-size",
 def megatron_args(hf_dir, **overrides):
     """Real args (tests/_args.make_args) for the HF model in `hf_dir`: its config.json gives the architecture, as
     `--hf-checkpoint` does in a job; no dropout, 128-token sequences, no MoE aux loss. The parallel layout in
-    `overrides` becomes flags (with a world size it divides); every other override is set as a field."""
+    `overrides` and the checkpoint paths become flags (with a world size the layout divides); every other
+    override is set as a field."""
     argv = ["--seq-length", "128", "--hidden-dropout", "0", "--attention-dropout", "0",
             "--moe-router-load-balancing-type", "none"]
     world = 1
@@ -84,6 +85,10 @@ def megatron_args(hf_dir, **overrides):
         if size is not None:
             argv += [flag, str(size)]
             world *= size if name != "virtual_pipeline_model_parallel_size" else 1
+    for name in ("load", "save", "ref_load"):  # flags: parse_args derives resume-or-start-fresh from --load
+        path = overrides.pop(name, None)
+        if path is not None:
+            argv += [f"--{name.replace('_', '-')}", str(path)]
     return make_args(*argv, "--actor-num-gpus-per-node", str(world), hf_checkpoint=hf_dir, **overrides)
 
 
@@ -126,7 +131,8 @@ def train_args(model_dir, **overrides):
     """Megatron + slime RL flags for the tiny kit: GRPO policy loss, 1 rollout of 2 prompts x 2 samples, gbs 4."""
     rl = dict(
         lr=1e-3, min_lr=0.0, clip_grad=1.0, optimizer="adam", weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.98,
-        adam_eps=1e-8, use_distributed_optimizer=False, global_batch_size=4, micro_batch_size=2,
+        adam_eps=1e-8, lr_decay_style="constant", use_checkpoint_opt_param_scheduler=True,
+        accumulate_allreduce_grads_in_fp32=True, use_distributed_optimizer=False, global_batch_size=4, micro_batch_size=2,
         rollout_batch_size=2, n_samples_per_prompt=2, num_rollout=4, num_steps_per_rollout=None,
         use_dynamic_batch_size=False, max_tokens_per_gpu=None, balance_data=False, calculate_per_token_loss=False,
         loss_type="policy_loss", advantage_estimator="grpo", eps_clip=0.2, eps_clip_high=0.2, eps_clip_c=None,
