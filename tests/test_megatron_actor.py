@@ -47,7 +47,7 @@ def test_actor_trains_tiny_qwen3_and_resumes(ray_session, tiny_kit, tmp_path, tp
 
     resumed = _make_actors(ray, tp)
     try:
-        args.load = save
+        args = train_args(model_dir, tensor_model_parallel_size=tp, save=save, load=save, kl_loss_coef=0.01)
         starts = ray.get([a.init.remote(args, "actor", None, with_ref=False) for a in resumed], timeout=300)
         assert starts == [1] * tp
     finally:
