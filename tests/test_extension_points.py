@@ -1,7 +1,6 @@
 """Current slime's extension-point contracts that need no server: rollout output types and `call_rollout_fn`,
 `DynamicFilterOutput` drop rule, rollout sample hooks, deep fan-out flattening, `remove_sample` and
 `train_metadata` at conversion, `--custom-config-path`, the start-up table rows of the new path flags."""
-import argparse
 import asyncio
 
 import numpy as np
@@ -77,7 +76,7 @@ def test_call_dynamic_filter_and_metric_gatherer():
     assert call_dynamic_filter(None, "args", []).keep is True
     legacy = call_dynamic_filter(lambda args, group: False, "args", [])
     assert isinstance(legacy, DynamicFilterOutput) and legacy.keep is False and legacy.reason is None
-    args = argparse.Namespace(reward_key=None)
+    args = make_args()
     same = [Sample(reward=1.0), Sample(reward=1.0)]
     out = check_reward_nonzero_std(args, same)
     assert (bool(out), out.reason, out.keep_when_insufficient) == (False, "zero_std_1.0", False)

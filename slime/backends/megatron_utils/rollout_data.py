@@ -134,7 +134,7 @@ def process_rollout_data(args, rollout_data_ref, dp_rank, dp_size):
     data["total_lengths"] = [len(t) for t in data["tokens"]]
     Timer().seq_lens = data["total_lengths"]  # whole-rollout lengths, for FLOPs accounting
 
-    if getattr(args, "balance_data", False):
+    if args.balance_data:
         indices = _balanced_dp_partitions(data["total_lengths"], dp_size, args.n_samples_per_prompt)[dp_rank]
 
         def partition(vals):
