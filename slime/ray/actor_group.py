@@ -14,6 +14,8 @@ logger = logging.getLogger(__name__)
 class RayTrainGroup:
     def __init__(self, args, num_nodes, num_gpus_per_node, pg, wandb_run_id=None, num_gpus_per_actor=1,
                  resources=None, num_resources_per_node=None):
+        # `resources` / `num_resources_per_node`: slime's signature; slime does not use them either (placement
+        # is the bundles of `pg`), so callers written for slime keep working.
         self.args = args
         self._num_nodes, self._num_gpus_per_node = num_nodes, num_gpus_per_node
         self.wandb_run_id = wandb_run_id

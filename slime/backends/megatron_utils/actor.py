@@ -14,7 +14,7 @@ from megatron.core import parallel_state as mpu
 
 from slime.backends.megatron_utils.rollout_data import process_rollout_data
 from slime.ray.train_actor import TrainRayActor
-from slime.utils.device import empty_cache, is_cpu, pin_memory, synchronize
+from slime.utils.device import empty_cache, pin_memory, synchronize
 from slime.utils.misc import load_rollout_data_postprocess
 from slime.utils.timer import Timer, timer
 from slime.utils.wandb_utils import init_wandb_secondary
@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 def _memory_saver():
     """torch_memory_saver, when this process runs under its preload hook (set by `slime.ray.actor_group`)."""
-    if is_cpu() or "torch_memory_saver" not in os.environ.get("LD_PRELOAD", ""):
+    if "torch_memory_saver" not in os.environ.get("LD_PRELOAD", ""):  # set on GPU with --offload only
         return None
     from torch_memory_saver import torch_memory_saver  # optional: the [sglang] GPU extra
 

@@ -5,7 +5,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from slime.utils.device import get_device, is_cpu
+from slime.utils.device import current_device
 from slime.utils.seqlen_balancing import get_seqlen_balanced_partitions
 from slime.utils.timer import Timer
 
@@ -143,7 +143,7 @@ def process_rollout_data(args, rollout_data_ref, dp_rank, dp_size):
         def partition(vals):
             return vals[dp_rank::dp_size]
 
-    device = get_device() if is_cpu() else get_device(torch.cuda.current_device())
+    device = current_device()
     rollout_data = {"raw_reward": data["raw_reward"]} if "raw_reward" in data else {}
     for key in PARTITIONED_KEYS:
         if key not in data or data[key] is None:
