@@ -92,12 +92,86 @@ def megatron_args(hf_dir, **overrides):
     return make_args(*argv, "--actor-num-gpus-per-node", str(world), hf_checkpoint=hf_dir, **overrides)
 
 
-def build_random_hf(kind, out_dir, seed=0):
-    """A tiny random HF model of family `kind` in {qwen2, qwen3, llama, qwen3moe}; every tensor (norms too) random."""
+# MiMo ships as remote code (not in transformers): its public modeling file's structure, written into the test
+# checkpoint so that `trust_remote_code=True` loads it offline. A Qwen2 decoder plus `model.mtp_layers`.
+_MIMO_CONFIG = """from transformers import Qwen2Config
+
+
+class MiMoConfig(Qwen2Config):
+    model_type = "mimo"
+
+    def __init__(self, *args, num_nextn_predict_layers=0, **kwargs):
+        self.num_nextn_predict_layers = num_nextn_predict_layers
+        super().__init__(*args, **kwargs)
+"""
+_MIMO_MODEL = """from torch import nn
+from transformers import Qwen2ForCausalLM, Qwen2Model
+from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2MLP, Qwen2RMSNorm
+
+from .configuration_mimo import MiMoConfig
+
+
+class MiMoMTPLayers(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm, self.post_attention_layernorm = Qwen2RMSNorm(h, eps=eps), Qwen2RMSNorm(h, eps=eps)
+        self.token_layernorm, self.hidden_layernorm = Qwen2RMSNorm(h, eps=eps), Qwen2RMSNorm(h, eps=eps)
+        self.input_proj = nn.Linear(2 * h, h, bias=False)
+        self.final_layernorm = Qwen2RMSNorm(h, eps=eps)
+        self.self_attn = Qwen2Attention(config, layer_idx=0)
+        self.mlp = Qwen2MLP(config)
+
+
+class MiMoModel(Qwen2Model):
+    config_class = MiMoConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.mtp_layers = nn.ModuleList([MiMoMTPLayers(config) for _ in range(config.num_nextn_predict_layers)])
+
+
+class MiMoForCausalLM(Qwen2ForCausalLM):
+    config_class = MiMoConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = MiMoModel(config)
+        self.post_init()
+"""
+
+
+def _build_mimo(common, out_dir):
+    """(config, model class) of a tiny MiMo loaded from remote-code files written into `out_dir`."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    os.makedirs(out_dir, exist_ok=True)
+    for name, text in (("configuration_mimo.py", _MIMO_CONFIG), ("modeling_mimo.py", _MIMO_MODEL)):
+        with open(os.path.join(out_dir, name), "w") as f:
+            f.write(text)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump({**common, "model_type": "mimo", "architectures": ["MiMoForCausalLM"], "hidden_act": "silu",
+                   "num_nextn_predict_layers": 1, "rope_theta": 640000.0,
+                   "auto_map": {"AutoConfig": "configuration_mimo.MiMoConfig",
+                                "AutoModelForCausalLM": "modeling_mimo.MiMoForCausalLM"}}, f)
+    cfg = AutoConfig.from_pretrained(out_dir, trust_remote_code=True)
+    return cfg, lambda c: AutoModelForCausalLM.from_config(c, trust_remote_code=True)
+
+
+def build_random_hf(kind, out_dir, seed=0, vocab_size=200):
+    """A tiny random HF model of family `kind` in {qwen2, qwen3, llama, llama3, qwen3moe, glm4, glm4moe, deepseekv3,
+    mimo};
+    every tensor (norms and router score biases too) random."""
     import transformers as tf
 
-    common = dict(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  pad_token_id=0, eos_token_id=2)
+    # GLM-4.5 / DeepSeek-V3 routing: 1 dense + 2 MoE layers, 8 experts, a shared expert, scaled sigmoid top-k.
+    routed = dict(num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1,
+                  moe_intermediate_size=32, routed_scaling_factor=2.5, norm_topk_prob=True)
     if kind == "qwen2":
         cfg = tf.Qwen2Config(**common)
         cls = tf.Qwen2ForCausalLM
@@ -107,6 +181,28 @@ def build_random_hf(kind, out_dir, seed=0):
     elif kind == "llama":
         cfg = tf.LlamaConfig(**common)
         cls = tf.LlamaForCausalLM
+    elif kind == "llama3":  # Llama-3.2 style: tied embeddings, llama3 RoPE scaling with factor 32
+        rope = dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=8192)
+        cfg = tf.LlamaConfig(**{**common, "tie_word_embeddings": True, "max_position_embeddings": 131072},
+                             rope_parameters=rope)
+        cls = tf.LlamaForCausalLM
+    elif kind == "glm4":
+        cfg = tf.Glm4Config(head_dim=16, attention_bias=True, **common)
+        cls = tf.Glm4ForCausalLM
+    elif kind == "glm4moe":  # grouped query attention, q/k norm, qkv bias, partial rotary 0.5, no routing groups
+        cfg = tf.Glm4MoeConfig(head_dim=16, num_experts_per_tok=2, use_qk_norm=True, attention_bias=True,
+                               n_group=1, topk_group=1, **{**common, **routed})
+        cls = tf.Glm4MoeForCausalLM
+    elif kind == "deepseekv3":  # MLA with q-lora, yarn RoPE (factor 40), 4 routing groups of which 2 are kept
+        rope = dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, mscale=1.0, mscale_all_dim=1.0,
+                    original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0)
+        cfg = tf.DeepseekV3Config(num_experts_per_tok=4, n_group=4, topk_group=2, q_lora_rank=32, kv_lora_rank=16,
+                                  qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rope_parameters=rope,
+                                  **{**common, **routed, "num_key_value_heads": 4, "max_position_embeddings": 163840})
+        cls = tf.DeepseekV3ForCausalLM
+    elif kind == "mimo":
+        cfg, cls = _build_mimo(common, out_dir)
     elif kind == "qwen3moe":
         cfg = tf.Qwen3MoeConfig(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                 norm_topk_prob=True, **common)
@@ -118,6 +214,9 @@ def build_random_hf(kind, out_dir, seed=0):
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.1 + (1.0 if p.dim() == 1 else 0.0))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.1)
     model.save_pretrained(out_dir)
     return out_dir
 
@@ -171,7 +270,8 @@ def hf_log_probs(model_dir, data):
     """Per-sample response log-probs of `data` (tokens, response_lengths) from a transformers fp32 forward."""
     from transformers import AutoModelForCausalLM
 
-    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager",
+                                               trust_remote_code=True).eval()
     out = []
     with torch.no_grad():
         for tokens, r in zip(data["tokens"], data["response_lengths"]):

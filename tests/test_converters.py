@@ -1,5 +1,5 @@
 """tools/convert_hf_to_torch_dist.py and tools/convert_torch_dist_to_hf.py: HF -> torch_dist -> HF is bit-exact (tiny
-kit under torchrun with TP=2, random Qwen2/Qwen3/Llama/Qwen3-MoE in one process), a release checkpoint is what
+kit under torchrun with TP=2, random Qwen2/Qwen3/Llama/Qwen3-MoE/Llama-3/GLM-4/GLM-4.5/DeepSeek-V3/MiMo in one process), a release checkpoint is what
 `--load` accepts, a checkpoint saved by training exports to HF whose transformers logits match Megatron's, and user
 mistakes give clear errors."""
 import json
@@ -22,7 +22,7 @@ from tests._megatron_helpers import (
 )
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FAMILIES = ["qwen2", "qwen3", "llama", "qwen3moe"]
+FAMILIES = ["qwen2", "qwen3", "llama", "qwen3moe", "llama3", "glm4", "glm4moe", "deepseekv3", "mimo"]
 TIMEOUT = 240
 
 
@@ -111,7 +111,8 @@ def test_random_families_round_trip_exact_and_sharded_output(tmp_path):
     hf_root, save_root = tmp_path / "hf", tmp_path / "torch_dist"
     for i, kind in enumerate(FAMILIES):
         build_random_hf(kind, str(hf_root / kind), seed=10 + i)
-    # One process converts all four (main() is re-entrant), without torchrun: a world of one on a file store.
+    # One process converts them all (main() is re-entrant), without torchrun: a world of one on a file store.
+    # MiMo's MTP layers are not in the Megatron checkpoint: the export copies them from --origin-hf-dir.
     _run([sys.executable, "-c", f"from tests.test_converters import _convert_families; "
                                 f"_convert_families({str(hf_root)!r}, {str(save_root)!r})"])
     for kind in FAMILIES:

@@ -202,3 +202,50 @@ def test_plot_metrics(tmp_path):
     res = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_metrics.py"), str(tmp_path / "bad.jsonl"),
                           str(out)], capture_output=True, text=True, timeout=120)
     assert res.returncode != 0 and "bad.jsonl:2" in res.stderr and "Traceback" not in res.stderr
+
+
+# Published config.json values of the families whose MODEL_ARGS are checked by slime's own HF-config comparison.
+_GLM = dict(rms_norm_eps=1e-5, hidden_act="silu", attention_bias=True, tie_word_embeddings=False, vocab_size=151552,
+            head_dim=128, partial_rotary_factor=0.5, max_position_embeddings=131072)
+_GLM45 = dict(_GLM, model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], rope_theta=1000000.0,
+              num_attention_heads=96, num_key_value_heads=8, n_shared_experts=1, num_experts_per_tok=8, n_group=1,
+              topk_group=1, norm_topk_prob=True, num_nextn_predict_layers=1)
+FAMILY_CONFIGS = {
+    "glm4-9B.sh": dict(_GLM, model_type="glm4", architectures=["Glm4ForCausalLM"], hidden_size=4096,
+                       intermediate_size=13696, num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=2,
+                       rope_theta=10000.0, max_position_embeddings=32768),
+    "glm4.5-355B-A32B.sh": dict(_GLM45, hidden_size=5120, intermediate_size=12288, moe_intermediate_size=1536,
+                                num_hidden_layers=92, first_k_dense_replace=3, n_routed_experts=160,
+                                routed_scaling_factor=2.5, use_qk_norm=True),
+    "glm4.5-106B-A12B.sh": dict(_GLM45, hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408,
+                                num_hidden_layers=46, first_k_dense_replace=1, n_routed_experts=128,
+                                routed_scaling_factor=1.0, use_qk_norm=False),
+    "deepseek-v3.sh": dict(
+        model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], hidden_size=7168, intermediate_size=18432,
+        moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+        n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
+        qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, topk_method="noaux_tc", n_group=8, topk_group=4,
+        num_experts_per_tok=8, first_k_dense_replace=3, norm_topk_prob=True, hidden_act="silu",
+        max_position_embeddings=163840, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0,
+        rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                      "original_max_position_embeddings": 4096, "type": "yarn"},
+        attention_bias=False, vocab_size=129280, num_nextn_predict_layers=1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY_CONFIGS))
+def test_family_model_args_agree_with_published_config(name, tmp_path, capsys):
+    """slime's own MODEL_ARGS-vs-config.json check (every architecture flag it infers) passes on the real config,
+    and a changed value in the script is reported."""
+    from slime.utils.arguments import parse_args
+
+    (tmp_path / "config.json").write_text(json.dumps(FAMILY_CONFIGS[name]))
+    base = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "8", "--num-rollout", "2",
+            "--lr", "1e-6", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--hf-checkpoint", str(tmp_path)]
+    tokens = _source_model_args(name)
+    args = parse_args(argv=[*tokens, *base])
+    assert args.num_layers == FAMILY_CONFIGS[name]["num_hidden_layers"]
+    i = tokens.index("--hidden-size")
+    with pytest.raises(SystemExit):
+        parse_args(argv=[*tokens[:i + 1], "1024", *tokens[i + 2:], *base])
+    assert f"--hidden-size 1024 but hidden_size={FAMILY_CONFIGS[name]['hidden_size']}" in capsys.readouterr().err

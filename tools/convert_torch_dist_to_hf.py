@@ -241,6 +241,17 @@ class ShardWriter:
         return n
 
 
+def pass_through_mtp(origin_hf_dir, writer):
+    """MiMo's multi-token-prediction layers (`model.mtp_layers.*`) are not trained: copy them from the origin
+    checkpoint unchanged, so the export stays a complete checkpoint."""
+    from slime.backends.megatron_utils.megatron_to_hf.hf_to_megatron import SafetensorsReader
+
+    origin = SafetensorsReader(origin_hf_dir)
+    for name in sorted(origin.key_to_file):
+        if name.startswith("model.mtp_layers."):
+            writer.add(name, origin.get(name))
+
+
 def prepare_output_dir(output_dir, force):
     if os.path.exists(output_dir):
         if not os.path.isdir(output_dir):
@@ -306,6 +317,8 @@ def convert(input_dir, output_dir, *, origin_hf_dir=None, model_name=None, vocab
             for hf_name, hf_tensor in convert_to_hf(args, model_name, name, remove_padding(name, tensor, vocab_size)):
                 writer.add(hf_name, hf_tensor)
         batch, batch_bytes = [], 0
+    if origin_hf_dir:
+        pass_through_mtp(origin_hf_dir, writer)
     shards = writer.close()
     if origin_hf_dir:
         copy_hf_files(origin_hf_dir, output_dir)

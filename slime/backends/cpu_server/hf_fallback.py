@@ -61,7 +61,8 @@ class TokenPool:
 
 
 class HFWeights:
-    """WeightStore's interface over a transformers model's own parameters (HF names by construction)."""
+    """WeightStore's interface over a transformers model's own parameters (HF names by construction), plus the
+    checkpoint names of what transformers keeps in another form in memory (see `checkpoint_views`)."""
 
     def __init__(self, model):
         self.model = model
@@ -69,7 +70,7 @@ class HFWeights:
 
     @property
     def named(self) -> dict:
-        return {} if self.released else dict(self.model.named_parameters())
+        return {} if self.released else checkpoint_views(self.model)
 
     @property
     def released(self) -> bool:
@@ -129,6 +130,31 @@ class HFWeights:
     def cleanup(self):
         if self._backup_dir:
             shutil.rmtree(self._backup_dir, ignore_errors=True)
+
+
+def checkpoint_views(model) -> dict:
+    """`name -> tensor` for every parameter, every persistent buffer (e.g. MoE `e_score_correction_bias`), and a view
+    per expert under its checkpoint name where transformers fuses MoE experts in memory (`experts.gate_up_proj`
+    [E, 2I, H] with gate rows first, `experts.down_proj` [E, H, I]): trainers and checkpoints name them
+    `experts.<e>.{gate,up,down}_proj.weight`. Writing a view updates the fused parameter."""
+    out = dict(model.named_parameters())
+    for module_name, module in model.named_modules():
+        for buf_name, buf in module.named_buffers(recurse=False):
+            if buf_name not in module._non_persistent_buffers_set:
+                out[f"{module_name}.{buf_name}" if module_name else buf_name] = buf
+    for name, p in list(out.items()):
+        if p.dim() != 3:
+            continue
+        if name.endswith("experts.gate_up_proj"):
+            prefix = name[: -len("gate_up_proj")]
+            gate, up = p.chunk(2, dim=1)
+            for e in range(p.shape[0]):
+                out[f"{prefix}{e}.gate_proj.weight"], out[f"{prefix}{e}.up_proj.weight"] = gate[e], up[e]
+        elif name.endswith("experts.down_proj"):
+            prefix = name[: -len("down_proj")]
+            for e in range(p.shape[0]):
+                out[f"{prefix}{e}.down_proj.weight"] = p[e]
+    return out
 
 
 class HFFallbackModel:

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+# MiMo is a Qwen2 decoder plus multi-token-prediction layers, which serve speculative decoding only: not loaded here.
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "MiMoForCausalLM"}
 
 
 class UnsupportedModelError(ValueError):
@@ -77,7 +79,7 @@ class ModelConfig:
             rms_norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=float(c.get("rope_theta", rope.get("rope_theta", 10000.0))),
             rope_scaling=scaling, max_position_embeddings=c.get("max_position_embeddings", 4096),
             tie_word_embeddings=c.get("tie_word_embeddings", False),
-            attention_bias=c.get("attention_bias", arch == "Qwen2ForCausalLM"), qk_norm=model_type.startswith("qwen3"),
+            attention_bias=c.get("attention_bias", arch in ("Qwen2ForCausalLM", "MiMoForCausalLM")), qk_norm=model_type.startswith("qwen3"),
             mlp_bias=c.get("mlp_bias", False), torch_dtype=str(c.get("torch_dtype") or c.get("dtype") or "float32"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
         )

@@ -89,7 +89,8 @@ class WeightStore:
 
     # ----- loading by HF name -----
     def is_ignored(self, name: str) -> bool:
-        return name.endswith(_IGNORED_SUFFIXES) or (self.cfg.tie_word_embeddings and name == "lm_head.weight")
+        return (name.endswith(_IGNORED_SUFFIXES) or (self.cfg.tie_word_embeddings and name == "lm_head.weight")
+                or name.startswith("model.mtp_layers."))  # MiMo's MTP layers: speculative decoding, not served here
 
     def load(self, named_tensors, source: str) -> set:
         """Copy each (hf_name, tensor) into place (casting dtype). Unknown names / wrong shapes raise naming the tensor."""

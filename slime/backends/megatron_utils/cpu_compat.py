@@ -201,8 +201,40 @@ def apply() -> bool:
         moe_utils.te_general_gemm = None
     _patch_torch_adam_step_on_load()
     _patch_tied_embedding_setup()
+    _patch_moe_allgather_dispatcher()
     _applied = True
     return True
+
+
+def _patch_moe_allgather_dispatcher():
+    """On CPU MoE runs the allgather dispatcher (alltoall needs CUDA streams), whose all-gather / reduce-scatter over
+    TP x EP assume every rank holds as many tokens. Expert-parallel ranks are data-parallel ranks with their own
+    micro-batches, so pad each rank's tokens to the group's maximum with rows routed to no expert, and drop them
+    after the combine."""
+    from megatron.core.transformer.moe import moe_layer
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+    class PaddedAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
+        _pad = 0
+
+        def token_dispatch(self, hidden_states, probs):
+            self._pad = 0
+            if self.tp_size > 1 or self.ep_size > 1:
+                n = torch.tensor([hidden_states.shape[0]])
+                sizes = [torch.zeros_like(n) for _ in range(self.tp_ep_group.size())]
+                torch.distributed.all_gather(sizes, n, group=self.tp_ep_group)
+                self._pad = int(max(sizes)) - int(n)
+            if self._pad:
+                hidden_states = torch.cat([hidden_states, hidden_states.new_zeros(self._pad, hidden_states.shape[1])])
+                probs = torch.cat([probs, probs.new_zeros(self._pad, probs.shape[1])])
+                self.routing_map = torch.cat([self.routing_map, self.routing_map.new_zeros(self._pad, self.routing_map.shape[1])])
+            return super().token_dispatch(hidden_states, probs)
+
+        def token_combine(self, hidden_states):
+            out = super().token_combine(hidden_states)
+            return out[: out.shape[0] - self._pad] if self._pad else out
+
+    moe_layer.MoEAllGatherTokenDispatcher = PaddedAllGatherTokenDispatcher
 
 
 def _patch_torch_adam_step_on_load():

@@ -14,11 +14,13 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from slime.utils.device import default_dtype, is_cpu
 from slime.utils.misc import accepted_kwargs, load_function
 
 from . import cpu_compat
+from .local_layers import mla_local_spec, with_post_norms
 
 
 def use_transformer_engine(args) -> bool:
@@ -89,6 +91,14 @@ def core_transformer_config_from_args(args) -> TransformerConfig:
     if num_experts:
         kw.update(
             num_moe_experts=num_experts,
+            moe_layer_freq=args.moe_layer_freq,
+            moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+            moe_router_score_function=args.moe_router_score_function,
+            moe_router_enable_expert_bias=bool(args.moe_router_enable_expert_bias),
+            moe_router_bias_update_rate=args.moe_router_bias_update_rate,
+            moe_router_num_groups=args.moe_router_num_groups,
+            moe_router_group_topk=args.moe_router_group_topk,
+            moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
             moe_router_topk=args.moe_router_topk,
             moe_ffn_hidden_size=args.moe_ffn_hidden_size,
             moe_grouped_gemm=bool(args.moe_grouped_gemm) and use_transformer_engine(args),
@@ -98,23 +108,45 @@ def core_transformer_config_from_args(args) -> TransformerConfig:
             moe_router_pre_softmax=bool(args.moe_router_pre_softmax),
             moe_router_dtype=args.moe_router_dtype,
         )
+    kw["rotary_interleaved"] = bool(args.rotary_interleaved)
     kw.update(cpu_compat.transformer_config_overrides(kw))
+    if args.multi_latent_attention:
+        return MLATransformerConfig(
+            **kw,
+            q_lora_rank=args.q_lora_rank,
+            kv_lora_rank=args.kv_lora_rank,
+            qk_head_dim=args.qk_head_dim,
+            qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
+            v_head_dim=args.v_head_dim,
+            rope_type=args.rope_type,
+            rotary_base=args.rotary_base,
+            rotary_percent=args.rotary_percent,
+            rotary_scaling_factor=args.rotary_scaling_factor,
+            mscale=args.mscale,
+            mscale_all_dim=args.mscale_all_dim,
+        )
     return TransformerConfig(**kw)
 
 
 def _layer_spec(args, config, vp_stage=None):
+    """The decoder's layer spec: `--spec module fn` (called as `fn(args)`, as in slime), else TE on GPU / local
+    elsewhere; a block spec with MoE (it honours `--moe-layer-freq`) or MLA; GLM-4 post norms where asked for."""
     if args.spec:
         module, fn = args.spec
-        return getattr(importlib.import_module(module), fn)(args)
-    num_experts = args.num_experts
-    qk = bool(args.qk_layernorm)
-    if use_transformer_engine(args):
-        if num_experts:
-            return get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage)
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk)
-    return get_gpt_layer_local_spec(
-        num_experts=num_experts, qk_layernorm=qk, normalization=config.normalization
-    )
+        return getattr(importlib.import_module(module), fn)(args)  # the spec adds what it needs (post norms, ...)
+    te = use_transformer_engine(args)
+    if args.num_experts or config.multi_latent_attention:
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization=config.normalization,
+                                          vp_stage=vp_stage)
+        if not te and config.multi_latent_attention:
+            spec.layer_specs = [mla_local_spec(s) for s in spec.layer_specs]
+    elif te:
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=bool(args.qk_layernorm))
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=bool(args.qk_layernorm), normalization=config.normalization)
+    if args.post_self_attn_layernorm or args.post_mlp_layernorm:
+        spec = with_post_norms(spec, args, te)
+    return spec
 
 
 def _custom_model_provider(path):
@@ -134,9 +166,10 @@ def get_model_provider_func(args):
 
     def model_provider(pre_process=True, post_process=True, vp_stage=None):
         config = core_transformer_config_from_args(args)
+        layer_spec = _layer_spec(args, config, vp_stage)
         return GPTModel(
             config=config,
-            transformer_layer_spec=_layer_spec(args, config, vp_stage),
+            transformer_layer_spec=layer_spec,
             vocab_size=padded_vocab_size(args),
             max_sequence_length=args.max_position_embeddings,
             pre_process=pre_process,
@@ -147,6 +180,8 @@ def get_model_provider_func(args):
             position_embedding_type=args.position_embedding_type,
             rotary_percent=args.rotary_percent,
             rotary_base=int(args.rotary_base),
+            rope_scaling=bool(args.use_rope_scaling),
+            rope_scaling_factor=args.rope_scaling_factor,
             vp_stage=vp_stage,
         )
 

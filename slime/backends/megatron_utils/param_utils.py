@@ -65,6 +65,39 @@ def _globalize(name, layer_offset, expert_offset):
     return f"{PREFIX}decoder.layers.{layer_idx}.{rest}"
 
 
+_TP_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "parallel_mode")
+
+
+def expert_parallel_copies(args, name, param):
+    """[(global_name, shard)] of `param` on every expert-parallel rank: itself when it is not a routed-expert
+    parameter or EP is 1, else the same local expert of each EP rank (collective over the EP group). The shards keep
+    `param`'s tensor-parallel attributes, so `all_gather_param` then gathers each over expert-TP."""
+    ep = mpu.get_expert_model_parallel_world_size()
+    if ep == 1 or ".experts." not in name:
+        return [(name, param)]
+    parts = [torch.empty_like(param.data) for _ in range(ep)]
+    dist.all_gather(parts, param.data.contiguous(), group=mpu.get_expert_model_parallel_group())
+    per_rank = args.num_experts // ep
+    out = []
+    for r, part in enumerate(parts):
+        for attr in _TP_ATTRS:
+            if hasattr(param, attr):
+                setattr(part, attr, getattr(param, attr))
+        out.append((_with_expert(name, lambda e: r * per_rank + e % per_rank), part))
+    return out
+
+
+def _with_expert(name, fn):
+    """`name` with its expert index e replaced by fn(e) (local-spec and grouped-GEMM spellings)."""
+    m = _LAYER_RE.match(name)
+    rest = m.group(2)
+    if em := _LOCAL_EXPERT_RE.match(rest):
+        rest = f"{em.group(1)}{fn(int(em.group(2)))}{em.group(3)}"
+    elif em := _GROUPED_EXPERT_RE.match(rest):
+        rest = f"{em.group(1)}{fn(int(em.group(2)))}"
+    return f"{PREFIX}decoder.layers.{m.group(1)}.{rest}"
+
+
 def all_gather_param(name, param, *, gated_linear_unit=True):
     """The full (TP-unsharded) tensor of `param`; non-TP params come back as `param.data` (no copy).
 

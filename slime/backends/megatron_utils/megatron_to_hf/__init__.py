@@ -5,19 +5,23 @@ its global name and returns `[(hf_name, tensor)]`. `hf_to_megatron(args, model)`
 (possibly TP/PP/EP-sharded) Megatron model from an HF safetensors checkpoint, so `--hf-checkpoint` alone can
 initialise training.
 """
-from . import llama, qwen2, qwen3moe
+from . import deepseekv3, glm4, glm4moe, llama, mimo, qwen2, qwen3moe
 from .hf_to_megatron import hf_to_megatron
 
-# Checked in this order: "qwen3moe" must win over "qwen3".
+# Checked in this order on the lowercased name without "_"/"-": "qwen3moe" must win over "qwen3", "glm4moe" over "glm4".
 _FAMILIES = [
-    (("qwen3moe", "qwen3_moe"), qwen3moe.FAMILY),
+    (("glm4moe",), glm4moe.FAMILY),
+    (("glm4",), glm4.FAMILY),
+    (("qwen3moe",), qwen3moe.FAMILY),
     (("qwen2", "qwen3"), qwen2.FAMILY),
+    (("deepseekv3",), deepseekv3.FAMILY),
     (("llama",), llama.FAMILY),
+    (("mimo",), mimo.FAMILY),
 ]
 
 
 def get_family(model_name):
-    key = (model_name or "").lower()
+    key = (model_name or "").lower().replace("_", "").replace("-", "")
     for substrings, family in _FAMILIES:
         if any(s in key for s in substrings):
             return family

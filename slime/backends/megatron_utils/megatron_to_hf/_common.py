@@ -1,4 +1,4 @@
-"""Name/layout rules shared by the GPT-style families (Qwen2/Qwen3, Llama, Qwen3-MoE), in both directions.
+"""Name/layout rules shared by the GPT-style families (Qwen2/3, Llama, Qwen3-MoE, GLM-4, GLM-4.5, DeepSeek-V3, MiMo).
 
 A family is a set of features; each rule maps one Megatron parameter (global name, full unsharded tensor) to its
 HF tensors and back. Megatron names come in two flavours, both handled: the local spec keeps norms as modules
@@ -19,7 +19,8 @@ _TOP_LEVEL = {
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT_RE = re.compile(r"^mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.weight|(linear_fc[12])\.weight(\d+))$")
 
-# Megatron layer-relative suffix -> HF layer-relative suffix, copied as is. Keyed by the feature that enables them.
+# Megatron layer-relative suffix -> HF layer-relative suffix, copied as is. Keyed by the feature that enables them
+# (later features override earlier ones: MLA's q/kv latent norms reuse the `q_layernorm` module name).
 _COPY_RULES = {
     None: {
         "input_layernorm.weight": "input_layernorm.weight",
@@ -34,7 +35,29 @@ _COPY_RULES = {
         "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
     },
     "moe": {"mlp.router.weight": "mlp.gate.weight"},
+    "expert_bias": {"mlp.router.expert_bias": "mlp.gate.e_score_correction_bias"},
+    "shared_experts": {"mlp.shared_experts.linear_fc2.weight": "mlp.shared_experts.down_proj.weight"},
+    "post_norms": {
+        "post_self_attn_layernorm.weight": "post_self_attn_layernorm.weight",
+        "post_mlp_layernorm.weight": "post_mlp_layernorm.weight",
+    },
+    "fused_gate_up": {"mlp.linear_fc1.weight": "mlp.gate_up_proj.weight"},
+    # DeepSeek-V3 multi-latent attention; the local spec names the latent norms `q_layernorm` / `kv_layernorm`, the
+    # TE spec fuses them into the up-projections.
+    "mla": {
+        "self_attention.linear_q_proj.weight": "self_attn.q_proj.weight",
+        "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+        "self_attention.q_layernorm.weight": "self_attn.q_a_layernorm.weight",
+        "self_attention.linear_q_up_proj.layer_norm_weight": "self_attn.q_a_layernorm.weight",
+        "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
+        "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+        "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
+        "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attn.kv_a_layernorm.weight",
+        "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
+    },
 }
+# (Megatron fc1 suffix, HF prefix) of gated MLPs whose HF gate and up projections are separate tensors.
+_GATE_UP_SPLIT = {"mlp.linear_fc1.weight": "mlp.", "mlp.shared_experts.linear_fc1.weight": "mlp.shared_experts."}
 
 
 def strip_prefix(name: str) -> str:
@@ -52,7 +75,8 @@ def attention_dims(args):
 
 
 class GPTFamily:
-    """One HF model family. `features` ⊆ {"qkv_bias", "qk_norm", "moe"} decides which parameters it claims."""
+    """One HF model family: its mapping table is the rules of its `features` ⊆ {"qkv_bias", "qk_norm", "moe",
+    "expert_bias", "shared_experts", "post_norms", "fused_gate_up", "mla"}."""
 
     def __init__(self, name, features=()):
         self.name, self.features = name, frozenset(features)
@@ -67,20 +91,21 @@ class GPTFamily:
         local = strip_prefix(name)
         if local in _TOP_LEVEL:
             return [(_TOP_LEVEL[local], param)]
-        m = _LAYER_RE.match(local)
-        if not m:
-            return None
-        layer, rest = m.group(1), m.group(2)
-        pre = f"model.layers.{layer}."
+        if m := _LAYER_RE.match(local):
+            return self._layer_to_hf(args, f"model.layers.{m.group(1)}.", m.group(2), param)
+        return None
+
+    def _layer_to_hf(self, args, pre, rest, param):
         if rest in self.copy_rules:
             return [(pre + self.copy_rules[rest], param)]
         if rest == "self_attention.linear_qkv.weight" or (rest == "self_attention.linear_qkv.bias" and "qkv_bias" in self.features):
             kind = rest.rsplit(".", 1)[1]
             q, k, v = split_qkv(args, param)
             return [(f"{pre}self_attn.{p}_proj.{kind}", t) for p, t in zip("qkv", (q, k, v))]
-        if rest == "mlp.linear_fc1.weight":
+        if rest in _GATE_UP_SPLIT and (rest == "mlp.linear_fc1.weight" or "shared_experts" in self.features):
             gate, up = param.chunk(2, dim=0)
-            return [(pre + "mlp.gate_proj.weight", gate), (pre + "mlp.up_proj.weight", up)]
+            hf = pre + _GATE_UP_SPLIT[rest]
+            return [(hf + "gate_proj.weight", gate), (hf + "up_proj.weight", up)]
         if "moe" in self.features and (em := _EXPERT_RE.match(rest)):
             expert, fc = (em.group(1), em.group(2)) if em.group(1) is not None else (em.group(4), em.group(3))
             epre = f"{pre}mlp.experts.{expert}."

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
 from slime.backends.megatron_utils.initialize import get_gloo_group
-from slime.backends.megatron_utils.param_utils import named_parameters
+from slime.backends.megatron_utils.param_utils import expert_parallel_copies, named_parameters
 from slime.utils.device import dist_backend, is_cpu
 from slime.utils.distributed_utils import init_process_group, seconds
 from slime.utils.http_utils import find_available_port, get_host_info
@@ -139,8 +139,10 @@ class UpdateWeightFromDistributed:
         for name, param in named_parameters(self.args, self.model):
             if is_tied_output_copy(self.args, name):
                 continue
-            hf_tensors = gather_and_convert(self.args, self.model_name, name, param, self.vocab_size,
-                                            self.quantization_config)
+            # the source rank sends every expert: those of the other EP ranks come to it here
+            hf_tensors = [t for n, p in expert_parallel_copies(self.args, name, param)
+                          for t in gather_and_convert(self.args, self.model_name, n, p, self.vocab_size,
+                                                      self.quantization_config)]
             if not self._is_pp_src_rank:
                 continue
             size = sum(t.numel() * t.element_size() for _, t in hf_tensors)

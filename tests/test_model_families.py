@@ -1,0 +1,293 @@
+"""Model families beyond Qwen/Llama-2: Llama 3.x RoPE scaling, GLM-4, GLM-4.5 MoE, DeepSeek-V3 (MLA, grouped sigmoid
+routing with expert bias, shared experts, first-k dense layers), MiMo (its MTP layers are not trained: passed through).
+
+Each family: a tiny random HF checkpoint; `parse_args` with only `--hf-checkpoint` gives the architecture (checked
+against hand-written values); HF -> Megatron -> HF is bit-exact at TP=1, TP=2 and (MoE) EP=2 / ETP=2; the trainer's
+log-probs (`forward_only`) equal a transformers fp32 forward within 1e-5.
+"""
+import pytest
+import torch
+
+from slime.utils.arguments import parse_args
+from tests._megatron_helpers import build_random_hf, fixed_rollout, hf_log_probs, spawn
+
+FAMILIES = ["llama3", "glm4", "glm4moe", "deepseekv3", "mimo"]
+MOE = ["glm4moe", "deepseekv3"]
+# 2 prompts x 2 samples, one optimizer step per rollout; world size set per run.
+RL = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--micro-batch-size", "2",
+      "--num-rollout", "1", "--lr", "1e-3", "--rollout-num-gpus", "1", "--seq-length", "64"]
+
+
+def long_rollout(vocab_size):
+    """fixed_rollout's format with sequences long enough (up to 56 tokens) for RoPE scaling to show in log-probs."""
+    data = fixed_rollout(vocab_size=vocab_size)
+    g = torch.Generator().manual_seed(1)
+    for i, (p, r) in enumerate([(40, 8), (30, 12), (50, 6), (20, 10)]):
+        data["tokens"][i] = torch.randint(3, vocab_size, (p + r,), generator=g).numpy()
+        data["response_lengths"][i] = r
+        data["loss_masks"][i] = data["loss_masks"][i][:1].repeat(r)
+        data["rollout_log_probs"][i] = data["rollout_log_probs"][i][:1].repeat(r)
+    return data
+
+
+def family_args(hf_dir, world=1, *extra):
+    return parse_args(argv=[*RL, "--actor-num-gpus-per-node", str(world), "--hf-checkpoint", hf_dir, *extra])
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_families17")
+    return {kind: build_random_hf(kind, str(root / kind), seed=i) for i, kind in enumerate(FAMILIES)}
+
+
+# ---------------------------------------------------------------- architecture from config.json
+
+
+def test_llama3_rope_scaling_inferred_and_mismatch_names_both_values(hf_models, capsys):
+    a = family_args(hf_models["llama3"])
+    assert a.use_rope_scaling and a.rope_scaling_factor == 32.0 and a.rotary_base == 500000
+    assert a.untie_embeddings_and_output_weights is False and a.kv_channels == 16 and a.num_query_groups == 2
+    model = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention",
+             "--num-query-groups", "2", "--ffn-hidden-size", "96", "--use-rope-scaling", "--rotary-base", "500000"]
+    with pytest.raises(SystemExit):  # slime's old call: rope scaling on, but Megatron's default factor 8
+        family_args(hf_models["llama3"], 1, *model)
+    err = capsys.readouterr().err
+    assert "--rope-scaling-factor 8.0 but rope_parameters.factor=32.0" in err and hf_models["llama3"] in err
+    assert len(err.strip().splitlines()[-1]) > 0 and "Traceback" not in err
+    ok = family_args(hf_models["llama3"], 1, *model, "--rope-scaling-factor", "32")
+    assert ok.rope_scaling_factor == 32.0
+    with pytest.raises(SystemExit):
+        family_args(hf_models["llama3"], 1, *model[:-3], "--rotary-base", "500000")
+    assert "--use-rope-scaling is not set but rope_parameters.rope_type=llama3" in capsys.readouterr().err
+
+
+def test_llama3_scaling_changes_log_probs_at_these_lengths(hf_models, tmp_path):
+    """The parity test below can fail: without the llama3 scaling (what Megatron computed when the flags did not
+    reach it) transformers' log-probs on the same data move by far more than its 1e-5 tolerance."""
+    import json
+    import shutil
+
+    src = hf_models["llama3"]
+    shutil.copy(f"{src}/model.safetensors", tmp_path / "model.safetensors")
+    cfg = json.load(open(f"{src}/config.json"))
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg["rope_parameters"]["rope_theta"]}
+    cfg.pop("rope_scaling", None)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    data = long_rollout(200)
+    scaled, plain = hf_log_probs(src, data), hf_log_probs(str(tmp_path), data)
+    diff = max((a - b).abs().max().item() for a, b in zip(scaled, plain))
+    print(f"llama3 scaling on vs off: max |log-prob diff| = {diff:.3g}")
+    assert diff > 1e-3
+
+
+def test_glm_and_deepseek_architecture_inferred(hf_models):
+    g = family_args(hf_models["glm4"])
+    assert g.post_self_attn_layernorm and g.post_mlp_layernorm and g.rotary_interleaved
+    assert g.rotary_percent == 0.5 and g.add_qkv_bias and not g.qk_layernorm and g.kv_channels == 16
+    assert g.model_name == "glm4config"
+    m = family_args(hf_models["glm4moe"])
+    assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.moe_shared_expert_intermediate_size) == (8, 2, 32, 32)
+    assert m.moe_layer_freq == [0, 1, 1] and m.moe_router_score_function == "sigmoid"
+    assert m.moe_router_enable_expert_bias and m.moe_router_bias_update_rate == 0.0
+    assert m.moe_router_topk_scaling_factor == 2.5 and m.moe_router_num_groups is None
+    assert m.qk_layernorm and m.add_qkv_bias and m.rotary_percent == 0.5 and not m.rotary_interleaved
+    d = family_args(hf_models["deepseekv3"])
+    assert d.multi_latent_attention and (d.q_lora_rank, d.kv_lora_rank) == (32, 16)
+    assert (d.qk_head_dim, d.qk_pos_emb_head_dim, d.v_head_dim) == (16, 8, 16)
+    assert d.rope_type == "yarn" and (d.rotary_scaling_factor, d.mscale, d.mscale_all_dim) == (40.0, 1.0, 1.0)
+    assert (d.moe_router_num_groups, d.moe_router_group_topk, d.moe_router_topk) == (4, 2, 4)
+
+
+def test_mimo_is_qwen2_with_mtp_passed_through(hf_models, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        m = family_args(hf_models["mimo"])
+    assert m.model_name == "mimoconfig" and m.add_qkv_bias and not m.qk_layernorm and m.rotary_base == 640000
+    assert "1 multi-token-prediction layer(s)" in caplog.text and "does not train them" in caplog.text
+
+
+def test_deepseek_model_args_that_disagree_are_named(hf_models, capsys):
+    # slime's deepseek-v3.sh flags, resized to the tiny checkpoint, with two values wrong
+    model = """--disable-bias-linear --num-layers 3 --hidden-size 64 --ffn-hidden-size 96 --num-attention-heads 4
+    --normalization RMSNorm --norm-epsilon 1e-6 --swiglu --untie-embeddings-and-output-weights --vocab-size 200
+    --multi-latent-attention --q-lora-rank 32 --kv-lora-rank 16 --qk-head-dim 16 --qk-pos-emb-head-dim 8
+    --v-head-dim 16 --qk-layernorm --rotary-scaling-factor 40 --rotary-base 10000 --mscale 1.0 --mscale-all-dim 1.0
+    --num-experts 8 --moe-layer-freq [0]*1+[1]*2 --moe-ffn-hidden-size 32 --moe-router-topk 4
+    --moe-shared-expert-intermediate-size 32 --moe-router-pre-softmax --moe-router-score-function sigmoid
+    --moe-router-enable-expert-bias --moe-router-bias-update-rate 0 --moe-router-group-topk 2
+    --moe-router-num-groups 4 --moe-router-topk-scaling-factor 2.5 --moe-router-dtype fp32""".split()
+    assert family_args(hf_models["deepseekv3"], 1, *model).multi_latent_attention
+    bad = [("[0]*2+[1]*1" if t == "[0]*1+[1]*2" else "2" if t == "4" and model[i - 1] == "--moe-router-num-groups" else t)
+           for i, t in enumerate(model)]
+    with pytest.raises(SystemExit):
+        family_args(hf_models["deepseekv3"], 1, *bad)
+    err = capsys.readouterr().err
+    assert "--moe-layer-freq [0, 0, 1] but first_k_dense_replace=1" in err
+    assert "--moe-router-num-groups 2 but n_group=4" in err
+
+
+# ---------------------------------------------------------------- round trip and log-prob parity (multi-process)
+
+
+def _roundtrip_and_log_probs(rank, hf_models, layouts, out):
+    """For each (family, tp, ep, etp): load through the trainer, export back to HF names (bit-exact with the
+    checkpoint's safetensors), and compare `forward_only` log-probs with transformers."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import ray
+    from megatron.core import parallel_state as mpu
+    from safetensors.torch import load_file
+
+    from slime.backends.megatron_utils.data import get_data_iterator
+    from slime.backends.megatron_utils.initialize import init
+    from slime.backends.megatron_utils.megatron_to_hf import convert_to_hf
+    from slime.backends.megatron_utils.model import forward_only, initialize_model_and_optimizer
+    from slime.backends.megatron_utils.param_utils import all_gather_param, named_parameters, remove_padding
+    from slime.backends.utils.data import process_rollout_data
+
+    class _Ref:
+        def __init__(self, data):
+            self.inner = data
+
+    ray.get = lambda x: x  # the test hands the dict itself instead of an ObjectRef
+    world = torch.distributed.get_world_size()
+    for kind, tp, ep, etp in layouts:
+        hf_dir = hf_models[kind]
+        args = family_args(hf_dir, world, "--tensor-model-parallel-size", str(tp), "--expert-model-parallel-size",
+                           str(ep), "--expert-tensor-parallel-size", str(etp))
+        mpu.destroy_model_parallel()
+        init(args)
+        model, _, _, _ = initialize_model_and_optimizer(args)
+
+        # MiMo's MTP layers are not built by the trainer (passed through, see test_mimo_...)
+        expected = {k: v for k, v in load_file(f"{hf_dir}/model.safetensors").items() if ".mtp_layers." not in k}
+        got = {}
+        for name, param in named_parameters(args, model):
+            full = remove_padding(name, all_gather_param(name, param), args.vocab_size)
+            for hf_name, t in convert_to_hf(args, args.model_name, name, full):
+                got.setdefault(hf_name, t)
+        gathered = [None] * world  # each EP rank holds some experts: merge names across ranks
+        torch.distributed.all_gather_object(gathered, got)
+        got = {k: v for d in gathered for k, v in d.items()}
+        layout = f"{kind} tp{tp} ep{ep} etp{etp}"
+        assert sorted(got) == sorted(expected), f"{layout}: {set(got) ^ set(expected)}"
+        for k, v in expected.items():
+            assert got[k].dtype == v.dtype and torch.equal(got[k], v), f"{layout}: {k} differs after the round trip"
+
+        data = long_rollout(args.vocab_size)
+        rollout = process_rollout_data(args, _Ref(data), mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size())
+        iters, nmb = get_data_iterator(args, model, rollout)
+        log_probs = forward_only(args, model, iters, nmb)["log_probs"]
+        ref = hf_log_probs(hf_dir, rollout)  # this rank's samples
+        diff = max((g - e).abs().max().item() for g, e in zip(log_probs, ref))
+        assert diff <= 1e-5, f"{layout}: max |log-probs - transformers| = {diff}"
+        if rank == 0:
+            with open(out, "a") as f:
+                f.write(f"{layout} logprob_max_abs_diff={diff:.3g}\n")
+
+
+def test_families_roundtrip_and_log_probs_tp1(hf_models, tmp_path):
+    spawn(_roundtrip_and_log_probs, 1, hf_models, [(k, 1, 1, 1) for k in FAMILIES], str(tmp_path / "diffs.txt"),
+          timeout=400)
+    print((tmp_path / "diffs.txt").read_text())
+
+
+def test_families_roundtrip_and_log_probs_tp2_ep2(hf_models, tmp_path):
+    layouts = [(k, 2, 1, 2) for k in FAMILIES] + [(k, 1, 2, 1) for k in MOE] + [("glm4moe", 2, 2, 1)]
+    spawn(_roundtrip_and_log_probs, 2, hf_models, layouts, str(tmp_path / "diffs.txt"), timeout=500)
+    print((tmp_path / "diffs.txt").read_text())
+
+
+# ---------------------------------------------------------------- CPU inference server (real server process)
+
+
+def _with_tokenizer(model_dir, tiny_kit):
+    import shutil
+
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{tiny_kit[0]}/{f}", f"{model_dir}/{f}")
+    return model_dir
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_cpu_server_serves_family_and_takes_trainer_named_weights(kind, hf_models, tiny_kit, tmp_path):
+    """Greedy log-probs equal transformers'; an update under the names the trainer sends (per-expert, expert bias)
+    lands: /weights_checker checksums equal the sent tensors and generation follows the new weights."""
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from slime.backends.megatron_utils.update_weight.common import tensor_sha256
+    from slime.utils.tensor_serialization import MultiprocessingSerializer, set_shared_authkey
+    from tests.test_cpu_server import SESSION, gen, hf_greedy, start_cpu_server, stop_cpu_server
+
+    model_dir = _with_tokenizer(hf_models[kind], tiny_kit)
+    # new weights under the checkpoint's (= the trainer's) names, and a transformers reference holding them
+    sent = {n: t + 0.05 * torch.randn(t.shape, generator=torch.Generator().manual_seed(i))
+            for i, (n, t) in enumerate(sorted(load_file(f"{model_dir}/model.safetensors").items()))
+            if ".mtp_layers." not in n}  # the trainer has no MTP layers to send (MiMo)
+    for f in ("config.json", "configuration_mimo.py", "modeling_mimo.py"):
+        if os.path.exists(f"{model_dir}/{f}"):
+            shutil.copy(f"{model_dir}/{f}", tmp_path / f)
+    save_file(sent, str(tmp_path / "model.safetensors"))
+
+    def check_against(ref_dir):
+        ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32, attn_implementation="eager",
+                                                   trust_remote_code=True).eval()
+        for p in ([5, 17, 33, 101, 7], [150, 3, 3, 60]):
+            out = gen(url, {"input_ids": p, "return_logprob": True,
+                            "sampling_params": {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}})
+            ids, lps = hf_greedy(ref, p, 5)
+            got = [x[0] for x in out["meta_info"]["output_token_logprobs"]]
+            assert out["output_ids"] == ids and max(abs(a - b) for a, b in zip(got, lps)) <= 1e-5, kind
+
+    proc, url = start_cpu_server(model_dir)
+    try:
+        check_against(model_dir)
+        set_shared_authkey()
+        payload = MultiprocessingSerializer.serialize(list(sent.items()), output_str=True)
+        r = SESSION.post(url + "/update_weights_from_tensor", json={"serialized_named_tensors": [payload]})
+        assert r.status_code == 200, r.text
+        sums = SESSION.post(url + "/weights_checker", json={"action": "checksum"}).json()["checksums"]
+        assert all(sums[n] == tensor_sha256(t) for n, t in sent.items()), kind
+        check_against(str(tmp_path))
+    finally:
+        stop_cpu_server(proc)
+
+
+# ---------------------------------------------------------------- RL loop end to end (train.py)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("kind, parallel", [
+    ("glm4", []),
+    ("deepseekv3", ["--actor-num-gpus-per-node", "2", "--expert-model-parallel-size", "2"]),
+])
+def test_rl_steps_end_to_end(kind, parallel, ray_session, tiny_kit, tmp_path):
+    """train.py from the HF checkpoint alone: rollouts on the CPU server, GRPO steps on the trainer (EP=2 for the
+    MoE), weights pushed back with --check-weight-update-equal; both steps are on-policy (engine = trainer)."""
+    import json
+
+    import train as sync_driver
+
+    model_dir = _with_tokenizer(build_random_hf(kind, str(tmp_path / kind), vocab_size=512), tiny_kit)
+    argv = [
+        "--hf-checkpoint", model_dir, "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1",
+        "--rollout-num-gpus", "1", "--prompt-data", f"{tiny_kit[1]}/train.jsonl", "--input-key", "prompt",
+        "--label-key", "label", "--apply-chat-template", "--rm-type", "answer_match", "--num-rollout", "2",
+        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4",
+        "--rollout-max-response-len", "4", "--lr", "1e-3", "--lr-decay-style", "constant", "--attention-dropout", "0.0",
+        "--hidden-dropout", "0.0", "--seed", "1", "--ci-test", "--check-weight-update-equal",
+        "--metrics-path", str(tmp_path / "metrics.jsonl"), *parallel,
+    ]
+    sync_driver.train(parse_args(argv=argv))
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["rollout_id"] for r in rows] == [0, 1]
+    assert [int(r["rollout/weight_version"]) for r in rows] == [1, 2]
+    # the engine holds the trainer's weights before each rollout (all experts included at EP=2)
+    assert rows[0]["train/train_rollout_logprob_abs_diff"] < 1e-4
+    assert rows[1]["train/train_rollout_logprob_abs_diff"] < 1e-4
