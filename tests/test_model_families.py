@@ -127,6 +127,35 @@ def test_deepseek_model_args_that_disagree_are_named(hf_models, capsys):
     assert "--moe-router-num-groups 2 but n_group=4" in err
 
 
+def test_expert_names_follow_the_expert_parallel_rank():
+    from slime.backends.megatron_utils.param_utils import _with_expert
+
+    local = "module.module.decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight"
+    grouped = "module.module.decoder.layers.3.mlp.experts.linear_fc2.weight5"
+    assert _with_expert(local, lambda e: e + 4).endswith("layers.3.mlp.experts.local_experts.9.linear_fc1.weight")
+    assert _with_expert(grouped, lambda e: e - 4).endswith("layers.3.mlp.experts.linear_fc2.weight1")
+
+
+@pytest.mark.parametrize("kind", MOE)
+def test_transformers_path_exposes_every_checkpoint_tensor(kind, hf_models):
+    """The CPU server's transformers path holds MoE experts fused in memory; under the checkpoint's (= the trainer's)
+    names it exposes views of exactly the checkpoint's tensors, router score bias included, and writes go through."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from slime.backends.cpu_server.hf_fallback import checkpoint_views
+
+    model = AutoModelForCausalLM.from_pretrained(hf_models[kind], dtype=torch.float32)
+    views, saved = checkpoint_views(model), load_file(f"{hf_models[kind]}/model.safetensors")
+    assert all(torch.equal(views[n], t) for n, t in saved.items())
+    assert any(n.endswith("e_score_correction_bias") for n in saved)
+    with torch.no_grad():
+        views["model.layers.1.mlp.experts.3.up_proj.weight"].fill_(7.0)
+    fused = dict(model.named_parameters())["model.layers.1.mlp.experts.gate_up_proj"]
+    inter = fused.shape[1] // 2
+    assert (fused[3, inter:] == 7.0).all() and not (fused[3, :inter] == 7.0).any()
+
+
 # ---------------------------------------------------------------- round trip and log-prob parity (multi-process)
 
 
