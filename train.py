@@ -1,5 +1,6 @@
 """Synchronous RL training: rollout -> train -> push weights, one rollout at a time (colocated or disaggregated)."""
 
+from slime.ray import checkpoint
 from slime.ray.placement_group import create_actor_group, create_placement_groups, create_rollout_manager, init_ray
 from slime.ray.utils import RunRecorder, Watchdog, cleanup_on_exit
 from slime.utils.arguments import parse_args
@@ -47,16 +48,17 @@ def train(args):
             train_metrics = get(actor_model.async_train(rollout_id, rollout_data_ref))
 
             if should_run_periodic_action(rollout_id, args.save_interval, num_rollout_per_epoch):
-                get(actor_model.async_save_model(rollout_id))
-                if args.rollout_global_dataset:
-                    get(rollout_manager.controller.save.remote(rollout_id))
+                checkpoint.save(args, rollout_id, actor_model, rollout_manager, get)
 
+            recovered = rollout_manager.recover(actor_model, get)  # --use-fault-tolerance: replace removed engines
             if args.offload:
                 get(actor_model.async_offload())
                 get(rollout_manager.async_onload(tags=["weights"]))
             update_metrics = get(actor_model.async_update_weights())
             if args.offload:
                 get(rollout_manager.async_onload(tags=["kv_cache"]))
+            if recovered:
+                rollout_manager.check_weight_versions(update_metrics, recovered)
 
             if should_run_periodic_action(rollout_id, args.eval_interval, num_rollout_per_epoch):
                 recorder.eval(rollout_id, get(rollout_manager.async_eval(rollout_id)))

@@ -2,6 +2,7 @@
 learn from rollout N. With --rollout-function-path slime.rollout.fully_async_rollout.generate_rollout_fully_async,
 fully asynchronous: the engines generate continuously and training stays within --max-staleness versions."""
 
+from slime.ray import checkpoint
 from slime.ray.placement_group import create_actor_group, create_placement_groups, create_rollout_manager, init_ray
 from slime.ray.utils import RunRecorder, Watchdog, cleanup_on_exit
 from slime.utils.arguments import parse_args
@@ -58,9 +59,7 @@ def one_step_off_loop(args, get, actor_model, rollout_manager, recorder, num_rol
         train_metrics = get(actor_model.async_train(rollout_id, rollout_data_curr_ref))
 
         if should_run_periodic_action(rollout_id, args.save_interval, num_rollout_per_epoch):
-            get(actor_model.async_save_model(rollout_id))
-            if args.rollout_global_dataset:
-                get(rollout_manager.controller.save.remote(rollout_id))
+            checkpoint.save(args, rollout_id, actor_model, rollout_manager, get)
 
         update_metrics = None
         if (rollout_id + 1) % args.update_weights_interval == 0:
@@ -68,7 +67,10 @@ def one_step_off_loop(args, get, actor_model, rollout_manager, recorder, num_rol
             if rollout_data_next_future is not None:
                 rollout_data_curr_ref = get(rollout_data_next_future)
                 rollout_data_next_future = None
+            recovered = rollout_manager.recover(actor_model, get)  # --use-fault-tolerance: replace removed engines
             update_metrics = get(actor_model.async_update_weights())
+            if recovered:
+                rollout_manager.check_weight_versions(update_metrics, recovered)
 
         if should_run_periodic_action(rollout_id, args.eval_interval, num_rollout_per_epoch):
             recorder.eval(rollout_id, get(rollout_manager.async_eval(rollout_id)))
@@ -87,8 +89,7 @@ def fully_async_loop(args, get, actor_model, rollout_manager, recorder, num_roll
     for rollout_id in range(args.start_rollout_id, args.num_rollout):
         train_metrics = get(actor_model.async_train(rollout_id, get(rollout_manager.async_generate(rollout_id))))
         if should_run_periodic_action(rollout_id, args.save_interval, num_rollout_per_epoch):
-            get(actor_model.async_save_model(rollout_id))
-            get(controller.save.remote(rollout_id))
+            checkpoint.save(args, rollout_id, actor_model, rollout_manager, get)  # the worker's queue is in it
 
         trainer_version, last = rollout_id + 2, rollout_id == args.num_rollout - 1
         eval_due = should_run_periodic_action(rollout_id, args.eval_interval, num_rollout_per_epoch)
@@ -96,7 +97,10 @@ def fully_async_loop(args, get, actor_model, rollout_manager, recorder, num_roll
         eval_running, evals = get(controller.collect_evals.remote(wait=must_push))
         update_metrics = None
         if not eval_running:
+            recovered = rollout_manager.recover(actor_model, get)  # --use-fault-tolerance: replace removed engines
             update_metrics = get(actor_model.async_update_weights(trainer_version))
+            if recovered:
+                rollout_manager.check_weight_versions(update_metrics, recovered)
             engine_version = trainer_version
             get(controller.set_weight_version.remote(engine_version))
         if eval_due:

@@ -550,3 +550,21 @@ def test_fully_async_flags(capsys):
     assert "--max-staleness -1: must be" in parse_error(capsys, "--max-staleness", "-1")
     err = parse_error(capsys, *fully_async, "--update-weights-interval", "2")
     assert "--update-weights-interval 2" in err and "--max-staleness" in err
+
+
+def test_fault_tolerance_flags_defaults_and_checks(capsys):
+    args = parse()
+    assert (args.use_fault_tolerance, args.rollout_health_check_interval, args.rollout_health_check_timeout,
+            args.rollout_health_check_first_wait) == (False, 30.0, 30.0, 0.0)
+    assert args.rollout_request_timeout is None and args.rollout_group_timeout is None
+    assert "--rollout-health-check-timeout 0.0: must be > 0" in parse_error(capsys, "--rollout-health-check-timeout", "0")
+    assert "--rollout-group-timeout -1.0: must be > 0" in parse_error(capsys, "--rollout-group-timeout", "-1")
+    assert "--rollout-health-check-first-wait -1.0: must be >= 0" in parse_error(
+        capsys, "--rollout-health-check-first-wait", "-1")
+
+
+def test_opt_param_scheduler_flags_in_both_spellings_and_not_both(capsys):
+    assert parse("--override-opt-param-scheduler").override_opt_param_scheduler
+    assert parse("--use-checkpoint-opt_param-scheduler").use_checkpoint_opt_param_scheduler
+    err = parse_error(capsys, "--override-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler")
+    assert "contradict each other" in err

@@ -146,3 +146,52 @@ def _offload_roundtrip(rank, model_dir):
 
 def test_offload_onload_is_bit_exact(tiny_kit):
     spawn(_offload_roundtrip, 1, tiny_kit[0])
+
+
+def _continue_with_more_rollouts(rank, model_dir, save_dir, out_path):
+    """Save after 4 planned rollouts without committing, commit, then load into runs planned for 8 rollouts."""
+    import os
+
+    from slime.backends.megatron_utils.checkpoint import load_checkpoint, save_checkpoint
+    from slime.backends.megatron_utils.model import get_optimizer_param_scheduler
+    from slime.utils.checkpoint_tracker import read_tracker, write_tracker
+
+    args = train_args(model_dir, save=save_dir, lr_decay_style="linear", num_rollout=4,
+                      use_checkpoint_opt_param_scheduler=False)
+    model, opt, sched, _, rollout, iters, nmb = _setup(args, fixed_rollout())
+    train_once_for_offload(args, model, opt, sched, rollout, iters, nmb)  # one step: the scheduler has moved
+    assert sched.lr_decay_steps == 4 * 2 * 2  # 4 rollouts x 2 prompts x 2 samples, counted in samples
+    save_checkpoint(args, 0, model, opt, sched, commit=False)
+    assert os.path.isdir(f"{save_dir}/iter_0000000") and read_tracker(save_dir) is None  # written, not complete
+    write_tracker(save_dir, 0)  # the driver's commit, once every other part is saved
+
+    results = {}
+    for mode in ("neither", "override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"):
+        more = train_args(model_dir, load=save_dir, lr_decay_style="linear", num_rollout=8,
+                          override_opt_param_scheduler=mode == "override_opt_param_scheduler",
+                          use_checkpoint_opt_param_scheduler=mode == "use_checkpoint_opt_param_scheduler")
+        new_sched = get_optimizer_param_scheduler(more, opt)
+        try:
+            load_checkpoint(more, model, opt, new_sched)
+            results[mode] = (new_sched.lr_decay_steps, new_sched.num_steps)
+        except ValueError as e:
+            results[mode] = str(e)
+    if rank == 0:
+        torch.save(results, out_path)
+
+
+def test_resume_with_more_rollouts_recomputes_or_keeps_the_schedule(tiny_kit, tmp_path, capfd):
+    """A checkpoint is not picked up before its tracker is written; continuing a run with a larger --num-rollout
+    fails with a message naming both Megatron flags, and each flag does what it says (and says so in the log)."""
+    save_dir = str(tmp_path / "ckpt")
+    spawn(_continue_with_more_rollouts, 1, tiny_kit[0], save_dir, str(tmp_path / "r.pt"))
+    r = torch.load(tmp_path / "r.pt")
+    assert "total number of iterations: checkpoint 16, this run 32" in r["neither"]
+    assert "--override-opt_param-scheduler" in r["neither"] and "--use-checkpoint-opt_param-scheduler" in r["neither"]
+    # one optimizer step of gbs 4 samples was taken before the save: the step count survives either way
+    assert r["override_opt_param_scheduler"] == (32, 4)
+    assert r["use_checkpoint_opt_param_scheduler"] == (16, 4)
+    log = capfd.readouterr()
+    text = log.out + log.err
+    assert "optimizer param scheduler recomputed from this run's flags (--override-opt_param-scheduler)" in text
+    assert "optimizer param scheduler kept from the checkpoint (--use-checkpoint-opt_param-scheduler)" in text

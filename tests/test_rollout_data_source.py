@@ -183,13 +183,20 @@ def test_save_load_round_trip_with_buffer(tiny_kit, prompt_file, tmp_path):
     assert [[s.to_dict() for s in g] for g in a] == [[s.to_dict() for s in g] for g in b]
 
 
-def test_load_is_a_noop_without_state(tiny_kit, prompt_file, tmp_path):
+def test_load_is_a_noop_for_a_fresh_start(tiny_kit, prompt_file, tmp_path):
     ds = RolloutDataSourceWithBuffer(make_args(tiny_kit, prompt_file, load=str(tmp_path)))
-    ds.load(3)  # no such file
+    ds.load(-1)  # a fresh run (or one started from a release checkpoint) resumes "after rollout -1"
     ds2 = RolloutDataSourceWithBuffer(make_args(tiny_kit, prompt_file, load=None))
     ds2.load(3)
     assert (ds.sample_index, ds.epoch_id, ds2.sample_index) == (0, 0, 0)
     assert labels(ds.get_samples(1)) == ["0"]
+
+
+def test_resume_without_data_position_is_an_error(tiny_kit, prompt_file, tmp_path):
+    """The trainers resumed after rollout 3, so silently restarting the dataset would replay prompts: refuse."""
+    ds = RolloutDataSourceWithBuffer(make_args(tiny_kit, prompt_file, load=str(tmp_path)))
+    with pytest.raises(FileNotFoundError, match=r"checkpoint 3 has no rollout data-source state .*global_dataset_state_dict_3\.pt"):
+        ds.load(3)
 
 
 def test_unreadable_state_names_the_file(tiny_kit, prompt_file, tmp_path):

@@ -50,6 +50,16 @@ async def group_rank_rm(args, samples, **kwargs):
     return [float(i) for i in range(len(samples))]
 
 
+async def group_1_hangs_once(args, sample, sampling_params):
+    """Custom generate: the first attempt at group 1 never finishes (a straggler); everything else generates."""
+    import asyncio
+
+    if sample.group_index == 1 and not RECORD.get("hung"):
+        RECORD["hung"] = True
+        await asyncio.sleep(3600)
+    return await generate(args, sample, sampling_params)
+
+
 def drop_odd_groups(args, samples, **kwargs):
     """Dynamic filter: keep even group_index; records the accounting state it sees."""
     state = GenerateState(args)
@@ -157,6 +167,7 @@ def make_args(engine, tiny_kit, prompts, **overrides):
         eval_prompt_data=None, eval_input_key=None, eval_label_key=None, eval_tool_key=None, eval_temperature=None,
         eval_top_p=None, eval_top_k=None, eval_max_response_len=None, n_samples_per_eval_prompt=1, eval_reward_key=None,
         rollout_sample_hook_path=[], rollout_sample_filter_path=None, rollout_all_samples_process_path=None,
+        rollout_request_timeout=None, rollout_group_timeout=None,
     )
     base.update(overrides)
     return real_args(**base)
@@ -416,3 +427,22 @@ def test_controller_runs_default_rollout_in_ray(engine, tiny_kit, prompts, ray_s
     assert metrics["perf/rollout_time"] > 0
     assert eval_metrics["eval/toy"] == pytest.approx(1 / 3)  # parity of indices 0, 1, 2
     assert os.path.exists(os.path.join(str(tmp_path), "rollout", "global_dataset_state_dict_0.pt"))
+
+
+def test_group_timeout_drops_a_straggler_and_serves_its_prompt_again(engine, tiny_kit, prompts):
+    """--rollout-group-timeout: a group that does not finish in time is dropped from the rollout (counted in the
+    metrics), a fresh prompt fills its place, and the dropped group, as it was handed out, is served first next time."""
+    args = make_args(engine, tiny_kit, prompts, rollout_batch_size=2, n_samples_per_prompt=2, rollout_group_timeout=3.0,
+                     custom_generate_function_path=f"{HERE}.group_1_hangs_once")
+    ds = RolloutDataSourceWithBuffer(args)
+    groups = generate_rollout(args, 0, ds)
+    # group 1's place went to one of the two prompts pulled next (the other is over-sampling surplus)
+    assert groups[0][0].group_index == 0 and groups[1][0].group_index in (2, 3) and len(groups) == 2
+    assert groups.metrics["rollout/timeouts/groups"] == 1
+    (dropped,) = ds.buffer
+    assert [s.index for s in dropped] == [2, 3] and {s.group_index for s in dropped} == {1}
+    assert all(s.status == Sample.Status.PENDING and s.response_length == 0 and not s.response for s in dropped)
+    SingletonMeta.clear_instances(GenerateState)
+    groups = generate_rollout(args, 1, ds)
+    assert [g[0].group_index for g in groups] == [1, 4]  # the straggler's prompt, now generated; then the next one
+    assert [s.index for s in groups[0]] == [2, 3] and groups.metrics["rollout/timeouts/groups"] == 0

@@ -61,8 +61,8 @@ class RayTrainGroup:
     def async_train(self, rollout_id, rollout_data_ref):
         return [a.train.remote(rollout_id, rollout_data_ref) for a in self._actor_handlers]
 
-    def async_save_model(self, step_id):
-        return [a.save_model.remote(step_id) for a in self._actor_handlers]
+    def async_save_model(self, step_id, commit=True):
+        return [a.save_model.remote(step_id, commit=commit) for a in self._actor_handlers]
 
     def async_update_weights(self, weight_version=None):
         return [a.update_weights.remote(weight_version) for a in self._actor_handlers]

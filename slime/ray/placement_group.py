@@ -123,7 +123,9 @@ def init_ray(args):
         return
     env = {"RAY_DEDUP_LOGS": "0"}
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env})
+        # SLIME_HOST_IP pins the driver's node address (several Ray nodes on one machine, e.g. 127.0.0.2 and 127.0.0.3)
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env},
+                 _node_ip_address=os.environ.get("SLIME_HOST_IP") or None)
         return
     num_gpus, _ = get_placement_group_layout(args)
     kwargs = dict(include_dashboard=False, runtime_env={"env_vars": env})

@@ -1,14 +1,24 @@
 """RolloutManager: the driver-side owner of the router, the inference engines, the weight-update lock and the
 RolloutController actor that turns rollouts into training data."""
 import logging
+import threading
+import time
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from slime.backends.sglang_utils.router import start_router, stop_router
+from slime.backends.sglang_utils.router import (
+    add_worker,
+    launch_router,
+    remove_worker,
+    router_url,
+    start_router,
+    stop_router,
+)
 from slime.backends.sglang_utils.sglang_engine import SGLangEngine
 from slime.ray.buffer import RolloutController
 from slime.ray.utils import Lock, noset_visible_devices_env, register_cleanup
+from slime.utils.health_monitor import RolloutHealthMonitor
 
 logger = logging.getLogger(__name__)
 
@@ -20,24 +30,38 @@ def _start_router(args):
     return start_router(args)
 
 
+def _engines_per_gpu_layout(args):
+    """(GPUs per engine on one node, number of engines, nodes per engine)."""
+    num_gpu_per_engine = min(args.rollout_num_gpus_per_engine, args.rollout_num_gpus_per_node)
+    return num_gpu_per_engine, args.rollout_num_gpus // num_gpu_per_engine, max(
+        1, args.rollout_num_gpus_per_engine // args.rollout_num_gpus_per_node)
+
+
+def _new_engine(args, pg, rank):
+    """The engine actor of slot `rank`, in its placement-group bundle (a replacement lands in the same one)."""
+    num_gpu_per_engine, _, _ = _engines_per_gpu_layout(args)
+    pg, reordered_bundle_indices = pg
+    return ray.remote(SGLangEngine).options(
+        num_cpus=0.2, num_gpus=0.2,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_capture_child_tasks=True,
+            placement_group_bundle_index=reordered_bundle_indices[rank * num_gpu_per_engine]),
+        runtime_env={"env_vars": noset_visible_devices_env()},
+    ).remote(args, rank=rank)
+
+
+def _init_engines(args, engines, ranks):
+    """Start the servers of `engines[r]` for r in `ranks` (ports per node, as at start-up); each joins the router."""
+    ports = _allocate_ports(args, engines)
+    ray.get([engines[r].init.remote(**ports[r]) for r in ranks])
+
+
 def create_rollout_engines(args, pg):
     if args.debug_train_only:
         return []
-    num_gpu_per_engine = min(args.rollout_num_gpus_per_engine, args.rollout_num_gpus_per_node)
-    num_engines = args.rollout_num_gpus // num_gpu_per_engine
-    pg, reordered_bundle_indices = pg
-    engine_cls = ray.remote(SGLangEngine)
-    engines = [
-        engine_cls.options(
-            num_cpus=0.2, num_gpus=0.2,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=pg, placement_group_capture_child_tasks=True,
-                placement_group_bundle_index=reordered_bundle_indices[i * num_gpu_per_engine]),
-            runtime_env={"env_vars": noset_visible_devices_env()},
-        ).remote(args, rank=i)
-        for i in range(num_engines)
-    ]
-    ray.get([e.init.remote(**ports) for e, ports in zip(engines, _allocate_ports(args, engines))])
+    _, num_engines, _ = _engines_per_gpu_layout(args)
+    engines = [_new_engine(args, pg, i) for i in range(num_engines)]
+    _init_engines(args, engines, range(num_engines))
     return engines
 
 
@@ -71,41 +95,173 @@ def _allocate_ports(args, engines):
 
 
 class RolloutManager:
+    """Router, engines, controller and weight-update lock of a run, and what happens when an engine or the router
+    fails (see `slime.utils.health_monitor` and docs/fault_tolerance.md)."""
+
     def __init__(self, args, pg, wandb_run_id=None):
-        self.args = args
+        self.args, self.pg = args, pg
         self.router_process, self.all_rollout_engines, self.controller, self.rollout_engine_lock = None, [], None, None
+        self.rollout_engines, self.health_monitor = [], None
+        self.failure = None  # without --use-fault-tolerance: the first fault, raised by the driver's Watchdog
+        self.fault_events = []  # what failed and what was done about it, in order (also logged)
+        self._lock = threading.RLock()
+        self._closing = False
         register_cleanup(self.shutdown)
         self.router_process = _start_router(args)
         self.controller = RolloutController.options(num_cpus=1, num_gpus=0).remote(args, wandb_run_id)
         self.all_rollout_engines = create_rollout_engines(args, pg)
-        nodes_per_engine = max(1, args.rollout_num_gpus_per_engine // args.rollout_num_gpus_per_node)
+        _, _, self.nodes_per_engine = _engines_per_gpu_layout(args)
         # Only the node-0 process of a multi-node engine receives requests and admin calls.
-        self.rollout_engines = self.all_rollout_engines[::nodes_per_engine]
+        self.rollout_engines = self.all_rollout_engines[::self.nodes_per_engine]
+        self.engine_urls = ray.get([e.get_url.remote() for e in self.rollout_engines])
         self.rollout_engine_lock = Lock.options(num_cpus=0, num_gpus=0).remote()
+        if self.rollout_engines:
+            print(f"inference engines {self.engine_urls} behind sglang-router {router_url(args)}", flush=True)
         if args.offload and self.rollout_engines:
             ray.get([e.release_memory_occupation.remote() for e in self.rollout_engines])
+        if not args.debug_train_only:
+            self.health_monitor = RolloutHealthMonitor(self, args)
+            self.health_monitor.start()
 
     def async_generate(self, rollout_id):
+        self._resume_health_checks()
         return self.controller.generate.remote(rollout_id)
 
     def async_eval(self, rollout_id):
+        self._resume_health_checks()
         return self.controller.eval.remote(rollout_id)
 
     def async_offload(self):
-        return [e.release_memory_occupation.remote() for e in self.rollout_engines]
+        self.pause_health_checks()
+        return [e.release_memory_occupation.remote() for e in self.rollout_engines if e is not None]
 
     def async_onload(self, tags=None):
-        return [e.resume_memory_occupation.remote(tags=tags) for e in self.rollout_engines]
+        return [e.resume_memory_occupation.remote(tags=tags) for e in self.rollout_engines if e is not None]
+
+    def pause_health_checks(self):
+        """Before a weight update or offload: an engine busy receiving weights cannot answer a generation."""
+        if self.health_monitor is not None:
+            self.health_monitor.pause()
+
+    def _resume_health_checks(self):
+        if self.health_monitor is not None:
+            self.health_monitor.resume()
+
+    # ------------------------------------------------------------------ faults
+    def _event(self, kind, what, **extra):
+        event = {"time": time.time(), "kind": kind, "what": what, **extra}
+        self.fault_events.append(event)
+        print(f"[fault tolerance] {kind}: {what}", flush=True)
+        return event
+
+    def raise_if_failed(self):
+        """The driver's waits call this: without --use-fault-tolerance a detected fault ends the run, naming the part."""
+        if self.failure is not None:
+            raise self.failure
+
+    def engine_failed(self, index, reason):
+        """Engine `index` died or hangs: fail the run, or (with --use-fault-tolerance) take it out of service now —
+        off the router, its actor and server killed — so in-flight requests are retried on the other engines."""
+        with self._lock:
+            engine = self.rollout_engines[index] if index < len(self.rollout_engines) else None
+            if engine is None or self._closing:
+                return
+            what = f"inference engine {index} ({self.engine_urls[index]}) {reason}"
+            if not self.args.use_fault_tolerance:
+                if self.failure is None:
+                    self._event("engine_failed", what)
+                    self.failure = RuntimeError(what)
+                return
+            bundle = self.pg[1][index * self.nodes_per_engine * _engines_per_gpu_layout(self.args)[0]]
+            self._event("engine_failed", what, engine=index, bundle=bundle)
+            try:  # off the router first: no new request goes there
+                remove_worker(router_url(self.args), self.engine_urls[index])
+            except Exception as e:  # noqa: BLE001  (a dead router is handled by check_router)
+                logger.warning("could not remove %s from the router: %s", self.engine_urls[index], e)
+            for j in range(index * self.nodes_per_engine, (index + 1) * self.nodes_per_engine):
+                if self.all_rollout_engines[j] is not None:
+                    ray.kill(self.all_rollout_engines[j])  # its server dies with it (parent-death signal)
+                    self.all_rollout_engines[j] = None
+            self.rollout_engines[index] = None
+            alive = sum(e is not None for e in self.rollout_engines)
+            self._event("engine_removed", f"inference engine {index} removed; {alive} engine(s) serve until it is "
+                        "replaced at the next weight update", engine=index)
+
+    def check_router(self):
+        """Router process gone: restart it on the same address (with --use-fault-tolerance) or fail the run."""
+        process = self.router_process
+        if process is None or process.is_alive() or self._closing:
+            return
+        with self._lock:
+            if self.router_process is not process or self.failure is not None:
+                return
+            what = (f"sglang-router (pid {process.pid}, {router_url(self.args)}) exited with code {process.exitcode}")
+            if not self.args.use_fault_tolerance:
+                self._event("router_failed", what)
+                self.failure = RuntimeError(what)
+                return
+            self._event("router_failed", what)
+            self.router_process = launch_router(self.args, self.args.sglang_router_ip, self.args.sglang_router_port)
+            for i, url in enumerate(self.engine_urls):
+                if self.rollout_engines[i] is not None:
+                    add_worker(router_url(self.args), url)
+            self._event("router_restarted", f"sglang-router restarted at {router_url(self.args)} (pid "
+                        f"{self.router_process.pid}) with {sum(e is not None for e in self.rollout_engines)} engine(s)")
+
+    def recover(self, actor_model, get):
+        """With --use-fault-tolerance, before a weight update: start a new engine in the bundle of each removed one,
+        let it join the router, and reconnect the trainers' weight-update group to the new engine set, so the update
+        that follows gives every engine the current weights. Returns the indices of the replaced engines."""
+        self.pause_health_checks()
+        if not self.args.use_fault_tolerance:
+            return []
+        with self._lock:
+            dead = [i for i, e in enumerate(self.rollout_engines) if e is None]
+            if not dead:
+                return []
+            slots = [j for i in dead for j in range(i * self.nodes_per_engine, (i + 1) * self.nodes_per_engine)]
+            for j in slots:
+                self.all_rollout_engines[j] = _new_engine(self.args, self.pg, j)
+            _init_engines(self.args, self.all_rollout_engines, slots)
+            for i in dead:
+                self.rollout_engines[i] = self.all_rollout_engines[i * self.nodes_per_engine]
+                self.engine_urls[i] = ray.get(self.rollout_engines[i].get_url.remote())
+                bundle = self.pg[1][i * self.nodes_per_engine * _engines_per_gpu_layout(self.args)[0]]
+                self._event("engine_restarted", f"inference engine {i} restarted at {self.engine_urls[i]} in "
+                            f"placement-group bundle {bundle} and rejoined the router", engine=i, bundle=bundle)
+        if self.args.offload:  # same memory state as its peers: weights in, KV cache released until onload
+            get([self.rollout_engines[i].release_memory_occupation.remote() for i in dead])
+        get(actor_model.async_init_weight_update_connections(self))
+        return dead
+
+    def check_weight_versions(self, update_metrics, engines=None):
+        """After a weight update (`update_metrics`: the trainers' results), every engine (or those in `engines`) serves
+        the version it pushed; raise naming one that does not."""
+        expected = next(m["update_weights/weight_version"] for m in update_metrics if m)
+        indices = range(len(self.rollout_engines)) if engines is None else engines
+        versions = ray.get([self.rollout_engines[i].get_weight_version.remote() for i in indices])
+        for i, v in zip(indices, versions):
+            if str(v) != str(expected):
+                raise RuntimeError(f"inference engine {i} ({self.engine_urls[i]}) serves weight version {v} after the "
+                                   f"update, expected {expected}")
+        self._event("weights_checked", f"inference engine(s) {list(indices)} serve weight version {expected}")
+        return versions
 
     def shutdown(self):
         """Stop engines (each removes itself from the router and kills its server), the controller and the router."""
+        self._closing = True  # what stops now is not a fault
+        self.pause_health_checks()
+        engines = [e for e in self.all_rollout_engines if e is not None]
         try:
-            ray.get([e.shutdown.remote() for e in self.all_rollout_engines], timeout=60)
+            ray.get([e.shutdown.remote() for e in engines], timeout=60)
         except Exception as e:  # an engine that already died has nothing left to stop
             logger.warning(f"engine shutdown: {e}")
-        for actor in [*self.all_rollout_engines, self.controller, self.rollout_engine_lock]:
+        for actor in [*engines, self.controller, self.rollout_engine_lock]:
             if actor is not None:
                 ray.kill(actor)
         self.all_rollout_engines, self.rollout_engines, self.controller, self.rollout_engine_lock = [], [], None, None
         stop_router(self.router_process)
         self.router_process = None
+        if self.health_monitor is not None:
+            self.health_monitor.stop()
+            self.health_monitor = None

@@ -99,18 +99,21 @@ def _run_cleanup(fn):
 
 
 class Watchdog:
-    """`ray.get` for the driver loop that fails fast, naming the culprit, when a trainer or engine the wait depends
-    on dies — instead of waiting on HTTP retries to a dead server or a collective that will never complete."""
+    """`ray.get` for the driver loop that fails fast, naming the culprit, when a trainer, an engine or the router the
+    wait depends on dies or hangs — instead of waiting on HTTP retries to a dead server or a collective that will never
+    complete. With --use-fault-tolerance a dead engine is handed to the rollout manager instead (it is replaced)."""
 
-    def __init__(self, rollout_manager, actor_model=None, poll_s: float = 5.0):
-        self.rollout_manager, self.actor_model, self.poll_s = rollout_manager, actor_model, poll_s
+    def __init__(self, rollout_manager, actor_model=None, poll_s: float = 1.0, engine_check_s: float = 5.0):
+        self.rollout_manager, self.actor_model = rollout_manager, actor_model
+        self.poll_s, self.engine_check_s = poll_s, engine_check_s
 
     def _names(self):
         names = {}
         for i, a in enumerate(self.actor_model.actors if self.actor_model else []):
             names[a._actor_id.hex()] = f"trainer rank {i}"
         for i, e in enumerate(self.rollout_manager.all_rollout_engines):
-            names[e._actor_id.hex()] = f"inference engine {i}"
+            if e is not None:
+                names[e._actor_id.hex()] = f"inference engine {i}"
         names[self.rollout_manager.controller._actor_id.hex()] = "rollout controller"
         return names
 
@@ -119,19 +122,32 @@ class Watchdog:
         who = self._names().get(actor_id, f"actor {actor_id}")
         return RuntimeError(f"{who} died: {err}")
 
+    def _check_engines(self):
+        manager = self.rollout_manager
+        engines = {i: e for i, e in enumerate(manager.rollout_engines) if e is not None}
+        refs = {i: e.check_alive.remote() for i, e in engines.items()}
+        for i, ref in refs.items():
+            try:
+                ray.get(ref, timeout=60)
+            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
+                # the engine actor or its server process is gone
+                if not manager.args.use_fault_tolerance:
+                    raise RuntimeError(f"inference engine died while waiting: {getattr(e, 'cause', e)}") from None
+                manager.engine_failed(i, f"died ({str(getattr(e, 'cause', e)).splitlines()[0][:200]})")
+
     def get(self, refs):
         single = not isinstance(refs, list)
         pending = [refs] if single else list(refs)
         try:
+            last_engine_check = time.monotonic()
             while True:
                 _, not_ready = ray.wait(pending, num_returns=len(pending), timeout=self.poll_s)
                 if not not_ready:
                     break
-                engines = self.rollout_manager.rollout_engines
-                try:
-                    ray.get([e.check_alive.remote() for e in engines], timeout=60)
-                except ray.exceptions.RayTaskError as e:  # the engine actor is alive but its server process is not
-                    raise RuntimeError(f"inference engine died while waiting: {e.cause}") from None
+                self.rollout_manager.raise_if_failed()  # a hung engine or a dead router, seen by the health monitor
+                if time.monotonic() - last_engine_check >= self.engine_check_s:
+                    self._check_engines()
+                    last_engine_check = time.monotonic()
             values = ray.get(pending)
         except ray.exceptions.RayActorError as e:
             raise self._died(e) from e
@@ -145,6 +161,7 @@ class RunRecorder:
         self.args, self.rollout_manager = args, rollout_manager
         self.last_time = time.time()
         self.pending_eval = {}
+        self._events_seen = 0
         if args.metrics_path:
             os.makedirs(os.path.dirname(os.path.abspath(args.metrics_path)), exist_ok=True)
 
@@ -158,12 +175,24 @@ class RunRecorder:
         record.update(_flatten(next((m for m in train_metrics or [] if m), {})))  # rank 0 reports for the group
         record.update(_flatten(next((m for m in update_metrics or [] if m), {})))
         record.update(self.pending_eval)
+        record.update(self._fault_metrics())
         record["perf/step_time"] = now - self.last_time
         self.pending_eval, self.last_time = {}, now
         print(self._line(record), flush=True)
         if self.args.metrics_path:
             with open(self.args.metrics_path, "a") as f:
                 f.write(json.dumps(_jsonable(record)) + "\n")
+
+    def _fault_metrics(self):
+        """Counts of engine/router faults so far and what was done (`fault/*`), plus this rollout's new events."""
+        events = self.rollout_manager.fault_events
+        if not events:
+            return {}
+        counts = {}
+        for e in events:
+            counts[f"fault/{e['kind']}"] = counts.get(f"fault/{e['kind']}", 0) + 1
+        new, self._events_seen = events[self._events_seen:], len(events)
+        return {**counts, "fault/events": [dict(e) for e in new]}
 
     @staticmethod
     def _line(r):
@@ -197,5 +226,13 @@ def _flatten(metrics):
 
 
 def _jsonable(d):
-    return {k: (v if isinstance(v, (int, float, str, bool, type(None))) else float(v) if hasattr(v, "__float__") else str(v))
-            for k, v in d.items()}
+    def one(v):
+        if isinstance(v, (int, float, str, bool, type(None))):
+            return v
+        if isinstance(v, (list, tuple)):
+            return [one(x) for x in v]
+        if isinstance(v, dict):
+            return {str(k): one(x) for k, x in v.items()}
+        return float(v) if hasattr(v, "__float__") else str(v)
+
+    return {k: one(v) for k, v in d.items()}

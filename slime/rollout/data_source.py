@@ -181,6 +181,12 @@ class RolloutDataSource(DataSource):
             return
         path = self.state_path(self.args.load, rollout_id)
         if not os.path.exists(path):
+            if rollout_id is not None and rollout_id >= 0:  # the trainers resume after rollout_id: so must the data
+                raise FileNotFoundError(
+                    f"--load {self.args.load}: checkpoint {rollout_id} has no rollout data-source state ({path}), so "
+                    "the run cannot continue its data order; it is incomplete (saved by an older version?). Resume "
+                    "from another iteration with --ckpt-step, or train from it as a new run with --finetune"
+                )
             print(f"rollout data source: no state at {path}, starting from the beginning of the dataset")
             return
         print(f"rollout data source: loading state from {path}")

@@ -57,16 +57,34 @@ class GenerateState(metaclass=SingletonMeta):
         self.remaining_batch_size = 0  # submitted groups not yet dropped by the dynamic filter
         self.pendings = set()
         self.aborted = False
+        self.request_timeouts = 0  # /generate calls over --rollout-request-timeout (each retried)
+        self.timed_out_groups = []  # groups over --rollout-group-timeout, as they were handed out
 
     def submit_generate_tasks(self, samples: list[list[Sample]]):
         for group in samples:
-            self.pendings.add(
-                asyncio.create_task(
-                    # a copy so per-group changes never leak into the shared defaults
-                    generate_and_rm_group(self.args, group, sampling_params=self.sampling_params.copy(), evaluation=False)
-                )
-            )
+            # a copy so per-group changes never leak into the shared defaults
+            self.pendings.add(asyncio.create_task(_generate_group(self.args, group, self.sampling_params.copy())))
         self.remaining_batch_size += len(samples)
+
+
+async def _generate_group(args, group, sampling_params):
+    """`generate_and_rm_group` under --rollout-group-timeout: a group over it is dropped from this rollout (None is
+    returned) and kept, as it was handed out, in `GenerateState.timed_out_groups` to go back to the data source."""
+    if args.rollout_group_timeout is None:
+        return await generate_and_rm_group(args, group, sampling_params=sampling_params, evaluation=False)
+    pristine = copy.deepcopy(group)
+    try:
+        return await asyncio.wait_for(
+            generate_and_rm_group(args, group, sampling_params=sampling_params, evaluation=False),
+            args.rollout_group_timeout)
+    except asyncio.TimeoutError:
+        state = GenerateState(args)
+        state.timed_out_groups.append(pristine)
+        logger.warning(
+            f"group {group[0].group_index} (samples {[s.index for s in group]}) took longer than --rollout-group-timeout "
+            f"{args.rollout_group_timeout:g}s: dropped from this rollout, its prompt goes back to the data source"
+        )
+        return None
 
 
 async def generate(args, sample: Sample, sampling_params) -> Sample:
@@ -96,7 +114,17 @@ async def generate(args, sample: Sample, sampling_params) -> Sample:
         sample.tokens = list(input_ids)
 
     payload = {"input_ids": list(input_ids), "sampling_params": sampling_params, "return_logprob": True}
-    output = await post(url, payload)
+
+    def on_retry(error):
+        if isinstance(error, asyncio.TimeoutError):
+            state.request_timeouts += 1
+            logger.warning(f"sample {sample.index}: /generate took longer than --rollout-request-timeout "
+                           f"{args.rollout_request_timeout:g}s; retrying it")
+
+    try:
+        output = await post(url, payload, timeout=args.rollout_request_timeout, on_retry=on_retry)
+    except ConnectionError as e:
+        raise ConnectionError(f"sglang-router at {router_url(args)} did not serve sample {sample.index}: {e}") from e
     if not isinstance(output, dict) or "meta_info" not in output:
         raise RuntimeError(f"{url} returned an unexpected response for sample {sample.index}: {str(output)[:300]}")
 
@@ -185,7 +213,7 @@ async def abort(args, rollout_id: int) -> list[list[Sample]]:
         done, state.pendings = await asyncio.wait(state.pendings, return_when=asyncio.FIRST_COMPLETED)
         for task in done:
             group = task.result()
-            if args.partial_rollout:
+            if group is not None and args.partial_rollout:
                 aborted_samples.append(_mark_start_rollout_id(group, rollout_id))
     return aborted_samples
 
@@ -234,6 +262,9 @@ async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[li
             done, state.pendings = await asyncio.wait(state.pendings, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 group = task.result()
+                if group is None:  # over --rollout-group-timeout: replaced by a fresh prompt
+                    state.remaining_batch_size -= 1
+                    continue
                 if args.custom_generate_function_path is None and len(group) != n:
                     raise RuntimeError(f"a group of {len(group)} samples came back, expected --n-samples-per-prompt={n}")
                 finished.append(group)
@@ -276,6 +307,12 @@ async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[li
 
     metrics = {"rollout/dynamic_filter/drop": sum(drops.values())} if dynamic_filter is not None else {}
     metrics.update(gatherer.collect())
+    if args.rollout_request_timeout is not None:
+        metrics["rollout/timeouts/requests"] = state.request_timeouts
+    if args.rollout_group_timeout is not None:
+        metrics["rollout/timeouts/groups"] = len(state.timed_out_groups)
+    # dropped by the group timeout: served again, first, by the next rollout (same indices: nothing lost)
+    aborted_samples = aborted_samples + state.timed_out_groups
     state.reset()
     state.metrics = metrics
 

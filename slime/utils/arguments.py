@@ -330,6 +330,26 @@ def add_mtp_training_arguments(parser):
     return parser
 
 
+def add_fault_tolerance_arguments(parser):
+    g = _Group(parser, "fault tolerance")
+    g.add_argument("--use-fault-tolerance", action="store_true", default=False,
+                   help="Replace an inference engine that died or hangs (and restart a dead router) instead of "
+                        "failing the run; see docs/fault_tolerance.md.")
+    g.add_argument("--rollout-health-check-interval", type=float, default=30.0,
+                   help="Seconds between two rounds of engine health checks (/health_generate).")
+    g.add_argument("--rollout-health-check-timeout", type=float, default=30.0,
+                   help="Seconds one engine's /health_generate may take before the engine counts as hung.")
+    g.add_argument("--rollout-health-check-first-wait", type=float, default=0.0,
+                   help="Grace period before the first health check after each resume (e.g. kernel compilation).")
+    g.add_argument("--rollout-request-timeout", type=float, default=None,
+                   help="Seconds one /generate request of the default rollout may take; on timeout it is retried, "
+                        "and counted in rollout/timeouts/requests.")
+    g.add_argument("--rollout-group-timeout", type=float, default=None,
+                   help="Seconds one prompt group of the default rollout may take; a group over it is dropped "
+                        "(logged, counted in rollout/timeouts/groups) and its prompt is served again.")
+    return parser
+
+
 def add_ci_arguments(parser):
     g = _Group(parser, "ci")
     g.add_argument("--ci-test", action="store_true", default=False, help="Assert on first-step metrics.")
@@ -350,8 +370,8 @@ def get_slime_extra_args_provider(add_custom_arguments=None):
         for add in (add_cluster_arguments, add_rollout_arguments, add_data_arguments, add_eval_arguments,
                     add_algo_arguments, add_wandb_arguments, add_debug_arguments, add_sglang_arguments,
                     add_network_arguments, add_reward_model_arguments, add_rollout_buffer_arguments,
-                    add_custom_megatron_hooks_arguments, add_ci_arguments, add_custom_megatron_plugins_arguments,
-                    add_mtp_training_arguments):
+                    add_custom_megatron_hooks_arguments, add_fault_tolerance_arguments, add_ci_arguments,
+                    add_custom_megatron_plugins_arguments, add_mtp_training_arguments):
             add(parser)
         if "--padded-vocab-size" not in parser._option_string_actions:
             parser.add_argument("--padded-vocab-size", type=int, default=None)
@@ -534,8 +554,11 @@ def add_megatron_arguments(parser):
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--sgd-momentum", type=float, default=0.9)
-    g.add_argument("--override-opt_param-scheduler", action="store_true", default=False)
-    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true", default=False)
+    # Megatron-LM's spelling first; the all-hyphen one is accepted too
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
+                   default=False, help="On --load, recompute the LR/WD schedule from this run's flags.")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+                   action="store_true", default=False, help="On --load, keep the checkpoint's LR/WD schedule.")
     g.add_argument("--optimizer-cpu-offload", action="store_true", default=False)
     g.add_argument("--optimizer-offload-fraction", type=float, default=1.0)
     g.add_argument("--overlap-cpu-optimizer-d2h-h2d", action="store_true", default=False)
@@ -1022,6 +1045,9 @@ def slime_validate_args(args, error, check_paths=True):
         error("one of --num-rollout or --num-epoch is required.")
     if args.save_interval is not None and args.save is None:
         error("--save-interval requires --save (the checkpoint directory).")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        error("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict each other: "
+              "recompute the LR schedule from this run's flags, or keep the checkpoint's, not both.")
     _validate_algorithm_and_rollout(args, error)
     _check_mtp(args, error)
     if args.custom_tis_function_path and not args.use_tis:

@@ -1,6 +1,11 @@
-"""The on-disk layout of a Megatron checkpoint directory that both the trainer and start-up checks read.
+"""The tracker file `{save}/latest_checkpointed_iteration.txt`: the one place that says which checkpoint is complete.
 
-Kept free of torch/megatron imports so argument validation can read a tracker before anything heavy loads.
+Kept free of torch/megatron imports so the driver and start-up checks can read and write it.
+
+A checkpoint is complete once every part of it is on disk: the trainers' `iter_XXXXXXX/` directory, the rollout
+data source's position (`rollout/global_dataset_state_dict_X.pt`) and any other driver-side state. The tracker is
+replaced atomically *after* all of them (see `slime.ray.checkpoint.save`), so a run killed at any moment of a save
+resumes from the previous complete checkpoint and never picks up a half-written one.
 """
 import os
 
@@ -24,3 +29,14 @@ def read_tracker(root):
         return int(text)
     except ValueError:
         raise ValueError(f"{path}: expected an iteration number or 'release', found {text!r}") from None
+
+
+def write_tracker(root, iteration):
+    """Atomically record `iteration` as the latest complete checkpoint under `root` (write, fsync, rename)."""
+    os.makedirs(root, exist_ok=True)
+    tmp = os.path.join(root, f"{TRACKER}.tmp.{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, TRACKER))

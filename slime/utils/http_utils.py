@@ -5,6 +5,7 @@ import json
 import os
 import random
 import socket
+import sys
 
 import aiohttp
 
@@ -28,15 +29,24 @@ def find_available_port(base_port: int) -> int:
 
 
 def get_host_info() -> tuple[str, str]:
-    """(hostname, ip). `SLIME_HOST_IP` overrides the IP; otherwise the hostname's address (127.0.0.1 on a laptop/CI)."""
+    """(hostname, ip). `SLIME_HOST_IP` overrides the IP; in a process connected to Ray, the IP of its Ray node (so
+    every server binds and advertises the address Ray placed it on, also with several nodes on one machine);
+    otherwise the hostname's address (127.0.0.1 on a laptop/CI)."""
     hostname = socket.gethostname()
-    ip = os.environ.get("SLIME_HOST_IP")
+    ip = os.environ.get("SLIME_HOST_IP") or _ray_node_ip()
     if not ip:
         try:
             ip = socket.gethostbyname(hostname)
         except OSError:
             ip = "127.0.0.1"
     return hostname, ip
+
+
+def _ray_node_ip():
+    ray = sys.modules.get("ray")  # only where this process already uses Ray
+    if ray is not None and ray.is_initialized():
+        return ray.util.get_node_ip_address()
+    return None
 
 
 _sessions: dict = {}
@@ -83,7 +93,8 @@ class HTTPStatusError(RuntimeError):
         self.url, self.status, self.body = url, status, body
 
 
-async def _request(method, url, payload=None, max_retries=60, timeout=None, headers=None, retry_interval=1.0):
+async def _request(method, url, payload=None, max_retries=60, timeout=None, headers=None, retry_interval=1.0,
+                   on_retry=None):
     last = None
     for attempt in range(max(1, max_retries)):
         try:
@@ -101,17 +112,21 @@ async def _request(method, url, payload=None, max_retries=60, timeout=None, head
             raise
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
             last = e
+            if on_retry is not None:
+                on_retry(e)
             if attempt + 1 < max_retries:
                 await asyncio.sleep(retry_interval)
     raise ConnectionError(f"{method} {url} failed after {max_retries} attempt(s): {type(last).__name__}: {last}") from last
 
 
-async def post(url, payload=None, max_retries=60, timeout=None, headers=None, *, use_http2=False):
-    """POST JSON; returns the decoded JSON (or text). Retries connection errors and 5xx once a second.
+async def post(url, payload=None, max_retries=60, timeout=None, headers=None, *, use_http2=False, on_retry=None):
+    """POST JSON; returns the decoded JSON (or text). Retries connection errors, timeouts and 5xx once a second;
+    `on_retry(exception)` is called after each failed attempt.
 
     `use_http2` is accepted for slime v0.1.0 callers and ignored: the client speaks HTTP/1.1, which every
     SGLang server and router answers."""
-    return await _request("POST", url, payload, max_retries=max_retries, timeout=timeout, headers=headers)
+    return await _request("POST", url, payload, max_retries=max_retries, timeout=timeout, headers=headers,
+                          on_retry=on_retry)
 
 
 async def get(url, max_retries=3, timeout=30, headers=None, *, use_http2=False):

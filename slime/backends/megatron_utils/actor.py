@@ -243,14 +243,15 @@ class MegatronTrainRayActor(TrainRayActor):
         Timer().start("train_wait")
         return {"rollout": rollout_metrics, "train": history, "perf": perf}
 
-    def save_model(self, iteration, with_optimizer=True):
+    def save_model(self, iteration, with_optimizer=True, commit=True):
+        """Write this rank's part of checkpoint `iteration`; `commit=False` leaves the tracker to the driver."""
         if self.args.debug_rollout_only:
             return
         asleep = self._offload_backup is not None
         if asleep:
             self.wake_up(("model",))
         save_checkpoint(self.args, iteration, self.model, self.optimizer, self.opt_param_scheduler,
-                        with_optimizer=with_optimizer)
+                        with_optimizer=with_optimizer, commit=commit)
         if asleep:
             self.sleep(("model",))
 

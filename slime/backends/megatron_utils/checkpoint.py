@@ -3,9 +3,10 @@
     {save}/iter_{rollout_id:07d}/          model (+ optimizer, scheduler, RNG) shards + common.pt
     {save}/latest_checkpointed_iteration.txt   the last *complete* iteration (or "release")
 
-The iteration directory is written under a temporary name and renamed when complete; the tracker file is then
-replaced atomically, so a crash mid-save never points `--load` at a partial checkpoint. Sharded tensors are
-stored in global (unsharded) coordinates, so loading with a different TP size reshards.
+The iteration directory is written under a temporary name and renamed when complete. The tracker file is replaced
+atomically afterwards: here with `commit=True` (tools, standalone use), or by the driver once the data source's state
+is written too (`slime.ray.checkpoint.save`), so a crash mid-save never points `--load` at a partial checkpoint.
+Sharded tensors are stored in global (unsharded) coordinates, so loading with a different TP size reshards.
 """
 import argparse
 import os
@@ -19,7 +20,7 @@ from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core import parallel_state as mpu
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-from slime.utils.checkpoint_tracker import TRACKER, checkpoint_dir, read_tracker
+from slime.utils.checkpoint_tracker import TRACKER, checkpoint_dir, read_tracker, write_tracker
 from slime.utils.device import dist_backend, rng_state, set_rng_state
 
 from .param_utils import unwrap_model
@@ -92,8 +93,9 @@ def _portable_args(args):
     return argparse.Namespace(**{k: v for k, v in vars(args).items() if ok(v) and k not in ("rank", "local_rank")})
 
 
-def save_checkpoint(args, iteration, model, optimizer, opt_param_scheduler, *, with_optimizer=True):
-    """Write `{args.save}/iter_{iteration:07d}` from every rank (collective), then update the tracker."""
+def save_checkpoint(args, iteration, model, optimizer, opt_param_scheduler, *, with_optimizer=True, commit=True):
+    """Write `{args.save}/iter_{iteration:07d}` from every rank (collective); with `commit`, then update the tracker
+    (the RL driver passes commit=False and updates it itself once the rest of the run's state is saved)."""
     root = args.save
     final_dir = checkpoint_dir(root, iteration)
     tmp_dir = final_dir + ".tmp"
@@ -119,10 +121,8 @@ def save_checkpoint(args, iteration, model, optimizer, opt_param_scheduler, *, w
     if rank0:
         shutil.rmtree(final_dir, ignore_errors=True)
         os.replace(tmp_dir, final_dir)
-        tracker_tmp = os.path.join(root, TRACKER + ".tmp")
-        with open(tracker_tmp, "w") as f:
-            f.write(str(iteration))
-        os.replace(tracker_tmp, os.path.join(root, TRACKER))
+        if commit:
+            write_tracker(root, iteration)
     dist.barrier()
     return final_dir
 
@@ -165,13 +165,43 @@ def load_checkpoint(args, model, optimizer, opt_param_scheduler):
     if load_optim:
         optimizer.load_state_dict(loaded["optimizer"])
         if "opt_param_scheduler" in common and opt_param_scheduler is not None:
-            opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
+            _load_scheduler(args, opt_param_scheduler, common["opt_param_scheduler"], ckpt)
     elif optimizer is not None:
         resync_optimizer_main_params(optimizer)
     if load_rng:
         _restore_rng(loaded["rng_state"])
     dist.barrier()
     return -1 if finetune else int(iteration)
+
+
+# (attribute, state-dict key, what Megatron calls it) of the schedule values a resume compares
+_SCHEDULE_FIELDS = (("max_lr", "max_lr", "learning rate"), ("min_lr", "min_lr", "minimum learning rate"),
+                    ("lr_warmup_steps", "lr_warmup_steps", "warmup iterations"),
+                    ("lr_decay_steps", "lr_decay_steps", "total number of iterations"),
+                    ("lr_decay_style", "lr_decay_style", "learning rate decay style"),
+                    ("start_wd", "start_wd", "start weight decay"), ("end_wd", "end_wd", "end weight decay"),
+                    ("wd_incr_steps", "wd_incr_steps", "total number of weight decay iterations"),
+                    ("wd_incr_style", "wd_incr_style", "weight decay incr style"))
+
+
+def _load_scheduler(args, scheduler, saved, ckpt):
+    """Restore the LR/WD scheduler. When this run's flags give another schedule than the checkpoint's (typically a
+    larger --num-rollout to continue a run), Megatron-LM's two flags decide, and the log says which one applied."""
+    override = args.override_opt_param_scheduler
+    keep = args.use_checkpoint_opt_param_scheduler
+    diffs = [f"{what}: checkpoint {saved[key]}, this run {getattr(scheduler, attr)}"
+             for attr, key, what in _SCHEDULE_FIELDS if key in saved and saved[key] != getattr(scheduler, attr)]
+    if diffs and not (override or keep):
+        raise ValueError(
+            f"--load {ckpt}: this run's LR/weight-decay schedule differs from the checkpoint's ({'; '.join(diffs)}); "
+            "pass --override-opt_param-scheduler to recompute it from this run's flags, or "
+            "--use-checkpoint-opt_param-scheduler to keep the checkpoint's"
+        )
+    scheduler.load_state_dict(saved)
+    if diffs and dist.get_rank() == 0:
+        how = ("recomputed from this run's flags (--override-opt_param-scheduler)" if override
+               else "kept from the checkpoint (--use-checkpoint-opt_param-scheduler)")
+        print(f"optimizer param scheduler {how}: {'; '.join(diffs)}", flush=True)
 
 
 def _saved_keys(common, ckpt):

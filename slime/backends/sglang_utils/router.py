@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 import multiprocessing
+import os
 import random
 import time
 import urllib.error
@@ -20,6 +21,7 @@ import aiohttp
 from packaging.version import parse
 
 from slime.utils.http_utils import find_available_port, get_host_info
+from slime.utils.process_utils import die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +73,11 @@ def _exitcode(p):
     return p.exitcode if hasattr(p, "exitcode") else p.returncode
 
 
-def run_router(router_args):
-    """Process target: runs the Rust router until terminated (imports avoid launch_router's heavy mini_lb import)."""
+def run_router(router_args, parent_pid=None):
+    """Process target: runs the Rust router until terminated (imports avoid launch_router's heavy mini_lb import).
+
+    The router dies with the process that started it, even when that one is killed with SIGKILL."""
+    die_with_parent(parent_pid)
     from sglang_router.router import Router  # heavy: only the driver starts a router
 
     Router.from_args(router_args).start()
@@ -86,16 +91,26 @@ def start_router(args, timeout: float = 60.0):
         if not args.sglang_router_port:
             raise ValueError("--sglang-router-ip is set but --sglang-router-port is not: give both for an external router")
         return None
-    from sglang_router.router_args import RouterArgs  # heavy: only the driver starts a router
-
     ip = get_host_info()[1]
     port = args.sglang_router_port or find_available_port(random.randint(3000, 4000))
+    process = launch_router(args, ip, port, timeout)
+    args.sglang_router_ip, args.sglang_router_port = ip, port
+    return process
+
+
+def launch_router(args, ip: str, port: int, timeout: float = 60.0):
+    """Run sglang-router on ip:port in a child process (bound to this process's life); return once it answers.
+
+    Also how a router that died is restarted: on the same address, so every client's URL stays valid."""
+    from sglang_router.router_args import RouterArgs  # heavy: only the driver starts a router
+
     router_args = RouterArgs(
         host=ip, port=port, balance_abs_threshold=0,
         prometheus_host=ip, prometheus_port=find_available_port(random.randint(4000, 5000)),
         log_level="warn", request_timeout_secs=int(args.sglang_router_request_timeout_secs or 3600),
     )
-    process = multiprocessing.Process(target=run_router, args=(router_args,), daemon=True, name="sglang-router")
+    process = multiprocessing.Process(target=run_router, args=(router_args, os.getpid()), daemon=True,
+                                      name="sglang-router")
     process.start()
     url = f"http://{ip}:{port}"
     try:
@@ -103,8 +118,7 @@ def start_router(args, timeout: float = 60.0):
     except Exception:
         stop_router(process)
         raise
-    args.sglang_router_ip, args.sglang_router_port = ip, port
-    logger.info("sglang-router %s listening on %s", _router_version(), url)
+    logger.info("sglang-router %s listening on %s (pid %d)", _router_version(), url, process.pid)
     return process
 
 

@@ -8,7 +8,6 @@ parent-death signal, so neither `shutdown()`, a crash nor `ray.kill(engine)` lea
 import argparse
 import atexit
 import collections
-import ctypes
 import functools
 import json
 import logging
@@ -23,6 +22,7 @@ import requests
 
 from slime.ray.ray_actor import RayActor
 from slime.utils.http_utils import get_host_info
+from slime.utils.process_utils import die_with_parent
 
 from .router import add_worker, remove_worker
 
@@ -124,10 +124,7 @@ def server_command(args, rank: int, host: str, port: int, nccl_port: int, dist_i
 def _die_with_parent():
     """preexec_fn: new session (own process group) and SIGKILL when the actor process dies (Linux)."""
     os.setsid()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    die_with_parent()
 
 
 def kill_process_group(proc: subprocess.Popen, timeout: float = 10.0):
@@ -223,6 +220,23 @@ class SGLangEngine(RayActor):
                                f"{self.process.returncode}. Last log lines ({self.log_path}):\n{self._log_tail()}")
         return self.url
 
+    def health_generate(self, timeout: float = 30.0) -> bool:
+        """GET /health_generate (a one-token generation on SGLang and on the CPU server); raises if the server does
+        not answer 200 within `timeout` seconds. Only node 0 of a multi-node engine serves HTTP."""
+        if self.url is None or self.process is None:
+            return True
+        self.check_alive()
+        headers = {"Authorization": f"Bearer {self.args.sglang_api_key}"} if self.args.sglang_api_key else {}
+        try:
+            resp = self._http.get(f"{self.url}/health_generate", timeout=timeout, headers=headers)
+        except requests.Timeout:
+            raise TimeoutError(f"did not answer /health_generate within {timeout:g}s (hung?)") from None
+        except requests.RequestException as e:
+            raise RuntimeError(f"GET /health_generate failed: {type(e).__name__}: {e}") from None
+        if resp.status_code != 200:
+            raise RuntimeError(f"GET /health_generate answered HTTP {resp.status_code}")
+        return True
+
     def get_server_pid(self) -> int | None:
         return self.process.pid if self.process else None
 
@@ -259,6 +273,9 @@ class SGLangEngine(RayActor):
         return self._make_request("init_weights_update_group", {
             "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
             "world_size": world_size, "group_name": group_name, "backend": backend})
+
+    def destroy_weights_update_group(self, group_name):
+        return self._make_request("destroy_weights_update_group", {"group_name": group_name})
 
     def update_weights_from_distributed(self, names, dtypes, shapes, group_name, weight_version=None, flush_cache=False):
         dtypes = [str(d).replace("torch.", "") for d in dtypes]

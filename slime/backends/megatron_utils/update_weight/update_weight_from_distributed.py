@@ -55,6 +55,7 @@ class UpdateWeightFromDistributed:
         self.weight_version = 0
         self.rollout_engines, self.rollout_engine_lock = [], None
         self._group, self._group_name, self._urls = None, None, []
+        self._connections = 0  # weight-update groups built so far (one more after each engine replacement)
         self._lock_releases = []
         self._expected_checksums = {}
         self.transport = None  # "broadcast" or "shm", chosen in connect_rollout_engines
@@ -65,14 +66,21 @@ class UpdateWeightFromDistributed:
         return mpu.get_data_parallel_rank(with_context_parallel=True) == 0 and mpu.get_tensor_model_parallel_rank() == 0
 
     def connect_rollout_engines(self, rollout_engines, rollout_engine_lock):
+        """Connect to the engines; called again after engines were replaced (--use-fault-tolerance), when the old
+        group is torn down on the trainer and on the surviving engines and a new one, under a new name, is built."""
+        old_engines, old_urls = self.rollout_engines, self._urls
         self.rollout_engines, self.rollout_engine_lock = rollout_engines, rollout_engine_lock
         timeout = update_timeout(self.args)
         self._urls = engine_urls(rollout_engines, timeout)
         if not self._is_pp_src_rank:
             return
-        self._group_name = f"slime-pp_{mpu.get_pipeline_model_parallel_rank()}"
+        if self._group is not None:
+            self._leave_group(old_engines, old_urls, timeout)
+        self._connections += 1
+        self._group_name = f"slime-pp_{mpu.get_pipeline_model_parallel_rank()}" + (
+            f"-{self._connections}" if self._connections > 1 else "")
         self.transport = self._choose_transport()
-        logger.info("weight sync to %s: %s", self._urls, self.transport)
+        print(f"weight sync from {get_host_info()[1]} to {self._urls}: {self.transport}", flush=True)
         if self.transport == "shm":
             return
         gpus_per_engine = self.args.rollout_num_gpus_per_engine
@@ -106,10 +114,25 @@ class UpdateWeightFromDistributed:
             raise WeightUpdateError(f"{what}: the trainer side failed: {joined.get('error', 'timed out')}")
         self._group = joined["group"]
 
+    def _leave_group(self, old_engines, old_urls, timeout):
+        """Destroy the current weight-update group on the engines that stay and on this trainer."""
+        current = {e._actor_id for e in self.rollout_engines}
+        stay = [(e, u) for e, u in zip(old_engines, old_urls) if e._actor_id in current]
+        refs = [e.destroy_weights_update_group.remote(self._group_name) for e, _ in stay]
+        wait_engines(refs, [u for _, u in stay], f"destroy_weights_update_group {self._group_name}", timeout)
+        try:
+            dist.destroy_process_group(self._group)
+        except Exception as e:  # noqa: BLE001  (a group whose peers died may fail to tear down; it is dropped anyway)
+            logger.warning("destroying weight-update group %s on the trainer: %s", self._group_name, e)
+        self._group = None
+
     def _choose_transport(self) -> str:
         wanted = self.args.update_weight_transport or "auto"
         host = get_host_info()[1]
-        shm_possible = is_cpu() and all(urlparse(u).hostname in {"127.0.0.1", "localhost", "::1", host} for u in self._urls)
+        # loopback names mean this host only where this host is the loopback address: with several Ray nodes on one
+        # machine (127.0.0.2, 127.0.0.3, ...) an engine on another node's address is remote and gets the broadcast
+        local = {host} | ({"127.0.0.1", "localhost", "::1"} if host in ("127.0.0.1", "localhost", "::1") else set())
+        shm_possible = is_cpu() and all(urlparse(u).hostname in local for u in self._urls)
         if wanted == "shm" and not shm_possible:
             raise WeightUpdateError(
                 f"--update-weight-transport shm needs a CPU run with every engine on this host ({host}); "

@@ -1,0 +1,300 @@
+"""Fault injection on the tiny kit (real Ray, trainers, router and CPU servers): a trainer killed mid-save, the driver
+killed with SIGKILL, engines killed (SIGKILL) or hung (SIGSTOP) mid-rollout, the router killed. Each test asserts that
+no sample was lost or trained twice (sample indices) and that no process of the run is left behind. Fault ->
+detection and fault -> recovery times are printed as `FAULT-TIMING ...` lines (run with -s to see them)."""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+
+import train as sync_driver
+from tests.test_e2e import TINY_MODEL_ARGS, make_args, read_metrics
+
+pytestmark = pytest.mark.e2e
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def timing(fault, **seconds):
+    print("FAULT-TIMING " + fault + " " + " ".join(f"{k}={v:.2f}s" for k, v in seconds.items()), flush=True)
+
+
+def processes_naming(marker):
+    """Live processes whose command line contains `marker` (a tmp path this run's servers were started with)."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if marker in " ".join(p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
+def wait_gone(pids, timeout=60):
+    """pids still alive after `timeout` seconds (zombies count as gone)."""
+    deadline = time.time() + timeout
+    alive = list(pids)
+    while alive and time.time() < deadline:
+        alive = [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.5)
+    return alive
+
+
+def trainer_pids():
+    return [p.pid for p in psutil.process_iter(["cmdline"])
+            if any("MegatronTrainRayActor" in c for c in (p.info["cmdline"] or []))]
+
+
+def expected_prompts(tiny_kit, tmp_path, rollout_id, *flags):
+    """Prompts of `rollout_id` in an uninterrupted run: the data source replayed from scratch."""
+    from slime.rollout.data_source import RolloutDataSourceWithBuffer
+
+    fresh = RolloutDataSourceWithBuffer(make_args(tiny_kit, tmp_path, "--rollout-num-gpus", "1", *flags))
+    for _ in range(rollout_id):
+        fresh.get_samples(4)
+    return [g[0].prompt for g in fresh.get_samples(4)]
+
+
+def test_trainer_killed_mid_save_resumes_from_last_complete_checkpoint(ray_session, tiny_kit, tmp_path):
+    """SIGKILL the trainer while it writes checkpoint 1: the run fails naming the trainer, checkpoint 1 never counts
+    (its directory is half-written, the data source never saved its position), and `--load` resumes at rollout 1 with
+    exactly the samples an uninterrupted run would have trained there."""
+    ckpt = tmp_path / "ckpt"
+    common = ["--rollout-num-gpus", "1", "--rollout-shuffle", "--save", str(ckpt), "--save-interval", "1"]
+    killed = {}
+
+    def kill_trainer_mid_save():
+        deadline = time.time() + 600
+        while time.time() < deadline and not (ckpt / "iter_0000001.tmp").exists():
+            time.sleep(0.002)
+        killed["saw_tmp"] = (ckpt / "iter_0000001.tmp").exists()
+        for pid in trainer_pids():
+            os.kill(pid, signal.SIGKILL)
+        killed["at"] = time.time()
+
+    first = tmp_path / "first"
+    first.mkdir()
+    killer = threading.Thread(target=kill_trainer_mid_save, daemon=True)
+    killer.start()
+    with pytest.raises(RuntimeError, match="trainer rank 0 died"):
+        sync_driver.train(make_args(tiny_kit, first, *common, num_rollout=3))
+    detected = time.time()
+    killer.join(5)
+    assert killed.get("saw_tmp"), "the trainer was not caught in the middle of writing checkpoint 1"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "0"
+    assert not (ckpt / "rollout" / "global_dataset_state_dict_1.pt").exists()
+    assert not processes_naming(tiny_kit[0]), "an inference server outlived the crashed run"
+
+    second = tmp_path / "second"
+    second.mkdir()
+    start = time.time()
+    # stop after rollout 1 this time: the LR schedule (built for 3 rollouts) is kept from the checkpoint
+    args = make_args(tiny_kit, second, *common, "--load", str(ckpt), "--use-checkpoint-opt_param-scheduler",
+                     "--save-debug-rollout-data", str(tmp_path / "resumed_{rollout_id}.pt"), num_rollout=2)
+    sync_driver.train(args)
+    timing("trainer-sigkill-mid-save", detection=detected - killed["at"], recovery_restart=time.time() - start)
+    assert [r["rollout_id"] for r in read_metrics(second)] == [1]
+    resumed = torch.load(tmp_path / "resumed_1.pt", weights_only=False)["samples"]
+    assert [s["index"] for s in resumed] == list(range(16, 32))  # rollout 1's samples: none lost, none repeated
+    assert [s["prompt"] for s in resumed[::4]] == expected_prompts(tiny_kit, tmp_path, 1, "--rollout-shuffle")
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+
+
+def test_driver_sigkill_leaves_no_router_server_or_ray_behind(tiny_kit, tmp_path):
+    """`kill -9` of a running `python train.py`: its router (a child process), engines' servers, trainers and the Ray
+    it started all go away on their own."""
+    model = shutil.copytree(tiny_kit[0], tmp_path / "model")  # its path marks this run's server processes
+    argv = TINY_MODEL_ARGS + [
+        "--hf-checkpoint", str(model), "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
+        "--prompt-data", f"{tiny_kit[1]}/train.jsonl", "--input-key", "prompt", "--label-key", "label",
+        "--apply-chat-template", "--rm-type", "answer_match", "--num-rollout", "1000", "--rollout-batch-size", "4",
+        "--n-samples-per-prompt", "4", "--global-batch-size", "16", "--lr", "1e-5", "--rollout-max-response-len", "6",
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen([sys.executable, "train.py", *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 600
+        for line in proc.stdout:  # wait until the loop is really running
+            if line.startswith("rollout 0 |") or time.time() > deadline:
+                break
+        assert proc.poll() is None, "train.py ended before the first rollout"
+        tree = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        servers = [p.pid for p in processes_naming(str(model))]
+        assert len(servers) >= 2, "expected the driver's router and the engine's server"  # both name the model path
+        proc.kill()
+        killed = time.time()
+        proc.wait(30)
+        left = wait_gone(set(tree + servers), timeout=90)
+        timing("driver-sigkill", all_processes_gone=time.time() - killed)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    left_cmd = []
+    for pid in left:
+        try:
+            left_cmd.append(" ".join(psutil.Process(pid).cmdline())[:200])
+        except psutil.Error:
+            pass
+    assert not left_cmd, f"processes left behind after SIGKILL of the driver: {left_cmd}"
+
+
+# ------------------------------------------------------------------ engine and router faults mid-rollout
+
+SAMPLES_PER_ROLLOUT = 16  # make_args: 4 prompts x 4 samples
+
+
+def _fault_dir(args):
+    return os.path.dirname(os.path.abspath(args.metrics_path))
+
+
+def _server_pid(port):
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "slime.backends.cpu_server" in " ".join(cmd) and str(port) in cmd:
+            return p.pid
+    raise AssertionError(f"no CPU server on port {port}")
+
+
+def _router_pid(port):
+    for c in psutil.net_connections(kind="tcp"):
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid:
+            return c.pid
+    raise AssertionError(f"nothing listens on the router port {port}")
+
+
+async def inject_faults_generate(args, sample, sampling_params):
+    """Custom generate (runs in the rollout controller): before the first request of a sample whose index reaches a
+    planned fault's `at_index`, apply it — SIGKILL or SIGSTOP the first engine's server, or SIGKILL the router — and
+    record when. The plan is `faults.json` next to --metrics-path."""
+    import json
+
+    from slime.backends.sglang_utils.router import list_workers
+    from slime.rollout.sglang_rollout import generate
+
+    plan_path = os.path.join(_fault_dir(args), "faults.json")
+    done_path = os.path.join(_fault_dir(args), "faults_done.json")
+    plan = json.load(open(plan_path))
+    done = json.load(open(done_path)) if os.path.exists(done_path) else {}
+    for fault in plan:
+        if sample.index >= fault["at_index"] and fault["kind"] not in done:
+            router = f"http://{args.sglang_router_ip}:{args.sglang_router_port}"
+            if fault["kind"] == "kill_router":
+                os.kill(_router_pid(args.sglang_router_port), signal.SIGKILL)
+            else:
+                url = sorted(list_workers(router))[0]
+                pid = _server_pid(url.rsplit(":", 1)[1])
+                os.kill(pid, signal.SIGKILL if fault["kind"] == "sigkill_engine" else signal.SIGSTOP)
+                fault["url"] = url
+            done[fault["kind"]] = {"at": time.time(), **fault}
+            with open(done_path, "w") as f:
+                json.dump(done, f)
+    return await generate(args, sample, sampling_params)
+
+
+def plan_faults(tmp_path, *faults):
+    import json
+
+    (tmp_path / "faults.json").write_text(json.dumps([{"kind": k, "at_index": i} for k, i in faults]))
+
+
+def faults_done(tmp_path):
+    import json
+
+    return json.loads((tmp_path / "faults_done.json").read_text())
+
+
+def ft_args(tiny_kit, tmp_path, model, *extra, num_rollout=3):
+    return make_args((str(model), tiny_kit[1]), tmp_path, "--rollout-num-gpus", "2", "--use-fault-tolerance",
+                     "--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "10",
+                     "--custom-generate-function-path", f"{__name__}.inject_faults_generate",
+                     "--save-debug-rollout-data", str(tmp_path / "data_{rollout_id}.pt"), *extra, num_rollout=num_rollout)
+
+
+def assert_every_sample_trained_once(tmp_path, num_rollout):
+    for r in range(num_rollout):
+        samples = torch.load(tmp_path / f"data_{r}.pt", weights_only=False)["samples"]
+        indices = [s["index"] for s in samples]
+        assert indices == list(range(SAMPLES_PER_ROLLOUT * r, SAMPLES_PER_ROLLOUT * (r + 1))), (r, indices)
+
+
+def events_of(rows):
+    return [e for r in rows for e in r.get("fault/events", [])]
+
+
+def test_engine_sigkill_then_router_kill_are_survived(ray_session, tiny_kit, tmp_path):
+    """--use-fault-tolerance, two engines, weights over the gloo broadcast group: engine 0's server is SIGKILLed at the
+    first request of rollout 1 and the router at the first request of rollout 2. The engine leaves the router, its
+    requests are retried on engine 1, a new engine starts in the same bundle at the next weight update, rejoins the
+    weight-update group and the router with the current weights; the router is restarted on its address. Every sample
+    index is trained exactly once and nothing of the run is left afterwards."""
+    model = shutil.copytree(tiny_kit[0], tmp_path / "model")  # marks this run's servers
+    plan_faults(tmp_path, ("sigkill_engine", SAMPLES_PER_ROLLOUT), ("kill_router", 2 * SAMPLES_PER_ROLLOUT))
+    args = ft_args(tiny_kit, tmp_path, model, "--update-weight-transport", "broadcast")
+    sync_driver.train(args)
+    rows = read_metrics(tmp_path)
+    done = faults_done(tmp_path)
+    assert [r["rollout_id"] for r in rows] == [0, 1, 2]
+    assert_every_sample_trained_once(tmp_path, 3)
+    events = events_of(rows)
+    kinds = [e["kind"] for e in events]
+    assert kinds == ["engine_failed", "engine_removed", "engine_restarted", "weights_checked", "router_failed",
+                     "router_restarted"], kinds
+    failed, _, restarted, checked, router_failed, router_restarted = events
+    assert failed["engine"] == 0 and done["sigkill_engine"]["url"] in failed["what"]
+    assert restarted["engine"] == 0 and restarted["bundle"] == failed["bundle"]  # same placement-group bundle
+    assert "serve weight version 3" in checked["what"]  # pushed by the update after rollout 1
+    assert int(rows[2]["rollout/weight_version"]) == 3 and rows[2]["train/train_rollout_logprob_abs_diff"] < 1e-4
+    timing("engine-sigkill", detection=failed["time"] - done["sigkill_engine"]["at"],
+           recovery_engine_rejoined=restarted["time"] - done["sigkill_engine"]["at"],
+           recovery_weights_checked=checked["time"] - done["sigkill_engine"]["at"])
+    timing("router-sigkill", detection=router_failed["time"] - done["kill_router"]["at"],
+           recovery=router_restarted["time"] - done["kill_router"]["at"])
+    assert not processes_naming(str(model)), "a server or router outlived the run"
+
+
+def test_engine_sigstop_is_detected_and_replaced(ray_session, tiny_kit, tmp_path):
+    """A stopped (hung) engine server: requests to it time out (--rollout-request-timeout) and are retried on the
+    other engine, the health check finds it within interval + timeout, and it is replaced at the next update."""
+    model = shutil.copytree(tiny_kit[0], tmp_path / "model")
+    plan_faults(tmp_path, ("sigstop_engine", SAMPLES_PER_ROLLOUT))
+    args = ft_args(tiny_kit, tmp_path, model, "--rollout-request-timeout", "4")
+    sync_driver.train(args)
+    rows = read_metrics(tmp_path)
+    done = faults_done(tmp_path)
+    assert [r["rollout_id"] for r in rows] == [0, 1, 2]
+    assert_every_sample_trained_once(tmp_path, 3)
+    events = events_of(rows)
+    assert [e["kind"] for e in events] == ["engine_failed", "engine_removed", "engine_restarted", "weights_checked"]
+    assert "did not answer /health_generate within 10s (hung?)" in events[0]["what"]
+    # requests routed to the stopped engine before it was found: timed out and retried on the other one
+    assert rows[1]["rollout/timeouts/requests"] >= 1
+    assert int(rows[2]["rollout/weight_version"]) == 3 and rows[2]["train/train_rollout_logprob_abs_diff"] < 1e-4
+    timing("engine-sigstop", detection=events[0]["time"] - done["sigstop_engine"]["at"],
+           recovery_engine_rejoined=events[2]["time"] - done["sigstop_engine"]["at"],
+           recovery_weights_checked=events[3]["time"] - done["sigstop_engine"]["at"])
+    assert not processes_naming(str(model)), "a server outlived the run (a stopped one must be killed too)"
+
+
+@pytest.mark.parametrize("fault,message", [
+    ("sigstop_engine", r"inference engine 0 \(http://127\.0\.0\.1:\d+\) did not answer /health_generate within 10s"),
+    ("kill_router", r"sglang-router \(pid \d+, http://127\.0\.0\.1:\d+\) exited with code -9"),
+])
+def test_without_fault_tolerance_a_hung_engine_or_dead_router_fails_the_run_naming_it(
+        ray_session, tiny_kit, tmp_path, fault, message):
+    model = shutil.copytree(tiny_kit[0], tmp_path / "model")
+    plan_faults(tmp_path, (fault, 0))
+    args = make_args((str(model), tiny_kit[1]), tmp_path, "--rollout-num-gpus", "1",
+                     "--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "10",
+                     "--custom-generate-function-path", f"{__name__}.inject_faults_generate", num_rollout=1)
+    with pytest.raises(RuntimeError, match=message):
+        sync_driver.train(args)
+    timing(f"{fault}-without-fault-tolerance", detection=time.time() - faults_done(tmp_path)[fault]["at"])
+    assert not processes_naming(str(model)), "a server or router outlived the failed run"
