@@ -7,6 +7,7 @@ from slime.ray.placement_group import create_actor_group, create_placement_group
 from slime.ray.utils import RunRecorder, Watchdog, cleanup_on_exit
 from slime.utils.arguments import parse_args
 from slime.utils.misc import should_run_periodic_action
+from slime.utils.user_errors import exit_on_user_error
 from slime.utils.wandb_utils import init_wandb_primary
 
 FULLY_ASYNC = "slime.rollout.fully_async_rollout.generate_rollout_fully_async"
@@ -114,4 +115,5 @@ def fully_async_loop(args, get, actor_model, rollout_manager, recorder, num_roll
 
 
 if __name__ == "__main__":
-    train(parse_args())
+    with exit_on_user_error():
+        train(parse_args())

@@ -306,3 +306,45 @@ def test_driver_joins_an_existing_cluster_from_ray_address(tiny_kit, tmp_path):
                 except psutil.Error:
                     pass
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_two_concurrent_runs_on_one_machine_each_train_their_own_engines(tiny_kit, tmp_path):
+    """Two `python train.py` at once on one machine: different ports, engines that prove they belong to their run,
+    and --check-weight-update-equal comparing every engine tensor with its own trainer's after each update (weights
+    pushed into the other run's engine would fail it)."""
+    import re
+    import subprocess
+    import sys
+    import tempfile
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    procs = []
+    for run in ("a", "b"):
+        out = tmp_path / run
+        out.mkdir()
+        argv = TINY_MODEL_ARGS + [
+            "--hf-checkpoint", tiny_kit[0], "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
+            "--prompt-data", f"{tiny_kit[1]}/train.jsonl", "--input-key", "prompt", "--label-key", "label",
+            "--apply-chat-template", "--rm-type", "answer_match", "--num-rollout", "2", "--rollout-batch-size", "4",
+            "--n-samples-per-prompt", "4", "--global-batch-size", "16", "--rollout-max-response-len", "6",
+            "--lr", "1e-3" if run == "a" else "1e-4", "--seed", "1" if run == "a" else "2",
+            "--check-weight-update-equal", "--metrics-path", str(out / "metrics.jsonl"),
+        ]
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix=f"r{run}", dir="/tmp")  # each run its own local Ray
+        log = open(out / "log.txt", "w")
+        procs.append((subprocess.Popen([sys.executable, "train.py", *argv], cwd=root, env=env, stdout=log,
+                                       stderr=subprocess.STDOUT), out))
+    try:
+        for proc, out in procs:
+            assert proc.wait(timeout=900) == 0, (out / "log.txt").read_text()[-4000:]
+    finally:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                proc.kill()
+    urls = []
+    for _, out in procs:
+        rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+        assert [int(r["rollout/weight_version"]) for r in rows] == [1, 2]
+        urls.append(set(re.findall(r"server pid \d+ at (http://\S+)", (out / "log.txt").read_text())))
+    assert urls[0] and urls[1] and not urls[0] & urls[1]

@@ -25,7 +25,7 @@ def make_args(**overrides):
         n_samples_per_prompt=2, rollout_batch_size=2, global_batch_size=4, advantage_estimator="grpo",
         rewards_normalization=True, grpo_std_normalization=True, reward_key=None, rollout_num_gpus=2,
         load_debug_rollout_data=None, save_debug_rollout_data=None, debug_train_only=False, use_wandb=False,
-        buffer_filter_path=None, save=None, load=None,
+        buffer_filter_path=None, save=None, load=None, custom_rm_path=None, rm_type=None,
         data_source_path="slime.rollout.data_source.RolloutDataSourceWithBuffer",
         custom_convert_samples_to_train_data_path=None, custom_rollout_log_function_path=None,
         custom_eval_rollout_log_function_path=None,
@@ -67,6 +67,11 @@ def bad_shape_rollout(args, rollout_id, data_source, evaluation=False):
 
 def none_reward_rollout(args, rollout_id, data_source, evaluation=False):
     return [[sample(0), sample(1, reward=None)]]
+
+
+def raising_rollout(args, rollout_id, data_source, evaluation=False):
+    row = {"question": "1+1"}
+    return row["answer"]  # the user's bug: a KeyError in their own code
 
 
 def buffer_rollout(args, rollout_id, data_source, evaluation=False):
@@ -131,6 +136,23 @@ def test_none_reward_names_function_and_sample():
     args = make_args()
     with pytest.raises(ValueError, match=r"sample 7 \(position 1\).*my\.rollout\.fn.*no reward"):
         post_process_rewards(args, [sample(6), sample(7, reward=None)], fn_path="my.rollout.fn")
+
+
+def test_non_number_reward_names_the_reward_function_and_type():
+    samples = [sample(0, reward=1.0), sample(1, reward="correct")]
+    with pytest.raises(TypeError) as exc:
+        post_process_rewards(make_args(custom_rm_path="my_rm.score"), samples, fn_path="f.rollout")
+    assert str(exc.value) == ("sample 1: the reward function --custom-rm-path my_rm.score returned a str 'correct'; "
+                              "a reward must be a number")
+    samples = [sample(0, reward={"score": 1.0, "acc": True}), sample(1)]
+    with pytest.raises(TypeError, match=r"^sample 0: the reward function of --rm-type dapo returned a dict .*"
+                                        r"pick the training reward with --reward-key"):
+        post_process_rewards(make_args(rm_type="dapo"), samples, fn_path="f.rollout")
+    with pytest.raises(TypeError, match=r"^sample 0: rollout function 'f\.rollout' returned a list \[1\]"):
+        post_process_rewards(make_args(), [sample(0, reward=[1]), sample(1)], fn_path="f.rollout")
+    # numbers of any kind pass: ints, bools, numpy and 0-d tensors
+    raw, _ = post_process_rewards(make_args(), [sample(0, reward=np.float32(0.5)), sample(1, reward=torch.tensor(1))])
+    assert raw == [0.5, 1]
 
 
 def test_incomplete_groups_are_rejected():
@@ -266,6 +288,30 @@ def test_controller_errors_name_the_rollout_function(ray_mod):
                 ray.get(controller.generate.remote(0), timeout=120)
         finally:
             ray.kill(controller)
+
+
+def test_rollout_function_exception_reaches_the_driver_as_the_users_own(ray_mod, capsys):
+    """The driver's wait re-raises the user's exception (their traceback first) with one line of slime context,
+    not Ray's wrapping of it."""
+    import types
+
+    from slime.ray.utils import Watchdog
+    from slime.utils.user_errors import UserCodeError, exit_on_user_error
+
+    controller = _controller(ray_mod, make_args(rollout_function_path=f"{HERE}.raising_rollout"))
+    manager = types.SimpleNamespace(controller=controller, rollout_engines=[], all_rollout_engines=[])
+    try:
+        with pytest.raises(SystemExit) as exc, exit_on_user_error():
+            Watchdog(manager).get(controller.generate.remote(3))
+    finally:
+        ray_mod.kill(controller)
+    assert exc.value.code == 1 and isinstance(exc.value.__context__, UserCodeError)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0] == "Traceback (most recent call last):"
+    assert lines[1].endswith("in raising_rollout") and "test_rollout_controller.py" in lines[1]
+    assert lines[-2] == "KeyError: 'answer'"
+    assert lines[-1].endswith(f"error: raised by --rollout-function-path {HERE}.raising_rollout in rollout 3")
+    assert not any("ray" in line.lower() or "buffer.py" in line for line in lines[:-1])
 
 
 def test_controller_custom_post_process_eval_and_buffer(ray_mod):

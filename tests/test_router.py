@@ -114,3 +114,15 @@ def test_router_health(router):
     url, proc = router
     assert proc.is_alive()
     assert requests.get(url + "/health", timeout=5).status_code == 200
+
+
+def test_router_refuses_a_port_another_router_answers_on(router):
+    """A second run whose router port is taken must not adopt the first run's router (its engines would then serve
+    the other run): the router it started is not the one listening, and start-up says so."""
+    url, _ = router
+    port = int(url.rsplit(":", 1)[1])
+    args = argparse.Namespace(sglang_router_ip=None, sglang_router_port=port, sglang_router_request_timeout_secs=600)
+    with pytest.raises(RuntimeError, match=rf"sglang-router .*{port}"):
+        start_router(args)
+    assert args.sglang_router_ip is None  # nothing adopted
+    assert requests.get(url + "/health", timeout=5).status_code == 200  # the first run's router is untouched

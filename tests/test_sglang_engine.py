@@ -46,13 +46,14 @@ def router():
     stop_router(proc)
 
 
-def _engine(ray, args, rank):
+def _engine(ray, args, rank, port=None):
     from slime.backends.sglang_utils.sglang_engine import SGLangEngine
 
     engine = ray.remote(SGLangEngine).options(num_cpus=0.2, num_gpus=0.2).remote(args, rank)
-    addr, port = ray.get(engine._get_current_node_ip_and_free_port.remote(start_port=21000 + 100 * rank))
+    addr, free = ray.get(engine._get_current_node_ip_and_free_port.remote(consecutive=4))
+    port = port or free
     try:
-        ray.get(engine.init.remote(dist_init_addr=f"{addr}:{port + 3}", port=port, nccl_port=port + 1), timeout=180)
+        ray.get(engine.init.remote(dist_init_addr=f"{addr}:{free + 3}", port=port, nccl_port=free + 1), timeout=180)
     except Exception:
         ray.kill(engine)
         raise
@@ -139,3 +140,22 @@ def test_startup_failure_reports_log_tail(ray_session, tmp_path):
     with pytest.raises(ray.exceptions.RayTaskError) as e:
         _engine(ray, _args(str(bad)), 2)
     assert "exited with code" in str(e.value) and "config.json" in str(e.value)
+
+
+def test_engine_refuses_a_server_of_another_run_on_its_port(ray_session, tiny_kit):
+    """Run B's engine is handed a port where run A's server already answers (a port race between two runs on one
+    machine): B must refuse it before registering it or sending weights, naming the URL and both identities."""
+    ray = ray_session
+    engine_a = _engine(ray, _args(tiny_kit[0], sglang_served_model_name="slime-run-a"), 0)
+    url_a = ray.get(engine_a.get_url.remote())
+    port_a = int(url_a.rsplit(":", 1)[1])
+    sums = ray.get(engine_a.get_weight_checksums.remote())
+    try:
+        with pytest.raises(ray.exceptions.RayTaskError) as exc:
+            _engine(ray, _args(tiny_kit[0], sglang_served_model_name="slime-run-b"), 1, port=port_a)
+        assert (f"engine 1: the server answering at {url_a} is not this run's engine (served_model_name "
+                f"'slime-run-a', expected 'slime-run-b'); another process holds port {port_a}") in str(exc.value)
+        assert ray.get(engine_a.get_weight_checksums.remote()) == sums  # A's server untouched
+    finally:
+        ray.get(engine_a.shutdown.remote())
+        ray.kill(engine_a)

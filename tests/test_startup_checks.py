@@ -193,6 +193,11 @@ def test_prompt_data_errors_name_file_line_and_key(capsys, tmp_path, tiny_kit):
     assert err == f"--eval-prompt-data ev {tmp_path / 'ev.jsonl'}: no such file."
     args = parse_args(argv=[*BASE, *model, "--prompt-data", ok, "--input-key", "prompt", "--metadata-key", "meta"])
     assert args.prompt_data == ok
+    chat = _write(tmp_path / "chat.jsonl", [json.dumps({"messages": [{"role": "user", "content": "1+1="}]})])
+    err = error_line(capsys, "--prompt-data", chat, "--input-key", "messages", model=model)
+    assert err == (f"--prompt-data {chat}: row 1 has a list prompt, but the default rollout sends text: pass "
+                   "--apply-chat-template for chat messages, or convert the column to text.")
+    parse_args(argv=[*BASE, *model, "--prompt-data", chat, "--input-key", "messages", "--apply-chat-template"])
 
 
 def test_longest_prompt_plus_response_must_fit_the_context(capsys, tmp_path, tiny_kit):
@@ -237,3 +242,65 @@ def test_train_py_bad_input_is_one_line_exit_2_and_starts_no_ray(tmp_path, tiny_
     assert "Traceback" not in proc.stderr
     assert os.listdir(ray_tmp) == [], "a start-up error must not start Ray"
     print(f"start-up error after {elapsed:.1f}s")
+
+
+# ---------------------------------------------------------------- the cluster, right after connecting
+
+
+def test_cluster_too_small_fails_before_any_actor(ray_session):
+    """The session's Ray has 4 (logical) GPUs: 3 trainer GPUs + 2 engine GPUs cannot fit, and nothing is reserved."""
+    from ray.util.placement_group import placement_group_table
+
+    from slime.ray.placement_group import init_ray
+    from slime.utils.user_errors import StartupError
+
+    args = parse_args(argv=[*BASE, *TINY_MODEL, "--actor-num-gpus-per-node", "3", "--rollout-num-gpus", "2",
+                            "--global-batch-size", "3", "--n-samples-per-prompt", "3"])
+    before = len(placement_group_table())
+    with pytest.raises(StartupError) as exc:
+        init_ray(args)
+    assert str(exc.value).startswith("the run needs 5 GPU bundles (--actor-num-nodes x --actor-num-gpus-per-node + "
+                                     "--rollout-num-gpus, or their maximum with --colocate) but GPU 5 needed, the "
+                                     "cluster has 4")
+    assert len(placement_group_table()) == before
+
+
+def test_joins_a_cluster_already_running_on_the_machine(tmp_path, tiny_kit):
+    """`ray start --head` and no RAY_ADDRESS: the driver joins that cluster (no "num_cpus and num_gpus must not be
+    provided"), and a run that does not fit it ends with one line, status 2, before any actor."""
+    import shutil
+    import signal
+
+    import psutil
+
+    from slime.utils.http_utils import find_available_port
+
+    ray_tmp = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # this cluster's address file and sockets; marks its processes
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_TMPDIR=ray_tmp, PYTHONPATH=REPO)
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    subprocess.run([ray_bin, "start", "--head", f"--port={find_available_port(30000)}", "--num-gpus=2", "--num-cpus=4",
+                    "--include-dashboard=false", "--disable-usage-stats"], env=env, check=True, capture_output=True,
+                   timeout=180)
+    try:
+        script = ("import ray, sys; from slime.ray.placement_group import init_ray; "
+                  "from slime.utils.arguments import parse_args; init_ray(parse_args(argv=sys.argv[1:])); "
+                  "print('GPUs', ray.cluster_resources()['GPU'])")
+        proc = subprocess.run([sys.executable, "-c", script, *BASE, *TINY_MODEL], env=env, capture_output=True,
+                              text=True, timeout=300, check=False)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "GPUs 2.0" in proc.stdout  # the running cluster's 2 GPUs, not a fresh local Ray
+        too_big = [sys.executable, os.path.join(REPO, "train.py"), *BASE, *TINY_MODEL, "--rollout-num-gpus", "2"]
+        proc = subprocess.run(too_big, env=env, capture_output=True, text=True, timeout=300, check=False)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith("train.py: error: the run needs 3 GPU bundles") and "the cluster has 2" in last
+        assert "Traceback" not in proc.stderr
+    finally:
+        for p in psutil.process_iter(["cmdline"]):
+            if ray_tmp in " ".join(p.info["cmdline"] or []):
+                try:
+                    p.send_signal(signal.SIGKILL)
+                except psutil.Error:
+                    pass
+        shutil.rmtree(ray_tmp, ignore_errors=True)

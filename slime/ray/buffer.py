@@ -4,7 +4,9 @@ It owns the data source (prompts, epochs, partial-rollout buffer), calls the rol
 path, post-processes rewards (GRPO-style group normalisation), converts samples to arrays for the trainers and
 returns a `Box(ray.put(train_data))`. Metrics of every call are logged and also returned to the driver.
 """
+import functools
 import importlib.util
+import numbers
 import os
 import threading
 import time
@@ -19,6 +21,7 @@ from slime.utils.console import metrics_line
 from slime.utils.misc import load_function
 from slime.utils.ray_utils import Box
 from slime.utils.types import Sample
+from slime.utils.user_errors import call_user_function
 
 _GROUP_NORM_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus_baseline", "rloo")
 _STD_NORM_ESTIMATORS = ("grpo", "gspo")
@@ -65,6 +68,20 @@ def flatten_rollout_output(data, fn_path):
     return data, metrics
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) or getattr(value, "ndim", None) == 0  # ints, floats, bools, 0-d arrays
+
+
+def _reward_source(args, sample, fn_path):
+    """The function that produced `sample`'s reward, as the user named it."""
+    if args.custom_rm_path:
+        return f"the reward function --custom-rm-path {args.custom_rm_path}"
+    rm_type = (sample.metadata or {}).get("rm_type") if isinstance(sample.metadata, dict) else None
+    if rm_type or args.rm_type:
+        return f"the reward function of --rm-type {rm_type or args.rm_type}"
+    return f"rollout function {fn_path!r}"
+
+
 def post_process_rewards(args, samples, custom_fn=None, fn_path=None):
     """(raw_rewards, rewards): group-normalised rewards for grpo/gspo/reinforce_plus_plus_baseline/rloo."""
     if custom_fn is not None:
@@ -78,6 +95,10 @@ def post_process_rewards(args, samples, custom_fn=None, fn_path=None):
                 f"sample {s.index} (position {i}) returned by rollout function {fn_path!r} has no reward; the rollout "
                 f"function must set `sample.reward` (check --rm-type / --custom-rm-path, and --group-rm)."
             )
+        if not _is_number(r):
+            hint = " (a dict: pick the training reward with --reward-key)" if isinstance(r, dict) else ""
+            raise TypeError(f"sample {s.index}: {_reward_source(args, s, fn_path)} returned a {type(r).__name__} "
+                            f"{r!r:.80}{hint}; a reward must be a number")
         raw_rewards.append(r)
 
     if args.advantage_estimator in _GROUP_NORM_ESTIMATORS and args.rewards_normalization:
@@ -246,7 +267,9 @@ class RolloutController:
             data = [Sample.from_dict(d) for d in torch.load(path, weights_only=False)["samples"]]
             extra = {}
         else:
-            output = call_rollout_fn(self.generate_rollout, args, rollout_id, self.data_source, evaluation=False)
+            user_fn = functools.partial(call_user_function, f"raised by --rollout-function-path {self.rollout_fn_path} "
+                                        f"in rollout {rollout_id}", self.generate_rollout)
+            output = call_rollout_fn(user_fn, args, rollout_id, self.data_source, evaluation=False)
             data, extra = flatten_rollout_output(output, self.rollout_fn_path)
         rollout_time = time.time() - start
 
@@ -291,7 +314,9 @@ class RolloutController:
         if self.args.debug_train_only:
             return {}
         set_current_rollout_id(rollout_id)
-        output = call_rollout_fn(self.eval_generate_rollout, self.args, rollout_id, self.data_source, evaluation=True)
+        user_fn = functools.partial(call_user_function, f"raised by --eval-function-path {self.eval_fn_path} at "
+                                    f"rollout {rollout_id}", self.eval_generate_rollout)
+        output = call_rollout_fn(user_fn, self.args, rollout_id, self.data_source, evaluation=True)
         data = output.data if isinstance(output, RolloutFnEvalOutput) else output
         if not isinstance(data, dict) or not all(isinstance(d, dict) and "rewards" in d for d in data.values()):
             raise TypeError(

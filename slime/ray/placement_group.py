@@ -8,6 +8,7 @@ import socket
 import time
 
 import ray
+from ray._private.services import canonicalize_bootstrap_address
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -15,6 +16,7 @@ from slime.ray.actor_group import RayTrainGroup
 from slime.ray.rollout import RolloutManager
 from slime.ray.utils import noset_visible_devices_env, register_cleanup  # noqa: F401  (public name, re-exported)
 from slime.utils.device import is_cpu
+from slime.utils.startup_checks import check_cluster
 
 logger = logging.getLogger(__name__)
 PG_READY_TIMEOUT_S = float(os.environ.get("SLIME_PG_READY_TIMEOUT", 60))
@@ -52,25 +54,9 @@ def get_placement_group_layout(args) -> tuple[int, int]:
     return actor_total + args.rollout_num_gpus, actor_total
 
 
-def _check_cluster_can_fit(bundles):
-    need = {}
-    for b in bundles:
-        for k, v in b.items():
-            need[k] = need.get(k, 0) + v
-    total = ray.cluster_resources()
-    short = {k: f"{v:g} asked, cluster has {total.get(k, 0):g}" for k, v in need.items() if v > total.get(k, 0)}
-    if short:
-        raise RuntimeError(
-            f"placement group of {len(bundles)} bundles {bundles[0]} cannot be satisfied: {short}. "
-            "Lower --actor-num-gpus-per-node / --rollout-num-gpus, or start Ray with more GPUs "
-            "(`ray start --head --num-gpus N`; on a CPU machine slime declares logical GPUs itself)."
-        )
-
-
 def _create_placement_group(num_gpus):
     """Reserve `num_gpus` bundles and return (pg, bundle indices reordered by node IP and physical GPU id)."""
-    bundles = [{"GPU": 1, "CPU": 1} for _ in range(num_gpus)]
-    _check_cluster_can_fit(bundles)
+    bundles = [{"GPU": 1, "CPU": 1} for _ in range(num_gpus)]  # check_cluster (in init_ray) proved they fit
     pg = placement_group(bundles, strategy="PACK")
     try:
         ray.get(pg.ready(), timeout=PG_READY_TIMEOUT_S)
@@ -115,23 +101,27 @@ def create_rollout_manager(args, pg, wandb_run_id=None):
 
 
 def init_ray(args):
-    """Join the cluster in RAY_ADDRESS (as `ray job submit` / `ray start` users do); otherwise start a local Ray.
+    """Join the cluster in RAY_ADDRESS, or the one `ray start` left running on this machine (as `ray job submit` /
+    launch-script users do); otherwise start a local Ray. Then check the run fits the cluster, before any actor.
 
     Without GPUs the local Ray declares as many logical GPUs as the layout needs, so placement is the same code.
     """
-    if ray.is_initialized():
-        return
-    env = {"RAY_DEDUP_LOGS": "0"}
-    if os.environ.get("RAY_ADDRESS"):
-        # SLIME_HOST_IP pins the driver's node address (several Ray nodes on one machine, e.g. 127.0.0.2 and 127.0.0.3)
-        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": env},
-                 _node_ip_address=os.environ.get("SLIME_HOST_IP") or None)
-        return
     num_gpus, _ = get_placement_group_layout(args)
-    kwargs = dict(include_dashboard=False, runtime_env={"env_vars": env})
-    if is_cpu():
-        # Logical CPUs are free: declare enough that every bundle gets one even on a 2-core machine.
-        kwargs.update(num_gpus=num_gpus, num_cpus=max(8, 2 * num_gpus + 4), object_store_memory=1 << 30)
-    t0 = time.time()
-    ray.init(**kwargs)
-    logger.info(f"started a local Ray in {time.time() - t0:.1f}s with {ray.cluster_resources()}")
+    if not ray.is_initialized():
+        env = {"RAY_DEDUP_LOGS": "0"}
+        # RAY_ADDRESS as given (ray:// too), else the address file of a `ray start` cluster; None: none to join
+        address = os.environ.get("RAY_ADDRESS") or canonicalize_bootstrap_address(None)
+        if address is not None:
+            # its resources are the cluster's, not ours; SLIME_HOST_IP pins the driver's node address (several Ray
+            # nodes on one machine, e.g. 127.0.0.2 and 127.0.0.3)
+            ray.init(address=address, runtime_env={"env_vars": env},
+                     _node_ip_address=os.environ.get("SLIME_HOST_IP") or None)
+        else:
+            kwargs = dict(include_dashboard=False, runtime_env={"env_vars": env})
+            if is_cpu():
+                # Logical CPUs are free: declare enough that every bundle gets one even on a 2-core machine.
+                kwargs.update(num_gpus=num_gpus, num_cpus=max(8, 2 * num_gpus + 4), object_store_memory=1 << 30)
+            t0 = time.time()
+            ray.init(**kwargs)
+            logger.info(f"started a local Ray in {time.time() - t0:.1f}s with {ray.cluster_resources()}")
+    check_cluster(args, num_gpus)

@@ -1,27 +1,18 @@
-import socket
-
 import ray
+
+from slime.utils.http_utils import free_port
 
 
 class RayActor:
     """Mixin for actors: the node IP and free consecutive ports on that node."""
 
     @staticmethod
-    def _get_current_node_ip_and_free_port(start_port=10000, consecutive=1):
+    def _get_current_node_ip_and_free_port(start_port=None, consecutive=1):
+        """(node IP, first of `consecutive` free ports). The OS picks them, outside Ray's worker ports; `start_port`
+        is kept for callers of the old scan-from-a-number API and ignored (a fixed start made concurrent runs on one
+        machine pick the same ports)."""
         address = ray._private.services.get_node_ip_address().strip("[]")
-        port = start_port
-        while not all(_bindable(p) for p in range(port, port + consecutive)):
-            port += 1
-        return address, port
+        return address, free_port(consecutive)
 
     def get_master_addr_and_port(self):
         return self.master_addr, self.master_port
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("", port))
-            return True
-        except OSError:
-            return False

@@ -66,21 +66,24 @@ def create_rollout_engines(args, pg):
 
 
 def _allocate_ports(args, engines):
-    """Per node, starting at 10000: `port`, `nccl_port` and a `dist_init_addr` per engine (shared by a multi-node engine)."""
+    """Per node: `port`, `nccl_port` and a `dist_init_addr` per engine (shared by a multi-node engine), chosen by the
+    OS outside Ray's worker ports and distinct within the node."""
     gpus_per_engine = args.rollout_num_gpus_per_engine
     nodes_per_engine = max(1, gpus_per_engine // args.rollout_num_gpus_per_node)
     engines_per_node = max(1, min(args.rollout_num_gpus_per_node, args.rollout_num_gpus) // gpus_per_engine)
     addr_and_ports = [{} for _ in engines]
     dp_size = args.sglang_dp_size or 1
     for node_start in range(0, len(engines), engines_per_node):
-        cursor = 10000
+        taken = set()
         node_engines = range(node_start, min(node_start + engines_per_node, len(engines)))
 
         def take(consecutive=1):
-            nonlocal cursor
-            addr, port = ray.get(engines[node_start]._get_current_node_ip_and_free_port.remote(start_port=cursor, consecutive=consecutive))
-            cursor = port + consecutive
-            return addr, port
+            while True:  # the OS may hand out a port again once its probe socket is closed
+                addr, port = ray.get(engines[node_start]._get_current_node_ip_and_free_port.remote(consecutive=consecutive))
+                ports = set(range(port, port + consecutive))
+                if not ports & taken:
+                    taken.update(ports)
+                    return addr, port
 
         for i in node_engines:
             addr_and_ports[i]["port"] = take()[1]

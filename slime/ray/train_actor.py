@@ -1,6 +1,5 @@
 import abc
 import os
-import random
 from datetime import timedelta
 
 import ray
@@ -19,7 +18,7 @@ class TrainRayActor(RayActor):
         if master_addr:
             self.master_addr, self.master_port = master_addr, master_port
         else:
-            self.master_addr, self.master_port = self._get_current_node_ip_and_free_port(start_port=random.randint(20000, 21000))
+            self.master_addr, self.master_port = self._get_current_node_ip_and_free_port()
         os.environ.update(MASTER_ADDR=self.master_addr, MASTER_PORT=str(self.master_port),
                           WORLD_SIZE=str(world_size), RANK=str(rank))
         gpu_ids = ray.get_gpu_ids()

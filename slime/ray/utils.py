@@ -8,6 +8,7 @@ import time
 import ray
 
 from slime.utils.console import metrics_line
+from slime.utils.user_errors import UserCodeError
 
 NOSET_VISIBLE_DEVICES_ENV_VARS_LIST = [
     "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES",
@@ -151,6 +152,10 @@ class Watchdog:
             values = ray.get(pending)
         except ray.exceptions.RayActorError as e:
             raise self._died(e) from e
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, UserCodeError):  # the user's own traceback, not Ray's wrapping of it
+                raise e.cause from None
+            raise
         return values[0] if single else values
 
 

@@ -13,6 +13,7 @@ import importlib.util
 import logging
 import os
 import re
+import secrets
 import sys
 
 import torch
@@ -21,11 +22,10 @@ import yaml
 from slime.backends.sglang_utils.arguments import add_sglang_arguments, sglang_available
 from slime.backends.sglang_utils.arguments import validate_args as sglang_validate_args
 from slime.utils.device import dist_backend, is_cpu
-from slime.utils.startup_checks import check_inputs, check_value_ranges
+from slime.utils.startup_checks import DEFAULT_ROLLOUT_FUNCTION, check_inputs, check_value_ranges
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_ROLLOUT_FUNCTION = "slime.rollout.sglang_rollout.generate_rollout"
 FULLY_ASYNC_ROLLOUT_FUNCTION = "slime.rollout.fully_async_rollout.generate_rollout_fully_async"
 
 
@@ -1357,6 +1357,10 @@ def parse_args(add_custom_arguments=None, argv=None, *, check_paths=True):
     check_cpu_server = check_paths or args.inference_server == "cpu"
     _resolve_inference_server(args, error)
     sglang_validate_args(args, parser, check_cpu_server=check_cpu_server)
+    if args.sglang_served_model_name is None:
+        # This run's identity: every engine must echo it in /get_server_info before it gets traffic or weights, so a
+        # server of another run that happens to answer on an engine's port is never used (see SGLangEngine.init).
+        args.sglang_served_model_name = f"slime-run-{secrets.token_hex(8)}"
     if check_paths:
         check_inputs(args, error, user_load)
     return args

@@ -20,6 +20,25 @@ def is_port_available(port: int, host: str = "127.0.0.1") -> bool:
             return False
 
 
+# Ray's default worker ports (`ray start --min-worker-port/--max-worker-port`): slime's servers never take one, or a
+# Ray worker started later on this node could fail to bind.
+RAY_WORKER_PORTS = range(10002, 20000)
+
+
+def free_port(consecutive: int = 1, host: str = "") -> int:
+    """First of `consecutive` free ports, the first chosen by the OS (its ephemeral range, so two runs on one machine
+    do not race for the same numbers) and never one of Ray's worker ports."""
+    for _ in range(200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+            ports = range(port, port + consecutive)
+            if ports[-1] < 65536 and not any(p in RAY_WORKER_PORTS for p in ports) and \
+                    all(is_port_available(p, host) for p in ports[1:]):
+                return port
+    raise RuntimeError(f"no {consecutive} consecutive free ports outside Ray's worker ports after 200 tries")
+
+
 def find_available_port(base_port: int) -> int:
     """First bindable port at or after `base_port + randint(100, 1000)`, stepping +42 (wrapping near 60000)."""
     port = base_port + random.randint(100, 1000)

@@ -16,10 +16,9 @@ import tempfile
 
 from slime.utils.checkpoint_tracker import TRACKER, checkpoint_dir, read_tracker
 from slime.utils.misc import load_function
+from slime.utils.user_errors import StartupError
 
-
-class StartupError(Exception):
-    """A user mistake found after argument parsing (e.g. the cluster is too small): one line, no traceback."""
+DEFAULT_ROLLOUT_FUNCTION = "slime.rollout.sglang_rollout.generate_rollout"
 
 
 def one_line(text) -> str:
@@ -306,7 +305,9 @@ def check_prompt_data(args, error):
 
         tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint, trust_remote_code=True)
     context, context_source = _model_context(args)
-    default_generate = args.custom_generate_function_path is None
+    # the default rollout tokenizes text prompts itself; a custom generate / rollout may take anything
+    default_generate = args.custom_generate_function_path is None and \
+        args.rollout_function_path == DEFAULT_ROLLOUT_FUNCTION
     for flag, path, input_key, label_key, tool_key, max_response_len in files:
         if not os.path.isfile(path):
             error(f"{flag} {path}: no such file.")
@@ -324,7 +325,14 @@ def check_prompt_data(args, error):
         if len(dataset) == 0:
             error(f"{flag} {path}: no usable prompts (empty, or every prompt is longer than --rollout-max-prompt-len "
                   f"{args.rollout_max_prompt_len}).")
-        if context is None or tokenizer is None or not default_generate:
+        if not default_generate:
+            continue
+        not_text = next((i for i, s in enumerate(dataset.origin_samples) if not isinstance(s.prompt, str)), None)
+        if not_text is not None:
+            kind = type(dataset.origin_samples[not_text].prompt).__name__
+            error(f"{flag} {path}: row {dataset.origin_rows[not_text] + 1} has a {kind} prompt, but the default "
+                  "rollout sends text: pass --apply-chat-template for chat messages, or convert the column to text.")
+        if context is None or tokenizer is None:
             continue
         budget = "--eval-max-response-len" if flag.startswith("--eval") and args.eval_max_response_len \
             else "--rollout-max-response-len"

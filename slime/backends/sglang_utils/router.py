@@ -10,7 +10,6 @@ import json
 import logging
 import multiprocessing
 import os
-import random
 import time
 import urllib.error
 import urllib.parse
@@ -18,9 +17,10 @@ import urllib.request
 from importlib.metadata import version
 
 import aiohttp
+import psutil
 from packaging.version import parse
 
-from slime.utils.http_utils import find_available_port, get_host_info
+from slime.utils.http_utils import free_port, get_host_info
 from slime.utils.process_utils import die_with_parent
 
 logger = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ def start_router(args, timeout: float = 60.0):
             raise ValueError("--sglang-router-ip is set but --sglang-router-port is not: give both for an external router")
         return None
     ip = get_host_info()[1]
-    port = args.sglang_router_port or find_available_port(random.randint(3000, 4000))
+    port = args.sglang_router_port or free_port()
     process = launch_router(args, ip, port, timeout)
     args.sglang_router_ip, args.sglang_router_port = ip, port
     return process
@@ -106,7 +106,7 @@ def launch_router(args, ip: str, port: int, timeout: float = 60.0):
 
     router_args = RouterArgs(
         host=ip, port=port, balance_abs_threshold=0,
-        prometheus_host=ip, prometheus_port=find_available_port(random.randint(4000, 5000)),
+        prometheus_host=ip, prometheus_port=free_port(),
         log_level="warn", request_timeout_secs=int(args.sglang_router_request_timeout_secs or 3600),
     )
     process = multiprocessing.Process(target=run_router, args=(router_args, os.getpid()), daemon=True,
@@ -115,11 +115,27 @@ def launch_router(args, ip: str, port: int, timeout: float = 60.0):
     url = f"http://{ip}:{port}"
     try:
         wait_for_http(f"{url}/health", timeout, "sglang-router", process)
+        _check_listener(process, port, "sglang-router")
     except Exception:
         stop_router(process)
         raise
     logger.info("sglang-router %s listening on %s (pid %d)", _router_version(), url, process.pid)
     return process
+
+
+def _check_listener(process, port: int, what: str):
+    """The answer on `port` came from `process`: another run's router there would otherwise get our engines."""
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        if not _alive(process):
+            raise RuntimeError(f"{what} exited (code {_exitcode(process)}): port {port} is taken by another process")
+        listening = {c.laddr.port for c in psutil.Process(process.pid).net_connections(kind="tcp")
+                     if c.status == psutil.CONN_LISTEN}
+        if port in listening:
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"{what} (pid {process.pid}) is not the process listening on port {port}: another run's server "
+                       "answered there")
 
 
 def stop_router(process, timeout: float = 10.0):

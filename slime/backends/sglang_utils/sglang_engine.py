@@ -169,6 +169,7 @@ class SGLangEngine(RayActor):
         if self.rank % nnodes != 0:
             return  # only node 0 of a multi-node engine serves HTTP
         self._wait_ready(startup_timeout or 600.0)
+        self._check_identity()
         if args.sglang_router_ip:
             self.router_url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}"
             add_worker(self.router_url, self.url)
@@ -200,6 +201,17 @@ class SGLangEngine(RayActor):
                                    f"{timeout:.0f}s. Last log lines ({self.log_path}):\n{tail}")
             time.sleep(0.5)
         self.flush_cache(timeout=max(deadline - time.time(), 30))
+
+    def _check_identity(self):
+        """The server answering at our URL must be ours: it echoes this run's --sglang-served-model-name (a per-run
+        token unless the user set one). Another run's server on a reused port would otherwise get our traffic and
+        weights."""
+        expected = self.args.sglang_served_model_name
+        echoed = self._make_request("get_server_info", method="GET", timeout=30).get("served_model_name")
+        if echoed != expected:
+            raise RuntimeError(f"engine {self.rank}: the server answering at {self.url} is not this run's engine "
+                               f"(served_model_name {echoed!r}, expected {expected!r}); another process holds port "
+                               f"{self.port}")
 
     def shutdown(self):
         if self.router_url:

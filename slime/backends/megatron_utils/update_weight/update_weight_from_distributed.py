@@ -23,7 +23,7 @@ from slime.backends.megatron_utils.initialize import get_gloo_group
 from slime.backends.megatron_utils.param_utils import expert_parallel_copies, named_parameters
 from slime.utils.device import dist_backend, is_cpu
 from slime.utils.distributed_utils import init_process_group, seconds
-from slime.utils.http_utils import find_available_port, get_host_info
+from slime.utils.http_utils import free_port, get_host_info
 from slime.utils.tensor_serialization import FlattenedTensorBucket, FlattenedTensorMetadata, MultiprocessingSerializer
 
 from .common import (
@@ -86,7 +86,7 @@ class UpdateWeightFromDistributed:
         gpus_per_engine = self.args.rollout_num_gpus_per_engine
         world_size = len(rollout_engines) * gpus_per_engine + 1
         master_address = get_host_info()[1]
-        master_port = find_available_port(20000 + 1000 * mpu.get_pipeline_model_parallel_rank())
+        master_port = free_port()  # the OS picks it: concurrent runs on one machine never race for one number
         backend = dist_backend()
         refs = [
             engine.init_process_group.remote(master_address, master_port, i * gpus_per_engine + 1, world_size,

@@ -1,0 +1,52 @@
+"""How the drivers end on a user's mistake: one line for bad input, the user's own traceback for their code.
+
+`StartupError`: a mistake found after parsing (the cluster is too small): `prog: error: ...`, status 2.
+`UserCodeError`: an exception inside the user's function (e.g. a rollout function, which runs inside the rollout
+controller actor and would otherwise reach the driver as the last line of a long Ray traceback).
+`call_user_function` wraps the call, the error crosses Ray as text, the driver's `Watchdog.get` re-raises it
+unwrapped, and `exit_on_user_error` prints the user's traceback and one line of slime context (status 1).
+"""
+import contextlib
+import os
+import sys
+import traceback
+
+
+class StartupError(Exception):
+    """A user mistake found after argument parsing (e.g. the cluster is too small): one line, no traceback."""
+
+
+class UserCodeError(Exception):
+    """`user_traceback`: the user's exception as Python prints it, from the user's frame on; `context`: one line."""
+
+    def __init__(self, user_traceback: str, context: str):
+        super().__init__(user_traceback, context)
+        self.user_traceback, self.context = user_traceback, context
+
+    def __str__(self):
+        return f"{self.user_traceback.rstrip()}\n{self.context}"
+
+
+def call_user_function(context: str, fn, *args, **kwargs):
+    """`fn(*args, **kwargs)`; an exception from it becomes a `UserCodeError` whose traceback starts at `fn`."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001  (whatever the user's code raises is reported as theirs)
+        user_tb = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))
+        raise UserCodeError(user_tb, context) from None
+
+
+@contextlib.contextmanager
+def exit_on_user_error():
+    """The drivers' main: end on a `StartupError` (status 2) or a `UserCodeError` (status 1) without slime's
+    traceback."""
+    prog = os.path.basename(sys.argv[0])
+    try:
+        yield
+    except StartupError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    except UserCodeError as e:
+        print(e.user_traceback.rstrip(), file=sys.stderr)
+        print(f"{prog}: error: {e.context}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
