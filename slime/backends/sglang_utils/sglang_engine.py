@@ -207,7 +207,13 @@ class SGLangEngine(RayActor):
         token unless the user set one). Another run's server on a reused port would otherwise get our traffic and
         weights."""
         expected = self.args.sglang_served_model_name
-        echoed = self._make_request("get_server_info", method="GET", timeout=30).get("served_model_name")
+        key = getattr(self.args, "sglang_api_key", None)  # only some SGLang versions define the flag
+        resp = self._http.get(f"{self.url}/get_server_info", timeout=30,
+                              headers={"Authorization": f"Bearer {key}"} if key else {})
+        try:
+            echoed = resp.json().get("served_model_name") if resp.status_code == 200 else f"HTTP {resp.status_code}"
+        except (ValueError, AttributeError):  # not JSON, or not an object: some other kind of server
+            echoed = f"a non-SGLang answer {resp.text[:80]!r}"
         if echoed != expected:
             raise RuntimeError(f"engine {self.rank}: the server answering at {self.url} is not this run's engine "
                                f"(served_model_name {echoed!r}, expected {expected!r}); another process holds port "
