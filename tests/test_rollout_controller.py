@@ -25,7 +25,7 @@ def make_args(**overrides):
         n_samples_per_prompt=2, rollout_batch_size=2, global_batch_size=4, advantage_estimator="grpo",
         rewards_normalization=True, grpo_std_normalization=True, reward_key=None, rollout_num_gpus=2,
         load_debug_rollout_data=None, save_debug_rollout_data=None, debug_train_only=False, use_wandb=False,
-        buffer_filter_path=None, save=None, load=None, custom_rm_path=None, rm_type=None,
+        buffer_filter_path=None, save=None, load=None,
         data_source_path="slime.rollout.data_source.RolloutDataSourceWithBuffer",
         custom_convert_samples_to_train_data_path=None, custom_rollout_log_function_path=None,
         custom_eval_rollout_log_function_path=None,

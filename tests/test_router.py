@@ -121,7 +121,7 @@ def test_router_refuses_a_port_another_router_answers_on(router):
     the other run): the router it started is not the one listening, and start-up says so."""
     url, _ = router
     port = int(url.rsplit(":", 1)[1])
-    args = argparse.Namespace(sglang_router_ip=None, sglang_router_port=port, sglang_router_request_timeout_secs=600)
+    args = make_args("--sglang-router-port", str(port))
     with pytest.raises(RuntimeError, match=rf"sglang-router .*{port}"):
         start_router(args)
     assert args.sglang_router_ip is None  # nothing adopted

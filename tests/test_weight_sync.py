@@ -147,8 +147,7 @@ def _args(model_dir, tp, **kw):
     return megatron_args(
         model_dir, tensor_model_parallel_size=tp, rollout_num_gpus_per_engine=1, rollout_num_gpus_per_node=4,
         inference_server="cpu", update_weight_buffer_size=kw.pop("update_weight_buffer_size", 64 << 10),
-        update_weight_timeout=kw.pop("update_weight_timeout", 120), check_weight_update_equal=True,
-        sglang_served_model_name="slime-run-weight-sync", **kw,
+        update_weight_timeout=kw.pop("update_weight_timeout", 120), check_weight_update_equal=True, **kw,
     )
 
 

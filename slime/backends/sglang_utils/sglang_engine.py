@@ -207,7 +207,7 @@ class SGLangEngine(RayActor):
         token unless the user set one). Another run's server on a reused port would otherwise get our traffic and
         weights."""
         expected = self.args.sglang_served_model_name
-        key = getattr(self.args, "sglang_api_key", None)  # only some SGLang versions define the flag
+        key = self.args.sglang_api_key
         resp = self._http.get(f"{self.url}/get_server_info", timeout=30,
                               headers={"Authorization": f"Bearer {key}"} if key else {})
         try:
