@@ -1,8 +1,8 @@
 """Synchronous RL training: rollout -> train -> push weights, one rollout at a time (colocated or disaggregated)."""
 
 from slime.ray import checkpoint
+from slime.ray.driver import RunRecorder, Watchdog, cleanup_on_exit
 from slime.ray.placement_group import create_actor_group, create_placement_groups, create_rollout_manager, init_ray
-from slime.ray.utils import RunRecorder, Watchdog, cleanup_on_exit
 from slime.utils.arguments import parse_args
 from slime.utils.misc import should_run_periodic_action
 from slime.utils.user_errors import exit_on_user_error

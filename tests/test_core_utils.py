@@ -234,9 +234,9 @@ def test_cleanup_on_exit_runs_every_step_even_when_one_hangs_or_fails(monkeypatc
     """A cleanup step stuck on a half-dead cluster is abandoned after its bound; the others still run, in reverse."""
     import threading
 
-    from slime.ray import utils
+    from slime.ray import driver
 
-    monkeypatch.setattr(utils, "CLEANUP_STEP_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(driver, "CLEANUP_STEP_TIMEOUT_S", 0.2)
     ran, stuck = [], threading.Event()
 
     def fails():
@@ -245,11 +245,11 @@ def test_cleanup_on_exit_runs_every_step_even_when_one_hangs_or_fails(monkeypatc
     def hangs():
         stuck.wait()  # never set: a Ray call that never returns
 
-    with utils.cleanup_on_exit():
-        utils.register_cleanup(lambda: ran.append("first registered"))
-        utils.register_cleanup(fails)
-        utils.register_cleanup(hangs)
-        utils.register_cleanup(lambda: ran.append("last registered"))
+    with driver.cleanup_on_exit():
+        driver.register_cleanup(lambda: ran.append("first registered"))
+        driver.register_cleanup(fails)
+        driver.register_cleanup(hangs)
+        driver.register_cleanup(lambda: ran.append("last registered"))
     stuck.set()
     assert ran == ["last registered", "first registered"]
     out = capsys.readouterr().out
@@ -257,7 +257,7 @@ def test_cleanup_on_exit_runs_every_step_even_when_one_hangs_or_fails(monkeypatc
 
 
 def test_one_console_metrics_format():
-    from slime.ray.utils import RunRecorder
+    from slime.ray.driver import RunRecorder
     from slime.utils.console import metrics_line
 
     # numbers to 4 significant digits; non-numbers (and bools) stay out of the console line

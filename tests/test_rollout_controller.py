@@ -295,7 +295,7 @@ def test_rollout_function_exception_reaches_the_driver_as_the_users_own(ray_mod,
     not Ray's wrapping of it."""
     import types
 
-    from slime.ray.utils import Watchdog
+    from slime.ray.driver import Watchdog
     from slime.utils.user_errors import UserCodeError, exit_on_user_error
 
     controller = _controller(ray_mod, make_args(rollout_function_path=f"{HERE}.raising_rollout"))

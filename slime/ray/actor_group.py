@@ -5,7 +5,8 @@ import os
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from slime.ray.utils import noset_visible_devices_env, register_cleanup
+from slime.ray.driver import register_cleanup
+from slime.ray.utils import noset_visible_devices_env
 from slime.utils.device import is_cpu
 
 logger = logging.getLogger(__name__)

@@ -13,8 +13,9 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from slime.ray.actor_group import RayTrainGroup
+from slime.ray.driver import register_cleanup
 from slime.ray.rollout import RolloutManager
-from slime.ray.utils import noset_visible_devices_env, register_cleanup  # noqa: F401  (public name, re-exported)
+from slime.ray.utils import noset_visible_devices_env  # noqa: F401  (re-exported: slime's path)
 from slime.utils.device import is_cpu
 from slime.utils.startup_checks import check_cluster
 

@@ -17,7 +17,8 @@ from slime.backends.sglang_utils.router import (
 )
 from slime.backends.sglang_utils.sglang_engine import SGLangEngine
 from slime.ray.buffer import RolloutController
-from slime.ray.utils import Lock, noset_visible_devices_env, register_cleanup
+from slime.ray.driver import register_cleanup
+from slime.ray.utils import Lock, noset_visible_devices_env
 from slime.utils.health_monitor import RolloutHealthMonitor
 
 logger = logging.getLogger(__name__)
