@@ -2,7 +2,6 @@
 generate_rollout_fully_async`): the staleness bound, on-policy at K=0, eval on pinned versions, exactly-once across a
 crash and resume. The bound is asserted from what every trained sample recorded: the weight version of each of its
 generation segments (`Sample.weight_versions`); the trainer's weights at rollout r are version r + 1."""
-import asyncio
 import time
 
 import pytest
@@ -11,7 +10,6 @@ import torch
 import train_async as async_driver
 from slime.rollout.fully_async_rollout import Group, select_batch
 from slime.rollout.sglang_rollout import generate
-from slime.utils.types import Sample
 from tests.test_e2e import make_args, read_metrics
 
 FULLY_ASYNC = ["--rollout-function-path", "slime.rollout.fully_async_rollout.generate_rollout_fully_async",
@@ -67,19 +65,11 @@ def crash_at_rollout_3(args, rollout_id, step_id, model, optimizer, opt_param_sc
 
 
 async def slow_generate(args, sample, sampling_params):
-    """--custom-generate-function-path: a deliberately slow engine, one token per request 0.15 s apart, and every
-    third prompt three times slower (stragglers), so weight updates land while samples are half generated."""
-    delay = 0.45 if sample.group_index % 3 == 0 else 0.15
-    budget = sampling_params["max_new_tokens"]
-    while sample.response_length < budget:
-        await asyncio.sleep(delay)
-        # the default generate subtracts what was already generated: one new token per call
-        sample = await generate(args, sample, dict(sampling_params, max_new_tokens=sample.response_length + 1))
-        if sample.status == Sample.Status.COMPLETED:
-            return sample
-        if sample.status == Sample.Status.TRUNCATED and sample.response_length < budget:
-            sample.status = Sample.Status.PENDING
-    return sample
+    """--custom-generate-function-path: a deliberately slow engine. Every request goes through the default generate
+    and runs to its token budget; every third prompt's budget is 8x the others' (stragglers), so weight updates land
+    while its requests are running: they are cut short, come back with their tokens, and are resumed."""
+    budget = sampling_params["max_new_tokens"] // (1 if sample.group_index % 3 == 0 else 8)
+    return await generate(args, sample, dict(sampling_params, max_new_tokens=budget, ignore_eos=True))
 
 
 def trained_batches(pattern, rollout_ids):
@@ -149,20 +139,25 @@ def test_slow_trainer_staleness_bound_eval_versions_and_exactly_once_across_cras
         assert 0 <= r["perf/engine_idle_frac"] <= 1 and r["rollout/queue_depth"] >= 0
 
 
-def test_slow_engine_keeps_the_bound_and_records_versions_per_segment(ray_session, tiny_kit, tmp_path):
-    args = make_args(tiny_kit, tmp_path, *FULLY_ASYNC, "--max-staleness", "1",
+def test_slow_engine_keeps_the_bound_and_resumes_requests_across_weight_updates(ray_session, tiny_kit, tmp_path):
+    args = make_args(tiny_kit, tmp_path, *FULLY_ASYNC, "--max-staleness", "1", "--rollout-max-response-len", "256",
                      "--custom-generate-function-path", f"{__name__}.slow_generate",
                      "--save-debug-rollout-data", str(tmp_path / "r_{rollout_id}.pt"), num_rollout=4)
     async_driver.train(args)
     batches = trained_batches(tmp_path / "r_{rollout_id}.pt", range(4))
     assert max(lags(batches)) <= 1
-    # weight updates landed while samples were half generated: their later tokens come from newer weights
-    spanning = [s for samples in batches.values() for s in samples if len(set(s["weight_versions"])) > 1]
-    assert spanning
-    for s in spanning:
+    # requests cut by a weight update were resumed under the new weights: one version per request, in order
+    resumed = [s for samples in batches.values() for s in samples if len(set(s["weight_versions"])) > 1]
+    assert resumed
+    for s in resumed:
         versions = [int(v) for v in s["weight_versions"]]
         assert versions == sorted(versions)
-        assert len(s["rollout_log_probs"]) == s["response_length"]
+        # nothing generated before the cut was lost or generated twice: exactly the budget, one log-prob per token,
+        # after the same prompt tokens as every other sample of its group
+        assert s["response_length"] == 256 == len(s["rollout_log_probs"])
+        siblings = [t for samples in batches.values() for t in samples if t["group_index"] == s["group_index"]]
+        assert len(siblings) == 4
+        assert all(t["tokens"][:-t["response_length"]] == s["tokens"][:-256] for t in siblings)
 
 
 def test_max_staleness_0_is_on_policy(ray_session, tiny_kit, tmp_path):
