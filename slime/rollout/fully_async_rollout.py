@@ -30,7 +30,7 @@ import numpy as np
 
 from slime.rollout import RolloutSamples
 from slime.rollout.sglang_rollout import GenerateState, eval_rollout, generate_and_rm_group
-from slime.utils.async_utils import get_async_loop, run
+from slime.utils.async_utils import run
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
 
@@ -87,7 +87,7 @@ class AsyncRolloutWorker:
         self.dynamic_filter = load_function(args.dynamic_sampling_filter_path) if args.dynamic_sampling_filter_path else None
         self.finished: list[Group] = []
         self.in_flight: dict[int, Group] = {}
-        self.tasks = {}
+        self.tasks = {}  # strong references: the event loop keeps only weak ones to running tasks
         self.consumed = rollout_id * self.batch_size  # groups trained before this run's first batch
         self.next_gid = 0
         self.drops = Counter()
@@ -258,10 +258,6 @@ class AsyncRolloutWorker:
         logger.info(f"fully async: restored {len(state['queued'])} finished and {len(state['in_flight'])} in-flight "
                     "groups from the checkpoint")
 
-    def stop(self):
-        for task in list(self.tasks.values()):
-            task.cancel()
-
 
 _worker: AsyncRolloutWorker | None = None
 
@@ -271,14 +267,6 @@ async def _take_batch(args, rollout_id, data_source):
     if _worker is None:
         _worker = AsyncRolloutWorker(args, data_source, rollout_id)
     return await _worker.take_batch(rollout_id)
-
-
-def stop_worker():
-    """Cancel the worker's in-flight generations (end of run; the next call starts a new worker)."""
-    global _worker
-    if _worker is not None:
-        get_async_loop().call_soon_threadsafe(_worker.stop)
-        _worker = None
 
 
 def generate_rollout_fully_async(args, rollout_id, data_buffer, evaluation=False):
