@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from slime.rollout import RolloutSamples
+from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.sglang_rollout import GenerateState, eval_rollout, generate_and_rm_group
 from slime.utils.async_utils import run
 from slime.utils.misc import load_function
@@ -80,6 +81,9 @@ class AsyncRolloutWorker:
     whatever a checkpoint reads (queue, in-flight groups, data-source position) changes under `data_source.lock`."""
 
     def __init__(self, args, data_source, rollout_id):
+        if not isinstance(data_source, RolloutDataSourceWithBuffer):
+            raise TypeError(f"--data-source-path {args.data_source_path}: the fully async rollout keeps its queue with a "
+                            f"RolloutDataSourceWithBuffer (or a subclass), got {type(data_source).__name__}")
         self.args, self.data_source = args, data_source
         self.batch_size, self.max_staleness = args.rollout_batch_size, args.max_staleness
         self.num_engines = max(1, args.rollout_num_gpus // args.rollout_num_gpus_per_engine)
