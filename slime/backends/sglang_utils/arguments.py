@@ -2,9 +2,12 @@
 
 With SGLang installed, `ServerArgs.add_cli_args` adds them (exactly as slime does). Without it (CPU machines) the same
 flags come from `sglang_server_args.json`, a table recorded from SGLang's `add_cli_args` by
-`tools/gen_sglang_server_args.py`, so GPU launch scripts parse unchanged everywhere.
+`tools/gen_sglang_server_args.py` for every SGLang release slime has supported (their union, each option marked with
+the releases that accept it), so GPU launch scripts written for any of them parse unchanged everywhere. With SGLang
+installed, an option only older releases know is a one-line error naming it and the installed version.
 """
 import argparse
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -72,21 +75,58 @@ class _StoreValueConst(argparse.Action):
         setattr(namespace, self.dest, self.const)
 
 
-def _add_from_table(parser):
+class _Removed(argparse.Action):
+    """An option the installed SGLang does not have (older releases did): one line naming it and the versions."""
+
+    def __init__(self, option_strings, dest, message, **kwargs):
+        self.message = message
+        super().__init__(option_strings, dest, nargs=argparse.ZERO_OR_MORE, default=argparse.SUPPRESS,
+                         help=argparse.SUPPRESS)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(self.message.format(flag=option_string))
+
+
+# The table's action names -> argparse actions (SGLang's deprecated ones behave as their plain counterparts).
+_ACTIONS = {"boolean_optional": argparse.BooleanOptionalAction, "deprecated_store_true": "store_true",
+            "deprecated_store_const": _StoreValueConst, "deprecated_alias_store": "store", "deprecated": _Removed}
+
+
+def load_table() -> dict:
     with open(_TABLE_PATH) as f:
-        table = json.load(f)["arguments"]
-    for entry in table:
-        kw = {k: v for k, v in entry.items() if k not in ("flags", "type", "action")}
+        return json.load(f)
+
+
+def _add_from_table(parser):
+    table = load_table()
+    pinned = table["sglang_version"]
+    for entry in table["arguments"]:
+        kw = {k: v for k, v in entry.items() if k not in ("flags", "type", "action", "sglang_versions")}
         if "type" in entry:
             kw["type"] = _TYPES[entry["type"]]
         action = entry.get("action")
-        if action == "boolean_optional":
-            kw["action"] = argparse.BooleanOptionalAction
-        elif action == "store_value_const":
-            kw["action"] = _StoreValueConst
-        elif action is not None:
-            kw["action"] = action
+        if action == "deprecated":
+            kw = {"message": f"{{flag}}: {entry.get('help') or 'removed from SGLang'}"}
+        if action is not None:
+            kw["action"] = _ACTIONS.get(action, action)
+        if pinned not in entry["sglang_versions"] and "help" in kw:
+            kw["help"] += f" [SGLang {', '.join(entry['sglang_versions'])} only]"
         parser.add_argument(*entry["flags"], **kw)
+
+
+def installed_sglang_version() -> str:
+    return importlib.metadata.version("sglang")
+
+
+def _add_removed_options(parser, add_argument, known_flags):
+    """With SGLang installed: options of the releases in the table that it lacks fail at parse time, naming them."""
+    version = installed_sglang_version()
+    for entry in load_table()["arguments"]:
+        flags = [f for f in entry["flags"] if f not in known_flags]
+        if flags and len(flags) == len(entry["flags"]):
+            message = (f"{{flag}} is not an option of the installed SGLang {version} (it is one of SGLang "
+                       f"{', '.join(entry['sglang_versions'])}); remove it or install one of those versions")
+            add_argument(*flags, action=_Removed, message=message, dest=entry.get("dest") or flags[0][2:].replace("-", "_"))
 
 
 def sglang_available() -> bool:
@@ -124,8 +164,9 @@ def add_sglang_arguments(parser):
         prefixed = [f"--sglang-{f.lstrip('-')}" if isinstance(f, str) and f.startswith("-") else f for f in flags]
         return original_add_argument(*prefixed, **kwargs)
 
-    if sglang_available():
-        from sglang.srt.server_args import ServerArgs  # optional: SGLang
+    installed = sglang_available()
+    if installed:
+        from sglang.srt.server_args import ServerArgs  # lazy: SGLang is optional (GPU machines only)
 
         # Wrap the parser itself, as slime does: add_cli_args may add its own groups through it.
         target, add_cli_args = parser, ServerArgs.add_cli_args
@@ -134,7 +175,11 @@ def add_sglang_arguments(parser):
     original_add_argument = target.add_argument
     target.add_argument = add_prefixed_argument
     try:
+        known = {f for a in parser._actions for f in a.option_strings}
         add_cli_args(target)
+        if installed:
+            known = {f"--{f[len('--sglang-'):]}" for a in parser._actions for f in a.option_strings if f not in known}
+            _add_removed_options(target, target.add_argument, known | {f"--{n.replace('_', '-')}" for n in SKIPPED_ARGS})
     finally:
         target.add_argument = original_add_argument
     return parser

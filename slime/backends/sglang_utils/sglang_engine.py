@@ -24,6 +24,7 @@ from slime.ray.ray_actor import RayActor
 from slime.utils.http_utils import get_host_info
 from slime.utils.process_utils import die_with_parent
 
+from .arguments import load_table
 from .router import add_worker, remove_worker
 
 logger = logging.getLogger(__name__)
@@ -46,26 +47,59 @@ def get_base_gpu_id(args, rank: int) -> int:
     return start % args.rollout_num_gpus_per_node
 
 
+_ZERO_ARG = {"store_true", "store_false", "store_const", "deprecated_store_true", "deprecated_store_const"}
+
+
 @functools.lru_cache(None)
 def _sglang_flags() -> dict:
-    """dest -> (flag, default, action) of SGLang's server options: its own parser, else slime's vendored table."""
+    """dest -> SGLang's launch option for it: {flag, default, action, nargs, const, choices}, from the installed
+    SGLang's own parser, else the vendored table (the pinned release's options). Where several options share a dest
+    (a deprecated spelling and its replacement), the non-deprecated one is used."""
+    table = load_table()
     try:
-        from sglang.srt.server_args import ServerArgs  # optional: SGLang
+        from sglang.srt.server_args import ServerArgs  # lazy: SGLang is optional (GPU machines only)
 
         parser = argparse.ArgumentParser(add_help=False)
         ServerArgs.add_cli_args(parser)
-        kinds = {argparse._StoreTrueAction: "store_true", argparse._StoreFalseAction: "store_false",
-                 argparse.BooleanOptionalAction: "boolean_optional"}
-        return {a.dest: (a.option_strings[0], a.default, kinds.get(type(a))) for a in parser._actions if a.option_strings}
+        names = {argparse._StoreTrueAction: "store_true", argparse._StoreFalseAction: "store_false",
+                 argparse._StoreConstAction: "store_const", argparse.BooleanOptionalAction: "boolean_optional"}
+        entries = []
+        for a in parser._actions:
+            if not a.option_strings:
+                continue
+            kind = type(a).__name__
+            action = names.get(type(a)) or ("deprecated_" + _snake(kind[len("Deprecated"):-len("Action")])
+                                            if kind.startswith("Deprecated") else None)
+            const = getattr(a, "const_value", a.const)
+            entries.append({"flags": a.option_strings, "dest": a.dest, "default": a.default, "action": action,
+                            "nargs": a.nargs, "const": const, "choices": a.choices})
     except ImportError:
-        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_server_args.json")) as f:
-            table = json.load(f)["arguments"]
-        return {e.get("dest") or e["flags"][0][2:].replace("-", "_"): (e["flags"][0], e.get("default"), e.get("action"))
-                for e in table}
+        entries = [dict(e, dest=e.get("dest") or e["flags"][0][2:].replace("-", "_"))
+                   for e in table["arguments"] if table["sglang_version"] in e["sglang_versions"]]
+    out = {}
+    for e in entries:
+        action = e.get("action")
+        if action in ("store_true", "deprecated_store_true"):
+            const = True
+        elif action == "store_false":
+            const = False
+        else:
+            const = e.get("const")
+        rec = {"flag": e["flags"][0], "default": e.get("default"), "action": action, "nargs": e.get("nargs"),
+               "const": const, "choices": e.get("choices")}
+        if e["dest"] not in out or str(out[e["dest"]]["action"]).startswith("deprecated"):
+            out[e["dest"]] = rec
+    return out
+
+
+def _snake(name: str) -> str:
+    return "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
 
 
 def _sglang_passthrough(args) -> list:
-    """CLI flags for every `args.sglang_<dest>` the user changed from SGLang's default (unknown ones are dropped)."""
+    """CLI flags for every `args.sglang_<dest>` the user changed from SGLang's default, spelled as SGLang's parser
+    takes them back: zero-argument actions as the bare flag, `--no-` for a cleared BooleanOptional, a deprecated
+    store-const that takes its one choice as that choice. Unknown ones are dropped."""
     flags, argv = _sglang_flags(), []
     for key, value in sorted(vars(args).items()):
         dest = key[len("sglang_"):]
@@ -74,13 +108,21 @@ def _sglang_passthrough(args) -> list:
         if dest not in flags:
             logger.warning("--sglang-%s is not an option of the installed SGLang; not passing it", dest.replace("_", "-"))
             continue
-        flag, default, action = flags[dest]
-        if value == default:
+        f = flags[dest]
+        flag, action = f["flag"], f["action"]
+        if value == f["default"]:
             continue
-        if action in ("store_true", "store_false"):
-            argv += [flag] if value == (action == "store_true") else []
-        elif action == "boolean_optional":
+        if action == "boolean_optional":
             argv += [flag if value else "--no-" + flag[2:]]
+        elif action in _ZERO_ARG:
+            if f["const"] is True and not value:
+                continue  # an unset flag (default None)
+            if value != f["const"]:
+                raise ValueError(f"--sglang-{flag[2:]} can only set {dest} to {f['const']!r}, not {value!r}")
+            if f["nargs"] in (0, None) and not (action == "deprecated_store_const" and f["choices"]):
+                argv += [flag]
+            else:  # takes an argument whatever it stores: its one choice
+                argv += [flag, str(f["choices"][0])]
         elif isinstance(value, (list, tuple)):
             argv += [flag] + [str(x) for x in value]
         elif isinstance(value, dict):
