@@ -8,6 +8,9 @@ from slime.utils.misc import should_run_periodic_action
 from slime.utils.user_errors import exit_on_user_error
 from slime.utils.wandb_utils import init_wandb_primary
 
+# What an offload releases besides the weights (SGLang frees all three); resumed once the new weights are in.
+AFTER_UPDATE_TAGS = ["kv_cache", "cuda_graph"]
+
 
 def train(args):
     init_ray(args)
@@ -36,8 +39,10 @@ def train(args):
         if args.offload:
             get(rollout_manager.async_onload(tags=["weights"]))
         get(actor_model.async_update_weights())
+        if args.check_weight_update_equal:
+            get(rollout_manager.async_check_weights("compare"))
         if args.offload:
-            get(rollout_manager.async_onload(tags=["kv_cache"]))
+            get(rollout_manager.async_onload(tags=AFTER_UPDATE_TAGS))
 
         for rollout_id in range(args.start_rollout_id, args.num_rollout):
             if args.eval_interval is not None and rollout_id == 0:
@@ -57,7 +62,7 @@ def train(args):
                 get(rollout_manager.async_onload(tags=["weights"]))
             update_metrics = get(actor_model.async_update_weights())
             if args.offload:
-                get(rollout_manager.async_onload(tags=["kv_cache"]))
+                get(rollout_manager.async_onload(tags=AFTER_UPDATE_TAGS))
             if recovered:
                 rollout_manager.check_weight_versions(update_metrics, recovered)
 

@@ -39,6 +39,8 @@ def train(args):
             get(rollout_manager.controller.load.remote(args.start_rollout_id - 1))
         get(actor_model.async_init_weight_update_connections(rollout_manager))
         get(actor_model.async_update_weights())
+        if args.check_weight_update_equal:
+            get(rollout_manager.async_check_weights("compare"))
 
         loop = fully_async_loop if args.rollout_function_path == FULLY_ASYNC else one_step_off_loop
         loop(args, get, actor_model, rollout_manager, recorder, num_rollout_per_epoch)

@@ -12,7 +12,9 @@ import pytest
 import requests
 import torch
 
+from slime.backends.sglang_utils.contract import load_contract
 from slime.utils.http_utils import find_available_port
+from slime.utils.tensor_serialization import MultiprocessingSerializer, set_shared_authkey
 
 pytestmark = pytest.mark.timeout(300)
 SESSION = requests.Session()
@@ -284,7 +286,7 @@ def test_abort_returns_partial_output(server):
     ({"input_ids": [1, 2], "sampling_params": {"foo": 1}}, "unknown field 'foo'"),
     ({"input_ids": [1, 2], "text": "hi"}, "Either text or input_ids"),
     ({}, "Either text or input_ids"),
-    ({"input_ids": "abc"}, "input_ids must be"),
+    ({"input_ids": "abc"}, "field 'input_ids' = 'abc' is not"),
     ({"input_ids": [1, 2], "sampling_params": {"temperature": -1}}, "temperature must be non-negative"),
     ({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "top_p"),
     ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "ten"}}, "max_new_tokens must be an integer"),
@@ -338,6 +340,11 @@ def test_release_and_resume_memory(server):
     assert SESSION.post(server + "/resume_memory_occupation", json={"tags": ["weights"]}).status_code == 200
     assert SESSION.post(server + "/generate", json=sp).status_code == 503  # kv cache still released
     assert SESSION.post(server + "/resume_memory_occupation", json={"tags": ["kv_cache"]}).status_code == 200
+    # SGLang's release with no tags also frees the CUDA graphs: generating before they are back is refused
+    r = SESSION.post(server + "/generate", json=sp)
+    assert r.status_code == 503 and "cuda_graph" in r.json()["error"]
+    assert SESSION.get(server + "/health_generate").status_code == 503
+    assert SESSION.post(server + "/resume_memory_occupation", json={"tags": ["cuda_graph"]}).status_code == 200
     assert gen(server, sp)["output_ids"] == before
     bad = SESSION.post(server + "/release_memory_occupation", json={"tags": ["gpu"]})
     assert bad.status_code == 400
@@ -358,17 +365,105 @@ def _assert_serves(server, model, version):
         ref_ids, ref_lps = hf_greedy(model, prompt, 8)
         assert out["output_ids"] == ref_ids and out["meta_info"]["weight_version"] == version
         assert max(abs(a[0] - b) for a, b in zip(out["meta_info"]["output_token_logprobs"], ref_lps)) <= 1e-4
-    sums = SESSION.post(server + "/weights_checker", json={"action": "checksum"}).json()
-    assert sums["success"]
-    assert sums["checksums"] == {n: _sha(t) for n, t in _hf_named(model)}
 
 
-def test_weights_checker_matches_checkpoint(server, tiny_kit):
+def _checksums(url):
+    r = SESSION.post(url + "/weights_checker", json={"action": "checksum"})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_weights_checker_answers_as_sglang(server, tiny_kit):
+    """SGLang's checksum shape: per rank, each served tensor's hash (SGLang's CPU tensor_hash: the first 8 bytes of
+    the sha256 of its bytes) and a sha256 over the sorted (name, hash) pairs; per engine, a sha256 over the ranks."""
     from safetensors.torch import load_file
 
     sd = load_file(os.path.join(tiny_kit[0], "model.safetensors"))
-    sums = SESSION.post(server + "/weights_checker", json={"action": "checksum"}).json()["checksums"]
-    assert sums == {n: _sha(t) for n, t in sd.items() if n != "lm_head.weight"}
+    body = _checksums(server)
+    assert set(body) == set(load_contract()["routes"]["/weights_checker"]["response_keys"])
+    (rank,) = body["ranks"]
+    assert set(rank) == set(load_contract()["classes"]["ChecksumInfo"])
+    assert set(rank["parallelism_info"][0]) == set(load_contract()["classes"]["ParallelismInfo"])
+    assert rank["checksums"]["embed"] == _sha(sd["model.embed_tokens.weight"])[:16]
+    q, k = sd["model.layers.1.self_attn.q_proj.weight"], sd["model.layers.1.self_attn.k_proj.weight"]
+    v = sd["model.layers.1.self_attn.v_proj.weight"]
+    assert rank["checksums"]["layers.1.qkv"] == _sha(torch.cat([q, k, v]))[:16]  # fused, as SGLang's qkv_proj
+    h = hashlib.sha256()
+    for name in sorted(rank["checksums"]):
+        h.update(name.encode() + rank["checksums"][name].encode())
+    assert rank["per_gpu_checksum"] == h.hexdigest()
+    assert body["per_engine_checksum"] == hashlib.sha256(rank["per_gpu_checksum"].encode()).hexdigest()
+
+
+def test_weights_checker_snapshot_reset_compare(server, tiny_kit):
+    """--check-weight-update-equal's protocol: snapshot, scramble, restore by an update, compare; a tensor that is not
+    restored fails the compare with 400 naming it."""
+    def check(action):
+        return SESSION.post(server + "/weights_checker", json={"action": action})
+
+    sp = {"input_ids": PROMPTS[0], "sampling_params": {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}}
+    before = gen(server, sp)["output_ids"]
+    assert check("snapshot").json() == {"success": True, "message": "Success."}
+    assert check("reset_tensors").status_code == 200
+    assert _checksums(server)["ranks"][0]["checksums"]["embed"] != _sha(torch.zeros(1))[:16]
+    assert SESSION.post(server + "/update_weights_from_disk", json={"model_path": tiny_kit[0]}).status_code == 200
+    assert check("compare").json() == {"success": True, "message": "Success."}
+    assert gen(server, sp)["output_ids"] == before
+    # a compare needs a new snapshot; this time one tensor stays scrambled
+    assert check("compare").status_code == 400
+    check("snapshot")
+    check("reset_tensors")
+    SESSION.post(server + "/update_weights_from_disk", json={"model_path": tiny_kit[0]})
+    begin_update(server)
+    set_shared_authkey()
+    noise = MultiprocessingSerializer.serialize([("model.layers.0.mlp.down_proj.weight",
+                                                  torch.ones(_down_shape(tiny_kit[0])) * 3)],
+                                                output_str=True)
+    SESSION.post(server + "/update_weights_from_tensor", json={"serialized_named_tensors": [noise]})
+    end_update(server)
+    r = check("compare")
+    assert r.status_code == 400 and r.json()["success"] is False
+    assert r.json()["message"].startswith("check tensor equality failed:\nname=layers.0.down ")
+    SESSION.post(server + "/update_weights_from_disk", json={"model_path": tiny_kit[0]})
+    assert check("bogus").json() == {"success": False, "message": "Unsupported action='bogus'"}
+
+
+def _down_shape(model_dir):
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    return [cfg["hidden_size"], cfg["intermediate_size"]]
+
+
+def begin_update(url):
+    r = SESSION.post(url + "/begin_weight_update", json={})
+    assert r.json() == {"success": True, "message": "Success"}, r.text
+
+
+def end_update(url):
+    r = SESSION.post(url + "/end_weight_update", json={})
+    assert r.json() == {"success": True, "message": "Success"}, r.text
+
+
+def test_weight_updates_need_a_session_as_in_sglang(server):
+    payload = MultiprocessingSerializer.serialize([], output_str=True)
+    r = SESSION.post(server + "/update_weights_from_tensor", json={"serialized_named_tensors": [payload]})
+    assert r.status_code == 400 and r.json() == {"success": False, "message": (
+        "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()")}
+    r = SESSION.post(server + "/end_weight_update", json={})
+    assert r.status_code == 400 and "no weight-update session is open" in r.json()["message"]
+    begin_update(server)
+    r = SESSION.post(server + "/begin_weight_update", json={})
+    assert r.status_code == 400 and "already open" in r.json()["message"]
+    end_update(server)
+
+
+def test_bodies_are_checked_strictly_against_sglangs_request_classes(server):
+    r = SESSION.post(server + "/release_memory_occupation", json={"tag": ["weights"]})
+    assert r.status_code == 400 and "unknown field 'tag'" in r.json()["error"]
+    r = SESSION.post(server + "/pause_generation", json={"mode": "soft"})
+    assert r.status_code == 400 and "'mode' = 'soft' is not Literal" in r.json()["error"]
+    r = SESSION.post(server + "/generate", json={"input_ids": [1, 2], "max_new_tokens": 3})
+    assert r.status_code == 400 and "unknown field 'max_new_tokens'" in r.json()["error"]
 
 
 def test_update_weights_from_tensor_and_disk(server, hf, other_weights, tiny_kit):
@@ -379,19 +474,23 @@ def test_update_weights_from_tensor_and_disk(server, hf, other_weights, tiny_kit
     named = _hf_named(other)
     # plain list of (name, tensor): shared-memory handles, not bytes
     payload = MultiprocessingSerializer.serialize(named[:10], output_str=True)
+    begin_update(server)
     r = SESSION.post(server + "/update_weights_from_tensor", json={"serialized_named_tensors": [payload], "weight_version": "7"})
-    assert r.status_code == 200 and r.json()["success"], r.text
+    assert r.status_code == 200 and r.json() == {"success": True, "message": "Succeeded to update parameter online."}
     bucket = FlattenedTensorBucket(named_tensors=named[10:])
     payload = MultiprocessingSerializer.serialize({"flattened_tensor": bucket.get_flattened_tensor(),
                                                    "metadata": bucket.get_metadata()}, output_str=True)
     r = SESSION.post(server + "/update_weights_from_tensor", json={"serialized_named_tensors": [payload],
                                                                    "load_format": "flattened_bucket"})
-    assert r.status_code == 200 and r.json()["weight_version"] == "8"
+    assert r.status_code == 200 and r.json()["success"]
+    end_update(server)
     _assert_serves(server, other, "8")
     assert SESSION.get(server + "/model_info").json()["weight_version"] == "8"
     # a wrong name is a 400 naming it, and the server keeps the weights it had
     bad = MultiprocessingSerializer.serialize([("model.layers.0.mlp.bogus.weight", torch.zeros(3))], output_str=True)
+    begin_update(server)
     r = SESSION.post(server + "/update_weights_from_tensor", json={"serialized_named_tensors": [bad]})
+    end_update(server)
     assert r.status_code == 400 and "model.layers.0.mlp.bogus.weight" in r.json()["message"]
     # back to the original weights from disk
     r = SESSION.post(server + "/update_weights_from_disk", json={"model_path": tiny_kit[0], "weight_version": "disk"})
@@ -418,7 +517,8 @@ def test_update_weights_from_distributed(server, hf, other_weights, tiny_kit):
     assert joined.get("success"), joined
     try:
         named = _hf_named(other)
-        for chunk in (named[:7], named[7:]):  # two buckets, as the trainer sends them
+        begin_update(server)
+        for chunk in (named[:7], named[7:]):  # two buckets in one session, as the trainer sends them
             done = {}
             t = threading.Thread(target=lambda c=chunk: done.update(SESSION.post(
                 server + "/update_weights_from_distributed", json={
@@ -430,6 +530,7 @@ def test_update_weights_from_distributed(server, hf, other_weights, tiny_kit):
                 dist.broadcast(p, src=0, group=group)
             t.join(60)
             assert done.get("success"), done
+        end_update(server)
         version = SESSION.get(server + "/model_info").json()["weight_version"]
         _assert_serves(server, other, version)
     finally:
@@ -615,12 +716,14 @@ def test_transformers_fallback_serves_other_architectures(tiny_kit, tmp_path):
             ids, lps = hf_greedy(ref, p, 6)
             assert o["output_ids"] == ids
             assert max(abs(a[0] - b) for a, b in zip(o["meta_info"]["output_token_logprobs"], lps)) <= 1e-4
-        sums = SESSION.post(url + "/weights_checker", json={"action": "checksum"}).json()["checksums"]
-        assert sums["transformer.h.0.attn.c_attn.weight"] == _sha(ref.transformer.h[0].attn.c_attn.weight)
+        sums = _checksums(url)["ranks"][0]["checksums"]
+        assert sums["transformer.h.0.attn.c_attn.weight"] == _sha(ref.transformer.h[0].attn.c_attn.weight)[:16]
         set_shared_authkey()
         name = "transformer.h.1.mlp.c_proj.weight"
         payload = MultiprocessingSerializer.serialize([(name, torch.zeros(256, 64))], output_str=True)
+        begin_update(url)
         assert SESSION.post(url + "/update_weights_from_tensor", json={"serialized_named_tensors": [payload]}).status_code == 200
+        end_update(url)
         with torch.no_grad():
             ref.transformer.h[1].mlp.c_proj.weight.zero_()
         assert SESSION.post(url + "/release_memory_occupation", json={}).status_code == 200

@@ -92,31 +92,39 @@ def test_engine_lifecycle(ray_session, router, tiny_kit):
     first = SESSION.post(rurl + "/generate", json=sp, timeout=60).json()
     assert first["meta_info"]["completion_tokens"] == 5
 
-    sums = ray.get(engine.get_weight_checksums.remote())
-    assert "model.layers.0.self_attn.q_proj.weight" in sums
+    def checksums():
+        return ray.get(engine.check_weights.remote("checksum"))["ranks"][0]["checksums"]
+
+    sums = checksums()
+    assert "layers.0.qkv" in sums  # the server's own (fused) tensors, as SGLang's checker reports
     ray.get(engine.pause_generation.remote())
     ray.get(engine.continue_generation.remote())
     ray.get(engine.flush_cache.remote())
     ray.get(engine.release_memory_occupation.remote())
     assert SESSION.post(url + "/generate", json=sp).status_code == 503
     ray.get(engine.resume_memory_occupation.remote(tags=["weights"]))
-    ray.get(engine.resume_memory_occupation.remote(tags=["kv_cache"]))
+    ray.get(engine.resume_memory_occupation.remote(tags=["kv_cache", "cuda_graph"]))
     assert SESSION.post(url + "/generate", json=sp).json()["output_ids"] == first["output_ids"]
 
-    # colocated-style update through the actor: zero the last layer's MLP down projection
+    # colocated-style update through the actor, in one weight-update session: zero the last layer's MLP down proj
     set_shared_authkey()
     import torch
 
     name = "model.layers.3.mlp.down_proj.weight"
     payload = MultiprocessingSerializer.serialize([(name, torch.zeros(128, 512))], output_str=True)
+    with pytest.raises(ray.exceptions.RayTaskError, match="must run between begin_weight_update"):
+        ray.get(engine.update_weights_from_tensor.remote([payload], weight_version="42"))
+    ray.get(engine.begin_weight_update.remote())
+    payload = MultiprocessingSerializer.serialize([(name, torch.zeros(128, 512))], output_str=True)
     ray.get(engine.update_weights_from_tensor.remote([payload], weight_version="42"))
-    new_sums = ray.get(engine.get_weight_checksums.remote())
+    ray.get(engine.end_weight_update.remote())
+    new_sums = checksums()
     import hashlib
 
-    assert new_sums[name] == hashlib.sha256(bytes(128 * 512 * 4)).hexdigest() and new_sums != sums
+    assert new_sums["layers.3.down"] == hashlib.sha256(bytes(128 * 512 * 4)).hexdigest()[:16] and new_sums != sums
     assert ray.get(engine.get_weight_version.remote()) == "42"
     ray.get(engine.update_weights_from_disk.remote(tiny_kit[0]))
-    assert ray.get(engine.get_weight_checksums.remote()) == sums
+    assert checksums() == sums
 
     ray.get(engine.shutdown.remote())
     _wait_dead(pid)

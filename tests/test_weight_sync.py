@@ -15,6 +15,7 @@ import ray
 import torch
 
 from slime.ray.train_actor import TrainRayActor
+from slime.utils.http_utils import free_port
 from tests._args import make_args
 from tests._megatron_helpers import causal_mask, megatron_args
 
@@ -57,9 +58,6 @@ class WeightSyncTrainer(TrainRayActor):
 
     def update_weights(self):
         return self.updater.update_weights()
-
-    def check(self):
-        self.updater.check_weight_update_equal()
 
     def offload(self):
         """Free the live parameters as an offloaded actor would: the update must come from the CPU dict."""
@@ -263,24 +261,63 @@ def test_colocated_update_from_cpu_weights_gives_engines_the_trainer_weights(tin
     assert metrics["perf/update_weights_bytes"] == hf_checkpoint_bytes(tiny_kit[0]) * 2
 
 
-def test_colocated_tp1_update_and_checksum_check_catches_an_altered_engine_tensor(tiny_kit, engines, lock, cleanup):
-    from slime.backends.megatron_utils.update_weight_utils import WeightUpdateError
-
+def test_check_weight_update_equal_protocol_passes_for_the_checkpoint_and_names_a_differing_tensor(
+        tiny_kit, engines, lock, cleanup):
+    """--check-weight-update-equal as slime runs it on SGLang: the engine snapshots what it loaded and scrambles it;
+    a push of the checkpoint's weights (noise 0) must restore the snapshot exactly, a push of other weights fails the
+    compare naming the engine and a tensor."""
     args = _args(tiny_kit[0], 1)
     engine, url = engines[0]
-    cleanup += start_trainers(args, colocate=True)
-    reference = trainer_greedy(cleanup)
-    ray.get(cleanup[0].connect.remote([engine], lock), timeout=120)
-    ray.get(cleanup[0].update_weights.remote(), timeout=300)  # --check-weight-update-equal passes inside
-    assert max_logprob_diff(url, reference)[0] < 1e-4
-    ray.get(cleanup[0].check.remote(), timeout=120)
+    ray.get(engine.update_weights_from_disk.remote(tiny_kit[0]), timeout=120)  # earlier tests pushed other weights
+    for action in ("snapshot", "reset_tensors"):
+        ray.get(engine.check_weights.remote(action), timeout=120)
+    Trainer = ray.remote(num_cpus=0.4, num_gpus=0.3)(WeightSyncTrainer)
+    cleanup.append(Trainer.remote(1, 0, None, None))
+    ray.get(cleanup[-1].setup.remote(args, True, next(_NOISE_SEEDS), 0.0), timeout=300)
+    ray.get(cleanup[-1].connect.remote([engine], lock), timeout=120)
+    ray.get(cleanup[-1].update_weights.remote(), timeout=300)
+    assert ray.get(engine.check_weights.remote("compare"), timeout=120)["success"] is True
 
-    ray.get(cleanup[0].tamper.remote(engine, "model.layers.2.mlp.down_proj.weight", "tampered"), timeout=120)
+    for action in ("snapshot", "reset_tensors"):
+        ray.get(engine.check_weights.remote(action), timeout=120)
+    noisy = start_trainers(args, colocate=True)
+    cleanup += noisy
+    ray.get(noisy[0].connect.remote([engine], lock), timeout=120)
+    ray.get(noisy[0].update_weights.remote(), timeout=300)
     with pytest.raises(ray.exceptions.RayTaskError) as err:
-        ray.get(cleanup[0].check.remote(), timeout=120)
-    assert isinstance(err.value.cause, WeightUpdateError)
-    msg = str(err.value.cause)
-    assert "model.layers.2.mlp.down_proj.weight" in msg and url in msg and "1 tensor(s) differ" in msg
+        ray.get(engine.check_weights.remote("compare"), timeout=120)
+    msg = str(err.value)
+    assert url in msg and "check tensor equality failed" in msg and "name=embed " in msg, msg
+
+
+def test_one_weight_update_session_per_update_not_per_bucket(tiny_kit, lock, cleanup, ray_session):
+    from slime.backends.sglang_utils.sglang_engine import SGLangEngine
+
+    class Counting(SGLangEngine):
+        calls = []
+
+        def _make_request(self, endpoint, payload=None, timeout=None, method="POST"):
+            type(self).calls.append(endpoint)
+            return super()._make_request(endpoint, payload, timeout, method)
+
+        def endpoints(self):
+            return type(self).calls
+
+    args = _args(tiny_kit[0], 1, update_weight_transport="broadcast")
+    Engine = ray.remote(num_cpus=0.2, num_gpus=0.2)(Counting)
+    engine = Engine.remote(args, rank=0)
+    cleanup.append(engine)
+    ray.get(engine.init.remote(None, find_available_port(31500), None, host="127.0.0.1"), timeout=300)
+    trainers = start_trainers(args, colocate=False)
+    cleanup += trainers
+    ray.get(trainers[0].connect.remote([engine], lock), timeout=120)
+    for _ in range(2):
+        ray.get(trainers[0].update_weights.remote(), timeout=300)
+    calls = [c for c in ray.get(engine.endpoints.remote()) if "weight" in c]
+    buckets = calls.count("update_weights_from_distributed")
+    assert buckets >= 8  # 64 KiB buckets
+    one = ["begin_weight_update"] + ["update_weights_from_distributed"] * (buckets // 2) + ["end_weight_update"]
+    assert calls == ["init_weights_update_group"] + one + one, calls
 
 
 def test_dead_engine_fails_the_update_fast_naming_its_url(ray_session, tiny_kit, lock):

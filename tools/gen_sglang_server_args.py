@@ -186,6 +186,11 @@ def record(src, deps, isolated=False):
         sys.meta_path.append(_StubFinder())
     from sglang.srt.server_args import ServerArgs
 
+    return table_of(ServerArgs)
+
+
+def table_of(ServerArgs):
+    """The add_argument calls of `ServerArgs.add_cli_args`, as table entries."""
     calls = []
     parser = argparse.ArgumentParser()
     original = parser.add_argument

@@ -121,6 +121,11 @@ class RolloutManager:
         self.rollout_engine_lock = Lock.options(num_cpus=0, num_gpus=0).remote()
         if self.rollout_engines:
             print(f"inference engines {self.engine_urls} behind sglang-router {router_url(args)}", flush=True)
+        if args.check_weight_update_equal and self.rollout_engines:
+            # SGLang's own check: keep the weights loaded from --hf-checkpoint, scramble the served ones; the first
+            # weight push must then reproduce the snapshot exactly (`compare`, after that push)
+            for action in ("snapshot", "reset_tensors"):
+                ray.get(self.async_check_weights(action))
         if args.offload and self.rollout_engines:
             ray.get([e.release_memory_occupation.remote() for e in self.rollout_engines])
         if not args.debug_train_only:
@@ -250,6 +255,11 @@ class RolloutManager:
                                    f"update, expected {expected}")
         self._event("weights_checked", f"inference engine(s) {list(indices)} serve weight version {expected}")
         return versions
+
+    def async_check_weights(self, action):
+        """SGLang's `/weights_checker` action on every engine; a failed `compare` raises naming the engine and
+        the tensors that differ."""
+        return [e.check_weights.remote(action) for e in self.rollout_engines]
 
     def shutdown(self):
         """Stop engines (each removes itself from the router and kills its server), the controller and the router."""

@@ -125,8 +125,9 @@ def add_rollout_arguments(parser):
     g.add_argument("--update-weight-timeout", type=float, default=300,
                    help="Seconds a weight update may take before it fails naming the engine.")
     g.add_argument("--check-weight-update-equal", action="store_true", default=False,
-                   help="After each weight update, compare sha256 checksums of every HF tensor on the engines "
-                        "with the trainer's.")
+                   help="Check the weight push with SGLang's /weights_checker: the engines snapshot the weights "
+                        "they loaded from --hf-checkpoint and scramble them, and after the first push every engine "
+                        "must hold exactly the snapshot again (the trainer must start from that checkpoint).")
     g.add_argument("--keep-old-actor", action="store_true", default=False)
     g.add_argument("--rollout-data-postprocess-path", type=str, default=None,
                    help="fn(args, rollout_id, rollout_data) on every trainer rank after log-probs and advantages "

@@ -8,6 +8,7 @@ dist_backend, default_dtype, rng_state) and never branch on the device themselve
 CUDA call is on a GPU, and the CPU equivalent (usually nothing) on a CPU machine.
 """
 import functools
+import gc
 import os
 
 import torch
@@ -64,6 +65,15 @@ def pin_memory() -> bool:
 
 def dist_backend() -> str:
     return "gloo" if is_cpu() else "nccl"
+
+
+def clear_memory() -> None:
+    """Return the allocator's cached blocks to the device (after a sync and a GC): no-op on CPU."""
+    if is_cpu():
+        return
+    synchronize()
+    gc.collect()
+    empty_cache()
 
 
 def default_dtype(bf16: bool) -> torch.dtype:

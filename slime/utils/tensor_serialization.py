@@ -5,7 +5,8 @@ handle, not bytes. On CPU the handle is an fd passed over multiprocessing's reso
 authenticates with `current_process().authkey`: every process that shares or receives must call
 `set_shared_authkey()` before its first share. Each handle can be loaded once.
 `FlattenedTensorBucket` packs many same-dtype tensors into one buffer, so one handle carries a whole bucket.
-When SGLang is installed its own classes are used, so the trainer and a real SGLang server agree on the format.
+When SGLang is installed its own classes are used, so the trainer and a real SGLang server agree on the format;
+on GPU machines SGLang is required (see `serializer_classes`).
 """
 import base64
 import io
@@ -76,10 +77,52 @@ class _FlattenedTensorBucket:
         return [(m.name, self.flattened_tensor[m.start_idx : m.end_idx].view(m.shape)) for m in self.metadata]
 
 
-try:  # a real SGLang server deserialises with its own classes; use them wherever SGLang is installed
-    from sglang.srt.utils import MultiprocessingSerializer  # type: ignore
-    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata  # type: ignore
-except Exception:  # CPU machines: same format, our implementation
-    MultiprocessingSerializer = _MultiprocessingSerializer
-    FlattenedTensorBucket = _FlattenedTensorBucket
-    FlattenedTensorMetadata = _FlattenedTensorMetadata
+_SGLANG_IMPORTS = ("sglang.srt.utils.MultiprocessingSerializer", "sglang.srt.weight_sync.tensor_bucket.FlattenedTensorBucket",
+                   "sglang.srt.utils.patch_torch.monkey_patch_torch_reductions")
+
+
+def serializer_classes(require_sglang: bool):
+    """(MultiprocessingSerializer, FlattenedTensorBucket, FlattenedTensorMetadata): SGLang's own classes wherever
+    SGLang is installed (a real SGLang server unpickles only those), else slime's same-format ones. GPU trainers
+    (`require_sglang`) send to real SGLang, so there a missing SGLang is an error naming the import, never a silent
+    fallback whose pickles SGLang's unpickler would refuse."""
+    try:
+        from sglang.srt.utils import MultiprocessingSerializer as Serializer  # lazy: SGLang is optional
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket as Bucket
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata as Metadata
+    except ImportError as e:
+        if require_sglang:
+            raise ImportError(
+                f"GPU weight sync serialises tensors with SGLang's own classes ({', '.join(_SGLANG_IMPORTS)}), but "
+                f"importing them failed: {e}. Install the tested SGLang: pip install 'slime[sglang]'") from e
+        return _MultiprocessingSerializer, _FlattenedTensorBucket, _FlattenedTensorMetadata
+    if require_sglang:
+        # CUDA tensors travel as IPC handles keyed by device UUID (not index), so trainer and server may number
+        # GPUs differently (CUDA_VISIBLE_DEVICES); SGLang's server applies the same patch before it unpickles.
+        # CUDA only: the patched reduction does not handle CPU tensors.
+        monkey_patch_torch_reductions()
+    return Serializer, Bucket, Metadata
+
+
+def _needs_sglang() -> bool:
+    from slime.utils.device import is_cpu  # lazy: keeps this module importable without slime's deps
+
+    return not is_cpu()
+
+
+# Lenient at import (slime's CPU server and CPU trainers use the fallback); `bucket_payload` insists on GPU.
+MultiprocessingSerializer, FlattenedTensorBucket, FlattenedTensorMetadata = serializer_classes(require_sglang=False)
+_gpu_ready = False
+
+
+def bucket_payload(flattened_tensor, metadata) -> str:
+    """One `update_weights_from_tensor` item (`load_format="flattened_bucket"`): the serialized
+    `{"flattened_tensor", "metadata"}` of a FlattenedTensorBucket, base64 text as SGLang's HTTP API takes it."""
+    global _gpu_ready
+    if not _gpu_ready and _needs_sglang():
+        serializer_classes(require_sglang=True)  # SGLang's classes and reduction patch, or an error naming the import
+        _gpu_ready = True
+    bucket = FlattenedTensorBucket(flattened_tensor=flattened_tensor, metadata=metadata)
+    payload = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
+    return MultiprocessingSerializer.serialize(payload, output_str=True)

@@ -22,6 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-threads", type=int, default=1, help="torch threads (the server is single-threaded by default)")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--api-key", default=None, help="as SGLang's: required (Bearer) on every endpoint but health probes")
+    p.add_argument("--admin-api-key", default=None, help="as SGLang's: required on admin endpoints instead of --api-key")
     return p
 
 

@@ -1,9 +1,13 @@
 """slime's CPU inference server: SGLang's HTTP API (the subset slime and its users call) on an aiohttp app.
 
-Field names, response shapes and error styles follow SGLang 0.5 (docs/cpu_guide.md lists the endpoints), so the
-same rollout code, the same sglang-router and the same weight-sync code talk to either server.
+Routes, request fields, response shapes, auth levels and memory tags follow SGLang's own definitions
+(`slime/backends/sglang_utils/sglang_contract.json`, generated from its source), so the same rollout code, the same
+sglang-router and the same weight-sync code talk to either server. Bodies are checked strictly against SGLang's
+request classes (an unknown or misspelt field is a 400, where SGLang would silently ignore it).
 """
 import asyncio
+import hashlib
+import hmac
 import json
 import logging
 import os
@@ -16,6 +20,7 @@ import torch
 import torch.distributed as dist
 from aiohttp import web
 
+from slime.backends.sglang_utils.contract import body_errors, load_contract, route
 from slime.utils.distributed_utils import init_process_group, seconds
 from slime.utils.tensor_serialization import FlattenedTensorBucket, MultiprocessingSerializer, set_shared_authkey
 
@@ -23,6 +28,7 @@ from .hf_fallback import TokenPool, load_fallback
 from .model import KVPool, ModelConfig, Transformer, UnsupportedModelError
 from .sampling import RequestError, SamplingParams
 from .scheduler import Req, Scheduler
+from .weight_checker import WeightChecker, WeightCheckError
 from .weights import WeightError, WeightStore, parse_dtype, resolve_dtype
 
 logger = logging.getLogger("slime.cpu_server")
@@ -60,6 +66,9 @@ class CPUInferenceServer:
         self.served_model_name = args.served_model_name or self.model_path
         self.groups: dict = {}
         self.received = ReceivedBuffers()
+        self.released_tags: set = set()  # SGLang memory tags released and not resumed yet
+        self.weight_session_open = False  # between /begin_weight_update and /end_weight_update
+        self.weight_checker = WeightChecker(lambda: self.weights.state())
         self.started = time.time()
         self.last_gen_throughput = 0.0
 
@@ -102,7 +111,7 @@ class CPUInferenceServer:
 
     # ------------------------------------------------------------------ app
     def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 31, middlewares=[self._errors])
+        app = web.Application(client_max_size=1 << 31, middlewares=[self._auth, self._errors])
         r = app.router
         for path, h in [("/health", self.health), ("/health_generate", self.health_generate),
                         ("/get_server_info", self.server_info), ("/server_info", self.server_info),
@@ -121,7 +130,8 @@ class CPUInferenceServer:
                         ("/update_weights_from_distributed", self.update_weights_from_distributed),
                         ("/update_weights_from_tensor", self.update_weights_from_tensor),
                         ("/update_weights_from_disk", self.update_weights_from_disk),
-                        ("/begin_weight_update", self.weight_session), ("/end_weight_update", self.weight_session),
+                        ("/begin_weight_update", self.begin_weight_update),
+                        ("/end_weight_update", self.end_weight_update),
                         ("/update_weight_version", self.update_weight_version),
                         ("/v1/completions", self.v1_completions), ("/v1/chat/completions", self.v1_chat_completions)]:
             r.add_post(path, h)
@@ -137,6 +147,22 @@ class CPUInferenceServer:
         self.scheduler.abort(abort_all=True)
         self.scheduler.stop()
         self.weights.cleanup()
+
+    @web.middleware
+    async def _auth(self, request, handler):
+        """SGLang's API-key rules: health probes always pass; admin endpoints (ADMIN_OPTIONAL) need the admin key
+        when one is set, else the API key; the others need the API key when one is set."""
+        path, api_key, admin_key = request.path, self.args.api_key, self.args.admin_api_key
+        if request.method == "OPTIONS" or path.startswith(("/health", "/ready", "/metrics")):
+            return await handler(request)
+        level = (route(path) or {}).get("auth", "normal")
+        need = (admin_key or api_key) if level == "admin_optional" else api_key
+        if need:
+            header = request.headers.get("Authorization", "")
+            scheme, _, token = header.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token, need):
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
 
     @web.middleware
     async def _errors(self, request, handler):
@@ -163,6 +189,10 @@ class CPUInferenceServer:
             raise RequestError(f"{request.path}: request body is not valid JSON ({e})") from None
         if not isinstance(body, dict):
             raise RequestError(f"{request.path}: request body must be a JSON object, got {type(body).__name__}")
+        if route(request.path) is not None:
+            errors = body_errors(request.path, body)
+            if errors:
+                raise RequestError("; ".join(errors))
         return body
 
     # ------------------------------------------------------------------ info
@@ -170,8 +200,8 @@ class CPUInferenceServer:
         return web.Response(text="")
 
     async def health_generate(self, request):
-        if self.weights.released or not self.pool.allocated:
-            return web.Response(status=503, text="memory released")
+        if self.released_tags:
+            return web.Response(status=503, text=f"memory released: {sorted(self.released_tags)}")
         if self.scheduler.paused:
             return web.Response(text="")  # paused is healthy; a probe generation would wait for continue
         sp = SamplingParams.from_dict({"max_new_tokens": 1, "temperature": 0}, self.cfg.vocab_size)
@@ -284,10 +314,11 @@ class CPUInferenceServer:
         return reqs, batch
 
     def _check_ready(self):
-        if self.weights.released or not self.pool.allocated:
+        if self.released_tags:
             raise web.HTTPServiceUnavailable(
-                text=json.dumps({"error": "the server's memory is released (release_memory_occupation); "
-                                          "call /resume_memory_occupation before generating"}),
+                text=json.dumps({"error": f"the server's memory is released ({', '.join(sorted(self.released_tags))}; "
+                                          "release_memory_occupation): call /resume_memory_occupation with these tags "
+                                          "before generating"}),
                 content_type="application/json")
 
     async def _run(self, reqs, timeout=None):
@@ -418,7 +449,7 @@ class CPUInferenceServer:
     @staticmethod
     def _tags(body):
         tags = body.get("tags")
-        known = {"kv_cache", "weights", "cuda_graph"}
+        known = set(load_contract()["memory_tags"])  # kv_cache, weights, cuda_graph
         if tags is None:
             return known
         if not isinstance(tags, list) or not set(tags) <= known:
@@ -436,6 +467,7 @@ class CPUInferenceServer:
             if "weights" in tags:
                 self.weights.release()
                 self.received.clear()
+            self.released_tags.update(tags)  # cuda_graph: no graphs here, but the tag is held released all the same
 
         await self._control(release)
         return web.Response(text="")
@@ -448,6 +480,7 @@ class CPUInferenceServer:
                 self.weights.resume()
             if "kv_cache" in tags and not self.pool.allocated:
                 self.pool.allocate()
+            self.released_tags.difference_update(tags)
 
         await self._control(resume)
         self.scheduler.wakeup.set()
@@ -494,6 +527,7 @@ class CPUInferenceServer:
         if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
                 and len(names) == len(dtypes) == len(shapes)):
             raise RequestError("update_weights_from_distributed needs lists names, dtypes and shapes of equal length")
+        self._require_session("update_weights_from_distributed")
         name = b.get("group_name", "weight_update_group")
         group = self.groups.get(name)
         if group is None:
@@ -524,11 +558,11 @@ class CPUInferenceServer:
             self.state.bump_version(b.get("weight_version"))
 
         await self._control(receive_and_load)
-        return web.json_response({"success": True, "message": "Succeeded to update parameter online.",
-                                  "weight_version": self.state.weight_version})
+        return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
 
     async def update_weights_from_tensor(self, request):
         b = await self._body(request)
+        self._require_session("update_weights_from_tensor")
         items = b.get("serialized_named_tensors")
         if not isinstance(items, list) or not items or not isinstance(items[0], str):
             raise RequestError("serialized_named_tensors must be a non-empty list of strings (one per TP rank)")
@@ -550,8 +584,7 @@ class CPUInferenceServer:
             self.received.keep(b.get("weight_version"), [t for _, t in named])
 
         await self._control(load)
-        return web.json_response({"success": True, "message": "Succeeded to update parameter online.",
-                                  "weight_version": self.state.weight_version})
+        return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
 
     async def update_weights_from_disk(self, request):
         b = await self._body(request)
@@ -565,11 +598,25 @@ class CPUInferenceServer:
 
         await self._control(load)
         return web.json_response({"success": True, "message": "Succeeded to update model weights.",
-                                  "num_paused_requests": 0, "weight_version": self.state.weight_version})
+                                  "num_paused_requests": 0})
 
-    async def weight_session(self, request):
-        # SGLang 0.5 brackets updates with begin/end; updates here are atomic per call, so both just acknowledge
-        return web.json_response({"success": True, "message": "ok"})
+    def _require_session(self, what):
+        if not self.weight_session_open:
+            raise WeightError(f"{what} must run between begin_weight_update() and end_weight_update()")
+
+    async def begin_weight_update(self, request):
+        await self._body(request)
+        if self.weight_session_open:
+            raise WeightError("a weight-update session is already open; call end_weight_update() first")
+        self.weight_session_open = True
+        return web.json_response({"success": True, "message": "Success"})
+
+    async def end_weight_update(self, request):
+        await self._body(request)
+        if not self.weight_session_open:
+            raise WeightError("no weight-update session is open; call begin_weight_update() first")
+        self.weight_session_open = False
+        return web.json_response({"success": True, "message": "Success"})
 
     async def update_weight_version(self, request):
         b = await self._body(request)
@@ -581,10 +628,19 @@ class CPUInferenceServer:
 
     async def weights_checker(self, request):
         b = await self._body(request)
-        if b.get("action", "checksum") != "checksum":
-            raise RequestError(f"weights_checker action {b.get('action')!r} is not supported (use 'checksum')")
-        sums = await self._control(self.weights.checksums)
-        return web.json_response({"success": True, "checksums": sums, "weight_version": self.state.weight_version})
+
+        def check():
+            return self.weight_checker.handle(b.get("action", "checksum"), b.get("skip_tensor_list"))
+
+        try:
+            ranks = await self._control(check)
+        except (WeightCheckError, WeightError) as e:
+            return web.json_response({"success": False, "message": str(e)}, status=400)
+        body = {"success": True, "message": "Success."}
+        if ranks is not None:  # SGLang: one entry per rank, and a hash over their per-rank checksums
+            body["ranks"] = ranks
+            body["per_engine_checksum"] = hashlib.sha256("".join(r["per_gpu_checksum"] for r in ranks).encode()).hexdigest()
+        return web.json_response(body)
 
     async def get_weights_by_name(self, request):
         b = await self._body(request)

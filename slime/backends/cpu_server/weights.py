@@ -5,7 +5,6 @@ Compute uses fused tensors (q|k|v and gate|up in one matmul each); every HF name
 SGLang's `load_weights` does. `release()` moves the weights to a file and frees the RAM; `resume()` brings them back.
 """
 import glob
-import hashlib
 import os
 import shutil
 import tempfile
@@ -130,10 +129,11 @@ class WeightStore:
             raise WeightError(f"{model_dir}: checkpoint lacks {len(missing)} parameter(s), e.g. {missing[:3]}")
 
     # ----- verification -----
-    def checksums(self) -> dict:
+    def state(self) -> dict:
+        """The tensors the model computes with, by storage name (`/weights_checker` works on these)."""
         if self.released:
             raise WeightError("weights are released (release_memory_occupation); resume_memory_occupation first")
-        return {n: tensor_sha256(t) for n, t in self.named.items()}
+        return dict(self.storage)
 
     # ----- memory release -----
     def release(self):
@@ -178,7 +178,3 @@ def parse_dtype(s: str) -> torch.dtype:
         raise WeightError(f"unknown dtype {s!r} in `dtypes`")
     return d
 
-
-def tensor_sha256(t: torch.Tensor) -> str:
-    """sha256 of the tensor's raw bytes (contiguous, cpu): the `/weights_checker` checksum both sides compute."""
-    return hashlib.sha256(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()

@@ -4,6 +4,7 @@ Weights are also kept as CPU dicts `self.weights[tag][global_name] -> local shar
 "old_actor"/"rollout_actor" with --keep-old-actor). The reference model is such a dict swapped into the live
 parameters for the ref log-prob pass; weight sync reads `weights["actor"]` (works while the model is offloaded).
 """
+import contextlib
 import copy
 import logging
 import os
@@ -14,6 +15,7 @@ from megatron.core import parallel_state as mpu
 
 from slime.backends.megatron_utils.rollout_data import process_rollout_data
 from slime.ray.train_actor import TrainRayActor
+from slime.utils import device
 from slime.utils.device import empty_cache, pin_memory, synchronize
 from slime.utils.misc import load_rollout_data_postprocess
 from slime.utils.timer import Timer, timer
@@ -39,6 +41,13 @@ def _memory_saver():
     from torch_memory_saver import torch_memory_saver  # optional: the [sglang] GPU extra
 
     return torch_memory_saver
+
+
+def _process_groups(action: str) -> None:
+    """`mpu.destroy_process_groups()` / `mpu.reload_process_groups()` where the Megatron build has them (slime's
+    patched Megatron does; stock megatron-core does not)."""
+    if hasattr(mpu, action):
+        getattr(mpu, action)()
 
 
 class MegatronTrainRayActor(TrainRayActor):
@@ -161,7 +170,11 @@ class MegatronTrainRayActor(TrainRayActor):
         if self._offload_backup is not None:
             return
         if (saver := _memory_saver()) is not None:
-            synchronize()
+            # as slime: the saver pauses what is allocated, so first hand cached blocks back, and take NCCL's
+            # buffers out of the paused region by destroying the process groups (Megatron builds with reloadable
+            # groups offer this; stock megatron-core does not, then it is skipped)
+            device.clear_memory()
+            _process_groups("destroy_process_groups")
             saver.pause()
             self._offload_backup = saver
             return
@@ -182,6 +195,8 @@ class MegatronTrainRayActor(TrainRayActor):
             return
         if not isinstance(backup, list):  # torch_memory_saver
             backup.resume()
+            device.clear_memory()
+            _process_groups("reload_process_groups")
             return
         for storage, saved in backup:
             storage.resize_(saved.numel())
@@ -269,7 +284,15 @@ class MegatronTrainRayActor(TrainRayActor):
         if self.args.keep_old_actor:
             self.weights["old_actor"], self.weights["rollout_actor"] = (
                 self.weights["rollout_actor"], _clone_dict(self.weights["actor"]))
-        result = self.weight_updator.update_weights(weight_version)
+        # While asleep under torch_memory_saver the update's buffers (gathers, CUDA IPC handles) must live outside the
+        # saver's paused region (`disable()`), with the process groups the sleep tore down rebuilt for its duration.
+        saver = _memory_saver() if self._offload_backup is not None else None
+        if saver is not None:
+            _process_groups("reload_process_groups")
+        with saver.disable() if saver is not None else contextlib.nullcontext():
+            result = self.weight_updator.update_weights(weight_version)
+        if saver is not None:
+            _process_groups("destroy_process_groups")
         dist.barrier(group=megatron_init.get_gloo_group())
         return result
 

@@ -25,7 +25,8 @@ SKIPPED_ARGS = (
 )
 
 # What slime's CPU inference server honours, by field name (it gets them as its own CLI flags).
-CPU_SERVER_HONOURED = ("max_running_requests", "context_length", "max_total_tokens", "served_model_name", "log_level")
+CPU_SERVER_HONOURED = ("max_running_requests", "context_length", "max_total_tokens", "served_model_name", "log_level",
+                       "api_key", "admin_api_key")
 
 # GPU-only performance knobs: meaningless on the CPU server, harmless to ignore (results do not depend on them).
 _GPU_PERF_KNOB = re.compile(
@@ -100,8 +101,11 @@ def load_table() -> dict:
 def _add_from_table(parser):
     table = load_table()
     pinned = table["sglang_version"]
+
     for entry in table["arguments"]:
         kw = {k: v for k, v in entry.items() if k not in ("flags", "type", "action", "sglang_versions")}
+        if pinned not in entry["sglang_versions"]:
+            kw["default"] = argparse.SUPPRESS  # an option of older releases only: set only when given
         if "type" in entry:
             kw["type"] = _TYPES[entry["type"]]
         action = entry.get("action")
@@ -187,14 +191,34 @@ def add_sglang_arguments(parser):
 
 def _explicit_sglang_options(args, parser):
     """`sglang_*` fields whose value differs from the parser default (what the user actually set)."""
-    out = {}
+    out, defaults = {}, {}
+    for action in parser._actions:  # as argparse fills the namespace: the first default set for a dest wins
+        if action.dest not in defaults and action.default is not argparse.SUPPRESS:
+            defaults[action.dest] = action.default
     for action in parser._actions:
         dest = action.dest
         if not dest.startswith("sglang_") or dest.startswith("sglang_router_") or dest == "sglang_server_concurrency":
             continue
-        if getattr(args, dest) != action.default:
+        # an option of older releases only has no default: present means given
+        changed = getattr(args, dest, defaults[dest]) != defaults[dest] if dest in defaults else hasattr(args, dest)
+        if dest[len("sglang_"):] not in out and changed:
             out[dest[len("sglang_"):]] = (action.option_strings[0], getattr(args, dest))
     return out
+
+
+# /begin_weight_update and /end_weight_update (every weight update runs in such a session) exist from SGLang 0.5.21.
+MIN_SGLANG_VERSION = "0.5.21"
+
+
+def check_sglang_version(version: str) -> str | None:
+    """The error for an installed SGLang too old for slime's weight sync, else None."""
+    from packaging.version import Version  # lazy: only with SGLang installed
+
+    if Version(version) < Version(MIN_SGLANG_VERSION):
+        return (f"SGLang {version} is installed, but slime needs SGLang >= {MIN_SGLANG_VERSION} (its weight updates "
+                f"run in /begin_weight_update ... /end_weight_update sessions); install the tested one with "
+                f"pip install 'slime[sglang]' (SGLang {load_table()['sglang_version']}, Python >= 3.11)")
+    return None
 
 
 def validate_args(args, parser=None, check_cpu_server=True):
@@ -206,6 +230,9 @@ def validate_args(args, parser=None, check_cpu_server=True):
             parser.error(msg)
         raise ValueError(msg)
 
+    if args.inference_server == "sglang" and sglang_available():
+        if (msg := check_sglang_version(installed_sglang_version())) is not None:
+            error(msg)
     args.sglang_tp_size = args.rollout_num_gpus_per_engine
     args.sglang_dp_size = args.sglang_dp_size or 1
     args.sglang_pp_size = args.sglang_pp_size or 1

@@ -25,6 +25,7 @@ from slime.utils.http_utils import get_host_info
 from slime.utils.process_utils import die_with_parent
 
 from .arguments import load_table
+from .contract import route
 from .router import add_worker, remove_worker
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,8 @@ _ENGINE_FIELDS = ("model_path", "trust_remote_code", "random_seed", "enable_memo
                   "pp_size", "ep_size", "skip_server_warmup")
 _NOT_SERVER_ARGS = ("router_ip", "router_port", "router_request_timeout_secs", "server_concurrency")
 # SGLang options the CPU server understands under the same flag name.
-_CPU_SERVER_FIELDS = ("max_running_requests", "context_length", "max_total_tokens", "served_model_name", "log_level")
+_CPU_SERVER_FIELDS = ("max_running_requests", "context_length", "max_total_tokens", "served_model_name", "log_level",
+                      "api_key", "admin_api_key")
 
 
 def get_base_gpu_id(args, rank: int) -> int:
@@ -191,6 +193,12 @@ class SGLangEngine(RayActor):
         self.log_path = None
         self._http = requests.Session()
         self._http.trust_env = False
+        # SGLang's auth: admin endpoints (ADMIN_OPTIONAL) take the admin key when one is set, else the API key;
+        # the others take the API key (the admin key is refused there)
+        api_key = args.sglang_api_key
+        admin_key = args.sglang_admin_api_key or api_key
+        self._auth = {level: {"Authorization": f"Bearer {key}"} if key else {}
+                      for level, key in (("admin_optional", admin_key), ("normal", api_key))}
 
     # ------------------------------------------------------------------ lifecycle
     def init(self, dist_init_addr, port, nccl_port, host=None, startup_timeout: float | None = None):
@@ -226,13 +234,12 @@ class SGLangEngine(RayActor):
     def _wait_ready(self, timeout: float):
         deadline = time.time() + timeout
         probe = "/health_generate" if self.kind == "sglang" else "/health"
-        headers = {"Authorization": f"Bearer {self.args.sglang_api_key}"} if self.args.sglang_api_key else {}
         while True:
             if self.process.poll() is not None:
                 raise RuntimeError(f"inference server for engine {self.rank} ({self.url}) exited with code "
                                    f"{self.process.returncode} during startup. Last log lines ({self.log_path}):\n{self._log_tail()}")
             try:
-                if self._http.get(self.url + probe, timeout=5, headers=headers).status_code == 200:
+                if self._http.get(self.url + probe, timeout=5).status_code == 200:
                     break
             except requests.RequestException:
                 pass
@@ -304,7 +311,8 @@ class SGLangEngine(RayActor):
     def _make_request(self, endpoint: str, payload=None, timeout: float | None = None, method: str = "POST"):
         url = f"{self.url}/{endpoint}"
         try:
-            resp = self._http.request(method, url, json=payload if method == "POST" else None, timeout=timeout)
+            resp = self._http.request(method, url, json=payload if method == "POST" else None, timeout=timeout,
+                                      headers=self._headers(endpoint))
         except requests.RequestException as e:
             raise RuntimeError(f"engine {self.rank}: {method} {url} failed: {e}") from e
         if resp.status_code >= 400:
@@ -314,20 +322,21 @@ class SGLangEngine(RayActor):
         except ValueError:
             return resp.text
 
-    def _weight_call(self, endpoint, payload, timeout=None):
-        # SGLang 0.5 only accepts updates inside a begin/end weight-update session. slime's CPU server applies each
-        # update atomically and needs no session: skip the two extra round trips per bucket there.
-        if self.kind != "sglang":
-            result = self._make_request(endpoint, payload, timeout=timeout)
-        else:
-            self._make_request("begin_weight_update", {}, timeout=60)
-            try:
-                result = self._make_request(endpoint, payload, timeout=timeout)
-            finally:
-                self._make_request("end_weight_update", {}, timeout=60)
+    def _headers(self, endpoint: str) -> dict:
+        return self._auth[(route("/" + endpoint) or {}).get("auth", "normal")]
+
+    def _checked(self, endpoint, result):
         if isinstance(result, dict) and result.get("success") is False:
             raise RuntimeError(f"engine {self.rank}: {endpoint} failed at {self.url}: {result.get('message')}")
         return result
+
+    def begin_weight_update(self):
+        """Open SGLang's weight-update session: every update_weights_from_{distributed,tensor} of one update runs
+        inside one begin/end pair (end re-runs the weights' post-processing, so once per update, not per bucket)."""
+        return self._checked("begin_weight_update", self._make_request("begin_weight_update", {}, timeout=60))
+
+    def end_weight_update(self):
+        return self._checked("end_weight_update", self._make_request("end_weight_update", {}, timeout=600))
 
     def init_process_group(self, master_address, master_port, rank_offset, world_size, group_name, backend):
         return self._make_request("init_weights_update_group", {
@@ -343,26 +352,27 @@ class SGLangEngine(RayActor):
         payload = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name, "flush_cache": flush_cache}
         if weight_version is not None:
             payload["weight_version"] = str(weight_version)
-        return self._weight_call("update_weights_from_distributed", payload)
+        return self._checked("update_weights_from_distributed",
+                             self._make_request("update_weights_from_distributed", payload))
 
     def update_weights_from_tensor(self, serialized_named_tensors, load_format=None, flush_cache=False, weight_version=None):
         payload = {"serialized_named_tensors": serialized_named_tensors, "load_format": load_format, "flush_cache": flush_cache}
         if weight_version is not None:
             payload["weight_version"] = str(weight_version)
-        return self._weight_call("update_weights_from_tensor", payload)
+        return self._checked("update_weights_from_tensor", self._make_request("update_weights_from_tensor", payload))
 
     def update_weights_from_disk(self, model_path, weight_version=None):
         payload = {"model_path": model_path}
         if weight_version is not None:
             payload["weight_version"] = str(weight_version)
-        return self._weight_call("update_weights_from_disk", payload)
+        return self._checked("update_weights_from_disk", self._make_request("update_weights_from_disk", payload))
 
     def flush_cache(self, timeout: float = 60.0):
         """GET /flush_cache until 200 (it refuses while requests are in flight)."""
         deadline = time.time() + timeout
         while True:
             try:
-                r = self._http.get(f"{self.url}/flush_cache", timeout=10)
+                r = self._http.get(f"{self.url}/flush_cache", timeout=10, headers=self._headers("flush_cache"))
                 if r.status_code == 200:
                     return
                 last = f"HTTP {r.status_code}: {r.text[:200]}"
@@ -379,15 +389,16 @@ class SGLangEngine(RayActor):
     def resume_memory_occupation(self, tags=None):
         return self._make_request("resume_memory_occupation", {"tags": tags})
 
-    def pause_generation(self):
-        return self._make_request("pause_generation", {})
+    def pause_generation(self, mode: str = "abort"):
+        return self._make_request("pause_generation", {"mode": mode})
 
     def continue_generation(self):
         return self._make_request("continue_generation", {})
 
-    def get_weight_checksums(self) -> dict:
-        result = self._make_request("weights_checker", {"action": "checksum"})
-        return result["checksums"]
+    def check_weights(self, action: str):
+        """SGLang's `/weights_checker`: `snapshot` the served weights, `reset_tensors` (overwrite them with noise),
+        `compare` the served weights with the snapshot (a 400 naming the differing tensors), or `checksum`."""
+        return self._checked(f"weights_checker {action}", self._make_request("weights_checker", {"action": action}))
 
     def get_weight_version(self) -> str:
         return self._make_request("model_info", method="GET", timeout=30)["weight_version"]

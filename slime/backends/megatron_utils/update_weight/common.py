@@ -1,5 +1,5 @@
 """Pieces both weight-update transports share: Megatron params -> HF tensors, engine calls that time out and name
-the engine, checksums for `--check-weight-update-equal`, and the metrics dict `update_weights()` returns.
+the engine, and the metrics dict `update_weights()` returns.
 """
 import logging
 import os
@@ -7,7 +7,6 @@ import time
 
 import ray
 
-from slime.backends.cpu_server.weights import tensor_sha256  # noqa: F401  (the checksum the engines compute)
 from slime.backends.megatron_utils.megatron_to_hf import convert_to_hf
 from slime.backends.megatron_utils.param_utils import PREFIX, all_gather_param, remove_padding
 from slime.utils.device import get_device
@@ -111,24 +110,6 @@ def acquire_lock(lock, what, timeout):
                 f"{what}: the rollout-engine lock stayed held for {timeout:.0f}s (another source rank is stuck mid-update)"
             )
         time.sleep(0.1)
-
-
-def compare_checksums(expected: dict, engine_checksums, url: str) -> None:
-    """Raise naming the first differing (or missing) HF tensors when the engine's weights differ from ours."""
-    if isinstance(engine_checksums, dict) and "checksums" in engine_checksums:
-        engine_checksums = engine_checksums["checksums"]
-    missing = [n for n in expected if n not in engine_checksums]
-    differ = [n for n in expected if n in engine_checksums and engine_checksums[n] != expected[n]]
-    if missing or differ:
-        parts = []
-        if differ:
-            parts.append(f"{len(differ)} tensor(s) differ, first: {', '.join(differ[:5])}")
-        if missing:
-            parts.append(f"{len(missing)} tensor(s) missing on the engine, first: {', '.join(missing[:5])}")
-        raise WeightUpdateError(
-            f"--check-weight-update-equal: engine {url} does not hold the trainer's weights after the update: "
-            + "; ".join(parts)
-        )
 
 
 def update_metrics(seconds: float, bytes_moved: int, weight_version: int) -> dict:

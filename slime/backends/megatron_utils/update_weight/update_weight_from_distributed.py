@@ -24,18 +24,16 @@ from slime.backends.megatron_utils.param_utils import expert_parallel_copies, na
 from slime.utils.device import dist_backend, is_cpu
 from slime.utils.distributed_utils import init_process_group, seconds
 from slime.utils.http_utils import free_port, get_host_info
-from slime.utils.tensor_serialization import FlattenedTensorBucket, FlattenedTensorMetadata, MultiprocessingSerializer
+from slime.utils.tensor_serialization import FlattenedTensorMetadata, bucket_payload
 
 from .common import (
     WeightUpdateError,
     acquire_lock,
-    compare_checksums,
     describe_bucket,
     engine_urls,
     gather_and_convert,
     is_tied_output_copy,
     log_metrics,
-    tensor_sha256,
     update_metrics,
     update_timeout,
     wait_engines,
@@ -57,7 +55,6 @@ class UpdateWeightFromDistributed:
         self._group, self._group_name, self._urls = None, None, []
         self._connections = 0  # weight-update groups built so far (one more after each engine replacement)
         self._lock_releases = []
-        self._expected_checksums = {}
         self.transport = None  # "broadcast" or "shm", chosen in connect_rollout_engines
         self._shm_buffers = {}  # dtype -> shared flat buffer, reused bucket after bucket (see module docstring)
 
@@ -147,16 +144,17 @@ class UpdateWeightFromDistributed:
         timeout = update_timeout(self.args)
         pausing = []
         if dist.get_rank() == 0:
-            # an engine actor runs one caller's calls in order: each flush follows its pause, and with one pipeline
-            # stage (rank 0 the only sender) every bucket follows both, so they are awaited only at the end
+            # an engine actor runs one caller's calls in order: each flush follows its pause, the session's begin
+            # follows both, and with one pipeline stage (rank 0 the only sender) every bucket follows all three, so
+            # they are awaited only at the end. One begin/end weight-update session spans every bucket of every stage.
             pausing = [e.pause_generation.remote() for e in self.rollout_engines]
             pausing += [e.flush_cache.remote() for e in self.rollout_engines]
+            pausing += [e.begin_weight_update.remote() for e in self.rollout_engines]
             if mpu.get_pipeline_model_parallel_world_size() > 1:
-                wait_engines(pausing, self._urls * 2, "pause_generation / flush_cache", timeout)
+                wait_engines(pausing, self._urls * 3, "pause_generation / flush_cache / begin_weight_update", timeout)
                 pausing = []
         dist.barrier(group=get_gloo_group())
 
-        self._expected_checksums = {}
         bucket, bucket_bytes, sent = [], 0, 0
         num_buckets = 0
         for name, param in named_parameters(self.args, self.model):
@@ -180,15 +178,15 @@ class UpdateWeightFromDistributed:
             num_buckets += 1
             sent += self._send_bucket(bucket, num_buckets)
         if pausing:
-            wait_engines(pausing, self._urls * 2, "pause_generation / flush_cache", timeout)
+            wait_engines(pausing, self._urls * 3, "pause_generation / flush_cache / begin_weight_update", timeout)
         dist.barrier(group=get_gloo_group())
         self._wait_lock_releases()
 
         if dist.get_rank() == 0:
+            wait_engines([e.end_weight_update.remote() for e in self.rollout_engines], self._urls,
+                         "end_weight_update", timeout)
             wait_engines([e.continue_generation.remote() for e in self.rollout_engines], self._urls,
                          "continue_generation", timeout)
-        if self.args.check_weight_update_equal:
-            self.check_weight_update_equal()
         dist.barrier(group=get_gloo_group())
         metrics = update_metrics(time.perf_counter() - start, sent * max(1, self._num_engine_ranks), self.weight_version)
         if dist.get_rank() == 0:
@@ -220,8 +218,6 @@ class UpdateWeightFromDistributed:
             # not awaited here: the lock actor runs our next acquire after this release anyway (calls from one
             # caller run in order); `update_weights` checks the releases once at the end
             self._lock_releases.append(self.rollout_engine_lock.release.remote())
-        if self.args.check_weight_update_equal:
-            self._expected_checksums.update({n: tensor_sha256(t) for n, t in named_tensors})
         return sum(t.numel() * t.element_size() for _, t in named_tensors)
 
     def _send_bucket_broadcast(self, named_tensors, what, timeout):
@@ -268,23 +264,10 @@ class UpdateWeightFromDistributed:
                 metadata.append(FlattenedTensorMetadata(name=name, shape=t.shape, dtype=dtype, start_idx=offset,
                                                         end_idx=offset + t.numel(), numel=t.numel()))
                 offset += t.numel()
-            bucket = FlattenedTensorBucket(flattened_tensor=buf[:offset], metadata=metadata)
-            payload = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
             for engine in self.rollout_engines:  # a handle can be opened once: one per engine TP rank
-                handles = [MultiprocessingSerializer.serialize(payload, output_str=True)
-                           for _ in range(self.args.rollout_num_gpus_per_engine)]
+                handles = [bucket_payload(buf[:offset], metadata) for _ in range(self.args.rollout_num_gpus_per_engine)]
                 refs.append(engine.update_weights_from_tensor.remote(
                     serialized_named_tensors=handles, load_format="flattened_bucket",
                     weight_version=str(self.weight_version)))
         # engines answer after copying out of the buffer, so the next bucket may overwrite it
         wait_engines(refs, [u for _ in by_dtype for u in self._urls], what, timeout)
-
-    def check_weight_update_equal(self) -> None:
-        """Compare sha256 of every HF tensor this stage sent with what each engine now holds."""
-        if not self._is_pp_src_rank:
-            return
-        timeout = update_timeout(self.args)
-        results = wait_engines([e.get_weight_checksums.remote() for e in self.rollout_engines], self._urls,
-                               "weights_checker checksum", timeout)
-        for url, checksums in zip(self._urls, results):
-            compare_checksums(self._expected_checksums, checksums, url)

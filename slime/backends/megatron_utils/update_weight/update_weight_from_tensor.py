@@ -21,19 +21,17 @@ from megatron.core import parallel_state as mpu
 from slime.backends.megatron_utils.initialize import get_gloo_group
 from slime.backends.megatron_utils.param_utils import named_parameters
 from slime.utils.device import is_cpu
-from slime.utils.tensor_serialization import FlattenedTensorBucket, FlattenedTensorMetadata, MultiprocessingSerializer
+from slime.utils.tensor_serialization import FlattenedTensorMetadata, bucket_payload
 from slime.utils.types import ParamInfo
 
 from .common import (
     WeightUpdateError,
-    compare_checksums,
     describe_bucket,
     engine_urls,
     gather_and_convert,
     is_tied_output_copy,
     local_device,
     log_metrics,
-    tensor_sha256,
     update_metrics,
     update_timeout,
     wait_engines,
@@ -115,7 +113,6 @@ class UpdateWeightFromTensor:
             for index, infos in enumerate(self.param_info_buckets, 1):
                 for dtype in {i.dtype for i in infos if i.src_rank == dist.get_rank()}:
                     self._allocate((index, dtype), index, dtype, scratch=0)
-        self._expected_checksums = {}
 
     def connect_rollout_engines(self, rollout_engines, rollout_engine_lock):
         """One gloo group per engine: trainer ranks [i*g, (i+1)*g) sit on the GPUs of engine i."""
@@ -142,21 +139,26 @@ class UpdateWeightFromTensor:
         timeout = update_timeout(self.args)
         if self._ipc_engine is None:
             raise WeightUpdateError("colocated weight update: connect_rollout_engines() was not called on this trainer")
-        # the engines drop their caches while the first bucket is gathered and packed; nothing is sent before that
+        # the engines drop their caches while the first bucket is gathered and packed; nothing is sent before that.
+        # Each engine's group source opens one weight-update session for the whole update (SGLang needs it).
         flushes = [e.flush_cache.remote() for e in self.rollout_engines] if dist.get_rank() == 0 else []
-        self._expected_checksums = {}
+        is_src = dist.get_rank() == self._ipc_gather_src
+        begin = [self._ipc_engine.begin_weight_update.remote()] if is_src else []
         sent = 0
         for index, infos in enumerate(self.param_info_buckets, 1):
             named_tensors, handles = self._prepare_bucket(index, infos)
             if index == 1:
                 if flushes:
                     wait_engines(flushes, self._urls, "flush_cache", timeout)
+                if begin:
+                    wait_engines(begin, [self._ipc_engine_url], "begin_weight_update", timeout)
                 dist.barrier(group=get_gloo_group())
             sent += self._send_bucket(index, named_tensors, handles)
+        if is_src:
+            wait_engines([self._ipc_engine.end_weight_update.remote()], [self._ipc_engine_url], "end_weight_update",
+                         timeout)
         if not is_cpu():
             self._flat.clear()  # GPU memory belongs to the engine during rollout
-        if self.args.check_weight_update_equal:
-            self.check_weight_update_equal()
         dist.barrier(group=get_gloo_group())
         metrics = update_metrics(time.perf_counter() - start, sent * len(self.rollout_engines), self.weight_version)
         if dist.get_rank() == 0:
@@ -212,9 +214,7 @@ class UpdateWeightFromTensor:
                     off, cursor = cursor, cursor + t.numel()
                 metadata.append(FlattenedTensorMetadata(name=name, shape=t.shape, dtype=dtype, start_idx=off,
                                                         end_idx=off + t.numel(), numel=t.numel()))
-            bucket = FlattenedTensorBucket(flattened_tensor=buf[:cursor], metadata=metadata)
-            payload = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
-            handles.append(MultiprocessingSerializer.serialize(payload, output_str=True))
+            handles.append(bucket_payload(buf[:cursor], metadata))
         return handles
 
     def _allocate(self, key, index, dtype, scratch):
@@ -267,18 +267,7 @@ class UpdateWeightFromTensor:
                 for i in range(len(handles))
             ]
             wait_engines(refs, [self._ipc_engine_url] * len(refs), what, update_timeout(self.args))
-            if self.args.check_weight_update_equal:
-                self._expected_checksums.update({n: tensor_sha256(t) for n, t in named_tensors})
         # the engine has copied out of every rank's buffer only once the source's call returned
         if not single:
             dist.barrier(group=self._ipc_gather_group)
         return nbytes * len(gathered) if is_src else 0
-
-    def check_weight_update_equal(self) -> None:
-        """Compare sha256 of every HF tensor sent with what this rank's engine now holds (group source ranks)."""
-        if dist.get_rank() != self._ipc_gather_src:
-            return
-        timeout = update_timeout(self.args)
-        (checksums,) = wait_engines([self._ipc_engine.get_weight_checksums.remote()], [self._ipc_engine_url],
-                                    "weights_checker checksum", timeout)
-        compare_checksums(self._expected_checksums, checksums, self._ipc_engine_url)

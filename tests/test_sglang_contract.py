@@ -1,0 +1,410 @@
+"""slime's GPU path held to SGLang's own definitions (`sglang_server_args.json`, `sglang_contract.json`, both generated
+from SGLang's source by the tools in tools/), on a CPU machine.
+
+- every `--sglang-*` option the user can set reaches SGLang's parser as the same value (recorded actions);
+- launch scripts written for older SGLang releases parse (the flags' union), and name the release otherwise;
+- every admin body `SGLangEngine` sends in GPU mode conforms strictly to SGLang's request classes, with the API key;
+- the weight payload decodes with SGLang's own serializer, and the definitions re-generate identically — these two
+  with the real SGLang package in the side venv (`bash scripts/setup-sglang-venv.sh`), skipped when it is absent.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from slime.backends.sglang_utils import arguments as sglang_arguments
+from slime.backends.sglang_utils import sglang_engine
+from slime.backends.sglang_utils.contract import body_errors, load_contract, request_fields
+from tests._args import make_args
+
+ROOT = Path(__file__).resolve().parents[1]
+SIDE_PY = Path(os.environ.get("SLIME_SGLANG_VENV", ROOT / ".venv-sglang")) / "bin" / "python"
+needs_side_venv = pytest.mark.skipif(not SIDE_PY.exists(),
+                                     reason="no side venv with SGLang (bash scripts/setup-sglang-venv.sh)")
+
+
+def run_side(code: str, *argv, timeout=300):
+    """Run `code` with the side venv's Python (real SGLang, CPU torch) from the repository root."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([str(SIDE_PY), "-c", code, *argv], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+# ------------------------------------------------------------------ launch flags
+
+# The --sglang-* lines of slime v0.1.0's launch scripts (scripts/run-deepseek-r1.sh, run-qwen3-30B-A3B.sh,
+# run-mimo-7B-rl.sh), written for SGLang 0.4.x.
+V010_SCRIPT_FLAGS = {
+    "run-deepseek-r1.sh": ["--sglang-mem-fraction-static", "0.7", "--sglang-enable-ep-moe",
+                           "--sglang-enable-dp-attention", "--sglang-dp-size", "8", "--sglang-moe-dense-tp-size", "1",
+                           "--sglang-enable-dp-lm-head", "--sglang-disable-radix-cache", "--sglang-enable-deepep-moe",
+                           "--sglang-deepep-mode", "auto", "--sglang-server-concurrency", "1024"],
+    "run-qwen3-30B-A3B.sh": ["--sglang-mem-fraction-static", "0.7", "--sglang-cuda-graph-bs", "1", "2", "4", "8",
+                             *map(str, range(16, 257, 8))],
+    "run-mimo-7B-rl.sh": ["--sglang-mem-fraction-static", "0.7", "--sglang-speculative-algorithm", "EAGLE",
+                          "--sglang-speculative-num-steps", "3", "--sglang-speculative-eagle-topk", "1",
+                          "--sglang-speculative-num-draft-tokens", "4", "--sglang-attention-backend", "fa3",
+                          "--sglang-cuda-graph-bs", *map(str, range(1, 257)), "--sglang-max-running-requests", "128"],
+}
+
+
+@pytest.mark.parametrize("script", sorted(V010_SCRIPT_FLAGS))
+def test_v010_launch_script_flags_parse_without_sglang(script):
+    args = make_args(*V010_SCRIPT_FLAGS[script])
+    if script == "run-deepseek-r1.sh":
+        assert args.sglang_enable_ep_moe is True and args.sglang_enable_deepep_moe is True
+        assert args.sglang_dp_size == 8 and args.sglang_enable_dp_attention is True
+        assert args.sglang_server_concurrency == 1024
+    elif script == "run-qwen3-30B-A3B.sh":
+        # an old valued flag SGLang renamed: its value lands where the newest release that has it puts it
+        assert args.sglang_cuda_graph_bs_decode == [1, 2, 4, 8, *range(16, 257, 8)]
+    else:
+        assert args.sglang_speculative_algorithm == "EAGLE" and args.sglang_attention_backend == "fa3"
+        assert args.sglang_max_running_requests == 128
+
+
+def test_flag_table_marks_the_releases_of_each_option():
+    table = sglang_arguments.load_table()
+    by_flag = {f: e for e in table["arguments"] for f in e["flags"]}
+    assert table["sglang_versions"][-1] == table["sglang_version"] == load_contract()["sglang_version"]
+    assert by_flag["--enable-ep-moe"]["sglang_versions"] == ["0.4.10", "0.5.0rc0"]
+    assert "0.5.23" not in by_flag["--cuda-graph-bs"]["sglang_versions"]
+    assert by_flag["--mem-fraction-static"]["sglang_versions"] == table["sglang_versions"]
+    # SGLang's deprecated actions are recorded as such (a store-true lookalike would be passed as "--flag True")
+    assert by_flag["--disable-cuda-graph"]["action"] == "deprecated_store_true"
+    assert by_flag["--monokernel-backend"]["action"] == "deprecated_store_const"
+
+
+def _non_default(entry):
+    """A value, different from the default, that the option accepts on SGLang's command line."""
+    action, default, kind = entry.get("action"), entry.get("default"), entry.get("type", "str")
+    if action in ("store_true", "deprecated_store_true"):
+        return True
+    if action == "boolean_optional":
+        return not default
+    if action == "deprecated_store_const":
+        return entry["const"]
+    if entry["flags"][0] in _VALID_VALUES:
+        return _VALID_VALUES[entry["flags"][0]]
+    if entry.get("choices"):
+        one = next((c for c in entry["choices"] if c != default), None)
+        if one is None:
+            return None  # only its default is allowed
+    else:
+        one = {"int": 7, "human_readable_int": 7, "float": 0.25, "json": {"slime": 1}}.get(kind, "slime-x")
+        if isinstance(default, (int, float)) and not isinstance(default, bool) and kind in ("int", "float"):
+            one = default + one
+    return [one, one] if entry.get("nargs") in ("+", "*") else one
+
+
+# Options whose parse checks the value's content (SGLang's type function), given a value it accepts.
+_VALID_VALUES = {"--cuda-graph-config": {"decode": {"backend": "full", "max_bs": 8}}}
+
+
+def _user_settable_entries():
+    """Pinned-release options a user sets as --sglang-*: each dest once, its non-deprecated spelling."""
+    table = sglang_arguments.load_table()
+    engine_set = set(sglang_engine._ENGINE_FIELDS) | set(sglang_arguments.SKIPPED_ARGS)
+    out = {}
+    for e in table["arguments"]:
+        dest = e.get("dest") or e["flags"][0][2:].replace("-", "_")
+        if table["sglang_version"] not in e["sglang_versions"] or dest in engine_set or e.get("action") in (
+                "deprecated", "deprecated_alias_store") or not e["flags"][0].startswith("--"):
+            continue
+        if dest not in out or str(out[dest].get("action")).startswith("deprecated"):
+            out[dest] = e
+    return out
+
+
+def _gpu_launch_argv(values):
+    args = make_args(inference_server="sglang")
+    for dest, value in values.items():
+        assert hasattr(args, f"sglang_{dest}"), f"--sglang-{dest} is not a slime option"
+        setattr(args, f"sglang_{dest}", value)
+    kind, cmd = sglang_engine.server_command(args, 0, "127.0.0.1", 30000, 30001, "127.0.0.1:30002")
+    assert kind == "sglang" and cmd[1:3] == ["-m", "sglang.launch_server"]
+    return cmd[3:]
+
+
+def test_every_user_flag_round_trips_through_the_launch_command():
+    """The command slime builds, parsed back by a parser made of SGLang's recorded actions, gives every value the
+    user set: deprecated store-true flags go bare, a deprecated store-const as its one choice, BooleanOptional as
+    --no-…, lists as separate words, JSON as JSON."""
+    entries = _user_settable_entries()
+    values = {dest: v for dest, e in entries.items() if (v := _non_default(e)) is not None}
+    argv = _gpu_launch_argv(values)
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    sglang_arguments._add_from_table(parser)
+    ns, unknown = parser.parse_known_args(argv)
+    assert unknown == [], f"SGLang would refuse: {unknown[:10]}"
+    wrong = {d: (getattr(ns, d, None), v) for d, v in values.items() if getattr(ns, d, None) != v}
+    assert not wrong, f"{len(wrong)} options changed on the way, e.g. {list(wrong.items())[:5]}"
+    assert len(values) > 400
+
+
+def test_deprecated_actions_reach_sglang_as_it_parses_them():
+    argv = _gpu_launch_argv({"disable_cuda_graph": True, "enable_dp_attention": True, "enable_amd_monokernel": True})
+    assert "--disable-cuda-graph" in argv and "--enable-dp-attention" in argv and "--enable-amd-monokernel" in argv
+    assert "True" not in argv
+
+
+@needs_side_venv
+def test_launch_command_parses_with_sglangs_own_parser(tmp_path):
+    values = {dest: v for dest, e in _user_settable_entries().items() if (v := _non_default(e)) is not None}
+    argv = _gpu_launch_argv(values)
+    (tmp_path / "case.json").write_text(json.dumps({"argv": argv, "values": values}))
+    code = """
+import argparse, json, sys
+from sglang.srt.server_args import ServerArgs
+case = json.load(open(sys.argv[1]))
+p = argparse.ArgumentParser(exit_on_error=False)
+ServerArgs.add_cli_args(p)
+ns, unknown = p.parse_known_args(case["argv"])
+wrong = {d: [getattr(ns, d, None), v] for d, v in case["values"].items() if getattr(ns, d, None) != v}
+print(json.dumps({"unknown": unknown, "wrong": wrong}))
+"""
+    run = run_side(code, str(tmp_path / "case.json"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["unknown"] == [], out["unknown"][:10]
+    # JSON-typed options come back as SGLang's own parse of the text (a dict or a str); compare as JSON
+    wrong = {d: w for d, w in out["wrong"].items() if not (isinstance(w[0], str) and _json_equal(w[0], w[1]))}
+    assert not wrong, list(wrong.items())[:5]
+
+
+def _json_equal(text, value):
+    try:
+        return json.loads(text) == value
+    except ValueError:
+        return False
+
+
+@needs_side_venv
+def test_with_sglang_installed_an_old_release_flag_is_a_one_line_error():
+    code = """
+import argparse, sys
+from slime.backends.sglang_utils.arguments import add_sglang_arguments
+p = add_sglang_arguments(argparse.ArgumentParser(prog="train.py"))
+ns = p.parse_args(sys.argv[1:])
+print("parsed", ns.sglang_mem_fraction_static)
+"""
+    ok = run_side(code, "--sglang-mem-fraction-static", "0.5", "--sglang-disable-cuda-graph")
+    assert ok.returncode == 0 and "parsed 0.5" in ok.stdout, ok.stderr[-2000:]
+    bad = run_side(code, "--sglang-mem-fraction-static", "0.5", "--sglang-enable-ep-moe")
+    assert bad.returncode == 2
+    last = bad.stderr.strip().splitlines()[-1]
+    assert last == ("train.py: error: --sglang-enable-ep-moe is not an option of the installed SGLang 0.5.23 (it is "
+                    "one of SGLang 0.4.10, 0.5.0rc0); remove it or install one of those versions"), last
+
+
+def test_too_old_sglang_is_refused_naming_the_version():
+    assert sglang_arguments.check_sglang_version("0.5.23") is None
+    assert sglang_arguments.check_sglang_version("0.5.21") is None
+    msg = sglang_arguments.check_sglang_version("0.5.9")
+    assert "SGLang 0.5.9 is installed" in msg and ">= 0.5.21" in msg and "slime[sglang]" in msg
+
+
+# ------------------------------------------------------------------ admin bodies in GPU mode
+
+
+class _SGLangLike(BaseHTTPRequestHandler):
+    """Answers as SGLang 0.5.23 does (shapes from the contract, auth as its middleware); records every request."""
+
+    calls: list = []
+    api_key = admin_key = None
+
+    def log_message(self, *a):
+        pass
+
+    def _answer(self, method):
+        path = self.path.split("?")[0]
+        n = int(self.headers.get("Content-Length") or 0)
+        body = json.loads(self.rfile.read(n)) if n else None
+        type(self).calls.append((method, path, body, self.headers.get("Authorization")))
+        route = load_contract()["routes"].get(path)
+        if route is None:
+            return self._send(404, {"detail": "Not Found"})
+        need = (self.admin_key or self.api_key) if route["auth"] == "admin_optional" else self.api_key
+        if need and not path.startswith("/health") and self.headers.get("Authorization") != f"Bearer {need}":
+            return self._send(401, {"error": "Unauthorized"})
+        if method not in route["methods"]:
+            return self._send(405, {"detail": "Method Not Allowed"})
+        if path == "/flush_cache":
+            return self._send(200, "Cache flushed.\n")
+        if path == "/model_info":
+            return self._send(200, {k: "7" if k == "weight_version" else None for k in route["response_keys"]})
+        if path in ("/release_memory_occupation", "/resume_memory_occupation", "/abort_request"):
+            return self._send(200, "")
+        if path == "/weights_checker":
+            out = {"success": True, "message": "Success."}
+            if (body or {}).get("action") == "checksum":
+                out.update(ranks=[{"checksums": {"model.embed_tokens.weight": "0" * 16}, "per_gpu_checksum": "a",
+                                   "parallelism_info": []}], per_engine_checksum="b")
+            return self._send(200, out)
+        keys = route.get("response_keys", [])
+        return self._send(200, {k: True if k == "success" else "ok" for k in keys})
+
+    def _send(self, status, obj):
+        data = obj.encode() if isinstance(obj, str) else json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self._answer("GET")
+
+    def do_POST(self):
+        self._answer("POST")
+
+
+@pytest.fixture
+def sglang_like():
+    _SGLangLike.calls = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _SGLangLike)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+    _SGLangLike.api_key = _SGLangLike.admin_key = None
+
+
+def _gpu_engine(server, **fields):
+    args = make_args(inference_server="sglang", **fields)
+    engine = sglang_engine.SGLangEngine(args, rank=0)
+    engine.kind, engine.url = "sglang", f"http://127.0.0.1:{server.server_address[1]}"
+    return engine
+
+
+def _every_admin_call(engine):
+    import torch
+
+    from slime.utils.tensor_serialization import FlattenedTensorMetadata, bucket_payload
+
+    t = torch.arange(6, dtype=torch.float32)
+    meta = [FlattenedTensorMetadata(name="w", shape=torch.Size([2, 3]), dtype=torch.float32, start_idx=0, end_idx=6,
+                                    numel=6)]
+    engine.flush_cache(timeout=10)
+    engine.init_process_group("127.0.0.1", 29500, 1, 2, "slime-pp_0", "nccl")
+    engine.begin_weight_update()
+    engine.update_weights_from_distributed(["w"], [torch.bfloat16], [torch.Size([2, 3])], "slime-pp_0",
+                                           weight_version=3)
+    engine.update_weights_from_tensor([bucket_payload(t, meta)], load_format="flattened_bucket", weight_version="3")
+    engine.end_weight_update()
+    engine.update_weights_from_disk("/ckpt/iter_3", weight_version=3)
+    engine.release_memory_occupation()
+    engine.resume_memory_occupation(tags=["weights"])
+    engine.resume_memory_occupation(tags=["kv_cache", "cuda_graph"])
+    engine.pause_generation()
+    engine.continue_generation()
+    for action in ("snapshot", "reset_tensors", "compare", "checksum"):
+        engine.check_weights(action)
+    assert engine.get_weight_version() == "7"
+
+
+def test_gpu_mode_admin_bodies_conform_strictly_to_sglang(sglang_like):
+    engine = _gpu_engine(sglang_like)
+    _every_admin_call(engine)
+    posted = [(path, body) for method, path, body, _ in _SGLangLike.calls if method == "POST"]
+    assert {p for p, _ in posted} >= {p for p, r in load_contract()["routes"].items() if "request" in r} - {
+        "/generate", "/abort_request", "/destroy_weights_update_group", "/update_weight_version",
+        "/get_weights_by_name"}
+    for path, body in posted:
+        assert body_errors(path, body) == [], (path, body)
+    dist = next(b for p, b in posted if p == "/update_weights_from_distributed")
+    assert dist["dtypes"] == ["bfloat16"] and dist["shapes"] == [[2, 3]] and dist["weight_version"] == "3"
+    assert [b["tags"] for p, b in posted if p.endswith("memory_occupation")] == [
+        None, ["weights"], ["kv_cache", "cuda_graph"]]
+
+
+def test_strict_check_catches_a_misspelt_or_missing_field():
+    assert body_errors("/update_weights_from_tensor", {"serialized_named_tensors": ["x"], "flush_cahce": False}) \
+        == ["/update_weights_from_tensor: unknown field 'flush_cahce' (SGLang's fields: abort_all_requests, flush_cache, "
+            "http_worker_ipc, load_format, rid, selector, serialized_named_tensors, torch_empty_cache, "
+            "weight_version)"]
+    errs = body_errors("/init_weights_update_group", {"master_address": "h", "master_port": "29500"})
+    assert "missing required field 'rank_offset'" in " ".join(errs) and "'master_port' = '29500' is not int" in " ".join(errs)
+    assert body_errors("/pause_generation", {"mode": "pause"}) != []
+    assert body_errors("/generate", {"input_ids": [1], "sampling_params": {"max_tokens": 3}}) != []
+    assert request_fields("/weights_checker")["action"]["default"] == {"value": "checksum"}
+
+
+@pytest.mark.parametrize("keys", [{"api_key": "k1"}, {"api_key": "k1", "admin_api_key": "adm"}])
+def test_every_admin_call_carries_the_key_sglang_requires(sglang_like, keys):
+    _SGLangLike.api_key, _SGLangLike.admin_key = keys.get("api_key"), keys.get("admin_api_key")
+    engine = _gpu_engine(sglang_like, **{f"sglang_{k}": v for k, v in keys.items()})
+    _every_admin_call(engine)  # a 401 raises
+    admin = f"Bearer {keys.get('admin_api_key') or keys['api_key']}"
+    routes = load_contract()["routes"]
+    for _, path, _, auth in _SGLangLike.calls:
+        assert auth == (admin if routes[path]["auth"] == "admin_optional" else f"Bearer {keys['api_key']}"), path
+
+
+# ------------------------------------------------------------------ tensor payload and regenerated definitions
+
+
+def test_gpu_trainer_without_sglang_fails_naming_the_import():
+    from slime.utils.tensor_serialization import serializer_classes
+
+    with pytest.raises(ImportError) as err:
+        serializer_classes(require_sglang=True)
+    msg = str(err.value)
+    assert "sglang.srt.utils.MultiprocessingSerializer" in msg and "pip install 'slime[sglang]'" in msg
+
+
+@needs_side_venv
+def test_weight_payload_decodes_with_sglangs_own_serializer():
+    code = """
+import torch
+from slime.utils import tensor_serialization as ts
+from sglang.srt.utils import MultiprocessingSerializer
+from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+assert ts.MultiprocessingSerializer is MultiprocessingSerializer  # SGLang's classes where SGLang is installed
+ts.set_shared_authkey()
+g = torch.Generator().manual_seed(0)
+tensors = [("a.weight", torch.randn(3, 4, generator=g)), ("b.bias", torch.randn(5, generator=g))]
+flat = torch.cat([t.reshape(-1) for _, t in tensors]).share_memory_()
+meta, off = [], 0
+for name, t in tensors:
+    meta.append(ts.FlattenedTensorMetadata(name=name, shape=t.shape, dtype=t.dtype, start_idx=off,
+                                           end_idx=off + t.numel(), numel=t.numel()))
+    off += t.numel()
+obj = MultiprocessingSerializer.deserialize(ts.bucket_payload(flat, meta))
+got = FlattenedTensorBucket(flattened_tensor=obj["flattened_tensor"], metadata=obj["metadata"]).reconstruct_tensors()
+assert [n for n, _ in got] == ["a.weight", "b.bias"]
+assert all(torch.equal(x, y) for (_, x), (_, y) in zip(got, tensors))
+print("decoded")
+"""
+    run = run_side(code)
+    assert run.returncode == 0 and "decoded" in run.stdout, run.stderr[-3000:]
+
+
+@needs_side_venv
+def test_regenerated_definitions_match_the_checked_in_ones(tmp_path):
+    """Re-generate both definitions from the installed SGLang; a diff means SGLang changed under slime (see
+    docs/sglang.md: upgrading SGLang)."""
+    site = run_side("import sglang, os; print(os.path.dirname(os.path.dirname(sglang.__file__)))").stdout.strip()
+    out = tmp_path / "contract.json"
+    run = subprocess.run([sys.executable, "tools/gen_sglang_contract.py", "--src", site, "--out", str(out),
+                          "--version", "0.5.23"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(out.read_text()) == load_contract()
+    code = """
+import json
+from sglang.srt.server_args import ServerArgs
+from tools.gen_sglang_server_args import table_of
+print(json.dumps(table_of(ServerArgs)))
+"""
+    run = run_side(code)
+    assert run.returncode == 0, run.stderr[-3000:]
+    table = sglang_arguments.load_table()
+    pinned = [{k: v for k, v in e.items() if k != "sglang_versions"} for e in table["arguments"]
+              if table["sglang_version"] in e["sglang_versions"]]
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == pinned
