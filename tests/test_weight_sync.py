@@ -82,24 +82,6 @@ class WeightSyncTrainer(TrainRayActor):
             out.append((seq[len(prompt):], lps))
         return out
 
-    def tamper(self, engine, name, version):
-        """Overwrite one engine tensor behind the updater's back (plain list-of-tensors payload)."""
-        from slime.utils.tensor_serialization import MultiprocessingSerializer
-
-        hf = dict(self.updater_hf_tensors())
-        t = (hf[name] + 1.0).contiguous()
-        payload = MultiprocessingSerializer.serialize([(name, t)], output_str=True)
-        return ray.get(engine.update_weights_from_tensor.remote([payload], weight_version=version), timeout=120)
-
-    def updater_hf_tensors(self):
-        from slime.backends.megatron_utils.param_utils import named_parameters
-        from slime.backends.megatron_utils.update_weight.common import gather_and_convert
-
-        out = []
-        for name, p in named_parameters(self.args, self.model):
-            out += gather_and_convert(self.args, self.args.model_name, name, p, self.args.vocab_size)
-        return out
-
 
 # ------------------------------------------------------------------ helpers
 
