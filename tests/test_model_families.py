@@ -251,8 +251,15 @@ def test_cpu_server_serves_family_and_takes_trainer_named_weights(kind, hf_model
     from transformers import AutoModelForCausalLM
 
     from slime.utils.tensor_serialization import MultiprocessingSerializer, set_shared_authkey
-    from tests.test_cpu_server import (SESSION, begin_update, end_update, gen, hf_greedy, start_cpu_server,
-                                       stop_cpu_server)
+    from tests.test_cpu_server import (
+        SESSION,
+        begin_update,
+        end_update,
+        gen,
+        hf_greedy,
+        start_cpu_server,
+        stop_cpu_server,
+    )
 
     model_dir = _with_tokenizer(hf_models[kind], tiny_kit)
     # new weights under the checkpoint's (= the trainer's) names, and a transformers reference holding them

@@ -157,13 +157,13 @@ def test_engine_refuses_a_server_of_another_run_on_its_port(ray_session, tiny_ki
     engine_a = _engine(ray, _args(tiny_kit[0], sglang_served_model_name="slime-run-a"), 0)
     url_a = ray.get(engine_a.get_url.remote())
     port_a = int(url_a.rsplit(":", 1)[1])
-    sums = ray.get(engine_a.get_weight_checksums.remote())
+    sums = ray.get(engine_a.check_weights.remote("checksum"))["per_engine_checksum"]
     try:
         with pytest.raises(ray.exceptions.RayTaskError) as exc:
             _engine(ray, _args(tiny_kit[0], sglang_served_model_name="slime-run-b"), 1, port=port_a)
         assert (f"engine 1: the server answering at {url_a} is not this run's engine (served_model_name "
                 f"'slime-run-a', expected 'slime-run-b'); another process holds port {port_a}") in str(exc.value)
-        assert ray.get(engine_a.get_weight_checksums.remote()) == sums  # A's server untouched
+        assert ray.get(engine_a.check_weights.remote("checksum"))["per_engine_checksum"] == sums  # A untouched
     finally:
         ray.get(engine_a.shutdown.remote())
         ray.kill(engine_a)

@@ -289,7 +289,7 @@ def test_one_weight_update_session_per_update_not_per_bucket(tiny_kit, lock, cle
     Engine = ray.remote(num_cpus=0.2, num_gpus=0.2)(Counting)
     engine = Engine.remote(args, rank=0)
     cleanup.append(engine)
-    ray.get(engine.init.remote(None, find_available_port(31500), None, host="127.0.0.1"), timeout=300)
+    ray.get(engine.init.remote(None, free_port(), None, host="127.0.0.1"), timeout=300)
     trainers = start_trainers(args, colocate=False)
     cleanup += trainers
     ray.get(trainers[0].connect.remote([engine], lock), timeout=120)
