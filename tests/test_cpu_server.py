@@ -419,8 +419,9 @@ def test_weights_checker_snapshot_reset_compare(server, tiny_kit):
     noise = MultiprocessingSerializer.serialize([("model.layers.0.mlp.down_proj.weight",
                                                   torch.ones(_down_shape(tiny_kit[0])) * 3)],
                                                 output_str=True)
-    SESSION.post(server + "/update_weights_from_tensor", json={"serialized_named_tensors": [noise]})
+    r = SESSION.post(server + "/update_weights_from_tensor", json={"serialized_named_tensors": [noise]})
     end_update(server)
+    assert r.status_code == 200, r.text
     r = check("compare")
     assert r.status_code == 400 and r.json()["success"] is False
     assert r.json()["message"].startswith("check tensor equality failed:\nname=layers.0.down ")

@@ -46,7 +46,7 @@ def asleep_actor(monkeypatch):
     monkeypatch.setattr(actor_mod.megatron_init, "get_gloo_group", lambda: None)
 
     class Updater:
-        def update_weights(self):
+        def update_weights(self, weight_version=None):
             events.append("update (saver disabled)" if saver.disabled else "update (inside the saver region)")
             return {"ok": 1}
 

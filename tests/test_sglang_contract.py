@@ -286,8 +286,9 @@ def _gpu_engine(server, **fields):
 def _every_admin_call(engine):
     import torch
 
-    from slime.utils.tensor_serialization import FlattenedTensorMetadata, bucket_payload
+    from slime.utils.tensor_serialization import FlattenedTensorMetadata, bucket_payload, set_shared_authkey
 
+    set_shared_authkey()  # before the first share: this process's fd sharer keeps the key it starts with
     t = torch.arange(6, dtype=torch.float32)
     meta = [FlattenedTensorMetadata(name="w", shape=torch.Size([2, 3]), dtype=torch.float32, start_idx=0, end_idx=6,
                                     numel=6)]
