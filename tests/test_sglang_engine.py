@@ -13,13 +13,14 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def _args(model_dir, **kw):
-    return make_args(
-        "--inference-server", "cpu",
-        hf_checkpoint=model_dir, seed=3, rollout_num_gpus=2, rollout_num_gpus_per_engine=1,
+    fields = dict(
+        seed=3, rollout_num_gpus=2, rollout_num_gpus_per_engine=1,
         rollout_num_gpus_per_node=4, actor_num_gpus_per_node=2, actor_num_nodes=1, colocate=False, offload=False,
         sglang_router_ip=None, sglang_router_port=None, sglang_router_request_timeout_secs=600,
-        sglang_max_running_requests=8, sglang_context_length=None, sglang_mem_fraction_static=0.7, **kw,
+        sglang_max_running_requests=8, sglang_context_length=None, sglang_mem_fraction_static=0.7,
     )
+    fields.update(kw)  # a test's own router address etc. replace the defaults above
+    return make_args("--inference-server", "cpu", hf_checkpoint=model_dir, **fields)
 
 
 def _alive(pid):
@@ -141,12 +142,14 @@ def test_ray_kill_leaves_no_server(ray_session, tiny_kit):
     _wait_dead(pid)
 
 
-def test_startup_failure_reports_log_tail(ray_session, tmp_path):
+def test_startup_failure_reports_log_tail(ray_session, tiny_kit, tmp_path):
     ray = ray_session
     bad = tmp_path / "not-a-model"
     bad.mkdir()
+    args = _args(tiny_kit[0])
+    args.hf_checkpoint = str(bad)  # parse_args would refuse it; the engine must report the server's own failure
     with pytest.raises(ray.exceptions.RayTaskError) as e:
-        _engine(ray, _args(str(bad)), 2)
+        _engine(ray, args, 2)
     assert "exited with code" in str(e.value) and "config.json" in str(e.value)
 
 
