@@ -312,12 +312,13 @@ def test_two_concurrent_runs_on_one_machine_each_train_their_own_engines(tiny_ki
     """Two `python train.py` at once on one machine: different ports, engines that prove they belong to their run,
     and --check-weight-update-equal comparing every engine tensor with its own trainer's after each update (weights
     pushed into the other run's engine would fail it)."""
+    import shutil
     import subprocess
     import sys
     import tempfile
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    procs = []
+    procs, ray_dirs = [], []
     for run in ("a", "b"):
         out = tmp_path / run
         out.mkdir()
@@ -331,6 +332,7 @@ def test_two_concurrent_runs_on_one_machine_each_train_their_own_engines(tiny_ki
         ]
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
         env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix=f"r{run}", dir="/tmp")  # each run its own local Ray
+        ray_dirs.append(env["RAY_TMPDIR"])
         log = open(out / "log.txt", "w")
         procs.append((subprocess.Popen([sys.executable, "train.py", *argv], cwd=root, env=env, stdout=log,
                                        stderr=subprocess.STDOUT), out))
@@ -341,6 +343,8 @@ def test_two_concurrent_runs_on_one_machine_each_train_their_own_engines(tiny_ki
         for proc, _ in procs:
             if proc.poll() is None:
                 proc.kill()
+        for d in ray_dirs:
+            shutil.rmtree(d, ignore_errors=True)
     # Both finished: every engine echoed its own run's identity before registration (init raises otherwise), and
     # after each of the two pushes per run its engine held exactly its own trainer's tensors (the runs' different
     # learning rates make the two models differ, so a cross push would fail --check-weight-update-equal).

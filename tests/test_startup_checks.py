@@ -241,6 +241,7 @@ def test_train_py_bad_input_is_one_line_exit_2_and_starts_no_ray(tmp_path, tiny_
     assert lines and lines[-1].startswith("train.py: error: --custom-rm-path my_rewards.score: cannot import it")
     assert "Traceback" not in proc.stderr
     assert os.listdir(ray_tmp) == [], "a start-up error must not start Ray"
+    os.rmdir(ray_tmp)
     print(f"start-up error after {elapsed:.1f}s")
 
 
