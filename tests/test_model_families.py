@@ -233,10 +233,12 @@ def test_families_roundtrip_and_log_probs_tp2_ep2(hf_models, tmp_path):
 
 
 def _with_tokenizer(model_dir, tiny_kit):
+    import os
     import shutil
 
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{tiny_kit[0]}/{f}", f"{model_dir}/{f}")
+    for f in os.listdir(tiny_kit[0]):  # the tiny kit's tokenizer files (chat template included)
+        if f.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f"{tiny_kit[0]}/{f}", f"{model_dir}/{f}")
     return model_dir
 
 

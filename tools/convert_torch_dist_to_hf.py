@@ -144,6 +144,14 @@ def model_regions(metadata, tied):
             continue  # tied to the embedding: HF stores it once
         size, dtype = tuple(meta.size), meta.properties.dtype
         rest = key[len("decoder.layers."):] if key.startswith("decoder.layers.") else None
+        if rest is not None and rest.split(".", 1)[0].isdigit() and ".mlp.experts.experts." in rest:
+            # a per-layer key (dense and MoE layers mixed) still stacks its experts along the first axis
+            layer, local = rest.split(".mlp.experts.experts.", 1)
+            for e in range(size[0]):
+                layers.setdefault(int(layer), []).append(Region(
+                    f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{local}", key,
+                    (e,) + (0,) * (len(size) - 1), (1,) + size[1:], dtype, 1))
+            continue
         if rest is None or rest.split(".", 1)[0].isdigit():  # not stacked: top-level or per-layer (heterogeneous) keys
             region = Region(key, key, (0,) * len(size), size, dtype)
             if rest is not None:
