@@ -97,6 +97,20 @@ def test_train_tp2_with_partial_rollout(ray_session, tiny_kit, tmp_path):
     assert rows[0]["train/train_rollout_logprob_abs_diff"] < 1e-4  # on-policy: the TP=2 trainer = the engine
 
 
+def test_train_cp2(ray_session, tiny_kit, tmp_path):
+    """An RL run with --context-parallel-size 2 (two trainer ranks, one DP rank) and dynamic batching: the CP
+    trainer reproduces the engine's log-probs (gathered over CP) and pushes bit-identical weights."""
+    args = make_args(tiny_kit, tmp_path, "--rollout-num-gpus", "1", "--actor-num-gpus-per-node", "2",
+                     "--context-parallel-size", "2", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "64",
+                     "--check-weight-update-equal")
+    assert args.data_parallel_size == 1
+    sync_driver.train(args)
+    rows = read_metrics(tmp_path)
+    assert [int(r["rollout/weight_version"]) for r in rows] == [1, 2]
+    assert rows[0]["train/train_rollout_logprob_abs_diff"] < 1e-4  # on-policy: the CP=2 trainer = the engine
+    assert all(r["train/grad_norm"] > 0 for r in rows)
+
+
 def test_train_async_refuses_colocate(tiny_kit, tmp_path):
     args = make_args(tiny_kit, tmp_path, "--colocate")
     with pytest.raises(SystemExit, match="colocate"):

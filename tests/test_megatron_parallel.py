@@ -1,8 +1,9 @@
-"""Pipeline parallelism (PP=2, and PP=2 x VPP=2) of the Megatron trainer on CPU/gloo with the tiny Qwen3 kit (4 layers).
+"""Pipeline parallelism (PP=2, and PP=2 x VPP=2) and context parallelism (CP=2, alone, with TP=2, with dynamic
+batching and per-token loss, and on a MoE model) of the Megatron trainer on CPU/gloo with the tiny Qwen3 kit (4 layers).
 
 Every layout runs the same program through the real actor (`MegatronTrainRayActor.init` / `.train`, no Ray): init from
 the HF checkpoint, the actor's log-prob pass, three rollouts of training on one fixed batch, and the weight export that
-weight sync uses. The PP=1 run of the same program and a transformers forward are the independent references.
+weight sync uses. The PP=1 / CP=1 run of the same program and a transformers forward are the independent references.
 """
 import pytest
 import torch
@@ -55,7 +56,7 @@ def _colocated_export(actor):
     return out
 
 
-def _run_layout(rank, model_dir, layout, out_dir):
+def _run_layout(rank, model_dir, layout, out_dir, data_vocab=512):
     """The same program for every layout; writes `rank{r}.pt` with what this rank saw."""
     import ray
     from megatron.core import parallel_state as mpu
@@ -76,7 +77,7 @@ def _run_layout(rank, model_dir, layout, out_dir):
               "num_chunks": len(model), "hf_init": _hf_export(args, model, actor.model_name, actor.vocab_size),
               "hf_colocated": _colocated_export(actor)}
 
-    data = fixed_rollout()
+    data = fixed_rollout(vocab_size=data_vocab)
     rollout = process_rollout_data(args, _Ref(data), mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size())
     iters, nmb = get_data_iterator(args, model, rollout)
     assert len(iters) == len(model)  # one micro-batch iterator per virtual stage
@@ -92,15 +93,17 @@ def _run_layout(rank, model_dir, layout, out_dir):
         history += out["train"]
         result.setdefault("rollout_metrics", out["rollout"])
     result["history"] = history
+    # the last step's gradients as the optimizer saw them (reduced over DP x CP), by Megatron name per model chunk
+    result["grads"] = [{n: p.main_grad.clone() for n, p in c.module.named_parameters()} for c in model]
     result["log_probs_before"] = log_probs_before
     result["log_probs_after"] = forward_only(args, model, iters, nmb).get("log_probs")
     result["hf_after"] = _hf_export(args, model, actor.model_name, actor.vocab_size)
     torch.save(result, f"{out_dir}/rank{rank}.pt")
 
 
-def _launch(tmp_path_factory, model_dir, name, world_size, **layout):
+def _launch(tmp_path_factory, model_dir, name, world_size, data_vocab=512, **layout):
     out_dir = tmp_path_factory.mktemp(name)
-    spawn(_run_layout, world_size, model_dir, layout, str(out_dir), timeout=180)
+    spawn(_run_layout, world_size, model_dir, layout, str(out_dir), data_vocab, timeout=240)
     return [torch.load(out_dir / f"rank{r}.pt") for r in range(world_size)]
 
 
@@ -241,16 +244,66 @@ def test_vpp2_matches_pp1(pp1, tiny_kit, tmp_path_factory, batching):
         assert (after[name] - t).abs().max().item() <= 1e-5, name
 
 
-def _cp2_rejected(rank, model_dir):
-    from slime.backends.megatron_utils.data import get_data_iterator
-    from slime.backends.megatron_utils.initialize import init
-
-    args = train_args(model_dir, context_parallel_size=2)
-    init(args)
-    with pytest.raises(NotImplementedError, match="--context-parallel-size") as err:
-        get_data_iterator(args, None, {"total_lengths": [1, 2]})
-    assert "Transformer-Engine" in str(err.value)
+def _max_rel_diff(got, exp):
+    return max(((g - e).abs().max() / e.abs().max().clamp_min(1e-12)).item() for g, e in zip(got, exp))
 
 
-def test_context_parallel_is_rejected_with_a_clear_message(tiny_kit):
-    spawn(_cp2_rejected, 2, tiny_kit[0], timeout=120)
+def _assert_cp_matches(run, ref, check_grads=True):
+    """CP ranks each hold the whole answer: log-probs (gathered over CP) equal the CP=1 run within 1e-6, every
+    step's loss and metrics within 1e-5 relative, and so do the last step's gradients and the trained weights."""
+    for r in run:
+        assert _max_diff(r["log_probs"], ref["log_probs"]) <= 1e-6
+        for before_cp, before_1 in zip(r["log_probs_before"], ref["log_probs_before"]):
+            assert _max_diff(before_cp, before_1) <= 1e-6
+        assert len(r["history"]) == len(ref["history"]) == NUM_ROLLOUTS
+        for step, (got, exp) in enumerate(zip(r["history"], ref["history"])):
+            for key in _COMPARED_METRICS:
+                assert got[key] == pytest.approx(exp[key], rel=1e-5, abs=1e-7), (step, key, got[key], exp[key])
+        assert r["rollout_metrics"] == pytest.approx(ref["rollout_metrics"], rel=1e-6)
+        if check_grads:
+            names = sorted(ref["grads"][0])
+            assert sorted(r["grads"][0]) == names
+            assert _max_rel_diff([r["grads"][0][n] for n in names], [ref["grads"][0][n] for n in names]) <= 1e-5
+    after = _merged(run, "hf_after")
+    assert set(after) == set(ref["hf_after"])
+    for name, t in ref["hf_after"].items():
+        assert (after[name] - t).abs().max().item() <= 1e-5, name
+
+
+def test_cp2_matches_cp1(pp1, tiny_kit, tmp_path_factory):
+    """--context-parallel-size 2: each sequence split into 4 zigzag chunks (rank 0: chunks 0 and 3, rank 1: 1 and
+    2), attention gathering keys/values over CP; log-probs, loss, metrics, gradients and weights equal CP=1."""
+    cp2 = _launch(tmp_path_factory, tiny_kit[0], "cp2", 2, context_parallel_size=2)
+    _assert_cp_matches(cp2, pp1[0])
+    _assert_loss_goes_down(cp2)
+
+
+def test_cp2_per_token_loss_with_dynamic_batching(tiny_kit, tmp_path_factory):
+    """--calculate-per-token-loss under CP=2 (each CP rank reports the micro-batch's whole token count) equals CP=1,
+    here with --use-dynamic-batch-size: the 20-token budget per GPU becomes 40 per micro-batch under CP=2, so each
+    step is one micro-batch of all 4 samples."""
+    per_token = {"calculate_per_token_loss": True}
+    ref = _launch(tmp_path_factory, tiny_kit[0], "cp1_per_token", 1, **per_token)
+    cp2 = _launch(tmp_path_factory, tiny_kit[0], "cp2_per_token_dynamic", 2, context_parallel_size=2,
+                  use_dynamic_batch_size=True, max_tokens_per_gpu=20, **per_token)
+    assert [r["num_microbatches"] for r in cp2] == [[1], [1]]
+    _assert_cp_matches(cp2, ref[0])
+
+
+def test_cp2_tp2_matches_cp1(pp1, tiny_kit, tmp_path_factory):
+    """CP=2 x TP=2 (4 ranks): the same log-probs, metrics and trained weights as CP=1, TP=1."""
+    run = _launch(tmp_path_factory, tiny_kit[0], "cp2_tp2", 4, context_parallel_size=2, tensor_model_parallel_size=2)
+    _assert_cp_matches(run, pp1[0], check_grads=False)  # TP shards the gradients; the trained weights are compared
+
+
+def test_cp2_moe_matches_cp1(tmp_path_factory):
+    """A MoE model (random tiny Qwen3-MoE: 4 experts, top-2) under CP=2 equals CP=1."""
+    from tests._megatron_helpers import build_random_hf
+
+    model_dir = build_random_hf("qwen3moe", str(tmp_path_factory.mktemp("qwen3moe")))
+    ref = _launch(tmp_path_factory, model_dir, "moe_cp1", 1, data_vocab=200)
+    cp2 = _launch(tmp_path_factory, model_dir, "moe_cp2", 2, data_vocab=200, context_parallel_size=2)
+    assert any("experts" in n for n in ref[0]["grads"][0])
+    _assert_cp_matches(cp2, ref[0])
+
+

@@ -522,6 +522,9 @@ def add_megatron_arguments(parser):
     g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true", default=False)
     g.add_argument("--account-for-loss-in-pipeline-split", action="store_true", default=False)
     g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--cp-comm-type", nargs="+", default=["p2p"], choices=["p2p", "all_gather", "a2a"],
+                   help="Transformer Engine's CP attention exchange, one for all layers or one per layer. Without TE "
+                        "(CPU) CP attention always all-gathers keys and values.")
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None, help="Default --tensor-model-parallel-size.")
     g.add_argument("--sequence-parallel", action="store_true", default=False)

@@ -202,6 +202,7 @@ def apply() -> bool:
     _patch_torch_adam_step_on_load()
     _patch_tied_embedding_setup()
     _patch_moe_allgather_dispatcher()
+    _patch_cp_rope_slicing()
     _applied = True
     return True
 
@@ -270,6 +271,22 @@ def _patch_tied_embedding_setup():
             return original(self)
 
     LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
+
+
+def _get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+    # megatron's version minus its pinned-memory `.cuda()` index: the zigzag pair of position blocks of this CP rank.
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    index = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1:])
+    pos_emb = pos_emb.index_select(seq_dim, index)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
+
+
+def _patch_cp_rope_slicing():
+    """Context parallelism: RoPE keeps the positions of the rank's zigzag chunks (used by name in three modules)."""
+    for name in ("rope_utils", "rotary_pos_embedding", "yarn_rotary_pos_embedding"):
+        module = importlib.import_module(f"megatron.core.models.common.embeddings.{name}")
+        module.get_pos_emb_on_this_cp_rank = _get_pos_emb_on_this_cp_rank
 
 
 def _proxy_torch():

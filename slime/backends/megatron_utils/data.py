@@ -6,6 +6,7 @@ Two layouts, chosen once by whether the model runs Transformer Engine attention 
   multiple of 128, with `PackedSeqParams(cu_seqlens)` so attention never crosses sample boundaries;
 - right-padded `[b, s]` with an explicit causal+padding mask (the local spec, e.g. on CPU, asserts
   `packed_seq_params is None`).
+With `--context-parallel-size` > 1 both layouts hold only this CP rank's zigzag chunks of each sample (`cp_utils`).
 """
 import numbers
 
@@ -16,6 +17,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.utils import get_model_config
 
+from slime.backends.megatron_utils.cp_utils import cp_size_and_rank, slice_with_cp, zigzag_chunk_size, zigzag_ranges
 from slime.backends.megatron_utils.model_provider import use_transformer_engine
 from slime.backends.megatron_utils.rollout_data import (
     DataIterator,
@@ -40,11 +42,6 @@ def _dp_size():
 def get_data_iterator(args, model, rollout_data):
     """`(data_iterators, num_microbatches)`: one iterator per virtual-pipeline stage and the micro-batch count of
     each optimizer step of this rollout (identical on every DP rank)."""
-    if mpu.get_context_parallel_world_size() > 1:
-        raise NotImplementedError(
-            f"--context-parallel-size {mpu.get_context_parallel_world_size()}: context parallelism is not supported. "
-            "It needs the Transformer-Engine attention (GPU only), and slime's CP batching (splitting each packed "
-            "sequence across CP ranks) is not implemented here; use --context-parallel-size 1")
     dp_size = _dp_size()
     total_samples = args.rollout_batch_size * args.n_samples_per_prompt
     if args.global_batch_size % dp_size != 0 or total_samples % dp_size != 0:
@@ -72,8 +69,10 @@ def get_data_iterator(args, model, rollout_data):
 
     if not args.max_tokens_per_gpu:
         raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu")
+    # each CP rank holds 1/cp of every sequence, so a micro-batch may hold cp times the per-GPU token budget
+    max_tokens = args.max_tokens_per_gpu * mpu.get_context_parallel_world_size()
     steps = [range(i * num_local_gbs, (i + 1) * num_local_gbs) for i in range(num_steps_per_rollout)]
-    counts = [get_minimum_num_micro_batch_size([total_lengths[j] for j in s], args.max_tokens_per_gpu) for s in steps]
+    counts = [get_minimum_num_micro_batch_size([total_lengths[j] for j in s], max_tokens) for s in steps]
     # every DP rank must run the same number of micro-batches per step
     counts_t = torch.tensor(counts, dtype=torch.int64, device=current_device())
     dist.all_reduce(counts_t, op=dist.ReduceOp.MAX, group=mpu.get_data_parallel_group())
@@ -92,7 +91,7 @@ def get_data_iterator(args, model, rollout_data):
 
     micro_batch_indices = []
     for step, num_mbs in zip(steps, num_microbatches):
-        parts = get_micro_batch_partitions([total_lengths[j] for j in step], num_mbs, args.max_tokens_per_gpu)
+        parts = get_micro_batch_partitions([total_lengths[j] for j in step], num_mbs, max_tokens)
         micro_batch_indices.extend([[step[k] for k in part] for part in parts])
     assert sorted(i for mb in micro_batch_indices for i in mb) == list(range(num_local_samples))
     iterators = [DataIterator(rollout_data, None, micro_batch_indices, packed_sequences=packed) for _ in range(vpp_size)]
@@ -115,24 +114,34 @@ def get_batch(data_iterator, keys):
 
 
 def _packed_layout(tokens):
-    lengths = [t.size(0) for t in tokens]
-    flat = torch.cat(tokens)
+    # Under CP each sample contributes its zigzag pair of chunks; TE's THD attention and RoPE take global
+    # per-sequence lengths, hence cu_seqlens x cp (every local piece has even length, so the global ones split
+    # into 2*cp equal chunks, as TE requires).
+    cp_size = mpu.get_context_parallel_world_size()
+    pieces = [slice_with_cp(t, PAD_TOKEN_ID) for t in tokens]
+    flat = torch.cat(pieces)
     cu_seqlens = [0]
-    for n in lengths:
-        cu_seqlens.append(cu_seqlens[-1] + n)
+    for piece in pieces:
+        cu_seqlens.append(cu_seqlens[-1] + piece.size(0))
     pad = -flat.size(0) % PACKED_PAD_MULTIPLE
     if pad:
         flat = F.pad(flat, (0, pad), value=PAD_TOKEN_ID)
         cu_seqlens.append(cu_seqlens[-1] + pad)  # the padding is its own segment, attended by nothing real
-    cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=flat.device)
+    cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=flat.device) * cp_size
     max_seqlen = int((cu[1:] - cu[:-1]).max().item())
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
     return {"tokens": flat.unsqueeze(0), "packed_seq_params": params, "attention_mask": None, "position_ids": None}
 
 
 def _padded_layout(tokens):
+    """Under CP every row is padded to 2*cp chunks of one common length and the rank keeps its zigzag pair of
+    chunks: the query rows of the mask are cut to them, the key columns stay global (the CP attention gathers
+    keys and values over the CP group)."""
+    cp_size, cp_rank = cp_size_and_rank()
     lengths = torch.tensor([t.size(0) for t in tokens])
     b, s = len(tokens), int(lengths.max())
+    if cp_size > 1:
+        s = 2 * cp_size * zigzag_chunk_size(s, cp_size)
     device = tokens[0].device
     padded = torch.full((b, s), PAD_TOKEN_ID, dtype=torch.long, device=device)
     for i, t in enumerate(tokens):
@@ -142,6 +151,10 @@ def _padded_layout(tokens):
     key_valid = torch.arange(s, device=device)[None, :] < lengths.to(device)[:, None]
     attention_mask = ~(causal[None, None] & key_valid[:, None, None, :])
     position_ids = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
+    if cp_size > 1:
+        local = torch.cat([torch.arange(lo, hi, device=device)
+                           for lo, hi in zigzag_ranges(s // (2 * cp_size), cp_size, cp_rank)])
+        padded, position_ids, attention_mask = padded[:, local], position_ids[:, local], attention_mask[:, :, local]
     return {"tokens": padded, "attention_mask": attention_mask, "position_ids": position_ids, "packed_seq_params": None}
 
 

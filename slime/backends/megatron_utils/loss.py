@@ -5,6 +5,12 @@ custom losses by path, and `loss_function` with slime's gradient scaling for Meg
 import torch
 from megatron.core import parallel_state as mpu
 
+from slime.backends.megatron_utils.cp_utils import (
+    cp_size_and_rank,
+    gather_response_across_cp,
+    response_pieces,
+    zigzag_chunk_size,
+)
 from slime.utils.misc import load_function
 from slime.utils.ppo_utils import (
     compute_approx_kl,
@@ -20,27 +26,37 @@ from slime.utils.ppo_utils import (
 
 
 def get_responses(logits, *, unconcat_tokens, total_lengths, response_lengths):
-    """Yield `(logits [R, V/tp], tokens [R])` per sample: the positions that predict its R response tokens.
+    """Yield `(logits [n, V/tp], tokens [n], pieces)` per sample: this rank's logit positions that score the sample's
+    response tokens, the tokens they score, and where they sit in the response (`cp_utils.response_pieces`:
+    `[(local_start, response_start, n)]`; one piece covering the whole response when there is no CP).
 
     `logits` is `[1, T, V/tp]` (samples packed back to back) or `[b, s, V/tp]` (sample i right-padded in row i).
     A sample's response is the last R tokens of its unpadded sequence, predicted by the logits one position earlier.
+    Under CP a rank holds each sample's zigzag pair of chunks (`cp_utils`), so it scores up to two pieces of it.
     """
     packed = logits.size(0) == 1
     assert packed or logits.size(0) == len(unconcat_tokens), (
         f"logits batch {logits.size(0)} matches neither a packed row nor {len(unconcat_tokens)} padded rows")
-    end = 0
+    cp_size, cp_rank = cp_size_and_rank()
+    start = 0  # the sample's first local position in the packed row
     for i, (tokens, total_len, resp_len) in enumerate(zip(unconcat_tokens, total_lengths, response_lengths)):
-        if packed:
-            end += total_len
-            row = logits[0]
-        else:
-            end = total_len
-            row = logits[i]
-        start = end - resp_len
         if resp_len > 0 and resp_len >= total_len:
             raise ValueError(f"sample {i}: response length {resp_len} leaves no prompt token before the response "
                              f"(total length {total_len}); every sample needs at least one prompt token")
-        yield row[start - 1:end - 1], tokens[total_len - resp_len:total_len]
+        row = logits[0] if packed else logits[i]
+        if cp_size == 1:
+            chunk, local_len = total_len, total_len
+            pieces = [(total_len - resp_len - 1, 0, resp_len)]
+        else:
+            chunk = zigzag_chunk_size(total_len, cp_size) if packed else logits.size(1) // 2
+            local_len = 2 * chunk
+            pieces = response_pieces(total_len, resp_len, chunk, cp_size, cp_rank)
+        first = total_len - resp_len  # the response's first token; logit p scores token p + 1
+        logits_parts = [row[start + lo:start + lo + n] for lo, _, n in pieces] or [row[:0]]
+        token_parts = [tokens[first + r0:first + r0 + n] for _, r0, n in pieces] or [tokens[:0]]
+        yield torch.cat(logits_parts), torch.cat(token_parts), pieces
+        if packed:
+            start += local_len
 
 
 _MASKED_LOGIT = -1e30  # finite: p = 0 without the 0 * inf = nan of -inf in the entropy and its gradient
@@ -68,13 +84,19 @@ def get_log_probs_and_entropy(logits, *, args, unconcat_tokens, total_lengths, r
         logits = logits / args.rollout_temperature
     logits = _mask_padded_vocab(logits, args.vocab_size)
     tp_group = mpu.get_tensor_model_parallel_group()
+    gather = mpu.get_context_parallel_world_size() > 1
     log_probs, entropy = [], []
-    for logits_chunk, tokens_chunk in get_responses(
+    for (logits_chunk, tokens_chunk, pieces), resp_len in zip(get_responses(
         logits, unconcat_tokens=unconcat_tokens, total_lengths=total_lengths, response_lengths=response_lengths
-    ):
-        log_probs.append(compute_log_probs(logits_chunk, tokens_chunk, tp_group))
+    ), response_lengths):
+        values = [compute_log_probs(logits_chunk, tokens_chunk, tp_group)]
         if with_entropy:
-            entropy.append(compute_entropy_from_logits(logits_chunk, tp_group))
+            values.append(compute_entropy_from_logits(logits_chunk, tp_group))
+        if gather:  # every CP rank gets the whole response, so the loss below is the same as without CP
+            values = [gather_response_across_cp(pieces, v, resp_len) for v in values]
+        log_probs.append(values[0])
+        if with_entropy:
+            entropy.append(values[1])
     out = {"log_probs": log_probs}
     if with_entropy:
         out["entropy"] = entropy
@@ -262,6 +284,8 @@ def loss_function(args, batch, num_microbatches, logits):
     global batch divided by `--global-batch-size`, however the samples are split into micro-batches.
     Per-token loss (`--calculate-per-token-loss`): the loss stays a plain token sum; Megatron sums it over
     micro-batches and DP ranks and divides the gradients by the global token count.
+    Context parallelism: each CP rank computes the whole loss from the gathered log-probs and backpropagates it into
+    its own sequence chunks only, so the gradients summed over the CP group are exactly the CP=1 gradients.
     """
     loss_masks = batch["loss_masks"]
     num_tokens = sum(torch.clamp_min(m.sum(), 1) for m in loss_masks)
@@ -279,6 +303,10 @@ def loss_function(args, batch, num_microbatches, logits):
 
     if not args.calculate_per_token_loss:
         loss = loss * num_microbatches / args.global_batch_size * mpu.get_data_parallel_world_size(with_context_parallel=True)
+    else:
+        # Every CP rank reports the whole micro-batch's token count, which Megatron sums over DP x CP; the gradient,
+        # summed over CP ranks, counts it once (see cp_utils), so undo the over-count here.
+        loss = loss * mpu.get_context_parallel_world_size()
     count = num_tokens if args.calculate_per_token_loss else num_samples
     values = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=logits.device).detach().reshape(())
                           for v in [count, *log.values()]])

@@ -259,10 +259,10 @@ def train_one_step(args, rollout_id, step_id, data_iterator, model, optimizer, o
     if mpu.is_pipeline_last_stage(ignore_virtual=True) and losses:
         keys = losses[0]["keys"]
         values = torch.stack([d["values"] for d in losses]).sum(dim=0)
-        dist.all_reduce(values, group=mpu.get_data_parallel_group(with_context_parallel=True))
+        # CP ranks of one DP rank compute the same loss and metrics (log-probs are gathered over CP): reduce over DP
+        dist.all_reduce(values, group=mpu.get_data_parallel_group(with_context_parallel=False))
         count = values[0].clamp_min(1)
-        cp = mpu.get_context_parallel_world_size()
-        metrics = {k: (v * cp / count).item() for k, v in zip(keys, values[1:])}
+        metrics = {k: (v / count).item() for k, v in zip(keys, values[1:])}
     return metrics, grad_norm
 
 

@@ -3,6 +3,7 @@
 Layer spec: Transformer Engine when it is importable and we are on GPU, otherwise the local (pure torch) spec —
 the one that runs on CPU. `--spec module fn` overrides both, as in slime (e.g. a custom GLM4 spec).
 """
+import copy
 import importlib
 
 import torch
@@ -14,8 +15,10 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
+from slime.backends.megatron_utils.cp_attention import AllGatherKVDotProductAttention
 from slime.utils.device import default_dtype, is_cpu
 from slime.utils.misc import accepted_kwargs, load_function
 
@@ -36,6 +39,14 @@ def padded_vocab_size(args) -> int:
     vocab = args.vocab_size
     multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
     return (vocab + multiple - 1) // multiple * multiple
+
+
+def _cp_comm_type(args):
+    """Megatron-LM's `--cp-comm-type`: one type for every layer, or one per layer."""
+    types = args.cp_comm_type
+    if types is None or isinstance(types, str):
+        return types
+    return types[0] if len(types) == 1 else list(types)
 
 
 def core_transformer_config_from_args(args) -> TransformerConfig:
@@ -73,6 +84,7 @@ def core_transformer_config_from_args(args) -> TransformerConfig:
         account_for_embedding_in_pipeline_split=bool(args.account_for_embedding_in_pipeline_split),
         account_for_loss_in_pipeline_split=bool(args.account_for_loss_in_pipeline_split),
         context_parallel_size=args.context_parallel_size,
+        cp_comm_type=_cp_comm_type(args),
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         sequence_parallel=bool(args.sequence_parallel),
@@ -146,6 +158,21 @@ def _layer_spec(args, config, vp_stage=None):
         spec = get_gpt_layer_local_spec(qk_layernorm=bool(args.qk_layernorm), normalization=config.normalization)
     if args.post_self_attn_layernorm or args.post_mlp_layernorm:
         spec = with_post_norms(spec, args, te)
+    if config.context_parallel_size > 1 and not te:  # TE's attention implements CP itself (config.cp_comm_type)
+        spec = _with_cp_attention(spec)
+    return spec
+
+
+def _with_cp_attention(spec):
+    """The local spec under CP: megatron's DotProductAttention refuses CP > 1, the all-gather-KV one takes its place."""
+    spec = copy.deepcopy(spec)
+    for layer in getattr(spec, "layer_specs", None) or [spec]:
+        attention = layer.submodules.self_attention.submodules
+        if attention.core_attention is not DotProductAttention:
+            raise ValueError(f"--context-parallel-size > 1 without Transformer Engine replaces megatron's "
+                             f"DotProductAttention, but this layer spec's core attention is "
+                             f"{attention.core_attention.__name__}; use --context-parallel-size 1 or the TE spec (GPU)")
+        attention.core_attention = AllGatherKVDotProductAttention
     return spec
 
 

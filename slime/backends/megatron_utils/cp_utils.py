@@ -1,0 +1,84 @@
+"""Context parallelism (`--context-parallel-size c`): slime's per-sample ("zigzag", load-balanced) split of every
+sequence across the CP ranks, the map from a rank's local logits back to a sample's response, and the gather that
+gives every CP rank the whole response's log-probs / entropy.
+
+A sample of length T is right-padded to `2c * chunk` (`chunk = ceil(T / 2c)`) and cut into 2c chunks; CP rank r
+keeps chunks r and 2c-1-r, so each rank gets one cheap (early) and one expensive (late) chunk of causal attention.
+"""
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+
+
+def cp_size_and_rank():
+    return mpu.get_context_parallel_world_size(), mpu.get_context_parallel_rank()
+
+
+def zigzag_chunk_size(length, cp_size):
+    """Chunk length for a sequence of `length` tokens split into 2*cp_size chunks."""
+    return -(-length // (2 * cp_size))
+
+
+def zigzag_ranges(chunk, cp_size, cp_rank):
+    """The two global `[start, end)` ranges CP rank `cp_rank` holds, in local order."""
+    first, second = cp_rank, 2 * cp_size - 1 - cp_rank
+    return [(first * chunk, (first + 1) * chunk), (second * chunk, (second + 1) * chunk)]
+
+
+def slice_with_cp(tokens, pad_value, chunk=None):
+    """This CP rank's part of a 1-D sequence (or of dim 0 of a tensor): chunks r and 2c-1-r of the sequence padded
+    to 2c chunks of `chunk` (default `zigzag_chunk_size(len)`); the whole sequence when c == 1."""
+    cp_size, cp_rank = cp_size_and_rank()
+    if cp_size == 1:
+        return tokens
+    chunk = chunk or zigzag_chunk_size(tokens.size(0), cp_size)
+    pad = 2 * cp_size * chunk - tokens.size(0)
+    assert pad >= 0, f"chunk {chunk} x {2 * cp_size} is shorter than the sequence ({tokens.size(0)})"
+    if pad:
+        tokens = torch.cat([tokens, tokens.new_full((pad, *tokens.shape[1:]), pad_value)])
+    return torch.cat([tokens[s:e] for s, e in zigzag_ranges(chunk, cp_size, cp_rank)])
+
+
+def response_pieces(total_length, response_length, chunk, cp_size, cp_rank):
+    """Where this CP rank's local logits score a sample's response: `[(local_start, response_start, n)]`.
+
+    Logit t predicts token t+1, so the response (the last R of T tokens) is scored by global logit positions
+    [T-R-1, T-1). `local_start` counts from the sample's first local position (its chunk r starts at 0, its chunk
+    2c-1-r at `chunk`); pieces with n == 0 are dropped.
+    """
+    first = total_length - response_length - 1
+    pieces = []
+    for k, (start, end) in enumerate(zigzag_ranges(chunk, cp_size, cp_rank)):
+        lo, hi = max(start, first), min(end, total_length - 1)
+        if hi > lo:
+            pieces.append((k * chunk + lo - start, lo - first, hi - lo))
+    return pieces
+
+
+class _GatherAcrossCP(torch.autograd.Function):
+    """Sum over the CP group of per-rank zero-padded tensors. The backward hands each rank the incoming gradient
+    unchanged (no all-reduce): every CP rank computes the same loss from the gathered tensor, so each rank's own
+    positions already receive the whole gradient, and summing over ranks would count it cp_size times."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        out = tensor.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def gather_response_across_cp(pieces, values, response_length):
+    """The whole response (`[R]`) on every CP rank from this rank's `values` (concatenated, in `pieces` order).
+
+    Differentiable; see `_GatherAcrossCP` for why its backward is not an all-reduce.
+    """
+    index = [torch.arange(resp_start, resp_start + n, device=values.device) for _, resp_start, n in pieces]
+    index = torch.cat(index) if index else torch.zeros(0, dtype=torch.long, device=values.device)
+    # index_add even when this rank scores none of the response: the (empty) values keep the loss connected to
+    # the model, so this rank still runs the backward, whose key/value all-reduces the other CP ranks wait for
+    full = values.new_zeros(response_length).index_add(0, index, values)
+    return _GatherAcrossCP.apply(full, mpu.get_context_parallel_group())
