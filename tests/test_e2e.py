@@ -108,7 +108,6 @@ def test_train_cp2(ray_session, tiny_kit, tmp_path):
     rows = read_metrics(tmp_path)
     assert [int(r["rollout/weight_version"]) for r in rows] == [1, 2]
     assert rows[0]["train/train_rollout_logprob_abs_diff"] < 1e-4  # on-policy: the CP=2 trainer = the engine
-    assert all(r["train/grad_norm"] > 0 for r in rows)
 
 
 def test_train_async_refuses_colocate(tiny_kit, tmp_path):
