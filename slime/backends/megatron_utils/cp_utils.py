@@ -11,7 +11,8 @@ from megatron.core import parallel_state as mpu
 
 
 def cp_size_and_rank():
-    return mpu.get_context_parallel_world_size(), mpu.get_context_parallel_rank()
+    """(CP size, CP rank); (1, 0) without torch.distributed (megatron then reports size 0)."""
+    return max(mpu.get_context_parallel_world_size(), 1), mpu.get_context_parallel_rank()
 
 
 def zigzag_chunk_size(length, cp_size):

@@ -117,7 +117,7 @@ def _packed_layout(tokens):
     # Under CP each sample contributes its zigzag pair of chunks; TE's THD attention and RoPE take global
     # per-sequence lengths, hence cu_seqlens x cp (every local piece has even length, so the global ones split
     # into 2*cp equal chunks, as TE requires).
-    cp_size = mpu.get_context_parallel_world_size()
+    cp_size, _ = cp_size_and_rank()
     pieces = [slice_with_cp(t, PAD_TOKEN_ID) for t in tokens]
     flat = torch.cat(pieces)
     cu_seqlens = [0]

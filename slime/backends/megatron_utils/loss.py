@@ -306,7 +306,7 @@ def loss_function(args, batch, num_microbatches, logits):
     else:
         # Every CP rank reports the whole micro-batch's token count, which Megatron sums over DP x CP; the gradient,
         # summed over CP ranks, counts it once (see cp_utils), so undo the over-count here.
-        loss = loss * mpu.get_context_parallel_world_size()
+        loss = loss * cp_size_and_rank()[0]
     count = num_tokens if args.calculate_per_token_loss else num_samples
     values = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=logits.device).detach().reshape(())
                           for v in [count, *log.values()]])
