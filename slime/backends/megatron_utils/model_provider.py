@@ -168,6 +168,8 @@ def _with_cp_attention(spec):
     spec = copy.deepcopy(spec)
     for layer in getattr(spec, "layer_specs", None) or [spec]:
         attention = layer.submodules.self_attention.submodules
+        if attention.core_attention is AllGatherKVDotProductAttention:  # block specs share one submodule spec
+            continue
         if attention.core_attention is not DotProductAttention:
             raise ValueError(f"--context-parallel-size > 1 without Transformer Engine replaces megatron's "
                              f"DotProductAttention, but this layer spec's core attention is "
