@@ -248,8 +248,8 @@ def test_engine_sigkill_then_router_kill_are_survived(ray_session, tiny_kit, tmp
     assert kinds == ["engine_failed", "engine_removed", "engine_restarted", "weights_checked", "router_failed",
                      "router_restarted"], kinds
     failed, _, restarted, checked, router_failed, router_restarted = events
-    assert failed["engine"] == 0 and done["sigkill_engine"]["url"] in failed["what"]
-    assert restarted["engine"] == 0 and restarted["bundle"] == failed["bundle"]  # same placement-group bundle
+    assert done["sigkill_engine"]["url"] in failed["what"]  # the killed one, named by its URL
+    assert restarted["engine"] == failed["engine"] and restarted["bundle"] == failed["bundle"]  # same bundle
     assert "serve weight version 3" in checked["what"]  # pushed by the update after rollout 1
     assert int(rows[2]["rollout/weight_version"]) == 3 and rows[2]["train/train_rollout_logprob_abs_diff"] < 1e-4
     timing("engine-sigkill", detection=failed["time"] - done["sigkill_engine"]["at"],
@@ -294,7 +294,8 @@ def test_without_fault_tolerance_a_hung_engine_or_dead_router_fails_the_run_nami
     args = make_args((str(model), tiny_kit[1]), tmp_path, "--rollout-num-gpus", "1",
                      "--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "10",
                      "--custom-generate-function-path", f"{__name__}.inject_faults_generate", num_rollout=1)
-    with pytest.raises(RuntimeError, match=message):
+    with pytest.raises(RuntimeError, match=message) as failure:
         sync_driver.train(args)
-    timing(f"{fault}-without-fault-tolerance", detection=time.time() - faults_done(tmp_path)[fault]["at"])
+    timing(f"{fault}-without-fault-tolerance", detection=failure.value.detected_at - faults_done(tmp_path)[fault]["at"],
+           run_stopped=time.time() - faults_done(tmp_path)[fault]["at"])
     assert not processes_naming(str(model)), "a server or router outlived the failed run"

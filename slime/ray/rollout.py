@@ -98,6 +98,12 @@ def _allocate_ports(args, engines):
     return addr_and_ports
 
 
+def _failure(what):
+    error = RuntimeError(what)
+    error.detected_at = time.time()  # when the fault was seen, not when the run finished stopping
+    return error
+
+
 class RolloutManager:
     """Router, engines, controller and weight-update lock of a run, and what happens when an engine or the router
     fails (see `slime.utils.health_monitor` and docs/fault_tolerance.md)."""
@@ -179,7 +185,7 @@ class RolloutManager:
             if not self.args.use_fault_tolerance:
                 if self.failure is None:
                     self._event("engine_failed", what)
-                    self.failure = RuntimeError(what)
+                    self.failure = _failure(what)
                 return
             bundle = self.pg[1][index * self.nodes_per_engine * _engines_per_gpu_layout(self.args)[0]]
             self._event("engine_failed", what, engine=index, bundle=bundle)
@@ -207,7 +213,7 @@ class RolloutManager:
             what = (f"sglang-router (pid {process.pid}, {router_url(self.args)}) exited with code {process.exitcode}")
             if not self.args.use_fault_tolerance:
                 self._event("router_failed", what)
-                self.failure = RuntimeError(what)
+                self.failure = _failure(what)
                 return
             self._event("router_failed", what)
             self.router_process = launch_router(self.args, self.args.sglang_router_ip, self.args.sglang_router_port)

@@ -1,0 +1,125 @@
+"""A real two-node Ray cluster on one machine: the head node on 127.0.0.2 (trainers and the driver), a second node on
+127.0.0.3 (the inference engine), every address a loopback one. The whole loop runs across the two nodes: placement,
+per-node ports, the router reaching the engine by its node IP, weight sync over the broadcast group (shared memory is
+never chosen across nodes), and both nodes stop cleanly afterwards."""
+import ipaddress
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+
+import psutil
+import pytest
+
+from slime.utils.http_utils import find_available_port
+from tests.test_e2e import TINY_MODEL_ARGS
+
+pytestmark = pytest.mark.e2e
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HEAD_IP, WORKER_IP = "127.0.0.2", "127.0.0.3"
+
+
+def _can_bind(ip):
+    with socket.socket() as s:
+        try:
+            s.bind((ip, 0))
+            return True
+        except OSError:
+            return False
+
+
+def _tree(markers):
+    """Processes whose command line names one of `markers` (a node's temp dir or address), with their descendants."""
+    roots = [p for p in psutil.process_iter(["cmdline"]) if any(m in " ".join(p.info["cmdline"] or []) for m in markers)]
+    found = {}
+    for p in roots:
+        for q in [p, *p.children(recursive=True)]:
+            found[q.pid] = q
+    return list(found.values())
+
+
+def _listeners(procs):
+    """(pid, name, ip) of every listening TCP socket of `procs`."""
+    pids = {p.pid: p for p in procs}
+    out = []
+    for c in psutil.net_connections(kind="tcp"):
+        if c.status == psutil.CONN_LISTEN and c.pid in pids:
+            try:
+                name = pids[c.pid].name()
+            except psutil.Error:
+                name = "?"
+            out.append((c.pid, name, c.laddr.ip))
+    return out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux's 127.0.0.0/8 loopback")
+def test_two_node_cluster_trainers_on_one_node_engines_on_the_other(tiny_kit, tmp_path):
+    if not (_can_bind(HEAD_IP) and _can_bind(WORKER_IP)):
+        pytest.skip(f"cannot bind {HEAD_IP} / {WORKER_IP} on this machine's loopback")
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    head_dir = tempfile.mkdtemp(prefix="rayA", dir="/tmp")
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "SLIME_HOST_IP")}
+    # multi-node Ray on one Linux machine: the node IPs are given explicitly, so none is resolved to the interface
+    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1", RAY_AUTH_MODE="disabled", GLOO_SOCKET_IFNAME="lo")
+    port = find_available_port(32000)
+    markers = [head_dir, f"{HEAD_IP}:{port}", WORKER_IP]  # in the command line of every process of the two nodes
+    common = ["--num-gpus=1", "--num-cpus=4", "--disable-usage-stats", "--object-store-memory=500000000"]
+    model = shutil.copytree(tiny_kit[0], tmp_path / "model")
+    try:
+        subprocess.run([ray_bin, "start", "--head", f"--node-ip-address={HEAD_IP}", f"--port={port}",
+                        "--include-dashboard=false", f"--temp-dir={head_dir}", *common],
+                       env=env, check=True, capture_output=True, timeout=180)
+        subprocess.run([ray_bin, "start", f"--address={HEAD_IP}:{port}", f"--node-ip-address={WORKER_IP}", *common],
+                       env=env, check=True, capture_output=True, timeout=180)
+        argv = TINY_MODEL_ARGS + [
+            "--hf-checkpoint", str(model), "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
+            "--prompt-data", f"{tiny_kit[1]}/train.jsonl", "--input-key", "prompt", "--label-key", "label",
+            "--apply-chat-template", "--rm-type", "answer_match", "--num-rollout", "2", "--rollout-batch-size", "4",
+            "--n-samples-per-prompt", "4", "--global-batch-size", "16", "--lr", "1e-5", "--rollout-max-response-len", "6",
+            "--metrics-path", str(tmp_path / "metrics.jsonl"),
+        ]
+        driver = subprocess.Popen([sys.executable, "train.py", *argv], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT,
+                                  env=dict(env, RAY_ADDRESS=f"{HEAD_IP}:{port}", SLIME_HOST_IP=HEAD_IP))
+        listeners, lines = set(), []
+        while driver.poll() is None:
+            line = driver.stdout.readline()
+            lines.append(line)
+            procs = _tree(markers) + [psutil.Process(driver.pid), *psutil.Process(driver.pid).children(recursive=True)]
+            listeners |= set(_listeners(procs))
+        lines += driver.stdout.readlines()
+        out = "".join(lines)
+        assert driver.returncode == 0, out[-4000:]
+        assert sum(1 for _ in open(tmp_path / "metrics.jsonl")) == 2
+        # the engine runs on the second node, behind a router on the head node, and gets weights by broadcast
+        assert f"inference engines ['http://{WORKER_IP}:" in out and f"sglang-router http://{HEAD_IP}:" in out, out[-3000:]
+        assert f"weight sync from {HEAD_IP} to ['http://{WORKER_IP}:" in out and ": broadcast" in out, out[-3000:]
+        # no listener of either node or of the driver on a non-loopback address
+        specific = [(pid, name, ip) for pid, name, ip in listeners
+                    if ip not in ("0.0.0.0", "::") and not ipaddress.ip_address(ip.replace("::ffff:", "")).is_loopback]
+        assert not specific, f"listening on a non-loopback address: {specific}"
+        assert any(ip == WORKER_IP for _, _, ip in listeners) and any(ip == HEAD_IP for _, _, ip in listeners)
+        # the run exited cleanly on both nodes: its servers are gone while the cluster itself stays up
+        left = [p.info["cmdline"] for p in psutil.process_iter(["cmdline"]) if str(model) in " ".join(p.info["cmdline"] or [])]
+        assert not left, f"processes of the run left behind: {left}"
+    finally:
+        _stop_cluster(markers)
+        shutil.rmtree(head_dir, ignore_errors=True)
+
+
+def _stop_cluster(markers):
+    """Stop this test's two Ray nodes only (never `ray stop`, which would stop every Ray on the machine)."""
+    procs = {p.pid: p for p in _tree(markers)}
+    for p in procs.values():
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(list(procs.values()), timeout=15)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
