@@ -189,3 +189,25 @@ def test_nan_step_is_skipped_without_the_check_and_raises_with_it(tiny_kit, tmp_
         assert out["outcome"].startswith("raised") and "nan" in out["outcome"].lower()
     else:
         assert out["outcome"] == "trained" and out["sched_steps"] == 0  # skipped: no LR-schedule step either
+
+
+# ---------------------------------------------------------------- slime v0.1.0's cp_utils names
+
+
+def test_v010_cp_utils_names(monkeypatch):
+    from slime.backends.megatron_utils import cp_utils, loss
+
+    assert cp_utils.get_sum_of_sample_mean is loss.get_sum_of_sample_mean
+    # CP=2, rank 0, a sample of 10 tokens with a 4-token response: chunk 3, chunks [0,3) and [9,12);
+    # response logits are [5, 9): rank 0 scores none in chunk 0 and logit 9 is past the last scoring logit (8)
+    monkeypatch.setattr(cp_utils, "cp_size_and_rank", lambda: (2, 0))
+    assert cp_utils.get_logits_and_tokens_offset_with_cp(10, 4) == (3, ((0, 3), (9, 12)), ((0, 0), (0, 0)),
+                                                                      ((0, 0), (0, 0)))
+    monkeypatch.setattr(cp_utils, "cp_size_and_rank", lambda: (2, 1))  # chunks [3,6) and [6,9)
+    assert cp_utils.get_logits_and_tokens_offset_with_cp(10, 4) == (3, ((3, 6), (6, 9)), ((5, 6), (6, 9)),
+                                                                      ((6, 7), (7, 10)))
+    assert cp_utils.slice_log_prob_with_cp([0.1, 0.2, 0.3, 0.4], 10, 4) == [0.1, 0.2, 0.3, 0.4]
+    monkeypatch.setattr(cp_utils, "cp_size_and_rank", lambda: (1, 0))
+    values = torch.tensor([0.1, 0.2])
+    assert cp_utils.slice_log_prob_with_cp([0.1, 0.2], 5, 2) == [0.1, 0.2]
+    assert cp_utils.all_gather_with_cp(values, 5, 2) is values

@@ -83,3 +83,57 @@ def gather_response_across_cp(pieces, values, response_length):
     # the model, so this rank still runs the backward, whose key/value all-reduces the other CP ranks wait for
     full = values.new_zeros(response_length).index_add(0, index, values)
     return _GatherAcrossCP.apply(full, mpu.get_context_parallel_group())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# slime v0.1.0's names for the same split, for user code that imports them from here (custom losses, TIS functions)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def get_logits_and_tokens_offset_with_cp(total_length, response_length):
+    """`(chunk_size, chunks, logits_offsets, tokens_offsets)` of this CP rank for one sample, offsets counted from the
+    sample's first token: its two chunks, the logit ranges in them that score response tokens (clipped to
+    `[prompt_length - 1, total_length - 1)`, `(0, 0)` when empty) and the matching token ranges (+1)."""
+    cp_size, cp_rank = cp_size_and_rank()
+    chunk = zigzag_chunk_size(total_length, cp_size)
+    chunks = zigzag_ranges(chunk, cp_size, cp_rank)
+    first = total_length - response_length - 1
+    logits, tokens = [], []
+    for start, end in chunks:
+        lo, hi = max(start, first), min(end, total_length - 1)
+        logits.append((lo, hi) if hi > lo else (0, 0))
+        tokens.append((lo + 1, hi + 1) if hi > lo else (0, 0))
+    return chunk, tuple(chunks), tuple(logits), tuple(tokens)
+
+
+def slice_log_prob_with_cp(log_prob, total_length, response_length):
+    """This CP rank's part of a whole-response sequence (list or tensor), in the order of its local logits."""
+    assert len(log_prob) == response_length, f"{len(log_prob)} values for a response of {response_length}"
+    cp_size, _ = cp_size_and_rank()
+    if cp_size == 1:
+        return log_prob
+    first = total_length - response_length - 1
+    _, _, logits, _ = get_logits_and_tokens_offset_with_cp(total_length, response_length)
+    parts = [log_prob[lo - first:hi - first] for lo, hi in logits if hi > lo]
+    if isinstance(log_prob, torch.Tensor):
+        return torch.cat(parts) if parts else log_prob[:0]
+    return [x for part in parts for x in part]
+
+
+def all_gather_with_cp(tensor, total_length, response_length):
+    """The whole response on every CP rank from this rank's local values (`slice_log_prob_with_cp`'s layout)."""
+    cp_size, cp_rank = cp_size_and_rank()
+    if cp_size == 1:
+        return tensor
+    chunk = zigzag_chunk_size(total_length, cp_size)
+    return gather_response_across_cp(response_pieces(total_length, response_length, chunk, cp_size, cp_rank),
+                                     tensor, response_length)
+
+
+def __getattr__(name):
+    # v0.1.0 defined the sum-of-sample-mean reducer here; it lives in loss.py, which imports this module
+    if name == "get_sum_of_sample_mean":
+        from .loss import get_sum_of_sample_mean
+
+        return get_sum_of_sample_mean
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
