@@ -154,10 +154,11 @@ def test_slow_engine_keeps_the_bound_and_resumes_requests_across_weight_updates(
         assert versions == sorted(versions)
         # nothing generated before the cut was lost or generated twice: exactly the budget, one log-prob per token,
         # after the same prompt tokens as every other sample of its group
-        assert s["response_length"] == 256 == len(s["rollout_log_probs"])
+        budget = 256 if s["group_index"] % 3 == 0 else 256 // 8  # see slow_generate
+        assert s["response_length"] == budget == len(s["rollout_log_probs"])
         siblings = [t for samples in batches.values() for t in samples if t["group_index"] == s["group_index"]]
         assert len(siblings) == 4
-        assert all(t["tokens"][:-t["response_length"]] == s["tokens"][:-256] for t in siblings)
+        assert all(t["tokens"][:-t["response_length"]] == s["tokens"][:-budget] for t in siblings)
 
 
 def test_max_staleness_0_is_on_policy(ray_session, tiny_kit, tmp_path):
