@@ -120,7 +120,8 @@ class RolloutManager:
         self.router_process = _start_router(args)
         self.controller = RolloutController.options(num_cpus=1, num_gpus=0).remote(args, wandb_run_id)
         self.all_rollout_engines = create_rollout_engines(args, pg)
-        _, _, self.nodes_per_engine = _engines_per_gpu_layout(args)
+        # no engines (and no --rollout-num-gpus) under --debug-train-only: only the per-engine layout is needed here
+        self.nodes_per_engine = max(1, args.rollout_num_gpus_per_engine // args.rollout_num_gpus_per_node)
         # Only the node-0 process of a multi-node engine receives requests and admin calls.
         self.rollout_engines = self.all_rollout_engines[::self.nodes_per_engine]
         self.engine_urls = ray.get([e.get_url.remote() for e in self.rollout_engines])
