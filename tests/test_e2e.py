@@ -228,10 +228,11 @@ def test_main_job_sft_then_grpo_raises_reward(tiny_kit, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["rollout_id"] for r in rows] == list(range(100))
-    first = sum(r["rollout/raw_reward"] for r in rows[:10]) / 10
-    last = sum(r["rollout/raw_reward"] for r in rows[-10:]) / 10
-    # measured: reward 0.19 -> 0.39, greedy eval 0.10 -> 0.48 (eval every 10 rollouts)
-    assert last > first + 0.1, f"GRPO did not raise the sampled reward: first 10 rollouts {first:.3f}, last 10 {last:.3f}"
+    # 20-rollout means: a 10-rollout window of 16x8 sampled rewards swings by ~0.05 between neighbouring windows
+    first = sum(r["rollout/raw_reward"] for r in rows[:20]) / 20
+    last = sum(r["rollout/raw_reward"] for r in rows[-20:]) / 20
+    # measured: reward 0.17 -> 0.30, greedy eval 0.10 -> 0.51 (eval every 10 rollouts)
+    assert last > first + 0.1, f"GRPO did not raise the sampled reward: first 20 rollouts {first:.3f}, last 20 {last:.3f}"
     evals = [r["eval/addition"] for r in rows if "eval/addition" in r]
     assert len(evals) == 11 and evals[-1] > evals[0] + 0.2, f"greedy eval accuracy did not rise: {evals}"
     assert (out / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
