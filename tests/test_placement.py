@@ -1,5 +1,4 @@
 """Placement: the layout table (docs/architecture.md), bundle ordering, fractional sharing of bundles, and loud failures."""
-import time
 
 import pytest
 
@@ -67,12 +66,3 @@ def test_bundles_shared_by_trainer_and_engine(ray_session):
             ray.kill(a)
     finally:
         remove_placement_group(pg)
-
-
-def test_unsatisfiable_placement_fails_fast_with_what_was_asked(ray_session):
-    from slime.ray.placement_group import _create_placement_group
-
-    t0 = time.time()
-    with pytest.raises(RuntimeError, match=r"GPU.*64 asked, cluster has 4"):
-        _create_placement_group(64)
-    assert time.time() - t0 < 10
