@@ -27,8 +27,12 @@ def train(args):
             args.num_rollout = num_rollout_per_epoch * args.num_epoch
         assert args.num_rollout > 0, f"nothing to train: num_rollout={args.num_rollout}"
 
-        start_rollout_ids = get(actor_model.async_init(args, role="actor", with_ref=args.kl_coef != 0 or args.use_kl_loss))
-        assert len(set(start_rollout_ids)) == 1, f"training ranks disagree on the start rollout id: {start_rollout_ids}"
+        start_rollout_ids = get(
+            actor_model.async_init(args, role="actor", with_ref=args.kl_coef != 0 or args.use_kl_loss)
+        )
+        assert len(set(start_rollout_ids)) == 1, (
+            f"training ranks disagree on the start rollout id: {start_rollout_ids}"
+        )
         if args.start_rollout_id is None:
             args.start_rollout_id = start_rollout_ids[0]
         if args.rollout_global_dataset:

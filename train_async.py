@@ -15,8 +15,10 @@ FULLY_ASYNC = "slime.rollout.fully_async_rollout.generate_rollout_fully_async"
 
 def train(args):
     if args.colocate or args.offload:
-        raise SystemExit("train_async.py overlaps generation with training, so it cannot share GPUs: "
-                         "drop --colocate/--offload, or use train.py for colocated runs.")
+        raise SystemExit(
+            "train_async.py overlaps generation with training, so it cannot share GPUs: "
+            "drop --colocate/--offload, or use train.py for colocated runs."
+        )
     init_ray(args)
     with cleanup_on_exit():  # engines, router, actors and placement group go away however the run ends
         pgs = create_placement_groups(args)
@@ -31,8 +33,12 @@ def train(args):
             args.num_rollout = num_rollout_per_epoch * args.num_epoch
         assert args.num_rollout > 0, f"nothing to train: num_rollout={args.num_rollout}"
 
-        start_rollout_ids = get(actor_model.async_init(args, role="actor", with_ref=args.kl_coef != 0 or args.use_kl_loss))
-        assert len(set(start_rollout_ids)) == 1, f"training ranks disagree on the start rollout id: {start_rollout_ids}"
+        start_rollout_ids = get(
+            actor_model.async_init(args, role="actor", with_ref=args.kl_coef != 0 or args.use_kl_loss)
+        )
+        assert len(set(start_rollout_ids)) == 1, (
+            f"training ranks disagree on the start rollout id: {start_rollout_ids}"
+        )
         if args.start_rollout_id is None:
             args.start_rollout_id = start_rollout_ids[0]
         if args.rollout_global_dataset:
@@ -111,8 +117,15 @@ def fully_async_loop(args, get, actor_model, rollout_manager, recorder, num_roll
             if last:
                 evals += get(controller.collect_evals.remote(wait=True))[1]
         for e in evals:  # a late result says which weights it measured and how many steps ago
-            recorder.eval(rollout_id, {**e["metrics"], "eval/weight_version": e["weight_version"],
-                                       "eval/step": e["rollout_id"], "eval/lag_steps": rollout_id - e["rollout_id"]})
+            recorder.eval(
+                rollout_id,
+                {
+                    **e["metrics"],
+                    "eval/weight_version": e["weight_version"],
+                    "eval/step": e["rollout_id"],
+                    "eval/lag_steps": rollout_id - e["rollout_id"],
+                },
+            )
         recorder.rollout_done(rollout_id, train_metrics, update_metrics)
 
 

@@ -8,6 +8,7 @@ read from the saved rollout data).
 
     .venv/bin/python benchmarks/bench_async.py [--num-rollout 12] [--max-staleness 1 2]
 """
+
 import argparse
 import glob
 import json
@@ -60,24 +61,65 @@ class EngineLoadSampler(threading.Thread):
                     pass
             if loads:  # count only while a server answers (start-up and shutdown excluded)
                 self.total += len(loads)
-                self.busy += sum(1 for load in loads if any(d.get("num_reqs", 0) or d.get("num_waiting_reqs", 0)
-                                                            for d in load))
+                self.busy += sum(
+                    1 for load in loads if any(d.get("num_reqs", 0) or d.get("num_waiting_reqs", 0) for d in load)
+                )
             time.sleep(self.period)
 
 
 def run(name, extra, model_dir, data_dir, out_dir, num_rollout):
     metrics = os.path.join(out_dir, f"{name}.jsonl")
     rollouts = os.path.join(out_dir, name, "r_{rollout_id}.pt")
-    model_args = subprocess.run(["bash", "-c", "source scripts/models/qwen3-tiny.sh && printf '%s\\n' \"${MODEL_ARGS[@]}\""],
-                                cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    model_args = subprocess.run(
+        ["bash", "-c", "source scripts/models/qwen3-tiny.sh && printf '%s\\n' \"${MODEL_ARGS[@]}\""],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     driver = "train.py" if name == "sync" else "train_async.py"
-    cmd = [sys.executable, driver, *model_args, "--hf-checkpoint", model_dir, "--actor-num-gpus-per-node", "1",
-           "--rollout-num-gpus", "1", "--prompt-data", f"{data_dir}/train.jsonl", "--input-key", "prompt",
-           "--label-key", "label", "--apply-chat-template", "--rm-type", "answer_match", "--rollout-shuffle",
-           "--num-rollout", str(num_rollout), "--rollout-batch-size", "16", "--n-samples-per-prompt", "8",
-           "--global-batch-size", "64", "--rollout-max-response-len", "16", "--lr", "1e-4",
-           "--attention-dropout", "0", "--hidden-dropout", "0", "--metrics-path", metrics,
-           "--save-debug-rollout-data", rollouts, *extra]
+    cmd = [
+        sys.executable,
+        driver,
+        *model_args,
+        "--hf-checkpoint",
+        model_dir,
+        "--actor-num-gpus-per-node",
+        "1",
+        "--rollout-num-gpus",
+        "1",
+        "--prompt-data",
+        f"{data_dir}/train.jsonl",
+        "--input-key",
+        "prompt",
+        "--label-key",
+        "label",
+        "--apply-chat-template",
+        "--rm-type",
+        "answer_match",
+        "--rollout-shuffle",
+        "--num-rollout",
+        str(num_rollout),
+        "--rollout-batch-size",
+        "16",
+        "--n-samples-per-prompt",
+        "8",
+        "--global-batch-size",
+        "64",
+        "--rollout-max-response-len",
+        "16",
+        "--lr",
+        "1e-4",
+        "--attention-dropout",
+        "0",
+        "--hidden-dropout",
+        "0",
+        "--metrics-path",
+        metrics,
+        "--save-debug-rollout-data",
+        rollouts,
+        *extra,
+    ]
     sampler = EngineLoadSampler()
     sampler.start()
     try:
@@ -106,9 +148,17 @@ def main():
     p.add_argument("--num-rollout", type=int, default=12)
     p.add_argument("--max-staleness", type=int, nargs="+", default=[1, 2])
     a = p.parse_args()
-    env_defaults = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1",
-                    "SLIME_HOST_IP": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "TOKENIZERS_PARALLELISM": "false"}
+    env_defaults = {
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_AUTH_MODE": "disabled",
+        "OMP_NUM_THREADS": "1",
+        "SLIME_HOST_IP": "127.0.0.1",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     for k, v in env_defaults.items():
         os.environ.setdefault(k, v)
     from tools.build_tiny_kit import build_data, build_model
@@ -126,8 +176,10 @@ def main():
     print("|---|---|---|---|---|---|")
     for name, r in results.items():
         lag = ", ".join(f"{k}: {v}" for k, v in r["staleness"].items())
-        print(f"| {name} | {r['samples/s']:.1f} | {r['samples/s'] / base:.2f}x | {r['trainer wait']:.2f} | "
-              f"{r['engine idle']:.2f} | {lag} |")
+        print(
+            f"| {name} | {r['samples/s']:.1f} | {r['samples/s'] / base:.2f}x | {r['trainer wait']:.2f} | "
+            f"{r['engine idle']:.2f} | {lag} |"
+        )
 
 
 if __name__ == "__main__":

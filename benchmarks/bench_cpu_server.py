@@ -7,6 +7,7 @@ asked for, use 1 torch thread, and include tokenized prompts only (no text proce
 
     python benchmarks/bench_cpu_server.py [--model-dir DIR] [--num-prompts 64] [--min-new 4] [--max-new 64]
 """
+
 import argparse
 import os
 import random
@@ -26,7 +27,9 @@ def workload(tok, n, lo, hi, seed=0):
     for i in range(n):
         a, b = rng.randint(0, 99), rng.randint(0, 99)
         msgs = [{"role": "user", "content": f"What is {a}+{b}?" + " Think step by step." * (i % 4)}]
-        prompts.append(list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)))
+        prompts.append(
+            list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
+        )
         lens.append(rng.randint(lo, hi))
     return prompts, lens
 
@@ -37,8 +40,22 @@ def start_server(model_dir, max_running):
     from slime.utils.http_utils import find_available_port
 
     port = find_available_port(26000)
-    proc = subprocess.Popen([sys.executable, "-m", "slime.backends.cpu_server", "--model-path", model_dir, "--port", str(port),
-                             "--max-running-requests", str(max_running), "--log-level", "warning"], start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "slime.backends.cpu_server",
+            "--model-path",
+            model_dir,
+            "--port",
+            str(port),
+            "--max-running-requests",
+            str(max_running),
+            "--log-level",
+            "warning",
+        ],
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     s = requests.Session()
     s.trust_env = False
@@ -56,7 +73,10 @@ def start_server(model_dir, max_running):
 
 
 def run_server(url, session, prompts, lens):
-    body = {"input_ids": prompts, "sampling_params": [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in lens]}
+    body = {
+        "input_ids": prompts,
+        "sampling_params": [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in lens],
+    }
     t0 = time.perf_counter()
     outs = session.post(url + "/generate", json=body, timeout=600).json()
     elapsed = time.perf_counter() - t0
@@ -72,10 +92,16 @@ def run_hf(model, prompts, lens):
     mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
         t0 = time.perf_counter()
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=max(lens), min_new_tokens=max(lens),
-                             do_sample=False, pad_token_id=0)
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=max(lens),
+            min_new_tokens=max(lens),
+            do_sample=False,
+            pad_token_id=0,
+        )
         elapsed = time.perf_counter() - t0
-    return elapsed, [out[i, L: L + n].tolist() for i, n in enumerate(lens)]
+    return elapsed, [out[i, L : L + n].tolist() for i, n in enumerate(lens)]
 
 
 def main():
@@ -116,11 +142,15 @@ def main():
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)
     same = sum(x == y for x, y in zip(out_srv, out_hf))
-    print(f"workload: {len(prompts)} prompts, {min(len(x) for x in prompts)}-{max(len(x) for x in prompts)} prompt tokens, "
-          f"{useful} output tokens ({a.min_new}..{a.max_new} per prompt), greedy, 1 torch thread, best of {a.repeats}")
+    print(
+        f"workload: {len(prompts)} prompts, {min(len(x) for x in prompts)}-{max(len(x) for x in prompts)} prompt tokens, "
+        f"{useful} output tokens ({a.min_new}..{a.max_new} per prompt), greedy, 1 torch thread, best of {a.repeats}"
+    )
     print(f"CPU server (continuous batching, via HTTP): {t_srv:7.3f} s  {useful / t_srv:9.1f} tok/s")
     print(f"transformers generate (static padded batch): {t_hf:7.3f} s  {useful / t_hf:9.1f} tok/s")
-    print(f"ratio server / transformers: {t_hf / t_srv:.2f}x   (greedy outputs identical for {same}/{len(prompts)} prompts)")
+    print(
+        f"ratio server / transformers: {t_hf / t_srv:.2f}x   (greedy outputs identical for {same}/{len(prompts)} prompts)"
+    )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ train_async.py, and the async/sync step-time ratio (< 1 means async is faster).
 
     .venv/bin/python benchmarks/bench_loop.py [--num-rollout 8]
 """
+
 import argparse
 import json
 import os
@@ -21,14 +22,51 @@ PHASES = [("rollout", "perf/rollout_time"), ("train", "perf/train_time"), ("weig
 
 def run(driver, model_dir, data_dir, out_dir, num_rollout):
     metrics = os.path.join(out_dir, f"{driver}.jsonl")
-    model_args = subprocess.run(["bash", "-c", "source scripts/models/qwen3-tiny.sh && printf '%s\\n' \"${MODEL_ARGS[@]}\""],
-                                cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
-    cmd = [sys.executable, driver, *model_args, "--hf-checkpoint", model_dir, "--actor-num-gpus-per-node", "1",
-           "--rollout-num-gpus", "1", "--prompt-data", f"{data_dir}/train.jsonl", "--input-key", "prompt",
-           "--label-key", "label", "--apply-chat-template", "--rm-type", "answer_match",
-           "--num-rollout", str(num_rollout), "--rollout-batch-size", "16", "--n-samples-per-prompt", "8",
-           "--global-batch-size", "128", "--rollout-max-response-len", "16", "--lr", "1e-4",
-           "--attention-dropout", "0", "--hidden-dropout", "0", "--metrics-path", metrics]
+    model_args = subprocess.run(
+        ["bash", "-c", "source scripts/models/qwen3-tiny.sh && printf '%s\\n' \"${MODEL_ARGS[@]}\""],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    cmd = [
+        sys.executable,
+        driver,
+        *model_args,
+        "--hf-checkpoint",
+        model_dir,
+        "--actor-num-gpus-per-node",
+        "1",
+        "--rollout-num-gpus",
+        "1",
+        "--prompt-data",
+        f"{data_dir}/train.jsonl",
+        "--input-key",
+        "prompt",
+        "--label-key",
+        "label",
+        "--apply-chat-template",
+        "--rm-type",
+        "answer_match",
+        "--num-rollout",
+        str(num_rollout),
+        "--rollout-batch-size",
+        "16",
+        "--n-samples-per-prompt",
+        "8",
+        "--global-batch-size",
+        "128",
+        "--rollout-max-response-len",
+        "16",
+        "--lr",
+        "1e-4",
+        "--attention-dropout",
+        "0",
+        "--hidden-dropout",
+        "0",
+        "--metrics-path",
+        metrics,
+    ]
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     with open(metrics) as f:
         return [json.loads(line) for line in f][1:]  # rollout 0 includes start-up costs
@@ -46,17 +84,31 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-rollout", type=int, default=8)
     a = p.parse_args()
-    env_defaults = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1",
-                    "SLIME_HOST_IP": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "TOKENIZERS_PARALLELISM": "false"}
+    env_defaults = {
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_AUTH_MODE": "disabled",
+        "OMP_NUM_THREADS": "1",
+        "SLIME_HOST_IP": "127.0.0.1",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     for k, v in env_defaults.items():
         os.environ.setdefault(k, v)
     from tools.build_tiny_kit import build_data, build_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, data_dir = build_model(os.path.join(tmp, "model")), build_data(os.path.join(tmp, "data"))
-        results = {d: summarize(run(d, model_dir, data_dir, tmp, a.num_rollout)) for d in ("train.py", "train_async.py")}
-    print(f"{'driver':<16}" + "".join(f"{k:>13}" for k in ["step", *[n for n, _ in PHASES], "overhead"]) + "   (median s)")
+        results = {
+            d: summarize(run(d, model_dir, data_dir, tmp, a.num_rollout)) for d in ("train.py", "train_async.py")
+        }
+    print(
+        f"{'driver':<16}"
+        + "".join(f"{k:>13}" for k in ["step", *[n for n, _ in PHASES], "overhead"])
+        + "   (median s)"
+    )
     for d, r in results.items():
         print(f"{d:<16}" + "".join(f"{r[k]:>13.3f}" for k in ["step", *[n for n, _ in PHASES], "overhead"]))
     print(f"async/sync step-time ratio: {results['train_async.py']['step'] / results['train.py']['step']:.2f}")

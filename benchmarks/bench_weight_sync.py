@@ -9,6 +9,7 @@ convert, transfer, load into the engine, continue):
 
     python benchmarks/bench_weight_sync.py [--hidden 1024 --ffn 4096 --layers 6 --repeats 5]
 """
+
 import argparse
 import os
 import shutil
@@ -19,9 +20,16 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-for k, v in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1",
-             "SLIME_HOST_IP": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "HF_HUB_OFFLINE": "1",
-             "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}.items():
+for k, v in {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_AUTH_MODE": "disabled",
+    "OMP_NUM_THREADS": "1",
+    "SLIME_HOST_IP": "127.0.0.1",
+    "GLOO_SOCKET_IFNAME": "lo",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}.items():
     os.environ.setdefault(k, v)
 
 import ray  # noqa: E402
@@ -75,16 +83,34 @@ def main():
     try:
         model_dir = os.path.join(workdir, "model")
         build_model(model_dir, hidden=opts.hidden, ffn=opts.ffn, layers=opts.layers)
-        nbytes = sum(os.path.getsize(os.path.join(model_dir, f)) for f in os.listdir(model_dir) if f.endswith(".safetensors"))
-        print(f"model: hidden {opts.hidden}, ffn {opts.ffn}, {opts.layers} layers, fp32, {nbytes / 1e6:.0f} MB on disk")
+        nbytes = sum(
+            os.path.getsize(os.path.join(model_dir, f)) for f in os.listdir(model_dir) if f.endswith(".safetensors")
+        )
+        print(
+            f"model: hidden {opts.hidden}, ffn {opts.ffn}, {opts.layers} layers, fp32, {nbytes / 1e6:.0f} MB on disk"
+        )
         memcpy_before = memcpy_gbps(nbytes)
-        ray.init(num_cpus=8, num_gpus=4, include_dashboard=False, object_store_memory=1 << 30, log_to_driver=False,
-                 _temp_dir=tempfile.mkdtemp(prefix="ray", dir="/tmp"))
-        args = megatron_args(model_dir, rollout_num_gpus_per_engine=1, rollout_num_gpus_per_node=4,
-                             inference_server="cpu", update_weight_buffer_size=512 << 20, update_weight_timeout=600,
-                             check_weight_update_equal=False)
+        ray.init(
+            num_cpus=8,
+            num_gpus=4,
+            include_dashboard=False,
+            object_store_memory=1 << 30,
+            log_to_driver=False,
+            _temp_dir=tempfile.mkdtemp(prefix="ray", dir="/tmp"),
+        )
+        args = megatron_args(
+            model_dir,
+            rollout_num_gpus_per_engine=1,
+            rollout_num_gpus_per_node=4,
+            inference_server="cpu",
+            update_weight_buffer_size=512 << 20,
+            update_weight_timeout=600,
+            check_weight_update_equal=False,
+        )
         engines = start_engines(args, 1)
-        results = {mode: bench_mode(args, engines[0], mode, opts.repeats) for mode in ("broadcast", "shm", "colocated")}
+        results = {
+            mode: bench_mode(args, engines[0], mode, opts.repeats) for mode in ("broadcast", "shm", "colocated")
+        }
     finally:
         stop(engines)
         if ray.is_initialized():
@@ -98,7 +124,9 @@ def main():
     for mode, target in (("broadcast", None), ("shm", 0.25), ("colocated", 0.5)):
         moved, best, median = results[mode]
         gbps = moved / best / 1e9
-        print(f"{mode:<12}{moved / 1e6:>8.0f}{f'{best:.3f} ({median:.3f})':>16}{gbps:>8.2f}{gbps / memcpy:>10.2f}{target or '':>8}")
+        print(
+            f"{mode:<12}{moved / 1e6:>8.0f}{f'{best:.3f} ({median:.3f})':>16}{gbps:>8.2f}{gbps / memcpy:>10.2f}{target or '':>8}"
+        )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ Runs, each as its own process, and prints a pass/fail table at the end (exit sta
 The model is the tiny offline Qwen3 kit (built if missing), so nothing is downloaded; --model-dir takes another
 local HF Qwen3 directory. Needs 2 GPUs for the disaggregated run (1 is enough for the others).
 """
+
 import argparse
 import json
 import os
@@ -18,20 +19,76 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY_QWEN3 = ["--num-layers", "4", "--hidden-size", "128", "--ffn-hidden-size", "512", "--num-attention-heads", "4",
-              "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "32",
-              "--use-rotary-position-embeddings", "--rotary-base", "10000", "--disable-bias-linear", "--normalization",
-              "RMSNorm", "--norm-epsilon", "1e-6", "--swiglu", "--qk-layernorm", "--vocab-size", "512",
-              "--max-position-embeddings", "512"]
+TINY_QWEN3 = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "128",
+    "--ffn-hidden-size",
+    "512",
+    "--num-attention-heads",
+    "4",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--kv-channels",
+    "32",
+    "--use-rotary-position-embeddings",
+    "--rotary-base",
+    "10000",
+    "--disable-bias-linear",
+    "--normalization",
+    "RMSNorm",
+    "--norm-epsilon",
+    "1e-6",
+    "--swiglu",
+    "--qk-layernorm",
+    "--vocab-size",
+    "512",
+    "--max-position-embeddings",
+    "512",
+]
 
 
 def train_argv(model_dir, data_dir, out, *extra):
-    return [sys.executable, "train.py", *TINY_QWEN3, "--hf-checkpoint", model_dir, "--inference-server", "sglang",
-            "--prompt-data", f"{data_dir}/train.jsonl", "--input-key", "prompt", "--label-key", "label",
-            "--apply-chat-template", "--rm-type", "answer_match", "--num-rollout", "2", "--rollout-batch-size", "4",
-            "--n-samples-per-prompt", "4", "--global-batch-size", "16", "--rollout-max-response-len", "8",
-            "--lr", "1e-5", "--seed", "1", "--check-weight-update-equal", "--sglang-mem-fraction-static", "0.3",
-            "--metrics-path", f"{out}/metrics.jsonl", *extra]
+    return [
+        sys.executable,
+        "train.py",
+        *TINY_QWEN3,
+        "--hf-checkpoint",
+        model_dir,
+        "--inference-server",
+        "sglang",
+        "--prompt-data",
+        f"{data_dir}/train.jsonl",
+        "--input-key",
+        "prompt",
+        "--label-key",
+        "label",
+        "--apply-chat-template",
+        "--rm-type",
+        "answer_match",
+        "--num-rollout",
+        "2",
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "4",
+        "--global-batch-size",
+        "16",
+        "--rollout-max-response-len",
+        "8",
+        "--lr",
+        "1e-5",
+        "--seed",
+        "1",
+        "--check-weight-update-equal",
+        "--sglang-mem-fraction-static",
+        "0.3",
+        "--metrics-path",
+        f"{out}/metrics.jsonl",
+        *extra,
+    ]
 
 
 def run(name, argv, out, timeout):
@@ -68,23 +125,48 @@ def main():
 
     print(f"gpu_check: {torch.cuda.device_count()} GPU(s), torch {torch.__version__}, sglang {sglang.__version__}")
     if not os.path.isfile(os.path.join(ROOT, a.model_dir, "config.json")):
-        subprocess.run([sys.executable, "tools/build_tiny_kit.py", "--model-dir", a.model_dir, "--data-dir",
-                        a.data_dir], cwd=ROOT, check=True)
+        subprocess.run(
+            [sys.executable, "tools/build_tiny_kit.py", "--model-dir", a.model_dir, "--data-dir", a.data_dir],
+            cwd=ROOT,
+            check=True,
+        )
     one_gpu = ["--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1"]
     results = [
-        run("colocated, offload + torch_memory_saver, 2 cycles, --check-weight-update-equal",
-            train_argv(a.model_dir, a.data_dir, f"{a.out}/colocate", *one_gpu, "--colocate"), f"{a.out}/colocate",
-            a.timeout),
+        run(
+            "colocated, offload + torch_memory_saver, 2 cycles, --check-weight-update-equal",
+            train_argv(a.model_dir, a.data_dir, f"{a.out}/colocate", *one_gpu, "--colocate"),
+            f"{a.out}/colocate",
+            a.timeout,
+        ),
     ]
     if torch.cuda.device_count() >= 2:
-        results.append(run(
-            "disaggregated, NCCL broadcast, 2 cycles, --check-weight-update-equal",
-            train_argv(a.model_dir, a.data_dir, f"{a.out}/disagg", *one_gpu, "--rollout-num-gpus", "1",
-                       "--update-weight-transport", "broadcast"), f"{a.out}/disagg", a.timeout))
+        results.append(
+            run(
+                "disaggregated, NCCL broadcast, 2 cycles, --check-weight-update-equal",
+                train_argv(
+                    a.model_dir,
+                    a.data_dir,
+                    f"{a.out}/disagg",
+                    *one_gpu,
+                    "--rollout-num-gpus",
+                    "1",
+                    "--update-weight-transport",
+                    "broadcast",
+                ),
+                f"{a.out}/disagg",
+                a.timeout,
+            )
+        )
     else:
         results.append(("disaggregated, NCCL broadcast", False, "-", "needs 2 GPUs"))
-    results.append(run("tests/test_megatron_gpu.py", [sys.executable, "-m", "pytest", "-q", "-rs",
-                                                      "tests/test_megatron_gpu.py"], f"{a.out}/megatron_gpu", a.timeout))
+    results.append(
+        run(
+            "tests/test_megatron_gpu.py",
+            [sys.executable, "-m", "pytest", "-q", "-rs", "tests/test_megatron_gpu.py"],
+            f"{a.out}/megatron_gpu",
+            a.timeout,
+        )
+    )
     width = max(len(r[0]) for r in results)
     print(f"\n{'check':<{width}}  result  time   detail")
     for name, ok, secs, detail in results:

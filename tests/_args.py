@@ -1,10 +1,25 @@
 """The one way tests build a job's arguments: slime's own `parse_args` (path checks off), so every field exists
 with its real default and tests never carry a second copy of the argparse defaults."""
+
 from slime.utils.arguments import parse_args
 
 # A small valid job: 1 trainer GPU, 1 engine GPU, 4 prompts x 2 samples, one optimizer step per rollout.
-BASE = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "8", "--num-rollout", "2",
-        "--lr", "1e-6", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1"]
+BASE = [
+    "--rollout-batch-size",
+    "4",
+    "--n-samples-per-prompt",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--num-rollout",
+    "2",
+    "--lr",
+    "1e-6",
+    "--actor-num-gpus-per-node",
+    "1",
+    "--rollout-num-gpus",
+    "1",
+]
 TINY_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
 
 

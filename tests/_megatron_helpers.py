@@ -1,4 +1,5 @@
 """Shared by the Megatron tests: spawn gloo ranks with a timeout, Megatron args for an HF dir, tiny random HF models."""
+
 import os
 import socket
 import time
@@ -18,8 +19,14 @@ def free_port():
 def _entry(rank, fn, world_size, port, args):
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK="0", SLIME_DEVICE="cpu")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK="0",
+        SLIME_DEVICE="cpu",
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
@@ -65,11 +72,13 @@ def train_once_for_offload(args, model, opt, sched, rollout, iters, nmb):
 
 
 # Megatron's parallel layout: passed as flags (not fields) so that what parse_args derives from it follows.
-_LAYOUT_FLAGS = {"tensor_model_parallel_size": "--tensor-model-parallel-size",
-                 "pipeline_model_parallel_size": "--pipeline-model-parallel-size",
-                 "context_parallel_size": "--context-parallel-size",
-                 "expert_model_parallel_size": "--expert-model-parallel-size",
-                 "virtual_pipeline_model_parallel_size": "--num-virtual-stages-per-pipeline-rank"}
+_LAYOUT_FLAGS = {
+    "tensor_model_parallel_size": "--tensor-model-parallel-size",
+    "pipeline_model_parallel_size": "--pipeline-model-parallel-size",
+    "context_parallel_size": "--context-parallel-size",
+    "expert_model_parallel_size": "--expert-model-parallel-size",
+    "virtual_pipeline_model_parallel_size": "--num-virtual-stages-per-pipeline-rank",
+}
 
 
 def megatron_args(hf_dir, **overrides):
@@ -77,8 +86,16 @@ def megatron_args(hf_dir, **overrides):
     `--hf-checkpoint` does in a job; no dropout, 128-token sequences, no MoE aux loss. The parallel layout in
     `overrides` and the checkpoint paths become flags (with a world size the layout divides); every other
     override is set as a field."""
-    argv = ["--seq-length", "128", "--hidden-dropout", "0", "--attention-dropout", "0",
-            "--moe-router-load-balancing-type", "none"]
+    argv = [
+        "--seq-length",
+        "128",
+        "--hidden-dropout",
+        "0",
+        "--attention-dropout",
+        "0",
+        "--moe-router-load-balancing-type",
+        "none",
+    ]
     world = 1
     for name, flag in _LAYOUT_FLAGS.items():
         size = overrides.pop(name, None)
@@ -152,10 +169,21 @@ def _build_mimo(common, out_dir):
         with open(os.path.join(out_dir, name), "w") as f:
             f.write(text)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump({**common, "model_type": "mimo", "architectures": ["MiMoForCausalLM"], "hidden_act": "silu",
-                   "num_nextn_predict_layers": 1, "rope_theta": 640000.0,
-                   "auto_map": {"AutoConfig": "configuration_mimo.MiMoConfig",
-                                "AutoModelForCausalLM": "modeling_mimo.MiMoForCausalLM"}}, f)
+        json.dump(
+            {
+                **common,
+                "model_type": "mimo",
+                "architectures": ["MiMoForCausalLM"],
+                "hidden_act": "silu",
+                "num_nextn_predict_layers": 1,
+                "rope_theta": 640000.0,
+                "auto_map": {
+                    "AutoConfig": "configuration_mimo.MiMoConfig",
+                    "AutoModelForCausalLM": "modeling_mimo.MiMoForCausalLM",
+                },
+            },
+            f,
+        )
     cfg = AutoConfig.from_pretrained(out_dir, trust_remote_code=True)
     return cfg, lambda c: AutoModelForCausalLM.from_config(c, trust_remote_code=True)
 
@@ -166,12 +194,29 @@ def build_random_hf(kind, out_dir, seed=0, vocab_size=200):
     every tensor (norms and router score biases too) random."""
     import transformers as tf
 
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                  pad_token_id=0, eos_token_id=2)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=2,
+    )
     # GLM-4.5 / DeepSeek-V3 routing: 1 dense + 2 MoE layers, 8 experts, a shared expert, scaled sigmoid top-k.
-    routed = dict(num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1,
-                  moe_intermediate_size=32, routed_scaling_factor=2.5, norm_topk_prob=True)
+    routed = dict(
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        moe_intermediate_size=32,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+    )
     if kind == "qwen2":
         cfg = tf.Qwen2Config(**common)
         cls = tf.Qwen2ForCausalLM
@@ -182,30 +227,62 @@ def build_random_hf(kind, out_dir, seed=0, vocab_size=200):
         cfg = tf.LlamaConfig(**common)
         cls = tf.LlamaForCausalLM
     elif kind == "llama3":  # Llama-3.2 style: tied embeddings, llama3 RoPE scaling with factor 32
-        rope = dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                    original_max_position_embeddings=8192)
-        cfg = tf.LlamaConfig(**{**common, "tie_word_embeddings": True, "max_position_embeddings": 131072},
-                             rope_parameters=rope)
+        rope = dict(
+            rope_type="llama3",
+            rope_theta=500000.0,
+            factor=32.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        )
+        cfg = tf.LlamaConfig(
+            **{**common, "tie_word_embeddings": True, "max_position_embeddings": 131072}, rope_parameters=rope
+        )
         cls = tf.LlamaForCausalLM
     elif kind == "glm4":
         cfg = tf.Glm4Config(head_dim=16, attention_bias=True, **common)
         cls = tf.Glm4ForCausalLM
     elif kind == "glm4moe":  # grouped query attention, q/k norm, qkv bias, partial rotary 0.5, no routing groups
-        cfg = tf.Glm4MoeConfig(head_dim=16, num_experts_per_tok=2, use_qk_norm=True, attention_bias=True,
-                               n_group=1, topk_group=1, **{**common, **routed})
+        cfg = tf.Glm4MoeConfig(
+            head_dim=16,
+            num_experts_per_tok=2,
+            use_qk_norm=True,
+            attention_bias=True,
+            n_group=1,
+            topk_group=1,
+            **{**common, **routed},
+        )
         cls = tf.Glm4MoeForCausalLM
     elif kind == "deepseekv3":  # MLA with q-lora, yarn RoPE (factor 40), 4 routing groups of which 2 are kept
-        rope = dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, mscale=1.0, mscale_all_dim=1.0,
-                    original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0)
-        cfg = tf.DeepseekV3Config(num_experts_per_tok=4, n_group=4, topk_group=2, q_lora_rank=32, kv_lora_rank=16,
-                                  qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rope_parameters=rope,
-                                  **{**common, **routed, "num_key_value_heads": 4, "max_position_embeddings": 163840})
+        rope = dict(
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=40.0,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+            original_max_position_embeddings=4096,
+            beta_fast=32.0,
+            beta_slow=1.0,
+        )
+        cfg = tf.DeepseekV3Config(
+            num_experts_per_tok=4,
+            n_group=4,
+            topk_group=2,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            rope_parameters=rope,
+            **{**common, **routed, "num_key_value_heads": 4, "max_position_embeddings": 163840},
+        )
         cls = tf.DeepseekV3ForCausalLM
     elif kind == "mimo":
         cfg, cls = _build_mimo(common, out_dir)
     elif kind == "qwen3moe":
-        cfg = tf.Qwen3MoeConfig(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                norm_topk_prob=True, **common)
+        cfg = tf.Qwen3MoeConfig(
+            head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, **common
+        )
         cls = tf.Qwen3MoeForCausalLM
     else:
         raise ValueError(kind)
@@ -229,18 +306,59 @@ def causal_mask(seq_len):
 def train_args(model_dir, **overrides):
     """Megatron + slime RL flags for the tiny kit: GRPO policy loss, 1 rollout of 2 prompts x 2 samples, gbs 4."""
     rl = dict(
-        lr=1e-3, min_lr=0.0, clip_grad=1.0, optimizer="adam", weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.98,
-        adam_eps=1e-8, lr_decay_style="constant", use_checkpoint_opt_param_scheduler=True,
-        accumulate_allreduce_grads_in_fp32=True, use_distributed_optimizer=False, global_batch_size=4, micro_batch_size=2,
-        rollout_batch_size=2, n_samples_per_prompt=2, num_rollout=4, num_steps_per_rollout=None,
-        use_dynamic_batch_size=False, max_tokens_per_gpu=None, balance_data=False, calculate_per_token_loss=False,
-        loss_type="policy_loss", advantage_estimator="grpo", eps_clip=0.2, eps_clip_high=0.2, eps_clip_c=None,
-        kl_coef=0.0, use_kl_loss=True, kl_loss_coef=0.0, kl_loss_type="low_var_kl", entropy_coef=0.0, gamma=1.0,
-        normalize_advantages=False, use_tis=False, tis_clip=2.0, tis_clip_low=0.0, rollout_temperature=1.0,
-        use_rollout_entropy=False, compute_advantages_and_returns=True, ci_test=True, load=None, save=None,
-        ref_load=None, offload=False, colocate=False, keep_old_actor=False, debug_rollout_only=False,
-        debug_train_only=False, use_wandb=False, update_weight_buffer_size=512 * 1024**2,
-        check_for_nan_in_loss_and_grad=True, fp16=False,
+        lr=1e-3,
+        min_lr=0.0,
+        clip_grad=1.0,
+        optimizer="adam",
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.98,
+        adam_eps=1e-8,
+        lr_decay_style="constant",
+        use_checkpoint_opt_param_scheduler=True,
+        accumulate_allreduce_grads_in_fp32=True,
+        use_distributed_optimizer=False,
+        global_batch_size=4,
+        micro_batch_size=2,
+        rollout_batch_size=2,
+        n_samples_per_prompt=2,
+        num_rollout=4,
+        num_steps_per_rollout=None,
+        use_dynamic_batch_size=False,
+        max_tokens_per_gpu=None,
+        balance_data=False,
+        calculate_per_token_loss=False,
+        loss_type="policy_loss",
+        advantage_estimator="grpo",
+        eps_clip=0.2,
+        eps_clip_high=0.2,
+        eps_clip_c=None,
+        kl_coef=0.0,
+        use_kl_loss=True,
+        kl_loss_coef=0.0,
+        kl_loss_type="low_var_kl",
+        entropy_coef=0.0,
+        gamma=1.0,
+        normalize_advantages=False,
+        use_tis=False,
+        tis_clip=2.0,
+        tis_clip_low=0.0,
+        rollout_temperature=1.0,
+        use_rollout_entropy=False,
+        compute_advantages_and_returns=True,
+        ci_test=True,
+        load=None,
+        save=None,
+        ref_load=None,
+        offload=False,
+        colocate=False,
+        keep_old_actor=False,
+        debug_rollout_only=False,
+        debug_train_only=False,
+        use_wandb=False,
+        update_weight_buffer_size=512 * 1024**2,
+        check_for_nan_in_loss_and_grad=True,
+        fp16=False,
     )
     rl.update(overrides)
     return megatron_args(model_dir, **rl)
@@ -252,8 +370,16 @@ def fixed_rollout(vocab_size=512, n=4, seed=0):
 
     rng = np.random.default_rng(seed)
     lengths = [(5, 4), (7, 3), (4, 6), (6, 5)][:n]
-    data = {"tokens": [], "response_lengths": [], "loss_masks": [], "rewards": [], "raw_reward": [], "truncated": [],
-            "sample_indices": [], "rollout_log_probs": []}
+    data = {
+        "tokens": [],
+        "response_lengths": [],
+        "loss_masks": [],
+        "rewards": [],
+        "raw_reward": [],
+        "truncated": [],
+        "sample_indices": [],
+        "rollout_log_probs": [],
+    }
     for i, (p, r) in enumerate(lengths):
         data["tokens"].append(rng.integers(3, vocab_size, p + r).astype(np.int64))
         data["response_lengths"].append(r)
@@ -270,12 +396,13 @@ def hf_log_probs(model_dir, data):
     """Per-sample response log-probs of `data` (tokens, response_lengths) from a transformers fp32 forward."""
     from transformers import AutoModelForCausalLM
 
-    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager",
-                                               trust_remote_code=True).eval()
+    ref = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager", trust_remote_code=True
+    ).eval()
     out = []
     with torch.no_grad():
         for tokens, r in zip(data["tokens"], data["response_lengths"]):
             t = torch.as_tensor(tokens)[None]
             logp = torch.log_softmax(ref(t).logits[0].float(), -1)
-            out.append(logp[-r - 1:-1].gather(-1, t[0, -r:, None])[:, 0])
+            out.append(logp[-r - 1 : -1].gather(-1, t[0, -r:, None])[:, 0])
     return out

@@ -1,13 +1,23 @@
 """Test-session environment: offline HF, loopback-only Ray, one torch thread, one Ray session, one tiny kit."""
+
 import os
 import tempfile
 
 _HF_HOME = tempfile.mkdtemp(prefix="slime-hf-home-")
 for k, v in {
-    "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HOME": _HF_HOME,
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_HOME": _HF_HOME,
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # must precede `import ray`: binds every Ray listener to 127.0.0.1
-    "RAY_AUTH_MODE": "disabled", "RAY_DEDUP_LOGS": "0", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-    "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "offline", "SLIME_HOST_IP": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo",
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_DEDUP_LOGS": "0",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "WANDB_MODE": "offline",
+    "SLIME_HOST_IP": "127.0.0.1",
+    "GLOO_SOCKET_IFNAME": "lo",
 }.items():
     os.environ.setdefault(k, v)
 
@@ -35,7 +45,13 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=8, num_gpus=4, include_dashboard=False, object_store_memory=1 << 30,
-                 log_to_driver=True, _temp_dir=tempfile.mkdtemp(prefix="ray", dir="/tmp"))
+        ray.init(
+            num_cpus=8,
+            num_gpus=4,
+            include_dashboard=False,
+            object_store_memory=1 << 30,
+            log_to_driver=True,
+            _temp_dir=tempfile.mkdtemp(prefix="ray", dir="/tmp"),
+        )
     yield ray
     ray.shutdown()

@@ -1,4 +1,5 @@
 """slime.utils.arguments.parse_args: flags, defaults, HF inference, cross-flag rules, --sglang-* pass-through."""
+
 import json
 import logging
 import os
@@ -85,36 +86,103 @@ def parse_error(capsys, *extra, base=BASE, model=TINY_MODEL, **kw):
 def test_slime_defaults_match_spec():
     a = parse()
     expected = {
-        "actor_num_nodes": 1, "rollout_num_gpus_per_engine": 1, "rollout_num_gpus_per_node": 8,
-        "colocate": False, "offload": False, "rollout_function_path": "slime.rollout.sglang_rollout.generate_rollout",
-        "rollout_temperature": 1.0, "rollout_top_p": 1.0, "rollout_top_k": -1, "rollout_max_response_len": 1024,
-        "rollout_max_prompt_len": None, "rollout_seed": 42, "rollout_shuffle": False,
-        "update_weight_buffer_size": 512 * 1024 * 1024, "update_weights_interval": 1, "input_key": "input",
-        "label_key": None, "metadata_key": "metadata", "rollout_global_dataset": True, "apply_chat_template": False,
-        "micro_batch_size": 1, "seed": 1234, "eval_interval": None, "save": None, "save_interval": None,
-        "eps_clip": 0.2, "eps_clip_c": None, "kl_coef": 0.0, "use_kl_loss": False, "kl_loss_coef": 0.0,
-        "kl_loss_type": "kl", "loss_type": "policy_loss", "advantage_estimator": "grpo",
-        "compute_advantages_and_returns": True, "entropy_coef": 0.0, "gamma": 1.0, "normalize_advantages": False,
-        "rewards_normalization": True, "use_tis": False, "tis_clip": 2.0, "tis_clip_low": 0.0,
-        "wandb_project": None, "wandb_random_suffix": True, "use_wandb": False, "rm_type": None, "group_rm": False,
-        "fetch_trajectory_retry_times": -1, "rollout_task_type": "math", "loss_mask_type": "qwen",
-        "sglang_router_ip": None, "sglang_router_port": None, "sglang_router_request_timeout_secs": 3600,
-        "sglang_server_concurrency": 512, "ci_test": False, "check_weight_update_equal": False,
-        "update_weight_timeout": 300, "metrics_path": None, "n_samples_per_eval_prompt": 1,
-        "custom_megatron_init_path": None, "custom_megatron_before_log_prob_hook_path": None,
+        "actor_num_nodes": 1,
+        "rollout_num_gpus_per_engine": 1,
+        "rollout_num_gpus_per_node": 8,
+        "colocate": False,
+        "offload": False,
+        "rollout_function_path": "slime.rollout.sglang_rollout.generate_rollout",
+        "rollout_temperature": 1.0,
+        "rollout_top_p": 1.0,
+        "rollout_top_k": -1,
+        "rollout_max_response_len": 1024,
+        "rollout_max_prompt_len": None,
+        "rollout_seed": 42,
+        "rollout_shuffle": False,
+        "update_weight_buffer_size": 512 * 1024 * 1024,
+        "update_weights_interval": 1,
+        "input_key": "input",
+        "label_key": None,
+        "metadata_key": "metadata",
+        "rollout_global_dataset": True,
+        "apply_chat_template": False,
+        "micro_batch_size": 1,
+        "seed": 1234,
+        "eval_interval": None,
+        "save": None,
+        "save_interval": None,
+        "eps_clip": 0.2,
+        "eps_clip_c": None,
+        "kl_coef": 0.0,
+        "use_kl_loss": False,
+        "kl_loss_coef": 0.0,
+        "kl_loss_type": "kl",
+        "loss_type": "policy_loss",
+        "advantage_estimator": "grpo",
+        "compute_advantages_and_returns": True,
+        "entropy_coef": 0.0,
+        "gamma": 1.0,
+        "normalize_advantages": False,
+        "rewards_normalization": True,
+        "use_tis": False,
+        "tis_clip": 2.0,
+        "tis_clip_low": 0.0,
+        "wandb_project": None,
+        "wandb_random_suffix": True,
+        "use_wandb": False,
+        "rm_type": None,
+        "group_rm": False,
+        "fetch_trajectory_retry_times": -1,
+        "rollout_task_type": "math",
+        "loss_mask_type": "qwen",
+        "sglang_router_ip": None,
+        "sglang_router_port": None,
+        "sglang_router_request_timeout_secs": 3600,
+        "sglang_server_concurrency": 512,
+        "ci_test": False,
+        "check_weight_update_equal": False,
+        "update_weight_timeout": 300,
+        "metrics_path": None,
+        "n_samples_per_eval_prompt": 1,
+        "custom_megatron_init_path": None,
+        "custom_megatron_before_log_prob_hook_path": None,
         "custom_megatron_before_train_step_hook_path": None,
         # Megatron-LM defaults
-        "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "context_parallel_size": 1,
-        "expert_model_parallel_size": 1, "optimizer": "adam", "min_lr": 0.0, "lr_decay_style": "linear",
-        "weight_decay": 0.01, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_eps": 1e-8, "clip_grad": 1.0,
-        "attention_dropout": 0.1, "hidden_dropout": 0.1, "init_method_std": 0.02, "norm_epsilon": 1e-5,
-        "rotary_base": 10000, "make_vocab_size_divisible_by": 128, "ckpt_format": "torch_dist",
-        "check_for_nan_in_loss_and_grad": True, "calculate_per_token_loss": False, "seq_length": 4096,
-        "max_position_embeddings": 4096, "ffn_hidden_size": 256, "kv_channels": 16,
+        "tensor_model_parallel_size": 1,
+        "pipeline_model_parallel_size": 1,
+        "context_parallel_size": 1,
+        "expert_model_parallel_size": 1,
+        "optimizer": "adam",
+        "min_lr": 0.0,
+        "lr_decay_style": "linear",
+        "weight_decay": 0.01,
+        "adam_beta1": 0.9,
+        "adam_beta2": 0.999,
+        "adam_eps": 1e-8,
+        "clip_grad": 1.0,
+        "attention_dropout": 0.1,
+        "hidden_dropout": 0.1,
+        "init_method_std": 0.02,
+        "norm_epsilon": 1e-5,
+        "rotary_base": 10000,
+        "make_vocab_size_divisible_by": 128,
+        "ckpt_format": "torch_dist",
+        "check_for_nan_in_loss_and_grad": True,
+        "calculate_per_token_loss": False,
+        "seq_length": 4096,
+        "max_position_embeddings": 4096,
+        "ffn_hidden_size": 256,
+        "kv_channels": 16,
         # derived
-        "eps_clip_high": 0.2, "eval_function_path": "slime.rollout.sglang_rollout.generate_rollout",
-        "over_sampling_batch_size": 4, "use_distributed_optimizer": True, "variable_seq_lengths": True,
-        "world_size": 1, "data_parallel_size": 1, "rank": 0, "sglang_tp_size": 1,
+        "eps_clip_high": 0.2,
+        "eval_function_path": "slime.rollout.sglang_rollout.generate_rollout",
+        "over_sampling_batch_size": 4,
+        "use_distributed_optimizer": True,
+        "variable_seq_lengths": True,
+        "world_size": 1,
+        "data_parallel_size": 1,
+        "rank": 0,
+        "sglang_tp_size": 1,
     }
     assert {k: getattr(a, k) for k in expected} == expected
 
@@ -135,10 +203,20 @@ def test_help_lists_slime_megatron_and_sglang_options(capsys):
         parse_args(argv=["--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for flag in ("--rollout-batch-size", "--advantage-estimator", "--eps-clip-c", "--inference-server",
-                 "--num-layers", "--tensor-model-parallel-size", "--lr-decay-style", "--recompute-granularity",
-                 "--sglang-router-ip", "--sglang-server-concurrency", "--sglang-mem-fraction-static",
-                 "--sglang-context-length"):
+    for flag in (
+        "--rollout-batch-size",
+        "--advantage-estimator",
+        "--eps-clip-c",
+        "--inference-server",
+        "--num-layers",
+        "--tensor-model-parallel-size",
+        "--lr-decay-style",
+        "--recompute-granularity",
+        "--sglang-router-ip",
+        "--sglang-server-concurrency",
+        "--sglang-mem-fraction-static",
+        "--sglang-context-length",
+    ):
         assert flag in out, flag
 
 
@@ -195,8 +273,17 @@ def test_qwen3_4b_script_on_this_machine_reports_missing_ref_load(capsys):
 
 
 def test_qwen3_moe_and_qwen25_model_args():
-    base = ["--rollout-batch-size", "8", "--global-batch-size", "8", "--num-rollout", "1", "--lr", "1e-6",
-            "--colocate"]
+    base = [
+        "--rollout-batch-size",
+        "8",
+        "--global-batch-size",
+        "8",
+        "--num-rollout",
+        "1",
+        "--lr",
+        "1e-6",
+        "--colocate",
+    ]
     a = parse_args(argv=QWEN3_30B_A3B_MODEL_ARGS + base + ["--expert-model-parallel-size", "8"])
     assert a.num_experts == 128 and a.moe_router_topk == 8 and a.moe_ffn_hidden_size == 768
     assert a.moe_layer_freq == [1] * 48 and a.moe_grouped_gemm and a.moe_router_dtype == "fp32"
@@ -255,8 +342,19 @@ def test_matching_model_args_and_hf_checkpoint_agree(tiny_kit):
 
 def test_mismatch_with_hf_checkpoint_names_every_flag(tiny_kit, capsys):
     model_dir, _ = tiny_kit
-    args = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
-            "--untie-embeddings-and-output-weights", "--norm-epsilon", "1e-5", "--rotary-base", "1000000"]
+    args = [
+        "--num-layers",
+        "4",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--untie-embeddings-and-output-weights",
+        "--norm-epsilon",
+        "1e-5",
+        "--rotary-base",
+        "1000000",
+    ]
     err = parse_error(capsys, "--hf-checkpoint", model_dir, model=args)
     assert "--hidden-size 64 but hidden_size=128" in err
     assert "--untie-embeddings-and-output-weights is set but tie_word_embeddings=True" in err
@@ -295,8 +393,17 @@ def test_cpu_precision_and_padding_defaults():
 
 
 def test_parallel_layout_errors(capsys):
-    base8 = ["--rollout-batch-size", "12", "--global-batch-size", "12", "--num-rollout", "1", "--lr", "1e-6",
-             "--colocate"]
+    base8 = [
+        "--rollout-batch-size",
+        "12",
+        "--global-batch-size",
+        "12",
+        "--num-rollout",
+        "1",
+        "--lr",
+        "1e-6",
+        "--colocate",
+    ]
     err = parse_error(capsys, base=base8)  # 8 GPUs, TP 1 -> DP 8; 12 % 8 != 0
     assert "--global-batch-size 12" in err and "data-parallel size 8" in err
     err = parse_error(capsys, "--tensor-model-parallel-size", "3", base=base8)
@@ -359,7 +466,9 @@ def test_rule6_dynamic_batch_needs_max_tokens(capsys):
     assert "--max-tokens-per-gpu" in parse_error(capsys, "--use-dynamic-batch-size")
     a = parse("--use-dynamic-batch-size", "--max-tokens-per-gpu", "512")
     assert a.log_probs_max_tokens_per_gpu == 512
-    assert parse("--max-tokens-per-gpu", "512", "--log-probs-max-tokens-per-gpu", "64").log_probs_max_tokens_per_gpu == 64
+    assert (
+        parse("--max-tokens-per-gpu", "512", "--log-probs-max-tokens-per-gpu", "64").log_probs_max_tokens_per_gpu == 64
+    )
 
 
 def test_rule7_clip_and_reward_key_defaults(capsys):
@@ -385,8 +494,13 @@ def test_rule10_debug_rollout_only_resizes_actors():
     a = parse("--debug-rollout-only", "--rollout-num-gpus", "16", "--colocate")
     assert a.rollout_num_gpus == 16 and a.actor_num_gpus_per_node == 8 and a.actor_num_nodes == 2
     assert a.colocate is False and a.offload is False
-    a = parse("--debug-rollout-only", "--colocate", "--actor-num-gpus-per-node", "4",
-              base=without("--rollout-num-gpus", "--actor-num-gpus-per-node"))
+    a = parse(
+        "--debug-rollout-only",
+        "--colocate",
+        "--actor-num-gpus-per-node",
+        "4",
+        base=without("--rollout-num-gpus", "--actor-num-gpus-per-node"),
+    )
     assert a.rollout_num_gpus == 4 and a.colocate is False
 
 
@@ -397,8 +511,7 @@ def test_rule11_debug_modes_exclusive(capsys):
 
 
 def test_rule12_colocate_forces_offload_and_gpus():
-    a = parse("--colocate", "--rollout-num-gpus", "3", "--actor-num-gpus-per-node", "2",
-              "--global-batch-size", "8")
+    a = parse("--colocate", "--rollout-num-gpus", "3", "--actor-num-gpus-per-node", "2", "--global-batch-size", "8")
     assert a.offload is True and a.rollout_num_gpus == 2
 
 
@@ -461,10 +574,25 @@ def test_engines_need_gpus(capsys):
 
 
 def test_sglang_options_land_in_args_sglang_fields():
-    a = parse("--sglang-mem-fraction-static", "0.7", "--sglang-context-length", "2k", "--sglang-max-running-requests",
-              "16", "--sglang-enable-torch-compile", "--sglang-log-level", "warning", "--sglang-dp-size", "2",
-              "--sglang-enable-dp-attention", "--sglang-router-ip", "127.0.0.1", "--sglang-router-port", "30000",
-              check_paths=False)
+    a = parse(
+        "--sglang-mem-fraction-static",
+        "0.7",
+        "--sglang-context-length",
+        "2k",
+        "--sglang-max-running-requests",
+        "16",
+        "--sglang-enable-torch-compile",
+        "--sglang-log-level",
+        "warning",
+        "--sglang-dp-size",
+        "2",
+        "--sglang-enable-dp-attention",
+        "--sglang-router-ip",
+        "127.0.0.1",
+        "--sglang-router-port",
+        "30000",
+        check_paths=False,
+    )
     assert a.sglang_mem_fraction_static == 0.7
     assert a.sglang_context_length == 2000  # SGLang's human-readable ints
     assert a.sglang_max_running_requests == 16 and a.sglang_enable_torch_compile is True
@@ -484,21 +612,33 @@ def test_sglang_dp_needs_dp_attention(capsys):
 
 
 def test_cpu_server_rejects_what_it_cannot_honour(capsys):
-    err = parse_error(capsys, "--inference-server", "cpu", "--sglang-speculative-algorithm", "EAGLE",
-                      "--sglang-quantization", "fp8")
+    err = parse_error(
+        capsys, "--inference-server", "cpu", "--sglang-speculative-algorithm", "EAGLE", "--sglang-quantization", "fp8"
+    )
     assert "--sglang-speculative-algorithm='EAGLE'" in err and "--sglang-quantization='fp8'" in err
     assert "--sglang-max-running-requests" in err  # says what it does support
 
 
 def test_cpu_server_ignores_gpu_knobs_with_one_warning(caplog):
     with caplog.at_level(logging.WARNING):
-        a = parse("--inference-server", "cpu", "--sglang-mem-fraction-static", "0.5",
-                  "--sglang-cuda-graph-max-bs-decode", "8", "--sglang-max-running-requests", "8",
-                  "--sglang-context-length", "256")
+        a = parse(
+            "--inference-server",
+            "cpu",
+            "--sglang-mem-fraction-static",
+            "0.5",
+            "--sglang-cuda-graph-max-bs-decode",
+            "8",
+            "--sglang-max-running-requests",
+            "8",
+            "--sglang-context-length",
+            "256",
+        )
     assert a.inference_server == "cpu" and a.sglang_max_running_requests == 8
     lines = [r.getMessage() for r in caplog.records if "ignoring GPU-only SGLang options" in r.getMessage()]
-    assert lines == ["CPU inference server: ignoring GPU-only SGLang options --sglang-cuda-graph-max-bs-decode, "
-                     "--sglang-mem-fraction-static"]
+    assert lines == [
+        "CPU inference server: ignoring GPU-only SGLang options --sglang-cuda-graph-max-bs-decode, "
+        "--sglang-mem-fraction-static"
+    ]
 
 
 def test_debug_train_only_skips_cpu_server_check():
@@ -534,12 +674,19 @@ def test_human_readable_int():
 def test_module_dry_run_prints_ok_and_exits_2_on_mistakes():
     env = {**os.environ, "PYTHONPATH": REPO}
     cmd = [sys.executable, "-m", "slime.utils.arguments"]
-    ok = subprocess.run(cmd + QWEN3_4B_MODEL_ARGS + QWEN3_4B_RUN_ARGS, capture_output=True, text=True, env=env,
-                        cwd=REPO, timeout=120)
+    ok = subprocess.run(
+        cmd + QWEN3_4B_MODEL_ARGS + QWEN3_4B_RUN_ARGS, capture_output=True, text=True, env=env, cwd=REPO, timeout=120
+    )
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert ok.stdout.strip().splitlines()[-1] == "ok"
-    bad = subprocess.run(cmd + QWEN3_4B_MODEL_ARGS + QWEN3_4B_RUN_ARGS + ["--kl-coef", "0.1", "--kl-loss-coef", "0.1"],
-                         capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    bad = subprocess.run(
+        cmd + QWEN3_4B_MODEL_ARGS + QWEN3_4B_RUN_ARGS + ["--kl-coef", "0.1", "--kl-loss-coef", "0.1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "--kl-loss-coef" in bad.stderr and "Traceback" not in bad.stderr
 
 
@@ -554,13 +701,20 @@ def test_fully_async_flags(capsys):
 
 def test_fault_tolerance_flags_defaults_and_checks(capsys):
     args = parse()
-    assert (args.use_fault_tolerance, args.rollout_health_check_interval, args.rollout_health_check_timeout,
-            args.rollout_health_check_first_wait) == (False, 30.0, 30.0, 0.0)
+    assert (
+        args.use_fault_tolerance,
+        args.rollout_health_check_interval,
+        args.rollout_health_check_timeout,
+        args.rollout_health_check_first_wait,
+    ) == (False, 30.0, 30.0, 0.0)
     assert args.rollout_request_timeout is None and args.rollout_group_timeout is None
-    assert "--rollout-health-check-timeout 0.0: must be > 0" in parse_error(capsys, "--rollout-health-check-timeout", "0")
+    assert "--rollout-health-check-timeout 0.0: must be > 0" in parse_error(
+        capsys, "--rollout-health-check-timeout", "0"
+    )
     assert "--rollout-group-timeout -1.0: must be > 0" in parse_error(capsys, "--rollout-group-timeout", "-1")
     assert "--rollout-health-check-first-wait -1.0: must be >= 0" in parse_error(
-        capsys, "--rollout-health-check-first-wait", "-1")
+        capsys, "--rollout-health-check-first-wait", "-1"
+    )
 
 
 def test_opt_param_scheduler_flags_in_both_spellings_and_not_both(capsys):

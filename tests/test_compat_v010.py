@@ -1,5 +1,6 @@
 """slime v0.1.0 user code and launch flags keep working: helper keywords, old names and module paths, the
 rollout-data-postprocess form, NaN-step skipping, Megatron-LM's warmup rule, dropout from the HF config, MTP flags."""
+
 import importlib
 import inspect
 import logging
@@ -49,7 +50,9 @@ def test_rollout_data_postprocess_is_called_in_its_declared_form():
     load_rollout_data_postprocess(f"{HERE}.head_postprocess")("ARGS", 7, data)
     assert SEEN == [("v0.1.0", "ARGS"), ("head", 7)]
     assert data["loss_masks"][0].tolist() == [0, 0, 0]
-    with pytest.raises(TypeError, match=rf"--rollout-data-postprocess-path {HERE}.bad_postprocess: .*\(args, rollout_id\)"):
+    with pytest.raises(
+        TypeError, match=rf"--rollout-data-postprocess-path {HERE}.bad_postprocess: .*\(args, rollout_id\)"
+    ):
         load_rollout_data_postprocess(f"{HERE}.bad_postprocess")
 
 
@@ -75,7 +78,11 @@ def test_rollout_functions_keep_current_signature_and_accept_data_buffer(tiny_ki
         assert tuple(params) == ("args", "rollout_id", "data_source", "evaluation")
         assert params["evaluation"].default is False
     assert tuple(inspect.signature(sglang_rollout.generate_abortable_samples).parameters) == (
-        "args", "rollout_id", "data_source", "evaluation")
+        "args",
+        "rollout_id",
+        "data_source",
+        "evaluation",
+    )
 
     args = sft_args(tiny_kit, sft_file)
     by_keyword = sft_rollout.generate_rollout(args, 0, data_buffer=RolloutDataSourceWithBuffer(args))
@@ -86,11 +93,17 @@ def test_rollout_functions_keep_current_signature_and_accept_data_buffer(tiny_ki
         sft_rollout.generate_rollout(args, 0, RolloutDataSourceWithBuffer(args), data_buffer=None)
 
 
-@pytest.mark.parametrize("old, new, names", [
-    ("slime.ray.rollout_data_source", "slime.rollout.data_source",
-     ["RolloutDataSource", "RolloutDataSourceWithBuffer", "pop_first", "DataSource"]),
-    ("slime.utils.distributed_utils", "slime.utils.ppo_utils", ["distributed_masked_whiten"]),
-])
+@pytest.mark.parametrize(
+    "old, new, names",
+    [
+        (
+            "slime.ray.rollout_data_source",
+            "slime.rollout.data_source",
+            ["RolloutDataSource", "RolloutDataSourceWithBuffer", "pop_first", "DataSource"],
+        ),
+        ("slime.utils.distributed_utils", "slime.utils.ppo_utils", ["distributed_masked_whiten"]),
+    ],
+)
 def test_moved_helpers_import_from_both_places(old, new, names):
     for name in names:
         assert getattr(importlib.import_module(old), name) is getattr(importlib.import_module(new), name)
@@ -103,8 +116,16 @@ def test_lr_warmup_fraction_wins_over_iters_as_in_megatron(caplog, capsys):
     from slime.backends.megatron_utils.model import get_optimizer_param_scheduler
 
     with caplog.at_level(logging.INFO, logger="slime.utils.arguments"):
-        args = parse("--lr-warmup-fraction", "0.25", "--lr-warmup-iters", "3", "--lr-decay-style", "cosine",
-                     "--num-rollout", "8")
+        args = parse(
+            "--lr-warmup-fraction",
+            "0.25",
+            "--lr-warmup-iters",
+            "3",
+            "--lr-decay-style",
+            "cosine",
+            "--num-rollout",
+            "8",
+        )
     assert "--lr-warmup-fraction 0.25 wins over --lr-warmup-iters 3" in caplog.text
     # 8 rollouts x 8 samples / gbs 8 = 8 optimizer steps; 0.25 of them warm up (not 3), counted in samples
     sched = get_optimizer_param_scheduler(args, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0))
@@ -146,11 +167,12 @@ def test_mtp_flags_parse_and_are_validated(capsys):
     assert (args.mtp_num_layers, args.mtp_loss_scaling_factor, args.enable_mtp_training) == (1, 0.1, False)
     assert (parse().mtp_num_layers, parse().mtp_loss_scaling_factor) == (None, 0.2)  # current slime's defaults
     # MTP layers are passed through, not trained: asking to train them is refused at start-up
-    assert "does not train multi-token-prediction" in parse_error(capsys, "--mtp-num-layers", "2", "--enable-mtp-training")
+    assert "does not train multi-token-prediction" in parse_error(
+        capsys, "--mtp-num-layers", "2", "--enable-mtp-training"
+    )
     assert "--mtp-num-layers 0" in parse_error(capsys, "--mtp-num-layers", "0")
     assert "--mtp-loss-scaling-factor -1.0 must be >= 0" in parse_error(capsys, "--mtp-loss-scaling-factor", "-1")
     assert "--enable-mtp-training needs --mtp-num-layers" in parse_error(capsys, "--enable-mtp-training")
-
 
 
 # ---------------------------------------------------------------- --no-check-for-nan-in-loss-and-grad
@@ -201,11 +223,19 @@ def test_v010_cp_utils_names(monkeypatch):
     # CP=2, rank 0, a sample of 10 tokens with a 4-token response: chunk 3, chunks [0,3) and [9,12);
     # response logits are [5, 9): rank 0 scores none in chunk 0 and logit 9 is past the last scoring logit (8)
     monkeypatch.setattr(cp_utils, "cp_size_and_rank", lambda: (2, 0))
-    assert cp_utils.get_logits_and_tokens_offset_with_cp(10, 4) == (3, ((0, 3), (9, 12)), ((0, 0), (0, 0)),
-                                                                      ((0, 0), (0, 0)))
+    assert cp_utils.get_logits_and_tokens_offset_with_cp(10, 4) == (
+        3,
+        ((0, 3), (9, 12)),
+        ((0, 0), (0, 0)),
+        ((0, 0), (0, 0)),
+    )
     monkeypatch.setattr(cp_utils, "cp_size_and_rank", lambda: (2, 1))  # chunks [3,6) and [6,9)
-    assert cp_utils.get_logits_and_tokens_offset_with_cp(10, 4) == (3, ((3, 6), (6, 9)), ((5, 6), (6, 9)),
-                                                                      ((6, 7), (7, 10)))
+    assert cp_utils.get_logits_and_tokens_offset_with_cp(10, 4) == (
+        3,
+        ((3, 6), (6, 9)),
+        ((5, 6), (6, 9)),
+        ((6, 7), (7, 10)),
+    )
     assert cp_utils.slice_log_prob_with_cp([0.1, 0.2, 0.3, 0.4], 10, 4) == [0.1, 0.2, 0.3, 0.4]
     monkeypatch.setattr(cp_utils, "cp_size_and_rank", lambda: (1, 0))
     values = torch.tensor([0.1, 0.2])

@@ -2,6 +2,7 @@
 kit under torchrun with TP=2, random Qwen2/Qwen3/Llama/Qwen3-MoE/Llama-3/GLM-4/GLM-4.5/DeepSeek-V3/MiMo in one process), a release checkpoint is what
 `--load` accepts, a checkpoint saved by training exports to HF whose transformers logits match Megatron's, and user
 mistakes give clear errors."""
+
 import json
 import os
 import shlex
@@ -47,7 +48,9 @@ def _hf_tensors(hf_dir):
     from safetensors.torch import load_file
 
     index = os.path.join(hf_dir, "model.safetensors.index.json")
-    files = sorted(set(json.load(open(index))["weight_map"].values())) if os.path.exists(index) else ["model.safetensors"]
+    files = (
+        sorted(set(json.load(open(index))["weight_map"].values())) if os.path.exists(index) else ["model.safetensors"]
+    )
     out = {}
     for f in files:
         out.update(load_file(os.path.join(hf_dir, f)))
@@ -72,10 +75,25 @@ def tiny_release(tiny_kit, tmp_path_factory):
     """The tiny kit converted by the CLI under torchrun with 2 ranks (TP=2, so PP = 2/2 = 1)."""
     model_dir, _ = tiny_kit
     save = str(tmp_path_factory.mktemp("tiny_release") / "torch_dist")
-    _run([os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", "2",
-          "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "tools/convert_hf_to_torch_dist.py",
-          *_model_args("qwen3-tiny.sh"), "--tensor-model-parallel-size", "2",
-          "--hf-checkpoint", model_dir, "--save", save])
+    _run(
+        [
+            os.path.join(os.path.dirname(sys.executable), "torchrun"),
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            "tools/convert_hf_to_torch_dist.py",
+            *_model_args("qwen3-tiny.sh"),
+            "--tensor-model-parallel-size",
+            "2",
+            "--hf-checkpoint",
+            model_dir,
+            "--save",
+            save,
+        ]
+    )
     return save
 
 
@@ -113,8 +131,14 @@ def test_random_families_round_trip_exact_and_sharded_output(tmp_path):
         build_random_hf(kind, str(hf_root / kind), seed=10 + i)
     # One process converts them all (main() is re-entrant), without torchrun: a world of one on a file store.
     # MiMo's MTP layers are not in the Megatron checkpoint: the export copies them from --origin-hf-dir.
-    _run([sys.executable, "-c", f"from tests.test_converters import _convert_families; "
-                                f"_convert_families({str(hf_root)!r}, {str(save_root)!r})"])
+    _run(
+        [
+            sys.executable,
+            "-c",
+            f"from tests.test_converters import _convert_families; "
+            f"_convert_families({str(hf_root)!r}, {str(save_root)!r})",
+        ]
+    )
     for kind in FAMILIES:
         out = tmp_path / f"out_{kind}"
         # --input-dir may also be the --save root (followed through its tracker file)
@@ -124,8 +148,16 @@ def test_random_families_round_trip_exact_and_sharded_output(tmp_path):
 
     # --chunk-size: shards of at most that many bytes (one tensor may exceed it alone) plus an index with every name
     out = tmp_path / "sharded"
-    _to_hf("--input-dir", str(save_root / "qwen3moe" / "release"), "--output-dir", str(out),
-           "--origin-hf-dir", str(hf_root / "qwen3moe"), "--chunk-size", "40000")
+    _to_hf(
+        "--input-dir",
+        str(save_root / "qwen3moe" / "release"),
+        "--output-dir",
+        str(out),
+        "--origin-hf-dir",
+        str(hf_root / "qwen3moe"),
+        "--chunk-size",
+        "40000",
+    )
     index = json.load(open(out / "model.safetensors.index.json"))
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 5 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
@@ -168,9 +200,12 @@ def _train_from_release(rank, model_dir, release_root, save_dir, out_path):
     tokens = torch.as_tensor(data["tokens"][0])[None]
     model[0].eval()
     with torch.no_grad():
-        logits = model[0](input_ids=tokens, position_ids=torch.arange(tokens.shape[1])[None],
-                          attention_mask=causal_mask(tokens.shape[1]))
-    torch.save({"tokens": tokens, "logits": logits[..., :args.vocab_size]}, out_path)
+        logits = model[0](
+            input_ids=tokens,
+            position_ids=torch.arange(tokens.shape[1])[None],
+            attention_mask=causal_mask(tokens.shape[1]),
+        )
+    torch.save({"tokens": tokens, "logits": logits[..., : args.vocab_size]}, out_path)
 
 
 def test_training_checkpoint_exports_to_hf_with_matching_logits(tiny_kit, tiny_release, tmp_path):
@@ -181,8 +216,9 @@ def test_training_checkpoint_exports_to_hf_with_matching_logits(tiny_kit, tiny_r
     # No --origin-hf-dir for the architecture: it comes from the args slime keeps in common.pt.
     _to_hf("--input-dir", os.path.join(save_dir, "iter_0000000"), "--output-dir", out, "--model-name", "qwen3")
     assert sorted(os.listdir(out)) == ["model.safetensors"]
-    _to_hf("--input-dir", os.path.join(save_dir, "iter_0000000"), "--output-dir", out, "--origin-hf-dir", model_dir,
-           "-f")
+    _to_hf(
+        "--input-dir", os.path.join(save_dir, "iter_0000000"), "--output-dir", out, "--origin-hf-dir", model_dir, "-f"
+    )
 
     from transformers import AutoModelForCausalLM
 
@@ -198,8 +234,19 @@ def test_training_checkpoint_exports_to_hf_with_matching_logits(tiny_kit, tiny_r
 def test_user_errors_name_the_problem(tiny_kit, tiny_release, tmp_path):
     model_dir, _ = tiny_kit
     missing = str(tmp_path / "nope" / "iter_0000003")
-    proc = _run([sys.executable, "tools/convert_torch_dist_to_hf.py", "--input-dir", missing, "--output-dir",
-                 str(tmp_path / "o"), "--origin-hf-dir", model_dir], check=False)
+    proc = _run(
+        [
+            sys.executable,
+            "tools/convert_torch_dist_to_hf.py",
+            "--input-dir",
+            missing,
+            "--output-dir",
+            str(tmp_path / "o"),
+            "--origin-hf-dir",
+            model_dir,
+        ],
+        check=False,
+    )
     assert proc.returncode != 0 and f"--input-dir {missing} does not exist" in proc.stderr
     assert "Traceback" not in proc.stderr
 
@@ -216,6 +263,14 @@ def test_user_errors_name_the_problem(tiny_kit, tiny_release, tmp_path):
     with pytest.raises(UserError, match="--model-name 'gpt2'.*supported"):
         convert(tiny_release, str(tmp_path / "o2"), model_name="gpt2")
 
-    proc = _run([sys.executable, "tools/convert_hf_to_torch_dist.py", *_model_args("qwen3-tiny.sh"),
-                 "--hf-checkpoint", model_dir], check=False)
+    proc = _run(
+        [
+            sys.executable,
+            "tools/convert_hf_to_torch_dist.py",
+            *_model_args("qwen3-tiny.sh"),
+            "--hf-checkpoint",
+            model_dir,
+        ],
+        check=False,
+    )
     assert proc.returncode != 0 and "--save is required" in proc.stderr

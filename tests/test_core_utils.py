@@ -1,4 +1,5 @@
 """Core utilities: Sample/ParamInfo types, load_function, SingletonMeta, periodic actions, Timer, async loop, HTTP."""
+
 import asyncio
 import socket
 import threading
@@ -17,9 +18,19 @@ from tests._args import make_args
 
 
 def test_sample_round_trip_and_status_string():
-    s = Sample(index=3, prompt=[{"role": "user", "content": "hi"}], tokens=[1, 2, 3], response="x", response_length=1,
-               label="7", reward={"acc": 1.0}, loss_mask=[1], rollout_log_probs=[-0.5],
-               status=Sample.Status.TRUNCATED, metadata={"k": "v"})
+    s = Sample(
+        index=3,
+        prompt=[{"role": "user", "content": "hi"}],
+        tokens=[1, 2, 3],
+        response="x",
+        response_length=1,
+        label="7",
+        reward={"acc": 1.0},
+        loss_mask=[1],
+        rollout_log_probs=[-0.5],
+        status=Sample.Status.TRUNCATED,
+        metadata={"k": "v"},
+    )
     d = s.to_dict()
     assert d["status"] == "truncated" and d["tokens"] == [1, 2, 3] and d["metadata"] == {"k": "v"}
     snapshot = dict(d)
@@ -47,12 +58,14 @@ def test_get_reward_value():
         s.get_reward_value(make_args("--reward-key", "score"))
 
 
-@pytest.mark.parametrize("reason,status", [("length", "TRUNCATED"), ("abort", "ABORTED"), ("stop", "COMPLETED"),
-                                           ("weird", "PENDING")])
+@pytest.mark.parametrize(
+    "reason,status", [("length", "TRUNCATED"), ("abort", "ABORTED"), ("stop", "COMPLETED"), ("weird", "PENDING")]
+)
 def test_apply_finish_reason(reason, status):
     s = Sample()
-    s.apply_finish_reason({"finish_reason": {"type": reason}, "weight_version": 4, "prompt_tokens": 3,
-                           "cached_tokens": 1})
+    s.apply_finish_reason(
+        {"finish_reason": {"type": reason}, "weight_version": 4, "prompt_tokens": 3, "cached_tokens": 1}
+    )
     s.apply_finish_reason({"finish_reason": {"type": reason}, "weight_version": "5", "prompt_tokens": 2})
     assert s.status is Sample.Status[status]
     assert s.weight_versions == ["4", "5"]
@@ -261,9 +274,16 @@ def test_one_console_metrics_format():
     from slime.utils.console import metrics_line
 
     # numbers to 4 significant digits; non-numbers (and bools) stay out of the console line
-    assert metrics_line("train/step 5", {"train/loss": 1.23456, "train/n": 7, "train/ok": True, "x": [1]}) == \
-        "train/step 5 | loss 1.235 | n 7"
+    assert (
+        metrics_line("train/step 5", {"train/loss": 1.23456, "train/n": 7, "train/ok": True, "x": [1]})
+        == "train/step 5 | loss 1.235 | n 7"
+    )
     assert metrics_line("eval 2", {"eval/aime": 0.25}, short_names=False) == "eval 2 | eval/aime 0.25"
-    record = {"rollout_id": 3, "rollout/raw_reward": 0.41234, "eval/add": 0.5, "eval/add_truncated_ratio": 0.1,
-              "perf/step_time": 12.34}
+    record = {
+        "rollout_id": 3,
+        "rollout/raw_reward": 0.41234,
+        "eval/add": 0.5,
+        "eval/add_truncated_ratio": 0.1,
+        "perf/step_time": 12.34,
+    }
     assert RunRecorder._line(record) == "rollout 3 | reward 0.4123 | eval/add 0.5 | step_time_s 12.34"

@@ -1,6 +1,7 @@
 """Context-parallel bookkeeping (`cp_utils`): slime's zigzag split of a sequence over CP ranks and the map from a
 rank's local logits back to the response. Pure tensor code; the multi-rank parity tests are in
 test_megatron_parallel.py."""
+
 import pytest
 import torch
 

@@ -1,4 +1,5 @@
 """slime's CPU inference server against a transformers reference on the same weights (real server process)."""
+
 import hashlib
 import json
 import os
@@ -24,8 +25,18 @@ SESSION.trust_env = False
 def start_cpu_server(model_dir, *extra, timeout=120):
     """Launch `python -m slime.backends.cpu_server` on a free 127.0.0.1 port; returns (process, url). Caller stops it."""
     port = find_available_port(20000)
-    cmd = [sys.executable, "-m", "slime.backends.cpu_server", "--model-path", model_dir, "--host", "127.0.0.1",
-           "--port", str(port), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "slime.backends.cpu_server",
+        "--model-path",
+        model_dir,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *extra,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + timeout
@@ -97,7 +108,7 @@ def hf_greedy(model, prompt, n):
         t = int(logits.argmax())
         lps.append(float(torch.log_softmax(logits, -1)[t]))
         ids.append(t)
-    return ids[len(prompt):], lps
+    return ids[len(prompt) :], lps
 
 
 @torch.no_grad()
@@ -123,8 +134,14 @@ def test_health_and_info(server, tiny_kit):
 
 def test_greedy_and_logprobs_match_transformers(server, hf):
     for prompt in PROMPTS:
-        out = gen(server, {"input_ids": prompt, "return_logprob": True,
-                           "sampling_params": {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}})
+        out = gen(
+            server,
+            {
+                "input_ids": prompt,
+                "return_logprob": True,
+                "sampling_params": {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True},
+            },
+        )
         ref_ids, ref_lps = hf_greedy(hf[0], prompt, 12)
         assert out["output_ids"] == ref_ids
         lps = out["meta_info"]["output_token_logprobs"]
@@ -139,8 +156,20 @@ def test_greedy_and_logprobs_match_transformers(server, hf):
 def test_sampled_logprobs_are_temperature_scaled(server, hf):
     prompt = PROMPTS[0]
     for temp in (0.7, 1.3):
-        out = gen(server, {"input_ids": prompt, "return_logprob": True, "sampling_params": {
-            "temperature": temp, "top_p": 0.9, "top_k": 50, "max_new_tokens": 16, "ignore_eos": True}})
+        out = gen(
+            server,
+            {
+                "input_ids": prompt,
+                "return_logprob": True,
+                "sampling_params": {
+                    "temperature": temp,
+                    "top_p": 0.9,
+                    "top_k": 50,
+                    "max_new_tokens": 16,
+                    "ignore_eos": True,
+                },
+            },
+        )
         ref = hf_logprobs(hf[0], prompt, out["output_ids"], temp)
         got = [x[0] for x in out["meta_info"]["output_token_logprobs"]]
         assert max(abs(a - b) for a, b in zip(got, ref)) <= 1e-4
@@ -149,11 +178,20 @@ def test_sampled_logprobs_are_temperature_scaled(server, hf):
 def test_top_k_1_equals_greedy_and_batch_equals_single(server):
     sp = {"max_new_tokens": 8, "ignore_eos": True}
     greedy = [gen(server, {"input_ids": p, "sampling_params": dict(sp, temperature=0)})["output_ids"] for p in PROMPTS]
-    topk1 = [gen(server, {"input_ids": p, "sampling_params": dict(sp, temperature=1.0, top_k=1)})["output_ids"] for p in PROMPTS]
+    topk1 = [
+        gen(server, {"input_ids": p, "sampling_params": dict(sp, temperature=1.0, top_k=1)})["output_ids"]
+        for p in PROMPTS
+    ]
     assert topk1 == greedy
     # a tiny top_p or min_p=1 keeps only the most likely token: greedy again, while the log-prob stays the full softmax's
-    tiny_p = [gen(server, {"input_ids": p, "sampling_params": dict(sp, temperature=1.0, top_p=1e-6)})["output_ids"] for p in PROMPTS]
-    min_p1 = [gen(server, {"input_ids": p, "sampling_params": dict(sp, temperature=1.0, min_p=1.0)})["output_ids"] for p in PROMPTS]
+    tiny_p = [
+        gen(server, {"input_ids": p, "sampling_params": dict(sp, temperature=1.0, top_p=1e-6)})["output_ids"]
+        for p in PROMPTS
+    ]
+    min_p1 = [
+        gen(server, {"input_ids": p, "sampling_params": dict(sp, temperature=1.0, min_p=1.0)})["output_ids"]
+        for p in PROMPTS
+    ]
     assert tiny_p == greedy and min_p1 == greedy
     batch = gen(server, {"input_ids": PROMPTS, "sampling_params": [dict(sp, temperature=0)] * 3})
     assert isinstance(batch, list) and [o["output_ids"] for o in batch] == greedy
@@ -163,7 +201,10 @@ def test_seeded_sampling_is_reproducible_under_load(server):
     sp = {"temperature": 1.0, "max_new_tokens": 24, "ignore_eos": True, "sampling_seed": 1234}
     first = gen(server, {"input_ids": PROMPTS[1], "sampling_params": sp})["output_ids"]
     # the same seed in a busy batch (other requests joining and leaving) still gives the same tokens
-    noise = {"input_ids": PROMPTS * 3, "sampling_params": {"temperature": 1.0, "max_new_tokens": 9, "ignore_eos": True}}
+    noise = {
+        "input_ids": PROMPTS * 3,
+        "sampling_params": {"temperature": 1.0, "max_new_tokens": 9, "ignore_eos": True},
+    }
     t = threading.Thread(target=gen, args=(server, noise))
     t.start()
     again = gen(server, {"input_ids": PROMPTS[1], "sampling_params": sp})["output_ids"]
@@ -174,7 +215,13 @@ def test_seeded_sampling_is_reproducible_under_load(server):
 
 
 def _seeded(server, prompt, **extra):
-    sp = {"temperature": 1.0, "max_new_tokens": 24, "ignore_eos": True, "sampling_seed": 7, "skip_special_tokens": True}
+    sp = {
+        "temperature": 1.0,
+        "max_new_tokens": 24,
+        "ignore_eos": True,
+        "sampling_seed": 7,
+        "skip_special_tokens": True,
+    }
     sp.update(extra)
     return gen(server, {"input_ids": prompt, "sampling_params": sp})
 
@@ -184,7 +231,7 @@ def test_stop_strings_trimmed_or_kept(server, hf):
     base = _seeded(server, PROMPTS[0])
     text = base["text"]
     assert len(text) > 6
-    stop = text[len(text) // 2: len(text) // 2 + 2]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
     cut = text.find(stop)
     trimmed = _seeded(server, PROMPTS[0], stop=[stop, "@@never@@"])
     assert trimmed["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
@@ -203,24 +250,42 @@ def test_stop_token_ids_eos_min_new_tokens_ignore_eos(server, hf):
     stop_id = ids[j]
     j = ids.index(stop_id)
     out = _seeded(server, PROMPTS[2], stop_token_ids=[stop_id], ignore_eos=False)
-    assert out["output_ids"] == ids[: j + 1] and out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
+    assert out["output_ids"] == ids[: j + 1] and out["meta_info"]["finish_reason"] == {
+        "type": "stop",
+        "matched": stop_id,
+    }
     assert out["text"] == tok.decode(ids[:j], skip_special_tokens=True)
     # EOS (<|im_end|> = 2) forced by logit_bias: stops at once; ignore_eos keeps going; min_new_tokens delays it
     sp = {"temperature": 0, "max_new_tokens": 6, "logit_bias": {"2": 100.0}}
     eos = gen(server, {"input_ids": PROMPTS[0], "sampling_params": sp})
-    assert eos["output_ids"] == [2] and eos["meta_info"]["finish_reason"] == {"type": "stop", "matched": 2} and eos["text"] == ""
+    assert (
+        eos["output_ids"] == [2]
+        and eos["meta_info"]["finish_reason"] == {"type": "stop", "matched": 2}
+        and eos["text"] == ""
+    )
     ign = gen(server, {"input_ids": PROMPTS[0], "sampling_params": dict(sp, ignore_eos=True)})
     assert ign["output_ids"] == [2] * 6 and ign["meta_info"]["finish_reason"]["type"] == "length"
     mn = gen(server, {"input_ids": PROMPTS[0], "sampling_params": dict(sp, min_new_tokens=3)})
     assert len(mn["output_ids"]) == 4 and 2 not in mn["output_ids"][:3] and mn["output_ids"][3] == 2
     # generation_config's extra eos id (0 = <|endoftext|>) also stops
-    pad = gen(server, {"input_ids": PROMPTS[0], "sampling_params": {"temperature": 0, "max_new_tokens": 6, "logit_bias": {"0": 100.0}}})
+    pad = gen(
+        server,
+        {
+            "input_ids": PROMPTS[0],
+            "sampling_params": {"temperature": 0, "max_new_tokens": 6, "logit_bias": {"0": 100.0}},
+        },
+    )
     assert pad["meta_info"]["finish_reason"] == {"type": "stop", "matched": 0}
 
 
 def test_n_and_text_input(server, hf):
-    outs = gen(server, {"text": "What is 3+4?", "sampling_params": {"n": 3, "temperature": 1.0, "max_new_tokens": 10,
-                                                                    "ignore_eos": True}})
+    outs = gen(
+        server,
+        {
+            "text": "What is 3+4?",
+            "sampling_params": {"n": 3, "temperature": 1.0, "max_new_tokens": 10, "ignore_eos": True},
+        },
+    )
     assert isinstance(outs, list) and len(outs) == 3
     assert len({tuple(o["output_ids"]) for o in outs}) > 1
     assert all(o["meta_info"]["prompt_tokens"] == len(hf[1].encode("What is 3+4?")) for o in outs)
@@ -229,23 +294,45 @@ def test_n_and_text_input(server, hf):
 
 
 def test_stream(server):
-    r = SESSION.post(server + "/generate", json={"input_ids": PROMPTS[1], "stream": True, "sampling_params": {
-        "temperature": 0, "max_new_tokens": 5, "ignore_eos": True}}, stream=True, timeout=60)
+    r = SESSION.post(
+        server + "/generate",
+        json={
+            "input_ids": PROMPTS[1],
+            "stream": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True},
+        },
+        stream=True,
+        timeout=60,
+    )
     events = [line[6:] for line in r.iter_lines(decode_unicode=True) if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert [len(c["output_ids"]) for c in chunks] == [1, 2, 3, 4, 5]
-    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length" and chunks[0]["meta_info"]["finish_reason"] is None
-    full = gen(server, {"input_ids": PROMPTS[1], "sampling_params": {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}})
+    assert (
+        chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+        and chunks[0]["meta_info"]["finish_reason"] is None
+    )
+    full = gen(
+        server,
+        {"input_ids": PROMPTS[1], "sampling_params": {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}},
+    )
     assert chunks[-1]["output_ids"] == full["output_ids"] and chunks[-1]["text"] == full["text"]
 
 
 def test_openai_endpoints(server, hf):
-    r = SESSION.post(server + "/v1/chat/completions", json={
-        "model": "x", "messages": [{"role": "user", "content": "What is 3+4?"}], "max_tokens": 6, "temperature": 0,
-        "logprobs": True}).json()
-    prompt = hf[1].apply_chat_template([{"role": "user", "content": "What is 3+4?"}], add_generation_prompt=True,
-                                       tokenize=True, return_dict=False)
+    r = SESSION.post(
+        server + "/v1/chat/completions",
+        json={
+            "model": "x",
+            "messages": [{"role": "user", "content": "What is 3+4?"}],
+            "max_tokens": 6,
+            "temperature": 0,
+            "logprobs": True,
+        },
+    ).json()
+    prompt = hf[1].apply_chat_template(
+        [{"role": "user", "content": "What is 3+4?"}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     ref = gen(server, {"input_ids": list(prompt), "sampling_params": {"temperature": 0, "max_new_tokens": 6}})
     assert r["object"] == "chat.completion" and r["choices"][0]["message"]["content"] == ref["text"]
     assert r["usage"]["prompt_tokens"] == len(prompt) and r["choices"][0]["finish_reason"] in ("stop", "length")
@@ -257,8 +344,12 @@ def test_openai_endpoints(server, hf):
 
 def test_abort_returns_partial_output(server):
     result = {}
-    payload = {"input_ids": PROMPTS[0], "rid": "long-one", "return_logprob": True,
-               "sampling_params": {"max_new_tokens": 490, "ignore_eos": True}}
+    payload = {
+        "input_ids": PROMPTS[0],
+        "rid": "long-one",
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 490, "ignore_eos": True},
+    }
     t = threading.Thread(target=lambda: result.update(gen(server, payload)))
     t.start()
     deadline = time.time() + 30
@@ -282,19 +373,25 @@ def test_abort_returns_partial_output(server):
     assert result["meta_info"]["finish_reason"]["type"] == "abort"
 
 
-@pytest.mark.parametrize("body,needle", [
-    ({"input_ids": [1, 2], "sampling_params": {"foo": 1}}, "unknown field 'foo'"),
-    ({"input_ids": [1, 2], "text": "hi"}, "Either text or input_ids"),
-    ({}, "Either text or input_ids"),
-    ({"input_ids": "abc"}, "field 'input_ids' = 'abc' is not"),
-    ({"input_ids": [1, 2], "sampling_params": {"temperature": -1}}, "temperature must be non-negative"),
-    ({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "top_p"),
-    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "ten"}}, "max_new_tokens must be an integer"),
-    ({"input_ids": [1, 999999]}, "outside the vocabulary"),
-    ({"input_ids": [5] * 600}, "longer than the model's context length"),
-    ({"input_ids": [5] * 500, "sampling_params": {"max_new_tokens": 100}}, "exceeds the model's maximum context length"),
-    ({"input_ids": [1, 2], "sampling_params": {"regex": "a+"}}, "not supported"),
-])
+@pytest.mark.parametrize(
+    "body,needle",
+    [
+        ({"input_ids": [1, 2], "sampling_params": {"foo": 1}}, "unknown field 'foo'"),
+        ({"input_ids": [1, 2], "text": "hi"}, "Either text or input_ids"),
+        ({}, "Either text or input_ids"),
+        ({"input_ids": "abc"}, "field 'input_ids' = 'abc' is not"),
+        ({"input_ids": [1, 2], "sampling_params": {"temperature": -1}}, "temperature must be non-negative"),
+        ({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "top_p"),
+        ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "ten"}}, "max_new_tokens must be an integer"),
+        ({"input_ids": [1, 999999]}, "outside the vocabulary"),
+        ({"input_ids": [5] * 600}, "longer than the model's context length"),
+        (
+            {"input_ids": [5] * 500, "sampling_params": {"max_new_tokens": 100}},
+            "exceeds the model's maximum context length",
+        ),
+        ({"input_ids": [1, 2], "sampling_params": {"regex": "a+"}}, "not supported"),
+    ],
+)
 def test_bad_requests_get_400(server, body, needle):
     r = SESSION.post(server + "/generate", json=body)
     assert r.status_code == 400 and needle in r.json()["error"], r.text
@@ -310,13 +407,18 @@ def test_malformed_json_then_still_serving(server):
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]
     r = SESSION.post(server + "/generate", data="[1, 2]")
     assert r.status_code == 400
-    assert gen(server, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})["meta_info"]["completion_tokens"] == 2
+    assert (
+        gen(server, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})["meta_info"]["completion_tokens"]
+        == 2
+    )
 
 
 def test_pause_and_continue(server):
     assert SESSION.post(server + "/pause_generation", json={}).json()["status"] == "ok"
     result = {}
-    t = threading.Thread(target=lambda: result.update(gen(server, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3}})))
+    t = threading.Thread(
+        target=lambda: result.update(gen(server, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3}}))
+    )
     t.start()
     t.join(1.0)
     assert t.is_alive(), "a request must wait while generation is paused"
@@ -360,8 +462,14 @@ def _hf_named(model):
 
 def _assert_serves(server, model, version):
     for prompt in PROMPTS[:2]:
-        out = gen(server, {"input_ids": prompt, "return_logprob": True,
-                           "sampling_params": {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}})
+        out = gen(
+            server,
+            {
+                "input_ids": prompt,
+                "return_logprob": True,
+                "sampling_params": {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True},
+            },
+        )
         ref_ids, ref_lps = hf_greedy(model, prompt, 8)
         assert out["output_ids"] == ref_ids and out["meta_info"]["weight_version"] == version
         assert max(abs(a[0] - b) for a, b in zip(out["meta_info"]["output_token_logprobs"], ref_lps)) <= 1e-4
@@ -398,6 +506,7 @@ def test_weights_checker_answers_as_sglang(server, tiny_kit):
 def test_weights_checker_snapshot_reset_compare(server, tiny_kit):
     """--check-weight-update-equal's protocol: snapshot, scramble, restore by an update, compare; a tensor that is not
     restored fails the compare with 400 naming it."""
+
     def check(action):
         return SESSION.post(server + "/weights_checker", json={"action": action})
 
@@ -416,9 +525,9 @@ def test_weights_checker_snapshot_reset_compare(server, tiny_kit):
     SESSION.post(server + "/update_weights_from_disk", json={"model_path": tiny_kit[0]})
     begin_update(server)
     set_shared_authkey()
-    noise = MultiprocessingSerializer.serialize([("model.layers.0.mlp.down_proj.weight",
-                                                  torch.ones(_down_shape(tiny_kit[0])) * 3)],
-                                                output_str=True)
+    noise = MultiprocessingSerializer.serialize(
+        [("model.layers.0.mlp.down_proj.weight", torch.ones(_down_shape(tiny_kit[0])) * 3)], output_str=True
+    )
     r = SESSION.post(server + "/update_weights_from_tensor", json={"serialized_named_tensors": [noise]})
     end_update(server)
     assert r.status_code == 200, r.text
@@ -448,8 +557,10 @@ def end_update(url):
 def test_weight_updates_need_a_session_as_in_sglang(server):
     payload = MultiprocessingSerializer.serialize([], output_str=True)
     r = SESSION.post(server + "/update_weights_from_tensor", json={"serialized_named_tensors": [payload]})
-    assert r.status_code == 400 and r.json() == {"success": False, "message": (
-        "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()")}
+    assert r.status_code == 400 and r.json() == {
+        "success": False,
+        "message": ("update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"),
+    }
     r = SESSION.post(server + "/end_weight_update", json={})
     assert r.status_code == 400 and "no weight-update session is open" in r.json()["message"]
     begin_update(server)
@@ -466,8 +577,12 @@ def test_bodies_are_checked_strictly_against_sglangs_request_classes(server):
     r = SESSION.post(server + "/generate", json={"input_ids": [1, 2], "sampling_params": {"max_tokens": 3}})
     assert r.status_code == 400 and "unknown field 'max_tokens'" in r.json()["error"]
     # what sglang-router adds when it re-serialises /generate passes, as on SGLang
-    assert SESSION.post(server + "/generate", json={"input_ids": [1, 2], "model": None,
-                                                    "sampling_params": {"max_new_tokens": 1}}).status_code == 200
+    assert (
+        SESSION.post(
+            server + "/generate", json={"input_ids": [1, 2], "model": None, "sampling_params": {"max_new_tokens": 1}}
+        ).status_code
+        == 200
+    )
 
 
 def test_update_weights_from_tensor_and_disk(server, hf, other_weights, tiny_kit):
@@ -479,13 +594,18 @@ def test_update_weights_from_tensor_and_disk(server, hf, other_weights, tiny_kit
     # plain list of (name, tensor): shared-memory handles, not bytes
     payload = MultiprocessingSerializer.serialize(named[:10], output_str=True)
     begin_update(server)
-    r = SESSION.post(server + "/update_weights_from_tensor", json={"serialized_named_tensors": [payload], "weight_version": "7"})
+    r = SESSION.post(
+        server + "/update_weights_from_tensor", json={"serialized_named_tensors": [payload], "weight_version": "7"}
+    )
     assert r.status_code == 200 and r.json() == {"success": True, "message": "Succeeded to update parameter online."}
     bucket = FlattenedTensorBucket(named_tensors=named[10:])
-    payload = MultiprocessingSerializer.serialize({"flattened_tensor": bucket.get_flattened_tensor(),
-                                                   "metadata": bucket.get_metadata()}, output_str=True)
-    r = SESSION.post(server + "/update_weights_from_tensor", json={"serialized_named_tensors": [payload],
-                                                                   "load_format": "flattened_bucket"})
+    payload = MultiprocessingSerializer.serialize(
+        {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}, output_str=True
+    )
+    r = SESSION.post(
+        server + "/update_weights_from_tensor",
+        json={"serialized_named_tensors": [payload], "load_format": "flattened_bucket"},
+    )
     assert r.status_code == 200 and r.json()["success"]
     end_update(server)
     _assert_serves(server, other, "8")
@@ -511,12 +631,26 @@ def test_update_weights_from_distributed(server, hf, other_weights, tiny_kit):
     port = find_available_port(25000)
     group_name = "test-weight-sync"
     joined = {}
-    t = threading.Thread(target=lambda: joined.update(SESSION.post(server + "/init_weights_update_group", json={
-        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
-        "group_name": group_name, "backend": "gloo"}, timeout=120).json()))
+    t = threading.Thread(
+        target=lambda: joined.update(
+            SESSION.post(
+                server + "/init_weights_update_group",
+                json={
+                    "master_address": "127.0.0.1",
+                    "master_port": port,
+                    "rank_offset": 1,
+                    "world_size": 2,
+                    "group_name": group_name,
+                    "backend": "gloo",
+                },
+                timeout=120,
+            ).json()
+        )
+    )
     t.start()
-    group = init_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=0,
-                               group_name=group_name)
+    group = init_process_group(
+        backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=0, group_name=group_name
+    )
     t.join(60)
     assert joined.get("success"), joined
     try:
@@ -524,11 +658,21 @@ def test_update_weights_from_distributed(server, hf, other_weights, tiny_kit):
         begin_update(server)
         for chunk in (named[:7], named[7:]):  # two buckets in one session, as the trainer sends them
             done = {}
-            t = threading.Thread(target=lambda c=chunk: done.update(SESSION.post(
-                server + "/update_weights_from_distributed", json={
-                    "names": [n for n, _ in c], "dtypes": [str(p.dtype).replace("torch.", "") for _, p in c],
-                    "shapes": [list(p.shape) for _, p in c], "group_name": group_name, "flush_cache": False},
-                timeout=120).json()))
+            t = threading.Thread(
+                target=lambda c=chunk: done.update(
+                    SESSION.post(
+                        server + "/update_weights_from_distributed",
+                        json={
+                            "names": [n for n, _ in c],
+                            "dtypes": [str(p.dtype).replace("torch.", "") for _, p in c],
+                            "shapes": [list(p.shape) for _, p in c],
+                            "group_name": group_name,
+                            "flush_cache": False,
+                        },
+                        timeout=120,
+                    ).json()
+                )
+            )
             t.start()
             for _, p in chunk:
                 dist.broadcast(p, src=0, group=group)
@@ -540,19 +684,38 @@ def test_update_weights_from_distributed(server, hf, other_weights, tiny_kit):
     finally:
         dist.destroy_process_group(group)
         SESSION.post(server + "/destroy_weights_update_group", json={"group_name": group_name})
-        SESSION.post(server + "/update_weights_from_disk", json={"model_path": tiny_kit[0]})  # later tests expect these
+        SESSION.post(
+            server + "/update_weights_from_disk", json={"model_path": tiny_kit[0]}
+        )  # later tests expect these
 
 
 def _tiny_hf_model(arch, path):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+    common = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+    )
     torch.manual_seed(0)
     if arch == "llama3":  # llama3 rope scaling, untied head
-        cfg = LlamaConfig(**common, tie_word_embeddings=False, rope_parameters={
-            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+        cfg = LlamaConfig(
+            **common,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        )
         model = LlamaForCausalLM(cfg)
     else:  # qwen2: q/k/v bias, tied embeddings
         model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1e6))
@@ -616,9 +779,18 @@ def _scheduler(model_dir, **kw):
     w = WeightStore(cfg, torch.float32)
     w.load_from_dir(model_dir)
     pool = KVPool(cfg, kw.pop("max_total_tokens"), torch.float32)
-    return Scheduler(Transformer(cfg, w, torch.float32, 513), w, pool, AutoTokenizer.from_pretrained(model_dir),
-                     context_len=512, eos_ids=[2], max_prefill_tokens=64, random_seed=0,
-                     state=ServerState("default", 1), **kw)
+    return Scheduler(
+        Transformer(cfg, w, torch.float32, 513),
+        w,
+        pool,
+        AutoTokenizer.from_pretrained(model_dir),
+        context_len=512,
+        eos_ids=[2],
+        max_prefill_tokens=64,
+        random_seed=0,
+        state=ServerState("default", 1),
+        **kw,
+    )
 
 
 def _run_all(sched, reqs, timeout=120):
@@ -640,8 +812,14 @@ def test_scheduler_queues_retracts_and_stays_exact(tiny_kit, hf):
     sched.start()
     try:
         prompts = [PROMPTS[i % 3] for i in range(6)]
-        reqs = [Req(p, SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}, 512),
-                    return_logprob=True) for p in prompts]
+        reqs = [
+            Req(
+                p,
+                SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}, 512),
+                return_logprob=True,
+            )
+            for p in prompts
+        ]
         _run_all(sched, reqs)
     finally:
         sched.stop()
@@ -654,8 +832,16 @@ def test_scheduler_queues_retracts_and_stays_exact(tiny_kit, hf):
 
 def test_input_and_top_logprobs(server, hf):
     prompt = PROMPTS[2]
-    out = gen(server, {"input_ids": prompt, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 3,
-                       "sampling_params": {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}})
+    out = gen(
+        server,
+        {
+            "input_ids": prompt,
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "top_logprobs_num": 3,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True},
+        },
+    )
     meta = out["meta_info"]
     with torch.no_grad():
         lp = torch.log_softmax(hf[0](torch.tensor([prompt])).logits[0].float(), -1)
@@ -671,28 +857,51 @@ def test_input_and_top_logprobs(server, hf):
 def test_penalties_follow_sglang(server, hf):
     """Greedy with frequency / presence / repetition penalties equals a hand-written reference on HF logits."""
     prompt, n, fp, pp, rp = PROMPTS[1], 12, 0.5, 0.3, 1.5
-    out = gen(server, {"input_ids": prompt, "return_logprob": True, "sampling_params": {
-        "temperature": 0, "max_new_tokens": n, "ignore_eos": True, "frequency_penalty": fp, "presence_penalty": pp,
-        "repetition_penalty": rp}})
+    out = gen(
+        server,
+        {
+            "input_ids": prompt,
+            "return_logprob": True,
+            "sampling_params": {
+                "temperature": 0,
+                "max_new_tokens": n,
+                "ignore_eos": True,
+                "frequency_penalty": fp,
+                "presence_penalty": pp,
+                "repetition_penalty": rp,
+            },
+        },
+    )
     ids, lps = list(prompt), []
     with torch.no_grad():
         for _ in range(n):
             logits = hf[0](torch.tensor([ids])).logits[0, -1].float()
-            counts = torch.bincount(torch.tensor(ids[len(prompt):], dtype=torch.long), minlength=logits.numel()).float()
+            counts = torch.bincount(
+                torch.tensor(ids[len(prompt) :], dtype=torch.long), minlength=logits.numel()
+            ).float()
             logits = logits - fp * counts - pp * (counts > 0).float()
             logits = torch.where(counts > 0, torch.where(logits > 0, logits / rp, logits * rp), logits)
             t = int(logits.argmax())
             lps.append(float(torch.log_softmax(logits, -1)[t]))
             ids.append(t)
-    assert out["output_ids"] == ids[len(prompt):]
+    assert out["output_ids"] == ids[len(prompt) :]
     assert max(abs(a[0] - b) for a, b in zip(out["meta_info"]["output_token_logprobs"], lps)) <= 1e-4
-    plain = gen(server, {"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}})
+    plain = gen(
+        server, {"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}}
+    )
     assert plain["output_ids"] != out["output_ids"]  # the penalties did something
 
 
 def test_return_text_in_logprobs(server, hf):
-    out = gen(server, {"input_ids": PROMPTS[0], "return_logprob": True, "return_text_in_logprobs": True,
-                       "sampling_params": {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True}})
+    out = gen(
+        server,
+        {
+            "input_ids": PROMPTS[0],
+            "return_logprob": True,
+            "return_text_in_logprobs": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True},
+        },
+    )
     assert [x[2] for x in out["meta_info"]["output_token_logprobs"]] == [hf[1].decode([t]) for t in out["output_ids"]]
 
 
@@ -706,16 +915,23 @@ def test_transformers_fallback_serves_other_architectures(tiny_kit, tmp_path):
 
     d = tmp_path / "gpt2-tiny"
     torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(vocab_size=512, n_positions=128, n_embd=64, n_layer=2, n_head=2, eos_token_id=2,
-                               bos_token_id=2)).save_pretrained(d)
+    GPT2LMHeadModel(
+        GPT2Config(vocab_size=512, n_positions=128, n_embd=64, n_layer=2, n_head=2, eos_token_id=2, bos_token_id=2)
+    ).save_pretrained(d)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(tiny_kit[0], f), d / f)
     ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     proc, url = start_cpu_server(str(d))
     try:
         assert SESSION.get(url + "/server_info").json()["model_impl"] == "transformers"
-        outs = gen(url, {"input_ids": PROMPTS, "return_logprob": True, "sampling_params": {
-            "temperature": 0, "max_new_tokens": 6, "ignore_eos": True}})
+        outs = gen(
+            url,
+            {
+                "input_ids": PROMPTS,
+                "return_logprob": True,
+                "sampling_params": {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True},
+            },
+        )
         for p, o in zip(PROMPTS, outs):
             ids, lps = hf_greedy(ref, p, 6)
             assert o["output_ids"] == ids
@@ -726,13 +942,19 @@ def test_transformers_fallback_serves_other_architectures(tiny_kit, tmp_path):
         name = "transformer.h.1.mlp.c_proj.weight"
         payload = MultiprocessingSerializer.serialize([(name, torch.zeros(256, 64))], output_str=True)
         begin_update(url)
-        assert SESSION.post(url + "/update_weights_from_tensor", json={"serialized_named_tensors": [payload]}).status_code == 200
+        assert (
+            SESSION.post(url + "/update_weights_from_tensor", json={"serialized_named_tensors": [payload]}).status_code
+            == 200
+        )
         end_update(url)
         with torch.no_grad():
             ref.transformer.h[1].mlp.c_proj.weight.zero_()
         assert SESSION.post(url + "/release_memory_occupation", json={}).status_code == 200
         assert SESSION.post(url + "/resume_memory_occupation", json={}).status_code == 200
-        out = gen(url, {"input_ids": PROMPTS[0], "sampling_params": {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}})
+        out = gen(
+            url,
+            {"input_ids": PROMPTS[0], "sampling_params": {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}},
+        )
         assert out["output_ids"] == hf_greedy(ref, PROMPTS[0], 6)[0]
     finally:
         stop_cpu_server(proc)

@@ -3,6 +3,7 @@
 The `# example` python blocks of the page are written to a module `custom_examples` on sys.path, so the doc cannot
 drift from code that works.
 """
+
 import asyncio
 import json
 import os
@@ -37,11 +38,25 @@ def examples(tmp_path_factory):
 
 
 def _data_args(model_dir, prompt_data=None, **kw):
-    base = dict(hf_checkpoint=model_dir, prompt_data=prompt_data, rollout_global_dataset=prompt_data is not None,
-                rollout_max_prompt_len=None, input_key="prompt", label_key="label", metadata_key="metadata",
-                tool_key=None, apply_chat_template=True, rollout_seed=42, rollout_shuffle=False, buffer_filter_path=None,
-                n_samples_per_prompt=2, rollout_batch_size=3, rm_type="answer_match", custom_rm_path=None,
-                reward_key=None)
+    base = dict(
+        hf_checkpoint=model_dir,
+        prompt_data=prompt_data,
+        rollout_global_dataset=prompt_data is not None,
+        rollout_max_prompt_len=None,
+        input_key="prompt",
+        label_key="label",
+        metadata_key="metadata",
+        tool_key=None,
+        apply_chat_template=True,
+        rollout_seed=42,
+        rollout_shuffle=False,
+        buffer_filter_path=None,
+        n_samples_per_prompt=2,
+        rollout_batch_size=3,
+        rm_type="answer_match",
+        custom_rm_path=None,
+        reward_key=None,
+    )
     base.update(kw)
     return real_args(**base)
 
@@ -61,7 +76,7 @@ def test_rollout_function(examples, tiny_kit):
     tok = AutoTokenizer.from_pretrained(model_dir)
     for group, label in zip(groups, labels):
         for s in group:
-            assert tok.decode(s.tokens[-s.response_length:]) == "7<|im_end|>"
+            assert tok.decode(s.tokens[-s.response_length :]) == "7<|im_end|>"
             assert s.reward == (1.0 if label == "7" else 0.0) and s.status == Sample.Status.COMPLETED
 
 
@@ -72,9 +87,23 @@ def cpu_server(tiny_kit, tmp_path_factory):
     model_dir, _ = tiny_kit
     port = find_available_port(34000)
     log = open(tmp_path_factory.mktemp("server") / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "slime.backends.cpu_server", "--model-path", model_dir, "--host",
-                             "127.0.0.1", "--port", str(port)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "slime.backends.cpu_server",
+            "--model-path",
+            model_dir,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.time() + 120
         while True:
@@ -107,8 +136,9 @@ def test_custom_generate(examples, tiny_kit, cpu_server):
     model_dir, _ = tiny_kit
     tok = AutoTokenizer.from_pretrained(model_dir)
     args = real_args(hf_checkpoint=model_dir, sglang_router_ip="127.0.0.1", sglang_router_port=cpu_server)
-    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 3+4?"}], tokenize=False,
-                                     add_generation_prompt=True)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 3+4?"}], tokenize=False, add_generation_prompt=True
+    )
     fn = examples("generate_with_forced_prefix")
     s = run(fn(args, Sample(prompt=prompt), {"max_new_tokens": 5, "temperature": 1.0}), timeout=120)
     n_prompt = len(tok(prompt, add_special_tokens=False)["input_ids"])
@@ -191,10 +221,23 @@ def test_custom_loss(examples, mpu_world1):
     tokens = torch.randint(0, V, (T,), generator=g)
     logits = torch.randn(1, T, V, generator=g, requires_grad=True)
     adv = torch.tensor([1.0, -2.0, 0.5])
-    batch = {"unconcat_tokens": [tokens], "total_lengths": [T], "response_lengths": [3],
-             "loss_masks": [torch.ones(3, dtype=torch.int)], "advantages": [adv]}
-    args = real_args("--loss-type", "custom_loss", "--custom-loss-function-path", "custom_examples.reinforce_loss",
-                     "--global-batch-size", "2", "--rollout-batch-size", "1")
+    batch = {
+        "unconcat_tokens": [tokens],
+        "total_lengths": [T],
+        "response_lengths": [3],
+        "loss_masks": [torch.ones(3, dtype=torch.int)],
+        "advantages": [adv],
+    }
+    args = real_args(
+        "--loss-type",
+        "custom_loss",
+        "--custom-loss-function-path",
+        "custom_examples.reinforce_loss",
+        "--global-batch-size",
+        "2",
+        "--rollout-batch-size",
+        "1",
+    )
     loss, _, report = loss_function(args, batch, 1, logits)
     # by hand: response tokens 3..5 are predicted by logits at positions 2..4
     logp = torch.log_softmax(logits[0, 2:5].detach(), -1).gather(-1, tokens[3:6, None])[:, 0]
@@ -223,8 +266,22 @@ def test_custom_arguments(examples, tiny_kit):
     from slime.utils.arguments import parse_args
 
     model_dir, _ = tiny_kit
-    argv = ["--hf-checkpoint", model_dir, "--rollout-batch-size", "1", "--num-rollout", "1",
-            "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--global-batch-size", "1", "--lr", "1e-6"]
+    argv = [
+        "--hf-checkpoint",
+        model_dir,
+        "--rollout-batch-size",
+        "1",
+        "--num-rollout",
+        "1",
+        "--actor-num-gpus-per-node",
+        "1",
+        "--rollout-num-gpus",
+        "1",
+        "--global-batch-size",
+        "1",
+        "--lr",
+        "1e-6",
+    ]
     add = examples("add_custom_arguments")
     assert parse_args(add, argv=argv + ["--length-penalty", "0.05"], check_paths=False).length_penalty == 0.05
     assert parse_args(add, argv=argv, check_paths=False).length_penalty == 0.01
@@ -288,8 +345,10 @@ def test_convert_and_log_functions(examples):
     from slime.ray.buffer import CONVERTED_KEYS
 
     args = real_args()
-    samples = [Sample(index=0, tokens=[1, 2, 3], response_length=2, reward=1.0),
-               Sample(index=1, tokens=[1, 2], response_length=1, reward=0.0, status=Sample.Status.TRUNCATED)]
+    samples = [
+        Sample(index=0, tokens=[1, 2, 3], response_length=2, reward=1.0),
+        Sample(index=1, tokens=[1, 2], response_length=1, reward=0.0, status=Sample.Status.TRUNCATED),
+    ]
     data = examples("convert_with_length_bonus")(args, samples)
     assert set(CONVERTED_KEYS) <= set(data)
     assert data["rewards"] == [1.002, 0.001] and data["truncated"] == [0, 1] and data["loss_masks"] == [[1, 1], [1]]
@@ -304,9 +363,14 @@ def test_custom_advantage(examples, mpu_world1):
 
     examples("reward_minus_kl")
     args = make_args("--custom-advantage-function-path", "custom_examples.reward_minus_kl", "--kl-coef", "0.5")
-    data = {"log_probs": [torch.tensor([-0.5, -0.5])], "ref_log_probs": [torch.tensor([-0.7, -0.3])],
-            "rewards": [2.0], "loss_masks": [torch.ones(2, dtype=torch.int)], "response_lengths": [2],
-            "total_lengths": [5]}
+    data = {
+        "log_probs": [torch.tensor([-0.5, -0.5])],
+        "ref_log_probs": [torch.tensor([-0.7, -0.3])],
+        "rewards": [2.0],
+        "loss_masks": [torch.ones(2, dtype=torch.int)],
+        "response_lengths": [2],
+        "total_lengths": [5],
+    }
     compute_advantages_and_returns(args, data)
     # kl (k1) = [0.2, -0.2]; 2 - 0.5 * kl
     assert torch.allclose(data["advantages"][0], torch.tensor([1.9, 2.1])) and data["returns"] is data["advantages"]
@@ -319,10 +383,20 @@ def test_tis_function_and_pg_loss_reducer(examples):
     rollout = [torch.log(torch.tensor([3.0, 1.2])), torch.log(torch.tensor([1 / 1.6]))]  # ratios 1/3, 1/1.2, 1.6
     masks = [torch.ones(2, dtype=torch.int), torch.ones(1, dtype=torch.int)]
     loss, new_masks, metrics = examples("reject_far_tokens")(
-        args=args, pg_loss=torch.ones(3), train_log_probs=old, rollout_log_probs=rollout, loss_masks=masks,
-        total_lengths=[4, 3], response_lengths=[2, 1])
+        args=args,
+        pg_loss=torch.ones(3),
+        train_log_probs=old,
+        rollout_log_probs=rollout,
+        loss_masks=masks,
+        total_lengths=[4, 3],
+        response_lengths=[2, 1],
+    )
     assert [m.tolist() for m in new_masks] == [[0, 1], [1]]
-    assert torch.allclose(loss, torch.tensor([1 / 3, 1 / 1.2, 1.5])) and metrics["rejected"].tolist() == [1.0, 0.0, 0.0]
+    assert torch.allclose(loss, torch.tensor([1 / 3, 1 / 1.2, 1.5])) and metrics["rejected"].tolist() == [
+        1.0,
+        0.0,
+        0.0,
+    ]
 
     reducer = examples("dr_grpo_reducer")([4, 3], [2, 1], [torch.tensor([1, 0]), torch.tensor([1])], False)
     assert reducer(torch.tensor([2.0, 5.0, 4.0])).item() == pytest.approx(6 / 1024)

@@ -1,4 +1,5 @@
 """slime.utils.data: read_file (jsonl/json/parquet) and the prompt Dataset."""
+
 import json
 import random
 
@@ -96,8 +97,14 @@ def test_dataset_tools_from_json_string_column(tmp_path, tokenizer):
 
     tokenizer.apply_chat_template = recording
     try:
-        Dataset(write_jsonl(tmp_path / "t.jsonl", rows), tokenizer, None, prompt_key="prompt", tool_key="tools",
-                apply_chat_template=True)
+        Dataset(
+            write_jsonl(tmp_path / "t.jsonl", rows),
+            tokenizer,
+            None,
+            prompt_key="prompt",
+            tool_key="tools",
+            apply_chat_template=True,
+        )
     finally:
         del tokenizer.apply_chat_template
     assert seen == [tools]
@@ -139,8 +146,9 @@ def test_shuffle_is_a_seeded_permutation_of_the_original_order(tmp_path, tokeniz
 
 def test_tiny_kit_train_file_loads(tiny_kit, tokenizer):
     _, data_dir = tiny_kit
-    ds = Dataset(f"{data_dir}/train.jsonl", tokenizer, 64, prompt_key="prompt", label_key="label",
-                 apply_chat_template=True)
+    ds = Dataset(
+        f"{data_dir}/train.jsonl", tokenizer, 64, prompt_key="prompt", label_key="label", apply_chat_template=True
+    )
     assert len(ds) > 0
     for s in ds.samples[:5]:
         assert s.prompt.startswith("<|im_start|>user\nWhat is ") and s.prompt.endswith("<|im_start|>assistant\n")

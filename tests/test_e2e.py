@@ -1,5 +1,6 @@
 """End-to-end runs of train.py / train_async.py on the tiny Qwen3 kit: real Ray (logical GPUs), megatron-core on gloo,
 sglang-router + slime's CPU server, weight sync — the whole loop, a few rollouts each."""
+
 import json
 import os
 
@@ -13,23 +14,78 @@ from slime.utils.arguments import parse_args
 pytestmark = pytest.mark.e2e
 
 TINY_MODEL_ARGS = [
-    "--num-layers", "4", "--hidden-size", "128", "--ffn-hidden-size", "512", "--num-attention-heads", "4",
-    "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "32", "--use-rotary-position-embeddings",
-    "--rotary-base", "10000", "--disable-bias-linear", "--normalization", "RMSNorm", "--norm-epsilon", "1e-6",
-    "--swiglu", "--qk-layernorm", "--vocab-size", "512", "--max-position-embeddings", "512",
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "128",
+    "--ffn-hidden-size",
+    "512",
+    "--num-attention-heads",
+    "4",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--kv-channels",
+    "32",
+    "--use-rotary-position-embeddings",
+    "--rotary-base",
+    "10000",
+    "--disable-bias-linear",
+    "--normalization",
+    "RMSNorm",
+    "--norm-epsilon",
+    "1e-6",
+    "--swiglu",
+    "--qk-layernorm",
+    "--vocab-size",
+    "512",
+    "--max-position-embeddings",
+    "512",
 ]
 
 
 def make_args(tiny_kit, tmp_path, *extra, num_rollout=2):
     model_dir, data_dir = tiny_kit
     argv = TINY_MODEL_ARGS + [
-        "--hf-checkpoint", model_dir, "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1",
-        "--prompt-data", f"{data_dir}/train.jsonl", "--input-key", "prompt", "--label-key", "label",
-        "--apply-chat-template", "--rm-type", "answer_match", "--num-rollout", str(num_rollout),
-        "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "8",
-        "--rollout-max-response-len", "6", "--lr", "1e-4", "--lr-decay-style", "constant",
-        "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--seed", "1", "--ci-test",
-        "--metrics-path", str(tmp_path / "metrics.jsonl"), *extra,
+        "--hf-checkpoint",
+        model_dir,
+        "--actor-num-nodes",
+        "1",
+        "--actor-num-gpus-per-node",
+        "1",
+        "--prompt-data",
+        f"{data_dir}/train.jsonl",
+        "--input-key",
+        "prompt",
+        "--label-key",
+        "label",
+        "--apply-chat-template",
+        "--rm-type",
+        "answer_match",
+        "--num-rollout",
+        str(num_rollout),
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "4",
+        "--global-batch-size",
+        "8",
+        "--rollout-max-response-len",
+        "6",
+        "--lr",
+        "1e-4",
+        "--lr-decay-style",
+        "constant",
+        "--attention-dropout",
+        "0.0",
+        "--hidden-dropout",
+        "0.0",
+        "--seed",
+        "1",
+        "--ci-test",
+        "--metrics-path",
+        str(tmp_path / "metrics.jsonl"),
+        *extra,
     ]
     return parse_args(argv=argv)
 
@@ -42,17 +98,37 @@ def read_metrics(tmp_path):
 def assert_no_leftover_servers():
     import psutil
 
-    left = [p.info["cmdline"] for p in psutil.process_iter(["cmdline"])
-            if p.info["cmdline"] and any("slime.backends.cpu_server" in c or "sglang::router" in c for c in p.info["cmdline"])
-            and p.pid != os.getpid() and p.ppid() != 1 or False]
+    left = [
+        p.info["cmdline"]
+        for p in psutil.process_iter(["cmdline"])
+        if p.info["cmdline"]
+        and any("slime.backends.cpu_server" in c or "sglang::router" in c for c in p.info["cmdline"])
+        and p.pid != os.getpid()
+        and p.ppid() != 1
+        or False
+    ]
     mine = [c for c in left if str(os.getpid()) in " ".join(c)]
     assert not mine, f"servers left behind: {mine}"
 
 
 def test_train_disaggregated_with_eval_and_first_step_invariants(ray_session, tiny_kit, tmp_path):
-    args = make_args(tiny_kit, tmp_path, "--rollout-num-gpus", "1", "--num-rollout", "3",
-                     "--eval-interval", "2", "--eval-prompt-data", "addition", f"{tiny_kit[1]}/eval.jsonl",
-                     "--eval-temperature", "0", "--check-weight-update-equal", num_rollout=3)
+    args = make_args(
+        tiny_kit,
+        tmp_path,
+        "--rollout-num-gpus",
+        "1",
+        "--num-rollout",
+        "3",
+        "--eval-interval",
+        "2",
+        "--eval-prompt-data",
+        "addition",
+        f"{tiny_kit[1]}/eval.jsonl",
+        "--eval-temperature",
+        "0",
+        "--check-weight-update-equal",
+        num_rollout=3,
+    )
     sync_driver.train(args)
     rows = read_metrics(tmp_path)
     assert [r["rollout_id"] for r in rows] == [0, 1, 2]
@@ -87,9 +163,23 @@ def test_train_tp2_with_partial_rollout(ray_session, tiny_kit, tmp_path):
     """The TP=2 and partial-rollout variants of the main job: a tensor-parallel trainer reproduces the engine's
     log-probs and pushes bit-identical weights (checked by checksums); with --partial-rollout the groups over-sampled
     in rollout 0 (finished or cut short by the abort) go back to the buffer and make up rollout 1."""
-    args = make_args(tiny_kit, tmp_path, "--rollout-num-gpus", "1", "--actor-num-gpus-per-node", "2",
-                     "--tensor-model-parallel-size", "2", "--check-weight-update-equal", "--partial-rollout",
-                     "--over-sampling-batch-size", "8", "--rollout-max-response-len", "8", num_rollout=3)
+    args = make_args(
+        tiny_kit,
+        tmp_path,
+        "--rollout-num-gpus",
+        "1",
+        "--actor-num-gpus-per-node",
+        "2",
+        "--tensor-model-parallel-size",
+        "2",
+        "--check-weight-update-equal",
+        "--partial-rollout",
+        "--over-sampling-batch-size",
+        "8",
+        "--rollout-max-response-len",
+        "8",
+        num_rollout=3,
+    )
     sync_driver.train(args)
     rows = read_metrics(tmp_path)
     # 8 groups started for 4 needed: rollout 1 is served from rollout 0's surplus, generated by weight version 1
@@ -100,9 +190,20 @@ def test_train_tp2_with_partial_rollout(ray_session, tiny_kit, tmp_path):
 def test_train_cp2(ray_session, tiny_kit, tmp_path):
     """An RL run with --context-parallel-size 2 (two trainer ranks, one DP rank) and dynamic batching: the CP
     trainer reproduces the engine's log-probs (gathered over CP) and pushes bit-identical weights."""
-    args = make_args(tiny_kit, tmp_path, "--rollout-num-gpus", "1", "--actor-num-gpus-per-node", "2",
-                     "--context-parallel-size", "2", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "64",
-                     "--check-weight-update-equal")
+    args = make_args(
+        tiny_kit,
+        tmp_path,
+        "--rollout-num-gpus",
+        "1",
+        "--actor-num-gpus-per-node",
+        "2",
+        "--context-parallel-size",
+        "2",
+        "--use-dynamic-batch-size",
+        "--max-tokens-per-gpu",
+        "64",
+        "--check-weight-update-equal",
+    )
     assert args.data_parallel_size == 1
     sync_driver.train(args)
     rows = read_metrics(tmp_path)
@@ -117,8 +218,15 @@ def test_train_async_refuses_colocate(tiny_kit, tmp_path):
 
 
 def test_debug_rollout_only_needs_no_megatron_training(ray_session, tiny_kit, tmp_path):
-    args = make_args(tiny_kit, tmp_path, "--debug-rollout-only", "--rollout-num-gpus", "1",
-                     "--save-debug-rollout-data", str(tmp_path / "rollout_{rollout_id}.pt"))
+    args = make_args(
+        tiny_kit,
+        tmp_path,
+        "--debug-rollout-only",
+        "--rollout-num-gpus",
+        "1",
+        "--save-debug-rollout-data",
+        str(tmp_path / "rollout_{rollout_id}.pt"),
+    )
     sync_driver.train(args)
     rows = read_metrics(tmp_path)
     assert len(rows) == 2 and not any(k.startswith("train/") for k in rows[0])
@@ -130,11 +238,21 @@ def test_replay_saved_rollout_reproduces_first_step(ray_session, tiny_kit, tmp_p
     """--save-debug-rollout-data then --load-debug-rollout-data (train only, no engines) gives the same first step."""
     record = tmp_path / "record"
     record.mkdir()
-    sync_driver.train(make_args(tiny_kit, record, "--rollout-num-gpus", "1", num_rollout=1,
-                                *["--save-debug-rollout-data", str(tmp_path / "data_{rollout_id}.pt")]))
+    sync_driver.train(
+        make_args(
+            tiny_kit,
+            record,
+            "--rollout-num-gpus",
+            "1",
+            num_rollout=1,
+            *["--save-debug-rollout-data", str(tmp_path / "data_{rollout_id}.pt")],
+        )
+    )
     replay = tmp_path / "replay"
     replay.mkdir()
-    args = make_args(tiny_kit, replay, "--load-debug-rollout-data", str(tmp_path / "data_{rollout_id}.pt"), num_rollout=1)
+    args = make_args(
+        tiny_kit, replay, "--load-debug-rollout-data", str(tmp_path / "data_{rollout_id}.pt"), num_rollout=1
+    )
     assert args.debug_train_only
     sync_driver.train(args)
     first, again = read_metrics(record)[0], read_metrics(replay)[0]
@@ -160,17 +278,34 @@ def test_crash_then_resume_continues_data_order(ray_session, tiny_kit, tmp_path)
     first = tmp_path / "first"
     first.mkdir()
     with pytest.raises(ray.exceptions.RayTaskError, match="simulated crash"):
-        sync_driver.train(make_args(tiny_kit, first, *common, "--custom-megatron-before-train-step-hook-path",
-                                    f"{__name__}.crash_at_rollout_2", num_rollout=3))
+        sync_driver.train(
+            make_args(
+                tiny_kit,
+                first,
+                *common,
+                "--custom-megatron-before-train-step-hook-path",
+                f"{__name__}.crash_at_rollout_2",
+                num_rollout=3,
+            )
+        )
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
     assert (ckpt / "rollout" / "global_dataset_state_dict_1.pt").exists()
     assert ray.util.placement_group_table() and all(
-        pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()), "the crashed run leaked its placement group"
+        pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()
+    ), "the crashed run leaked its placement group"
 
     second = tmp_path / "second"
     second.mkdir()
-    args = make_args(tiny_kit, second, *common, "--load", str(ckpt),
-                     "--save-debug-rollout-data", str(tmp_path / "resumed_{rollout_id}.pt"), num_rollout=3)
+    args = make_args(
+        tiny_kit,
+        second,
+        *common,
+        "--load",
+        str(ckpt),
+        "--save-debug-rollout-data",
+        str(tmp_path / "resumed_{rollout_id}.pt"),
+        num_rollout=3,
+    )
     sync_driver.train(args)
     rows = read_metrics(second)
     assert [r["rollout_id"] for r in rows] == [2]
@@ -204,8 +339,14 @@ async def kill_engine_then_generate(args, sample, sampling_params):
 
 
 def test_dead_inference_server_fails_the_run_fast_naming_the_engine(ray_session, tiny_kit, tmp_path):
-    args = make_args(tiny_kit, tmp_path, "--rollout-num-gpus", "1",
-                     "--custom-generate-function-path", f"{__name__}.kill_engine_then_generate")
+    args = make_args(
+        tiny_kit,
+        tmp_path,
+        "--rollout-num-gpus",
+        "1",
+        "--custom-generate-function-path",
+        f"{__name__}.kill_engine_then_generate",
+    )
     with pytest.raises(RuntimeError, match=r"inference server of engine 0 at http://\S+ exited"):
         sync_driver.train(args)
 
@@ -219,12 +360,21 @@ def test_main_job_sft_then_grpo_raises_reward(tiny_kit, tmp_path):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "job"
-    env = dict(os.environ, MODEL_DIR=tiny_kit[0], DATA_DIR=tiny_kit[1], OUT=str(out), NUM_ROLLOUT="100", SFT_EPOCHS="30",
-               EVAL_INTERVAL="10", EXTRA_ARGS="--lr-decay-style constant",
-               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    env = dict(
+        os.environ,
+        MODEL_DIR=tiny_kit[0],
+        DATA_DIR=tiny_kit[1],
+        OUT=str(out),
+        NUM_ROLLOUT="100",
+        SFT_EPOCHS="30",
+        EVAL_INTERVAL="10",
+        EXTRA_ARGS="--lr-decay-style constant",
+        PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
+    )
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run(["bash", "scripts/run-qwen3-tiny-cpu.sh"], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=1200)
+    proc = subprocess.run(
+        ["bash", "scripts/run-qwen3-tiny-cpu.sh"], cwd=root, env=env, capture_output=True, text=True, timeout=1200
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["rollout_id"] for r in rows] == list(range(100))
@@ -232,7 +382,9 @@ def test_main_job_sft_then_grpo_raises_reward(tiny_kit, tmp_path):
     first = sum(r["rollout/raw_reward"] for r in rows[:20]) / 20
     last = sum(r["rollout/raw_reward"] for r in rows[-20:]) / 20
     # measured: reward 0.17 -> 0.30, greedy eval 0.10 -> 0.51 (eval every 10 rollouts)
-    assert last > first + 0.1, f"GRPO did not raise the sampled reward: first 20 rollouts {first:.3f}, last 20 {last:.3f}"
+    assert last > first + 0.1, (
+        f"GRPO did not raise the sampled reward: first 20 rollouts {first:.3f}, last 20 {last:.3f}"
+    )
     evals = [r["eval/addition"] for r in rows if "eval/addition" in r]
     assert len(evals) == 11 and evals[-1] > evals[0] + 0.2, f"greedy eval accuracy did not rise: {evals}"
     assert (out / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -253,15 +405,45 @@ def test_ctrl_c_leaves_no_processes_behind(tiny_kit, tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     model = shutil.copytree(tiny_kit[0], tmp_path / "model")  # its path marks this run's server processes
     argv = TINY_MODEL_ARGS + [
-        "--hf-checkpoint", str(model), "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
-        "--prompt-data", f"{tiny_kit[1]}/train.jsonl", "--input-key", "prompt", "--label-key", "label",
-        "--apply-chat-template", "--rm-type", "answer_match", "--num-rollout", "1000", "--rollout-batch-size", "4",
-        "--n-samples-per-prompt", "4", "--global-batch-size", "16", "--lr", "1e-5", "--rollout-max-response-len", "6",
-        "--metrics-path", str(tmp_path / "m.jsonl"),
+        "--hf-checkpoint",
+        str(model),
+        "--actor-num-gpus-per-node",
+        "1",
+        "--rollout-num-gpus",
+        "1",
+        "--prompt-data",
+        f"{tiny_kit[1]}/train.jsonl",
+        "--input-key",
+        "prompt",
+        "--label-key",
+        "label",
+        "--apply-chat-template",
+        "--rm-type",
+        "answer_match",
+        "--num-rollout",
+        "1000",
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "4",
+        "--global-batch-size",
+        "16",
+        "--lr",
+        "1e-5",
+        "--rollout-max-response-len",
+        "6",
+        "--metrics-path",
+        str(tmp_path / "m.jsonl"),
     ]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.Popen([sys.executable, "train.py", *argv], cwd=root, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", *argv],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.time() + 600
         for line in proc.stdout:  # wait until the loop is really running
@@ -274,8 +456,11 @@ def test_ctrl_c_leaves_no_processes_behind(tiny_kit, tmp_path):
         if proc.poll() is None:
             proc.kill()
     time.sleep(2)
-    left = [p.info["cmdline"] for p in psutil.process_iter(["cmdline"])
-            if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+    left = [
+        p.info["cmdline"]
+        for p in psutil.process_iter(["cmdline"])
+        if str(tmp_path) in " ".join(p.info["cmdline"] or [])
+    ]
     assert not left, f"processes left behind after Ctrl-C: {left}"
 
 
@@ -297,18 +482,63 @@ def test_driver_joins_an_existing_cluster_from_ray_address(tiny_kit, tmp_path):
     temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short (unix socket paths), marks this cluster's processes
     port = find_available_port(30000)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--num-gpus=2", "--num-cpus=8", "--include-dashboard=false",
-                    f"--temp-dir={temp_dir}", "--disable-usage-stats"], env=env, check=True, capture_output=True, timeout=180)
+    subprocess.run(
+        [
+            ray_bin,
+            "start",
+            "--head",
+            f"--port={port}",
+            "--num-gpus=2",
+            "--num-cpus=8",
+            "--include-dashboard=false",
+            f"--temp-dir={temp_dir}",
+            "--disable-usage-stats",
+        ],
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=180,
+    )
     try:
         argv = TINY_MODEL_ARGS + [
-            "--hf-checkpoint", tiny_kit[0], "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
-            "--prompt-data", f"{tiny_kit[1]}/train.jsonl", "--input-key", "prompt", "--label-key", "label",
-            "--apply-chat-template", "--rm-type", "answer_match", "--num-rollout", "1", "--rollout-batch-size", "4",
-            "--n-samples-per-prompt", "4", "--global-batch-size", "16", "--lr", "1e-5", "--rollout-max-response-len", "6",
-            "--metrics-path", str(tmp_path / "metrics.jsonl"),
+            "--hf-checkpoint",
+            tiny_kit[0],
+            "--actor-num-gpus-per-node",
+            "1",
+            "--rollout-num-gpus",
+            "1",
+            "--prompt-data",
+            f"{tiny_kit[1]}/train.jsonl",
+            "--input-key",
+            "prompt",
+            "--label-key",
+            "label",
+            "--apply-chat-template",
+            "--rm-type",
+            "answer_match",
+            "--num-rollout",
+            "1",
+            "--rollout-batch-size",
+            "4",
+            "--n-samples-per-prompt",
+            "4",
+            "--global-batch-size",
+            "16",
+            "--lr",
+            "1e-5",
+            "--rollout-max-response-len",
+            "6",
+            "--metrics-path",
+            str(tmp_path / "metrics.jsonl"),
         ]
-        proc = subprocess.run([sys.executable, "train.py", *argv], cwd=root, env=dict(env, RAY_ADDRESS=f"127.0.0.1:{port}"),
-                              capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [sys.executable, "train.py", *argv],
+            cwd=root,
+            env=dict(env, RAY_ADDRESS=f"127.0.0.1:{port}"),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "Connected to Ray cluster" in proc.stdout + proc.stderr  # joined, did not start its own
         assert len(read_metrics(tmp_path)) == 1
@@ -337,19 +567,51 @@ def test_two_concurrent_runs_on_one_machine_each_train_their_own_engines(tiny_ki
         out = tmp_path / run
         out.mkdir()
         argv = TINY_MODEL_ARGS + [
-            "--hf-checkpoint", tiny_kit[0], "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
-            "--prompt-data", f"{tiny_kit[1]}/train.jsonl", "--input-key", "prompt", "--label-key", "label",
-            "--apply-chat-template", "--rm-type", "answer_match", "--num-rollout", "2", "--rollout-batch-size", "4",
-            "--n-samples-per-prompt", "4", "--global-batch-size", "16", "--rollout-max-response-len", "6",
-            "--lr", "1e-3" if run == "a" else "1e-4", "--seed", "1" if run == "a" else "2",
-            "--check-weight-update-equal", "--metrics-path", str(out / "metrics.jsonl"),
+            "--hf-checkpoint",
+            tiny_kit[0],
+            "--actor-num-gpus-per-node",
+            "1",
+            "--rollout-num-gpus",
+            "1",
+            "--prompt-data",
+            f"{tiny_kit[1]}/train.jsonl",
+            "--input-key",
+            "prompt",
+            "--label-key",
+            "label",
+            "--apply-chat-template",
+            "--rm-type",
+            "answer_match",
+            "--num-rollout",
+            "2",
+            "--rollout-batch-size",
+            "4",
+            "--n-samples-per-prompt",
+            "4",
+            "--global-batch-size",
+            "16",
+            "--rollout-max-response-len",
+            "6",
+            "--lr",
+            "1e-3" if run == "a" else "1e-4",
+            "--seed",
+            "1" if run == "a" else "2",
+            "--check-weight-update-equal",
+            "--metrics-path",
+            str(out / "metrics.jsonl"),
         ]
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
         env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix=f"r{run}", dir="/tmp")  # each run its own local Ray
         ray_dirs.append(env["RAY_TMPDIR"])
         log = open(out / "log.txt", "w")
-        procs.append((subprocess.Popen([sys.executable, "train.py", *argv], cwd=root, env=env, stdout=log,
-                                       stderr=subprocess.STDOUT), out))
+        procs.append(
+            (
+                subprocess.Popen(
+                    [sys.executable, "train.py", *argv], cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT
+                ),
+                out,
+            )
+        )
     try:
         for proc, out in procs:
             assert proc.wait(timeout=900) == 0, (out / "log.txt").read_text()[-4000:]

@@ -1,6 +1,7 @@
 """Current slime's extension-point contracts that need no server: rollout output types and `call_rollout_fn`,
 `DynamicFilterOutput` drop rule, rollout sample hooks, deep fan-out flattening, `remove_sample` and
 `train_metadata` at conversion, `--custom-config-path`, the start-up table rows of the new path flags."""
+
 import asyncio
 
 import numpy as np
@@ -61,13 +62,16 @@ def test_fan_out_outputs_of_any_depth_are_flattened_in_order():
 # ---------------------------------------------------------------- dynamic filter output
 
 
-@pytest.mark.parametrize("output, remaining, target, drop", [
-    (DynamicFilterOutput(keep=True), 5, 2, False),
-    (DynamicFilterOutput(keep=False), 2, 2, True),
-    (DynamicFilterOutput(keep=False, keep_when_insufficient=True), 3, 2, True),  # enough others still in flight
-    (DynamicFilterOutput(keep=False, keep_when_insufficient=True), 2, 2, False),  # dropping would need a new round
-    (DynamicFilterOutput(keep=False, keep_when_insufficient=True), 1, 2, False),
-])
+@pytest.mark.parametrize(
+    "output, remaining, target, drop",
+    [
+        (DynamicFilterOutput(keep=True), 5, 2, False),
+        (DynamicFilterOutput(keep=False), 2, 2, True),
+        (DynamicFilterOutput(keep=False, keep_when_insufficient=True), 3, 2, True),  # enough others still in flight
+        (DynamicFilterOutput(keep=False, keep_when_insufficient=True), 2, 2, False),  # dropping would need a new round
+        (DynamicFilterOutput(keep=False, keep_when_insufficient=True), 1, 2, False),
+    ],
+)
 def test_should_drop_dynamic_filter_output(output, remaining, target, drop):
     assert should_drop_dynamic_filter_output(output, remaining_batch_size=remaining, target_data_size=target) is drop
 
@@ -85,8 +89,10 @@ def test_call_dynamic_filter_and_metric_gatherer():
     gatherer = MetricGatherer()
     for reason in ("zero_std_1.0", "zero_std_1.0", None, "zero_std_0.0"):
         gatherer.on_dynamic_filter_drop(reason)
-    assert gatherer.collect() == {"rollout/dynamic_filter/drop_zero_std_1.0": 2,
-                                  "rollout/dynamic_filter/drop_zero_std_0.0": 1}
+    assert gatherer.collect() == {
+        "rollout/dynamic_filter/drop_zero_std_1.0": 2,
+        "rollout/dynamic_filter/drop_zero_std_0.0": 1,
+    }
 
 
 # ---------------------------------------------------------------- rollout sample hooks
@@ -126,17 +132,26 @@ def test_hooks_run_in_order_with_declared_keywords_and_keep_nesting():
     SEEN.clear()
     set_current_rollout_id(7)
     args = hook_args("tag_hook", "id_hook", "async_all_kwargs_hook", "replacing_hook")
-    assert args.rollout_sample_hook_path == [f"{HERE}.tag_hook", f"{HERE}.id_hook", f"{HERE}.async_all_kwargs_hook",
-                                             f"{HERE}.replacing_hook"]
+    assert args.rollout_sample_hook_path == [
+        f"{HERE}.tag_hook",
+        f"{HERE}.id_hook",
+        f"{HERE}.async_all_kwargs_hook",
+        f"{HERE}.replacing_hook",
+    ]
     inner = [Sample(index=1), Sample(index=2)]
     nested = [Sample(index=0), inner]
     out = run(apply_rollout_sample_hooks(args, nested, evaluation=True))
     assert [out[0].index, [s.index for s in out[1]]] == [100, [101, 102]]
     assert out is not nested and out[1] is not inner  # new lists, same shape
     assert all(s.metadata["tags"] == ["tag"] for s in [out[0], *out[1]])
-    assert SEEN == [("id", 0, 7), ("id", 1, 7), ("id", 2, 7),
-                    ("kw", 0, {"rollout_id": 7, "evaluation": True}), ("kw", 1, {"rollout_id": 7, "evaluation": True}),
-                    ("kw", 2, {"rollout_id": 7, "evaluation": True})]
+    assert SEEN == [
+        ("id", 0, 7),
+        ("id", 1, 7),
+        ("id", 2, 7),
+        ("kw", 0, {"rollout_id": 7, "evaluation": True}),
+        ("kw", 1, {"rollout_id": 7, "evaluation": True}),
+        ("kw", 2, {"rollout_id": 7, "evaluation": True}),
+    ]
     # an explicit rollout_id wins over the current one
     SEEN.clear()
     run(apply_rollout_sample_hooks(hook_args("id_hook"), Sample(index=5), rollout_id=9))
@@ -157,9 +172,17 @@ def test_hooks_none_configured_and_errors():
 
 def test_removed_samples_train_with_a_zero_mask_but_count_in_group_normalisation():
     args = make_args("--n-samples-per-prompt", "2", "--disable-grpo-std-normalization")
-    samples = [Sample(index=i, tokens=[1, 2, 3, 4], response_length=2, reward=float(r), train_metadata={"i": i},
-                      remove_sample=i == 1)
-               for i, r in enumerate([1, 0, 1, 1])]
+    samples = [
+        Sample(
+            index=i,
+            tokens=[1, 2, 3, 4],
+            response_length=2,
+            reward=float(r),
+            train_metadata={"i": i},
+            remove_sample=i == 1,
+        )
+        for i, r in enumerate([1, 0, 1, 1])
+    ]
     data = convert_samples_to_train_data(args, samples)
     assert [m.tolist() for m in data["loss_masks"]] == [[1, 1], [0, 0], [1, 1], [1, 1]]
     assert data["rewards"] == [0.5, -0.5, 0.0, 0.0]  # the removed sample still shifts its group's mean
@@ -185,8 +208,10 @@ def test_custom_config_sets_args_after_validation(tmp_path, capsys):
 def test_custom_tis_function_needs_use_tis(capsys):
     with pytest.raises(SystemExit):
         make_args("--custom-tis-function-path", "slime.backends.megatron_utils.loss.icepop_function")
-    assert "--custom-tis-function-path slime.backends.megatron_utils.loss.icepop_function is called only with " \
-           "--use-tis" in capsys.readouterr().err
+    assert (
+        "--custom-tis-function-path slime.backends.megatron_utils.loss.icepop_function is called only with "
+        "--use-tis" in capsys.readouterr().err
+    )
 
 
 def test_update_weight_post_write_hook_is_refused_at_start_up(capsys):
@@ -199,13 +224,16 @@ def two_arg_fn(args, rollout_data):
     pass
 
 
-@pytest.mark.parametrize("flag, good", [
-    ("--data-source-path", "slime.rollout.data_source.RolloutDataSourceWithBuffer"),
-    ("--rollout-sample-hook-path", f"{HERE}.id_hook"),
-    ("--custom-advantage-function-path", f"{HERE}.two_arg_fn"),
-    ("--custom-tis-function-path", "slime.backends.megatron_utils.loss.vanilla_tis_function"),
-    ("--custom-tis-function-path", "slime.backends.megatron_utils.loss.icepop_function"),
-])
+@pytest.mark.parametrize(
+    "flag, good",
+    [
+        ("--data-source-path", "slime.rollout.data_source.RolloutDataSourceWithBuffer"),
+        ("--rollout-sample-hook-path", f"{HERE}.id_hook"),
+        ("--custom-advantage-function-path", f"{HERE}.two_arg_fn"),
+        ("--custom-tis-function-path", "slime.backends.megatron_utils.loss.vanilla_tis_function"),
+        ("--custom-tis-function-path", "slime.backends.megatron_utils.loss.icepop_function"),
+    ],
+)
 def test_startup_table_covers_current_path_flags(flag, good):
     from slime.utils.startup_checks import EXTENSION_POINTS, check_extension_point
 
@@ -219,15 +247,31 @@ def bad_arity():
 
 
 def test_every_current_path_flag_parses():
-    flags = ["--data-source-path", "--rollout-sample-hook-path", "--rollout-sample-filter-path",
-             "--rollout-all-samples-process-path", "--custom-convert-samples-to-train-data-path",
-             "--custom-rollout-log-function-path", "--custom-eval-rollout-log-function-path",
-             "--custom-advantage-function-path", "--custom-tis-function-path", "--custom-pg-loss-reducer-function-path",
-             "--custom-model-provider-path", "--custom-generate-function-path", "--custom-rm-path",
-             "--dynamic-sampling-filter-path", "--custom-reward-post-process-path", "--buffer-filter-path",
-             "--rollout-data-postprocess-path", "--custom-loss-function-path", "--custom-megatron-init-path",
-             "--custom-megatron-before-log-prob-hook-path", "--custom-megatron-before-train-step-hook-path",
-             "--rollout-function-path", "--eval-function-path"]
+    flags = [
+        "--data-source-path",
+        "--rollout-sample-hook-path",
+        "--rollout-sample-filter-path",
+        "--rollout-all-samples-process-path",
+        "--custom-convert-samples-to-train-data-path",
+        "--custom-rollout-log-function-path",
+        "--custom-eval-rollout-log-function-path",
+        "--custom-advantage-function-path",
+        "--custom-tis-function-path",
+        "--custom-pg-loss-reducer-function-path",
+        "--custom-model-provider-path",
+        "--custom-generate-function-path",
+        "--custom-rm-path",
+        "--dynamic-sampling-filter-path",
+        "--custom-reward-post-process-path",
+        "--buffer-filter-path",
+        "--rollout-data-postprocess-path",
+        "--custom-loss-function-path",
+        "--custom-megatron-init-path",
+        "--custom-megatron-before-log-prob-hook-path",
+        "--custom-megatron-before-train-step-hook-path",
+        "--rollout-function-path",
+        "--eval-function-path",
+    ]
     argv = [x for f in flags for x in (f, "pkg.mod.fn")]
     args = make_args(*argv, "--loss-type", "custom_loss", "--use-tis")
     assert args.custom_tis_function_path == "pkg.mod.fn" and args.rollout_sample_hook_path == ["pkg.mod.fn"]
@@ -267,11 +311,22 @@ def test_per_sample_generate_and_rm_paths_and_hooks(tiny_kit):
 
     CALLS.clear()
     SingletonMeta.clear_instances(GenerateState)
-    args = make_args("--custom-generate-function-path", f"{HERE}.plain_generate", "--rm-type", "answer_match",
-                     "--rollout-sample-hook-path", f"{HERE}.reward_seen_by_hook", hf_checkpoint=tiny_kit[0])
+    args = make_args(
+        "--custom-generate-function-path",
+        f"{HERE}.plain_generate",
+        "--rm-type",
+        "answer_match",
+        "--rollout-sample-hook-path",
+        f"{HERE}.reward_seen_by_hook",
+        hf_checkpoint=tiny_kit[0],
+    )
     try:
-        own = Sample(index=0, label="x", generate_function_path=f"{HERE}.eval_aware_generate",
-                     custom_rm_path=f"{HERE}.sample_rm")
+        own = Sample(
+            index=0,
+            label="x",
+            generate_function_path=f"{HERE}.eval_aware_generate",
+            custom_rm_path=f"{HERE}.sample_rm",
+        )
         out = asyncio.run(generate_and_rm(args, own, {}, evaluation=True))
         flagged = asyncio.run(generate_and_rm(args, Sample(index=1, label="7"), {}, evaluation=False))
     finally:
@@ -303,8 +358,10 @@ def test_custom_model_provider_gets_vp_stage_only_if_declared():
 
 def test_megatron_config_overrides_the_actor_role(tmp_path, capsys):
     path = tmp_path / "roles.yaml"
-    path.write_text("megatron:\n  - name: policy\n    role: actor\n    overrides:\n      lr: '2e-5'\n"
-                    "      clip_grad: 0.5\n      num_nodes: 4\n")
+    path.write_text(
+        "megatron:\n  - name: policy\n    role: actor\n    overrides:\n      lr: '2e-5'\n"
+        "      clip_grad: 0.5\n      num_nodes: 4\n"
+    )
     args = make_args("--megatron-config-path", str(path))
     assert (args.lr, args.clip_grad, args.actor_num_nodes) == (2e-5, 0.5, 1)  # numeric string coerced; nodes ignored
     path.write_text("megatron:\n  - name: value\n    role: critic\n    overrides: {lr: 1.0}\n")

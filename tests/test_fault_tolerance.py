@@ -2,6 +2,7 @@
 killed with SIGKILL, engines killed (SIGKILL) or hung (SIGSTOP) mid-rollout, the router killed. Each test asserts that
 no sample was lost or trained twice (sample indices) and that no process of the run is left behind. Fault ->
 detection and fault -> recovery times are printed as `FAULT-TIMING ...` lines (run with -s to see them)."""
+
 import os
 import shutil
 import signal
@@ -48,8 +49,11 @@ def wait_gone(pids, timeout=60):
 
 
 def trainer_pids():
-    return [p.pid for p in psutil.process_iter(["cmdline"])
-            if any("MegatronTrainRayActor" in c for c in (p.info["cmdline"] or []))]
+    return [
+        p.pid
+        for p in psutil.process_iter(["cmdline"])
+        if any("MegatronTrainRayActor" in c for c in (p.info["cmdline"] or []))
+    ]
 
 
 def expected_prompts(tiny_kit, tmp_path, rollout_id, *flags):
@@ -96,8 +100,17 @@ def test_trainer_killed_mid_save_resumes_from_last_complete_checkpoint(ray_sessi
     second.mkdir()
     start = time.time()
     # stop after rollout 1 this time: the LR schedule (built for 3 rollouts) is kept from the checkpoint
-    args = make_args(tiny_kit, second, *common, "--load", str(ckpt), "--use-checkpoint-opt_param-scheduler",
-                     "--save-debug-rollout-data", str(tmp_path / "resumed_{rollout_id}.pt"), num_rollout=2)
+    args = make_args(
+        tiny_kit,
+        second,
+        *common,
+        "--load",
+        str(ckpt),
+        "--use-checkpoint-opt_param-scheduler",
+        "--save-debug-rollout-data",
+        str(tmp_path / "resumed_{rollout_id}.pt"),
+        num_rollout=2,
+    )
     sync_driver.train(args)
     timing("trainer-sigkill-mid-save", detection=detected - killed["at"], recovery_restart=time.time() - start)
     assert [r["rollout_id"] for r in read_metrics(second)] == [1]
@@ -112,14 +125,43 @@ def test_driver_sigkill_leaves_no_router_server_or_ray_behind(tiny_kit, tmp_path
     it started all go away on their own."""
     model = shutil.copytree(tiny_kit[0], tmp_path / "model")  # its path marks this run's server processes
     argv = TINY_MODEL_ARGS + [
-        "--hf-checkpoint", str(model), "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
-        "--prompt-data", f"{tiny_kit[1]}/train.jsonl", "--input-key", "prompt", "--label-key", "label",
-        "--apply-chat-template", "--rm-type", "answer_match", "--num-rollout", "1000", "--rollout-batch-size", "4",
-        "--n-samples-per-prompt", "4", "--global-batch-size", "16", "--lr", "1e-5", "--rollout-max-response-len", "6",
+        "--hf-checkpoint",
+        str(model),
+        "--actor-num-gpus-per-node",
+        "1",
+        "--rollout-num-gpus",
+        "1",
+        "--prompt-data",
+        f"{tiny_kit[1]}/train.jsonl",
+        "--input-key",
+        "prompt",
+        "--label-key",
+        "label",
+        "--apply-chat-template",
+        "--rm-type",
+        "answer_match",
+        "--num-rollout",
+        "1000",
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "4",
+        "--global-batch-size",
+        "16",
+        "--lr",
+        "1e-5",
+        "--rollout-max-response-len",
+        "6",
     ]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.Popen([sys.executable, "train.py", *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", *argv],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.time() + 600
         for line in proc.stdout:  # wait until the loop is really running
@@ -212,10 +254,23 @@ def faults_done(tmp_path):
 
 
 def ft_args(tiny_kit, tmp_path, model, *extra, num_rollout=3):
-    return make_args((str(model), tiny_kit[1]), tmp_path, "--rollout-num-gpus", "2", "--use-fault-tolerance",
-                     "--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "10",
-                     "--custom-generate-function-path", f"{__name__}.inject_faults_generate",
-                     "--save-debug-rollout-data", str(tmp_path / "data_{rollout_id}.pt"), *extra, num_rollout=num_rollout)
+    return make_args(
+        (str(model), tiny_kit[1]),
+        tmp_path,
+        "--rollout-num-gpus",
+        "2",
+        "--use-fault-tolerance",
+        "--rollout-health-check-interval",
+        "1",
+        "--rollout-health-check-timeout",
+        "10",
+        "--custom-generate-function-path",
+        f"{__name__}.inject_faults_generate",
+        "--save-debug-rollout-data",
+        str(tmp_path / "data_{rollout_id}.pt"),
+        *extra,
+        num_rollout=num_rollout,
+    )
 
 
 def assert_every_sample_trained_once(tmp_path, num_rollout):
@@ -245,18 +300,30 @@ def test_engine_sigkill_then_router_kill_are_survived(ray_session, tiny_kit, tmp
     assert_every_sample_trained_once(tmp_path, 3)
     events = events_of(rows)
     kinds = [e["kind"] for e in events]
-    assert kinds == ["engine_failed", "engine_removed", "engine_restarted", "weights_checked", "router_failed",
-                     "router_restarted"], kinds
+    assert kinds == [
+        "engine_failed",
+        "engine_removed",
+        "engine_restarted",
+        "weights_checked",
+        "router_failed",
+        "router_restarted",
+    ], kinds
     failed, _, restarted, checked, router_failed, router_restarted = events
     assert done["sigkill_engine"]["url"] in failed["what"]  # the killed one, named by its URL
     assert restarted["engine"] == failed["engine"] and restarted["bundle"] == failed["bundle"]  # same bundle
     assert "serve weight version 3" in checked["what"]  # pushed by the update after rollout 1
     assert int(rows[2]["rollout/weight_version"]) == 3 and rows[2]["train/train_rollout_logprob_abs_diff"] < 1e-4
-    timing("engine-sigkill", detection=failed["time"] - done["sigkill_engine"]["at"],
-           recovery_engine_rejoined=restarted["time"] - done["sigkill_engine"]["at"],
-           recovery_weights_checked=checked["time"] - done["sigkill_engine"]["at"])
-    timing("router-sigkill", detection=router_failed["time"] - done["kill_router"]["at"],
-           recovery=router_restarted["time"] - done["kill_router"]["at"])
+    timing(
+        "engine-sigkill",
+        detection=failed["time"] - done["sigkill_engine"]["at"],
+        recovery_engine_rejoined=restarted["time"] - done["sigkill_engine"]["at"],
+        recovery_weights_checked=checked["time"] - done["sigkill_engine"]["at"],
+    )
+    timing(
+        "router-sigkill",
+        detection=router_failed["time"] - done["kill_router"]["at"],
+        recovery=router_restarted["time"] - done["kill_router"]["at"],
+    )
     assert not processes_naming(str(model)), "a server or router outlived the run"
 
 
@@ -277,25 +344,48 @@ def test_engine_sigstop_is_detected_and_replaced(ray_session, tiny_kit, tmp_path
     # requests routed to the stopped engine before it was found: timed out and retried on the other one
     assert rows[1]["rollout/timeouts/requests"] >= 1
     assert int(rows[2]["rollout/weight_version"]) == 3 and rows[2]["train/train_rollout_logprob_abs_diff"] < 1e-4
-    timing("engine-sigstop", detection=events[0]["time"] - done["sigstop_engine"]["at"],
-           recovery_engine_rejoined=events[2]["time"] - done["sigstop_engine"]["at"],
-           recovery_weights_checked=events[3]["time"] - done["sigstop_engine"]["at"])
+    timing(
+        "engine-sigstop",
+        detection=events[0]["time"] - done["sigstop_engine"]["at"],
+        recovery_engine_rejoined=events[2]["time"] - done["sigstop_engine"]["at"],
+        recovery_weights_checked=events[3]["time"] - done["sigstop_engine"]["at"],
+    )
     assert not processes_naming(str(model)), "a server outlived the run (a stopped one must be killed too)"
 
 
-@pytest.mark.parametrize("fault,message", [
-    ("sigstop_engine", r"inference engine 0 \(http://127\.0\.0\.1:\d+\) did not answer /health_generate within 10s"),
-    ("kill_router", r"sglang-router \(pid \d+, http://127\.0\.0\.1:\d+\) exited with code -9"),
-])
+@pytest.mark.parametrize(
+    "fault,message",
+    [
+        (
+            "sigstop_engine",
+            r"inference engine 0 \(http://127\.0\.0\.1:\d+\) did not answer /health_generate within 10s",
+        ),
+        ("kill_router", r"sglang-router \(pid \d+, http://127\.0\.0\.1:\d+\) exited with code -9"),
+    ],
+)
 def test_without_fault_tolerance_a_hung_engine_or_dead_router_fails_the_run_naming_it(
-        ray_session, tiny_kit, tmp_path, fault, message):
+    ray_session, tiny_kit, tmp_path, fault, message
+):
     model = shutil.copytree(tiny_kit[0], tmp_path / "model")
     plan_faults(tmp_path, (fault, 0))
-    args = make_args((str(model), tiny_kit[1]), tmp_path, "--rollout-num-gpus", "1",
-                     "--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "10",
-                     "--custom-generate-function-path", f"{__name__}.inject_faults_generate", num_rollout=1)
+    args = make_args(
+        (str(model), tiny_kit[1]),
+        tmp_path,
+        "--rollout-num-gpus",
+        "1",
+        "--rollout-health-check-interval",
+        "1",
+        "--rollout-health-check-timeout",
+        "10",
+        "--custom-generate-function-path",
+        f"{__name__}.inject_faults_generate",
+        num_rollout=1,
+    )
     with pytest.raises(RuntimeError, match=message) as failure:
         sync_driver.train(args)
-    timing(f"{fault}-without-fault-tolerance", detection=failure.value.detected_at - faults_done(tmp_path)[fault]["at"],
-           run_stopped=time.time() - faults_done(tmp_path)[fault]["at"])
+    timing(
+        f"{fault}-without-fault-tolerance",
+        detection=failure.value.detected_at - faults_done(tmp_path)[fault]["at"],
+        run_stopped=time.time() - faults_done(tmp_path)[fault]["at"],
+    )
     assert not processes_naming(str(model)), "a server or router outlived the failed run"

@@ -1,4 +1,5 @@
 """filter_hub: dynamic sampling keeps only groups whose rewards differ; over-sampling sorts by reward std."""
+
 from slime.rollout.filter_hub.dynamic_sampling_filters import check_reward_nonzero_std
 from slime.rollout.filter_hub.over_sampling_filters import sort_by_reward_std
 from slime.utils.misc import load_function
@@ -28,7 +29,13 @@ def test_nonzero_std_uses_reward_key():
 
 
 def test_sort_by_reward_std_descending_and_stable():
-    g_zero_a, g_half_a, g_mid, g_half_b, g_zero_b = group(1, 1), group(0, 1), group(0, 0, 1, 1), group(1, 0), group(2, 2)
+    g_zero_a, g_half_a, g_mid, g_half_b, g_zero_b = (
+        group(1, 1),
+        group(0, 1),
+        group(0, 0, 1, 1),
+        group(1, 0),
+        group(2, 2),
+    )
     # std: 0, 0.7071, 0.5774, 0.7071, 0 (sample std, n-1)
     ordered = sort_by_reward_std(ARGS, [g_zero_a, g_half_a, g_mid, g_half_b, g_zero_b])
     assert [id(g) for g in ordered] == [id(g) for g in (g_half_a, g_half_b, g_mid, g_zero_a, g_zero_b)]
@@ -38,5 +45,8 @@ def test_sort_by_reward_std_descending_and_stable():
 
 
 def test_filters_load_by_their_documented_paths():
-    assert load_function("slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std") is check_reward_nonzero_std
+    assert (
+        load_function("slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std")
+        is check_reward_nonzero_std
+    )
     assert load_function("slime.rollout.filter_hub.over_sampling_filters.sort_by_reward_std") is sort_by_reward_std

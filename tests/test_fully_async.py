@@ -2,6 +2,7 @@
 generate_rollout_fully_async`): the staleness bound, on-policy at K=0, eval on pinned versions, exactly-once across a
 crash and resume. The bound is asserted from what every trained sample recorded: the weight version of each of its
 generation segments (`Sample.weight_versions`); the trainer's weights at rollout r are version r + 1."""
+
 import time
 
 import pytest
@@ -12,8 +13,12 @@ from slime.rollout.fully_async_rollout import Group, select_batch
 from slime.rollout.sglang_rollout import generate
 from tests.test_e2e import make_args, read_metrics
 
-FULLY_ASYNC = ["--rollout-function-path", "slime.rollout.fully_async_rollout.generate_rollout_fully_async",
-               "--rollout-num-gpus", "1"]
+FULLY_ASYNC = [
+    "--rollout-function-path",
+    "slime.rollout.fully_async_rollout.generate_rollout_fully_async",
+    "--rollout-num-gpus",
+    "1",
+]
 
 
 # ---------------------------------------------------------------------------------------------- batch selection
@@ -82,32 +87,66 @@ def lags(batches):
 
 
 def test_slow_trainer_staleness_bound_eval_versions_and_exactly_once_across_crash_and_resume(
-        ray_session, tiny_kit, tmp_path):
+    ray_session, tiny_kit, tmp_path
+):
     import ray
 
     ckpt = tmp_path / "ckpt"
-    common = [*FULLY_ASYNC, "--max-policy-version-lag", "1", "--rollout-shuffle", "--save", str(ckpt),
-              "--save-interval", "1", "--eval-interval", "2", "--eval-prompt-data", "addition",
-              f"{tiny_kit[1]}/eval.jsonl", "--eval-temperature", "0"]
+    common = [
+        *FULLY_ASYNC,
+        "--max-policy-version-lag",
+        "1",
+        "--rollout-shuffle",
+        "--save",
+        str(ckpt),
+        "--save-interval",
+        "1",
+        "--eval-interval",
+        "2",
+        "--eval-prompt-data",
+        "addition",
+        f"{tiny_kit[1]}/eval.jsonl",
+        "--eval-temperature",
+        "0",
+    ]
     first = tmp_path / "first"
     first.mkdir()
     with pytest.raises(ray.exceptions.RayTaskError, match="simulated crash"):
-        async_driver.train(make_args(
-            tiny_kit, first, *common, "--custom-megatron-before-train-step-hook-path",
-            f"{__name__}.crash_at_rollout_3", "--save-debug-rollout-data", str(first / "r_{rollout_id}.pt"),
-            num_rollout=5))
+        async_driver.train(
+            make_args(
+                tiny_kit,
+                first,
+                *common,
+                "--custom-megatron-before-train-step-hook-path",
+                f"{__name__}.crash_at_rollout_3",
+                "--save-debug-rollout-data",
+                str(first / "r_{rollout_id}.pt"),
+                num_rollout=5,
+            )
+        )
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
 
     second = tmp_path / "second"
     second.mkdir()
-    args = make_args(tiny_kit, second, *common, "--load", str(ckpt), "--custom-megatron-before-train-step-hook-path",
-                     f"{__name__}.slow_train_step", "--save-debug-rollout-data", str(second / "r_{rollout_id}.pt"),
-                     num_rollout=5)
+    args = make_args(
+        tiny_kit,
+        second,
+        *common,
+        "--load",
+        str(ckpt),
+        "--custom-megatron-before-train-step-hook-path",
+        f"{__name__}.slow_train_step",
+        "--save-debug-rollout-data",
+        str(second / "r_{rollout_id}.pt"),
+        num_rollout=5,
+    )
     assert args.max_staleness == 1
     async_driver.train(args)
 
-    batches = {**trained_batches(first / "r_{rollout_id}.pt", [0, 1, 2]),
-               **trained_batches(second / "r_{rollout_id}.pt", [3, 4])}
+    batches = {
+        **trained_batches(first / "r_{rollout_id}.pt", [0, 1, 2]),
+        **trained_batches(second / "r_{rollout_id}.pt", [3, 4]),
+    }
     observed = lags(batches)
     # the engines run ahead of the slow trainer exactly as far as the bound lets them
     assert max(observed) == 1 and min(observed) == 0
@@ -140,9 +179,20 @@ def test_slow_trainer_staleness_bound_eval_versions_and_exactly_once_across_cras
 
 
 def test_slow_engine_keeps_the_bound_and_resumes_requests_across_weight_updates(ray_session, tiny_kit, tmp_path):
-    args = make_args(tiny_kit, tmp_path, *FULLY_ASYNC, "--max-staleness", "1", "--rollout-max-response-len", "256",
-                     "--custom-generate-function-path", f"{__name__}.slow_generate",
-                     "--save-debug-rollout-data", str(tmp_path / "r_{rollout_id}.pt"), num_rollout=4)
+    args = make_args(
+        tiny_kit,
+        tmp_path,
+        *FULLY_ASYNC,
+        "--max-staleness",
+        "1",
+        "--rollout-max-response-len",
+        "256",
+        "--custom-generate-function-path",
+        f"{__name__}.slow_generate",
+        "--save-debug-rollout-data",
+        str(tmp_path / "r_{rollout_id}.pt"),
+        num_rollout=4,
+    )
     async_driver.train(args)
     batches = trained_batches(tmp_path / "r_{rollout_id}.pt", range(4))
     assert max(lags(batches)) <= 1
@@ -158,12 +208,20 @@ def test_slow_engine_keeps_the_bound_and_resumes_requests_across_weight_updates(
         assert s["response_length"] == budget == len(s["rollout_log_probs"])
         siblings = [t for samples in batches.values() for t in samples if t["group_index"] == s["group_index"]]
         assert len(siblings) == 4
-        assert all(t["tokens"][:-t["response_length"]] == s["tokens"][:-budget] for t in siblings)
+        assert all(t["tokens"][: -t["response_length"]] == s["tokens"][:-budget] for t in siblings)
 
 
 def test_max_staleness_0_is_on_policy(ray_session, tiny_kit, tmp_path):
-    args = make_args(tiny_kit, tmp_path, *FULLY_ASYNC, "--max-staleness", "0",
-                     "--save-debug-rollout-data", str(tmp_path / "r_{rollout_id}.pt"), num_rollout=3)
+    args = make_args(
+        tiny_kit,
+        tmp_path,
+        *FULLY_ASYNC,
+        "--max-staleness",
+        "0",
+        "--save-debug-rollout-data",
+        str(tmp_path / "r_{rollout_id}.pt"),
+        num_rollout=3,
+    )
     async_driver.train(args)
     batches = trained_batches(tmp_path / "r_{rollout_id}.pt", range(3))
     for r, samples in batches.items():

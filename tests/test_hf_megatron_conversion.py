@@ -10,7 +10,9 @@ FAMILIES = ["qwen2", "qwen3", "llama", "qwen3moe"]
 
 
 def _qkv_args():
-    return make_args(num_attention_heads=4, num_query_groups=2, group_query_attention=True, kv_channels=3, hidden_size=5)
+    return make_args(
+        num_attention_heads=4, num_query_groups=2, group_query_attention=True, kv_channels=3, hidden_size=5
+    )
 
 
 def test_qkv_split_follows_megatron_group_layout():
@@ -34,18 +36,29 @@ def test_convert_to_hf_names_and_dispatch():
 
     args = _qkv_args()
     w = torch.zeros(24, 5)
-    names = [n for n, _ in convert_to_hf(args, "qwen2config", "module.module.decoder.layers.7.self_attention.linear_qkv.bias", w[:, 0])]
+    names = [
+        n
+        for n, _ in convert_to_hf(
+            args, "qwen2config", "module.module.decoder.layers.7.self_attention.linear_qkv.bias", w[:, 0]
+        )
+    ]
     assert names == [f"model.layers.7.self_attn.{p}_proj.bias" for p in "qkv"]
     # TE-spec fused norm names and local-spec module names map to the same HF tensors.
     te = convert_to_hf(args, "qwen3", "module.module.decoder.layers.0.mlp.linear_fc1.layer_norm_weight", w[0])
     local = convert_to_hf(args, "qwen3", "decoder.layers.0.pre_mlp_layernorm.weight", w[0])
     assert te[0][0] == local[0][0] == "model.layers.0.post_attention_layernorm.weight"
     fc1 = torch.arange(8.0)[:, None]
-    (g_name, gate), (u_name, up) = convert_to_hf(args, "llamaconfig", "module.module.decoder.layers.1.mlp.linear_fc1.weight", fc1)
+    (g_name, gate), (u_name, up) = convert_to_hf(
+        args, "llamaconfig", "module.module.decoder.layers.1.mlp.linear_fc1.weight", fc1
+    )
     assert (g_name, u_name) == ("model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight")
     assert gate[:, 0].tolist() == [0, 1, 2, 3] and up[:, 0].tolist() == [4, 5, 6, 7]
-    grouped = convert_to_hf(args, "qwen3moeconfig", "module.module.decoder.layers.2.mlp.experts.linear_fc2.weight13", w)
-    seq = convert_to_hf(args, "qwen3moeconfig", "module.module.decoder.layers.2.mlp.experts.local_experts.13.linear_fc2.weight", w)
+    grouped = convert_to_hf(
+        args, "qwen3moeconfig", "module.module.decoder.layers.2.mlp.experts.linear_fc2.weight13", w
+    )
+    seq = convert_to_hf(
+        args, "qwen3moeconfig", "module.module.decoder.layers.2.mlp.experts.local_experts.13.linear_fc2.weight", w
+    )
     assert grouped[0][0] == seq[0][0] == "model.layers.2.mlp.experts.13.down_proj.weight"
     assert get_family("qwen3moeconfig").name == "qwen3moe" and get_family("Qwen3Config").name == "qwen2"
 

@@ -1,6 +1,7 @@
 """Megatron losses: response log-probs in padded and packed layouts, sum-of-sample-mean reducers,
 PPO/GSPO policy loss (dual clip, TIS, KL loss, entropy), SFT/custom losses and slime's loss scaling, advantage
 estimators over rollout data. Runs in a one-rank gloo world with Megatron's parallel state."""
+
 import math
 
 import pytest
@@ -34,19 +35,40 @@ def mpu_world1(tmp_path_factory):
 
 
 def _args(**kw):
-    base = dict(rollout_temperature=1.0, advantage_estimator="grpo", eps_clip=0.2, eps_clip_high=0.2, eps_clip_c=None,
-                use_tis=False, tis_clip=2.0, tis_clip_low=0.0, tis_mode="truncate", entropy_coef=0.0, use_kl_loss=False, kl_loss_coef=0.0,
-                kl_loss_type="kl", loss_type="policy_loss", calculate_per_token_loss=False, global_batch_size=4,
-                custom_loss_function_path=None, kl_coef=0.0, gamma=1.0, normalize_advantages=False,
-                n_samples_per_prompt=2, rewards_normalization=True, custom_tis_function_path=None,
-                custom_pg_loss_reducer_function_path=None, custom_advantage_function_path=None)
+    base = dict(
+        rollout_temperature=1.0,
+        advantage_estimator="grpo",
+        eps_clip=0.2,
+        eps_clip_high=0.2,
+        eps_clip_c=None,
+        use_tis=False,
+        tis_clip=2.0,
+        tis_clip_low=0.0,
+        tis_mode="truncate",
+        entropy_coef=0.0,
+        use_kl_loss=False,
+        kl_loss_coef=0.0,
+        kl_loss_type="kl",
+        loss_type="policy_loss",
+        calculate_per_token_loss=False,
+        global_batch_size=4,
+        custom_loss_function_path=None,
+        kl_coef=0.0,
+        gamma=1.0,
+        normalize_advantages=False,
+        n_samples_per_prompt=2,
+        rewards_normalization=True,
+        custom_tis_function_path=None,
+        custom_pg_loss_reducer_function_path=None,
+        custom_advantage_function_path=None,
+    )
     base.update(kw)
     return real_args(**base)
 
 
 def _ref_response_log_probs(logits_row, tokens, total_len, resp_len, temperature=1.0):
-    logp = torch.log_softmax(logits_row[total_len - resp_len - 1:total_len - 1] / temperature, -1)
-    return logp.gather(-1, tokens[total_len - resp_len:total_len, None])[:, 0]
+    logp = torch.log_softmax(logits_row[total_len - resp_len - 1 : total_len - 1] / temperature, -1)
+    return logp.gather(-1, tokens[total_len - resp_len : total_len, None])[:, 0]
 
 
 # ---------------------------------------------------------------- reducers
@@ -68,15 +90,18 @@ def test_log_probs_padded_and_packed_layouts_match_log_softmax():
     packed = torch.cat([padded[i, :n] for i, n in enumerate(total)]).unsqueeze(0)
     args = _args(rollout_temperature=0.7)
     for logits in (padded, packed):
-        out = get_log_probs_and_entropy(logits, args=args, unconcat_tokens=tokens, total_lengths=total,
-                                        response_lengths=resp, with_entropy=True)
+        out = get_log_probs_and_entropy(
+            logits, args=args, unconcat_tokens=tokens, total_lengths=total, response_lengths=resp, with_entropy=True
+        )
         for i in range(3):
             want = _ref_response_log_probs(padded[i], tokens[i], total[i], resp[i], temperature=0.7)
             assert torch.allclose(out["log_probs"][i], want, atol=1e-5)
-            p = torch.log_softmax(padded[i, total[i] - resp[i] - 1:total[i] - 1] / 0.7, -1)
+            p = torch.log_softmax(padded[i, total[i] - resp[i] - 1 : total[i] - 1] / 0.7, -1)
             assert torch.allclose(out["entropy"][i], -(p.exp() * p).sum(-1), atol=1e-5)
     # temperature really matters
-    t1 = get_log_probs_and_entropy(packed, args=_args(), unconcat_tokens=tokens, total_lengths=total, response_lengths=resp)
+    t1 = get_log_probs_and_entropy(
+        packed, args=_args(), unconcat_tokens=tokens, total_lengths=total, response_lengths=resp
+    )
     assert not torch.allclose(t1["log_probs"][0], out["log_probs"][0]) and "entropy" not in t1
 
 
@@ -85,8 +110,14 @@ def test_padded_vocab_rows_are_excluded_from_the_softmax():
     g = torch.Generator().manual_seed(4)
     tokens = [torch.randint(0, 12, (6,), generator=g)]
     logits = torch.randn(1, 6, V, generator=g).requires_grad_()
-    out = get_log_probs_and_entropy(logits, args=_args(vocab_size=12), unconcat_tokens=tokens, total_lengths=[6],
-                                    response_lengths=[4], with_entropy=True)
+    out = get_log_probs_and_entropy(
+        logits,
+        args=_args(vocab_size=12),
+        unconcat_tokens=tokens,
+        total_lengths=[6],
+        response_lengths=[4],
+        with_entropy=True,
+    )
     logp = torch.log_softmax(logits[0, 1:5, :12].detach(), -1)
     assert torch.allclose(out["log_probs"][0], logp.gather(-1, tokens[0][2:, None])[:, 0], atol=1e-5)
     assert torch.allclose(out["entropy"][0], -(logp.exp() * logp).sum(-1), atol=1e-5)
@@ -96,12 +127,23 @@ def test_padded_vocab_rows_are_excluded_from_the_softmax():
 
 def test_empty_response_and_prompt_less_sample():
     logits = torch.randn(1, 4, V)
-    out = get_log_probs_and_entropy(logits, args=_args(), unconcat_tokens=[torch.zeros(4, dtype=torch.long)],
-                                    total_lengths=[4], response_lengths=[0], with_entropy=True)
+    out = get_log_probs_and_entropy(
+        logits,
+        args=_args(),
+        unconcat_tokens=[torch.zeros(4, dtype=torch.long)],
+        total_lengths=[4],
+        response_lengths=[0],
+        with_entropy=True,
+    )
     assert out["log_probs"][0].shape == (0,) and out["entropy"][0].shape == (0,)
     with pytest.raises(ValueError, match="no prompt token"):
-        get_log_probs_and_entropy(logits, args=_args(), unconcat_tokens=[torch.zeros(4, dtype=torch.long)],
-                                  total_lengths=[4], response_lengths=[4])
+        get_log_probs_and_entropy(
+            logits,
+            args=_args(),
+            unconcat_tokens=[torch.zeros(4, dtype=torch.long)],
+            total_lengths=[4],
+            response_lengths=[4],
+        )
 
 
 # ---------------------------------------------------------------- policy loss
@@ -113,9 +155,14 @@ def _one_sample_batch(ratios, advantages, seed=0, mask=None):
     logits = torch.randn(1, 2 + r, V, generator=g).requires_grad_()
     new = _ref_response_log_probs(logits[0].detach(), tokens, 2 + r, r)
     old = new - torch.log(torch.tensor(ratios))
-    batch = {"unconcat_tokens": [tokens], "total_lengths": [2 + r], "response_lengths": [r],
-             "loss_masks": [torch.tensor(mask or [1] * r, dtype=torch.int)], "log_probs": [old],
-             "advantages": [torch.tensor(advantages)]}
+    batch = {
+        "unconcat_tokens": [tokens],
+        "total_lengths": [2 + r],
+        "response_lengths": [r],
+        "loss_masks": [torch.tensor(mask or [1] * r, dtype=torch.int)],
+        "log_probs": [old],
+        "advantages": [torch.tensor(advantages)],
+    }
     return batch, logits, new
 
 
@@ -165,8 +212,9 @@ def test_tis_mask_mode_zeroes_tokens_outside_the_range():
     batch, logits, new = _one_sample_batch([1.0, 1.0, 1.0], [1.0, 1.0, 1.0])
     old = batch["log_probs"][0]
     batch["rollout_log_probs"] = [old - torch.log(torch.tensor([3.0, 1.5, 0.05]))]
-    loss, m = policy_loss_function(_args(use_tis=True, tis_clip=2.0, tis_clip_low=0.1, tis_mode="mask"), batch, logits,
-                                   _reducer(batch))
+    loss, m = policy_loss_function(
+        _args(use_tis=True, tis_clip=2.0, tis_clip_low=0.1, tis_mode="mask"), batch, logits, _reducer(batch)
+    )
     # weights [0, 1.5, 0]: only the middle token, within [0.1, 2], keeps its (unclipped) weight
     assert m["pg_loss"].item() == pytest.approx(-1.5 / 3, abs=1e-5)
     assert m["tis_clipfrac"].item() == pytest.approx(2 / 3)
@@ -178,7 +226,9 @@ def test_gspo_uses_the_sequence_level_ratio():
     loss, m = policy_loss_function(_args(advantage_estimator="gspo"), batch, logits, _reducer(batch))
     assert m["pg_loss"].item() == pytest.approx(-1.2, abs=1e-5)
     assert m["pg_clipfrac"].item() == pytest.approx(1.0)
-    loss, m = policy_loss_function(_args(advantage_estimator="gspo", eps_clip_high=0.5), batch, logits, _reducer(batch))
+    loss, m = policy_loss_function(
+        _args(advantage_estimator="gspo", eps_clip_high=0.5), batch, logits, _reducer(batch)
+    )
     assert m["pg_loss"].item() == pytest.approx(-math.sqrt(2), abs=1e-5)
     # token-level PPO on the same data: token ratios 2 (clipped to 1.2) and 1
     _, m = policy_loss_function(_args(), batch, logits, _reducer(batch))
@@ -217,8 +267,9 @@ def test_loss_function_scaling_and_return_shape():
     assert denom == 1 and report["keys"] == ["loss"]
     assert report["values"].tolist() == pytest.approx([1.0, nll], abs=1e-5)  # [num_samples, *metrics]
 
-    loss, denom, report = loss_function(_args(loss_type="sft_loss", calculate_per_token_loss=True, global_batch_size=8),
-                                        batch, 2, logits)
+    loss, denom, report = loss_function(
+        _args(loss_type="sft_loss", calculate_per_token_loss=True, global_batch_size=8), batch, 2, logits
+    )
     assert denom.item() == 2 and report["values"][0].item() == 2.0  # token count
     # per-token: a plain token sum; Megatron divides the gradients by the global token count (num_microbatches-independent)
     assert loss.item() == pytest.approx(-new.sum().item(), abs=1e-5)
@@ -226,7 +277,9 @@ def test_loss_function_scaling_and_return_shape():
     loss, _, report = loss_function(_args(loss_type="policy_loss"), batch, 1, logits)
     assert report["keys"][:5] == ["loss", "pg_loss", "entropy_loss", "pg_clipfrac", "ppo_kl"]
 
-    args = _args(loss_type="custom_loss", custom_loss_function_path="tests.test_loss._custom_loss", global_batch_size=7)
+    args = _args(
+        loss_type="custom_loss", custom_loss_function_path="tests.test_loss._custom_loss", global_batch_size=7
+    )
     loss, _, report = loss_function(args, batch, 1, logits)
     assert loss.item() == pytest.approx(1.0) and report["keys"] == ["my_metric"] and report["values"][1].item() == 3.0
     # --loss-type custom_loss without a path is refused at start-up: tests/test_startup_checks.py
@@ -235,8 +288,14 @@ def test_loss_function_scaling_and_return_shape():
 def test_loss_with_no_response_tokens_keeps_the_graph():
     tokens = torch.arange(3)
     logits = torch.randn(1, 3, V, requires_grad=True)
-    batch = {"unconcat_tokens": [tokens], "total_lengths": [3], "response_lengths": [0],
-             "loss_masks": [torch.zeros(0, dtype=torch.int)], "log_probs": [torch.zeros(0)], "advantages": [torch.zeros(0)]}
+    batch = {
+        "unconcat_tokens": [tokens],
+        "total_lengths": [3],
+        "response_lengths": [0],
+        "loss_masks": [torch.zeros(0, dtype=torch.int)],
+        "log_probs": [torch.zeros(0)],
+        "advantages": [torch.zeros(0)],
+    }
     loss, _, _ = loss_function(_args(), batch, 1, logits)
     loss.backward()
     assert loss.item() == 0.0 and torch.equal(logits.grad, torch.zeros_like(logits))
@@ -244,9 +303,14 @@ def test_loss_with_no_response_tokens_keeps_the_graph():
 
 # ---------------------------------------------------------------- advantages over rollout data
 def _rollout(rewards=(1.0, -1.0), resp=(3, 2)):
-    return {"log_probs": [torch.full((r,), -0.5) for r in resp], "ref_log_probs": [torch.full((r,), -0.7) for r in resp],
-            "rewards": list(rewards), "loss_masks": [torch.ones(r, dtype=torch.int) for r in resp],
-            "response_lengths": list(resp), "total_lengths": [r + 4 for r in resp]}
+    return {
+        "log_probs": [torch.full((r,), -0.5) for r in resp],
+        "ref_log_probs": [torch.full((r,), -0.7) for r in resp],
+        "rewards": list(rewards),
+        "loss_masks": [torch.ones(r, dtype=torch.int) for r in resp],
+        "response_lengths": list(resp),
+        "total_lengths": [r + 4 for r in resp],
+    }
 
 
 def test_compute_advantages_grpo_and_normalisation():
@@ -274,7 +338,9 @@ def test_compute_advantages_reinforce_family_and_rloo():
 
     data = _rollout(rewards=(0.5, -0.5))  # group [1, 0] centred
     compute_advantages_and_returns(_args(advantage_estimator="rloo"), data)
-    assert torch.allclose(data["advantages"][0], torch.ones(3)) and torch.allclose(data["advantages"][1], -torch.ones(2))
+    assert torch.allclose(data["advantages"][0], torch.ones(3)) and torch.allclose(
+        data["advantages"][1], -torch.ones(2)
+    )
 
     # an unknown --advantage-estimator is refused by argparse's choices (tests/test_arguments.py)
     data = {"rewards": [1.0]}  # a non-last pipeline stage has no log-probs: nothing to do
@@ -286,7 +352,9 @@ def test_compute_advantages_reinforce_family_and_rloo():
 HERE = "tests.test_loss"
 
 
-def reject_middle_tis(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths):
+def reject_middle_tis(
+    args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths
+):
     """Rejection sampling: drop the middle token of each sample, weight 1 elsewhere; one per-token metric."""
     masks = [m.clone() for m in loss_masks]
     for m in masks:
@@ -302,19 +370,27 @@ def constant_denominator_reducer(total_lengths, response_lengths, loss_masks, ca
 
 def plus_kl_advantages(args, rollout_data):
     """A custom estimator: reward + 2 per token, plus the kl slime computed first."""
-    rollout_data["advantages"] = [torch.full_like(k, r) + 2 + k for k, r in zip(rollout_data["kl"], rollout_data["rewards"])]
+    rollout_data["advantages"] = [
+        torch.full_like(k, r) + 2 + k for k, r in zip(rollout_data["kl"], rollout_data["rewards"])
+    ]
     rollout_data["returns"] = [torch.full_like(k, 7.0) for k in rollout_data["kl"]]
 
 
 def test_tis_function_by_path_icepop_and_rejection():
     batch, logits, _ = _one_sample_batch([1.0, 1.0, 1.0], [1.0, 1.0, 1.0])
     batch["rollout_log_probs"] = [batch["log_probs"][0] - torch.log(torch.tensor([3.0, 1.0, 0.05]))]
-    icepop = _args(use_tis=True, tis_clip=2.0, tis_clip_low=0.1,
-                   custom_tis_function_path="slime.backends.megatron_utils.loss.icepop_function")
+    icepop = _args(
+        use_tis=True,
+        tis_clip=2.0,
+        tis_clip_low=0.1,
+        custom_tis_function_path="slime.backends.megatron_utils.loss.icepop_function",
+    )
     _, m = policy_loss_function(icepop, batch, logits, _reducer(batch))
     # ratios [3, 1, 0.05] in band [0.1, 2] -> weights [0, 1, 0]; per-token loss -1
     assert m["pg_loss"].item() == pytest.approx(-1 / 3, abs=1e-5)
-    assert m["tis_clipfrac"].item() == pytest.approx(2 / 3) and m["tis_abs"].item() == pytest.approx((2 + 0 + 0.95) / 3)
+    assert m["tis_clipfrac"].item() == pytest.approx(2 / 3) and m["tis_abs"].item() == pytest.approx(
+        (2 + 0 + 0.95) / 3
+    )
 
     reject = _args(use_tis=True, custom_tis_function_path=f"{HERE}.reject_middle_tis")
     _, m = policy_loss_function(reject, batch, logits, _reducer(batch))
@@ -337,7 +413,8 @@ def test_custom_advantage_function_replaces_the_estimator_but_not_normalisation(
     assert [a.tolist() for a in data["advantages"]] == [[3.0] * 3, [1.0] * 2]  # rewards 1, -1; kl 0 (kl_coef 0)
     assert data["returns"][1].tolist() == [7.0, 7.0] and [k.tolist() for k in data["kl"]] == [[0.0] * 3, [0.0] * 2]
     data = _rollout()
-    compute_advantages_and_returns(_args(custom_advantage_function_path=f"{HERE}.plus_kl_advantages",
-                                         normalize_advantages=True), data)
+    compute_advantages_and_returns(
+        _args(custom_advantage_function_path=f"{HERE}.plus_kl_advantages", normalize_advantages=True), data
+    )
     values = torch.tensor([3.0] * 3 + [1.0] * 2)
     assert torch.allclose(torch.cat(data["advantages"]), (values - values.mean()) / values.std(), atol=1e-5)

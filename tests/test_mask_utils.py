@@ -1,4 +1,5 @@
 """MultiTurnLossMaskGenerator: loss mask 1 exactly on what the assistant wrote."""
+
 import importlib.util
 import os
 import shutil
@@ -77,7 +78,9 @@ def check_masks(gen, tokenizer, messages, expected_texts):
 def test_tiny_template_masks_assistant_turns_only(tiny_tokenizer):
     gen = MultiTurnLossMaskGenerator(tiny_tokenizer)
     assert gen.system_message_length == 0  # the tiny template adds no system prompt
-    assert gen.gen_token_length == len(tiny_tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"])
+    assert gen.gen_token_length == len(
+        tiny_tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    )
     ids, mask = check_masks(gen, tiny_tokenizer, CHAT, ASSISTANT_TEXTS)
     assert ids == full_ids(tiny_tokenizer, CHAT)  # per-turn templating reproduces the whole conversation
     assert gen.get_response_lengths([mask]) == [len(mask) - mask.index(1)]
@@ -86,8 +89,9 @@ def test_tiny_template_masks_assistant_turns_only(tiny_tokenizer):
 def test_default_system_prompt_is_stripped_from_later_turns(qwen25_style_tokenizer):
     tok = qwen25_style_tokenizer
     gen = MultiTurnLossMaskGenerator(tok)
-    expected_sys = len(tok("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n",
-                           add_special_tokens=False)["input_ids"])
+    expected_sys = len(
+        tok("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n", add_special_tokens=False)["input_ids"]
+    )
     assert gen.system_message_length == expected_sys
     chat = [m for m in CHAT if m["role"] != "system"]  # the template inserts its default system prompt once
     ids, _ = check_masks(gen, tok, chat, ASSISTANT_TEXTS)
@@ -100,23 +104,33 @@ def test_real_qwen3_template_with_tool_calls(qwen3_tokenizer):
     gen = MultiTurnLossMaskGenerator(qwen3_tokenizer)
     assert (gen.system_message_length, gen.gen_token_length) == (0, 3)  # <|im_start|> assistant \n
     chat = CHAT[:5] + [
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"type": "function", "function": {"name": "search", "arguments": {"q": "x"}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "search", "arguments": {"q": "x"}}}],
+        },
         {"role": "tool", "content": "result x"},
         {"role": "assistant", "content": "done"},
     ]
-    check_masks(gen, qwen3_tokenizer, chat, ASSISTANT_TEXTS[:2] + [
-        '<tool_call>\n{"name": "search", "arguments": {"q": "x"}}\n</tool_call><|im_end|>\n',
-        "done<|im_end|>\n",
-    ])
+    check_masks(
+        gen,
+        qwen3_tokenizer,
+        chat,
+        ASSISTANT_TEXTS[:2]
+        + [
+            '<tool_call>\n{"name": "search", "arguments": {"q": "x"}}\n</tool_call><|im_end|>\n',
+            "done<|im_end|>\n",
+        ],
+    )
 
 
 def test_distill_qwen_masks_the_last_message(tiny_tokenizer):
     gen = MultiTurnLossMaskGenerator(tiny_tokenizer, tokenizer_type="distill_qwen")
     msgs = [{"role": "user", "content": "What is 3+4?"}, {"role": "assistant", "content": "7"}]
     ids, mask = gen.get_loss_mask(msgs)
-    prompt = tiny_tokenizer("<|im_start|>user\nWhat is 3+4?<|im_end|>\n<|im_start|>assistant\n",
-                            add_special_tokens=False)["input_ids"]
+    prompt = tiny_tokenizer(
+        "<|im_start|>user\nWhat is 3+4?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+    )["input_ids"]
     response = tiny_tokenizer("7", add_special_tokens=False)["input_ids"]
     assert ids == prompt + response and mask == [0] * len(prompt) + [1] * len(response)
 

@@ -1,5 +1,6 @@
 """`MegatronTrainRayActor` as real Ray actors (logical GPUs): init from the tiny Qwen3 HF checkpoint, train one
 rollout with a reference model at TP=1 and TP=2, checkpoint, and resume at the next rollout id."""
+
 import pytest
 
 from tests._megatron_helpers import fixed_rollout, train_args
@@ -38,7 +39,9 @@ def test_actor_trains_tiny_qwen3_and_resumes(ray_session, tiny_kit, tmp_path, tp
         assert len(train) == 1 and train[0]["train/step"] == 0
         assert train[0]["train/ppo_kl"] == 0.0 and train[0]["train/kl_loss"] == 0.0  # --ci-test checks too
         assert train[0]["train/grad_norm"] > 0 and train[0]["train/lr"] == pytest.approx(1e-3)
-        assert results[0]["rollout"]["rollout/log_probs"] == pytest.approx(results[0]["rollout"]["rollout/ref_log_probs"])
+        assert results[0]["rollout"]["rollout/log_probs"] == pytest.approx(
+            results[0]["rollout"]["rollout/ref_log_probs"]
+        )
         ray.get([a.save_model.remote(0) for a in actors], timeout=300)
     finally:
         _kill(ray, actors)

@@ -4,6 +4,7 @@ against transformers, a bf16 training step, an NCCL broadcast of a weight bucket
 Each test runs in fresh processes with SLIME_DEVICE=cuda, so slime picks CUDA + NCCL in `slime.utils.device` exactly
 as a trainer on a GPU node does. Without CUDA every test here is skipped (the reasons show with `pytest -rs`).
 """
+
 import importlib.util
 import os
 
@@ -24,8 +25,10 @@ from tests._megatron_helpers import (
 HAS_CUDA = torch.cuda.is_available()
 HAS_TE = importlib.util.find_spec("transformer_engine") is not None
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False)"),
+]
 needs_te = pytest.mark.skipif(not HAS_TE, reason="needs transformer_engine (not importable here)")
 
 
@@ -90,10 +93,13 @@ def _log_probs(index, model_dir, impl, bf16, port, out_path):
     torch.save(torch.cat([g.float().cpu() for g in got]), out_path)
 
 
-@pytest.mark.parametrize("impl,bf16,tol", [
-    pytest.param("transformer_engine", True, 0.05, marks=needs_te, id="te-bf16"),
-    pytest.param("local", False, 1e-4, id="local-fp32"),
-])
+@pytest.mark.parametrize(
+    "impl,bf16,tol",
+    [
+        pytest.param("transformer_engine", True, 0.05, marks=needs_te, id="te-bf16"),
+        pytest.param("local", False, 1e-4, id="local-fp32"),
+    ],
+)
 def test_layer_spec_log_probs_match_transformers_on_gpu(tiny_kit, tmp_path, impl, bf16, tol):
     """The TE spec (bf16: flash/fused attention needs half precision for THD) is within bf16 rounding of an fp32
     transformers forward (bf16 alone moves these log-probs by ~6e-3; a wrong layout by ~0.2); the local spec in fp32
@@ -150,27 +156,33 @@ def _nccl_bucket(index, model_dir, ports, queue, out_path):
         for name, param in named_parameters(args, model):
             bucket += gather_and_convert(args, args.model_name, name, param, args.vocab_size)
         queue.put([(n, str(t.dtype), list(t.shape)) for n, t in bucket])
-        group = init_process_group(backend=dist_backend(), init_method=group_url, world_size=2, rank=0,
-                                   group_name="slime-pp_0")
+        group = init_process_group(
+            backend=dist_backend(), init_method=group_url, world_size=2, rank=0, group_name="slime-pp_0"
+        )
         works = [dist.broadcast(t, 0, group=group, async_op=True) for _, t in bucket]  # as `_send_bucket` does
         for w in works:
             w.wait()
         torch.cuda.synchronize()
     else:
         meta = queue.get(timeout=240)
-        group = init_process_group(backend=dist_backend(), init_method=group_url, world_size=2, rank=1,
-                                   group_name="slime-pp_0")
+        group = init_process_group(
+            backend=dist_backend(), init_method=group_url, world_size=2, rank=1, group_name="slime-pp_0"
+        )
         device = get_device(index)
-        received = {n: torch.empty(shape, dtype=getattr(torch, dtype.replace("torch.", "")), device=device)
-                    for n, dtype, shape in meta}
+        received = {
+            n: torch.empty(shape, dtype=getattr(torch, dtype.replace("torch.", "")), device=device)
+            for n, dtype, shape in meta
+        }
         for n in received:  # same order as the sender
             dist.broadcast(received[n], 0, group=group)
         torch.cuda.synchronize()
         torch.save({n: t.cpu() for n, t in received.items()}, out_path)
 
 
-@pytest.mark.skipif(HAS_CUDA and torch.cuda.device_count() < 2,
-                    reason="an NCCL group cannot hold two ranks on the same GPU: needs 2 GPUs")
+@pytest.mark.skipif(
+    HAS_CUDA and torch.cuda.device_count() < 2,
+    reason="an NCCL group cannot hold two ranks on the same GPU: needs 2 GPUs",
+)
 def test_nccl_broadcast_of_a_weight_bucket_delivers_the_hf_tensors(tiny_kit, tmp_path):
     from safetensors.torch import load_file
 

@@ -1,5 +1,6 @@
 """Megatron trainer on CPU/gloo with the tiny Qwen3 kit: init from HF, log-probs vs transformers, TP=2 == TP=1,
 first-step KL 0, a training step lowers the loss, save -> load -> identical next step, offload/onload bit-exact."""
+
 import pytest
 import torch
 
@@ -156,8 +157,9 @@ def _continue_with_more_rollouts(rank, model_dir, save_dir, out_path):
     from slime.backends.megatron_utils.model import get_optimizer_param_scheduler
     from slime.utils.checkpoint_tracker import read_tracker, write_tracker
 
-    args = train_args(model_dir, save=save_dir, lr_decay_style="linear", num_rollout=4,
-                      use_checkpoint_opt_param_scheduler=False)
+    args = train_args(
+        model_dir, save=save_dir, lr_decay_style="linear", num_rollout=4, use_checkpoint_opt_param_scheduler=False
+    )
     model, opt, sched, _, rollout, iters, nmb = _setup(args, fixed_rollout())
     train_once_for_offload(args, model, opt, sched, rollout, iters, nmb)  # one step: the scheduler has moved
     assert sched.lr_decay_steps == 4 * 2 * 2  # 4 rollouts x 2 prompts x 2 samples, counted in samples
@@ -167,9 +169,14 @@ def _continue_with_more_rollouts(rank, model_dir, save_dir, out_path):
 
     results = {}
     for mode in ("neither", "override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"):
-        more = train_args(model_dir, load=save_dir, lr_decay_style="linear", num_rollout=8,
-                          override_opt_param_scheduler=mode == "override_opt_param_scheduler",
-                          use_checkpoint_opt_param_scheduler=mode == "use_checkpoint_opt_param_scheduler")
+        more = train_args(
+            model_dir,
+            load=save_dir,
+            lr_decay_style="linear",
+            num_rollout=8,
+            override_opt_param_scheduler=mode == "override_opt_param_scheduler",
+            use_checkpoint_opt_param_scheduler=mode == "use_checkpoint_opt_param_scheduler",
+        )
         new_sched = get_optimizer_param_scheduler(more, opt)
         try:
             load_checkpoint(more, model, opt, new_sched)

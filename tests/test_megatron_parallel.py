@@ -5,14 +5,22 @@ Every layout runs the same program through the real actor (`MegatronTrainRayActo
 the HF checkpoint, the actor's log-prob pass, three rollouts of training on one fixed batch, and the weight export that
 weight sync uses. The PP=1 / CP=1 run of the same program and a transformers forward are the independent references.
 """
+
 import pytest
 import torch
 
 from tests._megatron_helpers import fixed_rollout, hf_log_probs, spawn, train_args
 
 NUM_ROLLOUTS = 3
-_COMPARED_METRICS = ("train/loss", "train/pg_loss", "train/entropy_loss", "train/grad_norm",
-                     "train/train_rollout_logprob_abs_diff", "train/ppo_kl", "train/kl_loss")
+_COMPARED_METRICS = (
+    "train/loss",
+    "train/pg_loss",
+    "train/entropy_loss",
+    "train/grad_norm",
+    "train/train_rollout_logprob_abs_diff",
+    "train/ppo_kl",
+    "train/kl_loss",
+)
 
 
 class _Ref:
@@ -47,8 +55,14 @@ def _colocated_export(actor):
     pipeline stages are broadcast over the PP group by `UpdateWeightFromTensor._materialize`)."""
     from slime.backends.megatron_utils.update_weight import UpdateWeightFromTensor
 
-    updater = UpdateWeightFromTensor(actor.args, actor.model, actor.weights, model_name=actor.model_name,
-                                     quantization_config=None, vocab_size=actor.vocab_size)
+    updater = UpdateWeightFromTensor(
+        actor.args,
+        actor.model,
+        actor.weights,
+        model_name=actor.model_name,
+        quantization_config=None,
+        vocab_size=actor.vocab_size,
+    )
     out = {}
     for index, infos in enumerate(updater.param_info_buckets, 1):
         for hf_name, t in updater._prepare_bucket(index, infos)[0]:
@@ -73,9 +87,13 @@ def _run_layout(rank, model_dir, layout, out_dir, data_vocab=512):
     actor = object.__new__(MegatronTrainRayActor)  # a Ray actor's body without Ray
     assert actor.init(args, "actor", None, with_ref=True) == 0
     model = actor.model
-    result = {"pp_rank": mpu.get_pipeline_model_parallel_rank(), "last": mpu.is_pipeline_last_stage(),
-              "num_chunks": len(model), "hf_init": _hf_export(args, model, actor.model_name, actor.vocab_size),
-              "hf_colocated": _colocated_export(actor)}
+    result = {
+        "pp_rank": mpu.get_pipeline_model_parallel_rank(),
+        "last": mpu.is_pipeline_last_stage(),
+        "num_chunks": len(model),
+        "hf_init": _hf_export(args, model, actor.model_name, actor.vocab_size),
+        "hf_colocated": _colocated_export(actor),
+    }
 
     data = fixed_rollout(vocab_size=data_vocab)
     rollout = process_rollout_data(args, _Ref(data), mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size())
@@ -217,8 +235,14 @@ def test_pp2_weight_export_is_the_hf_checkpoint_and_stays_tied(pp1, pp2, tiny_ki
 
 def test_uneven_pp2_split_matches_pp1(pp1, tiny_kit, tmp_path_factory):
     """--decoder-first-pipeline-num-layers 1: stage 0 holds layer 0, stage 1 layers 1-3; the same numbers as PP=1."""
-    run = _launch(tmp_path_factory, tiny_kit[0], "pp2_uneven", 2, pipeline_model_parallel_size=2,
-                  decoder_first_pipeline_num_layers=1)
+    run = _launch(
+        tmp_path_factory,
+        tiny_kit[0],
+        "pp2_uneven",
+        2,
+        pipeline_model_parallel_size=2,
+        decoder_first_pipeline_num_layers=1,
+    )
     layers = [{n.split(".")[2] for n in r["hf_init"] if n.startswith("model.layers.")} for r in run]
     assert layers == [{"0"}, {"1", "2", "3"}]
     _assert_matches_pp1(run, pp1, tiny_kit)
@@ -230,8 +254,15 @@ def test_vpp2_matches_pp1(pp1, tiny_kit, tmp_path_factory, batching):
     fixed micro-batches and with dynamic batching. Sample lengths are 9, 10, 10, 11: 19 tokens per micro-batch need 3
     micro-batches (first fit), which the interleaved schedule (groups of PP=2) rounds up to 4."""
     dynamic = dict(use_dynamic_batch_size=True, max_tokens_per_gpu=19) if batching == "dynamic" else {}
-    vpp = _launch(tmp_path_factory, tiny_kit[0], f"vpp2_{batching}", 2, pipeline_model_parallel_size=2,
-                  virtual_pipeline_model_parallel_size=2, **dynamic)
+    vpp = _launch(
+        tmp_path_factory,
+        tiny_kit[0],
+        f"vpp2_{batching}",
+        2,
+        pipeline_model_parallel_size=2,
+        virtual_pipeline_model_parallel_size=2,
+        **dynamic,
+    )
     assert [r["num_chunks"] for r in vpp] == [2, 2]
     assert all(r["num_microbatches"] == ([4] if dynamic else [2]) for r in vpp)
     # rank 0 holds layers 0 and 2, rank 1 layers 1 and 3 (global names from the vp-stage offsets)
@@ -255,8 +286,12 @@ def _assert_cp_matches(run, ref, check_grads=True):
     (metrics 1e-4 relative, log-probs and weights 5e-4): Adam divides by sqrt(v), so near-zero gradients that differ
     by rounding move a weight by up to a fraction of the LR (1e-3), and PPO clipping amplifies it."""
     for r in run:
-        print("CP parity: log-probs", _max_diff(r["log_probs"], ref["log_probs"]), "after training",
-              _max_diff(r["log_probs_after"], ref["log_probs_after"]))
+        print(
+            "CP parity: log-probs",
+            _max_diff(r["log_probs"], ref["log_probs"]),
+            "after training",
+            _max_diff(r["log_probs_after"], ref["log_probs_after"]),
+        )
         assert _max_diff(r["log_probs"], ref["log_probs"]) <= 1e-6
         assert _max_diff(r["log_probs_before"][0], ref["log_probs_before"][0]) <= 1e-6
         if check_grads:
@@ -297,8 +332,9 @@ def test_cp2_per_token_loss_with_dynamic_batching(tiny_kit, tmp_path_factory):
     single micro-batch of all 4 samples as CP=1 with a 40-token budget."""
     per_token = {"calculate_per_token_loss": True, "use_dynamic_batch_size": True}
     ref = _launch(tmp_path_factory, tiny_kit[0], "cp1_per_token", 1, max_tokens_per_gpu=40, **per_token)
-    cp2 = _launch(tmp_path_factory, tiny_kit[0], "cp2_per_token", 2, context_parallel_size=2, max_tokens_per_gpu=20,
-                  **per_token)
+    cp2 = _launch(
+        tmp_path_factory, tiny_kit[0], "cp2_per_token", 2, context_parallel_size=2, max_tokens_per_gpu=20, **per_token
+    )
     assert ref[0]["num_microbatches"] == [1] and [r["num_microbatches"] for r in cp2] == [[1], [1]]
     _assert_cp_matches(cp2, ref[0])
 
@@ -318,5 +354,3 @@ def test_cp2_moe_matches_cp1(tmp_path_factory):
     cp2 = _launch(tmp_path_factory, model_dir, "moe_cp2", 2, data_vocab=200, context_parallel_size=2)
     assert any("experts" in n for n in ref[0]["grads"][0])
     _assert_cp_matches(cp2, ref[0])
-
-

@@ -2,6 +2,7 @@
 process groups torn down before the pause, rebuilt after the resume, and a weight push made while asleep runs outside
 the saver's region (`disable()`) with the groups up. torch_memory_saver needs CUDA and its LD_PRELOAD hook, so a
 recorder with its API stands in for it; the actor's own sleep / wake_up / update_weights run for real."""
+
 import contextlib
 
 import pytest
@@ -40,7 +41,9 @@ def asleep_actor(monkeypatch):
     saver = RecordingSaver(events)
     monkeypatch.setattr(actor_mod, "_memory_saver", lambda: saver)
     monkeypatch.setattr(actor_mod.device, "clear_memory", lambda: events.append("clear_memory"))
-    monkeypatch.setattr(actor_mod.mpu, "destroy_process_groups", lambda: events.append("destroy_groups"), raising=False)
+    monkeypatch.setattr(
+        actor_mod.mpu, "destroy_process_groups", lambda: events.append("destroy_groups"), raising=False
+    )
     monkeypatch.setattr(actor_mod.mpu, "reload_process_groups", lambda: events.append("reload_groups"), raising=False)
     monkeypatch.setattr(actor_mod.dist, "barrier", lambda group=None: None)
     monkeypatch.setattr(actor_mod.megatron_init, "get_gloo_group", lambda: None)

@@ -5,6 +5,7 @@ Each family: a tiny random HF checkpoint; `parse_args` with only `--hf-checkpoin
 against hand-written values); HF -> Megatron -> HF is bit-exact at TP=1, TP=2 and (MoE) EP=2 / ETP=2; the trainer's
 log-probs (`forward_only`) equal a transformers fp32 forward within 1e-5.
 """
+
 import pytest
 import torch
 
@@ -14,8 +15,24 @@ from tests._megatron_helpers import build_random_hf, fixed_rollout, hf_log_probs
 FAMILIES = ["llama3", "glm4", "glm4moe", "deepseekv3", "mimo"]
 MOE = ["glm4moe", "deepseekv3"]
 # 2 prompts x 2 samples, one optimizer step per rollout; world size set per run.
-RL = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--micro-batch-size", "2",
-      "--num-rollout", "1", "--lr", "1e-3", "--rollout-num-gpus", "1", "--seq-length", "64"]
+RL = [
+    "--rollout-batch-size",
+    "2",
+    "--n-samples-per-prompt",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--micro-batch-size",
+    "2",
+    "--num-rollout",
+    "1",
+    "--lr",
+    "1e-3",
+    "--rollout-num-gpus",
+    "1",
+    "--seq-length",
+    "64",
+]
 
 
 def long_rollout(vocab_size):
@@ -47,8 +64,22 @@ def test_llama3_rope_scaling_inferred_and_mismatch_names_both_values(hf_models, 
     a = family_args(hf_models["llama3"])
     assert a.use_rope_scaling and a.rope_scaling_factor == 32.0 and a.rotary_base == 500000
     assert a.untie_embeddings_and_output_weights is False and a.kv_channels == 16 and a.num_query_groups == 2
-    model = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention",
-             "--num-query-groups", "2", "--ffn-hidden-size", "96", "--use-rope-scaling", "--rotary-base", "500000"]
+    model = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--group-query-attention",
+        "--num-query-groups",
+        "2",
+        "--ffn-hidden-size",
+        "96",
+        "--use-rope-scaling",
+        "--rotary-base",
+        "500000",
+    ]
     with pytest.raises(SystemExit):  # slime's old call: rope scaling on, but Megatron's default factor 8
         family_args(hf_models["llama3"], 1, *model)
     err = capsys.readouterr().err
@@ -86,7 +117,12 @@ def test_glm_and_deepseek_architecture_inferred(hf_models):
     assert g.rotary_percent == 0.5 and g.add_qkv_bias and not g.qk_layernorm and g.kv_channels == 16
     assert g.model_name == "glm4config"
     m = family_args(hf_models["glm4moe"])
-    assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.moe_shared_expert_intermediate_size) == (8, 2, 32, 32)
+    assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.moe_shared_expert_intermediate_size) == (
+        8,
+        2,
+        32,
+        32,
+    )
     assert m.moe_layer_freq == [0, 1, 1] and m.moe_router_score_function == "sigmoid"
     assert m.moe_router_enable_expert_bias and m.moe_router_bias_update_rate == 0.0
     assert m.moe_router_topk_scaling_factor == 2.5 and m.moe_router_num_groups is None
@@ -118,8 +154,10 @@ def test_deepseek_model_args_that_disagree_are_named(hf_models, capsys):
     --moe-router-enable-expert-bias --moe-router-bias-update-rate 0 --moe-router-group-topk 2
     --moe-router-num-groups 4 --moe-router-topk-scaling-factor 2.5 --moe-router-dtype fp32""".split()
     assert family_args(hf_models["deepseekv3"], 1, *model).multi_latent_attention
-    bad = [("[0]*2+[1]*1" if t == "[0]*1+[1]*2" else "2" if t == "4" and model[i - 1] == "--moe-router-num-groups" else t)
-           for i, t in enumerate(model)]
+    bad = [
+        ("[0]*2+[1]*1" if t == "[0]*1+[1]*2" else "2" if t == "4" and model[i - 1] == "--moe-router-num-groups" else t)
+        for i, t in enumerate(model)
+    ]
     with pytest.raises(SystemExit):
         family_args(hf_models["deepseekv3"], 1, *bad)
     err = capsys.readouterr().err
@@ -184,8 +222,16 @@ def _roundtrip_and_log_probs(rank, hf_models, layouts, out):
     world = torch.distributed.get_world_size()
     for kind, tp, ep, etp in layouts:
         hf_dir = hf_models[kind]
-        args = family_args(hf_dir, world, "--tensor-model-parallel-size", str(tp), "--expert-model-parallel-size",
-                           str(ep), "--expert-tensor-parallel-size", str(etp))
+        args = family_args(
+            hf_dir,
+            world,
+            "--tensor-model-parallel-size",
+            str(tp),
+            "--expert-model-parallel-size",
+            str(ep),
+            "--expert-tensor-parallel-size",
+            str(etp),
+        )
         mpu.destroy_model_parallel()
         init(args)
         model, _, _, _ = initialize_model_and_optimizer(args)
@@ -206,7 +252,9 @@ def _roundtrip_and_log_probs(rank, hf_models, layouts, out):
             assert got[k].dtype == v.dtype and torch.equal(got[k], v), f"{layout}: {k} differs after the round trip"
 
         data = long_rollout(args.vocab_size)
-        rollout = process_rollout_data(args, _Ref(data), mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size())
+        rollout = process_rollout_data(
+            args, _Ref(data), mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+        )
         iters, nmb = get_data_iterator(args, model, rollout)
         log_probs = forward_only(args, model, iters, nmb)["log_probs"]
         ref = hf_log_probs(hf_dir, rollout)  # this rank's samples
@@ -218,8 +266,14 @@ def _roundtrip_and_log_probs(rank, hf_models, layouts, out):
 
 
 def test_families_roundtrip_and_log_probs_tp1(hf_models, tmp_path):
-    spawn(_roundtrip_and_log_probs, 1, hf_models, [(k, 1, 1, 1) for k in FAMILIES], str(tmp_path / "diffs.txt"),
-          timeout=400)
+    spawn(
+        _roundtrip_and_log_probs,
+        1,
+        hf_models,
+        [(k, 1, 1, 1) for k in FAMILIES],
+        str(tmp_path / "diffs.txt"),
+        timeout=400,
+    )
     print((tmp_path / "diffs.txt").read_text())
 
 
@@ -265,20 +319,29 @@ def test_cpu_server_serves_family_and_takes_trainer_named_weights(kind, hf_model
 
     model_dir = _with_tokenizer(hf_models[kind], tiny_kit)
     # new weights under the checkpoint's (= the trainer's) names, and a transformers reference holding them
-    sent = {n: t + 0.05 * torch.randn(t.shape, generator=torch.Generator().manual_seed(i))
-            for i, (n, t) in enumerate(sorted(load_file(f"{model_dir}/model.safetensors").items()))
-            if ".mtp_layers." not in n}  # the trainer has no MTP layers to send (MiMo)
+    sent = {
+        n: t + 0.05 * torch.randn(t.shape, generator=torch.Generator().manual_seed(i))
+        for i, (n, t) in enumerate(sorted(load_file(f"{model_dir}/model.safetensors").items()))
+        if ".mtp_layers." not in n
+    }  # the trainer has no MTP layers to send (MiMo)
     for f in ("config.json", "configuration_mimo.py", "modeling_mimo.py"):
         if os.path.exists(f"{model_dir}/{f}"):
             shutil.copy(f"{model_dir}/{f}", tmp_path / f)
     save_file(sent, str(tmp_path / "model.safetensors"))
 
     def check_against(ref_dir):
-        ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32, attn_implementation="eager",
-                                                   trust_remote_code=True).eval()
+        ref = AutoModelForCausalLM.from_pretrained(
+            ref_dir, dtype=torch.float32, attn_implementation="eager", trust_remote_code=True
+        ).eval()
         for p in ([5, 17, 33, 101, 7], [150, 3, 3, 60]):
-            out = gen(url, {"input_ids": p, "return_logprob": True,
-                            "sampling_params": {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}})
+            out = gen(
+                url,
+                {
+                    "input_ids": p,
+                    "return_logprob": True,
+                    "sampling_params": {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True},
+                },
+            )
             ids, lps = hf_greedy(ref, p, 5)
             got = [x[0] for x in out["meta_info"]["output_token_logprobs"]]
             assert out["output_ids"] == ids and max(abs(a - b) for a, b in zip(got, lps)) <= 1e-5, kind
@@ -301,10 +364,13 @@ def test_cpu_server_serves_family_and_takes_trainer_named_weights(kind, hf_model
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("kind, parallel", [
-    ("glm4", []),
-    ("deepseekv3", ["--actor-num-gpus-per-node", "2", "--expert-model-parallel-size", "2"]),
-])
+@pytest.mark.parametrize(
+    "kind, parallel",
+    [
+        ("glm4", []),
+        ("deepseekv3", ["--actor-num-gpus-per-node", "2", "--expert-model-parallel-size", "2"]),
+    ],
+)
 def test_rl_steps_end_to_end(kind, parallel, ray_session, tiny_kit, tmp_path):
     """train.py from the HF checkpoint alone: rollouts on the CPU server, GRPO steps on the trainer (EP=2 for the
     MoE), weights pushed back with --check-weight-update-equal; both steps are on-policy (engine = trainer)."""
@@ -314,13 +380,48 @@ def test_rl_steps_end_to_end(kind, parallel, ray_session, tiny_kit, tmp_path):
 
     model_dir = _with_tokenizer(build_random_hf(kind, str(tmp_path / kind), vocab_size=512), tiny_kit)
     argv = [
-        "--hf-checkpoint", model_dir, "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1",
-        "--rollout-num-gpus", "1", "--prompt-data", f"{tiny_kit[1]}/train.jsonl", "--input-key", "prompt",
-        "--label-key", "label", "--apply-chat-template", "--rm-type", "answer_match", "--num-rollout", "2",
-        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4",
-        "--rollout-max-response-len", "4", "--lr", "1e-3", "--lr-decay-style", "constant", "--attention-dropout", "0.0",
-        "--hidden-dropout", "0.0", "--seed", "1", "--ci-test", "--check-weight-update-equal",
-        "--metrics-path", str(tmp_path / "metrics.jsonl"), *parallel,
+        "--hf-checkpoint",
+        model_dir,
+        "--actor-num-nodes",
+        "1",
+        "--actor-num-gpus-per-node",
+        "1",
+        "--rollout-num-gpus",
+        "1",
+        "--prompt-data",
+        f"{tiny_kit[1]}/train.jsonl",
+        "--input-key",
+        "prompt",
+        "--label-key",
+        "label",
+        "--apply-chat-template",
+        "--rm-type",
+        "answer_match",
+        "--num-rollout",
+        "2",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "2",
+        "--global-batch-size",
+        "4",
+        "--rollout-max-response-len",
+        "4",
+        "--lr",
+        "1e-3",
+        "--lr-decay-style",
+        "constant",
+        "--attention-dropout",
+        "0.0",
+        "--hidden-dropout",
+        "0.0",
+        "--seed",
+        "1",
+        "--ci-test",
+        "--check-weight-update-equal",
+        "--metrics-path",
+        str(tmp_path / "metrics.jsonl"),
+        *parallel,
     ]
     sync_driver.train(parse_args(argv=argv))
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]

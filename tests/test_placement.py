@@ -7,20 +7,29 @@ from tests._args import make_args as real_args
 
 
 def _args(**kw):
-    base = dict(actor_num_nodes=1, actor_num_gpus_per_node=2, rollout_num_gpus=2, colocate=False,
-                debug_train_only=False, debug_rollout_only=False)
+    base = dict(
+        actor_num_nodes=1,
+        actor_num_gpus_per_node=2,
+        rollout_num_gpus=2,
+        colocate=False,
+        debug_train_only=False,
+        debug_rollout_only=False,
+    )
     base.update(kw)
     return real_args(**base)
 
 
-@pytest.mark.parametrize("kw, expected", [
-    ({}, (4, 2)),                                                       # disaggregated: trainers first, engines after
-    ({"colocate": True}, (2, 0)),                                       # colocated: same bundles
-    ({"colocate": True, "rollout_num_gpus": 4}, (4, 0)),                # colocated, more engines than trainers
-    ({"debug_train_only": True}, (2, 0)),
-    ({"debug_rollout_only": True, "rollout_num_gpus": 3}, (3, 0)),
-    ({"actor_num_nodes": 2, "actor_num_gpus_per_node": 8, "rollout_num_gpus": 8}, (24, 16)),
-])
+@pytest.mark.parametrize(
+    "kw, expected",
+    [
+        ({}, (4, 2)),  # disaggregated: trainers first, engines after
+        ({"colocate": True}, (2, 0)),  # colocated: same bundles
+        ({"colocate": True, "rollout_num_gpus": 4}, (4, 0)),  # colocated, more engines than trainers
+        ({"debug_train_only": True}, (2, 0)),
+        ({"debug_rollout_only": True, "rollout_num_gpus": 3}, (3, 0)),
+        ({"actor_num_nodes": 2, "actor_num_gpus_per_node": 8, "rollout_num_gpus": 8}, (24, 16)),
+    ],
+)
 def test_layout_table(kw, expected):
     assert get_placement_group_layout(_args(**kw)) == expected
 

@@ -1,5 +1,6 @@
 """PPO math: KL estimators, clipped/dual-clipped policy loss, vocab-parallel log-probs and entropy
 (incl. TP=2 gloo ranks), advantage estimators on hand-computed cases, distributed masked whitening."""
+
 import math
 
 import pytest
@@ -102,7 +103,7 @@ def _tp2_vocab_parallel(rank):
     tokens = torch.randint(0, 40, (5, 6), generator=g)
     w1, w2 = torch.randn(5, 6, generator=g), torch.randn(5, 6, generator=g)
     group = dist.new_group([0, 1])
-    shard = full[..., rank * 20:(rank + 1) * 20].clone().requires_grad_()
+    shard = full[..., rank * 20 : (rank + 1) * 20].clone().requires_grad_()
     lp = compute_log_probs(shard, tokens, group)
     ent = compute_entropy_from_logits(shard, group)
     full = full.requires_grad_()
@@ -110,7 +111,7 @@ def _tp2_vocab_parallel(rank):
     assert torch.allclose(lp, ref_lp, atol=1e-5), (lp - ref_lp).abs().max()
     assert torch.allclose(ent, ref_ent, atol=1e-5), (ent - ref_ent).abs().max()
     got = torch.autograd.grad((lp * w1).sum() + (ent * w2).sum(), shard)[0]
-    want = torch.autograd.grad((ref_lp * w1).sum() + (ref_ent * w2).sum(), full)[0][..., rank * 20:(rank + 1) * 20]
+    want = torch.autograd.grad((ref_lp * w1).sum() + (ref_ent * w2).sum(), full)[0][..., rank * 20 : (rank + 1) * 20]
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
 
 
@@ -140,7 +141,9 @@ def test_reinforce_plus_plus_long_sequence_matches_recursion():
     mask = torch.ones(n, dtype=torch.int)
     mask[-5:] = 0
     for gamma in (1.0, 0.99):
-        (ret,) = get_reinforce_plus_plus_returns(torch.tensor([2.0]), [kl], [mask], [n], [n + 3], kl_coef=0.1, gamma=gamma)
+        (ret,) = get_reinforce_plus_plus_returns(
+            torch.tensor([2.0]), [kl], [mask], [n], [n + 3], kl_coef=0.1, gamma=gamma
+        )
         r = (-0.1 * kl).tolist()
         r[n - 6] += 2.0
         expect, running = [0.0] * n, 0.0
@@ -152,8 +155,9 @@ def test_reinforce_plus_plus_long_sequence_matches_recursion():
 
 def test_reinforce_plus_plus_fully_masked_sample_is_an_error():
     with pytest.raises(ValueError, match="sample 0"):
-        get_reinforce_plus_plus_returns(torch.tensor([1.0]), [torch.zeros(2)], [torch.zeros(2, dtype=torch.int)],
-                                        [2], [5], kl_coef=0.0, gamma=1.0)
+        get_reinforce_plus_plus_returns(
+            torch.tensor([1.0]), [torch.zeros(2)], [torch.zeros(2, dtype=torch.int)], [2], [5], kl_coef=0.0, gamma=1.0
+        )
 
 
 def test_reinforce_plus_plus_baseline():

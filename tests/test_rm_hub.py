@@ -1,4 +1,5 @@
 """Reward graders: every normalisation rule decides a reward, so each is pinned on hand-worked cases."""
+
 import asyncio
 import time
 
@@ -287,7 +288,11 @@ def test_dapo_minerva_scoring():
 
 
 def test_dapo_strict_box():
-    assert dapo.compute_score("work... \\boxed{42}", "42", strict_box_verify=True) == {"score": 1.0, "acc": True, "pred": "42"}
+    assert dapo.compute_score("work... \\boxed{42}", "42", strict_box_verify=True) == {
+        "score": 1.0,
+        "acc": True,
+        "pred": "42",
+    }
     assert dapo.compute_score("\\boxed{42}" + "." * 100, "42", strict_box_verify=True) == {
         "score": -1.0,
         "acc": False,
@@ -403,7 +408,10 @@ async def custom_bad_group_rm(args, samples, **kwargs):
 
 def test_custom_rm_by_path():
     args = make_args(rm_type="math", custom_rm_path="tests.test_rm_hub.custom_rm")  # custom path wins over rm_type
-    assert run(async_rm(args, Sample(response="abcd"), evaluation=True), timeout=30) == {"len": 4, "kw": ["evaluation"]}
+    assert run(async_rm(args, Sample(response="abcd"), evaluation=True), timeout=30) == {
+        "len": 4,
+        "kw": ["evaluation"],
+    }
     group = [Sample(response="a"), Sample(response="b"), Sample(response="c")]
     args = make_args(custom_rm_path="tests.test_rm_hub.custom_group_rm")
     assert run(batched_async_rm(args, group), timeout=30) == [0.0, 1.0, 2.0]  # one call with the whole list
@@ -499,7 +507,9 @@ def test_remote_rm_errors_name_the_url(rm_server):
         run(remote_rm(make_args(rm_url=f"{base}/text"), Sample(), backoff=0.01), timeout=30)
     t0 = time.monotonic()
     with pytest.raises(ConnectionError, match=r"/slow failed after 2 attempt\(s\): \w*Timeout"):
-        run(remote_rm(make_args(rm_url=f"{base}/slow"), Sample(), max_retries=2, timeout=0.3, backoff=0.01), timeout=30)
+        run(
+            remote_rm(make_args(rm_url=f"{base}/slow"), Sample(), max_retries=2, timeout=0.3, backoff=0.01), timeout=30
+        )
     assert time.monotonic() - t0 < 3
     dead = f"http://127.0.0.1:{find_available_port(30000)}/reward"
     with pytest.raises(ConnectionError, match=rf"{dead} failed after 3 attempt"):

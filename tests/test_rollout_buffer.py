@@ -4,6 +4,7 @@ End to end: slime's CPU inference server (tiny Qwen3) behind the real sglang-rou
 `python -m slime_plugins.rollout_buffer.buffer`, the base "math" generator, and `rollout_buffer_example.generate_rollout`
 feeding a real RolloutDataSourceWithBuffer.
 """
+
 import importlib.util
 import json
 import os
@@ -24,9 +25,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _item(iid, reward, content="7"):
-    return {"uid": f"u{iid}-{reward}-{content}", "instance_id": iid, "reward": reward,
-            "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": content}],
-            "extra_info": {"timestamp": time.time()}}
+    return {
+        "uid": f"u{iid}-{reward}-{content}",
+        "instance_id": iid,
+        "reward": reward,
+        "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": content}],
+        "extra_info": {"timestamp": time.time()},
+    }
 
 
 def test_buffer_queue_groups_and_meta():
@@ -37,8 +42,14 @@ def test_buffer_queue_groups_and_meta():
     q.append(_item(0, 0.0))
     out = q.get()
     assert [d["instance_id"] for d in out["data"]] == [0, 0]
-    assert out["meta_info"] == {"total_samples": 2, "num_groups": 1, "avg_group_size": 2.0, "avg_reward": 0.5,
-                                "finished_groups": [0], "dropped_groups": 0}
+    assert out["meta_info"] == {
+        "total_samples": 2,
+        "num_groups": 1,
+        "avg_group_size": 2.0,
+        "avg_reward": 0.5,
+        "finished_groups": [0],
+        "dropped_groups": 0,
+    }
     assert len(q) == 1  # group 1 is still waiting
     with pytest.raises(ValueError, match="instance_id"):
         q.append({"reward": 1.0})
@@ -78,9 +89,8 @@ def test_endpoints(tmp_path):
     from fastapi.testclient import TestClient
 
     (tmp_path / "writer.py").write_text(
-        "import httpx\nTASK_TYPE = 'writer'\n"
-        "def run_rollout(data):\n"
-        "    raise RuntimeError('engine exploded')\n")
+        "import httpx\nTASK_TYPE = 'writer'\ndef run_rollout(data):\n    raise RuntimeError('engine exploded')\n"
+    )
     client = TestClient(create_app(group_size=2, generator_dirs=(str(tmp_path),)))
     r = client.post("/get_rollout_data", json={})
     assert r.status_code == 200 and r.json()["success"] is False
@@ -100,6 +110,7 @@ def test_endpoints(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- end to end (CPU)
+
 
 def _wait_http(url, proc, what, timeout=120):
     deadline = time.time() + timeout
@@ -158,24 +169,81 @@ def test_end_to_end_cpu(tiny_kit, tmp_path, processes):
     router_port = find_available_port(server_port + 50)
     metrics_port = find_available_port(router_port + 50)
     buffer_port = find_available_port(metrics_port + 50)
-    server = processes([sys.executable, "-m", "slime.backends.cpu_server", "--model-path", model_dir,
-                        "--host", "127.0.0.1", "--port", str(server_port), "--random-seed", "1"], log)
+    server = processes(
+        [
+            sys.executable,
+            "-m",
+            "slime.backends.cpu_server",
+            "--model-path",
+            model_dir,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(server_port),
+            "--random-seed",
+            "1",
+        ],
+        log,
+    )
     _wait_http(f"http://127.0.0.1:{server_port}/health", server, "CPU inference server")
-    router = processes([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                        "--port", str(router_port), "--prometheus-host", "127.0.0.1", "--prometheus-port",
-                        str(metrics_port), "--policy", "round_robin", "--log-level", "warn",
-                        "--worker-urls", f"http://127.0.0.1:{server_port}"], log)
+    router = processes(
+        [
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(router_port),
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(metrics_port),
+            "--policy",
+            "round_robin",
+            "--log-level",
+            "warn",
+            "--worker-urls",
+            f"http://127.0.0.1:{server_port}",
+        ],
+        log,
+    )
     _wait_http(f"http://127.0.0.1:{router_port}/readiness", router, "sglang-router with one healthy worker")
-    buffer = processes([sys.executable, "-m", "slime_plugins.rollout_buffer.buffer", "--host", "127.0.0.1",
-                        "--port", str(buffer_port)], log)
+    buffer = processes(
+        [
+            sys.executable,
+            "-m",
+            "slime_plugins.rollout_buffer.buffer",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(buffer_port),
+        ],
+        log,
+    )
     _wait_http(f"http://127.0.0.1:{buffer_port}/health", buffer, "rollout buffer server")
 
     args = make_args(
-        hf_checkpoint=model_dir, rollout_buffer_url=f"http://127.0.0.1:{buffer_port}", rollout_task_type="math", loss_mask_type="qwen",
-        sglang_router_ip="127.0.0.1", sglang_router_port=router_port, prompt_data=str(prompts), input_key="prompt",
-        label_key="label", num_epoch=1, rollout_batch_size=2, n_samples_per_prompt=4,
-        rollout_max_response_len=6, rollout_temperature=1.0, rollout_top_p=1.0, rm_type="answer_match",
-        fetch_trajectory_retry_times=120, rollout_global_dataset=False, buffer_filter_path=None)
+        hf_checkpoint=model_dir,
+        rollout_buffer_url=f"http://127.0.0.1:{buffer_port}",
+        rollout_task_type="math",
+        loss_mask_type="qwen",
+        sglang_router_ip="127.0.0.1",
+        sglang_router_port=router_port,
+        prompt_data=str(prompts),
+        input_key="prompt",
+        label_key="label",
+        num_epoch=1,
+        rollout_batch_size=2,
+        n_samples_per_prompt=4,
+        rollout_max_response_len=6,
+        rollout_temperature=1.0,
+        rollout_top_p=1.0,
+        rm_type="answer_match",
+        fetch_trajectory_retry_times=120,
+        rollout_global_dataset=False,
+        buffer_filter_path=None,
+    )
     data_source = RolloutDataSourceWithBuffer(args)
     example._state.update(started=False, tokenizer=None, mask_generator=None)
 
@@ -197,7 +265,7 @@ def test_end_to_end_cpu(tiny_kit, tmp_path, processes):
             assert s.status == (Sample.Status.TRUNCATED if finish == "length" else Sample.Status.COMPLETED)
             # the loss mask covers exactly the response: the assistant answer and its end-of-turn token
             assert len(s.loss_mask) == s.response_length > 0 and s.loss_mask[0] == 1
-            response_text = tok.decode(s.tokens[-s.response_length:])
+            response_text = tok.decode(s.tokens[-s.response_length :])
             assert response_text.startswith(s.response) and "<|im_end|>" in response_text
             assert "What is" in tok.decode(s.tokens[: len(s.tokens) - s.response_length])
     assert data_source.get_metadata()["0"]  # finished group ids recorded (sent as skip_instance_ids on restart)
@@ -205,4 +273,3 @@ def test_end_to_end_cpu(tiny_kit, tmp_path, processes):
     # Only 3 prompts x 1 epoch exist: the next rollout cannot be filled, and says so instead of polling forever.
     with pytest.raises(RuntimeError, match="finished"):
         example.generate_rollout(args, 1, data_source)
-

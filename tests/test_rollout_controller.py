@@ -1,5 +1,6 @@
 """RolloutController: reward post-processing, sample -> train-data conversion, metrics, debug save/load, eval, and
 the Ray actor itself (driven by rollout functions defined here and loaded by dotted path)."""
+
 import json
 import math
 import os
@@ -20,14 +21,29 @@ HERE = "tests.test_rollout_controller"
 
 def make_args(**overrides):
     base = dict(
-        rollout_function_path=f"{HERE}.fixed_rollout", eval_function_path=None,
-        custom_reward_post_process_path=None, rollout_global_dataset=False, prompt_data=None,
-        n_samples_per_prompt=2, rollout_batch_size=2, global_batch_size=4, advantage_estimator="grpo",
-        rewards_normalization=True, grpo_std_normalization=True, reward_key=None, rollout_num_gpus=2,
-        load_debug_rollout_data=None, save_debug_rollout_data=None, debug_train_only=False, use_wandb=False,
-        buffer_filter_path=None, save=None, load=None,
+        rollout_function_path=f"{HERE}.fixed_rollout",
+        eval_function_path=None,
+        custom_reward_post_process_path=None,
+        rollout_global_dataset=False,
+        prompt_data=None,
+        n_samples_per_prompt=2,
+        rollout_batch_size=2,
+        global_batch_size=4,
+        advantage_estimator="grpo",
+        rewards_normalization=True,
+        grpo_std_normalization=True,
+        reward_key=None,
+        rollout_num_gpus=2,
+        load_debug_rollout_data=None,
+        save_debug_rollout_data=None,
+        debug_train_only=False,
+        use_wandb=False,
+        buffer_filter_path=None,
+        save=None,
+        load=None,
         data_source_path="slime.rollout.data_source.RolloutDataSourceWithBuffer",
-        custom_convert_samples_to_train_data_path=None, custom_rollout_log_function_path=None,
+        custom_convert_samples_to_train_data_path=None,
+        custom_rollout_log_function_path=None,
         custom_eval_rollout_log_function_path=None,
     )
     base.update(overrides)
@@ -49,8 +65,12 @@ def fixed_rollout(args, rollout_id, data_source, evaluation=False):
         group = []
         for j in range(args.n_samples_per_prompt):
             idx = g * args.n_samples_per_prompt + j
-            s = sample(idx, response_len=idx + 1, reward=float((g + j + 1) % 2 or g),
-                       status=Sample.Status.TRUNCATED if idx == 0 else Sample.Status.COMPLETED)
+            s = sample(
+                idx,
+                response_len=idx + 1,
+                reward=float((g + j + 1) % 2 or g),
+                status=Sample.Status.TRUNCATED if idx == 0 else Sample.Status.COMPLETED,
+            )
             s.weight_versions = [str(rollout_id + 1)]
             group.append(s)
         groups.append(group)
@@ -119,7 +139,9 @@ def test_gspo_divides_by_std():
     assert rewards == pytest.approx([1 / (math.sqrt(2) + 1e-6), -1 / (math.sqrt(2) + 1e-6)], abs=1e-6)
 
 
-@pytest.mark.parametrize("overrides", [dict(advantage_estimator="reinforce_plus_plus"), dict(rewards_normalization=False)])
+@pytest.mark.parametrize(
+    "overrides", [dict(advantage_estimator="reinforce_plus_plus"), dict(rewards_normalization=False)]
+)
 def test_no_normalisation(overrides):
     args = make_args(**overrides)
     raw, rewards = post_process_rewards(args, [sample(0, reward=3.0), sample(1, reward=1.0)])
@@ -142,11 +164,16 @@ def test_non_number_reward_names_the_reward_function_and_type():
     samples = [sample(0, reward=1.0), sample(1, reward="correct")]
     with pytest.raises(TypeError) as exc:
         post_process_rewards(make_args(custom_rm_path="my_rm.score"), samples, fn_path="f.rollout")
-    assert str(exc.value) == ("sample 1: the reward function --custom-rm-path my_rm.score returned a str 'correct'; "
-                              "a reward must be a number")
+    assert str(exc.value) == (
+        "sample 1: the reward function --custom-rm-path my_rm.score returned a str 'correct'; "
+        "a reward must be a number"
+    )
     samples = [sample(0, reward={"score": 1.0, "acc": True}), sample(1)]
-    with pytest.raises(TypeError, match=r"^sample 0: the reward function of --rm-type dapo returned a dict .*"
-                                        r"pick the training reward with --reward-key"):
+    with pytest.raises(
+        TypeError,
+        match=r"^sample 0: the reward function of --rm-type dapo returned a dict .*"
+        r"pick the training reward with --reward-key",
+    ):
         post_process_rewards(make_args(rm_type="dapo"), samples, fn_path="f.rollout")
     with pytest.raises(TypeError, match=r"^sample 0: rollout function 'f\.rollout' returned a list \[1\]"):
         post_process_rewards(make_args(), [sample(0, reward=[1]), sample(1)], fn_path="f.rollout")
@@ -170,7 +197,15 @@ def test_convert_samples_to_train_data_shapes_and_defaults():
         sample(1, prompt_len=2, response_len=4, reward=0.0, loss_mask=[1, 0, 0, 1], status=Sample.Status.COMPLETED),
     ]
     data = convert_samples_to_train_data(args, samples)
-    assert set(data) == {"tokens", "response_lengths", "rewards", "raw_reward", "truncated", "sample_indices", "loss_masks"}
+    assert set(data) == {
+        "tokens",
+        "response_lengths",
+        "rewards",
+        "raw_reward",
+        "truncated",
+        "sample_indices",
+        "loss_masks",
+    }
     assert [t.dtype for t in data["tokens"]] == [np.int64, np.int64]
     assert [t.tolist() for t in data["tokens"]] == [[10, 11, 12, 13, 14], [10, 11, 12, 13, 14, 15]]
     assert data["response_lengths"] == [2, 4]
@@ -184,7 +219,13 @@ def test_convert_samples_to_train_data_shapes_and_defaults():
 def test_convert_optional_fields():
     args = make_args(rewards_normalization=False)
     samples = [
-        sample(i, response_len=2, reward=0.5, rollout_log_probs=[-0.1 * i, -0.2], metadata={"raw_reward": i, "round_number": 3 + i})
+        sample(
+            i,
+            response_len=2,
+            reward=0.5,
+            rollout_log_probs=[-0.1 * i, -0.2],
+            metadata={"raw_reward": i, "round_number": 3 + i},
+        )
         for i in range(2)
     ]
     data = convert_samples_to_train_data(args, samples)
@@ -197,7 +238,10 @@ def test_convert_optional_fields():
 def test_mask_length_mismatch_names_sample():
     args = make_args()
     samples = [sample(0), sample(5, response_len=3, loss_mask=[1, 1])]
-    with pytest.raises(ValueError, match=r"sample 5 \(position 1\) from rollout function 'fn'.*loss_mask has 2 entries but response_length is 3"):
+    with pytest.raises(
+        ValueError,
+        match=r"sample 5 \(position 1\) from rollout function 'fn'.*loss_mask has 2 entries but response_length is 3",
+    ):
         convert_samples_to_train_data(args, samples, fn_path="fn")
 
 
@@ -265,7 +309,9 @@ def test_controller_generate_returns_boxed_train_data_and_metrics(ray_mod, tmp_p
     assert os.path.exists(debug_path.format(rollout_id=4))
     saved = torch.load(debug_path.format(rollout_id=4), weights_only=False)
     assert saved["rollout_id"] == 4 and len(saved["samples"]) == 4
-    replay = _controller(ray, make_args(load_debug_rollout_data=debug_path, rollout_function_path=f"{HERE}.bad_shape_rollout"))
+    replay = _controller(
+        ray, make_args(load_debug_rollout_data=debug_path, rollout_function_path=f"{HERE}.bad_shape_rollout")
+    )
     try:
         replayed = ray.get(ray.get(replay.generate.remote(4), timeout=120).inner)
         replay_metrics = ray.get(replay.pop_metrics.remote(4))
@@ -280,7 +326,10 @@ def test_controller_errors_name_the_rollout_function(ray_mod):
     ray = ray_mod
     for fn, pattern in [
         ("bad_shape_rollout", r"rollout function 'tests\.test_rollout_controller\.bad_shape_rollout' returned dict"),
-        ("none_reward_rollout", r"sample 1 \(position 1\) returned by rollout function 'tests\.test_rollout_controller\.none_reward_rollout' has no reward"),
+        (
+            "none_reward_rollout",
+            r"sample 1 \(position 1\) returned by rollout function 'tests\.test_rollout_controller\.none_reward_rollout' has no reward",
+        ),
     ]:
         controller = _controller(ray, make_args(rollout_function_path=f"{HERE}.{fn}"))
         try:
@@ -299,8 +348,9 @@ def test_rollout_function_exception_reaches_the_driver_as_the_users_own(ray_mod,
     from slime.utils.user_errors import UserCodeError, exit_on_user_error
 
     controller = _controller(ray_mod, make_args(rollout_function_path=f"{HERE}.raising_rollout"))
-    manager = types.SimpleNamespace(controller=controller, rollout_engines=[], all_rollout_engines=[],
-                                    raise_if_failed=lambda: None)  # no engine or router fault to report
+    manager = types.SimpleNamespace(
+        controller=controller, rollout_engines=[], all_rollout_engines=[], raise_if_failed=lambda: None
+    )  # no engine or router fault to report
     try:
         with pytest.raises(SystemExit) as exc, exit_on_user_error():
             Watchdog(manager).get(controller.generate.remote(3))
@@ -318,7 +368,8 @@ def test_rollout_function_exception_reaches_the_driver_as_the_users_own(ray_mod,
 def test_controller_custom_post_process_eval_and_buffer(ray_mod):
     ray = ray_mod
     args = make_args(
-        rollout_function_path=f"{HERE}.buffer_rollout", eval_function_path=f"{HERE}.eval_rollout",
+        rollout_function_path=f"{HERE}.buffer_rollout",
+        eval_function_path=f"{HERE}.eval_rollout",
         custom_reward_post_process_path=f"{HERE}.custom_post_process",
     )
     controller = _controller(ray, args)
@@ -334,7 +385,9 @@ def test_controller_custom_post_process_eval_and_buffer(ray_mod):
 
 def test_flat_rollout_output_is_accepted(ray_mod):
     ray = ray_mod
-    controller = _controller(ray, make_args(rollout_function_path=f"{HERE}.flat_rollout", advantage_estimator="reinforce_plus_plus"))
+    controller = _controller(
+        ray, make_args(rollout_function_path=f"{HERE}.flat_rollout", advantage_estimator="reinforce_plus_plus")
+    )
     try:
         data = ray.get(ray.get(controller.generate.remote(0), timeout=120).inner)
     finally:
@@ -353,17 +406,25 @@ def typed_rollout(args, rollout_id, data_source, evaluation=False):
     """Current slime's output types; the data source is the --data-source-path instance."""
     tag = type(data_source).__name__
     if evaluation:
-        return RolloutFnEvalOutput(data={"toy": {"rewards": [1.0, 0.0], "truncated": [False, False],
-                                                  "samples": [sample(0), sample(1)]}}, metrics={"eval/extra": 1.0})
+        return RolloutFnEvalOutput(
+            data={"toy": {"rewards": [1.0, 0.0], "truncated": [False, False], "samples": [sample(0), sample(1)]}},
+            metrics={"eval/extra": 1.0},
+        )
     groups = [[sample(0, reward=1.0, metadata={"ds": tag}), sample(1, reward=0.0)]]
     return RolloutFnTrainOutput(samples=groups, metrics={"rollout/extra": 2.0})
 
 
 def custom_convert(args, samples):
-    return {"tokens": [s.tokens for s in samples], "response_lengths": [s.response_length for s in samples],
-            "rewards": [42.0] * len(samples), "raw_reward": [s.reward for s in samples],
-            "truncated": [0] * len(samples), "sample_indices": [s.index for s in samples],
-            "loss_masks": [[1] * s.response_length for s in samples], "ds": [s.metadata.get("ds") for s in samples]}
+    return {
+        "tokens": [s.tokens for s in samples],
+        "response_lengths": [s.response_length for s in samples],
+        "rewards": [42.0] * len(samples),
+        "raw_reward": [s.reward for s in samples],
+        "truncated": [0] * len(samples),
+        "sample_indices": [s.index for s in samples],
+        "loss_masks": [[1] * s.response_length for s in samples],
+        "ds": [s.metadata.get("ds") for s in samples],
+    }
 
 
 def missing_key_convert(args, samples):
@@ -384,10 +445,14 @@ def eval_file_logger(rollout_id, args, data, extra_metrics):
 
 def test_controller_data_source_convert_and_log_functions(ray_mod, tmp_path):
     ray = ray_mod
-    args = make_args(rollout_function_path=f"{HERE}.typed_rollout", data_source_path=f"{HERE}.CountingDataSource",
-                     custom_convert_samples_to_train_data_path=f"{HERE}.custom_convert",
-                     custom_rollout_log_function_path=f"{HERE}.file_logger",
-                     custom_eval_rollout_log_function_path=f"{HERE}.eval_file_logger", save=str(tmp_path))
+    args = make_args(
+        rollout_function_path=f"{HERE}.typed_rollout",
+        data_source_path=f"{HERE}.CountingDataSource",
+        custom_convert_samples_to_train_data_path=f"{HERE}.custom_convert",
+        custom_rollout_log_function_path=f"{HERE}.file_logger",
+        custom_eval_rollout_log_function_path=f"{HERE}.eval_file_logger",
+        save=str(tmp_path),
+    )
     controller = _controller(ray, args)
     try:
         data = ray.get(ray.get(controller.generate.remote(3), timeout=120).inner)
@@ -396,7 +461,9 @@ def test_controller_data_source_convert_and_log_functions(ray_mod, tmp_path):
     finally:
         ray.kill(controller)
     # the custom converter replaced the conversion and the reward post-processing
-    assert data["rewards"] == [42.0, 42.0] and data["raw_reward"] == [1.0, 0.0] and data["ds"][0] == "CountingDataSource"
+    assert (
+        data["rewards"] == [42.0, 42.0] and data["raw_reward"] == [1.0, 0.0] and data["ds"][0] == "CountingDataSource"
+    )
     assert metrics["rollout/extra"] == 2.0 and metrics["rollout/raw_reward"] == 0.5
     with open(tmp_path / "rollout_3.json") as f:
         assert json.load(f) == {"n": 2, "extra": {"rollout/extra": 2.0}, "time": True}
@@ -404,8 +471,13 @@ def test_controller_data_source_convert_and_log_functions(ray_mod, tmp_path):
     with open(tmp_path / "eval_3.json") as f:
         assert json.load(f) == {"names": ["toy"], "samples": 2, "extra": {"eval/extra": 1.0}}
 
-    controller = _controller(ray, make_args(rollout_function_path=f"{HERE}.typed_rollout",
-                                            custom_convert_samples_to_train_data_path=f"{HERE}.missing_key_convert"))
+    controller = _controller(
+        ray,
+        make_args(
+            rollout_function_path=f"{HERE}.typed_rollout",
+            custom_convert_samples_to_train_data_path=f"{HERE}.missing_key_convert",
+        ),
+    )
     try:
         with pytest.raises(ray.exceptions.RayTaskError, match=r"missing_key_convert returned no response_lengths"):
             ray.get(controller.generate.remote(0), timeout=120)

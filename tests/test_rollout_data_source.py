@@ -1,4 +1,5 @@
 """RolloutDataSource(WithBuffer): index assignment, epoch wrap + reshuffle, FIFO buffer, save/load incl. the buffer."""
+
 import json
 import os
 
@@ -35,10 +36,22 @@ def prompt_file(tiny_kit, tmp_path_factory):
 
 def make_args(tiny_kit, prompt_file, **overrides):
     base = dict(
-        rollout_global_dataset=True, prompt_data=prompt_file, hf_checkpoint=tiny_kit[0], rollout_max_prompt_len=None,
-        input_key="prompt", label_key="label", metadata_key="metadata", tool_key=None, apply_chat_template=True,
-        rollout_seed=42, rollout_shuffle=False, n_samples_per_prompt=2, buffer_filter_path=None, dump_details=None,
-        save=None, load=None,
+        rollout_global_dataset=True,
+        prompt_data=prompt_file,
+        hf_checkpoint=tiny_kit[0],
+        rollout_max_prompt_len=None,
+        input_key="prompt",
+        label_key="label",
+        metadata_key="metadata",
+        tool_key=None,
+        apply_chat_template=True,
+        rollout_seed=42,
+        rollout_shuffle=False,
+        n_samples_per_prompt=2,
+        buffer_filter_path=None,
+        dump_details=None,
+        save=None,
+        load=None,
     )
     base.update(overrides)
     return real_args(**base)
@@ -86,7 +99,9 @@ def test_epoch_reshuffle(tiny_kit, prompt_file):
     # the same seed gives the same orders; a different seed does not
     again = RolloutDataSource(args)
     assert [labels(again.get_samples(NUM_PROMPTS)) for _ in range(4)] == epochs
-    other = RolloutDataSource(make_args(tiny_kit, prompt_file, n_samples_per_prompt=1, rollout_shuffle=True, rollout_seed=7))
+    other = RolloutDataSource(
+        make_args(tiny_kit, prompt_file, n_samples_per_prompt=1, rollout_shuffle=True, rollout_seed=7)
+    )
     assert [labels(other.get_samples(NUM_PROMPTS)) for _ in range(4)] != epochs
 
 
@@ -129,16 +144,26 @@ def test_pop_first():
 
 def test_custom_buffer_filter_by_path(tiny_kit, prompt_file):
     ds = RolloutDataSourceWithBuffer(
-        make_args(tiny_kit, prompt_file, n_samples_per_prompt=1, buffer_filter_path="tests.test_rollout_data_source.pop_last")
+        make_args(
+            tiny_kit, prompt_file, n_samples_per_prompt=1, buffer_filter_path="tests.test_rollout_data_source.pop_last"
+        )
     )
     ds.add_samples([[Sample(index=i)] for i in (10, 11, 12)])
     assert [g[0].index for g in ds.get_samples(2)] == [12, 11]
 
     bad = RolloutDataSourceWithBuffer(
-        make_args(tiny_kit, prompt_file, n_samples_per_prompt=1, buffer_filter_path="tests.test_rollout_data_source.greedy_filter")
+        make_args(
+            tiny_kit,
+            prompt_file,
+            n_samples_per_prompt=1,
+            buffer_filter_path="tests.test_rollout_data_source.greedy_filter",
+        )
     )
     bad.add_samples([[Sample()], [Sample()]])
-    with pytest.raises(ValueError, match="--buffer-filter-path 'tests.test_rollout_data_source.greedy_filter' must return a list of at most 1 groups"):
+    with pytest.raises(
+        ValueError,
+        match="--buffer-filter-path 'tests.test_rollout_data_source.greedy_filter' must return a list of at most 1 groups",
+    ):
         bad.get_samples(1)
 
 
@@ -159,8 +184,19 @@ def test_save_load_round_trip_with_buffer(tiny_kit, prompt_file, tmp_path):
     ds = RolloutDataSourceWithBuffer(args)
     ds.get_samples(4)  # into epoch 0 ...
     ds.get_samples(3)  # ... and across the boundary into epoch 1
-    partial = [Sample(index=50, label="p", tokens=[1, 2, 3], response="x", response_length=1, rollout_log_probs=[-0.5],
-                      status=Sample.Status.ABORTED, metadata={"start_rollout_id": 2}), Sample(index=51, label="p")]
+    partial = [
+        Sample(
+            index=50,
+            label="p",
+            tokens=[1, 2, 3],
+            response="x",
+            response_length=1,
+            rollout_log_probs=[-0.5],
+            status=Sample.Status.ABORTED,
+            metadata={"start_rollout_id": 2},
+        ),
+        Sample(index=51, label="p"),
+    ]
     ds.add_samples([partial])
     ds.update_metadata({"note": "kept"})
     ds.save(6)
@@ -171,7 +207,11 @@ def test_save_load_round_trip_with_buffer(tiny_kit, prompt_file, tmp_path):
 
     resumed = RolloutDataSourceWithBuffer(make_args(tiny_kit, prompt_file, rollout_shuffle=True, load=save_dir))
     resumed.load(6)
-    assert (resumed.epoch_id, resumed.sample_offset, resumed.sample_index) == (ds.epoch_id, ds.sample_offset, ds.sample_index)
+    assert (resumed.epoch_id, resumed.sample_offset, resumed.sample_index) == (
+        ds.epoch_id,
+        ds.sample_offset,
+        ds.sample_index,
+    )
     assert resumed.get_metadata() == {"note": "kept"}
     assert resumed.get_buffer_length() == 1
     restored = resumed.buffer[0]
@@ -195,7 +235,9 @@ def test_load_is_a_noop_for_a_fresh_start(tiny_kit, prompt_file, tmp_path):
 def test_resume_without_data_position_is_an_error(tiny_kit, prompt_file, tmp_path):
     """The trainers resumed after rollout 3, so silently restarting the dataset would replay prompts: refuse."""
     ds = RolloutDataSourceWithBuffer(make_args(tiny_kit, prompt_file, load=str(tmp_path)))
-    with pytest.raises(FileNotFoundError, match=r"checkpoint 3 has no rollout data-source state .*global_dataset_state_dict_3\.pt"):
+    with pytest.raises(
+        FileNotFoundError, match=r"checkpoint 3 has no rollout data-source state .*global_dataset_state_dict_3\.pt"
+    ):
         ds.load(3)
 
 
@@ -211,7 +253,9 @@ def test_unreadable_state_names_the_file(tiny_kit, prompt_file, tmp_path):
 def test_empty_prompt_data_is_a_clear_error(tiny_kit, tmp_path):
     empty = tmp_path / "empty.jsonl"
     long_prompt = tmp_path / "long.jsonl"
-    long_prompt.write_text(json.dumps({"prompt": [{"role": "user", "content": "What is 1+1? " * 50}], "label": "2"}) + "\n")
+    long_prompt.write_text(
+        json.dumps({"prompt": [{"role": "user", "content": "What is 1+1? " * 50}], "label": "2"}) + "\n"
+    )
     with pytest.raises(ValueError, match="has no usable prompts"):
         RolloutDataSource(make_args(tiny_kit, str(long_prompt), rollout_max_prompt_len=8))
     empty.write_text("")

@@ -1,4 +1,5 @@
 """The real sglang-router in front of two real CPU inference servers: registration, routing, abort fan-out, dead workers."""
+
 import asyncio
 import threading
 import time
@@ -52,20 +53,42 @@ def test_register_and_route(router, workers):
     assert sorted(list_workers(url)) == sorted(urls)
     add_worker(url, urls[0])  # idempotent
     assert len(list_workers(url)) == 2
-    direct = SESSION.post(urls[0] + "/generate", json={"input_ids": PROMPTS[0], "sampling_params": {
-        "temperature": 0, "max_new_tokens": 6, "ignore_eos": True}}).json()
-    r = SESSION.post(url + "/generate", json={"input_ids": PROMPTS[0], "return_logprob": True, "sampling_params": {
-        "temperature": 0, "max_new_tokens": 6, "ignore_eos": True}}, timeout=60)
+    direct = SESSION.post(
+        urls[0] + "/generate",
+        json={"input_ids": PROMPTS[0], "sampling_params": {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}},
+    ).json()
+    r = SESSION.post(
+        url + "/generate",
+        json={
+            "input_ids": PROMPTS[0],
+            "return_logprob": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True},
+        },
+        timeout=60,
+    )
     assert r.status_code == 200, r.text
     out = r.json()
     assert out["output_ids"] == direct["output_ids"] and len(out["meta_info"]["output_token_logprobs"]) == 6
-    batch = SESSION.post(url + "/generate", json={"input_ids": PROMPTS, "sampling_params": {
-        "temperature": 0, "max_new_tokens": 3}}, timeout=60).json()
+    batch = SESSION.post(
+        url + "/generate",
+        json={"input_ids": PROMPTS, "sampling_params": {"temperature": 0, "max_new_tokens": 3}},
+        timeout=60,
+    ).json()
     assert isinstance(batch, list) and len(batch) == 3
     # many concurrent requests: all answered (balance_abs_threshold=0 spreads them over both workers)
     results = []
-    threads = [threading.Thread(target=lambda: results.append(SESSION.post(url + "/generate", json={
-        "input_ids": PROMPTS[1], "sampling_params": {"max_new_tokens": 4}}, timeout=60).status_code)) for _ in range(16)]
+    threads = [
+        threading.Thread(
+            target=lambda: results.append(
+                SESSION.post(
+                    url + "/generate",
+                    json={"input_ids": PROMPTS[1], "sampling_params": {"max_new_tokens": 4}},
+                    timeout=60,
+                ).status_code
+            )
+        )
+        for _ in range(16)
+    ]
     [t.start() for t in threads]
     [t.join(60) for t in threads]
     assert results == [200] * 16
@@ -76,8 +99,13 @@ def test_abort_all_fans_out(router, workers):
     results = []
 
     def long_request():
-        results.append(SESSION.post(url + "/generate", json={"input_ids": PROMPTS[0], "sampling_params": {
-            "max_new_tokens": 480, "ignore_eos": True}}, timeout=120).json())
+        results.append(
+            SESSION.post(
+                url + "/generate",
+                json={"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 480, "ignore_eos": True}},
+                timeout=120,
+            ).json()
+        )
 
     threads = [threading.Thread(target=long_request) for _ in range(4)]
     [t.start() for t in threads]
@@ -106,7 +134,9 @@ def test_dead_worker_tolerated_then_removed(router, tiny_kit):
         assert time.time() < deadline, "router did not drop the removed worker"
         time.sleep(0.1)
     for _ in range(6):
-        r = SESSION.post(url + "/generate", json={"input_ids": PROMPTS[1], "sampling_params": {"max_new_tokens": 2}}, timeout=60)
+        r = SESSION.post(
+            url + "/generate", json={"input_ids": PROMPTS[1], "sampling_params": {"max_new_tokens": 2}}, timeout=60
+        )
         assert r.status_code == 200
 
 

@@ -3,6 +3,7 @@
 The HF config values below are copied from the models' published config.json files (independent of the scripts),
 so a wrong layer count, head count or vocab size in a MODEL_ARGS array fails here.
 """
+
 import json
 import os
 import shlex
@@ -19,25 +20,59 @@ MODEL_SCRIPTS = sorted(p.name for p in (SCRIPTS / "models").glob("*.sh"))
 RUN_SCRIPTS = sorted(p.name for p in SCRIPTS.glob("run-*.sh") if "cpu" not in p.name)
 
 _QWEN = dict(rms_norm_eps=1e-6, rope_theta=1000000.0, hidden_act="silu")
-_LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5, rope_theta=500000.0,
-              hidden_act="silu", max_position_embeddings=131072, attention_bias=False)
+_LLAMA = dict(
+    model_type="llama",
+    architectures=["LlamaForCausalLM"],
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    hidden_act="silu",
+    max_position_embeddings=131072,
+    attention_bias=False,
+)
 
 
 def _llama3_scaling(factor):
-    return {"factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192, "rope_type": "llama3"}
+    return {
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    }
 
 
 def _qwen2(h, i, L, nh, kv, vocab, tie):
-    return dict(_QWEN, model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=h, intermediate_size=i,
-                num_hidden_layers=L, num_attention_heads=nh, num_key_value_heads=kv, vocab_size=vocab,
-                tie_word_embeddings=tie, max_position_embeddings=32768)
+    return dict(
+        _QWEN,
+        model_type="qwen2",
+        architectures=["Qwen2ForCausalLM"],
+        hidden_size=h,
+        intermediate_size=i,
+        num_hidden_layers=L,
+        num_attention_heads=nh,
+        num_key_value_heads=kv,
+        vocab_size=vocab,
+        tie_word_embeddings=tie,
+        max_position_embeddings=32768,
+    )
 
 
 def _qwen3(h, i, L, nh, kv, tie):
-    return dict(_QWEN, model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=h, intermediate_size=i,
-                num_hidden_layers=L, num_attention_heads=nh, num_key_value_heads=kv, head_dim=128, vocab_size=151936,
-                tie_word_embeddings=tie, max_position_embeddings=40960, attention_bias=False)
+    return dict(
+        _QWEN,
+        model_type="qwen3",
+        architectures=["Qwen3ForCausalLM"],
+        hidden_size=h,
+        intermediate_size=i,
+        num_hidden_layers=L,
+        num_attention_heads=nh,
+        num_key_value_heads=kv,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=tie,
+        max_position_embeddings=40960,
+        attention_bias=False,
+    )
 
 
 HF_CONFIGS = {
@@ -49,31 +84,82 @@ HF_CONFIGS = {
     "qwen3-4B.sh": _qwen3(2560, 9728, 36, 32, 8, True),
     "qwen3-8B.sh": _qwen3(4096, 12288, 36, 32, 8, False),
     "qwen3-30B-A3B.sh": dict(
-        _QWEN, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_size=2048, intermediate_size=6144,
-        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
-        tie_word_embeddings=False, max_position_embeddings=40960, moe_intermediate_size=768, num_experts=128,
-        num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, attention_bias=False),
-    "llama3.1-8B.sh": dict(_LLAMA, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                           num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
-                           rope_scaling=_llama3_scaling(8.0)),
-    "llama3.2-1B.sh": dict(_LLAMA, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                           num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
-                           rope_scaling=_llama3_scaling(32.0)),
-    "llama3.2-3B.sh": dict(_LLAMA, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
-                           num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=True,
-                           rope_scaling=_llama3_scaling(32.0)),
+        _QWEN,
+        model_type="qwen3_moe",
+        architectures=["Qwen3MoeForCausalLM"],
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+        max_position_embeddings=40960,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        attention_bias=False,
+    ),
+    "llama3.1-8B.sh": dict(
+        _LLAMA,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+        rope_scaling=_llama3_scaling(8.0),
+    ),
+    "llama3.2-1B.sh": dict(
+        _LLAMA,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+        rope_scaling=_llama3_scaling(32.0),
+    ),
+    "llama3.2-3B.sh": dict(
+        _LLAMA,
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=28,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+        rope_scaling=_llama3_scaling(32.0),
+    ),
 }
 # HF checkpoint directories the run scripts point at (under $BASE_DIR) -> which config they hold.
 RUN_HF_DIRS = {
-    "Qwen3-4B": "qwen3-4B.sh", "Qwen3-4B-Base": "qwen3-4B.sh",
-    "Qwen2.5-0.5B-Instruct": "qwen2.5-0.5B.sh", "Qwen3-30B-A3B": "qwen3-30B-A3B.sh",
+    "Qwen3-4B": "qwen3-4B.sh",
+    "Qwen3-4B-Base": "qwen3-4B.sh",
+    "Qwen2.5-0.5B-Instruct": "qwen2.5-0.5B.sh",
+    "Qwen3-30B-A3B": "qwen3-30B-A3B.sh",
 }
 
 
 def _source_model_args(name):
     out = subprocess.run(
-        ["bash", "-c", f'set -euo pipefail; source "{SCRIPTS / "models" / name}"; printf "%s\\n" "${{MODEL_ARGS[@]}}"'],
-        capture_output=True, text=True, timeout=30)
+        [
+            "bash",
+            "-c",
+            f'set -euo pipefail; source "{SCRIPTS / "models" / name}"; printf "%s\\n" "${{MODEL_ARGS[@]}}"',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 0 and out.stderr == "", f"sourcing models/{name} failed: {out.stderr}"
     return out.stdout.splitlines()
 
@@ -132,7 +218,8 @@ def _has_arguments_main():
 
 
 needs_validator = pytest.mark.skipif(
-    not _has_arguments_main(), reason="`python -m slime.utils.arguments` (parse + validate, prints ok) not there yet")
+    not _has_arguments_main(), reason="`python -m slime.utils.arguments` (parse + validate, prints ok) not there yet"
+)
 
 
 def _fake_base_dir(base: Path):
@@ -141,8 +228,11 @@ def _fake_base_dir(base: Path):
         (base / d).mkdir(parents=True)
         (base / d / "config.json").write_text(json.dumps(HF_CONFIGS[model_script]))
         (base / f"{d}_torch_dist").mkdir()
-    row = {"prompt": [{"role": "user", "content": "1+1?"}], "label": "2",
-           "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    row = {
+        "prompt": [{"role": "user", "content": "1+1?"}],
+        "label": "2",
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+    }
     for f in ("dapo-math-17k/dapo-math-17k.jsonl", "aime-2024/aime-2024.jsonl"):
         (base / f).parent.mkdir(parents=True, exist_ok=True)
         (base / f).write_text(json.dumps(row) + "\n")
@@ -158,8 +248,12 @@ def _fake_base_dir(base: Path):
 def test_run_script_dry_run_validates(name, tmp_path):
     base = tmp_path / "root"
     _fake_base_dir(base)
-    env = dict(os.environ, SLIME_DRY_RUN="1", BASE_DIR=str(base),
-               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    env = dict(
+        os.environ,
+        SLIME_DRY_RUN="1",
+        BASE_DIR=str(base),
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    )
     out = subprocess.run(["bash", str(SCRIPTS / name)], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, f"{name} dry run failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     assert out.stdout.strip().splitlines()[-1] == "ok"
@@ -173,10 +267,19 @@ def test_validator_rejects_model_mismatch(tmp_path):
     hf.mkdir()
     cfg = dict(HF_CONFIGS["qwen3-4B.sh"], num_hidden_layers=35)
     (hf / "config.json").write_text(json.dumps(cfg))
-    argv = _source_model_args("qwen3-4B.sh") + ["--hf-checkpoint", str(hf), "--rollout-batch-size", "1",
-                                                "--num-rollout", "1", "--actor-num-gpus-per-node", "1"]
-    out = subprocess.run([sys.executable, "-m", "slime.utils.arguments", *argv], capture_output=True, text=True,
-                         timeout=120, cwd=ROOT)
+    argv = _source_model_args("qwen3-4B.sh") + [
+        "--hf-checkpoint",
+        str(hf),
+        "--rollout-batch-size",
+        "1",
+        "--num-rollout",
+        "1",
+        "--actor-num-gpus-per-node",
+        "1",
+    ]
+    out = subprocess.run(
+        [sys.executable, "-m", "slime.utils.arguments", *argv], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
     assert out.returncode != 0, f"mismatch accepted: {shlex.join(argv)}"
     assert "num_hidden_layers" in out.stderr or "num_layers" in out.stderr, out.stderr[-2000:]
 
@@ -185,51 +288,136 @@ def test_plot_metrics(tmp_path):
     from tools.plot_metrics import default_keys, read_metrics, series
 
     path = tmp_path / "metrics.jsonl"
-    rows = [{"rollout_id": i, "rollout/raw_reward": i / 10, "rollout/step": i, "eval/addition-truncated_ratio": 0.0}
-            for i in range(5)]
+    rows = [
+        {"rollout_id": i, "rollout/raw_reward": i / 10, "rollout/step": i, "eval/addition-truncated_ratio": 0.0}
+        for i in range(5)
+    ]
     rows[2]["eval/addition"] = 0.5  # eval only every few rollouts: a sparse curve
     rows[4]["eval/addition"] = 0.75
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     assert default_keys(read_metrics(str(path))) == ["rollout/raw_reward", "eval/addition"]
     assert series(rows, "eval/addition") == ([2, 4], [0.5, 0.75])
     out = tmp_path / "plots" / "curve.png"
-    res = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_metrics.py"), str(path), str(out)],
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "plot_metrics.py"), str(path), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
 
     (tmp_path / "bad.jsonl").write_text('{"rollout_id": 0}\nnot json\n')
-    res = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_metrics.py"), str(tmp_path / "bad.jsonl"),
-                          str(out)], capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "plot_metrics.py"), str(tmp_path / "bad.jsonl"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode != 0 and "bad.jsonl:2" in res.stderr and "Traceback" not in res.stderr
 
 
 # Published config.json values of the families whose MODEL_ARGS are checked by slime's own HF-config comparison.
-_GLM = dict(rms_norm_eps=1e-5, hidden_act="silu", attention_bias=True, tie_word_embeddings=False, vocab_size=151552,
-            head_dim=128, partial_rotary_factor=0.5, max_position_embeddings=131072)
-_GLM45 = dict(_GLM, model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], rope_theta=1000000.0,
-              num_attention_heads=96, num_key_value_heads=8, n_shared_experts=1, num_experts_per_tok=8, n_group=1,
-              topk_group=1, norm_topk_prob=True, num_nextn_predict_layers=1)
+_GLM = dict(
+    rms_norm_eps=1e-5,
+    hidden_act="silu",
+    attention_bias=True,
+    tie_word_embeddings=False,
+    vocab_size=151552,
+    head_dim=128,
+    partial_rotary_factor=0.5,
+    max_position_embeddings=131072,
+)
+_GLM45 = dict(
+    _GLM,
+    model_type="glm4_moe",
+    architectures=["Glm4MoeForCausalLM"],
+    rope_theta=1000000.0,
+    num_attention_heads=96,
+    num_key_value_heads=8,
+    n_shared_experts=1,
+    num_experts_per_tok=8,
+    n_group=1,
+    topk_group=1,
+    norm_topk_prob=True,
+    num_nextn_predict_layers=1,
+)
 FAMILY_CONFIGS = {
-    "glm4-9B.sh": dict(_GLM, model_type="glm4", architectures=["Glm4ForCausalLM"], hidden_size=4096,
-                       intermediate_size=13696, num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=2,
-                       rope_theta=10000.0, max_position_embeddings=32768),
-    "glm4.5-355B-A32B.sh": dict(_GLM45, hidden_size=5120, intermediate_size=12288, moe_intermediate_size=1536,
-                                num_hidden_layers=92, first_k_dense_replace=3, n_routed_experts=160,
-                                routed_scaling_factor=2.5, use_qk_norm=True),
-    "glm4.5-106B-A12B.sh": dict(_GLM45, hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408,
-                                num_hidden_layers=46, first_k_dense_replace=1, n_routed_experts=128,
-                                routed_scaling_factor=1.0, use_qk_norm=False),
+    "glm4-9B.sh": dict(
+        _GLM,
+        model_type="glm4",
+        architectures=["Glm4ForCausalLM"],
+        hidden_size=4096,
+        intermediate_size=13696,
+        num_hidden_layers=40,
+        num_attention_heads=32,
+        num_key_value_heads=2,
+        rope_theta=10000.0,
+        max_position_embeddings=32768,
+    ),
+    "glm4.5-355B-A32B.sh": dict(
+        _GLM45,
+        hidden_size=5120,
+        intermediate_size=12288,
+        moe_intermediate_size=1536,
+        num_hidden_layers=92,
+        first_k_dense_replace=3,
+        n_routed_experts=160,
+        routed_scaling_factor=2.5,
+        use_qk_norm=True,
+    ),
+    "glm4.5-106B-A12B.sh": dict(
+        _GLM45,
+        hidden_size=4096,
+        intermediate_size=10944,
+        moe_intermediate_size=1408,
+        num_hidden_layers=46,
+        first_k_dense_replace=1,
+        n_routed_experts=128,
+        routed_scaling_factor=1.0,
+        use_qk_norm=False,
+    ),
     "deepseek-v3.sh": dict(
-        model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], hidden_size=7168, intermediate_size=18432,
-        moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
-        n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
-        qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, topk_method="noaux_tc", n_group=8, topk_group=4,
-        num_experts_per_tok=8, first_k_dense_replace=3, norm_topk_prob=True, hidden_act="silu",
-        max_position_embeddings=163840, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0,
-        rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
-                      "original_max_position_embeddings": 4096, "type": "yarn"},
-        attention_bias=False, vocab_size=129280, num_nextn_predict_layers=1),
+        model_type="deepseek_v3",
+        architectures=["DeepseekV3ForCausalLM"],
+        hidden_size=7168,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        num_hidden_layers=61,
+        num_attention_heads=128,
+        num_key_value_heads=128,
+        n_shared_experts=1,
+        n_routed_experts=256,
+        routed_scaling_factor=2.5,
+        kv_lora_rank=512,
+        q_lora_rank=1536,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        qk_nope_head_dim=128,
+        topk_method="noaux_tc",
+        n_group=8,
+        topk_group=4,
+        num_experts_per_tok=8,
+        first_k_dense_replace=3,
+        norm_topk_prob=True,
+        hidden_act="silu",
+        max_position_embeddings=163840,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+        rope_scaling={
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "factor": 40,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+            "type": "yarn",
+        },
+        attention_bias=False,
+        vocab_size=129280,
+        num_nextn_predict_layers=1,
+    ),
 }
 
 
@@ -240,12 +428,28 @@ def test_family_model_args_agree_with_published_config(name, tmp_path, capsys):
     from slime.utils.arguments import parse_args
 
     (tmp_path / "config.json").write_text(json.dumps(FAMILY_CONFIGS[name]))
-    base = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--global-batch-size", "8", "--num-rollout", "2",
-            "--lr", "1e-6", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--hf-checkpoint", str(tmp_path)]
+    base = [
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--num-rollout",
+        "2",
+        "--lr",
+        "1e-6",
+        "--actor-num-gpus-per-node",
+        "1",
+        "--rollout-num-gpus",
+        "1",
+        "--hf-checkpoint",
+        str(tmp_path),
+    ]
     tokens = _source_model_args(name)
     args = parse_args(argv=[*tokens, *base])
     assert args.num_layers == FAMILY_CONFIGS[name]["num_hidden_layers"]
     i = tokens.index("--hidden-size")
     with pytest.raises(SystemExit):
-        parse_args(argv=[*tokens[:i + 1], "1024", *tokens[i + 2:], *base])
+        parse_args(argv=[*tokens[: i + 1], "1024", *tokens[i + 2 :], *base])
     assert f"--hidden-size 1024 but hidden_size={FAMILY_CONFIGS[name]['hidden_size']}" in capsys.readouterr().err

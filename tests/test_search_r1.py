@@ -3,6 +3,7 @@
 The tiny model cannot be made to emit <search> tags, so the search/answer branch is driven by scripted engine replies;
 the invalid-action branch runs against slime's real CPU inference server.
 """
+
 import asyncio
 import itertools
 import json
@@ -47,8 +48,10 @@ def test_exact_match_reward(gws):
 
 
 def test_postprocessing(gws):
-    assert gws.postprocess_responses("<think>a</think><search> q </search> junk <answer>x</answer>") == \
-        "<think>a</think><search> q </search>"
+    assert (
+        gws.postprocess_responses("<think>a</think><search> q </search> junk <answer>x</answer>")
+        == "<think>a</think><search> q </search>"
+    )
     assert gws.postprocess_responses("<answer>x</answer> trailing") == "<answer>x</answer>"
     assert gws.postprocess_responses("no tags") == "no tags"
     assert gws.postprocess_predictions("<search> capital of France </search>") == ("search", "capital of France")
@@ -75,11 +78,18 @@ def _runs(mask):
 
 def test_search_turns_and_loss_masks(gws, tiny_kit, monkeypatch):
     model_dir, _ = tiny_kit
-    replies = iter([
-        {"text": "<think>I need facts</think><search> capital of France </search> ignored tail",
-         "meta_info": {"finish_reason": {"type": "stop"}}},
-        {"text": "<think>found it</think><answer> Paris </answer>", "meta_info": {"finish_reason": {"type": "stop"}}},
-    ])
+    replies = iter(
+        [
+            {
+                "text": "<think>I need facts</think><search> capital of France </search> ignored tail",
+                "meta_info": {"finish_reason": {"type": "stop"}},
+            },
+            {
+                "text": "<think>found it</think><answer> Paris </answer>",
+                "meta_info": {"finish_reason": {"type": "stop"}},
+            },
+        ]
+    )
     sent = []
 
     async def scripted_engine(url, payload, **kw):
@@ -125,9 +135,25 @@ def cpu_server(tiny_kit, tmp_path):
     model_dir, _ = tiny_kit
     port = find_available_port(33000)
     log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "slime.backends.cpu_server", "--model-path", model_dir, "--host",
-                             "127.0.0.1", "--port", str(port), "--random-seed", "3"], cwd=ROOT, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "slime.backends.cpu_server",
+            "--model-path",
+            model_dir,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--random-seed",
+            "3",
+        ],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.time() + 120
         while True:

@@ -3,6 +3,7 @@
 Expected ids and masks are built here piece by piece from the tiny kit's chat template (each message is
 `<|im_start|>{role}\\n{content}<|im_end|>\\n`; an assistant turn trains on its content, `<|im_end|>` and newline).
 """
+
 import json
 import threading
 
@@ -16,14 +17,23 @@ from slime.utils.types import Sample
 from tests._args import make_args as real_args
 
 CHATS = [
-    [{"role": "user", "content": "What is 3+4?"}, {"role": "assistant", "content": "7"},
-     {"role": "user", "content": "And 5+5?"}, {"role": "assistant", "content": "10"}],
-    [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "What is 1+1?"},
-     {"role": "assistant", "content": "2"}],
-    [{"role": "user", "content": "Search the capital of France"},
-     {"role": "assistant", "content": "<search>capital of France</search>"},
-     {"role": "tool", "content": "<information>Paris is the capital of France.</information>"},
-     {"role": "assistant", "content": "<answer>Paris</answer>"}],
+    [
+        {"role": "user", "content": "What is 3+4?"},
+        {"role": "assistant", "content": "7"},
+        {"role": "user", "content": "And 5+5?"},
+        {"role": "assistant", "content": "10"},
+    ],
+    [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What is 1+1?"},
+        {"role": "assistant", "content": "2"},
+    ],
+    [
+        {"role": "user", "content": "Search the capital of France"},
+        {"role": "assistant", "content": "<search>capital of France</search>"},
+        {"role": "tool", "content": "<information>Paris is the capital of France.</information>"},
+        {"role": "assistant", "content": "<answer>Paris</answer>"},
+    ],
 ]
 
 
@@ -44,11 +54,28 @@ def tokenizer(tiny_kit):
 
 def make_args(tiny_kit, sft_file, **overrides):
     base = dict(
-        hf_checkpoint=tiny_kit[0], loss_mask_type="qwen", rollout_global_dataset=True, prompt_data=sft_file,
-        input_key="messages", label_key=None, metadata_key="metadata", tool_key=None, apply_chat_template=False,
-        rollout_max_prompt_len=None, rollout_seed=42, rollout_shuffle=False, n_samples_per_prompt=1, rollout_batch_size=3,
-        buffer_filter_path=None, dump_details=None, save=None, load=None,
-        advantage_estimator="grpo", rewards_normalization=True, grpo_std_normalization=False, reward_key=None,
+        hf_checkpoint=tiny_kit[0],
+        loss_mask_type="qwen",
+        rollout_global_dataset=True,
+        prompt_data=sft_file,
+        input_key="messages",
+        label_key=None,
+        metadata_key="metadata",
+        tool_key=None,
+        apply_chat_template=False,
+        rollout_max_prompt_len=None,
+        rollout_seed=42,
+        rollout_shuffle=False,
+        n_samples_per_prompt=1,
+        rollout_batch_size=3,
+        buffer_filter_path=None,
+        dump_details=None,
+        save=None,
+        load=None,
+        advantage_estimator="grpo",
+        rewards_normalization=True,
+        grpo_std_normalization=False,
+        reward_key=None,
     )
     base.update(overrides)
     return real_args(**base)
@@ -71,7 +98,12 @@ def test_sft_tokens_and_loss_masks(tiny_kit, sft_file, tokenizer):
     for (sample,), messages in zip(groups, CHATS):
         ids, mask = expected_ids_and_mask(tokenizer, messages)
         # sanity of the independent construction: it is exactly the chat template's text
-        assert ids == tokenizer(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False)["input_ids"]
+        assert (
+            ids
+            == tokenizer(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False)[
+                "input_ids"
+            ]
+        )
         first = mask.index(1)
         assert sample.prompt == messages
         assert sample.tokens == ids
@@ -81,8 +113,10 @@ def test_sft_tokens_and_loss_masks(tiny_kit, sft_file, tokenizer):
 
     # the multi-turn masks decode back to exactly the assistant turns
     (s,) = groups[2]
-    trained = [t for t, m in zip(s.tokens[-s.response_length:], s.loss_mask) if m]
-    assert tokenizer.decode(trained) == "<search>capital of France</search><|im_end|>\n<answer>Paris</answer><|im_end|>\n"
+    trained = [t for t, m in zip(s.tokens[-s.response_length :], s.loss_mask) if m]
+    assert (
+        tokenizer.decode(trained) == "<search>capital of France</search><|im_end|>\n<answer>Paris</answer><|im_end|>\n"
+    )
 
     # and the controller's conversion keeps them as int32 arrays of response length
     data = convert_samples_to_train_data(args, [g[0] for g in groups])

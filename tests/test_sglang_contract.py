@@ -7,6 +7,7 @@ from SGLang's source by the tools in tools/), on a CPU machine.
 - the weight payload decodes with SGLang's own serializer, and the definitions re-generate identically — these two
   with the real SGLang package in the side venv (`bash scripts/setup-sglang-venv.sh`), skipped when it is absent.
 """
+
 import argparse
 import json
 import os
@@ -25,15 +26,17 @@ from tests._args import make_args
 
 ROOT = Path(__file__).resolve().parents[1]
 SIDE_PY = Path(os.environ.get("SLIME_SGLANG_VENV", ROOT / ".venv-sglang")) / "bin" / "python"
-needs_side_venv = pytest.mark.skipif(not SIDE_PY.exists(),
-                                     reason="no side venv with SGLang (bash scripts/setup-sglang-venv.sh)")
+needs_side_venv = pytest.mark.skipif(
+    not SIDE_PY.exists(), reason="no side venv with SGLang (bash scripts/setup-sglang-venv.sh)"
+)
 
 
 def run_side(code: str, *argv, timeout=300):
     """Run `code` with the side venv's Python (real SGLang, CPU torch) from the repository root."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([str(SIDE_PY), "-c", code, *argv], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [str(SIDE_PY), "-c", code, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 # ------------------------------------------------------------------ launch flags
@@ -41,16 +44,51 @@ def run_side(code: str, *argv, timeout=300):
 # The --sglang-* lines of slime v0.1.0's launch scripts (scripts/run-deepseek-r1.sh, run-qwen3-30B-A3B.sh,
 # run-mimo-7B-rl.sh), written for SGLang 0.4.x.
 V010_SCRIPT_FLAGS = {
-    "run-deepseek-r1.sh": ["--sglang-mem-fraction-static", "0.7", "--sglang-enable-ep-moe",
-                           "--sglang-enable-dp-attention", "--sglang-dp-size", "8", "--sglang-moe-dense-tp-size", "1",
-                           "--sglang-enable-dp-lm-head", "--sglang-disable-radix-cache", "--sglang-enable-deepep-moe",
-                           "--sglang-deepep-mode", "auto", "--sglang-server-concurrency", "1024"],
-    "run-qwen3-30B-A3B.sh": ["--sglang-mem-fraction-static", "0.7", "--sglang-cuda-graph-bs", "1", "2", "4", "8",
-                             *map(str, range(16, 257, 8))],
-    "run-mimo-7B-rl.sh": ["--sglang-mem-fraction-static", "0.7", "--sglang-speculative-algorithm", "EAGLE",
-                          "--sglang-speculative-num-steps", "3", "--sglang-speculative-eagle-topk", "1",
-                          "--sglang-speculative-num-draft-tokens", "4", "--sglang-attention-backend", "fa3",
-                          "--sglang-cuda-graph-bs", *map(str, range(1, 257)), "--sglang-max-running-requests", "128"],
+    "run-deepseek-r1.sh": [
+        "--sglang-mem-fraction-static",
+        "0.7",
+        "--sglang-enable-ep-moe",
+        "--sglang-enable-dp-attention",
+        "--sglang-dp-size",
+        "8",
+        "--sglang-moe-dense-tp-size",
+        "1",
+        "--sglang-enable-dp-lm-head",
+        "--sglang-disable-radix-cache",
+        "--sglang-enable-deepep-moe",
+        "--sglang-deepep-mode",
+        "auto",
+        "--sglang-server-concurrency",
+        "1024",
+    ],
+    "run-qwen3-30B-A3B.sh": [
+        "--sglang-mem-fraction-static",
+        "0.7",
+        "--sglang-cuda-graph-bs",
+        "1",
+        "2",
+        "4",
+        "8",
+        *map(str, range(16, 257, 8)),
+    ],
+    "run-mimo-7B-rl.sh": [
+        "--sglang-mem-fraction-static",
+        "0.7",
+        "--sglang-speculative-algorithm",
+        "EAGLE",
+        "--sglang-speculative-num-steps",
+        "3",
+        "--sglang-speculative-eagle-topk",
+        "1",
+        "--sglang-speculative-num-draft-tokens",
+        "4",
+        "--sglang-attention-backend",
+        "fa3",
+        "--sglang-cuda-graph-bs",
+        *map(str, range(1, 257)),
+        "--sglang-max-running-requests",
+        "128",
+    ],
 }
 
 
@@ -114,8 +152,12 @@ def _user_settable_entries():
     out = {}
     for e in table["arguments"]:
         dest = e.get("dest") or e["flags"][0][2:].replace("-", "_")
-        if table["sglang_version"] not in e["sglang_versions"] or dest in engine_set or e.get("action") in (
-                "deprecated", "deprecated_alias_store") or not e["flags"][0].startswith("--"):
+        if (
+            table["sglang_version"] not in e["sglang_versions"]
+            or dest in engine_set
+            or e.get("action") in ("deprecated", "deprecated_alias_store")
+            or not e["flags"][0].startswith("--")
+        ):
             continue
         if dest not in out or str(out[dest].get("action")).startswith("deprecated"):
             out[dest] = e
@@ -199,8 +241,10 @@ print("parsed", ns.sglang_mem_fraction_static)
     bad = run_side(code, "--sglang-mem-fraction-static", "0.5", "--sglang-enable-ep-moe")
     assert bad.returncode == 2
     last = bad.stderr.strip().splitlines()[-1]
-    assert last == ("train.py: error: --sglang-enable-ep-moe is not an option of the installed SGLang 0.5.23 (it is "
-                    "one of SGLang 0.4.10, 0.5.0rc0); remove it or install one of those versions"), last
+    assert last == (
+        "train.py: error: --sglang-enable-ep-moe is not an option of the installed SGLang 0.5.23 (it is "
+        "one of SGLang 0.4.10, 0.5.0rc0); remove it or install one of those versions"
+    ), last
 
 
 def test_too_old_sglang_is_refused_naming_the_version():
@@ -244,8 +288,16 @@ class _SGLangLike(BaseHTTPRequestHandler):
         if path == "/weights_checker":
             out = {"success": True, "message": "Success."}
             if (body or {}).get("action") == "checksum":
-                out.update(ranks=[{"checksums": {"model.embed_tokens.weight": "0" * 16}, "per_gpu_checksum": "a",
-                                   "parallelism_info": []}], per_engine_checksum="b")
+                out.update(
+                    ranks=[
+                        {
+                            "checksums": {"model.embed_tokens.weight": "0" * 16},
+                            "per_gpu_checksum": "a",
+                            "parallelism_info": [],
+                        }
+                    ],
+                    per_engine_checksum="b",
+                )
             return self._send(200, out)
         keys = route.get("response_keys", [])
         return self._send(200, {k: True if k == "success" else "ok" for k in keys})
@@ -290,13 +342,17 @@ def _every_admin_call(engine):
 
     set_shared_authkey()  # before the first share: this process's fd sharer keeps the key it starts with
     t = torch.arange(6, dtype=torch.float32)
-    meta = [FlattenedTensorMetadata(name="w", shape=torch.Size([2, 3]), dtype=torch.float32, start_idx=0, end_idx=6,
-                                    numel=6)]
+    meta = [
+        FlattenedTensorMetadata(
+            name="w", shape=torch.Size([2, 3]), dtype=torch.float32, start_idx=0, end_idx=6, numel=6
+        )
+    ]
     engine.flush_cache(timeout=10)
     engine.init_process_group("127.0.0.1", 29500, 1, 2, "slime-pp_0", "nccl")
     engine.begin_weight_update()
-    engine.update_weights_from_distributed(["w"], [torch.bfloat16], [torch.Size([2, 3])], "slime-pp_0",
-                                           weight_version=3)
+    engine.update_weights_from_distributed(
+        ["w"], [torch.bfloat16], [torch.Size([2, 3])], "slime-pp_0", weight_version=3
+    )
     engine.update_weights_from_tensor([bucket_payload(t, meta)], load_format="flattened_bucket", weight_version="3")
     engine.end_weight_update()
     engine.update_weights_from_disk("/ckpt/iter_3", weight_version=3)
@@ -315,23 +371,33 @@ def test_gpu_mode_admin_bodies_conform_strictly_to_sglang(sglang_like):
     _every_admin_call(engine)
     posted = [(path, body) for method, path, body, _ in _SGLangLike.calls if method == "POST"]
     assert {p for p, _ in posted} >= {p for p, r in load_contract()["routes"].items() if "request" in r} - {
-        "/generate", "/abort_request", "/destroy_weights_update_group", "/update_weight_version",
-        "/get_weights_by_name"}
+        "/generate",
+        "/abort_request",
+        "/destroy_weights_update_group",
+        "/update_weight_version",
+        "/get_weights_by_name",
+    }
     for path, body in posted:
         assert body_errors(path, body) == [], (path, body)
     dist = next(b for p, b in posted if p == "/update_weights_from_distributed")
     assert dist["dtypes"] == ["bfloat16"] and dist["shapes"] == [[2, 3]] and dist["weight_version"] == "3"
     assert [b["tags"] for p, b in posted if p.endswith("memory_occupation")] == [
-        None, ["weights"], ["kv_cache", "cuda_graph"]]
+        None,
+        ["weights"],
+        ["kv_cache", "cuda_graph"],
+    ]
 
 
 def test_strict_check_catches_a_misspelt_or_missing_field():
-    assert body_errors("/update_weights_from_tensor", {"serialized_named_tensors": ["x"], "flush_cahce": False}) \
-        == ["/update_weights_from_tensor: unknown field 'flush_cahce' (SGLang's fields: abort_all_requests, flush_cache, "
-            "http_worker_ipc, load_format, rid, selector, serialized_named_tensors, torch_empty_cache, "
-            "weight_version)"]
+    assert body_errors("/update_weights_from_tensor", {"serialized_named_tensors": ["x"], "flush_cahce": False}) == [
+        "/update_weights_from_tensor: unknown field 'flush_cahce' (SGLang's fields: abort_all_requests, flush_cache, "
+        "http_worker_ipc, load_format, rid, selector, serialized_named_tensors, torch_empty_cache, "
+        "weight_version)"
+    ]
     errs = body_errors("/init_weights_update_group", {"master_address": "h", "master_port": "29500"})
-    assert "missing required field 'rank_offset'" in " ".join(errs) and "'master_port' = '29500' is not int" in " ".join(errs)
+    assert "missing required field 'rank_offset'" in " ".join(
+        errs
+    ) and "'master_port' = '29500' is not int" in " ".join(errs)
     assert body_errors("/pause_generation", {"mode": "pause"}) != []
     assert body_errors("/generate", {"input_ids": [1], "sampling_params": {"max_tokens": 3}}) != []
     assert request_fields("/weights_checker")["action"]["default"] == {"value": "checksum"}
@@ -393,8 +459,13 @@ def test_regenerated_definitions_match_the_checked_in_ones(tmp_path):
     docs/sglang.md: upgrading SGLang)."""
     site = run_side("import sglang, os; print(os.path.dirname(os.path.dirname(sglang.__file__)))").stdout.strip()
     out = tmp_path / "contract.json"
-    run = subprocess.run([sys.executable, "tools/gen_sglang_contract.py", "--src", site, "--out", str(out),
-                          "--version", "0.5.23"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "tools/gen_sglang_contract.py", "--src", site, "--out", str(out), "--version", "0.5.23"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     assert json.loads(out.read_text()) == load_contract()
     code = """
@@ -406,6 +477,9 @@ print(json.dumps(table_of(ServerArgs)))
     run = run_side(code)
     assert run.returncode == 0, run.stderr[-3000:]
     table = sglang_arguments.load_table()
-    pinned = [{k: v for k, v in e.items() if k != "sglang_versions"} for e in table["arguments"]
-              if table["sglang_version"] in e["sglang_versions"]]
+    pinned = [
+        {k: v for k, v in e.items() if k != "sglang_versions"}
+        for e in table["arguments"]
+        if table["sglang_version"] in e["sglang_versions"]
+    ]
     assert json.loads(run.stdout.strip().splitlines()[-1]) == pinned

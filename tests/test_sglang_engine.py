@@ -1,4 +1,5 @@
 """SGLangEngine as a Ray actor: launches slime's CPU server, registers with the real router, admin calls, cleanup."""
+
 import os
 import time
 
@@ -14,10 +15,20 @@ pytestmark = pytest.mark.timeout(300)
 
 def _args(model_dir, **kw):
     fields = dict(
-        seed=3, rollout_num_gpus=2, rollout_num_gpus_per_engine=1,
-        rollout_num_gpus_per_node=4, actor_num_gpus_per_node=2, actor_num_nodes=1, colocate=False, offload=False,
-        sglang_router_ip=None, sglang_router_port=None, sglang_router_request_timeout_secs=600,
-        sglang_max_running_requests=8, sglang_context_length=None, sglang_mem_fraction_static=0.7,
+        seed=3,
+        rollout_num_gpus=2,
+        rollout_num_gpus_per_engine=1,
+        rollout_num_gpus_per_node=4,
+        actor_num_gpus_per_node=2,
+        actor_num_nodes=1,
+        colocate=False,
+        offload=False,
+        sglang_router_ip=None,
+        sglang_router_port=None,
+        sglang_router_request_timeout_secs=600,
+        sglang_max_running_requests=8,
+        sglang_context_length=None,
+        sglang_mem_fraction_static=0.7,
     )
     fields.update(kw)  # a test's own router address etc. replace the defaults above
     return make_args("--inference-server", "cpu", hf_checkpoint=model_dir, **fields)
@@ -164,8 +175,10 @@ def test_engine_refuses_a_server_of_another_run_on_its_port(ray_session, tiny_ki
     try:
         with pytest.raises(ray.exceptions.RayTaskError) as exc:
             _engine(ray, _args(tiny_kit[0], sglang_served_model_name="slime-run-b"), 1, port=port_a)
-        assert (f"engine 1: the server answering at {url_a} is not this run's engine (served_model_name "
-                f"'slime-run-a', expected 'slime-run-b'); another process holds port {port_a}") in str(exc.value)
+        assert (
+            f"engine 1: the server answering at {url_a} is not this run's engine (served_model_name "
+            f"'slime-run-a', expected 'slime-run-b'); another process holds port {port_a}"
+        ) in str(exc.value)
         assert ray.get(engine_a.check_weights.remote("checksum"))["per_engine_checksum"] == sums  # A untouched
     finally:
         ray.get(engine_a.shutdown.remote())

@@ -1,6 +1,7 @@
 """Default rollout (`slime.rollout.sglang_rollout`) against slime's real CPU inference server behind the real
 sglang-router, on the tiny kit: generation, rewards (rule, custom, group), dynamic and over-sampling filters,
 abort + partial rollout resumed in the next rollout, eval, and the RolloutController running it inside Ray."""
+
 import copy
 import json
 import os
@@ -63,7 +64,9 @@ async def group_1_hangs_once(args, sample, sampling_params):
 def drop_odd_groups(args, samples, **kwargs):
     """Dynamic filter: keep even group_index; records the accounting state it sees."""
     state = GenerateState(args)
-    RECORD.setdefault("filter_calls", []).append((state.remaining_batch_size, RECORD["submitted"], len(RECORD.get("drops", []))))
+    RECORD.setdefault("filter_calls", []).append(
+        (state.remaining_batch_size, RECORD["submitted"], len(RECORD.get("drops", [])))
+    )
     keep = samples[0].group_index % 2 == 0
     if not keep:
         RECORD.setdefault("drops", []).append(samples[0].group_index)
@@ -111,16 +114,35 @@ def engine(tiny_kit):
     model_dir, _ = tiny_kit
     port = find_available_port(31000)
     server = subprocess.Popen(
-        [sys.executable, "-m", "slime.backends.cpu_server", "--model-path", model_dir, "--host", "127.0.0.1",
-         "--port", str(port), "--random-seed", "0", "--max-running-requests", "64", "--log-level", "warning"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "slime.backends.cpu_server",
+            "--model-path",
+            model_dir,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--random-seed",
+            "0",
+            "--max-running-requests",
+            "64",
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     router_args = real_args()
     router = None
     try:
         wait_for_http(f"http://127.0.0.1:{port}/health", 120, "CPU inference server", server)
         router = start_router(router_args)
-        add_worker(f"http://{router_args.sglang_router_ip}:{router_args.sglang_router_port}", f"http://127.0.0.1:{port}")
+        add_worker(
+            f"http://{router_args.sglang_router_ip}:{router_args.sglang_router_port}", f"http://127.0.0.1:{port}"
+        )
         yield router_args
     finally:
         stop_router(router)
@@ -136,7 +158,9 @@ def engine(tiny_kit):
 def prompts(tiny_kit, tmp_path_factory):
     """A train file of 8 distinct addition prompts and an eval file of 3."""
     d = tmp_path_factory.mktemp("prompts")
-    rows = [{"prompt": [{"role": "user", "content": f"What is {a}+{a + 1}?"}], "label": str(2 * a + 1)} for a in range(8)]
+    rows = [
+        {"prompt": [{"role": "user", "content": f"What is {a}+{a + 1}?"}], "label": str(2 * a + 1)} for a in range(8)
+    ]
     for name, subset in [("train.jsonl", rows), ("eval.jsonl", rows[:3])]:
         with open(d / name, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in subset)
@@ -154,20 +178,59 @@ def fresh_state():
 
 def make_args(engine, tiny_kit, prompts, **overrides):
     base = dict(
-        hf_checkpoint=tiny_kit[0], sglang_router_ip=engine.sglang_router_ip, sglang_router_port=engine.sglang_router_port,
-        sglang_server_concurrency=64, rollout_num_gpus=1, rollout_num_gpus_per_engine=1,
-        rollout_temperature=1.0, rollout_top_p=1.0, rollout_top_k=-1, rollout_max_response_len=8, rollout_stop=None,
-        rollout_stop_token_ids=None, rollout_skip_special_tokens=False,
-        custom_generate_function_path=None, custom_rm_path=None, rm_type="answer_match", reward_key=None, group_rm=False,
-        partial_rollout=False, rollout_batch_size=2, n_samples_per_prompt=2, over_sampling_batch_size=None,
-        dynamic_sampling_filter_path=None, over_sampling_filter_path=None,
-        rollout_global_dataset=True, prompt_data=prompts[0], input_key="prompt", label_key="label", metadata_key="metadata",
-        tool_key=None, apply_chat_template=True, rollout_max_prompt_len=None, rollout_seed=42, rollout_shuffle=False,
-        buffer_filter_path=None, dump_details=None, save=None, load=None,
-        eval_prompt_data=None, eval_input_key=None, eval_label_key=None, eval_tool_key=None, eval_temperature=None,
-        eval_top_p=None, eval_top_k=None, eval_max_response_len=None, n_samples_per_eval_prompt=1, eval_reward_key=None,
-        rollout_sample_hook_path=[], rollout_sample_filter_path=None, rollout_all_samples_process_path=None,
-        rollout_request_timeout=None, rollout_group_timeout=None,
+        hf_checkpoint=tiny_kit[0],
+        sglang_router_ip=engine.sglang_router_ip,
+        sglang_router_port=engine.sglang_router_port,
+        sglang_server_concurrency=64,
+        rollout_num_gpus=1,
+        rollout_num_gpus_per_engine=1,
+        rollout_temperature=1.0,
+        rollout_top_p=1.0,
+        rollout_top_k=-1,
+        rollout_max_response_len=8,
+        rollout_stop=None,
+        rollout_stop_token_ids=None,
+        rollout_skip_special_tokens=False,
+        custom_generate_function_path=None,
+        custom_rm_path=None,
+        rm_type="answer_match",
+        reward_key=None,
+        group_rm=False,
+        partial_rollout=False,
+        rollout_batch_size=2,
+        n_samples_per_prompt=2,
+        over_sampling_batch_size=None,
+        dynamic_sampling_filter_path=None,
+        over_sampling_filter_path=None,
+        rollout_global_dataset=True,
+        prompt_data=prompts[0],
+        input_key="prompt",
+        label_key="label",
+        metadata_key="metadata",
+        tool_key=None,
+        apply_chat_template=True,
+        rollout_max_prompt_len=None,
+        rollout_seed=42,
+        rollout_shuffle=False,
+        buffer_filter_path=None,
+        dump_details=None,
+        save=None,
+        load=None,
+        eval_prompt_data=None,
+        eval_input_key=None,
+        eval_label_key=None,
+        eval_tool_key=None,
+        eval_temperature=None,
+        eval_top_p=None,
+        eval_top_k=None,
+        eval_max_response_len=None,
+        n_samples_per_eval_prompt=1,
+        eval_reward_key=None,
+        rollout_sample_hook_path=[],
+        rollout_sample_filter_path=None,
+        rollout_all_samples_process_path=None,
+        rollout_request_timeout=None,
+        rollout_group_timeout=None,
     )
     base.update(overrides)
     return real_args(**base)
@@ -203,7 +266,7 @@ def test_generate_rollout_default_path(engine, tiny_kit, prompts):
         for s in group:
             check_generated(s, tokenizer, 8)
             assert s.reward in (0, 1)  # answer_match (rule RM through rm_hub)
-            assert s.response == tokenizer.decode(s.tokens[-s.response_length:])
+            assert s.response == tokenizer.decode(s.tokens[-s.response_length :])
     assert ds.get_buffer_length() == 0
     assert groups.metrics == {}
     # the next rollout continues with the next prompts
@@ -215,8 +278,13 @@ def test_custom_rm_and_custom_generate_by_path(engine, tiny_kit, prompts):
     groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
     assert all(s.reward == float(s.response_length) for g in groups for s in g)
 
-    args = make_args(engine, tiny_kit, prompts, custom_generate_function_path=f"{HERE}.pre_scored_generate",
-                     custom_rm_path=f"{HERE}.response_length_rm")
+    args = make_args(
+        engine,
+        tiny_kit,
+        prompts,
+        custom_generate_function_path=f"{HERE}.pre_scored_generate",
+        custom_rm_path=f"{HERE}.response_length_rm",
+    )
     SingletonMeta.clear_instances(GenerateState)
     groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
     assert all(s.reward == -1.0 for g in groups for s in g)  # a reward set by the generate function is kept
@@ -224,10 +292,19 @@ def test_custom_rm_and_custom_generate_by_path(engine, tiny_kit, prompts):
 
 def test_custom_generate_returning_a_list(engine, tiny_kit, prompts):
     # each member of the list is scored by one list-aware RM call, and the group is flattened
-    args = make_args(engine, tiny_kit, prompts, n_samples_per_prompt=1, custom_generate_function_path=f"{HERE}.two_agents_generate",
-                     custom_rm_path=f"{HERE}.group_rank_rm")
+    args = make_args(
+        engine,
+        tiny_kit,
+        prompts,
+        n_samples_per_prompt=1,
+        custom_generate_function_path=f"{HERE}.two_agents_generate",
+        custom_rm_path=f"{HERE}.group_rank_rm",
+    )
     groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
-    assert [[(s.index, s.metadata["agent"], s.reward) for s in g] for g in groups] == [[(0, 0, 0.0), (0, 1, 1.0)], [(1, 0, 0.0), (1, 1, 1.0)]]
+    assert [[(s.index, s.metadata["agent"], s.reward) for s in g] for g in groups] == [
+        [(0, 0, 0.0), (0, 1, 1.0)],
+        [(1, 0, 0.0), (1, 1, 1.0)],
+    ]
     assert RECORD["group_rm_sizes"] == [2, 2]
 
 
@@ -243,15 +320,24 @@ def test_failure_surfaces_and_leaves_a_clean_state(engine, tiny_kit, prompts):
 
 
 def test_group_rm(engine, tiny_kit, prompts):
-    args = make_args(engine, tiny_kit, prompts, group_rm=True, n_samples_per_prompt=3, custom_rm_path=f"{HERE}.group_rank_rm")
+    args = make_args(
+        engine, tiny_kit, prompts, group_rm=True, n_samples_per_prompt=3, custom_rm_path=f"{HERE}.group_rank_rm"
+    )
     groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
     assert [[s.reward for s in g] for g in groups] == [[0.0, 1.0, 2.0]] * 2
     assert RECORD["group_rm_sizes"] == [3, 3]  # one call per group, never per sample
 
 
 def test_dynamic_filter_accounting(engine, tiny_kit, prompts):
-    args = make_args(engine, tiny_kit, prompts, rollout_batch_size=3, over_sampling_batch_size=3, custom_rm_path=f"{HERE}.parity_rm",
-                     dynamic_sampling_filter_path=f"{HERE}.drop_odd_groups")
+    args = make_args(
+        engine,
+        tiny_kit,
+        prompts,
+        rollout_batch_size=3,
+        over_sampling_batch_size=3,
+        custom_rm_path=f"{HERE}.parity_rm",
+        dynamic_sampling_filter_path=f"{HERE}.drop_odd_groups",
+    )
     ds = RolloutDataSourceWithBuffer(args)
     RECORD["submitted"] = 0
 
@@ -269,7 +355,9 @@ def test_dynamic_filter_accounting(engine, tiny_kit, prompts):
         assert remaining == submitted - dropped
     assert len(RECORD["drops"]) >= 1 and all(i % 2 == 1 for i in RECORD["drops"])
     assert GenerateState(args).metrics == {"rollout/dynamic_filter/drop": len(RECORD["drops"])}
-    assert GenerateState(args).remaining_batch_size == 0 and not GenerateState(args).pendings  # reset for the next rollout
+    assert (
+        GenerateState(args).remaining_batch_size == 0 and not GenerateState(args).pendings
+    )  # reset for the next rollout
 
 
 async def even_groups_tie_generate(args, sample, sampling_params):
@@ -294,11 +382,17 @@ def record_all_groups(args, all_groups, data_source):
 @pytest.mark.parametrize("fallback", [False, True])
 def test_filter_output_sample_filter_and_all_samples_process(engine, tiny_kit, prompts, fallback):
     filters = "slime.rollout.filter_hub.dynamic_sampling_filters"
-    args = make_args(engine, tiny_kit, prompts, rollout_batch_size=2, over_sampling_batch_size=2,
-                     custom_generate_function_path=f"{HERE}.even_groups_tie_generate",
-                     dynamic_sampling_filter_path=f"{filters}.check_reward_nonzero_std{'_with_fallback' if fallback else ''}",
-                     rollout_sample_filter_path=f"{HERE}.remove_first_of_each_group",
-                     rollout_all_samples_process_path=f"{HERE}.record_all_groups")
+    args = make_args(
+        engine,
+        tiny_kit,
+        prompts,
+        rollout_batch_size=2,
+        over_sampling_batch_size=2,
+        custom_generate_function_path=f"{HERE}.even_groups_tie_generate",
+        dynamic_sampling_filter_path=f"{filters}.check_reward_nonzero_std{'_with_fallback' if fallback else ''}",
+        rollout_sample_filter_path=f"{HERE}.remove_first_of_each_group",
+        rollout_all_samples_process_path=f"{HERE}.record_all_groups",
+    )
     data, _ = run(sglang_rollout.generate_rollout_async(args, 0, RolloutDataSourceWithBuffer(args).get_samples))
     kept = [g[0].group_index for g in data]
     metrics = GenerateState(args).metrics
@@ -317,9 +411,17 @@ def test_filter_output_sample_filter_and_all_samples_process(engine, tiny_kit, p
 
 
 def test_over_sampling_then_filter_to_rollout_batch_size(engine, tiny_kit, prompts):
-    args = make_args(engine, tiny_kit, prompts, rollout_batch_size=2, over_sampling_batch_size=4, n_samples_per_prompt=3,
-                     custom_rm_path=f"{HERE}.response_length_rm", rollout_max_response_len=6,
-                     over_sampling_filter_path=f"{HERE}.recording_over_sampling_filter")
+    args = make_args(
+        engine,
+        tiny_kit,
+        prompts,
+        rollout_batch_size=2,
+        over_sampling_batch_size=4,
+        n_samples_per_prompt=3,
+        custom_rm_path=f"{HERE}.response_length_rm",
+        rollout_max_response_len=6,
+        over_sampling_filter_path=f"{HERE}.recording_over_sampling_filter",
+    )
     groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
     received = RECORD["over_sampling_input"]
     assert len(received) == 4  # the target is the over-sampling size when an over-sampling filter is set
@@ -335,9 +437,18 @@ def test_over_sampling_then_filter_to_rollout_batch_size(engine, tiny_kit, promp
 
 
 def test_abort_returns_partial_groups_that_resume_next_rollout(engine, tiny_kit, prompts):
-    args = make_args(engine, tiny_kit, prompts, partial_rollout=True, rollout_batch_size=2, over_sampling_batch_size=4,
-                     n_samples_per_prompt=1, rollout_max_response_len=LONG, custom_rm_path=f"{HERE}.response_length_rm",
-                     custom_generate_function_path=f"{HERE}.short_and_long_generate")
+    args = make_args(
+        engine,
+        tiny_kit,
+        prompts,
+        partial_rollout=True,
+        rollout_batch_size=2,
+        over_sampling_batch_size=4,
+        n_samples_per_prompt=1,
+        rollout_max_response_len=LONG,
+        custom_rm_path=f"{HERE}.response_length_rm",
+        custom_generate_function_path=f"{HERE}.short_and_long_generate",
+    )
     ds = RolloutDataSourceWithBuffer(args)
     groups = generate_rollout(args, 0, ds)
     # the two short groups (0, 2) finish first; the long ones (1, 3) are aborted mid-generation
@@ -373,9 +484,17 @@ def test_abort_returns_partial_groups_that_resume_next_rollout(engine, tiny_kit,
 
 
 def test_eval_rollout(engine, tiny_kit, prompts):
-    args = make_args(engine, tiny_kit, prompts, eval_prompt_data=["toy", prompts[1], "toy_again", prompts[1]],
-                     n_samples_per_eval_prompt=2, eval_temperature=0.0, eval_max_response_len=4,
-                     custom_rm_path=f"{HERE}.response_length_rm", rollout_max_response_len=30)
+    args = make_args(
+        engine,
+        tiny_kit,
+        prompts,
+        eval_prompt_data=["toy", prompts[1], "toy_again", prompts[1]],
+        n_samples_per_eval_prompt=2,
+        eval_temperature=0.0,
+        eval_max_response_len=4,
+        custom_rm_path=f"{HERE}.response_length_rm",
+        rollout_max_response_len=30,
+    )
     data = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args), evaluation=True)
     assert set(data) == {"toy", "toy_again"}
     for name in data:
@@ -385,7 +504,9 @@ def test_eval_rollout(engine, tiny_kit, prompts):
         assert truncated == [r == 4 for r in rewards]
         assert rewards[0::2] == rewards[1::2]  # greedy eval temperature: both samples of a prompt agree
     # same prompts, same greedy answers; the per-dataset `samples` (for custom eval log functions) carry their own metadata
-    assert {k: data["toy"][k] for k in ("rewards", "truncated")} == {k: data["toy_again"][k] for k in ("rewards", "truncated")}
+    assert {k: data["toy"][k] for k in ("rewards", "truncated")} == {
+        k: data["toy_again"][k] for k in ("rewards", "truncated")
+    }
 
 
 def test_default_generate_rejects_message_prompts(engine, tiny_kit, prompts):
@@ -397,7 +518,9 @@ def test_default_generate_rejects_message_prompts(engine, tiny_kit, prompts):
 
 def test_resume_with_no_budget_left_is_truncated_without_a_request(tiny_kit, prompts):
     args = make_args(real_args(sglang_router_ip="127.0.0.1", sglang_router_port=9), tiny_kit, prompts)
-    sample = Sample(index=0, prompt="x", tokens=[5, 6, 7], response="ab", response_length=2, status=Sample.Status.ABORTED)
+    sample = Sample(
+        index=0, prompt="x", tokens=[5, 6, 7], response="ab", response_length=2, status=Sample.Status.ABORTED
+    )
     out = run(generate(args, sample, {"max_new_tokens": 2}))  # port 9 would fail if a request were sent
     assert out.status == Sample.Status.TRUNCATED and out.tokens == [5, 6, 7]
 
@@ -406,11 +529,25 @@ def test_controller_runs_default_rollout_in_ray(engine, tiny_kit, prompts, ray_s
     ray = ray_session
     from slime.ray.buffer import RolloutController
 
-    args = make_args(engine, tiny_kit, prompts, rollout_function_path="slime.rollout.sglang_rollout.generate_rollout",
-                     eval_function_path=None, custom_reward_post_process_path=None, advantage_estimator="grpo",
-                     rewards_normalization=True, grpo_std_normalization=True, load_debug_rollout_data=None,
-                     save_debug_rollout_data=None, debug_train_only=False, use_wandb=False, global_batch_size=4,
-                     eval_prompt_data=["toy", prompts[1]], save=str(tmp_path), custom_rm_path=f"{HERE}.parity_rm")
+    args = make_args(
+        engine,
+        tiny_kit,
+        prompts,
+        rollout_function_path="slime.rollout.sglang_rollout.generate_rollout",
+        eval_function_path=None,
+        custom_reward_post_process_path=None,
+        advantage_estimator="grpo",
+        rewards_normalization=True,
+        grpo_std_normalization=True,
+        load_debug_rollout_data=None,
+        save_debug_rollout_data=None,
+        debug_train_only=False,
+        use_wandb=False,
+        global_batch_size=4,
+        eval_prompt_data=["toy", prompts[1]],
+        save=str(tmp_path),
+        custom_rm_path=f"{HERE}.parity_rm",
+    )
     controller = RolloutController.options(num_cpus=0, num_gpus=0).remote(args, None)
     try:
         assert ray.get(controller.get_num_rollout_per_epoch.remote(), timeout=120) == 4  # 8 prompts // 2
@@ -433,8 +570,15 @@ def test_controller_runs_default_rollout_in_ray(engine, tiny_kit, prompts, ray_s
 def test_group_timeout_drops_a_straggler_and_serves_its_prompt_again(engine, tiny_kit, prompts):
     """--rollout-group-timeout: a group that does not finish in time is dropped from the rollout (counted in the
     metrics), a fresh prompt fills its place, and the dropped group, as it was handed out, is served first next time."""
-    args = make_args(engine, tiny_kit, prompts, rollout_batch_size=2, n_samples_per_prompt=2, rollout_group_timeout=3.0,
-                     custom_generate_function_path=f"{HERE}.group_1_hangs_once")
+    args = make_args(
+        engine,
+        tiny_kit,
+        prompts,
+        rollout_batch_size=2,
+        n_samples_per_prompt=2,
+        rollout_group_timeout=3.0,
+        custom_generate_function_path=f"{HERE}.group_1_hangs_once",
+    )
     ds = RolloutDataSourceWithBuffer(args)
     groups = generate_rollout(args, 0, ds)
     # group 1's place went to one of the two prompts pulled next (the other is over-sampling surplus)

@@ -1,5 +1,6 @@
 """Start-up checks of user input (slime.utils.startup_checks): each bad input exits with status 2 and one line that
 names the flag / file / row / function at fault, before anything starts."""
+
 import json
 import os
 import subprocess
@@ -14,8 +15,22 @@ from slime.utils.arguments import parse_args
 from slime.utils.startup_checks import EXTENSION_POINTS, check_extension_point
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BASE = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--num-rollout", "1",
-        "--lr", "1e-6", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1"]
+BASE = [
+    "--rollout-batch-size",
+    "2",
+    "--n-samples-per-prompt",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--num-rollout",
+    "1",
+    "--lr",
+    "1e-6",
+    "--actor-num-gpus-per-node",
+    "1",
+    "--rollout-num-gpus",
+    "1",
+]
 TINY_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
 
 
@@ -33,7 +48,8 @@ def error_line(capsys, *argv, model=TINY_MODEL):
 @pytest.fixture
 def user_module(tmp_path, monkeypatch):
     """A user's module `user_hooks` on sys.path, with functions of right and wrong signatures."""
-    (tmp_path / "user_hooks.py").write_text(textwrap.dedent('''
+    (tmp_path / "user_hooks.py").write_text(
+        textwrap.dedent("""
         NOT_A_FUNCTION = 3
 
         def rollout(args, rollout_id, data_source, evaluation=False):
@@ -56,7 +72,8 @@ def user_module(tmp_path, monkeypatch):
 
         def loss(args, batch, logits, sum_of_sample_mean):
             return 0.0, {}
-    '''))
+    """)
+    )
     (tmp_path / "broken_hooks.py").write_text("import numpy\nraise RuntimeError('config server unreachable')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     yield "user_hooks"
@@ -76,7 +93,10 @@ def test_every_extension_point_row_is_a_flag_and_slimes_defaults_fit_it():
         ("--rollout-function-path", "slime.rollout.sglang_rollout.generate_rollout"),
         ("--rollout-function-path", "slime.rollout.sft_rollout.generate_rollout"),
         ("--eval-function-path", "slime.rollout.sglang_rollout.generate_rollout"),
-        ("--dynamic-sampling-filter-path", "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"),
+        (
+            "--dynamic-sampling-filter-path",
+            "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std",
+        ),
         ("--buffer-filter-path", "slime.ray.rollout_data_source.pop_first"),
     ]:
         assert check_extension_point(by_flag[flag], path) is None, (flag, path)
@@ -90,41 +110,69 @@ def test_dotted_path_errors_name_flag_path_and_reason(capsys, user_module):
     err = error_line(capsys, "--custom-rm-path", "user_hooks.NOT_A_FUNCTION")
     assert err == "--custom-rm-path user_hooks.NOT_A_FUNCTION is a int, not a function"
     err = error_line(capsys, "--custom-rm-path", "user_hooks.reward_one_arg")
-    assert err.startswith("--custom-rm-path user_hooks.reward_one_arg(sample) cannot be called as slime calls it, "
-                          "fn(args, sample_or_samples)")
+    assert err.startswith(
+        "--custom-rm-path user_hooks.reward_one_arg(sample) cannot be called as slime calls it, "
+        "fn(args, sample_or_samples)"
+    )
     err = error_line(capsys, "--rollout-function-path", "user_hooks.rollout_without_evaluation")
     assert "fn(args, rollout_id, data_source, evaluation=False)" in err and "evaluation" in err.rsplit(":", 1)[1]
     err = error_line(capsys, "--custom-generate-function-path", "user_hooks.sync_generate")
     assert err.startswith("--custom-generate-function-path user_hooks.sync_generate must be an `async def` function")
     # the user's module raising at import: its own exception, in one line
     err = error_line(capsys, "--dynamic-sampling-filter-path", "broken_hooks.keep")
-    assert err == ("--dynamic-sampling-filter-path broken_hooks.keep: cannot import it "
-                   "(RuntimeError: config server unreachable)")
+    assert err == (
+        "--dynamic-sampling-filter-path broken_hooks.keep: cannot import it (RuntimeError: config server unreachable)"
+    )
 
 
 def test_fitting_user_functions_pass(user_module):
-    args = parse_args(argv=[*BASE, *TINY_MODEL, "--rollout-function-path", "user_hooks.rollout",
-                            "--disable-rollout-global-dataset", "--custom-rm-path", "user_hooks.reward",
-                            "--custom-generate-function-path", "user_hooks.async_generate",
-                            "--loss-type", "custom_loss", "--custom-loss-function-path", "user_hooks.loss"])
+    args = parse_args(
+        argv=[
+            *BASE,
+            *TINY_MODEL,
+            "--rollout-function-path",
+            "user_hooks.rollout",
+            "--disable-rollout-global-dataset",
+            "--custom-rm-path",
+            "user_hooks.reward",
+            "--custom-generate-function-path",
+            "user_hooks.async_generate",
+            "--loss-type",
+            "custom_loss",
+            "--custom-loss-function-path",
+            "user_hooks.loss",
+        ]
+    )
     assert args.eval_function_path == "user_hooks.rollout"
 
 
 # ---------------------------------------------------------------- values and flag combinations
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["--n-samples-per-prompt", "0"], "--n-samples-per-prompt 0: must be >= 1 (responses generated per prompt)."),
-    (["--rollout-top-p", "0"], "--rollout-top-p 0.0: must be in (0, 1] (nucleus sampling mass)."),
-    (["--rollout-top-k", "0"], "--rollout-top-k 0: must be -1 (off) or >= 1 (top-k sampling)."),
-    (["--rollout-max-response-len", "0"], "--rollout-max-response-len 0: must be >= 1 (the token budget of a response)."),
-    (["--loss-type", "custom_loss"], "--loss-type custom_loss needs --custom-loss-function-path pkg.module.fn"),
-    (["--advantage-estimator", "rloo", "--disable-rewards-normalization"], "--advantage-estimator rloo builds its"),
-    (["--disable-rollout-global-dataset"], "--disable-rollout-global-dataset: the default --rollout-function-path"),
-    (["--group-rm", "--eval-prompt-data", "x.jsonl"], "--group-rm with --eval-prompt-data"),
-    (["--rm-type", "boxed_nope"], "--rm-type boxed_nope: unknown; expected one of deepscaler, dapo"),
-    (["--rm-type", "remote_rm"], "--rm-type remote_rm needs --rm-url"),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--n-samples-per-prompt", "0"], "--n-samples-per-prompt 0: must be >= 1 (responses generated per prompt)."),
+        (["--rollout-top-p", "0"], "--rollout-top-p 0.0: must be in (0, 1] (nucleus sampling mass)."),
+        (["--rollout-top-k", "0"], "--rollout-top-k 0: must be -1 (off) or >= 1 (top-k sampling)."),
+        (
+            ["--rollout-max-response-len", "0"],
+            "--rollout-max-response-len 0: must be >= 1 (the token budget of a response).",
+        ),
+        (["--loss-type", "custom_loss"], "--loss-type custom_loss needs --custom-loss-function-path pkg.module.fn"),
+        (
+            ["--advantage-estimator", "rloo", "--disable-rewards-normalization"],
+            "--advantage-estimator rloo builds its",
+        ),
+        (
+            ["--disable-rollout-global-dataset"],
+            "--disable-rollout-global-dataset: the default --rollout-function-path",
+        ),
+        (["--group-rm", "--eval-prompt-data", "x.jsonl"], "--group-rm with --eval-prompt-data"),
+        (["--rm-type", "boxed_nope"], "--rm-type boxed_nope: unknown; expected one of deepscaler, dapo"),
+        (["--rm-type", "remote_rm"], "--rm-type remote_rm needs --rm-url"),
+    ],
+)
 def test_values_and_combinations_fail_at_parse(capsys, argv, expected):
     assert error_line(capsys, *argv).startswith(expected)
 
@@ -154,8 +202,9 @@ def test_load_and_ref_load_need_a_readable_tracker_and_iteration(capsys, tmp_pat
     assert err.startswith(f"--load {ckpt}: unreadable latest_checkpointed_iteration.txt (") and "'oops'" in err
     (ckpt / "latest_checkpointed_iteration.txt").write_text("5")
     err = error_line(capsys, "--load", str(ckpt))
-    assert err == (f"--load {ckpt}: checkpoint directory iter_0000005 does not exist "
-                   "(latest_checkpointed_iteration.txt says 5).")
+    assert err == (
+        f"--load {ckpt}: checkpoint directory iter_0000005 does not exist (latest_checkpointed_iteration.txt says 5)."
+    )
     (ckpt / "iter_0000005").mkdir()
     assert parse_args(argv=[*BASE, *TINY_MODEL, "--load", str(ckpt)]).load == str(ckpt)
     err = error_line(capsys, "--ref-load", str(tmp_path / "typo"))
@@ -188,15 +237,26 @@ def test_prompt_data_errors_name_file_line_and_key(capsys, tmp_path, tiny_kit):
     assert err.startswith(f"--prompt-data {ok}: no column 'answer' (--label-key)")
     err = error_line(capsys, "--prompt-data", ok, "--input-key", "prompt", "--metadata-key", "info", model=model)
     assert err.startswith(f"--prompt-data {ok}: no column 'info' (--metadata-key)")
-    err = error_line(capsys, "--prompt-data", ok, "--input-key", "prompt", "--eval-prompt-data", "ev",
-                     str(tmp_path / "ev.jsonl"), model=model)
+    err = error_line(
+        capsys,
+        "--prompt-data",
+        ok,
+        "--input-key",
+        "prompt",
+        "--eval-prompt-data",
+        "ev",
+        str(tmp_path / "ev.jsonl"),
+        model=model,
+    )
     assert err == f"--eval-prompt-data ev {tmp_path / 'ev.jsonl'}: no such file."
     args = parse_args(argv=[*BASE, *model, "--prompt-data", ok, "--input-key", "prompt", "--metadata-key", "meta"])
     assert args.prompt_data == ok
     chat = _write(tmp_path / "chat.jsonl", [json.dumps({"messages": [{"role": "user", "content": "1+1="}]})])
     err = error_line(capsys, "--prompt-data", chat, "--input-key", "messages", model=model)
-    assert err == (f"--prompt-data {chat}: row 1 has a list prompt, but the default rollout sends text: pass "
-                   "--apply-chat-template for chat messages, or convert the column to text.")
+    assert err == (
+        f"--prompt-data {chat}: row 1 has a list prompt, but the default rollout sends text: pass "
+        "--apply-chat-template for chat messages, or convert the column to text."
+    )
     parse_args(argv=[*BASE, *model, "--prompt-data", chat, "--input-key", "messages", "--apply-chat-template"])
 
 
@@ -210,15 +270,21 @@ def test_longest_prompt_plus_response_must_fit_the_context(capsys, tmp_path, tin
     argv = ["--prompt-data", data, "--input-key", "prompt"]
     model = ["--hf-checkpoint", tiny_kit[0]]
     err = error_line(capsys, *argv, "--rollout-max-response-len", str(512 - n), model=model)
-    assert err == (f"--prompt-data {data}: row 2 has a prompt of {n} tokens; with --rollout-max-response-len "
-                   f"{512 - n} it reaches the model's context of 512 tokens (max_position_embeddings of "
-                   f"--hf-checkpoint {tiny_kit[0]}). Lower --rollout-max-response-len or set --rollout-max-prompt-len.")
+    assert err == (
+        f"--prompt-data {data}: row 2 has a prompt of {n} tokens; with --rollout-max-response-len "
+        f"{512 - n} it reaches the model's context of 512 tokens (max_position_embeddings of "
+        f"--hf-checkpoint {tiny_kit[0]}). Lower --rollout-max-response-len or set --rollout-max-prompt-len."
+    )
     parse_args(argv=[*BASE, *model, *argv, "--rollout-max-response-len", str(511 - n)])  # one token less: fits
     err = error_line(capsys, *argv, "--rollout-max-response-len", "512", model=model)
-    assert err == (f"--prompt-data {data}: --rollout-max-response-len 512 alone reaches the model's context of 512 "
-                   f"tokens (max_position_embeddings of --hf-checkpoint {tiny_kit[0]}).")
+    assert err == (
+        f"--prompt-data {data}: --rollout-max-response-len 512 alone reaches the model's context of 512 "
+        f"tokens (max_position_embeddings of --hf-checkpoint {tiny_kit[0]})."
+    )
     # --sglang-context-length is the engines' context when given
-    err = error_line(capsys, *argv, "--rollout-max-response-len", "8", "--sglang-context-length", str(n + 8), model=model)
+    err = error_line(
+        capsys, *argv, "--rollout-max-response-len", "8", "--sglang-context-length", str(n + 8), model=model
+    )
     assert "context of" in err and "(--sglang-context-length)" in err
 
 
@@ -230,9 +296,21 @@ def test_train_py_bad_input_is_one_line_exit_2_and_starts_no_ray(tmp_path, tiny_
     ray_tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # Ray's socket paths must stay short
     env = dict(os.environ, RAY_TMPDIR=ray_tmp, PYTHONPATH=REPO)
     env.pop("RAY_ADDRESS", None)
-    argv = [sys.executable, os.path.join(REPO, "train.py"), *BASE, "--hf-checkpoint", tiny_kit[0],
-            "--prompt-data", f"{tiny_kit[1]}/train.jsonl", "--input-key", "prompt", "--label-key", "label",
-            "--custom-rm-path", "my_rewards.score"]
+    argv = [
+        sys.executable,
+        os.path.join(REPO, "train.py"),
+        *BASE,
+        "--hf-checkpoint",
+        tiny_kit[0],
+        "--prompt-data",
+        f"{tiny_kit[1]}/train.jsonl",
+        "--input-key",
+        "prompt",
+        "--label-key",
+        "label",
+        "--custom-rm-path",
+        "my_rewards.score",
+    ]
     start = time.time()
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)
     elapsed = time.time() - start
@@ -255,14 +333,28 @@ def test_cluster_too_small_fails_before_any_actor(ray_session):
     from slime.ray.placement_group import init_ray
     from slime.utils.user_errors import StartupError
 
-    args = parse_args(argv=[*BASE, *TINY_MODEL, "--actor-num-gpus-per-node", "3", "--rollout-num-gpus", "2",
-                            "--global-batch-size", "3", "--n-samples-per-prompt", "3"])
+    args = parse_args(
+        argv=[
+            *BASE,
+            *TINY_MODEL,
+            "--actor-num-gpus-per-node",
+            "3",
+            "--rollout-num-gpus",
+            "2",
+            "--global-batch-size",
+            "3",
+            "--n-samples-per-prompt",
+            "3",
+        ]
+    )
     before = len(placement_group_table())
     with pytest.raises(StartupError) as exc:
         init_ray(args)
-    assert str(exc.value).startswith("the run needs 5 GPU bundles (--actor-num-nodes x --actor-num-gpus-per-node + "
-                                     "--rollout-num-gpus, or their maximum with --colocate) but GPU 5 needed, the "
-                                     "cluster has 4")
+    assert str(exc.value).startswith(
+        "the run needs 5 GPU bundles (--actor-num-nodes x --actor-num-gpus-per-node + "
+        "--rollout-num-gpus, or their maximum with --colocate) but GPU 5 needed, the "
+        "cluster has 4"
+    )
     assert len(placement_group_table()) == before
 
 
@@ -280,15 +372,36 @@ def test_joins_a_cluster_already_running_on_the_machine(tmp_path, tiny_kit):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAY_TMPDIR=ray_tmp, PYTHONPATH=REPO)
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
-    subprocess.run([ray_bin, "start", "--head", f"--port={find_available_port(30000)}", "--num-gpus=2", "--num-cpus=4",
-                    "--include-dashboard=false", "--disable-usage-stats"], env=env, check=True, capture_output=True,
-                   timeout=180)
+    subprocess.run(
+        [
+            ray_bin,
+            "start",
+            "--head",
+            f"--port={find_available_port(30000)}",
+            "--num-gpus=2",
+            "--num-cpus=4",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+        ],
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=180,
+    )
     try:
-        script = ("import ray, sys; from slime.ray.placement_group import init_ray; "
-                  "from slime.utils.arguments import parse_args; init_ray(parse_args(argv=sys.argv[1:])); "
-                  "print('GPUs', ray.cluster_resources()['GPU'])")
-        proc = subprocess.run([sys.executable, "-c", script, *BASE, *TINY_MODEL], env=env, capture_output=True,
-                              text=True, timeout=300, check=False)
+        script = (
+            "import ray, sys; from slime.ray.placement_group import init_ray; "
+            "from slime.utils.arguments import parse_args; init_ray(parse_args(argv=sys.argv[1:])); "
+            "print('GPUs', ray.cluster_resources()['GPU'])"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", script, *BASE, *TINY_MODEL],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "GPUs 2.0" in proc.stdout  # the running cluster's 2 GPUs, not a fresh local Ray
         too_big = [sys.executable, os.path.join(REPO, "train.py"), *BASE, *TINY_MODEL, "--rollout-num-gpus", "2"]

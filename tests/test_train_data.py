@@ -122,7 +122,9 @@ def test_process_rollout_data_strided_and_balanced(ray_session):
     assert shards[0]["sample_indices"] == [0, 2, 4, 6] and shards[1]["sample_indices"] == [1, 3, 5, 7]
     s = shards[1]
     assert s["total_lengths"] == [len(data["tokens"][i]) for i in (1, 3, 5, 7)]
-    assert all(t.dtype == torch.long for t in s["tokens"]) and torch.equal(s["tokens"][0], torch.arange(len(data["tokens"][1])))
+    assert all(t.dtype == torch.long for t in s["tokens"]) and torch.equal(
+        s["tokens"][0], torch.arange(len(data["tokens"][1]))
+    )
     assert all(m.dtype == torch.int32 for m in s["loss_masks"])
     assert all(lp.dtype == torch.float32 for lp in s["rollout_log_probs"])
     assert s["raw_reward"] == data["raw_reward"]  # stays global, for logging
@@ -148,9 +150,15 @@ def test_get_batch_padded_layout():
 
     tokens = [torch.tensor([5, 6, 7]), torch.tensor([1, 2, 3, 4, 9]), torch.tensor([8, 8])]
     data = {"tokens": tokens, "total_lengths": [3, 5, 2], "response_lengths": [1, 2, 1]}
-    batch = get_batch(DataIterator(data, micro_batch_size=3), ["tokens", "total_lengths", "response_lengths", "advantages"])
+    batch = get_batch(
+        DataIterator(data, micro_batch_size=3), ["tokens", "total_lengths", "response_lengths", "advantages"]
+    )
     assert batch["tokens"].tolist() == [[5, 6, 7, 0, 0], [1, 2, 3, 4, 9], [8, 8, 0, 0, 0]]
-    assert all(a is b for a, b in zip(batch["unconcat_tokens"], tokens)) and batch["packed_seq_params"] is None and batch["advantages"] is None
+    assert (
+        all(a is b for a, b in zip(batch["unconcat_tokens"], tokens))
+        and batch["packed_seq_params"] is None
+        and batch["advantages"] is None
+    )
     assert batch["position_ids"].tolist() == [list(range(5))] * 3
     mask = batch["attention_mask"]  # True = masked
     assert mask.shape == (3, 1, 5, 5) and mask.dtype == torch.bool
@@ -169,7 +177,9 @@ def test_get_batch_packed_layout():
     assert batch["tokens"].shape == (1, 128) and batch["tokens"][0, :10].tolist() == [5, 6, 7, 1, 2, 3, 4, 9, 8, 8]
     assert batch["tokens"][0, 10:].eq(0).all()
     p = batch["packed_seq_params"]
-    assert p.qkv_format == "thd" and p.cu_seqlens_q.tolist() == [0, 3, 8, 10, 128] and p.cu_seqlens_q.dtype == torch.int32
+    assert (
+        p.qkv_format == "thd" and p.cu_seqlens_q.tolist() == [0, 3, 8, 10, 128] and p.cu_seqlens_q.dtype == torch.int32
+    )
     assert p.max_seqlen_q == p.max_seqlen_kv == 118 and batch["attention_mask"] is None
 
 
@@ -186,8 +196,15 @@ def _dp2_iterators_logging_and_broadcast(rank, gcs_address, data):
         ref = Box(ray.put(data))
     else:
         ref = Box(None)  # only global rank 0 touches the object store
-    args = make_args("--global-batch-size", "4", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "40",
-                     "--transformer-impl", "local")
+    args = make_args(
+        "--global-batch-size",
+        "4",
+        "--use-dynamic-batch-size",
+        "--max-tokens-per-gpu",
+        "40",
+        "--transformer-impl",
+        "local",
+    )
     local = process_rollout_data(args, ref, rank, 2)
     if rank == 0:
         ray.shutdown()
@@ -195,7 +212,7 @@ def _dp2_iterators_logging_and_broadcast(rank, gcs_address, data):
 
     iterators, num_mbs = get_data_iterator(args, None, local)
     lengths = local["total_lengths"]
-    own = [get_minimum_num_micro_batch_size(lengths[i * 2:(i + 1) * 2], 40) for i in range(2)]
+    own = [get_minimum_num_micro_batch_size(lengths[i * 2 : (i + 1) * 2], 40) for i in range(2)]
     expected = _expected_dp2_counts(data)
     assert num_mbs == expected and all(m >= o for m, o in zip(num_mbs, own)), (rank, num_mbs, own, expected)
     seen = []
@@ -220,7 +237,7 @@ def _dp2_iterators_logging_and_broadcast(rank, gcs_address, data):
 def _expected_dp2_counts(data):
     lengths = [len(t) for t in data["tokens"]]
     per_rank = [lengths[r::2] for r in range(2)]
-    return [max(get_minimum_num_micro_batch_size(ls[i * 2:(i + 1) * 2], 40) for ls in per_rank) for i in range(2)]
+    return [max(get_minimum_num_micro_batch_size(ls[i * 2 : (i + 1) * 2], 40) for ls in per_rank) for i in range(2)]
 
 
 def test_dp2_broadcast_dynamic_batching_and_rollout_logging(ray_session):
@@ -260,12 +277,18 @@ def _tp2_padded_batch_log_probs_match_transformers(rank, hf_dir):
     batch = get_batch(DataIterator(data, micro_batch_size=3), ["tokens", "total_lengths", "response_lengths"])
     with torch.no_grad():
         logits = model(batch["tokens"], batch["position_ids"], attention_mask=batch["attention_mask"])
-        out = get_log_probs_and_entropy(logits, args=args, unconcat_tokens=batch["unconcat_tokens"],
-                                        total_lengths=lengths, response_lengths=resp, with_entropy=True)
+        out = get_log_probs_and_entropy(
+            logits,
+            args=args,
+            unconcat_tokens=batch["unconcat_tokens"],
+            total_lengths=lengths,
+            response_lengths=resp,
+            with_entropy=True,
+        )
         ref = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
         for i, t in enumerate(tokens):  # each sample alone, unpadded
-            logp = torch.log_softmax(ref(t[None]).logits[0, lengths[i] - resp[i] - 1:lengths[i] - 1] / 0.8, -1)
-            want = logp.gather(-1, t[lengths[i] - resp[i]:, None])[:, 0]
+            logp = torch.log_softmax(ref(t[None]).logits[0, lengths[i] - resp[i] - 1 : lengths[i] - 1] / 0.8, -1)
+            want = logp.gather(-1, t[lengths[i] - resp[i] :, None])[:, 0]
             assert torch.allclose(out["log_probs"][i], want, atol=1e-4), (i, (out["log_probs"][i] - want).abs().max())
             assert torch.allclose(out["entropy"][i], -(logp.exp() * logp).sum(-1), atol=1e-4)
 

@@ -2,6 +2,7 @@
 127.0.0.3 (the inference engine), every address a loopback one. The whole loop runs across the two nodes: placement,
 per-node ports, the router reaching the engine by its node IP, weight sync over the broadcast group (shared memory is
 never chosen across nodes), and both nodes stop cleanly afterwards."""
+
 import ipaddress
 import os
 import shutil
@@ -32,7 +33,9 @@ def _can_bind(ip):
 
 def _tree(markers):
     """Processes whose command line names one of `markers` (a node's temp dir or address), with their descendants."""
-    roots = [p for p in psutil.process_iter(["cmdline"]) if any(m in " ".join(p.info["cmdline"] or []) for m in markers)]
+    roots = [
+        p for p in psutil.process_iter(["cmdline"]) if any(m in " ".join(p.info["cmdline"] or []) for m in markers)
+    ]
     found = {}
     for p in roots:
         for q in [p, *p.children(recursive=True)]:
@@ -68,21 +71,68 @@ def test_two_node_cluster_trainers_on_one_node_engines_on_the_other(tiny_kit, tm
     common = ["--num-gpus=1", "--num-cpus=4", "--disable-usage-stats", "--object-store-memory=500000000"]
     model = shutil.copytree(tiny_kit[0], tmp_path / "model")
     try:
-        subprocess.run([ray_bin, "start", "--head", f"--node-ip-address={HEAD_IP}", f"--port={port}",
-                        "--include-dashboard=false", f"--temp-dir={head_dir}", *common],
-                       env=env, check=True, capture_output=True, timeout=180)
-        subprocess.run([ray_bin, "start", f"--address={HEAD_IP}:{port}", f"--node-ip-address={WORKER_IP}", *common],
-                       env=env, check=True, capture_output=True, timeout=180)
+        subprocess.run(
+            [
+                ray_bin,
+                "start",
+                "--head",
+                f"--node-ip-address={HEAD_IP}",
+                f"--port={port}",
+                "--include-dashboard=false",
+                f"--temp-dir={head_dir}",
+                *common,
+            ],
+            env=env,
+            check=True,
+            capture_output=True,
+            timeout=180,
+        )
+        subprocess.run(
+            [ray_bin, "start", f"--address={HEAD_IP}:{port}", f"--node-ip-address={WORKER_IP}", *common],
+            env=env,
+            check=True,
+            capture_output=True,
+            timeout=180,
+        )
         argv = TINY_MODEL_ARGS + [
-            "--hf-checkpoint", str(model), "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
-            "--prompt-data", f"{tiny_kit[1]}/train.jsonl", "--input-key", "prompt", "--label-key", "label",
-            "--apply-chat-template", "--rm-type", "answer_match", "--num-rollout", "2", "--rollout-batch-size", "4",
-            "--n-samples-per-prompt", "4", "--global-batch-size", "16", "--lr", "1e-5", "--rollout-max-response-len", "6",
-            "--metrics-path", str(tmp_path / "metrics.jsonl"),
+            "--hf-checkpoint",
+            str(model),
+            "--actor-num-gpus-per-node",
+            "1",
+            "--rollout-num-gpus",
+            "1",
+            "--prompt-data",
+            f"{tiny_kit[1]}/train.jsonl",
+            "--input-key",
+            "prompt",
+            "--label-key",
+            "label",
+            "--apply-chat-template",
+            "--rm-type",
+            "answer_match",
+            "--num-rollout",
+            "2",
+            "--rollout-batch-size",
+            "4",
+            "--n-samples-per-prompt",
+            "4",
+            "--global-batch-size",
+            "16",
+            "--lr",
+            "1e-5",
+            "--rollout-max-response-len",
+            "6",
+            "--metrics-path",
+            str(tmp_path / "metrics.jsonl"),
         ]
-        driver = subprocess.Popen([sys.executable, "train.py", *argv], cwd=ROOT, text=True, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT,
-                                  env=dict(env, RAY_ADDRESS=f"{HEAD_IP}:{port}", SLIME_HOST_IP=HEAD_IP))
+        driver = subprocess.Popen(
+            [sys.executable, "train.py", *argv],
+            cwd=ROOT,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=dict(env, RAY_ADDRESS=f"{HEAD_IP}:{port}", SLIME_HOST_IP=HEAD_IP),
+        )
         listeners, lines = set(), []
         while driver.poll() is None:
             line = driver.stdout.readline()
@@ -94,15 +144,24 @@ def test_two_node_cluster_trainers_on_one_node_engines_on_the_other(tiny_kit, tm
         assert driver.returncode == 0, out[-4000:]
         assert sum(1 for _ in open(tmp_path / "metrics.jsonl")) == 2
         # the engine runs on the second node, behind a router on the head node, and gets weights by broadcast
-        assert f"inference engines ['http://{WORKER_IP}:" in out and f"sglang-router http://{HEAD_IP}:" in out, out[-3000:]
+        assert f"inference engines ['http://{WORKER_IP}:" in out and f"sglang-router http://{HEAD_IP}:" in out, out[
+            -3000:
+        ]
         assert f"weight sync from {HEAD_IP} to ['http://{WORKER_IP}:" in out and ": broadcast" in out, out[-3000:]
         # no listener of either node or of the driver on a non-loopback address
-        specific = [(pid, name, ip) for pid, name, ip in listeners
-                    if ip not in ("0.0.0.0", "::") and not ipaddress.ip_address(ip.replace("::ffff:", "")).is_loopback]
+        specific = [
+            (pid, name, ip)
+            for pid, name, ip in listeners
+            if ip not in ("0.0.0.0", "::") and not ipaddress.ip_address(ip.replace("::ffff:", "")).is_loopback
+        ]
         assert not specific, f"listening on a non-loopback address: {specific}"
         assert any(ip == WORKER_IP for _, _, ip in listeners) and any(ip == HEAD_IP for _, _, ip in listeners)
         # the run exited cleanly on both nodes: its servers are gone while the cluster itself stays up
-        left = [p.info["cmdline"] for p in psutil.process_iter(["cmdline"]) if str(model) in " ".join(p.info["cmdline"] or [])]
+        left = [
+            p.info["cmdline"]
+            for p in psutil.process_iter(["cmdline"])
+            if str(model) in " ".join(p.info["cmdline"] or [])
+        ]
         assert not left, f"processes of the run left behind: {left}"
     finally:
         _stop_cluster(markers)

@@ -1,4 +1,5 @@
 """wandb_utils: shared offline run, metric step axes, log() no-op without --use-wandb."""
+
 import glob
 import os
 import pickle
@@ -12,9 +13,21 @@ from tests._args import make_args
 
 
 def _args(tmp_path, **kw):
-    base = dict(use_wandb=True, wandb_mode=None, wandb_key=None, wandb_host=None, wandb_dir=str(tmp_path / "wb"),
-                wandb_group="unit", wandb_project="slime-test", wandb_team=None, wandb_random_suffix=True, rank=0,
-                rollout_batch_size=4, n_samples_per_prompt=8, global_batch_size=16)
+    base = dict(
+        use_wandb=True,
+        wandb_mode=None,
+        wandb_key=None,
+        wandb_host=None,
+        wandb_dir=str(tmp_path / "wb"),
+        wandb_group="unit",
+        wandb_project="slime-test",
+        wandb_team=None,
+        wandb_random_suffix=True,
+        rank=0,
+        rollout_batch_size=4,
+        n_samples_per_prompt=8,
+        global_batch_size=16,
+    )
     base.update(kw)
     return make_args(**base)
 

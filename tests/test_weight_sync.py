@@ -4,6 +4,7 @@ Real pieces end to end: Megatron GPTModel trainers as Ray actors (TP=1 and TP=2,
 behind `SGLangEngine` actors. The reference for "the engine holds the trainer's weights" is the trainer's own Megatron
 forward (its own greedy decode and log-probs), which does not go through the HF conversion being tested.
 """
+
 import itertools
 import json
 import os
@@ -50,8 +51,14 @@ class WeightSyncTrainer(TrainRayActor):
         # slime's actor keeps this CPU copy (weights["actor"]) and the colocated path must read from it
         self.weights = {"actor": {n: p.detach().clone() for n, p in named_parameters(args, self.model)}}
         cls = UpdateWeightFromTensor if colocate else UpdateWeightFromDistributed
-        self.updater = cls(args, self.model, self.weights, model_name=args.model_name, quantization_config=None,
-                           vocab_size=args.vocab_size)
+        self.updater = cls(
+            args,
+            self.model,
+            self.weights,
+            model_name=args.model_name,
+            quantization_config=None,
+            vocab_size=args.vocab_size,
+        )
 
     def connect(self, engines, lock):
         self.updater.connect_rollout_engines(engines, lock)
@@ -74,12 +81,16 @@ class WeightSyncTrainer(TrainRayActor):
         for prompt in prompts:
             seq, lps = list(prompt), []
             for _ in range(n):
-                logits = self.model[0](torch.tensor([seq]), torch.arange(len(seq))[None], attention_mask=causal_mask(len(seq)))
-                logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)[0, -1, : self.args.vocab_size]
+                logits = self.model[0](
+                    torch.tensor([seq]), torch.arange(len(seq))[None], attention_mask=causal_mask(len(seq))
+                )
+                logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)[
+                    0, -1, : self.args.vocab_size
+                ]
                 logp = torch.log_softmax(logits.float(), dim=-1)
                 seq.append(int(logp.argmax()))
                 lps.append(float(logp[seq[-1]]))
-            out.append((seq[len(prompt):], lps))
+            out.append((seq[len(prompt) :], lps))
         return out
 
 
@@ -93,8 +104,14 @@ def _post(url, payload, timeout=120):
 
 
 def generate(url, prompt):
-    out = _post(f"{url}/generate", {"input_ids": prompt, "return_logprob": True,
-                                     "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}})
+    out = _post(
+        f"{url}/generate",
+        {
+            "input_ids": prompt,
+            "return_logprob": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
+        },
+    )
     meta = out["meta_info"]
     return out["output_ids"], [lp for lp, _, _ in meta["output_token_logprobs"]], meta["weight_version"]
 
@@ -125,9 +142,15 @@ def hf_checkpoint_bytes(model_dir):
 
 def _args(model_dir, tp, **kw):
     return megatron_args(
-        model_dir, tensor_model_parallel_size=tp, rollout_num_gpus_per_engine=1, rollout_num_gpus_per_node=4,
-        inference_server="cpu", update_weight_buffer_size=kw.pop("update_weight_buffer_size", 64 << 10),
-        update_weight_timeout=kw.pop("update_weight_timeout", 120), check_weight_update_equal=True, **kw,
+        model_dir,
+        tensor_model_parallel_size=tp,
+        rollout_num_gpus_per_engine=1,
+        rollout_num_gpus_per_node=4,
+        inference_server="cpu",
+        update_weight_buffer_size=kw.pop("update_weight_buffer_size", 64 << 10),
+        update_weight_timeout=kw.pop("update_weight_timeout", 120),
+        check_weight_update_equal=True,
+        **kw,
     )
 
 
@@ -244,7 +267,8 @@ def test_colocated_update_from_cpu_weights_gives_engines_the_trainer_weights(tin
 
 
 def test_check_weight_update_equal_protocol_passes_for_the_checkpoint_and_names_a_differing_tensor(
-        tiny_kit, engines, lock, cleanup):
+    tiny_kit, engines, lock, cleanup
+):
     """--check-weight-update-equal as slime runs it on SGLang: the engine snapshots what it loaded and scrambles it;
     a push of the checkpoint's weights (noise 0) must restore the snapshot exactly, a push of other weights fails the
     compare naming the engine and a tensor."""

@@ -5,6 +5,7 @@ AutoTokenizer / AutoConfig / AutoModelForCausalLM.from_pretrained(model_dir).
 
     python tools/build_tiny_kit.py --model-dir models/qwen3-tiny --data-dir data/addition
 """
+
 import argparse
 import json
 import os
@@ -33,21 +34,35 @@ def build_tokenizer():
             "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
             f"{question(a, b)} Answer with a number.<|im_end|>\n<|im_start|>assistant\n{a + b}<|im_end|>\n"
         )
-    corpus += ["The quick brown fox jumps over the lazy dog. Hello world! Reverse the string, sort the list, count the letters."] * 50
-    corpus += ["<search>capital of France</search> <information>Paris is the capital of France.</information> <answer>Paris</answer>"] * 20
+    corpus += [
+        "The quick brown fox jumps over the lazy dog. Hello world! Reverse the string, sort the list, count the letters."
+    ] * 50
+    corpus += [
+        "<search>capital of France</search> <information>Paris is the capital of France.</information> <answer>Paris</answer>"
+    ] * 20
     tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
     )
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=512, special_tokens=SPECIALS, min_frequency=2,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=512,
+        special_tokens=SPECIALS,
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(corpus, trainer=trainer)
     hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None, unk_token=None,
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
         additional_special_tokens=["<|im_start|>", "<|im_end|>"],
     )
     hf_tok.chat_template = CHAT_TEMPLATE
@@ -72,10 +87,21 @@ def build_model(model_dir, hidden=128, ffn=512, layers=4, seed=0):
     # Pad the vocab to a multiple of 128 so it divides any small TP size (Megatron shards the vocab).
     vocab_size = (len(tok) + 127) // 128 * 128
     cfg = Qwen3Config(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-        tie_word_embeddings=True, rope_theta=10000.0, rms_norm_eps=1e-6,
-        bos_token_id=None, eos_token_id=2, pad_token_id=0, torch_dtype="float32",
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        bos_token_id=None,
+        eos_token_id=2,
+        pad_token_id=0,
+        torch_dtype="float32",
     )
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(cfg)
@@ -100,10 +126,23 @@ def build_data(data_dir, seed=0):
             for a, b in rows:
                 f.write(json.dumps(make(a, b)) + "\n")
 
-    write("train.jsonl", train, lambda a, b: {"prompt": [{"role": "user", "content": question(a, b)}], "label": str(a + b)})
-    write("eval.jsonl", problems, lambda a, b: {"prompt": [{"role": "user", "content": question(a, b)}], "label": str(a + b)})
-    write("sft.jsonl", problems, lambda a, b: {"messages": [{"role": "user", "content": question(a, b)},
-                                                            {"role": "assistant", "content": str(a + b)}]})
+    write(
+        "train.jsonl",
+        train,
+        lambda a, b: {"prompt": [{"role": "user", "content": question(a, b)}], "label": str(a + b)},
+    )
+    write(
+        "eval.jsonl",
+        problems,
+        lambda a, b: {"prompt": [{"role": "user", "content": question(a, b)}], "label": str(a + b)},
+    )
+    write(
+        "sft.jsonl",
+        problems,
+        lambda a, b: {
+            "messages": [{"role": "user", "content": question(a, b)}, {"role": "assistant", "content": str(a + b)}]
+        },
+    )
     return data_dir
 
 

@@ -9,17 +9,34 @@ Flags are slime's own (`slime.utils.arguments.parse_args`); the RL-only flags it
 Under torchrun the pipeline size defaults to world size / --tensor-model-parallel-size (as slime, where TP is 1).
 torch_dist stores tensors in global coordinates, so the result loads under any TP/PP layout.
 """
+
 import os
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script from anywhere
 
+
 # parse_args validates a whole training job; these satisfy its RL-only requirements. User flags come after and win.
 def _job_defaults(world_size):
     w = str(world_size)  # batch sizes divisible by any data-parallel size the validator may assume
-    return ["--debug-train-only", "--num-rollout", "1", "--rollout-batch-size", w, "--global-batch-size", w,
-            "--micro-batch-size", "1", "--lr", "0", "--actor-num-nodes", "1", "--actor-num-gpus-per-node", w]
+    return [
+        "--debug-train-only",
+        "--num-rollout",
+        "1",
+        "--rollout-batch-size",
+        w,
+        "--global-batch-size",
+        w,
+        "--micro-batch-size",
+        "1",
+        "--lr",
+        "0",
+        "--actor-num-nodes",
+        "1",
+        "--actor-num-gpus-per-node",
+        w,
+    ]
 
 
 def _given(argv, flag):
@@ -40,8 +57,10 @@ def get_args(argv, world_size):
         args.pipeline_model_parallel_size = world_size // (tp * cp)  # slime: use every rank for the pipeline
     pp = args.pipeline_model_parallel_size
     if args.num_layers % pp:
-        sys.exit(f"convert_hf_to_torch_dist: --num-layers {args.num_layers} is not divisible by the pipeline size {pp} "
-                 f"(world size {world_size} / --tensor-model-parallel-size {tp}); pass --pipeline-model-parallel-size.")
+        sys.exit(
+            f"convert_hf_to_torch_dist: --num-layers {args.num_layers} is not divisible by the pipeline size {pp} "
+            f"(world size {world_size} / --tensor-model-parallel-size {tp}); pass --pipeline-model-parallel-size."
+        )
     args.virtual_pipeline_model_parallel_size = None
     args.no_save_optim = args.no_save_rng = True  # weights only: a release checkpoint is loaded as finetune
     return args

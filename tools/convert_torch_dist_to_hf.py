@@ -9,6 +9,7 @@ works), about one shard's worth at a time, and renamed with slime's Megatron->HF
 The architecture comes from the `args` slime stores in `common.pt` (else from `--origin-hf-dir`/config.json); every
 non-weight file of `--origin-hf-dir` (config, tokenizer, generation config) is copied next to the weights.
 """
+
 import argparse
 import dataclasses
 import json
@@ -43,8 +44,12 @@ def parse_args(argv=None):
     p.add_argument("--output-dir", required=True)
     p.add_argument("--origin-hf-dir", default=None, help="HF dir whose config/tokenizer files are copied over")
     p.add_argument("--model-name", default=None, help="converter family (qwen2, qwen3, qwen3moe, llama)")
-    p.add_argument("--vocab-size", type=int, default=None,
-                   help="strip Megatron's vocab padding down to this many rows (default: origin config's vocab_size)")
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="strip Megatron's vocab padding down to this many rows (default: origin config's vocab_size)",
+    )
     p.add_argument("--chunk-size", type=int, default=5 * 1024**3, help="max bytes per safetensors shard")
     p.add_argument("-f", "--force", action="store_true", help="overwrite the weights in an existing --output-dir")
     return p.parse_args(argv)
@@ -56,8 +61,10 @@ def parse_args(argv=None):
 def resolve_input_dir(path):
     """The torch_dist directory itself; a `--save` root is followed through its tracker file."""
     if not os.path.isdir(path):
-        raise UserError(f"--input-dir {path} does not exist (expected a torch_dist checkpoint such as "
-                        "{save}/iter_0000010 or {save}/release).")
+        raise UserError(
+            f"--input-dir {path} does not exist (expected a torch_dist checkpoint such as "
+            "{save}/iter_0000010 or {save}/release)."
+        )
     if os.path.exists(os.path.join(path, ".metadata")):
         return path
     tracker = os.path.join(path, TRACKER)
@@ -68,8 +75,10 @@ def resolve_input_dir(path):
             sub = os.path.join(path, "release" if it == "release" else f"iter_{int(it):07d}")
             if os.path.exists(os.path.join(sub, ".metadata")):
                 return sub
-    raise UserError(f"--input-dir {path} is not a torch_dist checkpoint: it has no .metadata file (nor a {TRACKER} "
-                    "pointing at one). Pass the iteration directory, e.g. {save}/iter_0000010.")
+    raise UserError(
+        f"--input-dir {path} is not a torch_dist checkpoint: it has no .metadata file (nor a {TRACKER} "
+        "pointing at one). Pass the iteration directory, e.g. {save}/iter_0000010."
+    )
 
 
 def load_common(ckpt_dir):
@@ -83,8 +92,10 @@ def load_common(ckpt_dir):
         with torch.serialization.safe_globals([argparse.Namespace]):
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # objects we will not unpickle: the architecture must then come from --origin-hf-dir
-        print(f"convert_torch_dist_to_hf: ignoring {path} ({type(e).__name__}: {str(e).splitlines()[0]})",
-              file=sys.stderr)
+        print(
+            f"convert_torch_dist_to_hf: ignoring {path} ({type(e).__name__}: {str(e).splitlines()[0]})",
+            file=sys.stderr,
+        )
         return {}
 
 
@@ -98,8 +109,10 @@ def model_args(common, origin_hf_dir):
         hf_cfg = AutoConfig.from_pretrained(origin_hf_dir, trust_remote_code=True)
     if args is None:
         if hf_cfg is None:
-            raise UserError("the checkpoint's common.pt has no `args` (not saved by slime): pass --origin-hf-dir so "
-                            "the architecture can be read from its config.json.")
+            raise UserError(
+                "the checkpoint's common.pt has no `args` (not saved by slime): pass --origin-hf-dir so "
+                "the architecture can be read from its config.json."
+            )
         from slime.utils.arguments import _hf_architecture
 
         args = argparse.Namespace(**_hf_architecture(hf_cfg))
@@ -118,6 +131,7 @@ def model_args(common, origin_hf_dir):
 @dataclasses.dataclass
 class Region:
     """`name` (Megatron parameter) = the block of checkpoint tensor `key` at `offsets` with shape `sizes`."""
+
     name: str
     key: str
     offsets: tuple
@@ -143,14 +157,21 @@ def model_regions(metadata, tied):
         if tied and key == "output_layer.weight":
             continue  # tied to the embedding: HF stores it once
         size, dtype = tuple(meta.size), meta.properties.dtype
-        rest = key[len("decoder.layers."):] if key.startswith("decoder.layers.") else None
+        rest = key[len("decoder.layers.") :] if key.startswith("decoder.layers.") else None
         if rest is not None and rest.split(".", 1)[0].isdigit() and ".mlp.experts.experts." in rest:
             # a per-layer key (dense and MoE layers mixed) still stacks its experts along the first axis
             layer, local = rest.split(".mlp.experts.experts.", 1)
             for e in range(size[0]):
-                layers.setdefault(int(layer), []).append(Region(
-                    f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{local}", key,
-                    (e,) + (0,) * (len(size) - 1), (1,) + size[1:], dtype, 1))
+                layers.setdefault(int(layer), []).append(
+                    Region(
+                        f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{local}",
+                        key,
+                        (e,) + (0,) * (len(size) - 1),
+                        (1,) + size[1:],
+                        dtype,
+                        1,
+                    )
+                )
             continue
         if rest is None or rest.split(".", 1)[0].isdigit():  # not stacked: top-level or per-layer (heterogeneous) keys
             region = Region(key, key, (0,) * len(size), size, dtype)
@@ -162,14 +183,29 @@ def model_regions(metadata, tied):
         experts = rest.startswith("mlp.experts.experts.")
         for layer in range(size[0]):
             if experts:
-                local = rest[len("mlp.experts.experts."):]
+                local = rest[len("mlp.experts.experts.") :]
                 for e in range(size[1]):
-                    layers.setdefault(layer, []).append(Region(
-                        f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{local}", key,
-                        (layer, e) + (0,) * (len(size) - 2), (1, 1) + size[2:], dtype, 2))
+                    layers.setdefault(layer, []).append(
+                        Region(
+                            f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{local}",
+                            key,
+                            (layer, e) + (0,) * (len(size) - 2),
+                            (1, 1) + size[2:],
+                            dtype,
+                            2,
+                        )
+                    )
             else:
-                layers.setdefault(layer, []).append(Region(
-                    f"decoder.layers.{layer}.{rest}", key, (layer,) + (0,) * (len(size) - 1), (1,) + size[1:], dtype, 1))
+                layers.setdefault(layer, []).append(
+                    Region(
+                        f"decoder.layers.{layer}.{rest}",
+                        key,
+                        (layer,) + (0,) * (len(size) - 1),
+                        (1,) + size[1:],
+                        dtype,
+                        1,
+                    )
+                )
     return head + [r for layer in sorted(layers) for r in layers[layer]] + tail
 
 
@@ -201,7 +237,7 @@ def read_regions(reader, regions):
     with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": exactly the intent
         warnings.simplefilter("ignore", UserWarning)
         dcp.load({}, storage_reader=reader, planner=_RegionPlanner(regions, buffers), no_dist=True)
-    return [b.reshape(r.sizes[r.stacked:]) for r, b in zip(regions, buffers)]
+    return [b.reshape(r.sizes[r.stacked :]) for r, b in zip(regions, buffers)]
 
 
 # ---- writing ---------------------------------------------------------------------------------------------------
@@ -265,8 +301,10 @@ def prepare_output_dir(output_dir, force):
         if not os.path.isdir(output_dir):
             raise UserError(f"--output-dir {output_dir} exists and is not a directory.")
         if os.listdir(output_dir) and not force:
-            raise UserError(f"--output-dir {output_dir} already exists and is not empty; pass -f to overwrite the "
-                            "weights there, or pick another directory.")
+            raise UserError(
+                f"--output-dir {output_dir} already exists and is not empty; pass -f to overwrite the "
+                "weights there, or pick another directory."
+            )
         for fname in os.listdir(output_dir):  # stale shards of an earlier export would mix with the new ones
             if fname.endswith(_WEIGHT_SUFFIXES) or fname in _WEIGHT_INDEXES or fname.startswith(".shard-"):
                 os.remove(os.path.join(output_dir, fname))
@@ -284,8 +322,9 @@ def copy_hf_files(origin_hf_dir, output_dir):
 # ---- main ------------------------------------------------------------------------------------------------------
 
 
-def convert(input_dir, output_dir, *, origin_hf_dir=None, model_name=None, vocab_size=None,
-            chunk_size=5 * 1024**3, force=False):
+def convert(
+    input_dir, output_dir, *, origin_hf_dir=None, model_name=None, vocab_size=None, chunk_size=5 * 1024**3, force=False
+):
     """Write the HF export of `input_dir` to `output_dir`; returns the number of safetensors shards."""
     if origin_hf_dir is not None and not os.path.isdir(origin_hf_dir):
         raise UserError(f"--origin-hf-dir {origin_hf_dir} is not a directory.")
@@ -298,8 +337,9 @@ def convert(input_dir, output_dir, *, origin_hf_dir=None, model_name=None, vocab
     args, hf_cfg = model_args(load_common(ckpt), origin_hf_dir)
     model_name = model_name or args.model_name
     if not model_name:
-        raise UserError("cannot tell which converter to use: pass --model-name (qwen2, qwen3, qwen3moe, llama) or "
-                        "--origin-hf-dir.")
+        raise UserError(
+            "cannot tell which converter to use: pass --model-name (qwen2, qwen3, qwen3moe, llama) or --origin-hf-dir."
+        )
     try:
         get_family(model_name)
     except ValueError as e:
@@ -311,7 +351,9 @@ def convert(input_dir, output_dir, *, origin_hf_dir=None, model_name=None, vocab
     reader = FileSystemReader(ckpt)
     regions = model_regions(reader.read_metadata(), tied)
     if not regions:
-        raise UserError(f"--input-dir {ckpt}: the checkpoint holds no model tensors (embedding./decoder./output_layer.).")
+        raise UserError(
+            f"--input-dir {ckpt}: the checkpoint holds no model tensors (embedding./decoder./output_layer.)."
+        )
     prepare_output_dir(output_dir, force)
     writer = ShardWriter(output_dir, chunk_size)
     batch, batch_bytes = [], 0
@@ -336,8 +378,15 @@ def convert(input_dir, output_dir, *, origin_hf_dir=None, model_name=None, vocab
 def main(argv=None):
     a = parse_args(argv)
     try:
-        shards = convert(a.input_dir, a.output_dir, origin_hf_dir=a.origin_hf_dir, model_name=a.model_name,
-                         vocab_size=a.vocab_size, chunk_size=a.chunk_size, force=a.force)
+        shards = convert(
+            a.input_dir,
+            a.output_dir,
+            origin_hf_dir=a.origin_hf_dir,
+            model_name=a.model_name,
+            vocab_size=a.vocab_size,
+            chunk_size=a.chunk_size,
+            force=a.force,
+        )
     except UserError as e:
         sys.exit(f"convert_torch_dist_to_hf: {e}")
     print(f"wrote {shards} safetensors shard(s) to {a.output_dir}")

@@ -12,6 +12,7 @@ responses, the weights-checker payload and the memory tags. Tests check every bo
 The source is read, not imported (the request classes pull in CUDA-only packages): the wheel is fetched with
 `pip download --no-deps` and unpacked, or `--src` names an installed `site-packages` (the one holding `sglang/`).
 """
+
 import argparse
 import ast
 import json
@@ -21,21 +22,52 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tools.gen_sglang_server_args import fetch_source  # noqa: E402  (run as a script from the repo root)
 
-OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "slime", "backends", "sglang_utils",
-                   "sglang_contract.json")
+OUT = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    "slime",
+    "backends",
+    "sglang_utils",
+    "sglang_contract.json",
+)
 
 # The routes slime's engine, rollout, router and CPU server use (the OpenAI routes are not part of this contract).
 ROUTES = (
-    "/generate", "/abort_request", "/health", "/health_generate", "/flush_cache", "/model_info", "/get_model_info",
-    "/server_info", "/get_server_info", "/init_weights_update_group", "/destroy_weights_update_group",
-    "/update_weights_from_distributed", "/update_weights_from_tensor", "/update_weights_from_disk",
-    "/begin_weight_update", "/end_weight_update", "/update_weight_version", "/get_weights_by_name",
-    "/release_memory_occupation", "/resume_memory_occupation", "/weights_checker", "/pause_generation",
+    "/generate",
+    "/abort_request",
+    "/health",
+    "/health_generate",
+    "/flush_cache",
+    "/model_info",
+    "/get_model_info",
+    "/server_info",
+    "/get_server_info",
+    "/init_weights_update_group",
+    "/destroy_weights_update_group",
+    "/update_weights_from_distributed",
+    "/update_weights_from_tensor",
+    "/update_weights_from_disk",
+    "/begin_weight_update",
+    "/end_weight_update",
+    "/update_weight_version",
+    "/get_weights_by_name",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
+    "/weights_checker",
+    "/pause_generation",
     "/continue_generation",
 )
 # Classes of the wire schema (`sglang/api/v1/api_types.py`) and of io_struct that describe what slime reads.
-API_TYPES = ("GenerateRequest", "SamplingParams", "GenerateResponse", "GenerateMetaInfo", "FinishStop",
-             "FinishLength", "FinishAbort", "GetModelInfoResponse", "GetServerInfoResponse")
+API_TYPES = (
+    "GenerateRequest",
+    "SamplingParams",
+    "GenerateResponse",
+    "GenerateMetaInfo",
+    "FinishStop",
+    "FinishLength",
+    "FinishAbort",
+    "GetModelInfoResponse",
+    "GetServerInfoResponse",
+)
 IO_STRUCT_EXTRA = ("ChecksumInfo", "ParallelismInfo")
 
 
@@ -134,7 +166,11 @@ def _response_keys(func):
             keys += [k.value for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)]
         elif isinstance(node, ast.Assign):
             for t in node.targets:
-                if isinstance(t, ast.Subscript) and isinstance(t.slice, ast.Constant) and isinstance(t.slice.value, str):
+                if (
+                    isinstance(t, ast.Subscript)
+                    and isinstance(t.slice, ast.Constant)
+                    and isinstance(t.slice.value, str)
+                ):
                     keys.append(t.slice.value)
     return sorted(set(keys))
 
@@ -171,11 +207,18 @@ def record(src):
     tags = {}
     with open(os.path.join(srt, "constants.py")) as f:
         for node in ast.parse(f.read()).body:
-            if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) \
-                    and node.targets[0].id.startswith("GPU_MEMORY_TYPE_"):
+            if (
+                isinstance(node, ast.Assign)
+                and isinstance(node.targets[0], ast.Name)
+                and node.targets[0].id.startswith("GPU_MEMORY_TYPE_")
+            ):
                 tags[node.targets[0].id] = ast.literal_eval(node.value)
-    return {"routes": dict(sorted(routes.items())), "classes": dict(sorted(requests.items())),
-            "schemas": schemas, "memory_tags": sorted(tags.values())}
+    return {
+        "routes": dict(sorted(routes.items())),
+        "classes": dict(sorted(requests.items())),
+        "schemas": schemas,
+        "memory_tags": sorted(tags.values()),
+    }
 
 
 def main():

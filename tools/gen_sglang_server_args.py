@@ -14,6 +14,7 @@ It downloads the wheel with `pip download --no-deps`, unpacks it and imports `sg
 with the few small modules its import chain needs installed into the work dir (never into the project's env) and
 triton replaced by a permissive stub (imported there, never used by `add_cli_args`).
 """
+
 import argparse
 import glob
 import importlib.abc
@@ -25,22 +26,36 @@ import sys
 import types
 import zipfile
 
-OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "slime", "backends", "sglang_utils",
-                   "sglang_server_args.json")
+OUT = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    "slime",
+    "backends",
+    "sglang_utils",
+    "sglang_server_args.json",
+)
 
 # Imported (not called) on sglang.srt.server_args' import chain: small ones are installed into the work dir
 # (msgspec.Struct subclasses must behave); the rest (triton: 1 GB) are stubbed (`_StubFinder`).
 IMPORT_DEPS = ["pybase64", "msgspec", "pyzmq", "ipython", "traitlets"]
 # argparse `type=` callables of SGLang -> the names slime's loader knows how to rebuild.
 TYPE_NAMES = {
-    "str": "str", "int": "int", "float": "float", "loads": "json", "json_list_type": "json",
-    "human_readable_int": "human_readable_int", "nullable_str": "nullable_str",
-    "parse_cuda_graph_backend_arg": "str", "parse_cuda_graph_config_arg": "json",
+    "str": "str",
+    "int": "int",
+    "float": "float",
+    "loads": "json",
+    "json_list_type": "json",
+    "human_readable_int": "human_readable_int",
+    "nullable_str": "nullable_str",
+    "parse_cuda_graph_backend_arg": "str",
+    "parse_cuda_graph_config_arg": "json",
 }
 # Custom argparse actions of SGLang -> the plain behaviour they have on the command line.
 ACTION_NAMES = {
-    "BooleanOptionalAction": "boolean_optional", "DeprecatedStoreTrueAction": "deprecated_store_true",
-    "DeprecatedStoreConstAction": "deprecated_store_const", "DeprecatedAction": "deprecated", "DeprecatedAliasStoreAction": "deprecated_alias_store",
+    "BooleanOptionalAction": "boolean_optional",
+    "DeprecatedStoreTrueAction": "deprecated_store_true",
+    "DeprecatedStoreConstAction": "deprecated_store_const",
+    "DeprecatedAction": "deprecated",
+    "DeprecatedAliasStoreAction": "deprecated_alias_store",
     "LoRAPathAction": None,
 }
 
@@ -107,8 +122,9 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         top = fullname.split(".")[0]
         if top.startswith("_") or top in sys.stdlib_module_names or top == "sglang":
             return None
-        if (top == "triton" or _imported_by_sglang() or top in sys.modules and isinstance(sys.modules[top], _Stub)) \
-                and importlib.machinery.PathFinder.find_spec(top) is None:
+        if (
+            top == "triton" or _imported_by_sglang() or top in sys.modules and isinstance(sys.modules[top], _Stub)
+        ) and importlib.machinery.PathFinder.find_spec(top) is None:
             if os.environ.get("GEN_DEBUG"):
                 print("stub", fullname, file=sys.stderr)
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
@@ -126,8 +142,19 @@ def fetch_source(version, work_dir):
     os.makedirs(work_dir, exist_ok=True)
     wheels = glob.glob(os.path.join(work_dir, f"sglang-{version}-*.whl"))
     if not wheels:
-        subprocess.check_call([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                               f"sglang=={version}", "-d", work_dir])
+        subprocess.check_call(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--only-binary=:all:",
+                f"sglang=={version}",
+                "-d",
+                work_dir,
+            ]
+        )
         wheels = glob.glob(os.path.join(work_dir, f"sglang-{version}-*.whl"))
     src = os.path.join(work_dir, f"src-{version}")
     if not os.path.isdir(os.path.join(src, "sglang")):
@@ -160,16 +187,22 @@ class _IsolatingFinder(_StubFinder):
     are left out of the table (`_plain`), so such a flag parses without them."""
 
     def find_spec(self, fullname, path, target=None):
-        if fullname.startswith("sglang.") and fullname not in REAL_WHEN_ISOLATED \
-                and not fullname.startswith("sglang.srt.arg_groups"):
+        if (
+            fullname.startswith("sglang.")
+            and fullname not in REAL_WHEN_ISOLATED
+            and not fullname.startswith("sglang.srt.arg_groups")
+        ):
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
         return super().find_spec(fullname, path, target)
 
 
 def _plain(value):
     """`value` unless it is (or holds) a stub."""
-    if isinstance(value, _Stub) or isinstance(value, (list, tuple, set, frozenset)) and any(
-            isinstance(v, _Stub) for v in value):
+    if (
+        isinstance(value, _Stub)
+        or isinstance(value, (list, tuple, set, frozenset))
+        and any(isinstance(v, _Stub) for v in value)
+    ):
         return None
     return value
 
@@ -216,7 +249,9 @@ def table_of(ServerArgs):
         if t is not None:
             name = getattr(t, "__name__", repr(t))
             if name not in TYPE_NAMES:
-                raise SystemExit(f"{flags[0]}: unknown argparse type {name!r}; add it to TYPE_NAMES and to slime's loader")
+                raise SystemExit(
+                    f"{flags[0]}: unknown argparse type {name!r}; add it to TYPE_NAMES and to slime's loader"
+                )
             entry["type"] = TYPE_NAMES[name]
         action = kw.pop("action", None)
         if action is not None and not isinstance(action, str):
@@ -240,8 +275,18 @@ def table_of(ServerArgs):
 
 
 # The SGLang releases slime has supported (its Docker images, v0.1.0 on), oldest first; the last is the one pinned.
-VERSIONS = ("0.4.10", "0.5.0rc0", "0.5.5.post1", "0.5.6", "0.5.7", "0.5.9", "0.5.12.post1", "0.5.15.post1", "0.5.17",
-            "0.5.23")
+VERSIONS = (
+    "0.4.10",
+    "0.5.0rc0",
+    "0.5.5.post1",
+    "0.5.6",
+    "0.5.7",
+    "0.5.9",
+    "0.5.12.post1",
+    "0.5.15.post1",
+    "0.5.17",
+    "0.5.23",
+)
 
 
 VERSIONS_ORDER = VERSIONS.index
@@ -253,8 +298,11 @@ def record_version(version, work_dir):
     cmd = [sys.executable, os.path.abspath(__file__), "--record-one", version, "--work-dir", work_dir]
     run = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if run.returncode != 0:
-        print(f"sglang {version}: full import failed ({run.stderr.strip().splitlines()[-1]}); recording server_args "
-              "alone", file=sys.stderr)
+        print(
+            f"sglang {version}: full import failed ({run.stderr.strip().splitlines()[-1]}); recording server_args "
+            "alone",
+            file=sys.stderr,
+        )
         run = subprocess.run(cmd + ["--isolated"], check=True, stdout=subprocess.PIPE, text=True)
     return json.loads(run.stdout)
 
@@ -296,8 +344,17 @@ def main():
     tables = [(v, record_version(v, a.work_dir)) for v in versions]
     table = union(tables)
     with open(a.out, "w") as f:
-        json.dump({"sglang_version": versions[-1], "sglang_versions": versions,
-                   "generated_by": "tools/gen_sglang_server_args.py", "arguments": table}, f, indent=1, sort_keys=False)
+        json.dump(
+            {
+                "sglang_version": versions[-1],
+                "sglang_versions": versions,
+                "generated_by": "tools/gen_sglang_server_args.py",
+                "arguments": table,
+            },
+            f,
+            indent=1,
+            sort_keys=False,
+        )
         f.write("\n")
     print(f"wrote {len(table)} SGLang server arguments (sglang {', '.join(versions)}) to {a.out}")
 

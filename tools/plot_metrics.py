@@ -7,6 +7,7 @@ Each line is one JSON object, e.g. {"rollout_id": 3, "rollout/raw_reward": 0.41,
 it plots `rollout/raw_reward` and every numeric `eval/<name>` score (not truncation ratios or step counters), one
 panel per key; a line without a key is a gap in that curve only.
 """
+
 import argparse
 import math
 import os

@@ -8,6 +8,7 @@ Each turn the policy writes `<think>...</think>` and then either `<search> query
 passages come back inside `<information>...</information>`) or `<answer> ... </answer>`. Tokens the model wrote get
 loss mask 1; retrieved passages and correction hints get loss mask 0, so the policy is never trained to produce them.
 """
+
 import asyncio
 import os
 import re
@@ -142,7 +143,9 @@ async def generate(args, sample: Sample, sampling_params) -> Sample:
 async def reward_func(args, sample, **kwargs):
     """Exact match of the response's last <answer> against label["ground_truth"]["target"] (format score 0.2)."""
     if not isinstance(sample, Sample):
-        raise TypeError(f"reward_func scores one Sample (do not combine it with --group-rm), got {type(sample).__name__}")
+        raise TypeError(
+            f"reward_func scores one Sample (do not combine it with --group-rm), got {type(sample).__name__}"
+        )
     return compute_score_em(
         response=sample.response,
         ground_truth=sample.label["ground_truth"],

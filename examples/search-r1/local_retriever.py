@@ -4,6 +4,7 @@ It answers with the same shape as Search-R1's retrieval server (`/retrieve`): a 
 `{"document": {"id", "contents"}, "score"}`, best first. Good for a toy corpus and for tests; for Wikipedia-scale
 corpora run a dense retriever on a GPU (see README.md).
 """
+
 import json
 import math
 import re
@@ -11,8 +12,10 @@ from collections import Counter
 
 _TOKEN = re.compile(r"\w+")
 # Very common words carry no signal in a tiny corpus; BM25's idf alone is too weak to drop them there.
-_STOPWORDS = frozenset("a an and are as at be by for from has he in is it its of on or she that the to was were what "
-                       "where which who whom why with how".split())
+_STOPWORDS = frozenset(
+    "a an and are as at be by for from has he in is it its of on or she that the to was were what "
+    "where which who whom why with how".split()
+)
 
 
 def tokenize(text: str) -> list[str]:

@@ -5,6 +5,7 @@
 Input lines carry `question` and `label` (or Search-R1's `golden_answers`). Use with `--input-key prompt
 --label-key label --apply-chat-template`.
 """
+
 import json
 import sys
 

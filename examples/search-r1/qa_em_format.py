@@ -1,4 +1,5 @@
 """Exact-match reward for retrieval QA (Search-R1's qa_em): normalised string equality of the last <answer>."""
+
 import re
 import string
 

@@ -1,4 +1,5 @@
 """Driver-side handle over the N training actors; every `async_*` returns a list of ObjectRefs (one per rank)."""
+
 import logging
 import os
 
@@ -13,8 +14,17 @@ logger = logging.getLogger(__name__)
 
 
 class RayTrainGroup:
-    def __init__(self, args, num_nodes, num_gpus_per_node, pg, wandb_run_id=None, num_gpus_per_actor=1,
-                 resources=None, num_resources_per_node=None):
+    def __init__(
+        self,
+        args,
+        num_nodes,
+        num_gpus_per_node,
+        pg,
+        wandb_run_id=None,
+        num_gpus_per_actor=1,
+        resources=None,
+        num_resources_per_node=None,
+    ):
         # `resources` / `num_resources_per_node`: slime's signature; slime does not use them either (placement
         # is the bundles of `pg`), so callers written for slime keep working.
         self.args = args
@@ -30,7 +40,10 @@ class RayTrainGroup:
         env = {"NCCL_CUMEM_ENABLE": "0", **noset_visible_devices_env()}
         if is_cpu():
             # One intra-op thread per rank: on a shared 2-core box more threads thrash.
-            env.update(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
+            env.update(
+                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+                GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+            )
         elif self.args.offload:
             env.update(_torch_memory_saver_env())
         actor_cls = ray.remote(num_gpus=1, runtime_env={"env_vars": env})(MegatronTrainRayActor)
@@ -39,9 +52,11 @@ class RayTrainGroup:
         master_addr, master_port = None, None
         for rank in range(world_size):
             actor = actor_cls.options(
-                num_cpus=num_gpus_per_actor, num_gpus=num_gpus_per_actor,
+                num_cpus=num_gpus_per_actor,
+                num_gpus=num_gpus_per_actor,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=reordered_bundle_indices[rank]),
+                    placement_group=pg, placement_group_bundle_index=reordered_bundle_indices[rank]
+                ),
             ).remote(world_size, rank, master_addr, master_port, wandb_run_id)
             if rank == 0:
                 master_addr, master_port = ray.get(actor.get_master_addr_and_port.remote(), timeout=300)
@@ -56,8 +71,10 @@ class RayTrainGroup:
 
     def async_init_weight_update_connections(self, rollout):
         self.rollout = rollout
-        return [a.connect_rollout_engines.remote(rollout.rollout_engines, rollout.rollout_engine_lock)
-                for a in self._actor_handlers]
+        return [
+            a.connect_rollout_engines.remote(rollout.rollout_engines, rollout.rollout_engine_lock)
+            for a in self._actor_handlers
+        ]
 
     def async_train(self, rollout_id, rollout_data_ref):
         return [a.train.remote(rollout_id, rollout_data_ref) for a in self._actor_handlers]
@@ -73,7 +90,11 @@ class RayTrainGroup:
 
     def kill(self):
         # Ask the actors to exit first (quietly, after their current call); force-kill whatever is still alive.
-        ray.wait([a.__ray_terminate__.remote() for a in self._actor_handlers], num_returns=len(self._actor_handlers), timeout=10)
+        ray.wait(
+            [a.__ray_terminate__.remote() for a in self._actor_handlers],
+            num_returns=len(self._actor_handlers),
+            timeout=10,
+        )
         for a in self._actor_handlers:
             ray.kill(a)
         self._actor_handlers = []

@@ -4,6 +4,7 @@ It owns the data source (prompts, epochs, partial-rollout buffer), calls the rol
 path, post-processes rewards (GRPO-style group normalisation), converts samples to arrays for the trainers and
 returns a `Box(ray.put(train_data))`. Metrics of every call are logged and also returned to the driver.
 """
+
 import functools
 import importlib.util
 import numbers
@@ -58,8 +59,11 @@ def flatten_rollout_output(data, fn_path):
     else:
         data = _flatten(data)
         if not data or not all(isinstance(s, Sample) for s in data):
-            bad = "a list of empty groups" if not data else \
-                f"a list containing {type(next(s for s in data if not isinstance(s, Sample))).__name__}"
+            bad = (
+                "a list of empty groups"
+                if not data
+                else f"a list containing {type(next(s for s in data if not isinstance(s, Sample))).__name__}"
+            )
     if bad is not None:
         raise TypeError(
             f"rollout function {fn_path!r} returned {bad}; it must return list[list[Sample]] "
@@ -97,8 +101,10 @@ def post_process_rewards(args, samples, custom_fn=None, fn_path=None):
             )
         if not _is_number(r):
             hint = " (a dict: pick the training reward with --reward-key)" if isinstance(r, dict) else ""
-            raise TypeError(f"sample {s.index}: {_reward_source(args, s, fn_path)} returned a {type(r).__name__} "
-                            f"{r!r:.80}{hint}; a reward must be a number")
+            raise TypeError(
+                f"sample {s.index}: {_reward_source(args, s, fn_path)} returned a {type(r).__name__} "
+                f"{r!r:.80}{hint}; a reward must be a number"
+            )
         raw_rewards.append(r)
 
     if args.advantage_estimator in _GROUP_NORM_ESTIMATORS and args.rewards_normalization:
@@ -267,8 +273,11 @@ class RolloutController:
             data = [Sample.from_dict(d) for d in torch.load(path, weights_only=False)["samples"]]
             extra = {}
         else:
-            user_fn = functools.partial(call_user_function, f"raised by --rollout-function-path {self.rollout_fn_path} "
-                                        f"in rollout {rollout_id}", self.generate_rollout)
+            user_fn = functools.partial(
+                call_user_function,
+                f"raised by --rollout-function-path {self.rollout_fn_path} in rollout {rollout_id}",
+                self.generate_rollout,
+            )
             output = call_rollout_fn(user_fn, args, rollout_id, self.data_source, evaluation=False)
             data, extra = flatten_rollout_output(output, self.rollout_fn_path)
         rollout_time = time.time() - start
@@ -314,8 +323,11 @@ class RolloutController:
         if self.args.debug_train_only:
             return {}
         set_current_rollout_id(rollout_id)
-        user_fn = functools.partial(call_user_function, f"raised by --eval-function-path {self.eval_fn_path} at "
-                                    f"rollout {rollout_id}", self.eval_generate_rollout)
+        user_fn = functools.partial(
+            call_user_function,
+            f"raised by --eval-function-path {self.eval_fn_path} at rollout {rollout_id}",
+            self.eval_generate_rollout,
+        )
         output = call_rollout_fn(user_fn, self.args, rollout_id, self.data_source, evaluation=True)
         data = output.data if isinstance(output, RolloutFnEvalOutput) else output
         if not isinstance(data, dict) or not all(isinstance(d, dict) and "rewards" in d for d in data.values()):

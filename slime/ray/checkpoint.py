@@ -7,6 +7,7 @@ on disk does the driver replace `latest_checkpointed_iteration.txt`, so a run ki
 from the previous complete checkpoint: the trainers load what the tracker names, and the data source must then find
 its state for that iteration (a resume without it is an error, see `RolloutDataSource.load`).
 """
+
 from slime.utils.checkpoint_tracker import write_tracker
 
 

@@ -1,5 +1,6 @@
 """The driver's side of a run: cleanup of what it started (however the run ends), the watchdog that names a dead
 trainer or engine instead of hanging, and the per-rollout recorder (console line + metrics JSONL)."""
+
 import contextlib
 import json
 import os
@@ -65,7 +66,9 @@ def _run_cleanup(fn):
     thread.start()
     thread.join(CLEANUP_STEP_TIMEOUT_S)
     if thread.is_alive():
-        print(f"cleanup {name} did not finish within {CLEANUP_STEP_TIMEOUT_S:g}s (is Ray still up?); skipped", flush=True)
+        print(
+            f"cleanup {name} did not finish within {CLEANUP_STEP_TIMEOUT_S:g}s (is Ray still up?); skipped", flush=True
+        )
     elif errors:
         print(f"cleanup {name} failed: {errors[0]}", flush=True)
 
@@ -167,15 +170,23 @@ class RunRecorder:
         counts = {}
         for e in events:
             counts[f"fault/{e['kind']}"] = counts.get(f"fault/{e['kind']}", 0) + 1
-        new, self._events_seen = events[self._events_seen:], len(events)
+        new, self._events_seen = events[self._events_seen :], len(events)
         return {**counts, "fault/events": [dict(e) for e in new]}
 
     @staticmethod
     def _line(r):
         """The headline metrics of a rollout record, in the console format (`slime.utils.console`)."""
-        shown = {label: r[key] for key, label in [
-            ("rollout/raw_reward", "reward"), ("rollout/response_length", "resp_len"), ("train/pg_loss", "pg_loss"),
-            ("train/grad_norm", "grad_norm"), ("train/train_rollout_logprob_abs_diff", "logp_diff")] if key in r}
+        shown = {
+            label: r[key]
+            for key, label in [
+                ("rollout/raw_reward", "reward"),
+                ("rollout/response_length", "resp_len"),
+                ("train/pg_loss", "pg_loss"),
+                ("train/grad_norm", "grad_norm"),
+                ("train/train_rollout_logprob_abs_diff", "logp_diff"),
+            ]
+            if key in r
+        }
         shown.update((k, v) for k, v in r.items() if k.startswith("eval/") and not k.endswith("truncated_ratio"))
         shown["step_time_s"] = r["perf/step_time"]
         return metrics_line(f"rollout {r['rollout_id']}", shown, short_names=False)

@@ -2,6 +2,7 @@
 
 On a machine without GPUs the same code runs over logical GPUs (`ray.init(num_gpus=N)`); see `init_ray`.
 """
+
 import logging
 import os
 import socket
@@ -70,7 +71,9 @@ def _create_placement_group(num_gpus):
             f"free resources: { {k: v for k, v in ray.available_resources().items() if '_group_' not in k} }"
         ) from None
     info_actors = [
-        InfoActor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)).remote()
+        InfoActor.options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+        ).remote()
         for i in range(num_gpus)
     ]
     infos = ray.get([a.get_ip_and_gpu_id.remote() for a in info_actors], timeout=PG_READY_TIMEOUT_S)
@@ -115,8 +118,11 @@ def init_ray(args):
         if address is not None:
             # its resources are the cluster's, not ours; SLIME_HOST_IP pins the driver's node address (several Ray
             # nodes on one machine, e.g. 127.0.0.2 and 127.0.0.3)
-            ray.init(address=address, runtime_env={"env_vars": env},
-                     _node_ip_address=os.environ.get("SLIME_HOST_IP") or None)
+            ray.init(
+                address=address,
+                runtime_env={"env_vars": env},
+                _node_ip_address=os.environ.get("SLIME_HOST_IP") or None,
+            )
         else:
             kwargs = dict(include_dashboard=False, runtime_env={"env_vars": env})
             if is_cpu():

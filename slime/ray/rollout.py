@@ -1,5 +1,6 @@
 """RolloutManager: the driver-side owner of the router, the inference engines, the weight-update lock and the
 RolloutController actor that turns rollouts into training data."""
+
 import logging
 import threading
 import time
@@ -34,21 +35,31 @@ def _start_router(args):
 def _engines_per_gpu_layout(args):
     """(GPUs per engine on one node, number of engines, nodes per engine)."""
     num_gpu_per_engine = min(args.rollout_num_gpus_per_engine, args.rollout_num_gpus_per_node)
-    return num_gpu_per_engine, args.rollout_num_gpus // num_gpu_per_engine, max(
-        1, args.rollout_num_gpus_per_engine // args.rollout_num_gpus_per_node)
+    return (
+        num_gpu_per_engine,
+        args.rollout_num_gpus // num_gpu_per_engine,
+        max(1, args.rollout_num_gpus_per_engine // args.rollout_num_gpus_per_node),
+    )
 
 
 def _new_engine(args, pg, rank):
     """The engine actor of slot `rank`, in its placement-group bundle (a replacement lands in the same one)."""
     num_gpu_per_engine, _, _ = _engines_per_gpu_layout(args)
     pg, reordered_bundle_indices = pg
-    return ray.remote(SGLangEngine).options(
-        num_cpus=0.2, num_gpus=0.2,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(
-            placement_group=pg, placement_group_capture_child_tasks=True,
-            placement_group_bundle_index=reordered_bundle_indices[rank * num_gpu_per_engine]),
-        runtime_env={"env_vars": noset_visible_devices_env()},
-    ).remote(args, rank=rank)
+    return (
+        ray.remote(SGLangEngine)
+        .options(
+            num_cpus=0.2,
+            num_gpus=0.2,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=pg,
+                placement_group_capture_child_tasks=True,
+                placement_group_bundle_index=reordered_bundle_indices[rank * num_gpu_per_engine],
+            ),
+            runtime_env={"env_vars": noset_visible_devices_env()},
+        )
+        .remote(args, rank=rank)
+    )
 
 
 def _init_engines(args, engines, ranks):
@@ -80,7 +91,9 @@ def _allocate_ports(args, engines):
 
         def take(consecutive=1):
             while True:  # the OS may hand out a port again once its probe socket is closed
-                addr, port = ray.get(engines[node_start]._get_current_node_ip_and_free_port.remote(consecutive=consecutive))
+                addr, port = ray.get(
+                    engines[node_start]._get_current_node_ip_and_free_port.remote(consecutive=consecutive)
+                )
                 ports = set(range(port, port + consecutive))
                 if not ports & taken:
                     taken.update(ports)
@@ -123,7 +136,7 @@ class RolloutManager:
         # no engines (and no --rollout-num-gpus) under --debug-train-only: only the per-engine layout is needed here
         self.nodes_per_engine = max(1, args.rollout_num_gpus_per_engine // args.rollout_num_gpus_per_node)
         # Only the node-0 process of a multi-node engine receives requests and admin calls.
-        self.rollout_engines = self.all_rollout_engines[::self.nodes_per_engine]
+        self.rollout_engines = self.all_rollout_engines[:: self.nodes_per_engine]
         self.engine_urls = ray.get([e.get_url.remote() for e in self.rollout_engines])
         self.rollout_engine_lock = Lock.options(num_cpus=0, num_gpus=0).remote()
         if self.rollout_engines:
@@ -200,8 +213,12 @@ class RolloutManager:
                     self.all_rollout_engines[j] = None
             self.rollout_engines[index] = None
             alive = sum(e is not None for e in self.rollout_engines)
-            self._event("engine_removed", f"inference engine {index} removed; {alive} engine(s) serve until it is "
-                        "replaced at the next weight update", engine=index)
+            self._event(
+                "engine_removed",
+                f"inference engine {index} removed; {alive} engine(s) serve until it is "
+                "replaced at the next weight update",
+                engine=index,
+            )
 
     def check_router(self):
         """Router process gone: restart it on the same address (with --use-fault-tolerance) or fail the run."""
@@ -211,7 +228,7 @@ class RolloutManager:
         with self._lock:
             if self.router_process is not process or self.failure is not None:
                 return
-            what = (f"sglang-router (pid {process.pid}, {router_url(self.args)}) exited with code {process.exitcode}")
+            what = f"sglang-router (pid {process.pid}, {router_url(self.args)}) exited with code {process.exitcode}"
             if not self.args.use_fault_tolerance:
                 self._event("router_failed", what)
                 self.failure = _failure(what)
@@ -221,8 +238,11 @@ class RolloutManager:
             for i, url in enumerate(self.engine_urls):
                 if self.rollout_engines[i] is not None:
                     add_worker(router_url(self.args), url)
-            self._event("router_restarted", f"sglang-router restarted at {router_url(self.args)} (pid "
-                        f"{self.router_process.pid}) with {sum(e is not None for e in self.rollout_engines)} engine(s)")
+            self._event(
+                "router_restarted",
+                f"sglang-router restarted at {router_url(self.args)} (pid "
+                f"{self.router_process.pid}) with {sum(e is not None for e in self.rollout_engines)} engine(s)",
+            )
 
     def recover(self, actor_model, get):
         """With --use-fault-tolerance, before a weight update: start a new engine in the bundle of each removed one,
@@ -243,8 +263,13 @@ class RolloutManager:
                 self.rollout_engines[i] = self.all_rollout_engines[i * self.nodes_per_engine]
                 self.engine_urls[i] = ray.get(self.rollout_engines[i].get_url.remote())
                 bundle = self.pg[1][i * self.nodes_per_engine * _engines_per_gpu_layout(self.args)[0]]
-                self._event("engine_restarted", f"inference engine {i} restarted at {self.engine_urls[i]} in "
-                            f"placement-group bundle {bundle} and rejoined the router", engine=i, bundle=bundle)
+                self._event(
+                    "engine_restarted",
+                    f"inference engine {i} restarted at {self.engine_urls[i]} in "
+                    f"placement-group bundle {bundle} and rejoined the router",
+                    engine=i,
+                    bundle=bundle,
+                )
         if self.args.offload:  # same memory state as its peers: weights in, KV cache released until onload
             get([self.rollout_engines[i].release_memory_occupation.remote() for i in dead])
         get(actor_model.async_init_weight_update_connections(self))
@@ -258,8 +283,10 @@ class RolloutManager:
         versions = ray.get([self.rollout_engines[i].get_weight_version.remote() for i in indices])
         for i, v in zip(indices, versions):
             if str(v) != str(expected):
-                raise RuntimeError(f"inference engine {i} ({self.engine_urls[i]}) serves weight version {v} after the "
-                                   f"update, expected {expected}")
+                raise RuntimeError(
+                    f"inference engine {i} ({self.engine_urls[i]}) serves weight version {v} after the "
+                    f"update, expected {expected}"
+                )
         self._event("weights_checked", f"inference engine(s) {list(indices)} serve weight version {expected}")
         return versions
 

@@ -19,8 +19,9 @@ class TrainRayActor(RayActor):
             self.master_addr, self.master_port = master_addr, master_port
         else:
             self.master_addr, self.master_port = self._get_current_node_ip_and_free_port()
-        os.environ.update(MASTER_ADDR=self.master_addr, MASTER_PORT=str(self.master_port),
-                          WORLD_SIZE=str(world_size), RANK=str(rank))
+        os.environ.update(
+            MASTER_ADDR=self.master_addr, MASTER_PORT=str(self.master_port), WORLD_SIZE=str(world_size), RANK=str(rank)
+        )
         gpu_ids = ray.get_gpu_ids()
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         local_rank = 0

@@ -1,6 +1,7 @@
 """Ray helpers the driver and its actors share: the env that lets GPU actors see every device of their node, and the
 Lock that keeps weight updates from overlapping. The driver-side pieces (cleanup, watchdog, run recorder) live in
 `slime.ray.driver` and are re-exported here, so their `slime.ray.utils` paths keep working."""
+
 import ray
 
 from slime.ray.driver import (  # noqa: F401  (re-exported)

@@ -5,6 +5,7 @@ A rollout function is `fn(args, rollout_id, data_source, evaluation=False)`. For
 eval `RolloutFnEvalOutput(data={name: {"rewards", "truncated", "samples"}}, metrics)` (or the bare dict).
 `metrics` are logged with the rollout's own metrics.
 """
+
 import functools
 from dataclasses import dataclass
 from typing import Any, Optional

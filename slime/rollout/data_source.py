@@ -5,6 +5,7 @@ persist the position (and, beyond slime, the buffered groups) so a resumed run c
 `--data-source-path` replaces the default `RolloutDataSourceWithBuffer` with any `DataSource` subclass, built as
 `cls(args)`. (slime v0.1.0 imported these classes from `slime.ray.rollout_data_source`, which still works.)
 """
+
 import abc
 import copy
 import os

@@ -19,6 +19,7 @@ worker resubmits those samples at once, they wait at the paused engine and conti
 request's `meta_info.weight_version` is appended to `Sample.weight_versions`, so a sample records the version of
 each of its segments and keeps the rollout log-probs of each token for TIS.
 """
+
 import asyncio
 import copy
 import logging
@@ -82,13 +83,17 @@ class AsyncRolloutWorker:
 
     def __init__(self, args, data_source, rollout_id):
         if not isinstance(data_source, RolloutDataSourceWithBuffer):
-            raise TypeError(f"--data-source-path {args.data_source_path}: the fully async rollout keeps its queue with a "
-                            f"RolloutDataSourceWithBuffer (or a subclass), got {type(data_source).__name__}")
+            raise TypeError(
+                f"--data-source-path {args.data_source_path}: the fully async rollout keeps its queue with a "
+                f"RolloutDataSourceWithBuffer (or a subclass), got {type(data_source).__name__}"
+            )
         self.args, self.data_source = args, data_source
         self.batch_size, self.max_staleness = args.rollout_batch_size, args.max_staleness
         self.num_engines = max(1, args.rollout_num_gpus // args.rollout_num_gpus_per_engine)
         self.max_in_flight_samples = args.sglang_server_concurrency * self.num_engines
-        self.dynamic_filter = load_function(args.dynamic_sampling_filter_path) if args.dynamic_sampling_filter_path else None
+        self.dynamic_filter = (
+            load_function(args.dynamic_sampling_filter_path) if args.dynamic_sampling_filter_path else None
+        )
         self.finished: list[Group] = []
         self.in_flight: dict[int, Group] = {}
         self.tasks = {}  # strong references: the event loop keeps only weak ones to running tasks
@@ -166,12 +171,16 @@ class AsyncRolloutWorker:
     def _failed(self, group, exc):
         failures = group.pristine[0].metadata.get("fully_async_failures", 0) + 1
         if failures >= MAX_GROUP_FAILURES:
-            logger.error(f"fully async: dropping prompt group {group.samples[0].group_index} after {failures} failed "
-                         f"generations; last error: {type(exc).__name__}: {exc}")
+            logger.error(
+                f"fully async: dropping prompt group {group.samples[0].group_index} after {failures} failed "
+                f"generations; last error: {type(exc).__name__}: {exc}"
+            )
             self.drops["generation_error"] += 1
             return
-        logger.warning(f"fully async: generation of group {group.samples[0].group_index} failed ({exc!r}); "
-                       f"requeued from its prompt (attempt {failures}/{MAX_GROUP_FAILURES})")
+        logger.warning(
+            f"fully async: generation of group {group.samples[0].group_index} failed ({exc!r}); "
+            f"requeued from its prompt (attempt {failures}/{MAX_GROUP_FAILURES})"
+        )
         for s in group.pristine:
             s.metadata["fully_async_failures"] = failures
         self.data_source.buffer.insert(0, group.pristine)
@@ -193,8 +202,9 @@ class AsyncRolloutWorker:
             self.wake.clear()
             self._admit()
             with self.data_source.lock:
-                chosen = select_batch(self.finished, self.in_flight.values(), self.batch_size, trainer_version,
-                                      self.max_staleness)
+                chosen = select_batch(
+                    self.finished, self.in_flight.values(), self.batch_size, trainer_version, self.max_staleness
+                )
                 if chosen is not None:
                     ids = {g.gid for g in chosen}
                     self.finished = [g for g in self.finished if g.gid not in ids]
@@ -205,15 +215,18 @@ class AsyncRolloutWorker:
                         f"fully async: rollout {rollout_id} needs groups started at weight version >= "
                         f"{trainer_version - self.max_staleness} (--max-staleness {self.max_staleness}), but the "
                         f"engines serve version {self.version} and admitting more would break the bound: push the "
-                        f"trainer's weights before asking for this batch")
+                        f"trainer's weights before asking for this batch"
+                    )
             try:
                 await asyncio.wait_for(self.wake.wait(), timeout=30)
             except asyncio.TimeoutError:
                 pass
             if time.monotonic() - last_log > 30:
                 last_log = time.monotonic()
-                logger.info(f"fully async: rollout {rollout_id} waiting {last_log - waited_from:.0f}s: "
-                            f"{len(self.finished)} finished, {len(self.in_flight)} in flight, engine version {self.version}")
+                logger.info(
+                    f"fully async: rollout {rollout_id} waiting {last_log - waited_from:.0f}s: "
+                    f"{len(self.finished)} finished, {len(self.in_flight)} in flight, engine version {self.version}"
+                )
         now = time.monotonic()
         metrics = self._metrics(chosen, trainer_version, waited=now - waited_from, now=now)
         self._admit()  # the freed slots go straight back to the engines
@@ -226,11 +239,13 @@ class AsyncRolloutWorker:
         period = now - (self.last_batch_time if self.last_batch_time is not None else self.window_start)
         window = now - self.window_start
         metrics = {
-            "rollout/staleness_min": min(lags), "rollout/staleness_mean": float(np.mean(lags)),
+            "rollout/staleness_min": min(lags),
+            "rollout/staleness_mean": float(np.mean(lags)),
             "rollout/staleness_max": max(lags),
             **{f"rollout/staleness_count_{lag}": c for lag, c in sorted(Counter(lags).items())},
             "rollout/multi_version_samples": sum(len(set(s.weight_versions)) > 1 for g in chosen for s in g.samples),
-            "rollout/queue_depth": len(self.finished), "rollout/in_flight_groups": len(self.in_flight),
+            "rollout/queue_depth": len(self.finished),
+            "rollout/in_flight_groups": len(self.in_flight),
             "perf/engine_idle_frac": 1.0 - self.busy / window if window > 0 else 0.0,
             "perf/trainer_wait_time": waited,
             "perf/trainer_wait_frac": min(1.0, waited / period) if period > 0 else 1.0,
@@ -246,8 +261,9 @@ class AsyncRolloutWorker:
     def state_dict(self):
         """Queued groups keep their samples and start versions; in-flight groups restart from their prompt."""
         return {
-            "queued": [{"start_version": g.start_version, "samples": [s.to_dict() for s in g.samples]}
-                       for g in self.finished],
+            "queued": [
+                {"start_version": g.start_version, "samples": [s.to_dict() for s in g.samples]} for g in self.finished
+            ],
             "in_flight": [[s.to_dict() for s in g.pristine] for g in self.in_flight.values()],
         }
 
@@ -259,8 +275,10 @@ class AsyncRolloutWorker:
             self.next_gid += 1
         # before anything fresh: in-flight groups of the checkpoint are generated again first
         self.data_source.buffer[:0] = [[Sample.from_dict(d) for d in g] for g in state["in_flight"]]
-        logger.info(f"fully async: restored {len(state['queued'])} finished and {len(state['in_flight'])} in-flight "
-                    "groups from the checkpoint")
+        logger.info(
+            f"fully async: restored {len(state['queued'])} finished and {len(state['in_flight'])} in-flight "
+            "groups from the checkpoint"
+        )
 
 
 _worker: AsyncRolloutWorker | None = None
@@ -277,8 +295,10 @@ def generate_rollout_fully_async(args, rollout_id, data_buffer, evaluation=False
     """`--rollout-function-path`: the next batch of finished groups within the staleness bound; with `evaluation`,
     the eval datasets on the engines' current weights (the driver holds weight updates back meanwhile)."""
     if not args.rollout_global_dataset:
-        raise ValueError("slime.rollout.fully_async_rollout needs the global prompt dataset; remove "
-                         "--disable-rollout-global-dataset or set a custom --rollout-function-path")
+        raise ValueError(
+            "slime.rollout.fully_async_rollout needs the global prompt dataset; remove "
+            "--disable-rollout-global-dataset or set a custom --rollout-function-path"
+        )
     if evaluation:
         return run(eval_rollout(args, rollout_id))
     groups, metrics = run(_take_batch(args, rollout_id, data_buffer))

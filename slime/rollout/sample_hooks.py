@@ -5,6 +5,7 @@ A hook is `hook(args, sample, **kw)`, sync or async, where `kw` holds the keywor
 and `evaluation` (all of them if it takes `**kwargs`). It returns None (keep the possibly mutated sample) or a
 `Sample` that replaces it. Hooks run in flag order on every `Sample` of a possibly nested list.
 """
+
 import inspect
 
 from slime.utils.misc import accepted_kwargs, load_function
@@ -44,7 +45,9 @@ async def apply_rollout_sample_hooks(args, sample_or_samples, *, evaluation=Fals
     if not paths:
         return sample_or_samples
     if not isinstance(sample_or_samples, (Sample, list)):
-        raise TypeError(f"rollout sample hooks take a Sample or a list of them, got {type(sample_or_samples).__name__}")
+        raise TypeError(
+            f"rollout sample hooks take a Sample or a list of them, got {type(sample_or_samples).__name__}"
+        )
     kwargs = {"rollout_id": _current_rollout_id if rollout_id is None else rollout_id, "evaluation": evaluation}
     for path in paths:
         sample_or_samples = await _apply(load_function(path), path, args, sample_or_samples, kwargs)

@@ -3,6 +3,7 @@
 Use with `--rollout-function-path slime.rollout.sft_rollout.generate_rollout --input-key messages
 --loss-type sft_loss --calculate-per-token-loss --disable-compute-advantages-and-returns --debug-train-only`.
 """
+
 from slime.rollout.base_types import accepts_data_buffer
 from slime.utils.mask_utils import MultiTurnLossMaskGenerator
 from slime.utils.types import Sample
@@ -23,7 +24,9 @@ def _mask_generator(args):
 @accepts_data_buffer
 def generate_rollout(args, rollout_id, data_source, evaluation=False):
     if evaluation:
-        raise ValueError("slime.rollout.sft_rollout has no eval mode; set --eval-function-path to a generating rollout")
+        raise ValueError(
+            "slime.rollout.sft_rollout has no eval mode; set --eval-function-path to a generating rollout"
+        )
     if not args.rollout_global_dataset:
         raise ValueError("slime.rollout.sft_rollout reads the prompt dataset; remove --disable-rollout-global-dataset")
     mask_generator = _mask_generator(args)

@@ -3,6 +3,7 @@ partial rollout (abort + resume) and eval. Works against SGLang or slime's CPU s
 
 Module import needs neither sglang, megatron nor a GPU.
 """
+
 import asyncio
 import copy
 import logging
@@ -76,7 +77,8 @@ async def _generate_group(args, group, sampling_params):
     try:
         return await asyncio.wait_for(
             generate_and_rm_group(args, group, sampling_params=sampling_params, evaluation=False),
-            args.rollout_group_timeout)
+            args.rollout_group_timeout,
+        )
     except asyncio.TimeoutError:
         state = GenerateState(args)
         state.timed_out_groups.append(pristine)
@@ -93,7 +95,9 @@ async def generate(args, sample: Sample, sampling_params) -> Sample:
     url = f"{router_url(args)}/generate"
 
     if sample.status not in (Sample.Status.PENDING, Sample.Status.ABORTED):
-        raise ValueError(f"sample {sample.index} has status {sample.status.value}; only pending or aborted samples are generated")
+        raise ValueError(
+            f"sample {sample.index} has status {sample.status.value}; only pending or aborted samples are generated"
+        )
 
     if sample.response_length > 0:  # resume a partial rollout: only the remaining token budget
         sampling_params["max_new_tokens"] -= sample.response_length
@@ -118,8 +122,10 @@ async def generate(args, sample: Sample, sampling_params) -> Sample:
     def on_retry(error):
         if isinstance(error, asyncio.TimeoutError):
             state.request_timeouts += 1
-            logger.warning(f"sample {sample.index}: /generate took longer than --rollout-request-timeout "
-                           f"{args.rollout_request_timeout:g}s; retrying it")
+            logger.warning(
+                f"sample {sample.index}: /generate took longer than --rollout-request-timeout "
+                f"{args.rollout_request_timeout:g}s; retrying it"
+            )
 
     try:
         output = await post(url, payload, timeout=args.rollout_request_timeout, on_retry=on_retry)
@@ -160,7 +166,9 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict, evaluatio
         # a sample's own generate_function_path (e.g. from an eval dataset config) wins over the flag
         path = sample.generate_function_path or args.custom_generate_function_path
         generate_fn = load_function(path) if path else generate
-        sample = await generate_fn(args, sample, sampling_params, **accepted_kwargs(generate_fn, evaluation=evaluation))
+        sample = await generate_fn(
+            args, sample, sampling_params, **accepted_kwargs(generate_fn, evaluation=evaluation)
+        )
     sample = await apply_rollout_sample_hooks(args, sample, evaluation=evaluation)
 
     # group RM scores the whole group in generate_and_rm_group
@@ -240,9 +248,7 @@ async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[li
     over_sampling_batch_size = args.over_sampling_batch_size or args.rollout_batch_size
 
     dynamic_filter = load_function(args.dynamic_sampling_filter_path) if args.dynamic_sampling_filter_path else None
-    over_sampling_filter = (
-        load_function(args.over_sampling_filter_path) if args.over_sampling_filter_path else None
-    )
+    over_sampling_filter = load_function(args.over_sampling_filter_path) if args.over_sampling_filter_path else None
     target_data_size = over_sampling_batch_size if over_sampling_filter is not None else args.rollout_batch_size
 
     data = []
@@ -266,12 +272,15 @@ async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[li
                     state.remaining_batch_size -= 1
                     continue
                 if args.custom_generate_function_path is None and len(group) != n:
-                    raise RuntimeError(f"a group of {len(group)} samples came back, expected --n-samples-per-prompt={n}")
+                    raise RuntimeError(
+                        f"a group of {len(group)} samples came back, expected --n-samples-per-prompt={n}"
+                    )
                 finished.append(group)
                 if dynamic_filter is not None:
                     output = call_dynamic_filter(dynamic_filter, args, group)
-                    if should_drop_dynamic_filter_output(output, remaining_batch_size=state.remaining_batch_size,
-                                                         target_data_size=target_data_size):
+                    if should_drop_dynamic_filter_output(
+                        output, remaining_batch_size=state.remaining_batch_size, target_data_size=target_data_size
+                    ):
                         state.remaining_batch_size -= 1
                         drops[output.reason or "filtered"] += 1
                         gatherer.on_dynamic_filter_drop(output.reason)

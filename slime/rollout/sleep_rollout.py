@@ -1,4 +1,5 @@
 """A rollout function that never returns: keeps the trainers idle (debugging, or holding a job's resources)."""
+
 import time
 
 

@@ -8,6 +8,7 @@ the flag(s) at fault.
 
     python -m slime.utils.arguments ARGS...   # parse + validate only, prints "ok" (launch scripts' dry run)
 """
+
 import argparse
 import importlib.util
 import logging
@@ -63,91 +64,192 @@ def add_cluster_arguments(parser):
     g = _Group(parser, "cluster")
     g.add_argument("--actor-num-nodes", type=int, default=1, help="Number of nodes for training actors.")
     g.add_argument("--actor-num-gpus-per-node", type=int, default=8, help="GPUs per node for training actors.")
-    g.add_argument("--rollout-num-gpus", type=int, default=None,
-                   help="GPUs for inference engines in total; forced to the actor total with --colocate.")
-    g.add_argument("--rollout-num-gpus-per-engine", type=int, default=1,
-                   help="GPUs per inference engine (SGLang's tp size).")
+    g.add_argument(
+        "--rollout-num-gpus",
+        type=int,
+        default=None,
+        help="GPUs for inference engines in total; forced to the actor total with --colocate.",
+    )
+    g.add_argument(
+        "--rollout-num-gpus-per-engine", type=int, default=1, help="GPUs per inference engine (SGLang's tp size)."
+    )
     g.add_argument("--rollout-num-gpus-per-node", type=int, default=8, help="GPUs per node for inference engines.")
-    g.add_argument("--colocate", action="store_true", default=False,
-                   help="Training and inference share the GPUs (implies --offload).")
-    g.add_argument("--offload", action="store_true", default=False,
-                   help="Offload training weights/optimizer while rolling out (and engines while training).")
-    g.add_argument("--inference-server", choices=["auto", "sglang", "cpu"], default="auto",
-                   help="Inference engine: SGLang, or slime's CPU server. auto = sglang when it is installed and a "
-                        "GPU exists, else cpu. Resolved to sglang|cpu in args.inference_server.")
+    g.add_argument(
+        "--colocate",
+        action="store_true",
+        default=False,
+        help="Training and inference share the GPUs (implies --offload).",
+    )
+    g.add_argument(
+        "--offload",
+        action="store_true",
+        default=False,
+        help="Offload training weights/optimizer while rolling out (and engines while training).",
+    )
+    g.add_argument(
+        "--inference-server",
+        choices=["auto", "sglang", "cpu"],
+        default="auto",
+        help="Inference engine: SGLang, or slime's CPU server. auto = sglang when it is installed and a "
+        "GPU exists, else cpu. Resolved to sglang|cpu in args.inference_server.",
+    )
     return parser
 
 
 def add_rollout_arguments(parser):
     g = _Group(parser, "rollout")
-    g.add_argument("--hf-checkpoint", type=str, default=None,
-                   help="HF model dir: inference engine init and tokenizer; Megatron architecture flags not given "
-                        "are inferred from its config.json.")
-    g.add_argument("--model-name", type=str, default=None,
-                   help="Model family for Megatron->HF conversion; default: lowercased HF config class name.")
-    g.add_argument("--rollout-function-path", type=str, default=DEFAULT_ROLLOUT_FUNCTION,
-                   help="generate_rollout(args, rollout_id, data_buffer, evaluation=False) by dotted path.")
+    g.add_argument(
+        "--hf-checkpoint",
+        type=str,
+        default=None,
+        help="HF model dir: inference engine init and tokenizer; Megatron architecture flags not given "
+        "are inferred from its config.json.",
+    )
+    g.add_argument(
+        "--model-name",
+        type=str,
+        default=None,
+        help="Model family for Megatron->HF conversion; default: lowercased HF config class name.",
+    )
+    g.add_argument(
+        "--rollout-function-path",
+        type=str,
+        default=DEFAULT_ROLLOUT_FUNCTION,
+        help="generate_rollout(args, rollout_id, data_buffer, evaluation=False) by dotted path.",
+    )
     g.add_argument("--rollout-temperature", type=float, default=1.0)
     g.add_argument("--rollout-top-p", type=float, default=1.0)
     g.add_argument("--rollout-top-k", type=int, default=-1)
-    g.add_argument("--rollout-max-prompt-len", type=int, default=None,
-                   help="Drop prompts longer than this (tokens) when the dataset loads.")
+    g.add_argument(
+        "--rollout-max-prompt-len",
+        type=int,
+        default=None,
+        help="Drop prompts longer than this (tokens) when the dataset loads.",
+    )
     g.add_argument("--rollout-max-response-len", type=int, default=1024, help="max_new_tokens of a rollout.")
     g.add_argument("--rollout-skip-special-tokens", action="store_true", default=False)
     g.add_argument("--rollout-stop", type=str, nargs="+", default=None, help="Stop strings.")
     g.add_argument("--rollout-stop-token-ids", type=int, nargs="+", default=None, help="Stop token ids.")
     g.add_argument("--rollout-shuffle", action="store_true", default=False, help="Shuffle prompts every epoch.")
     g.add_argument("--rollout-seed", type=int, default=42)
-    g.add_argument("--over-sampling-batch-size", type=int, default=None,
-                   help="Prompts sampled per round with dynamic sampling; default --rollout-batch-size.")
+    g.add_argument(
+        "--over-sampling-batch-size",
+        type=int,
+        default=None,
+        help="Prompts sampled per round with dynamic sampling; default --rollout-batch-size.",
+    )
     g.add_argument("--over-sampling-filter-input-size", type=int, default=None)
     g.add_argument("--over-sampling-filter-path", type=str, default=None)
-    g.add_argument("--dynamic-sampling-filter-path", type=str, default=None,
-                   help="fn(args, samples) -> bool keeping a group, e.g. "
-                        "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std.")
-    g.add_argument("--partial-rollout", action="store_true", default=False,
-                   help="Keep aborted partial generations in the buffer and continue them next rollout.")
-    g.add_argument("--custom-generate-function-path", type=str, default=None,
-                   help="async generate(args, sample, sampling_params) replacing the default single-turn generate.")
+    g.add_argument(
+        "--dynamic-sampling-filter-path",
+        type=str,
+        default=None,
+        help="fn(args, samples) -> bool keeping a group, e.g. "
+        "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std.",
+    )
+    g.add_argument(
+        "--partial-rollout",
+        action="store_true",
+        default=False,
+        help="Keep aborted partial generations in the buffer and continue them next rollout.",
+    )
+    g.add_argument(
+        "--custom-generate-function-path",
+        type=str,
+        default=None,
+        help="async generate(args, sample, sampling_params) replacing the default single-turn generate.",
+    )
     g.add_argument("--buffer-filter-path", type=str, default=None)
-    g.add_argument("--update-weight-buffer-size", type=int, default=512 * 1024**2,
-                   help="Bytes per weight-update bucket.")
-    g.add_argument("--update-weight-transport", choices=["auto", "broadcast", "shm"], default="auto",
-                   help="Disaggregated weight sync: 'broadcast' over the weight-update process group (NCCL/gloo); "
-                        "'shm' hands flattened buckets to the engines as shared-memory handles (CPU, engines on "
-                        "the trainer's host); 'auto' = shm where it applies (like NCCL's intra-node SHM transport), "
-                        "else broadcast.")
+    g.add_argument(
+        "--update-weight-buffer-size", type=int, default=512 * 1024**2, help="Bytes per weight-update bucket."
+    )
+    g.add_argument(
+        "--update-weight-transport",
+        choices=["auto", "broadcast", "shm"],
+        default="auto",
+        help="Disaggregated weight sync: 'broadcast' over the weight-update process group (NCCL/gloo); "
+        "'shm' hands flattened buckets to the engines as shared-memory handles (CPU, engines on "
+        "the trainer's host); 'auto' = shm where it applies (like NCCL's intra-node SHM transport), "
+        "else broadcast.",
+    )
     g.add_argument("--update-weights-interval", type=int, default=1, help="Rollouts between weight updates (async).")
-    g.add_argument("--max-staleness", "--max-policy-version-lag", dest="max_staleness", type=int, default=1,
-                   help="Fully async rollout: no sample trained at policy version v was started before version v-K. "
-                        "Enforced by pacing the admission of new prompt groups (finished work is never discarded); "
-                        "0 = on-policy.")
-    g.add_argument("--update-weight-timeout", type=float, default=300,
-                   help="Seconds a weight update may take before it fails naming the engine.")
-    g.add_argument("--check-weight-update-equal", action="store_true", default=False,
-                   help="Check the weight push with SGLang's /weights_checker: the engines snapshot the weights "
-                        "they loaded from --hf-checkpoint and scramble them, and after the first push every engine "
-                        "must hold exactly the snapshot again (the trainer must start from that checkpoint).")
+    g.add_argument(
+        "--max-staleness",
+        "--max-policy-version-lag",
+        dest="max_staleness",
+        type=int,
+        default=1,
+        help="Fully async rollout: no sample trained at policy version v was started before version v-K. "
+        "Enforced by pacing the admission of new prompt groups (finished work is never discarded); "
+        "0 = on-policy.",
+    )
+    g.add_argument(
+        "--update-weight-timeout",
+        type=float,
+        default=300,
+        help="Seconds a weight update may take before it fails naming the engine.",
+    )
+    g.add_argument(
+        "--check-weight-update-equal",
+        action="store_true",
+        default=False,
+        help="Check the weight push with SGLang's /weights_checker: the engines snapshot the weights "
+        "they loaded from --hf-checkpoint and scramble them, and after the first push every engine "
+        "must hold exactly the snapshot again (the trainer must start from that checkpoint).",
+    )
     g.add_argument("--keep-old-actor", action="store_true", default=False)
-    g.add_argument("--rollout-data-postprocess-path", type=str, default=None,
-                   help="fn(args, rollout_id, rollout_data) on every trainer rank after log-probs and advantages "
-                        "(slime v0.1.0's fn(args) also works).")
-    g.add_argument("--data-source-path", type=str, default="slime.rollout.data_source.RolloutDataSourceWithBuffer",
-                   help="DataSource class built as cls(args); rollout functions receive the instance.")
-    g.add_argument("--rollout-sample-hook-path", type=str, action="append", default=[],
-                   help="hook(args, sample, **kw) -> Sample | None on every generated sample before its reward "
-                        "(kw: rollout_id, evaluation, as declared). Repeatable; applied in order.")
-    g.add_argument("--rollout-sample-filter-path", type=str, default=None,
-                   help="fn(args, groups) on the kept groups of the default rollout; sets sample.remove_sample.")
-    g.add_argument("--rollout-all-samples-process-path", type=str, default=None,
-                   help="fn(args, all_groups, data_source) on every group that finished in the default rollout.")
-    g.add_argument("--custom-convert-samples-to-train-data-path", type=str, default=None,
-                   help="fn(args, samples) -> train-data dict, replacing the conversion and reward post-processing.")
-    g.add_argument("--custom-rollout-log-function-path", type=str, default=None,
-                   help="fn(rollout_id, args, samples, rollout_extra_metrics, rollout_time); truthy skips the "
-                        "default rollout logging.")
-    g.add_argument("--custom-eval-rollout-log-function-path", type=str, default=None,
-                   help="fn(rollout_id, args, data, extra_metrics); truthy skips the default eval logging.")
+    g.add_argument(
+        "--rollout-data-postprocess-path",
+        type=str,
+        default=None,
+        help="fn(args, rollout_id, rollout_data) on every trainer rank after log-probs and advantages "
+        "(slime v0.1.0's fn(args) also works).",
+    )
+    g.add_argument(
+        "--data-source-path",
+        type=str,
+        default="slime.rollout.data_source.RolloutDataSourceWithBuffer",
+        help="DataSource class built as cls(args); rollout functions receive the instance.",
+    )
+    g.add_argument(
+        "--rollout-sample-hook-path",
+        type=str,
+        action="append",
+        default=[],
+        help="hook(args, sample, **kw) -> Sample | None on every generated sample before its reward "
+        "(kw: rollout_id, evaluation, as declared). Repeatable; applied in order.",
+    )
+    g.add_argument(
+        "--rollout-sample-filter-path",
+        type=str,
+        default=None,
+        help="fn(args, groups) on the kept groups of the default rollout; sets sample.remove_sample.",
+    )
+    g.add_argument(
+        "--rollout-all-samples-process-path",
+        type=str,
+        default=None,
+        help="fn(args, all_groups, data_source) on every group that finished in the default rollout.",
+    )
+    g.add_argument(
+        "--custom-convert-samples-to-train-data-path",
+        type=str,
+        default=None,
+        help="fn(args, samples) -> train-data dict, replacing the conversion and reward post-processing.",
+    )
+    g.add_argument(
+        "--custom-rollout-log-function-path",
+        type=str,
+        default=None,
+        help="fn(rollout_id, args, samples, rollout_extra_metrics, rollout_time); truthy skips the "
+        "default rollout logging.",
+    )
+    g.add_argument(
+        "--custom-eval-rollout-log-function-path",
+        type=str,
+        default=None,
+        help="fn(rollout_id, args, data, extra_metrics); truthy skips the default eval logging.",
+    )
     return parser
 
 
@@ -155,8 +257,13 @@ def add_data_arguments(parser):
     g = _Group(parser, "data")
     g.add_argument("--num-rollout", type=int, default=None, help="Number of rollouts (train steps of the loop).")
     g.add_argument("--num-epoch", type=int, default=None, help="Epochs over --prompt-data (if --num-rollout unset).")
-    g.add_argument("--disable-rollout-global-dataset", dest="rollout_global_dataset", action="store_false",
-                   default=True, help="Do not load --prompt-data (a custom rollout function brings its own).")
+    g.add_argument(
+        "--disable-rollout-global-dataset",
+        dest="rollout_global_dataset",
+        action="store_false",
+        default=True,
+        help="Do not load --prompt-data (a custom rollout function brings its own).",
+    )
     g.add_argument("--prompt-data", type=str, default=None, help="Prompt file (.jsonl/.json/.parquet).")
     g.add_argument("--apply-chat-template", action="store_true", default=False)
     g.add_argument("--input-key", type=str, default="input", help="Column holding the prompt.")
@@ -166,13 +273,26 @@ def add_data_arguments(parser):
     g.add_argument("--start-rollout-id", type=int, default=None)
     g.add_argument("--rollout-batch-size", type=int, required=True, help="Prompts per rollout (required).")
     g.add_argument("--n-samples-per-prompt", type=int, default=1)
-    reset_arg(parser, "--global-batch-size", type=int, default=None,
-              help="Samples per optimizer step; rollout-batch-size*n-samples-per-prompt must be a multiple.")
+    reset_arg(
+        parser,
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="Samples per optimizer step; rollout-batch-size*n-samples-per-prompt must be a multiple.",
+    )
     reset_arg(parser, "--micro-batch-size", type=int, default=1)
-    g.add_argument("--num-steps-per-rollout", type=int, default=None,
-                   help="Optimizer steps per rollout; sets --global-batch-size.")
-    g.add_argument("--balance-data", action="store_true", default=False,
-                   help="Balance tokens across DP ranks (Karmarkar-Karp), keeping groups together.")
+    g.add_argument(
+        "--num-steps-per-rollout",
+        type=int,
+        default=None,
+        help="Optimizer steps per rollout; sets --global-batch-size.",
+    )
+    g.add_argument(
+        "--balance-data",
+        action="store_true",
+        default=False,
+        help="Balance tokens across DP ranks (Karmarkar-Karp), keeping groups together.",
+    )
     g.add_argument("--use-dynamic-batch-size", action="store_true", default=False)
     g.add_argument("--max-tokens-per-gpu", type=int, default=None)
     g.add_argument("--log-probs-max-tokens-per-gpu", type=int, default=None)
@@ -183,8 +303,13 @@ def add_eval_arguments(parser):
     g = _Group(parser, "eval")
     g.add_argument("--eval-function-path", type=str, default=None, help="Default: --rollout-function-path.")
     reset_arg(parser, "--eval-interval", type=int, default=None)
-    g.add_argument("--eval-prompt-data", type=str, nargs="+", default=None,
-                   help="name path [name path ...]; a single path is named 'aime'.")
+    g.add_argument(
+        "--eval-prompt-data",
+        type=str,
+        nargs="+",
+        default=None,
+        help="name path [name path ...]; a single path is named 'aime'.",
+    )
     g.add_argument("--eval-input-key", type=str, default=None)
     g.add_argument("--eval-label-key", type=str, default=None)
     g.add_argument("--eval-tool-key", type=str, default=None)
@@ -199,8 +324,12 @@ def add_eval_arguments(parser):
 
 def add_algo_arguments(parser):
     g = _Group(parser, "algorithm")
-    g.add_argument("--ref-load", type=str, default=None,
-                   help="Reference model checkpoint (also the initial weights when --load has no checkpoint).")
+    g.add_argument(
+        "--ref-load",
+        type=str,
+        default=None,
+        help="Reference model checkpoint (also the initial weights when --load has no checkpoint).",
+    )
     g.add_argument("--ref-ckpt-step", type=int, default=None)
     g.add_argument("--eps-clip", type=float, default=0.2)
     g.add_argument("--eps-clip-high", type=float, default=None, help="Default: --eps-clip.")
@@ -211,33 +340,60 @@ def add_algo_arguments(parser):
     g.add_argument("--kl-loss-type", choices=["kl", "k1", "k2", "k3", "low_var_kl"], default="kl")
     g.add_argument("--loss-type", choices=["policy_loss", "sft_loss", "custom_loss"], default="policy_loss")
     g.add_argument("--custom-loss-function-path", type=str, default=None)
-    g.add_argument("--custom-advantage-function-path", type=str, default=None,
-                   help="fn(args, rollout_data) setting rollout_data['advantages'] and ['returns'] instead of "
-                        "--advantage-estimator (rollout_data['kl'] is computed first).")
-    g.add_argument("--custom-tis-function-path", type=str, default=None,
-                   help="With --use-tis: fn(*, args, pg_loss, train_log_probs, rollout_log_probs, loss_masks, "
-                        "total_lengths, response_lengths) -> (pg_loss, loss_masks, metrics).")
-    g.add_argument("--custom-pg-loss-reducer-function-path", type=str, default=None,
-                   help="factory(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> reducer "
-                        "used for pg_loss only (e.g. Dr.GRPO's constant denominator).")
-    g.add_argument("--advantage-estimator", default="grpo",
-                   choices=["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo"])
-    g.add_argument("--disable-compute-advantages-and-returns", dest="compute_advantages_and_returns",
-                   action="store_false", default=True)
+    g.add_argument(
+        "--custom-advantage-function-path",
+        type=str,
+        default=None,
+        help="fn(args, rollout_data) setting rollout_data['advantages'] and ['returns'] instead of "
+        "--advantage-estimator (rollout_data['kl'] is computed first).",
+    )
+    g.add_argument(
+        "--custom-tis-function-path",
+        type=str,
+        default=None,
+        help="With --use-tis: fn(*, args, pg_loss, train_log_probs, rollout_log_probs, loss_masks, "
+        "total_lengths, response_lengths) -> (pg_loss, loss_masks, metrics).",
+    )
+    g.add_argument(
+        "--custom-pg-loss-reducer-function-path",
+        type=str,
+        default=None,
+        help="factory(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) -> reducer "
+        "used for pg_loss only (e.g. Dr.GRPO's constant denominator).",
+    )
+    g.add_argument(
+        "--advantage-estimator",
+        default="grpo",
+        choices=["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo"],
+    )
+    g.add_argument(
+        "--disable-compute-advantages-and-returns",
+        dest="compute_advantages_and_returns",
+        action="store_false",
+        default=True,
+    )
     g.add_argument("--entropy-coef", type=float, default=0.0)
     g.add_argument("--gamma", type=float, default=1.0)
     g.add_argument("--normalize-advantages", action="store_true", default=False)
-    g.add_argument("--disable-grpo-std-normalization", dest="grpo_std_normalization", action="store_false",
-                   default=True, help="Dr.GRPO: do not divide advantages by the group std.")
-    g.add_argument("--disable-rewards-normalization", dest="rewards_normalization", action="store_false",
-                   default=True)
+    g.add_argument(
+        "--disable-grpo-std-normalization",
+        dest="grpo_std_normalization",
+        action="store_false",
+        default=True,
+        help="Dr.GRPO: do not divide advantages by the group std.",
+    )
+    g.add_argument("--disable-rewards-normalization", dest="rewards_normalization", action="store_false", default=True)
     g.add_argument("--use-rollout-entropy", action="store_true", default=False)
     g.add_argument("--use-tis", action="store_true", default=False, help="Truncated importance sampling.")
     g.add_argument("--tis-clip", type=float, default=2.0)
     g.add_argument("--tis-clip-low", type=float, default=0.0)
-    g.add_argument("--tis-mode", choices=["truncate", "mask"], default="truncate",
-                   help="--use-tis weights exp(old - rollout log-prob): 'truncate' clamps them to [--tis-clip-low, "
-                        "--tis-clip]; 'mask' keeps them inside that range and zeroes the tokens outside (IcePop).")
+    g.add_argument(
+        "--tis-mode",
+        choices=["truncate", "mask"],
+        default="truncate",
+        help="--use-tis weights exp(old - rollout log-prob): 'truncate' clamps them to [--tis-clip-low, "
+        "--tis-clip]; 'mask' keeps them inside that range and zeroes the tokens outside (IcePop).",
+    )
     return parser
 
 
@@ -256,16 +412,24 @@ def add_wandb_arguments(parser):
     g.add_argument("--log-multi-turn", action="store_true", default=False)
     g.add_argument("--log-passrate", action="store_true", default=False)
     g.add_argument("--wandb-run-id", type=str, default=None)
-    g.add_argument("--metrics-path", type=str, default=None,
-                   help="Append per-rollout metrics (rollout/eval/train) as JSON lines to this file.")
+    g.add_argument(
+        "--metrics-path",
+        type=str,
+        default=None,
+        help="Append per-rollout metrics (rollout/eval/train) as JSON lines to this file.",
+    )
     return parser
 
 
 def add_debug_arguments(parser):
     g = _Group(parser, "debug")
     g.add_argument("--save-debug-rollout-data", type=str, default=None, help="Path format with {rollout_id}.")
-    g.add_argument("--load-debug-rollout-data", type=str, default=None,
-                   help="Path format with {rollout_id}; implies --debug-train-only.")
+    g.add_argument(
+        "--load-debug-rollout-data",
+        type=str,
+        default=None,
+        help="Path format with {rollout_id}; implies --debug-train-only.",
+    )
     g.add_argument("--debug-rollout-only", action="store_true", default=False, help="No Megatron.")
     g.add_argument("--debug-train-only", action="store_true", default=False, help="No inference engines.")
     g.add_argument("--save-debug-train-data", type=str, default=None, help="Path format with {rollout_id}, {rank}.")
@@ -282,8 +446,9 @@ def add_network_arguments(parser):
 
 def add_reward_model_arguments(parser):
     g = _Group(parser, "reward model")
-    g.add_argument("--rm-type", type=str, default=None,
-                   help="deepscaler | dapo | math | f1 | remote_rm | boxed_<type>.")
+    g.add_argument(
+        "--rm-type", type=str, default=None, help="deepscaler | dapo | math | f1 | remote_rm | boxed_<type>."
+    )
     g.add_argument("--reward-key", type=str, default=None, help="Key of a dict reward used for training.")
     g.add_argument("--eval-reward-key", type=str, default=None, help="Default: --reward-key.")
     g.add_argument("--group-rm", action="store_true", default=False, help="Reward a whole group at once.")
@@ -305,20 +470,41 @@ def add_rollout_buffer_arguments(parser):
 
 def add_custom_megatron_hooks_arguments(parser):
     g = _Group(parser, "megatron hooks")
-    g.add_argument("--custom-model-provider-path", type=str, default=None,
-                   help="provider(pre_process, post_process[, vp_stage]) -> GPTModel, replacing slime's model builder.")
-    g.add_argument("--custom-update-weight-post-write-path", type=str, default=None,
-                   help="hook(args, version_dir, rollout_engines) after a disk weight sync is written (current slime's "
-                        "disk transport; not available here).")
-    g.add_argument("--megatron-config-path", type=str, default=None,
-                   help="YAML `megatron: [{name, role: actor, overrides: {lr: 1e-6, ...}}]` over the command line.")
-    g.add_argument("--custom-config-path", type=str, default=None,
-                   help="YAML mapping whose entries are set on args after validation (knobs for custom functions).")
+    g.add_argument(
+        "--custom-model-provider-path",
+        type=str,
+        default=None,
+        help="provider(pre_process, post_process[, vp_stage]) -> GPTModel, replacing slime's model builder.",
+    )
+    g.add_argument(
+        "--custom-update-weight-post-write-path",
+        type=str,
+        default=None,
+        help="hook(args, version_dir, rollout_engines) after a disk weight sync is written (current slime's "
+        "disk transport; not available here).",
+    )
+    g.add_argument(
+        "--megatron-config-path",
+        type=str,
+        default=None,
+        help="YAML `megatron: [{name, role: actor, overrides: {lr: 1e-6, ...}}]` over the command line.",
+    )
+    g.add_argument(
+        "--custom-config-path",
+        type=str,
+        default=None,
+        help="YAML mapping whose entries are set on args after validation (knobs for custom functions).",
+    )
     g.add_argument("--custom-megatron-init-path", type=str, default=None, help="fn(args) after Megatron init.")
-    g.add_argument("--custom-megatron-before-log-prob-hook-path", type=str, default=None,
-                   help="fn(args, model, store_prefix).")
-    g.add_argument("--custom-megatron-before-train-step-hook-path", type=str, default=None,
-                   help="fn(args, rollout_id, step_id, model, optimizer, opt_param_scheduler).")
+    g.add_argument(
+        "--custom-megatron-before-log-prob-hook-path", type=str, default=None, help="fn(args, model, store_prefix)."
+    )
+    g.add_argument(
+        "--custom-megatron-before-train-step-hook-path",
+        type=str,
+        default=None,
+        help="fn(args, rollout_id, step_id, model, optimizer, opt_param_scheduler).",
+    )
     return parser
 
 
@@ -326,28 +512,56 @@ def add_mtp_training_arguments(parser):
     g = _Group(parser, "multi-token prediction")
     reset_arg(parser, "--mtp-num-layers", type=int, default=None)
     reset_arg(parser, "--mtp-loss-scaling-factor", type=float, default=0.2)  # current slime's default
-    g.add_argument("--enable-mtp-training", action="store_true", default=False,
-                   help="Update the MTP layers' parameters in training (needs --mtp-num-layers).")
+    g.add_argument(
+        "--enable-mtp-training",
+        action="store_true",
+        default=False,
+        help="Update the MTP layers' parameters in training (needs --mtp-num-layers).",
+    )
     return parser
 
 
 def add_fault_tolerance_arguments(parser):
     g = _Group(parser, "fault tolerance")
-    g.add_argument("--use-fault-tolerance", action="store_true", default=False,
-                   help="Replace an inference engine that died or hangs (and restart a dead router) instead of "
-                        "failing the run; see docs/fault_tolerance.md.")
-    g.add_argument("--rollout-health-check-interval", type=float, default=30.0,
-                   help="Seconds between two rounds of engine health checks (/health_generate).")
-    g.add_argument("--rollout-health-check-timeout", type=float, default=30.0,
-                   help="Seconds one engine's /health_generate may take before the engine counts as hung.")
-    g.add_argument("--rollout-health-check-first-wait", type=float, default=0.0,
-                   help="Grace period before the first health check after each resume (e.g. kernel compilation).")
-    g.add_argument("--rollout-request-timeout", type=float, default=None,
-                   help="Seconds one /generate request of the default rollout may take; on timeout it is retried, "
-                        "and counted in rollout/timeouts/requests.")
-    g.add_argument("--rollout-group-timeout", type=float, default=None,
-                   help="Seconds one prompt group of the default rollout may take; a group over it is dropped "
-                        "(logged, counted in rollout/timeouts/groups) and its prompt is served again.")
+    g.add_argument(
+        "--use-fault-tolerance",
+        action="store_true",
+        default=False,
+        help="Replace an inference engine that died or hangs (and restart a dead router) instead of "
+        "failing the run; see docs/fault_tolerance.md.",
+    )
+    g.add_argument(
+        "--rollout-health-check-interval",
+        type=float,
+        default=30.0,
+        help="Seconds between two rounds of engine health checks (/health_generate).",
+    )
+    g.add_argument(
+        "--rollout-health-check-timeout",
+        type=float,
+        default=30.0,
+        help="Seconds one engine's /health_generate may take before the engine counts as hung.",
+    )
+    g.add_argument(
+        "--rollout-health-check-first-wait",
+        type=float,
+        default=0.0,
+        help="Grace period before the first health check after each resume (e.g. kernel compilation).",
+    )
+    g.add_argument(
+        "--rollout-request-timeout",
+        type=float,
+        default=None,
+        help="Seconds one /generate request of the default rollout may take; on timeout it is retried, "
+        "and counted in rollout/timeouts/requests.",
+    )
+    g.add_argument(
+        "--rollout-group-timeout",
+        type=float,
+        default=None,
+        help="Seconds one prompt group of the default rollout may take; a group over it is dropped "
+        "(logged, counted in rollout/timeouts/groups) and its prompt is served again.",
+    )
     return parser
 
 
@@ -368,11 +582,24 @@ def get_slime_extra_args_provider(add_custom_arguments=None):
     def add_slime_arguments(parser):
         if add_custom_arguments is not None:
             add_custom_arguments(parser)  # first, so it can pre-empt slime's names
-        for add in (add_cluster_arguments, add_rollout_arguments, add_data_arguments, add_eval_arguments,
-                    add_algo_arguments, add_wandb_arguments, add_debug_arguments, add_sglang_arguments,
-                    add_network_arguments, add_reward_model_arguments, add_rollout_buffer_arguments,
-                    add_custom_megatron_hooks_arguments, add_fault_tolerance_arguments, add_ci_arguments,
-                    add_custom_megatron_plugins_arguments, add_mtp_training_arguments):
+        for add in (
+            add_cluster_arguments,
+            add_rollout_arguments,
+            add_data_arguments,
+            add_eval_arguments,
+            add_algo_arguments,
+            add_wandb_arguments,
+            add_debug_arguments,
+            add_sglang_arguments,
+            add_network_arguments,
+            add_reward_model_arguments,
+            add_rollout_buffer_arguments,
+            add_custom_megatron_hooks_arguments,
+            add_fault_tolerance_arguments,
+            add_ci_arguments,
+            add_custom_megatron_plugins_arguments,
+            add_mtp_training_arguments,
+        ):
             add(parser)
         if "--padded-vocab-size" not in parser._option_string_actions:
             parser.add_argument("--padded-vocab-size", type=int, default=None)
@@ -412,18 +639,29 @@ def add_megatron_arguments(parser):
     g.add_argument("--encoder-num-layers", type=int, default=None)
     g.add_argument("--decoder-num-layers", type=int, default=None)
     g.add_argument("--hidden-size", type=int, default=None)
-    g.add_argument("--ffn-hidden-size", type=int, default=None,
-                   help="Default 4*hidden (swiglu: 8/3*hidden rounded down to a multiple of 64).")
+    g.add_argument(
+        "--ffn-hidden-size",
+        type=int,
+        default=None,
+        help="Default 4*hidden (swiglu: 8/3*hidden rounded down to a multiple of 64).",
+    )
     g.add_argument("--num-attention-heads", type=int, default=None)
     g.add_argument("--kv-channels", type=int, default=None, help="Head dim; default hidden/heads.")
     g.add_argument("--group-query-attention", action="store_true", default=False)
     g.add_argument("--num-query-groups", type=int, default=1)
     g.add_argument("--max-position-embeddings", type=int, default=None, help="Default --seq-length.")
     g.add_argument("--seq-length", type=int, default=None, help="Default 4096 (slime packs variable lengths).")
-    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "mrope", "relative", "none"],
-                   default="learned_absolute")
-    g.add_argument("--use-rotary-position-embeddings", action="store_true", default=False,
-                   help="Same as --position-embedding-type rope.")
+    g.add_argument(
+        "--position-embedding-type",
+        choices=["learned_absolute", "rope", "mrope", "relative", "none"],
+        default="learned_absolute",
+    )
+    g.add_argument(
+        "--use-rotary-position-embeddings",
+        action="store_true",
+        default=False,
+        help="Same as --position-embedding-type rope.",
+    )
     g.add_argument("--rotary-base", type=int, default=None, help="RoPE theta (default 10000).")
     g.add_argument("--rotary-percent", type=float, default=1.0)
     g.add_argument("--rotary-interleaved", action="store_true", default=False)
@@ -446,14 +684,26 @@ def add_megatron_arguments(parser):
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false", default=True)
     g.add_argument("--add-qkv-bias", action="store_true", default=False)
     g.add_argument("--qk-layernorm", action="store_true", default=False)
-    g.add_argument("--attention-dropout", type=float, default=None,
-                   help="Default: the HF config's attention dropout (0.0 for Qwen/Llama), else Megatron's 0.1.")
-    g.add_argument("--hidden-dropout", type=float, default=None,
-                   help="Default: the HF config's hidden dropout (0.0 when it has none), else Megatron's 0.1.")
+    g.add_argument(
+        "--attention-dropout",
+        type=float,
+        default=None,
+        help="Default: the HF config's attention dropout (0.0 for Qwen/Llama), else Megatron's 0.1.",
+    )
+    g.add_argument(
+        "--hidden-dropout",
+        type=float,
+        default=None,
+        help="Default: the HF config's hidden dropout (0.0 when it has none), else Megatron's 0.1.",
+    )
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--use-cpu-initialization", action="store_true", default=None)
-    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default=None,
-                   help="Default transformer_engine on GPU, local on CPU.")
+    g.add_argument(
+        "--transformer-impl",
+        choices=["local", "transformer_engine"],
+        default=None,
+        help="Default transformer_engine on GPU, local on CPU.",
+    )
     g.add_argument("--spec", type=str, nargs="*", default=None, help="Module and function of a custom layer spec.")
     g.add_argument("--attention-backend", choices=["flash", "fused", "unfused", "local", "auto"], default="auto")
     g.add_argument("--attention-softmax-in-fp32", action="store_true", default=False)
@@ -470,15 +720,19 @@ def add_megatron_arguments(parser):
     g.add_argument("--rotary-scaling-factor", type=float, default=1.0)
     g.add_argument("--mscale", type=float, default=1.0)
     g.add_argument("--mscale-all-dim", type=float, default=0.0)
-    for flag, dest in (("--no-masked-softmax-fusion", "masked_softmax_fusion"),
-                       ("--no-bias-gelu-fusion", "bias_gelu_fusion"),
-                       ("--no-bias-swiglu-fusion", "bias_swiglu_fusion"),
-                       ("--no-bias-dropout-fusion", "bias_dropout_fusion"),
-                       ("--no-persist-layer-norm", "persist_layer_norm"),
-                       ("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion")):
+    for flag, dest in (
+        ("--no-masked-softmax-fusion", "masked_softmax_fusion"),
+        ("--no-bias-gelu-fusion", "bias_gelu_fusion"),
+        ("--no-bias-swiglu-fusion", "bias_swiglu_fusion"),
+        ("--no-bias-dropout-fusion", "bias_dropout_fusion"),
+        ("--no-persist-layer-norm", "persist_layer_norm"),
+        ("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion"),
+    ):
         g.add_argument(flag, dest=dest, action="store_false", default=None if "gradient" in flag else True)
     g.add_argument("--cross-entropy-loss-fusion", action="store_true", default=False)
-    g.add_argument("--mtp-num-layers", type=int, default=None, help="Multi-token-prediction layers (MiMo, DeepSeek-V3).")
+    g.add_argument(
+        "--mtp-num-layers", type=int, default=None, help="Multi-token-prediction layers (MiMo, DeepSeek-V3)."
+    )
     g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1, help="Weight of the MTP loss.")
 
     g = parser.add_argument_group("megatron: mixture of experts")
@@ -487,8 +741,11 @@ def add_megatron_arguments(parser):
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="Default --ffn-hidden-size.")
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
     g.add_argument("--moe-shared-expert-overlap", action="store_true", default=False)
-    g.add_argument("--moe-router-load-balancing-type", default="aux_loss",
-                   choices=["aux_loss", "seq_aux_loss", "sinkhorn", "none"])
+    g.add_argument(
+        "--moe-router-load-balancing-type",
+        default="aux_loss",
+        choices=["aux_loss", "seq_aux_loss", "sinkhorn", "none"],
+    )
     g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default="softmax")
     g.add_argument("--moe-router-topk", type=int, default=2)
     g.add_argument("--moe-router-pre-softmax", action="store_true", default=False)
@@ -522,18 +779,26 @@ def add_megatron_arguments(parser):
     g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true", default=False)
     g.add_argument("--account-for-loss-in-pipeline-split", action="store_true", default=False)
     g.add_argument("--context-parallel-size", type=int, default=1)
-    g.add_argument("--cp-comm-type", nargs="+", default=["p2p"], choices=["p2p", "all_gather", "a2a"],
-                   help="Transformer Engine's CP attention exchange, one for all layers or one per layer. Without TE "
-                        "(CPU) CP attention always all-gathers keys and values.")
+    g.add_argument(
+        "--cp-comm-type",
+        nargs="+",
+        default=["p2p"],
+        choices=["p2p", "all_gather", "a2a"],
+        help="Transformer Engine's CP attention exchange, one for all layers or one per layer. Without TE "
+        "(CPU) CP attention always all-gathers keys and values.",
+    )
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
-    g.add_argument("--expert-tensor-parallel-size", type=int, default=None, help="Default --tensor-model-parallel-size.")
+    g.add_argument(
+        "--expert-tensor-parallel-size", type=int, default=None, help="Default --tensor-model-parallel-size."
+    )
     g.add_argument("--sequence-parallel", action="store_true", default=False)
     g.add_argument("--use-distributed-optimizer", action="store_true", default=False)
     g.add_argument("--overlap-grad-reduce", action="store_true", default=False)
     g.add_argument("--overlap-param-gather", action="store_true", default=False)
     g.add_argument("--tp-comm-overlap", action="store_true", default=False)
-    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
-                   help="Default nccl on GPU, gloo on CPU.")
+    g.add_argument(
+        "--distributed-backend", choices=["nccl", "gloo"], default=None, help="Default nccl on GPU, gloo on CPU."
+    )
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
     g.add_argument("--local-rank", type=int, default=int(os.getenv("LOCAL_RANK", "0")))
 
@@ -541,8 +806,9 @@ def add_megatron_arguments(parser):
     g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
     g.add_argument("--lr", type=float, default=None)
     g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
-                   default="linear")
+    g.add_argument(
+        "--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"], default="linear"
+    )
     g.add_argument("--lr-decay-iters", type=int, default=None)
     g.add_argument("--lr-decay-samples", type=int, default=None)
     g.add_argument("--lr-warmup-fraction", type=float, default=None)
@@ -559,18 +825,32 @@ def add_megatron_arguments(parser):
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--sgd-momentum", type=float, default=0.9)
     # Megatron-LM's spelling first; the all-hyphen one is accepted too
-    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
-                   default=False, help="On --load, recompute the LR/WD schedule from this run's flags.")
-    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
-                   action="store_true", default=False, help="On --load, keep the checkpoint's LR/WD schedule.")
+    g.add_argument(
+        "--override-opt_param-scheduler",
+        "--override-opt-param-scheduler",
+        action="store_true",
+        default=False,
+        help="On --load, recompute the LR/WD schedule from this run's flags.",
+    )
+    g.add_argument(
+        "--use-checkpoint-opt_param-scheduler",
+        "--use-checkpoint-opt-param-scheduler",
+        action="store_true",
+        default=False,
+        help="On --load, keep the checkpoint's LR/WD schedule.",
+    )
     g.add_argument("--optimizer-cpu-offload", action="store_true", default=False)
     g.add_argument("--optimizer-offload-fraction", type=float, default=1.0)
     g.add_argument("--overlap-cpu-optimizer-d2h-h2d", action="store_true", default=False)
     g.add_argument("--use-precision-aware-optimizer", action="store_true", default=False)
 
     g = parser.add_argument_group("megatron: precision")
-    g.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
-                   help="bf16 training; default on with a GPU, off on CPU.")
+    g.add_argument(
+        "--bf16",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="bf16 training; default on with a GPU, off on CPU.",
+    )
     g.add_argument("--fp16", action="store_true", default=False)
     g.add_argument("--loss-scale", type=float, default=None)
     g.add_argument("--initial-loss-scale", type=float, default=2**32)
@@ -594,8 +874,12 @@ def add_megatron_arguments(parser):
     g.add_argument("--recompute-num-layers", type=int, default=None)
     g.add_argument("--recompute-modules", type=str, nargs="*", default=None)
     g.add_argument("--calculate-per-token-loss", action="store_true", default=False)
-    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
-                   action="store_false", default=True)
+    g.add_argument(
+        "--no-check-for-nan-in-loss-and-grad",
+        dest="check_for_nan_in_loss_and_grad",
+        action="store_false",
+        default=True,
+    )
     g.add_argument("--no-overlap-p2p-communication", dest="overlap_p2p_comm", action="store_false", default=True)
     g.add_argument("--data-parallel-random-init", action="store_true", default=False)
     g.add_argument("--empty-unused-memory-level", type=int, choices=[0, 1, 2], default=0)
@@ -629,8 +913,9 @@ def add_megatron_arguments(parser):
     g.add_argument("--use-checkpoint-args", action="store_true", default=False)
     g.add_argument("--exit-on-missing-checkpoint", action="store_true", default=False)
     g.add_argument("--auto-detect-ckpt-format", action="store_true", default=False)
-    g.add_argument("--no-ckpt-fully-parallel-save", dest="ckpt_fully_parallel_save", action="store_false",
-                   default=True)
+    g.add_argument(
+        "--no-ckpt-fully-parallel-save", dest="ckpt_fully_parallel_save", action="store_false", default=True
+    )
     g.add_argument("--ckpt-fully-parallel-load", action="store_true", default=False)
     g.add_argument("--async-save", action="store_true", default=None)
     g.add_argument("--ckpt-assume-constant-structure", action="store_true", default=False)
@@ -638,10 +923,24 @@ def add_megatron_arguments(parser):
     g.add_argument("--non-persistent-save-interval", type=int, default=None)
 
     g = parser.add_argument_group("megatron: tokenizer and data")
-    g.add_argument("--tokenizer-type", type=str, default=None,
-                   choices=["BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer", "SentencePieceTokenizer",
-                            "GPTSentencePieceTokenizer", "HuggingFaceTokenizer", "Llama2Tokenizer", "TikTokenizer",
-                            "MultimodalTokenizer", "NullTokenizer", "NullMultimodalTokenizer"])
+    g.add_argument(
+        "--tokenizer-type",
+        type=str,
+        default=None,
+        choices=[
+            "BertWordPieceLowerCase",
+            "BertWordPieceCase",
+            "GPT2BPETokenizer",
+            "SentencePieceTokenizer",
+            "GPTSentencePieceTokenizer",
+            "HuggingFaceTokenizer",
+            "Llama2Tokenizer",
+            "TikTokenizer",
+            "MultimodalTokenizer",
+            "NullTokenizer",
+            "NullMultimodalTokenizer",
+        ],
+    )
     g.add_argument("--tokenizer-model", type=str, default=None)
     g.add_argument("--vocab-file", type=str, default=None)
     g.add_argument("--merge-file", type=str, default=None)
@@ -689,17 +988,23 @@ def _hf_architecture(cfg) -> dict:
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     rope = _rope_parameters(cfg)
     arch = {
-        "num_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
-        "ffn_hidden_size": getattr(cfg, "intermediate_size", None), "num_attention_heads": heads,
-        "group_query_attention": kv_heads != heads, "num_query_groups": kv_heads,
+        "num_layers": cfg.num_hidden_layers,
+        "hidden_size": cfg.hidden_size,
+        "ffn_hidden_size": getattr(cfg, "intermediate_size", None),
+        "num_attention_heads": heads,
+        "group_query_attention": kv_heads != heads,
+        "num_query_groups": kv_heads,
         "kv_channels": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-        "norm_epsilon": getattr(cfg, "rms_norm_eps", None), "rotary_base": _rope_theta(cfg),
+        "norm_epsilon": getattr(cfg, "rms_norm_eps", None),
+        "rotary_base": _rope_theta(cfg),
         "untie_embeddings_and_output_weights": not getattr(cfg, "tie_word_embeddings", False),
-        "swiglu": getattr(cfg, "hidden_act", None) == "silu", "vocab_size": cfg.vocab_size,
+        "swiglu": getattr(cfg, "hidden_act", None) == "silu",
+        "vocab_size": cfg.vocab_size,
         "max_position_embeddings": getattr(cfg, "max_position_embeddings", None),
         "qk_layernorm": model_type.startswith("qwen3") or bool(getattr(cfg, "use_qk_norm", False)),
         "add_qkv_bias": model_type in ("qwen2", "qwen2_moe", "mimo") or bool(getattr(cfg, "attention_bias", False)),
-        "add_bias_linear": False, "position_embedding_type": "rope",
+        "add_bias_linear": False,
+        "position_embedding_type": "rope",
         "rotary_percent": float(rope.get("partial_rotary_factor", 1.0)),
         "use_rope_scaling": rope["rope_type"] == "llama3",
     }
@@ -710,9 +1015,13 @@ def _hf_architecture(cfg) -> dict:
     fixed = _FIXED_ROPE_PARAMS.get(rope["rope_type"], {})
     for key, value in fixed.items():
         if key in rope and float(rope[key]) != float(value):
-            raise ValueError(f"rope_parameters.{key}={rope[key]} ({rope['rope_type']} RoPE): Megatron-Core only "
-                             f"implements {key}={value}")
-    if rope["rope_type"] not in ("default", "llama3") and not (rope["rope_type"] == "yarn" and model_type == "deepseek_v3"):
+            raise ValueError(
+                f"rope_parameters.{key}={rope[key]} ({rope['rope_type']} RoPE): Megatron-Core only "
+                f"implements {key}={value}"
+            )
+    if rope["rope_type"] not in ("default", "llama3") and not (
+        rope["rope_type"] == "yarn" and model_type == "deepseek_v3"
+    ):
         raise ValueError(f"rope_parameters.rope_type={rope['rope_type']!r} is not supported for {model_type!r}")
     if arch["use_rope_scaling"]:
         arch["rope_scaling_factor"] = float(rope.get("factor", 8.0))
@@ -720,13 +1029,22 @@ def _hf_architecture(cfg) -> dict:
         arch.update(post_self_attn_layernorm=True, post_mlp_layernorm=True, rotary_interleaved=True)
     if model_type == "deepseek_v3":
         arch.update(
-            multi_latent_attention=True, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
-            qk_head_dim=cfg.qk_nope_head_dim, qk_pos_emb_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
-            kv_channels=cfg.v_head_dim, qk_layernorm=True, rope_type="yarn" if rope["rope_type"] == "yarn" else "rope",
+            multi_latent_attention=True,
+            q_lora_rank=cfg.q_lora_rank,
+            kv_lora_rank=cfg.kv_lora_rank,
+            qk_head_dim=cfg.qk_nope_head_dim,
+            qk_pos_emb_head_dim=cfg.qk_rope_head_dim,
+            v_head_dim=cfg.v_head_dim,
+            kv_channels=cfg.v_head_dim,
+            qk_layernorm=True,
+            rope_type="yarn" if rope["rope_type"] == "yarn" else "rope",
         )
         if rope["rope_type"] == "yarn":
-            arch.update(rotary_scaling_factor=float(rope["factor"]), mscale=float(rope.get("mscale", 1.0)),
-                        mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)))
+            arch.update(
+                rotary_scaling_factor=float(rope["factor"]),
+                mscale=float(rope.get("mscale", 1.0)),
+                mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)),
+            )
     if getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None):
         arch.update(
             num_experts=getattr(cfg, "num_experts", None) or cfg.num_local_experts,
@@ -741,12 +1059,16 @@ def _hf_architecture(cfg) -> dict:
         first_dense = getattr(cfg, "first_k_dense_replace", 0) or 0
         groups = getattr(cfg, "n_group", None) or 1
         arch.update(
-            num_experts=cfg.n_routed_experts, moe_router_topk=cfg.num_experts_per_tok,
+            num_experts=cfg.n_routed_experts,
+            moe_router_topk=cfg.num_experts_per_tok,
             moe_ffn_hidden_size=cfg.moe_intermediate_size,
             moe_layer_freq=[0] * first_dense + [1] * (cfg.num_hidden_layers - first_dense),
             moe_shared_expert_intermediate_size=(cfg.n_shared_experts or 0) * cfg.moe_intermediate_size or None,
-            moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-            moe_router_bias_update_rate=0.0, moe_router_pre_softmax=True, moe_router_dtype="fp32",
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+            moe_router_bias_update_rate=0.0,
+            moe_router_pre_softmax=True,
+            moe_router_dtype="fp32",
             moe_router_topk_scaling_factor=float(getattr(cfg, "routed_scaling_factor", 1.0)),
             moe_router_num_groups=groups if groups > 1 else None,
             moe_router_group_topk=cfg.topk_group if groups > 1 else None,
@@ -776,8 +1098,11 @@ _HF_CHECKS = (
     ("num_experts", "--num-experts", "num_experts"),
     ("num_experts_per_tok", "--moe-router-topk", "moe_router_topk"),
     ("moe_intermediate_size", "--moe-ffn-hidden-size", "moe_ffn_hidden_size"),
-    ("n_shared_experts*moe_intermediate_size", "--moe-shared-expert-intermediate-size",
-     "moe_shared_expert_intermediate_size"),
+    (
+        "n_shared_experts*moe_intermediate_size",
+        "--moe-shared-expert-intermediate-size",
+        "moe_shared_expert_intermediate_size",
+    ),
     ("first_k_dense_replace", "--moe-layer-freq", "moe_layer_freq"),
     ("scoring", "--moe-router-score-function", "moe_router_score_function"),
     ("e_score_correction_bias", "--moe-router-enable-expert-bias", "moe_router_enable_expert_bias"),
@@ -794,9 +1119,17 @@ _HF_CHECKS = (
     ("rope_parameters.mscale", "--mscale", "mscale"),
     ("rope_parameters.mscale_all_dim", "--mscale-all-dim", "mscale_all_dim"),
 )
-_BOOL_FLAGS = {"untie_embeddings_and_output_weights", "use_rope_scaling", "add_qkv_bias", "qk_layernorm",
-               "post_self_attn_layernorm", "post_mlp_layernorm", "rotary_interleaved", "multi_latent_attention",
-               "moe_router_enable_expert_bias"}
+_BOOL_FLAGS = {
+    "untie_embeddings_and_output_weights",
+    "use_rope_scaling",
+    "add_qkv_bias",
+    "qk_layernorm",
+    "post_self_attn_layernorm",
+    "post_mlp_layernorm",
+    "rotary_interleaved",
+    "multi_latent_attention",
+    "moe_router_enable_expert_bias",
+}
 
 
 def _layer_pattern(freq, num_layers):
@@ -821,14 +1154,19 @@ def _hf_mismatches(args, arch, cfg):
             continue
         if dest in _BOOL_FLAGS:
             if hf_value is not None and bool(mine) != bool(hf_value):
-                shown = {"untie_embeddings_and_output_weights": not hf_value, "use_rope_scaling": _rope_parameters(cfg)["rope_type"]}.get(
-                    dest, cfg.model_type if hf_name == "model_type" else hf_value)
+                shown = {
+                    "untie_embeddings_and_output_weights": not hf_value,
+                    "use_rope_scaling": _rope_parameters(cfg)["rope_type"],
+                }.get(dest, cfg.model_type if hf_name == "model_type" else hf_value)
                 out.append(f"{flag} is {'set' if mine else 'not set'} but {hf_name}={shown}")
             continue
         if hf_value is None or mine is None:
             continue
-        if (abs(float(mine) - float(hf_value)) > 1e-12 * max(1.0, abs(float(hf_value)))
-                if isinstance(hf_value, float) or isinstance(mine, float) else mine != hf_value):
+        if (
+            abs(float(mine) - float(hf_value)) > 1e-12 * max(1.0, abs(float(hf_value)))
+            if isinstance(hf_value, float) or isinstance(mine, float)
+            else mine != hf_value
+        ):
             out.append(f"{flag} {mine} but {hf_name}={hf_value}")
     return out
 
@@ -849,7 +1187,9 @@ def _dropout_from_hf(args, cfg, given):
             continue
         value = next((float(getattr(cfg, k)) for k in keys if getattr(cfg, k, None) is not None), 0.0)
         setattr(args, dest, value)
-        logger.info("%s %s taken from --hf-checkpoint %s/config.json (flag not given)", flag, value, args.hf_checkpoint)
+        logger.info(
+            "%s %s taken from --hf-checkpoint %s/config.json (flag not given)", flag, value, args.hf_checkpoint
+        )
 
 
 def _given_flags(argv):
@@ -869,8 +1209,10 @@ def _apply_hf_config(args, error, check_paths, given=frozenset()):
     try:
         cfg = AutoConfig.from_pretrained(path, trust_remote_code=True)
     except Exception as e:
-        error(f"--hf-checkpoint {path}: cannot read an HF model config there ({type(e).__name__}: "
-              f"{str(e).splitlines()[0] if str(e) else ''}). Point it at a directory with config.json.")
+        error(
+            f"--hf-checkpoint {path}: cannot read an HF model config there ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}). Point it at a directory with config.json."
+        )
     if args.model_name is None:
         args.model_name = type(cfg).__name__.lower()
     _dropout_from_hf(args, cfg, given)
@@ -888,12 +1230,18 @@ def _apply_hf_config(args, error, check_paths, given=frozenset()):
             setattr(args, dest, value)
     mismatches = _hf_mismatches(args, arch, cfg)
     if getattr(cfg, "num_nextn_predict_layers", 0):
-        logger.info("--hf-checkpoint %s has %d multi-token-prediction layer(s) (num_nextn_predict_layers): slime does "
-                    "not train them (no MTP block is built): the inference engine keeps the checkpoint's MTP weights "
-                    "and weight updates pass them through untouched.", path, cfg.num_nextn_predict_layers)
+        logger.info(
+            "--hf-checkpoint %s has %d multi-token-prediction layer(s) (num_nextn_predict_layers): slime does "
+            "not train them (no MTP block is built): the inference engine keeps the checkpoint's MTP weights "
+            "and weight updates pass them through untouched.",
+            path,
+            cfg.num_nextn_predict_layers,
+        )
     if mismatches:
-        error(f"Megatron model flags disagree with --hf-checkpoint {path}/config.json: {'; '.join(mismatches)}. "
-              "Fix the MODEL_ARGS (or drop them to infer everything from the HF config).")
+        error(
+            f"Megatron model flags disagree with --hf-checkpoint {path}/config.json: {'; '.join(mismatches)}. "
+            "Fix the MODEL_ARGS (or drop them to infer everything from the HF config)."
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -954,14 +1302,18 @@ def slime_validate_args(args, error, check_paths=True):
         if len(args.eval_prompt_data) == 1:
             args.eval_prompt_data = ["aime", args.eval_prompt_data[0]]
         if len(args.eval_prompt_data) % 2 != 0:
-            error(f"--eval-prompt-data takes name/path pairs; got {len(args.eval_prompt_data)} values: "
-                  f"{' '.join(args.eval_prompt_data)}")
+            error(
+                f"--eval-prompt-data takes name/path pairs; got {len(args.eval_prompt_data)} values: "
+                f"{' '.join(args.eval_prompt_data)}"
+            )
     # one KL at a time
     if args.kl_coef != 0 and args.kl_loss_coef != 0:
         error("--kl-coef (KL in the reward) and --kl-loss-coef (KL loss) cannot both be non-zero; pick one.")
     # REINFORCE++ advantages are only meaningful whitened
-    if args.advantage_estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline") \
-            and not args.normalize_advantages:
+    if (
+        args.advantage_estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
+        and not args.normalize_advantages
+    ):
         error(f"--advantage-estimator {args.advantage_estimator} requires --normalize-advantages.")
     # dynamic batches are sized in tokens
     if args.use_dynamic_batch_size and args.max_tokens_per_gpu is None:
@@ -1001,15 +1353,18 @@ def slime_validate_args(args, error, check_paths=True):
         args.offload = True
         if args.rollout_num_gpus != actor_total:
             if args.rollout_num_gpus is not None:
-                logger.warning("--colocate: rollout_num_gpus %s -> %s (the actor GPUs)", args.rollout_num_gpus,
-                               actor_total)
+                logger.warning(
+                    "--colocate: rollout_num_gpus %s -> %s (the actor GPUs)", args.rollout_num_gpus, actor_total
+                )
             args.rollout_num_gpus = actor_total
     if not args.debug_train_only:
         if args.rollout_num_gpus is None:
             error("--rollout-num-gpus is required unless --colocate or --debug-train-only.")
         if args.rollout_num_gpus % args.rollout_num_gpus_per_engine != 0:
-            error(f"--rollout-num-gpus {args.rollout_num_gpus} is not a multiple of --rollout-num-gpus-per-engine "
-                  f"{args.rollout_num_gpus_per_engine}.")
+            error(
+                f"--rollout-num-gpus {args.rollout_num_gpus} is not a multiple of --rollout-num-gpus-per-engine "
+                f"{args.rollout_num_gpus_per_engine}."
+            )
     # eval uses the rollout function unless told otherwise
     if args.eval_function_path is None:
         args.eval_function_path = args.rollout_function_path
@@ -1018,18 +1373,24 @@ def slime_validate_args(args, error, check_paths=True):
     if args.num_steps_per_rollout is not None:
         gbs = samples // args.num_steps_per_rollout
         if args.global_batch_size is not None and args.global_batch_size != gbs:
-            error(f"--global-batch-size {args.global_batch_size} contradicts --num-steps-per-rollout "
-                  f"{args.num_steps_per_rollout} (rollout-batch-size*n-samples-per-prompt/steps = {gbs}).")
+            error(
+                f"--global-batch-size {args.global_batch_size} contradicts --num-steps-per-rollout "
+                f"{args.num_steps_per_rollout} (rollout-batch-size*n-samples-per-prompt/steps = {gbs})."
+            )
         if gbs == 0 or samples % args.num_steps_per_rollout != 0:
-            error(f"--num-steps-per-rollout {args.num_steps_per_rollout} does not divide rollout-batch-size*"
-                  f"n-samples-per-prompt = {samples}.")
+            error(
+                f"--num-steps-per-rollout {args.num_steps_per_rollout} does not divide rollout-batch-size*"
+                f"n-samples-per-prompt = {samples}."
+            )
         args.global_batch_size = gbs
     if args.global_batch_size is None:
         if not args.debug_rollout_only:
             error("--global-batch-size (or --num-steps-per-rollout) is required.")
     elif samples % args.global_batch_size != 0:
-        error(f"--rollout-batch-size {args.rollout_batch_size} x --n-samples-per-prompt {args.n_samples_per_prompt} "
-              f"= {samples} samples is not divisible by --global-batch-size {args.global_batch_size}.")
+        error(
+            f"--rollout-batch-size {args.rollout_batch_size} x --n-samples-per-prompt {args.n_samples_per_prompt} "
+            f"= {samples} samples is not divisible by --global-batch-size {args.global_batch_size}."
+        )
     # a group of one has no std
     if args.n_samples_per_prompt == 1:
         args.grpo_std_normalization = False
@@ -1037,8 +1398,10 @@ def slime_validate_args(args, error, check_paths=True):
     if args.over_sampling_batch_size is None:
         args.over_sampling_batch_size = args.rollout_batch_size
     if args.over_sampling_batch_size < args.rollout_batch_size:
-        error(f"--over-sampling-batch-size {args.over_sampling_batch_size} must be >= --rollout-batch-size "
-              f"{args.rollout_batch_size}.")
+        error(
+            f"--over-sampling-batch-size {args.over_sampling_batch_size} must be >= --rollout-batch-size "
+            f"{args.rollout_batch_size}."
+        )
     # how long to train
     if args.num_epoch is not None:
         if args.num_rollout is not None:
@@ -1050,16 +1413,20 @@ def slime_validate_args(args, error, check_paths=True):
     if args.save_interval is not None and args.save is None:
         error("--save-interval requires --save (the checkpoint directory).")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
-        error("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict each other: "
-              "recompute the LR schedule from this run's flags, or keep the checkpoint's, not both.")
+        error(
+            "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict each other: "
+            "recompute the LR schedule from this run's flags, or keep the checkpoint's, not both."
+        )
     _validate_algorithm_and_rollout(args, error)
     _check_mtp(args, error)
     if args.custom_tis_function_path and not args.use_tis:
         error(f"--custom-tis-function-path {args.custom_tis_function_path} is called only with --use-tis; add it.")
     if args.custom_update_weight_post_write_path:
-        error("--custom-update-weight-post-write-path runs after current slime's disk weight transport writes a "
-              "weight version; this slime sends weights by broadcast, shared memory or CUDA IPC and never writes "
-              "one: drop the flag.")
+        error(
+            "--custom-update-weight-post-write-path runs after current slime's disk weight transport writes a "
+            "weight version; this slime sends weights by broadcast, shared memory or CUDA IPC and never writes "
+            "one: drop the flag."
+        )
     _apply_custom_config(args, error, check_paths)
 
 
@@ -1122,34 +1489,49 @@ def _validate_algorithm_and_rollout(args, error):
     if args.loss_type == "custom_loss" and not args.custom_loss_function_path:
         error("--loss-type custom_loss needs --custom-loss-function-path pkg.module.fn (the loss to call).")
     if args.advantage_estimator == "rloo" and not args.rewards_normalization:
-        error("--advantage-estimator rloo builds its leave-one-out baseline from group-mean-centred rewards; "
-              "drop --disable-rewards-normalization.")
-    if args.rollout_function_path == DEFAULT_ROLLOUT_FUNCTION and not args.rollout_global_dataset \
-            and not args.debug_train_only:
-        error(f"--disable-rollout-global-dataset: the default --rollout-function-path {DEFAULT_ROLLOUT_FUNCTION} "
-              "reads its prompts from --prompt-data; keep the dataset or give your own rollout function.")
+        error(
+            "--advantage-estimator rloo builds its leave-one-out baseline from group-mean-centred rewards; "
+            "drop --disable-rewards-normalization."
+        )
+    if (
+        args.rollout_function_path == DEFAULT_ROLLOUT_FUNCTION
+        and not args.rollout_global_dataset
+        and not args.debug_train_only
+    ):
+        error(
+            f"--disable-rollout-global-dataset: the default --rollout-function-path {DEFAULT_ROLLOUT_FUNCTION} "
+            "reads its prompts from --prompt-data; keep the dataset or give your own rollout function."
+        )
     if args.group_rm and args.eval_prompt_data and args.eval_function_path == DEFAULT_ROLLOUT_FUNCTION:
-        error("--group-rm with --eval-prompt-data: the default eval scores samples one by one; drop --group-rm or "
-              "set --eval-function-path.")
+        error(
+            "--group-rm with --eval-prompt-data: the default eval scores samples one by one; drop --group-rm or "
+            "set --eval-function-path."
+        )
     if args.rm_type and not args.custom_rm_path:
         # lazy: the reward hub's imports cost ~1 s
         from slime.rollout.rm_hub import RM_TYPES
 
         rm_type = args.rm_type.removeprefix("boxed_")
         if rm_type not in RM_TYPES:
-            error(f"--rm-type {args.rm_type}: unknown; expected one of {', '.join(RM_TYPES)} (optionally prefixed "
-                  "boxed_), or --custom-rm-path.")
+            error(
+                f"--rm-type {args.rm_type}: unknown; expected one of {', '.join(RM_TYPES)} (optionally prefixed "
+                "boxed_), or --custom-rm-path."
+            )
         if rm_type == "remote_rm" and not args.rm_url:
             error("--rm-type remote_rm needs --rm-url (the HTTP endpoint of your reward model server).")
     if args.rollout_function_path == FULLY_ASYNC_ROLLOUT_FUNCTION:
         if args.update_weights_interval != 1:
-            error(f"--update-weights-interval {args.update_weights_interval}: the fully async rollout pushes the "
-                  "weights after every step; bound the lag with --max-staleness instead.")
+            error(
+                f"--update-weights-interval {args.update_weights_interval}: the fully async rollout pushes the "
+                "weights after every step; bound the lag with --max-staleness instead."
+            )
         if not args.rollout_global_dataset:
             error("the fully async rollout needs the global dataset: drop --disable-rollout-global-dataset.")
         if args.over_sampling_batch_size > args.rollout_batch_size or args.partial_rollout:
-            logger.warning("fully async rollout: --over-sampling-batch-size and --partial-rollout are not used; "
-                           "admission is paced by --max-staleness and interrupted samples always resume")
+            logger.warning(
+                "fully async rollout: --over-sampling-batch-size and --partial-rollout are not used; "
+                "admission is paced by --max-staleness and interrupted samples always resume"
+            )
 
 
 def _check_mtp(args, error):
@@ -1160,12 +1542,16 @@ def _check_mtp(args, error):
     if args.enable_mtp_training and not args.mtp_num_layers:
         error("--enable-mtp-training needs --mtp-num-layers (the number of MTP layers to train).")
     if args.enable_mtp_training:
-        error("--enable-mtp-training: slime does not train multi-token-prediction layers; they are passed through "
-              "untouched (see docs/models.md). Drop the flag.")
+        error(
+            "--enable-mtp-training: slime does not train multi-token-prediction layers; they are passed through "
+            "untouched (see docs/models.md). Drop the flag."
+        )
     if args.mtp_num_layers:
-        logger.info("--mtp-num-layers %d: the trainer builds no MTP block (MTP layers are not trained); the inference "
-                    "engine keeps the checkpoint's MTP weights and weight updates pass them through untouched.",
-                    args.mtp_num_layers)
+        logger.info(
+            "--mtp-num-layers %d: the trainer builds no MTP block (MTP layers are not trained); the inference "
+            "engine keeps the checkpoint's MTP weights and weight updates pass them through untouched.",
+            args.mtp_num_layers,
+        )
 
 
 def _megatron_defaults(args):
@@ -1202,22 +1588,37 @@ def _megatron_defaults(args):
 
 def megatron_validate_args(args, error):
     """The checks of Megatron's validate_args that matter for slime, with flag-naming messages."""
-    missing = [f for f, d in (("--num-layers", "num_layers"), ("--hidden-size", "hidden_size"),
-                              ("--num-attention-heads", "num_attention_heads")) if getattr(args, d) is None]
+    missing = [
+        f
+        for f, d in (
+            ("--num-layers", "num_layers"),
+            ("--hidden-size", "hidden_size"),
+            ("--num-attention-heads", "num_attention_heads"),
+        )
+        if getattr(args, d) is None
+    ]
     if missing:
-        error(f"{', '.join(missing)} required: give the model's MODEL_ARGS (scripts/models/*.sh) or "
-              "--hf-checkpoint to infer them from its config.json.")
+        error(
+            f"{', '.join(missing)} required: give the model's MODEL_ARGS (scripts/models/*.sh) or "
+            "--hf-checkpoint to infer them from its config.json."
+        )
     if args.lr is None:
         error("--lr is required for training.")
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     model_parallel = tp * pp * cp
     if args.world_size % model_parallel != 0:
-        error(f"world size {args.world_size} (--actor-num-nodes x --actor-num-gpus-per-node) is not divisible by "
-              f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} x --context-parallel-size {cp}.")
+        error(
+            f"world size {args.world_size} (--actor-num-nodes x --actor-num-gpus-per-node) is not divisible by "
+            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} x --context-parallel-size {cp}."
+        )
     args.data_parallel_size = args.world_size // model_parallel
-    if args.global_batch_size is not None and args.global_batch_size % (args.micro_batch_size * args.data_parallel_size):
-        error(f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
-              f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}.")
+    if args.global_batch_size is not None and args.global_batch_size % (
+        args.micro_batch_size * args.data_parallel_size
+    ):
+        error(
+            f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+            f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}."
+        )
     if args.fp16 and args.bf16:
         error("--fp16 and --bf16 are mutually exclusive.")
     _check_lr_warmup(args, error)
@@ -1226,12 +1627,16 @@ def megatron_validate_args(args, error):
     if args.recompute_method is not None and args.recompute_granularity != "full":
         error("--recompute-method is only used with --recompute-granularity full.")
     if args.num_attention_heads % tp:
-        error(f"--num-attention-heads {args.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}.")
+        error(
+            f"--num-attention-heads {args.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}."
+        )
     if args.group_query_attention and args.num_query_groups % tp:
         error(f"--num-query-groups {args.num_query_groups} is not divisible by --tensor-model-parallel-size {tp}.")
     if args.kv_channels is None and args.hidden_size % args.num_attention_heads:
-        error(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {args.num_attention_heads}; "
-              "give --kv-channels.")
+        error(
+            f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {args.num_attention_heads}; "
+            "give --kv-channels."
+        )
     uneven = args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None
     if not uneven and args.num_layers % pp:
         error(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}.")
@@ -1239,8 +1644,10 @@ def megatron_validate_args(args, error):
     if args.num_layers_per_virtual_pipeline_stage is not None:
         per_stage = args.num_layers // pp
         if pp == 1 or per_stage % args.num_layers_per_virtual_pipeline_stage:
-            error(f"--num-layers-per-virtual-pipeline-stage {args.num_layers_per_virtual_pipeline_stage} needs "
-                  f"--pipeline-model-parallel-size > 1 and must divide the {per_stage} layers per pipeline stage.")
+            error(
+                f"--num-layers-per-virtual-pipeline-stage {args.num_layers_per_virtual_pipeline_stage} needs "
+                f"--pipeline-model-parallel-size > 1 and must divide the {per_stage} layers per pipeline stage."
+            )
         args.virtual_pipeline_model_parallel_size = per_stage // args.num_layers_per_virtual_pipeline_stage
     ep = args.expert_model_parallel_size
     if ep > 1 and args.num_experts is None:
@@ -1264,16 +1671,21 @@ def _check_lr_warmup(args, error):
         return
     if args.train_iters:
         error("--lr-warmup-fraction and --lr-warmup-iters: give only one with --train-iters (Megatron-LM's rule).")
-    logger.info("--lr-warmup-fraction %s wins over --lr-warmup-iters %s (Megatron-LM's rule)",
-                args.lr_warmup_fraction, args.lr_warmup_iters)
+    logger.info(
+        "--lr-warmup-fraction %s wins over --lr-warmup-iters %s (Megatron-LM's rule)",
+        args.lr_warmup_fraction,
+        args.lr_warmup_iters,
+    )
 
 
 def _resolve_inference_server(args, error):
     if args.inference_server == "auto":
         args.inference_server = "sglang" if sglang_available() and not is_cpu() else "cpu"
     elif args.inference_server == "sglang" and not sglang_available():
-        error("--inference-server sglang: SGLang is not installed here (pip install 'slime[sglang]' on a GPU machine), "
-              "or use --inference-server cpu.")
+        error(
+            "--inference-server sglang: SGLang is not installed here (pip install 'slime[sglang]' on a GPU machine), "
+            "or use --inference-server cpu."
+        )
 
 
 def _megatron_training_available():
@@ -1285,7 +1697,9 @@ def _megatron_training_available():
 
 def _build_parser(add_slime_arguments):
     parser = argparse.ArgumentParser(
-        prog=os.path.basename(sys.argv[0]) or "slime", usage="%(prog)s [options]", allow_abbrev=False,
+        prog=os.path.basename(sys.argv[0]) or "slime",
+        usage="%(prog)s [options]",
+        allow_abbrev=False,
         description="slime: RL post-training with Megatron + SGLang (slime, Megatron-LM and --sglang-* options).",
     )
     add_megatron_arguments(parser)
@@ -1338,8 +1752,10 @@ def parse_args(add_custom_arguments=None, argv=None, *, check_paths=True):
         if getattr(args, dest) is None:
             setattr(args, dest, 0.1)
     if args.ci_test and (args.attention_dropout > 0 or args.hidden_dropout > 0):
-        error(f"--ci-test checks that the first step reproduces the rollout's log-probs, which dropout breaks: "
-              f"--attention-dropout {args.attention_dropout} --hidden-dropout {args.hidden_dropout}; set both to 0.")
+        error(
+            f"--ci-test checks that the first step reproduces the rollout's log-probs, which dropout breaks: "
+            f"--attention-dropout {args.attention_dropout} --hidden-dropout {args.hidden_dropout}; set both to 0."
+        )
     args.rank = 0
     args.world_size = args.actor_num_nodes * args.actor_num_gpus_per_node
     set_default_megatron_args(args)

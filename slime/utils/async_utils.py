@@ -1,4 +1,5 @@
 """One persistent asyncio loop in a daemon thread, so HTTP clients and semaphores survive across calls."""
+
 import asyncio
 import threading
 
@@ -22,4 +23,6 @@ def run(coro, timeout=None):
         return future.result(timeout)
     except TimeoutError:
         future.cancel()
-        raise TimeoutError(f"coroutine {getattr(coro, '__qualname__', coro)} did not finish within {timeout}s") from None
+        raise TimeoutError(
+            f"coroutine {getattr(coro, '__qualname__', coro)} did not finish within {timeout}s"
+        ) from None

@@ -7,6 +7,7 @@ data source's position (`rollout/global_dataset_state_dict_X.pt`) and any other 
 replaced atomically *after* all of them (see `slime.ray.checkpoint.save`), so a run killed at any moment of a save
 resumes from the previous complete checkpoint and never picks up a half-written one.
 """
+
 import os
 
 TRACKER = "latest_checkpointed_iteration.txt"

@@ -1,4 +1,5 @@
 """Prompt datasets: `read_file` (jsonl/json/parquet via HF `datasets`) and `Dataset`."""
+
 import json
 import os
 import random
@@ -61,8 +62,19 @@ def read_file(path):
 class Dataset:
     """Prompts of one file as `Sample`s, optionally chat-templated, long ones dropped, shufflable per epoch."""
 
-    def __init__(self, path, tokenizer, max_length, *, prompt_key="text", label_key=None, tool_key=None,
-                 metadata_key="metadata", seed=42, apply_chat_template=False):
+    def __init__(
+        self,
+        path,
+        tokenizer,
+        max_length,
+        *,
+        prompt_key="text",
+        label_key=None,
+        tool_key=None,
+        metadata_key="metadata",
+        seed=42,
+        apply_chat_template=False,
+    ):
         data = read_file(path)
         for key, flag in ((prompt_key, "--input-key"), (label_key, "--label-key"), (tool_key, "--tool-key")):
             if key is not None and key not in data.column_names:
@@ -84,9 +96,13 @@ class Dataset:
 
         keep = self._within_length(prompts, tokenizer, max_length)
         self.origin_samples = [
-            Sample(prompt=prompt, label=row[label_key] if label_key is not None else None,
-                   metadata=row.get(metadata_key) or {})
-            for prompt, row, ok in zip(prompts, rows, keep) if ok
+            Sample(
+                prompt=prompt,
+                label=row[label_key] if label_key is not None else None,
+                metadata=row.get(metadata_key) or {},
+            )
+            for prompt, row, ok in zip(prompts, rows, keep)
+            if ok
         ]
         self.origin_rows = [i for i, ok in enumerate(keep) if ok]  # file row of each sample, for messages
         self.seed = seed

@@ -7,6 +7,7 @@ Callers use the operations below (set_device, current_device, synchronize, empty
 dist_backend, default_dtype, rng_state) and never branch on the device themselves: each one is what the
 CUDA call is on a GPU, and the CPU equivalent (usually nothing) on a CPU machine.
 """
+
 import functools
 import gc
 import os

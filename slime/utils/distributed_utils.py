@@ -4,6 +4,7 @@
 torch's `_new_process_group_helper`), so a trainer can join a real SGLang server's group on GPU (NCCL) and
 slime's CPU server on CPU (gloo) with the same call. It works with or without a default process group.
 """
+
 from datetime import timedelta
 
 from torch.distributed.distributed_c10d import (
@@ -16,8 +17,16 @@ from torch.distributed.distributed_c10d import (
 )
 
 
-def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1, store=None,
-                       group_name: str = "", pg_options=None):
+def init_process_group(
+    backend=None,
+    init_method=None,
+    timeout=None,
+    world_size=-1,
+    rank=-1,
+    store=None,
+    group_name: str = "",
+    pg_options=None,
+):
     assert (store is None) or (init_method is None), "init_method and store are mutually exclusive"
     backend = Backend(backend) if backend else Backend("undefined")
     timeout = timeout or default_pg_timeout
@@ -26,8 +35,14 @@ def init_process_group(backend=None, init_method=None, timeout=None, world_size=
         store.set_timeout(timeout)
     # Same prefix as torch's init_process_group, so every side of the group agrees on keys.
     store = PrefixStore(group_name, store)
-    kwargs = {"backend_options" if "backend_options" in _new_process_group_helper.__code__.co_varnames else "pg_options": pg_options}
-    pg, _ = _new_process_group_helper(world_size, rank, [], backend, store, group_name=group_name, timeout=timeout, **kwargs)
+    kwargs = {
+        "backend_options"
+        if "backend_options" in _new_process_group_helper.__code__.co_varnames
+        else "pg_options": pg_options
+    }
+    pg, _ = _new_process_group_helper(
+        world_size, rank, [], backend, store, group_name=group_name, timeout=timeout, **kwargs
+    )
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 

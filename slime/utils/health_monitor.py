@@ -10,6 +10,7 @@ router; without it the run stops with a one-line error naming the part.
 Checks run only while resumed: during rollouts and evaluation. Weight updates and offload pause them (an engine
 cannot answer a generation while its memory is released).
 """
+
 import logging
 import threading
 import time

@@ -1,4 +1,5 @@
 """Ports, host info and a small async HTTP client (aiohttp) with timeouts and retries that name the URL."""
+
 import asyncio
 import atexit
 import json
@@ -33,8 +34,11 @@ def free_port(consecutive: int = 1, host: str = "") -> int:
             s.bind((host, 0))
             port = s.getsockname()[1]
             ports = range(port, port + consecutive)
-            if ports[-1] < 65536 and not any(p in RAY_WORKER_PORTS for p in ports) and \
-                    all(is_port_available(p, host) for p in ports[1:]):
+            if (
+                ports[-1] < 65536
+                and not any(p in RAY_WORKER_PORTS for p in ports)
+                and all(is_port_available(p, host) for p in ports[1:])
+            ):
                 return port
     raise RuntimeError(f"no {consecutive} consecutive free ports outside Ray's worker ports after 200 tries")
 
@@ -77,7 +81,9 @@ def _session() -> aiohttp.ClientSession:
     s = _sessions.get(loop)
     if s is None or s.closed:
         s = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, force_close=False), trust_env=False, timeout=aiohttp.ClientTimeout(total=None)
+            connector=aiohttp.TCPConnector(limit=0, force_close=False),
+            trust_env=False,
+            timeout=aiohttp.ClientTimeout(total=None),
         )
         _sessions[loop] = s
     return s
@@ -112,8 +118,9 @@ class HTTPStatusError(RuntimeError):
         self.url, self.status, self.body = url, status, body
 
 
-async def _request(method, url, payload=None, max_retries=60, timeout=None, headers=None, retry_interval=1.0,
-                   on_retry=None):
+async def _request(
+    method, url, payload=None, max_retries=60, timeout=None, headers=None, retry_interval=1.0, on_retry=None
+):
     last = None
     for attempt in range(max(1, max_retries)):
         try:
@@ -135,7 +142,9 @@ async def _request(method, url, payload=None, max_retries=60, timeout=None, head
                 on_retry(e)
             if attempt + 1 < max_retries:
                 await asyncio.sleep(retry_interval)
-    raise ConnectionError(f"{method} {url} failed after {max_retries} attempt(s): {type(last).__name__}: {last}") from last
+    raise ConnectionError(
+        f"{method} {url} failed after {max_retries} attempt(s): {type(last).__name__}: {last}"
+    ) from last
 
 
 async def post(url, payload=None, max_retries=60, timeout=None, headers=None, *, use_http2=False, on_retry=None):
@@ -144,8 +153,9 @@ async def post(url, payload=None, max_retries=60, timeout=None, headers=None, *,
 
     `use_http2` is accepted for slime v0.1.0 callers and ignored: the client speaks HTTP/1.1, which every
     SGLang server and router answers."""
-    return await _request("POST", url, payload, max_retries=max_retries, timeout=timeout, headers=headers,
-                          on_retry=on_retry)
+    return await _request(
+        "POST", url, payload, max_retries=max_retries, timeout=timeout, headers=headers, on_retry=on_retry
+    )
 
 
 async def get(url, max_retries=3, timeout=30, headers=None, *, use_http2=False):

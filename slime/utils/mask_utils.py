@@ -1,4 +1,5 @@
 """Token ids + loss masks for multi-turn chats: train on what the assistant wrote, nothing else."""
+
 from typing import Dict, List, Optional, Tuple
 
 
@@ -10,8 +11,9 @@ def _template_ids(tokenizer, messages, **kwargs) -> List[int]:
 class MultiTurnLossMaskGenerator:
     def __init__(self, tokenizer, tokenizer_type: str = "qwen"):
         if tokenizer_type not in ("qwen", "distill_qwen"):
-            raise ValueError(f"unsupported loss-mask tokenizer type {tokenizer_type!r} (--loss-mask-type): "
-                             "use qwen or distill_qwen")
+            raise ValueError(
+                f"unsupported loss-mask tokenizer type {tokenizer_type!r} (--loss-mask-type): use qwen or distill_qwen"
+            )
         self.tokenizer = tokenizer
         self.tokenizer_type = tokenizer_type
         self.system_message_length, self.gen_token_length = self.get_system_message_length()
@@ -19,7 +21,7 @@ class MultiTurnLossMaskGenerator:
     @staticmethod
     def find_all_sublist_indices(main_list, sublist):
         n = len(sublist)
-        return [i for i in range(len(main_list) - n + 1) if main_list[i:i + n] == sublist]
+        return [i for i in range(len(main_list) - n + 1) if main_list[i : i + n] == sublist]
 
     def get_system_message_length(self) -> Tuple[int, int]:
         """(tokens of the system block the template adds on its own, tokens of the generation prompt).
@@ -32,8 +34,10 @@ class MultiTurnLossMaskGenerator:
         ids = _template_ids(self.tokenizer, messages)
         found = self.find_all_sublist_indices(ids, raw)
         if len(found) != 2:
-            raise ValueError("cannot measure the chat template: the probe text was not found exactly twice "
-                             f"(found {len(found)}); is this a chat model's tokenizer?")
+            raise ValueError(
+                "cannot measure the chat template: the probe text was not found exactly twice "
+                f"(found {len(found)}); is this a chat model's tokenizer?"
+            )
         idx_1, idx_2 = found
         end_interval = len(ids) - len(raw) - idx_2
         gen_token_length = len(_template_ids(self.tokenizer, messages, add_generation_prompt=True)) - len(ids)
@@ -45,7 +49,7 @@ class MultiTurnLossMaskGenerator:
         for i, message in enumerate(messages):
             message_ids = _template_ids(self.tokenizer, [message], **({"tools": tools} if tools and i == 0 else {}))
             if message["role"] != "system" and i > 0:
-                message_ids = message_ids[self.system_message_length:]
+                message_ids = message_ids[self.system_message_length :]
             if message["role"] == "assistant":
                 # 0 on "<|im_start|>assistant\n", 1 on the content, tool calls, <|im_end|> and its newline.
                 loss_mask = [0] * self.gen_token_length + [1] * (len(message_ids) - self.gen_token_length)

@@ -4,6 +4,7 @@ masked whitening. Formulas follow slime; tensors are per-token 1-D unless stated
 `process_group` for the vocab-parallel functions is the tensor-parallel group the vocab dimension is sharded over;
 `None` means the logits hold the whole vocabulary.
 """
+
 import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
@@ -22,7 +23,9 @@ def compute_approx_kl(log_probs, log_probs_base, kl_loss_type):
         kl = torch.exp(-log_ratio) - 1 + log_ratio
         # low_var_kl is k3 clamped so a single outlier token cannot blow up the loss
         return kl.clamp(min=-10, max=10) if kl_loss_type == "low_var_kl" else kl
-    raise ValueError(f"unknown kl_loss_type {kl_loss_type!r} (--kl-loss-type); expected one of {', '.join(KL_LOSS_TYPES)}")
+    raise ValueError(
+        f"unknown kl_loss_type {kl_loss_type!r} (--kl-loss-type); expected one of {', '.join(KL_LOSS_TYPES)}"
+    )
 
 
 def compute_policy_loss(ppo_kl, advantages, eps_clip, eps_clip_high, eps_clip_c=None):
@@ -66,11 +69,15 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         rank, world_size = _tp_rank_and_size(process_group)
         part = logits.size(-1)
         target_mask, masked_target_1d, predicted_logits, sum_exp_logits, exp_logits = (
-            VocabParallelCrossEntropy.calculate_predicted_logits(logits, target, logits_max, rank * part, (rank + 1) * part)
+            VocabParallelCrossEntropy.calculate_predicted_logits(
+                logits, target, logits_max, rank * part, (rank + 1) * part
+            )
         )
         _all_reduce(predicted_logits, dist.ReduceOp.SUM, process_group)
         _all_reduce(sum_exp_logits, dist.ReduceOp.SUM, process_group)
-        softmax, loss = VocabParallelCrossEntropy.calculate_cross_entropy_loss(exp_logits, predicted_logits, sum_exp_logits)
+        softmax, loss = VocabParallelCrossEntropy.calculate_cross_entropy_loss(
+            exp_logits, predicted_logits, sum_exp_logits
+        )
         ctx.save_for_backward(softmax, target_mask, masked_target_1d)
         return -loss
 
@@ -179,8 +186,10 @@ def get_rloo_returns(rewards, kl, n_samples_per_prompt):
     """
     n = n_samples_per_prompt
     if n < 2:
-        raise ValueError(f"--advantage-estimator rloo needs --n-samples-per-prompt >= 2 (got {n}): the leave-one-out "
-                         "baseline averages the other samples of the same prompt")
+        raise ValueError(
+            f"--advantage-estimator rloo needs --n-samples-per-prompt >= 2 (got {n}): the leave-one-out "
+            "baseline averages the other samples of the same prompt"
+        )
     scale = n / (n - 1)
     return [torch.ones_like(kl[i]) * (rewards[i] * scale) for i in range(len(rewards))]
 

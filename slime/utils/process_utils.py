@@ -1,4 +1,5 @@
 """Tie a child process's life to its parent's, so no server or router outlives a run killed with SIGKILL."""
+
 import ctypes
 import os
 import signal

@@ -5,6 +5,7 @@ Used to split a rollout across DP ranks (`--balance-data`, whole groups) and a t
 `get_seqlen_balanced_partitions`: keep a heap of partial k-way solutions, repeatedly merge the two with the largest
 spread, pairing the biggest subset of one with the smallest of the other.
 """
+
 import heapq
 import itertools
 
@@ -33,7 +34,7 @@ def karmarkar_karp(seqlen_list, k_partitions, equal_size):
     """
     order = sorted(range(len(seqlen_list)), key=lambda i: (seqlen_list[i], i))
     if equal_size:
-        seeds = [order[i:i + k_partitions] for i in range(0, len(order), k_partitions)]
+        seeds = [order[i : i + k_partitions] for i in range(0, len(order), k_partitions)]
     else:
         seeds = [[i] for i in order]
 
@@ -60,7 +61,9 @@ def get_seqlen_balanced_partitions(seqlen_list, k_partitions, equal_size):
     if k_partitions < 1 or n < k_partitions:
         raise ValueError(f"cannot split {n} sequences into {k_partitions} non-empty partitions")
     if equal_size and n % k_partitions != 0:
-        raise ValueError(f"equal_size partitioning needs the number of sequences ({n}) to be a multiple of {k_partitions}")
+        raise ValueError(
+            f"equal_size partitioning needs the number of sequences ({n}) to be a multiple of {k_partitions}"
+        )
     partitions = [sorted(p) for p in karmarkar_karp(seqlen_list, k_partitions, equal_size)]
     assert sorted(itertools.chain.from_iterable(partitions)) == list(range(n)) and all(partitions)
     return partitions

@@ -8,6 +8,7 @@ and the prompt + response budget against the model's context. `check_value_range
 Every failure is one line naming the flag, file, row or function at fault; `error` exits with status 2 (argparse).
 A full list of the checks is in docs/debugging.md.
 """
+
 import ast
 import dataclasses
 import inspect
@@ -50,15 +51,19 @@ class ExtensionPoint:
         fn = ast.parse(f"def f({call or self.call}): pass").body[0].args
         n_kw = len(fn.defaults)
         positional = [a.arg for a in fn.args[: len(fn.args) - n_kw]]
-        keywords = [a.arg for a in fn.args[len(fn.args) - n_kw:]] + [a.arg for a in fn.kwonlyargs]
+        keywords = [a.arg for a in fn.args[len(fn.args) - n_kw :]] + [a.arg for a in fn.kwonlyargs]
         return positional, keywords
 
 
 EXTENSION_POINTS = (
     ExtensionPoint("--rollout-function-path", "args, rollout_id, data_source, evaluation=False"),
     ExtensionPoint("--eval-function-path", "args, rollout_id, data_source, evaluation=True"),
-    ExtensionPoint("--custom-generate-function-path", "args, sample, sampling_params", asynchronous=True,
-                   alternatives=("args, sample, sampling_params, *, evaluation",)),
+    ExtensionPoint(
+        "--custom-generate-function-path",
+        "args, sample, sampling_params",
+        asynchronous=True,
+        alternatives=("args, sample, sampling_params, *, evaluation",),
+    ),
     ExtensionPoint("--custom-rm-path", "args, sample_or_samples"),
     ExtensionPoint("--custom-reward-post-process-path", "args, samples"),
     ExtensionPoint("--dynamic-sampling-filter-path", "args, samples"),
@@ -68,30 +73,50 @@ EXTENSION_POINTS = (
     ExtensionPoint("--custom-loss-function-path", "*, args, batch, logits, sum_of_sample_mean"),
     ExtensionPoint("--custom-megatron-init-path", "args"),
     ExtensionPoint("--custom-megatron-before-log-prob-hook-path", "args, model, store_prefix"),
-    ExtensionPoint("--custom-megatron-before-train-step-hook-path",
-                   "args, rollout_id, step_id, model, optimizer, opt_param_scheduler"),
+    ExtensionPoint(
+        "--custom-megatron-before-train-step-hook-path",
+        "args, rollout_id, step_id, model, optimizer, opt_param_scheduler",
+    ),
     # current slime's extension points
     ExtensionPoint("--data-source-path", "args"),
     # keywords are passed only when the function declares them
-    ExtensionPoint("--rollout-sample-hook-path", "args, sample", alternatives=(
-        "args, sample, *, rollout_id", "args, sample, *, evaluation", "args, sample, *, rollout_id, evaluation")),
+    ExtensionPoint(
+        "--rollout-sample-hook-path",
+        "args, sample",
+        alternatives=(
+            "args, sample, *, rollout_id",
+            "args, sample, *, evaluation",
+            "args, sample, *, rollout_id, evaluation",
+        ),
+    ),
     ExtensionPoint("--rollout-sample-filter-path", "args, groups"),
     ExtensionPoint("--rollout-all-samples-process-path", "args, all_groups, data_source"),
     ExtensionPoint("--custom-convert-samples-to-train-data-path", "args, samples"),
-    ExtensionPoint("--custom-rollout-log-function-path", "rollout_id, args, samples, rollout_extra_metrics, rollout_time"),
+    ExtensionPoint(
+        "--custom-rollout-log-function-path", "rollout_id, args, samples, rollout_extra_metrics, rollout_time"
+    ),
     ExtensionPoint("--custom-eval-rollout-log-function-path", "rollout_id, args, data, extra_metrics"),
     ExtensionPoint("--custom-advantage-function-path", "args, rollout_data"),
-    ExtensionPoint("--custom-tis-function-path", "*, args, pg_loss, train_log_probs, rollout_log_probs, loss_masks, "
-                                                 "total_lengths, response_lengths"),
-    ExtensionPoint("--custom-pg-loss-reducer-function-path",
-                   "total_lengths, response_lengths, loss_masks, calculate_per_token_loss"),
-    ExtensionPoint("--custom-model-provider-path", "*, pre_process, post_process",
-                   alternatives=("*, pre_process, post_process, vp_stage",)),
+    ExtensionPoint(
+        "--custom-tis-function-path",
+        "*, args, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths",
+    ),
+    ExtensionPoint(
+        "--custom-pg-loss-reducer-function-path",
+        "total_lengths, response_lengths, loss_masks, calculate_per_token_loss",
+    ),
+    ExtensionPoint(
+        "--custom-model-provider-path",
+        "*, pre_process, post_process",
+        alternatives=("*, pre_process, post_process, vp_stage",),
+    ),
 )
 
 
 def _is_async(fn) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)  # an async callable object
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        type(fn).__call__
+    )  # an async callable object
 
 
 def check_extension_point(point: ExtensionPoint, path: str) -> str | None:
@@ -264,13 +289,28 @@ def _prompt_files(args):
     """(flag, path, input_key, label_key, tool_key, max_response_len) of every prompt file the run reads."""
     files = []
     if args.rollout_global_dataset and args.prompt_data and not args.debug_train_only:
-        files.append(("--prompt-data", args.prompt_data, args.input_key, args.label_key, args.tool_key,
-                      args.rollout_max_response_len))
+        files.append(
+            (
+                "--prompt-data",
+                args.prompt_data,
+                args.input_key,
+                args.label_key,
+                args.tool_key,
+                args.rollout_max_response_len,
+            )
+        )
     for i in range(0, len(args.eval_prompt_data or []), 2):
-        name, path = args.eval_prompt_data[i:i + 2]
-        files.append((f"--eval-prompt-data {name}", path, args.eval_input_key or args.input_key,
-                      args.eval_label_key or args.label_key, args.eval_tool_key or args.tool_key,
-                      args.eval_max_response_len or args.rollout_max_response_len))
+        name, path = args.eval_prompt_data[i : i + 2]
+        files.append(
+            (
+                f"--eval-prompt-data {name}",
+                path,
+                args.eval_input_key or args.input_key,
+                args.eval_label_key or args.label_key,
+                args.eval_tool_key or args.tool_key,
+                args.eval_max_response_len or args.rollout_max_response_len,
+            )
+        )
     return files
 
 
@@ -306,39 +346,60 @@ def check_prompt_data(args, error):
         tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint, trust_remote_code=True)
     context, context_source = _model_context(args)
     # the default rollout tokenizes text prompts itself; a custom generate / rollout may take anything
-    default_generate = args.custom_generate_function_path is None and \
-        args.rollout_function_path == DEFAULT_ROLLOUT_FUNCTION
+    default_generate = (
+        args.custom_generate_function_path is None and args.rollout_function_path == DEFAULT_ROLLOUT_FUNCTION
+    )
     for flag, path, input_key, label_key, tool_key, max_response_len in files:
         if not os.path.isfile(path):
             error(f"{flag} {path}: no such file.")
         if not os.access(path, os.R_OK):
             error(f"{flag} {path}: not readable.")
         try:
-            dataset = Dataset(path, tokenizer=tokenizer, max_length=args.rollout_max_prompt_len, prompt_key=input_key,
-                              label_key=label_key, tool_key=tool_key, metadata_key=args.metadata_key,
-                              apply_chat_template=args.apply_chat_template and tokenizer is not None)
+            dataset = Dataset(
+                path,
+                tokenizer=tokenizer,
+                max_length=args.rollout_max_prompt_len,
+                prompt_key=input_key,
+                label_key=label_key,
+                tool_key=tool_key,
+                metadata_key=args.metadata_key,
+                apply_chat_template=args.apply_chat_template and tokenizer is not None,
+            )
         except Exception as e:  # noqa: BLE001  (datasets / tokenizers raise many types; each names the file or row)
             error(f"{flag} {one_line(e)}")
-        if args.metadata_key != "metadata" and args.metadata_key not in dataset.column_names:  # the default is optional
-            error(f"{flag} {path}: no column {args.metadata_key!r} (--metadata-key); its columns are "
-                  f"{dataset.column_names}.")
+        if (
+            args.metadata_key != "metadata" and args.metadata_key not in dataset.column_names
+        ):  # the default is optional
+            error(
+                f"{flag} {path}: no column {args.metadata_key!r} (--metadata-key); its columns are "
+                f"{dataset.column_names}."
+            )
         if len(dataset) == 0:
-            error(f"{flag} {path}: no usable prompts (empty, or every prompt is longer than --rollout-max-prompt-len "
-                  f"{args.rollout_max_prompt_len}).")
+            error(
+                f"{flag} {path}: no usable prompts (empty, or every prompt is longer than --rollout-max-prompt-len "
+                f"{args.rollout_max_prompt_len})."
+            )
         if not default_generate:
             continue
         not_text = next((i for i, s in enumerate(dataset.origin_samples) if not isinstance(s.prompt, str)), None)
         if not_text is not None:
             kind = type(dataset.origin_samples[not_text].prompt).__name__
-            error(f"{flag} {path}: row {dataset.origin_rows[not_text] + 1} has a {kind} prompt, but the default "
-                  "rollout sends text: pass --apply-chat-template for chat messages, or convert the column to text.")
+            error(
+                f"{flag} {path}: row {dataset.origin_rows[not_text] + 1} has a {kind} prompt, but the default "
+                "rollout sends text: pass --apply-chat-template for chat messages, or convert the column to text."
+            )
         if context is None or tokenizer is None:
             continue
-        budget = "--eval-max-response-len" if flag.startswith("--eval") and args.eval_max_response_len \
+        budget = (
+            "--eval-max-response-len"
+            if flag.startswith("--eval") and args.eval_max_response_len
             else "--rollout-max-response-len"
+        )
         if max_response_len >= context:
-            error(f"{flag} {path}: {budget} {max_response_len} alone reaches the model's context of {context} tokens "
-                  f"({context_source}).")
+            error(
+                f"{flag} {path}: {budget} {max_response_len} alone reaches the model's context of {context} tokens "
+                f"({context_source})."
+            )
         texts = [(i, s.prompt) for i, s in enumerate(dataset.origin_samples) if isinstance(s.prompt, str)]
         if not texts:
             continue
@@ -346,9 +407,11 @@ def check_prompt_data(args, error):
         longest, index = max((len(ids), i) for (i, _), ids in zip(texts, lengths))
         row = dataset.origin_rows[index]
         if longest + max_response_len >= context:
-            error(f"{flag} {path}: row {row + 1} has a prompt of {longest} tokens; with {budget} {max_response_len} it "
-                  f"reaches the model's context of {context} tokens ({context_source}). Lower {budget} or set "
-                  "--rollout-max-prompt-len.")
+            error(
+                f"{flag} {path}: row {row + 1} has a prompt of {longest} tokens; with {budget} {max_response_len} it "
+                f"reaches the model's context of {context} tokens ({context_source}). Lower {budget} or set "
+                "--rollout-max-prompt-len."
+            )
 
 
 def check_inputs(args, error, user_load=None):
@@ -369,18 +432,26 @@ def check_cluster(args, num_gpus):
     import ray  # lazy: argument parsing must not import Ray
 
     total = ray.cluster_resources()
-    short = [f"{k} {n} needed, the cluster has {total.get(k, 0):g}" for k, n in (("GPU", num_gpus), ("CPU", num_gpus))
-             if n > total.get(k, 0)]
+    short = [
+        f"{k} {n} needed, the cluster has {total.get(k, 0):g}"
+        for k, n in (("GPU", num_gpus), ("CPU", num_gpus))
+        if n > total.get(k, 0)
+    ]
     if short:
         raise StartupError(
             f"the run needs {num_gpus} GPU bundles (--actor-num-nodes x --actor-num-gpus-per-node + --rollout-num-gpus, "
             f"or their maximum with --colocate) but {'; '.join(short)}. Lower them, or start Ray with more GPUs "
-            "(ray start --head --num-gpus N).")
+            "(ray start --head --num-gpus N)."
+        )
     largest = max((n["Resources"].get("GPU", 0) for n in ray.nodes() if n.get("Alive")), default=0)
-    for flag, per_node in (("--actor-num-gpus-per-node", args.actor_num_gpus_per_node if not args.debug_rollout_only
-                            else 0),
-                           ("--rollout-num-gpus-per-engine", 0 if args.debug_train_only else
-                            min(args.rollout_num_gpus_per_engine, args.rollout_num_gpus_per_node))):
+    for flag, per_node in (
+        ("--actor-num-gpus-per-node", args.actor_num_gpus_per_node if not args.debug_rollout_only else 0),
+        (
+            "--rollout-num-gpus-per-engine",
+            0 if args.debug_train_only else min(args.rollout_num_gpus_per_engine, args.rollout_num_gpus_per_node),
+        ),
+    ):
         if per_node > largest:
-            raise StartupError(f"{flag} {per_node}: no node of the cluster has that many GPUs (the largest has "
-                               f"{largest:g}).")
+            raise StartupError(
+                f"{flag} {per_node}: no node of the cluster has that many GPUs (the largest has {largest:g})."
+            )

@@ -8,6 +8,7 @@ authenticates with `current_process().authkey`: every process that shares or rec
 When SGLang is installed its own classes are used, so the trainer and a real SGLang server agree on the format;
 on GPU machines SGLang is required (see `serializer_classes`).
 """
+
 import base64
 import io
 import multiprocessing
@@ -60,7 +61,9 @@ class _FlattenedTensorBucket:
             assert named_tensors, "cannot build an empty bucket"
             self.metadata, offset = [], 0
             for name, t in named_tensors:
-                self.metadata.append(_FlattenedTensorMetadata(name, t.shape, t.dtype, offset, offset + t.numel(), t.numel()))
+                self.metadata.append(
+                    _FlattenedTensorMetadata(name, t.shape, t.dtype, offset, offset + t.numel(), t.numel())
+                )
                 offset += t.numel()
             self.flattened_tensor = torch.cat([t.detach().reshape(-1) for _, t in named_tensors])
         else:
@@ -77,8 +80,11 @@ class _FlattenedTensorBucket:
         return [(m.name, self.flattened_tensor[m.start_idx : m.end_idx].view(m.shape)) for m in self.metadata]
 
 
-_SGLANG_IMPORTS = ("sglang.srt.utils.MultiprocessingSerializer", "sglang.srt.weight_sync.tensor_bucket.FlattenedTensorBucket",
-                   "sglang.srt.utils.patch_torch.monkey_patch_torch_reductions")
+_SGLANG_IMPORTS = (
+    "sglang.srt.utils.MultiprocessingSerializer",
+    "sglang.srt.weight_sync.tensor_bucket.FlattenedTensorBucket",
+    "sglang.srt.utils.patch_torch.monkey_patch_torch_reductions",
+)
 
 
 def serializer_classes(require_sglang: bool):
@@ -95,7 +101,8 @@ def serializer_classes(require_sglang: bool):
         if require_sglang:
             raise ImportError(
                 f"GPU weight sync serialises tensors with SGLang's own classes ({', '.join(_SGLANG_IMPORTS)}), but "
-                f"importing them failed: {e}. Install the tested SGLang: pip install 'slime[sglang]'") from e
+                f"importing them failed: {e}. Install the tested SGLang: pip install 'slime[sglang]'"
+            ) from e
         return _MultiprocessingSerializer, _FlattenedTensorBucket, _FlattenedTensorMetadata
     if require_sglang:
         # CUDA tensors travel as IPC handles keyed by device UUID (not index), so trainer and server may number

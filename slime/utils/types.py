@@ -1,4 +1,5 @@
 """Core rollout types: `Sample` (one prompt + response trajectory) and `ParamInfo` (weight-sync metadata)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
@@ -72,15 +73,26 @@ class Sample:
         if not key:
             return self.reward
         if not isinstance(self.reward, dict) or key not in self.reward:
-            raise KeyError(f"--reward-key {key!r}: sample {self.index} has reward {self.reward!r}, which has no such key")
+            raise KeyError(
+                f"--reward-key {key!r}: sample {self.index} has reward {self.reward!r}, which has no such key"
+            )
         return self.reward[key]
 
     @property
     def effective_response_length(self) -> int:
         return sum(self.loss_mask) if self.loss_mask is not None else self.response_length
 
-    def append_response_tokens(self, args=None, *, tokens=None, log_probs=None, trainable=True, meta_info=None,
-                               text=None, update_terminal_info=True):
+    def append_response_tokens(
+        self,
+        args=None,
+        *,
+        tokens=None,
+        log_probs=None,
+        trainable=True,
+        meta_info=None,
+        text=None,
+        update_terminal_info=True,
+    ):
         """Append response tokens and keep `loss_mask` and `rollout_log_probs` aligned (current slime's helper for
         multi-turn generate functions). Model tokens pass `log_probs` (and SGLang's `meta_info`, which sets the
         status unless `update_terminal_info=False`); tool/environment tokens pass `trainable=False` and get loss-mask
@@ -101,13 +113,16 @@ class Sample:
         if tokens:
             self.tokens = list(self.tokens) + tokens
             self.response_length += len(tokens)
-            self.loss_mask = (self.loss_mask if self.loss_mask is not None else [1] * previous) + \
-                [1 if trainable else 0] * len(tokens)
+            self.loss_mask = (self.loss_mask if self.loss_mask is not None else [1] * previous) + [
+                1 if trainable else 0
+            ] * len(tokens)
         if log_probs is not None:
             if self.rollout_log_probs is None:
                 if trainable and previous:
-                    raise ValueError("cannot append trainable log-probs to a sample whose earlier response tokens "
-                                     "have no rollout_log_probs")
+                    raise ValueError(
+                        "cannot append trainable log-probs to a sample whose earlier response tokens "
+                        "have no rollout_log_probs"
+                    )
                 self.rollout_log_probs = [0.0] * previous
             self.rollout_log_probs = list(self.rollout_log_probs) + log_probs
         if meta_info and update_terminal_info:

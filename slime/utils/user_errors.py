@@ -6,6 +6,7 @@ controller actor and would otherwise reach the driver as the last line of a long
 `call_user_function` wraps the call, the error crosses Ray as text, the driver's `Watchdog.get` re-raises it
 unwrapped, and `exit_on_user_error` prints the user's traceback and one line of slime context (status 1).
 """
+
 import contextlib
 import os
 import sys

@@ -5,6 +5,7 @@ same run with `init_wandb_secondary(args, run_id)`. Metric families get their ow
 `train/*` on `train/step`; `rollout/*`, `multi_turn/*`, `passrate/*`, `perf/*` on `rollout/step`; `eval/*` on `eval/step`.
 Without an API key and without an explicit `--wandb-mode`, runs are written offline (sync later with `wandb sync DIR`).
 """
+
 import os
 import uuid
 
@@ -29,7 +30,9 @@ def _resolve_mode(args) -> str:
         return mode
     if args.wandb_key or os.environ.get("WANDB_API_KEY"):
         return "online"
-    print("wandb: no --wandb-key / WANDB_API_KEY and no --wandb-mode given: logging offline (upload later with `wandb sync`)")
+    print(
+        "wandb: no --wandb-key / WANDB_API_KEY and no --wandb-mode given: logging offline (upload later with `wandb sync`)"
+    )
     return "offline"
 
 

@@ -3,6 +3,7 @@
 The default provider already builds these norms whenever `--post-self-attn-layernorm` / `--post-mlp-layernorm` are
 set (they are inferred from a GLM-4 config.json); this entry point keeps slime's GLM-4 launch scripts working.
 """
+
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,

@@ -9,6 +9,7 @@ with `/get_rollout_data`. Run it with
 It binds 127.0.0.1 by default (slime used 0.0.0.0): pass `--host 0.0.0.0` only on a trusted network, since anyone
 who can reach the port can write trajectories or start generators.
 """
+
 import argparse
 import glob
 import importlib.util
@@ -127,7 +128,9 @@ def discover_generators(generator_dirs=(GENERATOR_DIR,)) -> dict:
             if task_type is None or not callable(getattr(module, "run_rollout", None)):
                 continue
             if task_type in found:
-                raise ValueError(f"generators {found[task_type].__file__} and {path} both declare TASK_TYPE={task_type!r}")
+                raise ValueError(
+                    f"generators {found[task_type].__file__} and {path} both declare TASK_TYPE={task_type!r}"
+                )
             found[task_type] = module
     return found
 
@@ -160,7 +163,9 @@ class RolloutBuffer:
                 f"(a generator is a generator/*.py module with TASK_TYPE and run_rollout(data))"
             )
         if self.rollout_thread is not None and self.rollout_thread.is_alive():
-            raise RuntimeError("a rollout is already running on this buffer; start a new buffer server for another one")
+            raise RuntimeError(
+                "a rollout is already running on this buffer; start a new buffer server for another one"
+            )
         group_size = int(payload.get("num_repeat_per_sample", self.queue.group_size))
         if len(self.queue) == 0 or (group_size, task_type) != (self.queue.group_size, self.queue.task_type):
             self.queue = self._make_queue(group_size, task_type)
@@ -197,9 +202,12 @@ def create_app(group_size: int = 8, task_type: str = "math", generator_dirs=(GEN
     @app.post("/get_rollout_data")
     async def get_rollout_data(request: Request):
         result = state.queue.get()
-        status = {"generator_running": bool(state.rollout_thread and state.rollout_thread.is_alive()),
-                  "generator_finished": state.rollout_finished, "generator_error": state.rollout_error,
-                  "buffered_samples": len(state.queue)}
+        status = {
+            "generator_running": bool(state.rollout_thread and state.rollout_thread.is_alive()),
+            "generator_finished": state.rollout_finished,
+            "generator_error": state.rollout_error,
+            "buffered_samples": len(state.queue),
+        }
         if not result["data"]:
             msg = "no complete group yet"
             if state.rollout_error:
@@ -233,8 +241,12 @@ def main(argv=None):
     p.add_argument("--port", type=int, default=8889)
     p.add_argument("--group-size", type=int, default=8, help="samples per group until /start_rollout sets it")
     p.add_argument("--task-type", default="math")
-    p.add_argument("--generator-dir", action="append", default=[],
-                   help="extra directory of generator modules (repeatable); generator/ is always scanned")
+    p.add_argument(
+        "--generator-dir",
+        action="append",
+        default=[],
+        help="extra directory of generator modules (repeatable); generator/ is always scanned",
+    )
     a = p.parse_args(argv)
     app = create_app(a.group_size, a.task_type, (GENERATOR_DIR, *a.generator_dir))
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")

@@ -9,6 +9,7 @@ router; every call then polls `/get_rollout_data` until enough complete groups a
 chat with a loss mask on the assistant turns, and returns `--rollout-batch-size` groups (newest first; extra groups
 stay in slime's data buffer for the next call). Evaluation is not implemented.
 """
+
 import time
 from collections import defaultdict
 
@@ -30,8 +31,10 @@ def _post(url, payload):
     try:
         resp = httpx.post(url, json=payload, timeout=HTTP_TIMEOUT_S, trust_env=False)
     except httpx.HTTPError as e:
-        raise ConnectionError(f"rollout buffer at {url} unreachable ({type(e).__name__}: {e}); is buffer.py running "
-                              f"there (--rollout-buffer-url)?") from e
+        raise ConnectionError(
+            f"rollout buffer at {url} unreachable ({type(e).__name__}: {e}); is buffer.py running "
+            f"there (--rollout-buffer-url)?"
+        ) from e
     return resp
 
 
@@ -63,8 +66,10 @@ def start_rollout(api_base_url, args, metadata):
     if resp.status_code == 409:  # already running (e.g. the controller restarted): keep consuming it
         return resp.json()
     if resp.status_code != 200:
-        raise RuntimeError(f"{api_base_url}/start_rollout refused task_type {args.rollout_task_type!r} "
-                           f"(--rollout-task-type): HTTP {resp.status_code} {resp.text[:500]}")
+        raise RuntimeError(
+            f"{api_base_url}/start_rollout refused task_type {args.rollout_task_type!r} "
+            f"(--rollout-task-type): HTTP {resp.status_code} {resp.text[:500]}"
+        )
     return resp.json()
 
 
@@ -88,8 +93,10 @@ def _group_records(records, n):
         groups[record["instance_id"]].append(record)
     for instance_id, group in groups.items():
         if len(group) != n:
-            raise ValueError(f"rollout buffer group {instance_id!r} has {len(group)} trajectories, but "
-                             f"--n-samples-per-prompt is {n}; the generator's num_repeat_per_sample must match it")
+            raise ValueError(
+                f"rollout buffer group {instance_id!r} has {len(group)} trajectories, but "
+                f"--n-samples-per-prompt is {n}; the generator's num_repeat_per_sample must match it"
+            )
     # newest groups first: they were generated with the most recent weights
     return sorted(groups.values(), key=lambda g: -max(float(r["extra_info"].get("timestamp", 0)) for r in g))
 
@@ -145,12 +152,16 @@ def generate_rollout(args, rollout_id, data_buffer, evaluation=False):
         if reply.get("generator_error"):
             raise RuntimeError(f"rollout buffer generator failed: {reply['message']}")
         if reply.get("generator_finished") and not reply.get("buffered_samples") and not data:
-            raise RuntimeError(f"the rollout buffer's generator finished and has no more groups: got {len(records)} of "
-                               f"{need} trajectories for rollout {rollout_id} (raise num_epoch or lower the batch size)")
+            raise RuntimeError(
+                f"the rollout buffer's generator finished and has no more groups: got {len(records)} of "
+                f"{need} trajectories for rollout {rollout_id} (raise num_epoch or lower the batch size)"
+            )
         attempt += 1
         if retries != -1 and attempt >= retries:
-            raise TimeoutError(f"got {len(records)} of {need} trajectories from {base_url} after {attempt} polls "
-                               f"(--fetch-trajectory-retry-times {retries})")
+            raise TimeoutError(
+                f"got {len(records)} of {need} trajectories from {base_url} after {attempt} polls "
+                f"(--fetch-trajectory-retry-times {retries})"
+            )
         time.sleep(POLL_INTERVAL_S)
 
     groups = [[_to_sample(args, r, j) for j, r in enumerate(g)] for g in _group_records(records, n)]

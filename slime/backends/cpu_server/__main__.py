@@ -1,4 +1,5 @@
 """`python -m slime.backends.cpu_server --model-path DIR --host 127.0.0.1 --port P ...` (flag names as SGLang's)."""
+
 import argparse
 import logging
 import sys
@@ -12,25 +13,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--random-seed", type=int, default=0, help="seed of the sampler for requests without sampling_seed")
     p.add_argument("--max-running-requests", type=int, default=128, help="requests decoded together at most")
-    p.add_argument("--max-total-tokens", type=int, default=None,
-                   help="KV-cache size in tokens (default: max-running-requests x context, capped at 1 GiB of cache)")
+    p.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=None,
+        help="KV-cache size in tokens (default: max-running-requests x context, capped at 1 GiB of cache)",
+    )
     p.add_argument("--max-prefill-tokens", type=int, default=16384, help="token budget of one prefill batch")
     p.add_argument("--context-length", type=int, default=None, help="default: the model's max_position_embeddings")
     p.add_argument("--weight-version", default="default", help="initial weight version reported by /generate")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--dtype", default="auto", help="auto (the checkpoint's dtype), float32, bfloat16 or float16")
-    p.add_argument("--num-threads", type=int, default=1, help="torch threads (the server is single-threaded by default)")
+    p.add_argument(
+        "--num-threads", type=int, default=1, help="torch threads (the server is single-threaded by default)"
+    )
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--log-level", default="info")
-    p.add_argument("--api-key", default=None, help="as SGLang's: required (Bearer) on every endpoint but health probes")
-    p.add_argument("--admin-api-key", default=None, help="as SGLang's: required on admin endpoints instead of --api-key")
+    p.add_argument(
+        "--api-key", default=None, help="as SGLang's: required (Bearer) on every endpoint but health probes"
+    )
+    p.add_argument(
+        "--admin-api-key", default=None, help="as SGLang's: required on admin endpoints instead of --api-key"
+    )
     return p
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="[%(asctime)s cpu_server] %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), stream=sys.stderr, format="[%(asctime)s cpu_server] %(levelname)s %(message)s"
+    )
     from .model import UnsupportedModelError  # heavy: after the argument checks
     from .server import run_server  # heavy: after the argument checks
     from .weights import WeightError  # heavy: after the argument checks

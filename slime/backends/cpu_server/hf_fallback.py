@@ -4,6 +4,7 @@ It plugs into the same scheduler (continuous batching, retraction, sampling, wei
 interfaces of `Transformer` / `KVPool` / `WeightStore`, but keeps token ids instead of K/V in the pool and recomputes
 each sequence every step (no KV cache): correct for any model, quadratic in length, meant for small models.
 """
+
 import os
 import shutil
 import tempfile
@@ -21,7 +22,9 @@ class FallbackConfig:
         self.model_type = hf_config.model_type
         text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         self.vocab_size = text.vocab_size
-        self.max_position_embeddings = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", 2048)
+        self.max_position_embeddings = getattr(text, "max_position_embeddings", None) or getattr(
+            text, "n_positions", 2048
+        )
         eos = getattr(text, "eos_token_id", None)
         self.eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None) or torch.float32
@@ -53,7 +56,7 @@ class TokenPool:
     def alloc(self, n: int) -> list:
         assert n <= len(self.free), "token pool exhausted"
         out = self.free[-n:] if n else []
-        del self.free[len(self.free) - n:]
+        del self.free[len(self.free) - n :]
         return out
 
     def give_back(self, rows):
@@ -92,7 +95,9 @@ class HFWeights:
                 if dst is None:
                     raise WeightError(f"{source}: unknown parameter {name!r} for {self.model.config.architectures}")
                 if tuple(t.shape) != tuple(dst.shape):
-                    raise WeightError(f"{source}: parameter {name!r} has shape {tuple(t.shape)}, the model expects {tuple(dst.shape)}")
+                    raise WeightError(
+                        f"{source}: parameter {name!r} has shape {tuple(t.shape)}, the model expects {tuple(dst.shape)}"
+                    )
                 dst.copy_(t)
                 loaded.add(name)
         return loaded

@@ -6,6 +6,7 @@ The KV cache is a token pool (SGLang's layout with page size 1): `req_to_token[s
 position to a row of the per-layer K/V pools, so requests join and leave the batch without moving anyone's cache.
 Numerics follow transformers' implementation (fp32 RoPE tables, RMSNorm in fp32) so log-probs match HF within 1e-6 in fp32.
 """
+
 import json
 import math
 import os
@@ -15,8 +16,13 @@ import torch
 import torch.nn.functional as F
 
 # MiMo is a Qwen2 decoder plus multi-token-prediction layers, which serve speculative decoding only: not loaded here.
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "MiMoForCausalLM"}
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MiMoForCausalLM",
+}
 
 
 class UnsupportedModelError(ValueError):
@@ -49,7 +55,9 @@ class ModelConfig:
     def from_model_dir(cls, model_dir: str) -> "ModelConfig":
         path = os.path.join(model_dir, "config.json")
         if not os.path.isfile(path):
-            raise UnsupportedModelError(f"{path} does not exist: --model-path must be a local HuggingFace model directory.")
+            raise UnsupportedModelError(
+                f"{path} does not exist: --model-path must be a local HuggingFace model directory."
+            )
         with open(path) as f:
             c = json.load(f)
         arch = (c.get("architectures") or ["?"])[0]
@@ -64,7 +72,9 @@ class ModelConfig:
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type", "default"))
             if kind not in ("default", "llama3", "linear"):
-                raise UnsupportedModelError(f"{path}: rope scaling type {kind!r} is not supported by slime's CPU server.")
+                raise UnsupportedModelError(
+                    f"{path}: rope scaling type {kind!r} is not supported by slime's CPU server."
+                )
             if kind == "default":
                 scaling = None
         if c.get("sliding_window") and c.get("use_sliding_window", arch == "MistralForCausalLM"):
@@ -73,14 +83,24 @@ class ModelConfig:
         eos = c.get("eos_token_id")
         model_type = c.get("model_type", "")
         return cls(
-            architecture=arch, model_type=model_type, vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
-            intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"], num_heads=heads,
-            num_kv_heads=c.get("num_key_value_heads") or heads, head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-            rms_norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=float(c.get("rope_theta", rope.get("rope_theta", 10000.0))),
-            rope_scaling=scaling, max_position_embeddings=c.get("max_position_embeddings", 4096),
+            architecture=arch,
+            model_type=model_type,
+            vocab_size=c["vocab_size"],
+            hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"],
+            num_layers=c["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=c.get("num_key_value_heads") or heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=float(c.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rope_scaling=scaling,
+            max_position_embeddings=c.get("max_position_embeddings", 4096),
             tie_word_embeddings=c.get("tie_word_embeddings", False),
-            attention_bias=c.get("attention_bias", arch in ("Qwen2ForCausalLM", "MiMoForCausalLM")), qk_norm=model_type.startswith("qwen3"),
-            mlp_bias=c.get("mlp_bias", False), torch_dtype=str(c.get("torch_dtype") or c.get("dtype") or "float32"),
+            attention_bias=c.get("attention_bias", arch in ("Qwen2ForCausalLM", "MiMoForCausalLM")),
+            qk_norm=model_type.startswith("qwen3"),
+            mlp_bias=c.get("mlp_bias", False),
+            torch_dtype=str(c.get("torch_dtype") or c.get("dtype") or "float32"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
         )
 
@@ -95,7 +115,12 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     if kind == "linear":
         return inv_freq / s["factor"]
     # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth blend in between (as transformers does)
-    factor, lo, hi, old = s["factor"], s["low_freq_factor"], s["high_freq_factor"], s["original_max_position_embeddings"]
+    factor, lo, hi, old = (
+        s["factor"],
+        s["low_freq_factor"],
+        s["high_freq_factor"],
+        s["original_max_position_embeddings"],
+    )
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > old / lo, inv_freq / factor, inv_freq)
     smooth = (old / wavelen - lo) / (hi - lo)
@@ -137,7 +162,7 @@ class KVPool:
     def alloc(self, n: int) -> list:
         assert n <= len(self.free), "KV pool exhausted"
         out = self.free[-n:] if n else []
-        del self.free[len(self.free) - n:]
+        del self.free[len(self.free) - n :]
         return out
 
     def give_back(self, rows):
@@ -184,8 +209,9 @@ class Transformer:
         return F.linear(self._norm(h, self.w.final_norm), self.w.lm_head)
 
     @torch.inference_mode()
-    def forward_prefill(self, pool: KVPool, tokens: torch.Tensor, lens: torch.Tensor, rows: torch.Tensor,
-                        all_logits: bool = False):
+    def forward_prefill(
+        self, pool: KVPool, tokens: torch.Tensor, lens: torch.Tensor, rows: torch.Tensor, all_logits: bool = False
+    ):
         """tokens [N]: whole sequences packed back to back, lens [B] their lengths, rows [N] their pool rows.
         Returns logits at each sequence's last token [B, V] (or at every token [N, V]).
         Matmuls run on the packed tokens (no padding waste); only attention uses a padded [B, L] layout."""
@@ -209,8 +235,9 @@ class Transformer:
             q, k, v = self._qkv(layer, x, cos, sin)
             pool.k[i].index_copy_(0, rows, k)
             pool.v[i].index_copy_(0, rows, v)
-            o = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=mask, scale=self.scale,
-                                               enable_gqa=True)
+            o = F.scaled_dot_product_attention(
+                padded(q), padded(k), padded(v), attn_mask=mask, scale=self.scale, enable_gqa=True
+            )
             o = o.transpose(1, 2).flatten(2).flatten(0, 1).index_select(0, pad_index)  # back to packed [N, H*D]
             h = h + F.linear(o, layer["o"], layer.get("o_bias"))
             h = h + self._mlp(layer, self._norm(h, layer["post_norm"]))
@@ -219,8 +246,15 @@ class Transformer:
         return self._logits(h.index_select(0, starts + lens - 1))
 
     @torch.inference_mode()
-    def forward_decode(self, pool: KVPool, tokens: torch.Tensor, positions: torch.Tensor, new_rows: torch.Tensor,
-                       kv_index: torch.Tensor, kv_valid: torch.Tensor):
+    def forward_decode(
+        self,
+        pool: KVPool,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        new_rows: torch.Tensor,
+        kv_index: torch.Tensor,
+        kv_valid: torch.Tensor,
+    ):
         """One token per request. tokens/positions/new_rows [B]; kv_index [B, S] pool rows of every cached position
         including the new one (padding points at row 0), kv_valid [B, S]. Returns logits [B, V]."""
         cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)
@@ -237,7 +271,9 @@ class Transformer:
             # index_select, not advanced indexing: ~100x faster gathers on CPU
             ks = pool.k[i].index_select(0, flat_index).unflatten(0, (B, S)).transpose(1, 2)  # [B, kv_heads, S, D]
             vs = pool.v[i].index_select(0, flat_index).unflatten(0, (B, S)).transpose(1, 2)
-            o = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(
+                q.unsqueeze(2), ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=True
+            )
             h = h + F.linear(o.flatten(1), layer["o"], layer.get("o_bias"))
             h = h + self._mlp(layer, self._norm(h, layer["post_norm"]))
         return self._logits(h)

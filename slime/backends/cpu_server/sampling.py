@@ -5,16 +5,41 @@ distribution that is sampled from; the returned log-prob is that of the temperat
 penalties / logit_bias / min_new_tokens masking), in float32. A request with `sampling_seed` draws from its own
 generator, so its output is reproducible regardless of what else is in the batch.
 """
+
 from dataclasses import dataclass, field
 
 import torch
 
 # The complete set of keys SGLang 0.5 accepts in `sampling_params` (its contract check rejects anything else).
 SAMPLING_KEYS = (
-    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
-    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema", "regex",
-    "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
-    "stream_interval", "logit_bias", "sampling_seed", "custom_params", "beam_width", "watermark", "choice",
+    "max_new_tokens",
+    "stop",
+    "stop_token_ids",
+    "stop_regex",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_new_tokens",
+    "n",
+    "json_schema",
+    "regex",
+    "ebnf",
+    "structural_tag",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "stream_interval",
+    "logit_bias",
+    "sampling_seed",
+    "custom_params",
+    "beam_width",
+    "watermark",
+    "choice",
 )
 # Accepted by SGLang but needing machinery this server does not have (grammars, beam search, ...).
 _UNSUPPORTED = ("stop_regex", "json_schema", "regex", "ebnf", "structural_tag", "beam_width", "choice", "watermark")
@@ -29,7 +54,11 @@ def _num(d, key, default, kind):
     v = d.get(key, default)
     if v is None:
         return default
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) if kind is float else isinstance(v, int) and not isinstance(v, bool)
+    ok = (
+        isinstance(v, (int, float)) and not isinstance(v, bool)
+        if kind is float
+        else isinstance(v, int) and not isinstance(v, bool)
+    )
     if not ok:
         raise RequestError(f"sampling_params.{key} must be {'a number' if kind is float else 'an integer'}, got {v!r}")
     return kind(v)
@@ -82,7 +111,9 @@ class SamplingParams:
             raise RequestError(f"sampling_params must be an object, got {type(d).__name__}")
         for k in d:
             if k not in SAMPLING_KEYS:
-                raise RequestError(f"unknown field {k!r}, expected one of " + ", ".join(f"'{x}'" for x in SAMPLING_KEYS))
+                raise RequestError(
+                    f"unknown field {k!r}, expected one of " + ", ".join(f"'{x}'" for x in SAMPLING_KEYS)
+                )
         for k in _UNSUPPORTED:
             if d.get(k) not in (None, False):
                 raise RequestError(f"sampling_params.{k} is not supported by slime's CPU server")
@@ -109,7 +140,9 @@ class SamplingParams:
         stop = d.get("stop") or []
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-            raise RequestError(f"sampling_params.stop must be a non-empty string or a list of them, got {d.get('stop')!r}")
+            raise RequestError(
+                f"sampling_params.stop must be a non-empty string or a list of them, got {d.get('stop')!r}"
+            )
         p.stop = stop
         ids = d.get("stop_token_ids") or []
         if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
@@ -146,7 +179,9 @@ class SamplingParams:
         if self.max_new_tokens < 0:
             raise RequestError(f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise RequestError(f"min_new_tokens must be in [0, max_new_tokens({self.max_new_tokens})], got {self.min_new_tokens}.")
+            raise RequestError(
+                f"min_new_tokens must be in [0, max_new_tokens({self.max_new_tokens})], got {self.min_new_tokens}."
+            )
         if self.n < 1:
             raise RequestError(f"n must be at least 1, got {self.n}.")
         for t in list(self.stop_token_ids) + list(self.logit_bias):
@@ -167,7 +202,9 @@ def sample(logits: torch.Tensor, reqs, default_gen: torch.Generator, stop_ids_of
             row = logits[i]  # SGLang's order: frequency, presence, then repetition scaling (output tokens only)
             row -= sp.frequency_penalty * counts + sp.presence_penalty * seen.to(logits.dtype)
             if sp.repetition_penalty != 1.0:
-                row[seen] = torch.where(row[seen] > 0, row[seen] / sp.repetition_penalty, row[seen] * sp.repetition_penalty)
+                row[seen] = torch.where(
+                    row[seen] > 0, row[seen] / sp.repetition_penalty, row[seen] * sp.repetition_penalty
+                )
         for t, b in sp.logit_bias.items():
             logits[i, t] += b
         if len(r.output_ids) < sp.min_new_tokens:

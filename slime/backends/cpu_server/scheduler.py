@@ -5,6 +5,7 @@ requests while a running slot and KV rows are free, prefill them in one padded b
 running request. Requests leave the batch the step they finish. When the KV pool runs dry the newest request is
 retracted (its rows freed) and re-prefilled later from prompt + output, as SGLang does.
 """
+
 import concurrent.futures
 import logging
 import queue
@@ -21,11 +22,25 @@ logger = logging.getLogger("slime.cpu_server")
 
 
 class Req:
-    def __init__(self, input_ids, sp: SamplingParams, *, rid=None, return_logprob=False, logprob_start_len=-1,
-                 top_logprobs_num=0, stream=False, on_update=None):
+    def __init__(
+        self,
+        input_ids,
+        sp: SamplingParams,
+        *,
+        rid=None,
+        return_logprob=False,
+        logprob_start_len=-1,
+        top_logprobs_num=0,
+        stream=False,
+        on_update=None,
+    ):
         self.rid = rid or uuid.uuid4().hex
         self.input_ids, self.sp = list(input_ids), sp
-        self.return_logprob, self.logprob_start_len, self.top_logprobs_num = return_logprob, logprob_start_len, top_logprobs_num
+        self.return_logprob, self.logprob_start_len, self.top_logprobs_num = (
+            return_logprob,
+            logprob_start_len,
+            top_logprobs_num,
+        )
         self.stream, self.on_update = stream, on_update  # on_update(req) is called from the scheduler thread
         self.generator = None if sp.sampling_seed is None else torch.Generator().manual_seed(sp.sampling_seed)
         self.output_ids, self.output_logprobs, self.output_top_logprobs = [], [], []
@@ -45,8 +60,20 @@ class Req:
 
 
 class Scheduler:
-    def __init__(self, model, weights, pool, tokenizer, *, max_running: int, context_len: int, eos_ids,
-                 max_prefill_tokens: int, random_seed: int, state):
+    def __init__(
+        self,
+        model,
+        weights,
+        pool,
+        tokenizer,
+        *,
+        max_running: int,
+        context_len: int,
+        eos_ids,
+        max_prefill_tokens: int,
+        random_seed: int,
+        state,
+    ):
         self.model, self.weights, self.pool, self.tok = model, weights, pool, tokenizer
         self.max_running, self.context_len, self.eos_ids = max_running, context_len, set(eos_ids)
         self.max_prefill_tokens = max_prefill_tokens
@@ -96,8 +123,11 @@ class Scheduler:
         return not self.running and (self.paused or (not self.waiting and self.inbox.empty()))
 
     def load(self) -> dict:
-        return {"num_reqs": len(self.running), "num_waiting_reqs": len(self.waiting),
-                "num_tokens": sum(len(r.rows) for r in self.running)}
+        return {
+            "num_reqs": len(self.running),
+            "num_waiting_reqs": len(self.waiting),
+            "num_tokens": sum(len(r.rows) for r in self.running),
+        }
 
     # ----- scheduler thread -----
     def _loop(self):
@@ -114,8 +144,15 @@ class Scheduler:
             except Exception:  # a bug must not leave clients hanging: fail everything in flight and keep serving
                 logger.exception("scheduler step failed; aborting in-flight requests")
                 for r in list(self.running) + list(self.waiting):
-                    self._finish(r, {"type": "abort", "message": "internal server error", "status_code": 500,
-                                     "err_type": "InternalServerError"})
+                    self._finish(
+                        r,
+                        {
+                            "type": "abort",
+                            "message": "internal server error",
+                            "status_code": 500,
+                            "err_type": "InternalServerError",
+                        },
+                    )
                 self.running, self.waiting = [], deque()
 
     def _drain(self):
@@ -189,7 +226,7 @@ class Scheduler:
         lp = torch.log_softmax(logits / r.sp.temperature, dim=-1)
         vals = lp[:-1].gather(1, tokens[1:, None]).squeeze(1).tolist()
         entries = [[None, int(tokens[0]), None]] + [[v, int(t), None] for v, t in zip(vals, tokens[1:].tolist())]
-        r.input_logprobs = entries[r.logprob_start_len:]
+        r.input_logprobs = entries[r.logprob_start_len :]
 
     def _decode(self):
         need = len(self.running)
@@ -247,7 +284,7 @@ class Scheduler:
             return {"type": "stop", "matched": t}
         if sp.stop:
             longest = max(len(s) for s in sp.stop)
-            tail = self.tok.decode(r.output_ids[-(longest + 1):], skip_special_tokens=sp.skip_special_tokens)
+            tail = self.tok.decode(r.output_ids[-(longest + 1) :], skip_special_tokens=sp.skip_special_tokens)
             for s in sp.stop:
                 if s in tail:
                     return {"type": "stop", "matched": s}

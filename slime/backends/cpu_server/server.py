@@ -5,6 +5,7 @@ Routes, request fields, response shapes, auth levels and memory tags follow SGLa
 sglang-router and the same weight-sync code talk to either server. Bodies are checked strictly against SGLang's
 request classes (an unknown or misspelt field is a 400, where SGLang would silently ignore it).
 """
+
 import asyncio
 import hashlib
 import hmac
@@ -59,9 +60,16 @@ class CPUInferenceServer:
         self.eos_ids = self._eos_ids()
         self.state = ServerState(args.weight_version, args.num_threads)
         self.scheduler = Scheduler(
-            self.model, self.weights, self.pool, sched_tok, max_running=args.max_running_requests,
-            context_len=self.context_len, eos_ids=self.eos_ids, max_prefill_tokens=args.max_prefill_tokens,
-            random_seed=args.random_seed, state=self.state,
+            self.model,
+            self.weights,
+            self.pool,
+            sched_tok,
+            max_running=args.max_running_requests,
+            context_len=self.context_len,
+            eos_ids=self.eos_ids,
+            max_prefill_tokens=args.max_prefill_tokens,
+            random_seed=args.random_seed,
+            state=self.state,
         )
         self.served_model_name = args.served_model_name or self.model_path
         self.groups: dict = {}
@@ -80,10 +88,14 @@ class CPUInferenceServer:
         except UnsupportedModelError as e:
             if not os.path.isfile(os.path.join(self.model_path, "config.json")):
                 raise
-            logger.warning("%s Serving it with the transformers fallback instead (no KV cache: slow for long outputs).", e)
+            logger.warning(
+                "%s Serving it with the transformers fallback instead (no KV cache: slow for long outputs).", e
+            )
             self.fallback = True
         if self.fallback:
-            self.cfg, self.dtype, self.weights, self.model = load_fallback(self.model_path, args.dtype, args.trust_remote_code)
+            self.cfg, self.dtype, self.weights, self.model = load_fallback(
+                self.model_path, args.dtype, args.trust_remote_code
+            )
             self.context_len = args.context_length or self.cfg.max_position_embeddings
             self.max_total_tokens = args.max_total_tokens or args.max_running_requests * self.context_len
             self.pool = TokenPool(self.max_total_tokens)
@@ -94,8 +106,9 @@ class CPUInferenceServer:
         self.weights.load_from_dir(self.model_path)
         self.model = Transformer(self.cfg, self.weights, self.dtype, self.context_len + 1)
         bytes_per_token = 2 * self.cfg.num_layers * self.cfg.num_kv_heads * self.cfg.head_dim * self.dtype.itemsize
-        self.max_total_tokens = args.max_total_tokens or min(args.max_running_requests * self.context_len,
-                                                             (1 << 30) // bytes_per_token)
+        self.max_total_tokens = args.max_total_tokens or min(
+            args.max_running_requests * self.context_len, (1 << 30) // bytes_per_token
+        )
         self.pool = KVPool(self.cfg, self.max_total_tokens, self.dtype)
 
     def _eos_ids(self):
@@ -113,27 +126,43 @@ class CPUInferenceServer:
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 31, middlewares=[self._auth, self._errors])
         r = app.router
-        for path, h in [("/health", self.health), ("/health_generate", self.health_generate),
-                        ("/get_server_info", self.server_info), ("/server_info", self.server_info),
-                        ("/get_model_info", self.model_info), ("/model_info", self.model_info),
-                        ("/get_load", self.get_load), ("/v1/loads", self.get_load), ("/v1/models", self.models)]:
+        for path, h in [
+            ("/health", self.health),
+            ("/health_generate", self.health_generate),
+            ("/get_server_info", self.server_info),
+            ("/server_info", self.server_info),
+            ("/get_model_info", self.model_info),
+            ("/model_info", self.model_info),
+            ("/get_load", self.get_load),
+            ("/v1/loads", self.get_load),
+            ("/v1/models", self.models),
+        ]:
             r.add_get(path, h)
-        for path, h in [("/flush_cache", self.flush_cache), ("/release_memory_occupation", self.release_memory),
-                        ("/resume_memory_occupation", self.resume_memory), ("/weights_checker", self.weights_checker),
-                        ("/get_weights_by_name", self.get_weights_by_name)]:
+        for path, h in [
+            ("/flush_cache", self.flush_cache),
+            ("/release_memory_occupation", self.release_memory),
+            ("/resume_memory_occupation", self.resume_memory),
+            ("/weights_checker", self.weights_checker),
+            ("/get_weights_by_name", self.get_weights_by_name),
+        ]:
             r.add_route("GET", path, h)
             r.add_route("POST", path, h)
-        for path, h in [("/generate", self.generate), ("/abort_request", self.abort_request),
-                        ("/pause_generation", self.pause_generation), ("/continue_generation", self.continue_generation),
-                        ("/init_weights_update_group", self.init_weights_update_group),
-                        ("/destroy_weights_update_group", self.destroy_weights_update_group),
-                        ("/update_weights_from_distributed", self.update_weights_from_distributed),
-                        ("/update_weights_from_tensor", self.update_weights_from_tensor),
-                        ("/update_weights_from_disk", self.update_weights_from_disk),
-                        ("/begin_weight_update", self.begin_weight_update),
-                        ("/end_weight_update", self.end_weight_update),
-                        ("/update_weight_version", self.update_weight_version),
-                        ("/v1/completions", self.v1_completions), ("/v1/chat/completions", self.v1_chat_completions)]:
+        for path, h in [
+            ("/generate", self.generate),
+            ("/abort_request", self.abort_request),
+            ("/pause_generation", self.pause_generation),
+            ("/continue_generation", self.continue_generation),
+            ("/init_weights_update_group", self.init_weights_update_group),
+            ("/destroy_weights_update_group", self.destroy_weights_update_group),
+            ("/update_weights_from_distributed", self.update_weights_from_distributed),
+            ("/update_weights_from_tensor", self.update_weights_from_tensor),
+            ("/update_weights_from_disk", self.update_weights_from_disk),
+            ("/begin_weight_update", self.begin_weight_update),
+            ("/end_weight_update", self.end_weight_update),
+            ("/update_weight_version", self.update_weight_version),
+            ("/v1/completions", self.v1_completions),
+            ("/v1/chat/completions", self.v1_chat_completions),
+        ]:
             r.add_post(path, h)
         r.add_put("/generate", self.generate)
         app.on_startup.append(self._on_startup)
@@ -216,14 +245,28 @@ class CPUInferenceServer:
     def _server_info(self):
         a = self.args
         return {
-            "model_path": self.model_path, "tokenizer_path": a.tokenizer_path or self.model_path,
-            "served_model_name": self.served_model_name, "host": a.host, "port": a.port, "tp_size": 1, "dp_size": 1,
-            "pp_size": 1, "ep_size": 1, "context_length": self.context_len, "max_running_requests": a.max_running_requests,
-            "max_total_num_tokens": self.max_total_tokens, "max_prefill_tokens": a.max_prefill_tokens,
-            "random_seed": a.random_seed, "dtype": str(self.dtype).replace("torch.", ""), "device": "cpu",
-            "skip_tokenizer_init": False, "weight_version": self.state.weight_version, "version": VERSION,
+            "model_path": self.model_path,
+            "tokenizer_path": a.tokenizer_path or self.model_path,
+            "served_model_name": self.served_model_name,
+            "host": a.host,
+            "port": a.port,
+            "tp_size": 1,
+            "dp_size": 1,
+            "pp_size": 1,
+            "ep_size": 1,
+            "context_length": self.context_len,
+            "max_running_requests": a.max_running_requests,
+            "max_total_num_tokens": self.max_total_tokens,
+            "max_prefill_tokens": a.max_prefill_tokens,
+            "random_seed": a.random_seed,
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "device": "cpu",
+            "skip_tokenizer_init": False,
+            "weight_version": self.state.weight_version,
+            "version": VERSION,
             "model_impl": "transformers" if self.fallback else "slime",
-            "frontend": "python", "startup_time": self.started,
+            "frontend": "python",
+            "startup_time": self.started,
             "internal_states": [{"last_gen_throughput": self.last_gen_throughput}],
         }
 
@@ -231,20 +274,41 @@ class CPUInferenceServer:
         return web.json_response(self._server_info())
 
     async def model_info(self, request):
-        return web.json_response({
-            "model_path": self.model_path, "tokenizer_path": self.args.tokenizer_path or self.model_path,
-            "served_model_name": self.served_model_name, "is_generation": True, "preferred_sampling_params": None,
-            "weight_version": self.state.weight_version, "load_format": "auto", "has_image_understanding": False,
-            "has_audio_understanding": False, "model_type": self.cfg.model_type, "architectures": [self.cfg.architecture],
-        })
+        return web.json_response(
+            {
+                "model_path": self.model_path,
+                "tokenizer_path": self.args.tokenizer_path or self.model_path,
+                "served_model_name": self.served_model_name,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": self.state.weight_version,
+                "load_format": "auto",
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": self.cfg.model_type,
+                "architectures": [self.cfg.architecture],
+            }
+        )
 
     async def get_load(self, request):
         return web.json_response([dict(dp_rank=0, **self.scheduler.load())])
 
     async def models(self, request):
-        return web.json_response({"object": "list", "data": [
-            {"id": self.served_model_name, "object": "model", "created": int(self.started), "owned_by": "sglang",
-             "root": self.served_model_name, "max_model_len": self.context_len}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.served_model_name,
+                        "object": "model",
+                        "created": int(self.started),
+                        "owned_by": "sglang",
+                        "root": self.served_model_name,
+                        "max_model_len": self.context_len,
+                    }
+                ],
+            }
+        )
 
     # ------------------------------------------------------------------ generate
     def _prompts(self, body):
@@ -252,6 +316,7 @@ class CPUInferenceServer:
         if (text is None) == (ids is None):
             raise RequestError("Either text or input_ids should be provided (exactly one of them).")
         if ids is not None:
+
             def is_ids(x):
                 return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
@@ -259,7 +324,9 @@ class CPUInferenceServer:
                 return [ids], False
             if isinstance(ids, list) and ids and all(is_ids(x) for x in ids):
                 return ids, True
-            raise RequestError(f"input_ids must be a list of token ids or a non-empty list of such lists, got {str(ids)[:100]}")
+            raise RequestError(
+                f"input_ids must be a list of token ids or a non-empty list of such lists, got {str(ids)[:100]}"
+            )
         if isinstance(text, str):
             return [self.tokenizer.encode(text)], False
         if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
@@ -274,7 +341,9 @@ class CPUInferenceServer:
         if bad:
             raise RequestError(f"input_ids contain token id {bad[0]} outside the vocabulary [0, {V}).")
         if n >= self.context_len:
-            raise RequestError(f"The input ({n} tokens) is longer than the model's context length ({self.context_len} tokens).")
+            raise RequestError(
+                f"The input ({n} tokens) is longer than the model's context length ({self.context_len} tokens)."
+            )
         if not sp.max_new_tokens_explicit:  # SGLang clips the default budget to what the context leaves
             sp.max_new_tokens = min(sp.max_new_tokens, self.context_len - n - 1, self.max_total_tokens - n)
             sp.min_new_tokens = min(sp.min_new_tokens, sp.max_new_tokens)
@@ -283,10 +352,13 @@ class CPUInferenceServer:
                 f"Requested token count exceeds the model's maximum context length of {self.context_len} tokens. "
                 f"You requested a total of {n + sp.max_new_tokens} tokens: {n} tokens from the input messages and "
                 f"{sp.max_new_tokens} tokens for the completion. Please reduce the number of tokens in the input "
-                f"messages or the completion to fit within the limit.")
+                f"messages or the completion to fit within the limit."
+            )
         if n + max(sp.max_new_tokens, 1) > self.max_total_tokens:
-            raise RequestError(f"The request needs {n + sp.max_new_tokens} KV-cache tokens but the server holds only "
-                               f"{self.max_total_tokens} (--max-total-tokens).")
+            raise RequestError(
+                f"The request needs {n + sp.max_new_tokens} KV-cache tokens but the server holds only "
+                f"{self.max_total_tokens} (--max-total-tokens)."
+            )
 
     def _build_reqs(self, body, on_update=None):
         prompts, batch = self._prompts(body)
@@ -298,7 +370,9 @@ class CPUInferenceServer:
         if not isinstance(topn, int) or isinstance(topn, bool) or topn < 0:
             raise RequestError(f"top_logprobs_num must be a non-negative integer, got {topn!r}")
         if body.get("custom_logit_processor") or body.get("input_embeds") is not None or body.get("image_data"):
-            raise RequestError("custom_logit_processor, input_embeds and image_data are not supported by slime's CPU server.")
+            raise RequestError(
+                "custom_logit_processor, input_embeds and image_data are not supported by slime's CPU server."
+            )
         reqs = []
         for i, ids in enumerate(prompts):
             sp_d = sps_raw[i] if isinstance(sps_raw, list) else sps_raw
@@ -310,9 +384,16 @@ class CPUInferenceServer:
             if not isinstance(lp, bool) or (st is not None and not isinstance(st, int)):
                 raise RequestError("return_logprob must be a boolean and logprob_start_len an integer.")
             for k in range(sp.n):
-                r = Req(ids, sp, rid=(f"{rid}-{k}" if rid and sp.n > 1 else rid), return_logprob=lp,
-                        logprob_start_len=-1 if st is None else st, top_logprobs_num=topn,
-                        stream=bool(body.get("stream")), on_update=on_update)
+                r = Req(
+                    ids,
+                    sp,
+                    rid=(f"{rid}-{k}" if rid and sp.n > 1 else rid),
+                    return_logprob=lp,
+                    logprob_start_len=-1 if st is None else st,
+                    top_logprobs_num=topn,
+                    stream=bool(body.get("stream")),
+                    on_update=on_update,
+                )
                 r.index, r.text_in_logprobs = len(reqs), bool(body.get("return_text_in_logprobs"))
                 reqs.append(r)
         return reqs, batch
@@ -320,10 +401,15 @@ class CPUInferenceServer:
     def _check_ready(self):
         if self.released_tags:
             raise web.HTTPServiceUnavailable(
-                text=json.dumps({"error": f"the server's memory is released ({', '.join(sorted(self.released_tags))}; "
-                                          "release_memory_occupation): call /resume_memory_occupation with these tags "
-                                          "before generating"}),
-                content_type="application/json")
+                text=json.dumps(
+                    {
+                        "error": f"the server's memory is released ({', '.join(sorted(self.released_tags))}; "
+                        "release_memory_occupation): call /resume_memory_occupation with these tags "
+                        "before generating"
+                    }
+                ),
+                content_type="application/json",
+            )
 
     async def _run(self, reqs, timeout=None):
         loop = asyncio.get_running_loop()
@@ -347,11 +433,17 @@ class CPUInferenceServer:
 
     def _output(self, r, text=None):
         meta = {
-            "id": r.rid, "finish_reason": r.finish_reason, "prompt_tokens": len(r.input_ids),
-            "weight_version": r.weight_version or self.state.weight_version, "completion_tokens": len(r.output_ids),
-            "cached_tokens": 0, "num_retractions": r.num_retractions, "e2e_latency": time.time() - r.created,
+            "id": r.rid,
+            "finish_reason": r.finish_reason,
+            "prompt_tokens": len(r.input_ids),
+            "weight_version": r.weight_version or self.state.weight_version,
+            "completion_tokens": len(r.output_ids),
+            "cached_tokens": 0,
+            "num_retractions": r.num_retractions,
+            "e2e_latency": time.time() - r.created,
         }
         if r.return_logprob:
+
             def text_of(t):  # SGLang's return_text_in_logprobs: the token's text in the third slot
                 return self.tokenizer.decode([t]) if r.text_in_logprobs else None
 
@@ -503,8 +595,14 @@ class CPUInferenceServer:
         timeout = float(b.get("timeout", 300))
 
         def join():
-            return init_process_group(backend=backend, init_method=url, world_size=int(b["world_size"]),
-                                      rank=int(b["rank_offset"]), group_name=name, timeout=seconds(timeout))
+            return init_process_group(
+                backend=backend,
+                init_method=url,
+                world_size=int(b["world_size"]),
+                rank=int(b["rank_offset"]),
+                group_name=name,
+                timeout=seconds(timeout),
+            )
 
         old = self.groups.pop(name, None)
         if old is not None:
@@ -528,8 +626,12 @@ class CPUInferenceServer:
     async def update_weights_from_distributed(self, request):
         b = await self._body(request)
         names, dtypes, shapes = b.get("names"), b.get("dtypes"), b.get("shapes")
-        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
-                and len(names) == len(dtypes) == len(shapes)):
+        if not (
+            isinstance(names, list)
+            and isinstance(dtypes, list)
+            and isinstance(shapes, list)
+            and len(names) == len(dtypes) == len(shapes)
+        ):
             raise RequestError("update_weights_from_distributed needs lists names, dtypes and shapes of equal length")
         self._require_session("update_weights_from_distributed")
         name = b.get("group_name", "weight_update_group")
@@ -577,7 +679,9 @@ class CPUInferenceServer:
         def unpack():  # blocking: fetches the shared-memory handles from the sender
             obj = MultiprocessingSerializer.deserialize(items[0])  # this server is TP rank 0
             if fmt == "flattened_bucket":
-                return FlattenedTensorBucket(flattened_tensor=obj["flattened_tensor"], metadata=obj["metadata"]).reconstruct_tensors()
+                return FlattenedTensorBucket(
+                    flattened_tensor=obj["flattened_tensor"], metadata=obj["metadata"]
+                ).reconstruct_tensors()
             return list(obj)
 
         named = await asyncio.get_running_loop().run_in_executor(None, unpack)
@@ -601,8 +705,9 @@ class CPUInferenceServer:
             self.state.bump_version(b.get("weight_version"))
 
         await self._control(load)
-        return web.json_response({"success": True, "message": "Succeeded to update model weights.",
-                                  "num_paused_requests": 0})
+        return web.json_response(
+            {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+        )
 
     def _require_session(self, what):
         if not self.weight_session_open:
@@ -627,8 +732,13 @@ class CPUInferenceServer:
         if not isinstance(b.get("new_version"), str):
             raise RequestError("update_weight_version needs new_version (a string)")
         self.state.weight_version = b["new_version"]
-        return web.json_response({"success": True, "message": f"Weight version updated to {b['new_version']}",
-                                  "new_version": b["new_version"]})
+        return web.json_response(
+            {
+                "success": True,
+                "message": f"Weight version updated to {b['new_version']}",
+                "new_version": b["new_version"],
+            }
+        )
 
     async def weights_checker(self, request):
         b = await self._body(request)
@@ -643,7 +753,9 @@ class CPUInferenceServer:
         body = {"success": True, "message": "Success."}
         if ranks is not None:  # SGLang: one entry per rank, and a hash over their per-rank checksums
             body["ranks"] = ranks
-            body["per_engine_checksum"] = hashlib.sha256("".join(r["per_gpu_checksum"] for r in ranks).encode()).hexdigest()
+            body["per_engine_checksum"] = hashlib.sha256(
+                "".join(r["per_gpu_checksum"] for r in ranks).encode()
+            ).hexdigest()
         return web.json_response(body)
 
     async def get_weights_by_name(self, request):
@@ -656,13 +768,26 @@ class CPUInferenceServer:
     # ------------------------------------------------------------------ OpenAI-compatible
     def _openai_sampling(self, b, prompt_len):
         max_tokens = b.get("max_completion_tokens", b.get("max_tokens"))
-        sp = {"max_new_tokens": max_tokens if max_tokens is not None else self.context_len - prompt_len - 1,
-              "temperature": b.get("temperature", 1.0), "top_p": b.get("top_p", 1.0),
-              "n": b.get("n", 1), "stop": b.get("stop"), "stop_token_ids": b.get("stop_token_ids"),
-              "frequency_penalty": b.get("frequency_penalty", 0.0), "presence_penalty": b.get("presence_penalty", 0.0),
-              "sampling_seed": b.get("seed")}
-        for k in ("top_k", "min_p", "ignore_eos", "skip_special_tokens", "no_stop_trim", "min_tokens",
-                  "repetition_penalty"):
+        sp = {
+            "max_new_tokens": max_tokens if max_tokens is not None else self.context_len - prompt_len - 1,
+            "temperature": b.get("temperature", 1.0),
+            "top_p": b.get("top_p", 1.0),
+            "n": b.get("n", 1),
+            "stop": b.get("stop"),
+            "stop_token_ids": b.get("stop_token_ids"),
+            "frequency_penalty": b.get("frequency_penalty", 0.0),
+            "presence_penalty": b.get("presence_penalty", 0.0),
+            "sampling_seed": b.get("seed"),
+        }
+        for k in (
+            "top_k",
+            "min_p",
+            "ignore_eos",
+            "skip_special_tokens",
+            "no_stop_trim",
+            "min_tokens",
+            "repetition_penalty",
+        ):
             if k in b:
                 sp["min_new_tokens" if k == "min_tokens" else k] = b[k]
         return {k: v for k, v in sp.items() if v is not None}
@@ -701,10 +826,25 @@ class CPUInferenceServer:
             if r.return_logprob:
                 toks = [self.tokenizer.decode([t]) for t in r.output_ids]
                 lp = {"tokens": toks, "token_logprobs": r.output_logprobs, "top_logprobs": None, "text_offset": None}
-            choices.append({"index": i, "text": r.text, "logprobs": lp, "finish_reason": self._finish_str(r),
-                            "matched_stop": r.finish_reason.get("matched")})
-        return web.json_response({"id": uuid.uuid4().hex, "object": "text_completion", "created": int(time.time()),
-                                  "model": self.served_model_name, "choices": choices, "usage": self._usage(len(ids), reqs)})
+            choices.append(
+                {
+                    "index": i,
+                    "text": r.text,
+                    "logprobs": lp,
+                    "finish_reason": self._finish_str(r),
+                    "matched_stop": r.finish_reason.get("matched"),
+                }
+            )
+        return web.json_response(
+            {
+                "id": uuid.uuid4().hex,
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": self.served_model_name,
+                "choices": choices,
+                "usage": self._usage(len(ids), reqs),
+            }
+        )
 
     async def v1_chat_completions(self, request):
         b = await self._body(request)
@@ -714,7 +854,9 @@ class CPUInferenceServer:
             raise RequestError("messages must be a non-empty list of {role, content} objects")
         kw = {"tools": b["tools"]} if b.get("tools") else {}
         try:
-            ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False, **kw)
+            ids = self.tokenizer.apply_chat_template(
+                msgs, add_generation_prompt=True, tokenize=True, return_dict=False, **kw
+            )
         except Exception as e:  # noqa: BLE001  (a template error is the client's message list)
             raise RequestError(f"the chat template could not render these messages: {e}") from None
         reqs = await self._openai_run(b, list(ids))
@@ -722,15 +864,36 @@ class CPUInferenceServer:
         for i, r in enumerate(reqs):
             lp = None
             if r.return_logprob:
-                lp = {"content": [{"token": self.tokenizer.decode([t]), "logprob": v,
-                                   "bytes": list(self.tokenizer.decode([t]).encode()), "top_logprobs": []}
-                                  for t, v in zip(r.output_ids, r.output_logprobs)]}
-            choices.append({"index": i, "message": {"role": "assistant", "content": r.text, "reasoning_content": None,
-                                                    "tool_calls": None},
-                            "logprobs": lp, "finish_reason": self._finish_str(r),
-                            "matched_stop": r.finish_reason.get("matched")})
-        return web.json_response({"id": uuid.uuid4().hex, "object": "chat.completion", "created": int(time.time()),
-                                  "model": self.served_model_name, "choices": choices, "usage": self._usage(len(ids), reqs)})
+                lp = {
+                    "content": [
+                        {
+                            "token": self.tokenizer.decode([t]),
+                            "logprob": v,
+                            "bytes": list(self.tokenizer.decode([t]).encode()),
+                            "top_logprobs": [],
+                        }
+                        for t, v in zip(r.output_ids, r.output_logprobs)
+                    ]
+                }
+            choices.append(
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": r.text, "reasoning_content": None, "tool_calls": None},
+                    "logprobs": lp,
+                    "finish_reason": self._finish_str(r),
+                    "matched_stop": r.finish_reason.get("matched"),
+                }
+            )
+        return web.json_response(
+            {
+                "id": uuid.uuid4().hex,
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": self.served_model_name,
+                "choices": choices,
+                "usage": self._usage(len(ids), reqs),
+            }
+        )
 
 
 class ReceivedBuffers:
@@ -777,9 +940,15 @@ def run_server(args):
     _exit_with_parent()
     set_shared_authkey()  # colocated trainers send shared-memory handles authenticated with this key
     server = CPUInferenceServer(args)
-    logger.info("loaded %s (%s, %s) context %d, KV pool %d tokens, max running %d", server.model_path,
-                server.cfg.architecture, server.dtype, server.context_len, server.max_total_tokens,
-                args.max_running_requests)
+    logger.info(
+        "loaded %s (%s, %s) context %d, KV pool %d tokens, max running %d",
+        server.model_path,
+        server.cfg.architecture,
+        server.dtype,
+        server.context_len,
+        server.max_total_tokens,
+        args.max_running_requests,
+    )
 
     async def ready(app):
         logger.info("The server is fired up and ready to roll! http://%s:%d", args.host, args.port)

@@ -5,6 +5,7 @@ tensors against the snapshot (and drops it), `checksum` hashes each tensor as SG
 of the sha256 of its bytes, 16 hex digits). Tensors are the server's own storage (fused q|k|v and gate|up, as
 SGLang's `qkv_proj` / `gate_up_proj`), not the HF names the trainer sends.
 """
+
 import hashlib
 
 import torch
@@ -51,16 +52,28 @@ class WeightChecker:
                 got = state[name]
                 if not torch.equal(want, got):
                     diff = (want.float() - got.float()).abs()
-                    errors.append(f"name={name} max_abs_err={diff.max().item()} mean_abs_err={diff.mean().item()} "
-                                  f"num_exceed={int((diff > 0).sum())} ")
+                    errors.append(
+                        f"name={name} max_abs_err={diff.max().item()} mean_abs_err={diff.mean().item()} "
+                        f"num_exceed={int((diff > 0).sum())} "
+                    )
             if errors:
                 raise WeightCheckError("check tensor equality failed:\n" + "\n".join(errors))
         elif action == "checksum":
             checksums = {n: tensor_hash(t) for n, t in state.items()}
-            info = {"role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0,
-                    "pp_size": 1, "rank": 0, "size": 1}
-            return [{"checksums": checksums, "per_gpu_checksum": overall_checksum(checksums),
-                     "parallelism_info": [info]}]
+            info = {
+                "role": "target",
+                "tp_rank": 0,
+                "tp_size": 1,
+                "dp_rank": 0,
+                "dp_size": 1,
+                "pp_rank": 0,
+                "pp_size": 1,
+                "rank": 0,
+                "size": 1,
+            }
+            return [
+                {"checksums": checksums, "per_gpu_checksum": overall_checksum(checksums), "parallelism_info": [info]}
+            ]
         else:
             raise WeightCheckError(f"Unsupported action='{action}'")
         return None

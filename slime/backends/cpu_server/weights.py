@@ -4,6 +4,7 @@ Compute uses fused tensors (q|k|v and gate|up in one matmul each); every HF name
 ...) is a view into them, so a weight update or a load from disk is `view.copy_(tensor)` by HF name, in place, as
 SGLang's `load_weights` does. `release()` moves the weights to a file and frees the RAM; `resume()` brings them back.
 """
+
 import glob
 import os
 import shutil
@@ -55,17 +56,28 @@ class WeightStore:
         for i in range(cfg.num_layers):
             p, key = f"model.layers.{i}.", f"layers.{i}."
             L = {
-                "input_norm": new(key + "input_norm", hid), "post_norm": new(key + "post_norm", hid),
-                "qkv": new(key + "qkv", qs + 2 * kvs, hid), "o": new(key + "o", hid, qs),
-                "gate_up": new(key + "gate_up", 2 * ffn, hid), "down": new(key + "down", hid, ffn),
+                "input_norm": new(key + "input_norm", hid),
+                "post_norm": new(key + "post_norm", hid),
+                "qkv": new(key + "qkv", qs + 2 * kvs, hid),
+                "o": new(key + "o", hid, qs),
+                "gate_up": new(key + "gate_up", 2 * ffn, hid),
+                "down": new(key + "down", hid, ffn),
             }
             self.named[p + "input_layernorm.weight"] = L["input_norm"]
             self.named[p + "post_attention_layernorm.weight"] = L["post_norm"]
-            for n, sl in (("q_proj", slice(0, qs)), ("k_proj", slice(qs, qs + kvs)), ("v_proj", slice(qs + kvs, None))):
+            for n, sl in (
+                ("q_proj", slice(0, qs)),
+                ("k_proj", slice(qs, qs + kvs)),
+                ("v_proj", slice(qs + kvs, None)),
+            ):
                 self.named[p + f"self_attn.{n}.weight"] = L["qkv"][sl]
             if cfg.attention_bias:
                 L["qkv_bias"] = new(key + "qkv_bias", qs + 2 * kvs)
-                for n, sl in (("q_proj", slice(0, qs)), ("k_proj", slice(qs, qs + kvs)), ("v_proj", slice(qs + kvs, None))):
+                for n, sl in (
+                    ("q_proj", slice(0, qs)),
+                    ("k_proj", slice(qs, qs + kvs)),
+                    ("v_proj", slice(qs + kvs, None)),
+                ):
                     self.named[p + f"self_attn.{n}.bias"] = L["qkv_bias"][sl]
             self.named[p + "self_attn.o_proj.weight"] = L["o"]
             if cfg.qk_norm:
@@ -88,8 +100,11 @@ class WeightStore:
 
     # ----- loading by HF name -----
     def is_ignored(self, name: str) -> bool:
-        return (name.endswith(_IGNORED_SUFFIXES) or (self.cfg.tie_word_embeddings and name == "lm_head.weight")
-                or name.startswith("model.mtp_layers."))  # MiMo's MTP layers: speculative decoding, not served here
+        return (
+            name.endswith(_IGNORED_SUFFIXES)
+            or (self.cfg.tie_word_embeddings and name == "lm_head.weight")
+            or name.startswith("model.mtp_layers.")
+        )  # MiMo's MTP layers: speculative decoding, not served here
 
     def load(self, named_tensors, source: str) -> set:
         """Copy each (hf_name, tensor) into place (casting dtype). Unknown names / wrong shapes raise naming the tensor."""
@@ -102,11 +117,15 @@ class WeightStore:
                     continue
                 dst = self.named.get(name)
                 if dst is None:
-                    raise WeightError(f"{source}: unknown parameter {name!r} for {self.cfg.architecture} "
-                                      f"(expected HF names such as 'model.layers.0.self_attn.q_proj.weight')")
+                    raise WeightError(
+                        f"{source}: unknown parameter {name!r} for {self.cfg.architecture} "
+                        f"(expected HF names such as 'model.layers.0.self_attn.q_proj.weight')"
+                    )
                 if tuple(t.shape) != tuple(dst.shape):
-                    raise WeightError(f"{source}: parameter {name!r} has shape {tuple(t.shape)}, "
-                                      f"the model expects {tuple(dst.shape)}")
+                    raise WeightError(
+                        f"{source}: parameter {name!r} has shape {tuple(t.shape)}, "
+                        f"the model expects {tuple(dst.shape)}"
+                    )
                 dst.copy_(t)
                 loaded.add(name)
         return loaded
@@ -164,8 +183,13 @@ class WeightStore:
 
 def resolve_dtype(name: str, cfg: ModelConfig) -> torch.dtype:
     name = cfg.torch_dtype if name == "auto" else name
-    table = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-             "half": torch.float16}
+    table = {
+        "float32": torch.float32,
+        "float": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+        "half": torch.float16,
+    }
     if name not in table:
         raise ValueError(f"--dtype {name!r} is not one of auto, float32, bfloat16, float16")
     return table[name]
@@ -177,4 +201,3 @@ def parse_dtype(s: str) -> torch.dtype:
     if not isinstance(d, torch.dtype):
         raise WeightError(f"unknown dtype {s!r} in `dtypes`")
     return d
-

@@ -2,6 +2,7 @@
 
 Heavy modules load lazily so that `param_utils` / `megatron_to_hf` users (weight sync) do not pay for the actor.
 """
+
 import importlib
 
 _LAZY = {

@@ -4,6 +4,7 @@ Weights are also kept as CPU dicts `self.weights[tag][global_name] -> local shar
 "old_actor"/"rollout_actor" with --keep-old-actor). The reference model is such a dict swapped into the live
 parameters for the ref log-prob pass; weight sync reads `weights["actor"]` (works while the model is offloaded).
 """
+
 import contextlib
 import copy
 import logging
@@ -75,7 +76,11 @@ class MegatronTrainRayActor(TrainRayActor):
 
         updater_cls = UpdateWeightFromTensor if args.colocate else UpdateWeightFromDistributed
         self.weight_updator = updater_cls(
-            args, self.model, self.weights, model_name=self.model_name, quantization_config=None,
+            args,
+            self.model,
+            self.weights,
+            model_name=self.model_name,
+            quantization_config=None,
             vocab_size=args.vocab_size or self.vocab_size,
         )
         self.rollout_data_postprocess = None
@@ -131,7 +136,9 @@ class MegatronTrainRayActor(TrainRayActor):
         tmp.load, tmp.no_load_optim, tmp.no_load_rng, tmp.finetune = path, True, True, True
         tmp.ckpt_step = self.args.ref_ckpt_step if tag == "ref" else None
         if load_checkpoint(tmp, self.model, None, None) is None:
-            raise FileNotFoundError(f"--{tag}-load {path}: no Megatron checkpoint there (missing {path}/latest_checkpointed_iteration.txt)")
+            raise FileNotFoundError(
+                f"--{tag}-load {path}: no Megatron checkpoint there (missing {path}/latest_checkpointed_iteration.txt)"
+            )
         self.weights[tag] = {}
         self.update_cpu_params_dict(self.weights[tag])
         self.update_gpu_params_dict(self.weights["actor"])
@@ -243,8 +250,9 @@ class MegatronTrainRayActor(TrainRayActor):
             log(args, {**rollout_metrics, "rollout/step": rollout_id}, "rollout/step")
 
         with timer("actor_train"):
-            history = train_steps(args, rollout_id, self.model, self.optimizer, self.opt_param_scheduler,
-                                  data_iterator, num_microbatches)
+            history = train_steps(
+                args, rollout_id, self.model, self.optimizer, self.opt_param_scheduler, data_iterator, num_microbatches
+            )
 
         if args.save_debug_train_data:
             path = args.save_debug_train_data.format(rollout_id=rollout_id, rank=dist.get_rank())
@@ -265,8 +273,15 @@ class MegatronTrainRayActor(TrainRayActor):
         asleep = self._offload_backup is not None
         if asleep:
             self.wake_up(("model",))
-        save_checkpoint(self.args, iteration, self.model, self.optimizer, self.opt_param_scheduler,
-                        with_optimizer=with_optimizer, commit=commit)
+        save_checkpoint(
+            self.args,
+            iteration,
+            self.model,
+            self.optimizer,
+            self.opt_param_scheduler,
+            with_optimizer=with_optimizer,
+            commit=commit,
+        )
         if asleep:
             self.sleep(("model",))
 
@@ -283,7 +298,9 @@ class MegatronTrainRayActor(TrainRayActor):
             return None
         if self.args.keep_old_actor:
             self.weights["old_actor"], self.weights["rollout_actor"] = (
-                self.weights["rollout_actor"], _clone_dict(self.weights["actor"]))
+                self.weights["rollout_actor"],
+                _clone_dict(self.weights["actor"]),
+            )
         # While asleep under torch_memory_saver the update's buffers (gathers, CUDA IPC handles) must live outside the
         # saver's paused region (`disable()`), with the process groups the sleep tore down rebuilt for its duration.
         saver = _memory_saver() if self._offload_backup is not None else None

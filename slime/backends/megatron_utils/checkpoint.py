@@ -8,6 +8,7 @@ atomically afterwards: here with `commit=True` (tools, standalone use), or by th
 is written too (`slime.ray.checkpoint.save`), so a crash mid-save never points `--load` at a partial checkpoint.
 Sharded tensors are stored in global (unsharded) coordinates, so loading with a different TP size reshards.
 """
+
 import argparse
 import os
 import random
@@ -27,8 +28,10 @@ from .param_utils import unwrap_model
 
 # fully_reshardable allows TP/DP resharding of optimizer state. Its gather goes over gloo where the collective backend
 # is gloo: the default (NCCL) path calls `tensor.cuda()`, which no CPU shim can redirect.
-_OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
-                   "distrib_optim_fully_reshardable_mem_efficient": dist_backend() == "gloo"}
+_OPTIM_METADATA = {
+    "distrib_optim_sharding_type": "fully_reshardable",
+    "distrib_optim_fully_reshardable_mem_efficient": dist_backend() == "gloo",
+}
 
 
 def _materialize_optimizer_state(optimizer):
@@ -69,7 +72,9 @@ def _rng_sharded_object():
     }
     pp, tp = mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank()
     shape = (mpu.get_pipeline_model_parallel_world_size(), mpu.get_tensor_model_parallel_world_size())
-    return ShardedObject("rng_state", state, shape, (pp, tp), replica_id=mpu.get_data_parallel_rank(with_context_parallel=True))
+    return ShardedObject(
+        "rng_state", state, shape, (pp, tp), replica_id=mpu.get_data_parallel_rank(with_context_parallel=True)
+    )
 
 
 def _restore_rng(state):
@@ -175,13 +180,17 @@ def load_checkpoint(args, model, optimizer, opt_param_scheduler):
 
 
 # (attribute, state-dict key, what Megatron calls it) of the schedule values a resume compares
-_SCHEDULE_FIELDS = (("max_lr", "max_lr", "learning rate"), ("min_lr", "min_lr", "minimum learning rate"),
-                    ("lr_warmup_steps", "lr_warmup_steps", "warmup iterations"),
-                    ("lr_decay_steps", "lr_decay_steps", "total number of iterations"),
-                    ("lr_decay_style", "lr_decay_style", "learning rate decay style"),
-                    ("start_wd", "start_wd", "start weight decay"), ("end_wd", "end_wd", "end weight decay"),
-                    ("wd_incr_steps", "wd_incr_steps", "total number of weight decay iterations"),
-                    ("wd_incr_style", "wd_incr_style", "weight decay incr style"))
+_SCHEDULE_FIELDS = (
+    ("max_lr", "max_lr", "learning rate"),
+    ("min_lr", "min_lr", "minimum learning rate"),
+    ("lr_warmup_steps", "lr_warmup_steps", "warmup iterations"),
+    ("lr_decay_steps", "lr_decay_steps", "total number of iterations"),
+    ("lr_decay_style", "lr_decay_style", "learning rate decay style"),
+    ("start_wd", "start_wd", "start weight decay"),
+    ("end_wd", "end_wd", "end weight decay"),
+    ("wd_incr_steps", "wd_incr_steps", "total number of weight decay iterations"),
+    ("wd_incr_style", "wd_incr_style", "weight decay incr style"),
+)
 
 
 def _load_scheduler(args, scheduler, saved, ckpt):
@@ -189,8 +198,11 @@ def _load_scheduler(args, scheduler, saved, ckpt):
     larger --num-rollout to continue a run), Megatron-LM's two flags decide, and the log says which one applied."""
     override = args.override_opt_param_scheduler
     keep = args.use_checkpoint_opt_param_scheduler
-    diffs = [f"{what}: checkpoint {saved[key]}, this run {getattr(scheduler, attr)}"
-             for attr, key, what in _SCHEDULE_FIELDS if key in saved and saved[key] != getattr(scheduler, attr)]
+    diffs = [
+        f"{what}: checkpoint {saved[key]}, this run {getattr(scheduler, attr)}"
+        for attr, key, what in _SCHEDULE_FIELDS
+        if key in saved and saved[key] != getattr(scheduler, attr)
+    ]
     if diffs and not (override or keep):
         raise ValueError(
             f"--load {ckpt}: this run's LR/weight-decay schedule differs from the checkpoint's ({'; '.join(diffs)}); "
@@ -199,8 +211,11 @@ def _load_scheduler(args, scheduler, saved, ckpt):
         )
     scheduler.load_state_dict(saved)
     if diffs and dist.get_rank() == 0:
-        how = ("recomputed from this run's flags (--override-opt_param-scheduler)" if override
-               else "kept from the checkpoint (--use-checkpoint-opt_param-scheduler)")
+        how = (
+            "recomputed from this run's flags (--override-opt_param-scheduler)"
+            if override
+            else "kept from the checkpoint (--use-checkpoint-opt_param-scheduler)"
+        )
         print(f"optimizer param scheduler {how}: {'; '.join(diffs)}", flush=True)
 
 

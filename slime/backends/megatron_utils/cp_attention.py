@@ -5,6 +5,7 @@ of the whole sequence over the CP group and runs megatron's attention math on th
 causal mask, in global positions, comes from the batch (`data._padded_layout`), so it stays correct for the zigzag
 layout. It is TE's `cp_comm_type="all_gather"` in plain torch: no overlap, memory of the whole sequence's K/V.
 """
+
 import copy
 
 import torch
@@ -31,12 +32,24 @@ class AllGatherKVDotProductAttention(DotProductAttention):
         cp_size, cp_rank = self.cp_group.size(), self.cp_group.rank()
         chunk = local.size(0) // 2
         full = local.new_zeros((2 * cp_size * chunk, *local.shape[1:]))
-        index = torch.cat([torch.arange(lo, hi, device=local.device) for lo, hi in zigzag_ranges(chunk, cp_size, cp_rank)])
+        index = torch.cat(
+            [torch.arange(lo, hi, device=local.device) for lo, hi in zigzag_ranges(chunk, cp_size, cp_rank)]
+        )
         full = full.index_copy(0, index, local)
         return torch.distributed.nn.all_reduce(full, op=dist.ReduceOp.SUM, group=self.cp_group)
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
         assert attention_mask is not None and attention_mask.size(-1) == key.size(0) * self.cp_group.size(), (
-            "context-parallel attention needs the batch's [b, 1, s_local, s_global] mask (data._padded_layout)")
-        return super().forward(query, self._gather(key), self._gather(value), attention_mask, attn_mask_type,
-                               attention_bias, packed_seq_params)
+            "context-parallel attention needs the batch's [b, 1, s_local, s_global] mask (data._padded_layout)"
+        )
+        return super().forward(
+            query,
+            self._gather(key),
+            self._gather(value),
+            attention_mask,
+            attn_mask_type,
+            attention_bias,
+            packed_seq_params,
+        )

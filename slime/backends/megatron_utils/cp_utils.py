@@ -5,6 +5,7 @@ gives every CP rank the whole response's log-probs / entropy.
 A sample of length T is right-padded to `2c * chunk` (`chunk = ceil(T / 2c)`) and cut into 2c chunks; CP rank r
 keeps chunks r and 2c-1-r, so each rank gets one cheap (early) and one expensive (late) chunk of causal attention.
 """
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
@@ -114,7 +115,7 @@ def slice_log_prob_with_cp(log_prob, total_length, response_length):
         return log_prob
     first = total_length - response_length - 1
     _, _, logits, _ = get_logits_and_tokens_offset_with_cp(total_length, response_length)
-    parts = [log_prob[lo - first:hi - first] for lo, hi in logits if hi > lo]
+    parts = [log_prob[lo - first : hi - first] for lo, hi in logits if hi > lo]
     if isinstance(log_prob, torch.Tensor):
         return torch.cat(parts) if parts else log_prob[:0]
     return [x for part in parts for x in part]
@@ -126,8 +127,9 @@ def all_gather_with_cp(tensor, total_length, response_length):
     if cp_size == 1:
         return tensor
     chunk = zigzag_chunk_size(total_length, cp_size)
-    return gather_response_across_cp(response_pieces(total_length, response_length, chunk, cp_size, cp_rank),
-                                     tensor, response_length)
+    return gather_response_across_cp(
+        response_pieces(total_length, response_length, chunk, cp_size, cp_rank), tensor, response_length
+    )
 
 
 def __getattr__(name):

@@ -16,6 +16,7 @@ exactly those spots, all in this process and for its lifetime:
 `cuda_type_spoof()` is the one scoped patch: a TorchFunctionMode, active only inside its `with` block (and on the
 thread that entered it), for the constructors that check `tensor.type()`.
 """
+
 import contextlib
 import functools
 import importlib
@@ -156,7 +157,9 @@ def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decouple
     # megatron's version minus its `param.grad.type() == 'torch.cuda.FloatTensor'` assert.
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
-    grads = [g.detach() for g in ((p.decoupled_grad if use_decoupled_grad else p.grad) for p in parameters) if g is not None]
+    grads = [
+        g.detach() for g in ((p.decoupled_grad if use_decoupled_grad else p.grad) for p in parameters) if g is not None
+    ]
     coeff = max_norm / (total_norm + 1.0e-6)
     if coeff < 1.0 and grads:
         torch._foreach_mul_(grads, coeff)
@@ -171,7 +174,11 @@ def apply() -> bool:
 
     version = getattr(megatron.core, "__version__", "?")
     if not version.startswith(PINNED_MEGATRON_CORE):
-        logger.warning("cpu_compat is pinned to megatron-core %s.x but found %s; CPU training may break", PINNED_MEGATRON_CORE, version)
+        logger.warning(
+            "cpu_compat is pinned to megatron-core %s.x but found %s; CPU training may break",
+            PINNED_MEGATRON_CORE,
+            version,
+        )
 
     # Rotary embeddings, attention buffers, TP mappings and DDP buffers use device=torch.cuda.current_device().
     torch.cuda.current_device = lambda: "cpu"
@@ -228,7 +235,9 @@ def _patch_moe_allgather_dispatcher():
             if self._pad:
                 hidden_states = torch.cat([hidden_states, hidden_states.new_zeros(self._pad, hidden_states.shape[1])])
                 probs = torch.cat([probs, probs.new_zeros(self._pad, probs.shape[1])])
-                self.routing_map = torch.cat([self.routing_map, self.routing_map.new_zeros(self._pad, self.routing_map.shape[1])])
+                self.routing_map = torch.cat(
+                    [self.routing_map, self.routing_map.new_zeros(self._pad, self.routing_map.shape[1])]
+                )
             return super().token_dispatch(hidden_states, probs)
 
         def token_combine(self, hidden_states):
@@ -277,9 +286,9 @@ def _get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
     # megatron's version minus its pinned-memory `.cuda()` index: the zigzag pair of position blocks of this CP rank.
     cp_size, cp_rank = cp_group.size(), cp_group.rank()
     index = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
-    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1:])
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1 :])
     pos_emb = pos_emb.index_select(seq_dim, index)
-    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2 :])
 
 
 def _patch_cp_rope_slicing():

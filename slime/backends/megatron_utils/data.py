@@ -8,6 +8,7 @@ Two layouts, chosen once by whether the model runs Transformer Engine attention 
   `packed_seq_params is None`).
 With `--context-parallel-size` > 1 both layouts hold only this CP rank's zigzag chunks of each sample (`cp_utils`).
 """
+
 import numbers
 
 import torch
@@ -45,26 +46,34 @@ def get_data_iterator(args, model, rollout_data):
     dp_size = _dp_size()
     total_samples = args.rollout_batch_size * args.n_samples_per_prompt
     if args.global_batch_size % dp_size != 0 or total_samples % dp_size != 0:
-        raise ValueError(f"--global-batch-size {args.global_batch_size} and rollout_batch_size*n_samples_per_prompt "
-                         f"{total_samples} must both be divisible by the data-parallel size {dp_size}")
+        raise ValueError(
+            f"--global-batch-size {args.global_batch_size} and rollout_batch_size*n_samples_per_prompt "
+            f"{total_samples} must both be divisible by the data-parallel size {dp_size}"
+        )
     num_local_samples = total_samples // dp_size
     num_local_gbs = args.global_batch_size // dp_size
     num_steps_per_rollout = num_local_samples // num_local_gbs
     total_lengths = rollout_data["total_lengths"]
     if len(total_lengths) != num_local_samples:
-        raise ValueError(f"this DP rank holds {len(total_lengths)} samples but expects rollout_batch_size*n_samples_per_prompt"
-                         f"/dp = {num_local_samples}; the rollout function must return exactly --rollout-batch-size groups "
-                         "of --n-samples-per-prompt samples")
+        raise ValueError(
+            f"this DP rank holds {len(total_lengths)} samples but expects rollout_batch_size*n_samples_per_prompt"
+            f"/dp = {num_local_samples}; the rollout function must return exactly --rollout-batch-size groups "
+            "of --n-samples-per-prompt samples"
+        )
 
     vpp_size = mpu.get_virtual_pipeline_model_parallel_world_size() or 1
     packed = use_packed_sequences(args)
 
     if not args.use_dynamic_batch_size:
         if num_local_gbs % args.micro_batch_size != 0:
-            raise ValueError(f"global_batch_size/dp = {num_local_gbs} samples per step is not a multiple of "
-                             f"--micro-batch-size {args.micro_batch_size}")
+            raise ValueError(
+                f"global_batch_size/dp = {num_local_gbs} samples per step is not a multiple of "
+                f"--micro-batch-size {args.micro_batch_size}"
+            )
         num_microbatches = [num_local_gbs // args.micro_batch_size] * num_steps_per_rollout
-        iterators = [DataIterator(rollout_data, args.micro_batch_size, packed_sequences=packed) for _ in range(vpp_size)]
+        iterators = [
+            DataIterator(rollout_data, args.micro_batch_size, packed_sequences=packed) for _ in range(vpp_size)
+        ]
         return iterators, num_microbatches
 
     if not args.max_tokens_per_gpu:
@@ -86,7 +95,8 @@ def get_data_iterator(args, model, rollout_data):
             raise ValueError(
                 f"virtual pipeline parallelism runs micro-batches in groups of {group}, so a step needs "
                 f"{int(counts_t.max())} micro-batches, but each DP rank has only {num_local_gbs} samples per step "
-                f"(--global-batch-size / dp); raise --global-batch-size or --max-tokens-per-gpu")
+                f"(--global-batch-size / dp); raise --global-batch-size or --max-tokens-per-gpu"
+            )
     num_microbatches = counts_t.tolist()
 
     micro_batch_indices = []
@@ -94,7 +104,9 @@ def get_data_iterator(args, model, rollout_data):
         parts = get_micro_batch_partitions([total_lengths[j] for j in step], num_mbs, max_tokens)
         micro_batch_indices.extend([[step[k] for k in part] for part in parts])
     assert sorted(i for mb in micro_batch_indices for i in mb) == list(range(num_local_samples))
-    iterators = [DataIterator(rollout_data, None, micro_batch_indices, packed_sequences=packed) for _ in range(vpp_size)]
+    iterators = [
+        DataIterator(rollout_data, None, micro_batch_indices, packed_sequences=packed) for _ in range(vpp_size)
+    ]
     return iterators, num_microbatches
 
 
@@ -129,7 +141,9 @@ def _packed_layout(tokens):
         cu_seqlens.append(cu_seqlens[-1] + pad)  # the padding is its own segment, attended by nothing real
     cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=flat.device) * cp_size
     max_seqlen = int((cu[1:] - cu[:-1]).max().item())
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen
+    )
     return {"tokens": flat.unsqueeze(0), "packed_seq_params": params, "attention_mask": None, "position_ids": None}
 
 
@@ -145,17 +159,23 @@ def _padded_layout(tokens):
     device = tokens[0].device
     padded = torch.full((b, s), PAD_TOKEN_ID, dtype=torch.long, device=device)
     for i, t in enumerate(tokens):
-        padded[i, :t.size(0)] = t
+        padded[i, : t.size(0)] = t
     # Megatron's convention: True = masked out. Causal within the row, and no attention to padding keys.
     causal = torch.ones(s, s, dtype=torch.bool, device=device).tril()
     key_valid = torch.arange(s, device=device)[None, :] < lengths.to(device)[:, None]
     attention_mask = ~(causal[None, None] & key_valid[:, None, None, :])
     position_ids = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
     if cp_size > 1:
-        local = torch.cat([torch.arange(lo, hi, device=device)
-                           for lo, hi in zigzag_ranges(s // (2 * cp_size), cp_size, cp_rank)])
+        local = torch.cat(
+            [torch.arange(lo, hi, device=device) for lo, hi in zigzag_ranges(s // (2 * cp_size), cp_size, cp_rank)]
+        )
         padded, position_ids, attention_mask = padded[:, local], position_ids[:, local], attention_mask[:, :, local]
-    return {"tokens": padded, "attention_mask": attention_mask, "position_ids": position_ids, "packed_seq_params": None}
+    return {
+        "tokens": padded,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "packed_seq_params": None,
+    }
 
 
 def log_rollout_data(rollout_id, args, rollout_data):

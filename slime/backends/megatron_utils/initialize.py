@@ -4,6 +4,7 @@ Process groups from the parallelism flags (order tp-cp-ep-dp-pp, as slime), one 
 collectives (objects, barriers), seeds `seed + 100*pp_rank` (+10*dp_rank with --data-parallel-random-init), the
 model-parallel RNG tracker (the CPU tracker via `cpu_compat` on CPU), and the `--custom-megatron-init-path` hook.
 """
+
 import random
 
 import numpy as np
@@ -17,7 +18,6 @@ from slime.utils.misc import load_function
 from . import cpu_compat
 
 _GLOO_GROUP = None
-
 
 
 def init(args):

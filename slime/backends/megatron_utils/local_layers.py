@@ -1,6 +1,7 @@
 """Layer pieces stock megatron-core 0.16.1 lacks for some families: GLM-4's post ("sandwich") norms on any spec, and
 a core attention that lets multi-latent attention (DeepSeek-V3) run on the local (non-Transformer-Engine) spec.
 """
+
 import copy
 
 from megatron.core.models.gpt.gpt_layer_specs import LNImpl
@@ -19,12 +20,14 @@ class PostNormTransformerLayer(TransformerLayer):
         super().__init__(*args, **kwargs)
         cfg = self.config
         if post_self_attn_layernorm:
-            self.post_self_attn_layernorm = build_module(norm, config=cfg, hidden_size=cfg.hidden_size,
-                                                         eps=cfg.layernorm_epsilon)
+            self.post_self_attn_layernorm = build_module(
+                norm, config=cfg, hidden_size=cfg.hidden_size, eps=cfg.layernorm_epsilon
+            )
             self.self_attention.register_forward_hook(_normed_output(self.post_self_attn_layernorm))
         if post_mlp_layernorm:
-            self.post_mlp_layernorm = build_module(norm, config=cfg, hidden_size=cfg.hidden_size,
-                                                   eps=cfg.layernorm_epsilon)
+            self.post_mlp_layernorm = build_module(
+                norm, config=cfg, hidden_size=cfg.hidden_size, eps=cfg.layernorm_epsilon
+            )
             self.mlp.register_forward_hook(_normed_output(self.post_mlp_layernorm))
 
 
@@ -42,8 +45,11 @@ def with_post_norms(spec, args, use_te):
         from megatron.core.extensions.transformer_engine import TENorm as norm  # lazy: GPU-only package
     else:
         norm = LNImpl
-    params = dict(post_self_attn_layernorm=bool(args.post_self_attn_layernorm),
-                  post_mlp_layernorm=bool(args.post_mlp_layernorm), norm=norm)
+    params = dict(
+        post_self_attn_layernorm=bool(args.post_self_attn_layernorm),
+        post_mlp_layernorm=bool(args.post_mlp_layernorm),
+        norm=norm,
+    )
 
     def convert(layer_spec):
         layer_spec = copy.copy(layer_spec)
@@ -52,8 +58,9 @@ def with_post_norms(spec, args, use_te):
         return layer_spec
 
     if isinstance(spec, TransformerBlockSubmodules):
-        return TransformerBlockSubmodules(layer_specs=[convert(s) for s in spec.layer_specs],
-                                          layer_norm=spec.layer_norm)
+        return TransformerBlockSubmodules(
+            layer_specs=[convert(s) for s in spec.layer_specs], layer_norm=spec.layer_norm
+        )
     return convert(spec)
 
 
@@ -62,10 +69,29 @@ class MLADotProductAttention(DotProductAttention):
     TEDotProductAttention accepts `k_channels`/`v_channels` in 0.16.1). The matmuls infer the q/k size; the output
     width is v_channels per head, and the softmax scale (yarn mscale included) comes from the caller."""
 
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None):
-        super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,
-                         softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+    def __init__(
+        self,
+        config,
+        layer_number,
+        attn_mask_type,
+        attention_type,
+        attention_dropout=None,
+        softmax_scale=None,
+        k_channels=None,
+        v_channels=None,
+        cp_comm_type=None,
+        pg_collection=None,
+    ):
+        super().__init__(
+            config,
+            layer_number,
+            attn_mask_type,
+            attention_type,
+            attention_dropout=attention_dropout,
+            softmax_scale=softmax_scale,
+            cp_comm_type=cp_comm_type,
+            pg_collection=pg_collection,
+        )
         if v_channels is not None:
             self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
 

@@ -2,6 +2,7 @@
 estimators over a rank's rollout data, PPO/GSPO policy loss (dual clip, TIS, KL loss, entropy bonus), SFT loss,
 custom losses by path, and `loss_function` with slime's gradient scaling for Megatron's schedule.
 """
+
 import torch
 from megatron.core import parallel_state as mpu
 
@@ -36,13 +37,16 @@ def get_responses(logits, *, unconcat_tokens, total_lengths, response_lengths):
     """
     packed = logits.size(0) == 1
     assert packed or logits.size(0) == len(unconcat_tokens), (
-        f"logits batch {logits.size(0)} matches neither a packed row nor {len(unconcat_tokens)} padded rows")
+        f"logits batch {logits.size(0)} matches neither a packed row nor {len(unconcat_tokens)} padded rows"
+    )
     cp_size, cp_rank = cp_size_and_rank()
     start = 0  # the sample's first local position in the packed row
     for i, (tokens, total_len, resp_len) in enumerate(zip(unconcat_tokens, total_lengths, response_lengths)):
         if resp_len > 0 and resp_len >= total_len:
-            raise ValueError(f"sample {i}: response length {resp_len} leaves no prompt token before the response "
-                             f"(total length {total_len}); every sample needs at least one prompt token")
+            raise ValueError(
+                f"sample {i}: response length {resp_len} leaves no prompt token before the response "
+                f"(total length {total_len}); every sample needs at least one prompt token"
+            )
         row = logits[0] if packed else logits[i]
         if cp_size == 1:
             chunk, local_len = total_len, total_len
@@ -52,8 +56,8 @@ def get_responses(logits, *, unconcat_tokens, total_lengths, response_lengths):
             local_len = 2 * chunk
             pieces = response_pieces(total_len, resp_len, chunk, cp_size, cp_rank)
         first = total_len - resp_len  # the response's first token; logit p scores token p + 1
-        logits_parts = [row[start + lo:start + lo + n] for lo, _, n in pieces] or [row[:0]]
-        token_parts = [tokens[first + r0:first + r0 + n] for _, r0, n in pieces] or [tokens[:0]]
+        logits_parts = [row[start + lo : start + lo + n] for lo, _, n in pieces] or [row[:0]]
+        token_parts = [tokens[first + r0 : first + r0 + n] for _, r0, n in pieces] or [tokens[:0]]
         yield torch.cat(logits_parts), torch.cat(token_parts), pieces
         if packed:
             start += local_len
@@ -86,9 +90,12 @@ def get_log_probs_and_entropy(logits, *, args, unconcat_tokens, total_lengths, r
     tp_group = mpu.get_tensor_model_parallel_group()
     gather = mpu.get_context_parallel_world_size() > 1
     log_probs, entropy = [], []
-    for (logits_chunk, tokens_chunk, pieces), resp_len in zip(get_responses(
-        logits, unconcat_tokens=unconcat_tokens, total_lengths=total_lengths, response_lengths=response_lengths
-    ), response_lengths):
+    for (logits_chunk, tokens_chunk, pieces), resp_len in zip(
+        get_responses(
+            logits, unconcat_tokens=unconcat_tokens, total_lengths=total_lengths, response_lengths=response_lengths
+        ),
+        response_lengths,
+    ):
         values = [compute_log_probs(logits_chunk, tokens_chunk, tp_group)]
         if with_entropy:
             values.append(compute_entropy_from_logits(logits_chunk, tp_group))
@@ -118,7 +125,9 @@ def compute_advantages_and_returns(args, rollout_data):
         kl = [torch.zeros_like(lp, dtype=torch.float32) for lp in log_probs]
     else:
         if ref_log_probs is None:
-            raise ValueError("--kl-coef != 0 needs reference log-probs (--ref-load), but rollout data has no ref_log_probs")
+            raise ValueError(
+                "--kl-coef != 0 needs reference log-probs (--ref-load), but rollout data has no ref_log_probs"
+            )
         kl = [compute_approx_kl(lp, ref, args.kl_loss_type) for lp, ref in zip(log_probs, ref_log_probs)]
     rewards = torch.tensor(rewards, dtype=torch.float32, device=device)
     rollout_data["kl"] = kl
@@ -133,8 +142,13 @@ def compute_advantages_and_returns(args, rollout_data):
         advantages = list(returns)
     elif estimator == "reinforce_plus_plus":
         returns = get_reinforce_plus_plus_returns(
-            rewards=rewards, kl=kl, loss_masks=loss_masks, response_lengths=rollout_data["response_lengths"],
-            total_lengths=rollout_data["total_lengths"], kl_coef=args.kl_coef, gamma=args.gamma,
+            rewards=rewards,
+            kl=kl,
+            loss_masks=loss_masks,
+            response_lengths=rollout_data["response_lengths"],
+            total_lengths=rollout_data["total_lengths"],
+            kl_coef=args.kl_coef,
+            gamma=args.gamma,
         )
         advantages = list(returns)
     elif estimator == "reinforce_plus_plus_baseline":
@@ -148,7 +162,9 @@ def compute_advantages_and_returns(args, rollout_data):
         all_advs = torch.cat(advantages)
         all_masks = torch.cat(loss_masks)
         assert all_advs.size() == all_masks.size(), f"advantages {all_advs.size()} vs loss masks {all_masks.size()}"
-        whitened = distributed_masked_whiten(all_advs, all_masks, process_group=mpu.get_data_parallel_group(), shift_mean=True)
+        whitened = distributed_masked_whiten(
+            all_advs, all_masks, process_group=mpu.get_data_parallel_group(), shift_mean=True
+        )
         advantages = list(torch.split(whitened, [a.size(0) for a in advantages]))
 
     rollout_data["advantages"] = advantages
@@ -180,7 +196,11 @@ def vanilla_tis_function(args, *, pg_loss, train_log_probs, rollout_log_probs, l
     """Default `--custom-tis-function-path`: weight = exp(old - rollout) clamped to [--tis-clip-low, --tis-clip]."""
     ratio = torch.exp(torch.cat(train_log_probs) - torch.cat(rollout_log_probs))
     weights = torch.clamp(ratio, min=args.tis_clip_low, max=args.tis_clip)
-    metrics = {"tis": ratio.detach(), "tis_clipfrac": (weights != ratio).float(), "tis_abs": (ratio - 1).abs().detach()}
+    metrics = {
+        "tis": ratio.detach(),
+        "tis_clipfrac": (weights != ratio).float(),
+        "tis_abs": (ratio - 1).abs().detach(),
+    }
     return pg_loss * weights, loss_masks, metrics
 
 
@@ -188,7 +208,11 @@ def icepop_function(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_m
     """IcePop: weight = exp(old - rollout) inside [--tis-clip-low, --tis-clip], and 0 (token masked out) outside."""
     ratio = torch.exp(torch.cat(train_log_probs) - torch.cat(rollout_log_probs))
     weights = torch.where((ratio >= args.tis_clip_low) & (ratio <= args.tis_clip), ratio, torch.zeros_like(ratio))
-    metrics = {"tis": ratio.detach(), "tis_clipfrac": (weights != ratio).float(), "tis_abs": (ratio - 1).abs().detach()}
+    metrics = {
+        "tis": ratio.detach(),
+        "tis_clipfrac": (weights != ratio).float(),
+        "tis_abs": (ratio - 1).abs().detach(),
+    }
     return pg_loss * weights, loss_masks, metrics
 
 
@@ -199,16 +223,22 @@ def policy_loss_function(args, batch, logits, sum_of_sample_mean):
     old_log_probs = _require(batch, "log_probs", "are the old-policy log-probs of the PPO ratio")
     response_lengths = batch["response_lengths"]
     out = get_log_probs_and_entropy(
-        logits, args=args, unconcat_tokens=batch["unconcat_tokens"], total_lengths=batch["total_lengths"],
-        response_lengths=response_lengths, with_entropy=True,
+        logits,
+        args=args,
+        unconcat_tokens=batch["unconcat_tokens"],
+        total_lengths=batch["total_lengths"],
+        response_lengths=response_lengths,
+        with_entropy=True,
     )
     log_probs_list = out["log_probs"]
     log_probs = torch.cat(log_probs_list) if log_probs_list else logits.new_zeros(0)
 
     if args.advantage_estimator == "gspo":
         # sequence-level ratio: masked mean of the token log-ratio, shared by every token of the sample
-        seq_kl = [((old - new) * m).sum() / torch.clamp_min(m.sum(), 1)
-                  for new, old, m in zip(log_probs_list, old_log_probs, batch["loss_masks"])]
+        seq_kl = [
+            ((old - new) * m).sum() / torch.clamp_min(m.sum(), 1)
+            for new, old, m in zip(log_probs_list, old_log_probs, batch["loss_masks"])
+        ]
         ppo_kl = torch.cat([k.expand_as(new) for k, new in zip(seq_kl, log_probs_list)]) if seq_kl else log_probs
     else:
         ppo_kl = (torch.cat(old_log_probs) if old_log_probs else log_probs.detach()) - log_probs
@@ -225,8 +255,13 @@ def policy_loss_function(args, batch, logits, sum_of_sample_mean):
         else:  # --tis-mode mask: tokens sampled too far from the trainer's policy get no gradient (IcePop)
             tis_fn = icepop_function if args.tis_mode == "mask" else vanilla_tis_function
         pg_loss, pg_loss_masks, tis_metrics = tis_fn(
-            args=args, pg_loss=pg_loss, train_log_probs=old_log_probs, rollout_log_probs=rollout_lp,
-            loss_masks=batch["loss_masks"], total_lengths=batch["total_lengths"], response_lengths=response_lengths,
+            args=args,
+            pg_loss=pg_loss,
+            train_log_probs=old_log_probs,
+            rollout_log_probs=rollout_lp,
+            loss_masks=batch["loss_masks"],
+            total_lengths=batch["total_lengths"],
+            response_lengths=response_lengths,
         )
         if pg_loss_masks is not batch["loss_masks"]:
             # rejected tokens leave the numerator; each sample's denominator stays its original mask sum
@@ -237,7 +272,8 @@ def policy_loss_function(args, batch, logits, sum_of_sample_mean):
     pg_loss_reducer = sum_of_sample_mean
     if args.custom_pg_loss_reducer_function_path:
         pg_loss_reducer = load_function(args.custom_pg_loss_reducer_function_path)(
-            batch["total_lengths"], response_lengths, pg_loss_masks, args.calculate_per_token_loss)
+            batch["total_lengths"], response_lengths, pg_loss_masks, args.calculate_per_token_loss
+        )
     pg_loss = pg_loss_reducer(pg_loss)
     entropy_loss = sum_of_sample_mean(torch.cat(out["entropy"]) if out["entropy"] else log_probs)
     loss = pg_loss - args.entropy_coef * entropy_loss
@@ -254,11 +290,17 @@ def policy_loss_function(args, batch, logits, sum_of_sample_mean):
     if rollout_log_probs is not None and old_log_probs:
         # trainer vs inference engine on the same weights (precision / kernel mismatch): the pre-update log-probs,
         # so later optimizer steps of this rollout do not count as mismatch
-        metrics["train_rollout_logprob_abs_diff"] = sum_of_sample_mean((torch.cat(old_log_probs) - torch.cat(rollout_log_probs)).abs())
+        metrics["train_rollout_logprob_abs_diff"] = sum_of_sample_mean(
+            (torch.cat(old_log_probs) - torch.cat(rollout_log_probs)).abs()
+        )
 
     reported = {
-        "loss": loss, "pg_loss": pg_loss, "entropy_loss": entropy_loss,
-        "pg_clipfrac": sum_of_sample_mean(pg_clipfrac), "ppo_kl": sum_of_sample_mean(ppo_kl), **metrics,
+        "loss": loss,
+        "pg_loss": pg_loss,
+        "entropy_loss": entropy_loss,
+        "pg_clipfrac": sum_of_sample_mean(pg_clipfrac),
+        "ppo_kl": sum_of_sample_mean(ppo_kl),
+        **metrics,
     }
     return loss, {k: v.detach().clone() for k, v in reported.items()}
 
@@ -266,8 +308,12 @@ def policy_loss_function(args, batch, logits, sum_of_sample_mean):
 def sft_loss_function(args, batch, logits, sum_of_sample_mean):
     """Negative log-likelihood of the loss-masked response tokens, averaged per sample."""
     out = get_log_probs_and_entropy(
-        logits, args=args, unconcat_tokens=batch["unconcat_tokens"], total_lengths=batch["total_lengths"],
-        response_lengths=batch["response_lengths"], with_entropy=False,
+        logits,
+        args=args,
+        unconcat_tokens=batch["unconcat_tokens"],
+        total_lengths=batch["total_lengths"],
+        response_lengths=batch["response_lengths"],
+        with_entropy=False,
     )
     log_probs = torch.cat(out["log_probs"]) if out["log_probs"] else logits.new_zeros(0)
     loss = -sum_of_sample_mean(log_probs)
@@ -302,12 +348,21 @@ def loss_function(args, batch, num_microbatches, logits):
         loss, log = load_function(args.custom_loss_function_path)(**kwargs)
 
     if not args.calculate_per_token_loss:
-        loss = loss * num_microbatches / args.global_batch_size * mpu.get_data_parallel_world_size(with_context_parallel=True)
+        loss = (
+            loss
+            * num_microbatches
+            / args.global_batch_size
+            * mpu.get_data_parallel_world_size(with_context_parallel=True)
+        )
     else:
         # Every CP rank reports the whole micro-batch's token count, which Megatron sums over DP x CP; the gradient,
         # summed over CP ranks, counts it once (see cp_utils), so undo the over-count here.
         loss = loss * cp_size_and_rank()[0]
     count = num_tokens if args.calculate_per_token_loss else num_samples
-    values = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=logits.device).detach().reshape(())
-                          for v in [count, *log.values()]])
+    values = torch.stack(
+        [
+            torch.as_tensor(v, dtype=torch.float32, device=logits.device).detach().reshape(())
+            for v in [count, *log.values()]
+        ]
+    )
     return loss, num_tokens if args.calculate_per_token_loss else 1, {"keys": list(log.keys()), "values": values}

@@ -4,6 +4,7 @@
 The PyPI megatron-core wheel has no `megatron.training`, so `get_model` / optimizer wiring that Megatron-LM's
 training loop would do lives here, on megatron.core APIs only.
 """
+
 import logging
 
 import torch
@@ -32,9 +33,17 @@ from .model_provider import get_model_provider_func
 
 logger = logging.getLogger(__name__)
 
-TRAIN_KEYS = ["tokens", "total_lengths", "response_lengths", "loss_masks", "log_probs", "ref_log_probs",
-              "advantages", "returns", "rollout_log_probs"]
-
+TRAIN_KEYS = [
+    "tokens",
+    "total_lengths",
+    "response_lengths",
+    "loss_masks",
+    "log_probs",
+    "ref_log_probs",
+    "advantages",
+    "returns",
+    "rollout_log_probs",
+]
 
 
 def get_model(args, wrap_with_ddp=True):
@@ -188,17 +197,27 @@ def forward_only(args, model, data_iterator, num_microbatches, store_prefix=""):
 
         def post(logits, non_loss_data=True):  # the schedule calls this with non_loss_data=True
             return get_log_probs_and_entropy(
-                logits, args=args, unconcat_tokens=batch["unconcat_tokens"], total_lengths=batch["total_lengths"],
-                response_lengths=batch["response_lengths"], with_entropy=bool(args.use_rollout_entropy))
+                logits,
+                args=args,
+                unconcat_tokens=batch["unconcat_tokens"],
+                total_lengths=batch["total_lengths"],
+                response_lengths=batch["response_lengths"],
+                with_entropy=bool(args.use_rollout_entropy),
+            )
 
         return _forward(chunk, batch), post
 
     store = []
     for n in num_microbatches:
         store += get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=_iterator_arg(data_iterator), model=model,
-            num_microbatches=n, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-            forward_only=True, collect_non_loss_data=True,
+            forward_step_func=forward_step,
+            data_iterator=_iterator_arg(data_iterator),
+            model=model,
+            num_microbatches=n,
+            seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+            forward_only=True,
+            collect_non_loss_data=True,
         )
     for it in data_iterator:
         it.reset()
@@ -227,7 +246,8 @@ def train_one_step(args, rollout_id, step_id, data_iterator, model, optimizer, o
     optimizer.zero_grad()
     if args.custom_megatron_before_train_step_hook_path:
         load_function(args.custom_megatron_before_train_step_hook_path)(
-            args, rollout_id, step_id, model, optimizer, opt_param_scheduler)
+            args, rollout_id, step_id, model, optimizer, opt_param_scheduler
+        )
 
     def forward_step(iterator, chunk):
         batch = get_batch(iterator, TRAIN_KEYS)
@@ -240,9 +260,13 @@ def train_one_step(args, rollout_id, step_id, data_iterator, model, optimizer, o
         return _forward(chunk, batch), loss_func
 
     losses = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=_iterator_arg(data_iterator), model=model,
-        num_microbatches=num_microbatches, seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size, forward_only=False,
+        forward_step_func=forward_step,
+        data_iterator=_iterator_arg(data_iterator),
+        model=model,
+        num_microbatches=num_microbatches,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        forward_only=False,
     )
     if not args.check_for_nan_in_loss_and_grad and not _grads_are_finite(model):
         # --no-check-for-nan-in-loss-and-grad: nothing raised on the inf/NaN, so skip the step rather than apply it
@@ -285,7 +309,8 @@ def train(args, rollout_id, model, optimizer, opt_param_scheduler, data_iterator
     history = []
     for step_id, n in enumerate(num_microbatches):
         loss_dict, grad_norm = train_one_step(
-            args, rollout_id, step_id, data_iterator, model, optimizer, opt_param_scheduler, n)
+            args, rollout_id, step_id, data_iterator, model, optimizer, opt_param_scheduler, n
+        )
         if not mpu.is_pipeline_last_stage(ignore_virtual=True):
             continue
         if args.ci_test and rollout_id == 0 and step_id == 0:

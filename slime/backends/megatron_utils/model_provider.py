@@ -3,6 +3,7 @@
 Layer spec: Transformer Engine when it is importable and we are on GPU, otherwise the local (pure torch) spec —
 the one that runs on CPU. `--spec module fn` overrides both, as in slime (e.g. a custom GLM4 spec).
 """
+
 import copy
 import importlib
 
@@ -148,8 +149,9 @@ def _layer_spec(args, config, vp_stage=None):
         return getattr(importlib.import_module(module), fn)(args)  # the spec adds what it needs (post norms, ...)
     te = use_transformer_engine(args)
     if args.num_experts or config.multi_latent_attention:
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization=config.normalization,
-                                          vp_stage=vp_stage)
+        spec = get_gpt_decoder_block_spec(
+            config, use_transformer_engine=te, normalization=config.normalization, vp_stage=vp_stage
+        )
         if not te and config.multi_latent_attention:
             spec.layer_specs = [mla_local_spec(s) for s in spec.layer_specs]
     elif te:
@@ -171,9 +173,11 @@ def _with_cp_attention(spec):
         if attention.core_attention is AllGatherKVDotProductAttention:  # block specs share one submodule spec
             continue
         if attention.core_attention is not DotProductAttention:
-            raise ValueError(f"--context-parallel-size > 1 without Transformer Engine replaces megatron's "
-                             f"DotProductAttention, but this layer spec's core attention is "
-                             f"{attention.core_attention.__name__}; use --context-parallel-size 1 or the TE spec (GPU)")
+            raise ValueError(
+                f"--context-parallel-size > 1 without Transformer Engine replaces megatron's "
+                f"DotProductAttention, but this layer spec's core attention is "
+                f"{attention.core_attention.__name__}; use --context-parallel-size 1 or the TE spec (GPU)"
+            )
         attention.core_attention = AllGatherKVDotProductAttention
     return spec
 

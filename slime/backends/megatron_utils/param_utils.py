@@ -5,6 +5,7 @@ expert offset) and always uses the `module.module.` prefix slime's converters ex
 Float16Module) the model has. `all_gather_param` rebuilds the full tensor from TP shards; `remove_padding` strips
 the vocab padding Megatron adds to embedding/output rows.
 """
+
 import re
 
 import torch
@@ -21,7 +22,7 @@ _GROUPED_EXPERT_RE = re.compile(r"^((?:.*\.)?mlp\.experts\.linear_fc[12]\.weight
 def canonical_name(name: str) -> str:
     """`module.module.<path>` regardless of how many wrapper levels `name` came through."""
     while name.startswith("module."):
-        name = name[len("module."):]
+        name = name[len("module.") :]
     return PREFIX + name
 
 
@@ -131,6 +132,9 @@ def all_gather_param(name, param, *, gated_linear_unit=True):
 
 def remove_padding(name, param, vocab_size):
     """Cut embedding / output-layer rows back to the tokenizer's `vocab_size` (Megatron pads for TP divisibility)."""
-    if vocab_size and canonical_name(name) in (PREFIX + "embedding.word_embeddings.weight", PREFIX + "output_layer.weight"):
+    if vocab_size and canonical_name(name) in (
+        PREFIX + "embedding.word_embeddings.weight",
+        PREFIX + "output_layer.weight",
+    ):
         return param[:vocab_size]
     return param

@@ -1,5 +1,6 @@
 """Rollout data on the trainer side: fetch + DP partition (`process_rollout_data`), micro-batch iteration
 (`DataIterator`) and the first-fit micro-batch count used by dynamic batching. Imports no Megatron module."""
+
 import numpy as np
 import ray
 import torch
@@ -11,8 +12,18 @@ from slime.utils.timer import Timer
 
 # Per-sample keys split across DP ranks; `raw_reward` stays global (logged over the whole rollout).
 # `metadata` (from `Sample.train_metadata`) reaches hooks such as --rollout-data-postprocess-path.
-PARTITIONED_KEYS = ("tokens", "total_lengths", "response_lengths", "rewards", "truncated", "loss_masks",
-                    "round_number", "sample_indices", "rollout_log_probs", "metadata")
+PARTITIONED_KEYS = (
+    "tokens",
+    "total_lengths",
+    "response_lengths",
+    "rewards",
+    "truncated",
+    "loss_masks",
+    "round_number",
+    "sample_indices",
+    "rollout_log_probs",
+    "metadata",
+)
 
 
 class DataIterator:
@@ -24,7 +35,9 @@ class DataIterator:
     """
 
     def __init__(self, rollout_data, micro_batch_size=None, micro_batch_indices=None, packed_sequences=False):
-        assert (micro_batch_size is None) != (micro_batch_indices is None), "give exactly one of micro_batch_size / micro_batch_indices"
+        assert (micro_batch_size is None) != (micro_batch_indices is None), (
+            "give exactly one of micro_batch_size / micro_batch_indices"
+        )
         self.rollout_data = rollout_data
         self.micro_batch_size = micro_batch_size
         self.micro_batch_indices = micro_batch_indices
@@ -42,8 +55,9 @@ class DataIterator:
                 batch[key] = [vals[i] for i in self.micro_batch_indices[self.offset]]
             else:
                 assert self.offset + self.micro_batch_size <= len(vals), (
-                    f"micro-batch [{self.offset}, {self.offset + self.micro_batch_size}) runs past the {len(vals)} samples of {key!r}")
-                batch[key] = vals[self.offset:self.offset + self.micro_batch_size]
+                    f"micro-batch [{self.offset}, {self.offset + self.micro_batch_size}) runs past the {len(vals)} samples of {key!r}"
+                )
+                batch[key] = vals[self.offset : self.offset + self.micro_batch_size]
         self.offset += 1 if self.micro_batch_indices is not None else self.micro_batch_size
         return batch
 
@@ -95,13 +109,17 @@ def _balanced_dp_partitions(total_lengths, dp_size, n_samples_per_prompt):
     """Karmarkar-Karp over whole prompt groups (summed lengths), expanded back to sample indices per DP rank."""
     n = n_samples_per_prompt
     if len(total_lengths) % n != 0:
-        raise ValueError(f"--balance-data keeps prompt groups together, but {len(total_lengths)} samples are not a "
-                         f"multiple of --n-samples-per-prompt {n}")
+        raise ValueError(
+            f"--balance-data keeps prompt groups together, but {len(total_lengths)} samples are not a "
+            f"multiple of --n-samples-per-prompt {n}"
+        )
     num_groups = len(total_lengths) // n
     if num_groups % dp_size != 0:
-        raise ValueError(f"--balance-data gives every DP rank the same number of prompt groups, but {num_groups} groups "
-                         f"do not divide over {dp_size} DP ranks; change --rollout-batch-size or turn off --balance-data")
-    group_lengths = [sum(total_lengths[g * n:(g + 1) * n]) for g in range(num_groups)]
+        raise ValueError(
+            f"--balance-data gives every DP rank the same number of prompt groups, but {num_groups} groups "
+            f"do not divide over {dp_size} DP ranks; change --rollout-batch-size or turn off --balance-data"
+        )
+    group_lengths = [sum(total_lengths[g * n : (g + 1) * n]) for g in range(num_groups)]
     group_parts = get_seqlen_balanced_partitions(group_lengths, dp_size, equal_size=True)
     return [[g * n + j for g in groups for j in range(n)] for groups in group_parts]
 
@@ -129,8 +147,10 @@ def process_rollout_data(args, rollout_data_ref, dp_rank, dp_size):
     """
     data = _fetch_rollout_data(rollout_data_ref)
     if "tokens" not in data:
-        raise KeyError(f"rollout data has no 'tokens' (keys: {sorted(data)}); a custom rollout/convert function must "
-                       "produce the train-data dict of RolloutController._convert_samples_to_train_data")
+        raise KeyError(
+            f"rollout data has no 'tokens' (keys: {sorted(data)}); a custom rollout/convert function must "
+            "produce the train-data dict of RolloutController._convert_samples_to_train_data"
+        )
     data["total_lengths"] = [len(t) for t in data["tokens"]]
     Timer().seq_lens = data["total_lengths"]  # whole-rollout lengths, for FLOPs accounting
 
@@ -140,6 +160,7 @@ def process_rollout_data(args, rollout_data_ref, dp_rank, dp_size):
         def partition(vals):
             return [vals[i] for i in indices]
     else:
+
         def partition(vals):
             return vals[dp_rank::dp_size]
 

@@ -6,6 +6,7 @@ flags come from `sglang_server_args.json`, a table recorded from SGLang's `add_c
 the releases that accept it), so GPU launch scripts written for any of them parse unchanged everywhere. With SGLang
 installed, an option only older releases know is a one-line error naming it and the installed version.
 """
+
 import argparse
 import importlib.metadata
 import importlib.util
@@ -20,13 +21,32 @@ _TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_s
 
 # SGLang server fields that slime sets itself (per engine), so they get no --sglang- flag.
 SKIPPED_ARGS = (
-    "model_path", "dtype", "trust_remote_code", "random_seed", "enable_memory_saver", "tp_size", "port", "nnodes",
-    "node_rank", "dist_init_addr", "gpu_id_step", "base_gpu_id", "nccl_port", "skip_server_warmup",
+    "model_path",
+    "dtype",
+    "trust_remote_code",
+    "random_seed",
+    "enable_memory_saver",
+    "tp_size",
+    "port",
+    "nnodes",
+    "node_rank",
+    "dist_init_addr",
+    "gpu_id_step",
+    "base_gpu_id",
+    "nccl_port",
+    "skip_server_warmup",
 )
 
 # What slime's CPU inference server honours, by field name (it gets them as its own CLI flags).
-CPU_SERVER_HONOURED = ("max_running_requests", "context_length", "max_total_tokens", "served_model_name", "log_level",
-                       "api_key", "admin_api_key")
+CPU_SERVER_HONOURED = (
+    "max_running_requests",
+    "context_length",
+    "max_total_tokens",
+    "served_model_name",
+    "log_level",
+    "api_key",
+    "admin_api_key",
+)
 
 # GPU-only performance knobs: meaningless on the CPU server, harmless to ignore (results do not depend on them).
 _GPU_PERF_KNOB = re.compile(
@@ -63,8 +83,14 @@ def _json(value: str):
         raise argparse.ArgumentTypeError(f"invalid JSON {value!r}: {e}") from None
 
 
-_TYPES = {"str": str, "int": int, "float": float, "json": _json, "human_readable_int": _human_readable_int,
-          "nullable_str": _nullable_str}
+_TYPES = {
+    "str": str,
+    "int": int,
+    "float": float,
+    "json": _json,
+    "human_readable_int": _human_readable_int,
+    "nullable_str": _nullable_str,
+}
 _human_readable_int.__name__ = "human-readable int"  # argparse names the type in "invalid ... value" errors
 _json.__name__ = "JSON"
 
@@ -81,16 +107,22 @@ class _Removed(argparse.Action):
 
     def __init__(self, option_strings, dest, message, **kwargs):
         self.message = message
-        super().__init__(option_strings, dest, nargs=argparse.ZERO_OR_MORE, default=argparse.SUPPRESS,
-                         help=argparse.SUPPRESS)
+        super().__init__(
+            option_strings, dest, nargs=argparse.ZERO_OR_MORE, default=argparse.SUPPRESS, help=argparse.SUPPRESS
+        )
 
     def __call__(self, parser, namespace, values, option_string=None):
         parser.error(self.message.format(flag=option_string))
 
 
 # The table's action names -> argparse actions (SGLang's deprecated ones behave as their plain counterparts).
-_ACTIONS = {"boolean_optional": argparse.BooleanOptionalAction, "deprecated_store_true": "store_true",
-            "deprecated_store_const": _StoreValueConst, "deprecated_alias_store": "store", "deprecated": _Removed}
+_ACTIONS = {
+    "boolean_optional": argparse.BooleanOptionalAction,
+    "deprecated_store_true": "store_true",
+    "deprecated_store_const": _StoreValueConst,
+    "deprecated_alias_store": "store",
+    "deprecated": _Removed,
+}
 
 
 def load_table() -> dict:
@@ -128,9 +160,13 @@ def _add_removed_options(parser, add_argument, known_flags):
     for entry in load_table()["arguments"]:
         flags = [f for f in entry["flags"] if f not in known_flags]
         if flags and len(flags) == len(entry["flags"]):
-            message = (f"{{flag}} is not an option of the installed SGLang {version} (it is one of SGLang "
-                       f"{', '.join(entry['sglang_versions'])}); remove it or install one of those versions")
-            add_argument(*flags, action=_Removed, message=message, dest=entry.get("dest") or flags[0][2:].replace("-", "_"))
+            message = (
+                f"{{flag}} is not an option of the installed SGLang {version} (it is one of SGLang "
+                f"{', '.join(entry['sglang_versions'])}); remove it or install one of those versions"
+            )
+            add_argument(
+                *flags, action=_Removed, message=message, dest=entry.get("dest") or flags[0][2:].replace("-", "_")
+            )
 
 
 def sglang_available() -> bool:
@@ -139,13 +175,27 @@ def sglang_available() -> bool:
 
 def add_sglang_router_arguments(parser):
     group = parser.add_argument_group("sglang router")
-    group.add_argument("--sglang-router-ip", type=str, default=None,
-                       help="IP of an already running sglang-router; slime starts one when unset.")
-    group.add_argument("--sglang-router-port", type=int, default=None, help="Port of an already running sglang-router.")
-    group.add_argument("--sglang-router-request-timeout-secs", type=int, default=3600,
-                       help="Per-request timeout of the router (seconds).")
-    group.add_argument("--sglang-server-concurrency", type=int, default=512,
-                       help="Max concurrent /generate requests per inference engine.")
+    group.add_argument(
+        "--sglang-router-ip",
+        type=str,
+        default=None,
+        help="IP of an already running sglang-router; slime starts one when unset.",
+    )
+    group.add_argument(
+        "--sglang-router-port", type=int, default=None, help="Port of an already running sglang-router."
+    )
+    group.add_argument(
+        "--sglang-router-request-timeout-secs",
+        type=int,
+        default=3600,
+        help="Per-request timeout of the router (seconds).",
+    )
+    group.add_argument(
+        "--sglang-server-concurrency",
+        type=int,
+        default=512,
+        help="Max concurrent /generate requests per inference engine.",
+    )
     return parser
 
 
@@ -175,15 +225,20 @@ def add_sglang_arguments(parser):
         # Wrap the parser itself, as slime does: add_cli_args may add its own groups through it.
         target, add_cli_args = parser, ServerArgs.add_cli_args
     else:
-        target, add_cli_args = parser.add_argument_group("sglang server (pass-through, --sglang-<flag>)"), _add_from_table
+        target, add_cli_args = (
+            parser.add_argument_group("sglang server (pass-through, --sglang-<flag>)"),
+            _add_from_table,
+        )
     original_add_argument = target.add_argument
     target.add_argument = add_prefixed_argument
     try:
         known = {f for a in parser._actions for f in a.option_strings}
         add_cli_args(target)
         if installed:
-            known = {f"--{f[len('--sglang-'):]}" for a in parser._actions for f in a.option_strings if f not in known}
-            _add_removed_options(target, target.add_argument, known | {f"--{n.replace('_', '-')}" for n in SKIPPED_ARGS})
+            known = {f"--{f[len('--sglang-') :]}" for a in parser._actions for f in a.option_strings if f not in known}
+            _add_removed_options(
+                target, target.add_argument, known | {f"--{n.replace('_', '-')}" for n in SKIPPED_ARGS}
+            )
     finally:
         target.add_argument = original_add_argument
     return parser
@@ -201,8 +256,8 @@ def _explicit_sglang_options(args, parser):
             continue
         # an option of older releases only has no default: present means given
         changed = getattr(args, dest, defaults[dest]) != defaults[dest] if dest in defaults else hasattr(args, dest)
-        if dest[len("sglang_"):] not in out and changed:
-            out[dest[len("sglang_"):]] = (action.option_strings[0], getattr(args, dest))
+        if dest[len("sglang_") :] not in out and changed:
+            out[dest[len("sglang_") :]] = (action.option_strings[0], getattr(args, dest))
     return out
 
 
@@ -215,9 +270,11 @@ def check_sglang_version(version: str) -> str | None:
     from packaging.version import Version  # lazy: only with SGLang installed
 
     if Version(version) < Version(MIN_SGLANG_VERSION):
-        return (f"SGLang {version} is installed, but slime needs SGLang >= {MIN_SGLANG_VERSION} (its weight updates "
-                f"run in /begin_weight_update ... /end_weight_update sessions); install the tested one with "
-                f"pip install 'slime[sglang]' (SGLang {load_table()['sglang_version']}, Python >= 3.11)")
+        return (
+            f"SGLang {version} is installed, but slime needs SGLang >= {MIN_SGLANG_VERSION} (its weight updates "
+            f"run in /begin_weight_update ... /end_weight_update sessions); install the tested one with "
+            f"pip install 'slime[sglang]' (SGLang {load_table()['sglang_version']}, Python >= 3.11)"
+        )
     return None
 
 
@@ -237,18 +294,19 @@ def validate_args(args, parser=None, check_cpu_server=True):
     args.sglang_dp_size = args.sglang_dp_size or 1
     args.sglang_pp_size = args.sglang_pp_size or 1
     args.sglang_ep_size = args.sglang_ep_size or 1
-    if args.sglang_dp_size > 1 and not (args.sglang_enable_dp_attention
-                                        or (args.sglang_attn_dp_size or 1) > 1):
-        error("--sglang-dp-size > 1 requires --sglang-enable-dp-attention (or --sglang-attn-dp-size) in slime: "
-              "each engine's data-parallel ranks share one router entry.")
+    if args.sglang_dp_size > 1 and not (args.sglang_enable_dp_attention or (args.sglang_attn_dp_size or 1) > 1):
+        error(
+            "--sglang-dp-size > 1 requires --sglang-enable-dp-attention (or --sglang-attn-dp-size) in slime: "
+            "each engine's data-parallel ranks share one router entry."
+        )
 
-    if (not check_cpu_server or parser is None or args.inference_server != "cpu"
-            or args.debug_train_only):
+    if not check_cpu_server or parser is None or args.inference_server != "cpu" or args.debug_train_only:
         return
     explicit = _explicit_sglang_options(args, parser)
     ignored = sorted(flag for name, (flag, _) in explicit.items() if _GPU_PERF_KNOB.search(name))
     unsupported = sorted(
-        f"{flag}={value!r}" for name, (flag, value) in explicit.items()
+        f"{flag}={value!r}"
+        for name, (flag, value) in explicit.items()
         if name not in CPU_SERVER_HONOURED and not _GPU_PERF_KNOB.search(name)
     )
     if unsupported:

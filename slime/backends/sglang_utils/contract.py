@@ -5,6 +5,7 @@ SGLang itself ignores unknown body fields, so a misspelt field slime sends would
 `body_errors` reports it instead (and missing required fields, and values of the wrong JSON type); slime's CPU server
 refuses such bodies with 400, and the tests check every body the GPU code path sends.
 """
+
 import ast
 import functools
 import json
@@ -42,13 +43,19 @@ def _check_type(value, node) -> bool:
         node = ast.Name(node.attr)
     if isinstance(node, ast.Name):
         name = node.id
-        simple = {"str": lambda v: isinstance(v, str), "bytes": lambda v: isinstance(v, str),
-                  "bool": lambda v: isinstance(v, bool),
-                  "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
-                  "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-                  "list": lambda v: isinstance(v, list), "List": lambda v: isinstance(v, list),
-                  "dict": lambda v: isinstance(v, dict), "Dict": lambda v: isinstance(v, dict),
-                  "tuple": lambda v: isinstance(v, list), "Tuple": lambda v: isinstance(v, list)}
+        simple = {
+            "str": lambda v: isinstance(v, str),
+            "bytes": lambda v: isinstance(v, str),
+            "bool": lambda v: isinstance(v, bool),
+            "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+            "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+            "list": lambda v: isinstance(v, list),
+            "List": lambda v: isinstance(v, list),
+            "dict": lambda v: isinstance(v, dict),
+            "Dict": lambda v: isinstance(v, dict),
+            "tuple": lambda v: isinstance(v, list),
+            "Tuple": lambda v: isinstance(v, list),
+        }
         return simple.get(name, lambda v: True)(value)
     if isinstance(node, ast.Subscript):
         head = node.value.attr if isinstance(node.value, ast.Attribute) else getattr(node.value, "id", "")
@@ -76,11 +83,15 @@ def type_ok(value, annotation: str) -> bool:
 
 
 def fields_errors(body: dict, fields: dict, what: str) -> list:
-    errors = [f"{what}: unknown field {k!r} (SGLang's fields: {', '.join(sorted(fields))})"
-              for k in body if k not in fields]
+    errors = [
+        f"{what}: unknown field {k!r} (SGLang's fields: {', '.join(sorted(fields))})" for k in body if k not in fields
+    ]
     errors += [f"{what}: missing required field {k!r}" for k, f in fields.items() if f["required"] and k not in body]
-    errors += [f"{what}: field {k!r} = {str(v)[:80]!r} is not {fields[k]['type']}"
-               for k, v in body.items() if k in fields and not type_ok(v, fields[k]["type"])]
+    errors += [
+        f"{what}: field {k!r} = {str(v)[:80]!r} is not {fields[k]['type']}"
+        for k, v in body.items()
+        if k in fields and not type_ok(v, fields[k]["type"])
+    ]
     return errors
 
 
@@ -102,6 +113,9 @@ def body_errors(path: str, body) -> list:
         sps = body.get("sampling_params")
         for sp in sps if isinstance(sps, list) else [sps]:
             if isinstance(sp, dict):
-                errors += [f"unknown field {k!r}, expected one of {', '.join(map(repr, sp_fields))} (sampling_params)"
-                           for k in sp if k not in sp_fields]
+                errors += [
+                    f"unknown field {k!r}, expected one of {', '.join(map(repr, sp_fields))} (sampling_params)"
+                    for k in sp
+                    if k not in sp_fields
+                ]
     return errors

@@ -5,6 +5,7 @@ workers are registered with `POST /workers` after 0.2.1 and `/add_worker?url=` u
 forward `/abort_request` (control calls go to each worker directly); a dead worker stays listed, so fan-outs must
 tolerate dead URLs; its Prometheus exporter binds 0.0.0.0:29000 unless told otherwise, and dies if that port is busy.
 """
+
 import asyncio
 import json
 import logging
@@ -89,7 +90,9 @@ def start_router(args, timeout: float = 60.0):
     Sets `args.sglang_router_ip/port` and returns the `multiprocessing.Process` (None for an external router)."""
     if args.sglang_router_ip:
         if not args.sglang_router_port:
-            raise ValueError("--sglang-router-ip is set but --sglang-router-port is not: give both for an external router")
+            raise ValueError(
+                "--sglang-router-ip is set but --sglang-router-port is not: give both for an external router"
+            )
         return None
     ip = get_host_info()[1]
     port = args.sglang_router_port or free_port()
@@ -105,12 +108,17 @@ def launch_router(args, ip: str, port: int, timeout: float = 60.0):
     from sglang_router.router_args import RouterArgs  # heavy: only the driver starts a router
 
     router_args = RouterArgs(
-        host=ip, port=port, balance_abs_threshold=0,
-        prometheus_host=ip, prometheus_port=free_port(),
-        log_level="warn", request_timeout_secs=int(args.sglang_router_request_timeout_secs or 3600),
+        host=ip,
+        port=port,
+        balance_abs_threshold=0,
+        prometheus_host=ip,
+        prometheus_port=free_port(),
+        log_level="warn",
+        request_timeout_secs=int(args.sglang_router_request_timeout_secs or 3600),
     )
-    process = multiprocessing.Process(target=run_router, args=(router_args, os.getpid()), daemon=True,
-                                      name="sglang-router")
+    process = multiprocessing.Process(
+        target=run_router, args=(router_args, os.getpid()), daemon=True, name="sglang-router"
+    )
     process.start()
     url = f"http://{ip}:{port}"
     try:
@@ -129,13 +137,17 @@ def _check_listener(process, port: int, what: str):
     while time.time() < deadline:
         if not _alive(process):
             raise RuntimeError(f"{what} exited (code {_exitcode(process)}): port {port} is taken by another process")
-        listening = {c.laddr.port for c in psutil.Process(process.pid).net_connections(kind="tcp")
-                     if c.status == psutil.CONN_LISTEN}
+        listening = {
+            c.laddr.port
+            for c in psutil.Process(process.pid).net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN
+        }
         if port in listening:
             return
         time.sleep(0.1)
-    raise RuntimeError(f"{what} (pid {process.pid}) is not the process listening on port {port}: another run's server "
-                       "answered there")
+    raise RuntimeError(
+        f"{what} (pid {process.pid}) is not the process listening on port {port}: another run's server answered there"
+    )
 
 
 def stop_router(process, timeout: float = 10.0):

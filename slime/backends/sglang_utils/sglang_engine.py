@@ -5,6 +5,7 @@ The server is SGLang (`python -m sglang.launch_server`) where SGLang and a GPU e
 so every admin call below is the same for both. The server runs in its own session / process group with a
 parent-death signal, so neither `shutdown()`, a crash nor `ray.kill(engine)` leaves it running.
 """
+
 import argparse
 import atexit
 import collections
@@ -31,13 +32,36 @@ from .router import add_worker, remove_worker
 logger = logging.getLogger(__name__)
 
 # ServerArgs fields slime sets per engine; every other `args.sglang_<field>` is passed through as --<field>.
-_ENGINE_FIELDS = ("model_path", "trust_remote_code", "random_seed", "enable_memory_saver", "host", "port", "nccl_port",
-                  "nnodes", "node_rank", "dist_init_addr", "gpu_id_step", "base_gpu_id", "tp_size", "dp_size",
-                  "pp_size", "ep_size", "skip_server_warmup")
+_ENGINE_FIELDS = (
+    "model_path",
+    "trust_remote_code",
+    "random_seed",
+    "enable_memory_saver",
+    "host",
+    "port",
+    "nccl_port",
+    "nnodes",
+    "node_rank",
+    "dist_init_addr",
+    "gpu_id_step",
+    "base_gpu_id",
+    "tp_size",
+    "dp_size",
+    "pp_size",
+    "ep_size",
+    "skip_server_warmup",
+)
 _NOT_SERVER_ARGS = ("router_ip", "router_port", "router_request_timeout_secs", "server_concurrency")
 # SGLang options the CPU server understands under the same flag name.
-_CPU_SERVER_FIELDS = ("max_running_requests", "context_length", "max_total_tokens", "served_model_name", "log_level",
-                      "api_key", "admin_api_key")
+_CPU_SERVER_FIELDS = (
+    "max_running_requests",
+    "context_length",
+    "max_total_tokens",
+    "served_model_name",
+    "log_level",
+    "api_key",
+    "admin_api_key",
+)
 
 
 def get_base_gpu_id(args, rank: int) -> int:
@@ -63,21 +87,40 @@ def _sglang_flags() -> dict:
 
         parser = argparse.ArgumentParser(add_help=False)
         ServerArgs.add_cli_args(parser)
-        names = {argparse._StoreTrueAction: "store_true", argparse._StoreFalseAction: "store_false",
-                 argparse._StoreConstAction: "store_const", argparse.BooleanOptionalAction: "boolean_optional"}
+        names = {
+            argparse._StoreTrueAction: "store_true",
+            argparse._StoreFalseAction: "store_false",
+            argparse._StoreConstAction: "store_const",
+            argparse.BooleanOptionalAction: "boolean_optional",
+        }
         entries = []
         for a in parser._actions:
             if not a.option_strings:
                 continue
             kind = type(a).__name__
-            action = names.get(type(a)) or ("deprecated_" + _snake(kind[len("Deprecated"):-len("Action")])
-                                            if kind.startswith("Deprecated") else None)
+            action = names.get(type(a)) or (
+                "deprecated_" + _snake(kind[len("Deprecated") : -len("Action")])
+                if kind.startswith("Deprecated")
+                else None
+            )
             const = getattr(a, "const_value", a.const)
-            entries.append({"flags": a.option_strings, "dest": a.dest, "default": a.default, "action": action,
-                            "nargs": a.nargs, "const": const, "choices": a.choices})
+            entries.append(
+                {
+                    "flags": a.option_strings,
+                    "dest": a.dest,
+                    "default": a.default,
+                    "action": action,
+                    "nargs": a.nargs,
+                    "const": const,
+                    "choices": a.choices,
+                }
+            )
     except ImportError:
-        entries = [dict(e, dest=e.get("dest") or e["flags"][0][2:].replace("-", "_"))
-                   for e in table["arguments"] if table["sglang_version"] in e["sglang_versions"]]
+        entries = [
+            dict(e, dest=e.get("dest") or e["flags"][0][2:].replace("-", "_"))
+            for e in table["arguments"]
+            if table["sglang_version"] in e["sglang_versions"]
+        ]
     out = {}
     for e in entries:
         action = e.get("action")
@@ -87,8 +130,14 @@ def _sglang_flags() -> dict:
             const = False
         else:
             const = e.get("const")
-        rec = {"flag": e["flags"][0], "default": e.get("default"), "action": action, "nargs": e.get("nargs"),
-               "const": const, "choices": e.get("choices")}
+        rec = {
+            "flag": e["flags"][0],
+            "default": e.get("default"),
+            "action": action,
+            "nargs": e.get("nargs"),
+            "const": const,
+            "choices": e.get("choices"),
+        }
         if e["dest"] not in out or str(out[e["dest"]]["action"]).startswith("deprecated"):
             out[e["dest"]] = rec
     return out
@@ -104,11 +153,13 @@ def _sglang_passthrough(args) -> list:
     store-const that takes its one choice as that choice. Unknown ones are dropped."""
     flags, argv = _sglang_flags(), []
     for key, value in sorted(vars(args).items()):
-        dest = key[len("sglang_"):]
+        dest = key[len("sglang_") :]
         if not key.startswith("sglang_") or dest in _NOT_SERVER_ARGS or dest in _ENGINE_FIELDS:
             continue
         if dest not in flags:
-            logger.warning("--sglang-%s is not an option of the installed SGLang; not passing it", dest.replace("_", "-"))
+            logger.warning(
+                "--sglang-%s is not an option of the installed SGLang; not passing it", dest.replace("_", "-")
+            )
             continue
         f = flags[dest]
         flag, action = f["flag"], f["action"]
@@ -156,11 +207,21 @@ def server_command(args, rank: int, host: str, port: int, nccl_port: int, dist_i
     nnodes = max(1, gpus_per_engine // gpus_per_node)
     kw = {
         "model_path": args.hf_checkpoint,
-        "random_seed": seed, "enable_memory_saver": bool(args.offload), "host": host, "port": port,
-        "nccl_port": nccl_port, "nnodes": nnodes, "node_rank": rank % nnodes, "dist_init_addr": dist_init_addr,
-        "gpu_id_step": 1, "base_gpu_id": get_base_gpu_id(args, rank), "tp_size": gpus_per_engine,
-        "dp_size": args.sglang_dp_size or 1, "pp_size": args.sglang_pp_size or 1,
-        "ep_size": args.sglang_ep_size or 1, "skip_server_warmup": True,
+        "random_seed": seed,
+        "enable_memory_saver": bool(args.offload),
+        "host": host,
+        "port": port,
+        "nccl_port": nccl_port,
+        "nnodes": nnodes,
+        "node_rank": rank % nnodes,
+        "dist_init_addr": dist_init_addr,
+        "gpu_id_step": 1,
+        "base_gpu_id": get_base_gpu_id(args, rank),
+        "tp_size": gpus_per_engine,
+        "dp_size": args.sglang_dp_size or 1,
+        "pp_size": args.sglang_pp_size or 1,
+        "ep_size": args.sglang_ep_size or 1,
+        "skip_server_warmup": True,
     }
     return kind, [sys.executable, "-m", "sglang.launch_server"] + _cli(kw) + _sglang_passthrough(args)
 
@@ -197,8 +258,10 @@ class SGLangEngine(RayActor):
         # the others take the API key (the admin key is refused there)
         api_key = args.sglang_api_key
         admin_key = args.sglang_admin_api_key or api_key
-        self._auth = {level: {"Authorization": f"Bearer {key}"} if key else {}
-                      for level, key in (("admin_optional", admin_key), ("normal", api_key))}
+        self._auth = {
+            level: {"Authorization": f"Bearer {key}"} if key else {}
+            for level, key in (("admin_optional", admin_key), ("normal", api_key))
+        }
 
     # ------------------------------------------------------------------ lifecycle
     def init(self, dist_init_addr, port, nccl_port, host=None, startup_timeout: float | None = None):
@@ -211,10 +274,13 @@ class SGLangEngine(RayActor):
         env = dict(os.environ, SLIME_PARENT_PID=str(os.getpid()))
         fd, self.log_path = tempfile.mkstemp(prefix=f"slime-engine{self.rank}-", suffix=".log")
         with os.fdopen(fd, "w") as log:
-            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                            preexec_fn=_die_with_parent)
+            self.process = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
+            )
         atexit.register(self.shutdown)
-        logger.info("engine %d: %s server pid %d at %s (log %s)", self.rank, kind, self.process.pid, self.url, self.log_path)
+        logger.info(
+            "engine %d: %s server pid %d at %s (log %s)", self.rank, kind, self.process.pid, self.url, self.log_path
+        )
         nnodes = max(1, args.rollout_num_gpus_per_engine // args.rollout_num_gpus_per_node) if kind == "sglang" else 1
         if self.rank % nnodes != 0:
             return  # only node 0 of a multi-node engine serves HTTP
@@ -236,8 +302,10 @@ class SGLangEngine(RayActor):
         probe = "/health_generate" if self.kind == "sglang" else "/health"
         while True:
             if self.process.poll() is not None:
-                raise RuntimeError(f"inference server for engine {self.rank} ({self.url}) exited with code "
-                                   f"{self.process.returncode} during startup. Last log lines ({self.log_path}):\n{self._log_tail()}")
+                raise RuntimeError(
+                    f"inference server for engine {self.rank} ({self.url}) exited with code "
+                    f"{self.process.returncode} during startup. Last log lines ({self.log_path}):\n{self._log_tail()}"
+                )
             try:
                 if self._http.get(self.url + probe, timeout=5).status_code == 200:
                     break
@@ -246,8 +314,10 @@ class SGLangEngine(RayActor):
             if time.time() > deadline:
                 tail = self._log_tail()
                 kill_process_group(self.process)
-                raise TimeoutError(f"inference server for engine {self.rank} at {self.url} was not healthy within "
-                                   f"{timeout:.0f}s. Last log lines ({self.log_path}):\n{tail}")
+                raise TimeoutError(
+                    f"inference server for engine {self.rank} at {self.url} was not healthy within "
+                    f"{timeout:.0f}s. Last log lines ({self.log_path}):\n{tail}"
+                )
             time.sleep(0.5)
         self.flush_cache(timeout=max(deadline - time.time(), 30))
 
@@ -257,23 +327,28 @@ class SGLangEngine(RayActor):
         weights."""
         expected = self.args.sglang_served_model_name
         key = self.args.sglang_api_key
-        resp = self._http.get(f"{self.url}/get_server_info", timeout=30,
-                              headers={"Authorization": f"Bearer {key}"} if key else {})
+        resp = self._http.get(
+            f"{self.url}/get_server_info", timeout=30, headers={"Authorization": f"Bearer {key}"} if key else {}
+        )
         try:
             echoed = resp.json().get("served_model_name") if resp.status_code == 200 else f"HTTP {resp.status_code}"
         except (ValueError, AttributeError):  # not JSON, or not an object: some other kind of server
             echoed = f"a non-SGLang answer {resp.text[:80]!r}"
         if echoed != expected:
-            raise RuntimeError(f"engine {self.rank}: the server answering at {self.url} is not this run's engine "
-                               f"(served_model_name {echoed!r}, expected {expected!r}); another process holds port "
-                               f"{self.port}")
+            raise RuntimeError(
+                f"engine {self.rank}: the server answering at {self.url} is not this run's engine "
+                f"(served_model_name {echoed!r}, expected {expected!r}); another process holds port "
+                f"{self.port}"
+            )
 
     def shutdown(self):
         if self.router_url:
             try:
                 remove_worker(self.router_url, self.url)
             except Exception as e:  # noqa: BLE001  (the router may already be gone at teardown)
-                logger.warning("engine %d: could not remove %s from router %s: %s", self.rank, self.url, self.router_url, e)
+                logger.warning(
+                    "engine %d: could not remove %s from router %s: %s", self.rank, self.url, self.router_url, e
+                )
             self.router_url = None
         kill_process_group(self.process)
 
@@ -283,8 +358,10 @@ class SGLangEngine(RayActor):
     def check_alive(self) -> str:
         """Raise (with the server's last log lines) if the inference server process has exited; else return the URL."""
         if self.process is not None and self.process.poll() is not None:
-            raise RuntimeError(f"inference server of engine {self.rank} at {self.url} exited with code "
-                               f"{self.process.returncode}. Last log lines ({self.log_path}):\n{self._log_tail()}")
+            raise RuntimeError(
+                f"inference server of engine {self.rank} at {self.url} exited with code "
+                f"{self.process.returncode}. Last log lines ({self.log_path}):\n{self._log_tail()}"
+            )
         return self.url
 
     def health_generate(self, timeout: float = 30.0) -> bool:
@@ -311,12 +388,19 @@ class SGLangEngine(RayActor):
     def _make_request(self, endpoint: str, payload=None, timeout: float | None = None, method: str = "POST"):
         url = f"{self.url}/{endpoint}"
         try:
-            resp = self._http.request(method, url, json=payload if method == "POST" else None, timeout=timeout,
-                                      headers=self._headers(endpoint))
+            resp = self._http.request(
+                method,
+                url,
+                json=payload if method == "POST" else None,
+                timeout=timeout,
+                headers=self._headers(endpoint),
+            )
         except requests.RequestException as e:
             raise RuntimeError(f"engine {self.rank}: {method} {url} failed: {e}") from e
         if resp.status_code >= 400:
-            raise RuntimeError(f"engine {self.rank}: {method} {url} answered HTTP {resp.status_code}: {resp.text[:1000]}")
+            raise RuntimeError(
+                f"engine {self.rank}: {method} {url} answered HTTP {resp.status_code}: {resp.text[:1000]}"
+            )
         try:
             return resp.json()
         except ValueError:
@@ -339,24 +423,47 @@ class SGLangEngine(RayActor):
         return self._checked("end_weight_update", self._make_request("end_weight_update", {}, timeout=600))
 
     def init_process_group(self, master_address, master_port, rank_offset, world_size, group_name, backend):
-        return self._make_request("init_weights_update_group", {
-            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-            "world_size": world_size, "group_name": group_name, "backend": backend})
+        return self._make_request(
+            "init_weights_update_group",
+            {
+                "master_address": master_address,
+                "master_port": master_port,
+                "rank_offset": rank_offset,
+                "world_size": world_size,
+                "group_name": group_name,
+                "backend": backend,
+            },
+        )
 
     def destroy_weights_update_group(self, group_name):
         return self._make_request("destroy_weights_update_group", {"group_name": group_name})
 
-    def update_weights_from_distributed(self, names, dtypes, shapes, group_name, weight_version=None, flush_cache=False):
+    def update_weights_from_distributed(
+        self, names, dtypes, shapes, group_name, weight_version=None, flush_cache=False
+    ):
         dtypes = [str(d).replace("torch.", "") for d in dtypes]
         shapes = [list(s) for s in shapes]
-        payload = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name, "flush_cache": flush_cache}
+        payload = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+        }
         if weight_version is not None:
             payload["weight_version"] = str(weight_version)
-        return self._checked("update_weights_from_distributed",
-                             self._make_request("update_weights_from_distributed", payload))
+        return self._checked(
+            "update_weights_from_distributed", self._make_request("update_weights_from_distributed", payload)
+        )
 
-    def update_weights_from_tensor(self, serialized_named_tensors, load_format=None, flush_cache=False, weight_version=None):
-        payload = {"serialized_named_tensors": serialized_named_tensors, "load_format": load_format, "flush_cache": flush_cache}
+    def update_weights_from_tensor(
+        self, serialized_named_tensors, load_format=None, flush_cache=False, weight_version=None
+    ):
+        payload = {
+            "serialized_named_tensors": serialized_named_tensors,
+            "load_format": load_format,
+            "flush_cache": flush_cache,
+        }
         if weight_version is not None:
             payload["weight_version"] = str(weight_version)
         return self._checked("update_weights_from_tensor", self._make_request("update_weights_from_tensor", payload))
@@ -379,7 +486,9 @@ class SGLangEngine(RayActor):
             except requests.RequestException as e:
                 last = str(e)
             if time.time() > deadline:
-                raise TimeoutError(f"engine {self.rank}: {self.url}/flush_cache did not succeed within {timeout:.0f}s ({last})")
+                raise TimeoutError(
+                    f"engine {self.rank}: {self.url}/flush_cache did not succeed within {timeout:.0f}s ({last})"
+                )
             time.sleep(0.2)
 
     def release_memory_occupation(self, tags=None):

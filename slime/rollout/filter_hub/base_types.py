@@ -3,6 +3,7 @@
 A filter is `fn(args, samples, **kwargs)` called once per finished group. It returns a `DynamicFilterOutput`, or
 (slime v0.1.0) a bare truthy/falsy value taken as `keep`.
 """
+
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -27,8 +28,9 @@ def call_dynamic_filter(fn, *args, **kwargs) -> DynamicFilterOutput:
     return output if isinstance(output, DynamicFilterOutput) else DynamicFilterOutput(keep=output)
 
 
-def should_drop_dynamic_filter_output(output: DynamicFilterOutput, *, remaining_batch_size: int,
-                                      target_data_size: int) -> bool:
+def should_drop_dynamic_filter_output(
+    output: DynamicFilterOutput, *, remaining_batch_size: int, target_data_size: int
+) -> bool:
     """Drop a rejected group, unless it asked to be kept when dropping it would leave no more groups in flight or
     accepted (`remaining_batch_size`, counted before this group) than the target: then keeping it saves a round."""
     if output.keep:

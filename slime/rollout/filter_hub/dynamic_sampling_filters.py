@@ -1,4 +1,5 @@
 """Dynamic-sampling filters: `fn(args, samples, **kwargs) -> DynamicFilterOutput`, called per finished group."""
+
 import torch
 
 from slime.rollout.filter_hub.base_types import DynamicFilterOutput

@@ -1,5 +1,6 @@
 """Over-sampling filters: `fn(args, groups, **kwargs) -> groups` in priority order; the rollout keeps the first
 `rollout_batch_size` of them."""
+
 import torch
 
 from slime.utils.types import Sample

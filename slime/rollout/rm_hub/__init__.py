@@ -4,6 +4,7 @@ Rule types: deepscaler, dapo (returns a dict, use `--reward-key score`), math, f
 remote_rm (POST to `--rm-url`). A `boxed_` prefix (e.g. `boxed_f1`) grades only the last `\\boxed{}` of the response.
 A sample's `metadata["rm_type"]` overrides `--rm-type` (mixed-task datasets).
 """
+
 import asyncio
 import inspect
 import random
@@ -73,7 +74,9 @@ async def remote_rm(
             async with _session().post(url, json=payload, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
                 body = await resp.text()
                 if 400 <= resp.status < 500:
-                    raise RuntimeError(f"remote reward model {url} rejected the request with HTTP {resp.status}: {body[:500]}")
+                    raise RuntimeError(
+                        f"remote reward model {url} rejected the request with HTTP {resp.status}: {body[:500]}"
+                    )
                 resp.raise_for_status()
                 try:
                     return await resp.json(content_type=None)

@@ -4,6 +4,7 @@ Reward 1.0 if the whole response (surrounding whitespace stripped) is an integer
 Unlike `math`, no `\\boxed{}` is needed, so a tiny model answering "7" is graded correctly; trailing text earns nothing,
 so RL cannot drift toward long answers that merely start with the right number.
 """
+
 import re
 
 _LEADING_INT = re.compile(r"\s*(-?\d+)")

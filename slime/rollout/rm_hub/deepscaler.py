@@ -1,4 +1,5 @@
 """DeepScaleR rule reward: grade the last `\\boxed{}` of the solution part of a reasoning response."""
+
 from .math_utils import extract_answer, grade_answer_mathd, grade_answer_sympy
 
 

@@ -1,4 +1,5 @@
 """Token-level F1 between a predicted and a gold answer (SQuAD/HotpotQA normalisation), used by search-style QA tasks."""
+
 import re
 import string
 from collections import Counter

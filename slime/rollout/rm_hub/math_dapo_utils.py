@@ -2,6 +2,7 @@
 
 `compute_score` returns a dict `{"score": 1.0|-1.0, "acc": bool, "pred": str}`; train with `--reward-key score`.
 """
+
 import re
 from typing import Optional
 

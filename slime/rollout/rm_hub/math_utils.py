@@ -3,6 +3,7 @@
 Every step here decides a reward, so the rules follow the reference graders (slime's / verl's) exactly; do not "improve" them
 without knowing that it silently changes training signals.
 """
+
 import re
 from typing import Optional
 
@@ -109,7 +110,9 @@ def _fix_sqrt(string: str) -> str:
     splits = string.split("\\sqrt")
     new_string = splits[0]
     for split in splits[1:]:
-        if split[0] != "{":  # IndexError on a trailing "\sqrt" is caught by mathd_normalize_answer, as in the reference
+        if (
+            split[0] != "{"
+        ):  # IndexError on a trailing "\sqrt" is caught by mathd_normalize_answer, as in the reference
             new_string += "\\sqrt{" + split[0] + "}" + split[1:]
         else:
             new_string += "\\sqrt" + split

@@ -6,6 +6,7 @@ OpenAI-compatible server), scores the answer with slime's rm_hub (`rm_type`, def
 `{uid, instance_id, messages, reward, extra_info}` to `{remote_buffer_url}/buffer/write`.
 Copy this file to write a generator for another task: change TASK_TYPE and the functions below.
 """
+
 import argparse
 import asyncio
 import json
@@ -61,9 +62,18 @@ async def reward_func(rm_type, response, label):
 
 
 class BaseGenerator:
-    def __init__(self, remote_engine_url, remote_buffer_url, num_repeat_per_sample=1, num_process=10,
-                 task_type=TASK_TYPE, max_tokens=4096, sampling_params=None, skip_instance_ids=None,
-                 rm_type="deepscaler"):
+    def __init__(
+        self,
+        remote_engine_url,
+        remote_buffer_url,
+        num_repeat_per_sample=1,
+        num_process=10,
+        task_type=TASK_TYPE,
+        max_tokens=4096,
+        sampling_params=None,
+        skip_instance_ids=None,
+        rm_type="deepscaler",
+    ):
         self.remote_engine_url = remote_engine_url
         self.remote_buffer_url = remote_buffer_url.rstrip("/") + "/buffer/write"
         self.num_repeat_per_sample = int(num_repeat_per_sample)
@@ -74,7 +84,9 @@ class BaseGenerator:
         self.rm_type = rm_type
 
     async def rollout_one(self, session, instance_id, row) -> dict:
-        content, finish_reason = await query_chat(session, self.remote_engine_url, row["messages"], self.sampling_params)
+        content, finish_reason = await query_chat(
+            session, self.remote_engine_url, row["messages"], self.sampling_params
+        )
         reward = await reward_func(self.rm_type, content, row["label"])
         return {
             "uid": str(uuid.uuid4()),
@@ -87,13 +99,19 @@ class BaseGenerator:
     async def send_to_buffer(self, session, record):
         async with session.post(self.remote_buffer_url, json=record) as resp:
             if resp.status != 200:
-                raise RuntimeError(f"{self.remote_buffer_url} answered HTTP {resp.status}: {(await resp.text())[:300]}")
+                raise RuntimeError(
+                    f"{self.remote_buffer_url} answered HTTP {resp.status}: {(await resp.text())[:300]}"
+                )
 
     async def entry(self, input_file, num_epoch=1, input_key="prompt", label_key="label"):
         rows = read_prompts(input_file, input_key, label_key)
         # instance ids are integers, unique across epochs, so they double as slime sample-group indices
-        jobs = [(epoch * len(rows) + i, row) for epoch in range(int(num_epoch)) for i, row in enumerate(rows)
-                if str(epoch * len(rows) + i) not in self.skip_instance_ids]
+        jobs = [
+            (epoch * len(rows) + i, row)
+            for epoch in range(int(num_epoch))
+            for i, row in enumerate(rows)
+            if str(epoch * len(rows) + i) not in self.skip_instance_ids
+        ]
         sem = asyncio.Semaphore(self.num_process)
         timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
         async with aiohttp.ClientSession(timeout=timeout, trust_env=False) as session:
@@ -120,8 +138,14 @@ def run_rollout(data: dict):
         skip_instance_ids=data.get("skip_instance_ids"),
         rm_type=data.get("rm_type") or "deepscaler",
     )
-    asyncio.run(generator.entry(data["input_file"], data.get("num_epoch", 1), data.get("input_key") or "prompt",
-                                data.get("label_key") or "label"))
+    asyncio.run(
+        generator.entry(
+            data["input_file"],
+            data.get("num_epoch", 1),
+            data.get("input_key") or "prompt",
+            data.get("label_key") or "label",
+        )
+    )
 
 
 def normalize_group_data(group, epsilon=1e-8, algo="grpo"):
@@ -132,7 +156,9 @@ def normalize_group_data(group, epsilon=1e-8, algo="grpo"):
     rewards = [float(s["reward"]) for s in samples]
     bad = [r for r in rewards if not 0.0 <= r <= 1.0]
     if bad:
-        raise ValueError(f"group {instance_id}: rewards {bad} are outside [0, 1]; normalize_group_data expects 0/1 scores")
+        raise ValueError(
+            f"group {instance_id}: rewards {bad} are outside [0, 1]; normalize_group_data expects 0/1 scores"
+        )
     mean = sum(rewards) / len(rewards)
     std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5
     for s, r in zip(samples, rewards):

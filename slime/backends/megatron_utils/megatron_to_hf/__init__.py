@@ -5,6 +5,7 @@ its global name and returns `[(hf_name, tensor)]`. `hf_to_megatron(args, model)`
 (possibly TP/PP/EP-sharded) Megatron model from an HF safetensors checkpoint, so `--hf-checkpoint` alone can
 initialise training.
 """
+
 from . import deepseekv3, glm4, glm4moe, llama, mimo, qwen2, qwen3moe
 from .hf_to_megatron import hf_to_megatron
 

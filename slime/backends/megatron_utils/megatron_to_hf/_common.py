@@ -7,6 +7,7 @@ HF tensors and back. Megatron names come in two flavours, both handled: the loca
 - `linear_qkv`: per query group `[q (heads_per_group*d); k (d); v (d)]` rows.
 - `linear_fc1` (gated): `[gate; up]` rows (after `all_gather_param` re-interleaves TP shards).
 """
+
 import re
 
 import torch
@@ -17,7 +18,9 @@ _TOP_LEVEL = {
     "output_layer.weight": "lm_head.weight",
 }
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_EXPERT_RE = re.compile(r"^mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.weight|(linear_fc[12])\.weight(\d+))$")
+_EXPERT_RE = re.compile(
+    r"^mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.weight|(linear_fc[12])\.weight(\d+))$"
+)
 
 # Megatron layer-relative suffix -> HF layer-relative suffix, copied as is. Keyed by the feature that enables them
 # (later features override earlier ones: MLA's q/kv latent norms reuse the `q_layernorm` module name).
@@ -62,7 +65,7 @@ _GATE_UP_SPLIT = {"mlp.linear_fc1.weight": "mlp.", "mlp.shared_experts.linear_fc
 
 def strip_prefix(name: str) -> str:
     while name.startswith("module."):
-        name = name[len("module."):]
+        name = name[len("module.") :]
     return name
 
 
@@ -98,7 +101,9 @@ class GPTFamily:
     def _layer_to_hf(self, args, pre, rest, param):
         if rest in self.copy_rules:
             return [(pre + self.copy_rules[rest], param)]
-        if rest == "self_attention.linear_qkv.weight" or (rest == "self_attention.linear_qkv.bias" and "qkv_bias" in self.features):
+        if rest == "self_attention.linear_qkv.weight" or (
+            rest == "self_attention.linear_qkv.bias" and "qkv_bias" in self.features
+        ):
             kind = rest.rsplit(".", 1)[1]
             q, k, v = split_qkv(args, param)
             return [(f"{pre}self_attn.{p}_proj.{kind}", t) for p, t in zip("qkv", (q, k, v))]
@@ -150,8 +155,8 @@ def split_qkv(args, qkv):
     tail = qkv.shape[1:]
     x = qkv.reshape(groups, (per_group + 2) * d, *tail)
     q = x[:, : per_group * d].reshape(heads * d, *tail)
-    k = x[:, per_group * d: (per_group + 1) * d].reshape(groups * d, *tail)
-    v = x[:, (per_group + 1) * d:].reshape(groups * d, *tail)
+    k = x[:, per_group * d : (per_group + 1) * d].reshape(groups * d, *tail)
+    v = x[:, (per_group + 1) * d :].reshape(groups * d, *tail)
     return q.contiguous(), k.contiguous(), v.contiguous()
 
 

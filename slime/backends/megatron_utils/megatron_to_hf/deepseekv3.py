@@ -1,5 +1,6 @@
 """DeepSeek-V3 / R1: multi-latent attention (q/kv low-rank projections and their latent norms), first-k dense
 layers, sigmoid router with `e_score_correction_bias`, routed experts and plural `shared_experts`."""
+
 from ._common import GPTFamily
 
 FAMILY = GPTFamily("deepseekv3", features=("mla", "moe", "expert_bias", "shared_experts"))

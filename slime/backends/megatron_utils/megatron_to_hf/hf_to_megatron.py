@@ -4,6 +4,7 @@ Each rank walks its own parameters under their global names, rebuilds the full M
 tensors it needs (read lazily with `safe_open`, so a rank touches only its slice of the files), pads the vocab
 rows, and copies out its TP shard. Beyond slime v0.1.0, where an mbridge conversion step was required.
 """
+
 import json
 import os
 
@@ -64,7 +65,9 @@ def shard_for_rank(name, full, param, *, gated_linear_unit=True):
         rows = param.shape[0] * tp_size
         if full.shape[0] > rows:
             raise ValueError(f"{name}: HF vocab {full.shape[0]} exceeds the model's padded vocab {rows}")
-        full = torch.cat([full, full.new_zeros(rows - full.shape[0], *full.shape[1:])]) if full.shape[0] < rows else full
+        full = (
+            torch.cat([full, full.new_zeros(rows - full.shape[0], *full.shape[1:])]) if full.shape[0] < rows else full
+        )
     if tp_size > 1:
         dim = param.partition_dim
         if "linear_fc2.weight" in name and dim == 0:

@@ -1,4 +1,5 @@
 """Llama 2/3 dense models: no qkv bias, no q/k norm (such parameters are rejected, not silently dropped)."""
+
 from ._common import GPTFamily
 
 FAMILY = GPTFamily("llama")

@@ -3,6 +3,7 @@
 The trainer builds no MTP block: MiMo's MTP layers are not trained. They stay in the HF checkpoint, the inference
 server loads them from there, and weight updates leave them untouched (see docs/models.md).
 """
+
 from ._common import GPTFamily
 
 FAMILY = GPTFamily("mimo", features=("qkv_bias",))

@@ -1,4 +1,5 @@
 """Qwen2 / Qwen2.5 (qkv bias) and Qwen3 (q/k RMSNorm) dense models: one converter, as in slime."""
+
 from ._common import GPTFamily
 
 FAMILY = GPTFamily("qwen2", features=("qkv_bias", "qk_norm"))

@@ -4,6 +4,7 @@ Expert indices in names are global (`named_parameters` adds the expert-parallel 
 `mlp.experts.local_experts.<e>.linear_fc1.weight` and TE grouped `mlp.experts.linear_fc1.weight<e>` forms map to
 HF `mlp.experts.<e>.{gate,up,down}_proj.weight`.
 """
+
 from ._common import GPTFamily
 
 FAMILY = GPTFamily("qwen3moe", features=("qk_norm", "moe"))

@@ -1,6 +1,7 @@
 """Pieces both weight-update transports share: Megatron params -> HF tensors, engine calls that time out and name
 the engine, and the metrics dict `update_weights()` returns.
 """
+
 import logging
 import os
 import time
@@ -49,7 +50,9 @@ def to_hf(args, model_name, name, param, quantization_config=None):
             f"--model-name {model_name!r}: {e}"
         ) from e
     if not converted:
-        raise WeightUpdateError(f"weight update: no HF tensor for Megatron parameter {name!r} (--model-name {model_name!r})")
+        raise WeightUpdateError(
+            f"weight update: no HF tensor for Megatron parameter {name!r} (--model-name {model_name!r})"
+        )
     # gloo/IPC want dense tensors; conversion may return strided views (q/k/v and gate/up splits)
     return [(hf_name, t.detach().contiguous()) for hf_name, t in converted]
 
@@ -87,7 +90,9 @@ def get_engine_result(ref, url, what):
     try:
         result = ray.get(ref)
     except ray.exceptions.RayActorError as e:
-        raise WeightUpdateError(f"{what}: engine {url} is dead ({type(e).__name__}); restart the rollout engines") from e
+        raise WeightUpdateError(
+            f"{what}: engine {url} is dead ({type(e).__name__}); restart the rollout engines"
+        ) from e
     except Exception as e:
         raise WeightUpdateError(f"{what}: engine {url} failed: {_first_line(e)}") from e
     if isinstance(result, dict) and result.get("success") is False:
@@ -125,8 +130,10 @@ def update_metrics(seconds: float, bytes_moved: int, weight_version: int) -> dic
 def log_metrics(metrics: dict) -> None:
     logger.info(
         "update_weights v%s: %.3fs, %.1f MB, %.2f GB/s",
-        metrics["update_weights/weight_version"], metrics["perf/update_weights_time"],
-        metrics["perf/update_weights_bytes"] / 1e6, metrics["perf/update_weights_gbps"],
+        metrics["update_weights/weight_version"],
+        metrics["perf/update_weights_time"],
+        metrics["perf/update_weights_bytes"] / 1e6,
+        metrics["perf/update_weights_gbps"],
     )
 
 

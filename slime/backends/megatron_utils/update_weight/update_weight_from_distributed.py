@@ -8,6 +8,7 @@ On CPU with every engine on this host, gloo's TCP loopback caps the transfer at 
 (`--update-weight-transport auto|shm`) each bucket is instead flattened into a reused shared-memory buffer whose
 handle goes to every engine through `/update_weights_from_tensor`: one copy on each side, as NCCL's SHM transport does.
 """
+
 import logging
 import threading
 import time
@@ -60,7 +61,9 @@ class UpdateWeightFromDistributed:
 
     @property
     def _is_pp_src_rank(self) -> bool:
-        return mpu.get_data_parallel_rank(with_context_parallel=True) == 0 and mpu.get_tensor_model_parallel_rank() == 0
+        return (
+            mpu.get_data_parallel_rank(with_context_parallel=True) == 0 and mpu.get_tensor_model_parallel_rank() == 0
+        )
 
     def connect_rollout_engines(self, rollout_engines, rollout_engine_lock):
         """Connect to the engines; called again after engines were replaced (--use-fault-tolerance), when the old
@@ -75,7 +78,8 @@ class UpdateWeightFromDistributed:
             self._leave_group(old_engines, old_urls, timeout)
         self._connections += 1
         self._group_name = f"slime-pp_{mpu.get_pipeline_model_parallel_rank()}" + (
-            f"-{self._connections}" if self._connections > 1 else "")
+            f"-{self._connections}" if self._connections > 1 else ""
+        )
         self.transport = self._choose_transport()
         print(f"weight sync from {get_host_info()[1]} to {self._urls}: {self.transport}", flush=True)
         if self.transport == "shm":
@@ -86,8 +90,9 @@ class UpdateWeightFromDistributed:
         master_port = free_port()  # the OS picks it: concurrent runs on one machine never race for one number
         backend = dist_backend()
         refs = [
-            engine.init_process_group.remote(master_address, master_port, i * gpus_per_engine + 1, world_size,
-                                             self._group_name, backend=backend)
+            engine.init_process_group.remote(
+                master_address, master_port, i * gpus_per_engine + 1, world_size, self._group_name, backend=backend
+            )
             for i, engine in enumerate(rollout_engines)
         ]
         # The trainer's side blocks until every engine rank joined; run it aside so a failing engine is reported at once.
@@ -96,8 +101,12 @@ class UpdateWeightFromDistributed:
         def join():
             try:
                 joined["group"] = init_process_group(
-                    backend=backend, init_method=f"tcp://{master_address}:{master_port}", world_size=world_size,
-                    rank=0, group_name=self._group_name, timeout=seconds(timeout),
+                    backend=backend,
+                    init_method=f"tcp://{master_address}:{master_port}",
+                    world_size=world_size,
+                    rank=0,
+                    group_name=self._group_name,
+                    timeout=seconds(timeout),
                 )
             except Exception as e:  # reported by the waiting thread below
                 joined["error"] = e
@@ -161,9 +170,13 @@ class UpdateWeightFromDistributed:
             if is_tied_output_copy(self.args, name):
                 continue
             # the source rank sends every expert: those of the other EP ranks come to it here
-            hf_tensors = [t for n, p in expert_parallel_copies(self.args, name, param)
-                          for t in gather_and_convert(self.args, self.model_name, n, p, self.vocab_size,
-                                                      self.quantization_config)]
+            hf_tensors = [
+                t
+                for n, p in expert_parallel_copies(self.args, name, param)
+                for t in gather_and_convert(
+                    self.args, self.model_name, n, p, self.vocab_size, self.quantization_config
+                )
+            ]
             if not self._is_pp_src_rank:
                 continue
             size = sum(t.numel() * t.element_size() for _, t in hf_tensors)
@@ -183,12 +196,19 @@ class UpdateWeightFromDistributed:
         self._wait_lock_releases()
 
         if dist.get_rank() == 0:
-            wait_engines([e.end_weight_update.remote() for e in self.rollout_engines], self._urls,
-                         "end_weight_update", timeout)
-            wait_engines([e.continue_generation.remote() for e in self.rollout_engines], self._urls,
-                         "continue_generation", timeout)
+            wait_engines(
+                [e.end_weight_update.remote() for e in self.rollout_engines], self._urls, "end_weight_update", timeout
+            )
+            wait_engines(
+                [e.continue_generation.remote() for e in self.rollout_engines],
+                self._urls,
+                "continue_generation",
+                timeout,
+            )
         dist.barrier(group=get_gloo_group())
-        metrics = update_metrics(time.perf_counter() - start, sent * max(1, self._num_engine_ranks), self.weight_version)
+        metrics = update_metrics(
+            time.perf_counter() - start, sent * max(1, self._num_engine_ranks), self.weight_version
+        )
         if dist.get_rank() == 0:
             log_metrics(metrics)
         return metrics
@@ -204,7 +224,9 @@ class UpdateWeightFromDistributed:
 
     def _send_bucket(self, named_tensors, index) -> int:
         via = "shared memory" if self.transport == "shm" else self._group_name
-        what = f"update_weights_from_distributed v{self.weight_version} {describe_bucket(index, named_tensors)} via {via}"
+        what = (
+            f"update_weights_from_distributed v{self.weight_version} {describe_bucket(index, named_tensors)} via {via}"
+        )
         timeout = update_timeout(self.args)
         if self._group is None and self.transport != "shm":
             raise WeightUpdateError(f"{what}: connect_rollout_engines() was not called on this trainer")
@@ -260,14 +282,28 @@ class UpdateWeightFromDistributed:
                 self._shm_buffers[dtype] = buf
             metadata, offset = [], 0
             for name, t in items:
-                buf[offset:offset + t.numel()].view(t.shape).copy_(t)
-                metadata.append(FlattenedTensorMetadata(name=name, shape=t.shape, dtype=dtype, start_idx=offset,
-                                                        end_idx=offset + t.numel(), numel=t.numel()))
+                buf[offset : offset + t.numel()].view(t.shape).copy_(t)
+                metadata.append(
+                    FlattenedTensorMetadata(
+                        name=name,
+                        shape=t.shape,
+                        dtype=dtype,
+                        start_idx=offset,
+                        end_idx=offset + t.numel(),
+                        numel=t.numel(),
+                    )
+                )
                 offset += t.numel()
             for engine in self.rollout_engines:  # a handle can be opened once: one per engine TP rank
-                handles = [bucket_payload(buf[:offset], metadata) for _ in range(self.args.rollout_num_gpus_per_engine)]
-                refs.append(engine.update_weights_from_tensor.remote(
-                    serialized_named_tensors=handles, load_format="flattened_bucket",
-                    weight_version=str(self.weight_version)))
+                handles = [
+                    bucket_payload(buf[:offset], metadata) for _ in range(self.args.rollout_num_gpus_per_engine)
+                ]
+                refs.append(
+                    engine.update_weights_from_tensor.remote(
+                        serialized_named_tensors=handles,
+                        load_format="flattened_bucket",
+                        weight_version=str(self.weight_version),
+                    )
+                )
         # engines answer after copying out of the buffer, so the next bucket may overwrite it
         wait_engines(refs, [u for _ in by_dtype for u in self._urls], what, timeout)

@@ -10,6 +10,7 @@ On CPU the CPU weight dict itself lives in those shared buffers (its tensors bec
 updates them in place), so HF tensors that are views of it (everything at TP=1 except the q/k/v split) are sent
 as offsets, without a copy. The engine copies into its own weights during the call, so later writes are harmless.
 """
+
 import logging
 import time
 from collections import defaultdict
@@ -58,9 +59,13 @@ def get_param_info_buckets(args, model) -> list:
         if is_tied_output_copy(args, name):
             continue
         attrs = {k: getattr(param, k) for k in _TP_ATTRS if hasattr(param, k)}
-        infos[name] = ParamInfo(name, param.dtype, tuple(param.shape), attrs, param.numel() * param.element_size(), rank)
-    for size, group, only_experts in ((pp_size, mpu.get_pipeline_model_parallel_group, False),
-                                      (ep_size, mpu.get_expert_model_parallel_group, True)):
+        infos[name] = ParamInfo(
+            name, param.dtype, tuple(param.shape), attrs, param.numel() * param.element_size(), rank
+        )
+    for size, group, only_experts in (
+        (pp_size, mpu.get_pipeline_model_parallel_group, False),
+        (ep_size, mpu.get_expert_model_parallel_group, True),
+    ):
         if size > 1:
             gathered = [None] * size
             dist.all_gather_object(gathered, infos, group=group())
@@ -138,7 +143,9 @@ class UpdateWeightFromTensor:
         self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
         timeout = update_timeout(self.args)
         if self._ipc_engine is None:
-            raise WeightUpdateError("colocated weight update: connect_rollout_engines() was not called on this trainer")
+            raise WeightUpdateError(
+                "colocated weight update: connect_rollout_engines() was not called on this trainer"
+            )
         # the engines drop their caches while the first bucket is gathered and packed; nothing is sent before that.
         # Each engine's group source opens one weight-update session for the whole update (SGLang needs it).
         flushes = [e.flush_cache.remote() for e in self.rollout_engines] if dist.get_rank() == 0 else []
@@ -155,8 +162,9 @@ class UpdateWeightFromTensor:
                 dist.barrier(group=get_gloo_group())
             sent += self._send_bucket(index, named_tensors, handles)
         if is_src:
-            wait_engines([self._ipc_engine.end_weight_update.remote()], [self._ipc_engine_url], "end_weight_update",
-                         timeout)
+            wait_engines(
+                [self._ipc_engine.end_weight_update.remote()], [self._ipc_engine_url], "end_weight_update", timeout
+            )
         if not is_cpu():
             self._flat.clear()  # GPU memory belongs to the engine during rollout
         dist.barrier(group=get_gloo_group())
@@ -172,7 +180,9 @@ class UpdateWeightFromTensor:
         for info in infos:
             if info.src_rank == rank:
                 if info.name not in actor_weights:
-                    raise WeightUpdateError(f"colocated weight update: {info.name!r} is missing from the actor's CPU weight dict")
+                    raise WeightUpdateError(
+                        f"colocated weight update: {info.name!r} is missing from the actor's CPU weight dict"
+                    )
                 params.append(actor_weights[info.name].to(device, non_blocking=True).detach())
             else:
                 params.append(torch.empty(info.shape, dtype=info.dtype, device=device))
@@ -183,9 +193,11 @@ class UpdateWeightFromTensor:
         ):
             if size > 1:
                 members = set(dist.get_process_group_ranks(group()))
-                works = [dist.broadcast(p, info.src_rank, group=group(), async_op=True)
-                         for info, p in zip(infos, params)
-                         if info.src_rank in members and (not only_experts or ".experts." in info.name)]
+                works = [
+                    dist.broadcast(p, info.src_rank, group=group(), async_op=True)
+                    for info, p in zip(infos, params)
+                    if info.src_rank in members and (not only_experts or ".experts." in info.name)
+                ]
                 for w in works:
                     w.wait()
         for info, p in zip(infos, params):
@@ -210,10 +222,13 @@ class UpdateWeightFromTensor:
             metadata, cursor = [], home_numel
             for (name, t), off in zip(items, offsets):
                 if off is None:  # view(shape).copy_: a strided tensor is copied once, straight into place
-                    buf[cursor:cursor + t.numel()].view(t.shape).copy_(t)
+                    buf[cursor : cursor + t.numel()].view(t.shape).copy_(t)
                     off, cursor = cursor, cursor + t.numel()
-                metadata.append(FlattenedTensorMetadata(name=name, shape=t.shape, dtype=dtype, start_idx=off,
-                                                        end_idx=off + t.numel(), numel=t.numel()))
+                metadata.append(
+                    FlattenedTensorMetadata(
+                        name=name, shape=t.shape, dtype=dtype, start_idx=off, end_idx=off + t.numel(), numel=t.numel()
+                    )
+                )
             handles.append(bucket_payload(buf[:cursor], metadata))
         return handles
 
@@ -221,8 +236,11 @@ class UpdateWeightFromTensor:
         """A shared flat buffer for `key`. On CPU it starts with this rank's CPU weights of bucket `index` (the
         weight dict's tensors become views into it, so the actor keeps updating them in place and every update
         sends them without a copy), followed by `scratch` elements for tensors that need one."""
-        home = [i.name for i in self.param_info_buckets[index - 1] if i.src_rank == dist.get_rank() and i.dtype == dtype] \
-            if is_cpu() else []
+        home = (
+            [i.name for i in self.param_info_buckets[index - 1] if i.src_rank == dist.get_rank() and i.dtype == dtype]
+            if is_cpu()
+            else []
+        )
         actor_weights = self.weights["actor"]
         home_numel = sum(actor_weights[n].numel() for n in home)
         buf = torch.empty(home_numel + scratch, dtype=dtype, device=local_device())
@@ -230,7 +248,7 @@ class UpdateWeightFromTensor:
         offset = 0
         for n in home:
             t = actor_weights[n]
-            view = buf[offset:offset + t.numel()].view(t.shape)
+            view = buf[offset : offset + t.numel()].view(t.shape)
             view.copy_(t)
             actor_weights[n] = view
             offset += t.numel()
@@ -242,8 +260,9 @@ class UpdateWeightFromTensor:
         params = self._materialize(infos)
         named_tensors = []
         for info, param in zip(infos, params):
-            named_tensors += gather_and_convert(self.args, self.model_name, info.name, param, self.vocab_size,
-                                                self.quantization_config)
+            named_tensors += gather_and_convert(
+                self.args, self.model_name, info.name, param, self.vocab_size, self.quantization_config
+            )
         del params
         return named_tensors, self._pack(index, named_tensors)
 
@@ -254,15 +273,18 @@ class UpdateWeightFromTensor:
             gathered = [handles]  # one trainer rank per engine (TP=1 engines): nothing to gather
         else:
             gathered = [None] * dist.get_world_size(self._ipc_gather_group) if is_src else None
-            dist.gather_object(handles, object_gather_list=gathered, dst=self._ipc_gather_src,
-                               group=self._ipc_gather_group)
+            dist.gather_object(
+                handles, object_gather_list=gathered, dst=self._ipc_gather_src, group=self._ipc_gather_group
+            )
         nbytes = sum(t.numel() * t.element_size() for _, t in named_tensors)
         if is_src:
             what = f"update_weights_from_tensor v{self.weight_version} {describe_bucket(index, named_tensors)}"
             refs = [
                 self._ipc_engine.update_weights_from_tensor.remote(
-                    serialized_named_tensors=[h[i] for h in gathered], load_format="flattened_bucket",
-                    flush_cache=False, weight_version=str(self.weight_version),
+                    serialized_named_tensors=[h[i] for h in gathered],
+                    load_format="flattened_bucket",
+                    flush_cache=False,
+                    weight_version=str(self.weight_version),
                 )
                 for i in range(len(handles))
             ]
