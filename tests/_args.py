@@ -1,10 +1,17 @@
 """The one way tests build a job's arguments: slime's own `parse_args` (path checks off), so every field exists
 with its real default and tests never carry a second copy of the argparse defaults."""
 
+import os
+
 from slime.utils.arguments import parse_args
+
+# Four text prompts (`input`, `label`): the default rollout needs --prompt-data, and most tests never read it.
+TINY_PROMPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tiny_prompts.jsonl")
 
 # A small valid job: 1 trainer GPU, 1 engine GPU, 4 prompts x 2 samples, one optimizer step per rollout.
 BASE = [
+    "--prompt-data",
+    TINY_PROMPTS,
     "--rollout-batch-size",
     "4",
     "--n-samples-per-prompt",

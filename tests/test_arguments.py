@@ -11,7 +11,7 @@ import pytest
 from slime.backends.sglang_utils import arguments as sglang_arguments
 from slime.utils.arguments import moe_freq_type, parse_args
 from slime.utils.device import is_cpu
-from tests._args import BASE, TINY_MODEL, make_args
+from tests._args import BASE, TINY_MODEL, TINY_PROMPTS, make_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,6 +68,10 @@ def without(*flags, base=BASE):
 
 def parse(*extra, base=BASE, model=TINY_MODEL, **kw):
     return parse_args(argv=[*base, *model, *extra], **kw)
+
+
+# BASE's prompt file is checked against the tiny kit's 512-token context: a response budget that fits it
+FITS_TINY_KIT = ["--rollout-max-response-len", "256"]
 
 
 def parse_error(capsys, *extra, base=BASE, model=TINY_MODEL, **kw):
@@ -274,6 +278,8 @@ def test_qwen3_4b_script_on_this_machine_reports_missing_ref_load(capsys):
 
 def test_qwen3_moe_and_qwen25_model_args():
     base = [
+        "--prompt-data",
+        TINY_PROMPTS,
         "--rollout-batch-size",
         "8",
         "--global-batch-size",
@@ -306,7 +312,7 @@ def test_moe_layer_freq_type():
 
 def test_architecture_inferred_from_hf_checkpoint(tiny_kit):
     model_dir, _ = tiny_kit
-    a = parse("--hf-checkpoint", model_dir, model=[])
+    a = parse("--hf-checkpoint", model_dir, *FITS_TINY_KIT, model=[])
     # tools/build_tiny_kit.py: Qwen3, hidden 128, ffn 512, 4 layers, 4 heads, 2 kv heads, head_dim 32, tied, vocab 512
     assert (a.num_layers, a.hidden_size, a.ffn_hidden_size, a.num_attention_heads) == (4, 128, 512, 4)
     assert a.group_query_attention and a.num_query_groups == 2 and a.kv_channels == 32
@@ -317,7 +323,7 @@ def test_architecture_inferred_from_hf_checkpoint(tiny_kit):
     assert a.model_name == "qwen3config"
     assert a.tokenizer_model == model_dir and a.tokenizer_type == "HuggingFaceTokenizer"
     # an explicit --model-name wins
-    assert parse("--hf-checkpoint", model_dir, "--model-name", "qwen3", model=[]).model_name == "qwen3"
+    assert parse("--hf-checkpoint", model_dir, *FITS_TINY_KIT, "--model-name", "qwen3", model=[]).model_name == "qwen3"
 
 
 def test_make_args_is_parse_args_with_path_checks_off(tiny_kit, tmp_path):
@@ -336,7 +342,7 @@ def test_matching_model_args_and_hf_checkpoint_agree(tiny_kit):
     args = """--num-layers 4 --hidden-size 128 --ffn-hidden-size 512 --num-attention-heads 4 --group-query-attention
     --num-query-groups 2 --kv-channels 32 --swiglu --qk-layernorm --norm-epsilon 1e-6 --normalization RMSNorm
     --use-rotary-position-embeddings --rotary-base 10000 --disable-bias-linear --vocab-size 512""".split()
-    a = parse("--hf-checkpoint", model_dir, model=args)
+    a = parse("--hf-checkpoint", model_dir, *FITS_TINY_KIT, model=args)
     assert a.num_layers == 4 and a.num_query_groups == 2
 
 
@@ -394,6 +400,8 @@ def test_cpu_precision_and_padding_defaults():
 
 def test_parallel_layout_errors(capsys):
     base8 = [
+        "--prompt-data",
+        TINY_PROMPTS,
         "--rollout-batch-size",
         "12",
         "--global-batch-size",

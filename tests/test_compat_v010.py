@@ -10,7 +10,7 @@ import torch
 
 from slime.utils import async_utils, http_utils
 from slime.utils.misc import load_rollout_data_postprocess
-from tests.test_arguments import parse, parse_error
+from tests.test_arguments import FITS_TINY_KIT, parse, parse_error
 from tests.test_core_utils import http_server  # noqa: F401  (fixture)
 from tests.test_sft_rollout import make_args as sft_args
 from tests.test_sft_rollout import sft_file  # noqa: F401  (fixture)
@@ -138,12 +138,12 @@ def test_lr_warmup_fraction_wins_over_iters_as_in_megatron(caplog, capsys):
 def test_dropout_comes_from_the_hf_config_unless_given(tiny_kit, caplog, capsys):
     model_dir, _ = tiny_kit
     with caplog.at_level(logging.INFO, logger="slime.utils.arguments"):
-        args = parse("--hf-checkpoint", model_dir, model=[])
+        args = parse("--hf-checkpoint", model_dir, *FITS_TINY_KIT, model=[])
     # the tiny kit is a Qwen3 config: attention_dropout 0.0, no hidden dropout
     assert (args.attention_dropout, args.hidden_dropout) == (0.0, 0.0)
     assert "--attention-dropout 0.0 taken from --hf-checkpoint" in caplog.text
     assert "--hidden-dropout 0.0 taken from --hf-checkpoint" in caplog.text
-    args = parse("--hf-checkpoint", model_dir, "--hidden-dropout=0.05", model=[])
+    args = parse("--hf-checkpoint", model_dir, *FITS_TINY_KIT, "--hidden-dropout=0.05", model=[])
     assert (args.attention_dropout, args.hidden_dropout) == (0.0, 0.05)
     assert (parse().attention_dropout, parse().hidden_dropout) == (0.1, 0.1)  # no HF config: Megatron's default
 
@@ -151,7 +151,7 @@ def test_dropout_comes_from_the_hf_config_unless_given(tiny_kit, caplog, capsys)
     assert "--ci-test" in err and "--attention-dropout 0.1 --hidden-dropout 0.0" in err
     err = parse_error(capsys, "--ci-test")  # Megatron's 0.1 default without an HF config
     assert "--attention-dropout 0.1 --hidden-dropout 0.1" in err
-    assert parse("--ci-test", "--hf-checkpoint", model_dir, model=[]).ci_test
+    assert parse("--ci-test", "--hf-checkpoint", model_dir, *FITS_TINY_KIT, model=[]).ci_test
 
 
 # slime v0.1.0's scripts/models/mimo-7B-rl.sh

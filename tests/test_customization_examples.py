@@ -18,6 +18,7 @@ import torch
 
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
+from tests._args import TINY_PROMPTS
 from tests._args import make_args as real_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -281,6 +282,8 @@ def test_custom_arguments(examples, tiny_kit):
         "1",
         "--lr",
         "1e-6",
+        "--prompt-data",
+        TINY_PROMPTS,
     ]
     add = examples("add_custom_arguments")
     assert parse_args(add, argv=argv + ["--length-penalty", "0.05"], check_paths=False).length_penalty == 0.05

@@ -32,6 +32,7 @@ RL = [
     "1",
     "--seq-length",
     "64",
+    "--debug-train-only",  # the trainers take fixed rollouts: no prompt data, no engines
 ]
 
 

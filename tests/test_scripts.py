@@ -445,6 +445,7 @@ def test_family_model_args_agree_with_published_config(name, tmp_path, capsys):
         "1",
         "--hf-checkpoint",
         str(tmp_path),
+        "--debug-train-only",  # a config.json without a tokenizer: no prompt file to tokenize
     ]
     tokens = _source_model_args(name)
     args = parse_args(argv=[*tokens, *base])

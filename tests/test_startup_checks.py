@@ -11,11 +11,14 @@ import time
 
 import pytest
 
-from slime.utils.arguments import parse_args
+from slime.utils.arguments import FULLY_ASYNC_ROLLOUT_FUNCTION, parse_args
 from slime.utils.startup_checks import EXTENSION_POINTS, check_extension_point
+from tests._args import TINY_PROMPTS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = [
+    "--prompt-data",
+    TINY_PROMPTS,
     "--rollout-batch-size",
     "2",
     "--n-samples-per-prompt",
@@ -34,10 +37,10 @@ BASE = [
 TINY_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
 
 
-def error_line(capsys, *argv, model=TINY_MODEL):
+def error_line(capsys, *argv, model=TINY_MODEL, base=BASE):
     """The one stderr line of a start-up error (asserting exit status 2, no traceback, nothing else printed)."""
     with pytest.raises(SystemExit) as exc:
-        parse_args(argv=[*BASE, *model, *argv])
+        parse_args(argv=[*base, *model, *argv])
     assert exc.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1, lines
@@ -72,6 +75,10 @@ def user_module(tmp_path, monkeypatch):
 
         def loss(args, batch, logits, sum_of_sample_mean):
             return 0.0, {}
+
+        class PromptSource:
+            def __init__(self, args):
+                self.args = args
     """)
     )
     (tmp_path / "broken_hooks.py").write_text("import numpy\nraise RuntimeError('config server unreachable')\n")
@@ -175,6 +182,26 @@ def test_fitting_user_functions_pass(user_module):
 )
 def test_values_and_combinations_fail_at_parse(capsys, argv, expected):
     assert error_line(capsys, *argv).startswith(expected)
+
+
+def test_prompt_data_is_required_only_where_slimes_data_source_feeds_slimes_rollout(capsys, user_module, tmp_path):
+    no_prompts = BASE[2:]
+    assert "--prompt-data" not in no_prompts
+    for rollout in ("slime.rollout.sglang_rollout.generate_rollout", FULLY_ASYNC_ROLLOUT_FUNCTION):
+        err = error_line(capsys, "--rollout-function-path", rollout, base=no_prompts)
+        assert err == (
+            f"--prompt-data is required: --rollout-function-path {rollout} takes its prompts from the default data "
+            "source, which reads them from --prompt-data."
+        )
+    assert error_line(capsys, base=no_prompts).startswith("--prompt-data is required")  # the defaults
+    # the prompts come from elsewhere, or no rollout is generated
+    for argv in (
+        ["--rollout-function-path", "user_hooks.rollout"],
+        ["--data-source-path", "user_hooks.PromptSource"],
+        ["--debug-train-only"],
+        ["--load-debug-rollout-data", str(tmp_path / "{rollout_id}.pt")],
+    ):
+        assert parse_args(argv=[*no_prompts, *TINY_MODEL, *argv]).prompt_data is None, argv
 
 
 def test_unknown_estimator_is_refused_by_argparse(capsys):

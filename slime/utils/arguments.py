@@ -28,6 +28,19 @@ from slime.utils.startup_checks import DEFAULT_ROLLOUT_FUNCTION, check_inputs, c
 logger = logging.getLogger(__name__)
 
 FULLY_ASYNC_ROLLOUT_FUNCTION = "slime.rollout.fully_async_rollout.generate_rollout_fully_async"
+# slime's rollout functions that generate from the data source's prompts, and the data sources that read
+# --prompt-data (v0.1.0's import path included)
+PROMPT_DATA_ROLLOUT_FUNCTIONS = (
+    DEFAULT_ROLLOUT_FUNCTION,
+    FULLY_ASYNC_ROLLOUT_FUNCTION,
+    "slime.rollout.sft_rollout.generate_rollout",
+)
+DEFAULT_DATA_SOURCES = (
+    "slime.rollout.data_source.RolloutDataSourceWithBuffer",
+    "slime.rollout.data_source.RolloutDataSource",
+    "slime.ray.rollout_data_source.RolloutDataSourceWithBuffer",
+    "slime.ray.rollout_data_source.RolloutDataSource",
+)
 
 
 class _Group:
@@ -1501,6 +1514,17 @@ def _validate_algorithm_and_rollout(args, error):
         error(
             f"--disable-rollout-global-dataset: the default --rollout-function-path {DEFAULT_ROLLOUT_FUNCTION} "
             "reads its prompts from --prompt-data; keep the dataset or give your own rollout function."
+        )
+    if (
+        args.rollout_function_path in PROMPT_DATA_ROLLOUT_FUNCTIONS
+        and args.data_source_path in DEFAULT_DATA_SOURCES
+        and args.rollout_global_dataset
+        and args.prompt_data is None
+        and not args.debug_train_only  # also set by --load-debug-rollout-data: rollouts are replayed, not generated
+    ):
+        error(
+            f"--prompt-data is required: --rollout-function-path {args.rollout_function_path} takes its prompts "
+            "from the default data source, which reads them from --prompt-data."
         )
     if args.group_rm and args.eval_prompt_data and args.eval_function_path == DEFAULT_ROLLOUT_FUNCTION:
         error(
