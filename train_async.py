@@ -14,11 +14,7 @@ FULLY_ASYNC = "slime.rollout.fully_async_rollout.generate_rollout_fully_async"
 
 
 def train(args):
-    if args.colocate or args.offload:
-        raise SystemExit(
-            "train_async.py overlaps generation with training, so it cannot share GPUs: "
-            "drop --colocate/--offload, or use train.py for colocated runs."
-        )
+    assert not (args.colocate or args.offload), "train_async.py: parse_args(asynchronous=True) refuses --colocate"
     init_ray(args)
     with cleanup_on_exit():  # engines, router, actors and placement group go away however the run ends
         pgs = create_placement_groups(args)
@@ -131,4 +127,4 @@ def fully_async_loop(args, get, actor_model, rollout_manager, recorder, num_roll
 
 if __name__ == "__main__":
     with exit_on_user_error():
-        train(parse_args())
+        train(parse_args(asynchronous=True))

@@ -211,12 +211,6 @@ def test_train_cp2(ray_session, tiny_kit, tmp_path):
     assert rows[0]["train/train_rollout_logprob_abs_diff"] < 1e-4  # on-policy: the CP=2 trainer = the engine
 
 
-def test_train_async_refuses_colocate(tiny_kit, tmp_path):
-    args = make_args(tiny_kit, tmp_path, "--colocate")
-    with pytest.raises(SystemExit, match="colocate"):
-        async_driver.train(args)
-
-
 def test_debug_rollout_only_needs_no_megatron_training(ray_session, tiny_kit, tmp_path):
     args = make_args(
         tiny_kit,

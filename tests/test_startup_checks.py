@@ -350,6 +350,34 @@ def test_train_py_bad_input_is_one_line_exit_2_and_starts_no_ray(tmp_path, tiny_
     print(f"start-up error after {elapsed:.1f}s")
 
 
+def test_train_async_refuses_colocate_at_parse_one_line_exit_2_no_ray(capsys, tmp_path):
+    """train_async.py parses with asynchronous=True: --colocate / --offload end the run before Ray starts."""
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv=[*BASE, *TINY_MODEL, "--offload"], asynchronous=True)
+    assert exc.value.code == 2
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith(
+            "error: --offload: train_async.py overlaps generation with training, so the trainers and the engines cannot "
+            "share GPUs; drop it, or use train.py for a colocated run."
+        )
+    )
+    assert parse_args(argv=[*BASE, *TINY_MODEL, "--colocate"]).offload  # train.py's parse: colocated, offloading
+
+    ray_tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # Ray's socket paths must stay short
+    env = dict(os.environ, RAY_TMPDIR=ray_tmp, PYTHONPATH=REPO)
+    env.pop("RAY_ADDRESS", None)
+    argv = [sys.executable, os.path.join(REPO, "train_async.py"), *BASE, *TINY_MODEL, "--colocate"]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert lines[-1].startswith("train_async.py: error: --colocate: train_async.py overlaps generation with training")
+    assert "Traceback" not in proc.stderr
+    assert os.listdir(ray_tmp) == [], "a start-up error must not start Ray"
+    os.rmdir(ray_tmp)
+
+
 # ---------------------------------------------------------------- the cluster, right after connecting
 
 

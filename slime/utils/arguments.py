@@ -1290,9 +1290,10 @@ def _checkpoint_exists(path):
     return path is not None and os.path.exists(os.path.join(path, "latest_checkpointed_iteration.txt"))
 
 
-def slime_validate_args(args, error, check_paths=True):
+def slime_validate_args(args, error, check_paths=True, asynchronous=False):
     """slime's flag rules (its `slime_validate_args`, in its order) plus `--save-interval` needs `--save`, the
-    cluster shape and the combinations the loss and the default rollout cannot run with."""
+    cluster shape and the combinations the loss and the default rollout cannot run with. `asynchronous`: the job is
+    train_async.py's (no colocation)."""
     check_value_ranges(args, error)  # first: the arithmetic below divides by these
     # KL needs the reference checkpoint. Without --ref-load the initial weights (--hf-checkpoint) are the reference.
     if (args.kl_coef != 0 or args.use_kl_loss) and args.ref_load is not None and check_paths:
@@ -1361,6 +1362,11 @@ def slime_validate_args(args, error, check_paths=True):
             args.actor_num_gpus_per_node = min(8, args.rollout_num_gpus)
             args.actor_num_nodes = args.rollout_num_gpus // args.actor_num_gpus_per_node
         args.colocate = args.offload = False
+    if asynchronous and (args.colocate or args.offload):
+        error(
+            f"{'--colocate' if args.colocate else '--offload'}: train_async.py overlaps generation with training, so "
+            "the trainers and the engines cannot share GPUs; drop it, or use train.py for a colocated run."
+        )
     # colocated engines use exactly the actor GPUs and must offload
     if args.colocate:
         args.offload = True
@@ -1753,8 +1759,9 @@ def _parse_with_megatron(add_slime_arguments, argv):
     return args, captured["parser"]
 
 
-def parse_args(add_custom_arguments=None, argv=None, *, check_paths=True):
-    """Parse and validate the job's arguments. `argv` defaults to sys.argv[1:].
+def parse_args(add_custom_arguments=None, argv=None, *, check_paths=True, asynchronous=False):
+    """Parse and validate the job's arguments. `argv` defaults to sys.argv[1:]. `asynchronous=True`: for
+    train_async.py, whose overlap of generation and training rules out --colocate / --offload.
 
     `check_paths=False` validates a launch script meant for another machine: no checkpoint / HF paths are read,
     and with `--inference-server auto` the CPU-server compatibility check is skipped."""
@@ -1783,7 +1790,7 @@ def parse_args(add_custom_arguments=None, argv=None, *, check_paths=True):
     args.rank = 0
     args.world_size = args.actor_num_nodes * args.actor_num_gpus_per_node
     set_default_megatron_args(args)
-    slime_validate_args(args, error, check_paths=check_paths)
+    slime_validate_args(args, error, check_paths=check_paths, asynchronous=asynchronous)
     args.world_size = args.actor_num_nodes * args.actor_num_gpus_per_node  # debug-rollout-only may resize the actors
     if with_megatron:
         if not args.debug_rollout_only:
