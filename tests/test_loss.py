@@ -3,6 +3,7 @@ PPO/GSPO policy loss (dual clip, TIS, KL loss, entropy), SFT/custom losses and s
 estimators over rollout data. Runs in a one-rank gloo world with Megatron's parallel state."""
 
 import math
+import pickle
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from slime.backends.megatron_utils.loss import (
     loss_function,
     policy_loss_function,
 )
+from slime.utils.user_errors import UserCodeError, exit_on_user_error
 from tests._args import make_args as real_args
 
 V = 16
@@ -283,6 +285,28 @@ def test_loss_function_scaling_and_return_shape():
     loss, _, report = loss_function(args, batch, 1, logits)
     assert loss.item() == pytest.approx(1.0) and report["keys"] == ["my_metric"] and report["values"][1].item() == 3.0
     # --loss-type custom_loss without a path is refused at start-up: tests/test_startup_checks.py
+
+
+def _raising_loss(args, batch, logits, sum_of_sample_mean):
+    return batch["advantage"], {}  # a typo of the user's: the key is "advantages"
+
+
+def test_custom_loss_exception_is_reported_as_the_users_own_with_the_flag(capsys):
+    """Inside a trainer the user's loss fails: the driver prints their traceback from their function's frame, then
+    one line naming the flag and the function (exit 1), as for a rollout function (the error crosses Ray pickled)."""
+    batch, logits, _ = _one_sample_batch([1.0, 1.0], [1.0, 1.0])
+    path = "tests.test_loss._raising_loss"
+    with pytest.raises(UserCodeError) as exc:
+        loss_function(_args(loss_type="custom_loss", custom_loss_function_path=path), batch, 1, logits)
+    with pytest.raises(SystemExit) as end, exit_on_user_error():
+        raise pickle.loads(pickle.dumps(exc.value))
+    assert end.value.code == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0] == "Traceback (most recent call last):"
+    assert lines[1].endswith("in _raising_loss") and "test_loss.py" in lines[1]
+    assert lines[-2] == "KeyError: 'advantage'"
+    assert lines[-1].endswith(f"error: raised by --custom-loss-function-path {path}")
+    assert not any('loss.py"' in line and "test_loss.py" not in line for line in lines)  # none of slime's frames
 
 
 def test_loss_with_no_response_tokens_keeps_the_graph():

@@ -22,7 +22,7 @@ from slime.utils.console import metrics_line
 from slime.utils.misc import load_function
 from slime.utils.ray_utils import Box
 from slime.utils.types import Sample
-from slime.utils.user_errors import call_user_function
+from slime.utils.user_errors import call_user_function, user_function
 
 _GROUP_NORM_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus_baseline", "rloo")
 _STD_NORM_ESTIMATORS = ("grpo", "gspo")
@@ -226,8 +226,8 @@ def eval_metrics(data):
 CONVERTED_KEYS = ("tokens", "response_lengths", "rewards", "raw_reward", "truncated", "sample_indices", "loss_masks")
 
 
-def _load_optional(path):
-    return load_function(path) if path else None
+def _load_optional(flag, path):
+    return user_function(flag, path) if path else None
 
 
 @ray.remote
@@ -247,8 +247,12 @@ class RolloutController:
         self.eval_fn_path = args.eval_function_path or args.rollout_function_path
         self.generate_rollout = load_function(self.rollout_fn_path)
         self.eval_generate_rollout = load_function(self.eval_fn_path)
-        self.custom_reward_post_process_func = _load_optional(args.custom_reward_post_process_path)
-        self.custom_convert_samples_to_train_data_func = _load_optional(args.custom_convert_samples_to_train_data_path)
+        self.custom_reward_post_process_func = _load_optional(
+            "--custom-reward-post-process-path", args.custom_reward_post_process_path
+        )
+        self.custom_convert_samples_to_train_data_func = _load_optional(
+            "--custom-convert-samples-to-train-data-path", args.custom_convert_samples_to_train_data_path
+        )
         self._metrics = {}  # rollout_id -> metrics; train_async generates N+1 before the driver records N
         self._eval_thread, self._eval_results = None, []  # background eval (fully async)
         print(f"import {self.rollout_fn_path} as generate_rollout function.")
@@ -292,7 +296,7 @@ class RolloutController:
         loaded = bool(args.load_debug_rollout_data)
         metrics = rollout_metrics(args, data, train_data, None if loaded else rollout_time)
         metrics.update(extra)
-        custom_log = _load_optional(args.custom_rollout_log_function_path)
+        custom_log = _load_optional("--custom-rollout-log-function-path", args.custom_rollout_log_function_path)
         # a truthy return means the custom function logged this rollout itself
         if not (custom_log and custom_log(rollout_id, args, data, extra or None, rollout_time)):
             self._log("rollout", rollout_id, metrics)
@@ -337,7 +341,9 @@ class RolloutController:
             )
         metrics = eval_metrics(data)
         metrics.update(output.metrics or {})
-        custom_log = _load_optional(self.args.custom_eval_rollout_log_function_path)
+        custom_log = _load_optional(
+            "--custom-eval-rollout-log-function-path", self.args.custom_eval_rollout_log_function_path
+        )
         if not (custom_log and custom_log(rollout_id, self.args, data, output.metrics)):
             self._log("eval", rollout_id, metrics)
         return metrics

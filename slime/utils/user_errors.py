@@ -5,12 +5,17 @@
 controller actor and would otherwise reach the driver as the last line of a long Ray traceback).
 `call_user_function` wraps the call, the error crosses Ray as text, the driver's `Watchdog.get` re-raises it
 unwrapped, and `exit_on_user_error` prints the user's traceback and one line of slime context (status 1).
+`user_function(flag, path)` loads a `--*-path` function already wrapped that way (the trainer-side hooks, the loss,
+the rollout controller's converters and loggers).
 """
 
 import contextlib
+import functools
 import os
 import sys
 import traceback
+
+from slime.utils.misc import load_function
 
 
 class StartupError(Exception):
@@ -35,6 +40,13 @@ def call_user_function(context: str, fn, *args, **kwargs):
     except Exception as e:  # noqa: BLE001  (whatever the user's code raises is reported as theirs)
         user_tb = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))
         raise UserCodeError(user_tb, context) from None
+
+
+def user_function(flag: str, path: str, where: str = ""):
+    """The function at dotted `path` (given by `flag`), called through `call_user_function` with the context
+    "raised by FLAG PATH" + `where`. It keeps the user function's signature (for callers that inspect it)."""
+    fn = load_function(path)
+    return functools.update_wrapper(functools.partial(call_user_function, f"raised by {flag} {path}{where}", fn), fn)
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ from slime.utils import device
 from slime.utils.device import empty_cache, pin_memory, synchronize
 from slime.utils.misc import load_rollout_data_postprocess
 from slime.utils.timer import Timer, timer
+from slime.utils.user_errors import call_user_function
 from slime.utils.wandb_utils import init_wandb_secondary
 
 from . import initialize as megatron_init
@@ -244,7 +245,13 @@ class MegatronTrainRayActor(TrainRayActor):
             compute_advantages_and_returns(args, rollout_data)
 
         if self.rollout_data_postprocess is not None:
-            self.rollout_data_postprocess(self.args, rollout_id, rollout_data)
+            call_user_function(
+                f"raised by --rollout-data-postprocess-path {args.rollout_data_postprocess_path} in rollout {rollout_id}",
+                self.rollout_data_postprocess,
+                self.args,
+                rollout_id,
+                rollout_data,
+            )
         rollout_metrics = log_rollout_data(rollout_id, args, rollout_data)
         if rollout_metrics and megatron_init.is_megatron_main_rank():
             log(args, {**rollout_metrics, "rollout/step": rollout_id}, "rollout/step")

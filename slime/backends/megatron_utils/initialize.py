@@ -13,7 +13,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 
-from slime.utils.misc import load_function
+from slime.utils.user_errors import user_function
 
 from . import cpu_compat
 
@@ -53,7 +53,7 @@ def init(args):
     set_random_seed(seed)
 
     if args.custom_megatron_init_path:
-        load_function(args.custom_megatron_init_path)(args)
+        user_function("--custom-megatron-init-path", args.custom_megatron_init_path)(args)
 
 
 def set_random_seed(seed):

@@ -3,6 +3,8 @@ estimators over a rank's rollout data, PPO/GSPO policy loss (dual clip, TIS, KL 
 custom losses by path, and `loss_function` with slime's gradient scaling for Megatron's schedule.
 """
 
+import functools
+
 import torch
 from megatron.core import parallel_state as mpu
 
@@ -12,7 +14,6 @@ from slime.backends.megatron_utils.cp_utils import (
     response_pieces,
     zigzag_chunk_size,
 )
-from slime.utils.misc import load_function
 from slime.utils.ppo_utils import (
     compute_approx_kl,
     compute_entropy_from_logits,
@@ -24,6 +25,7 @@ from slime.utils.ppo_utils import (
     get_reinforce_plus_plus_returns,
     get_rloo_returns,
 )
+from slime.utils.user_errors import call_user_function, user_function
 
 
 def get_responses(logits, *, unconcat_tokens, total_lengths, response_lengths):
@@ -135,7 +137,7 @@ def compute_advantages_and_returns(args, rollout_data):
     estimator = args.advantage_estimator
     if args.custom_advantage_function_path:
         # replaces only the estimator: --normalize-advantages still applies below
-        load_function(args.custom_advantage_function_path)(args, rollout_data)
+        user_function("--custom-advantage-function-path", args.custom_advantage_function_path)(args, rollout_data)
         advantages, returns = rollout_data["advantages"], rollout_data["returns"]
     elif estimator in ("grpo", "gspo"):
         returns = get_grpo_returns(rewards, kl)
@@ -251,7 +253,7 @@ def policy_loss_function(args, batch, logits, sum_of_sample_mean):
     if args.use_tis:
         rollout_lp = _require(batch, "rollout_log_probs", "--use-tis needs (the rollout must return log-probs)")
         if args.custom_tis_function_path:
-            tis_fn = load_function(args.custom_tis_function_path)
+            tis_fn = user_function("--custom-tis-function-path", args.custom_tis_function_path)
         else:  # --tis-mode mask: tokens sampled too far from the trainer's policy get no gradient (IcePop)
             tis_fn = icepop_function if args.tis_mode == "mask" else vanilla_tis_function
         pg_loss, pg_loss_masks, tis_metrics = tis_fn(
@@ -271,8 +273,12 @@ def policy_loss_function(args, batch, logits, sum_of_sample_mean):
 
     pg_loss_reducer = sum_of_sample_mean
     if args.custom_pg_loss_reducer_function_path:
-        pg_loss_reducer = load_function(args.custom_pg_loss_reducer_function_path)(
+        flag, path = "--custom-pg-loss-reducer-function-path", args.custom_pg_loss_reducer_function_path
+        reducer = user_function(flag, path)(
             batch["total_lengths"], response_lengths, pg_loss_masks, args.calculate_per_token_loss
+        )
+        pg_loss_reducer = functools.partial(
+            call_user_function, f"raised by the reducer {flag} {path} returned", reducer
         )
     pg_loss = pg_loss_reducer(pg_loss)
     entropy_loss = sum_of_sample_mean(torch.cat(out["entropy"]) if out["entropy"] else log_probs)
@@ -345,7 +351,7 @@ def loss_function(args, batch, num_microbatches, logits):
     elif args.loss_type == "sft_loss":
         loss, log = sft_loss_function(**kwargs)
     else:  # custom_loss: its path was checked (imports, signature) at start-up
-        loss, log = load_function(args.custom_loss_function_path)(**kwargs)
+        loss, log = user_function("--custom-loss-function-path", args.custom_loss_function_path)(**kwargs)
 
     if not args.calculate_per_token_loss:
         loss = (

@@ -21,7 +21,7 @@ from megatron.core.utils import get_model_config
 from slime.utils import wandb_utils
 from slime.utils.console import metrics_line
 from slime.utils.device import current_device
-from slime.utils.misc import load_function
+from slime.utils.user_errors import user_function
 
 from .checkpoint import load_checkpoint, resync_optimizer_main_params
 from .cpu_compat import cuda_type_spoof
@@ -188,7 +188,10 @@ def forward_only(args, model, data_iterator, num_microbatches, store_prefix=""):
     for m in model:
         m.eval()
     if args.custom_megatron_before_log_prob_hook_path:
-        load_function(args.custom_megatron_before_log_prob_hook_path)(args, model, store_prefix)
+        hook = user_function(
+            "--custom-megatron-before-log-prob-hook-path", args.custom_megatron_before_log_prob_hook_path
+        )
+        hook(args, model, store_prefix)
     for it in data_iterator:
         it.reset()
 
@@ -245,9 +248,12 @@ def train_one_step(args, rollout_id, step_id, data_iterator, model, optimizer, o
         m.zero_grad_buffer()
     optimizer.zero_grad()
     if args.custom_megatron_before_train_step_hook_path:
-        load_function(args.custom_megatron_before_train_step_hook_path)(
-            args, rollout_id, step_id, model, optimizer, opt_param_scheduler
+        hook = user_function(
+            "--custom-megatron-before-train-step-hook-path",
+            args.custom_megatron_before_train_step_hook_path,
+            f" at rollout {rollout_id}, step {step_id}",
         )
+        hook(args, rollout_id, step_id, model, optimizer, opt_param_scheduler)
 
     def forward_step(iterator, chunk):
         batch = get_batch(iterator, TRAIN_KEYS)

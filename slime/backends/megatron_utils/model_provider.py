@@ -21,7 +21,8 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from slime.backends.megatron_utils.cp_attention import AllGatherKVDotProductAttention
 from slime.utils.device import default_dtype, is_cpu
-from slime.utils.misc import accepted_kwargs, load_function
+from slime.utils.misc import accepted_kwargs
+from slime.utils.user_errors import user_function
 
 from . import cpu_compat
 from .local_layers import mla_local_spec, with_post_norms
@@ -184,7 +185,7 @@ def _with_cp_attention(spec):
 
 def _custom_model_provider(path):
     """--custom-model-provider-path: `provider(pre_process=, post_process=)`, plus `vp_stage=` if it declares it."""
-    provider = load_function(path)
+    provider = user_function("--custom-model-provider-path", path)
 
     def model_provider(pre_process=True, post_process=True, vp_stage=None):
         kwargs = accepted_kwargs(provider, vp_stage=vp_stage)
