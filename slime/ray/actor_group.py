@@ -1,14 +1,13 @@
 """Driver-side handle over the N training actors; every `async_*` returns a list of ObjectRefs (one per rank)."""
 
 import logging
-import os
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from slime.ray.driver import register_cleanup
 from slime.ray.utils import noset_visible_devices_env
-from slime.utils.device import is_cpu
+from slime.utils.device import allocator_hook_possible, trainer_env
 
 logger = logging.getLogger(__name__)
 
@@ -37,14 +36,8 @@ class RayTrainGroup:
 
         world_size = self._num_nodes * self._num_gpus_per_node
         pg, reordered_bundle_indices = pg
-        env = {"NCCL_CUMEM_ENABLE": "0", **noset_visible_devices_env()}
-        if is_cpu():
-            # One intra-op thread per rank: on a shared 2-core box more threads thrash.
-            env.update(
-                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-                GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
-            )
-        elif self.args.offload:
+        env = {"NCCL_CUMEM_ENABLE": "0", **noset_visible_devices_env(), **trainer_env()}
+        if self.args.offload and allocator_hook_possible():
             env.update(_torch_memory_saver_env())
         actor_cls = ray.remote(num_gpus=1, runtime_env={"env_vars": env})(MegatronTrainRayActor)
         self._actor_handlers = []

@@ -17,7 +17,7 @@ from slime.ray.actor_group import RayTrainGroup
 from slime.ray.driver import register_cleanup
 from slime.ray.rollout import RolloutManager
 from slime.ray.utils import noset_visible_devices_env  # noqa: F401  (re-exported: slime's path)
-from slime.utils.device import is_cpu
+from slime.utils.device import local_ray_resources
 from slime.utils.startup_checks import check_cluster
 
 logger = logging.getLogger(__name__)
@@ -124,10 +124,7 @@ def init_ray(args):
                 _node_ip_address=os.environ.get("SLIME_HOST_IP") or None,
             )
         else:
-            kwargs = dict(include_dashboard=False, runtime_env={"env_vars": env})
-            if is_cpu():
-                # Logical CPUs are free: declare enough that every bundle gets one even on a 2-core machine.
-                kwargs.update(num_gpus=num_gpus, num_cpus=max(8, 2 * num_gpus + 4), object_store_memory=1 << 30)
+            kwargs = dict(include_dashboard=False, runtime_env={"env_vars": env}, **local_ray_resources(num_gpus))
             t0 = time.time()
             ray.init(**kwargs)
             logger.info(f"started a local Ray in {time.time() - t0:.1f}s with {ray.cluster_resources()}")

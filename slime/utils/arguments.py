@@ -22,7 +22,14 @@ import yaml
 
 from slime.backends.sglang_utils.arguments import add_sglang_arguments, sglang_available
 from slime.backends.sglang_utils.arguments import validate_args as sglang_validate_args
-from slime.utils.device import dist_backend, is_cpu
+from slime.utils.device import (
+    auto_inference_server,
+    bf16_by_default,
+    default_transformer_impl,
+    dist_backend,
+    gradient_accumulation_fusion_by_default,
+    sequence_parallel_possible,
+)
 from slime.utils.startup_checks import DEFAULT_ROLLOUT_FUNCTION, check_inputs, check_value_ranges
 
 logger = logging.getLogger(__name__)
@@ -1271,7 +1278,7 @@ def set_default_megatron_args(args):
     """Megatron defaults slime sets after parsing (bf16 only with a GPU: CPU training runs in fp32)."""
     args.use_distributed_optimizer = True
     if args.bf16 is None:
-        args.bf16 = not is_cpu() and not args.fp16
+        args.bf16 = bf16_by_default() and not args.fp16
     if args.seq_length is None:
         args.seq_length = 4096
     if args.max_position_embeddings is None:
@@ -1591,9 +1598,9 @@ def _megatron_defaults(args):
     if args.rotary_base is None:
         args.rotary_base = 10000
     if args.transformer_impl is None:
-        args.transformer_impl = "local" if is_cpu() else "transformer_engine"
+        args.transformer_impl = default_transformer_impl()
     if args.gradient_accumulation_fusion is None:
-        args.gradient_accumulation_fusion = not is_cpu()
+        args.gradient_accumulation_fusion = gradient_accumulation_fusion_by_default()
     if args.distributed_backend is None:
         args.distributed_backend = dist_backend()
     if args.use_rotary_position_embeddings:
@@ -1686,7 +1693,7 @@ def megatron_validate_args(args, error):
         error(f"--num-experts {args.num_experts} is not divisible by --expert-model-parallel-size {ep}.")
     if tp == 1:
         args.sequence_parallel = False
-    if args.sequence_parallel and is_cpu():
+    if args.sequence_parallel and not sequence_parallel_possible():
         # Megatron's local (non-TE) norms cannot do sequence parallelism; it only saves activation memory.
         logger.warning("--sequence-parallel ignored on CPU (needs Transformer Engine / Apex norms)")
         args.sequence_parallel = False
@@ -1710,7 +1717,7 @@ def _check_lr_warmup(args, error):
 
 def _resolve_inference_server(args, error):
     if args.inference_server == "auto":
-        args.inference_server = "sglang" if sglang_available() and not is_cpu() else "cpu"
+        args.inference_server = auto_inference_server(sglang_available())
     elif args.inference_server == "sglang" and not sglang_available():
         error(
             "--inference-server sglang: SGLang is not installed here (pip install 'slime[sglang]' on a GPU machine), "

@@ -5,11 +5,13 @@ torch shared-memory handles instead of CUDA IPC. Override with SLIME_DEVICE=cpu|
 
 Callers use the operations below (set_device, current_device, synchronize, empty_cache, pin_memory,
 dist_backend, default_dtype, rng_state) and never branch on the device themselves: each one is what the
-CUDA call is on a GPU, and the CPU equivalent (usually nothing) on a CPU machine.
+CUDA call is on a GPU, and the CPU equivalent (usually nothing) on a CPU machine. The second half names each
+decision the device makes for the rest of slime (flag defaults, Ray resources, how tensor handles travel).
 """
 
 import functools
 import gc
+import importlib.util
 import os
 
 import torch
@@ -78,8 +80,8 @@ def clear_memory() -> None:
 
 
 def default_dtype(bf16: bool) -> torch.dtype:
-    # CPU training runs in fp32 by default: bf16 matmuls on CPU are slow and lose parity with HF references.
-    return torch.bfloat16 if bf16 and not is_cpu() else torch.float32
+    """The training dtype: bf16 when asked for on GPU; always fp32 on CPU (see `bf16_by_default`)."""
+    return torch.bfloat16 if bf16 and bf16_by_default() else torch.float32
 
 
 def rng_state():
@@ -91,3 +93,74 @@ def set_rng_state(state) -> None:
     """Restore what `rng_state` saved; a checkpoint written without CUDA (or read without it) skips this."""
     if state is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state)
+
+
+# What the device decides for the rest of slime.
+
+
+def bf16_by_default() -> bool:
+    """Whether training defaults to bf16: True on GPU; False on CPU (bf16 matmuls are slow there and lose parity
+    with HF references, so CPU trains in fp32)."""
+    return not is_cpu()
+
+
+def default_transformer_impl() -> str:
+    """Megatron's default `--transformer-impl`: "transformer_engine" on GPU, "local" on CPU."""
+    return "local" if is_cpu() else "transformer_engine"
+
+
+def transformer_engine_usable() -> bool:
+    """Whether Transformer Engine layers can be built: on GPU when transformer_engine is installed; never on CPU."""
+    return not is_cpu() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def gradient_accumulation_fusion_by_default() -> bool:
+    """Megatron's default `--gradient-accumulation-fusion`: True on GPU, False on CPU (the fused kernel is CUDA)."""
+    return not is_cpu()
+
+
+def sequence_parallel_possible() -> bool:
+    """Whether `--sequence-parallel` can run: True on GPU; False on CPU (the local norms cannot split the sequence)."""
+    return not is_cpu()
+
+
+def auto_inference_server(sglang_installed: bool) -> str:
+    """What `--inference-server auto` means: "sglang" on GPU when it is installed, else "cpu" (always on CPU)."""
+    return "sglang" if sglang_installed and not is_cpu() else "cpu"
+
+
+def local_ray_resources(num_gpus: int) -> dict:
+    """`ray.init` resources for a local Ray: none on GPU (Ray detects them); on CPU `num_gpus` logical GPUs and
+    enough logical CPUs that every bundle gets one even on a 2-core machine."""
+    if not is_cpu():
+        return {}
+    return dict(num_gpus=num_gpus, num_cpus=max(8, 2 * num_gpus + 4), object_store_memory=1 << 30)
+
+
+def trainer_env() -> dict:
+    """Env vars for a trainer process: none on GPU; on CPU one intra-op thread per rank (more thrash on a shared
+    box) and gloo on loopback, unless the user set them."""
+    if not is_cpu():
+        return {}
+    return dict(
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+        GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+    )
+
+
+def allocator_hook_possible() -> bool:
+    """Whether torch_memory_saver's allocator hook can offload a trainer: True on GPU (CUDA allocations); False on
+    CPU, where the trainer moves its storages itself."""
+    return not is_cpu()
+
+
+def shared_memory_handles() -> bool:
+    """Whether tensor handles are host shared-memory fds: False on GPU (CUDA IPC: buffers live on the GPU); True on
+    CPU, so any host buffer (even the trainer's own CPU weight copy) can be handed to an engine on this host."""
+    return is_cpu()
+
+
+def handles_need_sglang() -> bool:
+    """Whether tensor handles must be pickled with SGLang's own serializer: True on GPU (a real SGLang server
+    unpickles them); False on CPU (slime's CPU server reads the same-format fallback)."""
+    return not is_cpu()

@@ -19,6 +19,8 @@ from multiprocessing.reduction import ForkingPickler
 import torch
 import torch.multiprocessing  # noqa: F401  (registers the tensor reductions with ForkingPickler)
 
+from slime.utils.device import handles_need_sglang
+
 AUTHKEY_ENV = "SLIME_MP_AUTHKEY"
 
 
@@ -112,12 +114,6 @@ def serializer_classes(require_sglang: bool):
     return Serializer, Bucket, Metadata
 
 
-def _needs_sglang() -> bool:
-    from slime.utils.device import is_cpu  # lazy: keeps this module importable without slime's deps
-
-    return not is_cpu()
-
-
 # Lenient at import (slime's CPU server and CPU trainers use the fallback); `bucket_payload` insists on GPU.
 MultiprocessingSerializer, FlattenedTensorBucket, FlattenedTensorMetadata = serializer_classes(require_sglang=False)
 _gpu_ready = False
@@ -127,7 +123,7 @@ def bucket_payload(flattened_tensor, metadata) -> str:
     """One `update_weights_from_tensor` item (`load_format="flattened_bucket"`): the serialized
     `{"flattened_tensor", "metadata"}` of a FlattenedTensorBucket, base64 text as SGLang's HTTP API takes it."""
     global _gpu_ready
-    if not _gpu_ready and _needs_sglang():
+    if not _gpu_ready and handles_need_sglang():
         serializer_classes(require_sglang=True)  # SGLang's classes and reduction patch, or an error naming the import
         _gpu_ready = True
     bucket = FlattenedTensorBucket(flattened_tensor=flattened_tensor, metadata=metadata)

@@ -20,7 +20,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from slime.backends.megatron_utils.cp_attention import AllGatherKVDotProductAttention
-from slime.utils.device import default_dtype, is_cpu
+from slime.utils.device import default_dtype, transformer_engine_usable
 from slime.utils.misc import accepted_kwargs
 from slime.utils.user_errors import user_function
 
@@ -30,9 +30,7 @@ from .local_layers import mla_local_spec, with_post_norms
 
 def use_transformer_engine(args) -> bool:
     """TE spec only on GPU with transformer_engine installed (and not forced off by --transformer-impl local)."""
-    if is_cpu() or args.transformer_impl == "local":
-        return False
-    return importlib.util.find_spec("transformer_engine") is not None
+    return args.transformer_impl != "local" and transformer_engine_usable()
 
 
 def padded_vocab_size(args) -> int:

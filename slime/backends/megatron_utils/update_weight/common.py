@@ -1,16 +1,19 @@
-"""Pieces both weight-update transports share: Megatron params -> HF tensors, engine calls that time out and name
-the engine, and the metrics dict `update_weights()` returns.
+"""Pieces both weight-update transports share: Megatron params -> HF tensors, packing them into flat same-dtype
+buffers (`load_format="flattened_bucket"`), engine calls that time out and name the engine, and the metrics dict
+`update_weights()` returns.
 """
 
 import logging
 import os
 import time
+from collections import defaultdict
 
 import ray
 
 from slime.backends.megatron_utils.megatron_to_hf import convert_to_hf
 from slime.backends.megatron_utils.param_utils import PREFIX, all_gather_param, remove_padding
 from slime.utils.device import get_device
+from slime.utils.tensor_serialization import FlattenedTensorMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +58,32 @@ def to_hf(args, model_name, name, param, quantization_config=None):
         )
     # gloo/IPC want dense tensors; conversion may return strided views (q/k/v and gate/up splits)
     return [(hf_name, t.detach().contiguous()) for hf_name, t in converted]
+
+
+def by_dtype(named_tensors) -> dict:
+    """`[(name, tensor)]` grouped by dtype (one flat buffer per dtype), in the given order."""
+    groups = defaultdict(list)
+    for name, t in named_tensors:
+        groups[t.dtype].append((name, t))
+    return groups
+
+
+def pack_flat(buf, items, start=0, offsets=None):
+    """Copy the same-dtype `items` `[(name, tensor)]` into the flat `buf` from element `start` on, except those whose
+    entry in `offsets` is not None (already in `buf` there: no copy). Returns (FlattenedTensorMetadata of every item,
+    the end of the copied part)."""
+    metadata, cursor = [], start
+    for i, (name, t) in enumerate(items):
+        offset = offsets[i] if offsets else None
+        if offset is None:  # view(shape).copy_: a strided tensor is copied once, straight into place
+            buf[cursor : cursor + t.numel()].view(t.shape).copy_(t)
+            offset, cursor = cursor, cursor + t.numel()
+        metadata.append(
+            FlattenedTensorMetadata(
+                name=name, shape=t.shape, dtype=t.dtype, start_idx=offset, end_idx=offset + t.numel(), numel=t.numel()
+            )
+        )
+    return metadata, cursor
 
 
 def engine_urls(engines, timeout) -> list:

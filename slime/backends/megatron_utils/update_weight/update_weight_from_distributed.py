@@ -12,7 +12,6 @@ handle goes to every engine through `/update_weights_from_tensor`: one copy on e
 import logging
 import threading
 import time
-from collections import defaultdict
 from urllib.parse import urlparse
 
 import ray
@@ -22,19 +21,21 @@ from megatron.core import parallel_state as mpu
 
 from slime.backends.megatron_utils.initialize import get_gloo_group
 from slime.backends.megatron_utils.param_utils import expert_parallel_copies, named_parameters
-from slime.utils.device import dist_backend, is_cpu
+from slime.utils.device import dist_backend, shared_memory_handles
 from slime.utils.distributed_utils import init_process_group, seconds
 from slime.utils.http_utils import free_port, get_host_info
-from slime.utils.tensor_serialization import FlattenedTensorMetadata, bucket_payload
+from slime.utils.tensor_serialization import bucket_payload
 
 from .common import (
     WeightUpdateError,
     acquire_lock,
+    by_dtype,
     describe_bucket,
     engine_urls,
     gather_and_convert,
     is_tied_output_copy,
     log_metrics,
+    pack_flat,
     update_metrics,
     update_timeout,
     wait_engines,
@@ -138,7 +139,7 @@ class UpdateWeightFromDistributed:
         # loopback names mean this host only where this host is the loopback address: with several Ray nodes on one
         # machine (127.0.0.2, 127.0.0.3, ...) an engine on another node's address is remote and gets the broadcast
         local = {host} | ({"127.0.0.1", "localhost", "::1"} if host in ("127.0.0.1", "localhost", "::1") else set())
-        shm_possible = is_cpu() and all(urlparse(u).hostname in local for u in self._urls)
+        shm_possible = shared_memory_handles() and all(urlparse(u).hostname in local for u in self._urls)
         if wanted == "shm" and not shm_possible:
             raise WeightUpdateError(
                 f"--update-weight-transport shm needs a CPU run with every engine on this host ({host}); "
@@ -270,34 +271,17 @@ class UpdateWeightFromDistributed:
 
     def _send_bucket_shm(self, named_tensors, what, timeout):
         """One flattened bucket per dtype in a shared buffer; every engine (each TP rank) gets its own handle."""
-        by_dtype = defaultdict(list)
-        for name, t in named_tensors:
-            by_dtype[t.dtype].append((name, t))
+        groups = by_dtype(named_tensors)
         refs = []
-        for dtype, items in by_dtype.items():
+        for dtype, items in groups.items():
             numel = sum(t.numel() for _, t in items)
             buf = self._shm_buffers.get(dtype)
             if buf is None or buf.numel() < numel:
                 buf = torch.empty(numel, dtype=dtype).share_memory_()
                 self._shm_buffers[dtype] = buf
-            metadata, offset = [], 0
-            for name, t in items:
-                buf[offset : offset + t.numel()].view(t.shape).copy_(t)
-                metadata.append(
-                    FlattenedTensorMetadata(
-                        name=name,
-                        shape=t.shape,
-                        dtype=dtype,
-                        start_idx=offset,
-                        end_idx=offset + t.numel(),
-                        numel=t.numel(),
-                    )
-                )
-                offset += t.numel()
+            metadata, end = pack_flat(buf, items)
             for engine in self.rollout_engines:  # a handle can be opened once: one per engine TP rank
-                handles = [
-                    bucket_payload(buf[:offset], metadata) for _ in range(self.args.rollout_num_gpus_per_engine)
-                ]
+                handles = [bucket_payload(buf[:end], metadata) for _ in range(self.args.rollout_num_gpus_per_engine)]
                 refs.append(
                     engine.update_weights_from_tensor.remote(
                         serialized_named_tensors=handles,
@@ -306,4 +290,4 @@ class UpdateWeightFromDistributed:
                     )
                 )
         # engines answer after copying out of the buffer, so the next bucket may overwrite it
-        wait_engines(refs, [u for _ in by_dtype for u in self._urls], what, timeout)
+        wait_engines(refs, [u for _ in groups for u in self._urls], what, timeout)

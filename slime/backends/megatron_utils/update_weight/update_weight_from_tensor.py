@@ -13,7 +13,6 @@ as offsets, without a copy. The engine copies into its own weights during the ca
 
 import logging
 import time
-from collections import defaultdict
 
 import torch
 import torch.distributed as dist
@@ -21,18 +20,20 @@ from megatron.core import parallel_state as mpu
 
 from slime.backends.megatron_utils.initialize import get_gloo_group
 from slime.backends.megatron_utils.param_utils import named_parameters
-from slime.utils.device import is_cpu
-from slime.utils.tensor_serialization import FlattenedTensorMetadata, bucket_payload
+from slime.utils.device import shared_memory_handles
+from slime.utils.tensor_serialization import bucket_payload
 from slime.utils.types import ParamInfo
 
 from .common import (
     WeightUpdateError,
+    by_dtype,
     describe_bucket,
     engine_urls,
     gather_and_convert,
     is_tied_output_copy,
     local_device,
     log_metrics,
+    pack_flat,
     update_metrics,
     update_timeout,
     wait_engines,
@@ -111,10 +112,12 @@ class UpdateWeightFromTensor:
         self.param_info_buckets = get_param_info_buckets(args, model)
         self.rollout_engines, self._urls = [], []
         self._ipc_gather_src = self._ipc_gather_group = self._ipc_engine = self._ipc_engine_url = None
-        # flat shared buffers: per (bucket, dtype) on CPU, holding this rank's CPU weights (see `_allocate`);
-        # per dtype on GPU, reused bucket after bucket and freed after the update
+        # flat shared buffers: with shared-memory handles (CPU) one per (bucket, dtype), holding this rank's CPU
+        # weights (see `_allocate`); with CUDA IPC one per dtype on the GPU, reused bucket after bucket and freed
+        # after the update
+        self._weights_in_buffers = shared_memory_handles()
         self._flat = {}
-        if is_cpu():
+        if self._weights_in_buffers:
             for index, infos in enumerate(self.param_info_buckets, 1):
                 for dtype in {i.dtype for i in infos if i.src_rank == dist.get_rank()}:
                     self._allocate((index, dtype), index, dtype, scratch=0)
@@ -165,7 +168,7 @@ class UpdateWeightFromTensor:
             wait_engines(
                 [self._ipc_engine.end_weight_update.remote()], [self._ipc_engine_url], "end_weight_update", timeout
             )
-        if not is_cpu():
+        if not self._weights_in_buffers:
             self._flat.clear()  # GPU memory belongs to the engine during rollout
         dist.barrier(group=get_gloo_group())
         metrics = update_metrics(time.perf_counter() - start, sent * len(self.rollout_engines), self.weight_version)
@@ -208,37 +211,25 @@ class UpdateWeightFromTensor:
     def _pack(self, index, named_tensors) -> list:
         """One serialised `FlattenedTensorBucket` per dtype. HF tensors that are plain views of the bucket's shared
         CPU weights travel as offsets into it (no copy); the rest (gathered, split, received) are copied behind."""
-        by_dtype = defaultdict(list)
-        for name, t in named_tensors:
-            by_dtype[t.dtype].append((name, t))
         handles = []
-        for dtype, items in by_dtype.items():
-            key = (index, dtype) if is_cpu() else dtype
+        for dtype, items in by_dtype(named_tensors).items():
+            key = (index, dtype) if self._weights_in_buffers else dtype
             buf, home_numel = self._flat.get(key, (None, 0))
             offsets = [_offset_in(buf, home_numel, t) for _, t in items]
             scratch = sum(t.numel() for (_, t), off in zip(items, offsets) if off is None)
             if buf is None or buf.numel() < home_numel + scratch:
                 buf = self._allocate(key, index, dtype, scratch)
-            metadata, cursor = [], home_numel
-            for (name, t), off in zip(items, offsets):
-                if off is None:  # view(shape).copy_: a strided tensor is copied once, straight into place
-                    buf[cursor : cursor + t.numel()].view(t.shape).copy_(t)
-                    off, cursor = cursor, cursor + t.numel()
-                metadata.append(
-                    FlattenedTensorMetadata(
-                        name=name, shape=t.shape, dtype=dtype, start_idx=off, end_idx=off + t.numel(), numel=t.numel()
-                    )
-                )
-            handles.append(bucket_payload(buf[:cursor], metadata))
+            metadata, end = pack_flat(buf, items, home_numel, offsets)
+            handles.append(bucket_payload(buf[:end], metadata))
         return handles
 
     def _allocate(self, key, index, dtype, scratch):
-        """A shared flat buffer for `key`. On CPU it starts with this rank's CPU weights of bucket `index` (the
+        """A shared flat buffer for `key`. With shared-memory handles (CPU) it starts with this rank's CPU weights of bucket `index` (the
         weight dict's tensors become views into it, so the actor keeps updating them in place and every update
         sends them without a copy), followed by `scratch` elements for tensors that need one."""
         home = (
             [i.name for i in self.param_info_buckets[index - 1] if i.src_rank == dist.get_rank() and i.dtype == dtype]
-            if is_cpu()
+            if self._weights_in_buffers
             else []
         )
         actor_weights = self.weights["actor"]
