@@ -15,6 +15,7 @@ import torch
 
 from slime.backends.sglang_utils.contract import load_contract
 from slime.utils.http_utils import find_available_port
+from slime.utils.process_utils import die_with_parent
 from slime.utils.tensor_serialization import MultiprocessingSerializer, set_shared_authkey
 
 pytestmark = pytest.mark.timeout(300)
@@ -37,7 +38,14 @@ def start_cpu_server(model_dir, *extra, timeout=120):
         str(port),
         *extra,
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True, text=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        text=True,
+        preexec_fn=die_with_parent,  # a killed test run leaves no server behind
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + timeout
     while True:

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from slime.utils.misc import load_function
+from slime.utils.process_utils import die_with_parent
 from slime.utils.types import Sample
 from tests._args import TINY_PROMPTS
 from tests._args import make_args as real_args
@@ -104,6 +105,7 @@ def cpu_server(tiny_kit, tmp_path_factory):
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        preexec_fn=die_with_parent,  # a killed test run leaves no server behind
     )
     try:
         deadline = time.time() + 120

@@ -16,6 +16,7 @@ import time
 import httpx
 import pytest
 
+from slime.utils.process_utils import die_with_parent
 from slime.utils.types import Sample
 from slime_plugins.rollout_buffer.buffer import BufferQueue, create_app, discover_generators
 from slime_plugins.rollout_buffer.generator import base_generator
@@ -131,7 +132,9 @@ def processes():
     procs = []
 
     def start(cmd, log):
-        p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        p = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent
+        )
         procs.append(p)
         return p
 

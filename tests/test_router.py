@@ -140,6 +140,30 @@ def test_dead_worker_tolerated_then_removed(router, tiny_kit):
         assert r.status_code == 200
 
 
+def test_api_key_passed_to_workers_through_the_router(router, tiny_kit):
+    """--sglang-api-key: the server enforces SGLang's auth, so a routed /generate succeeds only because the
+    registration gave the router the key; the abort fan-out sends the (admin) key too."""
+    url, _ = router
+    proc, worker = start_cpu_server(tiny_kit[0], "--api-key", "k-123", "--admin-api-key", "adm-9")
+    sp = {"input_ids": PROMPTS[0], "sampling_params": {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True}}
+    try:
+        assert SESSION.post(worker + "/generate", json=sp, timeout=60).status_code == 401  # the key is enforced
+        with_key = {"Authorization": "Bearer k-123"}
+        direct = SESSION.post(worker + "/generate", json=sp, headers=with_key, timeout=60).json()
+        add_worker(url, worker, api_key="k-123")
+        others = [u for u in list_workers(url) if u != worker]
+        for u in others:  # route only to the keyed worker
+            remove_worker(url, u)
+        routed = SESSION.post(url + "/generate", json=sp, timeout=60)
+        assert routed.status_code == 200, routed.text
+        assert routed.json()["output_ids"] == direct["output_ids"]
+        assert worker not in asyncio.run(abort_all(url, timeout=5))  # /abort_request without the admin key: refused
+        assert worker in asyncio.run(abort_all(url, timeout=5, admin_key="adm-9"))
+    finally:
+        remove_worker(url, worker)
+        stop_cpu_server(proc)
+
+
 def test_router_health(router):
     url, proc = router
     assert proc.is_alive()

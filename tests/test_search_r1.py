@@ -15,6 +15,7 @@ import time
 import httpx
 import pytest
 
+from slime.utils.process_utils import die_with_parent
 from slime.utils.types import Sample
 from tests._args import make_args
 
@@ -153,6 +154,7 @@ def cpu_server(tiny_kit, tmp_path):
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        preexec_fn=die_with_parent,  # a killed test run leaves no server behind
     )
     try:
         deadline = time.time() + 120

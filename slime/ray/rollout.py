@@ -237,7 +237,7 @@ class RolloutManager:
             self.router_process = launch_router(self.args, self.args.sglang_router_ip, self.args.sglang_router_port)
             for i, url in enumerate(self.engine_urls):
                 if self.rollout_engines[i] is not None:
-                    add_worker(router_url(self.args), url)
+                    add_worker(router_url(self.args), url, api_key=self.args.sglang_api_key)
             self._event(
                 "router_restarted",
                 f"sglang-router restarted at {router_url(self.args)} (pid "

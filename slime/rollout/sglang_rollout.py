@@ -214,7 +214,7 @@ async def abort(args, rollout_id: int) -> list[list[Sample]]:
 
     state = GenerateState(args)
     state.aborted = True
-    await abort_all(router_url(args))
+    await abort_all(router_url(args), admin_key=args.sglang_admin_api_key or args.sglang_api_key)
 
     aborted_samples = []
     while state.pendings:

@@ -4,6 +4,8 @@ The router is the real `sglang_router` wheel (it runs on CPU). Facts it forces o
 workers are registered with `POST /workers` after 0.2.1 and `/add_worker?url=` up to 0.2.1; the router does not
 forward `/abort_request` (control calls go to each worker directly); a dead worker stays listed, so fan-outs must
 tolerate dead URLs; its Prometheus exporter binds 0.0.0.0:29000 unless told otherwise, and dies if that port is busy.
+A worker's API key goes in its registration (`{"api_key": ...}`): the router then sends it as a Bearer token with
+every request it makes to that worker. (The router's own `--api-key` is different: it locks the router's endpoints.)
 """
 
 import asyncio
@@ -164,11 +166,19 @@ def router_url(args) -> str:
     return f"http://{args.sglang_router_ip}:{args.sglang_router_port}"
 
 
-def add_worker(router: str, worker_url: str, timeout: float = 60.0, wait: bool = True):
-    """Register worker_url with the router; with `wait`, return once the router lists it."""
+def add_worker(router: str, worker_url: str, timeout: float = 60.0, wait: bool = True, api_key: str | None = None):
+    """Register worker_url with the router; with `wait`, return once the router lists it. `api_key`: the worker's
+    (--sglang-api-key), which the router must send with each request it routes there (SGLang refuses them else)."""
     if uses_workers_api():
-        _http("POST", f"{router}/workers", {"url": worker_url, "worker_type": "regular"}, timeout=timeout)
+        body = {"url": worker_url, "worker_type": "regular"}
+        if api_key:
+            body["api_key"] = api_key
+        _http("POST", f"{router}/workers", body, timeout=timeout)
     else:  # 0.2.1 and older: synchronous, waits for the worker's /health itself
+        if api_key:
+            raise ValueError(
+                f"sglang-router {_router_version()} cannot pass --sglang-api-key to its workers; use sglang-router > 0.2.1"
+            )
         _http("POST", f"{router}/add_worker?url={urllib.parse.quote(worker_url, safe=':/')}", timeout=timeout)
     if not wait:
         return
@@ -199,15 +209,17 @@ def remove_worker(router: str, worker_url: str, timeout: float = 10.0):
         _http("POST", f"{router}/remove_worker?url={urllib.parse.quote(worker_url, safe=':/')}", timeout=timeout)
 
 
-async def abort_all(router: str, timeout: float = 10.0) -> list:
-    """POST {"abort_all": true} to every worker's /abort_request (the router does not route it).
+async def abort_all(router: str, timeout: float = 10.0, admin_key: str | None = None) -> list:
+    """POST {"abort_all": true} to every worker's /abort_request (the router does not route it), with `admin_key`
+    (--sglang-admin-api-key, else --sglang-api-key) when the workers have one.
 
     Dead or hanging workers are skipped after `timeout` seconds; returns the URLs that acknowledged."""
     urls = await asyncio.get_running_loop().run_in_executor(None, list_workers, router, timeout)
+    headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
 
     async def one(session, url):
         try:
-            async with session.post(f"{url}/abort_request", json={"abort_all": True}) as resp:
+            async with session.post(f"{url}/abort_request", json={"abort_all": True}, headers=headers) as resp:
                 return url if resp.status < 400 else None
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             logger.warning("abort_all: worker %s unreachable (%s); skipping it", url, type(e).__name__)

@@ -288,7 +288,7 @@ class SGLangEngine(RayActor):
         self._check_identity()
         if args.sglang_router_ip:
             self.router_url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}"
-            add_worker(self.router_url, self.url)
+            add_worker(self.router_url, self.url, api_key=args.sglang_api_key)
 
     def _log_tail(self, n=40) -> str:
         try:
