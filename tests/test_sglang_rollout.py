@@ -18,6 +18,7 @@ from slime.rollout.sglang_rollout import GenerateState, generate, generate_rollo
 from slime.utils.async_utils import run
 from slime.utils.http_utils import find_available_port
 from slime.utils.misc import SingletonMeta
+from slime.utils.process_utils import die_with_parent
 from slime.utils.types import Sample
 from tests._args import make_args as real_args
 
@@ -134,6 +135,7 @@ def engine(tiny_kit):
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=die_with_parent,  # a killed test run leaves no server behind
     )
     router_args = real_args()
     router = None
@@ -176,7 +178,7 @@ def fresh_state():
     SingletonMeta.clear_instances(GenerateState)
 
 
-def make_args(engine, tiny_kit, prompts, **overrides):
+def make_args(engine, tiny_kit, prompts, *argv, **overrides):
     base = dict(
         hf_checkpoint=tiny_kit[0],
         sglang_router_ip=engine.sglang_router_ip,
@@ -233,7 +235,7 @@ def make_args(engine, tiny_kit, prompts, **overrides):
         rollout_group_timeout=None,
     )
     base.update(overrides)
-    return real_args(**base)
+    return real_args(*argv, **base)
 
 
 def check_generated(sample, tokenizer, max_len):
@@ -507,6 +509,50 @@ def test_eval_rollout(engine, tiny_kit, prompts):
     assert {k: data["toy"][k] for k in ("rewards", "truncated")} == {
         k: data["toy_again"][k] for k in ("rewards", "truncated")
     }
+
+
+async def recording_generate(args, sample, sampling_params):
+    """Custom generate of one eval dataset: records what it is called with, then generates as the default does."""
+    RECORD.setdefault("eval_calls", []).append((dict(sampling_params), dict(sample.metadata)))
+    return await generate(args, sample, sampling_params)
+
+
+def test_eval_config_datasets_get_their_own_params_reward_and_generate(engine, tiny_kit, prompts, tmp_path):
+    config = tmp_path / "eval.yaml"
+    config.write_text(
+        f"""
+eval:
+  defaults: {{input_key: prompt, label_key: label, apply_chat_template: true, temperature: 0.0}}
+  datasets:
+    short:
+      path: {prompts[1]}
+      max_response_len: 2
+      n_samples_per_eval_prompt: 2
+      custom_rm_path: {HERE}.response_length_rm
+    tagged:
+      path: {prompts[1]}
+      max_response_len: 5
+      min_new_tokens: 5
+      rm_type: answer_match
+      metadata_overrides: {{tag: t1}}
+      custom_generate_function_path: {HERE}.recording_generate
+"""
+    )
+    args = make_args(engine, tiny_kit, prompts, "--eval-config", str(config), rm_type=None, eval_prompt_data=None)
+    data = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args), evaluation=True)
+    short, tagged = data["short"], data["tagged"]
+    # 3 prompts x 2 greedy samples of at most 2 tokens, rewarded by their length (the dataset's custom RM)
+    assert len(short["rewards"]) == 6 and all(r in (1.0, 2.0) for r in short["rewards"])
+    assert short["rewards"][0::2] == short["rewards"][1::2] and short["truncated"] == [
+        r == 2 for r in short["rewards"]
+    ]
+    # the dataset's generate saw its sampling params and metadata; answer_match (its rm_type) scored 5-token replies
+    calls = RECORD["eval_calls"]
+    assert len(calls) == 3 and all(p["max_new_tokens"] == 5 and p["min_new_tokens"] == 5 for p, _ in calls)
+    assert all(p["temperature"] == 0.0 for p, _ in calls)
+    assert all(m["rm_type"] == "answer_match" and m["tag"] == "t1" for _, m in calls)
+    assert all(s.response_length == 5 for s in tagged["samples"])
+    assert all(r in (0, 1) for r in tagged["rewards"]) and tagged["truncated"] == [True] * 3
 
 
 def test_default_generate_rejects_message_prompts(engine, tiny_kit, prompts):

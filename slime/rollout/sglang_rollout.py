@@ -19,6 +19,7 @@ from slime.rollout.rm_hub import async_rm, batched_async_rm
 from slime.rollout.sample_hooks import apply_rollout_sample_hooks
 from slime.utils.async_utils import run
 from slime.utils.data import Dataset
+from slime.utils.eval_config import EvalDatasetConfig, eval_datasets
 from slime.utils.http_utils import post
 from slime.utils.misc import SingletonMeta, accepted_kwargs, load_function
 from slime.utils.types import Sample
@@ -333,47 +334,40 @@ async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[li
     return data, aborted_samples
 
 
-EVAL_PROMPT_DATASET = {}
+EVAL_PROMPT_DATASET = {}  # EvalDatasetConfig.cache_key -> loaded prompts
 
 
-def _eval_sampling_params(args, state):
-    def pick(eval_value, default):
-        return default if eval_value is None else eval_value
-
-    params = dict(state.sampling_params)
-    params.update(
-        temperature=pick(args.eval_temperature, args.rollout_temperature),
-        top_p=pick(args.eval_top_p, args.rollout_top_p),
-        top_k=pick(args.eval_top_k, args.rollout_top_k),
-        max_new_tokens=pick(args.eval_max_response_len, args.rollout_max_response_len),
-    )
-    return params
-
-
-async def eval_rollout_single_dataset(args, rollout_id, name, path):
-    """Generate `n_samples_per_eval_prompt` samples per prompt of one eval dataset; {name: {rewards, truncated}}."""
+async def eval_rollout_single_dataset(args, rollout_id, dataset_cfg: EvalDatasetConfig):
+    """Generate `n_samples_per_eval_prompt` samples per prompt of one eval dataset, with its own sampling params,
+    reward (`custom_rm_path`, `rm_type`) and generate function; {name: {rewards, truncated, samples}}."""
     state = GenerateState(args)
-    if name not in EVAL_PROMPT_DATASET:
-        EVAL_PROMPT_DATASET[name] = Dataset(
-            path,
+    name = dataset_cfg.name
+    if dataset_cfg.cache_key not in EVAL_PROMPT_DATASET:
+        EVAL_PROMPT_DATASET[dataset_cfg.cache_key] = Dataset(
+            dataset_cfg.path,
             tokenizer=state.tokenizer,
             max_length=args.rollout_max_prompt_len,
-            prompt_key=args.eval_input_key or args.input_key,
-            label_key=args.eval_label_key or args.label_key,
-            metadata_key=args.metadata_key,
-            tool_key=args.eval_tool_key or args.tool_key,
-            apply_chat_template=args.apply_chat_template,
+            prompt_key=dataset_cfg.input_key,
+            label_key=dataset_cfg.label_key,
+            metadata_key=dataset_cfg.metadata_key,
+            tool_key=dataset_cfg.tool_key,
+            apply_chat_template=dataset_cfg.apply_chat_template,
         )
-    dataset = EVAL_PROMPT_DATASET[name]
-    sampling_params = _eval_sampling_params(args, state)
+    dataset = EVAL_PROMPT_DATASET[dataset_cfg.cache_key]
+    sampling_params = dataset_cfg.sampling_params(state.sampling_params)
 
     tasks = []
     sample_index = 0
     for prompt_sample in dataset.samples:
-        for _ in range(args.n_samples_per_eval_prompt):
+        for _ in range(dataset_cfg.n_samples_per_eval_prompt):
             sample = copy.deepcopy(prompt_sample)
             sample.index = sample_index
             sample_index += 1
+            sample.metadata = dataset_cfg.inject_metadata(sample.metadata)
+            if dataset_cfg.custom_rm_path:
+                sample.custom_rm_path = dataset_cfg.custom_rm_path
+            if dataset_cfg.custom_generate_function_path:
+                sample.generate_function_path = dataset_cfg.custom_generate_function_path
             tasks.append(generate_and_rm(args, sample, sampling_params.copy(), evaluation=True))
 
     data = []
@@ -398,9 +392,8 @@ async def eval_rollout_single_dataset(args, rollout_id, name, path):
 async def eval_rollout(args, rollout_id):
     """Scores eval samples one by one (--group-rm with the default eval is refused at start-up)."""
     results = {}
-    for i in range(0, len(args.eval_prompt_data), 2):
-        name, path = args.eval_prompt_data[i : i + 2]
-        results.update(await eval_rollout_single_dataset(args, rollout_id, name, path))
+    for dataset_cfg in eval_datasets(args):
+        results.update(await eval_rollout_single_dataset(args, rollout_id, dataset_cfg))
     return results
 
 

@@ -30,6 +30,7 @@ from slime.utils.device import (
     gradient_accumulation_fusion_by_default,
     sequence_parallel_possible,
 )
+from slime.utils.eval_config import from_prompt_data, load_eval_config
 from slime.utils.startup_checks import DEFAULT_ROLLOUT_FUNCTION, check_inputs, check_value_ranges
 
 logger = logging.getLogger(__name__)
@@ -339,6 +340,19 @@ def add_eval_arguments(parser):
     g.add_argument("--eval-top-k", type=int, default=None)
     g.add_argument("--eval-max-response-len", type=int, default=None)
     g.add_argument("--eval-min-new-tokens", type=int, default=None)
+    g.add_argument(
+        "--eval-custom-rm-path",
+        type=str,
+        default=None,
+        help="The reward function of the default eval (default: --custom-rm-path).",
+    )
+    g.add_argument(
+        "--eval-config",
+        type=str,
+        default=None,
+        help="YAML/JSON file of eval datasets with per-dataset settings (`defaults`, `datasets`); replaces "
+        "--eval-prompt-data. See docs/usage.md.",
+    )
     return parser
 
 
@@ -1316,10 +1330,14 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
             args.ckpt_step = args.ref_ckpt_step
         if args.start_rollout_id is None:
             args.start_rollout_id = 0
-    # eval data comes as name/path pairs
+    # eval data: an --eval-config file (it replaces --eval-prompt-data), or name/path pairs
+    args.eval_datasets = None
+    if args.eval_config and (check_paths or os.path.exists(args.eval_config)):
+        args.eval_datasets = load_eval_config(args.eval_config, args, error)
+        args.eval_prompt_data = [x for d in args.eval_datasets for x in (d.name, d.path)]
     if args.eval_interval is not None and not args.eval_prompt_data:
-        error("--eval-interval needs --eval-prompt-data (name path [name path ...]).")
-    if args.eval_prompt_data is not None:
+        error("--eval-interval needs --eval-prompt-data (name path [name path ...]) or --eval-config.")
+    if args.eval_prompt_data is not None and args.eval_datasets is None:
         if len(args.eval_prompt_data) == 1:
             args.eval_prompt_data = ["aime", args.eval_prompt_data[0]]
         if len(args.eval_prompt_data) % 2 != 0:
@@ -1327,6 +1345,7 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
                 f"--eval-prompt-data takes name/path pairs; got {len(args.eval_prompt_data)} values: "
                 f"{' '.join(args.eval_prompt_data)}"
             )
+        args.eval_datasets = from_prompt_data(args)
     # one KL at a time
     if args.kl_coef != 0 and args.kl_loss_coef != 0:
         error("--kl-coef (KL in the reward) and --kl-loss-coef (KL loss) cannot both be non-zero; pick one.")

@@ -65,6 +65,7 @@ EXTENSION_POINTS = (
         alternatives=("args, sample, sampling_params, *, evaluation",),
     ),
     ExtensionPoint("--custom-rm-path", "args, sample_or_samples"),
+    ExtensionPoint("--eval-custom-rm-path", "args, sample_or_samples"),
     ExtensionPoint("--custom-reward-post-process-path", "args, samples"),
     ExtensionPoint("--dynamic-sampling-filter-path", "args, samples"),
     ExtensionPoint("--over-sampling-filter-path", "args, samples"),
@@ -146,12 +147,23 @@ def check_extension_point(point: ExtensionPoint, path: str) -> str | None:
 
 
 def check_extension_points(args, error):
+    by_flag = {point.flag: point for point in EXTENSION_POINTS}
     for point in EXTENSION_POINTS:
         value = getattr(args, point.dest, None)  # a row may name a flag that a custom parser does not define
         for path in value if isinstance(value, list) else [value]:  # repeatable flags hold a list
             reason = check_extension_point(point, path) if path else None
             if reason:
                 error(reason)
+    if args.eval_config:  # an eval dataset's own reward and generate functions
+        for d in args.eval_datasets or []:
+            for key, flag in (
+                ("custom_rm_path", "--custom-rm-path"),
+                ("custom_generate_function_path", "--custom-generate-function-path"),
+            ):
+                path = getattr(d, key)
+                reason = check_extension_point(by_flag[flag], path) if path else None
+                if reason:
+                    error(f"--eval-config {args.eval_config}: dataset {d.name}: {key} as {reason}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -285,30 +297,51 @@ def check_checkpoints(args, error, user_load):
         _check_checkpoint("--load", user_load, args.ckpt_step, error)
 
 
+@dataclasses.dataclass
+class _PromptFile:
+    flag: str  # how the user named it
+    path: str
+    input_key: str
+    label_key: str | None
+    tool_key: str | None
+    metadata_key: str
+    apply_chat_template: bool
+    max_response_len: int
+    budget: str  # the flag or key of max_response_len
+
+
 def _prompt_files(args):
-    """(flag, path, input_key, label_key, tool_key, max_response_len) of every prompt file the run reads."""
+    """Every prompt file the run reads, with the keys it is read with."""
     files = []
     if args.rollout_global_dataset and args.prompt_data and not args.debug_train_only:
         files.append(
-            (
+            _PromptFile(
                 "--prompt-data",
                 args.prompt_data,
                 args.input_key,
                 args.label_key,
                 args.tool_key,
+                args.metadata_key,
+                args.apply_chat_template,
                 args.rollout_max_response_len,
+                "--rollout-max-response-len",
             )
         )
-    for i in range(0, len(args.eval_prompt_data or []), 2):
-        name, path = args.eval_prompt_data[i : i + 2]
+    source = f"--eval-config {args.eval_config}: dataset" if args.eval_config else "--eval-prompt-data"
+    for d in args.eval_datasets or []:
         files.append(
-            (
-                f"--eval-prompt-data {name}",
-                path,
-                args.eval_input_key or args.input_key,
-                args.eval_label_key or args.label_key,
-                args.eval_tool_key or args.tool_key,
-                args.eval_max_response_len or args.rollout_max_response_len,
+            _PromptFile(
+                f"{source} {d.name}",
+                d.path,
+                d.input_key,
+                d.label_key,
+                d.tool_key,
+                d.metadata_key,
+                d.apply_chat_template,
+                d.max_response_len,
+                "its max_response_len"
+                if args.eval_config
+                else ("--eval-max-response-len" if args.eval_max_response_len else "--rollout-max-response-len"),
             )
         )
     return files
@@ -349,7 +382,8 @@ def check_prompt_data(args, error):
     default_generate = (
         args.custom_generate_function_path is None and args.rollout_function_path == DEFAULT_ROLLOUT_FUNCTION
     )
-    for flag, path, input_key, label_key, tool_key, max_response_len in files:
+    for file in files:
+        flag, path, max_response_len, budget = file.flag, file.path, file.max_response_len, file.budget
         if not os.path.isfile(path):
             error(f"{flag} {path}: no such file.")
         if not os.access(path, os.R_OK):
@@ -359,19 +393,19 @@ def check_prompt_data(args, error):
                 path,
                 tokenizer=tokenizer,
                 max_length=args.rollout_max_prompt_len,
-                prompt_key=input_key,
-                label_key=label_key,
-                tool_key=tool_key,
-                metadata_key=args.metadata_key,
-                apply_chat_template=args.apply_chat_template and tokenizer is not None,
+                prompt_key=file.input_key,
+                label_key=file.label_key,
+                tool_key=file.tool_key,
+                metadata_key=file.metadata_key,
+                apply_chat_template=file.apply_chat_template and tokenizer is not None,
             )
         except Exception as e:  # noqa: BLE001  (datasets / tokenizers raise many types; each names the file or row)
             error(f"{flag} {one_line(e)}")
         if (
-            args.metadata_key != "metadata" and args.metadata_key not in dataset.column_names
+            file.metadata_key != "metadata" and file.metadata_key not in dataset.column_names
         ):  # the default is optional
             error(
-                f"{flag} {path}: no column {args.metadata_key!r} (--metadata-key); its columns are "
+                f"{flag} {path}: no column {file.metadata_key!r} (--metadata-key); its columns are "
                 f"{dataset.column_names}."
             )
         if len(dataset) == 0:
@@ -390,11 +424,6 @@ def check_prompt_data(args, error):
             )
         if context is None or tokenizer is None:
             continue
-        budget = (
-            "--eval-max-response-len"
-            if flag.startswith("--eval") and args.eval_max_response_len
-            else "--rollout-max-response-len"
-        )
         if max_response_len >= context:
             error(
                 f"{flag} {path}: {budget} {max_response_len} alone reaches the model's context of {context} tokens "
