@@ -1,29 +1,39 @@
 """CUDA-compat shim that lets megatron-core 0.16.1 train on CPU with gloo.
 
 megatron-core has no CPU mode: it hard-codes `torch.cuda.current_device()`, `device="cuda"` literals, the CUDA RNG
-tracker and `torch.cuda.*Tensor` type asserts. Nothing on our path is inherently CUDA-only, so `apply()` (a no-op
-unless `slime.utils.device.is_cpu()`, idempotent, called by `initialize.init` before any model is built) patches
-exactly those spots, all in this process and for its lifetime:
+tracker and `torch.cuda.*Tensor` type asserts. Nothing on our path is inherently CUDA-only, so `apply()` (called by
+`initialize.init` before any model is built; once per process; nothing on GPU) replaces exactly those spots. Every
+patch is one attribute replacement `(owner, name, replacement)` listed in `_patches()`; none is ever undone, so all
+of them hold in this process, on every thread, for its lifetime:
 
-- process-wide: `torch.cuda.current_device` returns "cpu", `torch.cuda.synchronize` / `empty_cache` do nothing
-  (megatron calls them from too many modules to patch one by one; slime's own code goes through
-  `slime.utils.device` instead and never relies on these);
-- module globals: the name `torch` inside the megatron modules of `_PROXIED_MODULES` is a proxy whose tensor
-  factories send `device="cuda"` to the CPU;
-- megatron functions and classes replaced in place: the RNG tracker, grad clipping, the distributed optimizer's
-  state loader, the tied-embedding setup.
+- `torch.cuda.current_device` / `synchronize` / `empty_cache`, process-wide (megatron calls them from too many
+  modules to patch one by one; slime's own code goes through `slime.utils.device` and never relies on them);
+- the name `torch` inside the megatron modules of `_PROXIED_MODULES`: a proxy whose tensor factories send
+  `device="cuda"` to the CPU;
+- megatron functions, classes and methods: the RNG tracker, grad clipping, the distributed optimizer's state
+  loader, the MoE allgather dispatcher, context-parallel RoPE slicing, and the constructors that assert
+  `torch.cuda.*` parameter types (the optimizers, the tied-embedding setup), which run under `_spoofed` (see there).
 
-`cuda_type_spoof()` is the one scoped patch: a TorchFunctionMode, active only inside its `with` block (and on the
-thread that entered it), for the constructors that check `tensor.type()`.
+`transformer_config_overrides` adds the CPU settings to the TransformerConfig slime builds, once `apply()` ran.
 """
 
 import contextlib
 import functools
-import importlib
 import logging
 import types
 
+import megatron.core
 import torch
+from megatron.core import rerun_state_machine
+from megatron.core import utils as mcore_utils
+from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
+from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.optimizer import clip_grads, distrib_optimizer, grad_scaler, optimizer
+from megatron.core.pipeline_parallel import schedules
+from megatron.core.tensor_parallel import random as mrandom
+from megatron.core.transformer import utils as transformer_utils
+from megatron.core.transformer.moe import moe_layer, moe_utils
+from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 from torch.overrides import TorchFunctionMode
 
 from slime.utils.device import is_cpu
@@ -35,15 +45,92 @@ _applied = False
 
 # Megatron modules that allocate with device="cuda" (schedules, masks, optimizer scalars, grad clipping, rerun state).
 _PROXIED_MODULES = [
-    "megatron.core.pipeline_parallel.schedules",
-    "megatron.core.transformer.utils",
-    "megatron.core.optimizer.optimizer",
-    "megatron.core.optimizer.clip_grads",
-    "megatron.core.optimizer.grad_scaler",
-    "megatron.core.optimizer.distrib_optimizer",
-    "megatron.core.rerun_state_machine",
-    "megatron.core.utils",
+    schedules,
+    transformer_utils,
+    optimizer,
+    clip_grads,
+    grad_scaler,
+    distrib_optimizer,
+    rerun_state_machine,
+    mcore_utils,
 ]
+
+
+def apply() -> bool:
+    """Install the patches once per process (CPU only). Returns True when the shim is active."""
+    global _applied
+    if _applied or not is_cpu():
+        return _applied
+    version = getattr(megatron.core, "__version__", "?")
+    if not version.startswith(PINNED_MEGATRON_CORE):
+        logger.warning(
+            "cpu_compat is pinned to megatron-core %s.x but found %s; CPU training may break",
+            PINNED_MEGATRON_CORE,
+            version,
+        )
+    for owner, name, replacement in _patches():
+        setattr(owner, name, replacement)
+    _applied = True
+    return True
+
+
+def _patches() -> list:
+    """Every patch the shim makes, as (owner, attribute name, replacement)."""
+    proxy = _proxy_torch()
+    return [
+        # rotary embeddings, attention buffers, TP mappings and DDP buffers use device=torch.cuda.current_device()
+        (torch.cuda, "current_device", lambda: "cpu"),
+        # p2p (PP>1) and dist_checkpointing call synchronize; empty_cache is called by offload paths
+        (torch.cuda, "synchronize", lambda *a, **k: None),
+        (torch.cuda, "empty_cache", lambda *a, **k: None),
+        *[(module, "torch", proxy) for module in _PROXIED_MODULES],
+        (mrandom, "CudaRNGStatesTracker", CpuRNGStatesTracker),
+        (mrandom, "_CUDA_RNG_STATE_TRACKER", None),
+        (mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", False),
+        (mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state()),
+        (mrandom, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state)),
+        (clip_grads, "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_fp32),
+        (optimizer, "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_fp32),
+        # without transformer_engine, 0.16.1 leaves `te_general_gemm` undefined (NameError in the MoE router)
+        (moe_utils, "te_general_gemm", getattr(moe_utils, "te_general_gemm", None)),
+        (moe_layer, "MoEAllGatherTokenDispatcher", PaddedAllGatherTokenDispatcher),
+        *[(module, "get_pos_emb_on_this_cp_rank", _get_pos_emb_on_this_cp_rank) for module in _ROPE_MODULES],
+        (
+            distrib_optimizer.DistributedOptimizer,
+            "_set_main_param_and_optimizer_states",
+            _keep_live_adam_step(distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states),
+        ),
+        # the optimizers' constructors assert torch.cuda.* parameter types
+        (
+            distrib_optimizer.DistributedOptimizer,
+            "__init__",
+            _spoofed(distrib_optimizer.DistributedOptimizer.__init__),
+        ),
+        (
+            optimizer.Float16OptimizerWithFloat16Params,
+            "__init__",
+            _spoofed(optimizer.Float16OptimizerWithFloat16Params.__init__),
+        ),
+        # PP>1 with tied embeddings: the embedding / output-layer copy is moved with `weight.data.cuda()` before
+        # it is all-reduced over the embedding group (first + last stage)
+        (
+            LanguageModule,
+            "setup_embeddings_and_output_layer",
+            _spoofed(LanguageModule.setup_embeddings_and_output_layer),
+        ),
+    ]
+
+
+def transformer_config_overrides(kw: dict) -> dict:
+    """What the CPU shim changes in a TransformerConfig's arguments `kw` (nothing unless `apply()` ran): fp32 (no
+    fp16), CPU initialisation, no CUDA-stream sync in p2p (PP>1), and for MoE the allgather dispatcher (alltoall
+    creates CUDA streams), which rejects variable_seq_lengths (that matters only for PP>1 p2p shapes)."""
+    if not _applied:
+        return {}
+    out = {"fp16": False, "use_cpu_initialization": True, "batch_p2p_sync": False}
+    if kw.get("num_moe_experts"):
+        out.update(moe_token_dispatcher_type="allgather", variable_seq_lengths=False)
+    return out
 
 
 def _is_cuda(device) -> bool:
@@ -53,7 +140,7 @@ def _is_cuda(device) -> bool:
 
 
 class _CudaTypeSpoofMode(TorchFunctionMode):
-    """Makes `tensor.type()` report `torch.cuda.*` and sends `device="cuda"` to CPU (optimizer constructors)."""
+    """Makes `tensor.type()` report `torch.cuda.*` and sends `device="cuda"`, `.cuda()` and `.to("cuda")` to CPU."""
 
     def __torch_function__(self, func, types_, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -69,26 +156,16 @@ class _CudaTypeSpoofMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def transformer_config_overrides(kw: dict) -> dict:
-    """What the CPU path changes in a TransformerConfig's arguments `kw` (nothing on GPU): fp32 (no fp16), CPU
-    initialisation, no CUDA-stream sync in p2p (PP>1), and for MoE the allgather dispatcher (alltoall creates CUDA
-    streams), which rejects variable_seq_lengths (that matters only for PP>1 p2p shapes)."""
-    if not is_cpu():
-        return {}
-    out = {"fp16": False, "use_cpu_initialization": True, "batch_p2p_sync": False}
-    if kw.get("num_moe_experts"):
-        out.update(moe_token_dispatcher_type="allgather", variable_seq_lengths=False)
-    return out
+def _spoofed(fn):
+    """`fn` run under `_CudaTypeSpoofMode`. A mode, not an attribute patch, because `Tensor.type` / `Tensor.cuda`
+    are methods of every tensor: replacing them would change them for all code, not just inside these calls."""
 
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with _CudaTypeSpoofMode():
+            return fn(*args, **kwargs)
 
-@contextlib.contextmanager
-def cuda_type_spoof():
-    """Active only on CPU: wrap `get_megatron_optimizer(...)` (its param-type checks want CUDA tensors)."""
-    if not is_cpu():
-        yield
-        return
-    with _CudaTypeSpoofMode():
-        yield
+    return wrapped
 
 
 class CpuRNGStatesTracker:
@@ -153,6 +230,13 @@ def _cpu_factory(fn):
     return wrapped
 
 
+def _proxy_torch():
+    proxy = _CpuTorch("torch")
+    for name in ("zeros", "ones", "empty", "full", "tensor", "arange", "zeros_like", "ones_like", "empty_like"):
+        setattr(proxy, name, _cpu_factory(getattr(torch, name)))
+    return proxy
+
+
 def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
     # megatron's version minus its `param.grad.type() == 'torch.cuda.FloatTensor'` assert.
     if isinstance(parameters, torch.Tensor):
@@ -165,96 +249,40 @@ def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decouple
         torch._foreach_mul_(grads, coeff)
 
 
-def apply() -> bool:
-    """Install the patches once per process (CPU only). Returns True when the shim is active."""
-    global _applied
-    if _applied or not is_cpu():
-        return _applied
-    import megatron.core  # patched only on CPU
-
-    version = getattr(megatron.core, "__version__", "?")
-    if not version.startswith(PINNED_MEGATRON_CORE):
-        logger.warning(
-            "cpu_compat is pinned to megatron-core %s.x but found %s; CPU training may break",
-            PINNED_MEGATRON_CORE,
-            version,
-        )
-
-    # Rotary embeddings, attention buffers, TP mappings and DDP buffers use device=torch.cuda.current_device().
-    torch.cuda.current_device = lambda: "cpu"
-    # p2p (PP>1) and dist_checkpointing call synchronize; empty_cache is called by offload paths.
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.empty_cache = lambda *a, **k: None
-
-    from megatron.core.tensor_parallel import random as mrandom  # patched only on CPU
-
-    mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
-    mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = None, False
-    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
-    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
-
-    proxy = _proxy_torch()
-    for mod in _PROXIED_MODULES:
-        importlib.import_module(mod).torch = proxy
-
-    from megatron.core.optimizer import clip_grads, optimizer  # patched only on CPU
-
-    clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
-    optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
-    # MoE router: without transformer_engine, 0.16.1 leaves `te_general_gemm` undefined (NameError on forward).
-    from megatron.core.transformer.moe import moe_utils  # patched only on CPU
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-    _patch_torch_adam_step_on_load()
-    _patch_tied_embedding_setup()
-    _patch_moe_allgather_dispatcher()
-    _patch_cp_rope_slicing()
-    _applied = True
-    return True
-
-
-def _patch_moe_allgather_dispatcher():
+class PaddedAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
     """On CPU MoE runs the allgather dispatcher (alltoall needs CUDA streams), whose all-gather / reduce-scatter over
     TP x EP assume every rank holds as many tokens. Expert-parallel ranks are data-parallel ranks with their own
     micro-batches, so pad each rank's tokens to the group's maximum with rows routed to no expert, and drop them
     after the combine."""
-    from megatron.core.transformer.moe import moe_layer
-    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
-    class PaddedAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
-        _pad = 0
+    _pad = 0
 
-        def token_dispatch(self, hidden_states, probs):
-            self._pad = 0
-            if self.tp_size > 1 or self.ep_size > 1:
-                n = torch.tensor([hidden_states.shape[0]])
-                sizes = [torch.zeros_like(n) for _ in range(self.tp_ep_group.size())]
-                torch.distributed.all_gather(sizes, n, group=self.tp_ep_group)
-                self._pad = int(max(sizes)) - int(n)
-            if self._pad:
-                hidden_states = torch.cat([hidden_states, hidden_states.new_zeros(self._pad, hidden_states.shape[1])])
-                probs = torch.cat([probs, probs.new_zeros(self._pad, probs.shape[1])])
-                self.routing_map = torch.cat(
-                    [self.routing_map, self.routing_map.new_zeros(self._pad, self.routing_map.shape[1])]
-                )
-            return super().token_dispatch(hidden_states, probs)
+    def token_dispatch(self, hidden_states, probs):
+        self._pad = 0
+        if self.tp_size > 1 or self.ep_size > 1:
+            n = torch.tensor([hidden_states.shape[0]])
+            sizes = [torch.zeros_like(n) for _ in range(self.tp_ep_group.size())]
+            torch.distributed.all_gather(sizes, n, group=self.tp_ep_group)
+            self._pad = int(max(sizes)) - int(n)
+        if self._pad:
+            hidden_states = torch.cat([hidden_states, hidden_states.new_zeros(self._pad, hidden_states.shape[1])])
+            probs = torch.cat([probs, probs.new_zeros(self._pad, probs.shape[1])])
+            self.routing_map = torch.cat(
+                [self.routing_map, self.routing_map.new_zeros(self._pad, self.routing_map.shape[1])]
+            )
+        return super().token_dispatch(hidden_states, probs)
 
-        def token_combine(self, hidden_states):
-            out = super().token_combine(hidden_states)
-            return out[: out.shape[0] - self._pad] if self._pad else out
-
-    moe_layer.MoEAllGatherTokenDispatcher = PaddedAllGatherTokenDispatcher
+    def token_combine(self, hidden_states):
+        out = super().token_combine(hidden_states)
+        return out[: out.shape[0] - self._pad] if self._pad else out
 
 
-def _patch_torch_adam_step_on_load():
+def _keep_live_adam_step(original):
     """Without Apex/TE the distributed optimizer wraps torch Adam, which keeps a per-param "step". Checkpoints store
     the step once (in param_groups) and skip it per param, but 0.16.1's loader copies every key of the live state
     and fails with KeyError('step'). Keep the live step when the loaded tensors carry none."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer  # patched only on CPU
 
-    original = DistributedOptimizer._set_main_param_and_optimizer_states
-
+    @functools.wraps(original)
     def _set_main_param_and_optimizer_states(self, model_param, tensors):
         if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
             group_index, group_order = self.model_param_group_index_map[model_param]
@@ -263,23 +291,11 @@ def _patch_torch_adam_step_on_load():
                 tensors = {**tensors, "step": state["step"]}
         return original(self, model_param, tensors)
 
-    DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+    return _set_main_param_and_optimizer_states
 
 
-def _patch_tied_embedding_setup():
-    """PP>1 with tied embeddings: 0.16.1's `LanguageModule.setup_embeddings_and_output_layer` moves the embedding /
-    output-layer copy with `weight.data.cuda()` before all-reducing it over the embedding group (first + last stage).
-    Run it under the spoof mode, which makes `Tensor.cuda()` return the tensor itself."""
-    from megatron.core.models.common.language_module.language_module import LanguageModule  # patched only on CPU
-
-    original = LanguageModule.setup_embeddings_and_output_layer
-
-    @functools.wraps(original)
-    def setup_embeddings_and_output_layer(self):
-        with _CudaTypeSpoofMode():
-            return original(self)
-
-    LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
+# Context parallelism: RoPE keeps the positions of the rank's zigzag chunks (used by name in these modules).
+_ROPE_MODULES = [rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding]
 
 
 def _get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
@@ -289,17 +305,3 @@ def _get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
     pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1 :])
     pos_emb = pos_emb.index_select(seq_dim, index)
     return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2 :])
-
-
-def _patch_cp_rope_slicing():
-    """Context parallelism: RoPE keeps the positions of the rank's zigzag chunks (used by name in three modules)."""
-    for name in ("rope_utils", "rotary_pos_embedding", "yarn_rotary_pos_embedding"):
-        module = importlib.import_module(f"megatron.core.models.common.embeddings.{name}")
-        module.get_pos_emb_on_this_cp_rank = _get_pos_emb_on_this_cp_rank
-
-
-def _proxy_torch():
-    proxy = _CpuTorch("torch")
-    for name in ("zeros", "ones", "empty", "full", "tensor", "arange", "zeros_like", "ones_like", "empty_like"):
-        setattr(proxy, name, _cpu_factory(getattr(torch, name)))
-    return proxy

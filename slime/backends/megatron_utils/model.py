@@ -24,7 +24,6 @@ from slime.utils.device import current_device
 from slime.utils.user_errors import user_function
 
 from .checkpoint import load_checkpoint, resync_optimizer_main_params
-from .cpu_compat import cuda_type_spoof
 from .data import get_batch
 from .initialize import is_megatron_main_rank
 from .loss import get_log_probs_and_entropy, loss_function
@@ -140,8 +139,7 @@ def get_optimizer(args, model):
         loss_scale=args.loss_scale,
         initial_loss_scale=args.initial_loss_scale,
     )
-    with cuda_type_spoof():  # megatron's optimizer constructors assert torch.cuda.* parameter types
-        return get_megatron_optimizer(opt_config, model)
+    return get_megatron_optimizer(opt_config, model)
 
 
 def initialize_model_and_optimizer(args, role="actor"):
