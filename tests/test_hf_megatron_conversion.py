@@ -1,5 +1,7 @@
 """HF <-> Megatron weight conversion: layouts, dispatch, errors, exact round trips and forward parity with transformers."""
 
+import importlib
+
 import pytest
 import torch
 
@@ -61,6 +63,29 @@ def test_convert_to_hf_names_and_dispatch():
     )
     assert grouped[0][0] == seq[0][0] == "model.layers.2.mlp.experts.13.down_proj.weight"
     assert get_family("qwen3moeconfig").name == "qwen3moe" and get_family("Qwen3Config").name == "qwen2"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3moe", "mimo", "deepseekv3", "glm4", "glm4moe"])
+def test_per_family_converter_entry_points(family):
+    """slime's `megatron_to_hf.<family>.convert_<family>_to_hf(args, name, param)`: users import these to build
+    converters for their own models (e.g. a VL model's language part), so each stays and converts."""
+    convert = getattr(
+        importlib.import_module(f"slime.backends.megatron_utils.megatron_to_hf.{family}"), f"convert_{family}_to_hf"
+    )
+    fc1 = torch.arange(8.0)[:, None]  # Megatron's gated fc1 rows: [gate; up]
+    got = [
+        (n, t[:, 0].tolist())
+        for n, t in convert(_qkv_args(), "module.module.decoder.layers.1.mlp.linear_fc1.weight", fc1)
+    ]
+    if family == "glm4":  # GLM-4's HF checkpoint keeps the fused gate_up_proj
+        assert got == [("model.layers.1.mlp.gate_up_proj.weight", [0, 1, 2, 3, 4, 5, 6, 7])]
+    else:
+        assert got == [
+            ("model.layers.1.mlp.gate_proj.weight", [0, 1, 2, 3]),
+            ("model.layers.1.mlp.up_proj.weight", [4, 5, 6, 7]),
+        ]
+    ((name, t),) = convert(_qkv_args(), "module.module.embedding.word_embeddings.weight", fc1)
+    assert name == "model.embed_tokens.weight" and t is fc1
 
 
 def test_unclaimed_parameter_and_unknown_model_are_errors_naming_them():

@@ -23,8 +23,9 @@ def question(a, b):
 
 
 def build_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
+    # heavy, and build_data (which tests import) needs none of them
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # heavy
+    from transformers import PreTrainedTokenizerFast  # heavy
 
     rng = random.Random(0)
     corpus = []
@@ -71,8 +72,8 @@ def build_tokenizer():
 
 
 def build_model(model_dir, hidden=128, ffn=512, layers=4, seed=0):
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    import torch  # heavy: build_data needs none of these
+    from transformers import Qwen3Config, Qwen3ForCausalLM  # heavy
 
     os.makedirs(model_dir, exist_ok=True)
     tok = build_tokenizer()

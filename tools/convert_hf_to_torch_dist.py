@@ -14,7 +14,11 @@ import os
 import sys
 import tempfile
 
+import torch.distributed as dist
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script from anywhere
+
+from slime.utils.device import dist_backend, set_device
 
 
 # parse_args validates a whole training job; these satisfy its RL-only requirements. User flags come after and win.
@@ -47,7 +51,7 @@ def get_args(argv, world_size):
     for flag in ("--hf-checkpoint", "--save"):
         if not _given(argv, flag):
             sys.exit(f"convert_hf_to_torch_dist: {flag} is required (the HF model dir and the output checkpoint dir).")
-    from slime.utils.arguments import parse_args
+    from slime.utils.arguments import parse_args  # heavy: after the flag checks
 
     args = parse_args(argv=_job_defaults(world_size) + list(argv))
     if not os.path.isdir(args.hf_checkpoint):
@@ -67,10 +71,6 @@ def get_args(argv, world_size):
 
 
 def _init_distributed(world_size):
-    import torch.distributed as dist
-
-    from slime.utils.device import dist_backend, set_device
-
     if dist.is_initialized():
         return False
     set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -83,28 +83,25 @@ def _init_distributed(world_size):
 
 
 def main(argv=None):
-    import torch.distributed as dist
-
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args = get_args(sys.argv[1:] if argv is None else argv, world_size)
+    # heavy (Megatron): after the flag checks
+    from megatron.core import parallel_state as mpu
+
+    from slime.backends.megatron_utils import initialize
+    from slime.backends.megatron_utils.checkpoint import save_checkpoint
+    from slime.backends.megatron_utils.megatron_to_hf import hf_to_megatron
+    from slime.backends.megatron_utils.model import get_model
+
     owns_group = _init_distributed(world_size)
     try:
-        from slime.backends.megatron_utils.checkpoint import save_checkpoint
-        from slime.backends.megatron_utils.initialize import init
-        from slime.backends.megatron_utils.megatron_to_hf import hf_to_megatron
-        from slime.backends.megatron_utils.model import get_model
-
-        init(args)
+        initialize.init(args)
         model = get_model(args, wrap_with_ddp=False)
         hf_to_megatron(args, model)
         path = save_checkpoint(args, "release", model, None, None, with_optimizer=False)
         if dist.get_rank() == 0:
             print(f"saved {args.hf_checkpoint} as a release checkpoint in {path}")
     finally:  # leave the process as we found it, so main() can run again (one process converting several models)
-        from megatron.core import parallel_state as mpu
-
-        from slime.backends.megatron_utils import initialize
-
         mpu.destroy_model_parallel()
         initialize._GLOO_GROUP = None
         if owns_group:

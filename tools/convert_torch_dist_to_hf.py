@@ -20,6 +20,7 @@ import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
@@ -104,7 +105,7 @@ def model_args(common, origin_hf_dir):
     args = common.get("args")
     hf_cfg = None
     if origin_hf_dir:
-        from transformers import AutoConfig
+        from transformers import AutoConfig  # heavy: only with --origin-hf-dir
 
         hf_cfg = AutoConfig.from_pretrained(origin_hf_dir, trust_remote_code=True)
     if args is None:
@@ -113,7 +114,7 @@ def model_args(common, origin_hf_dir):
                 "the checkpoint's common.pt has no `args` (not saved by slime): pass --origin-hf-dir so "
                 "the architecture can be read from its config.json."
             )
-        from slime.utils.arguments import _hf_architecture
+        from slime.utils.arguments import _hf_architecture  # heavy: only without slime's args
 
         args = argparse.Namespace(**_hf_architecture(hf_cfg))
     # Args stored by another trainer (Megatron-LM, an older slime) or read from config.json may lack these fields.
@@ -263,8 +264,6 @@ class ShardWriter:
         self.total += nbytes
 
     def _flush(self):
-        from safetensors.torch import save_file
-
         path = os.path.join(self.output_dir, f".shard-{len(self.files):05d}.tmp")
         save_file(self.current, path, metadata={"format": "pt"})
         self.files.append((path, list(self.current)))
@@ -288,7 +287,7 @@ class ShardWriter:
 def pass_through_mtp(origin_hf_dir, writer):
     """MiMo's multi-token-prediction layers (`model.mtp_layers.*`) are not trained: copy them from the origin
     checkpoint unchanged, so the export stays a complete checkpoint."""
-    from slime.backends.megatron_utils.megatron_to_hf.hf_to_megatron import SafetensorsReader
+    from slime.backends.megatron_utils.megatron_to_hf.hf_to_megatron import SafetensorsReader  # heavy (Megatron)
 
     origin = SafetensorsReader(origin_hf_dir)
     for name in sorted(origin.key_to_file):
@@ -331,6 +330,7 @@ def convert(
     if chunk_size <= 0:
         raise UserError(f"--chunk-size {chunk_size}: must be a positive number of bytes.")
     ckpt = resolve_input_dir(input_dir)
+    # heavy (Megatron): after the argument checks
     from slime.backends.megatron_utils.megatron_to_hf import convert_to_hf, get_family
     from slime.backends.megatron_utils.param_utils import PREFIX, remove_padding
 

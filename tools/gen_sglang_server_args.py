@@ -217,7 +217,7 @@ def record(src, deps, isolated=False):
         sys.meta_path.insert(0, _IsolatingFinder())
     else:
         sys.meta_path.append(_StubFinder())
-    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.server_args import ServerArgs  # after the import hooks above
 
     return table_of(ServerArgs)
 

@@ -50,10 +50,10 @@ def series(rows: list[dict], key: str, x_key: str = X_KEY):
 
 def plot(rows: list[dict], out_png: str, keys=None, x_key: str = X_KEY, title=None) -> list[str]:
     """Write the PNG; returns the keys that were plotted."""
-    import matplotlib
+    import matplotlib  # heavy: only to draw the PNG
 
     matplotlib.use("Agg")  # headless: no display on training nodes or CI
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg")
 
     keys = list(keys) if keys else default_keys(rows)
     plotted = [k for k in keys if series(rows, k, x_key)[0]]

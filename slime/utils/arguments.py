@@ -1565,7 +1565,7 @@ def _validate_algorithm_and_rollout(args, error):
         )
     if args.rm_type and not args.custom_rm_path:
         # lazy: the reward hub's imports cost ~1 s
-        from slime.rollout.rm_hub import RM_TYPES
+        from slime.rollout.rm_hub import RM_TYPES  # heavy
 
         rm_type = args.rm_type.removeprefix("boxed_")
         if rm_type not in RM_TYPES:

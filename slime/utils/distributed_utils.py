@@ -55,7 +55,7 @@ def __getattr__(name):
     # slime v0.1.0 defined `distributed_masked_whiten` here; it lives in ppo_utils now. Resolved lazily so that
     # importing this module (the inference server does) does not pull in megatron.
     if name == "distributed_masked_whiten":
-        from slime.utils.ppo_utils import distributed_masked_whiten
+        from slime.utils.ppo_utils import distributed_masked_whiten  # heavy: megatron
 
         return distributed_masked_whiten
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,6 +16,7 @@ import os
 import tempfile
 
 from slime.utils.checkpoint_tracker import TRACKER, checkpoint_dir, read_tracker
+from slime.utils.data import Dataset
 from slime.utils.misc import load_function
 from slime.utils.user_errors import StartupError
 
@@ -366,15 +367,12 @@ def check_prompt_data(args, error):
     files = _prompt_files(args)
     if not files:
         return
-    import datasets  # lazy, as below: only when there is a file to read
-
-    from slime.utils.data import Dataset
+    import datasets  # heavy: only when there is a file to read
 
     datasets.disable_progress_bars()  # the driver's stderr carries the one error line, not loading bars
     tokenizer = None
     if args.hf_checkpoint and os.path.isdir(args.hf_checkpoint):
-        # lazy: heavy, and only needed with an HF checkpoint
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # heavy: only with an HF checkpoint
 
         tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint, trust_remote_code=True)
     context, context_source = _model_context(args)

@@ -96,9 +96,9 @@ def serializer_classes(require_sglang: bool):
     fallback whose pickles SGLang's unpickler would refuse."""
     try:
         from sglang.srt.utils import MultiprocessingSerializer as Serializer  # lazy: SGLang is optional
-        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket as Bucket
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata as Metadata
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions  # optional
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket as Bucket  # optional
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata as Metadata  # optional
     except ImportError as e:
         if require_sglang:
             raise ImportError(

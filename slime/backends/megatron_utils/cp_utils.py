@@ -135,7 +135,7 @@ def all_gather_with_cp(tensor, total_length, response_length):
 def __getattr__(name):
     # v0.1.0 defined the sum-of-sample-mean reducer here; it lives in loss.py, which imports this module
     if name == "get_sum_of_sample_mean":
-        from .loss import get_sum_of_sample_mean
+        from .loss import get_sum_of_sample_mean  # cycle
 
         return get_sum_of_sample_mean
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -25,7 +25,7 @@ from slime.ray.ray_actor import RayActor
 from slime.utils.http_utils import get_host_info
 from slime.utils.process_utils import die_with_parent
 
-from .arguments import load_table
+from .arguments import CPU_SERVER_HONOURED, load_table
 from .contract import route
 from .router import add_worker, remove_worker
 
@@ -52,16 +52,6 @@ _ENGINE_FIELDS = (
     "skip_server_warmup",
 )
 _NOT_SERVER_ARGS = ("router_ip", "router_port", "router_request_timeout_secs", "server_concurrency")
-# SGLang options the CPU server understands under the same flag name.
-_CPU_SERVER_FIELDS = (
-    "max_running_requests",
-    "context_length",
-    "max_total_tokens",
-    "served_model_name",
-    "log_level",
-    "api_key",
-    "admin_api_key",
-)
 
 
 def get_base_gpu_id(args, rank: int) -> int:
@@ -199,7 +189,7 @@ def server_command(args, rank: int, host: str, port: int, nccl_port: int, dist_i
     seed = (args.seed or 0) + rank
     if kind == "cpu":
         kw = {"model_path": args.hf_checkpoint, "host": host, "port": port, "random_seed": seed}
-        for field in _CPU_SERVER_FIELDS:
+        for field in CPU_SERVER_HONOURED:
             if getattr(args, f"sglang_{field}") is not None:
                 kw[field] = getattr(args, f"sglang_{field}")
         return kind, [sys.executable, "-m", "slime.backends.cpu_server"] + _cli(kw)

@@ -3,7 +3,8 @@
 `convert_to_hf(args, model_name, name, param)` takes a *full* (TP-gathered, padding-removed) Megatron tensor with
 its global name and returns `[(hf_name, tensor)]`. `hf_to_megatron(args, model)` is the reverse: it fills a
 (possibly TP/PP/EP-sharded) Megatron model from an HF safetensors checkpoint, so `--hf-checkpoint` alone can
-initialise training.
+initialise training. Each family module keeps slime's `convert_<family>_to_hf(args, name, param)` for users who build
+their own converters on it.
 """
 
 from . import deepseekv3, glm4, glm4moe, llama, mimo, qwen2, qwen3moe
