@@ -99,8 +99,7 @@ def set_rng_state(state) -> None:
 
 
 def bf16_by_default() -> bool:
-    """Whether training defaults to bf16: True on GPU; False on CPU (bf16 matmuls are slow there and lose parity
-    with HF references, so CPU trains in fp32)."""
+    """Whether training defaults to bf16: True on GPU; False on CPU (fp32: CPU bf16 is slow and drifts from HF)."""
     return not is_cpu()
 
 
@@ -130,16 +129,15 @@ def auto_inference_server(sglang_installed: bool) -> str:
 
 
 def local_ray_resources(num_gpus: int) -> dict:
-    """`ray.init` resources for a local Ray: none on GPU (Ray detects them); on CPU `num_gpus` logical GPUs and
-    enough logical CPUs that every bundle gets one even on a 2-core machine."""
+    """`ray.init` resources of a local Ray: none on GPU (Ray detects them); on CPU `num_gpus` logical GPUs."""
     if not is_cpu():
         return {}
+    # logical CPUs are free: enough that every bundle gets one even on a 2-core machine
     return dict(num_gpus=num_gpus, num_cpus=max(8, 2 * num_gpus + 4), object_store_memory=1 << 30)
 
 
 def trainer_env() -> dict:
-    """Env vars for a trainer process: none on GPU; on CPU one intra-op thread per rank (more thrash on a shared
-    box) and gloo on loopback, unless the user set them."""
+    """Env vars of a trainer process: none on GPU; on CPU one intra-op thread and gloo on loopback (unless set)."""
     if not is_cpu():
         return {}
     return dict(
@@ -149,18 +147,15 @@ def trainer_env() -> dict:
 
 
 def allocator_hook_possible() -> bool:
-    """Whether torch_memory_saver's allocator hook can offload a trainer: True on GPU (CUDA allocations); False on
-    CPU, where the trainer moves its storages itself."""
+    """Whether torch_memory_saver's hook can offload a trainer: True on GPU; False on CPU (it copies storages)."""
     return not is_cpu()
 
 
 def shared_memory_handles() -> bool:
-    """Whether tensor handles are host shared-memory fds: False on GPU (CUDA IPC: buffers live on the GPU); True on
-    CPU, so any host buffer (even the trainer's own CPU weight copy) can be handed to an engine on this host."""
+    """Whether tensor handles are host shared-memory fds: True on CPU; False on GPU (CUDA IPC of device buffers)."""
     return is_cpu()
 
 
 def handles_need_sglang() -> bool:
-    """Whether tensor handles must be pickled with SGLang's own serializer: True on GPU (a real SGLang server
-    unpickles them); False on CPU (slime's CPU server reads the same-format fallback)."""
+    """Whether tensor handles need SGLang's own serializer: True on GPU (real SGLang); False on CPU (our server)."""
     return not is_cpu()
