@@ -11,8 +11,9 @@ of them hold in this process, on every thread, for its lifetime:
 - the name `torch` inside the megatron modules of `_PROXIED_MODULES`: a proxy whose tensor factories send
   `device="cuda"` to the CPU;
 - megatron functions, classes and methods: the RNG tracker, grad clipping, the distributed optimizer's state
-  loader, the MoE allgather dispatcher, context-parallel RoPE slicing, and the constructors that assert
-  `torch.cuda.*` parameter types (the optimizers, the tied-embedding setup), which run under `_spoofed` (see there).
+  loader, the MoE router's missing `te_general_gemm` and allgather dispatcher, context-parallel RoPE slicing, and
+  the calls that assert `torch.cuda.*` parameter types or call `.cuda()` (the optimizers' constructors, the
+  tied-embedding setup), which now run under `_spoofed` (see there).
 
 `transformer_config_overrides` adds the CPU settings to the TransformerConfig slime builds, once `apply()` ran.
 """
