@@ -10,8 +10,11 @@ from typing import Optional
 def last_boxed_only_string(string: str) -> Optional[str]:
     """The last `\\boxed{...}` with braces matched (this variant ignores `\\fbox` and bare `\\boxed`); None if absent."""
     idx = string.rfind("\\boxed{")
-    if idx < 0:
-        return None
+    return None if idx < 0 else braced_from(string, idx)
+
+
+def braced_from(string: str, idx: int) -> Optional[str]:
+    """`string` from `idx` through the brace that closes the first `{` after it; None if it never closes."""
     depth = 0
     for i in range(idx, len(string)):
         if string[i] == "{":

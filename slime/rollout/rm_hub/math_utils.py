@@ -11,6 +11,8 @@ import sympy
 from pylatexenc import latex2text
 from sympy.parsing import sympy_parser
 
+from .math_dapo_utils import braced_from
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Boxed-answer extraction
 # ---------------------------------------------------------------------------------------------------------------------
@@ -23,15 +25,7 @@ def last_boxed_only_string(string: str) -> Optional[str]:
         idx = string.rfind("\\fbox")
         if idx < 0:
             return None
-    depth = 0
-    for i in range(idx, len(string)):
-        if string[i] == "{":
-            depth += 1
-        elif string[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return string[idx : i + 1]
-    return None
+    return braced_from(string, idx)
 
 
 def remove_boxed(s: Optional[str]) -> Optional[str]:
