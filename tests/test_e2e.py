@@ -127,6 +127,9 @@ def test_train_disaggregated_with_eval_and_first_step_invariants(ray_session, ti
         "--eval-temperature",
         "0",
         "--check-weight-update-equal",
+        # the engines enforce SGLang's auth: routed /generate (rollout and eval), weight updates and the weights
+        # checker all need the keys (the router gets the API key with each engine's registration)
+        *["--sglang-api-key", "k-e2e", "--sglang-admin-api-key", "adm-e2e"],
         num_rollout=3,
     )
     sync_driver.train(args)
