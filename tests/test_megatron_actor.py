@@ -1,9 +1,15 @@
 """`MegatronTrainRayActor` as real Ray actors (logical GPUs): init from the tiny Qwen3 HF checkpoint, train one
-rollout with a reference model at TP=1 and TP=2, checkpoint, and resume at the next rollout id."""
+rollout with a reference model at TP=1 and TP=2, checkpoint, and resume at the next rollout id; a user's loss that
+raises inside the trainers comes back as their own exception."""
 
 import pytest
 
+from slime.utils.user_errors import UserCodeError
 from tests._megatron_helpers import fixed_rollout, train_args
+
+
+def raising_loss(args, batch, logits, sum_of_sample_mean):
+    raise ValueError("my loss is broken")
 
 
 def _make_actors(ray, world_size):
@@ -49,9 +55,25 @@ def test_actor_trains_tiny_qwen3_and_resumes(ray_session, tiny_kit, tmp_path, tp
         assert f.read() == "0"
 
     resumed = _make_actors(ray, tp)
+    loss_path = f"{__name__}.raising_loss"
     try:
-        args = train_args(model_dir, tensor_model_parallel_size=tp, save=save, load=save, kl_loss_coef=0.01)
+        args = train_args(
+            model_dir,
+            tensor_model_parallel_size=tp,
+            save=save,
+            load=save,
+            kl_loss_coef=0.01,
+            loss_type="custom_loss",
+            custom_loss_function_path=loss_path,
+        )
         starts = ray.get([a.init.remote(args, "actor", None, with_ref=False) for a in resumed], timeout=300)
         assert starts == [1] * tp
+        # the driver's wait re-raises the cause as is (tests/test_rollout_controller.py): the user's traceback first
+        with pytest.raises(ray.exceptions.RayTaskError) as exc:
+            ray.get([a.train.remote(1, Box(ray.put(fixed_rollout()))) for a in resumed], timeout=300)
     finally:
         _kill(ray, resumed)
+    err = exc.value.cause
+    assert isinstance(err, UserCodeError) and err.context == f"raised by --custom-loss-function-path {loss_path}"
+    lines = err.user_traceback.rstrip().splitlines()
+    assert lines[1].endswith("in raising_loss") and lines[-1] == "ValueError: my loss is broken"
