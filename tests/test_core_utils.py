@@ -287,3 +287,46 @@ def test_one_console_metrics_format():
         "perf/step_time": 12.34,
     }
     assert RunRecorder._line(record) == "rollout 3 | reward 0.4123 | eval/add 0.5 | step_time_s 12.34"
+
+
+# ---------------------------------------------------------------- process-group rendezvous
+
+
+def _listening_ips(port):
+    import psutil
+
+    return {
+        c.laddr.ip for c in psutil.Process().net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port
+    }
+
+
+def test_process_group_rendezvous_listens_on_its_host_only():
+    """torch's own TCPStore server listens on every interface whatever host it is given; the store of slime's process
+    groups (trainers' rendezvous, weight-update group) listens on that host alone, and the group works over it."""
+    import torch
+    import torch.distributed as dist
+
+    from slime.utils.distributed_utils import init_process_group, seconds, tcp_store
+
+    port = http_utils.find_available_port(26000)
+    store = tcp_store("127.0.0.1", port, 1, True, seconds(30))
+    client = tcp_store("127.0.0.1", port, 1, False, seconds(30))
+    store.set("k", "v")
+    assert client.get("k") == b"v"
+    assert _listening_ips(port) == {"127.0.0.1"}
+    del store, client
+
+    port = http_utils.find_available_port(port + 1)
+    group = init_process_group(
+        backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=1, rank=0, group_name="test-listen"
+    )
+    try:
+        assert _listening_ips(port) == {"127.0.0.1"}
+        t = torch.tensor([3.0])
+        dist.broadcast(t, 0, group=group)
+        assert t.item() == 3.0
+    finally:
+        dist.destroy_process_group(group)
+
+    with pytest.raises(RuntimeError, match=r"cannot listen on 192\.0\.2\.1:\d+"):  # TEST-NET: no interface has it
+        tcp_store("192.0.2.1", port, 1, True, seconds(5))

@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 from slime.ray.ray_actor import RayActor
 from slime.utils import device
+from slime.utils.distributed_utils import tcp_store
 from slime.utils.tensor_serialization import set_shared_authkey
 
 
@@ -35,7 +36,11 @@ class TrainRayActor(RayActor):
         self.args, self.role = args, role
         local_rank = int(os.environ["LOCAL_RANK"])
         device.set_device(local_rank)
-        dist.init_process_group(backend=device.dist_backend(), timeout=timedelta(minutes=30))
+        timeout = timedelta(minutes=30)
+        store = tcp_store(self.master_addr, self.master_port, self._world_size, self._rank == 0, timeout)
+        dist.init_process_group(
+            backend=device.dist_backend(), store=store, rank=self._rank, world_size=self._world_size, timeout=timeout
+        )
         args.rank, args.world_size = dist.get_rank(), dist.get_world_size()
         args.local_rank = local_rank
 

@@ -3,18 +3,41 @@
 `init_process_group` mirrors the helper SGLang and slime both use (a TCP rendezvous, then a named group via
 torch's `_new_process_group_helper`), so a trainer can join a real SGLang server's group on GPU (NCCL) and
 slime's CPU server on CPU (gloo) with the same call. It works with or without a default process group.
+
+`tcp_store` is the rendezvous store of every process group slime builds (the trainers' own and the weight-update
+group): torch's TCPStore server listens on every interface whatever host it is given, so its listening socket is
+opened here, bound to that host only, and handed over.
 """
 
+import socket
 from datetime import timedelta
+from urllib.parse import urlparse
 
+from torch.distributed import TCPStore
 from torch.distributed.distributed_c10d import (
     Backend,
     PrefixStore,
     _new_process_group_helper,
     _world,
     default_pg_timeout,
-    rendezvous,
 )
+
+
+def tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout: timedelta) -> TCPStore:
+    """A TCPStore at host:port; its server (on the master) listens on `host` only, never on the wildcard address."""
+    if not is_master:
+        return TCPStore(host, port, world_size, False, timeout)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(max(128, world_size))
+    except OSError as e:
+        sock.close()
+        raise RuntimeError(f"cannot listen on {host}:{port} for a process-group rendezvous: {e}") from e
+    # the store owns the socket from here on (it closes it when it is destroyed)
+    return TCPStore(host, port, world_size, True, timeout, master_listen_fd=sock.detach())
 
 
 def init_process_group(
@@ -31,8 +54,9 @@ def init_process_group(
     backend = Backend(backend) if backend else Backend("undefined")
     timeout = timeout or default_pg_timeout
     if store is None:
-        store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
-        store.set_timeout(timeout)
+        url = urlparse(init_method)
+        assert url.scheme == "tcp" and url.hostname and url.port, f"init_method must be tcp://host:port: {init_method}"
+        store = tcp_store(url.hostname, url.port, world_size, rank == 0, timeout)
     # Same prefix as torch's init_process_group, so every side of the group agrees on keys.
     store = PrefixStore(group_name, store)
     kwargs = {
