@@ -44,7 +44,7 @@ def _tree(markers):
 
 
 def _listeners(procs):
-    """(pid, name, ip) of every listening TCP socket of `procs`."""
+    """(pid, name, ip, port) of every listening TCP socket of `procs`."""
     pids = {p.pid: p for p in procs}
     out = []
     for c in psutil.net_connections(kind="tcp"):
@@ -53,7 +53,7 @@ def _listeners(procs):
                 name = pids[c.pid].name()
             except psutil.Error:
                 name = "?"
-            out.append((c.pid, name, c.laddr.ip))
+            out.append((c.pid, name, c.laddr.ip, c.laddr.port))
     return out
 
 
@@ -66,6 +66,9 @@ def test_two_node_cluster_trainers_on_one_node_engines_on_the_other(tiny_kit, tm
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "SLIME_HOST_IP")}
     # multi-node Ray on one Linux machine: the node IPs are given explicitly, so none is resolved to the interface
     env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1", RAY_AUTH_MODE="disabled", GLOO_SOCKET_IFNAME="lo")
+    # Ray's dashboard agent serves its Prometheus metrics on every interface unless the node IP is 127.0.0.1 exactly
+    # (an HTTP server besides its gRPC one); with metrics collection off it opens no such listener
+    env["RAY_enable_metrics_collection"] = "0"
     port = find_available_port(32000)
     markers = [head_dir, f"{HEAD_IP}:{port}", WORKER_IP]  # in the command line of every process of the two nodes
     common = ["--num-gpus=1", "--num-cpus=4", "--disable-usage-stats", "--object-store-memory=500000000"]
@@ -151,11 +154,28 @@ def test_two_node_cluster_trainers_on_one_node_engines_on_the_other(tiny_kit, tm
         # no listener of either node or of the driver on a non-loopback address
         specific = [
             (pid, name, ip)
-            for pid, name, ip in listeners
+            for pid, name, ip, _ in listeners
             if ip not in ("0.0.0.0", "::") and not ipaddress.ip_address(ip.replace("::ffff:", "")).is_loopback
         ]
         assert not specific, f"listening on a non-loopback address: {specific}"
-        assert any(ip == WORKER_IP for _, _, ip in listeners) and any(ip == HEAD_IP for _, _, ip in listeners)
+        # nor on the wildcard address, but for what Ray does not let us change: its gRPC servers (GCS, raylet,
+        # dashboard agent, and the core-worker server inside every Ray worker and driver process) listen on the
+        # wildcard address whenever the node IP is not 127.0.0.1 exactly. So a wildcard listener may only be a Ray
+        # daemon's or the one core-worker server of a worker/driver process; torch's own TCPStore (trainers'
+        # rendezvous, weight-update group) would be a second one in the trainer
+        ray_daemons = {"gcs_server", "raylet", "ray::DashboardAgent"}
+        wildcard, names = {}, {}
+        for pid, name, ip, port in listeners:
+            names.setdefault(pid, set()).add(name)
+            if ip in ("0.0.0.0", "::", "::ffff:0.0.0.0"):
+                wildcard.setdefault(pid, set()).add(port)
+        extra = {
+            pid: (sorted(names[pid]), sorted(ports))
+            for pid, ports in wildcard.items()
+            if len(ports) > 1 and not names[pid] & ray_daemons
+        }
+        assert not extra, f"more than Ray's own listener on every interface: {extra}"
+        assert any(ip == WORKER_IP for _, _, ip, _ in listeners) and any(ip == HEAD_IP for _, _, ip, _ in listeners)
         # the run exited cleanly on both nodes: its servers are gone while the cluster itself stays up
         left = [
             p.info["cmdline"]
