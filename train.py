@@ -46,7 +46,7 @@ def train(args):
         # Engines never serve the HF checkpoint's weights: push Megatron's before the first rollout.
         if args.offload:
             get(rollout_manager.async_onload(tags=["weights"]))
-        get(actor_model.async_update_weights())
+        rollout_manager.finish_weight_update(actor_model, get, get(actor_model.async_update_weights()))
         if args.check_weight_update_equal:
             get(rollout_manager.async_check_weights("compare"))
         if args.offload:
@@ -71,8 +71,7 @@ def train(args):
             update_metrics = get(actor_model.async_update_weights())
             if args.offload:
                 get(rollout_manager.async_onload(tags=AFTER_UPDATE_TAGS))
-            if recovered:
-                rollout_manager.check_weight_versions(update_metrics, recovered)
+            update_metrics = rollout_manager.finish_weight_update(actor_model, get, update_metrics, recovered)
 
             if should_run_periodic_action(rollout_id, args.eval_interval, num_rollout_per_epoch):
                 recorder.eval(rollout_id, get(rollout_manager.async_eval(rollout_id)))

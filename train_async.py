@@ -18,7 +18,7 @@ def train(args):
     init_ray(args)
     with cleanup_on_exit():  # engines, router, actors and placement group go away however the run ends
         actor_model, rollout_manager, recorder, get, num_rollout_per_epoch = start_run(args)
-        get(actor_model.async_update_weights())
+        rollout_manager.finish_weight_update(actor_model, get, get(actor_model.async_update_weights()))
         if args.check_weight_update_equal:
             get(rollout_manager.async_check_weights("compare"))
 
@@ -52,8 +52,7 @@ def one_step_off_loop(args, get, actor_model, rollout_manager, recorder, num_rol
                 rollout_data_next_future = None
             recovered = rollout_manager.recover(actor_model, get)  # --use-fault-tolerance: replace removed engines
             update_metrics = get(actor_model.async_update_weights())
-            if recovered:
-                rollout_manager.check_weight_versions(update_metrics, recovered)
+            update_metrics = rollout_manager.finish_weight_update(actor_model, get, update_metrics, recovered)
 
         if should_run_periodic_action(rollout_id, args.eval_interval, num_rollout_per_epoch):
             recorder.eval(rollout_id, get(rollout_manager.async_eval(rollout_id)))
@@ -82,8 +81,7 @@ def fully_async_loop(args, get, actor_model, rollout_manager, recorder, num_roll
         if not eval_running:
             recovered = rollout_manager.recover(actor_model, get)  # --use-fault-tolerance: replace removed engines
             update_metrics = get(actor_model.async_update_weights(trainer_version))
-            if recovered:
-                rollout_manager.check_weight_versions(update_metrics, recovered)
+            update_metrics = rollout_manager.finish_weight_update(actor_model, get, update_metrics, recovered)
             engine_version = trainer_version
             get(controller.set_weight_version.remote(engine_version))
         if eval_due:

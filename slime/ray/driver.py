@@ -98,17 +98,7 @@ class Watchdog:
         return RuntimeError(f"{who} died: {err}")
 
     def _check_engines(self):
-        manager = self.rollout_manager
-        engines = {i: e for i, e in enumerate(manager.rollout_engines) if e is not None}
-        refs = {i: e.check_alive.remote() for i, e in engines.items()}
-        for i, ref in refs.items():
-            try:
-                ray.get(ref, timeout=60)
-            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
-                # the engine actor or its server process is gone
-                if not manager.args.use_fault_tolerance:
-                    raise RuntimeError(f"inference engine died while waiting: {getattr(e, 'cause', e)}") from None
-                manager.engine_failed(i, f"died ({str(getattr(e, 'cause', e)).splitlines()[0][:200]})")
+        self.rollout_manager.check_engines_alive()
 
     def get(self, refs):
         single = not isinstance(refs, list)

@@ -162,9 +162,13 @@ class RolloutManager:
 
     def async_offload(self):
         self.pause_health_checks()
+        if self.args.use_fault_tolerance:  # an engine that died since the last health check is removed first
+            self.check_engines_alive()
         return [e.release_memory_occupation.remote() for e in self.rollout_engines if e is not None]
 
     def async_onload(self, tags=None):
+        if self.args.use_fault_tolerance:
+            self.check_engines_alive()
         return [e.resume_memory_occupation.remote(tags=tags) for e in self.rollout_engines if e is not None]
 
     def pause_health_checks(self):
@@ -220,6 +224,18 @@ class RolloutManager:
                 engine=index,
             )
 
+    def check_engines_alive(self):
+        """Is every engine's actor and server process still there? A dead one fails the run (a one-line error naming
+        it) or, with --use-fault-tolerance, is removed."""
+        refs = {i: e.check_alive.remote() for i, e in enumerate(self.rollout_engines) if e is not None}
+        for i, ref in refs.items():
+            try:
+                ray.get(ref, timeout=60)
+            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
+                if not self.args.use_fault_tolerance:
+                    raise RuntimeError(f"inference engine died while waiting: {getattr(e, 'cause', e)}") from None
+                self.engine_failed(i, f"died ({str(getattr(e, 'cause', e)).splitlines()[0][:200]})")
+
     def check_router(self):
         """Router process gone: restart it on the same address (with --use-fault-tolerance) or fail the run."""
         process = self.router_process
@@ -274,6 +290,27 @@ class RolloutManager:
             get([self.rollout_engines[i].release_memory_occupation.remote() for i in dead])
         get(actor_model.async_init_weight_update_connections(self))
         return dead
+
+    def finish_weight_update(self, actor_model, get, update_metrics, recovered=()):
+        """After a weight update (`update_metrics`: the trainers' results; `recovered`: engines `recover` replaced
+        before it). With --use-fault-tolerance an engine that died during the update was dropped by the trainers, which
+        finished it on the others: it is removed and replaced here, and the replacement gets the same weights (same
+        version). Every replaced engine must then serve that version. Returns the update's metrics."""
+        recovered = list(recovered)
+        while True:
+            lost = set()
+            for m in update_metrics:
+                lost.update((m or {}).pop("update_weights/lost_engines", []))
+            if not lost:
+                break
+            for i in sorted(lost):
+                self.engine_failed(i, "died during the weight update")
+            version = next(m["update_weights/weight_version"] for m in update_metrics if m)
+            recovered += self.recover(actor_model, get)
+            update_metrics = get(actor_model.async_update_weights(version))
+        if recovered:
+            self.check_weight_versions(update_metrics, sorted(set(recovered)))
+        return update_metrics
 
     def check_weight_versions(self, update_metrics, engines=None):
         """After a weight update (`update_metrics`: the trainers' results), every engine (or those in `engines`) serves

@@ -465,9 +465,10 @@ class SGLangEngine(RayActor):
         return self._checked("update_weights_from_disk", self._make_request("update_weights_from_disk", payload))
 
     def flush_cache(self, timeout: float = 60.0):
-        """GET /flush_cache until 200 (it refuses while requests are in flight)."""
+        """GET /flush_cache until 200 (it refuses while requests are in flight); raises at once if the server exited."""
         deadline = time.time() + timeout
         while True:
+            self.check_alive()  # a dead server would only refuse connections until the deadline
             try:
                 r = self._http.get(f"{self.url}/flush_cache", timeout=10, headers=self._headers("flush_cache"))
                 if r.status_code == 200:

@@ -10,6 +10,7 @@ handle goes to every engine through `/update_weights_from_tensor`: one copy on e
 """
 
 import logging
+import os
 import threading
 import time
 from urllib.parse import urlparse
@@ -44,6 +45,24 @@ from .common import (
 logger = logging.getLogger(__name__)
 
 
+def _hold_for_test(weight_version, bucket_index):
+    """Test hook for fault injection (tests/test_fault_tolerance.py): with SLIME_TEST_HOLD_WEIGHT_UPDATE=<path>, the
+    push of weight version N stops after its first bucket, creates `<path>.v<N>` and waits (60 s at most) until
+    that file is removed, so a test can kill an engine at a known point of a weight update."""
+    path = os.environ.get("SLIME_TEST_HOLD_WEIGHT_UPDATE")
+    if not path or bucket_index != 1:
+        return
+    marker = f"{path}.v{weight_version}"
+    open(marker, "w").close()
+    deadline = time.monotonic() + 60
+    while os.path.exists(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _id(engine) -> str:
+    return engine._actor_id.hex()
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
@@ -54,7 +73,8 @@ class UpdateWeightFromDistributed:
         self.model_name, self.quantization_config, self.vocab_size = model_name, quantization_config, vocab_size
         self.weight_version = 0
         self.rollout_engines, self.rollout_engine_lock = [], None
-        self._group, self._group_name, self._urls = None, None, []
+        self._group, self._group_name, self._urls, self._url_by_id = None, None, [], {}
+        self._lost = set()  # actor ids (hex) of the engines dropped during the current update (--use-fault-tolerance)
         self._connections = 0  # weight-update groups built so far (one more after each engine replacement)
         self._lock_releases = []
         self.transport = None  # "broadcast" or "shm", chosen in connect_rollout_engines
@@ -73,6 +93,7 @@ class UpdateWeightFromDistributed:
         self.rollout_engines, self.rollout_engine_lock = rollout_engines, rollout_engine_lock
         timeout = update_timeout(self.args)
         self._urls = engine_urls(rollout_engines, timeout)
+        self._url_by_id = {_id(e): u for e, u in zip(rollout_engines, self._urls)}
         if not self._is_pp_src_rank:
             return
         if self._group is not None:
@@ -85,6 +106,10 @@ class UpdateWeightFromDistributed:
         print(f"weight sync from {get_host_info()[1]} to {self._urls}: {self.transport}", flush=True)
         if self.transport == "shm":
             return
+        self._join_group(rollout_engines, timeout)
+
+    def _join_group(self, rollout_engines, timeout):
+        """Build the broadcast group `self._group_name`: this trainer (rank 0) and every rank of `rollout_engines`."""
         gpus_per_engine = self.args.rollout_num_gpus_per_engine
         world_size = len(rollout_engines) * gpus_per_engine + 1
         master_address = get_host_info()[1]
@@ -115,7 +140,7 @@ class UpdateWeightFromDistributed:
         thread = threading.Thread(target=join, name=f"{self._group_name}-init", daemon=True)
         thread.start()
         what = f"joining weight-update group {self._group_name} at {master_address}:{master_port}"
-        wait_engines(refs, self._urls, what, timeout)
+        wait_engines(refs, [self._url_of(e) for e in rollout_engines], what, timeout)
         thread.join(timeout)
         if "error" in joined or thread.is_alive():
             raise WeightUpdateError(f"{what}: the trainer side failed: {joined.get('error', 'timed out')}")
@@ -149,23 +174,68 @@ class UpdateWeightFromDistributed:
 
     @torch.no_grad()
     def update_weights(self, weight_version=None) -> dict:
+        """Push every weight to every engine. With --use-fault-tolerance an engine found dead meanwhile is dropped:
+        the update finishes on the others (the push starts again on a group of the survivors if a bucket failed), and
+        the metrics name the dropped engines (`update_weights/lost_engines`, indices into the connected engines) for
+        the driver to replace."""
         start = time.perf_counter()
         self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
         timeout = update_timeout(self.args)
+        connected = list(self.rollout_engines)
+        self._lost = set()  # actor ids (hex) of the engines dropped during this update
         pausing = []
         if dist.get_rank() == 0:
             # an engine actor runs one caller's calls in order: each flush follows its pause, the session's begin
             # follows both, and with one pipeline stage (rank 0 the only sender) every bucket follows all three, so
             # they are awaited only at the end. One begin/end weight-update session spans every bucket of every stage.
-            pausing = [e.pause_generation.remote() for e in self.rollout_engines]
-            pausing += [e.flush_cache.remote() for e in self.rollout_engines]
-            pausing += [e.begin_weight_update.remote() for e in self.rollout_engines]
+            pausing = [
+                (e, getattr(e, call).remote())
+                for call in ("pause_generation", "flush_cache", "begin_weight_update")
+                for e in self.rollout_engines
+            ]
             if mpu.get_pipeline_model_parallel_world_size() > 1:
-                wait_engines(pausing, self._urls * 3, "pause_generation / flush_cache / begin_weight_update", timeout)
+                self._wait(pausing, "pause_generation / flush_cache / begin_weight_update", timeout)
                 pausing = []
         dist.barrier(group=get_gloo_group())
 
-        bucket, bucket_bytes, sent = [], 0, 0
+        for _attempt in range(len(connected) + 1):
+            failed, sent = self._push_all()
+            # every rank learns whether a source rank lost an engine mid-push; then all of them push again
+            lost_ids = [None] * dist.get_world_size(group=get_gloo_group())
+            dist.all_gather_object(lost_ids, sorted(self._lost) if failed else None, group=get_gloo_group())
+            if all(x is None for x in lost_ids):
+                break
+            self._drop({a for x in lost_ids if x for a in x})
+            if self._is_pp_src_rank and self.transport != "shm":
+                self._regroup_survivors(timeout)
+        else:
+            raise WeightUpdateError(f"update_weights v{self.weight_version}: engines kept failing: {self._urls}")
+        if pausing:
+            self._wait(pausing, "pause_generation / flush_cache / begin_weight_update", timeout)
+        dist.barrier(group=get_gloo_group())
+        self._wait_lock_releases()
+
+        if dist.get_rank() == 0:
+            self._wait([(e, e.end_weight_update.remote()) for e in self.rollout_engines], "end_weight_update", timeout)
+            self._wait(
+                [(e, e.continue_generation.remote()) for e in self.rollout_engines], "continue_generation", timeout
+            )
+        lost_ids = [None] * dist.get_world_size(group=get_gloo_group())
+        dist.all_gather_object(lost_ids, sorted(self._lost), group=get_gloo_group())
+        self._drop({a for x in lost_ids for a in x})
+        metrics = update_metrics(
+            time.perf_counter() - start, sent * max(1, self._num_engine_ranks), self.weight_version
+        )
+        if self._lost:
+            metrics["update_weights/lost_engines"] = [i for i, e in enumerate(connected) if _id(e) in self._lost]
+        if dist.get_rank() == 0:
+            log_metrics(metrics)
+        return metrics
+
+    def _push_all(self):
+        """One pass over the parameters, bucket by bucket. Every rank takes part (TP gathers); a source rank whose
+        bucket failed because an engine died (--use-fault-tolerance) stops sending and returns failed=True."""
+        bucket, bucket_bytes, sent, failed = [], 0, 0, False
         num_buckets = 0
         for name, param in named_parameters(self.args, self.model):
             if is_tied_output_copy(self.args, name):
@@ -178,41 +248,103 @@ class UpdateWeightFromDistributed:
                     self.args, self.model_name, n, p, self.vocab_size, self.quantization_config
                 )
             ]
-            if not self._is_pp_src_rank:
+            if not self._is_pp_src_rank or failed:
                 continue
             size = sum(t.numel() * t.element_size() for _, t in hf_tensors)
             # a tensor larger than the buffer still goes, alone
             if bucket and bucket_bytes + size > self.args.update_weight_buffer_size:
                 num_buckets += 1
-                sent += self._send_bucket(bucket, num_buckets)
+                failed = not self._send_bucket_surviving(bucket, num_buckets)
+                sent += 0 if failed else sum(t.numel() * t.element_size() for _, t in bucket)
                 bucket, bucket_bytes = [], 0
             bucket += hf_tensors
             bucket_bytes += size
-        if bucket:
+        if bucket and not failed:
             num_buckets += 1
-            sent += self._send_bucket(bucket, num_buckets)
-        if pausing:
-            wait_engines(pausing, self._urls * 3, "pause_generation / flush_cache / begin_weight_update", timeout)
-        dist.barrier(group=get_gloo_group())
-        self._wait_lock_releases()
+            failed = not self._send_bucket_surviving(bucket, num_buckets)
+            sent += 0 if failed else sum(t.numel() * t.element_size() for _, t in bucket)
+        return failed, sent
 
-        if dist.get_rank() == 0:
-            wait_engines(
-                [e.end_weight_update.remote() for e in self.rollout_engines], self._urls, "end_weight_update", timeout
-            )
-            wait_engines(
-                [e.continue_generation.remote() for e in self.rollout_engines],
-                self._urls,
-                "continue_generation",
-                timeout,
-            )
-        dist.barrier(group=get_gloo_group())
-        metrics = update_metrics(
-            time.perf_counter() - start, sent * max(1, self._num_engine_ranks), self.weight_version
+    def _send_bucket_surviving(self, bucket, index) -> bool:
+        """Send one bucket; False if it failed because an engine died (--use-fault-tolerance; else it raises)."""
+        if not self.rollout_engines:  # every engine died: nothing to send to until they are replaced
+            return True
+        try:
+            self._send_bucket(bucket, index)
+            _hold_for_test(self.weight_version, index)
+            return True
+        except WeightUpdateError:
+            if not self.args.use_fault_tolerance or not self._find_dead(self.rollout_engines):
+                raise
+            return False
+
+    def _wait(self, engine_refs, what, timeout):
+        """Wait for (engine, ref) pairs, naming an engine that fails. With --use-fault-tolerance the calls of an engine
+        found dead (now or earlier in this update) are skipped and the engine dropped; a live engine that fails
+        still fails the update."""
+        live = [(e, r) for e, r in engine_refs if _id(e) not in self._lost]
+        try:
+            return wait_engines([r for _, r in live], [self._url_of(e) for e, _ in live], what, timeout)
+        except WeightUpdateError:
+            if not self.args.use_fault_tolerance:
+                raise
+            dead = self._find_dead(list({_id(e): e for e, _ in live}.values()))
+            if not dead:
+                raise
+            self._drop(dead)
+            return self._wait(engine_refs, what, timeout)
+
+    def _find_dead(self, engines, wait_s: float = 5.0) -> set:
+        """Actor ids of the engines whose actor or server process is gone (a server's exit is seen within a moment of
+        its sockets closing, so this polls for `wait_s`). Records them as lost for this update."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            refs = [(e, e.check_alive.remote()) for e in engines if _id(e) not in self._lost]
+            dead = set()
+            for e, ref in refs:
+                try:
+                    ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+                except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
+                    dead.add(_id(e))
+                except ray.exceptions.GetTimeoutError:  # alive but slow: not dropped here
+                    pass
+            if dead or time.monotonic() >= deadline:
+                if dead:
+                    logger.warning(
+                        "update_weights v%s: engine(s) %s died; the update goes on without them",
+                        self.weight_version,
+                        [self._url_of(e) for e, _ in refs if _id(e) in dead],
+                    )
+                self._lost |= dead
+                return dead
+            time.sleep(0.2)
+
+    def _drop(self, actor_ids):
+        keep = [i for i, e in enumerate(self.rollout_engines) if _id(e) not in actor_ids]
+        self._lost |= set(actor_ids) & {_id(e) for e in self.rollout_engines}
+        self.rollout_engines = [self.rollout_engines[i] for i in keep]
+        self._urls = [self._urls[i] for i in keep]
+
+    def _url_of(self, engine):
+        return self._url_by_id.get(_id(engine), "engine ?")
+
+    def _regroup_survivors(self, timeout):
+        """A bucket failed with a dead member in the group: drop the old group and build one of the survivors."""
+        try:
+            dist.destroy_process_group(self._group)
+        except Exception as e:  # noqa: BLE001  (its dead peer may fail the teardown; it is dropped anyway)
+            logger.warning("destroying weight-update group %s on the trainer: %s", self._group_name, e)
+        self._group = None
+        survivors = list(self.rollout_engines)
+        self._wait(
+            [(e, e.destroy_weights_update_group.remote(self._group_name)) for e in survivors],
+            f"destroy_weights_update_group {self._group_name}",
+            timeout,
         )
-        if dist.get_rank() == 0:
-            log_metrics(metrics)
-        return metrics
+        self._connections += 1
+        self._group_name = f"slime-pp_{mpu.get_pipeline_model_parallel_rank()}-{self._connections}"
+        if self.rollout_engines:
+            self._join_group(list(self.rollout_engines), timeout)
 
     def _wait_lock_releases(self):
         releases, self._lock_releases = self._lock_releases, []
