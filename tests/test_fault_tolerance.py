@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import train as sync_driver
+import train_async as async_driver
 from tests.test_e2e import TINY_MODEL_ARGS, make_args, read_metrics
 
 pytestmark = pytest.mark.e2e
@@ -389,3 +390,123 @@ def test_without_fault_tolerance_a_hung_engine_or_dead_router_fails_the_run_nami
         run_stopped=time.time() - faults_done(tmp_path)[fault]["at"],
     )
     assert not processes_naming(str(model)), "a server or router outlived the failed run"
+
+
+def test_train_async_engine_sigkill_is_survived(ray_session, tiny_kit, tmp_path):
+    """train_async.py --use-fault-tolerance: engine 0's server is SIGKILLed at the first request of rollout 1, which is
+    generated while the trainers learn from rollout 0. Its requests are retried on engine 1, the engine is replaced at
+    the update after rollout 0 and serves its weights (version 2); every sample index is trained once."""
+    model = shutil.copytree(tiny_kit[0], tmp_path / "model")
+    plan_faults(tmp_path, ("sigkill_engine", SAMPLES_PER_ROLLOUT))
+    async_driver.train(ft_args(tiny_kit, tmp_path, model, num_rollout=2))
+    rows = read_metrics(tmp_path)
+    done = faults_done(tmp_path)
+    assert [r["rollout_id"] for r in rows] == [0, 1]
+    assert_every_sample_trained_once(tmp_path, 2)
+    events = events_of(rows)
+    assert [e["kind"] for e in events] == ["engine_failed", "engine_removed", "engine_restarted", "weights_checked"]
+    failed, _, restarted, checked = events
+    assert done["sigkill_engine"]["url"] in failed["what"]
+    assert restarted["engine"] == failed["engine"] and restarted["bundle"] == failed["bundle"]
+    assert "serve weight version 2" in checked["what"]
+    timing(
+        "engine-sigkill-train-async",
+        detection=failed["time"] - done["sigkill_engine"]["at"],
+        recovery_engine_rejoined=restarted["time"] - done["sigkill_engine"]["at"],
+        recovery_weights_checked=checked["time"] - done["sigkill_engine"]["at"],
+    )
+    assert not processes_naming(str(model)), "a server or router outlived the run"
+
+
+def test_colocated_engine_sigkill_is_replaced_in_its_bundle(ray_session, tiny_kit, tmp_path):
+    """--colocate (so --offload) with two engines on the two trainers' GPUs: engine 0's server is SIGKILLed at the
+    first request of rollout 1. The replacement starts in the same bundle, is released like its peers while the
+    trainers train, gets its weights through the colocated (shared-memory) path with the others and serves version 3
+    with its KV cache back; rollout 2 runs on both engines and every sample index is trained once."""
+    model = shutil.copytree(tiny_kit[0], tmp_path / "model")
+    plan_faults(tmp_path, ("sigkill_engine", SAMPLES_PER_ROLLOUT))
+    args = ft_args(tiny_kit, tmp_path, model, "--colocate", "--actor-num-gpus-per-node", "2")
+    assert args.offload and args.rollout_num_gpus == 2
+    sync_driver.train(args)
+    rows = read_metrics(tmp_path)
+    done = faults_done(tmp_path)
+    assert [r["rollout_id"] for r in rows] == [0, 1, 2]
+    assert_every_sample_trained_once(tmp_path, 3)
+    events = events_of(rows)
+    assert [e["kind"] for e in events] == ["engine_failed", "engine_removed", "engine_restarted", "weights_checked"]
+    failed, _, restarted, checked = events
+    assert done["sigkill_engine"]["url"] in failed["what"]
+    assert restarted["engine"] == failed["engine"] and restarted["bundle"] == failed["bundle"]
+    assert "serve weight version 3" in checked["what"]
+    # rollout 2 ran on both engines (the replacement's KV cache resumed) with the pushed weights
+    assert int(rows[2]["rollout/weight_version"]) == 3 and rows[2]["train/train_rollout_logprob_abs_diff"] < 1e-4
+    timing(
+        "engine-sigkill-colocated",
+        detection=failed["time"] - done["sigkill_engine"]["at"],
+        recovery_engine_rejoined=restarted["time"] - done["sigkill_engine"]["at"],
+        recovery_weights_checked=checked["time"] - done["sigkill_engine"]["at"],
+    )
+    assert not processes_naming(str(model)), "a server or router outlived the run"
+
+
+def _kill_engine_during_update(args, hold, version, done, stop):
+    """Release every held weight update (see `_hold_for_test` in update_weight_from_distributed); the one of
+    `version`, held after its first bucket, only after SIGKILLing the first engine's server."""
+    from slime.backends.sglang_utils.router import list_workers
+
+    while not stop.is_set():
+        for marker in sorted(hold.parent.glob(hold.name + ".v*")):
+            if marker.name == f"{hold.name}.v{version}" and "at" not in done:  # held again when the push restarts
+                url = sorted(list_workers(f"http://{args.sglang_router_ip}:{args.sglang_router_port}"))[0]
+                os.kill(_server_pid(url.rsplit(":", 1)[1]), signal.SIGKILL)
+                done.update(url=url, at=time.time())
+                time.sleep(0.5)  # the server is gone before the push goes on
+            marker.unlink()
+        time.sleep(0.05)
+
+
+def test_engine_killed_during_a_weight_update_is_dropped_then_replaced(ray_session, tiny_kit, tmp_path, monkeypatch):
+    """--use-fault-tolerance, broadcast transport, several buckets: engine 0's server is SIGKILLed after the first
+    bucket of the update to version 2. The update finishes on engine 1 (on a new group of the survivors), the dead
+    engine is removed, replaced in its bundle and given the same weights (version 2, checked); rollout 1 runs on both
+    engines with those weights and every sample index is trained once."""
+    model = shutil.copytree(tiny_kit[0], tmp_path / "model")
+    hold = tmp_path / "hold"
+    monkeypatch.setenv("SLIME_TEST_HOLD_WEIGHT_UPDATE", str(hold))
+    plan_faults(tmp_path)
+    args = ft_args(
+        tiny_kit,
+        tmp_path,
+        model,
+        "--update-weight-transport",
+        "broadcast",
+        "--update-weight-buffer-size",
+        "1000000",
+        num_rollout=2,
+    )
+    done, stop = {}, threading.Event()
+    killer = threading.Thread(target=_kill_engine_during_update, args=(args, hold, 2, done, stop), daemon=True)
+    killer.start()
+    try:
+        sync_driver.train(args)
+    finally:
+        stop.set()
+        killer.join(5)
+    rows = read_metrics(tmp_path)
+    assert [r["rollout_id"] for r in rows] == [0, 1]
+    assert_every_sample_trained_once(tmp_path, 2)
+    events = events_of(rows)
+    assert [e["kind"] for e in events] == ["engine_failed", "engine_removed", "engine_restarted", "weights_checked"]
+    failed, _, restarted, checked = events
+    # named by its URL: found by the trainers' push (died during the weight update) or by the driver's watchdog
+    assert done["url"] in failed["what"], failed
+    assert restarted["engine"] == failed["engine"] and restarted["bundle"] == failed["bundle"]
+    assert "serve weight version 2" in checked["what"]
+    assert int(rows[1]["rollout/weight_version"]) == 2 and rows[1]["train/train_rollout_logprob_abs_diff"] < 1e-4
+    timing(
+        "engine-sigkill-during-weight-update",
+        detection=failed["time"] - done["at"],
+        recovery_engine_rejoined=restarted["time"] - done["at"],
+        recovery_weights_checked=checked["time"] - done["at"],
+    )
+    assert not processes_naming(str(model)), "a server or router outlived the run"
