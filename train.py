@@ -1,42 +1,15 @@
 """Synchronous RL training: rollout -> train -> push weights, one rollout at a time (colocated or disaggregated)."""
 
 from slime.ray import checkpoint
-from slime.ray.driver import RunRecorder, Watchdog, cleanup_on_exit
-from slime.ray.placement_group import create_actor_group, create_placement_groups, create_rollout_manager, init_ray
+from slime.ray.driver import cleanup_on_exit
+from slime.ray.placement_group import init_ray
+from slime.ray.start import start_run
 from slime.utils.arguments import parse_args
 from slime.utils.misc import should_run_periodic_action
 from slime.utils.user_errors import exit_on_user_error
-from slime.utils.wandb_utils import init_wandb_primary
 
 # What an offload releases besides the weights (SGLang frees all three); resumed once the new weights are in.
 AFTER_UPDATE_TAGS = ["kv_cache", "cuda_graph"]
-
-
-def start_run(args):
-    """What both drivers (this one and train_async.py) do before their loop, inside `cleanup_on_exit()`: place the
-    trainers and engines, initialise the trainers (from --load, else --hf-checkpoint), resolve the start rollout and
-    connect the trainers to the engines for weight updates. Returns (actor_model, rollout_manager, recorder, get,
-    num_rollout_per_epoch), `get` being the `ray.get` that names a trainer or engine that died."""
-    pgs = create_placement_groups(args)
-    wandb_run_id = init_wandb_primary(args)
-    actor_model = create_actor_group(args, pgs["actor"], wandb_run_id)
-    rollout_manager = create_rollout_manager(args, pgs["rollout"], wandb_run_id)
-    recorder = RunRecorder(args, rollout_manager)
-    get = Watchdog(rollout_manager, actor_model).get  # ray.get that names a trainer/engine that died
-    num_rollout_per_epoch = None
-    if args.num_rollout is None:
-        num_rollout_per_epoch = get(rollout_manager.controller.get_num_rollout_per_epoch.remote())
-        args.num_rollout = num_rollout_per_epoch * args.num_epoch
-    assert args.num_rollout > 0, f"nothing to train: num_rollout={args.num_rollout}"
-
-    start_rollout_ids = get(actor_model.async_init(args, role="actor", with_ref=args.kl_coef != 0 or args.use_kl_loss))
-    assert len(set(start_rollout_ids)) == 1, f"training ranks disagree on the start rollout id: {start_rollout_ids}"
-    if args.start_rollout_id is None:
-        args.start_rollout_id = start_rollout_ids[0]
-    if args.rollout_global_dataset:
-        get(rollout_manager.controller.load.remote(args.start_rollout_id - 1))
-    get(actor_model.async_init_weight_update_connections(rollout_manager))
-    return actor_model, rollout_manager, recorder, get, num_rollout_per_epoch
 
 
 def train(args):

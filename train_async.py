@@ -5,10 +5,10 @@ fully asynchronous: the engines generate continuously and training stays within 
 from slime.ray import checkpoint
 from slime.ray.driver import cleanup_on_exit
 from slime.ray.placement_group import init_ray
+from slime.ray.start import start_run
 from slime.utils.arguments import parse_args
 from slime.utils.misc import should_run_periodic_action
 from slime.utils.user_errors import exit_on_user_error
-from train import start_run  # the setup both drivers share
 
 FULLY_ASYNC = "slime.rollout.fully_async_rollout.generate_rollout_fully_async"
 
