@@ -427,12 +427,13 @@ def test_joins_a_cluster_already_running_on_the_machine(tmp_path, tiny_kit):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAY_TMPDIR=ray_tmp, PYTHONPATH=REPO)
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    gcs_port = find_available_port(30000)
     subprocess.run(
         [
             ray_bin,
             "start",
             "--head",
-            f"--port={find_available_port(30000)}",
+            f"--port={gcs_port}",
             "--num-gpus=2",
             "--num-cpus=4",
             "--include-dashboard=false",
@@ -467,7 +468,9 @@ def test_joins_a_cluster_already_running_on_the_machine(tmp_path, tiny_kit):
         assert "Traceback" not in proc.stderr
     finally:
         for p in psutil.process_iter(["cmdline"]):
-            if ray_tmp in " ".join(p.info["cmdline"] or []):
+            cmdline = " ".join(p.info["cmdline"] or [])
+            # the Ray client proxy names only the GCS address, not the temp dir
+            if ray_tmp in cmdline or f"--address=127.0.0.1:{gcs_port}" in cmdline:
                 try:
                     p.send_signal(signal.SIGKILL)
                 except psutil.Error:
