@@ -425,7 +425,7 @@ def test_joins_a_cluster_already_running_on_the_machine(tmp_path, tiny_kit):
 
     ray_tmp = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # this cluster's address file and sockets; marks its processes
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(RAY_TMPDIR=ray_tmp, PYTHONPATH=REPO)
+    env.update(RAY_TMPDIR=ray_tmp, PYTHONPATH=REPO, SLIME_TEST_CLUSTER=ray_tmp)
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
     gcs_port = find_available_port(30000)
     subprocess.run(
@@ -467,12 +467,22 @@ def test_joins_a_cluster_already_running_on_the_machine(tmp_path, tiny_kit):
         assert last.startswith("train.py: error: the run needs 3 GPU bundles") and "the cluster has 2" in last
         assert "Traceback" not in proc.stderr
     finally:
-        for p in psutil.process_iter(["cmdline"]):
-            cmdline = " ".join(p.info["cmdline"] or [])
-            # the Ray client proxy names only the GCS address, not the temp dir
-            if ray_tmp in cmdline or f"--address=127.0.0.1:{gcs_port}" in cmdline:
+        # every process of this cluster inherited SLIME_TEST_CLUSTER (Ray's agents retitle themselves, e.g.
+        # `ray::DashboardAgent`); swept until none is left, as the raylet may still be starting agents
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            ours = [
+                p
+                for p in psutil.process_iter(["environ", "status"])
+                if (p.info["environ"] or {}).get("SLIME_TEST_CLUSTER") == ray_tmp
+                and p.info["status"] != psutil.STATUS_ZOMBIE
+            ]
+            if not ours:
+                break
+            for p in ours:
                 try:
                     p.send_signal(signal.SIGKILL)
                 except psutil.Error:
                     pass
+            time.sleep(0.5)
         shutil.rmtree(ray_tmp, ignore_errors=True)
