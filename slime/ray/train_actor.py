@@ -36,10 +36,13 @@ class TrainRayActor(RayActor):
         self.args, self.role = args, role
         local_rank = int(os.environ["LOCAL_RANK"])
         device.set_device(local_rank)
+        # the env:// rendezvous values: set in __init__ under Ray, by the launcher (torchrun, a test harness) otherwise
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         timeout = timedelta(minutes=30)
-        store = tcp_store(self.master_addr, self.master_port, self._world_size, self._rank == 0, timeout)
+        store = tcp_store(addr, port, world_size, rank == 0, timeout)
         dist.init_process_group(
-            backend=device.dist_backend(), store=store, rank=self._rank, world_size=self._world_size, timeout=timeout
+            backend=device.dist_backend(), store=store, rank=rank, world_size=world_size, timeout=timeout
         )
         args.rank, args.world_size = dist.get_rank(), dist.get_world_size()
         args.local_rank = local_rank
