@@ -82,7 +82,8 @@ def _run_layout(rank, model_dir, layout, out_dir, data_vocab=512):
     from slime.backends.megatron_utils.rollout_data import process_rollout_data
 
     ray.get = lambda x: x  # the test hands the dict itself instead of an ObjectRef
-    train_actor.dist.init_process_group = lambda *a, **k: None  # `spawn` already joined the gloo group
+    # `spawn` already joined the gloo group (and its store holds the rendezvous port)
+    train_actor.tcp_store = train_actor.dist.init_process_group = lambda *a, **k: None
     args = train_args(model_dir, **layout)
     actor = object.__new__(MegatronTrainRayActor)  # a Ray actor's body without Ray
     assert actor.init(args, "actor", None, with_ref=True) == 0
