@@ -379,7 +379,7 @@ def test_main_job_sft_then_grpo_raises_reward(tiny_kit, tmp_path):
     # 20-rollout means: a 10-rollout window of 16x8 sampled rewards swings by ~0.05 between neighbouring windows
     first = sum(r["rollout/raw_reward"] for r in rows[:20]) / 20
     last = sum(r["rollout/raw_reward"] for r in rows[-20:]) / 20
-    # measured over four runs: reward 0.17-0.19 -> 0.28-0.30 (rise 0.097-0.13), greedy eval 0.10 -> 0.48-0.51; the
+    # measured over five runs: reward 0.17-0.20 -> 0.28-0.30 (rise 0.097-0.13), greedy eval 0.10 -> 0.46-0.51; the
     # greedy eval is the strong signal, the sampled reward only has to rise clearly
     assert last > first + 0.05, (
         f"GRPO did not raise the sampled reward: first 20 rollouts {first:.3f}, last 20 {last:.3f}"
