@@ -45,6 +45,19 @@ TINY_MODEL_ARGS = [
 ]
 
 
+def train_py_argv(tiny_kit, num_rollout, *extra, hf_checkpoint=None, lr="1e-5"):
+    """argv of a `python train.py` run on the tiny kit: one trainer, one engine, 4 prompts x 4 samples per rollout."""
+    return TINY_MODEL_ARGS + [
+        "--hf-checkpoint", str(hf_checkpoint or tiny_kit[0]),
+        "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
+        "--prompt-data", f"{tiny_kit[1]}/train.jsonl", "--input-key", "prompt", "--label-key", "label",
+        "--apply-chat-template", "--rm-type", "answer_match",
+        "--num-rollout", str(num_rollout), "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
+        "--global-batch-size", "16", "--lr", lr, "--rollout-max-response-len", "6",
+        *extra,
+    ]  # fmt: skip
+
+
 def make_args(tiny_kit, tmp_path, *extra, num_rollout=2):
     model_dir, data_dir = tiny_kit
     argv = TINY_MODEL_ARGS + [
@@ -403,37 +416,7 @@ def test_ctrl_c_leaves_no_processes_behind(tiny_kit, tmp_path):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     model = shutil.copytree(tiny_kit[0], tmp_path / "model")  # its path marks this run's server processes
-    argv = TINY_MODEL_ARGS + [
-        "--hf-checkpoint",
-        str(model),
-        "--actor-num-gpus-per-node",
-        "1",
-        "--rollout-num-gpus",
-        "1",
-        "--prompt-data",
-        f"{tiny_kit[1]}/train.jsonl",
-        "--input-key",
-        "prompt",
-        "--label-key",
-        "label",
-        "--apply-chat-template",
-        "--rm-type",
-        "answer_match",
-        "--num-rollout",
-        "1000",
-        "--rollout-batch-size",
-        "4",
-        "--n-samples-per-prompt",
-        "4",
-        "--global-batch-size",
-        "16",
-        "--lr",
-        "1e-5",
-        "--rollout-max-response-len",
-        "6",
-        "--metrics-path",
-        str(tmp_path / "m.jsonl"),
-    ]
+    argv = train_py_argv(tiny_kit, 1000, "--metrics-path", str(tmp_path / "m.jsonl"), hf_checkpoint=str(model))
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.Popen(
         [sys.executable, "train.py", *argv],
@@ -499,37 +482,7 @@ def test_driver_joins_an_existing_cluster_from_ray_address(tiny_kit, tmp_path):
         timeout=180,
     )
     try:
-        argv = TINY_MODEL_ARGS + [
-            "--hf-checkpoint",
-            tiny_kit[0],
-            "--actor-num-gpus-per-node",
-            "1",
-            "--rollout-num-gpus",
-            "1",
-            "--prompt-data",
-            f"{tiny_kit[1]}/train.jsonl",
-            "--input-key",
-            "prompt",
-            "--label-key",
-            "label",
-            "--apply-chat-template",
-            "--rm-type",
-            "answer_match",
-            "--num-rollout",
-            "1",
-            "--rollout-batch-size",
-            "4",
-            "--n-samples-per-prompt",
-            "4",
-            "--global-batch-size",
-            "16",
-            "--lr",
-            "1e-5",
-            "--rollout-max-response-len",
-            "6",
-            "--metrics-path",
-            str(tmp_path / "metrics.jsonl"),
-        ]
+        argv = train_py_argv(tiny_kit, 1, "--metrics-path", str(tmp_path / "metrics.jsonl"))
         proc = subprocess.run(
             [sys.executable, "train.py", *argv],
             cwd=root,
@@ -565,40 +518,16 @@ def test_two_concurrent_runs_on_one_machine_each_train_their_own_engines(tiny_ki
     for run in ("a", "b"):
         out = tmp_path / run
         out.mkdir()
-        argv = TINY_MODEL_ARGS + [
-            "--hf-checkpoint",
-            tiny_kit[0],
-            "--actor-num-gpus-per-node",
-            "1",
-            "--rollout-num-gpus",
-            "1",
-            "--prompt-data",
-            f"{tiny_kit[1]}/train.jsonl",
-            "--input-key",
-            "prompt",
-            "--label-key",
-            "label",
-            "--apply-chat-template",
-            "--rm-type",
-            "answer_match",
-            "--num-rollout",
-            "2",
-            "--rollout-batch-size",
-            "4",
-            "--n-samples-per-prompt",
-            "4",
-            "--global-batch-size",
-            "16",
-            "--rollout-max-response-len",
-            "6",
-            "--lr",
-            "1e-3" if run == "a" else "1e-4",
+        argv = train_py_argv(
+            tiny_kit,
+            2,
             "--seed",
             "1" if run == "a" else "2",
             "--check-weight-update-equal",
             "--metrics-path",
             str(out / "metrics.jsonl"),
-        ]
+            lr="1e-3" if run == "a" else "1e-4",
+        )
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
         env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix=f"r{run}", dir="/tmp")  # each run its own local Ray
         ray_dirs.append(env["RAY_TMPDIR"])

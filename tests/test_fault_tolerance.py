@@ -17,7 +17,7 @@ import torch
 
 import train as sync_driver
 import train_async as async_driver
-from tests.test_e2e import TINY_MODEL_ARGS, make_args, read_metrics
+from tests.test_e2e import make_args, read_metrics, train_py_argv
 
 pytestmark = pytest.mark.e2e
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -125,35 +125,7 @@ def test_driver_sigkill_leaves_no_router_server_or_ray_behind(tiny_kit, tmp_path
     """`kill -9` of a running `python train.py`: its router (a child process), engines' servers, trainers and the Ray
     it started all go away on their own."""
     model = shutil.copytree(tiny_kit[0], tmp_path / "model")  # its path marks this run's server processes
-    argv = TINY_MODEL_ARGS + [
-        "--hf-checkpoint",
-        str(model),
-        "--actor-num-gpus-per-node",
-        "1",
-        "--rollout-num-gpus",
-        "1",
-        "--prompt-data",
-        f"{tiny_kit[1]}/train.jsonl",
-        "--input-key",
-        "prompt",
-        "--label-key",
-        "label",
-        "--apply-chat-template",
-        "--rm-type",
-        "answer_match",
-        "--num-rollout",
-        "1000",
-        "--rollout-batch-size",
-        "4",
-        "--n-samples-per-prompt",
-        "4",
-        "--global-batch-size",
-        "16",
-        "--lr",
-        "1e-5",
-        "--rollout-max-response-len",
-        "6",
-    ]
+    argv = train_py_argv(tiny_kit, 1000, hf_checkpoint=str(model))
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.Popen(
         [sys.executable, "train.py", *argv],

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from slime.utils.http_utils import find_available_port
-from tests.test_e2e import TINY_MODEL_ARGS
+from tests.test_e2e import train_py_argv
 
 pytestmark = pytest.mark.e2e
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -97,37 +97,7 @@ def test_two_node_cluster_trainers_on_one_node_engines_on_the_other(tiny_kit, tm
             capture_output=True,
             timeout=180,
         )
-        argv = TINY_MODEL_ARGS + [
-            "--hf-checkpoint",
-            str(model),
-            "--actor-num-gpus-per-node",
-            "1",
-            "--rollout-num-gpus",
-            "1",
-            "--prompt-data",
-            f"{tiny_kit[1]}/train.jsonl",
-            "--input-key",
-            "prompt",
-            "--label-key",
-            "label",
-            "--apply-chat-template",
-            "--rm-type",
-            "answer_match",
-            "--num-rollout",
-            "2",
-            "--rollout-batch-size",
-            "4",
-            "--n-samples-per-prompt",
-            "4",
-            "--global-batch-size",
-            "16",
-            "--lr",
-            "1e-5",
-            "--rollout-max-response-len",
-            "6",
-            "--metrics-path",
-            str(tmp_path / "metrics.jsonl"),
-        ]
+        argv = train_py_argv(tiny_kit, 2, "--metrics-path", str(tmp_path / "metrics.jsonl"), hf_checkpoint=str(model))
         driver = subprocess.Popen(
             [sys.executable, "train.py", *argv],
             cwd=ROOT,
