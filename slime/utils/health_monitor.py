@@ -83,10 +83,14 @@ class RolloutHealthMonitor:
                 return
             try:
                 ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+                continue
             except ray.exceptions.GetTimeoutError:
-                self.manager.engine_failed(i, f"did not answer /health_generate within {self.timeout:g}s (hung?)")
+                why = f"did not answer /health_generate within {self.timeout:g}s (hung?)"
             except ray.exceptions.RayActorError as e:
-                self.manager.engine_failed(i, f"engine actor died ({type(e).__name__})")
+                why = f"engine actor died ({type(e).__name__})"
             except Exception as e:  # noqa: BLE001  (an HTTP error or timeout raised by the engine, or its server died)
-                cause = getattr(e, "cause", None) or e
-                self.manager.engine_failed(i, str(cause).splitlines()[0][:300])
+                why = str(getattr(e, "cause", None) or e).splitlines()[0][:300]
+            # a check that overlapped a pause (a weight update refuses generation with 503) says nothing
+            if self._paused.is_set() or self._stop.is_set():
+                return
+            self.manager.engine_failed(i, why)
