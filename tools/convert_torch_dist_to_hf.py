@@ -114,9 +114,9 @@ def model_args(common, origin_hf_dir):
                 "the checkpoint's common.pt has no `args` (not saved by slime): pass --origin-hf-dir so "
                 "the architecture can be read from its config.json."
             )
-        from slime.utils.arguments import _hf_architecture  # heavy: only without slime's args
+        from slime.backends.megatron_utils.arguments import hf_architecture  # heavy: only without slime's args
 
-        args = argparse.Namespace(**_hf_architecture(hf_cfg))
+        args = argparse.Namespace(**hf_architecture(hf_cfg))
     # Args stored by another trainer (Megatron-LM, an older slime) or read from config.json may lack these fields.
     for name, default in (("model_name", None), ("vocab_size", None), ("untie_embeddings_and_output_weights", False)):
         if not hasattr(args, name):
