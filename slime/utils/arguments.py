@@ -433,6 +433,27 @@ def add_algo_arguments(parser):
     return parser
 
 
+def add_consistency_arguments(parser):
+    """Train/inference consistency: which policy PPO's old log-probs come from, and what is reported about the gap
+    between the trainer's and the engine's log-probs (docs/consistency.md)."""
+    g = _Group(parser, "train/inference consistency")
+    g.add_argument(
+        "--use-rollout-logprobs",
+        action="store_true",
+        default=False,
+        help="PPO's old log-probs (and the KL base) are the engine's rollout log-probs; the trainer's old-log-prob "
+        "forward is skipped.",
+    )
+    g.add_argument(
+        "--get-mismatch-metrics",
+        action="store_true",
+        default=False,
+        help="Report train/rollout KL and importance-weight statistics (train/mismatch_*) without changing the "
+        "loss; with --custom-tis-function-path that function's metrics are reported and its weights ignored.",
+    )
+    return parser
+
+
 def add_wandb_arguments(parser):
     g = _Group(parser, "wandb")
     g.add_argument("--use-wandb", action="store_true", default=False)
@@ -624,6 +645,7 @@ def get_slime_extra_args_provider(add_custom_arguments=None):
             add_data_arguments,
             add_eval_arguments,
             add_algo_arguments,
+            add_consistency_arguments,
             add_wandb_arguments,
             add_debug_arguments,
             add_sglang_arguments,
@@ -811,8 +833,11 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
         )
     _validate_algorithm_and_rollout(args, error)
     check_mtp(args, error)
-    if args.custom_tis_function_path and not args.use_tis:
-        error(f"--custom-tis-function-path {args.custom_tis_function_path} is called only with --use-tis; add it.")
+    if args.custom_tis_function_path and not (args.use_tis or args.get_mismatch_metrics):
+        error(
+            f"--custom-tis-function-path {args.custom_tis_function_path} is called only with --use-tis or "
+            "--get-mismatch-metrics; add one."
+        )
     if args.custom_update_weight_post_write_path:
         error(
             "--custom-update-weight-post-write-path runs after current slime's disk weight transport writes a "
@@ -820,6 +845,14 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
             "one: drop the flag."
         )
     _apply_custom_config(args, error, check_paths)
+    _validate_consistency(args, error)  # after --custom-config-path, which may set use_tis
+
+
+def _validate_consistency(args, error):
+    if args.use_rollout_logprobs and args.use_tis:
+        error(
+            "--use-rollout-logprobs and --use-tis cannot be set at the same time (TIS reweights by exp(old - rollout))."
+        )
 
 
 def _read_yaml(flag, path, error):

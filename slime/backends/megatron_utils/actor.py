@@ -234,11 +234,12 @@ class MegatronTrainRayActor(TrainRayActor):
             if "ref" in self.weights:
                 with timer("ref_log_probs"):
                     rollout_data.update(self.compute_log_prob("ref", data_iterator, num_microbatches, "ref_"))
-            with timer("log_probs"):
-                tag = "old_actor" if "old_actor" in self.weights else "actor"
-                rollout_data.update(self.compute_log_prob(tag, data_iterator, num_microbatches))
-                if tag != "actor":
-                    self.update_gpu_params_dict(self.weights["actor"])
+            if needs_old_log_prob_forward(args):
+                with timer("log_probs"):
+                    tag = "old_actor" if "old_actor" in self.weights else "actor"
+                    rollout_data.update(self.compute_log_prob(tag, data_iterator, num_microbatches))
+                    if tag != "actor":
+                        self.update_gpu_params_dict(self.weights["actor"])
             if args.ci_test and rollout_id == 0 and "ref_log_probs" in rollout_data:
                 for lp, ref in zip(rollout_data["log_probs"], rollout_data["ref_log_probs"]):
                     assert torch.equal(lp, ref), "--ci-test: rollout 0 log_probs differ from ref_log_probs"
@@ -319,6 +320,12 @@ class MegatronTrainRayActor(TrainRayActor):
             _process_groups("destroy_process_groups")
         dist.barrier(group=megatron_init.get_gloo_group())
         return result
+
+
+def needs_old_log_prob_forward(args):
+    """Whether the trainer runs its separate old-log-prob forward before training: not when PPO's old log-probs
+    are the engine's (--use-rollout-logprobs), unless --get-mismatch-metrics compares the trainer's with them."""
+    return not args.use_rollout_logprobs or args.get_mismatch_metrics
 
 
 def _perf_metrics():

@@ -115,9 +115,14 @@ def get_log_probs_and_entropy(logits, *, args, unconcat_tokens, total_lengths, r
 def compute_advantages_and_returns(args, rollout_data):
     """Fill `rollout_data["advantages"]` and `["returns"]` (per-sample token tensors) for `--advantage-estimator`.
     No-op on ranks without `log_probs` (pipeline stages other than the last)."""
-    log_probs = rollout_data.get("log_probs")
-    if log_probs is None:
-        return
+    if args.use_rollout_logprobs:
+        if not mpu.is_pipeline_last_stage():  # as without the flag: only the last stage computes the loss
+            return
+        log_probs = _require(rollout_data, "rollout_log_probs", _ROLLOUT_LOGPROBS_NEEDED)
+    else:
+        log_probs = rollout_data.get("log_probs")
+        if log_probs is None:
+            return
     ref_log_probs = rollout_data.get("ref_log_probs")
     rewards = rollout_data["rewards"]
     loss_masks = rollout_data["loss_masks"]
@@ -188,6 +193,9 @@ def get_sum_of_sample_mean(total_lengths, response_lengths, loss_masks, calculat
     return reduce
 
 
+_ROLLOUT_LOGPROBS_NEEDED = "--use-rollout-logprobs needs (the rollout must return log-probs)"
+
+
 def _require(batch, key, why):
     if batch.get(key) is None:
         raise ValueError(f"the training batch has no {key!r}, which {why}")
@@ -218,11 +226,55 @@ def icepop_function(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_m
     return pg_loss * weights, loss_masks, metrics
 
 
+def mismatch_metrics(train_log_probs, rollout_log_probs, loss_masks):
+    """Per-token values (each reduced by the caller's sum-of-sample-mean) comparing the trainer's log-probs with the
+    engine's on the same sampled tokens; r = train - rollout log-prob, rho = exp(r):
+    `mismatch_kl` E[-r] (KL(rollout || train)), `mismatch_k3_kl` E[rho - 1 - r] (its non-negative estimator),
+    `mismatch_is_weight` E[rho], `mismatch_chi2_token` E[rho^2] - 1 per sample, `mismatch_log_ppl_abs_diff`
+    |mean rollout log-prob - mean train log-prob| per sample (shared by the sample's tokens)."""
+    out = {k: [] for k in ("kl", "k3_kl", "is_weight", "chi2_token", "log_ppl_abs_diff")}
+    for train, rollout, mask in zip(train_log_probs, rollout_log_probs, loss_masks):
+        r = (train - rollout).float()
+        rho = torch.exp(r.clamp(-20.0, 20.0))  # exp overflow guard
+        m = mask.to(r.dtype)
+        n = torch.clamp_min(m.sum(), 1)
+        out["kl"].append(-r)
+        out["k3_kl"].append(rho - 1 - r)
+        out["is_weight"].append(rho)
+        out["chi2_token"].append(((rho.square() * m).sum() / n - 1).expand_as(r))
+        out["log_ppl_abs_diff"].append(((r * m).sum() / n).abs().expand_as(r))
+    return {f"mismatch_{k}": torch.cat(v).detach() if v else torch.zeros(0) for k, v in out.items()}
+
+
+def _mismatch_metrics(args, batch, train_log_probs, pg_loss, sum_of_sample_mean, response_lengths):
+    """--get-mismatch-metrics: the built-in `mismatch_*` values and, with --custom-tis-function-path, that function's
+    metrics; its weights and masks are dropped, so the loss is unchanged."""
+    rollout_lp = _require(
+        batch, "rollout_log_probs", "--get-mismatch-metrics needs (the rollout must return log-probs)"
+    )
+    values = mismatch_metrics(train_log_probs, rollout_lp, batch["loss_masks"])
+    if args.custom_tis_function_path and not args.use_tis:
+        _, _, user_metrics = user_function("--custom-tis-function-path", args.custom_tis_function_path)(
+            args=args,
+            pg_loss=pg_loss.detach(),
+            train_log_probs=train_log_probs,
+            rollout_log_probs=rollout_lp,
+            loss_masks=batch["loss_masks"],
+            total_lengths=batch["total_lengths"],
+            response_lengths=response_lengths,
+        )
+        values.update(user_metrics)
+    return {k: sum_of_sample_mean(v.to(pg_loss.device)) for k, v in values.items()}
+
+
 def policy_loss_function(args, batch, logits, sum_of_sample_mean):
     """PPO clipped loss (GSPO sequence-level ratio with `--advantage-estimator gspo`), optional dual clip
     (`--eps-clip-c`), TIS (`--use-tis`), entropy bonus and KL loss. Returns `(loss, metrics)`."""
     advantages = torch.cat(_require(batch, "advantages", "the policy loss needs (compute_advantages_and_returns)"))
-    old_log_probs = _require(batch, "log_probs", "are the old-policy log-probs of the PPO ratio")
+    if args.use_rollout_logprobs:
+        old_log_probs = _require(batch, "rollout_log_probs", _ROLLOUT_LOGPROBS_NEEDED)
+    else:
+        old_log_probs = _require(batch, "log_probs", "are the old-policy log-probs of the PPO ratio")
     response_lengths = batch["response_lengths"]
     out = get_log_probs_and_entropy(
         logits,
@@ -234,6 +286,9 @@ def policy_loss_function(args, batch, logits, sum_of_sample_mean):
     )
     log_probs_list = out["log_probs"]
     log_probs = torch.cat(log_probs_list) if log_probs_list else logits.new_zeros(0)
+    # the trainer's log-probs of the rollout's weights: the old-log-prob forward's, else this forward's (the same
+    # weights on a rollout's first optimizer step)
+    train_log_probs = batch.get("log_probs") or [lp.detach() for lp in log_probs_list]
 
     if args.advantage_estimator == "gspo":
         # sequence-level ratio: masked mean of the token log-ratio, shared by every token of the sample
@@ -246,6 +301,7 @@ def policy_loss_function(args, batch, logits, sum_of_sample_mean):
         ppo_kl = (torch.cat(old_log_probs) if old_log_probs else log_probs.detach()) - log_probs
 
     pg_loss, pg_clipfrac = compute_policy_loss(ppo_kl, advantages, args.eps_clip, args.eps_clip_high, args.eps_clip_c)
+    pg_loss_before_tis = pg_loss
 
     metrics = {}
     rollout_log_probs = batch.get("rollout_log_probs")
@@ -259,7 +315,7 @@ def policy_loss_function(args, batch, logits, sum_of_sample_mean):
         pg_loss, pg_loss_masks, tis_metrics = tis_fn(
             args=args,
             pg_loss=pg_loss,
-            train_log_probs=old_log_probs,
+            train_log_probs=train_log_probs,
             rollout_log_probs=rollout_lp,
             loss_masks=batch["loss_masks"],
             total_lengths=batch["total_lengths"],
@@ -293,11 +349,15 @@ def policy_loss_function(args, batch, logits, sum_of_sample_mean):
     if log_probs.numel() == 0:
         loss = loss + 0 * logits.sum()  # keep the graph connected so backward still runs
 
-    if rollout_log_probs is not None and old_log_probs:
+    if rollout_log_probs is not None and train_log_probs:
         # trainer vs inference engine on the same weights (precision / kernel mismatch): the pre-update log-probs,
         # so later optimizer steps of this rollout do not count as mismatch
         metrics["train_rollout_logprob_abs_diff"] = sum_of_sample_mean(
-            (torch.cat(old_log_probs) - torch.cat(rollout_log_probs)).abs()
+            (torch.cat(train_log_probs) - torch.cat(rollout_log_probs)).abs()
+        )
+    if args.get_mismatch_metrics:
+        metrics.update(
+            _mismatch_metrics(args, batch, train_log_probs, pg_loss_before_tis, sum_of_sample_mean, response_lengths)
         )
 
     reported = {
