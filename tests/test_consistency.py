@@ -74,9 +74,41 @@ def test_use_rollout_logprobs_is_refused_with_use_tis(capsys):
 
 
 def test_use_rollout_logprobs_skips_the_old_log_prob_forward_unless_metrics_need_it():
-    assert needs_old_log_prob_forward(make_args())
-    assert not needs_old_log_prob_forward(make_args("--use-rollout-logprobs"))
-    assert needs_old_log_prob_forward(make_args("--use-rollout-logprobs", "--get-mismatch-metrics"))
+    # two optimizer steps per rollout: the training forward of step 2 runs on updated weights, so no reuse
+    assert needs_old_log_prob_forward(make_args(), num_steps=2)
+    assert not needs_old_log_prob_forward(make_args("--use-rollout-logprobs"), num_steps=2)
+    assert needs_old_log_prob_forward(make_args("--use-rollout-logprobs", "--get-mismatch-metrics"), num_steps=2)
+
+
+def test_one_optimizer_step_per_rollout_reuses_the_training_forwards_log_probs():
+    assert not needs_old_log_prob_forward(make_args(), num_steps=1)
+    assert not needs_old_log_prob_forward(make_args("--use-tis", "--use-kl-loss"), num_steps=1)
+    # something needs the old log-probs before training, or the old policy is not the live one
+    for flags in (
+        ["--kl-coef", "0.1", "--advantage-estimator", "reinforce_plus_plus", "--normalize-advantages"],
+        ["--use-rollout-entropy"],
+        ["--keep-old-actor"],
+        ["--advantage-estimator", "gspo"],
+        ["--loss-type", "sft_loss"],
+    ):
+        assert needs_old_log_prob_forward(make_args(*flags), num_steps=1), flags
+
+
+def test_without_an_old_log_prob_forward_the_old_policy_is_this_forward_detached():
+    batch, logits, new = _sample([1.0, 1.0], [1.0, -1.0], [0.05, -0.05])
+    del batch["log_probs"]
+    loss, m = policy_loss_function(make_args(), batch, logits, _reducer(batch))
+    assert m["ppo_kl"].item() == 0.0 and m["pg_clipfrac"].item() == 0.0
+    assert m["pg_loss"].item() == pytest.approx(0.0, abs=1e-6)  # -(1 * 1 + 1 * -1) / 2
+    assert m["train_rollout_logprob_abs_diff"].item() == pytest.approx(0.05, abs=1e-6)
+    loss.backward()  # the gradient is the on-policy policy gradient: -A * d log pi / 2 per token
+    expected = torch.zeros_like(logits)
+    for r, a in enumerate([1.0, -1.0]):
+        row = logits[0, 1 + r].detach()
+        p = torch.softmax(row, -1)
+        onehot = torch.nn.functional.one_hot(batch["unconcat_tokens"][0][2 + r], V).float()
+        expected[0, 1 + r] = -a * (onehot - p) / 2
+    assert torch.allclose(logits.grad, expected, atol=1e-6)
 
 
 def test_use_rollout_logprobs_makes_the_engine_policy_the_ppo_old_policy():

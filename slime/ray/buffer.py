@@ -21,6 +21,7 @@ from slime.rollout.sample_hooks import set_current_rollout_id
 from slime.utils.console import metrics_line
 from slime.utils.misc import load_function
 from slime.utils.ray_utils import Box
+from slime.utils.top_p_replay import kept_sets_error, sampling_is_truncated
 from slime.utils.types import Sample
 from slime.utils.user_errors import call_user_function, user_function
 
@@ -177,6 +178,22 @@ def convert_samples_to_train_data(args, samples, custom_reward_fn=None, fn_path=
                 )
             log_probs.append(np.asarray(s.rollout_log_probs, dtype=np.float32))
         train_data["rollout_log_probs"] = log_probs
+    if sampling_is_truncated(args) and args.loss_type != "sft_loss":
+        # top-p replay: the trainer scores each token over the set the engine kept (never silently over all tokens)
+        for i, s in enumerate(samples):
+            problem = kept_sets_error(s)
+            if problem:
+                raise ValueError(
+                    f"sample {s.index} (position {i}) from rollout function {fn_path!r} {problem}; with "
+                    f"--rollout-top-p {args.rollout_top_p} / --rollout-top-k {args.rollout_top_k} the trainer replays "
+                    "each step's kept token set (the default generate asks the engine for it)"
+                )
+        train_data["rollout_top_p_token_ids"] = [
+            np.asarray(s.rollout_top_p_token_ids, dtype=np.int32) for s in samples
+        ]
+        train_data["rollout_top_p_token_offsets"] = [
+            np.asarray(s.rollout_top_p_token_offsets, dtype=np.int32) for s in samples
+        ]
     return train_data
 
 

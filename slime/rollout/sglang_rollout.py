@@ -22,6 +22,7 @@ from slime.utils.data import Dataset
 from slime.utils.eval_config import EvalDatasetConfig, eval_datasets
 from slime.utils.http_utils import post
 from slime.utils.misc import SingletonMeta, accepted_kwargs, load_function
+from slime.utils.top_p_replay import append_kept_sets, sampling_is_truncated
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -90,8 +91,12 @@ async def _generate_group(args, group, sampling_params):
         return None
 
 
-async def generate(args, sample: Sample, sampling_params) -> Sample:
-    """Default generate: one `/generate` call through the router; resumes a partially generated sample."""
+async def generate(args, sample: Sample, sampling_params, evaluation=False) -> Sample:
+    """Default generate: one `/generate` call through the router; resumes a partially generated sample.
+
+    Training rollouts with truncated sampling (`--rollout-top-p` < 1 / `--rollout-top-k` > 0) ask the engine for each
+    step's kept token set (SGLang's `return_sampling_mask`); they are stored on the sample for top-p replay, and the
+    rollout log-probs are the engine's, renormalised over those sets, as the trainer computes them."""
     state = GenerateState(args)
     url = f"{router_url(args)}/generate"
 
@@ -119,6 +124,9 @@ async def generate(args, sample: Sample, sampling_params) -> Sample:
         sample.tokens = list(input_ids)
 
     payload = {"input_ids": list(input_ids), "sampling_params": sampling_params, "return_logprob": True}
+    replay = not evaluation and sampling_is_truncated(args)
+    if replay:
+        payload["return_sampling_mask"] = True
 
     def on_retry(error):
         if isinstance(error, asyncio.TimeoutError):
@@ -140,6 +148,16 @@ async def generate(args, sample: Sample, sampling_params) -> Sample:
     token_logprobs = meta_info.get("output_token_logprobs") or []
     new_tokens = [int(item[1]) for item in token_logprobs]
     new_log_probs = [float(item[0]) for item in token_logprobs]
+    if replay:
+        kept_sets = meta_info.get("output_token_sampling_mask")
+        if kept_sets is None or len(kept_sets) != len(new_tokens):
+            raise RuntimeError(
+                f"sample {sample.index}: the engine returned no sampling mask for its {len(new_tokens)} tokens "
+                f"(got {None if kept_sets is None else len(kept_sets)}), which --rollout-top-p / --rollout-top-k "
+                "replay needs"
+            )
+        append_kept_sets(sample, kept_sets)
+        new_log_probs = [float(x) for x in meta_info["output_token_sampling_logprobs"]]
 
     sample.tokens = sample.tokens + new_tokens
     sample.response_length += len(new_tokens)

@@ -34,6 +34,7 @@ from slime.backends.sglang_utils.arguments import validate_args as sglang_valida
 from slime.utils.device import auto_inference_server
 from slime.utils.eval_config import from_prompt_data, load_eval_config
 from slime.utils.startup_checks import DEFAULT_ROLLOUT_FUNCTION, check_inputs, check_value_ranges
+from slime.utils.top_p_replay import sampling_is_truncated
 
 logger = logging.getLogger(__name__)
 
@@ -849,6 +850,13 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
 
 
 def _validate_consistency(args, error):
+    cap = args.sglang_sampling_mask_max_tokens
+    if sampling_is_truncated(args) and args.loss_type != "sft_loss" and not 1 <= args.rollout_top_k <= cap:
+        error(
+            f"--rollout-top-p {args.rollout_top_p} needs a finite --rollout-top-k in [1, {cap}]: the trainer replays "
+            "each step's kept token set, which the engine returns (SGLang's return_sampling_mask) only for a finite "
+            f"top-k up to --sglang-sampling-mask-max-tokens {cap}."
+        )
     if args.use_rollout_logprobs and args.use_tis:
         error(
             "--use-rollout-logprobs and --use-tis cannot be set at the same time (TIS reweights by exp(old - rollout))."

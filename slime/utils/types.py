@@ -6,6 +6,8 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, Optional, Union
 
+from slime.utils.top_p_replay import append_kept_sets
+
 
 @dataclass
 class Sample:
@@ -107,6 +109,12 @@ class Sample:
             if log_probs is not None:
                 raise ValueError("non-trainable response tokens take no rollout log-probs")
             log_probs = [0.0] * len(tokens)
+        kept_sets = (meta_info or {}).get("output_token_sampling_mask") if trainable else None
+        if kept_sets is not None and len(kept_sets) != len(tokens):
+            raise ValueError(f"meta_info has {len(kept_sets)} sampling masks for {len(tokens)} tokens")
+        if tokens and (kept_sets is not None or self.rollout_top_p_token_offsets is not None):
+            # top-p replay: the engine's kept set per sampled token; tool tokens get empty spans (full vocabulary)
+            append_kept_sets(self, kept_sets if kept_sets is not None else [[]] * len(tokens))
         if text is not None:
             self.response += text
         previous = self.response_length

@@ -234,7 +234,7 @@ class MegatronTrainRayActor(TrainRayActor):
             if "ref" in self.weights:
                 with timer("ref_log_probs"):
                     rollout_data.update(self.compute_log_prob("ref", data_iterator, num_microbatches, "ref_"))
-            if needs_old_log_prob_forward(args):
+            if needs_old_log_prob_forward(args, num_steps=len(num_microbatches)):
                 with timer("log_probs"):
                     tag = "old_actor" if "old_actor" in self.weights else "actor"
                     rollout_data.update(self.compute_log_prob(tag, data_iterator, num_microbatches))
@@ -322,10 +322,30 @@ class MegatronTrainRayActor(TrainRayActor):
         return result
 
 
-def needs_old_log_prob_forward(args):
-    """Whether the trainer runs its separate old-log-prob forward before training: not when PPO's old log-probs
-    are the engine's (--use-rollout-logprobs), unless --get-mismatch-metrics compares the trainer's with them."""
-    return not args.use_rollout_logprobs or args.get_mismatch_metrics
+def reuses_training_log_probs(args, num_steps):
+    """Whether PPO's old log-probs can be the first training forward's own (detached) log-probs: with exactly one
+    optimizer step per rollout that forward runs on the rollout's weights, so a separate forward would compute the
+    same values, provided nothing needs them before training (KL in the reward, rollout entropy, a custom advantage
+    function or rollout-data postprocess) and the old policy is the live one (no --keep-old-actor)."""
+    return (
+        num_steps == 1
+        and args.loss_type == "policy_loss"
+        and args.kl_coef == 0
+        and args.advantage_estimator != "gspo"
+        and not args.keep_old_actor
+        and not args.use_rollout_entropy
+        and not args.custom_advantage_function_path
+        and not args.rollout_data_postprocess_path
+    )
+
+
+def needs_old_log_prob_forward(args, num_steps):
+    """Whether the trainer runs its separate old-log-prob forward before training (`num_steps` optimizer steps this
+    rollout): not when PPO's old log-probs are the engine's (--use-rollout-logprobs; --get-mismatch-metrics then
+    compares the trainer's with them) or the training forward's own (`reuses_training_log_probs`)."""
+    if args.use_rollout_logprobs and not args.get_mismatch_metrics:
+        return False
+    return not reuses_training_log_probs(args, num_steps)
 
 
 def _perf_metrics():

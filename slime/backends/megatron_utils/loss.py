@@ -25,6 +25,7 @@ from slime.utils.ppo_utils import (
     get_reinforce_plus_plus_returns,
     get_rloo_returns,
 )
+from slime.utils.top_p_replay import sampling_is_truncated
 from slime.utils.user_errors import call_user_function, user_function
 
 
@@ -79,11 +80,61 @@ def _mask_padded_vocab(logits, vocab_size):
     return logits.masked_fill(column >= vocab_size, _MASKED_LOGIT)
 
 
-def get_log_probs_and_entropy(logits, *, args, unconcat_tokens, total_lengths, response_lengths, with_entropy=False):
+def get_rollout_top_p_logprob_kwargs(args, batch):
+    """`get_log_probs_and_entropy`'s top-p replay arguments for a micro-batch: `{}` unless training rollouts sample
+    from a truncated distribution (`--rollout-top-p` < 1 or `--rollout-top-k` > 0), then the per-sample kept sets,
+    which the batch must carry."""
+    if not sampling_is_truncated(args):
+        return {}
+    ids, offsets = batch.get("rollout_top_p_token_ids"), batch.get("rollout_top_p_token_offsets")
+    if ids is None or offsets is None:
+        raise ValueError(
+            f"--rollout-top-p {args.rollout_top_p} / --rollout-top-k {args.rollout_top_k}: the training batch has no "
+            "rollout_top_p_token_ids / rollout_top_p_token_offsets to score the tokens over the sets the engine kept"
+        )
+    return {"top_p_token_ids": ids, "top_p_token_offsets": offsets}
+
+
+def _restrict_to_kept_sets(logits, pieces, kept_ids, offsets):
+    """`logits` [n, V/tp] of one sample's response rows with every token outside that step's kept set masked out,
+    so the (vocab-parallel) softmax renormalises over exactly the engine's sampling support. `pieces` map the rows
+    to response positions (`get_responses`); a step with an empty set keeps the whole vocabulary."""
+    part = logits.size(-1)
+    vocab_start = mpu.get_tensor_model_parallel_rank() * part
+    device = logits.device
+    positions = [torch.arange(r0, r0 + n, device=device) for _, r0, n in pieces]
+    positions = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long, device=device)
+    offsets = offsets.to(device=device, dtype=torch.long)
+    kept_ids = kept_ids.to(device=device, dtype=torch.long)
+    starts, lengths = offsets[positions], offsets[positions + 1] - offsets[positions]
+    rows = torch.repeat_interleave(torch.arange(positions.numel(), device=device), lengths)
+    within = torch.arange(rows.numel(), device=device) - torch.repeat_interleave(
+        torch.cumsum(lengths, 0) - lengths, lengths
+    )
+    local = kept_ids[torch.repeat_interleave(starts, lengths) + within] - vocab_start
+    here = (local >= 0) & (local < part)
+    keep = torch.zeros(positions.numel(), part, dtype=torch.bool, device=device)
+    keep[rows[here], local[here]] = True
+    keep[lengths == 0] = True
+    return logits.masked_fill(~keep, _MASKED_LOGIT)
+
+
+def get_log_probs_and_entropy(
+    logits,
+    *,
+    args,
+    unconcat_tokens,
+    total_lengths,
+    response_lengths,
+    with_entropy=False,
+    top_p_token_ids=None,
+    top_p_token_offsets=None,
+):
     """`{"log_probs": [per-sample 1-D], "entropy": [...] (with_entropy)}` of the response tokens.
 
     Logits are divided by `--rollout-temperature` first so the trainer's log-probs match the rollout engine's
-    temperature-scaled ones.
+    temperature-scaled ones. With `top_p_token_ids` / `top_p_token_offsets` (per sample, see
+    `get_rollout_top_p_logprob_kwargs`) each token is scored over the set the engine kept at its step (top-p replay).
     """
     logits = logits.float()
     if args.rollout_temperature != 1.0:
@@ -92,12 +143,16 @@ def get_log_probs_and_entropy(logits, *, args, unconcat_tokens, total_lengths, r
     tp_group = mpu.get_tensor_model_parallel_group()
     gather = mpu.get_context_parallel_world_size() > 1
     log_probs, entropy = [], []
-    for (logits_chunk, tokens_chunk, pieces), resp_len in zip(
-        get_responses(
-            logits, unconcat_tokens=unconcat_tokens, total_lengths=total_lengths, response_lengths=response_lengths
-        ),
-        response_lengths,
+    for i, ((logits_chunk, tokens_chunk, pieces), resp_len) in enumerate(
+        zip(
+            get_responses(
+                logits, unconcat_tokens=unconcat_tokens, total_lengths=total_lengths, response_lengths=response_lengths
+            ),
+            response_lengths,
+        )
     ):
+        if top_p_token_offsets is not None:
+            logits_chunk = _restrict_to_kept_sets(logits_chunk, pieces, top_p_token_ids[i], top_p_token_offsets[i])
         values = [compute_log_probs(logits_chunk, tokens_chunk, tp_group)]
         if with_entropy:
             values.append(compute_entropy_from_logits(logits_chunk, tp_group))
@@ -273,8 +328,8 @@ def policy_loss_function(args, batch, logits, sum_of_sample_mean):
     advantages = torch.cat(_require(batch, "advantages", "the policy loss needs (compute_advantages_and_returns)"))
     if args.use_rollout_logprobs:
         old_log_probs = _require(batch, "rollout_log_probs", _ROLLOUT_LOGPROBS_NEEDED)
-    else:
-        old_log_probs = _require(batch, "log_probs", "are the old-policy log-probs of the PPO ratio")
+    else:  # None: the trainer skipped its old-log-prob forward (actor.reuses_training_log_probs), see below
+        old_log_probs = batch.get("log_probs")
     response_lengths = batch["response_lengths"]
     out = get_log_probs_and_entropy(
         logits,
@@ -283,12 +338,15 @@ def policy_loss_function(args, batch, logits, sum_of_sample_mean):
         total_lengths=batch["total_lengths"],
         response_lengths=response_lengths,
         with_entropy=True,
+        **get_rollout_top_p_logprob_kwargs(args, batch),
     )
     log_probs_list = out["log_probs"]
     log_probs = torch.cat(log_probs_list) if log_probs_list else logits.new_zeros(0)
     # the trainer's log-probs of the rollout's weights: the old-log-prob forward's, else this forward's (the same
     # weights on a rollout's first optimizer step)
     train_log_probs = batch.get("log_probs") or [lp.detach() for lp in log_probs_list]
+    if old_log_probs is None:
+        old_log_probs = train_log_probs
 
     if args.advantage_estimator == "gspo":
         # sequence-level ratio: masked mean of the token log-ratio, shared by every token of the sample
