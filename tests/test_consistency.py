@@ -262,3 +262,15 @@ def test_mis_rejects_an_unknown_level(tmp_path):
     args = _mis_args(tmp_path, tis_level="tokens")
     with pytest.raises(ValueError, match="tis_level is 'tokens'"):
         _mis(args, *_two_samples())
+
+
+# ---------------------------------------------------------------- reproducible runs
+def test_deterministic_mode_seeds_each_sample_of_a_group_from_the_rollout_seed():
+    from slime.rollout.sglang_rollout import seeded
+
+    base = {"temperature": 1.0}
+    args = make_args("--deterministic-mode", "--rollout-seed", "7")
+    assert [seeded(args, base, j)["sampling_seed"] for j in range(3)] == [7, 8, 9]
+    assert "sampling_seed" not in base  # a copy
+    assert "sampling_seed" not in seeded(make_args(), base, 0)
+    assert seeded(make_args("--sglang-enable-deterministic-inference"), base, 2)["sampling_seed"] == 44

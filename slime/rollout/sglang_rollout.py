@@ -211,13 +211,26 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict, evaluatio
     return sample
 
 
+def seeded(args, sampling_params, j):
+    """A copy of `sampling_params`; with --deterministic-mode or --sglang-enable-deterministic-inference the j-th
+    sample of a group gets `sampling_seed` --rollout-seed + j (as current slime), so the engine's draws depend on
+    the request only, not on what else it batches."""
+    params = sampling_params.copy()
+    if args.deterministic_mode or args.sglang_enable_deterministic_inference:
+        params["sampling_seed"] = args.rollout_seed + j
+    return params
+
+
 async def generate_and_rm_group(args, group: list[Sample], sampling_params: dict, evaluation=False) -> list[Sample]:
     state = GenerateState(args)
     if state.aborted:
         return group
 
     results = await asyncio.gather(
-        *(generate_and_rm(args, sample, sampling_params.copy(), evaluation=evaluation) for sample in group)
+        *(
+            generate_and_rm(args, sample, seeded(args, sampling_params, j), evaluation=evaluation)
+            for j, sample in enumerate(group)
+        )
     )
     group = [s for r in results for s in (r if isinstance(r, list) else [r])]
 
@@ -377,7 +390,7 @@ async def eval_rollout_single_dataset(args, rollout_id, dataset_cfg: EvalDataset
     tasks = []
     sample_index = 0
     for prompt_sample in dataset.samples:
-        for _ in range(dataset_cfg.n_samples_per_eval_prompt):
+        for j in range(dataset_cfg.n_samples_per_eval_prompt):
             sample = copy.deepcopy(prompt_sample)
             sample.index = sample_index
             sample_index += 1
@@ -386,7 +399,7 @@ async def eval_rollout_single_dataset(args, rollout_id, dataset_cfg: EvalDataset
                 sample.custom_rm_path = dataset_cfg.custom_rm_path
             if dataset_cfg.custom_generate_function_path:
                 sample.generate_function_path = dataset_cfg.custom_generate_function_path
-            tasks.append(generate_and_rm(args, sample, sampling_params.copy(), evaluation=True))
+            tasks.append(generate_and_rm(args, sample, seeded(args, sampling_params, j), evaluation=True))
 
     data = []
     pbar = tqdm(total=len(tasks), desc=f"Eval {name}")
