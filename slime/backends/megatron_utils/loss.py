@@ -169,23 +169,25 @@ def get_log_probs_and_entropy(
 
 def compute_advantages_and_returns(args, rollout_data):
     """Fill `rollout_data["advantages"]` and `["returns"]` (per-sample token tensors) for `--advantage-estimator`.
-    No-op on ranks without `log_probs` (pipeline stages other than the last)."""
+    No-op on pipeline stages other than the last (only the last computes the loss). The old log-probs (the KL base
+    of `--kl-coef`) are the trainer's `log_probs`, the engine's with --use-rollout-logprobs, and absent when the
+    training forward's are reused (then `--kl-coef` is 0, see `actor.reuses_training_log_probs`)."""
+    if not mpu.is_pipeline_last_stage():
+        return
     if args.use_rollout_logprobs:
-        if not mpu.is_pipeline_last_stage():  # as without the flag: only the last stage computes the loss
-            return
         log_probs = _require(rollout_data, "rollout_log_probs", _ROLLOUT_LOGPROBS_NEEDED)
     else:
         log_probs = rollout_data.get("log_probs")
-        if log_probs is None:
-            return
     ref_log_probs = rollout_data.get("ref_log_probs")
     rewards = rollout_data["rewards"]
     loss_masks = rollout_data["loss_masks"]
-    device = log_probs[0].device if log_probs else torch.device("cpu")
+    device = loss_masks[0].device if loss_masks else torch.device("cpu")
 
-    if args.kl_coef == 0 or not log_probs:
-        kl = [torch.zeros_like(lp, dtype=torch.float32) for lp in log_probs]
+    if args.kl_coef == 0 or not loss_masks:
+        kl = [torch.zeros(m.shape, dtype=torch.float32, device=m.device) for m in loss_masks]
     else:
+        if log_probs is None:
+            raise ValueError("--kl-coef != 0 needs the old log-probs, but rollout data has no log_probs")
         if ref_log_probs is None:
             raise ValueError(
                 "--kl-coef != 0 needs reference log-probs (--ref-load), but rollout data has no ref_log_probs"
