@@ -11,7 +11,7 @@ from collections import Counter
 
 from tqdm import tqdm
 
-from slime.backends.sglang_utils.router import abort_all, router_url
+from slime.backends.sglang_utils.router import abort_all, list_workers, router_url
 from slime.rollout import RolloutSamples
 from slime.rollout.base_types import accepts_data_buffer
 from slime.rollout.filter_hub.base_types import MetricGatherer, call_dynamic_filter, should_drop_dynamic_filter_output
@@ -54,6 +54,7 @@ class GenerateState(metaclass=SingletonMeta):
             spaces_between_special_tokens=False,
         )
         self.metrics = {}  # of the latest generate_rollout_async call
+        self.workers = []  # engine URLs for requests the router cannot forward (top-p replay), read when needed
         self.reset()
 
     def reset(self):
@@ -91,12 +92,38 @@ async def _generate_group(args, group, sampling_params):
         return None
 
 
+async def _post_to_a_worker(args, state, sample, payload, on_retry, attempts=3):
+    """POST a /generate that asks for sampling masks straight to one of the router's workers: sglang-router 0.3.2
+    re-serialises /generate bodies into its own request type and drops `return_sampling_mask`. A prompt group goes
+    to one worker (its prefix is cached there); a worker that stops answering is skipped after the usual retries,
+    with the list re-read from the router (fault tolerance replaces engines there). Returns (output, url)."""
+    loop = asyncio.get_running_loop()
+    headers = {"Authorization": f"Bearer {args.sglang_api_key}"} if args.sglang_api_key else None
+    last = None
+    for attempt in range(attempts):
+        if attempt or not state.workers:
+            state.workers = await loop.run_in_executor(None, list_workers, router_url(args))
+            if not state.workers:
+                raise ConnectionError(f"sglang-router at {router_url(args)} lists no worker for sample {sample.index}")
+        key = sample.group_index if sample.group_index is not None else sample.index or 0
+        worker = state.workers[(key + attempt) % len(state.workers)]
+        try:
+            url = f"{worker}/generate"
+            output = await post(url, payload, timeout=args.rollout_request_timeout, headers=headers, on_retry=on_retry)
+            return output, url
+        except ConnectionError as e:
+            last = e
+            logger.warning(f"sample {sample.index}: worker {worker} did not serve /generate ({e}); trying another")
+    raise ConnectionError(f"no worker of sglang-router {router_url(args)} served sample {sample.index}: {last}")
+
+
 async def generate(args, sample: Sample, sampling_params, evaluation=False) -> Sample:
     """Default generate: one `/generate` call through the router; resumes a partially generated sample.
 
     Training rollouts with truncated sampling (`--rollout-top-p` < 1 / `--rollout-top-k` > 0) ask the engine for each
-    step's kept token set (SGLang's `return_sampling_mask`); they are stored on the sample for top-p replay, and the
-    rollout log-probs are the engine's, renormalised over those sets, as the trainer computes them."""
+    step's kept token set (SGLang's `return_sampling_mask`, sent to a worker directly: see `_post_to_a_worker`); they
+    are stored on the sample for top-p replay, and the rollout log-probs are the engine's, renormalised over those
+    sets, as the trainer computes them."""
     state = GenerateState(args)
     url = f"{router_url(args)}/generate"
 
@@ -136,10 +163,15 @@ async def generate(args, sample: Sample, sampling_params, evaluation=False) -> S
                 f"{args.rollout_request_timeout:g}s; retrying it"
             )
 
-    try:
-        output = await post(url, payload, timeout=args.rollout_request_timeout, on_retry=on_retry)
-    except ConnectionError as e:
-        raise ConnectionError(f"sglang-router at {router_url(args)} did not serve sample {sample.index}: {e}") from e
+    if replay:
+        output, url = await _post_to_a_worker(args, state, sample, payload, on_retry)
+    else:
+        try:
+            output = await post(url, payload, timeout=args.rollout_request_timeout, on_retry=on_retry)
+        except ConnectionError as e:
+            raise ConnectionError(
+                f"sglang-router at {router_url(args)} did not serve sample {sample.index}: {e}"
+            ) from e
     if not isinstance(output, dict) or "meta_info" not in output:
         raise RuntimeError(f"{url} returned an unexpected response for sample {sample.index}: {str(output)[:300]}")
 
