@@ -298,6 +298,14 @@ def _mark_start_rollout_id(group, rollout_id):
     return group
 
 
+def _data_order(group):
+    """Sort key of a finished group (None: timed out) by its prompt's place in the data."""
+    if not group:
+        return (0, -1, -1)
+    first = group[0]
+    return (1, -1 if first.group_index is None else first.group_index, -1 if first.index is None else first.index)
+
+
 async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[list[list[Sample]], list[list[Sample]]]:
     """Keep `rollout_batch_size` (or over-sampling) groups in flight until enough pass the dynamic filter.
 
@@ -329,9 +337,14 @@ async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[li
                     raise RuntimeError("the data source returned no prompts; cannot fill the rollout batch")
                 state.submit_generate_tasks(samples)
 
-            done, state.pendings = await asyncio.wait(state.pendings, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                group = task.result()
+            # --deterministic-mode: the groups in flight all finish, then count in data order, so which groups the
+            # rollout keeps does not depend on which finished first
+            when = asyncio.ALL_COMPLETED if args.deterministic_mode else asyncio.FIRST_COMPLETED
+            done, state.pendings = await asyncio.wait(state.pendings, return_when=when)
+            groups = [task.result() for task in done]
+            if args.deterministic_mode:
+                groups.sort(key=_data_order)
+            for group in groups:
                 if group is None:  # over --rollout-group-timeout: replaced by a fresh prompt
                     state.remaining_batch_size -= 1
                     continue
