@@ -69,6 +69,15 @@ class WeightSyncTrainer(TrainRayActor):
     def update_weights(self, weight_version=None):
         return self.updater.update_weights(weight_version)
 
+    @torch.no_grad()
+    def adam_like_step(self, lr, seed):
+        """Move every weight by +-lr, as one Adam step of learning rate lr does (benchmarks' delta size)."""
+        from slime.backends.megatron_utils.param_utils import named_parameters
+
+        gen = torch.Generator().manual_seed(seed)
+        for _, p in named_parameters(self.args, self.model):
+            p.add_(torch.randint(0, 2, p.shape, generator=gen).to(p.dtype).mul_(2).sub_(1) * lr)
+
     def offload(self):
         """Free the live parameters as an offloaded actor would: the update must come from the CPU dict."""
         for chunk in self.model:
@@ -414,14 +423,21 @@ def test_disk_delta_versions_are_small_verified_and_a_corrupt_base_gets_a_full_v
     ray.get([t.connect.remote([engine], lock) for t in cleanup], timeout=120)
     assert disk_delta.held_version(str(local)) == 0  # seeded from the engine's checkpoint at connect
 
-    first = ray.get([t.update_weights.remote() for t in cleanup], timeout=300)[0]
+    ray.get([t.update_weights.remote() for t in cleanup], timeout=300)
     diff, version = max_logprob_diff(url, reference)
     assert diff < 1e-4 and version == "1"
-    # nothing trained between two pushes: the second delta is all zero bytes, compressed to almost nothing
-    second = ray.get([t.update_weights.remote() for t in cleanup], timeout=300)[0]
-    assert second["update_weights/delta_ratio"] < 0.01 < first["update_weights/delta_ratio"]
+    # one Adam-like step (every weight moved by 1e-6): the low bytes of each fp32 change, the high ones do not
+    ray.get([t.adam_like_step.remote(1e-6, 0) for t in cleanup], timeout=120)
+    reference = trainer_greedy(cleanup)
+    stepped = ray.get([t.update_weights.remote() for t in cleanup], timeout=300)[0]
+    assert 0.2 < stepped["update_weights/delta_ratio"] < 0.8
     index = json.load(open(root / "weight_v000002" / "model.safetensors.index.json"))
     assert index["metadata"]["delta_encoding"] == "xor" and index["metadata"]["base_version"] == "000001"
+    diff, version = max_logprob_diff(url, reference)
+    assert diff < 1e-4 and version == "2" and disk_delta.held_version(str(local)) == 2
+    # nothing trained between two pushes: the delta is all zero bytes, compressed to almost nothing
+    idle = ray.get([t.update_weights.remote() for t in cleanup], timeout=300)[0]
+    assert idle["update_weights/delta_ratio"] < 0.01
 
     # damage the engine host's checkpoint: the next delta fails its checksum, and the version is sent in full
     shard = next(p for p in local.iterdir() if p.suffix == ".safetensors")
@@ -429,7 +445,7 @@ def test_disk_delta_versions_are_small_verified_and_a_corrupt_base_gets_a_full_v
     data[-64:] = bytes(64)
     shard.write_bytes(bytes(data))
     ray.get([t.update_weights.remote() for t in cleanup], timeout=300)
-    index = json.load(open(root / "weight_v000003" / "model.safetensors.index.json"))
+    index = json.load(open(root / "weight_v000004" / "model.safetensors.index.json"))
     assert "delta_encoding" not in index["metadata"]
     diff, version = max_logprob_diff(url, reference)
-    assert diff < 1e-4 and version == "3" and disk_delta.held_version(str(local)) == 3
+    assert diff < 1e-4 and version == "4" and disk_delta.held_version(str(local)) == 4

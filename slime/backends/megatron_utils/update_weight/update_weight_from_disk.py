@@ -56,7 +56,8 @@ _SAFETENSORS_DTYPES = {
 
 
 def _bytes_of(t: torch.Tensor) -> np.ndarray:
-    return t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+    """A copy: the tensor may be the live parameter itself (TP=1, no conversion), which training changes in place."""
+    return t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().copy()
 
 
 class UpdateWeightFromDisk:
