@@ -421,9 +421,31 @@ def test_colocated_engine_sigkill_is_replaced_in_its_bundle(ray_session, tiny_ki
     assert not processes_naming(str(model)), "a server or router outlived the run"
 
 
+def hold_weight_updates(args):
+    """`--custom-megatron-init-path` (runs in each trainer after Megatron's init): every weight push stops after its
+    first bucket, creates `<metrics dir>/hold.v<version>` and waits (60 s at most) until the test removes that file,
+    so the test can kill an engine at a known point of a weight update."""
+    from slime.backends.megatron_utils.update_weight.update_weight_from_distributed import UpdateWeightFromDistributed
+
+    hold = os.path.join(os.path.dirname(args.metrics_path), "hold")
+    send_bucket = UpdateWeightFromDistributed._send_bucket
+
+    def send_then_hold(self, named_tensors, index):
+        sent = send_bucket(self, named_tensors, index)
+        if index == 1:
+            marker = f"{hold}.v{self.weight_version}"
+            open(marker, "w").close()
+            deadline = time.monotonic() + 60
+            while os.path.exists(marker) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return sent
+
+    UpdateWeightFromDistributed._send_bucket = send_then_hold
+
+
 def _kill_engine_during_update(args, hold, version, done, stop):
-    """Release every held weight update (see `_hold_for_test` in update_weight_from_distributed); the one of
-    `version`, held after its first bucket, only after SIGKILLing the first engine's server."""
+    """Release every held weight update (see `hold_weight_updates`); the one of `version`, held after its first
+    bucket, only after SIGKILLing the first engine's server."""
     from slime.backends.sglang_utils.router import list_workers
 
     while not stop.is_set():
@@ -437,14 +459,13 @@ def _kill_engine_during_update(args, hold, version, done, stop):
         time.sleep(0.05)
 
 
-def test_engine_killed_during_a_weight_update_is_dropped_then_replaced(ray_session, tiny_kit, tmp_path, monkeypatch):
+def test_engine_killed_during_a_weight_update_is_dropped_then_replaced(ray_session, tiny_kit, tmp_path):
     """--use-fault-tolerance, broadcast transport, several buckets: engine 0's server is SIGKILLed after the first
     bucket of the update to version 2. The update finishes on engine 1 (on a new group of the survivors), the dead
     engine is removed, replaced in its bundle and given the same weights (version 2, checked); rollout 1 runs on both
     engines with those weights and every sample index is trained once."""
     model = shutil.copytree(tiny_kit[0], tmp_path / "model")
     hold = tmp_path / "hold"
-    monkeypatch.setenv("SLIME_TEST_HOLD_WEIGHT_UPDATE", str(hold))
     plan_faults(tmp_path)
     args = ft_args(
         tiny_kit,
@@ -454,6 +475,8 @@ def test_engine_killed_during_a_weight_update_is_dropped_then_replaced(ray_sessi
         "broadcast",
         "--update-weight-buffer-size",
         "1000000",
+        "--custom-megatron-init-path",
+        f"{__name__}.hold_weight_updates",
         num_rollout=2,
     )
     done, stop = {}, threading.Event()
