@@ -12,4 +12,7 @@ def test_no_rope_fusion_reaches_the_transformer_config(monkeypatch):
         m.setattr(model_provider, "use_transformer_engine", lambda args: True)
         m.setattr(model_provider, "TransformerConfig", lambda **kw: kw)  # the real one checks TE is installed
         assert model_provider.core_transformer_config_from_args(make_args())["apply_rope_fusion"] is True
-        assert model_provider.core_transformer_config_from_args(make_args("--no-rope-fusion"))["apply_rope_fusion"] is False
+        assert (
+            model_provider.core_transformer_config_from_args(make_args("--no-rope-fusion"))["apply_rope_fusion"]
+            is False
+        )
