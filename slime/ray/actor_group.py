@@ -63,7 +63,7 @@ class RayTrainGroup:
         return [a.init.remote(args, role, self.wandb_run_id, with_ref=with_ref) for a in self._actor_handlers]
 
     def async_init_weight_update_connections(self, rollout):
-        self.rollout = rollout
+        """Connect every rank to `rollout`'s engines (a RolloutManager: its engines and weight-update lock)."""
         return [
             a.connect_rollout_engines.remote(rollout.rollout_engines, rollout.rollout_engine_lock)
             for a in self._actor_handlers
