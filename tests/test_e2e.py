@@ -176,6 +176,32 @@ def test_train_async_is_one_step_off_policy(ray_session, tiny_kit, tmp_path):
     assert [int(r["rollout/weight_version"]) for r in rows] == [1, 1, 2]
 
 
+def test_train_async_resume_trains_the_rollout_that_was_in_flight_at_the_save(ray_session, tiny_kit, tmp_path):
+    """One-step-off: rollout 1 is generated while rollout 0 trains. A run resumed from the checkpoint of rollout 0
+    must train rollout 1 on the prompts an uninterrupted run gives it, not skip them."""
+    from slime.ray.rollout_data_source import RolloutDataSourceWithBuffer
+
+    ckpt = tmp_path / "ckpt"
+    common = ["--rollout-num-gpus", "1", "--save", str(ckpt), "--save-interval", "1"]
+    first = tmp_path / "first"
+    first.mkdir()
+    async_driver.train(make_args(tiny_kit, first, *common, num_rollout=2))
+    second = tmp_path / "second"
+    second.mkdir()
+    resumed_data = str(tmp_path / "resumed_{rollout_id}.pt")
+    args = make_args(
+        tiny_kit, second, *common, "--load", str(ckpt), "--ckpt-step", "0", "--save-debug-rollout-data", resumed_data
+    )
+    async_driver.train(args)
+    assert [r["rollout_id"] for r in read_metrics(second)] == [1]
+    fresh = RolloutDataSourceWithBuffer(make_args(tiny_kit, tmp_path, "--rollout-num-gpus", "1"))
+    fresh.get_samples(4)
+    expected = [g[0].prompt for g in fresh.get_samples(4)]
+    resumed = torch.load(tmp_path / "resumed_1.pt", weights_only=False)["samples"]
+    assert [s["prompt"] for s in resumed[::4]] == expected
+    assert resumed[0]["index"] == 16  # rollout 0 took samples 0-15
+
+
 def test_train_tp2_with_partial_rollout(ray_session, tiny_kit, tmp_path):
     """The TP=2 and partial-rollout variants of the main job: a tensor-parallel trainer reproduces the engine's
     log-probs and pushes bit-identical weights (checked by checksums); with --partial-rollout the groups over-sampled

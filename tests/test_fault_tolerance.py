@@ -278,10 +278,11 @@ def test_engine_sigkill_then_router_kill_are_survived(ray_session, tiny_kit, tmp
         "engine_removed",
         "engine_restarted",
         "weights_checked",
+        "engines_joined_router",
         "router_failed",
         "router_restarted",
     ], kinds
-    failed, _, restarted, checked, router_failed, router_restarted = events
+    failed, _, restarted, checked, _, router_failed, router_restarted = events
     assert done["sigkill_engine"]["url"] in failed["what"]  # the killed one, named by its URL
     assert restarted["engine"] == failed["engine"] and restarted["bundle"] == failed["bundle"]  # same bundle
     assert "serve weight version 3" in checked["what"]  # pushed by the update after rollout 1
@@ -312,7 +313,13 @@ def test_engine_sigstop_is_detected_and_replaced(ray_session, tiny_kit, tmp_path
     assert [r["rollout_id"] for r in rows] == [0, 1, 2]
     assert_every_sample_trained_once(tmp_path, 3)
     events = events_of(rows)
-    assert [e["kind"] for e in events] == ["engine_failed", "engine_removed", "engine_restarted", "weights_checked"]
+    assert [e["kind"] for e in events] == [
+        "engine_failed",
+        "engine_removed",
+        "engine_restarted",
+        "weights_checked",
+        "engines_joined_router",
+    ]
     assert "did not answer /health_generate within 10s (hung?)" in events[0]["what"]
     # requests routed to the stopped engine before it was found: timed out and retried on the other one
     assert rows[1]["rollout/timeouts/requests"] >= 1
@@ -376,8 +383,14 @@ def test_train_async_engine_sigkill_is_survived(ray_session, tiny_kit, tmp_path)
     assert [r["rollout_id"] for r in rows] == [0, 1]
     assert_every_sample_trained_once(tmp_path, 2)
     events = events_of(rows)
-    assert [e["kind"] for e in events] == ["engine_failed", "engine_removed", "engine_restarted", "weights_checked"]
-    failed, _, restarted, checked = events
+    assert [e["kind"] for e in events] == [
+        "engine_failed",
+        "engine_removed",
+        "engine_restarted",
+        "weights_checked",
+        "engines_joined_router",
+    ]
+    failed, _, restarted, checked, _ = events
     assert done["sigkill_engine"]["url"] in failed["what"]
     assert restarted["engine"] == failed["engine"] and restarted["bundle"] == failed["bundle"]
     assert "serve weight version 2" in checked["what"]
@@ -405,8 +418,14 @@ def test_colocated_engine_sigkill_is_replaced_in_its_bundle(ray_session, tiny_ki
     assert [r["rollout_id"] for r in rows] == [0, 1, 2]
     assert_every_sample_trained_once(tmp_path, 3)
     events = events_of(rows)
-    assert [e["kind"] for e in events] == ["engine_failed", "engine_removed", "engine_restarted", "weights_checked"]
-    failed, _, restarted, checked = events
+    assert [e["kind"] for e in events] == [
+        "engine_failed",
+        "engine_removed",
+        "engine_restarted",
+        "weights_checked",
+        "engines_joined_router",
+    ]
+    failed, _, restarted, checked, _ = events
     assert done["sigkill_engine"]["url"] in failed["what"]
     assert restarted["engine"] == failed["engine"] and restarted["bundle"] == failed["bundle"]
     assert "serve weight version 3" in checked["what"]
@@ -421,9 +440,31 @@ def test_colocated_engine_sigkill_is_replaced_in_its_bundle(ray_session, tiny_ki
     assert not processes_naming(str(model)), "a server or router outlived the run"
 
 
+def hold_weight_updates(args):
+    """`--custom-megatron-init-path` (runs in each trainer after Megatron's init): every weight push stops after its
+    first bucket, creates `<metrics dir>/hold.v<version>` and waits (60 s at most) until the test removes that file,
+    so the test can kill an engine at a known point of a weight update."""
+    from slime.backends.megatron_utils.update_weight.update_weight_from_distributed import UpdateWeightFromDistributed
+
+    hold = os.path.join(os.path.dirname(args.metrics_path), "hold")
+    send_bucket = UpdateWeightFromDistributed._send_bucket
+
+    def send_then_hold(self, named_tensors, index):
+        sent = send_bucket(self, named_tensors, index)
+        if index == 1:
+            marker = f"{hold}.v{self.weight_version}"
+            open(marker, "w").close()
+            deadline = time.monotonic() + 60
+            while os.path.exists(marker) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return sent
+
+    UpdateWeightFromDistributed._send_bucket = send_then_hold
+
+
 def _kill_engine_during_update(args, hold, version, done, stop):
-    """Release every held weight update (see `_hold_for_test` in update_weight_from_distributed); the one of
-    `version`, held after its first bucket, only after SIGKILLing the first engine's server."""
+    """Release every held weight update (see `hold_weight_updates`); the one of `version`, held after its first
+    bucket, only after SIGKILLing the first engine's server."""
     from slime.backends.sglang_utils.router import list_workers
 
     while not stop.is_set():
@@ -437,14 +478,13 @@ def _kill_engine_during_update(args, hold, version, done, stop):
         time.sleep(0.05)
 
 
-def test_engine_killed_during_a_weight_update_is_dropped_then_replaced(ray_session, tiny_kit, tmp_path, monkeypatch):
+def test_engine_killed_during_a_weight_update_is_dropped_then_replaced(ray_session, tiny_kit, tmp_path):
     """--use-fault-tolerance, broadcast transport, several buckets: engine 0's server is SIGKILLed after the first
     bucket of the update to version 2. The update finishes on engine 1 (on a new group of the survivors), the dead
     engine is removed, replaced in its bundle and given the same weights (version 2, checked); rollout 1 runs on both
     engines with those weights and every sample index is trained once."""
     model = shutil.copytree(tiny_kit[0], tmp_path / "model")
     hold = tmp_path / "hold"
-    monkeypatch.setenv("SLIME_TEST_HOLD_WEIGHT_UPDATE", str(hold))
     plan_faults(tmp_path)
     args = ft_args(
         tiny_kit,
@@ -454,6 +494,8 @@ def test_engine_killed_during_a_weight_update_is_dropped_then_replaced(ray_sessi
         "broadcast",
         "--update-weight-buffer-size",
         "1000000",
+        "--custom-megatron-init-path",
+        f"{__name__}.hold_weight_updates",
         num_rollout=2,
     )
     done, stop = {}, threading.Event()
@@ -468,8 +510,14 @@ def test_engine_killed_during_a_weight_update_is_dropped_then_replaced(ray_sessi
     assert [r["rollout_id"] for r in rows] == [0, 1]
     assert_every_sample_trained_once(tmp_path, 2)
     events = events_of(rows)
-    assert [e["kind"] for e in events] == ["engine_failed", "engine_removed", "engine_restarted", "weights_checked"]
-    failed, _, restarted, checked = events
+    assert [e["kind"] for e in events] == [
+        "engine_failed",
+        "engine_removed",
+        "engine_restarted",
+        "weights_checked",
+        "engines_joined_router",
+    ]
+    failed, _, restarted, checked, _ = events
     # named by its URL: found by the trainers' push (died during the weight update) or by the driver's watchdog
     assert done["url"] in failed["what"], failed
     assert restarted["engine"] == failed["engine"] and restarted["bundle"] == failed["bundle"]
@@ -481,4 +529,28 @@ def test_engine_killed_during_a_weight_update_is_dropped_then_replaced(ray_sessi
         recovery_engine_rejoined=restarted["time"] - done["at"],
         recovery_weights_checked=checked["time"] - done["at"],
     )
+    assert not processes_naming(str(model)), "a server or router outlived the run"
+
+
+def test_fully_async_replacement_engine_joins_the_router_only_with_pushed_weights(ray_session, tiny_kit, tmp_path):
+    """Fully async --use-fault-tolerance: the worker generates without pause, and engine 0's server is SIGKILLed at
+    the first request past rollout 0's samples. Its replacement starts at the next push but joins the router only
+    once it serves the pushed weights, so no trained segment was sampled from the --hf-checkpoint weights a fresh
+    engine starts with (SGLang's version "default"), and the staleness metric counts from pushed versions."""
+    model = shutil.copytree(tiny_kit[0], tmp_path / "model")
+    plan_faults(tmp_path, ("sigkill_engine", SAMPLES_PER_ROLLOUT))
+    fully_async = ["--rollout-function-path", async_driver.FULLY_ASYNC, "--max-staleness", "2"]
+    async_driver.train(ft_args(tiny_kit, tmp_path, model, *fully_async, num_rollout=3))
+    rows = read_metrics(tmp_path)
+    assert [r["rollout_id"] for r in rows] == [0, 1, 2]
+    kinds = [e["kind"] for e in events_of(rows)]
+    assert kinds == ["engine_failed", "engine_removed", "engine_restarted", "weights_checked", "engines_joined_router"]
+    versions = [
+        v
+        for r in range(3)
+        for s in torch.load(tmp_path / f"data_{r}.pt", weights_only=False)["samples"]
+        for v in s["weight_versions"]
+    ]
+    assert versions and all(str(v).isdigit() for v in versions), sorted(set(map(str, versions)))
+    assert all(r["rollout/staleness_max"] <= 2 for r in rows)
     assert not processes_naming(str(model)), "a server or router outlived the run"

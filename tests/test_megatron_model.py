@@ -163,8 +163,21 @@ def _continue_with_more_rollouts(rank, model_dir, save_dir, out_path):
     model, opt, sched, _, rollout, iters, nmb = _setup(args, fixed_rollout())
     train_once_for_offload(args, model, opt, sched, rollout, iters, nmb)  # one step: the scheduler has moved
     assert sched.lr_decay_steps == 4 * 2 * 2  # 4 rollouts x 2 prompts x 2 samples, counted in samples
-    save_checkpoint(args, 0, model, opt, sched, commit=False)
+    synced, fsync = [], os.fsync
+    os.fsync = lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or fsync(fd)  # this rank's process only
+    try:
+        save_checkpoint(args, 0, model, opt, sched, commit=False)
+    finally:
+        os.fsync = fsync
     assert os.path.isdir(f"{save_dir}/iter_0000000") and read_tracker(save_dir) is None  # written, not complete
+    # durable, not only written: every shard and directory of the iteration (as the temporary directory the rank
+    # wrote), then the rename in the checkpoint root (rank 0), before anyone may publish the tracker
+    written = {os.path.join(d, f) for d, _, fs in os.walk(f"{save_dir}/iter_0000000") for f in fs}
+    expected = {p.replace("iter_0000000", "iter_0000000.tmp", 1) for p in written}
+    assert written and expected <= set(synced), sorted(expected - set(synced))
+    assert f"{save_dir}/iter_0000000.tmp" in synced
+    if rank == 0:
+        assert synced[-1] == save_dir
     write_tracker(save_dir, 0)  # the driver's commit, once every other part is saved
 
     results = {}

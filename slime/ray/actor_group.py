@@ -1,7 +1,6 @@
 """Driver-side handle over the N training actors; every `async_*` returns a list of ObjectRefs (one per rank)."""
 
 import logging
-import os
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -40,8 +39,6 @@ class RayTrainGroup:
         env = {"NCCL_CUMEM_ENABLE": "0", **noset_visible_devices_env(), **trainer_env()}
         if self.args.offload and allocator_hook_possible():
             env.update(_torch_memory_saver_env())
-        if "SLIME_TEST_HOLD_WEIGHT_UPDATE" in os.environ:  # fault-injection hook of the weight update (tests only)
-            env["SLIME_TEST_HOLD_WEIGHT_UPDATE"] = os.environ["SLIME_TEST_HOLD_WEIGHT_UPDATE"]
         actor_cls = ray.remote(num_gpus=1, runtime_env={"env_vars": env})(MegatronTrainRayActor)
         self._actor_handlers = []
         register_cleanup(self.kill)
@@ -66,7 +63,7 @@ class RayTrainGroup:
         return [a.init.remote(args, role, self.wandb_run_id, with_ref=with_ref) for a in self._actor_handlers]
 
     def async_init_weight_update_connections(self, rollout):
-        self.rollout = rollout
+        """Connect every rank to `rollout`'s engines (a RolloutManager: its engines and weight-update lock)."""
         return [
             a.connect_rollout_engines.remote(rollout.rollout_engines, rollout.rollout_engine_lock)
             for a in self._actor_handlers

@@ -13,6 +13,7 @@ import threading
 
 import torch
 
+from slime.utils.checkpoint_tracker import replace_durably
 from slime.utils.data import Dataset
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
@@ -172,7 +173,7 @@ class RolloutDataSource(DataSource):
             with self.lock:
                 state = self._state_dict()
             torch.save(state, tmp)
-            os.replace(tmp, path)
+            replace_durably(tmp, path)  # on disk before the driver publishes the checkpoint's tracker
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)

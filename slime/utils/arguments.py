@@ -704,6 +704,13 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
             error(f"--ref-load {args.ref_load} does not exist (needed by --use-kl-loss / --kl-coef).")
         if not _checkpoint_exists(args.ref_load):
             logger.warning("--ref-load %s has no latest_checkpointed_iteration.txt", args.ref_load)
+    # The check compares the first push with the weights the engines loaded from --hf-checkpoint; a resumed run
+    # pushes its checkpoint's (trained) weights, so the comparison would fail for no fault of the weight sync.
+    if args.check_weight_update_equal and args.load is not None and (not check_paths or _checkpoint_exists(args.load)):
+        error(
+            f"--check-weight-update-equal compares the first weight push with --hf-checkpoint's weights, but "
+            f"--load {args.load} resumes from a checkpoint whose weights differ: drop one of the two."
+        )
     # Nothing to resume from: start from the reference weights, fresh optimizer.
     if args.load is None or (check_paths and not _checkpoint_exists(args.load)):
         args.no_load_optim = args.no_load_rng = args.finetune = True

@@ -21,7 +21,14 @@ from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core import parallel_state as mpu
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-from slime.utils.checkpoint_tracker import TRACKER, checkpoint_dir, read_tracker, write_tracker
+from slime.utils.checkpoint_tracker import (
+    TRACKER,
+    checkpoint_dir,
+    fsync_path,
+    fsync_tree,
+    read_tracker,
+    write_tracker,
+)
 from slime.utils.device import dist_backend, rng_state, set_rng_state
 
 from .param_utils import unwrap_model
@@ -121,11 +128,13 @@ def save_checkpoint(args, iteration, model, optimizer, opt_param_scheduler, *, w
     state["parallel_layout"] = _parallel_layout()
     state["args"] = _portable_args(args)
     dist_checkpointing.save(state, tmp_dir)
+    fsync_tree(tmp_dir)  # each rank: its shards are on disk (not only in the page cache) before the rename below
     dist.barrier()
 
     if rank0:
         shutil.rmtree(final_dir, ignore_errors=True)
         os.replace(tmp_dir, final_dir)
+        fsync_path(root)  # the rename itself is durable before anyone publishes the tracker
         if commit:
             write_tracker(root, iteration)
     dist.barrier()

@@ -33,6 +33,14 @@ def use_transformer_engine(args) -> bool:
     return args.transformer_impl != "local" and transformer_engine_usable()
 
 
+def rope_fusion(args) -> bool:
+    """Megatron-LM's `--no-rope-fusion` (fusion on by default): the fused RoPE kernel is Transformer Engine's, so
+    without TE (CPU, `--transformer-impl local`) RoPE runs unfused; Megatron fuses MLA's RoPE only for YaRN."""
+    if not (args.apply_rope_fusion and use_transformer_engine(args)):
+        return False
+    return not (args.multi_latent_attention and args.rope_type != "yarn")
+
+
 def padded_vocab_size(args) -> int:
     if args.padded_vocab_size:
         return args.padded_vocab_size
@@ -121,6 +129,7 @@ def core_transformer_config_from_args(args) -> TransformerConfig:
             moe_router_dtype=args.moe_router_dtype,
         )
     kw["rotary_interleaved"] = bool(args.rotary_interleaved)
+    kw["apply_rope_fusion"] = rope_fusion(args)
     kw.update(cpu_compat.transformer_config_overrides(kw))
     if args.multi_latent_attention:
         return MLATransformerConfig(

@@ -9,21 +9,11 @@ import torch.distributed as dist
 from slime.utils.device import current_device
 from slime.utils.seqlen_balancing import get_seqlen_balanced_partitions
 from slime.utils.timer import Timer
+from slime.utils.types import OPTIONAL_TRAIN_DATA_KEYS, TRAIN_DATA_KEYS
 
-# Per-sample keys split across DP ranks; `raw_reward` stays global (logged over the whole rollout).
-# `metadata` (from `Sample.train_metadata`) reaches hooks such as --rollout-data-postprocess-path.
-PARTITIONED_KEYS = (
-    "tokens",
-    "total_lengths",
-    "response_lengths",
-    "rewards",
-    "truncated",
-    "loss_masks",
-    "round_number",
-    "sample_indices",
-    "rollout_log_probs",
-    "metadata",
-)
+# Per-sample keys split across DP ranks: the train-data contract's (slime.utils.types.TrainData) and the lengths added
+# here; `raw_reward` stays global (logged over the whole rollout).
+PARTITIONED_KEYS = ("total_lengths", *(k for k in TRAIN_DATA_KEYS + OPTIONAL_TRAIN_DATA_KEYS if k != "raw_reward"))
 
 
 class DataIterator:
@@ -146,10 +136,11 @@ def process_rollout_data(args, rollout_data_ref, dp_rank, dp_size):
     whole prompt groups so every rank gets about the same number of tokens.
     """
     data = _fetch_rollout_data(rollout_data_ref)
-    if "tokens" not in data:
+    missing = [k for k in TRAIN_DATA_KEYS if k not in data]
+    if missing:
         raise KeyError(
-            f"rollout data has no 'tokens' (keys: {sorted(data)}); a custom rollout/convert function must "
-            "produce the train-data dict of RolloutController._convert_samples_to_train_data"
+            f"rollout data has no {', '.join(missing)} (keys: {sorted(data)}); a custom rollout/convert function must "
+            "produce the train data of slime.utils.types.TrainData"
         )
     data["total_lengths"] = [len(t) for t in data["tokens"]]
     Timer().seq_lens = data["total_lengths"]  # whole-rollout lengths, for FLOPs accounting

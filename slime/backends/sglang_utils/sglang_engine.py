@@ -254,7 +254,9 @@ class SGLangEngine(RayActor):
         }
 
     # ------------------------------------------------------------------ lifecycle
-    def init(self, dist_init_addr, port, nccl_port, host=None, startup_timeout: float | None = None):
+    def init(self, dist_init_addr, port, nccl_port, host=None, startup_timeout: float | None = None, join_router=True):
+        """Start the server; it joins the router unless `join_router` is False (a replacement engine joins only once
+        it serves the trainers' weights, see `join_router`)."""
         args = self.args
         self.host = host or get_host_info()[1]
         self.port = port
@@ -276,9 +278,14 @@ class SGLangEngine(RayActor):
             return  # only node 0 of a multi-node engine serves HTTP
         self._wait_ready(startup_timeout or 600.0)
         self._check_identity()
-        if args.sglang_router_ip:
-            self.router_url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}"
-            add_worker(self.router_url, self.url, api_key=args.sglang_api_key)
+        if join_router:
+            self.join_router()
+
+    def join_router(self):
+        """Register this server with the run's router (none with an external --sglang-router-ip left unset)."""
+        if self.args.sglang_router_ip:
+            self.router_url = f"http://{self.args.sglang_router_ip}:{self.args.sglang_router_port}"
+            add_worker(self.router_url, self.url, api_key=self.args.sglang_api_key)
 
     def _log_tail(self, n=40) -> str:
         try:
