@@ -149,3 +149,37 @@ def test_parse_inverts_the_real_qwen3_template(qwen3_tokenizer):
     again["tool_calls"] = [{"type": "function", "function": c} for c in out.tool_calls]
     assert qwen3_tokenizer.apply_chat_template([user, again], tools=tools, tokenize=False) == full
     assert json.loads(json.dumps(out.tool_calls)) == calls
+
+
+def test_sessions_never_finished_are_dropped_with_a_logged_reason(caplog):
+    import logging
+    import time
+
+    from slime.agent.adapters import OpenAIAdapter
+
+    adapter = OpenAIAdapter(tokenizer=None, sglang_url="http://127.0.0.1:9")
+    adapter.open_session("old")
+    with pytest.raises(ValueError, match="already open"):
+        adapter.open_session("old")
+    time.sleep(0.05)
+    adapter.open_session("new")
+    with caplog.at_level(logging.WARNING, logger="slime.agent.adapters.common"):
+        assert adapter.drop_stale_sessions(0.04) == ["old"]
+        adapter.drop_session("new", "the episode's sandbox failed")
+    assert "agent session old dropped after 0 turn(s), its samples discarded: never finished within" in caplog.text
+    assert (
+        "agent session new dropped after 0 turn(s), its samples discarded: the episode's sandbox failed" in caplog.text
+    )
+    assert adapter.open_sessions() == []
+
+
+def test_parsers_this_process_cannot_run_are_refused_up_front():
+    from slime.agent.adapters import AnthropicAdapter
+    from slime.agent.parsing import have_sglang
+
+    if have_sglang():
+        pytest.skip("with SGLang installed every SGLang parser name is accepted")
+    with pytest.raises(ValueError, match="tool_parser='llama3' needs SGLang"):
+        AnthropicAdapter(tokenizer=None, sglang_url="http://x", tool_parser="llama3")
+    with pytest.raises(ValueError, match="reasoning_parser='kimi' needs SGLang"):
+        AnthropicAdapter(tokenizer=None, sglang_url="http://x", reasoning_parser="kimi")

@@ -1,6 +1,6 @@
 """Arithmetic a small model cannot do in its head: 3-4 digit products and sums, as slime prompt data.
 
-    python examples/calculator_agent/prepare_data.py /root/calculator_agent/train.jsonl --n 20000
+python examples/calculator_agent/prepare_data.py /root/calculator_agent/train.jsonl --n 20000
 """
 
 import argparse
