@@ -108,7 +108,9 @@ def main():
         model_dir, data_dir = build_model(os.path.join(tmp, "model")), build_data(os.path.join(tmp, "data"))
         for i in range(a.repeat):
             for d in drivers:
-                runs[d].append(summarize(run(d, model_dir, data_dir, tmp, a.num_rollout)))
+                out = os.path.join(tmp, f"round{i}")  # the metrics file is appended to: one per run
+                os.makedirs(out, exist_ok=True)
+                runs[d].append(summarize(run(d, model_dir, data_dir, out, a.num_rollout)))
                 print(f"round {i + 1}/{a.repeat} {d}: step {runs[d][-1]['step']:.3f} s", flush=True)
     keys = ["step", *[n for n, _ in PHASES], "overhead"]
     print(f"{'driver':<16}" + "".join(f"{k:>13}" for k in keys) + f"   (median s over {a.repeat} run(s))")
