@@ -19,12 +19,16 @@ import warnings
 import torch
 
 
-@functools.lru_cache(None)
-def device_type() -> str:
+def _detect_device() -> str:
     forced = os.environ.get("SLIME_DEVICE")
     if forced:
         return forced
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@functools.lru_cache(None)
+def device_type() -> str:
+    return _detect_device()
 
 
 def is_cpu() -> bool:
@@ -108,8 +112,9 @@ _noted_cpu_fallbacks = False
 
 def quiet_expected_warnings() -> None:
     """On CPU, drop megatron-core's "Transformer Engine / Apex are not installed" import warnings (expected there);
-    on GPU they stay, as a missing kernel is worth knowing about. Run at `import slime`, before megatron-core."""
-    if is_cpu():
+    on GPU they stay, as a missing kernel is worth knowing about. Run at `import slime`, before megatron-core; it
+    does not fix the device yet (a process may still set SLIME_DEVICE after importing slime)."""
+    if _detect_device() == "cpu":
         warnings.filterwarnings("ignore", message=_MISSING_GPU_KERNELS, category=UserWarning)
 
 
