@@ -112,9 +112,12 @@ _noted_cpu_fallbacks = False
 
 def quiet_expected_warnings() -> None:
     """On CPU, drop megatron-core's "Transformer Engine / Apex are not installed" import warnings (expected there);
-    on GPU they stay, as a missing kernel is worth knowing about. Run at `import slime`, before megatron-core; it
-    does not fix the device yet (a process may still set SLIME_DEVICE after importing slime)."""
-    if _detect_device() == "cpu":
+    on GPU they stay, as a missing kernel is worth knowing about. Run at `import slime`, before megatron-core. It
+    neither fixes the device (a process may still set SLIME_DEVICE after importing slime) nor asks CUDA (that would
+    initialise the driver in a process that may fork GPU workers later): a CPU-only torch build, or SLIME_DEVICE=cpu,
+    is a CPU run."""
+    forced = os.environ.get("SLIME_DEVICE")
+    if forced == "cpu" or (not forced and not torch.backends.cuda.is_built()):
         warnings.filterwarnings("ignore", message=_MISSING_GPU_KERNELS, category=UserWarning)
 
 
