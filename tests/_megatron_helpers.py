@@ -1,5 +1,6 @@
 """Shared by the Megatron tests: spawn gloo ranks with a timeout, Megatron args for an HF dir, tiny random HF models."""
 
+import multiprocessing
 import os
 import socket
 import time
@@ -40,10 +41,23 @@ def spawn(fn, world_size, *args, timeout=240):
     run_processes(_entry, (fn, world_size, free_port(), args), world_size, fn.__name__, timeout)
 
 
-def run_processes(entry, entry_args, nprocs, name, timeout):
-    """`entry(index, *entry_args)` in `nprocs` spawned processes; the first failure (with its traceback) or the
-    deadline fails the caller, and no process outlives the call."""
-    ctx = mp.start_processes(entry, args=entry_args, nprocs=nprocs, join=False, start_method="spawn")
+# What every rank imports (several seconds each on 2 cores): imported once, by the forkserver, which then forks each
+# rank from that state. Fresh interpreters all the same for what the tests check: nothing is initialised at import
+# (no process group, no device, no Megatron state), and the device is chosen inside each rank (`_entry`).
+_PRELOAD = [
+    "tests._megatron_helpers",
+    "transformers",
+    "slime.backends.megatron_utils.actor",
+    "slime.backends.megatron_utils.model",
+]
+multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+
+
+def run_processes(entry, entry_args, nprocs, name, timeout, start_method="forkserver"):
+    """`entry(index, *entry_args)` in `nprocs` new processes (forked from the pre-imported forkserver; "spawn" for
+    fresh interpreters); the first failure (with its traceback) or the deadline fails the caller, and no process
+    outlives the call."""
+    ctx = mp.start_processes(entry, args=entry_args, nprocs=nprocs, join=False, start_method=start_method)
     deadline = time.time() + timeout
     try:
         while not ctx.join(timeout=max(1.0, deadline - time.time())):

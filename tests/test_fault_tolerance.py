@@ -3,6 +3,7 @@ killed with SIGKILL, engines killed (SIGKILL) or hung (SIGSTOP) mid-rollout, the
 no sample was lost or trained twice (sample indices) and that no process of the run is left behind. Fault ->
 detection and fault -> recovery times are printed as `FAULT-TIMING ...` lines (run with -s to see them)."""
 
+import multiprocessing
 import os
 import shutil
 import signal
@@ -17,9 +18,10 @@ import torch
 
 import train as sync_driver
 import train_async as async_driver
+from tests import _procs
 from tests.test_e2e import make_args, read_metrics, train_py_argv
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -39,22 +41,26 @@ def processes_naming(marker):
     return found
 
 
-def wait_gone(pids, timeout=60):
-    """pids still alive after `timeout` seconds (zombies count as gone)."""
-    deadline = time.time() + timeout
-    alive = list(pids)
-    while alive and time.time() < deadline:
-        alive = [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        time.sleep(0.5)
-    return alive
+def leftovers(model):
+    """What of an in-process run still runs after it: its inference servers (their command line names `model`, the
+    run's own copy of the checkpoint) and its routers (forked from this process, so their command line is pytest's:
+    found as this process's live `sglang-router` children, restarted ones included)."""
+    servers = [" ".join(p.info["cmdline"])[:160] for p in processes_naming(str(model))]
+    routers = [f"sglang-router pid {c.pid}" for c in multiprocessing.active_children() if c.name == "sglang-router"]
+    return servers + routers
 
 
 def trainer_pids():
-    return [
-        p.pid
-        for p in psutil.process_iter(["cmdline"])
-        if any("MegatronTrainRayActor" in c for c in (p.info["cmdline"] or []))
-    ]
+    """This session's trainer processes (its Ray's `ray::MegatronTrainRayActor` workers), never another run's on the
+    machine: they carry the session's environment marker."""
+    pids = []
+    for p in _procs.carrying(_procs.SESSION_KEY, os.environ[_procs.SESSION_KEY]):
+        try:
+            if "MegatronTrainRayActor" in " ".join(p.cmdline()):
+                pids.append(p.pid)
+        except psutil.Error:
+            pass
+    return pids
 
 
 def expected_prompts(tiny_kit, tmp_path, rollout_id, *flags):
@@ -73,29 +79,33 @@ def test_trainer_killed_mid_save_resumes_from_last_complete_checkpoint(ray_sessi
     exactly the samples an uninterrupted run would have trained there."""
     ckpt = tmp_path / "ckpt"
     common = ["--rollout-num-gpus", "1", "--rollout-shuffle", "--save", str(ckpt), "--save-interval", "1"]
-    killed = {}
+    killed, run_over = {}, threading.Event()
 
     def kill_trainer_mid_save():
-        deadline = time.time() + 600
-        while time.time() < deadline and not (ckpt / "iter_0000001.tmp").exists():
+        # ends with the run: a killer left waiting would SIGKILL the trainers of a later test
+        while not run_over.is_set() and not (ckpt / "iter_0000001.tmp").exists():
             time.sleep(0.002)
         killed["saw_tmp"] = (ckpt / "iter_0000001.tmp").exists()
-        for pid in trainer_pids():
-            os.kill(pid, signal.SIGKILL)
+        if killed["saw_tmp"]:
+            for pid in trainer_pids():
+                os.kill(pid, signal.SIGKILL)
         killed["at"] = time.time()
 
     first = tmp_path / "first"
     first.mkdir()
     killer = threading.Thread(target=kill_trainer_mid_save, daemon=True)
     killer.start()
-    with pytest.raises(RuntimeError, match="trainer rank 0 died"):
-        sync_driver.train(make_args(tiny_kit, first, *common, num_rollout=3))
-    detected = time.time()
-    killer.join(5)
+    try:
+        with pytest.raises(RuntimeError, match="trainer rank 0 died"):
+            sync_driver.train(make_args(tiny_kit, first, *common, num_rollout=3))
+        detected = time.time()
+    finally:
+        run_over.set()
+        killer.join(5)
     assert killed.get("saw_tmp"), "the trainer was not caught in the middle of writing checkpoint 1"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "0"
     assert not (ckpt / "rollout" / "global_dataset_state_dict_1.pt").exists()
-    assert not processes_naming(tiny_kit[0]), "an inference server outlived the crashed run"
+    assert not leftovers(tiny_kit[0]), "an inference server or router outlived the crashed run"
 
     second = tmp_path / "second"
     second.mkdir()
@@ -122,43 +132,37 @@ def test_trainer_killed_mid_save_resumes_from_last_complete_checkpoint(ray_sessi
 
 
 def test_driver_sigkill_leaves_no_router_server_or_ray_behind(tiny_kit, tmp_path):
-    """`kill -9` of a running `python train.py`: its router (a child process), engines' servers, trainers and the Ray
-    it started all go away on their own."""
-    model = shutil.copytree(tiny_kit[0], tmp_path / "model")  # its path marks this run's server processes
-    argv = train_py_argv(tiny_kit, 1000, hf_checkpoint=str(model))
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    """`kill -9` of a running `python train.py`: its router (a forked child), engines' servers, trainers and the Ray
+    it started (daemons and workers) all go away on their own. Every one of them carries the run's environment
+    marker, which is how they are found, whatever their command line or parent."""
+    argv = train_py_argv(tiny_kit, 1000)
     proc = subprocess.Popen(
         [sys.executable, "train.py", *argv],
         cwd=ROOT,
-        env=env,
+        env=_procs.run_env(tmp_path),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
     try:
-        deadline = time.time() + 600
-        for line in proc.stdout:  # wait until the loop is really running
-            if line.startswith("rollout 0 |") or time.time() > deadline:
-                break
+        # wait until the loop is really running (well inside this test's pytest timeout)
+        assert _procs.wait_for_line(proc, "rollout 0 |", timeout=300), _procs.tail(proc)
         assert proc.poll() is None, "train.py ended before the first rollout"
-        tree = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
-        servers = [p.pid for p in processes_naming(str(model))]
-        assert len(servers) >= 2, "expected the driver's router and the engine's server"  # both name the model path
+        run = _procs.carrying(_procs.RUN_KEY, str(tmp_path))
+        names = " ".join(map(_procs.cmdline, run))
+        for what in ("raylet", "gcs_server", "MegatronTrainRayActor", "slime.backends.cpu_server"):
+            assert what in names, f"the run's {what} was not found among its processes: {names[:2000]}"
+        assert any(p.ppid() == proc.pid and "train.py" in _procs.cmdline(p) for p in run)  # the forked router
         proc.kill()
         killed = time.time()
         proc.wait(30)
-        left = wait_gone(set(tree + servers), timeout=90)
+        left = _procs.wait_none_carrying(_procs.RUN_KEY, str(tmp_path), timeout=90)
         timing("driver-sigkill", all_processes_gone=time.time() - killed)
+        left_cmd = _procs.describe(left)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    left_cmd = []
-    for pid in left:
-        try:
-            left_cmd.append(" ".join(psutil.Process(pid).cmdline())[:200])
-        except psutil.Error:
-            pass
+        swept = _procs.stop_run(proc, tmp_path, timeout=0)
     assert not left_cmd, f"processes left behind after SIGKILL of the driver: {left_cmd}"
+    assert not swept
 
 
 # ------------------------------------------------------------------ engine and router faults mid-rollout
@@ -171,7 +175,8 @@ def _fault_dir(args):
 
 
 def _server_pid(port):
-    for p in psutil.process_iter(["cmdline"]):
+    """The CPU server of this session on `port` (the session's marker keeps other runs' servers out)."""
+    for p in _procs.carrying(_procs.SESSION_KEY, os.environ[_procs.SESSION_KEY]):
         cmd = p.info["cmdline"] or []
         if "slime.backends.cpu_server" in " ".join(cmd) and str(port) in cmd:
             return p.pid
@@ -298,7 +303,7 @@ def test_engine_sigkill_then_router_kill_are_survived(ray_session, tiny_kit, tmp
         detection=router_failed["time"] - done["kill_router"]["at"],
         recovery=router_restarted["time"] - done["kill_router"]["at"],
     )
-    assert not processes_naming(str(model)), "a server or router outlived the run"
+    assert not leftovers(model), "a server or router outlived the run"
 
 
 def test_engine_sigstop_is_detected_and_replaced(ray_session, tiny_kit, tmp_path):
@@ -330,7 +335,7 @@ def test_engine_sigstop_is_detected_and_replaced(ray_session, tiny_kit, tmp_path
         recovery_engine_rejoined=events[2]["time"] - done["sigstop_engine"]["at"],
         recovery_weights_checked=events[3]["time"] - done["sigstop_engine"]["at"],
     )
-    assert not processes_naming(str(model)), "a server outlived the run (a stopped one must be killed too)"
+    assert not leftovers(model), "a server outlived the run (a stopped one must be killed too)"
 
 
 @pytest.mark.parametrize(
@@ -368,7 +373,7 @@ def test_without_fault_tolerance_a_hung_engine_or_dead_router_fails_the_run_nami
         detection=failure.value.detected_at - faults_done(tmp_path)[fault]["at"],
         run_stopped=time.time() - faults_done(tmp_path)[fault]["at"],
     )
-    assert not processes_naming(str(model)), "a server or router outlived the failed run"
+    assert not leftovers(model), "a server or router outlived the failed run"
 
 
 def test_train_async_engine_sigkill_is_survived(ray_session, tiny_kit, tmp_path):
@@ -400,7 +405,7 @@ def test_train_async_engine_sigkill_is_survived(ray_session, tiny_kit, tmp_path)
         recovery_engine_rejoined=restarted["time"] - done["sigkill_engine"]["at"],
         recovery_weights_checked=checked["time"] - done["sigkill_engine"]["at"],
     )
-    assert not processes_naming(str(model)), "a server or router outlived the run"
+    assert not leftovers(model), "a server or router outlived the run"
 
 
 def test_colocated_engine_sigkill_is_replaced_in_its_bundle(ray_session, tiny_kit, tmp_path):
@@ -437,7 +442,7 @@ def test_colocated_engine_sigkill_is_replaced_in_its_bundle(ray_session, tiny_ki
         recovery_engine_rejoined=restarted["time"] - done["sigkill_engine"]["at"],
         recovery_weights_checked=checked["time"] - done["sigkill_engine"]["at"],
     )
-    assert not processes_naming(str(model)), "a server or router outlived the run"
+    assert not leftovers(model), "a server or router outlived the run"
 
 
 def hold_weight_updates(args):
@@ -529,7 +534,7 @@ def test_engine_killed_during_a_weight_update_is_dropped_then_replaced(ray_sessi
         recovery_engine_rejoined=restarted["time"] - done["at"],
         recovery_weights_checked=checked["time"] - done["at"],
     )
-    assert not processes_naming(str(model)), "a server or router outlived the run"
+    assert not leftovers(model), "a server or router outlived the run"
 
 
 def test_fully_async_replacement_engine_joins_the_router_only_with_pushed_weights(ray_session, tiny_kit, tmp_path):
@@ -553,4 +558,4 @@ def test_fully_async_replacement_engine_joins_the_router_only_with_pushed_weight
     ]
     assert versions and all(str(v).isdigit() for v in versions), sorted(set(map(str, versions)))
     assert all(r["rollout/staleness_max"] <= 2 for r in rows)
-    assert not processes_naming(str(model)), "a server or router outlived the run"
+    assert not leftovers(model), "a server or router outlived the run"

@@ -96,6 +96,7 @@ def lags(batches):
     return [r + 1 - int(s["weight_versions"][0]) for r, samples in batches.items() for s in samples]
 
 
+@pytest.mark.slow
 def test_slow_trainer_staleness_bound_eval_versions_and_exactly_once_across_crash_and_resume(
     ray_session, tiny_kit, tmp_path
 ):
@@ -186,6 +187,7 @@ def test_slow_trainer_staleness_bound_eval_versions_and_exactly_once_across_cras
         assert 0 <= r["perf/engine_idle_frac"] <= 1 and r["rollout/queue_depth"] >= 0
 
 
+@pytest.mark.slow
 def test_slow_engine_keeps_the_bound_and_resumes_requests_across_weight_updates(ray_session, tiny_kit, tmp_path):
     args = make_args(
         tiny_kit,

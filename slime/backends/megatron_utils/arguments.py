@@ -16,6 +16,7 @@ from slime.utils.device import (
     default_transformer_impl,
     dist_backend,
     gradient_accumulation_fusion_by_default,
+    note_cpu_fallbacks,
     sequence_parallel_possible,
 )
 
@@ -803,6 +804,7 @@ def megatron_validate_args(args, error):
         logger.warning("--sequence-parallel ignored on CPU (needs Transformer Engine / Apex norms)")
         args.sequence_parallel = False
     args.params_dtype = torch.half if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
+    note_cpu_fallbacks(logger)
 
 
 def _check_lr_warmup(args, error):
