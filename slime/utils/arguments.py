@@ -33,6 +33,7 @@ from slime.backends.sglang_utils.arguments import add_sglang_arguments, sglang_a
 from slime.backends.sglang_utils.arguments import validate_args as sglang_validate_args
 from slime.utils.device import auto_inference_server
 from slime.utils.eval_config import from_prompt_data, load_eval_config
+from slime.utils.flag_support import add_refused_arguments, refuse_unsupported
 from slime.utils.startup_checks import DEFAULT_ROLLOUT_FUNCTION, check_inputs, check_value_ranges
 
 logger = logging.getLogger(__name__)
@@ -635,6 +636,7 @@ def get_slime_extra_args_provider(add_custom_arguments=None):
             add_ci_arguments,
             add_custom_megatron_plugins_arguments,
             add_mtp_training_arguments,
+            add_refused_arguments,  # last: parses the refused upstream flags no group above declares
         ):
             add(parser)
         if "--padded-vocab-size" not in parser._option_string_actions:
@@ -974,6 +976,7 @@ def parse_args(add_custom_arguments=None, argv=None, *, check_paths=True, asynch
         args = parser.parse_args(argv)
     error = _one_line_error(parser)
     overridden = _apply_megatron_config(args, error, check_paths)
+    refuse_unsupported(args, parser, error)
     user_load = args.load  # validation replaces a --load without a checkpoint by --ref-load
 
     if args.hf_checkpoint:
