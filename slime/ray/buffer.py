@@ -24,8 +24,8 @@ from slime.utils.ray_utils import Box
 from slime.utils.types import Sample
 from slime.utils.user_errors import call_user_function, user_function
 
-_GROUP_NORM_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus_baseline", "rloo")
-_STD_NORM_ESTIMATORS = ("grpo", "gspo")
+_GROUP_NORM_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus_baseline", "rloo")
+_STD_NORM_ESTIMATORS = ("grpo", "gspo", "cispo")
 
 
 def _wandb_utils():

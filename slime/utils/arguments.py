@@ -374,7 +374,8 @@ def add_algo_arguments(parser):
     g.add_argument("--kl-coef", type=float, default=0.0, help="KL penalty in the reward (REINFORCE++).")
     g.add_argument("--use-kl-loss", action="store_true", default=False)
     g.add_argument("--kl-loss-coef", type=float, default=0.0)
-    g.add_argument("--kl-loss-type", choices=["kl", "k1", "k2", "k3", "low_var_kl"], default="kl")
+    # k1 is current slime's name (and default); kl, slime v0.1.0's name for it, is still accepted
+    g.add_argument("--kl-loss-type", choices=["k1", "kl", "k2", "k3", "low_var_kl"], default="k1")
     g.add_argument("--loss-type", choices=["policy_loss", "sft_loss", "custom_loss"], default="policy_loss")
     g.add_argument("--custom-loss-function-path", type=str, default=None)
     g.add_argument(
@@ -401,7 +402,9 @@ def add_algo_arguments(parser):
     g.add_argument(
         "--advantage-estimator",
         default="grpo",
-        choices=["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo"],
+        choices=["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo"],
+        help="cispo: GRPO's advantages with the CISPO loss -sg(clip(ratio, 1-eps_clip, 1+eps_clip_high))*A*logp "
+        "(the gradient flows through logp only; canonical CISPO sets --eps-clip >= 1 to drop the lower bound).",
     )
     g.add_argument(
         "--disable-compute-advantages-and-returns",
@@ -431,6 +434,26 @@ def add_algo_arguments(parser):
         help="--use-tis weights exp(old - rollout log-prob): 'truncate' clamps them to [--tis-clip-low, "
         "--tis-clip]; 'mask' keeps them inside that range and zeroes the tokens outside (IcePop).",
     )
+    return parser
+
+
+def add_loss_variant_arguments(parser):
+    """Current slime's loss variants on top of the PPO-family loss."""
+    g = _Group(parser, "loss variants")
+    g.add_argument(
+        "--use-unbiased-kl",
+        action="store_true",
+        default=False,
+        help="Weight the KL-loss term of each token by exp(logp - old_logp) (DeepSeek-V3.2's unbiased KL).",
+    )
+    g.add_argument(
+        "--use-opsm",
+        action="store_true",
+        default=False,
+        help="Off-Policy Sequence Masking: a sample with a negative advantage whose masked mean of "
+        "(old - new) log-prob exceeds --opsm-delta leaves the policy loss (reported as opsm_clipfrac).",
+    )
+    g.add_argument("--opsm-delta", type=float, default=1e-4, help="The threshold of --use-opsm.")
     return parser
 
 
@@ -625,6 +648,7 @@ def get_slime_extra_args_provider(add_custom_arguments=None):
             add_data_arguments,
             add_eval_arguments,
             add_algo_arguments,
+            add_loss_variant_arguments,
             add_wandb_arguments,
             add_debug_arguments,
             add_sglang_arguments,
@@ -880,6 +904,12 @@ def _apply_custom_config(args, error, check_paths):
 
 def _validate_algorithm_and_rollout(args, error):
     """Flag combinations the loss and the default rollout cannot run with, found here instead of mid-run."""
+    if args.advantage_estimator == "cispo" and args.eps_clip < 1:
+        logger.warning(
+            "--advantage-estimator cispo with --eps-clip %s < 1: the importance ratio is also clipped from below "
+            "(canonical CISPO has no lower bound: set --eps-clip >= 1)",
+            args.eps_clip,
+        )
     if args.loss_type == "custom_loss" and not args.custom_loss_function_path:
         error("--loss-type custom_loss needs --custom-loss-function-path pkg.module.fn (the loss to call).")
     if args.advantage_estimator == "rloo" and not args.rewards_normalization:
