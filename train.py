@@ -17,12 +17,12 @@ def train(args):
     with cleanup_on_exit():  # engines, router, actors and placement group go away however the run ends
         actor_model, rollout_manager, recorder, get, num_rollout_per_epoch = start_run(args)
         # Engines never serve the HF checkpoint's weights: push Megatron's before the first rollout.
-        if args.offload:
+        if args.offload_rollout:
             get(rollout_manager.async_onload(tags=["weights"]))
         rollout_manager.finish_weight_update(actor_model, get, get(actor_model.async_update_weights()))
         if args.check_weight_update_equal:
             get(rollout_manager.async_check_weights("compare"))
-        if args.offload:
+        if args.offload_rollout:
             get(rollout_manager.async_onload(tags=AFTER_UPDATE_TAGS))
 
         for rollout_id in range(args.start_rollout_id, args.num_rollout):
@@ -30,7 +30,7 @@ def train(args):
                 recorder.eval(rollout_id, get(rollout_manager.async_eval(rollout_id)))
 
             rollout_data_ref = get(rollout_manager.async_generate(rollout_id))
-            if args.offload:
+            if args.offload_rollout:
                 get(rollout_manager.async_offload())
             train_metrics = get(actor_model.async_train(rollout_id, rollout_data_ref))
 
@@ -38,11 +38,12 @@ def train(args):
                 checkpoint.save(args, rollout_id, actor_model, rollout_manager, get)
 
             recovered = rollout_manager.recover(actor_model, get)  # --use-fault-tolerance: replace removed engines
-            if args.offload:
+            if args.offload_train:
                 get(actor_model.async_offload())
+            if args.offload_rollout:
                 get(rollout_manager.async_onload(tags=["weights"]))
             update_metrics = get(actor_model.async_update_weights())
-            if args.offload:
+            if args.offload_rollout:
                 get(rollout_manager.async_onload(tags=AFTER_UPDATE_TAGS))
             update_metrics = rollout_manager.finish_weight_update(actor_model, get, update_metrics, recovered)
 

@@ -38,7 +38,7 @@ class RayTrainGroup:
         world_size = self._num_nodes * self._num_gpus_per_node
         pg, reordered_bundle_indices = pg
         env = {"NCCL_CUMEM_ENABLE": "0", **noset_visible_devices_env(), **trainer_env()}
-        if self.args.offload and allocator_hook_possible():
+        if self.args.offload_train and allocator_hook_possible():
             env.update(_torch_memory_saver_env())
         if "SLIME_TEST_HOLD_WEIGHT_UPDATE" in os.environ:  # fault-injection hook of the weight update (tests only)
             env["SLIME_TEST_HOLD_WEIGHT_UPDATE"] = os.environ["SLIME_TEST_HOLD_WEIGHT_UPDATE"]

@@ -146,7 +146,7 @@ class RolloutManager:
             # weight push must then reproduce the snapshot exactly (`compare`, after that push)
             for action in ("snapshot", "reset_tensors"):
                 ray.get(self.async_check_weights(action))
-        if args.offload and self.rollout_engines:
+        if args.offload_rollout and self.rollout_engines:
             ray.get([e.release_memory_occupation.remote() for e in self.rollout_engines])
         if not args.debug_train_only:
             self.health_monitor = RolloutHealthMonitor(self, args)
@@ -286,7 +286,7 @@ class RolloutManager:
                     engine=i,
                     bundle=bundle,
                 )
-        if self.args.offload:  # same memory state as its peers: weights in, KV cache released until onload
+        if self.args.offload_rollout:  # same memory state as its peers: weights in, KV cache released until onload
             get([self.rollout_engines[i].release_memory_occupation.remote() for i in dead])
         get(actor_model.async_init_weight_update_connections(self))
         return dead

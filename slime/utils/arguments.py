@@ -97,7 +97,15 @@ def add_cluster_arguments(parser):
     g.add_argument(
         "--rollout-num-gpus-per-engine", type=int, default=1, help="GPUs per inference engine (SGLang's tp size)."
     )
-    g.add_argument("--rollout-num-gpus-per-node", type=int, default=8, help="GPUs per node for inference engines.")
+    g.add_argument(
+        "--num-gpus-per-node",
+        "--rollout-num-gpus-per-node",
+        dest="rollout_num_gpus_per_node",
+        type=int,
+        default=8,
+        help="GPUs per node for inference engines (current slime's name; --rollout-num-gpus-per-node is the older "
+        "one). Also read as args.num_gpus_per_node.",
+    )
     g.add_argument(
         "--colocate",
         action="store_true",
@@ -108,7 +116,21 @@ def add_cluster_arguments(parser):
         "--offload",
         action="store_true",
         default=False,
-        help="Offload training weights/optimizer while rolling out (and engines while training).",
+        help="--offload-train plus --offload-rollout.",
+    )
+    g.add_argument(
+        "--offload-train",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Offload the trainers' weights and optimizer while the engines generate (on with --colocate unless "
+        "--no-offload-train).",
+    )
+    g.add_argument(
+        "--offload-rollout",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Release the engines' weights and KV cache while the trainers train (on with --colocate unless "
+        "--no-offload-rollout).",
     )
     g.add_argument(
         "--inference-server",
@@ -760,15 +782,23 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
         else:
             args.actor_num_gpus_per_node = min(8, args.rollout_num_gpus)
             args.actor_num_nodes = args.rollout_num_gpus // args.actor_num_gpus_per_node
-        args.colocate = args.offload = False
-    if asynchronous and (args.colocate or args.offload):
+        args.colocate = args.offload = args.offload_train = args.offload_rollout = False
+    if asynchronous and (args.colocate or args.offload or args.offload_train or args.offload_rollout):
+        flag = "--colocate" if args.colocate else "--offload" if args.offload else "--offload-train/--offload-rollout"
         error(
-            f"{'--colocate' if args.colocate else '--offload'}: train_async.py overlaps generation with training, so "
-            "the trainers and the engines cannot share GPUs; drop it, or use train.py for a colocated run."
+            f"{flag}: train_async.py overlaps generation with training, so the trainers and the engines cannot share "
+            "GPUs; drop it, or use train.py for a colocated run."
         )
-    # colocated engines use exactly the actor GPUs and must offload
+    # --offload is both; colocated trainers and engines offload unless told not to (--no-offload-train/-rollout)
+    for name in ("offload_train", "offload_rollout"):
+        if args.offload:
+            setattr(args, name, True)
+        elif getattr(args, name) is None:
+            setattr(args, name, args.colocate)
+    args.offload = args.offload_train or args.offload_rollout  # user code of slime v0.1.0 reads args.offload
+    args.num_gpus_per_node = args.rollout_num_gpus_per_node  # current slime's name of the field
+    # colocated engines use exactly the actor GPUs
     if args.colocate:
-        args.offload = True
         if args.rollout_num_gpus != actor_total:
             if args.rollout_num_gpus is not None:
                 logger.warning(

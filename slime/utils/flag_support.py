@@ -78,9 +78,6 @@ REFUSED = {
     "--use-distributed-post": "not implemented here yet: drop it (the rollout posts to the router from the driver's "
     "rollout actor)",
     # not implemented here yet (issue #24's remaining work)
-    "--num-gpus-per-node": f"{_NOT_YET}: use --rollout-num-gpus-per-node (the same setting under its older name)",
-    "--offload-train": f"{_NOT_YET}: use --offload (offloads both training and rollout)",
-    "--offload-rollout": f"{_NOT_YET}: use --offload (offloads both training and rollout)",
     "--train-env-vars": f"{_NOT_YET}: export the variables before starting Ray (they reach the actors through Ray's runtime env)",
     "--recompute-loss-function": f"{_NOT_YET}: drop it (the loss is not activation-checkpointed)",
     "--log-probs-chunk-size": f"{_NOT_YET}: drop it, or lower --log-probs-max-tokens-per-gpu",

@@ -90,7 +90,7 @@ class MegatronTrainRayActor(TrainRayActor):
         # weights before rollout r are version r + 1, also after a resume: the first push is start_rollout_id + 1
         self.weight_updator.weight_version = start_rollout_id
         self._offload_backup = None
-        if args.offload:
+        if args.offload_train:
             self.sleep(("model",))
         Timer().start("train_wait")
         return start_rollout_id
@@ -223,7 +223,7 @@ class MegatronTrainRayActor(TrainRayActor):
             Timer().end("train_wait")
         if args.debug_rollout_only:  # rollout debugging: the data is produced and dropped here
             return {}
-        if args.offload:
+        if args.offload_train:
             self.wake_up(("model",))
         dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
         with timer("data_preprocess"):
