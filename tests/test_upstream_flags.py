@@ -53,3 +53,60 @@ def test_num_gpus_per_node_is_the_rollout_gpus_per_node():
     a = make_args("--num-gpus-per-node", "4")
     assert (a.rollout_num_gpus_per_node, a.num_gpus_per_node) == (4, 4)
     assert make_args("--rollout-num-gpus-per-node", "2").num_gpus_per_node == 2
+
+
+# ---------------------------------------------------------------- TensorBoard
+def _scalars(tb_dir):
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+    mux = EventMultiplexer()
+    mux.AddRunsFromDirectory(str(tb_dir))
+    mux.Reload()
+    out = {}
+    for run in mux.Runs():
+        for tag in mux.GetAccumulator(run).Tags()["scalars"]:
+            out.setdefault(tag, []).extend((e.step, e.value) for e in mux.Scalars(run, tag))
+    return out
+
+
+def test_tensorboard_gets_every_logged_metric_on_its_step_axis(tmp_path, monkeypatch):
+    from slime.observability import tensorboard_utils
+    from slime.utils import wandb_utils
+    from slime.utils.misc import SingletonMeta
+
+    monkeypatch.delenv("TENSORBOARD_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    args = make_args("--use-tensorboard", "--tb-project-name", "proj", "--tb-experiment-name", "exp")
+    assert args.tb_dir == str(tmp_path / "tensorboard_log" / "proj" / "exp")
+    SingletonMeta.clear_instances(tensorboard_utils._TensorboardAdapter)  # one writer per process
+    # what the trainer (train/step) and the rollout controller (rollout/step, eval/step) log
+    wandb_utils.log(args, {"train/step": 3, "train/loss": 0.25, "train/grad_norm": 1.5}, "train/step")
+    wandb_utils.log(args, {"rollout/raw_reward": 0.75}, "rollout/step", step=wandb_utils.get_step(args, "rollout", 2))
+    wandb_utils.log(args, {"eval/addition": 0.5}, "eval/step", step=4)
+    assert _scalars(args.tb_dir) == {
+        "train/loss": [(3, 0.25)],
+        "train/grad_norm": [(3, 1.5)],
+        "rollout/raw_reward": [(2, 0.75)],
+        "eval/addition": [(4, 0.5)],
+    }
+    tensorboard_utils._TensorboardAdapter(args).finish()
+    SingletonMeta.clear_instances(tensorboard_utils._TensorboardAdapter)
+
+
+def test_tensorboard_directory_rules(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("TENSORBOARD_DIR", raising=False)
+    assert "--use-tensorboard needs --tb-project-name" in _error(capsys, "--use-tensorboard")
+    assert make_args().tb_dir is None
+    a = make_args("--use-tensorboard", "--tb-project-name", "p")
+    assert len(a.tb_experiment_name) == len("20260101_120000")  # the start time
+    monkeypatch.setenv("TENSORBOARD_DIR", str(tmp_path / "tb"))
+    assert make_args("--use-tensorboard").tb_dir == str(tmp_path / "tb")
+
+
+def test_observability_import_paths_are_slimes_own():
+    from slime.observability import timer as obs_timer
+    from slime.observability import wandb_utils as obs_wandb
+    from slime.utils import timer, wandb_utils
+
+    assert obs_timer.Timer is timer.Timer and obs_timer.timer is timer.timer
+    assert obs_wandb.log is wandb_utils.log and obs_wandb.init_wandb_primary is wandb_utils.init_wandb_primary

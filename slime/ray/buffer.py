@@ -236,10 +236,12 @@ class RolloutController:
 
     def __init__(self, args, wandb_run_id=None):
         self.args = args
-        # Log to wandb only when this actor joined the driver's run.
+        # Log to wandb only when this actor joined the driver's run; TensorBoard needs no run to join.
         self.wandb = None
-        wandb_utils = _wandb_utils() if args.use_wandb else None
-        if wandb_utils is not None and wandb_utils.init_wandb_secondary(args, wandb_run_id) is not None:
+        wandb_utils = _wandb_utils() if args.use_wandb or args.use_tensorboard else None
+        if wandb_utils is not None and (
+            wandb_utils.init_wandb_secondary(args, wandb_run_id) is not None or args.use_tensorboard
+        ):
             self.wandb = wandb_utils
 
         self.data_source = load_function(args.data_source_path)(args)

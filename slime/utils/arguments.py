@@ -10,6 +10,7 @@ the flag(s) at fault.
 """
 
 import argparse
+import datetime
 import logging
 import os
 import secrets
@@ -479,6 +480,44 @@ def add_loss_variant_arguments(parser):
     return parser
 
 
+def add_tensorboard_arguments(parser):
+    g = _Group(parser, "tensorboard")
+    g.add_argument(
+        "--use-tensorboard",
+        action="store_true",
+        default=False,
+        help="Also write every metric logged to W&B as a TensorBoard scalar, on the same step axis.",
+    )
+    g.add_argument(
+        "--tb-project-name",
+        type=str,
+        default=None,
+        help="Logs go to tensorboard_log/<project>/<experiment> ($TENSORBOARD_DIR, when set, wins).",
+    )
+    g.add_argument(
+        "--tb-experiment-name", type=str, default=None, help="Default: the start time, %%Y%%m%%d_%%H%%M%%S."
+    )
+    return parser
+
+
+def resolve_tb_dir(args, error):
+    """`args.tb_dir`: the one TensorBoard directory of the run (None without --use-tensorboard), resolved once here so
+    every process that logs (trainer, rollout controller) writes into the same run."""
+    args.tb_dir = None
+    if not args.use_tensorboard:
+        return
+    env_dir = os.environ.get("TENSORBOARD_DIR")
+    if args.tb_project_name is None and not env_dir:
+        error(
+            "--use-tensorboard needs --tb-project-name (logs go to tensorboard_log/<project>/<experiment>) or $TENSORBOARD_DIR."
+        )
+    if args.tb_project_name is not None and args.tb_experiment_name is None:
+        args.tb_experiment_name = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
+    args.tb_dir = os.path.abspath(
+        env_dir or os.path.join("tensorboard_log", args.tb_project_name, args.tb_experiment_name)
+    )
+
+
 def add_wandb_arguments(parser):
     g = _Group(parser, "wandb")
     g.add_argument("--use-wandb", action="store_true", default=False)
@@ -672,6 +711,7 @@ def get_slime_extra_args_provider(add_custom_arguments=None):
             add_algo_arguments,
             add_loss_variant_arguments,
             add_wandb_arguments,
+            add_tensorboard_arguments,
             add_debug_arguments,
             add_sglang_arguments,
             add_network_arguments,
@@ -866,6 +906,7 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
             "recompute the LR schedule from this run's flags, or keep the checkpoint's, not both."
         )
     _validate_algorithm_and_rollout(args, error)
+    resolve_tb_dir(args, error)
     check_mtp(args, error)
     if args.custom_tis_function_path and not args.use_tis:
         error(f"--custom-tis-function-path {args.custom_tis_function_path} is called only with --use-tis; add it.")
