@@ -24,9 +24,12 @@ def train(args):
             get(rollout_manager.async_check_weights("compare"))
         if args.offload_rollout:
             get(rollout_manager.async_onload(tags=AFTER_UPDATE_TAGS))
+        if args.num_rollout == 0:  # an eval-only run (validated: --eval-interval is set)
+            recorder.eval(0, get(rollout_manager.async_eval(0)))
+            recorder.rollout_done(0, None)  # writes the eval's record
 
         for rollout_id in range(args.start_rollout_id, args.num_rollout):
-            if args.eval_interval is not None and rollout_id == 0:
+            if args.eval_interval is not None and rollout_id == 0 and not args.skip_eval_before_train:
                 recorder.eval(rollout_id, get(rollout_manager.async_eval(rollout_id)))
 
             rollout_data_ref = get(rollout_manager.async_generate(rollout_id))

@@ -31,7 +31,7 @@ def one_step_off_loop(args, get, actor_model, rollout_manager, recorder, num_rol
     """Rollout N+1 is generated with the weights of N while the trainers learn from N."""
     rollout_data_next_future = rollout_manager.async_generate(args.start_rollout_id)
     for rollout_id in range(args.start_rollout_id, args.num_rollout):
-        if args.eval_interval is not None and rollout_id == 0:
+        if args.eval_interval is not None and rollout_id == 0 and not args.skip_eval_before_train:
             recorder.eval(rollout_id, get(rollout_manager.async_eval(rollout_id)))
         if rollout_data_next_future is not None:
             rollout_data_curr_ref = get(rollout_data_next_future)
@@ -66,7 +66,7 @@ def fully_async_loop(args, get, actor_model, rollout_manager, recorder, num_roll
     controller = rollout_manager.controller
     engine_version = args.start_rollout_id + 1  # the initial push
     get(controller.set_weight_version.remote(engine_version))
-    if args.eval_interval is not None and args.start_rollout_id == 0:
+    if args.eval_interval is not None and args.start_rollout_id == 0 and not args.skip_eval_before_train:
         get(controller.start_eval.remote(0, engine_version))
     for rollout_id in range(args.start_rollout_id, args.num_rollout):
         train_metrics = get(actor_model.async_train(rollout_id, get(rollout_manager.async_generate(rollout_id))))

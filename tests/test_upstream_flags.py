@@ -110,3 +110,43 @@ def test_observability_import_paths_are_slimes_own():
 
     assert obs_timer.Timer is timer.Timer and obs_timer.timer is timer.timer
     assert obs_wandb.log is wandb_utils.log and obs_wandb.init_wandb_primary is wandb_utils.init_wandb_primary
+
+
+# ---------------------------------------------------------------- prompts and context budgets
+def test_context_length_defaults_and_bound(capsys):
+    a = make_args("--rollout-max-context-len", "100")
+    assert (a.rollout_max_prompt_len, a.eval_max_context_len, a.eval_max_prompt_len) == (99, 100, 99)
+    a = make_args("--rollout-max-context-len", "100", "--rollout-max-prompt-len", "50", "--eval-max-prompt-len", "70")
+    assert (a.rollout_max_prompt_len, a.eval_max_prompt_len, a.eval_max_context_len) == (50, 70, 100)
+    a = make_args("--eval-max-context-len", "30")
+    assert (a.rollout_max_context_len, a.rollout_max_prompt_len, a.eval_max_context_len) == (None, None, 30)
+    assert "--rollout-max-prompt-len 100 must be below --rollout-max-context-len 100" in _error(
+        capsys, "--rollout-max-context-len", "100", "--rollout-max-prompt-len", "100"
+    )
+    assert "--rollout-max-context-len 1" in _error(capsys, "--rollout-max-context-len", "1")
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path, tiny_kit, capsys):
+    from transformers import AutoTokenizer
+
+    from slime.utils.data import Dataset
+
+    tok = AutoTokenizer.from_pretrained(tiny_kit[0])
+    tok.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}"
+    )
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"input": [{"role": "user", "content": "hi"}]}\n')
+    kwargs = make_args("--apply-chat-template-kwargs", '{"enable_thinking": false}').apply_chat_template_kwargs
+    assert kwargs == {"enable_thinking": False}
+    ds = Dataset(str(path), tok, None, prompt_key="input", apply_chat_template=True, apply_chat_template_kwargs=kwargs)
+    assert ds[0].prompt == "<user>hi<no-think>"
+    ds = Dataset(str(path), tok, None, prompt_key="input", apply_chat_template=True)
+    assert ds[0].prompt == "<user>hi"
+    assert make_args().apply_chat_template_kwargs == {}
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:  # argparse's own type error: usage line, then the error naming the flag
+        make_args("--apply-chat-template-kwargs", "{enable_thinking")
+    assert e.value.code == 2
+    assert "error: argument --apply-chat-template-kwargs" in capsys.readouterr().err

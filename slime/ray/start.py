@@ -20,7 +20,7 @@ def start_run(args):
     if args.num_rollout is None:
         num_rollout_per_epoch = get(rollout_manager.controller.get_num_rollout_per_epoch.remote())
         args.num_rollout = num_rollout_per_epoch * args.num_epoch
-    assert args.num_rollout > 0, f"nothing to train: num_rollout={args.num_rollout}"
+    assert args.num_rollout > 0 or args.eval_interval is not None, f"nothing to do: num_rollout={args.num_rollout}"
 
     start_rollout_ids = get(actor_model.async_init(args, role="actor", with_ref=args.kl_coef != 0 or args.use_kl_loss))
     assert len(set(start_rollout_ids)) == 1, f"training ranks disagree on the start rollout id: {start_rollout_ids}"

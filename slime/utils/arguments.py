@@ -11,6 +11,7 @@ the flag(s) at fault.
 
 import argparse
 import datetime
+import json
 import logging
 import os
 import secrets
@@ -313,6 +314,13 @@ def add_data_arguments(parser):
     )
     g.add_argument("--prompt-data", type=str, default=None, help="Prompt file (.jsonl/.json/.parquet).")
     g.add_argument("--apply-chat-template", action="store_true", default=False)
+    g.add_argument(
+        "--apply-chat-template-kwargs",
+        type=json.loads,
+        default="{}",
+        help="JSON of extra keyword arguments of the chat template (rollout and eval prompts), e.g. "
+        "'{\"enable_thinking\": false}'.",
+    )
     g.add_argument("--input-key", type=str, default="input", help="Column holding the prompt.")
     g.add_argument("--label-key", type=str, default=None)
     g.add_argument("--metadata-key", type=str, default="metadata")
@@ -348,6 +356,12 @@ def add_data_arguments(parser):
 
 def add_eval_arguments(parser):
     g = _Group(parser, "eval")
+    g.add_argument(
+        "--skip-eval-before-train",
+        action="store_true",
+        default=False,
+        help="With --eval-interval: no eval at rollout 0, before any training.",
+    )
     g.add_argument("--eval-function-path", type=str, default=None, help="Default: --rollout-function-path.")
     reset_arg(parser, "--eval-interval", type=int, default=None)
     g.add_argument(
@@ -478,6 +492,45 @@ def add_loss_variant_arguments(parser):
     )
     g.add_argument("--opsm-delta", type=float, default=1e-4, help="The threshold of --use-opsm.")
     return parser
+
+
+def add_context_length_arguments(parser):
+    """Current slime's context budgets (prompt + response tokens)."""
+    g = _Group(parser, "context length")
+    g.add_argument(
+        "--rollout-max-context-len",
+        type=int,
+        default=None,
+        help="Max prompt + response tokens of a rollout sample (at most the model's max_position_embeddings); "
+        "--rollout-max-prompt-len defaults to it - 1, so every sample can generate a token. Read by multi-turn "
+        "generate functions as the budget of a whole trajectory.",
+    )
+    g.add_argument(
+        "--eval-max-context-len", type=int, default=None, help="--rollout-max-context-len of eval; default: it."
+    )
+    g.add_argument(
+        "--eval-max-prompt-len",
+        type=int,
+        default=None,
+        help="Drop eval prompts longer than this (tokens); default: --rollout-max-prompt-len.",
+    )
+    return parser
+
+
+def resolve_context_lengths(args, error):
+    """Current slime's defaults between the context budgets, and its bound: a prompt leaves room for one token."""
+    if args.eval_max_context_len is None:
+        args.eval_max_context_len = args.rollout_max_context_len
+    if args.rollout_max_context_len is not None:
+        if args.rollout_max_prompt_len is None:
+            args.rollout_max_prompt_len = args.rollout_max_context_len - 1
+        elif args.rollout_max_prompt_len > args.rollout_max_context_len - 1:
+            error(
+                f"--rollout-max-prompt-len {args.rollout_max_prompt_len} must be below --rollout-max-context-len "
+                f"{args.rollout_max_context_len}, so that every sample generates at least one token to train on."
+            )
+    if args.eval_max_prompt_len is None:
+        args.eval_max_prompt_len = args.rollout_max_prompt_len
 
 
 def add_tensorboard_arguments(parser):
@@ -712,6 +765,7 @@ def get_slime_extra_args_provider(add_custom_arguments=None):
             add_loss_variant_arguments,
             add_wandb_arguments,
             add_tensorboard_arguments,
+            add_context_length_arguments,
             add_debug_arguments,
             add_sglang_arguments,
             add_network_arguments,
@@ -898,6 +952,11 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
             error("--num-epoch needs the global dataset (drop --disable-rollout-global-dataset or use --num-rollout).")
     elif args.num_rollout is None:
         error("one of --num-rollout or --num-epoch is required.")
+    if args.num_rollout == 0:
+        if args.eval_interval is None:
+            error("--num-rollout 0 runs only the eval before training: set --eval-interval and the eval data.")
+        if asynchronous:
+            error("--num-rollout 0 (an eval-only run): use train.py; train_async.py always trains.")
     if args.save_interval is not None and args.save is None:
         error("--save-interval requires --save (the checkpoint directory).")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
@@ -907,6 +966,7 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
         )
     _validate_algorithm_and_rollout(args, error)
     resolve_tb_dir(args, error)
+    resolve_context_lengths(args, error)
     check_mtp(args, error)
     if args.custom_tis_function_path and not args.use_tis:
         error(f"--custom-tis-function-path {args.custom_tis_function_path} is called only with --use-tis; add it.")
