@@ -150,3 +150,76 @@ def test_chat_template_kwargs_reach_the_template(tmp_path, tiny_kit, capsys):
         make_args("--apply-chat-template-kwargs", "{enable_thinking")
     assert e.value.code == 2
     assert "error: argument --apply-chat-template-kwargs" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- CI helpers
+def test_ci_logprob_gap_threshold():
+    from slime.backends.megatron_utils.model import ci_step_checks
+
+    no_dropout = ("--attention-dropout", "0", "--hidden-dropout", "0")
+    args = make_args("--ci-test", *no_dropout, "--ci-train-rollout-logprob-abs-diff-threshold", "0.01")
+    ci_step_checks(args, 0, 0, {"train/grad_norm": 1.0, "train/train_rollout_logprob_abs_diff": 0.01})
+    with pytest.raises(AssertionError, match="--ci-train-rollout-logprob-abs-diff-threshold 0.01"):
+        ci_step_checks(args, 0, 0, {"train/grad_norm": 1.0, "train/train_rollout_logprob_abs_diff": 0.02})
+    # without --ci-test the gap is only reported
+    ci_step_checks(make_args(), 0, 0, {"train/grad_norm": 1.0, "train/train_rollout_logprob_abs_diff": 5.0})
+    assert make_args().ci_train_rollout_logprob_abs_diff_threshold == 0.1
+
+
+def test_ci_grad_norm_saved_then_reproduced(tmp_path):
+    from slime.backends.megatron_utils.model import ci_step_checks
+
+    template = str(tmp_path / "gn" / "{role}_{rollout_id}_{step_id}.pt")
+    save = make_args("--ci-save-grad-norm", template)
+    ci_step_checks(save, 3, 1, {"train/grad_norm": 2.0})
+    assert (tmp_path / "gn" / "actor_3_1.pt").exists()
+    load = make_args("--ci-load-grad-norm", template)
+    ci_step_checks(load, 3, 1, {"train/grad_norm": 2.015})  # within 1% of 2.0
+    with pytest.raises(AssertionError, match="grad norm 2.1 != saved 2.0"):
+        ci_step_checks(load, 3, 1, {"train/grad_norm": 2.1})
+
+
+def test_ci_disable_kl_checker_skips_the_first_step_identity_checks():
+    from slime.backends.megatron_utils import model as megatron_model
+
+    assert make_args("--ci-disable-kl-checker").ci_disable_kl_checker
+    with pytest.raises(AssertionError, match="first-step ppo_kl"):
+        megatron_model._ci_first_step_checks({"ppo_kl": 0.5})
+
+
+# ---------------------------------------------------------------- environment and metrics
+def test_train_env_vars_reach_the_trainers_env(capsys):
+    a = make_args("--train-env-vars", '{"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "MY_N": 4}')
+    assert a.train_env_vars == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "MY_N": "4"}
+    assert make_args().train_env_vars == {}
+    assert "--train-env-vars: X=[1]" in _error(capsys, "--train-env-vars", '{"X": [1]}')
+    assert "expected a JSON object" in _error(capsys, "--train-env-vars", "[1]")
+
+
+def test_train_env_vars_are_in_the_trainer_runtime_env(monkeypatch):
+    import ray
+
+    from slime.ray import actor_group
+
+    seen = {}
+
+    def fake_remote(**kw):  # stands in for Ray's actor creation (needs a cluster): records the runtime env
+        seen.update(kw["runtime_env"]["env_vars"])
+        raise StopIteration
+
+    monkeypatch.setattr(ray, "remote", fake_remote)
+    args = make_args("--train-env-vars", '{"NCCL_CUMEM_ENABLE": "1", "FOO": "bar"}')
+    with pytest.raises(StopIteration):
+        actor_group.RayTrainGroup(args, 1, 1, (None, [0]), num_gpus_per_actor=0.8)
+    assert seen["FOO"] == "bar" and seen["NCCL_CUMEM_ENABLE"] == "1"  # the user's value wins
+
+
+def test_log_reward_category_fractions():
+    from slime.ray.buffer import reward_category_metrics
+    from slime.utils.types import Sample
+
+    samples = [Sample(index=i, reward={"score": 0.0, "cat": c}) for i, c in enumerate(["ok", "format", "ok", "ok"])]
+    assert reward_category_metrics("cat", samples) == {"error_cat/ok": 0.75, "error_cat/format": 0.25}
+    samples[1].reward = 1.0
+    with pytest.raises(ValueError, match="--log-reward-category cat: sample 1 has reward 1.0"):
+        reward_category_metrics("cat", samples)

@@ -37,7 +37,7 @@ class RayTrainGroup:
 
         world_size = self._num_nodes * self._num_gpus_per_node
         pg, reordered_bundle_indices = pg
-        env = {"NCCL_CUMEM_ENABLE": "0", **noset_visible_devices_env(), **trainer_env()}
+        env = {"NCCL_CUMEM_ENABLE": "0", **noset_visible_devices_env(), **trainer_env(), **self.args.train_env_vars}
         if self.args.offload_train and allocator_hook_possible():
             env.update(_torch_memory_saver_env())
         if "SLIME_TEST_HOLD_WEIGHT_UPDATE" in os.environ:  # fault-injection hook of the weight update (tests only)

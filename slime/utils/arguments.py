@@ -533,6 +533,40 @@ def resolve_context_lengths(args, error):
         args.eval_max_prompt_len = args.rollout_max_prompt_len
 
 
+def add_train_env_arguments(parser):
+    g = _Group(parser, "train environment")
+    g.add_argument(
+        "--train-env-vars",
+        type=json.loads,
+        default="{}",
+        help="JSON object of extra environment variables of the training processes, e.g. "
+        '\'{"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}\' (they win over slime\'s own).',
+    )
+    return parser
+
+
+def check_train_env_vars(args, error):
+    env = args.train_env_vars
+    if not isinstance(env, dict):
+        error(f"--train-env-vars {json.dumps(env)}: expected a JSON object of NAME: value.")
+    for name, value in env.items():
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            error(f"--train-env-vars: {name}={json.dumps(value)}: a value must be a string or a number.")
+    args.train_env_vars = {name: str(value) for name, value in env.items()}  # Ray's runtime env takes strings
+
+
+def add_metric_arguments(parser):
+    g = _Group(parser, "metrics")
+    g.add_argument(
+        "--log-reward-category",
+        type=str,
+        default=None,
+        help="Key of a dict reward naming each sample's category (e.g. its failure kind): the fraction of each "
+        "category is logged per rollout as error_cat/<category>.",
+    )
+    return parser
+
+
 def add_tensorboard_arguments(parser):
     g = _Group(parser, "tensorboard")
     g.add_argument(
@@ -742,6 +776,31 @@ def add_fault_tolerance_arguments(parser):
 def add_ci_arguments(parser):
     g = _Group(parser, "ci")
     g.add_argument("--ci-test", action="store_true", default=False, help="Assert on first-step metrics.")
+    g.add_argument(
+        "--ci-disable-kl-checker",
+        action="store_true",
+        default=False,
+        help="With --ci-test: skip the first-step checks that the policy equals the reference and the rollout "
+        "policy (ppo_kl, pg_clipfrac, kl_loss, log_probs == ref_log_probs).",
+    )
+    g.add_argument(
+        "--ci-train-rollout-logprob-abs-diff-threshold",
+        type=float,
+        default=0.1,
+        help="With --ci-test: every step's train/train_rollout_logprob_abs_diff must be at most this.",
+    )
+    g.add_argument(
+        "--ci-save-grad-norm",
+        type=str,
+        default=None,
+        help="Save each step's grad norm to this path template ({role}, {rollout_id}, {step_id}).",
+    )
+    g.add_argument(
+        "--ci-load-grad-norm",
+        type=str,
+        default=None,
+        help="Assert each step's grad norm matches the one saved at this path template (1%% or 0.01).",
+    )
     return parser
 
 
@@ -765,6 +824,8 @@ def get_slime_extra_args_provider(add_custom_arguments=None):
             add_loss_variant_arguments,
             add_wandb_arguments,
             add_tensorboard_arguments,
+            add_metric_arguments,
+            add_train_env_arguments,
             add_context_length_arguments,
             add_debug_arguments,
             add_sglang_arguments,
@@ -966,6 +1027,7 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
         )
     _validate_algorithm_and_rollout(args, error)
     resolve_tb_dir(args, error)
+    check_train_env_vars(args, error)
     resolve_context_lengths(args, error)
     check_mtp(args, error)
     if args.custom_tis_function_path and not args.use_tis:

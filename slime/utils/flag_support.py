@@ -78,7 +78,6 @@ REFUSED = {
     "--use-distributed-post": "not implemented here yet: drop it (the rollout posts to the router from the driver's "
     "rollout actor)",
     # not implemented here yet (issue #24's remaining work)
-    "--train-env-vars": f"{_NOT_YET}: export the variables before starting Ray (they reach the actors through Ray's runtime env)",
     "--recompute-loss-function": f"{_NOT_YET}: drop it (the loss is not activation-checkpointed)",
     "--log-probs-chunk-size": f"{_NOT_YET}: drop it, or lower --log-probs-max-tokens-per-gpu",
     "--only-train-params-name-list": f"{_NOT_YET}: drop it (every parameter trains)",
@@ -90,7 +89,6 @@ REFUSED = {
     "--ref-update-interval": f"{_NOT_YET}: drop it (the reference model stays fixed)",
     "--reset-optimizer-states": f"{_NOT_YET}: drop it (Adam moments carry over between rollouts)",
     "--use-stateless-adam": f"{_NOT_YET}: drop it (Adam keeps its moments)",
-    "--log-reward-category": f"{_NOT_YET}: log it from a --custom-rollout-log-function-path",
     "--log-correct-samples": f"{_NOT_YET}: log it from a --custom-rollout-log-function-path",
     "--load-debug-rollout-data-subsample": f"{_NOT_YET}: drop it (every replayed sample trains)",
     "--memory-snapshot-dir": f"{_NOT_YET}: drop it",
@@ -99,10 +97,6 @@ REFUSED = {
     "--memory-recorder": f"{_NOT_YET}: drop it",
     "--record-memory-history": f"{_NOT_YET}: drop it",
     "--data-pad-size-multiplier": f"{_NOT_YET}: drop it (packed batches are padded to the TP/CP size)",
-    "--ci-disable-kl-checker": f"{_NOT_YET}: drop it",
-    "--ci-train-rollout-logprob-abs-diff-threshold": f"{_NOT_YET}: drop it",
-    "--ci-save-grad-norm": f"{_NOT_YET}: drop it",
-    "--ci-load-grad-norm": f"{_NOT_YET}: drop it",
 }
 
 # Refused flags that upstream's own argument files do not declare (Megatron-LM flags its model scripts pass):

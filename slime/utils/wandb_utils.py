@@ -16,6 +16,7 @@ METRIC_AXES = {
     "multi_turn": "rollout/step",
     "passrate": "rollout/step",
     "perf": "rollout/step",
+    "error_cat": "rollout/step",
     "eval": "eval/step",
 }
 STEP_KEYS = sorted(set(METRIC_AXES.values()))

@@ -6,6 +6,8 @@ training loop would do lives here, on megatron.core APIs only.
 """
 
 import logging
+import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -317,10 +319,12 @@ def train(args, rollout_id, model, optimizer, opt_param_scheduler, data_iterator
         )
         if not mpu.is_pipeline_last_stage(ignore_virtual=True):
             continue
-        if args.ci_test and rollout_id == 0 and step_id == 0:
+        if args.ci_test and rollout_id == 0 and step_id == 0 and not args.ci_disable_kl_checker:
             _ci_first_step_checks(loss_dict)
         metrics = {f"train/{k}": v for k, v in loss_dict.items()}
         metrics["train/grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
+        if is_megatron_main_rank():
+            ci_step_checks(args, rollout_id, step_id, metrics)
         for i, group in enumerate(optimizer.param_groups):
             metrics[f"train/lr-pg_{i}"] = group["lr"]
         metrics["train/lr"] = optimizer.param_groups[0]["lr"]
@@ -329,6 +333,30 @@ def train(args, rollout_id, model, optimizer, opt_param_scheduler, data_iterator
         if is_megatron_main_rank():
             log(args, metrics, "train/step")
     return history
+
+
+def ci_step_checks(args, rollout_id, step_id, metrics, role="actor"):
+    """Current slime's CI gates of one optimizer step: the train/rollout log-prob gap under
+    --ci-train-rollout-logprob-abs-diff-threshold (with --ci-test), and the grad norm saved to --ci-save-grad-norm or
+    reproduced from --ci-load-grad-norm (path templates with {role}, {rollout_id}, {step_id})."""
+    diff = metrics.get("train/train_rollout_logprob_abs_diff")
+    if args.ci_test and diff is not None:
+        threshold = args.ci_train_rollout_logprob_abs_diff_threshold
+        assert diff <= threshold, (
+            f"--ci-test: rollout {rollout_id} step {step_id} train_rollout_logprob_abs_diff {diff} > "
+            f"--ci-train-rollout-logprob-abs-diff-threshold {threshold}"
+        )
+    grad_norm = metrics["train/grad_norm"]
+    if args.ci_save_grad_norm is not None:
+        path = args.ci_save_grad_norm.format(role=role, rollout_id=rollout_id, step_id=step_id)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        torch.save(grad_norm, path)
+    elif args.ci_load_grad_norm is not None:
+        path = args.ci_load_grad_norm.format(role=role, rollout_id=rollout_id, step_id=step_id)
+        expected = torch.load(path)
+        assert math.isclose(grad_norm, expected, rel_tol=0.01, abs_tol=0.01), (
+            f"--ci-load-grad-norm {path}: rollout {rollout_id} step {step_id} grad norm {grad_norm} != saved {expected}"
+        )
 
 
 def _ci_first_step_checks(loss_dict):
