@@ -223,3 +223,39 @@ def test_log_reward_category_fractions():
     samples[1].reward = 1.0
     with pytest.raises(ValueError, match="--log-reward-category cat: sample 1 has reward 1.0"):
         reward_category_metrics("cat", samples)
+
+
+# ---------------------------------------------------------------- rm_hub gpqa and random
+@pytest.mark.parametrize(
+    "response, label, metadata, reward",
+    [
+        ("<think>maybe A</think>The answer is C.", "C", {}, 1.0),  # reasoning before </think> is ignored
+        ("The answer is (B)", "C", {}, 0.0),
+        ("I pick D", 3, {"choices": ["w", "x", "y", "z"]}, 1.0),  # an option index as label: 3 -> D
+        ("A is correct", "Paris", {"choices": ["Paris", "Rome"]}, 1.0),  # the label is an option's text
+        ("Rome, of course", "Paris", {"choices": ["Paris", "Rome"]}, 0.0),
+        ("It must be paris.", "Paris", {}, 1.0),  # no letter anywhere: the answer text decides
+        ("final: B", "x", {"correct_letter": "b"}, 1.0),
+        ("", "A", {}, 0.0),
+    ],
+)
+def test_gpqa_reward(response, label, metadata, reward):
+    from slime.rollout.rm_hub.gpqa import compute_gpqa_reward
+
+    assert compute_gpqa_reward(response, label, metadata) == reward
+
+
+def test_rm_type_gpqa_and_random_through_async_rm():
+    import asyncio
+    import random
+
+    from slime.rollout.rm_hub import async_rm
+    from slime.utils.types import Sample
+
+    args = make_args("--rm-type", "gpqa")
+    sample = Sample(response="The answer is B", label="B", metadata={})
+    assert asyncio.run(async_rm(args, sample)) == 1.0
+    random.seed(0)
+    args = make_args("--rm-type", "random")
+    draws = [asyncio.run(async_rm(args, Sample(response="x", label="y"))) for _ in range(40)]
+    assert set(draws) == {0, 1}

@@ -655,7 +655,10 @@ def add_network_arguments(parser):
 def add_reward_model_arguments(parser):
     g = _Group(parser, "reward model")
     g.add_argument(
-        "--rm-type", type=str, default=None, help="deepscaler | dapo | math | f1 | remote_rm | boxed_<type>."
+        "--rm-type",
+        type=str,
+        default=None,
+        help="deepscaler | dapo | math | f1 | gpqa | random | answer_match | remote_rm | boxed_<type>.",
     )
     g.add_argument("--reward-key", type=str, default=None, help="Key of a dict reward used for training.")
     g.add_argument("--eval-reward-key", type=str, default=None, help="Default: --reward-key.")
