@@ -555,6 +555,32 @@ def check_train_env_vars(args, error):
     args.train_env_vars = {name: str(value) for name, value in env.items()}  # Ray's runtime env takes strings
 
 
+def add_optimizer_state_arguments(parser):
+    g = _Group(parser, "optimizer state")
+    g.add_argument(
+        "--reset-optimizer-states",
+        action="store_true",
+        default=False,
+        help="Zero Adam's moments and step count at the start of every rollout's training.",
+    )
+    g.add_argument(
+        "--use-stateless-adam",
+        action="store_true",
+        default=False,
+        help="Adam that keeps no moments across steps: each update is Adam's first step, lr * g / (|g| + eps). "
+        "Requires --optimizer adam and --no-save-optim.",
+    )
+    return parser
+
+
+def check_optimizer_state_flags(args, error):
+    if args.use_stateless_adam:
+        if args.optimizer != "adam":
+            error(f"--use-stateless-adam is an Adam variant: drop --optimizer {args.optimizer}.")
+        if not args.no_save_optim:
+            error("--use-stateless-adam keeps no Adam moments to save: add --no-save-optim.")
+
+
 def add_metric_arguments(parser):
     g = _Group(parser, "metrics")
     g.add_argument(
@@ -828,6 +854,7 @@ def get_slime_extra_args_provider(add_custom_arguments=None):
             add_wandb_arguments,
             add_tensorboard_arguments,
             add_metric_arguments,
+            add_optimizer_state_arguments,
             add_train_env_arguments,
             add_context_length_arguments,
             add_debug_arguments,
@@ -1031,6 +1058,7 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
     _validate_algorithm_and_rollout(args, error)
     resolve_tb_dir(args, error)
     check_train_env_vars(args, error)
+    check_optimizer_state_flags(args, error)
     resolve_context_lengths(args, error)
     check_mtp(args, error)
     if args.custom_tis_function_path and not args.use_tis:

@@ -87,8 +87,6 @@ REFUSED = {
     "--balance-by-flops": f"{_NOT_YET}: use --balance-data (balances tokens across DP ranks)",
     "--save-hf": f"{_NOT_YET}: convert saved checkpoints with tools/convert_torch_dist_to_hf.py",
     "--ref-update-interval": f"{_NOT_YET}: drop it (the reference model stays fixed)",
-    "--reset-optimizer-states": f"{_NOT_YET}: drop it (Adam moments carry over between rollouts)",
-    "--use-stateless-adam": f"{_NOT_YET}: drop it (Adam keeps its moments)",
     "--log-correct-samples": f"{_NOT_YET}: log it from a --custom-rollout-log-function-path",
     "--load-debug-rollout-data-subsample": f"{_NOT_YET}: drop it (every replayed sample trains)",
     "--memory-snapshot-dir": f"{_NOT_YET}: drop it",

@@ -280,6 +280,9 @@ def train_one_step(args, rollout_id, step_id, data_iterator, model, optimizer, o
         update_successful, grad_norm = False, float("nan")
     else:
         update_successful, grad_norm, _ = optimizer.step()
+    if args.use_stateless_adam:
+        # Adam keeps no moments: the next step starts from zero moments and step 0, i.e. g / (|g| + eps)
+        clear_optimizer_states(optimizer)
     if update_successful:
         opt_param_scheduler.step(increment=args.global_batch_size)
     elif args.check_for_nan_in_loss_and_grad and not get_model_config(model[0]).fp16:  # fp16: the scaler skips
@@ -294,6 +297,36 @@ def train_one_step(args, rollout_id, step_id, data_iterator, model, optimizer, o
         count = values[0].clamp_min(1)
         metrics = {k: (v / count).item() for k, v in zip(keys, values[1:])}
     return metrics, grad_norm
+
+
+def _inner_optimizers(optimizer):
+    """The torch optimizers under Megatron's wrappers (a ChainedOptimizer holds one per parameter group kind)."""
+    return [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
+def reset_optimizer_states(optimizer):
+    """--reset-optimizer-states: Adam's moments and step counters back to zero (kept allocated)."""
+    for inner in _inner_optimizers(optimizer):
+        for group in inner.param_groups:
+            if "step" in group:
+                group["step"] = 0
+        for state in inner.state.values():
+            for key in ("step", "exp_avg", "exp_avg_sq"):
+                if key not in state:
+                    continue
+                if isinstance(state[key], torch.Tensor):
+                    state[key].zero_()
+                else:
+                    state[key] = 0
+
+
+def clear_optimizer_states(optimizer):
+    """--use-stateless-adam: drop the moments (torch's Adam re-creates zero ones, at step 0, on its next step)."""
+    for inner in _inner_optimizers(optimizer):
+        inner.state.clear()
+        for group in inner.param_groups:
+            if "step" in group:
+                group["step"] = 0
 
 
 def _grads_are_finite(model):
@@ -313,6 +346,8 @@ def train(args, rollout_id, model, optimizer, opt_param_scheduler, data_iterator
         it.reset()
     steps = len(num_microbatches)
     history = []
+    if args.reset_optimizer_states:  # each rollout's optimizer steps start from fresh Adam moments
+        reset_optimizer_states(optimizer)
     for step_id, n in enumerate(num_microbatches):
         loss_dict, grad_norm = train_one_step(
             args, rollout_id, step_id, data_iterator, model, optimizer, opt_param_scheduler, n
