@@ -259,3 +259,17 @@ def test_rm_type_gpqa_and_random_through_async_rm():
     args = make_args("--rm-type", "random")
     draws = [asyncio.run(async_rm(args, Sample(response="x", label="y"))) for _ in range(40)]
     assert set(draws) == {0, 1}
+
+
+def test_load_debug_rollout_data_subsample(capsys):
+    from slime.ray.buffer import subsample_debug_rollout_data
+
+    samples = list(range(10))
+    assert subsample_debug_rollout_data(samples, 0.5) == [0, 1, 7, 8, 9]  # 5 kept: 2 from the start, 3 from the end
+    assert subsample_debug_rollout_data(samples, 0.2) == [0, 9]
+    assert subsample_debug_rollout_data(samples, 0.05) == []
+    assert subsample_debug_rollout_data(samples, None) == samples
+    assert subsample_debug_rollout_data(samples, 1.0) == samples
+    assert "--load-debug-rollout-data-subsample 1.5: must be in (0, 1]" in _error(
+        capsys, "--load-debug-rollout-data-subsample", "1.5"
+    )

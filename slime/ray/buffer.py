@@ -187,6 +187,16 @@ def _numeric_mean(values):
         return None  # dict rewards without --reward-key etc.: nothing meaningful to average
 
 
+def subsample_debug_rollout_data(samples, ratio):
+    """--load-debug-rollout-data-subsample RATIO: keep about RATIO of the replayed samples, half from the start and
+    half from the end of the dump (current slime's rule); None keeps them all."""
+    if ratio is None:
+        return samples
+    n = int(len(samples) * ratio)
+    head = n // 2
+    return samples[:head] + (samples[len(samples) - (n - head) :] if n - head > 0 else [])
+
+
 def reward_category_metrics(key, samples):
     """--log-reward-category KEY: the fraction of samples in each category `sample.reward[KEY]` (e.g. the failure
     kinds a dict reward reports), as `error_cat/<category>`."""
@@ -293,6 +303,7 @@ class RolloutController:
             if not os.path.exists(path):
                 raise FileNotFoundError(f"--load-debug-rollout-data: {path} does not exist (rollout {rollout_id})")
             data = [Sample.from_dict(d) for d in torch.load(path, weights_only=False)["samples"]]
+            data = subsample_debug_rollout_data(data, args.load_debug_rollout_data_subsample)
             extra = {}
         else:
             user_fn = functools.partial(

@@ -203,6 +203,7 @@ VALUE_RANGES = (
     ("rollout_max_context_len", _at_least(2), "a prompt token and a response token"),
     ("eval_max_context_len", _at_least(2), "a prompt token and a response token"),
     ("eval_max_prompt_len", _at_least(1), "eval prompts longer than this are dropped"),
+    ("load_debug_rollout_data_subsample", ((lambda v: 0 < v <= 1), "in (0, 1]"), "the fraction of a dump replayed"),
     ("global_batch_size", _at_least(1), "samples per optimizer step"),
     ("micro_batch_size", _at_least(1), "samples per forward pass"),
     ("num_steps_per_rollout", _at_least(1), "optimizer steps per rollout"),
