@@ -25,6 +25,7 @@ _QWEN35 = (
 )
 
 _NOT_YET = "not implemented in this slime yet"
+_PROFILING = "training is not profiled here (torch profiler, CUDA memory history and snapshots): drop it"
 
 # flag -> why it is refused here, and what to do instead (one line each).
 REFUSED = {
@@ -86,11 +87,11 @@ REFUSED = {
     "--save-hf": f"{_NOT_YET}: convert saved checkpoints with tools/convert_torch_dist_to_hf.py",
     "--ref-update-interval": f"{_NOT_YET}: drop it (the reference model stays fixed)",
     "--log-correct-samples": f"{_NOT_YET}: log it from a --custom-rollout-log-function-path",
-    "--memory-snapshot-dir": f"{_NOT_YET}: drop it",
-    "--memory-snapshot-num-steps": f"{_NOT_YET}: drop it",
-    "--profile-target": f"{_NOT_YET}: drop it",
-    "--memory-recorder": f"{_NOT_YET}: drop it",
-    "--record-memory-history": f"{_NOT_YET}: drop it",
+    "--memory-snapshot-dir": f"{_NOT_YET}: {_PROFILING}",
+    "--memory-snapshot-num-steps": f"{_NOT_YET}: {_PROFILING}",
+    "--profile-target": f"{_NOT_YET}: {_PROFILING}",
+    "--memory-recorder": f"{_NOT_YET}: {_PROFILING}",
+    "--record-memory-history": f"{_NOT_YET}: {_PROFILING}",
     "--data-pad-size-multiplier": f"{_NOT_YET}: drop it (packed batches are padded to the TP/CP size)",
 }
 
