@@ -35,6 +35,8 @@ from slime.backends.megatron_utils.arguments import (
 from slime.backends.sglang_utils.arguments import add_sglang_arguments, sglang_available
 from slime.backends.sglang_utils.arguments import validate_args as sglang_validate_args
 from slime.utils.device import auto_inference_server
+from slime.utils.disk_delta import CHECKSUMS as DELTA_CHECKSUMS
+from slime.utils.disk_delta import ENCODINGS as DELTA_ENCODINGS
 from slime.utils.eval_config import from_prompt_data, load_eval_config
 from slime.utils.flag_support import add_refused_arguments, refuse_unsupported
 from slime.utils.startup_checks import DEFAULT_ROLLOUT_FUNCTION, check_inputs, check_value_ranges
@@ -211,15 +213,6 @@ def add_rollout_arguments(parser):
     g.add_argument("--buffer-filter-path", type=str, default=None)
     g.add_argument(
         "--update-weight-buffer-size", type=int, default=512 * 1024**2, help="Bytes per weight-update bucket."
-    )
-    g.add_argument(
-        "--update-weight-transport",
-        choices=["auto", "broadcast", "shm"],
-        default="auto",
-        help="Disaggregated weight sync: 'broadcast' over the weight-update process group (NCCL/gloo); "
-        "'shm' hands flattened buckets to the engines as shared-memory handles (CPU, engines on "
-        "the trainer's host); 'auto' = shm where it applies (like NCCL's intra-node SHM transport), "
-        "else broadcast.",
     )
     g.add_argument("--update-weights-interval", type=int, default=1, help="Rollouts between weight updates (async).")
     g.add_argument(
@@ -800,6 +793,47 @@ def add_mtp_training_arguments(parser):
     return parser
 
 
+def add_weight_sync_arguments(parser):
+    g = _Group(parser, "weight sync")
+    g.add_argument(
+        "--update-weight-transport",
+        choices=["auto", "broadcast", "nccl", "shm", "disk"],
+        default="auto",
+        help="Disaggregated weight sync: 'broadcast' (current slime: 'nccl') over the weight-update process group "
+        "(NCCL/gloo); 'shm' hands flattened buckets to the engines as shared-memory handles (CPU, engines on the "
+        "trainer's host); 'auto' = shm where it applies, else broadcast; 'disk' writes each version under "
+        "--update-weight-disk-dir and the engines load it with update_weights_from_disk.",
+    )
+    g.add_argument(
+        "--update-weight-mode",
+        choices=["full", "delta"],
+        default="full",
+        help="'delta' (disk only): each version holds compressed differences against the previous one, applied by "
+        "each engine host into --update-weight-local-checkpoint-dir and verified per tensor.",
+    )
+    g.add_argument(
+        "--update-weight-disk-dir",
+        type=str,
+        default=None,
+        help="Directory shared by trainers and engines where disk weight versions are published.",
+    )
+    g.add_argument(
+        "--update-weight-disk-keep-files",
+        action="store_true",
+        default=False,
+        help="Keep every published version (default: older versions are deleted once the engines hold a newer one).",
+    )
+    g.add_argument("--update-weight-delta-encoding", choices=list(DELTA_ENCODINGS), default="xor")
+    g.add_argument("--update-weight-delta-checksum", choices=list(DELTA_CHECKSUMS), default="xxh3-128")
+    g.add_argument(
+        "--update-weight-local-checkpoint-dir",
+        type=str,
+        default=None,
+        help="Engine-host-local full checkpoint kept at the current version by /pull_weights (required by delta).",
+    )
+    return parser
+
+
 def add_fault_tolerance_arguments(parser):
     g = _Group(parser, "fault tolerance")
     g.add_argument(
@@ -906,6 +940,7 @@ def get_slime_extra_args_provider(add_custom_arguments=None):
             add_reward_model_arguments,
             add_rollout_buffer_arguments,
             add_custom_megatron_hooks_arguments,
+            add_weight_sync_arguments,
             add_fault_tolerance_arguments,
             add_ci_arguments,
             add_custom_megatron_plugins_arguments,
@@ -1107,12 +1142,6 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
     check_mtp(args, error)
     if args.custom_tis_function_path and not args.use_tis:
         error(f"--custom-tis-function-path {args.custom_tis_function_path} is called only with --use-tis; add it.")
-    if args.custom_update_weight_post_write_path:
-        error(
-            "--custom-update-weight-post-write-path runs after current slime's disk weight transport writes a "
-            "weight version; this slime sends weights by broadcast, shared memory or CUDA IPC and never writes "
-            "one: drop the flag."
-        )
     _apply_custom_config(args, error, check_paths)
 
 
@@ -1308,6 +1337,7 @@ def parse_args(add_custom_arguments=None, argv=None, *, check_paths=True, asynch
     # A dry run with --inference-server auto validates for the target machine, whose server we cannot know.
     check_cpu_server = check_paths or args.inference_server == "cpu"
     _resolve_inference_server(args, error)
+    check_weight_sync(args, error, check_paths)
     sglang_validate_args(args, parser, check_cpu_server=check_cpu_server)
     if args.sglang_served_model_name is None:
         # This run's identity: every engine must echo it in /get_server_info before it gets traffic or weights, so a
@@ -1316,6 +1346,52 @@ def parse_args(add_custom_arguments=None, argv=None, *, check_paths=True, asynch
     if check_paths:
         check_inputs(args, error, user_load)
     return args
+
+
+def check_weight_sync(args, error, check_paths):
+    """The disk transport's flags: a writable shared directory, delta's local checkpoint, and the engine endpoint
+    (`/pull_weights`) stock SGLang lacks."""
+    if args.update_weight_transport == "nccl":
+        args.update_weight_transport = "broadcast"
+    disk = args.update_weight_transport == "disk"
+    if args.update_weight_mode == "delta" and not disk:
+        error("--update-weight-mode delta needs --update-weight-transport disk (deltas are files).")
+    if args.custom_update_weight_post_write_path and not disk:
+        error(
+            "--custom-update-weight-post-write-path runs after a disk weight version is written: add "
+            "--update-weight-transport disk, or drop the flag."
+        )
+    if not disk:
+        return
+    if args.colocate:
+        error(
+            "--update-weight-transport disk with --colocate: colocated engines get the weights by tensor handles; "
+            "disk sync is for engines on other GPUs or hosts."
+        )
+    if not args.update_weight_disk_dir:
+        error(
+            "--update-weight-transport disk needs --update-weight-disk-dir (a directory trainers and engines share)."
+        )
+    if args.update_weight_mode == "delta" and not args.update_weight_local_checkpoint_dir:
+        error(
+            "--update-weight-mode delta needs --update-weight-local-checkpoint-dir (the engine host's checkpoint the "
+            "deltas are applied to)."
+        )
+    if args.update_weight_local_checkpoint_dir and args.inference_server == "sglang":
+        error(
+            f"--update-weight-{'mode delta' if args.update_weight_mode == 'delta' else 'local-checkpoint-dir'}: the "
+            "engines must pull each version through /pull_weights, which SGLang 0.5.23 does not have (slime's CPU "
+            "server does); use full disk sync without --update-weight-local-checkpoint-dir on SGLang."
+        )
+    if check_paths:
+        probe = os.path.join(args.update_weight_disk_dir, f".slime-write-probe-{os.getpid()}")
+        try:
+            os.makedirs(args.update_weight_disk_dir, exist_ok=True)
+            with open(probe, "w") as f:
+                f.write("ok")
+            os.remove(probe)
+        except OSError as e:
+            error(f"--update-weight-disk-dir {args.update_weight_disk_dir}: not writable ({e.strerror or e}).")
 
 
 def _one_line_error(parser):

@@ -31,7 +31,7 @@ from .megatron_to_hf import resolve_model_name
 from .model import forward_only, initialize_model_and_optimizer, log
 from .model import train as train_steps
 from .param_utils import named_parameters
-from .update_weight_utils import UpdateWeightFromDistributed, UpdateWeightFromTensor
+from .update_weight_utils import UpdateWeightFromDisk, UpdateWeightFromDistributed, UpdateWeightFromTensor
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,10 @@ class MegatronTrainRayActor(TrainRayActor):
             self.weights["old_actor"] = _clone_dict(self.weights["actor"])
             self.weights["rollout_actor"] = _clone_dict(self.weights["actor"])
 
-        updater_cls = UpdateWeightFromTensor if args.colocate else UpdateWeightFromDistributed
+        if args.update_weight_transport == "disk":
+            updater_cls = UpdateWeightFromDisk
+        else:
+            updater_cls = UpdateWeightFromTensor if args.colocate else UpdateWeightFromDistributed
         self.weight_updator = updater_cls(
             args,
             self.model,

@@ -464,6 +464,18 @@ class SGLangEngine(RayActor):
             payload["weight_version"] = str(weight_version)
         return self._checked("update_weights_from_disk", self._make_request("update_weights_from_disk", payload))
 
+    def pull_weights(self, target_version: int, source_dir=None, local_checkpoint_dir=None):
+        """Bring this engine host's local checkpoint to `target_version` (`/pull_weights`: a published full version
+        copied, a delta applied on its base and verified per tensor, 0 = seed it from the engine's model path). The
+        engine then reloads it through `update_weights_from_disk`. Stock SGLang 0.5.23 has no such endpoint
+        (slime's patched SGLang and slime's CPU server do): the flags that need it are refused at start-up there."""
+        payload = {
+            "local_checkpoint_dir": local_checkpoint_dir or self.args.update_weight_local_checkpoint_dir,
+            "source_dir": source_dir or self.args.update_weight_disk_dir,
+            "target_version": int(target_version),
+        }
+        return self._checked("pull_weights", self._make_request("pull_weights", payload))
+
     def flush_cache(self, timeout: float = 60.0):
         """GET /flush_cache until 200 (it refuses while requests are in flight); raises at once if the server exited."""
         deadline = time.time() + timeout

@@ -1,0 +1,215 @@
+"""Request handling of slime's CPU server: `/generate` (plain and streamed) and `/abort_request`, as SGLang's
+http_server / tokenizer manager answer them."""
+
+import asyncio
+import json
+import time
+
+from aiohttp import web
+
+from .sampling import RequestError, SamplingParams
+from .scheduler import Req
+
+
+class GenerateAPI:
+    """`/generate` and `/abort_request`: prompts checked, requests built and run on the scheduler, SGLang's output shape."""
+
+    def _prompts(self, body):
+        text, ids = body.get("text"), body.get("input_ids")
+        if (text is None) == (ids is None):
+            raise RequestError("Either text or input_ids should be provided (exactly one of them).")
+        if ids is not None:
+
+            def is_ids(x):
+                return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+            if is_ids(ids):
+                return [ids], False
+            if isinstance(ids, list) and ids and all(is_ids(x) for x in ids):
+                return ids, True
+            raise RequestError(
+                f"input_ids must be a list of token ids or a non-empty list of such lists, got {str(ids)[:100]}"
+            )
+        if isinstance(text, str):
+            return [self.tokenizer.encode(text)], False
+        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            return [self.tokenizer.encode(t) for t in text], True
+        raise RequestError(f"text must be a string or a non-empty list of strings, got {str(text)[:100]}")
+
+    def _check_prompt(self, ids, sp):
+        n, V = len(ids), self.cfg.vocab_size
+        if n == 0:
+            raise RequestError("The input is empty: input_ids / text must contain at least one token.")
+        bad = [t for t in ids if not 0 <= t < V]
+        if bad:
+            raise RequestError(f"input_ids contain token id {bad[0]} outside the vocabulary [0, {V}).")
+        if n >= self.context_len:
+            raise RequestError(
+                f"The input ({n} tokens) is longer than the model's context length ({self.context_len} tokens)."
+            )
+        if not sp.max_new_tokens_explicit:  # SGLang clips the default budget to what the context leaves
+            sp.max_new_tokens = min(sp.max_new_tokens, self.context_len - n - 1, self.max_total_tokens - n)
+            sp.min_new_tokens = min(sp.min_new_tokens, sp.max_new_tokens)
+        if n + sp.max_new_tokens >= self.context_len:
+            raise RequestError(
+                f"Requested token count exceeds the model's maximum context length of {self.context_len} tokens. "
+                f"You requested a total of {n + sp.max_new_tokens} tokens: {n} tokens from the input messages and "
+                f"{sp.max_new_tokens} tokens for the completion. Please reduce the number of tokens in the input "
+                f"messages or the completion to fit within the limit."
+            )
+        if n + max(sp.max_new_tokens, 1) > self.max_total_tokens:
+            raise RequestError(
+                f"The request needs {n + sp.max_new_tokens} KV-cache tokens but the server holds only "
+                f"{self.max_total_tokens} (--max-total-tokens)."
+            )
+
+    def _build_reqs(self, body, on_update=None):
+        prompts, batch = self._prompts(body)
+        sps_raw = body.get("sampling_params")
+        if isinstance(sps_raw, list) and (not batch or len(sps_raw) != len(prompts)):
+            raise RequestError("sampling_params is a list: it needs a batch input with one entry per prompt.")
+        rids, lps = body.get("rid"), body.get("return_logprob", False)
+        start, topn = body.get("logprob_start_len"), body.get("top_logprobs_num") or 0
+        if not isinstance(topn, int) or isinstance(topn, bool) or topn < 0:
+            raise RequestError(f"top_logprobs_num must be a non-negative integer, got {topn!r}")
+        if body.get("custom_logit_processor") or body.get("input_embeds") is not None or body.get("image_data"):
+            raise RequestError(
+                "custom_logit_processor, input_embeds and image_data are not supported by slime's CPU server."
+            )
+        reqs = []
+        for i, ids in enumerate(prompts):
+            sp_d = sps_raw[i] if isinstance(sps_raw, list) else sps_raw
+            sp = SamplingParams.from_dict(sp_d, self.cfg.vocab_size)
+            self._check_prompt(ids, sp)
+            lp = lps[i] if isinstance(lps, list) else lps
+            st = start[i] if isinstance(start, list) else start
+            rid = rids[i] if isinstance(rids, list) else (rids if not batch else None)
+            if not isinstance(lp, bool) or (st is not None and not isinstance(st, int)):
+                raise RequestError("return_logprob must be a boolean and logprob_start_len an integer.")
+            for k in range(sp.n):
+                r = Req(
+                    ids,
+                    sp,
+                    rid=(f"{rid}-{k}" if rid and sp.n > 1 else rid),
+                    return_logprob=lp,
+                    logprob_start_len=-1 if st is None else st,
+                    top_logprobs_num=topn,
+                    stream=bool(body.get("stream")),
+                    on_update=on_update,
+                )
+                r.index, r.text_in_logprobs = len(reqs), bool(body.get("return_text_in_logprobs"))
+                reqs.append(r)
+        return reqs, batch
+
+    def _check_ready(self):
+        if self.released_tags:
+            raise web.HTTPServiceUnavailable(
+                text=json.dumps(
+                    {
+                        "error": f"the server's memory is released ({', '.join(sorted(self.released_tags))}; "
+                        "release_memory_occupation): call /resume_memory_occupation with these tags "
+                        "before generating"
+                    }
+                ),
+                content_type="application/json",
+            )
+
+    async def _run(self, reqs, timeout=None):
+        loop = asyncio.get_running_loop()
+        futs = []
+        for r in reqs:
+            fut = loop.create_future()
+            futs.append(fut)
+
+            def done(req, fut=fut):
+                if req.finished:
+                    loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(req))
+
+            r.on_update = done
+            self.scheduler.submit(r)
+        try:
+            return await asyncio.wait_for(asyncio.gather(*futs), timeout)
+        except (asyncio.CancelledError, asyncio.TimeoutError):
+            for r in reqs:
+                self.scheduler.abort(rid=r.rid)
+            raise
+
+    def _output(self, r, text=None):
+        meta = {
+            "id": r.rid,
+            "finish_reason": r.finish_reason,
+            "prompt_tokens": len(r.input_ids),
+            "weight_version": r.weight_version or self.state.weight_version,
+            "completion_tokens": len(r.output_ids),
+            "cached_tokens": 0,
+            "num_retractions": r.num_retractions,
+            "e2e_latency": time.time() - r.created,
+        }
+        if r.return_logprob:
+
+            def text_of(t):  # SGLang's return_text_in_logprobs: the token's text in the third slot
+                return self.tokenizer.decode([t]) if r.text_in_logprobs else None
+
+            meta["output_token_logprobs"] = [[lp, t, text_of(t)] for lp, t in zip(r.output_logprobs, r.output_ids)]
+            meta["input_token_logprobs"] = [[lp, t, text_of(t)] for lp, t, _ in (r.input_logprobs or [])]
+            if r.top_logprobs_num:
+                meta["output_top_logprobs"] = r.output_top_logprobs
+        return {"text": r.text if text is None else text, "output_ids": list(r.output_ids), "meta_info": meta}
+
+    async def generate(self, request):
+        body = await self._body(request)
+        self._check_ready()
+        if body.get("stream"):
+            return await self._generate_stream(request, body)
+        reqs, batch = self._build_reqs(body)
+        t0 = time.time()
+        done = await self._run(reqs)
+        self.last_gen_throughput = sum(len(r.output_ids) for r in done) / max(time.time() - t0, 1e-6)
+        for r in done:
+            if r.finish_reason.get("status_code"):
+                return web.json_response({"error": r.finish_reason["message"]}, status=r.finish_reason["status_code"])
+        outs = [self._output(r) for r in done]
+        return web.json_response(outs if batch or len(outs) > 1 else outs[0])
+
+    async def _generate_stream(self, request, body):
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def on_update(req):  # scheduler thread: snapshot the text there (its tokenizer), hand it to the loop
+            text = req.text if req.finished else self.scheduler.detokenize(req)
+            snap = (req, text, list(req.output_ids), req.finished)
+            loop.call_soon_threadsafe(events.put_nowait, snap)
+
+        reqs, batch = self._build_reqs(body, on_update=on_update)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        for r in reqs:
+            self.scheduler.submit(r)
+        remaining = len(reqs)
+        try:
+            while remaining:
+                r, text, ids, finished = await events.get()
+                out = self._output(r, text)
+                out["output_ids"] = ids
+                if not finished:
+                    out["meta_info"]["finish_reason"] = None
+                    out["meta_info"]["completion_tokens"] = len(ids)
+                if batch or len(reqs) > 1:
+                    out["index"] = r.index
+                remaining -= finished
+                await resp.write(f"data: {json.dumps(out)}\n\n".encode())
+            await resp.write(b"data: [DONE]\n\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            for r in reqs:
+                self.scheduler.abort(rid=r.rid)
+            raise
+        await resp.write_eof()
+        return resp
+
+    async def abort_request(self, request):
+        body = await self._body(request)
+        if body.get("abort_all"):
+            self.scheduler.abort(abort_all=True)
+        elif body.get("rid"):
+            self.scheduler.abort(rid=body["rid"])
+        return web.Response(text="")

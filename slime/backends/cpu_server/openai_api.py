@@ -1,0 +1,142 @@
+"""OpenAI-compatible API of slime's CPU server: `/v1/completions` and `/v1/chat/completions`."""
+
+import time
+import uuid
+
+from aiohttp import web
+
+from .sampling import RequestError, SamplingParams
+from .scheduler import Req
+
+
+class OpenAIAPI:
+    """`/v1/completions` and `/v1/chat/completions` over the same scheduler as `/generate`."""
+
+    def _openai_sampling(self, b, prompt_len):
+        max_tokens = b.get("max_completion_tokens", b.get("max_tokens"))
+        sp = {
+            "max_new_tokens": max_tokens if max_tokens is not None else self.context_len - prompt_len - 1,
+            "temperature": b.get("temperature", 1.0),
+            "top_p": b.get("top_p", 1.0),
+            "n": b.get("n", 1),
+            "stop": b.get("stop"),
+            "stop_token_ids": b.get("stop_token_ids"),
+            "frequency_penalty": b.get("frequency_penalty", 0.0),
+            "presence_penalty": b.get("presence_penalty", 0.0),
+            "sampling_seed": b.get("seed"),
+        }
+        for k in (
+            "top_k",
+            "min_p",
+            "ignore_eos",
+            "skip_special_tokens",
+            "no_stop_trim",
+            "min_tokens",
+            "repetition_penalty",
+        ):
+            if k in b:
+                sp["min_new_tokens" if k == "min_tokens" else k] = b[k]
+        return {k: v for k, v in sp.items() if v is not None}
+
+    def _finish_str(self, r):
+        return {"stop": "stop", "length": "length", "abort": "abort"}[r.finish_reason["type"]]
+
+    async def _openai_run(self, b, ids):
+        if b.get("stream"):
+            raise RequestError("stream=true is not supported by slime's CPU server's OpenAI endpoints")
+        sp = SamplingParams.from_dict(self._openai_sampling(b, len(ids)), self.cfg.vocab_size)
+        self._check_prompt(ids, sp)
+        want_lp = bool(b.get("logprobs"))
+        return await self._run([Req(ids, sp, return_logprob=want_lp) for _ in range(sp.n)])
+
+    def _usage(self, prompt_len, reqs):
+        c = sum(len(r.output_ids) for r in reqs)
+        return {"prompt_tokens": prompt_len, "completion_tokens": c, "total_tokens": prompt_len + c}
+
+    async def v1_completions(self, request):
+        b = await self._body(request)
+        self._check_ready()
+        prompt = b.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            ids = prompt
+        else:
+            raise RequestError("prompt must be a string or a list of token ids (batch prompts: send one request each)")
+        reqs = await self._openai_run(b, ids)
+        choices = []
+        for i, r in enumerate(reqs):
+            lp = None
+            if r.return_logprob:
+                toks = [self.tokenizer.decode([t]) for t in r.output_ids]
+                lp = {"tokens": toks, "token_logprobs": r.output_logprobs, "top_logprobs": None, "text_offset": None}
+            choices.append(
+                {
+                    "index": i,
+                    "text": r.text,
+                    "logprobs": lp,
+                    "finish_reason": self._finish_str(r),
+                    "matched_stop": r.finish_reason.get("matched"),
+                }
+            )
+        return web.json_response(
+            {
+                "id": uuid.uuid4().hex,
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": self.served_model_name,
+                "choices": choices,
+                "usage": self._usage(len(ids), reqs),
+            }
+        )
+
+    async def v1_chat_completions(self, request):
+        b = await self._body(request)
+        self._check_ready()
+        msgs = b.get("messages")
+        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and "role" in m for m in msgs):
+            raise RequestError("messages must be a non-empty list of {role, content} objects")
+        kw = {"tools": b["tools"]} if b.get("tools") else {}
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                msgs, add_generation_prompt=True, tokenize=True, return_dict=False, **kw
+            )
+        except Exception as e:  # noqa: BLE001  (a template error is the client's message list)
+            raise RequestError(f"the chat template could not render these messages: {e}") from None
+        reqs = await self._openai_run(b, list(ids))
+        choices = []
+        for i, r in enumerate(reqs):
+            lp = None
+            if r.return_logprob:
+                lp = {
+                    "content": [
+                        {
+                            "token": self.tokenizer.decode([t]),
+                            "logprob": v,
+                            "bytes": list(self.tokenizer.decode([t]).encode()),
+                            "top_logprobs": [],
+                        }
+                        for t, v in zip(r.output_ids, r.output_logprobs)
+                    ]
+                }
+            choices.append(
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": r.text, "reasoning_content": None, "tool_calls": None},
+                    "logprobs": lp,
+                    "finish_reason": self._finish_str(r),
+                    "matched_stop": r.finish_reason.get("matched"),
+                }
+            )
+        return web.json_response(
+            {
+                "id": uuid.uuid4().hex,
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": self.served_model_name,
+                "choices": choices,
+                "usage": self._usage(len(ids), reqs),
+            }
+        )
