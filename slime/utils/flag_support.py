@@ -17,9 +17,6 @@ _PPO = "PPO with a critic comes with issue #27 (critic role, GAE): use --advanta
 _MISMATCH = "comes with issue #25 (engine log-probs, mismatch metrics, routing replay)"
 _OPD = "on-policy distillation comes with issue #26: drop it, or add the teacher's log-probs in a custom generate function"
 _SGLANG_CONFIG = "multi-model serving (--sglang-config) comes with issue #26: start extra models yourself and reach them from a custom reward"
-_DISK_SYNC = (
-    "disk / delta weight sync comes with issue #28: drop it (weights go by broadcast, shared memory or CUDA IPC)"
-)
 _QWEN35 = (
     "Qwen3.5 / Qwen3-Next (gated attention, Gated-DeltaNet) comes with issue #31: use a model from docs/models.md"
 )
@@ -47,14 +44,8 @@ REFUSED = {
     "--opd-teacher-load": _OPD,
     "--opd-teacher-ckpt-step": _OPD,
     "--sglang-config": _SGLANG_CONFIG,
-    "--update-weight-mode": _DISK_SYNC,
-    "--update-weight-disk-dir": _DISK_SYNC,
-    "--update-weight-disk-keep-files": _DISK_SYNC,
-    "--update-weight-delta-encoding": _DISK_SYNC,
-    "--update-weight-delta-checksum": _DISK_SYNC,
-    "--update-weight-local-checkpoint-dir": _DISK_SYNC,
-    "--release-train": "recreating the trainers from --save after each rollout needs disk weight sync (issue #28): "
-    "use --offload to free trainer memory during rollout",
+    "--release-train": "recreating the trainers from --save after each rollout comes with issue #28: use --offload "
+    "to free trainer memory during rollout",
     "--rollout-external-engine-addrs": "external rollout engines come with issue #28: let slime start the engines "
     "(--rollout-num-gpus)",
     # cannot exist on this stack
