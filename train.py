@@ -12,9 +12,12 @@ def train(args):
     with cleanup_on_exit():  # engines, router, actors and placement group go away however the run ends
         run = Run(args)  # places and starts trainers and engines; `args` is final from here on
         run.push_weights()  # engines never serve the HF checkpoint's weights
+        if args.num_rollout == 0:  # an eval-only run (parse_args made sure --eval-interval is set)
+            run.eval(0)
+            run.rollout_done(0, None)
 
         for rollout_id in range(args.start_rollout_id, args.num_rollout):
-            if args.eval_interval is not None and rollout_id == 0:
+            if run.eval_before_train_due(rollout_id):
                 run.eval(rollout_id)
 
             rollout_data_ref = run.generate(rollout_id)

@@ -27,7 +27,7 @@ def one_step_off_loop(args, run):
     ready = None  # the next rollout's data, when a weight update had to wait for it
     future = run.start_generate(args.start_rollout_id)
     for rollout_id in range(args.start_rollout_id, args.num_rollout):
-        if args.eval_interval is not None and rollout_id == 0:
+        if run.eval_before_train_due(rollout_id):
             run.eval(rollout_id)
         rollout_data_ref = ready if future is None else run.get(future)
         ready = future = None

@@ -120,7 +120,7 @@ def test_slime_defaults_match_spec():
         "kl_coef": 0.0,
         "use_kl_loss": False,
         "kl_loss_coef": 0.0,
-        "kl_loss_type": "kl",
+        "kl_loss_type": "k1",
         "loss_type": "policy_loss",
         "advantage_estimator": "grpo",
         "compute_advantages_and_returns": True,

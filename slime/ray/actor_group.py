@@ -36,8 +36,8 @@ class RayTrainGroup:
 
         world_size = self._num_nodes * self._num_gpus_per_node
         pg, reordered_bundle_indices = pg
-        env = {"NCCL_CUMEM_ENABLE": "0", **noset_visible_devices_env(), **trainer_env()}
-        if self.args.offload and allocator_hook_possible():
+        env = {"NCCL_CUMEM_ENABLE": "0", **noset_visible_devices_env(), **trainer_env(), **self.args.train_env_vars}
+        if self.args.offload_train and allocator_hook_possible():
             env.update(_torch_memory_saver_env())
         actor_cls = ray.remote(num_gpus=1, runtime_env={"env_vars": env})(MegatronTrainRayActor)
         self._actor_handlers = []

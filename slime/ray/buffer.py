@@ -45,16 +45,28 @@ def _load_optional(flag, path):
     return user_function(flag, path) if path else None
 
 
+def subsample_debug_rollout_data(samples, ratio):
+    """--load-debug-rollout-data-subsample RATIO: keep about RATIO of the replayed samples, half from the start and
+    half from the end of the dump (current slime's rule); None keeps them all."""
+    if ratio is None:
+        return samples
+    n = int(len(samples) * ratio)
+    head = n // 2
+    return samples[:head] + (samples[len(samples) - (n - head) :] if n - head > 0 else [])
+
+
 @ray.remote
 class RolloutController:
     """Runs rollouts for the trainers; one per job, created by `RolloutManager` with num_gpus=0."""
 
     def __init__(self, args, wandb_run_id=None):
         self.args = args
-        # Log to wandb only when this actor joined the driver's run.
+        # Log to wandb only when this actor joined the driver's run; TensorBoard needs no run to join.
         self.wandb = None
-        wandb_utils = _wandb_utils() if args.use_wandb else None
-        if wandb_utils is not None and wandb_utils.init_wandb_secondary(args, wandb_run_id) is not None:
+        wandb_utils = _wandb_utils() if args.use_wandb or args.use_tensorboard else None
+        if wandb_utils is not None and (
+            wandb_utils.init_wandb_secondary(args, wandb_run_id) is not None or args.use_tensorboard
+        ):
             self.wandb = wandb_utils
 
         self.data_source = load_function(args.data_source_path)(args)
@@ -90,6 +102,7 @@ class RolloutController:
             if not os.path.exists(path):
                 raise FileNotFoundError(f"--load-debug-rollout-data: {path} does not exist (rollout {rollout_id})")
             data = [Sample.from_dict(d) for d in torch.load(path, weights_only=False)["samples"]]
+            data = subsample_debug_rollout_data(data, args.load_debug_rollout_data_subsample)
             extra = {}
         else:
             user_fn = functools.partial(

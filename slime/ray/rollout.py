@@ -148,7 +148,7 @@ class RolloutManager:
             # weight push must then reproduce the snapshot exactly (`compare`, after that push)
             for action in ("snapshot", "reset_tensors"):
                 ray.get(self.async_check_weights(action))
-        if args.offload and self.rollout_engines:
+        if args.offload_rollout and self.rollout_engines:
             ray.get([e.release_memory_occupation.remote() for e in self.rollout_engines])
         if not args.debug_train_only:
             self.health_monitor = RolloutHealthMonitor(self, args)
@@ -291,7 +291,7 @@ class RolloutManager:
                     engine=i,
                     bundle=bundle,
                 )
-        if self.args.offload:
+        if self.args.offload_rollout:
             get([self.rollout_engines[i].release_memory_occupation.remote() for i in dead])
             if resume_tags:
                 get([self.rollout_engines[i].resume_memory_occupation.remote(tags=resume_tags) for i in dead])

@@ -41,7 +41,7 @@ def finish_args(args):
     if args.num_rollout is None:
         per_epoch = num_rollout_per_epoch(args)
         args.num_rollout = per_epoch * args.num_epoch
-    if args.num_rollout <= 0:
+    if args.num_rollout <= 0 and not (args.num_rollout == 0 and args.eval_interval is not None):
         raise ValueError(
             f"nothing to train: --num-rollout {args.num_rollout} (with --num-epoch: fewer prompts in --prompt-data "
             f"than --rollout-batch-size {args.rollout_batch_size})"
@@ -73,7 +73,7 @@ class Run:
         if args.rollout_global_dataset:
             self.get(self.rollout_manager.controller.load.remote(args.start_rollout_id - 1))
         self._connect()
-        self._trainers_offloaded = args.offload  # with --offload the trainers sleep after init
+        self._trainers_offloaded = args.offload_train  # with --offload(-train) the trainers sleep after init
         self._pushes = 0
 
     # ------------------------------------------------------------------ the loop's steps
@@ -85,7 +85,7 @@ class Run:
         return self.get(self.start_generate(rollout_id))
 
     def train(self, rollout_id, rollout_data_ref):
-        if self.args.offload:  # colocated: the engines release the GPU before the trainers take it
+        if self.args.offload_rollout:  # colocated: the engines release the GPU before the trainers take it
             self.get(self.rollout_manager.async_offload())
         self._trainers_offloaded = False
         return self.get(self.actor_model.async_train(rollout_id, rollout_data_ref))
@@ -96,20 +96,20 @@ class Run:
         the GPU when colocated, and a replacement joins the router only once it serves these weights."""
         args, manager = self.args, self.rollout_manager
         manager.pause_health_checks()  # an engine busy receiving weights cannot answer a generation
-        if args.offload and not self._trainers_offloaded:
+        if args.offload_train and not self._trainers_offloaded:
             self.get(self.actor_model.async_offload())
             self._trainers_offloaded = True
         replaced = self._replace_lost_engines()
-        if args.offload:
+        if args.offload_rollout:
             self.get(manager.async_onload(tags=["weights"]))
         metrics = self.get(self.actor_model.async_update_weights(weight_version))
         while manager.remove_lost(metrics):  # died during the update: replace, then push the same version again
             version = next(m["update_weights/weight_version"] for m in metrics if m)
-            replaced += self._replace_lost_engines(resume_tags=["weights"] if args.offload else None)
+            replaced += self._replace_lost_engines(resume_tags=["weights"] if args.offload_rollout else None)
             metrics = self.get(self.actor_model.async_update_weights(version))
         if args.check_weight_update_equal and self._pushes == 0:
             self.get(manager.async_check_weights("compare"))  # the first push restores --hf-checkpoint's weights
-        if args.offload:
+        if args.offload_rollout:
             self.get(manager.async_onload(tags=AFTER_UPDATE_TAGS))
         if replaced:
             manager.check_weight_versions(metrics, sorted(set(replaced)))
@@ -135,6 +135,9 @@ class Run:
 
     def eval_due(self, rollout_id):
         return should_run_periodic_action(rollout_id, self.args.eval_interval, self.num_rollout_per_epoch)
+
+    def eval_before_train_due(self, rollout_id):
+        return self.args.eval_interval is not None and rollout_id == 0 and not self.args.skip_eval_before_train
 
     def eval(self, rollout_id):
         self.recorder.eval(rollout_id, self.get(self.rollout_manager.async_eval(rollout_id)))

@@ -74,6 +74,7 @@ class RolloutDataSource(DataSource):
                 metadata_key=args.metadata_key,
                 tool_key=args.tool_key,
                 apply_chat_template=args.apply_chat_template,
+                apply_chat_template_kwargs=args.apply_chat_template_kwargs,
                 seed=args.rollout_seed,
             )
             if len(self.dataset) == 0:

@@ -11,7 +11,7 @@ import torch
 from slime.rollout.base_types import RolloutFnTrainOutput
 from slime.utils.types import TRAIN_DATA_KEYS, Sample, TrainData
 
-_GROUP_NORM_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus_baseline", "rloo")
+_GROUP_NORM_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus_baseline", "rloo")
 _STD_NORM_ESTIMATORS = ("grpo", "gspo")
 
 
@@ -168,6 +168,20 @@ def _numeric_mean(values):
         return None  # dict rewards without --reward-key etc.: nothing meaningful to average
 
 
+def reward_category_metrics(key, samples):
+    """--log-reward-category KEY: the fraction of samples in each category `sample.reward[KEY]` (e.g. the failure
+    kinds a dict reward reports), as `error_cat/<category>`."""
+    counts = {}
+    for s in samples:
+        if not isinstance(s.reward, dict) or key not in s.reward:
+            raise ValueError(
+                f"--log-reward-category {key}: sample {s.index} has reward {s.reward!r}, which has no {key!r} key "
+                "(the reward function must return a dict holding it)"
+            )
+        counts[s.reward[key]] = counts.get(s.reward[key], 0) + 1
+    return {f"error_cat/{category}": n / len(samples) for category, n in counts.items()}
+
+
 def rollout_metrics(args, samples, train_data, rollout_time):
     """Metrics of one training rollout (rollout/* and perf/*)."""
     lengths = train_data["response_lengths"]
@@ -178,6 +192,8 @@ def rollout_metrics(args, samples, train_data, rollout_time):
     metrics["rollout/response_length"] = float(np.mean(lengths))
     metrics["rollout/response_length_max"] = int(max(lengths))
     metrics["rollout/truncated_ratio"] = float(np.mean(train_data["truncated"]))
+    if args.log_reward_category:
+        metrics.update(reward_category_metrics(args.log_reward_category, samples))
     versions = [s.weight_versions[-1] for s in samples if s.weight_versions]
     if versions:
         try:

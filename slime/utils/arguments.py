@@ -10,8 +10,11 @@ the flag(s) at fault.
 """
 
 import argparse
+import datetime
+import json
 import logging
 import os
+import re
 import secrets
 import sys
 
@@ -35,6 +38,7 @@ from slime.utils.device import auto_inference_server
 from slime.utils.disk_delta import CHECKSUMS as DELTA_CHECKSUMS
 from slime.utils.disk_delta import ENCODINGS as DELTA_ENCODINGS
 from slime.utils.eval_config import from_prompt_data, load_eval_config
+from slime.utils.flag_support import add_refused_arguments, refuse_unsupported
 from slime.utils.startup_checks import DEFAULT_ROLLOUT_FUNCTION, check_inputs, check_value_ranges
 
 logger = logging.getLogger(__name__)
@@ -98,7 +102,15 @@ def add_cluster_arguments(parser):
     g.add_argument(
         "--rollout-num-gpus-per-engine", type=int, default=1, help="GPUs per inference engine (SGLang's tp size)."
     )
-    g.add_argument("--rollout-num-gpus-per-node", type=int, default=8, help="GPUs per node for inference engines.")
+    g.add_argument(
+        "--num-gpus-per-node",
+        "--rollout-num-gpus-per-node",
+        dest="rollout_num_gpus_per_node",
+        type=int,
+        default=8,
+        help="GPUs per node for inference engines (current slime's name; --rollout-num-gpus-per-node is the older "
+        "one). Also read as args.num_gpus_per_node.",
+    )
     g.add_argument(
         "--colocate",
         action="store_true",
@@ -109,7 +121,21 @@ def add_cluster_arguments(parser):
         "--offload",
         action="store_true",
         default=False,
-        help="Offload training weights/optimizer while rolling out (and engines while training).",
+        help="--offload-train plus --offload-rollout.",
+    )
+    g.add_argument(
+        "--offload-train",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Offload the trainers' weights and optimizer while the engines generate (on with --colocate unless "
+        "--no-offload-train).",
+    )
+    g.add_argument(
+        "--offload-rollout",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Release the engines' weights and KV cache while the trainers train (on with --colocate unless "
+        "--no-offload-rollout).",
     )
     g.add_argument(
         "--inference-server",
@@ -282,6 +308,13 @@ def add_data_arguments(parser):
     )
     g.add_argument("--prompt-data", type=str, default=None, help="Prompt file (.jsonl/.json/.parquet).")
     g.add_argument("--apply-chat-template", action="store_true", default=False)
+    g.add_argument(
+        "--apply-chat-template-kwargs",
+        type=json.loads,
+        default="{}",
+        help="JSON of extra keyword arguments of the chat template (rollout and eval prompts), e.g. "
+        "'{\"enable_thinking\": false}'.",
+    )
     g.add_argument("--input-key", type=str, default="input", help="Column holding the prompt.")
     g.add_argument("--label-key", type=str, default=None)
     g.add_argument("--metadata-key", type=str, default="metadata")
@@ -317,6 +350,12 @@ def add_data_arguments(parser):
 
 def add_eval_arguments(parser):
     g = _Group(parser, "eval")
+    g.add_argument(
+        "--skip-eval-before-train",
+        action="store_true",
+        default=False,
+        help="With --eval-interval: no eval at rollout 0, before any training.",
+    )
     g.add_argument("--eval-function-path", type=str, default=None, help="Default: --rollout-function-path.")
     reset_arg(parser, "--eval-interval", type=int, default=None)
     g.add_argument(
@@ -366,7 +405,8 @@ def add_algo_arguments(parser):
     g.add_argument("--kl-coef", type=float, default=0.0, help="KL penalty in the reward (REINFORCE++).")
     g.add_argument("--use-kl-loss", action="store_true", default=False)
     g.add_argument("--kl-loss-coef", type=float, default=0.0)
-    g.add_argument("--kl-loss-type", choices=["kl", "k1", "k2", "k3", "low_var_kl"], default="kl")
+    # k1 is current slime's name (and default); kl, slime v0.1.0's name for it, is still accepted
+    g.add_argument("--kl-loss-type", choices=["k1", "kl", "k2", "k3", "low_var_kl"], default="k1")
     g.add_argument("--loss-type", choices=["policy_loss", "sft_loss", "custom_loss"], default="policy_loss")
     g.add_argument("--custom-loss-function-path", type=str, default=None)
     g.add_argument(
@@ -393,7 +433,9 @@ def add_algo_arguments(parser):
     g.add_argument(
         "--advantage-estimator",
         default="grpo",
-        choices=["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo"],
+        choices=["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo"],
+        help="cispo: GRPO's advantages with the CISPO loss -sg(clip(ratio, 1-eps_clip, 1+eps_clip_high))*A*logp "
+        "(the gradient flows through logp only; canonical CISPO sets --eps-clip >= 1 to drop the lower bound).",
     )
     g.add_argument(
         "--disable-compute-advantages-and-returns",
@@ -424,6 +466,197 @@ def add_algo_arguments(parser):
         "--tis-clip]; 'mask' keeps them inside that range and zeroes the tokens outside (IcePop).",
     )
     return parser
+
+
+def add_loss_variant_arguments(parser):
+    """Current slime's loss variants on top of the PPO-family loss."""
+    g = _Group(parser, "loss variants")
+    g.add_argument(
+        "--use-unbiased-kl",
+        action="store_true",
+        default=False,
+        help="Weight the KL-loss term of each token by exp(logp - old_logp) (DeepSeek-V3.2's unbiased KL).",
+    )
+    g.add_argument(
+        "--use-opsm",
+        action="store_true",
+        default=False,
+        help="Off-Policy Sequence Masking: a sample with a negative advantage whose masked mean of "
+        "(old - new) log-prob exceeds --opsm-delta leaves the policy loss (reported as opsm_clipfrac).",
+    )
+    g.add_argument("--opsm-delta", type=float, default=1e-4, help="The threshold of --use-opsm.")
+    return parser
+
+
+def add_context_length_arguments(parser):
+    """Current slime's context budgets (prompt + response tokens)."""
+    g = _Group(parser, "context length")
+    g.add_argument(
+        "--rollout-max-context-len",
+        type=int,
+        default=None,
+        help="Max prompt + response tokens of a rollout sample (at most the model's max_position_embeddings); "
+        "--rollout-max-prompt-len defaults to it - 1, so every sample can generate a token. Read by multi-turn "
+        "generate functions as the budget of a whole trajectory.",
+    )
+    g.add_argument(
+        "--eval-max-context-len", type=int, default=None, help="--rollout-max-context-len of eval; default: it."
+    )
+    g.add_argument(
+        "--eval-max-prompt-len",
+        type=int,
+        default=None,
+        help="Drop eval prompts longer than this (tokens); default: --rollout-max-prompt-len.",
+    )
+    return parser
+
+
+def resolve_context_lengths(args, error):
+    """Current slime's defaults between the context budgets, and its bound: a prompt leaves room for one token."""
+    if args.eval_max_context_len is None:
+        args.eval_max_context_len = args.rollout_max_context_len
+    if args.rollout_max_context_len is not None:
+        if args.rollout_max_prompt_len is None:
+            args.rollout_max_prompt_len = args.rollout_max_context_len - 1
+        elif args.rollout_max_prompt_len > args.rollout_max_context_len - 1:
+            error(
+                f"--rollout-max-prompt-len {args.rollout_max_prompt_len} must be below --rollout-max-context-len "
+                f"{args.rollout_max_context_len}, so that every sample generates at least one token to train on."
+            )
+    if args.eval_max_prompt_len is None:
+        args.eval_max_prompt_len = args.rollout_max_prompt_len
+
+
+def add_train_env_arguments(parser):
+    g = _Group(parser, "train environment")
+    g.add_argument(
+        "--train-env-vars",
+        type=json.loads,
+        default="{}",
+        help="JSON object of extra environment variables of the training processes, e.g. "
+        '\'{"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}\' (they win over slime\'s own).',
+    )
+    return parser
+
+
+def check_train_env_vars(args, error):
+    env = args.train_env_vars
+    if not isinstance(env, dict):
+        error(f"--train-env-vars {json.dumps(env)}: expected a JSON object of NAME: value.")
+    for name, value in env.items():
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            error(f"--train-env-vars: {name}={json.dumps(value)}: a value must be a string or a number.")
+    args.train_env_vars = {name: str(value) for name, value in env.items()}  # Ray's runtime env takes strings
+
+
+def add_optimizer_state_arguments(parser):
+    g = _Group(parser, "optimizer state")
+    g.add_argument(
+        "--reset-optimizer-states",
+        action="store_true",
+        default=False,
+        help="Zero Adam's moments and step count at the start of every rollout's training.",
+    )
+    g.add_argument(
+        "--use-stateless-adam",
+        action="store_true",
+        default=False,
+        help="Adam that keeps no moments across steps: each update is Adam's first step, lr * g / (|g| + eps). "
+        "Requires --optimizer adam and --no-save-optim.",
+    )
+    return parser
+
+
+def check_optimizer_state_flags(args, error):
+    if args.use_stateless_adam:
+        if args.optimizer != "adam":
+            error(f"--use-stateless-adam is an Adam variant: drop --optimizer {args.optimizer}.")
+        if not args.no_save_optim:
+            error("--use-stateless-adam keeps no Adam moments to save: add --no-save-optim.")
+
+
+def add_partial_training_arguments(parser):
+    g = _Group(parser, "partial training")
+    g.add_argument(
+        "--only-train-params-name-list",
+        type=str,
+        nargs="*",
+        default=None,
+        help="Regexes (re.search) of the parameter names to train; every other parameter is frozen. Weight updates "
+        "still send every weight.",
+    )
+    g.add_argument(
+        "--freeze-params-name-list",
+        type=str,
+        nargs="*",
+        default=None,
+        help="Regexes (re.search) of the parameter names to freeze; the others train.",
+    )
+    return parser
+
+
+def check_partial_training(args, error):
+    if args.only_train_params_name_list and args.freeze_params_name_list:
+        error("--only-train-params-name-list and --freeze-params-name-list exclude each other: give one.")
+    for flag, patterns in (
+        ("--only-train-params-name-list", args.only_train_params_name_list),
+        ("--freeze-params-name-list", args.freeze_params_name_list),
+    ):
+        for pattern in patterns or []:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                error(f"{flag} {pattern!r}: not a regular expression ({e}).")
+
+
+def add_metric_arguments(parser):
+    g = _Group(parser, "metrics")
+    g.add_argument(
+        "--log-reward-category",
+        type=str,
+        default=None,
+        help="Key of a dict reward naming each sample's category (e.g. its failure kind): the fraction of each "
+        "category is logged per rollout as error_cat/<category>.",
+    )
+    return parser
+
+
+def add_tensorboard_arguments(parser):
+    g = _Group(parser, "tensorboard")
+    g.add_argument(
+        "--use-tensorboard",
+        action="store_true",
+        default=False,
+        help="Also write every metric logged to W&B as a TensorBoard scalar, on the same step axis.",
+    )
+    g.add_argument(
+        "--tb-project-name",
+        type=str,
+        default=None,
+        help="Logs go to tensorboard_log/<project>/<experiment> ($TENSORBOARD_DIR, when set, wins).",
+    )
+    g.add_argument(
+        "--tb-experiment-name", type=str, default=None, help="Default: the start time, %%Y%%m%%d_%%H%%M%%S."
+    )
+    return parser
+
+
+def resolve_tb_dir(args, error):
+    """`args.tb_dir`: the one TensorBoard directory of the run (None without --use-tensorboard), resolved once here so
+    every process that logs (trainer, rollout controller) writes into the same run."""
+    args.tb_dir = None
+    if not args.use_tensorboard:
+        return
+    env_dir = os.environ.get("TENSORBOARD_DIR")
+    if args.tb_project_name is None and not env_dir:
+        error(
+            "--use-tensorboard needs --tb-project-name (logs go to tensorboard_log/<project>/<experiment>) or $TENSORBOARD_DIR."
+        )
+    if args.tb_project_name is not None and args.tb_experiment_name is None:
+        args.tb_experiment_name = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
+    args.tb_dir = os.path.abspath(
+        env_dir or os.path.join("tensorboard_log", args.tb_project_name, args.tb_experiment_name)
+    )
 
 
 def add_wandb_arguments(parser):
@@ -459,6 +692,13 @@ def add_debug_arguments(parser):
         default=None,
         help="Path format with {rollout_id}; implies --debug-train-only.",
     )
+    g.add_argument(
+        "--load-debug-rollout-data-subsample",
+        type=float,
+        default=None,
+        help="With --load-debug-rollout-data: replay only this fraction of each dump (half from its start, half "
+        "from its end).",
+    )
     g.add_argument("--debug-rollout-only", action="store_true", default=False, help="No Megatron.")
     g.add_argument("--debug-train-only", action="store_true", default=False, help="No inference engines.")
     g.add_argument("--save-debug-train-data", type=str, default=None, help="Path format with {rollout_id}, {rank}.")
@@ -476,7 +716,10 @@ def add_network_arguments(parser):
 def add_reward_model_arguments(parser):
     g = _Group(parser, "reward model")
     g.add_argument(
-        "--rm-type", type=str, default=None, help="deepscaler | dapo | math | f1 | remote_rm | boxed_<type>."
+        "--rm-type",
+        type=str,
+        default=None,
+        help="deepscaler | dapo | math | f1 | gpqa | random | answer_match | remote_rm | boxed_<type>.",
     )
     g.add_argument("--reward-key", type=str, default=None, help="Key of a dict reward used for training.")
     g.add_argument("--eval-reward-key", type=str, default=None, help="Default: --reward-key.")
@@ -638,6 +881,31 @@ def add_fault_tolerance_arguments(parser):
 def add_ci_arguments(parser):
     g = _Group(parser, "ci")
     g.add_argument("--ci-test", action="store_true", default=False, help="Assert on first-step metrics.")
+    g.add_argument(
+        "--ci-disable-kl-checker",
+        action="store_true",
+        default=False,
+        help="With --ci-test: skip the first-step checks that the policy equals the reference and the rollout "
+        "policy (ppo_kl, pg_clipfrac, kl_loss, log_probs == ref_log_probs).",
+    )
+    g.add_argument(
+        "--ci-train-rollout-logprob-abs-diff-threshold",
+        type=float,
+        default=0.1,
+        help="With --ci-test: every step's train/train_rollout_logprob_abs_diff must be at most this.",
+    )
+    g.add_argument(
+        "--ci-save-grad-norm",
+        type=str,
+        default=None,
+        help="Save each step's grad norm to this path template ({role}, {rollout_id}, {step_id}).",
+    )
+    g.add_argument(
+        "--ci-load-grad-norm",
+        type=str,
+        default=None,
+        help="Assert each step's grad norm matches the one saved at this path template (1%% or 0.01).",
+    )
     return parser
 
 
@@ -658,7 +926,14 @@ def get_slime_extra_args_provider(add_custom_arguments=None):
             add_data_arguments,
             add_eval_arguments,
             add_algo_arguments,
+            add_loss_variant_arguments,
             add_wandb_arguments,
+            add_tensorboard_arguments,
+            add_metric_arguments,
+            add_partial_training_arguments,
+            add_optimizer_state_arguments,
+            add_train_env_arguments,
+            add_context_length_arguments,
             add_debug_arguments,
             add_sglang_arguments,
             add_network_arguments,
@@ -670,6 +945,7 @@ def get_slime_extra_args_provider(add_custom_arguments=None):
             add_ci_arguments,
             add_custom_megatron_plugins_arguments,
             add_mtp_training_arguments,
+            add_refused_arguments,  # last: parses the refused upstream flags no group above declares
         ):
             add(parser)
         if "--padded-vocab-size" not in parser._option_string_actions:
@@ -776,15 +1052,23 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
         else:
             args.actor_num_gpus_per_node = min(8, args.rollout_num_gpus)
             args.actor_num_nodes = args.rollout_num_gpus // args.actor_num_gpus_per_node
-        args.colocate = args.offload = False
-    if asynchronous and (args.colocate or args.offload):
+        args.colocate = args.offload = args.offload_train = args.offload_rollout = False
+    if asynchronous and (args.colocate or args.offload or args.offload_train or args.offload_rollout):
+        flag = "--colocate" if args.colocate else "--offload" if args.offload else "--offload-train/--offload-rollout"
         error(
-            f"{'--colocate' if args.colocate else '--offload'}: train_async.py overlaps generation with training, so "
-            "the trainers and the engines cannot share GPUs; drop it, or use train.py for a colocated run."
+            f"{flag}: train_async.py overlaps generation with training, so the trainers and the engines cannot share "
+            "GPUs; drop it, or use train.py for a colocated run."
         )
-    # colocated engines use exactly the actor GPUs and must offload
+    # --offload is both; colocated trainers and engines offload unless told not to (--no-offload-train/-rollout)
+    for name in ("offload_train", "offload_rollout"):
+        if args.offload:
+            setattr(args, name, True)
+        elif getattr(args, name) is None:
+            setattr(args, name, args.colocate)
+    args.offload = args.offload_train or args.offload_rollout  # user code of slime v0.1.0 reads args.offload
+    args.num_gpus_per_node = args.rollout_num_gpus_per_node  # current slime's name of the field
+    # colocated engines use exactly the actor GPUs
     if args.colocate:
-        args.offload = True
         if args.rollout_num_gpus != actor_total:
             if args.rollout_num_gpus is not None:
                 logger.warning(
@@ -844,6 +1128,11 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
             error("--num-epoch needs the global dataset (drop --disable-rollout-global-dataset or use --num-rollout).")
     elif args.num_rollout is None:
         error("one of --num-rollout or --num-epoch is required.")
+    if args.num_rollout == 0:
+        if args.eval_interval is None:
+            error("--num-rollout 0 runs only the eval before training: set --eval-interval and the eval data.")
+        if asynchronous:
+            error("--num-rollout 0 (an eval-only run): use train.py; train_async.py always trains.")
     if args.save_interval is not None and args.save is None:
         error("--save-interval requires --save (the checkpoint directory).")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
@@ -852,6 +1141,11 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
             "recompute the LR schedule from this run's flags, or keep the checkpoint's, not both."
         )
     _validate_algorithm_and_rollout(args, error)
+    resolve_tb_dir(args, error)
+    check_train_env_vars(args, error)
+    check_optimizer_state_flags(args, error)
+    check_partial_training(args, error)
+    resolve_context_lengths(args, error)
     check_mtp(args, error)
     if args.custom_tis_function_path and not args.use_tis:
         error(f"--custom-tis-function-path {args.custom_tis_function_path} is called only with --use-tis; add it.")
@@ -914,6 +1208,12 @@ def _apply_custom_config(args, error, check_paths):
 
 def _validate_algorithm_and_rollout(args, error):
     """Flag combinations the loss and the default rollout cannot run with, found here instead of mid-run."""
+    if args.advantage_estimator == "cispo" and args.eps_clip < 1:
+        logger.warning(
+            "--advantage-estimator cispo with --eps-clip %s < 1: the importance ratio is also clipped from below "
+            "(canonical CISPO has no lower bound: set --eps-clip >= 1)",
+            args.eps_clip,
+        )
     if args.loss_type == "custom_loss" and not args.custom_loss_function_path:
         error("--loss-type custom_loss needs --custom-loss-function-path pkg.module.fn (the loss to call).")
     if args.advantage_estimator == "rloo" and not args.rewards_normalization:
@@ -1010,6 +1310,7 @@ def parse_args(add_custom_arguments=None, argv=None, *, check_paths=True, asynch
         args = parser.parse_args(argv)
     error = _one_line_error(parser)
     overridden = _apply_megatron_config(args, error, check_paths)
+    refuse_unsupported(args, parser, error)
     user_load = args.load  # validation replaces a --load without a checkpoint by --ref-load
 
     if args.hf_checkpoint:

@@ -12,20 +12,45 @@ from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntrop
 KL_LOSS_TYPES = ("kl", "k1", "k2", "k3", "low_var_kl")
 
 
-def compute_approx_kl(log_probs, log_probs_base, kl_loss_type):
-    """Per-token estimate of KL(pi || pi_base) from sampled-token log-probs (Schulman's k1/k2/k3)."""
+def compute_approx_kl(log_probs, log_probs_base, kl_loss_type, importance_ratio=None):
+    """Per-token estimate of KL(pi || pi_base) from sampled-token log-probs (Schulman's k1/k2/k3).
+    `importance_ratio` (pi/pi_old per token, --use-unbiased-kl) weights each token's estimate before the clamp."""
     log_ratio = log_probs.float() - log_probs_base.float()
     if kl_loss_type in ("kl", "k1"):
-        return log_ratio
-    if kl_loss_type == "k2":
-        return log_ratio**2 / 2.0
-    if kl_loss_type in ("k3", "low_var_kl"):
+        kl = log_ratio
+    elif kl_loss_type == "k2":
+        kl = log_ratio**2 / 2.0
+    elif kl_loss_type in ("k3", "low_var_kl"):
         kl = torch.exp(-log_ratio) - 1 + log_ratio
+    else:
+        kl = None
+    if kl is not None:
+        if importance_ratio is not None:
+            kl = importance_ratio * kl
         # low_var_kl is k3 clamped so a single outlier token cannot blow up the loss
         return kl.clamp(min=-10, max=10) if kl_loss_type == "low_var_kl" else kl
     raise ValueError(
         f"unknown kl_loss_type {kl_loss_type!r} (--kl-loss-type); expected one of {', '.join(KL_LOSS_TYPES)}"
     )
+
+
+def compute_cispo_loss(ppo_kl, log_probs, advantages, eps_clip, eps_clip_high):
+    """CISPO (MiniMax-M1): `-sg(clip(ratio, 1 - eps_clip, 1 + eps_clip_high)) * A * logp` per token, so a clipped
+    token still passes gradient (through logp). Returns `(pg_losses, clipfrac)`; `ppo_kl = old - new` log-probs."""
+    ratio = (-ppo_kl).exp()
+    clipped = ratio.clamp(1 - eps_clip, 1 + eps_clip_high)
+    return -clipped.detach() * advantages * log_probs, (clipped != ratio).float()
+
+
+def compute_opsm_mask(log_probs, old_log_probs, advantages, loss_masks, delta):
+    """Off-Policy Sequence Masking (DeepSeek-V3.2), per sample: 0 for every token of a sample whose advantage is
+    negative and whose masked mean of (old - new) log-prob exceeds `delta`, else 1. Lists of per-sample tensors in,
+    one concatenated per-token mask out."""
+    masks = []
+    for new, old, adv, m in zip(log_probs, old_log_probs, advantages, loss_masks):
+        seq_kl = ((old - new.detach()) * m).sum() / torch.clamp_min(m.sum(), 1)
+        masks.append(1 - ((adv < 0) & (seq_kl > delta)).to(new.dtype))
+    return torch.cat(masks) if masks else torch.zeros(0)
 
 
 def compute_policy_loss(ppo_kl, advantages, eps_clip, eps_clip_high, eps_clip_c=None):

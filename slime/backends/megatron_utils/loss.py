@@ -16,8 +16,10 @@ from slime.backends.megatron_utils.cp_utils import (
 )
 from slime.utils.ppo_utils import (
     compute_approx_kl,
+    compute_cispo_loss,
     compute_entropy_from_logits,
     compute_log_probs,
+    compute_opsm_mask,
     compute_policy_loss,
     distributed_masked_whiten,
     get_grpo_returns,
@@ -139,7 +141,7 @@ def compute_advantages_and_returns(args, rollout_data):
         # replaces only the estimator: --normalize-advantages still applies below
         user_function("--custom-advantage-function-path", args.custom_advantage_function_path)(args, rollout_data)
         advantages, returns = rollout_data["advantages"], rollout_data["returns"]
-    elif estimator in ("grpo", "gspo"):
+    elif estimator in ("grpo", "gspo", "cispo"):
         returns = get_grpo_returns(rewards, kl)
         advantages = list(returns)
     elif estimator == "reinforce_plus_plus":
@@ -245,9 +247,20 @@ def policy_loss_function(args, batch, logits, sum_of_sample_mean):
     else:
         ppo_kl = (torch.cat(old_log_probs) if old_log_probs else log_probs.detach()) - log_probs
 
-    pg_loss, pg_clipfrac = compute_policy_loss(ppo_kl, advantages, args.eps_clip, args.eps_clip_high, args.eps_clip_c)
+    if args.advantage_estimator == "cispo":
+        pg_loss, pg_clipfrac = compute_cispo_loss(ppo_kl, log_probs, advantages, args.eps_clip, args.eps_clip_high)
+    else:
+        pg_loss, pg_clipfrac = compute_policy_loss(
+            ppo_kl, advantages, args.eps_clip, args.eps_clip_high, args.eps_clip_c
+        )
 
     metrics = {}
+    if args.use_opsm:
+        old = old_log_probs or [lp.detach() for lp in log_probs_list]
+        advantages_list = torch.split(advantages, [lp.numel() for lp in log_probs_list])
+        opsm_mask = compute_opsm_mask(log_probs_list, old, advantages_list, batch["loss_masks"], args.opsm_delta)
+        pg_loss = pg_loss * opsm_mask.to(pg_loss.device)
+        metrics["opsm_clipfrac"] = sum_of_sample_mean(1 - opsm_mask.to(pg_loss.device))
     rollout_log_probs = batch.get("rollout_log_probs")
     pg_loss_masks = batch["loss_masks"]
     if args.use_tis:
@@ -286,7 +299,13 @@ def policy_loss_function(args, batch, logits, sum_of_sample_mean):
 
     if args.use_kl_loss:
         ref_log_probs = torch.cat(_require(batch, "ref_log_probs", "--use-kl-loss needs (load a reference model)"))
-        kl_loss = sum_of_sample_mean(compute_approx_kl(log_probs, ref_log_probs, args.kl_loss_type))
+        importance_ratio = None
+        if args.use_unbiased_kl:
+            old = torch.cat(old_log_probs) if old_log_probs else log_probs.detach()
+            importance_ratio = torch.exp(log_probs - old)
+        kl_loss = sum_of_sample_mean(
+            compute_approx_kl(log_probs, ref_log_probs, args.kl_loss_type, importance_ratio=importance_ratio)
+        )
         loss = loss + args.kl_loss_coef * kl_loss
         metrics["kl_loss"] = kl_loss
 

@@ -6,6 +6,7 @@ the one that runs on CPU. `--spec module fn` overrides both, as in slime (e.g. a
 
 import copy
 import importlib
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -149,12 +150,29 @@ def core_transformer_config_from_args(args) -> TransformerConfig:
     return TransformerConfig(**kw)
 
 
+def _user_spec(args, config, vp_stage):
+    """`--spec MODULE FN`: current slime calls `FN(args, config, vp_stage)`, slime v0.1.0 `FN(args)` (decided by its
+    signature); FN may return a layer spec or a model provider. A non-callable FN is the spec itself."""
+    spec = getattr(importlib.import_module(args.spec[0]), args.spec[1])
+    if not callable(spec):
+        return spec
+    params = inspect.signature(spec).parameters.values()
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in params):
+        return spec(args, config, vp_stage)
+    return spec(args)  # the spec adds what it needs (post norms, ...)
+
+
+def _is_model_provider(spec):
+    """A `--spec` result that builds the model itself (current slime: a callable taking `pre_process`)."""
+    return callable(spec) and "pre_process" in inspect.signature(spec).parameters
+
+
 def _layer_spec(args, config, vp_stage=None):
-    """The decoder's layer spec: `--spec module fn` (called as `fn(args)`, as in slime), else TE on GPU / local
-    elsewhere; a block spec with MoE (it honours `--moe-layer-freq`) or MLA; GLM-4 post norms where asked for."""
+    """The decoder's layer spec: `--spec module fn` (`_user_spec`), else TE on GPU / local elsewhere; a block spec
+    with MoE (it honours `--moe-layer-freq`) or MLA; GLM-4 post norms where asked for."""
     if args.spec:
-        module, fn = args.spec
-        return getattr(importlib.import_module(module), fn)(args)  # the spec adds what it needs (post norms, ...)
+        return _user_spec(args, config, vp_stage)
     te = use_transformer_engine(args)
     if args.num_experts or config.multi_latent_attention:
         spec = get_gpt_decoder_block_spec(
@@ -208,6 +226,8 @@ def get_model_provider_func(args):
     def model_provider(pre_process=True, post_process=True, vp_stage=None):
         config = core_transformer_config_from_args(args)
         layer_spec = _layer_spec(args, config, vp_stage)
+        if _is_model_provider(layer_spec):  # current slime's model plugins return their own provider
+            return layer_spec(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
         return GPTModel(
             config=config,
             transformer_layer_spec=layer_spec,

@@ -198,7 +198,7 @@ def server_command(args, rank: int, host: str, port: int, nccl_port: int, dist_i
     kw = {
         "model_path": args.hf_checkpoint,
         "random_seed": seed,
-        "enable_memory_saver": bool(args.offload),
+        "enable_memory_saver": bool(args.offload_rollout),
         "host": host,
         "port": port,
         "nccl_port": nccl_port,
