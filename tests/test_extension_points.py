@@ -205,12 +205,15 @@ def test_custom_config_sets_args_after_validation(tmp_path, capsys):
     assert f"--custom-config-path {bad}: expected a mapping" in capsys.readouterr().err
 
 
-def test_custom_tis_function_needs_use_tis(capsys):
+def test_custom_tis_function_needs_use_tis_or_mismatch_metrics(capsys):
     with pytest.raises(SystemExit):
         make_args("--custom-tis-function-path", "slime.backends.megatron_utils.loss.icepop_function")
     assert (
         "--custom-tis-function-path slime.backends.megatron_utils.loss.icepop_function is called only with "
-        "--use-tis" in capsys.readouterr().err
+        "--use-tis or --get-mismatch-metrics" in capsys.readouterr().err
+    )
+    make_args(
+        "--get-mismatch-metrics", "--custom-tis-function-path", "slime.backends.megatron_utils.loss.icepop_function"
     )
 
 

@@ -367,9 +367,13 @@ def test_compute_advantages_reinforce_family_and_rloo():
     )
 
     # an unknown --advantage-estimator is refused by argparse's choices (tests/test_arguments.py)
-    data = {"rewards": [1.0]}  # a non-last pipeline stage has no log-probs: nothing to do
+    # no old-log-prob forward ran (the training forward's log-probs are reused): GRPO needs only the rewards
+    data = _rollout()
+    del data["log_probs"]
     compute_advantages_and_returns(_args(), data)
-    assert "advantages" not in data
+    assert torch.allclose(data["advantages"][0], torch.ones(3)) and torch.allclose(data["kl"][1], torch.zeros(2))
+    with pytest.raises(ValueError, match="--kl-coef != 0 needs the old log-probs"):
+        compute_advantages_and_returns(_args(advantage_estimator="reinforce_plus_plus", kl_coef=0.5), data)
 
 
 # ---------------------------------------------------------------- current slime's loss hooks

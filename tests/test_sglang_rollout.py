@@ -275,6 +275,27 @@ def test_generate_rollout_default_path(engine, tiny_kit, prompts):
     assert [g[0].label for g in generate_rollout(args, 1, ds)] == ["7", "9", "11"]
 
 
+def test_top_p_rollout_records_each_steps_kept_set_through_the_router(engine, tiny_kit, prompts):
+    from slime.ray.buffer import convert_samples_to_train_data
+    from slime.utils.top_p_replay import kept_sets_error
+
+    args = make_args(engine, tiny_kit, prompts, "--deterministic-mode", rollout_top_p=0.9, rollout_top_k=20)
+    groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    samples = [s for g in groups for s in g]
+    for s in samples:
+        assert kept_sets_error(s) is None, kept_sets_error(s)
+        offsets = s.rollout_top_p_token_offsets
+        assert all(1 <= b - a <= 20 for a, b in zip(offsets, offsets[1:]))
+        assert len(s.rollout_log_probs) == s.response_length and max(s.rollout_log_probs) <= 0
+    data = convert_samples_to_train_data(args, samples, fn_path="default")
+    assert len(data["rollout_top_p_token_offsets"]) == len(samples)
+    # --deterministic-mode: seeded requests, so the same prompts give the same tokens in a fresh rollout
+    SingletonMeta.clear_instances(GenerateState)
+    again = [s for g in generate_rollout(args, 0, RolloutDataSourceWithBuffer(args)) for s in g]
+    assert [s.tokens for s in again] == [s.tokens for s in samples]
+    assert [s.rollout_top_p_token_ids for s in again] == [s.rollout_top_p_token_ids for s in samples]
+
+
 def test_custom_rm_and_custom_generate_by_path(engine, tiny_kit, prompts):
     args = make_args(engine, tiny_kit, prompts, custom_rm_path=f"{HERE}.response_length_rm")
     groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))

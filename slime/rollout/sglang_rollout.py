@@ -11,7 +11,7 @@ from collections import Counter
 
 from tqdm import tqdm
 
-from slime.backends.sglang_utils.router import abort_all, router_url
+from slime.backends.sglang_utils.router import abort_all, list_workers, router_url
 from slime.rollout import RolloutSamples
 from slime.rollout.base_types import accepts_data_buffer
 from slime.rollout.filter_hub.base_types import MetricGatherer, call_dynamic_filter, should_drop_dynamic_filter_output
@@ -22,6 +22,7 @@ from slime.utils.data import Dataset
 from slime.utils.eval_config import EvalDatasetConfig, eval_datasets
 from slime.utils.http_utils import post
 from slime.utils.misc import SingletonMeta, accepted_kwargs, load_function
+from slime.utils.top_p_replay import append_kept_sets, sampling_is_truncated
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class GenerateState(metaclass=SingletonMeta):
             spaces_between_special_tokens=False,
         )
         self.metrics = {}  # of the latest generate_rollout_async call
+        self.workers = []  # engine URLs for requests the router cannot forward (top-p replay), read when needed
         self.reset()
 
     def reset(self):
@@ -90,8 +92,38 @@ async def _generate_group(args, group, sampling_params):
         return None
 
 
-async def generate(args, sample: Sample, sampling_params) -> Sample:
-    """Default generate: one `/generate` call through the router; resumes a partially generated sample."""
+async def _post_to_a_worker(args, state, sample, payload, on_retry, attempts=3):
+    """POST a /generate that asks for sampling masks straight to one of the router's workers: sglang-router 0.3.2
+    re-serialises /generate bodies into its own request type and drops `return_sampling_mask`. A prompt group goes
+    to one worker (its prefix is cached there); a worker that stops answering is skipped after the usual retries,
+    with the list re-read from the router (fault tolerance replaces engines there). Returns (output, url)."""
+    loop = asyncio.get_running_loop()
+    headers = {"Authorization": f"Bearer {args.sglang_api_key}"} if args.sglang_api_key else None
+    last = None
+    for attempt in range(attempts):
+        if attempt or not state.workers:
+            state.workers = await loop.run_in_executor(None, list_workers, router_url(args))
+            if not state.workers:
+                raise ConnectionError(f"sglang-router at {router_url(args)} lists no worker for sample {sample.index}")
+        key = sample.group_index if sample.group_index is not None else sample.index or 0
+        worker = state.workers[(key + attempt) % len(state.workers)]
+        try:
+            url = f"{worker}/generate"
+            output = await post(url, payload, timeout=args.rollout_request_timeout, headers=headers, on_retry=on_retry)
+            return output, url
+        except ConnectionError as e:
+            last = e
+            logger.warning(f"sample {sample.index}: worker {worker} did not serve /generate ({e}); trying another")
+    raise ConnectionError(f"no worker of sglang-router {router_url(args)} served sample {sample.index}: {last}")
+
+
+async def generate(args, sample: Sample, sampling_params, evaluation=False) -> Sample:
+    """Default generate: one `/generate` call through the router; resumes a partially generated sample.
+
+    Training rollouts with truncated sampling (`--rollout-top-p` < 1 / `--rollout-top-k` > 0) ask the engine for each
+    step's kept token set (SGLang's `return_sampling_mask`, sent to a worker directly: see `_post_to_a_worker`); they
+    are stored on the sample for top-p replay, and the rollout log-probs are the engine's, renormalised over those
+    sets, as the trainer computes them."""
     state = GenerateState(args)
     url = f"{router_url(args)}/generate"
 
@@ -119,6 +151,9 @@ async def generate(args, sample: Sample, sampling_params) -> Sample:
         sample.tokens = list(input_ids)
 
     payload = {"input_ids": list(input_ids), "sampling_params": sampling_params, "return_logprob": True}
+    replay = not evaluation and sampling_is_truncated(args)
+    if replay:
+        payload["return_sampling_mask"] = True
 
     def on_retry(error):
         if isinstance(error, asyncio.TimeoutError):
@@ -128,10 +163,15 @@ async def generate(args, sample: Sample, sampling_params) -> Sample:
                 f"{args.rollout_request_timeout:g}s; retrying it"
             )
 
-    try:
-        output = await post(url, payload, timeout=args.rollout_request_timeout, on_retry=on_retry)
-    except ConnectionError as e:
-        raise ConnectionError(f"sglang-router at {router_url(args)} did not serve sample {sample.index}: {e}") from e
+    if replay:
+        output, url = await _post_to_a_worker(args, state, sample, payload, on_retry)
+    else:
+        try:
+            output = await post(url, payload, timeout=args.rollout_request_timeout, on_retry=on_retry)
+        except ConnectionError as e:
+            raise ConnectionError(
+                f"sglang-router at {router_url(args)} did not serve sample {sample.index}: {e}"
+            ) from e
     if not isinstance(output, dict) or "meta_info" not in output:
         raise RuntimeError(f"{url} returned an unexpected response for sample {sample.index}: {str(output)[:300]}")
 
@@ -140,6 +180,16 @@ async def generate(args, sample: Sample, sampling_params) -> Sample:
     token_logprobs = meta_info.get("output_token_logprobs") or []
     new_tokens = [int(item[1]) for item in token_logprobs]
     new_log_probs = [float(item[0]) for item in token_logprobs]
+    if replay:
+        kept_sets = meta_info.get("output_token_sampling_mask")
+        if kept_sets is None or len(kept_sets) != len(new_tokens):
+            raise RuntimeError(
+                f"sample {sample.index}: the engine returned no sampling mask for its {len(new_tokens)} tokens "
+                f"(got {None if kept_sets is None else len(kept_sets)}), which --rollout-top-p / --rollout-top-k "
+                "replay needs"
+            )
+        append_kept_sets(sample, kept_sets)
+        new_log_probs = [float(x) for x in meta_info["output_token_sampling_logprobs"]]
 
     sample.tokens = sample.tokens + new_tokens
     sample.response_length += len(new_tokens)
@@ -193,13 +243,26 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict, evaluatio
     return sample
 
 
+def seeded(args, sampling_params, j):
+    """A copy of `sampling_params`; with --deterministic-mode or --sglang-enable-deterministic-inference the j-th
+    sample of a group gets `sampling_seed` --rollout-seed + j (as current slime), so the engine's draws depend on
+    the request only, not on what else it batches."""
+    params = sampling_params.copy()
+    if args.deterministic_mode or args.sglang_enable_deterministic_inference:
+        params["sampling_seed"] = args.rollout_seed + j
+    return params
+
+
 async def generate_and_rm_group(args, group: list[Sample], sampling_params: dict, evaluation=False) -> list[Sample]:
     state = GenerateState(args)
     if state.aborted:
         return group
 
     results = await asyncio.gather(
-        *(generate_and_rm(args, sample, sampling_params.copy(), evaluation=evaluation) for sample in group)
+        *(
+            generate_and_rm(args, sample, seeded(args, sampling_params, j), evaluation=evaluation)
+            for j, sample in enumerate(group)
+        )
     )
     group = [s for r in results for s in (r if isinstance(r, list) else [r])]
 
@@ -360,7 +423,7 @@ async def eval_rollout_single_dataset(args, rollout_id, dataset_cfg: EvalDataset
     tasks = []
     sample_index = 0
     for prompt_sample in dataset.samples:
-        for _ in range(dataset_cfg.n_samples_per_eval_prompt):
+        for j in range(dataset_cfg.n_samples_per_eval_prompt):
             sample = copy.deepcopy(prompt_sample)
             sample.index = sample_index
             sample_index += 1
@@ -369,7 +432,7 @@ async def eval_rollout_single_dataset(args, rollout_id, dataset_cfg: EvalDataset
                 sample.custom_rm_path = dataset_cfg.custom_rm_path
             if dataset_cfg.custom_generate_function_path:
                 sample.generate_function_path = dataset_cfg.custom_generate_function_path
-            tasks.append(generate_and_rm(args, sample, sampling_params.copy(), evaluation=True))
+            tasks.append(generate_and_rm(args, sample, seeded(args, sampling_params, j), evaluation=True))
 
     data = []
     pbar = tqdm(total=len(tasks), desc=f"Eval {name}")

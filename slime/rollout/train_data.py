@@ -9,10 +9,11 @@ import numpy as np
 import torch
 
 from slime.rollout.base_types import RolloutFnTrainOutput
+from slime.utils.top_p_replay import kept_sets_error, sampling_is_truncated
 from slime.utils.types import TRAIN_DATA_KEYS, Sample, TrainData
 
 _GROUP_NORM_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus_baseline", "rloo")
-_STD_NORM_ESTIMATORS = ("grpo", "gspo")
+_STD_NORM_ESTIMATORS = ("grpo", "gspo", "cispo")
 
 
 def _flatten(data):
@@ -158,6 +159,22 @@ def convert_samples_to_train_data(args, samples, custom_reward_fn=None, fn_path=
                 )
             log_probs.append(np.asarray(s.rollout_log_probs, dtype=np.float32))
         train_data["rollout_log_probs"] = log_probs
+    if sampling_is_truncated(args) and args.loss_type != "sft_loss":
+        # top-p replay: the trainer scores each token over the set the engine kept (never silently over all tokens)
+        for i, s in enumerate(samples):
+            problem = kept_sets_error(s)
+            if problem:
+                raise ValueError(
+                    f"sample {s.index} (position {i}) from rollout function {fn_path!r} {problem}; with "
+                    f"--rollout-top-p {args.rollout_top_p} / --rollout-top-k {args.rollout_top_k} the trainer replays "
+                    "each step's kept token set (the default generate asks the engine for it)"
+                )
+        train_data["rollout_top_p_token_ids"] = [
+            np.asarray(s.rollout_top_p_token_ids, dtype=np.int32) for s in samples
+        ]
+        train_data["rollout_top_p_token_offsets"] = [
+            np.asarray(s.rollout_top_p_token_offsets, dtype=np.int32) for s in samples
+        ]
     return train_data
 
 

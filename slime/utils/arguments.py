@@ -40,6 +40,7 @@ from slime.utils.disk_delta import ENCODINGS as DELTA_ENCODINGS
 from slime.utils.eval_config import from_prompt_data, load_eval_config
 from slime.utils.flag_support import add_refused_arguments, refuse_unsupported
 from slime.utils.startup_checks import DEFAULT_ROLLOUT_FUNCTION, check_inputs, check_value_ranges
+from slime.utils.top_p_replay import sampling_is_truncated
 
 logger = logging.getLogger(__name__)
 
@@ -511,6 +512,27 @@ def add_context_length_arguments(parser):
     return parser
 
 
+def add_consistency_arguments(parser):
+    """Train/inference consistency: which policy PPO's old log-probs come from, and what is reported about the gap
+    between the trainer's and the engine's log-probs (docs/consistency.md)."""
+    g = _Group(parser, "train/inference consistency")
+    g.add_argument(
+        "--use-rollout-logprobs",
+        action="store_true",
+        default=False,
+        help="PPO's old log-probs (and the KL base) are the engine's rollout log-probs; the trainer's old-log-prob "
+        "forward is skipped.",
+    )
+    g.add_argument(
+        "--get-mismatch-metrics",
+        action="store_true",
+        default=False,
+        help="Report train/rollout KL and importance-weight statistics (train/mismatch_*) without changing the "
+        "loss; with --custom-tis-function-path that function's metrics are reported and its weights ignored.",
+    )
+    return parser
+
+
 def resolve_context_lengths(args, error):
     """Current slime's defaults between the context budgets, and its bound: a prompt leaves room for one token."""
     if args.eval_max_context_len is None:
@@ -927,6 +949,7 @@ def get_slime_extra_args_provider(add_custom_arguments=None):
             add_eval_arguments,
             add_algo_arguments,
             add_loss_variant_arguments,
+            add_consistency_arguments,
             add_wandb_arguments,
             add_tensorboard_arguments,
             add_metric_arguments,
@@ -1147,9 +1170,27 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
     check_partial_training(args, error)
     resolve_context_lengths(args, error)
     check_mtp(args, error)
-    if args.custom_tis_function_path and not args.use_tis:
-        error(f"--custom-tis-function-path {args.custom_tis_function_path} is called only with --use-tis; add it.")
+    if args.custom_tis_function_path and not (args.use_tis or args.get_mismatch_metrics):
+        error(
+            f"--custom-tis-function-path {args.custom_tis_function_path} is called only with --use-tis or "
+            "--get-mismatch-metrics; add one."
+        )
     _apply_custom_config(args, error, check_paths)
+    _validate_consistency(args, error)  # after --custom-config-path, which may set use_tis
+
+
+def _validate_consistency(args, error):
+    cap = args.sglang_sampling_mask_max_tokens
+    if sampling_is_truncated(args) and args.loss_type != "sft_loss" and not 1 <= args.rollout_top_k <= cap:
+        error(
+            f"--rollout-top-p {args.rollout_top_p} needs a finite --rollout-top-k in [1, {cap}]: the trainer replays "
+            "each step's kept token set, which the engine returns (SGLang's return_sampling_mask) only for a finite "
+            f"top-k up to --sglang-sampling-mask-max-tokens {cap}."
+        )
+    if args.use_rollout_logprobs and args.use_tis:
+        error(
+            "--use-rollout-logprobs and --use-tis cannot be set at the same time (TIS reweights by exp(old - rollout))."
+        )
 
 
 def _read_yaml(flag, path, error):

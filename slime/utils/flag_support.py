@@ -27,8 +27,6 @@ _PROFILING = "training is not profiled here (torch profiler, CUDA memory history
 # flag -> why it is refused here, and what to do instead (one line each).
 REFUSED = {
     # another issue's work: that issue deletes its entries when it lands
-    "--use-rollout-logprobs": f"engine log-probs as old log-probs {_MISMATCH}; drop it (the trainer recomputes them)",
-    "--get-mismatch-metrics": f"train/rollout mismatch metrics {_MISMATCH}; train_rollout_logprob_abs_diff is logged",
     "--use-routing-replay": f"MoE routing replay (R2) {_MISMATCH}; drop it",
     "--use-rollout-routing-replay": f"MoE rollout routing replay (R3) {_MISMATCH}; drop it",
     "--lambd": _PPO,

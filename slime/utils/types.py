@@ -9,6 +9,8 @@ from typing import Any, Optional, TypedDict, Union
 
 import numpy as np
 
+from slime.utils.top_p_replay import append_kept_sets
+
 
 @dataclass
 class Sample:
@@ -110,6 +112,12 @@ class Sample:
             if log_probs is not None:
                 raise ValueError("non-trainable response tokens take no rollout log-probs")
             log_probs = [0.0] * len(tokens)
+        kept_sets = (meta_info or {}).get("output_token_sampling_mask") if trainable else None
+        if kept_sets is not None and len(kept_sets) != len(tokens):
+            raise ValueError(f"meta_info has {len(kept_sets)} sampling masks for {len(tokens)} tokens")
+        if tokens and (kept_sets is not None or self.rollout_top_p_token_offsets is not None):
+            # top-p replay: the engine's kept set per sampled token; tool tokens get empty spans (full vocabulary)
+            append_kept_sets(self, kept_sets if kept_sets is not None else [[]] * len(tokens))
         if text is not None:
             self.response += text
         previous = self.response_length
@@ -180,6 +188,8 @@ class TrainData(_RequiredTrainData, total=False):
     rollout_log_probs: list[np.ndarray]  # float32 over the response tokens, as the engine sampled them
     round_number: list[int]  # from `Sample.metadata["round_number"]` (multi-turn rollouts)
     metadata: list  # `Sample.train_metadata`, for --rollout-data-postprocess-path and custom losses
+    rollout_top_p_token_ids: list[np.ndarray]  # int32: each step's kept token set, concatenated (top-p/top-k replay)
+    rollout_top_p_token_offsets: list[np.ndarray]  # int32: where each step's set starts in the ids (one more entry)
 
 
 TRAIN_DATA_KEYS = tuple(_RequiredTrainData.__annotations__)  # every converter must return these

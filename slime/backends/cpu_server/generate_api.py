@@ -10,6 +10,22 @@ from aiohttp import web
 from .sampling import RequestError, SamplingParams
 from .scheduler import Req
 
+# SGLang's --sampling-mask-max-tokens default: the most token ids one returned sampling mask may hold
+SAMPLING_MASK_MAX_TOKENS = 4096
+
+
+def _check_sampling_mask(want_mask, mode, sp):
+    """SGLang's checks of return_sampling_mask / sampling_logprobs_mode (tokenizer manager and scheduler)."""
+    if mode is not None and not want_mask:
+        raise RequestError("sampling_logprobs_mode can only be set when return_sampling_mask=true.")
+    if mode not in (None, "selected", "support"):
+        raise RequestError(f"sampling_logprobs_mode must be 'selected' or 'support', got {mode!r}")
+    if want_mask and sp.top_k != 1 and not 1 < sp.top_k <= SAMPLING_MASK_MAX_TOKENS:
+        raise RequestError(
+            f"return_sampling_mask requires top_k=1 for greedy sampling or finite 1 < top_k <= "
+            f"{SAMPLING_MASK_MAX_TOKENS}; got top_k={sp.top_k}. Lower top_k or increase --sampling-mask-max-tokens."
+        )
+
 
 class GenerateAPI:
     """`/generate` and `/abort_request`: prompts checked, requests built and run on the scheduler, SGLang's output shape."""
@@ -76,11 +92,15 @@ class GenerateAPI:
             raise RequestError(
                 "custom_logit_processor, input_embeds and image_data are not supported by slime's CPU server."
             )
+        masks_raw, mode_raw = body.get("return_sampling_mask"), body.get("sampling_logprobs_mode")
         reqs = []
         for i, ids in enumerate(prompts):
             sp_d = sps_raw[i] if isinstance(sps_raw, list) else sps_raw
             sp = SamplingParams.from_dict(sp_d, self.cfg.vocab_size)
             self._check_prompt(ids, sp)
+            want_mask = bool(masks_raw[i] if isinstance(masks_raw, list) else masks_raw)
+            mode = mode_raw[i] if isinstance(mode_raw, list) else mode_raw
+            _check_sampling_mask(want_mask, mode, sp)
             lp = lps[i] if isinstance(lps, list) else lps
             st = start[i] if isinstance(start, list) else start
             rid = rids[i] if isinstance(rids, list) else (rids if not batch else None)
@@ -96,8 +116,10 @@ class GenerateAPI:
                     top_logprobs_num=topn,
                     stream=bool(body.get("stream")),
                     on_update=on_update,
+                    return_sampling_mask=want_mask,
                 )
                 r.index, r.text_in_logprobs = len(reqs), bool(body.get("return_text_in_logprobs"))
+                r.support_logprobs = mode == "support"
                 reqs.append(r)
         return reqs, batch
 
@@ -154,6 +176,13 @@ class GenerateAPI:
             meta["input_token_logprobs"] = [[lp, t, text_of(t)] for lp, t, _ in (r.input_logprobs or [])]
             if r.top_logprobs_num:
                 meta["output_top_logprobs"] = r.output_top_logprobs
+        if r.return_sampling_mask:  # SGLang: per output token its sampling support and behaviour log-prob(s)
+            meta["output_token_sampling_mask"] = [list(m) for m in r.output_sampling_masks]
+            meta["output_token_sampling_logprobs"] = [
+                list(lps) if r.support_logprobs else lps[m.index(t)]
+                for m, lps, t in zip(r.output_sampling_masks, r.output_sampling_logprobs, r.output_ids)
+            ]
+            meta["output_token_sampling_mask_length"] = len(r.output_sampling_masks)
         return {"text": r.text if text is None else text, "output_ids": list(r.output_ids), "meta_info": meta}
 
     async def generate(self, request):

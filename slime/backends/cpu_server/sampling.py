@@ -190,9 +190,11 @@ class SamplingParams:
 
 
 def sample(logits: torch.Tensor, reqs, default_gen: torch.Generator, stop_ids_of):
-    """logits [B, V] float32 (modified in place); reqs: the batch's requests (with .sp, .output_ids, .generator).
-    `stop_ids_of(req)` = the ids min_new_tokens must suppress.
-    Returns (token ids [B], their log-probs [B], the full log-prob rows [B, V])."""
+    """logits [B, V] float32 (modified in place); reqs: the batch's requests (with .sp, .output_ids, .generator,
+    .return_sampling_mask). `stop_ids_of(req)` = the ids min_new_tokens must suppress.
+    Returns (token ids [B], their log-probs [B], the full log-prob rows [B, V], supports): `supports[i]` is None, or
+    for a request with `return_sampling_mask` SGLang's sampling mask of this step: `(kept token ids by descending
+    probability, their log-probs renormalised over that set)` (greedy: the chosen token alone, log-prob 0)."""
     B, V = logits.shape
     for i, r in enumerate(reqs):
         sp = r.sp
@@ -213,6 +215,7 @@ def sample(logits: torch.Tensor, reqs, default_gen: torch.Generator, stop_ids_of
     logits.div_(temps[:, None])
     logprobs = torch.log_softmax(logits, dim=-1)
     tokens = logits.argmax(dim=-1)
+    supports = [None] * B
     sampled = [i for i, r in enumerate(reqs) if not r.sp.greedy]
     if sampled:
         idx = torch.tensor(sampled)
@@ -237,4 +240,20 @@ def sample(logits: torch.Tensor, reqs, default_gen: torch.Generator, stop_ids_of
         for j in own:
             picks[j] = torch.multinomial(probs[j], 1, generator=reqs[sampled[j]].generator)[0]
         tokens[idx] = picks
-    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1), logprobs
+        for j, i in enumerate(sampled):
+            if reqs[i].return_sampling_mask:
+                supports[i] = _support(probs[j])
+    for i, r in enumerate(reqs):
+        if r.return_sampling_mask and r.sp.greedy:
+            supports[i] = ([int(tokens[i])], [0.0])
+    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1), logprobs, supports
+
+
+def _support(weights):
+    """The kept tokens of one filtered (unnormalised) probability row, by descending weight (ties: lower id first),
+    with their log-probs over the kept set, as SGLang's sampler packs its sampling mask."""
+    ids = torch.nonzero(weights > 0).squeeze(1)
+    w = weights[ids].double()
+    order = sorted(range(len(ids)), key=lambda k: (-float(w[k]), int(ids[k])))
+    ids, w = ids[order], w[order]
+    return ids.tolist(), torch.log(w / w.sum()).float().tolist()

@@ -33,6 +33,7 @@ class Req:
         top_logprobs_num=0,
         stream=False,
         on_update=None,
+        return_sampling_mask=False,
     ):
         self.rid = rid or uuid.uuid4().hex
         self.input_ids, self.sp = list(input_ids), sp
@@ -45,6 +46,9 @@ class Req:
         self.generator = None if sp.sampling_seed is None else torch.Generator().manual_seed(sp.sampling_seed)
         self.output_ids, self.output_logprobs, self.output_top_logprobs = [], [], []
         self.input_logprobs = None
+        # SGLang's return_sampling_mask: per output token the kept token ids and their renormalised log-probs
+        self.return_sampling_mask, self.support_logprobs = return_sampling_mask, False
+        self.output_sampling_masks, self.output_sampling_logprobs = [], []
         self.finish_reason = None
         self.slot, self.rows = None, []
         self.to_abort = None  # abort message once an abort was requested
@@ -258,10 +262,13 @@ class Scheduler:
         return list(set(r.sp.stop_token_ids) | (set() if r.sp.ignore_eos else self.eos_ids))
 
     def _sample_and_append(self, reqs, logits):
-        tokens, logprobs, rows = sample(logits, reqs, self.gen, self._stop_ids)
+        tokens, logprobs, rows, supports = sample(logits, reqs, self.gen, self._stop_ids)
         for i, (r, t, lp) in enumerate(zip(reqs, tokens.tolist(), logprobs.tolist())):
             r.output_ids.append(t)
             r.output_logprobs.append(lp)
+            if supports[i] is not None:
+                r.output_sampling_masks.append(supports[i][0])
+                r.output_sampling_logprobs.append(supports[i][1])
             if r.return_logprob and r.top_logprobs_num:
                 v, ix = rows[i].topk(r.top_logprobs_num)
                 r.output_top_logprobs.append([[a, b, None] for a, b in zip(v.tolist(), ix.tolist())])

@@ -237,12 +237,19 @@ class MegatronTrainRayActor(TrainRayActor):
             if "ref" in self.weights:
                 with timer("ref_log_probs"):
                     rollout_data.update(self.compute_log_prob("ref", data_iterator, num_microbatches, "ref_"))
-            with timer("log_probs"):
-                tag = "old_actor" if "old_actor" in self.weights else "actor"
-                rollout_data.update(self.compute_log_prob(tag, data_iterator, num_microbatches))
-                if tag != "actor":
-                    self.update_gpu_params_dict(self.weights["actor"])
-            if args.ci_test and not args.ci_disable_kl_checker and rollout_id == 0 and "ref_log_probs" in rollout_data:
+            if needs_old_log_prob_forward(args, num_steps=len(num_microbatches)):
+                with timer("log_probs"):
+                    tag = "old_actor" if "old_actor" in self.weights else "actor"
+                    rollout_data.update(self.compute_log_prob(tag, data_iterator, num_microbatches))
+                    if tag != "actor":
+                        self.update_gpu_params_dict(self.weights["actor"])
+            if (
+                args.ci_test
+                and not args.ci_disable_kl_checker
+                and rollout_id == 0
+                and "ref_log_probs" in rollout_data
+                and "log_probs" in rollout_data
+            ):
                 for lp, ref in zip(rollout_data["log_probs"], rollout_data["ref_log_probs"]):
                     assert torch.equal(lp, ref), "--ci-test: rollout 0 log_probs differ from ref_log_probs"
             compute_advantages_and_returns(args, rollout_data)
@@ -322,6 +329,32 @@ class MegatronTrainRayActor(TrainRayActor):
             _process_groups("destroy_process_groups")
         dist.barrier(group=megatron_init.get_gloo_group())
         return result
+
+
+def reuses_training_log_probs(args, num_steps):
+    """Whether PPO's old log-probs can be the first training forward's own (detached) log-probs: with exactly one
+    optimizer step per rollout that forward runs on the rollout's weights, so a separate forward would compute the
+    same values, provided nothing needs them before training (KL in the reward, rollout entropy, a custom advantage
+    function or rollout-data postprocess) and the old policy is the live one (no --keep-old-actor)."""
+    return (
+        num_steps == 1
+        and args.loss_type == "policy_loss"
+        and args.kl_coef == 0
+        and args.advantage_estimator != "gspo"
+        and not args.keep_old_actor
+        and not args.use_rollout_entropy
+        and not args.custom_advantage_function_path
+        and not args.rollout_data_postprocess_path
+    )
+
+
+def needs_old_log_prob_forward(args, num_steps):
+    """Whether the trainer runs its separate old-log-prob forward before training (`num_steps` optimizer steps this
+    rollout): not when PPO's old log-probs are the engine's (--use-rollout-logprobs; --get-mismatch-metrics then
+    compares the trainer's with them) or the training forward's own (`reuses_training_log_probs`)."""
+    if args.use_rollout_logprobs and not args.get_mismatch_metrics:
+        return False
+    return not reuses_training_log_probs(args, num_steps)
 
 
 def _perf_metrics():

@@ -26,6 +26,7 @@ from slime.backends.megatron_utils.rollout_data import (
     get_minimum_num_micro_batch_size,
 )
 from slime.utils.device import current_device
+from slime.utils.top_p_replay import TOP_P_KEYS
 
 PAD_TOKEN_ID = 0  # pad positions are never scored, any id works
 PACKED_PAD_MULTIPLE = 128  # slime pads packed rows to reduce allocator fragmentation
@@ -186,7 +187,7 @@ def log_rollout_data(rollout_id, args, rollout_data):
         return {}
     local = {}
     for key, val in rollout_data.items():
-        if key in ("tokens", "loss_masks", "sample_indices") or val is None:
+        if key in ("tokens", "loss_masks", "sample_indices", *TOP_P_KEYS) or val is None:
             continue
         if isinstance(val, torch.Tensor):
             local[key] = val.float().mean().item()

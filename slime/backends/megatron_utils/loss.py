@@ -27,6 +27,7 @@ from slime.utils.ppo_utils import (
     get_reinforce_plus_plus_returns,
     get_rloo_returns,
 )
+from slime.utils.top_p_replay import sampling_is_truncated
 from slime.utils.user_errors import call_user_function, user_function
 
 
@@ -81,11 +82,61 @@ def _mask_padded_vocab(logits, vocab_size):
     return logits.masked_fill(column >= vocab_size, _MASKED_LOGIT)
 
 
-def get_log_probs_and_entropy(logits, *, args, unconcat_tokens, total_lengths, response_lengths, with_entropy=False):
+def get_rollout_top_p_logprob_kwargs(args, batch):
+    """`get_log_probs_and_entropy`'s top-p replay arguments for a micro-batch: `{}` unless training rollouts sample
+    from a truncated distribution (`--rollout-top-p` < 1 or `--rollout-top-k` > 0), then the per-sample kept sets,
+    which the batch must carry."""
+    if not sampling_is_truncated(args):
+        return {}
+    ids, offsets = batch.get("rollout_top_p_token_ids"), batch.get("rollout_top_p_token_offsets")
+    if ids is None or offsets is None:
+        raise ValueError(
+            f"--rollout-top-p {args.rollout_top_p} / --rollout-top-k {args.rollout_top_k}: the training batch has no "
+            "rollout_top_p_token_ids / rollout_top_p_token_offsets to score the tokens over the sets the engine kept"
+        )
+    return {"top_p_token_ids": ids, "top_p_token_offsets": offsets}
+
+
+def _restrict_to_kept_sets(logits, pieces, kept_ids, offsets):
+    """`logits` [n, V/tp] of one sample's response rows with every token outside that step's kept set masked out,
+    so the (vocab-parallel) softmax renormalises over exactly the engine's sampling support. `pieces` map the rows
+    to response positions (`get_responses`); a step with an empty set keeps the whole vocabulary."""
+    part = logits.size(-1)
+    vocab_start = mpu.get_tensor_model_parallel_rank() * part
+    device = logits.device
+    positions = [torch.arange(r0, r0 + n, device=device) for _, r0, n in pieces]
+    positions = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long, device=device)
+    offsets = offsets.to(device=device, dtype=torch.long)
+    kept_ids = kept_ids.to(device=device, dtype=torch.long)
+    starts, lengths = offsets[positions], offsets[positions + 1] - offsets[positions]
+    rows = torch.repeat_interleave(torch.arange(positions.numel(), device=device), lengths)
+    within = torch.arange(rows.numel(), device=device) - torch.repeat_interleave(
+        torch.cumsum(lengths, 0) - lengths, lengths
+    )
+    local = kept_ids[torch.repeat_interleave(starts, lengths) + within] - vocab_start
+    here = (local >= 0) & (local < part)
+    keep = torch.zeros(positions.numel(), part, dtype=torch.bool, device=device)
+    keep[rows[here], local[here]] = True
+    keep[lengths == 0] = True
+    return logits.masked_fill(~keep, _MASKED_LOGIT)
+
+
+def get_log_probs_and_entropy(
+    logits,
+    *,
+    args,
+    unconcat_tokens,
+    total_lengths,
+    response_lengths,
+    with_entropy=False,
+    top_p_token_ids=None,
+    top_p_token_offsets=None,
+):
     """`{"log_probs": [per-sample 1-D], "entropy": [...] (with_entropy)}` of the response tokens.
 
     Logits are divided by `--rollout-temperature` first so the trainer's log-probs match the rollout engine's
-    temperature-scaled ones.
+    temperature-scaled ones. With `top_p_token_ids` / `top_p_token_offsets` (per sample, see
+    `get_rollout_top_p_logprob_kwargs`) each token is scored over the set the engine kept at its step (top-p replay).
     """
     logits = logits.float()
     if args.rollout_temperature != 1.0:
@@ -94,12 +145,16 @@ def get_log_probs_and_entropy(logits, *, args, unconcat_tokens, total_lengths, r
     tp_group = mpu.get_tensor_model_parallel_group()
     gather = mpu.get_context_parallel_world_size() > 1
     log_probs, entropy = [], []
-    for (logits_chunk, tokens_chunk, pieces), resp_len in zip(
-        get_responses(
-            logits, unconcat_tokens=unconcat_tokens, total_lengths=total_lengths, response_lengths=response_lengths
-        ),
-        response_lengths,
+    for i, ((logits_chunk, tokens_chunk, pieces), resp_len) in enumerate(
+        zip(
+            get_responses(
+                logits, unconcat_tokens=unconcat_tokens, total_lengths=total_lengths, response_lengths=response_lengths
+            ),
+            response_lengths,
+        )
     ):
+        if top_p_token_offsets is not None:
+            logits_chunk = _restrict_to_kept_sets(logits_chunk, pieces, top_p_token_ids[i], top_p_token_offsets[i])
         values = [compute_log_probs(logits_chunk, tokens_chunk, tp_group)]
         if with_entropy:
             values.append(compute_entropy_from_logits(logits_chunk, tp_group))
@@ -116,18 +171,25 @@ def get_log_probs_and_entropy(logits, *, args, unconcat_tokens, total_lengths, r
 
 def compute_advantages_and_returns(args, rollout_data):
     """Fill `rollout_data["advantages"]` and `["returns"]` (per-sample token tensors) for `--advantage-estimator`.
-    No-op on ranks without `log_probs` (pipeline stages other than the last)."""
-    log_probs = rollout_data.get("log_probs")
-    if log_probs is None:
+    No-op on pipeline stages other than the last (only the last computes the loss). The old log-probs (the KL base
+    of `--kl-coef`) are the trainer's `log_probs`, the engine's with --use-rollout-logprobs, and absent when the
+    training forward's are reused (then `--kl-coef` is 0, see `actor.reuses_training_log_probs`)."""
+    if not mpu.is_pipeline_last_stage():
         return
+    if args.use_rollout_logprobs:
+        log_probs = _require(rollout_data, "rollout_log_probs", _ROLLOUT_LOGPROBS_NEEDED)
+    else:
+        log_probs = rollout_data.get("log_probs")
     ref_log_probs = rollout_data.get("ref_log_probs")
     rewards = rollout_data["rewards"]
     loss_masks = rollout_data["loss_masks"]
-    device = log_probs[0].device if log_probs else torch.device("cpu")
+    device = loss_masks[0].device if loss_masks else torch.device("cpu")
 
-    if args.kl_coef == 0 or not log_probs:
-        kl = [torch.zeros_like(lp, dtype=torch.float32) for lp in log_probs]
+    if args.kl_coef == 0 or not loss_masks:
+        kl = [torch.zeros(m.shape, dtype=torch.float32, device=m.device) for m in loss_masks]
     else:
+        if log_probs is None:
+            raise ValueError("--kl-coef != 0 needs the old log-probs, but rollout data has no log_probs")
         if ref_log_probs is None:
             raise ValueError(
                 "--kl-coef != 0 needs reference log-probs (--ref-load), but rollout data has no ref_log_probs"
@@ -190,6 +252,9 @@ def get_sum_of_sample_mean(total_lengths, response_lengths, loss_masks, calculat
     return reduce
 
 
+_ROLLOUT_LOGPROBS_NEEDED = "--use-rollout-logprobs needs (the rollout must return log-probs)"
+
+
 def _require(batch, key, why):
     if batch.get(key) is None:
         raise ValueError(f"the training batch has no {key!r}, which {why}")
@@ -220,11 +285,55 @@ def icepop_function(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_m
     return pg_loss * weights, loss_masks, metrics
 
 
+def mismatch_metrics(train_log_probs, rollout_log_probs, loss_masks):
+    """Per-token values (each reduced by the caller's sum-of-sample-mean) comparing the trainer's log-probs with the
+    engine's on the same sampled tokens; r = train - rollout log-prob, rho = exp(r):
+    `mismatch_kl` E[-r] (KL(rollout || train)), `mismatch_k3_kl` E[rho - 1 - r] (its non-negative estimator),
+    `mismatch_is_weight` E[rho], `mismatch_chi2_token` E[rho^2] - 1 per sample, `mismatch_log_ppl_abs_diff`
+    |mean rollout log-prob - mean train log-prob| per sample (shared by the sample's tokens)."""
+    out = {k: [] for k in ("kl", "k3_kl", "is_weight", "chi2_token", "log_ppl_abs_diff")}
+    for train, rollout, mask in zip(train_log_probs, rollout_log_probs, loss_masks):
+        r = (train - rollout).float()
+        rho = torch.exp(r.clamp(-20.0, 20.0))  # exp overflow guard
+        m = mask.to(r.dtype)
+        n = torch.clamp_min(m.sum(), 1)
+        out["kl"].append(-r)
+        out["k3_kl"].append(rho - 1 - r)
+        out["is_weight"].append(rho)
+        out["chi2_token"].append(((rho.square() * m).sum() / n - 1).expand_as(r))
+        out["log_ppl_abs_diff"].append(((r * m).sum() / n).abs().expand_as(r))
+    return {f"mismatch_{k}": torch.cat(v).detach() if v else torch.zeros(0) for k, v in out.items()}
+
+
+def _mismatch_metrics(args, batch, train_log_probs, pg_loss, sum_of_sample_mean, response_lengths):
+    """--get-mismatch-metrics: the built-in `mismatch_*` values and, with --custom-tis-function-path, that function's
+    metrics; its weights and masks are dropped, so the loss is unchanged."""
+    rollout_lp = _require(
+        batch, "rollout_log_probs", "--get-mismatch-metrics needs (the rollout must return log-probs)"
+    )
+    values = mismatch_metrics(train_log_probs, rollout_lp, batch["loss_masks"])
+    if args.custom_tis_function_path and not args.use_tis:
+        _, _, user_metrics = user_function("--custom-tis-function-path", args.custom_tis_function_path)(
+            args=args,
+            pg_loss=pg_loss.detach(),
+            train_log_probs=train_log_probs,
+            rollout_log_probs=rollout_lp,
+            loss_masks=batch["loss_masks"],
+            total_lengths=batch["total_lengths"],
+            response_lengths=response_lengths,
+        )
+        values.update(user_metrics)
+    return {k: sum_of_sample_mean(v.to(pg_loss.device)) for k, v in values.items()}
+
+
 def policy_loss_function(args, batch, logits, sum_of_sample_mean):
     """PPO clipped loss (GSPO sequence-level ratio with `--advantage-estimator gspo`), optional dual clip
     (`--eps-clip-c`), TIS (`--use-tis`), entropy bonus and KL loss. Returns `(loss, metrics)`."""
     advantages = torch.cat(_require(batch, "advantages", "the policy loss needs (compute_advantages_and_returns)"))
-    old_log_probs = _require(batch, "log_probs", "are the old-policy log-probs of the PPO ratio")
+    if args.use_rollout_logprobs:
+        old_log_probs = _require(batch, "rollout_log_probs", _ROLLOUT_LOGPROBS_NEEDED)
+    else:  # None: the trainer skipped its old-log-prob forward (actor.reuses_training_log_probs), see below
+        old_log_probs = batch.get("log_probs")
     response_lengths = batch["response_lengths"]
     out = get_log_probs_and_entropy(
         logits,
@@ -233,9 +342,15 @@ def policy_loss_function(args, batch, logits, sum_of_sample_mean):
         total_lengths=batch["total_lengths"],
         response_lengths=response_lengths,
         with_entropy=True,
+        **get_rollout_top_p_logprob_kwargs(args, batch),
     )
     log_probs_list = out["log_probs"]
     log_probs = torch.cat(log_probs_list) if log_probs_list else logits.new_zeros(0)
+    # the trainer's log-probs of the rollout's weights: the old-log-prob forward's, else this forward's (the same
+    # weights on a rollout's first optimizer step)
+    train_log_probs = batch.get("log_probs") or [lp.detach() for lp in log_probs_list]
+    if old_log_probs is None:
+        old_log_probs = train_log_probs
 
     if args.advantage_estimator == "gspo":
         # sequence-level ratio: masked mean of the token log-ratio, shared by every token of the sample
@@ -253,6 +368,7 @@ def policy_loss_function(args, batch, logits, sum_of_sample_mean):
         pg_loss, pg_clipfrac = compute_policy_loss(
             ppo_kl, advantages, args.eps_clip, args.eps_clip_high, args.eps_clip_c
         )
+    pg_loss_before_tis = pg_loss
 
     metrics = {}
     if args.use_opsm:
@@ -272,7 +388,7 @@ def policy_loss_function(args, batch, logits, sum_of_sample_mean):
         pg_loss, pg_loss_masks, tis_metrics = tis_fn(
             args=args,
             pg_loss=pg_loss,
-            train_log_probs=old_log_probs,
+            train_log_probs=train_log_probs,
             rollout_log_probs=rollout_lp,
             loss_masks=batch["loss_masks"],
             total_lengths=batch["total_lengths"],
@@ -312,11 +428,15 @@ def policy_loss_function(args, batch, logits, sum_of_sample_mean):
     if log_probs.numel() == 0:
         loss = loss + 0 * logits.sum()  # keep the graph connected so backward still runs
 
-    if rollout_log_probs is not None and old_log_probs:
+    if rollout_log_probs is not None and train_log_probs:
         # trainer vs inference engine on the same weights (precision / kernel mismatch): the pre-update log-probs,
         # so later optimizer steps of this rollout do not count as mismatch
         metrics["train_rollout_logprob_abs_diff"] = sum_of_sample_mean(
-            (torch.cat(old_log_probs) - torch.cat(rollout_log_probs)).abs()
+            (torch.cat(train_log_probs) - torch.cat(rollout_log_probs)).abs()
+        )
+    if args.get_mismatch_metrics:
+        metrics.update(
+            _mismatch_metrics(args, batch, train_log_probs, pg_loss_before_tis, sum_of_sample_mean, response_lengths)
         )
 
     reported = {

@@ -24,12 +24,13 @@ from megatron.core.utils import get_model_config
 from slime.utils import wandb_utils
 from slime.utils.console import metrics_line
 from slime.utils.device import current_device
+from slime.utils.top_p_replay import TOP_P_KEYS
 from slime.utils.user_errors import user_function
 
 from .checkpoint import load_checkpoint, resync_optimizer_main_params
 from .data import get_batch
 from .initialize import is_megatron_main_rank
-from .loss import get_log_probs_and_entropy, loss_function
+from .loss import get_log_probs_and_entropy, get_rollout_top_p_logprob_kwargs, loss_function
 from .megatron_to_hf import hf_to_megatron
 from .model_provider import get_model_provider_func
 
@@ -45,6 +46,7 @@ TRAIN_KEYS = [
     "advantages",
     "returns",
     "rollout_log_probs",
+    *TOP_P_KEYS,
 ]
 
 
@@ -224,7 +226,7 @@ def forward_only(args, model, data_iterator, num_microbatches, store_prefix=""):
         it.reset()
 
     def forward_step(iterator, chunk):
-        batch = get_batch(iterator, ["tokens", "total_lengths", "response_lengths"])
+        batch = get_batch(iterator, ["tokens", "total_lengths", "response_lengths", *TOP_P_KEYS])
 
         def post(logits, non_loss_data=True):  # the schedule calls this with non_loss_data=True
             return get_log_probs_and_entropy(
@@ -234,6 +236,7 @@ def forward_only(args, model, data_iterator, num_microbatches, store_prefix=""):
                 total_lengths=batch["total_lengths"],
                 response_lengths=batch["response_lengths"],
                 with_entropy=bool(args.use_rollout_entropy),
+                **get_rollout_top_p_logprob_kwargs(args, batch),
             )
 
         return _forward(chunk, batch), post

@@ -166,6 +166,8 @@ def process_rollout_data(args, rollout_data_ref, dp_rank, dp_size):
             vals = [torch.tensor(np.asarray(t), dtype=torch.long, device=device) for t in vals]
         elif key == "loss_masks":
             vals = [torch.tensor(np.asarray(m), dtype=torch.int, device=device) for m in vals]
+        elif key in ("rollout_top_p_token_ids", "rollout_top_p_token_offsets"):
+            vals = [torch.tensor(np.asarray(v), dtype=torch.long, device=device) for v in vals]
         elif key == "rollout_log_probs":
             vals = [torch.tensor(np.asarray(lp), dtype=torch.float32, device=device) for lp in vals]
         rollout_data[key] = vals

@@ -1,0 +1,155 @@
+"""Train/rollout log-prob gap with and without top-p replay, measured end to end on the tiny Qwen3 kit.
+
+slime's CPU inference server samples responses (fp32); one Megatron trainer rank (CPU/gloo, fp32) scores the same
+tokens with slime's trainer code (`forward_only`). The gap is the mean over response tokens of
+|trainer log-prob - engine log-prob of the distribution the token was drawn from|:
+
+- default sampling (top-p 1, no top-k): the engine's full-vocabulary log-probs;
+- top-p 0.9 (top-k 50), before replay: the trainer scores over the full vocabulary, the engine drew from the nucleus;
+- top-p 0.9 (top-k 50), after replay: the trainer scores over each step's kept set (rollout_top_p_token_ids).
+
+    .venv/bin/python benchmarks/bench_consistency_gap.py [--samples 16] [--max-new-tokens 48]
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+
+import numpy as np
+import requests
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+PROMPTS = ["1 + 2 =", "What is 7 + 5?", "Add 13 and 29.", "3 + 4 + 5 ="]
+
+
+def sample_from_engine(url, tokenizer, samples, max_new_tokens, top_p, top_k):
+    """Rollout-like data: per sample the tokens, the engine's full and sampling log-probs, and the kept sets."""
+    out = []
+    for i in range(samples):
+        prompt = tokenizer(PROMPTS[i % len(PROMPTS)], add_special_tokens=False)["input_ids"]
+        body = {
+            "input_ids": prompt,
+            "sampling_params": {
+                "max_new_tokens": max_new_tokens,
+                "top_p": top_p,
+                "top_k": top_k,
+                "sampling_seed": 1000 + i,
+                "ignore_eos": True,
+            },
+            "return_logprob": True,
+        }
+        if top_p < 1 or top_k > 0:
+            body["return_sampling_mask"] = True
+        meta = requests.post(url + "/generate", json=body, timeout=300).json()["meta_info"]
+        ids = [int(t) for _, t, _ in meta["output_token_logprobs"]]
+        kept = meta.get("output_token_sampling_mask")
+        out.append(
+            {
+                "tokens": np.asarray(prompt + ids, dtype=np.int64),
+                "full": np.asarray([lp for lp, _, _ in meta["output_token_logprobs"]], dtype=np.float64),
+                "sampling": np.asarray(meta.get("output_token_sampling_logprobs") or [], dtype=np.float64),
+                "kept_ids": None if kept is None else np.asarray([t for k in kept for t in k], dtype=np.int32),
+                "offsets": None if kept is None else np.cumsum([0] + [len(k) for k in kept]).astype(np.int32),
+            }
+        )
+    return out
+
+
+class _Ref:
+    def __init__(self, data):
+        self.inner = data
+
+
+def _trainer_log_probs(rank, model_dir, samples, flags, out_path):
+    """slime's trainer log-probs of every sample's response (one Megatron rank, fp32)."""
+    import ray
+
+    from slime.backends.megatron_utils.data import get_data_iterator
+    from slime.backends.megatron_utils.initialize import init
+    from slime.backends.megatron_utils.model import forward_only, initialize_model_and_optimizer
+    from slime.backends.megatron_utils.rollout_data import process_rollout_data
+    from tests._megatron_helpers import train_args
+
+    n = len(samples)
+    args = train_args(
+        model_dir, global_batch_size=n, rollout_batch_size=n // 2, micro_batch_size=1, seq_length=256, **flags
+    )
+    init(args)
+    model, _, _, _ = initialize_model_and_optimizer(args)
+    ray.get = lambda x: x
+    data = {
+        "tokens": [s["tokens"] for s in samples],
+        "response_lengths": [len(s["full"]) for s in samples],
+        "loss_masks": [np.ones(len(s["full"]), dtype=np.int32) for s in samples],
+        "rewards": [0.0] * n,
+        "raw_reward": [0.0] * n,
+        "truncated": [0] * n,
+        "sample_indices": list(range(n)),
+    }
+    if samples[0]["kept_ids"] is not None and flags.get("rollout_top_p", 1.0) < 1:
+        data["rollout_top_p_token_ids"] = [s["kept_ids"] for s in samples]
+        data["rollout_top_p_token_offsets"] = [s["offsets"] for s in samples]
+    rollout = process_rollout_data(args, _Ref(data), 0, 1)
+    iters, nmb = get_data_iterator(args, model, rollout)
+    torch.save([lp.double() for lp in forward_only(args, model, iters, nmb)["log_probs"]], out_path)
+
+
+def trainer_log_probs(model_dir, samples, flags, tmp):
+    from tests._megatron_helpers import spawn
+
+    out = os.path.join(tmp, "lp.pt")
+    spawn(_trainer_log_probs, 1, model_dir, samples, flags, out, timeout=600)
+    return [lp.numpy() for lp in torch.load(out)]
+
+
+def gap(trainer, engine):
+    return float(np.mean(np.abs(np.concatenate(trainer) - np.concatenate(engine))))
+
+
+def measure(model_dir, samples=16, max_new_tokens=48):
+    """{row name: mean |trainer - engine| log-prob gap} for the three rows of the table (see the module doc)."""
+    from transformers import AutoTokenizer
+
+    from tests.test_cpu_server import start_cpu_server, stop_cpu_server
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    proc, url = start_cpu_server(model_dir)
+    try:
+        dense = sample_from_engine(url, tokenizer, samples, max_new_tokens, 1.0, -1)
+        nucleus = sample_from_engine(url, tokenizer, samples, max_new_tokens, 0.9, 50)
+    finally:
+        stop_cpu_server(proc)
+    with tempfile.TemporaryDirectory() as tmp:
+        dense_lp = trainer_log_probs(model_dir, dense, {}, tmp)
+        full_lp = trainer_log_probs(model_dir, nucleus, {}, tmp)
+        replay_lp = trainer_log_probs(model_dir, nucleus, {"rollout_top_p": 0.9, "rollout_top_k": 50}, tmp)
+    return {
+        "default sampling": gap(dense_lp, [s["full"] for s in dense]),
+        "top-p 0.9, no replay": gap(full_lp, [s["sampling"] for s in nucleus]),
+        "top-p 0.9, replay": gap(replay_lp, [s["sampling"] for s in nucleus]),
+        "tokens": sum(len(s["full"]) for s in dense + nucleus),
+    }
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--samples", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    opts = p.parse_args()
+    from tools.build_tiny_kit import build_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = os.path.join(tmp, "qwen3-tiny")
+        build_model(model_dir)
+        result = measure(model_dir, opts.samples, opts.max_new_tokens)
+    print(f"mean |trainer - engine| log-prob per response token ({result.pop('tokens')} tokens, fp32):")
+    for name, value in result.items():
+        print(f"  {name:24s} {value:.2e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,274 @@
+"""Top-p / top-k replay: the CPU server's sampling masks (SGLang's return_sampling_mask), their ragged storage on
+Sample, the train-data checks, the start-up rule and the trainer's log-probs renormalised over each step's kept
+set. Expected sets and log-probs are worked out independently (a plain Python nucleus over sorted probabilities,
+and log_softmax restricted to the kept ids)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from slime.backends.cpu_server.generate_api import _check_sampling_mask
+from slime.backends.cpu_server.sampling import RequestError, SamplingParams, sample
+from slime.backends.megatron_utils.loss import get_log_probs_and_entropy, get_sum_of_sample_mean, policy_loss_function
+from slime.ray.buffer import convert_samples_to_train_data
+from slime.utils.arguments import parse_args
+from slime.utils.top_p_replay import append_kept_sets, kept_sets_error
+from slime.utils.types import Sample
+from tests._args import BASE, TINY_MODEL, make_args
+
+V = 12
+
+
+@pytest.fixture(scope="module", autouse=True)
+def mpu_world1(tmp_path_factory):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    assert not dist.is_initialized(), "another test left torch.distributed initialised in this process"
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    mpu.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    yield
+    mpu.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+class _Req:
+    def __init__(self, sp, seed, mask=True):
+        self.sp, self.output_ids, self.return_sampling_mask = sp, [], mask
+        self.generator = torch.Generator().manual_seed(seed)
+
+
+def _nucleus(probs, top_k, top_p):
+    """Kept ids: the top_k most likely, then those whose preceding (sorted) mass is at most top_p."""
+    order = sorted(range(len(probs)), key=lambda t: -probs[t])[:top_k]
+    kept, before = [], 0.0
+    for t in order:
+        if before > top_p:
+            break
+        kept.append(t)
+        before += probs[t]
+    return kept
+
+
+# ---------------------------------------------------------------- CPU server sampling masks
+@pytest.mark.parametrize("top_k,top_p,temperature", [(5, 0.7, 1.0), (3, 1.0, 0.7), (8, 0.5, 1.3)])
+def test_cpu_server_returns_each_steps_kept_set_and_renormalised_log_prob(top_k, top_p, temperature):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, V, generator=g) * 2
+    sp = SamplingParams.from_dict({"top_k": top_k, "top_p": top_p, "temperature": temperature}, V)
+    reqs = [_Req(sp, seed=i) for i in range(6)]
+    tokens, full_lp, _, supports = sample(logits.clone(), reqs, torch.Generator(), lambda r: [])
+    for i in range(6):
+        probs = torch.softmax(logits[i] / temperature, -1).tolist()
+        kept = _nucleus(probs, top_k, top_p)
+        ids, lps = supports[i]
+        assert ids == kept  # same ids, by descending probability
+        t = int(tokens[i])
+        assert t in kept
+        mass = sum(probs[k] for k in kept)
+        assert lps[ids.index(t)] == pytest.approx(math.log(probs[t] / mass), abs=1e-5)
+        assert float(full_lp[i]) == pytest.approx(math.log(probs[t]), abs=1e-5)  # output_token_logprobs: full
+
+
+def test_cpu_server_greedy_mask_is_the_token_alone_and_no_mask_unless_asked():
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(1))
+    greedy = SamplingParams.from_dict({"temperature": 0}, V)
+    reqs = [_Req(greedy, 0), _Req(SamplingParams.from_dict({"top_k": 4}, V), 1, mask=False)]
+    tokens, _, _, supports = sample(logits.clone(), reqs, torch.Generator(), lambda r: [])
+    assert supports[0] == ([int(logits[0].argmax())], [0.0]) and supports[1] is None
+
+
+def test_cpu_server_refuses_a_sampling_mask_without_a_finite_top_k_as_sglang():
+    sp = SamplingParams.from_dict({"top_p": 0.9}, V)
+    with pytest.raises(RequestError, match="return_sampling_mask requires top_k=1 .* got top_k=-1"):
+        _check_sampling_mask(True, None, sp)
+    with pytest.raises(RequestError, match="sampling_logprobs_mode can only be set when return_sampling_mask"):
+        _check_sampling_mask(False, "support", sp)
+    _check_sampling_mask(True, "support", SamplingParams.from_dict({"top_p": 0.9, "top_k": 20}, V))
+
+
+# ---------------------------------------------------------------- Sample storage and train data
+def test_kept_sets_are_stored_ragged_as_current_slime():
+    s = Sample(tokens=[1, 2], response_length=0)
+    s.tokens += [5, 7]
+    append_kept_sets(s, [[5, 3], [7]])
+    s.response_length = 2
+    assert s.rollout_top_p_token_ids == [5, 3, 7] and s.rollout_top_p_token_offsets == [0, 2, 3]
+    # a multi-turn helper: tool tokens get empty spans, the next model turn its sets
+    s.append_response_tokens(tokens=[9, 9], trainable=False)
+    s.append_response_tokens(tokens=[4], log_probs=[-0.5], meta_info={"output_token_sampling_mask": [[4, 1]]})
+    assert s.rollout_top_p_token_offsets == [0, 2, 3, 3, 3, 5] and s.rollout_top_p_token_ids[-2:] == [4, 1]
+    assert kept_sets_error(s) is None
+    s.rollout_top_p_token_ids[-2:] = [1, 2]
+    assert "response token 4 (4) is not in the token set" in kept_sets_error(s)
+
+
+def _sampled(index, kept_sets=None):
+    s = Sample(index=index, tokens=[1, 2, 3, 4], response_length=2, reward=1.0, rollout_log_probs=[-0.1, -0.2])
+    s.status = Sample.Status.COMPLETED
+    if kept_sets is not None:
+        s.rollout_top_p_token_ids = [t for k in kept_sets for t in k]
+        s.rollout_top_p_token_offsets = [0, len(kept_sets[0]), len(kept_sets[0]) + len(kept_sets[1])]
+    return s
+
+
+def test_train_data_carries_the_kept_sets_and_refuses_samples_without_them():
+    args = make_args("--rollout-top-p", "0.9", "--rollout-top-k", "20")
+    data = convert_samples_to_train_data(args, [_sampled(0, [[3, 0], [4]]), _sampled(1, [[3], [4, 9]])], fn_path="f")
+    assert [a.tolist() for a in data["rollout_top_p_token_ids"]] == [[3, 0, 4], [3, 4, 9]]
+    assert [a.tolist() for a in data["rollout_top_p_token_offsets"]] == [[0, 2, 3], [0, 1, 3]]
+    assert data["rollout_top_p_token_ids"][0].dtype == np.int32
+    with pytest.raises(ValueError, match="sample 1 .* has no rollout_top_p_token_ids .* --rollout-top-p 0.9"):
+        convert_samples_to_train_data(args, [_sampled(0, [[3], [4]]), _sampled(1)], fn_path="f")
+    plain = convert_samples_to_train_data(make_args(), [_sampled(0), _sampled(1)], fn_path="f")
+    assert "rollout_top_p_token_ids" not in plain
+
+
+def test_top_p_without_a_finite_top_k_is_a_one_line_start_up_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv=[*BASE, *TINY_MODEL, "--rollout-top-p", "0.9"], check_paths=False)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--rollout-top-p 0.9 needs a finite --rollout-top-k in [1, 4096]" in err
+    make_args("--rollout-top-p", "0.9", "--rollout-top-k", "4096")
+    make_args("--rollout-top-p", "0.9", "--loss-type", "sft_loss")  # nothing is sampled for the loss
+
+
+# ---------------------------------------------------------------- trainer log-probs over the kept sets
+def _batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.tensor([1, 2, 5, 7, 3])  # 2 prompt + 3 response tokens
+    logits = torch.randn(1, 5, V, generator=g).requires_grad_()
+    kept = [[5, 0, 9], [], [3, 7]]  # the middle step (e.g. a tool token) has no set: full vocabulary
+    ids = torch.tensor([t for k in kept for t in k])
+    offsets = torch.tensor([0, 3, 3, 5])
+    return tokens, logits, kept, ids, offsets
+
+
+def test_log_probs_are_renormalised_over_each_steps_kept_set():
+    tokens, logits, kept, ids, offsets = _batch()
+    args = make_args("--rollout-top-p", "0.9", "--rollout-top-k", "20", "--rollout-temperature", "0.8")
+    out = get_log_probs_and_entropy(
+        logits,
+        args=args,
+        unconcat_tokens=[tokens],
+        total_lengths=[5],
+        response_lengths=[3],
+        with_entropy=True,
+        top_p_token_ids=[ids],
+        top_p_token_offsets=[offsets],
+    )
+    z = logits[0].detach() / 0.8
+    expected, ent = [], []
+    for r, k in enumerate(kept):
+        row, tok = z[1 + r], int(tokens[2 + r])
+        support = k or list(range(V))
+        lp = row[support] - torch.logsumexp(row[support], 0)
+        expected.append(float(lp[support.index(tok)]))
+        ent.append(float(-(lp.exp() * lp).sum()))
+    assert out["log_probs"][0].tolist() == pytest.approx(expected, abs=1e-5)
+    assert out["entropy"][0].tolist() == pytest.approx(ent, abs=1e-5)
+    # gradients reach only the kept logits of a restricted step
+    out["log_probs"][0][0].backward()
+    grad = logits.grad[0, 1]
+    assert set(torch.nonzero(grad).squeeze(1).tolist()) <= {5, 0, 9}
+
+
+def test_policy_loss_scores_over_the_kept_sets_and_needs_them():
+    tokens, logits, kept, ids, offsets = _batch(1)
+    args = make_args("--rollout-top-p", "0.9", "--rollout-top-k", "20", "--get-mismatch-metrics")
+    z = logits[0].detach()
+    replayed = []
+    for r, k in enumerate(kept):
+        support = k or list(range(V))
+        lp = z[1 + r][support] - torch.logsumexp(z[1 + r][support], 0)
+        replayed.append(float(lp[support.index(int(tokens[2 + r]))]))
+    replayed = torch.tensor(replayed)
+    batch = {
+        "unconcat_tokens": [tokens],
+        "total_lengths": [5],
+        "response_lengths": [3],
+        "loss_masks": [torch.ones(3, dtype=torch.int)],
+        "log_probs": [replayed],  # the old-log-prob forward's replayed values
+        "rollout_log_probs": [replayed.clone()],  # the engine's renormalised log-probs
+        "advantages": [torch.ones(3)],
+        "rollout_top_p_token_ids": [ids],
+        "rollout_top_p_token_offsets": [offsets],
+    }
+    reducer = get_sum_of_sample_mean([5], [3], batch["loss_masks"])
+    _, m = policy_loss_function(args, batch, logits, reducer)
+    assert m["ppo_kl"].item() == pytest.approx(0.0, abs=1e-6)  # this forward replays the same sets
+    assert m["mismatch_kl"].item() == pytest.approx(0.0, abs=1e-6)
+    del batch["rollout_top_p_token_ids"]
+    with pytest.raises(ValueError, match="--rollout-top-p 0.9 / --rollout-top-k 20: the training batch has no"):
+        policy_loss_function(args, batch, logits, reducer)
+
+
+def _tp2_rank(rank, logits, tokens, ids, offsets, expected):
+    from megatron.core import parallel_state as mpu
+
+    mpu.initialize_model_parallel(tensor_model_parallel_size=2)
+    try:
+        args = make_args("--rollout-top-p", "0.9", "--rollout-top-k", "20")
+        shard = logits[..., rank * (V // 2) : (rank + 1) * (V // 2)]
+        out = get_log_probs_and_entropy(
+            shard,
+            args=args,
+            unconcat_tokens=[tokens],
+            total_lengths=[5],
+            response_lengths=[3],
+            with_entropy=True,
+            top_p_token_ids=[ids],
+            top_p_token_offsets=[offsets],
+        )
+        assert torch.allclose(out["log_probs"][0], expected[0], atol=1e-5), (out["log_probs"][0], expected[0])
+        assert torch.allclose(out["entropy"][0], expected[1], atol=1e-5)
+    finally:
+        mpu.destroy_model_parallel()
+
+
+def test_kept_sets_with_the_vocabulary_split_over_two_tensor_parallel_ranks():
+    """Each TP rank masks its own vocabulary slice; the set [5, 0, 9] spans both halves of V = 12."""
+    from tests._megatron_helpers import spawn
+
+    tokens, logits, _, ids, offsets = _batch(2)
+    logits = logits.detach()
+    args = make_args("--rollout-top-p", "0.9", "--rollout-top-k", "20")
+    full = get_log_probs_and_entropy(
+        logits,
+        args=args,
+        unconcat_tokens=[tokens],
+        total_lengths=[5],
+        response_lengths=[3],
+        with_entropy=True,
+        top_p_token_ids=[ids],
+        top_p_token_offsets=[offsets],
+    )
+    spawn(_tp2_rank, 2, logits, tokens, ids, offsets, (full["log_probs"][0], full["entropy"][0]), timeout=120)
+
+
+def test_replayed_trainer_log_probs_match_the_engines_sampling_log_probs(tiny_kit):
+    """End to end: the CPU server samples with top-p 0.9 / top-k 50 and a Megatron trainer rank scores the tokens.
+    Over the full vocabulary the trainer is off by the log of the kept mass; over the replayed sets the gap is at
+    fp32 noise, as with default sampling."""
+    from benchmarks.bench_consistency_gap import measure
+
+    gaps = measure(tiny_kit[0], samples=4, max_new_tokens=16)
+    assert gaps["default sampling"] <= 1e-5, gaps
+    assert gaps["top-p 0.9, replay"] <= 1e-5, gaps
+    assert gaps["top-p 0.9, no replay"] > 1e-2, gaps
+
+
+def test_the_replay_request_conforms_to_sglang_0_5_23s_generate_contract():
+    from slime.backends.sglang_utils.contract import body_errors
+
+    body = {
+        "input_ids": [1, 2],
+        "sampling_params": {"top_p": 0.9, "top_k": 20, "max_new_tokens": 4},
+        "return_logprob": True,
+        "return_sampling_mask": True,
+    }
+    assert body_errors("/generate", body) == []
+    assert body_errors("/generate", {**body, "return_sampling_mask": "yes"}) != []
