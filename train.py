@@ -1,6 +1,6 @@
 """Synchronous RL training: rollout -> train -> push weights, one rollout at a time (colocated or disaggregated)."""
 
-from slime.ray import checkpoint
+from slime.ray import checkpoint, critic
 from slime.ray.driver import cleanup_on_exit
 from slime.ray.placement_group import init_ray
 from slime.ray.start import start_run
@@ -15,7 +15,7 @@ AFTER_UPDATE_TAGS = ["kv_cache", "cuda_graph"]
 def train(args):
     init_ray(args)
     with cleanup_on_exit():  # engines, router, actors and placement group go away however the run ends
-        actor_model, rollout_manager, recorder, get, num_rollout_per_epoch = start_run(args)
+        actor_model, rollout_manager, recorder, get, num_rollout_per_epoch, critic_model = start_run(args)
         # Engines never serve the HF checkpoint's weights: push Megatron's before the first rollout.
         if args.offload:
             get(rollout_manager.async_onload(tags=["weights"]))
@@ -32,10 +32,12 @@ def train(args):
             rollout_data_ref = get(rollout_manager.async_generate(rollout_id))
             if args.offload:
                 get(rollout_manager.async_offload())
-            train_metrics = get(actor_model.async_train(rollout_id, rollout_data_ref))
+            train_metrics = critic.train_step(args, rollout_id, actor_model, critic_model, rollout_data_ref, get)
 
             if should_run_periodic_action(rollout_id, args.save_interval, num_rollout_per_epoch):
-                checkpoint.save(args, rollout_id, actor_model, rollout_manager, get)
+                checkpoint.save(
+                    args, rollout_id, actor_model, rollout_manager, get, critic.checkpoint_savers(critic_model, get)
+                )
 
             recovered = rollout_manager.recover(actor_model, get)  # --use-fault-tolerance: replace removed engines
             if args.offload:

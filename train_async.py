@@ -17,7 +17,8 @@ def train(args):
     assert not (args.colocate or args.offload), "train_async.py: parse_args(asynchronous=True) refuses --colocate"
     init_ray(args)
     with cleanup_on_exit():  # engines, router, actors and placement group go away however the run ends
-        actor_model, rollout_manager, recorder, get, num_rollout_per_epoch = start_run(args)
+        # no critic here: parse_args(asynchronous=True) refuses --advantage-estimator ppo
+        actor_model, rollout_manager, recorder, get, num_rollout_per_epoch, _ = start_run(args)
         rollout_manager.finish_weight_update(actor_model, get, get(actor_model.async_update_weights()))
         if args.check_weight_update_equal:
             get(rollout_manager.async_check_weights("compare"))

@@ -129,6 +129,16 @@ def compute_entropy_from_logits(logits, process_group):
     return _VocabParallelEntropy.apply(logits, process_group)
 
 
+def compute_value_loss(values, old_values, returns, value_clip):
+    """PPO's clipped value loss per token: `max((V - R)^2, (V_clip - R)^2)` with `V_clip` = the old value plus the
+    change clamped to `[-value_clip, value_clip]`. Returns `(losses, clipfrac)`, clipfrac 1 where the change
+    exceeded the clip."""
+    clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
+    losses = torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
+    clipfrac = ((values - old_values).abs() > value_clip).float()
+    return losses, clipfrac
+
+
 def get_grpo_returns(rewards, kl):
     """GRPO/GSPO: every token's return is the (group-normalised upstream) sequence reward; KL is not subtracted."""
     return [torch.ones_like(kl[i]) * rewards[i] for i in range(len(rewards))]

@@ -23,6 +23,7 @@ PARTITIONED_KEYS = (
     "sample_indices",
     "rollout_log_probs",
     "metadata",
+    "values",
 )
 
 
@@ -138,10 +139,11 @@ def _fetch_rollout_data(rollout_data_ref):
     return holder[0]
 
 
-def process_rollout_data(args, rollout_data_ref, dp_rank, dp_size):
-    """This DP rank's share of a rollout (`Box(ObjectRef)` of the controller's train-data dict).
+def process_rollout_data(args, rollout_data_ref, dp_rank, dp_size, values_ref=None):
+    """This DP rank's share of a rollout (`Box(ObjectRef)` of the controller's train-data dict), plus the critic's
+    `values` from `values_ref` (a `Box` of `{"values": [per-sample arrays in rollout order]}`) when given.
 
-    Adds `total_lengths`; tokens become LongTensors and loss masks IntTensors on the training device, rollout
+    Adds `total_lengths` and `global_indices` (each local sample's index in the rollout); tokens become LongTensors and loss masks IntTensors on the training device, rollout
     log-probs float32 tensors. Partition: strided `val[dp_rank::dp_size]`, or with `--balance-data` Karmarkar-Karp over
     whole prompt groups so every rank gets about the same number of tokens.
     """
@@ -151,21 +153,22 @@ def process_rollout_data(args, rollout_data_ref, dp_rank, dp_size):
             f"rollout data has no 'tokens' (keys: {sorted(data)}); a custom rollout/convert function must "
             "produce the train-data dict of RolloutController._convert_samples_to_train_data"
         )
+    if values_ref is not None:
+        data["values"] = _fetch_rollout_data(values_ref)["values"]
     data["total_lengths"] = [len(t) for t in data["tokens"]]
     Timer().seq_lens = data["total_lengths"]  # whole-rollout lengths, for FLOPs accounting
 
     if args.balance_data:
         indices = _balanced_dp_partitions(data["total_lengths"], dp_size, args.n_samples_per_prompt)[dp_rank]
-
-        def partition(vals):
-            return [vals[i] for i in indices]
     else:
+        indices = list(range(dp_rank, len(data["total_lengths"]), dp_size))
 
-        def partition(vals):
-            return vals[dp_rank::dp_size]
+    def partition(vals):
+        return [vals[i] for i in indices]
 
     device = current_device()
     rollout_data = {"raw_reward": data["raw_reward"]} if "raw_reward" in data else {}
+    rollout_data["global_indices"] = indices
     for key in PARTITIONED_KEYS:
         if key not in data or data[key] is None:
             continue
@@ -175,7 +178,7 @@ def process_rollout_data(args, rollout_data_ref, dp_rank, dp_size):
             vals = [torch.tensor(np.asarray(t), dtype=torch.long, device=device) for t in vals]
         elif key == "loss_masks":
             vals = [torch.tensor(np.asarray(m), dtype=torch.int, device=device) for m in vals]
-        elif key == "rollout_log_probs":
+        elif key in ("rollout_log_probs", "values"):
             vals = [torch.tensor(np.asarray(lp), dtype=torch.float32, device=device) for lp in vals]
         rollout_data[key] = vals
     return rollout_data
