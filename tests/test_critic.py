@@ -177,3 +177,37 @@ def test_critic_trains_hands_values_to_the_actor_and_resumes(ray_session, tiny_k
         for i in range(n):
             np.testing.assert_allclose(after["values"][i], before["values"][i], rtol=0, atol=1e-6)
     assert not np.allclose(later[0]["values"][0], values[0])  # the critic did learn between rollouts
+
+
+@pytest.mark.e2e
+def test_train_py_ppo_critic_only_warm_up_checkpoint_and_resume(ray_session, tiny_kit, tmp_path):
+    """train.py with a critic: rollout 0 trains only the critic, then both; the critic's checkpoint is written with
+    the actor's and a restart with --load continues with it."""
+    import train as sync_driver
+    from tests.test_e2e import make_args as e2e_args
+    from tests.test_e2e import read_metrics
+
+    ckpt = tmp_path / "ckpt"
+    ppo = [*PPO, "--num-critic-only-steps", "1", "--gamma", "0.99", "--lambd", "0.95", "--rollout-num-gpus", "1"]
+    ppo += ["--save", str(ckpt), "--save-interval", "1"]
+    first = tmp_path / "first"
+    first.mkdir()
+    sync_driver.train(e2e_args(tiny_kit, first, *ppo, num_rollout=2))
+    rows = read_metrics(first)
+    assert [r["rollout_id"] for r in rows] == [0, 1]
+    assert "train/critic_value_loss" in rows[0] and "train/pg_loss" not in rows[0]  # the critic-only warm-up
+    assert "train/critic_value_loss" in rows[1] and "train/pg_loss" in rows[1]
+    for key in ("train/critic_value_clipfrac", "rollout/critic_value_mean", "rollout/critic_explained_variance"):
+        assert key in rows[1], key
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    assert (ckpt / "critic" / "iter_0000001").is_dir() and (ckpt / "iter_0000001").is_dir()
+
+    second = tmp_path / "second"
+    second.mkdir()
+    # a longer run continues the saved LR schedule (actor's and critic's alike)
+    resume = ["--load", str(ckpt), "--use-checkpoint-opt_param-scheduler"]
+    sync_driver.train(e2e_args(tiny_kit, second, *ppo, *resume, num_rollout=3))
+    rows = read_metrics(second)
+    assert [r["rollout_id"] for r in rows] == [2]
+    assert "train/critic_value_loss" in rows[0] and "train/pg_loss" in rows[0]
+    assert (ckpt / "critic" / "iter_0000002").is_dir()

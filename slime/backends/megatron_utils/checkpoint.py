@@ -113,6 +113,9 @@ def save_checkpoint(args, iteration, model, optimizer, opt_param_scheduler, *, w
 
     state = _model_sharded_state_dict(model)
     if with_optimizer and not args.no_save_optim:
+        # an optimizer that has not stepped yet (the actor during --num-critic-only-steps) has no state: save the
+        # zero state a first step would start from (no-op for one that has stepped)
+        _materialize_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=False, metadata=_OPTIM_METADATA)
         state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
     if not args.no_save_rng:
