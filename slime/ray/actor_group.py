@@ -69,8 +69,10 @@ class RayTrainGroup:
             for a in self._actor_handlers
         ]
 
-    def async_train(self, rollout_id, rollout_data_ref):
-        return [a.train.remote(rollout_id, rollout_data_ref) for a in self._actor_handlers]
+    def async_train(self, rollout_id, rollout_data_ref, values_ref=None):
+        if values_ref is None:  # the call every trainer has, custom ones included
+            return [a.train.remote(rollout_id, rollout_data_ref) for a in self._actor_handlers]
+        return [a.train.remote(rollout_id, rollout_data_ref, values_ref) for a in self._actor_handlers]
 
     def async_save_model(self, step_id, commit=True):
         return [a.save_model.remote(step_id, commit=commit) for a in self._actor_handlers]

@@ -6,7 +6,7 @@ needs both (connecting them for weight updates, replacing a lost engine, colocat
 
 import os
 
-from slime.ray import checkpoint
+from slime.ray import checkpoint, critic
 from slime.ray.driver import RunRecorder, Watchdog
 from slime.ray.placement_group import create_actor_group, create_placement_groups, create_rollout_manager
 from slime.utils.checkpoint_tracker import read_tracker
@@ -67,6 +67,9 @@ class Run:
 
         with_ref = args.kl_coef != 0 or args.use_kl_loss
         loaded = self.get(self.actor_model.async_init(args, role="actor", with_ref=with_ref))
+        # PPO's critic (--advantage-estimator ppo), on the actor's bundles; None otherwise
+        self.critic_model, critic_loaded = critic.create_critic_group(args, pgs["actor"], wandb_run_id, self.get)
+        loaded = loaded + (critic_loaded or [])
         # the driver read the same checkpoint (`finish_args`); --start-rollout-id, if given, still wins, as in slime
         if not args.debug_rollout_only and set(loaded) != {resume_rollout_id(args)}:
             raise RuntimeError(f"trainer ranks loaded rollout ids {loaded}, the driver read {resume_rollout_id(args)}")
@@ -88,7 +91,9 @@ class Run:
         if self.args.offload_rollout:  # colocated: the engines release the GPU before the trainers take it
             self.get(self.rollout_manager.async_offload())
         self._trainers_offloaded = False
-        return self.get(self.actor_model.async_train(rollout_id, rollout_data_ref))
+        return critic.train_step(
+            self.args, rollout_id, self.actor_model, self.critic_model, rollout_data_ref, self.get
+        )
 
     def push_weights(self, weight_version=None):
         """Give every engine the trainers' weights (labelled `weight_version`, default the trainers' next); returns
@@ -131,7 +136,8 @@ class Run:
         return should_run_periodic_action(rollout_id, self.args.save_interval, self.num_rollout_per_epoch)
 
     def save(self, rollout_id, extra_savers=()):
-        checkpoint.save(self.args, rollout_id, self.actor_model, self.rollout_manager, self.get, extra_savers)
+        savers = (*extra_savers, *critic.checkpoint_savers(self.critic_model, self.get))
+        checkpoint.save(self.args, rollout_id, self.actor_model, self.rollout_manager, self.get, savers)
 
     def eval_due(self, rollout_id):
         return should_run_periodic_action(rollout_id, self.args.eval_interval, self.num_rollout_per_epoch)

@@ -34,6 +34,7 @@ from slime.backends.megatron_utils.arguments import (
 )
 from slime.backends.sglang_utils.arguments import add_sglang_arguments, sglang_available
 from slime.backends.sglang_utils.arguments import validate_args as sglang_validate_args
+from slime.utils.checkpoint_tracker import checkpoint_dir, read_tracker
 from slime.utils.device import auto_inference_server
 from slime.utils.disk_delta import CHECKSUMS as DELTA_CHECKSUMS
 from slime.utils.disk_delta import ENCODINGS as DELTA_ENCODINGS
@@ -434,9 +435,11 @@ def add_algo_arguments(parser):
     g.add_argument(
         "--advantage-estimator",
         default="grpo",
-        choices=["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo"],
+        choices=["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo", "ppo"],
         help="cispo: GRPO's advantages with the CISPO loss -sg(clip(ratio, 1-eps_clip, 1+eps_clip_high))*A*logp "
-        "(the gradient flows through logp only; canonical CISPO sets --eps-clip >= 1 to drop the lower bound).",
+        "(the gradient flows through logp only; canonical CISPO sets --eps-clip >= 1 to drop the lower bound). "
+        "ppo trains a value model (the critic) beside the policy and uses GAE over its values "
+        "(--gamma, --lambd, --value-clip, --num-critic-only-steps).",
     )
     g.add_argument(
         "--disable-compute-advantages-and-returns",
@@ -508,6 +511,25 @@ def add_context_length_arguments(parser):
         type=int,
         default=None,
         help="Drop eval prompts longer than this (tokens); default: --rollout-max-prompt-len.",
+    )
+    return parser
+
+
+def add_critic_arguments(parser):
+    """PPO with a critic (--advantage-estimator ppo): GAE and the value loss."""
+    g = _Group(parser, "critic")
+    g.add_argument("--lambd", type=float, default=1.0, help="GAE lambda (PPO with a critic); --gamma discounts.")
+    g.add_argument(
+        "--value-clip",
+        type=float,
+        default=0.2,
+        help="The critic's new values stay within this distance of its old ones in the clipped value loss.",
+    )
+    g.add_argument(
+        "--num-critic-only-steps",
+        type=int,
+        default=0,
+        help="The first N rollouts train only the critic (the policy is not updated); >= --num-rollout: critic only.",
     )
     return parser
 
@@ -950,6 +972,7 @@ def get_slime_extra_args_provider(add_custom_arguments=None):
             add_algo_arguments,
             add_loss_variant_arguments,
             add_consistency_arguments,
+            add_critic_arguments,
             add_wandb_arguments,
             add_tensorboard_arguments,
             add_metric_arguments,
@@ -1203,8 +1226,10 @@ def _read_yaml(flag, path, error):
 
 def _apply_megatron_config(args, error, check_paths):
     """--megatron-config-path: YAML `megatron: [{name, role, overrides: {dest: value}}]`; the actor role's overrides
-    replace the command-line values (the trainers are the only Megatron role here). Returns the keys set."""
+    replace the command-line values, the critic role's are kept in `args.critic_overrides` for the critic's copy of
+    the arguments (`slime.ray.critic`). Returns the keys set on the actor."""
     path = args.megatron_config_path
+    args.critic_overrides = {}
     if not path or (not check_paths and not os.path.exists(path)):
         return []
     config = _read_yaml("--megatron-config-path", path, error)
@@ -1216,8 +1241,12 @@ def _apply_megatron_config(args, error, check_paths):
     overridden = []
     for entry in roles:
         role = entry.get("role", "actor")
-        if role != "actor":
-            error(f"--megatron-config-path {path}: role {role!r}: this slime trains only the actor (no critic / PPO)")
+        if role not in ("actor", "critic"):
+            error(f"--megatron-config-path {path}: role {role!r}: the roles are actor and critic")
+        if role == "critic" and args.advantage_estimator != "ppo":
+            error(
+                f"--megatron-config-path {path}: a critic role needs --advantage-estimator ppo (the only estimator with a critic)"
+            )
         overrides = entry.get("overrides", entry.get("args")) or {}
         for key, value in overrides.items():
             if key in ("num_nodes", "num_gpus_per_node"):  # cluster shape comes from the command line
@@ -1230,9 +1259,56 @@ def _apply_megatron_config(args, error, check_paths):
                     value = type(current)(float(value)) if isinstance(current, int) else float(value)
                 except ValueError:
                     error(f"--megatron-config-path {path}: {key}={value!r} is not a number")
+            if role == "critic":  # applied to the critic's copy of the arguments (slime.ray.critic)
+                args.critic_overrides[key] = value
+                continue
             setattr(args, key, value)
             overridden.append(key)
     return overridden
+
+
+_CRITIC_PARALLEL_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
+
+
+def _validate_critic(args, error, user_load, check_paths, asynchronous):
+    """--advantage-estimator ppo: the critic mirrors the actor's GPUs; its parallel sizes must divide them, and a
+    resumed run must find the critic's part of the checkpoint it resumes."""
+    args.use_critic = args.advantage_estimator == "ppo"
+    args.critic_num_nodes, args.critic_num_gpus_per_node = args.actor_num_nodes, args.actor_num_gpus_per_node
+    if not args.use_critic:
+        return
+    # the critic is trained and tested on train.py's disaggregated loop only so far
+    if asynchronous:
+        error("--advantage-estimator ppo: train_async.py does not train a critic yet; use train.py")
+    if args.colocate:
+        error(
+            "--advantage-estimator ppo: the critic does not run colocated yet (--colocate); give the engines GPUs of their own"
+        )
+    if args.value_clip <= 0:
+        error(f"--value-clip {args.value_clip}: the value clip must be > 0")
+    if not 0 <= args.lambd <= 1 or not 0 <= args.gamma <= 1:
+        error(f"--gamma {args.gamma} / --lambd {args.lambd}: both must lie in [0, 1]")
+    if args.num_critic_only_steps < 0:
+        error(f"--num-critic-only-steps {args.num_critic_only_steps} must be >= 0")
+    overrides = args.critic_overrides
+    world = args.actor_num_nodes * args.actor_num_gpus_per_node
+    sizes = {k: int(overrides.get(k, getattr(args, k)) or 1) for k in _CRITIC_PARALLEL_KEYS}
+    product = sizes["tensor_model_parallel_size"] * sizes["pipeline_model_parallel_size"]
+    product *= sizes["context_parallel_size"]
+    if world % product:
+        shown = ", ".join(f"{k}={v}" for k, v in sizes.items())
+        error(
+            f"--megatron-config-path {args.megatron_config_path}: the critic's {shown} (product {product}) does not "
+            f"divide its {world} GPUs (the critic mirrors the actor's --actor-num-nodes x --actor-num-gpus-per-node)"
+        )
+    if check_paths and user_load and _checkpoint_exists(user_load) and not args.finetune:
+        iteration = args.ckpt_step if args.ckpt_step is not None else read_tracker(user_load)
+        critic_dir = checkpoint_dir(os.path.join(user_load, "critic"), iteration)
+        if iteration != "release" and not os.path.isdir(critic_dir):
+            error(
+                f"--load {user_load}: resuming rollout {iteration} with --advantage-estimator ppo, but the critic's "
+                f"checkpoint {critic_dir} is missing"
+            )
 
 
 def _apply_custom_config(args, error, check_paths):
@@ -1391,6 +1467,7 @@ def parse_args(add_custom_arguments=None, argv=None, *, check_paths=True, asynch
         # This run's identity: every engine must echo it in /get_server_info before it gets traffic or weights, so a
         # server of another run that happens to answer on an engine's port is never used (see SGLangEngine.init).
         args.sglang_served_model_name = f"slime-run-{secrets.token_hex(8)}"
+    _validate_critic(args, error, user_load, check_paths, asynchronous)
     if check_paths:
         check_inputs(args, error, user_load)
     return args

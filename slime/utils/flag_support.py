@@ -29,9 +29,6 @@ REFUSED = {
     # another issue's work: that issue deletes its entries when it lands
     "--use-routing-replay": f"MoE routing replay (R2) {_MISMATCH}; drop it",
     "--use-rollout-routing-replay": f"MoE rollout routing replay (R3) {_MISMATCH}; drop it",
-    "--lambd": _PPO,
-    "--value-clip": _PPO,
-    "--num-critic-only-steps": _PPO,
     "--qwen-gdn-backend": _QWEN35,
     "--use-gated-attention": _QWEN35,
     "--attention-output-gate": _QWEN35,

@@ -21,8 +21,11 @@ from slime.utils.ppo_utils import (
     compute_log_probs,
     compute_opsm_mask,
     compute_policy_loss,
+    compute_value_loss,
     distributed_masked_whiten,
+    get_advantages_and_returns_batch,
     get_grpo_returns,
+    get_ppo_token_rewards,
     get_reinforce_plus_plus_baseline_advantages,
     get_reinforce_plus_plus_returns,
     get_rloo_returns,
@@ -169,11 +172,29 @@ def get_log_probs_and_entropy(
     return out
 
 
+def get_values(logits, *, args, unconcat_tokens, total_lengths, response_lengths, **kwargs):
+    """`{"values": [per-sample 1-D]}`: the critic's value head output (`[..., 1]`) at the positions that score each
+    response token, i.e. the value of the state before the token (no temperature: these are not logits)."""
+    gather = mpu.get_context_parallel_world_size() > 1
+    values = []
+    for (chunk, _, pieces), resp_len in zip(
+        get_responses(
+            logits, unconcat_tokens=unconcat_tokens, total_lengths=total_lengths, response_lengths=response_lengths
+        ),
+        response_lengths,
+    ):
+        assert chunk.size(-1) == 1, f"the critic's output has {chunk.size(-1)} columns, expected 1 (the value head)"
+        v = chunk.squeeze(-1).float()
+        values.append(gather_response_across_cp(pieces, v, resp_len) if gather else v)
+    return {"values": values}
+
+
 def compute_advantages_and_returns(args, rollout_data):
     """Fill `rollout_data["advantages"]` and `["returns"]` (per-sample token tensors) for `--advantage-estimator`.
     No-op on pipeline stages other than the last (only the last computes the loss). The old log-probs (the KL base
     of `--kl-coef`) are the trainer's `log_probs`, the engine's with --use-rollout-logprobs, and absent when the
-    training forward's are reused (then `--kl-coef` is 0, see `actor.reuses_training_log_probs`)."""
+    training forward's are reused (then `--kl-coef` is 0, see `actor.reuses_training_log_probs`). The critic has no
+    log-probs (its `kl_coef` is 0): its GAE reads its own `values`."""
     if not mpu.is_pipeline_last_stage():
         return
     if args.use_rollout_logprobs:
@@ -206,6 +227,16 @@ def compute_advantages_and_returns(args, rollout_data):
     elif estimator in ("grpo", "gspo", "cispo"):
         returns = get_grpo_returns(rewards, kl)
         advantages = list(returns)
+    elif estimator == "ppo":
+        values = _require(rollout_data, "values", "PPO's GAE needs (the critic's values of this rollout)")
+        advantages, returns = get_advantages_and_returns_batch(
+            rollout_data["total_lengths"],
+            rollout_data["response_lengths"],
+            values,
+            get_ppo_token_rewards(rewards, kl, args.kl_coef),
+            args.gamma,
+            args.lambd,
+        )
     elif estimator == "reinforce_plus_plus":
         returns = get_reinforce_plus_plus_returns(
             rewards=rewards,
@@ -450,6 +481,26 @@ def policy_loss_function(args, batch, logits, sum_of_sample_mean):
     return loss, {k: v.detach().clone() for k, v in reported.items()}
 
 
+def value_loss_function(args, batch, logits, sum_of_sample_mean):
+    """The critic's clipped value loss (`--value-clip`) against the GAE returns. Returns `(loss, metrics)`."""
+    old_values = torch.cat(_require(batch, "values", "are the critic's old values of the clipped value loss"))
+    returns = torch.cat(_require(batch, "returns", "the value loss needs (compute_advantages_and_returns)"))
+    out = get_values(
+        logits,
+        args=args,
+        unconcat_tokens=batch["unconcat_tokens"],
+        total_lengths=batch["total_lengths"],
+        response_lengths=batch["response_lengths"],
+    )
+    values = torch.cat(out["values"]) if out["values"] else logits.new_zeros(0)
+    losses, clipfrac = compute_value_loss(values, old_values, returns, args.value_clip)
+    loss = sum_of_sample_mean(losses)
+    if values.numel() == 0:
+        loss = loss + 0 * logits.sum()
+    reported = {"value_loss": loss, "value_clipfrac": sum_of_sample_mean(clipfrac)}
+    return loss, {k: v.detach().clone() for k, v in reported.items()}
+
+
 def sft_loss_function(args, batch, logits, sum_of_sample_mean):
     """Negative log-likelihood of the loss-masked response tokens, averaged per sample."""
     out = get_log_probs_and_entropy(
@@ -489,6 +540,8 @@ def loss_function(args, batch, num_microbatches, logits):
         loss, log = policy_loss_function(**kwargs)
     elif args.loss_type == "sft_loss":
         loss, log = sft_loss_function(**kwargs)
+    elif args.loss_type == "value_loss":  # the critic's (set on its copy of the arguments, slime.ray.critic)
+        loss, log = value_loss_function(**kwargs)
     else:  # custom_loss: its path was checked (imports, signature) at start-up
         loss, log = user_function("--custom-loss-function-path", args.custom_loss_function_path)(**kwargs)
 

@@ -47,6 +47,7 @@ TRAIN_KEYS = [
     "returns",
     "rollout_log_probs",
     *TOP_P_KEYS,
+    "values",
 ]
 
 
@@ -76,9 +77,10 @@ def freeze_params(args, chunks):
         raise ValueError(f"{flag}: {unmatched} match no parameter of the model (names look like {example!r})")
 
 
-def get_model(args, wrap_with_ddp=True):
-    """Model chunks for this rank (one per virtual pipeline stage), DDP-wrapped for training."""
-    provider = get_model_provider_func(args)
+def get_model(args, wrap_with_ddp=True, role="actor"):
+    """Model chunks for this rank (one per virtual pipeline stage), DDP-wrapped for training; `role="critic"` ends in
+    a one-output value head."""
+    provider = get_model_provider_func(args, role)
     vpp = args.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp or 1):
@@ -178,18 +180,21 @@ def initialize_model_and_optimizer(args, role="actor"):
     """`(model, optimizer, opt_param_scheduler, iteration)`; weights from `--load`, else from `--hf-checkpoint`.
 
     `iteration` is the last completed rollout id (-1 when starting fresh), so training starts at `iteration + 1`.
+    The critic's value head is loaded where the checkpoint has one of its shape and newly initialised otherwise
+    (an HF checkpoint or the actor's Megatron checkpoint has a vocabulary-sized output layer instead).
     """
-    model = get_model(args)
+    critic = role == "critic"
+    model = get_model(args, role=role)
     optimizer = get_optimizer(args, model)
     opt_param_scheduler = get_optimizer_param_scheduler(args, optimizer)
     config = get_model_config(model[0])
     config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
-    iteration = load_checkpoint(args, model, optimizer, opt_param_scheduler)
+    iteration = load_checkpoint(args, model, optimizer, opt_param_scheduler, keep_unfit_output_layer=critic)
     if iteration is None:  # nothing to load: initialise from the HF checkpoint (beyond slime v0.1.0)
         if args.hf_checkpoint:
-            hf_to_megatron(args, model)
+            hf_to_megatron(args, model, skip_output_layer=critic)
             resync_optimizer_main_params(optimizer)
         iteration = -1
     return model, optimizer, opt_param_scheduler, iteration
@@ -210,8 +215,9 @@ def _iterator_arg(data_iterator):
 
 
 @torch.no_grad()
-def forward_only(args, model, data_iterator, num_microbatches, store_prefix=""):
-    """`{store_prefix + "log_probs": [...], (+ "entropy")}` per local sample, in the rollout data's order.
+def forward_only(args, model, data_iterator, num_microbatches, store_prefix="", post_fn=get_log_probs_and_entropy):
+    """`{store_prefix + "log_probs": [...], (+ "entropy")}` per local sample, in the rollout data's order
+    (`post_fn=loss.get_values`: the critic's `{"values": [...]}`).
 
     Only the last pipeline stage has logits, so only its ranks get the values; other stages get `{}`. Nothing there
     needs them: advantages, rollout metrics and the loss are all computed on the last stage only."""
@@ -229,7 +235,7 @@ def forward_only(args, model, data_iterator, num_microbatches, store_prefix=""):
         batch = get_batch(iterator, ["tokens", "total_lengths", "response_lengths", *TOP_P_KEYS])
 
         def post(logits, non_loss_data=True):  # the schedule calls this with non_loss_data=True
-            return get_log_probs_and_entropy(
+            return post_fn(
                 logits,
                 args=args,
                 unconcat_tokens=batch["unconcat_tokens"],
@@ -369,8 +375,10 @@ def _grads_are_finite(model):
     return flag.item() == 0
 
 
-def train(args, rollout_id, model, optimizer, opt_param_scheduler, data_iterator, num_microbatches):
-    """Run this rollout's `len(num_microbatches)` optimizer steps; returns the per-step metric dicts (main rank)."""
+def train(args, rollout_id, model, optimizer, opt_param_scheduler, data_iterator, num_microbatches, role="actor"):
+    """Run this rollout's `len(num_microbatches)` optimizer steps; returns the per-step metric dicts (main rank).
+    The critic's metrics are named `train/critic_*`, beside the actor's `train/*`."""
+    prefix = "train/" if role == "actor" else f"train/{role}_"
     for m in model:
         m.train()
     for it in data_iterator:
@@ -387,13 +395,13 @@ def train(args, rollout_id, model, optimizer, opt_param_scheduler, data_iterator
             continue
         if args.ci_test and rollout_id == 0 and step_id == 0 and not args.ci_disable_kl_checker:
             _ci_first_step_checks(loss_dict)
-        metrics = {f"train/{k}": v for k, v in loss_dict.items()}
-        metrics["train/grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
-        if is_megatron_main_rank():
+        metrics = {f"{prefix}{k}": v for k, v in loss_dict.items()}
+        metrics[f"{prefix}grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
+        if is_megatron_main_rank() and role == "actor":
             ci_step_checks(args, rollout_id, step_id, metrics)
         for i, group in enumerate(optimizer.param_groups):
-            metrics[f"train/lr-pg_{i}"] = group["lr"]
-        metrics["train/lr"] = optimizer.param_groups[0]["lr"]
+            metrics[f"{prefix}lr-pg_{i}"] = group["lr"]
+        metrics[f"{prefix}lr"] = optimizer.param_groups[0]["lr"]
         metrics["train/step"] = rollout_id * steps + step_id
         history.append(metrics)
         if is_megatron_main_rank():

@@ -10,6 +10,7 @@ import inspect
 
 import torch
 import torch.nn.functional as F
+from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
@@ -219,9 +220,44 @@ def _custom_model_provider(path):
     return model_provider
 
 
-def get_model_provider_func(args):
+class ValueHead(torch.nn.Linear):
+    """The critic's output layer: hidden -> one value per position, replicated on every tensor-parallel rank (one
+    column cannot be split). It takes GPTModel's output-layer call and returns `(values [s, b, 1], None)`; under
+    sequence parallelism the sequence shards are gathered first, as the vocab projection would."""
+
+    def __init__(self, config):
+        super().__init__(config.hidden_size, 1, bias=True, dtype=config.params_dtype)
+        self.sequence_parallel = config.sequence_parallel
+        for p in self.parameters():  # megatron's grad all-reduce over the SP region
+            p.sequence_parallel = config.sequence_parallel
+        with torch.no_grad():
+            self.weight.normal_(0.0, config.init_method_std)
+            self.bias.zero_()
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        values = super().forward(hidden_states).float()
+        if self.sequence_parallel:
+            values = tensor_parallel.gather_from_sequence_parallel_region(values, tensor_parallel_output_grad=False)
+        return values, None
+
+
+def _with_role(provider, role):
+    """`role="critic"`: the last stage's output layer becomes a one-output `ValueHead`."""
+    if role == "actor":
+        return provider
+
+    def critic_provider(pre_process=True, post_process=True, vp_stage=None):
+        model = provider(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+        if post_process:
+            model.output_layer = ValueHead(model.config)
+        return model
+
+    return critic_provider
+
+
+def get_model_provider_func(args, role="actor"):
     if args.custom_model_provider_path:
-        return _custom_model_provider(args.custom_model_provider_path)
+        return _with_role(_custom_model_provider(args.custom_model_provider_path), role)
 
     def model_provider(pre_process=True, post_process=True, vp_stage=None):
         config = core_transformer_config_from_args(args)
@@ -246,4 +282,4 @@ def get_model_provider_func(args):
             vp_stage=vp_stage,
         )
 
-    return model_provider
+    return _with_role(model_provider, role)

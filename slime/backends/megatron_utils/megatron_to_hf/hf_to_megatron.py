@@ -87,8 +87,9 @@ def shard_for_rank(name, full, param, *, gated_linear_unit=True):
 
 
 @torch.no_grad()
-def hf_to_megatron(args, model, hf_checkpoint=None, model_name=None):
-    """Copy `hf_checkpoint` (default `args.hf_checkpoint`) into every parameter of `model` (list of chunks)."""
+def hf_to_megatron(args, model, hf_checkpoint=None, model_name=None, skip_output_layer=False):
+    """Copy `hf_checkpoint` (default `args.hf_checkpoint`) into every parameter of `model` (list of chunks);
+    `skip_output_layer`: all but the output layer (the critic's value head, which the LM head does not fit)."""
     from . import get_family, resolve_model_name  # cycle: the package imports this module
 
     hf_dir = hf_checkpoint or args.hf_checkpoint
@@ -96,6 +97,8 @@ def hf_to_megatron(args, model, hf_checkpoint=None, model_name=None):
     family = get_family(resolve_model_name(args, model_name))
     gated = args.swiglu
     for name, param in named_parameters(args, model):
+        if skip_output_layer and ".output_layer." in name:
+            continue
         full = family.from_hf(args, name, reader.get)
         if full is None:
             raise ValueError(f"Megatron parameter {name!r} has no HF counterpart in the {family.name} converter")
