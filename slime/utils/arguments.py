@@ -35,7 +35,7 @@ from slime.backends.megatron_utils.arguments import (
 from slime.backends.sglang_utils.arguments import add_sglang_arguments, sglang_available
 from slime.backends.sglang_utils.arguments import validate_args as sglang_validate_args
 from slime.utils.checkpoint_tracker import checkpoint_dir, read_tracker
-from slime.utils.device import auto_inference_server
+from slime.utils.device import auto_inference_server, transformer_engine_usable
 from slime.utils.disk_delta import CHECKSUMS as DELTA_CHECKSUMS
 from slime.utils.disk_delta import ENCODINGS as DELTA_ENCODINGS
 from slime.utils.eval_config import from_prompt_data, load_eval_config
@@ -960,6 +960,69 @@ def add_custom_megatron_plugins_arguments(parser):
     return parser
 
 
+def add_lora_arguments(parser):
+    g = _Group(parser, "lora")
+    g.add_argument(
+        "--enable-lora",
+        action="store_true",
+        default=False,
+        help="Train low-rank adapters on a frozen base model (docs/lora.md).",
+    )
+    g.add_argument("--lora-rank", type=int, default=16, help="Rank r of each adapter.")
+    g.add_argument("--lora-alpha", type=float, default=32, help="Adapters are scaled by alpha / rank.")
+    g.add_argument("--lora-dropout", type=float, default=0.0, help="Dropout on the adapters' input.")
+    g.add_argument(
+        "--lora-target-modules",
+        nargs="+",
+        default=["all-linear"],
+        help="Layers that get adapters: all-linear, Megatron names (linear_qkv linear_proj linear_fc1 linear_fc2) "
+        "or HF names (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj); spaces or commas.",
+    )
+    g.add_argument(
+        "--lora-sync",
+        choices=["merged"],
+        default="merged",
+        help="What a weight update sends the engines: merged = base + adapters as full weights (any engine).",
+    )
+    return parser
+
+
+def lora_validate_args(args, error):
+    """--enable-lora's rules, once the model flags are final: known target modules, 0 < rank <= each layer's
+    smaller side, dense decoder layers without Transformer Engine's fused layers."""
+    if not args.enable_lora:
+        return
+    from slime.backends.megatron_utils.lora import layer_dims, resolve_target_modules  # lazy: megatron-core
+
+    try:
+        targets = resolve_target_modules(args.lora_target_modules)
+    except ValueError as e:
+        error(f"--lora-target-modules: {e}")
+    if args.lora_rank <= 0:
+        error(f"--lora-rank {args.lora_rank} must be positive")
+    dims = layer_dims(args)
+    for t in targets:
+        smallest = min(dims[t])
+        if args.lora_rank > smallest:
+            error(f"--lora-rank {args.lora_rank} must be in 1..{smallest} for {t} (in, out = {dims[t]})")
+    if not 0 <= args.lora_dropout < 1:
+        error(f"--lora-dropout {args.lora_dropout} must be in [0, 1)")
+    if args.multi_latent_attention:
+        error(
+            "--enable-lora: multi-latent attention (DeepSeek-V3 family) is not supported; LoRA covers dense GPT layers"
+        )
+    if args.num_experts and any(t.startswith("mlp.") for t in targets):
+        error(
+            "--enable-lora with --num-experts: adapters on MoE experts are not supported; use "
+            "--lora-target-modules linear_qkv linear_proj (attention only)"
+        )
+    if args.transformer_impl != "local" and transformer_engine_usable():
+        error(
+            "--enable-lora needs megatron-core's local layers (Transformer Engine fuses the norm into linear_qkv / "
+            "linear_fc1): add --transformer-impl local"
+        )
+
+
 def get_slime_extra_args_provider(add_custom_arguments=None):
     def add_slime_arguments(parser):
         if add_custom_arguments is not None:
@@ -991,6 +1054,7 @@ def get_slime_extra_args_provider(add_custom_arguments=None):
             add_ci_arguments,
             add_custom_megatron_plugins_arguments,
             add_mtp_training_arguments,
+            add_lora_arguments,
             add_refused_arguments,  # last: parses the refused upstream flags no group above declares
         ):
             add(parser)
@@ -1456,6 +1520,7 @@ def parse_args(add_custom_arguments=None, argv=None, *, check_paths=True, asynch
         if not args.debug_rollout_only:
             megatron_validate_args(args, error)
     args.variable_seq_lengths = True
+    lora_validate_args(args, error)
     if args.moe_token_dispatcher_type == "allgather":
         args.moe_token_dispatcher_type = "alltoall"
     # A dry run with --inference-server auto validates for the target machine, whose server we cannot know.

@@ -13,7 +13,6 @@ import os
 
 UPSTREAM_FLAGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "upstream_flags.json")
 
-_PPO = "PPO with a critic comes with issue #27 (critic role, GAE): use --advantage-estimator grpo/gspo/rloo/reinforce_plus_plus"
 _MISMATCH = "comes with issue #25 (engine log-probs, mismatch metrics, routing replay)"
 _OPD = "on-policy distillation comes with issue #26: drop it, or add the teacher's log-probs in a custom generate function"
 _SGLANG_CONFIG = "multi-model serving (--sglang-config) comes with issue #26: start extra models yourself and reach them from a custom reward"

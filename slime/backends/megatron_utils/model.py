@@ -30,6 +30,7 @@ from slime.utils.user_errors import user_function
 from .checkpoint import load_checkpoint, resync_optimizer_main_params
 from .data import get_batch
 from .initialize import is_megatron_main_rank
+from .lora import apply_lora, check_wrapped
 from .loss import get_log_probs_and_entropy, get_rollout_top_p_logprob_kwargs, loss_function
 from .megatron_to_hf import hf_to_megatron
 from .model_provider import get_model_provider_func
@@ -91,6 +92,9 @@ def get_model(args, wrap_with_ddp=True, role="actor"):
             vp_stage=stage,
         )
         chunks.append(chunk)
+    if args.enable_lora:
+        wrapped = [n for vp_stage, c in enumerate(chunks) for n in apply_lora(args, c, vp_stage if vpp else None)]
+        check_wrapped(args, chunks, wrapped)
     for chunk in chunks:
         for param in chunk.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)

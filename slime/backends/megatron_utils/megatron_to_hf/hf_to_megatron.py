@@ -12,7 +12,7 @@ import torch
 from megatron.core import parallel_state as mpu
 from safetensors import safe_open
 
-from ..param_utils import canonical_name, named_parameters
+from ..param_utils import canonical_name, is_lora_param, named_parameters
 
 _VOCAB_PARAMS = ("module.module.embedding.word_embeddings.weight", "module.module.output_layer.weight")
 
@@ -97,7 +97,8 @@ def hf_to_megatron(args, model, hf_checkpoint=None, model_name=None, skip_output
     family = get_family(resolve_model_name(args, model_name))
     gated = args.swiglu
     for name, param in named_parameters(args, model):
-        if skip_output_layer and ".output_layer." in name:
+        # adapters are not in the HF base checkpoint: they keep their initialisation
+        if (skip_output_layer and ".output_layer." in name) or is_lora_param(name):
             continue
         full = family.from_hf(args, name, reader.get)
         if full is None:
