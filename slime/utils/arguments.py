@@ -21,6 +21,7 @@ from slime.backends.megatron_utils.arguments import (
     HF_DROPOUT_KEYS,
     add_megatron_arguments,
     apply_hf_config,
+    check_hybrid_model,
     check_mtp,
     megatron_defaults,
     megatron_training_available,
@@ -31,7 +32,7 @@ from slime.backends.megatron_utils.arguments import (
 )
 from slime.backends.sglang_utils.arguments import add_sglang_arguments, sglang_available
 from slime.backends.sglang_utils.arguments import validate_args as sglang_validate_args
-from slime.utils.device import auto_inference_server
+from slime.utils.device import auto_inference_server, default_gdn_backend
 from slime.utils.eval_config import from_prompt_data, load_eval_config
 from slime.utils.startup_checks import DEFAULT_ROLLOUT_FUNCTION, check_inputs, check_value_ranges
 
@@ -557,6 +558,18 @@ def add_mtp_training_arguments(parser):
     return parser
 
 
+def add_linear_attention_arguments(parser):
+    g = _Group(parser, "linear attention")
+    g.add_argument(
+        "--qwen-gdn-backend",
+        choices=["fla", "torch"],
+        default=None,
+        help="Gated DeltaNet kernels of Qwen3-Next / Qwen3.5: fla (flash-linear-attention, GPU) or torch (plain "
+        "torch, any device). Default: fla on GPU, torch on CPU.",
+    )
+    return parser
+
+
 def add_fault_tolerance_arguments(parser):
     g = _Group(parser, "fault tolerance")
     g.add_argument(
@@ -635,6 +648,7 @@ def get_slime_extra_args_provider(add_custom_arguments=None):
             add_ci_arguments,
             add_custom_megatron_plugins_arguments,
             add_mtp_training_arguments,
+            add_linear_attention_arguments,
         ):
             add(parser)
         if "--padded-vocab-size" not in parser._option_string_actions:
@@ -810,7 +824,10 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
             "recompute the LR schedule from this run's flags, or keep the checkpoint's, not both."
         )
     _validate_algorithm_and_rollout(args, error)
+    if args.qwen_gdn_backend is None:
+        args.qwen_gdn_backend = default_gdn_backend()
     check_mtp(args, error)
+    check_hybrid_model(args, error)
     if args.custom_tis_function_path and not args.use_tis:
         error(f"--custom-tis-function-path {args.custom_tis_function_path} is called only with --use-tis; add it.")
     if args.custom_update_weight_post_write_path:

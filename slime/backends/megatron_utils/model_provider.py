@@ -68,6 +68,8 @@ def core_transformer_config_from_args(args) -> TransformerConfig:
         add_bias_linear=args.add_bias_linear,
         add_qkv_bias=args.add_qkv_bias,
         qk_layernorm=args.qk_layernorm,
+        layernorm_zero_centered_gamma=bool(args.apply_layernorm_1p),
+        attention_output_gate=bool(args.attention_output_gate),
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
@@ -105,6 +107,7 @@ def core_transformer_config_from_args(args) -> TransformerConfig:
             num_moe_experts=num_experts,
             moe_layer_freq=args.moe_layer_freq,
             moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+            moe_shared_expert_gate=bool(args.moe_shared_expert_gate),
             moe_router_score_function=args.moe_router_score_function,
             moe_router_enable_expert_bias=bool(args.moe_router_enable_expert_bias),
             moe_router_bias_update_rate=args.moe_router_bias_update_rate,
@@ -141,11 +144,13 @@ def core_transformer_config_from_args(args) -> TransformerConfig:
 
 
 def _layer_spec(args, config, vp_stage=None):
-    """The decoder's layer spec: `--spec module fn` (called as `fn(args)`, as in slime), else TE on GPU / local
-    elsewhere; a block spec with MoE (it honours `--moe-layer-freq`) or MLA; GLM-4 post norms where asked for."""
+    """The decoder's layer spec: `--spec module fn` (called as `fn(args)`, plus `config=` / `vp_stage=` where it
+    declares them, as in slime), else TE on GPU / local elsewhere; a block spec with MoE (it honours
+    `--moe-layer-freq`) or MLA; GLM-4 post norms where asked for."""
     if args.spec:
         module, fn = args.spec
-        return getattr(importlib.import_module(module), fn)(args)  # the spec adds what it needs (post norms, ...)
+        fn = getattr(importlib.import_module(module), fn)
+        return fn(args, **accepted_kwargs(fn, config=config, vp_stage=vp_stage))  # it adds what it needs
     te = use_transformer_engine(args)
     if args.num_experts or config.multi_latent_attention:
         spec = get_gpt_decoder_block_spec(
