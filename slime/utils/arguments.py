@@ -24,6 +24,7 @@ from slime.backends.megatron_utils.arguments import (
     HF_DROPOUT_KEYS,
     add_megatron_arguments,
     apply_hf_config,
+    check_hybrid_model,
     check_mtp,
     megatron_defaults,
     megatron_training_available,
@@ -35,7 +36,7 @@ from slime.backends.megatron_utils.arguments import (
 from slime.backends.sglang_utils.arguments import add_sglang_arguments, sglang_available
 from slime.backends.sglang_utils.arguments import validate_args as sglang_validate_args
 from slime.utils.checkpoint_tracker import checkpoint_dir, read_tracker
-from slime.utils.device import auto_inference_server, transformer_engine_usable
+from slime.utils.device import auto_inference_server, default_gdn_backend, transformer_engine_usable
 from slime.utils.disk_delta import CHECKSUMS as DELTA_CHECKSUMS
 from slime.utils.disk_delta import ENCODINGS as DELTA_ENCODINGS
 from slime.utils.eval_config import from_prompt_data, load_eval_config
@@ -878,6 +879,18 @@ def add_weight_sync_arguments(parser):
     return parser
 
 
+def add_linear_attention_arguments(parser):
+    g = _Group(parser, "linear attention")
+    g.add_argument(
+        "--qwen-gdn-backend",
+        choices=["fla", "torch"],
+        default=None,
+        help="Gated DeltaNet kernels of Qwen3-Next / Qwen3.5: fla (flash-linear-attention, GPU) or torch (plain "
+        "torch, any device). Default: fla on GPU, torch on CPU.",
+    )
+    return parser
+
+
 def add_fault_tolerance_arguments(parser):
     g = _Group(parser, "fault tolerance")
     g.add_argument(
@@ -1055,6 +1068,7 @@ def get_slime_extra_args_provider(add_custom_arguments=None):
             add_custom_megatron_plugins_arguments,
             add_mtp_training_arguments,
             add_lora_arguments,
+            add_linear_attention_arguments,
             add_refused_arguments,  # last: parses the refused upstream flags no group above declares
         ):
             add(parser)
@@ -1256,7 +1270,10 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
     check_optimizer_state_flags(args, error)
     check_partial_training(args, error)
     resolve_context_lengths(args, error)
+    if args.qwen_gdn_backend is None:
+        args.qwen_gdn_backend = default_gdn_backend()
     check_mtp(args, error)
+    check_hybrid_model(args, error)
     if args.custom_tis_function_path and not (args.use_tis or args.get_mismatch_metrics):
         error(
             f"--custom-tis-function-path {args.custom_tis_function_path} is called only with --use-tis or "

@@ -193,3 +193,9 @@ def shared_memory_handles() -> bool:
 def handles_need_sglang() -> bool:
     """Whether tensor handles need SGLang's own serializer: True on GPU (real SGLang); False on CPU (our server)."""
     return not is_cpu()
+
+
+def default_gdn_backend() -> str:
+    """`--qwen-gdn-backend` default: flash-linear-attention's Triton kernels on GPU, the plain-torch chunked rule on
+    CPU (slime_plugins/models/qwen_gdn_backend.py)."""
+    return "torch" if is_cpu() else "fla"

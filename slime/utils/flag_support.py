@@ -16,9 +16,6 @@ UPSTREAM_FLAGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "upstr
 _MISMATCH = "comes with issue #25 (engine log-probs, mismatch metrics, routing replay)"
 _OPD = "on-policy distillation comes with issue #26: drop it, or add the teacher's log-probs in a custom generate function"
 _SGLANG_CONFIG = "multi-model serving (--sglang-config) comes with issue #26: start extra models yourself and reach them from a custom reward"
-_QWEN35 = (
-    "Qwen3.5 / Qwen3-Next (gated attention, Gated-DeltaNet) comes with issue #31: use a model from docs/models.md"
-)
 
 _NOT_YET = "not implemented in this slime yet"
 _PROFILING = "training is not profiled here (torch profiler, CUDA memory history and snapshots): drop it"
@@ -28,10 +25,6 @@ REFUSED = {
     # another issue's work: that issue deletes its entries when it lands
     "--use-routing-replay": f"MoE routing replay (R2) {_MISMATCH}; drop it",
     "--use-rollout-routing-replay": f"MoE rollout routing replay (R3) {_MISMATCH}; drop it",
-    "--qwen-gdn-backend": _QWEN35,
-    "--use-gated-attention": _QWEN35,
-    "--attention-output-gate": _QWEN35,
-    "--moe-shared-expert-gate": _QWEN35,
     "--use-opd": _OPD,
     "--opd-type": _OPD,
     "--opd-kl-coef": _OPD,
