@@ -1,12 +1,17 @@
-"""Sync vs one-step-off vs fully async, on the tiny kit, same disaggregated layout (1 trainer + 1 engine), one run.
+"""Sync vs one-step-off vs fully async, on the tiny kit, same disaggregated layout (1 trainer + 1 engine).
 
 For each mode: trained samples per second (steady state, rollout 0 excluded), the trainer's wait fraction (time
 between train calls over wall time, as the trainer measures it: `perf/wait_time_ratio`), the engine's idle fraction
-(sampled independently of slime: `/get_load` of the inference server every 50 ms, idle = nothing running or
+(sampled independently of slime: `/get_load` of this run's inference server every 50 ms, idle = nothing running or
 waiting), and the staleness of every trained sample (trainer version minus the version of its first segment,
 read from the saved rollout data).
 
-    .venv/bin/python benchmarks/bench_async.py [--num-rollout 12] [--max-staleness 1 2]
+A single run on a shared machine is noise, not a result: `--repeat N` runs every mode N times, interleaved (sync,
+one-step-off, fully async, then again), so that load from other jobs falls on all modes alike; each figure is the
+median over the N runs with its range (min-max), and each ratio is taken against the sync run of the same round.
+The last column says what limits the mode: the side that is busy while the other waits.
+
+    .venv/bin/python benchmarks/bench_async.py [--num-rollout 12] [--max-staleness 1 2] [--repeat 5]
 """
 
 import argparse
@@ -33,11 +38,12 @@ FULLY_ASYNC = "slime.rollout.fully_async_rollout.generate_rollout_fully_async"
 
 
 class EngineLoadSampler(threading.Thread):
-    """Polls every slime CPU inference server's /get_load; counts the samples where it had no request."""
+    """Polls the /get_load of this run's CPU inference server (its command line names `model_dir`, never another
+    job's server on the machine); counts the samples where it had no request."""
 
-    def __init__(self, period=0.05):
+    def __init__(self, model_dir, period=0.05):
         super().__init__(daemon=True)
-        self.period, self.stop, self.busy, self.total = period, threading.Event(), 0, 0
+        self.model_dir, self.period, self.stop, self.busy, self.total = model_dir, period, threading.Event(), 0, 0
         self.session = requests.Session()
         self.session.trust_env = False
 
@@ -45,7 +51,8 @@ class EngineLoadSampler(threading.Thread):
         urls = []
         for p in psutil.process_iter(["cmdline"]):
             cmd = p.info["cmdline"] or []
-            if any("slime.backends.cpu_server" in c for c in cmd) and "--port" in cmd:
+            line = " ".join(cmd)
+            if "slime.backends.cpu_server" in line and self.model_dir in line and "--port" in cmd:
                 urls.append(f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}/get_load")
         return urls
 
@@ -120,7 +127,7 @@ def run(name, extra, model_dir, data_dir, out_dir, num_rollout):
         rollouts,
         *extra,
     ]
-    sampler = EngineLoadSampler()
+    sampler = EngineLoadSampler(model_dir)
     sampler.start()
     try:
         subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -143,10 +150,26 @@ def run(name, extra, model_dir, data_dir, out_dir, num_rollout):
     }
 
 
+def spread(values, fmt):
+    """Median and range of repeated measurements: "m (lo-hi)", or just the value for a single run."""
+    med = statistics.median(values)
+    if len(values) == 1:
+        return format(med, fmt)
+    return f"{format(med, fmt)} ({format(min(values), fmt)}-{format(max(values), fmt)})"
+
+
+def limited_by(trainer_wait, engine_idle):
+    """The side that limits throughput: the one that is busy while the other one waits."""
+    if engine_idle > trainer_wait:
+        return f"trainer (engine idle {engine_idle:.0%})"
+    return f"engine (trainer waits {trainer_wait:.0%})"
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-rollout", type=int, default=12)
     p.add_argument("--max-staleness", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--repeat", type=int, default=5, help="runs of every mode, interleaved; medians are reported")
     a = p.parse_args()
     env_defaults = {
         "HF_HUB_OFFLINE": "1",
@@ -166,19 +189,29 @@ def main():
     modes = {"sync": [], "one-step-off": []}
     for k in a.max_staleness:
         modes[f"fully async K={k}"] = ["--rollout-function-path", FULLY_ASYNC, "--max-staleness", str(k)]
+    results = {name: [] for name in modes}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, data_dir = build_model(os.path.join(tmp, "model")), build_data(os.path.join(tmp, "data"))
-        results = {}
-        for name, extra in modes.items():
-            results[name] = run(name, extra, model_dir, data_dir, tmp, a.num_rollout)
-    base = results["sync"]["samples/s"]
-    print("| mode | samples/s | vs sync | trainer wait | engine idle | staleness (versions: samples) |")
-    print("|---|---|---|---|---|---|")
-    for name, r in results.items():
-        lag = ", ".join(f"{k}: {v}" for k, v in r["staleness"].items())
+        for i in range(a.repeat):
+            for name, extra in modes.items():
+                out = os.path.join(tmp, f"round{i}")
+                os.makedirs(out, exist_ok=True)
+                results[name].append(run(name, extra, model_dir, data_dir, out, a.num_rollout))
+                print(f"round {i + 1}/{a.repeat} {name}: {results[name][-1]['samples/s']:.1f} samples/s", flush=True)
+    print(f"\nmedian (min-max) of {a.repeat} interleaved run(s) per mode, {a.num_rollout} rollouts each")
+    print(
+        "| mode | samples/s | vs sync (same round) | trainer wait | engine idle | limited by | staleness (last run) |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for name, runs in results.items():
+        ratios = [r["samples/s"] / base["samples/s"] for r, base in zip(runs, results["sync"])]
+        wait = [r["trainer wait"] for r in runs]
+        idle = [r["engine idle"] for r in runs]
+        lag = ", ".join(f"{k}: {v}" for k, v in runs[-1]["staleness"].items())
         print(
-            f"| {name} | {r['samples/s']:.1f} | {r['samples/s'] / base:.2f}x | {r['trainer wait']:.2f} | "
-            f"{r['engine idle']:.2f} | {lag} |"
+            f"| {name} | {spread([r['samples/s'] for r in runs], '.1f')} | {spread(ratios, '.2f')}x | "
+            f"{spread(wait, '.2f')} | {spread(idle, '.2f')} | "
+            f"{limited_by(statistics.median(wait), statistics.median(idle))} | {lag} |"
         )
 
 

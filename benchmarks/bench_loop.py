@@ -1,9 +1,11 @@
 """Sync vs one-step-async RL loop on the tiny kit, same disaggregated layout, measured side by side in one run.
 
 Prints per-phase medians (rollout, train, weight sync, framework overhead = step - the three) for train.py and
-train_async.py, and the async/sync step-time ratio (< 1 means async is faster).
+train_async.py, and the async/sync step-time ratio (< 1 means async is faster). With `--repeat N` (default 5) both
+drivers run N times, interleaved, so that load from other jobs falls on both alike: the phases are the median over
+the runs of each run's median, and the ratio is the median (with its min-max range) of the N same-round ratios.
 
-    .venv/bin/python benchmarks/bench_loop.py [--num-rollout 8]
+    .venv/bin/python benchmarks/bench_loop.py [--num-rollout 8] [--repeat 5]
 """
 
 import argparse
@@ -83,6 +85,7 @@ def summarize(rows):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-rollout", type=int, default=8)
+    p.add_argument("--repeat", type=int, default=5, help="runs of each driver, interleaved; medians are reported")
     a = p.parse_args()
     env_defaults = {
         "HF_HUB_OFFLINE": "1",
@@ -99,19 +102,25 @@ def main():
         os.environ.setdefault(k, v)
     from tools.build_tiny_kit import build_data, build_model
 
+    drivers = ("train.py", "train_async.py")
+    runs = {d: [] for d in drivers}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, data_dir = build_model(os.path.join(tmp, "model")), build_data(os.path.join(tmp, "data"))
-        results = {
-            d: summarize(run(d, model_dir, data_dir, tmp, a.num_rollout)) for d in ("train.py", "train_async.py")
-        }
+        for i in range(a.repeat):
+            for d in drivers:
+                out = os.path.join(tmp, f"round{i}")  # the metrics file is appended to: one per run
+                os.makedirs(out, exist_ok=True)
+                runs[d].append(summarize(run(d, model_dir, data_dir, out, a.num_rollout)))
+                print(f"round {i + 1}/{a.repeat} {d}: step {runs[d][-1]['step']:.3f} s", flush=True)
+    keys = ["step", *[n for n, _ in PHASES], "overhead"]
+    print(f"{'driver':<16}" + "".join(f"{k:>13}" for k in keys) + f"   (median s over {a.repeat} run(s))")
+    for d in drivers:
+        print(f"{d:<16}" + "".join(f"{statistics.median(r[k] for r in runs[d]):>13.3f}" for k in keys))
+    ratios = [asy["step"] / syn["step"] for asy, syn in zip(runs["train_async.py"], runs["train.py"])]
     print(
-        f"{'driver':<16}"
-        + "".join(f"{k:>13}" for k in ["step", *[n for n, _ in PHASES], "overhead"])
-        + "   (median s)"
+        f"async/sync step-time ratio: median {statistics.median(ratios):.2f} "
+        f"(min {min(ratios):.2f}, max {max(ratios):.2f}, {len(ratios)} same-round pairs)"
     )
-    for d, r in results.items():
-        print(f"{d:<16}" + "".join(f"{r[k]:>13.3f}" for k in ["step", *[n for n, _ in PHASES], "overhead"]))
-    print(f"async/sync step-time ratio: {results['train_async.py']['step'] / results['train.py']['step']:.2f}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,9 @@ convert, transfer, load into the engine, continue):
   broadcast  disaggregated, --update-weight-transport broadcast (gloo group; the cross-host path)
   shm        disaggregated, --update-weight-transport auto on one host (shared-memory buckets)   target >= 0.25x memcpy
   colocated  --colocate (shared-memory handles of the CPU weight dict)                          target >= 0.5x memcpy
+  disk       --update-weight-transport disk: one HF checkpoint per version, loaded by update_weights_from_disk
+  delta      --update-weight-mode delta: xor deltas after one Adam-like step (every weight moved by lr = 1e-6),
+             pulled into a local checkpoint (/pull_weights) and reloaded; the MB column is what was written
 
     python benchmarks/bench_weight_sync.py [--hidden 1024 --ffn 4096 --layers 6 --repeats 5]
 """
@@ -49,16 +52,23 @@ def memcpy_gbps(nbytes, repeats=5):
     return nbytes / min(times) / 1e9
 
 
-def bench_mode(args, engine, mode, repeats):
+def bench_mode(args, engine, mode, repeats, workdir):
     from slime.ray.utils import Lock
     from tests.test_weight_sync import start_trainers, stop
 
-    args.update_weight_transport = "broadcast" if mode == "broadcast" else "auto"
+    args.update_weight_transport = {"broadcast": "broadcast", "disk": "disk", "delta": "disk"}.get(mode, "auto")
+    args.update_weight_mode = "delta" if mode == "delta" else "full"
+    args.update_weight_disk_dir = os.path.join(workdir, f"versions-{mode}")
+    args.update_weight_local_checkpoint_dir = os.path.join(workdir, "local") if mode == "delta" else None
     trainers, lock = start_trainers(args, colocate=mode == "colocated"), Lock.remote()
     try:
         ray.get(trainers[0].connect.remote([engine], lock), timeout=600)
         ray.get(trainers[0].update_weights.remote(), timeout=600)  # warm-up: connections, first-touch pages
-        runs = [ray.get(trainers[0].update_weights.remote(), timeout=600) for _ in range(repeats)]
+        runs = []
+        for i in range(repeats):
+            if mode == "delta":
+                ray.get(trainers[0].adam_like_step.remote(1e-6, i), timeout=600)
+            runs.append(ray.get(trainers[0].update_weights.remote(), timeout=600))
     finally:
         stop(trainers + [lock])
     times = [r["perf/update_weights_time"] for r in runs]
@@ -109,7 +119,8 @@ def main():
         )
         engines = start_engines(args, 1)
         results = {
-            mode: bench_mode(args, engines[0], mode, opts.repeats) for mode in ("broadcast", "shm", "colocated")
+            mode: bench_mode(args, engines[0], mode, opts.repeats, workdir)
+            for mode in ("broadcast", "shm", "colocated", "disk", "delta")
         }
     finally:
         stop(engines)
@@ -121,7 +132,7 @@ def main():
     print(f"best of {opts.repeats} updates (median in brackets); memcpy = copy into an existing buffer, best of 10")
     print(f"{'path':<12}{'MB':>8}{'seconds':>16}{'GB/s':>8}{'x memcpy':>10}{'target':>8}")
     print(f"{'memcpy':<12}{nbytes / 1e6:>8.0f}{nbytes / memcpy / 1e9:>16.3f}{memcpy:>8.2f}{1.0:>10.2f}")
-    for mode, target in (("broadcast", None), ("shm", 0.25), ("colocated", 0.5)):
+    for mode, target in (("broadcast", None), ("shm", 0.25), ("colocated", 0.5), ("disk", None), ("delta", None)):
         moved, best, median = results[mode]
         gbps = moved / best / 1e9
         print(

@@ -7,6 +7,7 @@
 #   MODE=colocate bash scripts/run-qwen3-tiny-cpu.sh   # trainers and engine share logical GPUs
 #   MODE=async bash scripts/run-qwen3-tiny-cpu.sh      # train_async.py, one-step off-policy
 #   MODE=fully_async bash scripts/run-qwen3-tiny-cpu.sh  # train_async.py, fully async within MAX_STALENESS (1)
+#   MODE=ppo bash scripts/run-qwen3-tiny-cpu.sh        # PPO with a critic (a value model beside the policy), train.py
 #   TP=2 bash scripts/run-qwen3-tiny-cpu.sh            # tensor-parallel training over 2 ranks
 #   EXTRA_ARGS="--partial-rollout --use-wandb --wandb-mode offline" bash scripts/run-qwen3-tiny-cpu.sh
 # Other knobs: NUM_ROLLOUT (GRPO rollouts, 300), SFT_EPOCHS (30), LR (GRPO peak, 3e-4, cosine-decayed to 3e-5),
@@ -74,9 +75,13 @@ case "$MODE" in
   fully_async) DRIVER=train_async.py
             PLACEMENT=(--rollout-num-gpus 1 --max-staleness "${MAX_STALENESS:-1}"
                        --rollout-function-path slime.rollout.fully_async_rollout.generate_rollout_fully_async) ;;
-  *) echo "MODE must be sync, colocate, async or fully_async (got $MODE)" >&2; exit 2 ;;
+  ppo)      DRIVER=train.py;       PLACEMENT=(--rollout-num-gpus 1)
+            # the critic starts from the SFT checkpoint with a new value head: two rollouts train it alone first
+            GRPO_ARGS=(--advantage-estimator ppo --normalize-advantages --gamma 1.0 --lambd 0.95 --value-clip 0.5
+                       --num-critic-only-steps 2 --eps-clip 0.2 --eps-clip-high 0.28 --entropy-coef 0.0) ;;
+  *) echo "MODE must be sync, colocate, async, fully_async or ppo (got $MODE)" >&2; exit 2 ;;
 esac
-echo "== GRPO ($DRIVER, $MODE, TP=$TP) =="
+echo "== RL: ${GRPO_ARGS[1]} ($DRIVER, $MODE, TP=$TP) =="
 $PY "$DRIVER" "${MODEL_ARGS[@]}" "${COMMON_ARGS[@]}" "${PLACEMENT[@]}" "${CKPT_ARGS[@]}" "${ROLLOUT_ARGS[@]}" \
    "${EVAL_ARGS[@]}" "${GRPO_ARGS[@]}" "${OPTIMIZER_ARGS[@]}" "${SGLANG_ARGS[@]}" "${MISC_ARGS[@]}" ${EXTRA_ARGS:-}
 

@@ -1,5 +1,6 @@
 """Shared by the Megatron tests: spawn gloo ranks with a timeout, Megatron args for an HF dir, tiny random HF models."""
 
+import multiprocessing
 import os
 import socket
 import time
@@ -40,10 +41,23 @@ def spawn(fn, world_size, *args, timeout=240):
     run_processes(_entry, (fn, world_size, free_port(), args), world_size, fn.__name__, timeout)
 
 
-def run_processes(entry, entry_args, nprocs, name, timeout):
-    """`entry(index, *entry_args)` in `nprocs` spawned processes; the first failure (with its traceback) or the
-    deadline fails the caller, and no process outlives the call."""
-    ctx = mp.start_processes(entry, args=entry_args, nprocs=nprocs, join=False, start_method="spawn")
+# What every rank imports (several seconds each on 2 cores): imported once, by the forkserver, which then forks each
+# rank from that state. Fresh interpreters all the same for what the tests check: nothing is initialised at import
+# (no process group, no device, no Megatron state), and the device is chosen inside each rank (`_entry`).
+_PRELOAD = [
+    "tests._megatron_helpers",
+    "transformers",
+    "slime.backends.megatron_utils.actor",
+    "slime.backends.megatron_utils.model",
+]
+multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+
+
+def run_processes(entry, entry_args, nprocs, name, timeout, start_method="forkserver"):
+    """`entry(index, *entry_args)` in `nprocs` new processes (forked from the pre-imported forkserver; "spawn" for
+    fresh interpreters); the first failure (with its traceback) or the deadline fails the caller, and no process
+    outlives the call."""
+    ctx = mp.start_processes(entry, args=entry_args, nprocs=nprocs, join=False, start_method=start_method)
     deadline = time.time() + timeout
     try:
         while not ctx.join(timeout=max(1.0, deadline - time.time())):
@@ -190,7 +204,7 @@ def _build_mimo(common, out_dir):
 
 def build_random_hf(kind, out_dir, seed=0, vocab_size=200):
     """A tiny random HF model of family `kind` in {qwen2, qwen3, llama, llama3, qwen3moe, glm4, glm4moe, deepseekv3,
-    mimo};
+    mimo, qwen3next, qwen3_5};
     every tensor (norms and router score biases too) random."""
     import transformers as tf
 
@@ -284,6 +298,32 @@ def build_random_hf(kind, out_dir, seed=0, vocab_size=200):
             head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, **common
         )
         cls = tf.Qwen3MoeForCausalLM
+    elif kind in ("qwen3next", "qwen3_5"):  # Gated DeltaNet / gated full attention hybrids, partial RoPE 0.25
+        hybrid = dict(
+            head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=12,
+            linear_conv_kernel_dim=4,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
+            **{**common, "num_hidden_layers": 3},
+        )
+        if kind == "qwen3next":  # softmax top-2 of 4 experts, a gated shared expert; layer 1 has a dense MLP
+            cfg = tf.Qwen3NextConfig(
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                shared_expert_intermediate_size=48,
+                norm_topk_prob=True,
+                mlp_only_layers=[1],
+                **hybrid,
+            )
+            cls = tf.Qwen3NextForCausalLM
+        else:
+            cfg = tf.Qwen3_5TextConfig(**hybrid)
+            cls = tf.Qwen3_5ForCausalLM
     else:
         raise ValueError(kind)
     torch.manual_seed(seed)
@@ -294,6 +334,10 @@ def build_random_hf(kind, out_dir, seed=0, vocab_size=200):
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn_like(b) * 0.1)
+        if kind in ("qwen3next", "qwen3_5"):  # zero-centred norms (scale 1 + w): w near 0, as trained ones are
+            for name, p in model.named_parameters():
+                if name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight", "model.norm.weight")):
+                    p.copy_(torch.randn_like(p) * 0.1)
     model.save_pretrained(out_dir)
     return out_dir
 
@@ -347,6 +391,7 @@ def train_args(model_dir, **overrides):
         use_rollout_entropy=False,
         compute_advantages_and_returns=True,
         ci_test=True,
+        ci_train_rollout_logprob_abs_diff_threshold=float("inf"),  # fixed_rollout's rollout log-probs are made up
         load=None,
         save=None,
         ref_load=None,

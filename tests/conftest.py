@@ -2,6 +2,7 @@
 
 import os
 import tempfile
+import uuid
 
 _HF_HOME = tempfile.mkdtemp(prefix="slime-hf-home-")
 for k, v in {
@@ -20,11 +21,28 @@ for k, v in {
     "GLOO_SOCKET_IFNAME": "lo",
 }.items():
     os.environ.setdefault(k, v)
+# Marks every process this session starts (tests/_procs.py): set before any of them, never inherited from a caller.
+os.environ["SLIME_TEST_SESSION"] = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests import _procs  # noqa: E402
+
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_running():
+    """After the last test (and every other fixture's teardown, this one being set up first): no process that this
+    session started is still running — Ray's daemons and workers, routers, inference servers and subprocess runs
+    included, wherever they were reparented. Those found are killed, and the session fails naming them."""
+    yield
+    key, value = _procs.SESSION_KEY, os.environ[_procs.SESSION_KEY]
+    left = _procs.wait_none_carrying(key, value, timeout=60, include_interpreter_helpers=False)
+    described = _procs.describe(left)
+    _procs.kill(left)
+    assert not described, "processes started by this test session still ran after it:\n" + "\n".join(described)
 
 
 @pytest.fixture(scope="session")

@@ -120,7 +120,7 @@ def test_slime_defaults_match_spec():
         "kl_coef": 0.0,
         "use_kl_loss": False,
         "kl_loss_coef": 0.0,
-        "kl_loss_type": "kl",
+        "kl_loss_type": "k1",
         "loss_type": "policy_loss",
         "advantage_estimator": "grpo",
         "compute_advantages_and_returns": True,
@@ -730,3 +730,15 @@ def test_opt_param_scheduler_flags_in_both_spellings_and_not_both(capsys):
     assert parse("--use-checkpoint-opt_param-scheduler").use_checkpoint_opt_param_scheduler
     err = parse_error(capsys, "--override-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler")
     assert "contradict each other" in err
+
+
+def test_check_weight_update_equal_is_refused_when_load_resumes_a_checkpoint(capsys, tmp_path):
+    """The check compares the first push with --hf-checkpoint's weights; a resumed checkpoint pushes others."""
+    empty = tmp_path / "empty"
+    empty.mkdir()  # no tracker: nothing to resume, the run starts from the reference weights
+    assert parse("--check-weight-update-equal", "--load", str(empty)).check_weight_update_equal
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("3")
+    (tmp_path / "iter_0000003").mkdir()
+    err = parse_error(capsys, "--check-weight-update-equal", "--load", str(tmp_path))
+    assert "--check-weight-update-equal" in err and f"--load {tmp_path}" in err
+    assert parse("--load", str(tmp_path)).load == str(tmp_path)

@@ -115,7 +115,7 @@ def test_moved_helpers_import_from_both_places(old, new, names):
 def test_lr_warmup_fraction_wins_over_iters_as_in_megatron(caplog, capsys):
     from slime.backends.megatron_utils.model import get_optimizer_param_scheduler
 
-    with caplog.at_level(logging.INFO, logger="slime.utils.arguments"):
+    with caplog.at_level(logging.INFO, logger="slime"):
         args = parse(
             "--lr-warmup-fraction",
             "0.25",
@@ -137,7 +137,7 @@ def test_lr_warmup_fraction_wins_over_iters_as_in_megatron(caplog, capsys):
 
 def test_dropout_comes_from_the_hf_config_unless_given(tiny_kit, caplog, capsys):
     model_dir, _ = tiny_kit
-    with caplog.at_level(logging.INFO, logger="slime.utils.arguments"):
+    with caplog.at_level(logging.INFO, logger="slime"):
         args = parse("--hf-checkpoint", model_dir, *FITS_TINY_KIT, model=[])
     # the tiny kit is a Qwen3 config: attention_dropout 0.0, no hidden dropout
     assert (args.attention_dropout, args.hidden_dropout) == (0.0, 0.0)

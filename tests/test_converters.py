@@ -6,12 +6,12 @@ mistakes give clear errors."""
 import json
 import os
 import shlex
-import subprocess
 import sys
 
 import pytest
 import torch
 
+from tests import _procs
 from tests._megatron_helpers import (
     build_random_hf,
     causal_mask,
@@ -22,6 +22,7 @@ from tests._megatron_helpers import (
     train_args,
 )
 
+pytestmark = pytest.mark.slow  # torchrun conversions in subprocesses (about 2.5 minutes in all)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAMILIES = ["qwen2", "qwen3", "llama", "qwen3moe", "llama3", "glm4", "glm4moe", "deepseekv3", "mimo"]
 TIMEOUT = 240
@@ -32,7 +33,7 @@ def _env():
 
 
 def _run(cmd, check=True):
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    proc = _procs.run(cmd, TIMEOUT, cwd=REPO, env=_env())  # a timeout ends torchrun's ranks too
     if check:
         assert proc.returncode == 0, f"{cmd} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc

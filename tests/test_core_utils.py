@@ -330,3 +330,29 @@ def test_process_group_rendezvous_listens_on_its_host_only():
 
     with pytest.raises(RuntimeError, match=r"cannot listen on 192\.0\.2\.1:\d+"):  # TEST-NET: no interface has it
         tcp_store("192.0.2.1", port, 1, True, seconds(5))
+
+
+def test_cpu_run_says_once_that_megatron_falls_back_to_torch():
+    """megatron-core warns at import that Transformer Engine and Apex are missing, in every process that imports it
+    (each trainer, the controller, the driver). On CPU that is the design: no such warning, and one line from the
+    driver's argument check that says it is expected, however often the arguments are parsed."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = (
+        "from tests._args import make_args; make_args(); make_args(); "
+        "import slime.backends.megatron_utils.actor, megatron.core.models.gpt.gpt_layer_specs"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=root,
+        env=dict(os.environ, SLIME_DEVICE="cpu", PYTHONPATH=root),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "not installed" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.count("this is expected on CPU") == 1, proc.stderr[-3000:]

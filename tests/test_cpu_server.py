@@ -428,8 +428,13 @@ def test_pause_and_continue(server):
         target=lambda: result.update(gen(server, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3}}))
     )
     t.start()
-    t.join(1.0)
-    assert t.is_alive(), "a request must wait while generation is paused"
+    # the request has reached the scheduler and is held there, not admitted (a fixed sleep could pass before it
+    # was even sent)
+    deadline = time.time() + 30
+    while SESSION.get(server + "/get_load").json()[0]["num_waiting_reqs"] == 0:
+        assert time.time() < deadline, "the request never reached the paused server"
+        time.sleep(0.01)
+    assert SESSION.get(server + "/get_load").json()[0]["num_reqs"] == 0 and t.is_alive()
     # held requests do not block the weight-update dance: flush, release and resume all succeed while paused
     assert SESSION.get(server + "/flush_cache").status_code == 200
     assert SESSION.post(server + "/release_memory_occupation", json={}).status_code == 200

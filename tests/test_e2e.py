@@ -11,8 +11,9 @@ import train as sync_driver
 import train_async as async_driver
 from slime.utils.arguments import parse_args
 from slime.utils.user_errors import UserCodeError
+from tests import _procs
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.e2e  # the short runs stay in the development tier; longer or subprocess runs are `slow`
 
 TINY_MODEL_ARGS = [
     "--num-layers",
@@ -109,22 +110,6 @@ def read_metrics(tmp_path):
         return [json.loads(line) for line in f]
 
 
-def assert_no_leftover_servers():
-    import psutil
-
-    left = [
-        p.info["cmdline"]
-        for p in psutil.process_iter(["cmdline"])
-        if p.info["cmdline"]
-        and any("slime.backends.cpu_server" in c or "sglang::router" in c for c in p.info["cmdline"])
-        and p.pid != os.getpid()
-        and p.ppid() != 1
-        or False
-    ]
-    mine = [c for c in left if str(os.getpid()) in " ".join(c)]
-    assert not mine, f"servers left behind: {mine}"
-
-
 def test_train_disaggregated_with_eval_and_first_step_invariants(ray_session, tiny_kit, tmp_path):
     args = make_args(
         tiny_kit,
@@ -176,6 +161,34 @@ def test_train_async_is_one_step_off_policy(ray_session, tiny_kit, tmp_path):
     assert [int(r["rollout/weight_version"]) for r in rows] == [1, 1, 2]
 
 
+@pytest.mark.slow
+def test_train_async_resume_trains_the_rollout_that_was_in_flight_at_the_save(ray_session, tiny_kit, tmp_path):
+    """One-step-off: rollout 1 is generated while rollout 0 trains. A run resumed from the checkpoint of rollout 0
+    must train rollout 1 on the prompts an uninterrupted run gives it, not skip them."""
+    from slime.ray.rollout_data_source import RolloutDataSourceWithBuffer
+
+    ckpt = tmp_path / "ckpt"
+    common = ["--rollout-num-gpus", "1", "--save", str(ckpt), "--save-interval", "1"]
+    first = tmp_path / "first"
+    first.mkdir()
+    async_driver.train(make_args(tiny_kit, first, *common, num_rollout=2))
+    second = tmp_path / "second"
+    second.mkdir()
+    resumed_data = str(tmp_path / "resumed_{rollout_id}.pt")
+    args = make_args(
+        tiny_kit, second, *common, "--load", str(ckpt), "--ckpt-step", "0", "--save-debug-rollout-data", resumed_data
+    )
+    async_driver.train(args)
+    assert [r["rollout_id"] for r in read_metrics(second)] == [1]
+    fresh = RolloutDataSourceWithBuffer(make_args(tiny_kit, tmp_path, "--rollout-num-gpus", "1"))
+    fresh.get_samples(4)
+    expected = [g[0].prompt for g in fresh.get_samples(4)]
+    resumed = torch.load(tmp_path / "resumed_1.pt", weights_only=False)["samples"]
+    assert [s["prompt"] for s in resumed[::4]] == expected
+    assert resumed[0]["index"] == 16  # rollout 0 took samples 0-15
+
+
+@pytest.mark.slow
 def test_train_tp2_with_partial_rollout(ray_session, tiny_kit, tmp_path):
     """The TP=2 and partial-rollout variants of the main job: a tensor-parallel trainer reproduces the engine's
     log-probs and pushes bit-identical weights (checked by checksums); with --partial-rollout the groups over-sampled
@@ -204,6 +217,7 @@ def test_train_tp2_with_partial_rollout(ray_session, tiny_kit, tmp_path):
     assert rows[0]["train/train_rollout_logprob_abs_diff"] < 1e-4  # on-policy: the TP=2 trainer = the engine
 
 
+@pytest.mark.slow
 def test_train_cp2(ray_session, tiny_kit, tmp_path):
     """An RL run with --context-parallel-size 2 (two trainer ranks, one DP rank) and dynamic batching: the CP
     trainer reproduces the engine's log-probs (gathered over CP) and pushes bit-identical weights."""
@@ -245,6 +259,7 @@ def test_debug_rollout_only_needs_no_megatron_training(ray_session, tiny_kit, tm
     assert saved["rollout_id"] == 1 and len(saved["samples"]) == 16
 
 
+@pytest.mark.slow
 def test_replay_saved_rollout_reproduces_first_step(ray_session, tiny_kit, tmp_path):
     """--save-debug-rollout-data then --load-debug-rollout-data (train only, no engines) gives the same first step."""
     record = tmp_path / "record"
@@ -277,6 +292,7 @@ def crash_at_rollout_2(args, rollout_id, step_id, model, optimizer, opt_param_sc
         raise RuntimeError("simulated crash at rollout 2")
 
 
+@pytest.mark.slow
 def test_crash_then_resume_continues_data_order(ray_session, tiny_kit, tmp_path):
     """A run that dies at rollout 2 keeps its rollout-1 checkpoint; restarting with --load continues at rollout 2
     with the data position of an uninterrupted run and the checkpointed weights."""
@@ -362,6 +378,8 @@ def test_dead_inference_server_fails_the_run_fast_naming_the_engine(ray_session,
         sync_driver.train(args)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_main_job_sft_then_grpo_raises_reward(tiny_kit, tmp_path):
     """The README's main job (scripts/run-qwen3-tiny-cpu.sh), shortened to 100 rollouts at a constant LR: SFT warm start,
     then GRPO whose sampled reward over the last rollouts and greedy eval accuracy at the end are clearly above the
@@ -372,7 +390,7 @@ def test_main_job_sft_then_grpo_raises_reward(tiny_kit, tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "job"
     env = dict(
-        os.environ,
+        _procs.run_env(out),
         MODEL_DIR=tiny_kit[0],
         DATA_DIR=tiny_kit[1],
         OUT=str(out),
@@ -382,11 +400,19 @@ def test_main_job_sft_then_grpo_raises_reward(tiny_kit, tmp_path):
         EXTRA_ARGS="--lr-decay-style constant",
         PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
     )
-    env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run(
-        ["bash", "scripts/run-qwen3-tiny-cpu.sh"], cwd=root, env=env, capture_output=True, text=True, timeout=1200
+    job = subprocess.Popen(
+        ["bash", "scripts/run-qwen3-tiny-cpu.sh"],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    try:
+        stdout, stderr = job.communicate(timeout=1000)  # inside the test's own timeout: the sweep below always runs
+    finally:
+        _procs.stop_run(job, out)  # the script's train.py, its Ray and servers too, not only bash
+    assert job.returncode == 0, stdout[-3000:] + stderr[-3000:]
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["rollout_id"] for r in rows] == list(range(100))
     # 20-rollout means: a 10-rollout window of 16x8 sampled rewards swings by ~0.05 between neighbouring windows
@@ -400,88 +426,79 @@ def test_main_job_sft_then_grpo_raises_reward(tiny_kit, tmp_path):
     evals = [r["eval/addition"] for r in rows if "eval/addition" in r]
     assert len(evals) == 11 and evals[-1] > evals[0] + 0.2, f"greedy eval accuracy did not rise: {evals}"
     assert (out / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "eval/addition" in rows[0] and "| reward " in proc.stdout  # per-rollout console line
+    assert "eval/addition" in rows[0] and "| reward " in stdout  # per-rollout console line
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_ctrl_c_leaves_no_processes_behind(tiny_kit, tmp_path):
-    """SIGINT to a running `python train.py` stops engines, router, trainers and its own Ray: nothing that names this
-    run's files survives."""
-    import shutil
+    """SIGINT to a running `python train.py` stops engines, router, trainers and its own Ray: no process the run
+    started survives. They are found by the run's environment marker, which Ray's daemons and workers and the forked
+    router carry too (their command lines do not name the run)."""
     import signal
     import subprocess
     import sys
-    import time
-
-    import psutil
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    model = shutil.copytree(tiny_kit[0], tmp_path / "model")  # its path marks this run's server processes
-    argv = train_py_argv(tiny_kit, 1000, "--metrics-path", str(tmp_path / "m.jsonl"), hf_checkpoint=str(model))
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    argv = train_py_argv(tiny_kit, 1000, "--metrics-path", str(tmp_path / "m.jsonl"))
     proc = subprocess.Popen(
         [sys.executable, "train.py", *argv],
         cwd=root,
-        env=env,
+        env=_procs.run_env(tmp_path),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
     try:
-        deadline = time.time() + 600
-        for line in proc.stdout:  # wait until the loop is really running
-            if line.startswith("rollout 0 |") or time.time() > deadline:
-                break
+        assert _procs.wait_for_line(proc, "rollout 0 |", timeout=300), _procs.tail(proc)
         assert proc.poll() is None, "train.py ended before the first rollout"
+        assert any("raylet" in _procs.cmdline(p) for p in _procs.carrying(_procs.RUN_KEY, str(tmp_path)))
         proc.send_signal(signal.SIGINT)
-        proc.communicate(timeout=120)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("train.py did not stop within 120 s of Ctrl-C:\n" + _procs.tail(proc)) from None
+        left = _procs.describe(_procs.wait_none_carrying(_procs.RUN_KEY, str(tmp_path), timeout=30))
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    time.sleep(2)
-    left = [
-        p.info["cmdline"]
-        for p in psutil.process_iter(["cmdline"])
-        if str(tmp_path) in " ".join(p.info["cmdline"] or [])
-    ]
+        swept = _procs.stop_run(proc, tmp_path, timeout=0)
     assert not left, f"processes left behind after Ctrl-C: {left}"
+    assert not swept
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_driver_joins_an_existing_cluster_from_ray_address(tiny_kit, tmp_path):
     """As slime's launch scripts do: `ray start --head --num-gpus N`, then `RAY_ADDRESS=... python train.py ...`."""
-    import signal
+    import shutil
     import subprocess
     import sys
-
-    import psutil
+    import tempfile
 
     from slime.utils.http_utils import find_available_port
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
-    import shutil
-    import tempfile
-
-    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short (unix socket paths), marks this cluster's processes
+    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short (unix socket paths)
     port = find_available_port(30000)
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    subprocess.run(
-        [
-            ray_bin,
-            "start",
-            "--head",
-            f"--port={port}",
-            "--num-gpus=2",
-            "--num-cpus=8",
-            "--include-dashboard=false",
-            f"--temp-dir={temp_dir}",
-            "--disable-usage-stats",
-        ],
-        env=env,
-        check=True,
-        capture_output=True,
-        timeout=180,
-    )
+    env = _procs.run_env(tmp_path)  # the cluster's processes and the run's carry it
     try:
+        subprocess.run(
+            [
+                ray_bin,
+                "start",
+                "--head",
+                f"--port={port}",
+                "--num-gpus=2",
+                "--num-cpus=8",
+                "--include-dashboard=false",
+                f"--temp-dir={temp_dir}",
+                "--disable-usage-stats",
+            ],
+            env=env,
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
         argv = train_py_argv(tiny_kit, 1, "--metrics-path", str(tmp_path / "metrics.jsonl"))
         proc = subprocess.run(
             [sys.executable, "train.py", *argv],
@@ -489,21 +506,18 @@ def test_driver_joins_an_existing_cluster_from_ray_address(tiny_kit, tmp_path):
             env=dict(env, RAY_ADDRESS=f"127.0.0.1:{port}"),
             capture_output=True,
             text=True,
-            timeout=600,
+            timeout=360,  # inside the test's own timeout, so the cluster below is always stopped
         )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "Connected to Ray cluster" in proc.stdout + proc.stderr  # joined, did not start its own
         assert len(read_metrics(tmp_path)) == 1
     finally:
-        for p in psutil.process_iter(["cmdline"]):
-            if temp_dir in " ".join(p.info["cmdline"] or []):
-                try:
-                    p.send_signal(signal.SIGKILL)
-                except psutil.Error:
-                    pass
+        _procs.stop_run(None, tmp_path, timeout=0)  # the cluster, by pid: never `ray stop`, which stops every Ray
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_two_concurrent_runs_on_one_machine_each_train_their_own_engines(tiny_kit, tmp_path):
     """Two `python train.py` at once on one machine: different ports, engines that prove they belong to their run,
     and --check-weight-update-equal comparing every engine tensor with its own trainer's after each update (weights
@@ -512,6 +526,7 @@ def test_two_concurrent_runs_on_one_machine_each_train_their_own_engines(tiny_ki
     import subprocess
     import sys
     import tempfile
+    import time
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     procs, ray_dirs = [], []
@@ -528,7 +543,7 @@ def test_two_concurrent_runs_on_one_machine_each_train_their_own_engines(tiny_ki
             str(out / "metrics.jsonl"),
             lr="1e-3" if run == "a" else "1e-4",
         )
-        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        env = _procs.run_env(out)
         env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix=f"r{run}", dir="/tmp")  # each run its own local Ray
         ray_dirs.append(env["RAY_TMPDIR"])
         log = open(out / "log.txt", "w")
@@ -541,12 +556,13 @@ def test_two_concurrent_runs_on_one_machine_each_train_their_own_engines(tiny_ki
             )
         )
     try:
+        deadline = time.time() + 720  # inside the test's own timeout, so the runs below are always stopped
         for proc, out in procs:
-            assert proc.wait(timeout=900) == 0, (out / "log.txt").read_text()[-4000:]
+            rc = proc.wait(timeout=max(1, deadline - time.time()))
+            assert rc == 0, (out / "log.txt").read_text()[-4000:]
     finally:
-        for proc, _ in procs:
-            if proc.poll() is None:
-                proc.kill()
+        for proc, out in procs:
+            _procs.stop_run(proc, out)
         for d in ray_dirs:
             shutil.rmtree(d, ignore_errors=True)
     # Both finished: every engine echoed its own run's identity before registration (init raises otherwise), and

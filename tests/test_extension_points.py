@@ -370,7 +370,13 @@ def test_megatron_config_overrides_the_actor_role(tmp_path, capsys):
     path.write_text("megatron:\n  - name: value\n    role: critic\n    overrides: {lr: 1.0}\n")
     with pytest.raises(SystemExit):
         make_args("--megatron-config-path", str(path))
-    assert "role 'critic'" in capsys.readouterr().err
+    assert "a critic role needs --advantage-estimator ppo" in capsys.readouterr().err
+    args = make_args("--megatron-config-path", str(path), "--advantage-estimator", "ppo")
+    assert (args.lr, args.critic_overrides, args.use_critic) == (1e-6, {"lr": 1.0}, True)  # the actor keeps its lr
+    path.write_text("megatron:\n  - role: sampler\n")
+    with pytest.raises(SystemExit):
+        make_args("--megatron-config-path", str(path))
+    assert "role 'sampler'" in capsys.readouterr().err
     path.write_text("megatron:\n  - role: actor\n    overrides: {no_such_flag: 1}\n")
     with pytest.raises(SystemExit):
         make_args("--megatron-config-path", str(path))

@@ -3,6 +3,7 @@ killed with SIGKILL, engines killed (SIGKILL) or hung (SIGSTOP) mid-rollout, the
 no sample was lost or trained twice (sample indices) and that no process of the run is left behind. Fault ->
 detection and fault -> recovery times are printed as `FAULT-TIMING ...` lines (run with -s to see them)."""
 
+import multiprocessing
 import os
 import shutil
 import signal
@@ -17,9 +18,10 @@ import torch
 
 import train as sync_driver
 import train_async as async_driver
+from tests import _procs
 from tests.test_e2e import make_args, read_metrics, train_py_argv
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -39,22 +41,26 @@ def processes_naming(marker):
     return found
 
 
-def wait_gone(pids, timeout=60):
-    """pids still alive after `timeout` seconds (zombies count as gone)."""
-    deadline = time.time() + timeout
-    alive = list(pids)
-    while alive and time.time() < deadline:
-        alive = [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        time.sleep(0.5)
-    return alive
+def leftovers(model):
+    """What of an in-process run still runs after it: its inference servers (their command line names `model`, the
+    run's own copy of the checkpoint) and its routers (forked from this process, so their command line is pytest's:
+    found as this process's live `sglang-router` children, restarted ones included)."""
+    servers = [" ".join(p.info["cmdline"])[:160] for p in processes_naming(str(model))]
+    routers = [f"sglang-router pid {c.pid}" for c in multiprocessing.active_children() if c.name == "sglang-router"]
+    return servers + routers
 
 
 def trainer_pids():
-    return [
-        p.pid
-        for p in psutil.process_iter(["cmdline"])
-        if any("MegatronTrainRayActor" in c for c in (p.info["cmdline"] or []))
-    ]
+    """This session's trainer processes (its Ray's `ray::MegatronTrainRayActor` workers), never another run's on the
+    machine: they carry the session's environment marker."""
+    pids = []
+    for p in _procs.carrying(_procs.SESSION_KEY, os.environ[_procs.SESSION_KEY]):
+        try:
+            if "MegatronTrainRayActor" in " ".join(p.cmdline()):
+                pids.append(p.pid)
+        except psutil.Error:
+            pass
+    return pids
 
 
 def expected_prompts(tiny_kit, tmp_path, rollout_id, *flags):
@@ -73,29 +79,33 @@ def test_trainer_killed_mid_save_resumes_from_last_complete_checkpoint(ray_sessi
     exactly the samples an uninterrupted run would have trained there."""
     ckpt = tmp_path / "ckpt"
     common = ["--rollout-num-gpus", "1", "--rollout-shuffle", "--save", str(ckpt), "--save-interval", "1"]
-    killed = {}
+    killed, run_over = {}, threading.Event()
 
     def kill_trainer_mid_save():
-        deadline = time.time() + 600
-        while time.time() < deadline and not (ckpt / "iter_0000001.tmp").exists():
+        # ends with the run: a killer left waiting would SIGKILL the trainers of a later test
+        while not run_over.is_set() and not (ckpt / "iter_0000001.tmp").exists():
             time.sleep(0.002)
         killed["saw_tmp"] = (ckpt / "iter_0000001.tmp").exists()
-        for pid in trainer_pids():
-            os.kill(pid, signal.SIGKILL)
+        if killed["saw_tmp"]:
+            for pid in trainer_pids():
+                os.kill(pid, signal.SIGKILL)
         killed["at"] = time.time()
 
     first = tmp_path / "first"
     first.mkdir()
     killer = threading.Thread(target=kill_trainer_mid_save, daemon=True)
     killer.start()
-    with pytest.raises(RuntimeError, match="trainer rank 0 died"):
-        sync_driver.train(make_args(tiny_kit, first, *common, num_rollout=3))
-    detected = time.time()
-    killer.join(5)
+    try:
+        with pytest.raises(RuntimeError, match="trainer rank 0 died"):
+            sync_driver.train(make_args(tiny_kit, first, *common, num_rollout=3))
+        detected = time.time()
+    finally:
+        run_over.set()
+        killer.join(5)
     assert killed.get("saw_tmp"), "the trainer was not caught in the middle of writing checkpoint 1"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "0"
     assert not (ckpt / "rollout" / "global_dataset_state_dict_1.pt").exists()
-    assert not processes_naming(tiny_kit[0]), "an inference server outlived the crashed run"
+    assert not leftovers(tiny_kit[0]), "an inference server or router outlived the crashed run"
 
     second = tmp_path / "second"
     second.mkdir()
@@ -122,43 +132,37 @@ def test_trainer_killed_mid_save_resumes_from_last_complete_checkpoint(ray_sessi
 
 
 def test_driver_sigkill_leaves_no_router_server_or_ray_behind(tiny_kit, tmp_path):
-    """`kill -9` of a running `python train.py`: its router (a child process), engines' servers, trainers and the Ray
-    it started all go away on their own."""
-    model = shutil.copytree(tiny_kit[0], tmp_path / "model")  # its path marks this run's server processes
-    argv = train_py_argv(tiny_kit, 1000, hf_checkpoint=str(model))
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    """`kill -9` of a running `python train.py`: its router (a forked child), engines' servers, trainers and the Ray
+    it started (daemons and workers) all go away on their own. Every one of them carries the run's environment
+    marker, which is how they are found, whatever their command line or parent."""
+    argv = train_py_argv(tiny_kit, 1000)
     proc = subprocess.Popen(
         [sys.executable, "train.py", *argv],
         cwd=ROOT,
-        env=env,
+        env=_procs.run_env(tmp_path),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
     try:
-        deadline = time.time() + 600
-        for line in proc.stdout:  # wait until the loop is really running
-            if line.startswith("rollout 0 |") or time.time() > deadline:
-                break
+        # wait until the loop is really running (well inside this test's pytest timeout)
+        assert _procs.wait_for_line(proc, "rollout 0 |", timeout=300), _procs.tail(proc)
         assert proc.poll() is None, "train.py ended before the first rollout"
-        tree = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
-        servers = [p.pid for p in processes_naming(str(model))]
-        assert len(servers) >= 2, "expected the driver's router and the engine's server"  # both name the model path
+        run = _procs.carrying(_procs.RUN_KEY, str(tmp_path))
+        names = " ".join(map(_procs.cmdline, run))
+        for what in ("raylet", "gcs_server", "MegatronTrainRayActor", "slime.backends.cpu_server"):
+            assert what in names, f"the run's {what} was not found among its processes: {names[:2000]}"
+        assert any(p.ppid() == proc.pid and "train.py" in _procs.cmdline(p) for p in run)  # the forked router
         proc.kill()
         killed = time.time()
         proc.wait(30)
-        left = wait_gone(set(tree + servers), timeout=90)
+        left = _procs.wait_none_carrying(_procs.RUN_KEY, str(tmp_path), timeout=90)
         timing("driver-sigkill", all_processes_gone=time.time() - killed)
+        left_cmd = _procs.describe(left)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    left_cmd = []
-    for pid in left:
-        try:
-            left_cmd.append(" ".join(psutil.Process(pid).cmdline())[:200])
-        except psutil.Error:
-            pass
+        swept = _procs.stop_run(proc, tmp_path, timeout=0)
     assert not left_cmd, f"processes left behind after SIGKILL of the driver: {left_cmd}"
+    assert not swept
 
 
 # ------------------------------------------------------------------ engine and router faults mid-rollout
@@ -171,7 +175,8 @@ def _fault_dir(args):
 
 
 def _server_pid(port):
-    for p in psutil.process_iter(["cmdline"]):
+    """The CPU server of this session on `port` (the session's marker keeps other runs' servers out)."""
+    for p in _procs.carrying(_procs.SESSION_KEY, os.environ[_procs.SESSION_KEY]):
         cmd = p.info["cmdline"] or []
         if "slime.backends.cpu_server" in " ".join(cmd) and str(port) in cmd:
             return p.pid
@@ -278,10 +283,11 @@ def test_engine_sigkill_then_router_kill_are_survived(ray_session, tiny_kit, tmp
         "engine_removed",
         "engine_restarted",
         "weights_checked",
+        "engines_joined_router",
         "router_failed",
         "router_restarted",
     ], kinds
-    failed, _, restarted, checked, router_failed, router_restarted = events
+    failed, _, restarted, checked, _, router_failed, router_restarted = events
     assert done["sigkill_engine"]["url"] in failed["what"]  # the killed one, named by its URL
     assert restarted["engine"] == failed["engine"] and restarted["bundle"] == failed["bundle"]  # same bundle
     assert "serve weight version 3" in checked["what"]  # pushed by the update after rollout 1
@@ -297,7 +303,7 @@ def test_engine_sigkill_then_router_kill_are_survived(ray_session, tiny_kit, tmp
         detection=router_failed["time"] - done["kill_router"]["at"],
         recovery=router_restarted["time"] - done["kill_router"]["at"],
     )
-    assert not processes_naming(str(model)), "a server or router outlived the run"
+    assert not leftovers(model), "a server or router outlived the run"
 
 
 def test_engine_sigstop_is_detected_and_replaced(ray_session, tiny_kit, tmp_path):
@@ -312,7 +318,13 @@ def test_engine_sigstop_is_detected_and_replaced(ray_session, tiny_kit, tmp_path
     assert [r["rollout_id"] for r in rows] == [0, 1, 2]
     assert_every_sample_trained_once(tmp_path, 3)
     events = events_of(rows)
-    assert [e["kind"] for e in events] == ["engine_failed", "engine_removed", "engine_restarted", "weights_checked"]
+    assert [e["kind"] for e in events] == [
+        "engine_failed",
+        "engine_removed",
+        "engine_restarted",
+        "weights_checked",
+        "engines_joined_router",
+    ]
     assert "did not answer /health_generate within 10s (hung?)" in events[0]["what"]
     # requests routed to the stopped engine before it was found: timed out and retried on the other one
     assert rows[1]["rollout/timeouts/requests"] >= 1
@@ -323,7 +335,7 @@ def test_engine_sigstop_is_detected_and_replaced(ray_session, tiny_kit, tmp_path
         recovery_engine_rejoined=events[2]["time"] - done["sigstop_engine"]["at"],
         recovery_weights_checked=events[3]["time"] - done["sigstop_engine"]["at"],
     )
-    assert not processes_naming(str(model)), "a server outlived the run (a stopped one must be killed too)"
+    assert not leftovers(model), "a server outlived the run (a stopped one must be killed too)"
 
 
 @pytest.mark.parametrize(
@@ -361,7 +373,7 @@ def test_without_fault_tolerance_a_hung_engine_or_dead_router_fails_the_run_nami
         detection=failure.value.detected_at - faults_done(tmp_path)[fault]["at"],
         run_stopped=time.time() - faults_done(tmp_path)[fault]["at"],
     )
-    assert not processes_naming(str(model)), "a server or router outlived the failed run"
+    assert not leftovers(model), "a server or router outlived the failed run"
 
 
 def test_train_async_engine_sigkill_is_survived(ray_session, tiny_kit, tmp_path):
@@ -376,8 +388,14 @@ def test_train_async_engine_sigkill_is_survived(ray_session, tiny_kit, tmp_path)
     assert [r["rollout_id"] for r in rows] == [0, 1]
     assert_every_sample_trained_once(tmp_path, 2)
     events = events_of(rows)
-    assert [e["kind"] for e in events] == ["engine_failed", "engine_removed", "engine_restarted", "weights_checked"]
-    failed, _, restarted, checked = events
+    assert [e["kind"] for e in events] == [
+        "engine_failed",
+        "engine_removed",
+        "engine_restarted",
+        "weights_checked",
+        "engines_joined_router",
+    ]
+    failed, _, restarted, checked, _ = events
     assert done["sigkill_engine"]["url"] in failed["what"]
     assert restarted["engine"] == failed["engine"] and restarted["bundle"] == failed["bundle"]
     assert "serve weight version 2" in checked["what"]
@@ -387,7 +405,7 @@ def test_train_async_engine_sigkill_is_survived(ray_session, tiny_kit, tmp_path)
         recovery_engine_rejoined=restarted["time"] - done["sigkill_engine"]["at"],
         recovery_weights_checked=checked["time"] - done["sigkill_engine"]["at"],
     )
-    assert not processes_naming(str(model)), "a server or router outlived the run"
+    assert not leftovers(model), "a server or router outlived the run"
 
 
 def test_colocated_engine_sigkill_is_replaced_in_its_bundle(ray_session, tiny_kit, tmp_path):
@@ -405,8 +423,14 @@ def test_colocated_engine_sigkill_is_replaced_in_its_bundle(ray_session, tiny_ki
     assert [r["rollout_id"] for r in rows] == [0, 1, 2]
     assert_every_sample_trained_once(tmp_path, 3)
     events = events_of(rows)
-    assert [e["kind"] for e in events] == ["engine_failed", "engine_removed", "engine_restarted", "weights_checked"]
-    failed, _, restarted, checked = events
+    assert [e["kind"] for e in events] == [
+        "engine_failed",
+        "engine_removed",
+        "engine_restarted",
+        "weights_checked",
+        "engines_joined_router",
+    ]
+    failed, _, restarted, checked, _ = events
     assert done["sigkill_engine"]["url"] in failed["what"]
     assert restarted["engine"] == failed["engine"] and restarted["bundle"] == failed["bundle"]
     assert "serve weight version 3" in checked["what"]
@@ -418,12 +442,34 @@ def test_colocated_engine_sigkill_is_replaced_in_its_bundle(ray_session, tiny_ki
         recovery_engine_rejoined=restarted["time"] - done["sigkill_engine"]["at"],
         recovery_weights_checked=checked["time"] - done["sigkill_engine"]["at"],
     )
-    assert not processes_naming(str(model)), "a server or router outlived the run"
+    assert not leftovers(model), "a server or router outlived the run"
+
+
+def hold_weight_updates(args):
+    """`--custom-megatron-init-path` (runs in each trainer after Megatron's init): every weight push stops after its
+    first bucket, creates `<metrics dir>/hold.v<version>` and waits (60 s at most) until the test removes that file,
+    so the test can kill an engine at a known point of a weight update."""
+    from slime.backends.megatron_utils.update_weight.update_weight_from_distributed import UpdateWeightFromDistributed
+
+    hold = os.path.join(os.path.dirname(args.metrics_path), "hold")
+    send_bucket = UpdateWeightFromDistributed._send_bucket
+
+    def send_then_hold(self, named_tensors, index):
+        sent = send_bucket(self, named_tensors, index)
+        if index == 1:
+            marker = f"{hold}.v{self.weight_version}"
+            open(marker, "w").close()
+            deadline = time.monotonic() + 60
+            while os.path.exists(marker) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return sent
+
+    UpdateWeightFromDistributed._send_bucket = send_then_hold
 
 
 def _kill_engine_during_update(args, hold, version, done, stop):
-    """Release every held weight update (see `_hold_for_test` in update_weight_from_distributed); the one of
-    `version`, held after its first bucket, only after SIGKILLing the first engine's server."""
+    """Release every held weight update (see `hold_weight_updates`); the one of `version`, held after its first
+    bucket, only after SIGKILLing the first engine's server."""
     from slime.backends.sglang_utils.router import list_workers
 
     while not stop.is_set():
@@ -437,14 +483,13 @@ def _kill_engine_during_update(args, hold, version, done, stop):
         time.sleep(0.05)
 
 
-def test_engine_killed_during_a_weight_update_is_dropped_then_replaced(ray_session, tiny_kit, tmp_path, monkeypatch):
+def test_engine_killed_during_a_weight_update_is_dropped_then_replaced(ray_session, tiny_kit, tmp_path):
     """--use-fault-tolerance, broadcast transport, several buckets: engine 0's server is SIGKILLed after the first
     bucket of the update to version 2. The update finishes on engine 1 (on a new group of the survivors), the dead
     engine is removed, replaced in its bundle and given the same weights (version 2, checked); rollout 1 runs on both
     engines with those weights and every sample index is trained once."""
     model = shutil.copytree(tiny_kit[0], tmp_path / "model")
     hold = tmp_path / "hold"
-    monkeypatch.setenv("SLIME_TEST_HOLD_WEIGHT_UPDATE", str(hold))
     plan_faults(tmp_path)
     args = ft_args(
         tiny_kit,
@@ -454,6 +499,8 @@ def test_engine_killed_during_a_weight_update_is_dropped_then_replaced(ray_sessi
         "broadcast",
         "--update-weight-buffer-size",
         "1000000",
+        "--custom-megatron-init-path",
+        f"{__name__}.hold_weight_updates",
         num_rollout=2,
     )
     done, stop = {}, threading.Event()
@@ -468,8 +515,14 @@ def test_engine_killed_during_a_weight_update_is_dropped_then_replaced(ray_sessi
     assert [r["rollout_id"] for r in rows] == [0, 1]
     assert_every_sample_trained_once(tmp_path, 2)
     events = events_of(rows)
-    assert [e["kind"] for e in events] == ["engine_failed", "engine_removed", "engine_restarted", "weights_checked"]
-    failed, _, restarted, checked = events
+    assert [e["kind"] for e in events] == [
+        "engine_failed",
+        "engine_removed",
+        "engine_restarted",
+        "weights_checked",
+        "engines_joined_router",
+    ]
+    failed, _, restarted, checked, _ = events
     # named by its URL: found by the trainers' push (died during the weight update) or by the driver's watchdog
     assert done["url"] in failed["what"], failed
     assert restarted["engine"] == failed["engine"] and restarted["bundle"] == failed["bundle"]
@@ -481,4 +534,28 @@ def test_engine_killed_during_a_weight_update_is_dropped_then_replaced(ray_sessi
         recovery_engine_rejoined=restarted["time"] - done["at"],
         recovery_weights_checked=checked["time"] - done["at"],
     )
-    assert not processes_naming(str(model)), "a server or router outlived the run"
+    assert not leftovers(model), "a server or router outlived the run"
+
+
+def test_fully_async_replacement_engine_joins_the_router_only_with_pushed_weights(ray_session, tiny_kit, tmp_path):
+    """Fully async --use-fault-tolerance: the worker generates without pause, and engine 0's server is SIGKILLed at
+    the first request past rollout 0's samples. Its replacement starts at the next push but joins the router only
+    once it serves the pushed weights, so no trained segment was sampled from the --hf-checkpoint weights a fresh
+    engine starts with (SGLang's version "default"), and the staleness metric counts from pushed versions."""
+    model = shutil.copytree(tiny_kit[0], tmp_path / "model")
+    plan_faults(tmp_path, ("sigkill_engine", SAMPLES_PER_ROLLOUT))
+    fully_async = ["--rollout-function-path", async_driver.FULLY_ASYNC, "--max-staleness", "2"]
+    async_driver.train(ft_args(tiny_kit, tmp_path, model, *fully_async, num_rollout=3))
+    rows = read_metrics(tmp_path)
+    assert [r["rollout_id"] for r in rows] == [0, 1, 2]
+    kinds = [e["kind"] for e in events_of(rows)]
+    assert kinds == ["engine_failed", "engine_removed", "engine_restarted", "weights_checked", "engines_joined_router"]
+    versions = [
+        v
+        for r in range(3)
+        for s in torch.load(tmp_path / f"data_{r}.pt", weights_only=False)["samples"]
+        for v in s["weight_versions"]
+    ]
+    assert versions and all(str(v).isdigit() for v in versions), sorted(set(map(str, versions)))
+    assert all(r["rollout/staleness_max"] <= 2 for r in rows)
+    assert not leftovers(model), "a server or router outlived the run"

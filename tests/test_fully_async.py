@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import train_async as async_driver
-from slime.rollout.fully_async_rollout import Group, select_batch
+from slime.rollout.fully_async_rollout import Group, select_batch, staleness
 from slime.rollout.sglang_rollout import generate
+from slime.utils.types import Sample
 from slime.utils.user_errors import UserCodeError
 from tests.test_e2e import make_args, read_metrics
 
@@ -25,6 +26,14 @@ FULLY_ASYNC = [
 # ---------------------------------------------------------------------------------------------- batch selection
 def groups(*start_versions, first_gid=0):
     return [Group(first_gid + i, v, []) for i, v in enumerate(start_versions)]
+
+
+def test_staleness_counts_from_the_first_segments_weights_and_the_initial_weights_as_version_0():
+    """A sample's staleness is measured from the weights of its first segment; a segment served by an engine that got
+    no push yet (SGLang reports "default") used the --hf-checkpoint weights, version 0, not its admission version."""
+    assert staleness(Sample(weight_versions=["3", "4"]), trainer_version=5, start_version=3) == 2
+    assert staleness(Sample(weight_versions=["default", "4"]), trainer_version=5, start_version=4) == 5
+    assert staleness(Sample(), trainer_version=5, start_version=4) == 1  # no version reported: its admission's
 
 
 def test_select_batch_takes_the_oldest_finished_groups_first():
@@ -87,6 +96,7 @@ def lags(batches):
     return [r + 1 - int(s["weight_versions"][0]) for r, samples in batches.items() for s in samples]
 
 
+@pytest.mark.slow
 def test_slow_trainer_staleness_bound_eval_versions_and_exactly_once_across_crash_and_resume(
     ray_session, tiny_kit, tmp_path
 ):
@@ -177,6 +187,7 @@ def test_slow_trainer_staleness_bound_eval_versions_and_exactly_once_across_cras
         assert 0 <= r["perf/engine_idle_frac"] <= 1 and r["rollout/queue_depth"] >= 0
 
 
+@pytest.mark.slow
 def test_slow_engine_keeps_the_bound_and_resumes_requests_across_weight_updates(ray_session, tiny_kit, tmp_path):
     args = make_args(
         tiny_kit,

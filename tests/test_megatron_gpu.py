@@ -49,7 +49,8 @@ def _entry(index, fn, args):
 
 def _spawn(fn, nprocs, *args, timeout=300):
     """Run `fn(index, *args)` in `nprocs` fresh processes (one per GPU); an exception in any fails the caller."""
-    run_processes(_entry, (fn, args), nprocs, fn.__name__, timeout)
+    # fresh interpreters: the CPU tests' forkserver may have touched CUDA, and a forked child cannot use it then
+    run_processes(_entry, (fn, args), nprocs, fn.__name__, timeout, start_method="spawn")
 
 
 def _init_trainer(args, port):

@@ -150,7 +150,10 @@ def test_offload_onload_is_bit_exact(tiny_kit):
 
 
 def _continue_with_more_rollouts(rank, model_dir, save_dir, out_path):
-    """Save after 4 planned rollouts without committing, commit, then load into runs planned for 8 rollouts."""
+    """Save after 4 planned rollouts without committing, commit, then load into runs planned for 8 rollouts; what
+    the loads print is kept with the results (a rank's stdout is not the test's)."""
+    import contextlib
+    import io
     import os
 
     from slime.backends.megatron_utils.checkpoint import load_checkpoint, save_checkpoint
@@ -163,11 +166,24 @@ def _continue_with_more_rollouts(rank, model_dir, save_dir, out_path):
     model, opt, sched, _, rollout, iters, nmb = _setup(args, fixed_rollout())
     train_once_for_offload(args, model, opt, sched, rollout, iters, nmb)  # one step: the scheduler has moved
     assert sched.lr_decay_steps == 4 * 2 * 2  # 4 rollouts x 2 prompts x 2 samples, counted in samples
-    save_checkpoint(args, 0, model, opt, sched, commit=False)
+    synced, fsync = [], os.fsync
+    os.fsync = lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or fsync(fd)  # this rank's process only
+    try:
+        save_checkpoint(args, 0, model, opt, sched, commit=False)
+    finally:
+        os.fsync = fsync
     assert os.path.isdir(f"{save_dir}/iter_0000000") and read_tracker(save_dir) is None  # written, not complete
+    # durable, not only written: every shard and directory of the iteration (as the temporary directory the rank
+    # wrote), then the rename in the checkpoint root (rank 0), before anyone may publish the tracker
+    written = {os.path.join(d, f) for d, _, fs in os.walk(f"{save_dir}/iter_0000000") for f in fs}
+    expected = {p.replace("iter_0000000", "iter_0000000.tmp", 1) for p in written}
+    assert written and expected <= set(synced), sorted(expected - set(synced))
+    assert f"{save_dir}/iter_0000000.tmp" in synced
+    if rank == 0:
+        assert synced[-1] == save_dir
     write_tracker(save_dir, 0)  # the driver's commit, once every other part is saved
 
-    results = {}
+    results, printed = {}, io.StringIO()
     for mode in ("neither", "override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"):
         more = train_args(
             model_dir,
@@ -179,15 +195,17 @@ def _continue_with_more_rollouts(rank, model_dir, save_dir, out_path):
         )
         new_sched = get_optimizer_param_scheduler(more, opt)
         try:
-            load_checkpoint(more, model, opt, new_sched)
+            with contextlib.redirect_stdout(printed):
+                load_checkpoint(more, model, opt, new_sched)
             results[mode] = (new_sched.lr_decay_steps, new_sched.num_steps)
         except ValueError as e:
             results[mode] = str(e)
+    results["printed"] = printed.getvalue()
     if rank == 0:
         torch.save(results, out_path)
 
 
-def test_resume_with_more_rollouts_recomputes_or_keeps_the_schedule(tiny_kit, tmp_path, capfd):
+def test_resume_with_more_rollouts_recomputes_or_keeps_the_schedule(tiny_kit, tmp_path):
     """A checkpoint is not picked up before its tracker is written; continuing a run with a larger --num-rollout
     fails with a message naming both Megatron flags, and each flag does what it says (and says so in the log)."""
     save_dir = str(tmp_path / "ckpt")
@@ -198,7 +216,6 @@ def test_resume_with_more_rollouts_recomputes_or_keeps_the_schedule(tiny_kit, tm
     # one optimizer step of gbs 4 samples was taken before the save: the step count survives either way
     assert r["override_opt_param_scheduler"] == (32, 4)
     assert r["use_checkpoint_opt_param_scheduler"] == (16, 4)
-    log = capfd.readouterr()
-    text = log.out + log.err
+    text = r["printed"]
     assert "optimizer param scheduler recomputed from this run's flags (--override-opt_param-scheduler)" in text
     assert "optimizer param scheduler kept from the checkpoint (--use-checkpoint-opt_param-scheduler)" in text

@@ -11,6 +11,8 @@ import torch
 
 from tests._megatron_helpers import fixed_rollout, hf_log_probs, spawn, train_args
 
+pytestmark = pytest.mark.slow  # every layout spawns 2-4 ranks that train three rollouts
+
 NUM_ROLLOUTS = 3
 _COMPARED_METRICS = (
     "train/loss",

@@ -365,6 +365,7 @@ def test_cpu_server_serves_family_and_takes_trainer_named_weights(kind, hf_model
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kind, parallel",
     [

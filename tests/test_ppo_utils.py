@@ -126,8 +126,8 @@ def test_reinforce_plus_plus_returns_hand_case():
     kl = [torch.tensor([0.1, 0.2, 0.3, 0.4])]
     mask = [torch.tensor([1, 1, 1, 0])]
     (ret,) = get_reinforce_plus_plus_returns(torch.tensor([1.0]), kl, mask, [4], [10], kl_coef=0.5, gamma=0.9)
-    # token rewards -0.5*kl = [-.05, -.1, -.15, -.2]; +1 at the last masked-in token (index 2)
-    g3 = -0.2
+    # token rewards -0.5*kl*mask = [-.05, -.1, -.15, 0]; +1 at the last masked-in token (index 2)
+    g3 = 0.0
     g2 = 0.85 + 0.9 * g3
     g1 = -0.1 + 0.9 * g2
     g0 = -0.05 + 0.9 * g1
@@ -144,7 +144,7 @@ def test_reinforce_plus_plus_long_sequence_matches_recursion():
         (ret,) = get_reinforce_plus_plus_returns(
             torch.tensor([2.0]), [kl], [mask], [n], [n + 3], kl_coef=0.1, gamma=gamma
         )
-        r = (-0.1 * kl).tolist()
+        r = (-0.1 * kl * mask).tolist()
         r[n - 6] += 2.0
         expect, running = [0.0] * n, 0.0
         for t in reversed(range(n)):

@@ -9,10 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from slime.ray.buffer import convert_samples_to_train_data, flatten_rollout_output, post_process_rewards
 from slime.rollout import RolloutSamples
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
+from slime.rollout.train_data import (
+    check_train_data,
+    convert_samples_to_train_data,
+    flatten_rollout_output,
+    post_process_rewards,
+)
 from slime.utils.types import Sample
 from tests._args import make_args as real_args
 
@@ -233,6 +238,25 @@ def test_convert_optional_fields():
     assert data["round_number"] == [3, 4]
     assert data["rollout_log_probs"][1].dtype == np.float32
     assert data["rollout_log_probs"][1].tolist() == pytest.approx([-0.1, -0.2])
+
+
+def test_train_data_contract_is_declared_once_and_read_whole_by_the_trainers():
+    """The converter returns exactly the keys `TrainData` declares (required ones always, optional ones when the
+    samples carry them), and the trainers partition every per-sample key of it across DP ranks."""
+    from slime.backends.megatron_utils.rollout_data import PARTITIONED_KEYS
+    from slime.utils.types import OPTIONAL_TRAIN_DATA_KEYS, TRAIN_DATA_KEYS, TrainData
+
+    assert set(TRAIN_DATA_KEYS) == TrainData.__required_keys__
+    assert set(OPTIONAL_TRAIN_DATA_KEYS) == TrainData.__optional_keys__
+    samples = [
+        sample(i, rollout_log_probs=[-0.5, -0.25], metadata={"round_number": 1}, train_metadata={"turn": i})
+        for i in range(2)
+    ]
+    data = convert_samples_to_train_data(make_args(rewards_normalization=False), samples)
+    assert set(data) == set(TRAIN_DATA_KEYS) | set(OPTIONAL_TRAIN_DATA_KEYS)
+    assert set(TrainData.__annotations__) - {"raw_reward"} <= set(PARTITIONED_KEYS)  # raw_reward: global, for logs
+    with pytest.raises(ValueError, match=r"my_converter returned no rewards, loss_masks; it must return"):
+        check_train_data({k: data[k] for k in TRAIN_DATA_KEYS if k not in ("rewards", "loss_masks")}, "my_converter")
 
 
 def test_mask_length_mismatch_names_sample():

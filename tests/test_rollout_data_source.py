@@ -261,3 +261,45 @@ def test_empty_prompt_data_is_a_clear_error(tiny_kit, tmp_path):
     empty.write_text("")
     with pytest.raises(Exception, match="empty.jsonl"):
         RolloutDataSource(make_args(tiny_kit, str(empty)))
+
+
+def record_disk_writes(monkeypatch):
+    """Log of ("fsync", path) and ("replace", src, dst) in call order, the real calls still made."""
+    log, fsync, replace = [], os.fsync, os.replace
+
+    def logged_fsync(fd):
+        log.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    def logged_replace(src, dst):
+        log.append(("replace", os.path.abspath(src), os.path.abspath(dst)))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", logged_fsync)
+    monkeypatch.setattr(os, "replace", logged_replace)
+    return log
+
+
+def test_saved_state_is_on_disk_before_it_is_published(tiny_kit, prompt_file, tmp_path, monkeypatch):
+    """A power loss right after save() returns keeps the state: its bytes are fsynced before the rename, and the
+    rename (the directory entry) before save() returns; the driver writes the tracker only after that."""
+    save_dir = str(tmp_path / "ckpt")
+    ds = RolloutDataSourceWithBuffer(make_args(tiny_kit, prompt_file, save=save_dir))
+    ds.get_samples(2)
+    log = record_disk_writes(monkeypatch)
+    ds.save(1)
+    path = os.path.join(save_dir, "rollout", "global_dataset_state_dict_1.pt")
+    [(_, tmp, dst)] = [e for e in log if e[0] == "replace"]
+    assert dst == path
+    assert log == [("fsync", tmp), ("replace", tmp, path), ("fsync", os.path.dirname(path))]
+
+
+def test_tracker_is_durable_when_written(tmp_path, monkeypatch):
+    from slime.utils.checkpoint_tracker import read_tracker, write_tracker
+
+    log = record_disk_writes(monkeypatch)
+    write_tracker(str(tmp_path), 7)
+    tracker = str(tmp_path / "latest_checkpointed_iteration.txt")
+    [(_, tmp, _)] = [e for e in log if e[0] == "replace"]
+    assert log == [("fsync", tmp), ("replace", tmp, tracker), ("fsync", str(tmp_path))]
+    assert read_tracker(str(tmp_path)) == 7

@@ -33,11 +33,30 @@ def router():
 
 
 @pytest.fixture(scope="module")
-def workers(tiny_kit):
+def servers(tiny_kit):
     procs = [start_cpu_server(tiny_kit[0], "--random-seed", str(i)) for i in range(2)]
     yield procs
     for p, _ in procs:
         stop_cpu_server(p)
+
+
+def registered_only(router_url, urls):
+    """Make `urls` the router's workers, exactly: each test starts from the state it needs, whatever ran before."""
+    for u in set(list_workers(router_url)) - set(urls):
+        remove_worker(router_url, u)
+    for u in urls:
+        add_worker(router_url, u)
+    deadline = time.time() + 10
+    while sorted(list_workers(router_url)) != sorted(urls):
+        assert time.time() < deadline, f"the router did not come to list exactly {urls}"
+        time.sleep(0.1)
+
+
+@pytest.fixture()
+def workers(router, servers):
+    """The two module servers, and only they, registered with the router for this test."""
+    registered_only(router[0], [u for _, u in servers])
+    return servers
 
 
 def test_external_router_is_not_started():
@@ -45,9 +64,10 @@ def test_external_router_is_not_started():
     assert start_router(args) is None and args.sglang_router_ip == "10.0.0.1"
 
 
-def test_register_and_route(router, workers):
+def test_register_and_route(router, servers):
     url, _ = router
-    urls = [u for _, u in workers]
+    urls = [u for _, u in servers]
+    registered_only(url, [])
     for u in urls:
         add_worker(url, u)
     assert sorted(list_workers(url)) == sorted(urls)
@@ -119,7 +139,7 @@ def test_abort_all_fans_out(router, workers):
     assert len(results) == 4 and all(r["meta_info"]["finish_reason"]["type"] == "abort" for r in results)
 
 
-def test_dead_worker_tolerated_then_removed(router, tiny_kit):
+def test_dead_worker_tolerated_then_removed(router, workers, tiny_kit):
     url, _ = router
     proc, dead_url = start_cpu_server(tiny_kit[0])
     add_worker(url, dead_url)
@@ -140,7 +160,7 @@ def test_dead_worker_tolerated_then_removed(router, tiny_kit):
         assert r.status_code == 200
 
 
-def test_api_key_passed_to_workers_through_the_router(router, tiny_kit):
+def test_api_key_passed_to_workers_through_the_router(router, workers, tiny_kit):
     """--sglang-api-key: the server enforces SGLang's auth, so a routed /generate succeeds only because the
     registration gave the router the key; the abort fan-out sends the (admin) key too."""
     url, _ = router

@@ -5,7 +5,7 @@ Expected ids and masks are built here piece by piece from the tiny kit's chat te
 """
 
 import json
-import threading
+import types
 
 import numpy as np
 import pytest
@@ -140,10 +140,23 @@ def test_sft_bad_inputs(tiny_kit, sft_file):
         generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
 
 
-def test_sleep_rollout_never_returns():
-    from slime.rollout.sleep_rollout import sleep
+def test_sleep_rollout_never_returns(monkeypatch, capsys):
+    """It sleeps an hour at a time, forever: the test's own sleep stands in for time.sleep and ends the loop after
+    its third hour (a real wait could not tell "never" from "not yet")."""
+    from slime.rollout import sleep_rollout
 
-    t = threading.Thread(target=sleep, args=(None, 0, None), daemon=True)
-    t.start()
-    t.join(0.3)
-    assert t.is_alive()
+    hours = []
+
+    def one_hour(seconds):
+        hours.append(seconds)
+        if len(hours) == 3:
+            raise StopIteration
+
+    monkeypatch.setattr(sleep_rollout, "time", types.SimpleNamespace(sleep=one_hour))  # this module's only
+    with pytest.raises(StopIteration):
+        sleep_rollout.sleep(None, 0, None)
+    assert hours == [3600, 3600, 3600]
+    assert capsys.readouterr().out.splitlines() == [
+        "rollout 0: sleeping for 1 hour(s)",
+        "rollout 0: sleeping for 2 hour(s)",
+    ]

@@ -413,6 +413,7 @@ def test_cluster_too_small_fails_before_any_actor(ray_session):
     assert len(placement_group_table()) == before
 
 
+@pytest.mark.slow
 def test_joins_a_cluster_already_running_on_the_machine(tmp_path, tiny_kit):
     """`ray start --head` and no RAY_ADDRESS: the driver joins that cluster (no "num_cpus and num_gpus must not be
     provided"), and a run that does not fit it ends with one line, status 2, before any actor."""
@@ -442,7 +443,7 @@ def test_joins_a_cluster_already_running_on_the_machine(tmp_path, tiny_kit):
         env=env,
         check=True,
         capture_output=True,
-        timeout=180,
+        timeout=120,  # this and the two runs below: inside the test's pytest timeout, so the sweep always runs
     )
     try:
         script = (
@@ -455,13 +456,13 @@ def test_joins_a_cluster_already_running_on_the_machine(tmp_path, tiny_kit):
             env=env,
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=150,
             check=False,
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "GPUs 2.0" in proc.stdout  # the running cluster's 2 GPUs, not a fresh local Ray
         too_big = [sys.executable, os.path.join(REPO, "train.py"), *BASE, *TINY_MODEL, "--rollout-num-gpus", "2"]
-        proc = subprocess.run(too_big, env=env, capture_output=True, text=True, timeout=300, check=False)
+        proc = subprocess.run(too_big, env=env, capture_output=True, text=True, timeout=150, check=False)
         assert proc.returncode == 2, proc.stderr[-3000:]
         last = proc.stderr.strip().splitlines()[-1]
         assert last.startswith("train.py: error: the run needs 3 GPU bundles") and "the cluster has 2" in last

@@ -10,14 +10,16 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 import psutil
 import pytest
 
 from slime.utils.http_utils import find_available_port
+from tests import _procs
 from tests.test_e2e import train_py_argv
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEAD_IP, WORKER_IP = "127.0.0.2", "127.0.0.3"
 
@@ -58,12 +60,13 @@ def _listeners(procs):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux's 127.0.0.0/8 loopback")
+@pytest.mark.timeout(900)  # above its inner waits (2 x 120 s to start the nodes, 480 s for the run)
 def test_two_node_cluster_trainers_on_one_node_engines_on_the_other(tiny_kit, tmp_path):
     if not (_can_bind(HEAD_IP) and _can_bind(WORKER_IP)):
         pytest.skip(f"cannot bind {HEAD_IP} / {WORKER_IP} on this machine's loopback")
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
     head_dir = tempfile.mkdtemp(prefix="rayA", dir="/tmp")
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "SLIME_HOST_IP")}
+    env = {k: v for k, v in _procs.run_env(tmp_path).items() if k != "SLIME_HOST_IP"}  # both nodes carry the marker
     # multi-node Ray on one Linux machine: the node IPs are given explicitly, so none is resolved to the interface
     env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1", RAY_AUTH_MODE="disabled", GLOO_SOCKET_IFNAME="lo")
     # Ray's dashboard agent serves its Prometheus metrics on every interface unless the node IP is 127.0.0.1 exactly
@@ -73,6 +76,7 @@ def test_two_node_cluster_trainers_on_one_node_engines_on_the_other(tiny_kit, tm
     markers = [head_dir, f"{HEAD_IP}:{port}", WORKER_IP]  # in the command line of every process of the two nodes
     common = ["--num-gpus=1", "--num-cpus=4", "--disable-usage-stats", "--object-store-memory=500000000"]
     model = shutil.copytree(tiny_kit[0], tmp_path / "model")
+    driver = None
     try:
         subprocess.run(
             [
@@ -88,14 +92,14 @@ def test_two_node_cluster_trainers_on_one_node_engines_on_the_other(tiny_kit, tm
             env=env,
             check=True,
             capture_output=True,
-            timeout=180,
+            timeout=120,
         )
         subprocess.run(
             [ray_bin, "start", f"--address={HEAD_IP}:{port}", f"--node-ip-address={WORKER_IP}", *common],
             env=env,
             check=True,
             capture_output=True,
-            timeout=180,
+            timeout=120,
         )
         argv = train_py_argv(tiny_kit, 2, "--metrics-path", str(tmp_path / "metrics.jsonl"), hf_checkpoint=str(model))
         driver = subprocess.Popen(
@@ -107,7 +111,9 @@ def test_two_node_cluster_trainers_on_one_node_engines_on_the_other(tiny_kit, tm
             env=dict(env, RAY_ADDRESS=f"{HEAD_IP}:{port}", SLIME_HOST_IP=HEAD_IP),
         )
         listeners, lines = set(), []
+        deadline = time.time() + 480  # inside the test's own timeout, so the cleanup below always runs
         while driver.poll() is None:
+            assert time.time() < deadline, "the run did not end in time: " + "".join(lines)[-3000:]
             line = driver.stdout.readline()
             lines.append(line)
             procs = _tree(markers) + [psutil.Process(driver.pid), *psutil.Process(driver.pid).children(recursive=True)]
@@ -146,15 +152,26 @@ def test_two_node_cluster_trainers_on_one_node_engines_on_the_other(tiny_kit, tm
         }
         assert not extra, f"more than Ray's own listener on every interface: {extra}"
         assert any(ip == WORKER_IP for _, _, ip, _ in listeners) and any(ip == HEAD_IP for _, _, ip, _ in listeners)
-        # the run exited cleanly on both nodes: its servers are gone while the cluster itself stays up
-        left = [
-            p.info["cmdline"]
-            for p in psutil.process_iter(["cmdline"])
-            if str(model) in " ".join(p.info["cmdline"] or [])
-        ]
-        assert not left, f"processes of the run left behind: {left}"
+        # the run exited cleanly on both nodes while the cluster itself stays up: its servers and forked router (their
+        # command lines name the model copy) and its actors (Ray workers of the two nodes) are gone
+        actors = ("MegatronTrainRayActor", "SGLangEngine", "RolloutController", "InfoActor", "Lock")
+
+        def of_the_run():
+            return [
+                c[:160]
+                for c in map(_procs.cmdline, _procs.carrying(_procs.RUN_KEY, str(tmp_path)))
+                if str(model) in c or any(f"ray::{a}" in c for a in actors)
+            ]
+
+        gone_by = time.time() + 30  # Ray ends a finished job's workers on its own, shortly after the driver exits
+        while of_the_run() and time.time() < gone_by:
+            time.sleep(0.5)
+        assert not of_the_run(), f"processes of the run left behind: {of_the_run()}"
     finally:
+        if driver is not None and driver.poll() is None:
+            driver.kill()
         _stop_cluster(markers)
+        _procs.stop_run(None, tmp_path, timeout=0)  # whatever of the two nodes _stop_cluster did not find, by pid
         shutil.rmtree(head_dir, ignore_errors=True)
 
 

@@ -88,6 +88,7 @@ def test_offline_primary_and_secondary_share_run(tmp_path, monkeypatch):
         assert summary["train/loss"] == 1.5 and summary["train/step"] == 7
     finally:
         wandb.finish()
+        wandb.teardown()  # stops the wandb-core service this process started (it would outlive the test)
     axes = dict(defined)
     assert axes["train/*"] == "train/step"
     for fam in ("rollout", "multi_turn", "passrate", "perf"):

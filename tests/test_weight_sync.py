@@ -35,6 +35,7 @@ class WeightSyncTrainer(TrainRayActor):
         from slime.backends.megatron_utils.model_provider import get_model_provider_func
         from slime.backends.megatron_utils.param_utils import named_parameters
         from slime.backends.megatron_utils.update_weight_utils import (
+            UpdateWeightFromDisk,
             UpdateWeightFromDistributed,
             UpdateWeightFromTensor,
         )
@@ -51,6 +52,8 @@ class WeightSyncTrainer(TrainRayActor):
         # slime's actor keeps this CPU copy (weights["actor"]) and the colocated path must read from it
         self.weights = {"actor": {n: p.detach().clone() for n, p in named_parameters(args, self.model)}}
         cls = UpdateWeightFromTensor if colocate else UpdateWeightFromDistributed
+        if args.update_weight_transport == "disk":
+            cls = UpdateWeightFromDisk
         self.updater = cls(
             args,
             self.model,
@@ -63,8 +66,17 @@ class WeightSyncTrainer(TrainRayActor):
     def connect(self, engines, lock):
         self.updater.connect_rollout_engines(engines, lock)
 
-    def update_weights(self):
-        return self.updater.update_weights()
+    def update_weights(self, weight_version=None):
+        return self.updater.update_weights(weight_version)
+
+    @torch.no_grad()
+    def adam_like_step(self, lr, seed):
+        """Move every weight by +-lr, as one Adam step of learning rate lr does (benchmarks' delta size)."""
+        from slime.backends.megatron_utils.param_utils import named_parameters
+
+        gen = torch.Generator().manual_seed(seed)
+        for _, p in named_parameters(self.args, self.model):
+            p.add_(torch.randint(0, 2, p.shape, generator=gen).to(p.dtype).mul_(2).sub_(1) * lr)
 
     def offload(self):
         """Free the live parameters as an offloaded actor would: the update must come from the CPU dict."""
@@ -365,3 +377,75 @@ def test_transport_choice_and_shm_refused_for_a_remote_engine():
     assert choose("broadcast", local) == "broadcast"
     with pytest.raises(WeightUpdateError, match=r"10\.9\.8\.7"):
         choose("shm", remote)
+
+
+# ------------------------------------------------------------------ disk transport
+
+
+def test_disk_full_versions_reach_the_engines_and_old_ones_are_removed(tiny_kit, engines, lock, cleanup, tmp_path):
+    """TP=2 trainers write one HF checkpoint per version; the engine loads it with update_weights_from_disk."""
+    root = tmp_path / "versions"
+    args = _args(tiny_kit[0], 2, update_weight_transport="disk", update_weight_disk_dir=str(root))
+    engine, url = engines[0]
+    cleanup += start_trainers(args, colocate=False)
+    reference = trainer_greedy(cleanup)
+    ray.get([t.connect.remote([engine], lock) for t in cleanup], timeout=120)
+    metrics = ray.get([t.update_weights.remote() for t in cleanup], timeout=300)[0]
+    diff, version = max_logprob_diff(url, reference)
+    assert diff < 1e-4 and version == "1"
+    v1 = root / "weight_v000001"
+    assert {"config.json", "model.safetensors.index.json"} <= set(os.listdir(v1))
+    # the whole model, once: the bytes of the HF checkpoint's tensors plus one safetensors header
+    assert 0 < metrics["perf/update_weights_bytes"] - hf_checkpoint_bytes(tiny_kit[0]) < 64 << 10
+    ray.get([t.update_weights.remote() for t in cleanup], timeout=300)
+    assert max_logprob_diff(url, reference)[1] == "2"
+    assert sorted(os.listdir(root)) == ["weight_v000002"]
+
+
+def test_disk_delta_versions_are_small_verified_and_a_corrupt_base_gets_a_full_version(
+    tiny_kit, engines, lock, cleanup, tmp_path
+):
+    from slime.utils import disk_delta
+
+    root, local = tmp_path / "versions", tmp_path / "local"
+    args = _args(
+        tiny_kit[0],
+        1,
+        update_weight_transport="disk",
+        update_weight_disk_dir=str(root),
+        update_weight_mode="delta",
+        update_weight_local_checkpoint_dir=str(local),
+        update_weight_disk_keep_files=True,
+    )
+    engine, url = engines[1]
+    cleanup += start_trainers(args, colocate=False)
+    reference = trainer_greedy(cleanup)
+    ray.get([t.connect.remote([engine], lock) for t in cleanup], timeout=120)
+    assert disk_delta.held_version(str(local)) == 0  # seeded from the engine's checkpoint at connect
+
+    ray.get([t.update_weights.remote() for t in cleanup], timeout=300)
+    diff, version = max_logprob_diff(url, reference)
+    assert diff < 1e-4 and version == "1"
+    # one Adam-like step (every weight moved by 1e-6): the low bytes of each fp32 change, the high ones do not
+    ray.get([t.adam_like_step.remote(1e-6, 0) for t in cleanup], timeout=120)
+    reference = trainer_greedy(cleanup)
+    stepped = ray.get([t.update_weights.remote() for t in cleanup], timeout=300)[0]
+    assert 0.2 < stepped["update_weights/delta_ratio"] < 0.8
+    index = json.load(open(root / "weight_v000002" / "model.safetensors.index.json"))
+    assert index["metadata"]["delta_encoding"] == "xor" and index["metadata"]["base_version"] == "000001"
+    diff, version = max_logprob_diff(url, reference)
+    assert diff < 1e-4 and version == "2" and disk_delta.held_version(str(local)) == 2
+    # nothing trained between two pushes: the delta is all zero bytes, compressed to almost nothing
+    idle = ray.get([t.update_weights.remote() for t in cleanup], timeout=300)[0]
+    assert idle["update_weights/delta_ratio"] < 0.01
+
+    # damage the engine host's checkpoint: the next delta fails its checksum, and the version is sent in full
+    shard = next(p for p in local.iterdir() if p.suffix == ".safetensors")
+    data = bytearray(shard.read_bytes())
+    data[-64:] = bytes(64)
+    shard.write_bytes(bytes(data))
+    ray.get([t.update_weights.remote() for t in cleanup], timeout=300)
+    index = json.load(open(root / "weight_v000004" / "model.safetensors.index.json"))
+    assert "delta_encoding" not in index["metadata"]
+    diff, version = max_logprob_diff(url, reference)
+    assert diff < 1e-4 and version == "4" and disk_delta.held_version(str(local)) == 4

@@ -1,7 +1,6 @@
 """Driver-side handle over the N training actors; every `async_*` returns a list of ObjectRefs (one per rank)."""
 
 import logging
-import os
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -37,11 +36,9 @@ class RayTrainGroup:
 
         world_size = self._num_nodes * self._num_gpus_per_node
         pg, reordered_bundle_indices = pg
-        env = {"NCCL_CUMEM_ENABLE": "0", **noset_visible_devices_env(), **trainer_env()}
-        if self.args.offload and allocator_hook_possible():
+        env = {"NCCL_CUMEM_ENABLE": "0", **noset_visible_devices_env(), **trainer_env(), **self.args.train_env_vars}
+        if self.args.offload_train and allocator_hook_possible():
             env.update(_torch_memory_saver_env())
-        if "SLIME_TEST_HOLD_WEIGHT_UPDATE" in os.environ:  # fault-injection hook of the weight update (tests only)
-            env["SLIME_TEST_HOLD_WEIGHT_UPDATE"] = os.environ["SLIME_TEST_HOLD_WEIGHT_UPDATE"]
         actor_cls = ray.remote(num_gpus=1, runtime_env={"env_vars": env})(MegatronTrainRayActor)
         self._actor_handlers = []
         register_cleanup(self.kill)
@@ -66,14 +63,16 @@ class RayTrainGroup:
         return [a.init.remote(args, role, self.wandb_run_id, with_ref=with_ref) for a in self._actor_handlers]
 
     def async_init_weight_update_connections(self, rollout):
-        self.rollout = rollout
+        """Connect every rank to `rollout`'s engines (a RolloutManager: its engines and weight-update lock)."""
         return [
             a.connect_rollout_engines.remote(rollout.rollout_engines, rollout.rollout_engine_lock)
             for a in self._actor_handlers
         ]
 
-    def async_train(self, rollout_id, rollout_data_ref):
-        return [a.train.remote(rollout_id, rollout_data_ref) for a in self._actor_handlers]
+    def async_train(self, rollout_id, rollout_data_ref, values_ref=None):
+        if values_ref is None:  # the call every trainer has, custom ones included
+            return [a.train.remote(rollout_id, rollout_data_ref) for a in self._actor_handlers]
+        return [a.train.remote(rollout_id, rollout_data_ref, values_ref) for a in self._actor_handlers]
 
     def async_save_model(self, step_id, commit=True):
         return [a.save_model.remote(step_id, commit=commit) for a in self._actor_handlers]

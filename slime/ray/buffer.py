@@ -1,32 +1,37 @@
 """`RolloutController`: the Ray actor that runs the rollout function and turns its samples into train data.
 
 It owns the data source (prompts, epochs, partial-rollout buffer), calls the rollout/eval functions loaded by
-path, post-processes rewards (GRPO-style group normalisation), converts samples to arrays for the trainers and
+path, converts the samples with `slime.rollout.train_data` (reward post-processing, the `TrainData` contract) and
 returns a `Box(ray.put(train_data))`. Metrics of every call are logged and also returned to the driver.
 """
 
 import functools
 import importlib.util
-import numbers
 import os
 import threading
 import time
 
-import numpy as np
 import ray
 import torch
 
-from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput, call_rollout_fn
+from slime.rollout.base_types import RolloutFnEvalOutput, call_rollout_fn
 from slime.rollout.sample_hooks import set_current_rollout_id
+
+# the conversion's public names, importable from here as in earlier versions
+from slime.rollout.train_data import (  # noqa: F401
+    CONVERTED_KEYS,
+    check_train_data,
+    convert_samples_to_train_data,
+    eval_metrics,
+    flatten_rollout_output,
+    post_process_rewards,
+    rollout_metrics,
+)
 from slime.utils.console import metrics_line
 from slime.utils.misc import load_function
 from slime.utils.ray_utils import Box
-from slime.utils.top_p_replay import kept_sets_error, sampling_is_truncated
 from slime.utils.types import Sample
 from slime.utils.user_errors import call_user_function, user_function
-
-_GROUP_NORM_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus_baseline", "rloo")
-_STD_NORM_ESTIMATORS = ("grpo", "gspo")
 
 
 def _wandb_utils():
@@ -36,215 +41,18 @@ def _wandb_utils():
     return importlib.import_module("slime.utils.wandb_utils")
 
 
-def _flatten(data):
-    """Samples of a list nested to any depth (groups, or fan-out groups of groups), in order."""
-    out = []
-    for item in data:
-        if isinstance(item, list):
-            out += _flatten(item)
-        else:
-            out.append(item)
-    return out
-
-
-def flatten_rollout_output(data, fn_path):
-    """Validate the rollout function's return value and flatten it into one `list[Sample]`.
-
-    `data` is a `RolloutFnTrainOutput` or (slime v0.1.0) the bare list; groups may nest further (fan-out)."""
-    metrics = dict(getattr(data, "metrics", None) or {})
-    if isinstance(data, RolloutFnTrainOutput):
-        data = data.samples
-    bad = None
-    if not isinstance(data, list) or not data:
-        bad = f"{type(data).__name__}" + ("" if not isinstance(data, list) else " (empty)")
-    else:
-        data = _flatten(data)
-        if not data or not all(isinstance(s, Sample) for s in data):
-            bad = (
-                "a list of empty groups"
-                if not data
-                else f"a list containing {type(next(s for s in data if not isinstance(s, Sample))).__name__}"
-            )
-    if bad is not None:
-        raise TypeError(
-            f"rollout function {fn_path!r} returned {bad}; it must return list[list[Sample]] "
-            f"(rollout_batch_size groups of n_samples_per_prompt) or a flat list[Sample]."
-        )
-    return data, metrics
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, numbers.Real) or getattr(value, "ndim", None) == 0  # ints, floats, bools, 0-d arrays
-
-
-def _reward_source(args, sample, fn_path):
-    """The function that produced `sample`'s reward, as the user named it."""
-    if args.custom_rm_path:
-        return f"the reward function --custom-rm-path {args.custom_rm_path}"
-    rm_type = (sample.metadata or {}).get("rm_type") if isinstance(sample.metadata, dict) else None
-    if rm_type or args.rm_type:
-        return f"the reward function of --rm-type {rm_type or args.rm_type}"
-    return f"rollout function {fn_path!r}"
-
-
-def post_process_rewards(args, samples, custom_fn=None, fn_path=None):
-    """(raw_rewards, rewards): group-normalised rewards for grpo/gspo/reinforce_plus_plus_baseline/rloo."""
-    if custom_fn is not None:
-        return custom_fn(args, samples)
-
-    raw_rewards = []
-    for i, s in enumerate(samples):
-        r = s.get_reward_value(args)
-        if r is None:
-            raise ValueError(
-                f"sample {s.index} (position {i}) returned by rollout function {fn_path!r} has no reward; the rollout "
-                f"function must set `sample.reward` (check --rm-type / --custom-rm-path, and --group-rm)."
-            )
-        if not _is_number(r):
-            hint = " (a dict: pick the training reward with --reward-key)" if isinstance(r, dict) else ""
-            raise TypeError(
-                f"sample {s.index}: {_reward_source(args, s, fn_path)} returned a {type(r).__name__} "
-                f"{r!r:.80}{hint}; a reward must be a number"
-            )
-        raw_rewards.append(r)
-
-    if args.advantage_estimator in _GROUP_NORM_ESTIMATORS and args.rewards_normalization:
-        n = args.n_samples_per_prompt
-        if len(raw_rewards) % n != 0:
-            raise ValueError(
-                f"rollout function {fn_path!r} returned {len(raw_rewards)} samples, not a multiple of "
-                f"--n-samples-per-prompt={n}; group reward normalisation needs whole groups."
-            )
-        rewards = torch.tensor(raw_rewards, dtype=torch.float).reshape(-1, n)
-        rewards = rewards - rewards.mean(dim=-1, keepdim=True)
-        # std of a group of one is undefined (nan); validation also turns it off for n == 1
-        if args.advantage_estimator in _STD_NORM_ESTIMATORS and args.grpo_std_normalization and n > 1:
-            rewards = rewards / (rewards.std(dim=-1, keepdim=True) + 1e-6)
-        return raw_rewards, rewards.flatten().tolist()
-
-    return raw_rewards, raw_rewards
-
-
-def convert_samples_to_train_data(args, samples, custom_reward_fn=None, fn_path=None):
-    """Samples -> dict of equal-length lists; big per-sample data as numpy arrays (one Ray object, no per-list pickling)."""
-    raw_rewards, rewards = post_process_rewards(args, samples, custom_reward_fn, fn_path)
-    if len(rewards) != len(samples):
-        raise ValueError(
-            f"--custom-reward-post-process-path returned {len(rewards)} rewards for {len(samples)} samples"
-        )
-
-    loss_masks = []
-    for i, s in enumerate(samples):
-        if s.response_length > len(s.tokens):
-            raise ValueError(
-                f"sample {s.index} (position {i}) from rollout function {fn_path!r}: response_length "
-                f"{s.response_length} exceeds its {len(s.tokens)} tokens"
-            )
-        mask = s.loss_mask if s.loss_mask is not None else [1] * s.response_length
-        if len(mask) != s.response_length:
-            raise ValueError(
-                f"sample {s.index} (position {i}) from rollout function {fn_path!r}: loss_mask has {len(mask)} "
-                f"entries but response_length is {s.response_length}; the mask must cover exactly the response tokens."
-            )
-        # remove_sample (set by --rollout-sample-filter-path): no loss, but still in the reward statistics above
-        loss_masks.append(np.zeros(len(mask), dtype=np.int32) if s.remove_sample else np.asarray(mask, dtype=np.int32))
-
-    train_data = {
-        "tokens": [np.asarray(s.tokens, dtype=np.int64) for s in samples],
-        "response_lengths": [int(s.response_length) for s in samples],
-        "rewards": rewards,
-        "raw_reward": raw_rewards,
-        "truncated": [1 if s.status == Sample.Status.TRUNCATED else 0 for s in samples],
-        "sample_indices": [s.index for s in samples],
-        "loss_masks": loss_masks,
-    }
-
-    # Rewards rewritten by the rollout (e.g. an external buffer) keep the grader's raw value for logging.
-    if "raw_reward" in samples[0].metadata:
-        train_data["raw_reward"] = [s.metadata["raw_reward"] for s in samples]
-    if "round_number" in samples[0].metadata:
-        train_data["round_number"] = [s.metadata["round_number"] for s in samples]
-    if samples[0].train_metadata is not None:
-        train_data["metadata"] = [s.train_metadata for s in samples]
-
-    if samples[0].rollout_log_probs is not None:
-        log_probs = []
-        for i, s in enumerate(samples):
-            if s.rollout_log_probs is None or len(s.rollout_log_probs) != s.response_length:
-                got = None if s.rollout_log_probs is None else len(s.rollout_log_probs)
-                raise ValueError(
-                    f"sample {s.index} (position {i}) from rollout function {fn_path!r}: rollout_log_probs has "
-                    f"{got} entries but response_length is {s.response_length}"
-                )
-            log_probs.append(np.asarray(s.rollout_log_probs, dtype=np.float32))
-        train_data["rollout_log_probs"] = log_probs
-    if sampling_is_truncated(args) and args.loss_type != "sft_loss":
-        # top-p replay: the trainer scores each token over the set the engine kept (never silently over all tokens)
-        for i, s in enumerate(samples):
-            problem = kept_sets_error(s)
-            if problem:
-                raise ValueError(
-                    f"sample {s.index} (position {i}) from rollout function {fn_path!r} {problem}; with "
-                    f"--rollout-top-p {args.rollout_top_p} / --rollout-top-k {args.rollout_top_k} the trainer replays "
-                    "each step's kept token set (the default generate asks the engine for it)"
-                )
-        train_data["rollout_top_p_token_ids"] = [
-            np.asarray(s.rollout_top_p_token_ids, dtype=np.int32) for s in samples
-        ]
-        train_data["rollout_top_p_token_offsets"] = [
-            np.asarray(s.rollout_top_p_token_offsets, dtype=np.int32) for s in samples
-        ]
-    return train_data
-
-
-def _numeric_mean(values):
-    try:
-        return float(np.mean([float(v) for v in values]))
-    except (TypeError, ValueError):
-        return None  # dict rewards without --reward-key etc.: nothing meaningful to average
-
-
-def rollout_metrics(args, samples, train_data, rollout_time):
-    """Metrics of one training rollout (rollout/* and perf/*)."""
-    lengths = train_data["response_lengths"]
-    metrics = {}
-    raw = _numeric_mean(train_data["raw_reward"])
-    if raw is not None:
-        metrics["rollout/raw_reward"] = raw
-    metrics["rollout/response_length"] = float(np.mean(lengths))
-    metrics["rollout/response_length_max"] = int(max(lengths))
-    metrics["rollout/truncated_ratio"] = float(np.mean(train_data["truncated"]))
-    versions = [s.weight_versions[-1] for s in samples if s.weight_versions]
-    if versions:
-        try:
-            metrics["rollout/weight_version"] = max(int(v) for v in versions)
-        except ValueError:
-            metrics["rollout/weight_version"] = max(versions)
-    if rollout_time is not None and rollout_time > 0:
-        trained_tokens = sum(int(np.sum(m)) for m in train_data["loss_masks"])
-        metrics["perf/rollout_time"] = rollout_time
-        metrics["perf/tokens_per_gpu_per_sec"] = trained_tokens / rollout_time / max(1, args.rollout_num_gpus or 1)
-        metrics["perf/longest_sample_tokens_per_sec"] = max(lengths) / rollout_time
-    return metrics
-
-
-def eval_metrics(data):
-    metrics = {}
-    for name, d in data.items():
-        mean = _numeric_mean(d["rewards"])
-        if mean is not None:
-            metrics[f"eval/{name}"] = mean
-        if d.get("truncated"):
-            metrics[f"eval/{name}-truncated_ratio"] = float(np.mean([1.0 if t else 0.0 for t in d["truncated"]]))
-    return metrics
-
-
-# What the trainers need of a custom converter's train data (current slime's contract).
-CONVERTED_KEYS = ("tokens", "response_lengths", "rewards", "raw_reward", "truncated", "sample_indices", "loss_masks")
-
-
 def _load_optional(flag, path):
     return user_function(flag, path) if path else None
+
+
+def subsample_debug_rollout_data(samples, ratio):
+    """--load-debug-rollout-data-subsample RATIO: keep about RATIO of the replayed samples, half from the start and
+    half from the end of the dump (current slime's rule); None keeps them all."""
+    if ratio is None:
+        return samples
+    n = int(len(samples) * ratio)
+    head = n // 2
+    return samples[:head] + (samples[len(samples) - (n - head) :] if n - head > 0 else [])
 
 
 @ray.remote
@@ -253,10 +61,12 @@ class RolloutController:
 
     def __init__(self, args, wandb_run_id=None):
         self.args = args
-        # Log to wandb only when this actor joined the driver's run.
+        # Log to wandb only when this actor joined the driver's run; TensorBoard needs no run to join.
         self.wandb = None
-        wandb_utils = _wandb_utils() if args.use_wandb else None
-        if wandb_utils is not None and wandb_utils.init_wandb_secondary(args, wandb_run_id) is not None:
+        wandb_utils = _wandb_utils() if args.use_wandb or args.use_tensorboard else None
+        if wandb_utils is not None and (
+            wandb_utils.init_wandb_secondary(args, wandb_run_id) is not None or args.use_tensorboard
+        ):
             self.wandb = wandb_utils
 
         self.data_source = load_function(args.data_source_path)(args)
@@ -292,6 +102,7 @@ class RolloutController:
             if not os.path.exists(path):
                 raise FileNotFoundError(f"--load-debug-rollout-data: {path} does not exist (rollout {rollout_id})")
             data = [Sample.from_dict(d) for d in torch.load(path, weights_only=False)["samples"]]
+            data = subsample_debug_rollout_data(data, args.load_debug_rollout_data_subsample)
             extra = {}
         else:
             user_fn = functools.partial(
@@ -326,15 +137,8 @@ class RolloutController:
                 self.args, samples, self.custom_reward_post_process_func, self.rollout_fn_path
             )
         # replaces the whole conversion, reward post-processing included
-        train_data = self.custom_convert_samples_to_train_data_func(self.args, samples)
-        missing = [k for k in CONVERTED_KEYS if not isinstance(train_data, dict) or k not in train_data]
-        if missing:
-            raise ValueError(
-                f"--custom-convert-samples-to-train-data-path {self.args.custom_convert_samples_to_train_data_path} "
-                f"returned no {', '.join(missing)}; it must return a dict with per-sample lists "
-                f"{', '.join(CONVERTED_KEYS)}"
-            )
-        return train_data
+        flag = f"--custom-convert-samples-to-train-data-path {self.args.custom_convert_samples_to_train_data_path}"
+        return check_train_data(self.custom_convert_samples_to_train_data_func(self.args, samples), flag)
 
     def pop_metrics(self, rollout_id):
         """Metrics of `generate(rollout_id)`, handed over once (the driver prints and records them)."""

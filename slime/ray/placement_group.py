@@ -92,12 +92,16 @@ def create_placement_groups(args):
     return {"actor": (pg, reordered), "rollout": (pg, reordered[rollout_offset:])}
 
 
-def allocate_train_group(args, num_nodes, num_gpus_per_node, pg, wandb_run_id=None):
-    return RayTrainGroup(args, num_nodes, num_gpus_per_node, pg, wandb_run_id=wandb_run_id, num_gpus_per_actor=0.8)
+def allocate_train_group(args, num_nodes, num_gpus_per_node, pg, wandb_run_id=None, num_gpus_per_actor=0.8):
+    return RayTrainGroup(
+        args, num_nodes, num_gpus_per_node, pg, wandb_run_id=wandb_run_id, num_gpus_per_actor=num_gpus_per_actor
+    )
 
 
 def create_actor_group(args, pg, wandb_run_id=None):
-    return allocate_train_group(args, args.actor_num_nodes, args.actor_num_gpus_per_node, pg, wandb_run_id)
+    # with a critic on the same bundles each trainer takes 0.4 (engines colocated there take 0.2)
+    share = 0.4 if args.use_critic else 0.8
+    return allocate_train_group(args, args.actor_num_nodes, args.actor_num_gpus_per_node, pg, wandb_run_id, share)
 
 
 def create_rollout_manager(args, pg, wandb_run_id=None):

@@ -62,10 +62,11 @@ def _new_engine(args, pg, rank):
     )
 
 
-def _init_engines(args, engines, ranks):
-    """Start the servers of `engines[r]` for r in `ranks` (ports per node, as at start-up); each joins the router."""
+def _init_engines(args, engines, ranks, join_router=True):
+    """Start the servers of `engines[r]` for r in `ranks` (ports per node, as at start-up); each joins the router
+    unless `join_router` is False."""
     ports = _allocate_ports(args, engines)
-    ray.get([engines[r].init.remote(**ports[r]) for r in ranks])
+    ray.get([engines[r].init.remote(**ports[r], join_router=join_router) for r in ranks])
 
 
 def create_rollout_engines(args, pg):
@@ -125,6 +126,7 @@ class RolloutManager:
         self.args, self.pg = args, pg
         self.router_process, self.all_rollout_engines, self.controller, self.rollout_engine_lock = None, [], None, None
         self.rollout_engines, self.health_monitor = [], None
+        self.off_router = set()  # replacements that do not serve the trainers' weights yet (see `join_router`)
         self.failure = None  # without --use-fault-tolerance: the first fault, raised by the driver's Watchdog
         self.fault_events = []  # what failed and what was done about it, in order (also logged)
         self._lock = threading.RLock()
@@ -146,7 +148,7 @@ class RolloutManager:
             # weight push must then reproduce the snapshot exactly (`compare`, after that push)
             for action in ("snapshot", "reset_tensors"):
                 ray.get(self.async_check_weights(action))
-        if args.offload and self.rollout_engines:
+        if args.offload_rollout and self.rollout_engines:
             ray.get([e.release_memory_occupation.remote() for e in self.rollout_engines])
         if not args.debug_train_only:
             self.health_monitor = RolloutHealthMonitor(self, args)
@@ -252,7 +254,7 @@ class RolloutManager:
             self._event("router_failed", what)
             self.router_process = launch_router(self.args, self.args.sglang_router_ip, self.args.sglang_router_port)
             for i, url in enumerate(self.engine_urls):
-                if self.rollout_engines[i] is not None:
+                if self.rollout_engines[i] is not None and i not in self.off_router:
                     add_worker(router_url(self.args), url, api_key=self.args.sglang_api_key)
             self._event(
                 "router_restarted",
@@ -260,10 +262,12 @@ class RolloutManager:
                 f"{self.router_process.pid}) with {sum(e is not None for e in self.rollout_engines)} engine(s)",
             )
 
-    def recover(self, actor_model, get):
-        """With --use-fault-tolerance, before a weight update: start a new engine in the bundle of each removed one,
-        let it join the router, and reconnect the trainers' weight-update group to the new engine set, so the update
-        that follows gives every engine the current weights. Returns the indices of the replaced engines."""
+    def recover(self, get, resume_tags=None):
+        """With --use-fault-tolerance, before a weight update: start a new engine in the bundle of each removed one
+        and return the indices of the replaced engines; the caller connects the trainers to the new engine set and
+        pushes the weights. A replacement stays off the router until `join_router`: until the push it serves
+        --hf-checkpoint's weights, which no rollout may sample. With --offload it is left like its peers: memory
+        released, then `resume_tags` resumed."""
         self.pause_health_checks()
         if not self.args.use_fault_tolerance:
             return []
@@ -274,43 +278,40 @@ class RolloutManager:
             slots = [j for i in dead for j in range(i * self.nodes_per_engine, (i + 1) * self.nodes_per_engine)]
             for j in slots:
                 self.all_rollout_engines[j] = _new_engine(self.args, self.pg, j)
-            _init_engines(self.args, self.all_rollout_engines, slots)
+            _init_engines(self.args, self.all_rollout_engines, slots, join_router=False)
             for i in dead:
                 self.rollout_engines[i] = self.all_rollout_engines[i * self.nodes_per_engine]
                 self.engine_urls[i] = ray.get(self.rollout_engines[i].get_url.remote())
+                self.off_router.add(i)
                 bundle = self.pg[1][i * self.nodes_per_engine * _engines_per_gpu_layout(self.args)[0]]
                 self._event(
                     "engine_restarted",
-                    f"inference engine {i} restarted at {self.engine_urls[i]} in "
-                    f"placement-group bundle {bundle} and rejoined the router",
+                    f"inference engine {i} restarted at {self.engine_urls[i]} in placement-group bundle {bundle}; "
+                    "it joins the router once it serves the pushed weights",
                     engine=i,
                     bundle=bundle,
                 )
-        if self.args.offload:  # same memory state as its peers: weights in, KV cache released until onload
+        if self.args.offload_rollout:
             get([self.rollout_engines[i].release_memory_occupation.remote() for i in dead])
-        get(actor_model.async_init_weight_update_connections(self))
+            if resume_tags:
+                get([self.rollout_engines[i].resume_memory_occupation.remote(tags=resume_tags) for i in dead])
         return dead
 
-    def finish_weight_update(self, actor_model, get, update_metrics, recovered=()):
-        """After a weight update (`update_metrics`: the trainers' results; `recovered`: engines `recover` replaced
-        before it). With --use-fault-tolerance an engine that died during the update was dropped by the trainers, which
-        finished it on the others: it is removed and replaced here, and the replacement gets the same weights (same
-        version). Every replaced engine must then serve that version. Returns the update's metrics."""
-        recovered = list(recovered)
-        while True:
-            lost = set()
-            for m in update_metrics:
-                lost.update((m or {}).pop("update_weights/lost_engines", []))
-            if not lost:
-                break
-            for i in sorted(lost):
-                self.engine_failed(i, "died during the weight update")
-            version = next(m["update_weights/weight_version"] for m in update_metrics if m)
-            recovered += self.recover(actor_model, get)
-            update_metrics = get(actor_model.async_update_weights(version))
-        if recovered:
-            self.check_weight_versions(update_metrics, sorted(set(recovered)))
-        return update_metrics
+    def remove_lost(self, update_metrics):
+        """Engines the trainers dropped during a weight update (they died; the update finished on the others) are
+        removed like any failed engine. Returns their indices."""
+        lost = set()
+        for m in update_metrics:
+            lost.update((m or {}).pop("update_weights/lost_engines", []))
+        for i in sorted(lost):
+            self.engine_failed(i, "died during the weight update")
+        return sorted(lost)
+
+    def join_router(self, engines):
+        """Replaced engines that now serve the pushed weights (checked by `check_weight_versions`) join the router."""
+        ray.get([self.rollout_engines[i].join_router.remote() for i in engines])
+        self.off_router.difference_update(engines)
+        self._event("engines_joined_router", f"inference engine(s) {list(engines)} rejoined the router")
 
     def check_weight_versions(self, update_metrics, engines=None):
         """After a weight update (`update_metrics`: the trainers' results), every engine (or those in `engines`) serves

@@ -13,6 +13,7 @@ import threading
 
 import torch
 
+from slime.utils.checkpoint_tracker import replace_durably
 from slime.utils.data import Dataset
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
@@ -73,6 +74,7 @@ class RolloutDataSource(DataSource):
                 metadata_key=args.metadata_key,
                 tool_key=args.tool_key,
                 apply_chat_template=args.apply_chat_template,
+                apply_chat_template_kwargs=args.apply_chat_template_kwargs,
                 seed=args.rollout_seed,
             )
             if len(self.dataset) == 0:
@@ -172,7 +174,7 @@ class RolloutDataSource(DataSource):
             with self.lock:
                 state = self._state_dict()
             torch.save(state, tmp)
-            os.replace(tmp, path)
+            replace_durably(tmp, path)  # on disk before the driver publishes the checkpoint's tracker
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)

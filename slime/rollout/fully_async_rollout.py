@@ -72,9 +72,12 @@ def select_batch(finished, in_flight, batch_size, trainer_version, max_staleness
 
 
 def staleness(sample, trainer_version, start_version):
-    """Versions between the policy that trains `sample` and the one that started it (its first segment's)."""
-    first = sample.weight_versions[0] if sample.weight_versions else None
-    return trainer_version - (int(first) if first is not None and str(first).isdigit() else start_version)
+    """Versions between the policy that trains `sample` and the one that started it (its first segment's). An engine
+    that reports no pushed version (SGLang's "default") served the initial --hf-checkpoint weights: version 0."""
+    if not sample.weight_versions:
+        return trainer_version - start_version
+    first = str(sample.weight_versions[0])
+    return trainer_version - (int(first) if first.isdigit() else 0)
 
 
 class AsyncRolloutWorker:

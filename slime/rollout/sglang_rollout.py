@@ -422,12 +422,13 @@ async def eval_rollout_single_dataset(args, rollout_id, dataset_cfg: EvalDataset
         EVAL_PROMPT_DATASET[dataset_cfg.cache_key] = Dataset(
             dataset_cfg.path,
             tokenizer=state.tokenizer,
-            max_length=args.rollout_max_prompt_len,
+            max_length=args.eval_max_prompt_len,
             prompt_key=dataset_cfg.input_key,
             label_key=dataset_cfg.label_key,
             metadata_key=dataset_cfg.metadata_key,
             tool_key=dataset_cfg.tool_key,
             apply_chat_template=dataset_cfg.apply_chat_template,
+            apply_chat_template_kwargs=args.apply_chat_template_kwargs,
         )
     dataset = EVAL_PROMPT_DATASET[dataset_cfg.cache_key]
     sampling_params = dataset_cfg.sampling_params(state.sampling_params)

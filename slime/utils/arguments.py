@@ -10,8 +10,11 @@ the flag(s) at fault.
 """
 
 import argparse
+import datetime
+import json
 import logging
 import os
+import re
 import secrets
 import sys
 
@@ -21,6 +24,7 @@ from slime.backends.megatron_utils.arguments import (
     HF_DROPOUT_KEYS,
     add_megatron_arguments,
     apply_hf_config,
+    check_hybrid_model,
     check_mtp,
     megatron_defaults,
     megatron_training_available,
@@ -31,8 +35,12 @@ from slime.backends.megatron_utils.arguments import (
 )
 from slime.backends.sglang_utils.arguments import add_sglang_arguments, sglang_available
 from slime.backends.sglang_utils.arguments import validate_args as sglang_validate_args
-from slime.utils.device import auto_inference_server
+from slime.utils.checkpoint_tracker import checkpoint_dir, read_tracker
+from slime.utils.device import auto_inference_server, default_gdn_backend, transformer_engine_usable
+from slime.utils.disk_delta import CHECKSUMS as DELTA_CHECKSUMS
+from slime.utils.disk_delta import ENCODINGS as DELTA_ENCODINGS
 from slime.utils.eval_config import from_prompt_data, load_eval_config
+from slime.utils.flag_support import add_refused_arguments, refuse_unsupported
 from slime.utils.startup_checks import DEFAULT_ROLLOUT_FUNCTION, check_inputs, check_value_ranges
 from slime.utils.top_p_replay import sampling_is_truncated
 
@@ -97,7 +105,15 @@ def add_cluster_arguments(parser):
     g.add_argument(
         "--rollout-num-gpus-per-engine", type=int, default=1, help="GPUs per inference engine (SGLang's tp size)."
     )
-    g.add_argument("--rollout-num-gpus-per-node", type=int, default=8, help="GPUs per node for inference engines.")
+    g.add_argument(
+        "--num-gpus-per-node",
+        "--rollout-num-gpus-per-node",
+        dest="rollout_num_gpus_per_node",
+        type=int,
+        default=8,
+        help="GPUs per node for inference engines (current slime's name; --rollout-num-gpus-per-node is the older "
+        "one). Also read as args.num_gpus_per_node.",
+    )
     g.add_argument(
         "--colocate",
         action="store_true",
@@ -108,7 +124,21 @@ def add_cluster_arguments(parser):
         "--offload",
         action="store_true",
         default=False,
-        help="Offload training weights/optimizer while rolling out (and engines while training).",
+        help="--offload-train plus --offload-rollout.",
+    )
+    g.add_argument(
+        "--offload-train",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Offload the trainers' weights and optimizer while the engines generate (on with --colocate unless "
+        "--no-offload-train).",
+    )
+    g.add_argument(
+        "--offload-rollout",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Release the engines' weights and KV cache while the trainers train (on with --colocate unless "
+        "--no-offload-rollout).",
     )
     g.add_argument(
         "--inference-server",
@@ -186,15 +216,6 @@ def add_rollout_arguments(parser):
     g.add_argument("--buffer-filter-path", type=str, default=None)
     g.add_argument(
         "--update-weight-buffer-size", type=int, default=512 * 1024**2, help="Bytes per weight-update bucket."
-    )
-    g.add_argument(
-        "--update-weight-transport",
-        choices=["auto", "broadcast", "shm"],
-        default="auto",
-        help="Disaggregated weight sync: 'broadcast' over the weight-update process group (NCCL/gloo); "
-        "'shm' hands flattened buckets to the engines as shared-memory handles (CPU, engines on "
-        "the trainer's host); 'auto' = shm where it applies (like NCCL's intra-node SHM transport), "
-        "else broadcast.",
     )
     g.add_argument("--update-weights-interval", type=int, default=1, help="Rollouts between weight updates (async).")
     g.add_argument(
@@ -290,6 +311,13 @@ def add_data_arguments(parser):
     )
     g.add_argument("--prompt-data", type=str, default=None, help="Prompt file (.jsonl/.json/.parquet).")
     g.add_argument("--apply-chat-template", action="store_true", default=False)
+    g.add_argument(
+        "--apply-chat-template-kwargs",
+        type=json.loads,
+        default="{}",
+        help="JSON of extra keyword arguments of the chat template (rollout and eval prompts), e.g. "
+        "'{\"enable_thinking\": false}'.",
+    )
     g.add_argument("--input-key", type=str, default="input", help="Column holding the prompt.")
     g.add_argument("--label-key", type=str, default=None)
     g.add_argument("--metadata-key", type=str, default="metadata")
@@ -325,6 +353,12 @@ def add_data_arguments(parser):
 
 def add_eval_arguments(parser):
     g = _Group(parser, "eval")
+    g.add_argument(
+        "--skip-eval-before-train",
+        action="store_true",
+        default=False,
+        help="With --eval-interval: no eval at rollout 0, before any training.",
+    )
     g.add_argument("--eval-function-path", type=str, default=None, help="Default: --rollout-function-path.")
     reset_arg(parser, "--eval-interval", type=int, default=None)
     g.add_argument(
@@ -374,7 +408,8 @@ def add_algo_arguments(parser):
     g.add_argument("--kl-coef", type=float, default=0.0, help="KL penalty in the reward (REINFORCE++).")
     g.add_argument("--use-kl-loss", action="store_true", default=False)
     g.add_argument("--kl-loss-coef", type=float, default=0.0)
-    g.add_argument("--kl-loss-type", choices=["kl", "k1", "k2", "k3", "low_var_kl"], default="kl")
+    # k1 is current slime's name (and default); kl, slime v0.1.0's name for it, is still accepted
+    g.add_argument("--kl-loss-type", choices=["k1", "kl", "k2", "k3", "low_var_kl"], default="k1")
     g.add_argument("--loss-type", choices=["policy_loss", "sft_loss", "custom_loss"], default="policy_loss")
     g.add_argument("--custom-loss-function-path", type=str, default=None)
     g.add_argument(
@@ -401,7 +436,11 @@ def add_algo_arguments(parser):
     g.add_argument(
         "--advantage-estimator",
         default="grpo",
-        choices=["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo"],
+        choices=["grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo", "ppo"],
+        help="cispo: GRPO's advantages with the CISPO loss -sg(clip(ratio, 1-eps_clip, 1+eps_clip_high))*A*logp "
+        "(the gradient flows through logp only; canonical CISPO sets --eps-clip >= 1 to drop the lower bound). "
+        "ppo trains a value model (the critic) beside the policy and uses GAE over its values "
+        "(--gamma, --lambd, --value-clip, --num-critic-only-steps).",
     )
     g.add_argument(
         "--disable-compute-advantages-and-returns",
@@ -434,6 +473,68 @@ def add_algo_arguments(parser):
     return parser
 
 
+def add_loss_variant_arguments(parser):
+    """Current slime's loss variants on top of the PPO-family loss."""
+    g = _Group(parser, "loss variants")
+    g.add_argument(
+        "--use-unbiased-kl",
+        action="store_true",
+        default=False,
+        help="Weight the KL-loss term of each token by exp(logp - old_logp) (DeepSeek-V3.2's unbiased KL).",
+    )
+    g.add_argument(
+        "--use-opsm",
+        action="store_true",
+        default=False,
+        help="Off-Policy Sequence Masking: a sample with a negative advantage whose masked mean of "
+        "(old - new) log-prob exceeds --opsm-delta leaves the policy loss (reported as opsm_clipfrac).",
+    )
+    g.add_argument("--opsm-delta", type=float, default=1e-4, help="The threshold of --use-opsm.")
+    return parser
+
+
+def add_context_length_arguments(parser):
+    """Current slime's context budgets (prompt + response tokens)."""
+    g = _Group(parser, "context length")
+    g.add_argument(
+        "--rollout-max-context-len",
+        type=int,
+        default=None,
+        help="Max prompt + response tokens of a rollout sample (at most the model's max_position_embeddings); "
+        "--rollout-max-prompt-len defaults to it - 1, so every sample can generate a token. Read by multi-turn "
+        "generate functions as the budget of a whole trajectory.",
+    )
+    g.add_argument(
+        "--eval-max-context-len", type=int, default=None, help="--rollout-max-context-len of eval; default: it."
+    )
+    g.add_argument(
+        "--eval-max-prompt-len",
+        type=int,
+        default=None,
+        help="Drop eval prompts longer than this (tokens); default: --rollout-max-prompt-len.",
+    )
+    return parser
+
+
+def add_critic_arguments(parser):
+    """PPO with a critic (--advantage-estimator ppo): GAE and the value loss."""
+    g = _Group(parser, "critic")
+    g.add_argument("--lambd", type=float, default=1.0, help="GAE lambda (PPO with a critic); --gamma discounts.")
+    g.add_argument(
+        "--value-clip",
+        type=float,
+        default=0.2,
+        help="The critic's new values stay within this distance of its old ones in the clipped value loss.",
+    )
+    g.add_argument(
+        "--num-critic-only-steps",
+        type=int,
+        default=0,
+        help="The first N rollouts train only the critic (the policy is not updated); >= --num-rollout: critic only.",
+    )
+    return parser
+
+
 def add_consistency_arguments(parser):
     """Train/inference consistency: which policy PPO's old log-probs come from, and what is reported about the gap
     between the trainer's and the engine's log-probs (docs/consistency.md)."""
@@ -453,6 +554,154 @@ def add_consistency_arguments(parser):
         "loss; with --custom-tis-function-path that function's metrics are reported and its weights ignored.",
     )
     return parser
+
+
+def resolve_context_lengths(args, error):
+    """Current slime's defaults between the context budgets, and its bound: a prompt leaves room for one token."""
+    if args.eval_max_context_len is None:
+        args.eval_max_context_len = args.rollout_max_context_len
+    if args.rollout_max_context_len is not None:
+        if args.rollout_max_prompt_len is None:
+            args.rollout_max_prompt_len = args.rollout_max_context_len - 1
+        elif args.rollout_max_prompt_len > args.rollout_max_context_len - 1:
+            error(
+                f"--rollout-max-prompt-len {args.rollout_max_prompt_len} must be below --rollout-max-context-len "
+                f"{args.rollout_max_context_len}, so that every sample generates at least one token to train on."
+            )
+    if args.eval_max_prompt_len is None:
+        args.eval_max_prompt_len = args.rollout_max_prompt_len
+
+
+def add_train_env_arguments(parser):
+    g = _Group(parser, "train environment")
+    g.add_argument(
+        "--train-env-vars",
+        type=json.loads,
+        default="{}",
+        help="JSON object of extra environment variables of the training processes, e.g. "
+        '\'{"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}\' (they win over slime\'s own).',
+    )
+    return parser
+
+
+def check_train_env_vars(args, error):
+    env = args.train_env_vars
+    if not isinstance(env, dict):
+        error(f"--train-env-vars {json.dumps(env)}: expected a JSON object of NAME: value.")
+    for name, value in env.items():
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            error(f"--train-env-vars: {name}={json.dumps(value)}: a value must be a string or a number.")
+    args.train_env_vars = {name: str(value) for name, value in env.items()}  # Ray's runtime env takes strings
+
+
+def add_optimizer_state_arguments(parser):
+    g = _Group(parser, "optimizer state")
+    g.add_argument(
+        "--reset-optimizer-states",
+        action="store_true",
+        default=False,
+        help="Zero Adam's moments and step count at the start of every rollout's training.",
+    )
+    g.add_argument(
+        "--use-stateless-adam",
+        action="store_true",
+        default=False,
+        help="Adam that keeps no moments across steps: each update is Adam's first step, lr * g / (|g| + eps). "
+        "Requires --optimizer adam and --no-save-optim.",
+    )
+    return parser
+
+
+def check_optimizer_state_flags(args, error):
+    if args.use_stateless_adam:
+        if args.optimizer != "adam":
+            error(f"--use-stateless-adam is an Adam variant: drop --optimizer {args.optimizer}.")
+        if not args.no_save_optim:
+            error("--use-stateless-adam keeps no Adam moments to save: add --no-save-optim.")
+
+
+def add_partial_training_arguments(parser):
+    g = _Group(parser, "partial training")
+    g.add_argument(
+        "--only-train-params-name-list",
+        type=str,
+        nargs="*",
+        default=None,
+        help="Regexes (re.search) of the parameter names to train; every other parameter is frozen. Weight updates "
+        "still send every weight.",
+    )
+    g.add_argument(
+        "--freeze-params-name-list",
+        type=str,
+        nargs="*",
+        default=None,
+        help="Regexes (re.search) of the parameter names to freeze; the others train.",
+    )
+    return parser
+
+
+def check_partial_training(args, error):
+    if args.only_train_params_name_list and args.freeze_params_name_list:
+        error("--only-train-params-name-list and --freeze-params-name-list exclude each other: give one.")
+    for flag, patterns in (
+        ("--only-train-params-name-list", args.only_train_params_name_list),
+        ("--freeze-params-name-list", args.freeze_params_name_list),
+    ):
+        for pattern in patterns or []:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                error(f"{flag} {pattern!r}: not a regular expression ({e}).")
+
+
+def add_metric_arguments(parser):
+    g = _Group(parser, "metrics")
+    g.add_argument(
+        "--log-reward-category",
+        type=str,
+        default=None,
+        help="Key of a dict reward naming each sample's category (e.g. its failure kind): the fraction of each "
+        "category is logged per rollout as error_cat/<category>.",
+    )
+    return parser
+
+
+def add_tensorboard_arguments(parser):
+    g = _Group(parser, "tensorboard")
+    g.add_argument(
+        "--use-tensorboard",
+        action="store_true",
+        default=False,
+        help="Also write every metric logged to W&B as a TensorBoard scalar, on the same step axis.",
+    )
+    g.add_argument(
+        "--tb-project-name",
+        type=str,
+        default=None,
+        help="Logs go to tensorboard_log/<project>/<experiment> ($TENSORBOARD_DIR, when set, wins).",
+    )
+    g.add_argument(
+        "--tb-experiment-name", type=str, default=None, help="Default: the start time, %%Y%%m%%d_%%H%%M%%S."
+    )
+    return parser
+
+
+def resolve_tb_dir(args, error):
+    """`args.tb_dir`: the one TensorBoard directory of the run (None without --use-tensorboard), resolved once here so
+    every process that logs (trainer, rollout controller) writes into the same run."""
+    args.tb_dir = None
+    if not args.use_tensorboard:
+        return
+    env_dir = os.environ.get("TENSORBOARD_DIR")
+    if args.tb_project_name is None and not env_dir:
+        error(
+            "--use-tensorboard needs --tb-project-name (logs go to tensorboard_log/<project>/<experiment>) or $TENSORBOARD_DIR."
+        )
+    if args.tb_project_name is not None and args.tb_experiment_name is None:
+        args.tb_experiment_name = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
+    args.tb_dir = os.path.abspath(
+        env_dir or os.path.join("tensorboard_log", args.tb_project_name, args.tb_experiment_name)
+    )
 
 
 def add_wandb_arguments(parser):
@@ -488,6 +737,13 @@ def add_debug_arguments(parser):
         default=None,
         help="Path format with {rollout_id}; implies --debug-train-only.",
     )
+    g.add_argument(
+        "--load-debug-rollout-data-subsample",
+        type=float,
+        default=None,
+        help="With --load-debug-rollout-data: replay only this fraction of each dump (half from its start, half "
+        "from its end).",
+    )
     g.add_argument("--debug-rollout-only", action="store_true", default=False, help="No Megatron.")
     g.add_argument("--debug-train-only", action="store_true", default=False, help="No inference engines.")
     g.add_argument("--save-debug-train-data", type=str, default=None, help="Path format with {rollout_id}, {rank}.")
@@ -505,7 +761,10 @@ def add_network_arguments(parser):
 def add_reward_model_arguments(parser):
     g = _Group(parser, "reward model")
     g.add_argument(
-        "--rm-type", type=str, default=None, help="deepscaler | dapo | math | f1 | remote_rm | boxed_<type>."
+        "--rm-type",
+        type=str,
+        default=None,
+        help="deepscaler | dapo | math | f1 | gpqa | random | answer_match | remote_rm | boxed_<type>.",
     )
     g.add_argument("--reward-key", type=str, default=None, help="Key of a dict reward used for training.")
     g.add_argument("--eval-reward-key", type=str, default=None, help="Default: --reward-key.")
@@ -579,6 +838,59 @@ def add_mtp_training_arguments(parser):
     return parser
 
 
+def add_weight_sync_arguments(parser):
+    g = _Group(parser, "weight sync")
+    g.add_argument(
+        "--update-weight-transport",
+        choices=["auto", "broadcast", "nccl", "shm", "disk"],
+        default="auto",
+        help="Disaggregated weight sync: 'broadcast' (current slime: 'nccl') over the weight-update process group "
+        "(NCCL/gloo); 'shm' hands flattened buckets to the engines as shared-memory handles (CPU, engines on the "
+        "trainer's host); 'auto' = shm where it applies, else broadcast; 'disk' writes each version under "
+        "--update-weight-disk-dir and the engines load it with update_weights_from_disk.",
+    )
+    g.add_argument(
+        "--update-weight-mode",
+        choices=["full", "delta"],
+        default="full",
+        help="'delta' (disk only): each version holds compressed differences against the previous one, applied by "
+        "each engine host into --update-weight-local-checkpoint-dir and verified per tensor.",
+    )
+    g.add_argument(
+        "--update-weight-disk-dir",
+        type=str,
+        default=None,
+        help="Directory shared by trainers and engines where disk weight versions are published.",
+    )
+    g.add_argument(
+        "--update-weight-disk-keep-files",
+        action="store_true",
+        default=False,
+        help="Keep every published version (default: older versions are deleted once the engines hold a newer one).",
+    )
+    g.add_argument("--update-weight-delta-encoding", choices=list(DELTA_ENCODINGS), default="xor")
+    g.add_argument("--update-weight-delta-checksum", choices=list(DELTA_CHECKSUMS), default="xxh3-128")
+    g.add_argument(
+        "--update-weight-local-checkpoint-dir",
+        type=str,
+        default=None,
+        help="Engine-host-local full checkpoint kept at the current version by /pull_weights (required by delta).",
+    )
+    return parser
+
+
+def add_linear_attention_arguments(parser):
+    g = _Group(parser, "linear attention")
+    g.add_argument(
+        "--qwen-gdn-backend",
+        choices=["fla", "torch"],
+        default=None,
+        help="Gated DeltaNet kernels of Qwen3-Next / Qwen3.5: fla (flash-linear-attention, GPU) or torch (plain "
+        "torch, any device). Default: fla on GPU, torch on CPU.",
+    )
+    return parser
+
+
 def add_fault_tolerance_arguments(parser):
     g = _Group(parser, "fault tolerance")
     g.add_argument(
@@ -626,6 +938,31 @@ def add_fault_tolerance_arguments(parser):
 def add_ci_arguments(parser):
     g = _Group(parser, "ci")
     g.add_argument("--ci-test", action="store_true", default=False, help="Assert on first-step metrics.")
+    g.add_argument(
+        "--ci-disable-kl-checker",
+        action="store_true",
+        default=False,
+        help="With --ci-test: skip the first-step checks that the policy equals the reference and the rollout "
+        "policy (ppo_kl, pg_clipfrac, kl_loss, log_probs == ref_log_probs).",
+    )
+    g.add_argument(
+        "--ci-train-rollout-logprob-abs-diff-threshold",
+        type=float,
+        default=0.1,
+        help="With --ci-test: every step's train/train_rollout_logprob_abs_diff must be at most this.",
+    )
+    g.add_argument(
+        "--ci-save-grad-norm",
+        type=str,
+        default=None,
+        help="Save each step's grad norm to this path template ({role}, {rollout_id}, {step_id}).",
+    )
+    g.add_argument(
+        "--ci-load-grad-norm",
+        type=str,
+        default=None,
+        help="Assert each step's grad norm matches the one saved at this path template (1%% or 0.01).",
+    )
     return parser
 
 
@@ -634,6 +971,69 @@ def add_custom_megatron_plugins_arguments(parser):
     g.add_argument("--post-self-attn-layernorm", action="store_true", default=False, help="GLM4 extra norm.")
     g.add_argument("--post-mlp-layernorm", action="store_true", default=False, help="GLM4 extra norm.")
     return parser
+
+
+def add_lora_arguments(parser):
+    g = _Group(parser, "lora")
+    g.add_argument(
+        "--enable-lora",
+        action="store_true",
+        default=False,
+        help="Train low-rank adapters on a frozen base model (docs/lora.md).",
+    )
+    g.add_argument("--lora-rank", type=int, default=16, help="Rank r of each adapter.")
+    g.add_argument("--lora-alpha", type=float, default=32, help="Adapters are scaled by alpha / rank.")
+    g.add_argument("--lora-dropout", type=float, default=0.0, help="Dropout on the adapters' input.")
+    g.add_argument(
+        "--lora-target-modules",
+        nargs="+",
+        default=["all-linear"],
+        help="Layers that get adapters: all-linear, Megatron names (linear_qkv linear_proj linear_fc1 linear_fc2) "
+        "or HF names (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj); spaces or commas.",
+    )
+    g.add_argument(
+        "--lora-sync",
+        choices=["merged"],
+        default="merged",
+        help="What a weight update sends the engines: merged = base + adapters as full weights (any engine).",
+    )
+    return parser
+
+
+def lora_validate_args(args, error):
+    """--enable-lora's rules, once the model flags are final: known target modules, 0 < rank <= each layer's
+    smaller side, dense decoder layers without Transformer Engine's fused layers."""
+    if not args.enable_lora:
+        return
+    from slime.backends.megatron_utils.lora import layer_dims, resolve_target_modules  # lazy: megatron-core
+
+    try:
+        targets = resolve_target_modules(args.lora_target_modules)
+    except ValueError as e:
+        error(f"--lora-target-modules: {e}")
+    if args.lora_rank <= 0:
+        error(f"--lora-rank {args.lora_rank} must be positive")
+    dims = layer_dims(args)
+    for t in targets:
+        smallest = min(dims[t])
+        if args.lora_rank > smallest:
+            error(f"--lora-rank {args.lora_rank} must be in 1..{smallest} for {t} (in, out = {dims[t]})")
+    if not 0 <= args.lora_dropout < 1:
+        error(f"--lora-dropout {args.lora_dropout} must be in [0, 1)")
+    if args.multi_latent_attention:
+        error(
+            "--enable-lora: multi-latent attention (DeepSeek-V3 family) is not supported; LoRA covers dense GPT layers"
+        )
+    if args.num_experts and any(t.startswith("mlp.") for t in targets):
+        error(
+            "--enable-lora with --num-experts: adapters on MoE experts are not supported; use "
+            "--lora-target-modules linear_qkv linear_proj (attention only)"
+        )
+    if args.transformer_impl != "local" and transformer_engine_usable():
+        error(
+            "--enable-lora needs megatron-core's local layers (Transformer Engine fuses the norm into linear_qkv / "
+            "linear_fc1): add --transformer-impl local"
+        )
 
 
 def get_slime_extra_args_provider(add_custom_arguments=None):
@@ -646,18 +1046,30 @@ def get_slime_extra_args_provider(add_custom_arguments=None):
             add_data_arguments,
             add_eval_arguments,
             add_algo_arguments,
+            add_loss_variant_arguments,
             add_consistency_arguments,
+            add_critic_arguments,
             add_wandb_arguments,
+            add_tensorboard_arguments,
+            add_metric_arguments,
+            add_partial_training_arguments,
+            add_optimizer_state_arguments,
+            add_train_env_arguments,
+            add_context_length_arguments,
             add_debug_arguments,
             add_sglang_arguments,
             add_network_arguments,
             add_reward_model_arguments,
             add_rollout_buffer_arguments,
             add_custom_megatron_hooks_arguments,
+            add_weight_sync_arguments,
             add_fault_tolerance_arguments,
             add_ci_arguments,
             add_custom_megatron_plugins_arguments,
             add_mtp_training_arguments,
+            add_lora_arguments,
+            add_linear_attention_arguments,
+            add_refused_arguments,  # last: parses the refused upstream flags no group above declares
         ):
             add(parser)
         if "--padded-vocab-size" not in parser._option_string_actions:
@@ -692,6 +1104,13 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
             error(f"--ref-load {args.ref_load} does not exist (needed by --use-kl-loss / --kl-coef).")
         if not _checkpoint_exists(args.ref_load):
             logger.warning("--ref-load %s has no latest_checkpointed_iteration.txt", args.ref_load)
+    # The check compares the first push with the weights the engines loaded from --hf-checkpoint; a resumed run
+    # pushes its checkpoint's (trained) weights, so the comparison would fail for no fault of the weight sync.
+    if args.check_weight_update_equal and args.load is not None and (not check_paths or _checkpoint_exists(args.load)):
+        error(
+            f"--check-weight-update-equal compares the first weight push with --hf-checkpoint's weights, but "
+            f"--load {args.load} resumes from a checkpoint whose weights differ: drop one of the two."
+        )
     # Nothing to resume from: start from the reference weights, fresh optimizer.
     if args.load is None or (check_paths and not _checkpoint_exists(args.load)):
         args.no_load_optim = args.no_load_rng = args.finetune = True
@@ -757,15 +1176,23 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
         else:
             args.actor_num_gpus_per_node = min(8, args.rollout_num_gpus)
             args.actor_num_nodes = args.rollout_num_gpus // args.actor_num_gpus_per_node
-        args.colocate = args.offload = False
-    if asynchronous and (args.colocate or args.offload):
+        args.colocate = args.offload = args.offload_train = args.offload_rollout = False
+    if asynchronous and (args.colocate or args.offload or args.offload_train or args.offload_rollout):
+        flag = "--colocate" if args.colocate else "--offload" if args.offload else "--offload-train/--offload-rollout"
         error(
-            f"{'--colocate' if args.colocate else '--offload'}: train_async.py overlaps generation with training, so "
-            "the trainers and the engines cannot share GPUs; drop it, or use train.py for a colocated run."
+            f"{flag}: train_async.py overlaps generation with training, so the trainers and the engines cannot share "
+            "GPUs; drop it, or use train.py for a colocated run."
         )
-    # colocated engines use exactly the actor GPUs and must offload
+    # --offload is both; colocated trainers and engines offload unless told not to (--no-offload-train/-rollout)
+    for name in ("offload_train", "offload_rollout"):
+        if args.offload:
+            setattr(args, name, True)
+        elif getattr(args, name) is None:
+            setattr(args, name, args.colocate)
+    args.offload = args.offload_train or args.offload_rollout  # user code of slime v0.1.0 reads args.offload
+    args.num_gpus_per_node = args.rollout_num_gpus_per_node  # current slime's name of the field
+    # colocated engines use exactly the actor GPUs
     if args.colocate:
-        args.offload = True
         if args.rollout_num_gpus != actor_total:
             if args.rollout_num_gpus is not None:
                 logger.warning(
@@ -825,6 +1252,11 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
             error("--num-epoch needs the global dataset (drop --disable-rollout-global-dataset or use --num-rollout).")
     elif args.num_rollout is None:
         error("one of --num-rollout or --num-epoch is required.")
+    if args.num_rollout == 0:
+        if args.eval_interval is None:
+            error("--num-rollout 0 runs only the eval before training: set --eval-interval and the eval data.")
+        if asynchronous:
+            error("--num-rollout 0 (an eval-only run): use train.py; train_async.py always trains.")
     if args.save_interval is not None and args.save is None:
         error("--save-interval requires --save (the checkpoint directory).")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
@@ -833,17 +1265,19 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
             "recompute the LR schedule from this run's flags, or keep the checkpoint's, not both."
         )
     _validate_algorithm_and_rollout(args, error)
+    resolve_tb_dir(args, error)
+    check_train_env_vars(args, error)
+    check_optimizer_state_flags(args, error)
+    check_partial_training(args, error)
+    resolve_context_lengths(args, error)
+    if args.qwen_gdn_backend is None:
+        args.qwen_gdn_backend = default_gdn_backend()
     check_mtp(args, error)
+    check_hybrid_model(args, error)
     if args.custom_tis_function_path and not (args.use_tis or args.get_mismatch_metrics):
         error(
             f"--custom-tis-function-path {args.custom_tis_function_path} is called only with --use-tis or "
             "--get-mismatch-metrics; add one."
-        )
-    if args.custom_update_weight_post_write_path:
-        error(
-            "--custom-update-weight-post-write-path runs after current slime's disk weight transport writes a "
-            "weight version; this slime sends weights by broadcast, shared memory or CUDA IPC and never writes "
-            "one: drop the flag."
         )
     _apply_custom_config(args, error, check_paths)
     _validate_consistency(args, error)  # after --custom-config-path, which may set use_tis
@@ -873,8 +1307,10 @@ def _read_yaml(flag, path, error):
 
 def _apply_megatron_config(args, error, check_paths):
     """--megatron-config-path: YAML `megatron: [{name, role, overrides: {dest: value}}]`; the actor role's overrides
-    replace the command-line values (the trainers are the only Megatron role here). Returns the keys set."""
+    replace the command-line values, the critic role's are kept in `args.critic_overrides` for the critic's copy of
+    the arguments (`slime.ray.critic`). Returns the keys set on the actor."""
     path = args.megatron_config_path
+    args.critic_overrides = {}
     if not path or (not check_paths and not os.path.exists(path)):
         return []
     config = _read_yaml("--megatron-config-path", path, error)
@@ -886,8 +1322,12 @@ def _apply_megatron_config(args, error, check_paths):
     overridden = []
     for entry in roles:
         role = entry.get("role", "actor")
-        if role != "actor":
-            error(f"--megatron-config-path {path}: role {role!r}: this slime trains only the actor (no critic / PPO)")
+        if role not in ("actor", "critic"):
+            error(f"--megatron-config-path {path}: role {role!r}: the roles are actor and critic")
+        if role == "critic" and args.advantage_estimator != "ppo":
+            error(
+                f"--megatron-config-path {path}: a critic role needs --advantage-estimator ppo (the only estimator with a critic)"
+            )
         overrides = entry.get("overrides", entry.get("args")) or {}
         for key, value in overrides.items():
             if key in ("num_nodes", "num_gpus_per_node"):  # cluster shape comes from the command line
@@ -900,9 +1340,56 @@ def _apply_megatron_config(args, error, check_paths):
                     value = type(current)(float(value)) if isinstance(current, int) else float(value)
                 except ValueError:
                     error(f"--megatron-config-path {path}: {key}={value!r} is not a number")
+            if role == "critic":  # applied to the critic's copy of the arguments (slime.ray.critic)
+                args.critic_overrides[key] = value
+                continue
             setattr(args, key, value)
             overridden.append(key)
     return overridden
+
+
+_CRITIC_PARALLEL_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
+
+
+def _validate_critic(args, error, user_load, check_paths, asynchronous):
+    """--advantage-estimator ppo: the critic mirrors the actor's GPUs; its parallel sizes must divide them, and a
+    resumed run must find the critic's part of the checkpoint it resumes."""
+    args.use_critic = args.advantage_estimator == "ppo"
+    args.critic_num_nodes, args.critic_num_gpus_per_node = args.actor_num_nodes, args.actor_num_gpus_per_node
+    if not args.use_critic:
+        return
+    # the critic is trained and tested on train.py's disaggregated loop only so far
+    if asynchronous:
+        error("--advantage-estimator ppo: train_async.py does not train a critic yet; use train.py")
+    if args.colocate:
+        error(
+            "--advantage-estimator ppo: the critic does not run colocated yet (--colocate); give the engines GPUs of their own"
+        )
+    if args.value_clip <= 0:
+        error(f"--value-clip {args.value_clip}: the value clip must be > 0")
+    if not 0 <= args.lambd <= 1 or not 0 <= args.gamma <= 1:
+        error(f"--gamma {args.gamma} / --lambd {args.lambd}: both must lie in [0, 1]")
+    if args.num_critic_only_steps < 0:
+        error(f"--num-critic-only-steps {args.num_critic_only_steps} must be >= 0")
+    overrides = args.critic_overrides
+    world = args.actor_num_nodes * args.actor_num_gpus_per_node
+    sizes = {k: int(overrides.get(k, getattr(args, k)) or 1) for k in _CRITIC_PARALLEL_KEYS}
+    product = sizes["tensor_model_parallel_size"] * sizes["pipeline_model_parallel_size"]
+    product *= sizes["context_parallel_size"]
+    if world % product:
+        shown = ", ".join(f"{k}={v}" for k, v in sizes.items())
+        error(
+            f"--megatron-config-path {args.megatron_config_path}: the critic's {shown} (product {product}) does not "
+            f"divide its {world} GPUs (the critic mirrors the actor's --actor-num-nodes x --actor-num-gpus-per-node)"
+        )
+    if check_paths and user_load and _checkpoint_exists(user_load) and not args.finetune:
+        iteration = args.ckpt_step if args.ckpt_step is not None else read_tracker(user_load)
+        critic_dir = checkpoint_dir(os.path.join(user_load, "critic"), iteration)
+        if iteration != "release" and not os.path.isdir(critic_dir):
+            error(
+                f"--load {user_load}: resuming rollout {iteration} with --advantage-estimator ppo, but the critic's "
+                f"checkpoint {critic_dir} is missing"
+            )
 
 
 def _apply_custom_config(args, error, check_paths):
@@ -919,6 +1406,12 @@ def _apply_custom_config(args, error, check_paths):
 
 def _validate_algorithm_and_rollout(args, error):
     """Flag combinations the loss and the default rollout cannot run with, found here instead of mid-run."""
+    if args.advantage_estimator == "cispo" and args.eps_clip < 1:
+        logger.warning(
+            "--advantage-estimator cispo with --eps-clip %s < 1: the importance ratio is also clipped from below "
+            "(canonical CISPO has no lower bound: set --eps-clip >= 1)",
+            args.eps_clip,
+        )
     if args.loss_type == "custom_loss" and not args.custom_loss_function_path:
         error("--loss-type custom_loss needs --custom-loss-function-path pkg.module.fn (the loss to call).")
     if args.advantage_estimator == "rloo" and not args.rewards_normalization:
@@ -1015,6 +1508,7 @@ def parse_args(add_custom_arguments=None, argv=None, *, check_paths=True, asynch
         args = parser.parse_args(argv)
     error = _one_line_error(parser)
     overridden = _apply_megatron_config(args, error, check_paths)
+    refuse_unsupported(args, parser, error)
     user_load = args.load  # validation replaces a --load without a checkpoint by --ref-load
 
     if args.hf_checkpoint:
@@ -1043,19 +1537,68 @@ def parse_args(add_custom_arguments=None, argv=None, *, check_paths=True, asynch
         if not args.debug_rollout_only:
             megatron_validate_args(args, error)
     args.variable_seq_lengths = True
+    lora_validate_args(args, error)
     if args.moe_token_dispatcher_type == "allgather":
         args.moe_token_dispatcher_type = "alltoall"
     # A dry run with --inference-server auto validates for the target machine, whose server we cannot know.
     check_cpu_server = check_paths or args.inference_server == "cpu"
     _resolve_inference_server(args, error)
+    check_weight_sync(args, error, check_paths)
     sglang_validate_args(args, parser, check_cpu_server=check_cpu_server)
     if args.sglang_served_model_name is None:
         # This run's identity: every engine must echo it in /get_server_info before it gets traffic or weights, so a
         # server of another run that happens to answer on an engine's port is never used (see SGLangEngine.init).
         args.sglang_served_model_name = f"slime-run-{secrets.token_hex(8)}"
+    _validate_critic(args, error, user_load, check_paths, asynchronous)
     if check_paths:
         check_inputs(args, error, user_load)
     return args
+
+
+def check_weight_sync(args, error, check_paths):
+    """The disk transport's flags: a writable shared directory, delta's local checkpoint, and the engine endpoint
+    (`/pull_weights`) stock SGLang lacks."""
+    if args.update_weight_transport == "nccl":
+        args.update_weight_transport = "broadcast"
+    disk = args.update_weight_transport == "disk"
+    if args.update_weight_mode == "delta" and not disk:
+        error("--update-weight-mode delta needs --update-weight-transport disk (deltas are files).")
+    if args.custom_update_weight_post_write_path and not disk:
+        error(
+            "--custom-update-weight-post-write-path runs after a disk weight version is written: add "
+            "--update-weight-transport disk, or drop the flag."
+        )
+    if not disk:
+        return
+    if args.colocate:
+        error(
+            "--update-weight-transport disk with --colocate: colocated engines get the weights by tensor handles; "
+            "disk sync is for engines on other GPUs or hosts."
+        )
+    if not args.update_weight_disk_dir:
+        error(
+            "--update-weight-transport disk needs --update-weight-disk-dir (a directory trainers and engines share)."
+        )
+    if args.update_weight_mode == "delta" and not args.update_weight_local_checkpoint_dir:
+        error(
+            "--update-weight-mode delta needs --update-weight-local-checkpoint-dir (the engine host's checkpoint the "
+            "deltas are applied to)."
+        )
+    if args.update_weight_local_checkpoint_dir and args.inference_server == "sglang":
+        error(
+            f"--update-weight-{'mode delta' if args.update_weight_mode == 'delta' else 'local-checkpoint-dir'}: the "
+            "engines must pull each version through /pull_weights, which SGLang 0.5.23 does not have (slime's CPU "
+            "server does); use full disk sync without --update-weight-local-checkpoint-dir on SGLang."
+        )
+    if check_paths:
+        probe = os.path.join(args.update_weight_disk_dir, f".slime-write-probe-{os.getpid()}")
+        try:
+            os.makedirs(args.update_weight_disk_dir, exist_ok=True)
+            with open(probe, "w") as f:
+                f.write("ok")
+            os.remove(probe)
+        except OSError as e:
+            error(f"--update-weight-disk-dir {args.update_weight_disk_dir}: not writable ({e.strerror or e}).")
 
 
 def _one_line_error(parser):

@@ -74,6 +74,7 @@ class Dataset:
         metadata_key="metadata",
         seed=42,
         apply_chat_template=False,
+        apply_chat_template_kwargs=None,
     ):
         data = read_file(path)
         for key, flag in ((prompt_key, "--input-key"), (label_key, "--label-key"), (tool_key, "--tool-key")):
@@ -90,7 +91,9 @@ class Dataset:
                 tools = row[tool_key] if tool_key is not None else None
                 if isinstance(tools, str):  # tools are often stored as a JSON string column
                     tools = json.loads(tools)
-                prompt = tokenizer.apply_chat_template(prompt, tools, tokenize=False, add_generation_prompt=True)
+                prompt = tokenizer.apply_chat_template(
+                    prompt, tools, tokenize=False, add_generation_prompt=True, **(apply_chat_template_kwargs or {})
+                )
             prompts.append(prompt)
             rows.append(row)
 

@@ -12,17 +12,23 @@ decision the device makes for the rest of slime (flag defaults, Ray resources, h
 import functools
 import gc
 import importlib.util
+import logging
 import os
+import warnings
 
 import torch
 
 
-@functools.lru_cache(None)
-def device_type() -> str:
+def _detect_device() -> str:
     forced = os.environ.get("SLIME_DEVICE")
     if forced:
         return forced
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@functools.lru_cache(None)
+def device_type() -> str:
+    return _detect_device()
 
 
 def is_cpu() -> bool:
@@ -97,6 +103,34 @@ def set_rng_state(state) -> None:
 
 # What the device decides for the rest of slime.
 
+# megatron-core warns at import time, in every process that imports it (the driver, each trainer, the rollout
+# controller), that Transformer Engine / Apex are missing and it falls back to torch code. On CPU that fallback is the
+# design, so the warnings are silenced there and the driver says so once instead (`note_cpu_fallbacks`).
+_MISSING_GPU_KERNELS = r"(Transformer Engine and Apex are|Transformer Engine is|Apex is) not installed"
+_noted_cpu_fallbacks = False
+
+
+def quiet_expected_warnings() -> None:
+    """On CPU, drop megatron-core's "Transformer Engine / Apex are not installed" import warnings (expected there);
+    on GPU they stay, as a missing kernel is worth knowing about. Run at `import slime`, before megatron-core. It
+    neither fixes the device (a process may still set SLIME_DEVICE after importing slime) nor asks CUDA (that would
+    initialise the driver in a process that may fork GPU workers later): a CPU-only torch build, or SLIME_DEVICE=cpu,
+    is a CPU run."""
+    forced = os.environ.get("SLIME_DEVICE")
+    if forced == "cpu" or (not forced and not torch.backends.cuda.is_built()):
+        warnings.filterwarnings("ignore", message=_MISSING_GPU_KERNELS, category=UserWarning)
+
+
+def note_cpu_fallbacks(logger: logging.Logger) -> None:
+    """Once per process, on CPU: the one line that replaces megatron-core's per-process warnings."""
+    global _noted_cpu_fallbacks
+    if is_cpu() and not _noted_cpu_fallbacks:
+        _noted_cpu_fallbacks = True
+        logger.warning(  # warning: the level a driver shows without any logging set-up
+            "CPU run: megatron-core uses its PyTorch fallbacks (torch AdamW, torch norms, local multi-tensor ops) "
+            "because Transformer Engine and Apex are GPU-only; this is expected on CPU, not a problem."
+        )
+
 
 def bf16_by_default() -> bool:
     """Whether training defaults to bf16: True on GPU; False on CPU (fp32: CPU bf16 is slow and drifts from HF)."""
@@ -159,3 +193,9 @@ def shared_memory_handles() -> bool:
 def handles_need_sglang() -> bool:
     """Whether tensor handles need SGLang's own serializer: True on GPU (real SGLang); False on CPU (our server)."""
     return not is_cpu()
+
+
+def default_gdn_backend() -> str:
+    """`--qwen-gdn-backend` default: flash-linear-attention's Triton kernels on GPU, the plain-torch chunked rule on
+    CPU (slime_plugins/models/qwen_gdn_backend.py)."""
+    return "torch" if is_cpu() else "fla"

@@ -12,20 +12,45 @@ from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntrop
 KL_LOSS_TYPES = ("kl", "k1", "k2", "k3", "low_var_kl")
 
 
-def compute_approx_kl(log_probs, log_probs_base, kl_loss_type):
-    """Per-token estimate of KL(pi || pi_base) from sampled-token log-probs (Schulman's k1/k2/k3)."""
+def compute_approx_kl(log_probs, log_probs_base, kl_loss_type, importance_ratio=None):
+    """Per-token estimate of KL(pi || pi_base) from sampled-token log-probs (Schulman's k1/k2/k3).
+    `importance_ratio` (pi/pi_old per token, --use-unbiased-kl) weights each token's estimate before the clamp."""
     log_ratio = log_probs.float() - log_probs_base.float()
     if kl_loss_type in ("kl", "k1"):
-        return log_ratio
-    if kl_loss_type == "k2":
-        return log_ratio**2 / 2.0
-    if kl_loss_type in ("k3", "low_var_kl"):
+        kl = log_ratio
+    elif kl_loss_type == "k2":
+        kl = log_ratio**2 / 2.0
+    elif kl_loss_type in ("k3", "low_var_kl"):
         kl = torch.exp(-log_ratio) - 1 + log_ratio
+    else:
+        kl = None
+    if kl is not None:
+        if importance_ratio is not None:
+            kl = importance_ratio * kl
         # low_var_kl is k3 clamped so a single outlier token cannot blow up the loss
         return kl.clamp(min=-10, max=10) if kl_loss_type == "low_var_kl" else kl
     raise ValueError(
         f"unknown kl_loss_type {kl_loss_type!r} (--kl-loss-type); expected one of {', '.join(KL_LOSS_TYPES)}"
     )
+
+
+def compute_cispo_loss(ppo_kl, log_probs, advantages, eps_clip, eps_clip_high):
+    """CISPO (MiniMax-M1): `-sg(clip(ratio, 1 - eps_clip, 1 + eps_clip_high)) * A * logp` per token, so a clipped
+    token still passes gradient (through logp). Returns `(pg_losses, clipfrac)`; `ppo_kl = old - new` log-probs."""
+    ratio = (-ppo_kl).exp()
+    clipped = ratio.clamp(1 - eps_clip, 1 + eps_clip_high)
+    return -clipped.detach() * advantages * log_probs, (clipped != ratio).float()
+
+
+def compute_opsm_mask(log_probs, old_log_probs, advantages, loss_masks, delta):
+    """Off-Policy Sequence Masking (DeepSeek-V3.2), per sample: 0 for every token of a sample whose advantage is
+    negative and whose masked mean of (old - new) log-prob exceeds `delta`, else 1. Lists of per-sample tensors in,
+    one concatenated per-token mask out."""
+    masks = []
+    for new, old, adv, m in zip(log_probs, old_log_probs, advantages, loss_masks):
+        seq_kl = ((old - new.detach()) * m).sum() / torch.clamp_min(m.sum(), 1)
+        masks.append(1 - ((adv < 0) & (seq_kl > delta)).to(new.dtype))
+    return torch.cat(masks) if masks else torch.zeros(0)
 
 
 def compute_policy_loss(ppo_kl, advantages, eps_clip, eps_clip_high, eps_clip_c=None):
@@ -129,37 +154,122 @@ def compute_entropy_from_logits(logits, process_group):
     return _VocabParallelEntropy.apply(logits, process_group)
 
 
+def compute_value_loss(values, old_values, returns, value_clip):
+    """PPO's clipped value loss per token: `max((V - R)^2, (V_clip - R)^2)` with `V_clip` = the old value plus the
+    change clamped to `[-value_clip, value_clip]`. Returns `(losses, clipfrac)`, clipfrac 1 where the change
+    exceeded the clip."""
+    clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
+    losses = torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
+    clipfrac = ((values - old_values).abs() > value_clip).float()
+    return losses, clipfrac
+
+
 def get_grpo_returns(rewards, kl):
     """GRPO/GSPO: every token's return is the (group-normalised upstream) sequence reward; KL is not subtracted."""
     return [torch.ones_like(kl[i]) * rewards[i] for i in range(len(rewards))]
 
 
-def _discounted_returns(token_rewards, gamma, chunk=256):
-    """G_t = r_t + gamma * G_{t+1}, computed chunk by chunk with a triangular matrix of non-negative powers of gamma
-    (no Python loop over tokens, and no gamma**-t overflow)."""
-    if gamma == 1.0:
-        return token_rewards.flip(0).cumsum(0).flip(0)
-    n = token_rewards.size(0)
-    idx = torch.arange(min(chunk, n), device=token_rewards.device, dtype=token_rewards.dtype)
-    expo = idx[None, :] - idx[:, None]  # k - t
-    powers = torch.pow(gamma, expo.clamp(min=0)) * (expo >= 0)
-    out = torch.empty_like(token_rewards)
-    carry = token_rewards.new_zeros(())
-    for end in range(n, 0, -chunk):
-        start = max(0, end - chunk)
-        m = end - start
-        tail = powers[:m, m - 1] * gamma  # gamma**(end - t) for the carried-in G_end
-        out[start:end] = powers[:m, :m] @ token_rewards[start:end] + tail * carry
-        carry = out[start]
+def _pad_rows(rows, dtype=None):
+    """Right-pad 1-D tensors into a `[B, max_len]` zero tensor (an empty batch gives `[0, 0]`)."""
+    width = max((r.size(0) for r in rows), default=0)
+    ref = rows[0] if rows else torch.zeros(0)
+    out = ref.new_zeros(len(rows), width, dtype=dtype or ref.dtype)
+    for i, r in enumerate(rows):
+        out[i, : r.size(0)] = r
     return out
 
 
+def chunked_discounted_returns(rewards, discount, chunk_size=128):
+    """`G[:, t] = rewards[:, t] + discount * G[:, t + 1]` over a `[B, T]` batch (G = 0 past the end).
+
+    Each chunk of `chunk_size` steps is one matrix product with a triangular matrix of non-negative powers of
+    `discount` (never `discount**-t`, which overflows); only the carry between chunks is sequential, so the Python
+    loop runs T / chunk_size times. Right-padding with zeros leaves each row's returns unchanged.
+    """
+    assert rewards.ndim == 2, f"rewards must be [B, T], got {tuple(rewards.shape)}"
+    B, T = rewards.shape
+    if T == 0:
+        return rewards.clone()
+    size = min(chunk_size, T)
+    idx = torch.arange(size, device=rewards.device)
+    expo = idx[None, :] - idx[:, None]  # column k minus row t: G_t takes r_k with discount**(k - t), k >= t
+    powers = torch.pow(
+        torch.tensor(discount, dtype=rewards.dtype, device=rewards.device), expo.clamp(min=0).to(rewards.dtype)
+    ) * (expo >= 0)
+    out = torch.empty_like(rewards)
+    carry = rewards.new_zeros(B)
+    for end in range(T, 0, -size):
+        start = max(0, end - size)
+        m = end - start
+        block = rewards[:, start:end] @ powers[:m, :m].T
+        # the carried-in G_end reaches step t with discount**(end - t)
+        out[:, start:end] = block + carry[:, None] * (powers[:m, m - 1] * discount)
+        carry = out[:, start]
+    return out
+
+
+def vanilla_gae(rewards, values, gamma, lambd):
+    """Reference GAE over `[B, T]` token rewards and values, one step at a time (V = 0 past the end).
+    Returns `(advantages, returns)` with `returns = advantages + values`."""
+    B, T = rewards.shape
+    last = rewards.new_zeros(B)
+    advantages = torch.empty_like(rewards)
+    for t in reversed(range(T)):
+        next_value = values[:, t + 1] if t + 1 < T else 0.0
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        last = delta + gamma * lambd * last
+        advantages[:, t] = last
+    return advantages, advantages + values
+
+
+def chunked_gae(rewards, values, gamma, lambd, chunk_size=128):
+    """GAE over `[B, T]`: the TD errors `r_t + gamma V_{t+1} - V_t` discounted by `gamma * lambd`
+    (`chunked_discounted_returns`). Returns `(advantages, returns)`; matches `vanilla_gae`."""
+    assert rewards.shape == values.shape, f"rewards {tuple(rewards.shape)} vs values {tuple(values.shape)}"
+    next_values = torch.cat([values[:, 1:], values.new_zeros(values.size(0), 1)], dim=1)
+    deltas = rewards + gamma * next_values - values
+    advantages = chunked_discounted_returns(deltas, gamma * lambd, chunk_size)
+    return advantages, advantages + values
+
+
+@torch.no_grad()
+def get_advantages_and_returns_batch(
+    total_lengths, response_lengths, values_list, rewards_list, gamma, lambd, chunked=True
+):
+    """Batched GAE over per-sample response tensors (`values_list[i]`, `rewards_list[i]`: `[response_lengths[i]]`).
+    The samples are right-padded into one batch; the value past a response's end is 0. Returns
+    `(advantages_list, returns_list)` of the same shapes.
+
+    Each rank holds whole responses (the trainer gathers values and log-probs across context-parallel ranks), so
+    no CP slicing is needed here; `total_lengths` is kept for slime's signature.
+    """
+    if not values_list:
+        return [], []
+    values = _pad_rows([v.float() for v in values_list])
+    rewards = _pad_rows([r.float() for r in rewards_list])
+    gae = chunked_gae if chunked else vanilla_gae
+    advantages, returns = gae(rewards, values, gamma, lambd)
+    lengths = [v.size(0) for v in values_list]
+    return [advantages[i, :n] for i, n in enumerate(lengths)], [returns[i, :n] for i, n in enumerate(lengths)]
+
+
+def get_ppo_token_rewards(rewards, kl, kl_coef):
+    """PPO's token rewards: the KL penalty `-kl_coef * kl` on every response token, and the scalar reward added on
+    the last one."""
+    token_rewards = []
+    for reward, per_token_kl in zip(rewards, kl):
+        r = -kl_coef * per_token_kl.float()
+        if r.numel():
+            r[-1] += reward
+        token_rewards.append(r)
+    return token_rewards
+
+
 def get_reinforce_plus_plus_returns(rewards, kl, loss_masks, response_lengths, total_lengths, kl_coef, gamma):
-    """REINFORCE++: token rewards `-kl_coef * kl`, the sequence reward added at the last loss-masked-in token, then
-    discounted returns `G_t = r_t + gamma * G_{t+1}` over the response."""
-    returns = []
+    """REINFORCE++: token rewards `-kl_coef * kl` on the loss-masked-in tokens, the sequence reward added at the last
+    loss-masked-in token, then discounted returns `G_t = r_t + gamma * G_{t+1}` over the response (batched)."""
+    token_rewards = []
     for i in range(len(rewards)):
-        token_rewards = -kl_coef * kl[i].float()
         mask = loss_masks[i]
         nonzero = mask.nonzero(as_tuple=True)[0]
         if nonzero.numel() == 0:
@@ -167,9 +277,14 @@ def get_reinforce_plus_plus_returns(rewards, kl, loss_masks, response_lengths, t
                 f"REINFORCE++ needs at least one loss-masked-in response token, but sample {i} of this batch "
                 f"(response length {response_lengths[i]}, total length {total_lengths[i]}) has an all-zero loss mask"
             )
-        token_rewards[nonzero[-1]] += rewards[i]
-        returns.append(_discounted_returns(token_rewards, gamma))
-    return returns
+        # tokens outside the loss mask (tool output, observations) are not the policy's: no KL penalty on them
+        r = -kl_coef * kl[i].float() * mask.float()
+        r[nonzero[-1]] += rewards[i]
+        token_rewards.append(r)
+    if not token_rewards:
+        return []
+    returns = chunked_discounted_returns(_pad_rows(token_rewards), gamma)
+    return [returns[i, : r.size(0)] for i, r in enumerate(token_rewards)]
 
 
 def get_reinforce_plus_plus_baseline_advantages(rewards, kl, loss_masks, kl_coef):

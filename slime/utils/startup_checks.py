@@ -200,10 +200,14 @@ VALUE_RANGES = (
     ("rollout_max_response_len", _at_least(1), "the token budget of a response"),
     ("eval_max_response_len", _at_least(1), "the token budget of an eval response"),
     ("rollout_max_prompt_len", _at_least(1), "prompts longer than this are dropped"),
+    ("rollout_max_context_len", _at_least(2), "a prompt token and a response token"),
+    ("eval_max_context_len", _at_least(2), "a prompt token and a response token"),
+    ("eval_max_prompt_len", _at_least(1), "eval prompts longer than this are dropped"),
+    ("load_debug_rollout_data_subsample", ((lambda v: 0 < v <= 1), "in (0, 1]"), "the fraction of a dump replayed"),
     ("global_batch_size", _at_least(1), "samples per optimizer step"),
     ("micro_batch_size", _at_least(1), "samples per forward pass"),
     ("num_steps_per_rollout", _at_least(1), "optimizer steps per rollout"),
-    ("num_rollout", _at_least(1), "rollouts to train"),
+    ("num_rollout", _at_least(0), "rollouts to train; 0 with --eval-interval evaluates only"),
     ("num_epoch", _at_least(1), "epochs over --prompt-data"),
     ("over_sampling_batch_size", _at_least(1), "prompts submitted per round"),
     ("actor_num_nodes", _at_least(1), "nodes of training actors"),
@@ -396,6 +400,7 @@ def check_prompt_data(args, error):
                 tool_key=file.tool_key,
                 metadata_key=file.metadata_key,
                 apply_chat_template=file.apply_chat_template and tokenizer is not None,
+                apply_chat_template_kwargs=args.apply_chat_template_kwargs,
             )
         except Exception as e:  # noqa: BLE001  (datasets / tokenizers raise many types; each names the file or row)
             error(f"{flag} {one_line(e)}")

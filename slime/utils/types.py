@@ -1,10 +1,13 @@
-"""Core rollout types: `Sample` (one prompt + response trajectory) and `ParamInfo` (weight-sync metadata)."""
+"""Core rollout types: `Sample` (one prompt + response trajectory), `TrainData` (what a rollout hands the trainers)
+and `ParamInfo` (weight-sync metadata)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from enum import Enum
-from typing import Any, Optional, Union
+from typing import Any, Optional, TypedDict, Union
+
+import numpy as np
 
 from slime.utils.top_p_replay import append_kept_sets
 
@@ -163,5 +166,33 @@ class ParamInfo:
     size: int
     src_rank: int
 
+
+# ---------------------------------------------------------------------------------------------- train data
+# The rollout -> trainer contract, declared once: what `RolloutController.generate` puts in the object store (built
+# by `slime.rollout.train_data.convert_samples_to_train_data`, or a --custom-convert-samples-to-train-data-path
+# function) and what every trainer rank reads (`slime.backends.megatron_utils.rollout_data`). One entry per sample in
+# every list, in the same order.
+
+
+class _RequiredTrainData(TypedDict):
+    tokens: list[np.ndarray]  # int64 prompt + response ids
+    response_lengths: list[int]
+    rewards: list[float]  # what the advantages use (group-normalised for GRPO-style estimators)
+    raw_reward: list  # the grader's value, for logging
+    truncated: list[int]  # 1 if the response hit --rollout-max-response-len
+    sample_indices: list[int]  # `Sample.index`: global, increasing; each is trained once
+    loss_masks: list[np.ndarray]  # int32 over the response tokens; all zero for a removed sample
+
+
+class TrainData(_RequiredTrainData, total=False):
+    rollout_log_probs: list[np.ndarray]  # float32 over the response tokens, as the engine sampled them
+    round_number: list[int]  # from `Sample.metadata["round_number"]` (multi-turn rollouts)
+    metadata: list  # `Sample.train_metadata`, for --rollout-data-postprocess-path and custom losses
+    rollout_top_p_token_ids: list[np.ndarray]  # int32: each step's kept token set, concatenated (top-p/top-k replay)
+    rollout_top_p_token_offsets: list[np.ndarray]  # int32: where each step's set starts in the ids (one more entry)
+
+
+TRAIN_DATA_KEYS = tuple(_RequiredTrainData.__annotations__)  # every converter must return these
+OPTIONAL_TRAIN_DATA_KEYS = tuple(k for k in TrainData.__annotations__ if k not in TRAIN_DATA_KEYS)
 
 RolloutBatch = dict[str, list]

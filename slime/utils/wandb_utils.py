@@ -16,6 +16,7 @@ METRIC_AXES = {
     "multi_turn": "rollout/step",
     "passrate": "rollout/step",
     "perf": "rollout/step",
+    "error_cat": "rollout/step",
     "eval": "eval/step",
 }
 STEP_KEYS = sorted(set(METRIC_AXES.values()))
@@ -129,7 +130,8 @@ def get_step(args, family: str, step: int) -> int:
 
 
 def log(args, metrics: dict, step_key: str, step=None):
-    """Log `metrics` against `step_key` (one of train/step, rollout/step, eval/step). No-op without --use-wandb.
+    """Log `metrics` against `step_key` (one of train/step, rollout/step, eval/step) to W&B (--use-wandb) and
+    TensorBoard (--use-tensorboard, the same scalars at the same step).
 
     The step is `step` if given, else `metrics[step_key]`. Returns the dict that was (or would have been) logged.
     """
@@ -149,4 +151,8 @@ def log(args, metrics: dict, step_key: str, step=None):
                 "init_wandb_secondary(args, run_id) (actors) first"
             )
         wandb.log(record)
+    if args.use_tensorboard:
+        from slime.observability import tensorboard_utils  # heavy (tensorboard): only with --use-tensorboard
+
+        tensorboard_utils.log(args, record, step_key)
     return record

@@ -160,6 +160,7 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
             ("/update_weights_from_distributed", self.update_weights_from_distributed),
             ("/update_weights_from_tensor", self.update_weights_from_tensor),
             ("/update_weights_from_disk", self.update_weights_from_disk),
+            ("/pull_weights", self.pull_weights),
             ("/begin_weight_update", self.begin_weight_update),
             ("/end_weight_update", self.end_weight_update),
             ("/update_weight_version", self.update_weight_version),

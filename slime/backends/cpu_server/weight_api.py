@@ -10,6 +10,7 @@ import torch.distributed as dist
 from aiohttp import web
 
 from slime.backends.sglang_utils.contract import load_contract
+from slime.utils.disk_delta import PullError, pull_version
 from slime.utils.distributed_utils import init_process_group, seconds
 from slime.utils.tensor_serialization import FlattenedTensorBucket, MultiprocessingSerializer
 
@@ -186,6 +187,22 @@ class WeightAPI:
         return web.json_response(
             {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
         )
+
+    async def pull_weights(self, request):
+        """slime's `/pull_weights` (its patched SGLang's endpoint): bring the host-local checkpoint to a published
+        version; `update_weights_from_disk` then loads it. Files only: generation goes on meanwhile."""
+        b = await self._body(request)
+        src, local, version = b.get("source_dir"), b.get("local_checkpoint_dir"), b.get("target_version")
+        if not isinstance(local, str) or not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise RequestError("pull_weights needs local_checkpoint_dir (a path) and target_version (an integer >= 0)")
+        if version > 0 and not isinstance(src, str):
+            raise RequestError("pull_weights needs source_dir (the published versions) for a target_version > 0")
+        loop = asyncio.get_running_loop()
+        try:
+            result = await loop.run_in_executor(None, pull_version, src, local, version, self.model_path)
+        except PullError as e:
+            raise WeightError(f"pull_weights v{version}: {e}") from None
+        return web.json_response({"success": True, "message": f"local checkpoint at version {version}", **result})
 
     def _require_session(self, what):
         if not self.weight_session_open:

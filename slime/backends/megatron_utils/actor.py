@@ -26,12 +26,12 @@ from slime.utils.wandb_utils import init_wandb_secondary
 from . import initialize as megatron_init
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import get_data_iterator, log_rollout_data
-from .loss import compute_advantages_and_returns
+from .loss import compute_advantages_and_returns, get_values
 from .megatron_to_hf import resolve_model_name
 from .model import forward_only, initialize_model_and_optimizer, log
 from .model import train as train_steps
 from .param_utils import named_parameters
-from .update_weight_utils import UpdateWeightFromDistributed, UpdateWeightFromTensor
+from .update_weight_utils import UpdateWeightFromDisk, UpdateWeightFromDistributed, UpdateWeightFromTensor
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,11 @@ class MegatronTrainRayActor(TrainRayActor):
 
         self.model, self.optimizer, self.opt_param_scheduler, iteration = initialize_model_and_optimizer(args, role)
         start_rollout_id = iteration + 1
+        self._offload_backup = None
+        if role == "critic":  # no engines, no reference: only the model, asleep between its train steps
+            self.sleep(("model",))
+            Timer().start("train_wait")
+            return start_rollout_id
 
         self.weights = {"actor": {}}
         self.update_cpu_params_dict(self.weights["actor"])
@@ -75,7 +80,10 @@ class MegatronTrainRayActor(TrainRayActor):
             self.weights["old_actor"] = _clone_dict(self.weights["actor"])
             self.weights["rollout_actor"] = _clone_dict(self.weights["actor"])
 
-        updater_cls = UpdateWeightFromTensor if args.colocate else UpdateWeightFromDistributed
+        if args.update_weight_transport == "disk":
+            updater_cls = UpdateWeightFromDisk
+        else:
+            updater_cls = UpdateWeightFromTensor if args.colocate else UpdateWeightFromDistributed
         self.weight_updator = updater_cls(
             args,
             self.model,
@@ -89,8 +97,7 @@ class MegatronTrainRayActor(TrainRayActor):
             self.rollout_data_postprocess = load_rollout_data_postprocess(args.rollout_data_postprocess_path)
         # weights before rollout r are version r + 1, also after a resume: the first push is start_rollout_id + 1
         self.weight_updator.weight_version = start_rollout_id
-        self._offload_backup = None
-        if args.offload:
+        if args.offload_train:
             self.sleep(("model",))
         Timer().start("train_wait")
         return start_rollout_id
@@ -216,18 +223,21 @@ class MegatronTrainRayActor(TrainRayActor):
         self.update_gpu_params_dict(self.weights[tag])
         return forward_only(self.args, self.model, data_iterator, num_microbatches, store_prefix=store_prefix)
 
-    def train(self, rollout_id, rollout_data_ref):
-        """Train on one rollout (`Box(ObjectRef)` of the train-data dict). Returns `{"rollout": {...}, "train": [...]}`."""
+    def train(self, rollout_id, rollout_data_ref, values_ref=None):
+        """Train on one rollout (`Box(ObjectRef)` of the train-data dict). Returns `{"rollout": {...}, "train": [...]}`.
+        With a critic, `values_ref` (`Box` of `{"values": [...]}` in rollout order) holds its values for GAE."""
         args = self.args
         if "train_wait" in Timer().start_time:
             Timer().end("train_wait")
         if args.debug_rollout_only:  # rollout debugging: the data is produced and dropped here
             return {}
-        if args.offload:
+        if self.role == "critic":
+            return self.train_critic(rollout_id, rollout_data_ref)
+        if args.offload_train:
             self.wake_up(("model",))
         dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
         with timer("data_preprocess"):
-            rollout_data = process_rollout_data(args, rollout_data_ref, dp_rank, dp_size)
+            rollout_data = process_rollout_data(args, rollout_data_ref, dp_rank, dp_size, values_ref)
             data_iterator, num_microbatches = get_data_iterator(args, self.model, rollout_data)
 
         if args.compute_advantages_and_returns:
@@ -240,7 +250,13 @@ class MegatronTrainRayActor(TrainRayActor):
                     rollout_data.update(self.compute_log_prob(tag, data_iterator, num_microbatches))
                     if tag != "actor":
                         self.update_gpu_params_dict(self.weights["actor"])
-            if args.ci_test and rollout_id == 0 and "ref_log_probs" in rollout_data and "log_probs" in rollout_data:
+            if (
+                args.ci_test
+                and not args.ci_disable_kl_checker
+                and rollout_id == 0
+                and "ref_log_probs" in rollout_data
+                and "log_probs" in rollout_data
+            ):
                 for lp, ref in zip(rollout_data["log_probs"], rollout_data["ref_log_probs"]):
                     assert torch.equal(lp, ref), "--ci-test: rollout 0 log_probs differ from ref_log_probs"
             compute_advantages_and_returns(args, rollout_data)
@@ -274,6 +290,46 @@ class MegatronTrainRayActor(TrainRayActor):
         Timer().start("train_wait")
         return {"rollout": rollout_metrics, "train": history, "perf": perf}
 
+    def train_critic(self, rollout_id, rollout_data_ref):
+        """One rollout of the critic: its values (before the update: PPO's old values, for the actor's GAE too), GAE
+        returns from them, then optimizer steps on the clipped value loss. Returns `{"values": {global sample
+        index: array}}` from one rank per data-parallel shard, and its metrics."""
+        args = self.args
+        self.wake_up(("model",))
+        dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+        with timer("data_preprocess"):
+            rollout_data = process_rollout_data(args, rollout_data_ref, dp_rank, dp_size)
+            data_iterator, num_microbatches = get_data_iterator(args, self.model, rollout_data)
+        with timer("critic_values"):
+            rollout_data.update(forward_only(args, self.model, data_iterator, num_microbatches, post_fn=get_values))
+        metrics, values = {}, {}
+        if "values" in rollout_data:  # the last pipeline stage
+            compute_advantages_and_returns(args, rollout_data)
+            metrics = _value_metrics(rollout_data)
+            if mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_context_parallel_rank() == 0:
+                values = {
+                    int(i): v.float().cpu().numpy()
+                    for i, v in zip(rollout_data["global_indices"], rollout_data["values"])
+                }
+        with timer("critic_train"):
+            history = train_steps(
+                args,
+                rollout_id,
+                self.model,
+                self.optimizer,
+                self.opt_param_scheduler,
+                data_iterator,
+                num_microbatches,
+                role="critic",
+            )
+        self.sleep(("model",))
+        report = {"rollout": metrics, "train": history} if megatron_init.is_megatron_main_rank() else {}
+        if report and metrics:
+            log(args, {**metrics, "rollout/step": rollout_id}, "rollout/step")
+        Timer().reset()
+        Timer().start("train_wait")
+        return {"values": values, **report}
+
     def save_model(self, iteration, with_optimizer=True, commit=True):
         """Write this rank's part of checkpoint `iteration`; `commit=False` leaves the tracker to the driver."""
         if self.args.debug_rollout_only:
@@ -295,7 +351,7 @@ class MegatronTrainRayActor(TrainRayActor):
 
     # ---- weight sync (delegated to update_weight_utils) ---------------------------------------------------------
     def connect_rollout_engines(self, rollout_engines, rollout_engine_lock):
-        if self.args.debug_rollout_only:  # no Megatron model: engines keep the HF weights
+        if self.args.debug_rollout_only or self.role == "critic":  # no Megatron model / not served
             return
         self.weight_updator.connect_rollout_engines(rollout_engines, rollout_engine_lock)
         dist.barrier(group=megatron_init.get_gloo_group())
@@ -358,6 +414,26 @@ def _perf_metrics():
     if "train_wait" in times and busy + times["train_wait"] > 0:
         perf["perf/wait_time_ratio"] = times["train_wait"] / (busy + times["train_wait"])
     return perf
+
+
+def _value_metrics(rollout_data):
+    """The critic's `rollout/critic_value_mean` and `rollout/critic_explained_variance` (1 - Var(R - V) / Var(R))
+    over every loss-masked-in token of the rollout (summed over data-parallel ranks)."""
+    v = torch.cat(rollout_data["values"]).float()
+    r = torch.cat(rollout_data["returns"]).float()
+    m = torch.cat(rollout_data["loss_masks"]).float()
+    sums = torch.stack([m.sum(), (v * m).sum(), (r * m).sum(), (r * r * m).sum(), (r - v).mul(m).sum()])
+    sums = torch.cat([sums, ((r - v) ** 2 * m).sum()[None]])
+    dist.all_reduce(sums, group=mpu.get_data_parallel_group())
+    n, sv, sr, srr, sd, sdd = sums.tolist()
+    if n == 0:
+        return {}
+    var_r = srr / n - (sr / n) ** 2
+    var_d = sdd / n - (sd / n) ** 2
+    return {
+        "rollout/critic_value_mean": sv / n,
+        "rollout/critic_explained_variance": 1 - var_d / var_r if var_r > 0 else float("nan"),
+    }
 
 
 def _clone_dict(params):

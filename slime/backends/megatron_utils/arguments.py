@@ -16,6 +16,7 @@ from slime.utils.device import (
     default_transformer_impl,
     dist_backend,
     gradient_accumulation_fusion_by_default,
+    note_cpu_fallbacks,
     sequence_parallel_possible,
 )
 
@@ -42,6 +43,26 @@ def moe_freq_type(x):
     if not isinstance(value, list):
         raise argparse.ArgumentTypeError(f"{x!r} does not evaluate to a list")
     return value
+
+
+def add_hybrid_model_arguments(parser):
+    """Megatron flags of the Qwen3-Next / Qwen3.5 layers (gated attention, gated shared expert)."""
+    g = parser.add_argument_group("megatron: gated attention and shared-expert gate")
+    g.add_argument(
+        "--attention-output-gate",
+        action="store_true",
+        default=False,
+        help="Attention output multiplied by sigmoid(gate), the gate projected with q (Qwen3-Next, Qwen3.5).",
+    )
+    g.add_argument(
+        "--use-gated-attention", action="store_true", default=False, help="Same as --attention-output-gate."
+    )
+    g.add_argument(
+        "--moe-shared-expert-gate",
+        action="store_true",
+        default=False,
+        help="Shared-expert output multiplied by sigmoid(x . w) (Qwen3-Next, Qwen3.5 MoE).",
+    )
 
 
 def add_megatron_arguments(parser):
@@ -147,6 +168,7 @@ def add_megatron_arguments(parser):
         "--mtp-num-layers", type=int, default=None, help="Multi-token-prediction layers (MiMo, DeepSeek-V3)."
     )
     g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1, help="Weight of the MTP loss.")
+    add_hybrid_model_arguments(parser)
 
     g = parser.add_argument_group("megatron: mixture of experts")
     g.add_argument("--num-experts", type=int, default=None)
@@ -393,6 +415,13 @@ _FIXED_ROPE_PARAMS = {
 }
 
 
+# HF model_type -> the layer spec (module, function) that builds it: transformers modules in Megatron layers.
+HYBRID_SPECS = {
+    "qwen3_next": ("slime_plugins.models.qwen3_next", "get_qwen3_next_spec"),
+    "qwen3_5_text": ("slime_plugins.models.qwen3_5", "get_qwen3_5_spec"),
+}
+
+
 def hf_architecture(cfg) -> dict:
     """Megatron flag values (by dest) that describe the HF model `cfg` (Qwen2/3, Llama 2/3, Qwen3-MoE, GLM-4,
     GLM-4.5, DeepSeek-V3, MiMo). Raises ValueError for HF settings Megatron cannot reproduce."""
@@ -466,6 +495,23 @@ def hf_architecture(cfg) -> dict:
         )
         if getattr(cfg, "shared_expert_intermediate_size", None):
             arch["moe_shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
+    if model_type in HYBRID_SPECS:  # Gated DeltaNet layers between gated full-attention layers
+        from slime_plugins.models.qwen3_next import hybrid_layer_types  # heavy (transformers modeling)
+
+        for i, kind in enumerate(hybrid_layer_types(cfg)):
+            if kind not in ("linear_attention", "full_attention"):
+                raise ValueError(f"layer_types[{i}]={kind!r} is not a layer type slime can build for {model_type!r}")
+        arch.update(spec=list(HYBRID_SPECS[model_type]), apply_layernorm_1p=True, attention_output_gate=True)
+        if arch.get("num_experts"):
+            sparse = [
+                0 if i in (getattr(cfg, "mlp_only_layers", None) or []) or (i + 1) % cfg.decoder_sparse_step else 1
+                for i in range(cfg.num_hidden_layers)
+            ]
+            arch.update(
+                moe_layer_freq=sparse,
+                moe_shared_expert_gate=True,
+                moe_router_pre_softmax=not getattr(cfg, "norm_topk_prob", True),
+            )
     if getattr(cfg, "n_routed_experts", None):  # DeepSeek-V3 / GLM-4.5 routing
         if not getattr(cfg, "norm_topk_prob", True):
             raise ValueError("norm_topk_prob=False: Megatron-Core always renormalises sigmoid top-k scores")
@@ -523,6 +569,9 @@ _HF_CHECKS = (
     ("n_group", "--moe-router-num-groups", "moe_router_num_groups"),
     ("topk_group", "--moe-router-group-topk", "moe_router_group_topk"),
     ("model_type", "--multi-latent-attention", "multi_latent_attention"),
+    ("model_type", "--attention-output-gate", "attention_output_gate"),
+    ("model_type", "--apply-layernorm-1p", "apply_layernorm_1p"),
+    ("shared_expert_gate", "--moe-shared-expert-gate", "moe_shared_expert_gate"),
     ("q_lora_rank", "--q-lora-rank", "q_lora_rank"),
     ("kv_lora_rank", "--kv-lora-rank", "kv_lora_rank"),
     ("qk_nope_head_dim", "--qk-head-dim", "qk_head_dim"),
@@ -542,6 +591,9 @@ _BOOL_FLAGS = {
     "rotary_interleaved",
     "multi_latent_attention",
     "moe_router_enable_expert_bias",
+    "attention_output_gate",
+    "apply_layernorm_1p",
+    "moe_shared_expert_gate",
 }
 
 
@@ -558,6 +610,8 @@ def _hf_mismatches(args, arch, cfg):
         mine = getattr(args, dest)
         if dest == "num_query_groups" and not args.group_query_attention:
             mine = args.num_attention_heads
+        if dest == "attention_output_gate":
+            mine = mine or args.use_gated_attention
         if dest == "rope_scaling_factor" and not arch.get("use_rope_scaling"):
             continue
         if dest == "moe_layer_freq" and hf_value is not None and args.num_layers:
@@ -624,6 +678,7 @@ def apply_hf_config(args, error, check_paths, given=frozenset()):
     if args.model_name is None:
         args.model_name = type(cfg).__name__.lower()
     _dropout_from_hf(args, cfg, given)
+    cfg = getattr(cfg, "text_config", None) or cfg  # vision-language checkpoints: the decoder's config
     if not hasattr(cfg, "num_hidden_layers") or not hasattr(cfg, "num_attention_heads"):
         return  # not a decoder LLM config we know how to map; Megatron flags must be given
     try:
@@ -674,6 +729,19 @@ def set_default_megatron_args(args):
         args.tokenizer_model = args.hf_checkpoint
         args.tokenizer_type = "HuggingFaceTokenizer"
     return args
+
+
+def check_hybrid_model(args, error):
+    """Start-up checks of the layer specs that wrap transformers modules (slime_plugins/models/qwen3_*.py)."""
+    args.attention_output_gate = bool(args.attention_output_gate or args.use_gated_attention)
+    if not args.spec or tuple(args.spec) not in HYBRID_SPECS.values():
+        return
+    from slime_plugins.models.hf_attention import check_parallelism  # heavy (megatron)
+    from slime_plugins.models.qwen_gdn_backend import gdn_backend_problem
+
+    problem = check_parallelism(args, args.spec[0]) or gdn_backend_problem(args.qwen_gdn_backend)
+    if problem:
+        error(problem + ".")
 
 
 def check_mtp(args, error):
@@ -803,6 +871,7 @@ def megatron_validate_args(args, error):
         logger.warning("--sequence-parallel ignored on CPU (needs Transformer Engine / Apex norms)")
         args.sequence_parallel = False
     args.params_dtype = torch.half if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
+    note_cpu_fallbacks(logger)
 
 
 def _check_lr_warmup(args, error):

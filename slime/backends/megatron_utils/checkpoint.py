@@ -21,7 +21,14 @@ from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core import parallel_state as mpu
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-from slime.utils.checkpoint_tracker import TRACKER, checkpoint_dir, read_tracker, write_tracker
+from slime.utils.checkpoint_tracker import (
+    TRACKER,
+    checkpoint_dir,
+    fsync_path,
+    fsync_tree,
+    read_tracker,
+    write_tracker,
+)
 from slime.utils.device import dist_backend, rng_state, set_rng_state
 
 from .param_utils import unwrap_model
@@ -113,6 +120,9 @@ def save_checkpoint(args, iteration, model, optimizer, opt_param_scheduler, *, w
 
     state = _model_sharded_state_dict(model)
     if with_optimizer and not args.no_save_optim:
+        # an optimizer that has not stepped yet (the actor during --num-critic-only-steps) has no state: save the
+        # zero state a first step would start from (no-op for one that has stepped)
+        _materialize_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=False, metadata=_OPTIM_METADATA)
         state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
     if not args.no_save_rng:
@@ -121,19 +131,40 @@ def save_checkpoint(args, iteration, model, optimizer, opt_param_scheduler, *, w
     state["parallel_layout"] = _parallel_layout()
     state["args"] = _portable_args(args)
     dist_checkpointing.save(state, tmp_dir)
+    fsync_tree(tmp_dir)  # each rank: its shards are on disk (not only in the page cache) before the rename below
     dist.barrier()
 
     if rank0:
         shutil.rmtree(final_dir, ignore_errors=True)
         os.replace(tmp_dir, final_dir)
+        fsync_path(root)  # the rename itself is durable before anyone publishes the tracker
         if commit:
             write_tracker(root, iteration)
     dist.barrier()
     return final_dir
 
 
-def load_checkpoint(args, model, optimizer, opt_param_scheduler):
+def _drop_unfit_output_layers(state, ckpt):
+    """Remove from the model entries of `state` the output-layer tensors the checkpoint lacks or holds in another
+    shape (the critic's one-output value head against an actor checkpoint's vocabulary projection), so they keep
+    their fresh initialisation. Returns the names dropped."""
+    metadata = dist_checkpointing.load_tensors_metadata(ckpt)
+    dropped = []
+    for key, chunk_state in state.items():
+        for name in [n for n in chunk_state if "output_layer." in n]:
+            tensor = chunk_state[name]
+            saved = metadata.get(tensor.key)
+            if saved is None or tuple(saved.global_shape) != tuple(tensor.global_shape):
+                del chunk_state[name]
+                dropped.append(f"{key}.{name}")
+    return dropped
+
+
+def load_checkpoint(args, model, optimizer, opt_param_scheduler, keep_unfit_output_layer=False):
     """Load `--load` into `model` (+ optimizer/scheduler/RNG unless --no-load-optim / --no-load-rng / --finetune).
+
+    `keep_unfit_output_layer` (the critic): an output layer the checkpoint lacks or holds in another shape keeps
+    its initialisation instead of failing the load; the optimizer state is then not loaded either.
 
     Returns the last completed rollout id of the checkpoint (training resumes at +1), -1 for a release or
     `--finetune` load (weights only, start from rollout 0), and None when there is nothing to load (no `--load`,
@@ -158,6 +189,11 @@ def load_checkpoint(args, model, optimizer, opt_param_scheduler):
     load_rng = not finetune and not args.no_load_rng and common.get("parallel_layout") == _parallel_layout()
 
     state = _model_sharded_state_dict(model)
+    dropped = _drop_unfit_output_layers(state, ckpt) if keep_unfit_output_layer else []
+    if dropped:
+        load_optim = False  # its state has the actor's shapes
+        if dist.get_rank() == 0:
+            print(f"--load {ckpt}: {', '.join(dropped)} do not fit the checkpoint: newly initialised", flush=True)
     if load_optim:
         _materialize_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=_OPTIM_METADATA)
@@ -166,7 +202,10 @@ def load_checkpoint(args, model, optimizer, opt_param_scheduler):
     loaded = dist_checkpointing.load(state, ckpt)
 
     for i, m in enumerate(model):
-        unwrap_model(m).load_state_dict(loaded[_model_key(i, len(model))], strict=True)
+        result = unwrap_model(m).load_state_dict(loaded[_model_key(i, len(model))], strict=not dropped)
+        missing = [k for k in getattr(result, "missing_keys", []) if "output_layer." not in k]
+        if missing or getattr(result, "unexpected_keys", []):
+            raise RuntimeError(f"--load {ckpt}: missing {missing}, unexpected {result.unexpected_keys}")
     if load_optim:
         optimizer.load_state_dict(loaded["optimizer"])
         if "opt_param_scheduler" in common and opt_param_scheduler is not None:

@@ -4,6 +4,7 @@ a core attention that lets multi-latent attention (DeepSeek-V3) run on the local
 
 import copy
 
+import torch
 from megatron.core.models.gpt.gpt_layer_specs import LNImpl
 from megatron.core.transformer import multi_latent_attention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -104,3 +105,35 @@ def mla_local_spec(layer_spec: ModuleSpec) -> ModuleSpec:
     layer_spec = copy.deepcopy(layer_spec)
     layer_spec.submodules.self_attention.submodules.core_attention = MLADotProductAttention
     return layer_spec
+
+
+class ZeroCenteredRMSNorm(torch.nn.Module):
+    """RMSNorm with zero-centred gamma (`--apply-layernorm-1p`: y = x / rms(x) * (1 + w), w initialised to 0) for
+    the local spec, whose torch norm refuses it; computed in fp32 like the Qwen3-Next / Qwen3.5 HF norms."""
+
+    def __init__(self, config, hidden_size, eps=1e-5, **kwargs):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())).type_as(x)
+
+
+def with_zero_centered_norms(spec):
+    """`spec` (layer or block spec) with every local torch norm replaced by ZeroCenteredRMSNorm."""
+    spec = copy.deepcopy(spec)
+
+    def visit(node):
+        for field in ("input_layernorm", "pre_mlp_layernorm", "q_layernorm", "k_layernorm", "layer_norm"):
+            if getattr(node, field, None) is LNImpl:
+                setattr(node, field, ZeroCenteredRMSNorm)
+        for child in ("submodules", "self_attention", "mlp"):
+            if getattr(node, child, None) is not None and not isinstance(getattr(node, child), type):
+                visit(getattr(node, child))
+
+    for layer in getattr(spec, "layer_specs", None) or [spec]:
+        visit(layer)
+    visit(spec)
+    return spec

@@ -16,11 +16,16 @@ from slime.backends.megatron_utils.cp_utils import (
 )
 from slime.utils.ppo_utils import (
     compute_approx_kl,
+    compute_cispo_loss,
     compute_entropy_from_logits,
     compute_log_probs,
+    compute_opsm_mask,
     compute_policy_loss,
+    compute_value_loss,
     distributed_masked_whiten,
+    get_advantages_and_returns_batch,
     get_grpo_returns,
+    get_ppo_token_rewards,
     get_reinforce_plus_plus_baseline_advantages,
     get_reinforce_plus_plus_returns,
     get_rloo_returns,
@@ -167,11 +172,29 @@ def get_log_probs_and_entropy(
     return out
 
 
+def get_values(logits, *, args, unconcat_tokens, total_lengths, response_lengths, **kwargs):
+    """`{"values": [per-sample 1-D]}`: the critic's value head output (`[..., 1]`) at the positions that score each
+    response token, i.e. the value of the state before the token (no temperature: these are not logits)."""
+    gather = mpu.get_context_parallel_world_size() > 1
+    values = []
+    for (chunk, _, pieces), resp_len in zip(
+        get_responses(
+            logits, unconcat_tokens=unconcat_tokens, total_lengths=total_lengths, response_lengths=response_lengths
+        ),
+        response_lengths,
+    ):
+        assert chunk.size(-1) == 1, f"the critic's output has {chunk.size(-1)} columns, expected 1 (the value head)"
+        v = chunk.squeeze(-1).float()
+        values.append(gather_response_across_cp(pieces, v, resp_len) if gather else v)
+    return {"values": values}
+
+
 def compute_advantages_and_returns(args, rollout_data):
     """Fill `rollout_data["advantages"]` and `["returns"]` (per-sample token tensors) for `--advantage-estimator`.
     No-op on pipeline stages other than the last (only the last computes the loss). The old log-probs (the KL base
     of `--kl-coef`) are the trainer's `log_probs`, the engine's with --use-rollout-logprobs, and absent when the
-    training forward's are reused (then `--kl-coef` is 0, see `actor.reuses_training_log_probs`)."""
+    training forward's are reused (then `--kl-coef` is 0, see `actor.reuses_training_log_probs`). The critic has no
+    log-probs (its `kl_coef` is 0): its GAE reads its own `values`."""
     if not mpu.is_pipeline_last_stage():
         return
     if args.use_rollout_logprobs:
@@ -201,9 +224,19 @@ def compute_advantages_and_returns(args, rollout_data):
         # replaces only the estimator: --normalize-advantages still applies below
         user_function("--custom-advantage-function-path", args.custom_advantage_function_path)(args, rollout_data)
         advantages, returns = rollout_data["advantages"], rollout_data["returns"]
-    elif estimator in ("grpo", "gspo"):
+    elif estimator in ("grpo", "gspo", "cispo"):
         returns = get_grpo_returns(rewards, kl)
         advantages = list(returns)
+    elif estimator == "ppo":
+        values = _require(rollout_data, "values", "PPO's GAE needs (the critic's values of this rollout)")
+        advantages, returns = get_advantages_and_returns_batch(
+            rollout_data["total_lengths"],
+            rollout_data["response_lengths"],
+            values,
+            get_ppo_token_rewards(rewards, kl, args.kl_coef),
+            args.gamma,
+            args.lambd,
+        )
     elif estimator == "reinforce_plus_plus":
         returns = get_reinforce_plus_plus_returns(
             rewards=rewards,
@@ -360,10 +393,21 @@ def policy_loss_function(args, batch, logits, sum_of_sample_mean):
     else:
         ppo_kl = (torch.cat(old_log_probs) if old_log_probs else log_probs.detach()) - log_probs
 
-    pg_loss, pg_clipfrac = compute_policy_loss(ppo_kl, advantages, args.eps_clip, args.eps_clip_high, args.eps_clip_c)
+    if args.advantage_estimator == "cispo":
+        pg_loss, pg_clipfrac = compute_cispo_loss(ppo_kl, log_probs, advantages, args.eps_clip, args.eps_clip_high)
+    else:
+        pg_loss, pg_clipfrac = compute_policy_loss(
+            ppo_kl, advantages, args.eps_clip, args.eps_clip_high, args.eps_clip_c
+        )
     pg_loss_before_tis = pg_loss
 
     metrics = {}
+    if args.use_opsm:
+        old = old_log_probs or [lp.detach() for lp in log_probs_list]
+        advantages_list = torch.split(advantages, [lp.numel() for lp in log_probs_list])
+        opsm_mask = compute_opsm_mask(log_probs_list, old, advantages_list, batch["loss_masks"], args.opsm_delta)
+        pg_loss = pg_loss * opsm_mask.to(pg_loss.device)
+        metrics["opsm_clipfrac"] = sum_of_sample_mean(1 - opsm_mask.to(pg_loss.device))
     rollout_log_probs = batch.get("rollout_log_probs")
     pg_loss_masks = batch["loss_masks"]
     if args.use_tis:
@@ -402,7 +446,13 @@ def policy_loss_function(args, batch, logits, sum_of_sample_mean):
 
     if args.use_kl_loss:
         ref_log_probs = torch.cat(_require(batch, "ref_log_probs", "--use-kl-loss needs (load a reference model)"))
-        kl_loss = sum_of_sample_mean(compute_approx_kl(log_probs, ref_log_probs, args.kl_loss_type))
+        importance_ratio = None
+        if args.use_unbiased_kl:
+            old = torch.cat(old_log_probs) if old_log_probs else log_probs.detach()
+            importance_ratio = torch.exp(log_probs - old)
+        kl_loss = sum_of_sample_mean(
+            compute_approx_kl(log_probs, ref_log_probs, args.kl_loss_type, importance_ratio=importance_ratio)
+        )
         loss = loss + args.kl_loss_coef * kl_loss
         metrics["kl_loss"] = kl_loss
 
@@ -428,6 +478,26 @@ def policy_loss_function(args, batch, logits, sum_of_sample_mean):
         "ppo_kl": sum_of_sample_mean(ppo_kl),
         **metrics,
     }
+    return loss, {k: v.detach().clone() for k, v in reported.items()}
+
+
+def value_loss_function(args, batch, logits, sum_of_sample_mean):
+    """The critic's clipped value loss (`--value-clip`) against the GAE returns. Returns `(loss, metrics)`."""
+    old_values = torch.cat(_require(batch, "values", "are the critic's old values of the clipped value loss"))
+    returns = torch.cat(_require(batch, "returns", "the value loss needs (compute_advantages_and_returns)"))
+    out = get_values(
+        logits,
+        args=args,
+        unconcat_tokens=batch["unconcat_tokens"],
+        total_lengths=batch["total_lengths"],
+        response_lengths=batch["response_lengths"],
+    )
+    values = torch.cat(out["values"]) if out["values"] else logits.new_zeros(0)
+    losses, clipfrac = compute_value_loss(values, old_values, returns, args.value_clip)
+    loss = sum_of_sample_mean(losses)
+    if values.numel() == 0:
+        loss = loss + 0 * logits.sum()
+    reported = {"value_loss": loss, "value_clipfrac": sum_of_sample_mean(clipfrac)}
     return loss, {k: v.detach().clone() for k, v in reported.items()}
 
 
@@ -470,6 +540,8 @@ def loss_function(args, batch, num_microbatches, logits):
         loss, log = policy_loss_function(**kwargs)
     elif args.loss_type == "sft_loss":
         loss, log = sft_loss_function(**kwargs)
+    elif args.loss_type == "value_loss":  # the critic's (set on its copy of the arguments, slime.ray.critic)
+        loss, log = value_loss_function(**kwargs)
     else:  # custom_loss: its path was checked (imports, signature) at start-up
         loss, log = user_function("--custom-loss-function-path", args.custom_loss_function_path)(**kwargs)
 

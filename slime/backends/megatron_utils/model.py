@@ -6,6 +6,9 @@ training loop would do lives here, on megatron.core APIs only.
 """
 
 import logging
+import math
+import os
+import re
 
 import torch
 import torch.distributed as dist
@@ -27,6 +30,7 @@ from slime.utils.user_errors import user_function
 from .checkpoint import load_checkpoint, resync_optimizer_main_params
 from .data import get_batch
 from .initialize import is_megatron_main_rank
+from .lora import apply_lora, check_wrapped
 from .loss import get_log_probs_and_entropy, get_rollout_top_p_logprob_kwargs, loss_function
 from .megatron_to_hf import hf_to_megatron
 from .model_provider import get_model_provider_func
@@ -44,12 +48,40 @@ TRAIN_KEYS = [
     "returns",
     "rollout_log_probs",
     *TOP_P_KEYS,
+    "values",
 ]
 
 
-def get_model(args, wrap_with_ddp=True):
-    """Model chunks for this rank (one per virtual pipeline stage), DDP-wrapped for training."""
-    provider = get_model_provider_func(args)
+def freeze_params(args, chunks):
+    """--only-train-params-name-list / --freeze-params-name-list (regexes, `re.search` on the parameter names of the
+    Megatron model, e.g. `decoder.layers.0.mlp.linear_fc1.weight`): frozen parameters get no gradient buffer and no
+    optimizer state, and are still sent to the engines with every weight update. A pattern that matches no parameter
+    on any rank is an error naming it (pipeline stages hold different parameters, so the check spans all ranks)."""
+    patterns = args.only_train_params_name_list or args.freeze_params_name_list
+    if not patterns:
+        return
+    flag = "--only-train-params-name-list" if args.only_train_params_name_list else "--freeze-params-name-list"
+    matched, example = torch.zeros(len(patterns)), None
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            example = example or name
+            hits = [bool(re.search(p, name)) for p in patterns]
+            matched += torch.tensor(hits, dtype=matched.dtype)
+            if args.only_train_params_name_list:
+                param.requires_grad = any(hits)
+            elif any(hits):
+                param.requires_grad = False
+    if dist.is_initialized():
+        dist.all_reduce(matched)  # gloo/NCCL alike: a CPU tensor on gloo, moved by the backend otherwise
+    unmatched = [p for p, n in zip(patterns, matched.tolist()) if n == 0]
+    if unmatched:
+        raise ValueError(f"{flag}: {unmatched} match no parameter of the model (names look like {example!r})")
+
+
+def get_model(args, wrap_with_ddp=True, role="actor"):
+    """Model chunks for this rank (one per virtual pipeline stage), DDP-wrapped for training; `role="critic"` ends in
+    a one-output value head."""
+    provider = get_model_provider_func(args, role)
     vpp = args.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp or 1):
@@ -60,9 +92,13 @@ def get_model(args, wrap_with_ddp=True):
             vp_stage=stage,
         )
         chunks.append(chunk)
+    if args.enable_lora:
+        wrapped = [n for vp_stage, c in enumerate(chunks) for n in apply_lora(args, c, vp_stage if vpp else None)]
+        check_wrapped(args, chunks, wrapped)
     for chunk in chunks:
         for param in chunk.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+    freeze_params(args, chunks)
     for chunk in chunks:
         chunk.to(current_device())
     config = get_model_config(chunks[0])
@@ -148,18 +184,21 @@ def initialize_model_and_optimizer(args, role="actor"):
     """`(model, optimizer, opt_param_scheduler, iteration)`; weights from `--load`, else from `--hf-checkpoint`.
 
     `iteration` is the last completed rollout id (-1 when starting fresh), so training starts at `iteration + 1`.
+    The critic's value head is loaded where the checkpoint has one of its shape and newly initialised otherwise
+    (an HF checkpoint or the actor's Megatron checkpoint has a vocabulary-sized output layer instead).
     """
-    model = get_model(args)
+    critic = role == "critic"
+    model = get_model(args, role=role)
     optimizer = get_optimizer(args, model)
     opt_param_scheduler = get_optimizer_param_scheduler(args, optimizer)
     config = get_model_config(model[0])
     config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
-    iteration = load_checkpoint(args, model, optimizer, opt_param_scheduler)
+    iteration = load_checkpoint(args, model, optimizer, opt_param_scheduler, keep_unfit_output_layer=critic)
     if iteration is None:  # nothing to load: initialise from the HF checkpoint (beyond slime v0.1.0)
         if args.hf_checkpoint:
-            hf_to_megatron(args, model)
+            hf_to_megatron(args, model, skip_output_layer=critic)
             resync_optimizer_main_params(optimizer)
         iteration = -1
     return model, optimizer, opt_param_scheduler, iteration
@@ -180,8 +219,9 @@ def _iterator_arg(data_iterator):
 
 
 @torch.no_grad()
-def forward_only(args, model, data_iterator, num_microbatches, store_prefix=""):
-    """`{store_prefix + "log_probs": [...], (+ "entropy")}` per local sample, in the rollout data's order.
+def forward_only(args, model, data_iterator, num_microbatches, store_prefix="", post_fn=get_log_probs_and_entropy):
+    """`{store_prefix + "log_probs": [...], (+ "entropy")}` per local sample, in the rollout data's order
+    (`post_fn=loss.get_values`: the critic's `{"values": [...]}`).
 
     Only the last pipeline stage has logits, so only its ranks get the values; other stages get `{}`. Nothing there
     needs them: advantages, rollout metrics and the loss are all computed on the last stage only."""
@@ -199,7 +239,7 @@ def forward_only(args, model, data_iterator, num_microbatches, store_prefix=""):
         batch = get_batch(iterator, ["tokens", "total_lengths", "response_lengths", *TOP_P_KEYS])
 
         def post(logits, non_loss_data=True):  # the schedule calls this with non_loss_data=True
-            return get_log_probs_and_entropy(
+            return post_fn(
                 logits,
                 args=args,
                 unconcat_tokens=batch["unconcat_tokens"],
@@ -281,6 +321,9 @@ def train_one_step(args, rollout_id, step_id, data_iterator, model, optimizer, o
         update_successful, grad_norm = False, float("nan")
     else:
         update_successful, grad_norm, _ = optimizer.step()
+    if args.use_stateless_adam:
+        # Adam keeps no moments: the next step starts from zero moments and step 0, i.e. g / (|g| + eps)
+        clear_optimizer_states(optimizer)
     if update_successful:
         opt_param_scheduler.step(increment=args.global_batch_size)
     elif args.check_for_nan_in_loss_and_grad and not get_model_config(model[0]).fp16:  # fp16: the scaler skips
@@ -297,6 +340,36 @@ def train_one_step(args, rollout_id, step_id, data_iterator, model, optimizer, o
     return metrics, grad_norm
 
 
+def _inner_optimizers(optimizer):
+    """The torch optimizers under Megatron's wrappers (a ChainedOptimizer holds one per parameter group kind)."""
+    return [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
+def reset_optimizer_states(optimizer):
+    """--reset-optimizer-states: Adam's moments and step counters back to zero (kept allocated)."""
+    for inner in _inner_optimizers(optimizer):
+        for group in inner.param_groups:
+            if "step" in group:
+                group["step"] = 0
+        for state in inner.state.values():
+            for key in ("step", "exp_avg", "exp_avg_sq"):
+                if key not in state:
+                    continue
+                if isinstance(state[key], torch.Tensor):
+                    state[key].zero_()
+                else:
+                    state[key] = 0
+
+
+def clear_optimizer_states(optimizer):
+    """--use-stateless-adam: drop the moments (torch's Adam re-creates zero ones, at step 0, on its next step)."""
+    for inner in _inner_optimizers(optimizer):
+        inner.state.clear()
+        for group in inner.param_groups:
+            if "step" in group:
+                group["step"] = 0
+
+
 def _grads_are_finite(model):
     """True when no trainer rank has an inf/NaN in its gradient buffers."""
     grads = [p.main_grad for chunk in model for p in chunk.parameters() if getattr(p, "main_grad", None) is not None]
@@ -306,32 +379,62 @@ def _grads_are_finite(model):
     return flag.item() == 0
 
 
-def train(args, rollout_id, model, optimizer, opt_param_scheduler, data_iterator, num_microbatches):
-    """Run this rollout's `len(num_microbatches)` optimizer steps; returns the per-step metric dicts (main rank)."""
+def train(args, rollout_id, model, optimizer, opt_param_scheduler, data_iterator, num_microbatches, role="actor"):
+    """Run this rollout's `len(num_microbatches)` optimizer steps; returns the per-step metric dicts (main rank).
+    The critic's metrics are named `train/critic_*`, beside the actor's `train/*`."""
+    prefix = "train/" if role == "actor" else f"train/{role}_"
     for m in model:
         m.train()
     for it in data_iterator:
         it.reset()
     steps = len(num_microbatches)
     history = []
+    if args.reset_optimizer_states:  # each rollout's optimizer steps start from fresh Adam moments
+        reset_optimizer_states(optimizer)
     for step_id, n in enumerate(num_microbatches):
         loss_dict, grad_norm = train_one_step(
             args, rollout_id, step_id, data_iterator, model, optimizer, opt_param_scheduler, n
         )
         if not mpu.is_pipeline_last_stage(ignore_virtual=True):
             continue
-        if args.ci_test and rollout_id == 0 and step_id == 0:
+        if args.ci_test and rollout_id == 0 and step_id == 0 and not args.ci_disable_kl_checker:
             _ci_first_step_checks(loss_dict)
-        metrics = {f"train/{k}": v for k, v in loss_dict.items()}
-        metrics["train/grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
+        metrics = {f"{prefix}{k}": v for k, v in loss_dict.items()}
+        metrics[f"{prefix}grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
+        if is_megatron_main_rank() and role == "actor":
+            ci_step_checks(args, rollout_id, step_id, metrics)
         for i, group in enumerate(optimizer.param_groups):
-            metrics[f"train/lr-pg_{i}"] = group["lr"]
-        metrics["train/lr"] = optimizer.param_groups[0]["lr"]
+            metrics[f"{prefix}lr-pg_{i}"] = group["lr"]
+        metrics[f"{prefix}lr"] = optimizer.param_groups[0]["lr"]
         metrics["train/step"] = rollout_id * steps + step_id
         history.append(metrics)
         if is_megatron_main_rank():
             log(args, metrics, "train/step")
     return history
+
+
+def ci_step_checks(args, rollout_id, step_id, metrics, role="actor"):
+    """Current slime's CI gates of one optimizer step: the train/rollout log-prob gap under
+    --ci-train-rollout-logprob-abs-diff-threshold (with --ci-test), and the grad norm saved to --ci-save-grad-norm or
+    reproduced from --ci-load-grad-norm (path templates with {role}, {rollout_id}, {step_id})."""
+    diff = metrics.get("train/train_rollout_logprob_abs_diff")
+    if args.ci_test and diff is not None:
+        threshold = args.ci_train_rollout_logprob_abs_diff_threshold
+        assert diff <= threshold, (
+            f"--ci-test: rollout {rollout_id} step {step_id} train_rollout_logprob_abs_diff {diff} > "
+            f"--ci-train-rollout-logprob-abs-diff-threshold {threshold}"
+        )
+    grad_norm = metrics["train/grad_norm"]
+    if args.ci_save_grad_norm is not None:
+        path = args.ci_save_grad_norm.format(role=role, rollout_id=rollout_id, step_id=step_id)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        torch.save(grad_norm, path)
+    elif args.ci_load_grad_norm is not None:
+        path = args.ci_load_grad_norm.format(role=role, rollout_id=rollout_id, step_id=step_id)
+        expected = torch.load(path)
+        assert math.isclose(grad_norm, expected, rel_tol=0.01, abs_tol=0.01), (
+            f"--ci-load-grad-norm {path}: rollout {rollout_id} step {step_id} grad norm {grad_norm} != saved {expected}"
+        )
 
 
 def _ci_first_step_checks(loss_dict):

@@ -6,9 +6,11 @@ the one that runs on CPU. `--spec module fn` overrides both, as in slime (e.g. a
 
 import copy
 import importlib
+import inspect
 
 import torch
 import torch.nn.functional as F
+from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
@@ -31,6 +33,14 @@ from .local_layers import mla_local_spec, with_post_norms
 def use_transformer_engine(args) -> bool:
     """TE spec only on GPU with transformer_engine installed (and not forced off by --transformer-impl local)."""
     return args.transformer_impl != "local" and transformer_engine_usable()
+
+
+def rope_fusion(args) -> bool:
+    """Megatron-LM's `--no-rope-fusion` (fusion on by default): the fused RoPE kernel is Transformer Engine's, so
+    without TE (CPU, `--transformer-impl local`) RoPE runs unfused; Megatron fuses MLA's RoPE only for YaRN."""
+    if not (args.apply_rope_fusion and use_transformer_engine(args)):
+        return False
+    return not (args.multi_latent_attention and args.rope_type != "yarn")
 
 
 def padded_vocab_size(args) -> int:
@@ -68,6 +78,8 @@ def core_transformer_config_from_args(args) -> TransformerConfig:
         add_bias_linear=args.add_bias_linear,
         add_qkv_bias=args.add_qkv_bias,
         qk_layernorm=args.qk_layernorm,
+        layernorm_zero_centered_gamma=bool(args.apply_layernorm_1p),
+        attention_output_gate=bool(args.attention_output_gate),
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
@@ -105,6 +117,7 @@ def core_transformer_config_from_args(args) -> TransformerConfig:
             num_moe_experts=num_experts,
             moe_layer_freq=args.moe_layer_freq,
             moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+            moe_shared_expert_gate=bool(args.moe_shared_expert_gate),
             moe_router_score_function=args.moe_router_score_function,
             moe_router_enable_expert_bias=bool(args.moe_router_enable_expert_bias),
             moe_router_bias_update_rate=args.moe_router_bias_update_rate,
@@ -121,6 +134,7 @@ def core_transformer_config_from_args(args) -> TransformerConfig:
             moe_router_dtype=args.moe_router_dtype,
         )
     kw["rotary_interleaved"] = bool(args.rotary_interleaved)
+    kw["apply_rope_fusion"] = rope_fusion(args)
     kw.update(cpu_compat.transformer_config_overrides(kw))
     if args.multi_latent_attention:
         return MLATransformerConfig(
@@ -140,12 +154,29 @@ def core_transformer_config_from_args(args) -> TransformerConfig:
     return TransformerConfig(**kw)
 
 
+def _user_spec(args, config, vp_stage):
+    """`--spec MODULE FN`: current slime calls `FN(args, config, vp_stage)`, slime v0.1.0 `FN(args)` (decided by its
+    signature); FN may return a layer spec or a model provider. A non-callable FN is the spec itself."""
+    spec = getattr(importlib.import_module(args.spec[0]), args.spec[1])
+    if not callable(spec):
+        return spec
+    params = inspect.signature(spec).parameters.values()
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in params):
+        return spec(args, config, vp_stage)
+    return spec(args)  # the spec adds what it needs (post norms, ...)
+
+
+def _is_model_provider(spec):
+    """A `--spec` result that builds the model itself (current slime: a callable taking `pre_process`)."""
+    return callable(spec) and "pre_process" in inspect.signature(spec).parameters
+
+
 def _layer_spec(args, config, vp_stage=None):
-    """The decoder's layer spec: `--spec module fn` (called as `fn(args)`, as in slime), else TE on GPU / local
-    elsewhere; a block spec with MoE (it honours `--moe-layer-freq`) or MLA; GLM-4 post norms where asked for."""
+    """The decoder's layer spec: `--spec module fn` (`_user_spec`), else TE on GPU / local elsewhere; a block spec
+    with MoE (it honours `--moe-layer-freq`) or MLA; GLM-4 post norms where asked for."""
     if args.spec:
-        module, fn = args.spec
-        return getattr(importlib.import_module(module), fn)(args)  # the spec adds what it needs (post norms, ...)
+        return _user_spec(args, config, vp_stage)
     te = use_transformer_engine(args)
     if args.num_experts or config.multi_latent_attention:
         spec = get_gpt_decoder_block_spec(
@@ -192,13 +223,50 @@ def _custom_model_provider(path):
     return model_provider
 
 
-def get_model_provider_func(args):
+class ValueHead(torch.nn.Linear):
+    """The critic's output layer: hidden -> one value per position, replicated on every tensor-parallel rank (one
+    column cannot be split). It takes GPTModel's output-layer call and returns `(values [s, b, 1], None)`; under
+    sequence parallelism the sequence shards are gathered first, as the vocab projection would."""
+
+    def __init__(self, config):
+        super().__init__(config.hidden_size, 1, bias=True, dtype=config.params_dtype)
+        self.sequence_parallel = config.sequence_parallel
+        for p in self.parameters():  # megatron's grad all-reduce over the SP region
+            p.sequence_parallel = config.sequence_parallel
+        with torch.no_grad():
+            self.weight.normal_(0.0, config.init_method_std)
+            self.bias.zero_()
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        values = super().forward(hidden_states).float()
+        if self.sequence_parallel:
+            values = tensor_parallel.gather_from_sequence_parallel_region(values, tensor_parallel_output_grad=False)
+        return values, None
+
+
+def _with_role(provider, role):
+    """`role="critic"`: the last stage's output layer becomes a one-output `ValueHead`."""
+    if role == "actor":
+        return provider
+
+    def critic_provider(pre_process=True, post_process=True, vp_stage=None):
+        model = provider(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+        if post_process:
+            model.output_layer = ValueHead(model.config)
+        return model
+
+    return critic_provider
+
+
+def get_model_provider_func(args, role="actor"):
     if args.custom_model_provider_path:
-        return _custom_model_provider(args.custom_model_provider_path)
+        return _with_role(_custom_model_provider(args.custom_model_provider_path), role)
 
     def model_provider(pre_process=True, post_process=True, vp_stage=None):
         config = core_transformer_config_from_args(args)
         layer_spec = _layer_spec(args, config, vp_stage)
+        if _is_model_provider(layer_spec):  # current slime's model plugins return their own provider
+            return layer_spec(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
         return GPTModel(
             config=config,
             transformer_layer_spec=layer_spec,
@@ -217,4 +285,4 @@ def get_model_provider_func(args):
             vp_stage=vp_stage,
         )
 
-    return model_provider
+    return _with_role(model_provider, role)

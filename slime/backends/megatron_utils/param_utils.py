@@ -26,6 +26,11 @@ def canonical_name(name: str) -> str:
     return PREFIX + name
 
 
+def is_lora_param(name: str) -> bool:
+    """A LoRA adapter (`--enable-lora`), which the HF base checkpoint does not hold."""
+    return name.endswith(".lora_A") or name.endswith(".lora_B")
+
+
 def unwrap_model(module):
     """The GPTModel inside DDP / Float16Module wrappers."""
     while hasattr(module, "module"):

@@ -9,22 +9,14 @@ import torch.distributed as dist
 from slime.utils.device import current_device
 from slime.utils.seqlen_balancing import get_seqlen_balanced_partitions
 from slime.utils.timer import Timer
+from slime.utils.types import OPTIONAL_TRAIN_DATA_KEYS, TRAIN_DATA_KEYS
 
-# Per-sample keys split across DP ranks; `raw_reward` stays global (logged over the whole rollout).
-# `metadata` (from `Sample.train_metadata`) reaches hooks such as --rollout-data-postprocess-path.
+# Per-sample keys split across DP ranks: the train-data contract's (slime.utils.types.TrainData), the lengths added
+# here and the critic's values (PPO); `raw_reward` stays global (logged over the whole rollout).
 PARTITIONED_KEYS = (
-    "tokens",
     "total_lengths",
-    "response_lengths",
-    "rewards",
-    "truncated",
-    "loss_masks",
-    "round_number",
-    "sample_indices",
-    "rollout_log_probs",
-    "rollout_top_p_token_ids",
-    "rollout_top_p_token_offsets",
-    "metadata",
+    "values",
+    *(k for k in TRAIN_DATA_KEYS + OPTIONAL_TRAIN_DATA_KEYS if k != "raw_reward"),
 )
 
 
@@ -140,34 +132,37 @@ def _fetch_rollout_data(rollout_data_ref):
     return holder[0]
 
 
-def process_rollout_data(args, rollout_data_ref, dp_rank, dp_size):
-    """This DP rank's share of a rollout (`Box(ObjectRef)` of the controller's train-data dict).
+def process_rollout_data(args, rollout_data_ref, dp_rank, dp_size, values_ref=None):
+    """This DP rank's share of a rollout (`Box(ObjectRef)` of the controller's train-data dict), plus the critic's
+    `values` from `values_ref` (a `Box` of `{"values": [per-sample arrays in rollout order]}`) when given.
 
-    Adds `total_lengths`; tokens become LongTensors and loss masks IntTensors on the training device, rollout
+    Adds `total_lengths` and `global_indices` (each local sample's index in the rollout); tokens become LongTensors and loss masks IntTensors on the training device, rollout
     log-probs float32 tensors. Partition: strided `val[dp_rank::dp_size]`, or with `--balance-data` Karmarkar-Karp over
     whole prompt groups so every rank gets about the same number of tokens.
     """
     data = _fetch_rollout_data(rollout_data_ref)
-    if "tokens" not in data:
+    missing = [k for k in TRAIN_DATA_KEYS if k not in data]
+    if missing:
         raise KeyError(
-            f"rollout data has no 'tokens' (keys: {sorted(data)}); a custom rollout/convert function must "
-            "produce the train-data dict of RolloutController._convert_samples_to_train_data"
+            f"rollout data has no {', '.join(missing)} (keys: {sorted(data)}); a custom rollout/convert function must "
+            "produce the train data of slime.utils.types.TrainData"
         )
+    if values_ref is not None:
+        data["values"] = _fetch_rollout_data(values_ref)["values"]
     data["total_lengths"] = [len(t) for t in data["tokens"]]
     Timer().seq_lens = data["total_lengths"]  # whole-rollout lengths, for FLOPs accounting
 
     if args.balance_data:
         indices = _balanced_dp_partitions(data["total_lengths"], dp_size, args.n_samples_per_prompt)[dp_rank]
-
-        def partition(vals):
-            return [vals[i] for i in indices]
     else:
+        indices = list(range(dp_rank, len(data["total_lengths"]), dp_size))
 
-        def partition(vals):
-            return vals[dp_rank::dp_size]
+    def partition(vals):
+        return [vals[i] for i in indices]
 
     device = current_device()
     rollout_data = {"raw_reward": data["raw_reward"]} if "raw_reward" in data else {}
+    rollout_data["global_indices"] = indices
     for key in PARTITIONED_KEYS:
         if key not in data or data[key] is None:
             continue
@@ -179,7 +174,7 @@ def process_rollout_data(args, rollout_data_ref, dp_rank, dp_size):
             vals = [torch.tensor(np.asarray(m), dtype=torch.int, device=device) for m in vals]
         elif key in ("rollout_top_p_token_ids", "rollout_top_p_token_offsets"):
             vals = [torch.tensor(np.asarray(v), dtype=torch.long, device=device) for v in vals]
-        elif key == "rollout_log_probs":
+        elif key in ("rollout_log_probs", "values"):
             vals = [torch.tensor(np.asarray(lp), dtype=torch.float32, device=device) for lp in vals]
         rollout_data[key] = vals
     return rollout_data

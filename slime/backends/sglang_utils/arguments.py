@@ -15,6 +15,8 @@ import logging
 import os
 import re
 
+from sglang_router.router_args import RouterArgs
+
 logger = logging.getLogger(__name__)
 
 _TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_server_args.json")
@@ -196,6 +198,19 @@ def add_sglang_router_arguments(parser):
         default=512,
         help="Max concurrent /generate requests per inference engine.",
     )
+    add_router_arguments(parser)
+    return parser
+
+
+def add_router_arguments(parser):
+    """sglang-router's own flags as `--router-*` (dest `router_*`), declared by the installed sglang-router itself,
+    as current slime does; `router.launch_router` hands them to the router it starts. slime sets the router's
+    host, port and Prometheus port itself (one router per run, on free ports)."""
+    if "--router-policy" in parser._option_string_actions:  # a custom-arguments provider declared them already
+        return parser
+    RouterArgs.add_cli_args(parser, use_router_prefix=True, exclude_host_port=True)
+    # current slime's defaults (quiet router logs; its load-balance thresholds)
+    parser.set_defaults(router_log_level="warn", router_balance_abs_threshold=10, router_balance_rel_threshold=1.2)
     return parser
 
 

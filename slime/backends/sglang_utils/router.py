@@ -22,6 +22,7 @@ from importlib.metadata import version
 import aiohttp
 import psutil
 from packaging.version import parse
+from sglang_router.router_args import RouterArgs
 
 from slime.utils.http_utils import free_port, get_host_info
 from slime.utils.process_utils import die_with_parent
@@ -103,21 +104,25 @@ def start_router(args, timeout: float = 60.0):
     return process
 
 
+def router_args_of(args, ip: str, port: int):
+    """The router's configuration: the user's `--router-*` flags (sglang-router's own, as current slime passes
+    them), with this run's address, a free Prometheus port (its default 29000 is shared by every run on the host)
+    and `--sglang-router-request-timeout-secs` as the per-request timeout."""
+    router_args = RouterArgs.from_cli_args(args, use_router_prefix=True)
+    router_args.host = ip
+    router_args.port = port
+    router_args.worker_urls = []  # engines register themselves once they are up (add_worker)
+    router_args.prometheus_host = ip
+    router_args.prometheus_port = free_port()
+    router_args.request_timeout_secs = int(args.sglang_router_request_timeout_secs)
+    return router_args
+
+
 def launch_router(args, ip: str, port: int, timeout: float = 60.0):
     """Run sglang-router on ip:port in a child process (bound to this process's life); return once it answers.
 
     Also how a router that died is restarted: on the same address, so every client's URL stays valid."""
-    from sglang_router.router_args import RouterArgs  # heavy: only the driver starts a router
-
-    router_args = RouterArgs(
-        host=ip,
-        port=port,
-        balance_abs_threshold=0,
-        prometheus_host=ip,
-        prometheus_port=free_port(),
-        log_level="warn",
-        request_timeout_secs=int(args.sglang_router_request_timeout_secs or 3600),
-    )
+    router_args = router_args_of(args, ip, port)
     process = multiprocessing.Process(
         target=run_router, args=(router_args, os.getpid()), daemon=True, name="sglang-router"
     )

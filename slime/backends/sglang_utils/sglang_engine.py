@@ -198,7 +198,7 @@ def server_command(args, rank: int, host: str, port: int, nccl_port: int, dist_i
     kw = {
         "model_path": args.hf_checkpoint,
         "random_seed": seed,
-        "enable_memory_saver": bool(args.offload),
+        "enable_memory_saver": bool(args.offload_rollout),
         "host": host,
         "port": port,
         "nccl_port": nccl_port,
@@ -254,7 +254,9 @@ class SGLangEngine(RayActor):
         }
 
     # ------------------------------------------------------------------ lifecycle
-    def init(self, dist_init_addr, port, nccl_port, host=None, startup_timeout: float | None = None):
+    def init(self, dist_init_addr, port, nccl_port, host=None, startup_timeout: float | None = None, join_router=True):
+        """Start the server; it joins the router unless `join_router` is False (a replacement engine joins only once
+        it serves the trainers' weights, see `join_router`)."""
         args = self.args
         self.host = host or get_host_info()[1]
         self.port = port
@@ -276,9 +278,14 @@ class SGLangEngine(RayActor):
             return  # only node 0 of a multi-node engine serves HTTP
         self._wait_ready(startup_timeout or 600.0)
         self._check_identity()
-        if args.sglang_router_ip:
-            self.router_url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}"
-            add_worker(self.router_url, self.url, api_key=args.sglang_api_key)
+        if join_router:
+            self.join_router()
+
+    def join_router(self):
+        """Register this server with the run's router (none with an external --sglang-router-ip left unset)."""
+        if self.args.sglang_router_ip:
+            self.router_url = f"http://{self.args.sglang_router_ip}:{self.args.sglang_router_port}"
+            add_worker(self.router_url, self.url, api_key=self.args.sglang_api_key)
 
     def _log_tail(self, n=40) -> str:
         try:
@@ -463,6 +470,18 @@ class SGLangEngine(RayActor):
         if weight_version is not None:
             payload["weight_version"] = str(weight_version)
         return self._checked("update_weights_from_disk", self._make_request("update_weights_from_disk", payload))
+
+    def pull_weights(self, target_version: int, source_dir=None, local_checkpoint_dir=None):
+        """Bring this engine host's local checkpoint to `target_version` (`/pull_weights`: a published full version
+        copied, a delta applied on its base and verified per tensor, 0 = seed it from the engine's model path). The
+        engine then reloads it through `update_weights_from_disk`. Stock SGLang 0.5.23 has no such endpoint
+        (slime's patched SGLang and slime's CPU server do): the flags that need it are refused at start-up there."""
+        payload = {
+            "local_checkpoint_dir": local_checkpoint_dir or self.args.update_weight_local_checkpoint_dir,
+            "source_dir": source_dir or self.args.update_weight_disk_dir,
+            "target_version": int(target_version),
+        }
+        return self._checked("pull_weights", self._make_request("pull_weights", payload))
 
     def flush_cache(self, timeout: float = 60.0):
         """GET /flush_cache until 200 (it refuses while requests are in flight); raises at once if the server exited."""

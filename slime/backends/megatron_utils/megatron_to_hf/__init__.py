@@ -7,11 +7,15 @@ initialise training. Each family module keeps slime's `convert_<family>_to_hf(ar
 their own converters on it.
 """
 
-from . import deepseekv3, glm4, glm4moe, llama, mimo, qwen2, qwen3moe
+from . import deepseekv3, glm4, glm4moe, llama, mimo, qwen2, qwen3_5, qwen3moe, qwen3next
 from .hf_to_megatron import hf_to_megatron
 
-# Checked in this order on the lowercased name without "_"/"-": "qwen3moe" must win over "qwen3", "glm4moe" over "glm4".
+# Checked in this order on the lowercased name without "_"/"-": "qwen3moe" must win over "qwen3", "glm4moe" over "glm4",
+# "qwen3next" / "qwen35..." over "qwen3", "qwen35text" (text-only checkpoint) over "qwen35" (vision-language one).
 _FAMILIES = [
+    (("qwen3next",), qwen3next.FAMILY),
+    (("qwen35text",), qwen3_5.TEXT_FAMILY),
+    (("qwen35",), qwen3_5.FAMILY),
     (("glm4moe",), glm4moe.FAMILY),
     (("glm4",), glm4.FAMILY),
     (("qwen3moe",), qwen3moe.FAMILY),

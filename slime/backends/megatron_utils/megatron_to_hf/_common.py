@@ -45,6 +45,11 @@ _COPY_RULES = {
         "post_mlp_layernorm.weight": "post_mlp_layernorm.weight",
     },
     "fused_gate_up": {"mlp.linear_fc1.weight": "mlp.gate_up_proj.weight"},
+    # Qwen2-MoE naming (Qwen3-Next, Qwen3.5-MoE): one `shared_expert`, gated by `shared_expert_gate`
+    "shared_expert": {
+        "mlp.shared_experts.linear_fc2.weight": "mlp.shared_expert.down_proj.weight",
+        "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
+    },
     # DeepSeek-V3 multi-latent attention; the local spec names the latent norms `q_layernorm` / `kv_layernorm`, the
     # TE spec fuses them into the up-projections.
     "mla": {
@@ -79,37 +84,55 @@ def attention_dims(args):
 
 class GPTFamily:
     """One HF model family: its mapping table is the rules of its `features` ⊆ {"qkv_bias", "qk_norm", "moe",
-    "expert_bias", "shared_experts", "post_norms", "fused_gate_up", "mla"}."""
+    "expert_bias", "shared_experts", "shared_expert", "post_norms", "fused_gate_up", "mla", "gated_attention"}.
 
-    def __init__(self, name, features=()):
+    `gated_attention`: HF's `q_proj` holds each head's query and output gate (`[q_h; gate_h]` per head), Megatron's
+    `linear_qkv` holds `[q; gate; k; v]` per query group. `hf_modules`: HF attribute names of transformers modules
+    wrapped in the attention slot (slime_plugins/models/hf_attention.py): `self_attention.<attr>.*` is the HF
+    layer's `<attr>.*`, unchanged. `prefix`: the HF decoder's prefix (`model.language_model.` in vision-language
+    checkpoints)."""
+
+    def __init__(self, name, features=(), hf_modules=(), prefix="model."):
         self.name, self.features = name, frozenset(features)
+        self.hf_modules, self.prefix = tuple(hf_modules), prefix
+        self.top_level = {k: v.replace("model.", prefix, 1) for k, v in _TOP_LEVEL.items()}
         self.copy_rules = {}
         for feature, rules in _COPY_RULES.items():
             if feature is None or feature in self.features:
                 self.copy_rules.update(rules)
+        self.gate_up_split = dict(_GATE_UP_SPLIT)
+        if "shared_expert" in self.features:
+            self.gate_up_split["mlp.shared_experts.linear_fc1.weight"] = "mlp.shared_expert."
 
     # ---- Megatron -> HF -------------------------------------------------------------------------------
     def to_hf(self, args, name, param):
         """[(hf_name, tensor)] for a full Megatron tensor, or None when this family has no such parameter."""
         local = strip_prefix(name)
-        if local in _TOP_LEVEL:
-            return [(_TOP_LEVEL[local], param)]
+        if local in self.top_level:
+            return [(self.top_level[local], param)]
         if m := _LAYER_RE.match(local):
-            return self._layer_to_hf(args, f"model.layers.{m.group(1)}.", m.group(2), param)
+            return self._layer_to_hf(args, f"{self.prefix}layers.{m.group(1)}.", m.group(2), param)
         return None
 
     def _layer_to_hf(self, args, pre, rest, param):
         if rest in self.copy_rules:
             return [(pre + self.copy_rules[rest], param)]
+        if rest.startswith("self_attention.") and rest.split(".")[1] in self.hf_modules:
+            return [(pre + rest[len("self_attention.") :], param)]
+        if rest == "self_attention.linear_qkv.weight" and "gated_attention" in self.features:
+            q_gate, k, v = split_gated_qkv(args, param)
+            return [(f"{pre}self_attn.{p}_proj.weight", t) for p, t in zip("qkv", (q_gate, k, v))]
         if rest == "self_attention.linear_qkv.weight" or (
             rest == "self_attention.linear_qkv.bias" and "qkv_bias" in self.features
         ):
             kind = rest.rsplit(".", 1)[1]
             q, k, v = split_qkv(args, param)
             return [(f"{pre}self_attn.{p}_proj.{kind}", t) for p, t in zip("qkv", (q, k, v))]
-        if rest in _GATE_UP_SPLIT and (rest == "mlp.linear_fc1.weight" or "shared_experts" in self.features):
+        if rest in self.gate_up_split and (
+            rest == "mlp.linear_fc1.weight" or self.features & {"shared_experts", "shared_expert"}
+        ):
             gate, up = param.chunk(2, dim=0)
-            hf = pre + _GATE_UP_SPLIT[rest]
+            hf = pre + self.gate_up_split[rest]
             return [(hf + "gate_proj.weight", gate), (hf + "up_proj.weight", up)]
         if "moe" in self.features and (em := _EXPERT_RE.match(rest)):
             expert, fc = (em.group(1), em.group(2)) if em.group(1) is not None else (em.group(4), em.group(3))
@@ -136,7 +159,7 @@ class GPTFamily:
         if len(tensors) == 1:
             return tensors[0]
         if len(tensors) == 3:  # q, k, v
-            return merge_qkv(args, *tensors)
+            return (merge_gated_qkv if "gated_attention" in self.features else merge_qkv)(args, *tensors)
         return torch.cat(tensors, dim=0)  # gate, up
 
 
@@ -168,3 +191,34 @@ def merge_qkv(args, q, k, v):
         [q.reshape(groups, per_group * d, *tail), k.reshape(groups, d, *tail), v.reshape(groups, d, *tail)], dim=1
     )
     return x.reshape(groups * (per_group + 2) * d, *tail)
+
+
+def split_gated_qkv(args, qkv):
+    """Megatron's gated `linear_qkv` -> HF `q_proj` (`[q_h; gate_h]` per head), `k_proj`, `v_proj` weights."""
+    if isinstance(qkv, _NamesOnly):
+        return qkv, qkv, qkv
+    heads, groups, d = attention_dims(args)
+    per_group = heads // groups
+    x = qkv.reshape(groups, (2 * per_group + 2) * d, -1)
+    q = x[:, : per_group * d].reshape(heads, d, -1)
+    gate = x[:, per_group * d : 2 * per_group * d].reshape(heads, d, -1)
+    k = x[:, 2 * per_group * d : (2 * per_group + 1) * d].reshape(groups * d, -1)
+    v = x[:, (2 * per_group + 1) * d :].reshape(groups * d, -1)
+    return torch.stack([q, gate], dim=1).reshape(heads * 2 * d, -1).contiguous(), k.contiguous(), v.contiguous()
+
+
+def merge_gated_qkv(args, q_gate, k, v):
+    heads, groups, d = attention_dims(args)
+    per_group = heads // groups
+    hidden = q_gate.shape[-1]
+    q_gate = q_gate.reshape(heads, 2, d, hidden)
+    x = torch.cat(
+        [
+            q_gate[:, 0].reshape(groups, per_group * d, hidden),
+            q_gate[:, 1].reshape(groups, per_group * d, hidden),
+            k.reshape(groups, d, hidden),
+            v.reshape(groups, d, hidden),
+        ],
+        dim=1,
+    )
+    return x.reshape(groups * (2 * per_group + 2) * d, hidden)

@@ -12,7 +12,7 @@ import torch
 from megatron.core import parallel_state as mpu
 from safetensors import safe_open
 
-from ..param_utils import canonical_name, named_parameters
+from ..param_utils import canonical_name, is_lora_param, named_parameters
 
 _VOCAB_PARAMS = ("module.module.embedding.word_embeddings.weight", "module.module.output_layer.weight")
 
@@ -87,8 +87,9 @@ def shard_for_rank(name, full, param, *, gated_linear_unit=True):
 
 
 @torch.no_grad()
-def hf_to_megatron(args, model, hf_checkpoint=None, model_name=None):
-    """Copy `hf_checkpoint` (default `args.hf_checkpoint`) into every parameter of `model` (list of chunks)."""
+def hf_to_megatron(args, model, hf_checkpoint=None, model_name=None, skip_output_layer=False):
+    """Copy `hf_checkpoint` (default `args.hf_checkpoint`) into every parameter of `model` (list of chunks);
+    `skip_output_layer`: all but the output layer (the critic's value head, which the LM head does not fit)."""
     from . import get_family, resolve_model_name  # cycle: the package imports this module
 
     hf_dir = hf_checkpoint or args.hf_checkpoint
@@ -96,6 +97,9 @@ def hf_to_megatron(args, model, hf_checkpoint=None, model_name=None):
     family = get_family(resolve_model_name(args, model_name))
     gated = args.swiglu
     for name, param in named_parameters(args, model):
+        # adapters are not in the HF base checkpoint: they keep their initialisation
+        if (skip_output_layer and ".output_layer." in name) or is_lora_param(name):
+            continue
         full = family.from_hf(args, name, reader.get)
         if full is None:
             raise ValueError(f"Megatron parameter {name!r} has no HF counterpart in the {family.name} converter")

@@ -10,7 +10,6 @@ handle goes to every engine through `/update_weights_from_tensor`: one copy on e
 """
 
 import logging
-import os
 import threading
 import time
 from urllib.parse import urlparse
@@ -43,20 +42,6 @@ from .common import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-def _hold_for_test(weight_version, bucket_index):
-    """Test hook for fault injection (tests/test_fault_tolerance.py): with SLIME_TEST_HOLD_WEIGHT_UPDATE=<path>, the
-    push of weight version N stops after its first bucket, creates `<path>.v<N>` and waits (60 s at most) until
-    that file is removed, so a test can kill an engine at a known point of a weight update."""
-    path = os.environ.get("SLIME_TEST_HOLD_WEIGHT_UPDATE")
-    if not path or bucket_index != 1:
-        return
-    marker = f"{path}.v{weight_version}"
-    open(marker, "w").close()
-    deadline = time.monotonic() + 60
-    while os.path.exists(marker) and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 def _id(engine) -> str:
@@ -271,7 +256,6 @@ class UpdateWeightFromDistributed:
             return True
         try:
             self._send_bucket(bucket, index)
-            _hold_for_test(self.weight_version, index)
             return True
         except WeightUpdateError:
             if not self.args.use_fault_tolerance or not self._find_dead(self.rollout_engines):

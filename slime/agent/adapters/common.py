@@ -1,0 +1,361 @@
+"""What the OpenAI and Anthropic adapters share: sessions, one turn against the engine, and the trajectory.
+
+A turn: the client's request is translated to chat-template messages (the protocol's job), rendered to token ids
+with the tokenizer's chat template, sent to the engine's `/generate` (through the router, keyed by the session id)
+with `input_ids` and `return_logprob`, the sampled text is split into reasoning / text / tool calls in the model
+family's format, the protocol's reply is sent (JSON or SSE), and only then the turn -- prompt ids, sampled ids and
+log-probs as the engine returned them -- is recorded in the session's tree (a client that went away never received
+the turn, so it is not part of its trajectory). `finish_session` turns the tree into `Sample`s.
+
+The adapter's `app` may run in another thread's event loop than the caller's (see `aiohttp_threaded`); the session
+table is guarded by a lock and nothing here is tied to one loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import threading
+import time
+import uuid
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from slime.agent.parsing import ParsedOutput, check_parser_names, parse_output
+from slime.agent.trajectory import TrajectoryTree, TurnRecord
+from slime.utils.types import Sample
+
+logger = logging.getLogger(__name__)
+
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"  # the router's session-affinity key (consistent_hashing policy)
+
+
+class AdapterError(Exception):
+    """A request the adapter cannot honour; rendered in the protocol's own error shape."""
+
+    def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+
+@dataclasses.dataclass
+class Session:
+    session_id: str
+    tree: TrajectoryTree
+    sampling_defaults: dict
+    max_context_tokens: int
+    inflight: int = 0
+    closed: bool = False
+    opened_at: float = dataclasses.field(default_factory=time.monotonic)
+
+
+class BaseAdapter:
+    """Serve one chat protocol over the policy's engine and record each session's turns.
+
+    tokenizer: the policy's HF tokenizer (its chat template renders every prompt).
+    sglang_url: the router's (or one engine's) base URL.
+    tool_parser / reasoning_parser: SGLang parser names (`qwen25`, `qwen3`, ...); None leaves the text as it is.
+    chat_template_kwargs: extra arguments for `apply_chat_template` (e.g. {"enable_thinking": False}).
+    """
+
+    protocol = ""
+
+    def __init__(
+        self,
+        *,
+        tokenizer,
+        sglang_url: str,
+        tool_parser: str | None = None,
+        reasoning_parser: str | None = None,
+        chat_template_kwargs: dict | None = None,
+        request_timeout: float = 900.0,
+    ):
+        check_parser_names(tool_parser, reasoning_parser)
+        self.tokenizer = tokenizer
+        self.sglang_url = sglang_url.rstrip("/")
+        self.tool_parser = tool_parser
+        self.reasoning_parser = reasoning_parser
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.request_timeout = request_timeout
+        self._sessions: dict[str, Session] = {}
+        self._lock = threading.Lock()
+        self.app = web.Application(client_max_size=64 << 20)
+        self.app.router.add_get("/health", self._health)
+        self.app.router.add_get("/v1/models", self._models)
+        self._register_routes(self.app)
+
+    # ------------------------------------------------------------------ protocol hooks
+    def _register_routes(self, app: web.Application) -> None:
+        raise NotImplementedError
+
+    def _session_id(self, request: web.Request, body: dict) -> str | None:
+        raise NotImplementedError
+
+    def _check_body(self, body: dict) -> None:
+        """Raise AdapterError for anything the adapter cannot honour."""
+        raise NotImplementedError
+
+    def _to_chat(self, body: dict) -> tuple[list[dict], list[dict] | None, bool]:
+        """(chat-template messages, tools in the template's function shape, whether to parse tool calls)."""
+        raise NotImplementedError
+
+    def _sampling_params(self, body: dict) -> dict:
+        raise NotImplementedError
+
+    def _error_response(self, err: AdapterError) -> web.Response:
+        raise NotImplementedError
+
+    async def _respond(
+        self, request: web.Request, body: dict, parsed: ParsedOutput, turn: TurnRecord
+    ) -> web.StreamResponse:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ sessions
+    def open_session(self, session_id: str, *, sampling_defaults: dict | None = None, max_context_tokens: int = 0):
+        """Start recording a session. Its requests carry `session_id` as the API key (or in the body's metadata).
+
+        sampling_defaults: engine sampling params applied under the request's own (e.g. the rollout's temperature).
+        max_context_tokens: a prompt this long or longer is refused; generation is capped to what is left.
+        """
+        with self._lock:
+            if session_id in self._sessions:
+                raise ValueError(f"session {session_id!r} is already open; session ids must be unique")
+            self._sessions[session_id] = Session(
+                session_id, TrajectoryTree(session_id), dict(sampling_defaults or {}), int(max_context_tokens)
+            )
+
+    async def finish_session(
+        self,
+        session_id: str,
+        *,
+        base_sample: Sample,
+        reward: Any = None,
+        extra_metadata: dict | None = None,
+        wait_timeout: float = 30.0,
+    ) -> list[Sample]:
+        """Close the session and return one loss-masked Sample per branch (siblings share a rollout_id).
+
+        Requests still running are waited for (up to wait_timeout); later requests for the session are refused.
+        """
+        session = self._close(session_id)
+        deadline = time.monotonic() + wait_timeout
+        while session.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        with self._lock:
+            self._sessions.pop(session_id, None)
+            if session.inflight:
+                logger.warning(
+                    "session %s finished with %d request(s) still running; their turns are not recorded",
+                    session_id,
+                    session.inflight,
+                )
+            return session.tree.to_samples(
+                base_sample, reward=reward, extra_metadata=extra_metadata, tokenizer=self.tokenizer
+            )
+
+    def drop_session(self, session_id: str, reason: str) -> None:
+        """Forget a session without producing samples (the episode failed or was abandoned); logs why."""
+        with self._lock:
+            session = self._sessions.pop(session_id, None)
+        if session is None:
+            return
+        session.closed = True
+        logger.warning(
+            "agent session %s dropped after %d turn(s), its samples discarded: %s",
+            session_id,
+            session.tree.num_turns,
+            reason,
+        )
+
+    def drop_stale_sessions(self, max_age_s: float) -> list[str]:
+        """Drop every session opened more than max_age_s ago and never finished; returns their ids."""
+        now = time.monotonic()
+        with self._lock:
+            stale = [sid for sid, s in self._sessions.items() if now - s.opened_at > max_age_s]
+        for sid in stale:
+            self.drop_session(sid, f"never finished within {max_age_s:.0f}s of opening")
+        return stale
+
+    def close(self) -> None:
+        """Drop every session still open (logged): nothing outlives the adapter."""
+        with self._lock:
+            open_ids = list(self._sessions)
+        for sid in open_ids:
+            self.drop_session(sid, "the adapter closed before finish_session")
+
+    def open_sessions(self) -> list[str]:
+        with self._lock:
+            return list(self._sessions)
+
+    def _close(self, session_id: str) -> Session:
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None:
+                raise KeyError(f"no open session {session_id!r}")
+            session.closed = True
+            return session
+
+    # ------------------------------------------------------------------ one turn
+    async def _health(self, request):
+        return web.json_response({"ok": True})
+
+    async def _models(self, request):
+        return web.json_response({"object": "list", "data": [{"id": "slime-policy", "object": "model"}]})
+
+    def render(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=True, **self.chat_template_kwargs
+        )
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        try:
+            try:
+                body = await request.json()
+            except ValueError as e:
+                raise AdapterError(400, f"the request body is not valid JSON: {e}") from None
+            if not isinstance(body, dict):
+                raise AdapterError(400, "the request body must be a JSON object")
+            session = self._acquire(self._session_id(request, body))
+        except AdapterError as err:
+            return self._error_response(err)
+        try:
+            self._check_body(body)
+            messages, tools, parse_tools = self._to_chat(body)
+            prompt_ids = self.render(messages, tools)
+            sp = {**session.sampling_defaults, **self._sampling_params(body)}
+            self._fit_context(session, prompt_ids, sp)
+            turn = await self._generate(session.session_id, prompt_ids, sp)
+            raw = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
+            parsed = parse_output(
+                raw,
+                tools=tools if parse_tools else None,
+                tool_parser=self.tool_parser,
+                reasoning_parser=self.reasoning_parser,
+            )
+            turn = dataclasses.replace(turn, message=assistant_message(parsed), ill_formed=parsed.ill_formed)
+            response = await self._respond(request, body, parsed, turn)
+            with self._lock:
+                if session.closed:
+                    logger.warning(
+                        "session %s: a turn finished after finish_session; not recorded", session.session_id
+                    )
+                else:
+                    session.tree.add_turn(turn)
+            return response
+        except AdapterError as err:
+            return self._error_response(err)
+        finally:
+            with self._lock:
+                session.inflight -= 1
+
+    def _acquire(self, session_id: str | None) -> Session:
+        if not session_id:
+            raise AdapterError(
+                401,
+                "no session id: pass the session id as the API key (or metadata.session_id)",
+                kind="authentication_error",
+            )
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None:
+                raise AdapterError(
+                    404, f"unknown session {session_id!r}: open_session it first", kind="not_found_error"
+                )
+            if session.closed:
+                raise AdapterError(409, f"session {session_id!r} is already finished")
+            session.inflight += 1
+            return session
+
+    def _fit_context(self, session: Session, prompt_ids: list[int], sp: dict) -> None:
+        limit = session.max_context_tokens
+        if not limit:
+            return
+        if len(prompt_ids) >= limit:
+            raise AdapterError(
+                400,
+                f"context too long: the prompt renders to {len(prompt_ids)} tokens and this session allows "
+                f"{limit} (prompt + completion)",
+                param="messages",
+            )
+        sp["max_new_tokens"] = min(sp.get("max_new_tokens", limit), limit - len(prompt_ids))
+
+    async def _generate(self, session_id: str, prompt_ids: list[int], sp: dict) -> TurnRecord:
+        payload = {
+            "rid": uuid.uuid4().hex,
+            "input_ids": prompt_ids,
+            # the sampled ids are the training target, so the engine must return them untrimmed
+            "sampling_params": {**sp, "skip_special_tokens": False, "no_stop_trim": True},
+            "return_logprob": True,
+        }
+        timeout = aiohttp.ClientTimeout(total=self.request_timeout)
+        try:
+            async with (
+                aiohttp.ClientSession(timeout=timeout, trust_env=False) as http,
+                http.post(f"{self.sglang_url}/generate", json=payload, headers={ROUTING_KEY_HEADER: session_id}) as r,
+            ):
+                text = await r.text()
+                if r.status >= 500:
+                    raise AdapterError(502, f"the engine failed ({r.status}): {text[:500]}", kind="api_error")
+                if r.status >= 400:
+                    raise AdapterError(400, f"the engine refused the request: {_engine_message(text)}")
+                data = await r.json(content_type=None)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise AdapterError(502, f"the engine at {self.sglang_url} is unreachable: {e!r}", kind="api_error") from e
+        meta = data["meta_info"]
+        pairs = meta["output_token_logprobs"]
+        return TurnRecord(
+            prompt_ids=list(prompt_ids),
+            output_ids=[int(p[1]) for p in pairs],
+            output_log_probs=[float(p[0]) for p in pairs],
+            finish_reason=(meta.get("finish_reason") or {}).get("type") or "stop",
+            weight_version=meta.get("weight_version"),
+        )
+
+
+def _engine_message(text: str) -> str:
+    try:
+        err = json.loads(text).get("error", text)
+    except (ValueError, AttributeError):
+        return text[:500]
+    return (err.get("message") if isinstance(err, dict) else str(err))[:500]
+
+
+def assistant_message(parsed: ParsedOutput) -> dict:
+    """The reply as a chat-template message (tool-call arguments as dicts, as templates expect)."""
+    msg: dict[str, Any] = {"role": "assistant", "content": parsed.text}
+    if parsed.reasoning:
+        msg["reasoning_content"] = parsed.reasoning
+    if parsed.tool_calls:
+        msg["tool_calls"] = [
+            {"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+            for c in parsed.tool_calls
+        ]
+    return msg
+
+
+def reject_unknown_fields(body: dict, known: set[str], api: str) -> None:
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise AdapterError(
+            400,
+            f"unsupported field(s) {', '.join(map(repr, unknown))} for the {api} API on slime's adapter",
+            param=unknown[0],
+        )
+
+
+def function_tool(name: Any, description: Any, parameters: Any) -> dict:
+    if not isinstance(name, str) or not name:
+        raise AdapterError(400, "every tool needs a non-empty string name", param="tools")
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description or "",
+            "parameters": parameters or {"type": "object", "properties": {}},
+        },
+    }

@@ -1,0 +1,85 @@
+"""PPO's critic (`--advantage-estimator ppo`) on the driver side: its arguments, its trainer group and its part of
+each training step and checkpoint.
+
+The critic is a second Megatron model group on the actor's GPUs (the same placement-group bundles, half a GPU
+share each), built like the actor but ending in a one-output value head. Its arguments are the actor's, with the
+critic role of `--megatron-config-path` applied over them. Each rollout it computes its values, trains on the clipped
+value loss against the GAE returns, and hands the values (from before its update) to the actor for GAE. Its
+checkpoint is `{save}/critic/iter_X`, written before the run's tracker, so a resume loads the critic of the same
+iteration as the actor.
+"""
+
+import copy
+import os
+
+import ray
+
+from slime.ray.placement_group import allocate_train_group
+from slime.utils.checkpoint_tracker import read_tracker
+from slime.utils.ray_utils import Box
+
+
+def critic_args(args):
+    """The critic's copy of the arguments: the critic role's overrides, its checkpoint paths, the value loss, and
+    nothing that only the policy has (KL to a reference, log-prob hooks, old-actor copies)."""
+    c = copy.copy(args)
+    for key, value in args.critic_overrides.items():
+        setattr(c, key, value)
+    c.loss_type = "value_loss"
+    c.kl_coef = 0.0  # the critic's GAE returns carry the task reward only (no log-probs here to compute a KL)
+    c.use_kl_loss = False
+    c.kl_loss_coef = 0.0
+    c.custom_advantage_function_path = None
+    c.custom_megatron_before_log_prob_hook_path = None
+    c.use_rollout_entropy = False
+    c.keep_old_actor = False
+    c.untie_embeddings_and_output_weights = True  # the value head is its own layer, never the embedding
+    c.offload = c.offload_train = (
+        False  # the critic offloads itself between its train steps (MegatronTrainRayActor.train_critic)
+    )
+    c.save = os.path.join(args.save, "critic") if args.save else None
+    if args.load and not args.finetune:  # a resume: the critic of the iteration the actor resumes
+        c.load = os.path.join(args.load, "critic")
+        c.ckpt_step = args.ckpt_step if args.ckpt_step is not None else read_tracker(args.load)
+    return c
+
+
+def create_critic_group(args, pg, wandb_run_id, get):
+    """The critic's trainer group, initialised (from its checkpoint, else the actor's initial weights with a new
+    value head). Returns `(group, start rollout ids)`, or `(None, None)` without `--advantage-estimator ppo`."""
+    if not args.use_critic:
+        return None, None
+    cargs = critic_args(args)
+    group = allocate_train_group(
+        cargs, args.critic_num_nodes, args.critic_num_gpus_per_node, pg, wandb_run_id, num_gpus_per_actor=0.4
+    )
+    return group, get(group.async_init(cargs, role="critic"))
+
+
+def train_step(args, rollout_id, actor_model, critic_model, rollout_data_ref, get):
+    """One rollout's training: the actor alone, or with a critic first its values and update, then the actor on the
+    GAE advantages (not during the first `--num-critic-only-steps` rollouts). Returns the per-rank results the run
+    recorder reads, the critic's metrics under `"critic"`."""
+    if critic_model is None:
+        return get(actor_model.async_train(rollout_id, rollout_data_ref))
+    results = get(critic_model.async_train(rollout_id, rollout_data_ref))
+    by_index = {}
+    for r in results:
+        by_index.update(r["values"])
+    values_ref = Box(ray.put({"values": [by_index[i] for i in range(len(by_index))]}))
+    report = next(({k: v for k, v in r.items() if k != "values"} for r in results if "train" in r), {})
+    if rollout_id < args.num_critic_only_steps:
+        return [{"critic": report}]
+    actor_results = get(actor_model.async_train(rollout_id, rollout_data_ref, values_ref))
+    for r in actor_results:
+        if r:  # the recorder reads the first non-empty result
+            r["critic"] = report
+            break
+    return actor_results
+
+
+def checkpoint_savers(critic_model, get):
+    """`extra_savers` for `slime.ray.checkpoint.save`: the critic's part of a checkpoint, before the tracker."""
+    if critic_model is None:
+        return ()
+    return (lambda rollout_id: get(critic_model.async_save_model(rollout_id, commit=False)),)

@@ -1,0 +1,148 @@
+"""Current upstream slime's flags here: each is honoured with upstream's meaning, or refused at start-up in one line.
+
+`upstream_flags.json` (written by `tools/record_upstream_flags.py`) lists every flag upstream slime declares. A flag
+this slime has no code for is still parsed, with upstream's type and default, so a current launch script never
+dies on "unrecognized arguments"; `refuse_unsupported` then stops the job (exit 2) on the first refused flag whose
+value differs from upstream's default, naming it, why, and what to do instead. `REFUSED` is the only place a
+flag is refused; `docs/flags.md` is generated from it (`tools/gen_flags_doc.py`).
+"""
+
+import argparse
+import json
+import os
+
+UPSTREAM_FLAGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "upstream_flags.json")
+
+_MISMATCH = "comes with issue #25 (engine log-probs, mismatch metrics, routing replay)"
+_OPD = "on-policy distillation comes with issue #26: drop it, or add the teacher's log-probs in a custom generate function"
+_SGLANG_CONFIG = "multi-model serving (--sglang-config) comes with issue #26: start extra models yourself and reach them from a custom reward"
+
+_NOT_YET = "not implemented in this slime yet"
+_PROFILING = "training is not profiled here (torch profiler, CUDA memory history and snapshots): drop it"
+
+# flag -> why it is refused here, and what to do instead (one line each).
+REFUSED = {
+    # another issue's work: that issue deletes its entries when it lands
+    "--use-routing-replay": f"MoE routing replay (R2) {_MISMATCH}; drop it",
+    "--use-rollout-routing-replay": f"MoE rollout routing replay (R3) {_MISMATCH}; drop it",
+    "--use-opd": _OPD,
+    "--opd-type": _OPD,
+    "--opd-kl-coef": _OPD,
+    "--opd-teacher-load": _OPD,
+    "--opd-teacher-ckpt-step": _OPD,
+    "--sglang-config": _SGLANG_CONFIG,
+    "--release-train": "recreating the trainers from --save after each rollout comes with issue #28: use --offload "
+    "to free trainer memory during rollout",
+    "--rollout-external-engine-addrs": "external rollout engines come with issue #28: let slime start the engines "
+    "(--rollout-num-gpus)",
+    # cannot exist on this stack
+    "--prefill-num-servers": "prefill/decode disaggregation needs SGLang's KV transfer between GPU engines, which "
+    "this slime does not drive: drop it (every engine serves both phases)",
+    "--rollout-data-transport": "NIXL transport of rollout data needs Ray's NIXL (RDMA): drop it (rollout data goes "
+    "through Ray's object store)",
+    "--megatron-deepgemm-forward-layers": "DeepGEMM forward kernels are GLM-5-only FP8 GPU kernels not in this slime: "
+    "drop it",
+    "--megatron-deepgemm-forward-modules": "DeepGEMM forward kernels are GLM-5-only FP8 GPU kernels not in this "
+    "slime: drop it",
+    "--megatron-deepgemm-moe-forward-layers": "DeepGEMM forward kernels are GLM-5-only FP8 GPU kernels not in this "
+    "slime: drop it",
+    "--megatron-deepgemm-moe-forward-modules": "DeepGEMM forward kernels are GLM-5-only FP8 GPU kernels not in this "
+    "slime: drop it",
+    "--freeze-indexer": "the DSA indexer belongs to GLM-5's sparse attention, which this slime does not build: drop it",
+    "--train-backend": "Megatron is the only training backend (as in current slime, which removed FSDP): drop it",
+    "--multimodal-keys": "multimodal (VLM) rollouts are not supported here (the inference servers take text "
+    "tokens only): drop it",
+    "--load-forge-rollout-data": "forge replay keeps engines and weight sync live while replaying dumps, for GPU "
+    "memory tests: use --load-debug-rollout-data",
+    "--use-distributed-post": "not implemented here yet: drop it (the rollout posts to the router from the driver's "
+    "rollout actor)",
+    # not implemented here yet (issue #24's remaining work)
+    "--recompute-loss-function": f"{_NOT_YET}: drop it (the loss is not activation-checkpointed)",
+    "--log-probs-chunk-size": f"{_NOT_YET}: drop it, or lower --log-probs-max-tokens-per-gpu",
+    "--allgather-cp": f"{_NOT_YET}: drop it (context parallelism splits sequences in zigzag order)",
+    "--mask-offpolicy-in-partial-rollout": f"{_NOT_YET}: drop it (resumed partial samples train on every response token)",
+    "--balance-by-flops": f"{_NOT_YET}: use --balance-data (balances tokens across DP ranks)",
+    "--save-hf": f"{_NOT_YET}: convert saved checkpoints with tools/convert_torch_dist_to_hf.py",
+    "--ref-update-interval": f"{_NOT_YET}: drop it (the reference model stays fixed)",
+    "--log-correct-samples": f"{_NOT_YET}: log it from a --custom-rollout-log-function-path",
+    "--memory-snapshot-dir": f"{_NOT_YET}: {_PROFILING}",
+    "--memory-snapshot-num-steps": f"{_NOT_YET}: {_PROFILING}",
+    "--profile-target": f"{_NOT_YET}: {_PROFILING}",
+    "--memory-recorder": f"{_NOT_YET}: {_PROFILING}",
+    "--record-memory-history": f"{_NOT_YET}: {_PROFILING}",
+    "--data-pad-size-multiplier": f"{_NOT_YET}: drop it (packed batches are padded to the TP/CP size)",
+}
+
+# Refused flags that upstream's own argument files do not declare (Megatron-LM flags its model scripts pass):
+# parsed as Megatron-LM declares them.
+EXTRA_DEFINITIONS = {
+    "--use-gated-attention": {"action": "store_true", "default": False},
+    "--attention-output-gate": {"action": "store_true", "default": False},
+    "--moe-shared-expert-gate": {"action": "store_true", "default": False},
+}
+
+# the recorder's marker of a keyword computed in upstream's source (its source text), e.g. 512 * 1024**2
+COMPUTED = "__source__"
+
+
+def is_computed(value):
+    return isinstance(value, dict) and set(value) == {COMPUTED}
+
+
+_TYPES = {"int": int, "float": float, "str": str, "json.loads": json.loads}
+
+
+def upstream_flags():
+    """The recorded table: [{flags, dest?, type?, action?, default?, ...origin}]."""
+    with open(UPSTREAM_FLAGS) as f:
+        return json.load(f)["flags"]
+
+
+def _definition(entry):
+    """add_argument keywords rebuilding an upstream flag as upstream declares it."""
+    kwargs = {}
+    action = entry.get("action")
+    if isinstance(action, dict):  # computed: argparse.BooleanOptionalAction
+        if action[COMPUTED] != "argparse.BooleanOptionalAction":
+            raise ValueError(f"{entry['flags'][0]}: unknown action {action[COMPUTED]}")
+        kwargs["action"] = argparse.BooleanOptionalAction
+    elif action not in (None, "store"):
+        kwargs["action"] = action
+    if "type" in entry:
+        kwargs["type"] = _TYPES[entry["type"]]
+    for key in ("dest", "nargs", "choices", "const"):
+        if key in entry:
+            kwargs[key] = entry[key]
+    default = entry.get("default")
+    kwargs["default"] = None if is_computed(default) else default
+    return kwargs
+
+
+def add_refused_arguments(parser):
+    """Parse every refused flag this parser does not know yet (as upstream declares it), so that a launch script
+    using it reaches `refuse_unsupported` instead of dying on an unknown argument."""
+    group = parser.add_argument_group("current slime's flags refused here (see docs/flags.md)")
+    known = parser._option_string_actions
+    by_flag = {f: e for e in upstream_flags() for f in e["flags"]}
+    for flag in REFUSED:
+        if flag in known:
+            continue
+        entry = by_flag.get(flag)
+        if entry is not None:
+            group.add_argument(*entry["flags"], **_definition(entry), help=argparse.SUPPRESS)
+        else:
+            group.add_argument(flag, **EXTRA_DEFINITIONS[flag], help=argparse.SUPPRESS)
+    return parser
+
+
+def refuse_unsupported(args, parser, error):
+    """Exit (status 2) naming the first refused flag set away from its default."""
+    for flag, reason in REFUSED.items():
+        action = parser._option_string_actions.get(flag)
+        if action is None:  # e.g. a custom-arguments provider removed it: nothing to refuse
+            continue
+        default = action.default
+        if isinstance(default, str) and action.type is not None:  # argparse converts a string default with `type`
+            default = action.type(default)
+        if getattr(args, action.dest) != default:
+            error(f"{flag}: not supported by this slime: {reason}.")

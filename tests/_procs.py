@@ -1,0 +1,131 @@
+"""Finding the processes a test, or the whole test session, started.
+
+A command line does not identify them: Ray retitles its daemons and workers (`raylet`, `ray::MegatronTrainRayActor`),
+and a run's forked router carries its driver's. The environment does: every process inherits it, so a marker
+variable set before the start (`SLIME_TEST_SESSION` for the session, `SLIME_TEST_RUN` for one subprocess run) is
+carried by the driver, its router, the Ray it starts and every worker of that Ray, even after they are reparented."""
+
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import psutil
+
+SESSION_KEY = "SLIME_TEST_SESSION"
+RUN_KEY = "SLIME_TEST_RUN"
+
+# Helpers of this interpreter that only end with it (pytest's own process), not processes a test left behind.
+_ENDS_WITH_INTERPRETER = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "_inductor/compile_worker")
+
+
+def carrying(key, value, include_interpreter_helpers=True):
+    """Live processes (zombies excluded) other than this one whose environment has `key`=`value`."""
+    me, found = os.getpid(), []
+    for p in psutil.process_iter(["environ", "status", "cmdline"]):
+        try:
+            if p.pid == me or p.info["status"] == psutil.STATUS_ZOMBIE or (p.info["environ"] or {}).get(key) != value:
+                continue
+            cmd = " ".join(p.info["cmdline"] or [])
+            if not include_interpreter_helpers and p.ppid() == me and any(h in cmd for h in _ENDS_WITH_INTERPRETER):
+                continue
+            found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
+def wait_none_carrying(key, value, timeout, include_interpreter_helpers=True):
+    """Processes still carrying `key`=`value` after polling for up to `timeout` seconds (empty once all are gone)."""
+    deadline = time.time() + timeout
+    while True:
+        left = carrying(key, value, include_interpreter_helpers)
+        if not left or time.time() >= deadline:
+            return left
+        time.sleep(0.5)
+
+
+def cmdline(p):
+    """`p`'s command line as one string ("" once it is gone)."""
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def describe(procs):
+    return [f"{p.pid} {cmdline(p)[:160]}" for p in procs if cmdline(p)]
+
+
+def kill(procs):
+    """SIGKILL exactly these processes (by pid), then reap what can be reaped."""
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
+def run_env(marker):
+    """Environment for a subprocess run of train.py: the session's, without RAY_ADDRESS (the run starts its own Ray),
+    with `SLIME_TEST_RUN`=`marker` so that everything the run starts can be found afterwards."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env[RUN_KEY] = str(marker)
+    return env
+
+
+def stop_run(proc, marker, timeout=30):
+    """Cleanup after a subprocess run, whatever happened: kill the driver if it still runs, then every process that
+    carries the run's marker (its Ray, router, servers), by pid. Returns what had to be killed."""
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        try:
+            proc.wait(timeout)
+        except Exception:  # noqa: BLE001  (the sweep below still runs)
+            pass
+    left = wait_none_carrying(RUN_KEY, str(marker), timeout)
+    described = describe(left)
+    kill(left)
+    return described
+
+
+def wait_for_line(proc, prefix, timeout):
+    """Read `proc.stdout` (text) until a line starts with `prefix`: True, or False when the process closed its output
+    or `timeout` passed first. A thread keeps reading the output afterwards, so the process never blocks on a full
+    pipe; every line read, before and after, is in `proc.lines` (for failure messages)."""
+    proc.lines, seen, closed = [], threading.Event(), threading.Event()
+
+    def pump():
+        for line in proc.stdout:
+            proc.lines.append(line)
+            if line.startswith(prefix):
+                seen.set()
+        closed.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.time() + timeout
+    while not seen.is_set() and not closed.is_set() and time.time() < deadline:
+        seen.wait(0.2)
+    return seen.is_set()
+
+
+def tail(proc, n=3000):
+    """The last `n` characters `wait_for_line` read from `proc`."""
+    return "".join(proc.lines)[-n:]
+
+
+def run(cmd, timeout, **kwargs):
+    """`subprocess.run(cmd, capture_output=True, text=True)` that, on timeout, kills the command's whole process group
+    (torchrun's ranks, a script's python), not the command alone, and then raises `TimeoutExpired`."""
+    with subprocess.Popen(
+        cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

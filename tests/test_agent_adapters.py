@@ -1,0 +1,344 @@
+"""The official OpenAI and Anthropic SDKs drive slime's agent adapters over a real CPU engine serving a tiny
+tool-calling policy; the samples' tokens, loss masks and log-probs are checked against what the engine returned
+(captured by a recording proxy in the router's place) and against a transformers forward pass."""
+
+import json
+import logging
+import threading
+
+import anthropic
+import openai
+import pytest
+import torch
+from aiohttp import ClientSession, web
+
+from slime.agent.adapters import AnthropicAdapter, OpenAIAdapter
+from slime.agent.aiohttp_threaded import run_app_in_thread
+from slime.utils.types import Sample
+from tests._agent_kit import CALCULATOR, build_agent_model
+from tests.test_cpu_server import start_cpu_server, stop_cpu_server
+
+pytestmark = pytest.mark.timeout(600)
+
+
+class Recorder:
+    """Forwards /generate to the engine and keeps every (headers, request, response)."""
+
+    def __init__(self, engine_url):
+        self.engine_url, self.calls, self.lock = engine_url, [], threading.Lock()
+        self.app = web.Application()
+        self.app.router.add_post("/generate", self.generate)
+
+    async def generate(self, request):
+        body = await request.json()
+        async with ClientSession() as s, s.post(self.engine_url + "/generate", json=body) as r:
+            status, text = r.status, await r.text()
+        with self.lock:
+            self.calls.append((dict(request.headers), body, json.loads(text) if status == 200 else None))
+        return web.Response(status=status, text=text, content_type="application/json")
+
+    def take(self):
+        with self.lock:
+            calls, self.calls = self.calls, []
+        return calls
+
+
+@pytest.fixture(scope="module")
+def kit(tiny_kit, tmp_path_factory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = build_agent_model(tiny_kit[0], str(tmp_path_factory.mktemp("agent") / "model"))
+    return model_dir, AutoTokenizer.from_pretrained(model_dir), AutoModelForCausalLM.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def stack(kit):
+    proc, engine_url = start_cpu_server(kit[0], "--random-seed", "1")
+    recorder = Recorder(engine_url)
+    rec = run_app_in_thread(recorder.app)
+    kw = dict(tokenizer=kit[1], sglang_url=rec.url, tool_parser="qwen25", reasoning_parser="qwen3")
+    oa, an = OpenAIAdapter(**kw), AnthropicAdapter(**kw)
+    oa_h, an_h = run_app_in_thread(oa.app), run_app_in_thread(an.app)
+    recorder.take()
+    yield {"openai": (oa, oa_h.url), "anthropic": (an, an_h.url), "recorder": recorder}
+    for h in (oa_h, an_h, rec):
+        h.stop()
+    stop_cpu_server(proc)
+
+
+def finish_all(adapter, sid, **kw):
+    import asyncio
+
+    return asyncio.run(adapter.finish_session(sid, base_sample=Sample(index=11, group_index=4, prompt="q"), **kw))
+
+
+def check_against_engine(sample, calls, model):
+    """The sample is the last call's prompt + output; each call's sampled span is trained with its log-probs."""
+    first, last = calls[0][1], calls[-1]
+    out_ids = [p[1] for p in last[2]["meta_info"]["output_token_logprobs"]]
+    assert sample.tokens == last[1]["input_ids"] + out_ids
+    prompt_len = len(first["input_ids"])
+    assert sample.response_length == len(sample.tokens) - prompt_len
+    expect_mask = [0] * sample.response_length
+    expect_lp = [0.0] * sample.response_length
+    for _, req, resp in calls:
+        pairs = resp["meta_info"]["output_token_logprobs"]
+        start = len(req["input_ids"]) - prompt_len
+        assert sample.tokens[len(req["input_ids"]) : len(req["input_ids"]) + len(pairs)] == [p[1] for p in pairs]
+        for k, (lp, _tid, _txt) in enumerate(pairs):
+            expect_mask[start + k], expect_lp[start + k] = 1, lp
+    assert sample.loss_mask == expect_mask
+    assert sample.rollout_log_probs == expect_lp
+    # independent: the trained log-probs are the policy's own (a transformers forward on the sample's tokens)
+    with torch.no_grad():
+        logits = model(torch.tensor([sample.tokens])).logits[0].float()
+    ref = torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(sample.tokens[1:])[:, None])[:, 0]
+    ref = ref[prompt_len - 1 :]
+    trained = torch.tensor(sample.loss_mask, dtype=torch.bool)
+    assert torch.allclose(torch.tensor(sample.rollout_log_probs)[trained], ref[trained], atol=1e-4)
+
+
+def test_openai_sdk_tools_multi_turn_streaming_and_branches(stack, kit):
+    adapter, url = stack["openai"]
+    recorder = stack["recorder"]
+    adapter.open_session("oa-1", sampling_defaults={"temperature": 0})
+    client = openai.OpenAI(api_key="oa-1", base_url=url + "/v1", max_retries=0)
+
+    messages = [{"role": "user", "content": "What is 3+4?"}]
+    r = client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR], max_tokens=128)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert msg.model_extra["reasoning_content"] == "add them"
+    [call] = msg.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("calculator", {"expression": "3+4"})
+    messages += [msg.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "7"}]
+
+    r = client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR], max_tokens=64)
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == ("The answer is 7.", "stop")
+    messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "And times 2?"}]
+
+    # streamed: the SDK reassembles the tool call from the deltas
+    stream = client.chat.completions.create(
+        model="policy",
+        messages=messages,
+        tools=[CALCULATOR],
+        max_tokens=128,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    name, args, call_id, finish, usage = "", "", None, None, None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for ch in chunk.choices:
+            finish = ch.finish_reason or finish
+            for tc in ch.delta.tool_calls or []:
+                call_id = tc.id or call_id
+                name += tc.function.name or ""
+                args += tc.function.arguments or ""
+    assert (name, json.loads(args), finish) == ("calculator", {"expression": "7*2"}, "tool_calls")
+    assert usage.completion_tokens > 0
+    messages += [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}],
+        },
+        {"role": "tool", "tool_call_id": call_id, "content": "14"},
+    ]
+    r = client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR], max_tokens=32)
+    assert r.choices[0].message.content == "14"
+    main_calls = recorder.take()
+
+    # a sub-agent with its own system prompt, then the main history compacted: each its own branch
+    sub = [{"role": "system", "content": "You check sums."}, {"role": "user", "content": "Is 3+4=7?"}]
+    assert client.chat.completions.create(model="p", messages=sub, max_tokens=16).choices[0].message.content == "yes"
+    sub_calls = recorder.take()
+    compact = [{"role": "user", "content": "Summary: 3+4=7, checked. Finish."}]
+    r = client.chat.completions.create(model="p", messages=compact, tools=[CALCULATOR], max_tokens=16)
+    assert r.choices[0].message.content == "Done: 7."
+    compact_calls = recorder.take()
+
+    samples = finish_all(adapter, "oa-1", reward=1.0)
+    assert len(samples) == 3 and {s.rollout_id for s in samples} == {11}
+    assert all(s.reward == 1.0 and s.status == Sample.Status.COMPLETED for s in samples)
+    for sample, calls in zip(samples, (main_calls, sub_calls, compact_calls)):
+        check_against_engine(sample, calls, kit[2])
+    assert len(main_calls) == 4 and samples[0].metadata["agent"]["num_tool_calls"] == 2
+    # every engine call carried the session id as the router's routing key
+    assert {h["X-SMG-Routing-Key"] for h, _, _ in main_calls + sub_calls + compact_calls} == {"oa-1"}
+    assert "<tool_response>\n7\n</tool_response>" in samples[0].response
+    assert adapter.open_sessions() == []
+
+
+def test_anthropic_sdk_tools_thinking_and_streaming(stack, kit):
+    adapter, url = stack["anthropic"]
+    recorder = stack["recorder"]
+    adapter.open_session("an-1", sampling_defaults={"temperature": 0})
+    client = anthropic.Anthropic(api_key="an-1", base_url=url, max_retries=0)
+    tool = {
+        "name": "calculator",
+        "description": CALCULATOR["function"]["description"],
+        "input_schema": CALCULATOR["function"]["parameters"],
+    }
+    messages = [{"role": "user", "content": "What is 3+4?"}]
+    r = client.messages.create(model="policy", max_tokens=128, tools=[tool], messages=messages)
+    assert r.stop_reason == "tool_use"
+    thinking, use = r.content
+    assert (thinking.type, thinking.thinking) == ("thinking", "add them")
+    assert (use.type, use.name, use.input) == ("tool_use", "calculator", {"expression": "3+4"})
+    messages += [
+        {"role": "assistant", "content": [b.model_dump() for b in r.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "7"}]},
+    ]
+    r = client.messages.create(model="policy", max_tokens=64, tools=[tool], messages=messages)
+    assert (r.content[0].text, r.stop_reason) == ("The answer is 7.", "end_turn")
+    messages += [
+        {"role": "assistant", "content": [b.model_dump() for b in r.content]},
+        {"role": "user", "content": "And times 2?"},
+    ]
+    with client.messages.stream(model="policy", max_tokens=128, tools=[tool], messages=messages) as s:
+        final = s.get_final_message()
+    [use] = final.content
+    assert (use.name, use.input, final.stop_reason) == ("calculator", {"expression": "7*2"}, "tool_use")
+    assert final.usage.output_tokens > 0
+    calls = recorder.take()
+    n = client.messages.count_tokens(model="policy", messages=messages, tools=[tool]).input_tokens
+    assert n == len(calls[-1][1]["input_ids"])
+
+    [sample] = finish_all(adapter, "an-1")
+    check_against_engine(sample, calls, kit[2])
+    assert {h["X-SMG-Routing-Key"] for h, _, _ in calls} == {"an-1"}
+
+
+def test_requests_the_adapters_cannot_honour_get_the_apis_error_shape(stack, caplog):
+    oa, oa_url = stack["openai"]
+    an, an_url = stack["anthropic"]
+    recorder = stack["recorder"]
+    oa.open_session("bad-oa", sampling_defaults={"temperature": 0})
+    an.open_session("bad-an", sampling_defaults={"temperature": 0}, max_context_tokens=40)
+    oc = openai.OpenAI(api_key="bad-oa", base_url=oa_url + "/v1", max_retries=0)
+    ac = anthropic.Anthropic(api_key="bad-an", base_url=an_url, max_retries=0)
+    user = [{"role": "user", "content": "What is 3+4?"}]
+
+    def openai_error(**kw):
+        with pytest.raises(openai.APIStatusError) as e:
+            oc.chat.completions.create(model="p", **{"messages": user, **kw})
+        return e.value.status_code, e.value.body
+
+    status, body = openai_error(extra_body={"guided_regex": "x"})
+    assert status == 400 and body["type"] == "invalid_request_error" and "'guided_regex'" in body["message"]
+    status, body = openai_error(tools=[CALCULATOR], tool_choice="required")
+    assert status == 400 and body["param"] == "tool_choice" and "'auto' or 'none'" in body["message"]
+    status, body = openai_error(n=2)
+    assert status == 400 and body["param"] == "n"
+    # context too long: the engine (512-token context) refuses; its reason comes back in the API's shape
+    status, body = openai_error(messages=[{"role": "user", "content": "3+4 " * 400}])
+    assert status == 400 and "context length" in body["message"]
+    with pytest.raises(openai.NotFoundError, match="unknown session 'nope'"):
+        openai.OpenAI(api_key="nope", base_url=oa_url + "/v1", max_retries=0).chat.completions.create(
+            model="p", messages=user
+        )
+
+    def anthropic_error(**kw):
+        with pytest.raises(anthropic.APIStatusError) as e:
+            ac.messages.create(model="p", **{"max_tokens": 8, "messages": user, **kw})
+        assert e.value.body["type"] == "error"
+        return e.value.status_code, e.value.body["error"]
+
+    status, err = anthropic_error(extra_body={"container": "x"})
+    assert (status, err["type"]) == (400, "invalid_request_error") and "'container'" in err["message"]
+    status, err = anthropic_error(tool_choice={"type": "any"})
+    assert status == 400 and "tool_choice type 'any'" in err["message"]
+    status, err = anthropic_error(messages=[{"role": "user", "content": "3+4 " * 30}])
+    assert status == 400 and err["message"].startswith("context too long")
+
+    # none of the refused requests reached the engine but the one it refused itself; the sessions still work
+    assert len(recorder.take()) == 1
+    assert oc.chat.completions.create(model="p", messages=user, max_tokens=4).choices[0].message is not None
+    assert finish_all(oa, "bad-oa")[0].response_length > 0
+    assert finish_all(an, "bad-an") == []
+
+    # a session never finished is dropped with its reason logged when the adapter closes
+    oa.open_session("abandoned")
+    with caplog.at_level(logging.WARNING, logger="slime.agent.adapters.common"):
+        oa.close()
+    assert "agent session abandoned dropped after 0 turn(s)" in caplog.text
+    assert "the adapter closed before finish_session" in caplog.text
+    assert oa.open_sessions() == []
+
+
+def test_openai_agents_sdk_runs_a_tool_loop_through_the_adapter(stack, kit):
+    """An agent framework users pick (the OpenAI Agents SDK) runs its own tool loop against the adapter."""
+    import asyncio
+
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    adapter, url = stack["openai"]
+    recorder = stack["recorder"]
+    recorder.take()
+    seen = []
+
+    @function_tool
+    def calculator(expression: str) -> str:
+        """Evaluate an arithmetic expression."""
+        seen.append(expression)
+        return str(eval(expression, {"__builtins__": {}}))  # the test's own fixed expressions only
+
+    async def go():
+        adapter.open_session("agents-1", sampling_defaults={"temperature": 0})
+        client = openai.AsyncOpenAI(api_key="agents-1", base_url=url + "/v1", max_retries=0)
+        model = OpenAIChatCompletionsModel(model="policy", openai_client=client)
+        agent = Agent(
+            name="math", model=model, tools=[calculator], model_settings=ModelSettings(temperature=0, max_tokens=128)
+        )
+        result = await Runner.run(agent, "What is 3+4?")
+        samples = await adapter.finish_session("agents-1", base_sample=Sample(index=2), reward=1.0)
+        return result, samples
+
+    result, samples = asyncio.run(go())
+    assert seen == ["3+4"] and result.final_output == "The answer is 7."
+    calls = recorder.take()
+    assert len(calls) == 2 and {h["X-SMG-Routing-Key"] for h, _, _ in calls} == {"agents-1"}
+    # the framework drops reasoning from the history it sends back, so turn 2's prompt does not extend turn 1's
+    # sampled tokens: two branches, each response trained once with the engine's log-probs
+    by_branch = [[c] for c in calls] if len(samples) == 2 else [calls]
+    for sample, branch_calls in zip(samples, by_branch):
+        check_against_engine(sample, branch_calls, kit[2])
+    assert sum(sum(s.loss_mask) for s in samples) == sum(
+        len(c[2]["meta_info"]["output_token_logprobs"]) for c in calls
+    )
+
+
+def test_calculator_agent_example_generates_trained_samples(stack, kit, monkeypatch):
+    """examples/calculator_agent: its generate function runs the agent loop on the engine and scores the episode."""
+    import asyncio
+    import os
+
+    from tests._args import make_args
+
+    monkeypatch.syspath_prepend(
+        os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples", "calculator_agent")
+    )
+    import calculator_agent
+
+    recorder = stack["recorder"]
+    recorder.take()
+    host, port = stack["openai"][0].sglang_url.removeprefix("http://").split(":")  # the recorder, as the router
+    args = make_args(hf_checkpoint=kit[0], sglang_router_ip=host, sglang_router_port=int(port))
+    sp = {"temperature": 0.0, "top_p": 1.0, "max_new_tokens": 128, "stop": None, "no_stop_trim": True}
+    try:
+        samples = asyncio.run(
+            calculator_agent.generate(
+                args, Sample(index=3, prompt=[{"role": "user", "content": "What is 3+4?"}], label="7"), sp
+            )
+        )
+    finally:
+        calculator_agent._state.pop("handle").stop()
+        calculator_agent._state.clear()
+    calls = recorder.take()
+    [sample] = samples
+    assert (
+        sample.reward == 1.0 and sample.metadata["tool_calls"] == 1 and sample.metadata["answer"] == "The answer is 7."
+    )
+    check_against_engine(sample, calls, kit[2])

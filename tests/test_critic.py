@@ -1,0 +1,213 @@
+"""PPO with a critic (--advantage-estimator ppo): the clipped value loss on hand values, the critic's flags and their
+start-up refusals, the critic's arguments (the critic role of --megatron-config-path, its checkpoint paths)."""
+
+import pytest
+import torch
+
+from slime.ray.critic import critic_args
+from slime.utils.ppo_utils import compute_value_loss, vanilla_gae
+from tests._args import make_args
+from tests.test_arguments import parse, parse_error
+
+PPO = ["--advantage-estimator", "ppo"]
+
+
+# ---------------------------------------------------------------- the value loss
+def test_value_loss_hand_case():
+    old = torch.tensor([0.0, 0.0, 1.0, 1.0])
+    new = torch.tensor([0.1, 0.5, 0.5, 1.1])
+    returns = torch.tensor([1.0, 1.0, 0.0, 1.0])
+    losses, clipfrac = compute_value_loss(new, old, returns, value_clip=0.2)
+    # token 0: inside the clip, (0.1 - 1)^2 = .81
+    # token 1: moved 0.5 > 0.2; clipped value 0.2: max((.5-1)^2, (.2-1)^2) = max(.25, .64) = .64
+    # token 2: moved -0.5; clipped 0.8: max((.5-0)^2, (.8-0)^2) = .64 (the clip keeps the larger error)
+    # token 3: moved 0.1, inside: (1.1 - 1)^2 = .01
+    assert torch.allclose(losses, torch.tensor([0.81, 0.64, 0.64, 0.01]))
+    assert clipfrac.tolist() == [0.0, 1.0, 1.0, 0.0]
+
+
+def test_value_loss_clip_does_not_hide_an_improvement():
+    # a move of 0.5 towards the return: the clipped value (0.2 from the old one) has the larger error, so the loss is
+    # the clipped branch's, which is constant in the new value: no gradient pushes the value further this step
+    old, returns = torch.tensor([0.0]), torch.tensor([1.0])
+    new = torch.tensor([0.5], requires_grad=True)
+    losses, _ = compute_value_loss(new, old, returns, value_clip=0.2)
+    losses.sum().backward()
+    assert losses.item() == pytest.approx(0.64) and new.grad.item() == 0.0
+    new = torch.tensor([0.1], requires_grad=True)  # inside the clip: d/dV (V - R)^2 = 2 (V - R)
+    compute_value_loss(new, old, returns, value_clip=0.2)[0].sum().backward()
+    assert new.grad.item() == pytest.approx(2 * (0.1 - 1.0))
+
+
+# ---------------------------------------------------------------- flags
+def test_critic_flags_defaults_and_use_critic():
+    a = parse()
+    assert (a.gamma, a.lambd, a.value_clip, a.num_critic_only_steps) == (1.0, 1.0, 0.2, 0)
+    assert a.use_critic is False
+    a = parse(*PPO, "--lambd", "0.95", "--gamma", "0.99", "--num-critic-only-steps", "2", "--value-clip", "0.5")
+    assert a.use_critic and (a.gamma, a.lambd, a.value_clip, a.num_critic_only_steps) == (0.99, 0.95, 0.5, 2)
+    assert (a.critic_num_nodes, a.critic_num_gpus_per_node) == (a.actor_num_nodes, a.actor_num_gpus_per_node)
+
+
+def test_critic_flag_refusals(capsys):
+    assert "--value-clip 0.0: the value clip must be > 0" in parse_error(capsys, *PPO, "--value-clip", "0")
+    assert "--value-clip -1.0" in parse_error(capsys, *PPO, "--value-clip", "-1")
+    assert "--lambd 1.5" in parse_error(capsys, *PPO, "--lambd", "1.5")
+    assert "--num-critic-only-steps -1" in parse_error(capsys, *PPO, "--num-critic-only-steps", "-1")
+    assert "train_async.py does not train a critic" in parse_error(capsys, *PPO, asynchronous=True)
+    assert "--colocate" in parse_error(capsys, *PPO, "--colocate")
+    parse("--value-clip", "0")  # no critic: the flag is unused
+
+
+def test_critic_role_parallel_sizes_must_divide_its_gpus(capsys, tmp_path):
+    path = tmp_path / "roles.yaml"
+    path.write_text("megatron:\n  - role: critic\n    overrides: {tensor_model_parallel_size: 3, lr: '1e-5'}\n")
+    err = parse_error(capsys, *PPO, "--megatron-config-path", str(path), "--actor-num-gpus-per-node", "4")
+    assert f"--megatron-config-path {path}: the critic's tensor_model_parallel_size=3" in err
+    assert "does not divide its 4 GPUs" in err
+    path.write_text("megatron:\n  - role: critic\n    overrides: {tensor_model_parallel_size: 2, lr: '1e-5'}\n")
+    a = parse(*PPO, "--megatron-config-path", str(path), "--actor-num-gpus-per-node", "4")
+    assert a.critic_overrides == {"tensor_model_parallel_size": 2, "lr": 1e-5} and a.tensor_model_parallel_size == 1
+
+
+def test_resume_without_the_critics_checkpoint_is_refused(capsys, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "iter_0000003").mkdir(parents=True)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("3")
+    err = parse_error(capsys, *PPO, "--load", str(ckpt))
+    assert f"--load {ckpt}: resuming rollout 3" in err and f"{ckpt}/critic/iter_0000003 is missing" in err
+    (ckpt / "critic" / "iter_0000003").mkdir(parents=True)
+    assert parse(*PPO, "--load", str(ckpt)).load == str(ckpt)
+
+
+# ---------------------------------------------------------------- the critic's arguments
+def test_critic_args_apply_the_critic_role_and_own_checkpoints(tmp_path):
+    path = tmp_path / "roles.yaml"
+    path.write_text(
+        "megatron:\n  - role: actor\n    overrides: {lr: '1e-6'}\n"
+        "  - role: critic\n    overrides: {lr: '1e-5', clip_grad: 0.5}\n"
+    )
+    args = make_args(
+        *PPO,
+        "--megatron-config-path",
+        str(path),
+        "--kl-coef",
+        "0.1",
+        "--save",
+        str(tmp_path / "save"),
+    )
+    c = critic_args(args)
+    assert (args.lr, c.lr, c.clip_grad, args.clip_grad) == (1e-6, 1e-5, 0.5, 1.0)
+    assert (c.loss_type, c.kl_coef, args.kl_coef) == ("value_loss", 0.0, 0.1)
+    assert c.untie_embeddings_and_output_weights and c.save == str(tmp_path / "save" / "critic")
+    assert c.load == args.load  # a fresh run: the critic starts from the actor's initial weights
+    resumed = make_args(*PPO, "--load", str(tmp_path / "save"), finetune=False, ckpt_step=None)
+    (tmp_path / "save").mkdir(exist_ok=True)
+    (tmp_path / "save" / "latest_checkpointed_iteration.txt").write_text("5")
+    c = critic_args(resumed)
+    assert (c.load, c.ckpt_step) == (str(tmp_path / "save" / "critic"), 5)
+
+
+# ---------------------------------------------------------------- the critic as a real trainer (Ray, gloo, CPU)
+def _hand_returns(data, values, gamma, lambd):
+    """GAE returns and advantages of `data` (reward on the last token, no KL) from the critic's `values`."""
+    rewards = [torch.zeros(len(v)) for v in values]
+    for r, reward in zip(rewards, data["rewards"]):
+        r[-1] = reward
+    out = [vanilla_gae(r[None], torch.tensor(v)[None], gamma, lambd) for r, v in zip(rewards, values)]
+    return [a[0] for a, _ in out], [ret[0] for _, ret in out]
+
+
+def test_critic_trains_hands_values_to_the_actor_and_resumes(ray_session, tiny_kit, tmp_path):
+    import numpy as np
+
+    from slime.utils.checkpoint_tracker import write_tracker
+    from slime.utils.ray_utils import Box
+    from tests._megatron_helpers import fixed_rollout, train_args
+    from tests.test_megatron_actor import _kill, _make_actors
+
+    ray = ray_session
+    model_dir, _ = tiny_kit
+    save = str(tmp_path / "ckpt")
+    ppo = dict(advantage_estimator="ppo", use_critic=True, gamma=0.99, lambd=0.95, use_kl_loss=False, save=save)
+    args = train_args(model_dir, **ppo)
+    data = fixed_rollout()
+    data_ref = Box(ray.put(data))
+    n = len(data["tokens"])
+    critic, actor = _make_actors(ray, 1) + _make_actors(ray, 1)
+    try:
+        assert ray.get(critic.init.remote(critic_args(args), "critic"), timeout=300) == 0
+        r0 = ray.get(critic.train.remote(0, data_ref), timeout=300)
+        assert sorted(r0["values"]) == list(range(n))
+        values = [r0["values"][i] for i in range(n)]
+        assert [len(v) for v in values] == data["response_lengths"]
+        # the first step's values are the old values: no clipping, the loss is the per-sample mean (V - R)^2
+        _, returns = _hand_returns(data, values, 0.99, 0.95)
+        expect = np.mean([((torch.tensor(v) - r) ** 2).mean().item() for v, r in zip(values, returns)])
+        step = r0["train"][0]
+        assert step["train/critic_value_loss"] == pytest.approx(expect, rel=1e-4)
+        assert step["train/critic_value_clipfrac"] == 0.0 and step["train/critic_grad_norm"] > 0
+        assert r0["rollout"]["rollout/critic_value_mean"] == pytest.approx(np.concatenate(values).mean(), rel=1e-4)
+        assert "rollout/critic_explained_variance" in r0["rollout"]
+
+        # the actor trains on the GAE advantages of those values
+        assert ray.get(actor.init.remote(args, "actor", None, with_ref=False), timeout=300) == 0
+        values_ref = Box(ray.put({"values": values}))
+        a0 = ray.get(actor.train.remote(0, data_ref, values_ref), timeout=300)
+        advantages, _ = _hand_returns(data, values, 0.99, 0.95)
+        expect_adv = np.mean([a.mean().item() for a in advantages])
+        assert a0["rollout"]["rollout/advantages"] == pytest.approx(expect_adv, rel=1e-4)
+        assert a0["train"][0]["train/pg_loss"] != 0.0
+
+        ray.get(critic.save_model.remote(0, commit=False), timeout=300)
+        write_tracker(save, 0)  # the driver's last act of a save (slime.ray.checkpoint)
+        later = [ray.get(critic.train.remote(i, data_ref), timeout=300) for i in (1, 2)]
+    finally:
+        _kill(ray, [critic, actor])
+
+    # a resumed critic has the saved weights and optimizer state: the same values at rollouts 1 and 2
+    (resumed,) = _make_actors(ray, 1)
+    try:
+        rargs = train_args(model_dir, load=save, **ppo)
+        assert ray.get(resumed.init.remote(critic_args(rargs), "critic"), timeout=300) == 1
+        again = [ray.get(resumed.train.remote(i, data_ref), timeout=300) for i in (1, 2)]
+    finally:
+        _kill(ray, [resumed])
+    for before, after in zip(later, again):
+        for i in range(n):
+            np.testing.assert_allclose(after["values"][i], before["values"][i], rtol=0, atol=1e-6)
+    assert not np.allclose(later[0]["values"][0], values[0])  # the critic did learn between rollouts
+
+
+@pytest.mark.e2e
+def test_train_py_ppo_critic_only_warm_up_checkpoint_and_resume(ray_session, tiny_kit, tmp_path):
+    """train.py with a critic: rollout 0 trains only the critic, then both; the critic's checkpoint is written with
+    the actor's and a restart with --load continues with it."""
+    import train as sync_driver
+    from tests.test_e2e import make_args as e2e_args
+    from tests.test_e2e import read_metrics
+
+    ckpt = tmp_path / "ckpt"
+    ppo = [*PPO, "--num-critic-only-steps", "1", "--gamma", "0.99", "--lambd", "0.95", "--rollout-num-gpus", "1"]
+    ppo += ["--save", str(ckpt), "--save-interval", "1"]
+    first = tmp_path / "first"
+    first.mkdir()
+    sync_driver.train(e2e_args(tiny_kit, first, *ppo, num_rollout=2))
+    rows = read_metrics(first)
+    assert [r["rollout_id"] for r in rows] == [0, 1]
+    assert "train/critic_value_loss" in rows[0] and "train/pg_loss" not in rows[0]  # the critic-only warm-up
+    assert "train/critic_value_loss" in rows[1] and "train/pg_loss" in rows[1]
+    for key in ("train/critic_value_clipfrac", "rollout/critic_value_mean", "rollout/critic_explained_variance"):
+        assert key in rows[1], key
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    assert (ckpt / "critic" / "iter_0000001").is_dir() and (ckpt / "iter_0000001").is_dir()
+
+    second = tmp_path / "second"
+    second.mkdir()
+    # a longer run continues the saved LR schedule (actor's and critic's alike)
+    resume = ["--load", str(ckpt), "--use-checkpoint-opt_param-scheduler"]
+    sync_driver.train(e2e_args(tiny_kit, second, *ppo, *resume, num_rollout=3))
+    rows = read_metrics(second)
+    assert [r["rollout_id"] for r in rows] == [2]
+    assert "train/critic_value_loss" in rows[0] and "train/pg_loss" in rows[0]
+    assert (ckpt / "critic" / "iter_0000002").is_dir()

@@ -1,0 +1,239 @@
+"""Disk weight versions (slime.utils.disk_delta): delta encodings worked out by hand, checksums against known values,
+and the engine-side pull: seed, full, xor and overwrite deltas, a corrupt delta, a wrong base, a torn write."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+import zstandard
+from safetensors.torch import load_file, save_file
+
+from slime.utils import disk_delta
+from slime.utils.arguments import parse_args
+from slime.utils.disk_delta import PullError, pull_version
+from tests._args import BASE, TINY_MODEL, make_args
+
+
+def test_xor_delta_is_the_bytewise_xor_and_reverts_when_applied_twice():
+    old = np.array([0x00, 0x0F, 0xFF, 0x10], dtype=np.uint8)
+    new = np.array([0x00, 0xF0, 0xFF, 0x11], dtype=np.uint8)
+    delta = disk_delta.encode("xor", new, old)
+    raw = np.frombuffer(zstandard.ZstdDecompressor().decompress(delta), dtype=np.uint8)
+    assert raw.tolist() == [0x00, 0xFF, 0x00, 0x01]
+    assert disk_delta.apply("xor", delta, old).tolist() == new.tolist()
+    assert disk_delta.apply("xor", delta, new).tolist() == old.tolist()  # an involution: twice reverts
+
+
+def test_overwrite_delta_holds_count_positions_values_and_is_idempotent():
+    old = np.array([1, 2, 3, 4, 5], dtype=np.uint8)
+    new = np.array([1, 9, 3, 4, 7], dtype=np.uint8)
+    delta = disk_delta.encode("overwrite", new, old)
+    raw = np.frombuffer(zstandard.ZstdDecompressor().decompress(delta), dtype=np.uint8)
+    # count 2 (u64), positions 1 and 4 (u64 each), then the new values 9 and 7
+    assert raw[:8].view("<u8").tolist() == [2]
+    assert raw[8:24].view("<u8").tolist() == [1, 4]
+    assert raw[24:].tolist() == [9, 7]
+    once = disk_delta.apply("overwrite", delta, old)
+    assert once.tolist() == new.tolist()
+    assert disk_delta.apply("overwrite", delta, once).tolist() == new.tolist()
+
+
+def test_checksums_match_published_values():
+    assert disk_delta.checksum("adler32", b"abc") == "024d0127"  # a = 1+97+98+99 = 0x127, b = 98+196+295 = 0x24d
+    assert disk_delta.checksum("blake3", b"") == "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"
+    assert disk_delta.checksum("xxh3-128", b"") == "99aa06d3014798d86001c324468d497f"
+    with pytest.raises(ValueError, match="unknown checksum"):
+        disk_delta.checksum("md5", b"")
+
+
+# ------------------------------------------------------------------ publish and pull
+
+
+def _tensors(scale):
+    return {"a.weight": torch.arange(6, dtype=torch.float32).reshape(2, 3) * scale, "b.bias": torch.ones(4) * scale}
+
+
+def _publish_full(root, version, tensors, hf_dir):
+    partial = os.path.join(root, f".{disk_delta.version_name(version)}.partial")
+    os.makedirs(partial)
+    save_file(tensors, os.path.join(partial, "pp000.safetensors"))
+    disk_delta.publish(
+        partial,
+        os.path.join(root, disk_delta.version_name(version)),
+        dict.fromkeys(tensors, "pp000.safetensors"),
+        {"version": f"{version:06d}", "format": "pt"},
+        hf_dir,
+    )
+
+
+def _publish_delta(root, version, base_version, old, new, encoding, corrupt=False):
+    partial = os.path.join(root, f".{disk_delta.version_name(version)}.partial")
+    os.makedirs(partial)
+    blobs, sums = {}, {}
+    for name in new:
+        nb = new[name].contiguous().view(-1).view(torch.uint8).numpy()
+        ob = old[name].contiguous().view(-1).view(torch.uint8).numpy()
+        blobs[name] = disk_delta.encode(encoding, nb, ob)
+        sums[name] = disk_delta.checksum("xxh3-128", nb)
+    if corrupt:
+        sums["b.bias"] = "0" * 32
+    disk_delta.save_delta_file(os.path.join(partial, "pp000.safetensors"), blobs, sums)
+    meta = {
+        "version": f"{version:06d}",
+        "base_version": f"{base_version:06d}",
+        "delta_encoding": encoding,
+        "compression_format": "zstd",
+        "checksum_format": "xxh3-128",
+    }
+    disk_delta.publish(
+        partial,
+        os.path.join(root, disk_delta.version_name(version)),
+        dict.fromkeys(new, "pp000.safetensors"),
+        meta,
+        None,
+    )
+
+
+def _local_tensors(local):
+    out = {}
+    for f in os.listdir(local):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(local, f)))
+    return out
+
+
+@pytest.fixture
+def dirs(tmp_path):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file(_tensors(1.0), str(hf / "model.safetensors"))
+    (hf / "config.json").write_text(json.dumps({"model_type": "toy"}))
+    root, local = tmp_path / "shared", tmp_path / "local"
+    root.mkdir()
+    return str(hf), str(root), str(local)
+
+
+def test_pull_seeds_then_applies_full_xor_and_overwrite_versions_in_order(dirs):
+    hf, root, local = dirs
+    assert pull_version(root, local, 0, hf)["applied"] == "seed"
+    assert disk_delta.held_version(local) == 0
+    _publish_full(root, 1, _tensors(2.0), hf)
+    published = os.listdir(os.path.join(root, "weight_v000001"))
+    assert "config.json" in published and disk_delta.INDEX in published  # a complete, loadable HF directory
+    assert "model-00001-of-00001.safetensors" in published
+    assert pull_version(root, local, 1, hf)["applied"] == "full"
+    torch.testing.assert_close(_local_tensors(local)["a.weight"], _tensors(2.0)["a.weight"])
+
+    v2 = {"a.weight": _tensors(2.0)["a.weight"] + 0.5, "b.bias": _tensors(2.0)["b.bias"]}
+    _publish_delta(root, 2, 1, _tensors(2.0), v2, "xor")
+    assert pull_version(root, local, 2, hf)["applied"] == "xor"
+    assert pull_version(root, local, 2, hf)["applied"] == "none"  # a second engine of the host: nothing to do
+    v3 = {"a.weight": v2["a.weight"], "b.bias": v2["b.bias"] * -3}
+    _publish_delta(root, 3, 2, v2, v3, "overwrite")
+    assert pull_version(root, local, 3, hf)["applied"] == "overwrite"
+    got = _local_tensors(local)
+    assert torch.equal(got["a.weight"], v3["a.weight"]) and torch.equal(got["b.bias"], v3["b.bias"])
+    assert disk_delta.held_version(local) == 3
+
+
+def test_a_corrupt_delta_is_detected_and_only_a_full_version_repairs_the_checkpoint(dirs):
+    hf, root, local = dirs
+    pull_version(root, local, 0, hf)
+    v1 = _tensors(5.0)
+    _publish_delta(root, 1, 0, _tensors(1.0), v1, "xor", corrupt=True)
+    with pytest.raises(PullError, match="b.bias.*fails its xxh3-128 checksum"):
+        pull_version(root, local, 1, hf)
+    assert disk_delta.held_version(local) is None  # half-applied: no version claimed
+    _publish_delta(root, 2, 1, v1, _tensors(6.0), "xor")
+    with pytest.raises(PullError, match="delta on version 1.*holds no verified version: a full version is needed"):
+        pull_version(root, local, 2, hf)
+    _publish_full(root, 2, _tensors(6.0), hf)  # the trainer's answer: the same version in full
+    assert pull_version(root, local, 2, hf)["applied"] == "full"
+    assert torch.equal(_local_tensors(local)["b.bias"], _tensors(6.0)["b.bias"])
+
+
+def test_a_delta_on_another_base_and_a_torn_version_are_refused(dirs):
+    hf, root, local = dirs
+    pull_version(root, local, 0, hf)
+    _publish_delta(root, 5, 4, _tensors(1.0), _tensors(2.0), "xor")
+    with pytest.raises(PullError, match="delta on version 4, but .* holds version 0"):
+        pull_version(root, local, 5, hf)
+    assert disk_delta.held_version(local) == 0  # nothing touched
+    # a writer killed mid-version leaves only its partial directory: the version does not exist for readers
+    os.makedirs(os.path.join(root, ".weight_v000006.partial"))
+    save_file(_tensors(9.0), os.path.join(root, ".weight_v000006.partial", "pp000.safetensors"))
+    with pytest.raises(PullError, match="weight_v000006: no published version there"):
+        pull_version(root, local, 6, hf)
+    torch.testing.assert_close(_local_tensors(local)["a.weight"], _tensors(1.0)["a.weight"])
+
+
+def test_old_versions_are_removed(dirs):
+    hf, root, _ = dirs
+    for v in (1, 2, 3):
+        _publish_full(root, v, _tensors(float(v)), hf)
+    disk_delta.remove_versions_before(root, 3)
+    assert sorted(os.listdir(root)) == ["weight_v000003"]
+
+
+# ------------------------------------------------------------------ start-up checks
+
+
+def _parse_error(capsys, *argv):
+    with pytest.raises(SystemExit) as e:
+        make_args(*argv)
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1
+    return lines[0]
+
+
+def test_disk_sync_flags_are_checked_at_start_up(capsys, tmp_path):
+    assert "needs --update-weight-transport disk" in _parse_error(capsys, "--update-weight-mode", "delta")
+    assert "needs --update-weight-disk-dir" in _parse_error(capsys, "--update-weight-transport", "disk")
+    err = _parse_error(
+        capsys,
+        "--update-weight-transport",
+        "disk",
+        "--update-weight-disk-dir",
+        tmp_path,
+        "--update-weight-mode",
+        "delta",
+    )
+    assert "needs --update-weight-local-checkpoint-dir" in err
+    err = _parse_error(capsys, "--custom-update-weight-post-write-path", "a.b", "--update-weight-transport", "shm")
+    assert "--custom-update-weight-post-write-path" in err and "--update-weight-transport disk" in err
+    args = make_args("--update-weight-transport", "nccl")
+    assert args.update_weight_transport == "broadcast"  # current slime's name for the broadcast
+
+
+def test_unwritable_disk_dir_is_named_at_start_up(capsys, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    argv = ["--update-weight-transport", "disk", "--update-weight-disk-dir", str(blocker / "sub")]
+    with pytest.raises(SystemExit):
+        parse_args(argv=[*BASE, *TINY_MODEL, *argv])  # path checks on, as in a real launch
+    err = capsys.readouterr().err
+    assert f"--update-weight-disk-dir {blocker / 'sub'}: not writable" in err
+
+
+def test_pull_weights_needing_flags_are_refused_on_sglang(capsys, tmp_path, monkeypatch):
+    import slime.utils.arguments as arguments
+
+    monkeypatch.setattr(arguments, "sglang_available", lambda: True)
+    monkeypatch.setattr(arguments, "sglang_validate_args", lambda *a, **k: None)
+    err = _parse_error(
+        capsys,
+        "--inference-server",
+        "sglang",
+        "--update-weight-transport",
+        "disk",
+        "--update-weight-disk-dir",
+        tmp_path,
+        "--update-weight-mode",
+        "delta",
+        "--update-weight-local-checkpoint-dir",
+        tmp_path / "local",
+    )
+    assert "/pull_weights, which SGLang 0.5.23 does not have" in err

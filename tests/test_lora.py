@@ -1,0 +1,176 @@
+"""LoRA on the Megatron trainer (slime/backends/megatron_utils/lora.py): the adapter math on a hand-worked 2x2 case,
+log-probs with adapters equal to transformers + peft on the exported adapters, TP=2 equal to TP=1 before and after a
+training step, a frozen base with no optimizer state, merged weights, and the flags' one-line errors."""
+
+import json
+
+import pytest
+import torch
+
+from tests._args import make_args
+from tests._megatron_helpers import fixed_rollout, hf_log_probs, spawn, train_args
+from tests.test_megatron_model import _setup
+
+
+def _hand_worked(rank):
+    """W = I (2x2), rank 1, alpha 2 (s = 2), A = [[1, 2]], B = [[1], [-1]], x = [3, 4]:
+    A x = 11, s B A x = [22, -22], so the layer gives W x + [22, -22] = [25, -18], and the merged weight
+    I + 2 B A = [[3, 4], [-2, -3]] gives the same."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    from slime.backends.megatron_utils import lora
+    from slime.backends.megatron_utils.initialize import init
+    from slime.backends.megatron_utils.model_provider import core_transformer_config_from_args
+
+    args = make_args("--enable-lora", "--lora-rank", "1", "--lora-alpha", "2")
+    init(args)
+    config = core_transformer_config_from_args(args)
+    init_method = torch.nn.init.zeros_
+    for cls, column, kw in (
+        (ColumnParallelLinear, True, dict(gather_output=False)),
+        (RowParallelLinear, False, dict(input_is_parallel=True, skip_bias_add=True)),
+    ):
+        layer = cls(2, 2, config=config, init_method=init_method, bias=False, **kw)
+        with torch.no_grad():
+            layer.weight.copy_(torch.eye(2))
+        lora._add_adapter(args, layer, column, "decoder.layers.0.x")
+        assert layer.lora_scale == 2.0 and layer.lora_A.shape == (1, 2) and layer.lora_B.shape == (2, 1)
+        assert torch.all(layer.lora_B == 0)  # B starts at zero: the adapter starts as a no-op
+        with torch.no_grad():
+            layer.lora_A.copy_(torch.tensor([[1.0, 2.0]]))
+            layer.lora_B.copy_(torch.tensor([[1.0], [-1.0]]))
+        out, _ = layer(torch.tensor([[[3.0, 4.0]]]))
+        assert out.flatten().tolist() == [25.0, -18.0], out
+        merged = lora.merged_shard(layer.weight.detach(), layer.lora_A.detach(), layer.lora_B.detach(), 2.0)
+        assert merged.tolist() == [[3.0, 4.0], [-2.0, -3.0]]
+
+
+def test_adapter_math_hand_worked():
+    spawn(_hand_worked, 1)
+
+
+def _random_adapters(args, model):
+    """Non-zero A and B (B starts at zero), the same full tensors whatever the TP layout, sharded like the base."""
+    from slime.backends.megatron_utils.lora import base_weight_name, is_lora_param
+    from slime.backends.megatron_utils.megatron_to_hf.hf_to_megatron import shard_for_rank
+    from slime.backends.megatron_utils.param_utils import all_gather_param, named_parameters
+
+    for name, p in named_parameters(args, model):
+        if not is_lora_param(name):
+            continue
+        base = base_weight_name(name)
+        full = all_gather_param(base, p, gated_linear_unit=args.swiglu)
+        gen = torch.Generator().manual_seed(len(name) * 7919 + sum(map(ord, name)))
+        full = torch.randn(full.shape, generator=gen) * 0.05
+        with torch.no_grad():
+            p.copy_(shard_for_rank(base, full, p, gated_linear_unit=args.swiglu))
+
+
+def _lora_steps(rank, model_dir, tp, out_path, export_dir):
+    from slime.backends.megatron_utils.lora import export_peft, is_lora_param, merge_for_sync
+    from slime.backends.megatron_utils.loss import compute_advantages_and_returns
+    from slime.backends.megatron_utils.model import forward_only, train
+    from slime.backends.megatron_utils.param_utils import named_parameters
+
+    args = train_args(model_dir, tensor_model_parallel_size=tp, enable_lora=True, lora_rank=4, lora_alpha=8.0)
+    model, opt, sched, _, rollout, iters, nmb = _setup(args, fixed_rollout())
+    _random_adapters(args, model)
+    before = {n: p.detach().clone() for n, p in named_parameters(args, model)}
+    lora_names = {n for n in before if is_lora_param(n)}
+    assert len(lora_names) == 2 * 4 * args.num_layers  # A and B on qkv, proj, fc1, fc2 of every layer
+    # only the adapters have gradients and optimizer state
+    trainable = [n for n, p in named_parameters(args, model) if p.requires_grad]
+    assert set(trainable) == lora_names
+    opt_params = [p for g in opt.param_groups for p in g["params"]]
+    assert len(opt_params) == len(lora_names)
+
+    log_probs = forward_only(args, model, iters, nmb)["log_probs"]
+    export_peft(args, model, export_dir)
+
+    data = dict(rollout)
+    data.update(forward_only(args, model, iters, nmb, store_prefix="ref_"))
+    data.update(log_probs=log_probs)
+    compute_advantages_and_returns(args, data)
+    for it in iters:
+        it.rollout_data = data
+    train(args, 0, model, opt, sched, iters, nmb)
+    after = forward_only(args, model, iters, nmb)["log_probs"]
+    surrogate = lambda lps: sum(a[0].item() * lp.mean().item() for a, lp in zip(data["advantages"], lps))  # noqa: E731
+    assert surrogate(after) > surrogate(log_probs) + 1e-4
+    changed = {n for n, p in named_parameters(args, model) if not torch.equal(p.detach(), before[n])}
+    assert changed and changed <= lora_names, changed - lora_names  # the base is bit-exact unchanged
+    assert opt.state_dict()["state"] and len(opt.state_dict()["state"]) == len(lora_names)
+
+    # merged weights for the engines: no adapter tensors, W + s B A in place of every adapted base weight
+    merged = dict(merge_for_sync(args, named_parameters(args, model)))
+    assert not any(is_lora_param(n) for n in merged)
+    qkv = "module.module.decoder.layers.0.self_attention.linear_qkv.weight"
+    params = dict(named_parameters(args, model))
+    a, b = params[qkv.replace("weight", "lora_A")], params[qkv.replace("weight", "lora_B")]
+    expected = params[qkv] + 2.0 * b @ a
+    assert torch.allclose(merged[qkv], expected, atol=1e-6)
+    if rank == 0:
+        torch.save({"before": log_probs, "after": after}, out_path)
+
+
+def _peft_log_probs(model_dir, adapter_dir, data):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    model = PeftModel.from_pretrained(base, adapter_dir).eval()
+    out = []
+    with torch.no_grad():
+        for tokens, r in zip(data["tokens"], data["response_lengths"]):
+            t = torch.as_tensor(tokens)[None]
+            logp = torch.log_softmax(model(t).logits[0].float(), -1)
+            out.append(logp[-r - 1 : -1].gather(-1, t[0, -r:, None])[:, 0])
+    return out
+
+
+def test_lora_matches_peft_and_tp2_equals_tp1(tiny_kit, tmp_path):
+    model_dir, _ = tiny_kit
+    spawn(_lora_steps, 1, model_dir, 1, str(tmp_path / "tp1.pt"), str(tmp_path / "adapter1"))
+    spawn(_lora_steps, 2, model_dir, 2, str(tmp_path / "tp2.pt"), str(tmp_path / "adapter2"))
+    tp1, tp2 = torch.load(tmp_path / "tp1.pt"), torch.load(tmp_path / "tp2.pt")
+    for key in ("before", "after"):  # after: the TP-split adapters got the same gradients and the same step
+        for x, y in zip(tp1[key], tp2[key]):
+            assert (x - y).abs().max().item() <= 1e-5, key
+    config = json.loads((tmp_path / "adapter1" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8.0 and config["peft_type"] == "LORA"
+    assert set(config["target_modules"]) == {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    }
+    # peft on the exported adapters gives the trainer's log-probs (and so does the export written at TP=2)
+    expected = _peft_log_probs(model_dir, tmp_path / "adapter1", fixed_rollout())
+    from_tp2 = _peft_log_probs(model_dir, tmp_path / "adapter2", fixed_rollout())
+    base = hf_log_probs(model_dir, fixed_rollout())
+    assert max((g - b).abs().max().item() for g, b in zip(tp1["before"], base)) > 1e-3  # the adapters count
+    for got, e, e2 in zip(tp1["before"], expected, from_tp2):
+        assert (got - e).abs().max().item() <= 1e-5, (got, e)
+        assert (e2 - e).abs().max().item() <= 1e-6
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--lora-rank", "0"], "--lora-rank 0 must be positive"),
+        (["--lora-rank", "65"], "--lora-rank 65 must be in 1..64 for mlp.linear_fc1"),
+        (["--lora-target-modules", "q_proj"], "q_proj is fused with k_proj/v_proj"),
+        (["--lora-target-modules", "attn"], "--lora-target-modules: 'attn' matches no layer"),
+        (["--num-experts", "4"], "adapters on MoE experts are not supported"),
+        (["--lora-dropout", "1.5"], "--lora-dropout 1.5 must be in [0, 1)"),
+    ],
+)
+def test_bad_lora_flags_fail_in_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        make_args("--enable-lora", *argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err

@@ -1,0 +1,116 @@
+"""`slime.ray.run`: the run's derived arguments are final before any actor copies them, and the order of a weight
+push around engine replacement. The order tests record the calls `Run.push_weights` makes on stand-ins for the two
+groups: what they guard (GPU memory held by trainers and a new engine at once, an engine serving --hf-checkpoint's
+weights behind the router) cannot be observed on a CPU machine; the end-to-end fault tests run the same code for real."""
+
+import pytest
+
+from slime.ray.run import Run, finish_args, resume_rollout_id
+from tests._args import BASE, make_args
+
+NO_NUM_ROLLOUT = [t for i, t in enumerate(BASE) if "--num-rollout" not in BASE[max(0, i - 1) : i + 1]]
+
+
+def test_finish_args_sets_num_rollout_and_the_resumed_rollout_before_any_actor(tiny_kit, tmp_path):
+    # TINY_PROMPTS holds 4 prompts: two rollouts of 2 per epoch
+    args = make_args(
+        "--num-epoch",
+        "3",
+        "--rollout-batch-size",
+        "2",
+        "--global-batch-size",
+        "4",
+        base=NO_NUM_ROLLOUT,
+        hf_checkpoint=tiny_kit[0],
+    )
+    assert finish_args(args) == 2 and (args.num_rollout, args.start_rollout_id) == (6, 0)
+
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("4")
+    resumed = make_args(load=str(tmp_path), finetune=False, start_rollout_id=None)
+    assert finish_args(resumed) is None and resumed.start_rollout_id == 5  # the trainers resume after iteration 4
+    assert resume_rollout_id(make_args(load=str(tmp_path), finetune=False, ckpt_step=2)) == 3
+    assert resume_rollout_id(make_args(load=str(tmp_path), finetune=True)) == 0  # weights only: from rollout 0
+    assert resume_rollout_id(make_args(load=str(tmp_path / "absent"), finetune=False)) == 0
+    explicit = make_args(load=str(tmp_path), finetune=False, start_rollout_id=2)
+    finish_args(explicit)
+    assert explicit.start_rollout_id == 2  # --start-rollout-id wins, as in slime
+
+
+def test_finish_args_names_an_epoch_shorter_than_a_rollout(tiny_kit):
+    args = make_args(
+        "--num-epoch",
+        "1",
+        "--rollout-batch-size",
+        "8",
+        "--global-batch-size",
+        "16",
+        base=NO_NUM_ROLLOUT,
+        hf_checkpoint=tiny_kit[0],
+    )
+    with pytest.raises(ValueError, match="nothing to train: --num-rollout 0"):
+        finish_args(args)
+
+
+class Recorder:
+    """Stand-in for RayTrainGroup and RolloutManager: logs each call, answers like them."""
+
+    def __init__(self, log, lost_engines=(), dead=()):
+        self.log, self.lost, self.dead = log, list(lost_engines), list(dead)
+        self.rollout_engines, self.rollout_engine_lock = ["engine0", "engine1"], "lock"
+
+    def __getattr__(self, name):
+        return lambda *a, **kw: self.log.append((name, *a)) or []
+
+    def async_update_weights(self, version=None):
+        self.log.append(("async_update_weights", version))
+        return [{"update_weights/weight_version": version or 7}]
+
+    def recover(self, get, resume_tags=None):
+        self.log.append(("recover", resume_tags))
+        dead, self.dead = self.dead, []
+        return dead
+
+    def remove_lost(self, metrics):
+        lost, self.lost = self.lost, []
+        self.log.append(("remove_lost", lost))
+        self.dead += lost  # removed: the next `recover` replaces them
+        return lost
+
+
+def run_with(args, dead=(), lost_engines=()):
+    run = Run.__new__(Run)  # the groups only: no placement, no actors
+    log = []
+    run.args, run.get = args, lambda refs: refs
+    run.actor_model = Recorder(log)
+    run.rollout_manager = Recorder(log, lost_engines=lost_engines, dead=dead)
+    run._trainers_offloaded, run._pushes = False, 1
+    return run, log
+
+
+def test_colocated_push_starts_a_replacement_engine_only_after_the_trainers_released_the_gpu():
+    run, log = run_with(make_args("--colocate", "--use-fault-tolerance"), dead=[0])
+    run.push_weights()
+    calls = [c[0] for c in log]
+    assert calls.index("async_offload") < calls.index("recover")  # the trainers' memory is free first
+    assert calls.index("recover") < calls.index("async_init_weight_update_connections") < calls.index("async_onload")
+    assert calls.index("async_onload") < calls.index("async_update_weights")
+
+
+def test_a_replacement_joins_the_router_only_once_it_serves_the_pushed_weights():
+    run, log = run_with(make_args("--use-fault-tolerance"), dead=[1])
+    run.push_weights(5)
+    calls = [c[0] for c in log]
+    assert "async_offload" not in calls and "async_onload" not in calls  # disaggregated
+    order = ["recover", "async_update_weights", "check_weight_versions", "join_router"]
+    assert [c for c in calls if c in order] == order
+    assert ("join_router", [1]) in log
+
+
+def test_an_engine_lost_during_the_push_is_replaced_and_given_the_same_version_before_joining():
+    run, log = run_with(make_args("--use-fault-tolerance"), lost_engines=[0])
+    run.push_weights(4)
+    pushes = [c for c in log if c[0] == "async_update_weights"]
+    assert pushes == [("async_update_weights", 4), ("async_update_weights", 4)]
+    calls = [c[0] for c in log]
+    assert calls.index("remove_lost") < calls.index("async_init_weight_update_connections")
+    assert calls[-2:] == ["check_weight_versions", "join_router"]
