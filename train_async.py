@@ -2,7 +2,7 @@
 learn from rollout N. With --rollout-function-path slime.rollout.fully_async_rollout.generate_rollout_fully_async,
 fully asynchronous: the engines generate continuously and training stays within --max-staleness versions."""
 
-from slime.ray import checkpoint
+from slime.ray import checkpoint, critic
 from slime.ray.driver import cleanup_on_exit
 from slime.ray.placement_group import init_ray
 from slime.ray.start import start_run
@@ -17,18 +17,17 @@ def train(args):
     assert not (args.colocate or args.offload), "train_async.py: parse_args(asynchronous=True) refuses --colocate"
     init_ray(args)
     with cleanup_on_exit():  # engines, router, actors and placement group go away however the run ends
-        # no critic here: parse_args(asynchronous=True) refuses --advantage-estimator ppo
-        actor_model, rollout_manager, recorder, get, num_rollout_per_epoch, _ = start_run(args)
+        actor_model, rollout_manager, recorder, get, num_rollout_per_epoch, critic_model = start_run(args)
         rollout_manager.finish_weight_update(actor_model, get, get(actor_model.async_update_weights()))
         if args.check_weight_update_equal:
             get(rollout_manager.async_check_weights("compare"))
 
         loop = fully_async_loop if args.rollout_function_path == FULLY_ASYNC else one_step_off_loop
-        loop(args, get, actor_model, rollout_manager, recorder, num_rollout_per_epoch)
+        loop(args, get, actor_model, rollout_manager, recorder, num_rollout_per_epoch, critic_model)
         recorder.finish()
 
 
-def one_step_off_loop(args, get, actor_model, rollout_manager, recorder, num_rollout_per_epoch):
+def one_step_off_loop(args, get, actor_model, rollout_manager, recorder, num_rollout_per_epoch, critic_model=None):
     """Rollout N+1 is generated with the weights of N while the trainers learn from N."""
     rollout_data_next_future = rollout_manager.async_generate(args.start_rollout_id)
     for rollout_id in range(args.start_rollout_id, args.num_rollout):
@@ -40,10 +39,11 @@ def one_step_off_loop(args, get, actor_model, rollout_manager, recorder, num_rol
         rollout_data_next_future = None
         if rollout_id + 1 < args.num_rollout:
             rollout_data_next_future = rollout_manager.async_generate(rollout_id + 1)
-        train_metrics = get(actor_model.async_train(rollout_id, rollout_data_curr_ref))
+        train_metrics = critic.train_step(args, rollout_id, actor_model, critic_model, rollout_data_curr_ref, get)
 
         if should_run_periodic_action(rollout_id, args.save_interval, num_rollout_per_epoch):
-            checkpoint.save(args, rollout_id, actor_model, rollout_manager, get)
+            savers = critic.checkpoint_savers(critic_model, get)
+            checkpoint.save(args, rollout_id, actor_model, rollout_manager, get, savers)
 
         update_metrics = None
         if (rollout_id + 1) % args.update_weights_interval == 0:
@@ -60,7 +60,7 @@ def one_step_off_loop(args, get, actor_model, rollout_manager, recorder, num_rol
         recorder.rollout_done(rollout_id, train_metrics, update_metrics)
 
 
-def fully_async_loop(args, get, actor_model, rollout_manager, recorder, num_rollout_per_epoch):
+def fully_async_loop(args, get, actor_model, rollout_manager, recorder, num_rollout_per_epoch, critic_model=None):
     """The rollout worker never stops (see slime.rollout.fully_async_rollout); each step takes a batch within
     --max-staleness, trains, and pushes the weights. A background eval pins the engines' weight version: pushes wait
     for it as long as the staleness bound lets the next batch be generated without them."""
@@ -70,9 +70,11 @@ def fully_async_loop(args, get, actor_model, rollout_manager, recorder, num_roll
     if args.eval_interval is not None and args.start_rollout_id == 0:
         get(controller.start_eval.remote(0, engine_version))
     for rollout_id in range(args.start_rollout_id, args.num_rollout):
-        train_metrics = get(actor_model.async_train(rollout_id, get(rollout_manager.async_generate(rollout_id))))
+        rollout_data_ref = get(rollout_manager.async_generate(rollout_id))
+        train_metrics = critic.train_step(args, rollout_id, actor_model, critic_model, rollout_data_ref, get)
         if should_run_periodic_action(rollout_id, args.save_interval, num_rollout_per_epoch):
-            checkpoint.save(args, rollout_id, actor_model, rollout_manager, get)  # the worker's queue is in it
+            savers = critic.checkpoint_savers(critic_model, get)  # the worker's queue is in the checkpoint too
+            checkpoint.save(args, rollout_id, actor_model, rollout_manager, get, savers)
 
         trainer_version, last = rollout_id + 2, rollout_id == args.num_rollout - 1
         eval_due = should_run_periodic_action(rollout_id, args.eval_interval, num_rollout_per_epoch)
