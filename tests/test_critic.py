@@ -54,8 +54,6 @@ def test_critic_flag_refusals(capsys):
     assert "--value-clip -1.0" in parse_error(capsys, *PPO, "--value-clip", "-1")
     assert "--lambd 1.5" in parse_error(capsys, *PPO, "--lambd", "1.5")
     assert "--num-critic-only-steps -1" in parse_error(capsys, *PPO, "--num-critic-only-steps", "-1")
-    assert "train_async.py does not train a critic" in parse_error(capsys, *PPO, asynchronous=True)
-    assert "--colocate" in parse_error(capsys, *PPO, "--colocate")
     parse("--value-clip", "0")  # no critic: the flag is unused
 
 
@@ -128,9 +126,10 @@ def test_critic_trains_hands_values_to_the_actor_and_resumes(ray_session, tiny_k
 
     ray = ray_session
     model_dir, _ = tiny_kit
-    save = str(tmp_path / "ckpt")
-    ppo = dict(advantage_estimator="ppo", use_critic=True, gamma=0.99, lambd=0.95, use_kl_loss=False, save=save)
-    args = train_args(model_dir, **ppo)
+    save, actor_ckpt = str(tmp_path / "ckpt"), str(tmp_path / "actor")
+    ppo = dict(advantage_estimator="ppo", use_critic=True, gamma=0.99, lambd=0.95, use_kl_loss=False)
+    args = train_args(model_dir, save=save, **ppo)
+    actor_args = train_args(model_dir, save=actor_ckpt, **ppo)
     data = fixed_rollout()
     data_ref = Box(ray.put(data))
     n = len(data["tokens"])
@@ -151,7 +150,7 @@ def test_critic_trains_hands_values_to_the_actor_and_resumes(ray_session, tiny_k
         assert "rollout/critic_explained_variance" in r0["rollout"]
 
         # the actor trains on the GAE advantages of those values
-        assert ray.get(actor.init.remote(args, "actor", None, with_ref=False), timeout=300) == 0
+        assert ray.get(actor.init.remote(actor_args, "actor", None, with_ref=False), timeout=300) == 0
         values_ref = Box(ray.put({"values": values}))
         a0 = ray.get(actor.train.remote(0, data_ref, values_ref), timeout=300)
         advantages, _ = _hand_returns(data, values, 0.99, 0.95)
@@ -159,20 +158,27 @@ def test_critic_trains_hands_values_to_the_actor_and_resumes(ray_session, tiny_k
         assert a0["rollout"]["rollout/advantages"] == pytest.approx(expect_adv, rel=1e-4)
         assert a0["train"][0]["train/pg_loss"] != 0.0
 
+        ray.get(actor.save_model.remote(0), timeout=300)  # an actor checkpoint (vocabulary-sized output layer)
         ray.get(critic.save_model.remote(0, commit=False), timeout=300)
         write_tracker(save, 0)  # the driver's last act of a save (slime.ray.checkpoint)
         later = [ray.get(critic.train.remote(i, data_ref), timeout=300) for i in (1, 2)]
     finally:
         _kill(ray, [critic, actor])
 
-    # a resumed critic has the saved weights and optimizer state: the same values at rollouts 1 and 2
-    (resumed,) = _make_actors(ray, 1)
+    # a resumed critic has the saved weights and optimizer state: the same values at rollouts 1 and 2; a critic
+    # started from the actor's Megatron checkpoint (as --ref-load) gets a new value head, the actor's body
+    resumed, from_actor = _make_actors(ray, 1) + _make_actors(ray, 1)
     try:
-        rargs = train_args(model_dir, load=save, **ppo)
+        rargs = train_args(model_dir, load=save, save=save, **ppo)
         assert ray.get(resumed.init.remote(critic_args(rargs), "critic"), timeout=300) == 1
         again = [ray.get(resumed.train.remote(i, data_ref), timeout=300) for i in (1, 2)]
+        fargs = critic_args(train_args(model_dir, ref_load=actor_ckpt, **ppo))
+        assert (fargs.load, fargs.finetune) == (actor_ckpt, True)
+        assert ray.get(from_actor.init.remote(fargs, "critic"), timeout=300) == 0
+        fresh = ray.get(from_actor.train.remote(0, data_ref), timeout=300)
     finally:
-        _kill(ray, [resumed])
+        _kill(ray, [resumed, from_actor])
+    assert [len(fresh["values"][i]) for i in range(n)] == data["response_lengths"]
     for before, after in zip(later, again):
         for i in range(n):
             np.testing.assert_allclose(after["values"][i], before["values"][i], rtol=0, atol=1e-6)
@@ -211,3 +217,25 @@ def test_train_py_ppo_critic_only_warm_up_checkpoint_and_resume(ray_session, tin
     assert [r["rollout_id"] for r in rows] == [2]
     assert "train/critic_value_loss" in rows[0] and "train/pg_loss" in rows[0]
     assert (ckpt / "critic" / "iter_0000002").is_dir()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("mode", ["colocate", "async", "fully_async"])
+def test_ppo_with_a_critic_colocated_and_asynchronous(ray_session, tiny_kit, tmp_path, mode):
+    """The critic in the other layouts: colocated (trainers, critic and engine share the logical GPU; the critic
+    sleeps between its steps) and train_async.py's two loops."""
+    import train as sync_driver
+    import train_async as async_driver
+    from tests.test_e2e import make_args as e2e_args
+    from tests.test_e2e import read_metrics
+
+    fully_async = ["--rollout-function-path", "slime.rollout.fully_async_rollout.generate_rollout_fully_async"]
+    extra = {"colocate": ["--colocate"], "async": [], "fully_async": fully_async}[mode]
+    if mode != "colocate":
+        extra += ["--rollout-num-gpus", "1"]
+    args = e2e_args(tiny_kit, tmp_path, *PPO, "--num-critic-only-steps", "1", *extra, num_rollout=2)
+    (sync_driver if mode == "colocate" else async_driver).train(args)
+    rows = read_metrics(tmp_path)
+    assert [r["rollout_id"] for r in rows] == [0, 1]
+    assert "train/pg_loss" not in rows[0] and "train/critic_value_loss" in rows[0]
+    assert "train/pg_loss" in rows[1] and "rollout/critic_explained_variance" in rows[1]

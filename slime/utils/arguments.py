@@ -1351,20 +1351,13 @@ def _apply_megatron_config(args, error, check_paths):
 _CRITIC_PARALLEL_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
 
 
-def _validate_critic(args, error, user_load, check_paths, asynchronous):
+def _validate_critic(args, error, user_load, check_paths):
     """--advantage-estimator ppo: the critic mirrors the actor's GPUs; its parallel sizes must divide them, and a
     resumed run must find the critic's part of the checkpoint it resumes."""
     args.use_critic = args.advantage_estimator == "ppo"
     args.critic_num_nodes, args.critic_num_gpus_per_node = args.actor_num_nodes, args.actor_num_gpus_per_node
     if not args.use_critic:
         return
-    # the critic is trained and tested on train.py's disaggregated loop only so far
-    if asynchronous:
-        error("--advantage-estimator ppo: train_async.py does not train a critic yet; use train.py")
-    if args.colocate:
-        error(
-            "--advantage-estimator ppo: the critic does not run colocated yet (--colocate); give the engines GPUs of their own"
-        )
     if args.value_clip <= 0:
         error(f"--value-clip {args.value_clip}: the value clip must be > 0")
     if not 0 <= args.lambd <= 1 or not 0 <= args.gamma <= 1:
@@ -1549,7 +1542,7 @@ def parse_args(add_custom_arguments=None, argv=None, *, check_paths=True, asynch
         # This run's identity: every engine must echo it in /get_server_info before it gets traffic or weights, so a
         # server of another run that happens to answer on an engine's port is never used (see SGLangEngine.init).
         args.sglang_served_model_name = f"slime-run-{secrets.token_hex(8)}"
-    _validate_critic(args, error, user_load, check_paths, asynchronous)
+    _validate_critic(args, error, user_load, check_paths)
     if check_paths:
         check_inputs(args, error, user_load)
     return args

@@ -153,8 +153,9 @@ def _drop_unfit_output_layers(state, ckpt):
     for key, chunk_state in state.items():
         for name in [n for n in chunk_state if "output_layer." in n]:
             tensor = chunk_state[name]
-            saved = metadata.get(tensor.key)
-            if saved is None or tuple(saved.global_shape) != tuple(tensor.global_shape):
+            shape = getattr(tensor, "global_shape", None)  # None: not a tensor (e.g. a layer's extra state)
+            saved = metadata.get(getattr(tensor, "key", None))
+            if shape is None or saved is None or tuple(saved.global_shape) != tuple(shape):
                 del chunk_state[name]
                 dropped.append(f"{key}.{name}")
     return dropped
