@@ -59,7 +59,7 @@ def fully_async_loop(args, run):
     engine_version = args.start_rollout_id + 1  # the initial push
     run.push_weights(engine_version)
     run.get(controller.set_weight_version.remote(engine_version))
-    if args.eval_interval is not None and args.start_rollout_id == 0:
+    if run.eval_before_train_due(args.start_rollout_id):
         run.get(controller.start_eval.remote(0, engine_version))
     for rollout_id in range(args.start_rollout_id, args.num_rollout):
         train_metrics = run.train(rollout_id, run.generate(rollout_id))
