@@ -24,7 +24,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from slime.utils.checkpoint_tracker import TRACKER, checkpoint_dir, read_tracker, write_tracker
 from slime.utils.device import dist_backend, rng_state, set_rng_state
 
-from .param_utils import unwrap_model
+from .megatron_to_hf import hf_to_megatron
+from .param_utils import is_lora_param, unwrap_model
 
 # fully_reshardable allows TP/DP resharding of optimizer state. Its gather goes over gloo where the collective backend
 # is gloo: the default (NCCL) path calls `tensor.cuda()`, which no CPU shim can redirect.
@@ -58,8 +59,16 @@ def _model_key(i, n):
     return "model" if n == 1 else f"model{i}"
 
 
-def _model_sharded_state_dict(model):
-    return {_model_key(i, len(model)): unwrap_model(m).sharded_state_dict() for i, m in enumerate(model)}
+def _model_sharded_state_dict(model, adapters_only=False):
+    """Every chunk's sharded state; with `adapters_only` (--enable-lora) just the LoRA adapters: the frozen base
+    comes from --hf-checkpoint, which the checkpoint records as `lora_base`."""
+    out = {}
+    for i, m in enumerate(model):
+        sd = unwrap_model(m).sharded_state_dict()
+        if adapters_only:
+            sd = {k: v for k, v in sd.items() if is_lora_param(k)}
+        out[_model_key(i, len(model))] = sd
+    return out
 
 
 def _rng_sharded_object():
@@ -111,7 +120,9 @@ def save_checkpoint(args, iteration, model, optimizer, opt_param_scheduler, *, w
         os.makedirs(tmp_dir)
     dist.barrier()
 
-    state = _model_sharded_state_dict(model)
+    state = _model_sharded_state_dict(model, adapters_only=args.enable_lora)
+    if args.enable_lora:
+        state["lora_base"] = args.hf_checkpoint
     if with_optimizer and not args.no_save_optim:
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=False, metadata=_OPTIM_METADATA)
         state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
@@ -157,7 +168,9 @@ def load_checkpoint(args, model, optimizer, opt_param_scheduler):
     load_optim = not finetune and not args.no_load_optim and "optimizer" in _saved_keys(common, ckpt)
     load_rng = not finetune and not args.no_load_rng and common.get("parallel_layout") == _parallel_layout()
 
-    state = _model_sharded_state_dict(model)
+    if args.enable_lora:  # an adapter checkpoint: the frozen base comes from --hf-checkpoint first
+        hf_to_megatron(args, model)
+    state = _model_sharded_state_dict(model, adapters_only=args.enable_lora)
     if load_optim:
         _materialize_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=_OPTIM_METADATA)
@@ -166,7 +179,12 @@ def load_checkpoint(args, model, optimizer, opt_param_scheduler):
     loaded = dist_checkpointing.load(state, ckpt)
 
     for i, m in enumerate(model):
-        unwrap_model(m).load_state_dict(loaded[_model_key(i, len(model))], strict=True)
+        result = unwrap_model(m).load_state_dict(loaded[_model_key(i, len(model))], strict=not args.enable_lora)
+        if args.enable_lora and (result.unexpected_keys or any(is_lora_param(k) for k in result.missing_keys)):
+            raise ValueError(
+                f"--load {ckpt} is not a LoRA adapter checkpoint of this model (--enable-lora): missing "
+                f"{[k for k in result.missing_keys if is_lora_param(k)][:3]}, unexpected {result.unexpected_keys[:3]}"
+            )
     if load_optim:
         optimizer.load_state_dict(loaded["optimizer"])
         if "opt_param_scheduler" in common and opt_param_scheduler is not None:
