@@ -1,6 +1,7 @@
 """LoRA on the Megatron trainer (slime/backends/megatron_utils/lora.py): the adapter math on a hand-worked 2x2 case,
 log-probs with adapters equal to transformers + peft on the exported adapters, TP=2 equal to TP=1 before and after a
-training step, a frozen base with no optimizer state, merged weights, and the flags' one-line errors."""
+training step, a frozen base with no optimizer state, merged weights, an adapter-only checkpoint saved at TP=2 and
+resumed at TP=1, and the flags' one-line errors."""
 
 import json
 
@@ -66,13 +67,16 @@ def _random_adapters(args, model):
             p.copy_(shard_for_rank(base, full, p, gated_linear_unit=args.swiglu))
 
 
-def _lora_steps(rank, model_dir, tp, out_path, export_dir):
+def _lora_steps(rank, model_dir, tp, out_path, export_dir, save_dir):
+    from slime.backends.megatron_utils.checkpoint import save_checkpoint
     from slime.backends.megatron_utils.lora import export_peft, is_lora_param, merge_for_sync
     from slime.backends.megatron_utils.loss import compute_advantages_and_returns
     from slime.backends.megatron_utils.model import forward_only, train
     from slime.backends.megatron_utils.param_utils import named_parameters
 
-    args = train_args(model_dir, tensor_model_parallel_size=tp, enable_lora=True, lora_rank=4, lora_alpha=8.0)
+    args = train_args(
+        model_dir, tensor_model_parallel_size=tp, save=save_dir, enable_lora=True, lora_rank=4, lora_alpha=8.0
+    )
     model, opt, sched, _, rollout, iters, nmb = _setup(args, fixed_rollout())
     _random_adapters(args, model)
     before = {n: p.detach().clone() for n, p in named_parameters(args, model)}
@@ -109,8 +113,30 @@ def _lora_steps(rank, model_dir, tp, out_path, export_dir):
     a, b = params[qkv.replace("weight", "lora_A")], params[qkv.replace("weight", "lora_B")]
     expected = params[qkv] + 2.0 * b @ a
     assert torch.allclose(merged[qkv], expected, atol=1e-6)
+    save_checkpoint(args, 0, model, opt, sched)
     if rank == 0:
         torch.save({"before": log_probs, "after": after}, out_path)
+
+
+def _lora_resume(rank, model_dir, tp, save_dir, out_path):
+    """Load the adapter checkpoint (base from --hf-checkpoint) at another TP size: the trained model comes back."""
+    from megatron.core import dist_checkpointing
+
+    from slime.backends.megatron_utils.model import forward_only
+    from slime.backends.megatron_utils.param_utils import is_lora_param
+
+    args = train_args(
+        model_dir, tensor_model_parallel_size=tp, load=save_dir, enable_lora=True, lora_rank=4, lora_alpha=8.0
+    )
+    model, opt, _, iteration, _, iters, nmb = _setup(args, fixed_rollout())
+    assert iteration == 0
+    assert len(opt.state_dict()["state"]) > 0  # the adapters' Adam moments came back
+    saved = dist_checkpointing.load_tensors_metadata(f"{save_dir}/iter_0000000")
+    model_keys = [k for k in saved if not k.startswith("optimizer")]
+    assert model_keys and all(is_lora_param(k) for k in model_keys), model_keys  # no base weight in the checkpoint
+    got = forward_only(args, model, iters, nmb)["log_probs"]
+    if rank == 0:
+        torch.save(got, out_path)
 
 
 def _peft_log_probs(model_dir, adapter_dir, data):
@@ -130,9 +156,12 @@ def _peft_log_probs(model_dir, adapter_dir, data):
 
 def test_lora_matches_peft_and_tp2_equals_tp1(tiny_kit, tmp_path):
     model_dir, _ = tiny_kit
-    spawn(_lora_steps, 1, model_dir, 1, str(tmp_path / "tp1.pt"), str(tmp_path / "adapter1"))
-    spawn(_lora_steps, 2, model_dir, 2, str(tmp_path / "tp2.pt"), str(tmp_path / "adapter2"))
+    spawn(_lora_steps, 1, model_dir, 1, str(tmp_path / "tp1.pt"), str(tmp_path / "adapter1"), str(tmp_path / "c1"))
+    spawn(_lora_steps, 2, model_dir, 2, str(tmp_path / "tp2.pt"), str(tmp_path / "adapter2"), str(tmp_path / "c2"))
+    spawn(_lora_resume, 1, model_dir, 1, str(tmp_path / "c2"), str(tmp_path / "resumed.pt"))
     tp1, tp2 = torch.load(tmp_path / "tp1.pt"), torch.load(tmp_path / "tp2.pt")
+    for x, y in zip(torch.load(tmp_path / "resumed.pt"), tp2["after"]):  # saved at TP=2, loaded at TP=1
+        assert (x - y).abs().max().item() <= 1e-5
     for key in ("before", "after"):  # after: the TP-split adapters got the same gradients and the same step
         for x, y in zip(tp1[key], tp2[key]):
             assert (x - y).abs().max().item() <= 1e-5, key

@@ -31,6 +31,7 @@ class WeightSyncTrainer(TrainRayActor):
         torch.set_num_threads(1)
         super().init(args, "actor")
         from slime.backends.megatron_utils import initialize
+        from slime.backends.megatron_utils.lora import apply_lora
         from slime.backends.megatron_utils.megatron_to_hf import hf_to_megatron
         from slime.backends.megatron_utils.model_provider import get_model_provider_func
         from slime.backends.megatron_utils.param_utils import named_parameters
@@ -42,6 +43,8 @@ class WeightSyncTrainer(TrainRayActor):
 
         initialize.init(args)
         self.model = [get_model_provider_func(args)()]
+        if args.enable_lora:  # adapters (nudged non-zero below) that the engines must receive merged
+            apply_lora(args, self.model[0])
         hf_to_megatron(args, self.model)
         # same noise on every TP rank keeps replicated params identical; a new seed per test, since the
         # shared engines keep what the previous test sent
@@ -276,6 +279,22 @@ def test_colocated_update_from_cpu_weights_gives_engines_the_trainer_weights(tin
         assert version == "1"
     # each of the two engines received the whole checkpoint once
     assert metrics["perf/update_weights_bytes"] == hf_checkpoint_bytes(tiny_kit[0]) * 2
+
+
+@pytest.mark.parametrize("colocate", [False, True])
+def test_lora_merged_update_gives_engines_the_trainer_with_adapters(tiny_kit, engines, lock, cleanup, colocate):
+    """--enable-lora --lora-sync merged: the engines serve W + s B A, which is what the trainer's forward (base plus
+    adapter branch) computes; the adapters themselves never reach the engine, so the bytes are the checkpoint's."""
+    args = _args(tiny_kit[0], 2, enable_lora=True, lora_rank=4, lora_alpha=8.0)
+    targets = [e for e, _ in engines] if colocate else [engines[0][0]]
+    cleanup += start_trainers(args, colocate=colocate)
+    reference = trainer_greedy(cleanup)
+    ray.get([t.connect.remote(targets, lock) for t in cleanup], timeout=120)
+    metrics = ray.get([t.update_weights.remote() for t in cleanup], timeout=300)[0]
+    for _, url in engines[: len(targets)]:
+        diff, _ = max_logprob_diff(url, reference)
+        assert diff < 1e-4, f"engine {url} differs from the LoRA trainer after the update: max |d logp| {diff}"
+    assert metrics["perf/update_weights_bytes"] == hf_checkpoint_bytes(tiny_kit[0]) * len(targets)
 
 
 def test_check_weight_update_equal_protocol_passes_for_the_checkpoint_and_names_a_differing_tensor(

@@ -31,7 +31,8 @@ from slime.utils.checkpoint_tracker import (
 )
 from slime.utils.device import dist_backend, rng_state, set_rng_state
 
-from .param_utils import unwrap_model
+from .megatron_to_hf import hf_to_megatron
+from .param_utils import is_lora_param, unwrap_model
 
 # fully_reshardable allows TP/DP resharding of optimizer state. Its gather goes over gloo where the collective backend
 # is gloo: the default (NCCL) path calls `tensor.cuda()`, which no CPU shim can redirect.
@@ -65,8 +66,16 @@ def _model_key(i, n):
     return "model" if n == 1 else f"model{i}"
 
 
-def _model_sharded_state_dict(model):
-    return {_model_key(i, len(model)): unwrap_model(m).sharded_state_dict() for i, m in enumerate(model)}
+def _model_sharded_state_dict(model, adapters_only=False):
+    """Every chunk's sharded state; with `adapters_only` (--enable-lora) just the LoRA adapters: the frozen base
+    comes from --hf-checkpoint, which the checkpoint records as `lora_base`."""
+    out = {}
+    for i, m in enumerate(model):
+        sd = unwrap_model(m).sharded_state_dict()
+        if adapters_only:
+            sd = {k: v for k, v in sd.items() if is_lora_param(k)}
+        out[_model_key(i, len(model))] = sd
+    return out
 
 
 def _rng_sharded_object():
@@ -118,7 +127,9 @@ def save_checkpoint(args, iteration, model, optimizer, opt_param_scheduler, *, w
         os.makedirs(tmp_dir)
     dist.barrier()
 
-    state = _model_sharded_state_dict(model)
+    state = _model_sharded_state_dict(model, adapters_only=args.enable_lora)
+    if args.enable_lora:
+        state["lora_base"] = args.hf_checkpoint
     if with_optimizer and not args.no_save_optim:
         # an optimizer that has not stepped yet (the actor during --num-critic-only-steps) has no state: save the
         # zero state a first step would start from (no-op for one that has stepped)
@@ -189,7 +200,9 @@ def load_checkpoint(args, model, optimizer, opt_param_scheduler, keep_unfit_outp
     load_optim = not finetune and not args.no_load_optim and "optimizer" in _saved_keys(common, ckpt)
     load_rng = not finetune and not args.no_load_rng and common.get("parallel_layout") == _parallel_layout()
 
-    state = _model_sharded_state_dict(model)
+    if args.enable_lora:  # an adapter checkpoint: the frozen base comes from --hf-checkpoint first
+        hf_to_megatron(args, model)
+    state = _model_sharded_state_dict(model, adapters_only=args.enable_lora)
     dropped = _drop_unfit_output_layers(state, ckpt) if keep_unfit_output_layer else []
     if dropped:
         load_optim = False  # its state has the actor's shapes
@@ -203,7 +216,17 @@ def load_checkpoint(args, model, optimizer, opt_param_scheduler, keep_unfit_outp
     loaded = dist_checkpointing.load(state, ckpt)
 
     for i, m in enumerate(model):
-        result = unwrap_model(m).load_state_dict(loaded[_model_key(i, len(model))], strict=not dropped)
+        result = unwrap_model(m).load_state_dict(
+            loaded[_model_key(i, len(model))], strict=not (dropped or args.enable_lora)
+        )
+        if args.enable_lora:
+            if result.unexpected_keys or any(is_lora_param(k) for k in result.missing_keys):
+                raise ValueError(
+                    f"--load {ckpt} is not a LoRA adapter checkpoint of this model (--enable-lora): missing "
+                    f"{[k for k in result.missing_keys if is_lora_param(k)][:3]}, unexpected "
+                    f"{result.unexpected_keys[:3]}"
+                )
+            continue
         missing = [k for k in getattr(result, "missing_keys", []) if "output_layer." not in k]
         if missing or getattr(result, "unexpected_keys", []):
             raise RuntimeError(f"--load {ckpt}: missing {missing}, unexpected {result.unexpected_keys}")

@@ -13,6 +13,7 @@ A merged weight is computed shard by shard without communication: `W_shard + s *
 `W_shard + s * B @ A_shard` (row).
 """
 
+import functools
 import math
 import re
 import zlib
@@ -21,7 +22,9 @@ import torch
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from .megatron_to_hf import convert_to_hf, resolve_model_name
 from .param_utils import PREFIX, all_gather_param, canonical_name, is_lora_param, named_parameters
@@ -156,6 +159,26 @@ def _add_adapter(args, module, column, global_name):
     module.lora_column = column
     module.lora_dropout = torch.nn.Dropout(args.lora_dropout) if args.lora_dropout > 0 else None
     module.register_forward_hook(_lora_hook, with_kwargs=True)
+    gated = column and global_name.endswith("mlp.linear_fc1") and module.config.gated_linear_unit
+    module.sharded_state_dict = functools.partial(_sharded_state_dict, module, column, gated)
+
+
+def _sharded_state_dict(module, column, gated, prefix="", sharded_offsets=(), metadata=None):
+    """The layer's checkpoint entries with the split adapter TP-sharded like the weight (megatron-core's own
+    method would store it as replicated); a gated fc1's B keeps its [gate; up] rows apart, as the MLP does for W."""
+    axes = {"weight": 0, "bias": 0, "lora_B": 0} if column else {"weight": 1, "lora_A": 1}
+    sd = make_sharded_tensors_for_checkpoint(
+        module.state_dict(prefix="", keep_vars=True),
+        prefix,
+        axes,
+        sharded_offsets,
+        tp_group=module.tp_group,
+        dp_cp_group=(metadata or {}).get("dp_cp_group"),
+    )
+    if gated:
+        singleton = (metadata or {}).get("singleton_local_shards", False)
+        sd[f"{prefix}lora_B"] = apply_swiglu_sharded_factory(sd[f"{prefix}lora_B"], sharded_offsets, singleton)
+    return sd
 
 
 def _lora_hook(module, inputs, kwargs, output):

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
 from slime.backends.megatron_utils.initialize import get_gloo_group
+from slime.backends.megatron_utils.lora import merge_for_sync
 from slime.backends.megatron_utils.param_utils import expert_parallel_copies, named_parameters
 from slime.utils.device import dist_backend, shared_memory_handles
 from slime.utils.distributed_utils import init_process_group, seconds
@@ -222,7 +223,8 @@ class UpdateWeightFromDistributed:
         bucket failed because an engine died (--use-fault-tolerance) stops sending and returns failed=True."""
         bucket, bucket_bytes, sent, failed = [], 0, 0, False
         num_buckets = 0
-        for name, param in named_parameters(self.args, self.model):
+        # with --enable-lora the engines get merged weights: W + s B A per shard, no adapter tensors
+        for name, param in merge_for_sync(self.args, named_parameters(self.args, self.model)):
             if is_tied_output_copy(self.args, name):
                 continue
             # the source rank sends every expert: those of the other EP ranks come to it here

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
 from slime.backends.megatron_utils.initialize import get_gloo_group
-from slime.backends.megatron_utils.param_utils import named_parameters
+from slime.backends.megatron_utils.lora import merged_from_dict
+from slime.backends.megatron_utils.param_utils import is_lora_param, named_parameters
 from slime.utils.device import shared_memory_handles
 from slime.utils.tensor_serialization import bucket_payload
 from slime.utils.types import ParamInfo
@@ -57,7 +58,7 @@ def get_param_info_buckets(args, model) -> list:
     rank = dist.get_rank()
     infos = {}
     for name, param in named_parameters(args, model):
-        if is_tied_output_copy(args, name):
+        if is_tied_output_copy(args, name) or is_lora_param(name):  # adapters travel merged into their base
             continue
         attrs = {k: getattr(param, k) for k in _TP_ATTRS if hasattr(param, k)}
         infos[name] = ParamInfo(
@@ -186,7 +187,8 @@ class UpdateWeightFromTensor:
                     raise WeightUpdateError(
                         f"colocated weight update: {info.name!r} is missing from the actor's CPU weight dict"
                     )
-                params.append(actor_weights[info.name].to(device, non_blocking=True).detach())
+                weight = merged_from_dict(self.args, actor_weights, info.name)  # W + s B A under --enable-lora
+                params.append(weight.to(device, non_blocking=True).detach())
             else:
                 params.append(torch.empty(info.shape, dtype=info.dtype, device=device))
         # params of other PP stages (and experts of other EP ranks) come from the rank that holds them
