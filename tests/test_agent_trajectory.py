@@ -64,6 +64,14 @@ def test_a_history_re_rendered_differently_forks_and_keeps_both_responses():
     assert (b.tokens, b.loss_mask) == ([1, 2, 10, 3, 11], [1])
 
 
+def test_a_branch_that_sampled_nothing_makes_no_sample():
+    tree = TrajectoryTree("s")
+    tree.add_turn(turn([1, 2], [10]))
+    tree.add_turn(turn([7, 8], []))  # e.g. max_tokens left no room
+    [s] = tree.to_samples(Sample(index=0))
+    assert s.tokens == [1, 2, 10]
+
+
 def test_turn_record_needs_one_log_prob_per_token():
     with pytest.raises(ValueError, match="one log-prob per sampled token"):
         TurnRecord([1], [2, 3], [-0.1], "stop")
