@@ -20,7 +20,8 @@ AGENT_TEMPLATE = (
     "{%- if m.role == 'user' or (m.role == 'system' and not loop.first) %}"
     "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
     "{%- elif m.role == 'assistant' %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if m.reasoning_content %}{{- '<think>\\n' + m.reasoning_content + '\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- if m.reasoning_content %}{{- '<think>\\n' + m.reasoning_content.strip('\\n') + '\\n</think>\\n\\n' }}"
+    "{%- endif %}"
     "{{- m.content or '' }}"
     "{%- for tc in m.tool_calls or [] %}{%- if m.content or not loop.first %}{{- '\\n' }}{%- endif %}"
     '{{- \'<tool_call>\\n{"name": "\' + tc.function.name + \'", "arguments": \' }}'

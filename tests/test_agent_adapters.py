@@ -5,10 +5,12 @@ tool-calling policy; the samples' tokens, loss masks and log-probs are checked a
 import json
 import logging
 import threading
+import time
 
 import anthropic
 import openai
 import pytest
+import requests
 import torch
 from aiohttp import ClientSession, web
 
@@ -60,7 +62,7 @@ def stack(kit):
     oa, an = OpenAIAdapter(**kw), AnthropicAdapter(**kw)
     oa_h, an_h = run_app_in_thread(oa.app), run_app_in_thread(an.app)
     recorder.take()
-    yield {"openai": (oa, oa_h.url), "anthropic": (an, an_h.url), "recorder": recorder}
+    yield {"openai": (oa, oa_h.url), "anthropic": (an, an_h.url), "recorder": recorder, "engine": engine_url}
     for h in (oa_h, an_h, rec):
         h.stop()
     stop_cpu_server(proc)
@@ -108,7 +110,7 @@ def test_openai_sdk_tools_multi_turn_streaming_and_branches(stack, kit):
     r = client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR], max_tokens=128)
     msg = r.choices[0].message
     assert r.choices[0].finish_reason == "tool_calls"
-    assert msg.model_extra["reasoning_content"] == "add them"
+    assert msg.model_extra["reasoning_content"] == "add them\n"  # as SGLang parses it
     [call] = msg.tool_calls
     assert (call.function.name, json.loads(call.function.arguments)) == ("calculator", {"expression": "3+4"})
     messages += [msg.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "7"}]
@@ -184,7 +186,7 @@ def test_anthropic_sdk_tools_thinking_and_streaming(stack, kit):
     r = client.messages.create(model="policy", max_tokens=128, tools=[tool], messages=messages)
     assert r.stop_reason == "tool_use"
     thinking, use = r.content
-    assert (thinking.type, thinking.thinking) == ("thinking", "add them")
+    assert (thinking.type, thinking.thinking) == ("thinking", "add them\n")
     assert (use.type, use.name, use.input) == ("tool_use", "calculator", {"expression": "3+4"})
     messages += [
         {"role": "assistant", "content": [b.model_dump() for b in r.content]},
@@ -342,3 +344,27 @@ def test_calculator_agent_example_generates_trained_samples(stack, kit, monkeypa
         sample.reward == 1.0 and sample.metadata["tool_calls"] == 1 and sample.metadata["answer"] == "The answer is 7."
     )
     check_against_engine(sample, calls, kit[2])
+
+
+def test_an_engine_abort_ends_the_turn_with_an_error_and_records_nothing(stack):
+    """The rollout stopping aborts generations: the client gets a 503 in the API's shape, the session no turn."""
+    adapter, url = stack["openai"]
+    stack["recorder"].take()
+    adapter.open_session("abort-1", sampling_defaults={"temperature": 1.0, "ignore_eos": True})
+    client = openai.OpenAI(api_key="abort-1", base_url=url + "/v1", max_retries=0)
+    errors = []
+
+    def call():
+        try:
+            client.chat.completions.create(model="p", messages=[{"role": "user", "content": "Count."}], max_tokens=450)
+        except openai.APIStatusError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=call)
+    t.start()
+    time.sleep(0.5)  # 450 tokens take the CPU engine seconds: the generation is under way
+    requests.post(stack["engine"] + "/abort_request", json={"abort_all": True}, timeout=10)
+    t.join(60)
+    [err] = errors
+    assert err.status_code == 503 and "aborted" in err.body["message"] and err.body["type"] == "overloaded_error"
+    assert finish_all(adapter, "abort-1") == []

@@ -64,6 +64,14 @@ def test_a_history_re_rendered_differently_forks_and_keeps_both_responses():
     assert (b.tokens, b.loss_mask) == ([1, 2, 10, 3, 11], [1])
 
 
+def test_a_branch_that_sampled_nothing_makes_no_sample():
+    tree = TrajectoryTree("s")
+    tree.add_turn(turn([1, 2], [10]))
+    tree.add_turn(turn([7, 8], []))  # e.g. max_tokens left no room
+    [s] = tree.to_samples(Sample(index=0))
+    assert s.tokens == [1, 2, 10]
+
+
 def test_turn_record_needs_one_log_prob_per_token():
     with pytest.raises(ValueError, match="one log-prob per sampled token"):
         TurnRecord([1], [2, 3], [-0.1], "stop")
@@ -82,8 +90,8 @@ def test_parse_reasoning_text_and_several_tool_calls():
         '{"expression": "1+1"}}\n</tool_call>\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2"}}'
         "\n</tool_call>"
     )
-    assert out.reasoning == "sum first"
-    assert out.text == "Let me compute."
+    assert out.reasoning == "sum first\n"  # as SGLang: the newline before </think> stays (templates strip it)
+    assert out.text == "Let me compute."  # the text before the first call
     assert out.tool_calls == [
         {"name": "calculator", "arguments": {"expression": "1+1"}},
         {"name": "calculator", "arguments": {"expression": "2"}},
@@ -103,9 +111,10 @@ def test_parse_bad_calls_stay_text_and_are_flagged():
 
 def test_parse_reasoning_cut_off_or_opened_in_the_prompt():
     assert parse("<think>\nstill going").reasoning == "still going"
-    out = parse("plan\n</think>\n\n42")  # the template put <think> in the prompt
-    assert (out.reasoning, out.text) == ("plan", "42")
-    assert parse("42").reasoning == ""
+    # Qwen3 reasons only when it opened <think>; DeepSeek-R1's template opens it in the prompt
+    assert (parse("plan\n</think>\n\n42").reasoning, parse("42").reasoning) == ("", "")
+    out = parse_output("plan\n</think>\n\n42", tools=None, tool_parser=None, reasoning_parser="deepseek-r1")
+    assert (out.reasoning, out.text) == ("plan\n", "42")
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +152,7 @@ def test_parse_inverts_the_real_qwen3_template(qwen3_tokenizer):
     assert full.startswith(prompt)
     sampled = full[len(prompt) :].removesuffix("\n").removesuffix("<|im_end|>")
     out = parse_output(sampled, tools=tools, tool_parser="qwen25", reasoning_parser="qwen3")
-    assert (out.reasoning, out.text, out.tool_calls, out.ill_formed) == ("multiply", "Computing.", calls, False)
+    assert (out.reasoning, out.text, out.tool_calls, out.ill_formed) == ("multiply\n", "Computing.", calls, False)
     # and the parsed turn re-renders to the same text, so the next prompt extends the sampled tokens
     again = {"role": "assistant", "reasoning_content": out.reasoning, "content": out.text}
     again["tool_calls"] = [{"type": "function", "function": c} for c in out.tool_calls]

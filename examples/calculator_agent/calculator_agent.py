@@ -106,7 +106,7 @@ async def generate(args, sample: Sample, sampling_params) -> list[Sample]:
     client = openai.AsyncOpenAI(api_key=session_id, base_url=url + "/v1", max_retries=0)
     prompt = sample.prompt
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
-    answer, tool_calls, tool_errors, error = "", 0, 0, None
+    answer, tool_calls, tool_errors, error, aborted = "", 0, 0, None, False
     try:
         for _ in range(MAX_TURNS):
             r = await client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR])
@@ -125,10 +125,14 @@ async def generate(args, sample: Sample, sampling_params) -> list[Sample]:
                 tool_errors += result.startswith("error:")
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     except openai.APIStatusError as e:  # e.g. the history outgrew the context: the episode ends, its turns train
-        error = e.message
+        error, aborted = e.message, e.status_code == 503  # 503: the engine aborted (the rollout is stopping)
         logger.warning("calculator agent session %s ended early: %s", session_id, error)
     finally:
         await client.close()
+    if aborted:  # an unfinished episode is not scored; the rollout treats the prompt as aborted
+        adapter.drop_session(session_id, "the engine aborted the episode")
+        sample.status = Sample.Status.ABORTED
+        return [sample]
     samples = await adapter.finish_session(
         session_id,
         base_sample=sample,

@@ -5,8 +5,9 @@ Where SGLang is installed its parsers do the work (the same ones its OpenAI serv
 
 - tool calls "qwen25" / "qwen3" / "hermes": ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``
   (the format Qwen2.5 / Qwen3 chat templates render and the models emit), any number of them;
-- reasoning "qwen3" / "deepseek-r1": ``<think>...</think>`` at the start (the opening tag may already be in the
-  prompt, so output that has only the closing tag is reasoning up to it).
+- reasoning "qwen3" / "deepseek-r1": ``<think>...</think>``. As in SGLang, "qwen3" finds reasoning only when the
+  output opens ``<think>``; "deepseek-r1" treats the output as reasoning up to ``</think>`` (its template opens the
+  tag in the prompt); output cut off before ``</think>`` is all reasoning.
 """
 
 from __future__ import annotations
@@ -60,15 +61,14 @@ def split_reasoning(text: str, parser: str | None) -> tuple[str, str]:
 
         reasoning, rest = ReasoningParser(model_type=parser, stream_reasoning=False).parse_non_stream(text)
         return reasoning or "", rest or ""
-    body = text.lstrip()
-    if body.startswith("<think>"):
-        body = body[len("<think>") :]
-    elif "</think>" not in body:
+    # as SGLang's one-shot detector: Qwen3 reasons only when it opened <think>; DeepSeek-R1 always starts reasoning
+    if parser != "deepseek-r1" and "<think>" not in text:
         return "", text
+    body = text.replace("<think>", "").strip()
     if "</think>" not in body:  # cut off while thinking
-        return body.strip(), ""
+        return body, ""
     reasoning, rest = body.split("</think>", 1)
-    return reasoning.strip(), rest.lstrip()
+    return reasoning, rest.strip()
 
 
 def split_tool_calls(text: str, tools: list[dict] | None, parser: str | None) -> tuple[str, list[dict], bool]:
@@ -78,7 +78,7 @@ def split_tool_calls(text: str, tools: list[dict] | None, parser: str | None) ->
     names = {t["function"]["name"] for t in tools}
     if have_sglang():
         return _split_tool_calls_sglang(text, tools, parser)
-    calls, ill_formed, kept, last = [], False, [], 0
+    calls, ill_formed = [], False
     for m in _TOOL_CALL_RE.finditer(text):
         try:
             obj = json.loads(m.group(1))
@@ -95,12 +95,10 @@ def split_tool_calls(text: str, tools: list[dict] | None, parser: str | None) ->
             ill_formed = True
             continue
         calls.append({"name": obj["name"], "arguments": args})
-        kept.append(text[last : m.start()])
-        last = m.end()
-    kept.append(text[last:])
     if "<tool_call>" in text and not calls:
         ill_formed = True
-    return "".join(kept).strip() if calls else text, calls, ill_formed
+    # as SGLang: the visible text is what precedes the first call; with no valid call the text stays whole
+    return text[: text.index("<tool_call>")].strip() if calls else text, calls, ill_formed
 
 
 def _split_tool_calls_sglang(text: str, tools: list[dict], parser: str) -> tuple[str, list[dict], bool]:

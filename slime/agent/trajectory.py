@@ -118,6 +118,11 @@ class TrajectoryTree:
                 for k, lp in enumerate(node.record.output_log_probs):
                     loss_mask[start + k] = 1
                     log_probs[start + k] = lp
+            if not any(loss_mask):  # nothing sampled on this branch (an empty output): nothing to train
+                logger.debug(
+                    "session %s: branch ending at turn %d sampled no token; skipped", self.session_id, leaf.index
+                )
+                continue
             last = leaf.record
             status = {"length": Sample.Status.TRUNCATED, "abort": Sample.Status.ABORTED}.get(
                 last.finish_reason, Sample.Status.COMPLETED

@@ -75,10 +75,11 @@ class AnthropicAdapter(BaseAdapter):
         if not isinstance(body.get("max_tokens"), int) or body["max_tokens"] < 1:
             raise AdapterError(400, "max_tokens: a positive integer is required")
         tc = body.get("tool_choice")
-        if tc is not None and tc.get("type") not in ("auto", "none"):
+        kind = tc.get("type") if isinstance(tc, dict) else tc
+        if tc is not None and kind not in ("auto", "none"):
             raise AdapterError(
                 400,
-                f"tool_choice type {tc.get('type')!r} is not supported: the adapter does not constrain decoding; "
+                f"tool_choice type {kind!r} is not supported: the adapter does not constrain decoding; "
                 "use 'auto' or 'none'",
             )
 
@@ -136,7 +137,7 @@ class AnthropicAdapter(BaseAdapter):
                         400, f"tools: only client tools with an input_schema are supported, got {str(t)[:100]}"
                     )
                 tools.append(function_tool(t.get("name"), t.get("description"), t["input_schema"]))
-        return messages, tools, (body.get("tool_choice") or {}).get("type") != "none"
+        return messages, tools, (body.get("tool_choice") or {"type": "auto"})["type"] != "none"
 
     def _sampling_params(self, body: dict) -> dict:
         sp = {"max_new_tokens": body["max_tokens"]}

@@ -230,6 +230,10 @@ class BaseAdapter:
             sp = {**session.sampling_defaults, **self._sampling_params(body)}
             self._fit_context(session, prompt_ids, sp)
             turn = await self._generate(session.session_id, prompt_ids, sp)
+            if turn.finish_reason == "abort":  # the rollout is stopping (or weights are updating): end the episode
+                raise AdapterError(
+                    503, "the engine aborted the generation (the rollout is stopping)", kind="overloaded_error"
+                )
             raw = self.tokenizer.decode(turn.output_ids, skip_special_tokens=True)
             parsed = parse_output(
                 raw,
@@ -249,6 +253,11 @@ class BaseAdapter:
             return response
         except AdapterError as err:
             return self._error_response(err)
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise  # the client went away: nothing to answer, nothing recorded
+        except Exception as e:  # a bug or a malformed engine reply must not take the rollout down
+            logger.exception("session %s: the %s adapter failed a request", session.session_id, self.protocol)
+            return self._error_response(AdapterError(500, f"slime's adapter failed: {e!r}", kind="api_error"))
         finally:
             with self._lock:
                 session.inflight -= 1

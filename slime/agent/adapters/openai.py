@@ -91,10 +91,10 @@ class OpenAIAdapter(BaseAdapter):
         if body.get("logprobs"):
             raise AdapterError(400, "logprobs is not supported by slime's adapter", param="logprobs")
         rf = body.get("response_format")
-        if rf is not None and rf.get("type") != "text":
+        if rf is not None and (not isinstance(rf, dict) or rf.get("type") != "text"):
             raise AdapterError(
                 400,
-                f"response_format {rf.get('type')!r} is not supported (no constrained decoding)",
+                f"response_format {rf!r} is not supported (no constrained decoding)",
                 param="response_format",
             )
         tc = body.get("tool_choice")
