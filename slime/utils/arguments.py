@@ -14,7 +14,6 @@ import datetime
 import json
 import logging
 import os
-import re
 import secrets
 import sys
 
@@ -620,40 +619,6 @@ def check_optimizer_state_flags(args, error):
             error("--use-stateless-adam keeps no Adam moments to save: add --no-save-optim.")
 
 
-def add_partial_training_arguments(parser):
-    g = _Group(parser, "partial training")
-    g.add_argument(
-        "--only-train-params-name-list",
-        type=str,
-        nargs="*",
-        default=None,
-        help="Regexes (re.search) of the parameter names to train; every other parameter is frozen. Weight updates "
-        "still send every weight.",
-    )
-    g.add_argument(
-        "--freeze-params-name-list",
-        type=str,
-        nargs="*",
-        default=None,
-        help="Regexes (re.search) of the parameter names to freeze; the others train.",
-    )
-    return parser
-
-
-def check_partial_training(args, error):
-    if args.only_train_params_name_list and args.freeze_params_name_list:
-        error("--only-train-params-name-list and --freeze-params-name-list exclude each other: give one.")
-    for flag, patterns in (
-        ("--only-train-params-name-list", args.only_train_params_name_list),
-        ("--freeze-params-name-list", args.freeze_params_name_list),
-    ):
-        for pattern in patterns or []:
-            try:
-                re.compile(pattern)
-            except re.error as e:
-                error(f"{flag} {pattern!r}: not a regular expression ({e}).")
-
-
 def add_metric_arguments(parser):
     g = _Group(parser, "metrics")
     g.add_argument(
@@ -1052,7 +1017,6 @@ def get_slime_extra_args_provider(add_custom_arguments=None):
             add_wandb_arguments,
             add_tensorboard_arguments,
             add_metric_arguments,
-            add_partial_training_arguments,
             add_optimizer_state_arguments,
             add_train_env_arguments,
             add_context_length_arguments,
@@ -1268,7 +1232,6 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
     resolve_tb_dir(args, error)
     check_train_env_vars(args, error)
     check_optimizer_state_flags(args, error)
-    check_partial_training(args, error)
     resolve_context_lengths(args, error)
     if args.qwen_gdn_backend is None:
         args.qwen_gdn_backend = default_gdn_backend()

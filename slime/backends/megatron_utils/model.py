@@ -8,7 +8,6 @@ training loop would do lives here, on megatron.core APIs only.
 import logging
 import math
 import os
-import re
 
 import torch
 import torch.distributed as dist
@@ -52,32 +51,6 @@ TRAIN_KEYS = [
 ]
 
 
-def freeze_params(args, chunks):
-    """--only-train-params-name-list / --freeze-params-name-list (regexes, `re.search` on the parameter names of the
-    Megatron model, e.g. `decoder.layers.0.mlp.linear_fc1.weight`): frozen parameters get no gradient buffer and no
-    optimizer state, and are still sent to the engines with every weight update. A pattern that matches no parameter
-    on any rank is an error naming it (pipeline stages hold different parameters, so the check spans all ranks)."""
-    patterns = args.only_train_params_name_list or args.freeze_params_name_list
-    if not patterns:
-        return
-    flag = "--only-train-params-name-list" if args.only_train_params_name_list else "--freeze-params-name-list"
-    matched, example = torch.zeros(len(patterns)), None
-    for chunk in chunks:
-        for name, param in chunk.named_parameters():
-            example = example or name
-            hits = [bool(re.search(p, name)) for p in patterns]
-            matched += torch.tensor(hits, dtype=matched.dtype)
-            if args.only_train_params_name_list:
-                param.requires_grad = any(hits)
-            elif any(hits):
-                param.requires_grad = False
-    if dist.is_initialized():
-        dist.all_reduce(matched)  # gloo/NCCL alike: a CPU tensor on gloo, moved by the backend otherwise
-    unmatched = [p for p, n in zip(patterns, matched.tolist()) if n == 0]
-    if unmatched:
-        raise ValueError(f"{flag}: {unmatched} match no parameter of the model (names look like {example!r})")
-
-
 def get_model(args, wrap_with_ddp=True, role="actor"):
     """Model chunks for this rank (one per virtual pipeline stage), DDP-wrapped for training; `role="critic"` ends in
     a one-output value head."""
@@ -98,7 +71,6 @@ def get_model(args, wrap_with_ddp=True, role="actor"):
     for chunk in chunks:
         for param in chunk.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
-    freeze_params(args, chunks)
     for chunk in chunks:
         chunk.to(current_device())
     config = get_model_config(chunks[0])
