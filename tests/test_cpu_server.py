@@ -79,6 +79,15 @@ def server(tiny_kit):
     stop_cpu_server(proc)
 
 
+@pytest.fixture()
+def own_server(tiny_kit):
+    """A server of the test's own, as `server` starts it: the weights and weight version a test updates do not reach
+    the tests that check the start-up state (which then pass in any order)."""
+    proc, url = start_cpu_server(tiny_kit[0], "--max-running-requests", "16", "--random-seed", "1")
+    yield url
+    stop_cpu_server(proc)
+
+
 @pytest.fixture(scope="module")
 def hf(tiny_kit):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -516,9 +525,10 @@ def test_weights_checker_answers_as_sglang(server, tiny_kit):
     assert body["per_engine_checksum"] == hashlib.sha256(rank["per_gpu_checksum"].encode()).hexdigest()
 
 
-def test_weights_checker_snapshot_reset_compare(server, tiny_kit):
+def test_weights_checker_snapshot_reset_compare(own_server, tiny_kit):
     """--check-weight-update-equal's protocol: snapshot, scramble, restore by an update, compare; a tensor that is not
     restored fails the compare with 400 naming it."""
+    server = own_server
 
     def check(action):
         return SESSION.post(server + "/weights_checker", json={"action": action})
@@ -598,8 +608,10 @@ def test_bodies_are_checked_strictly_against_sglangs_request_classes(server):
     )
 
 
-def test_update_weights_from_tensor_and_disk(server, hf, other_weights, tiny_kit):
+def test_update_weights_from_tensor_and_disk(own_server, hf, other_weights, tiny_kit):
     from slime.utils.tensor_serialization import FlattenedTensorBucket, MultiprocessingSerializer, set_shared_authkey
+
+    server = own_server
 
     set_shared_authkey()
     other_dir, other = other_weights
@@ -635,10 +647,12 @@ def test_update_weights_from_tensor_and_disk(server, hf, other_weights, tiny_kit
     _assert_serves(server, hf[0], "disk")
 
 
-def test_update_weights_from_distributed(server, hf, other_weights, tiny_kit):
+def test_update_weights_from_distributed(own_server, hf, other_weights, tiny_kit):
     import torch.distributed as dist
 
     from slime.utils.distributed_utils import init_process_group
+
+    server = own_server
 
     _, other = other_weights
     port = find_available_port(25000)

@@ -448,6 +448,9 @@ def test_ctrl_c_leaves_no_processes_behind(tiny_kit, tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        # a suite started in the background (`cmd &`) inherits SIGINT ignored, and so would train.py: Ctrl-C then
+        # does nothing; the driver gets the default disposition, so Python turns SIGINT into KeyboardInterrupt
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         assert _procs.wait_for_line(proc, "rollout 0 |", timeout=300), _procs.tail(proc)
