@@ -114,3 +114,36 @@ def test_hybrids_roundtrip_and_log_probs_tp2_ep2(hf_models, tmp_path):
     layouts = [(k, 2, 1, 1) for k in HYBRIDS] + [("qwen3next", 1, 2, 1)]
     spawn(_roundtrip_and_log_probs, 2, hf_models, layouts, str(tmp_path / "diffs.txt"), timeout=500)
     print((tmp_path / "diffs.txt").read_text())
+
+
+def test_generic_per_sample_wrapper_equals_the_varlen_gated_delta_net(hf_models):
+    """The wrapper's default path (the transformers module's own forward, once per packed sample) and the Gated
+    DeltaNet's packed path give the same layer output on 3 packed samples: both reset at every boundary."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer import TransformerConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    from slime_plugins.models.hf_attention import HuggingfaceAttention
+    from slime_plugins.models.qwen3_5 import Qwen3_5GatedDeltaNetAttention
+
+    class PerSample(HuggingfaceAttention):
+        def __init__(self, args, config, layer_number, **kwargs):
+            super().__init__(args, config, layer_number, **kwargs)
+            self.linear_attn = Qwen3_5GatedDeltaNet(self.hf_config, self.hf_layer_idx)
+
+        def hf_call(self, hidden_states):
+            return self.linear_attn(hidden_states)
+
+    args = family_args(hf_models["qwen3_5"])
+    config = TransformerConfig(num_layers=3, hidden_size=64, num_attention_heads=4)
+    torch.manual_seed(0)
+    generic, packed = PerSample(args, config, 1), Qwen3_5GatedDeltaNetAttention(args, config, 1)
+    packed.load_state_dict(generic.state_dict())
+    cu = torch.tensor([0, 7, 8, 30], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=22, max_seqlen_kv=22)
+    x = torch.randn(30, 1, 64)
+    a, _ = generic(x, None, packed_seq_params=params)
+    b, _ = packed(x, None, packed_seq_params=params)
+    alone, _ = generic(x[8:30], None)  # the third sample by itself, not packed
+    assert a.shape == (30, 1, 64) and (a - b).abs().max() < 1e-5
+    assert (a[8:30] - alone).abs().max() < 1e-5
