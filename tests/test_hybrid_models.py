@@ -80,6 +80,13 @@ def test_bad_input_is_one_line(hf_models, capsys, tmp_path):
     import json
     import shutil
 
+    from transformers import Qwen3_5MoeTextConfig
+
+    from slime.backends.megatron_utils.arguments import hf_architecture
+
+    with pytest.raises(ValueError, match="'qwen3_5_moe_text' \\(Qwen3.5 MoE\\) is not supported yet"):
+        hf_architecture(Qwen3_5MoeTextConfig(num_hidden_layers=4))
+
     with pytest.raises(SystemExit):
         family_args(hf_models["qwen3_5"], 2, "--context-parallel-size", "2")
     assert "--context-parallel-size 2: slime_plugins.models.qwen3_5 wraps transformers modules" in (
