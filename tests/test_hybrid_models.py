@@ -80,6 +80,13 @@ def test_bad_input_is_one_line(hf_models, capsys, tmp_path):
     import json
     import shutil
 
+    from transformers import Qwen3_5MoeTextConfig
+
+    from slime.backends.megatron_utils.arguments import hf_architecture
+
+    with pytest.raises(ValueError, match="'qwen3_5_moe_text' \\(Qwen3.5 MoE\\) is not supported yet"):
+        hf_architecture(Qwen3_5MoeTextConfig(num_hidden_layers=4))
+
     with pytest.raises(SystemExit):
         family_args(hf_models["qwen3_5"], 2, "--context-parallel-size", "2")
     assert "--context-parallel-size 2: slime_plugins.models.qwen3_5 wraps transformers modules" in (
@@ -113,4 +120,105 @@ def test_hybrids_roundtrip_and_log_probs_tp1(hf_models, tmp_path):
 def test_hybrids_roundtrip_and_log_probs_tp2_ep2(hf_models, tmp_path):
     layouts = [(k, 2, 1, 1) for k in HYBRIDS] + [("qwen3next", 1, 2, 1)]
     spawn(_roundtrip_and_log_probs, 2, hf_models, layouts, str(tmp_path / "diffs.txt"), timeout=500)
+    print((tmp_path / "diffs.txt").read_text())
+
+
+def test_generic_per_sample_wrapper_equals_the_varlen_gated_delta_net(hf_models):
+    """The wrapper's default path (the transformers module's own forward, once per packed sample) and the Gated
+    DeltaNet's packed path give the same layer output on 3 packed samples: both reset at every boundary."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer import TransformerConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    from slime_plugins.models.hf_attention import HuggingfaceAttention
+    from slime_plugins.models.qwen3_5 import Qwen3_5GatedDeltaNetAttention
+
+    class PerSample(HuggingfaceAttention):
+        def __init__(self, args, config, layer_number, **kwargs):
+            super().__init__(args, config, layer_number, **kwargs)
+            self.linear_attn = Qwen3_5GatedDeltaNet(self.hf_config, self.hf_layer_idx)
+
+        def hf_call(self, hidden_states):
+            return self.linear_attn(hidden_states)
+
+    args = family_args(hf_models["qwen3_5"])
+    config = TransformerConfig(num_layers=3, hidden_size=64, num_attention_heads=4)
+    torch.manual_seed(0)
+    generic, packed = PerSample(args, config, 1), Qwen3_5GatedDeltaNetAttention(args, config, 1)
+    packed.load_state_dict(generic.state_dict())
+    cu = torch.tensor([0, 7, 8, 30], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=22, max_seqlen_kv=22)
+    x = torch.randn(30, 1, 64)
+    a, _ = generic(x, None, packed_seq_params=params)
+    b, _ = packed(x, None, packed_seq_params=params)
+    alone, _ = generic(x[8:30], None)  # the third sample by itself, not packed
+    assert a.shape == (30, 1, 64) and (a - b).abs().max() < 1e-5
+    assert (a[8:30] - alone).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("kind", HYBRIDS)
+def test_cpu_server_serves_hybrid_and_takes_trainer_named_weights(kind, hf_models, tiny_kit, tmp_path):
+    """The CPU server runs them through transformers: greedy log-probs equal transformers', and an update under the
+    trainer's names (Qwen3-Next: per-expert views of the fused experts) changes generation as it should."""
+    from tests import test_model_families as families
+
+    families.test_cpu_server_serves_family_and_takes_trainer_named_weights(kind, hf_models, tiny_kit, tmp_path)
+
+
+def _pp_roundtrip_and_log_probs(rank, hf_models, kinds, out):
+    """PP=2 (the two stages hold layers {0, 1} and {2}: linear, full | linear): export is bit-exact with the
+    checkpoint over both stages, and the last stage's log-probs equal transformers'."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import ray
+    from megatron.core import parallel_state as mpu
+    from safetensors.torch import load_file
+
+    from slime.backends.megatron_utils.data import get_data_iterator
+    from slime.backends.megatron_utils.initialize import init
+    from slime.backends.megatron_utils.megatron_to_hf import convert_to_hf
+    from slime.backends.megatron_utils.model import forward_only, initialize_model_and_optimizer
+    from slime.backends.megatron_utils.param_utils import all_gather_param, named_parameters, remove_padding
+    from slime.backends.utils.data import process_rollout_data
+    from tests._megatron_helpers import hf_log_probs
+    from tests.test_model_families import long_rollout
+
+    class _Ref:
+        def __init__(self, data):
+            self.inner = data
+
+    ray.get = lambda x: x
+    for kind in kinds:
+        hf_dir = hf_models[kind]
+        args = family_args(
+            hf_dir, 2, "--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "2"
+        )
+        mpu.destroy_model_parallel()
+        init(args)
+        model, _, _, _ = initialize_model_and_optimizer(args)
+        got = {}
+        for name, param in named_parameters(args, model):
+            full = remove_padding(name, all_gather_param(name, param), args.vocab_size)
+            for hf_name, t in convert_to_hf(args, args.model_name, name, full):
+                got[hf_name] = t
+        gathered = [None] * 2
+        torch.distributed.all_gather_object(gathered, got)
+        got = {k: v for d in gathered for k, v in d.items()}
+        expected = load_file(f"{hf_dir}/model.safetensors")
+        assert sorted(got) == sorted(expected), f"{kind} pp2: {set(got) ^ set(expected)}"
+        assert all(torch.equal(got[k], v) for k, v in expected.items()), kind
+        rollout = process_rollout_data(args, _Ref(long_rollout(args.vocab_size)), 0, 1)
+        iters, nmb = get_data_iterator(args, model, rollout)
+        result = forward_only(args, model, iters, nmb)
+        if mpu.is_pipeline_last_stage():
+            ref = hf_log_probs(hf_dir, rollout)
+            diff = max((g - e).abs().max().item() for g, e in zip(result["log_probs"], ref))
+            assert diff <= 1e-5, f"{kind} pp2: max |log-probs - transformers| = {diff}"
+            with open(out, "a") as f:
+                f.write(f"{kind} pp2 logprob_max_abs_diff={diff:.3g}\n")
+
+
+def test_hybrids_pipeline_parallel(hf_models, tmp_path):
+    spawn(_pp_roundtrip_and_log_probs, 2, hf_models, HYBRIDS, str(tmp_path / "diffs.txt"), timeout=500)
     print((tmp_path / "diffs.txt").read_text())

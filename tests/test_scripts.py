@@ -418,6 +418,57 @@ FAMILY_CONFIGS = {
         vocab_size=129280,
         num_nextn_predict_layers=1,
     ),
+    "qwen3-next-80B-A3B.sh": dict(
+        model_type="qwen3_next",
+        architectures=["Qwen3NextForCausalLM"],
+        hidden_size=2048,
+        intermediate_size=5120,
+        num_hidden_layers=48,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        full_attention_interval=4,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        num_experts=512,
+        num_experts_per_tok=10,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        norm_topk_prob=True,
+        hidden_act="silu",
+        max_position_embeddings=262144,
+        partial_rotary_factor=0.25,
+        rms_norm_eps=1e-6,
+        rope_theta=10000000,
+        tie_word_embeddings=False,
+        vocab_size=151936,
+    ),
+    # vision-language checkpoint: the decoder's values are in text_config (the architecture flags' source)
+    "qwen3.5-27B.sh": dict(
+        model_type="qwen3_5",
+        architectures=["Qwen3_5ForConditionalGeneration"],
+        text_config=dict(
+            model_type="qwen3_5_text",
+            hidden_size=5120,
+            intermediate_size=17408,
+            num_hidden_layers=64,
+            num_attention_heads=24,
+            num_key_value_heads=4,
+            head_dim=256,
+            hidden_act="silu",
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            vocab_size=248320,
+            rope_parameters=dict(
+                rope_type="default", rope_theta=10000000, partial_rotary_factor=0.25, mrope_interleaved=True
+            ),
+        ),
+    ),
 }
 
 
@@ -449,8 +500,9 @@ def test_family_model_args_agree_with_published_config(name, tmp_path, capsys):
     ]
     tokens = _source_model_args(name)
     args = parse_args(argv=[*tokens, *base])
-    assert args.num_layers == FAMILY_CONFIGS[name]["num_hidden_layers"]
+    decoder = FAMILY_CONFIGS[name].get("text_config", FAMILY_CONFIGS[name])
+    assert args.num_layers == decoder["num_hidden_layers"]
     i = tokens.index("--hidden-size")
     with pytest.raises(SystemExit):
         parse_args(argv=[*tokens[: i + 1], "1024", *tokens[i + 2 :], *base])
-    assert f"--hidden-size 1024 but hidden_size={FAMILY_CONFIGS[name]['hidden_size']}" in capsys.readouterr().err
+    assert f"--hidden-size 1024 but hidden_size={decoder['hidden_size']}" in capsys.readouterr().err

@@ -495,6 +495,10 @@ def hf_architecture(cfg) -> dict:
         )
         if getattr(cfg, "shared_expert_intermediate_size", None):
             arch["moe_shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
+    if model_type.startswith("qwen3_5_moe"):
+        raise ValueError(
+            f"model_type {model_type!r} (Qwen3.5 MoE) is not supported yet; Qwen3.5 dense and Qwen3-Next are"
+        )
     if model_type in HYBRID_SPECS:  # Gated DeltaNet layers between gated full-attention layers
         from slime_plugins.models.qwen3_next import hybrid_layer_types  # heavy (transformers modeling)
 
