@@ -25,6 +25,7 @@ from slime.backends.megatron_utils.arguments import (
     apply_hf_config,
     check_hybrid_model,
     check_mtp,
+    lora_validate_args,
     megatron_defaults,
     megatron_training_available,
     megatron_validate_args,
@@ -35,7 +36,7 @@ from slime.backends.megatron_utils.arguments import (
 from slime.backends.sglang_utils.arguments import add_sglang_arguments, sglang_available
 from slime.backends.sglang_utils.arguments import validate_args as sglang_validate_args
 from slime.utils.checkpoint_tracker import checkpoint_dir, read_tracker
-from slime.utils.device import auto_inference_server, default_gdn_backend, transformer_engine_usable
+from slime.utils.device import auto_inference_server, default_gdn_backend
 from slime.utils.disk_delta import CHECKSUMS as DELTA_CHECKSUMS
 from slime.utils.disk_delta import ENCODINGS as DELTA_ENCODINGS
 from slime.utils.eval_config import from_prompt_data, load_eval_config
@@ -963,42 +964,6 @@ def add_lora_arguments(parser):
         help="What a weight update sends the engines: merged = base + adapters as full weights (any engine).",
     )
     return parser
-
-
-def lora_validate_args(args, error):
-    """--enable-lora's rules, once the model flags are final: known target modules, 0 < rank <= each layer's
-    smaller side, dense decoder layers without Transformer Engine's fused layers."""
-    if not args.enable_lora:
-        return
-    from slime.backends.megatron_utils.lora import layer_dims, resolve_target_modules  # lazy: megatron-core
-
-    try:
-        targets = resolve_target_modules(args.lora_target_modules)
-    except ValueError as e:
-        error(f"--lora-target-modules: {e}")
-    if args.lora_rank <= 0:
-        error(f"--lora-rank {args.lora_rank} must be positive")
-    dims = layer_dims(args)
-    for t in targets:
-        smallest = min(dims[t])
-        if args.lora_rank > smallest:
-            error(f"--lora-rank {args.lora_rank} must be in 1..{smallest} for {t} (in, out = {dims[t]})")
-    if not 0 <= args.lora_dropout < 1:
-        error(f"--lora-dropout {args.lora_dropout} must be in [0, 1)")
-    if args.multi_latent_attention:
-        error(
-            "--enable-lora: multi-latent attention (DeepSeek-V3 family) is not supported; LoRA covers dense GPT layers"
-        )
-    if args.num_experts and any(t.startswith("mlp.") for t in targets):
-        error(
-            "--enable-lora with --num-experts: adapters on MoE experts are not supported; use "
-            "--lora-target-modules linear_qkv linear_proj (attention only)"
-        )
-    if args.transformer_impl != "local" and transformer_engine_usable():
-        error(
-            "--enable-lora needs megatron-core's local layers (Transformer Engine fuses the norm into linear_qkv / "
-            "linear_fc1): add --transformer-impl local"
-        )
 
 
 def get_slime_extra_args_provider(add_custom_arguments=None):

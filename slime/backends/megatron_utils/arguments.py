@@ -18,6 +18,7 @@ from slime.utils.device import (
     gradient_accumulation_fusion_by_default,
     note_cpu_fallbacks,
     sequence_parallel_possible,
+    transformer_engine_usable,
 )
 
 logger = logging.getLogger(__name__)
@@ -920,3 +921,39 @@ def parse_with_megatron(add_slime_arguments, argv):
     if not args.bf16:
         args.bf16 = None  # Megatron's --bf16 cannot say "off"; None lets slime pick it from the machine
     return args, captured["parser"]
+
+
+def lora_validate_args(args, error):
+    """--enable-lora's rules, once the model flags are final: known target modules, 0 < rank <= each layer's
+    smaller side, dense decoder layers without Transformer Engine's fused layers."""
+    if not args.enable_lora:
+        return
+    from slime.backends.megatron_utils.lora import layer_dims, resolve_target_modules  # lazy: megatron-core
+
+    try:
+        targets = resolve_target_modules(args.lora_target_modules)
+    except ValueError as e:
+        error(f"--lora-target-modules: {e}")
+    if args.lora_rank <= 0:
+        error(f"--lora-rank {args.lora_rank} must be positive")
+    dims = layer_dims(args)
+    for t in targets:
+        smallest = min(dims[t])
+        if args.lora_rank > smallest:
+            error(f"--lora-rank {args.lora_rank} must be in 1..{smallest} for {t} (in, out = {dims[t]})")
+    if not 0 <= args.lora_dropout < 1:
+        error(f"--lora-dropout {args.lora_dropout} must be in [0, 1)")
+    if args.multi_latent_attention:
+        error(
+            "--enable-lora: multi-latent attention (DeepSeek-V3 family) is not supported; LoRA covers dense GPT layers"
+        )
+    if args.num_experts and any(t.startswith("mlp.") for t in targets):
+        error(
+            "--enable-lora with --num-experts: adapters on MoE experts are not supported; use "
+            "--lora-target-modules linear_qkv linear_proj (attention only)"
+        )
+    if args.transformer_impl != "local" and transformer_engine_usable():
+        error(
+            "--enable-lora needs megatron-core's local layers (Transformer Engine fuses the norm into linear_qkv / "
+            "linear_fc1): add --transformer-impl local"
+        )
