@@ -9,7 +9,18 @@ import pytest
 from slime.utils.arguments import parse_args
 from tests._args import BASE, TINY_MODEL, TINY_PROMPTS
 
-ARGV = [*BASE, *TINY_MODEL, "--eval-temperature", "0.3", "--rollout-max-response-len", "64", "--rollout-top-p", "0.9"]
+ARGV = [
+    *BASE,
+    *TINY_MODEL,
+    "--eval-temperature",
+    "0.3",
+    "--rollout-max-response-len",
+    "64",
+    "--rollout-top-p",
+    "0.9",
+    "--rollout-top-k",
+    "20",
+]
 
 
 def write(tmp_path, text, name="eval.yaml"):
@@ -58,7 +69,7 @@ def test_fields_resolve_dataset_then_defaults_then_flags(tmp_path):
     # dataset > defaults > --eval-temperature > --rollout-temperature
     assert (greedy.temperature, greedy.max_response_len, greedy.n_samples_per_eval_prompt) == (0.0, 8, 4)
     assert (sampled.temperature, sampled.max_response_len, sampled.n_samples_per_eval_prompt) == (0.3, 16, 4)
-    assert greedy.top_p == sampled.top_p == 0.9 and greedy.top_k == -1  # --eval-top-p unset: --rollout-top-p
+    assert greedy.top_p == sampled.top_p == 0.9 and greedy.top_k == 20  # --eval-top-p/-k unset: --rollout-top-p/-k
     assert sampled.stop == ["\n\n"] and greedy.stop is None
     assert greedy.inject_metadata({"a": 1}) == {"a": 1, "rm_type": "math", "source": "cfg"}
     assert sampled.custom_generate_function_path == "slime.rollout.sglang_rollout.generate"
@@ -67,7 +78,7 @@ def test_fields_resolve_dataset_then_defaults_then_flags(tmp_path):
     assert greedy.sampling_params(base) == {
         "temperature": 0.0,
         "top_p": 0.9,
-        "top_k": -1,
+        "top_k": 20,
         "max_new_tokens": 8,
         "skip_special_tokens": False,
     }
@@ -80,7 +91,7 @@ def test_mapping_form_json_and_prompt_data_pairs(tmp_path):
         name="eval.json",
     )
     args = parse("--eval-config", config, "--eval-custom-rm-path", "slime.rollout.rm_hub.async_rm")
-    assert [(d.name, d.top_k) for d in args.eval_datasets] == [("a", 5), ("b", -1)]
+    assert [(d.name, d.top_k) for d in args.eval_datasets] == [("a", 5), ("b", 20)]
     assert all(d.custom_rm_path == "slime.rollout.rm_hub.async_rm" for d in args.eval_datasets)
     # without a file, --eval-prompt-data resolves the same way: the default eval reads args.eval_datasets
     (d,) = parse("--eval-prompt-data", "toy", TINY_PROMPTS, "--eval-top-k", "3").eval_datasets
