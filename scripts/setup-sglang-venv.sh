@@ -24,6 +24,8 @@ fi
 # sglang.srt.utils.common, never called on CPU).
 "${PIP[@]}" -c "$CONSTRAINTS" numpy pybase64 msgspec pyzmq psutil requests packaging orjson pillow starlette \
   pydantic tqdm ipython aiohttp triton
+# slime's own argument module (imported by the contract tests) reads sglang-router's flags, as on a GPU machine
+"${PIP[@]}" -c "$CONSTRAINTS" "sglang-router==0.3.2"
 "$VENV/bin/python" - <<'PY'
 from sglang.srt.server_args import ServerArgs  # noqa: F401
 from sglang.srt.utils import MultiprocessingSerializer  # noqa: F401

@@ -250,6 +250,8 @@ class MegatronTrainRayActor(TrainRayActor):
                     rollout_data.update(self.compute_log_prob(tag, data_iterator, num_microbatches))
                     if tag != "actor":
                         self.update_gpu_params_dict(self.weights["actor"])
+            elif "ref" in self.weights:  # the ref forward left the reference weights in the model: train the actor's
+                self.update_gpu_params_dict(self.weights["actor"])
             if (
                 args.ci_test
                 and not args.ci_disable_kl_checker
