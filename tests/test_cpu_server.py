@@ -453,6 +453,32 @@ def test_pause_and_continue(server):
     assert result["meta_info"]["completion_tokens"] == 3
 
 
+def test_health_probe_aborted_by_abort_all_is_healthy(tiny_kit):
+    """SGLang's /health_generate is healthy once the scheduler answers its probe, an abort included: a rollout's
+    abort-all (or a weight update's pause) that catches the probe must not make the health monitor fail the run."""
+    proc, url = start_cpu_server(tiny_kit[0], "--max-running-requests", "1")
+    try:
+        payload = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 490, "ignore_eos": True}}
+        long_one = threading.Thread(target=lambda: gen(url, payload))
+        long_one.start()
+        status = {}
+        probe = threading.Thread(target=lambda: status.update(code=SESSION.get(url + "/health_generate").status_code))
+        deadline = time.time() + 30
+        while SESSION.get(url + "/get_load").json()[0]["num_reqs"] == 0:
+            assert time.time() < deadline, "the long request never started running"
+            time.sleep(0.01)
+        probe.start()
+        while SESSION.get(url + "/get_load").json()[0]["num_waiting_reqs"] == 0:  # the probe queues behind it
+            assert time.time() < deadline, "the probe never reached the scheduler"
+            time.sleep(0.01)
+        assert SESSION.post(url + "/abort_request", json={"abort_all": True}).status_code == 200
+        probe.join(30)
+        long_one.join(30)
+        assert status == {"code": 200}
+    finally:
+        stop_cpu_server(proc)
+
+
 def test_release_and_resume_memory(server):
     sp = {"input_ids": PROMPTS[0], "sampling_params": {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}}
     before = gen(server, sp)["output_ids"]

@@ -241,10 +241,14 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
             return web.Response(status=503, text=f"memory released: {sorted(self.released_tags)}")
         if self.scheduler.paused:
             return web.Response(text="")  # paused is healthy; a probe generation would wait for continue
+        # As SGLang: any answer from the scheduler is healthy, an aborted probe included (a rollout's abort-all
+        # or a weight update's pause may abort it); no answer within the window is not.
         sp = SamplingParams.from_dict({"max_new_tokens": 1, "temperature": 0}, self.cfg.vocab_size)
-        outs = await self._run([Req([0], sp)], timeout=60)
-        ok = outs and outs[0].finish_reason.get("type") != "abort"
-        return web.Response(status=200 if ok else 503, text="")
+        try:
+            await self._run([Req([0], sp)], timeout=60)
+        except asyncio.TimeoutError:
+            return web.Response(status=503, text="no answer from the scheduler within 60s")
+        return web.Response(text="")
 
     def _server_info(self):
         a = self.args

@@ -125,13 +125,24 @@ def _patches() -> list:
 def transformer_config_overrides(kw: dict) -> dict:
     """What the CPU shim changes in a TransformerConfig's arguments `kw` (nothing unless `apply()` ran): fp32 (no
     fp16), CPU initialisation, no CUDA-stream sync in p2p (PP>1), and for MoE the allgather dispatcher (alltoall
-    creates CUDA streams), which rejects variable_seq_lengths (that matters only for PP>1 p2p shapes)."""
+    creates CUDA streams), whose config check rejects variable_seq_lengths (`finish_transformer_config` sets it
+    back)."""
     if not _applied:
         return {}
     out = {"fp16": False, "use_cpu_initialization": True, "batch_p2p_sync": False}
     if kw.get("num_moe_experts"):
         out.update(moe_token_dispatcher_type="allgather", variable_seq_lengths=False)
     return out
+
+
+def finish_transformer_config(config):
+    """Packed micro-batches differ in length, so PP>1 p2p must send shapes first (variable_seq_lengths). Without it
+    the receiving stage allocates `seq_length` rows and gloo fills only the sent ones, leaving uninitialised memory
+    (sometimes NaN) in the rest. The allgather dispatcher handles it: every rank of its TP x EP group holds the
+    same micro-batch, so its gathers see equal shapes; only its config check refuses it."""
+    if _applied and config.num_moe_experts:
+        config.variable_seq_lengths = True
+    return config
 
 
 def _is_cuda(device) -> bool:

@@ -137,7 +137,7 @@ def core_transformer_config_from_args(args) -> TransformerConfig:
     kw["apply_rope_fusion"] = rope_fusion(args)
     kw.update(cpu_compat.transformer_config_overrides(kw))
     if args.multi_latent_attention:
-        return MLATransformerConfig(
+        config = MLATransformerConfig(
             **kw,
             q_lora_rank=args.q_lora_rank,
             kv_lora_rank=args.kv_lora_rank,
@@ -151,7 +151,9 @@ def core_transformer_config_from_args(args) -> TransformerConfig:
             mscale=args.mscale,
             mscale_all_dim=args.mscale_all_dim,
         )
-    return TransformerConfig(**kw)
+    else:
+        config = TransformerConfig(**kw)
+    return cpu_compat.finish_transformer_config(config)
 
 
 def _user_spec(args, config, vp_stage):

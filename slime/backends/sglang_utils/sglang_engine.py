@@ -361,6 +361,15 @@ class SGLangEngine(RayActor):
             )
         return self.url
 
+    def _raise_if_exiting(self, grace: float = 5.0):
+        """A refused or dropped connection often means the server is dying: give it `grace` seconds to be reaped so
+        the error names the exit (and its log) rather than the socket."""
+        try:
+            self.process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            return
+        self.check_alive()
+
     def health_generate(self, timeout: float = 30.0) -> bool:
         """GET /health_generate (a one-token generation on SGLang and on the CPU server); raises if the server does
         not answer 200 within `timeout` seconds. Only node 0 of a multi-node engine serves HTTP."""
@@ -373,6 +382,7 @@ class SGLangEngine(RayActor):
         except requests.Timeout:
             raise TimeoutError(f"did not answer /health_generate within {timeout:g}s (hung?)") from None
         except requests.RequestException as e:
+            self._raise_if_exiting()
             raise RuntimeError(f"GET /health_generate failed: {type(e).__name__}: {e}") from None
         if resp.status_code != 200:
             raise RuntimeError(f"GET /health_generate answered HTTP {resp.status_code}")
