@@ -12,11 +12,12 @@ def test_no_rope_fusion_reaches_the_transformer_config(monkeypatch):
     assert model_provider.core_transformer_config_from_args(make_args()).apply_rope_fusion is False  # no TE here
     with monkeypatch.context() as m:
         m.setattr(model_provider, "use_transformer_engine", lambda args: True)
-        m.setattr(model_provider, "TransformerConfig", lambda **kw: SimpleNamespace(**kw))  # the real one checks TE is installed
+        m.setattr(
+            model_provider, "TransformerConfig", lambda **kw: SimpleNamespace(**kw)
+        )  # the real one checks TE is installed
         assert model_provider.core_transformer_config_from_args(make_args()).apply_rope_fusion is True
         assert (
-            model_provider.core_transformer_config_from_args(make_args("--no-rope-fusion")).apply_rope_fusion
-            is False
+            model_provider.core_transformer_config_from_args(make_args("--no-rope-fusion")).apply_rope_fusion is False
         )
 
 
