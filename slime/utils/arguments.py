@@ -1303,6 +1303,8 @@ def _validate_critic(args, error, user_load, check_paths):
             f"--megatron-config-path {args.megatron_config_path}: the critic's {shown} (product {product}) does not "
             f"divide its {world} GPUs (the critic mirrors the actor's --actor-num-nodes x --actor-num-gpus-per-node)"
         )
+    if args.global_batch_size is not None:  # None only with --debug-rollout-only: nothing trains
+        _resolve_critic_batch(args, error, world // product)
     if check_paths and user_load and _checkpoint_exists(user_load) and not args.finetune:
         iteration = args.ckpt_step if args.ckpt_step is not None else read_tracker(user_load)
         critic_dir = checkpoint_dir(os.path.join(user_load, "critic"), iteration)
@@ -1311,6 +1313,43 @@ def _validate_critic(args, error, user_load, check_paths):
                 f"--load {user_load}: resuming rollout {iteration} with --advantage-estimator ppo, but the critic's "
                 f"checkpoint {critic_dir} is missing"
             )
+
+
+def _resolve_critic_batch(args, error, critic_dp):
+    """The critic role's own `global_batch_size` or `num_steps_per_rollout` (several critic optimizer steps over the
+    same rollout): derived and checked as the actor's are, both kept in `critic_overrides` so that the critic's copy
+    of the arguments agrees with itself; the critic's batch must also split over its own data-parallel ranks."""
+    overrides, where = args.critic_overrides, f"--megatron-config-path {args.megatron_config_path}: the critic's"
+    samples = args.rollout_batch_size * args.n_samples_per_prompt
+    for key in ("global_batch_size", "num_steps_per_rollout", "micro_batch_size"):
+        value = overrides.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            error(f"{where} {key} {value!r} must be a positive integer")
+    gbs, steps = overrides.get("global_batch_size"), overrides.get("num_steps_per_rollout")
+    if steps is not None:
+        if samples % steps:
+            error(
+                f"{where} num_steps_per_rollout {steps} does not divide the rollout's --rollout-batch-size x "
+                f"--n-samples-per-prompt = {samples} samples"
+            )
+        if gbs is not None and gbs != samples // steps:
+            error(f"{where} global_batch_size {gbs} contradicts its num_steps_per_rollout {steps} ({samples} samples)")
+        gbs = samples // steps
+    if gbs is None:
+        gbs = args.global_batch_size
+    elif samples % gbs:
+        error(
+            f"{where} global_batch_size {gbs} does not divide the rollout's --rollout-batch-size x "
+            f"--n-samples-per-prompt = {samples} samples"
+        )
+    mbs = overrides.get("micro_batch_size", args.micro_batch_size)
+    if gbs % (mbs * critic_dp):
+        error(
+            f"{where} global_batch_size {gbs} is not divisible by its micro_batch_size {mbs} x its data-parallel "
+            f"size {critic_dp}"
+        )
+    if "global_batch_size" in overrides or steps is not None:
+        overrides.update(global_batch_size=gbs, num_steps_per_rollout=samples // gbs)
 
 
 def _apply_custom_config(args, error, check_paths):
