@@ -770,7 +770,8 @@ def add_custom_megatron_hooks_arguments(parser):
         "--megatron-config-path",
         type=str,
         default=None,
-        help="YAML `megatron: [{name, role: actor, overrides: {lr: 1e-6, ...}}]` over the command line.",
+        help="YAML `megatron: [{name, role: actor, overrides: {lr: 1e-6, ...}}]` over the command line; a "
+        "`role: critic` entry (--advantage-estimator ppo) sets the critic's own, e.g. its num_steps_per_rollout.",
     )
     g.add_argument(
         "--custom-config-path",
