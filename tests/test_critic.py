@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from slime.ray.critic import critic_args
+from slime.utils.arguments import _check_critic_model_split
 from slime.utils.ppo_utils import compute_value_loss, vanilla_gae
 from tests._args import make_args
 from tests.test_arguments import parse, parse_error
@@ -104,6 +105,22 @@ def test_critic_role_batch_refusals(capsys, tmp_path):
     assert (
         "the critic's global_batch_size 4 is not divisible by its micro_batch_size 1 x its data-parallel size 8" in err
     )
+
+
+def test_critic_role_parallel_sizes_must_split_the_model(capsys, tmp_path):
+    # TINY_MODEL: 2 layers, 4 heads; 8 GPUs so that every size divides the critic's GPUs
+    gpus = ["--actor-num-gpus-per-node", "8"]
+    err = parse_error(capsys, *PPO, *gpus, *_critic_role(tmp_path, "{tensor_model_parallel_size: 8}"))
+    assert "the critic's tensor_model_parallel_size 8 does not divide --num-attention-heads 4" in err
+    err = parse_error(capsys, *PPO, *gpus, *_critic_role(tmp_path, "{pipeline_model_parallel_size: 4}"))
+    assert "the critic's pipeline_model_parallel_size 4 does not divide --num-layers 2" in err
+    # the actor's sequence parallelism (TP 2; kept on GPU, where parse_args leaves it on) cannot reach a critic at TP 1
+    a = parse(
+        *PPO, *gpus, "--tensor-model-parallel-size", "2", *_critic_role(tmp_path, "{tensor_model_parallel_size: 1}")
+    )
+    a.sequence_parallel = True
+    _check_critic_model_split(a, None, {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1})
+    assert critic_args(a).sequence_parallel is False and a.sequence_parallel
 
 
 def test_resume_without_the_critics_checkpoint_is_refused(capsys, tmp_path):

@@ -1304,6 +1304,7 @@ def _validate_critic(args, error, user_load, check_paths):
             f"--megatron-config-path {args.megatron_config_path}: the critic's {shown} (product {product}) does not "
             f"divide its {world} GPUs (the critic mirrors the actor's --actor-num-nodes x --actor-num-gpus-per-node)"
         )
+    _check_critic_model_split(args, error, sizes)
     if args.global_batch_size is not None:  # None only with --debug-rollout-only: nothing trains
         _resolve_critic_batch(args, error, world // product)
     if check_paths and user_load and _checkpoint_exists(user_load) and not args.finetune:
@@ -1314,6 +1315,31 @@ def _validate_critic(args, error, user_load, check_paths):
                 f"--load {user_load}: resuming rollout {iteration} with --advantage-estimator ppo, but the critic's "
                 f"checkpoint {critic_dir} is missing"
             )
+
+
+def _check_critic_model_split(args, error, sizes):
+    """The critic role's own tensor / pipeline sizes must split the model as the actor's must (heads and query
+    groups over TP, layers over PP); sequence parallelism needs TP > 1, so a critic at TP 1 goes without it."""
+    where = f"--megatron-config-path {args.megatron_config_path}: the critic's"
+    overrides, tp, pp = (
+        args.critic_overrides,
+        sizes["tensor_model_parallel_size"],
+        sizes["pipeline_model_parallel_size"],
+    )
+    if "tensor_model_parallel_size" in overrides and args.num_attention_heads:
+        if args.num_attention_heads % tp:
+            error(
+                f"{where} tensor_model_parallel_size {tp} does not divide --num-attention-heads {args.num_attention_heads}"
+            )
+        if args.group_query_attention and args.num_query_groups % tp:
+            error(
+                f"{where} tensor_model_parallel_size {tp} does not divide --num-query-groups {args.num_query_groups}"
+            )
+    uneven = args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None
+    if "pipeline_model_parallel_size" in overrides and args.num_layers and not uneven and args.num_layers % pp:
+        error(f"{where} pipeline_model_parallel_size {pp} does not divide --num-layers {args.num_layers}")
+    if tp == 1 and overrides.get("sequence_parallel", args.sequence_parallel):
+        overrides["sequence_parallel"] = False
 
 
 def _resolve_critic_batch(args, error, critic_dp):
