@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from slime.ray.critic import critic_args
+from slime.utils.arguments import _check_critic_model_split
 from slime.utils.ppo_utils import compute_value_loss, vanilla_gae
 from tests._args import make_args
 from tests.test_arguments import parse, parse_error
@@ -66,6 +67,60 @@ def test_critic_role_parallel_sizes_must_divide_its_gpus(capsys, tmp_path):
     path.write_text("megatron:\n  - role: critic\n    overrides: {tensor_model_parallel_size: 2, lr: '1e-5'}\n")
     a = parse(*PPO, "--megatron-config-path", str(path), "--actor-num-gpus-per-node", "4")
     assert a.critic_overrides == {"tensor_model_parallel_size": 2, "lr": 1e-5} and a.tensor_model_parallel_size == 1
+
+
+def _critic_role(tmp_path, overrides):
+    path = tmp_path / "roles.yaml"
+    path.write_text(f"megatron:\n  - role: critic\n    overrides: {overrides}\n")
+    return ["--megatron-config-path", str(path)]
+
+
+def test_critic_role_takes_several_steps_per_rollout(tmp_path):
+    # BASE: 4 prompts x 2 samples = 8 samples per rollout, --global-batch-size 8: the actor takes 1 step
+    a = parse(*PPO, *_critic_role(tmp_path, "{num_steps_per_rollout: 4}"))
+    assert (a.global_batch_size, a.num_steps_per_rollout) == (8, None)
+    c = critic_args(a)
+    assert (c.global_batch_size, c.num_steps_per_rollout) == (8 // 4, 4)
+    c = critic_args(parse(*PPO, *_critic_role(tmp_path, "{global_batch_size: 4}")))
+    assert (c.global_batch_size, c.num_steps_per_rollout) == (4, 2)
+    c = critic_args(parse(*PPO, *_critic_role(tmp_path, "{global_batch_size: 2, num_steps_per_rollout: 4}")))
+    assert (c.global_batch_size, c.num_steps_per_rollout) == (2, 4)
+    # no batch key in the role: the critic takes the actor's steps
+    c = critic_args(parse(*PPO, "--global-batch-size", "4", *_critic_role(tmp_path, "{lr: 1e-5}")))
+    assert (c.global_batch_size, c.num_steps_per_rollout, c.lr) == (4, None, 1e-5)
+
+
+def test_critic_role_batch_refusals(capsys, tmp_path):
+    err = parse_error(capsys, *PPO, *_critic_role(tmp_path, "{num_steps_per_rollout: 3}"))
+    assert "the critic's num_steps_per_rollout 3 does not divide the rollout's" in err and "= 8 samples" in err
+    err = parse_error(capsys, *PPO, *_critic_role(tmp_path, "{global_batch_size: 3}"))
+    assert "the critic's global_batch_size 3 does not divide the rollout's" in err
+    err = parse_error(capsys, *PPO, *_critic_role(tmp_path, "{global_batch_size: 4, num_steps_per_rollout: 4}"))
+    assert "the critic's global_batch_size 4 contradicts its num_steps_per_rollout 4 (8 samples)" in err
+    err = parse_error(capsys, *PPO, *_critic_role(tmp_path, "{num_steps_per_rollout: 0}"))
+    assert "the critic's num_steps_per_rollout 0 must be a positive integer" in err
+    # 8 GPUs, critic TP 1: data-parallel 8; a critic batch of 4 samples cannot give each of its 8 ranks a sample
+    roles = _critic_role(tmp_path, "{num_steps_per_rollout: 2}")
+    err = parse_error(capsys, *PPO, *roles, "--actor-num-gpus-per-node", "8")
+    assert (
+        "the critic's global_batch_size 4 is not divisible by its micro_batch_size 1 x its data-parallel size 8" in err
+    )
+
+
+def test_critic_role_parallel_sizes_must_split_the_model(capsys, tmp_path):
+    # TINY_MODEL: 2 layers, 4 heads; 8 GPUs so that every size divides the critic's GPUs
+    gpus = ["--actor-num-gpus-per-node", "8"]
+    err = parse_error(capsys, *PPO, *gpus, *_critic_role(tmp_path, "{tensor_model_parallel_size: 8}"))
+    assert "the critic's tensor_model_parallel_size 8 does not divide --num-attention-heads 4" in err
+    err = parse_error(capsys, *PPO, *gpus, *_critic_role(tmp_path, "{pipeline_model_parallel_size: 4}"))
+    assert "the critic's pipeline_model_parallel_size 4 does not divide --num-layers 2" in err
+    # the actor's sequence parallelism (TP 2; kept on GPU, where parse_args leaves it on) cannot reach a critic at TP 1
+    a = parse(
+        *PPO, *gpus, "--tensor-model-parallel-size", "2", *_critic_role(tmp_path, "{tensor_model_parallel_size: 1}")
+    )
+    a.sequence_parallel = True
+    _check_critic_model_split(a, None, {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1})
+    assert critic_args(a).sequence_parallel is False and a.sequence_parallel
 
 
 def test_resume_without_the_critics_checkpoint_is_refused(capsys, tmp_path):
@@ -188,14 +243,15 @@ def test_critic_trains_hands_values_to_the_actor_and_resumes(ray_session, tiny_k
 @pytest.mark.e2e
 def test_train_py_ppo_critic_only_warm_up_checkpoint_and_resume(ray_session, tiny_kit, tmp_path):
     """train.py with a critic: rollout 0 trains only the critic, then both; the critic's checkpoint is written with
-    the actor's and a restart with --load continues with it."""
+    the actor's and a restart with --load continues with it. The critic role takes 4 optimizer steps per rollout
+    (its num_steps_per_rollout) where the actor takes 2 (16 samples, --global-batch-size 8)."""
     import train as sync_driver
     from tests.test_e2e import make_args as e2e_args
     from tests.test_e2e import read_metrics
 
     ckpt = tmp_path / "ckpt"
     ppo = [*PPO, "--num-critic-only-steps", "1", "--gamma", "0.99", "--lambd", "0.95", "--rollout-num-gpus", "1"]
-    ppo += ["--save", str(ckpt), "--save-interval", "1"]
+    ppo += ["--save", str(ckpt), "--save-interval", "1", *_critic_role(tmp_path, "{num_steps_per_rollout: 4}")]
     first = tmp_path / "first"
     first.mkdir()
     sync_driver.train(e2e_args(tiny_kit, first, *ppo, num_rollout=2))
@@ -203,6 +259,9 @@ def test_train_py_ppo_critic_only_warm_up_checkpoint_and_resume(ray_session, tin
     assert [r["rollout_id"] for r in rows] == [0, 1]
     assert "train/critic_value_loss" in rows[0] and "train/pg_loss" not in rows[0]  # the critic-only warm-up
     assert "train/critic_value_loss" in rows[1] and "train/pg_loss" in rows[1]
+    # the record keeps each rollout's last step: the critic's alone in the warm-up (its 4th step of rollout 0,
+    # train/step 0 * 4 + 3), then the actor's (its 2nd step of rollout 1: 1 * 2 + 1; the critic's would be 7)
+    assert (rows[0]["train/step"], rows[1]["train/step"]) == (3, 3)
     for key in ("train/critic_value_clipfrac", "rollout/critic_value_mean", "rollout/critic_explained_variance"):
         assert key in rows[1], key
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
@@ -215,6 +274,7 @@ def test_train_py_ppo_critic_only_warm_up_checkpoint_and_resume(ray_session, tin
     sync_driver.train(e2e_args(tiny_kit, second, *ppo, *resume, num_rollout=3))
     rows = read_metrics(second)
     assert [r["rollout_id"] for r in rows] == [2]
+    assert rows[0]["train/step"] == 2 * 2 + 1
     assert "train/critic_value_loss" in rows[0] and "train/pg_loss" in rows[0]
     assert (ckpt / "critic" / "iter_0000002").is_dir()
 

@@ -71,9 +71,10 @@ def train_step(args, rollout_id, actor_model, critic_model, rollout_data_ref, ge
     if rollout_id < args.num_critic_only_steps:
         return [{"critic": report}]
     actor_results = get(actor_model.async_train(rollout_id, rollout_data_ref, values_ref))
-    for r in actor_results:
-        if r:  # the recorder reads the first non-empty result
-            r["critic"] = report
+    for i, r in enumerate(actor_results):
+        if r:  # the recorder reads the first non-empty result; the critic's first, so that the actor's own
+            # `train/step` is the one kept (the critic counts its own steps: the critic role may set more per rollout)
+            actor_results[i] = {"critic": report, **r}
             break
     return actor_results
 

@@ -228,15 +228,18 @@ def _custom_model_provider(path):
 class ValueHead(torch.nn.Linear):
     """The critic's output layer: hidden -> one value per position, replicated on every tensor-parallel rank (one
     column cannot be split). It takes GPTModel's output-layer call and returns `(values [s, b, 1], None)`; under
-    sequence parallelism the sequence shards are gathered first, as the vocab projection would."""
+    sequence parallelism the sequence shards are gathered first, as the vocab projection would. Its initial weights
+    come from a generator of their own seeded with `seed`, so that they are the same whatever the parallel layout
+    (the global RNG differs by pipeline stage and by what was drawn before)."""
 
-    def __init__(self, config):
+    def __init__(self, config, seed):
         super().__init__(config.hidden_size, 1, bias=True, dtype=config.params_dtype)
         self.sequence_parallel = config.sequence_parallel
         for p in self.parameters():  # megatron's grad all-reduce over the SP region
             p.sequence_parallel = config.sequence_parallel
+        init = torch.randn(self.weight.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
         with torch.no_grad():
-            self.weight.normal_(0.0, config.init_method_std)
+            self.weight.copy_(init * config.init_method_std)
             self.bias.zero_()
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
@@ -246,15 +249,15 @@ class ValueHead(torch.nn.Linear):
         return values, None
 
 
-def _with_role(provider, role):
-    """`role="critic"`: the last stage's output layer becomes a one-output `ValueHead`."""
+def _with_role(provider, role, seed):
+    """`role="critic"`: the last stage's output layer becomes a one-output `ValueHead` (initialised from `seed`)."""
     if role == "actor":
         return provider
 
     def critic_provider(pre_process=True, post_process=True, vp_stage=None):
         model = provider(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
         if post_process:
-            model.output_layer = ValueHead(model.config)
+            model.output_layer = ValueHead(model.config, seed)
         return model
 
     return critic_provider
@@ -262,7 +265,7 @@ def _with_role(provider, role):
 
 def get_model_provider_func(args, role="actor"):
     if args.custom_model_provider_path:
-        return _with_role(_custom_model_provider(args.custom_model_provider_path), role)
+        return _with_role(_custom_model_provider(args.custom_model_provider_path), role, args.seed)
 
     def model_provider(pre_process=True, post_process=True, vp_stage=None):
         config = core_transformer_config_from_args(args)
@@ -287,4 +290,4 @@ def get_model_provider_func(args, role="actor"):
             vp_stage=vp_stage,
         )
 
-    return _with_role(model_provider, role)
+    return _with_role(model_provider, role, args.seed)
