@@ -12,6 +12,7 @@ import argparse
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -131,25 +132,33 @@ def main():
     try:
         run_server(url, session, prompts[:8], lens[:8])  # warm-up both
         run_hf(model, prompts[:8], lens[:8])
-        # interleaved rounds, best of each: a shared machine's load drifts, so both sides see the same conditions
-        t_srv = t_hf = float("inf")
+        # interleaved rounds: a shared machine's load drifts, so both sides of a round see the same conditions
+        srv, hf = [], []
         for _ in range(a.repeats):
             t, out_srv = run_server(url, session, prompts, lens)
-            t_srv = min(t_srv, t)
+            srv.append(t)
             t, out_hf = run_hf(model, prompts, lens)
-            t_hf = min(t_hf, t)
+            hf.append(t)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)
     same = sum(x == y for x, y in zip(out_srv, out_hf))
     print(
         f"workload: {len(prompts)} prompts, {min(len(x) for x in prompts)}-{max(len(x) for x in prompts)} prompt tokens, "
-        f"{useful} output tokens ({a.min_new}..{a.max_new} per prompt), greedy, 1 torch thread, best of {a.repeats}"
+        f"{useful} output tokens ({a.min_new}..{a.max_new} per prompt), greedy, 1 torch thread, "
+        f"median (min-max) of {a.repeats} interleaved rounds"
     )
-    print(f"CPU server (continuous batching, via HTTP): {t_srv:7.3f} s  {useful / t_srv:9.1f} tok/s")
-    print(f"transformers generate (static padded batch): {t_hf:7.3f} s  {useful / t_hf:9.1f} tok/s")
+    t_srv, t_hf = statistics.median(srv), statistics.median(hf)
     print(
-        f"ratio server / transformers: {t_hf / t_srv:.2f}x   (greedy outputs identical for {same}/{len(prompts)} prompts)"
+        f"CPU server (continuous batching, via HTTP): {t_srv:7.3f} s  {useful / t_srv:9.1f} tok/s ({min(srv):.3f}-{max(srv):.3f} s)"
+    )
+    print(
+        f"transformers generate (static padded batch): {t_hf:7.3f} s  {useful / t_hf:9.1f} tok/s ({min(hf):.3f}-{max(hf):.3f} s)"
+    )
+    ratios = [h / v for v, h in zip(srv, hf)]
+    print(
+        f"ratio server / transformers: median {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}x, "
+        f"same-round pairs; greedy outputs identical for {same}/{len(prompts)} prompts)"
     )
 
 
