@@ -14,6 +14,7 @@ import datetime
 import json
 import logging
 import os
+import re
 import secrets
 import sys
 
@@ -620,6 +621,42 @@ def check_optimizer_state_flags(args, error):
             error("--use-stateless-adam keeps no Adam moments to save: add --no-save-optim.")
 
 
+def add_param_freeze_arguments(parser):
+    g = _Group(parser, "frozen parameters")
+    g.add_argument(
+        "--only-train-params-name-list",
+        type=str,
+        nargs="*",
+        default=None,
+        help="Regexes (re.search) over Megatron parameter names, e.g. decoder.layers.3.mlp.linear_fc1.weight "
+        "(global layer numbers): only the parameters matching one of them train; all others are frozen (no "
+        "gradient, no optimizer state). Weight sync still sends every weight.",
+    )
+    g.add_argument(
+        "--freeze-params-name-list",
+        type=str,
+        nargs="*",
+        default=None,
+        help="Regexes (re.search) over Megatron parameter names (as --only-train-params-name-list): the parameters "
+        "matching one of them are frozen; all others train. Weight sync still sends every weight.",
+    )
+    return parser
+
+
+def check_param_freeze_flags(args, error):
+    only, freeze = args.only_train_params_name_list, args.freeze_params_name_list
+    if only and freeze:
+        error("You can only specify ONE of: --only-train-params-name-list, or --freeze-params-name-list.")
+    for flag, patterns in (("--only-train-params-name-list", only), ("--freeze-params-name-list", freeze)):
+        if patterns and args.enable_lora:
+            error(f"{flag}: --enable-lora already freezes every weight but its adapters: drop one of the two.")
+        for pattern in patterns or ():
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                error(f"{flag}: {pattern!r} is not a regular expression ({e}).")
+
+
 def add_metric_arguments(parser):
     g = _Group(parser, "metrics")
     g.add_argument(
@@ -984,6 +1021,7 @@ def get_slime_extra_args_provider(add_custom_arguments=None):
             add_tensorboard_arguments,
             add_metric_arguments,
             add_optimizer_state_arguments,
+            add_param_freeze_arguments,
             add_train_env_arguments,
             add_context_length_arguments,
             add_debug_arguments,
@@ -1198,6 +1236,7 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
     resolve_tb_dir(args, error)
     check_train_env_vars(args, error)
     check_optimizer_state_flags(args, error)
+    check_param_freeze_flags(args, error)
     resolve_context_lengths(args, error)
     if args.qwen_gdn_backend is None:
         args.qwen_gdn_backend = default_gdn_backend()

@@ -64,8 +64,6 @@ REFUSED = {
     "--balance-by-flops": f"{_NOT_YET}: use --balance-data (balances tokens across DP ranks)",
     "--save-hf": f"{_NOT_YET}: convert saved checkpoints with tools/convert_torch_dist_to_hf.py",
     "--ref-update-interval": f"{_NOT_YET}: drop it (the reference model stays fixed)",
-    "--only-train-params-name-list": f"{_NOT_YET}: drop it (every parameter trains)",
-    "--freeze-params-name-list": f"{_NOT_YET}: drop it (every parameter trains)",
     "--log-correct-samples": f"{_NOT_YET}: log it from a --custom-rollout-log-function-path",
     "--memory-snapshot-dir": f"{_NOT_YET}: {_PROFILING}",
     "--memory-snapshot-num-steps": f"{_NOT_YET}: {_PROFILING}",

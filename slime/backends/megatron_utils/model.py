@@ -32,7 +32,7 @@ from .initialize import is_megatron_main_rank
 from .lora import apply_lora, check_wrapped
 from .loss import get_log_probs_and_entropy, get_rollout_top_p_logprob_kwargs, loss_function
 from .megatron_to_hf import hf_to_megatron
-from .model_provider import get_model_provider_func
+from .model_provider import freeze_model_params, get_model_provider_func
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,7 @@ def get_model(args, wrap_with_ddp=True, role="actor"):
             vp_stage=stage,
         )
         chunks.append(chunk)
+    freeze_model_params(chunks, args)
     if args.enable_lora:
         wrapped = [n for vp_stage, c in enumerate(chunks) for n in apply_lora(args, c, vp_stage if vpp else None)]
         check_wrapped(args, chunks, wrapped)
