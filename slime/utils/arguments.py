@@ -494,6 +494,31 @@ def add_loss_variant_arguments(parser):
     return parser
 
 
+def add_ref_update_arguments(parser):
+    g = _Group(parser, "reference model updates")
+    g.add_argument(
+        "--ref-update-interval",
+        type=int,
+        default=None,
+        help="Every N rollouts (after training rollout N-1, 2N-1, ...) the reference model's weights become the "
+        "actor's current weights. Default: the reference model stays fixed.",
+    )
+    return parser
+
+
+def check_ref_update_interval(args, error):
+    n = args.ref_update_interval
+    if n is None:
+        return
+    if n < 1:
+        error(f"--ref-update-interval {n}: must be a number of rollouts >= 1.")
+    if args.kl_coef == 0 and not args.use_kl_loss:
+        error(
+            "--ref-update-interval updates the reference model, but this job has none (it needs --use-kl-loss or "
+            "--kl-coef != 0): drop it."
+        )
+
+
 def add_context_length_arguments(parser):
     """Current slime's context budgets (prompt + response tokens)."""
     g = _Group(parser, "context length")
@@ -1022,6 +1047,7 @@ def get_slime_extra_args_provider(add_custom_arguments=None):
             add_metric_arguments,
             add_optimizer_state_arguments,
             add_param_freeze_arguments,
+            add_ref_update_arguments,
             add_train_env_arguments,
             add_context_length_arguments,
             add_debug_arguments,
@@ -1237,6 +1263,7 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
     check_train_env_vars(args, error)
     check_optimizer_state_flags(args, error)
     check_param_freeze_flags(args, error)
+    check_ref_update_interval(args, error)
     resolve_context_lengths(args, error)
     if args.qwen_gdn_backend is None:
         args.qwen_gdn_backend = default_gdn_backend()
