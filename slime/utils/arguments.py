@@ -352,6 +352,18 @@ def add_data_arguments(parser):
     return parser
 
 
+def add_batch_memory_arguments(parser):
+    g = _Group(parser, "batch memory")
+    g.add_argument(
+        "--log-probs-chunk-size",
+        type=int,
+        default=-1,
+        help="Compute log-probs (and entropy) over the vocabulary this many tokens at a time, to bound the memory "
+        "of the softmax; <= 0: all of a sample's response tokens at once.",
+    )
+    return parser
+
+
 def add_eval_arguments(parser):
     g = _Group(parser, "eval")
     g.add_argument(
@@ -1037,6 +1049,7 @@ def get_slime_extra_args_provider(add_custom_arguments=None):
             add_cluster_arguments,
             add_rollout_arguments,
             add_data_arguments,
+            add_batch_memory_arguments,
             add_eval_arguments,
             add_algo_arguments,
             add_loss_variant_arguments,

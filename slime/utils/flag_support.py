@@ -58,7 +58,6 @@ REFUSED = {
     "rollout actor)",
     # not implemented here yet (issue #24's remaining work)
     "--recompute-loss-function": f"{_NOT_YET}: drop it (the loss is not activation-checkpointed)",
-    "--log-probs-chunk-size": f"{_NOT_YET}: drop it, or lower --log-probs-max-tokens-per-gpu",
     "--allgather-cp": f"{_NOT_YET}: drop it (context parallelism splits sequences in zigzag order)",
     "--mask-offpolicy-in-partial-rollout": f"{_NOT_YET}: drop it (resumed partial samples train on every response token)",
     "--balance-by-flops": f"{_NOT_YET}: use --balance-data (balances tokens across DP ranks)",
