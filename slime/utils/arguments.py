@@ -361,7 +361,18 @@ def add_batch_memory_arguments(parser):
         help="Compute log-probs (and entropy) over the vocabulary this many tokens at a time, to bound the memory "
         "of the softmax; <= 0: all of a sample's response tokens at once.",
     )
+    g.add_argument(
+        "--data-pad-size-multiplier",
+        type=int,
+        default=128,
+        help="A packed micro-batch (THD, Transformer Engine) is padded to a multiple of TP size x this many tokens.",
+    )
     return parser
+
+
+def check_batch_memory_flags(args, error):
+    if args.data_pad_size_multiplier < 1:
+        error(f"--data-pad-size-multiplier {args.data_pad_size_multiplier}: must be >= 1.")
 
 
 def add_eval_arguments(parser):
@@ -1277,6 +1288,7 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
     check_optimizer_state_flags(args, error)
     check_param_freeze_flags(args, error)
     check_ref_update_interval(args, error)
+    check_batch_memory_flags(args, error)
     resolve_context_lengths(args, error)
     if args.qwen_gdn_backend is None:
         args.qwen_gdn_backend = default_gdn_backend()

@@ -68,7 +68,6 @@ REFUSED = {
     "--profile-target": f"{_NOT_YET}: {_PROFILING}",
     "--memory-recorder": f"{_NOT_YET}: {_PROFILING}",
     "--record-memory-history": f"{_NOT_YET}: {_PROFILING}",
-    "--data-pad-size-multiplier": f"{_NOT_YET}: drop it (packed batches are padded to the TP/CP size)",
 }
 
 # Refused flags that upstream's own argument files do not declare (Megatron-LM flags its model scripts pass):

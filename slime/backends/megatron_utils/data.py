@@ -29,7 +29,6 @@ from slime.utils.device import current_device
 from slime.utils.top_p_replay import TOP_P_KEYS
 
 PAD_TOKEN_ID = 0  # pad positions are never scored, any id works
-PACKED_PAD_MULTIPLE = 128  # slime pads packed rows to reduce allocator fragmentation
 
 
 def use_packed_sequences(args) -> bool:
@@ -111,22 +110,28 @@ def get_data_iterator(args, model, rollout_data):
     return iterators, num_microbatches
 
 
-def get_batch(data_iterator, keys):
+def get_batch(data_iterator, keys, pad_multiplier=128):
     """Next micro-batch as model input: `tokens` (`[b, s]` padded or `[1, T]` packed), `unconcat_tokens` (the
     per-sample token tensors), `attention_mask`/`position_ids` (padded layout) or `packed_seq_params` (packed),
-    plus the requested per-sample `keys` as lists."""
+    plus the requested per-sample `keys` as lists. A packed row is padded to a multiple of TP x `pad_multiplier`
+    tokens (`--data-pad-size-multiplier`), as slime does to reduce allocator fragmentation."""
     assert "tokens" in keys, "get_batch needs 'tokens' among the keys"
     batch = data_iterator.get_next(keys)
     tokens = batch["tokens"]
     batch["unconcat_tokens"] = tokens
     if data_iterator.packed_sequences:
-        batch.update(_packed_layout(tokens))
+        batch.update(_packed_layout(tokens, _tp_size() * pad_multiplier))
     else:
         batch.update(_padded_layout(tokens))
     return batch
 
 
-def _packed_layout(tokens):
+def _tp_size():
+    """Tensor-parallel size; 1 without Megatron's parallel state (a batch built outside a trainer)."""
+    return mpu.get_tensor_model_parallel_world_size() if mpu.model_parallel_is_initialized() else 1
+
+
+def _packed_layout(tokens, pad_size):
     # Under CP each sample contributes its zigzag pair of chunks; TE's THD attention and RoPE take global
     # per-sequence lengths, hence cu_seqlens x cp (every local piece has even length, so the global ones split
     # into 2*cp equal chunks, as TE requires).
@@ -136,7 +141,7 @@ def _packed_layout(tokens):
     cu_seqlens = [0]
     for piece in pieces:
         cu_seqlens.append(cu_seqlens[-1] + piece.size(0))
-    pad = -flat.size(0) % PACKED_PAD_MULTIPLE
+    pad = -flat.size(0) % pad_size
     if pad:
         flat = F.pad(flat, (0, pad), value=PAD_TOKEN_ID)
         cu_seqlens.append(cu_seqlens[-1] + pad)  # the padding is its own segment, attended by nothing real

@@ -209,7 +209,11 @@ def forward_only(args, model, data_iterator, num_microbatches, store_prefix="", 
         it.reset()
 
     def forward_step(iterator, chunk):
-        batch = get_batch(iterator, ["tokens", "total_lengths", "response_lengths", *TOP_P_KEYS])
+        batch = get_batch(
+            iterator,
+            ["tokens", "total_lengths", "response_lengths", *TOP_P_KEYS],
+            pad_multiplier=args.data_pad_size_multiplier,
+        )
 
         def post(logits, non_loss_data=True):  # the schedule calls this with non_loss_data=True
             return post_fn(
@@ -270,7 +274,7 @@ def train_one_step(args, rollout_id, step_id, data_iterator, model, optimizer, o
         hook(args, rollout_id, step_id, model, optimizer, opt_param_scheduler)
 
     def forward_step(iterator, chunk):
-        batch = get_batch(iterator, TRAIN_KEYS)
+        batch = get_batch(iterator, TRAIN_KEYS, pad_multiplier=args.data_pad_size_multiplier)
 
         def loss_func(logits):
             loss, num_tokens, report = loss_function(args, batch, num_microbatches, logits)
