@@ -717,6 +717,20 @@ def add_metric_arguments(parser):
     return parser
 
 
+def add_correct_samples_arguments(parser):
+    g = _Group(parser, "correct-sample metrics")
+    g.add_argument(
+        "--log-correct-samples",
+        action="store_true",
+        default=False,
+        help="Log metrics of the samples whose raw reward is 1, per rollout: rollout/correct_response_lengths "
+        "(mean), rollout/correct_length/p25..p100 (fraction in each quarter of --rollout-max-response-len) and "
+        "rollout/correct_entropy (mean per-sample -log p of their response tokens, when the trainer computed "
+        "log-probs before training).",
+    )
+    return parser
+
+
 def add_tensorboard_arguments(parser):
     g = _Group(parser, "tensorboard")
     g.add_argument(
@@ -1069,6 +1083,7 @@ def get_slime_extra_args_provider(add_custom_arguments=None):
             add_wandb_arguments,
             add_tensorboard_arguments,
             add_metric_arguments,
+            add_correct_samples_arguments,
             add_optimizer_state_arguments,
             add_param_freeze_arguments,
             add_ref_update_arguments,

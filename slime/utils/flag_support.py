@@ -62,7 +62,6 @@ REFUSED = {
     "--mask-offpolicy-in-partial-rollout": f"{_NOT_YET}: drop it (resumed partial samples train on every response token)",
     "--balance-by-flops": f"{_NOT_YET}: use --balance-data (balances tokens across DP ranks)",
     "--save-hf": f"{_NOT_YET}: convert saved checkpoints with tools/convert_torch_dist_to_hf.py",
-    "--log-correct-samples": f"{_NOT_YET}: log it from a --custom-rollout-log-function-path",
     "--memory-snapshot-dir": f"{_NOT_YET}: {_PROFILING}",
     "--memory-snapshot-num-steps": f"{_NOT_YET}: {_PROFILING}",
     "--profile-target": f"{_NOT_YET}: {_PROFILING}",
