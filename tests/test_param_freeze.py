@@ -3,7 +3,8 @@
 After one GRPO optimizer step (Adam, lr 1e-3: every trained weight moves), the frozen parameters must equal their
 initial values bit for bit, every other parameter must have moved, the optimizer must hold exactly the trainable
 ones, and weight sync must still list every parameter. Names carry global layer numbers: with two pipeline stages
-of two layers each, `decoder.layers.2.` is the second stage's first (local 0) layer."""
+of two layers each, `decoder.layers.2.` is the second stage's first (local 0) layer. A tied output layer is the
+embedding: the last stage's copy follows `embedding.word_embeddings.weight`."""
 
 import re
 
@@ -61,6 +62,14 @@ def _run(tmp_path, model_dir, layout, lists, world):
             {"freeze_params_name_list": [r"decoder\.layers\.2\.", "final_layernorm"]},
             2,
             lambda n: n.startswith("decoder.layers.2.") or "final_layernorm" in n,
+        ),
+        # the tiny kit ties its output layer to the embedding: the last stage's copy goes with the embedding (one
+        # frozen, the other trained would leave Megatron's tied-gradient all-reduce waiting on one side)
+        (
+            {"pipeline_model_parallel_size": 2},
+            {"freeze_params_name_list": ["embedding"]},
+            2,
+            lambda n: n in ("embedding.word_embeddings.weight", "output_layer.weight"),
         ),
         ({}, {"only_train_params_name_list": ["linear_fc2"]}, 1, lambda n: "linear_fc2" not in n),
     ],

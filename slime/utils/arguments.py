@@ -677,8 +677,8 @@ def add_param_freeze_arguments(parser):
         nargs="*",
         default=None,
         help="Regexes (re.search) over Megatron parameter names, e.g. decoder.layers.3.mlp.linear_fc1.weight "
-        "(global layer numbers): only the parameters matching one of them train; all others are frozen (no "
-        "gradient, no optimizer state). Weight sync still sends every weight.",
+        "(global layer numbers; a tied output layer goes by the embedding's name): only the parameters matching one "
+        "of them train; all others are frozen (no gradient, no optimizer state). Weight sync still sends every weight.",
     )
     g.add_argument(
         "--freeze-params-name-list",

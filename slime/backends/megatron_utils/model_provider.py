@@ -12,7 +12,6 @@ import re
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
@@ -300,8 +299,9 @@ def get_model_provider_func(args, role="actor"):
 def freeze_model_params(model, args):
     """`--only-train-params-name-list` / `--freeze-params-name-list` on this rank's model chunks (before any
     wrapper: DDP and the optimizer then leave frozen parameters out). Names are matched (re.search) as
-    `decoder.layers.<global layer>.<...>`, `embedding.word_embeddings.weight`, `output_layer.weight`, ... A pattern
-    that matches no parameter on any pipeline stage is an error naming it (collective over the pipeline group)."""
+    `decoder.layers.<global layer>.<...>`, `embedding.word_embeddings.weight`, `output_layer.weight`, ...; a tied
+    output layer is the embedding (the last stage's copy goes by the embedding's name, so both copies train or
+    neither). Collective over all ranks: a pattern that matches no parameter anywhere is an error naming it."""
     only, freeze = args.only_train_params_name_list, args.freeze_params_name_list
     if not (only or freeze):
         return
@@ -310,12 +310,14 @@ def freeze_model_params(model, args):
     for name, param in named_parameters(args, model):
         if not isinstance(param, torch.nn.Parameter):  # MoE expert_bias buffers never train
             continue
-        matched = [i for i, p in enumerate(patterns) if re.search(p, name[len(PREFIX) :])]
+        name = name[len(PREFIX) :]
+        if name == "output_layer.weight" and getattr(param, "shared_embedding", False):
+            name = "embedding.word_embeddings.weight"
+        matched = [i for i, p in enumerate(patterns) if re.search(p, name)]
         hits[matched] = 1
         param.requires_grad = bool(matched) if only else not matched
     hits = hits.to(current_device())
-    if mpu.get_pipeline_model_parallel_world_size() > 1:
-        dist.all_reduce(hits, op=dist.ReduceOp.MAX, group=mpu.get_pipeline_model_parallel_group())
+    dist.all_reduce(hits, op=dist.ReduceOp.MAX)  # pipeline stages and expert-parallel ranks hold different names
     unmatched = [p for p, h in zip(patterns, hits.tolist()) if not h]
     if unmatched:
         flag = "--only-train-params-name-list" if only else "--freeze-params-name-list"
