@@ -14,6 +14,7 @@ import datetime
 import json
 import logging
 import os
+import re
 import secrets
 import sys
 
@@ -351,6 +352,29 @@ def add_data_arguments(parser):
     return parser
 
 
+def add_batch_memory_arguments(parser):
+    g = _Group(parser, "batch memory")
+    g.add_argument(
+        "--log-probs-chunk-size",
+        type=int,
+        default=-1,
+        help="Compute log-probs (and entropy) over the vocabulary this many tokens at a time, to bound the memory "
+        "of the softmax; <= 0: all of a sample's response tokens at once.",
+    )
+    g.add_argument(
+        "--data-pad-size-multiplier",
+        type=int,
+        default=128,
+        help="A packed micro-batch (THD, Transformer Engine) is padded to a multiple of TP size x this many tokens.",
+    )
+    return parser
+
+
+def check_batch_memory_flags(args, error):
+    if args.data_pad_size_multiplier < 1:
+        error(f"--data-pad-size-multiplier {args.data_pad_size_multiplier}: must be >= 1.")
+
+
 def add_eval_arguments(parser):
     g = _Group(parser, "eval")
     g.add_argument(
@@ -493,6 +517,31 @@ def add_loss_variant_arguments(parser):
     return parser
 
 
+def add_ref_update_arguments(parser):
+    g = _Group(parser, "reference model updates")
+    g.add_argument(
+        "--ref-update-interval",
+        type=int,
+        default=None,
+        help="Every N rollouts (after training rollout N-1, 2N-1, ...) the reference model's weights become the "
+        "actor's current weights. Default: the reference model stays fixed.",
+    )
+    return parser
+
+
+def check_ref_update_interval(args, error):
+    n = args.ref_update_interval
+    if n is None:
+        return
+    if n < 1:
+        error(f"--ref-update-interval {n}: must be a number of rollouts >= 1.")
+    if args.kl_coef == 0 and not args.use_kl_loss:
+        error(
+            "--ref-update-interval updates the reference model, but this job has none (it needs --use-kl-loss or "
+            "--kl-coef != 0): drop it."
+        )
+
+
 def add_context_length_arguments(parser):
     """Current slime's context budgets (prompt + response tokens)."""
     g = _Group(parser, "context length")
@@ -620,6 +669,42 @@ def check_optimizer_state_flags(args, error):
             error("--use-stateless-adam keeps no Adam moments to save: add --no-save-optim.")
 
 
+def add_param_freeze_arguments(parser):
+    g = _Group(parser, "frozen parameters")
+    g.add_argument(
+        "--only-train-params-name-list",
+        type=str,
+        nargs="*",
+        default=None,
+        help="Regexes (re.search) over Megatron parameter names, e.g. decoder.layers.3.mlp.linear_fc1.weight "
+        "(global layer numbers; a tied output layer goes by the embedding's name): only the parameters matching one "
+        "of them train; all others are frozen (no gradient, no optimizer state). Weight sync still sends every weight.",
+    )
+    g.add_argument(
+        "--freeze-params-name-list",
+        type=str,
+        nargs="*",
+        default=None,
+        help="Regexes (re.search) over Megatron parameter names (as --only-train-params-name-list): the parameters "
+        "matching one of them are frozen; all others train. Weight sync still sends every weight.",
+    )
+    return parser
+
+
+def check_param_freeze_flags(args, error):
+    only, freeze = args.only_train_params_name_list, args.freeze_params_name_list
+    if only and freeze:
+        error("You can only specify ONE of: --only-train-params-name-list, or --freeze-params-name-list.")
+    for flag, patterns in (("--only-train-params-name-list", only), ("--freeze-params-name-list", freeze)):
+        if patterns and args.enable_lora:
+            error(f"{flag}: --enable-lora already freezes every weight but its adapters: drop one of the two.")
+        for pattern in patterns or ():
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                error(f"{flag}: {pattern!r} is not a regular expression ({e}).")
+
+
 def add_metric_arguments(parser):
     g = _Group(parser, "metrics")
     g.add_argument(
@@ -628,6 +713,20 @@ def add_metric_arguments(parser):
         default=None,
         help="Key of a dict reward naming each sample's category (e.g. its failure kind): the fraction of each "
         "category is logged per rollout as error_cat/<category>.",
+    )
+    return parser
+
+
+def add_correct_samples_arguments(parser):
+    g = _Group(parser, "correct-sample metrics")
+    g.add_argument(
+        "--log-correct-samples",
+        action="store_true",
+        default=False,
+        help="Log metrics of the samples whose raw reward is 1, per rollout: rollout/correct_response_lengths "
+        "(mean), rollout/correct_length/p25..p100 (fraction in each quarter of --rollout-max-response-len) and "
+        "rollout/correct_entropy (mean per-sample -log p of their response tokens, when the trainer computed "
+        "log-probs before training).",
     )
     return parser
 
@@ -975,6 +1074,7 @@ def get_slime_extra_args_provider(add_custom_arguments=None):
             add_cluster_arguments,
             add_rollout_arguments,
             add_data_arguments,
+            add_batch_memory_arguments,
             add_eval_arguments,
             add_algo_arguments,
             add_loss_variant_arguments,
@@ -983,7 +1083,10 @@ def get_slime_extra_args_provider(add_custom_arguments=None):
             add_wandb_arguments,
             add_tensorboard_arguments,
             add_metric_arguments,
+            add_correct_samples_arguments,
             add_optimizer_state_arguments,
+            add_param_freeze_arguments,
+            add_ref_update_arguments,
             add_train_env_arguments,
             add_context_length_arguments,
             add_debug_arguments,
@@ -1198,6 +1301,9 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
     resolve_tb_dir(args, error)
     check_train_env_vars(args, error)
     check_optimizer_state_flags(args, error)
+    check_param_freeze_flags(args, error)
+    check_ref_update_interval(args, error)
+    check_batch_memory_flags(args, error)
     resolve_context_lengths(args, error)
     if args.qwen_gdn_backend is None:
         args.qwen_gdn_backend = default_gdn_backend()

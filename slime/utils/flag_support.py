@@ -58,21 +58,15 @@ REFUSED = {
     "rollout actor)",
     # not implemented here yet (issue #24's remaining work)
     "--recompute-loss-function": f"{_NOT_YET}: drop it (the loss is not activation-checkpointed)",
-    "--log-probs-chunk-size": f"{_NOT_YET}: drop it, or lower --log-probs-max-tokens-per-gpu",
     "--allgather-cp": f"{_NOT_YET}: drop it (context parallelism splits sequences in zigzag order)",
     "--mask-offpolicy-in-partial-rollout": f"{_NOT_YET}: drop it (resumed partial samples train on every response token)",
     "--balance-by-flops": f"{_NOT_YET}: use --balance-data (balances tokens across DP ranks)",
     "--save-hf": f"{_NOT_YET}: convert saved checkpoints with tools/convert_torch_dist_to_hf.py",
-    "--ref-update-interval": f"{_NOT_YET}: drop it (the reference model stays fixed)",
-    "--only-train-params-name-list": f"{_NOT_YET}: drop it (every parameter trains)",
-    "--freeze-params-name-list": f"{_NOT_YET}: drop it (every parameter trains)",
-    "--log-correct-samples": f"{_NOT_YET}: log it from a --custom-rollout-log-function-path",
     "--memory-snapshot-dir": f"{_NOT_YET}: {_PROFILING}",
     "--memory-snapshot-num-steps": f"{_NOT_YET}: {_PROFILING}",
     "--profile-target": f"{_NOT_YET}: {_PROFILING}",
     "--memory-recorder": f"{_NOT_YET}: {_PROFILING}",
     "--record-memory-history": f"{_NOT_YET}: {_PROFILING}",
-    "--data-pad-size-multiplier": f"{_NOT_YET}: drop it (packed batches are padded to the TP/CP size)",
 }
 
 # Refused flags that upstream's own argument files do not declare (Megatron-LM flags its model scripts pass):

@@ -286,6 +286,10 @@ class MegatronTrainRayActor(TrainRayActor):
             torch.save({"rollout_id": rollout_id, "rank": dist.get_rank(), "rollout_data": rollout_data}, path)
 
         self.update_cpu_params_dict(self.weights["actor"])
+        interval = args.ref_update_interval
+        if interval is not None and (rollout_id + 1) % interval == 0 and "ref" in self.weights:
+            with timer("ref_model_update"):
+                _copy_dict(self.weights["actor"], self.weights["ref"])
         perf = _perf_metrics()
         if perf and megatron_init.is_megatron_main_rank():
             log(args, {**perf, "rollout/step": rollout_id}, "rollout/step")
@@ -440,3 +444,9 @@ def _value_metrics(rollout_data):
 
 def _clone_dict(params):
     return {k: v.clone() for k, v in params.items()}
+
+
+@torch.no_grad()
+def _copy_dict(src, dst):
+    for k, v in src.items():
+        dst[k].copy_(v)

@@ -29,7 +29,6 @@ from slime.utils.device import current_device
 from slime.utils.top_p_replay import TOP_P_KEYS
 
 PAD_TOKEN_ID = 0  # pad positions are never scored, any id works
-PACKED_PAD_MULTIPLE = 128  # slime pads packed rows to reduce allocator fragmentation
 
 
 def use_packed_sequences(args) -> bool:
@@ -111,22 +110,28 @@ def get_data_iterator(args, model, rollout_data):
     return iterators, num_microbatches
 
 
-def get_batch(data_iterator, keys):
+def get_batch(data_iterator, keys, pad_multiplier=128):
     """Next micro-batch as model input: `tokens` (`[b, s]` padded or `[1, T]` packed), `unconcat_tokens` (the
     per-sample token tensors), `attention_mask`/`position_ids` (padded layout) or `packed_seq_params` (packed),
-    plus the requested per-sample `keys` as lists."""
+    plus the requested per-sample `keys` as lists. A packed row is padded to a multiple of TP x `pad_multiplier`
+    tokens (`--data-pad-size-multiplier`), as slime does to reduce allocator fragmentation."""
     assert "tokens" in keys, "get_batch needs 'tokens' among the keys"
     batch = data_iterator.get_next(keys)
     tokens = batch["tokens"]
     batch["unconcat_tokens"] = tokens
     if data_iterator.packed_sequences:
-        batch.update(_packed_layout(tokens))
+        batch.update(_packed_layout(tokens, _tp_size() * pad_multiplier))
     else:
         batch.update(_padded_layout(tokens))
     return batch
 
 
-def _packed_layout(tokens):
+def _tp_size():
+    """Tensor-parallel size; 1 without Megatron's parallel state (a batch built outside a trainer)."""
+    return mpu.get_tensor_model_parallel_world_size() if mpu.model_parallel_is_initialized() else 1
+
+
+def _packed_layout(tokens, pad_size):
     # Under CP each sample contributes its zigzag pair of chunks; TE's THD attention and RoPE take global
     # per-sequence lengths, hence cu_seqlens x cp (every local piece has even length, so the global ones split
     # into 2*cp equal chunks, as TE requires).
@@ -136,7 +141,7 @@ def _packed_layout(tokens):
     cu_seqlens = [0]
     for piece in pieces:
         cu_seqlens.append(cu_seqlens[-1] + piece.size(0))
-    pad = -flat.size(0) % PACKED_PAD_MULTIPLE
+    pad = -flat.size(0) % pad_size
     if pad:
         flat = F.pad(flat, (0, pad), value=PAD_TOKEN_ID)
         cu_seqlens.append(cu_seqlens[-1] + pad)  # the padding is its own segment, attended by nothing real
@@ -196,6 +201,55 @@ def log_rollout_data(rollout_id, args, rollout_data):
                 local[key] = (sum(v.float().mean() for v in val) / len(val)).item()
             elif isinstance(val[0], numbers.Number):
                 local[key] = float(sum(val)) / len(val)
+    correct = _correct_sample_sums(args, rollout_data) if args.log_correct_samples else None
     gathered = [None] * _dp_size()
-    dist.all_gather_object(gathered, local, group=mpu.get_data_parallel_group_gloo(with_context_parallel=False))
-    return {f"rollout/{key}": sum(d[key] for d in gathered) / len(gathered) for key in local}
+    dist.all_gather_object(
+        gathered, (local, correct), group=mpu.get_data_parallel_group_gloo(with_context_parallel=False)
+    )
+    out = {f"rollout/{key}": sum(d[key] for d, _ in gathered) / len(gathered) for key in local}
+    if args.log_correct_samples:
+        out.update(_correct_sample_metrics([c for _, c in gathered]))
+    return out
+
+
+def _correct_sample_sums(args, rollout_data):
+    """This DP rank's sums over its samples whose raw reward is 1 (`--log-correct-samples`): count, response
+    lengths, how many fall in each quarter of --rollout-max-response-len (a length counts in the first quarter
+    whose upper end it does not exceed; longer ones in none), and the per-sample mean of -log p over loss-masked
+    tokens where the trainer computed log-probs before training."""
+    raw = rollout_data.get("raw_reward")
+    if raw is None:
+        return None
+    idx = [i for i, g in enumerate(rollout_data["global_indices"]) if raw[g] == 1]
+    max_len = args.rollout_max_response_len
+    cuts = [max_len * (q + 1) / 4 for q in range(4)]
+    sums = {"n": len(idx), "length": 0, "quarters": [0] * 4}
+    for i in idx:
+        length = rollout_data["response_lengths"][i]
+        sums["length"] += length
+        quarter = next((q for q, cut in enumerate(cuts) if length <= cut), None)
+        if quarter is not None:
+            sums["quarters"][quarter] += 1
+    if "log_probs" in rollout_data:
+        nll = 0.0
+        for i in idx:
+            mask = rollout_data["loss_masks"][i].float()
+            nll += (-(rollout_data["log_probs"][i].float() * mask).sum() / mask.sum().clamp_min(1)).item()
+        sums["nll"] = nll
+    return sums
+
+
+def _correct_sample_metrics(per_rank):
+    """Rollout-wide metrics of the correct samples (names as slime's `--log-correct-samples`): mean response
+    length, the fraction in each length quarter, and the mean per-sample -log p (`correct_entropy`)."""
+    per_rank = [c for c in per_rank if c is not None]
+    n = sum(c["n"] for c in per_rank)
+    if n == 0:
+        return {}
+    out = {"rollout/correct_response_lengths": sum(c["length"] for c in per_rank) / n}
+    bucketed = [sum(c["quarters"][q] for c in per_rank) for q in range(4)]
+    for q, count in enumerate(bucketed):
+        out[f"rollout/correct_length/p{25 * (q + 1)}"] = count / max(sum(bucketed), 1)
+    if all("nll" in c for c in per_rank):
+        out["rollout/correct_entropy"] = sum(c["nll"] for c in per_rank) / n
+    return out

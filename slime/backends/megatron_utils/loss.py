@@ -124,6 +124,21 @@ def _restrict_to_kept_sets(logits, pieces, kept_ids, offsets):
     return logits.masked_fill(~keep, _MASKED_LOGIT)
 
 
+def _log_probs_in_chunks(logits, tokens, tp_group, with_entropy, chunk_size):
+    """`[log_probs (, entropy)]` of one sample's rows, `--log-probs-chunk-size` rows at a time when it is > 0, so
+    that the forward's fp32 softmax temporaries are chunk x V/tp instead of rows x V/tp."""
+    if chunk_size > 0 and logits.size(0) > chunk_size:
+        parts = [
+            _log_probs_in_chunks(lg, tk, tp_group, with_entropy, -1)
+            for lg, tk in zip(logits.split(chunk_size), tokens.split(chunk_size))
+        ]
+        return [torch.cat(col) for col in zip(*parts)]
+    values = [compute_log_probs(logits, tokens, tp_group)]
+    if with_entropy:
+        values.append(compute_entropy_from_logits(logits, tp_group))
+    return values
+
+
 def get_log_probs_and_entropy(
     logits,
     *,
@@ -158,9 +173,7 @@ def get_log_probs_and_entropy(
     ):
         if top_p_token_offsets is not None:
             logits_chunk = _restrict_to_kept_sets(logits_chunk, pieces, top_p_token_ids[i], top_p_token_offsets[i])
-        values = [compute_log_probs(logits_chunk, tokens_chunk, tp_group)]
-        if with_entropy:
-            values.append(compute_entropy_from_logits(logits_chunk, tp_group))
+        values = _log_probs_in_chunks(logits_chunk, tokens_chunk, tp_group, with_entropy, args.log_probs_chunk_size)
         if gather:  # every CP rank gets the whole response, so the loss below is the same as without CP
             values = [gather_response_across_cp(pieces, v, resp_len) for v in values]
         log_probs.append(values[0])

@@ -32,7 +32,7 @@ from .initialize import is_megatron_main_rank
 from .lora import apply_lora, check_wrapped
 from .loss import get_log_probs_and_entropy, get_rollout_top_p_logprob_kwargs, loss_function
 from .megatron_to_hf import hf_to_megatron
-from .model_provider import get_model_provider_func
+from .model_provider import freeze_model_params, get_model_provider_func
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,7 @@ def get_model(args, wrap_with_ddp=True, role="actor"):
             vp_stage=stage,
         )
         chunks.append(chunk)
+    freeze_model_params(chunks, args)
     if args.enable_lora:
         wrapped = [n for vp_stage, c in enumerate(chunks) for n in apply_lora(args, c, vp_stage if vpp else None)]
         check_wrapped(args, chunks, wrapped)
@@ -208,7 +209,11 @@ def forward_only(args, model, data_iterator, num_microbatches, store_prefix="", 
         it.reset()
 
     def forward_step(iterator, chunk):
-        batch = get_batch(iterator, ["tokens", "total_lengths", "response_lengths", *TOP_P_KEYS])
+        batch = get_batch(
+            iterator,
+            ["tokens", "total_lengths", "response_lengths", *TOP_P_KEYS],
+            pad_multiplier=args.data_pad_size_multiplier,
+        )
 
         def post(logits, non_loss_data=True):  # the schedule calls this with non_loss_data=True
             return post_fn(
@@ -269,7 +274,7 @@ def train_one_step(args, rollout_id, step_id, data_iterator, model, optimizer, o
         hook(args, rollout_id, step_id, model, optimizer, opt_param_scheduler)
 
     def forward_step(iterator, chunk):
-        batch = get_batch(iterator, TRAIN_KEYS)
+        batch = get_batch(iterator, TRAIN_KEYS, pad_multiplier=args.data_pad_size_multiplier)
 
         def loss_func(logits):
             loss, num_tokens, report = loss_function(args, batch, num_microbatches, logits)

@@ -7,8 +7,10 @@ the one that runs on CPU. `--spec module fn` overrides both, as in slime (e.g. a
 import copy
 import importlib
 import inspect
+import re
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
@@ -22,12 +24,13 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from slime.backends.megatron_utils.cp_attention import AllGatherKVDotProductAttention
-from slime.utils.device import default_dtype, transformer_engine_usable
+from slime.utils.device import current_device, default_dtype, transformer_engine_usable
 from slime.utils.misc import accepted_kwargs
 from slime.utils.user_errors import user_function
 
 from . import cpu_compat
 from .local_layers import mla_local_spec, with_post_norms
+from .param_utils import PREFIX, named_parameters
 
 
 def use_transformer_engine(args) -> bool:
@@ -291,3 +294,32 @@ def get_model_provider_func(args, role="actor"):
         )
 
     return _with_role(model_provider, role, args.seed)
+
+
+def freeze_model_params(model, args):
+    """`--only-train-params-name-list` / `--freeze-params-name-list` on this rank's model chunks (before any
+    wrapper: DDP and the optimizer then leave frozen parameters out). Names are matched (re.search) as
+    `decoder.layers.<global layer>.<...>`, `embedding.word_embeddings.weight`, `output_layer.weight`, ...; a tied
+    output layer is the embedding (the last stage's copy goes by the embedding's name, so both copies train or
+    neither). Collective over all ranks: a pattern that matches no parameter anywhere is an error naming it."""
+    only, freeze = args.only_train_params_name_list, args.freeze_params_name_list
+    if not (only or freeze):
+        return
+    patterns = only or freeze
+    hits = torch.zeros(len(patterns), dtype=torch.int32)
+    for name, param in named_parameters(args, model):
+        if not isinstance(param, torch.nn.Parameter):  # MoE expert_bias buffers never train
+            continue
+        name = name[len(PREFIX) :]
+        if name == "output_layer.weight" and getattr(param, "shared_embedding", False):
+            name = "embedding.word_embeddings.weight"
+        matched = [i for i, p in enumerate(patterns) if re.search(p, name)]
+        hits[matched] = 1
+        param.requires_grad = bool(matched) if only else not matched
+    hits = hits.to(current_device())
+    dist.all_reduce(hits, op=dist.ReduceOp.MAX)  # pipeline stages and expert-parallel ranks hold different names
+    unmatched = [p for p, h in zip(patterns, hits.tolist()) if not h]
+    if unmatched:
+        flag = "--only-train-params-name-list" if only else "--freeze-params-name-list"
+        quoted = ", ".join(f"'{p}'" for p in unmatched)
+        raise ValueError(f"{flag}: {quoted} matches no parameter of this model")
