@@ -69,9 +69,22 @@ def _init_engines(args, engines, ranks, join_router=True):
     ray.get([engines[r].init.remote(**ports[r], join_router=join_router) for r in ranks])
 
 
+def _attach_external_engines(args):
+    """One engine actor per --rollout-external-engine-addrs server (no GPU, no bundle: the server has its own),
+    attached to it rather than starting one."""
+    engines = [
+        ray.remote(SGLangEngine).options(num_cpus=0.2, num_gpus=0).remote(args, rank=i)
+        for i in range(len(args.rollout_external_engine_infos))
+    ]
+    ray.get([e.attach.remote(info["url"]) for e, info in zip(engines, args.rollout_external_engine_infos)])
+    return engines
+
+
 def create_rollout_engines(args, pg):
     if args.debug_train_only:
         return []
+    if args.rollout_external:
+        return _attach_external_engines(args)
     _, num_engines, _ = _engines_per_gpu_layout(args)
     engines = [_new_engine(args, pg, i) for i in range(num_engines)]
     _init_engines(args, engines, range(num_engines))
@@ -126,6 +139,7 @@ class RolloutManager:
         self.args, self.pg = args, pg
         self.router_process, self.all_rollout_engines, self.controller, self.rollout_engine_lock = None, [], None, None
         self.rollout_engines, self.health_monitor = [], None
+        self._reconnect_due = False  # see `reconnect_due`
         self.off_router = set()  # replacements that do not serve the trainers' weights yet (see `join_router`)
         self.failure = None  # without --use-fault-tolerance: the first fault, raised by the driver's Watchdog
         self.fault_events = []  # what failed and what was done about it, in order (also logged)
@@ -136,7 +150,9 @@ class RolloutManager:
         self.controller = RolloutController.options(num_cpus=1, num_gpus=0).remote(args, wandb_run_id)
         self.all_rollout_engines = create_rollout_engines(args, pg)
         # no engines (and no --rollout-num-gpus) under --debug-train-only: only the per-engine layout is needed here
-        self.nodes_per_engine = max(1, args.rollout_num_gpus_per_engine // args.rollout_num_gpus_per_node)
+        self.nodes_per_engine = (
+            1 if args.rollout_external else max(1, args.rollout_num_gpus_per_engine // args.rollout_num_gpus_per_node)
+        )
         # Only the node-0 process of a multi-node engine receives requests and admin calls.
         self.rollout_engines = self.all_rollout_engines[:: self.nodes_per_engine]
         self.engine_urls = ray.get([e.get_url.remote() for e in self.rollout_engines])
@@ -201,11 +217,15 @@ class RolloutManager:
             engine = self.rollout_engines[index] if index < len(self.rollout_engines) else None
             if engine is None or self._closing:
                 return
-            what = f"inference engine {index} ({self.engine_urls[index]}) {reason}"
+            kind = "external inference engine" if self.args.rollout_external else "inference engine"
+            what = f"{kind} {index} ({self.engine_urls[index]}) {reason}"
             if not self.args.use_fault_tolerance:
                 if self.failure is None:
                     self._event("engine_failed", what)
                     self.failure = _failure(what)
+                return
+            if self.args.rollout_external:
+                self._drop_external(index, what)
                 return
             bundle = self.pg[1][index * self.nodes_per_engine * _engines_per_gpu_layout(self.args)[0]]
             self._event("engine_failed", what, engine=index, bundle=bundle)
@@ -225,6 +245,35 @@ class RolloutManager:
                 "replaced at the next weight update",
                 engine=index,
             )
+
+    def _drop_external(self, index, what):
+        """--use-fault-tolerance: an external engine that vanished leaves the run for good (someone else owns it, so
+        slime never restarts it): off the router, its actor gone, the server left alone. The trainers reconnect to
+        the others before the next weight update (`recover`)."""
+        url = self.engine_urls[index]
+        self._event("engine_failed", what, engine=index)
+        try:
+            remove_worker(router_url(self.args), url)
+        except Exception as e:  # noqa: BLE001  (a dead router is handled by check_router)
+            logger.warning("could not remove %s from the router: %s", url, e)
+        ray.kill(self.rollout_engines[index])  # the actor only: an external server is no child of it
+        self.rollout_engines[index] = self.all_rollout_engines[index] = None  # indices stay put until `recover`
+        alive = [u for e, u in zip(self.rollout_engines, self.engine_urls) if e is not None]
+        if not alive:
+            self.failure = _failure(f"{what}; no external inference engine is left")
+            return
+        self._event("engine_removed", f"external inference engine {url} dropped; {len(alive)} serve on: {alive}")
+
+    def _compact_external(self) -> bool:
+        """Forget dropped external engines (before the trainers reconnect, so their engine indices match ours).
+        True if any was dropped."""
+        keep = [i for i, e in enumerate(self.rollout_engines) if e is not None]
+        if len(keep) == len(self.rollout_engines):
+            return False
+        self.rollout_engines = [self.rollout_engines[i] for i in keep]
+        self.all_rollout_engines = list(self.rollout_engines)
+        self.engine_urls = [self.engine_urls[i] for i in keep]
+        return True
 
     def check_engines_alive(self):
         """Is every engine's actor and server process still there? A dead one fails the run (a one-line error naming
@@ -265,11 +314,16 @@ class RolloutManager:
     def recover(self, get, resume_tags=None):
         """With --use-fault-tolerance, before a weight update: start a new engine in the bundle of each removed one
         and return the indices of the replaced engines; the caller connects the trainers to the new engine set and
-        pushes the weights. A replacement stays off the router until `join_router`: until the push it serves
+        pushes the weights. External engines are never restarted: the dropped ones are forgotten and the trainers
+        reconnect to the others (`reconnect_due`). A replacement stays off the router until `join_router`: until the push it serves
         --hf-checkpoint's weights, which no rollout may sample. With --offload it is left like its peers: memory
         released, then `resume_tags` resumed."""
         self.pause_health_checks()
         if not self.args.use_fault_tolerance:
+            return []
+        if self.args.rollout_external:
+            with self._lock:
+                self._reconnect_due = self._compact_external() or self._reconnect_due
             return []
         with self._lock:
             dead = [i for i, e in enumerate(self.rollout_engines) if e is None]
@@ -296,6 +350,11 @@ class RolloutManager:
             if resume_tags:
                 get([self.rollout_engines[i].resume_memory_occupation.remote(tags=resume_tags) for i in dead])
         return dead
+
+    def reconnect_due(self) -> bool:
+        """Whether the engine set shrank (dropped external engines) since the trainers last connected; clears it."""
+        due, self._reconnect_due = self._reconnect_due, False
+        return due
 
     def remove_lost(self, update_metrics):
         """Engines the trainers dropped during a weight update (they died; the update finished on the others) are

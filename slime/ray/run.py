@@ -124,7 +124,7 @@ class Run:
 
     def _replace_lost_engines(self, resume_tags=None):
         replaced = self.rollout_manager.recover(self.get, resume_tags)
-        if replaced:
+        if replaced or self.rollout_manager.reconnect_due():  # replaced engines, or dropped external ones
             self._connect()
         return replaced
 

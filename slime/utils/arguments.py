@@ -36,6 +36,7 @@ from slime.backends.megatron_utils.arguments import (
 )
 from slime.backends.sglang_utils.arguments import add_sglang_arguments, sglang_available
 from slime.backends.sglang_utils.arguments import validate_args as sglang_validate_args
+from slime.backends.sglang_utils.external import discover
 from slime.utils.checkpoint_tracker import checkpoint_dir, read_tracker
 from slime.utils.device import auto_inference_server, default_gdn_backend
 from slime.utils.disk_delta import CHECKSUMS as DELTA_CHECKSUMS
@@ -945,6 +946,57 @@ def add_weight_sync_arguments(parser):
     return parser
 
 
+def add_external_engine_arguments(parser):
+    g = _Group(parser, "external rollout engines")
+    g.add_argument(
+        "--rollout-external-engine-addrs",
+        type=str,
+        nargs="+",
+        default=None,
+        help="host:port of inference engines started outside this job (with --rollout-num-gpus 0): slime reads "
+        "their shape from /server_info, checks they serve --hf-checkpoint, routes to them and pushes weights "
+        "(broadcast or disk), but never starts, stops or restarts them. See docs/weight_sync.md.",
+    )
+    return parser
+
+
+def check_external_engines(args, error, check_paths):
+    """--rollout-external-engine-addrs: the flags it excludes, then (reading the engines, unless `check_paths` is
+    False or no engine is used) each engine's shape and model. Sets args.rollout_external,
+    args.rollout_external_engine_infos and the per-engine GPU count."""
+    args.rollout_external = args.rollout_external_engine_addrs is not None
+    args.rollout_external_engine_infos = None
+    if not args.rollout_external:
+        return
+    flag = "--rollout-external-engine-addrs"
+    if args.rollout_num_gpus not in (None, 0):
+        error(f"{flag}: slime starts no engine of its own; set --rollout-num-gpus 0 (got {args.rollout_num_gpus}).")
+    args.rollout_num_gpus = 0
+    for given, what in (
+        (args.colocate, "--colocate (external engines have GPUs of their own)"),
+        (args.offload or args.offload_rollout, "--offload/--offload-rollout (slime does not manage the memory of "
+         "engines it does not own; use --offload-train)"),
+        (args.debug_rollout_only, "--debug-rollout-only"),
+    ):  # fmt: skip
+        if given:
+            error(f"{flag} cannot be combined with {what}.")
+    if args.debug_train_only or not check_paths:
+        return
+    try:
+        infos = discover(args.rollout_external_engine_addrs, args.hf_checkpoint, args.sglang_api_key)
+    except ValueError as e:
+        error(f"{flag} {e}.")
+    sizes = {i["num_gpus"] for i in infos}
+    if len(sizes) > 1:
+        error(
+            f"{flag}: the engines differ in GPU count ("
+            + ", ".join(f"{i['url']}: {i['num_gpus']}" for i in infos)
+            + "); one weight-update group needs engines of one shape."
+        )
+    args.rollout_external_engine_infos = infos
+    args.rollout_num_gpus_per_engine = sizes.pop()
+
+
 def add_linear_attention_arguments(parser):
     g = _Group(parser, "linear attention")
     g.add_argument(
@@ -1096,6 +1148,7 @@ def get_slime_extra_args_provider(add_custom_arguments=None):
             add_rollout_buffer_arguments,
             add_custom_megatron_hooks_arguments,
             add_weight_sync_arguments,
+            add_external_engine_arguments,
             add_fault_tolerance_arguments,
             add_ci_arguments,
             add_custom_megatron_plugins_arguments,
@@ -1199,6 +1252,7 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
     # checked before the resizing below so the message names the real conflict
     if args.debug_rollout_only and args.debug_train_only:
         error("--debug-rollout-only and --debug-train-only (or --load-debug-rollout-data) are mutually exclusive.")
+    check_external_engines(args, error, check_paths)
     actor_total = args.actor_num_nodes * args.actor_num_gpus_per_node
     # rollout-only runs size the "actors" to the engines and never offload
     if args.debug_rollout_only:

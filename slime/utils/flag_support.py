@@ -33,8 +33,6 @@ REFUSED = {
     "--sglang-config": _SGLANG_CONFIG,
     "--release-train": "recreating the trainers from --save after each rollout comes with issue #28: use --offload "
     "to free trainer memory during rollout",
-    "--rollout-external-engine-addrs": "external rollout engines come with issue #28: let slime start the engines "
-    "(--rollout-num-gpus)",
     # cannot exist on this stack
     "--prefill-num-servers": "prefill/decode disaggregation needs SGLang's KV transfer between GPU engines, which "
     "this slime does not drive: drop it (every engine serves both phases)",

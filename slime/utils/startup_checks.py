@@ -247,6 +247,8 @@ VALUE_RANGES = (
 def check_value_ranges(args, error):
     for dest, (ok, bound), why in VALUE_RANGES:
         value = getattr(args, dest, None)  # a custom parser may pre-empt a flag with another meaning
+        if dest == "rollout_num_gpus" and value == 0 and args.rollout_external_engine_addrs:
+            continue  # external engines: slime places none of its own
         if isinstance(value, (int, float)) and not isinstance(value, bool) and not ok(value):
             error(f"--{dest.replace('_', '-')} {value}: must be {bound} ({why}).")
 
@@ -480,7 +482,9 @@ def check_cluster(args, num_gpus):
         ("--actor-num-gpus-per-node", args.actor_num_gpus_per_node if not args.debug_rollout_only else 0),
         (
             "--rollout-num-gpus-per-engine",
-            0 if args.debug_train_only else min(args.rollout_num_gpus_per_engine, args.rollout_num_gpus_per_node),
+            0
+            if args.debug_train_only or args.rollout_external
+            else min(args.rollout_num_gpus_per_engine, args.rollout_num_gpus_per_node),
         ),
     ):
         if per_node > largest:

@@ -239,6 +239,7 @@ class SGLangEngine(RayActor):
     def __init__(self, args, rank: int):
         self.args, self.rank = args, rank
         self.process = None
+        self.external = False  # attached to a server someone else started (see `attach`)
         self.host = self.port = self.url = None
         self.router_url = None
         self.log_path = None
@@ -278,6 +279,17 @@ class SGLangEngine(RayActor):
             return  # only node 0 of a multi-node engine serves HTTP
         self._wait_ready(startup_timeout or 600.0)
         self._check_identity()
+        if join_router:
+            self.join_router()
+
+    def attach(self, url: str, join_router=True):
+        """Drive an engine slime did not start (--rollout-external-engine-addrs): no process of ours, so nothing
+        here or in `shutdown` starts or stops it; its shape and model were checked at start-up."""
+        self.kind, self.external = "external", True
+        self.url = url
+        self.host, self.port = url.rsplit("//", 1)[1].rsplit(":", 1)
+        self.check_alive()
+        self.flush_cache()
         if join_router:
             self.join_router()
 
@@ -353,7 +365,18 @@ class SGLangEngine(RayActor):
         return self.url
 
     def check_alive(self) -> str:
-        """Raise (with the server's last log lines) if the inference server process has exited; else return the URL."""
+        """Raise (with the server's last log lines) if the inference server process has exited, or if an external
+        engine no longer answers; else return the URL."""
+        if self.external:
+            try:
+                resp = self._http.get(f"{self.url}/health", timeout=10, headers=self._auth["normal"])
+            except requests.RequestException as e:
+                raise RuntimeError(
+                    f"external inference engine {self.url} does not answer: {type(e).__name__}"
+                ) from None
+            if resp.status_code != 200:
+                raise RuntimeError(f"external inference engine {self.url}: /health answered HTTP {resp.status_code}")
+            return self.url
         if self.process is not None and self.process.poll() is not None:
             raise RuntimeError(
                 f"inference server of engine {self.rank} at {self.url} exited with code "
@@ -373,7 +396,7 @@ class SGLangEngine(RayActor):
     def health_generate(self, timeout: float = 30.0) -> bool:
         """GET /health_generate (a one-token generation on SGLang and on the CPU server); raises if the server does
         not answer 200 within `timeout` seconds. Only node 0 of a multi-node engine serves HTTP."""
-        if self.url is None or self.process is None:
+        if self.url is None or (self.process is None and not self.external):
             return True
         self.check_alive()
         headers = {"Authorization": f"Bearer {self.args.sglang_api_key}"} if self.args.sglang_api_key else {}
@@ -382,7 +405,8 @@ class SGLangEngine(RayActor):
         except requests.Timeout:
             raise TimeoutError(f"did not answer /health_generate within {timeout:g}s (hung?)") from None
         except requests.RequestException as e:
-            self._raise_if_exiting()
+            if not self.external:
+                self._raise_if_exiting()
             raise RuntimeError(f"GET /health_generate failed: {type(e).__name__}: {e}") from None
         if resp.status_code != 200:
             raise RuntimeError(f"GET /health_generate answered HTTP {resp.status_code}")
