@@ -13,6 +13,7 @@ from slime.utils.arguments import parse_args
 from slime.utils.http_utils import find_available_port
 from tests.test_cpu_server import start_cpu_server, stop_cpu_server
 from tests.test_e2e import TINY_MODEL_ARGS, make_args, read_metrics
+from tests.test_fault_tolerance import SAMPLES_PER_ROLLOUT, events_of, faults_done, inject_faults_generate, plan_faults
 
 PARAM = "model.layers.0.mlp.down_proj.weight"
 
@@ -97,3 +98,45 @@ def test_train_drives_an_engine_it_did_not_start(ray_session, tiny_kit, tmp_path
     assert requests.get(f"{url}/model_info", timeout=10).json()["weight_version"] == "3"
     after = requests.post(f"{url}/get_weights_by_name", json={"name": PARAM, "truncate_size": 64}).json()
     assert after != before
+
+
+def _vanish_args(tiny_kit, tmp_path, urls, *extra):
+    plan_faults(tmp_path, ("sigkill_engine", SAMPLES_PER_ROLLOUT))  # the first engine's server, at rollout 1
+    return make_args(
+        tiny_kit,
+        tmp_path,
+        *["--rollout-num-gpus", "0", "--rollout-external-engine-addrs", *[u.split("//")[1] for u in urls]],
+        *["--update-weight-transport", "broadcast", "--rollout-health-check-interval", "1"],
+        *["--custom-generate-function-path", f"{inject_faults_generate.__module__}.inject_faults_generate"],
+        *extra,
+        num_rollout=3,
+    )
+
+
+@pytest.mark.e2e
+def test_a_vanished_external_engine_is_named_and_fails_the_run(ray_session, tiny_kit, tmp_path, external_server):
+    proc, url = external_server
+    args = _vanish_args(tiny_kit, tmp_path, [url])
+    with pytest.raises(RuntimeError, match=f"external inference engine .*{url}"):
+        sync_driver.train(args)
+
+
+@pytest.mark.e2e
+def test_a_vanished_external_engine_is_dropped_under_fault_tolerance(ray_session, tiny_kit, tmp_path, external_server):
+    proc, url = external_server
+    other, other_url = start_cpu_server(tiny_kit[0])
+    try:
+        args = _vanish_args(tiny_kit, tmp_path, [url, other_url], "--use-fault-tolerance")
+        sync_driver.train(args)
+        rows = read_metrics(tmp_path)
+        killed = faults_done(tmp_path)["sigkill_engine"]["url"]
+        survivor = other_url if killed == url else url
+        events = events_of(rows)
+        assert [e["kind"] for e in events] == ["engine_failed", "engine_removed"], events  # never restarted
+        assert "external inference engine" in events[0]["what"] and killed in events[0]["what"]
+        assert [r["rollout_id"] for r in rows] == [0, 1, 2]
+        assert [int(r["rollout/weight_version"]) for r in rows] == [1, 2, 3]  # rollout 2 on the survivor alone
+        assert requests.get(f"{survivor}/model_info", timeout=10).json()["weight_version"] == "4"
+        assert (other if survivor == other_url else proc).poll() is None  # the survivor was left running
+    finally:
+        stop_cpu_server(other)
