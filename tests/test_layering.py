@@ -31,6 +31,8 @@ ALLOWED = {
     # the backends' flags live beside their backend; parse_args composes them
     ("slime.utils.arguments", "slime.backends.megatron_utils.arguments"),
     ("slime.utils.arguments", "slime.backends.sglang_utils.arguments"),
+    # start-up reads --rollout-external-engine-addrs' servers (shape, model), as it reads the HF config
+    ("slime.utils.arguments", "slime.backends.sglang_utils.external"),
     # start-up validation of --rm-type names (lazy)
     ("slime.utils.arguments", "slime.rollout.rm_hub"),
     ("slime.utils.eval_config", "slime.rollout.rm_hub"),
