@@ -151,6 +151,8 @@ class UpdateWeightFromDistributed:
         # machine (127.0.0.2, 127.0.0.3, ...) an engine on another node's address is remote and gets the broadcast
         local = {host} | ({"127.0.0.1", "localhost", "::1"} if host in ("127.0.0.1", "localhost", "::1") else set())
         shm_possible = shared_memory_handles() and all(urlparse(u).hostname in local for u in self._urls)
+        if wanted == "auto" and self.args.rollout_external:
+            return "broadcast"  # a server slime did not start may not open this run's shared-memory handles
         if wanted == "shm" and not shm_possible:
             raise WeightUpdateError(
                 f"--update-weight-transport shm needs a CPU run with every engine on this host ({host}); "
