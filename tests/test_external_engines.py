@@ -8,7 +8,7 @@ import pytest
 import requests
 
 import train as sync_driver
-from slime.backends.sglang_utils.external import engine_shape, normalize_addr, same_model
+from slime.backends.sglang_utils.external import engine_shape, normalize_external_engine_addr, same_model
 from slime.utils.arguments import parse_args
 from slime.utils.http_utils import find_available_port
 from tests.test_cpu_server import start_cpu_server, stop_cpu_server
@@ -40,11 +40,11 @@ def _parse_error(capsys, tiny_kit, hf_checkpoint, *addrs):
 
 
 def test_shape_and_model_rules():
-    assert normalize_addr("10.0.0.1:30000") == "http://10.0.0.1:30000"
-    assert normalize_addr("http://[::1]:30000/") == "http://[::1]:30000"
+    assert normalize_external_engine_addr("10.0.0.1:30000") == "http://10.0.0.1:30000"
+    assert normalize_external_engine_addr("http://[::1]:30000/") == "http://[::1]:30000"
     for bad in ("10.0.0.1", "https://h:1", "h:1/x"):
         with pytest.raises(ValueError, match="host:port"):
-            normalize_addr(bad)
+            normalize_external_engine_addr(bad)
     # tp 4 x pp 2 = 8 GPUs; absent sizes are 1; a decode worker is told apart
     assert engine_shape({"tp_size": 4, "pp_size": 2, "ep_size": 4}) == {
         "tp_size": 4, "pp_size": 2, "dp_size": 1, "ep_size": 4, "num_gpus": 8, "worker_type": "regular",

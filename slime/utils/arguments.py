@@ -36,7 +36,7 @@ from slime.backends.megatron_utils.arguments import (
 )
 from slime.backends.sglang_utils.arguments import add_sglang_arguments, sglang_available
 from slime.backends.sglang_utils.arguments import validate_args as sglang_validate_args
-from slime.backends.sglang_utils.external import discover
+from slime.backends.sglang_utils.external import discover_external_engines
 from slime.utils.checkpoint_tracker import checkpoint_dir, read_tracker
 from slime.utils.device import auto_inference_server, default_gdn_backend
 from slime.utils.disk_delta import CHECKSUMS as DELTA_CHECKSUMS
@@ -983,7 +983,7 @@ def check_external_engines(args, error, check_paths):
     if args.debug_train_only or not check_paths:
         return
     try:
-        infos = discover(args.rollout_external_engine_addrs, args.hf_checkpoint, args.sglang_api_key)
+        infos = discover_external_engines(args.rollout_external_engine_addrs, args.hf_checkpoint, args.sglang_api_key)
     except ValueError as e:
         error(f"{flag} {e}.")
     sizes = {i["num_gpus"] for i in infos}

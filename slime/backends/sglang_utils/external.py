@@ -14,7 +14,7 @@ import requests
 SERVER_INFO_ENDPOINTS = ("/server_info", "/get_server_info")  # SGLang's newer name first, then the older one
 
 
-def normalize_addr(addr: str) -> str:
+def normalize_external_engine_addr(addr: str) -> str:
     """`host:port` or `http://host:port` -> `http://host:port`; ValueError naming the address otherwise."""
     url = (addr if "://" in addr else f"http://{addr}").rstrip("/")
     parsed = urlparse(url)
@@ -84,13 +84,13 @@ def same_model(served: str, hf_checkpoint: str) -> bool:
     return bool(os.path.basename(a)) and os.path.basename(a) == os.path.basename(b)
 
 
-def discover(addrs, hf_checkpoint, api_key=None, timeout: float = 30.0) -> list:
-    """One record per address: {url, model_path, tp_size, pp_size, dp_size, ep_size, num_gpus, worker_type}.
+def discover_external_engines(addrs, hf_checkpoint, api_key=None, timeout: float = 30.0) -> list:
+    """One record per address: {url, host, port, model_path, tp_size, pp_size, dp_size, ep_size, num_gpus, worker_type}.
     ValueError naming the address for one that is malformed, does not answer, serves another model, or is a
     prefill/decode/encoder worker."""
     infos = []
     for addr in addrs:
-        url = normalize_addr(addr)
+        url = normalize_external_engine_addr(addr)
         try:
             info = get_server_info(url, api_key, timeout)
         except RuntimeError as e:
@@ -109,5 +109,6 @@ def discover(addrs, hf_checkpoint, api_key=None, timeout: float = 30.0) -> list:
             )
         if url in (i["url"] for i in infos):
             raise ValueError(f"{addr} is given twice")
-        infos.append({"url": url, "model_path": served, **shape})
+        parsed = urlparse(url)
+        infos.append({"url": url, "host": parsed.hostname, "port": parsed.port, "model_path": served, **shape})
     return infos

@@ -289,7 +289,6 @@ class SGLangEngine(RayActor):
         self.url = url
         self.host, self.port = url.rsplit("//", 1)[1].rsplit(":", 1)
         self.check_alive()
-        self.flush_cache()
         if join_router:
             self.join_router()
 
