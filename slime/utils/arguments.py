@@ -738,6 +738,37 @@ def add_correct_samples_arguments(parser):
     return parser
 
 
+def add_save_hf_arguments(parser):
+    g = _Group(parser, "HF checkpoint copies")
+    g.add_argument(
+        "--save-hf",
+        type=str,
+        default=None,
+        help="At each checkpoint save (--save, --save-interval), also write the actor as an HF safetensors checkpoint "
+        "(with --hf-checkpoint's config and tokenizer files) to this path, formatted with the rollout id, e.g. "
+        "/ckpt/hf/iter_{rollout_id}; a path without {rollout_id} is overwritten at each save.",
+    )
+    return parser
+
+
+def check_save_hf(args, error):
+    if args.save_hf is None:
+        return
+    try:
+        path = args.save_hf.format(rollout_id=0)
+    except (KeyError, IndexError, ValueError) as e:
+        error(f"--save-hf {args.save_hf}: not a path template with only {{rollout_id}} ({type(e).__name__}: {e}).")
+    if args.save is None or args.save_interval is None:
+        error("--save-hf writes an HF copy at each checkpoint save: it needs --save and --save-interval.")
+    if not args.hf_checkpoint or not os.path.isdir(args.hf_checkpoint):
+        error(
+            f"--save-hf needs --hf-checkpoint as a local directory (its config and tokenizer are copied), got "
+            f"{args.hf_checkpoint!r}."
+        )
+    if os.path.realpath(path) == os.path.realpath(args.hf_checkpoint):
+        error(f"--save-hf {args.save_hf} would overwrite --hf-checkpoint {args.hf_checkpoint}: save elsewhere.")
+
+
 def add_tensorboard_arguments(parser):
     g = _Group(parser, "tensorboard")
     g.add_argument(
@@ -1089,6 +1120,7 @@ def get_slime_extra_args_provider(add_custom_arguments=None):
             add_critic_arguments,
             add_wandb_arguments,
             add_tensorboard_arguments,
+            add_save_hf_arguments,
             add_metric_arguments,
             add_correct_samples_arguments,
             add_optimizer_state_arguments,
@@ -1299,6 +1331,7 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
             error("--num-rollout 0 (an eval-only run): use train.py; train_async.py always trains.")
     if args.save_interval is not None and args.save is None:
         error("--save-interval requires --save (the checkpoint directory).")
+    check_save_hf(args, error)
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         error(
             "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict each other: "

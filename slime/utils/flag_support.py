@@ -60,7 +60,6 @@ REFUSED = {
     "--recompute-loss-function": f"{_NOT_YET}: drop it (the loss is not activation-checkpointed)",
     "--allgather-cp": f"{_NOT_YET}: drop it (context parallelism splits sequences in zigzag order)",
     "--balance-by-flops": f"{_NOT_YET}: use --balance-data (balances tokens across DP ranks)",
-    "--save-hf": f"{_NOT_YET}: convert saved checkpoints with tools/convert_torch_dist_to_hf.py",
     "--memory-snapshot-dir": f"{_NOT_YET}: {_PROFILING}",
     "--memory-snapshot-num-steps": f"{_NOT_YET}: {_PROFILING}",
     "--profile-target": f"{_NOT_YET}: {_PROFILING}",
