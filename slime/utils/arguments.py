@@ -374,6 +374,14 @@ def add_batch_memory_arguments(parser):
         default=128,
         help="A packed micro-batch (THD, Transformer Engine) is padded to a multiple of TP size x this many tokens.",
     )
+    g.add_argument(
+        "--recompute-loss-function",
+        action="store_true",
+        default=False,
+        help="Activation-checkpoint the loss: the loss function's intermediates (log-softmax over the vocabulary, "
+        "entropy, ratios) are freed after the forward pass and recomputed in the backward pass; same values and "
+        "gradients, less memory.",
+    )
     return parser
 
 

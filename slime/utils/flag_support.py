@@ -57,7 +57,6 @@ REFUSED = {
     "--use-distributed-post": "not implemented here yet: drop it (the rollout posts to the router from the driver's "
     "rollout actor)",
     # not implemented here yet (issue #24's remaining work)
-    "--recompute-loss-function": f"{_NOT_YET}: drop it (the loss is not activation-checkpointed)",
     "--allgather-cp": f"{_NOT_YET}: drop it (context parallelism splits sequences in zigzag order)",
     "--balance-by-flops": f"{_NOT_YET}: use --balance-data (balances tokens across DP ranks)",
     "--memory-snapshot-dir": f"{_NOT_YET}: {_PROFILING}",
