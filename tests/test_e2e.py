@@ -152,6 +152,24 @@ def test_train_colocated(ray_session, tiny_kit, tmp_path):
     assert rows[0]["train/train_rollout_logprob_abs_diff"] < 1e-4
 
 
+def test_train_with_recompute_loss_function(ray_session, tiny_kit, tmp_path):
+    """The checkpointed loss backpropagates inside Megatron's training step (--ci-test checks the first step)."""
+    # rewards may all be 0 in one rollout: the entropy bonus still gives a gradient through the checkpointed loss
+    args = make_args(
+        tiny_kit,
+        tmp_path,
+        "--rollout-num-gpus",
+        "1",
+        "--recompute-loss-function",
+        "--entropy-coef",
+        "0.01",
+        num_rollout=1,
+    )
+    sync_driver.train(args)
+    rows = read_metrics(tmp_path)
+    assert len(rows) == 1 and rows[0]["train/grad_norm"] > 0
+
+
 def test_train_async_is_one_step_off_policy(ray_session, tiny_kit, tmp_path):
     args = make_args(tiny_kit, tmp_path, "--rollout-num-gpus", "1", num_rollout=3)
     async_driver.train(args)

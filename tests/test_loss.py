@@ -446,3 +446,55 @@ def test_custom_advantage_function_replaces_the_estimator_but_not_normalisation(
     )
     values = torch.tensor([3.0] * 3 + [1.0] * 2)
     assert torch.allclose(torch.cat(data["advantages"]), (values - values.mean()) / values.std(), atol=1e-5)
+
+
+# ---------------------------------------------------------------- --recompute-loss-function
+_LOSS_CALLS = []
+
+
+def _counting_policy_loss(args, batch, logits, sum_of_sample_mean):
+    _LOSS_CALLS.append(1)
+    return policy_loss_function(args, batch, logits, sum_of_sample_mean)
+
+
+def _loss_grads_saved(args, batch, logits):
+    """Loss, report values, d loss / d logits, and the number of elements autograd saved for the backward pass."""
+    logits = logits.detach().requires_grad_()
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss, _, report = loss_function(args, batch, 1, logits)
+    loss.backward()
+    return loss.detach(), report["values"], logits.grad, sum(saved)
+
+
+@pytest.mark.parametrize("loss_type", ["policy_loss", "sft_loss", "custom_loss"])
+def test_recompute_loss_function_gives_the_same_loss_and_gradients_saving_less(loss_type):
+    batch, logits, _ = _one_sample_batch([1.5, 0.7, 1.0], [1.0, -2.0, 0.5])
+    kw = dict(
+        loss_type=loss_type, entropy_coef=0.01, custom_loss_function_path="tests.test_loss._counting_policy_loss"
+    )
+    plain = _loss_grads_saved(_args(**kw), batch, logits)
+    _LOSS_CALLS.clear()
+    recomputed = _loss_grads_saved(_args(**kw, recompute_loss_function=True), batch, logits)
+    for a, b in zip(plain[:3], recomputed[:3]):
+        assert torch.equal(a, b)
+    assert plain[2].abs().sum() > 0
+    # the loss's intermediates (log-softmax over the vocabulary...) are not kept: only what the checkpoint holds
+    assert recomputed[3] < plain[3]
+    if loss_type == "custom_loss":
+        assert len(_LOSS_CALLS) == 2  # once forward, once again in the backward pass
+
+
+def test_recomputed_custom_loss_error_is_still_the_users():
+    batch, logits, _ = _one_sample_batch([1.0, 1.0], [1.0, 1.0])
+    path = "tests.test_loss._raising_loss"
+    args = _args(loss_type="custom_loss", custom_loss_function_path=path, recompute_loss_function=True)
+    with pytest.raises(UserCodeError) as exc:
+        loss_function(args, batch, 1, logits)
+    assert exc.value.context == f"raised by --custom-loss-function-path {path}"
+    assert "KeyError: 'advantage'" in exc.value.user_traceback

@@ -506,6 +506,39 @@ def test_abort_returns_partial_groups_that_resume_next_rollout(engine, tiny_kit,
     assert all(left[i].metadata["start_rollout_id"] == 0 for i in left if i != 5)
 
 
+@pytest.mark.parametrize("mask", [True, False])
+def test_mask_offpolicy_in_partial_rollout_masks_what_a_resumed_sample_brought(engine, tiny_kit, prompts, mask):
+    """A sample cut after 3 tokens resumes to 8 through the real engine: with the flag its loss mask is 3 zeros (older
+    weights' tokens) then 5 ones; without it, no mask (every token trains). A finished sample returned to the buffer
+    with its group is all zeros."""
+    from slime.ray.buffer import convert_samples_to_train_data
+
+    args = make_args(engine, tiny_kit, prompts, partial_rollout=True, mask_offpolicy_in_partial_rollout=mask)
+    params = dict(GenerateState(args).sampling_params, ignore_eos=True)  # the full budget of 8
+    tokenizer = GenerateState(args).tokenizer
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 1+2?"}], tokenize=False, add_generation_prompt=True
+    )
+    first = Sample(index=0, prompt=prompt, label="3")
+    run(sglang_rollout.generate_and_rm(args, first, dict(params, max_new_tokens=3)))
+    assert first.response_length == 3 and first.loss_mask is None
+    first.status, first.reward = Sample.Status.ABORTED, None  # as an abort leaves it in the buffer
+
+    resumed = run(sglang_rollout.generate_and_rm(args, first, dict(params)))
+    assert resumed.response_length == 8 and len(resumed.rollout_log_probs) == 8
+    assert resumed.loss_mask == ([0, 0, 0, 1, 1, 1, 1, 1] if mask else None)
+
+    done = Sample(index=1, prompt=prompt, label="3", tokens=list(resumed.tokens), response_length=8, reward=1.0)
+    done.status = Sample.Status.COMPLETED
+    done.rollout_log_probs = list(resumed.rollout_log_probs)
+    done = run(sglang_rollout.generate_and_rm(args, done, dict(params)))
+    assert done.loss_mask == ([0] * 8 if mask else None)
+
+    data = convert_samples_to_train_data(args, [resumed, done], fn_path="default")
+    expected = [[0, 0, 0, 1, 1, 1, 1, 1], [0] * 8] if mask else [[1] * 8, [1] * 8]
+    assert [list(m) for m in data["loss_masks"]] == expected
+
+
 def test_eval_rollout(engine, tiny_kit, prompts):
     args = make_args(
         engine,

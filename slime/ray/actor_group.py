@@ -1,12 +1,13 @@
 """Driver-side handle over the N training actors; every `async_*` returns a list of ObjectRefs (one per rank)."""
 
 import logging
+import os
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from slime.ray.driver import register_cleanup
-from slime.ray.utils import noset_visible_devices_env
+from slime.ray.utils import driver_import_path, noset_visible_devices_env
 from slime.utils.device import allocator_hook_possible, trainer_env
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,8 @@ class RayTrainGroup:
         world_size = self._num_nodes * self._num_gpus_per_node
         pg, reordered_bundle_indices = pg
         env = {"NCCL_CUMEM_ENABLE": "0", **noset_visible_devices_env(), **trainer_env(), **self.args.train_env_vars}
+        if "PYTHONPATH" in self.args.train_env_vars:  # the user's entries first, then the driver's import path
+            env["PYTHONPATH"] = os.pathsep.join([self.args.train_env_vars["PYTHONPATH"], driver_import_path()])
         if self.args.offload_train and allocator_hook_possible():
             env.update(_torch_memory_saver_env())
         actor_cls = ray.remote(num_gpus=1, runtime_env={"env_vars": env})(MegatronTrainRayActor)

@@ -16,7 +16,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from slime.ray.actor_group import RayTrainGroup
 from slime.ray.driver import register_cleanup
 from slime.ray.rollout import RolloutManager
-from slime.ray.utils import noset_visible_devices_env  # noqa: F401  (re-exported: slime's path)
+from slime.ray.utils import (
+    driver_import_path,
+    driver_runtime_env,
+    noset_visible_devices_env,  # noqa: F401  (re-exported: slime's path)
+)
 from slime.utils.device import local_ray_resources
 from slime.utils.startup_checks import check_cluster
 
@@ -116,7 +120,8 @@ def init_ray(args):
     """
     num_gpus, _ = get_placement_group_layout(args)
     if not ray.is_initialized():
-        env = {"RAY_DEDUP_LOGS": "0"}
+        # the driver's import path reaches every actor, whether this driver starts Ray or joins a cluster
+        runtime_env = driver_runtime_env({"RAY_DEDUP_LOGS": "0", "PYTHONPATH": driver_import_path()})
         # RAY_ADDRESS as given (ray:// too), else the address file of a `ray start` cluster; None: none to join
         address = os.environ.get("RAY_ADDRESS") or canonicalize_bootstrap_address(None)
         if address is not None:
@@ -124,11 +129,11 @@ def init_ray(args):
             # nodes on one machine, e.g. 127.0.0.2 and 127.0.0.3)
             ray.init(
                 address=address,
-                runtime_env={"env_vars": env},
+                runtime_env=runtime_env,
                 _node_ip_address=os.environ.get("SLIME_HOST_IP") or None,
             )
         else:
-            kwargs = dict(include_dashboard=False, runtime_env={"env_vars": env}, **local_ray_resources(num_gpus))
+            kwargs = dict(include_dashboard=False, runtime_env=runtime_env, **local_ray_resources(num_gpus))
             t0 = time.time()
             ray.init(**kwargs)
             logger.info(f"started a local Ray in {time.time() - t0:.1f}s with {ray.cluster_resources()}")

@@ -193,6 +193,8 @@ async def generate(args, sample: Sample, sampling_params, evaluation=False) -> S
 
     sample.tokens = sample.tokens + new_tokens
     sample.response_length += len(new_tokens)
+    if sample.loss_mask is not None:  # e.g. a resumed sample's masked earlier tokens: the new ones train
+        sample.loss_mask = sample.loss_mask + [1] * len(new_tokens)
     sample.response += output.get("text", "")
     if sample.rollout_log_probs is None:
         sample.rollout_log_probs = []
@@ -203,6 +205,9 @@ async def generate(args, sample: Sample, sampling_params, evaluation=False) -> S
 
 async def generate_and_rm(args, sample: Sample, sampling_params: dict, evaluation=False):
     """Generate one sample (default or `--custom-generate-function-path`) and reward it unless `--group-rm`."""
+    if args.partial_rollout and args.mask_offpolicy_in_partial_rollout and sample.response_length > 0:
+        # a sample from the buffer: what it already holds came from older weights; only new tokens train
+        sample.loss_mask = [0] * sample.response_length
     # Groups returned to the buffer may hold samples that already finished in an earlier rollout.
     if sample.status in (Sample.Status.COMPLETED, Sample.Status.TRUNCATED):
         if not args.group_rm and sample.reward is None:

@@ -55,11 +55,8 @@ REFUSED = {
     "--use-distributed-post": "not implemented here yet: drop it (the rollout posts to the router from the driver's "
     "rollout actor)",
     # not implemented here yet (issue #24's remaining work)
-    "--recompute-loss-function": f"{_NOT_YET}: drop it (the loss is not activation-checkpointed)",
     "--allgather-cp": f"{_NOT_YET}: drop it (context parallelism splits sequences in zigzag order)",
-    "--mask-offpolicy-in-partial-rollout": f"{_NOT_YET}: drop it (resumed partial samples train on every response token)",
     "--balance-by-flops": f"{_NOT_YET}: use --balance-data (balances tokens across DP ranks)",
-    "--save-hf": f"{_NOT_YET}: convert saved checkpoints with tools/convert_torch_dist_to_hf.py",
     "--memory-snapshot-dir": f"{_NOT_YET}: {_PROFILING}",
     "--memory-snapshot-num-steps": f"{_NOT_YET}: {_PROFILING}",
     "--profile-target": f"{_NOT_YET}: {_PROFILING}",

@@ -33,11 +33,18 @@ class UserCodeError(Exception):
         return f"{self.user_traceback.rstrip()}\n{self.context}"
 
 
+# Raised through user code but not by it: torch's non-reentrant activation checkpointing stops recomputing a
+# checkpointed function (the user's loss under --recompute-loss-function) once it has what the backward pass needs.
+_NOT_THE_USERS = ("_StopRecomputationError",)
+
+
 def call_user_function(context: str, fn, *args, **kwargs):
     """`fn(*args, **kwargs)`; an exception from it becomes a `UserCodeError` whose traceback starts at `fn`."""
     try:
         return fn(*args, **kwargs)
     except Exception as e:  # noqa: BLE001  (whatever the user's code raises is reported as theirs)
+        if type(e).__name__ in _NOT_THE_USERS:
+            raise
         user_tb = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))
         raise UserCodeError(user_tb, context) from None
 

@@ -26,6 +26,7 @@ from slime.utils.wandb_utils import init_wandb_secondary
 from . import initialize as megatron_init
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import get_data_iterator, log_rollout_data
+from .hf_checkpoint_saver import save_hf_model_to_path, save_hf_path
 from .loss import compute_advantages_and_returns, get_values
 from .megatron_to_hf import resolve_model_name
 from .model import forward_only, initialize_model_and_optimizer, log
@@ -352,6 +353,14 @@ class MegatronTrainRayActor(TrainRayActor):
             with_optimizer=with_optimizer,
             commit=commit,
         )
+        if self.args.save_hf is not None and self.role == "actor":
+            save_hf_model_to_path(
+                self.args,
+                save_hf_path(self.args, iteration),
+                self.model,
+                model_name=self.model_name,
+                vocab_size=self.args.vocab_size or self.vocab_size,
+            )
         if asleep:
             self.sleep(("model",))
 

@@ -6,6 +6,7 @@ custom losses by path, and `loss_function` with slime's gradient scaling for Meg
 import functools
 
 import torch
+import torch.utils.checkpoint
 from megatron.core import parallel_state as mpu
 
 from slime.backends.megatron_utils.cp_utils import (
@@ -550,13 +551,18 @@ def loss_function(args, batch, num_microbatches, logits):
     )
     kwargs = {"args": args, "batch": batch, "logits": logits, "sum_of_sample_mean": sum_of_sample_mean}
     if args.loss_type == "policy_loss":
-        loss, log = policy_loss_function(**kwargs)
+        func = policy_loss_function
     elif args.loss_type == "sft_loss":
-        loss, log = sft_loss_function(**kwargs)
+        func = sft_loss_function
     elif args.loss_type == "value_loss":  # the critic's (set on its copy of the arguments, slime.ray.critic)
-        loss, log = value_loss_function(**kwargs)
+        func = value_loss_function
     else:  # custom_loss: its path was checked (imports, signature) at start-up
-        loss, log = user_function("--custom-loss-function-path", args.custom_loss_function_path)(**kwargs)
+        func = user_function("--custom-loss-function-path", args.custom_loss_function_path)
+    if args.recompute_loss_function:
+        # keep only the logits: the vocabulary-sized intermediates are recomputed in the backward pass
+        loss, log = torch.utils.checkpoint.checkpoint(func, use_reentrant=False, **kwargs)
+    else:
+        loss, log = func(**kwargs)
 
     if not args.calculate_per_token_loss:
         loss = (

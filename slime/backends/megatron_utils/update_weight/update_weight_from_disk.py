@@ -84,9 +84,7 @@ class UpdateWeightFromDisk:
 
     @property
     def _is_pp_src_rank(self) -> bool:
-        return (
-            mpu.get_data_parallel_rank(with_context_parallel=True) == 0 and mpu.get_tensor_model_parallel_rank() == 0
-        )
+        return is_pp_src_rank()
 
     def connect_rollout_engines(self, rollout_engines, rollout_engine_lock):
         """No process group to build: the engines only read files. With a local checkpoint each engine host seeds it
@@ -184,18 +182,7 @@ class UpdateWeightFromDisk:
         return written, full_bytes
 
     def _gather_stage(self) -> dict:
-        """This pipeline stage's HF tensors (on its source rank; the other ranks only help gather)."""
-        tensors = {}
-        for name, param in named_parameters(self.args, self.model):
-            if is_tied_output_copy(self.args, name):
-                continue
-            for n, p in expert_parallel_copies(self.args, name, param):
-                for hf_name, t in gather_and_convert(
-                    self.args, self.model_name, n, p, self.vocab_size, self.quantization_config
-                ):
-                    if self._is_pp_src_rank:
-                        tensors[hf_name] = t.cpu()
-        return tensors
+        return gather_stage(self.args, self.model, self.model_name, self.vocab_size, self.quantization_config)
 
     def _write_delta(self, path, tensors):
         """Encode each tensor against the base (cast to the base's dtype: the engines' checkpoint keeps its own)."""
@@ -244,6 +231,24 @@ class UpdateWeightFromDisk:
         wait_engines(refs, self._urls, what, timeout)
         refs = [e.continue_generation.remote() for e in self.rollout_engines]
         wait_engines(refs, self._urls, "continue_generation", timeout)
+
+
+def is_pp_src_rank() -> bool:
+    """The rank that writes its pipeline stage's tensors: data-parallel (with context) rank 0, tensor rank 0."""
+    return mpu.get_data_parallel_rank(with_context_parallel=True) == 0 and mpu.get_tensor_model_parallel_rank() == 0
+
+
+def gather_stage(args, model, model_name, vocab_size, quantization_config=None) -> dict:
+    """This pipeline stage's HF tensors (on its source rank; the other ranks only help gather)."""
+    tensors, src = {}, is_pp_src_rank()
+    for name, param in named_parameters(args, model):
+        if is_tied_output_copy(args, name):
+            continue
+        for n, p in expert_parallel_copies(args, name, param):
+            for hf_name, t in gather_and_convert(args, model_name, n, p, vocab_size, quantization_config):
+                if src:
+                    tensors[hf_name] = t.cpu()
+    return tensors
 
 
 def _read_checkpoint_bytes(hf_checkpoint) -> dict:
