@@ -34,6 +34,7 @@ def test_a_submitted_jobs_own_env_vars_win(monkeypatch):
     assert driver_runtime_env({"PYTHONPATH": "/y"}) == {"env_vars": {"PYTHONPATH": "/y"}}
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_plugin_on_the_drivers_pythonpath_runs_in_the_trainer_and_rollout_actors_of_a_joined_cluster(

@@ -171,6 +171,7 @@ def _hand_returns(data, values, gamma, lambd):
     return [a[0] for a, _ in out], [ret[0] for _, ret in out]
 
 
+@pytest.mark.slow
 def test_critic_trains_hands_values_to_the_actor_and_resumes(ray_session, tiny_kit, tmp_path):
     import numpy as np
 
@@ -240,6 +241,7 @@ def test_critic_trains_hands_values_to_the_actor_and_resumes(ray_session, tiny_k
     assert not np.allclose(later[0]["values"][0], values[0])  # the critic did learn between rollouts
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_train_py_ppo_critic_only_warm_up_checkpoint_and_resume(ray_session, tiny_kit, tmp_path):
     """train.py with a critic: rollout 0 trains only the critic, then both; the critic's checkpoint is written with
@@ -279,6 +281,7 @@ def test_train_py_ppo_critic_only_warm_up_checkpoint_and_resume(ray_session, tin
     assert (ckpt / "critic" / "iter_0000002").is_dir()
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["colocate", "async", "fully_async"])
 def test_ppo_with_a_critic_colocated_and_asynchronous(ray_session, tiny_kit, tmp_path, mode):

@@ -143,6 +143,7 @@ def test_train_disaggregated_with_eval_and_first_step_invariants(ray_session, ti
     assert 0.0 <= rows[1]["eval/addition"] <= 1.0
 
 
+@pytest.mark.slow
 def test_train_colocated(ray_session, tiny_kit, tmp_path):
     args = make_args(tiny_kit, tmp_path, "--colocate")
     assert args.offload and args.rollout_num_gpus == 1
@@ -152,6 +153,7 @@ def test_train_colocated(ray_session, tiny_kit, tmp_path):
     assert rows[0]["train/train_rollout_logprob_abs_diff"] < 1e-4
 
 
+@pytest.mark.slow
 def test_train_with_recompute_loss_function(ray_session, tiny_kit, tmp_path):
     """The checkpointed loss backpropagates inside Megatron's training step (--ci-test checks the first step)."""
     # rewards may all be 0 in one rollout: the entropy bonus still gives a gradient through the checkpointed loss
@@ -170,6 +172,7 @@ def test_train_with_recompute_loss_function(ray_session, tiny_kit, tmp_path):
     assert len(rows) == 1 and rows[0]["train/grad_norm"] > 0
 
 
+@pytest.mark.slow
 def test_train_async_is_one_step_off_policy(ray_session, tiny_kit, tmp_path):
     args = make_args(tiny_kit, tmp_path, "--rollout-num-gpus", "1", num_rollout=3)
     async_driver.train(args)
@@ -260,6 +263,7 @@ def test_train_cp2(ray_session, tiny_kit, tmp_path):
     assert rows[0]["train/train_rollout_logprob_abs_diff"] < 1e-4  # on-policy: the CP=2 trainer = the engine
 
 
+@pytest.mark.slow
 def test_debug_rollout_only_needs_no_megatron_training(ray_session, tiny_kit, tmp_path):
     args = make_args(
         tiny_kit,
@@ -383,6 +387,7 @@ async def kill_engine_then_generate(args, sample, sampling_params):
     return await generate(args, sample, sampling_params)
 
 
+@pytest.mark.slow
 def test_dead_inference_server_fails_the_run_fast_naming_the_engine(ray_session, tiny_kit, tmp_path):
     args = make_args(
         tiny_kit,

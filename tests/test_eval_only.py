@@ -1,6 +1,8 @@
 """An eval-only run (`--num-rollout 0` with eval data) and `--skip-eval-before-train`, end to end on the tiny kit:
 real trainers, CPU inference server and router (Ray; run under the heavy-test lock)."""
 
+import pytest
+
 import train as sync_driver
 from slime.ray.driver import RunRecorder
 from tests.test_e2e import make_args, read_metrics
@@ -24,6 +26,7 @@ def _eval_args(tiny_kit, tmp_path, *extra, num_rollout):
     )
 
 
+@pytest.mark.slow
 def test_eval_only_and_skip_eval_before_train(ray_session, tiny_kit, tmp_path, monkeypatch):
     evals = []
     record_eval = RunRecorder.eval

@@ -113,6 +113,7 @@ def _vanish_args(tiny_kit, tmp_path, urls, *extra):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_a_vanished_external_engine_is_named_and_fails_the_run(ray_session, tiny_kit, tmp_path, external_server):
     proc, url = external_server
@@ -121,6 +122,7 @@ def test_a_vanished_external_engine_is_named_and_fails_the_run(ray_session, tiny
         sync_driver.train(args)
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_a_vanished_external_engine_is_dropped_under_fault_tolerance(ray_session, tiny_kit, tmp_path, external_server):
     proc, url = external_server

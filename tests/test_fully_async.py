@@ -221,6 +221,7 @@ def test_slow_engine_keeps_the_bound_and_resumes_requests_across_weight_updates(
         assert all(t["tokens"][: -t["response_length"]] == s["tokens"][:-budget] for t in siblings)
 
 
+@pytest.mark.slow
 def test_max_staleness_0_is_on_policy(ray_session, tiny_kit, tmp_path):
     args = make_args(
         tiny_kit,

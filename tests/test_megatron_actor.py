@@ -27,6 +27,7 @@ def _kill(ray, actors):
         ray.kill(a)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_actor_trains_tiny_qwen3_and_resumes(ray_session, tiny_kit, tmp_path, tp):
     from slime.utils.ray_utils import Box

@@ -38,6 +38,7 @@ def _logits(model_dir, ids):
         return model(ids).logits
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_save_hf_at_each_save_loads_in_transformers_with_the_checkpoints_weights(ray_session, tiny_kit, tmp_path):
     template = str(tmp_path / "hf" / "iter_{rollout_id}")

@@ -198,6 +198,7 @@ def test_deprecated_actions_reach_sglang_as_it_parses_them():
     assert "True" not in argv
 
 
+@pytest.mark.slow
 @needs_side_venv
 def test_launch_command_parses_with_sglangs_own_parser(tmp_path):
     values = {dest: v for dest, e in _user_settable_entries().items() if (v := _non_default(e)) is not None}

@@ -281,6 +281,7 @@ def test_colocated_update_from_cpu_weights_gives_engines_the_trainer_weights(tin
     assert metrics["perf/update_weights_bytes"] == hf_checkpoint_bytes(tiny_kit[0]) * 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("colocate", [False, True])
 def test_lora_merged_update_gives_engines_the_trainer_with_adapters(tiny_kit, engines, lock, cleanup, colocate):
     """--enable-lora --lora-sync merged: the engines serve W + s B A, which is what the trainer's forward (base plus
@@ -297,6 +298,7 @@ def test_lora_merged_update_gives_engines_the_trainer_with_adapters(tiny_kit, en
     assert metrics["perf/update_weights_bytes"] == hf_checkpoint_bytes(tiny_kit[0]) * len(targets)
 
 
+@pytest.mark.slow
 def test_check_weight_update_equal_protocol_passes_for_the_checkpoint_and_names_a_differing_tensor(
     tiny_kit, engines, lock, cleanup
 ):
@@ -327,6 +329,7 @@ def test_check_weight_update_equal_protocol_passes_for_the_checkpoint_and_names_
     assert url in msg and "check tensor equality failed" in msg and "name=embed " in msg, msg
 
 
+@pytest.mark.slow
 def test_one_weight_update_session_per_update_not_per_bucket(tiny_kit, lock, cleanup, ray_session):
     from slime.backends.sglang_utils.sglang_engine import SGLangEngine
 
@@ -357,6 +360,7 @@ def test_one_weight_update_session_per_update_not_per_bucket(tiny_kit, lock, cle
     assert calls == ["init_weights_update_group"] + one + one, calls
 
 
+@pytest.mark.slow
 def test_dead_engine_fails_the_update_fast_naming_its_url(ray_session, tiny_kit, lock):
     from slime.backends.megatron_utils.update_weight_utils import WeightUpdateError
 
@@ -401,6 +405,7 @@ def test_transport_choice_and_shm_refused_for_a_remote_engine():
 # ------------------------------------------------------------------ disk transport
 
 
+@pytest.mark.slow
 def test_disk_full_versions_reach_the_engines_and_old_ones_are_removed(tiny_kit, engines, lock, cleanup, tmp_path):
     """TP=2 trainers write one HF checkpoint per version; the engine loads it with update_weights_from_disk."""
     root = tmp_path / "versions"
@@ -421,6 +426,7 @@ def test_disk_full_versions_reach_the_engines_and_old_ones_are_removed(tiny_kit,
     assert sorted(os.listdir(root)) == ["weight_v000002"]
 
 
+@pytest.mark.slow
 def test_disk_delta_versions_are_small_verified_and_a_corrupt_base_gets_a_full_version(
     tiny_kit, engines, lock, cleanup, tmp_path
 ):
