@@ -398,9 +398,8 @@ class SGLangEngine(RayActor):
         if self.url is None or (self.process is None and not self.external):
             return True
         self.check_alive()
-        headers = {"Authorization": f"Bearer {self.args.sglang_api_key}"} if self.args.sglang_api_key else {}
         try:
-            resp = self._http.get(f"{self.url}/health_generate", timeout=timeout, headers=headers)
+            resp = self._http.get(f"{self.url}/health_generate", timeout=timeout, headers=self._auth["normal"])
         except requests.Timeout:
             raise TimeoutError(f"did not answer /health_generate within {timeout:g}s (hung?)") from None
         except requests.RequestException as e:
