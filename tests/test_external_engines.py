@@ -48,7 +48,12 @@ def test_shape_and_model_rules():
     # tp 4 x pp 2 = 8 GPUs; absent sizes are 1; a decode worker is told apart
     assert engine_shape({"tp_size": 4, "pp_size": 2, "ep_size": 4}) == {
         "tp_size": 4, "pp_size": 2, "dp_size": 1, "ep_size": 4, "num_gpus": 8, "worker_type": "regular",
+        "lora": {"enable_lora": False, "max_lora_rank": None},
     }  # fmt: skip
+    assert engine_shape({"lora_paths": ["a=/x"], "max_lora_rank": 8})["lora"] == {
+        "enable_lora": True,
+        "max_lora_rank": 8,
+    }
     assert engine_shape({"disaggregation_mode": "decode"})["worker_type"] == "decode"
     assert same_model("/models/Qwen3-4B/", "/data/Qwen3-4B") and same_model("/models/Qwen3-4B", "Qwen/Qwen3-4B")
     assert not same_model("/models/Qwen3-8B", "/models/Qwen3-4B")

@@ -341,6 +341,7 @@ def _gpu_engine(server, **fields):
 def _every_admin_call(engine):
     import torch
 
+    from slime.utils.lora_utils import serialize_by_value, tensor_sha256
     from slime.utils.tensor_serialization import FlattenedTensorMetadata, bucket_payload, set_shared_authkey
 
     set_shared_authkey()  # before the first share: this process's fd sharer keeps the key it starts with
@@ -366,6 +367,12 @@ def _every_admin_call(engine):
     engine.continue_generation()
     for action in ("snapshot", "reset_tensors", "compare", "checksum"):
         engine.check_weights(action)
+    adapter = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(2, 4)}
+    sums = {n: tensor_sha256(x) for n, x in adapter.items()}
+    for version in (4, 5):  # the second replaces the first: unload, then load (SGLang refuses a name twice)
+        engine.update_lora_adapter(
+            "slime_policy", {"r": 2, "lora_alpha": 4}, serialize_by_value(adapter), sums, version
+        )
     assert engine.get_weight_version() == "7"
 
 
@@ -379,6 +386,7 @@ def test_gpu_mode_admin_bodies_conform_strictly_to_sglang(sglang_like):
         "/destroy_weights_update_group",
         "/update_weight_version",
         "/get_weights_by_name",
+        "/load_lora_adapter",  # from a directory: users' calls; the trainer sends adapters as tensors
     }
     for path, body in posted:
         assert body_errors(path, body) == [], (path, body)
@@ -486,3 +494,24 @@ print(json.dumps(table_of(ServerArgs)))
         if table["sglang_version"] in e["sglang_versions"]
     ]
     assert json.loads(run.stdout.strip().splitlines()[-1]) == pinned
+
+
+@needs_side_venv
+def test_adapter_payload_loads_in_sglangs_own_deserializer():
+    """`--lora-sync adapter` sends the adapter by value: SGLang's restricted unpickler (its TP workers' path for
+    `/load_lora_adapter_from_tensors`) rebuilds the same tensors, and its sha256 equals ours."""
+    code = (
+        "import hashlib, torch\n"
+        "from sglang.srt.utils.common import MultiprocessingSerializer, normalize_serialized_named_tensor_payload\n"
+        "from slime.utils.lora_utils import serialize_by_value, tensor_sha256\n"
+        "torch.manual_seed(0)\n"
+        "t = {'a.lora_A.weight': torch.randn(4, 8), 'a.lora_B.weight': torch.randn(8, 4).bfloat16()}\n"
+        "got = MultiprocessingSerializer.deserialize(normalize_serialized_named_tensor_payload(serialize_by_value(t)))\n"
+        "assert set(got) == set(t) and all(torch.equal(got[k], t[k]) for k in t)\n"
+        "sglang_sum = lambda x: hashlib.sha256(x.detach().cpu().contiguous().flatten().view(torch.uint8)"
+        ".numpy().tobytes()).hexdigest()\n"
+        "assert all(sglang_sum(got[k]) == tensor_sha256(t[k]) for k in t)\n"
+        "print('ok')\n"
+    )
+    r = run_side(code)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]

@@ -35,6 +35,7 @@ class WeightSyncTrainer(TrainRayActor):
         from slime.backends.megatron_utils.megatron_to_hf import hf_to_megatron
         from slime.backends.megatron_utils.model_provider import get_model_provider_func
         from slime.backends.megatron_utils.param_utils import named_parameters
+        from slime.backends.megatron_utils.update_weight import UpdateLoRAAdapter
         from slime.backends.megatron_utils.update_weight_utils import (
             UpdateWeightFromDisk,
             UpdateWeightFromDistributed,
@@ -49,14 +50,18 @@ class WeightSyncTrainer(TrainRayActor):
         # same noise on every TP rank keeps replicated params identical; a new seed per test, since the
         # shared engines keep what the previous test sent
         gen = torch.Generator().manual_seed(noise_seed)
+        adapter_sync = args.enable_lora and args.lora_sync == "adapter"
         with torch.no_grad():
-            for _, p in named_parameters(args, self.model):
-                p.add_(torch.randn(p.shape, generator=gen) * noise)
+            for name, p in named_parameters(args, self.model):
+                if not adapter_sync or ".lora_" in name:  # adapter sync: the base stays the engines' checkpoint
+                    p.add_(torch.randn(p.shape, generator=gen) * noise)
         # slime's actor keeps this CPU copy (weights["actor"]) and the colocated path must read from it
         self.weights = {"actor": {n: p.detach().clone() for n, p in named_parameters(args, self.model)}}
         cls = UpdateWeightFromTensor if colocate else UpdateWeightFromDistributed
         if args.update_weight_transport == "disk":
             cls = UpdateWeightFromDisk
+        if adapter_sync:
+            cls = UpdateLoRAAdapter
         self.updater = cls(
             args,
             self.model,
@@ -118,13 +123,14 @@ def _post(url, payload, timeout=120):
         return json.loads(resp.read())
 
 
-def generate(url, prompt):
+def generate(url, prompt, **fields):
     out = _post(
         f"{url}/generate",
         {
             "input_ids": prompt,
             "return_logprob": True,
             "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
+            **fields,
         },
     )
     meta = out["meta_info"]
@@ -136,12 +142,12 @@ def trainer_greedy(trainers):
     return ray.get([t.greedy.remote(PROMPTS, NEW_TOKENS) for t in trainers], timeout=300)[0]
 
 
-def max_logprob_diff(url, reference):
+def max_logprob_diff(url, reference, **fields):
     """Max |log-prob difference| between the engine's greedy continuations and the trainer's `reference`
     (from `greedy`), after checking the engine picked the same tokens. Also returns the engine's weight version."""
     diff, version = 0.0, None
     for prompt, (ref_ids, ref_lps) in zip(PROMPTS, reference):
-        ids, lps, version = generate(url, prompt)
+        ids, lps, version = generate(url, prompt, **fields)
         if ids != ref_ids:
             return float("inf"), version
         diff = max(diff, max(abs(a - b) for a, b in zip(lps, ref_lps)))
@@ -296,6 +302,40 @@ def test_lora_merged_update_gives_engines_the_trainer_with_adapters(tiny_kit, en
         diff, _ = max_logprob_diff(url, reference)
         assert diff < 1e-4, f"engine {url} differs from the LoRA trainer after the update: max |d logp| {diff}"
     assert metrics["perf/update_weights_bytes"] == hf_checkpoint_bytes(tiny_kit[0]) * len(targets)
+
+
+@pytest.mark.slow
+def test_lora_adapter_update_sends_only_adapters_and_engines_serve_base_plus_adapter(tiny_kit, lock, ray_session):
+    """--lora-sync adapter: the engine keeps its checkpoint base (requests without `lora_path` are unchanged) and
+    serves the trainer's base + adapter under the policy's adapter name; a second update (TP=2 trainers) replaces
+    the adapter in place. Only the adapters travel: a small fraction of the checkpoint's bytes."""
+    from slime.utils.lora_utils import generate_fields
+
+    def lora_args(tp):
+        a = _args(tiny_kit[0], tp, enable_lora=True, lora_rank=4, lora_alpha=8.0, lora_sync="adapter")
+        a.check_weight_update_equal = False  # refused with adapter sync: the engine checks each adapter's sha256
+        return a
+
+    args = lora_args(1)
+    (engine,) = started = start_engines(args, 1)
+    try:
+        url = ray.get(engine.get_url.remote())
+        base = [generate(url, p)[:2] for p in PROMPTS]
+        for tp in (1, 2):
+            trainers = start_trainers(lora_args(tp), colocate=False)
+            started += trainers
+            reference = trainer_greedy(trainers)
+            assert max_logprob_diff(url, reference)[0] > 1e-3, "the adapters must change the trainer's output"
+            ray.get([t.connect.remote([engine], lock) for t in trainers], timeout=120)
+            metrics = ray.get([t.update_weights.remote() for t in trainers], timeout=300)[0]
+            diff, version = max_logprob_diff(url, reference, **generate_fields(args))
+            assert diff < 1e-4, f"TP={tp}: the engine's base + adapter differs from the trainer: max |d logp| {diff}"
+            assert version == "1" == str(metrics["update_weights/weight_version"])
+            assert [generate(url, p)[:2] for p in PROMPTS] == base  # the base is untouched
+            assert 0 < metrics["perf/update_weights_bytes"] < hf_checkpoint_bytes(tiny_kit[0]) / 10
+            stop(trainers)
+    finally:
+        stop(started)
 
 
 @pytest.mark.slow

@@ -55,6 +55,9 @@ ROUTES = (
     "/weights_checker",
     "/pause_generation",
     "/continue_generation",
+    "/load_lora_adapter",
+    "/load_lora_adapter_from_tensors",
+    "/unload_lora_adapter",
 )
 # Classes of the wire schema (`sglang/api/v1/api_types.py`) and of io_struct that describe what slime reads.
 API_TYPES = (

@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 
 from slime.agent.adapters import OpenAIAdapter
 from slime.agent.aiohttp_threaded import run_app_in_thread
+from slime.utils.lora_utils import generate_fields
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,7 @@ def _adapter(args):
             sglang_url=f"http://{args.sglang_router_ip}:{args.sglang_router_port}",
             tool_parser=TOOL_PARSER,
             reasoning_parser=REASONING_PARSER,
+            generate_fields=generate_fields(args),
         )
         _state["adapter"], _state["handle"] = adapter, run_app_in_thread(adapter.app)
     return _state["adapter"], _state["handle"].url

@@ -16,6 +16,7 @@ import re
 from qa_em_format import compute_score_em
 
 from slime.utils.http_utils import post
+from slime.utils.lora_utils import generate_fields
 from slime.utils.types import Sample
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -112,7 +113,9 @@ async def generate(args, sample: Sample, sampling_params) -> Sample:
     response, response_token_ids, loss_mask = "", [], []
     finish = "stop"
     for _ in range(SEARCH_R1_CONFIGS["max_turns"]):
-        output = await post(url, {"text": prompt + response, "sampling_params": sampling_params})
+        output = await post(
+            url, {"text": prompt + response, "sampling_params": sampling_params, **generate_fields(args)}
+        )
         finish = output["meta_info"]["finish_reason"]["type"]
         if finish == "abort":
             sample.status = Sample.Status.ABORTED

@@ -21,6 +21,7 @@ from slime.utils.async_utils import run
 from slime.utils.data import Dataset
 from slime.utils.eval_config import EvalDatasetConfig, eval_datasets
 from slime.utils.http_utils import post
+from slime.utils.lora_utils import generate_fields
 from slime.utils.misc import SingletonMeta, accepted_kwargs, load_function
 from slime.utils.top_p_replay import append_kept_sets, sampling_is_truncated
 from slime.utils.types import Sample
@@ -150,7 +151,12 @@ async def generate(args, sample: Sample, sampling_params, evaluation=False) -> S
         input_ids = state.tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]
         sample.tokens = list(input_ids)
 
-    payload = {"input_ids": list(input_ids), "sampling_params": sampling_params, "return_logprob": True}
+    payload = {
+        "input_ids": list(input_ids),
+        "sampling_params": sampling_params,
+        "return_logprob": True,
+        **generate_fields(args),  # the policy's LoRA adapter under --lora-sync adapter
+    }
     replay = not evaluation and sampling_is_truncated(args)
     if replay:
         payload["return_sampling_mask"] = True

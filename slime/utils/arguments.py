@@ -1039,6 +1039,14 @@ def check_external_engines(args, error, check_paths):
             + ", ".join(f"{i['url']}: {i['num_gpus']}" for i in infos)
             + "); one weight-update group needs engines of one shape."
         )
+    if args.enable_lora and args.lora_sync == "adapter":
+        for i in infos:
+            if not i["lora"]["enable_lora"] or (i["lora"]["max_lora_rank"] or 0) < args.lora_rank:
+                error(
+                    f"{flag} {i['url']}: --lora-sync adapter needs engines started with --enable-lora and "
+                    f"--max-lora-rank >= {args.lora_rank} (it reports enable_lora={i['lora']['enable_lora']}, "
+                    f"max_lora_rank={i['lora']['max_lora_rank']}); restart it so, or use --lora-sync merged."
+                )
     args.rollout_external_engine_infos = infos
     args.rollout_num_gpus_per_engine = sizes.pop()
 
@@ -1157,9 +1165,10 @@ def add_lora_arguments(parser):
     )
     g.add_argument(
         "--lora-sync",
-        choices=["merged"],
+        choices=["merged", "adapter"],
         default="merged",
-        help="What a weight update sends the engines: merged = base + adapters as full weights (any engine).",
+        help="What a weight update sends the engines: merged = base + adapters as full weights (any engine); "
+        "adapter = only the adapters, served by the engines' LoRA support over the base they loaded.",
     )
     return parser
 

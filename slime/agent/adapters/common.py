@@ -60,6 +60,8 @@ class BaseAdapter:
     sglang_url: the router's (or one engine's) base URL.
     tool_parser / reasoning_parser: SGLang parser names (`qwen25`, `qwen3`, ...); None leaves the text as it is.
     chat_template_kwargs: extra arguments for `apply_chat_template` (e.g. {"enable_thinking": False}).
+    generate_fields: extra `/generate` fields of every turn, e.g. `slime.utils.lora_utils.generate_fields(args)`
+        (the policy's adapter under `--lora-sync adapter`).
     """
 
     protocol = ""
@@ -73,6 +75,7 @@ class BaseAdapter:
         reasoning_parser: str | None = None,
         chat_template_kwargs: dict | None = None,
         request_timeout: float = 900.0,
+        generate_fields: dict | None = None,
     ):
         check_parser_names(tool_parser, reasoning_parser)
         self.tokenizer = tokenizer
@@ -81,6 +84,7 @@ class BaseAdapter:
         self.reasoning_parser = reasoning_parser
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.request_timeout = request_timeout
+        self.generate_fields = dict(generate_fields or {})
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
         self.app = web.Application(client_max_size=64 << 20)
@@ -300,6 +304,7 @@ class BaseAdapter:
             # the sampled ids are the training target, so the engine must return them untrimmed
             "sampling_params": {**sp, "skip_special_tokens": False, "no_stop_trim": True},
             "return_logprob": True,
+            **self.generate_fields,
         }
         timeout = aiohttp.ClientTimeout(total=self.request_timeout)
         try:

@@ -35,6 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--admin-api-key", default=None, help="as SGLang's: required on admin endpoints instead of --api-key"
     )
+    # LoRA serving, as SGLang's flags
+    p.add_argument("--enable-lora", action="store_true", default=None, help="serve LoRA adapters")
+    p.add_argument("--max-lora-rank", type=int, default=None, help="the largest adapter rank accepted")
+    p.add_argument("--lora-target-modules", nargs="*", default=None, help="projections adapters may target, or all")
+    p.add_argument("--lora-paths", nargs="*", default=None, help="adapters loaded at start: PATH | NAME=PATH | JSON")
+    p.add_argument("--max-loras-per-batch", type=int, default=8, help="adapters in a running batch, base included")
+    p.add_argument("--max-loaded-loras", type=int, default=None, help="adapters held at most (LRU unloaded)")
     return p
 
 

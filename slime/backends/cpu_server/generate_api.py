@@ -93,6 +93,11 @@ class GenerateAPI:
                 "custom_logit_processor, input_embeds and image_data are not supported by slime's CPU server."
             )
         masks_raw, mode_raw = body.get("return_sampling_mask"), body.get("sampling_logprobs_mode")
+        loras_raw, lora_names = body.get("lora_path"), []
+        if isinstance(loras_raw, list) and len(loras_raw) != len(prompts):
+            raise RequestError(
+                f"lora_path is a list of {len(loras_raw)}: it needs one entry per prompt ({len(prompts)})"
+            )
         reqs = []
         for i, ids in enumerate(prompts):
             sp_d = sps_raw[i] if isinstance(sps_raw, list) else sps_raw
@@ -121,7 +126,25 @@ class GenerateAPI:
                 r.index, r.text_in_logprobs = len(reqs), bool(body.get("return_text_in_logprobs"))
                 r.support_logprobs = mode == "support"
                 reqs.append(r)
+                lora_names.append(loras_raw[i] if isinstance(loras_raw, list) else loras_raw)
+        for r, adapter in zip(reqs, self._acquire_loras(lora_names)):
+            r.lora = adapter
         return reqs, batch
+
+    def _acquire_loras(self, names):
+        """SGLang's checks of `lora_path`; the adapters are held by the requests until they finish."""
+        if not any(names):
+            return [None] * len(names)
+        if self.loras is None:
+            raise RequestError(
+                f"LoRA adapter '{next(n for n in names if n)}' was requested, but LoRA is not enabled. Please launch "
+                "the server with --enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter "
+                "endpoint."
+            )
+        try:
+            return self.loras.acquire([n or None for n in names])
+        except KeyError as e:
+            raise RequestError(e.args[0]) from None
 
     def _check_ready(self):
         if self.released_tags:

@@ -164,13 +164,14 @@ def checkpoint_views(model) -> dict:
 
 
 class HFFallbackModel:
-    """Transformer's forward_prefill / forward_decode over a transformers model and a TokenPool."""
+    """Transformer's forward_prefill / forward_decode over a transformers model and a TokenPool (`lora` is always
+    None: the server refuses --enable-lora with this fallback)."""
 
     def __init__(self, model):
         self.model = model
 
     @torch.inference_mode()
-    def forward_prefill(self, pool: TokenPool, tokens, lens, rows, all_logits: bool = False):
+    def forward_prefill(self, pool: TokenPool, tokens, lens, rows, all_logits: bool = False, lora=None):
         pool.tokens.index_copy_(0, rows, tokens)
         B, L = len(lens), int(lens.max())
         ids = torch.zeros(B, L, dtype=torch.long)
@@ -182,7 +183,7 @@ class HFFallbackModel:
         return logits[torch.arange(B), lens - 1]
 
     @torch.inference_mode()
-    def forward_decode(self, pool: TokenPool, tokens, positions, new_rows, kv_index, kv_valid):
+    def forward_decode(self, pool: TokenPool, tokens, positions, new_rows, kv_index, kv_valid, lora=None):
         pool.tokens.index_copy_(0, new_rows, tokens)
         ids = pool.tokens.index_select(0, kv_index.reshape(-1)).view(kv_index.shape)
         logits = self.model(input_ids=ids, attention_mask=kv_valid.long()).logits

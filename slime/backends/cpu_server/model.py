@@ -186,9 +186,15 @@ class Transformer:
     def _norm(self, x, w):
         return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_norm_eps)
 
-    def _qkv(self, layer, h, cos, sin):
+    @staticmethod
+    def _linear(x, layer, name, lora, i):
+        """One projection of layer i, plus the LoRA deltas of the batch's adapters (lora: a LoRABatch or None)."""
+        out = F.linear(x, layer[name], layer.get(name + "_bias"))
+        return out if lora is None else lora.add(i, name, x, out)
+
+    def _qkv(self, layer, h, cos, sin, lora=None, i=0):
         cfg = self.cfg
-        qkv = F.linear(h, layer["qkv"], layer.get("qkv_bias"))
+        qkv = self._linear(h, layer, "qkv", lora, i)
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.unflatten(-1, (cfg.num_heads, cfg.head_dim))
@@ -201,18 +207,25 @@ class Transformer:
         k = k * cos + _rotate_half(k) * sin
         return q, k, v
 
-    def _mlp(self, layer, h):
-        gate, up = F.linear(h, layer["gate_up"], layer.get("gate_up_bias")).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, layer["down"], layer.get("down_bias"))
+    def _mlp(self, layer, h, lora=None, i=0):
+        gate, up = self._linear(h, layer, "gate_up", lora, i).chunk(2, dim=-1)
+        return self._linear(F.silu(gate) * up, layer, "down", lora, i)
 
     def _logits(self, h):
         return F.linear(self._norm(h, self.w.final_norm), self.w.lm_head)
 
     @torch.inference_mode()
     def forward_prefill(
-        self, pool: KVPool, tokens: torch.Tensor, lens: torch.Tensor, rows: torch.Tensor, all_logits: bool = False
+        self,
+        pool: KVPool,
+        tokens: torch.Tensor,
+        lens: torch.Tensor,
+        rows: torch.Tensor,
+        all_logits: bool = False,
+        lora=None,
     ):
-        """tokens [N]: whole sequences packed back to back, lens [B] their lengths, rows [N] their pool rows.
+        """tokens [N]: whole sequences packed back to back, lens [B] their lengths, rows [N] their pool rows;
+        lora: the LoRA adapters of the packed tokens (a LoRABatch) or None.
         Returns logits at each sequence's last token [B, V] (or at every token [N, V]).
         Matmuls run on the packed tokens (no padding waste); only attention uses a padded [B, L] layout."""
         B, N, L = len(lens), len(tokens), int(lens.max())
@@ -232,15 +245,15 @@ class Transformer:
 
         for i, layer in enumerate(self.w.layers):
             x = self._norm(h, layer["input_norm"])
-            q, k, v = self._qkv(layer, x, cos, sin)
+            q, k, v = self._qkv(layer, x, cos, sin, lora, i)
             pool.k[i].index_copy_(0, rows, k)
             pool.v[i].index_copy_(0, rows, v)
             o = F.scaled_dot_product_attention(
                 padded(q), padded(k), padded(v), attn_mask=mask, scale=self.scale, enable_gqa=True
             )
             o = o.transpose(1, 2).flatten(2).flatten(0, 1).index_select(0, pad_index)  # back to packed [N, H*D]
-            h = h + F.linear(o, layer["o"], layer.get("o_bias"))
-            h = h + self._mlp(layer, self._norm(h, layer["post_norm"]))
+            h = h + self._linear(o, layer, "o", lora, i)
+            h = h + self._mlp(layer, self._norm(h, layer["post_norm"]), lora, i)
         if all_logits:
             return self._logits(h)
         return self._logits(h.index_select(0, starts + lens - 1))
@@ -254,9 +267,11 @@ class Transformer:
         new_rows: torch.Tensor,
         kv_index: torch.Tensor,
         kv_valid: torch.Tensor,
+        lora=None,
     ):
         """One token per request. tokens/positions/new_rows [B]; kv_index [B, S] pool rows of every cached position
-        including the new one (padding points at row 0), kv_valid [B, S]. Returns logits [B, V]."""
+        including the new one (padding points at row 0), kv_valid [B, S]; lora as in forward_prefill.
+        Returns logits [B, V]."""
         cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)
         B, S = kv_index.shape
         # one additive float mask per step (a bool mask is converted inside every attention call)
@@ -265,7 +280,7 @@ class Transformer:
         h = F.embedding(tokens, self.w.embed)  # [B, hidden]
         for i, layer in enumerate(self.w.layers):
             x = self._norm(h, layer["input_norm"])
-            q, k, v = self._qkv(layer, x, cos, sin)  # [B, heads, D]
+            q, k, v = self._qkv(layer, x, cos, sin, lora, i)  # [B, heads, D]
             pool.k[i].index_copy_(0, new_rows, k)
             pool.v[i].index_copy_(0, new_rows, v)
             # index_select, not advanced indexing: ~100x faster gathers on CPU
@@ -274,6 +289,6 @@ class Transformer:
             o = F.scaled_dot_product_attention(
                 q.unsqueeze(2), ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=True
             )
-            h = h + F.linear(o.flatten(1), layer["o"], layer.get("o_bias"))
-            h = h + self._mlp(layer, self._norm(h, layer["post_norm"]))
+            h = h + self._linear(o.flatten(1), layer, "o", lora, i)
+            h = h + self._mlp(layer, self._norm(h, layer["post_norm"]), lora, i)
         return self._logits(h)

@@ -16,6 +16,7 @@ from collections import deque
 
 import torch
 
+from .lora import LoRABatch
 from .sampling import SamplingParams, sample
 
 logger = logging.getLogger("slime.cpu_server")
@@ -34,6 +35,7 @@ class Req:
         stream=False,
         on_update=None,
         return_sampling_mask=False,
+        lora=None,
     ):
         self.rid = rid or uuid.uuid4().hex
         self.input_ids, self.sp = list(input_ids), sp
@@ -57,6 +59,7 @@ class Req:
         self.text = ""
         self.num_retractions = 0
         self.index, self.text_in_logprobs = 0, False  # position in its HTTP request; token texts in logprobs
+        self.lora = lora  # the LoRA adapter serving this request (held in the registry until it finishes), or None
 
     @property
     def finished(self) -> bool:
@@ -77,11 +80,13 @@ class Scheduler:
         max_prefill_tokens: int,
         random_seed: int,
         state,
+        lora_registry=None,
     ):
         self.model, self.weights, self.pool, self.tok = model, weights, pool, tokenizer
         self.max_running, self.context_len, self.eos_ids = max_running, context_len, set(eos_ids)
         self.max_prefill_tokens = max_prefill_tokens
         self.state = state  # shared ServerState: weight_version, paused, ...
+        self.loras = lora_registry  # --enable-lora: the loaded adapters, else None
         self.gen = torch.Generator().manual_seed(random_seed)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -187,12 +192,16 @@ class Scheduler:
 
     def _admit(self) -> list:
         admitted, budget = [], self.max_prefill_tokens
+        adapters = {id(r.lora) for r in self.running}  # SGLang's --max-loras-per-batch counts the base as one
         while self.waiting and self.free_slots:
             r = self.waiting[0]
             n = len(r.input_ids) + max(len(r.output_ids) - 1, 0)
             reserve = len(self.running) + len(admitted) + 1  # the next decode step must fit too
             if self.pool.num_free() < n + reserve or (admitted and n > budget):
                 break
+            if self.loras is not None and len(adapters | {id(r.lora)}) > self.loras.max_per_batch:
+                break
+            adapters.add(id(r.lora))
             self.waiting.popleft()
             r.slot = self.free_slots.pop()
             r.rows = self.pool.alloc(n)
@@ -208,7 +217,8 @@ class Scheduler:
         tokens = torch.tensor([t for x in seqs for t in x])
         rows = torch.tensor([x for r in reqs for x in r.rows])
         need_input_lp = [r.return_logprob and r.logprob_start_len >= 0 and not r.output_ids for r in reqs]
-        logits = self.model.forward_prefill(self.pool, tokens, lens, rows, all_logits=any(need_input_lp))
+        lora = LoRABatch.of([r.lora for r in reqs], lens.tolist())
+        logits = self.model.forward_prefill(self.pool, tokens, lens, rows, all_logits=any(need_input_lp), lora=lora)
         if any(need_input_lp):
             ends = torch.cumsum(lens, 0)
             full, logits = logits.float(), logits[ends - 1]
@@ -248,7 +258,10 @@ class Scheduler:
         kv_index = self.req_to_token[slots, :S]
         kv_valid = torch.arange(S)[None, :] <= kv_lens[:, None]
         tokens = torch.tensor([r.output_ids[-1] for r in reqs])
-        logits = self.model.forward_decode(self.pool, tokens, kv_lens, torch.tensor(new_rows), kv_index, kv_valid)
+        lora = LoRABatch.of([r.lora for r in reqs], [1] * len(reqs))
+        logits = self.model.forward_decode(
+            self.pool, tokens, kv_lens, torch.tensor(new_rows), kv_index, kv_valid, lora=lora
+        )
         self._sample_and_append(list(reqs), logits.float())
 
     def _retract(self, r):
@@ -311,6 +324,8 @@ class Scheduler:
         elif r in self.waiting:
             self.waiting.remove(r)
         self._free(r)
+        if r.lora is not None:
+            self.loras.release(r.lora)
         r.finish_reason = reason
         r.weight_version = self.state.weight_version
         r.text = self.detokenize(r)

@@ -27,7 +27,8 @@ from slime.utils.tensor_serialization import set_shared_authkey
 
 from .generate_api import GenerateAPI
 from .hf_fallback import TokenPool, load_fallback
-from .model import KVPool, ModelConfig, Transformer, UnsupportedModelError
+from .lora import LoRARegistry
+from .model import SUPPORTED_ARCHITECTURES, KVPool, ModelConfig, Transformer, UnsupportedModelError
 from .openai_api import OpenAIAPI
 from .sampling import RequestError, SamplingParams
 from .scheduler import Req, Scheduler
@@ -62,6 +63,7 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
         sched_tok = AutoTokenizer.from_pretrained(tok_path, trust_remote_code=args.trust_remote_code)
         self.eos_ids = self._eos_ids()
         self.state = ServerState(args.weight_version, args.num_threads)
+        self.loras = self._lora_registry(args)
         self.scheduler = Scheduler(
             self.model,
             self.weights,
@@ -73,6 +75,7 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
             max_prefill_tokens=args.max_prefill_tokens,
             random_seed=args.random_seed,
             state=self.state,
+            lora_registry=self.loras,
         )
         self.served_model_name = args.served_model_name or self.model_path
         self.groups: dict = {}
@@ -113,6 +116,19 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
             args.max_running_requests * self.context_len, (1 << 30) // bytes_per_token
         )
         self.pool = KVPool(self.cfg, self.max_total_tokens, self.dtype)
+
+    def _lora_registry(self, args):
+        if not (args.enable_lora or args.lora_paths):  # as SGLang: --lora-paths implies --enable-lora
+            return None
+        if self.fallback:
+            raise UnsupportedModelError(
+                f"--enable-lora: slime's CPU server serves LoRA adapters on its own decoder "
+                f"({', '.join(sorted(SUPPORTED_ARCHITECTURES))}), not through the transformers fallback"
+            )
+        try:
+            return LoRARegistry(args, self.cfg, self.dtype)
+        except ValueError as e:
+            raise UnsupportedModelError(str(e)) from None
 
     def _eos_ids(self):
         ids = set(self.cfg.eos_token_ids)
@@ -164,6 +180,9 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
             ("/begin_weight_update", self.begin_weight_update),
             ("/end_weight_update", self.end_weight_update),
             ("/update_weight_version", self.update_weight_version),
+            ("/load_lora_adapter", self.load_lora_adapter),
+            ("/load_lora_adapter_from_tensors", self.load_lora_adapter_from_tensors),
+            ("/unload_lora_adapter", self.unload_lora_adapter),
             ("/v1/completions", self.v1_completions),
             ("/v1/chat/completions", self.v1_chat_completions),
         ]:
@@ -270,6 +289,11 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
             "dtype": str(self.dtype).replace("torch.", ""),
             "device": "cpu",
             "skip_tokenizer_init": False,
+            "enable_lora": self.loras is not None,
+            "max_lora_rank": None if self.loras is None else self.loras.max_rank,
+            "lora_target_modules": None if self.loras is None else sorted(self.loras.targets or ()),
+            "max_loras_per_batch": a.max_loras_per_batch,
+            "max_loaded_loras": a.max_loaded_loras,
             "weight_version": self.state.weight_version,
             "version": VERSION,
             "model_impl": "transformers" if self.fallback else "slime",

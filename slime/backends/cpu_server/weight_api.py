@@ -12,8 +12,10 @@ from aiohttp import web
 from slime.backends.sglang_utils.contract import load_contract
 from slime.utils.disk_delta import PullError, pull_version
 from slime.utils.distributed_utils import init_process_group, seconds
+from slime.utils.lora_utils import tensor_sha256
 from slime.utils.tensor_serialization import FlattenedTensorBucket, MultiprocessingSerializer
 
+from .lora import TENSOR_PATH, Adapter, read_peft_dir
 from .sampling import RequestError
 from .weight_checker import WeightCheckError
 from .weights import WeightError, parse_dtype
@@ -234,6 +236,80 @@ class WeightAPI:
                 "new_version": b["new_version"],
             }
         )
+
+    # ---- LoRA adapters (SGLang's LoRAUpdateOutput replies: 200 on success, 400 with error_message otherwise)
+    def _lora_reply(self, error=None):
+        loaded = None if self.loras is None else self.loras.loaded()
+        body = {"success": error is None, "error_message": error, "loaded_adapters": loaded}
+        return web.json_response(body, status=200 if error is None else 400)
+
+    def _lora_enabled(self):
+        if self.loras is None:
+            raise WeightError("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+
+    async def load_lora_adapter(self, request):
+        b = await self._body(request)
+        try:
+            self._lora_enabled()
+            config, tensors = await asyncio.get_running_loop().run_in_executor(None, read_peft_dir, b["lora_path"])
+            self.loras.load(
+                Adapter(b["lora_name"], b["lora_path"], config, tensors, self.cfg, self.dtype, b.get("pinned", False))
+            )
+        except WeightError as e:
+            return self._lora_reply(str(e))
+        return self._lora_reply()
+
+    async def load_lora_adapter_from_tensors(self, request):
+        b = await self._body(request)
+        fmt = b.get("load_format")
+        try:
+            self._lora_enabled()
+            if fmt not in (None, "flattened_bucket"):
+                raise WeightError(f"load_format {fmt!r} is not supported (use null or 'flattened_bucket')")
+
+            def unpack():  # this server is TP rank 0: its copy is the first
+                obj = MultiprocessingSerializer.deserialize(b["serialized_named_tensors"][0])
+                if fmt == "flattened_bucket":
+                    obj = FlattenedTensorBucket(
+                        flattened_tensor=obj["flattened_tensor"], metadata=obj["metadata"]
+                    ).reconstruct_tensors()
+                return dict(obj)
+
+            tensors = await asyncio.get_running_loop().run_in_executor(None, unpack)
+            expected = b.get("expected_checksums")
+            if expected is not None:  # as SGLang's TP worker: every expected tensor present and equal, no extra
+                bad = [n for n, want in expected.items() if n not in tensors or tensor_sha256(tensors[n]) != want]
+                extra = [n for n in tensors if n not in expected]
+                if bad or extra:
+                    raise WeightError(
+                        f"[LORA-CHECK] rank0 adapter sync MISMATCH of {len(expected)} expected: {len(bad)} missing or "
+                        f"value-diff {bad[:5]}, {len(extra)} extra {extra[:5]}"
+                    )
+            self.loras.load(
+                Adapter(
+                    b["lora_name"],
+                    TENSOR_PATH,
+                    b["config_dict"],
+                    tensors,
+                    self.cfg,
+                    self.dtype,
+                    b.get("pinned", False),
+                )
+            )
+        except WeightError as e:
+            return self._lora_reply(str(e))
+        return self._lora_reply()
+
+    async def unload_lora_adapter(self, request):
+        b = await self._body(request)
+        try:
+            self._lora_enabled()
+            adapter = self.loras.remove(b["lora_name"])  # new requests naming it fail from here on
+        except WeightError as e:
+            return self._lora_reply(str(e))
+        while self.loras.busy(adapter):  # as SGLang: the unload completes once the requests using it finish
+            await asyncio.sleep(0.01)
+        return self._lora_reply()
 
     async def weights_checker(self, request):
         b = await self._body(request)

@@ -32,6 +32,7 @@ from .megatron_to_hf import resolve_model_name
 from .model import forward_only, initialize_model_and_optimizer, log
 from .model import train as train_steps
 from .param_utils import named_parameters
+from .update_weight import UpdateLoRAAdapter
 from .update_weight_utils import UpdateWeightFromDisk, UpdateWeightFromDistributed, UpdateWeightFromTensor
 
 logger = logging.getLogger(__name__)
@@ -81,7 +82,9 @@ class MegatronTrainRayActor(TrainRayActor):
             self.weights["old_actor"] = _clone_dict(self.weights["actor"])
             self.weights["rollout_actor"] = _clone_dict(self.weights["actor"])
 
-        if args.update_weight_transport == "disk":
+        if args.enable_lora and args.lora_sync == "adapter":
+            updater_cls = UpdateLoRAAdapter
+        elif args.update_weight_transport == "disk":
             updater_cls = UpdateWeightFromDisk
         else:
             updater_cls = UpdateWeightFromTensor if args.colocate else UpdateWeightFromDistributed
@@ -140,6 +143,10 @@ class MegatronTrainRayActor(TrainRayActor):
         when `path` is None. The live model is restored to the actor weights afterwards."""
         if not path:
             self.weights[tag] = _clone_dict(self.weights["actor"])
+            if self.args.enable_lora:  # the frozen base itself (B = 0), also when a resume brought trained adapters
+                for name, t in self.weights[tag].items():
+                    if name.endswith(".lora_B"):
+                        t.zero_()
             return
         tmp = copy.copy(self.args)
         tmp.load, tmp.no_load_optim, tmp.no_load_rng, tmp.finetune = path, True, True, True

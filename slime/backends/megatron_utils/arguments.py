@@ -20,6 +20,7 @@ from slime.utils.device import (
     sequence_parallel_possible,
     transformer_engine_usable,
 )
+from slime.utils.lora_utils import resolve_target_modules
 
 logger = logging.getLogger(__name__)
 
@@ -927,8 +928,20 @@ def lora_validate_args(args, error):
     """--enable-lora's rules, once the model flags are final: known target modules, 0 < rank <= each layer's
     smaller side, dense decoder layers without Transformer Engine's fused layers."""
     if not args.enable_lora:
+        if args.lora_sync != "merged":
+            error(f"--lora-sync {args.lora_sync} needs --enable-lora")
         return
-    from slime.backends.megatron_utils.lora import layer_dims, resolve_target_modules  # lazy: megatron-core
+    if args.lora_sync == "adapter" and args.update_weight_transport == "disk":
+        error(
+            "--lora-sync adapter sends the adapters inside the update request: drop --update-weight-transport disk, "
+            "or use --lora-sync merged"
+        )
+    if args.lora_sync == "adapter" and args.check_weight_update_equal:
+        error(
+            "--check-weight-update-equal checks full weight pushes; with --lora-sync adapter the engines keep their "
+            "base and verify every adapter tensor by sha256: drop one of the two"
+        )
+    from slime.backends.megatron_utils.lora import layer_dims  # lazy: megatron-core
 
     try:
         targets = resolve_target_modules(args.lora_target_modules)

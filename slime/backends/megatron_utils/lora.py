@@ -15,6 +15,7 @@ A merged weight is computed shard by shard without communication: `W_shard + s *
 
 import functools
 import math
+import os
 import re
 import zlib
 
@@ -26,58 +27,13 @@ from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+from slime.utils.device import get_device
+from slime.utils.lora_utils import TARGETS, resolve_target_modules
+
 from .megatron_to_hf import convert_to_hf, resolve_model_name
 from .param_utils import PREFIX, all_gather_param, canonical_name, is_lora_param, named_parameters
 
-# Megatron module (layer-relative path) -> whether it is column parallel; the names --lora-target-modules accepts.
-TARGETS = {
-    "self_attention.linear_qkv": True,
-    "self_attention.linear_proj": False,
-    "mlp.linear_fc1": True,
-    "mlp.linear_fc2": False,
-}
-# HF (peft) names -> the Megatron module that holds them. q/k/v and gate/up are fused in Megatron, so they come
-# together (one shared A, B split by rows): naming one of a fused set without the others is refused.
-HF_NAMES = {
-    "q_proj": "self_attention.linear_qkv",
-    "k_proj": "self_attention.linear_qkv",
-    "v_proj": "self_attention.linear_qkv",
-    "o_proj": "self_attention.linear_proj",
-    "gate_proj": "mlp.linear_fc1",
-    "up_proj": "mlp.linear_fc1",
-    "down_proj": "mlp.linear_fc2",
-}
-SHORT_NAMES = {path.rsplit(".", 1)[1]: path for path in TARGETS}  # linear_qkv -> self_attention.linear_qkv
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-
-
-def resolve_target_modules(names) -> list:
-    """`--lora-target-modules` values (Megatron names, HF names, `all-linear`, comma lists) -> sorted Megatron
-    paths. Raises ValueError naming what is wrong."""
-    flat = [n.strip() for v in names for n in v.split(",") if n.strip()]
-    out = set()
-    for n in flat:
-        if n in ("all-linear", "all_linear"):
-            out.update(TARGETS)
-        elif n in TARGETS:
-            out.add(n)
-        elif n in SHORT_NAMES:
-            out.add(SHORT_NAMES[n])
-        elif n in HF_NAMES:
-            fused = sorted(k for k, v in HF_NAMES.items() if v == HF_NAMES[n])
-            if not set(fused) <= set(flat) and len(fused) > 1:
-                megatron = HF_NAMES[n].rsplit(".", 1)[1]
-                raise ValueError(
-                    f"{n} is fused with {'/'.join(f for f in fused if f != n)} in Megatron's {megatron}: "
-                    f"name all of {', '.join(fused)} (or {megatron})"
-                )
-            out.add(HF_NAMES[n])
-        else:
-            known = ", ".join(["all-linear", *SHORT_NAMES, *HF_NAMES])
-            raise ValueError(f"{n!r} matches no layer LoRA supports (known: {known})")
-    if not out:
-        raise ValueError("no module named")
-    return sorted(out)
 
 
 def layer_dims(args) -> dict:
@@ -260,18 +216,29 @@ def is_column(name: str) -> bool:
 # ---- PEFT export -----------------------------------------------------------------------------------------------
 
 
-def full_adapters(args, model) -> dict:
+def full_adapters(args, model, weights=None) -> dict:
     """{global base weight name: (A full, B full)} of every adapted layer of the whole model, on every rank (CPU
-    tensors; A/B gathered over TP like their base weight, then shared over PP). Collective over all ranks."""
+    tensors; A/B gathered over TP like their base weight, then shared over PP). Collective over all ranks.
+    `weights`: a CPU dict of this rank's shards to read instead of the live parameters (an offloaded model)."""
     import torch.distributed as dist
 
     local = {}
     params = dict(named_parameters(args, model))
+
+    def shard(n):
+        if weights is None:
+            return params[n]
+        t = weights[n].to(get_device(int(os.environ.get("LOCAL_RANK", "0"))))
+        for attr in ("tensor_model_parallel", "partition_dim", "partition_stride", "parallel_mode"):
+            if hasattr(params[n], attr):  # how to gather it: the live parameter's TP attributes
+                setattr(t, attr, getattr(params[n], attr))
+        return t
+
     for name in sorted(params):
         if not name.endswith(".lora_A"):
             continue
         base = base_weight_name(name)
-        a, b = params[name], params[name[: -len("A")] + "B"]
+        a, b = shard(name), shard(name[: -len("A")] + "B")
         # gather as the base weight would be gathered, so a gated fc1's B gets its [gate; up] rows back in order
         full_a = all_gather_param(base, a, gated_linear_unit=args.swiglu)
         full_b = all_gather_param(base, b, gated_linear_unit=args.swiglu)

@@ -71,6 +71,11 @@ def engine_shape(info: dict) -> dict:
         "ep_size": size("ep_size", "expert_parallel_size"),
         "num_gpus": int(info.get("num_gpus") or info.get("num_gpus_per_engine") or tp * pp),
         "worker_type": "encoder" if info.get("encoder_only") else mode if mode in ("prefill", "decode") else "regular",
+        # SGLang's LoRA serving (--lora-sync adapter needs it); --lora-paths alone enables it too
+        "lora": {
+            "enable_lora": bool(info.get("enable_lora") or info.get("lora_paths")),
+            "max_lora_rank": info.get("max_lora_rank"),
+        },
     }
 
 

@@ -23,6 +23,7 @@ import requests
 
 from slime.ray.ray_actor import RayActor
 from slime.utils.http_utils import get_host_info
+from slime.utils.lora_utils import hf_target_modules
 from slime.utils.process_utils import die_with_parent
 
 from .arguments import CPU_SERVER_HONOURED, load_table
@@ -179,8 +180,23 @@ def _cli(kwargs: dict) -> list:
     argv = []
     for k, v in kwargs.items():
         flag = "--" + k.replace("_", "-")
-        argv += ([flag] if v else []) if isinstance(v, bool) else [flag, str(v)]
+        if isinstance(v, bool):
+            argv += [flag] if v else []
+        else:
+            argv += [flag, *map(str, v)] if isinstance(v, list) else [flag, str(v)]
     return argv
+
+
+def lora_server_fields(args) -> dict:
+    """`--lora-sync adapter`: the server serves LoRA adapters of the run's rank on the run's projections (SGLang's
+    flags; the CPU server takes the same). The base weights are never pushed then, so a colocated engine that
+    releases its memory keeps a CPU copy of them to resume from."""
+    if not (args.enable_lora and args.lora_sync == "adapter"):
+        return {}
+    fields = {"enable_lora": True, "max_lora_rank": args.lora_rank, "lora_target_modules": hf_target_modules(args)}
+    if args.inference_server == "sglang" and args.offload_rollout:
+        fields["enable_weights_cpu_backup"] = True
+    return fields
 
 
 def server_command(args, rank: int, host: str, port: int, nccl_port: int, dist_init_addr: str) -> tuple[str, list]:
@@ -192,6 +208,7 @@ def server_command(args, rank: int, host: str, port: int, nccl_port: int, dist_i
         for field in CPU_SERVER_HONOURED:
             if getattr(args, f"sglang_{field}") is not None:
                 kw[field] = getattr(args, f"sglang_{field}")
+        kw.update(lora_server_fields(args))
         return kind, [sys.executable, "-m", "slime.backends.cpu_server"] + _cli(kw)
     gpus_per_engine, gpus_per_node = args.rollout_num_gpus_per_engine, args.rollout_num_gpus_per_node
     nnodes = max(1, gpus_per_engine // gpus_per_node)
@@ -212,6 +229,7 @@ def server_command(args, rank: int, host: str, port: int, nccl_port: int, dist_i
         "pp_size": args.sglang_pp_size or 1,
         "ep_size": args.sglang_ep_size or 1,
         "skip_server_warmup": True,
+        **lora_server_fields(args),
     }
     return kind, [sys.executable, "-m", "sglang.launch_server"] + _cli(kw) + _sglang_passthrough(args)
 
@@ -245,6 +263,7 @@ class SGLangEngine(RayActor):
         self.log_path = None
         self._http = requests.Session()
         self._http.trust_env = False
+        self._lora_loaded = False  # whether this server holds the policy's adapter (--lora-sync adapter)
         # SGLang's auth: admin endpoints (ADMIN_OPTIONAL) take the admin key when one is set, else the API key;
         # the others take the API key (the admin key is refused there)
         api_key = args.sglang_api_key
@@ -550,6 +569,29 @@ class SGLangEngine(RayActor):
         """SGLang's `/weights_checker`: `snapshot` the served weights, `reset_tensors` (overwrite them with noise),
         `compare` the served weights with the snapshot (a 400 naming the differing tensors), or `checksum`."""
         return self._checked(f"weights_checker {action}", self._make_request("weights_checker", {"action": action}))
+
+    def update_lora_adapter(self, name, config_dict, payload, checksums, weight_version):
+        """Replace the served adapter `name` by a new version (`--lora-sync adapter`), between pause_generation and
+        continue_generation: SGLang refuses to load a name twice, so the old version is unloaded first, then the new
+        one is loaded from `payload` (one by-value copy for every TP rank, each tensor verified by sha256) and the
+        server's weight version set."""
+        if self._lora_loaded:
+            self._checked("unload_lora_adapter", self._make_request("unload_lora_adapter", {"lora_name": name}))
+            self._lora_loaded = False
+        body = {
+            "lora_name": name,
+            "config_dict": config_dict,
+            "serialized_named_tensors": [payload] * self._tp_size(),
+            "expected_checksums": checksums,
+        }
+        self._checked("load_lora_adapter_from_tensors", self._make_request("load_lora_adapter_from_tensors", body))
+        self._lora_loaded = True
+        self._make_request("update_weight_version", {"new_version": str(weight_version)})
+
+    def _tp_size(self) -> int:
+        if self.external:
+            return next(i["tp_size"] for i in self.args.rollout_external_engine_infos if i["url"] == self.url)
+        return self.args.rollout_num_gpus_per_engine if self.kind == "sglang" else 1
 
     def get_weight_version(self) -> str:
         return self._make_request("model_info", method="GET", timeout=30)["weight_version"]

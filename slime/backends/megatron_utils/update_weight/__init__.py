@@ -1,11 +1,14 @@
-"""Weight sync Megatron -> inference engines: broadcast (disaggregated), tensor handles (colocated) or files (disk)."""
+"""Weight sync Megatron -> inference engines: broadcast (disaggregated), tensor handles (colocated), files (disk),
+or LoRA adapters alone (`--lora-sync adapter`)."""
 
 from .common import WeightUpdateError
+from .update_lora_adapter import UpdateLoRAAdapter
 from .update_weight_from_disk import UpdateWeightFromDisk
 from .update_weight_from_distributed import UpdateWeightFromDistributed
 from .update_weight_from_tensor import UpdateWeightFromTensor, get_param_info_buckets
 
 __all__ = [
+    "UpdateLoRAAdapter",
     "UpdateWeightFromDisk",
     "UpdateWeightFromDistributed",
     "UpdateWeightFromTensor",

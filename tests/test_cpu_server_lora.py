@@ -1,0 +1,177 @@
+"""LoRA serving in slime's CPU server, checked against transformers + peft on the same adapter: SGLang's
+`/load_lora_adapter_from_tensors`, `/load_lora_adapter`, `/unload_lora_adapter`, per-request `lora_path` (a batch
+mixing adapter and base requests), the base left untouched, checksums, and SGLang's refusals."""
+
+import pytest
+import torch
+
+from slime.backends.sglang_utils.contract import body_errors
+from slime.utils.lora_utils import serialize_by_value, tensor_sha256
+from tests.test_cpu_server import SESSION, start_cpu_server, stop_cpu_server
+
+pytestmark = pytest.mark.timeout(300)
+PROMPTS = [[3, 17, 5, 9, 11, 4], [8, 2, 14, 6]]
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_kit, tmp_path_factory):
+    """A peft LoRA adapter (rank 4, alpha 8, every projection) with non-zero B, saved as a PEFT directory, and the
+    log-probs of PROMPTS under the base model and under base + adapter (transformers + peft, fp32)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_kit[0], dtype=torch.float32).eval()
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.3)
+    path = str(tmp_path_factory.mktemp("adapter"))
+    model.save_pretrained(path)
+
+    def log_probs(m):
+        with torch.no_grad():
+            out = []
+            for ids in PROMPTS:
+                logp = torch.log_softmax(m(torch.tensor([ids])).logits[0], -1)
+                out.append(logp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0])
+            return out
+
+    with_adapter = log_probs(model)
+    with model.disable_adapter():
+        plain = log_probs(model)
+    from safetensors.torch import load_file
+
+    tensors = load_file(f"{path}/adapter_model.safetensors")
+    config = {"r": 4, "lora_alpha": 8, "target_modules": targets, "peft_type": "LORA"}
+    return {"path": path, "tensors": tensors, "config": config, "lora": with_adapter, "base": plain}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_kit):
+    proc, url = start_cpu_server(
+        tiny_kit[0],
+        "--enable-lora",
+        "--max-lora-rank",
+        "8",
+        "--lora-target-modules",
+        "all",
+        "--max-loras-per-batch",
+        "2",
+    )
+    yield url
+    stop_cpu_server(proc)
+
+
+def _input_log_probs(url, lora_path=None, prompts=PROMPTS):
+    body = {
+        "input_ids": prompts,
+        "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
+    if lora_path is not None:
+        body["lora_path"] = lora_path
+    r = SESSION.post(url + "/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return [torch.tensor([x[0] for x in o["meta_info"]["input_token_logprobs"][1:]]) for o in r.json()]
+
+
+def _load_from_tensors(url, name, adapter, checksums=None):
+    body = {
+        "lora_name": name,
+        "config_dict": adapter["config"],
+        "serialized_named_tensors": [serialize_by_value(adapter["tensors"])],
+    }
+    if checksums is not None:
+        body["expected_checksums"] = checksums
+    assert body_errors("/load_lora_adapter_from_tensors", body) == []  # the body real SGLang takes
+    return SESSION.post(url + "/load_lora_adapter_from_tensors", json=body, timeout=60)
+
+
+def _close(got, want):
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=2e-5, rtol=0)
+
+
+def test_adapter_from_tensors_serves_peft_log_probs_and_leaves_the_base(server, adapter):
+    before = _input_log_probs(server)
+    _close(before, adapter["base"])
+    sums = {n: tensor_sha256(t) for n, t in adapter["tensors"].items()}
+    r = _load_from_tensors(server, "a", adapter, sums)
+    assert r.status_code == 200 and r.json() == {
+        "success": True,
+        "error_message": None,
+        "loaded_adapters": {"a": "__tensor__"},
+    }, r.text
+    _close(_input_log_probs(server, "a"), adapter["lora"])
+    _close(_input_log_probs(server), adapter["base"])  # requests without lora_path: the base, untouched
+    mixed = _input_log_probs(server, ["a", None])  # one batch, one adapter row and one base row
+    _close(mixed[:1], adapter["lora"][:1])
+    _close(mixed[1:], adapter["base"][1:])
+    assert max((lp - b).abs().max().item() for lp, b in zip(adapter["lora"], adapter["base"])) > 0.05  # it matters
+
+    again = _load_from_tensors(server, "a", adapter)
+    assert again.status_code == 400 and "already loaded" in again.json()["error_message"]
+    r = SESSION.post(server + "/unload_lora_adapter", json={"lora_name": "a"}, timeout=60)
+    assert r.status_code == 200 and r.json()["loaded_adapters"] == {}, r.text
+    gone = SESSION.post(
+        server + "/generate",
+        json={"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 1}, "lora_path": "a"},
+        timeout=60,
+    )
+    assert gone.status_code == 400 and "not loaded: a" in gone.text
+    r = SESSION.post(server + "/unload_lora_adapter", json={"lora_name": "a"}, timeout=60)
+    assert r.status_code == 400 and "does not exist" in r.json()["error_message"]
+
+
+def test_adapter_checksums_and_shape_are_verified(server, adapter):
+    sums = {n: tensor_sha256(t) for n, t in adapter["tensors"].items()}
+    first = next(iter(sums))
+    bad = dict(sums, **{first: "0" * 64})
+    r = _load_from_tensors(server, "bad", adapter, bad)
+    assert r.status_code == 400 and "MISMATCH" in r.json()["error_message"] and first in r.json()["error_message"]
+    pad = {  # the same adapter at rank 16 (zero rows/columns added): above --max-lora-rank 8
+        n: torch.cat([t, t.new_zeros(12, t.shape[1])])
+        if "lora_A" in n
+        else torch.cat([t, t.new_zeros(t.shape[0], 12)], 1)
+        for n, t in adapter["tensors"].items()
+    }
+    big = dict(adapter, config=dict(adapter["config"], r=16), tensors=pad)
+    r = _load_from_tensors(server, "big", big)
+    assert r.status_code == 400 and "incompatible" in r.json()["error_message"]
+    assert "bad" not in r.json()["loaded_adapters"] and "big" not in r.json()["loaded_adapters"]
+
+
+def test_adapter_from_a_peft_directory(server, adapter):
+    r = SESSION.post(
+        server + "/load_lora_adapter", json={"lora_name": "disk", "lora_path": adapter["path"]}, timeout=60
+    )
+    assert r.status_code == 200 and r.json()["loaded_adapters"]["disk"] == adapter["path"], r.text
+    _close(_input_log_probs(server, "disk"), adapter["lora"])
+    assert SESSION.post(server + "/unload_lora_adapter", json={"lora_name": "disk"}, timeout=60).status_code == 200
+
+
+def test_lora_at_start_up_and_without_enable_lora(tiny_kit, adapter):
+    proc, url = start_cpu_server(tiny_kit[0], "--lora-paths", f"pre={adapter['path']}")  # --lora-paths implies it
+    try:
+        _close(_input_log_probs(url, "pre"), adapter["lora"])
+        info = SESSION.get(url + "/server_info", timeout=30).json()
+        assert info["enable_lora"] is True and info["max_lora_rank"] == 4
+    finally:
+        stop_cpu_server(proc)
+    proc, url = start_cpu_server(tiny_kit[0])
+    try:
+        r = SESSION.post(
+            url + "/generate", json={"input_ids": PROMPTS[0], "sampling_params": {}, "lora_path": "x"}, timeout=60
+        )
+        assert r.status_code == 400 and "LoRA is not enabled" in r.text
+        r = _load_from_tensors(url, "x", adapter)
+        assert r.status_code == 400 and r.json()["error_message"].startswith("LoRA is not enabled")
+        assert SESSION.get(url + "/server_info", timeout=30).json()["enable_lora"] is False
+    finally:
+        stop_cpu_server(proc)
+    with pytest.raises(RuntimeError, match="you need to specify both --max-lora-rank and --lora-target-modules"):
+        start_cpu_server(tiny_kit[0], "--enable-lora")
