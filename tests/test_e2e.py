@@ -173,6 +173,26 @@ def test_train_lora_adapter_sync(ray_session, tiny_kit, tmp_path, placement):
 
 
 @pytest.mark.slow
+def test_lora_kl_reference_is_the_base_also_after_a_resume(ray_session, tiny_kit, tmp_path):
+    """With --enable-lora the KL reference is the frozen base: zero KL at a fresh start (B = 0), and after a resume
+    that brings trained adapters the KL is against the base again, not against the resumed policy."""
+    common = (
+        "--rollout-num-gpus", "1", "--enable-lora", "--lora-rank", "8", "--lr", "3e-2", "--entropy-coef", "0.01",
+        "--use-kl-loss", "--kl-loss-coef", "0.001", "--save", str(tmp_path / "ckpt"), "--save-interval", "1",
+        "--global-batch-size", "16",  # one optimizer step per rollout: its KL is that of the rollout's policy
+    )  # fmt: skip
+    sync_driver.train(make_args(tiny_kit, tmp_path, *common, num_rollout=1))
+    first = read_metrics(tmp_path)[0]
+    assert first["train/kl_loss"] == 0.0  # the adapters start as a no-op: the policy is the base
+    os.remove(tmp_path / "metrics.jsonl")
+    resume = ("--load", str(tmp_path / "ckpt"), "--use-checkpoint-opt_param-scheduler")
+    sync_driver.train(make_args(tiny_kit, tmp_path, *common, *resume, num_rollout=2))
+    resumed = read_metrics(tmp_path)
+    assert [r["rollout_id"] for r in resumed] == [1]
+    assert abs(resumed[0]["train/kl_loss"]) > 1e-6  # trained adapters vs the base (a resumed-policy reference: 0)
+
+
+@pytest.mark.slow
 def test_train_with_recompute_loss_function(ray_session, tiny_kit, tmp_path):
     """The checkpointed loss backpropagates inside Megatron's training step (--ci-test checks the first step)."""
     # rewards may all be 0 in one rollout: the entropy bonus still gives a gradient through the checkpointed loss

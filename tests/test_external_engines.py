@@ -78,6 +78,9 @@ def test_start_up_reads_the_engine_and_refuses_bad_addresses(capsys, tiny_kit, t
     err = _parse_error(capsys, tiny_kit, tiny_kit[0], addr, "--colocate")
     assert "cannot be combined with --colocate" in err
 
+    err = _parse_error(capsys, tiny_kit, tiny_kit[0], addr, "--enable-lora", "--lora-sync", "adapter")
+    assert f"{url}: --lora-sync adapter needs engines started with --enable-lora" in err
+
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("transport", ["broadcast", "disk"])

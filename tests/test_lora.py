@@ -195,11 +195,21 @@ def test_lora_matches_peft_and_tp2_equals_tp1(tiny_kit, tmp_path):
         (["--lora-target-modules", "attn"], "--lora-target-modules: 'attn' matches no layer"),
         (["--num-experts", "4"], "adapters on MoE experts are not supported"),
         (["--lora-dropout", "1.5"], "--lora-dropout 1.5 must be in [0, 1)"),
+        (["--lora-sync", "adapter", "--update-weight-transport", "disk", "--update-weight-disk-dir", "/tmp"],
+         "--lora-sync adapter sends the adapters inside the update request"),
+        (["--lora-sync", "adapter", "--check-weight-update-equal"], "--check-weight-update-equal checks full"),
     ],
-)
+)  # fmt: skip
 def test_bad_lora_flags_fail_in_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         make_args("--enable-lora", *argv)
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_adapter_sync_without_lora_fails_in_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        make_args("--lora-sync", "adapter")
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "--lora-sync adapter needs --enable-lora" in err and len(err.splitlines()) == 1
