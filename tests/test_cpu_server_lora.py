@@ -84,6 +84,7 @@ def _load_from_tensors(url, name, adapter, checksums=None):
         "lora_name": name,
         "config_dict": adapter["config"],
         "serialized_named_tensors": [serialize_by_value(adapter["tensors"])],
+        "load_format": "flattened_bucket",
     }
     if checksums is not None:
         body["expected_checksums"] = checksums

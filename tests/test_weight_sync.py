@@ -71,6 +71,11 @@ class WeightSyncTrainer(TrainRayActor):
             vocab_size=args.vocab_size,
         )
 
+    def param_counts(self):
+        """(all parameters, trainable ones) of this rank's model: what a LoRA run's optimizer holds state for."""
+        params = list(self.model[0].parameters())
+        return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+
     def connect(self, engines, lock):
         self.updater.connect_rollout_engines(engines, lock)
 

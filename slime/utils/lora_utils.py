@@ -8,6 +8,9 @@ import pickle
 
 import torch
 
+from slime.utils.device import handles_need_sglang
+from slime.utils.tensor_serialization import serializer_classes
+
 # Megatron module (layer-relative path) -> whether it is column parallel; the names --lora-target-modules accepts.
 TARGETS = {
     "self_attention.linear_qkv": True,
@@ -78,7 +81,10 @@ def tensor_sha256(t: torch.Tensor) -> str:
 
 
 def serialize_by_value(tensors: dict) -> str:
-    """`{name: tensor}` pickled with the tensors' bytes inside (base64), not as process-local handles, so any
-    engine on any host can load it; SGLang's restricted unpickler accepts this form."""
-    cpu = {n: t.detach().cpu().contiguous() for n, t in tensors.items()}
-    return base64.b64encode(pickle.dumps(cpu, protocol=4)).decode()
+    """`{name: tensor}` (one dtype) as a `load_format="flattened_bucket"` payload pickled with the bytes inside
+    (base64), not as process-local handles, so any engine on any host can load it; SGLang's restricted unpickler
+    accepts this form. One flat buffer: a single storage to rebuild, whatever the number of tensors."""
+    _, bucket_cls, _ = serializer_classes(require_sglang=handles_need_sglang())  # SGLang's classes on GPU machines
+    bucket = bucket_cls(named_tensors=[(n, t.detach().cpu()) for n, t in tensors.items()])
+    payload = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
+    return base64.b64encode(pickle.dumps(payload, protocol=4)).decode()

@@ -582,6 +582,7 @@ class SGLangEngine(RayActor):
             "lora_name": name,
             "config_dict": config_dict,
             "serialized_named_tensors": [payload] * self._tp_size(),
+            "load_format": "flattened_bucket",
             "expected_checksums": checksums,
         }
         self._checked("load_lora_adapter_from_tensors", self._make_request("load_lora_adapter_from_tensors", body))
