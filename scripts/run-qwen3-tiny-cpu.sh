@@ -9,11 +9,13 @@
 #   MODE=fully_async bash scripts/run-qwen3-tiny-cpu.sh  # train_async.py, fully async within MAX_STALENESS (1)
 #   MODE=ppo bash scripts/run-qwen3-tiny-cpu.sh        # PPO with a critic (a value model beside the policy), train.py
 #   TP=2 bash scripts/run-qwen3-tiny-cpu.sh            # tensor-parallel training over 2 ranks
-#   LORA=1 bash scripts/run-qwen3-tiny-cpu.sh          # GRPO trains LoRA adapters on the frozen SFT model (with MODE=sync|colocate|async)
+#   LORA=1 bash scripts/run-qwen3-tiny-cpu.sh          # GRPO trains LoRA adapters on the frozen SFT model (MODE=sync,
+#                                                      # colocate or async; see docs/lora.md#on-the-main-job)
 #   EXTRA_ARGS="--partial-rollout --use-wandb --wandb-mode offline" bash scripts/run-qwen3-tiny-cpu.sh
 # Other knobs: NUM_ROLLOUT (GRPO rollouts, 300), SFT_EPOCHS (30), LR (GRPO peak, 3e-4, cosine-decayed to 3e-5),
-# EVAL_INTERVAL (20), MAX_STALENESS (fully_async), OUT, MODEL_DIR, DATA_DIR; with LORA=1: LORA_RANK (16), LORA_ALPHA (32),
-# LR (1e-3 then), LORA_SYNC (merged). SLIME_DRY_RUN=1 parses and validates both stages' arguments and runs nothing.
+# EVAL_INTERVAL (20), MAX_STALENESS (fully_async), OUT, MODEL_DIR, DATA_DIR; with LORA=1: LORA_RANK (16),
+# LORA_ALPHA (32), LR (1e-3 then), LORA_SYNC (merged). SLIME_DRY_RUN=1 prints both stages' commands and validates
+# their arguments, running nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] && PY=.venv/bin/python || PY=python3
@@ -110,7 +112,8 @@ if [ "$LORA" = 1 ]; then
 fi
 echo "== RL: ${GRPO_ARGS[1]} ($DRIVER, $MODE, TP=$TP$([ "$LORA" = 1 ] && echo ", LoRA")) =="
 run "$DRIVER" "${MODEL_ARGS[@]}" "${COMMON_ARGS[@]}" "${PLACEMENT[@]}" "${CKPT_ARGS[@]}" "${ROLLOUT_ARGS[@]}" \
-   "${EVAL_ARGS[@]}" "${GRPO_ARGS[@]}" "${OPTIMIZER_ARGS[@]}" "${SGLANG_ARGS[@]}" "${MISC_ARGS[@]}" "${LORA_ARGS[@]}" ${EXTRA_ARGS:-}
+   "${EVAL_ARGS[@]}" "${GRPO_ARGS[@]}" "${OPTIMIZER_ARGS[@]}" "${SGLANG_ARGS[@]}" "${MISC_ARGS[@]}" "${LORA_ARGS[@]}" \
+   ${EXTRA_ARGS:-}
 [ "$DRY_RUN" = 1 ] && exit 0
 
 $PY tools/plot_metrics.py "$OUT/metrics.jsonl" "$OUT/curve.png"
