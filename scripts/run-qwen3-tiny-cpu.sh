@@ -9,9 +9,13 @@
 #   MODE=fully_async bash scripts/run-qwen3-tiny-cpu.sh  # train_async.py, fully async within MAX_STALENESS (1)
 #   MODE=ppo bash scripts/run-qwen3-tiny-cpu.sh        # PPO with a critic (a value model beside the policy), train.py
 #   TP=2 bash scripts/run-qwen3-tiny-cpu.sh            # tensor-parallel training over 2 ranks
+#   LORA=1 bash scripts/run-qwen3-tiny-cpu.sh          # GRPO trains LoRA adapters on the frozen SFT model (MODE=sync,
+#                                                      # colocate or async; see docs/lora.md#on-the-main-job)
 #   EXTRA_ARGS="--partial-rollout --use-wandb --wandb-mode offline" bash scripts/run-qwen3-tiny-cpu.sh
 # Other knobs: NUM_ROLLOUT (GRPO rollouts, 300), SFT_EPOCHS (30), LR (GRPO peak, 3e-4, cosine-decayed to 3e-5),
-# EVAL_INTERVAL (20), MAX_STALENESS (fully_async), OUT, MODEL_DIR, DATA_DIR.
+# EVAL_INTERVAL (20), MAX_STALENESS (fully_async), OUT, MODEL_DIR, DATA_DIR; with LORA=1: LORA_RANK (16),
+# LORA_ALPHA (32), LR (1e-3 then), LORA_SYNC (merged). SLIME_DRY_RUN=1 prints both stages' commands and validates
+# their arguments, running nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] && PY=.venv/bin/python || PY=python3
@@ -24,10 +28,22 @@ DATA_DIR=${DATA_DIR:-data/addition}
 OUT=${OUT:-outputs/qwen3-tiny-${MODE:-sync}}
 MODE=${MODE:-sync}
 TP=${TP:-1}
+LORA=${LORA:-0}
 NUM_ROLLOUT=${NUM_ROLLOUT:-300}
 WARMUP=$(( NUM_ROLLOUT * 2 >= 160 ? 40 : NUM_ROLLOUT / 2 ))   # 40 optimizer steps, at most a quarter of them
-[ -f "$MODEL_DIR/config.json" ] || $PY tools/build_tiny_kit.py --model-dir "$MODEL_DIR" --data-dir "$DATA_DIR"
-rm -rf "$OUT"; mkdir -p "$OUT"
+case "$LORA" in 0|1) ;; *) echo "LORA must be 0 or 1 (got $LORA)" >&2; exit 2 ;; esac
+if [ "$LORA" = 1 ] && [ "$MODE" != sync ] && [ "$MODE" != colocate ] && [ "$MODE" != async ]; then
+  echo "LORA=1 runs with MODE=sync, colocate or async (got $MODE)" >&2; exit 2
+fi
+DRY_RUN=${SLIME_DRY_RUN:-0}
+if [ "$DRY_RUN" = 1 ]; then
+  # print each stage's command, then parse + validate its arguments only: no Ray, no training, no files
+  run() { printf '+ %s' "$1"; printf ' %q' "${@:2}"; echo; shift; $PY -m slime.utils.arguments "$@"; }
+else
+  run() { $PY "$@"; }
+  [ -f "$MODEL_DIR/config.json" ] || $PY tools/build_tiny_kit.py --model-dir "$MODEL_DIR" --data-dir "$DATA_DIR"
+  rm -rf "$OUT"; mkdir -p "$OUT"
+fi
 
 source scripts/models/qwen3-tiny.sh
 
@@ -49,8 +65,10 @@ SFT_ARGS=(
    --save "$OUT/sft" --save-interval 1000000
    --metrics-path "$OUT/sft_metrics.jsonl"
 )
+# LoRA needs the SFT model as the HF directory its frozen base (and the engines' weights) load from
+[ "$LORA" = 1 ] && SFT_ARGS+=(--save-hf "$OUT/sft_hf")
 echo "== SFT warm start =="
-$PY train_async.py "${MODEL_ARGS[@]}" "${COMMON_ARGS[@]}" "${SFT_ARGS[@]}"
+run train_async.py "${MODEL_ARGS[@]}" "${COMMON_ARGS[@]}" "${SFT_ARGS[@]}"
 
 # 2) GRPO from the SFT checkpoint, rule reward, dynamic sampling, periodic eval on the eval split.
 CKPT_ARGS=(--ref-load "$OUT/sft" --save "$OUT/grpo" --save-interval 20)
@@ -81,9 +99,22 @@ case "$MODE" in
                        --num-critic-only-steps 2 --eps-clip 0.2 --eps-clip-high 0.28 --entropy-coef 0.0) ;;
   *) echo "MODE must be sync, colocate, async, fully_async or ppo (got $MODE)" >&2; exit 2 ;;
 esac
-echo "== RL: ${GRPO_ARGS[1]} ($DRIVER, $MODE, TP=$TP) =="
-$PY "$DRIVER" "${MODEL_ARGS[@]}" "${COMMON_ARGS[@]}" "${PLACEMENT[@]}" "${CKPT_ARGS[@]}" "${ROLLOUT_ARGS[@]}" \
-   "${EVAL_ARGS[@]}" "${GRPO_ARGS[@]}" "${OPTIMIZER_ARGS[@]}" "${SGLANG_ARGS[@]}" "${MISC_ARGS[@]}" ${EXTRA_ARGS:-}
+LORA_ARGS=()
+if [ "$LORA" = 1 ]; then
+  # the SFT model is the frozen base for trainer and engines (this later --hf-checkpoint overrides the tiny model's),
+  # and, with no --ref-load, also the reference; checkpoints under $OUT/grpo hold only the adapters
+  CKPT_ARGS=(--save "$OUT/grpo" --save-interval 20)
+  LORA_ARGS=(--hf-checkpoint "$OUT/sft_hf" --enable-lora --lora-rank "${LORA_RANK:-16}" --lora-alpha "${LORA_ALPHA:-32}"
+             --lora-target-modules all-linear --lora-sync "${LORA_SYNC:-merged}")
+  LORA_LR=${LR:-1e-3}   # adapters want a larger step than full fine-tuning; cosine-decayed to a tenth
+  OPTIMIZER_ARGS=(--optimizer adam --lr "$LORA_LR" --lr-decay-style cosine --min-lr "$(awk "BEGIN{print $LORA_LR/10}")"
+                  --lr-warmup-iters $WARMUP --adam-beta1 0.9 --adam-beta2 0.99 --clip-grad 1.0 --weight-decay 0.0)
+fi
+echo "== RL: ${GRPO_ARGS[1]} ($DRIVER, $MODE, TP=$TP$([ "$LORA" = 1 ] && echo ", LoRA")) =="
+run "$DRIVER" "${MODEL_ARGS[@]}" "${COMMON_ARGS[@]}" "${PLACEMENT[@]}" "${CKPT_ARGS[@]}" "${ROLLOUT_ARGS[@]}" \
+   "${EVAL_ARGS[@]}" "${GRPO_ARGS[@]}" "${OPTIMIZER_ARGS[@]}" "${SGLANG_ARGS[@]}" "${MISC_ARGS[@]}" "${LORA_ARGS[@]}" \
+   ${EXTRA_ARGS:-}
+[ "$DRY_RUN" = 1 ] && exit 0
 
 $PY tools/plot_metrics.py "$OUT/metrics.jsonl" "$OUT/curve.png"
 echo "metrics: $OUT/metrics.jsonl   curve: $OUT/curve.png"

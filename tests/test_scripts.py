@@ -506,3 +506,54 @@ def test_family_model_args_agree_with_published_config(name, tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_args(argv=[*tokens[: i + 1], "1024", *tokens[i + 2 :], *base])
     assert f"--hidden-size 1024 but hidden_size={decoder['hidden_size']}" in capsys.readouterr().err
+
+
+def _dry_run_main_job(tiny_kit, out, **env):
+    """`SLIME_DRY_RUN=1 bash scripts/run-qwen3-tiny-cpu.sh` with `env`: (result, [argv of each stage it prints])."""
+    model_dir, data_dir = tiny_kit
+    env = dict(
+        os.environ,
+        SLIME_DRY_RUN="1",
+        MODEL_DIR=model_dir,
+        DATA_DIR=data_dir,
+        OUT=str(out),
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        **env,
+    )
+    res = subprocess.run(
+        ["bash", str(SCRIPTS / "run-qwen3-tiny-cpu.sh")], capture_output=True, text=True, timeout=300, env=env
+    )
+    stages = [shlex.split(line[2:]) for line in res.stdout.splitlines() if line.startswith("+ ")]
+    return res, stages
+
+
+def test_main_job_lora_dry_run(tiny_kit, tmp_path):
+    """LORA=1: the SFT stage also writes an HF copy, and GRPO trains adapters on it as the frozen base (trainer and
+    engines), with no --ref-load; both stages validate, and a dry run starts nothing and writes nothing."""
+    from slime.utils.arguments import parse_args
+
+    out = tmp_path / "out"
+    res, stages = _dry_run_main_job(tiny_kit, out, LORA="1")
+    assert res.returncode == 0, f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    assert [line for line in res.stdout.splitlines() if line == "ok"] == ["ok", "ok"]
+    assert not out.exists()
+    (sft_driver, *sft_argv), (rl_driver, *rl_argv) = stages
+    assert (sft_driver, rl_driver) == ("train_async.py", "train.py")
+    sft = parse_args(argv=sft_argv, check_paths=False)
+    assert sft.save_hf == f"{out}/sft_hf" and not sft.enable_lora
+    rl = parse_args(argv=rl_argv, check_paths=False)
+    assert rl.enable_lora and (rl.lora_rank, rl.lora_alpha, rl.lora_sync) == (16, 32, "merged")
+    assert rl.hf_checkpoint == sft.save_hf and rl.ref_load is None and rl.save == f"{out}/grpo"
+    assert (rl.lr, rl.min_lr) == (1e-3, 1e-4)
+
+    # the default job is untouched: no HF copy, GRPO fine-tunes all weights from the SFT checkpoint
+    res, stages = _dry_run_main_job(tiny_kit, out)
+    assert res.returncode == 0, f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    (_, *sft_argv), (_, *rl_argv) = stages
+    assert parse_args(argv=sft_argv, check_paths=False).save_hf is None
+    rl = parse_args(argv=rl_argv, check_paths=False)
+    assert not rl.enable_lora and rl.ref_load == f"{out}/sft" and rl.hf_checkpoint == tiny_kit[0]
+    assert (rl.lr, rl.min_lr) == (3e-4, 3e-5)
+
+    res, _ = _dry_run_main_job(tiny_kit, out, LORA="1", MODE="ppo")
+    assert res.returncode == 2 and "LORA=1 runs with MODE=sync, colocate or async (got ppo)" in res.stderr
