@@ -14,7 +14,7 @@
 #   EXTRA_ARGS="--partial-rollout --use-wandb --wandb-mode offline" bash scripts/run-qwen3-tiny-cpu.sh
 # Other knobs: NUM_ROLLOUT (GRPO rollouts, 300), SFT_EPOCHS (30), LR (GRPO peak, 3e-4, cosine-decayed to 3e-5),
 # EVAL_INTERVAL (20), MAX_STALENESS (fully_async), OUT, MODEL_DIR, DATA_DIR; with LORA=1: LORA_RANK (16),
-# LORA_ALPHA (32), LR (1e-3 then), LORA_SYNC (merged). SLIME_DRY_RUN=1 prints both stages' commands and validates
+# LORA_ALPHA (32), LR (1e-3 then), LORA_SYNC (adapter). SLIME_DRY_RUN=1 prints both stages' commands and validates
 # their arguments, running nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -105,7 +105,7 @@ if [ "$LORA" = 1 ]; then
   # and, with no --ref-load, also the reference; checkpoints under $OUT/grpo hold only the adapters
   CKPT_ARGS=(--save "$OUT/grpo" --save-interval 20)
   LORA_ARGS=(--hf-checkpoint "$OUT/sft_hf" --enable-lora --lora-rank "${LORA_RANK:-16}" --lora-alpha "${LORA_ALPHA:-32}"
-             --lora-target-modules all-linear --lora-sync "${LORA_SYNC:-merged}")
+             --lora-target-modules all-linear --lora-sync "${LORA_SYNC:-adapter}")
   LORA_LR=${LR:-1e-3}   # adapters want a larger step than full fine-tuning; cosine-decayed to a tenth
   OPTIMIZER_ARGS=(--optimizer adam --lr "$LORA_LR" --lr-decay-style cosine --min-lr "$(awk "BEGIN{print $LORA_LR/10}")"
                   --lr-warmup-iters $WARMUP --adam-beta1 0.9 --adam-beta2 0.99 --clip-grad 1.0 --weight-decay 0.0)

@@ -542,7 +542,7 @@ def test_main_job_lora_dry_run(tiny_kit, tmp_path):
     sft = parse_args(argv=sft_argv, check_paths=False)
     assert sft.save_hf == f"{out}/sft_hf" and not sft.enable_lora
     rl = parse_args(argv=rl_argv, check_paths=False)
-    assert rl.enable_lora and (rl.lora_rank, rl.lora_alpha, rl.lora_sync) == (16, 32, "merged")
+    assert rl.enable_lora and (rl.lora_rank, rl.lora_alpha, rl.lora_sync) == (16, 32, "adapter")
     assert rl.hf_checkpoint == sft.save_hf and rl.ref_load is None and rl.save == f"{out}/grpo"
     assert (rl.lr, rl.min_lr) == (1e-3, 1e-4)
 
