@@ -61,3 +61,27 @@ def test_save_hf_at_each_save_loads_in_transformers_with_the_checkpoints_weights
         torch.testing.assert_close(_logits(got, ids), _logits(ref, ids), rtol=0, atol=0)
     # trained weights, not the starting checkpoint's
     assert not torch.equal(_logits(template.format(rollout_id=1), ids), _logits(tiny_kit[0], ids))
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_save_hf_under_lora_writes_the_merged_model_and_the_peft_adapter(ray_session, tiny_kit, tmp_path):
+    """--save-hf with --enable-lora: the directory is the merged model (transformers loads it as is) and `adapter/`
+    the adapters in PEFT's format; base + adapter through peft gives the merged model's logits."""
+    from peft import PeftModel
+
+    out = tmp_path / "hf"
+    args = make_args(
+        tiny_kit, tmp_path, "--rollout-num-gpus", "1", "--enable-lora", "--lora-rank", "8", "--lr", "3e-2",
+        "--entropy-coef", "0.01", "--save", str(tmp_path / "ckpt"), "--save-interval", "1", "--save-hf", str(out),
+        num_rollout=1,
+    )  # fmt: skip
+    sync_driver.train(args)
+    ids = torch.tensor([[1, 5, 9, 200, 17, 3]])
+    merged = _logits(str(out), ids)
+    base = AutoModelForCausalLM.from_pretrained(tiny_kit[0], torch_dtype=torch.float32)
+    with torch.no_grad():
+        via_peft = PeftModel.from_pretrained(base, str(out / "adapter")).eval()(ids).logits
+        plain = AutoModelForCausalLM.from_pretrained(tiny_kit[0], torch_dtype=torch.float32)(ids).logits
+    torch.testing.assert_close(merged, via_peft, rtol=0, atol=1e-5)
+    assert (merged - plain).abs().max() > 1e-4  # the adapters were trained

@@ -1,4 +1,5 @@
-"""`--save-hf`: the trained model as an HF safetensors checkpoint, written at each checkpoint save.
+"""`--save-hf`: the trained model as an HF safetensors checkpoint, written at each checkpoint save (under
+--enable-lora: the merged model, plus the adapters in PEFT's format in its `adapter/` subdirectory).
 
 The tensors are the ones weight sync sends the engines (the same Megatron->HF converters, TP shards gathered, experts
 of every expert-parallel rank); each pipeline stage's source rank writes its stage, and rank 0 publishes the directory
@@ -13,6 +14,7 @@ from megatron.core import parallel_state as mpu
 from safetensors.torch import save_file
 
 from slime.backends.megatron_utils.initialize import get_gloo_group
+from slime.backends.megatron_utils.lora import export_peft
 from slime.backends.megatron_utils.update_weight.update_weight_from_disk import gather_stage, is_pp_src_rank
 from slime.utils import disk_delta
 
@@ -44,3 +46,5 @@ def save_hf_model_to_path(args, output_dir, model, *, model_name, vocab_size, qu
         merged = {n: f for m in maps for n, f in m.items()}
         disk_delta.publish(partial, final, merged, {"format": "pt"}, args.hf_checkpoint)
     dist.barrier(group=group)
+    if args.enable_lora:  # next to the merged model, the adapters alone as peft / SGLang's --lora-paths load them
+        export_peft(args, model, os.path.join(final, "adapter"), model_name)

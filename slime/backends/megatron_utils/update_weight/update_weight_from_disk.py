@@ -24,6 +24,7 @@ from megatron.core import parallel_state as mpu
 from safetensors.torch import save_file
 
 from slime.backends.megatron_utils.initialize import get_gloo_group
+from slime.backends.megatron_utils.lora import merge_for_sync
 from slime.backends.megatron_utils.param_utils import expert_parallel_copies, named_parameters
 from slime.utils import disk_delta
 from slime.utils.user_errors import user_function
@@ -239,9 +240,10 @@ def is_pp_src_rank() -> bool:
 
 
 def gather_stage(args, model, model_name, vocab_size, quantization_config=None) -> dict:
-    """This pipeline stage's HF tensors (on its source rank; the other ranks only help gather)."""
+    """This pipeline stage's HF tensors (on its source rank; the other ranks only help gather); under --enable-lora
+    the adapted weights merged (W + s B A), the adapters themselves left out."""
     tensors, src = {}, is_pp_src_rank()
-    for name, param in named_parameters(args, model):
+    for name, param in merge_for_sync(args, named_parameters(args, model)):
         if is_tied_output_copy(args, name):
             continue
         for n, p in expert_parallel_copies(args, name, param):
