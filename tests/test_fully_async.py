@@ -222,11 +222,18 @@ def test_slow_engine_keeps_the_bound_and_resumes_requests_across_weight_updates(
 
 
 @pytest.mark.slow
-def test_max_staleness_0_is_on_policy(ray_session, tiny_kit, tmp_path):
+@pytest.mark.parametrize(
+    "lora",
+    # LoRA adapters, only they sent to the engine, moved visibly by a large LR: still exactly on policy
+    [[], ["--enable-lora", "--lora-sync", "adapter", "--lr", "3e-2", "--entropy-coef", "0.01"]],
+    ids=["full", "lora_adapter"],
+)
+def test_max_staleness_0_is_on_policy(ray_session, tiny_kit, tmp_path, lora):
     args = make_args(
         tiny_kit,
         tmp_path,
         *FULLY_ASYNC,
+        *lora,
         "--max-staleness",
         "0",
         "--save-debug-rollout-data",
