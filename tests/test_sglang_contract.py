@@ -223,6 +223,35 @@ print(json.dumps({"unknown": unknown, "wrong": wrong}))
     assert not wrong, list(wrong.items())[:5]
 
 
+@needs_side_venv
+def test_lora_adapter_launch_fields_parse_with_sglangs_own_parser():
+    """--lora-sync adapter starts SGLang with LoRA serving for the run's rank and projections (and a CPU copy of the
+    base weights when the engine releases its memory), as SGLang's own parser reads them."""
+    args = make_args(
+        inference_server="sglang", enable_lora=True, lora_sync="adapter", lora_rank=8, offload_rollout=True
+    )
+    args.lora_target_modules = ["linear_qkv", "linear_fc1"]
+    _, cmd = sglang_engine.server_command(args, 0, "127.0.0.1", 30000, 30001, "127.0.0.1:30002")
+    code = """
+import argparse, json, sys
+from sglang.srt.server_args import ServerArgs
+p = argparse.ArgumentParser(exit_on_error=False)
+ServerArgs.add_cli_args(p)
+ns, unknown = p.parse_known_args(sys.argv[1:])
+print(json.dumps({"unknown": unknown, "lora": [ns.enable_lora, ns.max_lora_rank, ns.lora_target_modules,
+                                               ns.enable_weights_cpu_backup]}))
+"""
+    run = run_side(code, *cmd[3:])
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["unknown"] == [] and out["lora"] == [
+        True,
+        8,
+        ["gate_proj", "k_proj", "q_proj", "up_proj", "v_proj"],
+        True,
+    ]
+
+
 def _json_equal(text, value):
     try:
         return json.loads(text) == value

@@ -234,7 +234,13 @@ class GenerateAPI:
 
         reqs, batch = self._build_reqs(body, on_update=on_update)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
+        try:
+            await resp.prepare(request)
+        except BaseException:  # the client left before anything ran: give back the adapters the requests hold
+            for r in reqs:
+                if r.lora is not None:
+                    self.loras.release(r.lora)
+            raise
         for r in reqs:
             self.scheduler.submit(r)
         remaining = len(reqs)
