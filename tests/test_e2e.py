@@ -440,27 +440,20 @@ def test_dead_inference_server_fails_the_run_fast_naming_the_engine(ray_session,
         sync_driver.train(args)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1200)
-def test_main_job_sft_then_grpo_raises_reward(tiny_kit, tmp_path):
-    """The README's main job (scripts/run-qwen3-tiny-cpu.sh), shortened to 100 rollouts at a constant LR: SFT warm start,
-    then GRPO whose sampled reward over the last rollouts and greedy eval accuracy at the end are clearly above the
-    start. A convergence test with generous margins, not a timing test."""
+def run_main_job(tiny_kit, out, timeout, **env):
+    """`bash scripts/run-qwen3-tiny-cpu.sh` on the tiny kit with `env` (writing to `out`); returns its stdout after
+    checking it exited 0. Everything the script started is stopped afterwards, however it ended."""
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = tmp_path / "job"
     env = dict(
         _procs.run_env(out),
         MODEL_DIR=tiny_kit[0],
         DATA_DIR=tiny_kit[1],
         OUT=str(out),
-        NUM_ROLLOUT="100",
-        SFT_EPOCHS="30",
-        EVAL_INTERVAL="10",
-        EXTRA_ARGS="--lr-decay-style constant",
         PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
+        **env,
     )
     job = subprocess.Popen(
         ["bash", "scripts/run-qwen3-tiny-cpu.sh"],
@@ -471,10 +464,24 @@ def test_main_job_sft_then_grpo_raises_reward(tiny_kit, tmp_path):
         text=True,
     )
     try:
-        stdout, stderr = job.communicate(timeout=1000)  # inside the test's own timeout: the sweep below always runs
+        stdout, stderr = job.communicate(timeout=timeout)  # inside the test's own timeout: the sweep always runs
     finally:
         _procs.stop_run(job, out)  # the script's train.py, its Ray and servers too, not only bash
     assert job.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    return stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_main_job_sft_then_grpo_raises_reward(tiny_kit, tmp_path):
+    """The README's main job (scripts/run-qwen3-tiny-cpu.sh), shortened to 100 rollouts at a constant LR: SFT warm start,
+    then GRPO whose sampled reward over the last rollouts and greedy eval accuracy at the end are clearly above the
+    start. A convergence test with generous margins, not a timing test."""
+    out = tmp_path / "job"
+    stdout = run_main_job(
+        tiny_kit, out, 1000, NUM_ROLLOUT="100", SFT_EPOCHS="30", EVAL_INTERVAL="10",
+        EXTRA_ARGS="--lr-decay-style constant",
+    )  # fmt: skip
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["rollout_id"] for r in rows] == list(range(100))
     # 20-rollout means: a 10-rollout window of 16x8 sampled rewards swings by ~0.05 between neighbouring windows
@@ -497,37 +504,10 @@ def test_main_job_lora_trains_adapters_on_the_sft_model(tiny_kit, tmp_path):
     """`LORA=1 bash scripts/run-qwen3-tiny-cpu.sh`, 4 GRPO rollouts: GRPO starts from the SFT model's HF copy (the raw
     tiny model gets no reward), the engines serve base + adapters (their log-probs match the trainer's after every
     update) and the GRPO checkpoint holds only the adapters."""
-    import subprocess
-    import sys
-
     from torch.distributed.checkpoint import FileSystemReader
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "job"
-    env = dict(
-        _procs.run_env(out),
-        MODEL_DIR=tiny_kit[0],
-        DATA_DIR=tiny_kit[1],
-        OUT=str(out),
-        LORA="1",
-        NUM_ROLLOUT="4",
-        EVAL_INTERVAL="2",
-        EXTRA_ARGS="--save-interval 2",
-        PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
-    )
-    job = subprocess.Popen(
-        ["bash", "scripts/run-qwen3-tiny-cpu.sh"],
-        cwd=root,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        stdout, stderr = job.communicate(timeout=800)
-    finally:
-        _procs.stop_run(job, out)
-    assert job.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    run_main_job(tiny_kit, out, 800, LORA="1", NUM_ROLLOUT="4", EVAL_INTERVAL="2", EXTRA_ARGS="--save-interval 2")
     assert (out / "sft_hf" / "config.json").exists()
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["rollout_id"] for r in rows] == list(range(4))
