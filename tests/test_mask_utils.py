@@ -147,3 +147,52 @@ def test_response_lengths_and_text_segments(tiny_tokenizer):
 def test_unknown_type_is_rejected(tiny_tokenizer):
     with pytest.raises(ValueError, match="--loss-mask-type"):
         MultiTurnLossMaskGenerator(tiny_tokenizer, tokenizer_type="llama")
+
+
+QWEN3_CHAT = [
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "a", "reasoning_content": "r1"},
+    {"role": "user", "content": "q2"},
+    {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]},
+    {"role": "tool", "content": "t1"},
+    {"role": "tool", "content": "t2"},
+    {"role": "assistant", "content": "b", "reasoning_content": "r2"},
+]  # fmt: skip
+TOOL_CALL = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call><|im_end|>\n'
+
+
+def test_qwen3_type_groups_tool_results_and_keeps_each_turns_thinking(qwen3_tokenizer):
+    """Each turn renders as the last turn of a conversation: every answer has its <think> block (empty without
+    reasoning, as Qwen3 answers in non-thinking mode), where the whole conversation's rendering drops those before
+    the last user turn; the two tool results form one user turn, as the template wraps them."""
+    tok = qwen3_tokenizer
+    gen = MultiTurnLossMaskGenerator(tok, "qwen3")
+    ids, mask = gen.get_loss_mask(QWEN3_CHAT)
+    answers = ["<think>\nr1\n</think>\n\na<|im_end|>\n", "<think>\n\n</think>\n\n" + TOOL_CALL]
+    answers.append("<think>\nr2\n</think>\n\nb<|im_end|>\n")
+    assert tok.decode(ids) == (
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n" + answers[0]
+        + "<|im_start|>user\nq2<|im_end|>\n<|im_start|>assistant\n" + answers[1]
+        + "<|im_start|>user\n<tool_response>\nt1\n</tool_response>\n<tool_response>\nt2\n</tool_response><|im_end|>\n"
+        + "<|im_start|>assistant\n" + answers[2]
+    )  # fmt: skip
+    assert gen.get_text_from_loss_mask(ids, mask) == answers
+
+
+def test_qwen3_5_type_masks_assistant_spans_of_the_whole_rendering(qwen3_tokenizer):
+    """One rendering of the whole conversation (its token ids are the template's); each answer is trained from
+    after its header and a leading "<think>\\n" through <|im_end|> and its newline."""
+    tok = qwen3_tokenizer
+    gen = MultiTurnLossMaskGenerator(tok, "qwen3_5")
+    ids, mask = gen.get_loss_mask(QWEN3_CHAT)
+    assert ids == full_ids(tok, QWEN3_CHAT)
+    assert gen.get_text_from_loss_mask(ids, mask) == ["a<|im_end|>\n", TOOL_CALL, "r2\n</think>\n\nb<|im_end|>\n"]
+
+
+@pytest.mark.parametrize("kind", ["qwen", "qwen3", "qwen3_5"])
+def test_every_type_masks_the_tiny_chat_and_honours_step_loss_mask(tiny_tokenizer, kind):
+    gen = MultiTurnLossMaskGenerator(tiny_tokenizer, kind)
+    ids, _ = check_masks(gen, tiny_tokenizer, CHAT, ASSISTANT_TEXTS)
+    assert ids == full_ids(tiny_tokenizer, CHAT)
+    skipped = [dict(m, step_loss_mask=0) if m["content"] == "7" else m for m in CHAT]  # one answer not trained
+    check_masks(gen, tiny_tokenizer, skipped, ASSISTANT_TEXTS[1:])

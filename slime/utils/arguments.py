@@ -43,6 +43,7 @@ from slime.utils.disk_delta import CHECKSUMS as DELTA_CHECKSUMS
 from slime.utils.disk_delta import ENCODINGS as DELTA_ENCODINGS
 from slime.utils.eval_config import from_prompt_data, load_eval_config
 from slime.utils.flag_support import add_refused_arguments, refuse_unsupported
+from slime.utils.mask_utils import LOSS_MASK_TYPES
 from slime.utils.startup_checks import DEFAULT_ROLLOUT_FUNCTION, check_inputs, check_value_ranges
 from slime.utils.top_p_replay import sampling_is_truncated
 
@@ -893,7 +894,12 @@ def add_rollout_buffer_arguments(parser):
     g.add_argument("--fetch-trajectory-retry-times", type=int, default=-1, help="-1 retries forever.")
     g.add_argument("--min-batch-collection-ratio", type=float, default=1)
     g.add_argument("--rollout-task-type", type=str, default="math")
-    g.add_argument("--loss-mask-type", choices=["qwen", "distill_qwen"], default="qwen")
+    g.add_argument(
+        "--loss-mask-type",
+        choices=LOSS_MASK_TYPES,
+        default="qwen",
+        help="How SFT chats become token ids + loss masks (slime.utils.mask_utils).",
+    )
     return parser
 
 
