@@ -15,6 +15,7 @@ from slime.ray.rollout_data_source import RolloutDataSourceWithBuffer
 from slime.rollout import sglang_rollout
 from slime.rollout.filter_hub.over_sampling_filters import sort_by_reward_std
 from slime.rollout.sglang_rollout import GenerateState, generate, generate_rollout
+from slime.rollout.sglang_streaming_rollout import generate_streaming
 from slime.utils.async_utils import run
 from slime.utils.http_utils import find_available_port
 from slime.utils.misc import SingletonMeta
@@ -86,6 +87,15 @@ async def short_and_long_generate(args, sample, sampling_params):
     else:
         sampling_params["ignore_eos"] = True
     return await generate(args, sample, sampling_params)
+
+
+async def short_and_long_streaming(args, sample, sampling_params):
+    """As short_and_long_generate, through the streaming generate function."""
+    if sample.group_index % 2 == 0 and sample.response_length == 0:
+        sampling_params["max_new_tokens"] = SHORT
+    else:
+        sampling_params["ignore_eos"] = True
+    return await generate_streaming(args, sample, sampling_params)
 
 
 async def pre_scored_generate(args, sample, sampling_params):
@@ -459,7 +469,10 @@ def test_over_sampling_then_filter_to_rollout_batch_size(engine, tiny_kit, promp
     assert len(groups) == 2
 
 
-def test_abort_returns_partial_groups_that_resume_next_rollout(engine, tiny_kit, prompts):
+@pytest.mark.parametrize("generate_fn", ["short_and_long_generate", "short_and_long_streaming"])
+def test_abort_returns_partial_groups_that_resume_next_rollout(engine, tiny_kit, prompts, generate_fn):
+    """Default and streaming generate (`slime.rollout.sglang_streaming_rollout.generate_streaming`, which keeps what
+    the stream delivered when the abort cuts it)."""
     args = make_args(
         engine,
         tiny_kit,
@@ -470,7 +483,7 @@ def test_abort_returns_partial_groups_that_resume_next_rollout(engine, tiny_kit,
         n_samples_per_prompt=1,
         rollout_max_response_len=LONG,
         custom_rm_path=f"{HERE}.response_length_rm",
-        custom_generate_function_path=f"{HERE}.short_and_long_generate",
+        custom_generate_function_path=f"{HERE}.{generate_fn}",
     )
     ds = RolloutDataSourceWithBuffer(args)
     groups = generate_rollout(args, 0, ds)
@@ -691,3 +704,19 @@ def test_group_timeout_drops_a_straggler_and_serves_its_prompt_again(engine, tin
     groups = generate_rollout(args, 1, ds)
     assert [g[0].group_index for g in groups] == [1, 4]  # the straggler's prompt, now generated; then the next one
     assert [s.index for s in groups[0]] == [2, 3] and groups.metrics["rollout/timeouts/groups"] == 0
+
+
+def test_streaming_generate_gives_the_default_generates_tokens_and_log_probs(engine, tiny_kit, prompts):
+    """Greedy, so both requests must give the same tokens; the streamed log-probs are the engine's final ones."""
+    args = make_args(engine, tiny_kit, prompts, rollout_temperature=0.0)
+    params = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
+
+    async def both():
+        a = await generate(args, Sample(index=0, prompt="1+2="), dict(params))
+        b = await generate_streaming(args, Sample(index=1, prompt="1+2="), dict(params))
+        return a, b
+
+    a, b = run(both(), timeout=120)
+    assert b.status == a.status == Sample.Status.TRUNCATED and b.response_length == a.response_length == 8
+    assert b.tokens == a.tokens and b.response == a.response and b.weight_versions == a.weight_versions
+    assert b.rollout_log_probs == pytest.approx(a.rollout_log_probs, abs=1e-6)

@@ -118,6 +118,19 @@ async def _post_to_a_worker(args, state, sample, payload, on_retry, attempts=3):
     raise ConnectionError(f"no worker of sglang-router {router_url(args)} served sample {sample.index}: {last}")
 
 
+def prompt_ids(state, sample: Sample) -> list:
+    """What a (resumed) sample sends: its tokens so far, else its text prompt tokenised (then kept as its tokens)."""
+    if not sample.tokens:
+        if not isinstance(sample.prompt, str):
+            raise TypeError(
+                f"sample {sample.index}: the prompt is a {type(sample.prompt).__name__}, not text. The default generate "
+                f"sends text prompts; pass --apply-chat-template for chat-message prompts, or use "
+                f"--custom-generate-function-path."
+            )
+        sample.tokens = list(state.tokenizer(sample.prompt, add_special_tokens=False)["input_ids"])
+    return list(sample.tokens)
+
+
 async def generate(args, sample: Sample, sampling_params, evaluation=False) -> Sample:
     """Default generate: one `/generate` call through the router; resumes a partially generated sample.
 
@@ -139,17 +152,7 @@ async def generate(args, sample: Sample, sampling_params, evaluation=False) -> S
             sample.status = Sample.Status.TRUNCATED
             return sample
 
-    if sample.tokens:
-        input_ids = sample.tokens
-    else:
-        if not isinstance(sample.prompt, str):
-            raise TypeError(
-                f"sample {sample.index}: the prompt is a {type(sample.prompt).__name__}, not text. The default generate "
-                f"sends text prompts; pass --apply-chat-template for chat-message prompts, or use "
-                f"--custom-generate-function-path."
-            )
-        input_ids = state.tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]
-        sample.tokens = list(input_ids)
+    input_ids = prompt_ids(state, sample)
 
     payload = {
         "input_ids": list(input_ids),

@@ -147,6 +147,28 @@ async def _request(
     ) from last
 
 
+async def post_stream(url, payload, timeout=None, headers=None):
+    """POST JSON to an SSE endpoint (SGLang's `stream: true`); yields each `data:` event decoded, until `[DONE]`.
+    Not retried: a stream cut half-way cannot be resumed by sending the request again. Leaving the loop early
+    closes the connection, which the server takes as an abort."""
+    try:
+        async with _session().post(
+            url, json=payload, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)
+        ) as resp:
+            if resp.status >= 400:
+                raise HTTPStatusError(url, resp.status, _decode(await resp.text()))
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:") :].strip()
+                if data == "[DONE]":
+                    return
+                yield json.loads(data)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        raise ConnectionError(f"POST {url} (stream) failed: {type(e).__name__}: {e}") from e
+
+
 async def post(url, payload=None, max_retries=60, timeout=None, headers=None, *, use_http2=False, on_retry=None):
     """POST JSON; returns the decoded JSON (or text). Retries connection errors, timeouts and 5xx once a second;
     `on_retry(exception)` is called after each failed attempt.
