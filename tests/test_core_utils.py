@@ -1,6 +1,7 @@
 """Core utilities: Sample/ParamInfo types, load_function, SingletonMeta, periodic actions, Timer, async loop, HTTP."""
 
 import asyncio
+import json
 import socket
 import threading
 import time
@@ -206,8 +207,17 @@ def http_server():
             return web.Response(status=500, text="busy")
         return web.json_response({"ok": True})
 
+    async def sse(request):  # three events, the second over 64 KiB (thousands of tokens' log-probs), then [DONE]
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for n in (1, 30000, 3):
+            await resp.write(f"data: {json.dumps({'ids': list(range(n))})}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
     app = web.Application()
     app.add_routes([web.post("/echo", echo), web.get("/echo", echo), web.post("/bad", bad), web.post("/flaky", flaky)])
+    app.add_routes([web.post("/sse", sse)])
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(app)
     loop.run_until_complete(runner.setup())
@@ -221,6 +231,21 @@ def http_server():
     loop.call_soon_threadsafe(loop.stop)
     thread.join(10)
     loop.close()
+
+
+def test_post_stream_yields_each_event_even_a_long_one(http_server):
+    url, _ = http_server
+
+    async def collect():
+        return [len(e["ids"]) async for e in http_utils.post_stream(f"{url}/sse", {})]
+
+    assert async_utils.run(collect(), timeout=30) == [1, 30000, 3]
+    with pytest.raises(http_utils.HTTPStatusError, match="/bad answered HTTP 400"):
+        async_utils.run(collect_from(f"{url}/bad"), timeout=30)
+
+
+async def collect_from(url):
+    return [e async for e in http_utils.post_stream(url, {})]
 
 
 def test_http_post_get_and_errors(http_server, monkeypatch):
