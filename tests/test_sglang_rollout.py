@@ -80,21 +80,23 @@ def recording_over_sampling_filter(args, groups, **kwargs):
     return sort_by_reward_std(args, groups)
 
 
-async def short_and_long_generate(args, sample, sampling_params):
-    """Custom generate: even groups stop after SHORT tokens, odd ones run their whole budget (EOS ignored)."""
+def _short_or_long(sample, sampling_params):
+    """Even groups stop after SHORT tokens, odd ones run their whole budget (EOS ignored)."""
     if sample.group_index % 2 == 0 and sample.response_length == 0:
         sampling_params["max_new_tokens"] = SHORT
     else:
         sampling_params["ignore_eos"] = True
+
+
+async def short_and_long_generate(args, sample, sampling_params):
+    """Custom generate: the default generate with `_short_or_long`'s budgets."""
+    _short_or_long(sample, sampling_params)
     return await generate(args, sample, sampling_params)
 
 
 async def short_and_long_streaming(args, sample, sampling_params):
-    """As short_and_long_generate, through the streaming generate function."""
-    if sample.group_index % 2 == 0 and sample.response_length == 0:
-        sampling_params["max_new_tokens"] = SHORT
-    else:
-        sampling_params["ignore_eos"] = True
+    """The same through the streaming generate function."""
+    _short_or_long(sample, sampling_params)
     return await generate_streaming(args, sample, sampling_params)
 
 
