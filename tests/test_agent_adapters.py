@@ -362,9 +362,14 @@ def test_an_engine_abort_ends_the_turn_with_an_error_and_records_nothing(stack):
 
     t = threading.Thread(target=call)
     t.start()
-    time.sleep(0.5)  # 450 tokens take the CPU engine seconds: the generation is under way
+    # abort only once the engine runs the request: an abort that comes first finds nothing to abort
+    deadline = time.monotonic() + 30
+    while requests.get(stack["engine"] + "/get_load", timeout=10).json()[0]["num_reqs"] == 0:
+        assert time.monotonic() < deadline and t.is_alive(), "the generation never reached the engine"
+        time.sleep(0.02)
     requests.post(stack["engine"] + "/abort_request", json={"abort_all": True}, timeout=10)
     t.join(60)
+    assert not t.is_alive(), "the client call did not return within 60 s of the abort"
     [err] = errors
     assert err.status_code == 503 and "aborted" in err.body["message"] and err.body["type"] == "overloaded_error"
     assert finish_all(adapter, "abort-1") == []
