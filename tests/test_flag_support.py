@@ -47,7 +47,6 @@ def _refusal(capsys, *argv):
     [
         (["--use-opd", "--opd-type", "sglang"], "--use-opd", "#26"),
         (["--sglang-config", "x.yaml"], "--sglang-config", "#26"),
-        (["--release-train"], "--release-train", "#28"),
         (["--use-rollout-routing-replay"], "--use-rollout-routing-replay", "#25"),
     ],
 )

@@ -88,8 +88,9 @@ class WeightSyncTrainer(TrainRayActor):
         from slime.backends.megatron_utils.param_utils import named_parameters
 
         gen = torch.Generator().manual_seed(seed)
-        for _, p in named_parameters(self.args, self.model):
+        for n, p in named_parameters(self.args, self.model):
             p.add_(torch.randint(0, 2, p.shape, generator=gen).to(p.dtype).mul_(2).sub_(1) * lr)
+            self.weights["actor"][n].copy_(p)  # as slime's actor refreshes its CPU copy after a train step
 
     def offload(self):
         """Free the live parameters as an offloaded actor would: the update must come from the CPU dict."""

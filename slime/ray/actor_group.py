@@ -29,7 +29,9 @@ class RayTrainGroup:
         # is the bundles of `pg`), so callers written for slime keep working.
         self.args = args
         self._num_nodes, self._num_gpus_per_node = num_nodes, num_gpus_per_node
+        self._pg, self._num_gpus_per_actor = pg, num_gpus_per_actor
         self.wandb_run_id = wandb_run_id
+        register_cleanup(self.kill)
         self._allocate_gpus_for_actor(pg, num_gpus_per_actor, wandb_run_id)
 
     def _allocate_gpus_for_actor(self, pg, num_gpus_per_actor, wandb_run_id):
@@ -44,7 +46,6 @@ class RayTrainGroup:
             env.update(_torch_memory_saver_env())
         actor_cls = ray.remote(num_gpus=1, runtime_env={"env_vars": env})(MegatronTrainRayActor)
         self._actor_handlers = []
-        register_cleanup(self.kill)
         master_addr, master_port = None, None
         for rank in range(world_size):
             actor = actor_cls.options(
@@ -61,6 +62,19 @@ class RayTrainGroup:
     @property
     def actors(self):
         return self._actor_handlers
+
+    # --release-train: the group outlives its processes (the driver and the watchdog keep this handle)
+    @property
+    def released(self):
+        return not self._actor_handlers
+
+    def create(self):
+        """New trainer processes in the bundles of the ones `kill` shut down (call `async_init` next)."""
+        self._allocate_gpus_for_actor(self._pg, self._num_gpus_per_actor, self.wandb_run_id)
+
+    def async_continue_weight_version(self, version):
+        """New trainers take over the weight versions where the released ones stopped (the engines hold `version`)."""
+        return [a.continue_weight_version.remote(version) for a in self._actor_handlers]
 
     def async_init(self, args, role, with_ref=False):
         return [a.init.remote(args, role, self.wandb_run_id, with_ref=with_ref) for a in self._actor_handlers]

@@ -4,6 +4,7 @@ both: generate, train, push the weights, save, evaluate, record. The two groups 
 needs both (connecting them for weight updates, replacing a lost engine, colocated offload order) happens here.
 """
 
+import copy
 import os
 
 from slime.ray import checkpoint, critic
@@ -65,8 +66,8 @@ class Run:
         self.recorder = RunRecorder(args, self.rollout_manager)
         self.get = Watchdog(self.rollout_manager, self.actor_model).get
 
-        with_ref = args.kl_coef != 0 or args.use_kl_loss
-        loaded = self.get(self.actor_model.async_init(args, role="actor", with_ref=with_ref))
+        self._with_ref = args.kl_coef != 0 or args.use_kl_loss
+        loaded = self.get(self.actor_model.async_init(args, role="actor", with_ref=self._with_ref))
         # PPO's critic (--advantage-estimator ppo), on the actor's bundles; None otherwise
         self.critic_model, critic_loaded = critic.create_critic_group(args, pgs["actor"], wandb_run_id, self.get)
         loaded = loaded + (critic_loaded or [])
@@ -78,6 +79,8 @@ class Run:
         self._connect()
         self._trainers_offloaded = args.offload_train  # with --offload(-train) the trainers sleep after init
         self._pushes = 0
+        self._engine_version = None  # the weight version the engines hold (last push)
+        self._saved = False  # whether this run saved a checkpoint yet (what --release-train's trainers load)
 
     # ------------------------------------------------------------------ the loop's steps
     def start_generate(self, rollout_id):
@@ -90,6 +93,8 @@ class Run:
     def train(self, rollout_id, rollout_data_ref):
         if self.args.offload_rollout:  # colocated: the engines release the GPU before the trainers take it
             self.get(self.rollout_manager.async_offload())
+        if self.actor_model.released:
+            self._recreate_trainers(rollout_id)
         self._trainers_offloaded = False
         return critic.train_step(
             self.args, rollout_id, self.actor_model, self.critic_model, rollout_data_ref, self.get
@@ -120,7 +125,29 @@ class Run:
             manager.check_weight_versions(metrics, sorted(set(replaced)))
             manager.join_router(sorted(set(replaced)))
         self._pushes += 1
+        self._engine_version = next((m["update_weights/weight_version"] for m in metrics if m), None)
+        if args.release_train:  # the engines loaded the version from disk: no trainer is needed until training
+            self.actor_model.kill()
         return metrics
+
+    def _recreate_trainers(self, rollout_id):
+        """--release-train: new trainers resume from the checkpoint saved after the previous rollout, optimizer and
+        RNG included (as saved), and take over the engines' weight version. Before this run's first save they load
+        what the first trainers loaded."""
+        args = self.args
+        if self._saved:
+            args = copy.copy(self.args)
+            args.load, args.ckpt_step, args.finetune = self.args.save, None, False
+            args.no_load_optim, args.no_load_rng = self.args.no_save_optim, self.args.no_save_rng
+        self.actor_model.create()
+        loaded = self.get(self.actor_model.async_init(args, role="actor", with_ref=self._with_ref))
+        if set(loaded) != {rollout_id}:
+            raise RuntimeError(
+                f"--release-train: the new trainers loaded rollout ids {loaded} from --save {self.args.save}, "
+                f"expected {rollout_id} (the checkpoint of rollout {rollout_id - 1})"
+            )
+        self.get(self.actor_model.async_continue_weight_version(self._engine_version))
+        self._connect()
 
     def _replace_lost_engines(self, resume_tags=None):
         replaced = self.rollout_manager.recover(self.get, resume_tags)
@@ -138,6 +165,7 @@ class Run:
     def save(self, rollout_id, extra_savers=()):
         savers = (*extra_savers, *critic.checkpoint_savers(self.critic_model, self.get))
         checkpoint.save(self.args, rollout_id, self.actor_model, self.rollout_manager, self.get, savers)
+        self._saved = True
 
     def eval_due(self, rollout_id):
         return should_run_periodic_action(rollout_id, self.args.eval_interval, self.num_rollout_per_epoch)

@@ -995,6 +995,14 @@ def add_weight_sync_arguments(parser):
         default=None,
         help="Engine-host-local full checkpoint kept at the current version by /pull_weights (required by delta).",
     )
+    g.add_argument(
+        "--release-train",
+        action="store_true",
+        default=False,
+        help="Shut the trainers down after each weight push (disk transport) and recreate them from --save before "
+        "the next training step: nothing of the trainers (optimizer state, CPU backups, process memory) is held "
+        "while the engines generate. Saves after every rollout. See docs/weight_sync.md.",
+    )
     return parser
 
 
@@ -1778,13 +1786,9 @@ def check_weight_sync(args, error, check_paths):
             "--custom-update-weight-post-write-path runs after a disk weight version is written: add "
             "--update-weight-transport disk, or drop the flag."
         )
+    check_release_train(args, error)
     if not disk:
         return
-    if args.colocate:
-        error(
-            "--update-weight-transport disk with --colocate: colocated engines get the weights by tensor handles; "
-            "disk sync is for engines on other GPUs or hosts."
-        )
     if not args.update_weight_disk_dir:
         error(
             "--update-weight-transport disk needs --update-weight-disk-dir (a directory trainers and engines share)."
@@ -1809,6 +1813,36 @@ def check_weight_sync(args, error, check_paths):
             os.remove(probe)
         except OSError as e:
             error(f"--update-weight-disk-dir {args.update_weight_disk_dir}: not writable ({e.strerror or e}).")
+
+
+def check_release_train(args, error):
+    """--release-train: the recreated trainers load the last save, and the engines' weights come from disk, written
+    by trainers that are gone once the engines load it."""
+    if not args.release_train:
+        return
+    why = None
+    if args.update_weight_transport != "disk" or args.update_weight_mode != "full":
+        why = (
+            "needs --update-weight-transport disk --update-weight-mode full (a delta's base lives in the trainers, "
+            "which are recreated)"
+        )
+    elif args.enable_lora and args.lora_sync == "adapter":
+        why = "with --lora-sync adapter: adapters travel by value, not through disk; use --lora-sync merged"
+    elif not args.save:
+        why = "needs --save: the trainers are recreated from the checkpoint saved after each rollout"
+    elif args.save_interval not in (None, 1):
+        why = f"saves after every rollout (the next trainers load it): drop --save-interval {args.save_interval}"
+    elif args.debug_rollout_only:
+        why = "with --debug-rollout-only: there are no trainers to release"
+    elif args.advantage_estimator == "ppo":
+        why = "with a critic (--advantage-estimator ppo) is not supported: the critic group is not recreated"
+    elif args.keep_old_actor:
+        why = "with --keep-old-actor: the old actor's weights live in the trainers only"
+    elif args.ref_update_interval:
+        why = "with --ref-update-interval: the updated reference lives in the trainers only"
+    if why:
+        error(f"--release-train {why}.")
+    args.save_interval = 1
 
 
 def _one_line_error(parser):

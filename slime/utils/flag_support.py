@@ -31,8 +31,6 @@ REFUSED = {
     "--opd-teacher-load": _OPD,
     "--opd-teacher-ckpt-step": _OPD,
     "--sglang-config": _SGLANG_CONFIG,
-    "--release-train": "recreating the trainers from --save after each rollout comes with issue #28: use --offload "
-    "to free trainer memory during rollout",
     # cannot exist on this stack
     "--prefill-num-servers": "prefill/decode disaggregation needs SGLang's KV transfer between GPU engines, which "
     "this slime does not drive: drop it (every engine serves both phases)",

@@ -378,6 +378,11 @@ class MegatronTrainRayActor(TrainRayActor):
         self.weight_updator.connect_rollout_engines(rollout_engines, rollout_engine_lock)
         dist.barrier(group=megatron_init.get_gloo_group())
 
+    def continue_weight_version(self, version):
+        """--release-train: this new trainer's engines already hold weight `version`, published from disk by the
+        trainers before it; the next push is `version` + 1."""
+        self.weight_updator.continue_from(version)
+
     def update_weights(self, weight_version=None):
         """Push the weights to the engines, labelled `weight_version` (default: the previous label + 1)."""
         if self.args.debug_train_only or self.args.debug_rollout_only:

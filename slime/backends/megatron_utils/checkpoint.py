@@ -55,6 +55,17 @@ def _materialize_optimizer_state(optimizer):
                 inner.state[p].setdefault("step", torch.zeros((), dtype=torch.float32))
 
 
+def _own_adam_steps(optimizer):
+    """megatron-core without Apex/TE (torch Adam) loads one "step" tensor into every parameter's state; Adam then
+    increments that shared tensor once per parameter, so after a resume the bias correction would run ahead by
+    the number of parameters each step. Each parameter gets its own copy."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        for state in inner.state.values() if inner is not None else ():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+
 def resync_optimizer_main_params(optimizer):
     """After loading model weights in place, refresh fp32 master copies (mixed precision / distributed optimizer)."""
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
@@ -232,6 +243,7 @@ def load_checkpoint(args, model, optimizer, opt_param_scheduler, keep_unfit_outp
             raise RuntimeError(f"--load {ckpt}: missing {missing}, unexpected {result.unexpected_keys}")
     if load_optim:
         optimizer.load_state_dict(loaded["optimizer"])
+        _own_adam_steps(optimizer)
         if "opt_param_scheduler" in common and opt_param_scheduler is not None:
             _load_scheduler(args, opt_param_scheduler, common["opt_param_scheduler"], ckpt)
     elif optimizer is not None:

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 from slime.backends.megatron_utils.initialize import get_gloo_group
 from slime.backends.megatron_utils.lora import export_peft
+from slime.backends.megatron_utils.param_utils import named_parameters
 from slime.backends.megatron_utils.update_weight.update_weight_from_disk import gather_stage, is_pp_src_rank
 from slime.utils import disk_delta
 
@@ -34,7 +35,7 @@ def save_hf_model_to_path(args, output_dir, model, *, model_name, vocab_size, qu
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
     dist.barrier(group=group)
-    tensors = gather_stage(args, model, model_name, vocab_size, quantization_config)
+    tensors = gather_stage(args, named_parameters(args, model), model_name, vocab_size, quantization_config)
     weight_map = {}
     if is_pp_src_rank():
         fname = f"pp{mpu.get_pipeline_model_parallel_rank():03d}.safetensors"

@@ -31,7 +31,14 @@ from slime.utils.device import get_device
 from slime.utils.lora_utils import TARGETS, resolve_target_modules
 
 from .megatron_to_hf import convert_to_hf, resolve_model_name
-from .param_utils import PREFIX, all_gather_param, canonical_name, is_lora_param, named_parameters
+from .param_utils import (
+    PREFIX,
+    all_gather_param,
+    canonical_name,
+    is_lora_param,
+    named_parameters,
+    with_parallel_attrs,
+)
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -188,10 +195,7 @@ def merge_for_sync(args, named_params):
         a_name, b_name = adapter_names(name) if name.endswith(".weight") else (None, None)
         if a_name in lookup:
             merged = merged_shard(param.detach(), lookup[a_name].detach(), lookup[b_name].detach(), s)
-            for attr in ("tensor_model_parallel", "partition_dim", "partition_stride", "parallel_mode"):
-                if hasattr(param, attr):
-                    setattr(merged, attr, getattr(param, attr))
-            yield name, merged
+            yield name, with_parallel_attrs(merged, param)
         else:
             yield name, param
 
@@ -228,11 +232,8 @@ def full_adapters(args, model, weights=None) -> dict:
     def shard(n):
         if weights is None:
             return params[n]
-        t = weights[n].to(get_device(int(os.environ.get("LOCAL_RANK", "0"))))
-        for attr in ("tensor_model_parallel", "partition_dim", "partition_stride", "parallel_mode"):
-            if hasattr(params[n], attr):  # how to gather it: the live parameter's TP attributes
-                setattr(t, attr, getattr(params[n], attr))
-        return t
+        # how to gather it: the live parameter's TP attributes
+        return with_parallel_attrs(weights[n].to(get_device(int(os.environ.get("LOCAL_RANK", "0")))), params[n])
 
     for name in sorted(params):
         if not name.endswith(".lora_A"):

@@ -74,6 +74,15 @@ def _globalize(name, layer_offset, expert_offset):
 _TP_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "parallel_mode")
 
 
+def with_parallel_attrs(tensor, param):
+    """`tensor` (a copy of `param`'s shard) with `param`'s tensor-parallel attributes, which tell
+    `all_gather_param` how to gather it."""
+    for attr in _TP_ATTRS:
+        if hasattr(param, attr):
+            setattr(tensor, attr, getattr(param, attr))
+    return tensor
+
+
 def expert_parallel_copies(args, name, param):
     """[(global_name, shard)] of `param` on every expert-parallel rank: itself when it is not a routed-expert
     parameter or EP is 1, else the same local expert of each EP rank (collective over the EP group). The shards keep
@@ -86,10 +95,7 @@ def expert_parallel_copies(args, name, param):
     per_rank = args.num_experts // ep
     out = []
     for r, part in enumerate(parts):
-        for attr in _TP_ATTRS:
-            if hasattr(param, attr):
-                setattr(part, attr, getattr(param, attr))
-        out.append((_with_expert(name, lambda e: r * per_rank + e % per_rank), part))
+        out.append((_with_expert(name, lambda e: r * per_rank + e % per_rank), with_parallel_attrs(part, param)))
     return out
 
 

@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from slime.backends.megatron_utils.initialize import get_gloo_group
 from slime.backends.megatron_utils.lora import merge_for_sync
-from slime.backends.megatron_utils.param_utils import expert_parallel_copies, named_parameters
+from slime.backends.megatron_utils.param_utils import expert_parallel_copies, named_parameters, with_parallel_attrs
 from slime.utils import disk_delta
 from slime.utils.user_errors import user_function
 
@@ -34,6 +34,7 @@ from .common import (
     engine_urls,
     gather_and_convert,
     is_tied_output_copy,
+    local_device,
     log_metrics,
     update_metrics,
     update_timeout,
@@ -82,6 +83,11 @@ class UpdateWeightFromDisk:
             self._post_write = user_function(
                 "--custom-update-weight-post-write-path", args.custom_update_weight_post_write_path
             )
+
+    def continue_from(self, version: int):
+        """Trainers recreated under --release-train: the engines hold published `version` (no re-seeding of their
+        local checkpoints when connecting)."""
+        self.weight_version = self._published = version
 
     @property
     def _is_pp_src_rank(self) -> bool:
@@ -183,7 +189,16 @@ class UpdateWeightFromDisk:
         return written, full_bytes
 
     def _gather_stage(self) -> dict:
-        return gather_stage(self.args, self.model, self.model_name, self.vocab_size, self.quantization_config)
+        return gather_stage(
+            self.args, self._named_weights(), self.model_name, self.vocab_size, self.quantization_config
+        )
+
+    def _named_weights(self):
+        """The trainer's shards from its CPU weight dict, which stays valid while the trainer sleeps (--offload-train:
+        the parameters' memory is released then), on the device its gathers run on."""
+        device, weights = local_device(), self.weights["actor"]
+        for name, param in named_parameters(self.args, self.model):
+            yield name, with_parallel_attrs(weights[name].to(device, non_blocking=True), param)
 
     def _write_delta(self, path, tensors):
         """Encode each tensor against the base (cast to the base's dtype: the engines' checkpoint keeps its own)."""
@@ -239,11 +254,12 @@ def is_pp_src_rank() -> bool:
     return mpu.get_data_parallel_rank(with_context_parallel=True) == 0 and mpu.get_tensor_model_parallel_rank() == 0
 
 
-def gather_stage(args, model, model_name, vocab_size, quantization_config=None) -> dict:
-    """This pipeline stage's HF tensors (on its source rank; the other ranks only help gather); under --enable-lora
-    the adapted weights merged (W + s B A), the adapters themselves left out."""
+def gather_stage(args, named_params, model_name, vocab_size, quantization_config=None) -> dict:
+    """This pipeline stage's HF tensors from its `named_params` [(global name, local shard with its TP attributes)]
+    (on its source rank; the other ranks only help gather); under --enable-lora the adapted weights merged
+    (W + s B A), the adapters themselves left out."""
     tensors, src = {}, is_pp_src_rank()
-    for name, param in merge_for_sync(args, named_parameters(args, model)):
+    for name, param in merge_for_sync(args, named_params):
         if is_tied_output_copy(args, name):
             continue
         for n, p in expert_parallel_copies(args, name, param):
