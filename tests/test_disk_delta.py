@@ -173,8 +173,10 @@ def test_old_versions_are_removed(dirs):
     hf, root, _ = dirs
     for v in (1, 2, 3):
         _publish_full(root, v, _tensors(float(v)), hf)
+    for v in (2, 4):  # torn writes: one older than the version kept, one newer (being written)
+        os.makedirs(os.path.join(root, f".weight_v00000{v}.partial"))
     disk_delta.remove_versions_before(root, 3)
-    assert sorted(os.listdir(root)) == ["weight_v000003"]
+    assert sorted(os.listdir(root)) == [".weight_v000004.partial", "weight_v000003"]
 
 
 # ------------------------------------------------------------------ start-up checks

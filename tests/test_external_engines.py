@@ -1,16 +1,28 @@
 """--rollout-external-engine-addrs: slime drives an inference server it did not start (here slime's CPU server,
 started by the test): start-up reads its shape and model, train.py pushes weights to it (broadcast or disk) and
-generates with them, and the server is still running when the run ends."""
+generates with them, train_async.py drives it with delta disk updates, a router the test started is used in place of
+slime's own, and the server is still running when the run ends."""
 
+import json
+import multiprocessing
+import os
 import shutil
+import threading
+import time
 
 import pytest
 import requests
+import torch
+from safetensors.torch import load_file
 
 import train as sync_driver
+import train_async as async_driver
 from slime.backends.sglang_utils.external import engine_shape, normalize_external_engine_addr, same_model
+from slime.backends.sglang_utils.router import list_workers, router_url, start_router, stop_router
+from slime.utils import disk_delta
 from slime.utils.arguments import parse_args
 from slime.utils.http_utils import find_available_port
+from tests._args import make_args as unit_args
 from tests.test_cpu_server import start_cpu_server, stop_cpu_server
 from tests.test_e2e import TINY_MODEL_ARGS, make_args, read_metrics
 from tests.test_fault_tolerance import SAMPLES_PER_ROLLOUT, events_of, faults_done, inject_faults_generate, plan_faults
@@ -150,3 +162,93 @@ def test_a_vanished_external_engine_is_dropped_under_fault_tolerance(ray_session
         assert (other if survivor == other_url else proc).poll() is None  # the survivor was left running
     finally:
         stop_cpu_server(other)
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_train_async_drives_an_external_engine_with_delta_updates(ray_session, tiny_kit, tmp_path, external_server):
+    """train_async.py (one step off policy) with delta disk updates to an engine it did not start: the first version
+    is full, each later one an xor delta on the one before, applied into the engine's local checkpoint; at the end the
+    engine serves (and its local checkpoint holds) exactly the trainer's final weights (`--save-hf` of rollout 2)."""
+    proc, url = external_server
+    root, local, hf = tmp_path / "versions", tmp_path / "local", tmp_path / "hf"
+    args = make_args(
+        tiny_kit,
+        tmp_path,
+        *["--rollout-num-gpus", "0", "--rollout-external-engine-addrs", url.split("//")[1]],
+        *["--update-weight-transport", "disk", "--update-weight-disk-dir", str(root), "--update-weight-mode", "delta"],
+        *["--update-weight-local-checkpoint-dir", str(local), "--update-weight-disk-keep-files"],
+        # one save, after the last rollout: a save would stop rollout N+1 from overlapping the training of N
+        *["--save", str(tmp_path / "ckpt"), "--save-interval", "3", "--save-hf", str(hf / "iter_{rollout_id}")],
+        num_rollout=3,
+    )
+    async_driver.train(args)
+
+    rows = read_metrics(tmp_path)
+    # rollout 1 is generated while rollout 0 trains, with the same weights; pushes: start, after each rollout
+    assert [int(r["rollout/weight_version"]) for r in rows] == [1, 1, 2]
+    assert sorted(os.listdir(root)) == [disk_delta.version_name(v) for v in (1, 2, 3, 4)]
+    for v in (1, 2, 3, 4):
+        with open(root / disk_delta.version_name(v) / disk_delta.INDEX) as f:
+            meta = json.load(f)["metadata"]
+        if v == 1:
+            assert "delta_encoding" not in meta
+        else:
+            assert meta["delta_encoding"] == "xor" and meta["base_version"] == f"{v - 1:06d}"
+    assert requests.get(f"{url}/model_info", timeout=10).json()["weight_version"] == "4"
+    final = {}
+    for f in os.listdir(hf / "iter_2"):
+        if f.endswith(".safetensors"):
+            final.update(load_file(str(hf / "iter_2" / f)))
+    assert disk_delta.held_version(str(local)) == 4
+    held = {}
+    for f in os.listdir(local):
+        if f.endswith(".safetensors"):
+            held.update(load_file(str(local / f)))
+    assert sorted(held) == sorted(final) and all(torch.equal(held[n], final[n]) for n in final)
+    expected = final[PARAM].reshape(-1)
+    got = requests.post(f"{url}/get_weights_by_name", json={"name": PARAM, "truncate_size": expected.numel()}).json()
+    assert torch.equal(torch.tensor(got, dtype=torch.float32), expected)
+    assert proc.poll() is None, "slime stopped a server it did not start"
+
+
+@pytest.mark.e2e
+def test_an_external_router_is_used_and_left_running(ray_session, tiny_kit, tmp_path, external_server):
+    """--sglang-router-ip/--sglang-router-port name a router the test started: slime starts none, registers its
+    engine there, generates through it, takes the engine off it at the end and leaves the router running."""
+    proc, url = external_server
+    router_args = unit_args()
+    router = start_router(router_args)
+    router_at = router_url(router_args)
+    seen, run_over = {"workers": set(), "routers": set()}, threading.Event()
+
+    def watch():
+        while not run_over.is_set():
+            seen["workers"].update(list_workers(router_at))
+            seen["routers"].update(c.pid for c in multiprocessing.active_children() if c.name == "sglang-router")
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    try:
+        args = make_args(
+            tiny_kit,
+            tmp_path,
+            *["--rollout-num-gpus", "0", "--rollout-external-engine-addrs", url.split("//")[1]],
+            *["--sglang-router-ip", router_args.sglang_router_ip],
+            *["--sglang-router-port", str(router_args.sglang_router_port)],
+            num_rollout=1,
+        )
+        watcher.start()
+        sync_driver.train(args)
+        run_over.set()
+        watcher.join(5)
+        rows = read_metrics(tmp_path)
+        assert [int(r["rollout/weight_version"]) for r in rows] == [1]  # generated, through the only router there is
+        assert seen["workers"] == {url}  # the engine was registered with the test's router
+        assert seen["routers"] == {router.pid}  # slime started no router of its own
+        assert router.is_alive() and list_workers(router_at) == []  # off the router at the end; the router runs on
+        assert requests.get(f"{router_at}/health", timeout=10).status_code == 200
+        assert proc.poll() is None
+    finally:
+        run_over.set()
+        stop_router(router)

@@ -498,11 +498,14 @@ def test_disk_delta_versions_are_small_verified_and_a_corrupt_base_gets_a_full_v
     cleanup += start_trainers(args, colocate=False)
     reference = trainer_greedy(cleanup)
     ray.get([t.connect.remote([engine], lock) for t in cleanup], timeout=120)
-    assert disk_delta.held_version(str(local)) == 0  # seeded from the engine's checkpoint at connect
+    assert disk_delta.held_version(str(local)) is None  # nothing to seed: the first version is full
 
-    ray.get([t.update_weights.remote() for t in cleanup], timeout=300)
+    first = ray.get([t.update_weights.remote() for t in cleanup], timeout=300)[0]
+    assert first["update_weights/delta_ratio"] == 1.0  # a trainer's first version is full
+    index = json.load(open(root / "weight_v000001" / "model.safetensors.index.json"))
+    assert "delta_encoding" not in index["metadata"]
     diff, version = max_logprob_diff(url, reference)
-    assert diff < 1e-4 and version == "1"
+    assert diff < 1e-4 and version == "1" and disk_delta.held_version(str(local)) == 1
     # one Adam-like step (every weight moved by 1e-6): the low bytes of each fp32 change, the high ones do not
     ray.get([t.adam_like_step.remote(1e-6, 0) for t in cleanup], timeout=120)
     reference = trainer_greedy(cleanup)

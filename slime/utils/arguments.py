@@ -972,8 +972,9 @@ def add_weight_sync_arguments(parser):
         "--update-weight-mode",
         choices=["full", "delta"],
         default="full",
-        help="'delta' (disk only): each version holds compressed differences against the previous one, applied by "
-        "each engine host into --update-weight-local-checkpoint-dir and verified per tensor.",
+        help="'delta' (disk only): after a trainer's first version (full), each version holds compressed differences "
+        "against the previous one, applied by each engine host into --update-weight-local-checkpoint-dir and "
+        "verified per tensor.",
     )
     g.add_argument(
         "--update-weight-disk-dir",

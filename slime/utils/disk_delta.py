@@ -179,11 +179,12 @@ def publish(partial_dir: str, final_dir: str, weight_map: dict, metadata: dict, 
 
 
 def remove_versions_before(root: str, version: int) -> None:
-    """Delete the published versions older than `version`."""
+    """Delete the published versions older than `version`, and the partial directories of older versions (a writer
+    killed mid-version leaves one; a run resumed past that version never writes it again)."""
     for fname in os.listdir(root):
-        path = os.path.join(root, fname)
-        if fname.startswith("weight_v") and fname[8:].isdigit() and int(fname[8:]) < version:
-            shutil.rmtree(path, ignore_errors=True)
+        name = fname[1 : -len(".partial")] if fname.startswith(".") and fname.endswith(".partial") else fname
+        if name.startswith("weight_v") and name[8:].isdigit() and int(name[8:]) < version:
+            shutil.rmtree(os.path.join(root, fname), ignore_errors=True)
 
 
 # ------------------------------------------------------------------ pulling (engine host side)

@@ -8,8 +8,9 @@ rank 0 then publishes it under `weight_v{N:06d}` in one rename (`slime.utils.dis
 (`/pull_weights`: a full version copied, a delta applied on its base and verified per tensor) and reloads from there.
 A delta that cannot be applied (wrong base, corrupt bytes) is answered by the same version published in full.
 
-The delta's base is the engines' current version: seeded from `--hf-checkpoint` (what the engines started from),
-then each published version's bytes, kept on the source ranks in the checkpoint's dtypes.
+The first version a trainer process publishes is full, whatever the mode: a trainer that starts (or restarts after
+dying mid-version, `--load`) cannot know what the engines hold (external engines outlive runs). Each later delta's
+base is the version before it, whose bytes the source ranks keep in `--hf-checkpoint`'s dtypes.
 """
 
 import logging
@@ -71,13 +72,11 @@ class UpdateWeightFromDisk:
         self.delta = args.update_weight_mode == "delta"
         self.root = args.update_weight_disk_dir
         self.local_dir = args.update_weight_local_checkpoint_dir
-        self._published = (
-            None  # the last version written (a re-push of it after an engine replacement is not rewritten)
-        )
-        self._base = None  # delta: HF name -> (dtype, shape, bytes) of the engines' current version (source ranks)
-        self._base_version = (
-            0  # the version `_base` holds: the checkpoint the engines started from, then each one sent
-        )
+        # the last version written (a re-push of it after an engine replacement is not rewritten); None: nothing
+        # yet, so the next version is full
+        self._published = None
+        self._base = None  # delta: HF name -> (dtype, shape, bytes) of the last version sent (source ranks)
+        self._base_version = 0  # the version `_base` holds once one was sent
         self._post_write = None
         if args.custom_update_weight_post_write_path:
             self._post_write = user_function(
@@ -94,15 +93,11 @@ class UpdateWeightFromDisk:
         return is_pp_src_rank()
 
     def connect_rollout_engines(self, rollout_engines, rollout_engine_lock):
-        """No process group to build: the engines only read files. With a local checkpoint each engine host seeds it
-        now (version 0, from the engine's own model path), while the trainers go on."""
+        """No process group to build: the engines only read files (the first version is full: no base to seed)."""
         self.rollout_engines = list(rollout_engines)
-        timeout = update_timeout(self.args)
-        self._urls = engine_urls(self.rollout_engines, timeout)
-        if self.delta and self._is_pp_src_rank and self._base is None:
+        self._urls = engine_urls(self.rollout_engines, update_timeout(self.args))
+        if self.delta and self._is_pp_src_rank and self._base is None:  # the dtypes the deltas are encoded in
             self._base = _read_checkpoint_bytes(self.args.hf_checkpoint)
-        if self.local_dir and dist.get_rank() == 0 and self._published is None:
-            self._pull(0, timeout)
 
     @torch.no_grad()
     def update_weights(self, weight_version=None) -> dict:
@@ -112,7 +107,8 @@ class UpdateWeightFromDisk:
         group = get_gloo_group()
         written, full_bytes = 0, 0
         if self._published != self.weight_version:  # a re-push after an engine replacement only reloads
-            written, full_bytes = self._write_version(self.delta)
+            # a delta only on a version this process published (see the module doc)
+            written, full_bytes = self._write_version(self.delta and self._published is not None)
         failed = [self._pull_failure(timeout) if self.local_dir and dist.get_rank() == 0 else None]
         dist.broadcast_object_list(failed, src=0, group=group)
         if failed[0]:  # a delta an engine could not apply: the same version again, in full
