@@ -206,6 +206,11 @@ def test_disk_sync_flags_are_checked_at_start_up(capsys, tmp_path):
     assert "needs --update-weight-local-checkpoint-dir" in err
     err = _parse_error(capsys, "--custom-update-weight-post-write-path", "a.b", "--update-weight-transport", "shm")
     assert "--custom-update-weight-post-write-path" in err and "--update-weight-transport disk" in err
+    disk = ["--update-weight-transport", "disk", "--update-weight-disk-dir", tmp_path]
+    local = ["--update-weight-local-checkpoint-dir", tmp_path / "local"]
+    err = _parse_error(capsys, *disk, *local, "--update-weight-mode", "delta", "--colocate")
+    assert "--update-weight-mode delta with --colocate" in err
+    assert make_args(*disk, "--colocate").update_weight_transport == "disk"  # full versions serve colocated engines
     args = make_args("--update-weight-transport", "nccl")
     assert args.update_weight_transport == "broadcast"  # current slime's name for the broadcast
 

@@ -12,10 +12,14 @@ import pytest
 from safetensors.torch import load_file
 
 import train as sync_driver
+from slime.utils.arguments import parse_args
+from tests._args import BASE as TINY_BASE
+from tests._args import TINY_MODEL
 from tests._args import make_args as parse
 from tests.test_e2e import make_args, read_metrics
 from tests.test_flag_support import _refusal
 
+TINY_ARGV = [*TINY_BASE, *TINY_MODEL]
 BASE = [
     "--release-train",
     "--update-weight-transport",
@@ -46,6 +50,12 @@ BASE = [
 )
 def test_release_train_start_up_checks(capsys, argv, why):
     assert f"--release-train {why}" in _refusal(capsys, *argv)
+
+
+def test_release_train_is_refused_by_train_async(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(argv=[*TINY_ARGV, *BASE], check_paths=False, asynchronous=True)
+    assert "--release-train: train_async.py generates while the trainers work" in capsys.readouterr().err
 
 
 def test_release_train_saves_every_rollout():

@@ -1335,6 +1335,11 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
             args.actor_num_gpus_per_node = min(8, args.rollout_num_gpus)
             args.actor_num_nodes = args.rollout_num_gpus // args.actor_num_gpus_per_node
         args.colocate = args.offload = args.offload_train = args.offload_rollout = False
+    if asynchronous and args.release_train:
+        error(
+            "--release-train: train_async.py generates while the trainers work, so there is no time without "
+            "trainers to release them in; use train.py."
+        )
     if asynchronous and (args.colocate or args.offload or args.offload_train or args.offload_rollout):
         flag = "--colocate" if args.colocate else "--offload" if args.offload else "--offload-train/--offload-rollout"
         error(
@@ -1790,6 +1795,11 @@ def check_weight_sync(args, error, check_paths):
     check_release_train(args, error)
     if not disk:
         return
+    if args.colocate and args.update_weight_mode == "delta":
+        error(
+            "--update-weight-mode delta with --colocate: colocated engines get their weights by tensor handles or "
+            "full disk versions; deltas are for engines on other hosts."
+        )
     if not args.update_weight_disk_dir:
         error(
             "--update-weight-transport disk needs --update-weight-disk-dir (a directory trainers and engines share)."

@@ -381,7 +381,7 @@ class MegatronTrainRayActor(TrainRayActor):
     def continue_weight_version(self, version):
         """--release-train: this new trainer's engines already hold weight `version`, published from disk by the
         trainers before it; the next push is `version` + 1."""
-        self.weight_updator.continue_from(version)
+        self.weight_updator.weight_version = version
 
     def update_weights(self, weight_version=None):
         """Push the weights to the engines, labelled `weight_version` (default: the previous label + 1)."""

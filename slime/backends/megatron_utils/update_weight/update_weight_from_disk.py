@@ -83,11 +83,6 @@ class UpdateWeightFromDisk:
                 "--custom-update-weight-post-write-path", args.custom_update_weight_post_write_path
             )
 
-    def continue_from(self, version: int):
-        """Trainers recreated under --release-train: the engines hold published `version` (no re-seeding of their
-        local checkpoints when connecting)."""
-        self.weight_version = self._published = version
-
     @property
     def _is_pp_src_rank(self) -> bool:
         return is_pp_src_rank()
