@@ -92,6 +92,14 @@ class WeightSyncTrainer(TrainRayActor):
             p.add_(torch.randint(0, 2, p.shape, generator=gen).to(p.dtype).mul_(2).sub_(1) * lr)
             self.weights["actor"][n].copy_(p)  # as slime's actor refreshes its CPU copy after a train step
 
+    def limit_file_size(self, nbytes):
+        """RLIMIT_FSIZE on this process: a write past `nbytes` fails with EFBIG, as a full disk fails with ENOSPC."""
+        import resource
+        import signal
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails instead of the process being killed
+        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
     def offload(self):
         """Free the live parameters as an offloaded actor would: the update must come from the CPU dict."""
         for chunk in self.model:
@@ -476,6 +484,15 @@ def test_disk_full_versions_reach_the_engines_and_old_ones_are_removed(tiny_kit,
     ray.get([t.update_weights.remote() for t in cleanup], timeout=300)
     assert max_logprob_diff(url, reference)[1] == "2"
     assert sorted(os.listdir(root)) == ["weight_v000002"]
+
+    # a disk that cannot take the version: every rank fails naming the file, the engine keeps serving version 2
+    ray.get([t.limit_file_size.remote(1 << 20) for t in cleanup], timeout=60)
+    with pytest.raises(ray.exceptions.RayTaskError) as e:
+        ray.get([t.update_weights.remote() for t in cleanup], timeout=300)
+    assert f"update_weights v3: cannot write {root}/.weight_v000003.partial/pp000.safetensors" in str(e.value)
+    assert "(--update-weight-disk-dir): " in str(e.value) and "File too large" in str(e.value)
+    assert max_logprob_diff(url, reference) == (pytest.approx(0, abs=1e-4), "2")
+    assert "weight_v000003" not in os.listdir(root)
 
 
 @pytest.mark.slow

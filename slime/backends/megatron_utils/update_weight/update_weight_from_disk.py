@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from slime.backends.megatron_utils.initialize import get_gloo_group
@@ -140,21 +141,29 @@ class UpdateWeightFromDisk:
             os.makedirs(partial)
         dist.barrier(group=group)
         tensors = self._gather_stage()
-        weight_map, written, full_bytes = {}, 0, 0
+        weight_map, written, full_bytes, failure = {}, 0, 0, None
         if self._is_pp_src_rank:
             fname = f"pp{mpu.get_pipeline_model_parallel_rank():03d}.safetensors"
             path = os.path.join(partial, fname)
-            if delta:
-                written, full_bytes = self._write_delta(path, tensors)
-            else:
-                if self._base is not None:  # delta mode's full version: in the dtypes the deltas are encoded in
-                    tensors = {n: t.to(self._base[n][0]) if n in self._base else t for n, t in tensors.items()}
-                    self._base.update({n: (t.dtype, list(t.shape), _bytes_of(t)) for n, t in tensors.items()})
-                save_file(tensors, path)
-                written = full_bytes = os.path.getsize(path)
+            try:
+                if delta:
+                    written, full_bytes = self._write_delta(path, tensors)
+                else:
+                    if self._base is not None:  # delta mode's full version: in the dtypes the deltas are encoded in
+                        tensors = {n: t.to(self._base[n][0]) if n in self._base else t for n, t in tensors.items()}
+                        self._base.update({n: (t.dtype, list(t.shape), _bytes_of(t)) for n, t in tensors.items()})
+                    save_file(tensors, path)
+                    written = full_bytes = os.path.getsize(path)
+            except (OSError, SafetensorError) as e:  # a full or failing disk: every rank raises below
+                failure = f"cannot write {path} (--update-weight-disk-dir): {getattr(e, 'strerror', None) or e}"
             weight_map = dict.fromkeys(tensors, fname)
         maps = [None] * dist.get_world_size(group=group)
-        dist.all_gather_object(maps, weight_map, group=group)
+        dist.all_gather_object(maps, (weight_map, failure), group=group)
+        if failures := [f for _, f in maps if f]:
+            raise WeightUpdateError(
+                f"update_weights v{self.weight_version}: {failures[0]}; the engines keep the last version"
+            )
+        maps = [m for m, _ in maps]
         if dist.get_rank() == 0:
             metadata = {"version": f"{self.weight_version:06d}", "format": "pt"}
             if delta:
