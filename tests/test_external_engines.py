@@ -212,6 +212,7 @@ def test_train_async_drives_an_external_engine_with_delta_updates(ray_session, t
     assert proc.poll() is None, "slime stopped a server it did not start"
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_an_external_router_is_used_and_left_running(ray_session, tiny_kit, tmp_path, external_server):
     """--sglang-router-ip/--sglang-router-port name a router the test started: slime starts none, registers its
