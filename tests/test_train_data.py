@@ -13,6 +13,7 @@ from slime.backends.megatron_utils.rollout_data import (
     get_minimum_num_micro_batch_size,
     process_rollout_data,
 )
+from slime.utils.flops_utils import forward_flops
 from slime.utils.ray_utils import Box
 from slime.utils.seqlen_balancing import get_seqlen_balanced_partitions
 from tests._args import make_args
@@ -80,6 +81,61 @@ def test_dynamic_micro_batches_respect_max_tokens():
         parts = get_micro_batch_partitions(lengths, k, cap)
         assert len(parts) == k and sorted(i for p in parts for i in p) == list(range(len(lengths)))
         assert max(_sums(lengths, parts)) <= cap, (lengths, cap, k, parts)
+
+
+def test_forward_flops_of_the_tiny_model_by_hand():
+    args = make_args()  # 2 layers, hidden 64, 4 heads of 16, ffn 256 (no gate), no vocabulary given
+    # per token: QKV 64*(4+2*4)*16 + out 4*16*64 + MLP 64*256*2 = 49152 weights -> 2*L*49152 FLOPs per layer;
+    # QK^T and AV over the causal half: 2 * 2*4*16 * L^2/2 = 128 L^2
+    assert forward_flops(args, 10) == 2 * (2 * 10 * 49152 + 128 * 10**2)
+    swiglu = make_args("--swiglu", "--ffn-hidden-size", "256", "--vocab-size", "1000")
+    assert forward_flops(swiglu, 1) == 2 * (2 * (12288 + 4096 + 64 * 256 * 3) + 128) + 2 * 64 * 1000
+
+
+def test_balance_by_flops_packs_long_samples_apart():
+    # 2 micro-batches of at most 4000 tokens. By tokens the best split is 3000 | 3000 ({1000 1000 1000} and
+    # {2000 1000}); by FLOPs the 2000-token sample (attention ~ L^2: 4x a 1000-token one) is worth more than its
+    # tokens, so it goes alone: 1000*4 | 2000
+    lengths = [1000, 1000, 1000, 1000, 2000]
+    args = make_args("--use-dynamic-batch-size", "--max-tokens-per-gpu", "4000", "--balance-by-flops")
+    by_tokens = get_micro_batch_partitions(lengths, 2, 4000)
+    by_flops = get_micro_batch_partitions(lengths, 2, 4000, [forward_flops(args, n) for n in lengths])
+    assert sorted(_sums(lengths, by_tokens)) == [3000, 3000]
+    assert sorted(by_flops) == [[0, 1, 2, 3], [4]]
+    flops = [forward_flops(args, n) for n in lengths]
+    assert max(_sums(flops, by_flops)) < max(_sums(flops, by_tokens))
+    # the token cap still holds: three 2000-token samples never share a micro-batch of 4000
+    parts = get_micro_batch_partitions(
+        [2000, 2000, 2000, 10], 3, 4000, [forward_flops(args, n) for n in [2000] * 3 + [10]]
+    )
+    assert max(_sums([2000, 2000, 2000, 10], parts)) <= 4000
+
+
+def _micro_batches_by_flops(rank):
+    from megatron.core import parallel_state as mpu
+
+    from slime.backends.megatron_utils.data import get_data_iterator
+
+    mpu.initialize_model_parallel(1, 1)
+    lengths = [1000, 1000, 1000, 1000, 2000]
+    for flag, expected in (([], [[1000, 1000, 1000], [1000, 2000]]), (["--balance-by-flops"], [[1000] * 4, [2000]])):
+        args = make_args(
+            *["--rollout-batch-size", "5", "--n-samples-per-prompt", "1", "--global-batch-size", "5"],
+            *["--use-dynamic-batch-size", "--max-tokens-per-gpu", "4000", "--transformer-impl", "local", *flag],
+        )
+        [it], num_mbs = get_data_iterator(args, None, {"total_lengths": lengths})
+        assert num_mbs == [2]
+        assert sorted(it.get_next(["total_lengths"])["total_lengths"] for _ in range(2)) == expected, flag
+
+
+def test_the_trainers_micro_batches_follow_balance_by_flops():
+    spawn(_micro_batches_by_flops, 1)
+
+
+def test_balance_by_flops_needs_dynamic_batches(capsys):
+    with pytest.raises(SystemExit):
+        make_args("--balance-by-flops")
+    assert "--balance-by-flops balances the micro-batches of --use-dynamic-batch-size" in capsys.readouterr().err
 
 
 def test_data_iterator_static_dynamic_and_reset():

@@ -355,6 +355,14 @@ def add_data_arguments(parser):
         default=False,
         help="Balance tokens across DP ranks (Karmarkar-Karp), keeping groups together.",
     )
+    g.add_argument(
+        "--balance-by-flops",
+        action="store_true",
+        default=False,
+        help="Balance estimated forward FLOPs (linear in a sample's length plus its quadratic attention) instead of "
+        "tokens: between the micro-batches of --use-dynamic-batch-size (still within --max-tokens-per-gpu) and, "
+        "with --balance-data, between DP ranks.",
+    )
     g.add_argument("--use-dynamic-batch-size", action="store_true", default=False)
     g.add_argument("--max-tokens-per-gpu", type=int, default=None)
     g.add_argument("--log-probs-max-tokens-per-gpu", type=int, default=None)
@@ -1304,6 +1312,8 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
     # dynamic batches are sized in tokens
     if args.use_dynamic_batch_size and args.max_tokens_per_gpu is None:
         error("--use-dynamic-batch-size requires --max-tokens-per-gpu.")
+    if args.balance_by_flops and not args.use_dynamic_batch_size:
+        error("--balance-by-flops balances the micro-batches of --use-dynamic-batch-size: add it.")
     if args.log_probs_max_tokens_per_gpu is None:
         args.log_probs_max_tokens_per_gpu = args.max_tokens_per_gpu
     # clip defaults and the dual-clip bound

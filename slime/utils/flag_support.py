@@ -54,7 +54,6 @@ REFUSED = {
     "rollout actor)",
     # not implemented here yet (issue #24's remaining work)
     "--allgather-cp": f"{_NOT_YET}: drop it (context parallelism splits sequences in zigzag order)",
-    "--balance-by-flops": f"{_NOT_YET}: use --balance-data (balances tokens across DP ranks)",
     "--memory-snapshot-dir": f"{_NOT_YET}: {_PROFILING}",
     "--memory-snapshot-num-steps": f"{_NOT_YET}: {_PROFILING}",
     "--profile-target": f"{_NOT_YET}: {_PROFILING}",

@@ -26,6 +26,7 @@ from slime.backends.megatron_utils.rollout_data import (
     get_minimum_num_micro_batch_size,
 )
 from slime.utils.device import current_device
+from slime.utils.flops_utils import forward_flops
 from slime.utils.top_p_replay import TOP_P_KEYS
 
 PAD_TOKEN_ID = 0  # pad positions are never scored, any id works
@@ -101,7 +102,9 @@ def get_data_iterator(args, model, rollout_data):
 
     micro_batch_indices = []
     for step, num_mbs in zip(steps, num_microbatches):
-        parts = get_micro_batch_partitions([total_lengths[j] for j in step], num_mbs, max_tokens)
+        lengths = [total_lengths[j] for j in step]
+        workloads = [forward_flops(args, n) for n in lengths] if args.balance_by_flops else None
+        parts = get_micro_batch_partitions(lengths, num_mbs, max_tokens, workloads)
         micro_batch_indices.extend([[step[k] for k in part] for part in parts])
     assert sorted(i for mb in micro_batch_indices for i in mb) == list(range(num_local_samples))
     iterators = [

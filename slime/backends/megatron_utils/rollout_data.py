@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from slime.utils.device import current_device
+from slime.utils.flops_utils import forward_flops
 from slime.utils.seqlen_balancing import get_seqlen_balanced_partitions
 from slime.utils.timer import Timer
 from slime.utils.types import OPTIONAL_TRAIN_DATA_KEYS, TRAIN_DATA_KEYS
@@ -81,14 +82,15 @@ def get_minimum_num_micro_batch_size(total_lengths, max_tokens_per_gpu):
     return len(_first_fit(total_lengths, max_tokens_per_gpu))
 
 
-def get_micro_batch_partitions(total_lengths, num_micro_batches, max_tokens_per_gpu):
-    """Split one step's samples into exactly `num_micro_batches` index lists with balanced token counts, none over
-    `max_tokens_per_gpu` (except a lone over-long sample). `num_micro_batches` must be at least the first-fit count.
+def get_micro_batch_partitions(total_lengths, num_micro_batches, max_tokens_per_gpu, workloads=None):
+    """Split one step's samples into exactly `num_micro_batches` index lists with balanced token counts (or
+    `workloads`, e.g. FLOPs, one per sample), none over `max_tokens_per_gpu` tokens (except a lone over-long sample).
+    `num_micro_batches` must be at least the first-fit count.
 
     Karmarkar-Karp balances sums but ignores the cap; in the rare case it overshoots, split the first-fit packing
     (which fits by construction) until there are enough micro-batches.
     """
-    parts = get_seqlen_balanced_partitions(total_lengths, num_micro_batches, equal_size=False)
+    parts = get_seqlen_balanced_partitions(workloads or total_lengths, num_micro_batches, equal_size=False)
     if all(len(p) == 1 or sum(total_lengths[i] for i in p) <= max_tokens_per_gpu for p in parts):
         return parts
     bins = _first_fit(total_lengths, max_tokens_per_gpu)
@@ -100,7 +102,8 @@ def get_micro_batch_partitions(total_lengths, num_micro_batches, max_tokens_per_
 
 
 def _balanced_dp_partitions(total_lengths, dp_size, n_samples_per_prompt):
-    """Karmarkar-Karp over whole prompt groups (summed lengths), expanded back to sample indices per DP rank."""
+    """Karmarkar-Karp over whole prompt groups (summed lengths, or any per-sample workload), expanded back to sample
+    indices per DP rank."""
     n = n_samples_per_prompt
     if len(total_lengths) % n != 0:
         raise ValueError(
@@ -153,7 +156,10 @@ def process_rollout_data(args, rollout_data_ref, dp_rank, dp_size, values_ref=No
     Timer().seq_lens = data["total_lengths"]  # whole-rollout lengths, for FLOPs accounting
 
     if args.balance_data:
-        indices = _balanced_dp_partitions(data["total_lengths"], dp_size, args.n_samples_per_prompt)[dp_rank]
+        workloads = data["total_lengths"]
+        if args.balance_by_flops:
+            workloads = [forward_flops(args, n) for n in workloads]
+        indices = _balanced_dp_partitions(workloads, dp_size, args.n_samples_per_prompt)[dp_rank]
     else:
         indices = list(range(dp_rank, len(data["total_lengths"]), dp_size))
 
