@@ -11,6 +11,7 @@ the flag(s) at fault.
 
 import argparse
 import datetime
+import importlib.util
 import json
 import logging
 import os
@@ -37,8 +38,9 @@ from slime.backends.megatron_utils.arguments import (
 from slime.backends.sglang_utils.arguments import add_sglang_arguments, sglang_available
 from slime.backends.sglang_utils.arguments import validate_args as sglang_validate_args
 from slime.backends.sglang_utils.external import discover_external_engines
+from slime.observability.profile_utils import TARGETS as PROFILE_TARGETS
 from slime.utils.checkpoint_tracker import checkpoint_dir, read_tracker
-from slime.utils.device import auto_inference_server, default_gdn_backend
+from slime.utils.device import auto_inference_server, default_gdn_backend, memory_history_module
 from slime.utils.disk_delta import CHECKSUMS as DELTA_CHECKSUMS
 from slime.utils.disk_delta import ENCODINGS as DELTA_ENCODINGS
 from slime.utils.eval_config import from_prompt_data, load_eval_config
@@ -825,6 +827,63 @@ def resolve_tb_dir(args, error):
     )
 
 
+def add_profile_arguments(parser):
+    g = _Group(parser, "profiling (with Megatron-LM's --use-pytorch-profiler / --record-memory-history)")
+    g.add_argument(
+        "--profile-target",
+        type=str,
+        nargs="+",
+        choices=list(PROFILE_TARGETS),
+        default=["train_overall"],
+        help="What --use-pytorch-profiler traces, one profiler step per rollout: the whole trainer, its training "
+        "steps, or its log-prob forwards.",
+    )
+    g.add_argument("--memory-snapshot-dir", type=str, default=".", help="Where --record-memory-history writes.")
+    g.add_argument(
+        "--memory-snapshot-num-steps",
+        type=int,
+        default=None,
+        help="Rollouts to record memory over (default: until the run ends; required by memray).",
+    )
+    g.add_argument(
+        "--memory-recorder",
+        choices=["torch", "memray"],
+        default="torch",
+        help="torch: the CUDA caching allocator's history (GPU); memray: every allocation of the process.",
+    )
+    return parser
+
+
+def check_profiling(args, error):
+    if args.use_pytorch_profiler:
+        if not args.tensorboard_dir:
+            error("--use-pytorch-profiler writes its traces to --tensorboard-dir: set it.")
+        if len(args.profile_target) > 1:
+            error(
+                f"--profile-target {' '.join(args.profile_target)}: torch runs one profiler per thread at a time, and "
+                "the targets overlap in time; profile one target per run."
+            )
+        if not 0 <= args.profile_step_start < args.profile_step_end:
+            error(
+                f"--profile-step-start {args.profile_step_start} / --profile-step-end {args.profile_step_end}: the "
+                "profiler records rollouts [start, end), so 0 <= start < end."
+            )
+    if not args.record_memory_history:
+        return
+    if "train_overall" not in args.profile_target:
+        error("--record-memory-history records the whole trainer: add train_overall to --profile-target.")
+    if args.memory_recorder == "torch" and memory_history_module() is None:
+        error(
+            "--record-memory-history --memory-recorder torch records the CUDA caching allocator, which a CPU run "
+            "does not have: use --memory-recorder memray."
+        )
+    if args.memory_recorder == "memray":
+        if args.memory_snapshot_num_steps is None:
+            error("--memory-recorder memray writes its file when recording stops: set --memory-snapshot-num-steps.")
+        if importlib.util.find_spec("memray") is None:
+            error("--memory-recorder memray needs the memray package: pip install 'slime[profile]' (or memray).")
+
+
 def add_wandb_arguments(parser):
     g = _Group(parser, "wandb")
     g.add_argument("--use-wandb", action="store_true", default=False)
@@ -1212,6 +1271,7 @@ def get_slime_extra_args_provider(add_custom_arguments=None):
             add_critic_arguments,
             add_wandb_arguments,
             add_tensorboard_arguments,
+            add_profile_arguments,
             add_save_hf_arguments,
             add_metric_arguments,
             add_correct_samples_arguments,
@@ -1778,6 +1838,7 @@ def parse_args(add_custom_arguments=None, argv=None, *, check_paths=True, asynch
     check_cpu_server = check_paths or args.inference_server == "cpu"
     _resolve_inference_server(args, error)
     check_weight_sync(args, error, check_paths)
+    check_profiling(args, error)
     sglang_validate_args(args, parser, check_cpu_server=check_cpu_server)
     if args.sglang_served_model_name is None:
         # This run's identity: every engine must echo it in /get_server_info before it gets traffic or weights, so a

@@ -67,6 +67,17 @@ def empty_cache() -> None:
         torch.cuda.empty_cache()
 
 
+def profiler_activities() -> list:
+    """What torch.profiler records: host operators, plus CUDA kernels on a GPU."""
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    return acts if is_cpu() else acts + [torch.profiler.ProfilerActivity.CUDA]
+
+
+def memory_history_module():
+    """torch.cuda.memory (the caching allocator's recorded history); None on CPU, which has no such allocator."""
+    return None if is_cpu() else torch.cuda.memory
+
+
 def pin_memory() -> bool:
     """Whether host staging buffers are page-locked (and device<->host copies non-blocking): only with a GPU."""
     return not is_cpu()

@@ -18,7 +18,6 @@ _OPD = "on-policy distillation comes with issue #26: drop it, or add the teacher
 _SGLANG_CONFIG = "multi-model serving (--sglang-config) comes with issue #26: start extra models yourself and reach them from a custom reward"
 
 _NOT_YET = "not implemented in this slime yet"
-_PROFILING = "training is not profiled here (torch profiler, CUDA memory history and snapshots): drop it"
 
 # flag -> why it is refused here, and what to do instead (one line each).
 REFUSED = {
@@ -54,11 +53,6 @@ REFUSED = {
     "rollout actor)",
     # not implemented here yet (issue #24's remaining work)
     "--allgather-cp": f"{_NOT_YET}: drop it (context parallelism splits sequences in zigzag order)",
-    "--memory-snapshot-dir": f"{_NOT_YET}: {_PROFILING}",
-    "--memory-snapshot-num-steps": f"{_NOT_YET}: {_PROFILING}",
-    "--profile-target": f"{_NOT_YET}: {_PROFILING}",
-    "--memory-recorder": f"{_NOT_YET}: {_PROFILING}",
-    "--record-memory-history": f"{_NOT_YET}: {_PROFILING}",
 }
 
 # Refused flags that upstream's own argument files do not declare (Megatron-LM flags its model scripts pass):

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
 from slime.backends.megatron_utils.rollout_data import process_rollout_data
+from slime.observability.profile_utils import TrainProfiler
 from slime.ray.train_actor import TrainRayActor
 from slime.utils import device
 from slime.utils.device import empty_cache, pin_memory, synchronize
@@ -66,6 +67,8 @@ class MegatronTrainRayActor(TrainRayActor):
             init_wandb_secondary(args, wandb_run_id)
         self._read_hf_config(args)
 
+        # before the model, so a memory recording sees its allocations; the critic is not profiled
+        self.prof = TrainProfiler(args, enabled=role == "actor")
         self.model, self.optimizer, self.opt_param_scheduler, iteration = initialize_model_and_optimizer(args, role)
         start_rollout_id = iteration + 1
         self._offload_backup = None
@@ -103,6 +106,7 @@ class MegatronTrainRayActor(TrainRayActor):
         self.weight_updator.weight_version = start_rollout_id
         if args.offload_train:
             self.sleep(("model",))
+        self.prof.on_init_end()
         Timer().start("train_wait")
         return start_rollout_id
 
@@ -229,7 +233,8 @@ class MegatronTrainRayActor(TrainRayActor):
     # ---- training ----------------------------------------------------------------------------------------------
     def compute_log_prob(self, tag, data_iterator, num_microbatches, store_prefix=""):
         self.update_gpu_params_dict(self.weights[tag])
-        return forward_only(self.args, self.model, data_iterator, num_microbatches, store_prefix=store_prefix)
+        with self.prof.phase("train_log_probs"):
+            return forward_only(self.args, self.model, data_iterator, num_microbatches, store_prefix=store_prefix)
 
     def train(self, rollout_id, rollout_data_ref, values_ref=None):
         """Train on one rollout (`Box(ObjectRef)` of the train-data dict). Returns `{"rollout": {...}, "train": [...]}`.
@@ -283,7 +288,7 @@ class MegatronTrainRayActor(TrainRayActor):
         if rollout_metrics and megatron_init.is_megatron_main_rank():
             log(args, {**rollout_metrics, "rollout/step": rollout_id}, "rollout/step")
 
-        with timer("actor_train"):
+        with timer("actor_train"), self.prof.phase("train_actor"):
             history = train_steps(
                 args, rollout_id, self.model, self.optimizer, self.opt_param_scheduler, data_iterator, num_microbatches
             )
@@ -301,6 +306,7 @@ class MegatronTrainRayActor(TrainRayActor):
         perf = _perf_metrics()
         if perf and megatron_init.is_megatron_main_rank():
             log(args, {**perf, "rollout/step": rollout_id}, "rollout/step")
+        self.prof.step(rollout_id)
         Timer().start("train_wait")
         return {"rollout": rollout_metrics, "train": history, "perf": perf}
 
