@@ -20,7 +20,7 @@ from slime.rollout.sample_hooks import apply_rollout_sample_hooks
 from slime.utils.async_utils import run
 from slime.utils.data import Dataset
 from slime.utils.eval_config import EvalDatasetConfig, eval_datasets
-from slime.utils.http_utils import post
+from slime.utils.http_utils import init_http_client, post
 from slime.utils.lora_utils import generate_fields
 from slime.utils.misc import SingletonMeta, accepted_kwargs, load_function
 from slime.utils.top_p_replay import append_kept_sets, sampling_is_truncated
@@ -38,6 +38,7 @@ class GenerateState(metaclass=SingletonMeta):
         from transformers import AutoTokenizer  # heavy
 
         self.args = args
+        init_http_client(args)
         self.tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint, trust_remote_code=True)
         # Bound in-flight requests to what the engines accept: concurrency per engine x number of engines.
         self.semaphore = asyncio.Semaphore(

@@ -935,6 +935,13 @@ def add_network_arguments(parser):
     g = _Group(parser, "network")
     g.add_argument("--http-proxy", type=str, default=None)
     g.add_argument("--use-http2", action="store_true", default=False)
+    g.add_argument(
+        "--use-distributed-post",
+        action="store_true",
+        default=False,
+        help="Send the rollout's HTTP requests from Ray actors on every node (--num-gpus-per-node per node) instead "
+        "of the rollout process alone.",
+    )
     return parser
 
 

@@ -17,7 +17,6 @@ _MISMATCH = "comes with issue #25 (engine log-probs, mismatch metrics, routing r
 _OPD = "on-policy distillation comes with issue #26: drop it, or add the teacher's log-probs in a custom generate function"
 _SGLANG_CONFIG = "multi-model serving (--sglang-config) comes with issue #26: start extra models yourself and reach them from a custom reward"
 
-_NOT_YET = "not implemented in this slime yet"
 
 # flag -> why it is refused here, and what to do instead (one line each).
 REFUSED = {
@@ -43,16 +42,16 @@ REFUSED = {
     "slime: drop it",
     "--megatron-deepgemm-moe-forward-modules": "DeepGEMM forward kernels are GLM-5-only FP8 GPU kernels not in this "
     "slime: drop it",
+    "--allgather-cp": "all-gather context parallelism is only for DSA sparse-attention models (DeepSeek-V3.2, "
+    "GLM-5.1; upstream refuses it for every other model), which this slime does not build: drop it (context "
+    "parallelism splits sequences in zigzag order)",
     "--freeze-indexer": "the DSA indexer belongs to GLM-5's sparse attention, which this slime does not build: drop it",
     "--train-backend": "Megatron is the only training backend (as in current slime, which removed FSDP): drop it",
     "--multimodal-keys": "multimodal (VLM) rollouts are not supported here (the inference servers take text "
     "tokens only): drop it",
     "--load-forge-rollout-data": "forge replay keeps engines and weight sync live while replaying dumps, for GPU "
     "memory tests: use --load-debug-rollout-data",
-    "--use-distributed-post": "not implemented here yet: drop it (the rollout posts to the router from the driver's "
-    "rollout actor)",
     # not implemented here yet (issue #24's remaining work)
-    "--allgather-cp": f"{_NOT_YET}: drop it (context parallelism splits sequences in zigzag order)",
 }
 
 # Refused flags that upstream's own argument files do not declare (Megatron-LM flags its model scripts pass):

@@ -117,6 +117,23 @@ class HTTPStatusError(RuntimeError):
         super().__init__(f"{url} answered HTTP {status}: {str(body)[:500]}")
         self.url, self.status, self.body = url, status, body
 
+    def __reduce__(self):  # pickled whole (from a --use-distributed-post poster)
+        return HTTPStatusError, (self.url, self.status, self.body)
+
+
+_dispatcher = None  # --use-distributed-post (slime.utils.distributed_post): posts go through Ray actors
+
+
+def init_http_client(args):
+    """Once per process that posts to the engines: with --use-distributed-post, start the poster actors
+    (`--num-gpus-per-node` on every alive Ray node) that `post` sends through from then on."""
+    global _dispatcher
+    if not args.use_distributed_post or _dispatcher is not None:
+        return
+    from slime.utils import distributed_post  # lazy: Ray, only with the flag
+
+    _dispatcher = distributed_post.Dispatcher(distributed_post.start_posters(args.num_gpus_per_node))
+
 
 async def _request(
     method, url, payload=None, max_retries=60, timeout=None, headers=None, retry_interval=1.0, on_retry=None
@@ -175,6 +192,8 @@ async def post(url, payload=None, max_retries=60, timeout=None, headers=None, *,
 
     `use_http2` is accepted for slime v0.1.0 callers and ignored: the client speaks HTTP/1.1, which every
     SGLang server and router answers."""
+    if _dispatcher is not None:
+        return await _dispatcher.post(url, payload, max_retries, timeout, headers, on_retry)
     return await _request(
         "POST", url, payload, max_retries=max_retries, timeout=timeout, headers=headers, on_retry=on_retry
     )
