@@ -91,6 +91,14 @@ class WeightSyncTrainer(TrainRayActor):
         for _, p in named_parameters(self.args, self.model):
             p.add_(torch.randint(0, 2, p.shape, generator=gen).to(p.dtype).mul_(2).sub_(1) * lr)
 
+    def shared_param_bytes(self):
+        """(bytes of the parameters held in shared memory, bytes of all parameters)."""
+        from slime.backends.megatron_utils.param_utils import named_parameters
+
+        params = [p for _, p in named_parameters(self.args, self.model)]
+        nbytes = [p.numel() * p.element_size() for p in params]
+        return sum(n for p, n in zip(params, nbytes) if p.untyped_storage().is_shared()), sum(nbytes)
+
     def offload(self):
         """Free the live parameters as an offloaded actor would: the update must come from the CPU dict."""
         for chunk in self.model:
@@ -249,7 +257,7 @@ def cleanup(engines):
 # ------------------------------------------------------------------ tests
 
 
-@pytest.mark.parametrize("tp,transport", [(1, "broadcast"), (2, "broadcast"), (2, "shm")])
+@pytest.mark.parametrize("tp,transport", [(1, "broadcast"), (1, "shm"), (2, "broadcast"), (2, "shm")])
 def test_disaggregated_update_gives_engine_the_trainer_weights(tiny_kit, engines, lock, cleanup, tp, transport):
     """gloo broadcast, and the same-host shared-memory transport `auto` picks on CPU."""
     # 64 KiB buckets: smaller than the embedding (512 x 128 fp32 = 256 KiB), which must still go (alone)
@@ -270,6 +278,28 @@ def test_disaggregated_update_gives_engine_the_trainer_weights(tiny_kit, engines
 
     ray.get([t.update_weights.remote() for t in cleanup], timeout=300)
     assert max_logprob_diff(url, reference)[1] == "2"
+
+
+def test_shm_transport_sends_the_live_parameters_from_shared_memory(tiny_kit, engines, lock, cleanup):
+    """TP=1 shm: the trainer's parameters move into shared memory at connect (the engine reads them in place); the
+    model still trains on them, and what a step changes reaches the engine at the next update."""
+    args = _args(tiny_kit[0], 1, update_weight_transport="shm")
+    engine, url = engines[0]
+    cleanup += start_trainers(args, colocate=False)
+    ray.get([t.connect.remote([engine], lock) for t in cleanup], timeout=120)
+    # every parameter (Megatron at TP=1 keeps the norms, q/k/v, fc1, fc2, embedding as plain Parameters)
+    shared, total = ray.get(cleanup[0].shared_param_bytes.remote(), timeout=60)
+    assert shared == total > 0
+    ray.get([t.update_weights.remote() for t in cleanup], timeout=300)
+    assert max_logprob_diff(url, trainer_greedy(cleanup))[0] < 1e-4
+
+    ray.get(cleanup[0].adam_like_step.remote(0.01, 0), timeout=60)  # in place, as the optimizer does
+    reference = trainer_greedy(cleanup)
+    assert max_logprob_diff(url, reference)[0] > 1e-3, "the step must change the trainer's outputs"
+    metrics = ray.get([t.update_weights.remote() for t in cleanup], timeout=300)[0]
+    diff, version = max_logprob_diff(url, reference)
+    assert diff < 1e-4 and version == "2", (diff, version)
+    assert metrics["perf/update_weights_bytes"] == hf_checkpoint_bytes(tiny_kit[0])
 
 
 def test_colocated_update_from_cpu_weights_gives_engines_the_trainer_weights(tiny_kit, engines, lock, cleanup):

@@ -5,13 +5,17 @@ engine rank, separate from the training groups. Per bucket: take the `Lock` (PP 
 same engines at once), tell every engine what arrives (names, dtypes, shapes), broadcast, wait for the engines.
 
 On CPU with every engine on this host, gloo's TCP loopback caps the transfer at a fraction of memory bandwidth, so
-(`--update-weight-transport auto|shm`) each bucket is instead flattened into a reused shared-memory buffer whose
-handle goes to every engine through `/update_weights_from_tensor`: one copy on each side, as NCCL's SHM transport does.
+(`--update-weight-transport auto|shm`) buckets go through shared memory instead, handles to every engine through
+`/update_weights_from_tensor`. The source rank's parameters themselves are moved into shared memory once (see
+`_share_params`), so every HF tensor that is a view of a parameter (all but the q/k/v split at TP=1) travels as an
+offset into it: the engine copies it straight into its weights, the only copy. The rest (TP-gathered, converted,
+LoRA-merged tensors) is packed into a reused shared buffer per dtype: one copy on each side.
 """
 
 import logging
 import threading
 import time
+from collections import defaultdict
 from urllib.parse import urlparse
 
 import ray
@@ -25,7 +29,7 @@ from slime.backends.megatron_utils.param_utils import expert_parallel_copies, na
 from slime.utils.device import dist_backend, shared_memory_handles
 from slime.utils.distributed_utils import init_process_group, seconds
 from slime.utils.http_utils import free_port, get_host_info
-from slime.utils.tensor_serialization import bucket_payload
+from slime.utils.tensor_serialization import FlattenedTensorMetadata, bucket_payload
 
 from .common import (
     WeightUpdateError,
@@ -65,6 +69,7 @@ class UpdateWeightFromDistributed:
         self._lock_releases = []
         self.transport = None  # "broadcast" or "shm", chosen in connect_rollout_engines
         self._shm_buffers = {}  # dtype -> shared flat buffer, reused bucket after bucket (see module docstring)
+        self._param_homes = None  # shared storage data_ptr -> 1-D tensor over it (`_share_params`)
 
     @property
     def _is_pp_src_rank(self) -> bool:
@@ -91,6 +96,7 @@ class UpdateWeightFromDistributed:
         self.transport = self._choose_transport()
         print(f"weight sync from {get_host_info()[1]} to {self._urls}: {self.transport}", flush=True)
         if self.transport == "shm":
+            self._share_params()
             return
         self._join_group(rollout_engines, timeout)
 
@@ -204,9 +210,15 @@ class UpdateWeightFromDistributed:
         self._wait_lock_releases()
 
         if dist.get_rank() == 0:
-            self._wait([(e, e.end_weight_update.remote()) for e in self.rollout_engines], "end_weight_update", timeout)
+            # an engine actor runs each continue after its end: both are sent at once, awaited together
             self._wait(
-                [(e, e.continue_generation.remote()) for e in self.rollout_engines], "continue_generation", timeout
+                [
+                    (e, getattr(e, call).remote())
+                    for call in ("end_weight_update", "continue_generation")
+                    for e in self.rollout_engines
+                ],
+                "end_weight_update / continue_generation",
+                timeout,
             )
         lost_ids = [None] * dist.get_world_size(group=get_gloo_group())
         dist.all_gather_object(lost_ids, sorted(self._lost), group=get_gloo_group())
@@ -389,19 +401,77 @@ class UpdateWeightFromDistributed:
         wait_engines(refs, self._urls, what, timeout, on_poll=check_broadcast)
         check_broadcast(all_works=True)
 
+    @torch.no_grad()
+    def _share_params(self):
+        """Put this source rank's parameters in shared memory, once: a parameter with a storage of its own moves into
+        one shared flat buffer per dtype (`param.data` becomes a view of it; the optimizer and DDP keep the same
+        Parameter objects), a storage holding several (DDP's param buffers under the distributed optimizer) is shared
+        in place (torch swaps the memory under its views). The engines then read the weights where they are.
+        Skipped under --offload-train: sleeping frees storages by resizing them, which shared memory refuses."""
+        if self._param_homes is not None or self.args.offload_train:
+            return
+        homes, own = {}, defaultdict(list)
+        for _, p in named_parameters(self.args, self.model):
+            if not isinstance(p, torch.nn.Parameter):
+                continue
+            storage = p.untyped_storage()
+            if p.is_contiguous() and p.storage_offset() == 0 and storage.nbytes() == p.numel() * p.element_size():
+                own[p.dtype].append(p)
+            elif storage.data_ptr() not in homes:
+                storage.share_memory_()
+                homes[storage.data_ptr()] = torch.empty(0, dtype=p.dtype).set_(storage)
+        for dtype, params in own.items():
+            buf = torch.empty(sum(p.numel() for p in params), dtype=dtype).share_memory_()
+            offset = 0
+            for p in params:
+                view = buf[offset : offset + p.numel()].view(p.shape)
+                view.copy_(p.data)
+                p.data = view
+                offset += p.numel()
+            homes[buf.data_ptr()] = buf
+        self._param_homes = homes
+
+    def _home_offset(self, t):
+        """(home tensor, element offset) of `t` when it is a contiguous view of a shared parameter storage, else None."""
+        home = (self._param_homes or {}).get(t.untyped_storage().data_ptr())
+        if home is None or home.dtype != t.dtype or not t.is_contiguous():
+            return None
+        offset, rest = divmod(t.data_ptr() - home.data_ptr(), t.element_size())
+        return (home, offset) if rest == 0 and 0 <= offset and offset + t.numel() <= home.numel() else None
+
     def _send_bucket_shm(self, named_tensors, what, timeout):
-        """One flattened bucket per dtype in a shared buffer; every engine (each TP rank) gets its own handle."""
-        groups = by_dtype(named_tensors)
+        """Tensors in a shared parameter storage go as offsets into it (one flattened bucket per storage); the others
+        are packed into one shared buffer per dtype. Every engine (each TP rank) gets its own handle of each."""
+        payloads, by_home = [], defaultdict(list)
+        for dtype, items in by_dtype(named_tensors).items():
+            copied = []
+            for name, t in items:
+                found = self._home_offset(t)
+                if found is None:
+                    copied.append((name, t))
+                else:
+                    by_home[found[0].data_ptr()].append((name, t, found))
+            if copied:
+                numel = sum(t.numel() for _, t in copied)
+                buf = self._shm_buffers.get(dtype)
+                if buf is None or buf.numel() < numel:
+                    buf = torch.empty(numel, dtype=dtype).share_memory_()
+                    self._shm_buffers[dtype] = buf
+                metadata, end = pack_flat(buf, copied)
+                payloads.append((buf[:end], metadata))
+        for entries in by_home.values():
+            home = entries[0][2][0]
+            metadata = [
+                FlattenedTensorMetadata(
+                    name=n, shape=t.shape, dtype=t.dtype, start_idx=off, end_idx=off + t.numel(), numel=t.numel()
+                )
+                for n, t, (_, off) in entries
+            ]
+            payloads.append((home, metadata))
         refs = []
-        for dtype, items in groups.items():
-            numel = sum(t.numel() for _, t in items)
-            buf = self._shm_buffers.get(dtype)
-            if buf is None or buf.numel() < numel:
-                buf = torch.empty(numel, dtype=dtype).share_memory_()
-                self._shm_buffers[dtype] = buf
-            metadata, end = pack_flat(buf, items)
+        for flat, metadata in payloads:
             for engine in self.rollout_engines:  # a handle can be opened once: one per engine TP rank
-                handles = [bucket_payload(buf[:end], metadata) for _ in range(self.args.rollout_num_gpus_per_engine)]
+                handles = [bucket_payload(flat, metadata) for _ in range(self.args.rollout_num_gpus_per_engine)]
                 refs.append(
                     engine.update_weights_from_tensor.remote(
                         serialized_named_tensors=handles,
@@ -409,5 +479,6 @@ class UpdateWeightFromDistributed:
                         weight_version=str(self.weight_version),
                     )
                 )
-        # engines answer after copying out of the buffer, so the next bucket may overwrite it
-        wait_engines(refs, [u for _ in groups for u in self._urls], what, timeout)
+        # engines answer after copying out of the buffers, so the next bucket may overwrite them and training may
+        # change the parameters
+        wait_engines(refs, [u for _ in payloads for u in self._urls], what, timeout)
