@@ -410,10 +410,11 @@ class UpdateWeightFromDistributed:
         Skipped under --offload-train: sleeping frees storages by resizing them, which shared memory refuses."""
         if self._param_homes is not None or self.args.offload_train:
             return
-        homes, own = {}, defaultdict(list)
+        homes, own, seen = {}, defaultdict(list), set()
         for _, p in named_parameters(self.args, self.model):
-            if not isinstance(p, torch.nn.Parameter):
+            if not isinstance(p, torch.nn.Parameter) or id(p) in seen:  # a shared Parameter moves once
                 continue
+            seen.add(id(p))
             storage = p.untyped_storage()
             if p.is_contiguous() and p.storage_offset() == 0 and storage.nbytes() == p.numel() * p.element_size():
                 own[p.dtype].append(p)
