@@ -282,18 +282,20 @@ def test_disaggregated_update_gives_engine_the_trainer_weights(tiny_kit, engines
 
 @pytest.mark.parametrize("offload_train", [False, True])
 def test_shm_transport_sends_the_live_parameters_from_shared_memory(tiny_kit, engines, lock, cleanup, offload_train):
-    """TP=1 shm: the trainer's parameters move into shared memory at connect (the engine reads them in place); the
-    model still trains on them, and what a step changes reaches the engine at the next update. Under --offload-train
-    (sleep resizes storages, which shared memory refuses) they stay where they are and every tensor is copied."""
+    """TP=1 shm: after the first update the trainer's parameters move into shared memory (the engine reads them in
+    place); the model still trains on them, and what a step changes reaches the engine at the next update. Under
+    --offload-train (sleep resizes storages, which shared memory refuses) they stay where they are and every tensor
+    is copied."""
     args = _args(tiny_kit[0], 1, update_weight_transport="shm", offload_train=offload_train)
     engine, url = engines[0]
     cleanup += start_trainers(args, colocate=False)
     ray.get([t.connect.remote([engine], lock) for t in cleanup], timeout=120)
+    assert ray.get(cleanup[0].shared_param_bytes.remote(), timeout=60)[0] == 0
+    ray.get([t.update_weights.remote() for t in cleanup], timeout=300)
+    assert max_logprob_diff(url, trainer_greedy(cleanup))[0] < 1e-4
     # every parameter (Megatron at TP=1 keeps the norms, q/k/v, fc1, fc2, embedding as plain Parameters)
     shared, total = ray.get(cleanup[0].shared_param_bytes.remote(), timeout=60)
     assert shared == (0 if offload_train else total) and total > 0
-    ray.get([t.update_weights.remote() for t in cleanup], timeout=300)
-    assert max_logprob_diff(url, trainer_greedy(cleanup))[0] < 1e-4
 
     ray.get(cleanup[0].adam_like_step.remote(0.01, 0), timeout=60)  # in place, as the optimizer does
     reference = trainer_greedy(cleanup)
