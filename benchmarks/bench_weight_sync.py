@@ -137,15 +137,15 @@ def main():
     # best of the runs on both sides: on a shared machine the best is the least disturbed measurement
     memcpy = max(memcpy_before, memcpy_gbps(nbytes))
     print(f"best of {opts.repeats} updates (median in brackets); memcpy = copy into an existing buffer, best of 10")
-    print(f"{'path':<12}{'MB':>8}{'seconds':>18}{'GB/s':>8}{'x memcpy':>10}{'target':>8}")
-    print(f"{'memcpy':<12}{nbytes / 1e6:>8.1f}{nbytes / memcpy / 1e9:>18.4f}{memcpy:>8.2f}{1.0:>10.2f}")
+    print(f"{'path':<12}{'MB':>8}{'ms':>18}{'GB/s':>8}{'x memcpy':>10}{'target':>8}")
+    print(f"{'memcpy':<12}{nbytes / 1e6:>8.1f}{nbytes / memcpy / 1e6:>18.2f}{memcpy:>8.2f}{1.0:>10.3f}")
     for mode, target in MODES:
         if mode not in results:
             continue
         moved, best, median = results[mode]
         gbps = moved / best / 1e9
         print(
-            f"{mode:<12}{moved / 1e6:>8.1f}{f'{best:.4f} ({median:.4f})':>18}{gbps:>8.2f}{gbps / memcpy:>10.2f}{target or '':>8}"
+            f"{mode:<12}{moved / 1e6:>8.1f}{f'{best * 1e3:.2f} ({median * 1e3:.2f})':>18}{gbps:>8.2f}{gbps / memcpy:>10.3f}{target or '':>8}"
         )
     if "delta" in results:
         print(
