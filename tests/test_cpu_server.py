@@ -780,6 +780,30 @@ def _tiny_hf_model(arch, path):
     return model.eval()
 
 
+def test_weight_load_copies_a_large_update_in_pieces_over_threads(monkeypatch):
+    """WeightStore.load's copy: big contiguous pairs cut into 1-D pieces shared by threads, the rest whole; every
+    destination ends equal to its source (cast to its dtype), nothing outside it is touched."""
+    from slime.backends.cpu_server import weights
+
+    monkeypatch.setattr(weights, "_COPY_THREADS", 3)  # more threads than pieces per tensor, also on a 1-core host
+    piece = weights._COPY_PIECE
+    srcs = [
+        torch.randn(3 * piece + 5),
+        torch.randn(2 * piece + 1, dtype=torch.float64),  # cast while copying
+        torch.randn(64, 33).t(),  # not contiguous: copied whole
+        torch.randn(7),
+    ]
+    backing = torch.full((3 * piece + 5 + 2 * piece + 1 + 33 * 64 + 7 + 1,), 9.0)  # one tail element beyond all
+    dsts, offset = [], 0
+    for src in srcs:
+        dsts.append(backing[offset : offset + src.numel()].view(src.shape))
+        offset += src.numel()
+    weights.parallel_copy(list(zip(dsts, srcs)))
+    for dst, src in zip(dsts, srcs):
+        assert torch.equal(dst, src.to(torch.float32))
+    assert backing[-1] == 9.0
+
+
 @pytest.mark.parametrize("arch", ["llama3", "qwen2"])
 def test_other_llama_family_architectures_match_transformers(arch, tmp_path):
     from slime.backends.cpu_server.model import KVPool, ModelConfig, Transformer

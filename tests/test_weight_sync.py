@@ -100,6 +100,14 @@ class WeightSyncTrainer(TrainRayActor):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails instead of the process being killed
         resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
+    def shared_param_bytes(self):
+        """(bytes of the parameters held in shared memory, bytes of all parameters)."""
+        from slime.backends.megatron_utils.param_utils import named_parameters
+
+        params = [p for _, p in named_parameters(self.args, self.model)]
+        nbytes = [p.numel() * p.element_size() for p in params]
+        return sum(n for p, n in zip(params, nbytes) if p.untyped_storage().is_shared()), sum(nbytes)
+
     def offload(self):
         """Free the live parameters as an offloaded actor would: the update must come from the CPU dict."""
         for chunk in self.model:
@@ -258,7 +266,7 @@ def cleanup(engines):
 # ------------------------------------------------------------------ tests
 
 
-@pytest.mark.parametrize("tp,transport", [(1, "broadcast"), (2, "broadcast"), (2, "shm")])
+@pytest.mark.parametrize("tp,transport", [(1, "broadcast"), (1, "shm"), (2, "broadcast"), (2, "shm")])
 def test_disaggregated_update_gives_engine_the_trainer_weights(tiny_kit, engines, lock, cleanup, tp, transport):
     """gloo broadcast, and the same-host shared-memory transport `auto` picks on CPU."""
     # 64 KiB buckets: smaller than the embedding (512 x 128 fp32 = 256 KiB), which must still go (alone)
@@ -279,6 +287,32 @@ def test_disaggregated_update_gives_engine_the_trainer_weights(tiny_kit, engines
 
     ray.get([t.update_weights.remote() for t in cleanup], timeout=300)
     assert max_logprob_diff(url, reference)[1] == "2"
+
+
+@pytest.mark.parametrize("offload_train", [False, True])
+def test_shm_transport_sends_the_live_parameters_from_shared_memory(tiny_kit, engines, lock, cleanup, offload_train):
+    """TP=1 shm: after the first update the trainer's parameters move into shared memory (the engine reads them in
+    place); the model still trains on them, and what a step changes reaches the engine at the next update. Under
+    --offload-train (sleep resizes storages, which shared memory refuses) they stay where they are and every tensor
+    is copied."""
+    args = _args(tiny_kit[0], 1, update_weight_transport="shm", offload_train=offload_train)
+    engine, url = engines[0]
+    cleanup += start_trainers(args, colocate=False)
+    ray.get([t.connect.remote([engine], lock) for t in cleanup], timeout=120)
+    assert ray.get(cleanup[0].shared_param_bytes.remote(), timeout=60)[0] == 0
+    ray.get([t.update_weights.remote() for t in cleanup], timeout=300)
+    assert max_logprob_diff(url, trainer_greedy(cleanup))[0] < 1e-4
+    # every parameter (Megatron at TP=1 keeps the norms, q/k/v, fc1, fc2, embedding as plain Parameters)
+    shared, total = ray.get(cleanup[0].shared_param_bytes.remote(), timeout=60)
+    assert shared == (0 if offload_train else total) and total > 0
+
+    ray.get(cleanup[0].adam_like_step.remote(0.01, 0), timeout=60)  # in place, as the optimizer does
+    reference = trainer_greedy(cleanup)
+    assert max_logprob_diff(url, reference)[0] > 1e-3, "the step must change the trainer's outputs"
+    metrics = ray.get([t.update_weights.remote() for t in cleanup], timeout=300)[0]
+    diff, version = max_logprob_diff(url, reference)
+    assert diff < 1e-4 and version == "2", (diff, version)
+    assert metrics["perf/update_weights_bytes"] == hf_checkpoint_bytes(tiny_kit[0])
 
 
 def test_colocated_update_from_cpu_weights_gives_engines_the_trainer_weights(tiny_kit, engines, lock, cleanup):

@@ -9,6 +9,7 @@ import glob
 import os
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from safetensors import safe_open
@@ -20,8 +21,42 @@ from .model import ModelConfig
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
+# A weight update copies hundreds of MB while generation is paused; one thread does not reach the memory bandwidth
+# of a multi-core host, and copy_ runs without the GIL, so the copy is spread over a few threads.
+_COPY_THREADS = min(8, len(os.sched_getaffinity(0)))
+_COPY_PIECE = 1 << 20  # elements: pieces small enough to balance the threads, large enough to stay bandwidth-bound
+_COPY_BATCH_BYTES = 256 << 20
+_copy_pool = None
+
+
 class WeightError(ValueError):
     pass
+
+
+def parallel_copy(pairs) -> None:
+    """`dst.copy_(src)` for every (dst, src), the large contiguous ones cut into pieces shared by `_COPY_THREADS`
+    threads (a pair of 1-D views per piece, so each byte is copied once, straight into place)."""
+    global _copy_pool
+    if _COPY_THREADS == 1 or sum(d.numel() for d, _ in pairs) < 4 * _COPY_PIECE:
+        for dst, src in pairs:
+            dst.copy_(src)
+        return
+    pieces = []
+    for dst, src in pairs:
+        if dst.is_contiguous() and src.is_contiguous() and dst.numel() > _COPY_PIECE:
+            d, s = dst.view(-1), src.reshape(-1)
+            pieces += [(d[i : i + _COPY_PIECE], s[i : i + _COPY_PIECE]) for i in range(0, d.numel(), _COPY_PIECE)]
+        else:
+            pieces.append((dst, src))
+    if _copy_pool is None:
+        _copy_pool = ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="weight-copy")
+
+    def run(k):
+        for dst, src in pieces[k::_COPY_THREADS]:
+            dst.copy_(src)
+
+    for f in [_copy_pool.submit(run, k) for k in range(_COPY_THREADS)]:
+        f.result()
 
 
 class WeightStore:
@@ -110,7 +145,7 @@ class WeightStore:
         """Copy each (hf_name, tensor) into place (casting dtype). Unknown names / wrong shapes raise naming the tensor."""
         if self.released:
             raise WeightError("weights are released (release_memory_occupation); resume_memory_occupation first")
-        loaded = set()
+        loaded, pairs, pending = set(), [], 0
         with torch.no_grad():
             for name, t in named_tensors:
                 if self.is_ignored(name):
@@ -126,8 +161,13 @@ class WeightStore:
                         f"{source}: parameter {name!r} has shape {tuple(t.shape)}, "
                         f"the model expects {tuple(dst.shape)}"
                     )
-                dst.copy_(t)
+                pairs.append((dst, t))
                 loaded.add(name)
+                pending += t.numel() * t.element_size()
+                if pending >= _COPY_BATCH_BYTES:  # a checkpoint file streams in: hold a bounded part of it
+                    parallel_copy(pairs)
+                    pairs, pending = [], 0
+            parallel_copy(pairs)
         return loaded
 
     def load_from_dir(self, model_dir: str):

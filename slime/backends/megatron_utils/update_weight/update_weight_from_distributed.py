@@ -5,13 +5,18 @@ engine rank, separate from the training groups. Per bucket: take the `Lock` (PP 
 same engines at once), tell every engine what arrives (names, dtypes, shapes), broadcast, wait for the engines.
 
 On CPU with every engine on this host, gloo's TCP loopback caps the transfer at a fraction of memory bandwidth, so
-(`--update-weight-transport auto|shm`) each bucket is instead flattened into a reused shared-memory buffer whose
-handle goes to every engine through `/update_weights_from_tensor`: one copy on each side, as NCCL's SHM transport does.
+(`--update-weight-transport auto|shm`) buckets go through shared memory instead, handles to every engine through
+`/update_weights_from_tensor`. After the first update the source rank's parameters themselves move into shared
+memory (see `_share_params`), so every HF tensor that is a view of a parameter (all but the q/k/v split at TP=1)
+travels as an offset into it: the engine copies it straight into its weights, the only copy. The rest (TP-gathered,
+converted, LoRA-merged tensors) is packed into room reserved at the start of that buffer (sized by the first update),
+or else into a reused shared buffer per dtype: one copy on each side.
 """
 
 import logging
 import threading
 import time
+from collections import defaultdict
 from urllib.parse import urlparse
 
 import ray
@@ -25,7 +30,7 @@ from slime.backends.megatron_utils.param_utils import expert_parallel_copies, na
 from slime.utils.device import dist_backend, shared_memory_handles
 from slime.utils.distributed_utils import init_process_group, seconds
 from slime.utils.http_utils import free_port, get_host_info
-from slime.utils.tensor_serialization import bucket_payload
+from slime.utils.tensor_serialization import FlattenedTensorMetadata, bucket_payload
 
 from .common import (
     WeightUpdateError,
@@ -65,6 +70,10 @@ class UpdateWeightFromDistributed:
         self._lock_releases = []
         self.transport = None  # "broadcast" or "shm", chosen in connect_rollout_engines
         self._shm_buffers = {}  # dtype -> shared flat buffer, reused bucket after bucket (see module docstring)
+        self._param_homes = None  # shared storage data_ptr -> 1-D tensor over it (`_share_params`)
+        self._scratch = {}  # dtype -> (home buffer, elements reserved at its start for copied tensors)
+        self._scratch_need = defaultdict(int)  # dtype -> most elements one bucket copied
+        self._closed = False  # end_weight_update / continue_generation already sent behind the last bucket
 
     @property
     def _is_pp_src_rank(self) -> bool:
@@ -203,11 +212,19 @@ class UpdateWeightFromDistributed:
         dist.barrier(group=get_gloo_group())
         self._wait_lock_releases()
 
-        if dist.get_rank() == 0:
-            self._wait([(e, e.end_weight_update.remote()) for e in self.rollout_engines], "end_weight_update", timeout)
+        if dist.get_rank() == 0 and not self._closed:
+            # an engine actor runs each continue after its end: both are sent at once, awaited together
             self._wait(
-                [(e, e.continue_generation.remote()) for e in self.rollout_engines], "continue_generation", timeout
+                [
+                    (e, getattr(e, call).remote())
+                    for call in ("end_weight_update", "continue_generation")
+                    for e in self.rollout_engines
+                ],
+                "end_weight_update / continue_generation",
+                timeout,
             )
+        if self.transport == "shm" and self._is_pp_src_rank:
+            self._share_params()  # once, after the first update measured what needs copying (generation goes on)
         lost_ids = [None] * dist.get_world_size(group=get_gloo_group())
         dist.all_gather_object(lost_ids, sorted(self._lost), group=get_gloo_group())
         self._drop({a for x in lost_ids for a in x})
@@ -224,7 +241,7 @@ class UpdateWeightFromDistributed:
         """One pass over the parameters, bucket by bucket. Every rank takes part (TP gathers); a source rank whose
         bucket failed because an engine died (--use-fault-tolerance) stops sending and returns failed=True."""
         bucket, bucket_bytes, sent, failed = [], 0, 0, False
-        num_buckets = 0
+        num_buckets, self._closed = 0, False
         # with --enable-lora the engines get merged weights: W + s B A per shard, no adapter tensors
         for name, param in merge_for_sync(self.args, named_parameters(self.args, self.model)):
             if is_tied_output_copy(self.args, name):
@@ -250,16 +267,16 @@ class UpdateWeightFromDistributed:
             bucket_bytes += size
         if bucket and not failed:
             num_buckets += 1
-            failed = not self._send_bucket_surviving(bucket, num_buckets)
+            failed = not self._send_bucket_surviving(bucket, num_buckets, last=True)
             sent += 0 if failed else sum(t.numel() * t.element_size() for _, t in bucket)
         return failed, sent
 
-    def _send_bucket_surviving(self, bucket, index) -> bool:
+    def _send_bucket_surviving(self, bucket, index, last=False) -> bool:
         """Send one bucket; False if it failed because an engine died (--use-fault-tolerance; else it raises)."""
         if not self.rollout_engines:  # every engine died: nothing to send to until they are replaced
             return True
         try:
-            self._send_bucket(bucket, index)
+            self._send_bucket(bucket, index, last)
             return True
         except WeightUpdateError:
             if not self.args.use_fault_tolerance or not self._find_dead(self.rollout_engines):
@@ -343,7 +360,7 @@ class UpdateWeightFromDistributed:
     def _num_engine_ranks(self) -> int:
         return len(self.rollout_engines) * self.args.rollout_num_gpus_per_engine
 
-    def _send_bucket(self, named_tensors, index) -> int:
+    def _send_bucket(self, named_tensors, index, last=False) -> int:
         via = "shared memory" if self.transport == "shm" else self._group_name
         what = (
             f"update_weights_from_distributed v{self.weight_version} {describe_bucket(index, named_tensors)} via {via}"
@@ -354,7 +371,11 @@ class UpdateWeightFromDistributed:
         acquire_lock(self.rollout_engine_lock, what, timeout)
         try:
             if self.transport == "shm":
-                self._send_bucket_shm(named_tensors, what, timeout)
+                # rank 0 the only sender, no retry to make: the session closes right behind the last bucket
+                close = (
+                    last and mpu.get_pipeline_model_parallel_world_size() == 1 and not self.args.use_fault_tolerance
+                )
+                self._send_bucket_shm(named_tensors, what, timeout, close)
             else:
                 self._send_bucket_broadcast(named_tensors, what, timeout)
         finally:
@@ -389,19 +410,91 @@ class UpdateWeightFromDistributed:
         wait_engines(refs, self._urls, what, timeout, on_poll=check_broadcast)
         check_broadcast(all_works=True)
 
-    def _send_bucket_shm(self, named_tensors, what, timeout):
-        """One flattened bucket per dtype in a shared buffer; every engine (each TP rank) gets its own handle."""
-        groups = by_dtype(named_tensors)
-        refs = []
-        for dtype, items in groups.items():
-            numel = sum(t.numel() for _, t in items)
-            buf = self._shm_buffers.get(dtype)
-            if buf is None or buf.numel() < numel:
-                buf = torch.empty(numel, dtype=dtype).share_memory_()
-                self._shm_buffers[dtype] = buf
-            metadata, end = pack_flat(buf, items)
-            for engine in self.rollout_engines:  # a handle can be opened once: one per engine TP rank
-                handles = [bucket_payload(buf[:end], metadata) for _ in range(self.args.rollout_num_gpus_per_engine)]
+    @torch.no_grad()
+    def _share_params(self):
+        """Put this source rank's parameters in shared memory, once: a parameter with a storage of its own moves into
+        one shared flat buffer per dtype (`param.data` becomes a view of it; the optimizer and DDP keep the same
+        Parameter objects), a storage holding several (DDP's param buffers under the distributed optimizer) is shared
+        in place (torch swaps the memory under its views). The engines then read the weights where they are.
+        Each flat buffer starts with room for the tensors one bucket copies (the most the first update copied), so a
+        bucket is one handle per dtype. Skipped under --offload-train: sleeping frees storages by resizing them,
+        which shared memory refuses."""
+        if self._param_homes is not None or self.args.offload_train:
+            return
+        homes, own, seen = {}, defaultdict(list), set()
+        for _, p in named_parameters(self.args, self.model):
+            if not isinstance(p, torch.nn.Parameter) or id(p) in seen:  # a shared Parameter moves once
+                continue
+            seen.add(id(p))
+            storage = p.untyped_storage()
+            if p.is_contiguous() and p.storage_offset() == 0 and storage.nbytes() == p.numel() * p.element_size():
+                own[p.dtype].append(p)
+            elif storage.data_ptr() not in homes:
+                storage.share_memory_()
+                homes[storage.data_ptr()] = torch.empty(0, dtype=p.dtype).set_(storage)
+        for dtype, params in own.items():
+            room = self._scratch_need[dtype]
+            buf = torch.empty(room + sum(p.numel() for p in params), dtype=dtype).share_memory_()
+            offset = room
+            for p in params:
+                view = buf[offset : offset + p.numel()].view(p.shape)
+                view.copy_(p.data)
+                p.data = view
+                offset += p.numel()
+            homes[buf.data_ptr()] = buf
+            self._scratch[dtype] = (buf, room)
+            self._shm_buffers.pop(dtype, None)  # a later bucket copying more than `room` allocates it again
+        self._param_homes = homes
+
+    def _home_offset(self, t):
+        """(home tensor, element offset) of `t` when it is a contiguous view of a shared parameter storage, else None."""
+        home = (self._param_homes or {}).get(t.untyped_storage().data_ptr())
+        if home is None or home.dtype != t.dtype or not t.is_contiguous():
+            return None
+        offset, rest = divmod(t.data_ptr() - home.data_ptr(), t.element_size())
+        return (home, offset) if rest == 0 and 0 <= offset and offset + t.numel() <= home.numel() else None
+
+    def _send_bucket_shm(self, named_tensors, what, timeout, close=False):
+        """Tensors in a shared parameter storage go as offsets into it (one flattened bucket per storage); the others
+        are packed into the room at the start of their dtype's parameter buffer, else into one shared buffer per
+        dtype. Every engine (each TP rank) gets its own handle of each. `close`: end the engines' weight-update
+        session and continue generation right behind this bucket (an engine actor runs the calls in order)."""
+        flats, by_flat = {}, defaultdict(list)  # data_ptr -> flat 1-D shared tensor, its FlattenedTensorMetadata
+        for dtype, items in by_dtype(named_tensors).items():
+            copied = []
+            for name, t in items:
+                found = self._home_offset(t)
+                if found is None:
+                    copied.append((name, t))
+                    continue
+                home, off = found
+                flats[home.data_ptr()] = home
+                by_flat[home.data_ptr()].append(
+                    FlattenedTensorMetadata(
+                        name=name,
+                        shape=t.shape,
+                        dtype=t.dtype,
+                        start_idx=off,
+                        end_idx=off + t.numel(),
+                        numel=t.numel(),
+                    )
+                )
+            if not copied:
+                continue
+            numel = sum(t.numel() for _, t in copied)
+            self._scratch_need[dtype] = max(self._scratch_need[dtype], numel)
+            buf, room = self._scratch.get(dtype, (None, 0))
+            if numel > room:
+                buf = self._shm_buffers.get(dtype)
+                if buf is None or buf.numel() < numel:
+                    buf = torch.empty(numel, dtype=dtype).share_memory_()
+                    self._shm_buffers[dtype] = buf
+            flats[buf.data_ptr()] = buf
+            by_flat[buf.data_ptr()] += pack_flat(buf, copied)[0]
+        refs, urls = [], []
+        for key, metadata in by_flat.items():
+            for engine, url in zip(self.rollout_engines, self._urls):  # a handle can be opened once: one per TP rank
+                handles = [bucket_payload(flats[key], metadata) for _ in range(self.args.rollout_num_gpus_per_engine)]
                 refs.append(
                     engine.update_weights_from_tensor.remote(
                         serialized_named_tensors=handles,
@@ -409,5 +502,13 @@ class UpdateWeightFromDistributed:
                         weight_version=str(self.weight_version),
                     )
                 )
-        # engines answer after copying out of the buffer, so the next bucket may overwrite it
-        wait_engines(refs, [u for _ in groups for u in self._urls], what, timeout)
+                urls.append(url)
+        if close:
+            for call in ("end_weight_update", "continue_generation"):
+                refs += [getattr(e, call).remote() for e in self.rollout_engines]
+                urls += self._urls
+            what += " / end_weight_update / continue_generation"
+        # engines answer after copying out of the buffers, so the next bucket may overwrite them and training may
+        # change the parameters
+        wait_engines(refs, urls, what, timeout)
+        self._closed = close

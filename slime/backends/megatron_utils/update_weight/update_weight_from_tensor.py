@@ -164,11 +164,7 @@ class UpdateWeightFromTensor:
                 if begin:
                     wait_engines(begin, [self._ipc_engine_url], "begin_weight_update", timeout)
                 dist.barrier(group=get_gloo_group())
-            sent += self._send_bucket(index, named_tensors, handles)
-        if is_src:
-            wait_engines(
-                [self._ipc_engine.end_weight_update.remote()], [self._ipc_engine_url], "end_weight_update", timeout
-            )
+            sent += self._send_bucket(index, named_tensors, handles, last=index == len(self.param_info_buckets))
         if not self._weights_in_buffers:
             self._flat.clear()  # GPU memory belongs to the engine during rollout
         dist.barrier(group=get_gloo_group())
@@ -259,7 +255,9 @@ class UpdateWeightFromTensor:
         del params
         return named_tensors, self._pack(index, named_tensors)
 
-    def _send_bucket(self, index, named_tensors, handles) -> int:
+    def _send_bucket(self, index, named_tensors, handles, last) -> int:
+        """Hand this rank's handles of bucket `index` to its engine; after the `last` bucket the source also closes
+        the engine's weight-update session (sent right behind the bucket: the engine actor runs them in order)."""
         is_src = dist.get_rank() == self._ipc_gather_src
         single = dist.get_world_size(self._ipc_gather_group) == 1
         if single:
@@ -281,6 +279,9 @@ class UpdateWeightFromTensor:
                 )
                 for i in range(len(handles))
             ]
+            if last:
+                refs.append(self._ipc_engine.end_weight_update.remote())
+                what += " / end_weight_update"
             wait_engines(refs, [self._ipc_engine_url] * len(refs), what, update_timeout(self.args))
         # the engine has copied out of every rank's buffer only once the source's call returned
         if not single:
