@@ -2,6 +2,8 @@
 post-process functions against a teacher CPU server, and train.py runs in both modes."""
 
 import asyncio
+import os
+import sys
 
 import pytest
 import torch
@@ -11,11 +13,15 @@ import train as sync_driver
 from slime.backends.megatron_utils.loss import compute_advantages_and_returns
 from slime.rollout import on_policy_distillation as opd
 from slime.utils.http_utils import find_available_port
+from slime.utils.ray_utils import Box
 from slime.utils.types import Sample
 from tests._args import make_args
+from tests._megatron_helpers import fixed_rollout, free_port, hf_log_probs, train_args
+from tests.test_converters import _model_args, _run
 from tests.test_cpu_server import start_cpu_server, stop_cpu_server
 from tests.test_e2e import make_args as e2e_args
 from tests.test_e2e import read_metrics
+from tests.test_megatron_actor import _kill, _make_actors
 from tools.build_tiny_kit import build_model
 
 
@@ -226,4 +232,74 @@ def test_train_opd_sglang_teacher_moves_the_student_towards_it(ray_session, tiny
     # measured here: about -7.8 -> -6.2 nats per token over the 6 rollouts
     teacher_lp = _rollout_metric(tmp_path, "rollout/teacher_log_probs")
     assert len(teacher_lp) == 6 and len(_rollout_metric(tmp_path, "rollout/opd_reverse_kl")) == 6
+    assert teacher_lp[-1] > teacher_lp[0] + 0.8, teacher_lp
+
+
+@pytest.fixture(scope="module")
+def teacher_ckpt(teacher_dir, tmp_path_factory):
+    """The teacher converted to a Megatron torch_dist checkpoint (one rank, TP=1), as --opd-teacher-load takes it."""
+    save = str(tmp_path_factory.mktemp("teacher_ckpt") / "torch_dist")
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    _run(
+        [
+            *[torchrun, "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port())],
+            *["tools/convert_hf_to_torch_dist.py", *_model_args("qwen3-tiny.sh")],
+            *["--hf-checkpoint", teacher_dir, "--save", save],
+        ]
+    )
+    return save
+
+
+@pytest.mark.slow
+def test_megatron_teacher_log_probs_are_the_teachers_forward_under_tp2(
+    ray_session, tiny_kit, teacher_dir, teacher_ckpt, tmp_path
+):
+    """--opd-type megatron on two trainer ranks (TP=2, the teacher saved with TP=1): the teacher's log-probs equal a
+    transformers forward of the teacher, the student's stay the student's, and each advantage is
+    reward - (student - teacher)."""
+    ray = ray_session
+    debug = str(tmp_path / "train_{rollout_id}_{rank}.pt")
+    args = train_args(
+        tiny_kit[0],
+        tensor_model_parallel_size=2,
+        use_kl_loss=False,
+        use_opd=True,
+        opd_type="megatron",
+        opd_teacher_load=teacher_ckpt,
+        save_debug_train_data=debug,
+    )
+    actors = _make_actors(ray, 2)
+    data = fixed_rollout()
+    try:
+        assert ray.get([a.init.remote(args, "actor", None, with_ref=False) for a in actors], timeout=300) == [0, 0]
+        data_ref = Box(ray.put(data))
+        results = ray.get([a.train.remote(0, data_ref) for a in actors], timeout=300)
+    finally:
+        _kill(ray, actors)
+    assert "rollout/teacher_log_probs" in results[0]["rollout"]
+    saved = torch.load(debug.format(rollout_id=0, rank=0), weights_only=False)["rollout_data"]
+    teacher, student = hf_log_probs(teacher_dir, data), hf_log_probs(tiny_kit[0], data)
+    for i in range(len(teacher)):
+        assert torch.allclose(saved["teacher_log_probs"][i], teacher[i], atol=1e-4), i
+        assert torch.allclose(saved["log_probs"][i], student[i], atol=1e-4), i
+        want = data["rewards"][i] - (student[i] - teacher[i])
+        assert torch.allclose(saved["advantages"][i], want, atol=1e-4), i
+    assert not torch.allclose(teacher[0], student[0], atol=1e-2)  # two different models
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_train_opd_megatron_teacher(ray_session, tiny_kit, teacher_ckpt, tmp_path):
+    """train.py with --use-opd --opd-type megatron (the teacher checkpoint forwarded in the trainer, no teacher
+    server): as in the sglang mode, the student's samples become likelier under the teacher."""
+    args = e2e_args(
+        tiny_kit,
+        tmp_path,
+        *["--rollout-num-gpus", "1", "--use-opd", "--opd-type", "megatron", "--opd-teacher-load", teacher_ckpt],
+        *["--rollout-temperature", "1.0", "--lr", "1e-2", "--normalize-advantages"],
+        num_rollout=6,
+    )
+    sync_driver.train(args)
+    teacher_lp = _rollout_metric(tmp_path, "rollout/teacher_log_probs")
+    assert len(teacher_lp) == 6, teacher_lp
     assert teacher_lp[-1] > teacher_lp[0] + 0.8, teacher_lp
