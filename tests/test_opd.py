@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import train as sync_driver
 from slime.backends.megatron_utils.loss import compute_advantages_and_returns
+from slime.backends.sglang_utils.external import check_opd_teacher
 from slime.rollout import on_policy_distillation as opd
 from slime.utils.http_utils import find_available_port
 from slime.utils.ray_utils import Box
@@ -126,7 +127,7 @@ def test_opd_flags_parse_with_upstreams_defaults():
 def test_teacher_that_does_not_answer_is_refused():
     url = f"http://127.0.0.1:{find_available_port(23000)}/generate"
     with pytest.raises(ValueError, match=r"--rm-url .*: the OPD teacher does not answer"):
-        opd.check_teacher_server(url, None, timeout=2)
+        check_opd_teacher(url, None, timeout=2)
 
 
 def test_post_process_keeps_the_response_span_of_the_teachers_answer():
@@ -166,13 +167,13 @@ def test_reward_func_asks_the_teacher_prefill_only_at_the_rollout_temperature(ti
         args = _opd_args("--rm-url", url + "/generate", "--rollout-temperature", "0.7")
         s.reward = asyncio.run(opd.reward_func(args, s))
         opd.post_process_rewards(args, [s])
-        assert opd.check_teacher_server(url + "/generate", tiny_kit[0]) is None  # same vocabulary
+        assert check_opd_teacher(url + "/generate", tiny_kit[0]) is None  # same vocabulary
         other = str(tmp_path / "other-tokenizer")
         tok = AutoTokenizer.from_pretrained(tiny_kit[0])
         tok.add_tokens(["<opd-only-token>"])
         tok.save_pretrained(other)
         with pytest.raises(ValueError, match="OPD teacher's tokenizer .* differs from the student's"):
-            opd.check_teacher_server(url + "/generate", other)
+            check_opd_teacher(url + "/generate", other)
     finally:
         stop_cpu_server(proc)
 

@@ -12,16 +12,13 @@ rollout temperature) and returns the server's answer as the sample's reward; `po
 teacher's log-probs of the response tokens in `sample.teacher_log_probs` and gives every sample the task reward
 0.0. The trainer then turns each response token's advantage A into A - coef * (student - teacher log-prob)
 (`slime.backends.megatron_utils.loss.apply_opd_kl_to_advantages`). The teacher must share the student's tokenizer:
-it scores the student's token ids as they are (checked at start-up by `check_teacher_server`).
+it scores the student's token ids as they are (checked at start-up by
+`slime.backends.sglang_utils.external.check_opd_teacher`).
 """
-
-import os
-from urllib.parse import urlparse
 
 import aiohttp
 import torch
 
-from slime.backends.sglang_utils.external import get_server_info
 from slime.utils.types import Sample
 
 
@@ -74,37 +71,3 @@ def post_process_rewards(args, samples: list[Sample], **kwargs):
         sample.teacher_log_probs = teacher_response_log_probs(reward, sample.response_length).tolist()
     rewards = [0.0] * len(samples)
     return rewards, rewards
-
-
-def _tokenizer_vocab(path):
-    from transformers import AutoTokenizer  # heavy, and only when a teacher is checked
-
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=True).get_vocab()
-
-
-def check_teacher_server(rm_url: str, hf_checkpoint: str | None, timeout: float = 30.0) -> str | None:
-    """ValueError when the teacher behind `rm_url` does not answer, or serves a tokenizer (readable on this host)
-    whose vocabulary differs from `hf_checkpoint`'s. Returns a warning line when the tokenizer cannot be compared
-    here (the teacher's tokenizer lives on another host), else None."""
-    parsed = urlparse(rm_url)
-    if not parsed.scheme or not parsed.netloc:
-        raise ValueError(f"--rm-url {rm_url}: not an http(s) URL of the OPD teacher's /generate")
-    base = f"{parsed.scheme}://{parsed.netloc}"
-    try:
-        info = get_server_info(base, timeout=timeout)
-    except RuntimeError as e:
-        raise ValueError(f"--rm-url {rm_url}: the OPD teacher {e}") from None
-    teacher_tok = info.get("tokenizer_path") or info.get("model_path")
-    if not hf_checkpoint or not teacher_tok or not os.path.isdir(str(teacher_tok)):
-        return (
-            f"--rm-url {rm_url}: cannot read the OPD teacher's tokenizer {teacher_tok!r} here; make sure it is "
-            "the student's (the teacher scores the student's token ids as they are)"
-        )
-    if os.path.realpath(teacher_tok) == os.path.realpath(hf_checkpoint):
-        return None
-    if _tokenizer_vocab(teacher_tok) != _tokenizer_vocab(hf_checkpoint):
-        raise ValueError(
-            f"--rm-url {rm_url}: the OPD teacher's tokenizer ({teacher_tok}) differs from the student's "
-            f"(--hf-checkpoint {hf_checkpoint}); OPD needs one tokenizer for both"
-        )
-    return None

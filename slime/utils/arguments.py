@@ -36,8 +36,7 @@ from slime.backends.megatron_utils.arguments import (
 )
 from slime.backends.sglang_utils.arguments import add_sglang_arguments, sglang_available
 from slime.backends.sglang_utils.arguments import validate_args as sglang_validate_args
-from slime.backends.sglang_utils.external import discover_external_engines
-from slime.rollout.on_policy_distillation import check_teacher_server
+from slime.backends.sglang_utils.external import check_opd_teacher, discover_external_engines
 from slime.utils.checkpoint_tracker import checkpoint_dir, read_tracker
 from slime.utils.device import auto_inference_server, default_gdn_backend
 from slime.utils.disk_delta import CHECKSUMS as DELTA_CHECKSUMS
@@ -1216,7 +1215,7 @@ def check_opd_flags(args, error, check_paths):
         error("--opd-type sglang needs --rm-url, the teacher server's /generate (e.g. http://host:port/generate).")
     if check_paths:
         try:
-            warning = check_teacher_server(args.rm_url, args.hf_checkpoint)
+            warning = check_opd_teacher(args.rm_url, args.hf_checkpoint)
         except ValueError as e:
             error(f"{e}.")
         if warning:
