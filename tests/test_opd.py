@@ -3,6 +3,7 @@ post-process functions against a teacher CPU server, and train.py runs in both m
 
 import asyncio
 import os
+import shutil
 import sys
 
 import pytest
@@ -252,13 +253,17 @@ def teacher_ckpt(teacher_dir, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_megatron_teacher_log_probs_are_the_teachers_forward_under_tp2(
+def test_megatron_teacher_log_probs_are_the_teachers_forward_under_tp2_at_its_ckpt_step(
     ray_session, tiny_kit, teacher_dir, teacher_ckpt, tmp_path
 ):
-    """--opd-type megatron on two trainer ranks (TP=2, the teacher saved with TP=1): the teacher's log-probs equal a
+    """--opd-type megatron on two trainer ranks (TP=2, the teacher saved with TP=1), the teacher picked by
+    --opd-teacher-ckpt-step (its tracker names an iteration that is not there): the teacher's log-probs equal a
     transformers forward of the teacher, the student's stay the student's, and each advantage is
     reward - (student - teacher)."""
     ray = ray_session
+    stepped = tmp_path / "teacher_steps"
+    shutil.copytree(os.path.join(teacher_ckpt, "release"), stepped / "iter_0000003")
+    (stepped / "latest_checkpointed_iteration.txt").write_text("9")
     debug = str(tmp_path / "train_{rollout_id}_{rank}.pt")
     args = train_args(
         tiny_kit[0],
@@ -266,7 +271,8 @@ def test_megatron_teacher_log_probs_are_the_teachers_forward_under_tp2(
         use_kl_loss=False,
         use_opd=True,
         opd_type="megatron",
-        opd_teacher_load=teacher_ckpt,
+        opd_teacher_load=str(stepped),
+        opd_teacher_ckpt_step=3,
         save_debug_train_data=debug,
     )
     actors = _make_actors(ray, 2)
