@@ -102,6 +102,10 @@ def test_opd_without_teacher_log_probs_names_the_post_process(mpu_world1):
             "--opd-teacher-load / --opd-teacher-ckpt-step are for --opd-type megatron",
         ),
         (["--opd-teacher-load", "/t"], "--opd-teacher-load is set but --use-opd is not"),
+        (
+            ["--use-opd", "--opd-type", "megatron", "--opd-teacher-load", "/t", "--enable-lora"],
+            "--opd-type megatron cannot load a full teacher checkpoint with --enable-lora",
+        ),
     ],
 )
 def test_opd_flag_mistakes_stop_start_up_in_one_line(capsys, argv, message):

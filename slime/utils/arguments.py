@@ -1201,6 +1201,10 @@ def check_opd_flags(args, error, check_paths):
     if args.opd_type == "megatron":
         if args.opd_teacher_load is None:
             error("--opd-type megatron needs --opd-teacher-load (the teacher's Megatron checkpoint).")
+        if args.enable_lora:  # a LoRA trainer loads adapter checkpoints over the --hf-checkpoint base
+            error(
+                "--opd-type megatron cannot load a full teacher checkpoint with --enable-lora: use --opd-type sglang."
+            )
         if check_paths and not _checkpoint_exists(args.opd_teacher_load):
             error(
                 f"--opd-teacher-load {args.opd_teacher_load}: no Megatron checkpoint there (missing "

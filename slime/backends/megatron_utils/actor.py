@@ -2,7 +2,8 @@
 
 Weights are also kept as CPU dicts `self.weights[tag][global_name] -> local shard` (tags: "actor", "ref", "teacher"
 with --use-opd --opd-type megatron, and "old_actor"/"rollout_actor" with --keep-old-actor). The reference and the
-OPD teacher are such dicts swapped into the live parameters for their log-prob passes; weight sync reads `weights["actor"]` (works while the model is offloaded).
+OPD teacher are such dicts swapped into the live parameters for their log-prob passes; weight sync reads
+`weights["actor"]` (works while the model is offloaded).
 """
 
 import contextlib
