@@ -45,7 +45,7 @@ def _refusal(capsys, *argv):
 @pytest.mark.parametrize(
     "argv, flag, issue",
     [
-        (["--use-opd", "--opd-type", "sglang"], "--use-opd", "#26"),
+        (["--use-routing-replay"], "--use-routing-replay", "#25"),
         (["--sglang-config", "x.yaml"], "--sglang-config", "#26"),
         (["--use-rollout-routing-replay"], "--use-rollout-routing-replay", "#25"),
     ],
@@ -57,9 +57,9 @@ def test_refused_flag_stops_start_up_in_one_line(capsys, argv, flag, issue):
 
 
 def test_refused_flag_at_its_upstream_default_is_accepted():
-    # a script spelling out upstream's default runs: --opd-kl-coef 1.0
-    args = make_args("--opd-kl-coef", "1.0")
-    assert args.opd_kl_coef == 1.0
+    # a script spelling out upstream's default runs: --rollout-data-transport object-store
+    args = make_args("--rollout-data-transport", "object-store")
+    assert args.rollout_data_transport == "object-store"
 
 
 def test_refused_flag_value_is_type_checked(capsys):

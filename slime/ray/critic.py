@@ -28,6 +28,7 @@ def critic_args(args):
     c.loss_type = "value_loss"
     c.kl_coef = 0.0  # the critic's GAE returns carry the task reward only (no log-probs here to compute a KL)
     c.use_kl_loss = False
+    c.use_opd = False  # OPD shapes the actor's advantages; the critic's returns carry the task reward only
     c.kl_loss_coef = 0.0
     c.custom_advantage_function_path = None
     c.custom_megatron_before_log_prob_hook_path = None

@@ -159,6 +159,17 @@ def convert_samples_to_train_data(args, samples, custom_reward_fn=None, fn_path=
                 )
             log_probs.append(np.asarray(s.rollout_log_probs, dtype=np.float32))
         train_data["rollout_log_probs"] = log_probs
+    if samples[0].teacher_log_probs is not None:
+        teacher = []
+        for i, s in enumerate(samples):
+            if s.teacher_log_probs is None or len(s.teacher_log_probs) != s.response_length:
+                got = None if s.teacher_log_probs is None else len(s.teacher_log_probs)
+                raise ValueError(
+                    f"sample {s.index} (position {i}): teacher_log_probs has {got} entries but response_length is "
+                    f"{s.response_length}"
+                )
+            teacher.append(np.asarray(s.teacher_log_probs, dtype=np.float32))
+        train_data["teacher_log_probs"] = teacher
     if sampling_is_truncated(args) and args.loss_type != "sft_loss":
         # top-p replay: the trainer scores each token over the set the engine kept (never silently over all tokens)
         for i, s in enumerate(samples):

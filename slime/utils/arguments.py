@@ -37,7 +37,7 @@ from slime.backends.megatron_utils.arguments import (
 )
 from slime.backends.sglang_utils.arguments import add_sglang_arguments, sglang_available
 from slime.backends.sglang_utils.arguments import validate_args as sglang_validate_args
-from slime.backends.sglang_utils.external import discover_external_engines
+from slime.backends.sglang_utils.external import check_opd_teacher, discover_external_engines
 from slime.observability.profile_utils import TARGETS as PROFILE_TARGETS
 from slime.utils.checkpoint_tracker import checkpoint_dir, read_tracker
 from slime.utils.device import auto_inference_server, default_gdn_backend, memory_history_module
@@ -1234,6 +1234,72 @@ def add_custom_megatron_plugins_arguments(parser):
     return parser
 
 
+def add_opd_arguments(parser):
+    g = _Group(parser, "on-policy distillation (docs/opd.md)")
+    g.add_argument(
+        "--use-opd",
+        action="store_true",
+        default=False,
+        help="On-policy distillation: each response token's advantage A becomes A - --opd-kl-coef * (student "
+        "log-prob - teacher log-prob), whatever the advantage estimator. Needs --opd-type.",
+    )
+    g.add_argument(
+        "--opd-type",
+        type=str,
+        choices=["sglang", "megatron"],
+        default=None,
+        help="sglang: an inference server at --rm-url scores each sample during the rollout "
+        "(slime.rollout.on_policy_distillation); megatron: the trainer loads the teacher checkpoint "
+        "--opd-teacher-load beside the actor and forwards it before training.",
+    )
+    g.add_argument("--opd-kl-coef", type=float, default=1.0, help="Weight of the OPD reverse-KL term.")
+    g.add_argument(
+        "--opd-teacher-load",
+        type=str,
+        default=None,
+        help="Megatron checkpoint of the teacher (--opd-type megatron only); same architecture as the actor.",
+    )
+    g.add_argument("--opd-teacher-ckpt-step", type=int, default=None, help="Iteration of --opd-teacher-load to load.")
+    return parser
+
+
+def check_opd_flags(args, error, check_paths):
+    """--use-opd's flags; in sglang mode (with `check_paths`) the teacher server must answer and share the
+    student's tokenizer."""
+    if not args.use_opd:
+        if args.opd_teacher_load is not None:
+            error("--opd-teacher-load is set but --use-opd is not: add --use-opd --opd-type megatron, or drop it.")
+        return
+    if args.opd_type is None:
+        error("--use-opd needs --opd-type sglang (teacher server at --rm-url) or megatron (--opd-teacher-load).")
+    if args.opd_type == "megatron":
+        if args.opd_teacher_load is None:
+            error("--opd-type megatron needs --opd-teacher-load (the teacher's Megatron checkpoint).")
+        if args.enable_lora:  # a LoRA trainer loads adapter checkpoints over the --hf-checkpoint base
+            error(
+                "--opd-type megatron cannot load a full teacher checkpoint with --enable-lora: use --opd-type sglang."
+            )
+        if check_paths and not _checkpoint_exists(args.opd_teacher_load):
+            error(
+                f"--opd-teacher-load {args.opd_teacher_load}: no Megatron checkpoint there (missing "
+                "latest_checkpointed_iteration.txt)."
+            )
+        return
+    if args.opd_teacher_load is not None or args.opd_teacher_ckpt_step is not None:
+        error("--opd-teacher-load / --opd-teacher-ckpt-step are for --opd-type megatron: drop them with sglang.")
+    if args.debug_train_only:  # no rollout runs: the teacher log-probs come with the loaded rollout data
+        return
+    if not args.rm_url:
+        error("--opd-type sglang needs --rm-url, the teacher server's /generate (e.g. http://host:port/generate).")
+    if check_paths:
+        try:
+            warning = check_opd_teacher(args.rm_url, args.hf_checkpoint)
+        except ValueError as e:
+            error(f"{e}.")
+        if warning:
+            logger.warning(warning)
+
+
 def add_lora_arguments(parser):
     g = _Group(parser, "lora")
     g.add_argument(
@@ -1300,6 +1366,7 @@ def get_slime_extra_args_provider(add_custom_arguments=None):
             add_custom_megatron_plugins_arguments,
             add_mtp_training_arguments,
             add_lora_arguments,
+            add_opd_arguments,
             add_linear_attention_arguments,
             add_refused_arguments,  # last: parses the refused upstream flags no group above declares
         ):
@@ -1511,6 +1578,7 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
     check_optimizer_state_flags(args, error)
     check_param_freeze_flags(args, error)
     check_ref_update_interval(args, error)
+    check_opd_flags(args, error, check_paths)
     check_batch_memory_flags(args, error)
     resolve_context_lengths(args, error)
     if args.qwen_gdn_backend is None:

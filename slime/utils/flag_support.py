@@ -14,7 +14,6 @@ import os
 UPSTREAM_FLAGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "upstream_flags.json")
 
 _MISMATCH = "comes with issue #25 (engine log-probs, mismatch metrics, routing replay)"
-_OPD = "on-policy distillation comes with issue #26: drop it, or add the teacher's log-probs in a custom generate function"
 _SGLANG_CONFIG = "multi-model serving (--sglang-config) comes with issue #26: start extra models yourself and reach them from a custom reward"
 
 
@@ -23,11 +22,6 @@ REFUSED = {
     # another issue's work: that issue deletes its entries when it lands
     "--use-routing-replay": f"MoE routing replay (R2) {_MISMATCH}; drop it",
     "--use-rollout-routing-replay": f"MoE rollout routing replay (R3) {_MISMATCH}; drop it",
-    "--use-opd": _OPD,
-    "--opd-type": _OPD,
-    "--opd-kl-coef": _OPD,
-    "--opd-teacher-load": _OPD,
-    "--opd-teacher-ckpt-step": _OPD,
     "--sglang-config": _SGLANG_CONFIG,
     # cannot exist on this stack
     "--prefill-num-servers": "prefill/decode disaggregation needs SGLang's KV transfer between GPU engines, which "

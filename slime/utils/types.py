@@ -186,6 +186,7 @@ class _RequiredTrainData(TypedDict):
 
 class TrainData(_RequiredTrainData, total=False):
     rollout_log_probs: list[np.ndarray]  # float32 over the response tokens, as the engine sampled them
+    teacher_log_probs: list[np.ndarray]  # float32 over the response tokens, from the OPD teacher (--use-opd)
     round_number: list[int]  # from `Sample.metadata["round_number"]` (multi-turn rollouts)
     metadata: list  # `Sample.train_metadata`, for --rollout-data-postprocess-path and custom losses
     rollout_top_p_token_ids: list[np.ndarray]  # int32: each step's kept token set, concatenated (top-p/top-k replay)

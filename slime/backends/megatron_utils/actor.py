@@ -1,8 +1,9 @@
 """`MegatronTrainRayActor`: one training rank.
 
-Weights are also kept as CPU dicts `self.weights[tag][global_name] -> local shard` (tags: "actor", "ref", and
-"old_actor"/"rollout_actor" with --keep-old-actor). The reference model is such a dict swapped into the live
-parameters for the ref log-prob pass; weight sync reads `weights["actor"]` (works while the model is offloaded).
+Weights are also kept as CPU dicts `self.weights[tag][global_name] -> local shard` (tags: "actor", "ref", "teacher"
+with --use-opd --opd-type megatron, and "old_actor"/"rollout_actor" with --keep-old-actor). The reference and the
+OPD teacher are such dicts swapped into the live parameters for their log-prob passes; weight sync reads
+`weights["actor"]` (works while the model is offloaded).
 """
 
 import contextlib
@@ -81,6 +82,8 @@ class MegatronTrainRayActor(TrainRayActor):
         self.update_cpu_params_dict(self.weights["actor"])
         if with_ref:
             self.load_other_checkpoint("ref", args.ref_load)
+        if args.use_opd and args.opd_type == "megatron":
+            self.load_other_checkpoint("teacher", args.opd_teacher_load)
         if args.keep_old_actor:
             self.weights["old_actor"] = _clone_dict(self.weights["actor"])
             self.weights["rollout_actor"] = _clone_dict(self.weights["actor"])
@@ -154,10 +157,13 @@ class MegatronTrainRayActor(TrainRayActor):
             return
         tmp = copy.copy(self.args)
         tmp.load, tmp.no_load_optim, tmp.no_load_rng, tmp.finetune = path, True, True, True
-        tmp.ckpt_step = self.args.ref_ckpt_step if tag == "ref" else None
+        flag, tmp.ckpt_step = {
+            "ref": ("--ref-load", self.args.ref_ckpt_step),
+            "teacher": ("--opd-teacher-load", self.args.opd_teacher_ckpt_step),
+        }.get(tag, (f"--{tag}-load", None))
         if load_checkpoint(tmp, self.model, None, None) is None:
             raise FileNotFoundError(
-                f"--{tag}-load {path}: no Megatron checkpoint there (missing {path}/latest_checkpointed_iteration.txt)"
+                f"{flag} {path}: no Megatron checkpoint there (missing {path}/latest_checkpointed_iteration.txt)"
             )
         self.weights[tag] = {}
         self.update_cpu_params_dict(self.weights[tag])
@@ -257,13 +263,16 @@ class MegatronTrainRayActor(TrainRayActor):
             if "ref" in self.weights:
                 with timer("ref_log_probs"):
                     rollout_data.update(self.compute_log_prob("ref", data_iterator, num_microbatches, "ref_"))
+            if "teacher" in self.weights:  # --opd-type megatron: the teacher's log-probs of the same tokens
+                with timer("teacher_log_probs"):
+                    rollout_data.update(self.compute_log_prob("teacher", data_iterator, num_microbatches, "teacher_"))
             if needs_old_log_prob_forward(args, num_steps=len(num_microbatches)):
                 with timer("log_probs"):
                     tag = "old_actor" if "old_actor" in self.weights else "actor"
                     rollout_data.update(self.compute_log_prob(tag, data_iterator, num_microbatches))
                     if tag != "actor":
                         self.update_gpu_params_dict(self.weights["actor"])
-            elif "ref" in self.weights:  # the ref forward left the reference weights in the model: train the actor's
+            elif "ref" in self.weights or "teacher" in self.weights:  # their forwards left their weights in the model
                 self.update_gpu_params_dict(self.weights["actor"])
             if (
                 args.ci_test
@@ -415,7 +424,7 @@ def reuses_training_log_probs(args, num_steps):
     """Whether PPO's old log-probs can be the first training forward's own (detached) log-probs: with exactly one
     optimizer step per rollout that forward runs on the rollout's weights, so a separate forward would compute the
     same values, provided nothing needs them before training (KL in the reward, rollout entropy, a custom advantage
-    function or rollout-data postprocess) and the old policy is the live one (no --keep-old-actor)."""
+    function or rollout-data postprocess, OPD's advantage) and the old policy is the live one (no --keep-old-actor)."""
     return (
         num_steps == 1
         and args.loss_type == "policy_loss"
@@ -425,6 +434,7 @@ def reuses_training_log_probs(args, num_steps):
         and not args.use_rollout_entropy
         and not args.custom_advantage_function_path
         and not args.rollout_data_postprocess_path
+        and not args.use_opd
     )
 
 

@@ -203,6 +203,34 @@ def get_values(logits, *, args, unconcat_tokens, total_lengths, response_lengths
     return {"values": values}
 
 
+def apply_opd_kl_to_advantages(args, rollout_data, advantages, student_log_probs):
+    """On-policy distillation: each response token's advantage A becomes A - `--opd-kl-coef` * (student log-prob -
+    teacher log-prob), the student's being the old log-probs the estimator uses (the trainer's, or the engine's
+    with --use-rollout-logprobs). Keeps the per-token reverse KL in `rollout_data["opd_reverse_kl"]` (logged);
+    returns the new advantages."""
+    if student_log_probs is None:
+        raise ValueError("--use-opd needs the student's old log-probs, but rollout data has no log_probs")
+    teacher = rollout_data.get("teacher_log_probs")
+    if teacher is None:
+        where = (
+            "the teacher forward of --opd-teacher-load"
+            if args.opd_type == "megatron"
+            else "--custom-reward-post-process-path slime.rollout.on_policy_distillation.post_process_rewards"
+        )
+        raise ValueError(f"--use-opd --opd-type {args.opd_type}: rollout data has no teacher_log_probs (from {where})")
+    reverse_kl, out = [], []
+    for i, (adv, student, t) in enumerate(zip(advantages, student_log_probs, teacher)):
+        if t.shape != student.shape:
+            raise ValueError(
+                f"--use-opd: sample {i} has {t.numel()} teacher log-probs for {student.numel()} response tokens"
+            )
+        kl = student - t.to(student.device)
+        reverse_kl.append(kl)
+        out.append(adv - args.opd_kl_coef * kl)
+    rollout_data["opd_reverse_kl"] = reverse_kl
+    return out
+
+
 def compute_advantages_and_returns(args, rollout_data):
     """Fill `rollout_data["advantages"]` and `["returns"]` (per-sample token tensors) for `--advantage-estimator`.
     No-op on pipeline stages other than the last (only the last computes the loss). The old log-probs (the KL base
@@ -268,6 +296,9 @@ def compute_advantages_and_returns(args, rollout_data):
     else:  # rloo (argparse's choices admit no other); its rewards arrive group-mean-centred (validated at start-up)
         returns = get_rloo_returns(rewards, kl, args.n_samples_per_prompt)
         advantages = list(returns)
+
+    if args.use_opd:  # on top of any estimator, before whitening (as upstream)
+        advantages = apply_opd_kl_to_advantages(args, rollout_data, advantages, log_probs)
 
     if args.normalize_advantages and advantages:
         all_advs = torch.cat(advantages)

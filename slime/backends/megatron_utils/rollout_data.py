@@ -180,7 +180,7 @@ def process_rollout_data(args, rollout_data_ref, dp_rank, dp_size, values_ref=No
             vals = [torch.tensor(np.asarray(m), dtype=torch.int, device=device) for m in vals]
         elif key in ("rollout_top_p_token_ids", "rollout_top_p_token_offsets"):
             vals = [torch.tensor(np.asarray(v), dtype=torch.long, device=device) for v in vals]
-        elif key in ("rollout_log_probs", "values"):
+        elif key in ("rollout_log_probs", "teacher_log_probs", "values"):
             vals = [torch.tensor(np.asarray(lp), dtype=torch.float32, device=device) for lp in vals]
         rollout_data[key] = vals
     return rollout_data

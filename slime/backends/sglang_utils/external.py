@@ -3,7 +3,8 @@
 Someone else owns their lifecycle: slime reads each one's shape from its server info, checks that it serves the
 run's model, registers it with the run's router and pushes weights to it (broadcast or disk), but never starts,
 stops or restarts it. The checks here run once, at start-up (`check_external_engines` in parse_args), so a wrong
-address or model fails the job in one line before anything is placed.
+address or model fails the job in one line before anything is placed. The on-policy distillation teacher server
+(`--use-opd --opd-type sglang`, `--rm-url`) is checked here the same way (`check_opd_teacher`).
 """
 
 import os
@@ -117,3 +118,37 @@ def discover_external_engines(addrs, hf_checkpoint, api_key=None, timeout: float
         parsed = urlparse(url)
         infos.append({"url": url, "host": parsed.hostname, "port": parsed.port, "model_path": served, **shape})
     return infos
+
+
+def _tokenizer_vocab(path):
+    from transformers import AutoTokenizer  # heavy, and only when a teacher is checked
+
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=True).get_vocab()
+
+
+def check_opd_teacher(rm_url: str, hf_checkpoint: str | None, timeout: float = 30.0) -> str | None:
+    """ValueError when the teacher behind `rm_url` does not answer, or serves a tokenizer (readable on this host)
+    whose vocabulary differs from `hf_checkpoint`'s. Returns a warning line when the tokenizer cannot be compared
+    here (the teacher's tokenizer lives on another host), else None."""
+    parsed = urlparse(rm_url)
+    if not parsed.scheme or not parsed.netloc:
+        raise ValueError(f"--rm-url {rm_url}: not an http(s) URL of the OPD teacher's /generate")
+    base = f"{parsed.scheme}://{parsed.netloc}"
+    try:
+        info = get_server_info(base, timeout=timeout)
+    except RuntimeError as e:
+        raise ValueError(f"--rm-url {rm_url}: the OPD teacher {e}") from None
+    teacher_tok = info.get("tokenizer_path") or info.get("model_path")
+    if not hf_checkpoint or not teacher_tok or not os.path.isdir(str(teacher_tok)):
+        return (
+            f"--rm-url {rm_url}: cannot read the OPD teacher's tokenizer {teacher_tok!r} here; make sure it is "
+            "the student's (the teacher scores the student's token ids as they are)"
+        )
+    if os.path.realpath(teacher_tok) == os.path.realpath(hf_checkpoint):
+        return None
+    if _tokenizer_vocab(teacher_tok) != _tokenizer_vocab(hf_checkpoint):
+        raise ValueError(
+            f"--rm-url {rm_url}: the OPD teacher's tokenizer ({teacher_tok}) differs from the student's "
+            f"(--hf-checkpoint {hf_checkpoint}); OPD needs one tokenizer for both"
+        )
+    return None

@@ -1,0 +1,73 @@
+"""On-policy distillation (OPD) with a teacher served by an inference server (`--use-opd --opd-type sglang`).
+
+Wire it as upstream slime's example does:
+
+    --use-opd --opd-type sglang --opd-kl-coef 1.0
+    --rm-url http://TEACHER_HOST:PORT/generate
+    --custom-rm-path slime.rollout.on_policy_distillation.reward_func
+    --custom-reward-post-process-path slime.rollout.on_policy_distillation.post_process_rewards
+
+`reward_func` has the teacher score each sample's whole token sequence (prefill only, no token generated, at the
+rollout temperature) and returns the server's answer as the sample's reward; `post_process_rewards` keeps the
+teacher's log-probs of the response tokens in `sample.teacher_log_probs` and gives every sample the task reward
+0.0. The trainer then turns each response token's advantage A into A - coef * (student - teacher log-prob)
+(`slime.backends.megatron_utils.loss.apply_opd_kl_to_advantages`). The teacher must share the student's tokenizer:
+it scores the student's token ids as they are (checked at start-up by
+`slime.backends.sglang_utils.external.check_opd_teacher`).
+"""
+
+import aiohttp
+import torch
+
+from slime.utils.types import Sample
+
+
+async def reward_func(args, sample: Sample, **kwargs):
+    """The teacher server's (`--rm-url`, its /generate) answer for `sample.tokens` scored prefill-only: its
+    `meta_info.input_token_logprobs` holds, per input position, [log-prob, token id, ...] (the first is None)."""
+    payload = {
+        "input_ids": sample.tokens,
+        "sampling_params": {
+            "temperature": args.rollout_temperature,
+            "max_new_tokens": 0,
+            "skip_special_tokens": False,
+        },
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
+    async with aiohttp.ClientSession(trust_env=False) as session:
+        async with session.post(args.rm_url, json=payload) as resp:
+            if resp.status != 200:
+                body = (await resp.text())[:300]
+                raise RuntimeError(
+                    f"OPD teacher --rm-url {args.rm_url} answered HTTP {resp.status} for sample {sample.index}: {body}"
+                )
+            return await resp.json()
+
+
+def teacher_response_log_probs(reward, response_length: int) -> torch.Tensor:
+    """float32 log-probs the teacher gave the last `response_length` tokens, from its /generate answer."""
+    per_token = reward["meta_info"]["input_token_logprobs"][1:]  # position 0 has no log-prob
+    if len(per_token) < response_length:
+        raise ValueError(
+            f"the OPD teacher scored {len(per_token) + 1} tokens, fewer than the response's {response_length}: "
+            "it must score the whole sequence (logprob_start_len 0)"
+        )
+    values = [item[0] for item in per_token[len(per_token) - response_length :]]
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def post_process_rewards(args, samples: list[Sample], **kwargs):
+    """(raw_rewards, rewards), both 0.0 per sample: the learning signal is the teacher's log-probs, stored here in
+    `sample.teacher_log_probs` (response tokens only). For a task reward on top, wrap this function and return
+    your own rewards after calling it."""
+    for sample in samples:
+        reward = sample.get_reward_value(args)
+        if not isinstance(reward, dict) or "meta_info" not in reward:
+            raise TypeError(
+                f"sample {sample.index}: its reward is not the OPD teacher's answer; pass --custom-rm-path "
+                "slime.rollout.on_policy_distillation.reward_func with this post-process function"
+            )
+        sample.teacher_log_probs = teacher_response_log_probs(reward, sample.response_length).tolist()
+    rewards = [0.0] * len(samples)
+    return rewards, rewards

@@ -1,0 +1,316 @@
+"""On-policy distillation (--use-opd): the advantage term, the start-up checks, the sglang-mode reward and
+post-process functions against a teacher CPU server, and train.py runs in both modes."""
+
+import asyncio
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import train as sync_driver
+from slime.backends.megatron_utils.loss import compute_advantages_and_returns
+from slime.backends.sglang_utils.external import check_opd_teacher
+from slime.rollout import on_policy_distillation as opd
+from slime.utils.http_utils import find_available_port
+from slime.utils.ray_utils import Box
+from slime.utils.types import Sample
+from tests._args import make_args
+from tests._megatron_helpers import fixed_rollout, free_port, hf_log_probs, train_args
+from tests.test_converters import _model_args, _run
+from tests.test_cpu_server import start_cpu_server, stop_cpu_server
+from tests.test_e2e import make_args as e2e_args
+from tests.test_e2e import read_metrics
+from tests.test_megatron_actor import _kill, _make_actors
+from tools.build_tiny_kit import build_model
+
+
+@pytest.fixture(scope="module")
+def mpu_world1(tmp_path_factory):
+    """A one-rank gloo world + Megatron parallel state, as inside a single trainer rank."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    assert not dist.is_initialized(), "another test left torch.distributed initialised in this process"
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    mpu.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    yield
+    mpu.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def _rollout():
+    # two samples (3 and 2 response tokens), GRPO rewards +1 / -1 (already group-centred)
+    return {
+        "log_probs": [torch.tensor([-0.5, -1.0, -2.0]), torch.tensor([-0.1, -3.0])],
+        "teacher_log_probs": [torch.tensor([-0.7, -0.4, -2.0]), torch.tensor([-1.1, -2.0])],
+        "rewards": [1.0, -1.0],
+        "loss_masks": [torch.ones(3, dtype=torch.int), torch.ones(2, dtype=torch.int)],
+        "response_lengths": [3, 2],
+        "total_lengths": [7, 6],
+    }
+
+
+def _opd_args(*argv):
+    return make_args("--use-opd", "--opd-type", "sglang", "--rm-url", "http://127.0.0.1:1/generate", *argv)
+
+
+def test_opd_advantage_is_estimator_advantage_minus_coef_times_reverse_kl(mpu_world1):
+    data = _rollout()
+    compute_advantages_and_returns(_opd_args("--opd-kl-coef", "0.5"), data)
+    # by hand: reverse KL = student - teacher = [0.2, -0.6, 0.0] and [1.0, -1.0];
+    # A = GRPO's (+1 / -1 per token) - 0.5 * KL
+    assert torch.allclose(data["advantages"][0], torch.tensor([0.9, 1.3, 1.0]))
+    assert torch.allclose(data["advantages"][1], torch.tensor([-1.5, -0.5]))
+    assert torch.allclose(data["opd_reverse_kl"][1], torch.tensor([1.0, -1.0]))
+    # returns are the estimator's, untouched
+    assert data["returns"][0].tolist() == [1.0, 1.0, 1.0]
+
+    # the student log-probs are the engine's with --use-rollout-logprobs
+    data = _rollout()
+    data["rollout_log_probs"] = [torch.tensor([-0.7, -0.4, -2.0]), torch.tensor([-1.1, -2.0])]
+    compute_advantages_and_returns(_opd_args("--use-rollout-logprobs"), data)
+    assert torch.allclose(data["advantages"][0], torch.ones(3))
+
+    # reinforce++ baseline with whitening: OPD applies before the whitening
+    data = _rollout()
+    compute_advantages_and_returns(
+        _opd_args("--advantage-estimator", "reinforce_plus_plus_baseline", "--normalize-advantages"), data
+    )
+    raw = torch.tensor([1.0 - 0.2, 1.0 + 0.6, 1.0, -1.0 - 1.0, -1.0 + 1.0])
+    assert torch.allclose(torch.cat(data["advantages"]), (raw - raw.mean()) / raw.std(), atol=1e-5)
+
+
+def test_opd_without_teacher_log_probs_names_the_post_process(mpu_world1):
+    data = _rollout()
+    del data["teacher_log_probs"]
+    with pytest.raises(ValueError, match="no teacher_log_probs .*on_policy_distillation.post_process_rewards"):
+        compute_advantages_and_returns(_opd_args(), data)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--use-opd"], "--use-opd needs --opd-type"),
+        (["--use-opd", "--opd-type", "megatron"], "--opd-type megatron needs --opd-teacher-load"),
+        (["--use-opd", "--opd-type", "sglang"], "--opd-type sglang needs --rm-url"),
+        (
+            ["--use-opd", "--opd-type", "sglang", "--rm-url", "http://h:1/generate", "--opd-teacher-load", "/t"],
+            "--opd-teacher-load / --opd-teacher-ckpt-step are for --opd-type megatron",
+        ),
+        (["--opd-teacher-load", "/t"], "--opd-teacher-load is set but --use-opd is not"),
+        (
+            ["--use-opd", "--opd-type", "megatron", "--opd-teacher-load", "/t", "--enable-lora"],
+            "--opd-type megatron cannot load a full teacher checkpoint with --enable-lora",
+        ),
+    ],
+)
+def test_opd_flag_mistakes_stop_start_up_in_one_line(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        make_args(*argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_opd_flags_parse_with_upstreams_defaults():
+    args = make_args()
+    assert (args.use_opd, args.opd_type, args.opd_kl_coef, args.opd_teacher_load, args.opd_teacher_ckpt_step) == (
+        False,
+        None,
+        1.0,
+        None,
+        None,
+    )
+    args = make_args("--use-opd", "--opd-type", "megatron", "--opd-teacher-load", "/t", "--opd-teacher-ckpt-step", "3")
+    assert (args.opd_type, args.opd_teacher_load, args.opd_teacher_ckpt_step) == ("megatron", "/t", 3)
+
+
+def test_teacher_that_does_not_answer_is_refused():
+    url = f"http://127.0.0.1:{find_available_port(23000)}/generate"
+    with pytest.raises(ValueError, match=r"--rm-url .*: the OPD teacher does not answer"):
+        check_opd_teacher(url, None, timeout=2)
+
+
+def test_post_process_keeps_the_response_span_of_the_teachers_answer():
+    # prompt of 3 tokens + response of 2: the teacher's answer has an entry per input token, the first without a
+    # log-prob
+    s = Sample(index=0, tokens=[5, 6, 7, 8, 9], response_length=2)
+    s.reward = {"meta_info": {"input_token_logprobs": [[None, 5, None], [-1, 6], [-2, 7], [-3, 8], [-4, 9]]}}
+    args = make_args()
+    assert opd.post_process_rewards(args, [s]) == ([0.0], [0.0])
+    assert s.teacher_log_probs == [-3.0, -4.0]
+    s.reward = 1.0
+    with pytest.raises(TypeError, match="not the OPD teacher's answer"):
+        opd.post_process_rewards(args, [s])
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+    """A second tiny Qwen3 (other weights, the kit's tokenizer): the OPD teacher. Its final norm is scaled up so its
+    next-token distributions are peaked, far from the near-uniform tiny student."""
+    d = str(tmp_path_factory.mktemp("teacher") / "qwen3-tiny-teacher")
+    build_model(d, seed=7)
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(8.0)
+    model.save_pretrained(d)
+    return d
+
+
+def test_reward_func_asks_the_teacher_prefill_only_at_the_rollout_temperature(tiny_kit, teacher_dir, tmp_path):
+    """A CPU server as the teacher: the response tokens' log-probs it returns equal a transformers forward of the
+    teacher at the rollout temperature; the start-up check accepts the same tokenizer and refuses another."""
+
+    tokens = [11, 25, 40, 7, 99, 3, 64, 18]
+    s = Sample(index=0, tokens=list(tokens), response_length=5)
+    proc, url = start_cpu_server(teacher_dir)
+    try:
+        args = _opd_args("--rm-url", url + "/generate", "--rollout-temperature", "0.7")
+        s.reward = asyncio.run(opd.reward_func(args, s))
+        opd.post_process_rewards(args, [s])
+        assert check_opd_teacher(url + "/generate", tiny_kit[0]) is None  # same vocabulary
+        other = str(tmp_path / "other-tokenizer")
+        tok = AutoTokenizer.from_pretrained(tiny_kit[0])
+        tok.add_tokens(["<opd-only-token>"])
+        tok.save_pretrained(other)
+        with pytest.raises(ValueError, match="OPD teacher's tokenizer .* differs from the student's"):
+            check_opd_teacher(url + "/generate", other)
+    finally:
+        stop_cpu_server(proc)
+
+    model = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0]
+    logp = torch.log_softmax(logits[:-1] / 0.7, dim=-1).gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
+    want = logp[-5:]
+    got = torch.tensor(s.teacher_log_probs)
+    assert got.shape == (5,)
+    assert torch.allclose(got, want, atol=1e-4), (got, want)
+    # not the temperature-1 values: the temperature reached the teacher
+    logp1 = torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
+    assert not torch.allclose(got, logp1[-5:], atol=1e-3)
+
+
+OPD_HOOKS = [
+    "--custom-rm-path",
+    "slime.rollout.on_policy_distillation.reward_func",
+    "--custom-reward-post-process-path",
+    "slime.rollout.on_policy_distillation.post_process_rewards",
+]
+
+
+def _rollout_metric(tmp_path, key):
+    return [r[key] for r in read_metrics(tmp_path) if key in r]
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_train_opd_sglang_teacher_moves_the_student_towards_it(ray_session, tiny_kit, teacher_dir, tmp_path):
+    """train.py with --use-opd --opd-type sglang and a second CPU server as the teacher, wired as upstream's example:
+    trained on the teacher's signal alone (task reward 0, advantages whitened), the student's samples become likelier
+    under the teacher."""
+
+    proc, url = start_cpu_server(teacher_dir)
+    try:
+        args = e2e_args(
+            tiny_kit,
+            tmp_path,
+            *["--rollout-num-gpus", "1", "--use-opd", "--opd-type", "sglang", "--opd-kl-coef", "1.0"],
+            *[
+                "--rm-url",
+                url + "/generate",
+                *OPD_HOOKS,
+                "--rollout-temperature",
+                "1.0",
+                "--lr",
+                "1e-2",
+                "--normalize-advantages",
+            ],
+            num_rollout=6,
+        )
+        sync_driver.train(args)
+    finally:
+        stop_cpu_server(proc)
+    # measured here: about -7.8 -> -6.2 nats per token over the 6 rollouts
+    teacher_lp = _rollout_metric(tmp_path, "rollout/teacher_log_probs")
+    assert len(teacher_lp) == 6 and len(_rollout_metric(tmp_path, "rollout/opd_reverse_kl")) == 6
+    assert teacher_lp[-1] > teacher_lp[0] + 0.8, teacher_lp
+
+
+@pytest.fixture(scope="module")
+def teacher_ckpt(teacher_dir, tmp_path_factory):
+    """The teacher converted to a Megatron torch_dist checkpoint (one rank, TP=1), as --opd-teacher-load takes it."""
+    save = str(tmp_path_factory.mktemp("teacher_ckpt") / "torch_dist")
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    _run(
+        [
+            *[torchrun, "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port())],
+            *["tools/convert_hf_to_torch_dist.py", *_model_args("qwen3-tiny.sh")],
+            *["--hf-checkpoint", teacher_dir, "--save", save],
+        ]
+    )
+    return save
+
+
+@pytest.mark.slow
+def test_megatron_teacher_log_probs_are_the_teachers_forward_under_tp2_at_its_ckpt_step(
+    ray_session, tiny_kit, teacher_dir, teacher_ckpt, tmp_path
+):
+    """--opd-type megatron on two trainer ranks (TP=2, the teacher saved with TP=1), the teacher picked by
+    --opd-teacher-ckpt-step (its tracker names an iteration that is not there): the teacher's log-probs equal a
+    transformers forward of the teacher, the student's stay the student's, and each advantage is
+    reward - (student - teacher)."""
+    ray = ray_session
+    stepped = tmp_path / "teacher_steps"
+    shutil.copytree(os.path.join(teacher_ckpt, "release"), stepped / "iter_0000003")
+    (stepped / "latest_checkpointed_iteration.txt").write_text("9")
+    debug = str(tmp_path / "train_{rollout_id}_{rank}.pt")
+    args = train_args(
+        tiny_kit[0],
+        tensor_model_parallel_size=2,
+        use_kl_loss=False,
+        use_opd=True,
+        opd_type="megatron",
+        opd_teacher_load=str(stepped),
+        opd_teacher_ckpt_step=3,
+        save_debug_train_data=debug,
+    )
+    actors = _make_actors(ray, 2)
+    data = fixed_rollout()
+    try:
+        assert ray.get([a.init.remote(args, "actor", None, with_ref=False) for a in actors], timeout=300) == [0, 0]
+        data_ref = Box(ray.put(data))
+        results = ray.get([a.train.remote(0, data_ref) for a in actors], timeout=300)
+    finally:
+        _kill(ray, actors)
+    assert "rollout/teacher_log_probs" in results[0]["rollout"]
+    saved = torch.load(debug.format(rollout_id=0, rank=0), weights_only=False)["rollout_data"]
+    teacher, student = hf_log_probs(teacher_dir, data), hf_log_probs(tiny_kit[0], data)
+    for i in range(len(teacher)):
+        assert torch.allclose(saved["teacher_log_probs"][i], teacher[i], atol=1e-4), i
+        assert torch.allclose(saved["log_probs"][i], student[i], atol=1e-4), i
+        want = data["rewards"][i] - (student[i] - teacher[i])
+        assert torch.allclose(saved["advantages"][i], want, atol=1e-4), i
+    assert not torch.allclose(teacher[0], student[0], atol=1e-2)  # two different models
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_train_opd_megatron_teacher(ray_session, tiny_kit, teacher_ckpt, tmp_path):
+    """train.py with --use-opd --opd-type megatron (the teacher checkpoint forwarded in the trainer, no teacher
+    server): as in the sglang mode, the student's samples become likelier under the teacher."""
+    args = e2e_args(
+        tiny_kit,
+        tmp_path,
+        *["--rollout-num-gpus", "1", "--use-opd", "--opd-type", "megatron", "--opd-teacher-load", teacher_ckpt],
+        *["--rollout-temperature", "1.0", "--lr", "1e-2", "--normalize-advantages"],
+        num_rollout=6,
+    )
+    sync_driver.train(args)
+    teacher_lp = _rollout_metric(tmp_path, "rollout/teacher_log_probs")
+    assert len(teacher_lp) == 6, teacher_lp
+    assert teacher_lp[-1] > teacher_lp[0] + 0.8, teacher_lp
