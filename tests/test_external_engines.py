@@ -94,6 +94,7 @@ def test_start_up_reads_the_engine_and_refuses_bad_addresses(capsys, tiny_kit, t
     assert f"{url}: --lora-sync adapter needs engines started with --enable-lora" in err
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.parametrize("transport", ["broadcast", "disk"])
 def test_train_drives_an_engine_it_did_not_start(ray_session, tiny_kit, tmp_path, external_server, transport):

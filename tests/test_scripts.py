@@ -527,6 +527,7 @@ def _dry_run_main_job(tiny_kit, out, **env):
     return res, stages
 
 
+@pytest.mark.slow
 def test_main_job_lora_dry_run(tiny_kit, tmp_path):
     """LORA=1: the SFT stage also writes an HF copy, and GRPO trains adapters on it as the frozen base (trainer and
     engines), with no --ref-load; both stages validate, and a dry run starts nothing and writes nothing."""
