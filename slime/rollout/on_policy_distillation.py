@@ -16,15 +16,16 @@ it scores the student's token ids as they are (checked at start-up by
 `slime.backends.sglang_utils.external.check_opd_teacher`).
 """
 
-import aiohttp
 import torch
 
+from slime.utils.http_utils import post
 from slime.utils.types import Sample
 
 
 async def reward_func(args, sample: Sample, **kwargs):
     """The teacher server's (`--rm-url`, its /generate) answer for `sample.tokens` scored prefill-only: its
-    `meta_info.input_token_logprobs` holds, per input position, [log-prob, token id, ...] (the first is None)."""
+    `meta_info.input_token_logprobs` holds, per input position, [log-prob, token id, ...] (the first is None).
+    Retried like every engine request; an HTTP error names the URL."""
     payload = {
         "input_ids": sample.tokens,
         "sampling_params": {
@@ -35,14 +36,7 @@ async def reward_func(args, sample: Sample, **kwargs):
         "return_logprob": True,
         "logprob_start_len": 0,
     }
-    async with aiohttp.ClientSession(trust_env=False) as session:
-        async with session.post(args.rm_url, json=payload) as resp:
-            if resp.status != 200:
-                body = (await resp.text())[:300]
-                raise RuntimeError(
-                    f"OPD teacher --rm-url {args.rm_url} answered HTTP {resp.status} for sample {sample.index}: {body}"
-                )
-            return await resp.json()
+    return await post(args.rm_url, payload)
 
 
 def teacher_response_log_probs(reward, response_length: int) -> torch.Tensor:
