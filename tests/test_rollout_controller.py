@@ -249,7 +249,13 @@ def test_train_data_contract_is_declared_once_and_read_whole_by_the_trainers():
     assert set(TRAIN_DATA_KEYS) == TrainData.__required_keys__
     assert set(OPTIONAL_TRAIN_DATA_KEYS) == TrainData.__optional_keys__
     samples = [
-        sample(i, rollout_log_probs=[-0.5, -0.25], metadata={"round_number": 1}, train_metadata={"turn": i})
+        sample(
+            i,
+            rollout_log_probs=[-0.5, -0.25],
+            teacher_log_probs=[-0.75, -1.0],
+            metadata={"round_number": 1},
+            train_metadata={"turn": i},
+        )
         for i in range(2)
     ]
     data = convert_samples_to_train_data(make_args(rewards_normalization=False), samples)

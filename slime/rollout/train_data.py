@@ -148,28 +148,9 @@ def convert_samples_to_train_data(args, samples, custom_reward_fn=None, fn_path=
     if samples[0].train_metadata is not None:
         train_data["metadata"] = [s.train_metadata for s in samples]
 
-    if samples[0].rollout_log_probs is not None:
-        log_probs = []
-        for i, s in enumerate(samples):
-            if s.rollout_log_probs is None or len(s.rollout_log_probs) != s.response_length:
-                got = None if s.rollout_log_probs is None else len(s.rollout_log_probs)
-                raise ValueError(
-                    f"sample {s.index} (position {i}) from rollout function {fn_path!r}: rollout_log_probs has "
-                    f"{got} entries but response_length is {s.response_length}"
-                )
-            log_probs.append(np.asarray(s.rollout_log_probs, dtype=np.float32))
-        train_data["rollout_log_probs"] = log_probs
-    if samples[0].teacher_log_probs is not None:
-        teacher = []
-        for i, s in enumerate(samples):
-            if s.teacher_log_probs is None or len(s.teacher_log_probs) != s.response_length:
-                got = None if s.teacher_log_probs is None else len(s.teacher_log_probs)
-                raise ValueError(
-                    f"sample {s.index} (position {i}): teacher_log_probs has {got} entries but response_length is "
-                    f"{s.response_length}"
-                )
-            teacher.append(np.asarray(s.teacher_log_probs, dtype=np.float32))
-        train_data["teacher_log_probs"] = teacher
+    for field in ("rollout_log_probs", "teacher_log_probs"):
+        if getattr(samples[0], field) is not None:
+            train_data[field] = _per_response_token(samples, field, fn_path)
     if sampling_is_truncated(args) and args.loss_type != "sft_loss":
         # top-p replay: the trainer scores each token over the set the engine kept (never silently over all tokens)
         for i, s in enumerate(samples):
@@ -260,3 +241,17 @@ def check_train_data(train_data, source):
             f"{', '.join(TRAIN_DATA_KEYS)} (see slime.utils.types.TrainData)"
         )
     return train_data
+
+
+def _per_response_token(samples, field, fn_path):
+    """`field` of every sample as float32 arrays, each checked to hold one value per response token."""
+    out = []
+    for i, s in enumerate(samples):
+        values = getattr(s, field)
+        if values is None or len(values) != s.response_length:
+            raise ValueError(
+                f"sample {s.index} (position {i}) from rollout function {fn_path!r}: {field} has "
+                f"{None if values is None else len(values)} entries but response_length is {s.response_length}"
+            )
+        out.append(np.asarray(values, dtype=np.float32))
+    return out
