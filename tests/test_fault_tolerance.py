@@ -454,8 +454,8 @@ def hold_weight_updates(args):
     hold = os.path.join(os.path.dirname(args.metrics_path), "hold")
     send_bucket = UpdateWeightFromDistributed._send_bucket
 
-    def send_then_hold(self, named_tensors, index):
-        sent = send_bucket(self, named_tensors, index)
+    def send_then_hold(self, named_tensors, index, *rest):
+        sent = send_bucket(self, named_tensors, index, *rest)
         if index == 1:
             marker = f"{hold}.v{self.weight_version}"
             open(marker, "w").close()

@@ -83,5 +83,7 @@ def test_save_hf_under_lora_writes_the_merged_model_and_the_peft_adapter(ray_ses
     with torch.no_grad():
         via_peft = PeftModel.from_pretrained(base, str(out / "adapter")).eval()(ids).logits
         plain = AutoModelForCausalLM.from_pretrained(tiny_kit[0], torch_dtype=torch.float32)(ids).logits
-    torch.testing.assert_close(merged, via_peft, rtol=0, atol=1e-5)
-    assert (merged - plain).abs().max() > 1e-4  # the adapters were trained
+    # fp32 rounding apart (merged W + s B A vs PEFT's x W^T + s (x A^T) B^T: another summation order), the same
+    # logits: the gap is a small fraction of what the adapters change
+    effect, gap = (merged - plain).abs().max().item(), (merged - via_peft).abs().max().item()
+    assert effect > 1e-2 and gap < 1e-3 * effect, (effect, gap)
