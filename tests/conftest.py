@@ -73,3 +73,17 @@ def ray_session():
         )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def mpu_world1(tmp_path_factory):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    assert not dist.is_initialized(), "another test left torch.distributed initialised in this process"
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    mpu.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    yield
+    mpu.destroy_model_parallel()
+    dist.destroy_process_group()

@@ -27,21 +27,6 @@ from tests.test_megatron_actor import _kill, _make_actors
 from tools.build_tiny_kit import build_model
 
 
-@pytest.fixture(scope="module")
-def mpu_world1(tmp_path_factory):
-    """A one-rank gloo world + Megatron parallel state, as inside a single trainer rank."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as mpu
-
-    assert not dist.is_initialized(), "another test left torch.distributed initialised in this process"
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    mpu.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-    yield
-    mpu.destroy_model_parallel()
-    dist.destroy_process_group()
-
-
 def _rollout():
     # two samples (3 and 2 response tokens), GRPO rewards +1 / -1 (already group-centred)
     return {
