@@ -201,20 +201,6 @@ def test_rollout_data_postprocess(examples):
     assert [a.tolist() for a in data["advantages"]] == [[2.0, -0.5], [-2.0]]
 
 
-@pytest.fixture()
-def mpu_world1(tmp_path):
-    """One gloo rank with Megatron's parallel state (TP=DP=1), as inside a trainer."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as mpu
-
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    mpu.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-    yield
-    mpu.destroy_model_parallel()
-    dist.destroy_process_group()
-
-
 def test_custom_loss(examples, mpu_world1):
     from slime.backends.megatron_utils.loss import loss_function
 

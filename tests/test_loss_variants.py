@@ -1,5 +1,5 @@
 """Current slime's loss variants: CISPO, OPSM, unbiased KL and the k1 name, checked against values worked out by
-hand. Runs in a one-rank gloo world with Megatron's parallel state (the fixture of tests/test_loss.py)."""
+hand. Runs in a one-rank gloo world with Megatron's parallel state (the `mpu_world1` fixture of tests/conftest.py)."""
 
 import math
 
@@ -8,7 +8,9 @@ import torch
 
 from slime.backends.megatron_utils.loss import compute_advantages_and_returns, policy_loss_function
 from tests._args import make_args
-from tests.test_loss import _args, _one_sample_batch, _reducer, _rollout, mpu_world1  # noqa: F401 (fixture)
+from tests.test_loss import _args, _one_sample_batch, _reducer, _rollout
+
+pytestmark = pytest.mark.usefixtures("mpu_world1")  # a one-rank Megatron world (conftest)
 
 
 def _two_sample_batch(first, second):

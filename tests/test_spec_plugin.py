@@ -9,7 +9,8 @@ from megatron.core.models.gpt import GPTModel
 from slime.backends.megatron_utils import cpu_compat
 from slime.backends.megatron_utils.model_provider import get_model_provider_func
 from tests._args import make_args
-from tests.test_loss import mpu_world1  # noqa: F401 (fixture: a one-rank gloo world with Megatron's state)
+
+pytestmark = pytest.mark.usefixtures("mpu_world1")  # a one-rank Megatron world (conftest)
 
 PLUGIN = """
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
