@@ -259,11 +259,11 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict, evaluatio
 
 
 def seeded(args, sampling_params, j):
-    """A copy of `sampling_params`; with --deterministic-mode or --sglang-enable-deterministic-inference the j-th
-    sample of a group gets `sampling_seed` --rollout-seed + j (as current slime), so the engine's draws depend on
-    the request only, not on what else it batches."""
+    """A copy of `sampling_params`; with --sglang-enable-deterministic-inference (which --deterministic-mode turns on)
+    the j-th sample of a group gets `sampling_seed` --rollout-seed + j (as current slime), so the engine's draws
+    depend on the request only, not on what else it batches."""
     params = sampling_params.copy()
-    if args.deterministic_mode or args.sglang_enable_deterministic_inference:
+    if args.sglang_enable_deterministic_inference:
         params["sampling_seed"] = args.rollout_seed + j
     return params
 

@@ -1397,6 +1397,9 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
     cluster shape and the combinations the loss and the default rollout cannot run with. `asynchronous`: the job is
     train_async.py's (no colocation)."""
     check_value_ranges(args, error)  # first: the arithmetic below divides by these
+    # A run repeats only if its rollouts do: the engines' deterministic (batch-invariant) inference comes with it.
+    if args.deterministic_mode:
+        args.sglang_enable_deterministic_inference = True
     # KL needs the reference checkpoint. Without --ref-load the initial weights (--hf-checkpoint) are the reference.
     if (args.kl_coef != 0 or args.use_kl_loss) and args.ref_load is not None and check_paths:
         if not os.path.exists(args.ref_load):

@@ -27,6 +27,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--num-threads", type=int, default=1, help="torch threads (the server is single-threaded by default)"
     )
+    p.add_argument(
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="as SGLang's: a request's results do not depend on the batch it runs in (each runs its own forward)",
+    )
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--log-level", default="info")
     p.add_argument(

@@ -81,12 +81,16 @@ class Scheduler:
         random_seed: int,
         state,
         lora_registry=None,
+        batch_invariant: bool = False,
     ):
         self.model, self.weights, self.pool, self.tok = model, weights, pool, tokenizer
         self.max_running, self.context_len, self.eos_ids = max_running, context_len, set(eos_ids)
         self.max_prefill_tokens = max_prefill_tokens
         self.state = state  # shared ServerState: weight_version, paused, ...
         self.loras = lora_registry  # --enable-lora: the loaded adapters, else None
+        # --enable-deterministic-inference: a request's logits must not depend on what else is batched with it (the
+        # matmul kernels round differently per batch shape), so each request runs its own forward
+        self.batch_invariant = batch_invariant
         self.gen = torch.Generator().manual_seed(random_seed)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -184,11 +188,14 @@ class Scheduler:
         if self.paused or not self.pool.allocated or self.weights.released:
             return False
         admitted = self._admit()
-        if admitted:
-            self._prefill(admitted)
+        for batch in self._batches(admitted):
+            self._prefill(batch)
         if self.running:
             self._decode()
         return bool(self.running or (self.waiting and admitted))
+
+    def _batches(self, reqs) -> list:
+        return [[r] for r in reqs] if self.batch_invariant else [reqs] if reqs else []
 
     def _admit(self) -> list:
         admitted, budget = [], self.max_prefill_tokens
@@ -247,7 +254,10 @@ class Scheduler:
         while self.pool.num_free() < need and len(self.running) > 1:
             self._retract(self.running[-1])
             need = len(self.running)
-        reqs = self.running
+        for batch in self._batches(list(self.running)):
+            self._decode_batch(batch)
+
+    def _decode_batch(self, reqs):
         kv_lens = torch.tensor([len(r.rows) for r in reqs])  # cached positions before this step
         new_rows = self.pool.alloc(len(reqs))
         slots = torch.tensor([r.slot for r in reqs])
@@ -262,7 +272,7 @@ class Scheduler:
         logits = self.model.forward_decode(
             self.pool, tokens, kv_lens, torch.tensor(new_rows), kv_index, kv_valid, lora=lora
         )
-        self._sample_and_append(list(reqs), logits.float())
+        self._sample_and_append(reqs, logits.float())
 
     def _retract(self, r):
         logger.info("KV pool full: retracting request %s (%d tokens)", r.rid, len(r.rows))

@@ -76,6 +76,7 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
             random_seed=args.random_seed,
             state=self.state,
             lora_registry=self.loras,
+            batch_invariant=args.enable_deterministic_inference,
         )
         self.served_model_name = args.served_model_name or self.model_path
         self.groups: dict = {}
