@@ -122,11 +122,10 @@ class Sample:
             self.response += text
         previous = self.response_length
         if tokens:
-            self.tokens = list(self.tokens) + tokens
+            self.tokens = _extended(self.tokens, tokens)
             self.response_length += len(tokens)
-            self.loss_mask = (self.loss_mask if self.loss_mask is not None else [1] * previous) + [
-                1 if trainable else 0
-            ] * len(tokens)
+            mask = self.loss_mask if self.loss_mask is not None else [1] * previous
+            self.loss_mask = _extended(mask, [1 if trainable else 0] * len(tokens))
         if log_probs is not None:
             if self.rollout_log_probs is None:
                 if trainable and previous:
@@ -135,7 +134,7 @@ class Sample:
                         "have no rollout_log_probs"
                     )
                 self.rollout_log_probs = [0.0] * previous
-            self.rollout_log_probs = list(self.rollout_log_probs) + log_probs
+            self.rollout_log_probs = _extended(self.rollout_log_probs, log_probs)
         if meta_info and update_terminal_info:
             self.apply_finish_reason(meta_info)
 
@@ -155,6 +154,15 @@ class Sample:
         for key, name in (("cached_tokens", "cached_tokens"), ("prompt_tokens", "total_prompt_tokens")):
             if key in meta_info:
                 self.prefix_cache_info[name] = self.prefix_cache_info.get(name, 0) + int(meta_info[key] or 0)
+
+
+def _extended(current, new: list) -> list:
+    """`current` with `new` appended, in place when it is a list: generate functions written for current slime keep
+    a reference to `sample.loss_mask` (or `tokens`) across `append_response_tokens` calls and assign it back."""
+    if isinstance(current, list):
+        current.extend(new)
+        return current
+    return list(current) + new
 
 
 @dataclass(frozen=True)
