@@ -1,4 +1,4 @@
-"""OpenAI Responses (`POST /v1/responses`, non-streaming) on `OpenAIAdapter`'s sessions.
+"""OpenAI Responses (`POST /v1/responses`, JSON or an event stream) on `OpenAIAdapter`'s sessions.
 
 The adapter keeps no response state: the client sends the whole conversation as `input` each turn (as with
 `store=False`), its earlier output items included, and `previous_response_id` is refused. Input items map to
@@ -87,8 +87,6 @@ class ResponsesAPI:
         reject_unknown_fields(body, KNOWN_FIELDS, "Responses")
         if not isinstance(body.get("input"), (str, list)) or not body["input"]:
             raise AdapterError(400, "input must be a non-empty string or list of items", param="input")
-        if body.get("stream"):
-            raise AdapterError(400, "stream=true is not supported on /v1/responses yet", param="stream")
         if body.get("previous_response_id"):
             raise AdapterError(
                 400,
@@ -227,33 +225,82 @@ class ResponsesAPI:
             }
             for t in body.get("tools") or []
         ]
-        return web.json_response(
-            {
-                "id": f"resp_{secrets.token_hex(12)}",
-                "object": "response",
-                "created_at": int(time.time()),
-                "status": "incomplete" if truncated else "completed",
-                "incomplete_details": {"reason": "max_output_tokens"} if truncated else None,
-                "error": None,
-                "model": body.get("model") or "slime-policy",
-                "instructions": body.get("instructions"),
-                "output": output,
-                "parallel_tool_calls": True,
-                "tool_choice": body.get("tool_choice") or "auto",
-                "tools": tools,
-                "temperature": body.get("temperature"),
-                "top_p": body.get("top_p"),
-                "max_output_tokens": body.get("max_output_tokens"),
-                "metadata": body.get("metadata") or {},
-                "store": False,
-                "text": {"format": {"type": "text"}},
-                "truncation": "disabled",
-                "usage": {
-                    "input_tokens": len(turn.prompt_ids),
-                    "input_tokens_details": {"cached_tokens": 0},
-                    "output_tokens": len(turn.output_ids),
-                    "output_tokens_details": {"reasoning_tokens": 0},
-                    "total_tokens": len(turn.prompt_ids) + len(turn.output_ids),
-                },
-            }
-        )
+        response = {
+            "id": f"resp_{secrets.token_hex(12)}",
+            "object": "response",
+            "created_at": int(time.time()),
+            "status": "incomplete" if truncated else "completed",
+            "incomplete_details": {"reason": "max_output_tokens"} if truncated else None,
+            "error": None,
+            "model": body.get("model") or "slime-policy",
+            "instructions": body.get("instructions"),
+            "output": output,
+            "parallel_tool_calls": True,
+            "tool_choice": body.get("tool_choice") or "auto",
+            "tools": tools,
+            "temperature": body.get("temperature"),
+            "top_p": body.get("top_p"),
+            "max_output_tokens": body.get("max_output_tokens"),
+            "metadata": body.get("metadata") or {},
+            "store": False,
+            "text": {"format": {"type": "text"}},
+            "truncation": "disabled",
+            "usage": {
+                "input_tokens": len(turn.prompt_ids),
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": len(turn.output_ids),
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": len(turn.prompt_ids) + len(turn.output_ids),
+            },
+        }
+        if not body.get("stream"):
+            return web.json_response(response)
+        return await _stream(request, response)
+
+
+async def _stream(request: web.Request, response: dict) -> web.StreamResponse:
+    """The finished response as the API's event stream. The whole turn is sampled before it is parsed (a tool call
+    is only known once complete), so each output item arrives in one delta."""
+    out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await out.prepare(request)
+    seq = 0
+
+    async def event(kind, **data):
+        nonlocal seq
+        payload = {"type": kind, "sequence_number": seq, **data}
+        seq += 1
+        await out.write(f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n".encode())
+
+    await event("response.created", response={**response, "status": "in_progress", "output": [], "usage": None})
+    await event("response.in_progress", response={**response, "status": "in_progress", "output": [], "usage": None})
+    for index, item in enumerate(response["output"]):
+        ids = {"item_id": item["id"], "output_index": index}
+        if item["type"] == "message":
+            await event(
+                "response.output_item.added", output_index=index, item={**item, "content": [], "status": "in_progress"}
+            )
+            part = item["content"][0]
+            await event("response.content_part.added", **ids, content_index=0, part={**part, "text": ""})
+            await event("response.output_text.delta", **ids, content_index=0, delta=part["text"], logprobs=[])
+            await event("response.output_text.done", **ids, content_index=0, text=part["text"], logprobs=[])
+            await event("response.content_part.done", **ids, content_index=0, part=part)
+        elif item["type"] == "reasoning":
+            await event(
+                "response.output_item.added", output_index=index, item={**item, "content": [], "status": "in_progress"}
+            )
+            text = item["content"][0]["text"]
+            await event("response.reasoning_text.delta", **ids, content_index=0, delta=text)
+            await event("response.reasoning_text.done", **ids, content_index=0, text=text)
+        else:  # function_call
+            await event(
+                "response.output_item.added",
+                output_index=index,
+                item={**item, "arguments": "", "status": "in_progress"},
+            )
+            await event("response.function_call_arguments.delta", **ids, delta=item["arguments"])
+            await event("response.function_call_arguments.done", **ids, name=item["name"], arguments=item["arguments"])
+        await event("response.output_item.done", output_index=index, item=item)
+    done = "response.completed" if response["status"] == "completed" else "response.incomplete"
+    await event(done, response=response)
+    await out.write_eof()
+    return out
