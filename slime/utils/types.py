@@ -191,6 +191,7 @@ class TrainData(_RequiredTrainData, total=False):
     metadata: list  # `Sample.train_metadata`, for --rollout-data-postprocess-path and custom losses
     rollout_top_p_token_ids: list[np.ndarray]  # int32: each step's kept token set, concatenated (top-p/top-k replay)
     rollout_top_p_token_offsets: list[np.ndarray]  # int32: where each step's set starts in the ids (one more entry)
+    rollout_routed_experts: list[np.ndarray]  # int32 [tokens - 1, layers, top-k]: the engine's experts (R3)
 
 
 TRAIN_DATA_KEYS = tuple(_RequiredTrainData.__annotations__)  # every converter must return these
