@@ -170,6 +170,23 @@ def test_decode_and_check_routed_experts():
     assert "expected (3, 3, 2)" in routed_experts_error(s, 3, 2)
 
 
+def test_multi_turn_samples_take_the_latest_routing(tmp_path):
+    args = _args(build_random_hf("qwen3moe", str(tmp_path / "moe")), 1, "--use-rollout-routing-replay")
+    s = Sample(tokens=[1, 2, 3], response_length=0)
+
+    def meta(n):  # SGLang's answer for a sequence of n tokens: rows of the first n - 1
+        arr = (np.arange((n - 1) * 2 * 2, dtype=np.int32) % 4).reshape(n - 1, 2, 2)
+        return {"routed_experts": base64.b64encode(arr.tobytes()).decode(), "finish_reason": {"type": "stop"}}, arr
+
+    m, arr = meta(5)
+    s.append_response_tokens(args, tokens=[4, 5], log_probs=[-0.1, -0.2], meta_info=m)
+    assert np.array_equal(s.rollout_routed_experts, arr)
+    s.append_response_tokens(args, tokens=[6], trainable=False)  # a tool token: routed in the next turn
+    m, arr = meta(8)
+    s.append_response_tokens(args, tokens=[7, 8], log_probs=[-0.3, -0.4], meta_info=m)
+    assert np.array_equal(s.rollout_routed_experts, arr) and routed_experts_error(s, 2, 2) is None
+
+
 def test_flags_need_moe_and_refuse_pp_cp(tmp_path, capsys):
     dense = build_random_hf("qwen3", str(tmp_path / "dense"))
     moe = build_random_hf("qwen3moe", str(tmp_path / "moe"))
@@ -329,3 +346,44 @@ def test_replay_with_tp2_ep2(tmp_path, tiny_kit):
         engine = torch.from_numpy(data["rollout_routed_experts"][i]).long()
         differ += int((rec.sort(dim=2).values != engine.sort(dim=2).values).any(dim=2).sum())
     assert differ > 0
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--use-rollout-routing-replay"],
+        # two optimizer steps: the old-log-prob forward runs (and records), the training forwards replay
+        ["--use-routing-replay", "--global-batch-size", "2"],
+    ],
+)
+def test_rl_steps_with_routing_replay(flags, ray_session, tiny_kit, tmp_path):
+    """train.py on a tiny Qwen3-MoE: rollouts on the CPU server (R3: started with --enable-return-routed-experts,
+    its routing stored on the samples and replayed), GRPO steps, weights pushed back; on-policy, so the gap stays at
+    the dense level."""
+    import json
+
+    import train as sync_driver
+
+    model_dir = _with_tokenizer(build_random_hf("qwen3moe", str(tmp_path / "m"), vocab_size=512), tiny_kit)
+    argv = [
+        *["--hf-checkpoint", model_dir, "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1"],
+        *["--rollout-num-gpus", "1", "--prompt-data", f"{tiny_kit[1]}/train.jsonl", "--input-key", "prompt"],
+        *["--label-key", "label", "--apply-chat-template", "--rm-type", "answer_match", "--num-rollout", "2"],
+        *["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4"],
+        *["--rollout-max-response-len", "4", "--lr", "1e-3", "--lr-decay-style", "constant", "--seed", "1"],
+        *["--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--check-weight-update-equal"],
+        *["--metrics-path", str(tmp_path / "metrics.jsonl")],
+        *["--save-debug-train-data", str(tmp_path / "train_{rollout_id}_{rank}.pt")],
+        *flags,
+    ]
+    sync_driver.train(parse_args(argv=argv))
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["rollout_id"] for r in rows] == [0, 1]
+    assert all(r["train/train_rollout_logprob_abs_diff"] < 1e-5 for r in rows), rows
+    dump = torch.load(tmp_path / "train_1_0.pt", weights_only=False)["rollout_data"]
+    routed = dump["rollout_routed_experts"]  # R3: the engine's; R2: the old-log-prob forward's
+    assert len(routed) == 4
+    for tokens, r in zip(dump["tokens"], routed):
+        assert tuple(r.shape) == (len(tokens) - 1, 2, 2) and int(r.min()) >= 0 and int(r.max()) < 4
