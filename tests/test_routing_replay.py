@@ -128,7 +128,7 @@ def test_cpu_server_returns_sglang_routed_experts(tmp_path, tiny_kit):
             # base64 int32 [seqlen - 1, num_hidden_layers, top_k]; the last token was never computed
             raw = np.frombuffer(base64.b64decode(out["meta_info"]["routed_experts"]), dtype=np.int32)
             assert raw.size == (len(tokens) - 1) * 2 * 2
-            got = raw.reshape(len(tokens) - 1, 2, 2)
+            got = raw.reshape(len(tokens) - 1, 2, 2).copy()
             want = _hf_routing(model_dir, tokens[:-1])
             for layer in (0, 1):
                 assert torch.equal(torch.from_numpy(got[:, layer]).long(), want[layer].long()), layer
