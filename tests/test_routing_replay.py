@@ -187,7 +187,7 @@ def test_multi_turn_samples_take_the_latest_routing(tmp_path):
     assert np.array_equal(s.rollout_routed_experts, arr) and routed_experts_error(s, 2, 2) is None
 
 
-def test_flags_need_moe_and_refuse_pp_cp(tmp_path, capsys):
+def test_flags_need_moe_and_refuse_pp(tmp_path, capsys):
     dense = build_random_hf("qwen3", str(tmp_path / "dense"))
     moe = build_random_hf("qwen3moe", str(tmp_path / "moe"))
     args = _args(moe, 1, "--use-rollout-routing-replay")
@@ -195,7 +195,6 @@ def test_flags_need_moe_and_refuse_pp_cp(tmp_path, capsys):
     for hf, world, extra, msg in [
         (dense, 1, [], "--use-rollout-routing-replay: the model has no MoE layers"),
         (moe, 2, ["--pipeline-model-parallel-size", "2"], "not supported with pipeline parallelism"),
-        (moe, 2, ["--context-parallel-size", "2"], "not supported with context parallelism"),
     ]:
         with pytest.raises(SystemExit):
             _args(hf, world, "--use-rollout-routing-replay", *extra)
@@ -326,16 +325,30 @@ def test_trainer_follows_the_engines_routing(kind, tmp_path, tiny_kit):
 
 
 @pytest.mark.slow
-def test_replay_with_tp2_ep2(tmp_path, tiny_kit):
-    """The routing follows the tokens through tensor parallelism and the expert all-to-all: the gap with R3 stays at
-    the dense level, and R2's record (gathered over the tensor-parallel group) is the full routing. (Sequence
-    parallelism needs Transformer Engine: not on CPU.)"""
+@pytest.mark.parametrize(
+    "layout",
+    [
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--expert-model-parallel-size",
+            "2",
+            "--expert-tensor-parallel-size",
+            "1",
+        ],
+        ["--context-parallel-size", "2"],
+    ],
+    ids=["tp2-ep2", "cp2"],
+)
+def test_replay_with_two_ranks(layout, tmp_path, tiny_kit):
+    """The routing follows the tokens through tensor parallelism and the expert all-to-all, or context
+    parallelism's zigzag chunks: the gap with R3 stays at the dense level, and R2's record (gathered over the
+    tensor- / context-parallel group) is the full routing. (Sequence parallelism needs Transformer Engine: not on
+    CPU.)"""
     engine_dir, trainer_dir = _perturbed_pair("qwen3moe", str(tmp_path), tiny_kit)
     data = _engine_rollout(engine_dir)
     out = str(tmp_path / "res.pt")
-    layout = ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"]
-    layout += ["--expert-tensor-parallel-size", "1", "--use-rollout-routing-replay"]
-    spawn(_trainer_forward, 2, trainer_dir, data, layout, out, timeout=600)
+    spawn(_trainer_forward, 2, trainer_dir, data, [*layout, "--use-rollout-routing-replay"], out, timeout=600)
     res = torch.load(out)
     with_r3, without = _gap(res["replay"]["log_probs"], data), _gap(res["None"]["log_probs"], data)
     assert with_r3 <= 1e-5 < 1e-3 < without, (with_r3, without)

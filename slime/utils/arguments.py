@@ -654,7 +654,8 @@ def add_routing_replay_arguments(parser):
 
 
 def check_routing_replay(args, error):
-    """R3 implies R2 (as in current slime); both need MoE layers and a layout whose token order the replay follows."""
+    """R3 implies R2 (as in current slime); both need MoE layers, and one pipeline stage (a micro-batch's routing is
+    handed to the routers right before its forward)."""
     if args.use_rollout_routing_replay:
         args.use_routing_replay = True
     if not args.use_routing_replay:
@@ -666,11 +667,6 @@ def check_routing_replay(args, error):
         error(
             f"{flag} is not supported with pipeline parallelism (--pipeline-model-parallel-size "
             f"{args.pipeline_model_parallel_size}): use tensor / expert parallelism."
-        )
-    if args.context_parallel_size > 1:
-        error(
-            f"{flag} is not supported with context parallelism (--context-parallel-size {args.context_parallel_size})"
-            ": use tensor / expert parallelism."
         )
 
 

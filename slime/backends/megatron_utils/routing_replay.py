@@ -8,7 +8,7 @@ scaling), so gradients still reach the router. In record, it keeps the ids it ch
 The routing travels with the rollout data as one `[tokens - 1, layers, top-k]` tensor per sample
 (`rollout_routed_experts`: the engine's for R3, SGLang's layout; the old-log-prob forward's for R2). For each
 micro-batch it is laid out exactly as the tokens are (`data.get_batch`: THD-packed or right-padded rows, padding,
-then Megatron's `[s, b]` order and the sequence-parallel split). Each sample's last token (never computed by the
+context parallelism's zigzag chunks, then Megatron's `[s, b]` order and the sequence-parallel split). Each sample's last token (never computed by the
 engine, and scoring nothing) and padding get a fixed filler routing.
 
 One phase at a time (`phase(model, mode)`): "replay" (R3's forwards, R2's training), "record" (R2's old-log-prob
@@ -106,15 +106,19 @@ def before_forward(args, model_chunk, batch):
 
 def recorded(args, model_chunk, batch):
     """After a "record" forward of `batch`: each sample's routing `[tokens - 1, layers, top-k]` (dense layers zero),
-    the same on every rank of the micro-batch's tensor-parallel group."""
+    the same on every rank of the micro-batch's tensor- and context-parallel groups."""
     index, rows = _layout_index(args, batch)
     routers = _routers(model_chunk)
     k = routers[0].topk
     table = torch.zeros(rows, args.num_layers, k, dtype=torch.long, device=index.device)
     for r in routers:
         table[index, r.layer_number - 1] = r.router_replay.get_recorded_indices().to(torch.long)
-    if mpu.get_tensor_model_parallel_world_size() > 1:  # sequence parallel: each rank routed its part
+    # each rank routed its part of the sequence (sequence parallelism, context parallelism's zigzag chunks); rows
+    # it did not route are zero, the rest agree
+    if mpu.get_tensor_model_parallel_world_size() > 1:
         dist.all_reduce(table, op=dist.ReduceOp.MAX, group=mpu.get_tensor_model_parallel_group())
+    if mpu.get_context_parallel_world_size() > 1:
+        dist.all_reduce(table, op=dist.ReduceOp.MAX, group=mpu.get_context_parallel_group())
     out, row = [], 1
     for t in batch["unconcat_tokens"]:
         n = t.size(0) - 1
