@@ -9,6 +9,7 @@ two sides) or through the selection-only expert bias (DeepSeek-V3 / GLM-4.5 grou
 """
 
 import base64
+import json
 import os
 import shutil
 
@@ -17,11 +18,15 @@ import pytest
 import requests
 import torch
 
+from slime.backends.sglang_utils import sglang_engine
+from slime.backends.sglang_utils.contract import body_errors
 from slime.utils.arguments import parse_args
 from slime.utils.routing_replay import decode_routed_experts, routed_experts_error
 from slime.utils.types import Sample
+from tests._args import make_args
 from tests._megatron_helpers import build_random_hf, spawn
 from tests.test_cpu_server import start_cpu_server, stop_cpu_server
+from tests.test_sglang_contract import needs_side_venv, run_side
 
 RL = [
     "--rollout-batch-size",
@@ -185,6 +190,36 @@ def test_multi_turn_samples_take_the_latest_routing(tmp_path):
     m, arr = meta(8)
     s.append_response_tokens(args, tokens=[7, 8], log_probs=[-0.3, -0.4], meta_info=m)
     assert np.array_equal(s.rollout_routed_experts, arr) and routed_experts_error(s, 2, 2) is None
+
+
+@needs_side_venv
+def test_engines_start_with_sglangs_routed_experts_flag(tmp_path):
+    """R3 launches SGLang with --enable-return-routed-experts (read back by SGLang's own parser) and the CPU server
+    with the same flag; the request field is SGLang's."""
+    moe = build_random_hf("qwen3moe", str(tmp_path / "moe"))
+    commands = {}
+    for r3 in (True, False):
+        for server in ("sglang", "cpu"):
+            flags = ["--use-rollout-routing-replay"] if r3 else []
+            args = make_args(*flags, hf_checkpoint=moe, inference_server=server)
+            commands[r3, server] = sglang_engine.server_command(args, 0, "127.0.0.1", 3000, 3001, "127.0.0.1:3002")[1]
+            assert ("--enable-return-routed-experts" in commands[r3, server]) == r3, (r3, server)
+    cmd = commands[True, "sglang"]
+    code = """
+import argparse, json, sys
+from sglang.srt.server_args import ServerArgs
+p = argparse.ArgumentParser(exit_on_error=False)
+ServerArgs.add_cli_args(p)
+ns, unknown = p.parse_known_args(sys.argv[1:])
+print(json.dumps({"unknown": unknown, "flag": ns.enable_return_routed_experts}))
+"""
+    run = run_side(code, *cmd[3:])
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out == {"unknown": [], "flag": True}
+    # the request R3 sends conforms to SGLang's /generate request class (recorded from its source)
+    body = {"input_ids": [1, 2], "sampling_params": {}, "return_logprob": True, "return_routed_experts": True}
+    assert body_errors("/generate", body) == []
 
 
 def test_flags_need_moe_and_refuse_pp(tmp_path, capsys):
