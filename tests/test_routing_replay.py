@@ -435,3 +435,59 @@ def test_rl_steps_with_routing_replay(flags, ray_session, tiny_kit, tmp_path):
     assert len(routed) == 4
     for tokens, r in zip(dump["tokens"], routed):
         assert tuple(r.shape) == (len(tokens) - 1, 2, 2) and int(r.min()) >= 0 and int(r.max()) < 4
+
+
+def _router_grads(rank, model_dir, data, flags, out):
+    """Gradients of every router weight after one replayed training forward + backward of the first micro-batch."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import ray
+    from megatron.core import parallel_state as mpu
+
+    from slime.backends.megatron_utils import routing_replay
+    from slime.backends.megatron_utils.data import get_batch, get_data_iterator
+    from slime.backends.megatron_utils.initialize import init
+    from slime.backends.megatron_utils.model import TRAIN_KEYS, _forward, initialize_model_and_optimizer
+    from slime.backends.utils.data import process_rollout_data
+
+    class _Ref:
+        def __init__(self, d):
+            self.inner = d
+
+    ray.get = lambda x: x
+    args = _args(model_dir, 1, *flags)
+    mpu.destroy_model_parallel()
+    init(args)
+    model, _, _, _ = initialize_model_and_optimizer(args)
+    rollout = process_rollout_data(args, _Ref(data), 0, 1)
+    iters, _ = get_data_iterator(args, model, rollout)
+    with routing_replay.phase(model, "replay"):
+        batch = get_batch(iters[0], TRAIN_KEYS, pad_multiplier=args.data_pad_size_multiplier)
+        routing_replay.before_forward(args, model[0], batch)
+        logits = _forward(model[0], batch)
+        # a loss over real tokens only: log-probs of each next token
+        lp = torch.log_softmax(logits.float(), -1)
+        loss = sum(lp[i, : len(t) - 1].gather(1, t[1:, None]).sum() for i, t in enumerate(batch["unconcat_tokens"]))
+        loss.backward()
+    grads = {n: p.main_grad.clone() for n, p in model[0].named_parameters() if n.endswith("router.weight")}
+    torch.save(grads, out)
+
+
+@pytest.mark.slow
+def test_recompute_replays_the_same_routing_and_the_router_learns(tmp_path, tiny_kit):
+    """With full activation recompute the routers run again in the backward pass: they replay the same experts (the
+    gradients equal those without recompute), and the replayed routing weights still carry gradient to the
+    router."""
+    engine_dir, trainer_dir = _perturbed_pair("qwen3moe", str(tmp_path), tiny_kit)
+    data = _engine_rollout(engine_dir)
+    recompute = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    grads = {}
+    for name, flags in (("plain", []), ("recompute", recompute)):
+        out = str(tmp_path / f"{name}.pt")
+        spawn(_router_grads, 1, trainer_dir, data, ["--use-rollout-routing-replay", *flags], out, timeout=600)
+        grads[name] = torch.load(out)
+    assert len(grads["plain"]) == 2
+    for n, g in grads["plain"].items():
+        assert g.abs().max() > 1e-4, n
+        assert torch.allclose(grads["recompute"][n], g, atol=1e-6, rtol=1e-5), n
