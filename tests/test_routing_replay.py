@@ -234,6 +234,10 @@ def test_flags_need_moe_and_refuse_pp(tmp_path, capsys):
         with pytest.raises(SystemExit):
             _args(hf, world, "--use-rollout-routing-replay", *extra)
         assert msg in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _args(moe, 1, "--use-routing-replay", "--use-rollout-logprobs")
+    assert "--use-routing-replay records the routing in the old-log-prob forward" in capsys.readouterr().err
+    assert _args(moe, 1, "--use-routing-replay", "--use-rollout-logprobs", "--get-mismatch-metrics").use_routing_replay
 
 
 # ---------------------------------------------------------------- trainer side

@@ -663,6 +663,11 @@ def check_routing_replay(args, error):
     flag = "--use-rollout-routing-replay" if args.use_rollout_routing_replay else "--use-routing-replay"
     if not args.num_experts:
         error(f"{flag}: the model has no MoE layers (--num-experts is not set); drop the flag.")
+    if not args.use_rollout_routing_replay and args.use_rollout_logprobs and not args.get_mismatch_metrics:
+        error(
+            "--use-routing-replay records the routing in the old-log-prob forward, which --use-rollout-logprobs "
+            "skips: add --get-mismatch-metrics (which runs it) or use --use-rollout-routing-replay."
+        )
     if args.pipeline_model_parallel_size > 1:
         error(
             f"{flag} is not supported with pipeline parallelism (--pipeline-model-parallel-size "
