@@ -30,10 +30,12 @@ KEY = "rollout_routed_experts"
 _mode = None  # None | "replay" | "record": what the routers of the current phase do
 
 
-def _routers(model):
-    """The MoE routers of a model (a list of chunks, or one chunk) that replay: those of the decoder's layers."""
+def _routers(model, num_layers=None):
+    """The MoE routers of a model (a list of chunks, or one chunk) that replay; with `num_layers`, only the decoder's
+    (multi-token-prediction layers, numbered after them, have no engine routing and route themselves)."""
     chunks = model if isinstance(model, list) else [model]
-    return [m for c in chunks for m in c.modules() if isinstance(m, TopKRouter) and m.router_replay is not None]
+    routers = [m for c in chunks for m in c.modules() if isinstance(m, TopKRouter) and m.router_replay is not None]
+    return [r for r in routers if num_layers is None or r.layer_number <= num_layers]
 
 
 @contextmanager
@@ -75,7 +77,7 @@ def before_forward(args, model_chunk, batch):
     """Prepare the routers of `model_chunk` for the forward of `batch` (a `data.get_batch` result)."""
     if _mode is None:
         return
-    routers = _routers(model_chunk)
+    routers = _routers(model_chunk, args.num_layers)
     if _mode == "record":
         for r in routers:
             r.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
@@ -108,7 +110,7 @@ def recorded(args, model_chunk, batch):
     """After a "record" forward of `batch`: each sample's routing `[tokens - 1, layers, top-k]` (dense layers zero),
     the same on every rank of the micro-batch's tensor- and context-parallel groups."""
     index, rows = _layout_index(args, batch)
-    routers = _routers(model_chunk)
+    routers = _routers(model_chunk, args.num_layers)
     k = routers[0].topk
     table = torch.zeros(rows, args.num_layers, k, dtype=torch.long, device=index.device)
     for r in routers:
