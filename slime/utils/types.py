@@ -9,6 +9,7 @@ from typing import Any, Optional, TypedDict, Union
 
 import numpy as np
 
+from slime.utils.routing_replay import decode_routed_experts
 from slime.utils.top_p_replay import append_kept_sets
 
 
@@ -101,7 +102,8 @@ class Sample:
         """Append response tokens and keep `loss_mask` and `rollout_log_probs` aligned (current slime's helper for
         multi-turn generate functions). Model tokens pass `log_probs` (and SGLang's `meta_info`, which sets the
         status unless `update_terminal_info=False`); tool/environment tokens pass `trainable=False` and get loss-mask
-        zeros and log-prob zeros."""
+        zeros and log-prob zeros. With --use-rollout-routing-replay, `meta_info["routed_experts"]` (the engine's
+        routing of the whole sequence it was sent plus these tokens) becomes `rollout_routed_experts`."""
         tokens = [int(t) for t in (tokens if tokens is not None else [])]
         log_probs = None if log_probs is None else [float(x) for x in log_probs]
         if log_probs is not None and len(log_probs) != len(tokens):
@@ -135,6 +137,11 @@ class Sample:
                     )
                 self.rollout_log_probs = [0.0] * previous
             self.rollout_log_probs = _extended(self.rollout_log_probs, log_probs)
+        if meta_info and "routed_experts" in meta_info and args is not None and args.use_rollout_routing_replay:
+            # SGLang routes the whole sequence sent (earlier turns and tool tokens included): the latest answer wins
+            self.rollout_routed_experts = decode_routed_experts(
+                meta_info, len(self.tokens), args.num_layers, args.moe_router_topk, f"sample {self.index}"
+            )
         if meta_info and update_terminal_info:
             self.apply_finish_reason(meta_info)
 
@@ -199,6 +206,7 @@ class TrainData(_RequiredTrainData, total=False):
     metadata: list  # `Sample.train_metadata`, for --rollout-data-postprocess-path and custom losses
     rollout_top_p_token_ids: list[np.ndarray]  # int32: each step's kept token set, concatenated (top-p/top-k replay)
     rollout_top_p_token_offsets: list[np.ndarray]  # int32: where each step's set starts in the ids (one more entry)
+    rollout_routed_experts: list[np.ndarray]  # int32 [tokens - 1, layers, top-k]: the engine's experts (R3)
 
 
 TRAIN_DATA_KEYS = tuple(_RequiredTrainData.__annotations__)  # every converter must return these

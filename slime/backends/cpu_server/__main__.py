@@ -40,6 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--admin-api-key", default=None, help="as SGLang's: required on admin endpoints instead of --api-key"
     )
+    p.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="as SGLang's: requests may ask for each token's routed MoE experts (return_routed_experts)",
+    )
     # LoRA serving, as SGLang's flags
     p.add_argument("--enable-lora", action="store_true", default=None, help="serve LoRA adapters")
     p.add_argument("--max-lora-rank", type=int, default=None, help="the largest adapter rank accepted")

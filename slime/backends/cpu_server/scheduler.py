@@ -36,6 +36,8 @@ class Req:
         on_update=None,
         return_sampling_mask=False,
         lora=None,
+        return_routed_experts=False,
+        routed_experts_start_len=0,
     ):
         self.rid = rid or uuid.uuid4().hex
         self.input_ids, self.sp = list(input_ids), sp
@@ -51,6 +53,9 @@ class Req:
         # SGLang's return_sampling_mask: per output token the kept token ids and their renormalised log-probs
         self.return_sampling_mask, self.support_logprobs = return_sampling_mask, False
         self.output_sampling_masks, self.output_sampling_logprobs = [], []
+        # SGLang's return_routed_experts: [seqlen - 1 - start, layers, top_k] int32 experts, taken when it finishes
+        self.return_routed_experts, self.routed_experts_start_len = return_routed_experts, routed_experts_start_len
+        self.routed_experts = None
         self.finish_reason = None
         self.slot, self.rows = None, []
         self.to_abort = None  # abort message once an abort was requested
@@ -333,6 +338,10 @@ class Scheduler:
             self.running.remove(r)
         elif r in self.waiting:
             self.waiting.remove(r)
+        if r.return_routed_experts and r.rows and self.pool.routed is not None:
+            # r.rows are positions [0, seqlen - 1): the last sampled token was never computed, as in SGLang
+            start = min(r.routed_experts_start_len, len(r.rows))
+            r.routed_experts = self.pool.routed[torch.tensor(r.rows[start:], dtype=torch.long)].clone()
         self._free(r)
         if r.lora is not None:
             self.loras.release(r.lora)

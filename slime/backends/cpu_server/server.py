@@ -106,7 +106,13 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
             self.context_len = args.context_length or self.cfg.max_position_embeddings
             self.max_total_tokens = args.max_total_tokens or args.max_running_requests * self.context_len
             self.pool = TokenPool(self.max_total_tokens)
+            if args.enable_return_routed_experts:
+                self.model.enable_routed_experts_capture(self.pool)
             return
+        if args.enable_return_routed_experts:
+            raise UnsupportedModelError(
+                f"--enable-return-routed-experts: {self.cfg.architecture} has no routed MoE experts to return"
+            )
         self.dtype = resolve_dtype(args.dtype, self.cfg)
         self.context_len = args.context_length or self.cfg.max_position_embeddings
         self.weights = WeightStore(self.cfg, self.dtype)
@@ -291,6 +297,7 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
             "device": "cpu",
             "skip_tokenizer_init": False,
             "enable_lora": self.loras is not None,
+            "enable_return_routed_experts": bool(a.enable_return_routed_experts),
             "max_lora_rank": None if self.loras is None else self.loras.max_rank,
             "lora_target_modules": None if self.loras is None else sorted(self.loras.targets or ()),
             "max_loras_per_batch": a.max_loras_per_batch,

@@ -49,6 +49,7 @@ CPU_SERVER_HONOURED = (
     "api_key",
     "admin_api_key",
     "enable_deterministic_inference",
+    "enable_return_routed_experts",
 )
 
 # GPU-only performance knobs: meaningless on the CPU server, harmless to ignore (results do not depend on them).
