@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from slime.agent.adapters.common import ROUTING_KEY_HEADER
 from slime.agent.aiohttp_threaded import run_app_in_thread
+from slime.backends.sglang_utils.router import ROUTING_KEY_HEADER
 from slime.utils.types import Sample
 from tests._agent_kit import build_agent_model
 from tests._args import make_args

@@ -200,3 +200,37 @@ def test_router_refuses_a_port_another_router_answers_on(router):
         start_router(args)
     assert args.sglang_router_ip is None  # nothing adopted
     assert requests.get(url + "/health", timeout=5).status_code == 200  # the first run's router is untouched
+
+
+def test_consistent_hashing_sends_every_turn_of_a_session_to_one_engine(tiny_kit):
+    """`--router-policy consistent_hashing` (current slime's session affinity) on the real router: the requests of
+    one session key (`Sample.session_id`, sent as the routing-key header) all reach the same engine, and the keys
+    spread over both. Each engine reports its own weight version, which tells them apart."""
+    from slime.rollout.sglang_rollout import routing_headers
+    from slime.utils.types import Sample
+
+    args = make_args("--router-policy", "consistent_hashing")
+    assert routing_headers(args, Sample(session_id="s1")) == {"X-SMG-Routing-Key": "s1"}
+    assert routing_headers(args, Sample()) is None and routing_headers(make_args(), Sample(session_id="s1")) is None
+    engines = [start_cpu_server(tiny_kit[0], "--weight-version", name) for name in ("a", "b")]
+    proc = start_router(args)
+    try:
+        url = router_url(args)
+        registered_only(url, [u for _, u in engines])
+        served = {}
+        for key in [f"session-{i}" for i in range(16)]:
+            for turn in range(3):
+                r = SESSION.post(
+                    url + "/generate",
+                    json={"input_ids": PROMPTS[turn], "sampling_params": {"max_new_tokens": 2}},
+                    headers=routing_headers(args, Sample(session_id=key)),
+                    timeout=60,
+                )
+                assert r.status_code == 200, r.text
+                served.setdefault(key, set()).add(r.json()["meta_info"]["weight_version"])
+    finally:
+        stop_router(proc)
+        for p, _ in engines:
+            stop_cpu_server(p)
+    assert all(len(engines_of_key) == 1 for engines_of_key in served.values()), served
+    assert set.union(*served.values()) == {"a", "b"}, served

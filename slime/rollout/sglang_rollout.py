@@ -11,7 +11,7 @@ from collections import Counter
 
 from tqdm import tqdm
 
-from slime.backends.sglang_utils.router import abort_all, list_workers, router_url
+from slime.backends.sglang_utils.router import ROUTING_KEY_HEADER, abort_all, list_workers, router_url
 from slime.rollout import RolloutSamples
 from slime.rollout.base_types import accepts_data_buffer
 from slime.rollout.filter_hub.base_types import MetricGatherer, call_dynamic_filter, should_drop_dynamic_filter_output
@@ -93,6 +93,14 @@ async def _generate_group(args, group, sampling_params):
             f"{args.rollout_group_timeout:g}s: dropped from this rollout, its prompt goes back to the data source"
         )
         return None
+
+
+def routing_headers(args, sample: Sample) -> dict | None:
+    """`--router-policy consistent_hashing`: every turn of a session (the sample's `session_id`) goes to the same
+    engine, keyed by the router's routing-key header (as current slime sends it)."""
+    if sample.session_id and args.router_policy == "consistent_hashing":
+        return {ROUTING_KEY_HEADER: sample.session_id}
+    return None
 
 
 async def _post_to_a_worker(args, state, sample, payload, on_retry, attempts=3):
@@ -182,7 +190,13 @@ async def generate(args, sample: Sample, sampling_params, evaluation=False) -> S
         output, url = await _post_to_a_worker(args, state, sample, payload, on_retry)
     else:
         try:
-            output = await post(url, payload, timeout=args.rollout_request_timeout, on_retry=on_retry)
+            output = await post(
+                url,
+                payload,
+                timeout=args.rollout_request_timeout,
+                headers=routing_headers(args, sample),
+                on_retry=on_retry,
+            )
         except ConnectionError as e:
             raise ConnectionError(
                 f"sglang-router at {router_url(args)} did not serve sample {sample.index}: {e}"

@@ -9,7 +9,7 @@ answer. The rollout loop around it (concurrency, aborts, the partial-rollout buf
 """
 
 from slime.backends.sglang_utils.router import router_url
-from slime.rollout.sglang_rollout import GenerateState, prompt_ids
+from slime.rollout.sglang_rollout import GenerateState, prompt_ids, routing_headers
 from slime.utils.http_utils import post_stream
 from slime.utils.lora_utils import generate_fields
 from slime.utils.top_p_replay import sampling_is_truncated
@@ -44,7 +44,8 @@ async def generate_streaming(args, sample: Sample, sampling_params, evaluation=F
     tokens, response, length = list(sample.tokens), sample.response, sample.response_length
     log_probs, loss_mask = list(sample.rollout_log_probs or []), sample.loss_mask
     meta = {}
-    async for event in post_stream(f"{router_url(args)}/generate", payload, timeout=args.rollout_request_timeout):
+    url, headers = f"{router_url(args)}/generate", routing_headers(args, sample)
+    async for event in post_stream(url, payload, timeout=args.rollout_request_timeout, headers=headers):
         meta = event["meta_info"]
         pairs = meta.get("output_token_logprobs") or []
         sample.tokens = tokens + [int(t) for _, t, *_ in pairs]

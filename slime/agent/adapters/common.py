@@ -27,11 +27,10 @@ from aiohttp import web
 
 from slime.agent.parsing import ParsedOutput, check_parser_names, parse_output
 from slime.agent.trajectory import TrajectoryTree, TurnRecord
+from slime.backends.sglang_utils.router import ROUTING_KEY_HEADER
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
-
-ROUTING_KEY_HEADER = "X-SMG-Routing-Key"  # the router's session-affinity key (consistent_hashing policy)
 
 
 class AdapterError(Exception):

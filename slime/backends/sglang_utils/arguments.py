@@ -211,6 +211,10 @@ def add_router_arguments(parser):
     if "--router-policy" in parser._option_string_actions:  # a custom-arguments provider declared them already
         return parser
     RouterArgs.add_cli_args(parser, use_router_prefix=True, exclude_host_port=True)
+    # sglang-router 0.3.2 runs the consistent_hashing policy (session affinity on the routing-key header, which
+    # current slime uses) but leaves it out of its CLI choices
+    policy = parser._option_string_actions["--router-policy"]
+    policy.choices = [*policy.choices, "consistent_hashing"]
     # current slime's defaults (quiet router logs; its load-balance thresholds)
     parser.set_defaults(router_log_level="warn", router_balance_abs_threshold=10, router_balance_rel_threshold=1.2)
     return parser

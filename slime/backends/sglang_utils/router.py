@@ -29,6 +29,9 @@ from slime.utils.process_utils import die_with_parent
 
 logger = logging.getLogger(__name__)
 
+# the request header whose value the router's consistent_hashing policy keys on (a session's turns: one engine)
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+
 
 def _router_version():
     return parse(version("sglang-router"))
