@@ -3,7 +3,7 @@ layers, sigmoid router with `e_score_correction_bias`, routed experts and plural
 
 from ._common import GPTFamily
 
-FAMILY = GPTFamily("deepseekv3", features=("mla", "moe", "expert_bias", "shared_experts"))
+FAMILY = GPTFamily("deepseekv3", features=("mla", "moe", "expert_bias", "shared_experts"), mtp="layers")
 
 
 def convert_deepseekv3_to_hf(args, name, param):

@@ -3,7 +3,7 @@ experts plus plural `shared_experts`, optional q/k norm and qkv bias."""
 
 from ._common import GPTFamily
 
-FAMILY = GPTFamily("glm4moe", features=("qkv_bias", "qk_norm", "moe", "expert_bias", "shared_experts"))
+FAMILY = GPTFamily("glm4moe", features=("qkv_bias", "qk_norm", "moe", "expert_bias", "shared_experts"), mtp="layers")
 
 
 def convert_glm4moe_to_hf(args, name, param):
