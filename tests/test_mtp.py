@@ -270,3 +270,56 @@ def test_cpu_server_weights_accept_checkpoints_and_updates_with_mtp_layers(mtp_m
     embed = store.named["model.embed_tokens.weight"].clone()
     store.load(mtp.items(), "update")
     assert torch.equal(store.named["model.embed_tokens.weight"], embed)
+
+
+def _convert_with_mtp(models, save_root):
+    from tools.convert_hf_to_torch_dist import main
+
+    for kind, hf_dir in models.items():
+        main(["--hf-checkpoint", hf_dir, "--save", f"{save_root}/{kind}", "--mtp-num-layers", "1"])
+
+
+def test_offline_converters_keep_mtp_layers(mtp_models, tmp_path):
+    """tools/convert_hf_to_torch_dist.py --mtp-num-layers saves the MTP block; tools/convert_torch_dist_to_hf.py
+    exports it again: bit-exact for all three families (DeepSeek-V3 / GLM-4.5 lost their MTP layer before)."""
+    import sys
+
+    from tests.test_converters import _assert_same_weights, _run, _to_hf
+
+    save = tmp_path / "torch_dist"
+    models = dict(mtp_models)
+    _run([sys.executable, "-c", f"from tests.test_mtp import _convert_with_mtp; _convert_with_mtp({models!r}, {str(save)!r})"])  # fmt: skip
+    for kind, hf_dir in models.items():
+        out = tmp_path / f"out_{kind}"
+        _to_hf("--input-dir", str(save / kind), "--output-dir", str(out), "--origin-hf-dir", hf_dir)
+        _assert_same_weights(hf_dir, str(out))
+
+
+def test_mtp_loss_mask_and_rolls_stay_inside_each_sample():
+    """The MTP loss mask (position i counts where token i+1 is a loss-masked response token) in both layouts, and
+    its per-depth roll in the packed (THD) layout: never across a sample boundary or into the padding."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.multi_token_prediction import roll_tensor
+
+    from slime.backends.megatron_utils.mtp import mtp_loss_mask
+
+    tokens = [torch.arange(10, 15), torch.arange(20, 24)]  # prompts of 2 and 1 tokens, responses of 3
+    batch = {
+        "unconcat_tokens": tokens,
+        "total_lengths": [5, 4],
+        "response_lengths": [3, 3],
+        "loss_masks": [torch.tensor([1, 0, 1]), torch.tensor([1, 1, 1])],
+    }
+    padded = mtp_loss_mask({**batch, "tokens": torch.zeros(2, 6, dtype=torch.long), "packed_seq_params": None})
+    assert padded.tolist() == [[0, 1, 0, 1, 0, 0], [1, 1, 1, 0, 0, 0]]
+
+    cu = torch.tensor([0, 5, 9, 16], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=7, max_seqlen_kv=7)
+    flat = torch.cat([*tokens, torch.zeros(7, dtype=torch.long)])[None]
+    packed = mtp_loss_mask({**batch, "tokens": flat, "packed_seq_params": params})
+    assert packed.tolist() == [[0, 1, 0, 1, 0, 1, 1, 1, 0] + [0] * 7]
+    # depth 1 (MTPGPTModel's rolls): labels are token i+2 of the same sample, the mask that of token i+2
+    labels = roll_tensor(roll_tensor(flat, -1, -1, None, params)[0], -1, -1, None, params)[0]
+    mask = roll_tensor(packed, -1, -1, None, params)[0]
+    assert labels[0, :9].tolist() == [12, 13, 14, 0, 0, 22, 23, 0, 0]
+    assert mask.tolist() == [[1, 0, 1, 0, 0, 1, 1, 0, 0] + [0] * 7]
