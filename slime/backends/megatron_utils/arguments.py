@@ -167,7 +167,10 @@ def add_megatron_arguments(parser):
         g.add_argument(flag, dest=dest, action="store_false", default=None if "gradient" in flag else True)
     g.add_argument("--cross-entropy-loss-fusion", action="store_true", default=False)
     g.add_argument(
-        "--mtp-num-layers", type=int, default=None, help="Multi-token-prediction layers (MiMo, DeepSeek-V3)."
+        "--mtp-num-layers",
+        type=int,
+        default=None,
+        help="Build the first N multi-token-prediction layers (MiMo, DeepSeek-V3, GLM-4.5).",
     )
     g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1, help="Weight of the MTP loss.")
     add_hybrid_model_arguments(parser)

@@ -1,5 +1,6 @@
 """GLM-4.5 MoE (GLM-4.5, GLM-4.5-Air): first-k dense layers, sigmoid router with `e_score_correction_bias`, routed
-experts plus plural `shared_experts`, optional q/k norm and qkv bias."""
+experts plus plural `shared_experts`, optional q/k norm and qkv bias; MTP layers at `model.layers.{num_hidden_layers + i}`
+(`--mtp-num-layers`)."""
 
 from ._common import GPTFamily
 
