@@ -80,8 +80,8 @@ def _roundtrip(rank, models):
     import ray
     import torch.distributed as dist
 
-    from slime.backends.megatron_utils.megatron_to_hf import convert_to_hf
-    from slime.backends.megatron_utils.param_utils import all_gather_param, named_parameters, remove_padding
+    from slime.backends.megatron_utils.param_utils import named_parameters
+    from slime.backends.megatron_utils.update_weight.common import gather_and_convert
 
     ray.get = lambda x: x
     for kind, hf_dir in models.items():
@@ -92,9 +92,8 @@ def _roundtrip(rank, models):
         assert any(".mtp.layers.0.transformer_layer." in n for n in names), f"{kind}: no MTP block built"
         expected = load_file(f"{hf_dir}/model.safetensors")
         got = {}
-        for name, param in named_parameters(args, model):
-            full = remove_padding(name, all_gather_param(name, param), args.vocab_size)
-            for hf_name, t in convert_to_hf(args, args.model_name, name, full):
+        for name, param in named_parameters(args, model):  # what a weight update sends to the engines
+            for hf_name, t in gather_and_convert(args, args.model_name, name, param, args.vocab_size):
                 got.setdefault(hf_name, t)
         assert sorted(got) == sorted(expected), f"{kind}: {set(got) ^ set(expected)}"
         for k, v in expected.items():
@@ -207,8 +206,9 @@ def _one_step(rank, hf_dir, train_mtp):
     import ray
 
     from slime.backends.megatron_utils.data import get_data_iterator
+    from slime.backends.megatron_utils.loss import compute_advantages_and_returns
+    from slime.backends.megatron_utils.model import forward_only, train
     from slime.backends.megatron_utils.param_utils import named_parameters
-    from tests._megatron_helpers import train_once_for_offload
 
     ray.get = lambda x: x
     extra = ["--mtp-num-layers", "1", *(["--enable-mtp-training"] if train_mtp else [])]
@@ -217,7 +217,11 @@ def _one_step(rank, hf_dir, train_mtp):
     before = {n: p.detach().clone() for n, p in named_parameters(args, model)}
     rollout = _rollout(args)
     iters, nmb = get_data_iterator(args, model, rollout)
-    train_once_for_offload(args, model, opt, sched, rollout, iters, nmb)
+    rollout.update(forward_only(args, model, iters, nmb, store_prefix="ref_"))
+    rollout.update(forward_only(args, model, iters, nmb))
+    compute_advantages_and_returns(args, rollout)
+    (metrics,) = train(args, 0, model, opt, sched, iters, nmb)
+    assert ("train/mtp_loss" in metrics) == train_mtp and metrics.get("train/mtp_loss", 1.0) > 0
     after = dict(named_parameters(args, model))
     mtp = [n for n in before if ".mtp." in n]
     moved = [n for n in mtp if not torch.equal(before[n], after[n])]
