@@ -276,6 +276,20 @@ def test_cpu_server_weights_accept_checkpoints_and_updates_with_mtp_layers(mtp_m
     assert torch.equal(store.named["model.embed_tokens.weight"], embed)
 
 
+@pytest.mark.parametrize("kind", ["deepseekv3", "glm4moe"])
+def test_cpu_server_transformers_fallback_takes_mtp_updates(mtp_models, kind):
+    """DeepSeek-V3 / GLM-4.5 run on the CPU server's transformers fallback, which has no MTP layer: an update
+    carrying `model.layers.{L}.*` (what the trainer sends with --mtp-num-layers) loads the rest and skips those."""
+    from slime.backends.cpu_server.hf_fallback import load_fallback
+
+    hf_dir = mtp_models[kind]
+    _, _, weights, _ = load_fallback(hf_dir, "float32", False)
+    sent = {n: t + 1 for n, t in load_file(f"{hf_dir}/model.safetensors").items()}
+    loaded = weights.load(sent.items(), "update")
+    assert not any(n.startswith("model.layers.3.") for n in loaded)
+    assert torch.equal(weights.named["model.norm.weight"], sent["model.norm.weight"])
+
+
 def _convert_with_mtp(models, save_root):
     from tools.convert_hf_to_torch_dist import main
 

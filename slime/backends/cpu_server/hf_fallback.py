@@ -11,7 +11,7 @@ import tempfile
 
 import torch
 
-from .weights import WeightError, resolve_dtype
+from .weights import WeightError, is_mtp_weight, resolve_dtype
 
 
 class FallbackConfig:
@@ -81,7 +81,12 @@ class HFWeights:
 
     def is_ignored(self, name: str) -> bool:
         tied = getattr(self.model.config, "tie_word_embeddings", False)
-        return name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight")
+        num_layers = self.model.config.get_text_config().num_hidden_layers
+        return (
+            name.endswith("rotary_emb.inv_freq")
+            or (tied and name == "lm_head.weight")
+            or is_mtp_weight(name, num_layers)
+        )
 
     def load(self, named_tensors, source: str) -> set:
         if self.released:
