@@ -257,6 +257,8 @@ def test_bad_mtp_values_are_refused_in_one_line(mtp_models, tmp_path, capsys):
     assert "--mtp-num-layers with --pipeline-model-parallel-size 2" in err
     err = _parse_error(capsys, *mimo, "--context-parallel-size", "2", "--actor-num-gpus-per-node", "2")
     assert "--mtp-num-layers with --context-parallel-size 2" in err
+    err = _parse_error(capsys, *mimo, "--custom-model-provider-path", "tests.test_mtp._convert_with_mtp")
+    assert "--mtp-num-layers with --custom-model-provider-path" in err
 
 
 def test_cpu_server_weights_accept_checkpoints_and_updates_with_mtp_layers(mtp_models):

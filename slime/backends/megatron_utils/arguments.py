@@ -777,6 +777,11 @@ def check_mtp(args, error):
             f"--mtp-num-layers with --pipeline-model-parallel-size {args.pipeline_model_parallel_size}: the MTP "
             "block is supported without pipeline parallelism only; use --pipeline-model-parallel-size 1."
         )
+    if args.mtp_num_layers and args.custom_model_provider_path:
+        error(
+            f"--mtp-num-layers with --custom-model-provider-path {args.custom_model_provider_path}: slime builds "
+            "the MTP block in its own model provider; drop one of them."
+        )
     if args.mtp_num_layers and args.context_parallel_size > 1:
         error(
             f"--mtp-num-layers with --context-parallel-size {args.context_parallel_size}: the MTP block is supported "

@@ -277,6 +277,11 @@ def get_model_provider_func(args, role="actor"):
         config = core_transformer_config_from_args(args)
         layer_spec = _layer_spec(args, config, vp_stage)
         if _is_model_provider(layer_spec):  # current slime's model plugins return their own provider
+            if args.mtp_num_layers:
+                raise ValueError(
+                    f"--mtp-num-layers with --spec {' '.join(args.spec)}: that spec builds its own model, without "
+                    "slime's MTP block; drop --mtp-num-layers"
+                )
             return layer_spec(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
         mtp_spec = mtp_block_spec(args, layer_spec, use_transformer_engine(args), post_process)
         model = (MTPGPTModel if mtp_spec is not None else GPTModel)(
