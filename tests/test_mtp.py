@@ -109,7 +109,7 @@ def test_mtp_roundtrip_and_loss_tp2(mtp_models):
     spawn(_loss_and_log_probs, 2, mtp_models["mimo"], timeout=400)
 
 
-def _hand_mtp_loss(hf_dir, rollout):
+def _hand_mtp_loss(hf_dir, rollout, with_grad=False):
     """MiMo's MTP loss in plain torch from the HF weights: for each sample, position i joins the main model's final
     hidden state with the embedding of token i+1 (`input_proj([hidden_norm(h); token_norm(e)])`), runs the MTP
     decoder layer, the final norm and the shared LM head, and is scored on token i+2 where that is a loss-masked
@@ -131,15 +131,16 @@ def _hand_mtp_loss(hf_dir, rollout):
     def rms(x, weight):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
+    proj = w[p + "input_proj.weight"].clone().requires_grad_(with_grad)
     total, count = 0.0, 0
-    with torch.no_grad():
+    with torch.set_grad_enabled(with_grad):
         for tokens, r, mask in zip(rollout["tokens"], rollout["response_lengths"], rollout["loss_masks"]):
             t = torch.as_tensor(tokens)
             T = t.numel()
             h = hf.model(t[None]).last_hidden_state[0]  # after the final norm, as Megatron's decoder output
             e = w["model.embed_tokens.weight"][t[1:]]
             x = torch.cat([rms(h[:-1], w[p + "hidden_layernorm.weight"]), rms(e, w[p + "token_layernorm.weight"])], -1)
-            x = x @ w[p + "input_proj.weight"].T
+            x = x @ proj.T
             pos = torch.arange(T - 1)[None]
             causal = torch.full((T - 1, T - 1), float("-inf")).triu(1)[None, None]
             out = layer(x[None], attention_mask=causal, position_ids=pos,
@@ -149,9 +150,13 @@ def _hand_mtp_loss(hf_dir, rollout):
             ce = torch.nn.functional.cross_entropy(logits[: T - 2], t[2:], reduction="none")  # predicts token i+2
             token_mask = torch.zeros(T)
             token_mask[T - r :] = torch.as_tensor(mask, dtype=torch.float32)
-            total += (ce * token_mask[2:]).sum().item()
+            total = total + (ce * token_mask[2:]).sum()
             count += token_mask[2:].sum().item()
-    return total / count
+    loss = total / count
+    if with_grad:  # d loss / d input_proj
+        loss.backward()
+        return loss.item(), proj.grad
+    return loss.item()
 
 
 def _loss_and_log_probs(rank, hf_dir):
@@ -200,6 +205,36 @@ def _loss_and_log_probs(rank, hf_dir):
 
 def test_mtp_loss_matches_hand_computation_and_main_head_is_unchanged(mtp_models):
     spawn(_loss_and_log_probs, 1, mtp_models["mimo"], timeout=300)
+
+
+def _mtp_gradient(rank, hf_dir):
+    import ray
+
+    from slime.backends.megatron_utils.data import get_data_iterator
+    from slime.backends.megatron_utils.loss import compute_advantages_and_returns
+    from slime.backends.megatron_utils.megatron_to_hf._common import swap_halves
+    from slime.backends.megatron_utils.model import forward_only, train
+    from slime.backends.megatron_utils.param_utils import named_parameters
+
+    ray.get = lambda x: x
+    mtp = ["--mtp-num-layers", "1", "--enable-mtp-training", "--mtp-loss-scaling-factor", "0.5"]
+    one_micro_batch = ["--micro-batch-size", "4", "--global-batch-size", "4", "--clip-grad", "0"]
+    args = family_args(hf_dir, 1, *mtp, *one_micro_batch)
+    model, opt, sched, _ = _model(args)
+    rollout = _rollout(args)
+    iters, nmb = get_data_iterator(args, model, rollout)
+    rollout.update(forward_only(args, model, iters, nmb, store_prefix="ref_"))
+    rollout.update(forward_only(args, model, iters, nmb))
+    compute_advantages_and_returns(args, rollout)
+    train(args, 0, model, opt, sched, iters, nmb)
+    grad = dict(named_parameters(args, model))["module.module.mtp.layers.0.eh_proj.weight"].main_grad
+    _, hand = _hand_mtp_loss(hf_dir, rollout, with_grad=True)
+    # the RL loss does not reach eh_proj: its gradient is the factor times the MTP loss's
+    torch.testing.assert_close(grad, 0.5 * swap_halves(hand), rtol=1e-5, atol=1e-7)
+
+
+def test_mtp_gradient_is_the_scaled_mtp_loss_gradient(mtp_models):
+    spawn(_mtp_gradient, 1, mtp_models["mimo"], timeout=300)
 
 
 def _one_step(rank, hf_dir, train_mtp):
