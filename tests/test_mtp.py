@@ -325,6 +325,8 @@ def test_cpu_server_transformers_fallback_takes_mtp_updates(mtp_models, kind):
     loaded = weights.load(sent.items(), "update")
     assert not any(n.startswith("model.layers.3.") for n in loaded)
     assert torch.equal(weights.named["model.norm.weight"], sent["model.norm.weight"])
+    with pytest.raises(ValueError, match="unknown parameter 'model.layers.4.enorm.weight'"):  # beyond the MTP layer
+        weights.load([("model.layers.4.enorm.weight", sent["model.layers.3.enorm.weight"])], "update")
 
 
 def _convert_with_mtp(models, save_root):

@@ -81,11 +81,11 @@ class HFWeights:
 
     def is_ignored(self, name: str) -> bool:
         tied = getattr(self.model.config, "tie_word_embeddings", False)
-        num_layers = self.model.config.get_text_config().num_hidden_layers
+        text = self.model.config.get_text_config()
         return (
             name.endswith("rotary_emb.inv_freq")
             or (tied and name == "lm_head.weight")
-            or is_mtp_weight(name, num_layers)
+            or is_mtp_weight(name, text.num_hidden_layers, getattr(text, "num_nextn_predict_layers", 0) or 0)
         )
 
     def load(self, named_tensors, source: str) -> set:

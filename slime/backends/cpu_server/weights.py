@@ -37,14 +37,14 @@ class WeightError(ValueError):
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def is_mtp_weight(name, num_layers):
+def is_mtp_weight(name, num_layers, num_mtp_layers=0):
     """A multi-token-prediction layer's tensor (speculative decoding, which this server does not run): MiMo's
-    `model.mtp_layers.*`, DeepSeek-V3 / GLM-4.5's `model.layers.{i}.*` at i >= num_hidden_layers. The trainer sends
-    them with `--mtp-num-layers`."""
+    `model.mtp_layers.*`, DeepSeek-V3 / GLM-4.5's `model.layers.{i}.*` at num_hidden_layers <= i < num_hidden_layers
+    + num_nextn_predict_layers. The trainer sends them with `--mtp-num-layers`."""
     if name.startswith("model.mtp_layers."):
         return True
     m = _LAYER_INDEX.match(name)
-    return m is not None and int(m.group(1)) >= num_layers
+    return m is not None and num_layers <= int(m.group(1)) < num_layers + num_mtp_layers
 
 
 def parallel_copy(pairs) -> None:
@@ -152,7 +152,7 @@ class WeightStore:
         return (
             name.endswith(_IGNORED_SUFFIXES)
             or (self.cfg.tie_word_embeddings and name == "lm_head.weight")
-            or is_mtp_weight(name, self.cfg.num_layers)
+            or is_mtp_weight(name, self.cfg.num_layers)  # MiMo's (DeepSeek-style ones are the fallback's)
         )
 
     def load(self, named_tensors, source: str) -> set:
