@@ -8,7 +8,11 @@ tokens with slime's trainer code (`forward_only`). The gap is the mean over resp
 - top-p 0.9 (top-k 50), before replay: the trainer scores over the full vocabulary, the engine drew from the nucleus;
 - top-p 0.9 (top-k 50), after replay: the trainer scores over each step's kept set (rollout_top_p_token_ids).
 
-    .venv/bin/python benchmarks/bench_consistency_gap.py [--samples 16] [--max-new-tokens 48]
+`--moe` adds, for tiny Qwen3-MoE and DeepSeek-V3 models whose engine and trainer routers are made to disagree on some
+tokens (tests/test_routing_replay.py: a near-tie flipped by a tiny router-row difference; a different expert bias,
+which only selects), the gap with the trainer's own routing and with the engine's replayed (R3).
+
+    .venv/bin/python benchmarks/bench_consistency_gap.py [--samples 16] [--max-new-tokens 48] [--moe]
 """
 
 import argparse
@@ -135,20 +139,42 @@ def measure(model_dir, samples=16, max_new_tokens=48):
     }
 
 
+def measure_moe(kind, kit_model_dir, tmp):
+    """{row name: gap} for one MoE family: the trainer's own routing vs. the engine's replayed (R3)."""
+    from tests._megatron_helpers import spawn
+    from tests.test_routing_replay import _engine_rollout, _gap, _perturbed_pair, _trainer_forward
+
+    engine_dir, trainer_dir = _perturbed_pair(kind, tmp, (kit_model_dir,))
+    data = _engine_rollout(engine_dir)
+    out = os.path.join(tmp, f"{kind}.pt")
+    spawn(_trainer_forward, 1, trainer_dir, data, ["--use-rollout-routing-replay"], out, timeout=600)
+    res = torch.load(out)
+    return {
+        f"{kind}, own routing": _gap(res["None"]["log_probs"], data),
+        f"{kind}, R3 replay": _gap(res["replay"]["log_probs"], data),
+        "tokens": sum(data["response_lengths"]),
+    }
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--samples", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--moe", action="store_true", help="only the MoE rows (routing replay)")
     opts = p.parse_args()
     from tools.build_tiny_kit import build_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = os.path.join(tmp, "qwen3-tiny")
         build_model(model_dir)
-        result = measure(model_dir, opts.samples, opts.max_new_tokens)
-    print(f"mean |trainer - engine| log-prob per response token ({result.pop('tokens')} tokens, fp32):")
-    for name, value in result.items():
-        print(f"  {name:24s} {value:.2e}")
+        if opts.moe:
+            results = [measure_moe(kind, model_dir, tmp) for kind in ("qwen3moe", "deepseekv3")]
+        else:
+            results = [measure(model_dir, opts.samples, opts.max_new_tokens)]
+    for result in results:
+        print(f"mean |trainer - engine| log-prob per response token ({result.pop('tokens')} tokens, fp32):")
+        for name, value in result.items():
+            print(f"  {name:24s} {value:.2e}")
 
 
 if __name__ == "__main__":

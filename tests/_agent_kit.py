@@ -108,11 +108,11 @@ CONVERSATIONS = [
 ]
 
 
-def turn_examples(tokenizer):
+def turn_examples(tokenizer, conversations=None):
     """[(prompt_ids, target_ids)] for every assistant turn; target ends with <|im_end|>."""
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     out = []
-    for tools, marked in CONVERSATIONS:
+    for tools, marked in CONVERSATIONS if conversations is None else conversations:
         messages = [{k: v for k, v in m.items() if k != "train"} for m in marked]
         for k, m in enumerate(marked):
             if m["role"] != "assistant" or not m.get("train", True):
@@ -131,15 +131,18 @@ def turn_examples(tokenizer):
     return out
 
 
-def build_agent_model(base_model_dir, out_dir, max_steps=600, seed=0):
-    """Copy the tiny kit, install AGENT_TEMPLATE, fine-tune until greedy decoding reproduces every turn."""
+def build_agent_model(base_model_dir, out_dir, max_steps=600, seed=0, conversations=None):
+    """Copy the tiny kit, install AGENT_TEMPLATE, fine-tune until greedy decoding reproduces every turn.
+
+    conversations: [(tools, messages)] to memorise, in CONVERSATIONS' shape (default: CONVERSATIONS).
+    """
     import torch  # heavy
     from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy
 
     shutil.copytree(base_model_dir, out_dir, dirs_exist_ok=True)
     tok = AutoTokenizer.from_pretrained(out_dir)
     tok.chat_template = AGENT_TEMPLATE
-    examples = turn_examples(tok)
+    examples = turn_examples(tok, conversations)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
     width = max(len(p) + len(t) for p, t in examples)

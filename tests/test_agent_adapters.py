@@ -172,6 +172,69 @@ def test_openai_sdk_tools_multi_turn_streaming_and_branches(stack, kit):
     assert adapter.open_sessions() == []
 
 
+def test_openai_sdk_responses_api_tool_loop(stack, kit):
+    """`client.responses.create` / `.stream` through the adapter: reasoning and function_call items out, the items
+    sent back (with the tool's output) continue the same branch; requests it cannot honour are refused."""
+    adapter, url = stack["openai"]
+    recorder = stack["recorder"]
+    recorder.take()
+    adapter.open_session("resp-1", sampling_defaults={"temperature": 0})
+    client = openai.OpenAI(api_key="resp-1", base_url=url + "/v1", max_retries=0)
+    fn = CALCULATOR["function"]
+    tool = {"type": "function", "name": fn["name"], "description": fn["description"], "parameters": fn["parameters"]}
+
+    items = [{"role": "user", "content": "What is 3+4?"}]
+    r = client.responses.create(model="policy", input=items, tools=[tool], max_output_tokens=128, store=False)
+    assert r.status == "completed" and [o.type for o in r.output] == ["reasoning", "function_call"]
+    reasoning, call = r.output
+    assert reasoning.content[0].text == "add them\n"  # as the chat API's reasoning_content
+    assert (call.name, json.loads(call.arguments)) == ("calculator", {"expression": "3+4"})
+    items += [o.model_dump(exclude_none=True) for o in r.output]
+    items.append({"type": "function_call_output", "call_id": call.call_id, "output": "7"})
+    r = client.responses.create(model="policy", input=items, tools=[tool], max_output_tokens=64)
+    assert (r.output_text, r.status, [o.type for o in r.output]) == ("The answer is 7.", "completed", ["message"])
+    calls = recorder.take()
+    assert r.usage.input_tokens == len(calls[1][1]["input_ids"])
+    assert r.usage.output_tokens == len(calls[1][2]["meta_info"]["output_token_logprobs"])
+    items += [o.model_dump(exclude_none=True) for o in r.output] + [{"role": "user", "content": "And times 2?"}]
+
+    # streamed: the SDK's stream helper rebuilds the response from the events
+    with client.responses.stream(model="policy", input=items, tools=[tool], max_output_tokens=128) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_response()
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert "response.function_call_arguments.delta" in kinds
+    [call] = final.output
+    assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", "calculator", {"expression": "7*2"})
+    items += [
+        call.model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": call.call_id, "output": "14"},
+    ]
+    with client.responses.stream(model="policy", input=items, tools=[tool], max_output_tokens=32) as stream:
+        text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        assert stream.get_final_response().output_text == text == "14"
+    calls += recorder.take()
+
+    [sample] = finish_all(adapter, "resp-1", reward=1.0)  # one branch: each turn extends the one before
+    check_against_engine(sample, calls, kit[2])
+    assert len(calls) == 4 and sample.metadata["agent"]["num_tool_calls"] == 2
+
+    adapter.open_session("resp-2")
+    refused = openai.OpenAI(api_key="resp-2", base_url=url + "/v1", max_retries=0)
+    for kw, param in [
+        ({"previous_response_id": "resp_abc"}, "previous_response_id"),
+        ({"include": ["reasoning.encrypted_content"]}, "include"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"text": {"format": {"type": "json_object"}}}, "text"),
+        ({"extra_body": {"bogus": 1}}, "bogus"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            refused.responses.create(model="p", input="hi", **kw)
+        assert e.value.body["param"] == param and e.value.body["type"] == "invalid_request_error"
+    assert finish_all(adapter, "resp-2") == [] and recorder.take() == []
+
+
 def test_anthropic_sdk_tools_thinking_and_streaming(stack, kit):
     adapter, url = stack["anthropic"]
     recorder = stack["recorder"]

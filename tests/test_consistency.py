@@ -263,3 +263,16 @@ def test_deterministic_mode_seeds_each_sample_of_a_group_from_the_rollout_seed()
     assert "sampling_seed" not in base  # a copy
     assert "sampling_seed" not in seeded(make_args(), base, 0)
     assert seeded(make_args("--sglang-enable-deterministic-inference"), base, 2)["sampling_seed"] == 44
+
+
+def test_deterministic_mode_turns_on_the_engines_deterministic_inference():
+    from slime.backends.sglang_utils.sglang_engine import server_command
+
+    assert make_args().sglang_enable_deterministic_inference is False
+    for server in ("cpu", "sglang"):
+        args = make_args("--deterministic-mode", inference_server=server)
+        assert args.sglang_enable_deterministic_inference is True
+        _, cmd = server_command(args, 0, "127.0.0.1", 30000, 30001, "127.0.0.1:30002")
+        assert "--enable-deterministic-inference" in cmd, cmd
+        _, cmd = server_command(make_args(inference_server=server), 0, "127.0.0.1", 30000, 30001, "127.0.0.1:30002")
+        assert "--enable-deterministic-inference" not in cmd

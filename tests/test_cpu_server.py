@@ -1035,3 +1035,22 @@ def test_transformers_fallback_serves_other_architectures(tiny_kit, tmp_path):
         assert out["output_ids"] == hf_greedy(ref, PROMPTS[0], 6)[0]
     finally:
         stop_cpu_server(proc)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_deterministic_inference_makes_a_request_independent_of_its_batch(tiny_kit, deterministic):
+    """SGLang's --enable-deterministic-inference: a request's log-probs are bit-identical alone and batched with
+    others. Without it the batched matmuls round differently per batch shape (which is why the flag exists)."""
+    proc, url = start_cpu_server(tiny_kit[0], *(["--enable-deterministic-inference"] if deterministic else []))
+    try:
+        sp = {"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True, "sampling_seed": 5}
+        prompts = PROMPTS + [list(range(100, 140)), [7, 8]]
+
+        def logprobs(outputs):
+            return [[x[0] for x in o["meta_info"]["output_token_logprobs"]] for o in outputs]
+
+        alone = logprobs([gen(url, {"input_ids": p, "sampling_params": sp, "return_logprob": True}) for p in prompts])
+        batched = logprobs(gen(url, {"input_ids": prompts, "sampling_params": [sp] * 5, "return_logprob": True}))
+    finally:
+        stop_cpu_server(proc)
+    assert (batched == alone) == deterministic

@@ -397,3 +397,15 @@ def test_append_response_tokens_keeps_masks_and_log_probs_aligned():
         s.append_response_tokens(tokens=[1, 2], log_probs=[0.0])
     with pytest.raises(ValueError, match="no rollout_log_probs"):
         Sample(response_length=2, tokens=[1, 2, 3]).append_response_tokens(tokens=[4], log_probs=[-1.0])
+
+
+def test_append_response_tokens_extends_the_lists_a_generate_function_holds():
+    """Current slime's retool example keeps `masks = sample.loss_mask` before its turns and assigns it back after:
+    the appends must land in that same list."""
+    s = Sample(tokens=[1, 2], loss_mask=[])
+    masks, log_probs = s.loss_mask, []
+    s.rollout_log_probs = log_probs
+    s.append_response_tokens(tokens=[7], log_probs=[-0.5])
+    s.append_response_tokens(tokens=[9], trainable=False)
+    s.loss_mask = masks
+    assert s.loss_mask == [1, 0] and log_probs == [-0.5, 0.0]

@@ -45,9 +45,7 @@ def _refusal(capsys, *argv):
 @pytest.mark.parametrize(
     "argv, flag, issue",
     [
-        (["--use-routing-replay"], "--use-routing-replay", "#25"),
         (["--sglang-config", "x.yaml"], "--sglang-config", "#26"),
-        (["--use-rollout-routing-replay"], "--use-rollout-routing-replay", "#25"),
     ],
 )
 def test_refused_flag_stops_start_up_in_one_line(capsys, argv, flag, issue):

@@ -23,6 +23,7 @@ from slime.utils.eval_config import EvalDatasetConfig, eval_datasets
 from slime.utils.http_utils import init_http_client, post
 from slime.utils.lora_utils import generate_fields
 from slime.utils.misc import SingletonMeta, accepted_kwargs, load_function
+from slime.utils.routing_replay import decode_routed_experts
 from slime.utils.top_p_replay import append_kept_sets, sampling_is_truncated
 from slime.utils.types import Sample
 
@@ -96,7 +97,8 @@ async def _generate_group(args, group, sampling_params):
 
 async def _post_to_a_worker(args, state, sample, payload, on_retry, attempts=3):
     """POST a /generate that asks for sampling masks straight to one of the router's workers: sglang-router 0.3.2
-    re-serialises /generate bodies into its own request type and drops `return_sampling_mask`. A prompt group goes
+    re-serialises /generate bodies into its own request type and drops `return_sampling_mask` and
+    `return_routed_experts`. A prompt group goes
     to one worker (its prefix is cached there); a worker that stops answering is skipped after the usual retries,
     with the list re-read from the router (fault tolerance replaces engines there). Returns (output, url)."""
     loop = asyncio.get_running_loop()
@@ -164,6 +166,9 @@ async def generate(args, sample: Sample, sampling_params, evaluation=False) -> S
     replay = not evaluation and sampling_is_truncated(args)
     if replay:
         payload["return_sampling_mask"] = True
+    routed = not evaluation and args.use_rollout_routing_replay
+    if routed:  # R3: every token's experts per layer (for the whole sequence: a resumed prompt is re-routed)
+        payload["return_routed_experts"] = True
 
     def on_retry(error):
         if isinstance(error, asyncio.TimeoutError):
@@ -173,7 +178,7 @@ async def generate(args, sample: Sample, sampling_params, evaluation=False) -> S
                 f"{args.rollout_request_timeout:g}s; retrying it"
             )
 
-    if replay:
+    if replay or routed:  # the router drops both request fields
         output, url = await _post_to_a_worker(args, state, sample, payload, on_retry)
     else:
         try:
@@ -202,6 +207,12 @@ async def generate(args, sample: Sample, sampling_params, evaluation=False) -> S
         new_log_probs = [float(x) for x in meta_info["output_token_sampling_logprobs"]]
 
     sample.tokens = sample.tokens + new_tokens
+    aborted_early = (meta_info.get("finish_reason") or {}).get("type") == "abort" and "routed_experts" not in meta_info
+    if routed and sample.tokens and not aborted_early:  # an abort before any compute is generated again later
+        where = f"{url}, sample {sample.index}"
+        sample.rollout_routed_experts = decode_routed_experts(
+            meta_info, len(sample.tokens), args.num_layers, args.moe_router_topk, where
+        )
     sample.response_length += len(new_tokens)
     if sample.loss_mask is not None:  # e.g. a resumed sample's masked earlier tokens: the new ones train
         sample.loss_mask = sample.loss_mask + [1] * len(new_tokens)
@@ -259,11 +270,11 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict, evaluatio
 
 
 def seeded(args, sampling_params, j):
-    """A copy of `sampling_params`; with --deterministic-mode or --sglang-enable-deterministic-inference the j-th
-    sample of a group gets `sampling_seed` --rollout-seed + j (as current slime), so the engine's draws depend on
-    the request only, not on what else it batches."""
+    """A copy of `sampling_params`; with --sglang-enable-deterministic-inference (which --deterministic-mode turns on)
+    the j-th sample of a group gets `sampling_seed` --rollout-seed + j (as current slime), so the engine's draws
+    depend on the request only, not on what else it batches."""
     params = sampling_params.copy()
-    if args.deterministic_mode or args.sglang_enable_deterministic_inference:
+    if args.sglang_enable_deterministic_inference:
         params["sampling_seed"] = args.rollout_seed + j
     return params
 

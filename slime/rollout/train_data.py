@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from slime.rollout.base_types import RolloutFnTrainOutput
+from slime.utils.routing_replay import routed_experts_error
 from slime.utils.top_p_replay import kept_sets_error, sampling_is_truncated
 from slime.utils.types import TRAIN_DATA_KEYS, Sample, TrainData
 
@@ -167,6 +168,17 @@ def convert_samples_to_train_data(args, samples, custom_reward_fn=None, fn_path=
         train_data["rollout_top_p_token_offsets"] = [
             np.asarray(s.rollout_top_p_token_offsets, dtype=np.int32) for s in samples
         ]
+    if args.use_rollout_routing_replay and args.loss_type != "sft_loss":
+        # R3: the trainer routes every token to the engine's experts (never silently to its own)
+        for i, s in enumerate(samples):
+            problem = routed_experts_error(s, args.num_layers, args.moe_router_topk)
+            if problem:
+                raise ValueError(
+                    f"sample {s.index} (position {i}) from rollout function {fn_path!r} {problem}; with "
+                    "--use-rollout-routing-replay the trainer replays the engine's routing (the default generate "
+                    "asks the engine for it: SGLang's return_routed_experts)"
+                )
+        train_data["rollout_routed_experts"] = [np.asarray(s.rollout_routed_experts, dtype=np.int32) for s in samples]
     return train_data
 
 

@@ -632,6 +632,49 @@ def add_consistency_arguments(parser):
     return parser
 
 
+def add_routing_replay_arguments(parser):
+    """MoE routing replay (docs/consistency.md): the trainer routes every token to fixed experts."""
+    g = _Group(parser, "MoE routing replay")
+    g.add_argument(
+        "--use-routing-replay",
+        action="store_true",
+        default=False,
+        help="R2: the experts each token is routed to in the first training-side forward of a rollout (the "
+        "old-log-prob forward) are replayed in its later forwards (training, recompute).",
+    )
+    g.add_argument(
+        "--use-rollout-routing-replay",
+        action="store_true",
+        default=False,
+        help="R3: the engines return each token's experts per MoE layer (SGLang's --enable-return-routed-experts, set "
+        "for slime's engines) and every trainer forward of the sample (reference, old log-probs, training) routes to "
+        "exactly those; router weights are recomputed from the trainer's logits for them. Implies --use-routing-replay.",
+    )
+    return parser
+
+
+def check_routing_replay(args, error):
+    """R3 implies R2 (as in current slime); both need MoE layers, and one pipeline stage (a micro-batch's routing is
+    handed to the routers right before its forward)."""
+    if args.use_rollout_routing_replay:
+        args.use_routing_replay = True
+    if not args.use_routing_replay:
+        return
+    flag = "--use-rollout-routing-replay" if args.use_rollout_routing_replay else "--use-routing-replay"
+    if not args.num_experts:
+        error(f"{flag}: the model has no MoE layers (--num-experts is not set); drop the flag.")
+    if not args.use_rollout_routing_replay and args.use_rollout_logprobs and not args.get_mismatch_metrics:
+        error(
+            "--use-routing-replay records the routing in the old-log-prob forward, which --use-rollout-logprobs "
+            "skips: add --get-mismatch-metrics (which runs it) or use --use-rollout-routing-replay."
+        )
+    if args.pipeline_model_parallel_size > 1:
+        error(
+            f"{flag} is not supported with pipeline parallelism (--pipeline-model-parallel-size "
+            f"{args.pipeline_model_parallel_size}): use tensor / expert parallelism."
+        )
+
+
 def resolve_context_lengths(args, error):
     """Current slime's defaults between the context budgets, and its bound: a prompt leaves room for one token."""
     if args.eval_max_context_len is None:
@@ -1341,6 +1384,7 @@ def get_slime_extra_args_provider(add_custom_arguments=None):
             add_algo_arguments,
             add_loss_variant_arguments,
             add_consistency_arguments,
+            add_routing_replay_arguments,
             add_critic_arguments,
             add_wandb_arguments,
             add_tensorboard_arguments,
@@ -1397,6 +1441,9 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
     cluster shape and the combinations the loss and the default rollout cannot run with. `asynchronous`: the job is
     train_async.py's (no colocation)."""
     check_value_ranges(args, error)  # first: the arithmetic below divides by these
+    # A run repeats only if its rollouts do: the engines' deterministic (batch-invariant) inference comes with it.
+    if args.deterministic_mode:
+        args.sglang_enable_deterministic_inference = True
     # KL needs the reference checkpoint. Without --ref-load the initial weights (--hf-checkpoint) are the reference.
     if (args.kl_coef != 0 or args.use_kl_loss) and args.ref_load is not None and check_paths:
         if not os.path.exists(args.ref_load):
@@ -1584,6 +1631,7 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
     if args.qwen_gdn_backend is None:
         args.qwen_gdn_backend = default_gdn_backend()
     check_mtp(args, error)
+    check_routing_replay(args, error)
     check_hybrid_model(args, error)
     if args.custom_tis_function_path and not (args.use_tis or args.get_mismatch_metrics):
         error(

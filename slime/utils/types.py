@@ -9,6 +9,7 @@ from typing import Any, Optional, TypedDict, Union
 
 import numpy as np
 
+from slime.utils.routing_replay import decode_routed_experts
 from slime.utils.top_p_replay import append_kept_sets
 
 
@@ -101,7 +102,8 @@ class Sample:
         """Append response tokens and keep `loss_mask` and `rollout_log_probs` aligned (current slime's helper for
         multi-turn generate functions). Model tokens pass `log_probs` (and SGLang's `meta_info`, which sets the
         status unless `update_terminal_info=False`); tool/environment tokens pass `trainable=False` and get loss-mask
-        zeros and log-prob zeros."""
+        zeros and log-prob zeros. With --use-rollout-routing-replay, `meta_info["routed_experts"]` (the engine's
+        routing of the whole sequence it was sent plus these tokens) becomes `rollout_routed_experts`."""
         tokens = [int(t) for t in (tokens if tokens is not None else [])]
         log_probs = None if log_probs is None else [float(x) for x in log_probs]
         if log_probs is not None and len(log_probs) != len(tokens):
@@ -122,11 +124,10 @@ class Sample:
             self.response += text
         previous = self.response_length
         if tokens:
-            self.tokens = list(self.tokens) + tokens
+            self.tokens = _extended(self.tokens, tokens)
             self.response_length += len(tokens)
-            self.loss_mask = (self.loss_mask if self.loss_mask is not None else [1] * previous) + [
-                1 if trainable else 0
-            ] * len(tokens)
+            mask = self.loss_mask if self.loss_mask is not None else [1] * previous
+            self.loss_mask = _extended(mask, [1 if trainable else 0] * len(tokens))
         if log_probs is not None:
             if self.rollout_log_probs is None:
                 if trainable and previous:
@@ -135,7 +136,12 @@ class Sample:
                         "have no rollout_log_probs"
                     )
                 self.rollout_log_probs = [0.0] * previous
-            self.rollout_log_probs = list(self.rollout_log_probs) + log_probs
+            self.rollout_log_probs = _extended(self.rollout_log_probs, log_probs)
+        if meta_info and "routed_experts" in meta_info and args is not None and args.use_rollout_routing_replay:
+            # SGLang routes the whole sequence sent (earlier turns and tool tokens included): the latest answer wins
+            self.rollout_routed_experts = decode_routed_experts(
+                meta_info, len(self.tokens), args.num_layers, args.moe_router_topk, f"sample {self.index}"
+            )
         if meta_info and update_terminal_info:
             self.apply_finish_reason(meta_info)
 
@@ -155,6 +161,15 @@ class Sample:
         for key, name in (("cached_tokens", "cached_tokens"), ("prompt_tokens", "total_prompt_tokens")):
             if key in meta_info:
                 self.prefix_cache_info[name] = self.prefix_cache_info.get(name, 0) + int(meta_info[key] or 0)
+
+
+def _extended(current, new: list) -> list:
+    """`current` with `new` appended, in place when it is a list: generate functions written for current slime keep
+    a reference to `sample.loss_mask` (or `tokens`) across `append_response_tokens` calls and assign it back."""
+    if isinstance(current, list):
+        current.extend(new)
+        return current
+    return list(current) + new
 
 
 @dataclass(frozen=True)
@@ -191,6 +206,7 @@ class TrainData(_RequiredTrainData, total=False):
     metadata: list  # `Sample.train_metadata`, for --rollout-data-postprocess-path and custom losses
     rollout_top_p_token_ids: list[np.ndarray]  # int32: each step's kept token set, concatenated (top-p/top-k replay)
     rollout_top_p_token_offsets: list[np.ndarray]  # int32: where each step's set starts in the ids (one more entry)
+    rollout_routed_experts: list[np.ndarray]  # int32 [tokens - 1, layers, top-k]: the engine's experts (R3)
 
 
 TRAIN_DATA_KEYS = tuple(_RequiredTrainData.__annotations__)  # every converter must return these

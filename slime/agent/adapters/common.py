@@ -216,7 +216,10 @@ class BaseAdapter:
         )
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    async def _handle(self, request: web.Request) -> web.StreamResponse:
+    async def _handle(self, request: web.Request, api=None) -> web.StreamResponse:
+        """One turn. api: the object whose protocol hooks serve this route (default: the adapter's own); an
+        adapter serving a second API on the same sessions (OpenAI's Responses beside Chat Completions) passes it."""
+        api = self if api is None else api
         try:
             try:
                 body = await request.json()
@@ -224,14 +227,14 @@ class BaseAdapter:
                 raise AdapterError(400, f"the request body is not valid JSON: {e}") from None
             if not isinstance(body, dict):
                 raise AdapterError(400, "the request body must be a JSON object")
-            session = self._acquire(self._session_id(request, body))
+            session = self._acquire(api._session_id(request, body))
         except AdapterError as err:
-            return self._error_response(err)
+            return api._error_response(err)
         try:
-            self._check_body(body)
-            messages, tools, parse_tools = self._to_chat(body)
+            api._check_body(body)
+            messages, tools, parse_tools = api._to_chat(body)
             prompt_ids = self.render(messages, tools)
-            sp = {**session.sampling_defaults, **self._sampling_params(body)}
+            sp = {**session.sampling_defaults, **api._sampling_params(body)}
             self._fit_context(session, prompt_ids, sp)
             turn = await self._generate(session.session_id, prompt_ids, sp)
             if turn.finish_reason == "abort":  # the rollout is stopping (or weights are updating): end the episode
@@ -246,7 +249,7 @@ class BaseAdapter:
                 reasoning_parser=self.reasoning_parser,
             )
             turn = dataclasses.replace(turn, message=assistant_message(parsed), ill_formed=parsed.ill_formed)
-            response = await self._respond(request, body, parsed, turn)
+            response = await api._respond(request, body, parsed, turn)
             with self._lock:
                 if session.closed:
                     logger.warning(
@@ -256,12 +259,12 @@ class BaseAdapter:
                     session.tree.add_turn(turn)
             return response
         except AdapterError as err:
-            return self._error_response(err)
+            return api._error_response(err)
         except (ConnectionResetError, asyncio.CancelledError):
             raise  # the client went away: nothing to answer, nothing recorded
         except Exception as e:  # a bug or a malformed engine reply must not take the rollout down
             logger.exception("session %s: the %s adapter failed a request", session.session_id, self.protocol)
-            return self._error_response(AdapterError(500, f"slime's adapter failed: {e!r}", kind="api_error"))
+            return api._error_response(AdapterError(500, f"slime's adapter failed: {e!r}", kind="api_error"))
         finally:
             with self._lock:
                 session.inflight -= 1

@@ -1,4 +1,5 @@
-"""OpenAI Chat Completions (`POST /v1/chat/completions`) over the policy's engine.
+"""OpenAI Chat Completions (`POST /v1/chat/completions`) and Responses (`POST /v1/responses`, in
+`openai_responses.py`) over the policy's engine, on the same sessions.
 
 The session id is the client's API key (`OpenAI(api_key=session_id, base_url=adapter_url + "/v1")`), or
 `metadata.session_id` / `user` in the body.
@@ -13,6 +14,7 @@ import time
 from aiohttp import web
 
 from slime.agent.adapters.common import AdapterError, BaseAdapter, function_tool, reject_unknown_fields
+from slime.agent.adapters.openai_responses import ResponsesAPI
 from slime.agent.parsing import ParsedOutput
 from slime.agent.trajectory import TurnRecord
 
@@ -72,6 +74,11 @@ class OpenAIAdapter(BaseAdapter):
 
     def _register_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self._handle)
+        self._responses = ResponsesAPI(self)
+        app.router.add_post("/v1/responses", self._handle_responses)
+
+    async def _handle_responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, api=self._responses)
 
     def _session_id(self, request: web.Request, body: dict) -> str | None:
         auth = request.headers.get("Authorization", "")

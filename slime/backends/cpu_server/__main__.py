@@ -27,6 +27,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--num-threads", type=int, default=1, help="torch threads (the server is single-threaded by default)"
     )
+    p.add_argument(
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="as SGLang's: a request's results do not depend on the batch it runs in (each runs its own forward)",
+    )
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--log-level", default="info")
     p.add_argument(
@@ -34,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--admin-api-key", default=None, help="as SGLang's: required on admin endpoints instead of --api-key"
+    )
+    p.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="as SGLang's: requests may ask for each token's routed MoE experts (return_routed_experts)",
     )
     # LoRA serving, as SGLang's flags
     p.add_argument("--enable-lora", action="store_true", default=None, help="serve LoRA adapters")

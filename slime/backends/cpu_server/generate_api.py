@@ -2,6 +2,7 @@
 http_server / tokenizer manager answer them."""
 
 import asyncio
+import base64
 import json
 import time
 
@@ -93,6 +94,7 @@ class GenerateAPI:
                 "custom_logit_processor, input_embeds and image_data are not supported by slime's CPU server."
             )
         masks_raw, mode_raw = body.get("return_sampling_mask"), body.get("sampling_logprobs_mode")
+        want_routed, routed_start = bool(body.get("return_routed_experts")), body.get("routed_experts_start_len") or 0
         loras_raw, lora_names = body.get("lora_path"), []
         if isinstance(loras_raw, list) and len(loras_raw) != len(prompts):
             raise RequestError(
@@ -106,6 +108,17 @@ class GenerateAPI:
             want_mask = bool(masks_raw[i] if isinstance(masks_raw, list) else masks_raw)
             mode = mode_raw[i] if isinstance(mode_raw, list) else mode_raw
             _check_sampling_mask(want_mask, mode, sp)
+            if want_routed:  # SGLang's scheduler checks, answered as its 400 abort
+                if routed_start < 0:
+                    raise RequestError(
+                        f"recv_req.routed_experts_start_len={routed_start} is lower than 0. "
+                        "Please use a non-negative routed_experts_start_len."
+                    )
+                if routed_start > len(ids):
+                    raise RequestError(
+                        f"recv_req.routed_experts_start_len={routed_start} is higher than the number of input tokens "
+                        f"len(req.origin_input_ids)={len(ids)}. Please use a smaller routed_experts_start_len."
+                    )
             lp = lps[i] if isinstance(lps, list) else lps
             st = start[i] if isinstance(start, list) else start
             rid = rids[i] if isinstance(rids, list) else (rids if not batch else None)
@@ -122,6 +135,8 @@ class GenerateAPI:
                     stream=bool(body.get("stream")),
                     on_update=on_update,
                     return_sampling_mask=want_mask,
+                    return_routed_experts=want_routed,
+                    routed_experts_start_len=routed_start,
                 )
                 r.index, r.text_in_logprobs = len(reqs), bool(body.get("return_text_in_logprobs"))
                 r.support_logprobs = mode == "support"
@@ -206,6 +221,8 @@ class GenerateAPI:
                 for m, lps, t in zip(r.output_sampling_masks, r.output_sampling_logprobs, r.output_ids)
             ]
             meta["output_token_sampling_mask_length"] = len(r.output_sampling_masks)
+        if r.routed_experts is not None:  # SGLang: base64 of the int32 [tokens, layers, top_k] array, row-major
+            meta["routed_experts"] = base64.b64encode(r.routed_experts.numpy().tobytes()).decode("utf-8")
         return {"text": r.text if text is None else text, "output_ids": list(r.output_ids), "meta_info": meta}
 
     async def generate(self, request):

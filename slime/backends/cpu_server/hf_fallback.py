@@ -11,6 +11,7 @@ import tempfile
 
 import torch
 
+from .model import UnsupportedModelError
 from .weights import WeightError, is_mtp_weight, resolve_dtype
 
 
@@ -32,19 +33,24 @@ class FallbackConfig:
 
 
 class TokenPool:
-    """KVPool's interface over token ids (the fallback recomputes attention from them)."""
+    """KVPool's interface over token ids (the fallback recomputes attention from them). With routed-experts capture
+    (`routed_shape` set) each row also keeps the top-k experts its token was routed to, per layer, as SGLang's
+    capturer keeps them per KV slot: written when the token is first computed, read when its request finishes."""
 
     def __init__(self, size: int):
         self.size = size
-        self.tokens = None
+        self.tokens = self.routed = None
+        self.routed_shape = None  # (num_layers, top_k) once capture is enabled
         self.allocate()
 
     def allocate(self):
         self.tokens = torch.zeros(self.size + 1, dtype=torch.long)
+        if self.routed_shape is not None:
+            self.routed = torch.zeros((self.size + 1, *self.routed_shape), dtype=torch.int32)
         self.free = list(range(self.size, 0, -1))
 
     def release(self):
-        self.tokens, self.free = None, []
+        self.tokens, self.routed, self.free = None, None, []
 
     @property
     def allocated(self) -> bool:
@@ -174,6 +180,40 @@ class HFFallbackModel:
 
     def __init__(self, model):
         self.model = model
+        self._routed = None  # layer -> the [B * L, top_k] experts its router chose in the current forward
+
+    def enable_routed_experts_capture(self, pool: TokenPool):
+        """SGLang's --enable-return-routed-experts: record every token's top-k experts per layer into `pool`.
+        transformers' MoE routers (`<layer>.mlp.gate`) return (logits, weights, expert indices); a forward hook
+        keeps the indices. Dense layers keep zeros, as SGLang's buffer does for layers without a router."""
+        routers = {}
+        for name, module in self.model.named_modules():
+            parts = name.split(".")
+            if parts[-2:] == ["mlp", "gate"] and hasattr(module, "top_k") and parts[-3].isdigit():
+                routers[int(parts[-3])] = module
+        if not routers:
+            raise UnsupportedModelError(
+                f"--enable-return-routed-experts: {self.model.config.architectures} has no routed MoE experts to return"
+            )
+        top_k = {m.top_k for m in routers.values()}
+        assert len(top_k) == 1, f"routers with different top_k: {top_k}"
+        text_config = self.model.config.get_text_config()
+        pool.routed_shape = (text_config.num_hidden_layers, top_k.pop())
+        pool.allocate()
+        for layer, module in routers.items():
+
+            def hook(_module, _inputs, output, layer=layer):
+                if self._routed is not None:
+                    self._routed[layer] = output[2]
+
+            module.register_forward_hook(hook)
+
+    def _run(self, ids, mask):
+        self._routed = {}
+        try:
+            return self.model(input_ids=ids, attention_mask=mask.long()).logits, self._routed
+        finally:
+            self._routed = None
 
     @torch.inference_mode()
     def forward_prefill(self, pool: TokenPool, tokens, lens, rows, all_logits: bool = False, lora=None):
@@ -182,7 +222,10 @@ class HFFallbackModel:
         ids = torch.zeros(B, L, dtype=torch.long)
         mask = torch.arange(L)[None, :] < lens[:, None]
         ids[mask] = tokens
-        logits = self.model(input_ids=ids, attention_mask=mask.long()).logits
+        logits, routed = self._run(ids, mask)
+        if pool.routed is not None:
+            for layer, experts in routed.items():
+                pool.routed[rows, layer] = experts.view(B, L, -1)[mask].to(torch.int32)
         if all_logits:
             return logits[mask]
         return logits[torch.arange(B), lens - 1]
@@ -191,8 +234,14 @@ class HFFallbackModel:
     def forward_decode(self, pool: TokenPool, tokens, positions, new_rows, kv_index, kv_valid, lora=None):
         pool.tokens.index_copy_(0, new_rows, tokens)
         ids = pool.tokens.index_select(0, kv_index.reshape(-1)).view(kv_index.shape)
-        logits = self.model(input_ids=ids, attention_mask=kv_valid.long()).logits
-        return logits[torch.arange(len(tokens)), positions]
+        logits, routed = self._run(ids, kv_valid)
+        batch = torch.arange(len(tokens))
+        if pool.routed is not None:  # only the new tokens: earlier ones keep what they were routed to when computed
+            for layer, experts in routed.items():
+                pool.routed[new_rows, layer] = experts.view(len(tokens), ids.shape[1], -1)[batch, positions].to(
+                    torch.int32
+                )
+        return logits[batch, positions]
 
 
 def load_fallback(model_dir: str, dtype_name: str, trust_remote_code: bool):

@@ -137,6 +137,8 @@ def _rotate_half(x):
 class KVPool:
     """Per-layer K/V rows for `size` tokens plus a free list; `release()` really frees the memory."""
 
+    routed = None  # no routed-experts capture: this decoder has no MoE layers
+
     def __init__(self, cfg: ModelConfig, size: int, dtype: torch.dtype):
         self.cfg, self.size, self.dtype = cfg, size, dtype
         self.k = self.v = None

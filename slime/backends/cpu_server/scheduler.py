@@ -36,6 +36,8 @@ class Req:
         on_update=None,
         return_sampling_mask=False,
         lora=None,
+        return_routed_experts=False,
+        routed_experts_start_len=0,
     ):
         self.rid = rid or uuid.uuid4().hex
         self.input_ids, self.sp = list(input_ids), sp
@@ -51,6 +53,9 @@ class Req:
         # SGLang's return_sampling_mask: per output token the kept token ids and their renormalised log-probs
         self.return_sampling_mask, self.support_logprobs = return_sampling_mask, False
         self.output_sampling_masks, self.output_sampling_logprobs = [], []
+        # SGLang's return_routed_experts: [seqlen - 1 - start, layers, top_k] int32 experts, taken when it finishes
+        self.return_routed_experts, self.routed_experts_start_len = return_routed_experts, routed_experts_start_len
+        self.routed_experts = None
         self.finish_reason = None
         self.slot, self.rows = None, []
         self.to_abort = None  # abort message once an abort was requested
@@ -81,12 +86,16 @@ class Scheduler:
         random_seed: int,
         state,
         lora_registry=None,
+        batch_invariant: bool = False,
     ):
         self.model, self.weights, self.pool, self.tok = model, weights, pool, tokenizer
         self.max_running, self.context_len, self.eos_ids = max_running, context_len, set(eos_ids)
         self.max_prefill_tokens = max_prefill_tokens
         self.state = state  # shared ServerState: weight_version, paused, ...
         self.loras = lora_registry  # --enable-lora: the loaded adapters, else None
+        # --enable-deterministic-inference: a request's logits must not depend on what else is batched with it (the
+        # matmul kernels round differently per batch shape), so each request runs its own forward
+        self.batch_invariant = batch_invariant
         self.gen = torch.Generator().manual_seed(random_seed)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -184,11 +193,14 @@ class Scheduler:
         if self.paused or not self.pool.allocated or self.weights.released:
             return False
         admitted = self._admit()
-        if admitted:
-            self._prefill(admitted)
+        for batch in self._batches(admitted):
+            self._prefill(batch)
         if self.running:
             self._decode()
         return bool(self.running or (self.waiting and admitted))
+
+    def _batches(self, reqs) -> list:
+        return [[r] for r in reqs] if self.batch_invariant else [reqs] if reqs else []
 
     def _admit(self) -> list:
         admitted, budget = [], self.max_prefill_tokens
@@ -247,7 +259,10 @@ class Scheduler:
         while self.pool.num_free() < need and len(self.running) > 1:
             self._retract(self.running[-1])
             need = len(self.running)
-        reqs = self.running
+        for batch in self._batches(list(self.running)):
+            self._decode_batch(batch)
+
+    def _decode_batch(self, reqs):
         kv_lens = torch.tensor([len(r.rows) for r in reqs])  # cached positions before this step
         new_rows = self.pool.alloc(len(reqs))
         slots = torch.tensor([r.slot for r in reqs])
@@ -262,7 +277,7 @@ class Scheduler:
         logits = self.model.forward_decode(
             self.pool, tokens, kv_lens, torch.tensor(new_rows), kv_index, kv_valid, lora=lora
         )
-        self._sample_and_append(list(reqs), logits.float())
+        self._sample_and_append(reqs, logits.float())
 
     def _retract(self, r):
         logger.info("KV pool full: retracting request %s (%d tokens)", r.rid, len(r.rows))
@@ -323,6 +338,10 @@ class Scheduler:
             self.running.remove(r)
         elif r in self.waiting:
             self.waiting.remove(r)
+        if r.return_routed_experts and r.rows and self.pool.routed is not None:
+            # r.rows are positions [0, seqlen - 1): the last sampled token was never computed, as in SGLang
+            start = min(r.routed_experts_start_len, len(r.rows))
+            r.routed_experts = self.pool.routed[torch.tensor(r.rows[start:], dtype=torch.long)].clone()
         self._free(r)
         if r.lora is not None:
             self.loras.release(r.lora)

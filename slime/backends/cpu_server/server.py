@@ -76,6 +76,7 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
             random_seed=args.random_seed,
             state=self.state,
             lora_registry=self.loras,
+            batch_invariant=args.enable_deterministic_inference,
         )
         self.served_model_name = args.served_model_name or self.model_path
         self.groups: dict = {}
@@ -105,7 +106,13 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
             self.context_len = args.context_length or self.cfg.max_position_embeddings
             self.max_total_tokens = args.max_total_tokens or args.max_running_requests * self.context_len
             self.pool = TokenPool(self.max_total_tokens)
+            if args.enable_return_routed_experts:
+                self.model.enable_routed_experts_capture(self.pool)
             return
+        if args.enable_return_routed_experts:
+            raise UnsupportedModelError(
+                f"--enable-return-routed-experts: {self.cfg.architecture} has no routed MoE experts to return"
+            )
         self.dtype = resolve_dtype(args.dtype, self.cfg)
         self.context_len = args.context_length or self.cfg.max_position_embeddings
         self.weights = WeightStore(self.cfg, self.dtype)
@@ -290,6 +297,7 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
             "device": "cpu",
             "skip_tokenizer_init": False,
             "enable_lora": self.loras is not None,
+            "enable_return_routed_experts": bool(a.enable_return_routed_experts),
             "max_lora_rank": None if self.loras is None else self.loras.max_rank,
             "lora_target_modules": None if self.loras is None else sorted(self.loras.targets or ()),
             "max_loras_per_batch": a.max_loras_per_batch,

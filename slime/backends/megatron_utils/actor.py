@@ -26,6 +26,7 @@ from slime.utils.user_errors import call_user_function
 from slime.utils.wandb_utils import init_wandb_secondary
 
 from . import initialize as megatron_init
+from . import routing_replay
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import get_data_iterator, log_rollout_data
 from .hf_checkpoint_saver import save_hf_model_to_path, save_hf_path
@@ -260,14 +261,17 @@ class MegatronTrainRayActor(TrainRayActor):
             data_iterator, num_microbatches = get_data_iterator(args, self.model, rollout_data)
 
         if args.compute_advantages_and_returns:
+            # R3 replays the engine's routing in every forward; R2 records the old-log-prob forward's
+            replay = "replay" if args.use_rollout_routing_replay else None
             if "ref" in self.weights:
-                with timer("ref_log_probs"):
+                with timer("ref_log_probs"), routing_replay.phase(self.model, replay):
                     rollout_data.update(self.compute_log_prob("ref", data_iterator, num_microbatches, "ref_"))
             if "teacher" in self.weights:  # --opd-type megatron: the teacher's log-probs of the same tokens
                 with timer("teacher_log_probs"):
                     rollout_data.update(self.compute_log_prob("teacher", data_iterator, num_microbatches, "teacher_"))
             if needs_old_log_prob_forward(args, num_steps=len(num_microbatches)):
-                with timer("log_probs"):
+                record = "record" if args.use_routing_replay and not args.use_rollout_routing_replay else None
+                with timer("log_probs"), routing_replay.phase(self.model, replay or record):
                     tag = "old_actor" if "old_actor" in self.weights else "actor"
                     rollout_data.update(self.compute_log_prob(tag, data_iterator, num_microbatches))
                     if tag != "actor":
@@ -297,7 +301,9 @@ class MegatronTrainRayActor(TrainRayActor):
         if rollout_metrics and megatron_init.is_megatron_main_rank():
             log(args, {**rollout_metrics, "rollout/step": rollout_id}, "rollout/step")
 
-        with timer("actor_train"), self.prof.phase("train_actor"):
+        # replay what R3 / R2 hold (R2 without an old-log-prob forward: one step on the rollout's own routing)
+        train_routing = "replay" if routing_replay.KEY in rollout_data else None
+        with timer("actor_train"), self.prof.phase("train_actor"), routing_replay.phase(self.model, train_routing):
             history = train_steps(
                 args, rollout_id, self.model, self.optimizer, self.opt_param_scheduler, data_iterator, num_microbatches
             )

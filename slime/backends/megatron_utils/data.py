@@ -195,7 +195,8 @@ def log_rollout_data(rollout_id, args, rollout_data):
         return {}
     local = {}
     for key, val in rollout_data.items():
-        if key in ("tokens", "loss_masks", "sample_indices", "global_indices", *TOP_P_KEYS) or val is None:
+        skip = ("tokens", "loss_masks", "sample_indices", "global_indices", "rollout_routed_experts", *TOP_P_KEYS)
+        if key in skip or val is None:
             continue
         if isinstance(val, torch.Tensor):
             local[key] = val.float().mean().item()

@@ -26,6 +26,7 @@ from slime.utils.device import current_device
 from slime.utils.top_p_replay import TOP_P_KEYS
 from slime.utils.user_errors import user_function
 
+from . import routing_replay
 from .checkpoint import load_checkpoint, resync_optimizer_main_params
 from .data import get_batch
 from .initialize import is_megatron_main_rank
@@ -49,6 +50,7 @@ TRAIN_KEYS = [
     "rollout_log_probs",
     *TOP_P_KEYS,
     "values",
+    routing_replay.KEY,
 ]
 
 
@@ -215,11 +217,17 @@ def forward_only(args, model, data_iterator, num_microbatches, store_prefix="", 
     def forward_step(iterator, chunk):
         batch = get_batch(
             iterator,
-            ["tokens", "total_lengths", "response_lengths", *TOP_P_KEYS],
+            ["tokens", "total_lengths", "response_lengths", *TOP_P_KEYS, routing_replay.KEY],
             pad_multiplier=args.data_pad_size_multiplier,
         )
+        routing_replay.before_forward(args, chunk, batch)
 
         def post(logits, non_loss_data=True):  # the schedule calls this with non_loss_data=True
+            if routing_replay.recording():  # R2: this forward's routing, replayed in training
+                return {**post_values(logits), routing_replay.KEY: routing_replay.recorded(args, chunk, batch)}
+            return post_values(logits)
+
+        def post_values(logits):
             return post_fn(
                 logits,
                 args=args,
@@ -282,6 +290,7 @@ def train_one_step(args, rollout_id, step_id, data_iterator, model, optimizer, o
         train_mtp = args.enable_mtp_training and args.loss_type != "value_loss"  # the critic has no LM head
         if train_mtp:
             batch["mtp_loss_mask"] = mtp_loss_mask(batch)
+        routing_replay.before_forward(args, chunk, batch)
 
         def loss_func(logits):
             loss, num_tokens, report = loss_function(args, batch, num_microbatches, logits)

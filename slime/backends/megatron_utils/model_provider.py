@@ -138,6 +138,7 @@ def core_transformer_config_from_args(args) -> TransformerConfig:
             moe_aux_loss_coeff=args.moe_aux_loss_coeff,
             moe_router_pre_softmax=bool(args.moe_router_pre_softmax),
             moe_router_dtype=args.moe_router_dtype,
+            moe_enable_routing_replay=bool(args.use_routing_replay),  # R2/R3: routers can replay given experts
         )
     kw["rotary_interleaved"] = bool(args.rotary_interleaved)
     kw["apply_rope_fusion"] = rope_fusion(args)

@@ -178,6 +178,8 @@ def process_rollout_data(args, rollout_data_ref, dp_rank, dp_size, values_ref=No
             vals = [torch.tensor(np.asarray(t), dtype=torch.long, device=device) for t in vals]
         elif key == "loss_masks":
             vals = [torch.tensor(np.asarray(m), dtype=torch.int, device=device) for m in vals]
+        elif key == "rollout_routed_experts":  # [tokens - 1, layers, top-k]; int64 is what the router gathers with
+            vals = [torch.tensor(np.asarray(v), dtype=torch.long, device=device) for v in vals]
         elif key in ("rollout_top_p_token_ids", "rollout_top_p_token_offsets"):
             vals = [torch.tensor(np.asarray(v), dtype=torch.long, device=device) for v in vals]
         elif key in ("rollout_log_probs", "teacher_log_probs", "values"):

@@ -48,6 +48,8 @@ CPU_SERVER_HONOURED = (
     "log_level",
     "api_key",
     "admin_api_key",
+    "enable_deterministic_inference",
+    "enable_return_routed_experts",
 )
 
 # GPU-only performance knobs: meaningless on the CPU server, harmless to ignore (results do not depend on them).
@@ -56,7 +58,7 @@ _GPU_PERF_KNOB = re.compile(
     r"nccl|symm_mem|mscclpp|overlap|schedule_policy|schedule_conservativeness|page_size|max_prefill_tokens|"
     r"prefill_max_requests|radix|kv_cache_dtype|cpu_offload|hicache|hierarchical_cache|num_continuous_decode_steps|"
     r"mixed_chunk|stream_interval|watchdog|log_requests|log_level_http|enable_metrics|show_time_cost|decode_log_interval|"
-    r"tokenizer_worker_num|detokenizer_worker_num|p2p_check|dist_timeout|enable_cache_report|deterministic_inference|"
+    r"tokenizer_worker_num|detokenizer_worker_num|p2p_check|dist_timeout|enable_cache_report|"
     r"enable_tf32_matmul|nvtx|^device$|numa_node|gc_threshold|sleep_on_idle|weights_cpu_backup|enable_fused_|aiter|"
     r"nvidia|megakernel|monokernel|enable_dp_lm_head|enable_p2p|max_queued_requests|enable_nan_detection"
 )

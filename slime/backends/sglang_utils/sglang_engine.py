@@ -209,6 +209,8 @@ def server_command(args, rank: int, host: str, port: int, nccl_port: int, dist_i
             if getattr(args, f"sglang_{field}") is not None:
                 kw[field] = getattr(args, f"sglang_{field}")
         kw.update(lora_server_fields(args))
+        if args.use_rollout_routing_replay:  # R3: the engine returns each token's routed experts
+            kw["enable_return_routed_experts"] = True
         return kind, [sys.executable, "-m", "slime.backends.cpu_server"] + _cli(kw)
     gpus_per_engine, gpus_per_node = args.rollout_num_gpus_per_engine, args.rollout_num_gpus_per_node
     nnodes = max(1, gpus_per_engine // gpus_per_node)
@@ -231,6 +233,8 @@ def server_command(args, rank: int, host: str, port: int, nccl_port: int, dist_i
         "skip_server_warmup": True,
         **lora_server_fields(args),
     }
+    if args.use_rollout_routing_replay:  # R3: the engine returns each token's routed experts
+        kw["enable_return_routed_experts"] = True
     return kind, [sys.executable, "-m", "sglang.launch_server"] + _cli(kw) + _sglang_passthrough(args)
 
 

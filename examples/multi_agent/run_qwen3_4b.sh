@@ -1,0 +1,54 @@
+#!/bin/bash
+# GRPO for a solver / rewriter / selector team on Qwen3-4B (one 8-GPU node, colocated). Every agent call goes
+# through slime.agent's OpenAI adapter; one prompt fans out into 2 * num_parallel + 1 samples sharing a rollout_id.
+#   BASE_DIR=/data bash examples/multi_agent/run_qwen3_4b.sh
+#   SLIME_DRY_RUN=1 bash examples/multi_agent/run_qwen3_4b.sh   # parse + validate the arguments only
+
+set -ex
+export PYTHONBUFFERED=16
+
+EXAMPLE_DIR="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" &>/dev/null && pwd)"
+ROOT_DIR="$(cd -- "${EXAMPLE_DIR}/../.." &>/dev/null && pwd)"
+source "${ROOT_DIR}/scripts/models/qwen3-4B.sh"
+BASE_DIR=${BASE_DIR:-/root}
+
+TRAIN_ARGS=(
+   --actor-num-nodes 1 --actor-num-gpus-per-node 8 --colocate
+   ${MODEL_ARGS[@]}
+   --hf-checkpoint ${BASE_DIR}/Qwen3-4B
+   --ref-load ${BASE_DIR}/Qwen3-4B_torch_dist
+   --load ${BASE_DIR}/Qwen3-4B_multi_agent/ --save ${BASE_DIR}/Qwen3-4B_multi_agent/ --save-interval 20
+
+   # dapo-math's prompts end "Answer: $Answer", the format the agents are scored on; they stay message lists
+   # (no --apply-chat-template): the adapter renders each agent's own conversation
+   --prompt-data ${BASE_DIR}/dapo-math-17k/dapo-math-17k.jsonl --input-key prompt --label-key label --rollout-shuffle
+   --custom-generate-function-path rollout_with_multi_agents.generate_with_multi_agents
+   --num-rollout 3000 --rollout-batch-size 32 --n-samples-per-prompt 8
+   --rollout-max-context-len 16384 --rollout-max-response-len 8192 --rollout-temperature 1.0
+   # each prompt yields 7 samples (3 solvers, 3 rewriters, 1 selector); balance the micro-batches by tokens
+   --global-batch-size 256 --balance-data
+
+   --advantage-estimator grpo --eps-clip 0.2 --eps-clip-high 0.28
+   --optimizer adam --lr 1e-6 --lr-decay-style constant --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.98
+
+   --tensor-model-parallel-size 2 --sequence-parallel
+   --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
+   --use-dynamic-batch-size --max-tokens-per-gpu 16384
+
+   --rollout-num-gpus-per-engine 2 --sglang-mem-fraction-static 0.7
+
+   --attention-dropout 0.0 --hidden-dropout 0.0
+   --accumulate-allreduce-grads-in-fp32 --attention-softmax-in-fp32 --attention-backend flash
+)
+
+if [ "${SLIME_DRY_RUN:-0}" = "1" ]; then
+   cd "${ROOT_DIR}" && PYTHONPATH="${EXAMPLE_DIR}:${PYTHONPATH:-}" exec python3 -m slime.utils.arguments "${TRAIN_ARGS[@]}"
+fi
+
+ray stop --force || true
+cd "${ROOT_DIR}"
+export MASTER_ADDR=${MASTER_ADDR:-"127.0.0.1"}
+ray start --head --node-ip-address ${MASTER_ADDR} --num-gpus 8 --disable-usage-stats
+ray job submit --address="http://127.0.0.1:8265" \
+   --runtime-env-json="{\"env_vars\": {\"PYTHONPATH\": \"${EXAMPLE_DIR}:${MEGATRON_PATH:-}\", \"CUDA_DEVICE_MAX_CONNECTIONS\": \"1\"}}" \
+   -- python3 train.py "${TRAIN_ARGS[@]}"
