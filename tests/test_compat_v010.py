@@ -166,9 +166,10 @@ def test_mtp_flags_parse_and_are_validated(capsys):
     args = parse(model=MIMO_7B_RL_MODEL_ARGS)
     assert (args.mtp_num_layers, args.mtp_loss_scaling_factor, args.enable_mtp_training) == (1, 0.1, False)
     assert (parse().mtp_num_layers, parse().mtp_loss_scaling_factor) == (None, 0.2)  # current slime's defaults
-    # MTP layers are passed through, not trained: asking to train them is refused at start-up
-    assert "does not train multi-token-prediction" in parse_error(
-        capsys, "--mtp-num-layers", "2", "--enable-mtp-training"
+    # current slime's GLM-4.7 / MiMo scripts train them (tests/test_mtp.py); PP > 1 is refused at start-up
+    assert parse("--mtp-num-layers", "2", "--enable-mtp-training").enable_mtp_training
+    assert "--mtp-num-layers with --pipeline-model-parallel-size 2" in parse_error(
+        capsys, "--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"
     )
     assert "--mtp-num-layers 0" in parse_error(capsys, "--mtp-num-layers", "0")
     assert "--mtp-loss-scaling-factor -1.0 must be >= 0" in parse_error(capsys, "--mtp-loss-scaling-factor", "-1")

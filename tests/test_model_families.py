@@ -1,5 +1,5 @@
 """Model families beyond Qwen/Llama-2: Llama 3.x RoPE scaling, GLM-4, GLM-4.5 MoE, DeepSeek-V3 (MLA, grouped sigmoid
-routing with expert bias, shared experts, first-k dense layers), MiMo (its MTP layers are not trained: passed through).
+routing with expert bias, shared experts, first-k dense layers), MiMo (its MTP layers: tests/test_mtp.py).
 
 Each family: a tiny random HF checkpoint; `parse_args` with only `--hf-checkpoint` gives the architecture (checked
 against hand-written values); HF -> Megatron -> HF is bit-exact at TP=1, TP=2 and (MoE) EP=2 / ETP=2; the trainer's
@@ -135,13 +135,14 @@ def test_glm_and_deepseek_architecture_inferred(hf_models):
     assert (d.moe_router_num_groups, d.moe_router_group_topk, d.moe_router_topk) == (4, 2, 4)
 
 
-def test_mimo_is_qwen2_with_mtp_passed_through(hf_models, caplog):
+def test_mimo_is_qwen2_with_mtp_layers(hf_models, caplog):
     import logging
 
     with caplog.at_level(logging.INFO):
         m = family_args(hf_models["mimo"])
     assert m.model_name == "mimoconfig" and m.add_qkv_bias and not m.qk_layernorm and m.rotary_base == 640000
-    assert "1 multi-token-prediction layer(s)" in caplog.text and "does not train them" in caplog.text
+    # without --mtp-num-layers the trainer builds no MTP block (tests/test_mtp.py builds and trains it)
+    assert "1 multi-token-prediction layer(s): without --mtp-num-layers" in caplog.text
 
 
 def test_deepseek_model_args_that_disagree_are_named(hf_models, capsys):
@@ -237,7 +238,7 @@ def _roundtrip_and_log_probs(rank, hf_models, layouts, out):
         init(args)
         model, _, _, _ = initialize_model_and_optimizer(args)
 
-        # MiMo's MTP layers are not built by the trainer (passed through, see test_mimo_...)
+        # without --mtp-num-layers the trainer builds no MTP block (tests/test_mtp.py covers it)
         expected = {k: v for k, v in load_file(f"{hf_dir}/model.safetensors").items() if ".mtp_layers." not in k}
         got = {}
         for name, param in named_parameters(args, model):
@@ -324,7 +325,7 @@ def test_cpu_server_serves_family_and_takes_trainer_named_weights(kind, hf_model
         n: t + 0.05 * torch.randn(t.shape, generator=torch.Generator().manual_seed(i))
         for i, (n, t) in enumerate(sorted(load_file(f"{model_dir}/model.safetensors").items()))
         if ".mtp_layers." not in n
-    }  # the trainer has no MTP layers to send (MiMo)
+    }  # without --mtp-num-layers the trainer sends no MTP layers (MiMo)
     for f in ("config.json", "configuration_mimo.py", "modeling_mimo.py"):
         if os.path.exists(f"{model_dir}/{f}"):
             shutil.copy(f"{model_dir}/{f}", tmp_path / f)

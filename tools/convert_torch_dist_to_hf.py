@@ -30,7 +30,8 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script from anywhere
 
 TRACKER = "latest_checkpointed_iteration.txt"
-_MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+_MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
+_MTP_EXPERTS = ".transformer_layer.mlp.experts.experts."
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
@@ -158,6 +159,15 @@ def model_regions(metadata, tied):
         if tied and key == "output_layer.weight":
             continue  # tied to the embedding: HF stores it once
         size, dtype = tuple(meta.size), meta.properties.dtype
+        if key.startswith("mtp."):  # MTP layers (after the decoder): one tensor each, experts stacked
+            if _MTP_EXPERTS in key:
+                layer, local = key.split(".mlp.experts.experts.", 1)
+                for e in range(size[0]):
+                    name = f"{layer}.mlp.experts.local_experts.{e}.{local}"
+                    tail.append(Region(name, key, (e,) + (0,) * (len(size) - 1), (1,) + size[1:], dtype, 1))
+            else:
+                tail.append(Region(key, key, (0,) * len(size), size, dtype))
+            continue
         rest = key[len("decoder.layers.") :] if key.startswith("decoder.layers.") else None
         if rest is not None and rest.split(".", 1)[0].isdigit() and ".mlp.experts.experts." in rest:
             # a per-layer key (dense and MoE layers mixed) still stacks its experts along the first axis
@@ -285,8 +295,8 @@ class ShardWriter:
 
 
 def pass_through_mtp(origin_hf_dir, writer):
-    """MiMo's multi-token-prediction layers (`model.mtp_layers.*`) are not trained: copy them from the origin
-    checkpoint unchanged, so the export stays a complete checkpoint."""
+    """A checkpoint saved without `--mtp-num-layers` has no MTP layers: copy MiMo's (`model.mtp_layers.*`) from the
+    origin checkpoint unchanged, so the export stays a complete checkpoint."""
     from slime.backends.megatron_utils.megatron_to_hf.hf_to_megatron import SafetensorsReader  # heavy (Megatron)
 
     origin = SafetensorsReader(origin_hf_dir)
@@ -350,6 +360,8 @@ def convert(
 
     reader = FileSystemReader(ckpt)
     regions = model_regions(reader.read_metadata(), tied)
+    # the MTP layers the checkpoint holds (DeepSeek-V3 / GLM-4.5 exports repeat the embedding and head in each)
+    args.mtp_num_layers = len({r.name.split(".")[2] for r in regions if r.name.startswith("mtp.")}) or None
     if not regions:
         raise UserError(
             f"--input-dir {ckpt}: the checkpoint holds no model tensors (embedding./decoder./output_layer.)."
@@ -367,7 +379,7 @@ def convert(
             for hf_name, hf_tensor in convert_to_hf(args, model_name, name, remove_padding(name, tensor, vocab_size)):
                 writer.add(hf_name, hf_tensor)
         batch, batch_bytes = [], 0
-    if origin_hf_dir:
+    if origin_hf_dir and not args.mtp_num_layers:
         pass_through_mtp(origin_hf_dir, writer)
     shards = writer.close()
     if origin_hf_dir:

@@ -1069,7 +1069,7 @@ def add_mtp_training_arguments(parser):
         "--enable-mtp-training",
         action="store_true",
         default=False,
-        help="Update the MTP layers' parameters in training (needs --mtp-num-layers).",
+        help="Train the MTP layers with the RL loss (needs --mtp-num-layers); without it they stay frozen.",
     )
     return parser
 

@@ -12,7 +12,7 @@ import tempfile
 import torch
 
 from .model import UnsupportedModelError
-from .weights import WeightError, resolve_dtype
+from .weights import WeightError, is_mtp_weight, resolve_dtype
 
 
 class FallbackConfig:
@@ -87,7 +87,12 @@ class HFWeights:
 
     def is_ignored(self, name: str) -> bool:
         tied = getattr(self.model.config, "tie_word_embeddings", False)
-        return name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight")
+        text = self.model.config.get_text_config()
+        return (
+            name.endswith("rotary_emb.inv_freq")
+            or (tied and name == "lm_head.weight")
+            or is_mtp_weight(name, text.num_hidden_layers, getattr(text, "num_nextn_predict_layers", 0) or 0)
+        )
 
     def load(self, named_tensors, source: str) -> set:
         if self.released:

@@ -7,6 +7,7 @@ SGLang's `load_weights` does. `release()` moves the weights to a file and frees 
 
 import glob
 import os
+import re
 import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +32,19 @@ _copy_pool = None
 
 class WeightError(ValueError):
     pass
+
+
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def is_mtp_weight(name, num_layers, num_mtp_layers=0):
+    """A multi-token-prediction layer's tensor (speculative decoding, which this server does not run): MiMo's
+    `model.mtp_layers.*`, DeepSeek-V3 / GLM-4.5's `model.layers.{i}.*` at num_hidden_layers <= i < num_hidden_layers
+    + num_nextn_predict_layers. The trainer sends them with `--mtp-num-layers`."""
+    if name.startswith("model.mtp_layers."):
+        return True
+    m = _LAYER_INDEX.match(name)
+    return m is not None and num_layers <= int(m.group(1)) < num_layers + num_mtp_layers
 
 
 def parallel_copy(pairs) -> None:
@@ -138,8 +152,8 @@ class WeightStore:
         return (
             name.endswith(_IGNORED_SUFFIXES)
             or (self.cfg.tie_word_embeddings and name == "lm_head.weight")
-            or name.startswith("model.mtp_layers.")
-        )  # MiMo's MTP layers: speculative decoding, not served here
+            or is_mtp_weight(name, self.cfg.num_layers)  # MiMo's (DeepSeek-style ones are the fallback's)
+        )
 
     def load(self, named_tensors, source: str) -> set:
         """Copy each (hf_name, tensor) into place (casting dtype). Unknown names / wrong shapes raise naming the tensor."""

@@ -167,7 +167,10 @@ def add_megatron_arguments(parser):
         g.add_argument(flag, dest=dest, action="store_false", default=None if "gradient" in flag else True)
     g.add_argument("--cross-entropy-loss-fusion", action="store_true", default=False)
     g.add_argument(
-        "--mtp-num-layers", type=int, default=None, help="Multi-token-prediction layers (MiMo, DeepSeek-V3)."
+        "--mtp-num-layers",
+        type=int,
+        default=None,
+        help="Build the first N multi-token-prediction layers (MiMo, DeepSeek-V3, GLM-4.5).",
     )
     g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1, help="Weight of the MTP loss.")
     add_hybrid_model_arguments(parser)
@@ -705,13 +708,18 @@ def apply_hf_config(args, error, check_paths, given=frozenset()):
         if infer_all or getattr(args, dest) is None:
             setattr(args, dest, value)
     mismatches = _hf_mismatches(args, arch, cfg)
-    if getattr(cfg, "num_nextn_predict_layers", 0):
+    hf_mtp = getattr(cfg, "num_nextn_predict_layers", 0) or 0
+    if args.mtp_num_layers and args.mtp_num_layers > hf_mtp:
+        error(
+            f"--mtp-num-layers {args.mtp_num_layers}: --hf-checkpoint {path}/config.json has {hf_mtp} "
+            "multi-token-prediction layer(s) (num_nextn_predict_layers); give at most that many, or drop the flag."
+        )
+    if hf_mtp and not args.mtp_num_layers:
         logger.info(
-            "--hf-checkpoint %s has %d multi-token-prediction layer(s) (num_nextn_predict_layers): slime does "
-            "not train them (no MTP block is built): the inference engine keeps the checkpoint's MTP weights "
-            "and weight updates pass them through untouched.",
+            "--hf-checkpoint %s has %d multi-token-prediction layer(s): without --mtp-num-layers the trainer builds "
+            "no MTP block, so weight updates and exports leave them out (the engine keeps the checkpoint's).",
             path,
-            cfg.num_nextn_predict_layers,
+            hf_mtp,
         )
     if mismatches:
         error(
@@ -764,16 +772,20 @@ def check_mtp(args, error):
         error(f"--mtp-loss-scaling-factor {args.mtp_loss_scaling_factor} must be >= 0.")
     if args.enable_mtp_training and not args.mtp_num_layers:
         error("--enable-mtp-training needs --mtp-num-layers (the number of MTP layers to train).")
-    if args.enable_mtp_training:
+    if args.mtp_num_layers and args.pipeline_model_parallel_size > 1:
         error(
-            "--enable-mtp-training: slime does not train multi-token-prediction layers; they are passed through "
-            "untouched (see docs/models.md). Drop the flag."
+            f"--mtp-num-layers with --pipeline-model-parallel-size {args.pipeline_model_parallel_size}: the MTP "
+            "block is supported without pipeline parallelism only; use --pipeline-model-parallel-size 1."
         )
-    if args.mtp_num_layers:
-        logger.info(
-            "--mtp-num-layers %d: the trainer builds no MTP block (MTP layers are not trained); the inference "
-            "engine keeps the checkpoint's MTP weights and weight updates pass them through untouched.",
-            args.mtp_num_layers,
+    if args.mtp_num_layers and args.custom_model_provider_path:
+        error(
+            f"--mtp-num-layers with --custom-model-provider-path {args.custom_model_provider_path}: slime builds "
+            "the MTP block in its own model provider; drop one of them."
+        )
+    if args.mtp_num_layers and args.context_parallel_size > 1:
+        error(
+            f"--mtp-num-layers with --context-parallel-size {args.context_parallel_size}: the MTP block is supported "
+            "without context parallelism only; use --context-parallel-size 1."
         )
 
 

@@ -34,6 +34,7 @@ from .lora import apply_lora, check_wrapped
 from .loss import get_log_probs_and_entropy, get_rollout_top_p_logprob_kwargs, loss_function
 from .megatron_to_hf import hf_to_megatron
 from .model_provider import freeze_model_params, get_model_provider_func
+from .mtp import freeze_mtp_params, last_mtp_losses, mtp_loss_mask
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ def get_model(args, wrap_with_ddp=True, role="actor"):
         )
         chunks.append(chunk)
     freeze_model_params(chunks, args)
+    freeze_mtp_params(chunks, args)
     if args.enable_lora:
         wrapped = [n for vp_stage, c in enumerate(chunks) for n in apply_lora(args, c, vp_stage if vpp else None)]
         check_wrapped(args, chunks, wrapped)
@@ -180,12 +182,14 @@ def initialize_model_and_optimizer(args, role="actor"):
 
 
 def _forward(model, batch):
+    mtp = {"loss_mask": batch["mtp_loss_mask"]} if "mtp_loss_mask" in batch else {}  # the MTP block runs on it
     return model(
         input_ids=batch["tokens"],
         position_ids=batch["position_ids"],
         attention_mask=batch["attention_mask"],
         labels=None,
         packed_seq_params=batch["packed_seq_params"],
+        **mtp,
     )
 
 
@@ -283,10 +287,17 @@ def train_one_step(args, rollout_id, step_id, data_iterator, model, optimizer, o
 
     def forward_step(iterator, chunk):
         batch = get_batch(iterator, TRAIN_KEYS, pad_multiplier=args.data_pad_size_multiplier)
+        train_mtp = args.enable_mtp_training and args.loss_type != "value_loss"  # the critic has no LM head
+        if train_mtp:
+            batch["mtp_loss_mask"] = mtp_loss_mask(batch)
         routing_replay.before_forward(args, chunk, batch)
 
         def loss_func(logits):
             loss, num_tokens, report = loss_function(args, batch, num_microbatches, logits)
+            if train_mtp:  # logged as the mean over samples, like the loss terms
+                report["keys"].append("mtp_loss")
+                mtp_loss = last_mtp_losses(chunk).sum().to(report["values"].device)
+                report["values"] = torch.cat([report["values"], (report["values"][0] * mtp_loss).reshape(1)])
             # the schedule clamps/sums num_tokens as a tensor
             return loss, torch.as_tensor(num_tokens, device=loss.device).reshape(()).int(), report
 

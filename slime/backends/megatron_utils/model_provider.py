@@ -30,6 +30,7 @@ from slime.utils.user_errors import user_function
 
 from . import cpu_compat
 from .local_layers import mla_local_spec, with_post_norms
+from .mtp import MTPGPTModel, mtp_block_spec
 from .param_utils import PREFIX, named_parameters
 
 
@@ -107,6 +108,8 @@ def core_transformer_config_from_args(args) -> TransformerConfig:
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
+        mtp_num_layers=args.mtp_num_layers,
+        mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",  # the allgather default rejects variable_seq_lengths even without MoE
         batch_p2p_sync=True,
@@ -275,10 +278,17 @@ def get_model_provider_func(args, role="actor"):
         config = core_transformer_config_from_args(args)
         layer_spec = _layer_spec(args, config, vp_stage)
         if _is_model_provider(layer_spec):  # current slime's model plugins return their own provider
+            if args.mtp_num_layers:
+                raise ValueError(
+                    f"--mtp-num-layers with --spec {' '.join(args.spec)}: that spec builds its own model, without "
+                    "slime's MTP block; drop --mtp-num-layers"
+                )
             return layer_spec(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
-        return GPTModel(
+        mtp_spec = mtp_block_spec(args, layer_spec, use_transformer_engine(args), post_process)
+        model = (MTPGPTModel if mtp_spec is not None else GPTModel)(
             config=config,
             transformer_layer_spec=layer_spec,
+            mtp_block_spec=mtp_spec,
             vocab_size=padded_vocab_size(args),
             max_sequence_length=args.max_position_embeddings,
             pre_process=pre_process,
@@ -293,6 +303,9 @@ def get_model_provider_func(args, role="actor"):
             rope_scaling_factor=args.rope_scaling_factor,
             vp_stage=vp_stage,
         )
+        if mtp_spec is not None:
+            model.real_vocab_size = args.vocab_size
+        return model
 
     return _with_role(model_provider, role, args.seed)
 

@@ -15,6 +15,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 PREFIX = "module.module."
 _LAYER_RE = re.compile(r"^module\.module\.decoder\.layers\.(\d+)\.(.+)$")
+_MTP_LAYER_RE = re.compile(r"^(module\.module\.mtp\.layers\.\d+\.transformer_layer\.)(.+)$")
 _LOCAL_EXPERT_RE = re.compile(r"^((?:.*\.)?mlp\.experts\.local_experts\.)(\d+)(\..+)$")  # SequentialMLP (local spec)
 _GROUPED_EXPERT_RE = re.compile(r"^((?:.*\.)?mlp\.experts\.linear_fc[12]\.weight)(\d+)$")  # TEGroupedMLP
 
@@ -59,16 +60,22 @@ def named_parameters(args, model):
 
 
 def _globalize(name, layer_offset, expert_offset):
+    if m := _MTP_LAYER_RE.match(name):  # MTP layers (last stage only) are numbered within the block
+        return m.group(1) + _global_expert(m.group(2), expert_offset)
     m = _LAYER_RE.match(name)
     if not m:
         return name  # embedding, final norm, output layer
     layer_idx, rest = int(m.group(1)) + layer_offset, m.group(2)
+    return f"{PREFIX}decoder.layers.{layer_idx}.{_global_expert(rest, expert_offset)}"
+
+
+def _global_expert(rest, expert_offset):
     if expert_offset:
         if em := _LOCAL_EXPERT_RE.match(rest):
             rest = f"{em.group(1)}{int(em.group(2)) + expert_offset}{em.group(3)}"
         elif em := _GROUPED_EXPERT_RE.match(rest):
             rest = f"{em.group(1)}{int(em.group(2)) + expert_offset}"
-    return f"{PREFIX}decoder.layers.{layer_idx}.{rest}"
+    return rest
 
 
 _TP_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "parallel_mode")

@@ -18,6 +18,24 @@ _TOP_LEVEL = {
     "output_layer.weight": "lm_head.weight",
 }
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_MTP_RE = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+# Megatron MTP-layer suffix -> HF suffix, by HF layout: DeepSeek-V3 / GLM-4.5 put MTP layer i at decoder index
+# num_hidden_layers + i (`model.layers.{L+i}.`), MiMo under `model.mtp_layers.{i}.` (SGLang's deepseek_nextn,
+# glm4_moe_nextn and mimo_mtp loaders read these names).
+_MTP_NAMES = {
+    "layers": {
+        "enorm.weight": "enorm.weight",
+        "hnorm.weight": "hnorm.weight",
+        "eh_proj.weight": "eh_proj.weight",
+        "final_layernorm.weight": "shared_head.norm.weight",
+    },
+    "mtp_layers": {
+        "enorm.weight": "token_layernorm.weight",
+        "hnorm.weight": "hidden_layernorm.weight",
+        "eh_proj.weight": "input_proj.weight",
+        "final_layernorm.weight": "final_layernorm.weight",
+    },
+}
 _EXPERT_RE = re.compile(
     r"^mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.weight|(linear_fc[12])\.weight(\d+))$"
 )
@@ -90,10 +108,11 @@ class GPTFamily:
     `linear_qkv` holds `[q; gate; k; v]` per query group. `hf_modules`: HF attribute names of transformers modules
     wrapped in the attention slot (slime_plugins/models/hf_attention.py): `self_attention.<attr>.*` is the HF
     layer's `<attr>.*`, unchanged. `prefix`: the HF decoder's prefix (`model.language_model.` in vision-language
-    checkpoints)."""
+    checkpoints). `mtp`: where the HF checkpoint keeps multi-token-prediction layers ("layers" or "mtp_layers",
+    see `_MTP_NAMES`; None: the family has none)."""
 
-    def __init__(self, name, features=(), hf_modules=(), prefix="model."):
-        self.name, self.features = name, frozenset(features)
+    def __init__(self, name, features=(), hf_modules=(), prefix="model.", mtp=None):
+        self.name, self.features, self.mtp = name, frozenset(features), mtp
         self.hf_modules, self.prefix = tuple(hf_modules), prefix
         self.top_level = {k: v.replace("model.", prefix, 1) for k, v in _TOP_LEVEL.items()}
         self.copy_rules = {}
@@ -109,9 +128,39 @@ class GPTFamily:
         """[(hf_name, tensor)] for a full Megatron tensor, or None when this family has no such parameter."""
         local = strip_prefix(name)
         if local in self.top_level:
-            return [(self.top_level[local], param)]
+            return [(self.top_level[local], param), *self._mtp_shared_copies(args, local, param)]
         if m := _LAYER_RE.match(local):
             return self._layer_to_hf(args, f"{self.prefix}layers.{m.group(1)}.", m.group(2), param)
+        if self.mtp and (m := _MTP_RE.match(local)):
+            return self._mtp_to_hf(args, int(m.group(1)), m.group(2), param)
+        return None
+
+    def _mtp_prefix(self, args, i):
+        if self.mtp == "layers":
+            return f"{self.prefix}layers.{args.num_layers + i}."
+        return f"{self.prefix}mtp_layers.{i}."
+
+    def _mtp_shared_copies(self, args, local, param):
+        """DeepSeek-V3 / GLM-4.5 checkpoints repeat the embedding and LM head inside each MTP layer (the MTP block
+        shares the model's own)."""
+        if self.mtp != "layers" or not args.mtp_num_layers:
+            return []
+        suffix = {
+            "embedding.word_embeddings.weight": "embed_tokens.weight",
+            "output_layer.weight": "shared_head.head.weight",
+        }
+        if local not in suffix:
+            return []
+        return [(self._mtp_prefix(args, i) + suffix[local], param) for i in range(args.mtp_num_layers)]
+
+    def _mtp_to_hf(self, args, i, rest, param):
+        pre = self._mtp_prefix(args, i)
+        if rest in _MTP_NAMES[self.mtp]:
+            if rest == "eh_proj.weight" and self.mtp == "mtp_layers":
+                param = swap_halves(param)
+            return [(pre + _MTP_NAMES[self.mtp][rest], param)]
+        if rest.startswith("transformer_layer."):
+            return self._layer_to_hf(args, pre, rest[len("transformer_layer.") :], param)
         return None
 
     def _layer_to_hf(self, args, pre, rest, param):
@@ -152,11 +201,15 @@ class GPTFamily:
         local = strip_prefix(name)
         if local == "output_layer.weight":
             return load("lm_head.weight", fallback="model.embed_tokens.weight")  # tied HF checkpoints have no lm_head
+        if local in self.top_level:
+            return load(self.top_level[local])
         probe = self.to_hf(args, name, _NamesOnly())
         if probe is None:
             return None
         tensors = [load(hf_name) for hf_name, _ in probe]
         if len(tensors) == 1:
+            if self.mtp == "mtp_layers" and _MTP_RE.match(local) and local.endswith(".eh_proj.weight"):
+                return swap_halves(tensors[0])
             return tensors[0]
         if len(tensors) == 3:  # q, k, v
             return (merge_gated_qkv if "gated_attention" in self.features else merge_qkv)(args, *tensors)
@@ -168,6 +221,15 @@ class _NamesOnly:
 
     def chunk(self, n, dim=0):
         return [self] * n
+
+
+def swap_halves(weight):
+    """MiMo's `input_proj` reads `[hidden; embedding]`, Megatron's `eh_proj` `[embedding; hidden]` (its input
+    columns): the two column halves swap (its own inverse)."""
+    if isinstance(weight, _NamesOnly):
+        return weight
+    half = weight.shape[1] // 2
+    return torch.cat([weight[:, half:], weight[:, :half]], dim=1)
 
 
 def split_qkv(args, qkv):

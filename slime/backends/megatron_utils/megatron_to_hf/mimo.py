@@ -1,12 +1,9 @@
-"""MiMo (XiaomiMiMo/MiMo-7B): a Qwen2 decoder (qkv bias) plus multi-token-prediction layers `model.mtp_layers.*`.
-
-The trainer builds no MTP block: MiMo's MTP layers are not trained. They stay in the HF checkpoint, the inference
-server loads them from there, and weight updates leave them untouched (see docs/models.md).
-"""
+"""MiMo (XiaomiMiMo/MiMo-7B): a Qwen2 decoder (qkv bias) plus multi-token-prediction layers `model.mtp_layers.*`
+(the trainer's MTP block with `--mtp-num-layers`, see slime/backends/megatron_utils/mtp.py)."""
 
 from ._common import GPTFamily
 
-FAMILY = GPTFamily("mimo", features=("qkv_bias",))
+FAMILY = GPTFamily("mimo", features=("qkv_bias",), mtp="mtp_layers")
 
 
 def convert_mimo_to_hf(args, name, param):
