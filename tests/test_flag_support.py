@@ -46,7 +46,6 @@ def _refusal(capsys, *argv):
     "argv, flag, issue",
     [
         (["--use-routing-replay"], "--use-routing-replay", "#25"),
-        (["--sglang-config", "x.yaml"], "--sglang-config", "#26"),
         (["--use-rollout-routing-replay"], "--use-rollout-routing-replay", "#25"),
     ],
 )
