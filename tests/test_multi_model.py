@@ -1,19 +1,34 @@
 """--sglang-config (docs/multi_model.md): the YAML and every bad input, the frozen models' engine arguments, the
 by-name lookup, and a train.py run with a frozen model beside the policy whose weights no sync touches."""
 
-import pytest
-import yaml
+import asyncio
+import json
+import os
 
+import psutil
+import pytest
+import requests
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import train as sync_driver
+from slime.backends.sglang_utils.router import list_workers
 from slime.backends.sglang_utils.sglang_config import (
     SglangConfig,
     SglangConfigError,
+    frozen_models,
     get_model_url,
     policy_num_gpus,
     resolve,
 )
 from slime.backends.sglang_utils.sglang_engine import server_command
 from slime.ray.model_servers import engine_args
+from slime.utils.types import Sample
 from tests._args import make_args
+from tests.test_cpu_server import start_cpu_server, stop_cpu_server
+from tests.test_e2e import make_args as e2e_args
+from tests.test_e2e import read_metrics
 
 
 def _write(tmp_path, config, name="models.yaml"):
@@ -217,3 +232,168 @@ def test_get_model_url_reaches_a_model_by_name_and_names_the_served_ones_otherwi
     assert get_model_url(args, "actor", "/health") == "http://10.0.0.1:3000/health"
     with pytest.raises(KeyError, match="no router serves a model named 'ref' \\(served: actor, judge\\)"):
         get_model_url(args, "ref")
+
+
+# ------------------------------------------------------------------ the LLM-as-judge example, on a CPU server
+
+
+def _judge_config(tmp_path, judge_dir, policy_gpus=1):
+    return _write(
+        tmp_path,
+        {
+            "sglang": [
+                _model("actor", policy_gpus),
+                _model("judge", 1, model_path=judge_dir, update_weights=False),
+            ]
+        },
+        "judge.yaml",
+    )
+
+
+def test_judge_reward_is_the_judges_yes_probability(tiny_kit, tmp_path):
+    """examples/llm_as_judge: the reward the judge server gives equals P(Yes) / (P(Yes) + P(No)) from a
+    transformers forward of the judge on the same prompt."""
+    from examples.llm_as_judge import judge_rm
+
+    model_dir = tiny_kit[0]
+    args = make_args(
+        "--sglang-config", _judge_config(tmp_path, model_dir), "--rollout-num-gpus", "2", hf_checkpoint=model_dir
+    )
+    sample = Sample(index=0, prompt="What is 2 + 3?", label="5", response=" 5")
+    proc, url = start_cpu_server(model_dir)
+    try:
+        host, port = url.rsplit("//", 1)[1].rsplit(":", 1)
+        args.sglang_model_routers = {"actor": ("127.0.0.1", 1), "judge": (host, int(port))}
+        reward = asyncio.run(judge_rm.reward_func(args, sample))
+    finally:
+        stop_cpu_server(proc)
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prefix, yes, no = judge_rm.verdict_ids(tok)
+    assert " Yes".startswith(tok.decode(prefix + [yes])) and " No".startswith(tok.decode(prefix + [no])) and yes != no
+    ids = tok.encode(judge_rm.judge_prompt(sample), add_special_tokens=False) + prefix
+    assert "Given answer: 5" in judge_rm.judge_prompt(sample)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        p = torch.softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
+    want = (p[yes] / (p[yes] + p[no])).item()
+    assert abs(reward - want) < 1e-4, (reward, want)
+
+
+def test_judge_reward_without_a_judge_names_it(tmp_path):
+    from examples.llm_as_judge import judge_rm
+
+    args = make_args()
+    with pytest.raises(KeyError, match="no model named 'judge' in --sglang-config"):
+        asyncio.run(judge_rm.reward_func(args, Sample(index=0, prompt="q", label="1", response="1")))
+
+
+# ------------------------------------------------------------------ train.py with a frozen model beside the policy
+
+
+async def probing_judge_reward(args, sample, **kwargs):
+    """The judge reward, plus what the judge's router serves right now: its workers, their weight versions and
+    weight checksums (written next to the metrics), so the test sees the frozen model across weight syncs."""
+    from examples.llm_as_judge import judge_rm
+
+    reward = await judge_rm.reward_func(args, sample)
+    probe = {}
+    for name in ("actor", "judge"):
+        workers = list_workers(get_model_url(args, name, ""))
+        probe[name] = [
+            {
+                "url": w,
+                "version": requests.get(w + "/model_info", timeout=30).json()["weight_version"],
+                "checksum": requests.post(w + "/weights_checker", json={"action": "checksum"}, timeout=60).json()[
+                    "per_engine_checksum"
+                ]
+                if name == "judge"
+                else None,
+            }
+            for w in workers
+        ]
+    with open(os.path.join(os.path.dirname(args.metrics_path), "probe.jsonl"), "a") as f:
+        f.write(json.dumps(probe) + "\n")
+    return reward
+
+
+@pytest.mark.slow
+def test_train_with_a_frozen_judge_beside_the_policy(ray_session, tiny_kit, tmp_path):
+    """train.py with --sglang-config: the policy (1 engine) and a frozen judge (1 engine, the same checkpoint, so a
+    stray weight push would show) each behind its own router. The rollout's reward reaches the judge by name; the
+    policy's engine receives every weight update; the judge's weight version and checksum never move and equal a
+    freshly loaded server's."""
+    model_dir = tiny_kit[0]
+    args = e2e_args(
+        tiny_kit,
+        tmp_path,
+        *["--sglang-config", _judge_config(tmp_path, model_dir), "--rollout-num-gpus", "2"],
+        *["--custom-rm-path", "tests.test_multi_model.probing_judge_reward", "--lr", "1e-2"],
+        num_rollout=2,
+    )
+    assert [m.name for m in frozen_models(args)] == ["judge"]
+    sync_driver.train(args)
+    rows = read_metrics(tmp_path)
+    assert [int(r["rollout/weight_version"]) for r in rows] == [1, 2]  # the policy got every push
+    with open(tmp_path / "probe.jsonl") as f:
+        probes = [json.loads(line) for line in f]
+    assert len(probes) == 32  # 2 rollouts x 4 prompts x 4 samples, each judged once
+    judge_urls = {w["url"] for p in probes for w in p["judge"]}
+    actor_urls = {w["url"] for p in probes for w in p["actor"]}
+    assert len(judge_urls) == 1 and len(actor_urls) == 1 and judge_urls != actor_urls
+    assert {w["version"] for p in probes for w in p["actor"]} <= {"1", "2"}
+    assert {w["version"] for p in probes for w in p["actor"]} >= {"2"}  # the second rollout saw the second push
+    judge_versions = {w["version"] for p in probes for w in p["judge"]}
+    judge_checksums = {w["checksum"] for p in probes for w in p["judge"]}
+    proc, url = start_cpu_server(model_dir)
+    try:
+        fresh = requests.get(url + "/model_info", timeout=30).json()["weight_version"]
+        fresh_sum = requests.post(url + "/weights_checker", json={"action": "checksum"}, timeout=60).json()
+    finally:
+        stop_cpu_server(proc)
+    assert judge_versions == {fresh} and judge_checksums == {fresh_sum["per_engine_checksum"]}
+    # and the policy did move away from that checkpoint (else the judge's checksum would prove nothing)
+    assert rows[-1]["train/grad_norm"] > 0
+
+
+async def judge_reward_killing_the_judge(args, sample, **kwargs):
+    """`probing_judge_reward`, and at the first sample of rollout 1 (16 probes written) SIGKILL the judge's server."""
+    probes = os.path.join(os.path.dirname(args.metrics_path), "probe.jsonl")
+    done = os.path.exists(probes) and sum(1 for _ in open(probes))
+    marker = probes + ".killed"
+    if done == 16 and not os.path.exists(marker):
+        open(marker, "w").close()
+        port = args.sglang_model_routers["judge"][1]
+        worker = list_workers(f"http://127.0.0.1:{port}")[0]
+        for p in psutil.process_iter(["cmdline"]):
+            cmd = " ".join(p.info["cmdline"] or [])
+            if "slime.backends.cpu_server" in cmd and f"--port {worker.rsplit(':', 1)[1]}" in cmd:
+                p.kill()
+    return await probing_judge_reward(args, sample)
+
+
+@pytest.mark.slow
+def test_a_dead_frozen_engine_is_replaced_under_fault_tolerance(ray_session, tiny_kit, tmp_path):
+    """--use-fault-tolerance: the judge's server is SIGKILLed at the start of rollout 1; the health monitor replaces
+    it in its bundle, behind the same router, serving its checkpoint (no weights pushed), and the run finishes."""
+    model_dir = tiny_kit[0]
+    args = e2e_args(
+        tiny_kit,
+        tmp_path,
+        *["--sglang-config", _judge_config(tmp_path, model_dir), "--rollout-num-gpus", "2", "--use-fault-tolerance"],
+        *["--rollout-health-check-interval", "1", "--rollout-health-check-first-wait", "0"],
+        *["--custom-rm-path", "tests.test_multi_model.judge_reward_killing_the_judge"],
+        num_rollout=2,
+    )
+    sync_driver.train(args)
+    assert os.path.exists(tmp_path / "probe.jsonl.killed")
+    rows = read_metrics(tmp_path)
+    assert [int(r["rollout/weight_version"]) for r in rows] == [1, 2]
+    with open(tmp_path / "probe.jsonl") as f:
+        probes = [json.loads(line) for line in f]
+    assert len(probes) == 32
+    before = {w["url"] for p in probes[:16] for w in p["judge"]}
+    after = {w["url"] for p in probes[16:] for w in p["judge"]}
+    assert len(before) == 1 and len(after) == 1 and before != after  # a new engine behind the same router
+    assert {w["version"] for p in probes for w in p["judge"]} == {probes[0]["judge"][0]["version"]}
+    assert {w["checksum"] for p in probes for w in p["judge"]} == {probes[0]["judge"][0]["checksum"]}

@@ -267,6 +267,26 @@ class RolloutManager:
                 engine=index,
             )
 
+    def check_frozen_models(self, timeout):
+        """The health monitor's round over --sglang-config's frozen models: a dead or hung engine fails the run or,
+        with --use-fault-tolerance, is replaced in its bundle at once (it needs no weights)."""
+        for m in self.frozen_models:
+            for j, why in m.failed_engines(timeout):
+                with self._lock:
+                    if self._closing or self.failure is not None:
+                        return
+                    what = f"frozen model {m.name!r} engine {j} ({m.engine_urls[j]}) {why}"
+                    self._event("engine_failed", what, model=m.name, engine=j)
+                    if not self.args.use_fault_tolerance:
+                        self.failure = _failure(what)
+                        return
+                    try:
+                        url = m.replace(j)
+                    except Exception as e:  # noqa: BLE001  (a replacement that cannot start ends the run)
+                        self.failure = _failure(f"{what}; its replacement failed: {str(e).splitlines()[0][:300]}")
+                        return
+                    self._event("engine_restarted", f"frozen model {m.name!r} engine {j} restarted at {url}")
+
     def _drop_external(self, index, what):
         """--use-fault-tolerance: an external engine that vanished leaves the run for good (someone else owns it, so
         slime never restarts it): off the router, its actor gone, the server left alone. The trainers reconnect to
