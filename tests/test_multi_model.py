@@ -397,3 +397,40 @@ def test_a_dead_frozen_engine_is_replaced_under_fault_tolerance(ray_session, tin
     assert len(before) == 1 and len(after) == 1 and before != after  # a new engine behind the same router
     assert {w["version"] for p in probes for w in p["judge"]} == {probes[0]["judge"][0]["version"]}
     assert {w["checksum"] for p in probes for w in p["judge"]} == {probes[0]["judge"][0]["checksum"]}
+
+
+def test_frozen_models_with_colocate_are_refused_in_one_line(tmp_path, capsys):
+    path = _judge_config(tmp_path, "/models/judge")
+    with pytest.raises(SystemExit):
+        make_args("--sglang-config", path, "--colocate", "--actor-num-gpus-per-node", "2")
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "frozen models cannot be served with --colocate" in err, err
+
+
+@pytest.mark.slow
+def test_offloaded_frozen_judge_keeps_its_weights(ray_session, tiny_kit, tmp_path):
+    """--offload-rollout: the judge's engine releases and resumes its memory with the policy's around every
+    training step and comes back with its own checkpoint's weights (nothing is pushed to it)."""
+    model_dir = tiny_kit[0]
+    args = e2e_args(
+        tiny_kit,
+        tmp_path,
+        *["--offload-rollout", "--rollout-num-gpus", "2", "--sglang-config", _judge_config(tmp_path, model_dir)],
+        *["--custom-rm-path", "tests.test_multi_model.probing_judge_reward"],
+        num_rollout=2,
+    )
+    assert args.offload_rollout and not args.colocate
+    sync_driver.train(args)
+    rows = read_metrics(tmp_path)
+    assert [int(r["rollout/weight_version"]) for r in rows] == [1, 2]
+    with open(tmp_path / "probe.jsonl") as f:
+        probes = [json.loads(line) for line in f]
+    assert len(probes) == 32
+    assert len({w["checksum"] for p in probes for w in p["judge"]}) == 1
+    assert len({w["version"] for p in probes for w in p["judge"]}) == 1
+    proc, url = start_cpu_server(model_dir)
+    try:
+        fresh = requests.post(url + "/weights_checker", json={"action": "checksum"}, timeout=60).json()
+    finally:
+        stop_cpu_server(proc)
+    assert probes[0]["judge"][0]["checksum"] == fresh["per_engine_checksum"]

@@ -306,4 +306,12 @@ def check_sglang_config(args, error, check_paths=True):
         config = resolve(SglangConfig.from_yaml(args.sglang_config), args, args.sglang_config, check_paths)
     except SglangConfigError as e:
         error(f"{e}.")
+    if args.colocate and len(config.models) > 1:
+        # the colocated push hands each trainer rank's tensors to the engine on its own GPU, so the policy's engines
+        # must cover every rollout GPU
+        error(
+            f"--sglang-config {args.sglang_config}: frozen models cannot be served with --colocate (the colocated "
+            "weight push needs the policy on every rollout GPU); give them GPUs of their own without --colocate "
+            "(--offload-rollout still releases their memory with the policy's)."
+        )
     args.served_models = config.models
