@@ -357,3 +357,21 @@ def test_reward_func_reaches_the_sglang_config_teacher_by_name(tiny_kit, teacher
         stop_cpu_server(proc)
     opd.post_process_rewards(args, [by_name, by_url])
     assert len(by_name.teacher_log_probs) == 5 and by_name.teacher_log_probs == by_url.teacher_log_probs
+
+
+@pytest.mark.slow
+def test_train_opd_with_the_teacher_started_from_sglang_config(ray_session, tiny_kit, teacher_dir, tmp_path):
+    """train.py --use-opd --opd-type sglang without --rm-url: slime starts the teacher from --sglang-config beside the
+    policy, and every sample gets its log-probs (the teacher's scores differ from the student's own)."""
+    args = e2e_args(
+        tiny_kit,
+        tmp_path,
+        *["--rollout-num-gpus", "2", "--sglang-config", _teacher_config(tmp_path, teacher_dir)],
+        *["--use-opd", "--opd-type", "sglang", *OPD_HOOKS, "--rollout-temperature", "1.0"],
+        num_rollout=2,
+    )
+    assert args.rm_url is None
+    sync_driver.train(args)
+    teacher_lp = _rollout_metric(tmp_path, "rollout/teacher_log_probs")
+    kl = _rollout_metric(tmp_path, "rollout/opd_reverse_kl")
+    assert len(teacher_lp) == 2 and len(kl) == 2 and all(abs(k) > 1e-3 for k in kl), (teacher_lp, kl)
