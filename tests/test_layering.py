@@ -33,6 +33,8 @@ ALLOWED = {
     ("slime.utils.arguments", "slime.backends.sglang_utils.arguments"),
     # start-up reads --rollout-external-engine-addrs' servers (shape, model), as it reads the HF config
     ("slime.utils.arguments", "slime.backends.sglang_utils.external"),
+    # start-up parses and checks --sglang-config (the models, their GPUs and paths)
+    ("slime.utils.arguments", "slime.backends.sglang_utils.sglang_config"),
     # start-up validation of --rm-type names (lazy)
     ("slime.utils.arguments", "slime.rollout.rm_hub"),
     ("slime.utils.eval_config", "slime.rollout.rm_hub"),

@@ -14,6 +14,7 @@ import train as sync_driver
 from slime.backends.megatron_utils.loss import compute_advantages_and_returns
 from slime.backends.sglang_utils.external import check_opd_teacher
 from slime.rollout import on_policy_distillation as opd
+from slime.utils.arguments import check_opd_flags
 from slime.utils.http_utils import find_available_port
 from slime.utils.ray_utils import Box
 from slime.utils.types import Sample
@@ -39,8 +40,8 @@ def _rollout():
     }
 
 
-def _opd_args(*argv):
-    return make_args("--use-opd", "--opd-type", "sglang", "--rm-url", "http://127.0.0.1:1/generate", *argv)
+def _opd_args(*argv, rm_url="http://127.0.0.1:1/generate"):
+    return make_args("--use-opd", "--opd-type", "sglang", "--rm-url", rm_url, *argv)
 
 
 def test_opd_advantage_is_estimator_advantage_minus_coef_times_reverse_kl(mpu_world1):
@@ -81,7 +82,7 @@ def test_opd_without_teacher_log_probs_names_the_post_process(mpu_world1):
     [
         (["--use-opd"], "--use-opd needs --opd-type"),
         (["--use-opd", "--opd-type", "megatron"], "--opd-type megatron needs --opd-teacher-load"),
-        (["--use-opd", "--opd-type", "sglang"], "--opd-type sglang needs --rm-url"),
+        (["--use-opd", "--opd-type", "sglang"], "--opd-type sglang needs --rm-url, the teacher server's /generate"),
         (
             ["--use-opd", "--opd-type", "sglang", "--rm-url", "http://h:1/generate", "--opd-teacher-load", "/t"],
             "--opd-teacher-load / --opd-teacher-ckpt-step are for --opd-type megatron",
@@ -299,3 +300,78 @@ def test_train_opd_megatron_teacher(ray_session, tiny_kit, teacher_ckpt, tmp_pat
     teacher_lp = _rollout_metric(tmp_path, "rollout/teacher_log_probs")
     assert len(teacher_lp) == 6, teacher_lp
     assert teacher_lp[-1] > teacher_lp[0] + 0.8, teacher_lp
+
+
+def _teacher_config(tmp_path, teacher_path, name="teacher"):
+    path = tmp_path / "models.yaml"
+    path.write_text(
+        f"sglang:\n  - name: actor\n    server_groups: [{{worker_type: regular, num_gpus: 1}}]\n"
+        f"  - name: {name}\n    model_path: {teacher_path}\n    update_weights: false\n"
+        "    server_groups: [{worker_type: regular, num_gpus: 1}]\n"
+    )
+    return str(path)
+
+
+def _raise(message):
+    raise ValueError(message)
+
+
+def test_opd_teacher_from_sglang_config_is_checked_at_start_up(tiny_kit, teacher_dir, tmp_path, capsys):
+    """No --rm-url: the frozen model `teacher` of --sglang-config is the teacher; its tokenizer must be the
+    student's, and a config without it is refused in one line."""
+    argv = ["--use-opd", "--opd-type", "sglang", "--rollout-num-gpus", "2"]
+    args = make_args(*argv, "--sglang-config", _teacher_config(tmp_path, teacher_dir), hf_checkpoint=tiny_kit[0])
+    assert args.rm_url is None and [m.name for m in args.served_models] == ["actor", "teacher"]
+    check_opd_flags(args, _raise, check_paths=True)  # same tokenizer: accepted
+    other = str(tmp_path / "other")
+    shutil.copytree(teacher_dir, other)
+    tok = AutoTokenizer.from_pretrained(tiny_kit[0])
+    tok.add_tokens(["<opd-only-token>"])
+    tok.save_pretrained(other)
+    args = make_args(*argv, "--sglang-config", _teacher_config(tmp_path, other), hf_checkpoint=tiny_kit[0])
+    with pytest.raises(ValueError, match=r"model 'teacher': its tokenizer \(.*other\) differs from the student's"):
+        check_opd_flags(args, _raise, check_paths=True)
+    with pytest.raises(SystemExit):
+        make_args(*argv, "--sglang-config", _teacher_config(tmp_path, teacher_dir, "judge"), hf_checkpoint=tiny_kit[0])
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "or a frozen model named 'teacher' in --sglang-config" in err, err
+
+
+def test_reward_func_reaches_the_sglang_config_teacher_by_name(tiny_kit, teacher_dir, tmp_path):
+    """Without --rm-url the scoring request goes to the `teacher` router: the same log-probs as through --rm-url
+    (which the test above checks against a transformers forward)."""
+    tokens = [11, 25, 40, 7, 99, 3, 64, 18]
+    argv = ["--use-opd", "--opd-type", "sglang", "--rollout-num-gpus", "2", "--rollout-temperature", "0.7"]
+    args = make_args(*argv, "--sglang-config", _teacher_config(tmp_path, teacher_dir), hf_checkpoint=tiny_kit[0])
+    proc, url = start_cpu_server(teacher_dir)
+    try:
+        host, port = url.rsplit("//", 1)[1].rsplit(":", 1)
+        args.sglang_model_routers = {"actor": ("127.0.0.1", 1), "teacher": (host, int(port))}
+        by_name = Sample(index=0, tokens=list(tokens), response_length=5)
+        by_name.reward = asyncio.run(opd.reward_func(args, by_name))
+        by_url = Sample(index=1, tokens=list(tokens), response_length=5)
+        by_url.reward = asyncio.run(
+            opd.reward_func(_opd_args("--rollout-temperature", "0.7", rm_url=url + "/generate"), by_url)
+        )
+    finally:
+        stop_cpu_server(proc)
+    opd.post_process_rewards(args, [by_name, by_url])
+    assert len(by_name.teacher_log_probs) == 5 and by_name.teacher_log_probs == by_url.teacher_log_probs
+
+
+@pytest.mark.slow
+def test_train_opd_with_the_teacher_started_from_sglang_config(ray_session, tiny_kit, teacher_dir, tmp_path):
+    """train.py --use-opd --opd-type sglang without --rm-url: slime starts the teacher from --sglang-config beside the
+    policy, and every sample gets its log-probs (the teacher's scores differ from the student's own)."""
+    args = e2e_args(
+        tiny_kit,
+        tmp_path,
+        *["--rollout-num-gpus", "2", "--sglang-config", _teacher_config(tmp_path, teacher_dir)],
+        *["--use-opd", "--opd-type", "sglang", *OPD_HOOKS, "--rollout-temperature", "1.0"],
+        num_rollout=2,
+    )
+    assert args.rm_url is None
+    sync_driver.train(args)
+    teacher_lp = _rollout_metric(tmp_path, "rollout/teacher_log_probs")
+    kl = _rollout_metric(tmp_path, "rollout/opd_reverse_kl")
+    assert len(teacher_lp) == 2 and len(kl) == 2 and all(abs(k) > 1e-3 for k in kl), (teacher_lp, kl)

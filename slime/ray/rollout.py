@@ -16,9 +16,11 @@ from slime.backends.sglang_utils.router import (
     start_router,
     stop_router,
 )
+from slime.backends.sglang_utils.sglang_config import policy_num_gpus
 from slime.backends.sglang_utils.sglang_engine import SGLangEngine
 from slime.ray.buffer import RolloutController
 from slime.ray.driver import register_cleanup
+from slime.ray.model_servers import start_frozen_routers
 from slime.ray.utils import Lock, noset_visible_devices_env
 from slime.utils.health_monitor import RolloutHealthMonitor
 
@@ -37,7 +39,7 @@ def _engines_per_gpu_layout(args):
     num_gpu_per_engine = min(args.rollout_num_gpus_per_engine, args.rollout_num_gpus_per_node)
     return (
         num_gpu_per_engine,
-        args.rollout_num_gpus // num_gpu_per_engine,
+        policy_num_gpus(args) // num_gpu_per_engine,
         max(1, args.rollout_num_gpus_per_engine // args.rollout_num_gpus_per_node),
     )
 
@@ -96,7 +98,7 @@ def _allocate_ports(args, engines):
     OS outside Ray's worker ports and distinct within the node."""
     gpus_per_engine = args.rollout_num_gpus_per_engine
     nodes_per_engine = max(1, gpus_per_engine // args.rollout_num_gpus_per_node)
-    engines_per_node = max(1, min(args.rollout_num_gpus_per_node, args.rollout_num_gpus) // gpus_per_engine)
+    engines_per_node = max(1, min(args.rollout_num_gpus_per_node, policy_num_gpus(args)) // gpus_per_engine)
     addr_and_ports = [{} for _ in engines]
     dp_size = args.sglang_dp_size or 1
     for node_start in range(0, len(engines), engines_per_node):
@@ -138,7 +140,7 @@ class RolloutManager:
     def __init__(self, args, pg, wandb_run_id=None):
         self.args, self.pg = args, pg
         self.router_process, self.all_rollout_engines, self.controller, self.rollout_engine_lock = None, [], None, None
-        self.rollout_engines, self.health_monitor = [], None
+        self.rollout_engines, self.health_monitor, self.frozen_models = [], None, []
         self._reconnect_due = False  # see `reconnect_due`
         self.off_router = set()  # replacements that do not serve the trainers' weights yet (see `join_router`)
         self.failure = None  # without --use-fault-tolerance: the first fault, raised by the driver's Watchdog
@@ -147,8 +149,19 @@ class RolloutManager:
         self._closing = False
         register_cleanup(self.shutdown)
         self.router_process = _start_router(args)
+        # --sglang-config's frozen models: routers first, so the controller (rollout, reward) knows their addresses
+        self.frozen_models = [] if args.debug_train_only else start_frozen_routers(args)
+        args.sglang_model_routers = {
+            (args.served_models[0].name if args.served_models else "default"): (
+                args.sglang_router_ip,
+                args.sglang_router_port,
+            ),
+            **{m.name: (m.router_ip, m.router_port) for m in self.frozen_models},
+        }
         self.controller = RolloutController.options(num_cpus=1, num_gpus=0).remote(args, wandb_run_id)
         self.all_rollout_engines = create_rollout_engines(args, pg)
+        for m in self.frozen_models:
+            m.start_engines(pg)
         # no engines (and no --rollout-num-gpus) under --debug-train-only: only the per-engine layout is needed here
         self.nodes_per_engine = (
             1 if args.rollout_external else max(1, args.rollout_num_gpus_per_engine // args.rollout_num_gpus_per_node)
@@ -165,7 +178,7 @@ class RolloutManager:
             for action in ("snapshot", "reset_tensors"):
                 ray.get(self.async_check_weights(action))
         if args.offload_rollout and self.rollout_engines:
-            ray.get([e.release_memory_occupation.remote() for e in self.rollout_engines])
+            ray.get([e.release_memory_occupation.remote() for e in self.rollout_engines + self._frozen_engines()])
         if not args.debug_train_only:
             self.health_monitor = RolloutHealthMonitor(self, args)
             self.health_monitor.start()
@@ -182,12 +195,20 @@ class RolloutManager:
         self.pause_health_checks()
         if self.args.use_fault_tolerance:  # an engine that died since the last health check is removed first
             self.check_engines_alive()
-        return [e.release_memory_occupation.remote() for e in self.rollout_engines if e is not None]
+        return [e.release_memory_occupation.remote() for e in self._all_engines()]
 
     def async_onload(self, tags=None):
         if self.args.use_fault_tolerance:
             self.check_engines_alive()
-        return [e.resume_memory_occupation.remote(tags=tags) for e in self.rollout_engines if e is not None]
+        return [e.resume_memory_occupation.remote(tags=tags) for e in self._all_engines()]
+
+    def _frozen_engines(self):
+        """The frozen models' engines: offloaded and onloaded with the policy's (they share its GPUs when
+        colocated) and keep their own weights across it, but never receive a weight update."""
+        return [e for m in self.frozen_models for e in m.engines if e is not None]
+
+    def _all_engines(self):
+        return [e for e in self.rollout_engines if e is not None] + self._frozen_engines()
 
     def pause_health_checks(self):
         """Before a weight update or offload: an engine busy receiving weights cannot answer a generation."""
@@ -245,6 +266,26 @@ class RolloutManager:
                 "replaced at the next weight update",
                 engine=index,
             )
+
+    def check_frozen_models(self, timeout):
+        """The health monitor's round over --sglang-config's frozen models: a dead or hung engine fails the run or,
+        with --use-fault-tolerance, is replaced in its bundle at once (it needs no weights)."""
+        for m in self.frozen_models:
+            for j, why in m.failed_engines(timeout):
+                with self._lock:
+                    if self._closing or self.failure is not None:
+                        return
+                    what = f"frozen model {m.name!r} engine {j} ({m.engine_urls[j]}) {why}"
+                    self._event("engine_failed", what, model=m.name, engine=j)
+                    if not self.args.use_fault_tolerance:
+                        self.failure = _failure(what)
+                        return
+                    try:
+                        url = m.replace(j)
+                    except Exception as e:  # noqa: BLE001  (a replacement that cannot start ends the run)
+                        self.failure = _failure(f"{what}; its replacement failed: {str(e).splitlines()[0][:300]}")
+                        return
+                    self._event("engine_restarted", f"frozen model {m.name!r} engine {j} restarted at {url}")
 
     def _drop_external(self, index, what):
         """--use-fault-tolerance: an external engine that vanished leaves the run for good (someone else owns it, so
@@ -396,6 +437,9 @@ class RolloutManager:
         """Stop engines (each removes itself from the router and kills its server), the controller and the router."""
         self._closing = True  # what stops now is not a fault
         self.pause_health_checks()
+        for m in self.frozen_models:
+            m.shutdown()
+        self.frozen_models = []
         engines = [e for e in self.all_rollout_engines if e is not None]
         try:
             ray.get([e.shutdown.remote() for e in engines], timeout=60)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from slime.backends.sglang_utils.sglang_config import policy_num_gpus
 from slime.rollout import RolloutSamples
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.sglang_rollout import GenerateState, eval_rollout, generate_and_rm_group
@@ -92,7 +93,7 @@ class AsyncRolloutWorker:
             )
         self.args, self.data_source = args, data_source
         self.batch_size, self.max_staleness = args.rollout_batch_size, args.max_staleness
-        self.num_engines = max(1, args.rollout_num_gpus // args.rollout_num_gpus_per_engine)
+        self.num_engines = max(1, policy_num_gpus(args) // args.rollout_num_gpus_per_engine)
         self.max_in_flight_samples = args.sglang_server_concurrency * self.num_engines
         self.dynamic_filter = (
             load_function(args.dynamic_sampling_filter_path) if args.dynamic_sampling_filter_path else None

@@ -18,12 +18,13 @@ it scores the student's token ids as they are (checked at start-up by
 
 import torch
 
+from slime.backends.sglang_utils.sglang_config import OPD_TEACHER, get_model_url
 from slime.utils.http_utils import post
 from slime.utils.types import Sample
 
 
 async def reward_func(args, sample: Sample, **kwargs):
-    """The teacher server's (`--rm-url`, its /generate) answer for `sample.tokens` scored prefill-only: its
+    """The teacher server's (`--rm-url`, else the --sglang-config model `teacher`; its /generate) answer for `sample.tokens` scored prefill-only: its
     `meta_info.input_token_logprobs` holds, per input position, [log-prob, token id, ...] (the first is None).
     Retried like every engine request; an HTTP error names the URL."""
     payload = {
@@ -36,7 +37,7 @@ async def reward_func(args, sample: Sample, **kwargs):
         "return_logprob": True,
         "logprob_start_len": 0,
     }
-    return await post(args.rm_url, payload)
+    return await post(args.rm_url or get_model_url(args, OPD_TEACHER, "/generate"), payload)
 
 
 def teacher_response_log_probs(reward, response_length: int) -> torch.Tensor:

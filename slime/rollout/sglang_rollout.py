@@ -12,6 +12,7 @@ from collections import Counter
 from tqdm import tqdm
 
 from slime.backends.sglang_utils.router import ROUTING_KEY_HEADER, abort_all, list_workers, router_url
+from slime.backends.sglang_utils.sglang_config import get_model_url, policy_num_gpus
 from slime.rollout import RolloutSamples
 from slime.rollout.base_types import accepts_data_buffer
 from slime.rollout.filter_hub.base_types import MetricGatherer, call_dynamic_filter, should_drop_dynamic_filter_output
@@ -29,7 +30,7 @@ from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["generate_rollout", "generate_abortable_samples"]
+__all__ = ["generate_rollout", "generate_abortable_samples", "get_model_url"]
 
 
 class GenerateState(metaclass=SingletonMeta):
@@ -43,7 +44,7 @@ class GenerateState(metaclass=SingletonMeta):
         self.tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint, trust_remote_code=True)
         # Bound in-flight requests to what the engines accept: concurrency per engine x number of engines.
         self.semaphore = asyncio.Semaphore(
-            max(1, args.sglang_server_concurrency * args.rollout_num_gpus // args.rollout_num_gpus_per_engine)
+            max(1, args.sglang_server_concurrency * policy_num_gpus(args) // args.rollout_num_gpus_per_engine)
         )
         self.sampling_params = dict(
             temperature=args.rollout_temperature,

@@ -37,7 +37,13 @@ from slime.backends.megatron_utils.arguments import (
 )
 from slime.backends.sglang_utils.arguments import add_sglang_arguments, sglang_available
 from slime.backends.sglang_utils.arguments import validate_args as sglang_validate_args
-from slime.backends.sglang_utils.external import check_opd_teacher, discover_external_engines
+from slime.backends.sglang_utils.external import check_opd_teacher, discover_external_engines, tokenizer_vocab
+from slime.backends.sglang_utils.sglang_config import (
+    OPD_TEACHER,
+    add_sglang_config_arguments,
+    check_sglang_config,
+    frozen_models,
+)
 from slime.observability.profile_utils import TARGETS as PROFILE_TARGETS
 from slime.utils.checkpoint_tracker import checkpoint_dir, read_tracker
 from slime.utils.device import auto_inference_server, default_gdn_backend, memory_history_module
@@ -1332,8 +1338,21 @@ def check_opd_flags(args, error, check_paths):
         error("--opd-teacher-load / --opd-teacher-ckpt-step are for --opd-type megatron: drop them with sglang.")
     if args.debug_train_only:  # no rollout runs: the teacher log-probs come with the loaded rollout data
         return
-    if not args.rm_url:
-        error("--opd-type sglang needs --rm-url, the teacher server's /generate (e.g. http://host:port/generate).")
+    teacher = next((m for m in frozen_models(args) if m.name == OPD_TEACHER), None)
+    if not args.rm_url and teacher is None:
+        error(
+            "--opd-type sglang needs --rm-url, the teacher server's /generate (e.g. http://host:port/generate), or "
+            f"a frozen model named {OPD_TEACHER!r} in --sglang-config."
+        )
+    if not args.rm_url:  # slime starts the teacher: its model directory is here to compare tokenizers
+        if check_paths and os.path.realpath(teacher.model_path) != os.path.realpath(args.hf_checkpoint):
+            if tokenizer_vocab(teacher.model_path) != tokenizer_vocab(args.hf_checkpoint):
+                error(
+                    f"--sglang-config {args.sglang_config}: model {OPD_TEACHER!r}: its tokenizer "
+                    f"({teacher.model_path}) differs from the student's (--hf-checkpoint {args.hf_checkpoint}); "
+                    "OPD needs one tokenizer for both."
+                )
+        return
     if check_paths:
         try:
             warning = check_opd_teacher(args.rm_url, args.hf_checkpoint)
@@ -1405,6 +1424,7 @@ def get_slime_extra_args_provider(add_custom_arguments=None):
             add_custom_megatron_hooks_arguments,
             add_weight_sync_arguments,
             add_external_engine_arguments,
+            add_sglang_config_arguments,
             add_fault_tolerance_arguments,
             add_ci_arguments,
             add_custom_megatron_plugins_arguments,
@@ -1625,6 +1645,7 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
     check_optimizer_state_flags(args, error)
     check_param_freeze_flags(args, error)
     check_ref_update_interval(args, error)
+    check_sglang_config(args, error, check_paths)
     check_opd_flags(args, error, check_paths)
     check_batch_memory_flags(args, error)
     resolve_context_lengths(args, error)

@@ -13,13 +13,9 @@ import os
 
 UPSTREAM_FLAGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "upstream_flags.json")
 
-_SGLANG_CONFIG = "multi-model serving (--sglang-config) comes with issue #26: start extra models yourself and reach them from a custom reward"
-
 
 # flag -> why it is refused here, and what to do instead (one line each).
 REFUSED = {
-    # another issue's work: that issue deletes its entries when it lands
-    "--sglang-config": _SGLANG_CONFIG,
     # cannot exist on this stack
     "--prefill-num-servers": "prefill/decode disaggregation needs SGLang's KV transfer between GPU engines, which "
     "this slime does not drive: drop it (every engine serves both phases)",

@@ -94,3 +94,5 @@ class RolloutHealthMonitor:
             if self._paused.is_set() or self._stop.is_set():
                 return
             self.manager.engine_failed(i, why)
+        if not (self._paused.is_set() or self._stop.is_set()):
+            self.manager.check_frozen_models(self.timeout)

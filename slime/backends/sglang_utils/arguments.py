@@ -37,6 +37,7 @@ SKIPPED_ARGS = (
     "base_gpu_id",
     "nccl_port",
     "skip_server_warmup",
+    "config",  # SGLang's own --config file: --sglang-config is slime's model list (sglang_config.py)
 )
 
 # What slime's CPU inference server honours, by field name (it gets them as its own CLI flags).
@@ -265,6 +266,9 @@ def add_sglang_arguments(parser):
     return parser
 
 
+_SLIME_ONLY = ("sglang_server_concurrency", "sglang_config")  # slime's own --sglang-* flags, no server arguments
+
+
 def _explicit_sglang_options(args, parser):
     """`sglang_*` fields whose value differs from the parser default (what the user actually set)."""
     out, defaults = {}, {}
@@ -273,7 +277,7 @@ def _explicit_sglang_options(args, parser):
             defaults[action.dest] = action.default
     for action in parser._actions:
         dest = action.dest
-        if not dest.startswith("sglang_") or dest.startswith("sglang_router_") or dest == "sglang_server_concurrency":
+        if not dest.startswith("sglang_") or dest.startswith("sglang_router_") or dest in _SLIME_ONLY:
             continue
         # an option of older releases only has no default: present means given
         changed = getattr(args, dest, defaults[dest]) != defaults[dest] if dest in defaults else hasattr(args, dest)

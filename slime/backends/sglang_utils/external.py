@@ -120,7 +120,7 @@ def discover_external_engines(addrs, hf_checkpoint, api_key=None, timeout: float
     return infos
 
 
-def _tokenizer_vocab(path):
+def tokenizer_vocab(path):
     from transformers import AutoTokenizer  # heavy, and only when a teacher is checked
 
     return AutoTokenizer.from_pretrained(path, trust_remote_code=True).get_vocab()
@@ -146,7 +146,7 @@ def check_opd_teacher(rm_url: str, hf_checkpoint: str | None, timeout: float = 3
         )
     if os.path.realpath(teacher_tok) == os.path.realpath(hf_checkpoint):
         return None
-    if _tokenizer_vocab(teacher_tok) != _tokenizer_vocab(hf_checkpoint):
+    if tokenizer_vocab(teacher_tok) != tokenizer_vocab(hf_checkpoint):
         raise ValueError(
             f"--rm-url {rm_url}: the OPD teacher's tokenizer ({teacher_tok}) differs from the student's "
             f"(--hf-checkpoint {hf_checkpoint}); OPD needs one tokenizer for both"

@@ -52,7 +52,14 @@ _ENGINE_FIELDS = (
     "ep_size",
     "skip_server_warmup",
 )
-_NOT_SERVER_ARGS = ("router_ip", "router_port", "router_request_timeout_secs", "server_concurrency")
+_NOT_SERVER_ARGS = (
+    "router_ip",
+    "router_port",
+    "router_request_timeout_secs",
+    "server_concurrency",
+    "config",  # --sglang-config: slime's model list, not SGLang's own --config
+    "model_routers",
+)
 
 
 def get_base_gpu_id(args, rank: int) -> int:
