@@ -222,3 +222,14 @@ def _pp_roundtrip_and_log_probs(rank, hf_models, kinds, out):
 def test_hybrids_pipeline_parallel(hf_models, tmp_path):
     spawn(_pp_roundtrip_and_log_probs, 2, hf_models, HYBRIDS, str(tmp_path / "diffs.txt"), timeout=500)
     print((tmp_path / "diffs.txt").read_text())
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", HYBRIDS)
+def test_rl_steps_end_to_end(kind, ray_session, tiny_kit, tmp_path):
+    """train.py from the HF checkpoint alone on each hybrid: rollouts on the CPU server (through transformers), GRPO
+    steps on the trainer, weights pushed back with --check-weight-update-equal, both steps on-policy."""
+    from tests import test_model_families as families
+
+    families.test_rl_steps_end_to_end(kind, [], ray_session, tiny_kit, tmp_path)
