@@ -414,9 +414,15 @@ def test_bad_requests_get_400(server, body, needle):
     assert r.status_code == 400 and needle in r.json()["error"], r.text
 
 
-def test_default_budget_is_clipped_to_the_context(server):
+def test_budgets_are_capped_to_the_context_as_sglang_does(server):
+    # SGLang 0.5.23: a default budget is not checked; an explicit one may fill the context exactly (prompt + budget
+    # = 512); then the scheduler caps both to its request limit (context - 1) minus the prompt minus 1
     out = gen(server, {"input_ids": [5] * 500, "sampling_params": {"ignore_eos": True}})
-    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 11}  # 512 - 500 - 1
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 10}  # 512 - 1 - 500 - 1
+    out = gen(server, {"input_ids": [5] * 500, "sampling_params": {"ignore_eos": True, "max_new_tokens": 12}})
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 10}
+    out = gen(server, {"input_ids": [5] * 500, "sampling_params": {"ignore_eos": True, "max_new_tokens": 4}})
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
 
 
 def test_malformed_json_then_still_serving(server):

@@ -64,16 +64,19 @@ class GenerateAPI:
             raise RequestError(
                 f"The input ({n} tokens) is longer than the model's context length ({self.context_len} tokens)."
             )
-        if not sp.max_new_tokens_explicit:  # SGLang clips the default budget to what the context leaves
-            sp.max_new_tokens = min(sp.max_new_tokens, self.context_len - n - 1, self.max_total_tokens - n)
-            sp.min_new_tokens = min(sp.min_new_tokens, sp.max_new_tokens)
-        if n + sp.max_new_tokens >= self.context_len:
+        if sp.max_new_tokens_explicit and n + sp.max_new_tokens > self.context_len:
             raise RequestError(
                 f"Requested token count exceeds the model's maximum context length of {self.context_len} tokens. "
                 f"You requested a total of {n + sp.max_new_tokens} tokens: {n} tokens from the input messages and "
                 f"{sp.max_new_tokens} tokens for the completion. Please reduce the number of tokens in the input "
                 f"messages or the completion to fit within the limit."
             )
+        # then SGLang's scheduler caps every budget to what its request length limit (context - 1) leaves
+        budget = self.context_len - n - 2
+        if not sp.max_new_tokens_explicit:
+            budget = min(budget, self.max_total_tokens - n)
+        sp.max_new_tokens = max(0, min(sp.max_new_tokens, budget))
+        sp.min_new_tokens = min(sp.min_new_tokens, sp.max_new_tokens)
         if n + max(sp.max_new_tokens, 1) > self.max_total_tokens:
             raise RequestError(
                 f"The request needs {n + sp.max_new_tokens} KV-cache tokens but the server holds only "
