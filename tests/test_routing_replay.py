@@ -12,12 +12,14 @@ import base64
 import json
 import os
 import shutil
+from collections import Counter
 
 import numpy as np
 import pytest
 import requests
 import torch
 
+from slime.backends.megatron_utils.routing_replay import KEY
 from slime.backends.sglang_utils import sglang_engine
 from slime.backends.sglang_utils.contract import body_errors
 from slime.utils.arguments import parse_args
@@ -222,14 +224,16 @@ print(json.dumps({"unknown": unknown, "flag": ns.enable_return_routed_experts}))
     assert body_errors("/generate", body) == []
 
 
-def test_flags_need_moe_and_refuse_pp(tmp_path, capsys):
+def test_flags_need_moe_and_refuse_interleaved_pp(tmp_path, capsys):
     dense = build_random_hf("qwen3", str(tmp_path / "dense"))
     moe = build_random_hf("qwen3moe", str(tmp_path / "moe"))
     args = _args(moe, 1, "--use-rollout-routing-replay")
     assert args.use_routing_replay and args.use_rollout_routing_replay
+    assert _args(moe, 2, "--use-routing-replay", "--pipeline-model-parallel-size", "2").use_routing_replay
+    vpp = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
     for hf, world, extra, msg in [
         (dense, 1, [], "--use-rollout-routing-replay: the model has no MoE layers"),
-        (moe, 2, ["--pipeline-model-parallel-size", "2"], "not supported with pipeline parallelism"),
+        (moe, 2, vpp, "not supported with the interleaved pipeline schedule"),
     ]:
         with pytest.raises(SystemExit):
             _args(hf, world, "--use-rollout-routing-replay", *extra)
@@ -495,3 +499,108 @@ def test_recompute_replays_the_same_routing_and_the_router_learns(tmp_path, tiny
     for n, g in grads["plain"].items():
         assert g.abs().max() > 1e-4, n
         assert torch.allclose(grads["recompute"][n], g, atol=1e-6, rtol=1e-5), n
+
+
+def _pipeline_run(rank, model_dir, data, flags, out):
+    """On each rank: forward_only log-probs under R3, R2's record, and the routers' gradients (and routing maps) after
+    one training step of several micro-batches replaying the engine's routing (R3), then R2's recorded one."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import ray
+    from megatron.core import parallel_state as mpu
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from slime.backends.megatron_utils import routing_replay
+    from slime.backends.megatron_utils.data import get_data_iterator
+    from slime.backends.megatron_utils.initialize import init
+    from slime.backends.megatron_utils.model import forward_only, initialize_model_and_optimizer, train_one_step
+    from slime.backends.utils.data import process_rollout_data
+
+    class _Ref:
+        def __init__(self, d):
+            self.inner = d
+
+    ray.get = lambda x: x
+    args = _args(model_dir, torch.distributed.get_world_size(), *flags)
+    mpu.destroy_model_parallel()
+    init(args)
+    model, optimizer, scheduler, _ = initialize_model_and_optimizer(args)
+    routers = [m for m in model[0].modules() if isinstance(m, TopKRouter)]
+    maps = []
+    for r in routers:
+        r.register_forward_hook(lambda mod, _i, o: maps.append((mod.layer_number, o[1].detach().clone())))
+    res = {"layers": [r.layer_number for r in routers]}
+    rollout = process_rollout_data(args, _Ref(data), 0, 1)
+    iters, nmb = get_data_iterator(args, model, rollout)
+    assert nmb == [4]
+    for mode in ("replay", "record"):
+        maps.clear()
+        with routing_replay.phase(model, mode):
+            res[mode] = forward_only(args, model, iters, nmb)
+        res[mode]["maps"] = list(maps)
+    for name, routed in (("r3", data[KEY]), ("r2", [r.numpy() for r in res["record"][KEY]])):
+        rollout = process_rollout_data(args, _Ref({**data, KEY: routed}), 0, 1)
+        iters, nmb = get_data_iterator(args, model, rollout)
+        maps.clear()
+        with routing_replay.phase(model, "replay"):
+            train_one_step(args, 0, 0, iters, model, optimizer, scheduler, nmb[0])
+        grads = {r.layer_number: r.weight.main_grad.clone() for r in routers}
+        res[name] = {"grads": grads, "maps": list(maps)}
+    torch.save(res, f"{out}.{rank}")
+
+
+@pytest.mark.slow
+def test_pipeline_parallel_replay_equals_one_stage(tmp_path, tiny_kit):
+    """Two pipeline stages (one MoE layer each), four micro-batches (1F1B: a stage recomputes a micro-batch's layers
+    after later ones went forward) and full recompute: R3's log-probs and routing, R2's record and the routers'
+    gradients in replayed training equal those of one stage."""
+    engine_dir, trainer_dir = _perturbed_pair("qwen3moe", str(tmp_path), tiny_kit)
+    data = _engine_rollout(engine_dir)
+    common = ["--use-rollout-routing-replay", "--micro-batch-size", "1", "--lr", "0", "--loss-type", "sft_loss"]
+    common += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    runs = {}
+    for pp in (1, 2):
+        out = str(tmp_path / f"pp{pp}.pt")
+        spawn(
+            _pipeline_run,
+            pp,
+            trainer_dir,
+            data,
+            [*common, "--pipeline-model-parallel-size", str(pp)],
+            out,
+            timeout=900,
+        )
+        runs[pp] = [torch.load(f"{out}.{rank}") for rank in range(pp)]
+    one, (first, last) = runs[1][0], runs[2]
+    assert one["layers"] == [1, 2] and first["layers"] == [1] and last["layers"] == [2]
+
+    # R3's forward: the engine's log-probs, the same routing maps
+    lp1, lp2 = torch.cat(one["replay"]["log_probs"]), torch.cat(last["replay"]["log_probs"])
+    assert (lp1 - lp2).abs().max() <= 1e-5 and _gap(last["replay"]["log_probs"], data) <= 1e-5
+    assert "log_probs" not in first["replay"]
+    for key in ("replay", "record"):
+        two_maps = first[key]["maps"] + last[key]["maps"]
+        for layer in (1, 2):
+            a = [m for n, m in one[key]["maps"] if n == layer]
+            b = [m for n, m in two_maps if n == layer]
+            assert len(a) == len(b) == 4 and all(torch.equal(x, y) for x, y in zip(a, b)), (key, layer)
+    # R2's record: each stage filled its layer, both stages hold the full routing, equal to one stage's
+    for i, tokens in enumerate(data["tokens"]):
+        rec = one["record"][KEY][i]
+        assert rec.shape == (len(tokens) - 1, 2, 2) and (rec[..., 0] != rec[..., 1]).all()  # no zero-filled layer
+        for r in (first, last):
+            assert torch.equal(r["record"][KEY][i], rec), i
+    # training: the same gradients (4 forwards + 4 recomputes per layer, each micro-batch's routing twice)
+    for name in ("r3", "r2"):
+        grads = {**first[name]["grads"], **last[name]["grads"]}
+        for layer in (1, 2):
+            g = one[name]["grads"][layer]
+            assert g.abs().max() > 1e-4, (name, layer)
+            assert torch.allclose(grads[layer], g, atol=1e-6, rtol=1e-5), (name, layer)
+            counts = [_map_counts(r[name]["maps"], layer) for r in (runs[1][0], first if layer == 1 else last)]
+            assert counts[0] == counts[1] and sum(counts[0].values()) == 8, (name, layer)
+
+
+def _map_counts(maps, layer):
+    return Counter((tuple(m.shape), m.numpy().tobytes()) for n, m in maps if n == layer)

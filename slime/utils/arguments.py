@@ -660,8 +660,8 @@ def add_routing_replay_arguments(parser):
 
 
 def check_routing_replay(args, error):
-    """R3 implies R2 (as in current slime); both need MoE layers, and one pipeline stage (a micro-batch's routing is
-    handed to the routers right before its forward)."""
+    """R3 implies R2 (as in current slime); both need MoE layers, and one model chunk per pipeline rank (R2's
+    record is kept per stage, not per virtual stage)."""
     if args.use_rollout_routing_replay:
         args.use_routing_replay = True
     if not args.use_routing_replay:
@@ -674,10 +674,10 @@ def check_routing_replay(args, error):
             "--use-routing-replay records the routing in the old-log-prob forward, which --use-rollout-logprobs "
             "skips: add --get-mismatch-metrics (which runs it) or use --use-rollout-routing-replay."
         )
-    if args.pipeline_model_parallel_size > 1:
+    if args.num_layers_per_virtual_pipeline_stage is not None or (args.num_virtual_stages_per_pipeline_rank or 1) > 1:
         error(
-            f"{flag} is not supported with pipeline parallelism (--pipeline-model-parallel-size "
-            f"{args.pipeline_model_parallel_size}): use tensor / expert parallelism."
+            f"{flag} is not supported with the interleaved pipeline schedule (--num-layers-per-virtual-pipeline-stage "
+            "/ --num-virtual-stages-per-pipeline-rank): use plain --pipeline-model-parallel-size."
         )
 
 

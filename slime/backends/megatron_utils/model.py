@@ -202,8 +202,9 @@ def forward_only(args, model, data_iterator, num_microbatches, store_prefix="", 
     """`{store_prefix + "log_probs": [...], (+ "entropy")}` per local sample, in the rollout data's order
     (`post_fn=loss.get_values`: the critic's `{"values": [...]}`).
 
-    Only the last pipeline stage has logits, so only its ranks get the values; other stages get `{}`. Nothing there
-    needs them: advantages, rollout metrics and the loss are all computed on the last stage only."""
+    Only the last pipeline stage has logits, so only its ranks get the values; other stages get `{}` (R2's recorded
+    routing, `rollout_routed_experts`, excepted: every stage gets it). Nothing there needs them: advantages, rollout
+    metrics and the loss are all computed on the last stage only."""
     for m in model:
         m.eval()
     if args.custom_megatron_before_log_prob_hook_path:
@@ -213,6 +214,7 @@ def forward_only(args, model, data_iterator, num_microbatches, store_prefix="", 
         hook(args, model, store_prefix)
     for it in data_iterator:
         it.reset()
+    recorded = []  # R2: each sample's routing in this forward (replayed in training), kept on every stage
 
     def forward_step(iterator, chunk):
         batch = get_batch(
@@ -221,13 +223,11 @@ def forward_only(args, model, data_iterator, num_microbatches, store_prefix="", 
             pad_multiplier=args.data_pad_size_multiplier,
         )
         routing_replay.before_forward(args, chunk, batch)
+        output = _forward(chunk, batch)
+        if routing_replay.recording():
+            recorded.extend(routing_replay.recorded(args, chunk, batch))
 
         def post(logits, non_loss_data=True):  # the schedule calls this with non_loss_data=True
-            if routing_replay.recording():  # R2: this forward's routing, replayed in training
-                return {**post_values(logits), routing_replay.KEY: routing_replay.recorded(args, chunk, batch)}
-            return post_values(logits)
-
-        def post_values(logits):
             return post_fn(
                 logits,
                 args=args,
@@ -238,7 +238,7 @@ def forward_only(args, model, data_iterator, num_microbatches, store_prefix="", 
                 **get_rollout_top_p_logprob_kwargs(args, batch),
             )
 
-        return _forward(chunk, batch), post
+        return output, post
 
     store = []
     for n in num_microbatches:
@@ -256,19 +256,24 @@ def forward_only(args, model, data_iterator, num_microbatches, store_prefix="", 
         it.reset()
     for m in model:
         m.train()
-    if not mpu.is_pipeline_last_stage():
-        return {}
-    out = {}
-    for key in store[0] if store else ["log_probs"]:
-        values = [v for d in store for v in d[key]]
+
+    def rollout_order(values):
         order = data_iterator[0].micro_batch_indices
-        if order is not None:  # dynamic batching shuffles samples across micro-batches: restore rollout order
-            flat = [i for mb in order for i in mb]
-            restored = [None] * len(values)
-            for pos, idx in enumerate(flat):
-                restored[idx] = values[pos]
-            values = restored
-        out[store_prefix + key] = values
+        if order is None:
+            return values
+        # dynamic batching shuffles samples across micro-batches: restore rollout order
+        flat = [i for mb in order for i in mb]
+        restored = [None] * len(values)
+        for pos, idx in enumerate(flat):
+            restored[idx] = values[pos]
+        return restored
+
+    # R2's routing goes to every stage (each replays its own layers in training)
+    out = {routing_replay.KEY: rollout_order(routing_replay.across_stages(recorded))} if recorded else {}
+    if not mpu.is_pipeline_last_stage():
+        return out
+    for key in store[0] if store else ["log_probs"]:
+        out[store_prefix + key] = rollout_order([v for d in store for v in d[key]])
     return out
 
 

@@ -13,6 +13,11 @@ engine, and scoring nothing) and padding get a fixed filler routing.
 
 One phase at a time (`phase(model, mode)`): "replay" (R3's forwards, R2's training), "record" (R2's old-log-prob
 forward) or None (the model's own routing: the reference model under R2, the OPD teacher).
+
+Pipeline parallelism: each stage's routers (numbered by global layer) take their own layers' columns. Under 1F1B
+several micro-batches are in flight, so a router run again by activation recompute in the backward pass takes the
+oldest routing not yet recomputed (megatron-core's `replay_backward_list`, a FIFO: backwards run in forward order).
+R2's record is kept on every stage and merged over the pipeline group once the forward-only schedule is done.
 """
 
 from contextlib import contextmanager
@@ -56,6 +61,27 @@ def recording() -> bool:
     return _mode == "record"
 
 
+def _in_backward() -> bool:
+    # the autograd engine is running a backward pass: a forward now is activation recompute
+    return torch._C._current_graph_task_id() != -1
+
+
+def _choose_action(router, _inputs):
+    """Forward pre-hook of a replaying router: a recompute in the backward pass replays its micro-batch's routing
+    (the FIFO), a plain forward the routing just set."""
+    if _mode == "replay":
+        backward = _in_backward()
+        action = RouterReplayAction.REPLAY_BACKWARD if backward else RouterReplayAction.REPLAY_FORWARD
+        router.router_replay.set_router_replay_action(action)
+
+
+def _hooked(router):
+    if not getattr(router, "_slime_replay_hook", False):  # once per router, over all phases
+        router.register_forward_pre_hook(_choose_action)
+        router._slime_replay_hook = True
+    return router
+
+
 def _layout_index(args, batch):
     """`[s * b]` (this rank's sequence-parallel part) row numbers into the micro-batch's routing table: row 0 is the
     filler (padding, each sample's last token), sample i's token j is row 1 + (its offset) + j."""
@@ -77,7 +103,7 @@ def before_forward(args, model_chunk, batch):
     """Prepare the routers of `model_chunk` for the forward of `batch` (a `data.get_batch` result)."""
     if _mode is None:
         return
-    routers = _routers(model_chunk, args.num_layers)
+    routers = [_hooked(r) for r in _routers(model_chunk, args.num_layers)]
     if _mode == "record":
         for r in routers:
             r.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
@@ -100,19 +126,26 @@ def before_forward(args, model_chunk, batch):
     filler = torch.arange(k, device=index.device).expand(1, args.num_layers, k)  # k distinct experts
     table = torch.cat([filler, *[r.to(index.device, torch.long) for r in routed]])
     laid_out = table.index_select(0, index)  # [s * b, layers, k]
+    # 1F1B runs at most (stages - 1) micro-batches forward ahead of their backward: older entries are those of
+    # routers that activation recompute does not run again (never popped), dropped to bound the queue
+    keep = mpu.get_pipeline_model_parallel_world_size() - 1
     for r in routers:
-        r.router_replay.clear_indices()
-        r.router_replay.set_target_indices(laid_out[:, r.layer_number - 1].contiguous())
+        target = laid_out[:, r.layer_number - 1].contiguous()
+        r.router_replay.target_topk_idx = target
+        if torch.is_grad_enabled():  # a backward follows, which may recompute this forward: queue it
+            queue = r.router_replay.replay_backward_list
+            del queue[: max(0, len(queue) - keep)]
+            queue.append(target)
         r.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
 
 def recorded(args, model_chunk, batch):
     """After a "record" forward of `batch`: each sample's routing `[tokens - 1, layers, top-k]` (dense layers zero),
-    the same on every rank of the micro-batch's tensor- and context-parallel groups."""
+    the same on every rank of the micro-batch's tensor- and context-parallel groups. Under pipeline parallelism only
+    this stage's layers are filled (a stage may hold none): `across_stages` completes them."""
     index, rows = _layout_index(args, batch)
     routers = _routers(model_chunk, args.num_layers)
-    k = routers[0].topk
-    table = torch.zeros(rows, args.num_layers, k, dtype=torch.long, device=index.device)
+    table = torch.zeros(rows, args.num_layers, args.moe_router_topk, dtype=torch.long, device=index.device)
     for r in routers:
         table[index, r.layer_number - 1] = r.router_replay.get_recorded_indices().to(torch.long)
     # each rank routed its part of the sequence (sequence parallelism, context parallelism's zigzag chunks); rows
@@ -127,3 +160,14 @@ def recorded(args, model_chunk, batch):
         out.append(table[row : row + n].clone())
         row += n
     return out
+
+
+def across_stages(recorded):
+    """R2's record of every sample (`recorded`'s results, in order) with every stage's layers: each stage filled its
+    own, the others are zero. Called on all pipeline stages after the forward-only schedule (a collective inside a
+    micro-batch's forward would wait on a stage that waits for that forward's activations)."""
+    if mpu.get_pipeline_model_parallel_world_size() == 1 or not recorded:
+        return recorded
+    flat = torch.cat(recorded)
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=mpu.get_pipeline_model_parallel_group())
+    return list(flat.split([r.shape[0] for r in recorded]))
