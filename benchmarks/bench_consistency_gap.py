@@ -8,11 +8,13 @@ tokens with slime's trainer code (`forward_only`). The gap is the mean over resp
 - top-p 0.9 (top-k 50), before replay: the trainer scores over the full vocabulary, the engine drew from the nucleus;
 - top-p 0.9 (top-k 50), after replay: the trainer scores over each step's kept set (rollout_top_p_token_ids).
 
-`--moe` adds, for tiny Qwen3-MoE and DeepSeek-V3 models whose engine and trainer routers are made to disagree on some
+`--families qwen2,llama,...` measures the three rows on a tiny random model of each family instead of the kit
+(`tests/_megatron_helpers.build_random_hf`, the kit's tokenizer). `--moe` adds, for tiny Qwen3-MoE, DeepSeek-V3
+and GLM-4.5 models whose engine and trainer routers are made to disagree on some
 tokens (tests/test_routing_replay.py: a near-tie flipped by a tiny router-row difference; a different expert bias,
 which only selects), the gap with the trainer's own routing and with the engine's replayed (R3).
 
-    .venv/bin/python benchmarks/bench_consistency_gap.py [--samples 16] [--max-new-tokens 48] [--moe]
+    .venv/bin/python benchmarks/bench_consistency_gap.py [--samples 16] [--max-new-tokens 48] [--families F,..] [--moe]
 """
 
 import argparse
@@ -160,19 +162,27 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--samples", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--families", default=None, help="comma-separated tiny random families instead of the kit")
     p.add_argument("--moe", action="store_true", help="only the MoE rows (routing replay)")
     opts = p.parse_args()
+    from tests._megatron_helpers import build_random_hf
+    from tests.test_routing_replay import _with_tokenizer
     from tools.build_tiny_kit import build_model
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = os.path.join(tmp, "qwen3-tiny")
-        build_model(model_dir)
+        kit = os.path.join(tmp, "qwen3-tiny")
+        build_model(kit)
         if opts.moe:
-            results = [measure_moe(kind, model_dir, tmp) for kind in ("qwen3moe", "deepseekv3")]
+            results = {kind: measure_moe(kind, kit, tmp) for kind in ("qwen3moe", "deepseekv3", "glm4moe")}
+        elif opts.families:
+            results = {}
+            for kind in opts.families.split(","):
+                model_dir = _with_tokenizer(build_random_hf(kind, os.path.join(tmp, kind), vocab_size=512), (kit,))
+                results[kind] = measure(model_dir, opts.samples, opts.max_new_tokens)
         else:
-            results = [measure(model_dir, opts.samples, opts.max_new_tokens)]
-    for result in results:
-        print(f"mean |trainer - engine| log-prob per response token ({result.pop('tokens')} tokens, fp32):")
+            results = {"qwen3 kit": measure(kit, opts.samples, opts.max_new_tokens)}
+    for kind, result in results.items():
+        print(f"{kind}: mean |trainer - engine| log-prob per response token ({result.pop('tokens')} tokens, fp32):")
         for name, value in result.items():
             print(f"  {name:24s} {value:.2e}")
 
