@@ -409,7 +409,8 @@ def test_replay_with_two_ranks(layout, tmp_path, tiny_kit):
 @pytest.mark.parametrize(
     "flags",
     [
-        ["--use-rollout-routing-replay"],
+        # the reference forward (--use-kl-loss) replays the engine's routing too
+        ["--use-rollout-routing-replay", "--use-kl-loss", "--kl-loss-coef", "0.1"],
         # two optimizer steps: the old-log-prob forward runs (and records), the training forwards replay
         ["--use-routing-replay", "--global-batch-size", "2"],
     ],
@@ -438,6 +439,8 @@ def test_rl_steps_with_routing_replay(flags, ray_session, tiny_kit, tmp_path):
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["rollout_id"] for r in rows] == [0, 1]
     assert all(r["train/train_rollout_logprob_abs_diff"] < 1e-5 for r in rows), rows
+    if "--use-kl-loss" in flags:  # rollout 0: the reference is the engine's weights, scored on the engine's routing
+        assert abs(rows[0]["rollout/ref_log_probs"] - rows[0]["rollout/rollout_log_probs"]) < 1e-5, rows[0]
     dump = torch.load(tmp_path / "train_1_0.pt", weights_only=False)["rollout_data"]
     routed = dump["rollout_routed_experts"]  # R3: the engine's; R2: the old-log-prob forward's
     assert len(routed) == 4
