@@ -70,8 +70,19 @@ def test_apply_finish_reason(reason, status):
     s.apply_finish_reason({"finish_reason": {"type": reason}, "weight_version": "5", "prompt_tokens": 2})
     assert s.status is Sample.Status[status]
     assert s.weight_versions == ["4", "5"]
-    assert s.spec_info == {"prompt_tokens": 5, "cached_tokens": 1}
-    assert s.prefix_cache_info == {"total_prompt_tokens": 5, "cached_tokens": 1}
+    assert s.spec_info == Sample.SpecInfo()  # counted only with speculative decoding
+    assert (s.prefix_cache_info.total_prompt_tokens, s.prefix_cache_info.cached_tokens) == (5, 1)
+    assert s.prefix_cache_info.prefix_cache_hit_rate == 0.2
+    spec = Sample()
+    meta = {
+        "finish_reason": {"type": reason},
+        "spec_accept_token_num": 6,
+        "spec_draft_token_num": 8,
+        "spec_verify_ct": 2,
+    }
+    spec.apply_finish_reason({**meta, "completion_tokens": 7}, make_args("--sglang-speculative-algorithm", "EAGLE"))
+    assert (spec.spec_info.spec_accept_rate, spec.spec_info.spec_accept_length) == (0.75, 3.5)
+    assert Sample.from_dict(spec.to_dict()).spec_info == spec.spec_info
 
 
 def test_param_info_is_frozen():

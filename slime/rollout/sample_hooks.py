@@ -1,8 +1,8 @@
 """Rollout sample hooks (`--rollout-sample-hook-path`, repeatable): run on every generated sample, train and eval,
 right after generation and before the reward.
 
-A hook is `hook(args, sample, **kw)`, sync or async, where `kw` holds the keywords it declares among `rollout_id`
-and `evaluation` (all of them if it takes `**kwargs`). It returns None (keep the possibly mutated sample) or a
+A hook is `hook(args, sample, **kw)`, sync or async, where `kw` holds the keywords it declares among `rollout_id`,
+`evaluation` and any other keyword the caller passes (all of them if it takes `**kwargs`). It returns None (keep the possibly mutated sample) or a
 `Sample` that replaces it. Hooks run in flag order on every `Sample` of a possibly nested list.
 """
 
@@ -39,7 +39,7 @@ async def _apply(hook, path, args, item, kwargs):
     return await _apply_one(hook, path, args, item, kwargs)
 
 
-async def apply_rollout_sample_hooks(args, sample_or_samples, *, evaluation=False, rollout_id=None):
+async def apply_rollout_sample_hooks(args, sample_or_samples, *, evaluation=False, rollout_id=None, **extra):
     """The hooks of `--rollout-sample-hook-path` applied to a `Sample` or a (nested) list of them."""
     paths = args.rollout_sample_hook_path or []
     if not paths:
@@ -48,7 +48,11 @@ async def apply_rollout_sample_hooks(args, sample_or_samples, *, evaluation=Fals
         raise TypeError(
             f"rollout sample hooks take a Sample or a list of them, got {type(sample_or_samples).__name__}"
         )
-    kwargs = {"rollout_id": _current_rollout_id if rollout_id is None else rollout_id, "evaluation": evaluation}
+    kwargs = {
+        "rollout_id": _current_rollout_id if rollout_id is None else rollout_id,
+        "evaluation": evaluation,
+        **extra,
+    }
     for path in paths:
         sample_or_samples = await _apply(load_function(path), path, args, sample_or_samples, kwargs)
     return sample_or_samples

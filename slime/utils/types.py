@@ -54,19 +54,75 @@ class Sample:
     train_metadata: Optional[dict] = None  # handed to the trainers as train data "metadata"
     session_id: Optional[str] = None
     non_generation_time: float = 0.0  # seconds a plugin spent outside the engine (tools, ...)
-    # SGLang meta_info extras accumulated over turns (prompt/cached tokens, spec decoding counters, ...).
-    spec_info: dict = field(default_factory=dict)
-    prefix_cache_info: dict = field(default_factory=dict)
+
+    @dataclass
+    class SpecInfo:
+        """Speculative-decoding counters summed over a sample's engine calls (current slime's names)."""
+
+        spec_accept_token_num: int = 0
+        spec_draft_token_num: int = 0
+        spec_verify_ct: int = 0
+        completion_token_num: int = 0
+
+        @property
+        def spec_accept_rate(self) -> float:
+            return self.spec_accept_token_num / self.spec_draft_token_num if self.spec_draft_token_num else 0.0
+
+        @property
+        def spec_accept_length(self) -> float:
+            return self.completion_token_num / self.spec_verify_ct if self.spec_verify_ct else 0.0
+
+        def add(self, meta_info: dict) -> None:
+            self.spec_accept_token_num += int(meta_info.get("spec_accept_token_num") or 0)
+            self.spec_draft_token_num += int(meta_info.get("spec_draft_token_num") or 0)
+            self.spec_verify_ct += int(meta_info.get("spec_verify_ct") or 0)
+            self.completion_token_num += int(meta_info.get("completion_tokens") or 0)
+
+        def to_dict(self) -> dict:
+            return dict(self.__dict__)
+
+        @staticmethod
+        def from_dict(d: dict) -> "Sample.SpecInfo":
+            return Sample.SpecInfo(**{k: v for k, v in (d or {}).items() if k in Sample.SpecInfo.__dataclass_fields__})
+
+    @dataclass
+    class PrefixCacheInfo:
+        """Prompt tokens sent and found in the engine's prefix cache, summed over a sample's engine calls."""
+
+        cached_tokens: int = 0
+        total_prompt_tokens: int = 0
+
+        @property
+        def prefix_cache_hit_rate(self) -> float:
+            return self.cached_tokens / self.total_prompt_tokens if self.total_prompt_tokens else 0.0
+
+        def add(self, meta_info: dict) -> None:
+            self.cached_tokens += int(meta_info.get("cached_tokens") or 0)
+            self.total_prompt_tokens += int(meta_info.get("prompt_tokens") or 0)
+
+        def to_dict(self) -> dict:
+            return dict(self.__dict__)
+
+        @staticmethod
+        def from_dict(d: dict) -> "Sample.PrefixCacheInfo":
+            keys = Sample.PrefixCacheInfo.__dataclass_fields__
+            return Sample.PrefixCacheInfo(**{k: v for k, v in (d or {}).items() if k in keys})
+
+    spec_info: SpecInfo = field(default_factory=lambda: Sample.SpecInfo())
+    prefix_cache_info: PrefixCacheInfo = field(default_factory=lambda: Sample.PrefixCacheInfo())
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
         d["status"] = self.status.value
+        d["spec_info"], d["prefix_cache_info"] = self.spec_info.to_dict(), self.prefix_cache_info.to_dict()
         return d
 
     @staticmethod
     def from_dict(d: dict) -> "Sample":
         d = dict(d)  # never mutate the caller's dict
         d["status"] = Sample.Status(d.get("status", "pending"))
+        d["spec_info"] = Sample.SpecInfo.from_dict(d.get("spec_info"))
+        d["prefix_cache_info"] = Sample.PrefixCacheInfo.from_dict(d.get("prefix_cache_info"))
         known = {f.name for f in fields(Sample)}
         sample = Sample(**{k: v for k, v in d.items() if k in known})
         for k, v in d.items():  # forward compatibility: keep unknown keys as attributes
@@ -143,24 +199,21 @@ class Sample:
                 meta_info, len(self.tokens), args.num_layers, args.moe_router_topk, f"sample {self.index}"
             )
         if meta_info and update_terminal_info:
-            self.apply_finish_reason(meta_info)
+            self.apply_finish_reason(meta_info, args)
 
     _FINISH_TO_STATUS = {"length": "TRUNCATED", "abort": "ABORTED", "stop": "COMPLETED"}
 
-    def apply_finish_reason(self, meta_info: dict) -> None:
-        """Map SGLang's `meta_info.finish_reason.type` (stop|length|abort) onto `status`."""
+    def apply_finish_reason(self, meta_info: dict, args=None) -> None:
+        """Map SGLang's `meta_info.finish_reason.type` (stop|length|abort) onto `status`, record the weight version
+        and add the call's prefix-cache (and, with speculative decoding, its draft) counters."""
         reason = (meta_info.get("finish_reason") or {}).get("type")
         if reason in self._FINISH_TO_STATUS:
             self.status = Sample.Status[self._FINISH_TO_STATUS[reason]]
         if meta_info.get("weight_version") is not None:
             self.weight_versions.append(str(meta_info["weight_version"]))
-        for key in ("prompt_tokens", "cached_tokens", "completion_tokens"):
-            if key in meta_info:
-                self.spec_info[key] = self.spec_info.get(key, 0) + int(meta_info[key] or 0)
-        # current slime's per-sample prefix-cache counters (summed over turns)
-        for key, name in (("cached_tokens", "cached_tokens"), ("prompt_tokens", "total_prompt_tokens")):
-            if key in meta_info:
-                self.prefix_cache_info[name] = self.prefix_cache_info.get(name, 0) + int(meta_info[key] or 0)
+        if args is not None and args.sglang_speculative_algorithm:
+            self.spec_info.add(meta_info)
+        self.prefix_cache_info.add(meta_info)
 
 
 def _extended(current, new: list) -> list:

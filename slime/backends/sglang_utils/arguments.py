@@ -15,8 +15,6 @@ import logging
 import os
 import re
 
-from sglang_router.router_args import RouterArgs
-
 logger = logging.getLogger(__name__)
 
 _TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_server_args.json")
@@ -211,6 +209,8 @@ def add_router_arguments(parser):
     host, port and Prometheus port itself (one router per run, on free ports)."""
     if "--router-policy" in parser._option_string_actions:  # a custom-arguments provider declared them already
         return parser
+    from sglang_router.router_args import RouterArgs  # lazy: the rollout imports this module for its tables only
+
     RouterArgs.add_cli_args(parser, use_router_prefix=True, exclude_host_port=True)
     # sglang-router 0.3.2 runs the consistent_hashing policy (session affinity on the routing-key header, which
     # current slime uses) but leaves it out of its CLI choices

@@ -22,7 +22,6 @@ from importlib.metadata import version
 import aiohttp
 import psutil
 from packaging.version import parse
-from sglang_router.router_args import RouterArgs
 
 from slime.utils.http_utils import free_port, get_host_info
 from slime.utils.process_utils import die_with_parent
@@ -111,6 +110,8 @@ def router_args_of(args, ip: str, port: int):
     """The router's configuration: the user's `--router-*` flags (sglang-router's own, as current slime passes
     them), with this run's address, a free Prometheus port (its default 29000 is shared by every run on the host)
     and `--sglang-router-request-timeout-secs` as the per-request timeout."""
+    from sglang_router.router_args import RouterArgs  # lazy: rollout code uses this module's worker calls only
+
     router_args = RouterArgs.from_cli_args(args, use_router_prefix=True)
     router_args.host = ip
     router_args.port = port
