@@ -28,27 +28,9 @@ from slime.utils.types import Sample
 from tests._args import make_args
 from tests._megatron_helpers import build_random_hf, spawn
 from tests.test_cpu_server import start_cpu_server, stop_cpu_server
+from tests.test_model_families import RL  # 2 prompts x 2 samples, one step, fixed rollouts
 from tests.test_sglang_contract import needs_side_venv, run_side
 
-RL = [
-    "--rollout-batch-size",
-    "2",
-    "--n-samples-per-prompt",
-    "2",
-    "--global-batch-size",
-    "4",
-    "--micro-batch-size",
-    "2",
-    "--num-rollout",
-    "1",
-    "--lr",
-    "1e-3",
-    "--rollout-num-gpus",
-    "1",
-    "--seq-length",
-    "64",
-    "--debug-train-only",
-]
 PROMPTS = [[5, 9, 14, 3, 22], [7, 7, 30, 41], [11, 60, 2, 8, 19, 4], [90, 12, 13]]
 
 
