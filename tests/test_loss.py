@@ -157,7 +157,9 @@ def _one_sample_batch(ratios, advantages, seed=0, mask=None):
 
 
 def _reducer(batch, per_token=False):
-    return get_sum_of_sample_mean(batch["total_lengths"], batch["response_lengths"], batch["loss_masks"], per_token)
+    return get_sum_of_sample_mean(
+        batch["total_lengths"], batch["response_lengths"], batch["loss_masks"], calculate_per_token_loss=per_token
+    )
 
 
 def test_policy_loss_dual_clip_passes_eps_clip_c():

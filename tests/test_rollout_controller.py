@@ -261,7 +261,8 @@ def test_train_data_contract_is_declared_once_and_read_whole_by_the_trainers():
     data = convert_samples_to_train_data(make_args(rewards_normalization=False), samples)
     top_p_sets = {"rollout_top_p_token_ids", "rollout_top_p_token_offsets"}  # only with truncated sampling
     routing = {"rollout_routed_experts"}  # only with --use-rollout-routing-replay
-    assert set(data) == (set(TRAIN_DATA_KEYS) | set(OPTIONAL_TRAIN_DATA_KEYS)) - top_p_sets - routing
+    fan_out = {"rollout_ids"}  # only when samples share a rollout_id
+    assert set(data) == (set(TRAIN_DATA_KEYS) | set(OPTIONAL_TRAIN_DATA_KEYS)) - top_p_sets - routing - fan_out
     assert set(TrainData.__annotations__) - {"raw_reward"} <= set(PARTITIONED_KEYS)  # raw_reward: global, for logs
     with pytest.raises(ValueError, match=r"my_converter returned no rewards, loss_masks; it must return"):
         check_train_data({k: data[k] for k in TRAIN_DATA_KEYS if k not in ("rewards", "loss_masks")}, "my_converter")

@@ -90,6 +90,9 @@ def post_process_rewards(args, samples, custom_fn=None, fn_path=None):
         raw_rewards.append(r)
 
     if args.advantage_estimator in _GROUP_NORM_ESTIMATORS and args.rewards_normalization:
+        std = args.advantage_estimator in _STD_NORM_ESTIMATORS and args.grpo_std_normalization
+        if is_fan_out(samples):
+            return raw_rewards, _normalize_by_prompt(samples, raw_rewards, std, fn_path)
         n = args.n_samples_per_prompt
         if len(raw_rewards) % n != 0:
             raise ValueError(
@@ -99,11 +102,45 @@ def post_process_rewards(args, samples, custom_fn=None, fn_path=None):
         rewards = torch.tensor(raw_rewards, dtype=torch.float).reshape(-1, n)
         rewards = rewards - rewards.mean(dim=-1, keepdim=True)
         # std of a group of one is undefined (nan); validation also turns it off for n == 1
-        if args.advantage_estimator in _STD_NORM_ESTIMATORS and args.grpo_std_normalization and n > 1:
+        if std and n > 1:
             rewards = rewards / (rewards.std(dim=-1, keepdim=True) + 1e-6)
         return raw_rewards, rewards.flatten().tolist()
 
     return raw_rewards, raw_rewards
+
+
+def is_fan_out(samples):
+    """True when a generate call returned several samples of one rollout (siblings share `Sample.rollout_id`)."""
+    ids = [s.rollout_id for s in samples if s.rollout_id is not None]
+    return len(set(ids)) < len(ids)
+
+
+def _normalize_by_prompt(samples, raw_rewards, std, fn_path):
+    """Fan-out rollouts give each prompt a varying number of samples: centre (and scale) every sample's reward over
+    all samples of its prompt, siblings included, i.e. the samples sharing `Sample.group_index`."""
+    groups = {}
+    for i, s in enumerate(samples):
+        if s.group_index is None:
+            raise ValueError(
+                f"sample {s.index} (position {i}) from rollout function {fn_path!r} has no group_index; group reward "
+                "normalisation of fan-out rollouts groups the samples by their prompt's Sample.group_index"
+            )
+        groups.setdefault(s.group_index, []).append(i)
+    rewards = torch.tensor(raw_rewards, dtype=torch.float)
+    out = rewards.clone()
+    for members in groups.values():
+        r = rewards[members]
+        centred = r - r.mean()
+        if std and len(members) > 1:
+            centred = centred / (r.std() + 1e-6)
+        out[members] = centred
+    return out.tolist()
+
+
+def rollout_ids(samples):
+    """Each sample's rollout: its `Sample.rollout_id`, or where unset a fresh negative id of its own (user ids are
+    sample indices, never negative)."""
+    return [s.rollout_id if s.rollout_id is not None else -1 - i for i, s in enumerate(samples)]
 
 
 def convert_samples_to_train_data(args, samples, custom_reward_fn=None, fn_path=None) -> TrainData:
@@ -140,6 +177,8 @@ def convert_samples_to_train_data(args, samples, custom_reward_fn=None, fn_path=
         "sample_indices": [s.index for s in samples],
         "loss_masks": loss_masks,
     }
+    if is_fan_out(samples):
+        train_data["rollout_ids"] = rollout_ids(samples)
 
     # Rewards rewritten by the rollout (e.g. an external buffer) keep the grader's raw value for logging.
     if "raw_reward" in samples[0].metadata:

@@ -260,6 +260,9 @@ class TrainData(_RequiredTrainData, total=False):
     rollout_top_p_token_ids: list[np.ndarray]  # int32: each step's kept token set, concatenated (top-p/top-k replay)
     rollout_top_p_token_offsets: list[np.ndarray]  # int32: where each step's set starts in the ids (one more entry)
     rollout_routed_experts: list[np.ndarray]  # int32 [tokens - 1, layers, top-k]: the engine's experts (R3)
+    # fan-out: the rollout each sample belongs to (siblings of one generate call share it; default: one per sample).
+    # The trainer keeps a rollout's samples in one optimizer step and weighs the rollout once in the loss.
+    rollout_ids: list[int]
 
 
 TRAIN_DATA_KEYS = tuple(_RequiredTrainData.__annotations__)  # every converter must return these

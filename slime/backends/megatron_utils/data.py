@@ -45,35 +45,50 @@ def get_data_iterator(args, model, rollout_data):
     """`(data_iterators, num_microbatches)`: one iterator per virtual-pipeline stage and the micro-batch count of
     each optimizer step of this rollout (identical on every DP rank)."""
     dp_size = _dp_size()
-    total_samples = args.rollout_batch_size * args.n_samples_per_prompt
-    if args.global_batch_size % dp_size != 0 or total_samples % dp_size != 0:
+    total_rollouts = args.rollout_batch_size * args.n_samples_per_prompt
+    if args.global_batch_size % dp_size != 0 or total_rollouts % dp_size != 0:
         raise ValueError(
             f"--global-batch-size {args.global_batch_size} and rollout_batch_size*n_samples_per_prompt "
-            f"{total_samples} must both be divisible by the data-parallel size {dp_size}"
+            f"{total_rollouts} must both be divisible by the data-parallel size {dp_size}"
         )
-    num_local_samples = total_samples // dp_size
+    # A step takes global_batch_size / dp of this rank's rollouts (process_rollout_data split them): one sample
+    # each, or with fan-out every sample of a rollout, so a step's sample count may vary.
     num_local_gbs = args.global_batch_size // dp_size
-    num_steps_per_rollout = num_local_samples // num_local_gbs
     total_lengths = rollout_data["total_lengths"]
-    if len(total_lengths) != num_local_samples:
+    sizes = rollout_data.get("rollout_sizes") or [1] * len(total_lengths)  # built by hand: one sample per rollout
+    if len(sizes) != total_rollouts // dp_size:
         raise ValueError(
-            f"this DP rank holds {len(total_lengths)} samples but expects rollout_batch_size*n_samples_per_prompt"
-            f"/dp = {num_local_samples}; the rollout function must return exactly --rollout-batch-size groups "
-            "of --n-samples-per-prompt samples"
+            f"this DP rank holds {len(sizes)} rollouts but expects rollout_batch_size*n_samples_per_prompt/dp = "
+            f"{total_rollouts // dp_size}; the rollout function must return exactly --rollout-batch-size groups of "
+            "--n-samples-per-prompt samples"
         )
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + n)
+    steps = [range(starts[i], starts[i + num_local_gbs]) for i in range(0, len(sizes), num_local_gbs)]
+    fan_out = "rollout_weights" in rollout_data  # on every rank when any rollout has several samples
 
     vpp_size = mpu.get_virtual_pipeline_model_parallel_world_size() or 1
     packed = use_packed_sequences(args)
 
     if not args.use_dynamic_batch_size:
-        if num_local_gbs % args.micro_batch_size != 0:
-            raise ValueError(
-                f"global_batch_size/dp = {num_local_gbs} samples per step is not a multiple of "
-                f"--micro-batch-size {args.micro_batch_size}"
-            )
-        num_microbatches = [num_local_gbs // args.micro_batch_size] * num_steps_per_rollout
+        if not fan_out:
+            if num_local_gbs % args.micro_batch_size != 0:
+                raise ValueError(
+                    f"global_batch_size/dp = {num_local_gbs} samples per step is not a multiple of "
+                    f"--micro-batch-size {args.micro_batch_size}"
+                )
+            num_microbatches = [num_local_gbs // args.micro_batch_size] * len(steps)
+            iterators = [
+                DataIterator(rollout_data, args.micro_batch_size, packed_sequences=packed) for _ in range(vpp_size)
+            ]
+            return iterators, num_microbatches
+        # fan-out: consecutive micro-batches of --micro-batch-size samples (the last of a step may be short)
+        mbs = args.micro_batch_size
+        micro_batch_indices = [list(s[i : i + mbs]) for s in steps for i in range(0, len(s), mbs)]
+        num_microbatches = _same_on_every_dp_rank([-(-len(s) // mbs) for s in steps], dp_size)
         iterators = [
-            DataIterator(rollout_data, args.micro_batch_size, packed_sequences=packed) for _ in range(vpp_size)
+            DataIterator(rollout_data, None, micro_batch_indices, packed_sequences=packed) for _ in range(vpp_size)
         ]
         return iterators, num_microbatches
 
@@ -81,7 +96,6 @@ def get_data_iterator(args, model, rollout_data):
         raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu")
     # each CP rank holds 1/cp of every sequence, so a micro-batch may hold cp times the per-GPU token budget
     max_tokens = args.max_tokens_per_gpu * mpu.get_context_parallel_world_size()
-    steps = [range(i * num_local_gbs, (i + 1) * num_local_gbs) for i in range(num_steps_per_rollout)]
     counts = [get_minimum_num_micro_batch_size([total_lengths[j] for j in s], max_tokens) for s in steps]
     # every DP rank must run the same number of micro-batches per step
     counts_t = torch.tensor(counts, dtype=torch.int64, device=current_device())
@@ -92,13 +106,19 @@ def get_data_iterator(args, model, rollout_data):
         # --max-tokens-per-gpu (and fewer than one group is rejected by the schedule).
         group = get_model_config(model[0]).microbatch_group_size_per_vp_stage
         counts_t = (counts_t + group - 1) // group * group
-        if int(counts_t.max()) > num_local_gbs:
+        if int(counts_t.max()) > min(len(s) for s in steps):
             raise ValueError(
                 f"virtual pipeline parallelism runs micro-batches in groups of {group}, so a step needs "
-                f"{int(counts_t.max())} micro-batches, but each DP rank has only {num_local_gbs} samples per step "
-                f"(--global-batch-size / dp); raise --global-batch-size or --max-tokens-per-gpu"
+                f"{int(counts_t.max())} micro-batches, but this DP rank has only {min(len(s) for s in steps)} "
+                "samples in a step (--global-batch-size / dp); raise --global-batch-size or --max-tokens-per-gpu"
             )
     num_microbatches = counts_t.tolist()
+    short = [(i, len(s)) for i, (s, n) in enumerate(zip(steps, num_microbatches)) if len(s) < n]
+    if short:  # fan-out: another DP rank's step needs more micro-batches than this rank has samples
+        raise ValueError(
+            f"step {short[0][0]} needs {num_microbatches[short[0][0]]} micro-batches on every DP rank but this rank "
+            f"holds only {short[0][1]} samples in it; raise --max-tokens-per-gpu or --global-batch-size"
+        )
 
     micro_batch_indices = []
     for step, num_mbs in zip(steps, num_microbatches):
@@ -106,11 +126,25 @@ def get_data_iterator(args, model, rollout_data):
         workloads = [forward_flops(args, n) for n in lengths] if args.balance_by_flops else None
         parts = get_micro_batch_partitions(lengths, num_mbs, max_tokens, workloads)
         micro_batch_indices.extend([[step[k] for k in part] for part in parts])
-    assert sorted(i for mb in micro_batch_indices for i in mb) == list(range(num_local_samples))
+    assert sorted(i for mb in micro_batch_indices for i in mb) == list(range(len(total_lengths)))
     iterators = [
         DataIterator(rollout_data, None, micro_batch_indices, packed_sequences=packed) for _ in range(vpp_size)
     ]
     return iterators, num_microbatches
+
+
+def _same_on_every_dp_rank(counts, dp_size):
+    """Micro-batch counts per step; they must agree over DP ranks (expert-parallel all-to-alls run per micro-batch)."""
+    if dp_size == 1:
+        return counts
+    gathered = [None] * dp_size
+    dist.all_gather_object(gathered, counts, group=mpu.get_data_parallel_group_gloo(with_context_parallel=False))
+    if any(g != counts for g in gathered):
+        raise ValueError(
+            f"fan-out rollouts split into different micro-batch counts per step on the DP ranks ({gathered}) with "
+            f"a fixed --micro-batch-size; use --use-dynamic-batch-size (it evens them out)"
+        )
+    return counts
 
 
 def get_batch(data_iterator, keys, pad_multiplier=128):
@@ -188,29 +222,32 @@ def _padded_layout(tokens):
 
 
 def log_rollout_data(rollout_id, args, rollout_data):
-    """`{"rollout/<key>": value}` averaged over the whole rollout (every DP rank holds the same number of samples):
+    """`{"rollout/<key>": value}` averaged over the whole rollout's samples (summed over DP ranks, then divided):
     per-sample means for token-level tensors, plain means for per-sample numbers (other values are skipped). Computed on TP rank 0 of the last
     pipeline stage (other ranks return `{}`); every such rank returns the same dict."""
     if mpu.get_tensor_model_parallel_rank() != 0 or not mpu.is_pipeline_last_stage():
         return {}
-    local = {}
+    local = {}  # key: (sum, count); with fan-out the DP ranks hold different sample counts
+    skip = ("tokens", "loss_masks", "sample_indices", "global_indices", "rollout_routed_experts", *TOP_P_KEYS)
+    skip += ("rollout_ids", "rollout_sizes", "rollout_mask_sums", "rollout_weights")
     for key, val in rollout_data.items():
-        skip = ("tokens", "loss_masks", "sample_indices", "global_indices", "rollout_routed_experts", *TOP_P_KEYS)
         if key in skip or val is None:
             continue
         if isinstance(val, torch.Tensor):
-            local[key] = val.float().mean().item()
+            local[key] = (val.float().mean().item(), 1)
         elif isinstance(val, (list, tuple)) and len(val) > 0:
             if isinstance(val[0], torch.Tensor):
-                local[key] = (sum(v.float().mean() for v in val) / len(val)).item()
+                local[key] = (sum(v.float().mean() for v in val).item(), len(val))
             elif isinstance(val[0], numbers.Number):
-                local[key] = float(sum(val)) / len(val)
+                local[key] = (float(sum(val)), len(val))
     correct = _correct_sample_sums(args, rollout_data) if args.log_correct_samples else None
     gathered = [None] * _dp_size()
     dist.all_gather_object(
         gathered, (local, correct), group=mpu.get_data_parallel_group_gloo(with_context_parallel=False)
     )
-    out = {f"rollout/{key}": sum(d[key] for d, _ in gathered) / len(gathered) for key in local}
+    out = {
+        f"rollout/{key}": sum(d[key][0] for d, _ in gathered) / sum(d[key][1] for d, _ in gathered) for key in local
+    }
     if args.log_correct_samples:
         out.update(_correct_sample_metrics([c for _, c in gathered]))
     return out

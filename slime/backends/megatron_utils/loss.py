@@ -313,16 +313,25 @@ def compute_advantages_and_returns(args, rollout_data):
     rollout_data["returns"] = returns
 
 
-def get_sum_of_sample_mean(total_lengths, response_lengths, loss_masks, calculate_per_token_loss=False):
+def get_sum_of_sample_mean(
+    total_lengths, response_lengths, loss_masks, sample_denoms=None, calculate_per_token_loss=False
+):
     """Reducer over a micro-batch's concatenated per-token values: sum over samples of the masked per-sample mean
-    (`(x_i * m_i).sum() / max(m_i.sum(), 1)`), or with `calculate_per_token_loss` the plain masked sum."""
+    (`(x_i * m_i).sum() / max(d_i, 1)`, `d_i` = `m_i.sum()` or the given `sample_denoms`, e.g. a fan-out rollout's
+    mask total shared by its samples, so the rollout contributes one token mean), or with `calculate_per_token_loss`
+    the plain masked sum."""
+    if sample_denoms is None:
+        sample_denoms = [m.sum() for m in loss_masks]
 
     def reduce(x):
         chunks = x.split(response_lengths, dim=0)
         if calculate_per_token_loss:
             terms = [(x_i * m_i).sum() for x_i, m_i in zip(chunks, loss_masks)]
         else:
-            terms = [(x_i * m_i).sum() / torch.clamp_min(m_i.sum(), 1) for x_i, m_i in zip(chunks, loss_masks)]
+            terms = [
+                (x_i * m_i).sum() / torch.clamp_min(torch.as_tensor(d_i), 1)
+                for x_i, m_i, d_i in zip(chunks, loss_masks, sample_denoms)
+            ]
         return torch.stack(terms).sum() if terms else x.sum() * 0
 
     return reduce
@@ -568,7 +577,8 @@ def loss_function(args, batch, num_microbatches, logits):
 
     Per-sample loss: scaling by `num_microbatches / global_batch_size * dp_size` undoes Megatron's division by the
     number of micro-batches and DP gradient averaging, so a step's gradient is the sum of per-sample means over the
-    global batch divided by `--global-batch-size`, however the samples are split into micro-batches.
+    global batch divided by `--global-batch-size`, however the samples are split into micro-batches. With fan-out
+    a rollout's samples are averaged together (over all their loss-masked tokens), so the sum runs over rollouts.
     Per-token loss (`--calculate-per-token-loss`): the loss stays a plain token sum; Megatron sums it over
     micro-batches and DP ranks and divides the gradients by the global token count.
     Context parallelism: each CP rank computes the whole loss from the gathered log-probs and backpropagates it into
@@ -576,9 +586,15 @@ def loss_function(args, batch, num_microbatches, logits):
     """
     loss_masks = batch["loss_masks"]
     num_tokens = sum(torch.clamp_min(m.sum(), 1) for m in loss_masks)
-    num_samples = len(batch["response_lengths"])
+    # fan-out: a rollout's samples share one denominator and together count as one sample in the logged means
+    weights = batch.get("rollout_weights")
+    num_samples = sum(weights) if weights is not None else len(batch["response_lengths"])
     sum_of_sample_mean = get_sum_of_sample_mean(
-        batch["total_lengths"], batch["response_lengths"], loss_masks, args.calculate_per_token_loss
+        batch["total_lengths"],
+        batch["response_lengths"],
+        loss_masks,
+        batch.get("rollout_mask_sums"),
+        calculate_per_token_loss=args.calculate_per_token_loss,
     )
     kwargs = {"args": args, "batch": batch, "logits": logits, "sum_of_sample_mean": sum_of_sample_mean}
     if args.loss_type == "policy_loss":

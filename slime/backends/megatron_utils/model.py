@@ -51,6 +51,8 @@ TRAIN_KEYS = [
     *TOP_P_KEYS,
     "values",
     routing_replay.KEY,
+    "rollout_mask_sums",
+    "rollout_weights",
 ]
 
 

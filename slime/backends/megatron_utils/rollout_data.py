@@ -12,11 +12,14 @@ from slime.utils.seqlen_balancing import get_seqlen_balanced_partitions
 from slime.utils.timer import Timer
 from slime.utils.types import OPTIONAL_TRAIN_DATA_KEYS, TRAIN_DATA_KEYS
 
-# Per-sample keys split across DP ranks: the train-data contract's (slime.utils.types.TrainData), the lengths added
-# here and the critic's values (PPO); `raw_reward` stays global (logged over the whole rollout).
+# Per-sample keys split across DP ranks: the train-data contract's (slime.utils.types.TrainData), the lengths and
+# fan-out loss weights added here and the critic's values (PPO); `raw_reward` stays global (logged over the whole
+# rollout).
 PARTITIONED_KEYS = (
     "total_lengths",
     "values",
+    "rollout_mask_sums",
+    "rollout_weights",
     *(k for k in TRAIN_DATA_KEYS + OPTIONAL_TRAIN_DATA_KEYS if k != "raw_reward"),
 )
 
@@ -101,24 +104,44 @@ def get_micro_batch_partitions(total_lengths, num_micro_batches, max_tokens_per_
     return [sorted(b) for b in bins]
 
 
-def _balanced_dp_partitions(total_lengths, dp_size, n_samples_per_prompt):
-    """Karmarkar-Karp over whole prompt groups (summed lengths, or any per-sample workload), expanded back to sample
-    indices per DP rank."""
+def _balanced_dp_partitions(workloads, dp_size, n_samples_per_prompt):
+    """Karmarkar-Karp over whole prompt groups (`n_samples_per_prompt` consecutive rollouts, their workloads
+    summed), expanded back to rollout positions per DP rank."""
     n = n_samples_per_prompt
-    if len(total_lengths) % n != 0:
+    if len(workloads) % n != 0:
         raise ValueError(
-            f"--balance-data keeps prompt groups together, but {len(total_lengths)} samples are not a "
+            f"--balance-data keeps prompt groups together, but {len(workloads)} rollouts are not a "
             f"multiple of --n-samples-per-prompt {n}"
         )
-    num_groups = len(total_lengths) // n
+    num_groups = len(workloads) // n
     if num_groups % dp_size != 0:
         raise ValueError(
             f"--balance-data gives every DP rank the same number of prompt groups, but {num_groups} groups "
             f"do not divide over {dp_size} DP ranks; change --rollout-batch-size or turn off --balance-data"
         )
-    group_lengths = [sum(total_lengths[g * n : (g + 1) * n]) for g in range(num_groups)]
-    group_parts = get_seqlen_balanced_partitions(group_lengths, dp_size, equal_size=True)
+    group_workloads = [sum(workloads[g * n : (g + 1) * n]) for g in range(num_groups)]
+    group_parts = get_seqlen_balanced_partitions(group_workloads, dp_size, equal_size=True)
     return [[g * n + j for g in groups for j in range(n)] for groups in group_parts]
+
+
+def group_by_rollout(rollout_ids):
+    """Sample positions per rollout, rollouts in first-occurrence order (fan-out siblings share a rollout id)."""
+    groups = {}
+    for i, rid in enumerate(rollout_ids):
+        groups.setdefault(rid, []).append(i)
+    return list(groups.values())
+
+
+def _add_rollout_weights(data, rollouts):
+    """Fan-out: each sample's loss is averaged over its whole rollout's loss-masked tokens (`rollout_mask_sums`, the
+    same for all siblings), so a rollout counts once however many samples it split into; `rollout_weights`
+    (1 / its sample count) makes the logged per-sample means per-rollout means."""
+    sums, weights = [0] * len(data["tokens"]), [0.0] * len(data["tokens"])
+    for r in rollouts:
+        total = int(sum(int(np.asarray(data["loss_masks"][i]).sum()) for i in r))
+        for i in r:
+            sums[i], weights[i] = total, 1.0 / len(r)
+    data["rollout_mask_sums"], data["rollout_weights"] = sums, weights
 
 
 def _fetch_rollout_data(rollout_data_ref):
@@ -139,9 +162,11 @@ def process_rollout_data(args, rollout_data_ref, dp_rank, dp_size, values_ref=No
     """This DP rank's share of a rollout (`Box(ObjectRef)` of the controller's train-data dict), plus the critic's
     `values` from `values_ref` (a `Box` of `{"values": [per-sample arrays in rollout order]}`) when given.
 
-    Adds `total_lengths` and `global_indices` (each local sample's index in the rollout); tokens become LongTensors and loss masks IntTensors on the training device, rollout
-    log-probs float32 tensors. Partition: strided `val[dp_rank::dp_size]`, or with `--balance-data` Karmarkar-Karp over
-    whole prompt groups so every rank gets about the same number of tokens.
+    Adds `total_lengths`, `global_indices` (each local sample's index in the rollout) and `rollout_sizes` (the sample
+    count of each local rollout, in order); tokens become LongTensors and loss masks IntTensors on the training
+    device, rollout log-probs float32 tensors. Partition over rollouts (a sample, or a fan-out call's samples):
+    strided `rollouts[dp_rank::dp_size]`, or with `--balance-data` Karmarkar-Karp over whole prompt groups so every
+    rank gets about the same number of tokens.
     """
     data = _fetch_rollout_data(rollout_data_ref)
     missing = [k for k in TRAIN_DATA_KEYS if k not in data]
@@ -155,13 +180,28 @@ def process_rollout_data(args, rollout_data_ref, dp_rank, dp_size, values_ref=No
     data["total_lengths"] = [len(t) for t in data["tokens"]]
     Timer().seq_lens = data["total_lengths"]  # whole-rollout lengths, for FLOPs accounting
 
+    # The unit of the DP split (and of optimizer steps, get_data_iterator) is the rollout: one sample, or all
+    # samples of one fan-out generate call, which stay on one rank and in one step.
+    rollouts = group_by_rollout(data.get("rollout_ids") or range(len(data["tokens"])))
+    expected = args.rollout_batch_size * args.n_samples_per_prompt
+    if len(rollouts) != expected:
+        raise ValueError(
+            f"the rollout holds {len(rollouts)} rollouts ({len(data['tokens'])} samples) but the trainer takes "
+            f"--rollout-batch-size x --n-samples-per-prompt = {expected} per rollout step; the rollout function "
+            "must return that many (a generate function returning several samples of one rollout gives them the "
+            "same Sample.rollout_id)"
+        )
     if args.balance_data:
         workloads = data["total_lengths"]
         if args.balance_by_flops:
             workloads = [forward_flops(args, n) for n in workloads]
-        indices = _balanced_dp_partitions(workloads, dp_size, args.n_samples_per_prompt)[dp_rank]
+        workloads = [sum(workloads[i] for i in r) for r in rollouts]
+        mine = [rollouts[k] for k in _balanced_dp_partitions(workloads, dp_size, args.n_samples_per_prompt)[dp_rank]]
     else:
-        indices = list(range(dp_rank, len(data["total_lengths"]), dp_size))
+        mine = rollouts[dp_rank::dp_size]
+    indices = [i for r in mine for i in r]
+    if len(rollouts) < len(data["tokens"]):
+        _add_rollout_weights(data, rollouts)
 
     def partition(vals):
         return [vals[i] for i in indices]
@@ -169,6 +209,7 @@ def process_rollout_data(args, rollout_data_ref, dp_rank, dp_size, values_ref=No
     device = current_device()
     rollout_data = {"raw_reward": data["raw_reward"]} if "raw_reward" in data else {}
     rollout_data["global_indices"] = indices
+    rollout_data["rollout_sizes"] = [len(r) for r in mine]
     for key in PARTITIONED_KEYS:
         if key not in data or data[key] is None:
             continue
