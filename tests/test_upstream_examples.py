@@ -2,14 +2,17 @@
 scripts call them. They are not part of this repository, so these tests run where a checkout of current slime is
 given by `SLIME_UPSTREAM_DIR` (and are skipped elsewhere)."""
 
+import asyncio
 import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
+from aiohttp import web
 
 from tests import _procs
 
@@ -42,29 +45,23 @@ def _model_args():
     return out.stdout.split()
 
 
-@pytest.mark.timeout(600)
-def test_retool_generate_and_reward_run_unchanged(tiny_kit, tmp_path):
-    """examples/retool: its multi-turn generate function (which keeps `sample.loss_mask` across
-    `append_response_tokens` calls) and its dict reward read through `--reward-key score`."""
-    plugin_dir = tmp_path / "retool"
-    shutil.copytree(os.path.join(UPSTREAM, "examples", "retool"), plugin_dir)
+def _run_train(tiny_kit, tmp_path, pythonpath, *args, prompt_data=None):
+    """train.py on the tiny model (4096-token context: upstream's prompts are long) with upstream's GRPO settings and
+    `args`, the plugin directory on PYTHONPATH as upstream's scripts set it; returns the metrics rows."""
     model = _long_context_kit(tiny_kit, tmp_path, 4096)
     cmd = [sys.executable, "train.py", *_model_args(), "--max-position-embeddings", "4096", "--hf-checkpoint", model]
     cmd += (
         "--actor-num-nodes 1 --actor-num-gpus-per-node 1 --rollout-num-gpus 1 --rollout-num-gpus-per-engine 1".split()
     )
-    cmd += ["--prompt-data", os.path.join(tiny_kit[1], "train.jsonl")]
-    cmd += "--input-key prompt --label-key label --apply-chat-template --rollout-shuffle --reward-key score".split()
-    cmd += "--num-rollout 2 --rollout-batch-size 4 --n-samples-per-prompt 2 --rollout-max-response-len 16".split()
+    cmd += ["--prompt-data", prompt_data or os.path.join(tiny_kit[1], "train.jsonl")]
     cmd += (
-        "--global-batch-size 8 --use-dynamic-batch-size --max-tokens-per-gpu 2048 --advantage-estimator grpo".split()
+        "--input-key prompt --apply-chat-template --rollout-shuffle --num-rollout 2 --advantage-estimator grpo".split()
     )
+    cmd += "--use-dynamic-batch-size --max-tokens-per-gpu 4096".split()
     cmd += "--use-kl-loss --kl-loss-coef 0.00 --kl-loss-type low_var_kl --eps-clip 0.2 --eps-clip-high 0.28".split()
     cmd += "--optimizer adam --lr 1e-6 --lr-decay-style constant --attention-dropout 0.0 --hidden-dropout 0.0".split()
-    cmd += "--custom-generate-function-path generate_with_retool.generate".split()
-    cmd += "--custom-rm-path generate_with_retool.reward_func".split()
-    cmd += ["--metrics-path", str(tmp_path / "metrics.jsonl")]
-    env = dict(_procs.run_env(tmp_path), PYTHONPATH=str(plugin_dir))  # as upstream's script sets it
+    cmd += [*args, "--metrics-path", str(tmp_path / "metrics.jsonl")]
+    env = dict(_procs.run_env(tmp_path), PYTHONPATH=str(pythonpath))
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         out, _ = proc.communicate(timeout=540)
@@ -72,7 +69,25 @@ def test_retool_generate_and_reward_run_unchanged(tiny_kit, tmp_path):
         _procs.stop_run(proc, tmp_path)
     assert proc.returncode == 0, out[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    assert [r["rollout_id"] for r in rows] == [0, 1]
+    assert [r["rollout_id"] for r in rows] == [0, 1] and all("train/pg_loss" in r for r in rows)
+    return rows
+
+
+@pytest.mark.timeout(600)
+def test_retool_generate_and_reward_run_unchanged(tiny_kit, tmp_path):
+    """examples/retool: its multi-turn generate function (which keeps `sample.loss_mask` across
+    `append_response_tokens` calls) and its dict reward read through `--reward-key score`."""
+    plugin_dir = tmp_path / "retool"
+    shutil.copytree(os.path.join(UPSTREAM, "examples", "retool"), plugin_dir)
+    rows = _run_train(
+        tiny_kit,
+        tmp_path,
+        plugin_dir,
+        *"--label-key label --reward-key score --rollout-batch-size 4 --n-samples-per-prompt 2".split(),
+        *"--rollout-max-response-len 16 --global-batch-size 8".split(),
+        *"--custom-generate-function-path generate_with_retool.generate".split(),
+        *"--custom-rm-path generate_with_retool.reward_func".split(),
+    )
     # the untrained model never boxes an answer: math_dapo's -1 plus retool's tool-call term, (0 - 2) / 2 * 0.1
     assert all(r["rollout/raw_reward"] == pytest.approx(-1.1) for r in rows)
     assert all(r["train/train_rollout_logprob_abs_diff"] < 1e-5 for r in rows)
@@ -85,31 +100,80 @@ def test_multi_agent_fan_out_trains_unchanged(tiny_kit, tmp_path):
     plugin_root = tmp_path / "plugins"
     shutil.copytree(os.path.join(UPSTREAM, "examples", "multi_agent"), plugin_root / "examples" / "multi_agent")
     (plugin_root / "examples" / "__init__.py").write_text("")
-    model = _long_context_kit(tiny_kit, tmp_path, 4096)
-    cmd = [sys.executable, "train.py", *_model_args(), "--max-position-embeddings", "4096", "--hf-checkpoint", model]
-    cmd += (
-        "--actor-num-nodes 1 --actor-num-gpus-per-node 1 --rollout-num-gpus 1 --rollout-num-gpus-per-engine 1".split()
-    )
-    cmd += ["--prompt-data", os.path.join(tiny_kit[1], "train.jsonl")]
-    cmd += "--input-key prompt --label-key label --apply-chat-template --rollout-shuffle --rm-type deepscaler".split()
-    cmd += "--num-rollout 2 --rollout-batch-size 2 --n-samples-per-prompt 2 --rollout-max-response-len 8".split()
-    cmd += "--rollout-max-context-len 4096 --rollout-temperature 1 --global-batch-size 4 --balance-data".split()
-    cmd += "--use-dynamic-batch-size --max-tokens-per-gpu 4096 --advantage-estimator grpo".split()
-    cmd += "--use-kl-loss --kl-loss-coef 0.00 --kl-loss-type low_var_kl --eps-clip 0.2 --eps-clip-high 0.28".split()
-    cmd += "--use-rollout-logprobs --optimizer adam --lr 1e-6 --lr-decay-style constant".split()
-    cmd += "--attention-dropout 0.0 --hidden-dropout 0.0".split()
     generate = "examples.multi_agent.rollout_with_multi_agents.generate_with_multi_agents"
-    cmd += ["--custom-generate-function-path", generate]
-    cmd += ["--metrics-path", str(tmp_path / "metrics.jsonl")]
-    cmd += ["--save-debug-rollout-data", str(tmp_path / "rollout_{rollout_id}.pt")]
-    env = dict(_procs.run_env(tmp_path), PYTHONPATH=str(plugin_root))
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        out, _ = proc.communicate(timeout=540)
-    finally:
-        _procs.stop_run(proc, tmp_path)
-    assert proc.returncode == 0, out[-3000:]
-    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    assert [r["rollout_id"] for r in rows] == [0, 1] and all("train/pg_loss" in r for r in rows)
+    _run_train(
+        tiny_kit,
+        tmp_path,
+        plugin_root,
+        *"--label-key label --rm-type deepscaler --rollout-batch-size 2 --n-samples-per-prompt 2".split(),
+        *"--rollout-max-context-len 4096 --rollout-max-response-len 8 --rollout-temperature 1".split(),
+        *"--global-batch-size 4 --balance-data --use-rollout-logprobs".split(),
+        *["--custom-generate-function-path", generate],
+        *["--save-debug-rollout-data", str(tmp_path / "rollout_{rollout_id}.pt")],
+    )
     samples = torch.load(tmp_path / "rollout_0.pt", weights_only=False)["samples"]
     assert len({s["rollout_id"] for s in samples}) == 4 and len(samples) > 4  # 4 rollouts fanned out
+
+
+class _Retriever:
+    """Stands in for Search-R1's local retrieval server (POST /retrieve {queries, topk, return_scores} ->
+    {"result": [[{"document": {"contents": "title\ntext"}}]]}) on a free port; counts the queries."""
+
+    def __init__(self):
+        self.queries = []
+        app = web.Application()
+        app.router.add_post("/retrieve", self.retrieve)
+        self.loop = asyncio.new_event_loop()
+        self.runner = web.AppRunner(app)
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}/retrieve"
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    async def retrieve(self, request):
+        body = await request.json()
+        self.queries += body["queries"]
+        docs = [{"document": {"contents": f"Doc {i}\nThe answer is 5."}} for i in range(body["topk"])]
+        return web.json_response({"result": [docs for _ in body["queries"]]})
+
+    def close(self):
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.mark.timeout(600)
+def test_search_r1_generate_and_reward_run_unchanged(tiny_kit, tmp_path):
+    """examples/search-r1 with its local search backend pointed at a stand-in retrieval server (the one edit its
+    README asks for): multi-turn generate with loss-masked observations, a dict label, its exact-match reward."""
+    plugin_dir = tmp_path / "search-r1"
+    shutil.copytree(os.path.join(UPSTREAM, "examples", "search-r1"), plugin_dir)
+    retriever = _Retriever()
+    module = plugin_dir / "generate_with_search.py"
+    module.write_text(module.read_text().replace("http://127.0.0.1:8000/retrieve", retriever.url))
+    data = tmp_path / "nq.jsonl"
+    with open(data, "w") as f:
+        for q in ["What is 2 + 3?", "What is 1 + 4?", "What is 4 + 1?", "What is 3 + 2?"]:
+            prompt = [{"role": "user", "content": q}]  # upstream's data: chat messages, templated by slime
+            f.write(json.dumps({"prompt": prompt, "reward_model": {"ground_truth": {"target": ["5"]}}}) + "\n")
+    try:
+        rows = _run_train(
+            tiny_kit,
+            tmp_path,
+            plugin_dir,
+            *"--label-key reward_model --rollout-batch-size 4 --n-samples-per-prompt 2".split(),
+            *"--rollout-max-response-len 12 --rollout-temperature 1 --global-batch-size 8".split(),
+            *"--custom-generate-function-path generate_with_search.generate".split(),
+            *"--custom-rm-path generate_with_search.reward_func".split(),
+            *["--save-debug-rollout-data", str(tmp_path / "rollout_{rollout_id}.pt")],
+            prompt_data=str(data),
+        )
+    finally:
+        retriever.close()
+    # the untrained model never writes a valid <search>/<answer> sequence: exact match 0, no format score
+    assert all(r["rollout/raw_reward"] == 0 for r in rows)
+    samples = torch.load(tmp_path / "rollout_0.pt", weights_only=False)["samples"]
+    for s in samples:  # the tiny model's first turn runs to the length limit, which ends the episode
+        assert s["loss_mask"] == [1] * s["response_length"] == [1] * len(s["rollout_log_probs"])
