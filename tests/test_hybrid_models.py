@@ -274,3 +274,28 @@ def test_rl_steps_end_to_end(kind, ray_session, tiny_kit, tmp_path):
     from tests import test_model_families as families
 
     families.test_rl_steps_end_to_end(kind, [], ray_session, tiny_kit, tmp_path)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_qwen3_5_moe_save_hf_writes_the_checkpoints_tensors(ray_session, tiny_kit, tmp_path):
+    """--save-hf on Qwen3.5-MoE after RL steps at learning rate 0: the HF checkpoint written (through weight sync's
+    converter, experts of every rank) holds exactly the starting checkpoint's tensors under its names, and
+    transformers loads it with no weight missing or unexpected."""
+    from transformers import AutoModelForCausalLM
+
+    from slime.backends.megatron_utils.megatron_to_hf.hf_to_megatron import SafetensorsReader
+    from tests import test_model_families as families
+
+    template = str(tmp_path / "hf" / "iter_{rollout_id}")
+    save = ["--lr", "0", "--save", str(tmp_path / "ckpt"), "--save-interval", "1", "--save-hf", template]
+    families.test_rl_steps_end_to_end("qwen3_5_moe", save, ray_session, tiny_kit, tmp_path)
+    expected = decoder_checkpoint(str(tmp_path / "qwen3_5_moe"))
+    for rollout_id in (0, 1):
+        reader = SafetensorsReader(template.format(rollout_id=rollout_id))
+        assert sorted(reader.key_to_file) == sorted(expected)
+        assert all(torch.equal(reader.get(k), v) for k, v in expected.items())
+        _, info = AutoModelForCausalLM.from_pretrained(
+            template.format(rollout_id=rollout_id), output_loading_info=True
+        )
+        assert not info["missing_keys"] and not info["unexpected_keys"], info
