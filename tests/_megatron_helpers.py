@@ -2,6 +2,7 @@
 
 import multiprocessing
 import os
+import re
 import socket
 import time
 
@@ -225,7 +226,7 @@ def _build_mimo(common, out_dir):
 
 def build_random_hf(kind, out_dir, seed=0, vocab_size=200):
     """A tiny random HF model of family `kind` in {qwen2, qwen3, llama, llama3, qwen3moe, glm4, glm4moe, deepseekv3,
-    mimo, qwen3next, qwen3_5};
+    mimo, qwen3next, qwen3_5, qwen3_5_moe, qwen3_5_moe_vl (the published layout: a vision-language checkpoint)};
     every tensor (norms and router score biases too) random."""
     import transformers as tf
 
@@ -319,7 +320,12 @@ def build_random_hf(kind, out_dir, seed=0, vocab_size=200):
             head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, **common
         )
         cls = tf.Qwen3MoeForCausalLM
-    elif kind in ("qwen3next", "qwen3_5"):  # Gated DeltaNet / gated full attention hybrids, partial RoPE 0.25
+    elif kind in (
+        "qwen3next",
+        "qwen3_5",
+        "qwen3_5_moe",
+        "qwen3_5_moe_vl",
+    ):  # Gated DeltaNet / gated full attention hybrids, partial RoPE 0.25
         hybrid = dict(
             head_dim=16,
             linear_num_key_heads=2,
@@ -342,6 +348,22 @@ def build_random_hf(kind, out_dir, seed=0, vocab_size=200):
                 **hybrid,
             )
             cls = tf.Qwen3NextForCausalLM
+        elif kind.startswith("qwen3_5_moe"):  # every layer: softmax top-2 of 4 experts and a gated shared expert
+            hybrid.pop("intermediate_size")  # no dense MLP
+            moe = dict(
+                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48
+            )
+            if kind == "qwen3_5_moe":
+                cfg = tf.Qwen3_5MoeTextConfig(**moe, **hybrid)
+                cls = tf.Qwen3_5MoeForCausalLM
+            else:  # decoder under model.language_model., a one-block vision tower the trainer leaves alone
+                vision = dict(
+                    depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4
+                )
+                cfg = tf.Qwen3_5MoeConfig(
+                    text_config={**moe, **hybrid}, vision_config=vision, tie_word_embeddings=False
+                )
+                cls = tf.Qwen3_5MoeForConditionalGeneration
         else:
             cfg = tf.Qwen3_5TextConfig(**hybrid)
             cls = tf.Qwen3_5ForCausalLM
@@ -355,12 +377,50 @@ def build_random_hf(kind, out_dir, seed=0, vocab_size=200):
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn_like(b) * 0.1)
-        if kind in ("qwen3next", "qwen3_5"):  # zero-centred norms (scale 1 + w): w near 0, as trained ones are
+        if kind.startswith(
+            ("qwen3next", "qwen3_5")
+        ):  # zero-centred norms (scale 1 + w): w near 0, as trained ones are
             for name, p in model.named_parameters():
                 if name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight", "model.norm.weight")):
                     p.copy_(torch.randn_like(p) * 0.1)
     model.save_pretrained(out_dir)
+    if kind == "qwen3_5_moe_vl":  # transformers writes one tensor per expert; the published checkpoint stacks them
+        from safetensors.torch import load_file, save_file
+
+        path = os.path.join(out_dir, "model.safetensors")
+        tensors = load_file(path)
+        for name, t in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                pre = name.rsplit(".", 1)[0] + "."
+                for key in [k for k in tensors if k.startswith(pre) and k[len(pre)].isdigit()]:
+                    del tensors[key]
+                tensors[name] = t.detach().clone()
+        save_file(tensors, path, metadata={"format": "pt"})
     return out_dir
+
+
+_STACKED_EXPERTS = re.compile(r"^(.*\.experts\.)(gate_up_proj|down_proj)$")
+
+
+def decoder_checkpoint(hf_dir):
+    """The tensors of `hf_dir`'s safetensors the trainer holds and exports: MTP layers and a vision tower left out,
+    stacked experts (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]) as the per-expert tensors."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for name, t in load_file(os.path.join(hf_dir, "model.safetensors")).items():
+        if ".mtp_layers." in name or name.startswith("model.visual."):
+            continue
+        if m := _STACKED_EXPERTS.match(name):
+            for e in range(t.shape[0]):
+                if m.group(2) == "down_proj":
+                    out[f"{m.group(1)}{e}.down_proj.weight"] = t[e]
+                else:
+                    gate, up = t[e].chunk(2)
+                    out[f"{m.group(1)}{e}.gate_proj.weight"], out[f"{m.group(1)}{e}.up_proj.weight"] = gate, up
+        else:
+            out[name] = t
+    return out
 
 
 def causal_mask(seq_len):

@@ -469,6 +469,34 @@ FAMILY_CONFIGS = {
             ),
         ),
     ),
+    "qwen3.5-35B-A3B.sh": dict(
+        model_type="qwen3_5_moe",
+        architectures=["Qwen3_5MoeForConditionalGeneration"],
+        text_config=dict(
+            model_type="qwen3_5_moe_text",
+            hidden_size=2048,
+            num_hidden_layers=40,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            head_dim=256,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_num_key_heads=16,
+            linear_num_value_heads=32,
+            num_experts=256,
+            num_experts_per_tok=8,
+            moe_intermediate_size=512,
+            shared_expert_intermediate_size=512,
+            hidden_act="silu",
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            vocab_size=248320,
+            rope_parameters=dict(
+                rope_type="default", rope_theta=10000000, partial_rotary_factor=0.25, mrope_interleaved=True
+            ),
+        ),
+    ),
 }
 
 

@@ -431,6 +431,7 @@ _FIXED_ROPE_PARAMS = {
 HYBRID_SPECS = {
     "qwen3_next": ("slime_plugins.models.qwen3_next", "get_qwen3_next_spec"),
     "qwen3_5_text": ("slime_plugins.models.qwen3_5", "get_qwen3_5_spec"),
+    "qwen3_5_moe_text": ("slime_plugins.models.qwen3_5", "get_qwen3_5_spec"),
 }
 
 
@@ -507,10 +508,6 @@ def hf_architecture(cfg) -> dict:
         )
         if getattr(cfg, "shared_expert_intermediate_size", None):
             arch["moe_shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
-    if model_type.startswith("qwen3_5_moe"):
-        raise ValueError(
-            f"model_type {model_type!r} (Qwen3.5 MoE) is not supported yet; Qwen3.5 dense and Qwen3-Next are"
-        )
     if model_type in HYBRID_SPECS:  # Gated DeltaNet layers between gated full-attention layers
         from slime_plugins.models.qwen3_next import hybrid_layer_types  # heavy (transformers modeling)
 
@@ -519,11 +516,14 @@ def hf_architecture(cfg) -> dict:
                 raise ValueError(f"layer_types[{i}]={kind!r} is not a layer type slime can build for {model_type!r}")
         arch.update(spec=list(HYBRID_SPECS[model_type]), apply_layernorm_1p=True, attention_output_gate=True)
         if arch.get("num_experts"):
+            # Qwen3.5-MoE: every layer routed (no mlp_only_layers / decoder_sparse_step), no dense MLP size
+            step = getattr(cfg, "decoder_sparse_step", None) or 1
             sparse = [
-                0 if i in (getattr(cfg, "mlp_only_layers", None) or []) or (i + 1) % cfg.decoder_sparse_step else 1
+                0 if i in (getattr(cfg, "mlp_only_layers", None) or []) or (i + 1) % step else 1
                 for i in range(cfg.num_hidden_layers)
             ]
             arch.update(
+                ffn_hidden_size=arch["ffn_hidden_size"] or arch["moe_ffn_hidden_size"],
                 moe_layer_freq=sparse,
                 moe_shared_expert_gate=True,
                 moe_router_pre_softmax=not getattr(cfg, "norm_topk_prob", True),

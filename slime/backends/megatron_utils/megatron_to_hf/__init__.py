@@ -11,9 +11,12 @@ from . import deepseekv3, glm4, glm4moe, llama, mimo, qwen2, qwen3_5, qwen3moe, 
 from .hf_to_megatron import hf_to_megatron
 
 # Checked in this order on the lowercased name without "_"/"-": "qwen3moe" must win over "qwen3", "glm4moe" over "glm4",
-# "qwen3next" / "qwen35..." over "qwen3", "qwen35text" (text-only checkpoint) over "qwen35" (vision-language one).
+# "qwen3next" / "qwen35..." over "qwen3", "qwen35text" (text-only checkpoint) over "qwen35" (vision-language one),
+# "qwen35moe..." over "qwen35".
 _FAMILIES = [
     (("qwen3next",), qwen3next.FAMILY),
+    (("qwen35moetext",), qwen3_5.MOE_TEXT_FAMILY),
+    (("qwen35moe",), qwen3_5.MOE_FAMILY),
     (("qwen35text",), qwen3_5.TEXT_FAMILY),
     (("qwen35",), qwen3_5.FAMILY),
     (("glm4moe",), glm4moe.FAMILY),

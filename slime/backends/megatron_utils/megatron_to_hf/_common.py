@@ -40,6 +40,9 @@ _EXPERT_RE = re.compile(
     r"^mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.weight|(linear_fc[12])\.weight(\d+))$"
 )
 
+# HF per-expert tensor name -> (layer prefix up to `mlp.`, expert, projection)
+_HF_EXPERT_RE = re.compile(r"^(.*\.mlp\.)experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+
 # Megatron layer-relative suffix -> HF layer-relative suffix, copied as is. Keyed by the feature that enables them
 # (later features override earlier ones: MLA's q/kv latent norms reuse the `q_layernorm` module name).
 _COPY_RULES = {
@@ -109,10 +112,14 @@ class GPTFamily:
     wrapped in the attention slot (slime_plugins/models/hf_attention.py): `self_attention.<attr>.*` is the HF
     layer's `<attr>.*`, unchanged. `prefix`: the HF decoder's prefix (`model.language_model.` in vision-language
     checkpoints). `mtp`: where the HF checkpoint keeps multi-token-prediction layers ("layers" or "mtp_layers",
-    see `_MTP_NAMES`; None: the family has none)."""
+    see `_MTP_NAMES`; None: the family has none). `stacked_experts`: the family's checkpoints may also hold each
+    layer's routed experts stacked, `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows first) and
+    `mlp.experts.down_proj` [E, H, I], as the published Qwen3.5-MoE ones do; loading takes either spelling, export
+    writes the per-expert one (what transformers saves and SGLang loads)."""
 
-    def __init__(self, name, features=(), hf_modules=(), prefix="model.", mtp=None):
+    def __init__(self, name, features=(), hf_modules=(), prefix="model.", mtp=None, stacked_experts=False):
         self.name, self.features, self.mtp = name, frozenset(features), mtp
+        self.stacked_experts = stacked_experts
         self.hf_modules, self.prefix = tuple(hf_modules), prefix
         self.top_level = {k: v.replace("model.", prefix, 1) for k, v in _TOP_LEVEL.items()}
         self.copy_rules = {}
@@ -196,7 +203,8 @@ class GPTFamily:
     def from_hf(self, args, name, load):
         """The full Megatron tensor for `name` built from HF tensors (`load(hf_name)`), or None if unclaimed.
 
-        Exactly inverts `to_hf`, so it needs only the HF names `to_hf` produces for `name`.
+        Exactly inverts `to_hf`, so it needs only the HF names `to_hf` produces for `name` (with `stacked_experts`,
+        a checkpoint without them gives an expert its slice of the stacked tensors).
         """
         local = strip_prefix(name)
         if local == "output_layer.weight":
@@ -206,7 +214,14 @@ class GPTFamily:
         probe = self.to_hf(args, name, _NamesOnly())
         if probe is None:
             return None
-        tensors = [load(hf_name) for hf_name, _ in probe]
+        if self.stacked_experts and (m := _HF_EXPERT_RE.match(probe[0][0])):
+            try:
+                tensors = [load(hf_name) for hf_name, _ in probe]
+            except KeyError:
+                stacked = "down_proj" if m.group(3) == "down" else "gate_up_proj"  # [gate; up] rows, as fc1's
+                return load(f"{m.group(1)}experts.{stacked}")[int(m.group(2))]
+        else:
+            tensors = [load(hf_name) for hf_name, _ in probe]
         if len(tensors) == 1:
             if self.mtp == "mtp_layers" and _MTP_RE.match(local) and local.endswith(".eh_proj.weight"):
                 return swap_halves(tensors[0])

@@ -39,16 +39,21 @@ class SafetensorsReader:
                 "save_pretrained(safe_serialization=True)."
             )
         self._handles = {}
+        self._recent = {}  # the last two tensors read (an expert's fc1 and fc2 come from two stacked tensors)
 
     def get(self, key, fallback=None):
         if key not in self.key_to_file and fallback is not None:
             key = fallback
         if key not in self.key_to_file:
             raise KeyError(f"HF checkpoint {self.hf_dir!r} has no tensor {key!r} (needed by the Megatron model)")
+        if key in self._recent:  # stacked experts: each expert's parameter reads its slice of the same tensor
+            return self._recent[key]
         fname = self.key_to_file[key]
         if fname not in self._handles:
             self._handles[fname] = safe_open(os.path.join(self.hf_dir, fname), framework="pt")
-        return self._handles[fname].get_tensor(key)
+        tensor = self._handles[fname].get_tensor(key)
+        self._recent = {**dict(list(self._recent.items())[-1:]), key: tensor}
+        return tensor
 
 
 def shard_for_rank(name, full, param, *, gated_linear_unit=True):

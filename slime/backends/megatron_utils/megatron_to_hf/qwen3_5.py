@@ -1,14 +1,25 @@
-"""Qwen3.5 dense: the Qwen3-Next hybrid (Gated DeltaNet layers wrapped from transformers, gated full attention)
-with a dense MLP. Text-only checkpoints (`Qwen3_5ForCausalLM`) keep the decoder under `model.`; the published
-vision-language ones (`Qwen3_5ForConditionalGeneration`) under `model.language_model.` (the vision tower is not
-trained: the inference engine keeps the checkpoint's)."""
+"""Qwen3.5: the Qwen3-Next hybrid (Gated DeltaNet layers wrapped from transformers, gated full attention) with a
+dense MLP, or (Qwen3.5-MoE) Qwen3-Next's softmax top-k experts and gated shared expert in every layer. Text-only
+checkpoints (`Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`) keep the decoder under `model.`; the published
+vision-language ones (`Qwen3_5(Moe)ForConditionalGeneration`) under `model.language_model.` (the vision tower is not
+trained: the inference engine keeps the checkpoint's). Qwen3.5-MoE experts are exported one tensor per expert (what
+transformers saves, Qwen3-Next's names); the published checkpoints stack them (`mlp.experts.gate_up_proj` /
+`mlp.experts.down_proj`), which loading also reads (see `GPTFamily`)."""
 
 from ._common import GPTFamily
 
 _FEATURES = ("qk_norm", "gated_attention")
-FAMILY = GPTFamily("qwen3_5", features=_FEATURES, hf_modules=("linear_attn",), prefix="model.language_model.")
+_MOE_FEATURES = (*_FEATURES, "moe", "shared_expert")
+_VL_PREFIX = "model.language_model."
+FAMILY = GPTFamily("qwen3_5", features=_FEATURES, hf_modules=("linear_attn",), prefix=_VL_PREFIX)
 TEXT_FAMILY = GPTFamily("qwen3_5_text", features=_FEATURES, hf_modules=("linear_attn",))
+MOE_FAMILY = GPTFamily(
+    "qwen3_5_moe", features=_MOE_FEATURES, hf_modules=("linear_attn",), prefix=_VL_PREFIX, stacked_experts=True
+)
+MOE_TEXT_FAMILY = GPTFamily(
+    "qwen3_5_moe_text", features=_MOE_FEATURES, hf_modules=("linear_attn",), stacked_experts=True
+)
 
 
 def convert_qwen3_5_to_hf(args, name, param):
-    return FAMILY.to_hf(args, name, param)
+    return (MOE_FAMILY if args.num_experts else FAMILY).to_hf(args, name, param)
