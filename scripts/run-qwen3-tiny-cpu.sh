@@ -16,7 +16,7 @@
 #   EXTRA_ARGS="--partial-rollout --use-wandb --wandb-mode offline" bash scripts/run-qwen3-tiny-cpu.sh
 # Other knobs: NUM_ROLLOUT (GRPO rollouts, 300), SFT_EPOCHS (30), LR (GRPO peak, 3e-4, cosine-decayed to 3e-5),
 # EVAL_INTERVAL (20), MAX_STALENESS (fully_async), OUT, MODEL_DIR, DATA_DIR; with MODE=opd: TEACHER (an HF model
-# directory, default outputs/qwen3-tiny-sync/grpo_hf: the default job's final model), OPD_KL_COEF (1.0), OPD_REWARD
+# directory, default outputs/qwen3-tiny-sync/grpo_hf: the default job's final model), OPD_KL_COEF (0.3), OPD_REWARD
 # (1: the answer's reward is trained on beside the teacher; 0: logged only); with LORA=1: LORA_RANK (16),
 # LORA_ALPHA (32), LR (1e-3 then), LORA_SYNC (adapter). SLIME_DRY_RUN=1 prints both stages' commands and validates
 # their arguments, running nothing.
@@ -115,8 +115,9 @@ case "$MODE" in
             # second inference server on the CPUs. Every group carries the teacher's signal, even one whose 8
             # answers all score the same, so no group is filtered out. The OPD term's batch mean is the reverse KL
             # (> 0), which pushes every sampled token down; whitening removes it (without: 0.71 at rollout 300).
+            # Coef 0.3 (the teacher's term beside GRPO's reward) learned faster than 1.0 here (docs/opd.md).
             DYNAMIC_SAMPLING_ARGS=()
-            GRPO_ARGS+=(--use-opd --opd-type megatron --opd-teacher-load "$OUT/teacher" --opd-kl-coef "${OPD_KL_COEF:-1.0}"
+            GRPO_ARGS+=(--use-opd --opd-type megatron --opd-teacher-load "$OUT/teacher" --opd-kl-coef "${OPD_KL_COEF:-0.3}"
                         --normalize-advantages)
             # OPD_REWARD=0: the answer's reward is logged, not trained on; the teacher is the whole signal
             if [ "$OPD_REWARD" = 0 ]; then
