@@ -8,12 +8,16 @@
 #   MODE=async bash scripts/run-qwen3-tiny-cpu.sh      # train_async.py, one-step off-policy
 #   MODE=fully_async bash scripts/run-qwen3-tiny-cpu.sh  # train_async.py, fully async within MAX_STALENESS (1)
 #   MODE=ppo bash scripts/run-qwen3-tiny-cpu.sh        # PPO with a critic (a value model beside the policy), train.py
+#   MODE=opd bash scripts/run-qwen3-tiny-cpu.sh        # on-policy distillation: a fresh student (the same SFT start)
+#                                                      # learns from TEACHER, the main job's trained model (docs/opd.md)
 #   TP=2 bash scripts/run-qwen3-tiny-cpu.sh            # tensor-parallel training over 2 ranks
 #   LORA=1 bash scripts/run-qwen3-tiny-cpu.sh          # GRPO trains LoRA adapters on the frozen SFT model (MODE=sync,
 #                                                      # colocate or async; see docs/lora.md#on-the-main-job)
 #   EXTRA_ARGS="--partial-rollout --use-wandb --wandb-mode offline" bash scripts/run-qwen3-tiny-cpu.sh
 # Other knobs: NUM_ROLLOUT (GRPO rollouts, 300), SFT_EPOCHS (30), LR (GRPO peak, 3e-4, cosine-decayed to 3e-5),
-# EVAL_INTERVAL (20), MAX_STALENESS (fully_async), OUT, MODEL_DIR, DATA_DIR; with LORA=1: LORA_RANK (16),
+# EVAL_INTERVAL (20), MAX_STALENESS (fully_async), OUT, MODEL_DIR, DATA_DIR; with MODE=opd: TEACHER (an HF model
+# directory, default outputs/qwen3-tiny-sync/grpo_hf: the default job's final model), OPD_KL_COEF (0.3), OPD_REWARD
+# (1: the answer's reward is trained on beside the teacher; 0: logged only); with LORA=1: LORA_RANK (16),
 # LORA_ALPHA (32), LR (1e-3 then), LORA_SYNC (adapter). SLIME_DRY_RUN=1 prints both stages' commands and validates
 # their arguments, running nothing.
 set -euo pipefail
@@ -32,10 +36,17 @@ LORA=${LORA:-0}
 NUM_ROLLOUT=${NUM_ROLLOUT:-300}
 WARMUP=$(( NUM_ROLLOUT * 2 >= 160 ? 40 : NUM_ROLLOUT / 2 ))   # 40 optimizer steps, at most a quarter of them
 case "$LORA" in 0|1) ;; *) echo "LORA must be 0 or 1 (got $LORA)" >&2; exit 2 ;; esac
+OPD_REWARD=${OPD_REWARD:-1}
+case "$OPD_REWARD" in 0|1) ;; *) echo "OPD_REWARD must be 0 or 1 (got $OPD_REWARD)" >&2; exit 2 ;; esac
 if [ "$LORA" = 1 ] && [ "$MODE" != sync ] && [ "$MODE" != colocate ] && [ "$MODE" != async ]; then
   echo "LORA=1 runs with MODE=sync, colocate or async (got $MODE)" >&2; exit 2
 fi
 DRY_RUN=${SLIME_DRY_RUN:-0}
+TEACHER=${TEACHER:-outputs/qwen3-tiny-sync/grpo_hf}
+if [ "$MODE" = opd ] && [ "$DRY_RUN" != 1 ] && [ ! -f "$TEACHER/config.json" ]; then
+  echo "MODE=opd: TEACHER=$TEACHER is not an HF model directory; run the default job first" \
+       "(bash scripts/run-qwen3-tiny-cpu.sh writes outputs/qwen3-tiny-sync/grpo_hf)" >&2; exit 2
+fi
 if [ "$DRY_RUN" = 1 ]; then
   # print each stage's command, then parse + validate its arguments only: no Ray, no training, no files
   run() { printf '+ %s' "$1"; printf ' %q' "${@:2}"; echo; shift; $PY -m slime.utils.arguments "$@"; }
@@ -71,15 +82,17 @@ echo "== SFT warm start =="
 run train_async.py "${MODEL_ARGS[@]}" "${COMMON_ARGS[@]}" "${SFT_ARGS[@]}"
 
 # 2) GRPO from the SFT checkpoint, rule reward, dynamic sampling, periodic eval on the eval split.
-CKPT_ARGS=(--ref-load "$OUT/sft" --save "$OUT/grpo" --save-interval 20)
+# --save-hf: the latest checkpoint also as an HF model (what MODE=opd distils from, as its TEACHER)
+CKPT_ARGS=(--ref-load "$OUT/sft" --save "$OUT/grpo" --save-interval 20 --save-hf "$OUT/grpo_hf")
 ROLLOUT_ARGS=(
    --prompt-data "$DATA_DIR/train.jsonl" --input-key prompt --label-key label --apply-chat-template --rollout-shuffle
    --rm-type answer_match
    --num-rollout "$NUM_ROLLOUT" --rollout-batch-size 16 --n-samples-per-prompt 8
    --rollout-max-response-len 8 --rollout-temperature 1.0
-   --over-sampling-batch-size 24 --dynamic-sampling-filter-path slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std
    --global-batch-size 64   # 2 optimizer steps per rollout of 16x8 samples
 )
+DYNAMIC_SAMPLING_ARGS=(--over-sampling-batch-size 24
+   --dynamic-sampling-filter-path slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std)
 EVAL_ARGS=(--eval-interval ${EVAL_INTERVAL:-20} --eval-prompt-data addition "$DATA_DIR/eval.jsonl" --eval-temperature 0 --eval-max-response-len 8)
 GRPO_ARGS=(--advantage-estimator grpo --eps-clip 0.2 --eps-clip-high 0.28 --entropy-coef 0.0)
 OPTIMIZER_ARGS=(--optimizer adam --lr ${LR:-3e-4} --lr-decay-style cosine --min-lr 3e-5 --lr-warmup-iters $WARMUP
@@ -97,7 +110,20 @@ case "$MODE" in
             # the critic starts from the SFT checkpoint with a new value head: two rollouts train it alone first
             GRPO_ARGS=(--advantage-estimator ppo --normalize-advantages --gamma 1.0 --lambd 0.95 --value-clip 0.5
                        --num-critic-only-steps 2 --eps-clip 0.2 --eps-clip-high 0.28 --entropy-coef 0.0) ;;
-  *) echo "MODE must be sync, colocate, async, fully_async or ppo (got $MODE)" >&2; exit 2 ;;
+  opd)      DRIVER=train.py;       PLACEMENT=(--rollout-num-gpus 1)
+            # the teacher has the student's architecture, so the trainer forwards it (--opd-type megatron): no
+            # second inference server on the CPUs. Every group carries the teacher's signal, even one whose 8
+            # answers all score the same, so no group is filtered out. The OPD term's batch mean is the reverse KL
+            # (> 0), which pushes every sampled token down; whitening removes it (without: 0.71 at rollout 300).
+            # Coef 0.3 (the teacher's term beside GRPO's reward) learned faster than 1.0 here (docs/opd.md).
+            DYNAMIC_SAMPLING_ARGS=()
+            GRPO_ARGS+=(--use-opd --opd-type megatron --opd-teacher-load "$OUT/teacher" --opd-kl-coef "${OPD_KL_COEF:-0.3}"
+                        --normalize-advantages)
+            # OPD_REWARD=0: the answer's reward is logged, not trained on; the teacher is the whole signal
+            if [ "$OPD_REWARD" = 0 ]; then
+              GRPO_ARGS+=(--custom-reward-post-process-path slime.rollout.on_policy_distillation.task_reward_logged_only)
+            fi ;;
+  *) echo "MODE must be sync, colocate, async, fully_async, ppo or opd (got $MODE)" >&2; exit 2 ;;
 esac
 LORA_ARGS=()
 if [ "$LORA" = 1 ]; then
@@ -110,8 +136,14 @@ if [ "$LORA" = 1 ]; then
   OPTIMIZER_ARGS=(--optimizer adam --lr "$LORA_LR" --lr-decay-style cosine --min-lr "$(awk "BEGIN{print $LORA_LR/10}")"
                   --lr-warmup-iters $WARMUP --adam-beta1 0.9 --adam-beta2 0.99 --clip-grad 1.0 --weight-decay 0.0)
 fi
-echo "== RL: ${GRPO_ARGS[1]} ($DRIVER, $MODE, TP=$TP$([ "$LORA" = 1 ] && echo ", LoRA")) =="
+if [ "$MODE" = opd ]; then
+  echo "== the teacher ($TEACHER) as a Megatron checkpoint =="
+  CONVERT=(tools/convert_hf_to_torch_dist.py "${MODEL_ARGS[@]}" --hf-checkpoint "$TEACHER" --save "$OUT/teacher")
+  if [ "$DRY_RUN" = 1 ]; then printf '+ %s' "$PY"; printf ' %q' "${CONVERT[@]}"; echo; else $PY "${CONVERT[@]}"; fi
+fi
+echo "== RL: ${GRPO_ARGS[1]}$([ "$MODE" = opd ] && echo " + OPD") ($DRIVER, $MODE, TP=$TP$([ "$LORA" = 1 ] && echo ", LoRA")) =="
 run "$DRIVER" "${MODEL_ARGS[@]}" "${COMMON_ARGS[@]}" "${PLACEMENT[@]}" "${CKPT_ARGS[@]}" "${ROLLOUT_ARGS[@]}" \
+   "${DYNAMIC_SAMPLING_ARGS[@]}" \
    "${EVAL_ARGS[@]}" "${GRPO_ARGS[@]}" "${OPTIMIZER_ARGS[@]}" "${SGLANG_ARGS[@]}" "${MISC_ARGS[@]}" "${LORA_ARGS[@]}" \
    ${EXTRA_ARGS:-}
 [ "$DRY_RUN" = 1 ] && exit 0

@@ -4,6 +4,7 @@ post-process functions against a teacher CPU server, and train.py runs in both m
 import asyncio
 import os
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -134,6 +135,20 @@ def test_post_process_keeps_the_response_span_of_the_teachers_answer():
         opd.post_process_rewards(args, [s])
 
 
+def test_task_reward_logged_only_trains_on_the_teacher_alone(mpu_world1):
+    """OPD_REWARD=0's post-process: the answers' rewards come back as raw rewards (logged) and 0.0 to train on, so
+    under GRPO each token's advantage is the OPD term alone: -(student - teacher)."""
+    samples = [Sample(index=i, reward=r) for i, r in enumerate([1.0, 0.0])]
+    args = make_args("--use-opd", "--opd-type", "megatron", "--opd-teacher-load", "/x", "--n-samples-per-prompt", "2")
+    raw, rewards = opd.task_reward_logged_only(args, samples)
+    assert (raw, rewards) == ([1.0, 0.0], [0.0, 0.0])
+    data = {**_rollout(), "rewards": rewards}
+    compute_advantages_and_returns(args, data)
+    # student - teacher: [0.2, -0.6, 0.0] and [1.0, -1.0]
+    assert torch.allclose(data["advantages"][0], torch.tensor([-0.2, 0.6, 0.0]))
+    assert torch.allclose(data["advantages"][1], torch.tensor([-1.0, 1.0]))
+
+
 @pytest.fixture(scope="module")
 def teacher_dir(tmp_path_factory):
     """A second tiny Qwen3 (other weights, the kit's tokenizer): the OPD teacher. Its final norm is scaled up so its
@@ -243,6 +258,48 @@ def teacher_ckpt(teacher_dir, tmp_path_factory):
     return save
 
 
+def _check_megatron_teacher(ray, tiny_kit, teacher_dir, teacher_load, tmp_path, world_size, **layout):
+    """Train one fixed rollout with --opd-type megatron on `world_size` trainer ranks in `layout`: on every rank
+    that holds log-probs (the last pipeline stage's), the teacher's equal a transformers forward of the teacher, the
+    student's stay the student's, and each advantage is reward - (student - teacher)."""
+    debug = str(tmp_path / "train_{rollout_id}_{rank}.pt")
+    args = train_args(
+        tiny_kit[0],
+        use_kl_loss=False,
+        use_opd=True,
+        opd_type="megatron",
+        opd_teacher_load=teacher_load,
+        save_debug_train_data=debug,
+        **layout,
+    )
+    actors = _make_actors(ray, world_size)
+    data = fixed_rollout()
+    try:
+        assert ray.get([a.init.remote(args, "actor", None, with_ref=False) for a in actors], timeout=300) == [0] * len(
+            actors
+        )
+        data_ref = Box(ray.put(data))
+        results = ray.get([a.train.remote(0, data_ref) for a in actors], timeout=300)
+    finally:
+        _kill(ray, actors)
+    assert any("rollout/teacher_log_probs" in r["rollout"] for r in results)
+    saved = [
+        torch.load(debug.format(rollout_id=0, rank=r), weights_only=False)["rollout_data"] for r in range(world_size)
+    ]
+    checked = [s for s in saved if "teacher_log_probs" in s]
+    assert checked, "no rank holds teacher log-probs"
+    teacher, student = hf_log_probs(teacher_dir, data), hf_log_probs(tiny_kit[0], data)
+    assert not torch.allclose(teacher[0], student[0], atol=1e-2)  # two different models
+    for rank_data in checked:
+        assert len(rank_data["teacher_log_probs"]) == len(teacher)
+        for i in range(len(teacher)):
+            assert torch.allclose(rank_data["teacher_log_probs"][i], teacher[i], atol=1e-4), i
+            assert torch.allclose(rank_data["log_probs"][i], student[i], atol=1e-4), i
+            want = data["rewards"][i] - (student[i] - teacher[i])
+            assert torch.allclose(rank_data["advantages"][i], want, atol=1e-4), i
+    return checked
+
+
 @pytest.mark.slow
 def test_megatron_teacher_log_probs_are_the_teachers_forward_under_tp2_at_its_ckpt_step(
     ray_session, tiny_kit, teacher_dir, teacher_ckpt, tmp_path
@@ -251,38 +308,44 @@ def test_megatron_teacher_log_probs_are_the_teachers_forward_under_tp2_at_its_ck
     --opd-teacher-ckpt-step (its tracker names an iteration that is not there): the teacher's log-probs equal a
     transformers forward of the teacher, the student's stay the student's, and each advantage is
     reward - (student - teacher)."""
-    ray = ray_session
     stepped = tmp_path / "teacher_steps"
     shutil.copytree(os.path.join(teacher_ckpt, "release"), stepped / "iter_0000003")
     (stepped / "latest_checkpointed_iteration.txt").write_text("9")
-    debug = str(tmp_path / "train_{rollout_id}_{rank}.pt")
-    args = train_args(
-        tiny_kit[0],
+    checked = _check_megatron_teacher(
+        ray_session,
+        tiny_kit,
+        teacher_dir,
+        str(stepped),
+        tmp_path,
+        2,
         tensor_model_parallel_size=2,
-        use_kl_loss=False,
-        use_opd=True,
-        opd_type="megatron",
-        opd_teacher_load=str(stepped),
         opd_teacher_ckpt_step=3,
-        save_debug_train_data=debug,
     )
-    actors = _make_actors(ray, 2)
-    data = fixed_rollout()
-    try:
-        assert ray.get([a.init.remote(args, "actor", None, with_ref=False) for a in actors], timeout=300) == [0, 0]
-        data_ref = Box(ray.put(data))
-        results = ray.get([a.train.remote(0, data_ref) for a in actors], timeout=300)
-    finally:
-        _kill(ray, actors)
-    assert "rollout/teacher_log_probs" in results[0]["rollout"]
-    saved = torch.load(debug.format(rollout_id=0, rank=0), weights_only=False)["rollout_data"]
-    teacher, student = hf_log_probs(teacher_dir, data), hf_log_probs(tiny_kit[0], data)
-    for i in range(len(teacher)):
-        assert torch.allclose(saved["teacher_log_probs"][i], teacher[i], atol=1e-4), i
-        assert torch.allclose(saved["log_probs"][i], student[i], atol=1e-4), i
-        want = data["rewards"][i] - (student[i] - teacher[i])
-        assert torch.allclose(saved["advantages"][i], want, atol=1e-4), i
-    assert not torch.allclose(teacher[0], student[0], atol=1e-2)  # two different models
+    assert len(checked) == 2
+
+
+@pytest.mark.slow
+def test_megatron_teacher_log_probs_are_the_teachers_forward_under_pp2(
+    ray_session, tiny_kit, teacher_dir, teacher_ckpt, tmp_path
+):
+    """PP=2 (the teacher saved with PP=1): each stage swaps in its own layers of the teacher, and the last stage's
+    teacher log-probs equal a transformers forward of the whole teacher."""
+    checked = _check_megatron_teacher(
+        ray_session, tiny_kit, teacher_dir, teacher_ckpt, tmp_path, 2, pipeline_model_parallel_size=2
+    )
+    assert len(checked) == 1  # the last stage's rank only
+
+
+@pytest.mark.slow
+def test_megatron_teacher_log_probs_are_the_teachers_forward_under_cp2(
+    ray_session, tiny_kit, teacher_dir, teacher_ckpt, tmp_path
+):
+    """CP=2 (each sequence split over two ranks, the teacher saved with CP=1): both ranks hold the teacher's
+    log-probs of whole responses, gathered over CP, equal to a transformers forward of the teacher."""
+    checked = _check_megatron_teacher(
+        ray_session, tiny_kit, teacher_dir, teacher_ckpt, tmp_path, 2, context_parallel_size=2
+    )
+    assert len(checked) == 2
 
 
 @pytest.mark.e2e
@@ -377,3 +440,55 @@ def test_train_opd_with_the_teacher_started_from_sglang_config(ray_session, tiny
     teacher_lp = _rollout_metric(tmp_path, "rollout/teacher_log_probs")
     kl = _rollout_metric(tmp_path, "rollout/opd_reverse_kl")
     assert len(teacher_lp) == 2 and len(kl) == 2 and all(abs(k) > 1e-3 for k in kl), (teacher_lp, kl)
+
+
+@pytest.mark.slow
+def test_main_job_opd_dry_run(tiny_kit, tmp_path):
+    """MODE=opd of the main job: the same SFT start, the TEACHER HF model converted to a Megatron checkpoint, and
+    GRPO with --opd-type megatron on it, every group kept (no dynamic-sampling filter); the default job writes the
+    HF model that MODE=opd takes as its teacher. Both stages validate, and a dry run writes nothing."""
+    from slime.utils.arguments import parse_args
+    from tests.test_scripts import _dry_run_main_job
+
+    out, teacher = tmp_path / "out", tmp_path / "main_job" / "grpo_hf"
+    res, stages = _dry_run_main_job(tiny_kit, out, MODE="opd", TEACHER=str(teacher), OPD_KL_COEF="2")
+    assert res.returncode == 0, f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    assert [line for line in res.stdout.splitlines() if line == "ok"] == ["ok", "ok"]
+    assert not out.exists()
+    (sft_driver, *sft_argv), (_, convert, *convert_argv), (rl_driver, *rl_argv) = stages
+    assert (sft_driver, convert, rl_driver) == ("train_async.py", "tools/convert_hf_to_torch_dist.py", "train.py")
+    sft = parse_args(argv=sft_argv, check_paths=False)
+    assert sft.save == f"{out}/sft"
+    conv = dict(zip(convert_argv[-4::2], convert_argv[-3::2]))
+    assert conv == {"--hf-checkpoint": str(teacher), "--save": f"{out}/teacher"}
+    rl = parse_args(argv=rl_argv, check_paths=False)
+    assert rl.use_opd and rl.opd_type == "megatron" and rl.opd_kl_coef == 2.0
+    assert rl.opd_teacher_load == f"{out}/teacher" and rl.ref_load == sft.save
+    assert rl.advantage_estimator == "grpo" and rl.rm_type == "answer_match"
+    assert rl.dynamic_sampling_filter_path is None and rl.normalize_advantages
+    assert rl.custom_reward_post_process_path is None  # the answer's reward is trained on beside the teacher
+
+    # OPD_REWARD=0: the reward is logged only, the teacher is the whole signal
+    res, stages = _dry_run_main_job(tiny_kit, out, MODE="opd", TEACHER=str(teacher), OPD_REWARD="0")
+    assert res.returncode == 0, f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    rl = parse_args(argv=stages[-1][1:], check_paths=False)
+    assert rl.custom_reward_post_process_path == "slime.rollout.on_policy_distillation.task_reward_logged_only"
+    assert rl.opd_kl_coef == 0.3  # the script's default
+
+    res, stages = _dry_run_main_job(tiny_kit, out)
+    assert res.returncode == 0, f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    rl = parse_args(argv=stages[-1][1:], check_paths=False)
+    assert rl.save_hf == f"{out}/grpo_hf" and not rl.use_opd
+    assert rl.dynamic_sampling_filter_path.endswith("check_reward_nonzero_std")
+
+    # without a teacher model, MODE=opd stops before any stage runs
+    env = {k: v for k, v in os.environ.items() if k != "SLIME_DRY_RUN"}
+    res = subprocess.run(
+        ["bash", os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "run-qwen3-tiny-cpu.sh")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**env, "MODE": "opd", "TEACHER": str(teacher), "OUT": str(out)},
+    )
+    assert res.returncode == 2 and f"MODE=opd: TEACHER={teacher} is not an HF model directory" in res.stderr
+    assert not out.exists()

@@ -317,6 +317,38 @@ def test_plot_metrics(tmp_path):
     assert res.returncode != 0 and "bad.jsonl:2" in res.stderr and "Traceback" not in res.stderr
 
 
+def test_plot_metrics_overlays_runs_and_reference_lines(tmp_path, monkeypatch):
+    """--also draws another run's curve in the same panel, --hline a labelled horizontal line in one key's panel;
+    a malformed LABEL=VALUE is one line, no traceback."""
+    import matplotlib.figure
+
+    from tools import plot_metrics
+
+    runs = {}
+    for name, scores in (("a", [0.1, 0.5]), ("b", [0.1, 0.3])):
+        runs[name] = tmp_path / f"{name}.jsonl"
+        runs[name].write_text(
+            "".join(json.dumps({"rollout_id": 10 * i, "eval/x": v}) + "\n" for i, v in enumerate(scores))
+        )
+    drawn = {}
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: drawn.setdefault("fig", fig))
+    plot_metrics.main(
+        [str(runs["a"]), str(tmp_path / "c.png"), "--label", "A", "--also", f"B={runs['b']}"]
+        + ["--hline", "eval/x", "top=0.9", "--hline", "other/key", "no=1"]
+    )
+    (ax,) = drawn["fig"].axes
+    lines = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()}
+    assert lines == {"A": ([0, 10], [0.1, 0.5]), "B": ([0, 10], [0.1, 0.3]), "top (0.9)": ([0, 1], [0.9, 0.9])}
+    for bad in (["--also", "B"], ["--hline", "eval/x", "top=high"]):
+        res = subprocess.run(
+            [sys.executable, str(ROOT / "tools" / "plot_metrics.py"), str(runs["a"]), str(tmp_path / "d.png"), *bad],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert res.returncode != 0 and res.stderr.startswith("plot_metrics: ") and "Traceback" not in res.stderr
+
+
 # Published config.json values of the families whose MODEL_ARGS are checked by slime's own HF-config comparison.
 _GLM = dict(
     rms_norm_eps=1e-5,

@@ -66,3 +66,10 @@ def post_process_rewards(args, samples: list[Sample], **kwargs):
         sample.teacher_log_probs = teacher_response_log_probs(reward, sample.response_length).tolist()
     rewards = [0.0] * len(samples)
     return rewards, rewards
+
+
+def task_reward_logged_only(args, samples: list[Sample], **kwargs):
+    """(raw_rewards, rewards) for `--opd-type megatron` without a task reward to train on: the task reward as
+    measured (logged as `rollout/raw_reward`) and 0.0 per sample for the estimator, so each token's advantage is
+    the OPD term alone, -coef * (student - teacher log-prob)."""
+    return [sample.get_reward_value(args) for sample in samples], [0.0] * len(samples)
