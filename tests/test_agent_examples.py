@@ -235,20 +235,28 @@ def _prepare_tiny(tiny_kit, tmp_path, *flags):
     return model, data
 
 
-def test_tiny_run_data_starts_with_a_minority_of_tool_calls(tiny_kit, tmp_path):
-    """A quarter of the SFT transcripts call the tool (20 of 80), and the system turn they carry renders to the same
-    tokens as the agent's prompt with tools=[calculator], so SFT teaches exactly what the agent then samples."""
+def test_tiny_run_data_calls_the_tool_in_half_the_transcripts(tiny_kit, tmp_path):
+    """Half the SFT transcripts call the tool (40 of 80) with the question's expression and answer with its result;
+    problems are 2-digit additions with a 3-digit sum, each digit one token; and the system turn the transcripts carry
+    renders to the same tokens as the agent's prompt with tools=[calculator], so SFT teaches exactly what the agent
+    then samples."""
     from transformers import AutoTokenizer
 
     model, data = _prepare_tiny(tiny_kit, tmp_path, "--num-sft", "80", "--num-train", "10")
     sft = [json.loads(line) for line in (data / "sft.jsonl").read_text().splitlines()]
     train = [json.loads(line) for line in (data / "train.jsonl").read_text().splitlines()]
     tool = [r for r in sft if any(m.get("tool_calls") for m in r["messages"])]
-    assert (len(sft), len(tool), len(train)) == (80, 20, 10)
+    assert (len(sft), len(tool), len(train)) == (80, 40, 10)
     a, b = tool[0]["messages"][1]["content"][len("What is ") : -1].split("+")
     assert tool[0]["messages"][3] == {"role": "tool", "content": str(int(a) + int(b))}
-    x, y = train[0]["prompt"][0]["content"][len("What is ") : -1].split("+")
-    assert train[0]["label"] == str(int(x) + int(y)) and 100 <= int(x) <= 999 and 100 <= int(y) <= 999
+    assert tool[0]["messages"][4] == {"role": "assistant", "content": str(int(a) + int(b))}
+    direct = next(r for r in sft if not any(m.get("tool_calls") for m in r["messages"]))["messages"]
+    p, q = direct[1]["content"][len("What is ") : -1].split("+")
+    assert direct[2:] == [{"role": "assistant", "content": str(int(p) + int(q))}]
+    for row in train:
+        x, y = row["prompt"][0]["content"][len("What is ") : -1].split("+")
+        assert row["label"] == str(int(x) + int(y)) and 50 <= int(x) <= 99 and 50 <= int(y) <= 99
+        assert 100 <= int(row["label"]) <= 198
 
     tok = AutoTokenizer.from_pretrained(str(model))
     msgs = tool[0]["messages"]
@@ -259,6 +267,8 @@ def test_tiny_run_data_starts_with_a_minority_of_tool_calls(tiny_kit, tmp_path):
     assert full.startswith(agent_prompt)
     call = f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{a}+{b}"}}}}\n</tool_call>'
     assert full[len(agent_prompt) :].startswith(call + "<|im_end|>\n<|im_start|>user\n<tool_response>\n")
+    # digits are single tokens, so copying a number is copying a fixed count of tokens
+    assert tok.tokenize(f"{a}+{b}") == [a[0], a[1], "+", b[0], b[1]]
 
 
 def test_tool_metrics_are_the_rate_and_the_reward_with_and_without_the_tool():

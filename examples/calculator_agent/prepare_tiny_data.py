@@ -1,14 +1,15 @@
-"""Data and model for the watchable CPU run: 3-digit additions, a tiny policy that rarely calls its calculator.
+"""Data and model for the watchable CPU run: 2-digit additions, a tiny policy that calls its calculator at times.
 
     python examples/calculator_agent/prepare_tiny_data.py --base-model models/qwen3-tiny \
-        --model-dir models/qwen3-tiny-calc --data-dir data/calculator --tool-fraction 0.25
+        --model-dir models/qwen3-tiny-calc --data-dir data/calculator --tool-fraction 0.5
 
 Writes
 - <model-dir>: the tiny kit with a compact chat template in Qwen3's tool-call format (``<tool_call>`` JSON,
   tool results as ``<tool_response>`` in a user turn; tools listed as one ``Tools: calculator`` system line), so an
   episode fits the tiny model's 512-token context;
-- <data-dir>/sft.jsonl: chat transcripts; a minority (--tool-fraction) call the calculator, read its result and
-  answer, the rest answer directly -- so the warm-started policy starts out calling the tool rarely;
+- <data-dir>/sft.jsonl: chat transcripts; a share (--tool-fraction) call the calculator with the question's
+  expression and answer with its result, the rest answer directly -- so the warm-started policy knows how to use the
+  tool (copying digits) but calls it only some of the time, and answers wrongly when it does not;
 - <data-dir>/train.jsonl: fresh problems as prompts with their label, for GRPO.
 
 The SFT transcripts carry the tool list as the system turn the template renders for ``tools=[calculator]``, so SFT
@@ -45,7 +46,9 @@ TOOLS_TURN = {"role": "system", "content": "Tools: calculator"}  # what CHAT_TEM
 
 
 def problem(rng):
-    a, b = rng.randint(100, 999), rng.randint(100, 999)
+    # two 2-digit operands with a 3-digit sum: too hard for the tiny model in its head, and each number is a fixed
+    # count of single-digit tokens, so copying them (into the call, then from the result) is a fixed-offset lookup
+    a, b = rng.randint(50, 99), rng.randint(50, 99)
     return f"{a}+{b}", str(a + b)
 
 
@@ -76,9 +79,9 @@ def main(argv=None):
     p.add_argument("--base-model", required=True, help="the tiny kit (tools/build_tiny_kit.py)")
     p.add_argument("--model-dir", required=True)
     p.add_argument("--data-dir", required=True)
-    p.add_argument("--num-sft", type=int, default=800)
+    p.add_argument("--num-sft", type=int, default=4000)
     p.add_argument("--num-train", type=int, default=2000)
-    p.add_argument("--tool-fraction", type=float, default=0.25, help="share of SFT transcripts that call the tool")
+    p.add_argument("--tool-fraction", type=float, default=0.5, help="share of SFT transcripts that call the tool")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     if not os.path.isfile(os.path.join(a.base_model, "config.json")):

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# A run you can watch, on a CPU machine: the tiny offline Qwen3 learns to call a calculator for 3-digit additions
-# it cannot do in its head. SFT warm start (slime's sft_rollout) on transcripts where only TOOL_FRACTION of the
-# answers call the tool, then GRPO with the calculator agent as the custom generate function (an OpenAI-SDK tool
-# loop over slime's CPU inference server). Reward (rollout/raw_reward) and the tool-call rate
-# (agent/tool_call_rate) rise together; both are plotted to $OUT/curve.png.
+# A run you can watch, on a CPU machine: the tiny offline Qwen3 learns to call a calculator for 2-digit additions
+# it cannot do in its head. SFT warm start (slime's sft_rollout, ~500 steps) on transcripts where TOOL_FRACTION of
+# the answers call the tool -- copying the question into the call and the tool's result into the answer -- and the
+# rest answer directly; then GRPO with the calculator agent as the custom generate function (an OpenAI-SDK tool loop
+# over slime's CPU inference server). The tool-call rate (agent/tool_call_rate) and the reward (rollout/raw_reward)
+# rise together; both are plotted to $OUT/curve.png.
 #
 #   bash examples/calculator_agent/run_tiny_cpu.sh
-#   NUM_ROLLOUT=2 SFT_EPOCHS=1 bash examples/calculator_agent/run_tiny_cpu.sh   # a smoke run
-# Knobs: NUM_ROLLOUT (GRPO rollouts, 30), SFT_EPOCHS (8), TOOL_FRACTION (share of SFT transcripts that call the
-# tool, 0.25), LR (GRPO, 5e-4), OUT, MODEL_DIR (the tiny kit, built if missing), DATA_DIR. SLIME_DRY_RUN=1 prints
-# both stages' commands and validates their arguments, running nothing.
+#   NUM_ROLLOUT=2 SFT_EPOCHS=1 bash examples/calculator_agent/run_tiny_cpu.sh   # a smoke run (too short to learn)
+# Knobs: NUM_ROLLOUT (GRPO rollouts, 30), SFT_EPOCHS (over 4000 transcripts, 4 = 500 steps of 32), TOOL_FRACTION
+# (share of SFT transcripts that call the tool, 0.5), LR (GRPO, 5e-4), OUT, MODEL_DIR (the tiny kit, built if
+# missing), DATA_DIR. SLIME_DRY_RUN=1 prints both stages' commands and validates their arguments, running nothing.
 set -euo pipefail
 EXAMPLE_DIR="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd)"
 cd "$EXAMPLE_DIR/../.."
@@ -34,7 +35,7 @@ else
   [ -f "$MODEL_DIR/config.json" ] || $PY tools/build_tiny_kit.py --model-dir "$MODEL_DIR" --data-dir data/addition
   rm -rf "$OUT"; mkdir -p "$OUT"
   $PY "$EXAMPLE_DIR/prepare_tiny_data.py" --base-model "$MODEL_DIR" --model-dir "$CALC_MODEL" --data-dir "$DATA_DIR" \
-     --tool-fraction "${TOOL_FRACTION:-0.25}"
+     --tool-fraction "${TOOL_FRACTION:-0.5}"
 fi
 
 source scripts/models/qwen3-tiny.sh
@@ -51,7 +52,7 @@ COMMON_ARGS=(
 SFT_ARGS=(
    --rollout-function-path slime.rollout.sft_rollout.generate_rollout
    --prompt-data "$DATA_DIR/sft.jsonl" --input-key messages --rollout-shuffle
-   --num-epoch ${SFT_EPOCHS:-8} --rollout-batch-size 50 --global-batch-size 50
+   --num-epoch ${SFT_EPOCHS:-4} --rollout-batch-size 32 --global-batch-size 32
    --loss-type sft_loss --calculate-per-token-loss --disable-compute-advantages-and-returns --debug-train-only
    --optimizer adam --lr 3e-3 --adam-beta1 0.9 --adam-beta2 0.98 --clip-grad 1.0
    --save "$OUT/sft" --save-interval 1000000
@@ -80,5 +81,5 @@ run train.py "${MODEL_ARGS[@]}" "${COMMON_ARGS[@]}" "${RL_ARGS[@]}" ${EXTRA_ARGS
 [ "$DRY_RUN" = 1 ] && exit 0
 
 $PY tools/plot_metrics.py "$OUT/metrics.jsonl" "$OUT/curve.png" --keys rollout/raw_reward agent/tool_call_rate \
-   --title "tiny Qwen3 learns to call a calculator (3-digit additions)"
+   --title "tiny Qwen3 learns to call a calculator (2-digit additions)"
 echo "metrics: $OUT/metrics.jsonl   curve: $OUT/curve.png"
