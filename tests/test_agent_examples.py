@@ -242,18 +242,19 @@ def test_tiny_run_data_calls_the_tool_in_half_the_transcripts(tiny_kit, tmp_path
     then samples."""
     from transformers import AutoTokenizer
 
-    model, data = _prepare_tiny(tiny_kit, tmp_path, "--num-sft", "80", "--num-train", "10")
+    model, data = _prepare_tiny(tiny_kit, tmp_path, "--num-sft", "80", "--num-train", "10", "--num-eval", "6")
     sft = [json.loads(line) for line in (data / "sft.jsonl").read_text().splitlines()]
     train = [json.loads(line) for line in (data / "train.jsonl").read_text().splitlines()]
+    evaluation = [json.loads(line) for line in (data / "eval.jsonl").read_text().splitlines()]
     tool = [r for r in sft if any(m.get("tool_calls") for m in r["messages"])]
-    assert (len(sft), len(tool), len(train)) == (80, 40, 10)
+    assert (len(sft), len(tool), len(train), len(evaluation)) == (80, 40, 10, 6)
     a, b = tool[0]["messages"][1]["content"][len("What is ") : -1].split("+")
     assert tool[0]["messages"][3] == {"role": "tool", "content": str(int(a) + int(b))}
     assert tool[0]["messages"][4] == {"role": "assistant", "content": str(int(a) + int(b))}
     direct = next(r for r in sft if not any(m.get("tool_calls") for m in r["messages"]))["messages"]
     p, q = direct[1]["content"][len("What is ") : -1].split("+")
     assert direct[2:] == [{"role": "assistant", "content": str(int(p) + int(q))}]
-    for row in train:
+    for row in train + evaluation:
         x, y = row["prompt"][0]["content"][len("What is ") : -1].split("+")
         assert row["label"] == str(int(x) + int(y)) and 50 <= int(x) <= 99 and 50 <= int(y) <= 99
         assert 100 <= int(row["label"]) <= 198
@@ -329,3 +330,4 @@ def test_tiny_run_script_dry_run_validates(tiny_kit, tmp_path):
     assert rl.custom_generate_function_path == "calculator_agent.generate"
     assert rl.rollout_function_path == "calculator_agent.generate_rollout"
     assert rl.ref_load == f"{out}/sft" and rl.metrics_path == f"{out}/metrics.jsonl"
+    assert rl.eval_prompt_data == ["calc", f"{data}/eval.jsonl"] and rl.eval_temperature == 0

@@ -10,7 +10,8 @@ Writes
 - <data-dir>/sft.jsonl: chat transcripts; a share (--tool-fraction) call the calculator with the question's
   expression and answer with its result, the rest answer directly -- so the warm-started policy knows how to use the
   tool (copying digits) but calls it only some of the time, and answers wrongly when it does not;
-- <data-dir>/train.jsonl: fresh problems as prompts with their label, for GRPO.
+- <data-dir>/train.jsonl: fresh problems as prompts with their label, for GRPO;
+- <data-dir>/eval.jsonl: more fresh problems in the same form, for the greedy eval.
 
 The SFT transcripts carry the tool list as the system turn the template renders for ``tools=[calculator]``, so SFT
 (which templates messages without tools) and the agent (which passes the tool) see the same tokens.
@@ -81,6 +82,7 @@ def main(argv=None):
     p.add_argument("--data-dir", required=True)
     p.add_argument("--num-sft", type=int, default=4000)
     p.add_argument("--num-train", type=int, default=2000)
+    p.add_argument("--num-eval", type=int, default=64)
     p.add_argument("--tool-fraction", type=float, default=0.5, help="share of SFT transcripts that call the tool")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
@@ -97,15 +99,17 @@ def main(argv=None):
     n_tool = round(a.num_sft * a.tool_fraction)
     sft = [sft_row(*problem(rng), use_tool=i < n_tool) for i in range(a.num_sft)]
     rng.shuffle(sft)
-    train = []
-    for _ in range(a.num_train):
+    prompts = []
+    for _ in range(a.num_train + a.num_eval):
         expr, value = problem(rng)
-        train.append({"prompt": [{"role": "user", "content": f"What is {expr}?"}], "label": value})
+        prompts.append({"prompt": [{"role": "user", "content": f"What is {expr}?"}], "label": value})
+    train, evaluation = prompts[: a.num_train], prompts[a.num_train :]
     os.makedirs(a.data_dir, exist_ok=True)
     write_jsonl(os.path.join(a.data_dir, "sft.jsonl"), sft)
     write_jsonl(os.path.join(a.data_dir, "train.jsonl"), train)
+    write_jsonl(os.path.join(a.data_dir, "eval.jsonl"), evaluation)
     print(
-        f"wrote {a.model_dir} and {a.data_dir}/{{sft,train}}.jsonl ({n_tool}/{a.num_sft} SFT transcripts call the tool)"
+        f"wrote {a.model_dir} and {a.data_dir}/{{sft,train,eval}}.jsonl ({n_tool}/{a.num_sft} SFT transcripts call the tool)"
     )
 
 

@@ -4,7 +4,7 @@
 # the answers call the tool -- copying the question into the call and the tool's result into the answer -- and the
 # rest answer directly; then GRPO with the calculator agent as the custom generate function (an OpenAI-SDK tool loop
 # over slime's CPU inference server). The tool-call rate (agent/tool_call_rate) and the reward (rollout/raw_reward)
-# rise together; both are plotted to $OUT/curve.png.
+# rise together, and so does the greedy eval accuracy (eval/calc); all three are plotted to $OUT/curve.png.
 #
 #   bash examples/calculator_agent/run_tiny_cpu.sh
 #   NUM_ROLLOUT=2 SFT_EPOCHS=1 bash examples/calculator_agent/run_tiny_cpu.sh   # a smoke run (too short to learn)
@@ -74,12 +74,13 @@ RL_ARGS=(
    --advantage-estimator grpo --eps-clip 0.2 --eps-clip-high 0.28 --entropy-coef 0.0
    --optimizer adam --lr ${LR:-5e-4} --lr-decay-style constant --adam-beta1 0.9 --adam-beta2 0.99 --clip-grad 1.0
    --weight-decay 0.0
+   --eval-prompt-data calc "$DATA_DIR/eval.jsonl" --eval-interval 5 --eval-temperature 0   # greedy, 64 problems
    --metrics-path "$OUT/metrics.jsonl"
 )
 echo "== GRPO with the calculator agent =="
 run train.py "${MODEL_ARGS[@]}" "${COMMON_ARGS[@]}" "${RL_ARGS[@]}" ${EXTRA_ARGS:-}
 [ "$DRY_RUN" = 1 ] && exit 0
 
-$PY tools/plot_metrics.py "$OUT/metrics.jsonl" "$OUT/curve.png" --keys rollout/raw_reward agent/tool_call_rate \
+$PY tools/plot_metrics.py "$OUT/metrics.jsonl" "$OUT/curve.png" --keys rollout/raw_reward agent/tool_call_rate eval/calc \
    --title "tiny Qwen3 learns to call a calculator (2-digit additions)"
 echo "metrics: $OUT/metrics.jsonl   curve: $OUT/curve.png"
