@@ -7,6 +7,7 @@ test_agent_adapters.py (calculator_agent) and test_agent_examples_engine.py (the
 import asyncio
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from slime.agent.sandbox import LocalSandbox
+from slime.utils.types import Sample
 from tests.test_scripts import _fake_base_dir
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -21,6 +23,7 @@ for _name in ("calculator_agent", "multi_agent", "tau_retail", "coding_agent"):
     sys.path.insert(0, str(EXAMPLES / _name))
 import calculator_agent  # noqa: E402
 import coding_agent  # noqa: E402
+import prepare_tiny_data  # noqa: E402
 import rollout_with_multi_agents as multi_agent  # noqa: E402
 import tau_retail  # noqa: E402
 
@@ -221,3 +224,110 @@ def test_coding_agent_is_graded_by_the_tasks_tests_in_a_clean_sandbox(monkeypatc
     assert asyncio.run(coding_agent.grade(TASK, {"test_mathx.py": "pass\n"}))[0] == 0.0
     reward, graded = asyncio.run(coding_agent.grade(TASK, {"mathx.py": "while True:\n    pass\n"}))
     assert reward == 0.0 and graded["timed_out"]
+
+
+# ---------------------------------------------------------------- calculator_agent: the watchable tiny CPU run
+
+
+def _prepare_tiny(tiny_kit, tmp_path, *flags):
+    model, data = tmp_path / "model", tmp_path / "data"
+    prepare_tiny_data.main(["--base-model", tiny_kit[0], "--model-dir", str(model), "--data-dir", str(data), *flags])
+    return model, data
+
+
+def test_tiny_run_data_calls_the_tool_in_half_the_transcripts(tiny_kit, tmp_path):
+    """Half the SFT transcripts call the tool (40 of 80) with the question's expression and answer with its result;
+    problems are 2-digit additions with a 3-digit sum, each digit one token; and the system turn the transcripts carry
+    renders to the same tokens as the agent's prompt with tools=[calculator], so SFT teaches exactly what the agent
+    then samples."""
+    from transformers import AutoTokenizer
+
+    model, data = _prepare_tiny(tiny_kit, tmp_path, "--num-sft", "80", "--num-train", "10", "--num-eval", "6")
+    sft = [json.loads(line) for line in (data / "sft.jsonl").read_text().splitlines()]
+    train = [json.loads(line) for line in (data / "train.jsonl").read_text().splitlines()]
+    evaluation = [json.loads(line) for line in (data / "eval.jsonl").read_text().splitlines()]
+    tool = [r for r in sft if any(m.get("tool_calls") for m in r["messages"])]
+    assert (len(sft), len(tool), len(train), len(evaluation)) == (80, 40, 10, 6)
+    a, b = tool[0]["messages"][1]["content"][len("What is ") : -1].split("+")
+    assert tool[0]["messages"][3] == {"role": "tool", "content": str(int(a) + int(b))}
+    assert tool[0]["messages"][4] == {"role": "assistant", "content": str(int(a) + int(b))}
+    direct = next(r for r in sft if not any(m.get("tool_calls") for m in r["messages"]))["messages"]
+    p, q = direct[1]["content"][len("What is ") : -1].split("+")
+    assert direct[2:] == [{"role": "assistant", "content": str(int(p) + int(q))}]
+    for row in train + evaluation:
+        x, y = row["prompt"][0]["content"][len("What is ") : -1].split("+")
+        assert row["label"] == str(int(x) + int(y)) and 50 <= int(x) <= 99 and 50 <= int(y) <= 99
+        assert 100 <= int(row["label"]) <= 198
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    msgs = tool[0]["messages"]
+    full = tok.apply_chat_template(msgs, tokenize=False)
+    agent_prompt = tok.apply_chat_template(
+        msgs[1:2], tools=[calculator_agent.CALCULATOR], tokenize=False, add_generation_prompt=True
+    )
+    assert full.startswith(agent_prompt)
+    call = f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{a}+{b}"}}}}\n</tool_call>'
+    assert full[len(agent_prompt) :].startswith(call + "<|im_end|>\n<|im_start|>user\n<tool_response>\n")
+    # digits are single tokens, so copying a number is copying a fixed count of tokens
+    assert tok.tokenize(f"{a}+{b}") == [a[0], a[1], "+", b[0], b[1]]
+
+
+def test_tool_metrics_are_the_rate_and_the_reward_with_and_without_the_tool():
+    def sample(episode, calls, reward):
+        return Sample(rollout_id=episode, reward=reward, metadata={"tool_calls": calls})
+
+    # episode 1 came back as two branches: it counts once
+    samples = [sample(0, 1, 1.0), sample(1, 2, 0.0), sample(1, 2, 0.0), sample(2, 0, 0.0), sample(3, 0, 1.0)]
+    samples += [sample(4, 0, 0.0), Sample(rollout_id=5, reward=1.0)]
+    assert calculator_agent.tool_metrics(samples) == {
+        "agent/tool_call_rate": 2 / 5,
+        "agent/reward_with_tool": 0.5,
+        "agent/reward_without_tool": 1 / 3,
+    }
+    assert calculator_agent.tool_metrics([Sample(reward=1.0)]) == {}
+
+
+def test_an_episode_trains_its_longest_branch_only():
+    """One group of three episodes, as the rollout returns them flat or nested: episode 2 came back as two branches
+    (the model wrote text after its tool call, so the history re-rendered differently); its longer one is kept."""
+    plain, single = Sample(rollout_id=0, tokens=[1, 2]), Sample(rollout_id=1, tokens=[1, 2, 3])
+    first, longer = Sample(rollout_id=2, tokens=[1, 2, 9]), Sample(rollout_id=2, tokens=[1, 2, 8, 8, 7])
+    expected = [[plain, single, longer]]
+    assert calculator_agent.one_sample_per_episode([[plain, single, first, longer]]) == expected
+    assert calculator_agent.one_sample_per_episode([[plain, [single], [longer, first]]]) == expected
+
+
+def test_tiny_run_script_dry_run_validates(tiny_kit, tmp_path):
+    """SLIME_DRY_RUN=1: both stages' arguments validate; GRPO drives the calculator agent and logs its metrics."""
+    from slime.utils.arguments import parse_args
+
+    _, data = _prepare_tiny(tiny_kit, tmp_path, "--num-sft", "4", "--num-train", "4")
+    out = tmp_path / "out"
+    env = dict(
+        os.environ,
+        SLIME_DRY_RUN="1",
+        MODEL_DIR=tiny_kit[0],
+        DATA_DIR=str(data),
+        OUT=str(out),
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    )
+    res = subprocess.run(
+        ["bash", str(EXAMPLES / "calculator_agent/run_tiny_cpu.sh")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert res.returncode == 0, f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    assert [line for line in res.stdout.splitlines() if line == "ok"] == ["ok", "ok"]
+    assert not out.exists()
+    stages = [shlex.split(line[2:]) for line in res.stdout.splitlines() if line.startswith("+ ")]
+    (sft_driver, *sft_argv), (rl_driver, *rl_argv) = stages
+    assert (sft_driver, rl_driver) == ("train_async.py", "train.py")
+    sft = parse_args(argv=sft_argv, check_paths=False)
+    assert sft.rollout_function_path == "slime.rollout.sft_rollout.generate_rollout" and sft.input_key == "messages"
+    rl = parse_args(argv=rl_argv, check_paths=False)
+    assert rl.custom_generate_function_path == "calculator_agent.generate"
+    assert rl.rollout_function_path == "calculator_agent.generate_rollout"
+    assert rl.ref_load == f"{out}/sft" and rl.metrics_path == f"{out}/metrics.jsonl"
+    assert rl.eval_prompt_data == ["calc", f"{data}/eval.jsonl"] and rl.eval_temperature == 0

@@ -5,6 +5,14 @@ OpenAI-client agent loop through `slime.agent.adapters.OpenAIAdapter` (one per r
 runs the loop -- the model calls `calculator`, the tool result goes back, until it answers -- and returns the
 session's loss-masked samples (one per branch; they share a rollout_id). Reward: 1.0 when the final answer
 contains the label's number, else 0; every sample of the episode gets it.
+
+`generate_rollout` (for `--rollout-function-path`) is slime's default rollout plus the agent's own per-rollout
+metrics -- `agent/tool_call_rate` (the share of episodes that called the calculator) and the reward with and
+without the tool -- logged beside `rollout/raw_reward` (and to `--metrics-path`).
+
+It also keeps one sample per episode, its longest branch: an episode whose history the chat template re-renders
+differently from what was sampled (say the model wrote text after its tool call) comes back as several samples, and
+the trainer takes exactly --rollout-batch-size x --n-samples-per-prompt samples per rollout.
 """
 
 import ast
@@ -19,6 +27,9 @@ from transformers import AutoTokenizer
 
 from slime.agent.adapters import OpenAIAdapter
 from slime.agent.aiohttp_threaded import run_app_in_thread
+from slime.rollout import RolloutSamples
+from slime.rollout.base_types import accepts_data_buffer
+from slime.rollout.sglang_rollout import generate_rollout as default_generate_rollout
 from slime.utils.lora_utils import generate_fields
 from slime.utils.types import Sample
 
@@ -144,3 +155,49 @@ async def generate(args, sample: Sample, sampling_params) -> list[Sample]:
     if not samples:
         raise RuntimeError(f"calculator agent session {session_id} produced no turn: {error}")
     return samples
+
+
+def tool_metrics(samples: list[Sample]) -> dict:
+    """Per-rollout agent metrics over the rollout's episodes (the samples `generate` made carry `tool_calls`; an
+    episode's branches share its rollout_id, tool count and reward)."""
+    scored = list({s.rollout_id: s for s in samples if "tool_calls" in s.metadata}.values())
+    if not scored:
+        return {}
+    with_tool = [s.reward for s in scored if s.metadata["tool_calls"] > 0]
+    without = [s.reward for s in scored if s.metadata["tool_calls"] == 0]
+    metrics = {"agent/tool_call_rate": len(with_tool) / len(scored)}
+    if with_tool:
+        metrics["agent/reward_with_tool"] = sum(with_tool) / len(with_tool)
+    if without:
+        metrics["agent/reward_without_tool"] = sum(without) / len(without)
+    return metrics
+
+
+@accepts_data_buffer
+def generate_rollout(args, rollout_id, data_source, evaluation=False):
+    out = default_generate_rollout(args, rollout_id, data_source, evaluation)
+    if evaluation:
+        return out
+    groups = one_sample_per_episode(out)
+    return RolloutSamples(groups, metrics={**out.metrics, **tool_metrics(list(_leaves(groups)))})
+
+
+def one_sample_per_episode(groups):
+    """Each group's episodes (their branches share a rollout_id) reduced to their longest branch, in order."""
+    out = []
+    for group in groups:
+        longest = {}
+        for s in _leaves(group):
+            if s.rollout_id not in longest or len(s.tokens) > len(longest[s.rollout_id].tokens):
+                longest[s.rollout_id] = s
+        out.append(list(longest.values()))
+    return out
+
+
+def _leaves(groups):
+    """The samples of a rollout's groups; `generate` returns a list per prompt (one sample per branch)."""
+    for g in groups:
+        if isinstance(g, Sample):
+            yield g
+        else:
+            yield from _leaves(g)
