@@ -215,13 +215,14 @@ def test_mis_token_truncate_with_rejection_veto_and_batch_normalisation(tmp_path
     args = _mis_args(tmp_path, use_rs=True, tis_upper_bound=2.0, rs_veto_threshold=1.0e-4, tis_batch_normalize=True)
     pg, masks, metrics = _mis(args, *_two_samples())
     # truncate at 2: weights [2, 1, 0.5] and [1e-5, 1, 0 (masked)]; RS band [1/2, 2] rejects rho 3 and 1e-5, and
-    # the veto (1e-5 < 1e-4) drops sample 2 whole; the kept weights (1, 0.5) have mean 0.75
+    # the veto (1e-5 < 1e-4) drops sample 2 whole; the weights of the 5 loss-masked tokens, rejected ones included
+    # (as current slime normalises), have mean (2 + 1 + 0.5 + 1e-5 + 1) / 5 = 0.9
     assert masks[0].tolist() == [0, 1, 1] and masks[1].tolist() == [0, 0, 0]
-    expected = torch.tensor([2.0, 1.0, 0.5, 1e-5, 1.0, 0.0]) / 0.75
+    expected = torch.tensor([2.0, 1.0, 0.5, 1e-5, 1.0, 0.0]) / 0.900002
     assert torch.allclose(pg, expected, rtol=1e-5)
     assert metrics["mis_tis_truncate_fraction"].tolist() == [1, 0, 0, 0, 0, 0]
     assert metrics["mis_rs_catastrophic_seq_fraction"].tolist() == [0, 0, 0, 1, 1, 1]
-    assert torch.allclose(metrics["mis_batch_norm_factor"], torch.full((6,), 0.75))
+    assert torch.allclose(metrics["mis_batch_norm_factor"], torch.full((6,), 0.900002))
 
 
 @pytest.mark.parametrize(

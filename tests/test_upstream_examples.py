@@ -3,6 +3,7 @@ scripts call them. They are not part of this repository, so these tests run wher
 given by `SLIME_UPSTREAM_DIR` (and are skipped elsewhere)."""
 
 import asyncio
+import importlib.util
 import json
 import os
 import shutil
@@ -15,6 +16,7 @@ import torch
 from aiohttp import web
 
 from tests import _procs
+from tests._args import make_args
 
 UPSTREAM = os.environ.get("SLIME_UPSTREAM_DIR")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -177,3 +179,30 @@ def test_search_r1_generate_and_reward_run_unchanged(tiny_kit, tmp_path):
     samples = torch.load(tmp_path / "rollout_0.pt", weights_only=False)["samples"]
     for s in samples:  # the tiny model's first turn runs to the length limit, which ends the episode
         assert s["loss_mask"] == [1] * s["response_length"] == [1] * len(s["rollout_log_probs"])
+
+
+@pytest.mark.usefixtures("mpu_world1")
+def test_mis_helper_with_its_own_config_weighs_as_worked_by_hand():
+    """examples/train_infer_mismatch_helper: upstream's mis.py as --custom-tis-function-path, configured by its own
+    mis.yaml through --custom-config-path (token-level truncation at 2, rejection outside [0.5, 2], veto below
+    1e-4, batch normalisation). log rho: sample 1 log[3, 1, 0.5], sample 2 log[1e-5, 1, 1] with its last token
+    masked out. By hand: weights [2, 1, 0.5] and [1e-5, 1, 0]; rejection drops rho 3 and (veto) all of sample 2;
+    the 5 loss-masked tokens' weights average 0.9, which divides every weight (ours,
+    examples/train_infer_mismatch_helper, gives the same: tests/test_consistency.py)."""
+    helper = os.path.join(UPSTREAM, "examples", "train_infer_mismatch_helper")
+    spec = importlib.util.spec_from_file_location("upstream_mis", os.path.join(helper, "mis.py"))
+    mis = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mis)
+    args = make_args("--use-tis", "--custom-config-path", os.path.join(helper, "mis.yaml"))
+    masks = [torch.ones(3, dtype=torch.int), torch.tensor([1, 1, 0], dtype=torch.int)]
+    pg, out_masks, _ = mis.compute_mis_weights_with_cp(
+        args,
+        pg_loss=torch.ones(6),
+        train_log_probs=[torch.zeros(3), torch.zeros(3)],
+        rollout_log_probs=[-torch.log(torch.tensor([3.0, 1.0, 0.5])), -torch.log(torch.tensor([1e-5, 1.0, 1.0]))],
+        loss_masks=masks,
+        total_lengths=[5, 5],
+        response_lengths=[3, 3],
+    )
+    assert [m.tolist() for m in out_masks] == [[0, 1, 1], [0, 0, 0]]
+    assert torch.allclose(pg, torch.tensor([2.0, 1.0, 0.5, 1e-5, 1.0, 0.0]) / 0.900002, rtol=1e-5)

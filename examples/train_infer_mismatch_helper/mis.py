@@ -18,8 +18,8 @@ computed in log space over the loss-masked tokens. Then
 - RS (`use_rs`, rejection sampling): tokens whose weight at `rs_level` lies outside [`rs_lower_bound`,
   `rs_upper_bound`] are dropped; with `rs_veto_threshold`, a sample with any token of rho below it is dropped as
   a whole;
-- `tis_batch_normalize`: the kept weights are divided by their mean (per token at the token level, per sample
-  otherwise) so that they average to 1 over the micro-batch.
+- `tis_batch_normalize`: the weights are divided by their mean over every loss-masked token (per sample at the
+  sequence and geometric levels) of the micro-batch, rejected tokens included, as current slime's helper does.
 
 Every knob is read from `args` (set by `--custom-config-path`); a knob the config does not give takes the value
 in `DEFAULTS`. Dropped tokens leave the loss's numerator only: each sample keeps its original denominator.
@@ -149,13 +149,13 @@ def compute_mis_weights(args, *, train_log_probs, rollout_log_probs, loss_masks)
         masks.append(kept.to(mask.dtype))
 
     if k["tis_batch_normalize"]:
+        # as current slime's helper: the mean over every loss-masked token (or sample), rejected ones included
         if k["tis_level"] == "token":
-            total = sum((w * km).sum() for w, km in zip(weights, masks))
-            count = sum(km.sum() for km in masks)
-        else:  # one weight per sample: average over the samples that keep a token
-            kept_samples = [(w, km) for w, km in zip(weights, masks) if km.sum() > 0]
-            total = sum(_masked_mean(w, km.float()) for w, km in kept_samples)
-            count = len(kept_samples)
+            total = sum((w * m).sum() for w, m in zip(weights, loss_masks))
+            count = sum(m.sum() for m in loss_masks)
+        else:  # one weight per sample
+            total = sum(_masked_mean(w, m.float()) for w, m in zip(weights, loss_masks))
+            count = len(weights)
         mean = total / count if count else None
         factor = mean if mean is not None and mean > 1e-8 else torch.tensor(1.0)
         weights = [w / factor for w in weights]
