@@ -206,3 +206,15 @@ def test_mis_helper_with_its_own_config_weighs_as_worked_by_hand():
     )
     assert [m.tolist() for m in out_masks] == [[0, 1, 1], [0, 0, 0]]
     assert torch.allclose(pg, torch.tensor([2.0, 1.0, 0.5, 1e-5, 1.0, 0.0]) / 0.900002, rtol=1e-5)
+
+
+def test_upstream_plugin_contract_tests_pass(tmp_path):
+    """Current slime's own CPU contract tests for plugin paths, generate functions, rollout hooks, `Sample` and sample
+    hooks, run against this repository's `slime` (all but the call-site checks, which read upstream's source files)."""
+    shutil.copytree(os.path.join(UPSTREAM, "tests", "plugin_contracts"), tmp_path / "plugin_contracts")
+    for name in ("test_sample.py", "test_rollout_sample_hooks.py"):
+        shutil.copy(os.path.join(UPSTREAM, "tests", name), tmp_path / name)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not callsite_is_stable", "."]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert " passed" in proc.stdout.splitlines()[-1]

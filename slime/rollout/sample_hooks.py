@@ -41,7 +41,9 @@ async def _apply(hook, path, args, item, kwargs):
 
 async def apply_rollout_sample_hooks(args, sample_or_samples, *, evaluation=False, rollout_id=None, **extra):
     """The hooks of `--rollout-sample-hook-path` applied to a `Sample` or a (nested) list of them."""
-    paths = args.rollout_sample_hook_path or []
+    # read leniently: user rollouts (and current slime's plugin contract tests) call generate_and_rm with their own
+    # minimal args objects
+    paths = getattr(args, "rollout_sample_hook_path", None) or []
     if not paths:
         return sample_or_samples
     if not isinstance(sample_or_samples, (Sample, list)):
