@@ -1,12 +1,18 @@
-"""The GPU check: slime's GPU path end to end with real SGLang, on a machine with CUDA GPUs and `slime[sglang]`.
+"""The GPU check: slime's GPU path on a machine with CUDA GPUs.
 
-    python scripts/gpu_check.py [--model-dir DIR] [--out outputs/gpu-check]
+    python scripts/gpu_check.py [--tier core|all] [--model-dir DIR] [--out outputs/gpu-check]
 
-Runs, each as its own process, and prints a pass/fail table at the end (exit status 1 if any failed):
-  1. colocated train.py (--colocate, so --offload with torch_memory_saver): two rollout/update cycles, the engine
+Runs, each as its own process, and prints a pass/fail table at the end (exit status 1 if any failed).
+The `core` tier needs only torch, megatron-core and Ray (no SGLang; what a GPU machine without package registries
+has):
+  1. tests/test_megatron_gpu.py (Transformer-Engine specs vs transformers, bf16 step, NCCL bucket, GPU offload);
+  2. tests/test_gdn_kernel_gpu.py (the `fla` Gated DeltaNet kernel against the project's torch rule: forward and
+     gradients, grouped value heads, variable lengths, bf16 and fp32; skipped without `fla`);
+  3. benchmarks/bench_trainer.py on a random Qwen3-0.6B: log-prob pass and training step, tokens/s, peak memory, MFU.
+`all` (the default) adds the runs with real SGLang (`slime[sglang]`):
+  4. colocated train.py (--colocate, so --offload with torch_memory_saver): two rollout/update cycles, the engine
      releasing and resuming kv_cache, weights and cuda_graph around each update, --check-weight-update-equal;
-  2. disaggregated train.py (1 trainer GPU + 1 engine GPU): weights by NCCL broadcast, --check-weight-update-equal;
-  3. tests/test_megatron_gpu.py (Transformer-Engine specs vs transformers, bf16 step, NCCL bucket, GPU offload).
+  5. disaggregated train.py (1 trainer GPU + 1 engine GPU): weights by NCCL broadcast, --check-weight-update-equal.
 The model is the tiny offline Qwen3 kit (built if missing), so nothing is downloaded; --model-dir takes another
 local HF Qwen3 directory. Needs 2 GPUs for the disaggregated run (1 is enough for the others).
 """
@@ -110,26 +116,39 @@ def run(name, argv, out, timeout):
     return name, rc == 0, f"{time.time() - start:.0f}s", detail
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-dir", default="models/qwen3-tiny")
-    ap.add_argument("--data-dir", default="data/addition")
-    ap.add_argument("--out", default="outputs/gpu-check")
-    ap.add_argument("--timeout", type=int, default=1800, help="seconds per step")
-    a = ap.parse_args()
+def run_command(name, argv, out, timeout):
+    """A pytest file or a benchmark: passes when it exits 0; its last line is the detail."""
+    os.makedirs(out, exist_ok=True)
+    start = time.time()
+    with open(f"{out}/log.txt", "w") as log:
+        try:
+            rc = subprocess.run(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    with open(f"{out}/log.txt") as log:
+        lines = [line.rstrip() for line in log if line.strip()]
+    return name, rc == 0, f"{time.time() - start:.0f}s", f"{lines[-1] if lines else rc}; log {out}/log.txt"
+
+
+def core_checks(a):
+    """The tier that needs no SGLang."""
+    pytest = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]
+    return [
+        run_command("tests/test_megatron_gpu.py", [*pytest, "tests/test_megatron_gpu.py"], f"{a.out}/megatron_gpu",
+                    a.timeout),
+        run_command("tests/test_gdn_kernel_gpu.py", [*pytest, "tests/test_gdn_kernel_gpu.py"], f"{a.out}/gdn_kernel",
+                    a.timeout),
+        run_command("benchmarks/bench_trainer.py --shape qwen3-0.6b",
+                    [sys.executable, "benchmarks/bench_trainer.py", "--shape", "qwen3-0.6b", "--prompts", "4",
+                     "--n-samples", "8", "--prompt-len", "512", "--response-len", "512", "--micro-batch-size", "4"],
+                    f"{a.out}/bench_trainer", a.timeout),
+    ]  # fmt: skip
+
+
+def sglang_checks(a):
+    """train.py with real SGLang engines, colocated and disaggregated."""
     import torch
 
-    if not torch.cuda.is_available():
-        sys.exit("gpu_check: no CUDA GPU here (torch.cuda.is_available() is False)")
-    import sglang
-
-    print(f"gpu_check: {torch.cuda.device_count()} GPU(s), torch {torch.__version__}, sglang {sglang.__version__}")
-    if not os.path.isfile(os.path.join(ROOT, a.model_dir, "config.json")):
-        subprocess.run(
-            [sys.executable, "tools/build_tiny_kit.py", "--model-dir", a.model_dir, "--data-dir", a.data_dir],
-            cwd=ROOT,
-            check=True,
-        )
     one_gpu = ["--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1"]
     results = [
         run(
@@ -159,14 +178,34 @@ def main():
         )
     else:
         results.append(("disaggregated, NCCL broadcast", False, "-", "needs 2 GPUs"))
-    results.append(
-        run(
-            "tests/test_megatron_gpu.py",
-            [sys.executable, "-m", "pytest", "-q", "-rs", "tests/test_megatron_gpu.py"],
-            f"{a.out}/megatron_gpu",
-            a.timeout,
+    return results
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tier", choices=["core", "all"], default="all", help="core: no SGLang needed")
+    ap.add_argument("--model-dir", default="models/qwen3-tiny")
+    ap.add_argument("--data-dir", default="data/addition")
+    ap.add_argument("--out", default="outputs/gpu-check")
+    ap.add_argument("--timeout", type=int, default=1800, help="seconds per step")
+    a = ap.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("gpu_check: no CUDA GPU here (torch.cuda.is_available() is False)")
+    if a.tier == "all":
+        import sglang
+
+        print(f"gpu_check: {torch.cuda.device_count()} GPU(s), torch {torch.__version__}, sglang {sglang.__version__}")
+    else:
+        print(f"gpu_check (core tier, no SGLang): {torch.cuda.device_count()} GPU(s), torch {torch.__version__}")
+    if not os.path.isfile(os.path.join(ROOT, a.model_dir, "config.json")):
+        subprocess.run(
+            [sys.executable, "tools/build_tiny_kit.py", "--model-dir", a.model_dir, "--data-dir", a.data_dir],
+            cwd=ROOT,
+            check=True,
         )
-    )
+    results = core_checks(a) + (sglang_checks(a) if a.tier == "all" else [])
     width = max(len(r[0]) for r in results)
     print(f"\n{'check':<{width}}  result  time   detail")
     for name, ok, secs, detail in results:

@@ -44,6 +44,11 @@ def get_chunk_gated_delta_rule(backend):
 def _fla_chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # lazy: GPU-only package (Triton)
 
+    # grouped value heads as transformers' Qwen3-Next feeds the kernel: q and k repeated to one head per value head
+    # (fla releases differ in whether they accept fewer q/k heads than v heads; repeated heads are right for all)
+    rep = v.shape[2] // q.shape[2]
+    if rep > 1:
+        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
     out, _ = chunk_gated_delta_rule(
         q,
         k,
