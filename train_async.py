@@ -55,12 +55,10 @@ def fully_async_loop(args, run):
     """The rollout worker never stops (see slime.rollout.fully_async_rollout); each step takes a batch within
     --max-staleness, trains, and pushes the weights. A background eval pins the engines' weight version: pushes wait
     for it as long as the staleness bound lets the next batch be generated without them."""
-    controller = run.rollout_manager.controller
-    engine_version = args.start_rollout_id + 1  # the initial push
-    run.push_weights(engine_version)
-    run.get(controller.set_weight_version.remote(engine_version))
+    manager = run.rollout_manager  # holds the engines' weight version, set by every push
+    run.push_weights(args.start_rollout_id + 1)  # the initial push
     if run.eval_before_train_due(args.start_rollout_id):
-        run.get(controller.start_eval.remote(0, engine_version))
+        run.get(manager.async_start_eval(0))
     for rollout_id in range(args.start_rollout_id, args.num_rollout):
         train_metrics = run.train(rollout_id, run.generate(rollout_id))
         if run.save_due(rollout_id):
@@ -68,17 +66,15 @@ def fully_async_loop(args, run):
 
         trainer_version, last = rollout_id + 2, rollout_id == args.num_rollout - 1
         eval_due = run.eval_due(rollout_id)
-        must_push = eval_due or last or trainer_version - engine_version > args.max_staleness
-        eval_running, evals = run.get(controller.collect_evals.remote(wait=must_push))
+        must_push = eval_due or last or trainer_version - manager.weight_version > args.max_staleness
+        eval_running, evals = run.get(manager.async_collect_evals(wait=must_push))
         update_metrics = None
         if not eval_running:
             update_metrics = run.push_weights(trainer_version)
-            engine_version = trainer_version
-            run.get(controller.set_weight_version.remote(engine_version))
         if eval_due:
-            run.get(controller.start_eval.remote(rollout_id, engine_version))
+            run.get(manager.async_start_eval(rollout_id))
             if last:
-                evals += run.get(controller.collect_evals.remote(wait=True))[1]
+                evals += run.get(manager.async_collect_evals(wait=True))[1]
         for e in evals:  # a late result says which weights it measured and how many steps ago
             run.recorder.eval(
                 rollout_id,

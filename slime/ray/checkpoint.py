@@ -18,7 +18,7 @@ def save(args, rollout_id, actor_model, rollout_manager, get, extra_savers=()):
     driver-side state, each of which must have written its part durably when it returns."""
     get(actor_model.async_save_model(rollout_id, commit=False))
     if args.rollout_global_dataset:
-        get(rollout_manager.controller.save.remote(rollout_id))
+        get(rollout_manager.async_save(rollout_id))
     for saver in extra_savers:
         saver(rollout_id)
     if not args.debug_rollout_only:  # no trainer state was written: nothing to resume from

@@ -86,10 +86,7 @@ class Watchdog:
         names = {}
         for i, a in enumerate(self.actor_model.actors if self.actor_model else []):
             names[a._actor_id.hex()] = f"trainer rank {i}"
-        for i, e in enumerate(self.rollout_manager.all_rollout_engines):
-            if e is not None:
-                names[e._actor_id.hex()] = f"inference engine {i}"
-        names[self.rollout_manager.controller._actor_id.hex()] = "rollout controller"
+        names.update(self.rollout_manager.actor_names())
         return names
 
     def _died(self, err):
@@ -140,7 +137,7 @@ class RunRecorder:
     def rollout_done(self, rollout_id, train_metrics, update_metrics=None):
         now = time.time()
         record = {"rollout_id": rollout_id}
-        record.update(ray.get(self.rollout_manager.controller.pop_metrics.remote(rollout_id)))
+        record.update(self.rollout_manager.pop_metrics(rollout_id))
         record.update(_flatten(next((m for m in train_metrics or [] if m), {})))  # rank 0 reports for the group
         record.update(_flatten(next((m for m in update_metrics or [] if m), {})))
         record.update(self.pending_eval)

@@ -141,6 +141,7 @@ class RolloutManager:
         self.args, self.pg = args, pg
         self.router_process, self.all_rollout_engines, self.controller, self.rollout_engine_lock = None, [], None, None
         self.rollout_engines, self.health_monitor, self.frozen_models = [], None, []
+        self.weight_version = None  # what the engines serve: the label of the last push (`set_weight_version`)
         self._reconnect_due = False  # see `reconnect_due`
         self.off_router = set()  # replacements that do not serve the trainers' weights yet (see `join_router`)
         self.failure = None  # without --use-fault-tolerance: the first fault, raised by the driver's Watchdog
@@ -183,6 +184,7 @@ class RolloutManager:
             self.health_monitor = RolloutHealthMonitor(self, args)
             self.health_monitor.start()
 
+    # ------------------------------------------------------------------ the controller's side of the run
     def async_generate(self, rollout_id):
         self._resume_health_checks()
         return self.controller.generate.remote(rollout_id)
@@ -190,6 +192,36 @@ class RolloutManager:
     def async_eval(self, rollout_id):
         self._resume_health_checks()
         return self.controller.eval.remote(rollout_id)
+
+    def async_start_eval(self, rollout_id):
+        """A background eval at the engines' current weight version (fully async: pushes wait until it is done)."""
+        self._resume_health_checks()
+        return self.controller.start_eval.remote(rollout_id, self.weight_version)
+
+    def async_collect_evals(self, wait=False):
+        return self.controller.collect_evals.remote(wait=wait)
+
+    def set_weight_version(self, version):
+        """After a push: the one record of the version the engines serve (the controller keeps a copy in the data
+        source's state, so a resumed run knows it)."""
+        self.weight_version = version
+        return self.controller.set_weight_version.remote(version)
+
+    def async_save(self, rollout_id):
+        return self.controller.save.remote(rollout_id)
+
+    def async_load(self, rollout_id):
+        return self.controller.load.remote(rollout_id)
+
+    def pop_metrics(self, rollout_id):
+        return ray.get(self.controller.pop_metrics.remote(rollout_id))
+
+    def actor_names(self):
+        """Ray actor id (hex) -> what it is, for the driver's error messages."""
+        names = {e._actor_id.hex(): f"inference engine {i}" for i, e in enumerate(self.all_rollout_engines) if e}
+        if self.controller is not None:
+            names[self.controller._actor_id.hex()] = "rollout controller"
+        return names
 
     def async_offload(self):
         self.pause_health_checks()

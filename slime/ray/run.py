@@ -75,11 +75,10 @@ class Run:
         if not args.debug_rollout_only and set(loaded) != {resume_rollout_id(args)}:
             raise RuntimeError(f"trainer ranks loaded rollout ids {loaded}, the driver read {resume_rollout_id(args)}")
         if args.rollout_global_dataset:
-            self.get(self.rollout_manager.controller.load.remote(args.start_rollout_id - 1))
+            self.get(self.rollout_manager.async_load(args.start_rollout_id - 1))
         self._connect()
         self._trainers_offloaded = args.offload_train  # with --offload(-train) the trainers sleep after init
         self._pushes = 0
-        self._engine_version = None  # the weight version the engines hold (last push)
         self._saved = False  # whether this run saved a checkpoint yet (what --release-train's trainers load)
 
     # ------------------------------------------------------------------ the loop's steps
@@ -117,6 +116,9 @@ class Run:
             version = next(m["update_weights/weight_version"] for m in metrics if m)
             replaced += self._replace_lost_engines(resume_tags=["weights"] if args.offload_rollout else None)
             metrics = self.get(self.actor_model.async_update_weights(version))
+        version = next((m["update_weights/weight_version"] for m in metrics if m), weight_version)
+        if version is not None:
+            self.get(manager.set_weight_version(version))
         if args.check_weight_update_equal and self._pushes == 0:
             self.get(manager.async_check_weights("compare"))  # the first push restores --hf-checkpoint's weights
         if args.offload_rollout:
@@ -125,7 +127,6 @@ class Run:
             manager.check_weight_versions(metrics, sorted(set(replaced)))
             manager.join_router(sorted(set(replaced)))
         self._pushes += 1
-        self._engine_version = next((m["update_weights/weight_version"] for m in metrics if m), None)
         if args.release_train:  # the engines loaded the version from disk: no trainer is needed until training
             self.actor_model.kill()
         return metrics
@@ -146,7 +147,7 @@ class Run:
                 f"--release-train: the new trainers loaded rollout ids {loaded} from --save {self.args.save}, "
                 f"expected {rollout_id} (the checkpoint of rollout {rollout_id - 1})"
             )
-        self.get(self.actor_model.async_continue_weight_version(self._engine_version))
+        self.get(self.actor_model.async_continue_weight_version(self.rollout_manager.weight_version))
         self._connect()
 
     def _replace_lost_engines(self, resume_tags=None):
