@@ -9,6 +9,7 @@ import ray
 
 from slime.backends.sglang_utils.router import launch_router, remove_worker, stop_router
 from slime.backends.sglang_utils.sglang_config import frozen_models
+from slime.ray.engines import new_engine, start_engines
 from slime.utils.http_utils import free_port, get_host_info
 
 logger = logging.getLogger(__name__)
@@ -51,15 +52,13 @@ class FrozenModel:
         return f"http://{self.router_ip}:{self.router_port}"
 
     def start_engines(self, pg):
-        from slime.ray.rollout import _init_engines, _new_engine  # lazy: rollout imports this module
-
         self.pg = pg
         for group in self.model.engine_groups:
             a = engine_args(self.args, self.model, group, self.router_ip, self.router_port)
             per_node = min(group.num_gpus_per_engine, a.rollout_num_gpus_per_node)
             first = group.gpu_offset // per_node  # the engine slot of the group's first GPU
-            actors = [_new_engine(a, pg, first + i) for i in range(group.num_gpus // per_node)]
-            _init_engines(a, actors, range(len(actors)))  # ports by position within the group
+            actors = [new_engine(a, pg, first + i) for i in range(group.num_gpus // per_node)]
+            start_engines(a, actors, range(len(actors)))  # ports by position within the group
             nodes = max(1, group.num_gpus_per_engine // a.rollout_num_gpus_per_node)
             self.groups.append((a, actors))
             self.engines += actors[::nodes]
@@ -83,8 +82,6 @@ class FrozenModel:
     def replace(self, j: int) -> str:
         """Kill engine `j` and start a new one in its placement-group bundle; it serves the model's own checkpoint,
         so it joins the router at once (nothing is pushed to a frozen model). Returns the new URL."""
-        from slime.ray.rollout import _init_engines, _new_engine  # lazy: rollout imports this module
-
         a, slot, nodes = self.slots[j]
         if nodes > 1:
             raise RuntimeError(f"frozen model {self.name!r}: a multi-node engine cannot be replaced")
@@ -96,8 +93,8 @@ class FrozenModel:
             )
         old = self.engines[j]
         ray.kill(old)  # its server dies with it (parent-death signal)
-        new = _new_engine(a, self.pg, slot)
-        _init_engines(a, [new], [0])
+        new = new_engine(a, self.pg, slot)
+        start_engines(a, [new], [0])
         self.engines[j] = new
         self.groups = [(ga, [new if e is old else e for e in actors]) for ga, actors in self.groups]
         self.engine_urls[j] = ray.get(new.get_url.remote())

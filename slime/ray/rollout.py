@@ -6,7 +6,6 @@ import threading
 import time
 
 import ray
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from slime.backends.sglang_utils.router import (
     add_worker,
@@ -16,12 +15,11 @@ from slime.backends.sglang_utils.router import (
     start_router,
     stop_router,
 )
-from slime.backends.sglang_utils.sglang_config import policy_num_gpus
-from slime.backends.sglang_utils.sglang_engine import SGLangEngine
 from slime.ray.buffer import RolloutController
 from slime.ray.driver import register_cleanup
+from slime.ray.engines import create_rollout_engines, engine_layout, new_engine, start_engines
 from slime.ray.model_servers import start_frozen_routers
-from slime.ray.utils import Lock, noset_visible_devices_env
+from slime.ray.utils import Lock
 from slime.utils.health_monitor import RolloutHealthMonitor
 
 logger = logging.getLogger(__name__)
@@ -32,99 +30,6 @@ def _start_router(args):
     if args.sglang_router_ip is not None or args.debug_train_only:
         return None
     return start_router(args)
-
-
-def _engines_per_gpu_layout(args):
-    """(GPUs per engine on one node, number of engines, nodes per engine)."""
-    num_gpu_per_engine = min(args.rollout_num_gpus_per_engine, args.rollout_num_gpus_per_node)
-    return (
-        num_gpu_per_engine,
-        policy_num_gpus(args) // num_gpu_per_engine,
-        max(1, args.rollout_num_gpus_per_engine // args.rollout_num_gpus_per_node),
-    )
-
-
-def _new_engine(args, pg, rank):
-    """The engine actor of slot `rank`, in its placement-group bundle (a replacement lands in the same one)."""
-    num_gpu_per_engine, _, _ = _engines_per_gpu_layout(args)
-    pg, reordered_bundle_indices = pg
-    return (
-        ray.remote(SGLangEngine)
-        .options(
-            num_cpus=0.2,
-            num_gpus=0.2,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=pg,
-                placement_group_capture_child_tasks=True,
-                placement_group_bundle_index=reordered_bundle_indices[rank * num_gpu_per_engine],
-            ),
-            runtime_env={"env_vars": noset_visible_devices_env()},
-        )
-        .remote(args, rank=rank)
-    )
-
-
-def _init_engines(args, engines, ranks, join_router=True):
-    """Start the servers of `engines[r]` for r in `ranks` (ports per node, as at start-up); each joins the router
-    unless `join_router` is False."""
-    ports = _allocate_ports(args, engines)
-    ray.get([engines[r].init.remote(**ports[r], join_router=join_router) for r in ranks])
-
-
-def _attach_external_engines(args):
-    """One engine actor per --rollout-external-engine-addrs server (no GPU, no bundle: the server has its own),
-    attached to it rather than starting one."""
-    engines = [
-        ray.remote(SGLangEngine).options(num_cpus=0.2, num_gpus=0).remote(args, rank=i)
-        for i in range(len(args.rollout_external_engine_infos))
-    ]
-    ray.get([e.attach.remote(info["url"]) for e, info in zip(engines, args.rollout_external_engine_infos)])
-    return engines
-
-
-def create_rollout_engines(args, pg):
-    if args.debug_train_only:
-        return []
-    if args.rollout_external:
-        return _attach_external_engines(args)
-    _, num_engines, _ = _engines_per_gpu_layout(args)
-    engines = [_new_engine(args, pg, i) for i in range(num_engines)]
-    _init_engines(args, engines, range(num_engines))
-    return engines
-
-
-def _allocate_ports(args, engines):
-    """Per node: `port`, `nccl_port` and a `dist_init_addr` per engine (shared by a multi-node engine), chosen by the
-    OS outside Ray's worker ports and distinct within the node."""
-    gpus_per_engine = args.rollout_num_gpus_per_engine
-    nodes_per_engine = max(1, gpus_per_engine // args.rollout_num_gpus_per_node)
-    engines_per_node = max(1, min(args.rollout_num_gpus_per_node, policy_num_gpus(args)) // gpus_per_engine)
-    addr_and_ports = [{} for _ in engines]
-    dp_size = args.sglang_dp_size or 1
-    for node_start in range(0, len(engines), engines_per_node):
-        taken = set()
-        node_engines = range(node_start, min(node_start + engines_per_node, len(engines)))
-
-        def take(consecutive=1):
-            while True:  # the OS may hand out a port again once its probe socket is closed
-                addr, port = ray.get(
-                    engines[node_start]._get_current_node_ip_and_free_port.remote(consecutive=consecutive)
-                )
-                ports = set(range(port, port + consecutive))
-                if not ports & taken:
-                    taken.update(ports)
-                    return addr, port
-
-        for i in node_engines:
-            addr_and_ports[i]["port"] = take()[1]
-            addr_and_ports[i]["nccl_port"] = take()[1]
-            if i % nodes_per_engine == 0:  # the first node of an engine owns its rendezvous address
-                addr, port = take(6 + dp_size)
-                for j in range(i, min(i + nodes_per_engine, len(engines))):
-                    addr_and_ports[j]["dist_init_addr"] = f"{addr}:{port}"
-    for i, ports in enumerate(addr_and_ports):
-        assert {"port", "nccl_port", "dist_init_addr"} <= ports.keys(), f"engine {i} got incomplete ports {ports}"
-    return addr_and_ports
 
 
 def _failure(what):
@@ -280,7 +185,7 @@ class RolloutManager:
             if self.args.rollout_external:
                 self._drop_external(index, what)
                 return
-            bundle = self.pg[1][index * self.nodes_per_engine * _engines_per_gpu_layout(self.args)[0]]
+            bundle = self.pg[1][index * self.nodes_per_engine * engine_layout(self.args)[0]]
             self._event("engine_failed", what, engine=index, bundle=bundle)
             try:  # off the router first: no new request goes there
                 remove_worker(router_url(self.args), self.engine_urls[index])
@@ -404,13 +309,13 @@ class RolloutManager:
                 return []
             slots = [j for i in dead for j in range(i * self.nodes_per_engine, (i + 1) * self.nodes_per_engine)]
             for j in slots:
-                self.all_rollout_engines[j] = _new_engine(self.args, self.pg, j)
-            _init_engines(self.args, self.all_rollout_engines, slots, join_router=False)
+                self.all_rollout_engines[j] = new_engine(self.args, self.pg, j)
+            start_engines(self.args, self.all_rollout_engines, slots, join_router=False)
             for i in dead:
                 self.rollout_engines[i] = self.all_rollout_engines[i * self.nodes_per_engine]
                 self.engine_urls[i] = ray.get(self.rollout_engines[i].get_url.remote())
                 self.off_router.add(i)
-                bundle = self.pg[1][i * self.nodes_per_engine * _engines_per_gpu_layout(self.args)[0]]
+                bundle = self.pg[1][i * self.nodes_per_engine * engine_layout(self.args)[0]]
                 self._event(
                     "engine_restarted",
                     f"inference engine {i} restarted at {self.engine_urls[i]} in placement-group bundle {bundle}; "
