@@ -105,3 +105,47 @@ def test_remote_backends_plug_in_by_name():
     assert isinstance(sb, Sandbox) and run(sb.exec("ls")).stdout == "remote:ls"
     with pytest.raises(ValueError, match="unknown sandbox backend 'nope'"):
         create_sandbox("nope")
+
+
+@pytest.mark.skipif(not namespaces_available(), reason="no user/mount/net/pid namespaces on this machine")
+def test_isolated_commands_get_a_private_dev_shm_and_dev_mqueue():
+    """The escape tried: a command writes /dev/shm (and /dev/mqueue where the host has it); the host sees nothing."""
+    name = f"slime-sandbox-escape-{uuid.uuid4().hex}"
+    targets = [d for d in ("/dev/shm", "/dev/mqueue") if os.path.isdir(d)]
+    assert "/dev/shm" in targets, "this machine has no /dev/shm to try the escape on"
+
+    async def go():
+        async with LocalSandbox(isolate=True) as sb:
+            cmd = "; ".join(f"echo x > {d}/{name} && cat {d}/{name}" for d in targets)
+            r = await sb.exec(cmd)
+            assert r.returncode == 0 and r.stdout == "x\n" * len(targets), r  # writable, but the sandbox's own
+            r = await sb.exec(f"touch /dev/{name}")
+            assert r.returncode != 0 and "Read-only file system" in r.stderr  # /dev itself is read-only
+
+    try:
+        run(go())
+        leaked = [d for d in (*targets, "/dev") if os.path.exists(f"{d}/{name}")]
+        assert not leaked, f"the sandbox wrote the host's {leaked}"
+    finally:
+        for d in (*targets, "/dev"):
+            if os.path.exists(f"{d}/{name}"):
+                os.remove(f"{d}/{name}")
+
+
+@pytest.mark.skipif(not namespaces_available(), reason="no user/mount/net/pid namespaces on this machine")
+def test_a_mount_the_sandbox_cannot_make_read_only_fails_closed(monkeypatch):
+    """A remount that fails (here: `/`, made to fail) stops the command before it runs, in one line naming it."""
+    import slime.agent.sandbox as sandbox
+
+    failing = 'mount() { [ "$*" = "-o remount,bind,ro /" ] && return 1; command mount "$@"; }; '
+    monkeypatch.setattr(sandbox, "_ISOLATE", failing + sandbox._ISOLATE)
+
+    async def go():
+        async with LocalSandbox(isolate=True) as sb:
+            with pytest.raises(sandbox.SandboxSetupError) as e:
+                await sb.exec("echo ran > ran.txt")
+            assert not (sb.root / "ran.txt").exists()
+            return str(e.value)
+
+    message = run(go())
+    assert message == "sandbox isolation failed, the command was not run: cannot remount / read-only", message

@@ -68,18 +68,22 @@ def _publish_full(root, version, tensors, hf_dir):
     )
 
 
-def _publish_delta(root, version, base_version, old, new, encoding, corrupt=False):
+def _publish_delta(root, version, base_version, old, new, encoding, corrupt=False, files=1):
+    """One delta file, or with `files=2` each tensor in its own (as two pipeline stages write them)."""
     partial = os.path.join(root, f".{disk_delta.version_name(version)}.partial")
     os.makedirs(partial)
-    blobs, sums = {}, {}
-    for name in new:
+    blobs, sums, weight_map = {}, {}, {}
+    for i, name in enumerate(sorted(new)):
         nb = new[name].contiguous().view(-1).view(torch.uint8).numpy()
         ob = old[name].contiguous().view(-1).view(torch.uint8).numpy()
-        blobs[name] = disk_delta.encode(encoding, nb, ob)
-        sums[name] = disk_delta.checksum("xxh3-128", nb)
+        fname = f"pp{i % files:03d}.safetensors"
+        blobs.setdefault(fname, {})[name] = disk_delta.encode(encoding, nb, ob)
+        sums.setdefault(fname, {})[name] = disk_delta.checksum("xxh3-128", nb)
+        weight_map[name] = fname
     if corrupt:
-        sums["b.bias"] = "0" * 32
-    disk_delta.save_delta_file(os.path.join(partial, "pp000.safetensors"), blobs, sums)
+        sums[weight_map["b.bias"]]["b.bias"] = "0" * 32
+    for fname in blobs:
+        disk_delta.save_delta_file(os.path.join(partial, fname), blobs[fname], sums[fname])
     meta = {
         "version": f"{version:06d}",
         "base_version": f"{base_version:06d}",
@@ -87,13 +91,7 @@ def _publish_delta(root, version, base_version, old, new, encoding, corrupt=Fals
         "compression_format": "zstd",
         "checksum_format": "xxh3-128",
     }
-    disk_delta.publish(
-        partial,
-        os.path.join(root, disk_delta.version_name(version)),
-        dict.fromkeys(new, "pp000.safetensors"),
-        meta,
-        None,
-    )
+    disk_delta.publish(partial, os.path.join(root, disk_delta.version_name(version)), weight_map, meta, None)
 
 
 def _local_tensors(local):
@@ -145,9 +143,11 @@ def test_a_corrupt_delta_is_detected_and_only_a_full_version_repairs_the_checkpo
     _publish_delta(root, 1, 0, _tensors(1.0), v1, "xor", corrupt=True)
     with pytest.raises(PullError, match="b.bias.*fails its xxh3-128 checksum"):
         pull_version(root, local, 1, hf)
-    assert disk_delta.held_version(local) is None  # half-applied: no version claimed
+    assert disk_delta.held_version(local) == 0  # verified before anything changed: still the previous version
+    assert _local_tensors(local).keys() == _tensors(1.0).keys()
+    assert all(torch.equal(_local_tensors(local)[n], t) for n, t in _tensors(1.0).items())
     _publish_delta(root, 2, 1, v1, _tensors(6.0), "xor")
-    with pytest.raises(PullError, match="delta on version 1.*holds no verified version: a full version is needed"):
+    with pytest.raises(PullError, match="delta on version 1.*holds version 0: a full version is needed"):
         pull_version(root, local, 2, hf)
     _publish_full(root, 2, _tensors(6.0), hf)  # the trainer's answer: the same version in full
     assert pull_version(root, local, 2, hf)["applied"] == "full"
@@ -167,6 +167,75 @@ def test_a_delta_on_another_base_and_a_torn_version_are_refused(dirs):
     with pytest.raises(PullError, match="weight_v000006: no published version there"):
         pull_version(root, local, 6, hf)
     torch.testing.assert_close(_local_tensors(local)["a.weight"], _tensors(1.0)["a.weight"])
+
+
+def _assert_intact(local, version, tensors):
+    """The local checkpoint still claims `version` and holds exactly `tensors`; nothing staged is left behind."""
+    assert disk_delta.held_version(local) == version
+    got = _local_tensors(local)
+    assert got.keys() == tensors.keys() and all(torch.equal(got[n], t) for n, t in tensors.items())
+    assert disk_delta.STAGING not in os.listdir(local)
+
+
+def test_a_delta_with_a_file_missing_fails_naming_it_and_leaves_the_checkpoint_at_its_version(dirs):
+    """The index names two files; one is gone. Walking the directory would apply the other and move the marker."""
+    hf, root, local = dirs
+    pull_version(root, local, 0, hf)
+    _publish_delta(root, 1, 0, _tensors(1.0), _tensors(3.0), "xor", files=2)
+    version_dir = os.path.join(root, "weight_v000001")
+    os.remove(os.path.join(version_dir, "model-00002-of-00002.safetensors"))
+    with pytest.raises(PullError) as e:
+        pull_version(root, local, 1, hf)
+    assert str(e.value) == (
+        f"{version_dir}: model-00002-of-00002.safetensors, named in its {disk_delta.INDEX}, is missing"
+    )
+    _assert_intact(local, 0, _tensors(1.0))
+
+
+def test_a_delta_file_with_a_flipped_byte_is_refused_before_anything_is_applied(dirs):
+    hf, root, local = dirs
+    pull_version(root, local, 0, hf)
+    _publish_delta(root, 1, 0, _tensors(1.0), _tensors(3.0), "xor", files=2)
+    version_dir = os.path.join(root, "weight_v000001")
+    path = os.path.join(version_dir, "model-00002-of-00002.safetensors")
+    data = bytearray(open(path, "rb").read())
+    data[-1] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(
+        PullError, match=r"weight_v000001: model-00002-of-00002.safetensors fails its xxh3-128 checksum"
+    ):
+        pull_version(root, local, 1, hf)
+    _assert_intact(local, 0, _tensors(1.0))
+
+
+def test_full_versions_carry_file_checksums_and_a_corrupt_byte_is_refused(dirs):
+    hf, root, local = dirs
+    pull_version(root, local, 0, hf)
+    _publish_full(root, 1, _tensors(2.0), hf)
+    version_dir = os.path.join(root, "weight_v000001")
+    shard = os.path.join(version_dir, "model-00001-of-00001.safetensors")
+    with open(os.path.join(version_dir, disk_delta.INDEX)) as f:
+        meta = json.load(f)["metadata"]
+    assert meta["checksum_format"] == "xxh3-128"
+    assert meta["file_checksums"] == {"model-00001-of-00001.safetensors": disk_delta.file_checksum("xxh3-128", shard)}
+    data = bytearray(open(shard, "rb").read())
+    data[-3] ^= 0x01  # one bit of b.bias: still a valid safetensors file, with other weights
+    open(shard, "wb").write(bytes(data))
+    with pytest.raises(PullError) as e:
+        pull_version(root, local, 1, hf)
+    assert str(e.value).startswith(
+        f"{version_dir}: model-00001-of-00001.safetensors fails its xxh3-128 checksum (expected "
+    )
+    _assert_intact(local, 0, _tensors(1.0))
+    # a full version whose index has no checksum for a file (another writer) is not loaded either
+    _publish_full(root, 2, _tensors(2.0), hf)
+    index_path = os.path.join(root, "weight_v000002", disk_delta.INDEX)
+    index = json.load(open(index_path))
+    del index["metadata"]["file_checksums"]
+    json.dump(index, open(index_path, "w"))
+    with pytest.raises(PullError, match="model-00001-of-00001.safetensors has no checksum in its model.safetensors"):
+        pull_version(root, local, 2, hf)
+    _assert_intact(local, 0, _tensors(1.0))
 
 
 def test_old_versions_are_removed(dirs):

@@ -213,3 +213,65 @@ def test_adapter_sync_without_lora_fails_in_one_line(capsys):
         make_args("--lora-sync", "adapter")
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and "--lora-sync adapter needs --enable-lora" in err and len(err.splitlines()) == 1
+
+
+# ------------------------------------------------------------------ the base an adapter checkpoint records
+
+
+def _base(path, weights, config=None):
+    from safetensors.torch import save_file
+
+    path.mkdir()
+    save_file(weights, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config or {"model_type": "toy"}))
+    return str(path)
+
+
+def test_adapter_checkpoint_resumed_on_another_base_is_refused_and_on_its_own_base_loads(tmp_path, monkeypatch):
+    """load_checkpoint checks the recorded base (path + weights fingerprint) before it reads the base: base B (a
+    fine-tune of A: every weight moved by ~1e-3) is refused in one line naming both; A copied elsewhere with another
+    config loads."""
+    from argparse import Namespace
+
+    from megatron.core import dist_checkpointing
+
+    import slime.backends.megatron_utils.checkpoint as checkpoint
+    from slime.utils.lora_utils import base_identity
+
+    gen = torch.Generator().manual_seed(0)
+    weights = {"big.weight": torch.randn(256, 256, generator=gen), "small.bias": torch.randn(8, generator=gen)}
+    base_a = _base(tmp_path / "a", weights)
+    a_copy = _base(tmp_path / "a_copy", {n: t.clone() for n, t in weights.items()}, {"model_type": "toy", "x": 1})
+    tuned = {n: t + 1e-3 * torch.randn(t.shape, generator=gen) for n, t in weights.items()}
+    base_b = _base(tmp_path / "b", tuned)
+    recorded = base_identity(base_a)
+    assert recorded["path"] == base_a and base_identity(a_copy)["fingerprint"] == recorded["fingerprint"]
+    assert base_identity(base_b)["fingerprint"] != recorded["fingerprint"]
+
+    root = tmp_path / "ckpt"
+    (root / "iter_0000003").mkdir(parents=True)
+    (root / "latest_checkpointed_iteration.txt").write_text("3")
+    monkeypatch.setattr(dist_checkpointing, "load_common_state_dict", lambda ckpt: {"lora_base": recorded})
+
+    class BaseLoaded(Exception):
+        pass
+
+    def hf_to_megatron(args, model):
+        raise BaseLoaded(args.hf_checkpoint)
+
+    monkeypatch.setattr(checkpoint, "hf_to_megatron", hf_to_megatron)
+
+    def args(hf):
+        flags = dict(load=str(root), ckpt_step=None, finetune=False, no_load_optim=True, no_load_rng=True)
+        return Namespace(**flags, enable_lora=True, hf_checkpoint=hf)
+
+    with pytest.raises(ValueError) as e:
+        checkpoint.load_checkpoint(args(base_b), None, None, None)
+    assert str(e.value) == (
+        f"--load {root}/iter_0000003: its LoRA adapters were trained on the base {base_a} (weights fingerprint "
+        f"{recorded['fingerprint']}), but --hf-checkpoint {base_b} is another base (fingerprint "
+        f"{base_identity(base_b)['fingerprint']}): resume on the base they were trained on"
+    )
+    monkeypatch.setattr(checkpoint.dist, "get_rank", lambda: 0)
+    with pytest.raises(BaseLoaded):  # the same base at another path: the load goes on to read it
+        checkpoint.load_checkpoint(args(a_copy), None, None, None)

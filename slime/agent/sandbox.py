@@ -7,9 +7,11 @@ crash is a non-zero `returncode`. Neither raises: the agent sees the result and 
 
 `LocalSandbox` runs commands as subprocesses in a fresh temporary directory, under resource limits (CPU seconds,
 address space, file size, open files) and with a minimal environment. With `isolate=True` (the default where
-`unshare` can create namespaces) each command also runs in its own mount, network and PID namespaces in which
-every filesystem is read-only except the sandbox directory, and nothing is reachable over the network: a command
-cannot write outside its directory. Without namespaces, only the file API is confined to the directory.
+`unshare` can create namespaces) each command also runs in its own mount, network, PID and IPC namespaces in which
+every filesystem is read-only except the sandbox directory (/dev and /sys included), /dev/shm and /dev/mqueue are
+the sandbox's own, and nothing is reachable over the network: a command cannot write outside its directory. A
+mount that cannot be set up so raises `SandboxSetupError` naming it, and the command does not run (fail closed).
+Without namespaces, only the file API is confined to the directory.
 
 Remote backends (a container service, a cloud sandbox) implement the same four methods and register a factory:
 `register_sandbox_backend("name", factory)`; `create_sandbox("name", **kwargs)` builds one.
@@ -78,12 +80,12 @@ def create_sandbox(backend: str = "local", **kwargs) -> Sandbox:
 
 @functools.cache
 def namespaces_available() -> bool:
-    """Whether `unshare` can give a command its own user, mount, network and PID namespaces here."""
+    """Whether `unshare` can give a command its own user, mount, network, PID and IPC namespaces here."""
     if shutil.which("unshare") is None:
         return False
     try:
         r = subprocess.run(
-            ["unshare", "--user", "--map-root-user", "--mount", "--net", "--pid", "--fork", "true"],
+            ["unshare", "--user", "--map-root-user", "--mount", "--net", "--pid", "--ipc", "--fork", "true"],
             capture_output=True,
             timeout=10,
         )
@@ -92,15 +94,33 @@ def namespaces_available() -> bool:
     return r.returncode == 0
 
 
-# Runs inside the new namespaces: every mount read-only, then the sandbox directory writable again, then the command.
+# Runs inside the new namespaces: every mount read-only (/dev and /sys included), then the sandbox directory
+# writable again, a private /dev/shm (tmpfs) and /dev/mqueue (this IPC namespace's queues), then the command. Any
+# step that fails stops it before the command runs, its reason the last line on stderr (fail closed); the command
+# runs only after "ready" went to the descriptor the host reads (closed first, so the command cannot forge it).
+# bash, not sh: the descriptor's number may have two digits.
 _ISOLATE = (
-    'set -e; mount --make-rprivate /; mount --bind "$SANDBOX_DIR" "$SANDBOX_DIR"; '
-    "awk '{print $2}' /proc/self/mounts | sort -r | while read -r m; do "
+    'fail() { echo "$1" >&2; exit 125; }; '
+    'mount --make-rprivate / || fail "cannot make the mounts private"; '
+    'mount --bind "$SANDBOX_DIR" "$SANDBOX_DIR" || fail "cannot bind-mount $SANDBOX_DIR"; '
+    # already read-only mounts are skipped: one inherited from the host's namespace cannot be made writable here
+    "awk '$4 !~ /^ro(,|$)/ {print $2}' /proc/self/mounts | sort -r -u | while read -r m; do "
     "m=$(printf '%b' \"$m\"); "
-    'case "$m" in "$SANDBOX_DIR"|/proc|/proc/*|/sys|/sys/*|/dev|/dev/*) continue;; esac; '
-    'mount -o remount,bind,ro "$m" 2>/dev/null || true; done; '
-    'cd "$SANDBOX_DIR"; set +e; exec "$@"'
+    'case "$m" in "$SANDBOX_DIR"|/proc|/proc/*) continue;; esac; '
+    'mount -o remount,bind,ro "$m" || fail "cannot remount $m read-only"; done || exit 125; '
+    'mount --bind "$SANDBOX_DIR" "$SANDBOX_DIR" || fail "cannot bind-mount $SANDBOX_DIR"; '
+    "if [ -d /dev/shm ]; then mount -t tmpfs -o nosuid,nodev,mode=1777,size=$SANDBOX_SHM_BYTES tmpfs /dev/shm "
+    '|| fail "cannot mount a private /dev/shm"; fi; '
+    "if [ -d /dev/mqueue ]; then mount -t mqueue -o nosuid,nodev,noexec mqueue /dev/mqueue "
+    '|| fail "cannot mount a private /dev/mqueue"; fi; '
+    'cd "$SANDBOX_DIR" || fail "cannot enter $SANDBOX_DIR"; '
+    'echo ready >&"$SANDBOX_READY_FD" || fail "cannot report ready"; exec {SANDBOX_READY_FD}>&-; '
+    'unset SANDBOX_READY_FD SANDBOX_SHM_BYTES; set +e; exec "$@"'
 )
+
+
+class SandboxSetupError(RuntimeError):
+    """The isolation of a command could not be set up (a mount it needs failed): the command did not run."""
 
 
 def _apply_limits(limits: Limits) -> None:  # in the child, before exec
@@ -161,28 +181,44 @@ class LocalSandbox:
             "SANDBOX_DIR": str(self.root),
             **(env or {}),
         }
+        ready_r = ready_w = None
         if self.isolate:
             argv = [
-                "unshare", "--user", "--map-root-user", "--mount", "--net", "--pid", "--fork", "--mount-proc",
-                "/bin/sh", "-c", _ISOLATE, "sandbox", *argv,
+                "unshare", "--user", "--map-root-user", "--mount", "--net", "--pid", "--ipc", "--fork",
+                "--mount-proc", "bash", "-c", _ISOLATE, "sandbox", *argv,
             ]  # fmt: skip
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            cwd=self.root,
-            env=environ,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            preexec_fn=functools.partial(_apply_limits, self.limits),
-        )
+            ready_r, ready_w = os.pipe()
+            environ.update(SANDBOX_READY_FD=str(ready_w), SANDBOX_SHM_BYTES=str(self.limits.file_size_bytes))
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                cwd=self.root,
+                env=environ,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                preexec_fn=functools.partial(_apply_limits, self.limits),
+                pass_fds=() if ready_w is None else (ready_w,),
+            )
+        finally:
+            if ready_w is not None:
+                os.close(ready_w)
         limit = self.limits.timeout_s if timeout is None else timeout
         timed_out = False
         try:
-            out, err = await asyncio.wait_for(proc.communicate(), limit)
-        except asyncio.TimeoutError:
-            timed_out = True
-            _kill_group(proc.pid)
-            out, err = await proc.communicate()
+            try:
+                out, err = await asyncio.wait_for(proc.communicate(), limit)
+            except asyncio.TimeoutError:
+                timed_out = True
+                _kill_group(proc.pid)
+                out, err = await proc.communicate()
+            if ready_r is not None and not _read_ready(ready_r):
+                lines = err.decode(errors="replace").strip().splitlines()
+                reason = lines[-1] if lines else f"exit status {proc.returncode}"
+                raise SandboxSetupError(f"sandbox isolation failed, the command was not run: {reason}")
+        finally:
+            if ready_r is not None:
+                os.close(ready_r)
         cap = self.limits.output_bytes
         return ExecResult(
             proc.returncode if not timed_out else -signal.SIGKILL,
@@ -198,6 +234,15 @@ class LocalSandbox:
 
     def __repr__(self) -> str:
         return f"LocalSandbox({shlex.quote(str(self.root))}, isolate={self.isolate})"
+
+
+def _read_ready(fd: int) -> bool:
+    """Whether the isolation script reported it is ready to run the command (every writer is gone by now)."""
+    os.set_blocking(fd, False)
+    try:
+        return os.read(fd, 16) == b"ready\n"
+    except BlockingIOError:
+        return False
 
 
 def _kill_group(pid: int) -> None:

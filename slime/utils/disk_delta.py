@@ -5,15 +5,20 @@ A version is a directory `weight_v{N:06d}` under `--update-weight-disk-dir`, pub
 version is never visible under that name). It is a canonical HF checkpoint: `model-NNNNN-of-MMMMM.safetensors` files
 and `model.safetensors.index.json`. In a full version the files hold the weights; in a delta version they hold one
 zstd-compressed uint8 blob per changed-or-not tensor, the per-tensor checksum of the new bytes is the file's
-metadata, and the index's metadata names the version, its base version, the encoding and the checksum:
+metadata, and the index's metadata names the version, its base version, the encoding and the checksum. The index's
+metadata of every version also holds `file_checksums`, the checksum of each file it names (`checksum_format`):
 
 - `xor`: new ^ old, byte-wise. Applied exactly once, on exactly its base (applying twice reverts).
 - `overwrite`: the changed byte positions and their new values. Idempotent.
 
-The engine side (`pull_version`) keeps a local full checkpoint and a marker of the version it holds. A full version
-is copied as-is (it resets the chain); a delta applies in place only on its base version, and every tensor is
-verified against its checksum. While a pull runs the marker is absent, so a pull that failed half-way leaves a
-checkpoint that only a full version repairs: a corrupt update never reaches generation.
+The engine side (`pull_version`) keeps a local full checkpoint and a marker of the version it holds. It works from
+the index, not from the directory listing: every file the index names must be there with its checksum, and every
+tensor the index names must be in its file. A full version is copied (it resets the chain); a delta applies only on
+its base version, and every tensor is verified against its checksum. Both are staged beside the local checkpoint
+(`.incoming/`) and verified whole before anything local changes, so a version with a file missing or corrupt fails
+naming the version directory and the file, and leaves the local checkpoint and its marker at the previous version.
+Only then are the staged files renamed into place, with the marker absent meanwhile: a pull killed in that short
+window leaves a checkpoint that only a full version repairs. A corrupt update never reaches generation.
 """
 
 import fcntl
@@ -52,6 +57,38 @@ def checksum(algorithm: str, data) -> str:
     if algorithm == "adler32":
         return f"{zlib.adler32(data):08x}"
     raise ValueError(f"unknown checksum {algorithm!r}; expected one of {', '.join(CHECKSUMS)}")
+
+
+class _Hasher:
+    """`checksum` computed over bytes given in pieces."""
+
+    def __init__(self, algorithm: str):
+        if algorithm not in CHECKSUMS:
+            raise ValueError(f"unknown checksum {algorithm!r}; expected one of {', '.join(CHECKSUMS)}")
+        self.algorithm = algorithm
+        self._h = xxhash.xxh3_128() if algorithm == "xxh3-128" else blake3.blake3() if algorithm == "blake3" else None
+        self._adler = 1
+
+    def update(self, data) -> None:
+        if self._h is None:
+            self._adler = zlib.adler32(data, self._adler)
+        else:
+            self._h.update(data)
+
+    def hexdigest(self) -> str:
+        return f"{self._adler:08x}" if self._h is None else self._h.hexdigest()
+
+
+_CHUNK = 16 << 20
+
+
+def file_checksum(algorithm: str, path: str) -> str:
+    """`checksum` of a whole file's bytes, read in chunks."""
+    h = _Hasher(algorithm)
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 # ------------------------------------------------------------------ encoding
@@ -156,11 +193,30 @@ def save_delta_file(path: str, blobs: dict, checksums: dict) -> int:
     return len(data)
 
 
-def publish(partial_dir: str, final_dir: str, weight_map: dict, metadata: dict, hf_checkpoint: str | None) -> None:
+def publish(
+    partial_dir: str,
+    final_dir: str,
+    weight_map: dict,
+    metadata: dict,
+    hf_checkpoint: str | None,
+    file_checksums: dict | None = None,
+    checksums: bool = True,
+) -> None:
     """Rename the files of `partial_dir` to canonical HF names, write the index (and, for a full version, the HF
-    checkpoint's config and tokenizer files), flush it all, then make it visible as `final_dir` in one rename."""
+    checkpoint's config and tokenizer files), flush it all, then make it visible as `final_dir` in one rename.
+
+    With `checksums`, the index's metadata gets `file_checksums` (canonical file name -> checksum, in the metadata's
+    `checksum_format`, xxh3-128 if it names none): the writers' own values from `file_checksums` (partial name ->
+    checksum: each source rank hashes the file it wrote), the others computed here."""
     files = sorted(set(weight_map.values()))
     canonical = {f: f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i, f in enumerate(files)}
+    metadata = dict(metadata)
+    if checksums:
+        algorithm = metadata.setdefault("checksum_format", "xxh3-128")
+        given = file_checksums or {}
+        metadata["file_checksums"] = {
+            canonical[f]: given.get(f) or file_checksum(algorithm, os.path.join(partial_dir, f)) for f in files
+        }
     for old, new in canonical.items():
         os.rename(os.path.join(partial_dir, old), os.path.join(partial_dir, new))
     index = {"metadata": metadata, "weight_map": {n: canonical[f] for n, f in sorted(weight_map.items())}}
@@ -214,6 +270,91 @@ def _set_marker(local_dir: str, version) -> None:
     _fsync_dir(local_dir)
 
 
+STAGING = ".incoming"
+
+
+def _header(path: str):
+    """(byte offset of the data, the header) of a safetensors file."""
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        return 8 + header_len, json.loads(f.read(header_len))
+
+
+def _read_index(version_dir: str):
+    """(metadata, weight_map) of a published version; a PullError naming what is wrong."""
+    path = os.path.join(version_dir, INDEX)
+    try:
+        with open(path) as f:
+            index = json.load(f)
+        meta, weight_map = index["metadata"], index["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise PullError(f"{version_dir}: no published version there ({type(e).__name__}: {e})") from None
+    if not isinstance(meta, dict) or not isinstance(weight_map, dict) or not weight_map:
+        raise PullError(f"{path}: metadata and weight_map must be objects, the weight_map not empty")
+    return meta, weight_map
+
+
+def _verified_files(version_dir: str, meta: dict, weight_map: dict, required: bool) -> list:
+    """The files the index names, each present and (where the index has its checksum) matching it; with `required`,
+    every file must have one. Returns their names."""
+    algorithm = meta.get("checksum_format", "xxh3-128")
+    sums = meta.get("file_checksums") or {}
+    files = sorted(set(weight_map.values()))
+    for fname in files:
+        path = os.path.join(version_dir, fname)
+        if not os.path.isfile(path):
+            raise PullError(f"{version_dir}: {fname}, named in its {INDEX}, is missing")
+        if fname not in sums:
+            if required:
+                raise PullError(
+                    f"{version_dir}: {fname} has no checksum in its {INDEX} (file_checksums): an unverifiable version "
+                    "is not loaded"
+                )
+            continue
+        try:
+            got = file_checksum(algorithm, path)
+        except (OSError, ValueError) as e:
+            raise PullError(f"{version_dir}: cannot verify {fname}: {e}") from None
+        if got != sums[fname]:
+            raise PullError(
+                f"{version_dir}: {fname} fails its {algorithm} checksum (expected {sums[fname]}, got {got}): "
+                "the file is corrupt"
+            )
+    return files
+
+
+def _check_tensors(version_dir: str, fname: str, header: dict, weight_map: dict) -> None:
+    """The file holds exactly the tensors the index assigns to it."""
+    named = {n for n, f in weight_map.items() if f == fname}
+    held = set(header) - {"__metadata__"}
+    if named - held:
+        raise PullError(f"{version_dir}: {fname} lacks {sorted(named - held)[:3]}, which its {INDEX} places there")
+    if held - named:
+        raise PullError(f"{version_dir}: {fname} holds {sorted(held - named)[:3]}, which its {INDEX} does not name")
+
+
+def _fresh_staging(local_dir: str) -> str:
+    staging = os.path.join(local_dir, STAGING)
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    return staging
+
+
+def _commit(local_dir: str, staging: str, target_version: int, replace_all: bool) -> None:
+    """Rename the staged files into the local checkpoint (with `replace_all`, its weight files and index go first),
+    the marker absent meanwhile, then claim `target_version`."""
+    _set_marker(local_dir, None)
+    if replace_all:
+        for fname in os.listdir(local_dir):
+            if fname.endswith((".safetensors", ".bin")) or fname == INDEX:
+                os.remove(os.path.join(local_dir, fname))
+    for fname in os.listdir(staging):
+        os.replace(os.path.join(staging, fname), os.path.join(local_dir, fname))
+    _fsync_dir(local_dir)
+    os.rmdir(staging)
+    _set_marker(local_dir, target_version)
+
+
 def _replace_checkpoint(local_dir: str, src_dir: str) -> None:
     for fname in os.listdir(local_dir):
         if fname.endswith((".safetensors", ".bin")) or fname == INDEX:
@@ -227,8 +368,9 @@ def _replace_checkpoint(local_dir: str, src_dir: str) -> None:
 
 def pull_version(source_dir: str, local_dir: str, target_version: int, model_path: str) -> dict:
     """Bring `local_dir` to `target_version`: 0 seeds it from `model_path` (the engine's own checkpoint), a full
-    version is copied, a delta is applied in place on its base and verified tensor by tensor. Engines of one host
-    share `local_dir`: a lock makes them take turns, and a host already at the target does nothing."""
+    version is copied, a delta is applied on its base; either is verified whole (files against the index's
+    checksums, delta tensors against theirs) before the local checkpoint changes. Engines of one host share
+    `local_dir`: a lock makes them take turns, and a host already at the target does nothing."""
     os.makedirs(local_dir, exist_ok=True)
     with open(os.path.join(local_dir, ".pull.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -241,47 +383,137 @@ def pull_version(source_dir: str, local_dir: str, target_version: int, model_pat
             _set_marker(local_dir, 0)
             return {"version": 0, "applied": "seed"}
         version_dir = os.path.join(source_dir, version_name(target_version))
-        try:
-            with open(os.path.join(version_dir, INDEX)) as f:
-                meta = json.load(f)["metadata"]
-        except (OSError, ValueError, KeyError) as e:
-            raise PullError(f"{version_dir}: no published version there ({type(e).__name__}: {e})") from None
-        if "delta_encoding" not in meta:
-            _set_marker(local_dir, None)
-            _replace_checkpoint(local_dir, version_dir)
-            _set_marker(local_dir, target_version)
-            return {"version": target_version, "applied": "full"}
-        base = int(meta["base_version"])
-        if held != base:
+        meta, weight_map = _read_index(version_dir)
+        delta = "delta_encoding" in meta
+        if delta and held != int(meta["base_version"]):
             raise PullError(
-                f"{version_dir} is a delta on version {base}, but {local_dir} holds "
+                f"{version_dir} is a delta on version {int(meta['base_version'])}, but {local_dir} holds "
                 f"{'no verified version' if held is None else f'version {held}'}: a full version is needed"
             )
-        _set_marker(local_dir, None)
-        _apply_delta_dir(version_dir, local_dir, meta)
-        _set_marker(local_dir, target_version)
-        return {"version": target_version, "applied": meta["delta_encoding"]}
+        staging = _fresh_staging(local_dir)
+        try:
+            if delta:
+                _stage_delta(version_dir, local_dir, staging, meta, weight_map)
+            else:
+                _stage_full(version_dir, staging, meta, weight_map)
+            _commit(local_dir, staging, target_version, replace_all=not delta)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return {"version": target_version, "applied": meta["delta_encoding"] if delta else "full"}
 
 
-def _apply_delta_dir(version_dir: str, local_dir: str, meta: dict) -> None:
+def _stage_full(version_dir: str, staging: str, meta: dict, weight_map: dict) -> None:
+    """Copy the version's files into `staging`, every weight file checked against its checksum as it is copied
+    (the bytes checked are the bytes written) and holding the tensors the index places there."""
+    algorithm = meta.get("checksum_format", "xxh3-128")
+    sums = meta.get("file_checksums") or {}
+    weight_files = set(weight_map.values())
+    for fname in sorted(weight_files):
+        if not os.path.isfile(os.path.join(version_dir, fname)):
+            raise PullError(f"{version_dir}: {fname}, named in its {INDEX}, is missing")
+        if fname not in sums:
+            raise PullError(
+                f"{version_dir}: {fname} has no checksum in its {INDEX} (file_checksums): an unverifiable version "
+                "is not loaded"
+            )
+    for fname in sorted(os.listdir(version_dir)):
+        src = os.path.join(version_dir, fname)
+        if not os.path.isfile(src) or (fname.endswith((".safetensors", ".bin")) and fname not in weight_files):
+            continue
+        dst = os.path.join(staging, fname)
+        h = _Hasher(algorithm)
+        with open(src, "rb") as fin, open(dst, "wb") as fout:
+            while chunk := fin.read(_CHUNK):
+                h.update(chunk)
+                fout.write(chunk)
+            fout.flush()
+            os.fsync(fout.fileno())
+        if fname in weight_files:
+            if h.hexdigest() != sums[fname]:
+                raise PullError(
+                    f"{version_dir}: {fname} fails its {algorithm} checksum (expected {sums[fname]}, got "
+                    f"{h.hexdigest()}): the file is corrupt"
+                )
+            try:
+                _check_tensors(version_dir, fname, _header(dst)[1], weight_map)
+            except (OSError, ValueError, struct.error) as e:
+                raise PullError(f"{version_dir}: {fname} is not a safetensors file ({e})") from None
+
+
+class _StagedFile:
+    """A new copy of a local safetensors file: its header, the tensors written one by one, the rest (tensors the
+    delta does not name) copied from the original at `finish`."""
+
+    def __init__(self, src: str, dst: str):
+        self.src, self.dst = src, dst
+        data_start, _ = _header(src)
+        self.size = os.path.getsize(src)
+        self.fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        with open(src, "rb") as f:
+            os.pwrite(self.fd, f.read(data_start), 0)
+        os.ftruncate(self.fd, self.size)
+        self.covered = [(0, data_start)]
+
+    def write(self, offset: int, data: np.ndarray) -> None:
+        os.pwrite(self.fd, data.tobytes(), offset)
+        self.covered.append((offset, offset + data.size))
+
+    def finish(self) -> None:
+        pos = 0
+        with open(self.src, "rb") as f:
+            for begin, end in [*sorted(self.covered), (self.size, self.size)]:
+                while pos < begin:  # a gap: bytes the delta did not name, as they were
+                    f.seek(pos)
+                    chunk = f.read(min(_CHUNK, begin - pos))
+                    os.pwrite(self.fd, chunk, pos)
+                    pos += len(chunk)
+                pos = max(pos, end)
+        os.fsync(self.fd)
+        self.close()
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _stage_delta(version_dir: str, local_dir: str, staging: str, meta: dict, weight_map: dict) -> None:
+    """Apply every tensor the index names (each file present, matching its checksum, holding the tensors the index
+    places there) to new copies of the local files in `staging`, each result verified against its checksum."""
     local = tensor_locations(local_dir)
     encoding, algorithm = meta["delta_encoding"], meta["checksum_format"]
-    for fname in sorted(os.listdir(version_dir)):
-        if not fname.endswith(".safetensors"):
-            continue
-        path = os.path.join(version_dir, fname)
-        with open(path, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            checksums = json.loads(f.read(header_len)).get("__metadata__") or {}
-        for name, blob in safetensors.numpy.load_file(path).items():
-            if name not in local:
-                raise PullError(f"{path}: tensor {name!r} is not in the local checkpoint {local_dir}")
-            new = apply(encoding, blob.tobytes(), read_bytes(local[name]))
-            got = checksum(algorithm, new)
-            if got != checksums.get(name):
-                raise PullError(
-                    f"{path}: tensor {name!r} fails its {algorithm} checksum after applying the delta "
-                    f"(expected {checksums.get(name)}, got {got}): the delta or the local base is corrupt"
-                )
-            _write_bytes(local[name], new)
-    fsync_tree(local_dir)
+    staged = {}
+    try:
+        for fname in _verified_files(version_dir, meta, weight_map, required=False):
+            path = os.path.join(version_dir, fname)
+            try:
+                header = _header(path)[1]
+                _check_tensors(version_dir, fname, header, weight_map)
+                blobs = safetensors.numpy.load_file(path)
+            except PullError:
+                raise
+            except Exception as e:  # a corrupt header or payload
+                raise PullError(f"{version_dir}: {fname} is not a readable delta file ({e})") from None
+            checksums = header.get("__metadata__") or {}
+            for name in sorted(blobs):
+                if name not in local:
+                    raise PullError(f"{path}: tensor {name!r} is not in the local checkpoint {local_dir}")
+                try:
+                    new = apply(encoding, blobs[name].tobytes(), read_bytes(local[name]))
+                except zstandard.ZstdError as e:
+                    raise PullError(f"{path}: tensor {name!r}: corrupt delta ({e})") from None
+                got = checksum(algorithm, new)
+                if got != checksums.get(name):
+                    raise PullError(
+                        f"{path}: tensor {name!r} fails its {algorithm} checksum after applying the delta "
+                        f"(expected {checksums.get(name)}, got {got}): the delta or the local base is corrupt"
+                    )
+                src, offset = local[name][:2]
+                if src not in staged:
+                    staged[src] = _StagedFile(src, os.path.join(staging, os.path.basename(src)))
+                staged[src].write(offset, new)
+        for f in staged.values():
+            f.finish()
+    finally:
+        for f in staged.values():
+            f.close()

@@ -3,8 +3,12 @@ the name the policy's adapter is served under, and the wire format of an adapter
 Free of megatron-core, so the rollout side and start-up checks import it cheaply."""
 
 import base64
+import functools
 import hashlib
+import json
+import os
 import pickle
+import struct
 
 import torch
 
@@ -88,3 +92,67 @@ def serialize_by_value(tensors: dict) -> str:
     bucket = bucket_cls(named_tensors=[(n, t.detach().cpu()) for n, t in tensors.items()])
     payload = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
     return base64.b64encode(pickle.dumps(payload, protocol=4)).decode()
+
+
+# ------------------------------------------------------------------ the base an adapter checkpoint was trained on
+
+_SAMPLE_BLOCKS, _BLOCK = 16, 4096
+
+
+@functools.lru_cache(maxsize=4)
+def _fingerprint(path: str) -> str | None:
+    import xxhash
+
+    h, found = xxhash.xxh3_128(), False
+    for fname in sorted(os.listdir(path)):
+        if not fname.endswith(".safetensors"):
+            continue
+        with open(os.path.join(path, fname), "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+            for name in sorted(n for n in header if n != "__metadata__"):
+                info = header[name]
+                begin, end = info["data_offsets"]
+                size = end - begin
+                h.update(json.dumps([name, info["dtype"], info["shape"], size]).encode())
+                starts = (
+                    [0]
+                    if size <= _SAMPLE_BLOCKS * _BLOCK
+                    else [(size - _BLOCK) * i // (_SAMPLE_BLOCKS - 1) for i in range(_SAMPLE_BLOCKS)]
+                )
+                for start in starts:
+                    f.seek(8 + header_len + begin + start)
+                    h.update(f.read(min(size - start, _BLOCK if len(starts) > 1 else size)))
+                found = True
+    return h.hexdigest() if found else None
+
+
+def base_identity(hf_checkpoint: str) -> dict:
+    """What an adapter checkpoint records of its frozen base (`lora_base`): the `--hf-checkpoint` path, for messages,
+    and a fingerprint of its weights, which decides: xxh3-128 over every safetensors tensor's name, dtype and shape
+    and 16 blocks of 4 KiB spread over its bytes (all of a small tensor). A copy of the base elsewhere, re-saved
+    with another config or index, matches; another base of the same architecture (a fine-tune, a merged adapter: both
+    move every element of the weights they touch) does not. Reading ~64 KiB per tensor keeps it cheap for any model
+    size, where hashing every byte would read the whole base at every save. None: no safetensors files to read."""
+    return {"path": str(hf_checkpoint), "fingerprint": _fingerprint(os.path.realpath(hf_checkpoint))}
+
+
+def check_base(recorded, hf_checkpoint: str, ckpt: str) -> str | None:
+    """Raise ValueError (one line, naming both bases) when the adapter checkpoint `ckpt` recorded another base than
+    `hf_checkpoint`. Returns a warning when the identity cannot be checked (a checkpoint that recorded only a path,
+    or a base without safetensors files), else None."""
+    current = base_identity(hf_checkpoint)
+    if isinstance(recorded, str):  # written before the fingerprint was recorded
+        return (
+            f"--load {ckpt} records its LoRA base only as a path ({recorded}), not its weights: cannot check that "
+            f"--hf-checkpoint {hf_checkpoint} is that base"
+        )
+    if not isinstance(recorded, dict) or not recorded.get("fingerprint") or not current["fingerprint"]:
+        return f"--load {ckpt}: cannot fingerprint the LoRA base (no safetensors weights): not checked"
+    if recorded["fingerprint"] != current["fingerprint"]:
+        raise ValueError(
+            f"--load {ckpt}: its LoRA adapters were trained on the base {recorded.get('path')} (weights fingerprint "
+            f"{recorded['fingerprint']}), but --hf-checkpoint {hf_checkpoint} is another base (fingerprint "
+            f"{current['fingerprint']}): resume on the base they were trained on"
+        )
+    return None

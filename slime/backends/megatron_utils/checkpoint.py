@@ -30,6 +30,7 @@ from slime.utils.checkpoint_tracker import (
     write_tracker,
 )
 from slime.utils.device import dist_backend, rng_state, set_rng_state
+from slime.utils.lora_utils import base_identity, check_base
 
 from .megatron_to_hf import hf_to_megatron
 from .param_utils import is_lora_param, unwrap_model
@@ -79,7 +80,8 @@ def _model_key(i, n):
 
 def _model_sharded_state_dict(model, adapters_only=False):
     """Every chunk's sharded state; with `adapters_only` (--enable-lora) just the LoRA adapters: the frozen base
-    comes from --hf-checkpoint, which the checkpoint records as `lora_base`."""
+    comes from --hf-checkpoint, which the checkpoint records as `lora_base` (its path and a fingerprint of its weights,
+    checked on load)."""
     out = {}
     for i, m in enumerate(model):
         sd = unwrap_model(m).sharded_state_dict()
@@ -139,8 +141,8 @@ def save_checkpoint(args, iteration, model, optimizer, opt_param_scheduler, *, w
     dist.barrier()
 
     state = _model_sharded_state_dict(model, adapters_only=args.enable_lora)
-    if args.enable_lora:
-        state["lora_base"] = args.hf_checkpoint
+    if args.enable_lora:  # the base's path and a fingerprint of its weights, checked by load_checkpoint
+        state["lora_base"] = base_identity(args.hf_checkpoint)
     if with_optimizer and not args.no_save_optim:
         # an optimizer that has not stepped yet (the actor during --num-critic-only-steps) has no state: save the
         # zero state a first step would start from (no-op for one that has stepped)
@@ -208,6 +210,9 @@ def load_checkpoint(args, model, optimizer, opt_param_scheduler, keep_unfit_outp
         )
     finetune = bool(args.finetune) or iteration == "release"
     common = dist_checkpointing.load_common_state_dict(ckpt)
+    if args.enable_lora and "lora_base" in common:  # adapters go on the base they were trained on, or not at all
+        if (warning := check_base(common["lora_base"], args.hf_checkpoint, ckpt)) and dist.get_rank() == 0:
+            print(f"WARNING: {warning}", flush=True)
     load_optim = not finetune and not args.no_load_optim and "optimizer" in _saved_keys(common, ckpt)
     load_rng = not finetune and not args.no_load_rng and common.get("parallel_layout") == _parallel_layout()
 

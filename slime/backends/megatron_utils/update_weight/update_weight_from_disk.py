@@ -5,7 +5,9 @@ checkpoint directory (`--update-weight-mode full`) or as compressed deltas again
 Every pipeline stage's source rank (dp 0, tp 0) writes the HF tensors of its stage into one partial directory;
 rank 0 then publishes it under `weight_v{N:06d}` in one rename (`slime.utils.disk_delta.publish`). With
 `--update-weight-local-checkpoint-dir` each engine first pulls the version into its host's local checkpoint
-(`/pull_weights`: a full version copied, a delta applied on its base and verified per tensor) and reloads from there.
+(`/pull_weights`: a full version copied, a delta applied on its base; every file the index names is checked against
+the checksum its writer recorded in the index, every delta tensor against its own, before the local checkpoint
+changes) and reloads from there.
 A delta that cannot be applied (wrong base, corrupt bytes) is answered by the same version published in full.
 
 The first version a trainer process publishes is full, whatever the mode: a trainer that starts (or restarts after
@@ -141,7 +143,8 @@ class UpdateWeightFromDisk:
             os.makedirs(partial)
         dist.barrier(group=group)
         tensors = self._gather_stage()
-        weight_map, written, full_bytes, failure = {}, 0, 0, None
+        weight_map, written, full_bytes, failure, file_sum = {}, 0, 0, None, {}
+        algorithm = self.args.update_weight_delta_checksum
         if self._is_pp_src_rank:
             fname = f"pp{mpu.get_pipeline_model_parallel_rank():03d}.safetensors"
             path = os.path.join(partial, fname)
@@ -154,28 +157,35 @@ class UpdateWeightFromDisk:
                         self._base.update({n: (t.dtype, list(t.shape), _bytes_of(t)) for n, t in tensors.items()})
                     save_file(tensors, path)
                     written = full_bytes = os.path.getsize(path)
+                # the file as written (read back, from the page cache): the engines verify it before loading
+                file_sum = {fname: disk_delta.file_checksum(algorithm, path)}
             except (OSError, SafetensorError) as e:  # a full or failing disk: every rank raises below
                 failure = f"cannot write {path} (--update-weight-disk-dir): {getattr(e, 'strerror', None) or e}"
             weight_map = dict.fromkeys(tensors, fname)
         maps = [None] * dist.get_world_size(group=group)
-        dist.all_gather_object(maps, (weight_map, failure), group=group)
-        if failures := [f for _, f in maps if f]:
+        dist.all_gather_object(maps, (weight_map, failure, file_sum), group=group)
+        if failures := [f for _, f, _ in maps if f]:
             raise WeightUpdateError(
                 f"update_weights v{self.weight_version}: {failures[0]}; the engines keep the last version"
             )
-        maps = [m for m, _ in maps]
+        file_sums = {f: c for _, _, sums in maps for f, c in sums.items()}
+        maps = [m for m, _, _ in maps]
         if dist.get_rank() == 0:
-            metadata = {"version": f"{self.weight_version:06d}", "format": "pt"}
+            metadata = {"version": f"{self.weight_version:06d}", "format": "pt", "checksum_format": algorithm}
             if delta:
                 metadata.update(
                     base_version=f"{self._base_version:06d}",
                     delta_encoding=self.args.update_weight_delta_encoding,
                     compression_format="zstd",
-                    checksum_format=self.args.update_weight_delta_checksum,
                 )
             try:
                 disk_delta.publish(
-                    partial, final, {n: f for m in maps for n, f in m.items()}, metadata, self.args.hf_checkpoint
+                    partial,
+                    final,
+                    {n: f for m in maps for n, f in m.items()},
+                    metadata,
+                    self.args.hf_checkpoint,
+                    file_checksums=file_sums,
                 )
             except OSError as e:
                 raise WeightUpdateError(
