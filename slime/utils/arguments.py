@@ -945,8 +945,21 @@ def add_wandb_arguments(parser):
     reset_arg(parser, "--wandb-project", type=str, default=None)
     g.add_argument("--disable-wandb-random-suffix", dest="wandb_random_suffix", action="store_false", default=True)
     g.add_argument("--wandb-always-use-train-step", action="store_true", default=False)
-    g.add_argument("--log-multi-turn", action="store_true", default=False)
-    g.add_argument("--log-passrate", action="store_true", default=False)
+    g.add_argument(
+        "--log-multi-turn",
+        action="store_true",
+        default=False,
+        help="Log multi_turn/* per rollout (current slime's names): response lengths with and without the loss "
+        "mask's observation tokens, the fraction at --rollout-max-response-len, and turns per sample "
+        "(metadata round_number).",
+    )
+    g.add_argument(
+        "--log-passrate",
+        action="store_true",
+        default=False,
+        help="Log pass@k (k = 1, 2, 4, ... up to the group size; unbiased estimate over raw rewards equal to 1) of "
+        "every training rollout as passrate/pass@k and of every eval dataset as eval/<name>-pass@k.",
+    )
     g.add_argument("--wandb-run-id", type=str, default=None)
     g.add_argument(
         "--metrics-path",

@@ -239,7 +239,12 @@ def add_megatron_arguments(parser):
     g.add_argument(
         "--distributed-backend", choices=["nccl", "gloo"], default=None, help="Default nccl on GPU, gloo on CPU."
     )
-    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument(
+        "--distributed-timeout-minutes",
+        type=int,
+        default=10,
+        help="Timeout of the trainers' process group: its rendezvous and every collective.",
+    )
     g.add_argument("--local-rank", type=int, default=int(os.getenv("LOCAL_RANK", "0")))
 
     g = parser.add_argument_group("megatron: optimizer and learning rate")
