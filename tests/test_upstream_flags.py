@@ -95,7 +95,11 @@ def test_tensorboard_gets_every_logged_metric_on_its_step_axis(tmp_path, monkeyp
 
 def test_tensorboard_directory_rules(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("TENSORBOARD_DIR", raising=False)
-    assert "--use-tensorboard needs --tb-project-name" in _error(capsys, "--use-tensorboard")
+    monkeypatch.chdir(tmp_path)
+    # --use-tensorboard alone (current slime's run-minimax-m2.sh): tensorboard_log/slime/<start time>
+    alone = make_args("--use-tensorboard")
+    assert alone.tb_project_name == "slime"
+    assert alone.tb_dir == str(tmp_path / "tensorboard_log" / "slime" / alone.tb_experiment_name)
     assert make_args().tb_dir is None
     a = make_args("--use-tensorboard", "--tb-project-name", "p")
     assert len(a.tb_experiment_name) == len("20260101_120000")  # the start time

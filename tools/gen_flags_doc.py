@@ -12,7 +12,7 @@ import json
 import os
 
 from slime.utils.arguments import _build_parser, get_slime_extra_args_provider
-from slime.utils.flag_support import COMPUTED, REFUSED, UPSTREAM_FLAGS, is_computed, upstream_flags
+from slime.utils.flag_support import COMPUTED, NO_EFFECT, REFUSED, UPSTREAM_FLAGS, is_computed, upstream_flags
 
 OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "flags.md")
 
@@ -44,6 +44,7 @@ def render():
         meta = json.load(f)
     flags = upstream_flags()
     refused = [e for e in flags if e["flags"][0] in REFUSED]
+    no_effect_here = [e for e in flags if e["flags"][0] in NO_EFFECT]
     lines = [
         "# Current slime's flags here",
         "",
@@ -51,11 +52,14 @@ def render():
         "slime/utils/flag_support.py; do not edit -->",
         "",
         f"Every flag that current upstream slime (commit `{meta['upstream_commit']}`) declares parses here. Each one is "
-        "either **honoured** with upstream's name, default and meaning, or **refused**: the job stops at start-up "
+        "either **honoured** with upstream's name, default and meaning (some code reads it: "
+        "`tests/test_flags_read.py` checks that for every flag), or **refused**: the job stops at start-up "
         "(exit 2, nothing started) with one line naming the flag, why, and what to do instead, as soon as the flag "
-        "is set to anything but its upstream default. No flag is silently ignored.",
+        "is set to anything but its upstream default. A few that current slime declares but never reads either are "
+        "**accepted, no effect here**, with a warning at start-up when set. No flag is silently ignored.",
         "",
-        f"{len(flags)} flags are recorded ({len(flags) - len(refused)} honoured, {len(refused)} refused); "
+        f"{len(flags)} flags are recorded ({len(flags) - len(refused) - len(no_effect_here)} honoured, "
+        f"{len(refused)} refused, {len(no_effect_here)} accepted without effect); "
         f"the `--router-*` family is sglang-router {meta['sglang_router_version']}'s own. "
         "SGLang's server flags (`--sglang-<flag>`) are recorded separately, per SGLang release, in "
         "`slime/backends/sglang_utils/sglang_server_args.json` (see [sglang.md](sglang.md)).",
@@ -74,19 +78,29 @@ def render():
             names = " / ".join(f"`{f}`" for f in entry["flags"])
             if flag in REFUSED:
                 status = f"**refused**: {REFUSED[flag]}"
+            elif flag in NO_EFFECT:
+                status = f"**accepted, no effect here** (a warning at start-up when set): {NO_EFFECT[flag]}"
             else:
                 action = next(known[f] for f in entry["flags"] if f in known)
                 help_text = action.help if action.help and action.help != argparse.SUPPRESS else entry.get("help", "")
                 status = f"honoured. {help_text}" if help_text else "honoured"
             lines.append(f"| {names} | {_cell(_default(entry))} | {_cell(status)} |")
         lines.append("")
-    if extra:
+    no_effect = [f for f in NO_EFFECT if not any(f in e["flags"] for e in flags)]
+    if extra or no_effect:
         lines += [
-            "## Megatron-LM flags of current slime's model scripts",
+            "## Megatron-LM flags that nothing here reads",
+            "",
+            "Megatron-LM's own flags parse here with Megatron-LM's names and defaults, and most are honoured (the "
+            "model, parallelism, optimizer and schedule flags of `scripts/models/*.sh`). These are not: each is "
+            "refused when set, or, where it cannot change what is trained (a kernel or memory knob that current "
+            "slime's scripts pass), accepted with a warning at start-up. `tests/test_flags_read.py` fails for any "
+            "accepted flag that no code reads and neither table lists.",
             "",
             "| flag | here |",
             "|---|---|",
             *(f"| `{f}` | {_cell('**refused**: ' + REFUSED[f])} |" for f in extra),
+            *(f"| `{f}` | {_cell('**accepted, no effect here**: ' + NO_EFFECT[f])} |" for f in no_effect),
             "",
         ]
     return "\n".join(lines)

@@ -160,7 +160,7 @@ class RolloutController:
                 f"eval function {self.eval_fn_path!r} returned {type(data).__name__}; it must return "
                 f'RolloutFnEvalOutput or {{dataset_name: {{"rewards": [...], "truncated": [...]}}}}'
             )
-        metrics = eval_metrics(data)
+        metrics = eval_metrics(data, self.args)
         metrics.update(output.metrics or {})
         custom_log = _load_optional(
             "--custom-eval-rollout-log-function-path", self.args.custom_eval_rollout_log_function_path

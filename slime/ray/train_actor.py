@@ -11,6 +11,12 @@ from slime.utils.distributed_utils import tcp_store
 from slime.utils.tensor_serialization import set_shared_authkey
 
 
+def process_group_settings(args):
+    """The trainers' process group, as current slime: `--distributed-backend` (default nccl on GPU, gloo on CPU) and
+    `--distributed-timeout-minutes` (Megatron's default 10) for every collective and the rendezvous."""
+    return args.distributed_backend or device.dist_backend(), timedelta(minutes=args.distributed_timeout_minutes)
+
+
 class TrainRayActor(RayActor):
     """Base of the training actors: rank bookkeeping and the training process group (NCCL on GPU, gloo on CPU)."""
 
@@ -39,11 +45,9 @@ class TrainRayActor(RayActor):
         # the env:// rendezvous values: set in __init__ under Ray, by the launcher (torchrun, a test harness) otherwise
         addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        timeout = timedelta(minutes=30)
+        backend, timeout = process_group_settings(args)
         store = tcp_store(addr, port, world_size, rank == 0, timeout)
-        dist.init_process_group(
-            backend=device.dist_backend(), store=store, rank=rank, world_size=world_size, timeout=timeout
-        )
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         args.rank, args.world_size = dist.get_rank(), dist.get_world_size()
         args.local_rank = local_rank
 

@@ -242,6 +242,60 @@ def reward_category_metrics(key, samples):
     return {f"error_cat/{category}": n / len(samples) for category, n in counts.items()}
 
 
+def pass_at_k(groups):
+    """`--log-passrate` (current slime's `compute_pass_rate`): {"pass@k": mean over groups of the unbiased estimate
+    1 - C(n-c, k) / C(n, k)}, for k = 1, 2, 4, ... up to the group size n, where c of a group's n rewards equal 1.
+    Groups of one sample give nothing."""
+    n = len(groups[0]) if groups else 0
+    if n <= 1 or any(len(g) != n for g in groups):
+        return {}
+    correct = [sum(1 for r in g if r == 1) for g in groups]
+    out = {}
+    for k in (2**i for i in range(int(np.log2(n)) + 1)):
+        estimates = [
+            1.0 if n - c < k else 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1))) for c in correct
+        ]
+        out[f"pass@{k}"] = float(np.mean(estimates))
+    return out
+
+
+def _reward_groups(samples, rewards, group_size):
+    """Rewards per prompt group: by `Sample.group_index` where every sample has one, else consecutive runs of
+    `group_size` (the default rollout's order)."""
+    if samples and all(s.group_index is not None for s in samples):
+        groups = {}
+        for s, r in zip(samples, rewards):
+            groups.setdefault(s.group_index, []).append(r)
+        return list(groups.values())
+    if group_size <= 0 or len(rewards) % group_size:
+        return []
+    return [list(rewards[i : i + group_size]) for i in range(0, len(rewards), group_size)]
+
+
+def multi_turn_metrics(args, train_data):
+    """`--log-multi-turn` (current slime's names): response lengths with and without the tool/observation tokens
+    (the loss mask's zeros), the fraction that reached --rollout-max-response-len, and the turns per sample."""
+    raw = np.asarray(train_data["response_lengths"], dtype=np.float64)
+    trained = np.asarray([float(np.sum(m)) for m in train_data["loss_masks"]])
+    out = {
+        "multi_turn/raw_response_length/response_length_mean": float(raw.mean()),
+        "multi_turn/raw_response_length/response_length_max": float(raw.max()),
+        "multi_turn/raw_response_length/response_length_min": float(raw.min()),
+        "multi_turn/raw_response_length/response_length_clip_ratio": float(
+            np.mean(raw >= args.rollout_max_response_len)
+        ),
+        "multi_turn/wo_obs_response_length/response_length_mean": float(trained.mean()),
+        "multi_turn/wo_obs_response_length/response_length_max": float(trained.max()),
+        "multi_turn/wo_obs_response_length/response_length_min": float(trained.min()),
+    }
+    if "round_number" in train_data:
+        rounds = np.asarray(train_data["round_number"], dtype=np.float64)
+        out["multi_turn/multi_turn_metric/round_number_mean"] = float(rounds.mean())
+        out["multi_turn/multi_turn_metric/round_number_max"] = float(rounds.max())
+        out["multi_turn/multi_turn_metric/round_number_min"] = float(rounds.min())
+    return out
+
+
 def rollout_metrics(args, samples, train_data, rollout_time):
     """Metrics of one training rollout (rollout/* and perf/*)."""
     lengths = train_data["response_lengths"]
@@ -254,6 +308,11 @@ def rollout_metrics(args, samples, train_data, rollout_time):
     metrics["rollout/truncated_ratio"] = float(np.mean(train_data["truncated"]))
     if args.log_reward_category:
         metrics.update(reward_category_metrics(args.log_reward_category, samples))
+    if args.log_passrate and raw is not None:
+        groups = _reward_groups(samples, train_data["raw_reward"], args.n_samples_per_prompt)
+        metrics.update({f"passrate/{k}": v for k, v in pass_at_k(groups).items()})
+    if args.log_multi_turn and lengths:
+        metrics.update(multi_turn_metrics(args, train_data))
     versions = [s.weight_versions[-1] for s in samples if s.weight_versions]
     if versions:
         try:
@@ -268,15 +327,28 @@ def rollout_metrics(args, samples, train_data, rollout_time):
     return metrics
 
 
-def eval_metrics(data):
+def eval_metrics(data, args=None):
     metrics = {}
     for name, d in data.items():
         mean = _numeric_mean(d["rewards"])
         if mean is not None:
             metrics[f"eval/{name}"] = mean
+            if args is not None and args.log_passrate:
+                samples = d.get("samples") or []
+                n = _eval_samples_per_prompt(args, name)
+                groups = _reward_groups(samples if len(samples) == len(d["rewards"]) else [], d["rewards"], n)
+                metrics.update({f"eval/{name}-{k}": v for k, v in pass_at_k(groups).items()})
         if d.get("truncated"):
             metrics[f"eval/{name}-truncated_ratio"] = float(np.mean([1.0 if t else 0.0 for t in d["truncated"]]))
     return metrics
+
+
+def _eval_samples_per_prompt(args, name):
+    """Responses per prompt of eval dataset `name`: its own n_samples_per_eval_prompt, else the flag's."""
+    for cfg in args.eval_datasets or []:
+        if cfg.name == name and cfg.n_samples_per_eval_prompt:
+            return cfg.n_samples_per_eval_prompt
+    return args.n_samples_per_eval_prompt or 1
 
 
 # What the trainers need of a custom converter's train data (current slime's contract; declared in slime.utils.types).

@@ -50,7 +50,7 @@ from slime.utils.device import auto_inference_server, default_gdn_backend, memor
 from slime.utils.disk_delta import CHECKSUMS as DELTA_CHECKSUMS
 from slime.utils.disk_delta import ENCODINGS as DELTA_ENCODINGS
 from slime.utils.eval_config import from_prompt_data, load_eval_config
-from slime.utils.flag_support import add_refused_arguments, refuse_unsupported
+from slime.utils.flag_support import add_refused_arguments, refuse_unsupported, warn_no_effect
 from slime.utils.mask_utils import LOSS_MASK_TYPES
 from slime.utils.startup_checks import DEFAULT_ROLLOUT_FUNCTION, check_inputs, check_value_ranges
 from slime.utils.top_p_replay import sampling_is_truncated
@@ -850,7 +850,9 @@ def add_tensorboard_arguments(parser):
         "--tb-project-name",
         type=str,
         default=None,
-        help="Logs go to tensorboard_log/<project>/<experiment> ($TENSORBOARD_DIR, when set, wins).",
+        help="Logs go to tensorboard_log/<project>/<experiment> ($TENSORBOARD_DIR, when set, wins). Default: "
+        "slime, so that --use-tensorboard alone logs (current slime stops at its first log without a project or "
+        "$TENSORBOARD_DIR).",
     )
     g.add_argument(
         "--tb-experiment-name", type=str, default=None, help="Default: the start time, %%Y%%m%%d_%%H%%M%%S."
@@ -866,9 +868,7 @@ def resolve_tb_dir(args, error):
         return
     env_dir = os.environ.get("TENSORBOARD_DIR")
     if args.tb_project_name is None and not env_dir:
-        error(
-            "--use-tensorboard needs --tb-project-name (logs go to tensorboard_log/<project>/<experiment>) or $TENSORBOARD_DIR."
-        )
+        args.tb_project_name = "slime"
     if args.tb_project_name is not None and args.tb_experiment_name is None:
         args.tb_experiment_name = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
     args.tb_dir = os.path.abspath(
@@ -945,8 +945,21 @@ def add_wandb_arguments(parser):
     reset_arg(parser, "--wandb-project", type=str, default=None)
     g.add_argument("--disable-wandb-random-suffix", dest="wandb_random_suffix", action="store_false", default=True)
     g.add_argument("--wandb-always-use-train-step", action="store_true", default=False)
-    g.add_argument("--log-multi-turn", action="store_true", default=False)
-    g.add_argument("--log-passrate", action="store_true", default=False)
+    g.add_argument(
+        "--log-multi-turn",
+        action="store_true",
+        default=False,
+        help="Log multi_turn/* per rollout (current slime's names): response lengths with and without the loss "
+        "mask's observation tokens, the fraction at --rollout-max-response-len, and turns per sample "
+        "(metadata round_number).",
+    )
+    g.add_argument(
+        "--log-passrate",
+        action="store_true",
+        default=False,
+        help="Log pass@k (k = 1, 2, 4, ... up to the group size; unbiased estimate over raw rewards equal to 1) of "
+        "every training rollout as passrate/pass@k and of every eval dataset as eval/<name>-pass@k.",
+    )
     g.add_argument("--wandb-run-id", type=str, default=None)
     g.add_argument(
         "--metrics-path",
@@ -1947,6 +1960,7 @@ def parse_args(add_custom_arguments=None, argv=None, *, check_paths=True, asynch
     error = _one_line_error(parser)
     overridden = _apply_megatron_config(args, error, check_paths)
     refuse_unsupported(args, parser, error)
+    warn_no_effect(args, parser, logger.warning)
     user_load = args.load  # validation replaces a --load without a checkpoint by --ref-load
 
     if args.hf_checkpoint:

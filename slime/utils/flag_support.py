@@ -38,8 +38,122 @@ REFUSED = {
     "tokens only): drop it",
     "--load-forge-rollout-data": "forge replay keeps engines and weight sync live while replaying dumps, for GPU "
     "memory tests: use --load-debug-rollout-data",
+    "--async-save": "checkpoints are written synchronously here (Megatron-LM's asynchronous dist-checkpoint writer "
+    "is not used; the tracker moves only once the whole checkpoint and the data source's state are on disk): "
+    "drop it",
     # not implemented here yet (issue #24's remaining work)
 }
+
+# Megatron-LM flags that this slime's trainer does not implement and that would change the model, the schedule or
+# the run (found by tests/test_flags_read.py: nothing read them). Refused when set, like the table above.
+_NOT_BUILT = "not built by this slime's trainer: drop it"
+_PRETRAINING = "Megatron-LM's pretraining data and loop, which slime replaces with rollouts (--prompt-data, --num-rollout): drop it"
+REFUSED.update(
+    {
+        "--apply-residual-connection-post-layernorm": "post-layernorm residual connections are " + _NOT_BUILT,
+        "--openai-gelu": "the OpenAI GeLU approximation is " + _NOT_BUILT + " (--swiglu or the default GeLU)",
+        "--squared-relu": "the squared-ReLU activation is " + _NOT_BUILT + " (--swiglu or the default GeLU)",
+        "--rotary-seq-len-interpolation-factor": "RoPE sequence-length interpolation is "
+        + _NOT_BUILT
+        + " (--use-rope-scaling / --rope-type yarn are)",
+        "--encoder-num-layers": "encoder-decoder models are " + _NOT_BUILT + " (use --num-layers)",
+        "--decoder-num-layers": "encoder-decoder models are " + _NOT_BUILT + " (use --num-layers)",
+        "--moe-expert-capacity-factor": "MoE token dropping (expert capacity) is " + _NOT_BUILT,
+        "--moe-pad-expert-input-to-capacity": "MoE token dropping (expert capacity) is " + _NOT_BUILT,
+        "--moe-token-drop-policy": "MoE token dropping (expert capacity) is " + _NOT_BUILT,
+        "--moe-input-jitter-eps": "MoE router input jitter is " + _NOT_BUILT,
+        "--moe-z-loss-coeff": "the MoE router z-loss is " + _NOT_BUILT,
+        "--fp8-format": "FP8 training is " + _NOT_BUILT + " (bf16 or fp32)",
+        "--use-checkpoint-args": "the architecture comes from the flags or --hf-checkpoint's config.json, never "
+        "from a checkpoint: drop it",
+        "--ckpt-format": "checkpoints are torch_dist (megatron-core dist_checkpointing) only: drop it",
+        "--auto-detect-ckpt-format": "checkpoints are torch_dist (megatron-core dist_checkpointing) only: drop it",
+        "--dist-ckpt-strictness": "loading checks every key of the checkpoint (slime's own loader): drop it",
+        "--non-persistent-save-interval": "non-persistent checkpoints are " + _NOT_BUILT + " (--save-interval)",
+        "--pretrained-checkpoint": "use --load (Megatron checkpoint) or --hf-checkpoint",
+        "--exit-interval": "a run ends after --num-rollout rollouts (current slime ignores Megatron-LM's exit "
+        "flags too): drop it",
+        "--exit-duration-in-mins": "a run ends after --num-rollout rollouts (current slime ignores Megatron-LM's "
+        "exit flags too): drop it",
+        "--exit-on-missing-checkpoint": "a --load without a checkpoint starts from --ref-load / --hf-checkpoint: "
+        "drop it",
+        "--train-samples": _PRETRAINING,
+        "--lr-decay-samples": "learning-rate schedules count optimizer steps here: use --lr-decay-iters",
+        "--lr-warmup-samples": "learning-rate schedules count optimizer steps here: use --lr-warmup-iters",
+        "--data-path": _PRETRAINING,
+        "--split": _PRETRAINING,
+        "--vocab-file": "the tokenizer is --hf-checkpoint's: drop it",
+        "--merge-file": "the tokenizer is --hf-checkpoint's: drop it",
+        "--num-workers": _PRETRAINING,
+        "--eval-iters": "evaluation runs --eval-prompt-data / --eval-config every --eval-interval rollouts: drop it",
+        "--log-interval": "slime logs every rollout and every optimizer step: drop it",
+        "--log-num-zeros-in-grad": "Megatron-LM's training-loop logging is " + _NOT_BUILT,
+        "--log-params-norm": "Megatron-LM's training-loop logging is " + _NOT_BUILT,
+        "--log-throughput": "Megatron-LM's training-loop logging is " + _NOT_BUILT + " (perf/* metrics are logged)",
+        "--log-timers-to-tensorboard": "Megatron-LM's training-loop logging is "
+        + _NOT_BUILT
+        + " (perf/* timings go to --use-tensorboard)",
+        "--timing-log-level": "Megatron-LM's training-loop logging is " + _NOT_BUILT,
+        "--moe-per-layer-logging": "Megatron-LM's training-loop logging is " + _NOT_BUILT,
+        "--use-legacy-models": "only megatron-core models are built: drop it",
+        "--over-sampling-filter-input-size": "slime v0.1.0's over-sampling filter input size is gone (current slime "
+        "dropped it too): use --over-sampling-batch-size",
+    }
+)
+
+# Megatron-LM flags that cannot change what is trained (performance and memory knobs of kernels or optimizers this
+# slime does not build): accepted so that current slime's model scripts run unchanged, and named in a warning at
+# start-up when set, so nobody believes they took effect. flag -> why it has no effect here.
+_KERNEL = "a GPU kernel choice, which cannot change what is trained"
+NO_EFFECT = {
+    "--attention-backend": _KERNEL + ": Transformer Engine picks its attention kernel on GPU, and slime's local "
+    "attention runs on CPU",
+    "--attention-softmax-in-fp32": "the attention softmax already runs in fp32 (megatron-core's default, kept here)",
+    "--no-masked-softmax-fusion": _KERNEL,
+    "--no-bias-gelu-fusion": _KERNEL,
+    "--no-bias-swiglu-fusion": _KERNEL,
+    "--no-bias-dropout-fusion": _KERNEL,
+    "--no-persist-layer-norm": _KERNEL,
+    "--cross-entropy-loss-fusion": "slime computes its own loss (log-probs over the vocabulary), never Megatron's "
+    "fused cross entropy",
+    "--use-flash-attn": _KERNEL + " (Transformer Engine's flash attention is used where it applies)",
+    "--use-mcore-models": "megatron-core models are the only ones built (a deprecated no-op in Megatron-LM too)",
+    "--moe-permute-fusion": _KERNEL + " (token permutation for the experts)",
+    "--moe-enable-deepep": "DeepEP is an all-to-all kernel: tokens reach the same experts through megatron-core's "
+    "alltoall dispatcher here",
+    "--moe-use-legacy-grouped-gemm": _KERNEL,
+    "--moe-shared-expert-overlap": "an overlap of communication with compute, which cannot change what is trained",
+    "--tp-comm-overlap": "an overlap of communication with compute, which cannot change what is trained",
+    "--overlap-param-gather": "an overlap of communication with compute, which cannot change what is trained",
+    "--no-ckpt-fully-parallel-save": "how the checkpoint's shards are spread over ranks, not what is saved",
+    "--ckpt-fully-parallel-load": "how the checkpoint's shards are spread over ranks, not what is loaded",
+    "--ckpt-assume-constant-structure": "a save-time cache of the checkpoint's structure, not what is saved",
+    "--optimizer-cpu-offload": "where the optimizer's state lives (GPU memory; --offload-train moves it to the CPU "
+    "between steps), not what it computes",
+    "--optimizer-offload-fraction": "where the optimizer's state lives, not what it computes",
+    "--overlap-cpu-optimizer-d2h-h2d": "where the optimizer's state lives, not what it computes",
+    "--use-precision-aware-optimizer": "the optimizer keeps fp32 main weights and state, which the precision-aware "
+    "optimizer's defaults also keep",
+    "--recompute-modules": "activation recomputation trades memory for time, never values (--recompute-granularity "
+    "/ --recompute-method are read)",
+    "--moe-layer-recompute": "activation recomputation trades memory for time, never values",
+    "--empty-unused-memory-level": "when the CUDA caching allocator is emptied, which cannot change what is trained",
+    "--manual-gc": "when Python's garbage collector runs, which cannot change what is trained",
+    "--manual-gc-interval": "when Python's garbage collector runs, which cannot change what is trained",
+    "--http-proxy": "current slime declares it and reads it nowhere (requests to the engines and the router go to "
+    "their addresses directly)",
+    "--use-http2": "current slime declares it and reads it nowhere (the client speaks HTTP/1.1, which every server "
+    "here answers)",
+}
+
+
+def warn_no_effect(args, parser, log):
+    """One line per NO_EFFECT flag set away from its default, through `log` (a logger's warning)."""
+    for flag, reason in NO_EFFECT.items():
+        action = parser._option_string_actions.get(flag)
+        if action is not None and getattr(args, action.dest) != action.default:
+            log("%s: accepted, but has no effect in this slime: %s", flag, reason)
+
 
 # Refused flags that upstream's own argument files do not declare (Megatron-LM flags its model scripts pass):
 # parsed as Megatron-LM declares them.
@@ -98,8 +212,9 @@ def add_refused_arguments(parser):
         entry = by_flag.get(flag)
         if entry is not None:
             group.add_argument(*entry["flags"], **_definition(entry), help=argparse.SUPPRESS)
-        else:
+        elif flag in EXTRA_DEFINITIONS:
             group.add_argument(flag, **EXTRA_DEFINITIONS[flag], help=argparse.SUPPRESS)
+        # else: a Megatron-LM flag this Megatron-LM no longer declares: nothing to parse, nothing to refuse
     return parser
 
 

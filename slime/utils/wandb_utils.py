@@ -51,9 +51,10 @@ def _login_and_dir(wandb, args, mode: str) -> dict:
     if mode == "online" and args.wandb_key:
         wandb.login(key=args.wandb_key, host=args.wandb_host)
     kwargs = {}
-    if args.wandb_dir:
-        os.makedirs(args.wandb_dir, exist_ok=True)
-        kwargs["dir"] = args.wandb_dir
+    wandb_dir = args.wandb_dir or args.wandb_save_dir  # Megatron-LM's name of the same directory
+    if wandb_dir:
+        os.makedirs(wandb_dir, exist_ok=True)
+        kwargs["dir"] = wandb_dir
     return kwargs
 
 
@@ -77,7 +78,7 @@ def init_wandb_primary(args):
 
     mode = _resolve_mode(args)
     kwargs = _login_and_dir(wandb, args, mode)
-    group = args.wandb_group or "slime"
+    group = args.wandb_group or args.wandb_exp_name or "slime"  # Megatron-LM's --wandb-exp-name names the run
     if args.wandb_random_suffix:
         group = f"{group}_{uuid.uuid4().hex[:8]}"  # several runs of one script stay apart
         name = f"{group}-RANK_{args.rank}"

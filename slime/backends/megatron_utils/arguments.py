@@ -239,7 +239,12 @@ def add_megatron_arguments(parser):
     g.add_argument(
         "--distributed-backend", choices=["nccl", "gloo"], default=None, help="Default nccl on GPU, gloo on CPU."
     )
-    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument(
+        "--distributed-timeout-minutes",
+        type=int,
+        default=10,
+        help="Timeout of the trainers' process group: its rendezvous and every collective.",
+    )
     g.add_argument("--local-rank", type=int, default=int(os.getenv("LOCAL_RANK", "0")))
 
     g = parser.add_argument_group("megatron: optimizer and learning rate")
@@ -798,11 +803,16 @@ def megatron_defaults(args):
     if args.transformer_impl is None:
         args.transformer_impl = default_transformer_impl()
     if args.gradient_accumulation_fusion is None:
-        args.gradient_accumulation_fusion = gradient_accumulation_fusion_by_default()
+        # Megatron's default (on), where the fused weight-gradient accumulation exists: Transformer Engine's layers
+        args.gradient_accumulation_fusion = (
+            gradient_accumulation_fusion_by_default() and args.transformer_impl == "transformer_engine"
+        )
     if args.distributed_backend is None:
         args.distributed_backend = dist_backend()
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
+    if not args.add_position_embedding and args.position_embedding_type == "learned_absolute":
+        args.position_embedding_type = "none"  # --no-position-embedding: no learned absolute positions
     if args.recompute_activations:
         args.recompute_granularity = "selective"
     if args.hidden_size is not None:
@@ -839,6 +849,10 @@ def megatron_validate_args(args, error):
         )
     if args.lr is None:
         error("--lr is required for training.")
+    if args.distributed_backend == "nccl" and dist_backend() == "gloo":
+        error("--distributed-backend nccl needs GPUs; this machine trains on CPU: use gloo, or drop the flag.")
+    if args.distributed_timeout_minutes <= 0:
+        error(f"--distributed-timeout-minutes {args.distributed_timeout_minutes} must be > 0.")
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     model_parallel = tp * pp * cp
     if args.world_size % model_parallel != 0:

@@ -155,6 +155,9 @@ def get_optimizer(args, model):
         use_distributed_optimizer=bool(args.use_distributed_optimizer),
         loss_scale=args.loss_scale,
         initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale,  # fp16's dynamic loss scaler, as Megatron-LM
+        loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis,
     )
     return get_megatron_optimizer(opt_config, model)
 

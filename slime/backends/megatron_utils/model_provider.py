@@ -104,6 +104,8 @@ def core_transformer_config_from_args(args) -> TransformerConfig:
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         sequence_parallel=bool(args.sequence_parallel),
+        # fused weight-gradient accumulation into Megatron DDP's main_grad: Transformer Engine's layers only
+        gradient_accumulation_fusion=bool(args.gradient_accumulation_fusion) and use_transformer_engine(args),
         calculate_per_token_loss=bool(args.calculate_per_token_loss),
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
