@@ -330,9 +330,7 @@ def validate_args(args, parser=None, check_cpu_server=True):
         return
     explicit = _explicit_sglang_options(args, parser)
     ignored = sorted(
-        flag
-        for name, (flag, _) in explicit.items()
-        if _GPU_PERF_KNOB.search(name) and name not in CPU_SERVER_HONOURED
+        flag for name, (flag, _) in explicit.items() if _GPU_PERF_KNOB.search(name) and name not in CPU_SERVER_HONOURED
     )
     unsupported = sorted(
         f"{flag}={value!r}"
