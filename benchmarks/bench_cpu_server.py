@@ -85,6 +85,13 @@ def start_server(model_dir, max_running, *extra):
         time.sleep(0.2)
 
 
+def cpu_seconds(pid) -> float:
+    """User + system CPU time of a process, all its threads (Linux /proc): on a shared machine, work done is steadier
+    than wall-clock time, which also counts the time other processes held the cores."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_server(url, session, prompts, lens):
     body = {
         "input_ids": prompts,
@@ -104,7 +111,7 @@ def run_hf(model, prompts, lens):
     ids = torch.tensor([[0] * (L - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = model.generate(
             ids,
             attention_mask=mask,
@@ -113,8 +120,8 @@ def run_hf(model, prompts, lens):
             do_sample=False,
             pad_token_id=0,
         )
-        elapsed = time.perf_counter() - t0
-    return elapsed, [out[i, L : L + n].tolist() for i, n in enumerate(lens)]
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return elapsed, cpu, [out[i, L : L + n].tolist() for i, n in enumerate(lens)]
 
 
 def main():
@@ -147,6 +154,7 @@ def main():
     if n > 1:
         sides["server --disable-radix-cache"] = start_server(model_dir, len(prompts), "--disable-radix-cache")
     times = {k: [] for k in sides}
+    cpus = {k: [] for k in [*sides, "hf"]}  # CPU seconds of the server process / of transformers, per round
     outs = {}
     hf = []
     try:
@@ -156,10 +164,13 @@ def main():
         # interleaved rounds: a shared machine's load drifts, so every side of a round sees the same conditions
         for _ in range(a.repeats):
             for k, (_, url, session) in sides.items():
+                c0 = cpu_seconds(sides[k][0].pid)
                 t, outs[k] = run_server(url, session, prompts, lens)
                 times[k].append(t)
-            t, out_hf = run_hf(model, prompts, lens)
+                cpus[k].append(cpu_seconds(sides[k][0].pid) - c0)
+            t, c, out_hf = run_hf(model, prompts, lens)
             hf.append(t)
+            cpus["hf"].append(c)
     finally:
         for proc, _, _ in sides.values():
             os.killpg(proc.pid, signal.SIGTERM)
@@ -186,7 +197,20 @@ def main():
             f"ratio {k} / transformers: median {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}x, "
             f"same-round pairs; greedy outputs identical for {same}/{len(prompts)} requests)"
         )
+    for k in sides:
+        ratios = [h / v for v, h in zip(cpus[k], cpus["hf"])]
+        print(
+            f"CPU-time ratio {k} / transformers (server process CPU s vs generate's): median "
+            f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}x; "
+            f"{statistics.median(cpus[k]):.3f} vs {statistics.median(cpus['hf']):.3f} CPU s)"
+        )
     if n > 1:
+        ts, off = cpus["server"], cpus["server --disable-radix-cache"]
+        ratios = [b / v for v, b in zip(ts, off)]
+        print(
+            f"CPU-time ratio server / server --disable-radix-cache: median {statistics.median(ratios):.2f}x "
+            f"({min(ratios):.2f}-{max(ratios):.2f}x)"
+        )
         ts, off = times["server"], times["server --disable-radix-cache"]
         ratios = [b / v for v, b in zip(ts, off)]
         print(
