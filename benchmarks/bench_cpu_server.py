@@ -5,7 +5,13 @@ lengths are exact), greedy. The server gets them as concurrent requests and batc
 one left-padded static batch, which must run until the longest prompt is done. Both count only the tokens each prompt
 asked for, use 1 torch thread, and include tokenized prompts only (no text processing).
 
+`--samples-per-prompt N` (N > 1): a GRPO-shaped workload instead, num-prompts / N distinct prompts each sent N times
+(as slime sends a group's samples, one request each, the group's requests next to each other), every sample with its
+own max_new_tokens. A second server with `--disable-radix-cache` runs in the same rounds, so the ratio of the shared
+prefill (issue #40) to the server without it is measured beside the ratio to transformers.
+
     python benchmarks/bench_cpu_server.py [--model-dir DIR] [--num-prompts 64] [--min-new 4] [--max-new 64]
+                                          [--samples-per-prompt 8]
 """
 
 import argparse
@@ -22,12 +28,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def workload(tok, n, lo, hi, seed=0):
+def workload(tok, n, lo, hi, seed=0, samples_per_prompt=1):
     rng = random.Random(seed)
     prompts, lens = [], []
     for i in range(n):
+        if i % samples_per_prompt:  # another sample of the group's prompt
+            prompts.append(prompts[-1])
+            lens.append(rng.randint(lo, hi))
+            continue
         a, b = rng.randint(0, 99), rng.randint(0, 99)
-        msgs = [{"role": "user", "content": f"What is {a}+{b}?" + " Think step by step." * (i % 4)}]
+        g = i // samples_per_prompt
+        msgs = [{"role": "user", "content": f"What is {a}+{b}?" + " Think step by step." * (g % 4)}]
         prompts.append(
             list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
         )
@@ -35,7 +46,7 @@ def workload(tok, n, lo, hi, seed=0):
     return prompts, lens
 
 
-def start_server(model_dir, max_running):
+def start_server(model_dir, max_running, *extra):
     import requests
 
     from slime.utils.http_utils import find_available_port
@@ -54,6 +65,7 @@ def start_server(model_dir, max_running):
             str(max_running),
             "--log-level",
             "warning",
+            *extra,
         ],
         start_new_session=True,
     )
@@ -71,6 +83,13 @@ def start_server(model_dir, max_running):
             os.killpg(proc.pid, signal.SIGKILL)
             raise RuntimeError("CPU server did not come up")
         time.sleep(0.2)
+
+
+def cpu_seconds(pid) -> float:
+    """User + system CPU time of a process, all its threads (Linux /proc): on a shared machine, work done is steadier
+    than wall-clock time, which also counts the time other processes held the cores."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run_server(url, session, prompts, lens):
@@ -92,7 +111,7 @@ def run_hf(model, prompts, lens):
     ids = torch.tensor([[0] * (L - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = model.generate(
             ids,
             attention_mask=mask,
@@ -101,17 +120,18 @@ def run_hf(model, prompts, lens):
             do_sample=False,
             pad_token_id=0,
         )
-        elapsed = time.perf_counter() - t0
-    return elapsed, [out[i, L : L + n].tolist() for i, n in enumerate(lens)]
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return elapsed, cpu, [out[i, L : L + n].tolist() for i, n in enumerate(lens)]
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", default=None, help="HF model dir (default: build the tiny Qwen3 kit in a temp dir)")
-    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, default=64, help="requests in all (samples included)")
     p.add_argument("--min-new", type=int, default=4)
     p.add_argument("--max-new", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--samples-per-prompt", type=int, default=1, help="n > 1: groups of n requests with one prompt")
     a = p.parse_args()
     import torch
     from transformers import AutoTokenizer
@@ -123,43 +143,81 @@ def main():
 
         model_dir = build_model(os.path.join(tempfile.mkdtemp(prefix="bench-cpu-server-"), "qwen3-tiny"))
     tok = AutoTokenizer.from_pretrained(model_dir)
-    prompts, lens = workload(tok, a.num_prompts, a.min_new, a.max_new)
+    n = a.samples_per_prompt
+    prompts, lens = workload(tok, a.num_prompts, a.min_new, a.max_new, samples_per_prompt=n)
     useful = sum(lens)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    proc, url, session = start_server(model_dir, len(prompts))
+    # the server as configured by default, and (n > 1) the same server without shared prefill
+    sides = {"server": start_server(model_dir, len(prompts))}
+    if n > 1:
+        sides["server --disable-radix-cache"] = start_server(model_dir, len(prompts), "--disable-radix-cache")
+    times = {k: [] for k in sides}
+    cpus = {k: [] for k in [*sides, "hf"]}  # CPU seconds of the server process / of transformers, per round
+    outs = {}
+    hf = []
     try:
-        run_server(url, session, prompts[:8], lens[:8])  # warm-up both
+        for _, url, session in sides.values():  # warm-up all
+            run_server(url, session, prompts[:8], lens[:8])
         run_hf(model, prompts[:8], lens[:8])
-        # interleaved rounds: a shared machine's load drifts, so both sides of a round see the same conditions
-        srv, hf = [], []
+        # interleaved rounds: a shared machine's load drifts, so every side of a round sees the same conditions
         for _ in range(a.repeats):
-            t, out_srv = run_server(url, session, prompts, lens)
-            srv.append(t)
-            t, out_hf = run_hf(model, prompts, lens)
+            for k, (_, url, session) in sides.items():
+                c0 = cpu_seconds(sides[k][0].pid)
+                t, outs[k] = run_server(url, session, prompts, lens)
+                times[k].append(t)
+                cpus[k].append(cpu_seconds(sides[k][0].pid) - c0)
+            t, c, out_hf = run_hf(model, prompts, lens)
             hf.append(t)
+            cpus["hf"].append(c)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(30)
-    same = sum(x == y for x, y in zip(out_srv, out_hf))
+        for proc, _, _ in sides.values():
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(30)
+    shape = f"{len(prompts)} prompts" if n == 1 else f"{len(prompts) // n} prompts x {n} samples"
     print(
-        f"workload: {len(prompts)} prompts, {min(len(x) for x in prompts)}-{max(len(x) for x in prompts)} prompt tokens, "
-        f"{useful} output tokens ({a.min_new}..{a.max_new} per prompt), greedy, 1 torch thread, "
+        f"workload: {shape}, {min(len(x) for x in prompts)}-{max(len(x) for x in prompts)} prompt tokens, "
+        f"{useful} output tokens ({a.min_new}..{a.max_new} per request), greedy, 1 torch thread, "
         f"median (min-max) of {a.repeats} interleaved rounds"
     )
-    t_srv, t_hf = statistics.median(srv), statistics.median(hf)
-    print(
-        f"CPU server (continuous batching, via HTTP): {t_srv:7.3f} s  {useful / t_srv:9.1f} tok/s ({min(srv):.3f}-{max(srv):.3f} s)"
-    )
+    for k, ts in times.items():
+        t = statistics.median(ts)
+        print(
+            f"CPU {k} (continuous batching, via HTTP): {t:7.3f} s  {useful / t:9.1f} tok/s ({min(ts):.3f}-{max(ts):.3f} s)"
+        )
+    t_hf = statistics.median(hf)
     print(
         f"transformers generate (static padded batch): {t_hf:7.3f} s  {useful / t_hf:9.1f} tok/s ({min(hf):.3f}-{max(hf):.3f} s)"
     )
-    ratios = [h / v for v, h in zip(srv, hf)]
-    print(
-        f"ratio server / transformers: median {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}x, "
-        f"same-round pairs; greedy outputs identical for {same}/{len(prompts)} prompts)"
-    )
+    for k, ts in times.items():
+        ratios = [h / v for v, h in zip(ts, hf)]
+        same = sum(x == y for x, y in zip(outs[k], out_hf))
+        print(
+            f"ratio {k} / transformers: median {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}x, "
+            f"same-round pairs; greedy outputs identical for {same}/{len(prompts)} requests)"
+        )
+    for k in sides:
+        ratios = [h / v for v, h in zip(cpus[k], cpus["hf"])]
+        print(
+            f"CPU-time ratio {k} / transformers (server process CPU s vs generate's): median "
+            f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}x; "
+            f"{statistics.median(cpus[k]):.3f} vs {statistics.median(cpus['hf']):.3f} CPU s)"
+        )
+    if n > 1:
+        ts, off = cpus["server"], cpus["server --disable-radix-cache"]
+        ratios = [b / v for v, b in zip(ts, off)]
+        print(
+            f"CPU-time ratio server / server --disable-radix-cache: median {statistics.median(ratios):.2f}x "
+            f"({min(ratios):.2f}-{max(ratios):.2f}x)"
+        )
+        ts, off = times["server"], times["server --disable-radix-cache"]
+        ratios = [b / v for v, b in zip(ts, off)]
+        print(
+            f"ratio server / server --disable-radix-cache: median {statistics.median(ratios):.2f}x "
+            f"({min(ratios):.2f}-{max(ratios):.2f}x, same-round pairs; outputs identical: "
+            f"{outs['server'] == outs['server --disable-radix-cache']})"
+        )
 
 
 if __name__ == "__main__":

@@ -649,6 +649,18 @@ def test_cpu_server_ignores_gpu_knobs_with_one_warning(caplog):
     ]
 
 
+def test_cpu_server_honours_disable_radix_cache(caplog):
+    """--sglang-disable-radix-cache turns the CPU server's shared prefill off (issue #40): passed on, not ignored."""
+    from slime.backends.sglang_utils.sglang_engine import server_command
+
+    with caplog.at_level(logging.WARNING):
+        a = parse("--inference-server", "cpu", "--sglang-disable-radix-cache")
+    assert not [r for r in caplog.records if "ignoring GPU-only SGLang options" in r.getMessage()]
+    assert "--disable-radix-cache" in server_command(a, 0, "127.0.0.1", 30000, 30001, "127.0.0.1:30002")[1]
+    b = parse("--inference-server", "cpu")
+    assert "--disable-radix-cache" not in server_command(b, 0, "127.0.0.1", 30000, 30001, "127.0.0.1:30002")[1]
+
+
 def test_debug_train_only_skips_cpu_server_check():
     base = without("--rollout-num-gpus")
     a = parse("--debug-train-only", "--sglang-speculative-algorithm", "EAGLE", "--inference-server", "cpu", base=base)

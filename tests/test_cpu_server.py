@@ -1060,3 +1060,111 @@ def test_deterministic_inference_makes_a_request_independent_of_its_batch(tiny_k
     finally:
         stop_cpu_server(proc)
     assert (batched == alone) == deterministic
+
+
+def _serve(sched, reqs):
+    """All of reqs queued before the scheduler starts (one admission window), then run to completion."""
+    done = threading.Semaphore(0)
+    for r in reqs:
+        r.on_update = lambda req: req.finished and done.release()
+        sched.submit(r)
+    sched.start()
+    try:
+        for _ in reqs:
+            assert done.acquire(timeout=120), "scheduler did not finish the requests"
+    finally:
+        sched.stop()
+
+
+def test_shared_prefill_is_exact_and_computes_each_prompt_once(tiny_kit):
+    """Issue #40, engine side: n requests with one prompt are prefilled once and share its KV rows; greedy and
+    seeded sampled outputs, output and input log-probs equal the same requests served with sharing off (the
+    server's --disable-radix-cache), within 1e-6 in batched mode and bit for bit in deterministic mode."""
+    from slime.backends.cpu_server.sampling import SamplingParams
+    from slime.backends.cpu_server.scheduler import Req
+
+    def group():
+        reqs = []
+        for i in range(8):  # greedy, outputs of several lengths
+            sp = {"temperature": 0, "max_new_tokens": 3 + i % 4, "ignore_eos": True}
+            reqs.append(Req(PROMPTS[0], SamplingParams.from_dict(sp, 512), return_logprob=True, logprob_start_len=0))
+        for i in range(4):  # sampled at temperature != 1 with seeds, top-p / top-k / min-p
+            sp = {"temperature": 0.7, "top_p": 0.9, "top_k": 20 + i, "sampling_seed": i, "max_new_tokens": 5}
+            reqs.append(Req(PROMPTS[2], SamplingParams.from_dict(sp, 512), return_logprob=True))
+        sp = {"temperature": 1.3, "min_p": 0.01, "max_new_tokens": 4}  # no seed: the server's generator
+        reqs.append(Req(PROMPTS[2], SamplingParams.from_dict(sp, 512), return_logprob=True))
+        reqs.append(Req(PROMPTS[1], SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 4}, 512)))
+        return reqs
+
+    for batch_invariant in (False, True):
+        results = {}
+        for share in (True, False):
+            sched = _scheduler(
+                tiny_kit[0], max_running=16, max_total_tokens=400, share_prefill=share, batch_invariant=batch_invariant
+            )
+            reqs = group()
+            _serve(sched, reqs)
+            assert sched.pool.num_free() == 400 and not sched.row_refs and not sched.shared  # all handed back
+            results[share] = (reqs, sched.num_prefill_tokens, sched.num_cached_tokens)
+        (on, on_prefill, on_cached), (off, off_prefill, off_cached) = results[True], results[False]
+        p0, p1, p2 = (len(p) for p in PROMPTS)
+        assert on_prefill == p0 + p1 + p2 and on_cached == 7 * p0 + 4 * p2  # each prompt computed once
+        assert off_prefill == 8 * p0 + p1 + 5 * p2 and off_cached == 0
+        assert [r.cached_tokens for r in on] == [0] + [p0] * 7 + [0] + [p2] * 4 + [0]
+        tol = 0.0 if batch_invariant else 1e-6
+        for a, b in zip(on, off):
+            assert a.output_ids == b.output_ids and a.finish_reason == b.finish_reason
+            assert max(abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs)) <= tol
+            if a.input_logprobs is not None:
+                assert [e[1] for e in a.input_logprobs] == [e[1] for e in b.input_logprobs]
+                assert max(abs(x[0] - y[0]) for x, y in zip(a.input_logprobs[1:], b.input_logprobs[1:])) <= tol
+        assert len({tuple(r.output_ids) for r in on[8:12]}) > 1  # seeded samples of one shared prompt diverge
+
+
+def test_shared_prefill_spans_steps_but_not_weight_updates(tiny_kit):
+    """A group member admitted a step later still shares the prompt while the group holds it; a control task (here a
+    weight-version bump) ends that sharing; a retracted / finished request hands its references back."""
+    from slime.backends.cpu_server.sampling import SamplingParams
+    from slime.backends.cpu_server.scheduler import Req
+
+    sched = _scheduler(tiny_kit[0], max_running=8, max_total_tokens=200)
+
+    def req(n=6):
+        return Req(PROMPTS[2], SamplingParams.from_dict({"temperature": 0, "max_new_tokens": n}, 512))
+
+    def step():
+        sched._drain()
+        with torch.inference_mode():
+            sched._step()
+
+    first = req()
+    sched.submit(first)
+    step()
+    second = req()
+    sched.submit(second)
+    step()
+    assert second.cached_tokens == len(PROMPTS[2]) and second.rows[: len(PROMPTS[2])] == first.rows[: len(PROMPTS[2])]
+    sched.run_control(lambda: sched.state.bump_version())
+    third = req()
+    sched.submit(third)
+    step()
+    assert third.cached_tokens == 0 and not set(third.rows) & set(first.rows)
+    assert sched.num_prefill_tokens == 2 * len(PROMPTS[2])
+    while sched.running:
+        step()
+    assert first.output_ids == second.output_ids == third.output_ids
+    assert sched.pool.num_free() == 200 and not sched.row_refs and not sched.shared
+
+
+def test_generate_batch_reports_shared_prompt_as_cached_tokens(server):
+    """Over HTTP: one /generate with a prompt 4 times prefills it once (SGLang's meta_info cached_tokens)."""
+    prompt = PROMPTS[1]
+    sp = {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}
+    outs = gen(server, {"input_ids": [prompt] * 4, "return_logprob": True, "sampling_params": sp})
+    alone = gen(server, {"input_ids": prompt, "return_logprob": True, "sampling_params": sp})
+    assert sum(o["meta_info"]["cached_tokens"] for o in outs) == 3 * len(prompt)
+    assert alone["meta_info"]["cached_tokens"] == 0
+    for o in outs:
+        assert o["output_ids"] == alone["output_ids"]
+        lps = [x[0] for x in o["meta_info"]["output_token_logprobs"]]
+        assert max(abs(a - b[0]) for a, b in zip(lps, alone["meta_info"]["output_token_logprobs"])) <= 1e-6

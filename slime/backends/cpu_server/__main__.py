@@ -32,6 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="as SGLang's: a request's results do not depend on the batch it runs in (each runs its own forward)",
     )
+    p.add_argument(
+        "--disable-radix-cache",
+        action="store_true",
+        help="as SGLang's: no prefix sharing (requests with identical prompts are each prefilled, on KV rows of "
+        "their own; by default one prefill and its KV rows serve them all until their outputs diverge)",
+    )
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--log-level", default="info")
     p.add_argument(

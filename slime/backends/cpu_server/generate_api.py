@@ -204,7 +204,7 @@ class GenerateAPI:
             "prompt_tokens": len(r.input_ids),
             "weight_version": r.weight_version or self.state.weight_version,
             "completion_tokens": len(r.output_ids),
-            "cached_tokens": 0,
+            "cached_tokens": r.cached_tokens,  # prompt tokens served from another request's prefill
             "num_retractions": r.num_retractions,
             "e2e_latency": time.time() - r.created,
         }

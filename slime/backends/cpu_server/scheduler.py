@@ -4,6 +4,17 @@ Every iteration: run queued control tasks (weight updates, release/resume, ...),
 requests while a running slot and KV rows are free, prefill them in one padded batch, then decode one token for every
 running request. Requests leave the batch the step they finish. When the KV pool runs dry the newest request is
 retracted (its rows freed) and re-prefilled later from prompt + output, as SGLang does.
+
+Shared prefill (on unless --disable-radix-cache): the n samples of a GRPO group arrive as n requests with the same
+prompt. The first one admitted is prefilled; every later one with the same prompt token ids, the same LoRA adapter and
+the same weights, admitted while any request of the group still holds the prompt's KV rows (in the same step or a
+later one), is not prefilled at all: its first positions point at the same pool rows (refcounted: a row returns to
+the pool when its last holder frees it) and it samples its first token, with its own generator, from the same
+last-token logits. From there each request decodes into rows of its own, as before. Only identical whole prompts are
+shared (a v1 of SGLang's radix cache: no partial-prefix match, nothing kept once the group is done). A retracted
+request re-prefills on its own; any control task (weight update, LoRA load, flush, release/resume) ends the sharing
+of what was computed before it. In --enable-deterministic-inference mode every prefill is a batch of one, so the
+shared rows and logits are bit for bit what each request would have computed alone.
 """
 
 import concurrent.futures
@@ -65,10 +76,23 @@ class Req:
         self.num_retractions = 0
         self.index, self.text_in_logprobs = 0, False  # position in its HTTP request; token texts in logprobs
         self.lora = lora  # the LoRA adapter serving this request (held in the registry until it finishes), or None
+        self.prefix = None  # the _SharedPrompt whose KV rows this request's prompt positions point at, or None
+        self.cached_tokens = 0  # prompt tokens it did not prefill (SGLang's meta_info cached_tokens)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class _SharedPrompt:
+    """A prompt prefilled once for every request of a group: its pool rows, last-token logits and input log-probs."""
+
+    def __init__(self, key, rows, lora):
+        self.key, self.rows, self.lora = key, rows, lora  # lora: pins the adapter object its id() in `key` names
+        self.logits = None  # [V] float32 logits at the last prompt token, set by the prefill
+        self.input_lps = None  # {temperature: SGLang input_token_logprobs entries from position 0}, or None
+        self.want_temps = set()  # temperatures whose input log-probs the prefill must compute
+        self.holders = 0
 
 
 class Scheduler:
@@ -87,6 +111,7 @@ class Scheduler:
         state,
         lora_registry=None,
         batch_invariant: bool = False,
+        share_prefill: bool = True,
     ):
         self.model, self.weights, self.pool, self.tok = model, weights, pool, tokenizer
         self.max_running, self.context_len, self.eos_ids = max_running, context_len, set(eos_ids)
@@ -96,6 +121,12 @@ class Scheduler:
         # --enable-deterministic-inference: a request's logits must not depend on what else is batched with it (the
         # matmul kernels round differently per batch shape), so each request runs its own forward
         self.batch_invariant = batch_invariant
+        # requests with identical prompts share one prefill and its KV rows (off: SGLang's --disable-radix-cache)
+        self.share_prefill = share_prefill
+        self.shared: dict = {}  # (prompt ids, adapter id, weight version) -> its live _SharedPrompt
+        self.row_refs: dict = {}  # pool row -> holders beyond the first (a row is freed when its last holder goes)
+        self.num_prefill_tokens = 0  # tokens run through forward_prefill
+        self.num_cached_tokens = 0  # prompt tokens served from a shared prefill instead
         self.gen = torch.Generator().manual_seed(random_seed)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -172,10 +203,13 @@ class Scheduler:
                         },
                     )
                 self.running, self.waiting = [], deque()
+                self.shared.clear()
+                self.row_refs.clear()
 
     def _drain(self):
         while not self.controls.empty():
             fn, fut = self.controls.get()
+            self.shared.clear()  # weights, adapters or the pool may change: nothing computed before is shared after
             if fut.set_running_or_notify_cancel():
                 try:
                     fut.set_result(fn())
@@ -202,12 +236,24 @@ class Scheduler:
     def _batches(self, reqs) -> list:
         return [[r] for r in reqs] if self.batch_invariant else [reqs] if reqs else []
 
+    def _share_key(self, r):
+        """The key of the shared prompt r may use or start, or None when r prefills on its own."""
+        if not self.share_prefill or r.output_ids:  # a retracted request re-fills prompt + output alone
+            return None
+        return (tuple(r.input_ids), id(r.lora), self.state.weight_version)
+
     def _admit(self) -> list:
         admitted, budget = [], self.max_prefill_tokens
         adapters = {id(r.lora) for r in self.running}  # SGLang's --max-loras-per-batch counts the base as one
         while self.waiting and self.free_slots:
             r = self.waiting[0]
-            n = len(r.input_ids) + max(len(r.output_ids) - 1, 0)
+            key = self._share_key(r)
+            entry = self.shared.get(key) if key is not None else None
+            need_lp = r.return_logprob and r.logprob_start_len >= 0
+            if entry is not None and entry.logits is not None and need_lp:
+                if entry.input_lps is None or r.sp.temperature not in entry.input_lps:
+                    entry = None  # computed without the input log-probs r asks for: r prefills on its own
+            n = 0 if entry is not None else len(r.input_ids) + max(len(r.output_ids) - 1, 0)
             reserve = len(self.running) + len(admitted) + 1  # the next decode step must fit too
             if self.pool.num_free() < n + reserve or (admitted and n > budget):
                 break
@@ -216,43 +262,90 @@ class Scheduler:
             adapters.add(id(r.lora))
             self.waiting.popleft()
             r.slot = self.free_slots.pop()
-            r.rows = self.pool.alloc(n)
-            self.req_to_token[r.slot, :n] = torch.tensor(r.rows)
+            if entry is not None:  # the prompt's rows are (or will be, this step) computed: point at them
+                r.rows = list(entry.rows)
+                for x in entry.rows:
+                    self.row_refs[x] = self.row_refs.get(x, 0) + 1
+                if need_lp and entry.logits is None:
+                    entry.want_temps.add(r.sp.temperature)
+                r.cached_tokens = len(entry.rows)
+            else:
+                r.rows = self.pool.alloc(n)
+                if key is not None and key not in self.shared:
+                    entry = self.shared[key] = _SharedPrompt(key, r.rows[: len(r.input_ids)], r.lora)
+                    if need_lp:
+                        entry.want_temps.add(r.sp.temperature)
+            if entry is not None:
+                r.prefix = entry
+                entry.holders += 1
+            self.req_to_token[r.slot, : len(r.rows)] = torch.tensor(r.rows)
             budget -= n
             admitted.append(r)
         return admitted
 
     def _prefill(self, reqs):
-        # A retracted request re-fills prompt + output[:-1]; its last output token is the next decode input.
+        # A request sharing a prompt prefilled by another one (earlier in this batch or in an earlier step) skips
+        # the forward; the others run it, and the first of a group fills its _SharedPrompt for the rest.
+        run = [r for r in reqs if not r.cached_tokens or r.output_ids]
+        last = self._forward_prefill(run) if run else {}
+        for r in reqs:
+            if r.cached_tokens and not r.output_ids:
+                e = r.prefix
+                last[id(r)] = e.logits
+                if r.return_logprob and r.logprob_start_len >= 0:
+                    r.input_logprobs = e.input_lps[r.sp.temperature][r.logprob_start_len :]
+                self.num_cached_tokens += r.cached_tokens
+        fresh = [r for r in reqs if not r.output_ids]
+        for r in reqs:
+            self.running.append(r)
+        for r in fresh:
+            if r.sp.max_new_tokens == 0:
+                self._finish(r, {"type": "length", "length": 0})
+        fresh = [r for r in fresh if not r.finished]
+        if fresh:
+            self._sample_and_append(fresh, torch.stack([last[id(r)] for r in fresh]))
+
+    def _forward_prefill(self, reqs) -> dict:
+        """Prefill reqs in one packed batch; returns id(request) -> last-token logits [V] float32 (fresh ones).
+        A retracted request re-fills prompt + output[:-1]; its last output token is the next decode input."""
         seqs = [r.input_ids + r.output_ids[:-1] for r in reqs]
         lens = torch.tensor([len(x) for x in seqs])
         tokens = torch.tensor([t for x in seqs for t in x])
         rows = torch.tensor([x for r in reqs for x in r.rows])
-        need_input_lp = [r.return_logprob and r.logprob_start_len >= 0 and not r.output_ids for r in reqs]
+        # the temperatures each fresh request's input log-probs are wanted at (its own, and its group's)
+        temps = [set() if r.output_ids else (r.prefix.want_temps if r.prefix is not None else set()) for r in reqs]
+        for i, r in enumerate(reqs):
+            if r.return_logprob and r.logprob_start_len >= 0 and not r.output_ids:
+                temps[i] = temps[i] | {r.sp.temperature}
         lora = LoRABatch.of([r.lora for r in reqs], lens.tolist())
-        logits = self.model.forward_prefill(self.pool, tokens, lens, rows, all_logits=any(need_input_lp), lora=lora)
-        if any(need_input_lp):
-            ends = torch.cumsum(lens, 0)
+        logits = self.model.forward_prefill(self.pool, tokens, lens, rows, all_logits=any(temps), lora=lora)
+        self.num_prefill_tokens += len(tokens)
+        ends = torch.cumsum(lens, 0)
+        if any(temps):
             full, logits = logits.float(), logits[ends - 1]
             for i, r in enumerate(reqs):
-                if need_input_lp[i]:
+                if temps[i]:
                     a, b = int(ends[i] - lens[i]), int(ends[i])
-                    self._input_logprobs(r, full[a:b], tokens[a:b])
-        fresh = [i for i, r in enumerate(reqs) if not r.output_ids]
-        for r in reqs:
-            self.running.append(r)
+                    lps = {t: self._input_logprobs(full[a:b], tokens[a:b], t) for t in temps[i]}
+                    if r.return_logprob and r.logprob_start_len >= 0:
+                        r.input_logprobs = lps[r.sp.temperature][r.logprob_start_len :]
+                    if r.prefix is not None:
+                        r.prefix.input_lps = lps
+        logits = logits.float()
+        out = {}
         for i, r in enumerate(reqs):
-            if r.sp.max_new_tokens == 0 and not r.output_ids:
-                self._finish(r, {"type": "length", "length": 0})
-        fresh = [i for i in fresh if not reqs[i].finished]
-        if fresh:
-            self._sample_and_append([reqs[i] for i in fresh], logits[fresh].float())
+            if not r.output_ids:
+                out[id(r)] = logits[i]
+                if r.prefix is not None and r.prefix.logits is None:
+                    r.prefix.logits = logits[i]
+        return out
 
-    def _input_logprobs(self, r, logits, tokens):
-        lp = torch.log_softmax(logits / r.sp.temperature, dim=-1)
+    @staticmethod
+    def _input_logprobs(logits, tokens, temperature) -> list:
+        """SGLang's input_token_logprobs entries of a whole prompt (the first token has none)."""
+        lp = torch.log_softmax(logits / temperature, dim=-1)
         vals = lp[:-1].gather(1, tokens[1:, None]).squeeze(1).tolist()
-        entries = [[None, int(tokens[0]), None]] + [[v, int(t), None] for v, t in zip(vals, tokens[1:].tolist())]
-        r.input_logprobs = entries[r.logprob_start_len :]
+        return [[None, int(tokens[0]), None]] + [[v, int(t), None] for v, t in zip(vals, tokens[1:].tolist())]
 
     def _decode(self):
         need = len(self.running)
@@ -327,8 +420,24 @@ class Scheduler:
 
     def _free(self, r):
         if r.rows:
-            self.pool.give_back(r.rows)
+            rows = r.rows
+            if self.row_refs:  # a shared row goes back to the pool only with its last holder
+                rows = []
+                for x in r.rows:
+                    c = self.row_refs.get(x)
+                    if c is None:
+                        rows.append(x)
+                    elif c == 1:
+                        del self.row_refs[x]
+                    else:
+                        self.row_refs[x] = c - 1
+            self.pool.give_back(rows)
             r.rows = []
+        e, r.prefix = r.prefix, None
+        if e is not None:
+            e.holders -= 1
+            if not e.holders and self.shared.get(e.key) is e:
+                del self.shared[e.key]  # the group is done: its prompt rows are free, nothing is kept
         if r.slot is not None:
             self.free_slots.append(r.slot)
             r.slot = None

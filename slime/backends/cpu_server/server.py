@@ -77,6 +77,7 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
             state=self.state,
             lora_registry=self.loras,
             batch_invariant=args.enable_deterministic_inference,
+            share_prefill=not args.disable_radix_cache,
         )
         self.served_model_name = args.served_model_name or self.model_path
         self.groups: dict = {}

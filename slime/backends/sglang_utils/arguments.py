@@ -49,6 +49,7 @@ CPU_SERVER_HONOURED = (
     "admin_api_key",
     "enable_deterministic_inference",
     "enable_return_routed_experts",
+    "disable_radix_cache",
 )
 
 # GPU-only performance knobs: meaningless on the CPU server, harmless to ignore (results do not depend on them).
@@ -328,7 +329,9 @@ def validate_args(args, parser=None, check_cpu_server=True):
     if not check_cpu_server or parser is None or args.inference_server != "cpu" or args.debug_train_only:
         return
     explicit = _explicit_sglang_options(args, parser)
-    ignored = sorted(flag for name, (flag, _) in explicit.items() if _GPU_PERF_KNOB.search(name))
+    ignored = sorted(
+        flag for name, (flag, _) in explicit.items() if _GPU_PERF_KNOB.search(name) and name not in CPU_SERVER_HONOURED
+    )
     unsupported = sorted(
         f"{flag}={value!r}"
         for name, (flag, value) in explicit.items()
