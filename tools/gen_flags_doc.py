@@ -12,7 +12,14 @@ import json
 import os
 
 from slime.utils.arguments import _build_parser, get_slime_extra_args_provider
-from slime.utils.flag_support import COMPUTED, REFUSED, UPSTREAM_FLAGS, is_computed, upstream_flags
+from slime.utils.flag_support import (
+    COMPUTED,
+    MEGATRON_SCRIPT_FLAGS,
+    REFUSED,
+    UPSTREAM_FLAGS,
+    is_computed,
+    upstream_flags,
+)
 
 OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "flags.md")
 
@@ -80,13 +87,14 @@ def render():
                 status = f"honoured. {help_text}" if help_text else "honoured"
             lines.append(f"| {names} | {_cell(_default(entry))} | {_cell(status)} |")
         lines.append("")
-    if extra:
+    if extra or MEGATRON_SCRIPT_FLAGS:
         lines += [
             "## Megatron-LM flags of current slime's model scripts",
             "",
             "| flag | here |",
             "|---|---|",
             *(f"| `{f}` | {_cell('**refused**: ' + REFUSED[f])} |" for f in extra),
+            *(f"| `{f}` | {_cell('honoured. ' + known[f].help)} |" for f in MEGATRON_SCRIPT_FLAGS),
             "",
         ]
     return "\n".join(lines)
