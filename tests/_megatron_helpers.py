@@ -224,10 +224,11 @@ def _build_mimo(common, out_dir):
     return cfg, lambda c: AutoModelForCausalLM.from_config(c, trust_remote_code=True)
 
 
-def build_random_hf(kind, out_dir, seed=0, vocab_size=200):
+def build_random_hf(kind, out_dir, seed=0, vocab_size=200, layer_types=None):
     """A tiny random HF model of family `kind` in {qwen2, qwen3, llama, llama3, qwen3moe, glm4, glm4moe, deepseekv3,
     mimo, qwen3next, qwen3_5, qwen3_5_moe, qwen3_5_moe_vl (the published layout: a vision-language checkpoint)};
-    every tensor (norms and router score biases too) random."""
+    every tensor (norms and router score biases too) random. `layer_types` (the hybrids): config.json's per-layer
+    `linear_attention` / `full_attention` list (default linear, full, linear), which also sets the layer count."""
     import transformers as tf
 
     common = dict(
@@ -326,6 +327,7 @@ def build_random_hf(kind, out_dir, seed=0, vocab_size=200):
         "qwen3_5_moe",
         "qwen3_5_moe_vl",
     ):  # Gated DeltaNet / gated full attention hybrids, partial RoPE 0.25
+        layer_types = layer_types or ["linear_attention", "full_attention", "linear_attention"]
         hybrid = dict(
             head_dim=16,
             linear_num_key_heads=2,
@@ -333,9 +335,9 @@ def build_random_hf(kind, out_dir, seed=0, vocab_size=200):
             linear_key_head_dim=8,
             linear_value_head_dim=12,
             linear_conv_kernel_dim=4,
-            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            layer_types=layer_types,
             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
-            **{**common, "num_hidden_layers": 3},
+            **{**common, "num_hidden_layers": len(layer_types)},
         )
         if kind == "qwen3next":  # softmax top-2 of 4 experts, a gated shared expert; layer 1 has a dense MLP
             cfg = tf.Qwen3NextConfig(

@@ -277,3 +277,34 @@ def test_load_debug_rollout_data_subsample(capsys):
     assert "--load-debug-rollout-data-subsample 1.5: must be in (0, 1]" in _error(
         capsys, "--load-debug-rollout-data-subsample", "1.5"
     )
+
+
+# ---------------------------------------------------------------- Megatron-LM flags of current slime's launch scripts
+def test_enable_experimental_sets_megatron_cores_experimental_switch():
+    """run-glm5-744B-A40B.sh / run-glm5.2-744B-A40B.sh pass Megatron-LM's --enable-experimental: parsed, and the
+    trainer's init sets megatron-core's process-wide switch from it (off again without it), as Megatron-LM does."""
+    from megatron.core.config import is_experimental_enabled
+
+    from slime.backends.megatron_utils.initialize import set_megatron_globals
+
+    on, off = make_args("--enable-experimental"), make_args()
+    assert (on.enable_experimental, off.enable_experimental) == (True, False)
+    try:
+        set_megatron_globals(on)
+        assert is_experimental_enabled()
+    finally:
+        set_megatron_globals(off)
+    assert not is_experimental_enabled()
+
+
+def test_fp8_training_flags_parse_and_are_refused_without_transformer_engine(capsys):
+    """run-qwen3-30b-a3b-fp8.sh passes `--fp8-format e4m3 --fp8-recipe blockwise`: both parse with Megatron-LM's
+    names, dests, choices and defaults; FP8 GEMMs are Transformer Engine's, so a machine without it (this CPU one)
+    refuses them in one line at start-up instead of training in bf16 as if FP8 had been honoured."""
+    a = make_args()
+    assert (a.fp8, a.fp8_recipe) == (None, "delayed")
+    err = _error(capsys, "--fp8-format", "e4m3", "--fp8-recipe", "blockwise")
+    assert "--fp8-format e4m3: FP8 training runs Transformer Engine's FP8 GEMMs" in err
+    with pytest.raises(SystemExit):
+        make_args("--fp8-recipe", "fp9")
+    assert "argument --fp8-recipe: invalid choice: 'fp9'" in capsys.readouterr().err

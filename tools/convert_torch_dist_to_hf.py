@@ -90,9 +90,11 @@ def load_common(ckpt_dir):
     # slime keeps plain-valued args there; Megatron-LM checkpoints also hold megatron-core classes (its safe globals).
     import megatron.core  # noqa: F401  (registers megatron-core's torch.load safe globals)
 
+    # Registered for good, as megatron-core does: a `safe_globals([...])` context would unregister Namespace on exit,
+    # and a process that converts and then loads a Megatron checkpoint (common.pt holds the run's args) would fail.
+    torch.serialization.add_safe_globals([argparse.Namespace])
     try:
-        with torch.serialization.safe_globals([argparse.Namespace]):
-            return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # objects we will not unpickle: the architecture must then come from --origin-hf-dir
         print(
             f"convert_torch_dist_to_hf: ignoring {path} ({type(e).__name__}: {str(e).splitlines()[0]})",

@@ -12,7 +12,15 @@ import json
 import os
 
 from slime.utils.arguments import _build_parser, get_slime_extra_args_provider
-from slime.utils.flag_support import COMPUTED, NO_EFFECT, REFUSED, UPSTREAM_FLAGS, is_computed, upstream_flags
+from slime.utils.flag_support import (
+    COMPUTED,
+    MEGATRON_SCRIPT_FLAGS,
+    NO_EFFECT,
+    REFUSED,
+    UPSTREAM_FLAGS,
+    is_computed,
+    upstream_flags,
+)
 
 OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "flags.md")
 
@@ -87,6 +95,15 @@ def render():
             lines.append(f"| {names} | {_cell(_default(entry))} | {_cell(status)} |")
         lines.append("")
     no_effect = [f for f in NO_EFFECT if not any(f in e["flags"] for e in flags)]
+    if MEGATRON_SCRIPT_FLAGS:
+        lines += [
+            "## Megatron-LM flags of current slime's model scripts",
+            "",
+            "| flag | here |",
+            "|---|---|",
+            *(f"| `{f}` | {_cell('honoured. ' + known[f].help)} |" for f in MEGATRON_SCRIPT_FLAGS),
+            "",
+        ]
     if extra or no_effect:
         lines += [
             "## Megatron-LM flags that nothing here reads",

@@ -91,6 +91,11 @@ def hybrid_layer_spec(args, config, vp_stage, linear_attention_cls, what):
             spec = with_zero_centered_norms(spec)
     spec = copy.copy(spec)
     spec.layer_specs = list(spec.layer_specs)
+    # Checkpoints: the layers differ (only the linear ones hold `linear_attn.*`, only the full ones `linear_qkv`),
+    # so each layer's tensors get keys of their own, `decoder.layers.<global layer>.<name>`, as megatron-core gives
+    # its own linear-attention hybrids (`linear_attention_freq`) and MoE models with dense layers; stacked
+    # `decoder.layers.<name>` keys [num_layers, ...] would declare every tensor in every layer.
+    config.hetereogenous_dist_checkpoint = True  # sic: megatron-core's spelling
     layer_types = hybrid_layer_types(load_hf_text_config(args.hf_checkpoint))
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     for i, layer in enumerate(spec.layer_specs):

@@ -302,7 +302,19 @@ def add_megatron_arguments(parser):
     g.add_argument("--min-loss-scale", type=float, default=1.0)
     g.add_argument("--loss-scale-window", type=float, default=1000)
     g.add_argument("--hysteresis", type=int, default=2)
-    g.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None)
+    g.add_argument(
+        "--fp8-format",
+        dest="fp8",  # Megatron-LM's dest
+        choices=["e4m3", "hybrid"],
+        default=None,
+        help="FP8 training: Transformer Engine's FP8 GEMMs (GPU with Transformer Engine only; refused elsewhere).",
+    )
+    g.add_argument(
+        "--fp8-recipe",
+        choices=["tensorwise", "delayed", "mxfp8", "blockwise", "custom"],
+        default="delayed",
+        help="Scaling recipe of --fp8-format (Transformer Engine's; blockwise needs Hopper or newer).",
+    )
 
     g = parser.add_argument_group("megatron: training")
     g.add_argument("--micro-batch-size", type=int, default=None)
@@ -331,6 +343,13 @@ def add_megatron_arguments(parser):
     g.add_argument("--manual-gc", action="store_true", default=False)
     g.add_argument("--manual-gc-interval", type=int, default=0)
     g.add_argument("--deterministic-mode", action="store_true", default=False)
+    g.add_argument(
+        "--enable-experimental",
+        action="store_true",
+        default=False,
+        help="megatron-core's experimental features (its set_experimental_flag; in this megatron-core: the fused "
+        "MoE permute of --moe-permute-fusion, GPU only).",
+    )
     g.add_argument("--exit-interval", type=int, default=None)
     g.add_argument("--exit-duration-in-mins", type=int, default=None)
     g.add_argument("--tensorboard-dir", type=str, default=None)
@@ -870,6 +889,12 @@ def megatron_validate_args(args, error):
         )
     if args.fp16 and args.bf16:
         error("--fp16 and --bf16 are mutually exclusive.")
+    if args.fp8 and not (args.transformer_impl == "transformer_engine" and transformer_engine_usable()):
+        error(
+            f"--fp8-format {args.fp8}: FP8 training runs Transformer Engine's FP8 GEMMs, which this machine's "
+            "layers (local: no Transformer Engine, or a CPU) do not have: run on a GPU with Transformer Engine, "
+            "or drop --fp8-format/--fp8-recipe (training in bf16)."
+        )
     _check_lr_warmup(args, error)
     if args.recompute_granularity == "full" and args.recompute_method is None:
         error("--recompute-granularity full requires --recompute-method (uniform or block).")

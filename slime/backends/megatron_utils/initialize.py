@@ -20,10 +20,18 @@ from . import cpu_compat
 _GLOO_GROUP = None
 
 
+def set_megatron_globals(args):
+    """megatron-core's process-wide switches that Megatron-LM sets from its flags: `--enable-experimental`."""
+    from megatron.core.config import set_experimental_flag
+
+    set_experimental_flag(bool(getattr(args, "enable_experimental", False)))
+
+
 def init(args):
     """Set up Megatron's parallel state, the gloo group, seeds and the custom init hook for this rank."""
     global _GLOO_GROUP
     cpu_compat.apply()
+    set_megatron_globals(args)
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed must be initialised (TrainRayActor.init) before megatron_utils.init")
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size

@@ -142,6 +142,8 @@ def core_transformer_config_from_args(args) -> TransformerConfig:
             moe_router_dtype=args.moe_router_dtype,
             moe_enable_routing_replay=bool(args.use_routing_replay),  # R2/R3: routers can replay given experts
         )
+    if getattr(args, "fp8", None):  # Transformer Engine's FP8 GEMMs (start-up refuses it without TE)
+        kw.update(fp8=args.fp8, fp8_recipe=args.fp8_recipe)
     kw["rotary_interleaved"] = bool(args.rotary_interleaved)
     kw["apply_rope_fusion"] = rope_fusion(args)
     kw.update(cpu_compat.transformer_config_overrides(kw))
