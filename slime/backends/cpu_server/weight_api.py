@@ -215,6 +215,7 @@ class WeightAPI:
         if self.weight_session_open:
             raise WeightError("a weight-update session is already open; call end_weight_update() first")
         self.weight_session_open = True
+        getattr(self.weights, "pending", set()).clear()
         return web.json_response({"success": True, "message": "Success"})
 
     async def end_weight_update(self, request):
@@ -222,6 +223,8 @@ class WeightAPI:
         if not self.weight_session_open:
             raise WeightError("no weight-update session is open; call begin_weight_update() first")
         self.weight_session_open = False
+        if getattr(self.weights, "quant", None) is not None:  # SGLang's process_weights_after_loading
+            await self._control(lambda: self.weights.finish_quantized("end_weight_update"))
         return web.json_response({"success": True, "message": "Success"})
 
     async def update_weight_version(self, request):
