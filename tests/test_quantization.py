@@ -354,3 +354,23 @@ def test_convert_hf_to_int4_direct_dense_and_moe(tiny_kit, tmp_path):
             span = w.abs().amax(-1) * 2 if sym else w.amax(-1).clamp(min=0) - w.amin(-1).clamp(max=0)
             step = (span / (2 * levels if sym else levels)).clamp(min=1e-5).repeat_interleave(32, 1)
             assert ((dq - src[n]).abs() <= step * 0.5 * (1 + 1e-5) + 1e-7).all()
+
+
+def test_quantised_hf_checkpoint_is_served_rollout_only(tiny_kit, tmp_path, capsys):
+    """The trainer cannot yet quantise its weight updates: a quantised --hf-checkpoint starts only with
+    --debug-rollout-only, and a config this build cannot serve is refused in one line."""
+    from slime.utils.arguments import parse_args
+    from tests.test_startup_checks import BASE, error_line
+    from tools import convert_hf_to_fp8
+
+    out = tmp_path / "fp8"
+    convert_hf_to_fp8.convert(tiny_kit[0], str(out), "block", (32, 32))
+    base = [*BASE, "--rollout-max-response-len", "64"]
+    err = error_line(capsys, "--hf-checkpoint", str(out), model=[], base=base)
+    assert err.startswith(f"--hf-checkpoint {out} is quantised (fp8_block): weight updates from the trainer into a")
+    assert parse_args(argv=[*base, "--hf-checkpoint", str(out), "--debug-rollout-only"]).debug_rollout_only
+    cfg = json.load(open(out / "config.json"))
+    cfg["quantization_config"]["fmt"] = "e5m2"
+    json.dump(cfg, open(out / "config.json", "w"))
+    err = error_line(capsys, "--hf-checkpoint", str(out), "--debug-rollout-only", model=[], base=base)
+    assert err == f"--hf-checkpoint {out}: quantization_config: fp8 fmt 'e5m2' is not supported (only e4m3)"

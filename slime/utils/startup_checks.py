@@ -448,9 +448,42 @@ def check_prompt_data(args, error):
             )
 
 
+def check_quantized_checkpoint(args, error):
+    """A quantised `--hf-checkpoint` (a `quantization_config` in its config.json, as current slime switches FP8 / INT4
+    rollout on): its config must be one this build serves, and since the trainer cannot yet quantise its weight
+    updates into that format, only `--debug-rollout-only` may use it."""
+    import json
+
+    hf = getattr(args, "hf_checkpoint", None)
+    path = os.path.join(hf, "config.json") if hf else None
+    if not path or not os.path.isfile(path):
+        return
+    try:
+        with open(path) as f:
+            qc = json.load(f).get("quantization_config")
+    except (OSError, ValueError):
+        return  # other checks report an unreadable config
+    if not qc:
+        return
+    from slime.utils.quantization import QuantizationConfigError, QuantScheme
+
+    try:
+        kind = QuantScheme(qc, f"--hf-checkpoint {hf}: quantization_config").kind
+    except QuantizationConfigError as e:
+        error(one_line(e))
+        return
+    if not getattr(args, "debug_rollout_only", False):
+        error(
+            f"--hf-checkpoint {hf} is quantised ({kind}): weight updates from the trainer into a quantised engine "
+            "(quantise-on-sync) are not implemented yet; use --debug-rollout-only to serve it, or train with the "
+            "full-precision checkpoint (tools/fp8_cast_bf16.py converts FP8 back)"
+        )
+
+
 def check_inputs(args, error, user_load=None):
     """Everything that reads files or imports the user's code; runs at the end of `parse_args`."""
     check_extension_points(args, error)
+    check_quantized_checkpoint(args, error)
     check_checkpoints(args, error, user_load)
     check_output_dirs(args, error)
     check_prompt_data(args, error)
