@@ -367,7 +367,7 @@ def test_quantised_hf_checkpoint_is_served_rollout_only(tiny_kit, tmp_path, caps
     convert_hf_to_fp8.convert(tiny_kit[0], str(out), "block", (32, 32))
     base = [*BASE, "--rollout-max-response-len", "64"]
     err = error_line(capsys, "--hf-checkpoint", str(out), model=[], base=base)
-    assert err.startswith(f"--hf-checkpoint {out} is quantised (fp8_block): weight updates from the trainer into a")
+    assert err.startswith(f"--hf-checkpoint {out} is quantised (fp8_block): training into a quantised engine is not")
     assert parse_args(argv=[*base, "--hf-checkpoint", str(out), "--debug-rollout-only"]).debug_rollout_only
     cfg = json.load(open(out / "config.json"))
     cfg["quantization_config"]["fmt"] = "e5m2"

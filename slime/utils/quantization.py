@@ -488,3 +488,21 @@ def quantize_named_tensors(named, scheme: QuantScheme):
                 yield base + suffix, q
         else:
             yield name, t
+
+
+def hf_quantization_config(hf_dir) -> dict | None:
+    """The `quantization_config` of an HF checkpoint directory's config.json when it is one slime quantises its weight
+    updates into (`quant_method` fp8 or compressed-tensors); None otherwise (absent, unreadable, or another method,
+    whose updates pass through in full precision as in current slime)."""
+    import json
+    import os
+
+    path = os.path.join(hf_dir, "config.json") if hf_dir else None
+    if not path or not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            qc = json.load(f).get("quantization_config")
+    except (OSError, ValueError):
+        return None
+    return qc if isinstance(qc, dict) and qc.get("quant_method") in ("fp8", "compressed-tensors") else None

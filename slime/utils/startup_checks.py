@@ -450,23 +450,15 @@ def check_prompt_data(args, error):
 
 def check_quantized_checkpoint(args, error):
     """A quantised `--hf-checkpoint` (a `quantization_config` in its config.json, as current slime switches FP8 / INT4
-    rollout on): its config must be one this build serves, and since the trainer cannot yet quantise its weight
-    updates into that format, only `--debug-rollout-only` may use it."""
-    import json
+    rollout on; other methods pass updates through in full precision, as in current slime): its config must be one
+    this build serves, and until training into a quantised engine is enabled end to end, only `--debug-rollout-only`
+    may use it."""
+    from slime.utils.quantization import QuantizationConfigError, QuantScheme, hf_quantization_config
 
     hf = getattr(args, "hf_checkpoint", None)
-    path = os.path.join(hf, "config.json") if hf else None
-    if not path or not os.path.isfile(path):
-        return
-    try:
-        with open(path) as f:
-            qc = json.load(f).get("quantization_config")
-    except (OSError, ValueError):
-        return  # other checks report an unreadable config
+    qc = hf_quantization_config(hf)
     if not qc:
         return
-    from slime.utils.quantization import QuantizationConfigError, QuantScheme
-
     try:
         kind = QuantScheme(qc, f"--hf-checkpoint {hf}: quantization_config").kind
     except QuantizationConfigError as e:
@@ -474,8 +466,9 @@ def check_quantized_checkpoint(args, error):
         return
     if not getattr(args, "debug_rollout_only", False):
         error(
-            f"--hf-checkpoint {hf} is quantised ({kind}): weight updates from the trainer into a quantised engine "
-            "(quantise-on-sync) are not implemented yet; use --debug-rollout-only to serve it, or train with the "
+            f"--hf-checkpoint {hf} is quantised ({kind}): training into a quantised engine is not enabled yet "
+            "(the sync's quantisation exists, but initialising the trainer from a quantised checkpoint and FP8 over "
+            "the broadcast transport do not); use --debug-rollout-only to serve it, or train with the "
             "full-precision checkpoint (tools/fp8_cast_bf16.py converts FP8 back)"
         )
 

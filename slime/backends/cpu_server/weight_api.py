@@ -134,7 +134,9 @@ class WeightAPI:
                         unknown.append(n)
                     dst = torch.empty(shape, dtype=dt)
                     received.append((n, dst))
-                works.append(dist.broadcast(dst, src=0, group=group, async_op=True))
+                # gloo cannot broadcast float8: the sender sends its uint8 view, received into this one
+                wire = dst.view(torch.uint8) if dst.dtype == torch.float8_e4m3fn else dst
+                works.append(dist.broadcast(wire, src=0, group=group, async_op=True))
             for w in works:
                 w.wait()
             if released:
@@ -142,6 +144,8 @@ class WeightAPI:
             if unknown:
                 raise WeightError(f"update_weights_from_distributed: unknown parameter(s) {unknown[:5]}")
             self.weights.load(received, "update_weights_from_distributed")
+            if getattr(self.weights, "quant", None) is not None:  # received in place: still to be dequantised
+                self.weights.note_loaded(names)
             self.state.bump_version(b.get("weight_version"))
 
         await self._control(receive_and_load)

@@ -195,6 +195,10 @@ class WeightStore:
                 f"{str(got).replace('torch.', '')} tensor"
             )
 
+    def note_loaded(self, names):
+        """Quantised parameters written in place (a broadcast received straight into them) count as loaded."""
+        self.pending.update(n for n in names if n in self._quant_names)
+
     def finish_quantized(self, source: str):
         """Dequantise every quantised module loaded since the last call into the tensors the model computes with.
         A module whose parts did not all arrive (e.g. a weight without its scale) is an error naming it."""
