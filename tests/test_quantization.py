@@ -356,21 +356,65 @@ def test_convert_hf_to_int4_direct_dense_and_moe(tiny_kit, tmp_path):
             assert ((dq - src[n]).abs() <= step * 0.5 * (1 + 1e-5) + 1e-7).all()
 
 
-def test_quantised_hf_checkpoint_is_served_rollout_only(tiny_kit, tmp_path, capsys):
-    """The trainer cannot yet quantise its weight updates: a quantised --hf-checkpoint starts only with
-    --debug-rollout-only, and a config this build cannot serve is refused in one line."""
+def test_quantised_hf_checkpoint_start_up_checks(tiny_kit, tmp_path, capsys):
+    """Blockwise FP8 trains (quantise-on-sync); other formats, the disk transport and adapter-only LoRA sync into a
+    quantised engine start only with --debug-rollout-only; a config this build cannot serve is refused; each in one
+    line."""
     from slime.utils.arguments import parse_args
     from tests.test_startup_checks import BASE, error_line
     from tools import convert_hf_to_fp8
 
-    out = tmp_path / "fp8"
-    convert_hf_to_fp8.convert(tiny_kit[0], str(out), "block", (32, 32))
+    block, tensor = tmp_path / "fp8", tmp_path / "fp8-tensor"
+    convert_hf_to_fp8.convert(tiny_kit[0], str(block), "block", (32, 32))
+    convert_hf_to_fp8.convert(tiny_kit[0], str(tensor), "tensor")
     base = [*BASE, "--rollout-max-response-len", "64"]
-    err = error_line(capsys, "--hf-checkpoint", str(out), model=[], base=base)
-    assert err.startswith(f"--hf-checkpoint {out} is quantised (fp8_block): training into a quantised engine is not")
-    assert parse_args(argv=[*base, "--hf-checkpoint", str(out), "--debug-rollout-only"]).debug_rollout_only
-    cfg = json.load(open(out / "config.json"))
+    assert parse_args(argv=[*base, "--hf-checkpoint", str(block)]).hf_checkpoint == str(block)
+    err = error_line(capsys, "--hf-checkpoint", str(tensor), model=[], base=base)
+    assert err == (
+        f"--hf-checkpoint {tensor} is quantised (fp8_tensor): training into it (quantise-on-sync) is implemented for "
+        "blockwise FP8 only; use --debug-rollout-only to serve it without training, or train with the full-precision "
+        "checkpoint"
+    )
+    assert parse_args(argv=[*base, "--hf-checkpoint", str(tensor), "--debug-rollout-only"]).debug_rollout_only
+    err = error_line(
+        capsys,
+        "--hf-checkpoint",
+        str(block),
+        "--update-weight-transport",
+        "disk",
+        "--update-weight-disk-dir",
+        str(tmp_path / "versions"),
+        model=[],
+        base=base,
+    )
+    assert err.startswith(f"--hf-checkpoint {block} is quantised (FP8): --update-weight-transport disk into a")
+    cfg = json.load(open(block / "config.json"))
     cfg["quantization_config"]["fmt"] = "e5m2"
-    json.dump(cfg, open(out / "config.json", "w"))
-    err = error_line(capsys, "--hf-checkpoint", str(out), "--debug-rollout-only", model=[], base=base)
-    assert err == f"--hf-checkpoint {out}: quantization_config: fp8 fmt 'e5m2' is not supported (only e4m3)"
+    json.dump(cfg, open(block / "config.json", "w"))
+    err = error_line(capsys, "--hf-checkpoint", str(block), "--debug-rollout-only", model=[], base=base)
+    assert err == f"--hf-checkpoint {block}: quantization_config: fp8 fmt 'e5m2' is not supported (only e4m3)"
+
+
+def test_trainer_reads_a_quantised_hf_checkpoint_dequantised(tiny_kit, tmp_path):
+    """hf_to_megatron's reader: from an FP8 or INT4 --hf-checkpoint the trainer starts from q * s exactly (the
+    checkpoint's own block / group), other tensors as stored."""
+    from slime.backends.megatron_utils.megatron_to_hf.hf_to_megatron import SafetensorsReader
+    from tools import convert_hf_to_fp8, convert_hf_to_int4_direct
+
+    src = _read_dir(tiny_kit[0])
+    convert_hf_to_fp8.convert(tiny_kit[0], str(tmp_path / "fp8"), "block", (32, 64))
+    fp8 = _read_dir(str(tmp_path / "fp8"))
+    reader = SafetensorsReader(str(tmp_path / "fp8"))
+    name = "model.layers.1.mlp.down_proj.weight"
+    expected = fp8[name].float() * Q._expand(fp8[name + "_scale_inv"], 32, 64, src[name].shape)
+    assert torch.equal(reader.get(name), expected)
+    assert torch.equal(reader.get("model.norm.weight"), src["model.norm.weight"])
+
+    rules = ["re:.*embed.*", "re:.*norm.*"]
+    convert_hf_to_int4_direct.convert(tiny_kit[0], str(tmp_path / "int4"), 32, True, rules)
+    int4 = _read_dir(str(tmp_path / "int4"))
+    reader = SafetensorsReader(str(tmp_path / "int4"))
+    parts = {s: int4[name[:-6] + s] for s in ("weight_packed", "weight_scale", "weight_shape")}
+    assert torch.equal(reader.get(name), Q.dequantize_int4(parts, 32, True, torch.float32))
+    with pytest.raises(KeyError, match="has no tensor 'model.bogus.weight'"):
+        reader.get("model.bogus.weight")

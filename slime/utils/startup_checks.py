@@ -451,8 +451,8 @@ def check_prompt_data(args, error):
 def check_quantized_checkpoint(args, error):
     """A quantised `--hf-checkpoint` (a `quantization_config` in its config.json, as current slime switches FP8 / INT4
     rollout on; other methods pass updates through in full precision, as in current slime): its config must be one
-    this build serves, and until training into a quantised engine is enabled end to end, only `--debug-rollout-only`
-    may use it."""
+    this build serves. Training quantises every weight update into it (blockwise FP8, over shared memory, tensor
+    handles or broadcast); other formats and transports are refused unless `--debug-rollout-only`."""
     from slime.utils.quantization import QuantizationConfigError, QuantScheme, hf_quantization_config
 
     hf = getattr(args, "hf_checkpoint", None)
@@ -464,12 +464,25 @@ def check_quantized_checkpoint(args, error):
     except QuantizationConfigError as e:
         error(one_line(e))
         return
-    if not getattr(args, "debug_rollout_only", False):
+    if getattr(args, "debug_rollout_only", False):
+        return
+    rollout_only = (
+        "; use --debug-rollout-only to serve it without training, or train with the full-precision checkpoint"
+    )
+    if kind != "fp8_block":
         error(
-            f"--hf-checkpoint {hf} is quantised ({kind}): training into a quantised engine is not enabled yet "
-            "(the sync's quantisation exists, but initialising the trainer from a quantised checkpoint and FP8 over "
-            "the broadcast transport do not); use --debug-rollout-only to serve it, or train with the "
-            "full-precision checkpoint (tools/fp8_cast_bf16.py converts FP8 back)"
+            f"--hf-checkpoint {hf} is quantised ({kind}): training into it (quantise-on-sync) is implemented for "
+            f"blockwise FP8 only{rollout_only}"
+        )
+    elif getattr(args, "update_weight_transport", None) == "disk":
+        error(
+            f"--hf-checkpoint {hf} is quantised (FP8): --update-weight-transport disk into a quantised engine is not "
+            f"supported yet (shared memory, tensor handles and broadcast are){rollout_only}"
+        )
+    elif getattr(args, "enable_lora", False) and getattr(args, "lora_sync", None) == "adapter":
+        error(
+            f"--hf-checkpoint {hf} is quantised (FP8): --lora-sync adapter onto a quantised base is not supported "
+            "(use --lora-sync merged: merged weights are quantised on sync)"
         )
 
 
