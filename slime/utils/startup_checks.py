@@ -448,9 +448,48 @@ def check_prompt_data(args, error):
             )
 
 
+def check_quantized_checkpoint(args, error):
+    """A quantised `--hf-checkpoint` (a `quantization_config` in its config.json, as current slime switches FP8 / INT4
+    rollout on; other methods pass updates through in full precision, as in current slime): its config must be one
+    this build serves. Training quantises every weight update into it (blockwise FP8, over shared memory, tensor
+    handles or broadcast); other formats and transports are refused unless `--debug-rollout-only`."""
+    from slime.utils.quantization import QuantizationConfigError, QuantScheme, hf_quantization_config
+
+    hf = getattr(args, "hf_checkpoint", None)
+    qc = hf_quantization_config(hf)
+    if not qc:
+        return
+    try:
+        kind = QuantScheme(qc, f"--hf-checkpoint {hf}: quantization_config").kind
+    except QuantizationConfigError as e:
+        error(one_line(e))
+        return
+    if getattr(args, "debug_rollout_only", False):
+        return
+    rollout_only = (
+        "; use --debug-rollout-only to serve it without training, or train with the full-precision checkpoint"
+    )
+    if kind != "fp8_block":
+        error(
+            f"--hf-checkpoint {hf} is quantised ({kind}): training into it (quantise-on-sync) is implemented for "
+            f"blockwise FP8 only{rollout_only}"
+        )
+    elif getattr(args, "update_weight_transport", None) == "disk":
+        error(
+            f"--hf-checkpoint {hf} is quantised (FP8): --update-weight-transport disk into a quantised engine is not "
+            f"supported yet (shared memory, tensor handles and broadcast are){rollout_only}"
+        )
+    elif getattr(args, "enable_lora", False) and getattr(args, "lora_sync", None) == "adapter":
+        error(
+            f"--hf-checkpoint {hf} is quantised (FP8): --lora-sync adapter onto a quantised base is not supported "
+            "(use --lora-sync merged: merged weights are quantised on sync)"
+        )
+
+
 def check_inputs(args, error, user_load=None):
     """Everything that reads files or imports the user's code; runs at the end of `parse_args`."""
     check_extension_points(args, error)
+    check_quantized_checkpoint(args, error)
     check_checkpoints(args, error, user_load)
     check_output_dirs(args, error)
     check_prompt_data(args, error)

@@ -50,6 +50,7 @@ class ModelConfig:
     mlp_bias: bool
     torch_dtype: str
     eos_token_ids: list
+    quantization_config: dict | None = None
 
     @classmethod
     def from_model_dir(cls, model_dir: str) -> "ModelConfig":
@@ -102,6 +103,7 @@ class ModelConfig:
             mlp_bias=c.get("mlp_bias", False),
             torch_dtype=str(c.get("torch_dtype") or c.get("dtype") or "float32"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            quantization_config=c.get("quantization_config"),
         )
 
 

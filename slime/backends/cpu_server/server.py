@@ -23,6 +23,7 @@ import torch
 from aiohttp import web
 
 from slime.backends.sglang_utils.contract import body_errors, route
+from slime.utils.quantization import QuantScheme
 from slime.utils.tensor_serialization import set_shared_authkey
 
 from .generate_api import GenerateAPI
@@ -101,6 +102,14 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
             )
             self.fallback = True
         if self.fallback:
+            with open(os.path.join(self.model_path, "config.json")) as f:
+                qc = json.load(f).get("quantization_config")
+            if qc:
+                raise UnsupportedModelError(
+                    f"{self.model_path}: a quantised checkpoint (quant_method {qc.get('quant_method')!r}) is served "
+                    f"only by the CPU server's own model ({', '.join(sorted(SUPPORTED_ARCHITECTURES))}), not "
+                    "through the transformers fallback; serve the full-precision checkpoint instead"
+                )
             self.cfg, self.dtype, self.weights, self.model = load_fallback(
                 self.model_path, args.dtype, args.trust_remote_code
             )
@@ -116,7 +125,9 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
             )
         self.dtype = resolve_dtype(args.dtype, self.cfg)
         self.context_len = args.context_length or self.cfg.max_position_embeddings
-        self.weights = WeightStore(self.cfg, self.dtype)
+        qc = self.cfg.quantization_config
+        quant = QuantScheme(qc, f"{self.model_path}/config.json quantization_config") if qc else None
+        self.weights = WeightStore(self.cfg, self.dtype, quant)
         self.weights.load_from_dir(self.model_path)
         self.model = Transformer(self.cfg, self.weights, self.dtype, self.context_len + 1)
         bytes_per_token = 2 * self.cfg.num_layers * self.cfg.num_kv_heads * self.cfg.head_dim * self.dtype.itemsize

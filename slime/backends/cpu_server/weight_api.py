@@ -134,7 +134,9 @@ class WeightAPI:
                         unknown.append(n)
                     dst = torch.empty(shape, dtype=dt)
                     received.append((n, dst))
-                works.append(dist.broadcast(dst, src=0, group=group, async_op=True))
+                # gloo cannot broadcast float8: the sender sends its uint8 view, received into this one
+                wire = dst.view(torch.uint8) if dst.dtype == torch.float8_e4m3fn else dst
+                works.append(dist.broadcast(wire, src=0, group=group, async_op=True))
             for w in works:
                 w.wait()
             if released:
@@ -142,6 +144,8 @@ class WeightAPI:
             if unknown:
                 raise WeightError(f"update_weights_from_distributed: unknown parameter(s) {unknown[:5]}")
             self.weights.load(received, "update_weights_from_distributed")
+            if getattr(self.weights, "quant", None) is not None:  # received in place: still to be dequantised
+                self.weights.note_loaded(names)
             self.state.bump_version(b.get("weight_version"))
 
         await self._control(receive_and_load)
@@ -215,6 +219,7 @@ class WeightAPI:
         if self.weight_session_open:
             raise WeightError("a weight-update session is already open; call end_weight_update() first")
         self.weight_session_open = True
+        getattr(self.weights, "pending", set()).clear()
         return web.json_response({"success": True, "message": "Success"})
 
     async def end_weight_update(self, request):
@@ -222,6 +227,8 @@ class WeightAPI:
         if not self.weight_session_open:
             raise WeightError("no weight-update session is open; call begin_weight_update() first")
         self.weight_session_open = False
+        if getattr(self.weights, "quant", None) is not None:  # SGLang's process_weights_after_loading
+            await self._control(lambda: self.weights.finish_quantized("end_weight_update"))
         return web.json_response({"success": True, "message": "Success"})
 
     async def update_weight_version(self, request):

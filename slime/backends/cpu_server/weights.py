@@ -73,10 +73,20 @@ def parallel_copy(pairs) -> None:
         f.result()
 
 
+_QUANT_DTYPES = (torch.float8_e4m3fn, torch.int32)
+
+
 class WeightStore:
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
-        self.cfg, self.dtype = cfg, dtype
+    """`quant` (a slime.utils.quantization.QuantScheme, from the checkpoint's `quantization_config`): each linear it
+    quantises keeps its checkpoint-layout tensors (`weight` e4m3 + `weight_scale_inv`/`weight_scale`, or INT4
+    `weight_packed`/`weight_scale`/`weight_shape`[/`weight_zero_point`]) as the parameters loads and updates address,
+    as SGLang does; the model computes with their dequantised values (fp32 product, cast to the serving dtype),
+    rebuilt after a load from disk and at the end of each update session (SGLang's process_weights_after_loading)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, quant=None):
+        self.cfg, self.dtype, self.quant = cfg, dtype, quant
         self._backup_dir = None
+        self.pending = set()  # quantised parameters loaded since their module was last dequantised
         self._allocate()
 
     # ----- layout -----
@@ -142,6 +152,77 @@ class WeightStore:
                 self.named[p + "mlp.up_proj.bias"] = L["gate_up_bias"][ffn:]
                 self.named[p + "mlp.down_proj.bias"] = L["down_bias"]
             self.layers.append(L)
+        self.quantized = {}  # module -> (compute view, {suffix: checkpoint-layout tensor})
+        self._quant_names = {}  # parameter name -> module
+        if self.quant is not None:
+            self._add_quantized()
+
+    def _add_quantized(self):
+        for name in list(self.named):
+            if not name.endswith("_proj.weight"):  # the linears: q/k/v/o and gate/up/down projections
+                continue
+            module = name[: -len(".weight")]
+            if not self.quant.quantizes_module(module):
+                continue
+            view = self.named.pop(name)
+            parts = {}
+            for suffix, (shape, dt) in self.quant.storage_spec(tuple(view.shape), self.dtype).items():
+                pname = f"{module}.{suffix}"
+                parts[suffix] = self.storage[pname] = self.named[pname] = torch.zeros(shape, dtype=dt)
+                self._quant_names[pname] = module
+            self.quantized[module] = (view, parts)
+
+    def _check_dtype(self, name, t, dst, source):
+        """SGLang's refusals, made loud: no full-precision tensor into a quantised parameter (it does not re-quantise
+        what it receives: 'Downcasting not allowed'), no quantised tensor into a full-precision one."""
+        want, got = dst.dtype, t.dtype
+        if name in self._quant_names:
+            if want == torch.int32:
+                ok = got == torch.int32 or (got == torch.int64 and name.endswith(".weight_shape"))
+            elif want == torch.float8_e4m3fn:
+                ok = got == want
+            else:  # a scale: any full-precision float
+                ok = got.is_floating_point and got not in _QUANT_DTYPES
+            if not ok:
+                raise WeightError(
+                    f"{source}: parameter {name!r} is {str(want).replace('torch.', '')} in this checkpoint's "
+                    f"quantised layout ({self.quant.kind}), got {str(got).replace('torch.', '')}: send the quantised "
+                    "tensors (this server, like SGLang, does not quantise what it receives)"
+                )
+        elif got == torch.float8_e4m3fn and want != got:
+            raise WeightError(
+                f"{source}: parameter {name!r} is not quantised in this checkpoint, got a "
+                f"{str(got).replace('torch.', '')} tensor"
+            )
+
+    def note_loaded(self, names):
+        """Quantised parameters written in place (a broadcast received straight into them) count as loaded."""
+        self.pending.update(n for n in names if n in self._quant_names)
+
+    def finish_quantized(self, source: str):
+        """Dequantise every quantised module loaded since the last call into the tensors the model computes with.
+        A module whose parts did not all arrive (e.g. a weight without its scale) is an error naming it."""
+        modules = {self._quant_names[n] for n in self.pending}
+        for module in sorted(modules):
+            view, parts = self.quantized[module]
+            missing = sorted(f"{module}.{s}" for s in parts if f"{module}.{s}" not in self.pending)
+            if missing:
+                self.pending.clear()
+                raise WeightError(
+                    f"{source}: quantised {module} was updated without {', '.join(missing)} "
+                    "(every part of a quantised weight must come in the same update)"
+                )
+            if "weight_shape" in parts and parts["weight_shape"].tolist() != list(view.shape):
+                self.pending.clear()
+                raise WeightError(
+                    f"{source}: {module}.weight_shape is {parts['weight_shape'].tolist()}, the model expects "
+                    f"{list(view.shape)}"
+                )
+        with torch.no_grad():
+            for module in modules:
+                view, parts = self.quantized[module]
+                view.copy_(self.quant.dequantize(parts, self.dtype))
+        self.pending.clear()
 
     @property
     def released(self) -> bool:
@@ -175,6 +256,10 @@ class WeightStore:
                         f"{source}: parameter {name!r} has shape {tuple(t.shape)}, "
                         f"the model expects {tuple(dst.shape)}"
                     )
+                if self.quant is not None or t.dtype == torch.float8_e4m3fn:
+                    self._check_dtype(name, t, dst, source)
+                    if name in self._quant_names:
+                        self.pending.add(name)
                 pairs.append((dst, t))
                 loaded.add(name)
                 pending += t.numel() * t.element_size()
@@ -199,7 +284,9 @@ class WeightStore:
                 loaded |= self.load(torch.load(fn, map_location="cpu", weights_only=True).items(), fn)
         missing = sorted(set(self.named) - loaded)
         if missing:
+            self.pending.clear()
             raise WeightError(f"{model_dir}: checkpoint lacks {len(missing)} parameter(s), e.g. {missing[:3]}")
+        self.finish_quantized(model_dir)
 
     # ----- verification -----
     def state(self) -> dict:

@@ -21,6 +21,7 @@ from slime.ray.train_actor import TrainRayActor
 from slime.utils import device
 from slime.utils.device import empty_cache, pin_memory, synchronize
 from slime.utils.misc import load_rollout_data_postprocess
+from slime.utils.quantization import hf_quantization_config
 from slime.utils.timer import Timer, timer
 from slime.utils.user_errors import call_user_function
 from slime.utils.wandb_utils import init_wandb_secondary
@@ -100,7 +101,7 @@ class MegatronTrainRayActor(TrainRayActor):
             self.model,
             self.weights,
             model_name=self.model_name,
-            quantization_config=None,
+            quantization_config=hf_quantization_config(args.hf_checkpoint),  # quantise-on-sync
             vocab_size=args.vocab_size or self.vocab_size,
         )
         self.rollout_data_postprocess = None

@@ -55,18 +55,43 @@ def resolve_model_name(args, model_name=None):
 
 
 def convert_to_hf(args, model_name, name, param, quantization_config=None):
-    if quantization_config:
-        raise ValueError(
-            f"quantization_config {quantization_config!r}: quantised (fp8) weight export is not supported by this "
-            "build; serve the model unquantised."
-        )
+    """`[(hf_name, tensor)]` of one full Megatron tensor; with the engine checkpoint's `quantization_config`, quantised
+    by slime.utils.quantization exactly as tools/convert_hf_to_fp8.py / convert_hf_to_int4_direct.py write it
+    (the tensors SGLang's parameters expect: it never quantises what it receives)."""
+    scheme = _scheme(quantization_config) if quantization_config else None
     converted = get_family(model_name).to_hf(args, name, param)
     if converted is None:
         raise ValueError(
             f"Megatron parameter {name!r} has no HF counterpart in the {get_family(model_name).name} converter "
             f"(model name {model_name!r}); the model has a layer this family does not know."
         )
+    if scheme is not None:
+        from slime.utils.quantization import quantize_named_tensors
+
+        converted = list(quantize_named_tensors(converted, scheme))
     return converted
+
+
+_SCHEMES = {}
+
+
+def _scheme(quantization_config):
+    """The parsed config, once per distinct config. Per-tensor and per-channel FP8 cannot be updated online in
+    SGLang (it folds and transposes them after loading), so a sync into them is refused."""
+    import json
+
+    from slime.utils.quantization import QuantScheme
+
+    key = json.dumps(quantization_config, sort_keys=True)
+    if key not in _SCHEMES:
+        scheme = QuantScheme(quantization_config, "--hf-checkpoint quantization_config")
+        if scheme.kind in ("fp8_tensor", "fp8_channel"):
+            raise ValueError(
+                f"--hf-checkpoint quantization_config is {scheme.kind}: SGLang cannot take weight updates into it; "
+                "use a blockwise FP8 checkpoint (tools/convert_hf_to_fp8.py --strategy block)"
+            )
+        _SCHEMES[key] = scheme
+    return _SCHEMES[key]
 
 
 __all__ = ["convert_to_hf", "hf_to_megatron", "get_family", "resolve_model_name"]

@@ -40,12 +40,44 @@ class SafetensorsReader:
             )
         self._handles = {}
         self._recent = {}  # the last two tensors read (an expert's fc1 and fc2 come from two stacked tensors)
+        from slime.utils.quantization import QuantScheme, hf_quantization_config
+
+        qc = hf_quantization_config(hf_dir)
+        self.scheme = QuantScheme(qc, f"--hf-checkpoint {hf_dir} quantization_config") if qc else None
+
+    def _has(self, key):
+        return key in self.key_to_file or (
+            self.scheme is not None and key.endswith(".weight") and key + "_packed" in self.key_to_file
+        )
 
     def get(self, key, fallback=None):
-        if key not in self.key_to_file and fallback is not None:
+        """The tensor `key`; from a quantised checkpoint (FP8 with its scale, INT4 packed) its dequantised fp32
+        value (q * s exactly, with the checkpoint's own block size), as the trainer starts from full precision."""
+        if not self._has(key) and fallback is not None:
             key = fallback
-        if key not in self.key_to_file:
+        if not self._has(key):
             raise KeyError(f"HF checkpoint {self.hf_dir!r} has no tensor {key!r} (needed by the Megatron model)")
+        if self.scheme is None:
+            return self._read(key)
+        from slime.utils import quantization as Q
+
+        if key not in self.key_to_file:  # INT4: weight_packed / weight_scale / weight_shape [/ weight_zero_point]
+            parts = {
+                s: self._read(key + s[len("weight") :])
+                for s in ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
+                if key + s[len("weight") :] in self.key_to_file
+            }
+            return Q.dequantize_int4(parts, self.scheme.group_size, self.scheme.symmetric, torch.float32)
+        t = self._read(key)
+        if t.dtype == Q.FP8_DTYPE:
+            if key + "_scale_inv" in self.key_to_file:
+                return Q.dequantize_fp8(t, self._read(key + "_scale_inv"), self.scheme.block_size, torch.float32)
+            if key + "_scale" in self.key_to_file:
+                return Q.dequantize_fp8(t, self._read(key + "_scale"), None, torch.float32)
+            raise KeyError(f"HF checkpoint {self.hf_dir!r}: FP8 tensor {key!r} has no {key}_scale_inv or {key}_scale")
+        return t
+
+    def _read(self, key):
         if key in self._recent:  # stacked experts: each expert's parameter reads its slice of the same tensor
             return self._recent[key]
         fname = self.key_to_file[key]

@@ -54,6 +54,14 @@ def _id(engine) -> str:
     return engine._actor_id.hex()
 
 
+def gloo_safe(t: torch.Tensor, group=None) -> torch.Tensor:
+    """gloo cannot broadcast float8 ("Invalid scalar type"): over gloo an FP8 tensor travels as its uint8 view (the
+    same bytes; the engine receives into the same view of its buffer). NCCL takes FP8 as it is."""
+    if t.dtype == torch.float8_e4m3fn and dist.get_backend(group) == "gloo":
+        return t.view(torch.uint8)
+    return t
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
@@ -395,7 +403,9 @@ class UpdateWeightFromDistributed:
             )
             for engine in self.rollout_engines
         ]
-        works = [dist.broadcast(t, 0, group=self._group, async_op=True) for _, t in named_tensors]
+        works = [
+            dist.broadcast(gloo_safe(t, self._group), 0, group=self._group, async_op=True) for _, t in named_tensors
+        ]
 
         def check_broadcast(all_works=False):
             # a peer that vanished mid-transfer fails the work; name the engine that died if it says so in time

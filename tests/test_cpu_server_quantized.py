@@ -1,0 +1,194 @@
+"""The CPU inference server on quantised checkpoints (docs/low_precision.md): quantised storage addressed by the
+weight API, dequantised compute, SGLang's refusals made loud (research low-precision.md §5.2, §5.3 F7, F9)."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from slime.backends.cpu_server.model import ModelConfig
+from slime.backends.cpu_server.weights import WeightError, WeightStore
+from slime.utils import quantization as Q
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _read_dir(d):
+    out = {}
+    for fn in sorted(os.listdir(d)):
+        if fn.endswith(".safetensors"):
+            with safe_open(os.path.join(d, fn), framework="pt") as f:
+                out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+@pytest.fixture(scope="module")
+def fp8_dir(tiny_kit, tmp_path_factory):
+    from tools import convert_hf_to_fp8
+
+    out = str(tmp_path_factory.mktemp("fp8") / "qwen3-tiny-fp8")
+    convert_hf_to_fp8.convert(tiny_kit[0], out, "block", (32, 32))
+    return out
+
+
+@pytest.fixture(scope="module")
+def int4_dir(tiny_kit, tmp_path_factory):
+    """Dense INT4: attention and MLP packed (the default rules would pack nothing on a dense model)."""
+    from tools import convert_hf_to_int4_direct
+
+    out = str(tmp_path_factory.mktemp("int4") / "qwen3-tiny-int4")
+    convert_hf_to_int4_direct.convert(tiny_kit[0], out, 32, False, ["re:.*embed.*", "re:.*norm.*", "lm_head"])
+    return out
+
+
+def _store(model_dir, dtype=torch.float32):
+    cfg = ModelConfig.from_model_dir(model_dir)
+    store = WeightStore(cfg, dtype, Q.QuantScheme(cfg.quantization_config))
+    store.load_from_dir(model_dir)
+    return store
+
+
+def test_fp8_checkpoint_loads_as_quantised_storage_and_dequantised_compute(fp8_dir):
+    files = _read_dir(fp8_dir)
+    store = _store(fp8_dir)
+    q_name = "model.layers.1.self_attn.k_proj.weight"
+    assert store.named[q_name].dtype == Q.FP8_DTYPE and store.named[q_name + "_scale_inv"].shape == (2, 4)
+    assert set(store.quantized) == {n[: -len(".weight")] for n in files if n.endswith("_proj.weight")}
+    for module, (view, parts) in store.quantized.items():
+        q, s = files[module + ".weight"], files[module + ".weight_scale_inv"]
+        assert torch.equal(parts["weight"].view(torch.uint8), q.view(torch.uint8)) and torch.equal(
+            parts["weight_scale_inv"], s
+        )
+        assert torch.equal(view, q.float() * Q._expand(s, 32, 32, q.shape))  # F7: the fp32 product, bitwise
+    assert torch.equal(store.named["model.norm.weight"], files["model.norm.weight"])
+
+
+def test_int4_checkpoint_loads(int4_dir, tiny_kit):
+    files = _read_dir(int4_dir)
+    store = _store(int4_dir)
+    src = _read_dir(tiny_kit[0])
+    module = "model.layers.0.mlp.down_proj"
+    assert store.named[module + ".weight_packed"].dtype == torch.int32 and module + ".weight" not in store.named
+    for module, (view, _) in store.quantized.items():
+        parts = {k[len(module) + 1 :]: v for k, v in files.items() if k.startswith(module + ".")}
+        assert torch.equal(view, Q.dequantize_int4(parts, 32, False, torch.float32))
+        assert (view - src[module + ".weight"]).abs().max() < 0.6 * parts["weight_scale"].max()
+
+
+def test_refusals_in_one_line(fp8_dir, tmp_path):
+    store = _store(fp8_dir)
+    name = "model.layers.0.mlp.up_proj.weight"
+    with pytest.raises(
+        WeightError, match=r"is float8_e4m3fn in this checkpoint's quantised layout \(fp8_block\), got float32"
+    ):
+        store.load([(name, torch.zeros(store.named[name].shape))], "update")
+    with pytest.raises(
+        WeightError, match="'model.norm.weight' is not quantised in this checkpoint, got a float8_e4m3fn"
+    ):
+        store.load([("model.norm.weight", torch.zeros(128, dtype=Q.FP8_DTYPE))], "update")
+    with pytest.raises(WeightError, match="unknown parameter 'model.norm.weight_scale_inv'"):
+        store.load([("model.norm.weight_scale_inv", torch.ones(1))], "update")
+    # an update that sends a weight without its scale fails when the session ends, naming the missing scale
+    before = store.quantized["model.layers.0.mlp.up_proj"][0].clone()
+    store.load([(name, torch.zeros(store.named[name].shape, dtype=Q.FP8_DTYPE))], "update")
+    with pytest.raises(WeightError, match=r"up_proj was updated without model.layers.0.mlp.up_proj.weight_scale_inv"):
+        store.finish_quantized("end_weight_update")
+    assert torch.equal(store.quantized["model.layers.0.mlp.up_proj"][0], before)
+    # a checkpoint missing a scale does not load
+    bad = tmp_path / "no-scale"
+    shutil.copytree(fp8_dir, bad)
+    tensors = _read_dir(str(bad))
+    del tensors[name + "_scale_inv"]
+    for fn in os.listdir(bad):
+        if fn.endswith(".safetensors"):
+            os.remove(bad / fn)
+    save_file(tensors, str(bad / "model.safetensors"))
+    with pytest.raises(
+        WeightError, match=r"checkpoint lacks 1 parameter\(s\), e.g. \['model.layers.0.mlp.up_proj.weight_scale_inv'\]"
+    ):
+        _store(str(bad))
+    # what SGLang refuses in a config
+    cfg = json.load(open(bad / "config.json"))
+    cfg["quantization_config"]["activation_scheme"] = "static"
+    with pytest.raises(Q.QuantizationConfigError, match="fp8 needs activation_scheme 'dynamic', got 'static'"):
+        Q.QuantScheme(cfg["quantization_config"])
+
+
+def test_server_serves_fp8_and_takes_quantised_updates_in_a_session(fp8_dir, tiny_kit, tmp_path):
+    """The real server: greedy outputs and log-probs equal transformers' on the dequantised weights; an update of
+    quantised tensors (another model's, quantised by the same quantiser) inside a session changes what it serves to
+    that model's dequantised weights; the weight checker's snapshot/reset/update/compare passes bitwise; a weight
+    without its scale is a 400 at end_weight_update."""
+    from transformers import AutoModelForCausalLM
+
+    from slime.utils.tensor_serialization import MultiprocessingSerializer, set_shared_authkey
+    from tests.test_cpu_server import (
+        SESSION,
+        _assert_serves,
+        begin_update,
+        end_update,
+        start_cpu_server,
+        stop_cpu_server,
+    )
+    from tools import fp8_cast_bf16
+    from tools.build_tiny_kit import build_model
+
+    deq = str(tmp_path / "dequantised")
+    fp8_cast_bf16.convert(fp8_dir, deq, dtype=torch.float32)
+    other_src = str(tmp_path / "other")
+    build_model(other_src, seed=1)
+    other_q = list(Q.quantize_named_tensors(_read_dir(other_src).items(), Q.QuantScheme(Q.fp8_config([32, 32]))))
+    other_deq = str(tmp_path / "other-fp8")
+    from tools import convert_hf_to_fp8
+
+    convert_hf_to_fp8.convert(other_src, str(tmp_path / "other-q"), "block", (32, 32))
+    fp8_cast_bf16.convert(str(tmp_path / "other-q"), other_deq, dtype=torch.float32)
+
+    proc, url = start_cpu_server(fp8_dir, "--random-seed", "1")
+    try:
+        _assert_serves(url, AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32).eval(), "default")
+
+        def check(action):
+            return SESSION.post(url + "/weights_checker", json={"action": action})
+
+        set_shared_authkey()
+        assert check("snapshot").status_code == 200 and check("reset_tensors").status_code == 200
+        begin_update(url)
+        own = list(_read_dir(fp8_dir).items())
+        r = SESSION.post(
+            url + "/update_weights_from_tensor",
+            json={"serialized_named_tensors": [MultiprocessingSerializer.serialize(own, output_str=True)]},
+        )
+        assert r.status_code == 200, r.text
+        end_update(url)
+        assert check("compare").json() == {"success": True, "message": "Success."}
+
+        begin_update(url)
+        r = SESSION.post(
+            url + "/update_weights_from_tensor",
+            json={
+                "serialized_named_tensors": [MultiprocessingSerializer.serialize(other_q, output_str=True)],
+                "weight_version": "2",
+            },
+        )
+        assert r.status_code == 200, r.text
+        end_update(url)
+        _assert_serves(url, AutoModelForCausalLM.from_pretrained(other_deq, dtype=torch.float32).eval(), "2")
+
+        begin_update(url)
+        lone = [(n, t) for n, t in other_q if n == "model.layers.2.self_attn.o_proj.weight"]
+        SESSION.post(
+            url + "/update_weights_from_tensor",
+            json={"serialized_named_tensors": [MultiprocessingSerializer.serialize(lone, output_str=True)]},
+        )
+        r = SESSION.post(url + "/end_weight_update", json={})
+        assert (
+            r.status_code == 400
+            and "o_proj was updated without model.layers.2.self_attn.o_proj.weight_scale_inv" in r.text
+        )
+    finally:
+        stop_cpu_server(proc)

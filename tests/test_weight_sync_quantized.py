@@ -1,0 +1,127 @@
+"""Quantise-on-sync over the colocated tensor transport (shared-memory handles) into a CPU server serving a blockwise
+FP8 checkpoint: the trainer's update carries `weight` in e4m3 and `weight_scale_inv` in fp32, quantised by the same
+code as tools/convert_hf_to_fp8.py, so `--check-weight-update-equal`'s compare passes bit for bit
+(research low-precision.md §5.3 F6-F8)."""
+
+import pytest
+import ray
+import torch
+
+from tests.test_weight_sync import WeightSyncTrainer, _args, start_engines, stop
+
+pytestmark = pytest.mark.timeout(600)
+
+
+class QuantSyncTrainer(WeightSyncTrainer):
+    def setup(self, args, colocate, noise_seed, noise, quantization_config):
+        super().setup(args, colocate, noise_seed, noise)
+        self.updater.quantization_config = quantization_config  # what the actor reads from --hf-checkpoint
+
+    def sent_names_and_dtypes(self):
+        """Every (HF name, dtype) one update sends, as converted for the engine."""
+        from slime.backends.megatron_utils.update_weight.common import to_hf
+
+        out = {}
+        for name, p in self.weights["actor"].items():
+            for n, t in to_hf(self.args, self.args.model_name, name, p, self.updater.quantization_config):
+                out[n] = str(t.dtype)
+        return out
+
+
+def test_convert_to_hf_quantises_what_the_converter_quantises():
+    """The sync's Megatron -> HF conversion with the engine's quantization_config: fused q/k/v and gate/up are split
+    first, then each HF projection gets the converter's bytes; norms pass through; configs SGLang cannot update
+    online are refused."""
+    from types import SimpleNamespace
+
+    from slime.backends.megatron_utils.megatron_to_hf import convert_to_hf
+    from slime.utils import quantization as Q
+
+    args = SimpleNamespace(
+        num_attention_heads=4,
+        num_query_groups=2,
+        group_query_attention=True,
+        kv_channels=32,
+        hidden_size=128,
+        num_layers=2,
+        mtp_num_layers=0,
+        swiglu=True,
+    )
+    g = torch.Generator().manual_seed(0)
+    params = {
+        "module.module.decoder.layers.0.self_attention.linear_qkv.weight": torch.randn(256, 128, generator=g),
+        "module.module.decoder.layers.0.mlp.linear_fc1.weight": torch.randn(192, 128, generator=g),
+        "module.module.decoder.layers.0.self_attention.linear_qkv.layer_norm_weight": torch.randn(128, generator=g),
+    }
+    qc = Q.fp8_config([32, 32])
+    for name, p in params.items():
+        plain = convert_to_hf(args, "qwen3", name, p)
+        quantised = dict(convert_to_hf(args, "qwen3", name, p, qc))
+        expected = dict(Q.quantize_named_tensors(plain, Q.QuantScheme(qc)))
+        assert set(quantised) == set(expected)
+        for n, t in plain:
+            if n.endswith("_proj.weight"):
+                q, s = Q.quantize_fp8_block(t.contiguous(), (32, 32))
+                assert torch.equal(quantised[n].view(torch.uint8), q.view(torch.uint8))
+                assert torch.equal(quantised[n + "_scale_inv"], s)
+            else:
+                assert quantised[n] is t
+    with pytest.raises(ValueError, match="fp8_tensor: SGLang cannot take weight updates into it"):
+        convert_to_hf(args, "qwen3", name, params[name], Q.fp8_config(None))
+
+
+@pytest.mark.slow  # a CPU server and a Megatron trainer as Ray actors (about 30 s each on an idle 2-core machine)
+@pytest.mark.parametrize("colocate,transport", [(True, "auto"), (False, "broadcast")])
+def test_fp8_quantise_on_sync_restores_the_engine_bit_for_bit(tiny_kit, tmp_path, ray_session, colocate, transport):
+    """Colocated (shared-memory handles of flattened buckets) and disaggregated gloo broadcast (FP8 as uint8 bytes)."""
+    from slime.backends.sglang_utils.sglang_engine import SGLangEngine  # noqa: F401  (the engine actor's class)
+    from slime.ray.utils import Lock
+    from slime.utils.quantization import fp8_config
+    from tools import convert_hf_to_fp8
+
+    fp8_dir = str(tmp_path / "fp8")
+    convert_hf_to_fp8.convert(tiny_kit[0], fp8_dir, "block", (32, 32))
+    started, lock = [], Lock.remote()
+    try:
+        (engine,) = start_engines(_args(fp8_dir, 1), 1)
+        started.append(engine)
+        for action in ("snapshot", "reset_tensors"):
+            ray.get(engine.check_weights.remote(action), timeout=120)
+        Trainer = ray.remote(num_cpus=0.4, num_gpus=0.3)(QuantSyncTrainer)
+        trainer = Trainer.remote(1, 0, None, None)
+        started.append(trainer)
+        # noise 0: the trainer holds the checkpoint's full-precision weights, the engine their converted FP8
+        args = _args(tiny_kit[0], 1, update_weight_transport=transport)
+        ray.get(trainer.setup.remote(args, colocate, 1, 0.0, fp8_config([32, 32])), timeout=300)
+        sent = ray.get(trainer.sent_names_and_dtypes.remote(), timeout=120)
+        assert sent["model.layers.0.self_attn.q_proj.weight"] == str(torch.float8_e4m3fn)
+        assert sent["model.layers.0.self_attn.q_proj.weight_scale_inv"] == str(torch.float32)
+        assert sent["model.layers.0.input_layernorm.weight"] == str(torch.float32)
+        from safetensors import safe_open
+
+        with safe_open(f"{fp8_dir}/model.safetensors", framework="pt") as f:
+            assert set(sent) == set(f.keys())  # F6: the names the sync sends are the converter's
+        ray.get(trainer.connect.remote([engine], lock), timeout=120)
+        ray.get(trainer.update_weights.remote(), timeout=300)
+        assert ray.get(engine.check_weights.remote("compare"), timeout=120)["success"] is True
+    finally:
+        stop(started)
+        ray.kill(lock)
+
+
+@pytest.mark.slow  # a short train.py run (Ray, router, CPU server, Megatron trainer)
+def test_train_py_into_an_fp8_engine_with_check_weight_update_equal(ray_session, tiny_kit, tmp_path):
+    """The whole loop with a blockwise-FP8 --hf-checkpoint: the trainer starts from its dequantised weights, every
+    update is quantised on sync, and --check-weight-update-equal's compare after the first push passes bit for bit."""
+    import train as sync_driver
+    from tests.test_e2e import make_args, read_metrics
+    from tools import convert_hf_to_fp8
+
+    fp8_dir = str(tmp_path / "fp8")
+    convert_hf_to_fp8.convert(tiny_kit[0], fp8_dir, "block", (32, 32))
+    args = make_args((fp8_dir, tiny_kit[1]), tmp_path, "--rollout-num-gpus", "1", "--check-weight-update-equal")
+    sync_driver.train(args)
+    rows = read_metrics(tmp_path)
+    assert [int(r["rollout/weight_version"]) for r in rows] == [1, 2]
+    # the engine computes with FP8 weights, the trainer with full precision: a small, non-zero mismatch
+    assert 0 < rows[0]["train/train_rollout_logprob_abs_diff"] < 0.5
