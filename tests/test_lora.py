@@ -213,3 +213,22 @@ def test_adapter_sync_without_lora_fails_in_one_line(capsys):
         make_args("--lora-sync", "adapter")
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and "--lora-sync adapter needs --enable-lora" in err and len(err.splitlines()) == 1
+
+
+def test_a_lora_run_says_so_in_one_log_line(caplog):
+    # what get_model logs after wrapping: rank, alpha, targets, layer count and the trainable parameters
+    import logging
+
+    from slime.backends.megatron_utils.lora import log_lora_summary
+
+    args = make_args("--enable-lora", "--lora-rank", "4", "--lora-alpha", "8")
+    chunk = torch.nn.Module()
+    chunk.base = torch.nn.Parameter(torch.zeros(10, 10), requires_grad=False)  # 100 frozen
+    chunk.lora_A = torch.nn.Parameter(torch.zeros(4, 10))  # 40 + 40 trainable
+    chunk.lora_B = torch.nn.Parameter(torch.zeros(10, 4))
+    with caplog.at_level(logging.INFO, logger="slime.backends.megatron_utils.lora"):
+        log_lora_summary(args, [chunk], ["decoder.layers.0.self_attention.linear_qkv"])
+    lines = [r.getMessage() for r in caplog.records if r.name == "slime.backends.megatron_utils.lora"]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("LoRA is on (--enable-lora): rank 4, alpha 8.0, dropout 0.0, targets ")
+    assert "on 1 layers" in lines[0] and "trainable parameters 80 of 180 (44.444%)" in lines[0]
