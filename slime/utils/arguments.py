@@ -779,26 +779,9 @@ def check_param_freeze_flags(args, error):
                 re.compile(pattern)
             except re.error as e:
                 error(f"{flag}: {pattern!r} is not a regular expression ({e}).")
-    # a pattern that matches no parameter: refused now, not once Ray and the trainers are up. The names come from
-    # the model flags and --hf-checkpoint's tensors (a superset: model_provider.freeze_model_params has the last word)
-    patterns = only or freeze
-    if not patterns or not args.hf_checkpoint or args.custom_model_provider_path or not args.num_layers:
-        return
-    from slime.backends.megatron_utils.megatron_to_hf.names import possible_param_names
+    from slime.backends.megatron_utils.arguments import check_param_patterns_match
 
-    try:
-        names = possible_param_names(args)
-    except (OSError, ValueError):  # an unreadable checkpoint is refused elsewhere, in its own words
-        return
-    flag = "--only-train-params-name-list" if only else "--freeze-params-name-list"
-    for pattern in patterns:
-        if not any(re.search(pattern, n) for n in names):
-            error(
-                f"{flag}: {pattern!r} matches no parameter of the model of --hf-checkpoint {args.hf_checkpoint} "
-                f"(Megatron names, re.search: e.g. embedding.word_embeddings.weight, "
-                f"decoder.layers.0.self_attention.linear_qkv.weight, decoder.layers.{args.num_layers - 1}.mlp."
-                "linear_fc2.weight, output_layer.weight)."
-            )
+    check_param_patterns_match(args, error)  # against the names the model will have, before Ray starts
 
 
 def add_metric_arguments(parser):

@@ -776,6 +776,31 @@ def check_hybrid_model(args, error):
         error(problem + ".")
 
 
+def check_param_patterns_match(args, error):
+    """A --freeze-params-name-list / --only-train-params-name-list pattern that matches no parameter is refused at
+    start-up, not once Ray and the trainers are up. The names come from the model flags and --hf-checkpoint's
+    tensors (a superset of the model's: `model_provider.freeze_model_params` has the last word)."""
+    only, freeze = args.only_train_params_name_list, args.freeze_params_name_list
+    patterns = only or freeze
+    if not patterns or not args.hf_checkpoint or args.custom_model_provider_path or not args.num_layers:
+        return
+    try:
+        from .megatron_to_hf.names import possible_param_names
+
+        names = possible_param_names(args)
+    except (ImportError, OSError, ValueError):  # no Megatron here, or an unreadable checkpoint (refused elsewhere)
+        return
+    flag = "--only-train-params-name-list" if only else "--freeze-params-name-list"
+    for pattern in patterns:
+        if not any(re.search(pattern, n) for n in names):
+            error(
+                f"{flag}: {pattern!r} matches no parameter of the model of --hf-checkpoint {args.hf_checkpoint} "
+                "(Megatron names, re.search: e.g. embedding.word_embeddings.weight, "
+                f"decoder.layers.0.self_attention.linear_qkv.weight, decoder.layers.{args.num_layers - 1}.mlp."
+                "linear_fc2.weight, output_layer.weight)."
+            )
+
+
 def check_mtp(args, error):
     if args.mtp_num_layers is not None and args.mtp_num_layers < 1:
         error(f"--mtp-num-layers {args.mtp_num_layers}: give a positive number of MTP layers, or drop the flag.")
