@@ -105,7 +105,7 @@ def _in_rollout_order(results, key):
     by_index = {}
     for r in results:
         by_index.update(r.get(key) or {})
-    if sorted(by_index) != list(range(len(by_index))):
+    if not by_index or sorted(by_index) != list(range(len(by_index))):
         raise RuntimeError(f"the trainers returned {key} for samples {sorted(by_index)}: some sample has none")
     return [by_index[i] for i in range(len(by_index))]
 

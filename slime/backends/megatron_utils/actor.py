@@ -245,7 +245,9 @@ class MegatronTrainRayActor(TrainRayActor):
 
     def train(self, rollout_id, rollout_data_ref, values_ref=None):
         """Train on one rollout (`Box(ObjectRef)` of the train-data dict). Returns `{"rollout": {...}, "train": [...]}`.
-        With a critic, `values_ref` (`Box` of `{"values": [...]}` in rollout order) holds its values for GAE."""
+        With a critic, `values_ref` (`Box` of `{"values": [...]}` in rollout order) holds its values for GAE; its
+        `"phase"` "returns" also hands back this rollout's returns (`{"returns": {global index: array}}`, for the
+        critic with `--kl-coef` != 0), "returns_only" hands back only them, without training."""
         args = self.args
         if "train_wait" in Timer().start_time:
             Timer().end("train_wait")
