@@ -289,14 +289,22 @@ def test_tool_metrics_are_the_rate_and_the_reward_with_and_without_the_tool():
     assert calculator_agent.tool_metrics([Sample(reward=1.0)]) == {}
 
 
-def test_an_episode_trains_its_longest_branch_only():
-    """One group of three episodes, as the rollout returns them flat or nested: episode 2 came back as two branches
-    (the model wrote text after its tool call, so the history re-rendered differently); its longer one is kept."""
+def test_every_branch_of_an_episode_is_trained(monkeypatch):
+    """One group of three episodes: episode 2 came back as two branches (the model wrote text after its tool call,
+    so the history re-rendered differently); its first branch holds the tool-call turn, trained there only. Both
+    branches reach the trainer (fan-out: they share the episode's rollout_id), and the episode counts once in the
+    agent metrics."""
+    from slime.rollout import RolloutSamples
+
+    meta = {"tool_calls": 1}
     plain, single = Sample(rollout_id=0, tokens=[1, 2]), Sample(rollout_id=1, tokens=[1, 2, 3])
-    first, longer = Sample(rollout_id=2, tokens=[1, 2, 9]), Sample(rollout_id=2, tokens=[1, 2, 8, 8, 7])
-    expected = [[plain, single, longer]]
-    assert calculator_agent.one_sample_per_episode([[plain, single, first, longer]]) == expected
-    assert calculator_agent.one_sample_per_episode([[plain, [single], [longer, first]]]) == expected
+    first = Sample(rollout_id=2, tokens=[1, 2, 9], reward=1.0, metadata=meta)
+    longer = Sample(rollout_id=2, tokens=[1, 2, 8, 8, 7], reward=1.0, metadata=meta)
+    groups = RolloutSamples([[plain, [single], [first, longer]]], metrics={"rollout/x": 1.0})
+    monkeypatch.setattr(calculator_agent, "default_generate_rollout", lambda *a: groups)
+    out = calculator_agent.generate_rollout(None, 0, None)
+    assert out == [[plain, [single], [first, longer]]]
+    assert out.metrics == {"rollout/x": 1.0, "agent/tool_call_rate": 1.0, "agent/reward_with_tool": 1.0}
 
 
 def test_tiny_run_script_dry_run_validates(tiny_kit, tmp_path):

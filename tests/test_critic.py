@@ -302,3 +302,98 @@ def test_ppo_with_a_critic_colocated_and_asynchronous(ray_session, tiny_kit, tmp
     assert [r["rollout_id"] for r in rows] == [0, 1]
     assert "train/pg_loss" not in rows[0] and "train/critic_value_loss" in rows[0]
     assert "train/pg_loss" in rows[1] and "rollout/critic_explained_variance" in rows[1]
+
+
+# ---------------------------------------------------------------- --kl-coef: the critic's returns carry the KL penalty
+def _one_sample(values=None):
+    """One response of 2 tokens, reward 1; old log-probs -0.5, reference -0.7: k1 KL 0.2 per token."""
+    data = {
+        "log_probs": [torch.full((2,), -0.5)],
+        "ref_log_probs": [torch.full((2,), -0.7)],
+        "rewards": [1.0],
+        "loss_masks": [torch.ones(2, dtype=torch.int)],
+        "response_lengths": [2],
+        "total_lengths": [6],
+    }
+    if values is not None:
+        data["values"] = [torch.as_tensor(v, dtype=torch.float32) for v in values]
+    return data
+
+
+class _FakeCritic:
+    """The critic's side of train_step, as MegatronTrainRayActor.train_critic: values [0.5, 0.25]; without a given
+    phase it trains on the GAE returns of its own arguments (critic_args), with phase "train" on the given ones."""
+
+    def __init__(self, args):
+        self.args, self.calls, self.trained_on = args, [], None
+
+    def async_train(self, rollout_id, data_ref, values_ref=None):
+        import numpy as np
+
+        from slime.backends.megatron_utils.loss import compute_advantages_and_returns
+
+        extra = values_ref.inner if values_ref is not None else {}
+        phase = extra.get("phase")
+        self.calls.append(phase)
+        if phase == "train":
+            self.trained_on = [np.asarray(r).tolist() for r in extra["returns"]]
+            return [{"values": {}, "train": [{"train/critic_value_loss": 0.0}], "rollout": {}}]
+        values = {0: np.array([0.5, 0.25], dtype=np.float32)}
+        if phase == "values":
+            return [{"values": values}]
+        data = _one_sample(values=[values[0]])
+        compute_advantages_and_returns(critic_args(self.args), data)
+        self.trained_on = [r.tolist() for r in data["returns"]]
+        return [{"values": values, "train": [{"train/critic_value_loss": 0.0}], "rollout": {}}]
+
+
+class _FakeActor:
+    """The actor's side: GAE (compute_advantages_and_returns, its own arguments) on the critic's values; returns
+    its returns for phases "returns" / "returns_only"."""
+
+    def __init__(self, args):
+        self.args, self.calls = args, []
+
+    def async_train(self, rollout_id, data_ref, values_ref=None):
+        from slime.backends.megatron_utils.loss import compute_advantages_and_returns
+
+        extra = values_ref.inner
+        self.calls.append(extra.get("phase"))
+        data = _one_sample(values=extra["values"])
+        compute_advantages_and_returns(self.args, data)
+        self.advantages = [a.tolist() for a in data["advantages"]]
+        out = {"returns": {0: data["returns"][0].numpy()}} if extra.get("phase") else {}
+        if extra.get("phase") == "returns_only":
+            return [out]
+        return [{**out, "train": [{"train/pg_loss": 1.0}], "rollout": {}}]
+
+
+@pytest.mark.usefixtures("mpu_world1")
+@pytest.mark.parametrize("rollout_id", [0, 1])  # --num-critic-only-steps 1: rollout 0 trains the critic only
+def test_with_kl_coef_the_critic_regresses_on_the_actors_kl_penalised_returns(monkeypatch, rollout_id):
+    """By hand, --kl-coef 0.5, --gamma 0.9, --lambd 0.5, values V = [0.5, 0.25], KL 0.2 per token:
+    token rewards r = [-0.5 * 0.2, 1 - 0.5 * 0.2] = [-0.1, 0.9];
+    TD errors d1 = 0.9 - 0.25 = 0.65, d0 = -0.1 + 0.9 * 0.25 - 0.5 = -0.375;
+    advantages A1 = 0.65, A0 = -0.375 + 0.45 * 0.65 = -0.0825; returns A + V = [0.4175, 0.9].
+    (Without the KL the returns would be [0.5625, 1.0]: what the critic learned before.)"""
+    from slime.ray import critic as critic_mod
+
+    monkeypatch.setattr(critic_mod.ray, "put", lambda x: x)  # fakes read Box.inner directly
+    args = make_args(*PPO, "--kl-coef", "0.5", "--gamma", "0.9", "--lambd", "0.5", "--num-critic-only-steps", "1")
+    critic, actor = _FakeCritic(args), _FakeActor(args)
+    results = critic_mod.train_step(args, rollout_id, actor, critic, "data", lambda x: x)
+    assert critic.trained_on[0] == pytest.approx([0.4175, 0.9], abs=1e-6)
+    assert critic.calls == ["values", "train"]
+    if rollout_id == 0:  # the warm-up: the actor computes its returns and does not train
+        assert actor.calls == ["returns_only"] and results == [
+            {"critic": {"train": [{"train/critic_value_loss": 0.0}], "rollout": {}}}
+        ]
+    else:
+        assert actor.calls == ["returns"] and actor.advantages[0] == pytest.approx([-0.0825, 0.65], abs=1e-6)
+        assert "returns" not in results[0] and results[0]["train"] == [{"train/pg_loss": 1.0}]
+        assert results[0]["critic"]["train"] == [{"train/critic_value_loss": 0.0}]
+    # --kl-coef 0: one critic call, on its own (identical) returns of the task reward
+    args0 = make_args(*PPO, "--gamma", "0.9", "--lambd", "0.5")
+    critic = _FakeCritic(args0)
+    critic_mod.train_step(args0, 1, _FakeActor(args0), critic, "data", lambda x: x)
+    assert critic.calls == [None] and critic.trained_on[0] == pytest.approx([0.5625, 1.0], abs=1e-6)

@@ -147,6 +147,28 @@ def test_bad_input_is_one_line(hf_models, capsys, tmp_path):
     assert "layer_types[1]='sliding_attention' is not a layer type slime can build" in err
 
 
+def test_qwen_mtp_layers_are_refused_for_the_right_reason(hf_models, capsys, tmp_path):
+    # Qwen3-Next / Qwen3.5 store their MTP layers as mtp_num_hidden_layers (not num_nextn_predict_layers): the
+    # refusal names them and says slime builds no MTP block for the family, never "has 0 MTP layers"
+    import json
+    import shutil
+
+    for kind in ("qwen3next", "qwen3_5"):
+        cfg = json.load(open(f"{hf_models[kind]}/config.json"))
+        (cfg.get("text_config") or cfg)["mtp_num_hidden_layers"] = 1
+        out = tmp_path / kind
+        out.mkdir()
+        shutil.copy(f"{hf_models[kind]}/model.safetensors", out / "model.safetensors")
+        (out / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(SystemExit):
+            family_args(str(out), 1, "--mtp-num-layers", "1")
+        err = capsys.readouterr().err
+        assert f"--mtp-num-layers 1: --hf-checkpoint {out}/config.json has 1 multi-token-prediction layer(s) " in err
+        assert "(mtp_num_hidden_layers, model_type" in err and "not for this one yet" in err
+        assert "num_nextn_predict_layers); give at most" not in err
+        family_args(str(out))  # without the flag the checkpoint is accepted (the engine keeps its MTP layers)
+
+
 def test_hybrids_roundtrip_and_log_probs_tp1(hf_models, tmp_path):
     spawn(
         _roundtrip_and_log_probs,

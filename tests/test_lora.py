@@ -275,3 +275,22 @@ def test_adapter_checkpoint_resumed_on_another_base_is_refused_and_on_its_own_ba
     monkeypatch.setattr(checkpoint.dist, "get_rank", lambda: 0)
     with pytest.raises(BaseLoaded):  # the same base at another path: the load goes on to read it
         checkpoint.load_checkpoint(args(a_copy), None, None, None)
+
+
+def test_a_lora_run_says_so_in_one_log_line(caplog):
+    # what get_model logs after wrapping: rank, alpha, targets, layer count and the trainable parameters
+    import logging
+
+    from slime.backends.megatron_utils.lora import log_lora_summary
+
+    args = make_args("--enable-lora", "--lora-rank", "4", "--lora-alpha", "8")
+    chunk = torch.nn.Module()
+    chunk.base = torch.nn.Parameter(torch.zeros(10, 10), requires_grad=False)  # 100 frozen
+    chunk.lora_A = torch.nn.Parameter(torch.zeros(4, 10))  # 40 + 40 trainable
+    chunk.lora_B = torch.nn.Parameter(torch.zeros(10, 4))
+    with caplog.at_level(logging.INFO, logger="slime.backends.megatron_utils.lora"):
+        log_lora_summary(args, [chunk], ["decoder.layers.0.self_attention.linear_qkv"])
+    lines = [r.getMessage() for r in caplog.records if r.name == "slime.backends.megatron_utils.lora"]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("LoRA is on (--enable-lora): rank 4, alpha 8.0, dropout 0.0, targets ")
+    assert "on 1 layers" in lines[0] and "trainable parameters 80 of 180 (44.444%)" in lines[0]

@@ -218,8 +218,9 @@ def _roundtrip_and_log_probs(rank, hf_models, layouts, out):
     from slime.backends.megatron_utils.data import get_data_iterator
     from slime.backends.megatron_utils.initialize import init
     from slime.backends.megatron_utils.megatron_to_hf import convert_to_hf
+    from slime.backends.megatron_utils.megatron_to_hf.names import possible_param_names
     from slime.backends.megatron_utils.model import forward_only, initialize_model_and_optimizer
-    from slime.backends.megatron_utils.param_utils import all_gather_param, named_parameters, remove_padding
+    from slime.backends.megatron_utils.param_utils import PREFIX, all_gather_param, named_parameters, remove_padding
     from slime.backends.utils.data import process_rollout_data
 
     class _Ref:
@@ -243,6 +244,11 @@ def _roundtrip_and_log_probs(rank, hf_models, layouts, out):
         mpu.destroy_model_parallel()
         init(args)
         model, _, _, _ = initialize_model_and_optimizer(args)
+
+        # the start-up check of --freeze-params-name-list patterns knows every name the model has
+        possible = set(possible_param_names(args))
+        for name, _ in named_parameters(args, model):
+            assert name[len(PREFIX) :] in possible, f"{kind}: {name} is missing from possible_param_names"
 
         # without --mtp-num-layers the trainer builds no MTP block (tests/test_mtp.py covers it)
         expected = decoder_checkpoint(hf_dir)

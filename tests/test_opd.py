@@ -178,7 +178,7 @@ def test_reward_func_asks_the_teacher_prefill_only_at_the_rollout_temperature(ti
         tok = AutoTokenizer.from_pretrained(tiny_kit[0])
         tok.add_tokens(["<opd-only-token>"])
         tok.save_pretrained(other)
-        with pytest.raises(ValueError, match="OPD teacher's tokenizer .* differs from the student's"):
+        with pytest.raises(ValueError, match="OPD teacher's vocabulary .* differs from the student's"):
             check_opd_teacher(url + "/generate", other)
     finally:
         stop_cpu_server(proc)
@@ -194,6 +194,37 @@ def test_reward_func_asks_the_teacher_prefill_only_at_the_rollout_temperature(ti
     # not the temperature-1 values: the temperature reached the teacher
     logp1 = torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
     assert not torch.allclose(got, logp1[-5:], atol=1e-3)
+
+
+def test_remote_teacher_with_another_vocabulary_is_refused(tiny_kit, teacher_dir, tmp_path):
+    """A teacher whose tokenizer is not on this host (the server reports a path that does not exist here): its
+    vocabulary is probed through its own /generate (token texts of the student's ids), and another one is refused
+    in one line naming the URL and both vocabularies, instead of a warning."""
+    import shutil
+
+    student_dir = tiny_kit[0]
+    remote_tok = tmp_path / "tokenizer-on-the-teachers-host"
+    tok = AutoTokenizer.from_pretrained(student_dir)
+    tok.save_pretrained(remote_tok)
+    proc, url = start_cpu_server(teacher_dir, "--tokenizer-path", str(remote_tok))
+    try:
+        shutil.rmtree(remote_tok)  # from here on, only the server knows its tokenizer
+        assert check_opd_teacher(url + "/generate", student_dir) is None  # the same vocabulary, probed
+        renamed = str(tmp_path / "student-renamed-token")
+        tok = AutoTokenizer.from_pretrained(student_dir)
+        last = len(tok) - 1
+        vocab = tok.get_vocab()
+        tok.add_tokens(["<student-only>"])  # one more id than the teacher's tokenizer knows
+        tok.save_pretrained(renamed)
+        with pytest.raises(ValueError) as exc:
+            check_opd_teacher(url + "/generate", renamed)
+        msg = str(exc.value)
+        assert msg.startswith(f"--rm-url {url}/generate: the OPD teacher's vocabulary ({remote_tok}, as the server ")
+        assert f"differs from the student's (--hf-checkpoint {renamed}, {last + 2} tokens)" in msg
+        assert "OPD needs one tokenizer for both" in msg and "\n" not in msg
+        assert len(vocab) == last + 1
+    finally:
+        stop_cpu_server(proc)
 
 
 OPD_HOOKS = [

@@ -129,6 +129,23 @@ def test_bad_lists_stop_at_startup(capsys, argv, message):
     assert message in err and len([line for line in err.splitlines() if "error:" in line]) == 1
 
 
+def test_a_pattern_matching_no_parameter_stops_at_startup(tiny_kit, capsys):
+    # before Ray and the trainers: the names come from the model flags and --hf-checkpoint's tensors
+    model_dir, _ = tiny_kit
+    for flag in ("--freeze-params-name-list", "--only-train-params-name-list"):
+        with pytest.raises(SystemExit) as exc:
+            make_args(flag, "embedding", r"layers\.9\.", hf_checkpoint=model_dir)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2
+        assert f"{flag}: 'layers\\\\.9\\\\.' matches no parameter of the model of --hf-checkpoint {model_dir}" in err
+        assert len([line for line in err.splitlines() if "error:" in line]) == 1
+    args = make_args(
+        "--freeze-params-name-list", "embedding", r"decoder\.layers\.1\.", "linear_qkv", "output_layer",
+        hf_checkpoint=model_dir,
+    )  # fmt: skip
+    assert args.freeze_params_name_list[0] == "embedding"
+
+
 def test_lists_parse_as_upstream():
     args = make_args("--freeze-params-name-list", "embedding", r"layers\.2[0-3]\.")
     assert args.freeze_params_name_list == ["embedding", r"layers\.2[0-3]\."]

@@ -382,8 +382,8 @@ def test_rollout_function_exception_reaches_the_driver_as_the_users_own(ray_mod,
 
     controller = _controller(ray_mod, make_args(rollout_function_path=f"{HERE}.raising_rollout"))
     manager = types.SimpleNamespace(
-        controller=controller, rollout_engines=[], all_rollout_engines=[], raise_if_failed=lambda: None
-    )  # no engine or router fault to report
+        raise_if_failed=lambda: None, check_engines_alive=lambda: None, actor_names=dict
+    )  # no engine or router fault to report (the wait checks the engines every few seconds on a slow machine)
     try:
         with pytest.raises(SystemExit) as exc, exit_on_user_error():
             Watchdog(manager).get(controller.generate.remote(3))

@@ -123,6 +123,13 @@ def test_top_p_without_a_finite_top_k_is_a_one_line_start_up_error(capsys):
     assert exc.value.code == 2 and "--rollout-top-p 0.9 needs a finite --rollout-top-k in [1, 4096]" in err
     make_args("--rollout-top-p", "0.9", "--rollout-top-k", "4096")
     make_args("--rollout-top-p", "0.9", "--loss-type", "sft_loss")  # nothing is sampled for the loss
+    # a top-k over the cap is the top-k's fault, also without a top-p
+    for extra in ([], ["--rollout-top-p", "0.9"]):
+        with pytest.raises(SystemExit):
+            parse_args(argv=[*BASE, *TINY_MODEL, "--rollout-top-k", "999999", *extra], check_paths=False)
+        err = capsys.readouterr().err
+        assert "--rollout-top-k 999999 must be in [1, 4096]: the trainer replays" in err
+        assert "--rollout-top-p" not in err
 
 
 # ---------------------------------------------------------------- trainer log-probs over the kept sets

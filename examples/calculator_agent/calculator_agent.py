@@ -10,9 +10,11 @@ contains the label's number, else 0; every sample of the episode gets it.
 metrics -- `agent/tool_call_rate` (the share of episodes that called the calculator) and the reward with and
 without the tool -- logged beside `rollout/raw_reward` (and to `--metrics-path`).
 
-It also keeps one sample per episode, its longest branch: an episode whose history the chat template re-renders
-differently from what was sampled (say the model wrote text after its tool call) comes back as several samples, and
-the trainer takes exactly --rollout-batch-size x --n-samples-per-prompt samples per rollout.
+Every branch of an episode trains: an episode whose history the chat template re-renders differently from what was
+sampled (say the model wrote text after its tool call) comes back as several samples sharing its rollout_id, and a
+turn shared by two branches is trained in the first one only (often the tool-call turn), so keeping only one branch
+would drop turns. The trainer counts an episode's samples as one rollout (fan-out training: one optimizer step, one
+data-parallel rank, the episode's tokens averaged together).
 """
 
 import ast
@@ -178,20 +180,8 @@ def generate_rollout(args, rollout_id, data_source, evaluation=False):
     out = default_generate_rollout(args, rollout_id, data_source, evaluation)
     if evaluation:
         return out
-    groups = one_sample_per_episode(out)
-    return RolloutSamples(groups, metrics={**out.metrics, **tool_metrics(list(_leaves(groups)))})
-
-
-def one_sample_per_episode(groups):
-    """Each group's episodes (their branches share a rollout_id) reduced to their longest branch, in order."""
-    out = []
-    for group in groups:
-        longest = {}
-        for s in _leaves(group):
-            if s.rollout_id not in longest or len(s.tokens) > len(longest[s.rollout_id].tokens):
-                longest[s.rollout_id] = s
-        out.append(list(longest.values()))
-    return out
+    # every branch of every episode is kept (they share the episode's rollout_id: fan-out training)
+    return RolloutSamples(list(out), metrics={**out.metrics, **tool_metrics(list(_leaves(out)))})
 
 
 def _leaves(groups):

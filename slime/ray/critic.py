@@ -26,7 +26,7 @@ def critic_args(args):
     for key, value in args.critic_overrides.items():
         setattr(c, key, value)
     c.loss_type = "value_loss"
-    c.kl_coef = 0.0  # the critic's GAE returns carry the task reward only (no log-probs here to compute a KL)
+    c.kl_coef = 0.0  # no log-probs here: with --kl-coef != 0 the critic trains on the actor's returns (train_step)
     c.use_kl_loss = False
     c.use_opd = False  # OPD shapes the actor's advantages; the critic's returns carry the task reward only
     c.kl_loss_coef = 0.0
@@ -59,19 +59,62 @@ def create_critic_group(args, pg, wandb_run_id, get):
 
 def train_step(args, rollout_id, actor_model, critic_model, rollout_data_ref, get):
     """One rollout's training: the actor alone, or with a critic first its values and update, then the actor on the
-    GAE advantages (not during the first `--num-critic-only-steps` rollouts). Returns the per-rank results the run
+    GAE advantages (not during the first `--num-critic-only-steps` rollouts); with `--kl-coef` != 0 the critic
+    updates last, on the actor's returns (`_train_step_with_kl_rewards`). Returns the per-rank results the run
     recorder reads, the critic's metrics under `"critic"`."""
     if critic_model is None:
         return get(actor_model.async_train(rollout_id, rollout_data_ref))
+    if args.kl_coef != 0:
+        return _train_step_with_kl_rewards(args, rollout_id, actor_model, critic_model, rollout_data_ref, get)
     results = get(critic_model.async_train(rollout_id, rollout_data_ref))
-    by_index = {}
-    for r in results:
-        by_index.update(r["values"])
-    values_ref = Box(ray.put({"values": [by_index[i] for i in range(len(by_index))]}))
-    report = next(({k: v for k, v in r.items() if k != "values"} for r in results if "train" in r), {})
+    values_ref = Box(ray.put({"values": _in_rollout_order(results, "values")}))
+    report = _critic_report(results)
     if rollout_id < args.num_critic_only_steps:
         return [{"critic": report}]
     actor_results = get(actor_model.async_train(rollout_id, rollout_data_ref, values_ref))
+    return _with_critic_report(actor_results, report)
+
+
+def _train_step_with_kl_rewards(args, rollout_id, actor_model, critic_model, rollout_data_ref, get):
+    """`--kl-coef` != 0: PPO's token rewards carry the KL penalty `-kl_coef * KL(actor || ref)`, which needs the
+    actor's and the reference's log-probs, so the critic's returns come from the actor: the critic's values (no
+    update), then the actor's GAE on them (and its update, after the critic-only warm-up), then the critic's update
+    on the actor's returns: the returns it regresses on are the GAE returns of the same KL-penalised rewards as the
+    actor's advantages (as in PPO/RLHF; the critic wakes twice per rollout)."""
+    values = _in_rollout_order(get(critic_model.async_train(rollout_id, rollout_data_ref, _phase("values"))), "values")
+    warm_up = rollout_id < args.num_critic_only_steps
+    actor_phase = "returns_only" if warm_up else "returns"
+    actor_results = get(actor_model.async_train(rollout_id, rollout_data_ref, _phase(actor_phase, values=values)))
+    returns = _in_rollout_order(actor_results, "returns")
+    results = get(
+        critic_model.async_train(rollout_id, rollout_data_ref, _phase("train", values=values, returns=returns))
+    )
+    report = _critic_report(results)
+    if warm_up:
+        return [{"critic": report}]
+    actor_results = [{k: v for k, v in r.items() if k != "returns"} for r in actor_results]
+    return _with_critic_report(actor_results, report)
+
+
+def _phase(phase, **arrays):
+    return Box(ray.put({"phase": phase, **arrays}))
+
+
+def _in_rollout_order(results, key):
+    """Per-sample arrays that the ranks returned as `{global index: array}` under `key`, in rollout order."""
+    by_index = {}
+    for r in results:
+        by_index.update(r.get(key) or {})
+    if not by_index or sorted(by_index) != list(range(len(by_index))):
+        raise RuntimeError(f"the trainers returned {key} for samples {sorted(by_index)}: some sample has none")
+    return [by_index[i] for i in range(len(by_index))]
+
+
+def _critic_report(results):
+    return next(({k: v for k, v in r.items() if k != "values"} for r in results if "train" in r), {})
+
+
+def _with_critic_report(actor_results, report):
     for i, r in enumerate(actor_results):
         if r:  # the recorder reads the first non-empty result; the critic's first, so that the actor's own
             # `train/step` is the one kept (the critic counts its own steps: the critic role may set more per rollout)

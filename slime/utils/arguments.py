@@ -779,6 +779,9 @@ def check_param_freeze_flags(args, error):
                 re.compile(pattern)
             except re.error as e:
                 error(f"{flag}: {pattern!r} is not a regular expression ({e}).")
+    from slime.backends.megatron_utils.arguments import check_param_patterns_match
+
+    check_param_patterns_match(args, error)  # against the names the model will have, before Ray starts
 
 
 def add_metric_arguments(parser):
@@ -1679,10 +1682,15 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
 def _validate_consistency(args, error):
     cap = args.sglang_sampling_mask_max_tokens
     if sampling_is_truncated(args) and args.loss_type != "sft_loss" and not 1 <= args.rollout_top_k <= cap:
+        # name the flag at fault: a top-k over the cap, else a top-p without a finite top-k
+        culprit = (
+            f"--rollout-top-k {args.rollout_top_k} must be in [1, {cap}]"
+            if args.rollout_top_k > 0
+            else f"--rollout-top-p {args.rollout_top_p} needs a finite --rollout-top-k in [1, {cap}]"
+        )
         error(
-            f"--rollout-top-p {args.rollout_top_p} needs a finite --rollout-top-k in [1, {cap}]: the trainer replays "
-            "each step's kept token set, which the engine returns (SGLang's return_sampling_mask) only for a finite "
-            f"top-k up to --sglang-sampling-mask-max-tokens {cap}."
+            f"{culprit}: the trainer replays each step's kept token set, which the engine returns (SGLang's "
+            f"return_sampling_mask) only for a finite top-k up to --sglang-sampling-mask-max-tokens {cap}."
         )
     if args.use_rollout_logprobs and args.use_tis:
         error(

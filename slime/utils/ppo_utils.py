@@ -185,11 +185,17 @@ def chunked_discounted_returns(rewards, discount, chunk_size=128):
     Each chunk of `chunk_size` steps is one matrix product with a triangular matrix of non-negative powers of
     `discount` (never `discount**-t`, which overflows); only the carry between chunks is sequential, so the Python
     loop runs T / chunk_size times. Right-padding with zeros leaves each row's returns unchanged.
+
+    Computed in float64 and returned in the input's dtype: in float32 the chunk products and the carried sums drift
+    by ~1e-5 over 128k-token responses (current slime's test asks 1e-5 of the serial recursion there); in float64 the
+    result is the float32 rounding of the exact returns.
     """
     assert rewards.ndim == 2, f"rewards must be [B, T], got {tuple(rewards.shape)}"
     B, T = rewards.shape
     if T == 0:
         return rewards.clone()
+    if rewards.dtype != torch.float64:
+        return chunked_discounted_returns(rewards.double(), discount, chunk_size).to(rewards.dtype)
     size = min(chunk_size, T)
     idx = torch.arange(size, device=rewards.device)
     expo = idx[None, :] - idx[:, None]  # column k minus row t: G_t takes r_k with discount**(k - t), k >= t
@@ -209,8 +215,10 @@ def chunked_discounted_returns(rewards, discount, chunk_size=128):
 
 
 def vanilla_gae(rewards, values, gamma, lambd):
-    """Reference GAE over `[B, T]` token rewards and values, one step at a time (V = 0 past the end).
-    Returns `(advantages, returns)` with `returns = advantages + values`."""
+    """Reference GAE over `[B, T]` token rewards and values, one step at a time (V = 0 past the end), accumulated
+    in float64. Returns `(advantages, returns)` with `returns = advantages + values`, in the input's dtype."""
+    dtype = rewards.dtype
+    rewards, values = rewards.double(), values.double()
     B, T = rewards.shape
     last = rewards.new_zeros(B)
     advantages = torch.empty_like(rewards)
@@ -219,17 +227,20 @@ def vanilla_gae(rewards, values, gamma, lambd):
         delta = rewards[:, t] + gamma * next_value - values[:, t]
         last = delta + gamma * lambd * last
         advantages[:, t] = last
-    return advantages, advantages + values
+    return advantages.to(dtype), (advantages + values).to(dtype)
 
 
 def chunked_gae(rewards, values, gamma, lambd, chunk_size=128):
     """GAE over `[B, T]`: the TD errors `r_t + gamma V_{t+1} - V_t` discounted by `gamma * lambd`
-    (`chunked_discounted_returns`). Returns `(advantages, returns)`; matches `vanilla_gae`."""
+    (`chunked_discounted_returns`), in float64. Returns `(advantages, returns)` in the input's dtype; matches
+    `vanilla_gae`."""
     assert rewards.shape == values.shape, f"rewards {tuple(rewards.shape)} vs values {tuple(values.shape)}"
+    dtype = rewards.dtype
+    rewards, values = rewards.double(), values.double()
     next_values = torch.cat([values[:, 1:], values.new_zeros(values.size(0), 1)], dim=1)
     deltas = rewards + gamma * next_values - values
     advantages = chunked_discounted_returns(deltas, gamma * lambd, chunk_size)
-    return advantages, advantages + values
+    return advantages.to(dtype), (advantages + values).to(dtype)
 
 
 @torch.no_grad()

@@ -246,19 +246,24 @@ class MegatronTrainRayActor(TrainRayActor):
 
     def train(self, rollout_id, rollout_data_ref, values_ref=None):
         """Train on one rollout (`Box(ObjectRef)` of the train-data dict). Returns `{"rollout": {...}, "train": [...]}`.
-        With a critic, `values_ref` (`Box` of `{"values": [...]}` in rollout order) holds its values for GAE."""
+        With a critic, `values_ref` (`Box` of `{"values": [...]}` in rollout order) holds its values for GAE; its
+        `"phase"` "returns" also hands back this rollout's returns (`{"returns": {global index: array}}`, for the
+        critic with `--kl-coef` != 0), "returns_only" hands back only them, without training."""
         args = self.args
         if "train_wait" in Timer().start_time:
             Timer().end("train_wait")
         if args.debug_rollout_only:  # rollout debugging: the data is produced and dropped here
             return {}
         if self.role == "critic":
-            return self.train_critic(rollout_id, rollout_data_ref)
+            return self.train_critic(rollout_id, rollout_data_ref, values_ref)
         if args.offload_train:
             self.wake_up(("model",))
         dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
         with timer("data_preprocess"):
             rollout_data = process_rollout_data(args, rollout_data_ref, dp_rank, dp_size, values_ref)
+            # "returns": the critic regresses on this rollout's returns (--kl-coef != 0, slime.ray.critic.train_step);
+            # "returns_only": during --num-critic-only-steps, nothing but those returns
+            phase = rollout_data.pop("phase", None)
             data_iterator, num_microbatches = get_data_iterator(args, self.model, rollout_data)
 
         if args.compute_advantages_and_returns:
@@ -289,6 +294,10 @@ class MegatronTrainRayActor(TrainRayActor):
                 for lp, ref in zip(rollout_data["log_probs"], rollout_data["ref_log_probs"]):
                     assert torch.equal(lp, ref), "--ci-test: rollout 0 log_probs differ from ref_log_probs"
             compute_advantages_and_returns(args, rollout_data)
+        returns = _returns_for_the_critic(rollout_data) if phase in ("returns", "returns_only") else None
+        if phase == "returns_only":
+            Timer().start("train_wait")
+            return {"returns": returns}
 
         if self.rollout_data_postprocess is not None:
             call_user_function(
@@ -324,29 +333,48 @@ class MegatronTrainRayActor(TrainRayActor):
             log(args, {**perf, "rollout/step": rollout_id}, "rollout/step")
         self.prof.step(rollout_id)
         Timer().start("train_wait")
-        return {"rollout": rollout_metrics, "train": history, "perf": perf}
+        out = {"rollout": rollout_metrics, "train": history, "perf": perf}
+        return out if returns is None else {"returns": returns, **out}
 
-    def train_critic(self, rollout_id, rollout_data_ref):
+    def train_critic(self, rollout_id, rollout_data_ref, values_ref=None):
         """One rollout of the critic: its values (before the update: PPO's old values, for the actor's GAE too), GAE
         returns from them, then optimizer steps on the clipped value loss. Returns `{"values": {global sample
-        index: array}}` from one rank per data-parallel shard, and its metrics."""
+        index: array}}` from one rank per data-parallel shard, and its metrics.
+
+        With `--kl-coef` != 0 the returns must carry the KL penalty the actor's advantages carry, which needs the
+        actor's and the reference's log-probs: the driver then calls it twice (`slime.ray.critic.train_step`), with
+        `values_ref` phase "values" (the values only, no update) and phase "train" (the values and the actor's
+        returns given: no forward, no GAE here)."""
         args = self.args
         self.wake_up(("model",))
         dp_rank, dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
         with timer("data_preprocess"):
-            rollout_data = process_rollout_data(args, rollout_data_ref, dp_rank, dp_size)
+            rollout_data = process_rollout_data(args, rollout_data_ref, dp_rank, dp_size, values_ref)
+            phase = rollout_data.pop("phase", None)
             data_iterator, num_microbatches = get_data_iterator(args, self.model, rollout_data)
-        with timer("critic_values"):
-            rollout_data.update(forward_only(args, self.model, data_iterator, num_microbatches, post_fn=get_values))
         metrics, values = {}, {}
-        if "values" in rollout_data:  # the last pipeline stage
-            compute_advantages_and_returns(args, rollout_data)
-            metrics = _value_metrics(rollout_data)
-            if mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_context_parallel_rank() == 0:
-                values = {
-                    int(i): v.float().cpu().numpy()
-                    for i, v in zip(rollout_data["global_indices"], rollout_data["values"])
-                }
+        if phase == "train":  # --kl-coef != 0: the old values and the actor's KL-penalised returns are given
+            if mpu.is_pipeline_last_stage():
+                metrics = _value_metrics(rollout_data)
+        else:
+            with timer("critic_values"):
+                rollout_data.update(
+                    forward_only(args, self.model, data_iterator, num_microbatches, post_fn=get_values)
+                )
+            if "values" in rollout_data:  # the last pipeline stage
+                if phase != "values":
+                    compute_advantages_and_returns(args, rollout_data)  # kl_coef 0: the task reward's returns
+                    metrics = _value_metrics(rollout_data)
+                if mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_context_parallel_rank() == 0:
+                    values = {
+                        int(i): v.float().cpu().numpy()
+                        for i, v in zip(rollout_data["global_indices"], rollout_data["values"])
+                    }
+            if phase == "values":  # the actor computes the returns from these values; the critic trains after it
+                self.sleep(("model",))
+                Timer().reset()
+                Timer().start("train_wait")
+                return {"values": values}
         with timer("critic_train"):
             history = train_steps(
                 args,
@@ -425,6 +453,14 @@ class MegatronTrainRayActor(TrainRayActor):
             _process_groups("destroy_process_groups")
         dist.barrier(group=megatron_init.get_gloo_group())
         return result
+
+
+def _returns_for_the_critic(rollout_data):
+    """The actor's per-sample returns, `{global sample index: array}`, from one rank per data-parallel shard (the
+    last pipeline stage's first TP/CP rank), for the critic to regress on (`--kl-coef` != 0)."""
+    if "returns" not in rollout_data or mpu.get_tensor_model_parallel_rank() or mpu.get_context_parallel_rank():
+        return {}
+    return {int(i): r.float().cpu().numpy() for i, r in zip(rollout_data["global_indices"], rollout_data["returns"])}
 
 
 def reuses_training_log_probs(args, num_steps):

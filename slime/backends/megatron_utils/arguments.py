@@ -733,7 +733,18 @@ def apply_hf_config(args, error, check_paths, given=frozenset()):
             setattr(args, dest, value)
     mismatches = _hf_mismatches(args, arch, cfg)
     hf_mtp = getattr(cfg, "num_nextn_predict_layers", 0) or 0
-    if args.mtp_num_layers and args.mtp_num_layers > hf_mtp:
+    # Qwen3-Next / Qwen3.5 store their MTP layers as `mtp_num_hidden_layers`: slime builds no MTP block for them yet
+    other_mtp = 0 if hf_mtp else getattr(cfg, "mtp_num_hidden_layers", 0) or 0
+    if args.mtp_num_layers and other_mtp:
+        error(
+            f"--mtp-num-layers {args.mtp_num_layers}: --hf-checkpoint {path}/config.json has {other_mtp} "
+            f"multi-token-prediction layer(s) (mtp_num_hidden_layers, model_type {getattr(cfg, 'model_type', '?')}), "
+            "but slime builds the MTP block only for the num_nextn_predict_layers families (MiMo, DeepSeek-V3, "
+            "GLM-4.5), not for this one yet; drop the flag."
+        )
+    if other_mtp:
+        hf_mtp = other_mtp  # for the note below: the engine keeps the checkpoint's MTP layers
+    elif args.mtp_num_layers and args.mtp_num_layers > hf_mtp:
         error(
             f"--mtp-num-layers {args.mtp_num_layers}: --hf-checkpoint {path}/config.json has {hf_mtp} "
             "multi-token-prediction layer(s) (num_nextn_predict_layers); give at most that many, or drop the flag."
@@ -787,6 +798,31 @@ def check_hybrid_model(args, error):
     problem = check_parallelism(args, args.spec[0]) or gdn_backend_problem(args.qwen_gdn_backend)
     if problem:
         error(problem + ".")
+
+
+def check_param_patterns_match(args, error):
+    """A --freeze-params-name-list / --only-train-params-name-list pattern that matches no parameter is refused at
+    start-up, not once Ray and the trainers are up. The names come from the model flags and --hf-checkpoint's
+    tensors (a superset of the model's: `model_provider.freeze_model_params` has the last word)."""
+    only, freeze = args.only_train_params_name_list, args.freeze_params_name_list
+    patterns = only or freeze
+    if not patterns or not args.hf_checkpoint or args.custom_model_provider_path or not args.num_layers:
+        return
+    try:
+        from .megatron_to_hf.names import possible_param_names
+
+        names = possible_param_names(args)
+    except (ImportError, OSError, ValueError):  # no Megatron here, or an unreadable checkpoint (refused elsewhere)
+        return
+    flag = "--only-train-params-name-list" if only else "--freeze-params-name-list"
+    for pattern in patterns:
+        if not any(re.search(pattern, n) for n in names):
+            error(
+                f"{flag}: {pattern!r} matches no parameter of the model of --hf-checkpoint {args.hf_checkpoint} "
+                "(Megatron names, re.search: e.g. embedding.word_embeddings.weight, "
+                f"decoder.layers.0.self_attention.linear_qkv.weight, decoder.layers.{args.num_layers - 1}.mlp."
+                "linear_fc2.weight, output_layer.weight)."
+            )
 
 
 def check_mtp(args, error):

@@ -14,6 +14,7 @@ A merged weight is computed shard by shard without communication: `W_shard + s *
 """
 
 import functools
+import logging
 import math
 import os
 import re
@@ -39,6 +40,8 @@ from .param_utils import (
     named_parameters,
     with_parallel_attrs,
 )
+
+logger = logging.getLogger(__name__)
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -100,6 +103,31 @@ def check_wrapped(args, chunks, wrapped):
     missing = [t for t in resolve_target_modules(args.lora_target_modules) if t not in found]
     if has_layers and missing:
         raise ValueError(f"--lora-target-modules: {', '.join(missing)} matches no layer of this model")
+
+
+def log_lora_summary(args, chunks, wrapped):
+    """One log line that LoRA is on: rank, alpha, targets, the wrapped layers and the trainable parameters of this
+    rank's chunks (logged by global rank 0 only)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    params = [(n, p) for c in chunks for n, p in c.named_parameters()]
+    trainable = sum(p.numel() for _, p in params if p.requires_grad)
+    total = sum(p.numel() for _, p in params)
+    logger.info(
+        "LoRA is on (--enable-lora): rank %d, alpha %s, dropout %s, targets %s on %d layers, --lora-sync %s; "
+        "trainable parameters %d of %d (%.3f%%) on rank 0",
+        args.lora_rank,
+        args.lora_alpha,
+        args.lora_dropout,
+        ",".join(resolve_target_modules(args.lora_target_modules)),
+        len(wrapped),
+        args.lora_sync,
+        trainable,
+        total,
+        100.0 * trainable / max(total, 1),
+    )
 
 
 def _add_adapter(args, module, column, global_name):

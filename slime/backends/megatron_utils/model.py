@@ -30,7 +30,7 @@ from . import routing_replay
 from .checkpoint import load_checkpoint, resync_optimizer_main_params
 from .data import get_batch
 from .initialize import is_megatron_main_rank
-from .lora import apply_lora, check_wrapped
+from .lora import apply_lora, check_wrapped, log_lora_summary
 from .loss import get_log_probs_and_entropy, get_rollout_top_p_logprob_kwargs, loss_function
 from .megatron_to_hf import hf_to_megatron
 from .model_provider import freeze_model_params, get_model_provider_func
@@ -75,6 +75,7 @@ def get_model(args, wrap_with_ddp=True, role="actor"):
     if args.enable_lora:
         wrapped = [n for vp_stage, c in enumerate(chunks) for n in apply_lora(args, c, vp_stage if vpp else None)]
         check_wrapped(args, chunks, wrapped)
+        log_lora_summary(args, chunks, wrapped)
     for chunk in chunks:
         for param in chunk.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)

@@ -18,6 +18,7 @@ from slime.utils.types import OPTIONAL_TRAIN_DATA_KEYS, TRAIN_DATA_KEYS
 PARTITIONED_KEYS = (
     "total_lengths",
     "values",
+    "returns",
     "rollout_mask_sums",
     "rollout_weights",
     *(k for k in TRAIN_DATA_KEYS + OPTIONAL_TRAIN_DATA_KEYS if k != "raw_reward"),
@@ -160,7 +161,8 @@ def _fetch_rollout_data(rollout_data_ref):
 
 def process_rollout_data(args, rollout_data_ref, dp_rank, dp_size, values_ref=None):
     """This DP rank's share of a rollout (`Box(ObjectRef)` of the controller's train-data dict), plus the critic's
-    `values` from `values_ref` (a `Box` of `{"values": [per-sample arrays in rollout order]}`) when given.
+    `values` from `values_ref` (a `Box` of `{"values": [per-sample arrays in rollout order]}`) when given, and the
+    `returns` and `phase` it may also hold (`slime.ray.critic.train_step` with `--kl-coef` != 0).
 
     Adds `total_lengths`, `global_indices` (each local sample's index in the rollout) and `rollout_sizes` (the sample
     count of each local rollout, in order); tokens become LongTensors and loss masks IntTensors on the training
@@ -175,8 +177,10 @@ def process_rollout_data(args, rollout_data_ref, dp_rank, dp_size, values_ref=No
             f"rollout data has no {', '.join(missing)} (keys: {sorted(data)}); a custom rollout/convert function must "
             "produce the train data of slime.utils.types.TrainData"
         )
-    if values_ref is not None:
-        data["values"] = _fetch_rollout_data(values_ref)["values"]
+    extra = _fetch_rollout_data(values_ref) if values_ref is not None else {}
+    for key in ("values", "returns"):  # the critic's values; the actor's returns for the critic (--kl-coef != 0)
+        if extra.get(key) is not None:
+            data[key] = extra[key]
     data["total_lengths"] = [len(t) for t in data["tokens"]]
     Timer().seq_lens = data["total_lengths"]  # whole-rollout lengths, for FLOPs accounting
 
@@ -209,6 +213,8 @@ def process_rollout_data(args, rollout_data_ref, dp_rank, dp_size, values_ref=No
     device = current_device()
     rollout_data = {"raw_reward": data["raw_reward"]} if "raw_reward" in data else {}
     rollout_data["global_indices"] = indices
+    if extra.get("phase"):  # the driver's step protocol with a critic (slime.ray.critic.train_step); callers pop it
+        rollout_data["phase"] = extra["phase"]
     rollout_data["rollout_sizes"] = [len(r) for r in mine]
     for key in PARTITIONED_KEYS:
         if key not in data or data[key] is None:
@@ -223,7 +229,7 @@ def process_rollout_data(args, rollout_data_ref, dp_rank, dp_size, values_ref=No
             vals = [torch.tensor(np.asarray(v), dtype=torch.long, device=device) for v in vals]
         elif key in ("rollout_top_p_token_ids", "rollout_top_p_token_offsets"):
             vals = [torch.tensor(np.asarray(v), dtype=torch.long, device=device) for v in vals]
-        elif key in ("rollout_log_probs", "teacher_log_probs", "values"):
+        elif key in ("rollout_log_probs", "teacher_log_probs", "values", "returns"):
             vals = [torch.tensor(np.asarray(lp), dtype=torch.float32, device=device) for lp in vals]
         rollout_data[key] = vals
     return rollout_data

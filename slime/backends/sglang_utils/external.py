@@ -126,10 +126,70 @@ def tokenizer_vocab(path):
     return AutoTokenizer.from_pretrained(path, trust_remote_code=True).get_vocab()
 
 
+def _probe_ids(tok) -> list:
+    """Token ids that show a vocabulary: 192 spread over the whole of it, the special ones and the last 16 (added
+    tokens live at the end, where two vocabularies of one family differ first)."""
+    n = len(tok)
+    spread = {i * n // 192 for i in range(192)}
+    return sorted(spread | set(tok.all_special_ids) | set(range(max(0, n - 16), n)))
+
+
+def probe_teacher_vocab(rm_url: str, teacher_tok, hf_checkpoint: str, timeout: float = 30.0) -> bool:
+    """Ask the teacher's own /generate (`rm_url`) to decode probe ids of the student's vocabulary (SGLang's
+    `return_text_in_logprobs`, prefill only) and compare each token's text with the student tokenizer's.
+    ValueError naming the URL and both vocabularies on a difference (or when the teacher refuses an id of the
+    student's vocabulary); True when they agree, False when the server gave no token texts to compare."""
+    from transformers import AutoTokenizer  # heavy, and only when a teacher is checked
+
+    tok = AutoTokenizer.from_pretrained(hf_checkpoint, trust_remote_code=True)
+    ids = _probe_ids(tok)
+    payload = {
+        "input_ids": ids,
+        "sampling_params": {"temperature": 1.0, "max_new_tokens": 0, "skip_special_tokens": False},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "return_text_in_logprobs": True,
+    }
+    session = requests.Session()
+    session.trust_env = False
+    theirs = f"the OPD teacher's vocabulary ({teacher_tok or 'tokenizer unknown'}, as the server reports it)"
+    ours = f"the student's (--hf-checkpoint {hf_checkpoint}, {len(tok)} tokens)"
+    try:
+        resp = session.post(rm_url, json=payload, timeout=timeout)
+    except requests.RequestException as e:
+        raise ValueError(
+            f"--rm-url {rm_url}: the OPD teacher does not answer a prefill ({type(e).__name__})"
+        ) from None
+    if resp.status_code == 400:  # e.g. an id outside the teacher's vocabulary
+        reason = " ".join(resp.text.split())[:200]
+        raise ValueError(
+            f"--rm-url {rm_url}: {theirs} differs from {ours}: the teacher refuses the student's token ids "
+            f"({reason}); OPD needs one tokenizer for both"
+        )
+    if resp.status_code != 200:
+        return False
+    try:
+        entries = resp.json()["meta_info"]["input_token_logprobs"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    if len(entries) != len(ids) or any(len(e) < 3 or e[2] is None for e in entries):
+        return False
+    for i, entry in zip(ids, entries):
+        # single-token texts; whitespace is not compared (tokenizer configs may clean up spaces differently)
+        mine, their = tok.decode([i]), entry[2]
+        if entry[1] != i or mine.strip() != str(their).strip():
+            raise ValueError(
+                f"--rm-url {rm_url}: {theirs} differs from {ours}: token id {i} is {their!r} to the teacher and "
+                f"{mine!r} to the student; OPD needs one tokenizer for both"
+            )
+    return True
+
+
 def check_opd_teacher(rm_url: str, hf_checkpoint: str | None, timeout: float = 30.0) -> str | None:
-    """ValueError when the teacher behind `rm_url` does not answer, or serves a tokenizer (readable on this host)
-    whose vocabulary differs from `hf_checkpoint`'s. Returns a warning line when the tokenizer cannot be compared
-    here (the teacher's tokenizer lives on another host), else None."""
+    """ValueError when the teacher behind `rm_url` does not answer, or its vocabulary differs from
+    `hf_checkpoint`'s: probed over HTTP (`probe_teacher_vocab`), so also a teacher on another host, and compared
+    whole when its tokenizer is readable on this host. Returns a warning line when neither is possible (a server
+    that returns no token texts, on another host), else None."""
     parsed = urlparse(rm_url)
     if not parsed.scheme or not parsed.netloc:
         raise ValueError(f"--rm-url {rm_url}: not an http(s) URL of the OPD teacher's /generate")
@@ -139,6 +199,9 @@ def check_opd_teacher(rm_url: str, hf_checkpoint: str | None, timeout: float = 3
     except RuntimeError as e:
         raise ValueError(f"--rm-url {rm_url}: the OPD teacher {e}") from None
     teacher_tok = info.get("tokenizer_path") or info.get("model_path")
+    probed = bool(hf_checkpoint) and probe_teacher_vocab(rm_url, teacher_tok, hf_checkpoint, timeout)
+    if probed and (not teacher_tok or not os.path.isdir(str(teacher_tok))):
+        return None
     if not hf_checkpoint or not teacher_tok or not os.path.isdir(str(teacher_tok)):
         return (
             f"--rm-url {rm_url}: cannot read the OPD teacher's tokenizer {teacher_tok!r} here; make sure it is "
