@@ -475,9 +475,12 @@ def run_main_job(tiny_kit, out, timeout, **env):
 # The main job's tests share its runs (issue #36). One long run (SFT, then 100 GRPO rollouts) is what every
 # convergence assertion reads; the LoRA run and the second deterministic run start from an SFT model already trained
 # (SFT_FROM) instead of training their own. The long run is not in --deterministic-mode: there each sample's draws are
-# seeded by its index in the group, and one such run (measured 2026-11-28) lifted the greedy eval only 0.10 -> 0.19 by
-# rollout 79 (sampled reward 0.18 -> 0.28), against 0.46-0.51 at rollout 99 without it; and its engine decodes each
-# request alone (slower). So determinism is checked on two short runs of their own.
+# seeded by its index in the group, and such a run (measured 2026-11-28, these flags plus --deterministic-mode) lifted
+# the greedy eval only 0.10 -> 0.32 by rollout 99 (0.19 at rollout 79; sampled reward 0.185 -> 0.289), against
+# 0.46-0.51 without it, which would leave this test's margin at 0.02; and its engine decodes each request alone, so
+# each rollout is slower. (A short deterministic run did repeat that long run's SFT metrics and its first 10 rollouts
+# exactly, so comparing against a long deterministic run would also have worked.) Determinism is checked on two short
+# runs of their own.
 MAIN_JOB_SFT = dict(SFT_EPOCHS="30", SFT_HF="1")  # SFT_HF: the LoRA run's frozen base
 
 
