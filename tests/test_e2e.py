@@ -474,13 +474,12 @@ def run_main_job(tiny_kit, out, timeout, **env):
 
 # The main job's tests share its runs (issue #36). One long run (SFT, then 100 GRPO rollouts) is what every
 # convergence assertion reads; the LoRA run and the second deterministic run start from an SFT model already trained
-# (SFT_FROM) instead of training their own. The long run is not in --deterministic-mode: there each sample's draws are
-# seeded by its index in the group, and such a run (measured 2026-11-28, these flags plus --deterministic-mode) lifted
-# the greedy eval only 0.10 -> 0.32 by rollout 99 (0.19 at rollout 79; sampled reward 0.185 -> 0.289), against
-# 0.46-0.51 without it, which would leave this test's margin at 0.02; and its engine decodes each request alone, so
-# each rollout is slower. (A short deterministic run did repeat that long run's SFT metrics and its first 10 rollouts
-# exactly, so comparing against a long deterministic run would also have worked.) Determinism is checked on two short
-# runs of their own.
+# (SFT_FROM) instead of training their own. The long run is not in --deterministic-mode, whose engine decodes each
+# request alone (slower rollouts) and seeds each sample's draws by its index in the group. Measured 2026-11-28 on a
+# loaded 2-core machine: these flags gave greedy eval 0.10 -> 0.35 at rollout 99 (sampled reward 0.197 -> 0.291);
+# with --deterministic-mode added 0.10 -> 0.32 (0.185 -> 0.289), and a short deterministic run then repeated that long
+# run's SFT metrics and its first 10 rollouts exactly. Either design keeps every assertion; determinism is checked
+# here on two short runs of its own.
 MAIN_JOB_SFT = dict(SFT_EPOCHS="30", SFT_HF="1")  # SFT_HF: the LoRA run's frozen base
 
 
@@ -512,7 +511,8 @@ def test_main_job_sft_then_grpo_raises_reward(main_job):
     first = sum(r["rollout/raw_reward"] for r in rows[:20]) / 20
     last = sum(r["rollout/raw_reward"] for r in rows[-20:]) / 20
     # measured over five runs: reward 0.17-0.20 -> 0.28-0.30 (rise 0.097-0.13), greedy eval 0.10 -> 0.46-0.51; the
-    # greedy eval is the strong signal, the sampled reward only has to rise clearly
+    # greedy eval is the strong signal, the sampled reward only has to rise clearly. A run on 2026-11-28 (issue #36):
+    # reward 0.197 -> 0.291, greedy eval 0.10 -> 0.35, closer to the 0.2 margin than those five
     assert last > first + 0.05, (
         f"GRPO did not raise the sampled reward: first 20 rollouts {first:.3f}, last 20 {last:.3f}"
     )
