@@ -18,8 +18,10 @@
 # EVAL_INTERVAL (20), MAX_STALENESS (fully_async), OUT, MODEL_DIR, DATA_DIR; with MODE=opd: TEACHER (an HF model
 # directory, default outputs/qwen3-tiny-sync/grpo_hf: the default job's final model), OPD_KL_COEF (0.3), OPD_REWARD
 # (1: the answer's reward is trained on beside the teacher; 0: logged only); with LORA=1: LORA_RANK (16),
-# LORA_ALPHA (32), LR (1e-3 then), LORA_SYNC (adapter). SLIME_DRY_RUN=1 prints both stages' commands and validates
-# their arguments, running nothing.
+# LORA_ALPHA (32), LR (1e-3 then), LORA_SYNC (adapter). SFT_HF=1 also writes the SFT model as an HF directory
+# ($OUT/sft_hf; always with LORA=1). SFT_FROM=DIR skips the SFT stage and starts GRPO from an earlier run's SFT
+# output, DIR/sft (DIR being that run's OUT; with LORA=1, DIR/sft_hf too: a run with LORA=1 or SFT_HF=1 wrote it).
+# SLIME_DRY_RUN=1 prints both stages' commands and validates their arguments, running nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] && PY=.venv/bin/python || PY=python3
@@ -36,6 +38,9 @@ LORA=${LORA:-0}
 NUM_ROLLOUT=${NUM_ROLLOUT:-300}
 WARMUP=$(( NUM_ROLLOUT * 2 >= 160 ? 40 : NUM_ROLLOUT / 2 ))   # 40 optimizer steps, at most a quarter of them
 case "$LORA" in 0|1) ;; *) echo "LORA must be 0 or 1 (got $LORA)" >&2; exit 2 ;; esac
+SFT_HF=${SFT_HF:-$LORA}
+SFT_FROM=${SFT_FROM:-}
+SFT_DIR=${SFT_FROM:-$OUT}   # where GRPO finds the SFT model: this run's own SFT output, or SFT_FROM's
 OPD_REWARD=${OPD_REWARD:-1}
 case "$OPD_REWARD" in 0|1) ;; *) echo "OPD_REWARD must be 0 or 1 (got $OPD_REWARD)" >&2; exit 2 ;; esac
 if [ "$LORA" = 1 ] && [ "$MODE" != sync ] && [ "$MODE" != colocate ] && [ "$MODE" != async ]; then
@@ -46,6 +51,15 @@ TEACHER=${TEACHER:-outputs/qwen3-tiny-sync/grpo_hf}
 if [ "$MODE" = opd ] && [ "$DRY_RUN" != 1 ] && [ ! -f "$TEACHER/config.json" ]; then
   echo "MODE=opd: TEACHER=$TEACHER is not an HF model directory; run the default job first" \
        "(bash scripts/run-qwen3-tiny-cpu.sh writes outputs/qwen3-tiny-sync/grpo_hf)" >&2; exit 2
+fi
+if [ -n "$SFT_FROM" ] && [ "$DRY_RUN" != 1 ]; then
+  [ "$(cd "$SFT_FROM" 2>/dev/null && pwd -P)" != "$(mkdir -p "$OUT" && cd "$OUT" && pwd -P)" ] \
+    || { echo "SFT_FROM must not be OUT ($OUT): the run empties OUT first" >&2; exit 2; }
+  [ -f "$SFT_FROM/sft/latest_checkpointed_iteration.txt" ] \
+    || { echo "SFT_FROM=$SFT_FROM has no SFT checkpoint (sft/); run the job without SFT_FROM first" >&2; exit 2; }
+  if [ "$LORA" = 1 ] && [ ! -f "$SFT_FROM/sft_hf/config.json" ]; then
+    echo "SFT_FROM=$SFT_FROM has no sft_hf/ for LORA=1: write it with LORA=1 or SFT_HF=1" >&2; exit 2
+  fi
 fi
 if [ "$DRY_RUN" = 1 ]; then
   # print each stage's command, then parse + validate its arguments only: no Ray, no training, no files
@@ -77,13 +91,17 @@ SFT_ARGS=(
    --metrics-path "$OUT/sft_metrics.jsonl"
 )
 # LoRA needs the SFT model as the HF directory its frozen base (and the engines' weights) load from
-[ "$LORA" = 1 ] && SFT_ARGS+=(--save-hf "$OUT/sft_hf")
-echo "== SFT warm start =="
-run train_async.py "${MODEL_ARGS[@]}" "${COMMON_ARGS[@]}" "${SFT_ARGS[@]}"
+[ "$SFT_HF" = 1 ] && SFT_ARGS+=(--save-hf "$OUT/sft_hf")
+if [ -n "$SFT_FROM" ]; then
+  echo "== SFT warm start: reusing $SFT_FROM/sft =="
+else
+  echo "== SFT warm start =="
+  run train_async.py "${MODEL_ARGS[@]}" "${COMMON_ARGS[@]}" "${SFT_ARGS[@]}"
+fi
 
 # 2) GRPO from the SFT checkpoint, rule reward, dynamic sampling, periodic eval on the eval split.
 # --save-hf: the latest checkpoint also as an HF model (what MODE=opd distils from, as its TEACHER)
-CKPT_ARGS=(--ref-load "$OUT/sft" --save "$OUT/grpo" --save-interval 20 --save-hf "$OUT/grpo_hf")
+CKPT_ARGS=(--ref-load "$SFT_DIR/sft" --save "$OUT/grpo" --save-interval 20 --save-hf "$OUT/grpo_hf")
 ROLLOUT_ARGS=(
    --prompt-data "$DATA_DIR/train.jsonl" --input-key prompt --label-key label --apply-chat-template --rollout-shuffle
    --rm-type answer_match
@@ -130,7 +148,7 @@ if [ "$LORA" = 1 ]; then
   # the SFT model is the frozen base for trainer and engines (this later --hf-checkpoint overrides the tiny model's),
   # and, with no --ref-load, also the reference; checkpoints under $OUT/grpo hold only the adapters
   CKPT_ARGS=(--save "$OUT/grpo" --save-interval 20)
-  LORA_ARGS=(--hf-checkpoint "$OUT/sft_hf" --enable-lora --lora-rank "${LORA_RANK:-16}" --lora-alpha "${LORA_ALPHA:-32}"
+  LORA_ARGS=(--hf-checkpoint "$SFT_DIR/sft_hf" --enable-lora --lora-rank "${LORA_RANK:-16}" --lora-alpha "${LORA_ALPHA:-32}"
              --lora-target-modules all-linear --lora-sync "${LORA_SYNC:-adapter}")
   LORA_LR=${LR:-1e-3}   # adapters want a larger step than full fine-tuning; cosine-decayed to a tenth
   OPTIMIZER_ARGS=(--optimizer adam --lr "$LORA_LR" --lr-decay-style cosine --min-lr "$(awk "BEGIN{print $LORA_LR/10}")"

@@ -5,15 +5,19 @@
 # tests. Fails on a lint or format error, or on zero tests run.
 #
 #   bash scripts/test.sh              everything (what CI runs: .ci/run)
-#   bash scripts/test.sh --fast       the development tier: leaves out the tests marked `slow` (convergence, fault
-#                                     injection, two nodes, long parallel and subprocess runs); under 10 minutes on
-#                                     a 2-core machine
-#   bash scripts/test.sh [--fast] ARGS...   ARGS go to pytest (e.g. tests/test_loss.py, -k name, -x)
+#   bash scripts/test.sh --fast       the development tier (pytest --dev-tier): the unit and component tiers and the
+#                                     short end-to-end runs named in tests/conftest.py (SHORT_E2E), less the tests
+#                                     marked `slow`; it targets 5 minutes on a 2-core machine (not yet timed whole)
+#   bash scripts/test.sh [--fast] ARGS...   ARGS go to pytest (e.g. tests/test_loss.py, -k name, -x, -m unit)
+# Tiers (pytest markers assigned in tests/conftest.py from one table, MODULE_TIERS, by what a test starts):
+#   unit (no process, no Ray), component (one server or one process group), e2e (train.py / train_async.py, or
+#   anything on Ray), cluster (fault injection, several drivers or nodes). `-m unit` runs one, `-m "not slow"` the old
+#   development tier.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 marker=()
 if [ "${1:-}" = "--fast" ]; then
-  marker=(-m "not slow")
+  marker=(--dev-tier)
   shift
 fi
 bash scripts/setup.sh

@@ -87,3 +87,89 @@ def mpu_world1(tmp_path_factory):
     yield
     mpu.destroy_model_parallel()
     dist.destroy_process_group()
+
+
+# ---- Tiers: what a test starts (issue #36). One table, module -> tier, plus per-test overrides where a module mixes.
+#   unit       no process, no Ray: functions, in-process models (a one-rank gloo group at most)
+#   component  one server or one process group: slime's CPU inference server, the router, a reward server, a sandbox,
+#              spawned Megatron ranks, one subprocess
+#   e2e        train.py / train_async.py or anything on Ray (a test taking `ray_session` or marked `e2e` is e2e at least)
+#   cluster    fault injection, several drivers or nodes, a driver joining an outside Ray cluster
+# `slow` (on tests) still leaves a test out of the development tier. That tier, `bash scripts/test.sh --fast`, is
+# FAST_MARKEXPR: units, components and the short end-to-end runs named in SHORT_E2E.
+TIERS = ("unit", "component", "e2e", "cluster")
+MODULE_TIERS = {
+    **dict.fromkeys(
+        "agent_trajectory arguments consistency cp_utils data disk_delta eval_config extension_points filter_hub fully_async "
+        "flag_support gae loss loss_variants mask_utils memory_saver model_config no_outside_addresses "
+        "rollout_data_source run sft_rollout spec_plugin upstream_flags".split(),
+        "unit",
+    ),
+    **dict.fromkeys(
+        "agent_adapters agent_examples agent_examples_engine agent_sandbox compat_v010 converters core_utils cpu_server "
+        "cpu_server_lora critic_parallel customization_examples data_pad_size hf_megatron_conversion layering "
+        "log_correct_samples log_probs_chunk lora megatron_gpu megatron_model megatron_parallel optimizer_state_flags "
+        "param_freeze ppo_utils rm_hub rollout_buffer router scripts search_r1 sglang_contract top_p_replay "
+        "upstream_examples wandb_utils".split(),
+        "component",
+    ),
+    # mixed modules: their tests without Ray are components (a server, a subprocess) or units; those on Ray are e2e
+    **dict.fromkeys(
+        "actor_import_path critic external_engines fan_out hybrid_models model_families mtp multi_model opd placement "
+        "profiling ref_update release_train rollout_controller routing_replay save_hf sglang_rollout startup_checks "
+        "train_data weight_sync".split(),
+        "component",
+    ),
+    **dict.fromkeys(
+        "distributed_post e2e eval_only megatron_actor sglang_engine".split(),
+        "e2e",
+    ),
+    **dict.fromkeys("disk_sync_faults fault_tolerance two_nodes".split(), "cluster"),
+}
+TEST_TIERS = {  # "module::test name" (parameters aside) -> tier, where it differs from what the rules above give
+    "test_e2e::test_crash_then_resume_continues_data_order": "cluster",
+    "test_e2e::test_dead_inference_server_fails_the_run_fast_naming_the_engine": "cluster",
+    "test_e2e::test_ctrl_c_leaves_no_processes_behind": "cluster",
+    "test_e2e::test_driver_joins_an_existing_cluster_from_ray_address": "cluster",
+    "test_e2e::test_two_concurrent_runs_on_one_machine_each_train_their_own_engines": "cluster",
+}
+# the end-to-end runs the development tier keeps: one whole train.py loop (disaggregated, with eval and the first
+# step's invariants checked) stands for the rest
+SHORT_E2E = {
+    "test_e2e::test_train_disaggregated_with_eval_and_first_step_invariants",
+}
+FAST_MARKEXPR = "(unit or component or short_e2e) and not slow"
+
+
+def _test_key(item):
+    return f"{item.module.__name__.rsplit('.', 1)[-1]}::{item.originalname}"
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1].removeprefix("test_")
+        if module not in MODULE_TIERS:
+            raise pytest.UsageError(
+                f"{item.module.__file__}: no tier; add its module to MODULE_TIERS in tests/conftest.py"
+            )
+        tier = MODULE_TIERS[module]
+        if tier in ("unit", "component") and ("ray_session" in item.fixturenames or item.get_closest_marker("e2e")):
+            tier = "e2e"
+        tier = TEST_TIERS.get(_test_key(item), tier)
+        item.add_marker(getattr(pytest.mark, tier))
+        if tier == "e2e" and _test_key(item) in SHORT_E2E:
+            item.add_marker(pytest.mark.short_e2e)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--dev-tier",
+        action="store_true",
+        help=f"run the development tier only: -m '{FAST_MARKEXPR}' (and any -m given too); scripts/test.sh --fast",
+    )
+
+
+def pytest_configure(config):
+    if config.getoption("--dev-tier"):
+        given = config.option.markexpr
+        config.option.markexpr = f"({FAST_MARKEXPR}) and ({given})" if given else FAST_MARKEXPR

@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import socket
 import uuid
 
 import pytest
@@ -69,17 +70,32 @@ def test_isolated_commands_cannot_touch_the_host_outside_their_directory(tmp_pat
     victim = tmp_path / "victim.txt"
     victim.write_text("keep")
 
+    # no network: a listener this test starts on the host's loopback, reachable from here, is not from the sandbox
+    # (its own network namespace has its own loopback); never an outside address (tests reach only 127.0.0.1)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    socket.create_connection(("127.0.0.1", port), timeout=2).close()  # the control: the host reaches it
+    listener.accept()[0].close()
+
     async def go():
         async with LocalSandbox(isolate=True) as sb:
             r = await sb.exec(f"echo inside > ok.txt; touch {outside}; echo x > {victim}; rm -f {victim}; echo done")
             assert r.stdout == "done\n" and "Read-only file system" in r.stderr
             assert await sb.read_file("ok.txt") == b"inside\n"
-            r = await sb.exec("python3 -c \"import socket; socket.create_connection(('1.1.1.1', 53), timeout=2)\"")
-            assert r.returncode != 0  # no network
+            r = await sb.exec(
+                f"python3 -c \"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2)\""
+            )
+            assert r.returncode != 0 and "Error" in r.stderr, (r.stdout, r.stderr)  # no network
             r = await sb.exec("ps -e -o pid= | wc -l")
             assert int(r.stdout) < 10  # its own PID namespace: the host's processes are invisible
 
-    run(go())
+    try:
+        run(go())
+        listener.settimeout(0)
+        with pytest.raises(BlockingIOError):  # nothing from the sandbox ever reached the listener
+            listener.accept()
+    finally:
+        listener.close()
     assert not outside.exists() and victim.read_text() == "keep"
 
 

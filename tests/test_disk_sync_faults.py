@@ -23,7 +23,7 @@ from tests.test_cpu_server import start_cpu_server, stop_cpu_server
 from tests.test_e2e import make_args, read_metrics
 from tests.test_fault_tolerance import trainer_pids
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = pytest.mark.slow  # tier: cluster (tests/conftest.py)
 
 PARAM = "model.layers.0.mlp.down_proj.weight"
 NUM_ROLLOUT = 5  # versions 1..6

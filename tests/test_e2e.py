@@ -13,7 +13,8 @@ from slime.utils.arguments import parse_args
 from slime.utils.user_errors import UserCodeError
 from tests import _procs
 
-pytestmark = pytest.mark.e2e  # the short runs stay in the development tier; longer or subprocess runs are `slow`
+# tiers (tests/conftest.py): e2e, the fault and several-driver runs cluster; SHORT_E2E names the one the development
+# tier keeps, and longer or subprocess runs are also `slow`
 
 TINY_MODEL_ARGS = [
     "--num-layers",
@@ -471,24 +472,47 @@ def run_main_job(tiny_kit, out, timeout, **env):
     return stdout
 
 
+# The main job's tests share its runs (issue #36). One long run (SFT, then 100 GRPO rollouts) is what every
+# convergence assertion reads; the LoRA run and the second deterministic run start from an SFT model already trained
+# (SFT_FROM) instead of training their own. The long run is not in --deterministic-mode, whose engine decodes each
+# request alone (slower rollouts) and seeds each sample's draws by its index in the group. Measured 2026-11-28 on a
+# loaded 2-core machine: these flags gave greedy eval 0.10 -> 0.35 at rollout 99 (sampled reward 0.197 -> 0.291);
+# with --deterministic-mode added 0.10 -> 0.32 (0.185 -> 0.289), and a short deterministic run then repeated that long
+# run's SFT metrics and its first 10 rollouts exactly. Either design keeps every assertion; determinism is checked
+# here on two short runs of its own.
+MAIN_JOB_SFT = dict(SFT_EPOCHS="30", SFT_HF="1")  # SFT_HF: the LoRA run's frozen base
+
+
+def _metrics(out, name, timings=True):
+    rows = [json.loads(line) for line in open(out / name)]
+    return rows if timings else [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+
+
+@pytest.fixture(scope="module")
+def main_job(tiny_kit, tmp_path_factory):
+    """(out, stdout) of the README's main job, shortened to 100 rollouts at a constant LR."""
+    out = tmp_path_factory.mktemp("main_job") / "job"
+    stdout = run_main_job(
+        tiny_kit, out, 1500, NUM_ROLLOUT="100", EVAL_INTERVAL="10", EXTRA_ARGS="--lr-decay-style constant", **MAIN_JOB_SFT
+    )  # fmt: skip
+    return out, stdout
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(1200)
-def test_main_job_sft_then_grpo_raises_reward(tiny_kit, tmp_path):
+@pytest.mark.timeout(1800)  # the module's main_job fixture (~4 min on an idle 2-core machine) counts too
+def test_main_job_sft_then_grpo_raises_reward(main_job):
     """The README's main job (scripts/run-qwen3-tiny-cpu.sh), shortened to 100 rollouts at a constant LR: SFT warm start,
     then GRPO whose sampled reward over the last rollouts and greedy eval accuracy at the end are clearly above the
     start. A convergence test with generous margins, not a timing test."""
-    out = tmp_path / "job"
-    stdout = run_main_job(
-        tiny_kit, out, 1000, NUM_ROLLOUT="100", SFT_EPOCHS="30", EVAL_INTERVAL="10",
-        EXTRA_ARGS="--lr-decay-style constant",
-    )  # fmt: skip
-    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    out, stdout = main_job
+    rows = _metrics(out, "metrics.jsonl")
     assert [r["rollout_id"] for r in rows] == list(range(100))
     # 20-rollout means: a 10-rollout window of 16x8 sampled rewards swings by ~0.05 between neighbouring windows
     first = sum(r["rollout/raw_reward"] for r in rows[:20]) / 20
     last = sum(r["rollout/raw_reward"] for r in rows[-20:]) / 20
     # measured over five runs: reward 0.17-0.20 -> 0.28-0.30 (rise 0.097-0.13), greedy eval 0.10 -> 0.46-0.51; the
-    # greedy eval is the strong signal, the sampled reward only has to rise clearly
+    # greedy eval is the strong signal, the sampled reward only has to rise clearly. A run on 2026-11-28 (issue #36):
+    # reward 0.197 -> 0.291, greedy eval 0.10 -> 0.35, closer to the 0.2 margin than those five
     assert last > first + 0.05, (
         f"GRPO did not raise the sampled reward: first 20 rollouts {first:.3f}, last 20 {last:.3f}"
     )
@@ -499,17 +523,22 @@ def test_main_job_sft_then_grpo_raises_reward(tiny_kit, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_main_job_lora_trains_adapters_on_the_sft_model(tiny_kit, tmp_path):
-    """`LORA=1 bash scripts/run-qwen3-tiny-cpu.sh`, 4 GRPO rollouts: GRPO starts from the SFT model's HF copy (the raw
-    tiny model gets no reward), the engines serve base + adapters (their log-probs match the trainer's after every
-    update) and the GRPO checkpoint holds only the adapters."""
+@pytest.mark.timeout(1800)
+def test_main_job_lora_trains_adapters_on_the_sft_model(main_job, tiny_kit, tmp_path):
+    """`LORA=1 bash scripts/run-qwen3-tiny-cpu.sh`, 4 GRPO rollouts from the main job's SFT model (SFT_FROM): GRPO
+    starts from the SFT model's HF copy (the raw tiny model gets no reward), the engines serve base + adapters (their
+    log-probs match the trainer's after every update) and the GRPO checkpoint holds only the adapters."""
     from torch.distributed.checkpoint import FileSystemReader
 
+    sft_out, _ = main_job
     out = tmp_path / "job"
-    run_main_job(tiny_kit, out, 800, LORA="1", NUM_ROLLOUT="4", EVAL_INTERVAL="2", EXTRA_ARGS="--save-interval 2")
-    assert (out / "sft_hf" / "config.json").exists()
-    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    stdout = run_main_job(
+        tiny_kit, out, 800, LORA="1", SFT_FROM=str(sft_out), NUM_ROLLOUT="4", EVAL_INTERVAL="2",
+        EXTRA_ARGS="--save-interval 2",
+    )  # fmt: skip
+    assert (sft_out / "sft_hf" / "config.json").exists() and not (out / "sft").exists()
+    assert f"reusing {sft_out}/sft" in stdout
+    rows = _metrics(out, "metrics.jsonl")
     assert [r["rollout_id"] for r in rows] == list(range(4))
     # the SFT model answers some sums at temperature 1 (measured 0.17-0.19 at rollout 0); the raw tiny model none
     assert rows[0]["rollout/raw_reward"] > 0.05
@@ -524,28 +553,23 @@ def test_main_job_lora_trains_adapters_on_the_sft_model(tiny_kit, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)
-def test_main_job_in_deterministic_mode_repeats_its_metrics_exactly(tiny_kit, tmp_path):
-    """`--deterministic-mode`: two runs of the main job (SFT, then GRPO with dynamic sampling and a greedy eval) write
-    identical metrics files, timings aside: the same shuffles, the engine's seeded draws and batch-invariant
-    log-probs, the trainer's updates."""
-
-    def metrics(out, name):
-        rows = [json.loads(line) for line in open(out / name)]
-        return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
-
-    runs = []
-    for i in range(2):
-        out = tmp_path / f"run{i}"
-        run_main_job(
-            tiny_kit, out, 540, NUM_ROLLOUT="3", SFT_EPOCHS="10", EVAL_INTERVAL="2", EXTRA_ARGS="--deterministic-mode"
-        )
-        runs.append((metrics(out, "sft_metrics.jsonl"), metrics(out, "metrics.jsonl")))
-    (sft, rl), (sft_again, rl_again) = runs
-    assert len(sft) == 20 and [r["rollout_id"] for r in rl] == [0, 1, 2] and "eval/addition" in rl[0]
+@pytest.mark.timeout(1800)
+def test_main_job_in_deterministic_mode_repeats_its_metrics_exactly(main_job, tiny_kit, tmp_path):
+    """`--deterministic-mode`: two runs of the main job's GRPO (dynamic sampling and a greedy eval) from the same SFT
+    checkpoint write identical metrics files, timings aside: the same shuffles, the engine's seeded draws and
+    batch-invariant log-probs, the trainer's updates. The SFT stage repeats too: the first run's own SFT writes the
+    main job's SFT metrics exactly (the SFT stage takes no EXTRA_ARGS, so it is the same stage in both jobs)."""
+    deterministic = dict(NUM_ROLLOUT="3", EVAL_INTERVAL="2", EXTRA_ARGS="--deterministic-mode")
+    first, again = tmp_path / "run0", tmp_path / "run1"
+    run_main_job(tiny_kit, first, 900, **MAIN_JOB_SFT, **deterministic)
+    run_main_job(tiny_kit, again, 600, SFT_FROM=str(first), **deterministic)  # the same SFT checkpoint, not retrained
+    sft, sft_again = _metrics(main_job[0], "sft_metrics.jsonl", False), _metrics(first, "sft_metrics.jsonl", False)
+    rl, rl_again = _metrics(first, "metrics.jsonl", False), _metrics(again, "metrics.jsonl", False)
+    assert len(sft) == 60 and [r["rollout_id"] for r in rl] == [0, 1, 2] and "eval/addition" in rl[0]
     # the rollouts trained on something: sampled rewards and a policy update each step
     assert all(r["rollout/raw_reward"] > 0 and r["train/grad_norm"] > 0 for r in rl)
     assert sft_again == sft
+    assert len(rl_again) == len(rl)
     for a, b in zip(rl, rl_again):
         assert a == b, {k: (a.get(k), b.get(k)) for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
 

@@ -21,7 +21,7 @@ import train_async as async_driver
 from tests import _procs
 from tests.test_e2e import make_args, read_metrics, train_py_argv
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = pytest.mark.slow  # tier: cluster (tests/conftest.py)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -618,3 +618,25 @@ def test_main_job_lora_dry_run(tiny_kit, tmp_path):
 
     res, _ = _dry_run_main_job(tiny_kit, out, LORA="1", MODE="ppo")
     assert res.returncode == 2 and "LORA=1 runs with MODE=sync, colocate or async (got ppo)" in res.stderr
+
+
+def test_main_job_sft_from_refuses_what_it_cannot_start_from(tmp_path):
+    """SFT_FROM (reuse an earlier run's SFT model) stops in one line, before anything starts, when DIR has no SFT
+    checkpoint, when LORA=1 finds no sft_hf/ there, or when it is OUT itself (which the run empties)."""
+    earlier = tmp_path / "earlier"
+    (earlier / "sft").mkdir(parents=True)
+
+    def run(**env):
+        env = {**os.environ, "OUT": str(tmp_path / "out"), "MODEL_DIR": str(tmp_path / "no-model"), **env}
+        return subprocess.run(
+            ["bash", str(SCRIPTS / "run-qwen3-tiny-cpu.sh")], capture_output=True, text=True, timeout=60, env=env
+        )
+
+    res = run(SFT_FROM=str(earlier))
+    assert res.returncode == 2 and "has no SFT checkpoint (sft/)" in res.stderr, res.stderr
+    (earlier / "sft" / "latest_checkpointed_iteration.txt").write_text("1")
+    res = run(SFT_FROM=str(earlier), LORA="1")
+    assert res.returncode == 2 and "has no sft_hf/ for LORA=1" in res.stderr, res.stderr
+    res = run(SFT_FROM=str(earlier), OUT=str(earlier))
+    assert res.returncode == 2 and "SFT_FROM must not be OUT" in res.stderr, res.stderr
+    assert not (tmp_path / "no-model").exists()

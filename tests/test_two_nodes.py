@@ -19,7 +19,7 @@ from slime.utils.http_utils import find_available_port
 from tests import _procs
 from tests.test_e2e import train_py_argv
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = pytest.mark.slow  # tier: cluster (tests/conftest.py)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEAD_IP, WORKER_IP = "127.0.0.2", "127.0.0.3"
 
