@@ -102,7 +102,7 @@ MODULE_TIERS = {
     **dict.fromkeys(
         "agent_trajectory arguments consistency cp_utils data disk_delta eval_config extension_points filter_hub fully_async "
         "flag_support gae loss loss_variants mask_utils memory_saver model_config no_outside_addresses "
-        "rollout_data_source run sft_rollout spec_plugin upstream_flags".split(),
+        "rollout_data_source run sft_rollout spec_plugin upstream_flags quantization flags_read flags_honoured".split(),
         "unit",
     ),
     **dict.fromkeys(
@@ -110,7 +110,7 @@ MODULE_TIERS = {
         "cpu_server_lora critic_parallel customization_examples data_pad_size hf_megatron_conversion layering "
         "log_correct_samples log_probs_chunk lora megatron_gpu megatron_model megatron_parallel optimizer_state_flags "
         "param_freeze ppo_utils rm_hub rollout_buffer router scripts search_r1 sglang_contract top_p_replay "
-        "upstream_examples wandb_utils".split(),
+        "upstream_examples wandb_utils cpu_server_quantized weight_sync_quantized gdn_kernel_gpu".split(),
         "component",
     ),
     # mixed modules: their tests without Ray are components (a server, a subprocess) or units; those on Ray are e2e
