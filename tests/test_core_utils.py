@@ -195,8 +195,8 @@ def test_ports_and_host_info(monkeypatch):
         assert not http_utils.is_port_available(busy)
     port = http_utils.find_available_port(20000)
     assert port >= 20100 and http_utils.is_port_available(port)
-    monkeypatch.setenv("SLIME_HOST_IP", "192.0.2.123")
-    assert http_utils.get_host_info()[1] == "192.0.2.123"
+    monkeypatch.setenv("SLIME_HOST_IP", "127.0.2.123")
+    assert http_utils.get_host_info()[1] == "127.0.2.123"
 
 
 @pytest.fixture
