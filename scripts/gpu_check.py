@@ -97,27 +97,9 @@ def train_argv(model_dir, data_dir, out, *extra):
     ]
 
 
-def run(name, argv, out, timeout):
-    os.makedirs(out, exist_ok=True)
-    start = time.time()
-    with open(f"{out}/log.txt", "w") as log:
-        try:
-            rc = subprocess.run(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-    detail = f"log {out}/log.txt"
-    if rc == 0 and os.path.exists(f"{out}/metrics.jsonl"):
-        with open(f"{out}/metrics.jsonl") as f:
-            rows = [json.loads(line) for line in f]
-        versions = [r.get("rollout/weight_version") for r in rows]
-        ok = len(rows) == 2
-        detail = f"{len(rows)} rollouts, weight versions {versions}; {detail}"
-        rc = 0 if ok else "wrong rollout count"
-    return name, rc == 0, f"{time.time() - start:.0f}s", detail
-
-
-def run_command(name, argv, out, timeout):
-    """A pytest file or a benchmark: passes when it exits 0; its last line is the detail."""
+def run(name, argv, out, timeout, check=None):
+    """Runs one step, its output in OUT/log.txt. Passes when it exits 0 and `check(out)` (if given) returns no
+    complaint; the detail is `check`'s summary, else the step's last output line."""
     os.makedirs(out, exist_ok=True)
     start = time.time()
     with open(f"{out}/log.txt", "w") as log:
@@ -127,18 +109,32 @@ def run_command(name, argv, out, timeout):
             rc = "timeout"
     with open(f"{out}/log.txt") as log:
         lines = [line.rstrip() for line in log if line.strip()]
-    return name, rc == 0, f"{time.time() - start:.0f}s", f"{lines[-1] if lines else rc}; log {out}/log.txt"
+    detail, complaint = (lines[-1] if lines else str(rc)), None
+    if rc == 0 and check is not None:
+        detail, complaint = check(out)
+    ok = rc == 0 and complaint is None
+    return name, ok, f"{time.time() - start:.0f}s", f"{complaint or detail}; log {out}/log.txt"
+
+
+def two_rollouts(out):
+    """(summary, complaint) of a train.py run's metrics: it must have logged exactly two rollouts."""
+    if not os.path.exists(f"{out}/metrics.jsonl"):
+        return "no metrics", "no metrics.jsonl"
+    with open(f"{out}/metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    summary = f"{len(rows)} rollouts, weight versions {[r.get('rollout/weight_version') for r in rows]}"
+    return summary, None if len(rows) == 2 else f"wrong rollout count: {summary}"
 
 
 def core_checks(a):
     """The tier that needs no SGLang."""
     pytest = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]
     return [
-        run_command("tests/test_megatron_gpu.py", [*pytest, "tests/test_megatron_gpu.py"], f"{a.out}/megatron_gpu",
+        run("tests/test_megatron_gpu.py", [*pytest, "tests/test_megatron_gpu.py"], f"{a.out}/megatron_gpu",
                     a.timeout),
-        run_command("tests/test_gdn_kernel_gpu.py", [*pytest, "tests/test_gdn_kernel_gpu.py"], f"{a.out}/gdn_kernel",
+        run("tests/test_gdn_kernel_gpu.py", [*pytest, "tests/test_gdn_kernel_gpu.py"], f"{a.out}/gdn_kernel",
                     a.timeout),
-        run_command("benchmarks/bench_trainer.py --shape qwen3-0.6b",
+        run("benchmarks/bench_trainer.py --shape qwen3-0.6b",
                     [sys.executable, "benchmarks/bench_trainer.py", "--shape", "qwen3-0.6b", "--prompts", "4",
                      "--n-samples", "8", "--prompt-len", "512", "--response-len", "512", "--micro-batch-size", "4"],
                     f"{a.out}/bench_trainer", a.timeout),
@@ -156,6 +152,7 @@ def sglang_checks(a):
             train_argv(a.model_dir, a.data_dir, f"{a.out}/colocate", *one_gpu, "--colocate"),
             f"{a.out}/colocate",
             a.timeout,
+            two_rollouts,
         ),
     ]
     if torch.cuda.device_count() >= 2:
@@ -174,6 +171,7 @@ def sglang_checks(a):
                 ),
                 f"{a.out}/disagg",
                 a.timeout,
+                two_rollouts,
             )
         )
     else:

@@ -3,6 +3,8 @@ with its real default and tests never carry a second copy of the argparse defaul
 
 import os
 
+import pytest
+
 from slime.utils.arguments import parse_args
 
 # Four text prompts (`input`, `label`): the default rollout needs --prompt-data, and most tests never read it.
@@ -46,3 +48,13 @@ def make_args(*argv, hf_checkpoint=None, base=BASE, model=None, add_custom_argum
             raise AttributeError(f"make_args: parse_args has no field {name!r} (pass it as a flag, or fix the name)")
         setattr(args, name, value)
     return args
+
+
+def one_line_refusal(capsys, *argv, **kw):
+    """The error `make_args(*argv, **kw)` exits with (status 2): asserted to be one line, and returned."""
+    with pytest.raises(SystemExit) as e:
+        make_args(*argv, **kw)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err

@@ -404,6 +404,18 @@ def build_random_hf(kind, out_dir, seed=0, vocab_size=200, layer_types=None):
 _STACKED_EXPERTS = re.compile(r"^(.*\.experts\.)(gate_up_proj|down_proj)$")
 
 
+def read_checkpoint(hf_dir):
+    """Every tensor of every safetensors file in `hf_dir`, by name."""
+    from safetensors import safe_open
+
+    out = {}
+    for fn in sorted(os.listdir(hf_dir)):
+        if fn.endswith(".safetensors"):
+            with safe_open(os.path.join(hf_dir, fn), framework="pt") as f:
+                out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
 def decoder_checkpoint(hf_dir):
     """The tensors of `hf_dir`'s safetensors the trainer holds and exports: MTP layers and a vision tower left out,
     stacked experts (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]) as the per-expert tensors."""

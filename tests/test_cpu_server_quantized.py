@@ -7,23 +7,14 @@ import shutil
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from slime.backends.cpu_server.model import ModelConfig
 from slime.backends.cpu_server.weights import WeightError, WeightStore
 from slime.utils import quantization as Q
+from tests._megatron_helpers import read_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _read_dir(d):
-    out = {}
-    for fn in sorted(os.listdir(d)):
-        if fn.endswith(".safetensors"):
-            with safe_open(os.path.join(d, fn), framework="pt") as f:
-                out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +44,7 @@ def _store(model_dir, dtype=torch.float32):
 
 
 def test_fp8_checkpoint_loads_as_quantised_storage_and_dequantised_compute(fp8_dir):
-    files = _read_dir(fp8_dir)
+    files = read_checkpoint(fp8_dir)
     store = _store(fp8_dir)
     q_name = "model.layers.1.self_attn.k_proj.weight"
     assert store.named[q_name].dtype == Q.FP8_DTYPE and store.named[q_name + "_scale_inv"].shape == (2, 4)
@@ -68,9 +59,9 @@ def test_fp8_checkpoint_loads_as_quantised_storage_and_dequantised_compute(fp8_d
 
 
 def test_int4_checkpoint_loads(int4_dir, tiny_kit):
-    files = _read_dir(int4_dir)
+    files = read_checkpoint(int4_dir)
     store = _store(int4_dir)
-    src = _read_dir(tiny_kit[0])
+    src = read_checkpoint(tiny_kit[0])
     module = "model.layers.0.mlp.down_proj"
     assert store.named[module + ".weight_packed"].dtype == torch.int32 and module + ".weight" not in store.named
     for module, (view, _) in store.quantized.items():
@@ -101,7 +92,7 @@ def test_refusals_in_one_line(fp8_dir, tmp_path):
     # a checkpoint missing a scale does not load
     bad = tmp_path / "no-scale"
     shutil.copytree(fp8_dir, bad)
-    tensors = _read_dir(str(bad))
+    tensors = read_checkpoint(str(bad))
     del tensors[name + "_scale_inv"]
     for fn in os.listdir(bad):
         if fn.endswith(".safetensors"):
@@ -141,7 +132,7 @@ def test_server_serves_fp8_and_takes_quantised_updates_in_a_session(fp8_dir, tin
     fp8_cast_bf16.convert(fp8_dir, deq, dtype=torch.float32)
     other_src = str(tmp_path / "other")
     build_model(other_src, seed=1)
-    other_q = list(Q.quantize_named_tensors(_read_dir(other_src).items(), Q.QuantScheme(Q.fp8_config([32, 32]))))
+    other_q = list(Q.quantize_named_tensors(read_checkpoint(other_src).items(), Q.QuantScheme(Q.fp8_config([32, 32]))))
     other_deq = str(tmp_path / "other-fp8")
     from tools import convert_hf_to_fp8
 
@@ -158,7 +149,7 @@ def test_server_serves_fp8_and_takes_quantised_updates_in_a_session(fp8_dir, tin
         set_shared_authkey()
         assert check("snapshot").status_code == 200 and check("reset_tensors").status_code == 200
         begin_update(url)
-        own = list(_read_dir(fp8_dir).items())
+        own = list(read_checkpoint(fp8_dir).items())
         r = SESSION.post(
             url + "/update_weights_from_tensor",
             json={"serialized_named_tensors": [MultiprocessingSerializer.serialize(own, output_str=True)]},

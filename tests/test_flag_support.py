@@ -4,7 +4,7 @@ import pytest
 
 from slime.utils.arguments import _build_parser, get_slime_extra_args_provider
 from slime.utils.flag_support import REFUSED, upstream_flags
-from tests._args import make_args
+from tests._args import make_args, one_line_refusal
 from tools import gen_flags_doc
 
 
@@ -32,15 +32,6 @@ def test_table_records_upstream_families():
     assert sum(f.startswith("--router-") for f in recorded) > 80
 
 
-def _refusal(capsys, *argv):
-    with pytest.raises(SystemExit) as e:
-        make_args(*argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1, err
-    return err
-
-
 @pytest.mark.parametrize(
     "argv, flag, why",
     [
@@ -49,7 +40,7 @@ def _refusal(capsys, *argv):
     ],
 )
 def test_refused_flag_stops_start_up_in_one_line(capsys, argv, flag, why):
-    err = _refusal(capsys, *argv)
+    err = one_line_refusal(capsys, *argv)
     assert f"{flag}: not supported by this slime" in err
     assert why in err
 
@@ -63,7 +54,7 @@ def test_refused_flag_stops_start_up_in_one_line(capsys, argv, flag, why):
     ],
 )
 def test_flags_nothing_reads_are_refused_when_set(capsys, argv, flag, why):
-    err = _refusal(capsys, *argv)
+    err = one_line_refusal(capsys, *argv)
     assert f"{flag}: not supported by this slime" in err
     assert why in err
 

@@ -3,22 +3,10 @@
 from datetime import timedelta
 from types import SimpleNamespace
 
-import pytest
-
 from slime.backends.megatron_utils import model_provider
 from slime.rollout.train_data import convert_samples_to_train_data, eval_metrics, pass_at_k, rollout_metrics
 from slime.utils.types import Sample
-from tests._args import make_args
-
-
-def _error(capsys, *argv):
-    with pytest.raises(SystemExit) as e:
-        make_args(*argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1, err
-    return err
-
+from tests._args import make_args, one_line_refusal
 
 # --distributed-backend, --distributed-timeout-minutes: the trainers' process group (was: gloo/nccl by device, 30 min)
 
@@ -44,8 +32,10 @@ def test_trainer_process_group_takes_backend_and_timeout(monkeypatch):
 
 
 def test_distributed_flags_checked_at_start_up(capsys):
-    assert "--distributed-backend nccl needs GPUs" in _error(capsys, "--distributed-backend", "nccl")
-    assert "--distributed-timeout-minutes 0 must be > 0" in _error(capsys, "--distributed-timeout-minutes", "0")
+    assert "--distributed-backend nccl needs GPUs" in one_line_refusal(capsys, "--distributed-backend", "nccl")
+    assert "--distributed-timeout-minutes 0 must be > 0" in one_line_refusal(
+        capsys, "--distributed-timeout-minutes", "0"
+    )
 
 
 # --no-gradient-accumulation-fusion: Megatron's fusion reaches the transformer config (was: never passed)

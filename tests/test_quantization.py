@@ -3,25 +3,15 @@ hand, rounding bounds, all-zero blocks, which tensors are quantised (docs/low_pr
 research: low-precision.md §5.3 F1-F5, I1-I3, I6)."""
 
 import json
-import os
 
 import numpy as np
 import pytest
 import torch
-from safetensors import safe_open
 
 from slime.utils import quantization as Q
+from tests._megatron_helpers import read_checkpoint
 
 E4M3 = torch.float8_e4m3fn
-
-
-def _read_dir(d):
-    out = {}
-    for fn in sorted(os.listdir(d)):
-        if fn.endswith(".safetensors"):
-            with safe_open(os.path.join(d, fn), framework="pt") as f:
-                out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
 
 
 def _u8(t):
@@ -242,7 +232,7 @@ def test_convert_hf_to_fp8_block_and_cast_back(tiny_kit, tmp_path):
     model_dir, _ = tiny_kit
     out = tmp_path / "fp8"
     convert_hf_to_fp8.main(["--model-dir", model_dir, "--save-dir", str(out), "--block-size", "32", "32"])
-    src, dst = _read_dir(model_dir), _read_dir(str(out))
+    src, dst = read_checkpoint(model_dir), read_checkpoint(str(out))
     cfg = json.load(open(out / "config.json"))
     qc = cfg["quantization_config"]
     assert {k: v for k, v in qc.items() if k != "modules_to_not_convert"} == {
@@ -272,7 +262,7 @@ def test_convert_hf_to_fp8_block_and_cast_back(tiny_kit, tmp_path):
 
     back = tmp_path / "bf16"
     fp8_cast_bf16.main(["--input-fp8-hf-path", str(out), "--output-bf16-hf-path", str(back)])
-    cast = _read_dir(str(back))
+    cast = read_checkpoint(str(back))
     assert set(cast) == set(src)
     assert "quantization_config" not in json.load(open(back / "config.json"))
     for n in quantised:
@@ -289,7 +279,7 @@ def test_convert_hf_to_fp8_tensor_and_channel(tiny_kit, tmp_path):
     for strategy in ("tensor", "channel"):
         out = tmp_path / strategy
         convert_hf_to_fp8.main(["--model-dir", model_dir, "--save-dir", str(out), "--strategy", strategy])
-        dst = _read_dir(str(out))
+        dst = read_checkpoint(str(out))
         name = "model.layers.0.self_attn.q_proj.weight"
         assert dst[name].dtype == E4M3 and dst[name + "_scale"].shape == ((1,) if strategy == "tensor" else (128, 1))
         qc = json.load(open(out / "config.json"))["quantization_config"]
@@ -306,7 +296,7 @@ def test_convert_hf_to_int4_direct_dense_and_moe(tiny_kit, tmp_path):
     # default rules on a dense model: nothing is packed
     out = tmp_path / "dense"
     convert_hf_to_int4_direct.main(["--model-dir", model_dir, "--save-dir", str(out)])
-    src, dst = _read_dir(model_dir), _read_dir(str(out))
+    src, dst = read_checkpoint(model_dir), read_checkpoint(str(out))
     assert set(dst) == set(src) and all(torch.equal(_u8(dst[n]), _u8(src[n])) for n in src)
     qc = json.load(open(out / "config.json"))["quantization_config"]
     assert qc["ignore"] == list(Q.INT4_DEFAULT_IGNORE_RULES)
@@ -333,7 +323,7 @@ def test_convert_hf_to_int4_direct_dense_and_moe(tiny_kit, tmp_path):
             ["--model-dir", str(moe), "--save-dir", str(out), "--group-size", "32"]
             + (["--is-symmetric"] if sym else [])
         )
-        src, dst = _read_dir(str(moe)), _read_dir(str(out))
+        src, dst = read_checkpoint(str(moe)), read_checkpoint(str(out))
         experts = {n for n in src if ".mlp.experts." in n and n.endswith("_proj.weight")}
         assert len(experts) == 2 * 8 * 3  # 2 MoE layers x 8 routed experts x gate/up/down
         suffixes = ["weight_packed", "weight_scale", "weight_shape"] + ([] if sym else ["weight_zero_point"])
@@ -401,9 +391,9 @@ def test_trainer_reads_a_quantised_hf_checkpoint_dequantised(tiny_kit, tmp_path)
     from slime.backends.megatron_utils.megatron_to_hf.hf_to_megatron import SafetensorsReader
     from tools import convert_hf_to_fp8, convert_hf_to_int4_direct
 
-    src = _read_dir(tiny_kit[0])
+    src = read_checkpoint(tiny_kit[0])
     convert_hf_to_fp8.convert(tiny_kit[0], str(tmp_path / "fp8"), "block", (32, 64))
-    fp8 = _read_dir(str(tmp_path / "fp8"))
+    fp8 = read_checkpoint(str(tmp_path / "fp8"))
     reader = SafetensorsReader(str(tmp_path / "fp8"))
     name = "model.layers.1.mlp.down_proj.weight"
     expected = fp8[name].float() * Q._expand(fp8[name + "_scale_inv"], 32, 64, src[name].shape)
@@ -412,7 +402,7 @@ def test_trainer_reads_a_quantised_hf_checkpoint_dequantised(tiny_kit, tmp_path)
 
     rules = ["re:.*embed.*", "re:.*norm.*"]
     convert_hf_to_int4_direct.convert(tiny_kit[0], str(tmp_path / "int4"), 32, True, rules)
-    int4 = _read_dir(str(tmp_path / "int4"))
+    int4 = read_checkpoint(str(tmp_path / "int4"))
     reader = SafetensorsReader(str(tmp_path / "int4"))
     parts = {s: int4[name[:-6] + s] for s in ("weight_packed", "weight_scale", "weight_shape")}
     assert torch.equal(reader.get(name), Q.dequantize_int4(parts, 32, True, torch.float32))

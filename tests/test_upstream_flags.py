@@ -3,16 +3,7 @@
 import pytest
 
 from slime.backends.sglang_utils.sglang_engine import server_command
-from tests._args import make_args
-
-
-def _error(capsys, *argv):
-    with pytest.raises(SystemExit) as e:
-        make_args(*argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1, err
-    return err
+from tests._args import make_args, one_line_refusal
 
 
 @pytest.mark.parametrize(
@@ -124,10 +115,10 @@ def test_context_length_defaults_and_bound(capsys):
     assert (a.rollout_max_prompt_len, a.eval_max_prompt_len, a.eval_max_context_len) == (50, 70, 100)
     a = make_args("--eval-max-context-len", "30")
     assert (a.rollout_max_context_len, a.rollout_max_prompt_len, a.eval_max_context_len) == (None, None, 30)
-    assert "--rollout-max-prompt-len 100 must be below --rollout-max-context-len 100" in _error(
+    assert "--rollout-max-prompt-len 100 must be below --rollout-max-context-len 100" in one_line_refusal(
         capsys, "--rollout-max-context-len", "100", "--rollout-max-prompt-len", "100"
     )
-    assert "--rollout-max-context-len 1" in _error(capsys, "--rollout-max-context-len", "1")
+    assert "--rollout-max-context-len 1" in one_line_refusal(capsys, "--rollout-max-context-len", "1")
 
 
 def test_chat_template_kwargs_reach_the_template(tmp_path, tiny_kit, capsys):
@@ -196,8 +187,8 @@ def test_train_env_vars_reach_the_trainers_env(capsys):
     a = make_args("--train-env-vars", '{"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "MY_N": 4}')
     assert a.train_env_vars == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "MY_N": "4"}
     assert make_args().train_env_vars == {}
-    assert "--train-env-vars: X=[1]" in _error(capsys, "--train-env-vars", '{"X": [1]}')
-    assert "expected a JSON object" in _error(capsys, "--train-env-vars", "[1]")
+    assert "--train-env-vars: X=[1]" in one_line_refusal(capsys, "--train-env-vars", '{"X": [1]}')
+    assert "expected a JSON object" in one_line_refusal(capsys, "--train-env-vars", "[1]")
 
 
 def test_train_env_vars_are_in_the_trainer_runtime_env(monkeypatch):
@@ -274,7 +265,7 @@ def test_load_debug_rollout_data_subsample(capsys):
     assert subsample_debug_rollout_data(samples, 0.05) == []
     assert subsample_debug_rollout_data(samples, None) == samples
     assert subsample_debug_rollout_data(samples, 1.0) == samples
-    assert "--load-debug-rollout-data-subsample 1.5: must be in (0, 1]" in _error(
+    assert "--load-debug-rollout-data-subsample 1.5: must be in (0, 1]" in one_line_refusal(
         capsys, "--load-debug-rollout-data-subsample", "1.5"
     )
 
@@ -303,7 +294,7 @@ def test_fp8_training_flags_parse_and_are_refused_without_transformer_engine(cap
     refuses them in one line at start-up instead of training in bf16 as if FP8 had been honoured."""
     a = make_args()
     assert (a.fp8, a.fp8_recipe) == (None, "delayed")
-    err = _error(capsys, "--fp8-format", "e4m3", "--fp8-recipe", "blockwise")
+    err = one_line_refusal(capsys, "--fp8-format", "e4m3", "--fp8-recipe", "blockwise")
     assert "--fp8-format e4m3: FP8 training runs Transformer Engine's FP8 GEMMs" in err
     with pytest.raises(SystemExit):
         make_args("--fp8-recipe", "fp9")
