@@ -10,9 +10,8 @@ import torch
 
 import train as sync_driver
 from slime.observability.profile_utils import TARGETS, TrainProfiler
-from tests._args import make_args
+from tests._args import make_args, one_line_refusal
 from tests.test_e2e import make_args as make_run_args
-from tests.test_flag_support import _refusal
 
 
 @pytest.mark.parametrize(
@@ -51,7 +50,7 @@ from tests.test_flag_support import _refusal
     ],
 )
 def test_profiling_start_up_checks(capsys, argv, message):
-    assert message in _refusal(capsys, *argv)
+    assert message in one_line_refusal(capsys, *argv)
 
 
 def test_profiling_flags_parse_with_upstream_defaults():

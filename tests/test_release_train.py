@@ -14,10 +14,9 @@ from safetensors.torch import load_file
 import train as sync_driver
 from slime.utils.arguments import parse_args
 from tests._args import BASE as TINY_BASE
-from tests._args import TINY_MODEL
+from tests._args import TINY_MODEL, one_line_refusal
 from tests._args import make_args as parse
 from tests.test_e2e import make_args, read_metrics
-from tests.test_flag_support import _refusal
 
 TINY_ARGV = [*TINY_BASE, *TINY_MODEL]
 BASE = [
@@ -49,7 +48,7 @@ BASE = [
     ],
 )
 def test_release_train_start_up_checks(capsys, argv, why):
-    assert f"--release-train {why}" in _refusal(capsys, *argv)
+    assert f"--release-train {why}" in one_line_refusal(capsys, *argv)
 
 
 def test_release_train_is_refused_by_train_async(capsys):
