@@ -8,10 +8,10 @@ import time
 
 import pytest
 
+from slime.observability.timer import Timer, timer
 from slime.utils import async_utils, http_utils
 from slime.utils.misc import SingletonMeta, load_function, should_run_periodic_action
 from slime.utils.ray_utils import Box
-from slime.utils.timer import Timer, timer
 from slime.utils.types import ParamInfo, Sample
 from tests._args import make_args
 

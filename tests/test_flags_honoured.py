@@ -123,7 +123,7 @@ def test_log_passrate_of_an_eval_dataset():
 
 
 def test_megatron_wandb_names(tmp_path, monkeypatch):
-    from slime.utils import wandb_utils
+    from slime.observability import wandb_utils
 
     args = make_args("--wandb-save-dir", str(tmp_path / "wb"))
     assert wandb_utils._login_and_dir(SimpleNamespace(), args, "offline") == {"dir": str(tmp_path / "wb")}

@@ -4,13 +4,20 @@
     slime.ray                          the driver's run, the Ray actors and groups
     slime.rollout                      rollout functions, data source, samples -> train data (no Ray actors)
     slime.backends.*                   Megatron (trainer), SGLang / the CPU server (engines), each apart
+    slime.observability                logging, metrics, timing, profiling (W&B, TensorBoard, Timer, profiler)
     slime.utils                        shared helpers and types (flags, Sample, TrainData, device, ...)
 
 Every import in slime/ is checked, lazy ones included; the few upward edges that are part of the design are listed
-with their reason. The driver-side modules must also load without Megatron or SGLang (the driver never trains)."""
+with their reason. The driver-side modules must also load without Megatron or SGLang (the driver never trains).
+
+Each concern has one home: the re-export modules kept at upstream slime's paths (SHIMS) are for users' code, and
+nothing in this project imports through them."""
 
 import ast
+import importlib
+import inspect
 import os
+import re
 import subprocess
 import sys
 
@@ -18,7 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # importer prefix -> module prefixes it must not import
 FORBIDDEN = {
-    "slime.utils": ("slime.ray", "slime.rollout", "slime.backends"),
+    "slime.utils": ("slime.ray", "slime.rollout", "slime.backends", "slime.observability"),
+    "slime.observability": ("slime.ray", "slime.rollout", "slime.backends"),
     "slime.rollout": ("slime.ray", "slime.backends.megatron_utils", "slime.backends.cpu_server"),
     "slime.backends": ("slime.ray", "slime.rollout"),
     "slime.backends.megatron_utils": ("slime.backends.sglang_utils", "slime.backends.cpu_server"),
@@ -38,22 +46,54 @@ ALLOWED = {
     # start-up validation of --rm-type names (lazy)
     ("slime.utils.arguments", "slime.rollout.rm_hub"),
     ("slime.utils.eval_config", "slime.rollout.rm_hub"),
+    # configuration composes every feature's flags (--profile-target's choices); it is the top of the config and
+    # moves to its own package later
+    ("slime.utils.arguments", "slime.observability.profile_utils"),
+    # upstream slime's import path, a re-export
+    ("slime.utils.timer", "slime.observability.timer"),
+    ("slime.utils.wandb_utils", "slime.observability.wandb_utils"),
     # the backends' Ray actors subclass slime's actor base classes (as in slime)
     ("slime.backends.megatron_utils.actor", "slime.ray.train_actor"),
     ("slime.backends.sglang_utils.sglang_engine", "slime.ray.ray_actor"),
 }
 
 
-def _modules():
-    for root, _, files in os.walk(os.path.join(ROOT, "slime")):
-        for f in sorted(files):
-            if f.endswith(".py"):
-                path = os.path.join(root, f)
-                name = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
-                yield path, name.removesuffix(".__init__"), f == "__init__.py"
+# upstream slime's import path -> the module that holds the code: users' code imports these, the project does not
+SHIMS = {
+    "slime.utils.timer": "slime.observability.timer",
+    "slime.utils.wandb_utils": "slime.observability.wandb_utils",
+}
+# where the project's own code lives: every .py file here is checked for imports through a shim
+PROJECT = (
+    "slime",
+    "slime_plugins",
+    "tools",
+    "examples",
+    "benchmarks",
+    "scripts",
+    "tests",
+    "train.py",
+    "train_async.py",
+)
+# this file names the shims and checks that they still resolve (test_upstream_import_paths_resolve)
+SHIM_USERS = {"tests/test_layering.py"}
 
 
-def _imports(path, module, is_package):
+def _modules(tops=("slime",)):
+    for top in tops:
+        top = os.path.join(ROOT, top)
+        walk = os.walk(top) if os.path.isdir(top) else [(ROOT, [], [os.path.basename(top)])]
+        for root, dirs, files in walk:
+            dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")
+            for f in sorted(files):
+                if f.endswith(".py"):
+                    path = os.path.join(root, f)
+                    name = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                    yield path, name.removesuffix(".__init__"), f == "__init__.py"
+
+
+def _imports(path, module, is_package, with_names=False):
+    """(imported module, line) for each import; with_names, `from a import b` also yields `a.b` (b may be a module)."""
     package = module if is_package else module.rpartition(".")[0]
     for node in ast.walk(ast.parse(open(path).read(), path)):
         if isinstance(node, ast.Import):
@@ -66,6 +106,9 @@ def _imports(path, module, is_package):
             else:
                 target = node.module
             yield target, node.lineno
+            if with_names:
+                for alias in node.names:
+                    yield f"{target}.{alias.name}", node.lineno
 
 
 def _under(name, prefix):
@@ -107,6 +150,81 @@ def test_the_checker_sees_relative_and_lazy_upward_imports(tmp_path):
         "(slime.utils.a) imports slime.ray",
         "(slime.rollout.b) imports slime.backends.megatron_utils",
     ]
+
+
+_SHIM_TEXT = re.compile(
+    r"\b(" + "|".join(re.escape(s) for s in SHIMS) + r")\b"
+    r"|\bfrom\s+slime\.utils\s+import\b[^\n;]*\b(" + "|".join(s.rpartition(".")[2] for s in SHIMS) + r")\b"
+)
+
+
+def shim_uses(modules):
+    """`path:line imports shim` for every import through a shim, and every string (not a docstring) naming one: an
+    importlib / find_spec path, a monkeypatch target, code run in a subprocess."""
+    found = []
+    for path, module, is_package in modules:
+        if os.path.relpath(path, ROOT) in SHIM_USERS or module in SHIMS:
+            continue
+        where = os.path.relpath(path, ROOT)
+        for target, line in _imports(path, module, is_package, with_names=True):
+            for shim in SHIMS:
+                if _under(target, shim):
+                    found.append(f"{where}:{line} imports {shim} (use {SHIMS[shim]})")
+        tree = ast.parse(open(path).read(), path)
+        docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                for m in _SHIM_TEXT.finditer(node.value):
+                    shim = m.group(1) or f"slime.utils.{m.group(2)}"
+                    found.append(f"{where}:{node.lineno} names {shim} (use {SHIMS[shim]})")
+    return sorted(set(found))
+
+
+def test_nothing_in_the_project_imports_through_a_shim():
+    found = shim_uses(_modules(PROJECT))
+    assert not found, "imports through upstream slime's re-export paths:\n" + "\n".join(found)
+
+
+def test_the_shim_checker_sees_every_form(tmp_path):
+    (tmp_path / "a.py").write_text("def f():\n    from slime.utils import misc, wandb_utils\n")
+    (tmp_path / "b.py").write_text("import slime.utils.timer as t\nfrom slime.utils.wandb_utils import log\n")
+    (tmp_path / "c.py").write_text(
+        '"""Docs may name slime.utils.timer."""\n'
+        'def test(monkeypatch):\n    monkeypatch.setattr("slime.utils.wandb_utils.wandb", None)\n'
+        'CODE = "import os; from slime.utils import timer"\n'
+    )
+    (tmp_path / "d.py").write_text(
+        "from slime.observability import timer, wandb_utils\nfrom slime.utils import misc\n"
+    )
+    found = shim_uses([(str(tmp_path / f), f"tests.{f[0]}", False) for f in ("a.py", "b.py", "c.py", "d.py")])
+    assert [f.split(":", 1)[1] for f in found] == [
+        "2 imports slime.utils.wandb_utils (use slime.observability.wandb_utils)",
+        "1 imports slime.utils.timer (use slime.observability.timer)",
+        "2 imports slime.utils.wandb_utils (use slime.observability.wandb_utils)",
+        "3 names slime.utils.wandb_utils (use slime.observability.wandb_utils)",
+        "4 names slime.utils.timer (use slime.observability.timer)",
+    ]
+
+
+def test_upstream_import_paths_resolve():
+    """Upstream slime's paths stay importable: every name the code's module defines (underscored ones included, which
+    tests and plugins use) is the same object there."""
+    import slime.observability.timer
+    import slime.utils.timer as t
+
+    assert t.Timer is slime.observability.timer.Timer and t.timer is slime.observability.timer.timer
+    for shim, home in SHIMS.items():
+        shim, home = importlib.import_module(shim), importlib.import_module(home)
+        defined = [
+            name
+            for name, value in vars(home).items()
+            if not name.startswith("__")
+            and not inspect.ismodule(value)
+            and getattr(value, "__module__", home.__name__) == home.__name__
+        ]
+        assert defined
+        missing = [name for name in defined if getattr(shim, name, None) is not getattr(home, name)]
+        assert not missing, f"{shim.__name__} does not re-export {missing} from {home.__name__}"
 
 
 def test_the_driver_side_loads_without_megatron_or_sglang():

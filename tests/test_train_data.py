@@ -169,7 +169,7 @@ def _train_data(num_groups=4, n=2):
 
 
 def test_process_rollout_data_strided_and_balanced(ray_session):
-    from slime.utils.timer import Timer
+    from slime.observability.timer import Timer
 
     data = _train_data()
     ref = Box(ray_session.put(data))

@@ -61,8 +61,7 @@ def _scalars(tb_dir):
 
 
 def test_tensorboard_gets_every_logged_metric_on_its_step_axis(tmp_path, monkeypatch):
-    from slime.observability import tensorboard_utils
-    from slime.utils import wandb_utils
+    from slime.observability import tensorboard_utils, wandb_utils
     from slime.utils.misc import SingletonMeta
 
     monkeypatch.delenv("TENSORBOARD_DIR", raising=False)
@@ -96,15 +95,6 @@ def test_tensorboard_directory_rules(tmp_path, monkeypatch, capsys):
     assert len(a.tb_experiment_name) == len("20260101_120000")  # the start time
     monkeypatch.setenv("TENSORBOARD_DIR", str(tmp_path / "tb"))
     assert make_args("--use-tensorboard").tb_dir == str(tmp_path / "tb")
-
-
-def test_observability_import_paths_are_slimes_own():
-    from slime.observability import timer as obs_timer
-    from slime.observability import wandb_utils as obs_wandb
-    from slime.utils import timer, wandb_utils
-
-    assert obs_timer.Timer is timer.Timer and obs_timer.timer is timer.timer
-    assert obs_wandb.log is wandb_utils.log and obs_wandb.init_wandb_primary is wandb_utils.init_wandb_primary
 
 
 # ---------------------------------------------------------------- prompts and context budgets

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from slime.utils import wandb_utils
+from slime.observability import wandb_utils
 from tests._args import make_args
 
 
@@ -99,7 +99,7 @@ def test_offline_primary_and_secondary_share_run(tmp_path, monkeypatch):
     args_file = tmp_path / "args.pkl"
     args_file.write_bytes(pickle.dumps(args))
     code = (
-        "import pickle, wandb; from slime.utils import wandb_utils as W;"
+        "import pickle, wandb; from slime.observability import wandb_utils as W;"
         f"a = pickle.load(open({str(args_file)!r}, 'rb'));"
         f"assert W.init_wandb_secondary(a, {run_id!r}) == {run_id!r};"
         "W.log(a, {'eval/acc': 1.0}, 'eval/step', step=0); wandb.finish()"

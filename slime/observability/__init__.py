@@ -1,4 +1,5 @@
-"""Current slime's import paths for its logging and metric helpers (`slime.observability.*`).
+"""Logging, metrics, timing and profiling: W&B (`wandb_utils`), TensorBoard (`tensorboard_utils`), the wall-clock
+timers (`timer`) and the trainers' profiler (`profile_utils`).
 
-The modules here are the same objects as slime's own (`slime.utils.timer`, `slime.utils.wandb_utils`, ...), so
-user log and metric code written against current slime imports unchanged; TensorBoard lives here."""
+This package is their one home; it may use `slime.utils` (helpers, device) but nothing above it. Upstream slime's
+paths `slime.utils.timer` and `slime.utils.wandb_utils` stay importable as re-exports of the modules here."""

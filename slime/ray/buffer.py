@@ -36,9 +36,9 @@ from slime.utils.user_errors import call_user_function, user_function
 
 def _wandb_utils():
     # wandb_utils is optional: the controller works (and logs to stdout) without it.
-    if importlib.util.find_spec("slime.utils.wandb_utils") is None:
+    if importlib.util.find_spec("slime.observability.wandb_utils") is None:
         return None
-    return importlib.import_module("slime.utils.wandb_utils")
+    return importlib.import_module("slime.observability.wandb_utils")
 
 
 def _load_optional(flag, path):

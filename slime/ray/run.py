@@ -7,12 +7,12 @@ needs both (connecting them for weight updates, replacing a lost engine, colocat
 import copy
 import os
 
+from slime.observability.wandb_utils import init_wandb_primary
 from slime.ray import checkpoint, critic
 from slime.ray.driver import RunRecorder, Watchdog
 from slime.ray.placement_group import create_actor_group, create_placement_groups, create_rollout_manager
 from slime.utils.checkpoint_tracker import read_tracker
 from slime.utils.misc import load_function, should_run_periodic_action
-from slime.utils.wandb_utils import init_wandb_primary
 
 # What an offload releases besides the weights (SGLang frees all three); resumed once the new weights are in.
 AFTER_UPDATE_TAGS = ["kv_cache", "cuda_graph"]

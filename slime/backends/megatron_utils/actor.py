@@ -17,14 +17,14 @@ from megatron.core import parallel_state as mpu
 
 from slime.backends.megatron_utils.rollout_data import process_rollout_data
 from slime.observability.profile_utils import TrainProfiler
+from slime.observability.timer import Timer, timer
+from slime.observability.wandb_utils import init_wandb_secondary
 from slime.ray.train_actor import TrainRayActor
 from slime.utils import device
 from slime.utils.device import empty_cache, pin_memory, synchronize
 from slime.utils.misc import load_rollout_data_postprocess
 from slime.utils.quantization import hf_quantization_config
-from slime.utils.timer import Timer, timer
 from slime.utils.user_errors import call_user_function
-from slime.utils.wandb_utils import init_wandb_secondary
 
 from . import initialize as megatron_init
 from . import routing_replay

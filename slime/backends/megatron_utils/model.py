@@ -20,7 +20,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
-from slime.utils import wandb_utils
+from slime.observability import wandb_utils
 from slime.utils.console import metrics_line
 from slime.utils.device import current_device
 from slime.utils.top_p_replay import TOP_P_KEYS

@@ -6,10 +6,10 @@ import ray
 import torch
 import torch.distributed as dist
 
+from slime.observability.timer import Timer
 from slime.utils.device import current_device
 from slime.utils.flops_utils import forward_flops
 from slime.utils.seqlen_balancing import get_seqlen_balanced_partitions
-from slime.utils.timer import Timer
 from slime.utils.types import OPTIONAL_TRAIN_DATA_KEYS, TRAIN_DATA_KEYS
 
 # Per-sample keys split across DP ranks: the train-data contract's (slime.utils.types.TrainData), the lengths and
