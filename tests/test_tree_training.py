@@ -103,7 +103,7 @@ def _equality(rank, model_dir, out_path):
     args = train_args(
         model_dir,
         global_batch_size=8,
-        micro_batch_size=4,
+        micro_batch_size=8,  # one micro-batch: both groups in one row, their prompts sharing 3 tokens
         rollout_batch_size=2,
         n_samples_per_prompt=4,
         lr=0.0,
