@@ -826,8 +826,10 @@ def check_param_patterns_match(args, error):
 
 
 def check_tree_training(args, error):
-    """`--tree-training` (first slice: one rank, local layer spec): refuse, one line each, what it does not do."""
-    if not getattr(args, "tree_training", False):
+    """`--tree-training` (first slice: one rank, local layer spec): refuse, one line naming the flag, what it does
+    not do. Exactness rests on the local spec's `DotProductAttention` honouring the dense ancestor mask and on
+    `model.rope_by_position` finding megatron-core's `RotaryEmbedding`: a model built any other way is refused."""
+    if not args.tree_training:
         return
     refusals = [
         (args.context_parallel_size > 1, "context parallelism (--context-parallel-size > 1)"),
@@ -835,15 +837,15 @@ def check_tree_training(args, error):
         (args.pipeline_model_parallel_size > 1, "pipeline parallelism (--pipeline-model-parallel-size > 1)"),
         (args.use_dynamic_batch_size, "--use-dynamic-batch-size (micro-batches are not yet filled by tree tokens)"),
         (bool(args.spec), "a custom or hybrid layer spec (--spec, e.g. Qwen3-Next/Qwen3.5 linear attention)"),
+        (bool(args.custom_model_provider_path), "a custom model provider (--custom-model-provider-path)"),
         (bool(args.mtp_num_layers), "MTP (--mtp-num-layers)"),
-        (bool(args.multi_latent_attention), "multi-latent attention (MLA)"),
-        (getattr(args, "window_size", None) is not None, "sliding-window attention (--window-size)"),
+        (bool(args.multi_latent_attention), "multi-latent attention (--multi-latent-attention)"),
         (
-            getattr(args, "position_embedding_type", "rope") not in ("rope", "none", "learned_absolute"),
-            f"--position-embedding-type {getattr(args, 'position_embedding_type', None)}",
+            args.position_embedding_type not in ("rope", "none", "learned_absolute"),
+            f"--position-embedding-type {args.position_embedding_type}",
         ),
-        (getattr(args, "rope_type", None) == "yarn", "YaRN RoPE"),
-        (bool(getattr(args, "use_routing_replay", False)), "routing replay (R2/R3)"),
+        (args.rope_type == "yarn", "YaRN RoPE (--rope-type yarn)"),
+        (bool(args.use_routing_replay), "routing replay (--use-routing-replay / --use-rollout-routing-replay)"),
     ]
     for refused, what in refusals:
         if refused:
