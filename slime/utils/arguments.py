@@ -27,6 +27,7 @@ from slime.backends.megatron_utils.arguments import (
     apply_hf_config,
     check_hybrid_model,
     check_mtp,
+    check_tree_training,
     lora_validate_args,
     megatron_defaults,
     megatron_training_available,
@@ -372,6 +373,15 @@ def add_data_arguments(parser):
         "with --balance-data, between DP ranks.",
     )
     g.add_argument("--use-dynamic-batch-size", action="store_true", default=False)
+    g.add_argument(
+        "--tree-training",
+        action="store_true",
+        default=False,
+        help="Pack each micro-batch as a prefix tree: samples sharing a prefix (a GRPO group's prompt, any common "
+        "prefix) forward it once, every token attending to its ancestors only with positions continuing from its "
+        "parent, so log-probs, losses and gradients equal flat packing's. This slice: tested on one rank, local layer "
+        "spec (--transformer-impl local); CP/TP/PP > 1 and --use-dynamic-batch-size are refused; see docs/usage.md.",
+    )
     g.add_argument("--max-tokens-per-gpu", type=int, default=None)
     g.add_argument("--log-probs-max-tokens-per-gpu", type=int, default=None)
     return parser
@@ -1670,6 +1680,7 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
     check_mtp(args, error)
     check_routing_replay(args, error)
     check_hybrid_model(args, error)
+    check_tree_training(args, error)
     if args.custom_tis_function_path and not (args.use_tis or args.get_mismatch_metrics):
         error(
             f"--custom-tis-function-path {args.custom_tis_function_path} is called only with --use-tis or "

@@ -6,6 +6,7 @@ Two layouts, chosen once by whether the model runs Transformer Engine attention 
   multiple of 128, with `PackedSeqParams(cu_seqlens)` so attention never crosses sample boundaries;
 - right-padded `[b, s]` with an explicit causal+padding mask (the local spec, e.g. on CPU, asserts
   `packed_seq_params is None`).
+`--tree-training` (local spec only) replaces both with a prefix tree in one row (`_tree_layout`).
 With `--context-parallel-size` > 1 both layouts hold only this CP rank's zigzag chunks of each sample (`cp_utils`).
 """
 
@@ -70,6 +71,7 @@ def get_data_iterator(args, model, rollout_data):
 
     vpp_size = mpu.get_virtual_pipeline_model_parallel_world_size() or 1
     packed = use_packed_sequences(args)
+    tree = bool(getattr(args, "tree_training", False))
 
     if not args.use_dynamic_batch_size:
         if not fan_out:
@@ -80,7 +82,8 @@ def get_data_iterator(args, model, rollout_data):
                 )
             num_microbatches = [num_local_gbs // args.micro_batch_size] * len(steps)
             iterators = [
-                DataIterator(rollout_data, args.micro_batch_size, packed_sequences=packed) for _ in range(vpp_size)
+                DataIterator(rollout_data, args.micro_batch_size, packed_sequences=packed, tree=tree)
+                for _ in range(vpp_size)
             ]
             return iterators, num_microbatches
         # fan-out: consecutive micro-batches of --micro-batch-size samples (the last of a step may be short)
@@ -88,7 +91,8 @@ def get_data_iterator(args, model, rollout_data):
         micro_batch_indices = [list(s[i : i + mbs]) for s in steps for i in range(0, len(s), mbs)]
         num_microbatches = _same_on_every_dp_rank([-(-len(s) // mbs) for s in steps], dp_size)
         iterators = [
-            DataIterator(rollout_data, None, micro_batch_indices, packed_sequences=packed) for _ in range(vpp_size)
+            DataIterator(rollout_data, None, micro_batch_indices, packed_sequences=packed, tree=tree)
+            for _ in range(vpp_size)
         ]
         return iterators, num_microbatches
 
@@ -128,7 +132,8 @@ def get_data_iterator(args, model, rollout_data):
         micro_batch_indices.extend([[step[k] for k in part] for part in parts])
     assert sorted(i for mb in micro_batch_indices for i in mb) == list(range(len(total_lengths)))
     iterators = [
-        DataIterator(rollout_data, None, micro_batch_indices, packed_sequences=packed) for _ in range(vpp_size)
+        DataIterator(rollout_data, None, micro_batch_indices, packed_sequences=packed, tree=tree)
+        for _ in range(vpp_size)
     ]
     return iterators, num_microbatches
 
@@ -156,7 +161,9 @@ def get_batch(data_iterator, keys, pad_multiplier=128):
     batch = data_iterator.get_next(keys)
     tokens = batch["tokens"]
     batch["unconcat_tokens"] = tokens
-    if data_iterator.packed_sequences:
+    if getattr(data_iterator, "tree", False):
+        batch.update(_tree_layout(tokens))
+    elif data_iterator.packed_sequences:
         batch.update(_packed_layout(tokens, _tp_size() * pad_multiplier))
     else:
         batch.update(_padded_layout(tokens))
@@ -219,6 +226,92 @@ def _padded_layout(tokens):
         "position_ids": position_ids,
         "packed_seq_params": None,
     }
+
+
+def build_token_tree(tokens):
+    """Prefix tree (trie) of the samples' token sequences, laid out in DFS order: `(node_tokens [L], parent [L],
+    depth [L], subtree_end [L], sample_index)` where node j is the j-th token of the layout, `parent[j]` its
+    parent's layout index (-1 for a root), `depth[j]` its position in every sample that passes through it,
+    `subtree_end[j]` the last layout index of its subtree, and `sample_index[i]` the `[T_i]` layout indices of
+    sample i's tokens (`node_tokens[sample_index[i]] == tokens[i]`). Samples sharing a prefix share its nodes: a
+    GRPO group's prompt is laid out once; identical samples, or one that is a prefix of another, map onto the same
+    nodes. Children are visited in order of first appearance, so the layout is deterministic."""
+    children = [{}]  # node 0 is the virtual root; trie nodes are numbered in insertion order
+    node_token = [None]
+    paths = []
+    for t in tokens:
+        node, path = 0, []
+        for tok in t.tolist():
+            nxt = children[node].get(tok)
+            if nxt is None:
+                nxt = len(children)
+                children[node][tok] = nxt
+                children.append({})
+                node_token.append(tok)
+            path.append(nxt)
+            node = nxt
+        paths.append(path)
+    n = len(children) - 1
+    order = [0] * (n + 1)  # trie node -> layout index
+    layout_tokens, parent, depth, end = [], [], [], [0] * n
+    stack = [(c, -1, 0) for c in reversed(list(children[0].values()))]
+    # iterative DFS; a node's subtree ends just before the next node whose depth is not larger
+    while stack:
+        node, par, d = stack.pop()
+        order[node] = len(layout_tokens)
+        layout_tokens.append(node_token[node])
+        parent.append(par)
+        depth.append(d)
+        me = order[node]
+        stack.extend((c, me, d + 1) for c in reversed(list(children[node].values())))
+    open_nodes = []  # the current DFS path: close every node whose subtree is over
+    for j, d in enumerate(depth):
+        while open_nodes and depth[open_nodes[-1]] >= d:
+            end[open_nodes.pop()] = j - 1
+        open_nodes.append(j)
+    for j in open_nodes:
+        end[j] = n - 1
+    device = tokens[0].device
+    as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+    return (
+        as_long(layout_tokens),
+        as_long(parent),
+        as_long(depth),
+        as_long(end),
+        [as_long([order[v] for v in path]) for path in paths],
+    )
+
+
+def _tree_layout(tokens):
+    """`--tree-training`: the micro-batch as one row holding its prefix forest in DFS order (`build_token_tree`),
+    with an ancestor mask (a token attends to itself and its ancestors only: key k is visible from query q iff
+    k <= q <= subtree_end[k]; other trees of the forest are never ancestors) and `position_ids` = depth, so
+    every token sees exactly the keys and positions it has in its own flat row. `tree_index` ([T_i] layout
+    indices per sample) lets `model._forward` gather each sample's logit rows back into the flat padded layout,
+    so everything downstream (log-probs, entropy, values, losses) is per sample and unchanged."""
+    if cp_size_and_rank()[0] > 1:
+        raise NotImplementedError("--tree-training does not support context parallelism yet")
+    node_tokens, _, depth, end, index = build_token_tree(tokens)
+    q = torch.arange(node_tokens.numel(), device=node_tokens.device)
+    visible = (q[None, :] <= q[:, None]) & (q[:, None] <= end[None, :])  # [q, k]
+    return {
+        "tokens": node_tokens.unsqueeze(0),
+        "attention_mask": ~visible[None, None],  # Megatron's convention: True = masked out
+        "position_ids": depth.unsqueeze(0),
+        "packed_seq_params": None,
+        "tree_index": index,
+    }
+
+
+def unpack_tree_output(output, tree_index):
+    """The model's `[1, L, ...]` output on a tree row as the flat padded layout's `[b, s, ...]`: row i holds
+    sample i's token outputs at positions 0..T_i-1 (a differentiable gather; positions past T_i repeat node 0
+    and are never read)."""
+    s = max(idx.numel() for idx in tree_index)
+    gather = torch.zeros(len(tree_index), s, dtype=torch.long, device=output.device)
+    for i, idx in enumerate(tree_index):
+        gather[i, : idx.numel()] = idx.to(output.device)
+    return output[0][gather]
 
 
 def log_rollout_data(rollout_id, args, rollout_data):

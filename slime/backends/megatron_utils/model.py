@@ -5,6 +5,7 @@ The PyPI megatron-core wheel has no `megatron.training`, so `get_model` / optimi
 training loop would do lives here, on megatron.core APIs only.
 """
 
+import contextlib
 import logging
 import math
 import os
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -28,7 +30,7 @@ from slime.utils.user_errors import user_function
 
 from . import routing_replay
 from .checkpoint import load_checkpoint, resync_optimizer_main_params
-from .data import get_batch
+from .data import get_batch, unpack_tree_output
 from .initialize import is_megatron_main_rank
 from .lora import apply_lora, check_wrapped, log_lora_summary
 from .loss import get_log_probs_and_entropy, get_rollout_top_p_logprob_kwargs, loss_function
@@ -187,16 +189,48 @@ def initialize_model_and_optimizer(args, role="actor"):
     return model, optimizer, opt_param_scheduler, iteration
 
 
+@contextlib.contextmanager
+def rope_by_position(model, position_ids):
+    """While active, every RoPE module of `model` returns its frequencies gathered by `position_ids` ([b, s]) as
+    `[s, b, 1, d]` (the shape the mRoPE path feeds the same attention code) instead of those of positions 0..s-1:
+    megatron-core's `GPTModel` hands `position_ids` to the embedding only and asks RoPE for a length. Needed by
+    `--tree-training`, whose positions continue from the parent node rather than from the previous token."""
+    patched = [m for m in model.modules() if type(m) is RotaryEmbedding]
+    table_len = int(position_ids.max()) + 1
+    index = position_ids.t()
+
+    def by_position(original):
+        def forward(max_seq_len, offset=0, packed_seq=False, cp_group=None):
+            table = original(table_len, offset, packed_seq, cp_group)  # [table_len, 1, 1, d]
+            return table[:, 0, 0][index.to(table.device)].unsqueeze(2)
+
+        return forward
+
+    for m in patched:
+        m.forward = by_position(m.forward)
+    try:
+        yield
+    finally:
+        for m in patched:
+            del m.forward  # back to the class's method
+
+
 def _forward(model, batch):
     mtp = {"loss_mask": batch["mtp_loss_mask"]} if "mtp_loss_mask" in batch else {}  # the MTP block runs on it
-    return model(
-        input_ids=batch["tokens"],
-        position_ids=batch["position_ids"],
-        attention_mask=batch["attention_mask"],
-        labels=None,
-        packed_seq_params=batch["packed_seq_params"],
-        **mtp,
-    )
+    tree_index = batch.get("tree_index")
+    if tree_index is not None:  # the fused causal softmax kernel would ignore the tree mask
+        assert not get_model_config(model).masked_softmax_fusion, "--tree-training needs the unfused masked softmax"
+    with rope_by_position(model, batch["position_ids"]) if tree_index is not None else contextlib.nullcontext():
+        output = model(
+            input_ids=batch["tokens"],
+            position_ids=batch["position_ids"],
+            attention_mask=batch["attention_mask"],
+            labels=None,
+            packed_seq_params=batch["packed_seq_params"],
+            **mtp,
+        )
+    # --tree-training: each sample's rows back in the flat padded layout, so the loss code is unchanged
+    return output if tree_index is None else unpack_tree_output(output, tree_index)
 
 
 def _iterator_arg(data_iterator):

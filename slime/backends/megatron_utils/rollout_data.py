@@ -31,9 +31,12 @@ class DataIterator:
 
     `packed_sequences` tells the batch builder the model takes THD-packed rows (TE attention) rather than a
     right-padded `[b, s]` batch; it is decided once, where the iterator is built, by the same check as the layer spec.
+    `tree` (`--tree-training`) asks for the prefix-tree layout instead (`data._tree_layout`).
     """
 
-    def __init__(self, rollout_data, micro_batch_size=None, micro_batch_indices=None, packed_sequences=False):
+    def __init__(
+        self, rollout_data, micro_batch_size=None, micro_batch_indices=None, packed_sequences=False, tree=False
+    ):
         assert (micro_batch_size is None) != (micro_batch_indices is None), (
             "give exactly one of micro_batch_size / micro_batch_indices"
         )
@@ -41,6 +44,7 @@ class DataIterator:
         self.micro_batch_size = micro_batch_size
         self.micro_batch_indices = micro_batch_indices
         self.packed_sequences = packed_sequences
+        self.tree = tree  # --tree-training: the batch builder packs the micro-batch as a prefix tree
         self.offset = 0
 
     def get_next(self, keys):

@@ -1,0 +1,206 @@
+"""--tree-training (one rank, local spec, fp32 CPU): a micro-batch packed as a prefix tree (shared prompts once,
+then every branch; ancestor mask; positions continuing from the parent) gives flat packing's log-probs, entropies
+and gradients; the layout's invariants hold; positions that do not continue from the parent are caught; what this
+slice does not support is refused at start-up."""
+
+import random
+
+import pytest
+import torch
+
+from tests._megatron_helpers import build_random_hf, spawn, train_args
+
+# Two GRPO groups of 4 whose prompts share their first 3 tokens; the responses branch among themselves (not a
+# chain): identical responses, a response that is a prefix of another, a branch off a shared response prefix.
+PROMPT_A = [11, 12, 13, 21, 22, 23, 24]
+PROMPT_B = [11, 12, 13, 31, 32]
+RESPONSES_A = [[40, 41, 42], [40, 41, 43, 44], [40, 41, 42], [40, 41]]
+RESPONSES_B = [[50, 51, 52, 53], [50, 54], [60, 61, 62], [50, 51, 55]]
+
+
+def _rollout():
+    import numpy as np
+
+    data = {k: [] for k in ("tokens", "response_lengths", "loss_masks", "rewards", "raw_reward", "truncated")}
+    data.update(sample_indices=[], rollout_log_probs=[])
+    samples = [(PROMPT_A, r) for r in RESPONSES_A] + [(PROMPT_B, r) for r in RESPONSES_B]
+    for i, (p, r) in enumerate(samples):
+        data["tokens"].append(np.array(p + r, dtype=np.int64))
+        data["response_lengths"].append(len(r))
+        data["loss_masks"].append(np.ones(len(r), dtype=np.int32))
+        data["rewards"].append([1.0, -1.0, 0.5, -0.5, 0.25, -0.75, 1.0, 0.0][i])
+        data["raw_reward"].append(0.0)
+        data["truncated"].append(0)
+        data["sample_indices"].append(i)
+        data["rollout_log_probs"].append(np.full(len(r), -5.0, dtype=np.float32))
+    return data
+
+
+def _unique_tokens(samples):
+    return len({tuple(s[: i + 1]) for s in samples for i in range(len(s))})
+
+
+def test_tree_layout_invariants():
+    """Random forests: tokens/positions/ancestor mask of the DFS row against brute force; token count = unique
+    prefixes (prompt once + unique branch tokens)."""
+    from slime.backends.megatron_utils.data import _tree_layout
+
+    rng = random.Random(0)
+    for _ in range(200):
+        base = [rng.randrange(4) for _ in range(rng.randrange(1, 6))]
+        samples = []
+        for _ in range(rng.randrange(1, 7)):
+            k = rng.randrange(0, len(base) + 1)
+            samples.append(base[:k] + [rng.randrange(4) for _ in range(rng.randrange(0 if k else 1, 4))])
+        if rng.random() < 0.3:
+            samples.append(list(samples[0]))  # identical samples
+        out = _tree_layout([torch.tensor(s) for s in samples])
+        row, pos, mask, index = (
+            out["tokens"][0],
+            out["position_ids"][0],
+            out["attention_mask"][0, 0],
+            out["tree_index"],
+        )
+        assert row.numel() == _unique_tokens(samples)
+        ancestors = {}  # layout index -> its ancestors-or-self, from the samples' paths
+        for s, idx in zip(samples, index):
+            assert row[idx].tolist() == s and pos[idx].tolist() == list(range(len(s)))
+            for j, node in enumerate(idx.tolist()):
+                ancestors.setdefault(node, set()).update(idx[: j + 1].tolist())
+        for q in range(row.numel()):
+            allowed = (~mask[q]).nonzero().flatten().tolist()
+            assert allowed == sorted(ancestors[q]), (samples, q)
+
+
+def test_tree_row_token_count():
+    """The group tree of the equality test: common prompt prefix once, then each prompt's rest, then the unique
+    branch tokens."""
+    from slime.backends.megatron_utils.data import _tree_layout
+
+    samples = [PROMPT_A + r for r in RESPONSES_A] + [PROMPT_B + r for r in RESPONSES_B]
+    out = _tree_layout([torch.tensor(s) for s in samples])
+    # A: 40 41 42 | 43 44 -> 5 unique; B: 50 51 52 53 | 54 | 60 61 62 | 55 -> 9 unique; prompts share 11 12 13
+    assert out["tokens"].numel() == 3 + (len(PROMPT_A) - 3) + (len(PROMPT_B) - 3) + 5 + 9 == 23
+    assert sum(len(s) for s in samples) == 72  # flat: 3.1x the tokens
+
+
+def _equality(rank, model_dir, out_path):
+    import ray
+    from megatron.core import parallel_state as mpu
+
+    from slime.backends.megatron_utils import model as model_mod
+    from slime.backends.megatron_utils.data import get_data_iterator
+    from slime.backends.megatron_utils.initialize import init
+    from slime.backends.megatron_utils.loss import compute_advantages_and_returns
+    from slime.backends.megatron_utils.model import forward_only, initialize_model_and_optimizer, train
+    from slime.backends.megatron_utils.rollout_data import process_rollout_data
+
+    class _Ref:
+        def __init__(self, data):
+            self.inner = data
+
+    # lr 0: the step computes the gradients and leaves the weights as they are, so flat and tree see the same model
+    args = train_args(
+        model_dir,
+        global_batch_size=8,
+        micro_batch_size=8,  # one micro-batch: both groups in one row, their prompts sharing 3 tokens
+        rollout_batch_size=2,
+        n_samples_per_prompt=4,
+        lr=0.0,
+        clip_grad=0.0,
+        entropy_coef=0.01,
+        use_rollout_entropy=True,
+        ci_test=False,
+    )
+    init(args)
+    model, opt, sched, _ = initialize_model_and_optimizer(args)
+    ray.get = lambda x: x
+    rollout = process_rollout_data(args, _Ref(_rollout()), mpu.get_data_parallel_rank(), 1)
+    iters, nmb = get_data_iterator(args, model, rollout)
+
+    def with_tree(on):
+        for it in iters:
+            it.tree = on
+
+    flat = forward_only(args, model, iters, nmb)
+    with_tree(True)
+    tree = forward_only(args, model, iters, nmb)
+    original = model_mod.rope_by_position
+    model_mod.rope_by_position = lambda *a: torch.no_grad()  # naive: positions = row index, not tree depth
+    try:
+        naive = forward_only(args, model, iters, nmb)
+    finally:
+        model_mod.rope_by_position = original
+    with_tree(False)
+
+    def max_diff(a, b):
+        return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+    data = dict(rollout)
+    data.update({"ref_" + k: v for k, v in flat.items()})
+    data.update(flat)
+    compute_advantages_and_returns(args, data)
+    for it in iters:
+        it.rollout_data = data
+    params = [p for m in model for p in m.parameters() if p.requires_grad]
+
+    def grads():
+        train(args, 0, model, opt, sched, iters, nmb)
+        return [p.main_grad.detach().clone() for p in params]
+
+    g_flat = grads()
+    with_tree(True)
+    g_tree = grads()
+    with_tree(False)
+    num = sum((a - b).pow(2).sum() for a, b in zip(g_flat, g_tree)).sqrt().item()
+    den = sum(a.pow(2).sum() for a in g_flat).sqrt().item()
+    per_param = max(((a - b).abs().max() / a.abs().max().clamp_min(1e-30)).item() for a, b in zip(g_flat, g_tree))
+    torch.save(
+        {
+            "log_probs": max_diff(flat["log_probs"], tree["log_probs"]),
+            "entropy": max_diff(flat["entropy"], tree["entropy"]),
+            "naive": max_diff(flat["log_probs"], naive["log_probs"]),
+            "grad_rel": num / den,
+            "grad_rel_per_param": per_param,
+            "grad_norm": den,
+            "shapes": [(a.shape, b.shape) for a, b in zip(flat["log_probs"], tree["log_probs"])],
+        },
+        out_path,
+    )
+
+
+def test_tree_equals_flat_log_probs_entropy_and_grads(tmp_path):
+    model_dir = build_random_hf("qwen3", str(tmp_path / "qwen3"))
+    out = tmp_path / "out.pt"
+    spawn(_equality, 1, model_dir, str(out))
+    r = torch.load(out)
+    print({k: v for k, v in r.items() if k != "shapes"})
+    assert all(a == b for a, b in r["shapes"])
+    assert r["log_probs"] <= 2e-6 and r["entropy"] <= 2e-6, r
+    assert r["grad_norm"] > 0 and r["grad_rel"] <= 2e-6, r
+    assert r["naive"] > 1e-3, r  # without RoPE by position the tree row is wrong: the hook is load-bearing
+
+
+@pytest.mark.parametrize(
+    "flags, refused",
+    [
+        (["--context-parallel-size", "2"], "context parallelism (--context-parallel-size > 1)"),
+        (
+            ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "256"],
+            "--use-dynamic-batch-size (micro-batches are not yet filled by tree tokens)",
+        ),
+        (["--multi-latent-attention"], "multi-latent attention (--multi-latent-attention)"),
+        (["--mtp-num-layers", "1"], "MTP (--mtp-num-layers)"),
+        (["--rope-type", "yarn"], "YaRN RoPE (--rope-type yarn)"),
+        (["--position-embedding-type", "mrope"], "--position-embedding-type mrope"),
+        (["--custom-model-provider-path", "my.provider"], "a custom model provider (--custom-model-provider-path)"),
+    ],
+)
+def test_tree_training_refusals(capsys, flags, refused):
+    """Refused at start-up (argument parsing), one line naming the flag."""
+    from tests._args import make_args, one_line_refusal
+
+    assert make_args().tree_training is False
+    assert make_args("--tree-training").tree_training is True
+    err = one_line_refusal(capsys, "--tree-training", *flags)
+    assert f"--tree-training does not support {refused} yet." in err, err
