@@ -95,7 +95,7 @@ def run_processes(entry, entry_args, nprocs, name, timeout, start_method="forkse
 def train_once_for_offload(args, model, opt, sched, rollout, iters, nmb):
     """One GRPO step (so grads and Adam moments are non-trivial), then a bare actor holding what offload moves."""
     from slime.backends.megatron_utils.actor import MegatronTrainRayActor
-    from slime.backends.megatron_utils.loss import compute_advantages_and_returns
+    from slime.backends.megatron_utils.advantages import compute_advantages_and_returns
     from slime.backends.megatron_utils.model import forward_only, train
 
     rollout.update(forward_only(args, model, iters, nmb, store_prefix="ref_"))

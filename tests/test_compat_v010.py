@@ -180,7 +180,7 @@ def test_mtp_flags_parse_and_are_validated(capsys):
 
 
 def _nan_step(rank, model_dir, check, out_path):
-    from slime.backends.megatron_utils.loss import compute_advantages_and_returns
+    from slime.backends.megatron_utils.advantages import compute_advantages_and_returns
     from slime.backends.megatron_utils.model import forward_only, train
     from tests._megatron_helpers import fixed_rollout, train_args
     from tests.test_megatron_model import _setup

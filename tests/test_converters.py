@@ -178,8 +178,8 @@ def test_random_families_round_trip_exact_and_sharded_output(tmp_path):
 def _train_from_release(rank, model_dir, release_root, save_dir, out_path):
     """Load the release checkpoint as `--load` (finetune: fresh optimizer), check it is the HF model, train one
     rollout, save iteration 0 like the trainer does, and record Megatron's logits on fixed tokens."""
+    from slime.backends.megatron_utils.advantages import compute_advantages_and_returns
     from slime.backends.megatron_utils.checkpoint import save_checkpoint
-    from slime.backends.megatron_utils.loss import compute_advantages_and_returns
     from slime.backends.megatron_utils.model import forward_only, train
     from tests.test_megatron_model import _setup
 

@@ -330,7 +330,7 @@ class _FakeCritic:
     def async_train(self, rollout_id, data_ref, values_ref=None):
         import numpy as np
 
-        from slime.backends.megatron_utils.loss import compute_advantages_and_returns
+        from slime.backends.megatron_utils.advantages import compute_advantages_and_returns
 
         extra = values_ref.inner if values_ref is not None else {}
         phase = extra.get("phase")
@@ -355,7 +355,7 @@ class _FakeActor:
         self.args, self.calls = args, []
 
     def async_train(self, rollout_id, data_ref, values_ref=None):
-        from slime.backends.megatron_utils.loss import compute_advantages_and_returns
+        from slime.backends.megatron_utils.advantages import compute_advantages_and_returns
 
         extra = values_ref.inner
         self.calls.append(extra.get("phase"))

@@ -349,7 +349,7 @@ def test_convert_and_log_functions(examples):
 
 
 def test_custom_advantage(examples, mpu_world1):
-    from slime.backends.megatron_utils.loss import compute_advantages_and_returns
+    from slime.backends.megatron_utils.advantages import compute_advantages_and_returns
     from tests._args import make_args
 
     examples("reward_minus_kl")

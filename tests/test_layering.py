@@ -32,6 +32,14 @@ FORBIDDEN = {
     "slime.backends.megatron_utils": ("slime.backends.sglang_utils", "slime.backends.cpu_server"),
     "slime.backends.sglang_utils": ("slime.backends.megatron_utils", "slime.backends.cpu_server"),
     "slime.backends.cpu_server": ("slime.backends.megatron_utils",),
+    # the trainer step: cp_utils <- log_probs, advantages <- loss (the policy / value / SFT losses)
+    "slime.backends.megatron_utils.cp_utils": (
+        "slime.backends.megatron_utils.log_probs",
+        "slime.backends.megatron_utils.advantages",
+        "slime.backends.megatron_utils.loss",
+    ),
+    "slime.backends.megatron_utils.log_probs": ("slime.backends.megatron_utils.loss",),
+    "slime.backends.megatron_utils.advantages": ("slime.backends.megatron_utils.loss",),
 }
 
 # (importer prefix, imported prefix): allowed although FORBIDDEN says otherwise, and why

@@ -35,7 +35,7 @@ def _expected(logits, tokens):
 def _ranks(rank, tp, chunk_sizes):
     from megatron.core import parallel_state as mpu
 
-    from slime.backends.megatron_utils.loss import get_log_probs_and_entropy
+    from slime.backends.megatron_utils.log_probs import get_log_probs_and_entropy
 
     mpu.initialize_model_parallel(tensor_model_parallel_size=tp)
     try:

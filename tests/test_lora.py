@@ -68,9 +68,9 @@ def _random_adapters(args, model):
 
 
 def _lora_steps(rank, model_dir, tp, out_path, export_dir, save_dir):
+    from slime.backends.megatron_utils.advantages import compute_advantages_and_returns
     from slime.backends.megatron_utils.checkpoint import save_checkpoint
     from slime.backends.megatron_utils.lora import export_peft, is_lora_param, merge_for_sync
-    from slime.backends.megatron_utils.loss import compute_advantages_and_returns
     from slime.backends.megatron_utils.model import forward_only, train
     from slime.backends.megatron_utils.param_utils import named_parameters
 

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from slime.backends.megatron_utils.loss import compute_advantages_and_returns, policy_loss_function
+from slime.backends.megatron_utils.advantages import compute_advantages_and_returns
+from slime.backends.megatron_utils.loss import policy_loss_function
 from tests._args import make_args
 from tests.test_loss import _args, _one_sample_batch, _reducer, _rollout
 

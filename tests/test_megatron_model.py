@@ -58,8 +58,8 @@ def test_forward_log_probs_match_transformers_and_tp2_equals_tp1(tiny_kit, tmp_p
 
 def _train_steps(rank, model_dir, tp, save_dir, out_path):
     """Two rollouts of training on a fixed batch: GRPO loss goes down; checkpoint after the first, then resume."""
+    from slime.backends.megatron_utils.advantages import compute_advantages_and_returns
     from slime.backends.megatron_utils.checkpoint import save_checkpoint
-    from slime.backends.megatron_utils.loss import compute_advantages_and_returns
     from slime.backends.megatron_utils.model import forward_only, train
 
     args = train_args(model_dir, tensor_model_parallel_size=tp, save=save_dir)
@@ -91,7 +91,7 @@ def _train_steps(rank, model_dir, tp, save_dir, out_path):
 
 
 def _resume_steps(rank, model_dir, tp, save_dir, out_path):
-    from slime.backends.megatron_utils.loss import compute_advantages_and_returns
+    from slime.backends.megatron_utils.advantages import compute_advantages_and_returns
     from slime.backends.megatron_utils.model import forward_only, train
 
     args = train_args(model_dir, tensor_model_parallel_size=tp, load=save_dir)

@@ -194,7 +194,7 @@ def _loss_and_log_probs(rank, hf_dir):
     expected = _hand_mtp_loss(hf_dir, rollout)
     assert got.shape == (1,) and abs(got.item() - expected) <= 1e-5, (got.item(), expected)
     # the main head in the training forward equals the log-prob forward's
-    from slime.backends.megatron_utils.loss import get_log_probs_and_entropy
+    from slime.backends.megatron_utils.log_probs import get_log_probs_and_entropy
 
     train_lp = get_log_probs_and_entropy(
         logits, args=args, unconcat_tokens=batch["unconcat_tokens"], total_lengths=batch["total_lengths"],
@@ -210,8 +210,8 @@ def test_mtp_loss_matches_hand_computation_and_main_head_is_unchanged(mtp_models
 def _mtp_gradient(rank, hf_dir):
     import ray
 
+    from slime.backends.megatron_utils.advantages import compute_advantages_and_returns
     from slime.backends.megatron_utils.data import get_data_iterator
-    from slime.backends.megatron_utils.loss import compute_advantages_and_returns
     from slime.backends.megatron_utils.megatron_to_hf._common import swap_halves
     from slime.backends.megatron_utils.model import forward_only, train
     from slime.backends.megatron_utils.param_utils import named_parameters
@@ -240,8 +240,8 @@ def test_mtp_gradient_is_the_scaled_mtp_loss_gradient(mtp_models):
 def _one_step(rank, hf_dir, train_mtp):
     import ray
 
+    from slime.backends.megatron_utils.advantages import compute_advantages_and_returns
     from slime.backends.megatron_utils.data import get_data_iterator
-    from slime.backends.megatron_utils.loss import compute_advantages_and_returns
     from slime.backends.megatron_utils.model import forward_only, train
     from slime.backends.megatron_utils.param_utils import named_parameters
 

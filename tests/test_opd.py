@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import train as sync_driver
-from slime.backends.megatron_utils.loss import compute_advantages_and_returns
+from slime.backends.megatron_utils.advantages import compute_advantages_and_returns
 from slime.backends.sglang_utils.external import check_opd_teacher
 from slime.rollout import on_policy_distillation as opd
 from slime.utils.arguments import check_opd_flags

@@ -14,7 +14,7 @@ LR = 1e-3
 
 
 def _second_rollout_step_sizes(rank, model_dir, flags, out_path):
-    from slime.backends.megatron_utils.loss import compute_advantages_and_returns
+    from slime.backends.megatron_utils.advantages import compute_advantages_and_returns
     from slime.backends.megatron_utils.model import forward_only, train
 
     args = train_args(model_dir, lr=LR, **flags)

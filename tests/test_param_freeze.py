@@ -17,7 +17,7 @@ from tests.test_megatron_model import _setup
 
 
 def _train_one_step(rank, model_dir, layout, lists, out_path):
-    from slime.backends.megatron_utils.loss import compute_advantages_and_returns
+    from slime.backends.megatron_utils.advantages import compute_advantages_and_returns
     from slime.backends.megatron_utils.model import forward_only, train
     from slime.backends.megatron_utils.param_utils import PREFIX, named_parameters
     from slime.backends.megatron_utils.update_weight.update_weight_from_tensor import get_param_info_buckets

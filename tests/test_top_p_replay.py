@@ -11,9 +11,11 @@ import torch
 
 from slime.backends.cpu_server.generate_api import _check_sampling_mask
 from slime.backends.cpu_server.sampling import RequestError, SamplingParams, sample
-from slime.backends.megatron_utils.loss import get_log_probs_and_entropy, get_sum_of_sample_mean, policy_loss_function
+from slime.backends.megatron_utils.log_probs import get_log_probs_and_entropy
+from slime.backends.megatron_utils.loss import policy_loss_function
 from slime.ray.buffer import convert_samples_to_train_data
 from slime.utils.arguments import parse_args
+from slime.utils.ppo_utils import get_sum_of_sample_mean
 from slime.utils.top_p_replay import append_kept_sets, kept_sets_error
 from slime.utils.types import Sample
 from tests._args import BASE, TINY_MODEL, make_args

@@ -315,7 +315,7 @@ def _tp2_padded_batch_log_probs_match_transformers(rank, hf_dir):
 
     from slime.backends.megatron_utils.data import get_batch
     from slime.backends.megatron_utils.initialize import init
-    from slime.backends.megatron_utils.loss import get_log_probs_and_entropy
+    from slime.backends.megatron_utils.log_probs import get_log_probs_and_entropy
     from slime.backends.megatron_utils.megatron_to_hf import hf_to_megatron
     from slime.backends.megatron_utils.model_provider import get_model_provider_func
 

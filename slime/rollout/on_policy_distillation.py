@@ -11,7 +11,7 @@ Wire it as upstream slime's example does:
 rollout temperature) and returns the server's answer as the sample's reward; `post_process_rewards` keeps the
 teacher's log-probs of the response tokens in `sample.teacher_log_probs` and gives every sample the task reward
 0.0. The trainer then turns each response token's advantage A into A - coef * (student - teacher log-prob)
-(`slime.backends.megatron_utils.loss.apply_opd_kl_to_advantages`). The teacher must share the student's tokenizer:
+(`slime.backends.megatron_utils.advantages.apply_opd_kl_to_advantages`). The teacher must share the student's tokenizer:
 it scores the student's token ids as they are (checked at start-up by
 `slime.backends.sglang_utils.external.check_opd_teacher`).
 """

@@ -1,5 +1,6 @@
 """PPO-family math: KL estimators, clipped policy loss, vocab-parallel log-probs and entropy, advantage estimators,
-masked whitening. Formulas follow slime; tensors are per-token 1-D unless stated otherwise.
+masked whitening, the losses' per-sample-mean reducer. Formulas follow slime; tensors are per-token 1-D unless stated
+otherwise.
 
 `process_group` for the vocab-parallel functions is the tensor-parallel group the vocab dimension is sharded over;
 `None` means the logits hold the whole vocabulary.
@@ -336,3 +337,27 @@ def distributed_masked_whiten(values, mask, process_group=None, shift_mean=True,
         var *= count / (count - 1)
     whitened = (values - mean) * torch.rsqrt(torch.tensor(var + eps, dtype=values.dtype, device=values.device))
     return whitened if shift_mean else whitened + mean
+
+
+def get_sum_of_sample_mean(
+    total_lengths, response_lengths, loss_masks, sample_denoms=None, calculate_per_token_loss=False
+):
+    """Reducer over a micro-batch's concatenated per-token values: sum over samples of the masked per-sample mean
+    (`(x_i * m_i).sum() / max(d_i, 1)`, `d_i` = `m_i.sum()` or the given `sample_denoms`, e.g. a fan-out rollout's
+    mask total shared by its samples, so the rollout contributes one token mean), or with `calculate_per_token_loss`
+    the plain masked sum."""
+    if sample_denoms is None:
+        sample_denoms = [m.sum() for m in loss_masks]
+
+    def reduce(x):
+        chunks = x.split(response_lengths, dim=0)
+        if calculate_per_token_loss:
+            terms = [(x_i * m_i).sum() for x_i, m_i in zip(chunks, loss_masks)]
+        else:
+            terms = [
+                (x_i * m_i).sum() / torch.clamp_min(torch.as_tensor(d_i), 1)
+                for x_i, m_i, d_i in zip(chunks, loss_masks, sample_denoms)
+            ]
+        return torch.stack(terms).sum() if terms else x.sum() * 0
+
+    return reduce

@@ -28,10 +28,11 @@ from slime.utils.user_errors import call_user_function
 
 from . import initialize as megatron_init
 from . import routing_replay
+from .advantages import compute_advantages_and_returns
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import get_data_iterator, log_rollout_data
 from .hf_checkpoint_saver import save_hf_model_to_path, save_hf_path
-from .loss import compute_advantages_and_returns, get_values
+from .log_probs import get_values
 from .megatron_to_hf import resolve_model_name
 from .model import forward_only, initialize_model_and_optimizer, log
 from .model import train as train_steps

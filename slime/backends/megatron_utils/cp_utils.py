@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
+from slime.utils.ppo_utils import get_sum_of_sample_mean  # noqa: F401  (v0.1.0's name here, see the end)
+
 
 def cp_size_and_rank():
     """(CP size, CP rank); (1, 0) without torch.distributed (megatron then reports size 0)."""
@@ -87,7 +89,8 @@ def gather_response_across_cp(pieces, values, response_length):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# slime v0.1.0's names for the same split, for user code that imports them from here (custom losses, TIS functions)
+# slime v0.1.0's names for the same split, for user code that imports them from here (custom losses, TIS functions);
+# its sum-of-sample-mean reducer, also defined here in v0.1.0, is imported from slime.utils.ppo_utils above
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -130,12 +133,3 @@ def all_gather_with_cp(tensor, total_length, response_length):
     return gather_response_across_cp(
         response_pieces(total_length, response_length, chunk, cp_size, cp_rank), tensor, response_length
     )
-
-
-def __getattr__(name):
-    # v0.1.0 defined the sum-of-sample-mean reducer here; it lives in loss.py, which imports this module
-    if name == "get_sum_of_sample_mean":
-        from .loss import get_sum_of_sample_mean  # cycle
-
-        return get_sum_of_sample_mean
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

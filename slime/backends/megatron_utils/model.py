@@ -32,8 +32,9 @@ from . import routing_replay
 from .checkpoint import load_checkpoint, resync_optimizer_main_params
 from .data import get_batch, unpack_tree_output
 from .initialize import is_megatron_main_rank
+from .log_probs import get_log_probs_and_entropy, get_rollout_top_p_logprob_kwargs
 from .lora import apply_lora, check_wrapped, log_lora_summary
-from .loss import get_log_probs_and_entropy, get_rollout_top_p_logprob_kwargs, loss_function
+from .loss import loss_function
 from .megatron_to_hf import hf_to_megatron
 from .model_provider import freeze_model_params, get_model_provider_func
 from .mtp import freeze_mtp_params, last_mtp_losses, mtp_loss_mask
@@ -240,7 +241,7 @@ def _iterator_arg(data_iterator):
 @torch.no_grad()
 def forward_only(args, model, data_iterator, num_microbatches, store_prefix="", post_fn=get_log_probs_and_entropy):
     """`{store_prefix + "log_probs": [...], (+ "entropy")}` per local sample, in the rollout data's order
-    (`post_fn=loss.get_values`: the critic's `{"values": [...]}`).
+    (`post_fn=log_probs.get_values`: the critic's `{"values": [...]}`).
 
     Only the last pipeline stage has logits, so only its ranks get the values; other stages get `{}` (R2's recorded
     routing, `rollout_routed_experts`, excepted: every stage gets it). Nothing there needs them: advantages, rollout

@@ -23,7 +23,7 @@ from megatron.core.transformer.multi_token_prediction import (
 )
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from .loss import _mask_padded_vocab
+from .log_probs import _mask_padded_vocab
 from .param_utils import unwrap_model
 
 
