@@ -14,7 +14,7 @@ one warning naming the function. `--no-check-sampling-params` turns the check of
 
 import logging
 
-from slime.utils.sampling_record import META_KEY, PROCESSOR_KEYS
+from slime.utils.sampling_record import GREEDY_EPS, META_KEY, PROCESSOR_KEYS
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,15 @@ def segment_problem(args, sample, rec) -> str | None:
     start, end = rec.get("response_span") or (0, sample.response_length)
     t = rec.get("temperature")
     if t is not None and abs(float(t) - args.rollout_temperature) > TEMPERATURE_TOL:
-        return f"temperature={t:g}, but the trainer scores at --rollout-temperature {args.rollout_temperature:g}"
+        greedy = (
+            " (greedy sampling is temperature 1 at top_k 1 after SGLang's normalisation; the trainer would divide its "
+            "logits by 0)"
+            if args.rollout_temperature < GREEDY_EPS
+            else ""
+        )
+        return (
+            f"temperature={t:g}, but the trainer scores at --rollout-temperature {args.rollout_temperature:g}{greedy}"
+        )
     for key, default in (
         ("frequency_penalty", 0.0),
         ("presence_penalty", 0.0),
