@@ -161,3 +161,37 @@ def test_the_default_generate_records_each_call(monkeypatch):
     recs = s.metadata["sampling_params"]
     assert [(r["response_span"], r["origin"]) for r in recs] == [([0, 2], "request"), ([2, 3], "engine echo")]
     assert all(r["temperature"] == 0.7 and r["source"] == GEN for r in recs)
+
+
+def test_the_adapters_rule_compares_after_sglangs_normalisation(caplog):
+    """A client's value equal to the session's (however spelled) passes; a different one is a 400 naming both; the
+    opt-out accepts it with one warning."""
+    from slime.agent.adapters import OpenAIAdapter
+    from slime.agent.adapters.common import AdapterError, Session
+    from slime.agent.trajectory import TrajectoryTree
+
+    adapter = OpenAIAdapter(tokenizer=None, sglang_url="http://127.0.0.1:1")
+    greedy = Session("g", TrajectoryTree("g"), {"temperature": 0.0, "top_p": 1.0}, 0)
+    adapter._check_client_sampling(greedy, {"temperature": 1e-9, "top_p": 1, "top_k": 40, "max_new_tokens": 9})
+    warm = Session("w", TrajectoryTree("w"), {"temperature": 0.8, "top_p": 0.95, "top_k": 20}, 0)
+    adapter._check_client_sampling(warm, {"temperature": 0.8, "top_p": 0.95})
+    for sp, start in (
+        ({"top_p": 0.9}, "top_p=0.9 differs from this session's top_p=0.95 (--rollout-top-p)"),
+        ({"frequency_penalty": 0.1}, "frequency_penalty=0.1 differs from this session's frequency_penalty=0.0:"),
+        ({"temperature": 0}, "temperature=0 differs from this session's temperature=0.8 (--rollout-temperature)"),
+    ):
+        with pytest.raises(AdapterError) as e:
+            adapter._check_client_sampling(warm, sp)
+        assert (e.value.status, e.value.param) == (400, next(iter(sp))) and e.value.message.startswith(start)
+    with caplog.at_level(logging.WARNING, logger="slime.agent.adapters.common"):
+        lenient = OpenAIAdapter(tokenizer=None, sglang_url="http://127.0.0.1:1", allow_client_sampling_params=True)
+    lenient._check_client_sampling(warm, {"temperature": 0.3})
+    assert sum("allow_client_sampling_params" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_the_opt_out_warns_once(caplog):
+    off = make_args("--rollout-temperature", "1.0", "--no-check-sampling-params")
+    with caplog.at_level(logging.WARNING, logger="slime.rollout.sampling_provenance"):
+        for _ in range(2):
+            convert_samples_to_train_data(off, [_sample(0, sent={"temperature": 0.5}), _sample(1)], fn_path="f")
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["--no-check-sampling-params"]
