@@ -436,3 +436,43 @@ def test_an_engine_abort_ends_the_turn_with_an_error_and_records_nothing(stack):
     [err] = errors
     assert err.status_code == 503 and "aborted" in err.body["message"] and err.body["type"] == "overloaded_error"
     assert finish_all(adapter, "abort-1") == []
+
+
+def test_a_client_sampling_parameter_that_differs_from_the_sessions_is_refused(stack):
+    """The trainer scores at the rollout's sampling parameters: a client's own temperature / top-k is refused in the
+    API's error shape, naming the parameter, its value and the rollout flag's; an equal one is accepted. Each trained
+    turn records what it was sampled with (the engine's echo)."""
+    oa, oa_url = stack["openai"]
+    an, an_url = stack["anthropic"]
+    recorder = stack["recorder"]
+    recorder.take()
+    oa.open_session("sp-oa", sampling_defaults={"temperature": 0})
+    an.open_session("sp-an", sampling_defaults={"temperature": 1.0})  # not greedy: top-k would change it
+    oc = openai.OpenAI(api_key="sp-oa", base_url=oa_url + "/v1", max_retries=0)
+    ac = anthropic.Anthropic(api_key="sp-an", base_url=an_url, max_retries=0)
+    user = [{"role": "user", "content": "What is 3+4?"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        oc.chat.completions.create(model="p", messages=user, max_tokens=4, temperature=0.6)
+    body = e.value.body
+    assert body["param"] == "temperature" and body["message"].startswith(
+        "temperature=0.6 differs from this session's temperature=0 (--rollout-temperature)"
+    )
+    with pytest.raises(openai.BadRequestError, match="presence_penalty=0.5 differs"):
+        oc.chat.completions.create(model="p", messages=user, max_tokens=4, presence_penalty=0.5)
+    with pytest.raises(
+        anthropic.BadRequestError, match=r"top_k=5 differs from this session's top_k=-1 \(--rollout-top-k"
+    ):
+        ac.messages.create(model="p", max_tokens=4, messages=user, extra_body={"top_k": 5})
+    assert recorder.take() == []  # refused before the engine
+    # the session's own values (greedy, however spelled) are accepted
+    oc.chat.completions.create(model="p", messages=user, max_tokens=4, temperature=0.0, top_p=1.0)
+    [(_, req, resp)] = recorder.take()
+    [sample] = finish_all(oa, "sp-oa")
+    n = len(resp["meta_info"]["output_token_logprobs"])
+    [rec] = sample.metadata["sampling_params"]
+    assert (rec["temperature"], rec["top_k"], rec["presence_penalty"]) == (1.0, 1, 0.0)  # greedy, normalised
+    assert (
+        rec["response_span"] == [0, n] and rec["origin"] == "engine echo" and "openai agent adapter" in rec["source"]
+    )
+    assert Sample.from_dict(sample.to_dict()).metadata["sampling_params"] == [rec]
+    assert finish_all(an, "sp-an") == []

@@ -1168,3 +1168,30 @@ def test_generate_batch_reports_shared_prompt_as_cached_tokens(server):
         assert o["output_ids"] == alone["output_ids"]
         lps = [x[0] for x in o["meta_info"]["output_token_logprobs"]]
         assert max(abs(a - b[0]) for a, b in zip(lps, alone["meta_info"]["output_token_logprobs"])) <= 1e-6
+
+
+def test_meta_info_echoes_the_applied_sampling_params(server):
+    """slime's addition to SGLang's meta_info: the sampling parameters the server applied, normalised as SGLang
+    normalises them (SGLang itself echoes none)."""
+    sp = {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "presence_penalty": 0.5, "max_new_tokens": 3}
+    echo = gen(server, {"input_ids": PROMPTS[1], "sampling_params": sp})["meta_info"]["sampling_params"]
+    assert echo == {
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 20,
+        "min_p": 0.0,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.5,
+        "repetition_penalty": 1.0,
+        "min_new_tokens": 0,
+        "logit_bias": False,
+        "regex": False,
+        "json_schema": False,
+        "ebnf": False,
+        "structural_tag": False,
+        "custom_logit_processor": False,
+    }
+    # greedy is temperature 1 at top_k 1 (SGLang's normalisation); a logit_bias is reported as set
+    sp = {"temperature": 0, "max_new_tokens": 2, "logit_bias": {"5": 1.0}}
+    echo = gen(server, {"input_ids": PROMPTS[1], "sampling_params": sp})["meta_info"]["sampling_params"]
+    assert (echo["temperature"], echo["top_k"], echo["logit_bias"]) == (1.0, 1, True)

@@ -722,3 +722,8 @@ def test_streaming_generate_gives_the_default_generates_tokens_and_log_probs(eng
     assert b.status == a.status == Sample.Status.TRUNCATED and b.response_length == a.response_length == 8
     assert b.tokens == a.tokens and b.response == a.response and b.weight_versions == a.weight_versions
     assert b.rollout_log_probs == pytest.approx(a.rollout_log_probs, abs=1e-6)
+    # both record what the engine sampled with (its echo): greedy is temperature 1 at top_k 1
+    recs = [s.metadata["sampling_params"] for s in (a, b)]
+    assert [[(r["response_span"], r["origin"], r["temperature"], r["top_k"]) for r in x] for x in recs] == [
+        [([0, 8], "engine echo", 1.0, 1)]
+    ] * 2

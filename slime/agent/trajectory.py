@@ -17,6 +17,7 @@ import dataclasses
 import logging
 from typing import Any
 
+from slime.utils.sampling_record import META_KEY as SAMPLING_KEY
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,9 @@ class TurnRecord:
     message: dict | None = None  # the parsed assistant message returned to the client
     ill_formed: bool = False  # the output looked like a tool call but did not parse
     weight_version: str | None = None
+    # what the output was sampled with (slime.utils.sampling_record.segment_record; its response_span is set when
+    # the turn becomes part of a sample)
+    sampling_params: dict | None = None
 
     def __post_init__(self):
         if len(self.output_log_probs) != len(self.output_ids):
@@ -110,6 +114,7 @@ class TrajectoryTree:
             prompt_len = len(path[0].record.prompt_ids)
             loss_mask = [0] * (len(tokens) - prompt_len)
             log_probs = [0.0] * (len(tokens) - prompt_len)
+            sampled_with = []  # one record per trained turn
             for node in path:
                 if node.index in trained:
                     continue
@@ -118,6 +123,9 @@ class TrajectoryTree:
                 for k, lp in enumerate(node.record.output_log_probs):
                     loss_mask[start + k] = 1
                     log_probs[start + k] = lp
+                if node.record.sampling_params is not None and node.record.output_ids:
+                    span = [start, start + len(node.record.output_ids)]
+                    sampled_with.append({**node.record.sampling_params, "response_span": span})
             if not any(loss_mask):  # nothing sampled on this branch (an empty output): nothing to train
                 logger.debug(
                     "session %s: branch ending at turn %d sampled no token; skipped", self.session_id, leaf.index
@@ -152,6 +160,9 @@ class TrajectoryTree:
                     },
                 },
             )
+            sample.metadata.pop(SAMPLING_KEY, None)  # never the base sample's record
+            if sampled_with:
+                sample.metadata[SAMPLING_KEY] = sampled_with
             if tokenizer is not None:
                 sample.response = tokenizer.decode(tokens[prompt_len:], skip_special_tokens=False)
             samples.append(sample)

@@ -25,12 +25,15 @@ from slime.utils.http_utils import init_http_client, post
 from slime.utils.lora_utils import generate_fields
 from slime.utils.misc import SingletonMeta, accepted_kwargs, load_function
 from slime.utils.routing_replay import decode_routed_experts
+from slime.utils.sampling_record import record_segment
 from slime.utils.top_p_replay import append_kept_sets, sampling_is_truncated
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["generate_rollout", "generate_abortable_samples", "get_model_url"]
+
+GENERATE = "the default generate (slime.rollout.sglang_rollout.generate)"  # a sampling-parameter record's source
 
 
 class GenerateState(metaclass=SingletonMeta):
@@ -221,6 +224,11 @@ async def generate(args, sample: Sample, sampling_params, evaluation=False) -> S
         append_kept_sets(sample, kept_sets)
         new_log_probs = [float(x) for x in meta_info["output_token_sampling_logprobs"]]
 
+    if new_tokens:  # what these tokens were sampled with: the engine's echo, else the request sent
+        start = sample.response_length
+        record_segment(
+            sample, meta_info, sampling_params, start=start, end=start + len(new_tokens), source=GENERATE, body=payload
+        )
     sample.tokens = sample.tokens + new_tokens
     aborted_early = (meta_info.get("finish_reason") or {}).get("type") == "abort" and "routed_experts" not in meta_info
     if routed and sample.tokens and not aborted_early:  # an abort before any compute is generated again later

@@ -12,6 +12,7 @@ from slime.backends.sglang_utils.router import router_url
 from slime.rollout.sglang_rollout import GenerateState, prompt_ids, routing_headers
 from slime.utils.http_utils import post_stream
 from slime.utils.lora_utils import generate_fields
+from slime.utils.sampling_record import record_segment
 from slime.utils.top_p_replay import sampling_is_truncated
 from slime.utils.types import Sample
 
@@ -56,6 +57,11 @@ async def generate_streaming(args, sample: Sample, sampling_params, evaluation=F
             sample.loss_mask = list(loss_mask) + [1] * len(pairs)
         if state.aborted:  # leaving the stream closes it: the engine aborts the request
             break
+    if sample.response_length > length:  # what these tokens were sampled with: the engine's echo, else the request
+        source = "slime.rollout.sglang_streaming_rollout.generate_streaming"
+        record_segment(
+            sample, meta, payload["sampling_params"], start=length, end=sample.response_length, source=source
+        )
     sample.apply_finish_reason(meta, args)
     if not meta.get("finish_reason"):  # cut before the engine finished it
         sample.status = Sample.Status.ABORTED

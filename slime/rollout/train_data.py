@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from slime.rollout.base_types import RolloutFnTrainOutput
+from slime.rollout.sampling_provenance import check_sampling_params
 from slime.utils.routing_replay import routed_experts_error
 from slime.utils.top_p_replay import kept_sets_error, sampling_is_truncated
 from slime.utils.types import TRAIN_DATA_KEYS, Sample, TrainData
@@ -167,6 +168,7 @@ def convert_samples_to_train_data(args, samples, custom_reward_fn=None, fn_path=
             )
         # remove_sample (set by --rollout-sample-filter-path): no loss, but still in the reward statistics above
         loss_masks.append(np.zeros(len(mask), dtype=np.int32) if s.remove_sample else np.asarray(mask, dtype=np.int32))
+    check_sampling_params(args, samples, fn_path)  # scored at what they were sampled with, or refused
 
     train_data: TrainData = {
         "tokens": [np.asarray(s.tokens, dtype=np.int64) for s in samples],

@@ -187,6 +187,14 @@ def add_rollout_arguments(parser):
     g.add_argument("--rollout-top-p", type=float, default=1.0)
     g.add_argument("--rollout-top-k", type=int, default=-1)
     g.add_argument(
+        "--no-check-sampling-params",
+        action="store_true",
+        default=False,
+        help="Train samples whose recorded sampling parameters the trainer cannot score exactly (a temperature other "
+        "than --rollout-temperature, top-p/top-k/min-p without kept sets, penalties, logit_bias, grammars); by "
+        "default such a sample is refused in one line (warned once when set).",
+    )
+    g.add_argument(
         "--rollout-max-prompt-len",
         type=int,
         default=None,

@@ -28,9 +28,23 @@ from aiohttp import web
 from slime.agent.parsing import ParsedOutput, check_parser_names, parse_output
 from slime.agent.trajectory import TrajectoryTree, TurnRecord
 from slime.backends.sglang_utils.router import ROUTING_KEY_HEADER
+from slime.utils.sampling_record import applied_sampling_params, segment_record
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
+
+
+# the sampling parameters a client could send that change the distribution sampled from, with the engine's defaults
+DISTRIBUTION_KEYS = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+}
+ROLLOUT_FLAGS = {"temperature": "--rollout-temperature", "top_p": "--rollout-top-p", "top_k": "--rollout-top-k"}
 
 
 class AdapterError(Exception):
@@ -61,6 +75,9 @@ class BaseAdapter:
     chat_template_kwargs: extra arguments for `apply_chat_template` (e.g. {"enable_thinking": False}).
     generate_fields: extra `/generate` fields of every turn, e.g. `slime.utils.lora_utils.generate_fields(args)`
         (the policy's adapter under `--lora-sync adapter`).
+    allow_client_sampling_params: accept a client's temperature / top-p / top-k / penalties that differ from the
+        session's (logged once). By default such a request is refused with a 400 naming the parameter: the trainer
+        scores at the rollout's parameters, so a turn sampled at others would train with biased importance ratios.
     """
 
     protocol = ""
@@ -75,8 +92,17 @@ class BaseAdapter:
         chat_template_kwargs: dict | None = None,
         request_timeout: float = 900.0,
         generate_fields: dict | None = None,
+        allow_client_sampling_params: bool = False,
     ):
         check_parser_names(tool_parser, reasoning_parser)
+        self.allow_client_sampling_params = allow_client_sampling_params
+        if allow_client_sampling_params:
+            logger.warning(
+                "the %s agent adapter accepts clients' own temperature / top-p / top-k / penalties "
+                "(allow_client_sampling_params): each turn records what it was sampled with, and the train-data "
+                "check refuses a trained turn the trainer cannot score unless --no-check-sampling-params",
+                self.protocol,
+            )
         self.tokenizer = tokenizer
         self.sglang_url = sglang_url.rstrip("/")
         self.tool_parser = tool_parser
@@ -233,7 +259,9 @@ class BaseAdapter:
             api._check_body(body)
             messages, tools, parse_tools = api._to_chat(body)
             prompt_ids = self.render(messages, tools)
-            sp = {**session.sampling_defaults, **api._sampling_params(body)}
+            client_sp = api._sampling_params(body)
+            self._check_client_sampling(session, client_sp)
+            sp = {**session.sampling_defaults, **client_sp}
             self._fit_context(session, prompt_ids, sp)
             turn = await self._generate(session.session_id, prompt_ids, sp)
             if turn.finish_reason == "abort":  # the rollout is stopping (or weights are updating): end the episode
@@ -286,6 +314,33 @@ class BaseAdapter:
             session.inflight += 1
             return session
 
+    def _check_client_sampling(self, session: Session, client_sp: dict) -> None:
+        """Refuse (400) a client's sampling parameter that changes the distribution the session samples from: the
+        trainer scores every token at the rollout's parameters (--rollout-temperature, over the full vocabulary or the
+        kept sets), so a client's own temperature / top-p / top-k / penalties would bias the importance ratios.
+        A value equal to the session's (after SGLang's normalisation) is accepted."""
+        if self.allow_client_sampling_params:
+            return
+        base = applied_sampling_params(session.sampling_defaults)
+        for key in DISTRIBUTION_KEYS:
+            if key not in client_sp:
+                continue
+            try:
+                changed = applied_sampling_params({**session.sampling_defaults, key: client_sp[key]}) != base
+            except (TypeError, ValueError):
+                raise AdapterError(400, f"{key} must be a number, got {client_sp[key]!r}", param=key) from None
+            if changed:
+                ours = session.sampling_defaults.get(key)
+                ours = DISTRIBUTION_KEYS[key] if ours is None else ours
+                flag = f" ({ROLLOUT_FLAGS[key]})" if key in ROLLOUT_FLAGS else ""
+                raise AdapterError(
+                    400,
+                    f"{key}={client_sp[key]!r} differs from this session's {key}={ours!r}{flag}: the trainer scores "
+                    "every sampled token at the rollout's sampling parameters, so a client may not change them "
+                    f"(leave {key} unset or send the session's value)",
+                    param=key,
+                )
+
     def _fit_context(self, session: Session, prompt_ids: list[int], sp: dict) -> None:
         limit = session.max_context_tokens
         if not limit:
@@ -330,6 +385,14 @@ class BaseAdapter:
             output_log_probs=[float(p[0]) for p in pairs],
             finish_reason=(meta.get("finish_reason") or {}).get("type") or "stop",
             weight_version=meta.get("weight_version"),
+            sampling_params=segment_record(
+                meta,
+                payload["sampling_params"],
+                start=0,
+                end=0,
+                source=f"the {self.protocol} agent adapter",
+                body=payload,
+            ),
         )
 
 

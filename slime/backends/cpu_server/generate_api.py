@@ -207,6 +207,8 @@ class GenerateAPI:
             "cached_tokens": r.cached_tokens,  # prompt tokens served from another request's prefill
             "num_retractions": r.num_retractions,
             "e2e_latency": time.time() - r.created,
+            # slime's addition (SGLang echoes no sampling parameter): what this request was sampled with
+            "sampling_params": r.sp.applied(),
         }
         if r.return_logprob:
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from slime.utils.sampling_record import normalised
+
 # The complete set of keys SGLang 0.5 accepts in `sampling_params` (its contract check rejects anything else).
 SAMPLING_KEYS = (
     "max_new_tokens",
@@ -102,6 +104,22 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1.0
+
+    def applied(self) -> dict:
+        """What this request is sampled with, normalised as SGLang applies it (greedy: temperature 1, top_k 1),
+        echoed as `meta_info["sampling_params"]` (SGLang echoes none; see slime/utils/sampling_record.py). Grammars
+        and custom logit processors are refused by this server, so they are never set here."""
+        return normalised(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            repetition_penalty=self.repetition_penalty,
+            min_new_tokens=self.min_new_tokens,
+            logit_bias=bool(self.logit_bias),
+        )
 
     @classmethod
     def from_dict(cls, d, vocab_size: int) -> "SamplingParams":

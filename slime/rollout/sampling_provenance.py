@@ -1,0 +1,126 @@
+"""Trained samples are scored at what they were sampled with, or refused (issue #37, sampling parameters).
+
+The trainer scores every trained token at `--rollout-temperature`, over the full vocabulary or, under
+`--rollout-top-p` < 1 / `--rollout-top-k` > 0, over the kept token set the engine returned for it (top-p replay,
+slime/utils/top_p_replay.py). Penalties, `logit_bias`, grammars, `min_new_tokens` and custom logit processors change
+the behaviour distribution in ways it cannot replay at all. A sample records what each of its engine calls was
+sampled with (`sample.metadata["sampling_params"]`, slime/utils/sampling_record.py: the default generate, the
+streaming generate and the agent adapters write it), and `check_sampling_params` -- called from
+`convert_samples_to_train_data` -- refuses, in one line, a trained segment that was sampled with a temperature
+other than the flag's, that truncated without kept sets for the trainer to replay, or that used anything the
+trainer cannot replay. A sample with no record (a user's generate function that records nothing) is trained, with
+one warning naming the function. `--no-check-sampling-params` turns the check off (warned once).
+"""
+
+import logging
+
+from slime.utils.sampling_record import GREEDY_EPS, META_KEY, PROCESSOR_KEYS
+
+logger = logging.getLogger(__name__)
+
+TEMPERATURE_TOL = 1e-6
+_warned: set = set()  # warn-once keys
+
+
+def _warn_once(key, message):
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message)
+
+
+def _generate_function(args, sample):
+    path = getattr(sample, "generate_function_path", None) or args.custom_generate_function_path
+    return f"--custom-generate-function-path {path}" if path else "the default generate"
+
+
+def _trained(mask, start, end):
+    return mask is None or any(mask[start:end])
+
+
+def _has_kept_sets(sample, start, end):
+    """Whether every token of response[start:end] has a (non-empty) kept set for top-p replay."""
+    offsets = sample.rollout_top_p_token_offsets
+    if offsets is None or len(offsets) < end + 1:
+        return False
+    return all(int(offsets[k + 1]) > int(offsets[k]) for k in range(start, end))
+
+
+def segment_problem(args, sample, rec) -> str | None:
+    """What in one segment's record `rec` the trainer cannot score (None when it scores it exactly)."""
+    start, end = rec.get("response_span") or (0, sample.response_length)
+    t = rec.get("temperature")
+    if t is not None and abs(float(t) - args.rollout_temperature) > TEMPERATURE_TOL:
+        greedy = (
+            " (greedy sampling is temperature 1 at top_k 1 after SGLang's normalisation; the trainer would divide its "
+            "logits by 0)"
+            if args.rollout_temperature < GREEDY_EPS
+            else ""
+        )
+        return (
+            f"temperature={t:g}, but the trainer scores at --rollout-temperature {args.rollout_temperature:g}{greedy}"
+        )
+    for key, default in (
+        ("frequency_penalty", 0.0),
+        ("presence_penalty", 0.0),
+        ("repetition_penalty", 1.0),
+        ("min_new_tokens", 0),
+    ):
+        v = rec.get(key, default)
+        if v is not None and v != default:
+            return f"{key}={v:g}, which the trainer cannot replay (it needs {key}={default:g})"
+    for key in PROCESSOR_KEYS:
+        if rec.get(key):
+            return f"{key} set, which the trainer cannot replay"
+    truncating = [
+        f"{k}={rec[k]:g}"
+        for k, off in (("top_p", 1.0), ("top_k", -1), ("min_p", 0.0))
+        if rec.get(k) is not None and rec[k] != off
+    ]
+    if truncating and not _has_kept_sets(sample, start, end):
+        flags = f"--rollout-top-p {args.rollout_top_p:g} / --rollout-top-k {args.rollout_top_k}"
+        return (
+            f"{', '.join(truncating)} (a truncated distribution) but no kept token sets for those tokens, so the "
+            f"trainer would score them over the full vocabulary ({flags}; the default generate asks the engine for "
+            "the kept sets when these flags truncate)"
+        )
+    return None
+
+
+def check_sampling_params(args, samples, fn_path=None) -> None:
+    """Refuse the first trained sample whose recorded sampling parameters the trainer cannot score exactly."""
+    if args.loss_type == "sft_loss":  # no importance ratio: the rollout's log-probs are not used
+        return
+    if args.no_check_sampling_params:
+        _warn_once(
+            "off",
+            "--no-check-sampling-params: trained samples are not checked against --rollout-temperature / top-p "
+            "replay; a sample sampled at other parameters (a client's temperature, a penalty) trains with biased "
+            "importance ratios",
+        )
+        return
+    for i, s in enumerate(samples):
+        if s.remove_sample:
+            continue
+        records = (s.metadata or {}).get(META_KEY) if isinstance(s.metadata, dict) else None
+        if not records:
+            if s.response_length and (s.loss_mask is None or any(s.loss_mask)):
+                where = _generate_function(args, s)
+                _warn_once(
+                    ("unrecorded", where),
+                    f"sample {s.index} (position {i}) from {where} (rollout function {fn_path!r}) records no sampling "
+                    f"parameters (sample.metadata[{META_KEY!r}]): it is trained as if sampled at "
+                    f"--rollout-temperature {args.rollout_temperature:g} with no penalties (warned once per function)",
+                )
+            continue
+        for rec in records:
+            start, end = rec.get("response_span") or (0, s.response_length)
+            if not _trained(s.loss_mask, start, end):
+                continue
+            problem = segment_problem(args, s, rec)
+            if problem:
+                raise ValueError(
+                    f"sample {s.index} (position {i}) from rollout function {fn_path!r}: its response tokens "
+                    f"{start}..{end} were sampled by {rec.get('source') or _generate_function(args, s)} (parameters "
+                    f"from the {rec.get('origin') or 'record'}) with {problem}; the sample cannot be trained "
+                    "without biased importance ratios (pass --no-check-sampling-params to train on it anyway)"
+                )

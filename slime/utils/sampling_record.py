@@ -1,0 +1,101 @@
+"""The sampling parameters a generation was sampled with, normalised as SGLang applies them, and their record on a
+`Sample`.
+
+SGLang (0.5.23) normalises a request's `sampling_params` before sampling: a temperature below 1e-6 is greedy
+(temperature 1, top_k 1), top_k -1 is the whole vocabulary, and the penalties default to 0 (frequency, presence) and
+1 (repetition). `applied_sampling_params` computes that normalised form from a request's `sampling_params`; slime's
+CPU server echoes the same form, from what it actually applied, as `meta_info["sampling_params"]`. Real SGLang echoes
+no sampling parameter, so on GPU the record comes from the request slime sent.
+
+A sample's record is `sample.metadata["sampling_params"]`: one dict per engine call (segment) whose sampled tokens
+are in the sample, with the normalised parameters plus `response_span` ([start, end) in the response), `source` (the
+code that sent the request: the default generate, an agent adapter) and `origin` ("engine echo" or "request").
+"""
+
+GREEDY_EPS = 1e-6  # SGLang's sampling_params.py: a temperature below this is greedy
+META_KEY = "sampling_params"  # the CPU server's meta_info key and the Sample.metadata key of the record
+# logit processors whose effect on the behaviour distribution the trainer cannot replay (present or not)
+PROCESSOR_KEYS = ("logit_bias", "regex", "json_schema", "ebnf", "structural_tag", "custom_logit_processor")
+
+
+def _get(d, key, default):
+    v = d.get(key)
+    return default if v is None else v
+
+
+def applied_sampling_params(sampling_params: dict | None, *, custom_logit_processor=False) -> dict:
+    """The normalised sampling parameters SGLang applies for a request's `sampling_params` (a request-level
+    `custom_logit_processor` is passed separately: it is not a sampling parameter)."""
+    sp = sampling_params or {}
+    temperature, top_k = float(_get(sp, "temperature", 1.0)), int(_get(sp, "top_k", -1))
+    if temperature < GREEDY_EPS:
+        temperature, top_k = 1.0, 1
+    return normalised(
+        temperature=temperature,
+        top_p=float(_get(sp, "top_p", 1.0)),
+        top_k=top_k,
+        min_p=float(_get(sp, "min_p", 0.0)),
+        frequency_penalty=float(_get(sp, "frequency_penalty", 0.0)),
+        presence_penalty=float(_get(sp, "presence_penalty", 0.0)),
+        repetition_penalty=float(_get(sp, "repetition_penalty", 1.0)),
+        min_new_tokens=int(_get(sp, "min_new_tokens", 0)),
+        **{k: bool(sp.get(k)) for k in PROCESSOR_KEYS if k != "custom_logit_processor"},
+        custom_logit_processor=bool(custom_logit_processor),
+    )
+
+
+def normalised(
+    *,
+    temperature,
+    top_p,
+    top_k,
+    min_p,
+    frequency_penalty,
+    presence_penalty,
+    repetition_penalty,
+    min_new_tokens,
+    logit_bias,
+    regex=False,
+    json_schema=False,
+    ebnf=False,
+    structural_tag=False,
+    custom_logit_processor=False,
+) -> dict:
+    """The record's shape (shared by the CPU server's echo and slime's own normalisation)."""
+    return {
+        "temperature": float(temperature),
+        "top_p": float(top_p),
+        "top_k": int(top_k) if int(top_k) > 0 else -1,
+        "min_p": float(min_p),
+        "frequency_penalty": float(frequency_penalty),
+        "presence_penalty": float(presence_penalty),
+        "repetition_penalty": float(repetition_penalty),
+        "min_new_tokens": int(min_new_tokens),
+        "logit_bias": bool(logit_bias),
+        "regex": bool(regex),
+        "json_schema": bool(json_schema),
+        "ebnf": bool(ebnf),
+        "structural_tag": bool(structural_tag),
+        "custom_logit_processor": bool(custom_logit_processor),
+    }
+
+
+def segment_record(meta_info: dict | None, sent: dict | None, *, start: int, end: int, source: str, body=None):
+    """One segment's record: the engine's echo (`meta_info["sampling_params"]`) when it has one, else the
+    normalised form of the `sampling_params` slime sent (`body`: the whole request, for `custom_logit_processor`)."""
+    echo = (meta_info or {}).get(META_KEY)
+    if isinstance(echo, dict):
+        params, origin = dict(echo), "engine echo"
+    else:
+        params = applied_sampling_params(sent, custom_logit_processor=bool((body or {}).get("custom_logit_processor")))
+        origin = "request"
+    return {**params, "response_span": [int(start), int(end)], "source": source, "origin": origin}
+
+
+def record_segment(sample, meta_info, sent, *, start: int, end: int, source: str, body=None) -> None:
+    """Append one segment's record to `sample.metadata["sampling_params"]` (a fresh list: never a shared one)."""
+    if sample.metadata is None:
+        sample.metadata = {}
+    records = list(sample.metadata.get(META_KEY) or [])
+    records.append(segment_record(meta_info, sent, start=start, end=end, source=source, body=body))
+    sample.metadata[META_KEY] = records

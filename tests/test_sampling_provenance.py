@@ -1,0 +1,197 @@
+"""Sampling parameters (issue #37): every sample records what each engine call sampled it with, and the train data
+refuses a trained sample the trainer cannot score at what it was sampled with (`check_sampling_params`, called from
+`convert_samples_to_train_data`), in one line naming the sample, the parameter, its value, the flag's and the source.
+The CPU server's echo is covered in tests/test_cpu_server.py and the agent adapters' refusal in
+tests/test_agent_adapters.py."""
+
+import asyncio
+import logging
+
+import pytest
+
+from slime.backends.cpu_server.sampling import SamplingParams
+from slime.rollout import sampling_provenance
+from slime.rollout.train_data import convert_samples_to_train_data
+from slime.utils.sampling_record import applied_sampling_params, record_segment
+from slime.utils.types import Sample
+from tests._args import make_args
+
+GEN = "the default generate (slime.rollout.sglang_rollout.generate)"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings():
+    sampling_provenance._warned.clear()
+    yield
+    sampling_provenance._warned.clear()
+
+
+def _sample(index, sent=None, echo=None, source=GEN):
+    """A 2-token response sampled by one engine call with `sent` (the request's sampling_params) or `echo` (the
+    engine's meta_info echo); neither: a sample without a record."""
+    s = Sample(index=index, tokens=[1, 2, 3, 4], response_length=2, reward=1.0, rollout_log_probs=[-0.1, -0.2])
+    s.status = Sample.Status.COMPLETED
+    if sent is not None or echo is not None:
+        meta = {"sampling_params": echo} if echo is not None else {}
+        record_segment(s, meta, sent, start=0, end=2, source=source)
+    return s
+
+
+def test_slimes_normalisation_equals_what_the_cpu_server_applies():
+    for sp in (
+        {},
+        {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05},
+        {"temperature": 0, "top_k": 50},  # greedy: temperature 1, top_k 1
+        {"temperature": 1e-7},
+        {"frequency_penalty": 0.5, "repetition_penalty": 1.2, "min_new_tokens": 3, "logit_bias": {"3": 1.0}},
+    ):
+        assert applied_sampling_params(sp) == SamplingParams.from_dict(sp, vocab_size=64).applied(), sp
+    assert applied_sampling_params({"temperature": 0})["top_k"] == 1
+    assert (
+        applied_sampling_params({"regex": "a+"})["regex"]
+        and applied_sampling_params({}, custom_logit_processor=1)["custom_logit_processor"]
+    )
+
+
+def test_a_matching_sample_trains_and_its_record_survives_to_dict():
+    args = make_args("--rollout-temperature", "0.7")
+    good = [_sample(0, sent={"temperature": 0.7, "top_p": 1.0, "top_k": -1}), _sample(1, echo=_echo(0.7))]
+    data = convert_samples_to_train_data(args, good, fn_path="f")
+    assert data["sample_indices"] == [0, 1]
+    [rec] = Sample.from_dict(good[0].to_dict()).metadata["sampling_params"]
+    assert rec["temperature"] == 0.7 and rec["origin"] == "request" and rec["response_span"] == [0, 2]
+    assert good[1].metadata["sampling_params"][0]["origin"] == "engine echo"
+
+
+def _echo(temperature, **kw):
+    return {**SamplingParams.from_dict({"temperature": temperature, **kw}, vocab_size=64).applied()}
+
+
+def test_a_temperature_other_than_the_flags_is_refused_in_one_line():
+    args = make_args("--rollout-temperature", "1.0")
+    samples = [_sample(0, sent={"temperature": 1.0}), _sample(1, echo=_echo(0.6), source="the openai agent adapter")]
+    with pytest.raises(ValueError) as e:
+        convert_samples_to_train_data(args, samples, fn_path="my.rollout")
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith("sample 1 (position 1) from rollout function 'my.rollout': its response tokens 0..2")
+    assert "sampled by the openai agent adapter (parameters from the engine echo)" in msg
+    assert "temperature=0.6, but the trainer scores at --rollout-temperature 1" in msg
+    assert "--no-check-sampling-params" in msg
+    # a loss-masked segment (e.g. an off-policy part of a partial rollout) is not trained, so not refused
+    samples[1].loss_mask = [0, 0]
+    convert_samples_to_train_data(args, samples, fn_path="my.rollout")
+    # and the opt-out trains it, warning once
+    samples[1].loss_mask = None
+    off = make_args("--rollout-temperature", "1.0", "--no-check-sampling-params")
+    convert_samples_to_train_data(off, samples, fn_path="my.rollout")
+
+
+def test_penalties_and_processors_are_refused():
+    args = make_args()
+    for sent, what in (
+        ({"presence_penalty": 0.5}, "presence_penalty=0.5, which the trainer cannot replay"),
+        ({"repetition_penalty": 1.1}, "repetition_penalty=1.1"),
+        ({"logit_bias": {"3": 2.0}}, "logit_bias set, which the trainer cannot replay"),
+        ({"json_schema": "{}"}, "json_schema set"),
+    ):
+        with pytest.raises(ValueError, match=r"sample 0 \(position 0\) .* sampled by the default generate") as e:
+            convert_samples_to_train_data(args, [_sample(0, sent=sent), _sample(1, sent={})], fn_path="f")
+        assert what in str(e.value) and "(parameters from the request)" in str(e.value)
+
+
+def test_truncation_needs_kept_sets():
+    args = make_args()  # the trainer scores over the full vocabulary
+    with pytest.raises(ValueError, match=r"top_p=0.9, top_k=20 \(a truncated distribution\) but no kept token sets"):
+        convert_samples_to_train_data(args, [_sample(0, sent={"top_p": 0.9, "top_k": 20}), _sample(1)], fn_path="f")
+    # under top-p replay, with kept sets for its tokens, the same sample trains
+    replay = make_args("--rollout-top-p", "0.9", "--rollout-top-k", "20")
+    pair = [_sample(0, sent={"top_p": 0.9, "top_k": 20}), _sample(1, sent={"top_p": 0.5, "top_k": 20})]
+    for s in pair:
+        s.rollout_top_p_token_ids, s.rollout_top_p_token_offsets = [3, 0, 4], [0, 2, 3]
+    convert_samples_to_train_data(replay, pair, fn_path="f")
+
+
+def test_an_unrecorded_sample_trains_with_one_warning_naming_the_function(caplog):
+    args = make_args("--custom-generate-function-path", "my_pkg.gen.generate")
+    with caplog.at_level(logging.WARNING, logger="slime.rollout.sampling_provenance"):
+        convert_samples_to_train_data(args, [_sample(0), _sample(1)], fn_path="f")
+        convert_samples_to_train_data(args, [_sample(2), _sample(3)], fn_path="f")
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1, warnings
+    assert "sample 0 (position 0) from --custom-generate-function-path my_pkg.gen.generate" in warnings[0]
+    assert "records no sampling parameters" in warnings[0]
+
+
+def test_the_default_generate_records_each_call(monkeypatch):
+    """A resumed sample gets one record per engine call, from the engine's echo when there is one."""
+    from slime.rollout import sglang_rollout
+
+    args = make_args("--rollout-temperature", "0.7")
+    replies = [
+        {
+            "text": "a",
+            "meta_info": {"output_token_logprobs": [[-0.1, 5], [-0.2, 6]], "finish_reason": {"type": "abort"}},
+        },
+        {
+            "text": "b",
+            "meta_info": {
+                "output_token_logprobs": [[-0.3, 7]],
+                "finish_reason": {"type": "stop"},
+                "sampling_params": _echo(0.7),
+            },
+        },
+    ]
+
+    async def fake_post(url, payload, **kw):
+        return replies.pop(0)
+
+    class _State:
+        tokenizer = None
+        workers = []
+        request_timeouts = 0
+
+    monkeypatch.setattr(sglang_rollout, "post", fake_post)
+    monkeypatch.setattr(sglang_rollout, "GenerateState", lambda args: _State())
+    s = Sample(index=0, tokens=[1, 2], prompt="q")
+    sp = {"temperature": 0.7, "top_p": 1.0, "top_k": -1, "max_new_tokens": 8}
+    s = asyncio.run(sglang_rollout.generate(args, s, dict(sp)))
+    s.status = Sample.Status.ABORTED
+    s = asyncio.run(sglang_rollout.generate(args, s, dict(sp)))
+    recs = s.metadata["sampling_params"]
+    assert [(r["response_span"], r["origin"]) for r in recs] == [([0, 2], "request"), ([2, 3], "engine echo")]
+    assert all(r["temperature"] == 0.7 and r["source"] == GEN for r in recs)
+
+
+def test_the_adapters_rule_compares_after_sglangs_normalisation(caplog):
+    """A client's value equal to the session's (however spelled) passes; a different one is a 400 naming both; the
+    opt-out accepts it with one warning."""
+    from slime.agent.adapters import OpenAIAdapter
+    from slime.agent.adapters.common import AdapterError, Session
+    from slime.agent.trajectory import TrajectoryTree
+
+    adapter = OpenAIAdapter(tokenizer=None, sglang_url="http://127.0.0.1:1")
+    greedy = Session("g", TrajectoryTree("g"), {"temperature": 0.0, "top_p": 1.0}, 0)
+    adapter._check_client_sampling(greedy, {"temperature": 1e-9, "top_p": 1, "top_k": 40, "max_new_tokens": 9})
+    warm = Session("w", TrajectoryTree("w"), {"temperature": 0.8, "top_p": 0.95, "top_k": 20}, 0)
+    adapter._check_client_sampling(warm, {"temperature": 0.8, "top_p": 0.95})
+    for sp, start in (
+        ({"top_p": 0.9}, "top_p=0.9 differs from this session's top_p=0.95 (--rollout-top-p)"),
+        ({"frequency_penalty": 0.1}, "frequency_penalty=0.1 differs from this session's frequency_penalty=0.0:"),
+        ({"temperature": 0}, "temperature=0 differs from this session's temperature=0.8 (--rollout-temperature)"),
+    ):
+        with pytest.raises(AdapterError) as e:
+            adapter._check_client_sampling(warm, sp)
+        assert (e.value.status, e.value.param) == (400, next(iter(sp))) and e.value.message.startswith(start)
+    with caplog.at_level(logging.WARNING, logger="slime.agent.adapters.common"):
+        lenient = OpenAIAdapter(tokenizer=None, sglang_url="http://127.0.0.1:1", allow_client_sampling_params=True)
+    lenient._check_client_sampling(warm, {"temperature": 0.3})
+    assert sum("allow_client_sampling_params" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_the_opt_out_warns_once(caplog):
+    off = make_args("--rollout-temperature", "1.0", "--no-check-sampling-params")
+    with caplog.at_level(logging.WARNING, logger="slime.rollout.sampling_provenance"):
+        for _ in range(2):
+            convert_samples_to_train_data(off, [_sample(0, sent={"temperature": 0.5}), _sample(1)], fn_path="f")
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["--no-check-sampling-params"]
