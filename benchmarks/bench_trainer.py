@@ -123,9 +123,9 @@ def _bench(model_dir, opts, out_path):
     import ray
     from transformers import AutoConfig
 
+    from slime.backends.megatron_utils.advantages import compute_advantages_and_returns
     from slime.backends.megatron_utils.data import get_data_iterator
     from slime.backends.megatron_utils.initialize import init
-    from slime.backends.megatron_utils.advantages import compute_advantages_and_returns
     from slime.backends.megatron_utils.model import forward_only, initialize_model_and_optimizer, train
     from slime.backends.megatron_utils.rollout_data import process_rollout_data
     from slime.utils import device

@@ -89,9 +89,9 @@ def _equality(rank, model_dir, out_path):
     from megatron.core import parallel_state as mpu
 
     from slime.backends.megatron_utils import model as model_mod
+    from slime.backends.megatron_utils.advantages import compute_advantages_and_returns
     from slime.backends.megatron_utils.data import get_data_iterator
     from slime.backends.megatron_utils.initialize import init
-    from slime.backends.megatron_utils.advantages import compute_advantages_and_returns
     from slime.backends.megatron_utils.model import forward_only, initialize_model_and_optimizer, train
     from slime.backends.megatron_utils.rollout_data import process_rollout_data
 
