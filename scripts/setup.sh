@@ -10,7 +10,7 @@ PY=${PYTHON:-python3}
 if ! python -c "import torch" 2>/dev/null; then
   python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 fi
-if ! python -c "import slime, megatron.core, ray, sglang_router, pytest_timeout" 2>/dev/null || [ ! -x .venv/bin/ruff ] \
+if ! python -c "import slime, megatron.core, ray, sglang_router, pytest_timeout, xdist" 2>/dev/null || [ ! -x .venv/bin/ruff ] \
    || [ pyproject.toml -nt .venv/.slime-installed ]; then
   python -m pip install -q -e ".[test]"
   touch .venv/.slime-installed
