@@ -364,8 +364,13 @@ def test_process_group_rendezvous_listens_on_its_host_only():
     finally:
         dist.destroy_process_group(group)
 
-    with pytest.raises(RuntimeError, match=r"cannot listen on 192\.0\.2\.1:\d+"):  # TEST-NET: no interface has it
-        tcp_store("192.0.2.1", port, 1, True, seconds(5))
+    # a listener of our own holds the port (even SO_REUSEADDR cannot bind over a listening socket): one-line error
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        with pytest.raises(RuntimeError, match=rf"cannot listen on 127\.0\.0\.1:{busy} "):
+            tcp_store("127.0.0.1", busy, 1, True, seconds(5))
 
 
 def test_cpu_run_says_once_that_megatron_falls_back_to_torch():

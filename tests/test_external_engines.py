@@ -52,9 +52,9 @@ def _parse_error(capsys, tiny_kit, hf_checkpoint, *addrs):
 
 
 def test_shape_and_model_rules():
-    assert normalize_external_engine_addr("192.0.2.1:30000") == "http://192.0.2.1:30000"
+    assert normalize_external_engine_addr("127.0.2.1:30000") == "http://127.0.2.1:30000"
     assert normalize_external_engine_addr("http://[::1]:30000/") == "http://[::1]:30000"
-    for bad in ("192.0.2.1", "https://h:1", "h:1/x"):
+    for bad in ("127.0.2.1", "https://h:1", "h:1/x"):
         with pytest.raises(ValueError, match="host:port"):
             normalize_external_engine_addr(bad)
     # tp 4 x pp 2 = 8 GPUs; absent sizes are 1; a decode worker is told apart

@@ -227,9 +227,9 @@ def test_frozen_engine_serves_its_own_model_with_its_overrides_behind_its_router
 
 def test_get_model_url_reaches_a_model_by_name_and_names_the_served_ones_otherwise():
     args = make_args()
-    args.sglang_model_routers = {"actor": ("192.0.2.1", 3000), "judge": ("192.0.2.2", 3001)}
-    assert get_model_url(args, "judge") == "http://192.0.2.2:3001/generate"
-    assert get_model_url(args, "actor", "/health") == "http://192.0.2.1:3000/health"
+    args.sglang_model_routers = {"actor": ("127.0.2.1", 3000), "judge": ("127.0.2.2", 3001)}
+    assert get_model_url(args, "judge") == "http://127.0.2.2:3001/generate"
+    assert get_model_url(args, "actor", "/health") == "http://127.0.2.1:3000/health"
     with pytest.raises(KeyError, match="no router serves a model named 'ref' \\(served: actor, judge\\)"):
         get_model_url(args, "ref")
 

@@ -35,7 +35,7 @@ def test_layout_table(kw, expected):
 
 
 def test_sort_key_orders_by_ip_then_gpu():
-    infos = [(0, "198.51.100.2", 1), (1, "198.51.100.10", 0), (2, "198.51.100.2", 0), (3, "192.0.2.255", 7)]
+    infos = [(0, "127.0.2.2", 1), (1, "127.0.2.10", 0), (2, "127.0.2.2", 0), (3, "127.0.1.255", 7)]
     assert [b for b, _, _ in sorted(infos, key=sort_key)] == [3, 2, 0, 1]  # numeric, not string, IP order
 
 

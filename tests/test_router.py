@@ -60,8 +60,8 @@ def workers(router, servers):
 
 
 def test_external_router_is_not_started():
-    args = make_args("--sglang-router-ip", "192.0.2.1", "--sglang-router-port", "3000")
-    assert start_router(args) is None and args.sglang_router_ip == "192.0.2.1"
+    args = make_args("--sglang-router-ip", "127.0.2.1", "--sglang-router-port", "3000")
+    assert start_router(args) is None and args.sglang_router_ip == "127.0.2.1"
 
 
 def test_register_and_route(router, servers):

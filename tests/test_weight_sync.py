@@ -489,10 +489,11 @@ def test_transport_choice_and_shm_refused_for_a_remote_engine():
         updater.args, updater._urls = make_args("--update-weight-transport", transport), urls
         return updater._choose_transport()
 
-    local, remote = ["http://127.0.0.1:30000"], ["http://127.0.0.1:30000", "http://192.0.2.87:30000"]
+    # 127.0.2.87 is another loopback address: another Ray node on this machine (this host is 127.0.0.1), so remote
+    local, remote = ["http://127.0.0.1:30000"], ["http://127.0.0.1:30000", "http://127.0.2.87:30000"]
     assert choose("auto", local) == "shm" and choose("auto", remote) == "broadcast"
     assert choose("broadcast", local) == "broadcast"
-    with pytest.raises(WeightUpdateError, match=r"192\.0\.2\.87"):
+    with pytest.raises(WeightUpdateError, match=r"127\.0\.2\.87"):
         choose("shm", remote)
 
 
