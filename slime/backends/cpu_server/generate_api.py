@@ -208,6 +208,9 @@ class GenerateAPI:
             "num_retractions": r.num_retractions,
             "e2e_latency": time.time() - r.created,
         }
+        if r.finished and r.weight_versions:  # SGLang 0.5.23: per-token version spans of a finished request
+            meta["weight_versions"] = [dict(s) for s in r.weight_versions]
+            meta["weight_version"] = r.weight_versions[-1]["version"]
         if r.return_logprob:
 
             def text_of(t):  # SGLang's return_text_in_logprobs: the token's text in the third slot
