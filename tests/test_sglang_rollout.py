@@ -139,6 +139,8 @@ def engine(tiny_kit):
             str(port),
             "--random-seed",
             "0",
+            "--weight-version",
+            "0",  # as slime launches its engines: the --hf-checkpoint weights are version 0
             "--max-running-requests",
             "64",
             "--log-level",
@@ -262,7 +264,9 @@ def check_generated(sample, tokenizer, max_len):
         assert sample.response_length == max_len
     elif sample.response_length < max_len:  # stopped early: on an EOS id of the tiny kit (<|im_end|>=2, pad 0)
         assert sample.tokens[-1] in (0, 2)
-    assert sample.weight_versions == ["default"]
+    assert sample.weight_versions == ["0"]
+    # the engine's per-token spans (SGLang 0.5.23's meta_info.weight_versions) placed over the response
+    assert sample.weight_version_spans == [{"version": "0", "start": 0, "end": sample.response_length}]
 
 
 # ------------------------------------------------------------------ tests
@@ -676,7 +680,7 @@ def test_controller_runs_default_rollout_in_ray(engine, tiny_kit, prompts, ray_s
     assert data["raw_reward"] == [0.0, 1.0, 0.0, 1.0]
     assert all(len(t) == 15 + n for t, n in zip(data["tokens"], data["response_lengths"]))
     assert [len(lp) for lp in data["rollout_log_probs"]] == data["response_lengths"]
-    assert metrics["rollout/raw_reward"] == 0.5 and metrics["rollout/weight_version"] == "default"
+    assert metrics["rollout/raw_reward"] == 0.5 and metrics["rollout/weight_version"] == 0
     assert metrics["perf/rollout_time"] > 0
     assert eval_metrics["eval/toy"] == pytest.approx(1 / 3)  # parity of indices 0, 1, 2
     assert os.path.exists(os.path.join(str(tmp_path), "rollout", "global_dataset_state_dict_0.pt"))
