@@ -725,4 +725,5 @@ def test_streaming_generate_gives_the_default_generates_tokens_and_log_probs(eng
     a, b = run(both(), timeout=120)
     assert b.status == a.status == Sample.Status.TRUNCATED and b.response_length == a.response_length == 8
     assert b.tokens == a.tokens and b.response == a.response and b.weight_versions == a.weight_versions
+    assert b.weight_version_spans == a.weight_version_spans == [{"version": "0", "start": 0, "end": 8}]
     assert b.rollout_log_probs == pytest.approx(a.rollout_log_probs, abs=1e-6)

@@ -56,7 +56,7 @@ async def generate_streaming(args, sample: Sample, sampling_params, evaluation=F
             sample.loss_mask = list(loss_mask) + [1] * len(pairs)
         if state.aborted:  # leaving the stream closes it: the engine aborts the request
             break
-    sample.apply_finish_reason(meta, args)
+    sample.apply_finish_reason(meta, args, num_new_tokens=sample.response_length - length)
     if not meta.get("finish_reason"):  # cut before the engine finished it
         sample.status = Sample.Status.ABORTED
     return sample
