@@ -661,6 +661,16 @@ def test_cpu_server_honours_disable_radix_cache(caplog):
     assert "--disable-radix-cache" not in server_command(b, 0, "127.0.0.1", 30000, 30001, "127.0.0.1:30002")[1]
 
 
+@pytest.mark.parametrize("server", ["cpu", "sglang"])
+def test_engines_start_at_weight_version_0_not_sglangs_default(server):
+    """Issue #37: every engine slime launches starts labelled "0" (the --hf-checkpoint weights), never SGLang's
+    "default", so each label a sample records is one slime set."""
+    from slime.backends.sglang_utils.sglang_engine import server_command
+
+    argv = server_command(make_args(inference_server=server), 0, "127.0.0.1", 30000, 30001, "127.0.0.1:30002")[1]
+    assert argv[argv.index("--weight-version") + 1] == "0"
+
+
 def test_debug_train_only_skips_cpu_server_check():
     base = without("--rollout-num-gpus")
     a = parse("--debug-train-only", "--sglang-speculative-algorithm", "EAGLE", "--inference-server", "cpu", base=base)

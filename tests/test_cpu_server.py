@@ -1195,3 +1195,59 @@ def test_meta_info_echoes_the_applied_sampling_params(server):
     sp = {"temperature": 0, "max_new_tokens": 2, "logit_bias": {"5": 1.0}}
     echo = gen(server, {"input_ids": PROMPTS[1], "sampling_params": sp})["meta_info"]["sampling_params"]
     assert (echo["temperature"], echo["top_k"], echo["logit_bias"]) == (1.0, 1, True)
+
+
+def test_weight_version_spans_record_a_change_mid_generation(tiny_kit):
+    """Issue #37, engine side: as SGLang 0.5.23's scheduler, a label change records, for every live request that has
+    output, where the old label's tokens end; a finished request's spans ({version, start, end} over its output,
+    end exclusive) then say which label each token was decoded under. A request without output yet when the label
+    changes is wholly the new label's."""
+    from slime.backends.cpu_server.sampling import SamplingParams
+    from slime.backends.cpu_server.scheduler import Req
+
+    sched = _scheduler(tiny_kit[0], max_running=1, max_total_tokens=200)
+
+    def step():
+        sched._drain()
+        with torch.inference_mode():
+            sched._step()
+
+    sp = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    first, second = (Req(PROMPTS[i], SamplingParams.from_dict(sp, 512)) for i in (0, 1))
+    sched.submit(first)
+    sched.submit(second)  # waits: one running slot
+    for _ in range(3):
+        step()
+    k = len(first.output_ids)
+    assert 0 < k < 8 and not second.output_ids
+    sched.run_control(lambda: sched.state.bump_version("5"))
+    while first.finish_reason is None or second.finish_reason is None:
+        step()
+    assert first.weight_versions == [
+        {"version": "default", "start": 0, "end": k},
+        {"version": "5", "start": k, "end": 8},
+    ]
+    assert first.weight_version == "5" and second.weight_versions == [{"version": "5", "start": 0, "end": 8}]
+
+
+def test_generate_reports_weight_version_spans_across_an_update(own_server):
+    """Over HTTP, SGLang 0.5.23's format: a request paused in place across /update_weight_version reports
+    `meta_info.weight_versions` spans of both labels, contiguous over its output, and `weight_version` the last."""
+    server, result = own_server, {}
+    payload = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 490, "ignore_eos": True}}
+    t = threading.Thread(target=lambda: result.update(gen(server, payload)))
+    t.start()
+    deadline = time.time() + 30
+    while SESSION.get(server + "/get_load").json()[0]["num_reqs"] == 0:
+        assert time.time() < deadline, "the long request never started running"
+        time.sleep(0.01)
+    assert SESSION.post(server + "/pause_generation", json={"mode": "in_place"}).status_code == 200
+    r = SESSION.post(server + "/update_weight_version", json={"new_version": "3"})
+    assert r.status_code == 200 and r.json()["new_version"] == "3"
+    assert SESSION.post(server + "/continue_generation", json={}).status_code == 200
+    t.join(60)
+    meta = result["meta_info"]
+    spans = meta["weight_versions"]
+    assert [s["version"] for s in spans] == ["default", "3"] and meta["weight_version"] == "3"
+    assert spans[0]["start"] == 0 and 0 < spans[0]["end"] == spans[1]["start"] < spans[1]["end"] == 490
+    assert meta["completion_tokens"] == 490

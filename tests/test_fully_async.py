@@ -28,12 +28,15 @@ def groups(*start_versions, first_gid=0):
     return [Group(first_gid + i, v, []) for i, v in enumerate(start_versions)]
 
 
-def test_staleness_counts_from_the_first_segments_weights_and_the_initial_weights_as_version_0():
-    """A sample's staleness is measured from the weights of its first segment; a segment served by an engine that got
-    no push yet (SGLang reports "default") used the --hf-checkpoint weights, version 0, not its admission version."""
+def test_staleness_counts_from_the_first_segments_weights_and_refuses_an_unknown_label():
+    """A sample's staleness is measured from the weights of its first segment; engines start at version 0 (the
+    --hf-checkpoint weights), so "0" is the initial weights and any non-integer label (SGLang's "default": an engine
+    slime did not label) is an error naming the sample, not silently version 0 (issue #37)."""
     assert staleness(Sample(weight_versions=["3", "4"]), trainer_version=5, start_version=3) == 2
-    assert staleness(Sample(weight_versions=["default", "4"]), trainer_version=5, start_version=4) == 5
+    assert staleness(Sample(weight_versions=["0", "4"]), trainer_version=5, start_version=4) == 5
     assert staleness(Sample(), trainer_version=5, start_version=4) == 1  # no version reported: its admission's
+    with pytest.raises(RuntimeError, match=r"sample 17 .*weight version 'default'"):
+        staleness(Sample(index=17, weight_versions=["default", "4"]), trainer_version=5, start_version=4)
 
 
 def test_select_batch_takes_the_oldest_finished_groups_first():

@@ -345,7 +345,7 @@ def test_train_with_a_frozen_judge_beside_the_policy(ray_session, tiny_kit, tmp_
     assert {w["version"] for p in probes for w in p["actor"]} >= {"2"}  # the second rollout saw the second push
     judge_versions = {w["version"] for p in probes for w in p["judge"]}
     judge_checksums = {w["checksum"] for p in probes for w in p["judge"]}
-    proc, url = start_cpu_server(model_dir)
+    proc, url = start_cpu_server(model_dir, "--weight-version", "0")  # as slime starts every engine
     try:
         fresh = requests.get(url + "/model_info", timeout=30).json()["weight_version"]
         fresh_sum = requests.post(url + "/weights_checker", json={"action": "checksum"}, timeout=60).json()

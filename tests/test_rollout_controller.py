@@ -315,6 +315,7 @@ def test_controller_generate_returns_boxed_train_data_and_metrics(ray_mod, tmp_p
     args = make_args(save_debug_rollout_data=debug_path)
     controller = _controller(ray, args)
     try:
+        ray.get(controller.set_weight_version.remote(5))  # the push fixed_rollout's samples record
         box = ray.get(controller.generate.remote(4), timeout=120)
         data = ray.get(box.inner)
         metrics = ray.get(controller.pop_metrics.remote(4))
@@ -342,6 +343,8 @@ def test_controller_generate_returns_boxed_train_data_and_metrics(ray_mod, tmp_p
     assert os.path.exists(debug_path.format(rollout_id=4))
     saved = torch.load(debug_path.format(rollout_id=4), weights_only=False)
     assert saved["rollout_id"] == 4 and len(saved["samples"]) == 4
+    # issue #37 (V6): each dumped sample says which weights generated it
+    assert saved["samples"][0]["metadata"]["provenance"] == {"weight_versions": ["5"], "weight_version_spans": []}
     replay = _controller(
         ray, make_args(load_debug_rollout_data=debug_path, rollout_function_path=f"{HERE}.bad_shape_rollout")
     )

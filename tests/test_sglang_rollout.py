@@ -139,6 +139,8 @@ def engine(tiny_kit):
             str(port),
             "--random-seed",
             "0",
+            "--weight-version",
+            "0",  # as slime launches its engines: the --hf-checkpoint weights are version 0
             "--max-running-requests",
             "64",
             "--log-level",
@@ -262,7 +264,9 @@ def check_generated(sample, tokenizer, max_len):
         assert sample.response_length == max_len
     elif sample.response_length < max_len:  # stopped early: on an EOS id of the tiny kit (<|im_end|>=2, pad 0)
         assert sample.tokens[-1] in (0, 2)
-    assert sample.weight_versions == ["default"]
+    assert sample.weight_versions == ["0"]
+    # the engine's per-token spans (SGLang 0.5.23's meta_info.weight_versions) placed over the response
+    assert sample.weight_version_spans == [{"version": "0", "start": 0, "end": sample.response_length}]
 
 
 # ------------------------------------------------------------------ tests
@@ -676,7 +680,7 @@ def test_controller_runs_default_rollout_in_ray(engine, tiny_kit, prompts, ray_s
     assert data["raw_reward"] == [0.0, 1.0, 0.0, 1.0]
     assert all(len(t) == 15 + n for t, n in zip(data["tokens"], data["response_lengths"]))
     assert [len(lp) for lp in data["rollout_log_probs"]] == data["response_lengths"]
-    assert metrics["rollout/raw_reward"] == 0.5 and metrics["rollout/weight_version"] == "default"
+    assert metrics["rollout/raw_reward"] == 0.5 and metrics["rollout/weight_version"] == 0
     assert metrics["perf/rollout_time"] > 0
     assert eval_metrics["eval/toy"] == pytest.approx(1 / 3)  # parity of indices 0, 1, 2
     assert os.path.exists(os.path.join(str(tmp_path), "rollout", "global_dataset_state_dict_0.pt"))
@@ -721,6 +725,7 @@ def test_streaming_generate_gives_the_default_generates_tokens_and_log_probs(eng
     a, b = run(both(), timeout=120)
     assert b.status == a.status == Sample.Status.TRUNCATED and b.response_length == a.response_length == 8
     assert b.tokens == a.tokens and b.response == a.response and b.weight_versions == a.weight_versions
+    assert b.weight_version_spans == a.weight_version_spans == [{"version": "0", "start": 0, "end": 8}]
     assert b.rollout_log_probs == pytest.approx(a.rollout_log_probs, abs=1e-6)
     # both record what the engine sampled with (its echo): greedy is temperature 1 at top_k 1
     recs = [s.metadata["sampling_params"] for s in (a, b)]

@@ -73,12 +73,18 @@ def select_batch(finished, in_flight, batch_size, trainer_version, max_staleness
 
 
 def staleness(sample, trainer_version, start_version):
-    """Versions between the policy that trains `sample` and the one that started it (its first segment's). An engine
-    that reports no pushed version (SGLang's "default") served the initial --hf-checkpoint weights: version 0."""
+    """Versions between the policy that trains `sample` and the one that started it (its first segment's). Engines
+    start at version 0 (the --hf-checkpoint weights) and every push labels them with an integer, so any other label
+    (SGLang's "default": an engine slime did not label) is an error naming the sample, never a guess."""
     if not sample.weight_versions:
         return trainer_version - start_version
     first = str(sample.weight_versions[0])
-    return trainer_version - (int(first) if first.isdigit() else 0)
+    if not first.isdigit():
+        raise RuntimeError(
+            f"fully async: sample {sample.index} was generated under weight version {first!r}, which no push set "
+            f"(engines start at version 0 and every push labels them with an integer); cannot bound its staleness"
+        )
+    return trainer_version - int(first)
 
 
 class AsyncRolloutWorker:

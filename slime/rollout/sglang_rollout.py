@@ -243,7 +243,7 @@ async def generate(args, sample: Sample, sampling_params, evaluation=False) -> S
     if sample.rollout_log_probs is None:
         sample.rollout_log_probs = []
     sample.rollout_log_probs += new_log_probs
-    sample.apply_finish_reason(meta_info, args)
+    sample.apply_finish_reason(meta_info, args, num_new_tokens=len(new_tokens))
     return sample
 
 

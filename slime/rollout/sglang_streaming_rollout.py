@@ -62,7 +62,7 @@ async def generate_streaming(args, sample: Sample, sampling_params, evaluation=F
         record_segment(
             sample, meta, payload["sampling_params"], start=length, end=sample.response_length, source=source
         )
-    sample.apply_finish_reason(meta, args)
+    sample.apply_finish_reason(meta, args, num_new_tokens=sample.response_length - length)
     if not meta.get("finish_reason"):  # cut before the engine finished it
         sample.status = Sample.Status.ABORTED
     return sample

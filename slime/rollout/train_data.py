@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from slime.rollout.base_types import RolloutFnTrainOutput
+from slime.rollout.provenance import check_weight_versions
 from slime.rollout.sampling_provenance import check_sampling_params
 from slime.utils.routing_replay import routed_experts_error
 from slime.utils.top_p_replay import kept_sets_error, sampling_is_truncated
@@ -144,9 +145,12 @@ def rollout_ids(samples):
     return [s.rollout_id if s.rollout_id is not None else -1 - i for i, s in enumerate(samples)]
 
 
-def convert_samples_to_train_data(args, samples, custom_reward_fn=None, fn_path=None) -> TrainData:
+def convert_samples_to_train_data(
+    args, samples, custom_reward_fn=None, fn_path=None, pushed_versions=None
+) -> TrainData:
     """Samples -> `TrainData` (equal-length lists); big per-sample data as numpy arrays (one Ray object, no per-list
-    pickling)."""
+    pickling). With `pushed_versions` (the controller's `PushedVersions`) every trainable token's weight version is
+    checked first (`slime.rollout.provenance`)."""
     raw_rewards, rewards = post_process_rewards(args, samples, custom_reward_fn, fn_path)
     if len(rewards) != len(samples):
         raise ValueError(
@@ -169,6 +173,7 @@ def convert_samples_to_train_data(args, samples, custom_reward_fn=None, fn_path=
         # remove_sample (set by --rollout-sample-filter-path): no loss, but still in the reward statistics above
         loss_masks.append(np.zeros(len(mask), dtype=np.int32) if s.remove_sample else np.asarray(mask, dtype=np.int32))
     check_sampling_params(args, samples, fn_path)  # scored at what they were sampled with, or refused
+    check_weight_versions(args, samples, loss_masks, pushed_versions, fn_path)
 
     train_data: TrainData = {
         "tokens": [np.asarray(s.tokens, dtype=np.int64) for s in samples],

@@ -256,6 +256,14 @@ def add_rollout_arguments(parser):
         "0 = on-policy.",
     )
     g.add_argument(
+        "--no-check-weight-versions",
+        dest="check_weight_versions",
+        action="store_false",
+        help="Train a rollout without checking that every trainable token's weight version is one the trainer "
+        "pushed and the mode allows (sync: the current one; one-step off-policy: current or previous; fully async: "
+        "within --max-staleness). Logs a warning once.",
+    )
+    g.add_argument(
         "--update-weight-timeout",
         type=float,
         default=300,
@@ -2005,6 +2013,7 @@ def parse_args(add_custom_arguments=None, argv=None, *, check_paths=True, asynch
     args.world_size = args.actor_num_nodes * args.actor_num_gpus_per_node
     set_default_megatron_args(args)
     slime_validate_args(args, error, check_paths=check_paths, asynchronous=asynchronous)
+    args.asynchronous = asynchronous  # train_async.py: the weight-version gate allows the previous push too
     args.world_size = args.actor_num_nodes * args.actor_num_gpus_per_node  # debug-rollout-only may resize the actors
     if with_megatron:
         if not args.debug_rollout_only:

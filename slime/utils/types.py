@@ -11,6 +11,7 @@ import numpy as np
 
 from slime.utils.routing_replay import decode_routed_experts
 from slime.utils.top_p_replay import append_kept_sets
+from slime.utils.weight_versions import append_spans, call_spans
 
 
 @dataclass
@@ -110,6 +111,11 @@ class Sample:
 
     spec_info: SpecInfo = field(default_factory=lambda: Sample.SpecInfo())
     prefix_cache_info: PrefixCacheInfo = field(default_factory=lambda: Sample.PrefixCacheInfo())
+    # the weight version of each generated response token: spans {"version", "start", "end"} over the response
+    # (end exclusive), from SGLang's per-token `meta_info.weight_versions` (else the call's `weight_version`);
+    # tokens no span covers (tool output, a generate function that records none) have no version.
+    # `weight_versions` keeps one label per generate call, as before.
+    weight_version_spans: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -199,21 +205,40 @@ class Sample:
                 meta_info, len(self.tokens), args.num_layers, args.moe_router_topk, f"sample {self.index}"
             )
         if meta_info and update_terminal_info:
-            self.apply_finish_reason(meta_info, args)
+            self.apply_finish_reason(meta_info, args, num_new_tokens=len(tokens) if trainable else 0)
+        elif meta_info and tokens and trainable:
+            self.record_weight_version_spans(meta_info, len(tokens))
 
     _FINISH_TO_STATUS = {"length": "TRUNCATED", "abort": "ABORTED", "stop": "COMPLETED"}
 
-    def apply_finish_reason(self, meta_info: dict, args=None) -> None:
+    def apply_finish_reason(self, meta_info: dict, args=None, num_new_tokens=None) -> None:
         """Map SGLang's `meta_info.finish_reason.type` (stop|length|abort) onto `status`, record the weight version
-        and add the call's prefix-cache (and, with speculative decoding, its draft) counters."""
+        (and the per-token version spans of the call's output, the last `num_new_tokens` response tokens: by default
+        as many as the engine reports) and add the call's prefix-cache (and, with speculative decoding, its draft)
+        counters."""
         reason = (meta_info.get("finish_reason") or {}).get("type")
         if reason in self._FINISH_TO_STATUS:
             self.status = Sample.Status[self._FINISH_TO_STATUS[reason]]
         if meta_info.get("weight_version") is not None:
             self.weight_versions.append(str(meta_info["weight_version"]))
+        self.record_weight_version_spans(meta_info, num_new_tokens)
         if args is not None and args.sglang_speculative_algorithm:
             self.spec_info.add(meta_info)
         self.prefix_cache_info.add(meta_info)
+
+    def record_weight_version_spans(self, meta_info: dict, num_new_tokens=None) -> None:
+        """Place one generate call's version spans (SGLang's `meta_info.weight_versions`, else its `weight_version`)
+        on its output: the last `num_new_tokens` (default: the engine's count) tokens of the response. Nothing is
+        recorded when they cannot be placed (the response holds fewer tokens than the call returned)."""
+        if num_new_tokens == 0:
+            return
+        spans = call_spans(meta_info, num_new_tokens)
+        n = spans[-1]["end"] if num_new_tokens is None and spans else num_new_tokens
+        if not spans or n is None or n > self.response_length:
+            return
+        if self.weight_version_spans is None:
+            self.weight_version_spans = []
+        append_spans(self.weight_version_spans, spans, self.response_length - n)
 
 
 def _extended(current, new: list) -> list:

@@ -21,7 +21,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-prefill-tokens", type=int, default=16384, help="token budget of one prefill batch")
     p.add_argument("--context-length", type=int, default=None, help="default: the model's max_position_embeddings")
-    p.add_argument("--weight-version", default="default", help="initial weight version reported by /generate")
+    p.add_argument(
+        "--weight-version", default="default", help="initial weight version (as SGLang's; slime starts engines at 0)"
+    )
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--dtype", default="auto", help="auto (the checkpoint's dtype), float32, bfloat16 or float16")
     p.add_argument(

@@ -210,6 +210,9 @@ class GenerateAPI:
             # slime's addition (SGLang echoes no sampling parameter): what this request was sampled with
             "sampling_params": r.sp.applied(),
         }
+        if r.finished and r.weight_versions:  # SGLang 0.5.23: per-token version spans of a finished request
+            meta["weight_versions"] = [dict(s) for s in r.weight_versions]
+            meta["weight_version"] = r.weight_versions[-1]["version"]
         if r.return_logprob:
 
             def text_of(t):  # SGLang's return_text_in_logprobs: the token's text in the third slot

@@ -27,6 +27,8 @@ from collections import deque
 
 import torch
 
+from slime.utils.weight_versions import compute_spans
+
 from .lora import LoRABatch
 from .sampling import SamplingParams, sample
 
@@ -70,7 +72,9 @@ class Req:
         self.finish_reason = None
         self.slot, self.rows = None, []
         self.to_abort = None  # abort message once an abort was requested
-        self.weight_version = None
+        self.weight_version = None  # the server's label when it finished
+        # (old label, output tokens so far) at each label change while it had output; its spans once finished
+        self.weight_version_events, self.weight_versions = [], None
         self.created = time.time()
         self.text = ""
         self.num_retractions = 0
@@ -140,6 +144,7 @@ class Scheduler:
         self.num_generated = 0
         self._stop = False
         self.thread = threading.Thread(target=self._loop, name="cpu-server-scheduler", daemon=True)
+        state.on_version_change = self._record_version_change
 
     # ----- called from other threads -----
     def start(self):
@@ -179,6 +184,13 @@ class Scheduler:
         }
 
     # ----- scheduler thread -----
+    def _record_version_change(self, old_version):
+        """SGLang's `record_weight_version_events`: every live request that has output notes where the old label's
+        tokens end (runs on the scheduler thread: control tasks change the label)."""
+        for r in list(self.running) + list(self.waiting):
+            if r.output_ids:
+                r.weight_version_events.append((old_version, len(r.output_ids)))
+
     def _loop(self):
         torch.set_num_threads(self.state.num_threads)
         while not self._stop:
@@ -456,6 +468,7 @@ class Scheduler:
             self.loras.release(r.lora)
         r.finish_reason = reason
         r.weight_version = self.state.weight_version
+        r.weight_versions = compute_spans(r.weight_version_events, r.weight_version, len(r.output_ids))
         r.text = self.detokenize(r)
         self.all_reqs.pop(r.rid, None)
         if r.on_update:

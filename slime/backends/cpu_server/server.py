@@ -44,11 +44,19 @@ VERSION = "slime-cpu-server-0.1"
 class ServerState:
     def __init__(self, weight_version: str, num_threads: int):
         self.weight_version, self.num_threads = weight_version, num_threads
+        # the scheduler's hook, called with the old label on every change (on the scheduler thread): it records the
+        # change for each live request with output, as SGLang's scheduler does for its per-token version spans
+        self.on_version_change = None
+
+    def set_version(self, new):
+        old, self.weight_version = self.weight_version, str(new)
+        if self.weight_version != old and self.on_version_change is not None:
+            self.on_version_change(old)
 
     def bump_version(self, given=None):
         # every update changes the version: the given string, else the next integer
         cur = self.weight_version
-        self.weight_version = str(given) if given is not None else (str(int(cur) + 1) if cur.isdigit() else "1")
+        self.set_version(str(given) if given is not None else (str(int(cur) + 1) if cur.isdigit() else "1"))
 
 
 class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):

@@ -235,7 +235,8 @@ class WeightAPI:
         b = await self._body(request)
         if not isinstance(b.get("new_version"), str):
             raise RequestError("update_weight_version needs new_version (a string)")
-        self.state.weight_version = b["new_version"]
+        # on the scheduler thread, between steps: live requests record the change in their version spans
+        await self._control(lambda: self.state.set_version(b["new_version"]))
         return web.json_response(
             {
                 "success": True,

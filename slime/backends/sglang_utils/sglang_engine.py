@@ -25,6 +25,7 @@ from slime.ray.ray_actor import RayActor
 from slime.utils.http_utils import get_host_info
 from slime.utils.lora_utils import hf_target_modules
 from slime.utils.process_utils import die_with_parent
+from slime.utils.weight_versions import INITIAL_WEIGHT_VERSION
 
 from .arguments import CPU_SERVER_HONOURED, load_table
 from .contract import route
@@ -51,6 +52,7 @@ _ENGINE_FIELDS = (
     "pp_size",
     "ep_size",
     "skip_server_warmup",
+    "weight_version",
 )
 _NOT_SERVER_ARGS = (
     "router_ip",
@@ -211,7 +213,13 @@ def server_command(args, rank: int, host: str, port: int, nccl_port: int, dist_i
     kind = args.inference_server  # sglang | cpu: parse_args resolved --inference-server auto
     seed = (args.seed or 0) + rank
     if kind == "cpu":
-        kw = {"model_path": args.hf_checkpoint, "host": host, "port": port, "random_seed": seed}
+        kw = {
+            "model_path": args.hf_checkpoint,
+            "host": host,
+            "port": port,
+            "random_seed": seed,
+            "weight_version": INITIAL_WEIGHT_VERSION,
+        }
         for field in CPU_SERVER_HONOURED:
             if getattr(args, f"sglang_{field}") is not None:
                 kw[field] = getattr(args, f"sglang_{field}")
@@ -238,6 +246,9 @@ def server_command(args, rank: int, host: str, port: int, nccl_port: int, dist_i
         "pp_size": args.sglang_pp_size or 1,
         "ep_size": args.sglang_ep_size or 1,
         "skip_server_warmup": True,
+        # the --hf-checkpoint weights are version 0, never SGLang's "default": every label an engine reports is
+        # then one slime set (0, or a push's), and a sample's versions can be checked against the pushes
+        "weight_version": INITIAL_WEIGHT_VERSION,
         **lora_server_fields(args),
     }
     if args.use_rollout_routing_replay:  # R3: the engine returns each token's routed experts
