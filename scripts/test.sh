@@ -29,9 +29,10 @@ export SLIME_REQUIRE_SGLANG_VENV=1  # the SGLang contract tests fail, not skip, 
 .venv/bin/ruff format --check .
 set +e
 # Two workers (SLIME_TEST_WORKERS; 0 runs in this process, e.g. with -x or a debugger): much of a test's time is
-# waiting on a server, a Ray actor or a subprocess, so a second worker fills the idle core. A module's tests that
-# share a fixture stay on one worker (tests/conftest.py).
-.venv/bin/python -m pytest tests -q --durations=25 -n "${SLIME_TEST_WORKERS:-2}" --dist loadgroup "${marker[@]}" "$@"
+# waiting on a server, a Ray actor or a subprocess, so a second worker fills the idle core. Whole files per worker
+# (loadfile), so a module's shared fixture (a server, the main job's long run) starts once. (`--dist loadgroup`
+# would be finer, but pytest-xdist 3.8 cannot tag a test's group under pytest 9.2: every test is its own group.)
+.venv/bin/python -m pytest tests -q --durations=25 -n "${SLIME_TEST_WORKERS:-2}" --dist loadfile "${marker[@]}" "$@"
 rc=$?
 set -e
 [ "$rc" -eq 5 ] && { echo "pytest collected no tests: failing"; exit 1; }

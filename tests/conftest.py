@@ -145,7 +145,6 @@ def _test_key(item):
     return f"{item.module.__name__.rsplit('.', 1)[-1]}::{item.originalname}"
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the xdist_group marks set here
 def pytest_collection_modifyitems(config, items):
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1].removeprefix("test_")
@@ -160,14 +159,6 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(getattr(pytest.mark, tier))
         if tier == "e2e" and _test_key(item) in SHORT_E2E:
             item.add_marker(pytest.mark.short_e2e)
-        # under `-n N --dist loadgroup`, a module's tests that share a fixture run on one worker: it starts once
-        if _shares_a_module_fixture(item):
-            item.add_marker(pytest.mark.xdist_group(module))
-
-
-def _shares_a_module_fixture(item):
-    info = getattr(item, "_fixtureinfo", None)
-    return bool(info) and any(d.scope in ("module", "class") for ds in info.name2fixturedefs.values() for d in ds)
 
 
 def pytest_addoption(parser):
