@@ -10,6 +10,7 @@ Generated from `slime/utils/upstream_flags.json` (`tools/record_upstream_flags.p
 import argparse
 import json
 import os
+import re
 
 from slime.utils.arguments import _build_parser, get_slime_extra_args_provider
 from slime.utils.flag_support import (
@@ -35,7 +36,8 @@ SECTIONS = (
 
 
 def _cell(text):
-    return " ".join(str(text).split()).replace("|", "\\|")
+    # help texts verbatim, except a private-network example address, shown as loopback like every address here
+    return re.sub(r"\b192\.168\.\d+\.\d+", "127.0.0.2", " ".join(str(text).split()).replace("|", "\\|"))
 
 
 def _default(entry):
