@@ -64,7 +64,7 @@ def _data_args(model_dir, prompt_data=None, **kw):
 
 
 def test_rollout_function(examples, tiny_kit):
-    from slime.ray.rollout_data_source import RolloutDataSourceWithBuffer
+    from slime.rollout.data_source import RolloutDataSourceWithBuffer
 
     model_dir, data_dir = tiny_kit
     train = os.path.join(data_dir, "train.jsonl")
@@ -185,7 +185,7 @@ def test_reward_post_process_and_filters(examples):
 
 
 def test_buffer_filter_through_data_source(examples):
-    from slime.ray.rollout_data_source import RolloutDataSourceWithBuffer
+    from slime.rollout.data_source import RolloutDataSourceWithBuffer
 
     args = _data_args(None, buffer_filter_path="custom_examples.most_progress_first")
     examples("most_progress_first")

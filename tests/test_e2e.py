@@ -226,7 +226,7 @@ def test_train_async_is_one_step_off_policy(ray_session, tiny_kit, tmp_path):
 def test_train_async_resume_trains_the_rollout_that_was_in_flight_at_the_save(ray_session, tiny_kit, tmp_path):
     """One-step-off: rollout 1 is generated while rollout 0 trains. A run resumed from the checkpoint of rollout 0
     must train rollout 1 on the prompts an uninterrupted run gives it, not skip them."""
-    from slime.ray.rollout_data_source import RolloutDataSourceWithBuffer
+    from slime.rollout.data_source import RolloutDataSourceWithBuffer
 
     ckpt = tmp_path / "ckpt"
     common = ["--rollout-num-gpus", "1", "--save", str(ckpt), "--save-interval", "1"]
@@ -367,7 +367,7 @@ def test_crash_then_resume_continues_data_order(ray_session, tiny_kit, tmp_path)
     with the data position of an uninterrupted run and the checkpointed weights."""
     import ray
 
-    from slime.ray.rollout_data_source import RolloutDataSourceWithBuffer
+    from slime.rollout.data_source import RolloutDataSourceWithBuffer
 
     ckpt = tmp_path / "ckpt"
     common = ["--rollout-num-gpus", "1", "--rollout-shuffle", "--save", str(ckpt), "--save-interval", "1"]

@@ -243,7 +243,7 @@ def _pp_roundtrip_and_log_probs(rank, hf_models, kinds, out):
     from slime.backends.megatron_utils.megatron_to_hf import convert_to_hf
     from slime.backends.megatron_utils.model import forward_only, initialize_model_and_optimizer
     from slime.backends.megatron_utils.param_utils import all_gather_param, named_parameters, remove_padding
-    from slime.backends.utils.data import process_rollout_data
+    from slime.backends.megatron_utils.rollout_data import process_rollout_data
     from tests._megatron_helpers import hf_log_probs
     from tests.test_model_families import long_rollout
 
@@ -345,7 +345,7 @@ def _save_load_log_probs(rank, models, out):
     from slime.backends.megatron_utils.initialize import init
     from slime.backends.megatron_utils.model import forward_only, initialize_model_and_optimizer
     from slime.backends.megatron_utils.param_utils import named_parameters
-    from slime.backends.utils.data import process_rollout_data
+    from slime.backends.megatron_utils.rollout_data import process_rollout_data
     from tests.test_converters import _assert_same_weights, _to_hf
     from tests.test_model_families import long_rollout
     from tools.convert_hf_to_torch_dist import main as to_torch_dist

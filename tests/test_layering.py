@@ -70,6 +70,9 @@ ALLOWED = {
 SHIMS = {
     "slime.utils.timer": "slime.observability.timer",
     "slime.utils.wandb_utils": "slime.observability.wandb_utils",
+    "slime.backends.megatron_utils.update_weight_utils": "slime.backends.megatron_utils.update_weight",
+    "slime.backends.utils.data": "slime.backends.megatron_utils.rollout_data",
+    "slime.ray.rollout_data_source": "slime.rollout.data_source",
 }
 # where the project's own code lives: every .py file here is checked for imports through a shim
 PROJECT = (
@@ -83,8 +86,14 @@ PROJECT = (
     "train.py",
     "train_async.py",
 )
-# this file names the shims and checks that they still resolve (test_upstream_import_paths_resolve)
-SHIM_USERS = {"tests/test_layering.py"}
+# these name the shims on purpose: this file and the v0.1.0 compatibility tests check that they still resolve; the
+# flags (and their start-up checks) accept v0.1.0's data-source path from users' scripts
+SHIM_USERS = {
+    "tests/test_layering.py",
+    "tests/test_compat_v010.py",
+    "tests/test_startup_checks.py",
+    "slime/utils/arguments.py",
+}
 
 
 def _modules(tops=("slime",)):
@@ -161,8 +170,13 @@ def test_the_checker_sees_relative_and_lazy_upward_imports(tmp_path):
 
 
 _SHIM_TEXT = re.compile(
-    r"\b(" + "|".join(re.escape(s) for s in SHIMS) + r")\b"
-    r"|\bfrom\s+slime\.utils\s+import\b[^\n;]*\b(" + "|".join(s.rpartition(".")[2] for s in SHIMS) + r")\b"
+    r"\b(?P<path>"
+    + "|".join(re.escape(s) for s in SHIMS)
+    + r")\b"
+    + "".join(
+        rf"|\bfrom\s+{re.escape(parent)}\s+import\b[^\n;]*\b(?P<{'s%d' % i}>{re.escape(name)})\b"
+        for i, (parent, _, name) in enumerate(s.rpartition(".") for s in SHIMS)
+    )
 )
 
 
@@ -183,7 +197,7 @@ def shim_uses(modules):
         for node in ast.walk(tree):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
                 for m in _SHIM_TEXT.finditer(node.value):
-                    shim = m.group(1) or f"slime.utils.{m.group(2)}"
+                    shim = m["path"] or next(s for i, s in enumerate(SHIMS) if m[f"s{i}"])
                     found.append(f"{where}:{node.lineno} names {shim} (use {SHIMS[shim]})")
     return sorted(set(found))
 
@@ -200,6 +214,7 @@ def test_the_shim_checker_sees_every_form(tmp_path):
         '"""Docs may name slime.utils.timer."""\n'
         'def test(monkeypatch):\n    monkeypatch.setattr("slime.utils.wandb_utils.wandb", None)\n'
         'CODE = "import os; from slime.utils import timer"\n'
+        'MORE = "from slime.backends.megatron_utils import update_weight_utils"\n'
     )
     (tmp_path / "d.py").write_text(
         "from slime.observability import timer, wandb_utils\nfrom slime.utils import misc\n"
@@ -211,6 +226,7 @@ def test_the_shim_checker_sees_every_form(tmp_path):
         "2 imports slime.utils.wandb_utils (use slime.observability.wandb_utils)",
         "3 names slime.utils.wandb_utils (use slime.observability.wandb_utils)",
         "4 names slime.utils.timer (use slime.observability.timer)",
+        "5 names slime.backends.megatron_utils.update_weight_utils (use slime.backends.megatron_utils.update_weight)",
     ]
 
 
@@ -223,7 +239,7 @@ def test_upstream_import_paths_resolve():
     assert t.Timer is slime.observability.timer.Timer and t.timer is slime.observability.timer.timer
     for shim, home in SHIMS.items():
         shim, home = importlib.import_module(shim), importlib.import_module(home)
-        defined = [
+        defined = getattr(home, "__all__", None) or [
             name
             for name, value in vars(home).items()
             if not name.startswith("__")

@@ -221,7 +221,7 @@ def _roundtrip_and_log_probs(rank, hf_models, layouts, out):
     from slime.backends.megatron_utils.megatron_to_hf.names import possible_param_names
     from slime.backends.megatron_utils.model import forward_only, initialize_model_and_optimizer
     from slime.backends.megatron_utils.param_utils import PREFIX, all_gather_param, named_parameters, remove_padding
-    from slime.backends.utils.data import process_rollout_data
+    from slime.backends.megatron_utils.rollout_data import process_rollout_data
 
     class _Ref:
         def __init__(self, data):

@@ -54,7 +54,7 @@ def mtp_models(tmp_path_factory):
 
 
 def _rollout(args):
-    from slime.backends.utils.data import process_rollout_data
+    from slime.backends.megatron_utils.rollout_data import process_rollout_data
 
     class _Ref:
         def __init__(self, data):

@@ -159,7 +159,7 @@ def _answer_match(response, label):  # written out here, independent of rm_hub
 def test_end_to_end_cpu(tiny_kit, tmp_path, processes):
     from transformers import AutoTokenizer
 
-    from slime.ray.rollout_data_source import RolloutDataSourceWithBuffer
+    from slime.rollout.data_source import RolloutDataSourceWithBuffer
     from slime.utils.http_utils import find_available_port
     from slime_plugins.rollout_buffer import rollout_buffer_example as example
 

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from slime.ray.rollout_data_source import RolloutDataSource, RolloutDataSourceWithBuffer, pop_first
+from slime.rollout.data_source import RolloutDataSource, RolloutDataSourceWithBuffer, pop_first
 from slime.utils.types import Sample
 from tests._args import make_args as real_args
 

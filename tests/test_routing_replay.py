@@ -242,7 +242,7 @@ def _trainer_forward(rank, model_dir, data, flags, out):
     from slime.backends.megatron_utils.data import get_data_iterator
     from slime.backends.megatron_utils.initialize import init
     from slime.backends.megatron_utils.model import forward_only, initialize_model_and_optimizer
-    from slime.backends.utils.data import process_rollout_data
+    from slime.backends.megatron_utils.rollout_data import process_rollout_data
 
     class _Ref:
         def __init__(self, d):
@@ -442,7 +442,7 @@ def _router_grads(rank, model_dir, data, flags, out):
     from slime.backends.megatron_utils.data import get_batch, get_data_iterator
     from slime.backends.megatron_utils.initialize import init
     from slime.backends.megatron_utils.model import TRAIN_KEYS, _forward, initialize_model_and_optimizer
-    from slime.backends.utils.data import process_rollout_data
+    from slime.backends.megatron_utils.rollout_data import process_rollout_data
 
     class _Ref:
         def __init__(self, d):
@@ -500,7 +500,7 @@ def _pipeline_run(rank, model_dir, data, flags, out):
     from slime.backends.megatron_utils.data import get_data_iterator
     from slime.backends.megatron_utils.initialize import init
     from slime.backends.megatron_utils.model import forward_only, initialize_model_and_optimizer, train_one_step
-    from slime.backends.utils.data import process_rollout_data
+    from slime.backends.megatron_utils.rollout_data import process_rollout_data
 
     class _Ref:
         def __init__(self, d):

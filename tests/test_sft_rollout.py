@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from slime.ray.buffer import convert_samples_to_train_data
-from slime.ray.rollout_data_source import RolloutDataSourceWithBuffer
+from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.sft_rollout import generate_rollout
 from slime.utils.types import Sample
 from tests._args import make_args as real_args

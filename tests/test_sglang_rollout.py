@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from slime.backends.sglang_utils.router import add_worker, start_router, stop_router, wait_for_http
-from slime.ray.rollout_data_source import RolloutDataSourceWithBuffer
 from slime.rollout import sglang_rollout
+from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.filter_hub.over_sampling_filters import sort_by_reward_std
 from slime.rollout.sglang_rollout import GenerateState, generate, generate_rollout
 from slime.rollout.sglang_streaming_rollout import generate_streaming

@@ -35,8 +35,8 @@ class WeightSyncTrainer(TrainRayActor):
         from slime.backends.megatron_utils.megatron_to_hf import hf_to_megatron
         from slime.backends.megatron_utils.model_provider import get_model_provider_func
         from slime.backends.megatron_utils.param_utils import named_parameters
-        from slime.backends.megatron_utils.update_weight import UpdateLoRAAdapter
-        from slime.backends.megatron_utils.update_weight_utils import (
+        from slime.backends.megatron_utils.update_weight import (
+            UpdateLoRAAdapter,
             UpdateWeightFromDisk,
             UpdateWeightFromDistributed,
             UpdateWeightFromTensor,
@@ -456,7 +456,7 @@ def test_one_weight_update_session_per_update_not_per_bucket(tiny_kit, lock, cle
 
 @pytest.mark.slow
 def test_dead_engine_fails_the_update_fast_naming_its_url(ray_session, tiny_kit, lock):
-    from slime.backends.megatron_utils.update_weight_utils import WeightUpdateError
+    from slime.backends.megatron_utils.update_weight import WeightUpdateError
 
     timeout = 300
     args = _args(tiny_kit[0], 1, update_weight_timeout=timeout, update_weight_transport="broadcast")
@@ -481,8 +481,7 @@ def test_dead_engine_fails_the_update_fast_naming_its_url(ray_session, tiny_kit,
 def test_transport_choice_and_shm_refused_for_a_remote_engine():
     """auto = shared memory when every engine is on this host (CPU), broadcast otherwise; shm for a remote engine is
     a clear error naming it."""
-    from slime.backends.megatron_utils.update_weight import UpdateWeightFromDistributed
-    from slime.backends.megatron_utils.update_weight_utils import WeightUpdateError
+    from slime.backends.megatron_utils.update_weight import UpdateWeightFromDistributed, WeightUpdateError
 
     def choose(transport, urls):
         updater = UpdateWeightFromDistributed.__new__(UpdateWeightFromDistributed)

@@ -38,7 +38,7 @@ from .model import forward_only, initialize_model_and_optimizer, log
 from .model import train as train_steps
 from .param_utils import named_parameters
 from .update_weight import UpdateLoRAAdapter
-from .update_weight_utils import UpdateWeightFromDisk, UpdateWeightFromDistributed, UpdateWeightFromTensor
+from .update_weight import UpdateWeightFromDisk, UpdateWeightFromDistributed, UpdateWeightFromTensor
 
 logger = logging.getLogger(__name__)
 
@@ -422,7 +422,7 @@ class MegatronTrainRayActor(TrainRayActor):
         if asleep:
             self.sleep(("model",))
 
-    # ---- weight sync (delegated to update_weight_utils) ---------------------------------------------------------
+    # ---- weight sync (delegated to update_weight) --------------------------------------------------------------
     def connect_rollout_engines(self, rollout_engines, rollout_engine_lock):
         if self.args.debug_rollout_only or self.role == "critic":  # no Megatron model / not served
             return
