@@ -7,6 +7,8 @@ tokens with slime's trainer code (`forward_only`). The gap is the mean over resp
 - default sampling (top-p 1, no top-k): the engine's full-vocabulary log-probs;
 - top-p 0.9 (top-k 50), before replay: the trainer scores over the full vocabulary, the engine drew from the nucleus;
 - top-p 0.9 (top-k 50), after replay: the trainer scores over each step's kept set (rollout_top_p_token_ids).
+- per-sample temperatures (0.6 and 1.4 in turn, the flag at 1), before and after replay: the trainer scores each
+  token at --rollout-temperature, or at the temperature its sample was drawn at (rollout_temperatures).
 
 `--families qwen2,llama,...` measures the three rows on a tiny random model of each family instead of the kit
 (`tests/_megatron_helpers.build_random_hf`, the kit's tokenizer). `--moe` adds, for tiny Qwen3-MoE, DeepSeek-V3
@@ -32,10 +34,12 @@ sys.path.insert(0, ROOT)
 PROMPTS = ["1 + 2 =", "What is 7 + 5?", "Add 13 and 29.", "3 + 4 + 5 ="]
 
 
-def sample_from_engine(url, tokenizer, samples, max_new_tokens, top_p, top_k):
-    """Rollout-like data: per sample the tokens, the engine's full and sampling log-probs, and the kept sets."""
+def sample_from_engine(url, tokenizer, samples, max_new_tokens, top_p, top_k, temperatures=(1.0,)):
+    """Rollout-like data: per sample the tokens, the engine's full and sampling log-probs, the kept sets and the
+    temperature (`temperatures` in turn)."""
     out = []
     for i in range(samples):
+        temperature = temperatures[i % len(temperatures)]
         prompt = tokenizer(PROMPTS[i % len(PROMPTS)], add_special_tokens=False)["input_ids"]
         body = {
             "input_ids": prompt,
@@ -43,6 +47,7 @@ def sample_from_engine(url, tokenizer, samples, max_new_tokens, top_p, top_k):
                 "max_new_tokens": max_new_tokens,
                 "top_p": top_p,
                 "top_k": top_k,
+                "temperature": temperature,
                 "sampling_seed": 1000 + i,
                 "ignore_eos": True,
             },
@@ -60,6 +65,7 @@ def sample_from_engine(url, tokenizer, samples, max_new_tokens, top_p, top_k):
                 "sampling": np.asarray(meta.get("output_token_sampling_logprobs") or [], dtype=np.float64),
                 "kept_ids": None if kept is None else np.asarray([t for k in kept for t in k], dtype=np.int32),
                 "offsets": None if kept is None else np.cumsum([0] + [len(k) for k in kept]).astype(np.int32),
+                "temperature": temperature,
             }
         )
     return out
@@ -70,8 +76,9 @@ class _Ref:
         self.inner = data
 
 
-def _trainer_log_probs(rank, model_dir, samples, flags, out_path):
-    """slime's trainer log-probs of every sample's response (one Megatron rank, fp32)."""
+def _trainer_log_probs(rank, model_dir, samples, flags, out_path, replay_temperatures=False):
+    """slime's trainer log-probs of every sample's response (one Megatron rank, fp32); `replay_temperatures` hands it
+    each sample's temperature per token, as `convert_samples_to_train_data` does from the samples' records."""
     import ray
 
     from slime.backends.megatron_utils.data import get_data_iterator
@@ -99,16 +106,18 @@ def _trainer_log_probs(rank, model_dir, samples, flags, out_path):
     if samples[0]["kept_ids"] is not None and flags.get("rollout_top_p", 1.0) < 1:
         data["rollout_top_p_token_ids"] = [s["kept_ids"] for s in samples]
         data["rollout_top_p_token_offsets"] = [s["offsets"] for s in samples]
+    if replay_temperatures:
+        data["rollout_temperatures"] = [np.full(len(s["full"]), s["temperature"], dtype=np.float32) for s in samples]
     rollout = process_rollout_data(args, _Ref(data), 0, 1)
     iters, nmb = get_data_iterator(args, model, rollout)
     torch.save([lp.double() for lp in forward_only(args, model, iters, nmb)["log_probs"]], out_path)
 
 
-def trainer_log_probs(model_dir, samples, flags, tmp):
+def trainer_log_probs(model_dir, samples, flags, tmp, replay_temperatures=False):
     from tests._megatron_helpers import spawn
 
     out = os.path.join(tmp, "lp.pt")
-    spawn(_trainer_log_probs, 1, model_dir, samples, flags, out, timeout=600)
+    spawn(_trainer_log_probs, 1, model_dir, samples, flags, out, replay_temperatures, timeout=600)
     return [lp.numpy() for lp in torch.load(out)]
 
 
@@ -116,8 +125,9 @@ def gap(trainer, engine):
     return float(np.mean(np.abs(np.concatenate(trainer) - np.concatenate(engine))))
 
 
-def measure(model_dir, samples=16, max_new_tokens=48):
-    """{row name: mean |trainer - engine| log-prob gap} for the three rows of the table (see the module doc)."""
+def measure(model_dir, samples=16, max_new_tokens=48, rows=None):
+    """{row name: mean |trainer - engine| log-prob gap} for the rows of the table (see the module doc); `rows`
+    limits it to those named."""
     from transformers import AutoTokenizer
 
     from tests.test_cpu_server import start_cpu_server, stop_cpu_server
@@ -127,18 +137,24 @@ def measure(model_dir, samples=16, max_new_tokens=48):
     try:
         dense = sample_from_engine(url, tokenizer, samples, max_new_tokens, 1.0, -1)
         nucleus = sample_from_engine(url, tokenizer, samples, max_new_tokens, 0.9, 50)
+        tempered = sample_from_engine(url, tokenizer, samples, max_new_tokens, 1.0, -1, temperatures=(0.6, 1.4))
     finally:
         stop_cpu_server(proc)
-    with tempfile.TemporaryDirectory() as tmp:
-        dense_lp = trainer_log_probs(model_dir, dense, {}, tmp)
-        full_lp = trainer_log_probs(model_dir, nucleus, {}, tmp)
-        replay_lp = trainer_log_probs(model_dir, nucleus, {"rollout_top_p": 0.9, "rollout_top_k": 50}, tmp)
-    return {
-        "default sampling": gap(dense_lp, [s["full"] for s in dense]),
-        "top-p 0.9, no replay": gap(full_lp, [s["sampling"] for s in nucleus]),
-        "top-p 0.9, replay": gap(replay_lp, [s["sampling"] for s in nucleus]),
-        "tokens": sum(len(s["full"]) for s in dense + nucleus),
+    top_p = {"rollout_top_p": 0.9, "rollout_top_k": 50}
+    table = {  # row: (engine samples, trainer flags, replay temperatures, the engine log-probs it is compared with)
+        "default sampling": (dense, {}, False, "full"),
+        "top-p 0.9, no replay": (nucleus, {}, False, "sampling"),
+        "top-p 0.9, replay": (nucleus, top_p, False, "sampling"),
+        "temperature 0.6/1.4, no replay": (tempered, {}, False, "full"),
+        "temperature 0.6/1.4, replay": (tempered, {}, True, "full"),
     }
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (data, flags, replay, key) in table.items():
+            if rows is None or name in rows:
+                out[name] = gap(trainer_log_probs(model_dir, data, flags, tmp, replay), [s[key] for s in data])
+    out["tokens"] = sum(len(s["full"]) for s in dense + nucleus + tempered)
+    return out
 
 
 def measure_moe(kind, kit_model_dir, tmp):

@@ -15,7 +15,6 @@ nothing in this project imports through them."""
 
 import ast
 import importlib
-import inspect
 import os
 import re
 import subprocess
@@ -230,6 +229,18 @@ def test_the_shim_checker_sees_every_form(tmp_path):
     ]
 
 
+def _top_level_names(path):
+    """The names a module's own source defines at its top level (imports aside), dunders excluded."""
+    names = []
+    for node in ast.parse(open(path).read(), path).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.append(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names += [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+    return [n for n in names if not n.startswith("__")]
+
+
 def test_upstream_import_paths_resolve():
     """Upstream slime's paths stay importable: every name the code's module defines (underscored ones included, which
     tests and plugins use) is the same object there."""
@@ -239,13 +250,7 @@ def test_upstream_import_paths_resolve():
     assert t.Timer is slime.observability.timer.Timer and t.timer is slime.observability.timer.timer
     for shim, home in SHIMS.items():
         shim, home = importlib.import_module(shim), importlib.import_module(home)
-        defined = getattr(home, "__all__", None) or [
-            name
-            for name, value in vars(home).items()
-            if not name.startswith("__")
-            and not inspect.ismodule(value)
-            and getattr(value, "__module__", home.__name__) == home.__name__
-        ]
+        defined = getattr(home, "__all__", None) or _top_level_names(home.__file__)
         assert defined
         missing = [name for name in defined if getattr(shim, name, None) is not getattr(home, name)]
         assert not missing, f"{shim.__name__} does not re-export {missing} from {home.__name__}"

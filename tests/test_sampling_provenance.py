@@ -7,6 +7,7 @@ tests/test_agent_adapters.py."""
 import asyncio
 import logging
 
+import numpy as np
 import pytest
 
 from slime.backends.cpu_server.sampling import SamplingParams
@@ -57,7 +58,7 @@ def test_a_matching_sample_trains_and_its_record_survives_to_dict():
     args = make_args("--rollout-temperature", "0.7")
     good = [_sample(0, sent={"temperature": 0.7, "top_p": 1.0, "top_k": -1}), _sample(1, echo=_echo(0.7))]
     data = convert_samples_to_train_data(args, good, fn_path="f")
-    assert data["sample_indices"] == [0, 1]
+    assert data["sample_indices"] == [0, 1] and "rollout_temperatures" not in data
     [rec] = Sample.from_dict(good[0].to_dict()).metadata["sampling_params"]
     assert rec["temperature"] == 0.7 and rec["origin"] == "request" and rec["response_span"] == [0, 2]
     assert good[1].metadata["sampling_params"][0]["origin"] == "engine echo"
@@ -67,23 +68,36 @@ def _echo(temperature, **kw):
     return {**SamplingParams.from_dict({"temperature": temperature, **kw}, vocab_size=64).applied()}
 
 
-def test_a_temperature_other_than_the_flags_is_refused_in_one_line():
+def test_other_temperatures_are_replayed_per_token_and_a_greedy_flag_refuses_them_in_one_line():
+    """A segment sampled at a temperature other than the flag's trains at its own: the train data carries each
+    response token's temperature (the flag's where nothing is recorded), which the log-prob forward divides by
+    (tests/test_top_p_replay.py checks the trainer then equals the engine)."""
     args = make_args("--rollout-temperature", "1.0")
-    samples = [_sample(0, sent={"temperature": 1.0}), _sample(1, echo=_echo(0.6), source="the openai agent adapter")]
+    two_turns = Sample(index=1, tokens=[1, 2, 3, 4, 5, 6], response_length=4, reward=1.0, rollout_log_probs=[-0.1] * 4)
+    two_turns.status = Sample.Status.COMPLETED
+    record_segment(two_turns, {"sampling_params": _echo(0.6)}, None, start=0, end=2, source="the openai agent adapter")
+    record_segment(two_turns, {}, {"temperature": 1.3}, start=2, end=4, source=GEN)
+    samples = [_sample(0, sent={"temperature": 1.0}), two_turns, _sample(2), _sample(3, sent={"temperature": 1.0})]
+    data = convert_samples_to_train_data(args, samples, fn_path="my.rollout")
+    temperatures = [t.tolist() for t in data["rollout_temperatures"]]  # float32
+    assert temperatures == [[1.0, 1.0], [*[np.float32(0.6)] * 2, *[np.float32(1.3)] * 2], [1.0, 1.0], [1.0, 1.0]]
+    # all at the flag's temperature: nothing to replay, the forward divides by the flag as before
+    assert "rollout_temperatures" not in convert_samples_to_train_data(args, [samples[0], samples[2]], fn_path="f")
+
+    greedy = make_args("--rollout-temperature", "0")
     with pytest.raises(ValueError) as e:
-        convert_samples_to_train_data(args, samples, fn_path="my.rollout")
+        convert_samples_to_train_data(greedy, samples, fn_path="my.rollout")
     msg = str(e.value)
     assert "\n" not in msg
-    assert msg.startswith("sample 1 (position 1) from rollout function 'my.rollout': its response tokens 0..2")
-    assert "sampled by the openai agent adapter (parameters from the engine echo)" in msg
-    assert "temperature=0.6, but the trainer scores at --rollout-temperature 1" in msg
+    assert msg.startswith("sample 0 (position 0) from rollout function 'my.rollout': its response tokens 0..2")
+    assert "temperature=1, but the trainer scores at --rollout-temperature 0" in msg
     assert "--no-check-sampling-params" in msg
     # a loss-masked segment (e.g. an off-policy part of a partial rollout) is not trained, so not refused
-    samples[1].loss_mask = [0, 0]
-    convert_samples_to_train_data(args, samples, fn_path="my.rollout")
+    samples[0].loss_mask, samples[1].loss_mask, samples[3].loss_mask = [0, 0], [0, 0, 0, 0], [0, 0]
+    convert_samples_to_train_data(greedy, samples, fn_path="my.rollout")
     # and the opt-out trains it, warning once
-    samples[1].loss_mask = None
-    off = make_args("--rollout-temperature", "1.0", "--no-check-sampling-params")
+    samples[0].loss_mask = samples[1].loss_mask = samples[3].loss_mask = None
+    off = make_args("--rollout-temperature", "0", "--no-check-sampling-params")
     convert_samples_to_train_data(off, samples, fn_path="my.rollout")
 
 

@@ -145,7 +145,10 @@ def _batch(seed=0):
     return tokens, logits, kept, ids, offsets
 
 
-def test_log_probs_are_renormalised_over_each_steps_kept_set():
+@pytest.mark.parametrize("temperatures", [None, [0.5, 0.8, 1.7]], ids=["flag", "per_token"])
+def test_log_probs_are_renormalised_over_each_steps_kept_set(temperatures):
+    """Each token is scored over its step's kept set, at --rollout-temperature or, with per-token temperatures (a
+    sample recorded at other temperatures: sampling_provenance.rollout_temperatures), at its own."""
     tokens, logits, kept, ids, offsets = _batch()
     args = make_args("--rollout-top-p", "0.9", "--rollout-top-k", "20", "--rollout-temperature", "0.8")
     out = get_log_probs_and_entropy(
@@ -157,11 +160,12 @@ def test_log_probs_are_renormalised_over_each_steps_kept_set():
         with_entropy=True,
         top_p_token_ids=[ids],
         top_p_token_offsets=[offsets],
+        **({} if temperatures is None else {"temperatures": [torch.tensor(temperatures)]}),
     )
-    z = logits[0].detach() / 0.8
     expected, ent = [], []
     for r, k in enumerate(kept):
-        row, tok = z[1 + r], int(tokens[2 + r])
+        t = 0.8 if temperatures is None else temperatures[r]
+        row, tok = logits[0, 1 + r].detach() / t, int(tokens[2 + r])
         support = k or list(range(V))
         lp = row[support] - torch.logsumexp(row[support], 0)
         expected.append(float(lp[support.index(tok)]))
@@ -248,15 +252,19 @@ def test_kept_sets_with_the_vocabulary_split_over_two_tensor_parallel_ranks():
 
 
 def test_replayed_trainer_log_probs_match_the_engines_sampling_log_probs(tiny_kit):
-    """End to end: the CPU server samples with top-p 0.9 / top-k 50 and a Megatron trainer rank scores the tokens.
-    Over the full vocabulary the trainer is off by the log of the kept mass; over the replayed sets the gap is at
-    fp32 noise, as with default sampling."""
+    """End to end: the CPU server samples with top-p 0.9 / top-k 50 (and, apart, at per-sample temperatures 0.6 and
+    1.4) and a Megatron trainer rank scores the tokens. Over the full vocabulary the trainer is off by the log of the
+    kept mass; over the replayed sets (at the replayed temperatures) the gap is at fp32 noise, as with default
+    sampling."""
     from benchmarks.bench_consistency_gap import measure
 
-    gaps = measure(tiny_kit[0], samples=4, max_new_tokens=16)
+    rows = ("default sampling", "top-p 0.9, replay", "top-p 0.9, no replay", "temperature 0.6/1.4, replay")
+    gaps = measure(tiny_kit[0], samples=4, max_new_tokens=16, rows=rows)
     assert gaps["default sampling"] <= 1e-5, gaps
     assert gaps["top-p 0.9, replay"] <= 1e-5, gaps
     assert gaps["top-p 0.9, no replay"] > 1e-2, gaps
+    # samples drawn at temperatures 0.6 and 1.4 (the flag at 1): each token scored at its sample's temperature
+    assert gaps["temperature 0.6/1.4, replay"] <= 1e-5, gaps
 
 
 def test_the_replay_request_conforms_to_sglang_0_5_23s_generate_contract():

@@ -1,24 +1,26 @@
 """Trained samples are scored at what they were sampled with, or refused (issue #37, sampling parameters).
 
-The trainer scores every trained token at `--rollout-temperature`, over the full vocabulary or, under
-`--rollout-top-p` < 1 / `--rollout-top-k` > 0, over the kept token set the engine returned for it (top-p replay,
-slime/utils/top_p_replay.py). Penalties, `logit_bias`, grammars, `min_new_tokens` and custom logit processors change
-the behaviour distribution in ways it cannot replay at all. A sample records what each of its engine calls was
-sampled with (`sample.metadata["sampling_params"]`, slime/utils/sampling_record.py: the default generate, the
-streaming generate and the agent adapters write it), and `check_sampling_params` -- called from
-`convert_samples_to_train_data` -- refuses, in one line, a trained segment that was sampled with a temperature
-other than the flag's, that truncated without kept sets for the trainer to replay, or that used anything the
-trainer cannot replay. A sample with no record (a user's generate function that records nothing) is trained, with
-one warning naming the function. `--no-check-sampling-params` turns the check off (warned once).
+The trainer scores every trained token at the temperature it was sampled with (`rollout_temperatures` below, which
+the log-prob forward divides each token's logits by; `--rollout-temperature` where the sample records nothing), over
+the full vocabulary or, under `--rollout-top-p` < 1 / `--rollout-top-k` > 0, over the kept token set the engine
+returned for it (top-p replay, slime/utils/top_p_replay.py). Penalties, `logit_bias`, grammars, `min_new_tokens` and
+custom logit processors change the behaviour distribution in ways it cannot replay at all. A sample records what each
+of its engine calls was sampled with (`sample.metadata["sampling_params"]`, slime/utils/sampling_record.py: the
+default generate, the streaming generate and the agent adapters write it), and `check_sampling_params` -- called from
+`convert_samples_to_train_data` -- refuses, in one line, a trained segment that truncated without kept sets for the
+trainer to replay, or that used anything the trainer cannot replay. A sample with no record (a user's generate
+function that records nothing) is trained at the flag's temperature, with one warning naming the function.
+`--no-check-sampling-params` turns the check off (warned once).
 """
 
 import logging
 
-from slime.utils.sampling_record import GREEDY_EPS, META_KEY, PROCESSOR_KEYS
+import numpy as np
+
+from slime.utils.sampling_record import GREEDY_EPS, META_KEY, PROCESSOR_KEYS, response_temperatures
 
 logger = logging.getLogger(__name__)
 
-TEMPERATURE_TOL = 1e-6
 _warned: set = set()  # warn-once keys
 
 
@@ -49,15 +51,12 @@ def segment_problem(args, sample, rec) -> str | None:
     """What in one segment's record `rec` the trainer cannot score (None when it scores it exactly)."""
     start, end = rec.get("response_span") or (0, sample.response_length)
     t = rec.get("temperature")
-    if t is not None and abs(float(t) - args.rollout_temperature) > TEMPERATURE_TOL:
-        greedy = (
-            " (greedy sampling is temperature 1 at top_k 1 after SGLang's normalisation; the trainer would divide its "
-            "logits by 0)"
-            if args.rollout_temperature < GREEDY_EPS
-            else ""
-        )
+    if t is not None and args.rollout_temperature < GREEDY_EPS and abs(float(t) - args.rollout_temperature) > 0:
+        # any other temperature is replayed per token (rollout_temperatures); a greedy flag has no scale to replay
         return (
-            f"temperature={t:g}, but the trainer scores at --rollout-temperature {args.rollout_temperature:g}{greedy}"
+            f"temperature={t:g}, but the trainer scores at --rollout-temperature {args.rollout_temperature:g} "
+            "(greedy sampling is temperature 1 at top_k 1 after SGLang's normalisation; the trainer would divide its "
+            "logits by 0)"
         )
     for key, default in (
         ("frequency_penalty", 0.0),
@@ -124,3 +123,18 @@ def check_sampling_params(args, samples, fn_path=None) -> None:
                     f"from the {rec.get('origin') or 'record'}) with {problem}; the sample cannot be trained "
                     "without biased importance ratios (pass --no-check-sampling-params to train on it anyway)"
                 )
+
+
+def rollout_temperatures(args, samples):
+    """The `rollout_temperatures` train-data entry: per sample, the temperature of each response token (float32), so
+    the trainer scores every token at the temperature it was sampled with; None when all were sampled at
+    `--rollout-temperature` (the forward then divides by the flag, as without records)."""
+    if args.loss_type == "sft_loss" or args.rollout_temperature < GREEDY_EPS:
+        return None
+    per_sample = [response_temperatures(s, args.rollout_temperature) for s in samples]
+    if all(t is None for t in per_sample):
+        return None
+    return [
+        np.full(s.response_length, args.rollout_temperature, dtype=np.float32) if t is None else t
+        for s, t in zip(samples, per_sample)
+    ]

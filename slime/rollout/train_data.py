@@ -10,8 +10,9 @@ import torch
 
 from slime.rollout.base_types import RolloutFnTrainOutput
 from slime.rollout.provenance import check_weight_versions
-from slime.rollout.sampling_provenance import check_sampling_params
+from slime.rollout.sampling_provenance import check_sampling_params, rollout_temperatures
 from slime.utils.routing_replay import routed_experts_error
+from slime.utils.sampling_record import TEMPERATURES_KEY
 from slime.utils.top_p_replay import kept_sets_error, sampling_is_truncated
 from slime.utils.types import TRAIN_DATA_KEYS, Sample, TrainData
 
@@ -198,6 +199,9 @@ def convert_samples_to_train_data(
     for field in ("rollout_log_probs", "teacher_log_probs"):
         if getattr(samples[0], field) is not None:
             train_data[field] = _per_response_token(samples, field, fn_path)
+    temperatures = rollout_temperatures(args, samples)
+    if temperatures is not None:
+        train_data[TEMPERATURES_KEY] = temperatures
     if sampling_is_truncated(args) and args.loss_type != "sft_loss":
         # top-p replay: the trainer scores each token over the set the engine kept (never silently over all tokens)
         for i, s in enumerate(samples):

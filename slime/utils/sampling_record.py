@@ -12,8 +12,11 @@ are in the sample, with the normalised parameters plus `response_span` ([start, 
 code that sent the request: the default generate, an agent adapter) and `origin` ("engine echo" or "request").
 """
 
+import numpy as np
+
 GREEDY_EPS = 1e-6  # SGLang's sampling_params.py: a temperature below this is greedy
 META_KEY = "sampling_params"  # the CPU server's meta_info key and the Sample.metadata key of the record
+TEMPERATURES_KEY = "rollout_temperatures"  # the train-data key of each response token's sampling temperature
 # logit processors whose effect on the behaviour distribution the trainer cannot replay (present or not)
 PROCESSOR_KEYS = ("logit_bias", "regex", "json_schema", "ebnf", "structural_tag", "custom_logit_processor")
 
@@ -99,3 +102,16 @@ def record_segment(sample, meta_info, sent, *, start: int, end: int, source: str
     records = list(sample.metadata.get(META_KEY) or [])
     records.append(segment_record(meta_info, sent, start=start, end=end, source=source, body=body))
     sample.metadata[META_KEY] = records
+
+
+def response_temperatures(sample, default: float):
+    """float32 [response_length]: the temperature each response token was sampled at, from the sample's record
+    (`default`, the flag's, where no segment covers a token), or None when every token was sampled at `default`."""
+    records = (sample.metadata or {}).get(META_KEY) if isinstance(sample.metadata, dict) else None
+    temps = np.full(sample.response_length, default, dtype=np.float32)
+    for rec in records or ():
+        t = rec.get("temperature")
+        if t is not None:
+            start, end = rec.get("response_span") or (0, sample.response_length)
+            temps[start:end] = t
+    return None if np.all(temps == np.float32(default)) else temps

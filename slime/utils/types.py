@@ -285,6 +285,8 @@ class TrainData(_RequiredTrainData, total=False):
     rollout_top_p_token_ids: list[np.ndarray]  # int32: each step's kept token set, concatenated (top-p/top-k replay)
     rollout_top_p_token_offsets: list[np.ndarray]  # int32: where each step's set starts in the ids (one more entry)
     rollout_routed_experts: list[np.ndarray]  # int32 [tokens - 1, layers, top-k]: the engine's experts (R3)
+    # float32 over the response tokens: the temperature each was sampled at (present when any differs from the flag)
+    rollout_temperatures: list[np.ndarray]
     # fan-out: the rollout each sample belongs to (siblings of one generate call share it; default: one per sample).
     # The trainer keeps a rollout's samples in one optimizer step and weighs the rollout once in the loss.
     rollout_ids: list[int]

@@ -28,6 +28,7 @@ from slime.backends.megatron_utils.rollout_data import (
 )
 from slime.utils.device import current_device
 from slime.utils.flops_utils import forward_flops
+from slime.utils.sampling_record import TEMPERATURES_KEY
 from slime.utils.top_p_replay import TOP_P_KEYS
 
 PAD_TOKEN_ID = 0  # pad positions are never scored, any id works
@@ -322,6 +323,7 @@ def log_rollout_data(rollout_id, args, rollout_data):
         return {}
     local = {}  # key: (sum, count); with fan-out the DP ranks hold different sample counts
     skip = ("tokens", "loss_masks", "sample_indices", "global_indices", "rollout_routed_experts", *TOP_P_KEYS)
+    skip += (TEMPERATURES_KEY,)
     skip += ("rollout_ids", "rollout_sizes", "rollout_mask_sums", "rollout_weights")
     for key, val in rollout_data.items():
         if key in skip or val is None:

@@ -13,6 +13,7 @@ from slime.backends.megatron_utils.cp_utils import (
     zigzag_chunk_size,
 )
 from slime.utils.ppo_utils import compute_entropy_from_logits, compute_log_probs
+from slime.utils.sampling_record import TEMPERATURES_KEY
 from slime.utils.top_p_replay import sampling_is_truncated
 
 
@@ -82,6 +83,19 @@ def get_rollout_top_p_logprob_kwargs(args, batch):
     return {"top_p_token_ids": ids, "top_p_token_offsets": offsets}
 
 
+def get_rollout_temperature_kwargs(batch):
+    """`get_log_probs_and_entropy`'s per-token temperatures for a micro-batch: present when some trained token was
+    sampled at a temperature other than `--rollout-temperature` (`sampling_provenance.rollout_temperatures`)."""
+    temperatures = batch.get(TEMPERATURES_KEY)
+    return {} if temperatures is None else {"temperatures": temperatures}
+
+
+def _response_positions(pieces, device):
+    """The response positions of a sample's rows, from `get_responses`' pieces."""
+    positions = [torch.arange(r0, r0 + n, device=device) for _, r0, n in pieces]
+    return torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long, device=device)
+
+
 def _restrict_to_kept_sets(logits, pieces, kept_ids, offsets):
     """`logits` [n, V/tp] of one sample's response rows with every token outside that step's kept set masked out,
     so the (vocab-parallel) softmax renormalises over exactly the engine's sampling support. `pieces` map the rows
@@ -89,8 +103,7 @@ def _restrict_to_kept_sets(logits, pieces, kept_ids, offsets):
     part = logits.size(-1)
     vocab_start = mpu.get_tensor_model_parallel_rank() * part
     device = logits.device
-    positions = [torch.arange(r0, r0 + n, device=device) for _, r0, n in pieces]
-    positions = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long, device=device)
+    positions = _response_positions(pieces, device)
     offsets = offsets.to(device=device, dtype=torch.long)
     kept_ids = kept_ids.to(device=device, dtype=torch.long)
     starts, lengths = offsets[positions], offsets[positions + 1] - offsets[positions]
@@ -131,15 +144,18 @@ def get_log_probs_and_entropy(
     with_entropy=False,
     top_p_token_ids=None,
     top_p_token_offsets=None,
+    temperatures=None,
 ):
     """`{"log_probs": [per-sample 1-D], "entropy": [...] (with_entropy)}` of the response tokens.
 
     Logits are divided by `--rollout-temperature` first so the trainer's log-probs match the rollout engine's
-    temperature-scaled ones. With `top_p_token_ids` / `top_p_token_offsets` (per sample, see
-    `get_rollout_top_p_logprob_kwargs`) each token is scored over the set the engine kept at its step (top-p replay).
+    temperature-scaled ones; with `temperatures` (per sample, one per response token, see
+    `get_rollout_temperature_kwargs`) each token's logits by the temperature it was sampled at instead. With
+    `top_p_token_ids` / `top_p_token_offsets` (per sample, see `get_rollout_top_p_logprob_kwargs`) each token is
+    scored over the set the engine kept at its step (top-p replay).
     """
     logits = logits.float()
-    if args.rollout_temperature != 1.0:
+    if temperatures is None and args.rollout_temperature != 1.0:
         logits = logits / args.rollout_temperature
     logits = _mask_padded_vocab(logits, args.vocab_size)
     tp_group = mpu.get_tensor_model_parallel_group()
@@ -153,6 +169,9 @@ def get_log_probs_and_entropy(
             response_lengths,
         )
     ):
+        if temperatures is not None:
+            t = temperatures[i].to(device=logits_chunk.device, dtype=logits_chunk.dtype)
+            logits_chunk = logits_chunk / t[_response_positions(pieces, logits_chunk.device)].unsqueeze(-1)
         if top_p_token_offsets is not None:
             logits_chunk = _restrict_to_kept_sets(logits_chunk, pieces, top_p_token_ids[i], top_p_token_offsets[i])
         values = _log_probs_in_chunks(logits_chunk, tokens_chunk, tp_group, with_entropy, args.log_probs_chunk_size)

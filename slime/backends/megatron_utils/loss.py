@@ -22,6 +22,7 @@ from slime.backends.megatron_utils.cp_utils import cp_size_and_rank
 from slime.backends.megatron_utils.log_probs import (
     get_log_probs_and_entropy,
     get_responses,  # noqa: F401  (re-exported)
+    get_rollout_temperature_kwargs,
     get_rollout_top_p_logprob_kwargs,
     get_values,
 )
@@ -118,6 +119,7 @@ def policy_loss_function(args, batch, logits, sum_of_sample_mean):
         response_lengths=response_lengths,
         with_entropy=True,
         **get_rollout_top_p_logprob_kwargs(args, batch),
+        **get_rollout_temperature_kwargs(batch),
     )
     log_probs_list = out["log_probs"]
     log_probs = torch.cat(log_probs_list) if log_probs_list else logits.new_zeros(0)

@@ -25,6 +25,7 @@ from megatron.core.utils import get_model_config
 from slime.observability import wandb_utils
 from slime.utils.console import metrics_line
 from slime.utils.device import current_device
+from slime.utils.sampling_record import TEMPERATURES_KEY
 from slime.utils.top_p_replay import TOP_P_KEYS
 from slime.utils.user_errors import user_function
 
@@ -32,7 +33,7 @@ from . import routing_replay
 from .checkpoint import load_checkpoint, resync_optimizer_main_params
 from .data import get_batch, unpack_tree_output
 from .initialize import is_megatron_main_rank
-from .log_probs import get_log_probs_and_entropy, get_rollout_top_p_logprob_kwargs
+from .log_probs import get_log_probs_and_entropy, get_rollout_temperature_kwargs, get_rollout_top_p_logprob_kwargs
 from .lora import apply_lora, check_wrapped, log_lora_summary
 from .loss import loss_function
 from .megatron_to_hf import hf_to_megatron
@@ -52,6 +53,7 @@ TRAIN_KEYS = [
     "returns",
     "rollout_log_probs",
     *TOP_P_KEYS,
+    TEMPERATURES_KEY,
     "values",
     routing_replay.KEY,
     "rollout_mask_sums",
@@ -260,7 +262,7 @@ def forward_only(args, model, data_iterator, num_microbatches, store_prefix="", 
     def forward_step(iterator, chunk):
         batch = get_batch(
             iterator,
-            ["tokens", "total_lengths", "response_lengths", *TOP_P_KEYS, routing_replay.KEY],
+            ["tokens", "total_lengths", "response_lengths", *TOP_P_KEYS, TEMPERATURES_KEY, routing_replay.KEY],
             pad_multiplier=args.data_pad_size_multiplier,
         )
         routing_replay.before_forward(args, chunk, batch)
@@ -277,6 +279,7 @@ def forward_only(args, model, data_iterator, num_microbatches, store_prefix="", 
                 response_lengths=batch["response_lengths"],
                 with_entropy=bool(args.use_rollout_entropy),
                 **get_rollout_top_p_logprob_kwargs(args, batch),
+                **get_rollout_temperature_kwargs(batch),
             )
 
         return output, post

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from slime.observability.timer import Timer
 from slime.utils.device import current_device
 from slime.utils.flops_utils import forward_flops
+from slime.utils.sampling_record import TEMPERATURES_KEY
 from slime.utils.seqlen_balancing import get_seqlen_balanced_partitions
 from slime.utils.types import OPTIONAL_TRAIN_DATA_KEYS, TRAIN_DATA_KEYS
 
@@ -233,7 +234,7 @@ def process_rollout_data(args, rollout_data_ref, dp_rank, dp_size, values_ref=No
             vals = [torch.tensor(np.asarray(v), dtype=torch.long, device=device) for v in vals]
         elif key in ("rollout_top_p_token_ids", "rollout_top_p_token_offsets"):
             vals = [torch.tensor(np.asarray(v), dtype=torch.long, device=device) for v in vals]
-        elif key in ("rollout_log_probs", "teacher_log_probs", "values", "returns"):
+        elif key in ("rollout_log_probs", "teacher_log_probs", "values", "returns", TEMPERATURES_KEY):
             vals = [torch.tensor(np.asarray(lp), dtype=torch.float32, device=device) for lp in vals]
         rollout_data[key] = vals
     return rollout_data
