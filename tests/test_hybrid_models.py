@@ -448,6 +448,7 @@ def _packed_gdn_under_cp(args, cp_size, cp_rank):
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=32, max_seqlen_kv=32)
     out, _ = layer(local_x, None, packed_seq_params=params)
     (out * w[index]).sum().backward()
+
     def rel(got, exp):  # the gradients are sums over the whole row: compared relative to their scale
         return ((got - exp).abs().max() / exp.abs().max()).item()
 
@@ -521,3 +522,77 @@ def test_hybrids_context_parallel_match_cp1(hf_models, tmp_path):
                 gd = max((got["grads"][n] - g).abs().max().item() for n, g in ref["grads"].items())
                 print(f"{kind} cp{cp} rank{rank}: log-probs {lp:.2g}, gradients {gd:.2g}, packed {got['packed']}")
                 assert lp <= 1e-5 and gd <= 1e-5, (kind, cp, rank, lp, gd)
+
+
+def _layout_step(rank, hf_models, runs, out_dir):
+    """Per (name, kind, flags): log-probs (last pipeline stage) and the first training step's loss and gradient norm
+    (Megatron's, over every TP/PP/EP shard) on `_uneven_rollout`."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import ray
+    from megatron.core import parallel_state as mpu
+
+    from slime.backends.megatron_utils.advantages import compute_advantages_and_returns
+    from slime.backends.megatron_utils.data import get_data_iterator
+    from slime.backends.megatron_utils.initialize import init
+    from slime.backends.megatron_utils.model import forward_only, initialize_model_and_optimizer, train
+    from slime.backends.utils.data import process_rollout_data
+
+    class _Ref:
+        def __init__(self, data):
+            self.inner = data
+
+    ray.get = lambda x: x
+    world = torch.distributed.get_world_size()
+    for name, kind, flags in runs:
+        args = family_args(hf_models[kind], world, *flags)
+        mpu.destroy_model_parallel()
+        init(args)
+        model, opt, sched, _ = initialize_model_and_optimizer(args)
+        data = _uneven_rollout(args.vocab_size)
+        rollout = process_rollout_data(
+            args, _Ref(data), mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+        )
+        iters, nmb = get_data_iterator(args, model, rollout)
+        rollout.update(forward_only(args, model, iters, nmb))
+        compute_advantages_and_returns(args, rollout)
+        history = train(args, 0, model, opt, sched, iters, nmb)
+        if mpu.is_pipeline_last_stage():
+            result = dict(log_probs=rollout["log_probs"], history=history)
+            torch.save(result, f"{out_dir}/{name}_rank{rank}.pt")
+
+
+# The upstream launch scripts' layouts, scaled to 4 CPU ranks and 3 layers (--sequence-parallel is a no-op on CPU):
+# run-qwen3.5-27B.sh (TP 4, PP 2, CP 4, full recompute) and run-qwen3-next-80B-A3B.sh (TP 2, PP 4, CP 4, EP 8).
+RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+UPSTREAM_LAYOUTS = [
+    ("qwen3_5_tp2_cp2", "qwen3_5", ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2"]),
+    (
+        "qwen3next_pp2_cp2_ep2",
+        "qwen3next",
+        ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "2"]
+        + ["--context-parallel-size", "2", "--expert-model-parallel-size", "2"],
+    ),
+]
+
+
+@pytest.mark.slow
+def test_hybrids_upstream_script_layouts_train_like_one_rank(hf_models, tmp_path):
+    """The upstream scripts' parallel shapes with CP on the tiny hybrids (full recompute as they set it): the
+    log-probs and the first step's loss and gradient norm equal the one-rank run's."""
+    refs = [(f"{name}_ref", kind, RECOMPUTE) for name, kind, _ in UPSTREAM_LAYOUTS]
+    spawn(_layout_step, 1, hf_models, refs, str(tmp_path), timeout=300)
+    runs = [(name, kind, RECOMPUTE + flags) for name, kind, flags in UPSTREAM_LAYOUTS]
+    spawn(_layout_step, 4, hf_models, runs, str(tmp_path), timeout=400)
+    for name, _, _ in UPSTREAM_LAYOUTS:
+        ref = torch.load(tmp_path / f"{name}_ref_rank0.pt")
+        got = [torch.load(p) for p in sorted(tmp_path.glob(f"{name}_rank*.pt"))]
+        assert len(got) == (2 if "pp2" in name else 4)  # the ranks of the last pipeline stage
+        for r in got:
+            lp = max((a - b).abs().max().item() for a, b in zip(r["log_probs"], ref["log_probs"]))
+            (step,), (ref_step,) = r["history"], ref["history"]
+            print(name, f"log-probs {lp:.2g}", {k: (step[k], ref_step[k]) for k in ("train/loss", "train/grad_norm")})
+            assert lp <= 1e-5, (name, lp)
+            for key in ("train/loss", "train/pg_loss", "train/grad_norm"):
+                assert step[key] == pytest.approx(ref_step[key], rel=1e-5, abs=1e-7), (name, key)
