@@ -51,3 +51,19 @@ def test_pieces_cover_each_response_position_once_from_the_right_logit(cp_size):
                         assert global_of_local[local + j] == total - resp - 1 + r0 + j
                         seen.append(r0 + j)
             assert sorted(seen) == list(range(resp)), (total, resp, cp_size)
+
+
+def test_local_global_positions_by_hand():
+    """Where a rank's local tokens sit in the whole sequence (what the hybrids' Gated DeltaNet layers gather).
+    Padded row of 12 at CP=2 (chunks of 3): rank 1 holds chunks 1 and 2. Packed, global cu_seqlens [0, 8, 12]:
+    segment 0 in chunks of 2 (rank 0: [0,2) and [6,8)), segment 1 in chunks of 1 (rank 0: 8 and 11)."""
+    from slime.backends.megatron_utils.cp_utils import local_global_positions
+
+    index, total = local_global_positions(6, 2, 1)
+    assert index.tolist() == [3, 4, 5, 6, 7, 8] and total == 12
+    cu = torch.tensor([0, 8, 12], dtype=torch.int32)
+    index, total = local_global_positions(6, 2, 0, cu)
+    assert index.tolist() == [0, 1, 6, 7, 8, 11] and total == 12
+    assert local_global_positions(6, 2, 1, cu)[0].tolist() == [2, 3, 4, 5, 9, 10]
+    with pytest.raises(AssertionError, match="5 local tokens"):
+        local_global_positions(5, 2, 0, cu)

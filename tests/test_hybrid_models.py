@@ -129,11 +129,7 @@ def test_bad_input_is_one_line(hf_models, capsys, tmp_path):
     with pytest.raises(SystemExit):
         family_args(hf_models["qwen3_5_moe"], 1, "--num-layers", "3", "--num-experts", "8")
     assert "--num-experts 8 but num_experts=4" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        family_args(hf_models["qwen3_5"], 2, "--context-parallel-size", "2")
-    assert "--context-parallel-size 2: slime_plugins.models.qwen3_5 wraps transformers modules" in (
-        capsys.readouterr().err
-    )
+    assert family_args(hf_models["qwen3_5"], 4, "--context-parallel-size", "4").context_parallel_size == 4
     with pytest.raises(SystemExit):
         family_args(hf_models["qwen3_5"], 1, "--qwen-gdn-backend", "fla")
     assert "--qwen-gdn-backend fla: flash-linear-attention is not installed" in capsys.readouterr().err
@@ -400,3 +396,203 @@ def test_hybrids_save_and_load_every_layer_pattern(tmp_path):
     }
     spawn(_save_load_log_probs, 1, models, str(tmp_path), timeout=400)
     assert len((tmp_path / "done.txt").read_text().splitlines()) == len(SAVE_PATTERNS)
+
+
+# ---------------------------------------------------------------- context parallelism
+# Sample lengths (prompt, response) whose micro-batches (2 samples each: 45 and 37, 51 and 23 tokens) split into
+# 2*cp chunks only after padding, at CP=2 and CP=4.
+UNEVEN = [(30, 15), (25, 12), (40, 11), (15, 8)]
+
+
+def _uneven_rollout(vocab_size):
+    from tests.test_model_families import long_rollout
+
+    data = long_rollout(vocab_size)
+    g = torch.Generator().manual_seed(2)
+    for i, (p, r) in enumerate(UNEVEN):
+        data["tokens"][i] = torch.randint(3, vocab_size, (p + r,), generator=g).numpy()
+        data["response_lengths"][i] = r
+        data["loss_masks"][i] = data["loss_masks"][i][:1].repeat(r)
+        data["rollout_log_probs"][i] = data["rollout_log_probs"][i][:1].repeat(r)
+    return data
+
+
+def _packed_gdn_under_cp(args, cp_size, cp_rank):
+    """The GPU (THD-packed) layout at the layer itself: 3 samples and a padding segment packed as
+    `data._packed_layout` packs them (global cu_seqlens, each segment a multiple of 2*cp); the layer on this rank's
+    zigzag chunks gives the rows and gradients of the whole-sequence layer (`hf_forward` with no CP)."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer import TransformerConfig
+
+    from slime.backends.megatron_utils.cp_utils import local_global_positions
+    from slime_plugins.models.qwen3_5 import Qwen3_5GatedDeltaNetAttention
+
+    torch.manual_seed(0)
+    layer = Qwen3_5GatedDeltaNetAttention(
+        args, TransformerConfig(num_layers=3, hidden_size=64, num_attention_heads=4), 1
+    )
+    seg = 2 * cp_size
+    lens = [-(-n // seg) * seg for n in (11, 5, 21)] + [seg]  # the last: the row's padding segment
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(int(cu[-1]), 1, 64, generator=g), torch.randn(int(cu[-1]), 1, 64, generator=g)
+    ref_x = x.clone().requires_grad_()
+    ref = layer.hf_forward(ref_x.transpose(0, 1), cu).transpose(0, 1)
+    (ref * w).sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.zero_grad()
+    index, total = local_global_positions(int(cu[-1]) // cp_size, cp_size, cp_rank, cu)
+    assert total == int(cu[-1])
+    local_x = x[index].clone().requires_grad_()
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=32, max_seqlen_kv=32)
+    out, _ = layer(local_x, None, packed_seq_params=params)
+    (out * w[index]).sum().backward()
+
+    def rel(got, exp):  # the gradients are sums over the whole row: compared relative to their scale
+        return ((got - exp).abs().max() / exp.abs().max()).item()
+
+    diffs = [rel(out, ref[index]), rel(local_x.grad, ref_x.grad[index])]
+    for n, p in layer.named_parameters():  # each rank's share of the gradient: summed over CP, as Megatron does
+        torch.distributed.all_reduce(p.grad, group=mpu.get_context_parallel_group())
+        diffs.append(rel(p.grad, ref_grads[n]))
+    assert max(diffs) <= 1e-5, f"packed Gated DeltaNet under CP={cp_size}: {diffs}"
+    return max(diffs)
+
+
+def _cp_log_probs_and_grads(rank, hf_models, kinds, cp, out_dir):
+    """Per hybrid at --context-parallel-size `cp` (world size cp): the trainer's log-probs (gathered over CP) and the
+    first training step's gradients (Megatron's main_grad, reduced over DP x CP) on `_uneven_rollout`; Qwen3.5: and
+    the packed layout at the layer (`_packed_gdn_under_cp`)."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import ray
+    from megatron.core import parallel_state as mpu
+
+    from slime.backends.megatron_utils.data import get_data_iterator
+    from slime.backends.megatron_utils.initialize import init
+    from slime.backends.megatron_utils.model import forward_only, initialize_model_and_optimizer
+    from slime.backends.utils.data import process_rollout_data
+    from tests._megatron_helpers import train_once_for_offload
+
+    class _Ref:
+        def __init__(self, data):
+            self.inner = data
+
+    ray.get = lambda x: x
+    for kind in kinds:
+        args = family_args(hf_models[kind], cp, "--context-parallel-size", str(cp))
+        # every rank's main_grad whole (all-reduced over DP x CP), not the distributed optimizer's shard of it
+        args.use_distributed_optimizer = False
+        mpu.destroy_model_parallel()
+        init(args)
+        model, opt, sched, _ = initialize_model_and_optimizer(args)
+        rollout = process_rollout_data(
+            args,
+            _Ref(_uneven_rollout(args.vocab_size)),
+            mpu.get_data_parallel_rank(),
+            mpu.get_data_parallel_world_size(),
+        )
+        iters, nmb = get_data_iterator(args, model, rollout)
+        log_probs = forward_only(args, model, iters, nmb)["log_probs"]
+        train_once_for_offload(args, model, opt, sched, rollout, iters, nmb)
+        grads = {n: p.main_grad.clone() for n, p in model[0].module.named_parameters()}
+        packed = _packed_gdn_under_cp(args, cp, mpu.get_context_parallel_rank()) if kind == "qwen3_5" else None
+        torch.save(dict(log_probs=log_probs, grads=grads, packed=packed), f"{out_dir}/{kind}_cp{cp}_rank{rank}.pt")
+
+
+def test_hybrids_context_parallel_match_cp1(hf_models, tmp_path):
+    """--context-parallel-size 2 and 4 (the upstream scripts' CP) on Qwen3.5 and Qwen3-Next (linear, full, linear
+    layers; Qwen3-Next with MoE): full attention in slime's zigzag CP, the Gated DeltaNet layers over the whole
+    gathered samples. Log-probs and first-step gradients on every CP rank equal CP=1 within 1e-5 (fp32), over
+    micro-batches of two samples of uneven lengths; and at the layer, the GPU's packed layout does too."""
+    kinds = ["qwen3_5", "qwen3next"]
+    for cp in (1, 2, 4):
+        spawn(_cp_log_probs_and_grads, cp, hf_models, kinds, cp, str(tmp_path), timeout=400)
+    for kind in kinds:
+        ref = torch.load(tmp_path / f"{kind}_cp1_rank0.pt")
+        assert len(ref["log_probs"]) == 4 and [x.numel() for x in ref["log_probs"]] == [r for _, r in UNEVEN]
+        assert any("linear_attn" in n for n in ref["grads"]) and any("linear_qkv" in n for n in ref["grads"])
+        for cp in (2, 4):
+            for rank in range(cp):
+                got = torch.load(tmp_path / f"{kind}_cp{cp}_rank{rank}.pt")
+                lp = max((a - b).abs().max().item() for a, b in zip(got["log_probs"], ref["log_probs"]))
+                assert sorted(got["grads"]) == sorted(ref["grads"])
+                gd = max((got["grads"][n] - g).abs().max().item() for n, g in ref["grads"].items())
+                print(f"{kind} cp{cp} rank{rank}: log-probs {lp:.2g}, gradients {gd:.2g}, packed {got['packed']}")
+                assert lp <= 1e-5 and gd <= 1e-5, (kind, cp, rank, lp, gd)
+
+
+def _layout_step(rank, hf_models, runs, out_dir):
+    """Per (name, kind, flags): log-probs (last pipeline stage) and the first training step's loss and gradient norm
+    (Megatron's, over every TP/PP/EP shard) on `_uneven_rollout`."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import ray
+    from megatron.core import parallel_state as mpu
+
+    from slime.backends.megatron_utils.advantages import compute_advantages_and_returns
+    from slime.backends.megatron_utils.data import get_data_iterator
+    from slime.backends.megatron_utils.initialize import init
+    from slime.backends.megatron_utils.model import forward_only, initialize_model_and_optimizer, train
+    from slime.backends.utils.data import process_rollout_data
+
+    class _Ref:
+        def __init__(self, data):
+            self.inner = data
+
+    ray.get = lambda x: x
+    world = torch.distributed.get_world_size()
+    for name, kind, flags in runs:
+        args = family_args(hf_models[kind], world, *flags)
+        mpu.destroy_model_parallel()
+        init(args)
+        model, opt, sched, _ = initialize_model_and_optimizer(args)
+        data = _uneven_rollout(args.vocab_size)
+        rollout = process_rollout_data(
+            args, _Ref(data), mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+        )
+        iters, nmb = get_data_iterator(args, model, rollout)
+        rollout.update(forward_only(args, model, iters, nmb))
+        compute_advantages_and_returns(args, rollout)
+        history = train(args, 0, model, opt, sched, iters, nmb)
+        if mpu.is_pipeline_last_stage():
+            result = dict(log_probs=rollout["log_probs"], history=history)
+            torch.save(result, f"{out_dir}/{name}_rank{rank}.pt")
+
+
+# The upstream launch scripts' layouts, scaled to 4 CPU ranks and 3 layers (--sequence-parallel is a no-op on CPU):
+# run-qwen3.5-27B.sh (TP 4, PP 2, CP 4, full recompute) and run-qwen3-next-80B-A3B.sh (TP 2, PP 4, CP 4, EP 8).
+RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+UPSTREAM_LAYOUTS = [
+    ("qwen3_5_tp2_cp2", "qwen3_5", ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2"]),
+    (
+        "qwen3next_pp2_cp2_ep2",
+        "qwen3next",
+        ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "2"]
+        + ["--context-parallel-size", "2", "--expert-model-parallel-size", "2"],
+    ),
+]
+
+
+@pytest.mark.slow
+def test_hybrids_upstream_script_layouts_train_like_one_rank(hf_models, tmp_path):
+    """The upstream scripts' parallel shapes with CP on the tiny hybrids (full recompute as they set it): the
+    log-probs and the first step's loss and gradient norm equal the one-rank run's."""
+    refs = [(f"{name}_ref", kind, RECOMPUTE) for name, kind, _ in UPSTREAM_LAYOUTS]
+    spawn(_layout_step, 1, hf_models, refs, str(tmp_path), timeout=300)
+    runs = [(name, kind, RECOMPUTE + flags) for name, kind, flags in UPSTREAM_LAYOUTS]
+    spawn(_layout_step, 4, hf_models, runs, str(tmp_path), timeout=400)
+    for name, _, _ in UPSTREAM_LAYOUTS:
+        ref = torch.load(tmp_path / f"{name}_ref_rank0.pt")
+        got = [torch.load(p) for p in sorted(tmp_path.glob(f"{name}_rank*.pt"))]
+        assert len(got) == (2 if "pp2" in name else 4)  # the ranks of the last pipeline stage
+        for r in got:
+            lp = max((a - b).abs().max().item() for a, b in zip(r["log_probs"], ref["log_probs"]))
+            (step,), (ref_step,) = r["history"], ref["history"]
+            print(name, f"log-probs {lp:.2g}", {k: (step[k], ref_step[k]) for k in ("train/loss", "train/grad_norm")})
+            assert lp <= 1e-5, (name, lp)
+            for key in ("train/loss", "train/pg_loss", "train/grad_norm"):
+                assert step[key] == pytest.approx(ref_step[key], rel=1e-5, abs=1e-7), (name, key)

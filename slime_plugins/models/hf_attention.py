@@ -7,8 +7,19 @@ that has a varlen kernel (Gated DeltaNet) overrides it to run all samples at onc
 
 Parallelism: the wrapped module's weights are replicated over tensor-parallel ranks (each TP rank computes the same
 output from the same full input, and gets the same gradients); under sequence parallelism the sequence is gathered
-first and scattered after. Pipeline parallelism needs nothing (the layer number is global). Context parallelism is
-refused at start-up (`check_parallelism`): the wrapped module would need the other ranks' tokens of each sample.
+first and scattered after. Pipeline parallelism needs nothing (the layer number is global).
+
+Context parallelism (`--context-parallel-size c`): every CP rank holds its zigzag pair of chunks of each sample
+(`cp_utils`). The layer gathers the CP group's chunks into the whole sequences in their original order (one
+differentiable all-reduce of a zero-filled buffer: its backward hands every rank the gradient of its own chunks
+from all ranks), runs the wrapped module over the whole samples, and keeps this rank's chunks of the output. Why a
+gather and not a recurrence that passes the state from rank to rank: under the zigzag split a sample's chunks
+visit the ranks in the order 0, 1, .., c-1, c-1, .., 0, so a state hand-over would run the ranks one after
+another, twice, forwards and backwards (a custom autograd of its own), for no saving: the gather is exact by
+construction (the same kernel on the same tokens as without CP, any module, any kernel backend: `hf_call`,
+`--qwen-gdn-backend`), and the recurrence is linear in the sequence length. Its cost: each CP rank computes the
+wrapped layers over the whole sequence (c times the work of those layers over the group; the full-attention
+layers stay split) and holds their activations for the whole sequence.
 
 Parameter names keep the HF module's: a wrapper that holds the HF module as attribute `linear_attn` of layer N has
 `decoder.layers.N.self_attention.linear_attn.<hf name>`, which the converter maps to
@@ -20,6 +31,8 @@ from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 
+from slime.backends.megatron_utils.cp_utils import cp_size_and_rank, gather_sequence_across_cp, local_global_positions
+
 
 def load_hf_text_config(hf_checkpoint):
     """The decoder's HF config (`text_config` of a vision-language config)."""
@@ -27,16 +40,6 @@ def load_hf_text_config(hf_checkpoint):
 
     cfg = AutoConfig.from_pretrained(hf_checkpoint, trust_remote_code=True)
     return getattr(cfg, "text_config", None) or cfg
-
-
-def check_parallelism(args, what):
-    """One line naming what the wrapped module cannot honour, or None."""
-    if args.context_parallel_size > 1:
-        return (
-            f"--context-parallel-size {args.context_parallel_size}: {what} wraps transformers modules that need "
-            "each sample's whole sequence; use --context-parallel-size 1"
-        )
-    return None
 
 
 def sample_bounds(packed_seq_params, batch, seq):
@@ -62,10 +65,18 @@ class HuggingfaceAttention(MegatronModule):
             hidden_states = tensor_parallel.gather_from_sequence_parallel_region(
                 hidden_states, tensor_parallel_output_grad=False
             )
+        cp_size, cp_rank = cp_size_and_rank()
+        if cp_size > 1:  # this rank's zigzag chunks -> the whole sequences (see the module docstring)
+            global_cu = packed_seq_params.cu_seqlens_q if packed_seq_params is not None else None
+            index, total = local_global_positions(hidden_states.size(0), cp_size, cp_rank, global_cu)
+            hidden_states = gather_sequence_across_cp(hidden_states, index, total, mpu.get_context_parallel_group())
         s, b, h = hidden_states.shape
         cu_seqlens = sample_bounds(packed_seq_params, b, s).to(hidden_states.device)
         out = self.hf_forward(hidden_states.transpose(0, 1).reshape(1, b * s, h), cu_seqlens)
-        out = out.reshape(b, s, h).transpose(0, 1).contiguous()
+        out = out.reshape(b, s, h).transpose(0, 1)
+        if cp_size > 1:
+            out = out.index_select(0, index.to(out.device))
+        out = out.contiguous()
         if sp:
             out = tensor_parallel.scatter_to_sequence_parallel_region(out)
         return out, None

@@ -7,6 +7,11 @@ Full-attention layers are Megatron's own (output gate `--attention-output-gate`,
 never reaches across a sample boundary, then the chunked gated delta rule of `--qwen-gdn-backend` with the state
 reset at every boundary (`qwen_gdn_backend.py`).
 
+Context parallelism: the full-attention layers split each sample in slime's zigzag chunks like any model
+(Transformer Engine's CP attention on GPU, `cp_attention.AllGatherKVDotProductAttention` on the local spec; RoPE,
+partial rotary included, in global positions); the Gated DeltaNet layers gather the CP group's chunks and run over
+whole samples (`hf_attention`'s docstring says why).
+
 Layer spec: `--spec slime_plugins.models.qwen3_next get_qwen3_next_spec` (what config.json implies by itself).
 """
 
@@ -21,9 +26,9 @@ from transformers.activations import ACT2FN
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
 from slime.backends.megatron_utils.local_layers import ZeroCenteredRMSNorm, with_zero_centered_norms
-from slime.backends.megatron_utils.model_provider import use_transformer_engine
+from slime.backends.megatron_utils.model_provider import use_transformer_engine, with_cp_attention
 
-from .hf_attention import HuggingfaceAttention, check_parallelism, load_hf_text_config
+from .hf_attention import HuggingfaceAttention, load_hf_text_config
 from .qwen_gdn_backend import get_chunk_gated_delta_rule, varlen_causal_conv1d
 
 
@@ -76,13 +81,12 @@ def hybrid_layer_spec(args, config, vp_stage, linear_attention_cls, what):
     """Megatron's decoder block spec with each `linear_attention` layer of config.json's `layer_types` given
     `linear_attention_cls` in its attention slot (and its own input norm: the TE spec fuses that norm into the
     attention's first linear, which the wrapped module does not have)."""
-    problem = check_parallelism(args, what)
-    if problem:
-        raise ValueError(problem)
     te = use_transformer_engine(args)
     spec = get_gpt_decoder_block_spec(
         config, use_transformer_engine=te, normalization=config.normalization, vp_stage=vp_stage
     )
+    if config.context_parallel_size > 1 and not te:  # full attention: slime's zigzag CP attention, as for any model
+        spec = with_cp_attention(spec)
     if te:
         from megatron.core.extensions.transformer_engine import TENorm as norm  # lazy: GPU-only package
     else:

@@ -8,13 +8,10 @@ layout. It is TE's `cp_comm_type="all_gather"` in plain torch: no overlap, memor
 
 import copy
 
-import torch
-import torch.distributed as dist
-import torch.distributed.nn
 from megatron.core import parallel_state as mpu
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-from slime.backends.megatron_utils.cp_utils import zigzag_ranges
+from slime.backends.megatron_utils.cp_utils import gather_sequence_across_cp, local_global_positions
 
 
 class AllGatherKVDotProductAttention(DotProductAttention):
@@ -26,17 +23,10 @@ class AllGatherKVDotProductAttention(DotProductAttention):
         self.cp_group = mpu.get_context_parallel_group()
 
     def _gather(self, local):
-        """`[s_local, ...]` zigzag chunks of every CP rank -> `[s_global, ...]` in sequence order. A zero buffer
-        summed over the group: gloo has no reduce-scatter (the backward of an all-gather), and the backward of this
-        all-reduce sums every rank's key/value gradients into the chunks that produced them."""
-        cp_size, cp_rank = self.cp_group.size(), self.cp_group.rank()
-        chunk = local.size(0) // 2
-        full = local.new_zeros((2 * cp_size * chunk, *local.shape[1:]))
-        index = torch.cat(
-            [torch.arange(lo, hi, device=local.device) for lo, hi in zigzag_ranges(chunk, cp_size, cp_rank)]
-        )
-        full = full.index_copy(0, index, local)
-        return torch.distributed.nn.all_reduce(full, op=dist.ReduceOp.SUM, group=self.cp_group)
+        """`[s_local, ...]` zigzag chunks of every CP rank -> `[s_global, ...]` in sequence order; the backward sums
+        every rank's key/value gradients into the chunks that produced them (`gather_sequence_across_cp`)."""
+        index, total = local_global_positions(local.size(0), self.cp_group.size(), self.cp_group.rank())
+        return gather_sequence_across_cp(local, index, total, self.cp_group)
 
     def forward(
         self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None

@@ -59,6 +59,37 @@ def response_pieces(total_length, response_length, chunk, cp_size, cp_rank):
     return pieces
 
 
+def local_global_positions(local_len, cp_size, cp_rank, cu_seqlens=None):
+    """Global position of each of this CP rank's `local_len` tokens, and the global length: one row of the padded
+    layout (its zigzag pair of chunks) or, given the packed layout's global `cu_seqlens`, every packed segment's
+    pair in turn (`data._packed_layout`)."""
+    if cu_seqlens is None:
+        chunk = local_len // 2
+        bounds = [(0, 2 * cp_size * chunk)]
+    else:
+        cu = cu_seqlens.tolist()
+        bounds = list(zip(cu[:-1], cu[1:]))
+    index = [
+        torch.arange(start + lo, start + hi)
+        for start, end in bounds
+        for lo, hi in zigzag_ranges((end - start) // (2 * cp_size), cp_size, cp_rank)
+    ]
+    index = torch.cat(index) if index else torch.zeros(0, dtype=torch.long)
+    assert index.numel() == local_len, f"{local_len} local tokens, but the CP layout gives {index.numel()}"
+    return index, bounds[-1][1] if bounds else 0
+
+
+def gather_sequence_across_cp(local, index, total, group):
+    """`[local_len, ...]` of every CP rank -> `[total, ...]` in global order (`index`: this rank's global positions).
+    A zero buffer summed over the group, differentiable: the backward of the all-reduce sums every rank's gradient,
+    and each rank keeps its own positions' rows (gloo has no reduce-scatter, the usual backward of an all-gather)."""
+    import torch.distributed.nn  # heavy, and only needed under CP
+
+    index = index.to(local.device)
+    full = local.new_zeros((total, *local.shape[1:])).index_copy(0, index, local)
+    return torch.distributed.nn.all_reduce(full, op=dist.ReduceOp.SUM, group=group)
+
+
 class _GatherAcrossCP(torch.autograd.Function):
     """Sum over the CP group of per-rank zero-padded tensors. The backward hands each rank the incoming gradient
     unchanged (no all-reduce): every CP rank computes the same loss from the gathered tensor, so each rank's own

@@ -204,11 +204,11 @@ def _layer_spec(args, config, vp_stage=None):
     if args.post_self_attn_layernorm or args.post_mlp_layernorm:
         spec = with_post_norms(spec, args, te)
     if config.context_parallel_size > 1 and not te:  # TE's attention implements CP itself (config.cp_comm_type)
-        spec = _with_cp_attention(spec)
+        spec = with_cp_attention(spec)
     return spec
 
 
-def _with_cp_attention(spec):
+def with_cp_attention(spec):
     """The local spec under CP: megatron's DotProductAttention refuses CP > 1, the all-gather-KV one takes its place."""
     spec = copy.deepcopy(spec)
     for layer in getattr(spec, "layer_specs", None) or [spec]:
