@@ -279,3 +279,48 @@ def _base():
     from tests.test_model_families import RL
 
     return [*RL, "--actor-num-gpus-per-node", "1"]
+
+
+@pytest.mark.slow  # a CPU server process on the tiny MoE (transformers fallback)
+def test_cpu_server_takes_int4_updates_in_sessions(moe):
+    """Over HTTP: the weight checker's snapshot / reset / update-in-a-session / compare passes bitwise; a float tensor
+    for a packed parameter and a session without a scale are 400s in one line, as SGLang refuses them."""
+    from slime.utils.tensor_serialization import MultiprocessingSerializer, set_shared_authkey
+    from tests.test_cpu_server import SESSION, begin_update, end_update, start_cpu_server, stop_cpu_server
+
+    _, sym, _ = moe
+    files = read_checkpoint(sym)
+    up = "model.layers.1.mlp.experts.3.up_proj"
+
+    def send(named):
+        payload = MultiprocessingSerializer.serialize(list(named), output_str=True)
+        return SESSION.post(url + "/update_weights_from_tensor", json={"serialized_named_tensors": [payload]})
+
+    def check(action):
+        return SESSION.post(url + "/weights_checker", json={"action": action})
+
+    proc, url = start_cpu_server(sym, "--random-seed", "1")
+    try:
+        set_shared_authkey()
+        assert check("snapshot").status_code == 200 and check("reset_tensors").status_code == 200
+        begin_update(url)
+        assert send(files.items()).status_code == 200
+        end_update(url)
+        assert check("compare").json() == {"success": True, "message": "Success."}
+        body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
+        assert len(SESSION.post(url + "/generate", json=body).json()["output_ids"]) == 3
+        assert check("snapshot").status_code == 200  # (a compare uses up its snapshot)
+
+        begin_update(url)
+        r = send([(up + ".weight_packed", files[up + ".weight_packed"].float())])
+        assert r.status_code == 400 and len(r.text.strip().splitlines()) == 1
+        assert f"'{up}.weight_packed' is int32 in this checkpoint's quantised layout (int4), got float32" in r.text
+        end_update(url)
+        begin_update(url)
+        assert send([(up + s, files[up + s]) for s in (".weight_packed", ".weight_shape")]).status_code == 200
+        r = SESSION.post(url + "/end_weight_update", json={})
+        assert r.status_code == 400 and f"{up} was updated without {up}.weight_scale" in r.text
+        # the refused session changed nothing served
+        assert check("compare").json() == {"success": True, "message": "Success."}
+    finally:
+        stop_cpu_server(proc)
