@@ -275,6 +275,27 @@ def test_start_up_names_a_grid_that_differs_from_the_checkpoint(moe, capsys, mon
     )
 
 
+def test_start_up_refuses_training_into_dense_int4_linears(tiny_kit, tmp_path, capsys):
+    """SGLang repacks dense W4A16 linears for Marlin with no restore hook: only routed experts take online updates,
+    so a checkpoint that packs anything else trains only with --debug-rollout-only (research §4.2)."""
+    from tests.test_startup_checks import BASE, error_line
+    from tools import convert_hf_to_int4_direct
+
+    dense = str(tmp_path / "dense-int4")
+    convert_hf_to_int4_direct.convert(tiny_kit[0], dense, 32, True, ["re:.*embed.*", "re:.*norm.*"])
+    base = [*BASE, "--rollout-max-response-len", "64"]
+    err = error_line(capsys, "--hf-checkpoint", dense, model=[], base=base)
+    assert err == (
+        f"--hf-checkpoint {dense} packs model.layers.0.mlp.down_proj (not a routed expert) in INT4: SGLang cannot "
+        "take online updates into dense INT4 linears (it repacks them for Marlin without a way back); convert with "
+        "tools/convert_hf_to_int4_direct.py's default --ignore-rules (routed experts only); use --debug-rollout-only "
+        "to serve it without training, or train with the full-precision checkpoint"
+    )
+    from slime.utils.arguments import parse_args
+
+    assert parse_args(argv=[*base, "--hf-checkpoint", dense, "--debug-rollout-only"]).debug_rollout_only
+
+
 def _base():
     from tests.test_model_families import RL
 

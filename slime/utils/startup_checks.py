@@ -488,7 +488,27 @@ def check_quantized_checkpoint(args, error):
             "(use --lora-sync merged: merged weights are quantised on sync)"
         )
     elif kind == "int4":
+        dense = next((m for m in int4_packed_modules(hf) if ".experts." not in m), None)
+        if dense is not None:
+            error(
+                f"--hf-checkpoint {hf} packs {dense} (not a routed expert) in INT4: SGLang cannot take online updates "
+                "into dense INT4 linears (it repacks them for Marlin without a way back); convert with "
+                f"tools/convert_hf_to_int4_direct.py's default --ignore-rules (routed experts only){rollout_only}"
+            )
+            return
         check_int4_qat_grid(args, hf, scheme, error)
+
+
+def int4_packed_modules(hf):
+    """The modules an INT4 checkpoint stores packed (`<module>.weight_packed`), from its safetensors headers."""
+    import glob
+
+    from safetensors import safe_open
+
+    suffix = ".weight_packed"
+    for fn in sorted(glob.glob(os.path.join(hf, "*.safetensors"))):
+        with safe_open(fn, framework="pt") as f:
+            yield from sorted(k[: -len(suffix)] for k in f.keys() if k.endswith(suffix))
 
 
 def check_int4_qat_grid(args, hf, scheme, error):
