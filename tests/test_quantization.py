@@ -347,7 +347,7 @@ def test_convert_hf_to_int4_direct_dense_and_moe(tiny_kit, tmp_path):
 
 
 def test_quantised_hf_checkpoint_start_up_checks(tiny_kit, tmp_path, capsys):
-    """Blockwise FP8 trains (quantise-on-sync); other formats, the disk transport and adapter-only LoRA sync into a
+    """Blockwise FP8 (and INT4: tests/test_int4.py) trains (quantise-on-sync); other formats, the disk transport and adapter-only LoRA sync into a
     quantised engine start only with --debug-rollout-only; a config this build cannot serve is refused; each in one
     line."""
     from slime.utils.arguments import parse_args
@@ -362,8 +362,8 @@ def test_quantised_hf_checkpoint_start_up_checks(tiny_kit, tmp_path, capsys):
     err = error_line(capsys, "--hf-checkpoint", str(tensor), model=[], base=base)
     assert err == (
         f"--hf-checkpoint {tensor} is quantised (fp8_tensor): training into it (quantise-on-sync) is implemented for "
-        "blockwise FP8 only; use --debug-rollout-only to serve it without training, or train with the full-precision "
-        "checkpoint"
+        "blockwise FP8 and compressed-tensors W4A16 only; use --debug-rollout-only to serve it without training, or "
+        "train with the full-precision checkpoint"
     )
     assert parse_args(argv=[*base, "--hf-checkpoint", str(tensor), "--debug-rollout-only"]).debug_rollout_only
     err = error_line(

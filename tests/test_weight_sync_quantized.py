@@ -1,7 +1,11 @@
 """Quantise-on-sync over the colocated tensor transport (shared-memory handles) into a CPU server serving a blockwise
 FP8 checkpoint: the trainer's update carries `weight` in e4m3 and `weight_scale_inv` in fp32, quantised by the same
 code as tools/convert_hf_to_fp8.py, so `--check-weight-update-equal`'s compare passes bit for bit
-(research low-precision.md §5.3 F6-F8)."""
+(research low-precision.md §5.3 F6-F8). The train.py run also covers an INT4 MoE engine with fake QAT in the trainer
+(the INT4 components: tests/test_int4.py)."""
+
+import os
+import shutil
 
 import pytest
 import ray
@@ -110,18 +114,54 @@ def test_fp8_quantise_on_sync_restores_the_engine_bit_for_bit(tiny_kit, tmp_path
 
 
 @pytest.mark.slow  # a short train.py run (Ray, router, CPU server, Megatron trainer)
-def test_train_py_into_an_fp8_engine_with_check_weight_update_equal(ray_session, tiny_kit, tmp_path):
-    """The whole loop with a blockwise-FP8 --hf-checkpoint: the trainer starts from its dequantised weights, every
-    update is quantised on sync, and --check-weight-update-equal's compare after the first push passes bit for bit."""
+@pytest.mark.parametrize("kind", ["fp8", "int4_moe_qat"])
+def test_train_py_into_a_quantised_engine_with_check_weight_update_equal(kind, ray_session, tiny_kit, tmp_path):
+    """The whole loop with a quantised --hf-checkpoint: the trainer starts from its dequantised weights, every update
+    is quantised on sync, and --check-weight-update-equal's compare after the first push passes bit for bit.
+    fp8: blockwise FP8 on the tiny Qwen3; the engine computes with FP8 weights, the trainer with full precision.
+    int4_moe_qat: symmetric INT4 routed experts (group 32) on a tiny Qwen3-MoE with OPEN_TRAINING_INT4_FAKE_QAT_FLAG=1
+    in the trainers: after a training step moves the experts off the grid, the trainer still computes with the
+    weights the engine is sent, so rollout 1's log-probs agree as closely as full precision's do."""
+    import json
+
     import train as sync_driver
     from tests.test_e2e import make_args, read_metrics
-    from tools import convert_hf_to_fp8
 
-    fp8_dir = str(tmp_path / "fp8")
-    convert_hf_to_fp8.convert(tiny_kit[0], fp8_dir, "block", (32, 32))
-    args = make_args((fp8_dir, tiny_kit[1]), tmp_path, "--rollout-num-gpus", "1", "--check-weight-update-equal")
+    if kind == "fp8":
+        from tools import convert_hf_to_fp8
+
+        fp8_dir = str(tmp_path / "fp8")
+        convert_hf_to_fp8.convert(tiny_kit[0], fp8_dir, "block", (32, 32))
+        args = make_args((fp8_dir, tiny_kit[1]), tmp_path, "--rollout-num-gpus", "1", "--check-weight-update-equal")
+    else:
+        from slime.utils.arguments import parse_args
+        from tests._megatron_helpers import build_random_hf
+        from tests.test_routing_replay import _with_tokenizer
+        from tools import convert_hf_to_int4_direct
+
+        src = _with_tokenizer(build_random_hf("qwen3moe", str(tmp_path / "moe"), vocab_size=512), tiny_kit)
+        int4_dir = str(tmp_path / "int4")
+        convert_hf_to_int4_direct.convert(src, int4_dir, 32, True)
+        for f in os.listdir(src):
+            if f.startswith(("tokenizer", "special_tokens", "chat_template")):
+                shutil.copy(f"{src}/{f}", f"{int4_dir}/{f}")
+        qat = {"OPEN_TRAINING_INT4_FAKE_QAT_FLAG": "1", "OPEN_TRAINING_INT4_GROUP_SIZE": "32"}
+        argv = [
+            *["--hf-checkpoint", int4_dir, "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1"],
+            *["--rollout-num-gpus", "1", "--prompt-data", f"{tiny_kit[1]}/train.jsonl", "--input-key", "prompt"],
+            *["--label-key", "label", "--apply-chat-template", "--rm-type", "answer_match", "--num-rollout", "2"],
+            *["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4"],
+            *["--rollout-max-response-len", "4", "--lr", "1e-3", "--lr-decay-style", "constant", "--seed", "1"],
+            *["--entropy-coef", "0.1"],  # every reward is 0 on a random model: the entropy term moves the experts
+            *["--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--check-weight-update-equal"],
+            *["--metrics-path", str(tmp_path / "metrics.jsonl"), "--train-env-vars", json.dumps(qat)],
+        ]
+        args = parse_args(argv=argv)
     sync_driver.train(args)
     rows = read_metrics(tmp_path)
     assert [int(r["rollout/weight_version"]) for r in rows] == [1, 2]
-    # the engine computes with FP8 weights, the trainer with full precision: a small, non-zero mismatch
-    assert 0 < rows[0]["train/train_rollout_logprob_abs_diff"] < 0.5
+    diffs = [r["train/train_rollout_logprob_abs_diff"] for r in rows]
+    if kind == "fp8":  # the engine computes with FP8 weights, the trainer with full precision: a small mismatch
+        assert 0 < diffs[0] < 0.5
+    else:
+        assert all(d < 1e-5 for d in diffs), diffs

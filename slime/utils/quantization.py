@@ -225,6 +225,30 @@ def fake_quantize_int4(w: torch.Tensor, group_size: int) -> torch.Tensor:
     return int4_dequantize_codes(codes, s, None, group_size, w.dtype)
 
 
+# Current slime's INT4 QAT switches, read by the trainer on every forward of a routed expert: exactly "1" turns
+# symmetric fake quantisation on; the group runs along the input dimension (default 128, as upstream).
+INT4_QAT_FLAG = "OPEN_TRAINING_INT4_FAKE_QAT_FLAG"
+INT4_QAT_GROUP_SIZE = "OPEN_TRAINING_INT4_GROUP_SIZE"
+INT4_QAT_DEFAULT_GROUP_SIZE = 128
+
+
+def qat_group_size(env=None) -> int | None:
+    """The trainer's fake-quantisation group when INT4 QAT is on in `env` (default os.environ), else None."""
+    import os
+
+    env = os.environ if env is None else env
+    if env.get(INT4_QAT_FLAG, "0") != "1":
+        return None
+    raw = env.get(INT4_QAT_GROUP_SIZE, str(INT4_QAT_DEFAULT_GROUP_SIZE))
+    try:
+        group = int(raw)
+    except ValueError:
+        group = 0
+    if group <= 0 or group % PACK:
+        raise ValueError(f"{INT4_QAT_GROUP_SIZE}={raw!r}: expected a positive multiple of {PACK} (default 128)")
+    return group
+
+
 def pack_int4(nibbles: torch.Tensor) -> torch.Tensor:
     """[..., N] values 0..15 -> int32 [..., N/8], value c at bits 4*(c % 8) of word c // 8."""
     *lead, n = nibbles.shape

@@ -12,7 +12,7 @@ import tempfile
 import torch
 
 from .model import UnsupportedModelError
-from .weights import WeightError, is_mtp_weight, resolve_dtype
+from .weights import QuantizedParams, WeightError, is_mtp_weight, quantized_parts, resolve_dtype
 
 
 class FallbackConfig:
@@ -69,17 +69,36 @@ class TokenPool:
         self.free.extend(rows)
 
 
-class HFWeights:
+class HFWeights(QuantizedParams):
     """WeightStore's interface over a transformers model's own parameters (HF names by construction), plus the
-    checkpoint names of what transformers keeps in another form in memory (see `checkpoint_views`)."""
+    checkpoint names of what transformers keeps in another form in memory (see `checkpoint_views`). With `quant`
+    (a quantised checkpoint: e.g. INT4 routed experts), each linear it quantises is addressed by its checkpoint-layout
+    tensors instead of its `.weight`, and the model computes with their dequantised values, as in WeightStore."""
 
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model, quant=None):
+        self.model, self.quant = model, quant
+        self.dtype = next(model.parameters()).dtype
         self._backup_dir = None
+        self.pending = set()
+        self._parts = quantized_parts(quant, checkpoint_views(model), self.dtype) if quant is not None else {}
+        self._quant_names = {f"{m}.{s}": m for m, parts in self._parts.items() for s in parts}
+
+    @property
+    def quantized(self) -> dict:
+        """module -> (the view the model computes with, its checkpoint-layout tensors); views are looked up afresh
+        (a resume replaces the parameters' storage)."""
+        views = checkpoint_views(self.model)
+        return {m: (views[m + ".weight"], parts) for m, parts in self._parts.items()}
 
     @property
     def named(self) -> dict:
-        return {} if self.released else checkpoint_views(self.model)
+        if self.released:
+            return {}
+        views = checkpoint_views(self.model)
+        for module, parts in self._parts.items():
+            del views[module + ".weight"]
+            views.update({f"{module}.{s}": t for s, t in parts.items()})
+        return views
 
     @property
     def released(self) -> bool:
@@ -109,15 +128,40 @@ class HFWeights:
                     raise WeightError(
                         f"{source}: parameter {name!r} has shape {tuple(t.shape)}, the model expects {tuple(dst.shape)}"
                     )
+                if self.quant is not None or t.dtype == torch.float8_e4m3fn:
+                    self._check_dtype(name, t, dst, source)
+                    if name in self._quant_names:
+                        self.pending.add(name)
                 dst.copy_(t)
                 loaded.add(name)
         return loaded
 
     def load_from_dir(self, model_dir: str):
+        if self.quant is not None:  # checkpoint names as stored (transformers cannot load the packed layout)
+            self._load_safetensors(model_dir)
+            return
         from transformers import AutoModelForCausalLM  # heavy
 
         src = AutoModelForCausalLM.from_pretrained(model_dir, dtype=next(self.model.parameters()).dtype)
         self.load(src.named_parameters(), model_dir)
+
+    def _load_safetensors(self, model_dir: str):
+        import glob
+
+        from safetensors import safe_open
+
+        files, loaded = sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))), set()
+        if not files:
+            raise WeightError(f"{model_dir}: no *.safetensors weight files found (a quantised checkpoint needs them)")
+        for fn in files:
+            with safe_open(fn, framework="pt") as f:
+                loaded |= self.load(((k, f.get_tensor(k)) for k in f.keys()), fn)
+        fused = {n for n, p in self.model.named_parameters() if p.dim() == 3}  # stored per expert, loaded as views
+        missing = sorted(set(self.named) - loaded - fused)
+        if missing:
+            self.pending.clear()
+            raise WeightError(f"{model_dir}: checkpoint lacks {len(missing)} parameter(s), e.g. {missing[:3]}")
+        self.finish_quantized(model_dir)
 
     def state(self) -> dict:
         """The tensors the model computes with (`/weights_checker` works on these)."""
@@ -244,8 +288,9 @@ class HFFallbackModel:
         return logits[batch, positions]
 
 
-def load_fallback(model_dir: str, dtype_name: str, trust_remote_code: bool):
-    """(config, weights, model) for a transformers causal LM; raises ValueError naming the directory."""
+def load_fallback(model_dir: str, dtype_name: str, trust_remote_code: bool, quant=None):
+    """(config, weights, model) for a transformers causal LM; raises ValueError naming the directory. A quantised
+    checkpoint (`quant`) is built from its config and loaded by checkpoint name into WeightStore-like storage."""
     from transformers import AutoConfig, AutoModelForCausalLM  # heavy
 
     try:
@@ -254,5 +299,12 @@ def load_fallback(model_dir: str, dtype_name: str, trust_remote_code: bool):
         raise WeightError(f"{model_dir}: not a loadable HuggingFace model directory ({e})") from None
     cfg = FallbackConfig(model_dir, hf_config)
     dtype = resolve_dtype(dtype_name, cfg)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code).eval()
-    return cfg, dtype, HFWeights(model), HFFallbackModel(model)
+    if quant is None:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code)
+        return cfg, dtype, HFWeights(model.eval()), HFFallbackModel(model)
+    if hasattr(hf_config, "quantization_config"):  # transformers' own quantizers are not what serves it here
+        del hf_config.quantization_config
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, trust_remote_code=trust_remote_code).eval()
+    weights = HFWeights(model, quant)
+    weights.load_from_dir(model_dir)
+    return cfg, dtype, weights, HFFallbackModel(model)

@@ -112,14 +112,9 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
         if self.fallback:
             with open(os.path.join(self.model_path, "config.json")) as f:
                 qc = json.load(f).get("quantization_config")
-            if qc:
-                raise UnsupportedModelError(
-                    f"{self.model_path}: a quantised checkpoint (quant_method {qc.get('quant_method')!r}) is served "
-                    f"only by the CPU server's own model ({', '.join(sorted(SUPPORTED_ARCHITECTURES))}), not "
-                    "through the transformers fallback; serve the full-precision checkpoint instead"
-                )
+            quant = QuantScheme(qc, f"{self.model_path}/config.json quantization_config") if qc else None
             self.cfg, self.dtype, self.weights, self.model = load_fallback(
-                self.model_path, args.dtype, args.trust_remote_code
+                self.model_path, args.dtype, args.trust_remote_code, quant
             )
             self.context_len = args.context_length or self.cfg.max_position_embeddings
             self.max_total_tokens = args.max_total_tokens or args.max_running_requests * self.context_len

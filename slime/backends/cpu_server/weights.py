@@ -76,7 +76,79 @@ def parallel_copy(pairs) -> None:
 _QUANT_DTYPES = (torch.float8_e4m3fn, torch.int32)
 
 
-class WeightStore:
+class QuantizedParams:
+    """The quantised linears of a weight store: `quant` (a slime.utils.quantization.QuantScheme), `quantized`
+    (module -> (compute view, {suffix: checkpoint-layout tensor})), `_quant_names` (parameter name -> module) and
+    `pending` (quantised parameters loaded since their module was last dequantised)."""
+
+    def _check_dtype(self, name, t, dst, source):
+        """SGLang's refusals, made loud: no full-precision tensor into a quantised parameter (it does not re-quantise
+        what it receives: 'Downcasting not allowed'), no quantised tensor into a full-precision one."""
+        want, got = dst.dtype, t.dtype
+        if name in self._quant_names:
+            if want == torch.int32:
+                ok = got == torch.int32 or (got == torch.int64 and name.endswith(".weight_shape"))
+            elif want == torch.float8_e4m3fn:
+                ok = got == want
+            else:  # a scale: any full-precision float
+                ok = got.is_floating_point and got not in _QUANT_DTYPES
+            if not ok:
+                raise WeightError(
+                    f"{source}: parameter {name!r} is {str(want).replace('torch.', '')} in this checkpoint's "
+                    f"quantised layout ({self.quant.kind}), got {str(got).replace('torch.', '')}: send the quantised "
+                    "tensors (this server, like SGLang, does not quantise what it receives)"
+                )
+        elif got == torch.float8_e4m3fn and want != got:
+            raise WeightError(
+                f"{source}: parameter {name!r} is not quantised in this checkpoint, got a "
+                f"{str(got).replace('torch.', '')} tensor"
+            )
+
+    def note_loaded(self, names):
+        """Quantised parameters written in place (a broadcast received straight into them) count as loaded."""
+        self.pending.update(n for n in names if n in self._quant_names)
+
+    def finish_quantized(self, source: str):
+        """Dequantise every quantised module loaded since the last call into the tensors the model computes with.
+        A module whose parts did not all arrive (e.g. a weight without its scale) is an error naming it."""
+        modules = {self._quant_names[n] for n in self.pending}
+        for module in sorted(modules):
+            view, parts = self.quantized[module]
+            missing = sorted(f"{module}.{s}" for s in parts if f"{module}.{s}" not in self.pending)
+            if missing:
+                self.pending.clear()
+                raise WeightError(
+                    f"{source}: quantised {module} was updated without {', '.join(missing)} "
+                    "(every part of a quantised weight must come in the same update)"
+                )
+            if "weight_shape" in parts and parts["weight_shape"].tolist() != list(view.shape):
+                self.pending.clear()
+                raise WeightError(
+                    f"{source}: {module}.weight_shape is {parts['weight_shape'].tolist()}, the model expects "
+                    f"{list(view.shape)}"
+                )
+        with torch.no_grad():
+            for module in modules:
+                view, parts = self.quantized[module]
+                view.copy_(self.quant.dequantize(parts, self.dtype))
+        self.pending.clear()
+
+
+def quantized_parts(quant, views: dict, dtype) -> dict:
+    """{module: {suffix: zeros in the checkpoint layout}} for every linear (`*_proj.weight`, 2-D) in `views` (name ->
+    full-precision tensor) that `quant` quantises, as SGLang decides it on module names."""
+    out = {}
+    for name, view in views.items():
+        if not name.endswith("_proj.weight") or view.dim() != 2:  # the linears: attention and MLP/expert projections
+            continue
+        module = name[: -len(".weight")]
+        if quant.quantizes_module(module):
+            spec = quant.storage_spec(tuple(view.shape), dtype)
+            out[module] = {suffix: torch.zeros(shape, dtype=dt) for suffix, (shape, dt) in spec.items()}
+    return out
+
+
+class WeightStore(QuantizedParams):
     """`quant` (a slime.utils.quantization.QuantScheme, from the checkpoint's `quantization_config`): each linear it
     quantises keeps its checkpoint-layout tensors (`weight` e4m3 + `weight_scale_inv`/`weight_scale`, or INT4
     `weight_packed`/`weight_scale`/`weight_shape`[/`weight_zero_point`]) as the parameters loads and updates address,
@@ -158,71 +230,13 @@ class WeightStore:
             self._add_quantized()
 
     def _add_quantized(self):
-        for name in list(self.named):
-            if not name.endswith("_proj.weight"):  # the linears: q/k/v/o and gate/up/down projections
-                continue
-            module = name[: -len(".weight")]
-            if not self.quant.quantizes_module(module):
-                continue
-            view = self.named.pop(name)
-            parts = {}
-            for suffix, (shape, dt) in self.quant.storage_spec(tuple(view.shape), self.dtype).items():
+        for module, parts in quantized_parts(self.quant, self.named, self.dtype).items():
+            view = self.named.pop(module + ".weight")
+            for suffix, t in parts.items():
                 pname = f"{module}.{suffix}"
-                parts[suffix] = self.storage[pname] = self.named[pname] = torch.zeros(shape, dtype=dt)
+                self.storage[pname] = self.named[pname] = t
                 self._quant_names[pname] = module
             self.quantized[module] = (view, parts)
-
-    def _check_dtype(self, name, t, dst, source):
-        """SGLang's refusals, made loud: no full-precision tensor into a quantised parameter (it does not re-quantise
-        what it receives: 'Downcasting not allowed'), no quantised tensor into a full-precision one."""
-        want, got = dst.dtype, t.dtype
-        if name in self._quant_names:
-            if want == torch.int32:
-                ok = got == torch.int32 or (got == torch.int64 and name.endswith(".weight_shape"))
-            elif want == torch.float8_e4m3fn:
-                ok = got == want
-            else:  # a scale: any full-precision float
-                ok = got.is_floating_point and got not in _QUANT_DTYPES
-            if not ok:
-                raise WeightError(
-                    f"{source}: parameter {name!r} is {str(want).replace('torch.', '')} in this checkpoint's "
-                    f"quantised layout ({self.quant.kind}), got {str(got).replace('torch.', '')}: send the quantised "
-                    "tensors (this server, like SGLang, does not quantise what it receives)"
-                )
-        elif got == torch.float8_e4m3fn and want != got:
-            raise WeightError(
-                f"{source}: parameter {name!r} is not quantised in this checkpoint, got a "
-                f"{str(got).replace('torch.', '')} tensor"
-            )
-
-    def note_loaded(self, names):
-        """Quantised parameters written in place (a broadcast received straight into them) count as loaded."""
-        self.pending.update(n for n in names if n in self._quant_names)
-
-    def finish_quantized(self, source: str):
-        """Dequantise every quantised module loaded since the last call into the tensors the model computes with.
-        A module whose parts did not all arrive (e.g. a weight without its scale) is an error naming it."""
-        modules = {self._quant_names[n] for n in self.pending}
-        for module in sorted(modules):
-            view, parts = self.quantized[module]
-            missing = sorted(f"{module}.{s}" for s in parts if f"{module}.{s}" not in self.pending)
-            if missing:
-                self.pending.clear()
-                raise WeightError(
-                    f"{source}: quantised {module} was updated without {', '.join(missing)} "
-                    "(every part of a quantised weight must come in the same update)"
-                )
-            if "weight_shape" in parts and parts["weight_shape"].tolist() != list(view.shape):
-                self.pending.clear()
-                raise WeightError(
-                    f"{source}: {module}.weight_shape is {parts['weight_shape'].tolist()}, the model expects "
-                    f"{list(view.shape)}"
-                )
-        with torch.no_grad():
-            for module in modules:
-                view, parts = self.quantized[module]
-                view.copy_(self.quant.dequantize(parts, self.dtype))
-        self.pending.clear()
 
     @property
     def released(self) -> bool:

@@ -33,6 +33,7 @@ from . import routing_replay
 from .checkpoint import load_checkpoint, resync_optimizer_main_params
 from .data import get_batch, unpack_tree_output
 from .initialize import is_megatron_main_rank
+from .int4_qat import apply_int4_qat
 from .log_probs import get_log_probs_and_entropy, get_rollout_temperature_kwargs, get_rollout_top_p_logprob_kwargs
 from .lora import apply_lora, check_wrapped, log_lora_summary
 from .loss import loss_function
@@ -77,6 +78,8 @@ def get_model(args, wrap_with_ddp=True, role="actor"):
         chunks.append(chunk)
     freeze_model_params(chunks, args)
     freeze_mtp_params(chunks, args)
+    for chunk in chunks:  # OPEN_TRAINING_INT4_FAKE_QAT_FLAG=1: routed experts compute on the engine's INT4 grid
+        apply_int4_qat(chunk)
     if args.enable_lora:
         wrapped = [n for vp_stage, c in enumerate(chunks) for n in apply_lora(args, c, vp_stage if vpp else None)]
         check_wrapped(args, chunks, wrapped)
