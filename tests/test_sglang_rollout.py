@@ -695,7 +695,9 @@ def test_group_timeout_drops_a_straggler_and_serves_its_prompt_again(engine, tin
         prompts,
         rollout_batch_size=2,
         n_samples_per_prompt=2,
-        rollout_group_timeout=3.0,
+        # every group that does not hang must finish within it (two 8-token samples, ~0.1 s on an idle machine):
+        # wide, since on a loaded one a second group over it is dropped too
+        rollout_group_timeout=10.0,
         custom_generate_function_path=f"{HERE}.group_1_hangs_once",
     )
     ds = RolloutDataSourceWithBuffer(args)
