@@ -24,7 +24,11 @@ from slime.utils.types import Sample
 from tests._args import make_args as real_args
 
 HERE = "tests.test_sglang_rollout"
-SHORT, LONG = 4, 120  # response budgets of the "short" and "long" groups in the abort tests
+# Response budgets of the "short" and "long" groups in the abort tests. The gaps are the margins of their races: a
+# long group must still run when the abort after the short ones lands (LONG - SHORT tokens later), and, resumed with
+# LONG - SHORT left, finish before a fresh long group admitted with it (SHORT tokens behind) even when the requests
+# reach the engine some steps apart on a loaded machine. LONG + the 15-token prompts fits the tiny model's context.
+SHORT, LONG = 96, 448
 
 
 # ------------------------------------------------------------------ plug-ins loaded by path
@@ -81,11 +85,10 @@ def recording_over_sampling_filter(args, groups, **kwargs):
 
 
 def _short_or_long(sample, sampling_params):
-    """Even groups stop after SHORT tokens, odd ones run their whole budget (EOS ignored)."""
+    """Even groups stop after SHORT tokens, odd ones run their whole budget (EOS ignored by both)."""
     if sample.group_index % 2 == 0 and sample.response_length == 0:
         sampling_params["max_new_tokens"] = SHORT
-    else:
-        sampling_params["ignore_eos"] = True
+    sampling_params["ignore_eos"] = True
 
 
 async def short_and_long_generate(args, sample, sampling_params):
