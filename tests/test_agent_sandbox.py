@@ -50,11 +50,13 @@ def test_timeouts_and_resource_limits_are_results_not_exceptions():
         async with LocalSandbox(limits=limits, isolate=False) as sb:
             r = await sb.exec("sleep 30 & sleep 30; echo never")
             assert r.timed_out and r.returncode < 0 and "never" not in r.stdout
-            r = await sb.exec(["python3", "-c", "x = bytearray(512 << 20)"])
-            assert r.returncode != 0 and "MemoryError" in r.stderr
-            r = await sb.exec("head -c 2000000 /dev/zero > big")
-            assert r.returncode != 0 and os.path.getsize(sb.root / "big") == 1 << 20
-            r = await sb.exec("echo $HOME; echo ${SECRET-unset}", env={"EXTRA": "1"})
+            # the commands below must finish: their own time limit, not the 1 s one (a python3 start-up alone can
+            # take that long on a loaded machine, and a timed-out run would not report the MemoryError)
+            r = await sb.exec(["python3", "-c", "x = bytearray(512 << 20)"], timeout=60)
+            assert not r.timed_out and r.returncode != 0 and "MemoryError" in r.stderr
+            r = await sb.exec("head -c 2000000 /dev/zero > big", timeout=60)
+            assert not r.timed_out and r.returncode != 0 and os.path.getsize(sb.root / "big") == 1 << 20
+            r = await sb.exec("echo $HOME; echo ${SECRET-unset}", env={"EXTRA": "1"}, timeout=60)
             assert r.stdout == f"{sb.root}\nunset\n"  # the host's environment does not leak in
 
     os.environ["SECRET"] = "host-only"

@@ -162,7 +162,6 @@ def test_parse_inverts_the_real_qwen3_template(qwen3_tokenizer):
 
 def test_sessions_never_finished_are_dropped_with_a_logged_reason(caplog):
     import logging
-    import time
 
     from slime.agent.adapters import OpenAIAdapter
 
@@ -170,10 +169,12 @@ def test_sessions_never_finished_are_dropped_with_a_logged_reason(caplog):
     adapter.open_session("old")
     with pytest.raises(ValueError, match="already open"):
         adapter.open_session("old")
-    time.sleep(0.05)
     adapter.open_session("new")
+    # "old" opened a minute before "new" (backdated, not slept): that "new" is younger than the limit then does not
+    # depend on how long a loaded machine takes between two lines (a 0.04 s limit after a 0.05 s sleep did)
+    adapter._sessions["old"].opened_at -= 60
     with caplog.at_level(logging.WARNING, logger="slime.agent.adapters.common"):
-        assert adapter.drop_stale_sessions(0.04) == ["old"]
+        assert adapter.drop_stale_sessions(30) == ["old"]
         adapter.drop_session("new", "the episode's sandbox failed")
     assert "agent session old dropped after 0 turn(s), its samples discarded: never finished within" in caplog.text
     assert (

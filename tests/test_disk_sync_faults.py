@@ -58,14 +58,17 @@ def kill_trainer_mid_version(root, first_version, last_version, run_over, caught
     """SIGKILL the trainers while `.weight_vN.partial` exists and `weight_vN` does not (N in the given range). The
     trainers are stopped (SIGSTOP) the moment the partial directory shows, then checked: a version that got published
     meanwhile is let go (SIGCONT) and the next one is tried."""
-    tried = set()
+    tried, pids = set(), []
     while not run_over.is_set():
         for partial in root.glob(".weight_v*.partial") if root.is_dir() else ():
+            # the trainers are looked up at the first version they write (version 1, before the range): scanning
+            # every process's environment takes longer on a loaded machine than writing a tiny version, so doing it
+            # once a target partial shows would let it be published before the SIGSTOP, every time
+            pids = pids or trainer_pids()
             version = int(partial.name[len(".weight_v") : -len(".partial")])
             if version in tried or not first_version <= version <= last_version:
                 continue
             tried.add(version)
-            pids = trainer_pids()
             for pid in pids:
                 os.kill(pid, signal.SIGSTOP)
             if partial.is_dir() and not (root / disk_delta.version_name(version)).exists():

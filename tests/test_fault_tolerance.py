@@ -82,12 +82,17 @@ def test_trainer_killed_mid_save_resumes_from_last_complete_checkpoint(ray_sessi
     killed, run_over = {}, threading.Event()
 
     def kill_trainer_mid_save():
-        # ends with the run: a killer left waiting would SIGKILL the trainers of a later test
+        # ends with the run: a killer left waiting would SIGKILL the trainers of a later test. The trainers are
+        # looked up once checkpoint 0 is written: scanning every process's environment once checkpoint 1 shows would
+        # give the save that much time (more on a loaded machine) to finish before the kill
+        pids = []
         while not run_over.is_set() and not (ckpt / "iter_0000001.tmp").exists():
+            if not pids and (ckpt / "iter_0000000").exists():
+                pids = trainer_pids()
             time.sleep(0.002)
         killed["saw_tmp"] = (ckpt / "iter_0000001.tmp").exists()
         if killed["saw_tmp"]:
-            for pid in trainer_pids():
+            for pid in pids or trainer_pids():
                 os.kill(pid, signal.SIGKILL)
         killed["at"] = time.time()
 

@@ -2,10 +2,12 @@
 
 import asyncio
 import time
+import types
 
 import pytest
 from aiohttp import web
 
+import slime.rollout.rm_hub as rm_hub
 from slime.rollout.rm_hub import RM_TYPES, async_rm, batched_async_rm, close_remote_rm_session, remote_rm
 from slime.rollout.rm_hub import math_dapo_utils as dapo
 from slime.rollout.rm_hub import math_utils as mu
@@ -489,14 +491,24 @@ def test_remote_rm_posts_prompt_response_label(rm_server):
     assert {"prompt": prompt, "response": " 7", "label": "7"} in server.received
 
 
-def test_remote_rm_retries_with_exponential_backoff(rm_server):
+def test_remote_rm_retries_with_exponential_backoff(rm_server, monkeypatch):
     server, base = rm_server
+    # the delays remote_rm asks for, recorded: how long a retry then takes on the wall clock depends on the load
+    delays, real_sleep = [], asyncio.sleep
+
+    async def recording_sleep(delay, *a, **kw):
+        delays.append(delay)
+        return await real_sleep(delay, *a, **kw)
+
+    monkeypatch.setattr(rm_hub, "asyncio", types.SimpleNamespace(**{**vars(asyncio), "sleep": recording_sleep}))
     args = make_args(rm_url=f"{base}/flaky")
     reward = run(remote_rm(args, Sample(), max_retries=5, backoff=0.1, max_backoff=0.25), timeout=30)
     assert reward == 0.75 and len(server.flaky_times) == 4  # 3 x 503, then success
+    # delays 0.1, 0.2, then capped at 0.25 (an uncapped third would be 0.4), each plus <= 10% jitter
+    assert len(delays) == 3 and all(1 <= d / base_delay <= 1.1 for d, base_delay in zip(delays, [0.1, 0.2, 0.25]))
+    # and they were waited: each retry reached the server no sooner (a wall-clock lower bound holds under any load)
     gaps = [b - a for a, b in zip(server.flaky_times, server.flaky_times[1:])]
-    # delays 0.1, 0.2, then capped at 0.25 (plus <= 10% jitter)
-    assert gaps[0] >= 0.1 and gaps[1] >= 0.2 and gaps[2] >= 0.25 and gaps[2] < 0.25 * 1.1 + 0.2
+    assert all(g >= d for g, d in zip(gaps, delays)), (gaps, delays)
 
 
 def test_remote_rm_errors_name_the_url(rm_server):

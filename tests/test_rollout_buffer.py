@@ -103,8 +103,10 @@ def test_endpoints(tmp_path):
     bad = client.post("/start_rollout", json={"task_type": "nope"})
     assert bad.status_code == 400 and "writer" in bad.json()["message"]
     assert client.post("/start_rollout", json={"task_type": "writer", "num_repeat_per_sample": 2}).json()["success"]
-    deadline = time.time() + 10
-    while client.app.state.buffer.rollout_error is None and time.time() < deadline:
+    # wait for the generator thread's end, not its error: the error is set first and `finished` only after the
+    # error's print, so a poll that saw the error could still read generator_finished False on a loaded machine
+    deadline = time.time() + 60
+    while not client.app.state.buffer.rollout_finished and time.time() < deadline:
         time.sleep(0.05)
     body = client.post("/get_rollout_data", json={}).json()
     assert body["success"] is False and "engine exploded" in body["message"] and body["generator_finished"]

@@ -24,7 +24,11 @@ from slime.utils.types import Sample
 from tests._args import make_args as real_args
 
 HERE = "tests.test_sglang_rollout"
-SHORT, LONG = 4, 120  # response budgets of the "short" and "long" groups in the abort tests
+# Response budgets of the "short" and "long" groups in the abort tests. The gaps are the margins of their races: a
+# long group must still run when the abort after the short ones lands (LONG - SHORT tokens later), and, resumed with
+# LONG - SHORT left, finish before a fresh long group admitted with it (SHORT tokens behind) even when the requests
+# reach the engine some steps apart on a loaded machine. LONG + the 15-token prompts fits the tiny model's context.
+SHORT, LONG = 96, 448
 
 
 # ------------------------------------------------------------------ plug-ins loaded by path
@@ -81,11 +85,10 @@ def recording_over_sampling_filter(args, groups, **kwargs):
 
 
 def _short_or_long(sample, sampling_params):
-    """Even groups stop after SHORT tokens, odd ones run their whole budget (EOS ignored)."""
+    """Even groups stop after SHORT tokens, odd ones run their whole budget (EOS ignored by both)."""
     if sample.group_index % 2 == 0 and sample.response_length == 0:
         sampling_params["max_new_tokens"] = SHORT
-    else:
-        sampling_params["ignore_eos"] = True
+    sampling_params["ignore_eos"] = True
 
 
 async def short_and_long_generate(args, sample, sampling_params):
@@ -695,7 +698,9 @@ def test_group_timeout_drops_a_straggler_and_serves_its_prompt_again(engine, tin
         prompts,
         rollout_batch_size=2,
         n_samples_per_prompt=2,
-        rollout_group_timeout=3.0,
+        # every group that does not hang must finish within it (two 8-token samples, ~0.1 s on an idle machine):
+        # wide, since on a loaded one a second group over it is dropped too
+        rollout_group_timeout=10.0,
         custom_generate_function_path=f"{HERE}.group_1_hangs_once",
     )
     ds = RolloutDataSourceWithBuffer(args)
