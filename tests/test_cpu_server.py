@@ -383,7 +383,9 @@ def test_abort_returns_partial_output(server):
     # by rid
     t = threading.Thread(target=lambda: result.update(gen(server, payload)))
     t.start()
+    deadline = time.time() + 30
     while SESSION.get(server + "/get_load").json()[0]["num_reqs"] == 0:
+        assert time.time() < deadline, "the second long request never started running"
         time.sleep(0.01)
     SESSION.post(server + "/abort_request", json={"rid": "long-one"})
     t.join(30)
