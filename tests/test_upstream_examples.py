@@ -255,8 +255,6 @@ SCRIPT_REFUSALS = {
     "tests/test_gspo.sh": "--num-layers, --hidden-size, --num-attention-heads required",
     # not here yet: the ifbench reward (it clones and installs IFBench at first use)
     "examples/eval_multi_task/multi_task.sh": "rm_type: 'ifbench' is unknown",
-    # TensorBoard naming: the verified-on-policy issue's ignored flags
-    "scripts/run-minimax-m2.sh": "--use-tensorboard needs --tb-project-name",
 }
 
 
