@@ -273,6 +273,82 @@ def test_one_step_updates_mtp_only_with_enable_mtp_training(mtp_models, train_mt
     spawn(_one_step, 1, mtp_models["mimo"], train_mtp, timeout=300)
 
 
+def _train_pipelined(rank, hf_dir, pp, out_dir, *extra):
+    """One training step of the real actor (no Ray) at --pipeline-model-parallel-size `pp`; writes what this rank saw:
+    its metrics, its first-step gradients by global Megatron name, and what weight sync sends from it."""
+    import ray
+    from megatron.core import parallel_state as mpu
+
+    import slime.ray.train_actor as train_actor
+    from slime.backends.megatron_utils.actor import MegatronTrainRayActor
+    from slime.backends.megatron_utils.param_utils import named_parameters
+    from slime.backends.megatron_utils.update_weight.common import gather_and_convert, is_tied_output_copy
+    from tests.test_megatron_parallel import _Ref
+
+    ray.get = lambda x: x
+    train_actor.tcp_store = train_actor.dist.init_process_group = lambda *a, **k: None  # `spawn` joined the group
+    mtp = ["--mtp-num-layers", "1", "--enable-mtp-training", "--mtp-loss-scaling-factor", "0.5"]
+    pipeline = ["--pipeline-model-parallel-size", str(pp), *(extra if pp > 1 else [])]
+    args = family_args(hf_dir, pp, *mtp, *pipeline, "--micro-batch-size", "1")
+    actor = object.__new__(MegatronTrainRayActor)  # a Ray actor's body without Ray
+    assert actor.init(args, "actor", None, with_ref=False) == 0
+    data = fixed_rollout(vocab_size=args.vocab_size)
+    data["loss_masks"][2][1] = 0
+    history = actor.train(0, _Ref(data))["train"]
+    params = list(named_parameters(args, actor.model))
+    sent = {}
+    for name, param in params:
+        if not is_tied_output_copy(args, name):
+            for hf_name, t in gather_and_convert(args, actor.model_name, name, param, actor.vocab_size):
+                assert hf_name not in sent, f"{hf_name} sent twice by one stage"
+                sent[hf_name] = t.clone()
+    result = dict(
+        pp_rank=mpu.get_pipeline_model_parallel_rank(),
+        history=history,
+        grads={n: p.main_grad.clone() for n, p in params if hasattr(p, "main_grad")},  # not expert_bias buffers
+        sent=sent,
+    )
+    torch.save(result, f"{out_dir}/rank{rank}.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "kind, split",
+    [("mimo", []), ("glm4moe", ["--decoder-last-pipeline-num-layers", "2"])],  # GLM: dense layer 0 | MoE 1, 2 + MTP
+)
+def test_mtp_under_pipeline_parallelism_matches_pp1(mtp_models, kind, split, tmp_path):
+    """--mtp-num-layers with --pipeline-model-parallel-size 2 (current slime's run-glm4.7-30B-A3B.sh): the MTP block
+    sits on the last stage beside a copy of the embedding, as Megatron places it. One training step's metrics (the
+    MTP loss among them) and gradients equal PP=1's; the embedding copy gets the first stage's gradient (MTP's
+    share included); weight sync sends every HF tensor once, as at PP=1."""
+    runs = {}
+    for pp in (1, 2):
+        (tmp_path / f"pp{pp}").mkdir()
+        spawn(_train_pipelined, pp, mtp_models[kind], pp, str(tmp_path / f"pp{pp}"), *split, timeout=400)
+        runs[pp] = [torch.load(tmp_path / f"pp{pp}" / f"rank{r}.pt") for r in range(pp)]
+    (ref,), (first, last) = runs[1], runs[2]
+    assert not any(".mtp." in n for n in first["grads"]) and any(".mtp." in n for n in last["grads"])
+    emb = "module.module.embedding.word_embeddings.weight"
+    assert emb in first["grads"] and emb in last["grads"]
+
+    assert first["history"] == [] and len(last["history"]) == len(ref["history"]) == 1
+    (got,), (exp,) = last["history"], ref["history"]
+    assert exp["train/mtp_loss"] > 0 and exp["train/grad_norm"] > 0
+    for key in ("train/loss", "train/pg_loss", "train/entropy_loss", "train/mtp_loss", "train/grad_norm"):
+        assert got[key] == pytest.approx(exp[key], rel=1e-5, abs=1e-6), (key, got[key], exp[key])
+
+    assert sorted({**first["grads"], **last["grads"]}) == sorted(ref["grads"])
+    for stage in (first, last):
+        for name, grad in stage["grads"].items():
+            torch.testing.assert_close(grad, ref["grads"][name], rtol=1e-5, atol=1e-7, msg=name)
+
+    assert not set(first["sent"]) & set(last["sent"])  # the MTP stage's embedding copy is not sent
+    sent = {**first["sent"], **last["sent"]}
+    assert sorted(sent) == sorted(ref["sent"])
+    for name, t in ref["sent"].items():  # the weights after the step
+        torch.testing.assert_close(sent[name], t, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def _parse_error(capsys, *argv):
     from slime.utils.arguments import parse_args
 
@@ -288,8 +364,6 @@ def test_bad_mtp_values_are_refused_in_one_line(mtp_models, tmp_path, capsys):
     err = _parse_error(capsys, "--hf-checkpoint", mtp_models["mimo"], "--mtp-num-layers", "2")
     assert "--mtp-num-layers 2" in err and "has 1 multi-token-prediction layer(s)" in err
     mimo = ["--hf-checkpoint", mtp_models["mimo"], "--mtp-num-layers", "1"]
-    err = _parse_error(capsys, *mimo, "--pipeline-model-parallel-size", "2", "--actor-num-gpus-per-node", "2")
-    assert "--mtp-num-layers with --pipeline-model-parallel-size 2" in err
     err = _parse_error(capsys, *mimo, "--context-parallel-size", "2", "--actor-num-gpus-per-node", "2")
     assert "--mtp-num-layers with --context-parallel-size 2" in err
     err = _parse_error(capsys, *mimo, "--custom-model-provider-path", "tests.test_mtp._convert_with_mtp")
