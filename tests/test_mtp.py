@@ -273,9 +273,9 @@ def test_one_step_updates_mtp_only_with_enable_mtp_training(mtp_models, train_mt
     spawn(_one_step, 1, mtp_models["mimo"], train_mtp, timeout=300)
 
 
-def _train_pipelined(rank, hf_dir, pp, out_dir, *extra):
-    """One training step of the real actor (no Ray) at --pipeline-model-parallel-size `pp`; writes what this rank saw:
-    its metrics, its first-step gradients by global Megatron name, and what weight sync sends from it."""
+def _train_parallel(rank, hf_dir, world, out_dir, *layout):
+    """One training step of the real actor (no Ray) on `world` ranks with the parallel `layout` flags; writes what
+    this rank saw: its metrics, its first-step gradients by global Megatron name, and what weight sync sends from it."""
     import ray
     from megatron.core import parallel_state as mpu
 
@@ -288,8 +288,8 @@ def _train_pipelined(rank, hf_dir, pp, out_dir, *extra):
     ray.get = lambda x: x
     train_actor.tcp_store = train_actor.dist.init_process_group = lambda *a, **k: None  # `spawn` joined the group
     mtp = ["--mtp-num-layers", "1", "--enable-mtp-training", "--mtp-loss-scaling-factor", "0.5"]
-    pipeline = ["--pipeline-model-parallel-size", str(pp), *(extra if pp > 1 else [])]
-    args = family_args(hf_dir, pp, *mtp, *pipeline, "--micro-batch-size", "1")
+    args = family_args(hf_dir, world, *mtp, *layout, "--micro-batch-size", "1")
+    args.use_distributed_optimizer = False  # every DP x CP rank keeps the whole reduced gradient, not its shard
     actor = object.__new__(MegatronTrainRayActor)  # a Ray actor's body without Ray
     assert actor.init(args, "actor", None, with_ref=False) == 0
     data = fixed_rollout(vocab_size=args.vocab_size)
@@ -304,11 +304,19 @@ def _train_pipelined(rank, hf_dir, pp, out_dir, *extra):
                 sent[hf_name] = t.clone()
     result = dict(
         pp_rank=mpu.get_pipeline_model_parallel_rank(),
+        last=mpu.is_pipeline_last_stage(),
         history=history,
         grads={n: p.main_grad.clone() for n, p in params if hasattr(p, "main_grad")},  # not expert_bias buffers
         sent=sent,
     )
     torch.save(result, f"{out_dir}/rank{rank}.pt")
+
+
+def _run_parallel(hf_dir, tmp_path, world, *layout):
+    out = tmp_path / f"{world}{''.join(layout)}"
+    out.mkdir()
+    spawn(_train_parallel, world, hf_dir, world, str(out), *layout, timeout=400)
+    return [torch.load(out / f"rank{r}.pt") for r in range(world)]
 
 
 @pytest.mark.slow
@@ -321,12 +329,8 @@ def test_mtp_under_pipeline_parallelism_matches_pp1(mtp_models, kind, split, tmp
     sits on the last stage beside a copy of the embedding, as Megatron places it. One training step's metrics (the
     MTP loss among them) and gradients equal PP=1's; the embedding copy gets the first stage's gradient (MTP's
     share included); weight sync sends every HF tensor once, as at PP=1."""
-    runs = {}
-    for pp in (1, 2):
-        (tmp_path / f"pp{pp}").mkdir()
-        spawn(_train_pipelined, pp, mtp_models[kind], pp, str(tmp_path / f"pp{pp}"), *split, timeout=400)
-        runs[pp] = [torch.load(tmp_path / f"pp{pp}" / f"rank{r}.pt") for r in range(pp)]
-    (ref,), (first, last) = runs[1], runs[2]
+    (ref,) = _run_parallel(mtp_models[kind], tmp_path, 1)
+    first, last = _run_parallel(mtp_models[kind], tmp_path, 2, "--pipeline-model-parallel-size", "2", *split)
     assert not any(".mtp." in n for n in first["grads"]) and any(".mtp." in n for n in last["grads"])
     emb = "module.module.embedding.word_embeddings.weight"
     assert emb in first["grads"] and emb in last["grads"]
@@ -349,6 +353,24 @@ def test_mtp_under_pipeline_parallelism_matches_pp1(mtp_models, kind, split, tmp
         torch.testing.assert_close(sent[name], t, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow
+def test_mtp_under_context_parallelism_matches_cp1(mtp_models, tmp_path):
+    """--mtp-num-layers with --context-parallel-size 2 (run-glm4.7-30B-A3B.sh passes both): each CP rank holds its
+    zigzag pair of chunks of every sample, megatron's rolls carry the chunk boundaries between the ranks, and the MTP
+    loss is the mean over the whole samples. One training step's metrics and gradients equal CP=1's (MiMo)."""
+    (ref,) = _run_parallel(mtp_models["mimo"], tmp_path, 1)
+    ranks = _run_parallel(mtp_models["mimo"], tmp_path, 2, "--context-parallel-size", "2")
+    (exp,) = ref["history"]
+    assert exp["train/mtp_loss"] > 0
+    for r in ranks:
+        (got,) = r["history"]
+        for key in ("train/loss", "train/pg_loss", "train/entropy_loss", "train/mtp_loss", "train/grad_norm"):
+            assert got[key] == pytest.approx(exp[key], rel=1e-5, abs=1e-6), (key, got[key], exp[key])
+        assert sorted(r["grads"]) == sorted(ref["grads"])
+        for name, grad in r["grads"].items():
+            torch.testing.assert_close(grad, ref["grads"][name], rtol=1e-5, atol=1e-7, msg=name)
+
+
 def _parse_error(capsys, *argv):
     from slime.utils.arguments import parse_args
 
@@ -364,8 +386,6 @@ def test_bad_mtp_values_are_refused_in_one_line(mtp_models, tmp_path, capsys):
     err = _parse_error(capsys, "--hf-checkpoint", mtp_models["mimo"], "--mtp-num-layers", "2")
     assert "--mtp-num-layers 2" in err and "has 1 multi-token-prediction layer(s)" in err
     mimo = ["--hf-checkpoint", mtp_models["mimo"], "--mtp-num-layers", "1"]
-    err = _parse_error(capsys, *mimo, "--context-parallel-size", "2", "--actor-num-gpus-per-node", "2")
-    assert "--mtp-num-layers with --context-parallel-size 2" in err
     err = _parse_error(capsys, *mimo, "--custom-model-provider-path", "tests.test_mtp._convert_with_mtp")
     assert "--mtp-num-layers with --custom-model-provider-path" in err
 

@@ -236,11 +236,10 @@ export -f _cap ray python python3 torchrun pip
 
 # What stops each launch script that does not parse, and why that is right (the rest parse cleanly).
 SCRIPT_REFUSALS = {
-    # issue #38's further parts: context parallelism for the hybrids, MTP under pipeline parallelism
+    # issue #38's further part: context parallelism for the hybrids
     "examples/coding_agent_rl/run_qwen36_35b_a3b_swe_8nodes.sh": "--context-parallel-size 8: slime_plugins.models",
     "scripts/run-qwen3-next-80B-A3B.sh": "--context-parallel-size 4: slime_plugins.models.qwen3_next",
     "scripts/run-qwen3.5-27B.sh": "--context-parallel-size 4: slime_plugins.models.qwen3_5",
-    "scripts/run-glm4.7-30B-A3B.sh": "--mtp-num-layers with --pipeline-model-parallel-size 2",
     # impossible on this stack: PD disaggregation, DSA (GLM-5's all-gather CP), VLM rollouts, FP8 GEMMs on a CPU
     "scripts/run-glm5-744B-A40B.sh": "--prefill-num-servers: not supported",
     "scripts/run-glm5.2-744B-A40B.sh": "--allgather-cp: not supported",

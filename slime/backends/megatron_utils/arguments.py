@@ -871,11 +871,6 @@ def check_mtp(args, error):
             f"--mtp-num-layers with --custom-model-provider-path {args.custom_model_provider_path}: slime builds "
             "the MTP block in its own model provider; drop one of them."
         )
-    if args.mtp_num_layers and args.context_parallel_size > 1:
-        error(
-            f"--mtp-num-layers with --context-parallel-size {args.context_parallel_size}: the MTP block is supported "
-            "without context parallelism only; use --context-parallel-size 1."
-        )
 
 
 def megatron_defaults(args):
