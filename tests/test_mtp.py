@@ -371,6 +371,65 @@ def test_mtp_under_context_parallelism_matches_cp1(mtp_models, tmp_path):
             torch.testing.assert_close(grad, ref["grads"][name], rtol=1e-5, atol=1e-7, msg=name)
 
 
+def _checkpoint_pipelined(rank, hf_dir, pp, out, save, load):
+    """At --pipeline-model-parallel-size `pp`: train one step and save to `save`, or load `load`; writes every HF
+    tensor this rank holds, and the MTP stage's copy of the embedding under its Megatron name."""
+    import ray
+
+    import slime.ray.train_actor as train_actor
+    from slime.backends.megatron_utils.actor import MegatronTrainRayActor
+    from slime.backends.megatron_utils.checkpoint import save_checkpoint
+    from slime.backends.megatron_utils.param_utils import named_parameters
+    from slime.backends.megatron_utils.update_weight.common import gather_and_convert, is_tied_output_copy
+    from tests.test_megatron_parallel import _Ref
+
+    ray.get = lambda x: x
+    train_actor.tcp_store = train_actor.dist.init_process_group = lambda *a, **k: None
+    mtp = ["--mtp-num-layers", "1", "--enable-mtp-training", "--micro-batch-size", "1"]
+    layout = ["--pipeline-model-parallel-size", str(pp), "--save", save, *(["--load", load] if load else [])]
+    args = family_args(hf_dir, pp, *mtp, *layout)
+    actor = object.__new__(MegatronTrainRayActor)
+    actor.init(args, "actor", None, with_ref=False)
+    if not load:
+        actor.train(0, _Ref(fixed_rollout(vocab_size=args.vocab_size)))
+        save_checkpoint(args, 1, actor.model, actor.optimizer, actor.opt_param_scheduler)
+    held = {}
+    for name, param in named_parameters(args, actor.model):
+        if is_tied_output_copy(args, name):
+            held[name] = param.detach().clone()
+        else:
+            held.update(
+                (n, t.clone()) for n, t in gather_and_convert(args, actor.model_name, name, param, args.vocab_size)
+            )
+    torch.save(held, f"{out}{rank}.pt")
+
+
+@pytest.mark.slow
+def test_mtp_checkpoint_moves_between_pp1_and_pp2(mtp_models, tmp_path):
+    """A checkpoint saved at PP=2 (the MTP stage holding a tied copy of the embedding) loads at PP=1, and one saved at
+    PP=1 loads at PP=2, the copy included: every tensor equals the saved run's after its training step (MiMo)."""
+    hf_dir = mtp_models["mimo"]
+    for saved, loaded in ((2, 1), (1, 2)):
+        run = tmp_path / f"{saved}to{loaded}"
+        run.mkdir()
+        spawn(_checkpoint_pipelined, saved, hf_dir, saved, str(run / "saved"), str(run / "ckpt"), None, timeout=400)
+        spawn(_checkpoint_pipelined, loaded, hf_dir, loaded, str(run / "loaded"), str(run / "x"), str(run / "ckpt"),
+              timeout=400)  # fmt: skip
+        before, after = ({k: v for r in range(n) for k, v in torch.load(run / f"{tag}{r}.pt").items()}
+                         for tag, n in (("saved", saved), ("loaded", loaded)))  # fmt: skip
+        hf = load_file(f"{hf_dir}/model.safetensors")
+        assert not torch.equal(before["model.norm.weight"], hf["model.norm.weight"])  # the step moved the weights
+        copy = "module.module.embedding.word_embeddings.weight"  # PP=2's last stage
+        assert (copy in before, copy in after) == (saved == 2, loaded == 2)
+        embedding = before["model.embed_tokens.weight"]
+        for held in (before, after):
+            if copy in held:  # the Megatron tensor: vocabulary rows padded
+                assert torch.equal(held[copy][: embedding.size(0)], embedding)
+        assert sorted(set(before) - {copy}) == sorted(set(after) - {copy}) == sorted(hf)
+        for name in hf:
+            assert torch.equal(after[name], before[name]), name
+
+
 def _parse_error(capsys, *argv):
     from slime.utils.arguments import parse_args
 
