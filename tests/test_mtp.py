@@ -354,21 +354,26 @@ def test_mtp_under_pipeline_parallelism_matches_pp1(mtp_models, kind, split, tmp
 
 
 @pytest.mark.slow
-def test_mtp_under_context_parallelism_matches_cp1(mtp_models, tmp_path):
-    """--mtp-num-layers with --context-parallel-size 2 (run-glm4.7-30B-A3B.sh passes both): each CP rank holds its
-    zigzag pair of chunks of every sample, megatron's rolls carry the chunk boundaries between the ranks, and the MTP
-    loss is the mean over the whole samples. One training step's metrics and gradients equal CP=1's (MiMo)."""
+@pytest.mark.parametrize("pp", [1, 2])
+def test_mtp_under_context_parallelism_matches_cp1(mtp_models, pp, tmp_path):
+    """--mtp-num-layers with --context-parallel-size 2, alone and with --pipeline-model-parallel-size 2 (the layout of
+    run-glm4.7-30B-A3B.sh): each CP rank holds its zigzag pair of chunks of every sample, megatron's rolls carry the
+    chunk boundaries between the ranks, and the MTP loss is the mean over the whole samples. One training step's
+    metrics (on the last stage) and gradients equal CP=1's (MiMo)."""
     (ref,) = _run_parallel(mtp_models["mimo"], tmp_path, 1)
-    ranks = _run_parallel(mtp_models["mimo"], tmp_path, 2, "--context-parallel-size", "2")
+    layout = ["--context-parallel-size", "2", "--pipeline-model-parallel-size", str(pp)]
+    ranks = _run_parallel(mtp_models["mimo"], tmp_path, 2 * pp, *layout)
     (exp,) = ref["history"]
     assert exp["train/mtp_loss"] > 0
+    assert sum(r["last"] for r in ranks) == 2  # the two CP ranks of the last stage
     for r in ranks:
-        (got,) = r["history"]
-        for key in ("train/loss", "train/pg_loss", "train/entropy_loss", "train/mtp_loss", "train/grad_norm"):
-            assert got[key] == pytest.approx(exp[key], rel=1e-5, abs=1e-6), (key, got[key], exp[key])
-        assert sorted(r["grads"]) == sorted(ref["grads"])
+        assert len(r["history"]) == r["last"]
+        for got in r["history"]:
+            for key in ("train/loss", "train/pg_loss", "train/entropy_loss", "train/mtp_loss", "train/grad_norm"):
+                assert got[key] == pytest.approx(exp[key], rel=1e-5, abs=1e-6), (key, got[key], exp[key])
         for name, grad in r["grads"].items():
             torch.testing.assert_close(grad, ref["grads"][name], rtol=1e-5, atol=1e-7, msg=name)
+    assert sorted({n for r in ranks for n in r["grads"]}) == sorted(ref["grads"])
 
 
 def _checkpoint_pipelined(rank, hf_dir, pp, out, save, load):
