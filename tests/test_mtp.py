@@ -322,15 +322,23 @@ def _run_parallel(hf_dir, tmp_path, world, *layout):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "kind, split",
-    [("mimo", []), ("glm4moe", ["--decoder-last-pipeline-num-layers", "2"])],  # GLM: dense layer 0 | MoE 1, 2 + MTP
+    [
+        ("mimo", []),
+        ("glm4moe", ["--decoder-last-pipeline-num-layers", "2"]),  # dense layer 0 | MoE layers 1, 2 + MTP
+        ("mimo_4_layers", ["--num-layers-per-virtual-pipeline-stage", "1"]),  # VPP 2: MTP on rank 1's second chunk
+    ],
 )
 def test_mtp_under_pipeline_parallelism_matches_pp1(mtp_models, kind, split, tmp_path):
     """--mtp-num-layers with --pipeline-model-parallel-size 2 (current slime's run-glm4.7-30B-A3B.sh): the MTP block
     sits on the last stage beside a copy of the embedding, as Megatron places it. One training step's metrics (the
     MTP loss among them) and gradients equal PP=1's; the embedding copy gets the first stage's gradient (MTP's
     share included); weight sync sends every HF tensor once, as at PP=1."""
-    (ref,) = _run_parallel(mtp_models[kind], tmp_path, 1)
-    first, last = _run_parallel(mtp_models[kind], tmp_path, 2, "--pipeline-model-parallel-size", "2", *split)
+    if kind == "mimo_4_layers":  # one layer per virtual stage
+        hf_dir = build_random_hf("mimo", str(tmp_path / "mimo4"), seed=3, num_layers=4)
+    else:
+        hf_dir = mtp_models[kind]
+    (ref,) = _run_parallel(hf_dir, tmp_path, 1)
+    first, last = _run_parallel(hf_dir, tmp_path, 2, "--pipeline-model-parallel-size", "2", *split)
     assert not any(".mtp." in n for n in first["grads"]) and any(".mtp." in n for n in last["grads"])
     emb = "module.module.embedding.word_embeddings.weight"
     assert emb in first["grads"] and emb in last["grads"]
