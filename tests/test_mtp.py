@@ -548,6 +548,31 @@ def test_mtp_loss_mask_and_rolls_stay_inside_each_sample():
     assert mask.tolist() == [[1, 0, 1, 0, 0, 1, 1, 0, 0] + [0] * 7]
 
 
+@pytest.mark.parametrize("cp_rank", [0, 1])
+def test_mtp_loss_mask_is_cut_like_the_tokens_under_context_parallelism(monkeypatch, cp_rank):
+    """Under CP 2 each sample's mask row is padded to 4 chunks and the rank keeps chunks r and 3-r, as its tokens:
+    sample 0 (mask row [0,1,0,1,0], chunks of 2) and sample 1 ([1,1,1,0], chunks of 1)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from slime.backends.megatron_utils import cp_utils, mtp
+
+    monkeypatch.setattr(cp_utils, "cp_size_and_rank", lambda: (2, cp_rank))
+    monkeypatch.setattr(mtp, "cp_size_and_rank", lambda: (2, cp_rank))
+    batch = {
+        "total_lengths": [5, 4],
+        "response_lengths": [3, 3],
+        "loss_masks": [torch.tensor([1, 0, 1]), torch.tensor([1, 1, 1])],
+    }
+    # packed: rank 0 holds [0,1 | 0,0] of sample 0 and [1 | 0] of sample 1; rank 1 [0,1 | 0,0] and [1 | 1]
+    expected = [[0, 1, 0, 0, 1, 0], [0, 1, 0, 0, 1, 1]][cp_rank]
+    params = PackedSeqParams(qkv_format="thd")
+    packed = mtp.mtp_loss_mask({**batch, "tokens": torch.zeros(1, 8, dtype=torch.long), "packed_seq_params": params})
+    assert packed.tolist() == [expected + [0, 0]]
+    # padded: rows of 8 (4 chunks of 2), rank 0 keeps positions 0,1,6,7 and rank 1 positions 2,3,4,5
+    padded = mtp.mtp_loss_mask({**batch, "tokens": torch.zeros(2, 4, dtype=torch.long), "packed_seq_params": None})
+    assert padded.tolist() == [[[0, 1, 0, 0], [1, 1, 0, 0]], [[0, 1, 0, 0], [1, 0, 0, 0]]][cp_rank]
+
+
 @pytest.mark.e2e
 def test_train_py_trains_mimo_mtp_and_syncs_it(ray_session, tiny_kit, tmp_path):
     """train.py on a tiny MiMo with --mtp-num-layers 1 --enable-mtp-training: real Ray, the CPU server, weight
