@@ -224,7 +224,7 @@ def _build_mimo(common, out_dir):
     return cfg, lambda c: AutoModelForCausalLM.from_config(c, trust_remote_code=True)
 
 
-def build_random_hf(kind, out_dir, seed=0, vocab_size=200, layer_types=None):
+def build_random_hf(kind, out_dir, seed=0, vocab_size=200, layer_types=None, num_layers=2):
     """A tiny random HF model of family `kind` in {qwen2, qwen3, llama, llama3, qwen3moe, glm4, glm4moe, deepseekv3,
     mimo, qwen3next, qwen3_5, qwen3_5_moe, qwen3_5_moe_vl (the published layout: a vision-language checkpoint)};
     every tensor (norms and router score biases too) random. `layer_types` (the hybrids): config.json's per-layer
@@ -235,7 +235,7 @@ def build_random_hf(kind, out_dir, seed=0, vocab_size=200, layer_types=None):
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=96,
-        num_hidden_layers=2,
+        num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=128,

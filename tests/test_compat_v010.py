@@ -166,11 +166,10 @@ def test_mtp_flags_parse_and_are_validated(capsys):
     args = parse(model=MIMO_7B_RL_MODEL_ARGS)
     assert (args.mtp_num_layers, args.mtp_loss_scaling_factor, args.enable_mtp_training) == (1, 0.1, False)
     assert (parse().mtp_num_layers, parse().mtp_loss_scaling_factor) == (None, 0.2)  # current slime's defaults
-    # current slime's GLM-4.7 / MiMo scripts train them (tests/test_mtp.py); PP > 1 is refused at start-up
+    # current slime's GLM-4.7 / MiMo scripts train them, GLM-4.7 under PP 2 and CP 2 (tests/test_mtp.py)
     assert parse("--mtp-num-layers", "2", "--enable-mtp-training").enable_mtp_training
-    assert "--mtp-num-layers with --pipeline-model-parallel-size 2" in parse_error(
-        capsys, "--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"
-    )
+    layout = ("--pipeline-model-parallel-size", "2", "--context-parallel-size", "2", "--actor-num-gpus-per-node", "4")
+    assert parse("--mtp-num-layers", "1", *layout).mtp_num_layers == 1
     assert "--mtp-num-layers 0" in parse_error(capsys, "--mtp-num-layers", "0")
     assert "--mtp-loss-scaling-factor -1.0 must be >= 0" in parse_error(capsys, "--mtp-loss-scaling-factor", "-1")
     assert "--enable-mtp-training needs --mtp-num-layers" in parse_error(capsys, "--enable-mtp-training")

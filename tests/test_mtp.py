@@ -273,6 +273,176 @@ def test_one_step_updates_mtp_only_with_enable_mtp_training(mtp_models, train_mt
     spawn(_one_step, 1, mtp_models["mimo"], train_mtp, timeout=300)
 
 
+def _train_parallel(rank, hf_dir, world, out_dir, *layout):
+    """One training step of the real actor (no Ray) on `world` ranks with the parallel `layout` flags; writes what
+    this rank saw: its metrics, its first-step gradients by global Megatron name, and what weight sync sends from it."""
+    import ray
+    from megatron.core import parallel_state as mpu
+
+    import slime.ray.train_actor as train_actor
+    from slime.backends.megatron_utils.actor import MegatronTrainRayActor
+    from slime.backends.megatron_utils.param_utils import named_parameters
+    from slime.backends.megatron_utils.update_weight.common import gather_and_convert, is_tied_output_copy
+    from tests.test_megatron_parallel import _Ref
+
+    ray.get = lambda x: x
+    train_actor.tcp_store = train_actor.dist.init_process_group = lambda *a, **k: None  # `spawn` joined the group
+    mtp = ["--mtp-num-layers", "1", "--enable-mtp-training", "--mtp-loss-scaling-factor", "0.5"]
+    args = family_args(hf_dir, world, *mtp, *layout, "--micro-batch-size", "1")
+    args.use_distributed_optimizer = False  # every DP x CP rank keeps the whole reduced gradient, not its shard
+    actor = object.__new__(MegatronTrainRayActor)  # a Ray actor's body without Ray
+    assert actor.init(args, "actor", None, with_ref=False) == 0
+    data = fixed_rollout(vocab_size=args.vocab_size)
+    data["loss_masks"][2][1] = 0
+    history = actor.train(0, _Ref(data))["train"]
+    params = list(named_parameters(args, actor.model))
+    sent = {}
+    for name, param in params:
+        if not is_tied_output_copy(args, name):
+            for hf_name, t in gather_and_convert(args, actor.model_name, name, param, actor.vocab_size):
+                assert hf_name not in sent, f"{hf_name} sent twice by one stage"
+                sent[hf_name] = t.clone()
+    result = dict(
+        pp_rank=mpu.get_pipeline_model_parallel_rank(),
+        last=mpu.is_pipeline_last_stage(),
+        history=history,
+        grads={n: p.main_grad.clone() for n, p in params if hasattr(p, "main_grad")},  # not expert_bias buffers
+        sent=sent,
+    )
+    torch.save(result, f"{out_dir}/rank{rank}.pt")
+
+
+def _run_parallel(hf_dir, tmp_path, world, *layout):
+    out = tmp_path / f"{world}{''.join(layout)}"
+    out.mkdir()
+    spawn(_train_parallel, world, hf_dir, world, str(out), *layout, timeout=400)
+    return [torch.load(out / f"rank{r}.pt") for r in range(world)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "kind, split",
+    [
+        ("mimo", []),
+        ("glm4moe", ["--decoder-last-pipeline-num-layers", "2"]),  # dense layer 0 | MoE layers 1, 2 + MTP
+        ("mimo_4_layers", ["--num-layers-per-virtual-pipeline-stage", "1"]),  # VPP 2: MTP on rank 1's second chunk
+    ],
+)
+def test_mtp_under_pipeline_parallelism_matches_pp1(mtp_models, kind, split, tmp_path):
+    """--mtp-num-layers with --pipeline-model-parallel-size 2 (current slime's run-glm4.7-30B-A3B.sh): the MTP block
+    sits on the last stage beside a copy of the embedding, as Megatron places it. One training step's metrics (the
+    MTP loss among them) and gradients equal PP=1's; the embedding copy gets the first stage's gradient (MTP's
+    share included); weight sync sends every HF tensor once, as at PP=1."""
+    if kind == "mimo_4_layers":  # one layer per virtual stage
+        hf_dir = build_random_hf("mimo", str(tmp_path / "mimo4"), seed=3, num_layers=4)
+    else:
+        hf_dir = mtp_models[kind]
+    (ref,) = _run_parallel(hf_dir, tmp_path, 1)
+    first, last = _run_parallel(hf_dir, tmp_path, 2, "--pipeline-model-parallel-size", "2", *split)
+    assert not any(".mtp." in n for n in first["grads"]) and any(".mtp." in n for n in last["grads"])
+    emb = "module.module.embedding.word_embeddings.weight"
+    assert emb in first["grads"] and emb in last["grads"]
+
+    assert first["history"] == [] and len(last["history"]) == len(ref["history"]) == 1
+    (got,), (exp,) = last["history"], ref["history"]
+    assert exp["train/mtp_loss"] > 0 and exp["train/grad_norm"] > 0
+    for key in ("train/loss", "train/pg_loss", "train/entropy_loss", "train/mtp_loss", "train/grad_norm"):
+        assert got[key] == pytest.approx(exp[key], rel=1e-5, abs=1e-6), (key, got[key], exp[key])
+
+    assert sorted({**first["grads"], **last["grads"]}) == sorted(ref["grads"])
+    for stage in (first, last):
+        for name, grad in stage["grads"].items():
+            torch.testing.assert_close(grad, ref["grads"][name], rtol=1e-5, atol=1e-7, msg=name)
+
+    assert not set(first["sent"]) & set(last["sent"])  # the MTP stage's embedding copy is not sent
+    sent = {**first["sent"], **last["sent"]}
+    assert sorted(sent) == sorted(ref["sent"])
+    for name, t in ref["sent"].items():  # the weights after the step
+        torch.testing.assert_close(sent[name], t, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp", [1, 2])
+def test_mtp_under_context_parallelism_matches_cp1(mtp_models, pp, tmp_path):
+    """--mtp-num-layers with --context-parallel-size 2, alone and with --pipeline-model-parallel-size 2 (the layout of
+    run-glm4.7-30B-A3B.sh): each CP rank holds its zigzag pair of chunks of every sample, megatron's rolls carry the
+    chunk boundaries between the ranks, and the MTP loss is the mean over the whole samples. One training step's
+    metrics (on the last stage) and gradients equal CP=1's (MiMo)."""
+    (ref,) = _run_parallel(mtp_models["mimo"], tmp_path, 1)
+    layout = ["--context-parallel-size", "2", "--pipeline-model-parallel-size", str(pp)]
+    ranks = _run_parallel(mtp_models["mimo"], tmp_path, 2 * pp, *layout)
+    (exp,) = ref["history"]
+    assert exp["train/mtp_loss"] > 0
+    assert sum(r["last"] for r in ranks) == 2  # the two CP ranks of the last stage
+    for r in ranks:
+        assert len(r["history"]) == r["last"]
+        for got in r["history"]:
+            for key in ("train/loss", "train/pg_loss", "train/entropy_loss", "train/mtp_loss", "train/grad_norm"):
+                assert got[key] == pytest.approx(exp[key], rel=1e-5, abs=1e-6), (key, got[key], exp[key])
+        for name, grad in r["grads"].items():
+            torch.testing.assert_close(grad, ref["grads"][name], rtol=1e-5, atol=1e-7, msg=name)
+    assert sorted({n for r in ranks for n in r["grads"]}) == sorted(ref["grads"])
+
+
+def _checkpoint_pipelined(rank, hf_dir, pp, out, save, load):
+    """At --pipeline-model-parallel-size `pp`: train one step and save to `save`, or load `load`; writes every HF
+    tensor this rank holds, and the MTP stage's copy of the embedding under its Megatron name."""
+    import ray
+
+    import slime.ray.train_actor as train_actor
+    from slime.backends.megatron_utils.actor import MegatronTrainRayActor
+    from slime.backends.megatron_utils.checkpoint import save_checkpoint
+    from slime.backends.megatron_utils.param_utils import named_parameters
+    from slime.backends.megatron_utils.update_weight.common import gather_and_convert, is_tied_output_copy
+    from tests.test_megatron_parallel import _Ref
+
+    ray.get = lambda x: x
+    train_actor.tcp_store = train_actor.dist.init_process_group = lambda *a, **k: None
+    mtp = ["--mtp-num-layers", "1", "--enable-mtp-training", "--micro-batch-size", "1"]
+    layout = ["--pipeline-model-parallel-size", str(pp), "--save", save, *(["--load", load] if load else [])]
+    args = family_args(hf_dir, pp, *mtp, *layout)
+    actor = object.__new__(MegatronTrainRayActor)
+    actor.init(args, "actor", None, with_ref=False)
+    if not load:
+        actor.train(0, _Ref(fixed_rollout(vocab_size=args.vocab_size)))
+        save_checkpoint(args, 1, actor.model, actor.optimizer, actor.opt_param_scheduler)
+    held = {}
+    for name, param in named_parameters(args, actor.model):
+        if is_tied_output_copy(args, name):
+            held[name] = param.detach().clone()
+        else:
+            held.update(
+                (n, t.clone()) for n, t in gather_and_convert(args, actor.model_name, name, param, args.vocab_size)
+            )
+    torch.save(held, f"{out}{rank}.pt")
+
+
+@pytest.mark.slow
+def test_mtp_checkpoint_moves_between_pp1_and_pp2(mtp_models, tmp_path):
+    """A checkpoint saved at PP=2 (the MTP stage holding a tied copy of the embedding) loads at PP=1, and one saved at
+    PP=1 loads at PP=2, the copy included: every tensor equals the saved run's after its training step (MiMo)."""
+    hf_dir = mtp_models["mimo"]
+    for saved, loaded in ((2, 1), (1, 2)):
+        run = tmp_path / f"{saved}to{loaded}"
+        run.mkdir()
+        spawn(_checkpoint_pipelined, saved, hf_dir, saved, str(run / "saved"), str(run / "ckpt"), None, timeout=400)
+        spawn(_checkpoint_pipelined, loaded, hf_dir, loaded, str(run / "loaded"), str(run / "x"), str(run / "ckpt"),
+              timeout=400)  # fmt: skip
+        before, after = ({k: v for r in range(n) for k, v in torch.load(run / f"{tag}{r}.pt").items()}
+                         for tag, n in (("saved", saved), ("loaded", loaded)))  # fmt: skip
+        hf = load_file(f"{hf_dir}/model.safetensors")
+        assert not torch.equal(before["model.norm.weight"], hf["model.norm.weight"])  # the step moved the weights
+        copy = "module.module.embedding.word_embeddings.weight"  # PP=2's last stage
+        assert (copy in before, copy in after) == (saved == 2, loaded == 2)
+        embedding = before["model.embed_tokens.weight"]
+        for held in (before, after):
+            if copy in held:  # the Megatron tensor: vocabulary rows padded
+                assert torch.equal(held[copy][: embedding.size(0)], embedding)
+        assert sorted(set(before) - {copy}) == sorted(set(after) - {copy}) == sorted(hf)
+        for name in hf:
+            assert torch.equal(after[name], before[name]), name
+
+
 def _parse_error(capsys, *argv):
     from slime.utils.arguments import parse_args
 
@@ -288,10 +458,6 @@ def test_bad_mtp_values_are_refused_in_one_line(mtp_models, tmp_path, capsys):
     err = _parse_error(capsys, "--hf-checkpoint", mtp_models["mimo"], "--mtp-num-layers", "2")
     assert "--mtp-num-layers 2" in err and "has 1 multi-token-prediction layer(s)" in err
     mimo = ["--hf-checkpoint", mtp_models["mimo"], "--mtp-num-layers", "1"]
-    err = _parse_error(capsys, *mimo, "--pipeline-model-parallel-size", "2", "--actor-num-gpus-per-node", "2")
-    assert "--mtp-num-layers with --pipeline-model-parallel-size 2" in err
-    err = _parse_error(capsys, *mimo, "--context-parallel-size", "2", "--actor-num-gpus-per-node", "2")
-    assert "--mtp-num-layers with --context-parallel-size 2" in err
     err = _parse_error(capsys, *mimo, "--custom-model-provider-path", "tests.test_mtp._convert_with_mtp")
     assert "--mtp-num-layers with --custom-model-provider-path" in err
 
@@ -380,6 +546,31 @@ def test_mtp_loss_mask_and_rolls_stay_inside_each_sample():
     mask = roll_tensor(packed, -1, -1, None, params)[0]
     assert labels[0, :9].tolist() == [12, 13, 14, 0, 0, 22, 23, 0, 0]
     assert mask.tolist() == [[1, 0, 1, 0, 0, 1, 1, 0, 0] + [0] * 7]
+
+
+@pytest.mark.parametrize("cp_rank", [0, 1])
+def test_mtp_loss_mask_is_cut_like_the_tokens_under_context_parallelism(monkeypatch, cp_rank):
+    """Under CP 2 each sample's mask row is padded to 4 chunks and the rank keeps chunks r and 3-r, as its tokens:
+    sample 0 (mask row [0,1,0,1,0], chunks of 2) and sample 1 ([1,1,1,0], chunks of 1)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from slime.backends.megatron_utils import cp_utils, mtp
+
+    monkeypatch.setattr(cp_utils, "cp_size_and_rank", lambda: (2, cp_rank))
+    monkeypatch.setattr(mtp, "cp_size_and_rank", lambda: (2, cp_rank))
+    batch = {
+        "total_lengths": [5, 4],
+        "response_lengths": [3, 3],
+        "loss_masks": [torch.tensor([1, 0, 1]), torch.tensor([1, 1, 1])],
+    }
+    # packed: rank 0 holds [0,1 | 0,0] of sample 0 and [1 | 0] of sample 1; rank 1 [0,1 | 0,0] and [1 | 1]
+    expected = [[0, 1, 0, 0, 1, 0], [0, 1, 0, 0, 1, 1]][cp_rank]
+    params = PackedSeqParams(qkv_format="thd")
+    packed = mtp.mtp_loss_mask({**batch, "tokens": torch.zeros(1, 8, dtype=torch.long), "packed_seq_params": params})
+    assert packed.tolist() == [expected + [0, 0]]
+    # padded: rows of 8 (4 chunks of 2), rank 0 keeps positions 0,1,6,7 and rank 1 positions 2,3,4,5
+    padded = mtp.mtp_loss_mask({**batch, "tokens": torch.zeros(2, 4, dtype=torch.long), "packed_seq_params": None})
+    assert padded.tolist() == [[[0, 1, 0, 0], [1, 1, 0, 0]], [[0, 1, 0, 0], [1, 0, 0, 0]]][cp_rank]
 
 
 @pytest.mark.e2e

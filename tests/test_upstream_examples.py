@@ -236,8 +236,6 @@ export -f _cap ray python python3 torchrun pip
 
 # What stops each launch script that does not parse, and why that is right (the rest parse cleanly).
 SCRIPT_REFUSALS = {
-    # issue #38's further part: MTP under pipeline parallelism
-    "scripts/run-glm4.7-30B-A3B.sh": "--mtp-num-layers with --pipeline-model-parallel-size 2",
     # impossible on this stack: PD disaggregation, DSA (GLM-5's all-gather CP), VLM rollouts, FP8 GEMMs on a CPU
     "scripts/run-glm5-744B-A40B.sh": "--prefill-num-servers: not supported",
     "scripts/run-glm5.2-744B-A40B.sh": "--allgather-cp: not supported",
@@ -252,8 +250,6 @@ SCRIPT_REFUSALS = {
     "tests/test_gspo.sh": "--num-layers, --hidden-size, --num-attention-heads required",
     # not here yet: the ifbench reward (it clones and installs IFBench at first use)
     "examples/eval_multi_task/multi_task.sh": "rm_type: 'ifbench' is unknown",
-    # TensorBoard naming: the verified-on-policy issue's ignored flags
-    "scripts/run-minimax-m2.sh": "--use-tensorboard needs --tb-project-name",
 }
 
 

@@ -866,20 +866,10 @@ def check_mtp(args, error):
         error(f"--mtp-loss-scaling-factor {args.mtp_loss_scaling_factor} must be >= 0.")
     if args.enable_mtp_training and not args.mtp_num_layers:
         error("--enable-mtp-training needs --mtp-num-layers (the number of MTP layers to train).")
-    if args.mtp_num_layers and args.pipeline_model_parallel_size > 1:
-        error(
-            f"--mtp-num-layers with --pipeline-model-parallel-size {args.pipeline_model_parallel_size}: the MTP "
-            "block is supported without pipeline parallelism only; use --pipeline-model-parallel-size 1."
-        )
     if args.mtp_num_layers and args.custom_model_provider_path:
         error(
             f"--mtp-num-layers with --custom-model-provider-path {args.custom_model_provider_path}: slime builds "
             "the MTP block in its own model provider; drop one of them."
-        )
-    if args.mtp_num_layers and args.context_parallel_size > 1:
-        error(
-            f"--mtp-num-layers with --context-parallel-size {args.context_parallel_size}: the MTP block is supported "
-            "without context parallelism only; use --context-parallel-size 1."
         )
 
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core import parallel_state as mpu
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
 from slime.utils.checkpoint_tracker import (
     TRACKER,
@@ -84,7 +85,8 @@ def _model_sharded_state_dict(model, adapters_only=False):
     checked on load)."""
     out = {}
     for i, m in enumerate(model):
-        sd = unwrap_model(m).sharded_state_dict()
+        # the DP x CP group spelled out: GPTModel reads it directly for the MTP stage's embedding copy (PP > 1)
+        sd = unwrap_model(m).sharded_state_dict(metadata=ensure_metadata_has_dp_cp_group(None))
         if adapters_only:
             sd = {k: v for k, v in sd.items() if is_lora_param(k)}
         out[_model_key(i, len(model))] = sd

@@ -7,7 +7,8 @@ that carry an MTP loss mask (`--enable-mtp-training`): log-prob forwards never r
 from the decoder output alone. Depth k at position i reads the hidden state of depth k-1 at i and the embedding of
 token i+k and predicts token i+k+1; its cross-entropy counts where that token is a loss-masked response token of the
 same sample (padded rows and packed `cu_seqlens` segments are rolled separately, so nothing is predicted across a
-sample boundary). The mean over those tokens, times `--mtp-loss-scaling-factor / N`, is added to the backward pass
+sample boundary; under context parallelism megatron's rolls pass chunk boundaries between CP ranks, and the mean is
+over the whole samples). The mean over those tokens, times `--mtp-loss-scaling-factor / N`, is added to the backward pass
 through megatron's `MTPLossAutoScaler` (scaled by the schedule like the main loss).
 """
 
@@ -23,6 +24,7 @@ from megatron.core.transformer.multi_token_prediction import (
 )
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
+from .cp_utils import cp_size_and_rank, slice_with_cp, zigzag_ranges
 from .log_probs import _mask_padded_vocab
 from .param_utils import unwrap_model
 
@@ -79,6 +81,7 @@ class MTPGPTModel(GPTModel):
         labels = self._roll(input_ids, packed_seq_params)  # the main head's targets: token i+1
         mask = loss_mask.float()
         scale = self.config.mtp_loss_scaling_factor / len(mtp_hidden)
+        cp = self.cp_group is not None and self.cp_group.size() > 1
         losses = []
         for hidden in mtp_hidden:
             labels = self._roll(labels, packed_seq_params)
@@ -88,9 +91,16 @@ class MTPGPTModel(GPTModel):
             ce = tensor_parallel.vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous())
             total = (ce.transpose(0, 1) * mask).sum()
             count = mask.sum()
+            if cp:  # this rank holds part of each sample: the mean is over the whole samples' tokens
+                torch.distributed.all_reduce(count, group=self.cp_group)
             mean = total / count.clamp_min(1)
-            losses.append(mean.detach())
+            logged = mean.detach().clone()
+            if cp:
+                torch.distributed.all_reduce(logged, group=self.cp_group)
+            losses.append(logged)
             contribution = total if self.config.calculate_per_token_loss else mean
+            if cp:  # Megatron averages gradients over DP x CP, yet the CP ranks' shares add up to one sample set
+                contribution = contribution * self.cp_group.size()
             main_hidden = MTPLossAutoScaler.apply(main_hidden, scale * contribution)
         self.last_mtp_losses = torch.stack(losses)
         return main_hidden
@@ -104,10 +114,16 @@ def mtp_loss_mask(batch):
         prompt = total - response
         rows.append(F.pad(mask.float(), (prompt - 1, 1)))
     layout = batch["tokens"]
+    cp_size, cp_rank = cp_size_and_rank()
     if batch["packed_seq_params"] is not None:
-        flat = torch.cat(rows)
+        flat = torch.cat([slice_with_cp(r, 0.0) for r in rows])  # each sample's zigzag pair, as its tokens
         return F.pad(flat, (0, layout.size(1) - flat.numel())).unsqueeze(0).to(layout.device)
-    return torch.stack([F.pad(r, (0, layout.size(1) - r.numel())) for r in rows]).to(layout.device)
+    s = layout.size(1) * cp_size  # under CP a padded row holds this rank's zigzag pair of chunks of s
+    padded = torch.stack([F.pad(r, (0, s - r.numel())) for r in rows])
+    if cp_size > 1:
+        ranges = zigzag_ranges(s // (2 * cp_size), cp_size, cp_rank)
+        padded = padded[:, torch.cat([torch.arange(lo, hi) for lo, hi in ranges])]
+    return padded.to(layout.device)
 
 
 def last_mtp_losses(chunk):

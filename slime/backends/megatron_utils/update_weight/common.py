@@ -9,6 +9,7 @@ import time
 from collections import defaultdict
 
 import ray
+from megatron.core import parallel_state as mpu
 
 from slime.backends.megatron_utils.megatron_to_hf import convert_to_hf
 from slime.backends.megatron_utils.param_utils import PREFIX, all_gather_param, remove_padding
@@ -32,9 +33,17 @@ def update_timeout(args) -> float:
 
 
 def is_tied_output_copy(args, name) -> bool:
-    """The last pipeline stage's copy of a tied embedding: engines take it from the embedding, so it is not sent
-    (at PP=1 Megatron has no such parameter; sending it would also fail `--check-weight-update-equal`)."""
-    return name == PREFIX + "output_layer.weight" and not args.untie_embeddings_and_output_weights
+    """A later pipeline stage's copy of the embedding: the last stage's tied output layer, or the MTP stage's
+    embedding (Megatron keeps one beside the MTP block). Engines take it from the first stage's embedding, so it is
+    not sent (at PP=1 Megatron has no such parameter; sending a tied copy would also fail
+    `--check-weight-update-equal`)."""
+    if name == PREFIX + "output_layer.weight" and not args.untie_embeddings_and_output_weights:
+        return True
+    return (
+        name == PREFIX + "embedding.word_embeddings.weight"
+        and args.pipeline_model_parallel_size > 1
+        and mpu.get_pipeline_model_parallel_rank() > 0
+    )
 
 
 def gather_and_convert(args, model_name, name, param, vocab_size, quantization_config=None):
