@@ -16,7 +16,11 @@ and GLM-4.5 models whose engine and trainer routers are made to disagree on some
 tokens (tests/test_routing_replay.py: a near-tie flipped by a tiny router-row difference; a different expert bias,
 which only selects), the gap with the trainer's own routing and with the engine's replayed (R3).
 
+`--top-p-cap 4096 64` measures instead what `--rollout-top-p 0.9` alone, run at top-k = the engine's mask cap,
+drops: the share of steps whose nucleus exceeds the cap and the nucleus mass beyond it.
+
     .venv/bin/python benchmarks/bench_consistency_gap.py [--samples 16] [--max-new-tokens 48] [--families F,..] [--moe]
+        [--top-p-cap CAP ..]
 """
 
 import argparse
@@ -121,6 +125,35 @@ def trainer_log_probs(model_dir, samples, flags, tmp, replay_temperatures=False)
     return [lp.numpy() for lp in torch.load(out)]
 
 
+def nucleus_beyond_cap(url, tokenizer, samples, max_new_tokens, temperature, vocab_size, cap, top_p=0.9):
+    """What bounding top-p alone at top-k `cap` changes, measured on the engine's whole nucleus (top-k = the
+    vocabulary, each step's support log-probs): (share of steps whose nucleus holds more than `cap` tokens, mean share
+    of a step's nucleus mass beyond its `cap` most probable tokens). Both are exactly 0 when no nucleus exceeds the
+    cap: SGLang's top-k and top-p filters cut the same sorted distribution, so the kept set is the shorter prefix."""
+    over, dropped = [], []
+    for i in range(samples):
+        prompt = tokenizer(PROMPTS[i % len(PROMPTS)], add_special_tokens=False)["input_ids"]
+        body = {
+            "input_ids": prompt,
+            "sampling_params": {
+                "max_new_tokens": max_new_tokens,
+                "top_p": top_p,
+                "top_k": vocab_size,
+                "temperature": temperature,
+                "sampling_seed": 1000 + i,
+                "ignore_eos": True,
+            },
+            "return_logprob": True,
+            "return_sampling_mask": True,
+            "sampling_logprobs_mode": "support",
+        }
+        meta = requests.post(url + "/generate", json=body, timeout=300).json()["meta_info"]
+        for support in meta["output_token_sampling_logprobs"]:  # by descending probability, renormalised
+            over.append(len(support) > cap)
+            dropped.append(float(np.exp(np.asarray(support[cap:], dtype=np.float64)).sum()))
+    return float(np.mean(over)), float(np.mean(dropped))
+
+
 def gap(trainer, engine):
     return float(np.mean(np.abs(np.concatenate(trainer) - np.concatenate(engine))))
 
@@ -180,6 +213,7 @@ def main():
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--families", default=None, help="comma-separated tiny random families instead of the kit")
     p.add_argument("--moe", action="store_true", help="only the MoE rows (routing replay)")
+    p.add_argument("--top-p-cap", type=int, nargs="*", help="only what top-p 0.9 alone bounded at these top-ks drops")
     opts = p.parse_args()
     from tests._megatron_helpers import build_random_hf
     from tests.test_routing_replay import _with_tokenizer
@@ -188,6 +222,24 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         kit = os.path.join(tmp, "qwen3-tiny")
         build_model(kit)
+        if opts.top_p_cap:
+            from transformers import AutoConfig, AutoTokenizer
+
+            from tests.test_cpu_server import start_cpu_server, stop_cpu_server
+
+            tok, vocab = AutoTokenizer.from_pretrained(kit), AutoConfig.from_pretrained(kit).vocab_size
+            proc, url = start_cpu_server(kit)
+            try:
+                for t in (1.0, 0.7):
+                    for cap in opts.top_p_cap:
+                        over, dropped = nucleus_beyond_cap(url, tok, opts.samples, opts.max_new_tokens, t, vocab, cap)
+                        print(
+                            f"qwen3 kit, top-p 0.9 alone at temperature {t:g} bounded at top-k {cap}: "
+                            f"{over:.1%} of steps exceed it, mean nucleus mass dropped {dropped:.3f}"
+                        )
+            finally:
+                stop_cpu_server(proc)
+            return
         if opts.moe:
             results = {kind: measure_moe(kind, kit, tmp) for kind in ("qwen3moe", "deepseekv3", "glm4moe")}
         elif opts.families:

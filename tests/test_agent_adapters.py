@@ -471,6 +471,7 @@ def test_a_client_sampling_parameter_that_differs_from_the_sessions_is_refused(s
     n = len(resp["meta_info"]["output_token_logprobs"])
     [rec] = sample.metadata["sampling_params"]
     assert (rec["temperature"], rec["top_k"], rec["presence_penalty"]) == (1.0, 1, 0.0)  # greedy, normalised
+    assert rec["lora_path"] is None  # the adapter its request named (no generate_fields here: the base)
     assert (
         rec["response_span"] == [0, n] and rec["origin"] == "engine echo" and "openai agent adapter" in rec["source"]
     )

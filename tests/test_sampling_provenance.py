@@ -209,3 +209,72 @@ def test_the_opt_out_warns_once(caplog):
         for _ in range(2):
             convert_samples_to_train_data(off, [_sample(0, sent={"temperature": 0.5}), _sample(1)], fn_path="f")
     assert [r.getMessage().split(":")[0] for r in caplog.records] == ["--no-check-sampling-params"]
+
+
+# ---------------------------------------------------------------- the adapter under --lora-sync adapter
+def _adapter_sample(index, body):
+    """A 2-token response whose one engine call sent `body` (None: a record made without the request body)."""
+    s = Sample(index=index, tokens=[1, 2, 3, 4], response_length=2, reward=1.0, rollout_log_probs=[-0.1, -0.2])
+    s.status = Sample.Status.COMPLETED
+    record_segment(s, {}, {"temperature": 1.0}, start=0, end=2, source="my_pkg.gen.generate", body=body)
+    return s
+
+
+def test_under_adapter_sync_a_sample_not_sampled_with_the_policy_adapter_is_refused():
+    """SGLang serves a request that names no lora_path from the frozen base and its response does not say which
+    adapter served it: the record carries the request's lora_path, and a trained segment that named another adapter,
+    none, or was recorded without the body, or a sample with no record at all, is refused in one line naming the
+    sample and the opt-out."""
+    args = make_args("--enable-lora", "--lora-sync", "adapter")
+    good = [_adapter_sample(0, {"lora_path": "slime_policy"}), _adapter_sample(1, {"lora_path": ["slime_policy"]})]
+    assert convert_samples_to_train_data(args, good, fn_path="f")["sample_indices"] == [0, 1]
+    assert good[0].metadata["sampling_params"][0]["lora_path"] == "slime_policy"
+    for bad, why in (
+        (
+            _adapter_sample(7, {}),
+            "lora_path=None: under --lora-sync adapter the engine sampled it from the frozen base",
+        ),
+        (_adapter_sample(7, {"lora_path": "old"}), "lora_path='old': under --lora-sync adapter the engine sampled it"),
+        (_adapter_sample(7, None), "no record of the adapter it was sampled with (lora_path)"),
+        (_sample(7), "records no sampling parameters"),
+    ):
+        with pytest.raises(ValueError) as e:
+            convert_samples_to_train_data(args, [good[0], bad], fn_path="f")
+        msg = str(e.value)
+        assert msg.startswith("sample 7 (position 1) from ") and why in msg and "\n" not in msg, msg
+        assert "generate_fields(args)" in msg and "--no-check-sampling-params" in msg, msg
+        lenient = make_args("--enable-lora", "--lora-sync", "adapter", "--no-check-sampling-params")
+        convert_samples_to_train_data(lenient, [good[0], bad], fn_path="f")
+    # the base is the policy under --lora-sync merged (the engine holds merged weights) and without LoRA
+    for other in (make_args("--enable-lora", "--lora-sync", "merged"), make_args()):
+        convert_samples_to_train_data(other, [_adapter_sample(0, {}), _adapter_sample(1, None)], fn_path="f")
+    # an untrained segment (a tool's tokens, a masked resume) is not checked
+    masked = _adapter_sample(3, {})
+    masked.loss_mask = [0, 0]
+    convert_samples_to_train_data(args, [good[0], masked], fn_path="f")
+
+
+def test_the_default_and_streaming_generates_record_the_adapter_they_request(monkeypatch):
+    from slime.rollout import sglang_rollout
+
+    args = make_args("--enable-lora", "--lora-sync", "adapter")
+    sent = []
+
+    async def fake_post(url, payload, **kw):
+        sent.append(payload)
+        return {"text": "a", "meta_info": {"output_token_logprobs": [[-0.1, 5]], "finish_reason": {"type": "stop"}}}
+
+    class _State:
+        tokenizer = None
+        workers = []
+        request_timeouts = 0
+
+    monkeypatch.setattr(sglang_rollout, "post", fake_post)
+    monkeypatch.setattr(sglang_rollout, "GenerateState", lambda args: _State())
+    sp = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 8}
+    s = asyncio.run(sglang_rollout.generate(args, Sample(index=0, tokens=[1, 2], prompt="q"), dict(sp)))
+    assert sent[0]["lora_path"] == "slime_policy"
+    assert [r["lora_path"] for r in s.metadata["sampling_params"]] == ["slime_policy"]
+    plain = asyncio.run(sglang_rollout.generate(make_args(), Sample(index=1, tokens=[1, 2], prompt="q"), dict(sp)))
+    assert "lora_path" not in sent[1] and plain.metadata["sampling_params"][0]["lora_path"] is None
+    # the streaming generate's record: tests/test_sglang_rollout.py::test_streaming_generate_gives_the_default_...

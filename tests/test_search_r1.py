@@ -124,6 +124,10 @@ def test_search_turns_and_loss_masks(gws, tiny_kit, monkeypatch):
     assert tok.decode(masked_out) == obs  # the retrieved passages are exactly the tokens excluded from the loss
     assert "Paris is the capital and largest city of France" in obs
     assert asyncio.run(gws.reward_func(args, sample)) == 1.0
+    # each model turn records what it was sampled with and the adapter it named (none: the base model)
+    recs = sample.metadata["sampling_params"]
+    assert [r["response_span"] for r in recs] == [[0, n1], [n1 + n_obs, n1 + n_obs + n2]]
+    assert [r["lora_path"] for r in recs] == [None, None]
 
     with pytest.raises(ValueError, match="partial-rollout"):
         asyncio.run(gws.generate(make_args(hf_checkpoint=model_dir, partial_rollout=True), Sample(), {}))

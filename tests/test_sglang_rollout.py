@@ -737,3 +737,4 @@ def test_streaming_generate_gives_the_default_generates_tokens_and_log_probs(eng
     assert [[(r["response_span"], r["origin"], r["temperature"], r["top_k"]) for r in x] for x in recs] == [
         [([0, 8], "engine echo", 1.0, 1)]
     ] * 2
+    assert [x[0]["lora_path"] for x in recs] == [None, None]  # the adapter each request named (none: the base)

@@ -3,7 +3,9 @@ Sample, the train-data checks, the start-up rule and the trainer's log-probs ren
 set. Expected sets and log-probs are worked out independently (a plain Python nucleus over sorted probabilities,
 and log_softmax restricted to the kept ids)."""
 
+import logging
 import math
+import tempfile
 
 import numpy as np
 import pytest
@@ -118,19 +120,24 @@ def test_train_data_carries_the_kept_sets_and_refuses_samples_without_them():
     assert "rollout_top_p_token_ids" not in plain
 
 
-def test_top_p_without_a_finite_top_k_is_a_one_line_start_up_error(capsys):
-    with pytest.raises(SystemExit) as exc:
-        parse_args(argv=[*BASE, *TINY_MODEL, "--rollout-top-p", "0.9"], check_paths=False)
-    err = capsys.readouterr().err
-    assert exc.value.code == 2 and "--rollout-top-p 0.9 needs a finite --rollout-top-k in [1, 4096]" in err
-    make_args("--rollout-top-p", "0.9", "--rollout-top-k", "4096")
-    make_args("--rollout-top-p", "0.9", "--loss-type", "sft_loss")  # nothing is sampled for the loss
-    # a top-k over the cap is the top-k's fault, also without a top-p
+def test_top_p_alone_samples_with_the_engines_mask_cap_as_top_k_and_says_so(capsys, caplog):
+    """SGLang returns kept sets only for a finite top-k <= --sglang-sampling-mask-max-tokens: top-p alone runs with
+    that cap as its top-k, said once at start-up; eval (no kept sets) keeps its top-p alone."""
+    with caplog.at_level(logging.INFO, logger="slime.utils.arguments"):
+        args = make_args("--rollout-top-p", "0.9", "--eval-prompt-data", "e", "e.jsonl")
+    assert args.rollout_top_k == 4096 and [d.top_k for d in args.eval_datasets] == [-1]
+    said = [r.getMessage() for r in caplog.records if "without --rollout-top-k" in r.getMessage()]
+    assert len(said) == 1 and "top-k 4096 (--sglang-sampling-mask-max-tokens)" in said[0], said
+    assert make_args("--rollout-top-p", "0.9", "--sglang-sampling-mask-max-tokens", "64").rollout_top_k == 64
+    assert make_args("--rollout-top-p", "0.9", "--rollout-top-k", "20").rollout_top_k == 20  # the user's own
+    assert make_args("--rollout-top-p", "0.9", "--loss-type", "sft_loss").rollout_top_k == -1  # nothing replayed
+    assert make_args().rollout_top_k == -1
+    # a top-k over the cap is still the top-k's fault, with or without a top-p
     for extra in ([], ["--rollout-top-p", "0.9"]):
-        with pytest.raises(SystemExit):
+        with pytest.raises(SystemExit) as exc:
             parse_args(argv=[*BASE, *TINY_MODEL, "--rollout-top-k", "999999", *extra], check_paths=False)
         err = capsys.readouterr().err
-        assert "--rollout-top-k 999999 must be in [1, 4096]: the trainer replays" in err
+        assert exc.value.code == 2 and "--rollout-top-k 999999 must be in [1, 4096]: the trainer replays" in err
         assert "--rollout-top-p" not in err
 
 
@@ -278,3 +285,35 @@ def test_the_replay_request_conforms_to_sglang_0_5_23s_generate_contract():
     }
     assert body_errors("/generate", body) == []
     assert body_errors("/generate", {**body, "return_sampling_mask": "yes"}) != []
+
+
+def test_top_p_alone_at_temperature_0_7_replays_the_engines_log_probs_with_the_cap_binding(tiny_kit):
+    """--rollout-top-p 0.9 alone at --rollout-temperature 0.7, the cap lowered to 64 so it binds on the tiny kit's
+    512-token vocabulary: the CPU server samples with the args' top-k, some steps' 0.9 nucleus holds more than 64
+    tokens (measured with top-k = the vocabulary), and the trainer's replayed log-probs match the engine's."""
+    from transformers import AutoTokenizer
+
+    from benchmarks.bench_consistency_gap import sample_from_engine, trainer_log_probs
+    from tests.test_cpu_server import start_cpu_server, stop_cpu_server
+
+    model_dir = tiny_kit[0]
+    args = make_args(
+        "--rollout-top-p", "0.9", "--rollout-temperature", "0.7", "--sglang-sampling-mask-max-tokens", "64"
+    )
+    assert args.rollout_top_k == 64
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    proc, url = start_cpu_server(model_dir)
+    try:
+        rolled = sample_from_engine(url, tokenizer, 4, 16, 0.9, args.rollout_top_k, (args.rollout_temperature,))
+        nucleus = sample_from_engine(url, tokenizer, 4, 16, 0.9, 512, (args.rollout_temperature,))
+    finally:
+        stop_cpu_server(proc)
+    sizes = np.concatenate([np.diff(s["offsets"]) for s in rolled])
+    assert sizes.max() <= 64
+    full_sizes = np.concatenate([np.diff(s["offsets"]) for s in nucleus])
+    assert (full_sizes > 64).any(), full_sizes  # the cap binds: those steps sample from a truncated nucleus
+    flags = {"rollout_top_p": 0.9, "rollout_top_k": args.rollout_top_k, "rollout_temperature": 0.7}
+    with tempfile.TemporaryDirectory() as tmp:
+        replay_lp = trainer_log_probs(model_dir, rolled, flags, tmp)
+    gap = np.abs(np.concatenate(replay_lp) - np.concatenate([s["sampling"] for s in rolled]))
+    assert gap.mean() <= 1e-5 and gap.max() <= 1e-4, (gap.mean(), gap.max())

@@ -17,9 +17,11 @@ from qa_em_format import compute_score_em
 
 from slime.utils.http_utils import post
 from slime.utils.lora_utils import generate_fields
+from slime.utils.sampling_record import record_segment
 from slime.utils.types import Sample
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCE = "examples/search-r1 generate_with_search.generate"  # a sampling record's source
 SEARCH_R1_CONFIGS = {
     "max_turns": 3,
     "topk": 3,
@@ -113,15 +115,25 @@ async def generate(args, sample: Sample, sampling_params) -> Sample:
     response, response_token_ids, loss_mask = "", [], []
     finish = "stop"
     for _ in range(SEARCH_R1_CONFIGS["max_turns"]):
-        output = await post(
-            url, {"text": prompt + response, "sampling_params": sampling_params, **generate_fields(args)}
-        )
+        payload = {"text": prompt + response, "sampling_params": sampling_params, **generate_fields(args)}
+        output = await post(url, payload)
         finish = output["meta_info"]["finish_reason"]["type"]
         if finish == "abort":
             sample.status = Sample.Status.ABORTED
             return sample
         cur = postprocess_responses(output["text"])
         cur_ids = tokenizer(cur, add_special_tokens=False)["input_ids"]
+        # what this turn was sampled with, the adapter included (checked before training: sampling_provenance)
+        start = len(response_token_ids)
+        record_segment(
+            sample,
+            output["meta_info"],
+            sampling_params,
+            start=start,
+            end=start + len(cur_ids),
+            source=SOURCE,
+            body=payload,
+        )
         response += cur
         response_token_ids += cur_ids
         loss_mask += [1] * len(cur_ids)

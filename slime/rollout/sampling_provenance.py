@@ -11,13 +11,20 @@ default generate, the streaming generate and the agent adapters write it), and `
 trainer to replay, or that used anything the trainer cannot replay. A sample with no record (a user's generate
 function that records nothing) is trained at the flag's temperature, with one warning naming the function.
 `--no-check-sampling-params` turns the check off (warned once).
+
+Under `--lora-sync adapter` the adapter is part of what a token was sampled with: SGLang serves a `/generate` that
+names no `lora_path` from the frozen base, and its response does not say which adapter served it. So a segment's
+record carries the `lora_path` its request named (recorded from the request body), and a trained segment that named
+another adapter, or none, or whose record has no `lora_path` -- or a trained sample with no record at all -- is
+refused: nothing shows it was sampled from the policy being trained.
 """
 
 import logging
 
 import numpy as np
 
-from slime.utils.sampling_record import GREEDY_EPS, META_KEY, PROCESSOR_KEYS, response_temperatures
+from slime.utils.lora_utils import ADAPTER_NAME, generate_fields
+from slime.utils.sampling_record import ADAPTER_KEY, GREEDY_EPS, META_KEY, PROCESSOR_KEYS, response_temperatures
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +54,37 @@ def _has_kept_sets(sample, start, end):
     return all(int(offsets[k + 1]) > int(offsets[k]) for k in range(start, end))
 
 
+# how a generate function names the policy's adapter and records it (the refusals' hint)
+_ADAPTER_HINT = (
+    "add slime.utils.lora_utils.generate_fields(args) to every /generate body and pass the body to "
+    "slime.utils.sampling_record.record_segment(..., body=payload)"
+)
+
+
+def adapter_problem(args, rec) -> str | None:
+    """Under `--lora-sync adapter`: what is wrong with the adapter a segment's record says it was sampled with."""
+    if not generate_fields(args):
+        return None
+    if ADAPTER_KEY not in rec:
+        return (
+            f"no record of the adapter it was sampled with ({ADAPTER_KEY}), so nothing shows it was sampled from the "
+            f"policy's adapter {ADAPTER_NAME!r} and not the frozen base under --lora-sync adapter ({_ADAPTER_HINT})"
+        )
+    if rec[ADAPTER_KEY] != ADAPTER_NAME:
+        served = "the frozen base" if rec[ADAPTER_KEY] is None else f"adapter {rec[ADAPTER_KEY]!r}"
+        return (
+            f"{ADAPTER_KEY}={rec[ADAPTER_KEY]!r}: under --lora-sync adapter the engine sampled it from {served}, not "
+            f"the policy's adapter {ADAPTER_NAME!r} ({_ADAPTER_HINT})"
+        )
+    return None
+
+
 def segment_problem(args, sample, rec) -> str | None:
     """What in one segment's record `rec` the trainer cannot score (None when it scores it exactly)."""
     start, end = rec.get("response_span") or (0, sample.response_length)
+    adapter = adapter_problem(args, rec)
+    if adapter:
+        return adapter
     t = rec.get("temperature")
     if t is not None and args.rollout_temperature < GREEDY_EPS and abs(float(t) - args.rollout_temperature) > 0:
         # any other temperature is replayed per token (rollout_temperatures); a greedy flag has no scale to replay
@@ -104,6 +139,13 @@ def check_sampling_params(args, samples, fn_path=None) -> None:
         if not records:
             if s.response_length and (s.loss_mask is None or any(s.loss_mask)):
                 where = _generate_function(args, s)
+                if generate_fields(args):
+                    raise ValueError(
+                        f"sample {s.index} (position {i}) from {where} (rollout function {fn_path!r}) records no "
+                        f"sampling parameters (sample.metadata[{META_KEY!r}]), so nothing shows it was sampled from "
+                        f"the policy's adapter {ADAPTER_NAME!r} and not the frozen base under --lora-sync adapter "
+                        f"({_ADAPTER_HINT}; pass --no-check-sampling-params to train on it anyway)"
+                    )
                 _warn_once(
                     ("unrecorded", where),
                     f"sample {s.index} (position {i}) from {where} (rollout function {fn_path!r}) records no sampling "

@@ -60,7 +60,13 @@ async def generate_streaming(args, sample: Sample, sampling_params, evaluation=F
     if sample.response_length > length:  # what these tokens were sampled with: the engine's echo, else the request
         source = "slime.rollout.sglang_streaming_rollout.generate_streaming"
         record_segment(
-            sample, meta, payload["sampling_params"], start=length, end=sample.response_length, source=source
+            sample,
+            meta,
+            payload["sampling_params"],
+            start=length,
+            end=sample.response_length,
+            source=source,
+            body=payload,
         )
     sample.apply_finish_reason(meta, args, num_new_tokens=sample.response_length - length)
     if not meta.get("finish_reason"):  # cut before the engine finished it

@@ -191,8 +191,9 @@ def add_rollout_arguments(parser):
         action="store_true",
         default=False,
         help="Train samples whose recorded sampling parameters the trainer cannot score exactly (a temperature other "
-        "than --rollout-temperature, top-p/top-k/min-p without kept sets, penalties, logit_bias, grammars); by "
-        "default such a sample is refused in one line (warned once when set).",
+        "than --rollout-temperature, top-p/top-k/min-p without kept sets, penalties, logit_bias, grammars; under "
+        "--lora-sync adapter, not recorded as sampled with the policy's adapter); by default such a sample is "
+        "refused in one line (warned once when set).",
     )
     g.add_argument(
         "--rollout-max-prompt-len",
@@ -1708,16 +1709,21 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
 
 def _validate_consistency(args, error):
     cap = args.sglang_sampling_mask_max_tokens
-    if sampling_is_truncated(args) and args.loss_type != "sft_loss" and not 1 <= args.rollout_top_k <= cap:
-        # name the flag at fault: a top-k over the cap, else a top-p without a finite top-k
-        culprit = (
-            f"--rollout-top-k {args.rollout_top_k} must be in [1, {cap}]"
-            if args.rollout_top_k > 0
-            else f"--rollout-top-p {args.rollout_top_p} needs a finite --rollout-top-k in [1, {cap}]"
+    replayed = sampling_is_truncated(args) and args.loss_type != "sft_loss"
+    if replayed and args.rollout_top_k <= 0:
+        # SGLang returns kept sets only for a finite top-k <= its mask cap: top-p alone samples from the nucleus
+        # restricted to the cap's most probable tokens, which changes nothing while the nucleus is no larger
+        args.rollout_top_k = cap
+        logger.info(
+            f"--rollout-top-p {args.rollout_top_p:g} without --rollout-top-k: rollouts sample with top-k {cap} "
+            f"(--sglang-sampling-mask-max-tokens), so a step whose nucleus holds more than {cap} tokens samples from "
+            f"its {cap} most probable ones; the trainer replays exactly that set (docs/consistency.md)"
         )
+    if replayed and not 1 <= args.rollout_top_k <= cap:
         error(
-            f"{culprit}: the trainer replays each step's kept token set, which the engine returns (SGLang's "
-            f"return_sampling_mask) only for a finite top-k up to --sglang-sampling-mask-max-tokens {cap}."
+            f"--rollout-top-k {args.rollout_top_k} must be in [1, {cap}]: the trainer replays each step's kept token "
+            f"set, which the engine returns (SGLang's return_sampling_mask) only for a finite top-k up to "
+            f"--sglang-sampling-mask-max-tokens {cap}."
         )
     if args.use_rollout_logprobs and args.use_tis:
         error(

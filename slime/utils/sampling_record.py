@@ -9,7 +9,9 @@ no sampling parameter, so on GPU the record comes from the request slime sent.
 
 A sample's record is `sample.metadata["sampling_params"]`: one dict per engine call (segment) whose sampled tokens
 are in the sample, with the normalised parameters plus `response_span` ([start, end) in the response), `source` (the
-code that sent the request: the default generate, an agent adapter) and `origin` ("engine echo" or "request").
+code that sent the request: the default generate, an agent adapter), `origin` ("engine echo" or "request") and,
+when the request body is passed, `lora_path` (the adapter the request named, None for the base model). SGLang's
+response says nothing of the adapter that served it, so that one always comes from the request.
 """
 
 import numpy as np
@@ -17,6 +19,7 @@ import numpy as np
 GREEDY_EPS = 1e-6  # SGLang's sampling_params.py: a temperature below this is greedy
 META_KEY = "sampling_params"  # the CPU server's meta_info key and the Sample.metadata key of the record
 TEMPERATURES_KEY = "rollout_temperatures"  # the train-data key of each response token's sampling temperature
+ADAPTER_KEY = "lora_path"  # a segment record's adapter (SGLang's request field)
 # logit processors whose effect on the behaviour distribution the trainer cannot replay (present or not)
 PROCESSOR_KEYS = ("logit_bias", "regex", "json_schema", "ebnf", "structural_tag", "custom_logit_processor")
 
@@ -83,16 +86,26 @@ def normalised(
     }
 
 
+def requested_adapter(body: dict):
+    """The adapter a one-prompt `/generate` body names (SGLang's `lora_path`: a name, or a list of one), else None."""
+    lora = body.get("lora_path")
+    return lora[0] if isinstance(lora, list) and len(lora) == 1 else lora
+
+
 def segment_record(meta_info: dict | None, sent: dict | None, *, start: int, end: int, source: str, body=None):
     """One segment's record: the engine's echo (`meta_info["sampling_params"]`) when it has one, else the
-    normalised form of the `sampling_params` slime sent (`body`: the whole request, for `custom_logit_processor`)."""
+    normalised form of the `sampling_params` slime sent (`body`: the whole request, for `custom_logit_processor` and
+    the adapter it named)."""
     echo = (meta_info or {}).get(META_KEY)
     if isinstance(echo, dict):
         params, origin = dict(echo), "engine echo"
     else:
         params = applied_sampling_params(sent, custom_logit_processor=bool((body or {}).get("custom_logit_processor")))
         origin = "request"
-    return {**params, "response_span": [int(start), int(end)], "source": source, "origin": origin}
+    record = {**params, "response_span": [int(start), int(end)], "source": source, "origin": origin}
+    if body is not None:
+        record[ADAPTER_KEY] = requested_adapter(body)
+    return record
 
 
 def record_segment(sample, meta_info, sent, *, start: int, end: int, source: str, body=None) -> None:
