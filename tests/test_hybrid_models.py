@@ -473,7 +473,7 @@ def _cp_log_probs_and_grads(rank, hf_models, kinds, cp, out_dir):
     from slime.backends.megatron_utils.data import get_data_iterator
     from slime.backends.megatron_utils.initialize import init
     from slime.backends.megatron_utils.model import forward_only, initialize_model_and_optimizer
-    from slime.backends.utils.data import process_rollout_data
+    from slime.backends.megatron_utils.rollout_data import process_rollout_data
     from tests._megatron_helpers import train_once_for_offload
 
     class _Ref:
@@ -537,7 +537,7 @@ def _layout_step(rank, hf_models, runs, out_dir):
     from slime.backends.megatron_utils.data import get_data_iterator
     from slime.backends.megatron_utils.initialize import init
     from slime.backends.megatron_utils.model import forward_only, initialize_model_and_optimizer, train
-    from slime.backends.utils.data import process_rollout_data
+    from slime.backends.megatron_utils.rollout_data import process_rollout_data
 
     class _Ref:
         def __init__(self, data):
