@@ -218,13 +218,31 @@ def test_pp2_tree_equals_pp1_flat(model_dir, flat, tmp_path_factory):
     _assert_equal_to_flat(_launch(tmp_path_factory, model_dir, "pp2", 2, pipeline_model_parallel_size=2), flat)
 
 
-def test_dynamic_batching_fills_micro_batches_by_tree_tokens(model_dir, flat, tmp_path_factory):
-    """Budget 30 tree tokens: first-fit needs 2 micro-batches, balanced as {A, B} 26 / {C, D} 25 (flat: 72 / 67)."""
+@pytest.mark.parametrize(
+    "dp, budget, expected",
+    [
+        # first-fit over 12 14 17 8 needs 2 micro-batches, balanced {A, B} 26 / {C, D} 25 (flat tokens: 72 / 67)
+        (1, 30, [[0, 1], [2, 3]]),
+        # DP {A, B} / {C, D}; 20 tree tokens hold one group each (group A alone is 40 flat tokens)
+        (2, 20, [[0], [1], [2], [3]]),
+    ],
+)
+def test_dynamic_batching_fills_micro_batches_by_tree_tokens(model_dir, flat, tmp_path_factory, dp, budget, expected):
     from slime.backends.megatron_utils.rollout_data import count_tree_tokens
 
-    (r,) = _launch(tmp_path_factory, model_dir, "dyn", 1, use_dynamic_batch_size=True, max_tokens_per_gpu=30)
+    ranks = _launch(
+        tmp_path_factory, model_dir, f"dyn{dp}", dp, use_dynamic_batch_size=True, max_tokens_per_gpu=budget
+    )
     tokens = _rollout()["tokens"]
-    assert r["num_microbatches"] == [2]
-    assert sorted(sorted(mb) for mb in r["micro_batches"]) == [list(range(8)), list(range(8, 16))]
-    assert all(count_tree_tokens([tokens[i] for i in mb]) <= 30 for mb in r["micro_batches"])
-    _assert_equal_to_flat([r], flat)
+    assert all(r["num_microbatches"] == [len(expected) // dp] for r in ranks)
+    micro_batches = [sorted(mb) for r in ranks for mb in r["micro_batches"]]
+    assert sorted(micro_batches) == [[i for g in gs for i in range(4 * g, 4 * g + 4)] for gs in expected]
+    assert all(count_tree_tokens([tokens[i] for i in mb]) <= budget for mb in micro_batches)
+    _assert_equal_to_flat(ranks, flat)
+
+
+def test_tree_training_takes_dynamic_batching():
+    from tests._args import make_args
+
+    args = make_args("--tree-training", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "256")
+    assert args.tree_training and args.use_dynamic_batch_size
