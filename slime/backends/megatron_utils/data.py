@@ -6,7 +6,7 @@ Two layouts, chosen once by whether the model runs Transformer Engine attention 
   multiple of 128, with `PackedSeqParams(cu_seqlens)` so attention never crosses sample boundaries;
 - right-padded `[b, s]` with an explicit causal+padding mask (the local spec, e.g. on CPU, asserts
   `packed_seq_params is None`).
-`--tree-training` (local spec only) replaces both with a prefix tree in one row (`_tree_layout`).
+`--tree-training` (local spec only) replaces both with a prefix tree in one row (`_tree_layout`), padded to a multiple of TP.
 With `--context-parallel-size` > 1 both layouts hold only this CP rank's zigzag chunks of each sample (`cp_utils`).
 """
 
