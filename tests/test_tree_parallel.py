@@ -241,8 +241,16 @@ def test_dynamic_batching_fills_micro_batches_by_tree_tokens(model_dir, flat, tm
     _assert_equal_to_flat(ranks, flat)
 
 
-def test_tree_training_takes_dynamic_batching():
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "256"],
+        ["--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"],
+        ["--pipeline-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"],
+    ],
+)
+def test_tree_training_takes_parallelism_and_dynamic_batching(flags):
+    """What the first slice refused now parses (the refusals kept are in tests/test_tree_training.py)."""
     from tests._args import make_args
 
-    args = make_args("--tree-training", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "256")
-    assert args.tree_training and args.use_dynamic_batch_size
+    assert make_args("--tree-training", "--transformer-impl", "local", *flags).tree_training
