@@ -139,7 +139,9 @@ def _run(rank, model_dir, layout, tree, out_dir):
                 if hasattr(p, k)
             },
         )
-        grads[name] = remove_padding(name, all_gather_param(name, shard, gated_linear_unit=args.swiglu), 200).clone()
+        grads[name] = remove_padding(
+            name, all_gather_param(name, shard, gated_linear_unit=args.swiglu), args.vocab_size
+        ).clone()
     idx = rollout["global_indices"]
     torch.save(
         {
@@ -239,6 +241,30 @@ def test_dynamic_batching_fills_micro_batches_by_tree_tokens(model_dir, flat, tm
     assert sorted(micro_batches) == [[i for g in gs for i in range(4 * g, 4 * g + 4)] for gs in expected]
     assert all(count_tree_tokens([tokens[i] for i in mb]) <= budget for mb in micro_batches)
     _assert_equal_to_flat(ranks, flat)
+
+
+@pytest.fixture(scope="module")
+def flat_kit(tiny_kit, tmp_path_factory):
+    """The one-rank flat reference on the tiny kit (4 layers: one per virtual pipeline chunk at PP=2 x VPP=2)."""
+    return _launch(tmp_path_factory, tiny_kit[0], "flat_kit", 1, tree=False)[0]
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_vpp2_tree_equals_pp1_flat(tiny_kit, flat_kit, tmp_path_factory, dynamic):
+    """PP=2 x VPP=2: the RoPE hook on every model chunk, the per-sample gather on the last virtual chunk only;
+    micro-batches of one group each (fixed), or of two (dynamic, 30 tree tokens: a whole group of micro-batches)."""
+    extra = dict(use_dynamic_batch_size=True, max_tokens_per_gpu=30) if dynamic else {}
+    ranks = _launch(
+        tmp_path_factory,
+        tiny_kit[0],
+        f"vpp2_{dynamic}",
+        2,
+        pipeline_model_parallel_size=2,
+        virtual_pipeline_model_parallel_size=2,
+        **extra,
+    )
+    assert all(r["num_microbatches"] == ([2] if dynamic else [4]) for r in ranks)
+    _assert_equal_to_flat(ranks, flat_kit)
 
 
 @pytest.mark.parametrize(
