@@ -243,6 +243,22 @@ def test_dynamic_batching_fills_micro_batches_by_tree_tokens(model_dir, flat, tm
     _assert_equal_to_flat(ranks, flat)
 
 
+def test_per_token_loss_dp2_dynamic_tree_equals_flat(model_dir, tmp_path_factory):
+    """--calculate-per-token-loss (each micro-batch's token sum, normalised by the step's tokens over DP): DP=2 tree
+    micro-batches filled by tree tokens against the one-rank flat run with the same flag."""
+    ref = _launch(tmp_path_factory, model_dir, "flat_ptl", 1, tree=False, calculate_per_token_loss=True)[0]
+    ranks = _launch(
+        tmp_path_factory,
+        model_dir,
+        "dyn2_ptl",
+        2,
+        use_dynamic_batch_size=True,
+        max_tokens_per_gpu=20,
+        calculate_per_token_loss=True,
+    )
+    _assert_equal_to_flat(ranks, ref)
+
+
 @pytest.fixture(scope="module")
 def flat_kit(tiny_kit, tmp_path_factory):
     """The one-rank flat reference on the tiny kit (4 layers: one per virtual pipeline chunk at PP=2 x VPP=2)."""
