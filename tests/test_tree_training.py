@@ -185,10 +185,6 @@ def test_tree_equals_flat_log_probs_entropy_and_grads(tmp_path):
     "flags, refused",
     [
         (["--context-parallel-size", "2"], "context parallelism (--context-parallel-size > 1)"),
-        (
-            ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "256"],
-            "--use-dynamic-batch-size (micro-batches are not yet filled by tree tokens)",
-        ),
         (["--multi-latent-attention"], "multi-latent attention (--multi-latent-attention)"),
         (["--mtp-num-layers", "1"], "MTP (--mtp-num-layers)"),
         (["--rope-type", "yarn"], "YaRN RoPE (--rope-type yarn)"),

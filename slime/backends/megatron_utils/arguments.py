@@ -826,16 +826,13 @@ def check_param_patterns_match(args, error):
 
 
 def check_tree_training(args, error):
-    """`--tree-training` (first slice: one rank, local layer spec): refuse, one line naming the flag, what it does
+    """`--tree-training` (local layer spec; DP, TP, PP, dynamic batching): refuse, one line naming the flag, what it does
     not do. Exactness rests on the local spec's `DotProductAttention` honouring the dense ancestor mask and on
     `model.rope_by_position` finding megatron-core's `RotaryEmbedding`: a model built any other way is refused."""
     if not args.tree_training:
         return
     refusals = [
         (args.context_parallel_size > 1, "context parallelism (--context-parallel-size > 1)"),
-        (args.tensor_model_parallel_size > 1, "tensor parallelism (--tensor-model-parallel-size > 1)"),
-        (args.pipeline_model_parallel_size > 1, "pipeline parallelism (--pipeline-model-parallel-size > 1)"),
-        (args.use_dynamic_batch_size, "--use-dynamic-batch-size (micro-batches are not yet filled by tree tokens)"),
         (bool(args.spec), "a custom or hybrid layer spec (--spec, e.g. Qwen3-Next/Qwen3.5 linear attention)"),
         (bool(args.custom_model_provider_path), "a custom model provider (--custom-model-provider-path)"),
         (bool(args.mtp_num_layers), "MTP (--mtp-num-layers)"),

@@ -6,7 +6,7 @@ Two layouts, chosen once by whether the model runs Transformer Engine attention 
   multiple of 128, with `PackedSeqParams(cu_seqlens)` so attention never crosses sample boundaries;
 - right-padded `[b, s]` with an explicit causal+padding mask (the local spec, e.g. on CPU, asserts
   `packed_seq_params is None`).
-`--tree-training` (local spec only) replaces both with a prefix tree in one row (`_tree_layout`).
+`--tree-training` (local spec only) replaces both with a prefix tree in one row (`_tree_layout`), padded to a multiple of TP.
 With `--context-parallel-size` > 1 both layouts hold only this CP rank's zigzag chunks of each sample (`cp_utils`).
 """
 
@@ -23,6 +23,7 @@ from slime.backends.megatron_utils.cp_utils import cp_size_and_rank, slice_with_
 from slime.backends.megatron_utils.model_provider import use_transformer_engine
 from slime.backends.megatron_utils.rollout_data import (
     DataIterator,
+    count_tree_tokens,
     get_micro_batch_partitions,
     get_minimum_num_micro_batch_size,
 )
@@ -101,7 +102,15 @@ def get_data_iterator(args, model, rollout_data):
         raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu")
     # each CP rank holds 1/cp of every sequence, so a micro-batch may hold cp times the per-GPU token budget
     max_tokens = args.max_tokens_per_gpu * mpu.get_context_parallel_world_size()
-    counts = [get_minimum_num_micro_batch_size([total_lengths[j] for j in s], max_tokens) for s in steps]
+    # the unit a micro-batch takes whole: a sample, or with --tree-training a prompt group's tree (counted in its
+    # unique tokens; a micro-batch's trees may share more, so its row is never longer than the sum)
+    if tree:
+        step_units, unit_lengths = _tree_units(args, rollout_data, starts, num_local_gbs)
+    else:
+        step_units = [[[j] for j in s] for s in steps]
+        unit_lengths = [[total_lengths[j] for j in s] for s in steps]
+    counts = [get_minimum_num_micro_batch_size(lengths, max_tokens) for lengths in unit_lengths]
+    unit_name = "prompt groups" if tree else "samples"
     # every DP rank must run the same number of micro-batches per step
     counts_t = torch.tensor(counts, dtype=torch.int64, device=current_device())
     dist.all_reduce(counts_t, op=dist.ReduceOp.MAX, group=mpu.get_data_parallel_group())
@@ -111,32 +120,49 @@ def get_data_iterator(args, model, rollout_data):
         # --max-tokens-per-gpu (and fewer than one group is rejected by the schedule).
         group = get_model_config(model[0]).microbatch_group_size_per_vp_stage
         counts_t = (counts_t + group - 1) // group * group
-        if int(counts_t.max()) > min(len(s) for s in steps):
+        if int(counts_t.max()) > min(len(us) for us in step_units):
             raise ValueError(
                 f"virtual pipeline parallelism runs micro-batches in groups of {group}, so a step needs "
-                f"{int(counts_t.max())} micro-batches, but this DP rank has only {min(len(s) for s in steps)} "
-                "samples in a step (--global-batch-size / dp); raise --global-batch-size or --max-tokens-per-gpu"
+                f"{int(counts_t.max())} micro-batches, but this DP rank has only {min(len(us) for us in step_units)} "
+                f"{unit_name} in a step (--global-batch-size / dp); raise --global-batch-size or --max-tokens-per-gpu"
             )
     num_microbatches = counts_t.tolist()
-    short = [(i, len(s)) for i, (s, n) in enumerate(zip(steps, num_microbatches)) if len(s) < n]
+    short = [(i, len(us)) for i, (us, n) in enumerate(zip(step_units, num_microbatches)) if len(us) < n]
     if short:  # fan-out: another DP rank's step needs more micro-batches than this rank has samples
         raise ValueError(
             f"step {short[0][0]} needs {num_microbatches[short[0][0]]} micro-batches on every DP rank but this rank "
-            f"holds only {short[0][1]} samples in it; raise --max-tokens-per-gpu or --global-batch-size"
+            f"holds only {short[0][1]} {unit_name} in it; raise --max-tokens-per-gpu or --global-batch-size"
         )
 
     micro_batch_indices = []
-    for step, num_mbs in zip(steps, num_microbatches):
-        lengths = [total_lengths[j] for j in step]
+    for units, lengths, num_mbs in zip(step_units, unit_lengths, num_microbatches):
         workloads = [forward_flops(args, n) for n in lengths] if args.balance_by_flops else None
         parts = get_micro_batch_partitions(lengths, num_mbs, max_tokens, workloads)
-        micro_batch_indices.extend([[step[k] for k in part] for part in parts])
+        micro_batch_indices.extend([[j for k in part for j in units[k]] for part in parts])
     assert sorted(i for mb in micro_batch_indices for i in mb) == list(range(len(total_lengths)))
     iterators = [
         DataIterator(rollout_data, None, micro_batch_indices, packed_sequences=packed, tree=tree)
         for _ in range(vpp_size)
     ]
     return iterators, num_microbatches
+
+
+def _tree_units(args, rollout_data, starts, num_local_gbs):
+    """`--tree-training` dynamic batching: per step, each prompt group's sample indices (`--n-samples-per-prompt`
+    consecutive rollouts, kept together by the DP split) and its tree's unique token count."""
+    n = args.n_samples_per_prompt
+    if num_local_gbs % n:
+        raise ValueError(
+            f"--tree-training keeps a prompt group's tree in one step, but global_batch_size/dp = {num_local_gbs} "
+            f"rollouts per step is not a multiple of --n-samples-per-prompt {n}"
+        )
+    tokens = rollout_data["tokens"]
+    num_rollouts = len(starts) - 1
+    step_units = [
+        [list(range(starts[g], starts[g + n])) for g in range(i, i + num_local_gbs, n)]
+        for i in range(0, num_rollouts, num_local_gbs)
+    ]
+    return step_units, [[count_tree_tokens([tokens[j] for j in u]) for u in units] for units in step_units]
 
 
 def _same_on_every_dp_rank(counts, dp_size):
@@ -287,12 +313,19 @@ def _tree_layout(tokens):
     """`--tree-training`: the micro-batch as one row holding its prefix forest in DFS order (`build_token_tree`),
     with an ancestor mask (a token attends to itself and its ancestors only: key k is visible from query q iff
     k <= q <= subtree_end[k]; other trees of the forest are never ancestors) and `position_ids` = depth, so
-    every token sees exactly the keys and positions it has in its own flat row. `tree_index` ([T_i] layout
+    every token sees exactly the keys and positions it has in its own flat row; the row is padded to a multiple of
+    TP. `tree_index` ([T_i] layout
     indices per sample) lets `model._forward` gather each sample's logit rows back into the flat padded layout,
     so everything downstream (log-probs, entropy, values, losses) is per sample and unchanged."""
     if cp_size_and_rank()[0] > 1:
         raise NotImplementedError("--tree-training does not support context parallelism yet")
     node_tokens, _, depth, end, index = build_token_tree(tokens)
+    pad = -node_tokens.numel() % _tp_size()  # sequence parallelism splits the row over TP ranks
+    if pad:  # padding tokens see only themselves (no empty softmax row) and are seen by no real token
+        n = node_tokens.numel()
+        node_tokens = F.pad(node_tokens, (0, pad), value=PAD_TOKEN_ID)
+        depth = F.pad(depth, (0, pad), value=0)
+        end = torch.cat([end, torch.arange(n, n + pad, device=end.device)])
     q = torch.arange(node_tokens.numel(), device=node_tokens.device)
     visible = (q[None, :] <= q[:, None]) & (q[:, None] <= end[None, :])  # [q, k]
     return {

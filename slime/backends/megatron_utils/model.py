@@ -20,7 +20,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
-from megatron.core.utils import get_model_config
+from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 from slime.observability import wandb_utils
 from slime.utils.console import metrics_line
@@ -235,8 +235,11 @@ def _forward(model, batch):
             packed_seq_params=batch["packed_seq_params"],
             **mtp,
         )
-    # --tree-training: each sample's rows back in the flat padded layout, so the loss code is unchanged
-    return output if tree_index is None else unpack_tree_output(output, tree_index)
+    # --tree-training: each sample's rows back in the flat padded layout, so the loss code is unchanged; earlier
+    # pipeline stages hand the tree row's hidden states on as they are (every stage builds the same layout)
+    if tree_index is None or not get_attr_wrapped_model(model, "post_process"):
+        return output
+    return unpack_tree_output(output, tree_index)
 
 
 def _iterator_arg(data_iterator):

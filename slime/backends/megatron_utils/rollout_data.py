@@ -110,22 +110,38 @@ def get_micro_batch_partitions(total_lengths, num_micro_batches, max_tokens_per_
     return [sorted(b) for b in bins]
 
 
-def _balanced_dp_partitions(workloads, dp_size, n_samples_per_prompt):
+def count_tree_tokens(token_lists):
+    """Unique tokens of the samples' prefix tree (`--tree-training`): the nodes of their token trie, i.e. what a
+    micro-batch holding exactly these samples forwards (`data.build_token_tree`, before padding to TP)."""
+    root, count = {}, 0
+    for t in token_lists:
+        node = root
+        for tok in np.asarray(t.cpu() if isinstance(t, torch.Tensor) else t).tolist():
+            nxt = node.get(tok)
+            if nxt is None:
+                nxt = node[tok] = {}
+                count += 1
+            node = nxt
+    return count
+
+
+def _balanced_dp_partitions(workloads, dp_size, n_samples_per_prompt, flag="--balance-data", group_workload=sum):
     """Karmarkar-Karp over whole prompt groups (`n_samples_per_prompt` consecutive rollouts, their workloads
-    summed), expanded back to rollout positions per DP rank."""
+    combined by `group_workload`), expanded back to rollout positions per DP rank."""
     n = n_samples_per_prompt
     if len(workloads) % n != 0:
         raise ValueError(
-            f"--balance-data keeps prompt groups together, but {len(workloads)} rollouts are not a "
+            f"{flag} keeps prompt groups together, but {len(workloads)} rollouts are not a "
             f"multiple of --n-samples-per-prompt {n}"
         )
     num_groups = len(workloads) // n
     if num_groups % dp_size != 0:
         raise ValueError(
-            f"--balance-data gives every DP rank the same number of prompt groups, but {num_groups} groups "
-            f"do not divide over {dp_size} DP ranks; change --rollout-batch-size or turn off --balance-data"
+            f"{flag} gives every DP rank the same number of prompt groups, but {num_groups} groups "
+            f"do not divide over {dp_size} DP ranks; change --rollout-batch-size"
+            + (" or turn off --balance-data" if flag == "--balance-data" else "")
         )
-    group_workloads = [sum(workloads[g * n : (g + 1) * n]) for g in range(num_groups)]
+    group_workloads = [group_workload(workloads[g * n : (g + 1) * n]) for g in range(num_groups)]
     group_parts = get_seqlen_balanced_partitions(group_workloads, dp_size, equal_size=True)
     return [[g * n + j for g in groups for j in range(n)] for groups in group_parts]
 
@@ -173,7 +189,7 @@ def process_rollout_data(args, rollout_data_ref, dp_rank, dp_size, values_ref=No
     count of each local rollout, in order); tokens become LongTensors and loss masks IntTensors on the training
     device, rollout log-probs float32 tensors. Partition over rollouts (a sample, or a fan-out call's samples):
     strided `rollouts[dp_rank::dp_size]`, or with `--balance-data` Karmarkar-Karp over whole prompt groups so every
-    rank gets about the same number of tokens.
+    rank gets about the same number of tokens (`--tree-training`: the same over groups, by unique tree tokens).
     """
     data = _fetch_rollout_data(rollout_data_ref)
     missing = [k for k in TRAIN_DATA_KEYS if k not in data]
@@ -200,7 +216,20 @@ def process_rollout_data(args, rollout_data_ref, dp_rank, dp_size, values_ref=No
             "must return that many (a generate function returning several samples of one rollout gives them the "
             "same Sample.rollout_id)"
         )
-    if args.balance_data:
+    if getattr(args, "tree_training", False):
+        # a group's samples share their prompt's prefix tree only on one rank: split by groups, balance tree tokens
+        tokens = data["tokens"]
+        mine = [
+            rollouts[k]
+            for k in _balanced_dp_partitions(
+                [[tokens[i] for i in r] for r in rollouts],
+                dp_size,
+                args.n_samples_per_prompt,
+                flag="--tree-training",
+                group_workload=lambda group: count_tree_tokens([t for r in group for t in r]),
+            )[dp_rank]
+        ]
+    elif args.balance_data:
         workloads = data["total_lengths"]
         if args.balance_by_flops:
             workloads = [forward_flops(args, n) for n in workloads]
