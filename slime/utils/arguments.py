@@ -191,7 +191,7 @@ def add_rollout_arguments(parser):
         action="store_true",
         default=False,
         help="Train samples whose recorded sampling parameters the trainer cannot score exactly (a temperature other "
-        "than --rollout-temperature, top-p/top-k/min-p without kept sets, penalties, logit_bias, grammars; under "
+        "than a greedy --rollout-temperature's, top-p/top-k/min-p without kept sets, penalties, logit_bias, grammars; under "
         "--lora-sync adapter, not recorded as sampled with the policy's adapter); by default such a sample is "
         "refused in one line (warned once when set).",
     )
