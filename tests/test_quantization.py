@@ -347,9 +347,9 @@ def test_convert_hf_to_int4_direct_dense_and_moe(tiny_kit, tmp_path):
 
 
 def test_quantised_hf_checkpoint_start_up_checks(tiny_kit, tmp_path, capsys):
-    """Blockwise FP8 (and INT4: tests/test_int4.py) trains (quantise-on-sync); other formats, the disk transport and adapter-only LoRA sync into a
-    quantised engine start only with --debug-rollout-only; a config this build cannot serve is refused; each in one
-    line."""
+    """Blockwise FP8 (and INT4: tests/test_int4.py) trains (quantise-on-sync, over every transport, disk included);
+    other formats and adapter-only LoRA sync into a quantised engine start only with --debug-rollout-only; a config
+    this build cannot serve is refused; each in one line."""
     from slime.utils.arguments import parse_args
     from tests.test_startup_checks import BASE, error_line
     from tools import convert_hf_to_fp8
@@ -366,18 +366,8 @@ def test_quantised_hf_checkpoint_start_up_checks(tiny_kit, tmp_path, capsys):
         "train with the full-precision checkpoint"
     )
     assert parse_args(argv=[*base, "--hf-checkpoint", str(tensor), "--debug-rollout-only"]).debug_rollout_only
-    err = error_line(
-        capsys,
-        "--hf-checkpoint",
-        str(block),
-        "--update-weight-transport",
-        "disk",
-        "--update-weight-disk-dir",
-        str(tmp_path / "versions"),
-        model=[],
-        base=base,
-    )
-    assert err.startswith(f"--hf-checkpoint {block} is quantised (FP8): --update-weight-transport disk into a")
+    disk = ["--update-weight-transport", "disk", "--update-weight-disk-dir", str(tmp_path / "versions")]
+    assert parse_args(argv=[*base, "--hf-checkpoint", str(block), *disk]).update_weight_transport == "disk"
     cfg = json.load(open(block / "config.json"))
     cfg["quantization_config"]["fmt"] = "e5m2"
     json.dump(cfg, open(block / "config.json", "w"))
