@@ -139,6 +139,11 @@ def test_fp8_quantise_on_sync_restores_the_engine_bit_for_bit(tiny_kit, tmp_path
             assert index["metadata"]["delta_encoding"] and 0 < metrics["update_weights/delta_ratio"] < 1
             assert disk_delta.held_version(str(tmp_path / "local")) == 2
             assert checkpoint_values(str(tmp_path / "local")) == checkpoint_values(fp8_dir)  # the engine host's copy
+        if not transport.startswith("disk"):  # what the transport moved is what --bytes counts
+            from benchmarks.bench_weight_sync import sync_bytes
+
+            moved = sync_bytes(tiny_kit[0], fp8_config([32, 32]), torch.float32)
+            assert metrics["perf/update_weights_bytes"] == moved
         assert ray.get(engine.check_weights.remote("compare"), timeout=120)["success"] is True
     finally:
         stop(started)
