@@ -19,8 +19,12 @@ which only selects), the gap with the trainer's own routing and with the engine'
 `--top-p-cap 4096 64` measures instead what `--rollout-top-p 0.9` alone, run at top-k = the engine's mask cap,
 drops: the share of steps whose nucleus exceeds the cap and the nucleus mass beyond it.
 
+`--low-precision`: a full-precision trainer against an FP8 engine (tiny kit) and an INT4-experts engine (tiny
+Qwen3-MoE; the trainer without and with fake QAT), each next to the same model served in full precision, with
+--get-mismatch-metrics' k3 KL and the importance weights --use-tis would use.
+
     .venv/bin/python benchmarks/bench_consistency_gap.py [--samples 16] [--max-new-tokens 48] [--families F,..] [--moe]
-        [--top-p-cap CAP ..]
+        [--top-p-cap CAP ..] [--low-precision]
 """
 
 import argparse
@@ -80,10 +84,15 @@ class _Ref:
         self.inner = data
 
 
-def _trainer_log_probs(rank, model_dir, samples, flags, out_path, replay_temperatures=False):
+def _trainer_log_probs(rank, model_dir, samples, flags, out_path, replay_temperatures=False, env=None):
     """slime's trainer log-probs of every sample's response (one Megatron rank, fp32); `replay_temperatures` hands it
-    each sample's temperature per token, as `convert_samples_to_train_data` does from the samples' records."""
+    each sample's temperature per token, as `convert_samples_to_train_data` does from the samples' records; `env`:
+    the trainer's environment variables (INT4 fake QAT), all others of that name unset."""
     import ray
+
+    for k in ("OPEN_TRAINING_INT4_FAKE_QAT_FLAG", "OPEN_TRAINING_INT4_GROUP_SIZE"):
+        os.environ.pop(k, None)
+    os.environ.update(env or {})
 
     from slime.backends.megatron_utils.data import get_data_iterator
     from slime.backends.megatron_utils.initialize import init
@@ -117,11 +126,11 @@ def _trainer_log_probs(rank, model_dir, samples, flags, out_path, replay_tempera
     torch.save([lp.double() for lp in forward_only(args, model, iters, nmb)["log_probs"]], out_path)
 
 
-def trainer_log_probs(model_dir, samples, flags, tmp, replay_temperatures=False):
+def trainer_log_probs(model_dir, samples, flags, tmp, replay_temperatures=False, env=None):
     from tests._megatron_helpers import spawn
 
     out = os.path.join(tmp, "lp.pt")
-    spawn(_trainer_log_probs, 1, model_dir, samples, flags, out, replay_temperatures, timeout=600)
+    spawn(_trainer_log_probs, 1, model_dir, samples, flags, out, replay_temperatures, env, timeout=600)
     return [lp.numpy() for lp in torch.load(out)]
 
 
@@ -190,6 +199,68 @@ def measure(model_dir, samples=16, max_new_tokens=48, rows=None):
     return out
 
 
+def engine_samples(model_dir, samples, max_new_tokens):
+    """Default sampling (top-p 1) from a CPU server serving `model_dir` (full precision or quantised)."""
+    from transformers import AutoTokenizer
+
+    from tests.test_cpu_server import start_cpu_server, stop_cpu_server
+
+    proc, url = start_cpu_server(model_dir)
+    try:
+        return sample_from_engine(url, AutoTokenizer.from_pretrained(model_dir), samples, max_new_tokens, 1.0, -1)
+    finally:
+        stop_cpu_server(proc)
+
+
+def mismatch_row(trainer, data):
+    """--get-mismatch-metrics' figures (slime's own function) over all response tokens, and the share of tokens whose
+    importance weight exp(train - rollout) --use-tis (default band [0, 2]) would truncate."""
+    from slime.backends.megatron_utils.loss import mismatch_metrics
+
+    train = [torch.from_numpy(t) for t in trainer]
+    rollout = [torch.from_numpy(s["full"]) for s in data]
+    m = mismatch_metrics(train, rollout, [torch.ones(len(r)) for r in rollout])
+    rho = m["mismatch_is_weight"].double()
+    return {
+        "abs_diff": gap(trainer, [s["full"] for s in data]),
+        "k3_kl": float(m["mismatch_k3_kl"].double().mean()),
+        "is_weight_abs_dev": float((rho - 1).abs().mean()),
+        "tis_truncated": float((rho > 2.0).double().mean()),
+    }
+
+
+def measure_low_precision(kit, tmp, samples=16, max_new_tokens=48):
+    """{row: mismatch figures}: a full-precision trainer scoring what an FP8 (block 128x128, tiny dense kit) or INT4
+    (W4A16 group 32 symmetric routed experts, tiny Qwen3-MoE; trainer without and with fake QAT) engine sampled, next
+    to the same model served in full precision."""
+    from tests._megatron_helpers import build_random_hf
+    from tests.test_routing_replay import _with_tokenizer
+    from tools import convert_hf_to_fp8, convert_hf_to_int4_direct
+
+    fp8 = os.path.join(tmp, "fp8")
+    convert_hf_to_fp8.convert(kit, fp8, "block", (128, 128))
+    moe = _with_tokenizer(build_random_hf("qwen3moe", os.path.join(tmp, "moe"), vocab_size=512), (kit,))
+    int4 = os.path.join(tmp, "int4")
+    convert_hf_to_int4_direct.convert(moe, int4, 32, True)
+    _with_tokenizer(int4, (moe,))
+    qat = {"OPEN_TRAINING_INT4_FAKE_QAT_FLAG": "1", "OPEN_TRAINING_INT4_GROUP_SIZE": "32"}
+    rows = {  # row: (engine's checkpoint, trainer's checkpoint, trainer's environment)
+        "dense, baseline (fp32 engine)": (kit, kit, None),
+        "dense, FP8 block engine": (fp8, kit, None),
+        "MoE, baseline (fp32 engine)": (moe, moe, None),
+        "MoE, INT4 experts engine, no QAT": (int4, moe, None),
+        "MoE, INT4 experts engine, QAT": (int4, moe, qat),
+    }
+    out, drawn = {}, {}
+    for name, (engine_dir, trainer_dir, env) in rows.items():
+        if engine_dir not in drawn:
+            drawn[engine_dir] = engine_samples(engine_dir, samples, max_new_tokens)
+        data = drawn[engine_dir]
+        out[name] = mismatch_row(trainer_log_probs(trainer_dir, data, {}, tmp, env=env), data)
+    out["tokens"] = sum(len(s["full"]) for d in drawn.values() for s in d)
+    return out
+
+
 def measure_moe(kind, kit_model_dir, tmp):
     """{row name: gap} for one MoE family: the trainer's own routing vs. the engine's replayed (R3)."""
     from tests._megatron_helpers import spawn
@@ -214,6 +285,7 @@ def main():
     p.add_argument("--families", default=None, help="comma-separated tiny random families instead of the kit")
     p.add_argument("--moe", action="store_true", help="only the MoE rows (routing replay)")
     p.add_argument("--top-p-cap", type=int, nargs="*", help="only what top-p 0.9 alone bounded at these top-ks drops")
+    p.add_argument("--low-precision", action="store_true", help="only the FP8 / INT4 engine rows (mismatch metrics)")
     opts = p.parse_args()
     from tests._megatron_helpers import build_random_hf
     from tests.test_routing_replay import _with_tokenizer
@@ -222,6 +294,18 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         kit = os.path.join(tmp, "qwen3-tiny")
         build_model(kit)
+        if opts.low_precision:
+            result = measure_low_precision(kit, tmp, opts.samples, opts.max_new_tokens)
+            print(
+                f"full-precision trainer vs engine, per response token ({result.pop('tokens')} tokens, fp32 trainer)"
+            )
+            print(f"{'engine':42s}{'|diff|':>10}{'k3 KL':>10}{'|rho-1|':>10}{'TIS cut':>9}")
+            for name, r in result.items():
+                print(
+                    f"{name:42s}{r['abs_diff']:>10.2e}{r['k3_kl']:>10.2e}{r['is_weight_abs_dev']:>10.2e}"
+                    f"{r['tis_truncated']:>9.4f}"
+                )
+            return
         if opts.top_p_cap:
             from transformers import AutoConfig, AutoTokenizer
 

@@ -12,6 +12,9 @@ convert, transfer, load into the engine, continue):
 
     python benchmarks/bench_weight_sync.py [--model mid|tiny] [--repeats 5] [--modes shm colocated]
     (--model tiny: the test suite's tiny kit sizes; mid: a few hundred MB; --hidden/--ffn/--layers override either)
+
+  --bytes    bytes one update sends into a quantised engine against a bf16 one (deterministic, no Ray): FP8 block
+             128x128 on the tiny dense Qwen3, INT4 W4A16 (group 32, symmetric, routed experts) on a tiny Qwen3-MoE
 """
 
 import argparse
@@ -58,6 +61,56 @@ def memcpy_gbps(nbytes, repeats=5):
     return nbytes / min(times) / 1e9
 
 
+def sync_bytes(model_dir, quantization_config=None, dtype=torch.bfloat16, only=""):
+    """Bytes one weight update sends into an engine serving `quantization_config` (None: full precision): the HF
+    tensors the sync converts the trainer's weights to (the checkpoint's names), floats in `dtype`, quantised as the
+    sync quantises them. Every transport sends these bytes (disk adds a safetensors header). `only`: count just the
+    names containing it (e.g. ".experts.")."""
+    from safetensors.torch import load_file
+
+    from slime.utils.quantization import QuantScheme, quantize_named_tensors
+
+    named = []
+    for f in sorted(os.listdir(model_dir)):
+        if f.endswith(".safetensors"):
+            for n, t in load_file(os.path.join(model_dir, f)).items():
+                named.append((n, t.to(dtype) if t.is_floating_point() else t))
+    if quantization_config:
+        named = quantize_named_tensors(named, QuantScheme(quantization_config))
+    return sum(t.numel() * t.element_size() for n, t in named if only in n)
+
+
+def bytes_report():
+    """FP8 on the tiny dense model, INT4 on a tiny MoE: bytes per update against the same model in bf16."""
+    from slime.utils.quantization import INT4_DEFAULT_IGNORE_RULES, fp8_config, int4_config
+    from tests._megatron_helpers import build_random_hf
+    from tools.build_tiny_kit import build_model
+
+    workdir = tempfile.mkdtemp(prefix="bench-sync-bytes-")
+    try:
+        dense, moe = os.path.join(workdir, "dense"), os.path.join(workdir, "moe")
+        build_model(dense)
+        build_random_hf("qwen3moe", moe, vocab_size=512)
+        rows = [
+            ("tiny dense Qwen3", dense, "FP8 block 128x128", fp8_config([128, 128]), ""),
+            ("tiny Qwen3-MoE", moe, "INT4 g32 sym", int4_config(32, True, INT4_DEFAULT_IGNORE_RULES), ""),
+            (
+                "  its routed experts",
+                moe,
+                "INT4 g32 sym",
+                int4_config(32, True, INT4_DEFAULT_IGNORE_RULES),
+                ".experts.",
+            ),
+        ]
+        print("bytes sent per weight update (trainer weights in bf16; deterministic)")
+        print(f"{'model':<26}{'bf16 bytes':>12}{'engine':>20}{'bytes':>12}{'x bf16':>8}")
+        for label, model_dir, engine, qc, only in rows:
+            full, quant = sync_bytes(model_dir, None, only=only), sync_bytes(model_dir, qc, only=only)
+            print(f"{label:<26}{full:>12}{engine:>20}{quant:>12}{quant / full:>8.3f}")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
 def bench_mode(args, engine, mode, repeats, workdir):
     from slime.ray.utils import Lock
     from tests.test_weight_sync import start_trainers, stop
@@ -89,7 +142,10 @@ def main():
     p.add_argument("--layers", type=int)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--modes", nargs="+", choices=[m for m, _ in MODES], default=[m for m, _ in MODES])
+    p.add_argument("--bytes", action="store_true", help="bytes per update into FP8 / INT4 engines vs bf16, then exit")
     opts = p.parse_args()
+    if opts.bytes:
+        return bytes_report()
     hidden, ffn, layers = SIZES[opts.model]
     opts.hidden, opts.ffn, opts.layers = opts.hidden or hidden, opts.ffn or ffn, opts.layers or layers
 

@@ -347,9 +347,9 @@ def test_convert_hf_to_int4_direct_dense_and_moe(tiny_kit, tmp_path):
 
 
 def test_quantised_hf_checkpoint_start_up_checks(tiny_kit, tmp_path, capsys):
-    """Blockwise FP8 (and INT4: tests/test_int4.py) trains (quantise-on-sync); other formats, the disk transport and adapter-only LoRA sync into a
-    quantised engine start only with --debug-rollout-only; a config this build cannot serve is refused; each in one
-    line."""
+    """Blockwise FP8 (and INT4: tests/test_int4.py) trains (quantise-on-sync, over every transport, disk included);
+    other formats and adapter-only LoRA sync into a quantised engine start only with --debug-rollout-only; a config
+    this build cannot serve is refused; each in one line."""
     from slime.utils.arguments import parse_args
     from tests.test_startup_checks import BASE, error_line
     from tools import convert_hf_to_fp8
@@ -366,18 +366,8 @@ def test_quantised_hf_checkpoint_start_up_checks(tiny_kit, tmp_path, capsys):
         "train with the full-precision checkpoint"
     )
     assert parse_args(argv=[*base, "--hf-checkpoint", str(tensor), "--debug-rollout-only"]).debug_rollout_only
-    err = error_line(
-        capsys,
-        "--hf-checkpoint",
-        str(block),
-        "--update-weight-transport",
-        "disk",
-        "--update-weight-disk-dir",
-        str(tmp_path / "versions"),
-        model=[],
-        base=base,
-    )
-    assert err.startswith(f"--hf-checkpoint {block} is quantised (FP8): --update-weight-transport disk into a")
+    disk = ["--update-weight-transport", "disk", "--update-weight-disk-dir", str(tmp_path / "versions")]
+    assert parse_args(argv=[*base, "--hf-checkpoint", str(block), *disk]).update_weight_transport == "disk"
     cfg = json.load(open(block / "config.json"))
     cfg["quantization_config"]["fmt"] = "e5m2"
     json.dump(cfg, open(block / "config.json", "w"))
@@ -408,3 +398,37 @@ def test_trainer_reads_a_quantised_hf_checkpoint_dequantised(tiny_kit, tmp_path)
     assert torch.equal(reader.get(name), Q.dequantize_int4(parts, 32, True, torch.float32))
     with pytest.raises(KeyError, match="has no tensor 'model.bogus.weight'"):
         reader.get("model.bogus.weight")
+
+
+def test_bytes_per_update_into_fp8_and_int4_engines(tiny_kit, tmp_path):
+    """benchmarks/bench_weight_sync.py --bytes: the bytes one update sends, worked out by hand from the shapes.
+    Tiny dense Qwen3 (hidden 128, ffn 512, 4 layers, 4 q / 2 kv heads of 32, vocab 512, tied embeddings), FP8 block
+    128x128: every projection 1 byte per element plus one fp32 scale per 128x128 tile; embeddings and norms in bf16."""
+    from benchmarks.bench_weight_sync import sync_bytes
+    from tests._megatron_helpers import build_random_hf
+
+    cfg = json.load(open(f"{tiny_kit[0]}/config.json"))
+    assert (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]) == (
+        128,
+        512,
+        4,
+        512,
+    )
+    # (rows, cols) of q, k, v, o, gate, up, down
+    projections = [(128, 128), (64, 128), (64, 128), (128, 128), (512, 128), (512, 128), (128, 512)]
+    proj_elems = 4 * sum(m * n for m, n in projections)  # 983040
+    tiles = 4 * (1 + 1 + 1 + 1 + 4 + 4 + 4)  # ceil(m/128) * ceil(n/128) per projection
+    other_elems = 512 * 128 + 4 * (128 + 128 + 32 + 32) + 128  # embeddings, 4 layers' norms, the final norm
+    bf16 = 2 * (proj_elems + other_elems)
+    fp8 = proj_elems + 4 * tiles + 2 * other_elems
+    assert (bf16, fp8) == (2099968, 1117184)
+    assert sync_bytes(tiny_kit[0]) == bf16
+    assert sync_bytes(tiny_kit[0], Q.fp8_config([128, 128])) == fp8  # 0.532x bf16
+    # tiny Qwen3-MoE, INT4 group 32 symmetric: 2 layers x 4 experts x (gate, up [32, 64], down [64, 32]); each is
+    # 2048 nibbles = 1024 bytes packed, 64 bf16 scales (128 bytes) and an int32 (rows, cols) shape (8 bytes)
+    moe = build_random_hf("qwen3moe", str(tmp_path / "moe"), vocab_size=512)
+    int4 = Q.int4_config(32, True, Q.INT4_DEFAULT_IGNORE_RULES)
+    assert sync_bytes(moe, only=".experts.") == 24 * 2048 * 2
+    assert sync_bytes(moe, int4, only=".experts.") == 24 * (1024 + 128 + 8)  # 0.283x bf16
+    rest = sync_bytes(moe) - 24 * 2048 * 2  # everything else is sent as it is
+    assert sync_bytes(moe, int4) == rest + 24 * (1024 + 128 + 8)

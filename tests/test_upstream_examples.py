@@ -292,4 +292,15 @@ def test_current_slime_launch_scripts_parse_or_are_refused_for_a_reason(tmp_path
         if (line is None) != (rel not in SCRIPT_REFUSALS) or (line and SCRIPT_REFUSALS[rel] not in line)
     }
     assert not wrong, wrong
+    # issue #41: every low-precision script (FP8 rollout, INT4 QAT) is among them; all but FP8 *training* parse
+    low = {rel: line for rel, line in got.items() if rel.startswith("scripts/low_precision/")}
+    assert {
+        "scripts/low_precision/run-qwen3-4b-fp8.sh",
+        "scripts/low_precision/run-qwen3-30b-a3b-fp8.sh",
+        "scripts/low_precision/run-qwen3-30B-A3B-int4.sh",
+        "scripts/low_precision/run-qwen3-235B-A22B-int4.sh",
+        "scripts/low_precision/run-moonlight-16B-A3B-int4.sh",
+        "scripts/low_precision/run-kimi-k2-Thinking-int4.sh",
+    } <= set(low), sorted(low)
+    assert [rel for rel, line in low.items() if line] == ["scripts/low_precision/run-qwen3-30b-a3b-fp8.sh"]
     print(f"{sum(v is None for v in got.values())} of {len(got)} parse; refused: {sorted(SCRIPT_REFUSALS)}")

@@ -4,6 +4,7 @@ code as tools/convert_hf_to_fp8.py, so `--check-weight-update-equal`'s compare p
 (research low-precision.md §5.3 F6-F8). The train.py run also covers an INT4 MoE engine with fake QAT in the trainer
 (the INT4 components: tests/test_int4.py)."""
 
+import json
 import os
 import shutil
 
@@ -20,6 +21,16 @@ class QuantSyncTrainer(WeightSyncTrainer):
     def setup(self, args, colocate, noise_seed, noise, quantization_config):
         super().setup(args, colocate, noise_seed, noise)
         self.updater.quantization_config = quantization_config  # what the actor reads from --hf-checkpoint
+        self.initial = {n: w.clone() for n, w in self.weights["actor"].items()}
+
+    def restore(self):
+        """Back to the weights setup() started from (the engine's checkpoint, dequantised)."""
+        from slime.backends.megatron_utils.param_utils import named_parameters
+
+        with torch.no_grad():
+            for n, p in named_parameters(self.args, self.model):
+                p.copy_(self.initial[n])
+                self.weights["actor"][n].copy_(p)
 
     def sent_names_and_dtypes(self):
         """Every (HF name, dtype) one update sends, as converted for the engine."""
@@ -75,11 +86,16 @@ def test_convert_to_hf_quantises_what_the_converter_quantises():
 
 
 @pytest.mark.slow  # a CPU server and a Megatron trainer as Ray actors (about 30 s each on an idle 2-core machine)
-@pytest.mark.parametrize("colocate,transport", [(True, "auto"), (False, "broadcast")])
+@pytest.mark.parametrize(
+    "colocate,transport", [(True, "auto"), (False, "broadcast"), (False, "disk"), (False, "disk-delta")]
+)
 def test_fp8_quantise_on_sync_restores_the_engine_bit_for_bit(tiny_kit, tmp_path, ray_session, colocate, transport):
-    """Colocated (shared-memory handles of flattened buckets) and disaggregated gloo broadcast (FP8 as uint8 bytes)."""
+    """Colocated (shared-memory handles of flattened buckets), disaggregated gloo broadcast (FP8 as uint8 bytes), and
+    the disk transport: a full version, or (disk-delta) a full version of moved weights then a delta back to the
+    checkpoint's, the delta taken of the e4m3 bytes and scales the engine holds."""
     from slime.backends.sglang_utils.sglang_engine import SGLangEngine  # noqa: F401  (the engine actor's class)
     from slime.ray.utils import Lock
+    from slime.utils import disk_delta
     from slime.utils.quantization import fp8_config
     from tools import convert_hf_to_fp8
 
@@ -96,6 +112,11 @@ def test_fp8_quantise_on_sync_restores_the_engine_bit_for_bit(tiny_kit, tmp_path
         started.append(trainer)
         # noise 0: the trainer holds the checkpoint's full-precision weights, the engine their converted FP8
         args = _args(tiny_kit[0], 1, update_weight_transport=transport)
+        if transport.startswith("disk"):  # as train.py: --hf-checkpoint is the engines' FP8 checkpoint (the base)
+            root = tmp_path / "versions"
+            args = _args(fp8_dir, 1, update_weight_transport="disk", update_weight_disk_dir=str(root))
+            if transport == "disk-delta":
+                args.update_weight_mode, args.update_weight_local_checkpoint_dir = "delta", str(tmp_path / "local")
         ray.get(trainer.setup.remote(args, colocate, 1, 0.0, fp8_config([32, 32])), timeout=300)
         sent = ray.get(trainer.sent_names_and_dtypes.remote(), timeout=120)
         assert sent["model.layers.0.self_attn.q_proj.weight"] == str(torch.float8_e4m3fn)
@@ -106,22 +127,53 @@ def test_fp8_quantise_on_sync_restores_the_engine_bit_for_bit(tiny_kit, tmp_path
         with safe_open(f"{fp8_dir}/model.safetensors", framework="pt") as f:
             assert set(sent) == set(f.keys())  # F6: the names the sync sends are the converter's
         ray.get(trainer.connect.remote([engine], lock), timeout=120)
-        ray.get(trainer.update_weights.remote(), timeout=300)
+        if transport == "disk-delta":  # v1 (full) of moved weights, then v2: the delta back to the checkpoint's
+            ray.get(trainer.adam_like_step.remote(1e-2, 0), timeout=120)
+            assert ray.get(trainer.update_weights.remote(), timeout=300)["update_weights/delta_ratio"] == 1.0
+            ray.get(trainer.restore.remote(), timeout=120)
+        metrics = ray.get(trainer.update_weights.remote(), timeout=300)
+        if transport == "disk":  # the version on disk holds exactly the converter's bytes
+            assert checkpoint_values(str(root / "weight_v000001")) == checkpoint_values(fp8_dir)
+        if transport == "disk-delta":
+            index = json.load(open(root / "weight_v000002" / "model.safetensors.index.json"))
+            assert index["metadata"]["delta_encoding"] and 0 < metrics["update_weights/delta_ratio"] < 1
+            assert disk_delta.held_version(str(tmp_path / "local")) == 2
+            assert checkpoint_values(str(tmp_path / "local")) == checkpoint_values(fp8_dir)  # the engine host's copy
+        if not transport.startswith("disk"):  # what the transport moved is what --bytes counts
+            from benchmarks.bench_weight_sync import sync_bytes
+
+            moved = sync_bytes(tiny_kit[0], fp8_config([32, 32]), torch.float32)
+            assert metrics["perf/update_weights_bytes"] == moved
         assert ray.get(engine.check_weights.remote("compare"), timeout=120)["success"] is True
     finally:
         stop(started)
         ray.kill(lock)
 
 
+def checkpoint_values(model_dir):
+    """name -> (dtype, shape, values as float64 list) of a checkpoint directory: values, not bytes (the trainer's
+    weights carry +0 where the converter's e4m3 has -0)."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(os.listdir(model_dir)):
+        if f.endswith(".safetensors"):
+            for n, t in load_file(os.path.join(model_dir, f)).items():
+                out[n] = (t.dtype, tuple(t.shape), t.double().flatten().tolist())
+    return out
+
+
 @pytest.mark.slow  # a short train.py run (Ray, router, CPU server, Megatron trainer)
-@pytest.mark.parametrize("kind", ["fp8", "int4_moe_qat"])
+@pytest.mark.parametrize("kind", ["fp8", "int4_moe_qat", "int4_moe_qat_disk_delta"])
 def test_train_py_into_a_quantised_engine_with_check_weight_update_equal(kind, ray_session, tiny_kit, tmp_path):
     """The whole loop with a quantised --hf-checkpoint: the trainer starts from its dequantised weights, every update
     is quantised on sync, and --check-weight-update-equal's compare after the first push passes bit for bit.
     fp8: blockwise FP8 on the tiny Qwen3; the engine computes with FP8 weights, the trainer with full precision.
     int4_moe_qat: symmetric INT4 routed experts (group 32) on a tiny Qwen3-MoE with OPEN_TRAINING_INT4_FAKE_QAT_FLAG=1
     in the trainers: after a training step moves the experts off the grid, the trainer still computes with the
-    weights the engine is sent, so rollout 1's log-probs agree as closely as full precision's do."""
+    weights the engine is sent, so rollout 1's log-probs agree as closely as full precision's do.
+    int4_moe_qat_disk_delta: the same over --update-weight-transport disk in delta mode: version 1 is written in
+    full, version 2 as a delta of the packed experts and scales, applied on the engine host's local checkpoint."""
     import json
 
     import train as sync_driver
@@ -156,6 +208,10 @@ def test_train_py_into_a_quantised_engine_with_check_weight_update_equal(kind, r
             *["--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--check-weight-update-equal"],
             *["--metrics-path", str(tmp_path / "metrics.jsonl"), "--train-env-vars", json.dumps(qat)],
         ]
+        if kind.endswith("disk_delta"):
+            argv += ["--update-weight-transport", "disk", "--update-weight-disk-dir", str(tmp_path / "versions")]
+            argv += ["--update-weight-mode", "delta", "--update-weight-local-checkpoint-dir", str(tmp_path / "local")]
+            argv += ["--update-weight-disk-keep-files"]
         args = parse_args(argv=argv)
     sync_driver.train(args)
     rows = read_metrics(tmp_path)
@@ -165,3 +221,7 @@ def test_train_py_into_a_quantised_engine_with_check_weight_update_equal(kind, r
         assert 0 < diffs[0] < 0.5
     else:
         assert all(d < 1e-5 for d in diffs), diffs
+    if kind.endswith("disk_delta"):  # rollout 2 was served from the delta version
+        index = json.load(open(tmp_path / "versions" / "weight_v000002" / "model.safetensors.index.json"))
+        assert index["metadata"]["delta_encoding"] and index["metadata"]["base_version"] == "000001"
+        assert any(n.endswith("experts.0.up_proj.weight_packed") for n in index["weight_map"])

@@ -452,7 +452,7 @@ def check_quantized_checkpoint(args, error):
     """A quantised `--hf-checkpoint` (a `quantization_config` in its config.json, as current slime switches FP8 / INT4
     rollout on; other methods pass updates through in full precision, as in current slime): its config must be one
     this build serves. Training quantises every weight update into it (blockwise FP8 or compressed-tensors W4A16, over
-    shared memory, tensor handles or broadcast); other formats and transports are refused unless
+    every transport); other formats are refused unless
     `--debug-rollout-only`. With INT4 fake QAT on, the trainer's grid must be the checkpoint's."""
     from slime.utils.quantization import QuantizationConfigError, QuantScheme, hf_quantization_config
 
@@ -476,11 +476,6 @@ def check_quantized_checkpoint(args, error):
         error(
             f"--hf-checkpoint {hf} is quantised ({kind}): training into it (quantise-on-sync) is implemented for "
             f"blockwise FP8 and compressed-tensors W4A16 only{rollout_only}"
-        )
-    elif getattr(args, "update_weight_transport", None) == "disk":
-        error(
-            f"--hf-checkpoint {hf} is quantised ({label}): --update-weight-transport disk into a quantised engine is "
-            f"not supported yet (shared memory, tensor handles and broadcast are){rollout_only}"
         )
     elif getattr(args, "enable_lora", False) and getattr(args, "lora_sync", None) == "adapter":
         error(

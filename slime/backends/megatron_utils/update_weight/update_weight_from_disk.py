@@ -58,6 +58,7 @@ _SAFETENSORS_DTYPES = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,  # a blockwise FP8 engine's checkpoint: the deltas are of its e4m3 bytes
 }
 
 
