@@ -78,7 +78,9 @@ def build_processor():
         # pixel counts: 28x28 (1 image token) up to 112x112 (16 image tokens)
         size={"shortest_edge": 28 * 28, "longest_edge": 112 * 112},
     )
-    return ImageOnlyQwenVLProcessor(image_processor=image_processor, tokenizer=build_tokenizer(), chat_template=CHAT_TEMPLATE)
+    return ImageOnlyQwenVLProcessor(
+        image_processor=image_processor, tokenizer=build_tokenizer(), chat_template=CHAT_TEMPLATE
+    )
 
 
 def build_model(model_dir, seed=0):
