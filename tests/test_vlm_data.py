@@ -185,3 +185,22 @@ def test_multimodal_keys_pass_for_rollouts_and_refuse_training_in_one_line(capsy
     err = one_line_refusal(capsys, "--multimodal-keys", "{image}", "--debug-rollout-only", "--rollout-num-gpus", "1")
     assert "is not JSON" in err
     assert load_processor(tiny_vlm) is not None
+
+
+def test_text_only_rows_mix_in_and_a_checkpoint_without_processor_is_refused(tmp_path, tiny_vlm, tiny_kit):
+    import types
+
+    from slime.utils.processing_utils import multimodal_dataset_kwargs
+
+    path = _write(
+        tmp_path, [{"prompt": "plain", "images": []}, {"prompt": "<image>x", "images": [_b64((28, 28), (0, 0, 0))]}]
+    )
+    args = types.SimpleNamespace(multimodal_keys='{"image": "images"}', hf_checkpoint=tiny_vlm)
+    kw = multimodal_dataset_kwargs(args)
+    ds = Dataset(path, kw["processor"].tokenizer, 100, prompt_key="prompt", apply_chat_template=True, **kw)
+    assert [s.multimodal_inputs is None for s in ds.origin_samples] == [True, False]
+    assert multimodal_dataset_kwargs(types.SimpleNamespace(multimodal_keys=None, hf_checkpoint=tiny_vlm)) == {}
+    with pytest.raises(ValueError, match="--multimodal-keys needs a vision-language --hf-checkpoint with a processor"):
+        multimodal_dataset_kwargs(
+            types.SimpleNamespace(multimodal_keys='{"image": "images"}', hf_checkpoint=tiny_kit[0])
+        )
