@@ -164,3 +164,67 @@ def test_the_default_generate_sends_text_and_image_data_and_records_expanded_tok
     assert sample.multimodal_train_inputs["image_grid_thw"].tolist() == [[1, 6, 4]]  # (t, h, w): 84 px high, 56 wide
     assert torch.equal(sample.multimodal_train_inputs["pixel_values"], train["pixel_values"])
     assert body_errors("/generate", {**fields, "sampling_params": {"max_new_tokens": 2}, "return_logprob": True}) == []
+
+
+@pytest.fixture(scope="module")
+def vlm_router(vlm_server):
+    """The VLM CPU server behind one real sglang-router; yields the router's args."""
+    from slime.backends.sglang_utils.router import add_worker, start_router, stop_router
+    from tests._args import make_args
+
+    router_args = make_args()
+    router = start_router(router_args)
+    try:
+        add_worker(f"http://{router_args.sglang_router_ip}:{router_args.sglang_router_port}", vlm_server)
+        yield router_args
+    finally:
+        stop_router(router)
+
+
+def test_default_rollout_with_images_end_to_end_equals_transformers(vlm_router, tiny_vlm, tmp_path):
+    """--multimodal-keys through the data source, the default generate_rollout, the router and the CPU server: each
+    sample's prompt tokens are the processor's expansion, its greedy response and log-probs transformers' own."""
+    import json
+
+    from slime.rollout.data_source import RolloutDataSourceWithBuffer
+    from slime.rollout.sglang_rollout import GenerateState, generate_rollout
+    from slime.utils.misc import SingletonMeta
+    from tests.test_sglang_rollout import make_args
+
+    images = [_image((56, 84), 0), _image((112, 56), 3)]
+    rows = []
+    for i, image in enumerate(images):
+        image.save(tmp_path / f"{i}.png")
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": "<image>What colour is it?"}],
+                "images": [str(tmp_path / f"{i}.png")],
+                "label": "1",
+            }
+        )
+    data = tmp_path / "vlm.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    SingletonMeta.clear_instances(GenerateState)
+    try:
+        args = make_args(
+            vlm_router,
+            (tiny_vlm,),
+            (str(data), None),
+            multimodal_keys='{"image": "images"}',
+            rollout_temperature=0.0,
+            rollout_batch_size=2,
+            n_samples_per_prompt=1,
+        )
+        groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    finally:
+        SingletonMeta.clear_instances(GenerateState)
+    processor = load_processor(tiny_vlm)
+    for (sample,), image in zip(groups, images):
+        assert sample.prompt == TEXT
+        ids, train = process_prompt(processor, TEXT, [image])
+        prompt_ids, ref_tokens, ref_lps = _reference(tiny_vlm, image, 8)
+        assert ids == prompt_ids and sample.tokens[: len(ids)] == ids
+        got = sample.tokens[len(ids) :]
+        assert 0 < len(got) == sample.response_length and got == ref_tokens[: len(got)]
+        assert torch.allclose(torch.tensor(sample.rollout_log_probs), torch.tensor(ref_lps[: len(got)]), atol=1e-5)
+        assert torch.equal(sample.multimodal_train_inputs["image_grid_thw"], train["image_grid_thw"])
