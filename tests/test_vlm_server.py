@@ -130,7 +130,7 @@ def test_a_batch_mixing_image_sizes_and_text_equals_each_alone(vlm_server):
         ({"image_data": ["/no/such.png"]}, "does not exist"),
         ({"image_data": ["rel/x.png"]}, "relative path"),
         ({"image_data": ["!!notbase64"]}, "not a decodable base64 image"),
-        ({"image_data": ["https://example.com/a.png"]}, "offline"),
+        ({"image_data": ["http://127.0.0.1:1/a.png"]}, "offline"),
         ({"image_data": [{"url": "/x.png", "detail": "high"}]}, "detail"),
         ({"video_data": ["/x.mp4"]}, "video_data is not supported"),
     ],
