@@ -228,3 +228,11 @@ def test_default_rollout_with_images_end_to_end_equals_transformers(vlm_router, 
         assert 0 < len(got) == sample.response_length and got == ref_tokens[: len(got)]
         assert torch.allclose(torch.tensor(sample.rollout_log_probs), torch.tensor(ref_lps[: len(got)]), atol=1e-5)
         assert torch.equal(sample.multimodal_train_inputs["image_grid_thw"], train["image_grid_thw"])
+
+
+def test_text_only_generates_refuse_samples_with_images(tiny_vlm):
+    from slime.rollout.sglang_rollout import prompt_ids
+
+    sample = Sample(prompt=TEXT, multimodal_inputs={"images": [_image((28, 28), 0)]}, index=5)
+    with pytest.raises(ValueError, match="sample 5 has images, which this generate does not send"):
+        prompt_ids(types.SimpleNamespace(tokenizer=None), sample)

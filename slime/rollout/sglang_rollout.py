@@ -137,6 +137,11 @@ async def _post_to_a_worker(args, state, sample, payload, on_retry, attempts=3):
 
 def prompt_ids(state, sample: Sample) -> list:
     """What a (resumed) sample sends: its tokens so far, else its text prompt tokenised (then kept as its tokens)."""
+    if sample.multimodal_inputs and sample.multimodal_inputs.get("images"):  # never drop the images silently
+        raise ValueError(
+            f"sample {sample.index} has images, which this generate does not send (only the default generate "
+            "does, docs/vlm.md)"
+        )
     if not sample.tokens:
         if not isinstance(sample.prompt, str):
             raise TypeError(
