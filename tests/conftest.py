@@ -58,6 +58,14 @@ def tiny_kit(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory):
+    """Directory of the tiny offline Qwen2.5-VL (model and image-only processor), built once per test session."""
+    from tools.build_tiny_vlm import build_model
+
+    return build_model(str(tmp_path_factory.mktemp("tiny_vlm") / "qwen2.5-vl-tiny"))
+
+
+@pytest.fixture(scope="session")
 def ray_session():
     """One local Ray with 4 logical GPUs for the whole test session."""
     import ray
@@ -102,7 +110,7 @@ MODULE_TIERS = {
     **dict.fromkeys(
         "agent_trajectory arguments consistency cp_utils data disk_delta eval_config extension_points filter_hub fully_async "
         "flag_support gae loss loss_variants mask_utils memory_saver model_config no_outside_addresses provenance sampling_provenance "
-        "rollout_data_source run sft_rollout spec_plugin upstream_flags quantization flags_read flags_honoured".split(),
+        "rollout_data_source run sft_rollout vlm_data spec_plugin upstream_flags quantization flags_read flags_honoured".split(),
         "unit",
     ),
     **dict.fromkeys(
@@ -110,7 +118,7 @@ MODULE_TIERS = {
         "cpu_server_lora critic_parallel customization_examples data_pad_size hf_megatron_conversion layering "
         "log_correct_samples log_probs_chunk lora megatron_gpu megatron_model megatron_parallel optimizer_state_flags "
         "param_freeze ppo_utils rm_hub rollout_buffer router scripts search_r1 sglang_contract top_p_replay "
-        "upstream_examples wandb_utils cpu_server_quantized weight_sync_quantized gdn_kernel_gpu int4".split(),
+        "upstream_examples wandb_utils cpu_server_quantized weight_sync_quantized gdn_kernel_gpu int4 vlm_server".split(),
         "component",
     ),
     # mixed modules: their tests without Ray are components (a server, a subprocess) or units; those on Ray are e2e

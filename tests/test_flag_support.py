@@ -36,7 +36,6 @@ def test_table_records_upstream_families():
     "argv, flag, why",
     [
         (["--prefill-num-servers", "2"], "--prefill-num-servers", "disaggregation"),
-        (["--multimodal-keys", '{"image": "images"}'], "--multimodal-keys", "multimodal"),
     ],
 )
 def test_refused_flag_stops_start_up_in_one_line(capsys, argv, flag, why):

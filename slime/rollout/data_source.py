@@ -16,6 +16,7 @@ import torch
 from slime.utils.checkpoint_tracker import replace_durably
 from slime.utils.data import Dataset
 from slime.utils.misc import load_function
+from slime.utils.processing_utils import multimodal_dataset_kwargs
 from slime.utils.types import Sample
 
 
@@ -76,6 +77,7 @@ class RolloutDataSource(DataSource):
                 apply_chat_template=args.apply_chat_template,
                 apply_chat_template_kwargs=args.apply_chat_template_kwargs,
                 seed=args.rollout_seed,
+                **multimodal_dataset_kwargs(args),
             )
             if len(self.dataset) == 0:
                 raise ValueError(

@@ -24,6 +24,7 @@ from slime.utils.eval_config import EvalDatasetConfig, eval_datasets
 from slime.utils.http_utils import init_http_client, post
 from slime.utils.lora_utils import generate_fields
 from slime.utils.misc import SingletonMeta, accepted_kwargs, load_function
+from slime.utils.processing_utils import multimodal_dataset_kwargs
 from slime.utils.routing_replay import decode_routed_experts
 from slime.utils.sampling_record import record_segment
 from slime.utils.top_p_replay import append_kept_sets, sampling_is_truncated
@@ -45,6 +46,7 @@ class GenerateState(metaclass=SingletonMeta):
         self.args = args
         init_http_client(args)
         self.tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint, trust_remote_code=True)
+        self.processor = multimodal_dataset_kwargs(args).get("processor")  # None without --multimodal-keys
         # Bound in-flight requests to what the engines accept: concurrency per engine x number of engines.
         self.semaphore = asyncio.Semaphore(
             max(1, args.sglang_server_concurrency * policy_num_gpus(args) // args.rollout_num_gpus_per_engine)
@@ -135,6 +137,11 @@ async def _post_to_a_worker(args, state, sample, payload, on_retry, attempts=3):
 
 def prompt_ids(state, sample: Sample) -> list:
     """What a (resumed) sample sends: its tokens so far, else its text prompt tokenised (then kept as its tokens)."""
+    if sample.multimodal_inputs and sample.multimodal_inputs.get("images"):  # never drop the images silently
+        raise ValueError(
+            f"sample {sample.index} has images, which this generate does not send (only the default generate "
+            "does, docs/vlm.md)"
+        )
     if not sample.tokens:
         if not isinstance(sample.prompt, str):
             raise TypeError(
@@ -144,6 +151,30 @@ def prompt_ids(state, sample: Sample) -> list:
             )
         sample.tokens = list(state.tokenizer(sample.prompt, add_special_tokens=False)["input_ids"])
     return list(sample.tokens)
+
+
+def multimodal_prompt_fields(state, sample: Sample) -> dict:
+    """The prompt part of a /generate request for a sample with images, as current slime sends it: the template text
+    (SGLang expands its placeholders with its own processor) and one PNG data URL per image as `image_data`. The
+    processor's expanded ids become the sample's tokens, its other outputs (pixel_values, image_grid_thw, ...) the
+    sample's `multimodal_train_inputs`."""
+    from slime.utils.processing_utils import encode_image_for_rollout_engine, process_prompt
+
+    if sample.response_length > 0:
+        raise ValueError(
+            f"sample {sample.index}: resuming a partially generated sample with images is not supported yet "
+            "(drop --partial-rollout with --multimodal-keys)"
+        )
+    if not isinstance(sample.prompt, str):
+        raise TypeError(
+            f"sample {sample.index}: a prompt with images must be rendered to text; pass --apply-chat-template "
+            "with --multimodal-keys"
+        )
+    if state.processor is None:
+        raise ValueError(f"sample {sample.index} has images but --hf-checkpoint has no processor")
+    images = sample.multimodal_inputs["images"]
+    sample.tokens, sample.multimodal_train_inputs = process_prompt(state.processor, sample.prompt, images)
+    return {"text": sample.prompt, "image_data": [encode_image_for_rollout_engine(image) for image in images]}
 
 
 async def generate(args, sample: Sample, sampling_params, evaluation=False) -> Sample:
@@ -167,10 +198,13 @@ async def generate(args, sample: Sample, sampling_params, evaluation=False) -> S
             sample.status = Sample.Status.TRUNCATED
             return sample
 
-    input_ids = prompt_ids(state, sample)
+    if sample.multimodal_inputs and sample.multimodal_inputs.get("images"):
+        prompt_fields = multimodal_prompt_fields(state, sample)
+    else:
+        prompt_fields = {"input_ids": list(prompt_ids(state, sample))}
 
     payload = {
-        "input_ids": list(input_ids),
+        **prompt_fields,
         "sampling_params": sampling_params,
         "return_logprob": True,
         **generate_fields(args),  # the policy's LoRA adapter under --lora-sync adapter
@@ -478,6 +512,7 @@ async def eval_rollout_single_dataset(args, rollout_id, dataset_cfg: EvalDataset
             tool_key=dataset_cfg.tool_key,
             apply_chat_template=dataset_cfg.apply_chat_template,
             apply_chat_template_kwargs=args.apply_chat_template_kwargs,
+            **multimodal_dataset_kwargs(args),
         )
     dataset = EVAL_PROMPT_DATASET[dataset_cfg.cache_key]
     sampling_params = dataset_cfg.sampling_params(state.sampling_params)

@@ -348,6 +348,13 @@ def add_data_arguments(parser):
     g.add_argument("--prompt-data", type=str, default=None, help="Prompt file (.jsonl/.json/.parquet).")
     g.add_argument("--apply-chat-template", action="store_true", default=False)
     g.add_argument(
+        "--multimodal-keys",
+        type=str,
+        default=None,
+        help='JSON mapping of media type to dataset column, e.g. \'{"image": "images"}\': each <image> in a '
+        "message-list prompt is filled from that column (docs/vlm.md). Rollouts only for now.",
+    )
+    g.add_argument(
         "--apply-chat-template-kwargs",
         type=json.loads,
         default="{}",
@@ -1578,6 +1585,18 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
     if args.debug_rollout_only and args.debug_train_only:
         error("--debug-rollout-only and --debug-train-only (or --load-debug-rollout-data) are mutually exclusive.")
     check_external_engines(args, error, check_paths)
+    if getattr(args, "multimodal_keys", None) is not None:
+        from slime.utils.processing_utils import parse_multimodal_keys
+
+        try:
+            parse_multimodal_keys(args.multimodal_keys)
+        except ValueError as e:
+            error(str(e))
+        if not args.debug_rollout_only:  # docs/vlm.md: rollouts with images work, training on them does not yet
+            error(
+                "--multimodal-keys: the trainer does not yet take images (no vision tower in the Megatron model); "
+                "rollouts with images run with --debug-rollout-only."
+            )
     actor_total = args.actor_num_nodes * args.actor_num_gpus_per_node
     # rollout-only runs size the "actors" to the engines and never offload
     if args.debug_rollout_only:

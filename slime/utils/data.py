@@ -75,18 +75,34 @@ class Dataset:
         seed=42,
         apply_chat_template=False,
         apply_chat_template_kwargs=None,
+        multimodal_keys=None,
+        processor=None,
     ):
         data = read_file(path)
+        multimodal_keys = multimodal_keys or {}
+        for media, column in multimodal_keys.items():
+            if column not in data.column_names:
+                raise ValueError(
+                    f"{path}: no column {column!r} (--multimodal-keys {media!r}); its columns are {data.column_names}"
+                )
         for key, flag in ((prompt_key, "--input-key"), (label_key, "--label-key"), (tool_key, "--tool-key")):
             if key is not None and key not in data.column_names:
                 raise ValueError(f"{path}: no column {key!r} ({flag}); its columns are {data.column_names}")
 
         self.column_names = data.column_names
-        prompts, rows = [], []
+        prompts, rows, media = [], [], []
         for i, row in enumerate(data):
             prompt = row[prompt_key]
             if prompt is None:
                 raise ValueError(f"{path}: row {i + 1}{_line_of_row(path, i)} has no {prompt_key!r} (--input-key)")
+            if multimodal_keys:
+                from slime.utils.processing_utils import fill_placeholders, process_vision_info
+
+                where = f"{path}: row {i + 1}{_line_of_row(path, i)}"
+                prompt = fill_placeholders(prompt, {m: row[c] for m, c in multimodal_keys.items()}, where)
+                media.append(process_vision_info(prompt, processor))
+            else:
+                media.append(None)
             if apply_chat_template:
                 tools = row[tool_key] if tool_key is not None else None
                 if isinstance(tools, str):  # tools are often stored as a JSON string column
@@ -97,14 +113,15 @@ class Dataset:
             prompts.append(prompt)
             rows.append(row)
 
-        keep = self._within_length(prompts, tokenizer, max_length)
+        keep = self._within_length(prompts, tokenizer, max_length, media, processor)
         self.origin_samples = [
             Sample(
                 prompt=prompt,
                 label=row[label_key] if label_key is not None else None,
                 metadata=row.get(metadata_key) or {},
+                multimodal_inputs=mm,
             )
-            for prompt, row, ok in zip(prompts, rows, keep)
+            for prompt, row, mm, ok in zip(prompts, rows, media, keep)
             if ok
         ]
         self.origin_rows = [i for i, ok in enumerate(keep) if ok]  # file row of each sample, for messages
@@ -113,12 +130,22 @@ class Dataset:
         self.samples = self.origin_samples
 
     @staticmethod
-    def _within_length(prompts, tokenizer, max_length):
-        """Which prompts are at most `max_length` tokens; message-list prompts (no template applied) are kept."""
+    def _within_length(prompts, tokenizer, max_length, media=None, processor=None):
+        """Which prompts are at most `max_length` tokens; message-list prompts (no template applied) are kept. A
+        prompt with images is measured through the processor, after its placeholders expand to the image tokens."""
         keep = [True] * len(prompts)
         if max_length is None:
             return keep
-        text_idx = [i for i, p in enumerate(prompts) if isinstance(p, str)]
+        media = media or [None] * len(prompts)
+        if processor is not None:
+            from slime.utils.processing_utils import process_prompt
+
+            for i, (p, mm) in enumerate(zip(prompts, media)):
+                if isinstance(p, str) and mm:
+                    keep[i] = len(process_prompt(processor, p, mm.get("images"))[0]) <= max_length
+        text_idx = [
+            i for i, p in enumerate(prompts) if isinstance(p, str) and not (processor is not None and media[i])
+        ]
         if text_idx:
             ids = tokenizer([prompts[i] for i in text_idx], add_special_tokens=False)["input_ids"]
             for i, toks in zip(text_idx, ids):

@@ -34,8 +34,6 @@ REFUSED = {
     "parallelism splits sequences in zigzag order)",
     "--freeze-indexer": "the DSA indexer belongs to GLM-5's sparse attention, which this slime does not build: drop it",
     "--train-backend": "Megatron is the only training backend (as in current slime, which removed FSDP): drop it",
-    "--multimodal-keys": "multimodal (VLM) rollouts are not supported here (the inference servers take text "
-    "tokens only): drop it",
     "--load-forge-rollout-data": "forge replay keeps engines and weight sync live while replaying dumps, for GPU "
     "memory tests: use --load-debug-rollout-data",
     "--async-save": "checkpoints are written synchronously here (Megatron-LM's asynchronous dist-checkpoint writer "

@@ -18,6 +18,7 @@ import tempfile
 from slime.utils.checkpoint_tracker import TRACKER, checkpoint_dir, read_tracker
 from slime.utils.data import Dataset
 from slime.utils.misc import load_function
+from slime.utils.processing_utils import multimodal_dataset_kwargs
 from slime.utils.user_errors import StartupError
 
 DEFAULT_ROLLOUT_FUNCTION = "slime.rollout.sglang_rollout.generate_rollout"
@@ -403,6 +404,7 @@ def check_prompt_data(args, error):
                 metadata_key=file.metadata_key,
                 apply_chat_template=file.apply_chat_template and tokenizer is not None,
                 apply_chat_template_kwargs=args.apply_chat_template_kwargs,
+                **multimodal_dataset_kwargs(args),
             )
         except Exception as e:  # noqa: BLE001  (datasets / tokenizers raise many types; each names the file or row)
             error(f"{flag} {one_line(e)}")

@@ -8,6 +8,7 @@ import time
 
 from aiohttp import web
 
+from .media import collapse_placeholders, expand, images_per_prompt
 from .sampling import RequestError, SamplingParams
 from .scheduler import Req
 
@@ -47,6 +48,10 @@ class GenerateAPI:
             raise RequestError(
                 f"input_ids must be a list of token ids or a non-empty list of such lists, got {str(ids)[:100]}"
             )
+        if self.processor is not None:  # SGLang's Qwen-VL processor: a placeholder run is one image
+            text = collapse_placeholders(text) if isinstance(text, str) else text
+            if isinstance(text, list):
+                text = [collapse_placeholders(t) if isinstance(t, str) else t for t in text]
         if isinstance(text, str):
             return [self.tokenizer.encode(text)], False
         if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
@@ -92,10 +97,13 @@ class GenerateAPI:
         start, topn = body.get("logprob_start_len"), body.get("top_logprobs_num") or 0
         if not isinstance(topn, int) or isinstance(topn, bool) or topn < 0:
             raise RequestError(f"top_logprobs_num must be a non-negative integer, got {topn!r}")
-        if body.get("custom_logit_processor") or body.get("input_embeds") is not None or body.get("image_data"):
+        if body.get("custom_logit_processor") or body.get("input_embeds") is not None:
+            raise RequestError("custom_logit_processor and input_embeds are not supported by slime's CPU server.")
+        if self.processor is None and (body.get("image_data") or body.get("video_data") or body.get("audio_data")):
             raise RequestError(
-                "custom_logit_processor, input_embeds and image_data are not supported by slime's CPU server."
+                f"image_data / video_data / audio_data: the served model ({self.cfg.architecture}) takes text only"
             )
+        images = images_per_prompt(body, len(prompts), batch) if self.processor is not None else None
         masks_raw, mode_raw = body.get("return_sampling_mask"), body.get("sampling_logprobs_mode")
         want_routed, routed_start = bool(body.get("return_routed_experts")), body.get("routed_experts_start_len") or 0
         loras_raw, lora_names = body.get("lora_path"), []
@@ -107,6 +115,9 @@ class GenerateAPI:
         for i, ids in enumerate(prompts):
             sp_d = sps_raw[i] if isinstance(sps_raw, list) else sps_raw
             sp = SamplingParams.from_dict(sp_d, self.cfg.vocab_size)
+            mm = None
+            if images is not None and images[i]:
+                ids, mm = expand(self.processor, ids, images[i], f"prompt {i}" if batch else "the prompt")
             self._check_prompt(ids, sp)
             want_mask = bool(masks_raw[i] if isinstance(masks_raw, list) else masks_raw)
             mode = mode_raw[i] if isinstance(mode_raw, list) else mode_raw
@@ -142,6 +153,7 @@ class GenerateAPI:
                     routed_experts_start_len=routed_start,
                 )
                 r.index, r.text_in_logprobs = len(reqs), bool(body.get("return_text_in_logprobs"))
+                r.mm = mm
                 r.support_logprobs = mode == "support"
                 reqs.append(r)
                 lora_names.append(loras_raw[i] if isinstance(loras_raw, list) else loras_raw)

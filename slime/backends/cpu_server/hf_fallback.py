@@ -30,6 +30,8 @@ class FallbackConfig:
         self.eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None) or torch.float32
         self.torch_dtype = str(dtype).replace("torch.", "")
+        # a vision-language model (Qwen2.5-VL): served with its processor, images through `image_data`
+        self.vision = getattr(hf_config, "vision_config", None) is not None
 
 
 class TokenPool:
@@ -252,21 +254,43 @@ class HFFallbackModel:
 
             module.register_forward_hook(hook)
 
-    def _run(self, ids, mask):
+    def _run(self, ids, mask, mm=None):
         self._routed = {}
         try:
+            if mm is not None and any(m is not None for m in mm):
+                return self._run_vision(ids, mask, mm), self._routed
             return self.model(input_ids=ids, attention_mask=mask.long()).logits, self._routed
         finally:
             self._routed = None
 
+    def _run_vision(self, ids, mask, mm):
+        """A vision-language forward over right-padded rows, some with images: each row's image features are
+        written at its prompt's image-token positions (`mm_token_type_ids`; a generated token with the image-token
+        id stays text), with the model's own 3-D (MRoPE) positions for those positions."""
+        B, L = ids.shape
+        types = torch.zeros(B, L, dtype=torch.long)
+        for b, m in enumerate(mm):
+            if m is not None:
+                t = m["mm_token_type_ids"]
+                types[b, : len(t)] = t
+        inner = self.model.model
+        embeds = self.model.get_input_embeddings()(ids)
+        rows = [m for m in mm if m is not None]
+        grid = torch.cat([m["image_grid_thw"] for m in rows])
+        pixels = torch.cat([m["pixel_values"] for m in rows])
+        features = torch.cat(inner.get_image_features(pixels, grid, return_dict=True).pooler_output)
+        embeds = embeds.masked_scatter((types == 1)[..., None], features.to(embeds.dtype))
+        positions, _ = inner.get_rope_index(ids, types, image_grid_thw=grid, attention_mask=mask.long())
+        return self.model(inputs_embeds=embeds, attention_mask=mask.long(), position_ids=positions).logits
+
     @torch.inference_mode()
-    def forward_prefill(self, pool: TokenPool, tokens, lens, rows, all_logits: bool = False, lora=None):
+    def forward_prefill(self, pool: TokenPool, tokens, lens, rows, all_logits: bool = False, lora=None, mm=None):
         pool.tokens.index_copy_(0, rows, tokens)
         B, L = len(lens), int(lens.max())
         ids = torch.zeros(B, L, dtype=torch.long)
         mask = torch.arange(L)[None, :] < lens[:, None]
         ids[mask] = tokens
-        logits, routed = self._run(ids, mask)
+        logits, routed = self._run(ids, mask, mm)
         if pool.routed is not None:
             for layer, experts in routed.items():
                 pool.routed[rows, layer] = experts.view(B, L, -1)[mask].to(torch.int32)
@@ -275,10 +299,10 @@ class HFFallbackModel:
         return logits[torch.arange(B), lens - 1]
 
     @torch.inference_mode()
-    def forward_decode(self, pool: TokenPool, tokens, positions, new_rows, kv_index, kv_valid, lora=None):
+    def forward_decode(self, pool: TokenPool, tokens, positions, new_rows, kv_index, kv_valid, lora=None, mm=None):
         pool.tokens.index_copy_(0, new_rows, tokens)
         ids = pool.tokens.index_select(0, kv_index.reshape(-1)).view(kv_index.shape)
-        logits, routed = self._run(ids, kv_valid)
+        logits, routed = self._run(ids, kv_valid, mm)
         batch = torch.arange(len(tokens))
         if pool.routed is not None:  # only the new tokens: earlier ones keep what they were routed to when computed
             for layer, experts in routed.items():
@@ -300,7 +324,10 @@ def load_fallback(model_dir: str, dtype_name: str, trust_remote_code: bool, quan
     cfg = FallbackConfig(model_dir, hf_config)
     dtype = resolve_dtype(dtype_name, cfg)
     if quant is None:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code)
+        auto = AutoModelForCausalLM
+        if cfg.vision:  # AutoModelForCausalLM refuses Qwen2.5-VL (and drops Qwen3.5's vision tower)
+            from transformers import AutoModelForImageTextToText as auto  # heavy
+        model = auto.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code)
         return cfg, dtype, HFWeights(model.eval()), HFFallbackModel(model)
     if hasattr(hf_config, "quantization_config"):  # transformers' own quantizers are not what serves it here
         del hf_config.quantization_config

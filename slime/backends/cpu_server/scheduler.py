@@ -82,6 +82,8 @@ class Req:
         self.lora = lora  # the LoRA adapter serving this request (held in the registry until it finishes), or None
         self.prefix = None  # the _SharedPrompt whose KV rows this request's prompt positions point at, or None
         self.cached_tokens = 0  # prompt tokens it did not prefill (SGLang's meta_info cached_tokens)
+        # its images' processor outputs (pixel_values, image_grid_thw, mm_token_type_ids over the prompt), or None
+        self.mm = None
 
     @property
     def finished(self) -> bool:
@@ -250,7 +252,7 @@ class Scheduler:
 
     def _share_key(self, r):
         """The key of the shared prompt r may use or start, or None when r prefills on its own."""
-        if not self.share_prefill or r.output_ids:  # a retracted request re-fills prompt + output alone
+        if not self.share_prefill or r.output_ids or r.mm is not None:  # retracted: prompt + output alone; images
             return None
         return (tuple(r.input_ids), id(r.lora), self.state.weight_version)
 
@@ -330,7 +332,9 @@ class Scheduler:
             if r.return_logprob and r.logprob_start_len >= 0 and not r.output_ids:
                 temps[i] = temps[i] | {r.sp.temperature}
         lora = LoRABatch.of([r.lora for r in reqs], lens.tolist())
-        logits = self.model.forward_prefill(self.pool, tokens, lens, rows, all_logits=any(temps), lora=lora)
+        logits = self.model.forward_prefill(
+            self.pool, tokens, lens, rows, all_logits=any(temps), lora=lora, **self._mm_kwargs(reqs)
+        )
         self.num_prefill_tokens += len(tokens)
         ends = torch.cumsum(lens, 0)
         if any(temps):
@@ -351,6 +355,11 @@ class Scheduler:
                 if r.prefix is not None and r.prefix.logits is None:
                     r.prefix.logits = logits[i]
         return out
+
+    @staticmethod
+    def _mm_kwargs(reqs) -> dict:
+        """The images of a batch for the (vision-language) model; nothing when no request has any."""
+        return {"mm": [r.mm for r in reqs]} if any(r.mm is not None for r in reqs) else {}
 
     @staticmethod
     def _input_logprobs(logits, tokens, temperature) -> list:
@@ -380,7 +389,7 @@ class Scheduler:
         tokens = torch.tensor([r.output_ids[-1] for r in reqs])
         lora = LoRABatch.of([r.lora for r in reqs], [1] * len(reqs))
         logits = self.model.forward_decode(
-            self.pool, tokens, kv_lens, torch.tensor(new_rows), kv_index, kv_valid, lora=lora
+            self.pool, tokens, kv_lens, torch.tensor(new_rows), kv_index, kv_valid, lora=lora, **self._mm_kwargs(reqs)
         )
         self._sample_and_append(reqs, logits.float())
 

@@ -99,6 +99,7 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
 
     def _load_model(self, args):
         """The compact batched model for the Llama family; transformers (no KV cache) for anything else."""
+        self.processor = None  # a vision-language model's (the fallback's), else None
         try:
             self.cfg = ModelConfig.from_model_dir(self.model_path)
             self.fallback = False
@@ -119,6 +120,10 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
             self.context_len = args.context_length or self.cfg.max_position_embeddings
             self.max_total_tokens = args.max_total_tokens or args.max_running_requests * self.context_len
             self.pool = TokenPool(self.max_total_tokens)
+            if self.cfg.vision:
+                from slime.utils.processing_utils import load_processor
+
+                self.processor = load_processor(self.model_path)
             if args.enable_return_routed_experts:
                 self.model.enable_routed_experts_capture(self.pool)
             return
@@ -338,7 +343,7 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
                 "preferred_sampling_params": None,
                 "weight_version": self.state.weight_version,
                 "load_format": "auto",
-                "has_image_understanding": False,
+                "has_image_understanding": self.processor is not None,
                 "has_audio_understanding": False,
                 "model_type": self.cfg.model_type,
                 "architectures": [self.cfg.architecture],

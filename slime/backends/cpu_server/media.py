@@ -1,0 +1,92 @@
+"""`image_data` of a /generate request, as SGLang 0.5.23 takes it for a Qwen-VL model: the images decoded, the prompt's
+placeholders expanded to each image's token count in the caller's ids, the processor outputs the model needs."""
+
+import re
+
+import torch
+
+from slime.utils.processing_utils import load_image
+
+from .sampling import RequestError
+
+# SGLang's Qwen-VL processor: a whole (pre-expanded) vision run counts as one image, as does the legacy <image>
+_RUN = re.compile(r"<\|vision_start\|>(?:<\|image_pad\|>)+<\|vision_end\|>|<image>")
+_ONE = "<|vision_start|><|image_pad|><|vision_end|>"
+MEDIA_REF_KEYS = {"url"}  # the MediaRef keys honoured here (SGLang knows more; they are refused)
+
+
+def collapse_placeholders(text: str) -> str:
+    """`text` with every image placeholder run (or `<image>`) as one `<|vision_start|><|image_pad|><|vision_end|>`."""
+    return _RUN.sub(_ONE, text)
+
+
+def _items(entry, where):
+    if entry is None:
+        return []
+    items = entry if isinstance(entry, list) else [entry]
+    out = []
+    for j, item in enumerate(items):
+        if item is None:
+            continue
+        if isinstance(item, dict):
+            extra = set(item) - MEDIA_REF_KEYS
+            if extra or "url" not in item:
+                raise RequestError(
+                    f"{where}[{j}]: a MediaRef here takes only 'url'; got keys {sorted(item)} (not supported: "
+                    f"{sorted(extra) or 'no url'})"
+                )
+            item = item["url"]
+        if not isinstance(item, str):
+            raise RequestError(f"{where}[{j}]: an image must be a string (path, data URL, base64) or a MediaRef")
+        if not item.startswith(("data:", "file://", "/", "http://", "https://")) and item.lower().endswith(
+            (".png", ".jpg", ".jpeg", ".webp", ".gif")
+        ):
+            raise RequestError(f"{where}[{j}]: {item!r} is a relative path; give an absolute path or file:// URL")
+        try:
+            out.append(load_image(item, f"{where}[{j}]"))
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+    return out
+
+
+def images_per_prompt(body, num_prompts, batch):
+    """The decoded images of each prompt (lists, empty for a prompt without any), from `image_data`."""
+    for field in ("video_data", "audio_data"):
+        if body.get(field):
+            raise RequestError(f"{field} is not supported by slime's CPU server (images only)")
+    data = body.get("image_data")
+    if not data:
+        return [[] for _ in range(num_prompts)]
+    if not batch:
+        return [_items(data, "image_data")]
+    if not isinstance(data, list) or len(data) != num_prompts:
+        raise RequestError(f"image_data of a batch needs one entry per prompt ({num_prompts})")
+    return [_items(entry, f"image_data[{i}]") for i, entry in enumerate(data)]
+
+
+def expand(processor, ids, images, where="the prompt"):
+    """(expanded ids, {pixel_values, image_grid_thw, mm_token_type_ids}) of caller `ids` with one image-pad token per
+    image: each becomes that image's token count, the other ids kept verbatim (SGLang's no-retokenize path)."""
+    pad = processor.image_token_id
+    singles = [i for i, t in enumerate(ids) if t == pad and (i == 0 or ids[i - 1] != pad)]
+    runs = sum(1 for i, t in enumerate(ids) if t == pad and (i + 1 == len(ids) or ids[i + 1] != pad))
+    if len(singles) != len(images) or any(ids[i + 1 : i + 2] == [pad] for i in singles):
+        raise RequestError(
+            f"{where} has {runs} image placeholder(s) but image_data has {len(images)} image(s); they must match "
+            "(one <|vision_start|><|image_pad|><|vision_end|> or <image> per image)"
+        )
+    out = processor.image_processor(images=images, return_tensors="pt")
+    grid = out["image_grid_thw"]
+    merge = processor.image_processor.merge_size**2
+    counts = (grid.prod(-1) // merge).tolist()
+    expanded, types, k = [], [], 0
+    for t in ids:
+        if t == pad:
+            expanded += [pad] * counts[k]
+            types += [1] * counts[k]
+            k += 1
+        else:
+            expanded.append(t)
+            types.append(0)
+    mm = {"pixel_values": out["pixel_values"], "image_grid_thw": grid, "mm_token_type_ids": torch.tensor(types)}
+    return expanded, mm

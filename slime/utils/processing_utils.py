@@ -1,0 +1,240 @@
+"""Processors for vision-language checkpoints, and the media helpers current slime's `processing_utils` offers.
+
+`load_processor(path)` returns the checkpoint's multimodal processor (a `ProcessorMixin`), or None for a text-only
+checkpoint. transformers' Qwen-VL processors insist on a video processor, which needs torchvision (absent on CPU
+machines); `ImageOnlyQwenVLProcessor` is the same processor without video, used when `AutoProcessor` cannot build one.
+"""
+
+import base64
+import io
+import os
+
+# current slime's MultimodalTypes: media type -> placeholder in message text
+PLACEHOLDERS = {"image": "<image>", "video": "<video>", "audio": "<audio>"}
+
+
+_IMAGE_ONLY = []
+
+
+def _image_only_class():
+    from transformers import Qwen2_5_VLProcessor  # heavy
+
+    class ImageOnlyQwenVLProcessor(Qwen2_5_VLProcessor):
+        """Qwen2.5-VL's processor for images only (no video processor, so no torchvision)."""
+
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            from transformers import ProcessorMixin  # heavy
+
+            self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
+            self.video_token = getattr(tokenizer, "video_token", None) or "<|video_pad|>"
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+            # ProcessorMixin reads the attributes (image_processor, tokenizer) from this __init__'s signature
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    return ImageOnlyQwenVLProcessor
+
+
+def __getattr__(name):  # the class is built on first use: transformers is heavy for modules that only import this
+    if name == "ImageOnlyQwenVLProcessor":
+        if not _IMAGE_ONLY:
+            _IMAGE_ONLY.append(_image_only_class())
+        return _IMAGE_ONLY[0]
+    raise AttributeError(name)
+
+
+def _has_processor_files(path):
+    return any(
+        os.path.exists(os.path.join(path, name)) for name in ("processor_config.json", "preprocessor_config.json")
+    )
+
+
+def load_processor(path):
+    """The multimodal processor of the checkpoint at `path`, or None when it has none (a text-only model)."""
+    if not os.path.isdir(path) or not _has_processor_files(path):
+        return None
+    from transformers import AutoProcessor, ProcessorMixin  # heavy
+
+    try:
+        processor = AutoProcessor.from_pretrained(path, trust_remote_code=True)
+    except Exception:
+        processor = None
+    if isinstance(processor, ProcessorMixin) and getattr(processor, "image_processor", None) is not None:
+        return processor
+    try:
+        return __getattr__("ImageOnlyQwenVLProcessor").from_pretrained(path)
+    except Exception as e:
+        raise ValueError(f"{path}: has a processor config but no image processor loads from it ({e})") from e
+
+
+def load_image(item, where="image"):
+    """A PIL RGB image from what current slime accepts as an image: a PIL image, a dict with `bytes`/`path`/`image`
+    (HF datasets' Image feature, a rich item), a data URL, a `file://` URL, a path, or raw base64."""
+    from PIL import Image  # heavy
+
+    if isinstance(item, Image.Image):
+        image = item
+    elif isinstance(item, dict):
+        inner = item.get("image", item.get("url"))
+        if item.get("bytes") is not None:
+            image = Image.open(io.BytesIO(item["bytes"]))
+        elif item.get("path"):
+            image = load_image(item["path"], where)
+        elif inner is not None:
+            image = load_image(inner, where)
+        else:
+            raise ValueError(f"{where}: a dict image needs 'bytes', 'path', 'image' or 'url'; got keys {sorted(item)}")
+    elif isinstance(item, (bytes, bytearray)):
+        image = Image.open(io.BytesIO(item))
+    elif isinstance(item, str):
+        if item.startswith(("http://", "https://")):
+            raise ValueError(f"{where}: {item[:80]!r} is a URL; this machine is offline (give a path or base64 data)")
+        if item.startswith("data:"):
+            _, _, data = item.partition(",")
+            image = _open_b64(data, where)
+        elif item.startswith("file://"):
+            image = _open_path(item[len("file://") :], where)
+        elif item.startswith("/") or item.lower().endswith((".png", ".jpg", ".jpeg", ".webp", ".gif")):
+            image = _open_path(item, where)
+        else:
+            image = _open_b64(item, where)
+    else:
+        raise ValueError(f"{where}: cannot read an image from a {type(item).__name__}")
+    return image.convert("RGB") if image.mode != "RGB" else image
+
+
+def _open_path(path, where):
+    from PIL import Image  # heavy
+
+    if not os.path.isfile(path):
+        raise ValueError(f"{where}: image file {path!r} does not exist")
+    try:
+        image = Image.open(path)
+        image.load()
+    except Exception as e:
+        raise ValueError(f"{where}: cannot decode image file {path!r} ({e})") from None
+    return image
+
+
+def _open_b64(data, where):
+    from PIL import Image  # heavy
+
+    try:
+        raw = base64.b64decode(data, validate=True)
+        image = Image.open(io.BytesIO(raw))
+        image.load()
+    except Exception as e:
+        raise ValueError(f"{where}: not a decodable base64 image ({type(e).__name__}: {e})") from None
+    return image
+
+
+def encode_image_for_rollout_engine(image):
+    """A PNG data URL of `image` (converted to RGB), what the rollout sends SGLang as `image_data`."""
+    buffer = io.BytesIO()
+    load_image(image).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def process_vision_info(prompt, processor=None):
+    """{"images": [PIL, ...]} of a message-list prompt's image content items, in order (None when it has none)."""
+    images = []
+    if isinstance(prompt, list):
+        for message in prompt:
+            content = message.get("content") if isinstance(message, dict) else None
+            if not isinstance(content, list):
+                continue
+            for item in content:
+                if isinstance(item, dict) and item.get("type") == "image":
+                    images.append(load_image(item["image"]))
+    return {"images": images} if images else None
+
+
+def parse_multimodal_keys(value, flag="--multimodal-keys"):
+    """`--multimodal-keys` as a dict {media type: dataset column} (None when unset); one-line errors otherwise."""
+    if value is None or isinstance(value, dict):
+        keys = value
+    else:
+        import json
+
+        try:
+            keys = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f'{flag} {value!r} is not JSON ({e.msg}); e.g. \'{{"image": "images"}}\'') from None
+    if keys is None:
+        return None
+    if not isinstance(keys, dict) or not keys:
+        raise ValueError(f'{flag} must be a JSON object of media type -> column, e.g. {{"image": "images"}}')
+    for media, column in keys.items():
+        if media not in PLACEHOLDERS:
+            raise ValueError(f"{flag}: unknown media type {media!r}; known: {sorted(PLACEHOLDERS)}")
+        if media != "image":
+            raise ValueError(f"{flag}: {media!r} media are not supported here yet (images only)")
+        if not isinstance(column, str):
+            raise ValueError(f"{flag}: the column of {media!r} must be a string, got {column!r}")
+    return keys
+
+
+def fill_placeholders(prompt, media, where):
+    """The message-list `prompt` with each `<image>` in its string contents replaced, in order, by the next item of
+    `media["image"]` as {"type": "image", "image": item}; the text around becomes {"type": "text"} items. A string
+    prompt is taken as one user message. Fails, naming `where` and both counts, unless every item is used once."""
+    import re
+
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    items = {k: list(v) if isinstance(v, (list, tuple)) else ([] if v is None else [v]) for k, v in media.items()}
+    used = dict.fromkeys(items, 0)
+    placeholder_re = "(" + "|".join(re.escape(PLACEHOLDERS[k]) for k in items) + ")"
+    by_placeholder = {PLACEHOLDERS[k]: k for k in items}
+    counted = dict.fromkeys(items, 0)
+    for message in prompt:
+        if isinstance(message.get("content"), str):
+            for part in re.split(placeholder_re, message["content"]):
+                if part in by_placeholder:
+                    counted[by_placeholder[part]] += 1
+    for kind in items:
+        if counted[kind] != len(items[kind]):
+            raise ValueError(
+                f"{where}: {counted[kind]} {PLACEHOLDERS[kind]} placeholder(s) in the prompt but {len(items[kind])} "
+                f"{kind}(s) in its media"
+            )
+    filled = []
+    for message in prompt:
+        content = message.get("content")
+        if not isinstance(content, str):
+            filled.append(message)
+            continue
+        parts = []
+        for part in re.split(placeholder_re, content):
+            if part in by_placeholder:
+                kind = by_placeholder[part]
+                parts.append({"type": kind, kind: items[kind][used[kind]]})
+                used[kind] += 1
+            elif part:
+                parts.append({"type": "text", "text": part})
+        filled.append({**message, "content": parts})
+    return filled
+
+
+def process_prompt(processor, text, images):
+    """(expanded prompt ids, the processor's other outputs) of a rendered prompt and its PIL images: what a
+    multimodal sample trains on (`tokens`, `multimodal_train_inputs`)."""
+    out = processor(text=[text], images=images or None, return_tensors="pt")
+    ids = out["input_ids"][0].tolist()
+    train_inputs = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")}
+    return ids, train_inputs
+
+
+def multimodal_dataset_kwargs(args):
+    """`Dataset`'s multimodal arguments from the flags: {} without --multimodal-keys, else the parsed keys and the
+    processor of --hf-checkpoint (which must have one)."""
+    keys = parse_multimodal_keys(getattr(args, "multimodal_keys", None))
+    if not keys:
+        return {}
+    processor = load_processor(args.hf_checkpoint) if args.hf_checkpoint else None
+    if processor is None:
+        raise ValueError(
+            f"--multimodal-keys needs a vision-language --hf-checkpoint with a processor; {args.hf_checkpoint!r} has "
+            "no processor_config.json / preprocessor_config.json"
+        )
+    return {"multimodal_keys": keys, "processor": processor}

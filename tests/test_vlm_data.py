@@ -1,0 +1,206 @@
+"""--multimodal-keys: image placeholders filled from the row's media, the processor's expansion measured, bad rows
+named in one line (issue #39, data slice)."""
+
+import base64
+import io
+import json
+
+import pytest
+from PIL import Image
+
+from slime.utils.data import Dataset
+from slime.utils.processing_utils import (
+    encode_image_for_rollout_engine,
+    fill_placeholders,
+    load_image,
+    load_processor,
+    parse_multimodal_keys,
+    process_prompt,
+)
+from tests._args import make_args, one_line_refusal
+
+
+def _png(path, size, colour):
+    Image.new("RGB", size, colour).save(path)
+    return str(path)
+
+
+def _b64(size, colour):
+    buf = io.BytesIO()
+    Image.new("RGB", size, colour).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_placeholders_are_filled_in_order_with_text_around():
+    prompt = [{"role": "system", "content": "sys"}, {"role": "user", "content": "A <image> B <image>"}]
+    filled = fill_placeholders(prompt, {"image": ["x.png", "y.png"]}, "row 1")
+    assert filled[0] == {"role": "system", "content": [{"type": "text", "text": "sys"}]}
+    assert filled[1]["content"] == [
+        {"type": "text", "text": "A "},
+        {"type": "image", "image": "x.png"},
+        {"type": "text", "text": " B "},
+        {"type": "image", "image": "y.png"},
+    ]
+    # a string prompt is one user message; a rich dict item passes through untouched
+    rich = {"image": "x.png", "max_pixels": 3136}
+    assert fill_placeholders("<image>hi", {"image": [rich]}, "row 1") == [
+        {"role": "user", "content": [{"type": "image", "image": rich}, {"type": "text", "text": "hi"}]}
+    ]
+
+
+@pytest.mark.parametrize(
+    "text, items, counts",
+    [
+        ("<image><image>", ["a"], "2 <image> placeholder(s) in the prompt but 1"),
+        ("no image", ["a"], "0 <image> placeholder(s) in the prompt but 1"),
+    ],
+)
+def test_placeholder_and_media_counts_must_agree(text, items, counts):
+    with pytest.raises(ValueError) as e:
+        fill_placeholders([{"role": "user", "content": text}], {"image": items}, "data.jsonl: row 3 (line 3)")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("data.jsonl: row 3 (line 3): ") and counts in msg
+
+
+@pytest.mark.parametrize(
+    "value, why",
+    [
+        ("{image: images}", "is not JSON"),
+        ('{"smell": "x"}', "unknown media type 'smell'"),
+        ('["images"]', "JSON object"),
+        ('{"video": "v"}', "images only"),
+    ],
+)
+def test_bad_multimodal_keys_are_one_line_errors(value, why):
+    with pytest.raises(ValueError) as e:
+        parse_multimodal_keys(value)
+    assert why in str(e.value) and "--multimodal-keys" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_image_items_in_every_accepted_form_decode_to_the_same_pixels(tmp_path):
+    path = _png(tmp_path / "red.png", (30, 20), (255, 0, 0))
+    b64 = _b64((30, 20), (255, 0, 0))
+    rgba = Image.new("RGBA", (30, 20), (255, 0, 0, 255))
+    raw = open(path, "rb").read()
+    forms = [
+        path,
+        "file://" + path,
+        "data:image/png;base64," + b64,
+        b64,
+        {"bytes": raw, "path": None},
+        {"path": path},
+        {"image": path, "max_pixels": 99},
+        rgba,
+        encode_image_for_rollout_engine(path),
+    ]
+    for form in forms:
+        image = load_image(form)
+        assert image.mode == "RGB" and image.size == (30, 20) and image.getpixel((3, 3)) == (255, 0, 0), form
+    for bad, why in [
+        ("relative.txt", "not a decodable base64 image"),
+        ("/nope.png", "does not exist"),
+        ("https://x/y.png", "offline"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            load_image(bad, "row 2 image 0")
+
+
+def _write(tmp_path, rows):
+    path = tmp_path / "vlm.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_dataset_fills_images_renders_the_template_and_filters_after_expansion(tmp_path, tiny_vlm):
+    processor = load_processor(tiny_vlm)
+    big = _png(tmp_path / "big.png", (112, 112), (0, 0, 255))  # 8x8 patches of 14 -> 64 patches -> 16 image tokens
+    small = "data:image/png;base64," + _b64((28, 28), (0, 255, 0))  # 2x2 patches -> 1 image token
+    rows = [
+        {"prompt": [{"role": "user", "content": "<image>What colour?"}], "images": [big], "label": "blue"},
+        {"prompt": [{"role": "user", "content": "<image>What colour?"}], "images": [small], "label": "green"},
+    ]
+    path = _write(tmp_path, rows)
+    keys = {"multimodal_keys": {"image": "images"}, "processor": processor}
+    ds = Dataset(
+        path, processor.tokenizer, None, prompt_key="prompt", label_key="label", apply_chat_template=True, **keys
+    )
+    text = (
+        "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What colour?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert [s.prompt for s in ds.origin_samples] == [text, text]
+    assert [s.multimodal_inputs["images"][0].size for s in ds.origin_samples] == [(112, 112), (28, 28)]
+    assert ds.origin_samples[1].multimodal_inputs["images"][0].getpixel((0, 0)) == (0, 255, 0)
+    unexpanded = len(processor.tokenizer(text, add_special_tokens=False)["input_ids"])
+    ids, train = process_prompt(processor, text, ds.origin_samples[0].multimodal_inputs["images"])
+    assert len(ids) == unexpanded - 1 + 16 and ids.count(processor.image_token_id) == 16
+    assert train["image_grid_thw"].tolist() == [[1, 8, 8]] and tuple(train["pixel_values"].shape) == (
+        64,
+        3 * 2 * 14 * 14,
+    )
+    # the limit counts the expanded prompt: 16 image tokens for row 1, 1 for row 2
+    for limit, labels in [
+        (unexpanded - 1 + 16, ["blue", "green"]),
+        (unexpanded - 1 + 15, ["green"]),
+        (unexpanded - 1, []),
+    ]:
+        kept = Dataset(
+            path, processor.tokenizer, limit, prompt_key="prompt", label_key="label", apply_chat_template=True, **keys
+        )
+        assert [s.label for s in kept.origin_samples] == labels, limit
+
+
+def test_dataset_names_the_row_when_placeholders_and_media_disagree(tmp_path, tiny_vlm):
+    processor = load_processor(tiny_vlm)
+    ok = {"prompt": "<image>hi", "images": [_b64((28, 28), (1, 2, 3))]}
+    path = _write(tmp_path, [ok, {"prompt": "<image>hi <image>", "images": ok["images"]}])
+    with pytest.raises(ValueError) as e:
+        Dataset(
+            path,
+            processor.tokenizer,
+            None,
+            prompt_key="prompt",
+            multimodal_keys={"image": "images"},
+            processor=processor,
+        )
+    assert (
+        str(e.value) == f"{path}: row 2 (line 2): 2 <image> placeholder(s) in the prompt but 1 image(s) in its media"
+    )
+    with pytest.raises(ValueError, match="no column 'pics' \\(--multimodal-keys 'image'\\)"):
+        Dataset(
+            path,
+            processor.tokenizer,
+            None,
+            prompt_key="prompt",
+            multimodal_keys={"image": "pics"},
+            processor=processor,
+        )
+
+
+def test_multimodal_keys_pass_for_rollouts_and_refuse_training_in_one_line(capsys, tiny_vlm):
+    argv = ["--multimodal-keys", '{"image": "images"}']
+    args = make_args(*argv, "--debug-rollout-only", "--rollout-num-gpus", "1")
+    assert parse_multimodal_keys(args.multimodal_keys) == {"image": "images"}
+    err = one_line_refusal(capsys, *argv)
+    assert "--multimodal-keys: the trainer does not yet take images" in err
+    err = one_line_refusal(capsys, "--multimodal-keys", "{image}", "--debug-rollout-only", "--rollout-num-gpus", "1")
+    assert "is not JSON" in err
+    assert load_processor(tiny_vlm) is not None
+
+
+def test_text_only_rows_mix_in_and_a_checkpoint_without_processor_is_refused(tmp_path, tiny_vlm, tiny_kit):
+    import types
+
+    from slime.utils.processing_utils import multimodal_dataset_kwargs
+
+    path = _write(
+        tmp_path, [{"prompt": "plain", "images": []}, {"prompt": "<image>x", "images": [_b64((28, 28), (0, 0, 0))]}]
+    )
+    args = types.SimpleNamespace(multimodal_keys='{"image": "images"}', hf_checkpoint=tiny_vlm)
+    kw = multimodal_dataset_kwargs(args)
+    ds = Dataset(path, kw["processor"].tokenizer, 100, prompt_key="prompt", apply_chat_template=True, **kw)
+    assert [s.multimodal_inputs is None for s in ds.origin_samples] == [True, False]
+    assert multimodal_dataset_kwargs(types.SimpleNamespace(multimodal_keys=None, hf_checkpoint=tiny_vlm)) == {}
+    with pytest.raises(ValueError, match="--multimodal-keys needs a vision-language --hf-checkpoint with a processor"):
+        multimodal_dataset_kwargs(
+            types.SimpleNamespace(multimodal_keys='{"image": "images"}', hf_checkpoint=tiny_kit[0])
+        )

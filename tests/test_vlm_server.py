@@ -1,0 +1,238 @@
+"""The CPU server serves a Qwen2.5-VL: /generate with SGLang's `image_data`, greedy tokens and log-probs equal to
+transformers' own on the same processed inputs; the default rollout's request passes SGLang's contract (issue #39)."""
+
+import base64
+import io
+import types
+
+import pytest
+import requests
+import torch
+from PIL import Image
+
+from slime.backends.sglang_utils.contract import body_errors
+from slime.utils.processing_utils import encode_image_for_rollout_engine, load_processor, process_prompt
+from slime.utils.types import Sample
+from tests.test_cpu_server import start_cpu_server, stop_cpu_server
+
+SESSION = requests.Session()
+SESSION.trust_env = False
+TEXT = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What colour is it?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _image(size, seed):
+    g = torch.Generator().manual_seed(seed)
+    arr = (torch.rand(size[1], size[0], 3, generator=g) * 255).to(torch.uint8).numpy()
+    return Image.fromarray(arr, "RGB")
+
+
+PNG = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"
+
+
+@pytest.fixture(scope="module")
+def vlm_server(tiny_vlm):
+    proc, url = start_cpu_server(tiny_vlm, "--random-seed", "1")
+    yield url
+    stop_cpu_server(proc)
+
+
+def _reference(model_dir, image, max_new_tokens):
+    """transformers' greedy generate on the processor's inputs, and the log-probs of its tokens by one forward."""
+    from transformers import AutoModelForImageTextToText
+
+    processor = load_processor(model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    inputs = processor(text=[TEXT], images=[image], return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        prompt_len = inputs["input_ids"].shape[1]
+        full = {**inputs, "input_ids": out, "attention_mask": torch.ones_like(out)}
+        full["mm_token_type_ids"] = torch.cat(
+            [inputs["mm_token_type_ids"], torch.zeros(1, out.shape[1] - prompt_len, dtype=torch.long)], 1
+        )
+        logits = model(**full).logits[0].float()
+    new = out[0, prompt_len:]
+    lps = torch.log_softmax(logits[prompt_len - 1 : -1], -1).gather(1, new[:, None]).squeeze(1)
+    return inputs["input_ids"][0].tolist(), new.tolist(), lps.tolist()
+
+
+def test_generate_with_an_image_equals_transformers(vlm_server, tiny_vlm, tmp_path):
+    image = _image((56, 84), 0)  # 4x6 patches of 14 -> 6 image tokens
+    prompt_ids, ref_tokens, ref_lps = _reference(tiny_vlm, image, 8)
+    path = tmp_path / "img.png"
+    image.save(path)
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    b64 = base64.b64encode(buf.getvalue()).decode()
+    sp = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    for item in [encode_image_for_rollout_engine(image), str(path), "file://" + str(path), b64, {"url": str(path)}]:
+        body = {"text": TEXT, "image_data": [item], "sampling_params": sp, "return_logprob": True}
+        assert body_errors("/generate", body) == []
+        out = SESSION.post(vlm_server + "/generate", json=body, timeout=60).json()
+        meta = out["meta_info"]
+        assert meta["prompt_tokens"] == len(prompt_ids), str(item)[:40]
+        assert [t for _, t, _ in meta["output_token_logprobs"]] == ref_tokens
+        assert torch.allclose(
+            torch.tensor([lp for lp, _, _ in meta["output_token_logprobs"]]), torch.tensor(ref_lps), atol=1e-5
+        )
+    # the caller's ids with one placeholder per image (SGLang's no-retokenize path) and the legacy <image>
+    processor = load_processor(tiny_vlm)
+    collapsed = processor.tokenizer.encode(TEXT)
+    legacy = TEXT.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>")
+    for prompt in [{"input_ids": collapsed}, {"text": legacy}]:
+        body = {
+            **prompt,
+            "image_data": encode_image_for_rollout_engine(image),
+            "sampling_params": sp,
+            "return_logprob": True,
+        }
+        meta = SESSION.post(vlm_server + "/generate", json=body, timeout=60).json()["meta_info"]
+        assert [t for _, t, _ in meta["output_token_logprobs"]] == ref_tokens, prompt
+    info = SESSION.get(vlm_server + "/model_info", timeout=10).json()
+    assert info["has_image_understanding"] is True
+
+
+def test_a_batch_mixing_image_sizes_and_text_equals_each_alone(vlm_server):
+    sp = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+    big, small = (
+        encode_image_for_rollout_engine(_image((112, 84), 1)),
+        encode_image_for_rollout_engine(_image((28, 28), 2)),
+    )
+    prompts = [(TEXT, [big]), (TEXT, [small]), ("<|im_start|>user\nhello<|im_end|>\n", [])]
+    alone = []
+    for text, imgs in prompts:
+        body = {"text": text, "image_data": imgs, "sampling_params": sp, "return_logprob": True}
+        alone.append(SESSION.post(vlm_server + "/generate", json=body, timeout=60).json()["meta_info"])
+    body = {
+        "text": [p[0] for p in prompts],
+        "image_data": [p[1] for p in prompts],
+        "sampling_params": sp,
+        "return_logprob": True,
+    }
+    assert body_errors("/generate", body) == []
+    batched = [o["meta_info"] for o in SESSION.post(vlm_server + "/generate", json=body, timeout=60).json()]
+    for a, b in zip(alone, batched):
+        assert a["prompt_tokens"] == b["prompt_tokens"]
+        assert [t for _, t, _ in a["output_token_logprobs"]] == [t for _, t, _ in b["output_token_logprobs"]]
+        assert torch.allclose(
+            torch.tensor([x[0] for x in a["output_token_logprobs"]]),
+            torch.tensor([x[0] for x in b["output_token_logprobs"]]),
+            atol=1e-5,
+        )
+    # 112x84 px: 8x6 patches of 14 -> 12 image tokens; 28x28 px: 2x2 patches -> 1
+    assert alone[0]["prompt_tokens"] - alone[1]["prompt_tokens"] == 12 - 1
+
+
+@pytest.mark.parametrize(
+    "extra, why",
+    [
+        ({"text": TEXT + "<image>", "image_data": [PNG]}, "2 image placeholder(s) but image_data has 1"),
+        ({"image_data": ["/no/such.png"]}, "does not exist"),
+        ({"image_data": ["rel/x.png"]}, "relative path"),
+        ({"image_data": ["!!notbase64"]}, "not a decodable base64 image"),
+        ({"image_data": ["http://127.0.0.1:1/a.png"]}, "offline"),
+        ({"image_data": [{"url": "/x.png", "detail": "high"}]}, "detail"),
+        ({"video_data": ["/x.mp4"]}, "video_data is not supported"),
+    ],
+)
+def test_bad_image_requests_are_400s_naming_the_problem(vlm_server, extra, why):
+    body = {"text": TEXT, "sampling_params": {"max_new_tokens": 2}, **extra}
+    r = SESSION.post(vlm_server + "/generate", json=body, timeout=30)
+    assert r.status_code == 400 and why in r.text, r.text
+
+
+def test_text_only_models_refuse_image_data(tiny_kit):
+    proc, url = start_cpu_server(tiny_kit[0])
+    try:
+        body = {"text": "hi", "image_data": [encode_image_for_rollout_engine(_image((28, 28), 0))]}
+        r = SESSION.post(url + "/generate", json=body, timeout=30)
+        assert r.status_code == 400 and "takes text only" in r.text
+    finally:
+        stop_cpu_server(proc)
+
+
+def test_the_default_generate_sends_text_and_image_data_and_records_expanded_tokens(tiny_vlm):
+    from slime.rollout.sglang_rollout import multimodal_prompt_fields
+
+    processor = load_processor(tiny_vlm)
+    image = _image((56, 84), 0)
+    sample = Sample(prompt=TEXT, multimodal_inputs={"images": [image]}, index=3)
+    fields = multimodal_prompt_fields(types.SimpleNamespace(processor=processor), sample)
+    assert fields == {"text": TEXT, "image_data": [encode_image_for_rollout_engine(image)]}
+    ids, train = process_prompt(processor, TEXT, [image])
+    assert sample.tokens == ids and ids.count(processor.image_token_id) == 6
+    assert sample.multimodal_train_inputs["image_grid_thw"].tolist() == [[1, 6, 4]]  # (t, h, w): 84 px high, 56 wide
+    assert torch.equal(sample.multimodal_train_inputs["pixel_values"], train["pixel_values"])
+    assert body_errors("/generate", {**fields, "sampling_params": {"max_new_tokens": 2}, "return_logprob": True}) == []
+
+
+@pytest.fixture(scope="module")
+def vlm_router(vlm_server):
+    """The VLM CPU server behind one real sglang-router; yields the router's args."""
+    from slime.backends.sglang_utils.router import add_worker, start_router, stop_router
+    from tests._args import make_args
+
+    router_args = make_args()
+    router = start_router(router_args)
+    try:
+        add_worker(f"http://{router_args.sglang_router_ip}:{router_args.sglang_router_port}", vlm_server)
+        yield router_args
+    finally:
+        stop_router(router)
+
+
+def test_default_rollout_with_images_end_to_end_equals_transformers(vlm_router, tiny_vlm, tmp_path):
+    """--multimodal-keys through the data source, the default generate_rollout, the router and the CPU server: each
+    sample's prompt tokens are the processor's expansion, its greedy response and log-probs transformers' own."""
+    import json
+
+    from slime.rollout.data_source import RolloutDataSourceWithBuffer
+    from slime.rollout.sglang_rollout import GenerateState, generate_rollout
+    from slime.utils.misc import SingletonMeta
+    from tests.test_sglang_rollout import make_args
+
+    images = [_image((56, 84), 0), _image((112, 56), 3)]
+    rows = []
+    for i, image in enumerate(images):
+        image.save(tmp_path / f"{i}.png")
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": "<image>What colour is it?"}],
+                "images": [str(tmp_path / f"{i}.png")],
+                "label": "1",
+            }
+        )
+    data = tmp_path / "vlm.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    SingletonMeta.clear_instances(GenerateState)
+    try:
+        args = make_args(
+            vlm_router,
+            (tiny_vlm,),
+            (str(data), None),
+            multimodal_keys='{"image": "images"}',
+            rollout_temperature=0.0,
+            rollout_batch_size=2,
+            n_samples_per_prompt=1,
+        )
+        groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    finally:
+        SingletonMeta.clear_instances(GenerateState)
+    processor = load_processor(tiny_vlm)
+    for (sample,), image in zip(groups, images):
+        assert sample.prompt == TEXT
+        ids, train = process_prompt(processor, TEXT, [image])
+        prompt_ids, ref_tokens, ref_lps = _reference(tiny_vlm, image, 8)
+        assert ids == prompt_ids and sample.tokens[: len(ids)] == ids
+        got = sample.tokens[len(ids) :]
+        assert 0 < len(got) == sample.response_length and got == ref_tokens[: len(got)]
+        assert torch.allclose(torch.tensor(sample.rollout_log_probs), torch.tensor(ref_lps[: len(got)]), atol=1e-5)
+        assert torch.equal(sample.multimodal_train_inputs["image_grid_thw"], train["image_grid_thw"])
+
+
+def test_text_only_generates_refuse_samples_with_images(tiny_vlm):
+    from slime.rollout.sglang_rollout import prompt_ids
+
+    sample = Sample(prompt=TEXT, multimodal_inputs={"images": [_image((28, 28), 0)]}, index=5)
+    with pytest.raises(ValueError, match="sample 5 has images, which this generate does not send"):
+        prompt_ids(types.SimpleNamespace(tokenizer=None), sample)

@@ -1,0 +1,162 @@
+"""Build a tiny offline Qwen2.5-VL: a random ~0.2M-parameter `Qwen2_5_VLForConditionalGeneration` and its processor
+(a PIL image processor plus a byte-BPE tokenizer with Qwen's vision special tokens), in one directory, in seconds.
+
+No hub: the tokenizer is trained here (as tools/build_tiny_kit.py does). Video needs torchvision, which this machine
+lacks, so the saved processor is image-only; `slime.utils.processing_utils.load_processor` loads it.
+
+    python tools/build_tiny_vlm.py --model-dir models/qwen2.5-vl-tiny
+"""
+
+import argparse
+import json
+import os
+
+SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]  # ids 0..6
+# Qwen2.5-VL's own template, shortened: an image content item renders as <|vision_start|><|image_pad|><|vision_end|>.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}{%- else %}"
+    "{%- for item in message['content'] %}"
+    "{%- if item['type'] == 'image' or 'image' in item %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif item['type'] == 'text' %}{{- item['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}{{- '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+PATCH, MERGE, TEMPORAL = 14, 2, 2
+
+
+def build_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # heavy
+    from transformers import PreTrainedTokenizerFast  # heavy
+
+    corpus = [
+        "<|im_start|>user\nWhat colour is the shape? What shape is it? Answer red, green, blue or yellow; "
+        "circle, square or triangle.<|im_end|>\n<|im_start|>assistant\nred circle<|im_end|>\n"
+    ] * 50 + ["The quick brown fox jumps over the lazy dog. Describe the image. 0123456789"] * 20
+    tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=SPECIALS,
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer=trainer)
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIALS[1:],
+    )
+    hf_tok.chat_template = CHAT_TEMPLATE
+    hf_tok.model_max_length = 1024
+    return hf_tok
+
+
+def build_processor():
+    from transformers import Qwen2VLImageProcessorPil  # heavy
+
+    from slime.utils.processing_utils import ImageOnlyQwenVLProcessor
+
+    image_processor = Qwen2VLImageProcessorPil(
+        patch_size=PATCH,
+        merge_size=MERGE,
+        temporal_patch_size=TEMPORAL,
+        # pixel counts: 28x28 (1 image token) up to 112x112 (16 image tokens)
+        size={"shortest_edge": 28 * 28, "longest_edge": 112 * 112},
+    )
+    return ImageOnlyQwenVLProcessor(
+        image_processor=image_processor, tokenizer=build_tokenizer(), chat_template=CHAT_TEMPLATE
+    )
+
+
+def build_model(model_dir, seed=0):
+    import torch  # heavy
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration  # heavy
+
+    os.makedirs(model_dir, exist_ok=True)
+    processor = build_processor()
+    tok = processor.tokenizer
+    ids = {name: tok.convert_tokens_to_ids(name) for name in SPECIALS}
+    vocab_size = (len(tok) + 127) // 128 * 128
+    text = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        tie_word_embeddings=True,
+        # head_dim 16 -> 8 rotary frequencies, split (t, h, w)
+        rope_scaling={"type": "mrope", "rope_type": "default", "mrope_section": [2, 3, 3]},
+    )
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=PATCH,
+        spatial_merge_size=MERGE,
+        temporal_patch_size=TEMPORAL,
+        window_size=56,
+        fullatt_block_indexes=[1],
+        in_chans=3,
+    )
+    cfg = Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(cfg)
+    model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    model.generation_config.pad_token_id = ids["<|endoftext|>"]
+    model.save_pretrained(model_dir)
+    processor.save_pretrained(model_dir)
+    cfg_path = os.path.join(model_dir, "tokenizer_config.json")
+    if os.path.exists(cfg_path):  # transformers 5 writes "TokenizersBackend"; this class gives the same ids
+        with open(cfg_path) as f:
+            tcfg = json.load(f)
+        tcfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+        with open(cfg_path, "w") as f:
+            json.dump(tcfg, f, indent=2, sort_keys=True)
+    return model_dir
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", default="models/qwen2.5-vl-tiny")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    build_model(a.model_dir, a.seed)
+    print(f"tiny Qwen2.5-VL in {a.model_dir}")
+
+
+if __name__ == "__main__":
+    main()
