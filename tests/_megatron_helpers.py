@@ -59,8 +59,14 @@ def poison_p2p_receive_buffers():
 
 
 def spawn(fn, world_size, *args, timeout=240):
-    """Run `fn(rank, *args)` in `world_size` fresh gloo ranks; an assertion in any rank fails the caller."""
-    run_processes(_entry, (fn, world_size, free_port(), args), world_size, fn.__name__, timeout)
+    """Run `fn(rank, *args)` in `world_size` fresh gloo ranks; an assertion in any rank fails the caller. A rendezvous
+    port taken between choosing and binding it (by a process of the other test worker) is chosen again, twice."""
+    for attempt in range(3):
+        try:
+            return run_processes(_entry, (fn, world_size, free_port(), args), world_size, fn.__name__, timeout)
+        except mp.ProcessRaisedException as e:
+            if "EADDRINUSE" not in str(e) or attempt == 2:
+                raise
 
 
 # What every rank imports (several seconds each on 2 cores): imported once, by the forkserver, which then forks each

@@ -13,8 +13,8 @@ def test_no_rope_fusion_reaches_the_transformer_config(monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(model_provider, "use_transformer_engine", lambda args: True)
         m.setattr(
-            model_provider, "TransformerConfig", lambda **kw: SimpleNamespace(**kw)
-        )  # the real one checks TE is installed
+            model_provider, "TransformerConfig", lambda **kw: SimpleNamespace(**{"num_moe_experts": None, **kw})
+        )  # the real one checks TE is installed (and defaults what the call does not set)
         assert model_provider.core_transformer_config_from_args(make_args()).apply_rope_fusion is True
         assert (
             model_provider.core_transformer_config_from_args(make_args("--no-rope-fusion")).apply_rope_fusion is False
