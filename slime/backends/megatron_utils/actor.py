@@ -244,6 +244,22 @@ class MegatronTrainRayActor(TrainRayActor):
         with self.prof.phase("train_log_probs"):
             return forward_only(self.args, self.model, data_iterator, num_microbatches, store_prefix=store_prefix)
 
+    def forward_passes(self, num_steps):
+        """The forwards before training, in order: (weights, timer, key prefix, routing mode). R3 replays the engine's
+        routing in the reference and old-log-prob forwards; R2 records the latter's."""
+        args = self.args
+        replay = "replay" if args.use_rollout_routing_replay else None
+        passes = []
+        if "ref" in self.weights:
+            passes.append(("ref", "ref_log_probs", "ref_", replay))
+        if "teacher" in self.weights:  # --opd-type megatron: the teacher's log-probs of the same tokens
+            passes.append(("teacher", "teacher_log_probs", "teacher_", None))
+        if needs_old_log_prob_forward(args, num_steps=num_steps):
+            record = "record" if args.use_routing_replay and not args.use_rollout_routing_replay else None
+            tag = "old_actor" if "old_actor" in self.weights else "actor"
+            passes.append((tag, "log_probs", "", replay or record))
+        return passes
+
     def train(self, rollout_id, rollout_data_ref, values_ref=None):
         """Train on one rollout (`Box(ObjectRef)` of the train-data dict). Returns `{"rollout": {...}, "train": [...]}`.
         With a critic, `values_ref` (`Box` of `{"values": [...]}` in rollout order) holds its values for GAE; its
@@ -267,22 +283,11 @@ class MegatronTrainRayActor(TrainRayActor):
             data_iterator, num_microbatches = get_data_iterator(args, self.model, rollout_data)
 
         if args.compute_advantages_and_returns:
-            # R3 replays the engine's routing in every forward; R2 records the old-log-prob forward's
-            replay = "replay" if args.use_rollout_routing_replay else None
-            if "ref" in self.weights:
-                with timer("ref_log_probs"), routing_replay.phase(self.model, replay):
-                    rollout_data.update(self.compute_log_prob("ref", data_iterator, num_microbatches, "ref_"))
-            if "teacher" in self.weights:  # --opd-type megatron: the teacher's log-probs of the same tokens
-                with timer("teacher_log_probs"):
-                    rollout_data.update(self.compute_log_prob("teacher", data_iterator, num_microbatches, "teacher_"))
-            if needs_old_log_prob_forward(args, num_steps=len(num_microbatches)):
-                record = "record" if args.use_routing_replay and not args.use_rollout_routing_replay else None
-                with timer("log_probs"), routing_replay.phase(self.model, replay or record):
-                    tag = "old_actor" if "old_actor" in self.weights else "actor"
-                    rollout_data.update(self.compute_log_prob(tag, data_iterator, num_microbatches))
-                    if tag != "actor":
-                        self.update_gpu_params_dict(self.weights["actor"])
-            elif "ref" in self.weights or "teacher" in self.weights:  # their forwards left their weights in the model
+            passes = self.forward_passes(len(num_microbatches))
+            for tag, name, prefix, routing in passes:
+                with timer(name), routing_replay.phase(self.model, routing):
+                    rollout_data.update(self.compute_log_prob(tag, data_iterator, num_microbatches, prefix))
+            if passes and passes[-1][0] != "actor":  # the last forward left other weights in the model
                 self.update_gpu_params_dict(self.weights["actor"])
             if (
                 args.ci_test
