@@ -1,9 +1,9 @@
 """Synchronous RL training: rollout -> train -> push weights, one rollout at a time (colocated or disaggregated)."""
 
+from slime.config import parse_args
 from slime.ray.driver import cleanup_on_exit
 from slime.ray.placement_group import init_ray
 from slime.ray.run import Run
-from slime.utils.arguments import parse_args
 from slime.utils.user_errors import exit_on_user_error
 
 

@@ -2,10 +2,10 @@
 learn from rollout N. With --rollout-function-path slime.rollout.fully_async_rollout.generate_rollout_fully_async,
 fully asynchronous: the engines generate continuously and training stays within --max-staleness versions."""
 
+from slime.config import parse_args
 from slime.ray.driver import cleanup_on_exit
 from slime.ray.placement_group import init_ray
 from slime.ray.run import Run
-from slime.utils.arguments import parse_args
 from slime.utils.user_errors import exit_on_user_error
 
 FULLY_ASYNC = "slime.rollout.fully_async_rollout.generate_rollout_fully_async"

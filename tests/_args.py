@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from slime.utils.arguments import parse_args
+from slime.config import parse_args
 
 # Four text prompts (`input`, `label`): the default rollout needs --prompt-data, and most tests never read it.
 TINY_PROMPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tiny_prompts.jsonl")

@@ -309,7 +309,7 @@ def test_every_branch_of_an_episode_is_trained(monkeypatch):
 
 def test_tiny_run_script_dry_run_validates(tiny_kit, tmp_path):
     """SLIME_DRY_RUN=1: both stages' arguments validate; GRPO drives the calculator agent and logs its metrics."""
-    from slime.utils.arguments import parse_args
+    from slime.config import parse_args
 
     _, data = _prepare_tiny(tiny_kit, tmp_path, "--num-sft", "4", "--num-train", "4")
     out = tmp_path / "out"

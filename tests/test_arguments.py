@@ -1,4 +1,4 @@
-"""slime.utils.arguments.parse_args: flags, defaults, HF inference, cross-flag rules, --sglang-* pass-through."""
+"""slime.config.parse_args: flags, defaults, HF inference, cross-flag rules, --sglang-* pass-through."""
 
 import json
 import logging
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from slime.backends.sglang_utils import arguments as sglang_arguments
-from slime.utils.arguments import moe_freq_type, parse_args
+from slime.config import moe_freq_type, parse_args
 from slime.utils.device import is_cpu
 from tests._args import BASE, TINY_MODEL, TINY_PROMPTS, make_args
 

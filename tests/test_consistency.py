@@ -11,7 +11,7 @@ import torch
 from slime.backends.megatron_utils.actor import needs_old_log_prob_forward
 from slime.backends.megatron_utils.advantages import compute_advantages_and_returns
 from slime.backends.megatron_utils.loss import policy_loss_function
-from slime.utils.arguments import parse_args
+from slime.config import parse_args
 from slime.utils.ppo_utils import get_sum_of_sample_mean
 from tests._args import BASE, TINY_MODEL, make_args
 

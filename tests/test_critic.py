@@ -4,8 +4,8 @@ start-up refusals, the critic's arguments (the critic role of --megatron-config-
 import pytest
 import torch
 
+from slime.config.critic import _check_critic_model_split
 from slime.ray.critic import critic_args
-from slime.utils.arguments import _check_critic_model_split
 from slime.utils.ppo_utils import compute_value_loss, vanilla_gae
 from tests._args import make_args
 from tests.test_arguments import parse, parse_error

@@ -252,7 +252,7 @@ def test_megatron_hooks(examples):
 
 
 def test_custom_arguments(examples, tiny_kit):
-    from slime.utils.arguments import parse_args
+    from slime.config import parse_args
 
     model_dir, _ = tiny_kit
     argv = [

@@ -10,8 +10,8 @@ import torch
 import zstandard
 from safetensors.torch import load_file, save_file
 
+from slime.config import parse_args
 from slime.utils import disk_delta
-from slime.utils.arguments import parse_args
 from slime.utils.disk_delta import PullError, pull_version
 from tests._args import BASE, TINY_MODEL, make_args
 
@@ -295,10 +295,10 @@ def test_unwritable_disk_dir_is_named_at_start_up(capsys, tmp_path):
 
 
 def test_pull_weights_needing_flags_are_refused_on_sglang(capsys, tmp_path, monkeypatch):
-    import slime.utils.arguments as arguments
+    from slime.config import cluster, parser
 
-    monkeypatch.setattr(arguments, "sglang_available", lambda: True)
-    monkeypatch.setattr(arguments, "sglang_validate_args", lambda *a, **k: None)
+    monkeypatch.setattr(cluster, "sglang_available", lambda: True)
+    monkeypatch.setattr(parser, "sglang_validate_args", lambda *a, **k: None)
     err = _parse_error(
         capsys,
         "--inference-server",

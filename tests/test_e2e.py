@@ -9,7 +9,7 @@ import torch
 
 import train as sync_driver
 import train_async as async_driver
-from slime.utils.arguments import parse_args
+from slime.config import parse_args
 from slime.utils.user_errors import UserCodeError
 from tests import _procs
 

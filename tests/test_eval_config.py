@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from slime.utils.arguments import parse_args
+from slime.config import parse_args
 from tests._args import BASE, TINY_MODEL, TINY_PROMPTS
 
 ARGV = [

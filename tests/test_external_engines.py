@@ -19,8 +19,8 @@ import train as sync_driver
 import train_async as async_driver
 from slime.backends.sglang_utils.external import engine_shape, normalize_external_engine_addr, same_model
 from slime.backends.sglang_utils.router import list_workers, router_url, start_router, stop_router
+from slime.config import parse_args
 from slime.utils import disk_delta
-from slime.utils.arguments import parse_args
 from slime.utils.http_utils import find_available_port
 from tests._args import make_args as unit_args
 from tests.test_cpu_server import start_cpu_server, stop_cpu_server

@@ -2,7 +2,7 @@
 
 import pytest
 
-from slime.utils.arguments import _build_parser, get_slime_extra_args_provider
+from slime.config.parser import build_parser, get_slime_extra_args_provider
 from slime.utils.flag_support import REFUSED, upstream_flags
 from tests._args import make_args, one_line_refusal
 from tools import gen_flags_doc
@@ -10,7 +10,7 @@ from tools import gen_flags_doc
 
 @pytest.fixture(scope="module")
 def parser():
-    return _build_parser(get_slime_extra_args_provider())
+    return build_parser(get_slime_extra_args_provider())
 
 
 def test_every_recorded_flag_parses(parser):
@@ -59,14 +59,14 @@ def test_flags_nothing_reads_are_refused_when_set(capsys, argv, flag, why):
 
 
 def test_no_effect_flag_is_accepted_with_a_warning(caplog):
-    with caplog.at_level("WARNING", logger="slime.utils.arguments"):
+    with caplog.at_level("WARNING", logger="slime.config"):
         args = make_args("--optimizer-cpu-offload", "--attention-backend", "flash")
     assert args.optimizer_cpu_offload
     warned = [r.getMessage() for r in caplog.records if "no effect" in r.getMessage()]
     assert any(m.startswith("--optimizer-cpu-offload: accepted, but has no effect") for m in warned), warned
     assert any(m.startswith("--attention-backend: accepted, but has no effect") for m in warned), warned
     caplog.clear()
-    with caplog.at_level("WARNING", logger="slime.utils.arguments"):
+    with caplog.at_level("WARNING", logger="slime.config"):
         make_args()
     assert not [r for r in caplog.records if "no effect" in r.getMessage()]
 

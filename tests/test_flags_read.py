@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from slime.utils.arguments import _build_parser, get_slime_extra_args_provider
+from slime.config.parser import build_parser, get_slime_extra_args_provider
 from slime.utils.flag_support import NO_EFFECT, REFUSED, UPSTREAM_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Where flags are declared and given their defaults: a read there (`if args.x is None: args.x = ...`, a table of dest
 # names to default) is no proof that anything uses the flag, so only reads that are more than a None-check count.
 ARGUMENT_MODULES = {
-    "slime/utils/arguments.py",
+    *(f"slime/config/{name}" for name in os.listdir(os.path.join(ROOT, "slime", "config")) if name.endswith(".py")),
     "slime/utils/flag_support.py",
     "slime/backends/megatron_utils/arguments.py",
     "slime/backends/sglang_utils/arguments.py",
@@ -70,7 +70,7 @@ def _is_read(dest, sources):
 
 @pytest.fixture(scope="module")
 def parser():
-    return _build_parser(get_slime_extra_args_provider())
+    return build_parser(get_slime_extra_args_provider())
 
 
 def test_every_accepted_flag_is_read_refused_or_forwarded(parser):

@@ -291,7 +291,7 @@ def test_start_up_refuses_training_into_dense_int4_linears(tiny_kit, tmp_path, c
         "tools/convert_hf_to_int4_direct.py's default --ignore-rules (routed experts only); use --debug-rollout-only "
         "to serve it without training, or train with the full-precision checkpoint"
     )
-    from slime.utils.arguments import parse_args
+    from slime.config import parse_args
 
     assert parse_args(argv=[*base, "--hf-checkpoint", dense, "--debug-rollout-only"]).debug_rollout_only
 

@@ -1,8 +1,9 @@
 """Layers import downward only. From the top:
 
     train.py / train_async.py          the loops
-    slime.ray                          the driver's run, the Ray actors and groups
-    slime.rollout                      rollout functions, data source, samples -> train data (no Ray actors)
+    slime.ray                          the driver's run, the Ray actors and groups (given parsed arguments)
+    slime.config                       the command line and its rules (composes every part's flags)
+    slime.rollout, slime.agent         rollout functions, data source, samples -> train data; agent adapters
     slime.backends.*                   Megatron (trainer), SGLang / the CPU server (engines), each apart
     slime.observability                logging, metrics, timing, profiling (W&B, TensorBoard, Timer, profiler)
     slime.utils                        shared helpers and types (flags, Sample, TrainData, device, ...)
@@ -24,10 +25,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # importer prefix -> module prefixes it must not import
 FORBIDDEN = {
-    "slime.utils": ("slime.ray", "slime.rollout", "slime.backends", "slime.observability"),
-    "slime.observability": ("slime.ray", "slime.rollout", "slime.backends"),
-    "slime.rollout": ("slime.ray", "slime.backends.megatron_utils", "slime.backends.cpu_server"),
-    "slime.backends": ("slime.ray", "slime.rollout"),
+    "slime.utils": (
+        "slime.ray",
+        "slime.config",
+        "slime.rollout",
+        "slime.agent",
+        "slime.backends",
+        "slime.observability",
+    ),
+    "slime.observability": ("slime.ray", "slime.config", "slime.rollout", "slime.agent", "slime.backends"),
+    "slime.rollout": ("slime.ray", "slime.config", "slime.backends.megatron_utils", "slime.backends.cpu_server"),
+    "slime.agent": ("slime.ray", "slime.config", "slime.backends.megatron_utils", "slime.backends.cpu_server"),
+    "slime.backends": ("slime.ray", "slime.config", "slime.rollout", "slime.agent"),
+    "slime.config": ("slime.ray",),
+    "slime.ray": ("slime.config",),  # the run is handed its parsed arguments by the loop
     "slime.backends.megatron_utils": ("slime.backends.sglang_utils", "slime.backends.cpu_server"),
     "slime.backends.sglang_utils": ("slime.backends.megatron_utils", "slime.backends.cpu_server"),
     "slime.backends.cpu_server": ("slime.backends.megatron_utils",),
@@ -43,20 +54,10 @@ FORBIDDEN = {
 
 # (importer prefix, imported prefix): allowed although FORBIDDEN says otherwise, and why
 ALLOWED = {
-    # the backends' flags live beside their backend; parse_args composes them
-    ("slime.utils.arguments", "slime.backends.megatron_utils.arguments"),
-    ("slime.utils.arguments", "slime.backends.sglang_utils.arguments"),
-    # start-up reads --rollout-external-engine-addrs' servers (shape, model), as it reads the HF config
-    ("slime.utils.arguments", "slime.backends.sglang_utils.external"),
-    # start-up parses and checks --sglang-config (the models, their GPUs and paths)
-    ("slime.utils.arguments", "slime.backends.sglang_utils.sglang_config"),
-    # start-up validation of --rm-type names (lazy)
-    ("slime.utils.arguments", "slime.rollout.rm_hub"),
+    # start-up validation of --rm-type names in an --eval-config (lazy)
     ("slime.utils.eval_config", "slime.rollout.rm_hub"),
-    # configuration composes every feature's flags (--profile-target's choices); it is the top of the config and
-    # moves to its own package later
-    ("slime.utils.arguments", "slime.observability.profile_utils"),
-    # upstream slime's import path, a re-export
+    # upstream slime's import paths, re-exports
+    ("slime.utils.arguments", "slime.config"),
     ("slime.utils.timer", "slime.observability.timer"),
     ("slime.utils.wandb_utils", "slime.observability.wandb_utils"),
     # the backends' Ray actors subclass slime's actor base classes (as in slime)
@@ -67,6 +68,7 @@ ALLOWED = {
 
 # upstream slime's import path -> the module that holds the code: users' code imports these, the project does not
 SHIMS = {
+    "slime.utils.arguments": "slime.config",
     "slime.utils.timer": "slime.observability.timer",
     "slime.utils.wandb_utils": "slime.observability.wandb_utils",
     "slime.backends.megatron_utils.update_weight_utils": "slime.backends.megatron_utils.update_weight",
@@ -85,13 +87,15 @@ PROJECT = (
     "train.py",
     "train_async.py",
 )
-# these name the shims on purpose: this file and the v0.1.0 compatibility tests check that they still resolve; the
-# flags (and their start-up checks) accept v0.1.0's data-source path from users' scripts
+# these name the shims on purpose: this file and the v0.1.0 compatibility tests check that they still resolve, the
+# arguments test runs upstream's dry run (`python -m slime.utils.arguments`); the flags (and their start-up checks)
+# accept v0.1.0's data-source path from users' scripts
 SHIM_USERS = {
     "tests/test_layering.py",
     "tests/test_compat_v010.py",
     "tests/test_startup_checks.py",
-    "slime/utils/arguments.py",
+    "slime/config/rollout.py",
+    "tests/test_arguments.py",
 }
 
 

@@ -9,7 +9,7 @@ log-probs (`forward_only`) equal a transformers fp32 forward within 1e-5.
 import pytest
 import torch
 
-from slime.utils.arguments import parse_args
+from slime.config import parse_args
 from tests._megatron_helpers import build_random_hf, decoder_checkpoint, fixed_rollout, hf_log_probs, spawn
 
 FAMILIES = ["llama3", "glm4", "glm4moe", "deepseekv3", "mimo"]

@@ -444,7 +444,7 @@ def test_mtp_checkpoint_moves_between_pp1_and_pp2(mtp_models, tmp_path):
 
 
 def _parse_error(capsys, *argv):
-    from slime.utils.arguments import parse_args
+    from slime.config import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(argv=[*RL, "--actor-num-gpus-per-node", "1", *argv])
@@ -578,7 +578,7 @@ def test_train_py_trains_mimo_mtp_and_syncs_it(ray_session, tiny_kit, tmp_path):
     """train.py on a tiny MiMo with --mtp-num-layers 1 --enable-mtp-training: real Ray, the CPU server, weight
     updates carrying the MTP layers (checked by --check-weight-update-equal), the MTP loss logged each step."""
     import train as sync_driver
-    from slime.utils.arguments import parse_args
+    from slime.config import parse_args
     from tests.test_model_families import _with_tokenizer
 
     model_dir = _with_tokenizer(build_random_hf("mimo", str(tmp_path / "mimo"), seed=5, vocab_size=512), tiny_kit)

@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import train as sync_driver
 from slime.backends.megatron_utils.advantages import compute_advantages_and_returns
 from slime.backends.sglang_utils.external import check_opd_teacher
+from slime.config import check_opd_flags
 from slime.rollout import on_policy_distillation as opd
-from slime.utils.arguments import check_opd_flags
 from slime.utils.http_utils import find_available_port
 from slime.utils.ray_utils import Box
 from slime.utils.types import Sample
@@ -478,7 +478,7 @@ def test_main_job_opd_dry_run(tiny_kit, tmp_path):
     """MODE=opd of the main job: the same SFT start, the TEACHER HF model converted to a Megatron checkpoint, and
     GRPO with --opd-type megatron on it, every group kept (no dynamic-sampling filter); the default job writes the
     HF model that MODE=opd takes as its teacher. Both stages validate, and a dry run writes nothing."""
-    from slime.utils.arguments import parse_args
+    from slime.config import parse_args
     from tests.test_scripts import _dry_run_main_job
 
     out, teacher = tmp_path / "out", tmp_path / "main_job" / "grpo_hf"

@@ -350,7 +350,7 @@ def test_quantised_hf_checkpoint_start_up_checks(tiny_kit, tmp_path, capsys):
     """Blockwise FP8 (and INT4: tests/test_int4.py) trains (quantise-on-sync, over every transport, disk included);
     other formats and adapter-only LoRA sync into a quantised engine start only with --debug-rollout-only; a config
     this build cannot serve is refused; each in one line."""
-    from slime.utils.arguments import parse_args
+    from slime.config import parse_args
     from tests.test_startup_checks import BASE, error_line
     from tools import convert_hf_to_fp8
 

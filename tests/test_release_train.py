@@ -12,7 +12,7 @@ import pytest
 from safetensors.torch import load_file
 
 import train as sync_driver
-from slime.utils.arguments import parse_args
+from slime.config import parse_args
 from tests._args import BASE as TINY_BASE
 from tests._args import TINY_MODEL, one_line_refusal
 from tests._args import make_args as parse

@@ -22,7 +22,7 @@ import torch
 from slime.backends.megatron_utils.routing_replay import KEY
 from slime.backends.sglang_utils import sglang_engine
 from slime.backends.sglang_utils.contract import body_errors
-from slime.utils.arguments import parse_args
+from slime.config import parse_args
 from slime.utils.routing_replay import decode_routed_experts, routed_experts_error
 from slime.utils.types import Sample
 from tests._args import make_args

@@ -212,16 +212,6 @@ def test_model_args_match_hf_config(name):
         assert json.loads(f["moe_layer_freq"]) == [1] * c["num_hidden_layers"]  # every layer is MoE, no dense ones
 
 
-def _has_arguments_main():
-    path = ROOT / "slime" / "utils" / "arguments.py"
-    return path.exists() and "__main__" in path.read_text()
-
-
-needs_validator = pytest.mark.skipif(
-    not _has_arguments_main(), reason="`python -m slime.utils.arguments` (parse + validate, prints ok) not there yet"
-)
-
-
 def _fake_base_dir(base: Path):
     """HF dirs holding the real config.json of each model, empty reference checkpoints and tiny data files."""
     for d, model_script in RUN_HF_DIRS.items():
@@ -243,7 +233,6 @@ def _fake_base_dir(base: Path):
         pd.DataFrame([{"messages": row["messages"], "label": "2"}]).to_parquet(base / f)
 
 
-@needs_validator
 @pytest.mark.parametrize("name", RUN_SCRIPTS)
 def test_run_script_dry_run_validates(name, tmp_path):
     base = tmp_path / "root"
@@ -260,7 +249,6 @@ def test_run_script_dry_run_validates(name, tmp_path):
     assert "ray start" not in out.stderr and "ray job submit" not in out.stderr  # dry run launches nothing
 
 
-@needs_validator
 def test_validator_rejects_model_mismatch(tmp_path):
     """A MODEL_ARGS array that disagrees with the HF checkpoint's config is refused, naming the field."""
     hf = tmp_path / "Qwen3-4B"
@@ -278,7 +266,7 @@ def test_validator_rejects_model_mismatch(tmp_path):
         "1",
     ]
     out = subprocess.run(
-        [sys.executable, "-m", "slime.utils.arguments", *argv], capture_output=True, text=True, timeout=120, cwd=ROOT
+        [sys.executable, "-m", "slime.config", *argv], capture_output=True, text=True, timeout=120, cwd=ROOT
     )
     assert out.returncode != 0, f"mismatch accepted: {shlex.join(argv)}"
     assert "num_hidden_layers" in out.stderr or "num_layers" in out.stderr, out.stderr[-2000:]
@@ -536,7 +524,7 @@ FAMILY_CONFIGS = {
 def test_family_model_args_agree_with_published_config(name, tmp_path, capsys):
     """slime's own MODEL_ARGS-vs-config.json check (every architecture flag it infers) passes on the real config,
     and a changed value in the script is reported."""
-    from slime.utils.arguments import parse_args
+    from slime.config import parse_args
 
     (tmp_path / "config.json").write_text(json.dumps(FAMILY_CONFIGS[name]))
     base = [
@@ -591,7 +579,7 @@ def _dry_run_main_job(tiny_kit, out, **env):
 def test_main_job_lora_dry_run(tiny_kit, tmp_path):
     """LORA=1: the SFT stage also writes an HF copy, and GRPO trains adapters on it as the frozen base (trainer and
     engines), with no --ref-load; both stages validate, and a dry run starts nothing and writes nothing."""
-    from slime.utils.arguments import parse_args
+    from slime.config import parse_args
 
     out = tmp_path / "out"
     res, stages = _dry_run_main_job(tiny_kit, out, LORA="1")

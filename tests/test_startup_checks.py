@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from slime.utils.arguments import FULLY_ASYNC_ROLLOUT_FUNCTION, parse_args
+from slime.config import FULLY_ASYNC_ROLLOUT_FUNCTION, parse_args
 from slime.utils.startup_checks import EXTENSION_POINTS, check_extension_point
 from tests._args import TINY_PROMPTS
 
@@ -448,7 +448,7 @@ def test_joins_a_cluster_already_running_on_the_machine(tmp_path, tiny_kit):
     try:
         script = (
             "import ray, sys; from slime.ray.placement_group import init_ray; "
-            "from slime.utils.arguments import parse_args; init_ray(parse_args(argv=sys.argv[1:])); "
+            "from slime.config import parse_args; init_ray(parse_args(argv=sys.argv[1:])); "
             "print('GPUs', ray.cluster_resources()['GPU'])"
         )
         proc = subprocess.run(

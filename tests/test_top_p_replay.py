@@ -15,8 +15,8 @@ from slime.backends.cpu_server.generate_api import _check_sampling_mask
 from slime.backends.cpu_server.sampling import RequestError, SamplingParams, sample
 from slime.backends.megatron_utils.log_probs import get_log_probs_and_entropy
 from slime.backends.megatron_utils.loss import policy_loss_function
+from slime.config import parse_args
 from slime.ray.buffer import convert_samples_to_train_data
-from slime.utils.arguments import parse_args
 from slime.utils.ppo_utils import get_sum_of_sample_mean
 from slime.utils.top_p_replay import append_kept_sets, kept_sets_error
 from slime.utils.types import Sample
@@ -123,7 +123,7 @@ def test_train_data_carries_the_kept_sets_and_refuses_samples_without_them():
 def test_top_p_alone_samples_with_the_engines_mask_cap_as_top_k_and_says_so(capsys, caplog):
     """SGLang returns kept sets only for a finite top-k <= --sglang-sampling-mask-max-tokens: top-p alone runs with
     that cap as its top-k, said once at start-up; eval (no kept sets) keeps its top-p alone."""
-    with caplog.at_level(logging.INFO, logger="slime.utils.arguments"):
+    with caplog.at_level(logging.INFO, logger="slime.config"):
         args = make_args("--rollout-top-p", "0.9", "--eval-prompt-data", "e", "e.jsonl")
     assert args.rollout_top_k == 4096 and [d.top_k for d in args.eval_datasets] == [-1]
     said = [r.getMessage() for r in caplog.records if "without --rollout-top-k" in r.getMessage()]

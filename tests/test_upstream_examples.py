@@ -260,7 +260,7 @@ def test_current_slime_launch_scripts_parse_or_are_refused_for_a_reason(tmp_path
     import contextlib
     import io
 
-    from slime.utils.arguments import parse_args
+    from slime.config import parse_args
 
     tree = tmp_path / "slime"
     shutil.copytree(UPSTREAM, tree, ignore=shutil.ignore_patterns(".git"), symlinks=True)

@@ -32,7 +32,7 @@ def test_offload_rollout_drives_the_sglang_memory_saver():
 
 
 def test_offload_is_refused_by_train_async(capsys):
-    from slime.utils.arguments import parse_args
+    from slime.config import parse_args
     from tests._args import BASE, TINY_MODEL
 
     with pytest.raises(SystemExit):

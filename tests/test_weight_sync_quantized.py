@@ -186,7 +186,7 @@ def test_train_py_into_a_quantised_engine_with_check_weight_update_equal(kind, r
         convert_hf_to_fp8.convert(tiny_kit[0], fp8_dir, "block", (32, 32))
         args = make_args((fp8_dir, tiny_kit[1]), tmp_path, "--rollout-num-gpus", "1", "--check-weight-update-equal")
     else:
-        from slime.utils.arguments import parse_args
+        from slime.config import parse_args
         from tests._megatron_helpers import build_random_hf
         from tests.test_routing_replay import _with_tokenizer
         from tools import convert_hf_to_int4_direct

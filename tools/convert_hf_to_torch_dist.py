@@ -51,7 +51,7 @@ def get_args(argv, world_size):
     for flag in ("--hf-checkpoint", "--save"):
         if not _given(argv, flag):
             sys.exit(f"convert_hf_to_torch_dist: {flag} is required (the HF model dir and the output checkpoint dir).")
-    from slime.utils.arguments import parse_args  # heavy: after the flag checks
+    from slime.config import parse_args  # heavy: after the flag checks
 
     args = parse_args(argv=_job_defaults(world_size) + list(argv))
     if not os.path.isdir(args.hf_checkpoint):

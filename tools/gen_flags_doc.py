@@ -12,7 +12,7 @@ import json
 import os
 import re
 
-from slime.utils.arguments import _build_parser, get_slime_extra_args_provider
+from slime.config.parser import build_parser, get_slime_extra_args_provider
 from slime.utils.flag_support import (
     COMPUTED,
     MEGATRON_SCRIPT_FLAGS,
@@ -48,7 +48,7 @@ def _default(entry):
 
 
 def render():
-    parser = _build_parser(get_slime_extra_args_provider())
+    parser = build_parser(get_slime_extra_args_provider())
     known = parser._option_string_actions
     with open(UPSTREAM_FLAGS) as f:
         meta = json.load(f)

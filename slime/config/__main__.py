@@ -1,0 +1,3 @@
+from slime.config.parser import main
+
+main()
