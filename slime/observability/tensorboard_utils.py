@@ -2,7 +2,7 @@
 
 `--use-tensorboard` with `--tb-project-name` [`--tb-experiment-name`] writes to
 `tensorboard_log/<project>/<experiment>`, or to `$TENSORBOARD_DIR` when set (current slime's rule). parse_args
-resolves that directory once into `args.tb_dir` (`slime.utils.arguments.resolve_tb_dir`) (absolute, the experiment name defaulting to the start time), so
+resolves that directory once into `args.tb_dir` (`slime.config.observability.resolve_tb_dir`) (absolute, the experiment name defaulting to the start time), so
 the trainer and the rollout controller, which log from different processes, write into one run.
 """
 

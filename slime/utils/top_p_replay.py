@@ -8,7 +8,7 @@ way by slime's CPU server) and the rollout stores them on the Sample in current 
 `rollout_top_p_token_ids` (all kept ids, step after step) and `rollout_top_p_token_offsets` (response_length + 1
 entries; step i kept `ids[offsets[i]:offsets[i + 1]]`). An empty span (a tool or environment token the engine did not
 sample) is scored over the full vocabulary. SGLang returns kept sets only for a finite top-k up to
---sglang-sampling-mask-max-tokens, so top-p alone runs with that cap as its top-k (slime/utils/arguments.py).
+--sglang-sampling-mask-max-tokens, so top-p alone runs with that cap as its top-k (slime/config/rollout.py).
 """
 
 # the train-data keys carrying the kept sets (per sample: int32 ids, int32 offsets)

@@ -1,6 +1,6 @@
 """Megatron-LM's side of slime's command line: its flag names and defaults (for when only the megatron-core wheel is
 installed), the HF config.json -> Megatron architecture mapping, and the Megatron defaults and checks applied after
-parsing. `slime.utils.arguments.parse_args` assembles the whole command line from this and slime's own groups."""
+parsing. `slime.config.parse_args` assembles the whole command line from this and slime's own groups."""
 
 import argparse
 import importlib.util
