@@ -21,6 +21,7 @@ from slime.rollout.filter_hub.dynamic_sampling_filters import (
     check_reward_nonzero_std_with_fallback,
 )
 from slime.rollout.sample_hooks import apply_rollout_sample_hooks, set_current_rollout_id
+from slime.utils.sampling_record import applied_sampling_params, response_temperatures
 from slime.utils.types import Sample
 from tests._args import make_args
 
@@ -397,6 +398,26 @@ def test_append_response_tokens_keeps_masks_and_log_probs_aligned():
         s.append_response_tokens(tokens=[1, 2], log_probs=[0.0])
     with pytest.raises(ValueError, match="no rollout_log_probs"):
         Sample(response_length=2, tokens=[1, 2, 3]).append_response_tokens(tokens=[4], log_probs=[-1.0])
+
+
+def test_append_response_tokens_records_what_each_turn_was_sampled_with():
+    """A multi-turn generate function's turns are scored at what they were sampled with: the CPU server's echo when
+    the engine sends one, else the request's parameters when the caller passes them; tool tokens get no record and
+    an unrecorded turn keeps the flag's temperature."""
+    s = Sample(tokens=[1, 2])
+    echo = applied_sampling_params({"temperature": 0.6, "top_p": 0.9, "top_k": 20})
+    s.append_response_tokens(tokens=[7, 8], log_probs=[-0.1, -0.2], meta_info={"sampling_params": echo})
+    s.append_response_tokens(tokens=[9], trainable=False, meta_info={"sampling_params": echo})
+    s.append_response_tokens(tokens=[10], log_probs=[-0.3], meta_info={}, sampling_params={"temperature": 1.4})
+    s.append_response_tokens(tokens=[11], log_probs=[-0.4], meta_info={})
+    records = s.metadata["sampling_params"]
+    assert [(r["response_span"], r["origin"], r["temperature"]) for r in records] == [
+        ([0, 2], "engine echo", 0.6),
+        ([3, 4], "request", 1.4),
+    ]
+    assert records[0]["top_k"] == 20 and records[0]["top_p"] == 0.9 and records[1]["top_k"] == -1
+    assert all(r["source"] == "Sample.append_response_tokens" for r in records)
+    assert response_temperatures(s, 1.0).tolist() == pytest.approx([0.6, 0.6, 1.0, 1.4, 1.0])
 
 
 def test_append_response_tokens_extends_the_lists_a_generate_function_holds():

@@ -10,8 +10,12 @@ from typing import Any, Optional, TypedDict, Union
 import numpy as np
 
 from slime.utils.routing_replay import decode_routed_experts
+from slime.utils.sampling_record import META_KEY as SAMPLING_META_KEY
+from slime.utils.sampling_record import record_segment
 from slime.utils.top_p_replay import append_kept_sets
 from slime.utils.weight_versions import append_spans, call_spans
+
+APPEND_SOURCE = "Sample.append_response_tokens"  # a sampling-parameter record's source
 
 
 @dataclass
@@ -160,12 +164,15 @@ class Sample:
         meta_info=None,
         text=None,
         update_terminal_info=True,
+        sampling_params=None,
     ):
         """Append response tokens and keep `loss_mask` and `rollout_log_probs` aligned (current slime's helper for
         multi-turn generate functions). Model tokens pass `log_probs` (and SGLang's `meta_info`, which sets the
         status unless `update_terminal_info=False`); tool/environment tokens pass `trainable=False` and get loss-mask
         zeros and log-prob zeros. With --use-rollout-routing-replay, `meta_info["routed_experts"]` (the engine's
-        routing of the whole sequence it was sent plus these tokens) becomes `rollout_routed_experts`."""
+        routing of the whole sequence it was sent plus these tokens) becomes `rollout_routed_experts`. Trainable
+        tokens get a sampling record (`metadata["sampling_params"]`, which the trainer scores them at): the engine's
+        echo in `meta_info` when it has one (slime's CPU server), else `sampling_params`, the request's, when given."""
         tokens = [int(t) for t in (tokens if tokens is not None else [])]
         log_probs = None if log_probs is None else [float(x) for x in log_probs]
         if log_probs is not None and len(log_probs) != len(tokens):
@@ -185,6 +192,14 @@ class Sample:
         if text is not None:
             self.response += text
         previous = self.response_length
+        if (
+            tokens
+            and trainable
+            and ((meta_info or {}).get(SAMPLING_META_KEY) is not None or sampling_params is not None)
+        ):
+            record_segment(
+                self, meta_info, sampling_params, start=previous, end=previous + len(tokens), source=APPEND_SOURCE
+            )
         if tokens:
             self.tokens = _extended(self.tokens, tokens)
             self.response_length += len(tokens)
