@@ -661,6 +661,17 @@ def test_cpu_server_honours_disable_radix_cache(caplog):
     assert "--disable-radix-cache" not in server_command(b, 0, "127.0.0.1", 30000, 30001, "127.0.0.1:30002")[1]
 
 
+def test_cpu_server_takes_the_sampling_mask_cap():
+    """--sglang-sampling-mask-max-tokens reaches the CPU server (which bounds top-k by it, tests/test_cpu_server.py),
+    so the top-k that top-p alone samples at is the engine's bound on both servers."""
+    from slime.backends.cpu_server.__main__ import build_parser
+    from slime.backends.sglang_utils.sglang_engine import server_command
+
+    a = parse("--inference-server", "cpu", "--sglang-sampling-mask-max-tokens", "256", "--rollout-top-p", "0.9")
+    argv = server_command(a, 0, "127.0.0.1", 30000, 30001, "127.0.0.1:30002")[1]
+    assert a.rollout_top_k == 256 and build_parser().parse_args(argv[3:]).sampling_mask_max_tokens == 256
+
+
 @pytest.mark.parametrize("server", ["cpu", "sglang"])
 def test_engines_start_at_weight_version_0_not_sglangs_default(server):
     """Issue #37: every engine slime launches starts labelled "0" (the --hf-checkpoint weights), never SGLang's

@@ -74,9 +74,22 @@ def stop_cpu_server(proc):
 
 @pytest.fixture(scope="module")
 def server(tiny_kit):
-    proc, url = start_cpu_server(tiny_kit[0], "--max-running-requests", "16", "--random-seed", "1")
+    proc, url = start_cpu_server(
+        tiny_kit[0], "--max-running-requests", "16", "--random-seed", "1", "--sampling-mask-max-tokens", "100"
+    )
     yield url
     stop_cpu_server(proc)
+
+
+def test_sampling_mask_cap_is_the_servers_flag(server):
+    """`--sampling-mask-max-tokens` (slime passes `--sglang-sampling-mask-max-tokens`) bounds the top-k a request
+    that asks for its sampling masks may use, as SGLang's: 100 here, not the default 4096."""
+    body = {"input_ids": PROMPTS[0], "return_sampling_mask": True}
+    sp = {"temperature": 0.7, "max_new_tokens": 2, "ignore_eos": True}
+    r = SESSION.post(server + "/generate", json={**body, "sampling_params": {**sp, "top_k": 101}})
+    assert r.status_code == 400 and "1 < top_k <= 100; got top_k=101" in r.text
+    ok = gen(server, {**body, "sampling_params": {**sp, "top_k": 100}})
+    assert len(ok["meta_info"]["output_token_sampling_mask"]) == 2
 
 
 @pytest.fixture()

@@ -40,6 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="as SGLang's: no prefix sharing (requests with identical prompts are each prefilled, on KV rows of "
         "their own; by default one prefill and its KV rows serve them all until their outputs diverge)",
     )
+    p.add_argument(
+        "--sampling-mask-max-tokens",
+        type=int,
+        default=4096,
+        help="as SGLang's: return_sampling_mask needs top_k=1 or 1 < top_k <= this (token ids per returned mask)",
+    )
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--log-level", default="info")
     p.add_argument(

@@ -16,16 +16,17 @@ from .scheduler import Req
 SAMPLING_MASK_MAX_TOKENS = 4096
 
 
-def _check_sampling_mask(want_mask, mode, sp):
-    """SGLang's checks of return_sampling_mask / sampling_logprobs_mode (tokenizer manager and scheduler)."""
+def _check_sampling_mask(want_mask, mode, sp, cap=SAMPLING_MASK_MAX_TOKENS):
+    """SGLang's checks of return_sampling_mask / sampling_logprobs_mode (tokenizer manager and scheduler); `cap` is
+    the server's --sampling-mask-max-tokens."""
     if mode is not None and not want_mask:
         raise RequestError("sampling_logprobs_mode can only be set when return_sampling_mask=true.")
     if mode not in (None, "selected", "support"):
         raise RequestError(f"sampling_logprobs_mode must be 'selected' or 'support', got {mode!r}")
-    if want_mask and sp.top_k != 1 and not 1 < sp.top_k <= SAMPLING_MASK_MAX_TOKENS:
+    if want_mask and sp.top_k != 1 and not 1 < sp.top_k <= cap:
         raise RequestError(
             f"return_sampling_mask requires top_k=1 for greedy sampling or finite 1 < top_k <= "
-            f"{SAMPLING_MASK_MAX_TOKENS}; got top_k={sp.top_k}. Lower top_k or increase --sampling-mask-max-tokens."
+            f"{cap}; got top_k={sp.top_k}. Lower top_k or increase --sampling-mask-max-tokens."
         )
 
 
@@ -121,7 +122,7 @@ class GenerateAPI:
             self._check_prompt(ids, sp)
             want_mask = bool(masks_raw[i] if isinstance(masks_raw, list) else masks_raw)
             mode = mode_raw[i] if isinstance(mode_raw, list) else mode_raw
-            _check_sampling_mask(want_mask, mode, sp)
+            _check_sampling_mask(want_mask, mode, sp, self.args.sampling_mask_max_tokens)
             if want_routed:  # SGLang's scheduler checks, answered as its 400 abort
                 if routed_start < 0:
                     raise RequestError(
