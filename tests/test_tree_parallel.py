@@ -13,6 +13,20 @@ FLAT_TOKENS = [40, 32, 47, 20]
 # the critic (PPO's value loss on these returns) and OPD (a Megatron teacher's log-probs in the advantages)
 CRITIC = dict(advantage_estimator="ppo", use_critic=True, gamma=0.99, lambd=0.95, use_kl_loss=False)
 OPD = dict(use_opd=True, opd_type="megatron", opd_kl_coef=0.5)
+R3 = dict(use_routing_replay=True, use_rollout_routing_replay=True)  # replay the engine's MoE routing
+R2 = dict(use_routing_replay=True)  # record the log-prob pass's routing, replay it in training
+
+
+def _prefix_routing(tokens, layers=2, experts=4, top_k=2):
+    """An engine's routing `[tokens - 1, layers, top-k]` drawn from each token's prefix: samples sharing a prefix
+    share its routing, as an engine's shared prefill gives them."""
+    import numpy as np
+
+    rows = []
+    for j in range(len(tokens) - 1):
+        rng = np.random.default_rng([int(t) for t in tokens[: j + 1]])
+        rows.append([rng.choice(experts, top_k, replace=False) for _ in range(layers)])
+    return np.array(rows, dtype=np.int64)
 
 
 class _Ref:
@@ -22,8 +36,11 @@ class _Ref:
         self.inner = data
 
 
-def _rollout(groups=GROUPS):
-    return grouped_rollout(groups)
+def _rollout(groups=GROUPS, routing=False):
+    data = grouped_rollout(groups)
+    if routing:
+        data["rollout_routed_experts"] = [_prefix_routing(t) for t in data["tokens"]]
+    return data
 
 
 def test_tree_token_counts_are_the_hand_counted_ones():
@@ -91,6 +108,7 @@ def _run(rank, model_dir, layout, tree, out_dir, mode="actor"):
     import ray
     from megatron.core import parallel_state as mpu
 
+    from slime.backends.megatron_utils import routing_replay
     from slime.backends.megatron_utils.advantages import compute_advantages_and_returns
     from slime.backends.megatron_utils.data import get_data_iterator
     from slime.backends.megatron_utils.initialize import init
@@ -114,7 +132,7 @@ def _run(rank, model_dir, layout, tree, out_dir, mode="actor"):
         entropy_coef=0.01,
         use_rollout_entropy=True,
         ci_test=False,
-        **{"critic": CRITIC, "opd": OPD}.get(mode, {}),
+        **{"critic": CRITIC, "opd": OPD, "r3": R3, "r2": R2}.get(mode, {}),
         **layout,
     )
     if role == "critic":
@@ -123,10 +141,11 @@ def _run(rank, model_dir, layout, tree, out_dir, mode="actor"):
     init(args)
     model, opt, sched, _ = initialize_model_and_optimizer(args, role=role)
     rollout = process_rollout_data(
-        args, _Ref(_rollout()), mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+        args, _Ref(_rollout(routing=mode == "r3")), mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
     )
     iters, nmb = get_data_iterator(args, model, rollout)
     data = dict(rollout)
+    replay = "replay" if mode in ("r3", "r2") else None
     if role == "critic":
         out = forward_only(args, model, iters, nmb, post_fn=get_values)
         data.update(out)
@@ -135,15 +154,19 @@ def _run(rank, model_dir, layout, tree, out_dir, mode="actor"):
             torch.linspace(-1.0, 1.0, n) * r for n, r in zip(rollout["response_lengths"], rollout["rewards"])
         ]
     else:
-        out = forward_only(args, model, iters, nmb)
+        with routing_replay.phase(model, "record" if mode == "r2" else replay):
+            out = forward_only(args, model, iters, nmb)
         if mode == "opd":
             out.update(_teacher_forward(args, model, iters, nmb))
+        if mode == "r3":  # the model's own routing too: the replayed one must differ from it to prove anything
+            out.update(forward_only(args, model, iters, nmb, store_prefix="own_"))
         data.update({"ref_" + k: v for k, v in out.items() if not k.startswith("teacher_")})
         data.update(out)
         compute_advantages_and_returns(args, data)
     for it in iters:
         it.rollout_data = data
-    train(args, 0, model, opt, sched, iters, nmb, role=role)
+    with routing_replay.phase(model, replay):
+        train(args, 0, model, opt, sched, iters, nmb, role=role)
     grads = {}
     for name, p in named_parameters(args, model):
         shard = SimpleNamespace(
@@ -296,12 +319,59 @@ def test_opd_teacher_tree_equals_flat(model_dir, tmp_path_factory):
     _assert_equal_to_flat(_launch(tmp_path_factory, model_dir, "opd_dp2", 2, mode="opd"), ref)
 
 
-def test_moe_dp2_tree_equals_flat(tmp_path_factory):
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    return build_random_hf("qwen3moe", str(tmp_path_factory.mktemp("qwen3moe")))
+
+
+def test_moe_dp2_tree_equals_flat(moe_dir, tmp_path_factory):
     """A tiny Qwen3-MoE (no load-balancing loss, which counts a shared token once instead of once per sample):
     every token is routed by its own hidden state, so the tree routes the shared prompt as flat packing does."""
-    moe_dir = build_random_hf("qwen3moe", str(tmp_path_factory.mktemp("qwen3moe")))
     ref = _launch(tmp_path_factory, moe_dir, "flat_moe", 1, tree=False)[0]
     _assert_equal_to_flat(_launch(tmp_path_factory, moe_dir, "moe_dp2", 2), ref)
+
+
+@pytest.mark.parametrize("layout", [dict(), dict(expert_model_parallel_size=2)], ids=["dp2", "ep2"])
+def test_rollout_routing_replay_tree_equals_flat(moe_dir, tmp_path_factory, layout):
+    """R3 (--use-rollout-routing-replay): the engine's routing of each sample laid out in tree order (a shared
+    prefix once, from any sample that continues past it) replays in the log-prob pass and the training step, with
+    the log-probs and gradients of flat packing's replay at DP=2 and at DP=2 x EP=2. (MoE with TP does not train on
+    CPU: megatron-core wants sequence parallelism with it, which needs Transformer-Engine norms.)"""
+    ref = _launch(tmp_path_factory, moe_dir, "flat_r3", 1, tree=False, mode="r3")[0]
+    own = max((ref["outputs"]["own_log_probs"][i] - ref["outputs"]["log_probs"][i]).abs().max() for i in range(16))
+    assert own > 1e-3  # the replayed routing is not the model's own: a tree that dropped it would be caught
+    _assert_equal_to_flat(_launch(tmp_path_factory, moe_dir, f"r3_{len(layout)}", 2, mode="r3", **layout), ref)
+
+
+def test_routing_replay_r2_tree_equals_flat(moe_dir, tmp_path_factory):
+    """R2 (--use-routing-replay): the routing recorded in the tree's log-prob pass, handed back per sample (a
+    shared token's routing to every sample through it), is flat packing's record exactly, and replays in training
+    with flat packing's gradients, at DP=2."""
+    ref = _launch(tmp_path_factory, moe_dir, "flat_r2", 1, tree=False, mode="r2")[0]
+    assert "rollout_routed_experts" in ref["outputs"]
+    _assert_equal_to_flat(_launch(tmp_path_factory, moe_dir, "r2_dp2", 2, mode="r2"), ref)
+
+
+def test_routing_that_differs_on_a_shared_prefix_is_refused():
+    """A prefix computed once takes one routing: samples that share it but were routed differently there (an
+    engine without shared prefill, say) stop the forward with a message naming the flag."""
+    import torch.nn as nn
+
+    from slime.backends.megatron_utils import routing_replay
+    from slime.backends.megatron_utils.data import _tree_layout
+    from tests._args import make_args
+
+    args = make_args()
+    args.num_layers = 2
+    data = _rollout(GROUPS[:1], routing=True)
+    data["rollout_routed_experts"][1] = data["rollout_routed_experts"][1].copy()
+    data["rollout_routed_experts"][1][2] = data["rollout_routed_experts"][1][2][:, ::-1]  # shared token 3 of A
+    tokens = [torch.as_tensor(t) for t in data["tokens"]]
+    batch = {"unconcat_tokens": tokens, routing_replay.KEY: [torch.as_tensor(r) for r in data[routing_replay.KEY]]}
+    batch.update(_tree_layout(tokens))
+    with routing_replay.phase(nn.Linear(1, 1), "replay"):
+        with pytest.raises(ValueError, match="--tree-training with MoE routing replay: sample 1 "):
+            routing_replay.before_forward(args, nn.Linear(1, 1), batch)
 
 
 @pytest.fixture(scope="module")
@@ -334,6 +404,9 @@ def test_vpp2_tree_equals_pp1_flat(tiny_kit, flat_kit, tmp_path_factory, dynamic
         ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "256"],
         ["--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"],
         ["--pipeline-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"],
+        ["--num-experts", "4", "--use-rollout-routing-replay"],
+        ["--num-experts", "4", "--use-routing-replay"],
+        ["--advantage-estimator", "ppo"],
     ],
 )
 def test_tree_training_takes_parallelism_and_dynamic_batching(flags):

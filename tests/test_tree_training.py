@@ -168,6 +168,10 @@ def test_tree_equals_flat_log_probs_entropy_and_grads(tmp_path):
     "flags, refused",
     [
         (["--context-parallel-size", "2"], "context parallelism (--context-parallel-size > 1)"),
+        (
+            ["--sequence-parallel", "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"],
+            "sequence parallelism (--sequence-parallel)",
+        ),
         (["--multi-latent-attention"], "multi-latent attention (--multi-latent-attention)"),
         (["--mtp-num-layers", "1"], "MTP (--mtp-num-layers)"),
         (["--rope-type", "yarn"], "YaRN RoPE (--rope-type yarn)"),
