@@ -1,6 +1,7 @@
 """--tree-training beyond one rank (fp32, CPU/gloo, tiny random Qwen3): the DP split keeps prompt groups whole and
 balances unique tree tokens; DP=2, TP=2 and PP=2 tree runs and a dynamically batched tree run (micro-batches filled
-by tree tokens, groups never split) give the log-probs and gradients of the one-rank flat run, the reference."""
+by tree tokens, groups never split) give the log-probs and gradients of the one-rank flat run, the reference; so do
+the critic's values, an OPD teacher's log-probs, a MoE model and its routing replay (R3, R2) under trees."""
 
 import pytest
 import torch
