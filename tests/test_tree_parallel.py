@@ -353,9 +353,10 @@ def test_routing_replay_r2_tree_equals_flat(moe_dir, tmp_path_factory):
     _assert_equal_to_flat(_launch(tmp_path_factory, moe_dir, "r2_dp2", 2, mode="r2"), ref)
 
 
-def test_routing_that_differs_on_a_shared_prefix_is_refused():
-    """A prefix computed once takes one routing: samples that share it but were routed differently there (an
-    engine without shared prefill, say) stop the forward with a message naming the flag."""
+def test_routing_that_differs_on_a_shared_prefix_is_refused(mpu_world1):
+    """A prefix computed once takes one routing: samples that share it but were routed to other experts there (an
+    engine without shared prefill, say) stop the forward with a message naming the flag; the same experts in
+    another top-k order are the same routing."""
     import torch.nn as nn
 
     from slime.backends.megatron_utils import routing_replay
@@ -365,14 +366,20 @@ def test_routing_that_differs_on_a_shared_prefix_is_refused():
     args = make_args()
     args.num_layers = 2
     data = _rollout(GROUPS[:1], routing=True)
-    data["rollout_routed_experts"][1] = data["rollout_routed_experts"][1].copy()
-    data["rollout_routed_experts"][1][2] = data["rollout_routed_experts"][1][2][:, ::-1]  # shared token 3 of A
     tokens = [torch.as_tensor(t) for t in data["tokens"]]
-    batch = {"unconcat_tokens": tokens, routing_replay.KEY: [torch.as_tensor(r) for r in data[routing_replay.KEY]]}
-    batch.update(_tree_layout(tokens))
-    with routing_replay.phase(nn.Linear(1, 1), "replay"):
-        with pytest.raises(ValueError, match="--tree-training with MoE routing replay: sample 1 "):
+    routed = [torch.as_tensor(r) for r in data[routing_replay.KEY]]
+
+    def forward(routing):
+        batch = {"unconcat_tokens": tokens, routing_replay.KEY: routing, **_tree_layout(tokens)}
+        with routing_replay.phase(nn.Linear(1, 1), "replay"):
             routing_replay.before_forward(args, nn.Linear(1, 1), batch)
+
+    reordered = [routed[0], routed[1].flip(-1), *routed[2:]]
+    forward(reordered)  # accepted
+    other = routed[1].clone()
+    other[2, 0] = torch.tensor([e for e in range(4) if e not in other[2, 0].tolist()])  # shared token 3, layer 0
+    with pytest.raises(ValueError, match="--tree-training with MoE routing replay: sample 1 "):
+        forward([routed[0], other, *routed[2:]])
 
 
 @pytest.fixture(scope="module")

@@ -137,10 +137,11 @@ def before_forward(args, model_chunk, batch):
     filler = torch.arange(k, device=index.device).expand(1, args.num_layers, k)  # k distinct experts
     table = torch.cat([filler, *[r.to(index.device, torch.long) for r in routed]])
     if batch.get("tree_index") is not None:
-        # a shared prefix is routed once: only exact when every sample sharing it was routed alike there (the
-        # engine's shared prefill, or a radix-cache hit, gives one routing per prefix)
+        # a shared prefix is routed once: only exact when every sample sharing it was routed to the same experts
+        # there (the engine's shared prefill, or a radix-cache hit, gives one routing per prefix); their order in
+        # the top-k does not change the routing
         for i, rows in enumerate(sample_rows):
-            if not torch.equal(table[rows], routed[i].to(table)):
+            if not torch.equal(table[rows].sort(-1).values, routed[i].to(table).sort(-1).values):
                 raise ValueError(
                     f"--tree-training with MoE routing replay: sample {i} of the micro-batch shares a prefix with "
                     "another sample but its rollout_routed_experts differ there; a prefix computed once takes one "
