@@ -538,6 +538,35 @@ def fixed_rollout(vocab_size=512, n=4, seed=0):
     return data
 
 
+# Four GRPO groups of 4 for the prefix-tree tests: prompts sharing heads, responses that branch (identical,
+# prefix-of, ragged). Tree token counts (unique prompt tokens + unique response tokens): A 7+5, B 5+9, C 9+8, D 3+5.
+TREE_GROUPS = [
+    ([11, 12, 13, 21, 22, 23, 24], [[40, 41, 42], [40, 41, 43, 44], [40, 41, 42], [40, 41]]),
+    ([11, 12, 13, 31, 32], [[50, 51, 52, 53], [50, 54], [60, 61, 62], [50, 51, 55]]),
+    ([70, 71, 72, 73, 74, 75, 76, 77, 78], [[80], [80, 81, 82, 83, 84], [85, 86], [80, 81, 87]]),
+    ([11, 12, 90], [[91, 92], [91, 92], [93], [91, 94, 95]]),
+]
+
+
+def grouped_rollout(groups=TREE_GROUPS):
+    """Train data in the rollout controller's format for `groups` of (prompt, [responses])."""
+    import numpy as np
+
+    data = {k: [] for k in ("tokens", "response_lengths", "loss_masks", "rewards", "raw_reward", "truncated")}
+    data.update(sample_indices=[], rollout_log_probs=[])
+    rewards = [1.0, -1.0, 0.5, -0.5, 0.25, -0.75, 1.0, 0.0]
+    for i, (p, r) in enumerate((p, r) for p, rs in groups for r in rs):
+        data["tokens"].append(np.array(p + r, dtype=np.int64))
+        data["response_lengths"].append(len(r))
+        data["loss_masks"].append(np.ones(len(r), dtype=np.int32))
+        data["rewards"].append(rewards[i % len(rewards)])
+        data["raw_reward"].append(0.0)
+        data["truncated"].append(0)
+        data["sample_indices"].append(i)
+        data["rollout_log_probs"].append(np.full(len(r), -5.0, dtype=np.float32))
+    return data
+
+
 def hf_log_probs(model_dir, data):
     """Per-sample response log-probs of `data` (tokens, response_lengths) from a transformers fp32 forward."""
     from transformers import AutoModelForCausalLM

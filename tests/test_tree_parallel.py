@@ -1,23 +1,33 @@
 """--tree-training beyond one rank (fp32, CPU/gloo, tiny random Qwen3): the DP split keeps prompt groups whole and
 balances unique tree tokens; DP=2, TP=2 and PP=2 tree runs and a dynamically batched tree run (micro-batches filled
-by tree tokens, groups never split) give the log-probs and gradients of the one-rank flat run, the reference."""
+by tree tokens, groups never split) give the log-probs and gradients of the one-rank flat run, the reference; so do
+the critic's values, an OPD teacher's log-probs, a MoE model and its routing replay (R3, R2) under trees."""
 
-import numpy as np
 import pytest
 import torch
 
-from tests._megatron_helpers import build_random_hf, spawn, train_args
+from tests._megatron_helpers import TREE_GROUPS, build_random_hf, grouped_rollout, spawn, train_args
 
-# Four GRPO groups of 4 (prompts sharing heads, responses that branch: identical, prefix-of, ragged) whose tree
-# token counts (hand-counted: unique prompt tokens + unique response tokens) are A 7+5, B 5+9, C 9+8, D 3+5.
-GROUPS = [
-    ([11, 12, 13, 21, 22, 23, 24], [[40, 41, 42], [40, 41, 43, 44], [40, 41, 42], [40, 41]]),
-    ([11, 12, 13, 31, 32], [[50, 51, 52, 53], [50, 54], [60, 61, 62], [50, 51, 55]]),
-    ([70, 71, 72, 73, 74, 75, 76, 77, 78], [[80], [80, 81, 82, 83, 84], [85, 86], [80, 81, 87]]),
-    ([11, 12, 90], [[91, 92], [91, 92], [93], [91, 94, 95]]),
-]
+GROUPS = TREE_GROUPS
 TREE_TOKENS = [12, 14, 17, 8]
 FLAT_TOKENS = [40, 32, 47, 20]
+# the critic (PPO's value loss on these returns) and OPD (a Megatron teacher's log-probs in the advantages)
+CRITIC = dict(advantage_estimator="ppo", use_critic=True, gamma=0.99, lambd=0.95, use_kl_loss=False)
+OPD = dict(use_opd=True, opd_type="megatron", opd_kl_coef=0.5)
+R3 = dict(use_routing_replay=True, use_rollout_routing_replay=True)  # replay the engine's MoE routing
+R2 = dict(use_routing_replay=True)  # record the log-prob pass's routing, replay it in training
+
+
+def _prefix_routing(tokens, layers=2, experts=4, top_k=2):
+    """An engine's routing `[tokens - 1, layers, top-k]` drawn from each token's prefix: samples sharing a prefix
+    share its routing, as an engine's shared prefill gives them."""
+    import numpy as np
+
+    rows = []
+    for j in range(len(tokens) - 1):
+        rng = np.random.default_rng([int(t) for t in tokens[: j + 1]])
+        rows.append([rng.choice(experts, top_k, replace=False) for _ in range(layers)])
+    return np.array(rows, dtype=np.int64)
 
 
 class _Ref:
@@ -27,19 +37,10 @@ class _Ref:
         self.inner = data
 
 
-def _rollout(groups=GROUPS):
-    data = {k: [] for k in ("tokens", "response_lengths", "loss_masks", "rewards", "raw_reward", "truncated")}
-    data.update(sample_indices=[], rollout_log_probs=[])
-    rewards = [1.0, -1.0, 0.5, -0.5, 0.25, -0.75, 1.0, 0.0]
-    for i, (p, r) in enumerate((p, r) for p, rs in groups for r in rs):
-        data["tokens"].append(np.array(p + r, dtype=np.int64))
-        data["response_lengths"].append(len(r))
-        data["loss_masks"].append(np.ones(len(r), dtype=np.int32))
-        data["rewards"].append(rewards[i % len(rewards)])
-        data["raw_reward"].append(0.0)
-        data["truncated"].append(0)
-        data["sample_indices"].append(i)
-        data["rollout_log_probs"].append(np.full(len(r), -5.0, dtype=np.float32))
+def _rollout(groups=GROUPS, routing=False):
+    data = grouped_rollout(groups)
+    if routing:
+        data["rollout_routed_experts"] = [_prefix_routing(t) for t in data["tokens"]]
     return data
 
 
@@ -83,23 +84,43 @@ def test_dp_split_keeps_groups_whole_and_balances_tree_tokens(monkeypatch):
     assert sorted(flat) == [[0, 2], [1, 3]]
 
 
-def _run(rank, model_dir, layout, tree, out_dir):
-    """The same program on every layout: process_rollout_data, get_data_iterator, log-probs, one lr=0 step; writes
-    `rank{r}.pt` with this rank's log-probs (by global sample index), TP-gathered gradients by global name and the
-    micro-batches it ran."""
+def _teacher_forward(args, model, iters, nmb):
+    """The OPD teacher's log-probs of the same micro-batches: the student's weights, each scaled by 1.1 (an
+    element-wise change, so every layout holds the same teacher), swapped in for the forward as the actor does."""
+    from slime.backends.megatron_utils.model import forward_only
+
+    params = [p for m in model for p in m.parameters()]
+    saved = [p.data.clone() for p in params]
+    for p in params:
+        p.data.mul_(1.1)
+    try:
+        return forward_only(args, model, iters, nmb, store_prefix="teacher_")
+    finally:
+        for p, w in zip(params, saved):
+            p.data.copy_(w)
+
+
+def _run(rank, model_dir, layout, tree, out_dir, mode="actor"):
+    """The same program on every layout: process_rollout_data, get_data_iterator, the log-prob pass (the critic's
+    values; OPD: and the teacher's log-probs), one lr=0 step; writes `rank{r}.pt` with this rank's outputs (by global
+    sample index), TP-gathered gradients by global name and the micro-batches it ran."""
     from types import SimpleNamespace
 
     import ray
     from megatron.core import parallel_state as mpu
 
+    from slime.backends.megatron_utils import routing_replay
     from slime.backends.megatron_utils.advantages import compute_advantages_and_returns
     from slime.backends.megatron_utils.data import get_data_iterator
     from slime.backends.megatron_utils.initialize import init
+    from slime.backends.megatron_utils.log_probs import get_values
     from slime.backends.megatron_utils.model import forward_only, initialize_model_and_optimizer, train
     from slime.backends.megatron_utils.param_utils import all_gather_param, named_parameters, remove_padding
     from slime.backends.megatron_utils.rollout_data import process_rollout_data
+    from slime.ray.critic import critic_args
 
     ray.get = lambda x: x
+    role = "critic" if mode == "critic" else "actor"
     # lr 0: the step computes the gradients and leaves the weights as they are
     args = train_args(
         model_dir,
@@ -112,23 +133,41 @@ def _run(rank, model_dir, layout, tree, out_dir):
         entropy_coef=0.01,
         use_rollout_entropy=True,
         ci_test=False,
+        **{"critic": CRITIC, "opd": OPD, "r3": R3, "r2": R2}.get(mode, {}),
         **layout,
     )
+    if role == "critic":
+        args = critic_args(args)
     args.tree_training = tree
     init(args)
-    model, opt, sched, _ = initialize_model_and_optimizer(args)
+    model, opt, sched, _ = initialize_model_and_optimizer(args, role=role)
     rollout = process_rollout_data(
-        args, _Ref(_rollout()), mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+        args, _Ref(_rollout(routing=mode == "r3")), mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
     )
     iters, nmb = get_data_iterator(args, model, rollout)
-    lp = forward_only(args, model, iters, nmb)
     data = dict(rollout)
-    data.update({"ref_" + k: v for k, v in lp.items()})
-    data.update(lp)
-    compute_advantages_and_returns(args, data)
+    replay = "replay" if mode in ("r3", "r2") else None
+    if role == "critic":
+        out = forward_only(args, model, iters, nmb, post_fn=get_values)
+        data.update(out)
+        # returns that differ per sample and per token, so the value loss's gradient reaches every value
+        data["returns"] = [
+            torch.linspace(-1.0, 1.0, n) * r for n, r in zip(rollout["response_lengths"], rollout["rewards"])
+        ]
+    else:
+        with routing_replay.phase(model, "record" if mode == "r2" else replay):
+            out = forward_only(args, model, iters, nmb)
+        if mode == "opd":
+            out.update(_teacher_forward(args, model, iters, nmb))
+        if mode == "r3":  # the model's own routing too: the replayed one must differ from it to prove anything
+            out.update(forward_only(args, model, iters, nmb, store_prefix="own_"))
+        data.update({"ref_" + k: v for k, v in out.items() if not k.startswith("teacher_")})
+        data.update(out)
+        compute_advantages_and_returns(args, data)
     for it in iters:
         it.rollout_data = data
-    train(args, 0, model, opt, sched, iters, nmb)
+    with routing_replay.phase(model, replay):
+        train(args, 0, model, opt, sched, iters, nmb, role=role)
     grads = {}
     for name, p in named_parameters(args, model):
         shard = SimpleNamespace(
@@ -145,8 +184,7 @@ def _run(rank, model_dir, layout, tree, out_dir):
     idx = rollout["global_indices"]
     torch.save(
         {
-            "log_probs": {g: v for g, v in zip(idx, lp["log_probs"])} if "log_probs" in lp else {},
-            "entropy": {g: v for g, v in zip(idx, lp["entropy"])} if "entropy" in lp else {},
+            "outputs": {k: dict(zip(idx, v)) for k, v in out.items()},  # empty on earlier pipeline stages
             "grads": grads if mpu.get_tensor_model_parallel_rank() == 0 else {},
             "tree": all(it.tree for it in iters),
             "indices": idx,
@@ -158,9 +196,9 @@ def _run(rank, model_dir, layout, tree, out_dir):
     )
 
 
-def _launch(tmp_path_factory, model_dir, name, world, tree=True, **layout):
+def _launch(tmp_path_factory, model_dir, name, world, tree=True, mode="actor", **layout):
     out = tmp_path_factory.mktemp(name)
-    spawn(_run, world, model_dir, layout, tree, str(out))
+    spawn(_run, world, model_dir, layout, tree, str(out), mode)
     return [torch.load(out / f"rank{r}.pt") for r in range(world)]
 
 
@@ -175,19 +213,22 @@ def flat(model_dir, tmp_path_factory):
 
 
 def _assert_equal_to_flat(ranks, flat):
-    """Log-probs and entropies within 2e-6 absolute, each parameter's gradient within 2e-6 relative (to its largest
-    entry) and the whole gradient within 2e-6 relative L2."""
-    log_probs, entropy, grads = {}, {}, {}
+    """Every per-token output (log-probs, entropies; the critic's values; OPD's teacher log-probs) within 2e-6
+    absolute, each parameter's gradient within 2e-6 relative (to its largest entry) and the whole gradient within
+    2e-6 relative L2."""
+    outputs, grads = {k: {} for k in flat["outputs"]}, {}
     assert all(r["tree"] for r in ranks) and not flat["tree"]
     for r in ranks:
-        log_probs.update(r["log_probs"])
-        entropy.update(r["entropy"])
+        for k, v in r["outputs"].items():
+            outputs[k].update(v)
         for n, g in r["grads"].items():
             assert n not in grads or torch.equal(grads[n], g), n  # DP ranks hold the all-reduced gradient
             grads[n] = g
-    assert sorted(log_probs) == sorted(flat["log_probs"]) == list(range(16))
-    lp = max((log_probs[i] - flat["log_probs"][i]).abs().max().item() for i in range(16))
-    ent = max((entropy[i] - flat["entropy"][i]).abs().max().item() for i in range(16))
+    diffs = {}
+    for k, ref in flat["outputs"].items():
+        assert sorted(outputs[k]) == sorted(ref) == list(range(16)), k
+        assert all(outputs[k][i].shape == ref[i].shape for i in range(16)), k
+        diffs[k] = max((outputs[k][i] - ref[i]).abs().max().item() for i in range(16))
     names = sorted(flat["grads"])
     assert set(names) <= set(grads), set(names) - set(grads)
     per_param = max(
@@ -196,8 +237,8 @@ def _assert_equal_to_flat(ranks, flat):
     )
     num = sum((grads[n] - flat["grads"][n]).pow(2).sum() for n in names).sqrt().item()
     den = sum(flat["grads"][n].pow(2).sum() for n in names).sqrt().item()
-    print({"log_probs": lp, "entropy": ent, "grad_rel": num / den, "grad_rel_per_param": per_param})
-    assert lp <= 2e-6 and ent <= 2e-6, (lp, ent)
+    print({**diffs, "grad_rel": num / den, "grad_rel_per_param": per_param})
+    assert diffs and all(d <= 2e-6 for d in diffs.values()), diffs
     assert den > 0 and num / den <= 2e-6 and per_param <= 2e-6, (num / den, per_param)
 
 
@@ -259,6 +300,88 @@ def test_per_token_loss_dp2_dynamic_tree_equals_flat(model_dir, tmp_path_factory
     _assert_equal_to_flat(ranks, ref)
 
 
+@pytest.mark.parametrize("layout", [dict(), dict(tensor_model_parallel_size=2)], ids=["dp2", "tp2"])
+def test_critic_tree_equals_flat(model_dir, tmp_path_factory, layout):
+    """PPO's critic: the value head's values at each response token, and the value loss's gradients, with tree
+    packing at DP=2 and TP=2 against the one-rank flat critic (the same newly initialised value head)."""
+    ref = _launch(tmp_path_factory, model_dir, "flat_critic", 1, tree=False, mode="critic")[0]
+    assert sorted(ref["outputs"]) == ["values"]
+    ranks = _launch(tmp_path_factory, model_dir, f"critic_{len(layout)}", 2, mode="critic", **layout)
+    _assert_equal_to_flat(ranks, ref)
+
+
+def test_opd_teacher_tree_equals_flat(model_dir, tmp_path_factory):
+    """--use-opd --opd-type megatron: the teacher's log-probs (a forward of other weights over the same tree
+    micro-batches) and the gradients of the OPD-shaped advantages at DP=2 against the one-rank flat run."""
+    ref = _launch(tmp_path_factory, model_dir, "flat_opd", 1, tree=False, mode="opd")[0]
+    assert sorted(ref["outputs"]) == ["entropy", "log_probs", "teacher_entropy", "teacher_log_probs"]
+    gap = max((ref["outputs"]["teacher_log_probs"][i] - ref["outputs"]["log_probs"][i]).abs().max() for i in range(16))
+    assert gap > 1e-2  # the teacher is another model, so a forward of the student's weights would be caught
+    _assert_equal_to_flat(_launch(tmp_path_factory, model_dir, "opd_dp2", 2, mode="opd"), ref)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    return build_random_hf("qwen3moe", str(tmp_path_factory.mktemp("qwen3moe")))
+
+
+def test_moe_dp2_tree_equals_flat(moe_dir, tmp_path_factory):
+    """A tiny Qwen3-MoE (no load-balancing loss, which counts a shared token once instead of once per sample):
+    every token is routed by its own hidden state, so the tree routes the shared prompt as flat packing does."""
+    ref = _launch(tmp_path_factory, moe_dir, "flat_moe", 1, tree=False)[0]
+    _assert_equal_to_flat(_launch(tmp_path_factory, moe_dir, "moe_dp2", 2), ref)
+
+
+@pytest.mark.parametrize("layout", [dict(), dict(expert_model_parallel_size=2)], ids=["dp2", "ep2"])
+def test_rollout_routing_replay_tree_equals_flat(moe_dir, tmp_path_factory, layout):
+    """R3 (--use-rollout-routing-replay): the engine's routing of each sample laid out in tree order (a shared
+    prefix once, from any sample that continues past it) replays in the log-prob pass and the training step, with
+    the log-probs and gradients of flat packing's replay at DP=2 and at DP=2 x EP=2. (MoE with TP does not train on
+    CPU: megatron-core wants sequence parallelism with it, which needs Transformer-Engine norms.)"""
+    ref = _launch(tmp_path_factory, moe_dir, "flat_r3", 1, tree=False, mode="r3")[0]
+    own = max((ref["outputs"]["own_log_probs"][i] - ref["outputs"]["log_probs"][i]).abs().max() for i in range(16))
+    assert own > 1e-3  # the replayed routing is not the model's own: a tree that dropped it would be caught
+    _assert_equal_to_flat(_launch(tmp_path_factory, moe_dir, f"r3_{len(layout)}", 2, mode="r3", **layout), ref)
+
+
+def test_routing_replay_r2_tree_equals_flat(moe_dir, tmp_path_factory):
+    """R2 (--use-routing-replay): the routing recorded in the tree's log-prob pass, handed back per sample (a
+    shared token's routing to every sample through it), is flat packing's record exactly, and replays in training
+    with flat packing's gradients, at DP=2."""
+    ref = _launch(tmp_path_factory, moe_dir, "flat_r2", 1, tree=False, mode="r2")[0]
+    assert "rollout_routed_experts" in ref["outputs"]
+    _assert_equal_to_flat(_launch(tmp_path_factory, moe_dir, "r2_dp2", 2, mode="r2"), ref)
+
+
+def test_routing_that_differs_on_a_shared_prefix_is_refused(mpu_world1):
+    """A prefix computed once takes one routing: samples that share it but were routed to other experts there (an
+    engine without shared prefill, say) stop the forward with a message naming the flag; the same experts in
+    another top-k order are the same routing."""
+    import torch.nn as nn
+
+    from slime.backends.megatron_utils import routing_replay
+    from slime.backends.megatron_utils.data import _tree_layout
+    from tests._args import make_args
+
+    args = make_args()
+    args.num_layers = 2
+    data = _rollout(GROUPS[:1], routing=True)
+    tokens = [torch.as_tensor(t) for t in data["tokens"]]
+    routed = [torch.as_tensor(r) for r in data[routing_replay.KEY]]
+
+    def forward(routing):
+        batch = {"unconcat_tokens": tokens, routing_replay.KEY: routing, **_tree_layout(tokens)}
+        with routing_replay.phase(nn.Linear(1, 1), "replay"):
+            routing_replay.before_forward(args, nn.Linear(1, 1), batch)
+
+    reordered = [routed[0], routed[1].flip(-1), *routed[2:]]
+    forward(reordered)  # accepted
+    other = routed[1].clone()
+    other[2, 0] = torch.tensor([e for e in range(4) if e not in other[2, 0].tolist()])  # shared token 3, layer 0
+    with pytest.raises(ValueError, match="--tree-training with MoE routing replay: sample 1 "):
+        forward([routed[0], other, *routed[2:]])
+
+
 @pytest.fixture(scope="module")
 def flat_kit(tiny_kit, tmp_path_factory):
     """The one-rank flat reference on the tiny kit (4 layers: one per virtual pipeline chunk at PP=2 x VPP=2)."""
@@ -289,6 +412,9 @@ def test_vpp2_tree_equals_pp1_flat(tiny_kit, flat_kit, tmp_path_factory, dynamic
         ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "256"],
         ["--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"],
         ["--pipeline-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"],
+        ["--num-experts", "4", "--use-rollout-routing-replay"],
+        ["--num-experts", "4", "--use-routing-replay"],
+        ["--advantage-estimator", "ppo"],
     ],
 )
 def test_tree_training_takes_parallelism_and_dynamic_batching(flags):

@@ -8,32 +8,15 @@ import random
 import pytest
 import torch
 
-from tests._megatron_helpers import build_random_hf, spawn, train_args
+from tests._megatron_helpers import TREE_GROUPS, build_random_hf, grouped_rollout, spawn, train_args
 
 # Two GRPO groups of 4 whose prompts share their first 3 tokens; the responses branch among themselves (not a
 # chain): identical responses, a response that is a prefix of another, a branch off a shared response prefix.
-PROMPT_A = [11, 12, 13, 21, 22, 23, 24]
-PROMPT_B = [11, 12, 13, 31, 32]
-RESPONSES_A = [[40, 41, 42], [40, 41, 43, 44], [40, 41, 42], [40, 41]]
-RESPONSES_B = [[50, 51, 52, 53], [50, 54], [60, 61, 62], [50, 51, 55]]
+(PROMPT_A, RESPONSES_A), (PROMPT_B, RESPONSES_B) = TREE_GROUPS[:2]
 
 
 def _rollout():
-    import numpy as np
-
-    data = {k: [] for k in ("tokens", "response_lengths", "loss_masks", "rewards", "raw_reward", "truncated")}
-    data.update(sample_indices=[], rollout_log_probs=[])
-    samples = [(PROMPT_A, r) for r in RESPONSES_A] + [(PROMPT_B, r) for r in RESPONSES_B]
-    for i, (p, r) in enumerate(samples):
-        data["tokens"].append(np.array(p + r, dtype=np.int64))
-        data["response_lengths"].append(len(r))
-        data["loss_masks"].append(np.ones(len(r), dtype=np.int32))
-        data["rewards"].append([1.0, -1.0, 0.5, -0.5, 0.25, -0.75, 1.0, 0.0][i])
-        data["raw_reward"].append(0.0)
-        data["truncated"].append(0)
-        data["sample_indices"].append(i)
-        data["rollout_log_probs"].append(np.full(len(r), -5.0, dtype=np.float32))
-    return data
+    return grouped_rollout(TREE_GROUPS[:2])
 
 
 def _unique_tokens(samples):
@@ -185,6 +168,10 @@ def test_tree_equals_flat_log_probs_entropy_and_grads(tmp_path):
     "flags, refused",
     [
         (["--context-parallel-size", "2"], "context parallelism (--context-parallel-size > 1)"),
+        (
+            ["--sequence-parallel", "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"],
+            "sequence parallelism (--sequence-parallel)",
+        ),
         (["--multi-latent-attention"], "multi-latent attention (--multi-latent-attention)"),
         (["--mtp-num-layers", "1"], "MTP (--mtp-num-layers)"),
         (["--rope-type", "yarn"], "YaRN RoPE (--rope-type yarn)"),

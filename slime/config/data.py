@@ -79,8 +79,9 @@ def add_data_arguments(parser):
         default=False,
         help="Pack each micro-batch as a prefix tree: samples sharing a prefix (a GRPO group's prompt, any common "
         "prefix) forward it once, every token attending to its ancestors only with positions continuing from its "
-        "parent, so log-probs, losses and gradients equal flat packing's. This slice: tested on one rank, local layer "
-        "spec (--transformer-impl local); CP/TP/PP > 1 and --use-dynamic-batch-size are refused; see docs/usage.md.",
+        "parent, so log-probs, losses and gradients equal flat packing's. Local layer spec (--transformer-impl "
+        "local); DP, TP, PP, EP, dynamic batching, critic, OPD and routing replay; context and sequence parallelism "
+        "are refused; see docs/usage.md.",
     )
     g.add_argument("--max-tokens-per-gpu", type=int, default=None)
     g.add_argument("--log-probs-max-tokens-per-gpu", type=int, default=None)

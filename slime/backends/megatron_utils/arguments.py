@@ -826,13 +826,19 @@ def check_param_patterns_match(args, error):
 
 
 def check_tree_training(args, error):
-    """`--tree-training` (local layer spec; DP, TP, PP, dynamic batching): refuse, one line naming the flag, what it does
-    not do. Exactness rests on the local spec's `DotProductAttention` honouring the dense ancestor mask and on
-    `model.rope_by_position` finding megatron-core's `RotaryEmbedding`: a model built any other way is refused."""
+    """`--tree-training` (local layer spec; DP, TP, PP, EP, dynamic batching, critic, routing replay): refuse, one line
+    naming the flag, what it does not do. Exactness rests on the local spec's `DotProductAttention` honouring the
+    dense ancestor mask and on `model.rope_by_position` finding megatron-core's `RotaryEmbedding`: a model built
+    any other way is refused."""
     if not args.tree_training:
         return
     refusals = [
         (args.context_parallel_size > 1, "context parallelism (--context-parallel-size > 1)"),
+        # untested: CPU has no sequence-parallel norms, and at TP 1 the flag is dropped anyway
+        (
+            args.sequence_parallel and args.tensor_model_parallel_size > 1,
+            "sequence parallelism (--sequence-parallel)",
+        ),
         (bool(args.spec), "a custom or hybrid layer spec (--spec, e.g. Qwen3-Next/Qwen3.5 linear attention)"),
         (bool(args.custom_model_provider_path), "a custom model provider (--custom-model-provider-path)"),
         (bool(args.mtp_num_layers), "MTP (--mtp-num-layers)"),
@@ -842,7 +848,6 @@ def check_tree_training(args, error):
             f"--position-embedding-type {args.position_embedding_type}",
         ),
         (args.rope_type == "yarn", "YaRN RoPE (--rope-type yarn)"),
-        (bool(args.use_routing_replay), "routing replay (--use-routing-replay / --use-rollout-routing-replay)"),
     ]
     for refused, what in refusals:
         if refused:

@@ -8,8 +8,9 @@ scaling), so gradients still reach the router. In record, it keeps the ids it ch
 The routing travels with the rollout data as one `[tokens - 1, layers, top-k]` tensor per sample
 (`rollout_routed_experts`: the engine's for R3, SGLang's layout; the old-log-prob forward's for R2). For each
 micro-batch it is laid out exactly as the tokens are (`data.get_batch`: THD-packed or right-padded rows, padding,
-context parallelism's zigzag chunks, then Megatron's `[s, b]` order and the sequence-parallel split). Each sample's last token (never computed by the
-engine, and scoring nothing) and padding get a fixed filler routing.
+context parallelism's zigzag chunks, a `--tree-training` prefix tree, then Megatron's `[s, b]` order and the
+sequence-parallel split). Each sample's last token (never computed by the engine, and scoring nothing) and padding
+get a fixed filler routing.
 
 One phase at a time (`phase(model, mode)`): "replay" (R3's forwards, R2's training), "record" (R2's old-log-prob
 forward) or None (the model's own routing: the reference model under R2, the OPD teacher).
@@ -83,20 +84,30 @@ def _hooked(router):
 
 
 def _layout_index(args, batch):
-    """`[s * b]` (this rank's sequence-parallel part) row numbers into the micro-batch's routing table: row 0 is the
-    filler (padding, each sample's last token), sample i's token j is row 1 + (its offset) + j."""
-    index, row = [], 1
+    """`([s * b]` (this rank's sequence-parallel part) row numbers into the micro-batch's routing table, its row
+    count, each sample's `[tokens - 1]` rows)`: row 0 is the filler (padding, each sample's last token), sample i's
+    token j is row 1 + (its offset) + j. A `--tree-training` row holds a shared token once: it takes the rows of one
+    of the samples that continue past it (which `before_forward` checks agree)."""
+    index, sample_rows, row = [], [], 1
     for t in batch["unconcat_tokens"]:
         n = t.size(0)
-        index.append(torch.cat([torch.arange(row, row + n - 1, device=t.device), t.new_zeros(1)]))
+        sample_rows.append(torch.arange(row, row + n - 1, device=t.device))
+        index.append(torch.cat([sample_rows[-1], t.new_zeros(1)]))
         row += n - 1
-    pad = mpu.get_tensor_model_parallel_world_size() * args.data_pad_size_multiplier
-    packed = batch["packed_seq_params"] is not None
-    layout = _packed_layout(index, pad)["tokens"] if packed else _padded_layout(index)["tokens"]  # [b, s]
+    tree_index = batch.get("tree_index")
+    if tree_index is not None:
+        layout = torch.zeros_like(batch["tokens"])  # [1, L]: padding to a multiple of TP is filler too
+        for nodes, rows in zip(tree_index, sample_rows):
+            layout[0, nodes[:-1].to(layout.device)] = rows
+        sample_rows = [layout[0, nodes[:-1].to(layout.device)] for nodes in tree_index]
+    else:
+        pad = mpu.get_tensor_model_parallel_world_size() * args.data_pad_size_multiplier
+        packed = batch["packed_seq_params"] is not None
+        layout = _packed_layout(index, pad)["tokens"] if packed else _padded_layout(index)["tokens"]  # [b, s]
     flat = layout.t().reshape(-1)  # Megatron's hidden states are [s, b]: the router sees them flattened so
     if args.sequence_parallel:
         flat = flat.chunk(mpu.get_tensor_model_parallel_world_size())[mpu.get_tensor_model_parallel_rank()]
-    return flat, row
+    return flat, row, sample_rows
 
 
 def before_forward(args, model_chunk, batch):
@@ -121,10 +132,21 @@ def before_forward(args, model_chunk, batch):
                 f"MoE routing replay: sample {i} of the micro-batch has routing of shape {tuple(r.shape)} for "
                 f"{t.size(0)} tokens, expected ({t.size(0) - 1}, {args.num_layers}, top-k)"
             )
-    index, _ = _layout_index(args, batch)
+    index, _, sample_rows = _layout_index(args, batch)
     k = routed[0].shape[2]
     filler = torch.arange(k, device=index.device).expand(1, args.num_layers, k)  # k distinct experts
     table = torch.cat([filler, *[r.to(index.device, torch.long) for r in routed]])
+    if batch.get("tree_index") is not None:
+        # a shared prefix is routed once: only exact when every sample sharing it was routed to the same experts
+        # there (the engine's shared prefill, or a radix-cache hit, gives one routing per prefix); their order in
+        # the top-k does not change the routing
+        for i, rows in enumerate(sample_rows):
+            if not torch.equal(table[rows].sort(-1).values, routed[i].to(table).sort(-1).values):
+                raise ValueError(
+                    f"--tree-training with MoE routing replay: sample {i} of the micro-batch shares a prefix with "
+                    "another sample but its rollout_routed_experts differ there; a prefix computed once takes one "
+                    "routing"
+                )
     laid_out = table.index_select(0, index)  # [s * b, layers, k]
     # 1F1B runs at most (stages - 1) micro-batches forward ahead of their backward: older entries are those of
     # routers that activation recompute does not run again (never popped), dropped to bound the queue
@@ -143,7 +165,7 @@ def recorded(args, model_chunk, batch):
     """After a "record" forward of `batch`: each sample's routing `[tokens - 1, layers, top-k]` (dense layers zero),
     the same on every rank of the micro-batch's tensor- and context-parallel groups. Under pipeline parallelism only
     this stage's layers are filled (a stage may hold none): `across_stages` completes them."""
-    index, rows = _layout_index(args, batch)
+    index, rows, sample_rows = _layout_index(args, batch)
     routers = _routers(model_chunk, args.num_layers)
     table = torch.zeros(rows, args.num_layers, args.moe_router_topk, dtype=torch.long, device=index.device)
     for r in routers:
@@ -154,12 +176,7 @@ def recorded(args, model_chunk, batch):
         dist.all_reduce(table, op=dist.ReduceOp.MAX, group=mpu.get_tensor_model_parallel_group())
     if mpu.get_context_parallel_world_size() > 1:
         dist.all_reduce(table, op=dist.ReduceOp.MAX, group=mpu.get_context_parallel_group())
-    out, row = [], 1
-    for t in batch["unconcat_tokens"]:
-        n = t.size(0) - 1
-        out.append(table[row : row + n].clone())
-        row += n
-    return out
+    return [table[r] for r in sample_rows]  # a copy each (advanced indexing)
 
 
 def across_stages(recorded):
