@@ -395,6 +395,11 @@ def _save_load_log_probs(rank, models, out):
     for name, hf_dir in models.items():
         release, ckpt = f"{out}/{name}_release", f"{out}/{name}_ckpt"
         mtp = ["--mtp-num-layers", "1"] if name.endswith("mtp") else []
+        if mtp:  # saved without the MTP block, the export copies the checkpoint's mtp.* unchanged
+            to_torch_dist(["--hf-checkpoint", hf_dir, "--save", f"{out}/{name}_no_mtp"])
+            _to_hf("--input-dir", f"{out}/{name}_no_mtp", "--output-dir", f"{out}/{name}_no_mtp_hf",
+                   "--origin-hf-dir", hf_dir)  # fmt: skip
+            _assert_same_weights(hf_dir, f"{out}/{name}_no_mtp_hf")
         to_torch_dist(["--hf-checkpoint", hf_dir, "--save", release, *mtp])
         _to_hf("--input-dir", release, "--output-dir", f"{out}/{name}_hf", "--origin-hf-dir", hf_dir)
         _assert_same_weights(hf_dir, f"{out}/{name}_hf")
@@ -488,16 +493,19 @@ def _hand_hybrid_mtp_loss(hf_dir, rollout):
 
 
 def _hybrid_mtp_trains(rank, hf_dir, out):
-    """`--mtp-num-layers 1 --enable-mtp-training` on a Qwen3.5 checkpoint with an MTP layer: the MTP loss of a
-    training forward equals the hand computation, and one RL step gives `eh_proj` (HF `mtp.fc`) the scaled MTP
+    """`--mtp-num-layers 1 --enable-mtp-training` on a Qwen3.5 checkpoint with an MTP layer: the trainer's weights
+    convert back to the checkpoint's tensors (MTP layer under `mtp.*`, which the CPU server, running no draft model,
+    skips); the MTP loss of a training forward equals the hand computation, and one RL step gives `eh_proj` (HF `mtp.fc`) the scaled MTP
     loss's gradient (the RL loss does not reach it)."""
     import ray
 
+    from slime.backends.cpu_server.weights import is_mtp_weight
     from slime.backends.megatron_utils.advantages import compute_advantages_and_returns
     from slime.backends.megatron_utils.data import get_batch, get_data_iterator
     from slime.backends.megatron_utils.model import TRAIN_KEYS, _forward, forward_only, train
     from slime.backends.megatron_utils.mtp import last_mtp_losses, mtp_loss_mask
     from slime.backends.megatron_utils.param_utils import named_parameters
+    from slime.backends.megatron_utils.update_weight.common import gather_and_convert
     from tests.test_mtp import _model, _rollout
 
     ray.get = lambda x: x
@@ -505,6 +513,13 @@ def _hybrid_mtp_trains(rank, hf_dir, out):
     one_micro_batch = ["--micro-batch-size", "4", "--global-batch-size", "4", "--clip-grad", "0"]
     args = family_args(hf_dir, 1, *mtp, *one_micro_batch)
     model, opt, sched, _ = _model(args)
+    sent = {}  # what weight updates and --save-hf write: the checkpoint, MTP layer included, bit-exact
+    for name, param in named_parameters(args, model):
+        sent.update(gather_and_convert(args, args.model_name, name, param, args.vocab_size))
+    expected = load_file(f"{hf_dir}/model.safetensors")
+    assert sorted(sent) == sorted(expected), set(sent) ^ set(expected)
+    assert all(torch.equal(sent[k], v) for k, v in expected.items())
+    assert all(is_mtp_weight(k, args.num_layers) == k.startswith("mtp.") for k in sent)
     rollout = _rollout(args)
     iters, nmb = get_data_iterator(args, model, rollout)
     batch = get_batch(iters[0], TRAIN_KEYS)

@@ -170,7 +170,7 @@ def add_megatron_arguments(parser):
         "--mtp-num-layers",
         type=int,
         default=None,
-        help="Build the first N multi-token-prediction layers (MiMo, DeepSeek-V3, GLM-4.5).",
+        help="Build the first N multi-token-prediction layers (MiMo, DeepSeek-V3, GLM-4.5; Qwen3-Next, Qwen3.5: 1).",
     )
     g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1, help="Weight of the MTP loss.")
     add_hybrid_model_arguments(parser)
