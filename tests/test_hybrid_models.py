@@ -6,7 +6,9 @@ published).
 Each: a tiny random HF checkpoint built from its config; `parse_args` with only `--hf-checkpoint` gives the
 architecture; HF -> Megatron -> HF is bit-exact and the trainer's log-probs over packed samples (4 samples per
 micro-batch pack: the recurrent state must reset at each boundary) equal a transformers fp32 forward within 1e-5, at
-TP=1, TP=2 and (MoE) EP=2. The plain-torch Gated DeltaNet kernel equals transformers' reference per sample.
+TP=1, TP=2 and (MoE) EP=2. The plain-torch Gated DeltaNet kernel equals transformers' reference per sample. Every
+layer pattern saves and resumes, with the published MTP layer (`mtp.*`) too, and that layer trains as computed by
+hand from the HF weights.
 """
 
 import json
@@ -495,8 +497,8 @@ def _hand_hybrid_mtp_loss(hf_dir, rollout):
 def _hybrid_mtp_trains(rank, hf_dir, out):
     """`--mtp-num-layers 1 --enable-mtp-training` on a Qwen3.5 checkpoint with an MTP layer: the trainer's weights
     convert back to the checkpoint's tensors (MTP layer under `mtp.*`, which the CPU server, running no draft model,
-    skips); the MTP loss of a training forward equals the hand computation, and one RL step gives `eh_proj` (HF `mtp.fc`) the scaled MTP
-    loss's gradient (the RL loss does not reach it)."""
+    skips); the MTP loss of a training forward equals the hand computation, and one RL step gives `eh_proj` (HF
+    `mtp.fc`) the scaled MTP loss's gradient (the RL loss does not reach it)."""
     import ray
 
     from slime.backends.cpu_server.weights import is_mtp_weight

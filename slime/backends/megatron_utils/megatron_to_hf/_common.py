@@ -119,8 +119,8 @@ class GPTFamily:
     wrapped in the attention slot (slime_plugins/models/hf_attention.py): `self_attention.<attr>.*` is the HF
     layer's `<attr>.*`, unchanged. `prefix`: the HF decoder's prefix (`model.language_model.` in vision-language
     checkpoints). `mtp`: where the HF checkpoint keeps multi-token-prediction layers ("layers", "mtp_layers" or
-    "mtp", see `_MTP_NAMES`; None: the family has none). `stacked_experts`: the family's checkpoints may also hold each
-    layer's routed experts stacked, `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows first) and
+    "mtp", see `_MTP_NAMES`; None: the family has none). `stacked_experts`: the family's checkpoints may also hold
+    each layer's routed experts stacked, `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows first) and
     `mlp.experts.down_proj` [E, H, I], as the published Qwen3.5-MoE ones do; loading takes either spelling, export
     writes the per-expert one (what transformers saves and SGLang loads)."""
 
