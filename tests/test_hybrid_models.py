@@ -458,14 +458,22 @@ def _hand_hybrid_mtp_loss(hf_dir, rollout):
     import copy
 
     from transformers import AutoModelForCausalLM
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
 
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
     w = load_file(f"{hf_dir}/model.safetensors")
     config = copy.deepcopy(hf.config)
     config.layer_types = ["full_attention"] * config.num_hidden_layers
-    layer = Qwen3_5DecoderLayer(config, layer_idx=0)
-    layer.load_state_dict({k[len("mtp.layers.0.") :]: v for k, v in w.items() if k.startswith("mtp.layers.0.")})
+    layer = type(hf.model.layers[0])(config, layer_idx=0)  # the model's decoder layer, as a full-attention one
+    state = {k[len("mtp.layers.0.") :]: v for k, v in w.items() if k.startswith("mtp.layers.0.")}
+    if "mlp.experts.gate_up_proj" in layer.state_dict():  # transformers stacks the per-expert tensors
+        E = config.num_experts
+        state["mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([state.pop(f"mlp.experts.{e}.{p}_proj.weight") for p in ("gate", "up")]) for e in range(E)]
+        )
+        state["mlp.experts.down_proj"] = torch.stack(
+            [state.pop(f"mlp.experts.{e}.down_proj.weight") for e in range(E)]
+        )
+    layer.load_state_dict(state)
     eps = config.rms_norm_eps
 
     def norm(x, name):
@@ -483,6 +491,7 @@ def _hand_hybrid_mtp_loss(hf_dir, rollout):
         pos = torch.arange(T - 1)[None]
         causal = torch.full((T - 1, T - 1), float("-inf")).triu(1)[None, None]
         out = layer(x[None], hf.model.rotary_emb(x[None], pos[None].expand(3, 1, -1)), causal, pos)
+        out = out[0] if isinstance(out, tuple) else out
         logits = norm(out[0], "norm") @ w["lm_head.weight"].T
         ce = F.cross_entropy(logits[: T - 2], t[2:], reduction="none")  # predicts token i+2
         token_mask = torch.zeros(T)
@@ -544,9 +553,9 @@ def _hybrid_mtp_trains(rank, hf_dir, out):
     torch.testing.assert_close(grad, 0.5 * fc_grad, rtol=1e-5, atol=1e-7)
 
 
-def test_qwen3_5_mtp_layer_trains_like_the_hand_computation(tmp_path):
-    hf_dir = build_random_hf("qwen3_5", str(tmp_path / "qwen3_5_mtp"), seed=7,
-                             layer_types=["linear_attention", "full_attention"])  # fmt: skip
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_mtp_layer_trains_like_the_hand_computation(kind, tmp_path):
+    hf_dir = build_random_hf(kind, str(tmp_path / kind), seed=7, layer_types=["linear_attention", "full_attention"])
     add_mtp_layer(hf_dir, seed=8)
     spawn(_hybrid_mtp_trains, 1, hf_dir, str(tmp_path / "mtp.txt"), timeout=300)
     print((tmp_path / "mtp.txt").read_text())
