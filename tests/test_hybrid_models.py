@@ -6,12 +6,17 @@ published).
 Each: a tiny random HF checkpoint built from its config; `parse_args` with only `--hf-checkpoint` gives the
 architecture; HF -> Megatron -> HF is bit-exact and the trainer's log-probs over packed samples (4 samples per
 micro-batch pack: the recurrent state must reset at each boundary) equal a transformers fp32 forward within 1e-5, at
-TP=1, TP=2 and (MoE) EP=2. The plain-torch Gated DeltaNet kernel equals transformers' reference per sample.
+TP=1, TP=2 and (MoE) EP=2. The plain-torch Gated DeltaNet kernel equals transformers' reference per sample. Every
+layer pattern saves and resumes, with the published MTP layer (`mtp.*`) too, and that layer trains as computed by
+hand from the HF weights.
 """
+
+import json
 
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
 from slime_plugins.models.qwen_gdn_backend import torch_chunk_gated_delta_rule, varlen_causal_conv1d
 from tests._megatron_helpers import build_random_hf, decoder_checkpoint, spawn
@@ -143,26 +148,31 @@ def test_bad_input_is_one_line(hf_models, capsys, tmp_path):
     assert "layer_types[1]='sliding_attention' is not a layer type slime can build" in err
 
 
-def test_qwen_mtp_layers_are_refused_for_the_right_reason(hf_models, capsys, tmp_path):
-    # Qwen3-Next / Qwen3.5 store their MTP layers as mtp_num_hidden_layers (not num_nextn_predict_layers): the
-    # refusal names them and says slime builds no MTP block for the family, never "has 0 MTP layers"
-    import json
+def test_qwen_mtp_layers_accepted_one_depth(hf_models, capsys, tmp_path):
+    # Qwen3-Next / Qwen3.5 store their MTP layers as mtp_num_hidden_layers (not num_nextn_predict_layers), with one
+    # mtp.fc and its norms shared by all of them: --mtp-num-layers 1 builds the block, 2 is refused in one line
     import shutil
 
     for kind in ("qwen3next", "qwen3_5"):
         cfg = json.load(open(f"{hf_models[kind]}/config.json"))
-        (cfg.get("text_config") or cfg)["mtp_num_hidden_layers"] = 1
+        (cfg.get("text_config") or cfg)["mtp_num_hidden_layers"] = 2
         out = tmp_path / kind
         out.mkdir()
         shutil.copy(f"{hf_models[kind]}/model.safetensors", out / "model.safetensors")
         (out / "config.json").write_text(json.dumps(cfg))
+        assert family_args(str(out), 1, "--mtp-num-layers", "1").mtp_num_layers == 1
         with pytest.raises(SystemExit):
-            family_args(str(out), 1, "--mtp-num-layers", "1")
+            family_args(str(out), 1, "--mtp-num-layers", "2")
         err = capsys.readouterr().err
-        assert f"--mtp-num-layers 1: --hf-checkpoint {out}/config.json has 1 multi-token-prediction layer(s) " in err
-        assert "(mtp_num_hidden_layers, model_type" in err and "not for this one yet" in err
-        assert "num_nextn_predict_layers); give at most" not in err
+        assert (
+            f"--mtp-num-layers 2: --hf-checkpoint {out}/config.json keeps its MTP layers as mtp_num_hidden_layers"
+            in err
+        )
+        assert "give --mtp-num-layers 1" in err
         family_args(str(out))  # without the flag the checkpoint is accepted (the engine keeps its MTP layers)
+    with pytest.raises(SystemExit):
+        family_args(hf_models["qwen3_5"], 1, "--mtp-num-layers", "1")
+    assert "has 0 multi-token-prediction layer(s) (num_nextn_predict_layers)" in capsys.readouterr().err
 
 
 def test_hybrids_roundtrip_and_log_probs_tp1(hf_models, tmp_path):
@@ -319,10 +329,43 @@ def test_qwen3_5_moe_save_hf_writes_the_checkpoints_tensors(ray_session, tiny_ki
         assert not info["missing_keys"] and not info["unexpected_keys"], info
 
 
-# Layer patterns that save (config.json's layer_types; l: linear attention, f: full): the issue's two and the
-# published three linear to one full, dense and MoE (Qwen3-Next: MoE with a dense MLP in layer 1). The patterns
-# of tests/_megatron_helpers.py's hybrids (linear, full, linear) save too (test_qwen3_5_moe_save_hf_...).
-SAVE_PATTERNS = [("qwen3_5", "llf"), ("qwen3_5", "lllf"), ("qwen3_5_moe", "lflf"), ("qwen3next", "lllf")]
+def add_mtp_layer(hf_dir, seed):
+    """Give a tiny hybrid checkpoint one MTP layer as the published Qwen3-Next / Qwen3.5 ones hold it (transformers
+    drops these tensors; SGLang's qwen3_next_mtp reads them): `mtp.fc` [h, 2h] over [embedding; hidden],
+    `mtp.pre_fc_norm_{embedding,hidden}`, `mtp.norm` (zero-centred), and a full-attention decoder layer
+    `mtp.layers.0.*` shaped as the last decoder layer (full attention, MoE in the MoE models); all random."""
+    with open(f"{hf_dir}/config.json") as f:
+        config = json.load(f)
+    text = config.get("text_config") or config
+    h, L = text["hidden_size"], text["num_hidden_layers"]
+    assert text["layer_types"][-1] == "full_attention"
+    weights = load_file(f"{hf_dir}/model.safetensors")
+    g = torch.Generator().manual_seed(seed)
+    last = next(k.split("layers.")[0] for k in weights if ".layers." in k and "visual" not in k) + f"layers.{L - 1}."
+    for name, t in list(weights.items()):
+        if name.startswith(last):
+            weights["mtp.layers.0." + name[len(last) :]] = torch.randn(t.shape, generator=g) * 0.1
+    weights["mtp.fc.weight"] = torch.randn(h, 2 * h, generator=g) * 0.1
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        weights[f"mtp.{norm}.weight"] = torch.randn(h, generator=g) * 0.1
+    save_file(weights, f"{hf_dir}/model.safetensors", metadata={"format": "pt"})
+    text["mtp_num_hidden_layers"] = 1
+    with open(f"{hf_dir}/config.json", "w") as f:
+        json.dump(config, f)
+    return hf_dir
+
+
+# Layer patterns that save (config.json's layer_types; l: linear attention, f: full; +mtp: one MTP layer): the
+# issue's two and the published three linear to one full, dense and MoE (Qwen3-Next: MoE with a dense MLP in layer
+# 1), with MTP as published. The patterns of tests/_megatron_helpers.py's hybrids (linear, full, linear) save too
+# (test_qwen3_5_moe_save_hf_...).
+SAVE_PATTERNS = [
+    ("qwen3_5", "llf", False),
+    ("qwen3_5", "lllf", True),
+    ("qwen3_5_moe", "lflf", False),
+    ("qwen3_5_moe", "lllf", True),
+    ("qwen3next", "lllf", True),
+]
 
 
 def _save_load_log_probs(rank, models, out):
@@ -353,13 +396,19 @@ def _save_load_log_probs(rank, models, out):
     ray.get = lambda x: x
     for name, hf_dir in models.items():
         release, ckpt = f"{out}/{name}_release", f"{out}/{name}_ckpt"
-        to_torch_dist(["--hf-checkpoint", hf_dir, "--save", release])
+        mtp = ["--mtp-num-layers", "1"] if name.endswith("mtp") else []
+        if mtp:  # saved without the MTP block, the export copies the checkpoint's mtp.* unchanged
+            to_torch_dist(["--hf-checkpoint", hf_dir, "--save", f"{out}/{name}_no_mtp"])
+            _to_hf("--input-dir", f"{out}/{name}_no_mtp", "--output-dir", f"{out}/{name}_no_mtp_hf",
+                   "--origin-hf-dir", hf_dir)  # fmt: skip
+            _assert_same_weights(hf_dir, f"{out}/{name}_no_mtp_hf")
+        to_torch_dist(["--hf-checkpoint", hf_dir, "--save", release, *mtp])
         _to_hf("--input-dir", release, "--output-dir", f"{out}/{name}_hf", "--origin-hf-dir", hf_dir)
         _assert_same_weights(hf_dir, f"{out}/{name}_hf")
 
         states = []
         for load in (release, ckpt):
-            args = family_args(hf_dir, 1, "--load", load, "--save", ckpt)
+            args = family_args(hf_dir, 1, "--load", load, "--save", ckpt, *mtp)
             mpu.destroy_model_parallel()
             init(args)
             model, opt, sched, iteration = initialize_model_and_optimizer(args)
@@ -379,6 +428,7 @@ def _save_load_log_probs(rank, models, out):
                 save_checkpoint(args, 0, model, opt, sched)
         (saved, saved_lp), (loaded, loaded_lp) = states
         assert sorted(saved) == sorted(loaded), name
+        assert any(".mtp.layers.0.transformer_layer." in n for n in saved) == bool(mtp), name
         assert all(torch.equal(saved[n], loaded[n]) for n in saved), name
         assert all(torch.equal(a, b) for a, b in zip(saved_lp, loaded_lp)), name
         with open(f"{out}/done.txt", "a") as f:
@@ -390,12 +440,125 @@ def test_hybrids_save_and_load_every_layer_pattern(tmp_path):
     tensors were declared stacked over all layers while only the linear-attention layers hold them), HF ->
     torch_dist -> HF is bit-exact, and save -> load gives identical weights and log-probs."""
     types = {"l": "linear_attention", "f": "full_attention"}
-    models = {
-        f"{kind}_{p}": build_random_hf(kind, str(tmp_path / f"{kind}_{p}"), seed=i, layer_types=[types[c] for c in p])
-        for i, (kind, p) in enumerate(SAVE_PATTERNS)
-    }
+    models = {}
+    for i, (kind, p, mtp) in enumerate(SAVE_PATTERNS):
+        name = f"{kind}_{p}{'_mtp' if mtp else ''}"
+        models[name] = build_random_hf(kind, str(tmp_path / name), seed=i, layer_types=[types[c] for c in p])
+        if mtp:
+            add_mtp_layer(models[name], seed=20 + i)
     spawn(_save_load_log_probs, 1, models, str(tmp_path), timeout=400)
     assert len((tmp_path / "done.txt").read_text().splitlines()) == len(SAVE_PATTERNS)
+
+
+def _hand_hybrid_mtp_loss(hf_dir, rollout):
+    """The Qwen3.5 MTP loss in plain torch from the HF weights, and its gradient on `mtp.fc`: position i joins the
+    embedding of token i+1 and the main model's final hidden state at i (`fc([norm_e(e); norm_h(h)])`, zero-centred
+    norms), runs transformers' full-attention decoder layer with `mtp.layers.0.*`, `mtp.norm` and the LM head, and
+    is scored on token i+2 where that is a loss-masked response token; the mean over those tokens."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    w = load_file(f"{hf_dir}/model.safetensors")
+    config = copy.deepcopy(hf.config)
+    config.layer_types = ["full_attention"] * config.num_hidden_layers
+    layer = type(hf.model.layers[0])(config, layer_idx=0)  # the model's decoder layer, as a full-attention one
+    state = {k[len("mtp.layers.0.") :]: v for k, v in w.items() if k.startswith("mtp.layers.0.")}
+    if "mlp.experts.gate_up_proj" in layer.state_dict():  # transformers stacks the per-expert tensors
+        E = config.num_experts
+        state["mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([state.pop(f"mlp.experts.{e}.{p}_proj.weight") for p in ("gate", "up")]) for e in range(E)]
+        )
+        state["mlp.experts.down_proj"] = torch.stack(
+            [state.pop(f"mlp.experts.{e}.down_proj.weight") for e in range(E)]
+        )
+    layer.load_state_dict(state)
+    eps = config.rms_norm_eps
+
+    def norm(x, name):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w[f"mtp.{name}.weight"])
+
+    fc = w["mtp.fc.weight"].clone().requires_grad_()
+    total, count = 0.0, 0
+    for tokens, r, mask in zip(rollout["tokens"], rollout["response_lengths"], rollout["loss_masks"]):
+        t = torch.as_tensor(tokens)
+        T = t.numel()
+        with torch.no_grad():
+            h = hf.model(t[None]).last_hidden_state[0]  # after the final norm, as Megatron's decoder output
+        e = w["model.embed_tokens.weight"][t[1:]]
+        x = torch.cat([norm(e, "pre_fc_norm_embedding"), norm(h[:-1], "pre_fc_norm_hidden")], -1) @ fc.T
+        pos = torch.arange(T - 1)[None]
+        causal = torch.full((T - 1, T - 1), float("-inf")).triu(1)[None, None]
+        out = layer(x[None], hf.model.rotary_emb(x[None], pos[None].expand(3, 1, -1)), causal, pos)
+        out = out[0] if isinstance(out, tuple) else out
+        logits = norm(out[0], "norm") @ w["lm_head.weight"].T
+        ce = F.cross_entropy(logits[: T - 2], t[2:], reduction="none")  # predicts token i+2
+        token_mask = torch.zeros(T)
+        token_mask[T - r :] = torch.as_tensor(mask, dtype=torch.float32)
+        total = total + (ce * token_mask[2:]).sum()
+        count += token_mask[2:].sum().item()
+    loss = total / count
+    loss.backward()
+    return loss.item(), fc.grad
+
+
+def _hybrid_mtp_trains(rank, hf_dir, out):
+    """`--mtp-num-layers 1 --enable-mtp-training` on a Qwen3.5 checkpoint with an MTP layer: the trainer's weights
+    convert back to the checkpoint's tensors (MTP layer under `mtp.*`, which the CPU server, running no draft model,
+    skips); the MTP loss of a training forward equals the hand computation, and one RL step gives `eh_proj` (HF
+    `mtp.fc`) the scaled MTP loss's gradient (the RL loss does not reach it)."""
+    import ray
+
+    from slime.backends.cpu_server.weights import is_mtp_weight
+    from slime.backends.megatron_utils.advantages import compute_advantages_and_returns
+    from slime.backends.megatron_utils.data import get_batch, get_data_iterator
+    from slime.backends.megatron_utils.model import TRAIN_KEYS, _forward, forward_only, train
+    from slime.backends.megatron_utils.mtp import last_mtp_losses, mtp_loss_mask
+    from slime.backends.megatron_utils.param_utils import named_parameters
+    from slime.backends.megatron_utils.update_weight.common import gather_and_convert
+    from tests.test_mtp import _model, _rollout
+
+    ray.get = lambda x: x
+    mtp = ["--mtp-num-layers", "1", "--enable-mtp-training", "--mtp-loss-scaling-factor", "0.5"]
+    one_micro_batch = ["--micro-batch-size", "4", "--global-batch-size", "4", "--clip-grad", "0"]
+    args = family_args(hf_dir, 1, *mtp, *one_micro_batch)
+    model, opt, sched, _ = _model(args)
+    sent = {}  # what weight updates and --save-hf write: the checkpoint, MTP layer included, bit-exact
+    for name, param in named_parameters(args, model):
+        sent.update(gather_and_convert(args, args.model_name, name, param, args.vocab_size))
+    expected = load_file(f"{hf_dir}/model.safetensors")
+    assert sorted(sent) == sorted(expected), set(sent) ^ set(expected)
+    assert all(torch.equal(sent[k], v) for k, v in expected.items())
+    assert all(is_mtp_weight(k, args.num_layers) == k.startswith("mtp.") for k in sent)
+    rollout = _rollout(args)
+    iters, nmb = get_data_iterator(args, model, rollout)
+    batch = get_batch(iters[0], TRAIN_KEYS)
+    batch["mtp_loss_mask"] = mtp_loss_mask(batch)
+    model[0].train()
+    _forward(model[0], batch)
+    got = last_mtp_losses(model[0]).item()
+    expected, fc_grad = _hand_hybrid_mtp_loss(hf_dir, rollout)
+    iters[0].reset()
+    rollout.update(forward_only(args, model, iters, nmb, store_prefix="ref_"))
+    rollout.update(forward_only(args, model, iters, nmb))
+    compute_advantages_and_returns(args, rollout)
+    (metrics,) = train(args, 0, model, opt, sched, iters, nmb)
+    grad = dict(named_parameters(args, model))["module.module.mtp.layers.0.eh_proj.weight"].main_grad
+    grad_diff = (grad - 0.5 * fc_grad).abs().max().item()
+    with open(out, "w") as f:
+        f.write(f"mtp loss {got:.6f} hand {expected:.6f}; eh_proj grad max diff {grad_diff:.3g}\n")
+    assert abs(got - expected) <= 1e-5, (got, expected)
+    assert "train/mtp_loss" in metrics
+    torch.testing.assert_close(grad, 0.5 * fc_grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_mtp_layer_trains_like_the_hand_computation(kind, tmp_path):
+    hf_dir = build_random_hf(kind, str(tmp_path / kind), seed=7, layer_types=["linear_attention", "full_attention"])
+    add_mtp_layer(hf_dir, seed=8)
+    spawn(_hybrid_mtp_trains, 1, hf_dir, str(tmp_path / "mtp.txt"), timeout=300)
+    print((tmp_path / "mtp.txt").read_text())
 
 
 # ---------------------------------------------------------------- context parallelism

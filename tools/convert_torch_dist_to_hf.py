@@ -297,13 +297,13 @@ class ShardWriter:
 
 
 def pass_through_mtp(origin_hf_dir, writer):
-    """A checkpoint saved without `--mtp-num-layers` has no MTP layers: copy MiMo's (`model.mtp_layers.*`) from the
-    origin checkpoint unchanged, so the export stays a complete checkpoint."""
+    """A checkpoint saved without `--mtp-num-layers` has no MTP layers: copy MiMo's (`model.mtp_layers.*`) and
+    Qwen3-Next / Qwen3.5's (`mtp.*`) from the origin checkpoint unchanged, so the export stays a complete checkpoint."""
     from slime.backends.megatron_utils.megatron_to_hf.hf_to_megatron import SafetensorsReader  # heavy (Megatron)
 
     origin = SafetensorsReader(origin_hf_dir)
     for name in sorted(origin.key_to_file):
-        if name.startswith("model.mtp_layers."):
+        if name.startswith(("model.mtp_layers.", "mtp.")):
             writer.add(name, origin.get(name))
 
 

@@ -102,6 +102,8 @@ def hybrid_layer_spec(args, config, vp_stage, linear_attention_cls, what):
     config.hetereogenous_dist_checkpoint = True  # sic: megatron-core's spelling
     layer_types = hybrid_layer_types(load_hf_text_config(args.hf_checkpoint))
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    # their MTP layers (`mtp.layers.{i}` in HF) are full attention with the decoder's last MLP (`mtp.mtp_block_spec`)
+    spec.mtp_layer_spec = spec.layer_specs[-1] if spec.layer_specs else None
     for i, layer in enumerate(spec.layer_specs):
         if layer_types[offset + i] == "linear_attention":
             layer = copy.deepcopy(layer)

@@ -39,9 +39,10 @@ _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 def is_mtp_weight(name, num_layers, num_mtp_layers=0):
     """A multi-token-prediction layer's tensor (speculative decoding, which this server does not run): MiMo's
-    `model.mtp_layers.*`, DeepSeek-V3 / GLM-4.5's `model.layers.{i}.*` at num_hidden_layers <= i < num_hidden_layers
-    + num_nextn_predict_layers. The trainer sends them with `--mtp-num-layers`."""
-    if name.startswith("model.mtp_layers."):
+    `model.mtp_layers.*`, Qwen3-Next / Qwen3.5's `mtp.*`, DeepSeek-V3 / GLM-4.5's `model.layers.{i}.*` at
+    num_hidden_layers <= i < num_hidden_layers + num_nextn_predict_layers. The trainer sends them with
+    `--mtp-num-layers`."""
+    if name.startswith(("model.mtp_layers.", "mtp.")):
         return True
     m = _LAYER_INDEX.match(name)
     return m is not None and num_layers <= int(m.group(1)) < num_layers + num_mtp_layers

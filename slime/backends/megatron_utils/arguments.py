@@ -170,7 +170,7 @@ def add_megatron_arguments(parser):
         "--mtp-num-layers",
         type=int,
         default=None,
-        help="Build the first N multi-token-prediction layers (MiMo, DeepSeek-V3, GLM-4.5).",
+        help="Build the first N multi-token-prediction layers (MiMo, DeepSeek-V3, GLM-4.5; Qwen3-Next, Qwen3.5: 1).",
     )
     g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1, help="Weight of the MTP loss.")
     add_hybrid_model_arguments(parser)
@@ -733,21 +733,21 @@ def apply_hf_config(args, error, check_paths, given=frozenset()):
             setattr(args, dest, value)
     mismatches = _hf_mismatches(args, arch, cfg)
     hf_mtp = getattr(cfg, "num_nextn_predict_layers", 0) or 0
-    # Qwen3-Next / Qwen3.5 store their MTP layers as `mtp_num_hidden_layers`: slime builds no MTP block for them yet
-    other_mtp = 0 if hf_mtp else getattr(cfg, "mtp_num_hidden_layers", 0) or 0
-    if args.mtp_num_layers and other_mtp:
-        error(
-            f"--mtp-num-layers {args.mtp_num_layers}: --hf-checkpoint {path}/config.json has {other_mtp} "
-            f"multi-token-prediction layer(s) (mtp_num_hidden_layers, model_type {getattr(cfg, 'model_type', '?')}), "
-            "but slime builds the MTP block only for the num_nextn_predict_layers families (MiMo, DeepSeek-V3, "
-            "GLM-4.5), not for this one yet; drop the flag."
-        )
-    if other_mtp:
-        hf_mtp = other_mtp  # for the note below: the engine keeps the checkpoint's MTP layers
-    elif args.mtp_num_layers and args.mtp_num_layers > hf_mtp:
+    key = "num_nextn_predict_layers"
+    if not hf_mtp and getattr(cfg, "mtp_num_hidden_layers", 0):
+        # Qwen3-Next / Qwen3.5: their checkpoints share one `mtp.fc` and its norms over every MTP layer, while
+        # Megatron's MTP block keeps them per depth, so only one depth maps onto their names
+        hf_mtp, key = cfg.mtp_num_hidden_layers, "mtp_num_hidden_layers"
+        if args.mtp_num_layers and args.mtp_num_layers > 1:
+            error(
+                f"--mtp-num-layers {args.mtp_num_layers}: --hf-checkpoint {path}/config.json keeps its MTP layers "
+                "as mtp_num_hidden_layers, which share one mtp.fc / pre_fc_norm_* / norm that Megatron's MTP block "
+                "holds per depth; slime trains 1 of them: give --mtp-num-layers 1."
+            )
+    if args.mtp_num_layers and args.mtp_num_layers > hf_mtp:
         error(
             f"--mtp-num-layers {args.mtp_num_layers}: --hf-checkpoint {path}/config.json has {hf_mtp} "
-            "multi-token-prediction layer(s) (num_nextn_predict_layers); give at most that many, or drop the flag."
+            f"multi-token-prediction layer(s) ({key}); give at most that many, or drop the flag."
         )
     if hf_mtp and not args.mtp_num_layers:
         logger.info(

@@ -126,10 +126,18 @@ def with_zero_centered_norms(spec):
     spec = copy.deepcopy(spec)
 
     def visit(node):
-        for field in ("input_layernorm", "pre_mlp_layernorm", "q_layernorm", "k_layernorm", "layer_norm"):
+        for field in (
+            "input_layernorm",
+            "pre_mlp_layernorm",
+            "q_layernorm",
+            "k_layernorm",
+            "layer_norm",
+            "enorm",
+            "hnorm",
+        ):
             if getattr(node, field, None) is LNImpl:
                 setattr(node, field, ZeroCenteredRMSNorm)
-        for child in ("submodules", "self_attention", "mlp"):
+        for child in ("submodules", "self_attention", "mlp", "transformer_layer"):
             if getattr(node, child, None) is not None and not isinstance(getattr(node, child), type):
                 visit(getattr(node, child))
 

@@ -25,6 +25,7 @@ from megatron.core.transformer.multi_token_prediction import (
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from .cp_utils import cp_size_and_rank, slice_with_cp, zigzag_ranges
+from .local_layers import with_zero_centered_norms
 from .log_probs import _mask_padded_vocab
 from .param_utils import unwrap_model
 
@@ -35,7 +36,11 @@ def mtp_block_spec(args, layer_spec, use_te, post_process):
     if not args.mtp_num_layers or not post_process:
         return None
     last = layer_spec.layer_specs[-1] if isinstance(layer_spec, TransformerBlockSubmodules) else layer_spec
-    return MultiTokenPredictionBlockSubmodules(layer_specs=[get_mtp_layer_spec(last, use_te)] * args.mtp_num_layers)
+    last = getattr(layer_spec, "mtp_layer_spec", None) or last  # a hybrid's: full attention (qwen3_next.py)
+    spec = get_mtp_layer_spec(last, use_te)
+    if args.apply_layernorm_1p and not use_te:  # enorm, hnorm and the final norm too (TE's norms take it from config)
+        spec = with_zero_centered_norms(spec)
+    return MultiTokenPredictionBlockSubmodules(layer_specs=[spec] * args.mtp_num_layers)
 
 
 class MTPGPTModel(GPTModel):

@@ -21,7 +21,8 @@ _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _MTP_RE = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 # Megatron MTP-layer suffix -> HF suffix, by HF layout: DeepSeek-V3 / GLM-4.5 put MTP layer i at decoder index
 # num_hidden_layers + i (`model.layers.{L+i}.`), MiMo under `model.mtp_layers.{i}.` (SGLang's deepseek_nextn,
-# glm4_moe_nextn and mimo_mtp loaders read these names).
+# glm4_moe_nextn and mimo_mtp loaders read these names); Qwen3-Next / Qwen3.5 (SGLang's qwen3_next_mtp) keep the
+# decoder layer under `mtp.layers.{i}.` and one `mtp.fc` with its norms, outside the decoder's prefix.
 _MTP_NAMES = {
     "layers": {
         "enorm.weight": "enorm.weight",
@@ -34,6 +35,12 @@ _MTP_NAMES = {
         "hnorm.weight": "hidden_layernorm.weight",
         "eh_proj.weight": "input_proj.weight",
         "final_layernorm.weight": "final_layernorm.weight",
+    },
+    "mtp": {
+        "enorm.weight": "pre_fc_norm_embedding.weight",
+        "hnorm.weight": "pre_fc_norm_hidden.weight",
+        "eh_proj.weight": "fc.weight",
+        "final_layernorm.weight": "norm.weight",
     },
 }
 _EXPERT_RE = re.compile(
@@ -111,9 +118,9 @@ class GPTFamily:
     `linear_qkv` holds `[q; gate; k; v]` per query group. `hf_modules`: HF attribute names of transformers modules
     wrapped in the attention slot (slime_plugins/models/hf_attention.py): `self_attention.<attr>.*` is the HF
     layer's `<attr>.*`, unchanged. `prefix`: the HF decoder's prefix (`model.language_model.` in vision-language
-    checkpoints). `mtp`: where the HF checkpoint keeps multi-token-prediction layers ("layers" or "mtp_layers",
-    see `_MTP_NAMES`; None: the family has none). `stacked_experts`: the family's checkpoints may also hold each
-    layer's routed experts stacked, `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows first) and
+    checkpoints). `mtp`: where the HF checkpoint keeps multi-token-prediction layers ("layers", "mtp_layers" or
+    "mtp", see `_MTP_NAMES`; None: the family has none). `stacked_experts`: the family's checkpoints may also hold
+    each layer's routed experts stacked, `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows first) and
     `mlp.experts.down_proj` [E, H, I], as the published Qwen3.5-MoE ones do; loading takes either spelling, export
     writes the per-expert one (what transformers saves and SGLang loads)."""
 
@@ -145,6 +152,8 @@ class GPTFamily:
     def _mtp_prefix(self, args, i):
         if self.mtp == "layers":
             return f"{self.prefix}layers.{args.num_layers + i}."
+        if self.mtp == "mtp":
+            return f"mtp.layers.{i}."
         return f"{self.prefix}mtp_layers.{i}."
 
     def _mtp_shared_copies(self, args, local, param):
@@ -165,6 +174,8 @@ class GPTFamily:
         if rest in _MTP_NAMES[self.mtp]:
             if rest == "eh_proj.weight" and self.mtp == "mtp_layers":
                 param = swap_halves(param)
+            if self.mtp == "mtp":  # one fc and its norms (`--mtp-num-layers` 1 is checked at start-up)
+                pre = "mtp."
             return [(pre + _MTP_NAMES[self.mtp][rest], param)]
         if rest.startswith("transformer_layer."):
             return self._layer_to_hf(args, pre, rest[len("transformer_layer.") :], param)

@@ -4,20 +4,27 @@ checkpoints (`Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`) keep the decoder und
 vision-language ones (`Qwen3_5(Moe)ForConditionalGeneration`) under `model.language_model.` (the vision tower is not
 trained: the inference engine keeps the checkpoint's). Qwen3.5-MoE experts are exported one tensor per expert (what
 transformers saves, Qwen3-Next's names); the published checkpoints stack them (`mlp.experts.gate_up_proj` /
-`mlp.experts.down_proj`), which loading also reads (see `GPTFamily`)."""
+`mlp.experts.down_proj`), which loading also reads (see `GPTFamily`). MTP layers (`mtp_num_hidden_layers`) sit
+outside the decoder's prefix, as in Qwen3-Next: `mtp.fc`, `mtp.pre_fc_norm_{embedding,hidden}`, `mtp.norm` and a
+full-attention decoder layer `mtp.layers.{i}.`."""
 
 from ._common import GPTFamily
 
 _FEATURES = ("qk_norm", "gated_attention")
 _MOE_FEATURES = (*_FEATURES, "moe", "shared_expert")
 _VL_PREFIX = "model.language_model."
-FAMILY = GPTFamily("qwen3_5", features=_FEATURES, hf_modules=("linear_attn",), prefix=_VL_PREFIX)
-TEXT_FAMILY = GPTFamily("qwen3_5_text", features=_FEATURES, hf_modules=("linear_attn",))
+FAMILY = GPTFamily("qwen3_5", features=_FEATURES, hf_modules=("linear_attn",), prefix=_VL_PREFIX, mtp="mtp")
+TEXT_FAMILY = GPTFamily("qwen3_5_text", features=_FEATURES, hf_modules=("linear_attn",), mtp="mtp")
 MOE_FAMILY = GPTFamily(
-    "qwen3_5_moe", features=_MOE_FEATURES, hf_modules=("linear_attn",), prefix=_VL_PREFIX, stacked_experts=True
+    "qwen3_5_moe",
+    features=_MOE_FEATURES,
+    hf_modules=("linear_attn",),
+    prefix=_VL_PREFIX,
+    mtp="mtp",
+    stacked_experts=True,
 )
 MOE_TEXT_FAMILY = GPTFamily(
-    "qwen3_5_moe_text", features=_MOE_FEATURES, hf_modules=("linear_attn",), stacked_experts=True
+    "qwen3_5_moe_text", features=_MOE_FEATURES, hf_modules=("linear_attn",), mtp="mtp", stacked_experts=True
 )
 
 

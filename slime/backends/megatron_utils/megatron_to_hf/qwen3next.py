@@ -7,6 +7,7 @@ FAMILY = GPTFamily(
     "qwen3next",
     features=("qk_norm", "gated_attention", "moe", "shared_expert"),
     hf_modules=("linear_attn",),
+    mtp="mtp",
 )
 
 
