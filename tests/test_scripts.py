@@ -245,23 +245,22 @@ def _fake_base_dir(base: Path):
 
 @needs_validator
 @pytest.mark.parametrize("name", RUN_SCRIPTS)
-def test_run_script_dry_run_validates(name, tmp_path):
+def test_run_script_dry_run_validates(name, tmp_path, preimported_python):
     base = tmp_path / "root"
     _fake_base_dir(base)
-    env = dict(
-        os.environ,
-        SLIME_DRY_RUN="1",
-        BASE_DIR=str(base),
-        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-    )
+    env = dict(os.environ, SLIME_DRY_RUN="1", BASE_DIR=str(base), **preimported_python.env)
+    served = preimported_python.served()
     out = subprocess.run(["bash", str(SCRIPTS / name)], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, f"{name} dry run failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     assert out.stdout.strip().splitlines()[-1] == "ok"
     assert "ray start" not in out.stderr and "ray job submit" not in out.stderr  # dry run launches nothing
+    assert (
+        preimported_python.wait_served(served + 1) == served + 1
+    )  # the script's validator ran, in the pre-imported server
 
 
 @needs_validator
-def test_validator_rejects_model_mismatch(tmp_path):
+def test_validator_rejects_model_mismatch(tmp_path, preimported_python):
     """A MODEL_ARGS array that disagrees with the HF checkpoint's config is refused, naming the field."""
     hf = tmp_path / "Qwen3-4B"
     hf.mkdir()
@@ -282,6 +281,20 @@ def test_validator_rejects_model_mismatch(tmp_path):
     )
     assert out.returncode != 0, f"mismatch accepted: {shlex.join(argv)}"
     assert "num_hidden_layers" in out.stderr or "num_layers" in out.stderr, out.stderr[-2000:]
+    # the dry runs' pre-imported `python3` (tests/_zygote.py) answers as this fresh interpreter did, exit status,
+    # output and error text alike, and ran the call itself rather than falling back to a fresh interpreter
+    served = preimported_python.served()
+    env = dict(os.environ, **preimported_python.env)
+    again = subprocess.run(
+        ["python3", "-m", "slime.utils.arguments", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=env,
+    )
+    assert (again.returncode, again.stdout, again.stderr) == (out.returncode, out.stdout, out.stderr)
+    assert preimported_python.wait_served(served + 1) == served + 1
 
 
 def test_plot_metrics(tmp_path):
