@@ -297,7 +297,7 @@ def test_validator_rejects_model_mismatch(tmp_path, preimported_python):
     assert preimported_python.wait_served(served + 1) == served + 1
 
 
-def test_plot_metrics(tmp_path):
+def test_plot_metrics(tmp_path, preimported_python):
     from tools.plot_metrics import default_keys, read_metrics, series
 
     path = tmp_path / "metrics.jsonl"
@@ -311,26 +311,30 @@ def test_plot_metrics(tmp_path):
     assert default_keys(read_metrics(str(path))) == ["rollout/raw_reward", "eval/addition"]
     assert series(rows, "eval/addition") == ([2, 4], [0.5, 0.75])
     out = tmp_path / "plots" / "curve.png"
+    served = preimported_python.served()
     res = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "plot_metrics.py"), str(path), str(out)],
+        ["python3", str(ROOT / "tools" / "plot_metrics.py"), str(path), str(out)],
         capture_output=True,
         text=True,
         timeout=120,
+        env=dict(os.environ, **preimported_python.env),
     )
     assert res.returncode == 0, res.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
 
     (tmp_path / "bad.jsonl").write_text('{"rollout_id": 0}\nnot json\n')
     res = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "plot_metrics.py"), str(tmp_path / "bad.jsonl"), str(out)],
+        ["python3", str(ROOT / "tools" / "plot_metrics.py"), str(tmp_path / "bad.jsonl"), str(out)],
         capture_output=True,
         text=True,
         timeout=120,
+        env=dict(os.environ, **preimported_python.env),
     )
     assert res.returncode != 0 and "bad.jsonl:2" in res.stderr and "Traceback" not in res.stderr
+    assert preimported_python.wait_served(served + 2) == served + 2  # both ran in the pre-imported python
 
 
-def test_plot_metrics_overlays_runs_and_reference_lines(tmp_path, monkeypatch):
+def test_plot_metrics_overlays_runs_and_reference_lines(tmp_path, monkeypatch, preimported_python):
     """--also draws another run's curve in the same panel, --hline a labelled horizontal line in one key's panel;
     a malformed LABEL=VALUE is one line, no traceback."""
     import matplotlib.figure
@@ -354,10 +358,11 @@ def test_plot_metrics_overlays_runs_and_reference_lines(tmp_path, monkeypatch):
     assert lines == {"A": ([0, 10], [0.1, 0.5]), "B": ([0, 10], [0.1, 0.3]), "top (0.9)": ([0, 1], [0.9, 0.9])}
     for bad in (["--also", "B"], ["--hline", "eval/x", "top=high"]):
         res = subprocess.run(
-            [sys.executable, str(ROOT / "tools" / "plot_metrics.py"), str(runs["a"]), str(tmp_path / "d.png"), *bad],
+            ["python3", str(ROOT / "tools" / "plot_metrics.py"), str(runs["a"]), str(tmp_path / "d.png"), *bad],
             capture_output=True,
             text=True,
             timeout=120,
+            env=dict(os.environ, **preimported_python.env),
         )
         assert res.returncode != 0 and res.stderr.startswith("plot_metrics: ") and "Traceback" not in res.stderr
 
