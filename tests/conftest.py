@@ -2,6 +2,7 @@
 
 import os
 import tempfile
+import time
 import uuid
 
 _HF_HOME = tempfile.mkdtemp(prefix="slime-hf-home-")
@@ -81,6 +82,58 @@ def ray_session():
         )
     yield ray
     ray.shutdown()
+
+
+class PreimportedPython:
+    """`env`: what a dry run's environment takes from the fixture below; `served()`: the calls its server ran."""
+
+    def __init__(self, env, lines):
+        self.env, self._lines = env, lines
+
+    def served(self):
+        return sum(line.startswith("served ") for line in self._lines)
+
+    def wait_served(self, count, timeout=30):
+        """served() once it reaches `count`, or after `timeout` seconds (a thread reads the server's log)."""
+        deadline = time.time() + timeout
+        while self.served() < count and time.time() < deadline:
+            time.sleep(0.05)
+        return self.served()
+
+
+@pytest.fixture(scope="session")
+def preimported_python():
+    """Environment for the launch scripts' dry runs: a `python3` first on PATH that runs `python3 -m
+    slime.utils.arguments` in a child forked from one server that imported it already (tests/_zygote.py), saving
+    each dry-run stage an interpreter's start; anything else runs this interpreter."""
+    import shutil
+    import subprocess
+    import sys
+
+    from tests import _zygote
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    work = tempfile.mkdtemp(prefix="zygote", dir="/tmp")  # a unix socket path must stay short
+    sock = os.path.join(work, "s")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "tests._zygote", sock],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert _procs.wait_for_line(server, "ready", 300), (
+            "the pre-imported python server did not start within 300s:\n" + _procs.tail(server)
+        )
+        path = os.pathsep.join(
+            [_zygote.write_shim(os.path.join(work, "bin")), os.path.dirname(sys.executable), os.environ["PATH"]]
+        )
+        yield PreimportedPython({"PATH": path, _zygote.ENV_KEY: sock}, server.lines)
+    finally:
+        server.kill()
+        server.wait(30)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -61,7 +61,7 @@ LAUNCH_SCRIPTS = [
 
 
 @pytest.mark.parametrize("script, data, rows", LAUNCH_SCRIPTS, ids=[s[0].split("/")[0] for s in LAUNCH_SCRIPTS])
-def test_launch_script_dry_run_validates(script, data, rows, tmp_path):
+def test_launch_script_dry_run_validates(script, data, rows, tmp_path, preimported_python):
     """The example's launch script's arguments parse and validate (SLIME_DRY_RUN: no Ray, no GPU)."""
     base = tmp_path / "root"
     _fake_base_dir(base)
@@ -72,12 +72,12 @@ def test_launch_script_dry_run_validates(script, data, rows, tmp_path):
     elif rows is not None:
         (base / data).parent.mkdir(parents=True)
         (base / data).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    env = dict(
-        os.environ, SLIME_DRY_RUN="1", BASE_DIR=str(base), PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}"
-    )
+    env = dict(os.environ, SLIME_DRY_RUN="1", BASE_DIR=str(base), **preimported_python.env)
+    served = preimported_python.served()
     out = subprocess.run(["bash", str(EXAMPLES / script)], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "ok"
+    assert preimported_python.wait_served(served + 1) == served + 1  # its validator ran in the pre-imported server
 
 
 # ---------------------------------------------------------------- multi_agent

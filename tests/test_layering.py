@@ -87,15 +87,17 @@ PROJECT = (
     "train.py",
     "train_async.py",
 )
-# these name the shims on purpose: this file and the v0.1.0 compatibility tests check that they still resolve, the
-# arguments test runs upstream's dry run (`python -m slime.utils.arguments`); the flags (and their start-up checks)
-# accept v0.1.0's data-source path from users' scripts
+# these name the shims on purpose: this file and the v0.1.0 compatibility tests check that they still resolve; the
+# arguments and scripts tests (and the scripts' pre-imported interpreter) run the launch scripts' dry run,
+# `python -m slime.utils.arguments`; the flags (and their start-up checks) accept v0.1.0's data-source path
 SHIM_USERS = {
     "tests/test_layering.py",
     "tests/test_compat_v010.py",
     "tests/test_startup_checks.py",
     "slime/config/rollout.py",
     "tests/test_arguments.py",
+    "tests/test_scripts.py",
+    "tests/_zygote.py",
 }
 
 

@@ -234,22 +234,21 @@ def _fake_base_dir(base: Path):
 
 
 @pytest.mark.parametrize("name", RUN_SCRIPTS)
-def test_run_script_dry_run_validates(name, tmp_path):
+def test_run_script_dry_run_validates(name, tmp_path, preimported_python):
     base = tmp_path / "root"
     _fake_base_dir(base)
-    env = dict(
-        os.environ,
-        SLIME_DRY_RUN="1",
-        BASE_DIR=str(base),
-        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-    )
+    env = dict(os.environ, SLIME_DRY_RUN="1", BASE_DIR=str(base), **preimported_python.env)
+    served = preimported_python.served()
     out = subprocess.run(["bash", str(SCRIPTS / name)], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, f"{name} dry run failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     assert out.stdout.strip().splitlines()[-1] == "ok"
     assert "ray start" not in out.stderr and "ray job submit" not in out.stderr  # dry run launches nothing
+    assert (
+        preimported_python.wait_served(served + 1) == served + 1
+    )  # the script's validator ran, in the pre-imported server
 
 
-def test_validator_rejects_model_mismatch(tmp_path):
+def test_validator_rejects_model_mismatch(tmp_path, preimported_python):
     """A MODEL_ARGS array that disagrees with the HF checkpoint's config is refused, naming the field."""
     hf = tmp_path / "Qwen3-4B"
     hf.mkdir()
@@ -266,13 +265,27 @@ def test_validator_rejects_model_mismatch(tmp_path):
         "1",
     ]
     out = subprocess.run(
-        [sys.executable, "-m", "slime.config", *argv], capture_output=True, text=True, timeout=120, cwd=ROOT
+        [sys.executable, "-m", "slime.utils.arguments", *argv], capture_output=True, text=True, timeout=120, cwd=ROOT
     )
     assert out.returncode != 0, f"mismatch accepted: {shlex.join(argv)}"
     assert "num_hidden_layers" in out.stderr or "num_layers" in out.stderr, out.stderr[-2000:]
+    # the dry runs' pre-imported `python3` (tests/_zygote.py) answers as this fresh interpreter did, exit status,
+    # output and error text alike, and ran the call itself rather than falling back to a fresh interpreter
+    served = preimported_python.served()
+    env = dict(os.environ, **preimported_python.env)
+    again = subprocess.run(
+        ["python3", "-m", "slime.utils.arguments", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=env,
+    )
+    assert (again.returncode, again.stdout, again.stderr) == (out.returncode, out.stdout, out.stderr)
+    assert preimported_python.wait_served(served + 1) == served + 1
 
 
-def test_plot_metrics(tmp_path):
+def test_plot_metrics(tmp_path, preimported_python):
     from tools.plot_metrics import default_keys, read_metrics, series
 
     path = tmp_path / "metrics.jsonl"
@@ -286,26 +299,30 @@ def test_plot_metrics(tmp_path):
     assert default_keys(read_metrics(str(path))) == ["rollout/raw_reward", "eval/addition"]
     assert series(rows, "eval/addition") == ([2, 4], [0.5, 0.75])
     out = tmp_path / "plots" / "curve.png"
+    served = preimported_python.served()
     res = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "plot_metrics.py"), str(path), str(out)],
+        ["python3", str(ROOT / "tools" / "plot_metrics.py"), str(path), str(out)],
         capture_output=True,
         text=True,
         timeout=120,
+        env=dict(os.environ, **preimported_python.env),
     )
     assert res.returncode == 0, res.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
 
     (tmp_path / "bad.jsonl").write_text('{"rollout_id": 0}\nnot json\n')
     res = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "plot_metrics.py"), str(tmp_path / "bad.jsonl"), str(out)],
+        ["python3", str(ROOT / "tools" / "plot_metrics.py"), str(tmp_path / "bad.jsonl"), str(out)],
         capture_output=True,
         text=True,
         timeout=120,
+        env=dict(os.environ, **preimported_python.env),
     )
     assert res.returncode != 0 and "bad.jsonl:2" in res.stderr and "Traceback" not in res.stderr
+    assert preimported_python.wait_served(served + 2) == served + 2  # both ran in the pre-imported python
 
 
-def test_plot_metrics_overlays_runs_and_reference_lines(tmp_path, monkeypatch):
+def test_plot_metrics_overlays_runs_and_reference_lines(tmp_path, monkeypatch, preimported_python):
     """--also draws another run's curve in the same panel, --hline a labelled horizontal line in one key's panel;
     a malformed LABEL=VALUE is one line, no traceback."""
     import matplotlib.figure
@@ -329,10 +346,11 @@ def test_plot_metrics_overlays_runs_and_reference_lines(tmp_path, monkeypatch):
     assert lines == {"A": ([0, 10], [0.1, 0.5]), "B": ([0, 10], [0.1, 0.3]), "top (0.9)": ([0, 1], [0.9, 0.9])}
     for bad in (["--also", "B"], ["--hline", "eval/x", "top=high"]):
         res = subprocess.run(
-            [sys.executable, str(ROOT / "tools" / "plot_metrics.py"), str(runs["a"]), str(tmp_path / "d.png"), *bad],
+            ["python3", str(ROOT / "tools" / "plot_metrics.py"), str(runs["a"]), str(tmp_path / "d.png"), *bad],
             capture_output=True,
             text=True,
             timeout=120,
+            env=dict(os.environ, **preimported_python.env),
         )
         assert res.returncode != 0 and res.stderr.startswith("plot_metrics: ") and "Traceback" not in res.stderr
 
