@@ -215,20 +215,24 @@ def test_fp8_moe_converter_quantises_experts_shared_experts_and_attention(fp8_mo
     assert torch.equal(files["model.layers.1.mlp.gate.weight"], full["model.layers.1.mlp.gate.weight"])
 
 
-def test_fp8_sync_of_qwen3_moe_experts_sends_the_converters_bytes(tmp_path, tiny_kit):
+def test_fp8_sync_of_qwen3_moe_experts_sends_the_converters_bytes(tmp_path, tiny_kit, capsys, monkeypatch):
     """Qwen3-MoE (the family of current slime's FP8 example): the sync's Megatron -> HF conversion with the FP8
     checkpoint's quantization_config splits each expert's fused gate/up and sends the converter's e4m3 bytes and
-    scales; the router and norms pass through, and the start-up checks accept the checkpoint for training."""
+    scales; the router and norms pass through. The start-up checks accept the checkpoint for training, but not
+    with INT4 fake QAT on."""
+    from slime.utils import quantization as Q
     from tests._megatron_helpers import build_random_hf
     from tests.test_int4 import _args as moe_args
-    from tests.test_int4 import _megatron_named, _sync
+    from tests.test_int4 import _base, _megatron_named, _sync
     from tests.test_routing_replay import _with_tokenizer
+    from tests.test_startup_checks import error_line
     from tools import convert_hf_to_fp8
 
     src = _with_tokenizer(build_random_hf("qwen3moe", str(tmp_path / "src"), seed=5, vocab_size=512), tiny_kit)
     fp8 = str(tmp_path / "fp8")
     convert_hf_to_fp8.convert(src, fp8, "block", (32, 32))
     qc = json.load(open(f"{fp8}/config.json"))["quantization_config"]
+    base = {"model": [], "base": _base()}
     sent, files = _sync(moe_args(src), _megatron_named(read_checkpoint(src)), qc), read_checkpoint(fp8)
     up = "model.layers.1.mlp.experts.3.up_proj.weight"
     assert (sent[up].dtype, sent[up + "_scale_inv"].shape) == (torch.float8_e4m3fn, (1, 2))
@@ -237,7 +241,16 @@ def test_fp8_sync_of_qwen3_moe_experts_sends_the_converters_bytes(tmp_path, tiny
         f = files[name]
         assert (t.dtype, t.shape) == (f.dtype, f.shape), name
         assert torch.equal(t.contiguous().view(torch.uint8), f.view(torch.uint8)), name
+    monkeypatch.delenv(Q.INT4_QAT_FLAG, raising=False)
     assert moe_args(fp8).hf_checkpoint == fp8
+    # INT4 fake QAT would train the experts on a grid an FP8 engine never serves
+    capsys.readouterr()  # (build_random_hf's progress bar)
+    err = error_line(capsys, "--hf-checkpoint", fp8, "--train-env-vars", json.dumps({Q.INT4_QAT_FLAG: "1"}), **base)
+    assert err == (
+        f"OPEN_TRAINING_INT4_FAKE_QAT_FLAG=1 fake-quantises the routed experts in INT4, but --hf-checkpoint {fp8} "
+        "serves them in FP8 (quantization_config quant_method fp8): unset OPEN_TRAINING_INT4_FAKE_QAT_FLAG, or serve "
+        "an INT4 checkpoint (tools/convert_hf_to_int4_direct.py --is-symmetric)"
+    )
 
 
 @pytest.mark.slow  # one CPU server (transformers fallback) and a Megatron trainer per transport, as Ray actors
