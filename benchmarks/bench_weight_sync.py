@@ -14,7 +14,8 @@ convert, transfer, load into the engine, continue):
     (--model tiny: the test suite's tiny kit sizes; mid: a few hundred MB; --hidden/--ffn/--layers override either)
 
   --bytes    bytes one update sends into a quantised engine against a bf16 one (deterministic, no Ray): FP8 block
-             128x128 on the tiny dense Qwen3, INT4 W4A16 (group 32, symmetric, routed experts) on a tiny Qwen3-MoE
+             128x128 on the tiny dense Qwen3 and a tiny Qwen3-MoE, INT4 W4A16 (group 32, symmetric, routed experts)
+             on the same MoE
 """
 
 import argparse
@@ -81,7 +82,7 @@ def sync_bytes(model_dir, quantization_config=None, dtype=torch.bfloat16, only="
 
 
 def bytes_report():
-    """FP8 on the tiny dense model, INT4 on a tiny MoE: bytes per update against the same model in bf16."""
+    """FP8 on the tiny dense model and a tiny MoE, INT4 on the MoE: bytes per update against the same model in bf16."""
     from slime.utils.quantization import INT4_DEFAULT_IGNORE_RULES, fp8_config, int4_config
     from tests._megatron_helpers import build_random_hf
     from tools.build_tiny_kit import build_model
@@ -93,6 +94,8 @@ def bytes_report():
         build_random_hf("qwen3moe", moe, vocab_size=512)
         rows = [
             ("tiny dense Qwen3", dense, "FP8 block 128x128", fp8_config([128, 128]), ""),
+            ("tiny Qwen3-MoE", moe, "FP8 block 128x128", fp8_config([128, 128]), ""),
+            ("  its routed experts", moe, "FP8 block 128x128", fp8_config([128, 128]), ".experts."),
             ("tiny Qwen3-MoE", moe, "INT4 g32 sym", int4_config(32, True, INT4_DEFAULT_IGNORE_RULES), ""),
             (
                 "  its routed experts",

@@ -432,3 +432,9 @@ def test_bytes_per_update_into_fp8_and_int4_engines(tiny_kit, tmp_path):
     assert sync_bytes(moe, int4, only=".experts.") == 24 * (1024 + 128 + 8)  # 0.283x bf16
     rest = sync_bytes(moe) - 24 * 2048 * 2  # everything else is sent as it is
     assert sync_bytes(moe, int4) == rest + 24 * (1024 + 128 + 8)
+    # the same MoE, FP8 block 128x128: each expert and each attention projection (q, o [64, 64]; k, v [32, 64]; two
+    # layers) 1 byte per element and one fp32 tile scale; the router, embeddings, lm_head and norms stay bf16
+    fp8_moe = Q.fp8_config([128, 128])
+    assert sync_bytes(moe, fp8_moe, only=".experts.") == 24 * (2048 + 4)  # 0.501x bf16
+    attention = 2 * (64 * 64 + 32 * 64 + 32 * 64 + 64 * 64)
+    assert sync_bytes(moe, fp8_moe) == rest - 2 * attention + (attention + 8 * 4) + 24 * (2048 + 4)  # 0.737x

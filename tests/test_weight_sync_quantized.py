@@ -1,7 +1,8 @@
 """Quantise-on-sync over the colocated tensor transport (shared-memory handles) into a CPU server serving a blockwise
 FP8 checkpoint: the trainer's update carries `weight` in e4m3 and `weight_scale_inv` in fp32, quantised by the same
 code as tools/convert_hf_to_fp8.py, so `--check-weight-update-equal`'s compare passes bit for bit
-(research low-precision.md §5.3 F6-F8). The train.py run also covers an INT4 MoE engine with fake QAT in the trainer
+(research low-precision.md §5.3 F6-F8). On the tiny dense Qwen3 and on small MoEs: a GLM-4.5-style one (dense layer,
+routed and shared experts) over every transport, Qwen3-MoE's experts by conversion. The train.py run also covers an INT4 MoE engine with fake QAT in the trainer
 (the INT4 components: tests/test_int4.py)."""
 
 import json
@@ -12,6 +13,7 @@ import pytest
 import ray
 import torch
 
+from tests._megatron_helpers import read_checkpoint
 from tests.test_weight_sync import WeightSyncTrainer, _args, start_engines, stop
 
 pytestmark = pytest.mark.timeout(600)
@@ -85,18 +87,15 @@ def test_convert_to_hf_quantises_what_the_converter_quantises():
         convert_to_hf(args, "qwen3", name, params[name], Q.fp8_config(None))
 
 
-@pytest.mark.slow  # a CPU server and a Megatron trainer as Ray actors (about 30 s each on an idle 2-core machine)
-@pytest.mark.parametrize(
-    "colocate,transport", [(True, "auto"), (False, "broadcast"), (False, "disk"), (False, "disk-delta")]
-)
-def test_fp8_quantise_on_sync_restores_the_engine_bit_for_bit(tiny_kit, tmp_path, ray_session, colocate, transport):
+TRANSPORTS = [(True, "auto"), (False, "broadcast"), (False, "disk"), (False, "disk-delta")]
+
+
+@pytest.mark.slow  # one CPU server and a Megatron trainer per transport, as Ray actors
+def test_fp8_quantise_on_sync_restores_the_engine_bit_for_bit(tiny_kit, tmp_path, ray_session):
     """Colocated (shared-memory handles of flattened buckets), disaggregated gloo broadcast (FP8 as uint8 bytes), and
     the disk transport: a full version, or (disk-delta) a full version of moved weights then a delta back to the
     checkpoint's, the delta taken of the e4m3 bytes and scales the engine holds."""
-    from slime.backends.sglang_utils.sglang_engine import SGLangEngine  # noqa: F401  (the engine actor's class)
     from slime.ray.utils import Lock
-    from slime.utils import disk_delta
-    from slime.utils.quantization import fp8_config
     from tools import convert_hf_to_fp8
 
     fp8_dir = str(tmp_path / "fp8")
@@ -105,23 +104,39 @@ def test_fp8_quantise_on_sync_restores_the_engine_bit_for_bit(tiny_kit, tmp_path
     try:
         (engine,) = start_engines(_args(fp8_dir, 1), 1)
         started.append(engine)
-        for action in ("snapshot", "reset_tensors"):
-            ray.get(engine.check_weights.remote(action), timeout=120)
-        Trainer = ray.remote(num_cpus=0.4, num_gpus=0.3)(QuantSyncTrainer)
-        trainer = Trainer.remote(1, 0, None, None)
-        started.append(trainer)
+        for colocate, transport in TRANSPORTS:  # broadcast's update group stays on the engine: no other test uses it
+            sent = sync_fp8_and_compare(engine, lock, tiny_kit[0], fp8_dir, colocate, transport, tmp_path)
+            assert sent["model.layers.0.self_attn.q_proj.weight"] == str(torch.float8_e4m3fn), transport
+            assert sent["model.layers.0.self_attn.q_proj.weight_scale_inv"] == str(torch.float32), transport
+            assert sent["model.layers.0.input_layernorm.weight"] == str(torch.float32), transport
+    finally:
+        stop(started)
+        ray.kill(lock)
+
+
+def sync_fp8_and_compare(engine, lock, src_dir, fp8_dir, colocate, transport, tmp_path):
+    """One trainer rank holding `src_dir`'s full-precision weights (or, over disk, `fp8_dir`'s dequantised ones)
+    pushes one update into `engine` (serving `fp8_dir`, the converter's FP8 of `src_dir`); the engine's
+    `--check-weight-update-equal` compare against what it loaded must pass bit for bit. Returns {HF name: dtype}
+    of what the sync sends."""
+    from slime.backends.sglang_utils.sglang_engine import SGLangEngine  # noqa: F401  (the engine actor's class)
+    from slime.utils import disk_delta
+
+    root, local = tmp_path / f"versions-{transport}", tmp_path / f"local-{transport}"
+    for action in ("snapshot", "reset_tensors"):
+        ray.get(engine.check_weights.remote(action), timeout=120)
+    Trainer = ray.remote(num_cpus=0.4, num_gpus=0.3)(QuantSyncTrainer)
+    trainer = Trainer.remote(1, 0, None, None)
+    try:
         # noise 0: the trainer holds the checkpoint's full-precision weights, the engine their converted FP8
-        args = _args(tiny_kit[0], 1, update_weight_transport=transport)
+        args = _args(src_dir, 1, update_weight_transport=transport)
         if transport.startswith("disk"):  # as train.py: --hf-checkpoint is the engines' FP8 checkpoint (the base)
-            root = tmp_path / "versions"
             args = _args(fp8_dir, 1, update_weight_transport="disk", update_weight_disk_dir=str(root))
             if transport == "disk-delta":
-                args.update_weight_mode, args.update_weight_local_checkpoint_dir = "delta", str(tmp_path / "local")
-        ray.get(trainer.setup.remote(args, colocate, 1, 0.0, fp8_config([32, 32])), timeout=300)
+                args.update_weight_mode, args.update_weight_local_checkpoint_dir = "delta", str(local)
+        qc = json.load(open(f"{fp8_dir}/config.json"))["quantization_config"]
+        ray.get(trainer.setup.remote(args, colocate, 1, 0.0, qc), timeout=300)
         sent = ray.get(trainer.sent_names_and_dtypes.remote(), timeout=120)
-        assert sent["model.layers.0.self_attn.q_proj.weight"] == str(torch.float8_e4m3fn)
-        assert sent["model.layers.0.self_attn.q_proj.weight_scale_inv"] == str(torch.float32)
-        assert sent["model.layers.0.input_layernorm.weight"] == str(torch.float32)
         from safetensors import safe_open
 
         with safe_open(f"{fp8_dir}/model.safetensors", framework="pt") as f:
@@ -137,14 +152,123 @@ def test_fp8_quantise_on_sync_restores_the_engine_bit_for_bit(tiny_kit, tmp_path
         if transport == "disk-delta":
             index = json.load(open(root / "weight_v000002" / "model.safetensors.index.json"))
             assert index["metadata"]["delta_encoding"] and 0 < metrics["update_weights/delta_ratio"] < 1
-            assert disk_delta.held_version(str(tmp_path / "local")) == 2
-            assert checkpoint_values(str(tmp_path / "local")) == checkpoint_values(fp8_dir)  # the engine host's copy
+            assert disk_delta.held_version(str(local)) == 2
+            assert checkpoint_values(str(local)) == checkpoint_values(fp8_dir)  # the engine host's copy
         if not transport.startswith("disk"):  # what the transport moved is what --bytes counts
             from benchmarks.bench_weight_sync import sync_bytes
 
-            moved = sync_bytes(tiny_kit[0], fp8_config([32, 32]), torch.float32)
-            assert metrics["perf/update_weights_bytes"] == moved
+            assert metrics["perf/update_weights_bytes"] == sync_bytes(src_dir, qc, torch.float32)
         assert ray.get(engine.check_weights.remote("compare"), timeout=120)["success"] is True
+        return sent
+    finally:
+        stop([trainer])
+
+
+@pytest.fixture(scope="module")
+def fp8_moe(tmp_path_factory, tiny_kit):
+    """(full-precision dir, its FP8 block 32x32 conversion) of a tiny GLM-4.5-style MoE: layer 0 a dense MLP, layers
+    1-2 eight routed experts, a shared expert and a sigmoid router with a score-correction bias; attention with q/k
+    norms and biases; the tiny kit's tokenizer."""
+    from tests._megatron_helpers import build_random_hf
+    from tests.test_routing_replay import _with_tokenizer
+    from tools import convert_hf_to_fp8
+
+    root = tmp_path_factory.mktemp("fp8_moe")
+    src = _with_tokenizer(build_random_hf("glm4moe", str(root / "src"), seed=7, vocab_size=512), tiny_kit)
+    convert_hf_to_fp8.convert(src, str(root / "fp8"), "block", (32, 32))
+    return src, str(root / "fp8")
+
+
+def fp8_moe_expected_dtypes(layers=3, experts=8):
+    """By hand, current slime's FP8 rule on the GLM-4.5-style model: every attention projection, dense MLP, routed and
+    shared expert linear is e4m3 with an fp32 scale; embeddings, lm_head, norms, biases, the router and its
+    score-correction bias stay fp32."""
+    e4m3, fp32 = str(torch.float8_e4m3fn), str(torch.float32)
+    out = {n: fp32 for n in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")}
+    for i in range(layers):
+        h = f"model.layers.{i}."
+        linears = [f"self_attn.{p}_proj" for p in "qkvo"]
+        if i == 0:
+            linears += [f"mlp.{p}_proj" for p in ("gate", "up", "down")]
+        else:
+            linears += [f"mlp.shared_experts.{p}_proj" for p in ("gate", "up", "down")]
+            linears += [f"mlp.experts.{e}.{p}_proj" for e in range(experts) for p in ("gate", "up", "down")]
+            out.update({h + "mlp.gate.weight": fp32, h + "mlp.gate.e_score_correction_bias": fp32})
+        out.update({f"{h}{m}.weight": e4m3 for m in linears} | {f"{h}{m}.weight_scale_inv": fp32 for m in linears})
+        out.update({f"{h}self_attn.{p}_proj.bias": fp32 for p in "qkv"})
+        norms = ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm")
+        out.update({f"{h}{n}.weight": fp32 for n in norms})
+    return out
+
+
+def test_fp8_moe_converter_quantises_experts_shared_experts_and_attention(fp8_moe):
+    """What the engine's checkpoint holds (and so what every update must send): the hand-written rule's names and
+    dtypes; one shared-expert tile by hand: s = amax / 448, q = e4m3(w / s)."""
+    src, fp8 = fp8_moe
+    files, full = read_checkpoint(fp8), read_checkpoint(src)
+    assert {n: str(t.dtype) for n, t in files.items()} == fp8_moe_expected_dtypes()
+    name = "model.layers.2.mlp.shared_experts.down_proj.weight"  # [64, 32]: tiles of 32 x 32
+    w, q, s = full[name], files[name], files[name + "_scale_inv"]
+    assert s.shape == (2, 1) and q.shape == w.shape
+    tile = w[32:64, 0:32]
+    assert s[1, 0] == tile.abs().max() / 448
+    assert torch.equal(q[32:64].view(torch.uint8), (tile / s[1, 0]).to(torch.float8_e4m3fn).view(torch.uint8))
+    assert torch.equal(files["model.layers.1.mlp.gate.weight"], full["model.layers.1.mlp.gate.weight"])
+
+
+def test_fp8_sync_of_qwen3_moe_experts_sends_the_converters_bytes(tmp_path, tiny_kit, capsys, monkeypatch):
+    """Qwen3-MoE (the family of current slime's FP8 example): the sync's Megatron -> HF conversion with the FP8
+    checkpoint's quantization_config splits each expert's fused gate/up and sends the converter's e4m3 bytes and
+    scales; the router and norms pass through. The start-up checks accept the checkpoint for training, but not
+    with INT4 fake QAT on."""
+    from slime.utils import quantization as Q
+    from tests._megatron_helpers import build_random_hf
+    from tests.test_int4 import _args as moe_args
+    from tests.test_int4 import _base, _megatron_named, _sync
+    from tests.test_routing_replay import _with_tokenizer
+    from tests.test_startup_checks import error_line
+    from tools import convert_hf_to_fp8
+
+    src = _with_tokenizer(build_random_hf("qwen3moe", str(tmp_path / "src"), seed=5, vocab_size=512), tiny_kit)
+    fp8 = str(tmp_path / "fp8")
+    convert_hf_to_fp8.convert(src, fp8, "block", (32, 32))
+    qc = json.load(open(f"{fp8}/config.json"))["quantization_config"]
+    base = {"model": [], "base": _base()}
+    sent, files = _sync(moe_args(src), _megatron_named(read_checkpoint(src)), qc), read_checkpoint(fp8)
+    up = "model.layers.1.mlp.experts.3.up_proj.weight"
+    assert (sent[up].dtype, sent[up + "_scale_inv"].shape) == (torch.float8_e4m3fn, (1, 2))
+    assert sent["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+    for name, t in sent.items():
+        f = files[name]
+        assert (t.dtype, t.shape) == (f.dtype, f.shape), name
+        assert torch.equal(t.contiguous().view(torch.uint8), f.view(torch.uint8)), name
+    monkeypatch.delenv(Q.INT4_QAT_FLAG, raising=False)
+    assert moe_args(fp8).hf_checkpoint == fp8
+    # INT4 fake QAT would train the experts on a grid an FP8 engine never serves
+    capsys.readouterr()  # (build_random_hf's progress bar)
+    err = error_line(capsys, "--hf-checkpoint", fp8, "--train-env-vars", json.dumps({Q.INT4_QAT_FLAG: "1"}), **base)
+    assert err == (
+        f"OPEN_TRAINING_INT4_FAKE_QAT_FLAG=1 fake-quantises the routed experts in INT4, but --hf-checkpoint {fp8} "
+        "serves them in FP8 (quantization_config quant_method fp8): unset OPEN_TRAINING_INT4_FAKE_QAT_FLAG, or serve "
+        "an INT4 checkpoint (tools/convert_hf_to_int4_direct.py --is-symmetric)"
+    )
+
+
+@pytest.mark.slow  # one CPU server (transformers fallback) and a Megatron trainer per transport, as Ray actors
+def test_fp8_moe_quantise_on_sync_restores_the_engine_bit_for_bit(fp8_moe, tmp_path, ray_session):
+    """FP8 on a small MoE, over every transport the dense test covers (colocated handles, gloo broadcast of uint8
+    bytes, disk full and delta): the trainer's routed experts, shared experts, dense MLP and attention arrive as the
+    converter's e4m3 bytes and fp32 scales; router, biases and norms as they are; the engine's compare passes."""
+    from slime.ray.utils import Lock
+
+    src, fp8 = fp8_moe
+    started, lock = [], Lock.remote()
+    try:
+        (engine,) = start_engines(_args(fp8, 1), 1)
+        started.append(engine)
+        for colocate, transport in TRANSPORTS:  # broadcast's update group stays on the engine: no other test uses it
+            sent = sync_fp8_and_compare(engine, lock, src, fp8, colocate, transport, tmp_path)
+            assert sent == fp8_moe_expected_dtypes(), transport
     finally:
         stop(started)
         ray.kill(lock)

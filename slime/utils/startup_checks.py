@@ -494,6 +494,25 @@ def check_quantized_checkpoint(args, error):
             )
             return
         check_int4_qat_grid(args, hf, scheme, error)
+    else:
+        check_no_int4_qat(args, hf, error)
+
+
+def check_no_int4_qat(args, hf, error):
+    """INT4 fake QAT on while the engine serves FP8: the policy would train on a grid it is never served on."""
+    from slime.utils.quantization import INT4_QAT_FLAG as FLAG
+    from slime.utils.quantization import qat_group_size
+
+    try:
+        group = qat_group_size({**os.environ, **(getattr(args, "train_env_vars", None) or {})})
+    except ValueError:
+        group = 0  # a malformed group size: the flag is on all the same
+    if group is not None:
+        error(
+            f"{FLAG}=1 fake-quantises the routed experts in INT4, but --hf-checkpoint {hf} serves them in FP8 "
+            f"(quantization_config quant_method fp8): unset {FLAG}, or serve an INT4 checkpoint "
+            "(tools/convert_hf_to_int4_direct.py --is-symmetric)"
+        )
 
 
 def int4_packed_modules(hf):
