@@ -1,9 +1,9 @@
 """Quantise-on-sync over the colocated tensor transport (shared-memory handles) into a CPU server serving a blockwise
 FP8 checkpoint: the trainer's update carries `weight` in e4m3 and `weight_scale_inv` in fp32, quantised by the same
-code as tools/convert_hf_to_fp8.py, so `--check-weight-update-equal`'s compare passes bit for bit
-(research low-precision.md §5.3 F6-F8). On the tiny dense Qwen3 and on small MoEs: a GLM-4.5-style one (dense layer,
-routed and shared experts) over every transport, Qwen3-MoE's experts by conversion. The train.py run also covers an INT4 MoE engine with fake QAT in the trainer
-(the INT4 components: tests/test_int4.py)."""
+code as tools/convert_hf_to_fp8.py, so `--check-weight-update-equal`'s compare passes bit for bit. On the tiny dense
+Qwen3 and on small MoEs: a GLM-4.5-style one (dense layer, routed and shared experts) over every transport, Qwen3-MoE's
+experts by conversion. The train.py run also covers an INT4 MoE engine with fake QAT in the trainer (the INT4
+components: tests/test_int4.py)."""
 
 import json
 import os
