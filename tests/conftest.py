@@ -118,7 +118,7 @@ MODULE_TIERS = {
         "cpu_server_lora critic_parallel customization_examples data_pad_size hf_megatron_conversion layering "
         "log_correct_samples log_probs_chunk lora megatron_gpu megatron_model megatron_parallel optimizer_state_flags "
         "param_freeze ppo_utils rm_hub rollout_buffer router scripts search_r1 sglang_contract top_p_replay "
-        "upstream_examples wandb_utils cpu_server_quantized weight_sync_quantized gdn_kernel_gpu int4 vlm_server".split(),
+        "upstream_examples wandb_utils cpu_server_quantized weight_sync_quantized gdn_kernel_gpu int4 vlm_server vlm_trainer".split(),
         "component",
     ),
     # mixed modules: their tests without Ray are components (a server, a subprocess) or units; those on Ray are e2e

@@ -28,6 +28,7 @@ from slime.backends.megatron_utils.arguments import (
     check_hybrid_model,
     check_mtp,
     check_tree_training,
+    check_vlm_training,
     lora_validate_args,
     megatron_defaults,
     megatron_training_available,
@@ -1592,11 +1593,8 @@ def slime_validate_args(args, error, check_paths=True, asynchronous=False):
             parse_multimodal_keys(args.multimodal_keys)
         except ValueError as e:
             error(str(e))
-        if not args.debug_rollout_only:  # docs/vlm.md: rollouts with images work, training on them does not yet
-            error(
-                "--multimodal-keys: the trainer does not yet take images (no vision tower in the Megatron model); "
-                "rollouts with images run with --debug-rollout-only."
-            )
+        if not args.debug_rollout_only:
+            check_vlm_training(args, error)
     actor_total = args.actor_num_nodes * args.actor_num_gpus_per_node
     # rollout-only runs size the "actors" to the engines and never offload
     if args.debug_rollout_only:
