@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from slime.utils.arguments import parse_args
-from tests._megatron_helpers import spawn
+from tests._megatron_helpers import read_checkpoint, spawn
 
 TEXT = "<|im_start|>user\n{images}What colour is the shape?<|im_end|>\n<|im_start|>assistant\n"
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -110,8 +110,9 @@ def _train_step(rank, hf_dir, samples, freeze, out):
     from slime.backends.megatron_utils.advantages import compute_advantages_and_returns
     from slime.backends.megatron_utils.data import get_data_iterator
     from slime.backends.megatron_utils.initialize import init
+    from slime.backends.megatron_utils.megatron_to_hf import convert_to_hf
     from slime.backends.megatron_utils.model import forward_only, initialize_model_and_optimizer, train
-    from slime.backends.megatron_utils.param_utils import PREFIX, named_parameters
+    from slime.backends.megatron_utils.param_utils import PREFIX, all_gather_param, named_parameters, remove_padding
     from slime.backends.megatron_utils.rollout_data import process_rollout_data
     from slime.rollout.train_data import convert_samples_to_train_data
 
@@ -130,6 +131,15 @@ def _train_step(rank, hf_dir, samples, freeze, out):
     ref = hf_vlm_log_probs(hf_dir, samples)
     diff = max((g - e).abs().max().item() for g, e in zip(log_probs, ref))
     assert diff <= 1e-5, f"max |trainer - transformers| log-prob = {diff}"
+
+    # export (weight sync, --save-hf) gives back the checkpoint bit for bit, the tower under its own names
+    exported = {}
+    for name, param in named_parameters(args, model):
+        full = remove_padding(name, all_gather_param(name, param), args.vocab_size)
+        exported.update(convert_to_hf(args, args.model_name, name, full))
+    expected = read_checkpoint(hf_dir)
+    assert sorted(exported) == sorted(expected), set(exported) ^ set(expected)
+    assert all(torch.equal(exported[k], v) for k, v in expected.items())
 
     before = {n[len(PREFIX) :]: p.detach().clone() for n, p in named_parameters(args, model)}
     rollout.update(forward_only(args, model, iters, nmb, store_prefix="ref_"))
@@ -189,3 +199,29 @@ def test_startup_derives_the_model_from_the_checkpoint_and_refuses_untested_layo
         argv = [*keys, flag, "2", "--actor-num-gpus-per-node", "2"]
         err = one_line_refusal(capsys, *argv, hf_checkpoint=tiny_vlm)
         assert f"{flag} 2: training Qwen2.5-VL on images is tested at TP=1, PP=1, CP=1 only" in err, err
+
+
+def test_image_tokens_and_grids_that_disagree_fail_in_one_line(tiny_vlm):
+    """The trainer checks each sample's image tokens against its images' grids (a processor run with other limits
+    than the rollout's, a truncated prompt): a one-line error naming the sample and both counts."""
+    from transformers import AutoConfig
+
+    from slime_plugins.models.qwen2_5_vl import Qwen2_5VLModel, _RopeIndex
+
+    cfg = AutoConfig.from_pretrained(tiny_vlm)
+    model = object.__new__(Qwen2_5VLModel)  # the position builder needs only these
+    model.image_token_id, model.merge, model.rope_index = cfg.image_token_id, 2, _RopeIndex(cfg)
+    img, text = cfg.image_token_id, 20
+    ids = torch.tensor([[text, img, text, text, 0, 0], [text, img, img, img, img, text]])
+    grids = torch.tensor([[1, 2, 2], [1, 4, 2]])  # 1 and 2 features, the second row holds 4 image tokens
+    with pytest.raises(ValueError) as e:
+        model._positions(ids, None, grids)
+    msg = str(e.value)
+    assert "sample 1 of the micro-batch has 4 image tokens" in msg and "give 2 features" in msg
+    assert len(msg.splitlines()) == 1
+    with pytest.raises(
+        ValueError, match="has 3 images in multimodal_train_inputs but its tokens hold image tokens for 1"
+    ):
+        model._positions(ids[:1], None, torch.tensor([[1, 2, 2], [1, 2, 2], [1, 2, 2]]))
+    positions = model._positions(ids, None, torch.tensor([[1, 2, 2], [1, 4, 4]]))  # row 1: a 2x2 merged grid
+    assert positions[:, 1].tolist() == [[0, 1, 1, 1, 1, 3], [0, 1, 1, 2, 2, 3], [0, 1, 2, 1, 2, 3]]
