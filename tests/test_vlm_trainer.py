@@ -262,3 +262,63 @@ def test_image_tokens_and_grids_that_disagree_fail_in_one_line(tiny_vlm):
         model._positions(ids[:1], None, torch.tensor([[1, 2, 2], [1, 2, 2], [1, 2, 2]]))
     positions = model._positions(ids, None, torch.tensor([[1, 2, 2], [1, 4, 4]]))  # row 1: a 2x2 merged grid
     assert positions[:, 1].tolist() == [[0, 1, 1, 1, 1, 3], [0, 1, 1, 2, 2, 3], [0, 1, 2, 1, 2, 3]]
+
+
+def alternating_reward(args, sample):
+    """1 for odd sample indices: every GRPO group has a non-zero advantage, so each step changes the weights."""
+    return float(sample.index % 2)
+
+
+def test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine(tiny_vlm, tmp_path):
+    """`train.py --multimodal-keys` on the tiny kit with the CPU server: images from the dataset to the engine and the
+    trainer, two GRPO steps, weight sync (vision tower included) between them. The engine's log-probs of the second
+    rollout, sampled with the first step's weights, equal the trainer's: the whole model reached the engine."""
+    import base64
+    import io
+    import json
+    import subprocess
+    import sys
+
+    from tests import _procs
+
+    rows = []
+    for i, size in enumerate([(28, 28), (56, 56), (84, 56), (28, 56)]):
+        buf = io.BytesIO()
+        _image(size, i).save(buf, format="PNG")
+        content = "<image>What colour is the shape?"
+        rows.append(
+            {"prompt": [{"role": "user", "content": content}], "images": [base64.b64encode(buf.getvalue()).decode()]}
+        )
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = [
+        "--hf-checkpoint", tiny_vlm, "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
+        "--prompt-data", str(tmp_path / "train.jsonl"), "--input-key", "prompt", "--apply-chat-template",
+        "--multimodal-keys", '{"image": "images"}', "--custom-rm-path", "tests.test_vlm_trainer.alternating_reward",
+        "--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4",
+        "--lr", "1e-2", "--lr-decay-style", "constant", "--rollout-max-response-len", "4", "--seed", "1", "--ci-test",
+        "--metrics-path", str(tmp_path / "metrics.jsonl"),
+    ]  # fmt: skip
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = None
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "train.py", *argv],
+            cwd=repo,
+            env=dict(_procs.run_env(tmp_path), PYTHONPATH=repo),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        out, _ = proc.communicate(timeout=480)
+    finally:
+        _procs.stop_run(proc, tmp_path, timeout=0)
+    assert proc.returncode == 0, out[-5000:]
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["rollout/weight_version"] for m in metrics] == [1, 2]
+    assert metrics[0]["train/grad_norm"] > 0
+    for m in metrics:
+        print(
+            f"rollout {m['rollout_id']}: train_rollout_logprob_abs_diff {m['train/train_rollout_logprob_abs_diff']:.3g}"
+        )
+        assert m["train/train_rollout_logprob_abs_diff"] < 1e-4
+    assert _procs.wait_none_carrying(_procs.RUN_KEY, str(tmp_path), 30) == []
