@@ -171,7 +171,7 @@ MODULE_TIERS = {
         "cpu_server_lora critic_parallel customization_examples data_pad_size hf_megatron_conversion layering "
         "log_correct_samples log_probs_chunk lora megatron_gpu megatron_model megatron_parallel optimizer_state_flags "
         "param_freeze ppo_utils rm_hub rollout_buffer router scripts search_r1 sglang_contract top_p_replay "
-        "upstream_examples wandb_utils cpu_server_quantized weight_sync_quantized gdn_kernel_gpu int4 vlm_server".split(),
+        "upstream_examples wandb_utils cpu_server_quantized weight_sync_quantized gdn_kernel_gpu int4 vlm_server vlm_trainer".split(),
         "component",
     ),
     # mixed modules: their tests without Ray are components (a server, a subprocess) or units; those on Ray are e2e
@@ -193,6 +193,7 @@ TEST_TIERS = {  # "module::test name" (parameters aside) -> tier, where it diffe
     "test_e2e::test_ctrl_c_leaves_no_processes_behind": "cluster",
     "test_e2e::test_driver_joins_an_existing_cluster_from_ray_address": "cluster",
     "test_e2e::test_two_concurrent_runs_on_one_machine_each_train_their_own_engines": "cluster",
+    "test_vlm_trainer::test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine": "e2e",
 }
 # the end-to-end runs the development tier keeps: one whole train.py loop (disaggregated, with eval and the first
 # step's invariants checked) stands for the rest

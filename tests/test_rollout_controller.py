@@ -263,7 +263,8 @@ def test_train_data_contract_is_declared_once_and_read_whole_by_the_trainers():
     routing = {"rollout_routed_experts"}  # only with --use-rollout-routing-replay
     fan_out = {"rollout_ids"}  # only when samples share a rollout_id
     temperatures = {"rollout_temperatures"}  # only when a trained token was sampled at another temperature
-    optional = set(OPTIONAL_TRAIN_DATA_KEYS) - top_p_sets - routing - fan_out - temperatures
+    images = {"multimodal_train_inputs"}  # only when a sample carries the processor's outputs
+    optional = set(OPTIONAL_TRAIN_DATA_KEYS) - top_p_sets - routing - fan_out - temperatures - images
     assert set(data) == set(TRAIN_DATA_KEYS) | optional
     assert set(TrainData.__annotations__) - {"raw_reward"} <= set(PARTITIONED_KEYS)  # raw_reward: global, for logs
     with pytest.raises(ValueError, match=r"my_converter returned no rewards, loss_masks; it must return"):

@@ -236,3 +236,23 @@ def test_text_only_generates_refuse_samples_with_images(tiny_vlm):
     sample = Sample(prompt=TEXT, multimodal_inputs={"images": [_image((28, 28), 0)]}, index=5)
     with pytest.raises(ValueError, match="sample 5 has images, which this generate does not send"):
         prompt_ids(types.SimpleNamespace(tokenizer=None), sample)
+
+
+def test_weight_updates_take_the_checkpoint_names_the_trainer_sends(tiny_vlm):
+    """The trainer sends Qwen2.5-VL's checkpoint names (`model.layers.*`, `visual.*`: tests/test_vlm_trainer.py),
+    transformers keeps `model.language_model.*` / `model.visual.*` in memory: every checkpoint tensor, vision tower
+    included, is accepted and lands in the weight the model computes with."""
+    from transformers import AutoModelForImageTextToText
+
+    from slime.backends.cpu_server.hf_fallback import HFWeights
+    from tests._megatron_helpers import read_checkpoint
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm, dtype=torch.float32).eval()
+    weights = HFWeights(model)
+    update = {k: v + 1 for k, v in read_checkpoint(tiny_vlm).items()}
+    assert weights.load(update.items(), "test") == set(update)
+    memory = {n: p for n, p in model.named_parameters() if n != "lm_head.weight"}  # tied to the embedding
+    assert len(memory) == len(update)
+    for name, param in memory.items():
+        checkpoint = name.replace("model.language_model.", "model.", 1).replace("model.visual.", "visual.", 1)
+        assert torch.equal(param, update[checkpoint]), name

@@ -3,6 +3,7 @@ buffer, engines started elsewhere, and the train/rollout consistency checks."""
 
 import logging
 
+from slime.backends.megatron_utils.arguments import check_vlm_training
 from slime.backends.sglang_utils.external import discover_external_engines
 from slime.config.base import Group
 from slime.utils.mask_utils import LOSS_MASK_TYPES
@@ -416,11 +417,8 @@ def check_multimodal_keys(args, error):
         parse_multimodal_keys(args.multimodal_keys)
     except ValueError as e:
         error(str(e))
-    if not args.debug_rollout_only:  # docs/vlm.md: rollouts with images work, training on them does not yet
-        error(
-            "--multimodal-keys: the trainer does not yet take images (no vision tower in the Megatron model); "
-            "rollouts with images run with --debug-rollout-only."
-        )
+    if not args.debug_rollout_only:
+        check_vlm_training(args, error)
 
 
 def resolve_eval_function(args, error):

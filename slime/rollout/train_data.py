@@ -187,6 +187,8 @@ def convert_samples_to_train_data(
     }
     if is_fan_out(samples):
         train_data["rollout_ids"] = rollout_ids(samples)
+    if any(s.multimodal_train_inputs for s in samples):  # contiguous CPU tensors: one Ray object, any device later
+        train_data["multimodal_train_inputs"] = [_cpu_tensors(s.multimodal_train_inputs) for s in samples]
 
     # Rewards rewritten by the rollout (e.g. an external buffer) keep the grader's raw value for logging.
     if "raw_reward" in samples[0].metadata:
@@ -230,6 +232,12 @@ def convert_samples_to_train_data(
                 )
         train_data["rollout_routed_experts"] = [np.asarray(s.rollout_routed_experts, dtype=np.int32) for s in samples]
     return train_data
+
+
+def _cpu_tensors(inputs):
+    if not inputs:
+        return None
+    return {k: torch.as_tensor(v).detach().cpu().contiguous() for k, v in inputs.items()}
 
 
 def _numeric_mean(values):

@@ -305,6 +305,8 @@ class TrainData(_RequiredTrainData, total=False):
     # fan-out: the rollout each sample belongs to (siblings of one generate call share it; default: one per sample).
     # The trainer keeps a rollout's samples in one optimizer step and weighs the rollout once in the loss.
     rollout_ids: list[int]
+    # vision-language samples: the processor's outputs (pixel_values, image_grid_thw, ...), None for text-only ones
+    multimodal_train_inputs: list
 
 
 TRAIN_DATA_KEYS = tuple(_RequiredTrainData.__annotations__)  # every converter must return these

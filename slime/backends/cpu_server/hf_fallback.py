@@ -195,17 +195,28 @@ class HFWeights(QuantizedParams):
             shutil.rmtree(self._backup_dir, ignore_errors=True)
 
 
+# Qwen2.5-VL in memory -> as its checkpoints (and the trainer's weight updates) name it: transformers renames on load
+_LEGACY_VL_TYPES = ("qwen2_5_vl",)
+_LEGACY_VL_NAMES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+
+
 def checkpoint_views(model) -> dict:
     """`name -> tensor` for every parameter, every persistent buffer (e.g. MoE `e_score_correction_bias`), and a view
     per expert under its checkpoint name where transformers fuses MoE experts in memory (`experts.gate_up_proj`
     [E, 2I, H] with gate rows first, `experts.down_proj` [E, H, I]): trainers and checkpoints name them
-    `experts.<e>.{gate,up,down}_proj.weight`. Writing a view updates the fused parameter."""
+    `experts.<e>.{gate,up,down}_proj.weight`. Writing a view updates the fused parameter. A vision-language model's
+    tensors also go by their checkpoint names (`model.language_model.X` as `model.X`, `model.visual.X` as
+    `visual.X`), which the trainer sends."""
     out = dict(model.named_parameters())
     for module_name, module in model.named_modules():
         for buf_name, buf in module.named_buffers(recurse=False):
             if buf_name not in module._non_persistent_buffers_set:
                 out[f"{module_name}.{buf_name}" if module_name else buf_name] = buf
+    legacy = _LEGACY_VL_NAMES if getattr(model.config, "model_type", None) in _LEGACY_VL_TYPES else ()
     for name, p in list(out.items()):
+        for memory, checkpoint in legacy:
+            if name.startswith(memory):
+                out[checkpoint + name[len(memory) :]] = p
         if p.dim() != 3:
             continue
         if name.endswith("experts.gate_up_proj"):

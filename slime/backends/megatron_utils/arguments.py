@@ -93,6 +93,14 @@ def add_megatron_arguments(parser):
         default="learned_absolute",
     )
     g.add_argument(
+        "--mrope-section",
+        type=int,
+        nargs="+",
+        default=None,
+        help="Multimodal RoPE (--position-embedding-type mrope): rotary frequency pairs per (temporal, height, width) "
+        "position; taken from a Qwen2.5-VL --hf-checkpoint's rope_parameters.mrope_section.",
+    )
+    g.add_argument(
         "--use-rotary-position-embeddings",
         action="store_true",
         default=False,
@@ -457,6 +465,9 @@ HYBRID_SPECS = {
     "qwen3_5_text": ("slime_plugins.models.qwen3_5", "get_qwen3_5_spec"),
     "qwen3_5_moe_text": ("slime_plugins.models.qwen3_5", "get_qwen3_5_spec"),
 }
+# HF text model_type of a vision-language checkpoint -> the model provider (current slime's `--spec` protocol) that
+# builds its language model and vision tower.
+VLM_SPECS = {"qwen2_5_vl_text": ("slime_plugins.models.qwen2_5_vl", "get_qwen2_5_vl_model_provider")}
 
 
 def hf_architecture(cfg) -> dict:
@@ -481,7 +492,8 @@ def hf_architecture(cfg) -> dict:
         "vocab_size": cfg.vocab_size,
         "max_position_embeddings": getattr(cfg, "max_position_embeddings", None),
         "qk_layernorm": model_type.startswith("qwen3") or bool(getattr(cfg, "use_qk_norm", False)),
-        "add_qkv_bias": model_type in ("qwen2", "qwen2_moe", "mimo") or bool(getattr(cfg, "attention_bias", False)),
+        "add_qkv_bias": model_type in ("qwen2", "qwen2_moe", "mimo", "qwen2_5_vl_text")
+        or bool(getattr(cfg, "attention_bias", False)),
         "add_bias_linear": False,
         "position_embedding_type": "rope",
         "rotary_percent": float(rope.get("partial_rotary_factor", 1.0)),
@@ -502,6 +514,9 @@ def hf_architecture(cfg) -> dict:
         rope["rope_type"] == "yarn" and model_type == "deepseek_v3"
     ):
         raise ValueError(f"rope_parameters.rope_type={rope['rope_type']!r} is not supported for {model_type!r}")
+    if model_type in VLM_SPECS:  # 3-D (temporal, height, width) positions, Qwen2-VL's contiguous frequency sections
+        arch.update(position_embedding_type="mrope", mrope_section=list(rope["mrope_section"]))
+        arch["spec"] = list(VLM_SPECS[model_type])
     if arch["use_rope_scaling"]:
         arch["rope_scaling_factor"] = float(rope.get("factor", 8.0))
     if model_type == "glm4":  # every layer has post-attention and post-MLP norms; RoPE pairs are interleaved
@@ -798,6 +813,26 @@ def check_hybrid_model(args, error):
     problem = gdn_backend_problem(args.qwen_gdn_backend)
     if problem:
         error(problem + ".")
+
+
+def check_vlm_training(args, error):
+    """`--multimodal-keys` in a training run: the trainer takes images for the vision-language models it builds
+    (`VLM_SPECS`), in the layouts tested so far; anything else is one line naming what is missing."""
+    if not args.spec or tuple(args.spec) not in VLM_SPECS.values():
+        error(
+            f"--multimodal-keys: the trainer takes images for Qwen2.5-VL only, but --hf-checkpoint {args.hf_checkpoint} "
+            "is not a Qwen2.5-VL checkpoint (other vision-language families are not built yet); rollouts with "
+            "images run with --debug-rollout-only."
+        )
+    layout = [
+        (args.pipeline_model_parallel_size, "--pipeline-model-parallel-size"),
+        (args.context_parallel_size, "--context-parallel-size"),
+    ]
+    for size, flag in layout:
+        if size > 1:
+            error(f"{flag} {size}: training Qwen2.5-VL on images is tested at PP=1, CP=1 only so far.")
+    if getattr(args, "tree_training", False):
+        error("--tree-training with --multimodal-keys: the prefix-tree layout has no 3-D (MRoPE) positions.")
 
 
 def check_param_patterns_match(args, error):

@@ -194,7 +194,24 @@ def get_batch(data_iterator, keys, pad_multiplier=128):
         batch.update(_packed_layout(tokens, _tp_size() * pad_multiplier))
     else:
         batch.update(_padded_layout(tokens))
+    if "multimodal_train_inputs" in batch:
+        batch["multimodal_train_inputs"] = merge_multimodal_inputs(batch["multimodal_train_inputs"])
     return batch
+
+
+# per-token processor outputs over the prompt only: the model derives token types from the ids
+_PER_TOKEN_KEYS = ("mm_token_type_ids",)
+
+
+def merge_multimodal_inputs(per_sample):
+    """The micro-batch's `multimodal_train_inputs` as model keyword arguments: each key's tensors concatenated along
+    dim 0 in sample order (text-only samples have none), so images follow the order of their tokens; {} without any."""
+    merged = {}
+    for inputs in per_sample or []:
+        for key, value in (inputs or {}).items():
+            if key not in _PER_TOKEN_KEYS:
+                merged.setdefault(key, []).append(value)
+    return {key: torch.cat(values) for key, values in merged.items()}
 
 
 def _tp_size():
@@ -357,7 +374,7 @@ def log_rollout_data(rollout_id, args, rollout_data):
     local = {}  # key: (sum, count); with fan-out the DP ranks hold different sample counts
     skip = ("tokens", "loss_masks", "sample_indices", "global_indices", "rollout_routed_experts", *TOP_P_KEYS)
     skip += (TEMPERATURES_KEY,)
-    skip += ("rollout_ids", "rollout_sizes", "rollout_mask_sums", "rollout_weights")
+    skip += ("rollout_ids", "rollout_sizes", "rollout_mask_sums", "rollout_weights", "multimodal_train_inputs")
     for key, val in rollout_data.items():
         if key in skip or val is None:
             continue

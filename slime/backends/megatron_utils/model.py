@@ -59,6 +59,7 @@ TRAIN_KEYS = [
     routing_replay.KEY,
     "rollout_mask_sums",
     "rollout_weights",
+    "multimodal_train_inputs",
 ]
 
 
@@ -234,6 +235,7 @@ def _forward(model, batch):
             labels=None,
             packed_seq_params=batch["packed_seq_params"],
             **mtp,
+            **batch.get("multimodal_train_inputs", {}),  # a vision-language model's pixel_values, image_grid_thw
         )
     # --tree-training: each sample's rows back in the flat padded layout, so the loss code is unchanged; earlier
     # pipeline stages hand the tree row's hidden states on as they are (every stage builds the same layout)
@@ -268,7 +270,15 @@ def forward_only(args, model, data_iterator, num_microbatches, store_prefix="", 
     def forward_step(iterator, chunk):
         batch = get_batch(
             iterator,
-            ["tokens", "total_lengths", "response_lengths", *TOP_P_KEYS, TEMPERATURES_KEY, routing_replay.KEY],
+            [
+                "tokens",
+                "total_lengths",
+                "response_lengths",
+                *TOP_P_KEYS,
+                TEMPERATURES_KEY,
+                routing_replay.KEY,
+                "multimodal_train_inputs",
+            ],
             pad_multiplier=args.data_pad_size_multiplier,
         )
         routing_replay.before_forward(args, chunk, batch)

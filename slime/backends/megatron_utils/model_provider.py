@@ -144,6 +144,8 @@ def core_transformer_config_from_args(args) -> TransformerConfig:
         )
     if getattr(args, "fp8", None):  # Transformer Engine's FP8 GEMMs (start-up refuses it without TE)
         kw.update(fp8=args.fp8, fp8_recipe=args.fp8_recipe)
+    if args.position_embedding_type == "mrope":
+        kw["mrope_section"] = args.mrope_section
     kw["rotary_interleaved"] = bool(args.rotary_interleaved)
     kw["apply_rope_fusion"] = rope_fusion(args)
     kw.update(cpu_compat.transformer_config_overrides(kw))
@@ -190,6 +192,11 @@ def _layer_spec(args, config, vp_stage=None):
     with MoE (it honours `--moe-layer-freq`) or MLA; GLM-4 post norms where asked for."""
     if args.spec:
         return _user_spec(args, config, vp_stage)
+    return default_layer_spec(args, config, vp_stage)
+
+
+def default_layer_spec(args, config, vp_stage=None):
+    """The layer spec without `--spec` (also what a model plugin builds its language model with)."""
     te = use_transformer_engine(args)
     if args.num_experts or config.multi_latent_attention:
         spec = get_gpt_decoder_block_spec(
@@ -274,6 +281,27 @@ def _with_role(provider, role, seed):
     return critic_provider
 
 
+def gpt_model_kwargs(args, config, layer_spec, pre_process, post_process, vp_stage):
+    """`GPTModel`'s arguments from the flags (shared with the model plugins that subclass it)."""
+    return dict(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=padded_vocab_size(args),
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        fp16_lm_cross_entropy=False,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=int(args.rotary_base),
+        rope_scaling=bool(args.use_rope_scaling),
+        rope_scaling_factor=args.rope_scaling_factor,
+        vp_stage=vp_stage,
+    )
+
+
 def get_model_provider_func(args, role="actor"):
     if args.custom_model_provider_path:
         return _with_role(_custom_model_provider(args.custom_model_provider_path), role, args.seed)
@@ -290,22 +318,7 @@ def get_model_provider_func(args, role="actor"):
             return layer_spec(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
         mtp_spec = mtp_block_spec(args, layer_spec, use_transformer_engine(args), post_process)
         model = (MTPGPTModel if mtp_spec is not None else GPTModel)(
-            config=config,
-            transformer_layer_spec=layer_spec,
-            mtp_block_spec=mtp_spec,
-            vocab_size=padded_vocab_size(args),
-            max_sequence_length=args.max_position_embeddings,
-            pre_process=pre_process,
-            post_process=post_process,
-            fp16_lm_cross_entropy=False,
-            parallel_output=True,
-            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            position_embedding_type=args.position_embedding_type,
-            rotary_percent=args.rotary_percent,
-            rotary_base=int(args.rotary_base),
-            rope_scaling=bool(args.use_rope_scaling),
-            rope_scaling_factor=args.rope_scaling_factor,
-            vp_stage=vp_stage,
+            **gpt_model_kwargs(args, config, layer_spec, pre_process, post_process, vp_stage), mtp_block_spec=mtp_spec
         )
         if mtp_spec is not None:
             model.real_vocab_size = args.vocab_size

@@ -263,6 +263,8 @@ def process_rollout_data(args, rollout_data_ref, dp_rank, dp_size, values_ref=No
             vals = [torch.tensor(np.asarray(v), dtype=torch.long, device=device) for v in vals]
         elif key in ("rollout_top_p_token_ids", "rollout_top_p_token_offsets"):
             vals = [torch.tensor(np.asarray(v), dtype=torch.long, device=device) for v in vals]
+        elif key == "multimodal_train_inputs":  # per sample: None (text only) or the processor's tensors
+            vals = [None if d is None else {k: torch.as_tensor(v).to(device) for k, v in d.items()} for d in vals]
         elif key in ("rollout_log_probs", "teacher_log_probs", "values", "returns", TEMPERATURES_KEY):
             vals = [torch.tensor(np.asarray(lp), dtype=torch.float32, device=device) for lp in vals]
         rollout_data[key] = vals

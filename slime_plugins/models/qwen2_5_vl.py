@@ -1,0 +1,141 @@
+"""Qwen2.5-VL in the trainer: megatron-core's `GPTModel` (multimodal RoPE) as the language model, plus `visual`,
+transformers' own vision tower built from the checkpoint's `vision_config`, on the first pipeline stage.
+
+The vision features replace the embeddings at the image-token positions (the `decoder_input`); each sample's 3-D
+(temporal, height, width) positions come from transformers' `get_rope_index` on that sample's tokens, per row of the
+padded layout or per segment of a packed row. The tower's parameters are named `visual.*`, the checkpoint's own
+names, so loading, weight sync and export pass them through unchanged.
+
+Selected by `--hf-checkpoint` (the text config's `model_type`, `arguments.VLM_SPECS`) through current slime's `--spec`
+protocol: `get_qwen2_5_vl_model_provider(args, config, vp_stage)` returns the model provider.
+"""
+
+import torch
+from megatron.core.models.gpt import GPTModel
+
+from slime.backends.megatron_utils.model_provider import default_layer_spec, gpt_model_kwargs
+
+
+class _RopeIndex:
+    """transformers' `get_rope_index` without building its model: the method reads only the config."""
+
+    def __init__(self, hf_config):
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel  # heavy
+
+        self.config = hf_config
+        self._get_rope_index = Qwen2_5_VLModel.get_rope_index.__get__(self)
+        self.get_vision_position_ids = Qwen2_5_VLModel.get_vision_position_ids.__get__(self)
+
+    def __call__(self, ids, image_grid_thw):
+        """[3, len(ids)] positions of one sample's token ids and its images' grids."""
+        types = (ids == self.config.image_token_id).int()[None]
+        positions, _ = self._get_rope_index(ids[None], types, image_grid_thw=image_grid_thw)
+        return positions[:, 0]
+
+
+class Qwen2_5VLModel(GPTModel):
+    """`GPTModel` with `position_embedding_type="mrope"` that also takes `pixel_values` / `image_grid_thw` (the
+    processor's outputs, concatenated over the micro-batch's samples in order)."""
+
+    def __init__(self, hf_config, **kwargs):
+        super().__init__(**kwargs)
+        self.image_token_id = hf_config.image_token_id
+        self.merge = hf_config.vision_config.spatial_merge_size
+        self.rope_index = _RopeIndex(hf_config)
+        if self.pre_process:
+            from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (  # heavy
+                Qwen2_5_VisionTransformerPretrainedModel,
+            )
+
+            vision_config = hf_config.vision_config
+            vision_config._attn_implementation = "sdpa"
+            self.visual = Qwen2_5_VisionTransformerPretrainedModel._from_config(
+                vision_config, dtype=self.config.params_dtype
+            )
+            for p in self.visual.parameters():  # replicated on every TP rank, gathered by no one
+                p.tensor_model_parallel = False
+
+    def forward(
+        self,
+        input_ids,
+        position_ids,
+        attention_mask,
+        decoder_input=None,
+        labels=None,
+        packed_seq_params=None,
+        pixel_values=None,
+        image_grid_thw=None,
+        **kwargs,
+    ):
+        positions = self._positions(input_ids, packed_seq_params, image_grid_thw)
+        if self.pre_process and decoder_input is None:
+            decoder_input = self._embed_with_images(input_ids, pixel_values, image_grid_thw)
+        return super().forward(
+            input_ids,
+            positions,
+            attention_mask,
+            decoder_input=decoder_input,
+            labels=labels,
+            packed_seq_params=packed_seq_params,
+            **kwargs,
+        )
+
+    def _segments(self, input_ids, packed_seq_params):
+        """(row, start, end) of each sample: whole rows (padded layout), or the packed row's `cu_seqlens` runs."""
+        if packed_seq_params is None:
+            return [(b, 0, input_ids.size(1)) for b in range(input_ids.size(0))]
+        cu = packed_seq_params.cu_seqlens_q.tolist()
+        return [(0, lo, hi) for lo, hi in zip(cu[:-1], cu[1:]) if hi > lo]
+
+    def _positions(self, input_ids, packed_seq_params, image_grid_thw):
+        """[3, b, s] positions; checks that each sample's image tokens are exactly its images' features."""
+        grids = image_grid_thw if image_grid_thw is not None else input_ids.new_zeros(0, 3)
+        per_image = (grids.prod(-1) // self.merge**2).tolist()
+        positions = torch.zeros(3, *input_ids.shape, dtype=torch.long, device=input_ids.device)
+        used = 0
+        for k, (row, lo, hi) in enumerate(self._segments(input_ids, packed_seq_params)):
+            ids = input_ids[row, lo:hi]
+            need, first = int((ids == self.image_token_id).sum()), used
+            while need > 0 and used < len(per_image):
+                need -= per_image[used]
+                used += 1
+            if need != 0:
+                n = int((ids == self.image_token_id).sum())
+                raise ValueError(
+                    f"sample {k} of the micro-batch has {n} image tokens (id {self.image_token_id}) but its images' "
+                    f"image_grid_thw give {sum(per_image[first:used])} features: multimodal_train_inputs do not "
+                    "match the tokens"
+                )
+            positions[:, row, lo:hi] = self.rope_index(ids, grids[first:used] if used > first else None)
+        if used != len(per_image):
+            raise ValueError(
+                f"the micro-batch has {len(per_image)} images in multimodal_train_inputs but its tokens hold image "
+                f"tokens for {used}: multimodal_train_inputs do not match the tokens"
+            )
+        return positions
+
+    def _embed_with_images(self, input_ids, pixel_values, image_grid_thw):
+        """Word embeddings [s, b, h] with the vision features written at the image tokens, in (row, position)
+        order, as the processor laid them out."""
+        embeddings = self.embedding(input_ids=input_ids, position_ids=None)
+        if pixel_values is None:
+            return embeddings
+        features = self.visual(pixel_values.to(self.visual.dtype), grid_thw=image_grid_thw).pooler_output
+        mask = (input_ids == self.image_token_id).t()[..., None]  # [s, b, 1], like the embeddings
+        by_row = embeddings.transpose(0, 1).masked_scatter(mask.transpose(0, 1), features.to(embeddings.dtype))
+        return by_row.transpose(0, 1).contiguous()
+
+
+def get_qwen2_5_vl_model_provider(args, config, vp_stage=None):
+    """Current slime's `--spec` protocol: a model provider for `--hf-checkpoint`'s Qwen2.5-VL."""
+    from transformers import AutoConfig  # heavy
+
+    hf_config = AutoConfig.from_pretrained(args.hf_checkpoint, trust_remote_code=True)
+
+    def provider(pre_process=True, post_process=True, vp_stage=None):
+        layer_spec = default_layer_spec(args, config, vp_stage)
+        return Qwen2_5VLModel(
+            hf_config, **gpt_model_kwargs(args, config, layer_spec, pre_process, post_process, vp_stage)
+        )
+
+    return provider

@@ -1,0 +1,324 @@
+"""Training Qwen2.5-VL on images (issue #39, the trainer's first slice), on the tiny offline kit
+(tools/build_tiny_vlm.py).
+
+`--hf-checkpoint` alone builds the model (megatron-core's `GPTModel` with multimodal RoPE plus transformers' vision
+tower, `slime_plugins/models/qwen2_5_vl.py`); samples carry the processor's outputs (`multimodal_train_inputs`)
+through the train-data conversion, the DP split and the micro-batches. The trainer's log-probs equal transformers'
+Qwen2.5-VL forward of the same images; a training step moves every vision-tower weight, and
+`--freeze-params-name-list visual` keeps them all.
+"""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from slime.utils.arguments import parse_args
+from tests._megatron_helpers import read_checkpoint, spawn
+
+TEXT = "<|im_start|>user\n{images}What colour is the shape?<|im_end|>\n<|im_start|>assistant\n"
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+# per sample: image sizes (w, h) in pixels (14-px patches merged 2x2: 28x28 -> 1 token, 56x84 -> 6), reward
+SAMPLES = [([(28, 28)], 1.0), ([(84, 56), (28, 56)], 0.0), ([], 0.0), ([(56, 56)], 1.0)]
+RL = [
+    "--lr",
+    "1",
+    "--adam-eps",
+    "1",  # Adam's first step is then g / (|g| + 1) (not sign(g)): layouts compare gradients through the weights
+    "--rollout-batch-size",
+    "2",
+    "--n-samples-per-prompt",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--micro-batch-size",
+    "2",  # [1 image, 2 images of other sizes] and [text only, 1 image]: padded rows of different lengths
+    "--num-rollout",
+    "1",
+    "--rollout-num-gpus",
+    "1",
+    "--seq-length",
+    "128",
+    "--actor-num-gpus-per-node",
+    "1",
+    "--debug-train-only",
+    "--multimodal-keys",
+    '{"image": "images"}',
+    "--weight-decay",
+    "0",  # a weight moves exactly when its gradient is not zero
+]
+
+
+def vlm_args(hf_dir, *extra):
+    return parse_args(argv=[*RL, "--hf-checkpoint", hf_dir, *extra])
+
+
+def _image(size, seed):
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+def make_samples(hf_dir):
+    """Samples as the default rollout leaves them: expanded prompt ids + a response, the processor's other outputs."""
+    from slime.utils.processing_utils import load_processor, process_prompt
+    from slime.utils.types import Sample
+
+    processor = load_processor(hf_dir)
+    rng = np.random.default_rng(0)
+    samples = []
+    for i, (sizes, reward) in enumerate(SAMPLES):
+        images = [_image(s, 10 * i + j) for j, s in enumerate(sizes)]
+        ids, train_inputs = process_prompt(processor, TEXT.format(images=IMAGE * len(images)), images)
+        response = rng.integers(10, 300, 4 + i).tolist()  # plain text ids (the special ones are 0..6)
+        samples.append(
+            Sample(
+                index=i,
+                tokens=ids + response,
+                response_length=len(response),
+                reward=reward,
+                multimodal_train_inputs=train_inputs if images else None,
+            )
+        )
+    return samples
+
+
+def hf_vlm_log_probs(hf_dir, samples):
+    """Each sample's response log-probs from transformers' Qwen2.5-VL, fp32, one sample at a time."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for s in samples:
+            ids = torch.tensor(s.tokens)[None]
+            inputs = dict(s.multimodal_train_inputs or {})
+            inputs["mm_token_type_ids"] = (ids == model.config.image_token_id).long()
+            logits = model(input_ids=ids, **inputs).logits[0].float()
+            r = s.response_length
+            out.append(torch.log_softmax(logits[-r - 1 : -1], -1).gather(1, ids[0, -r:, None])[:, 0])
+    return out
+
+
+def _export(args, model):
+    """The model's weights under HF names, as weight sync and --save-hf produce them (collective over TP)."""
+    from slime.backends.megatron_utils.megatron_to_hf import convert_to_hf
+    from slime.backends.megatron_utils.param_utils import all_gather_param, named_parameters, remove_padding
+
+    exported = {}
+    for name, param in named_parameters(args, model):
+        full = remove_padding(name, all_gather_param(name, param), args.vocab_size)
+        exported.update((k, v.clone()) for k, v in convert_to_hf(args, args.model_name, name, full))
+    return exported
+
+
+def _train_step(rank, hf_dir, samples, tp, freeze, out):
+    """Build the trainer from --hf-checkpoint, check its log-probs against transformers, train one GRPO step and
+    report which weights moved and their values after the step."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import ray
+    from megatron.core import parallel_state as mpu
+
+    from slime.backends.megatron_utils.advantages import compute_advantages_and_returns
+    from slime.backends.megatron_utils.data import get_data_iterator
+    from slime.backends.megatron_utils.initialize import init
+    from slime.backends.megatron_utils.model import forward_only, initialize_model_and_optimizer, train
+    from slime.backends.megatron_utils.param_utils import PREFIX, named_parameters
+    from slime.backends.megatron_utils.rollout_data import process_rollout_data
+    from slime.rollout.train_data import convert_samples_to_train_data
+
+    class _Ref:
+        def __init__(self, data):
+            self.inner = data
+
+    ray.get = lambda x: x  # the test hands the dict itself instead of an ObjectRef
+    layout = ["--tensor-model-parallel-size", str(tp), "--actor-num-gpus-per-node", str(tp)]
+    args = vlm_args(hf_dir, *layout, *(["--freeze-params-name-list", "visual"] if freeze else []))
+    init(args)
+    model, opt, sched, _ = initialize_model_and_optimizer(args)
+    data = convert_samples_to_train_data(args, samples)
+    rollout = process_rollout_data(args, _Ref(data), mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size())
+    iters, nmb = get_data_iterator(args, model, rollout)
+    log_probs = forward_only(args, model, iters, nmb)["log_probs"]
+    ref = hf_vlm_log_probs(hf_dir, samples)
+    diff = max((g - e).abs().max().item() for g, e in zip(log_probs, ref))
+    assert diff <= 1e-5, f"tp{tp}: max |trainer - transformers| log-prob = {diff}"
+
+    # export (weight sync, --save-hf) gives back the checkpoint bit for bit, the tower under its own names
+    exported, expected = _export(args, model), read_checkpoint(hf_dir)
+    assert sorted(exported) == sorted(expected), set(exported) ^ set(expected)
+    assert all(torch.equal(exported[k], v) for k, v in expected.items())
+
+    before = {n[len(PREFIX) :]: p.detach().clone() for n, p in named_parameters(args, model)}
+    rollout.update(forward_only(args, model, iters, nmb, store_prefix="ref_"))
+    rollout.update(forward_only(args, model, iters, nmb))
+    compute_advantages_and_returns(args, rollout)
+    train(args, 0, model, opt, sched, iters, nmb)
+    moved = {n[len(PREFIX) :]: p.detach() for n, p in named_parameters(args, model)}
+    moved = {n: not torch.equal(before[n], p) for n, p in moved.items()}
+    after = _export(args, model)
+    if rank == 0:
+        torch.save({"diff": diff, "moved": moved, "after": after}, out)
+
+
+_RESULTS = {}
+
+
+def train_once(hf_dir, samples, tp, freeze, tmp_dir):
+    """`_train_step`'s result for one layout, run once per test session."""
+    key = (hf_dir, tp, freeze)
+    if key not in _RESULTS:
+        out = os.path.join(tmp_dir, f"tp{tp}_freeze{int(freeze)}.pt")
+        spawn(_train_step, tp, hf_dir, samples, tp, freeze, out, timeout=300)
+        _RESULTS[key] = torch.load(out)
+    return _RESULTS[key]
+
+
+@pytest.fixture(scope="module")
+def samples(tiny_vlm):
+    return make_samples(tiny_vlm)
+
+
+def test_samples_mix_image_sizes_and_text_only_rows(samples):
+    """The batch can expose ordering and padding bugs: per micro-batch, rows of different lengths, image counts and
+    sizes (1 and 6 + 2 image tokens), a text-only row next to an image row."""
+    grids = [
+        s.multimodal_train_inputs["image_grid_thw"].tolist() if s.multimodal_train_inputs else [] for s in samples
+    ]
+    assert grids == [[[1, 2, 2]], [[1, 4, 6], [1, 4, 2]], [], [[1, 4, 4]]]
+    assert len({len(s.tokens) for s in samples}) == 4
+
+
+@pytest.mark.parametrize("freeze", [False, True], ids=["train", "freeze_visual"])
+def test_log_probs_equal_transformers_and_the_vision_tower_trains(tiny_vlm, samples, freeze, tmp_path):
+    result = train_once(tiny_vlm, samples, 1, freeze, str(tmp_path))
+    print(f"trainer vs transformers max |log-prob diff| = {result['diff']:.3g}")
+    moved = result["moved"]
+    visual = [n for n in moved if n.startswith("visual.")]
+    lm = [n for n in moved if not n.startswith("visual.")]
+    assert len(visual) == 30  # every tensor of the tower is in the model (and the optimizer)
+    if freeze:
+        assert not any(moved[n] for n in visual), [n for n in visual if moved[n]]
+    else:
+        assert all(moved[n] for n in visual), [n for n in visual if not moved[n]]
+    assert all(moved[n] for n in lm), [n for n in lm if not moved[n]]
+
+
+def test_tp2_equals_tp1(tiny_vlm, samples, tmp_path):
+    """At TP=2 the tower is replicated on both ranks (the language model sharded): the same log-probs, and after one
+    step (lr 1, Adam eps 1: each weight moves by g / (|g| + 1) of its clipped gradient g) the same weights, tower
+    included, as at TP=1: its gradients are neither summed over the TP ranks nor counted twice in the norm."""
+    tp1 = train_once(tiny_vlm, samples, 1, False, str(tmp_path))
+    tp2 = train_once(tiny_vlm, samples, 2, False, str(tmp_path))
+    print(f"tp2: trainer vs transformers max |log-prob diff| = {tp2['diff']:.3g}")
+    assert sorted(tp2["after"]) == sorted(tp1["after"])
+    gap = {k: (tp2["after"][k] - v).abs().max().item() for k, v in tp1["after"].items()}
+    worst = max(gap, key=gap.get)
+    print(f"tp2 vs tp1 weights after one step: max |diff| = {gap[worst]:.3g} ({worst})")
+    assert gap[worst] <= 1e-5, (worst, gap[worst])
+
+
+def test_startup_derives_the_model_from_the_checkpoint_and_refuses_untested_layouts(tiny_vlm, capsys):
+    """`--hf-checkpoint` alone: the text config's qkv bias and MRoPE sections, the vision-language model provider.
+    What is not tested yet stops at start-up in one line naming the flag."""
+    from tests._args import one_line_refusal
+
+    args = vlm_args(tiny_vlm)
+    assert args.add_qkv_bias and args.position_embedding_type == "mrope" and args.mrope_section == [2, 3, 3]
+    assert args.spec == ["slime_plugins.models.qwen2_5_vl", "get_qwen2_5_vl_model_provider"]
+    assert (args.num_layers, args.hidden_size, args.num_query_groups, args.kv_channels) == (2, 64, 2, 16)
+    keys = ["--multimodal-keys", '{"image": "images"}']
+    for flag in ("--pipeline-model-parallel-size", "--context-parallel-size"):
+        argv = [*keys, flag, "2", "--actor-num-gpus-per-node", "2"]
+        err = one_line_refusal(capsys, *argv, hf_checkpoint=tiny_vlm)
+        assert f"{flag} 2: training Qwen2.5-VL on images is tested at PP=1, CP=1 only" in err, err
+
+
+def test_image_tokens_and_grids_that_disagree_fail_in_one_line(tiny_vlm):
+    """The trainer checks each sample's image tokens against its images' grids (a processor run with other limits
+    than the rollout's, a truncated prompt): a one-line error naming the sample and both counts."""
+    from transformers import AutoConfig
+
+    from slime_plugins.models.qwen2_5_vl import Qwen2_5VLModel, _RopeIndex
+
+    cfg = AutoConfig.from_pretrained(tiny_vlm)
+    model = object.__new__(Qwen2_5VLModel)  # the position builder needs only these
+    model.image_token_id, model.merge, model.rope_index = cfg.image_token_id, 2, _RopeIndex(cfg)
+    img, text = cfg.image_token_id, 20
+    ids = torch.tensor([[text, img, text, text, 0, 0], [text, img, img, img, img, text]])
+    grids = torch.tensor([[1, 2, 2], [1, 4, 2]])  # 1 and 2 features, the second row holds 4 image tokens
+    with pytest.raises(ValueError) as e:
+        model._positions(ids, None, grids)
+    msg = str(e.value)
+    assert "sample 1 of the micro-batch has 4 image tokens" in msg and "give 2 features" in msg
+    assert len(msg.splitlines()) == 1
+    with pytest.raises(
+        ValueError, match="has 3 images in multimodal_train_inputs but its tokens hold image tokens for 1"
+    ):
+        model._positions(ids[:1], None, torch.tensor([[1, 2, 2], [1, 2, 2], [1, 2, 2]]))
+    positions = model._positions(ids, None, torch.tensor([[1, 2, 2], [1, 4, 4]]))  # row 1: a 2x2 merged grid
+    assert positions[:, 1].tolist() == [[0, 1, 1, 1, 1, 3], [0, 1, 1, 2, 2, 3], [0, 1, 2, 1, 2, 3]]
+
+
+def alternating_reward(args, sample):
+    """1 for odd sample indices: every GRPO group has a non-zero advantage, so each step changes the weights."""
+    return float(sample.index % 2)
+
+
+def test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine(tiny_vlm, tmp_path):
+    """`train.py --multimodal-keys` on the tiny kit with the CPU server: images from the dataset to the engine and the
+    trainer, two GRPO steps, weight sync (vision tower included) between them. The engine's log-probs of the second
+    rollout, sampled with the first step's weights, equal the trainer's: the whole model reached the engine."""
+    import base64
+    import io
+    import json
+    import subprocess
+    import sys
+
+    from tests import _procs
+
+    rows = []
+    for i, size in enumerate([(28, 28), (56, 56), (84, 56), (28, 56)]):
+        buf = io.BytesIO()
+        _image(size, i).save(buf, format="PNG")
+        content = "<image>What colour is the shape?"
+        rows.append(
+            {"prompt": [{"role": "user", "content": content}], "images": [base64.b64encode(buf.getvalue()).decode()]}
+        )
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = [
+        "--hf-checkpoint", tiny_vlm, "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
+        "--prompt-data", str(tmp_path / "train.jsonl"), "--input-key", "prompt", "--apply-chat-template",
+        "--multimodal-keys", '{"image": "images"}', "--custom-rm-path", "tests.test_vlm_trainer.alternating_reward",
+        "--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4",
+        "--lr", "1e-2", "--lr-decay-style", "constant", "--rollout-max-response-len", "4", "--seed", "1", "--ci-test",
+        "--metrics-path", str(tmp_path / "metrics.jsonl"),
+    ]  # fmt: skip
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = None
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "train.py", *argv],
+            cwd=repo,
+            env=dict(_procs.run_env(tmp_path), PYTHONPATH=repo),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        out, _ = proc.communicate(timeout=480)
+    finally:
+        _procs.stop_run(proc, tmp_path, timeout=0)
+    assert proc.returncode == 0, out[-5000:]
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["rollout/weight_version"] for m in metrics] == [1, 2]
+    assert metrics[0]["train/grad_norm"] > 0
+    for m in metrics:
+        print(
+            f"rollout {m['rollout_id']}: train_rollout_logprob_abs_diff {m['train/train_rollout_logprob_abs_diff']:.3g}"
+        )
+        assert m["train/train_rollout_logprob_abs_diff"] < 1e-4
+    assert _procs.wait_none_carrying(_procs.RUN_KEY, str(tmp_path), 30) == []
