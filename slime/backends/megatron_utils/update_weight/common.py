@@ -14,6 +14,7 @@ from megatron.core import parallel_state as mpu
 from slime.backends.megatron_utils.megatron_to_hf import convert_to_hf
 from slime.backends.megatron_utils.param_utils import PREFIX, all_gather_param, remove_padding
 from slime.utils.device import get_device
+from slime.utils.fingerprint import hash_named
 from slime.utils.tensor_serialization import FlattenedTensorMetadata
 
 logger = logging.getLogger(__name__)
@@ -153,6 +154,28 @@ def acquire_lock(lock, what, timeout):
                 f"{what}: the rollout-engine lock stayed held for {timeout:.0f}s (another source rank is stuck mid-update)"
             )
         time.sleep(0.1)
+
+
+class SentHashes:
+    """The tiles32 hash of every HF tensor this rank sent in the current update (`slime.utils.fingerprint`), on the
+    tensor's device and in the dtype it travels in (quantised tensors as sent). The trainer keeps the map of the last
+    version; the rollout manager combines the ranks' maps and checks each engine's fingerprint against it."""
+
+    def __init__(self, args):
+        self.enabled = getattr(args, "check_weight_fingerprints", True)
+        self.hashes = {}
+
+    def reset(self):
+        self.hashes = {}
+
+    def add(self, named_tensors):
+        if self.enabled:
+            hash_named(named_tensors, self.hashes)
+
+    def into(self, metrics: dict) -> dict:
+        if self.enabled and self.hashes:
+            metrics["update_weights/tensor_hashes"] = dict(self.hashes)
+        return metrics
 
 
 def update_metrics(seconds: float, bytes_moved: int, weight_version: int) -> dict:
