@@ -142,6 +142,19 @@ def test_health_and_info(server, tiny_kit):
     assert info["model_type"] == "qwen3" and info["architectures"] == ["Qwen3ForCausalLM"]
     assert os.path.samefile(info["model_path"], tiny_kit[0]) and info["weight_version"] == "default"
     assert SESSION.get(server + "/get_model_info").json() == info
+    # the weights' fingerprint: tiles32 of every served HF tensor as the checkpoint stores it, combined (issue #37)
+    from safetensors.torch import load_file
+
+    from slime.utils.fingerprint import combine, hash_named
+
+    stored = {}
+    for f in sorted(os.listdir(tiny_kit[0])):
+        if f.endswith(".safetensors"):
+            stored.update(load_file(os.path.join(tiny_kit[0], f)))
+    served = SESSION.get(server + "/slime/weights_fingerprint").json()
+    assert set(served["tensor_hashes"]) <= set(stored) and len(served["tensor_hashes"]) > 10
+    want = hash_named((n, stored[n]) for n in served["tensor_hashes"])
+    assert served["tensor_hashes"] == want and info["weights_fingerprint"] == combine(want)
     si = SESSION.get(server + "/server_info").json()
     assert si["tp_size"] == 1 and si["dp_size"] == 1 and si["max_running_requests"] == 16
     assert SESSION.get(server + "/get_server_info").json()["served_model_name"] == si["served_model_name"]

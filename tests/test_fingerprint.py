@@ -138,3 +138,22 @@ def test_sglang_engines_must_agree_rank_by_rank():
     assert sglang_disagreement({"e0": a, "e1": b}) is None
     c = body((0, {"qkv_proj": "a"}), (1, {"qkv_proj": "z"}))
     assert sglang_disagreement({"e0": a, "e1": c}) == "e1 and e0 differ on rank 1 parameter 'qkv_proj' (z vs b)"
+
+
+def test_the_opt_out_flag_skips_the_check_with_one_warning(caplog):
+    import threading
+
+    from slime.ray.rollout import RolloutManager
+    from tests._args import make_args
+
+    args = make_args("--no-check-weight-fingerprints")
+    assert args.check_weight_fingerprints is False and make_args().check_weight_fingerprints is True
+    manager = RolloutManager.__new__(RolloutManager)
+    manager.args, manager.rollout_engines, manager.engine_urls = args, [object()], ["http://127.0.0.1:1"]
+    manager.trainer_tensor_hashes, manager._warned, manager._lock = {}, set(), threading.RLock()
+    bad = {"update_weights/weight_version": 2, "update_weights/tensor_hashes": {"x": "0000000000000001"}}
+    for _ in range(2):
+        metrics = [dict(bad)]
+        manager.check_weight_fingerprints(metrics)  # an engine object without the method: never called
+        assert "update_weights/tensor_hashes" not in metrics[0]  # the map never reaches the logged metrics
+    assert sum("--no-check-weight-fingerprints" in r.getMessage() for r in caplog.records) == 1
