@@ -84,10 +84,8 @@ def _lane_np(words, lin, rot, a: int, c: int, r: int, nbytes: int):
     k ^= np.uint32((((a << r) & _M32) | (a >> (32 - r))) & _M32)
     k ^= words
     k = _fmix32_np(k)
-    pad = (-n) % TILE  # words past the end contribute 0 (the kernel's mask)
-    if pad:
-        k = np.concatenate([k, np.zeros(pad, np.uint32)])
-    h = k.reshape(-1, TILE).sum(axis=1, dtype=np.uint32)  # mod 2^32, as the kernel's uint32 sums
+    # per-tile sums mod 2^32, as the kernel's uint32 sums (a short last tile: the kernel's masked words add 0)
+    h = np.add.reduceat(k, np.arange(0, n, TILE), dtype=np.uint32)
     return _fmix32_np(h ^ np.uint32(nbytes & _M32)).astype(np.uint64)
 
 
