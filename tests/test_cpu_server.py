@@ -152,6 +152,7 @@ def test_health_and_info(server, tiny_kit):
         if f.endswith(".safetensors"):
             stored.update(load_file(os.path.join(tiny_kit[0], f)))
     served = SESSION.get(server + "/slime/weights_fingerprint").json()
+    info = SESSION.get(server + "/model_info").json()  # reports it once computed, never computing it itself
     assert set(served["tensor_hashes"]) <= set(stored) and len(served["tensor_hashes"]) > 10
     want = hash_named((n, stored[n]) for n in served["tensor_hashes"])
     assert served["tensor_hashes"] == want and info["weights_fingerprint"] == combine(want)

@@ -423,7 +423,13 @@ class RolloutManager:
                 )
         if len(sglang) > 1:
             self._check_sglang_agreement(sglang, version, timeout)
-        logger.info("weight version %s: the engines serve what the trainers pushed (fingerprints match)", version)
+        logger.info(
+            "weight version %s: %d CPU-server engine(s) serve what the trainers pushed (fingerprints match); "
+            "%d SGLang engine(s) checked against each other",
+            version,
+            len(engines) - len(sglang),
+            len(sglang) if len(sglang) > 1 else 0,
+        )
 
     def _check_sglang_agreement(self, engines, version, timeout):
         try:

@@ -3,9 +3,10 @@
 The trainer hashes every HF tensor it sends (`slime.utils.fingerprint`: tiles32 per tensor, on its device, in the
 dtype it travels in); the source ranks' maps are merged into one per version. slime's CPU server hashes the HF
 tensors it serves the same way (`/slime/weights_fingerprint`). The two must agree on every tensor the engine serves:
-a tensor the engine serves that the trainer did not send, or one whose bytes, layout or name differ, stops the run in
-one line naming the engine, the version, both fingerprints and the first differing tensor. (Names the trainer sent
-that the engine ignores by design, e.g. MTP layers, are left out of the trainer's side.)
+a tensor the engine serves (loaded by name from the checkpoint or a push) that the trainer did not send, or one
+whose bytes, layout or name differ, stops the run in one line naming the engine, the version, both fingerprints and
+the first differing tensor. (Names the trainer sent that the engine ignores by design, e.g. MTP layers, are left out
+of the trainer's side.)
 
 SGLang engines report no HF-named hashes (their tensors are fused and sharded); for them the check is engine-vs-engine:
 `/weights_checker checksum` per TP rank, sorted by rank, must be equal on every SGLang engine after the push.

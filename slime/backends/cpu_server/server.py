@@ -356,11 +356,12 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
         )
 
     async def model_info(self, request):
-        # slime's own key (SGLang ignores unknown ones): the fingerprint of the served weights, see fingerprint.py
-        fingerprint = await self._control(self.served_fingerprint.fingerprint)
         return web.json_response(
             {
-                "weights_fingerprint": fingerprint,
+                # slime's own key (SGLang ignores unknown ones): the served weights' fingerprint once computed for
+                # them (`/slime/weights_fingerprint` computes it; the rollout manager asks after every push), else
+                # null. Not computed here: /model_info must answer while an update holds the scheduler.
+                "weights_fingerprint": self.served_fingerprint.cached(),
                 "model_path": self.model_path,
                 "tokenizer_path": self.args.tokenizer_path or self.model_path,
                 "served_model_name": self.served_model_name,
