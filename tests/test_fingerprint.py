@@ -67,16 +67,28 @@ def test_tiles32_equals_sglang_kernel_transcription(monkeypatch, chunk_tiles):
     assert fp.tensor_hash(torch.empty(0)) == 0
 
 
-def test_tiles32_sees_a_transpose_a_permutation_and_one_changed_byte():
+def test_xxh3_is_xxh3_64_of_the_row_major_bytes_and_cpu_trainers_use_it():
+    import xxhash
+
+    t = torch.randn(5, 7).to(torch.bfloat16)
+    want = xxhash.xxh3_64_intdigest(t.contiguous().view(torch.int16).numpy().tobytes())
+    assert fp.tensor_hash(t, "xxh3") == want and fp.tensor_hash(t.t().contiguous().t(), "xxh3") == want
+    assert fp.default_algorithm("cpu") == "xxh3" and fp.default_algorithm("cuda") == "tiles32"
+    with pytest.raises(ValueError, match="unknown tensor hash algorithm 'md5' \\(known: tiles32, xxh3\\)"):
+        fp.tensor_hash(t, "md5")
+
+
+@pytest.mark.parametrize("algorithm", fp.ALGORITHMS)
+def test_each_hash_sees_a_transpose_a_permutation_and_one_changed_byte(algorithm):
     w = torch.randn(64, 64)
-    h = fp.tensor_hash(w)
-    assert fp.tensor_hash(w.t().contiguous()) != h  # same bytes, other order
-    assert fp.tensor_hash(w.t()) != h  # a strided view is hashed in its logical (row-major) order
-    assert fp.tensor_hash(torch.cat([w[32:], w[:32]])) != h  # two halves swapped (e.g. gate/up)
+    h = fp.tensor_hash(w, algorithm)
+    assert fp.tensor_hash(w.t().contiguous(), algorithm) != h  # same bytes, other order
+    assert fp.tensor_hash(w.t(), algorithm) != h  # a strided view is hashed in its logical (row-major) order
+    assert fp.tensor_hash(torch.cat([w[32:], w[:32]]), algorithm) != h  # two halves swapped (e.g. gate/up)
     bumped = w.clone()
     bumped.view(torch.uint8).view(-1)[12345] ^= 1
-    assert fp.tensor_hash(bumped) != h
-    assert fp.tensor_hash(w.clone()) == h
+    assert fp.tensor_hash(bumped, algorithm) != h
+    assert fp.tensor_hash(w.clone(), algorithm) == h
 
 
 def test_combine_is_order_free_adds_up_over_ranks_and_sees_names():

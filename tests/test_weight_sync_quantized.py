@@ -12,7 +12,7 @@ import pytest
 import ray
 import torch
 
-from tests.test_weight_sync import WeightSyncTrainer, _args, start_engines, stop
+from tests.test_weight_sync import WeightSyncTrainer, _args, check_fingerprints, start_engines, stop
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -145,6 +145,9 @@ def test_fp8_quantise_on_sync_restores_the_engine_bit_for_bit(tiny_kit, tmp_path
             moved = sync_bytes(tiny_kit[0], fp8_config([32, 32]), torch.float32)
             assert metrics["perf/update_weights_bytes"] == moved
         assert ray.get(engine.check_weights.remote("compare"), timeout=120)["success"] is True
+        # the fingerprint covers the quantised tensors as sent (e4m3 bytes and scales), on the engine as on the trainer
+        hashes = check_fingerprints(args, [(engine, ray.get(engine.get_url.remote()))], [metrics])
+        assert "model.layers.0.self_attn.q_proj.weight_scale_inv" in hashes
     finally:
         stop(started)
         ray.kill(lock)

@@ -383,6 +383,7 @@ class RolloutManager:
         tensors the trainers sent (see slime.rollout.weight_fingerprints); SGLang engines agree with each other.
         Raises naming the engine, the version and both fingerprints."""
         parts = [(m or {}).pop("update_weights/tensor_hashes", None) for m in update_metrics]
+        algorithms = {(m or {}).pop("update_weights/tensor_hash_algorithm", None) for m in update_metrics} - {None}
         if not self.args.check_weight_fingerprints:
             self._warn_once(
                 "off", "--no-check-weight-fingerprints: the engines' weights are not compared with the trainer's"
@@ -399,9 +400,12 @@ class RolloutManager:
                     "the engines' weights are not fingerprinted",
                 )
             return
+        if len(algorithms) > 1:  # trainer ranks on different devices
+            raise WeightFingerprintError(f"weight version {version}: trainer ranks hashed with {sorted(algorithms)}")
+        algorithm = algorithms.pop() if algorithms else "tiles32"
         self.trainer_tensor_hashes = trainer
         timeout = float(self.args.update_weight_timeout or 300)
-        refs = [e.get_weights_fingerprint.remote(timeout) for _, e in engines]
+        refs = [e.get_weights_fingerprint.remote(timeout, algorithm) for _, e in engines]
         try:
             infos = ray.get(refs, timeout=timeout + 30)
         except ray.exceptions.GetTimeoutError as e:

@@ -23,7 +23,7 @@ import torch
 from aiohttp import web
 
 from slime.backends.sglang_utils.contract import body_errors, route
-from slime.utils.fingerprint import combine
+from slime.utils.fingerprint import ALGORITHMS, combine
 from slime.utils.quantization import QuantScheme
 from slime.utils.tensor_serialization import set_shared_authkey
 
@@ -341,27 +341,34 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
         self.weights.generation += 1
 
     async def weights_fingerprint(self, request):
-        """Diagnosis: the served weights' fingerprint and the tiles32 hash of every HF tensor behind it."""
+        """The served weights' fingerprint and the hash of every HF tensor behind it (`?algorithm=tiles32|xxh3`, the
+        trainer's; default tiles32)."""
+        algorithm = request.query.get("algorithm", "tiles32")
+        if algorithm not in ALGORITHMS:
+            raise RequestError(f"/slime/weights_fingerprint: algorithm {algorithm!r} is not one of {list(ALGORITHMS)}")
 
         def compute():
-            return self.state.weight_version, self.served_fingerprint.hashes()
+            return self.state.weight_version, self.served_fingerprint.hashes(algorithm)
 
         version, hashes = await self._control(compute)
         return web.json_response(
             {
                 "weight_version": version,
+                "algorithm": algorithm,
                 "weights_fingerprint": combine(hashes) if hashes else None,
                 "tensor_hashes": hashes,
             }
         )
 
     async def model_info(self, request):
+        algorithm, fingerprint = self.served_fingerprint.cached()
         return web.json_response(
             {
                 # slime's own key (SGLang ignores unknown ones): the served weights' fingerprint once computed for
                 # them (`/slime/weights_fingerprint` computes it; the rollout manager asks after every push), else
                 # null. Not computed here: /model_info must answer while an update holds the scheduler.
-                "weights_fingerprint": self.served_fingerprint.cached(),
+                "weights_fingerprint": fingerprint,
+                "weights_fingerprint_algorithm": algorithm,
                 "model_path": self.model_path,
                 "tokenizer_path": self.args.tokenizer_path or self.model_path,
                 "served_model_name": self.served_model_name,
