@@ -419,6 +419,13 @@ class RolloutManager:
             if info is None:
                 sglang.append((i, name))
                 continue
+            unsent = [n for n in info.get("tensor_hashes") or {} if n not in trainer]
+            if unsent:
+                self._warn_once(
+                    ("unsent", i),
+                    f"{name} serves {len(unsent)} tensor(s) no trainer pushes (kept from the checkpoint, not "
+                    f"fingerprinted), e.g. {unsent[:3]}",
+                )
             reason = engine_mismatch(trainer, info, version, name)
             if reason is not None:
                 raise WeightFingerprintError(

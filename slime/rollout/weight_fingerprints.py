@@ -3,10 +3,10 @@
 The trainer hashes every HF tensor it sends (`slime.utils.fingerprint`: tiles32 per tensor, on its device, in the
 dtype it travels in); the source ranks' maps are merged into one per version. slime's CPU server hashes the HF
 tensors it serves the same way (`/slime/weights_fingerprint`). The two must agree on every tensor the engine serves:
-a tensor the engine serves (loaded by name from the checkpoint or a push) that the trainer did not send, or one
-whose bytes, layout or name differ, stops the run in one line naming the engine, the version, both fingerprints and
-the first differing tensor. (Names the trainer sent that the engine ignores by design, e.g. MTP layers, are left out
-of the trainer's side.)
+over the tensors both hold, a tensor whose bytes, layout or name differ stops the run in one line naming the engine,
+the version, both fingerprints and the first differing tensor. Names only one side holds are left out: the trainer's
+that the engine ignores by design (MTP layers), the engine's that no trainer sends (kept from the checkpoint); the
+manager logs how many once.
 
 SGLang engines report no HF-named hashes (their tensors are fused and sharded); for them the check is engine-vs-engine:
 `/weights_checker checksum` per TP rank, sorted by rank, must be equal on every SGLang engine after the push.
@@ -37,13 +37,16 @@ def engine_mismatch(trainer: dict, info: dict, version, engine: str) -> str | No
     if str(info.get("weight_version")) != str(version):
         return f"{engine} reports weight version {info.get('weight_version')!r} after the push of version {version}"
     served = info.get("tensor_hashes") or {}
-    if not served:
-        return f"{engine} reports no weight hashes for version {version} (weights released?)"
-    expected = {n: trainer[n] for n in served if n in trainer}
-    want, got = combine(expected), info.get("weights_fingerprint")
-    if want == got and len(expected) == len(served):
+    both = [n for n in served if n in trainer]
+    if not both:
+        return f"{engine} reports no hash of any tensor the trainer pushed for version {version} (weights released?)"
+    # over the tensors both hold: a tensor the engine serves that no trainer sends (e.g. a vision tower the trainer
+    # does not hold) keeps the checkpoint's bytes, and a name the engine ignores (MTP layers) is not served
+    expected, got_hashes = {n: trainer[n] for n in both}, {n: served[n] for n in both}
+    want, got = combine(expected), combine(got_hashes)
+    if want == got:
         return None
-    diff = first_difference(expected, served) or "none per tensor (the combined values differ)"
+    diff = first_difference(expected, got_hashes) or "none per tensor (the combined values differ)"
     return (
         f"{engine} serves weight version {version} with fingerprint {got}, the trainer pushed {want}; "
         f"first differing tensor: {diff}"
