@@ -13,6 +13,10 @@ convert, transfer, load into the engine, continue):
     python benchmarks/bench_weight_sync.py [--model mid|tiny] [--repeats 5] [--modes shm colocated]
     (--model tiny: the test suite's tiny kit sizes; mid: a few hundred MB; --hidden/--ffn/--layers override either)
 
+  --fingerprint  the weight fingerprint's share of a push (shm path): the update with the trainer hashing what it
+             sends plus the engine hashing what it serves (what the rollout manager asks after every push), against
+             the update without (--no-check-weight-fingerprints), alternated run by run; median ratio and its range
+
   --bytes    bytes one update sends into a quantised engine against a bf16 one (deterministic, no Ray): FP8 block
              128x128 on the tiny dense Qwen3 and a tiny Qwen3-MoE, INT4 W4A16 (group 32, symmetric, routed experts)
              on the same MoE
@@ -137,6 +141,45 @@ def bench_mode(args, engine, mode, repeats, workdir):
     return runs[0]["perf/update_weights_bytes"], min(times), statistics.median(times)
 
 
+def fingerprint_cost(args, engine, repeats):
+    """Paired runs: (update without fingerprints, update with them + the engine's fingerprint), per repeat."""
+    from slime.ray.utils import Lock
+    from tests.test_weight_sync import start_trainers, stop
+
+    args.update_weight_transport, args.update_weight_mode = "auto", "full"
+    times, engine_side = {}, []
+    for on in (False, True):
+        args.check_weight_fingerprints = on
+        trainers, lock = start_trainers(args, colocate=False), Lock.remote()
+        try:
+            ray.get(trainers[0].connect.remote([engine], lock), timeout=600)
+            ray.get(trainers[0].update_weights.remote(), timeout=600)  # warm-up
+            runs = []
+            for _ in range(repeats):
+                t = time.perf_counter()
+                metrics = ray.get(trainers[0].update_weights.remote(), timeout=600)
+                if on:  # the engine hashes with the trainer's algorithm (xxh3 for a CPU trainer)
+                    e = time.perf_counter()
+                    ray.get(
+                        engine.get_weights_fingerprint.remote(600, metrics["update_weights/tensor_hash_algorithm"]),
+                        timeout=600,
+                    )
+                    engine_side.append(time.perf_counter() - e)
+                runs.append(time.perf_counter() - t)
+            times[on] = runs
+        finally:
+            stop(trainers + [lock])
+    args.check_weight_fingerprints = True
+    ratios = sorted(a / b for a, b in zip(times[True], times[False]))
+    print(f"fingerprint cost, shm path, {repeats} pushes each (wall time of the push as the driver waits for it)")
+    print(f"  without: median {statistics.median(times[False]) * 1e3:.1f} ms")
+    print(
+        f"  with:    median {statistics.median(times[True]) * 1e3:.1f} ms (trainer hash + engine hash; the engine's "
+        f"part {statistics.median(engine_side) * 1e3:.1f} ms)"
+    )
+    print(f"  ratio with/without: median {statistics.median(ratios):.2f}x (range {ratios[0]:.2f}-{ratios[-1]:.2f})")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(SIZES), default="mid", help="synthetic model size (default mid)")
@@ -145,6 +188,7 @@ def main():
     p.add_argument("--layers", type=int)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--modes", nargs="+", choices=[m for m, _ in MODES], default=[m for m, _ in MODES])
+    p.add_argument("--fingerprint", action="store_true", help="the weight fingerprint's share of a push, then exit")
     p.add_argument("--bytes", action="store_true", help="bytes per update into FP8 / INT4 engines vs bf16, then exit")
     opts = p.parse_args()
     if opts.bytes:
@@ -187,6 +231,8 @@ def main():
             check_weight_update_equal=False,
         )
         engines = start_engines(args, 1)
+        if opts.fingerprint:
+            return fingerprint_cost(args, engines[0], opts.repeats)
         results = {mode: bench_mode(args, engines[0], mode, opts.repeats, workdir) for mode in opts.modes}
     finally:
         stop(engines)

@@ -155,6 +155,27 @@ def test_health_and_info(server, tiny_kit):
     assert info["model_type"] == "qwen3" and info["architectures"] == ["Qwen3ForCausalLM"]
     assert os.path.samefile(info["model_path"], tiny_kit[0]) and info["weight_version"] == "default"
     assert SESSION.get(server + "/get_model_info").json() == info
+    # the weights' fingerprint: tiles32 of every served HF tensor as the checkpoint stores it, combined (issue #37)
+    from safetensors.torch import load_file
+
+    from slime.utils.fingerprint import combine, hash_named
+
+    stored = {}
+    for f in sorted(os.listdir(tiny_kit[0])):
+        if f.endswith(".safetensors"):
+            stored.update(load_file(os.path.join(tiny_kit[0], f)))
+    served = SESSION.get(server + "/slime/weights_fingerprint").json()
+    info = SESSION.get(server + "/model_info").json()  # reports it once computed, never computing it itself
+    assert set(served["tensor_hashes"]) <= set(stored) and len(served["tensor_hashes"]) > 10
+    want = hash_named((n, stored[n]) for n in served["tensor_hashes"])
+    assert served["tensor_hashes"] == want and info["weights_fingerprint"] == combine(want)
+    assert info["weights_fingerprint_algorithm"] == served["algorithm"] == "tiles32"
+    # a CPU trainer's hash (xxh3), asked by name; an unknown one is a 400 naming it
+    fast = SESSION.get(server + "/slime/weights_fingerprint", params={"algorithm": "xxh3"}).json()
+    assert fast["tensor_hashes"] == hash_named(((n, stored[n]) for n in fast["tensor_hashes"]), algorithm="xxh3")
+    assert set(fast["tensor_hashes"]) == set(want)
+    bad = SESSION.get(server + "/slime/weights_fingerprint", params={"algorithm": "md5"})
+    assert bad.status_code == 400 and "algorithm 'md5' is not one of ['tiles32', 'xxh3']" in bad.text
     si = SESSION.get(server + "/server_info").json()
     assert si["tp_size"] == 1 and si["dp_size"] == 1 and si["max_running_requests"] == 16
     assert SESSION.get(server + "/get_server_info").json()["served_model_name"] == si["served_model_name"]

@@ -263,6 +263,21 @@ def cleanup(engines):
             pass
 
 
+def check_fingerprints(args, engines, metrics):
+    """RolloutManager.check_weight_fingerprints (the check run after every push) on these engines and the trainers'
+    real update results; returns the trainers' merged per-tensor map."""
+    import threading
+
+    from slime.ray.rollout import RolloutManager
+
+    manager = RolloutManager.__new__(RolloutManager)  # the check only: no router, no controller
+    manager.args, manager.rollout_engines = args, [e for e, _ in engines]
+    manager.engine_urls = [u for _, u in engines]
+    manager.trainer_tensor_hashes, manager._warned, manager._lock = {}, set(), threading.RLock()
+    manager.check_weight_fingerprints([dict(m) for m in metrics])
+    return manager.trainer_tensor_hashes
+
+
 # ------------------------------------------------------------------ tests
 
 
@@ -277,16 +292,37 @@ def test_disaggregated_update_gives_engine_the_trainer_weights(tiny_kit, engines
     assert max_logprob_diff(url, reference)[0] > 1e-3, "trainer weights must differ from the checkpoint"
 
     ray.get([t.connect.remote([engine], lock) for t in cleanup], timeout=120)
-    metrics = ray.get([t.update_weights.remote() for t in cleanup], timeout=300)[0]
+    all_metrics = ray.get([t.update_weights.remote() for t in cleanup], timeout=300)
+    metrics = all_metrics[0]
     diff, version = max_logprob_diff(url, reference)
     assert diff < 1e-4, f"engine differs from the trainer after the update: max |d logp| {diff}"
     assert version == "1" == str(metrics["update_weights/weight_version"])
+    # the engine's fingerprint equals the trainers' (only the source rank hashes: TP=2's other rank reports none)
+    pushed = check_fingerprints(args, [engines[0]], all_metrics)
+    assert ["update_weights/tensor_hashes" in m for m in all_metrics] == [True] + [False] * (tp - 1)
+    assert len(pushed) == len(ray.get(engine.get_weights_fingerprint.remote(), timeout=60)["tensor_hashes"]) > 10
     # every HF tensor crossed once to the single engine rank: the checkpoint's byte count (tied lm_head not resent)
     assert metrics["perf/update_weights_bytes"] == hf_checkpoint_bytes(tiny_kit[0])
     assert metrics["perf/update_weights_time"] > 0 and metrics["perf/update_weights_gbps"] > 0
 
-    ray.get([t.update_weights.remote() for t in cleanup], timeout=300)
+    all_metrics = ray.get([t.update_weights.remote() for t in cleanup], timeout=300)
     assert max_logprob_diff(url, reference)[1] == "2"
+    if tp == 1 and transport == "broadcast":
+        check_fingerprints(args, [engines[0]], all_metrics)
+        # one engine's served tensors overwritten after the push (SGLang's reset_tensors): named, with the version
+        ray.get(engine.check_weights.remote("reset_tensors"), timeout=120)
+        with pytest.raises(RuntimeError) as err:
+            check_fingerprints(args, [engines[0]], all_metrics)
+        msg = str(err.value)
+        assert msg.startswith(f"inference engine 0 ({url}) serves weight version 2 with fingerprint "), msg
+        assert (
+            "the trainer pushed" in msg
+            and "first differing tensor: " in msg
+            and "--no-check-weight-fingerprints" in msg
+        )
+        off = _args(tiny_kit[0], tp, check_weight_fingerprints=False)
+        check_fingerprints(off, [engines[0]], all_metrics)  # the opt-out: no check
+        ray.get([t.update_weights.remote() for t in cleanup], timeout=300)  # the engine serves trainer weights again
 
 
 @pytest.mark.parametrize("offload_train", [False, True])
@@ -326,7 +362,9 @@ def test_colocated_update_from_cpu_weights_gives_engines_the_trainer_weights(tin
 
     # free the live params as offload does: the update must come from the actor's CPU weight dict
     ray.get([t.offload.remote() for t in cleanup], timeout=60)
-    metrics = ray.get([t.update_weights.remote() for t in cleanup], timeout=300)[0]
+    all_metrics = ray.get([t.update_weights.remote() for t in cleanup], timeout=300)
+    metrics = all_metrics[0]
+    check_fingerprints(args, engines, all_metrics)  # both engines serve what the two group sources hashed
     for _, url in engines:
         diff, version = max_logprob_diff(url, reference)
         assert diff < 1e-4, f"engine {url} differs from the trainer after the update: max |d logp| {diff}"
@@ -508,9 +546,11 @@ def test_disk_full_versions_reach_the_engines_and_old_ones_are_removed(tiny_kit,
     cleanup += start_trainers(args, colocate=False)
     reference = trainer_greedy(cleanup)
     ray.get([t.connect.remote([engine], lock) for t in cleanup], timeout=120)
-    metrics = ray.get([t.update_weights.remote() for t in cleanup], timeout=300)[0]
+    all_metrics = ray.get([t.update_weights.remote() for t in cleanup], timeout=300)
+    metrics = all_metrics[0]
     diff, version = max_logprob_diff(url, reference)
     assert diff < 1e-4 and version == "1"
+    check_fingerprints(args, [engines[0]], all_metrics)
     v1 = root / "weight_v000001"
     assert {"config.json", "model.safetensors.index.json"} <= set(os.listdir(v1))
     # the whole model, once: the bytes of the HF checkpoint's tensors plus one safetensors header

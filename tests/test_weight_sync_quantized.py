@@ -14,7 +14,7 @@ import ray
 import torch
 
 from tests._megatron_helpers import read_checkpoint
-from tests.test_weight_sync import WeightSyncTrainer, _args, start_engines, stop
+from tests.test_weight_sync import WeightSyncTrainer, _args, check_fingerprints, start_engines, stop
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -159,6 +159,9 @@ def sync_fp8_and_compare(engine, lock, src_dir, fp8_dir, colocate, transport, tm
 
             assert metrics["perf/update_weights_bytes"] == sync_bytes(src_dir, qc, torch.float32)
         assert ray.get(engine.check_weights.remote("compare"), timeout=120)["success"] is True
+        # the fingerprint covers the quantised tensors as sent (e4m3 bytes and scales), on the engine as on the trainer
+        hashes = check_fingerprints(args, [(engine, ray.get(engine.get_url.remote()))], [metrics])
+        assert "model.layers.0.self_attn.q_proj.weight_scale_inv" in hashes
         return sent
     finally:
         stop([trainer])

@@ -20,6 +20,12 @@ from slime.ray.driver import register_cleanup
 from slime.ray.engines import create_rollout_engines, engine_layout, new_engine, start_engines
 from slime.ray.model_servers import start_frozen_routers
 from slime.ray.utils import Lock
+from slime.rollout.weight_fingerprints import (
+    WeightFingerprintError,
+    engine_mismatch,
+    merge_rank_hashes,
+    sglang_disagreement,
+)
 from slime.utils.health_monitor import RolloutHealthMonitor
 
 logger = logging.getLogger(__name__)
@@ -53,6 +59,8 @@ class RolloutManager:
         self.fault_events = []  # what failed and what was done about it, in order (also logged)
         self._lock = threading.RLock()
         self._closing = False
+        self.trainer_tensor_hashes = {}  # the last pushed version's {HF name: tiles32}, for diagnosis
+        self._warned = set()
         register_cleanup(self.shutdown)
         self.router_process = _start_router(args)
         # --sglang-config's frozen models: routers first, so the controller (rollout, reward) knows their addresses
@@ -364,6 +372,94 @@ class RolloutManager:
                 )
         self._event("weights_checked", f"inference engine(s) {list(indices)} serve weight version {expected}")
         return versions
+
+    def _warn_once(self, key, message):
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(message)
+
+    def check_weight_fingerprints(self, update_metrics):
+        """After every push (before its version is recorded as pushed): every CPU-server engine serves exactly the
+        tensors the trainers sent (see slime.rollout.weight_fingerprints); SGLang engines agree with each other.
+        Raises naming the engine, the version and both fingerprints."""
+        parts = [(m or {}).pop("update_weights/tensor_hashes", None) for m in update_metrics]
+        algorithms = {(m or {}).pop("update_weights/tensor_hash_algorithm", None) for m in update_metrics} - {None}
+        if not self.args.check_weight_fingerprints:
+            self._warn_once(
+                "off", "--no-check-weight-fingerprints: the engines' weights are not compared with the trainer's"
+            )
+            return
+        version = next((m["update_weights/weight_version"] for m in update_metrics if m), None)
+        trainer = merge_rank_hashes(parts, version)
+        engines = [(i, e) for i, e in enumerate(self.rollout_engines) if e is not None]
+        if not trainer or not engines:
+            if engines:
+                self._warn_once(
+                    "no-hashes",
+                    "this weight-update path reports no tensor hashes (--lora-sync adapter pushes only the adapter): "
+                    "the engines' weights are not fingerprinted",
+                )
+            return
+        if len(algorithms) > 1:  # trainer ranks on different devices
+            raise WeightFingerprintError(f"weight version {version}: trainer ranks hashed with {sorted(algorithms)}")
+        algorithm = algorithms.pop() if algorithms else "tiles32"
+        self.trainer_tensor_hashes = trainer
+        timeout = float(self.args.update_weight_timeout or 300)
+        refs = [e.get_weights_fingerprint.remote(timeout, algorithm) for _, e in engines]
+        try:
+            infos = ray.get(refs, timeout=timeout + 30)
+        except ray.exceptions.GetTimeoutError as e:
+            raise WeightFingerprintError(
+                f"weight version {version}: no weight fingerprint from the engines {self.engine_urls} within "
+                f"{timeout + 30:.0f}s (--update-weight-timeout)"
+            ) from e
+        sglang = []
+        for (i, _), info in zip(engines, infos):
+            name = f"inference engine {i} ({self.engine_urls[i]})"
+            if info is None:
+                sglang.append((i, name))
+                continue
+            unsent = [n for n in info.get("tensor_hashes") or {} if n not in trainer]
+            if unsent:
+                self._warn_once(
+                    ("unsent", i),
+                    f"{name} serves {len(unsent)} tensor(s) no trainer pushes (kept from the checkpoint, not "
+                    f"fingerprinted), e.g. {unsent[:3]}",
+                )
+            reason = engine_mismatch(trainer, info, version, name)
+            if reason is not None:
+                raise WeightFingerprintError(
+                    f"{reason}; stopping before any sample of that version is trained "
+                    "(--no-check-weight-fingerprints skips this check)"
+                )
+        if len(sglang) > 1:
+            self._check_sglang_agreement(sglang, version, timeout)
+        logger.info(
+            "weight version %s: %d CPU-server engine(s) serve what the trainers pushed (fingerprints match); "
+            "%d SGLang engine(s) checked against each other",
+            version,
+            len(engines) - len(sglang),
+            len(sglang) if len(sglang) > 1 else 0,
+        )
+
+    def _check_sglang_agreement(self, engines, version, timeout):
+        try:
+            bodies = ray.get(
+                [self.rollout_engines[i].check_weights.remote("checksum") for i, _ in engines], timeout=timeout
+            )
+        except Exception as e:  # noqa: BLE001  (e.g. a layer SGLang cannot checksum: the check is skipped, loudly)
+            self._warn_once(
+                "sglang",
+                f"weight version {version}: SGLang /weights_checker checksum failed ({e}); "
+                "engine-vs-engine agreement is not checked",
+            )
+            return
+        reason = sglang_disagreement({name: body for (_, name), body in zip(engines, bodies)})
+        if reason is not None:
+            raise WeightFingerprintError(
+                f"weight version {version}: SGLang engines disagree after the push: {reason} "
+                "(--no-check-weight-fingerprints skips this check)"
+            )
 
     def async_check_weights(self, action):
         """SGLang's `/weights_checker` action on every engine; a failed `compare` raises naming the engine and

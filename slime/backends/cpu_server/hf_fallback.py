@@ -82,6 +82,11 @@ class HFWeights(QuantizedParams):
         self.dtype = next(model.parameters()).dtype
         self._backup_dir = None
         self.pending = set()
+        self.sent_dtypes = {}  # HF name -> the dtype it last arrived in (what the fingerprint hashes)
+        # fused MoE experts [E, ...]: a checkpoint load writes them whole, trainers send per-expert views (which the
+        # fingerprint hashes), so the fused name is not recorded as sent
+        self._fused = {n for n, p in model.named_parameters() if p.dim() == 3}
+        self.generation = 0  # bumped by every change of the weights (the fingerprint's cache key)
         self._parts = quantized_parts(quant, checkpoint_views(model), self.dtype) if quant is not None else {}
         self._quant_names = {f"{m}.{s}": m for m, parts in self._parts.items() for s in parts}
 
@@ -119,6 +124,7 @@ class HFWeights(QuantizedParams):
         if self.released:
             raise WeightError("weights are released (release_memory_occupation); resume_memory_occupation first")
         params, loaded = self.named, set()
+        self.generation += 1
         with torch.no_grad():
             for name, t in named_tensors:
                 if self.is_ignored(name) and name not in params:
@@ -136,6 +142,8 @@ class HFWeights(QuantizedParams):
                         self.pending.add(name)
                 dst.copy_(t)
                 loaded.add(name)
+                if name not in self._fused:
+                    self.sent_dtypes[name] = t.dtype
         return loaded
 
     def load_from_dir(self, model_dir: str):

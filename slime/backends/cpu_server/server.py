@@ -23,9 +23,11 @@ import torch
 from aiohttp import web
 
 from slime.backends.sglang_utils.contract import body_errors, route
+from slime.utils.fingerprint import ALGORITHMS, combine
 from slime.utils.quantization import QuantScheme
 from slime.utils.tensor_serialization import set_shared_authkey
 
+from .fingerprint import ServedFingerprint
 from .generate_api import GenerateAPI
 from .hf_fallback import TokenPool, load_fallback
 from .lora import LoRARegistry
@@ -93,7 +95,8 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
         self.received = ReceivedBuffers()
         self.released_tags: set = set()  # SGLang memory tags released and not resumed yet
         self.weight_session_open = False  # between /begin_weight_update and /end_weight_update
-        self.weight_checker = WeightChecker(lambda: self.weights.state())
+        self.weight_checker = WeightChecker(lambda: self.weights.state(), on_change=self._weights_changed)
+        self.served_fingerprint = ServedFingerprint(lambda: self.weights)
         self.started = time.time()
         self.last_gen_throughput = 0.0
 
@@ -182,6 +185,7 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
             ("/get_load", self.get_load),
             ("/v1/loads", self.get_load),
             ("/v1/models", self.models),
+            ("/slime/weights_fingerprint", self.weights_fingerprint),
         ]:
             r.add_get(path, h)
         for path, h in [
@@ -333,9 +337,38 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
     async def server_info(self, request):
         return web.json_response(self._server_info())
 
-    async def model_info(self, request):
+    def _weights_changed(self):
+        self.weights.generation += 1
+
+    async def weights_fingerprint(self, request):
+        """The served weights' fingerprint and the hash of every HF tensor behind it (`?algorithm=tiles32|xxh3`, the
+        trainer's; default tiles32)."""
+        algorithm = request.query.get("algorithm", "tiles32")
+        if algorithm not in ALGORITHMS:
+            raise RequestError(f"/slime/weights_fingerprint: algorithm {algorithm!r} is not one of {list(ALGORITHMS)}")
+
+        def compute():
+            return self.state.weight_version, self.served_fingerprint.hashes(algorithm)
+
+        version, hashes = await self._control(compute)
         return web.json_response(
             {
+                "weight_version": version,
+                "algorithm": algorithm,
+                "weights_fingerprint": combine(hashes) if hashes else None,
+                "tensor_hashes": hashes,
+            }
+        )
+
+    async def model_info(self, request):
+        algorithm, fingerprint = self.served_fingerprint.cached()
+        return web.json_response(
+            {
+                # slime's own key (SGLang ignores unknown ones): the served weights' fingerprint once computed for
+                # them (`/slime/weights_fingerprint` computes it; the rollout manager asks after every push), else
+                # null. Not computed here: /model_info must answer while an update holds the scheduler.
+                "weights_fingerprint": fingerprint,
+                "weights_fingerprint_algorithm": algorithm,
                 "model_path": self.model_path,
                 "tokenizer_path": self.args.tokenizer_path or self.model_path,
                 "served_model_name": self.served_model_name,

@@ -144,6 +144,8 @@ class WeightAPI:
             if unknown:
                 raise WeightError(f"update_weights_from_distributed: unknown parameter(s) {unknown[:5]}")
             self.weights.load(received, "update_weights_from_distributed")
+            # those received in place came in the served dtype: the fingerprint hashes each as it came
+            self.weights.sent_dtypes.update((n, dt) for n, dt in zip(names, dts) if n in named)
             if getattr(self.weights, "quant", None) is not None:  # received in place: still to be dequantised
                 self.weights.note_loaded(names)
             self.state.bump_version(b.get("weight_version"))

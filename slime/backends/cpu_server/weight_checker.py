@@ -29,8 +29,9 @@ def overall_checksum(checksums: dict) -> str:
 
 
 class WeightChecker:
-    def __init__(self, get_state):
+    def __init__(self, get_state, on_change=None):
         self._get_state = get_state  # () -> {name: tensor} of what the server computes with
+        self._on_change = on_change  # called after reset_tensors changed the weights
         self._snapshot = None
 
     def handle(self, action: str, skip_tensor_list=None):
@@ -43,6 +44,8 @@ class WeightChecker:
             with torch.no_grad():
                 for t in state.values():
                     t.copy_(torch.rand(t.shape, dtype=torch.float32).to(t.dtype))
+            if self._on_change is not None:
+                self._on_change()
         elif action == "compare":
             if self._snapshot is None:
                 raise WeightCheckError("compare needs a snapshot: call the 'snapshot' action first")

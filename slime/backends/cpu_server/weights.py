@@ -160,6 +160,8 @@ class WeightStore(QuantizedParams):
         self.cfg, self.dtype, self.quant = cfg, dtype, quant
         self._backup_dir = None
         self.pending = set()  # quantised parameters loaded since their module was last dequantised
+        self.sent_dtypes = {}  # HF name -> the dtype it last arrived in (what the fingerprint hashes)
+        self.generation = 0  # bumped by every change of the weights (the fingerprint's cache key)
         self._allocate()
 
     # ----- layout -----
@@ -256,6 +258,7 @@ class WeightStore(QuantizedParams):
         if self.released:
             raise WeightError("weights are released (release_memory_occupation); resume_memory_occupation first")
         loaded, pairs, pending = set(), [], 0
+        self.generation += 1
         with torch.no_grad():
             for name, t in named_tensors:
                 if self.is_ignored(name):
@@ -277,6 +280,7 @@ class WeightStore(QuantizedParams):
                         self.pending.add(name)
                 pairs.append((dst, t))
                 loaded.add(name)
+                self.sent_dtypes[name] = t.dtype
                 pending += t.numel() * t.element_size()
                 if pending >= _COPY_BATCH_BYTES:  # a checkpoint file streams in: hold a bounded part of it
                     parallel_copy(pairs)
@@ -327,6 +331,7 @@ class WeightStore(QuantizedParams):
         d, self._backup_dir = self._backup_dir, None
         saved = load_file(os.path.join(d, "weights.safetensors"))
         self._allocate()
+        self.generation += 1
         with torch.no_grad():
             for k, t in saved.items():
                 self.storage[k].copy_(t)

@@ -616,5 +616,27 @@ class SGLangEngine(RayActor):
             return next(i["tp_size"] for i in self.args.rollout_external_engine_infos if i["url"] == self.url)
         return self.args.rollout_num_gpus_per_engine if self.kind == "sglang" else 1
 
+    def get_weights_fingerprint(self, timeout: float = 300, algorithm: str = "tiles32"):
+        """slime's CPU server: `{weight_version, weights_fingerprint, tensor_hashes}` of the weights it serves (tiles32
+        per HF tensor, see slime.utils.fingerprint). None for an engine without the route (SGLang: its tensors are
+        fused and sharded, not HF-named)."""
+        if self.kind == "sglang":
+            return None
+        url = f"{self.url}/slime/weights_fingerprint"
+        try:
+            resp = self._http.get(
+                url,
+                params={"algorithm": algorithm},
+                timeout=timeout,
+                headers=self._headers("slime/weights_fingerprint"),
+            )
+        except requests.RequestException as e:
+            raise RuntimeError(f"engine {self.rank}: GET {url} failed: {e}") from e
+        if resp.status_code == 404:
+            return None
+        if resp.status_code >= 400:
+            raise RuntimeError(f"engine {self.rank}: GET {url} answered HTTP {resp.status_code}: {resp.text[:1000]}")
+        return resp.json()
+
     def get_weight_version(self) -> str:
         return self._make_request("model_info", method="GET", timeout=30)["weight_version"]

@@ -14,6 +14,7 @@ from megatron.core import parallel_state as mpu
 from slime.backends.megatron_utils.megatron_to_hf import convert_to_hf
 from slime.backends.megatron_utils.param_utils import PREFIX, all_gather_param, remove_padding
 from slime.utils.device import get_device
+from slime.utils.fingerprint import default_algorithm, hash_named
 from slime.utils.tensor_serialization import FlattenedTensorMetadata
 
 logger = logging.getLogger(__name__)
@@ -153,6 +154,30 @@ def acquire_lock(lock, what, timeout):
                 f"{what}: the rollout-engine lock stayed held for {timeout:.0f}s (another source rank is stuck mid-update)"
             )
         time.sleep(0.1)
+
+
+class SentHashes:
+    """The hash of every HF tensor this rank sent in the current update (`slime.utils.fingerprint`: tiles32 on a GPU,
+    on the device; xxh3 on a CPU), in the dtype it travels in (quantised tensors as sent). The trainer keeps the map of
+    the last version; the rollout manager combines the ranks' maps and checks each engine's fingerprint against it."""
+
+    def __init__(self, args):
+        self.enabled = getattr(args, "check_weight_fingerprints", True)
+        self.algorithm = default_algorithm(local_device())
+        self.hashes = {}
+
+    def reset(self):
+        self.hashes = {}
+
+    def add(self, named_tensors):
+        if self.enabled:
+            hash_named(named_tensors, self.hashes, self.algorithm)
+
+    def into(self, metrics: dict) -> dict:
+        if self.enabled and self.hashes:
+            metrics["update_weights/tensor_hashes"] = dict(self.hashes)
+            metrics["update_weights/tensor_hash_algorithm"] = self.algorithm
+        return metrics
 
 
 def update_metrics(seconds: float, bytes_moved: int, weight_version: int) -> dict:

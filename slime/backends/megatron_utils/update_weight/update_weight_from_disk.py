@@ -34,6 +34,7 @@ from slime.utils import disk_delta
 from slime.utils.user_errors import user_function
 
 from .common import (
+    SentHashes,
     WeightUpdateError,
     engine_urls,
     gather_and_convert,
@@ -82,6 +83,8 @@ class UpdateWeightFromDisk:
         self._base = None  # delta: HF name -> (dtype, shape, bytes) of the last version sent (source ranks)
         self._base_version = 0  # the version `_base` holds once one was sent
         self._post_write = None
+        # what this rank wrote in the last version written (a re-push only reloads it: the same tensors)
+        self.sent_hashes = SentHashes(args)
         if args.custom_update_weight_post_write_path:
             self._post_write = user_function(
                 "--custom-update-weight-post-write-path", args.custom_update_weight_post_write_path
@@ -125,6 +128,7 @@ class UpdateWeightFromDisk:
         metrics = update_metrics(time.perf_counter() - start, written, self.weight_version)
         if self.delta and full_bytes:
             metrics["update_weights/delta_ratio"] = written / full_bytes
+        self.sent_hashes.into(metrics)
         if dist.get_rank() == 0:
             log_metrics(metrics)
         return metrics
@@ -158,6 +162,8 @@ class UpdateWeightFromDisk:
                         self._base.update({n: (t.dtype, list(t.shape), _bytes_of(t)) for n, t in tensors.items()})
                     save_file(tensors, path)
                     written = full_bytes = os.path.getsize(path)
+                self.sent_hashes.reset()  # the tensors the engines load: the delta's are in the base's dtypes
+                self.sent_hashes.add((n, t.to(self._base[n][0]) if delta else t) for n, t in tensors.items())
                 # the file as written (read back, from the page cache): the engines verify it before loading
                 file_sum = {fname: disk_delta.file_checksum(algorithm, path)}
             except (OSError, SafetensorError) as e:  # a full or failing disk: every rank raises below

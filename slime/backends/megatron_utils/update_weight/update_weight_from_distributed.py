@@ -33,6 +33,7 @@ from slime.utils.http_utils import free_port, get_host_info
 from slime.utils.tensor_serialization import FlattenedTensorMetadata, bucket_payload
 
 from .common import (
+    SentHashes,
     WeightUpdateError,
     acquire_lock,
     by_dtype,
@@ -82,6 +83,7 @@ class UpdateWeightFromDistributed:
         self._scratch = {}  # dtype -> (home buffer, elements reserved at its start for copied tensors)
         self._scratch_need = defaultdict(int)  # dtype -> most elements one bucket copied
         self._closed = False  # end_weight_update / continue_generation already sent behind the last bucket
+        self.sent_hashes = SentHashes(args)  # what this rank sent in the last update, per HF tensor
 
     @property
     def _is_pp_src_rank(self) -> bool:
@@ -239,6 +241,7 @@ class UpdateWeightFromDistributed:
         metrics = update_metrics(
             time.perf_counter() - start, sent * max(1, self._num_engine_ranks), self.weight_version
         )
+        self.sent_hashes.into(metrics)
         if self._lost:
             metrics["update_weights/lost_engines"] = [i for i, e in enumerate(connected) if _id(e) in self._lost]
         if dist.get_rank() == 0:
@@ -250,6 +253,7 @@ class UpdateWeightFromDistributed:
         bucket failed because an engine died (--use-fault-tolerance) stops sending and returns failed=True."""
         bucket, bucket_bytes, sent, failed = [], 0, 0, False
         num_buckets, self._closed = 0, False
+        self.sent_hashes.reset()  # a push started again (an engine died) hashes again
         # with --enable-lora the engines get merged weights: W + s B A per shard, no adapter tensors
         for name, param in merge_for_sync(self.args, named_parameters(self.args, self.model)):
             if is_tied_output_copy(self.args, name):
@@ -264,6 +268,7 @@ class UpdateWeightFromDistributed:
             ]
             if not self._is_pp_src_rank or failed:
                 continue
+            self.sent_hashes.add(hf_tensors)
             size = sum(t.numel() * t.element_size() for _, t in hf_tensors)
             # a tensor larger than the buffer still goes, alone
             if bucket and bucket_bytes + size > self.args.update_weight_buffer_size:

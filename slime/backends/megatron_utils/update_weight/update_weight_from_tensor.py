@@ -26,6 +26,7 @@ from slime.utils.tensor_serialization import bucket_payload
 from slime.utils.types import ParamInfo
 
 from .common import (
+    SentHashes,
     WeightUpdateError,
     by_dtype,
     describe_bucket,
@@ -111,6 +112,7 @@ class UpdateWeightFromTensor:
         self.model_name, self.quantization_config, self.vocab_size = model_name, quantization_config, vocab_size
         self.weight_version = 0
         self.param_info_buckets = get_param_info_buckets(args, model)
+        self.sent_hashes = SentHashes(args)  # what this rank sent in the last update, per HF tensor
         self.rollout_engines, self._urls = [], []
         self._ipc_gather_src = self._ipc_gather_group = self._ipc_engine = self._ipc_engine_url = None
         # flat shared buffers: with shared-memory handles (CPU) one per (bucket, dtype), holding this rank's CPU
@@ -156,6 +158,7 @@ class UpdateWeightFromTensor:
         is_src = dist.get_rank() == self._ipc_gather_src
         begin = [self._ipc_engine.begin_weight_update.remote()] if is_src else []
         sent = 0
+        self.sent_hashes.reset()
         for index, infos in enumerate(self.param_info_buckets, 1):
             named_tensors, handles = self._prepare_bucket(index, infos)
             if index == 1:
@@ -169,6 +172,7 @@ class UpdateWeightFromTensor:
             self._flat.clear()  # GPU memory belongs to the engine during rollout
         dist.barrier(group=get_gloo_group())
         metrics = update_metrics(time.perf_counter() - start, sent * len(self.rollout_engines), self.weight_version)
+        self.sent_hashes.into(metrics)
         if dist.get_rank() == 0:
             log_metrics(metrics)
         return metrics
@@ -269,6 +273,7 @@ class UpdateWeightFromTensor:
             )
         nbytes = sum(t.numel() * t.element_size() for _, t in named_tensors)
         if is_src:
+            self.sent_hashes.add(named_tensors)  # every rank of the group sends the same full HF tensors
             what = f"update_weights_from_tensor v{self.weight_version} {describe_bucket(index, named_tensors)}"
             refs = [
                 self._ipc_engine.update_weights_from_tensor.remote(
