@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from slime.utils.arguments import parse_args
+from slime.config import parse_args
 from tests._megatron_helpers import read_checkpoint, spawn
 
 TEXT = "<|im_start|>user\n{images}What colour is the shape?<|im_end|>\n<|im_start|>assistant\n"
