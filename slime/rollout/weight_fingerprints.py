@@ -1,7 +1,7 @@
 """After every weight push: does each engine serve exactly what the trainer pushed? (issue #37, V1)
 
-The trainer hashes every HF tensor it sends (`slime.utils.fingerprint`: tiles32 per tensor, on its device, in the
-dtype it travels in); the source ranks' maps are merged into one per version. slime's CPU server hashes the HF
+The trainer hashes every HF tensor it sends (`slime.utils.fingerprint`: tiles32 on a GPU, on the device; xxh3 on a
+CPU; in the dtype it travels in); the source ranks' maps are merged into one per version. slime's CPU server hashes the HF
 tensors it serves the same way (`/slime/weights_fingerprint`). The two must agree on every tensor the engine serves:
 over the tensors both hold, a tensor whose bytes, layout or name differ stops the run in one line naming the engine,
 the version, both fingerprints and the first differing tensor. Names only one side holds are left out: the trainer's
