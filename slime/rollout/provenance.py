@@ -1,5 +1,5 @@
 """Which weights generated each trainable token: the gate `convert_samples_to_train_data` runs before a rollout is
-trained (issue #37), and the provenance record of `--save-debug-rollout-data` dumps.
+trained, and the provenance record of `--save-debug-rollout-data` dumps.
 
 Every engine slime starts is labelled `INITIAL_WEIGHT_VERSION` ("0", the --hf-checkpoint weights) and every push
 labels the engines with the trainer's next integer version. Each sample records the version of each response token

@@ -1,4 +1,4 @@
-"""Trained samples are scored at what they were sampled with, or refused (issue #37, sampling parameters).
+"""Trained samples are scored at what they were sampled with, or refused.
 
 The trainer scores every trained token at the temperature it was sampled with (`rollout_temperatures` below, which
 the log-prob forward divides each token's logits by; `--rollout-temperature` where the sample records nothing), over

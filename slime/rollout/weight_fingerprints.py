@@ -1,4 +1,4 @@
-"""After every weight push: does each engine serve exactly what the trainer pushed? (issue #37, V1)
+"""After every weight push: does each engine serve exactly what the trainer pushed?
 
 The trainer hashes every HF tensor it sends (`slime.utils.fingerprint`: tiles32 on a GPU, on the device; xxh3 on a
 CPU; in the dtype it travels in); the source ranks' maps are merged into one per version. slime's CPU server hashes the HF

@@ -1,4 +1,4 @@
-"""Weight fingerprints: one 64-bit hash per HF-named tensor, and an order-free combine of them (issue #37, V1).
+"""Weight fingerprints: one 64-bit hash per HF-named tensor, and an order-free combine of them.
 
 Per tensor: SGLang 0.5.23's GPU tensor hash (`sglang/kernels/ops/memory/gpu_tensor_hash.py`, "tiles32"), computed
 here with NumPy on a CPU tensor and with torch integer ops on the tensor's own device (no host copy): the bytes as

@@ -39,7 +39,7 @@ REFUSED = {
     "--async-save": "checkpoints are written synchronously here (Megatron-LM's asynchronous dist-checkpoint writer "
     "is not used; the tracker moves only once the whole checkpoint and the data source's state are on disk): "
     "drop it",
-    # not implemented here yet (issue #24's remaining work)
+    # not implemented here yet
 }
 
 # Megatron-LM flags that this slime's trainer does not implement and that would change the model, the schedule or
