@@ -8,7 +8,7 @@ asked for, use 1 torch thread, and include tokenized prompts only (no text proce
 `--samples-per-prompt N` (N > 1): a GRPO-shaped workload instead, num-prompts / N distinct prompts each sent N times
 (as slime sends a group's samples, one request each, the group's requests next to each other), every sample with its
 own max_new_tokens. A second server with `--disable-radix-cache` runs in the same rounds, so the ratio of the shared
-prefill (issue #40) to the server without it is measured beside the ratio to transformers.
+prefill to the server without it is measured beside the ratio to transformers.
 
     python benchmarks/bench_cpu_server.py [--model-dir DIR] [--num-prompts 64] [--min-new 4] [--max-new 64]
                                           [--samples-per-prompt 8]
