@@ -3,8 +3,8 @@
     python scripts/gpu_check.py [--tier core|all] [--model-dir DIR] [--out outputs/gpu-check]
 
 Runs, each as its own process, and prints a pass/fail table at the end (exit status 1 if any failed).
-The `core` tier needs only torch, megatron-core and Ray (no SGLang; what a GPU machine without package registries
-has):
+The `core` tier needs only torch, megatron-core, Ray and sglang-router (for its flags; no SGLang: what a GPU machine
+without package registries has, once those are carried as wheels):
   1. tests/test_megatron_gpu.py (Transformer-Engine specs vs transformers, bf16 step, NCCL bucket, GPU offload);
   2. tests/test_gdn_kernel_gpu.py (the `fla` Gated DeltaNet kernel against the project's torch rule: forward and
      gradients, grouped value heads, variable lengths, bf16 and fp32; skipped without `fla`);

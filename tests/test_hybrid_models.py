@@ -127,6 +127,37 @@ def test_qwen3_5_moe_exports_the_names_sglang_and_transformers_load(hf_models):
     assert torch.equal(got, stacked["model.language_model.layers.2.mlp.experts.down_proj"][1])
 
 
+@pytest.mark.parametrize(
+    "hopper,triton,tilelang,refused",
+    [(True, "3.6.0", False, True), (True, "3.7.1", False, False), (True, "3.6.0", True, False),
+     (False, "3.6.0", False, False), (True, "3.3.1", False, False)],
+)  # fmt: skip
+def test_fla_is_refused_where_its_gated_backward_is_wrong(monkeypatch, hopper, triton, tilelang, refused):
+    """fla refuses its gated backward on Hopper with Triton >= 3.4 and < 3.7.1 unless tilelang serves it (seen on an
+    H200 with torch 2.11's Triton 3.6.0): the model build must stop with that reason instead. fla and Triton cannot
+    load here, so stand-in modules carry the three facts fla reads."""
+    import sys
+    import types
+
+    from packaging.version import Version
+
+    from slime_plugins.models import qwen_gdn_backend
+
+    v = Version(triton)
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__=triton))
+    monkeypatch.setitem(sys.modules, "fla", types.ModuleType("fla"))
+    monkeypatch.setitem(sys.modules, "fla.utils", types.SimpleNamespace(
+        IS_NVIDIA_HOPPER=hopper, TRITON_ABOVE_3_4_0=v >= Version("3.4.0"), TRITON_ABOVE_3_7_1=v >= Version("3.7.1")))  # fmt: skip
+    monkeypatch.setattr(qwen_gdn_backend.importlib.util, "find_spec",
+                        lambda name: (object() if tilelang else None) if name == "tilelang" else object())  # fmt: skip
+    problem = qwen_gdn_backend.fla_training_problem()
+    assert (problem is not None) == refused, problem
+    if refused:
+        assert problem.startswith("--qwen-gdn-backend fla:") and f"Triton {triton}" in problem
+        with pytest.raises(ValueError, match="use --qwen-gdn-backend torch"):
+            qwen_gdn_backend.get_chunk_gated_delta_rule("fla")
+
+
 def test_bad_input_is_one_line(hf_models, capsys, tmp_path):
     import json
     import shutil

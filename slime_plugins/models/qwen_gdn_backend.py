@@ -32,8 +32,26 @@ def gdn_backend_problem(backend):
     return None
 
 
+def fla_training_problem():
+    """Why fla's kernel cannot train on this machine's GPU (one line), or None. fla itself refuses its gated backward
+    on Hopper with Triton >= 3.4 and < 3.7.1 (wrong gradients) unless tilelang serves that op; asked on the rank that
+    builds the model, where the GPU is known, so a run stops at model build rather than at its first backward."""
+    import fla.utils as fla_utils
+    import triton
+
+    if not (fla_utils.IS_NVIDIA_HOPPER and fla_utils.TRITON_ABOVE_3_4_0 and not fla_utils.TRITON_ABOVE_3_7_1):
+        return None
+    if importlib.util.find_spec("tilelang") is not None:
+        return None
+    return (
+        f"--qwen-gdn-backend fla: flash-linear-attention cannot train on this Hopper GPU with Triton "
+        f"{triton.__version__} (its gated backward is wrong for Triton >= 3.4 and < 3.7.1); install tilelang or "
+        "Triton >= 3.7.1, or use --qwen-gdn-backend torch"
+    )
+
+
 def get_chunk_gated_delta_rule(backend):
-    problem = gdn_backend_problem(backend)
+    problem = gdn_backend_problem(backend) or (backend == "fla" and fla_training_problem())
     if problem:
         raise ValueError(problem)
     if backend == "fla":

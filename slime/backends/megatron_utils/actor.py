@@ -173,7 +173,8 @@ class MegatronTrainRayActor(TrainRayActor):
 
     # ---- offload ----------------------------------------------------------------------------------------------
     def _offload_storages(self):
-        """Every storage holding params, grads (DDP buffers) and optimizer state, deduplicated."""
+        """Every storage on the training device holding params, grads (DDP buffers) and optimizer state,
+        deduplicated."""
         tensors = []
         for chunk in self.model:
             tensors += [p.data for p in chunk.parameters()]
@@ -191,7 +192,8 @@ class MegatronTrainRayActor(TrainRayActor):
         seen, storages = set(), []
         for t in tensors:
             s = t.untyped_storage()
-            if s.nbytes() and s.data_ptr() not in seen:
+            # torch's Adam (no TE/Apex) keeps each `step` counter on the CPU: nothing of the device's to move
+            if s.nbytes() and s.device.type == device.device_type() and s.data_ptr() not in seen:
                 seen.add(s.data_ptr())
                 storages.append(s)
         return storages
