@@ -235,3 +235,31 @@ def pytest_configure(config):
     if config.getoption("--dev-tier"):
         given = config.option.markexpr
         config.option.markexpr = f"({FAST_MARKEXPR}) and ({given})" if given else FAST_MARKEXPR
+
+
+# ---- Where the time goes: after the slowest 25, each tier's and the slowest files' worker-seconds (setup, call and
+# teardown summed; a module's shared fixture counts where it is first set up), so a cut can be planned from one run.
+_SECONDS, _TIER = {}, {}
+
+
+def pytest_runtest_logreport(report):
+    _SECONDS[report.nodeid] = _SECONDS.get(report.nodeid, 0.0) + report.duration
+    tier = next((t for t in TIERS if t in report.keywords), None)
+    if tier:
+        _TIER[report.nodeid] = tier
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _SECONDS:
+        return
+    from collections import Counter
+
+    per_tier, per_file = Counter(), Counter()
+    for nodeid, seconds in _SECONDS.items():
+        per_tier[_TIER.get(nodeid, "untiered")] += seconds
+        per_file[nodeid.split("::")[0]] += seconds
+    write = terminalreporter.write_line
+    terminalreporter.section("worker-seconds by tier and by file")
+    write("  ".join(f"{t} {per_tier[t]:.0f} s" for t in per_tier) + f"  (all {sum(per_tier.values()):.0f} s)")
+    for path, seconds in per_file.most_common(20):
+        write(f"{seconds:8.0f} s  {path}")

@@ -448,9 +448,10 @@ def test_dead_inference_server_fails_the_run_fast_naming_the_engine(ray_session,
         sync_driver.train(args)
 
 
-def start_main_job(tiny_kit, out, **env):
-    """Start `bash scripts/run-qwen3-tiny-cpu.sh` on the tiny kit with `env` (writing to `out`); its output goes to
-    files beside `out` (a pipe nobody reads while another run is awaited would stall it). Returns the process."""
+def run_main_job(tiny_kit, out, timeout, **env):
+    """`bash scripts/run-qwen3-tiny-cpu.sh` on the tiny kit with `env` (writing to `out`; its output to files beside
+    it); returns its stdout after checking it exited 0. Everything the script started is stopped afterwards, however
+    it ended."""
     import subprocess
     import sys
 
@@ -464,16 +465,9 @@ def start_main_job(tiny_kit, out, **env):
         **env,
     )
     with open(f"{out}.stdout", "w") as stdout, open(f"{out}.stderr", "w") as stderr:
-        return subprocess.Popen(
+        job = subprocess.Popen(
             ["bash", "scripts/run-qwen3-tiny-cpu.sh"], cwd=root, env=env, stdout=stdout, stderr=stderr, text=True
         )
-
-
-def finish_main_job(job, out, timeout):
-    """Wait up to `timeout` s for a job from start_main_job; returns its stdout after checking it exited 0. Everything
-    the script started is stopped afterwards, however it ended."""
-    import subprocess
-
     try:
         job.wait(timeout)  # inside the test's own timeout: the sweep always runs
     except subprocess.TimeoutExpired:
@@ -489,11 +483,6 @@ def finish_main_job(job, out, timeout):
     return stdout
 
 
-def run_main_job(tiny_kit, out, timeout, **env):
-    """`bash scripts/run-qwen3-tiny-cpu.sh` on the tiny kit with `env` (writing to `out`), awaited: its stdout."""
-    return finish_main_job(start_main_job(tiny_kit, out, **env), out, timeout)
-
-
 # The main job's tests share its runs (issue #36). One long run (SFT, then 100 GRPO rollouts) is what every
 # convergence assertion reads; the LoRA run and the second deterministic run start from an SFT model already trained
 # (SFT_FROM) instead of training their own. The long run is not in --deterministic-mode, whose engine decodes each
@@ -501,7 +490,7 @@ def run_main_job(tiny_kit, out, timeout, **env):
 # loaded 2-core machine: these flags gave greedy eval 0.10 -> 0.35 at rollout 99 (sampled reward 0.197 -> 0.291);
 # with --deterministic-mode added 0.10 -> 0.32 (0.185 -> 0.289), and a short deterministic run then repeated that long
 # run's SFT metrics and its first 10 rollouts exactly. Either design keeps every assertion; determinism is checked
-# here on two short runs of its own, run side by side: one with its own SFT stage, one from the long run's.
+# here on two short runs of its own: one with its own SFT stage, one from the long run's.
 MAIN_JOB_SFT = dict(SFT_EPOCHS="30", SFT_HF="1")  # SFT_HF: the LoRA run's frozen base
 
 
@@ -578,21 +567,17 @@ def test_main_job_lora_trains_adapters_on_the_sft_model(main_job, tiny_kit, tmp_
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_main_job_in_deterministic_mode_repeats_its_metrics_exactly(main_job, tiny_kit, tmp_path):
-    """`--deterministic-mode`: two runs of the main job's GRPO (dynamic sampling and a greedy eval), running at the same
-    time, write identical metrics files, timings aside: the same shuffles, the engine's seeded draws and
+    """`--deterministic-mode`: two runs of the main job's GRPO (dynamic sampling and a greedy eval) write identical
+    metrics files, timings aside: the same shuffles, the engine's seeded draws and
     batch-invariant log-probs, the trainer's updates. The SFT stage repeats too: the first run trains its own SFT
     model and writes the main job's SFT metrics exactly (the SFT stage takes no EXTRA_ARGS, so it is the same stage
     in both jobs), while the second starts from the main job's SFT model (SFT_FROM), so the two GRPO runs also agree
     only if the two SFT stages wrote the same model."""
     deterministic = dict(NUM_ROLLOUT="3", EVAL_INTERVAL="2", EXTRA_ARGS="--deterministic-mode")
     first, again = tmp_path / "run0", tmp_path / "run1"
-    # side by side: the second run does not wait for the first's SFT stage (each is mostly one busy process)
-    second = start_main_job(tiny_kit, again, SFT_FROM=str(main_job[0]), **deterministic)
-    try:
-        run_main_job(tiny_kit, first, 900, **MAIN_JOB_SFT, **deterministic)
-        finish_main_job(second, again, 600)
-    finally:
-        _procs.stop_run(second, again)  # when the first run failed: the second stops too
+    # one after the other: side by side they took longer on two busy cores (253 s against 200 s)
+    run_main_job(tiny_kit, first, 900, **MAIN_JOB_SFT, **deterministic)
+    run_main_job(tiny_kit, again, 600, SFT_FROM=str(main_job[0]), **deterministic)
     sft, sft_again = _metrics(main_job[0], "sft_metrics.jsonl", False), _metrics(first, "sft_metrics.jsonl", False)
     rl, rl_again = _metrics(first, "metrics.jsonl", False), _metrics(again, "metrics.jsonl", False)
     assert len(sft) == 60 and [r["rollout_id"] for r in rl] == [0, 1, 2] and "eval/addition" in rl[0]
