@@ -23,6 +23,8 @@ ARGUMENT_MODULES = {
     *(f"slime/config/{name}" for name in os.listdir(os.path.join(ROOT, "slime", "config")) if name.endswith(".py")),
     "slime/utils/flag_support.py",
     "slime/backends/megatron_utils/arguments.py",
+    "slime/backends/megatron_utils/hf_config.py",
+    "slime/backends/megatron_utils/megatron_flags.py",
     "slime/backends/sglang_utils/arguments.py",
 }
 

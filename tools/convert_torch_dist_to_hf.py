@@ -117,7 +117,7 @@ def model_args(common, origin_hf_dir):
                 "the checkpoint's common.pt has no `args` (not saved by slime): pass --origin-hf-dir so "
                 "the architecture can be read from its config.json."
             )
-        from slime.backends.megatron_utils.arguments import hf_architecture  # heavy: only without slime's args
+        from slime.backends.megatron_utils.hf_config import hf_architecture  # heavy: only without slime's args
 
         args = argparse.Namespace(**hf_architecture(hf_cfg))
     # Args stored by another trainer (Megatron-LM, an older slime) or read from config.json may lack these fields.

@@ -16,7 +16,7 @@ It sits above the backends and the rollout code (it composes their flags) and be
 path, `slime.utils.arguments`, re-exports it; `python -m slime.config ARGS...` is a launch script's dry run.
 """
 
-from slime.backends.megatron_utils.arguments import moe_freq_type
+from slime.backends.megatron_utils.megatron_flags import moe_freq_type
 from slime.config.algorithm import (
     add_algo_arguments,
     add_linear_attention_arguments,

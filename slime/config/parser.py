@@ -8,9 +8,6 @@ import secrets
 import sys
 
 from slime.backends.megatron_utils.arguments import (
-    HF_DROPOUT_KEYS,
-    add_megatron_arguments,
-    apply_hf_config,
     lora_validate_args,
     megatron_defaults,
     megatron_training_available,
@@ -18,6 +15,8 @@ from slime.backends.megatron_utils.arguments import (
     parse_with_megatron,
     set_default_megatron_args,
 )
+from slime.backends.megatron_utils.hf_config import HF_DROPOUT_KEYS, apply_hf_config
+from slime.backends.megatron_utils.megatron_flags import add_megatron_arguments
 from slime.backends.sglang_utils.arguments import add_sglang_arguments
 from slime.backends.sglang_utils.arguments import validate_args as sglang_validate_args
 from slime.backends.sglang_utils.sglang_config import (

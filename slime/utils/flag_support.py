@@ -161,8 +161,8 @@ EXTRA_DEFINITIONS = {
 }
 
 # Megatron-LM flags that current slime's launch scripts pass beyond what its argument files declare, and that the
-# Megatron-compatible group (slime/backends/megatron_utils/arguments.py) honours; listed in docs/flags.md with their
-# help there. (scripts/run-glm5*-744B-A40B.sh: --enable-experimental; low_precision/run-qwen3-30b-a3b-fp8.sh: FP8.)
+# Megatron-compatible group (slime/backends/megatron_utils/megatron_flags.py) honours; listed in docs/flags.md with
+# their help there. (scripts/run-glm5*-744B-A40B.sh: --enable-experimental; low_precision/run-qwen3-30b-a3b-fp8.sh: FP8.)
 MEGATRON_SCRIPT_FLAGS = ("--enable-experimental", "--fp8-format", "--fp8-recipe")
 
 # the recorder's marker of a keyword computed in upstream's source (its source text), e.g. 512 * 1024**2
