@@ -238,7 +238,7 @@ def _qat_expert_forward(rank, hf_dir):
 
 @pytest.mark.slow  # one Megatron rank (about 20 s on an idle 2-core machine)
 def test_trainer_fake_quantises_routed_experts_with_a_straight_through_gradient(moe):
-    spawn(_qat_expert_forward, 1, moe[0])
+    spawn(_qat_expert_forward, 1, moe[1])  # the INT4 checkpoint of the grid QAT trains on (start-up checks it)
 
 
 def test_qat_group_size_from_the_environment():
@@ -251,15 +251,22 @@ def test_qat_group_size_from_the_environment():
 
 def test_start_up_names_a_grid_that_differs_from_the_checkpoint(moe, capsys, monkeypatch):
     """INT4 trains (quantise-on-sync); with QAT on, a group size or symmetry other than the checkpoint's is one line
-    naming both (I7); --train-env-vars counts as the trainers' environment."""
+    naming both (I7), and so is a checkpoint with no INT4 grid; --train-env-vars counts as the trainers' environment."""
     from tests.test_startup_checks import error_line
 
-    _, sym, asym = moe
+    src, sym, asym = moe
     monkeypatch.delenv(Q.INT4_QAT_FLAG, raising=False)
     monkeypatch.delenv(Q.INT4_QAT_GROUP_SIZE, raising=False)
     assert _args(sym).hf_checkpoint == sym
     env = json.dumps({Q.INT4_QAT_FLAG: "1", Q.INT4_QAT_GROUP_SIZE: str(G)})
     assert _args(sym, "--train-env-vars", env).hf_checkpoint == sym
+    # the full-precision checkpoint: the engine serves no INT4 grid at all
+    err = error_line(capsys, "--hf-checkpoint", src, "--train-env-vars", env, model=[], base=_base())
+    assert err == (
+        f"OPEN_TRAINING_INT4_FAKE_QAT_FLAG=1 fake-quantises the routed experts in INT4, but --hf-checkpoint {src} "
+        "serves them in full precision (no quantization_config): unset OPEN_TRAINING_INT4_FAKE_QAT_FLAG, or serve an "
+        "INT4 checkpoint (tools/convert_hf_to_int4_direct.py --is-symmetric)"
+    )
     monkeypatch.setenv(Q.INT4_QAT_FLAG, "1")  # group size unset: the default 128
     err = error_line(capsys, "--hf-checkpoint", sym, model=[], base=_base())
     assert err == (

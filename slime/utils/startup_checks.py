@@ -461,6 +461,8 @@ def check_quantized_checkpoint(args, error):
     hf = getattr(args, "hf_checkpoint", None)
     qc = hf_quantization_config(hf)
     if not qc:
+        if hf and not getattr(args, "debug_rollout_only", False):
+            check_no_int4_qat(args, hf, error, "in full precision (no quantization_config)")
         return
     try:
         scheme = QuantScheme(qc, f"--hf-checkpoint {hf}: quantization_config")
@@ -495,11 +497,12 @@ def check_quantized_checkpoint(args, error):
             return
         check_int4_qat_grid(args, hf, scheme, error)
     else:
-        check_no_int4_qat(args, hf, error)
+        check_no_int4_qat(args, hf, error, "in FP8 (quantization_config quant_method fp8)")
 
 
-def check_no_int4_qat(args, hf, error):
-    """INT4 fake QAT on while the engine serves FP8: the policy would train on a grid it is never served on."""
+def check_no_int4_qat(args, hf, error, served):
+    """INT4 fake QAT on while the engine serves the experts `served` otherwise (FP8, or full precision): the policy
+    would train on a grid it is never served on."""
     from slime.utils.quantization import INT4_QAT_FLAG as FLAG
     from slime.utils.quantization import qat_group_size
 
@@ -509,9 +512,8 @@ def check_no_int4_qat(args, hf, error):
         group = 0  # a malformed group size: the flag is on all the same
     if group is not None:
         error(
-            f"{FLAG}=1 fake-quantises the routed experts in INT4, but --hf-checkpoint {hf} serves them in FP8 "
-            f"(quantization_config quant_method fp8): unset {FLAG}, or serve an INT4 checkpoint "
-            "(tools/convert_hf_to_int4_direct.py --is-symmetric)"
+            f"{FLAG}=1 fake-quantises the routed experts in INT4, but --hf-checkpoint {hf} serves them {served}: "
+            f"unset {FLAG}, or serve an INT4 checkpoint (tools/convert_hf_to_int4_direct.py --is-symmetric)"
         )
 
 
