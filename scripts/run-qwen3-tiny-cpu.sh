@@ -15,7 +15,8 @@
 #                                                      # colocate or async; see docs/lora.md#on-the-main-job)
 #   EXTRA_ARGS="--partial-rollout --use-wandb --wandb-mode offline" bash scripts/run-qwen3-tiny-cpu.sh
 # Other knobs: NUM_ROLLOUT (GRPO rollouts, 300), SFT_EPOCHS (30), LR (GRPO peak, 3e-4, cosine-decayed to 3e-5),
-# EVAL_INTERVAL (20), MAX_STALENESS (fully_async), OUT, MODEL_DIR, DATA_DIR; with MODE=opd: TEACHER (an HF model
+# EVAL_INTERVAL (20), TREE (1: GRPO with --tree-training, each group's shared prompt computed once; 0: flat
+# packing), MAX_STALENESS (fully_async), OUT, MODEL_DIR, DATA_DIR; with MODE=opd: TEACHER (an HF model
 # directory, default outputs/qwen3-tiny-sync/grpo_hf: the default job's final model), OPD_KL_COEF (0.3), OPD_REWARD
 # (1: the answer's reward is trained on beside the teacher; 0: logged only); with LORA=1: LORA_RANK (16),
 # LORA_ALPHA (32), LR (1e-3 then), LORA_SYNC (adapter). SFT_HF=1 also writes the SFT model as an HF directory
@@ -35,6 +36,8 @@ OUT=${OUT:-outputs/qwen3-tiny-${MODE:-sync}}
 MODE=${MODE:-sync}
 TP=${TP:-1}
 LORA=${LORA:-0}
+TREE=${TREE:-1}
+case "$TREE" in 0|1) ;; *) echo "TREE must be 0 or 1 (got $TREE)" >&2; exit 2 ;; esac
 NUM_ROLLOUT=${NUM_ROLLOUT:-300}
 WARMUP=$(( NUM_ROLLOUT * 2 >= 160 ? 40 : NUM_ROLLOUT / 2 ))   # 40 optimizer steps, at most a quarter of them
 case "$LORA" in 0|1) ;; *) echo "LORA must be 0 or 1 (got $LORA)" >&2; exit 2 ;; esac
@@ -117,6 +120,8 @@ OPTIMIZER_ARGS=(--optimizer adam --lr ${LR:-3e-4} --lr-decay-style cosine --min-
                 --adam-beta1 0.9 --adam-beta2 0.99 --clip-grad 1.0 --weight-decay 0.0)
 SGLANG_ARGS=(--rollout-num-gpus-per-engine 1 --sglang-max-running-requests 128)
 MISC_ARGS=(--metrics-path "$OUT/metrics.jsonl")
+# a group's 8 samples share their prompt: the trainer computes it once (same log-probs and gradients as flat packing)
+[ "$TREE" = 1 ] && MISC_ARGS+=(--tree-training)
 case "$MODE" in
   sync)     DRIVER=train.py;       PLACEMENT=(--rollout-num-gpus 1) ;;
   colocate) DRIVER=train.py;       PLACEMENT=(--colocate) ;;

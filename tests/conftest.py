@@ -150,7 +150,7 @@ def mpu_world1(tmp_path_factory):
     dist.destroy_process_group()
 
 
-# ---- Tiers: what a test starts (issue #36). One table, module -> tier, plus per-test overrides where a module mixes.
+# ---- Tiers: what a test starts. One table, module -> tier, plus per-test overrides where a module mixes.
 #   unit       no process, no Ray: functions, in-process models (a one-rank gloo group at most)
 #   component  one server or one process group: slime's CPU inference server, the router, a reward server, a sandbox,
 #              spawned Megatron ranks, one subprocess

@@ -650,7 +650,7 @@ def test_cpu_server_ignores_gpu_knobs_with_one_warning(caplog):
 
 
 def test_cpu_server_honours_disable_radix_cache(caplog):
-    """--sglang-disable-radix-cache turns the CPU server's shared prefill off (issue #40): passed on, not ignored."""
+    """--sglang-disable-radix-cache turns the CPU server's shared prefill off: passed on, not ignored."""
     from slime.backends.sglang_utils.sglang_engine import server_command
 
     with caplog.at_level(logging.WARNING):

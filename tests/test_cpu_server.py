@@ -155,7 +155,7 @@ def test_health_and_info(server, tiny_kit):
     assert info["model_type"] == "qwen3" and info["architectures"] == ["Qwen3ForCausalLM"]
     assert os.path.samefile(info["model_path"], tiny_kit[0]) and info["weight_version"] == "default"
     assert SESSION.get(server + "/get_model_info").json() == info
-    # the weights' fingerprint: tiles32 of every served HF tensor as the checkpoint stores it, combined (issue #37)
+    # the weights' fingerprint: tiles32 of every served HF tensor as the checkpoint stores it, combined
     from safetensors.torch import load_file
 
     from slime.utils.fingerprint import combine, hash_named

@@ -155,6 +155,7 @@ def test_adapter_from_a_peft_directory(server, adapter):
     assert SESSION.post(server + "/unload_lora_adapter", json={"lora_name": "disk"}, timeout=60).status_code == 200
 
 
+@pytest.mark.slow  # development tier: a multi-rank layout or several processes (tens of seconds)
 def test_lora_at_start_up_and_without_enable_lora(tiny_kit, adapter):
     proc, url = start_cpu_server(tiny_kit[0], "--lora-paths", f"pre={adapter['path']}")  # --lora-paths implies it
     try:

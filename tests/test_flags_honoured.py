@@ -1,4 +1,4 @@
-"""Flags that were accepted and never read (issue #37 item 4), now honoured as current slime honours them."""
+"""Flags that were accepted and never read, now honoured as current slime honours them."""
 
 from datetime import timedelta
 from types import SimpleNamespace

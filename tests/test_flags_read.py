@@ -1,4 +1,4 @@
-"""Every flag slime accepts is read by the code, refused at start-up, or forwarded wholesale (issue #37 item 4).
+"""Every flag slime accepts is read by the code, refused at start-up, or forwarded wholesale.
 
 argparse accepting a flag proves nothing: a flag that no code reads is silently ignored, and `docs/flags.md` would
 call it honoured. This test scans slime/'s source for each accepted flag's dest and names every flag that nothing

@@ -31,7 +31,7 @@ def groups(*start_versions, first_gid=0):
 def test_staleness_counts_from_the_first_segments_weights_and_refuses_an_unknown_label():
     """A sample's staleness is measured from the weights of its first segment; engines start at version 0 (the
     --hf-checkpoint weights), so "0" is the initial weights and any non-integer label (SGLang's "default": an engine
-    slime did not label) is an error naming the sample, not silently version 0 (issue #37)."""
+    slime did not label) is an error naming the sample, not silently version 0."""
     assert staleness(Sample(weight_versions=["3", "4"]), trainer_version=5, start_version=3) == 2
     assert staleness(Sample(weight_versions=["0", "4"]), trainer_version=5, start_version=4) == 5
     assert staleness(Sample(), trainer_version=5, start_version=4) == 1  # no version reported: its admission's

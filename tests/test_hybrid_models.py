@@ -218,6 +218,7 @@ def test_hybrids_roundtrip_and_log_probs_tp1(hf_models, tmp_path):
     print((tmp_path / "diffs.txt").read_text())
 
 
+@pytest.mark.slow  # development tier: a multi-rank layout or several processes (tens of seconds)
 def test_hybrids_roundtrip_and_log_probs_tp2_ep2(hf_models, tmp_path):
     layouts = [(k, 2, 1, 1) for k in HYBRIDS] + [("qwen3next", 1, 2, 1), (VL, 1, 2, 1)]
     spawn(_roundtrip_and_log_probs, 2, hf_models, layouts, str(tmp_path / "diffs.txt"), timeout=500)
@@ -319,6 +320,7 @@ def _pp_roundtrip_and_log_probs(rank, hf_models, kinds, out):
                 f.write(f"{kind} pp2 logprob_max_abs_diff={diff:.3g}\n")
 
 
+@pytest.mark.slow  # development tier: a multi-rank layout or several processes (tens of seconds)
 def test_hybrids_pipeline_parallel(hf_models, tmp_path):
     spawn(_pp_roundtrip_and_log_probs, 2, hf_models, HYBRIDS, str(tmp_path / "diffs.txt"), timeout=500)
     print((tmp_path / "diffs.txt").read_text())
@@ -466,6 +468,7 @@ def _save_load_log_probs(rank, models, out):
             f.write(f"{name} saved, loaded, identical\n")
 
 
+@pytest.mark.slow  # development tier: a multi-rank layout or several processes (tens of seconds)
 def test_hybrids_save_and_load_every_layer_pattern(tmp_path):
     """Every hybrid layer pattern saves (they failed megatron-core's sharding validation: the Gated DeltaNet
     tensors were declared stacked over all layers while only the linear-attention layers hold them), HF ->
@@ -696,6 +699,7 @@ def _cp_log_probs_and_grads(rank, hf_models, kinds, cp, out_dir):
         torch.save(dict(log_probs=log_probs, grads=grads, packed=packed), f"{out_dir}/{kind}_cp{cp}_rank{rank}.pt")
 
 
+@pytest.mark.slow  # development tier: a multi-rank layout or several processes (tens of seconds)
 def test_hybrids_context_parallel_match_cp1(hf_models, tmp_path):
     """--context-parallel-size 2 and 4 (the upstream scripts' CP) on Qwen3.5 and Qwen3-Next (linear, full, linear
     layers; Qwen3-Next with MoE): full attention in slime's zigzag CP, the Gated DeltaNet layers over the whole

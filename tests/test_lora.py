@@ -154,6 +154,7 @@ def _peft_log_probs(model_dir, adapter_dir, data):
     return out
 
 
+@pytest.mark.slow  # development tier: a multi-rank layout or several processes (tens of seconds)
 def test_lora_matches_peft_and_tp2_equals_tp1(tiny_kit, tmp_path):
     model_dir, _ = tiny_kit
     spawn(_lora_steps, 1, model_dir, 1, str(tmp_path / "tp1.pt"), str(tmp_path / "adapter1"), str(tmp_path / "c1"))

@@ -291,6 +291,7 @@ def test_families_roundtrip_and_log_probs_tp1(hf_models, tmp_path):
     print((tmp_path / "diffs.txt").read_text())
 
 
+@pytest.mark.slow  # development tier: a multi-rank layout or several processes (tens of seconds)
 def test_families_roundtrip_and_log_probs_tp2_ep2(hf_models, tmp_path):
     layouts = [(k, 2, 1, 2) for k in FAMILIES] + [(k, 1, 2, 1) for k in MOE] + [("glm4moe", 2, 2, 1)]
     spawn(_roundtrip_and_log_probs, 2, hf_models, layouts, str(tmp_path / "diffs.txt"), timeout=500)

@@ -502,6 +502,7 @@ def _convert_with_mtp(models, save_root):
         main(["--hf-checkpoint", hf_dir, "--save", f"{save_root}/{kind}", "--mtp-num-layers", "1"])
 
 
+@pytest.mark.slow  # development tier: a multi-rank layout or several processes (tens of seconds)
 def test_offline_converters_keep_mtp_layers(mtp_models, tmp_path):
     """tools/convert_hf_to_torch_dist.py --mtp-num-layers saves the MTP block; tools/convert_torch_dist_to_hf.py
     exports it again: bit-exact for all three families (DeepSeek-V3 / GLM-4.5 lost their MTP layer before)."""

@@ -346,7 +346,7 @@ def test_controller_generate_returns_boxed_train_data_and_metrics(ray_mod, tmp_p
     assert os.path.exists(debug_path.format(rollout_id=4))
     saved = torch.load(debug_path.format(rollout_id=4), weights_only=False)
     assert saved["rollout_id"] == 4 and len(saved["samples"]) == 4
-    # issue #37 (V6): each dumped sample says which weights generated it
+    # each dumped sample says which weights generated it
     assert saved["samples"][0]["metadata"]["provenance"] == {"weight_versions": ["5"], "weight_version_spans": []}
     replay = _controller(
         ray, make_args(load_debug_rollout_data=debug_path, rollout_function_path=f"{HERE}.bad_shape_rollout")

@@ -1,4 +1,4 @@
-"""Sampling parameters (issue #37): every sample records what each engine call sampled it with, and the train data
+"""Sampling parameters: every sample records what each engine call sampled it with, and the train data
 refuses a trained sample the trainer cannot score at what it was sampled with (`check_sampling_params`, called from
 `convert_samples_to_train_data`), in one line naming the sample, the parameter, its value, the flag's and the source.
 The CPU server's echo is covered in tests/test_cpu_server.py and the agent adapters' refusal in

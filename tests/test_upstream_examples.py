@@ -292,7 +292,7 @@ def test_current_slime_launch_scripts_parse_or_are_refused_for_a_reason(tmp_path
         if (line is None) != (rel not in SCRIPT_REFUSALS) or (line and SCRIPT_REFUSALS[rel] not in line)
     }
     assert not wrong, wrong
-    # issue #41: every low-precision script (FP8 rollout, INT4 QAT) is among them; all but FP8 *training* parse
+    # every low-precision script (FP8 rollout, INT4 QAT) is among them; all but FP8 *training* parse
     low = {rel: line for rel, line in got.items() if rel.startswith("scripts/low_precision/")}
     assert {
         "scripts/low_precision/run-qwen3-4b-fp8.sh",

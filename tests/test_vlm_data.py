@@ -1,5 +1,5 @@
 """--multimodal-keys: image placeholders filled from the row's media, the processor's expansion measured, bad rows
-named in one line (issue #39, data slice)."""
+named in one line (data slice)."""
 
 import base64
 import io

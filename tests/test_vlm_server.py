@@ -1,5 +1,5 @@
 """The CPU server serves a Qwen2.5-VL: /generate with SGLang's `image_data`, greedy tokens and log-probs equal to
-transformers' own on the same processed inputs; the default rollout's request passes SGLang's contract (issue #39)."""
+transformers' own on the same processed inputs; the default rollout's request passes SGLang's contract."""
 
 import base64
 import io

@@ -1,4 +1,4 @@
-"""Training Qwen2.5-VL on images (issue #39, the trainer's first slice), on the tiny offline kit
+"""Training Qwen2.5-VL on images (the trainer's first slice), on the tiny offline kit
 (tools/build_tiny_vlm.py).
 
 `--hf-checkpoint` alone builds the model (megatron-core's `GPTModel` with multimodal RoPE plus transformers' vision
