@@ -149,6 +149,22 @@ def test_offload_onload_is_bit_exact(tiny_kit):
     spawn(_offload_roundtrip, 1, tiny_kit[0])
 
 
+def test_offload_takes_only_the_training_devices_storages():
+    """torch's Adam (no TE/Apex) keeps each `step` counter on the CPU while a GPU trainer's state is on the GPU: offload
+    must move the device's storages only (seen on an H200: the CPU counters were offloaded beside them). A meta
+    tensor stands in here for a tensor on another device than the training one."""
+    from slime.backends.megatron_utils.actor import MegatronTrainRayActor
+
+    layer = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(layer.parameters())
+    opt.state[layer.weight] = {"exp_avg": torch.zeros(4, 4), "step": torch.empty(1, device="meta")}
+    actor = object.__new__(MegatronTrainRayActor)
+    chunk = type("DDPChunk", (), {"parameters": lambda self: layer.parameters(), "buffers": []})()
+    actor.model, actor.optimizer = [chunk], type("Wrapped", (), {"optimizer": opt})()
+    storages = actor._offload_storages()
+    assert len(storages) == 3 and all(s.device.type == "cpu" for s in storages)  # weight, bias, exp_avg
+
+
 def _continue_with_more_rollouts(rank, model_dir, save_dir, out_path):
     """Save after 4 planned rollouts without committing, commit, then load into runs planned for 8 rollouts; what
     the loads print is kept with the results (a rank's stdout is not the test's)."""
