@@ -6,10 +6,6 @@ import os
 
 logger = logging.getLogger(__name__)
 
-# ---------------------------------------------------------------------------------------------------------------
-# HF config -> Megatron architecture (inference and consistency check)
-# ---------------------------------------------------------------------------------------------------------------
-
 
 def _rope_theta(cfg):
     theta = getattr(cfg, "rope_theta", None)

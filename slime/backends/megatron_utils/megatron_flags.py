@@ -2,15 +2,8 @@
 not importable); `slime.config.parse_args` adds them to slime's command line."""
 
 import argparse
-import logging
 import os
 import re
-
-logger = logging.getLogger(__name__)
-
-# ---------------------------------------------------------------------------------------------------------------
-# Megatron-LM-compatible flags, for when megatron.training is not importable (megatron-core wheel only)
-# ---------------------------------------------------------------------------------------------------------------
 
 
 def moe_freq_type(x):
