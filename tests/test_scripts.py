@@ -605,12 +605,11 @@ def test_main_job_lora_dry_run(tiny_kit, tmp_path):
     assert [line for line in res.stdout.splitlines() if line == "ok"] == ["ok", "ok"]
     assert not out.exists()
     (sft_driver, *sft_argv), (rl_driver, *rl_argv) = stages
-    stages_lora_rl = rl_argv
     assert (sft_driver, rl_driver) == ("train_async.py", "train.py")
     sft = parse_args(argv=sft_argv, check_paths=False)
     assert sft.save_hf == f"{out}/sft_hf" and not sft.enable_lora
     rl = parse_args(argv=rl_argv, check_paths=False)
-    assert rl.enable_lora and (rl.lora_rank, rl.lora_alpha, rl.lora_sync) == (16, 32, "adapter")
+    assert rl.enable_lora and (rl.lora_rank, rl.lora_alpha, rl.lora_sync) == (16, 32, "adapter") and rl.tree_training
     assert rl.hf_checkpoint == sft.save_hf and rl.ref_load is None and rl.save == f"{out}/grpo"
     assert (rl.lr, rl.min_lr) == (1e-3, 1e-4)
 
@@ -622,8 +621,8 @@ def test_main_job_lora_dry_run(tiny_kit, tmp_path):
     rl = parse_args(argv=rl_argv, check_paths=False)
     assert not rl.enable_lora and rl.ref_load == f"{out}/sft" and rl.hf_checkpoint == tiny_kit[0]
     assert (rl.lr, rl.min_lr) == (3e-4, 3e-5)
-    # GRPO packs each group as a prefix tree by default (the LoRA run too); TREE=0 packs flat
-    assert rl.tree_training and parse_args(argv=stages_lora_rl, check_paths=False).tree_training
+    # GRPO packs each group as a prefix tree by default (the LoRA run too, above); TREE=0 packs flat
+    assert rl.tree_training
     res, stages = _dry_run_main_job(tiny_kit, out, TREE="0")
     assert res.returncode == 0 and not parse_args(argv=stages[1][1:], check_paths=False).tree_training
 
