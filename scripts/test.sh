@@ -24,6 +24,9 @@ bash scripts/setup.sh
 bash scripts/setup-sglang-venv.sh
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HOME="$(mktemp -d)"
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled OMP_NUM_THREADS=1 WANDB_MODE=offline
+# Every test starts many Python processes (Ray actors, servers, runs): let the first one cache the project's bytecode
+# for the rest, even where the environment says not to (it does on the CI machine).
+unset PYTHONDONTWRITEBYTECODE
 export SLIME_REQUIRE_SGLANG_VENV=1  # the SGLang contract tests fail, not skip, without the side venv
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .

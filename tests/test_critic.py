@@ -244,10 +244,12 @@ def test_critic_trains_hands_values_to_the_actor_and_resumes(ray_session, tiny_k
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_train_py_ppo_critic_only_warm_up_checkpoint_and_resume(ray_session, tiny_kit, tmp_path):
-    """train.py with a critic: rollout 0 trains only the critic, then both; the critic's checkpoint is written with
-    the actor's and a restart with --load continues with it. The critic role takes 4 optimizer steps per rollout
-    (its num_steps_per_rollout) where the actor takes 2 (16 samples, --global-batch-size 8)."""
+    """A critic under train_async.py's loop then train.py's: rollout 0 trains only the critic, then both; the
+    critic's checkpoint is written with the actor's and a restart with --load continues with it. The critic role
+    takes 4 optimizer steps per rollout (its num_steps_per_rollout) where the actor takes 2 (16 samples,
+    --global-batch-size 8)."""
     import train as sync_driver
+    import train_async as async_driver
     from tests.test_e2e import make_args as e2e_args
     from tests.test_e2e import read_metrics
 
@@ -256,7 +258,7 @@ def test_train_py_ppo_critic_only_warm_up_checkpoint_and_resume(ray_session, tin
     ppo += ["--save", str(ckpt), "--save-interval", "1", *_critic_role(tmp_path, "{num_steps_per_rollout: 4}")]
     first = tmp_path / "first"
     first.mkdir()
-    sync_driver.train(e2e_args(tiny_kit, first, *ppo, num_rollout=2))
+    async_driver.train(e2e_args(tiny_kit, first, *ppo, num_rollout=2))
     rows = read_metrics(first)
     assert [r["rollout_id"] for r in rows] == [0, 1]
     assert "train/critic_value_loss" in rows[0] and "train/pg_loss" not in rows[0]  # the critic-only warm-up
@@ -283,17 +285,17 @@ def test_train_py_ppo_critic_only_warm_up_checkpoint_and_resume(ray_session, tin
 
 @pytest.mark.slow
 @pytest.mark.e2e
-@pytest.mark.parametrize("mode", ["colocate", "async", "fully_async"])
+@pytest.mark.parametrize("mode", ["colocate", "fully_async"])
 def test_ppo_with_a_critic_colocated_and_asynchronous(ray_session, tiny_kit, tmp_path, mode):
     """The critic in the other layouts: colocated (trainers, critic and engine share the logical GPU; the critic
-    sleeps between its steps) and train_async.py's two loops."""
+    sleeps between its steps) and fully async (the one-step-off loop is the resume test's first run above)."""
     import train as sync_driver
     import train_async as async_driver
     from tests.test_e2e import make_args as e2e_args
     from tests.test_e2e import read_metrics
 
     fully_async = ["--rollout-function-path", "slime.rollout.fully_async_rollout.generate_rollout_fully_async"]
-    extra = {"colocate": ["--colocate"], "async": [], "fully_async": fully_async}[mode]
+    extra = {"colocate": ["--colocate"], "fully_async": fully_async}[mode]
     if mode != "colocate":
         extra += ["--rollout-num-gpus", "1"]
     args = e2e_args(tiny_kit, tmp_path, *PPO, "--num-critic-only-steps", "1", *extra, num_rollout=2)

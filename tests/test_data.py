@@ -3,6 +3,8 @@
 import json
 import random
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from slime.utils.data import Dataset, read_file
@@ -37,8 +39,14 @@ def test_read_jsonl_json_and_parquet(tmp_path):
     js = tmp_path / "d.json"
     js.write_text(json.dumps(rows))
     assert [dict(r) for r in read_file(str(js))] == rows
-    read_file(jl).to_parquet(str(tmp_path / "d.parquet"))
+    pq.write_table(pa.Table.from_pylist(rows), str(tmp_path / "d.parquet"))
     assert [dict(r) for r in read_file(str(tmp_path / "d.parquet"))] == rows
+    # a row without a column reads it as None, as an HF dataset gives it; columns in first-seen order
+    ragged = read_file(write_jsonl(tmp_path / "r.jsonl", [{"text": "a"}, {"text": "b", "label": "2"}]))
+    assert ragged.column_names == ["text", "label"] and ragged == [
+        {"text": "a", "label": None},
+        {"text": "b", "label": "2"},
+    ]
 
 
 def test_read_file_errors_name_the_file(tmp_path):
@@ -55,6 +63,9 @@ def test_read_file_errors_name_the_file(tmp_path):
     arr.write_text('{"text": "ok"}\n[1, 2]\n')
     with pytest.raises(ValueError, match=r"arr\.jsonl:2: expected a JSON object per line, got list"):
         read_file(str(arr))
+    (tmp_path / "obj.json").write_text('{"text": "ok"}')
+    with pytest.raises(ValueError, match=r"obj\.json: cannot read as json .*expected a JSON array of objects"):
+        read_file(str(tmp_path / "obj.json"))
 
 
 # ---------------------------------------------------------------- Dataset

@@ -145,27 +145,33 @@ def test_train_disaggregated_with_eval_and_first_step_invariants(ray_session, ti
 
 
 @pytest.mark.slow
-def test_train_colocated(ray_session, tiny_kit, tmp_path):
-    args = make_args(tiny_kit, tmp_path, "--colocate")
+def test_train_colocated_with_recompute_loss_function(ray_session, tiny_kit, tmp_path):
+    """Colocated (the engine offloads while the trainer trains) and with the checkpointed loss, which backpropagates
+    inside Megatron's training step (--ci-test checks the first step); the entropy bonus gives a gradient even when
+    a rollout's rewards are all 0."""
+    args = make_args(tiny_kit, tmp_path, "--colocate", "--recompute-loss-function", "--entropy-coef", "0.01")
     assert args.offload and args.rollout_num_gpus == 1
     sync_driver.train(args)
     rows = read_metrics(tmp_path)
     assert [int(r["rollout/weight_version"]) for r in rows] == [1, 2]
     assert rows[0]["train/train_rollout_logprob_abs_diff"] < 1e-4
+    assert all(r["train/grad_norm"] > 0 for r in rows)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("placement", ["--colocate", "--rollout-num-gpus=1"])
-def test_train_lora_adapter_sync(ray_session, tiny_kit, tmp_path, placement):
+def test_train_lora_adapter_sync(ray_session, tiny_kit, tmp_path):
     """--enable-lora --lora-sync adapter: every update sends the engine only the adapters; rollouts name them, so
     the engine's log-probs stay the trainer's as the adapters move (a large LR makes the move visible), colocated
-    (the engine's base survives its memory release) and disaggregated."""
+    (the engine's base survives its memory release; disaggregated in the KL test below)."""
     args = make_args(
-        tiny_kit, tmp_path, placement, "--enable-lora", "--lora-rank", "8", "--lora-sync", "adapter",
+        tiny_kit, tmp_path, "--colocate", "--enable-lora", "--lora-rank", "8", "--lora-sync", "adapter",
         "--lr", "3e-2", "--entropy-coef", "0.01", num_rollout=3,  # the entropy bonus: a gradient every rollout
     )  # fmt: skip
     sync_driver.train(args)
-    rows = read_metrics(tmp_path)
+    check_adapter_sync(read_metrics(tmp_path), tiny_kit)
+
+
+def check_adapter_sync(rows, tiny_kit):
     assert [int(r["rollout/weight_version"]) for r in rows] == [1, 2, 3]
     assert all(r["train/train_rollout_logprob_abs_diff"] < 1e-4 for r in rows), rows
     assert all(r["train/grad_norm"] > 0 for r in rows)
@@ -176,71 +182,49 @@ def test_train_lora_adapter_sync(ray_session, tiny_kit, tmp_path, placement):
 @pytest.mark.slow
 def test_lora_kl_reference_is_the_base_also_after_a_resume(ray_session, tiny_kit, tmp_path):
     """With --enable-lora the KL reference is the frozen base: zero KL at a fresh start (B = 0), and after a resume
-    that brings trained adapters the KL is against the base again, not against the resumed policy."""
+    that brings trained adapters the KL is against the base again, not against the resumed policy. The first run is
+    also the disaggregated case of adapter-only sync."""
     common = (
-        "--rollout-num-gpus", "1", "--enable-lora", "--lora-rank", "8", "--lr", "3e-2", "--entropy-coef", "0.01",
-        "--use-kl-loss", "--kl-loss-coef", "0.001", "--save", str(tmp_path / "ckpt"), "--save-interval", "1",
+        "--rollout-num-gpus", "1", "--enable-lora", "--lora-rank", "8", "--lora-sync", "adapter", "--lr", "3e-2",
+        "--entropy-coef", "0.01", "--use-kl-loss", "--kl-loss-coef", "0.001", "--save", str(tmp_path / "ckpt"),
+        "--save-interval", "1",
         "--global-batch-size", "16",  # one optimizer step per rollout: its KL is that of the rollout's policy
     )  # fmt: skip
-    sync_driver.train(make_args(tiny_kit, tmp_path, *common, num_rollout=1))
-    first = read_metrics(tmp_path)[0]
-    assert first["train/kl_loss"] == 0.0  # the adapters start as a no-op: the policy is the base
+    sync_driver.train(make_args(tiny_kit, tmp_path, *common, num_rollout=3))
+    rows = read_metrics(tmp_path)
+    check_adapter_sync(rows, tiny_kit)
+    assert rows[0]["train/kl_loss"] == 0.0  # the adapters start as a no-op: the policy is the base
     os.remove(tmp_path / "metrics.jsonl")
     resume = ("--load", str(tmp_path / "ckpt"), "--use-checkpoint-opt_param-scheduler")
-    sync_driver.train(make_args(tiny_kit, tmp_path, *common, *resume, num_rollout=2))
+    sync_driver.train(make_args(tiny_kit, tmp_path, *common, *resume, num_rollout=4))
     resumed = read_metrics(tmp_path)
-    assert [r["rollout_id"] for r in resumed] == [1]
+    assert [r["rollout_id"] for r in resumed] == [3]
     assert abs(resumed[0]["train/kl_loss"]) > 1e-6  # trained adapters vs the base (a resumed-policy reference: 0)
 
 
 @pytest.mark.slow
-def test_train_with_recompute_loss_function(ray_session, tiny_kit, tmp_path):
-    """The checkpointed loss backpropagates inside Megatron's training step (--ci-test checks the first step)."""
-    # rewards may all be 0 in one rollout: the entropy bonus still gives a gradient through the checkpointed loss
-    args = make_args(
-        tiny_kit,
-        tmp_path,
-        "--rollout-num-gpus",
-        "1",
-        "--recompute-loss-function",
-        "--entropy-coef",
-        "0.01",
-        num_rollout=1,
-    )
-    sync_driver.train(args)
-    rows = read_metrics(tmp_path)
-    assert len(rows) == 1 and rows[0]["train/grad_norm"] > 0
-
-
-@pytest.mark.slow
-def test_train_async_is_one_step_off_policy(ray_session, tiny_kit, tmp_path):
-    args = make_args(tiny_kit, tmp_path, "--rollout-num-gpus", "1", num_rollout=3)
-    async_driver.train(args)
-    rows = read_metrics(tmp_path)
-    assert [r["rollout_id"] for r in rows] == [0, 1, 2]
-    # Rollout 1 is generated while training on rollout 0, so with the same (stale) weights as rollout 0.
-    assert [int(r["rollout/weight_version"]) for r in rows] == [1, 1, 2]
-
-
-@pytest.mark.slow
-def test_train_async_resume_trains_the_rollout_that_was_in_flight_at_the_save(ray_session, tiny_kit, tmp_path):
-    """One-step-off: rollout 1 is generated while rollout 0 trains. A run resumed from the checkpoint of rollout 0
-    must train rollout 1 on the prompts an uninterrupted run gives it, not skip them."""
+def test_train_async_is_one_step_off_policy_and_resumes_the_rollout_in_flight_at_the_save(
+    ray_session, tiny_kit, tmp_path
+):
+    """One-step-off: rollout 1 is generated while rollout 0 trains, so with rollout 0's weights. A run resumed from
+    the checkpoint of rollout 0 must train rollout 1 on the prompts an uninterrupted run gives it, not skip them."""
     from slime.rollout.data_source import RolloutDataSourceWithBuffer
 
     ckpt = tmp_path / "ckpt"
     common = ["--rollout-num-gpus", "1", "--save", str(ckpt), "--save-interval", "1"]
     first = tmp_path / "first"
     first.mkdir()
-    async_driver.train(make_args(tiny_kit, first, *common, num_rollout=2))
+    async_driver.train(make_args(tiny_kit, first, *common, num_rollout=3))
+    assert [int(r["rollout/weight_version"]) for r in read_metrics(first)] == [1, 1, 2]
     second = tmp_path / "second"
     second.mkdir()
     resumed_data = str(tmp_path / "resumed_{rollout_id}.pt")
     args = make_args(
-        tiny_kit, second, *common, "--load", str(ckpt), "--ckpt-step", "0", "--save-debug-rollout-data", resumed_data
-    )
+        tiny_kit, second, *common, "--load", str(ckpt), "--ckpt-step", "0", "--save-debug-rollout-data", resumed_data,
+        num_rollout=3,  # the first run's schedule: a resume must keep it
+    )  # fmt: skip
     async_driver.train(args)
-    assert [r["rollout_id"] for r in read_metrics(second)] == [1]
+    assert [r["rollout_id"] for r in read_metrics(second)] == [1, 2]
     fresh = RolloutDataSourceWithBuffer(make_args(tiny_kit, tmp_path, "--rollout-num-gpus", "1"))
     fresh.get_samples(4)
     expected = [g[0].prompt for g in fresh.get_samples(4)]

@@ -1,12 +1,10 @@
-"""Prompt datasets: `read_file` (jsonl/json/parquet via HF `datasets`) and `Dataset`."""
+"""Prompt datasets: `read_file` (jsonl/json/parquet as row dicts) and `Dataset`."""
 
 import json
 import os
 import random
 
 from slime.utils.types import Sample
-
-_READERS = {".jsonl": "from_json", ".json": "from_json", ".parquet": "from_parquet"}
 
 
 def iter_jsonl(path):
@@ -25,11 +23,6 @@ def iter_jsonl(path):
             yield record
 
 
-def _check_jsonl(path):
-    for _ in iter_jsonl(path):
-        pass
-
-
 def _line_of_row(path, index):
     """' (line N)' of the `index`-th record of a .jsonl file (blank lines skipped), '' for other formats."""
     if not path.endswith(".jsonl"):
@@ -42,19 +35,46 @@ def _line_of_row(path, index):
     return ""
 
 
+class Rows(list):
+    """A file's rows as dicts, each with every column (None where a row lacks it), and `column_names` in first-seen
+    order: what iterating an HF `datasets.Dataset` gives, without importing that library in every rollout process."""
+
+    def __init__(self, records):
+        super().__init__(records)
+        self.column_names = list(dict.fromkeys(key for record in self for key in record))
+        for record in self:
+            for key in self.column_names:
+                record.setdefault(key, None)
+
+
+def _read_json(path):
+    with open(path, encoding="utf-8") as f:
+        records = json.load(f)
+    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+        raise ValueError("expected a JSON array of objects")
+    return records
+
+
+def _read_parquet(path):
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path).to_pylist()
+
+
+_READERS = {".jsonl": iter_jsonl, ".json": _read_json, ".parquet": _read_parquet}
+
+
 def read_file(path):
-    """Load a .jsonl / .json / .parquet file as an HF `datasets.Dataset` (iterate it for row dicts)."""
+    """Load a .jsonl / .json / .parquet file as `Rows` (iterate it for row dicts)."""
     ext = os.path.splitext(path)[1].lower()
     if ext not in _READERS:
         raise ValueError(f"{path}: unsupported data file type {ext or '(none)'!r}; use .jsonl, .json or .parquet")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"data file {path} does not exist")
     if ext == ".jsonl":
-        _check_jsonl(path)
-    import datasets  # heavy
-
+        return Rows(iter_jsonl(path))  # names file and line of a bad record
     try:
-        return getattr(datasets.Dataset, _READERS[ext])(path)
+        return Rows(_READERS[ext](path))
     except Exception as e:
         raise ValueError(f"{path}: cannot read as {ext[1:]} ({type(e).__name__}: {e})") from e
 

@@ -374,9 +374,6 @@ def check_prompt_data(args, error):
     files = _prompt_files(args)
     if not files:
         return
-    import datasets  # heavy: only when there is a file to read
-
-    datasets.disable_progress_bars()  # the driver's stderr carries the one error line, not loading bars
     tokenizer = None
     if args.hf_checkpoint and os.path.isdir(args.hf_checkpoint):
         from transformers import AutoTokenizer  # heavy: only with an HF checkpoint
