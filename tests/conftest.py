@@ -68,20 +68,50 @@ def tiny_vlm(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """One local Ray with 4 logical GPUs for the whole test session."""
+    """One local Ray with 4 logical GPUs for the whole test session, its Python workers forked from a server that
+    imported torch, transformers and Megatron once (tests/_ray_zygote.py)."""
+    import shutil
+    import subprocess
+    import sys
+
     import ray
 
-    if not ray.is_initialized():
-        ray.init(
-            num_cpus=8,
-            num_gpus=4,
-            include_dashboard=False,
-            object_store_memory=1 << 30,
-            log_to_driver=True,
-            _temp_dir=tempfile.mkdtemp(prefix="ray", dir="/tmp"),
+    work = tempfile.mkdtemp(prefix="rayzygote", dir="/tmp")  # a unix socket path must stay short
+    sock = os.path.join(work, "s")
+    zygote = subprocess.Popen(
+        [sys.executable, "-m", "tests._ray_zygote", "serve", sock],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert _procs.wait_for_line(zygote, "ready", 300), (
+            "the Ray worker zygote did not start within 300s:\n" + _procs.tail(zygote)
         )
-    yield ray
-    ray.shutdown()
+        if not ray.is_initialized():
+            client = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ray_zygote.py")
+            ray.init(
+                num_cpus=8,
+                num_gpus=4,
+                include_dashboard=False,
+                object_store_memory=1 << 30,
+                log_to_driver=True,
+                runtime_env={"py_executable": f"{sys.executable} -S {client} {sock}"},
+                _temp_dir=tempfile.mkdtemp(prefix="ray", dir="/tmp"),
+            )
+        yield ray
+        ray.shutdown()
+    finally:
+        # the workers exit with Ray; what they leave behind, the zygote kills while it lives
+        import psutil
+
+        deadline = time.time() + 30
+        while zygote.poll() is None and psutil.Process(zygote.pid).children() and time.time() < deadline:
+            time.sleep(0.2)
+        zygote.kill()
+        zygote.wait(30)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 class PreimportedPython:
