@@ -226,11 +226,12 @@ def _fake_base_dir(base: Path):
     for f in ("dapo-math-17k/dapo-math-17k.jsonl", "aime-2024/aime-2024.jsonl"):
         (base / f).parent.mkdir(parents=True, exist_ok=True)
         (base / f).write_text(json.dumps(row) + "\n")
-    import pandas as pd
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
     for f in ("gsm8k/train.parquet", "gsm8k/test.parquet", "openhermes2_5.parquet"):
         (base / f).parent.mkdir(parents=True, exist_ok=True)
-        pd.DataFrame([{"messages": row["messages"], "label": "2"}]).to_parquet(base / f)
+        pq.write_table(pa.Table.from_pylist([{"messages": row["messages"], "label": "2"}]), base / f)
 
 
 @pytest.mark.parametrize("name", RUN_SCRIPTS)
