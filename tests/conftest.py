@@ -1,6 +1,10 @@
 """Test-session environment: offline HF, loopback-only Ray, one torch thread, one Ray session, one tiny kit."""
 
+import contextlib
 import os
+import shutil
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -22,6 +26,7 @@ for k, v in {
     "GLOO_SOCKET_IFNAME": "lo",
 }.items():
     os.environ.setdefault(k, v)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Marks every process this session starts (tests/_procs.py): set before any of them, never inherited from a caller.
 os.environ["SLIME_TEST_SESSION"] = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
@@ -66,52 +71,54 @@ def tiny_vlm(tmp_path_factory):
     return build_model(str(tmp_path_factory.mktemp("tiny_vlm") / "qwen2.5-vl-tiny"))
 
 
-@pytest.fixture(scope="session")
-def ray_session():
-    """One local Ray with 4 logical GPUs for the whole test session, its Python workers forked from a server that
-    imported torch, transformers and Megatron once (tests/_ray_zygote.py)."""
-    import shutil
-    import subprocess
-    import sys
-
-    import ray
-
-    work = tempfile.mkdtemp(prefix="rayzygote", dir="/tmp")  # a unix socket path must stay short
+@contextlib.contextmanager
+def _preimporting_server(what, *module_argv):
+    """`python -m MODULE ARGS SOCKET`, a server that imports what its clients need once and then forks them, ready on
+    a unix socket in a new directory: yields (process, directory, socket); killed and removed afterwards."""
+    work = tempfile.mkdtemp(prefix="zygote", dir="/tmp")  # a unix socket path must stay short
     sock = os.path.join(work, "s")
-    zygote = subprocess.Popen(
-        [sys.executable, "-m", "tests._ray_zygote", "serve", sock],
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    server = subprocess.Popen(
+        [sys.executable, "-m", *module_argv, sock],
+        cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
     try:
-        assert _procs.wait_for_line(zygote, "ready", 300), (
-            "the Ray worker zygote did not start within 300s:\n" + _procs.tail(zygote)
-        )
-        if not ray.is_initialized():
-            client = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ray_zygote.py")
-            ray.init(
-                num_cpus=8,
-                num_gpus=4,
-                include_dashboard=False,
-                object_store_memory=1 << 30,
-                log_to_driver=True,
-                runtime_env={"py_executable": f"{sys.executable} -S {client} {sock}"},
-                _temp_dir=tempfile.mkdtemp(prefix="ray", dir="/tmp"),
-            )
-        yield ray
-        ray.shutdown()
+        assert _procs.wait_for_line(server, "ready", 300), f"{what} did not start within 300s:\n" + _procs.tail(server)
+        yield server, work, sock
     finally:
-        # the workers exit with Ray; what they leave behind, the zygote kills while it lives
-        import psutil
-
-        deadline = time.time() + 30
-        while zygote.poll() is None and psutil.Process(zygote.pid).children() and time.time() < deadline:
-            time.sleep(0.2)
-        zygote.kill()
-        zygote.wait(30)
+        server.kill()
+        server.wait(30)
         shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray with 4 logical GPUs for the whole test session, its Python workers forked from a server that
+    imported torch, transformers and Megatron once (tests/_ray_zygote.py)."""
+    import psutil
+    import ray
+
+    with _preimporting_server("the Ray worker zygote", "tests._ray_zygote", "serve") as (zygote, _, sock):
+        try:
+            if not ray.is_initialized():
+                ray.init(
+                    num_cpus=8,
+                    num_gpus=4,
+                    include_dashboard=False,
+                    object_store_memory=1 << 30,
+                    log_to_driver=True,
+                    runtime_env={"py_executable": f"{sys.executable} -S {ROOT}/tests/_ray_zygote.py {sock}"},
+                    _temp_dir=tempfile.mkdtemp(prefix="ray", dir="/tmp"),
+                )
+            yield ray
+            ray.shutdown()
+        finally:
+            # the workers exit with Ray; what they leave behind, the zygote kills while it lives
+            deadline = time.time() + 30
+            while zygote.poll() is None and psutil.Process(zygote.pid).children() and time.time() < deadline:
+                time.sleep(0.2)
 
 
 class PreimportedPython:
@@ -136,34 +143,13 @@ def preimported_python():
     """Environment for the launch scripts' dry runs: a `python3` first on PATH that runs `python3 -m
     slime.utils.arguments` in a child forked from one server that imported it already (tests/_zygote.py), saving
     each dry-run stage an interpreter's start; anything else runs this interpreter."""
-    import shutil
-    import subprocess
-    import sys
-
     from tests import _zygote
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    work = tempfile.mkdtemp(prefix="zygote", dir="/tmp")  # a unix socket path must stay short
-    sock = os.path.join(work, "s")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "tests._zygote", sock],
-        cwd=root,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        assert _procs.wait_for_line(server, "ready", 300), (
-            "the pre-imported python server did not start within 300s:\n" + _procs.tail(server)
-        )
+    with _preimporting_server("the pre-imported python server", "tests._zygote") as (server, work, sock):
         path = os.pathsep.join(
             [_zygote.write_shim(os.path.join(work, "bin")), os.path.dirname(sys.executable), os.environ["PATH"]]
         )
         yield PreimportedPython({"PATH": path, _zygote.ENV_KEY: sock}, server.lines)
-    finally:
-        server.kill()
-        server.wait(30)
-        shutil.rmtree(work, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
