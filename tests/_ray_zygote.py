@@ -13,7 +13,9 @@ import time comes from the server's.
 If the client is killed (SIGKILL included), the worker dies with it: it holds the read end of a pipe whose only
 writer is the client. What a worker leaves behind when it dies (a Megatron checkpoint's writer processes, say) Ray's
 raylet would kill, as it adopts a dead worker's children; here they are adopted by the server instead (a subreaper),
-which kills them. Standard library only in the client: Ray runs it with `python -S`.
+which kills them. A worker's `/proc/PID/environ` is the server's (the test session's marker included, so
+tests/_procs.py finds it); its `os.environ` is the client's. Standard library only in the client: Ray runs it with
+`python -S`.
 """
 
 import os
