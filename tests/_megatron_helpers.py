@@ -3,19 +3,13 @@
 import multiprocessing
 import os
 import re
-import socket
 import time
 
 import torch
 import torch.multiprocessing as mp
 
+from slime.utils.http_utils import free_port
 from tests._args import make_args
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank, fn, world_size, port, args):

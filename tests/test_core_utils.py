@@ -199,6 +199,19 @@ def test_ports_and_host_info(monkeypatch):
     assert http_utils.get_host_info()[1] == "127.0.2.123"
 
 
+def test_free_ports_are_never_ones_the_os_hands_out_by_itself():
+    """A probed port is bound later by another process: an ephemeral one could meanwhile become the local end of any
+    connect() or a gloo listener's bind(0) (two CI failures: 'address already in use'). Nor one of Ray's worker ports."""
+    ephemeral = http_utils._ephemeral_ports()
+    for consecutive in [1] * 50 + [8] * 20:
+        port = http_utils.free_port(consecutive)
+        for p in range(port, port + consecutive):
+            assert p not in ephemeral and p not in http_utils.RAY_WORKER_PORTS and http_utils.is_port_available(p, "")
+    with socket.socket() as s:  # and the OS's choice is indeed in the range read
+        s.bind(("127.0.0.1", 0))
+        assert s.getsockname()[1] in ephemeral
+
+
 @pytest.fixture
 def http_server():
     """A tiny aiohttp server on 127.0.0.1: /echo (JSON echo), /bad (400), /flaky (500 twice, then 200)."""

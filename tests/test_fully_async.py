@@ -3,6 +3,8 @@ generate_rollout_fully_async`): the staleness bound, on-policy at K=0, eval on p
 crash and resume. The bound is asserted from what every trained sample recorded: the weight version of each of its
 generation segments (`Sample.weight_versions`); the trainer's weights at rollout r are version r + 1."""
 
+import asyncio
+import os
 import time
 
 import pytest
@@ -85,10 +87,37 @@ def crash_at_rollout_3(args, rollout_id, step_id, model, optimizer, opt_param_sc
 async def slow_generate(args, sample, sampling_params):
     """--custom-generate-function-path: a deliberately slow engine. Every request goes through the default generate
     and runs to its token budget; every third prompt's budget is 56x the others' (stragglers: the tiny model's whole
-    context), so weight updates land while its requests are running, even on a loaded machine: they are cut short,
-    come back with their tokens, and are resumed."""
-    budget = sampling_params["max_new_tokens"] // (1 if sample.group_index % 3 == 0 else 56)
+    context). So that a weight update surely lands while stragglers run, however fast the trainer is against the
+    engine, they start only once the trainer is about to push version 2 (see `push_when_stragglers_run`)."""
+    straggler = sample.group_index % 3 == 0
+    budget = sampling_params["max_new_tokens"] // (1 if straggler else 56)
+    if straggler:
+        marks = os.path.dirname(args.save_debug_rollout_data)
+        await asyncio.to_thread(wait_for, os.path.join(marks, "pushing_2"))
+        open(os.path.join(marks, "straggler_started"), "a").close()
     return await generate(args, sample, dict(sampling_params, max_new_tokens=budget, ignore_eos=True))
+
+
+def wait_for(path, timeout=300):
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"waited {timeout}s for {path}"
+        time.sleep(0.05)
+
+
+def push_when_stragglers_run(monkeypatch, marks):
+    """The driver's push of version 2 lets the stragglers start, and goes on once they have run for half a second
+    (a few dozen of their 448 tokens)."""
+    push = async_driver.Run.push_weights
+
+    def gated(run, weight_version=None):
+        if weight_version == 2:
+            open(marks / "pushing_2", "a").close()
+            wait_for(marks / "straggler_started")
+            time.sleep(0.5)
+        return push(run, weight_version)
+
+    monkeypatch.setattr(async_driver.Run, "push_weights", gated)
 
 
 def trained_batches(pattern, rollout_ids):
@@ -192,7 +221,10 @@ def test_slow_trainer_staleness_bound_eval_versions_and_exactly_once_across_cras
 
 
 @pytest.mark.slow
-def test_slow_engine_keeps_the_bound_and_resumes_requests_across_weight_updates(ray_session, tiny_kit, tmp_path):
+def test_slow_engine_keeps_the_bound_and_resumes_requests_across_weight_updates(
+    ray_session, tiny_kit, tmp_path, monkeypatch
+):
+    push_when_stragglers_run(monkeypatch, tmp_path)
     args = make_args(
         tiny_kit,
         tmp_path,

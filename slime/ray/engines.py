@@ -70,8 +70,8 @@ def create_rollout_engines(args, pg):
 
 
 def allocate_ports(args, engines):
-    """Per node: `port`, `nccl_port` and a `dist_init_addr` per engine (shared by a multi-node engine), chosen by the
-    OS outside Ray's worker ports and distinct within the node."""
+    """Per node: `port`, `nccl_port` and a `dist_init_addr` per engine (shared by a multi-node engine), from
+    `free_port` and distinct within the node."""
     gpus_per_engine = args.rollout_num_gpus_per_engine
     nodes_per_engine = max(1, gpus_per_engine // args.rollout_num_gpus_per_node)
     engines_per_node = max(1, min(args.rollout_num_gpus_per_node, policy_num_gpus(args)) // gpus_per_engine)
@@ -82,7 +82,7 @@ def allocate_ports(args, engines):
         node_engines = range(node_start, min(node_start + engines_per_node, len(engines)))
 
         def take(consecutive=1):
-            while True:  # the OS may hand out a port again once its probe socket is closed
+            while True:  # a probed port stays free until a server binds it: never hand one out twice
                 addr, port = ray.get(
                     engines[node_start]._get_current_node_ip_and_free_port.remote(consecutive=consecutive)
                 )

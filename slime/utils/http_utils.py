@@ -26,21 +26,31 @@ def is_port_available(port: int, host: str = "127.0.0.1") -> bool:
 RAY_WORKER_PORTS = range(10002, 20000)
 
 
+def _ephemeral_ports() -> range:
+    """The range the OS hands out for connect() and bind(port=0) (Linux's `ip_local_port_range`; IANA's elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+        return range(low, high + 1)
+    except (OSError, ValueError):
+        return range(49152, 65536)
+
+
 def free_port(consecutive: int = 1, host: str = "") -> int:
-    """First of `consecutive` free ports, the first chosen by the OS (its ephemeral range, so two runs on one machine
-    do not race for the same numbers) and never one of Ray's worker ports."""
+    """First of `consecutive` free ports, drawn at random between Ray's worker ports and the OS's ephemeral range.
+
+    A port is probed here and bound later by another process (a server, a rendezvous store), so it must be one the
+    OS never hands out by itself meanwhile: an ephemeral one can be taken by any connect() or bind(0) on the machine
+    (gloo alone listens on dozens). Drawing at random keeps concurrent runs on one machine apart."""
+    low, high = RAY_WORKER_PORTS.stop, _ephemeral_ports().start
+    if high - low < 1000:  # an ephemeral range that starts low leaves nothing below it: draw from above Ray's ports
+        high = 65536
+    draw = random.SystemRandom()
     for _ in range(200):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-            ports = range(port, port + consecutive)
-            if (
-                ports[-1] < 65536
-                and not any(p in RAY_WORKER_PORTS for p in ports)
-                and all(is_port_available(p, host) for p in ports[1:])
-            ):
-                return port
-    raise RuntimeError(f"no {consecutive} consecutive free ports outside Ray's worker ports after 200 tries")
+        port = draw.randrange(low, high - consecutive + 1)
+        if all(is_port_available(p, host) for p in range(port, port + consecutive)):
+            return port
+    raise RuntimeError(f"no {consecutive} consecutive free ports in {low}-{high - 1} after 200 tries")
 
 
 def find_available_port(base_port: int) -> int:

@@ -118,7 +118,7 @@ class UpdateWeightFromDistributed:
         gpus_per_engine = self.args.rollout_num_gpus_per_engine
         world_size = len(rollout_engines) * gpus_per_engine + 1
         master_address = get_host_info()[1]
-        master_port = free_port()  # the OS picks it: concurrent runs on one machine never race for one number
+        master_port = free_port()  # drawn at random: concurrent runs on one machine do not race for one number
         backend = dist_backend()
         refs = [
             engine.init_process_group.remote(
