@@ -14,7 +14,7 @@ import requests
 import torch
 
 from slime.backends.sglang_utils.contract import load_contract
-from slime.utils.http_utils import find_available_port
+from slime.utils.http_utils import free_port
 from slime.utils.process_utils import die_with_parent
 from slime.utils.tensor_serialization import MultiprocessingSerializer, set_shared_authkey
 
@@ -25,7 +25,7 @@ SESSION.trust_env = False
 
 def start_cpu_server(model_dir, *extra, timeout=120):
     """Launch `python -m slime.backends.cpu_server` on a free 127.0.0.1 port; returns (process, url). Caller stops it."""
-    port = find_available_port(20000)
+    port = free_port()  # bound seconds later by the new process: never an ephemeral port
     cmd = [
         sys.executable,
         "-m",
@@ -723,7 +723,7 @@ def test_update_weights_from_distributed(own_server, hf, other_weights, tiny_kit
     server = own_server
 
     _, other = other_weights
-    port = find_available_port(25000)
+    port = free_port()
     group_name = "test-weight-sync"
     joined = {}
     t = threading.Thread(

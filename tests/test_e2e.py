@@ -626,12 +626,12 @@ def test_driver_joins_an_existing_cluster_from_ray_address(tiny_kit, tmp_path):
     import sys
     import tempfile
 
-    from slime.utils.http_utils import find_available_port
+    from slime.utils.http_utils import free_port
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
     temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short (unix socket paths)
-    port = find_available_port(30000)
+    port = free_port()
     env = _procs.run_env(tmp_path)  # the cluster's processes and the run's carry it
     try:
         subprocess.run(

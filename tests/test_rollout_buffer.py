@@ -162,7 +162,7 @@ def test_end_to_end_cpu(tiny_kit, tmp_path, processes):
     from transformers import AutoTokenizer
 
     from slime.rollout.data_source import RolloutDataSourceWithBuffer
-    from slime.utils.http_utils import find_available_port
+    from slime.utils.http_utils import free_port
     from slime_plugins.rollout_buffer import rollout_buffer_example as example
 
     model_dir, data_dir = tiny_kit
@@ -170,10 +170,8 @@ def test_end_to_end_cpu(tiny_kit, tmp_path, processes):
     with open(os.path.join(data_dir, "train.jsonl")) as f:
         prompts.write_text("".join(f.readlines()[:3]))
     log = open(tmp_path / "servers.log", "w")
-    server_port = find_available_port(32000)
-    router_port = find_available_port(server_port + 50)
-    metrics_port = find_available_port(router_port + 50)
-    buffer_port = find_available_port(metrics_port + 50)
+    base = free_port(4)
+    server_port, router_port, metrics_port, buffer_port = base, base + 1, base + 2, base + 3
     server = processes(
         [
             sys.executable,

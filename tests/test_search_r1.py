@@ -135,10 +135,10 @@ def test_search_turns_and_loss_masks(gws, tiny_kit, monkeypatch):
 
 @pytest.fixture()
 def cpu_server(tiny_kit, tmp_path):
-    from slime.utils.http_utils import find_available_port
+    from slime.utils.http_utils import free_port
 
     model_dir, _ = tiny_kit
-    port = find_available_port(33000)
+    port = free_port()
     log = open(tmp_path / "server.log", "w")
     proc = subprocess.Popen(
         [

@@ -199,11 +199,10 @@ def _args(model_dir, tp, **kw):
 
 def start_engines(args, n):
     from slime.backends.sglang_utils.sglang_engine import SGLangEngine
-    from slime.utils.http_utils import find_available_port
 
     Engine = ray.remote(num_cpus=0.2, num_gpus=0.2)(SGLangEngine)
     engines = [Engine.remote(args, rank=i) for i in range(n)]
-    ports = [find_available_port(30000 + 1000 * i) for i in range(n)]
+    ports = [free_port() for _ in range(n)]
     ray.get([e.init.remote(None, port, None, host="127.0.0.1") for e, port in zip(engines, ports)], timeout=300)
     return engines
 
