@@ -6,9 +6,12 @@ model's 512-token context. The model is trained, teacher-forced, until greedy de
 turn below token for token; the agent tests then drive it through real clients and know what it will say.
 """
 
+import functools
 import json
 import os
 import shutil
+
+from tests._build_cache import cached_build
 
 AGENT_TEMPLATE = (
     "{%- if tools %}{{- '<|im_start|>system\\n' }}"
@@ -132,10 +135,18 @@ def turn_examples(tokenizer, conversations=None):
 
 
 def build_agent_model(base_model_dir, out_dir, max_steps=600, seed=0, conversations=None):
-    """Copy the tiny kit, install AGENT_TEMPLATE, fine-tune until greedy decoding reproduces every turn.
+    """Copy the tiny kit, install AGENT_TEMPLATE, fine-tune until greedy decoding reproduces every turn (about 40 s
+    of CPU, so kept across test sessions by `tests._build_cache`, keyed by this file, the kit and the arguments).
 
     conversations: [(tools, messages)] to memorise, in CONVERSATIONS' shape (default: CONVERSATIONS).
     """
+    build = functools.partial(
+        _build_agent_model, base_model_dir, max_steps=max_steps, seed=seed, conversations=conversations
+    )
+    return cached_build("agent-model", out_dir, build, __file__, base_model_dir, max_steps, seed, conversations)
+
+
+def _build_agent_model(base_model_dir, out_dir, max_steps, seed, conversations):
     import torch  # heavy
     from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy
 

@@ -5,14 +5,19 @@ and a run's forked router carries its driver's. The environment does: every proc
 variable set before the start (`SLIME_TEST_SESSION` for the session, `SLIME_TEST_RUN` for one subprocess run) is
 carried by the driver, its router, the Ray it starts and every worker of that Ray, even after they are reparented."""
 
+import contextlib
 import os
+import shutil
 import signal
 import subprocess
+import sys
+import tempfile
 import threading
 import time
 
 import psutil
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SESSION_KEY = "SLIME_TEST_SESSION"
 RUN_KEY = "SLIME_TEST_RUN"
 
@@ -129,3 +134,25 @@ def run(cmd, timeout, **kwargs):
             proc.communicate()
             raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+@contextlib.contextmanager
+def preimporting_server(what, *module_argv):
+    """`python -m MODULE ARGS SOCKET`, a server that imports what its clients need once and then forks them, ready on
+    a unix socket in a new directory: yields (process, directory, socket); killed and removed afterwards."""
+    work = tempfile.mkdtemp(prefix="zygote", dir="/tmp")  # a unix socket path must stay short
+    sock = os.path.join(work, "s")
+    server = subprocess.Popen(
+        [sys.executable, "-m", *module_argv, sock],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert wait_for_line(server, "ready", 300), f"{what} did not start within 300s:\n" + tail(server)
+        yield server, work, sock
+    finally:
+        server.kill()
+        server.wait(30)
+        shutil.rmtree(work, ignore_errors=True)

@@ -1,23 +1,26 @@
-"""Ray's Python workers forked from a pre-imported interpreter, for the test session's in-process runs.
+"""Python processes forked from a pre-imported interpreter: the test session's Ray workers and CPU inference servers.
 
 Every run starts a handful of Ray actors (a trainer per rank, the rollout controller, one actor per engine), each a
 fresh interpreter that spends seconds importing torch, transformers and Megatron before it does anything: on the
-2-core test machine most of a short run's CPU. Here one server imports them once (PRELOAD), and the test session's
-Ray starts every worker through `py_executable` (a runtime-env field Ray reads for exactly this: how to run a worker)
-as this file's client. The client sends its arguments (Ray's own `default_worker.py ...`), environment, working
-directory and stdin/stdout/stderr to the server, which forks a child that runs the worker with them; the client stays
-as the process Ray started, passes signals on, and exits when the worker does. The worker itself runs unchanged: only
-the interpreter's start is shared. Ray is not pre-imported, so nothing it reads from the worker's environment at
-import time comes from the server's.
+2-core test machine most of a short run's CPU. A CPU inference server that a test starts spends three more seconds on
+torch and transformers. Here one server imports them once (PRELOAD). The test session's Ray starts every worker
+through `py_executable` (a runtime-env field Ray reads for exactly this: how to run a worker) as this file's client,
+and `tests/test_cpu_server.py`'s `start_cpu_server` runs `python -m slime.backends.cpu_server` through it too. The
+client sends its arguments (a script and its arguments, or `-m MODULE ...`), environment, working directory and
+stdin/stdout/stderr to the server, which forks a child that runs them; the client stays as the process its caller
+started, passes signals on, and exits as the child did (its exit code, or SIGKILL for a child a signal killed). The
+program itself runs unchanged: only the interpreter's start is shared. Ray is not pre-imported, nor is slime, so
+nothing they read from the environment at import time comes from the server's.
 
-If the client is killed (SIGKILL included), the worker dies with it: it holds the read end of a pipe whose only
+If the client is killed (SIGKILL included), the child dies with it: it holds the read end of a pipe whose only
 writer is the client. What a worker leaves behind when it dies (a Megatron checkpoint's writer processes, say) Ray's
 raylet would kill, as it adopts a dead worker's children; here they are adopted by the server instead (a subreaper),
-which kills them. A worker's `/proc/PID/environ` is the server's (the test session's marker included, so
-tests/_procs.py finds it); its `os.environ` is the client's. Standard library only in the client: Ray runs it with
+which kills them. A child's `/proc/PID/environ` is the server's (the test session's marker included, so
+tests/_procs.py finds it); its `os.environ` is the client's. Standard library only in the client: it runs with
 `python -S`.
 """
 
+import contextlib
 import os
 import select
 import signal
@@ -44,12 +47,12 @@ def _die_with(lifeline):
     threading.Thread(target=watch, daemon=True, name="ray-zygote-lifeline").start()
 
 
-def _run_worker(request, fds, base_path):
-    """In the forked child: become `python SCRIPT ARGS` with the client's environment, directory and stdio."""
+def _run(request, stdio, lifeline, base_path):
+    """In the forked child: become `python SCRIPT ARGS` or `python -m MODULE ARGS` with the client's environment,
+    directory and stdio."""
     import runpy
 
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server reaps its children; a worker waits for its own
-    *stdio, lifeline = fds
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server reaps its children; a child waits for its own
     for target, fd in enumerate(stdio):
         os.dup2(fd, target)
         os.close(fd)
@@ -58,13 +61,42 @@ def _run_worker(request, fds, base_path):
     os.environ.clear()
     os.environ.update(request["env"])
     extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[:] = [os.path.dirname(request["script"]), *extra, *base_path]
-    sys.argv = [request["script"], *request["args"]]
-    try:
+    if "module" in request:  # as a fresh `python -m` sees it: the working directory first
+        sys.path[:] = [request["cwd"], *extra, *base_path]
+        sys.argv = [request["module"], *request["args"]]
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+    else:
+        sys.path[:] = [os.path.dirname(request["script"]), *extra, *base_path]
+        sys.argv = [request["script"], *request["args"]]
         runpy.run_path(request["script"], run_name="__main__")
-    finally:
-        for stream in (sys.stdout, sys.stderr):
+
+
+def _child(request, fds, base_path):
+    """The forked child's whole life: run the request, then exit as the interpreter would, the code sent first."""
+    import atexit
+
+    *stdio, lifeline, status = fds
+    code = 1
+    try:
+        _run(request, stdio, lifeline, base_path)
+        code = 0
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001  (reported as the interpreter would)
+        import traceback
+
+        traceback.print_exc()
+    atexit._run_exitfuncs()  # as the interpreter does at exit (Ray's own shutdown among them)
+    for stream in (sys.stdout, sys.stderr):
+        try:
             stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    os.write(status, str(code).encode())
+    os._exit(code)
 
 
 def _kill_orphans(workers):
@@ -105,10 +137,10 @@ def serve(path):
         conn.settimeout(None)
         with conn:
             try:
-                request, fds = _recv(conn, maxfds=4)
+                request, fds = _recv(conn, maxfds=5)
             except (ConnectionError, OSError, ValueError):
                 continue
-            if len(fds) != 4:
+            if len(fds) != 5:
                 for fd in fds:
                     os.close(fd)
                 continue
@@ -118,20 +150,7 @@ def serve(path):
             if pid == 0:
                 server.close()
                 conn.close()
-                code = 1
-                try:
-                    _run_worker(request, fds, base_path)
-                    code = 0
-                except SystemExit as e:
-                    code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-                except BaseException:  # noqa: BLE001  (reported as the interpreter would)
-                    import traceback
-
-                    traceback.print_exc()
-                import atexit
-
-                atexit._run_exitfuncs()  # as the interpreter does at exit (Ray's own shutdown among them)
-                os._exit(code)
+                _child(request, fds, base_path)
             workers.add(pid)
             for fd in fds:
                 os.close(fd)
@@ -142,37 +161,67 @@ def serve(path):
 
 
 def client(path, argv):
-    """Ray's worker command: have the server fork the worker, then stand in for it until it exits; without a
-    server, run the real interpreter."""
+    """Run `argv` (`SCRIPT ARGS` or `-m MODULE ARGS`) in a child of the server and stand in for it until it exits;
+    without a server, run the real interpreter."""
     lifeline_r, lifeline_w = os.pipe()
+    status_r, status_w = os.pipe()
+    if argv[0] == "-m":
+        request = {"module": argv[1], "args": argv[2:]}
+    else:
+        request = {"script": os.path.abspath(argv[0]), "args": argv[1:]}
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.connect(path)
-            request = {
-                "script": os.path.abspath(argv[0]),
-                "args": argv[1:],
-                "cwd": os.getcwd(),
-                "env": dict(os.environ),
-            }
-            _send(conn, request, fds=(0, 1, 2, lifeline_r))
+            request.update(cwd=os.getcwd(), env=dict(os.environ))
+            _send(conn, request, fds=(0, 1, 2, lifeline_r, status_w))
             reply, _ = _recv(conn)
     except (ConnectionError, FileNotFoundError, OSError, ValueError):
         os.execv(sys.executable, [sys.executable, *argv])
     os.close(lifeline_r)
+    os.close(status_w)
     pid = reply["pid"]
     for sig in FORWARDED:
         signal.signal(sig, lambda s, _frame: os.kill(pid, s))
+    with contextlib.suppress(ProcessLookupError):  # else it is gone already
+        child = os.pidfd_open(pid)
+        while True:
+            try:
+                if select.select([child], [], [])[0]:
+                    break
+            except InterruptedError:
+                continue
+    os.set_blocking(status_r, False)
     try:
-        worker = os.pidfd_open(pid)
-    except ProcessLookupError:  # it is already gone
-        os._exit(0)
-    while True:
-        try:
-            if select.select([worker], [], [])[0]:
-                break
-        except InterruptedError:
-            continue
-    os._exit(0)
+        code = int(os.read(status_r, 16))
+    except (BlockingIOError, ValueError):  # it wrote no code: a signal killed it
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(code)
+
+
+def command(sock):
+    """The interpreter command that runs a program through the server on `sock` (its arguments follow)."""
+    return [sys.executable, "-S", os.path.abspath(__file__), sock]
+
+
+_shared = contextlib.ExitStack()
+_server = None
+
+
+def shared():
+    """(process, socket) of this test process's server, started on first use (stopped by `stop_shared`)."""
+    global _server
+    if _server is None:
+        from tests._procs import preimporting_server
+
+        process, _, sock = _shared.enter_context(preimporting_server("the fork server", "tests._ray_zygote", "serve"))
+        _server = process, sock
+    return _server
+
+
+def stop_shared():
+    global _server
+    _shared.close()
+    _server = None
 
 
 if __name__ == "__main__":

@@ -1,9 +1,6 @@
 """Test-session environment: offline HF, loopback-only Ray, one torch thread, one Ray session, one tiny kit."""
 
-import contextlib
 import os
-import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,14 +23,13 @@ for k, v in {
     "GLOO_SOCKET_IFNAME": "lo",
 }.items():
     os.environ.setdefault(k, v)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Marks every process this session starts (tests/_procs.py): set before any of them, never inherited from a caller.
 os.environ["SLIME_TEST_SESSION"] = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tests import _procs  # noqa: E402
+from tests import _procs, _ray_zygote  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -44,6 +40,7 @@ def nothing_left_running():
     session started is still running — Ray's daemons and workers, routers, inference servers and subprocess runs
     included, wherever they were reparented. Those found are killed, and the session fails naming them."""
     yield
+    _ray_zygote.stop_shared()  # the fork server Ray's workers and the CPU servers came from, if one was started
     key, value = _procs.SESSION_KEY, os.environ[_procs.SESSION_KEY]
     left = _procs.wait_none_carrying(key, value, timeout=60, include_interpreter_helpers=False)
     described = _procs.describe(left)
@@ -71,28 +68,6 @@ def tiny_vlm(tmp_path_factory):
     return build_model(str(tmp_path_factory.mktemp("tiny_vlm") / "qwen2.5-vl-tiny"))
 
 
-@contextlib.contextmanager
-def _preimporting_server(what, *module_argv):
-    """`python -m MODULE ARGS SOCKET`, a server that imports what its clients need once and then forks them, ready on
-    a unix socket in a new directory: yields (process, directory, socket); killed and removed afterwards."""
-    work = tempfile.mkdtemp(prefix="zygote", dir="/tmp")  # a unix socket path must stay short
-    sock = os.path.join(work, "s")
-    server = subprocess.Popen(
-        [sys.executable, "-m", *module_argv, sock],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        assert _procs.wait_for_line(server, "ready", 300), f"{what} did not start within 300s:\n" + _procs.tail(server)
-        yield server, work, sock
-    finally:
-        server.kill()
-        server.wait(30)
-        shutil.rmtree(work, ignore_errors=True)
-
-
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray with 4 logical GPUs for the whole test session, its Python workers forked from a server that
@@ -100,25 +75,23 @@ def ray_session():
     import psutil
     import ray
 
-    with _preimporting_server("the Ray worker zygote", "tests._ray_zygote", "serve") as (zygote, _, sock):
-        try:
-            if not ray.is_initialized():
-                ray.init(
-                    num_cpus=8,
-                    num_gpus=4,
-                    include_dashboard=False,
-                    object_store_memory=1 << 30,
-                    log_to_driver=True,
-                    runtime_env={"py_executable": f"{sys.executable} -S {ROOT}/tests/_ray_zygote.py {sock}"},
-                    _temp_dir=tempfile.mkdtemp(prefix="ray", dir="/tmp"),
-                )
-            yield ray
-            ray.shutdown()
-        finally:
-            # the workers exit with Ray; what they leave behind, the zygote kills while it lives
-            deadline = time.time() + 30
-            while zygote.poll() is None and psutil.Process(zygote.pid).children() and time.time() < deadline:
-                time.sleep(0.2)
+    zygote, sock = _ray_zygote.shared()
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=8,
+            num_gpus=4,
+            include_dashboard=False,
+            object_store_memory=1 << 30,
+            log_to_driver=True,
+            runtime_env={"py_executable": " ".join(_ray_zygote.command(sock))},
+            _temp_dir=tempfile.mkdtemp(prefix="ray", dir="/tmp"),
+        )
+    yield ray
+    ray.shutdown()
+    # the workers exit with Ray; what they leave behind, the zygote kills while it lives
+    deadline = time.time() + 30
+    while zygote.poll() is None and psutil.Process(zygote.pid).children() and time.time() < deadline:
+        time.sleep(0.2)
 
 
 class PreimportedPython:
@@ -145,7 +118,7 @@ def preimported_python():
     each dry-run stage an interpreter's start; anything else runs this interpreter."""
     from tests import _zygote
 
-    with _preimporting_server("the pre-imported python server", "tests._zygote") as (server, work, sock):
+    with _procs.preimporting_server("the pre-imported python server", "tests._zygote") as (server, work, sock):
         path = os.pathsep.join(
             [_zygote.write_shim(os.path.join(work, "bin")), os.path.dirname(sys.executable), os.environ["PATH"]]
         )
@@ -183,7 +156,7 @@ MODULE_TIERS = {
         "unit",
     ),
     **dict.fromkeys(
-        "agent_adapters agent_examples agent_examples_engine agent_sandbox compat_v010 converters core_utils cpu_server "
+        "agent_adapters agent_examples agent_examples_engine agent_sandbox compat_v010 converters core_utils cpu_server fork_server "
         "cpu_server_lora critic_parallel customization_examples data_pad_size hf_megatron_conversion layering "
         "log_correct_samples log_probs_chunk lora megatron_gpu megatron_model megatron_parallel optimizer_state_flags "
         "param_freeze ppo_utils rm_hub rollout_buffer router scripts search_r1 sglang_contract top_p_replay "

@@ -5,7 +5,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -17,6 +16,7 @@ from slime.backends.sglang_utils.contract import load_contract
 from slime.utils.http_utils import free_port
 from slime.utils.process_utils import die_with_parent
 from slime.utils.tensor_serialization import MultiprocessingSerializer, set_shared_authkey
+from tests import _ray_zygote
 
 pytestmark = pytest.mark.timeout(300)
 SESSION = requests.Session()
@@ -24,10 +24,11 @@ SESSION.trust_env = False
 
 
 def start_cpu_server(model_dir, *extra, timeout=120):
-    """Launch `python -m slime.backends.cpu_server` on a free 127.0.0.1 port; returns (process, url). Caller stops it."""
+    """Launch `python -m slime.backends.cpu_server` on a free 127.0.0.1 port, forked from the session's pre-imported
+    interpreter (tests/_ray_zygote.py); returns (process, url). Caller stops it."""
     port = free_port()  # bound seconds later by the new process: never an ephemeral port
     cmd = [
-        sys.executable,
+        *_ray_zygote.command(_ray_zygote.shared()[1]),
         "-m",
         "slime.backends.cpu_server",
         "--model-path",

@@ -1,0 +1,48 @@
+"""The fork server the test session's Ray workers and CPU inference servers come from (tests/_ray_zygote.py): its
+client must stand in for the program exactly, or a test would read a wrong exit status or leave a process behind."""
+
+import signal
+import subprocess
+import time
+
+import psutil
+
+from tests import _ray_zygote
+
+PROGRAM = "import os, sys, time\nprint(os.getpid(), flush=True)\ntime.sleep(float(sys.argv[1]))\nsys.exit(int(sys.argv[2]))\n"
+
+
+def _start(tmp_path, *argv):
+    (tmp_path / "prog.py").write_text(PROGRAM)
+    server, sock = _ray_zygote.shared()
+    client = subprocess.Popen(
+        [*_ray_zygote.command(sock), *argv], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    child = psutil.Process(int(client.stdout.readline()))
+    assert child.pid != client.pid and child.ppid() == server.pid  # forked by the server, not run by the client
+    return client, child
+
+
+def test_the_client_exits_with_the_programs_code_as_a_script_and_as_a_module(tmp_path):
+    for argv in (["prog.py"], ["-m", "prog"]):
+        client, _ = _start(tmp_path, *argv, "0", "3")
+        assert client.wait(60) == 3, client.stderr.read()
+
+
+def test_a_child_killed_by_a_signal_is_reported_as_killed(tmp_path):
+    client, child = _start(tmp_path, "prog.py", "60", "0")
+    child.kill()
+    assert client.wait(60) == -signal.SIGKILL
+
+
+def test_signals_reach_the_child_and_a_killed_client_takes_the_child_with_it(tmp_path):
+    client, child = _start(tmp_path, "prog.py", "60", "0")
+    client.send_signal(signal.SIGTERM)  # passed on: the program dies of it
+    assert client.wait(60) == -signal.SIGKILL and not child.is_running()
+    client, child = _start(tmp_path, "prog.py", "60", "0")
+    client.kill()
+    client.wait(60)
+    deadline = time.time() + 30
+    while child.is_running() and child.status() != psutil.STATUS_ZOMBIE and time.time() < deadline:
+        time.sleep(0.1)
+    assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
