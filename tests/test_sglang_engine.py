@@ -1,6 +1,7 @@
 """SGLangEngine as a Ray actor: launches slime's CPU server, registers with the real router, admin calls, cleanup."""
 
 import os
+import re
 import time
 
 import pytest
@@ -138,9 +139,12 @@ def test_engine_lifecycle(ray_session, router, tiny_kit):
     ray.get(engine.update_weights_from_disk.remote(tiny_kit[0]))
     assert checksums() == sums
 
+    log = ray.get(engine.__ray_call__.remote(lambda self: self.log_path))
+    assert os.path.exists(log)
     ray.get(engine.shutdown.remote())
     _wait_dead(pid)
     assert url not in list_workers(rurl)
+    assert not os.path.exists(log)  # a server stopped by its engine leaves no log behind; one that died keeps it
     ray.kill(engine)
 
 
@@ -162,6 +166,9 @@ def test_startup_failure_reports_log_tail(ray_session, tiny_kit, tmp_path):
     with pytest.raises(ray.exceptions.RayTaskError) as e:
         _engine(ray, args, 2)
     assert "exited with code" in str(e.value) and "config.json" in str(e.value)
+    log = re.search(r"Last log lines \((/\S+\.log)\)", str(e.value)).group(1)
+    assert "config.json" in open(log).read()  # kept: the error names it
+    os.remove(log)
 
 
 def test_engine_refuses_a_server_of_another_run_on_its_port(ray_session, tiny_kit):

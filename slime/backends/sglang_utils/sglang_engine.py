@@ -9,6 +9,7 @@ parent-death signal, so neither `shutdown()`, a crash nor `ray.kill(engine)` lea
 import argparse
 import atexit
 import collections
+import contextlib
 import functools
 import json
 import logging
@@ -399,7 +400,11 @@ class SGLangEngine(RayActor):
                     "engine %d: could not remove %s from router %s: %s", self.rank, self.url, self.router_url, e
                 )
             self.router_url = None
+        stopped_by_us = self.process is not None and self.process.poll() is None
         kill_process_group(self.process)
+        if stopped_by_us and self.log_path:  # a server that died by itself keeps its log, which its errors name
+            with contextlib.suppress(OSError):
+                os.remove(self.log_path)
 
     def get_url(self) -> str:
         return self.url
