@@ -29,7 +29,7 @@ import sys
 import threading
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests._zygote import _recv, _send  # noqa: E402
+from tests._zygote import _recv, _send, flush_stdio, run_as_main  # noqa: E402
 
 PRELOAD = ("torch", "torch.distributed", "transformers", "megatron.core", "megatron.core.models.gpt")
 _PR_SET_CHILD_SUBREAPER = 36
@@ -47,56 +47,25 @@ def _die_with(lifeline):
     threading.Thread(target=watch, daemon=True, name="ray-zygote-lifeline").start()
 
 
-def _run(request, stdio, lifeline, base_path):
-    """In the forked child: become `python SCRIPT ARGS` or `python -m MODULE ARGS` with the client's environment,
-    directory and stdio."""
-    import runpy
-
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server reaps its children; a child waits for its own
-    for target, fd in enumerate(stdio):
-        os.dup2(fd, target)
-        os.close(fd)
-    _die_with(lifeline)
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
-    if "module" in request:  # as a fresh `python -m` sees it: the working directory first
-        sys.path[:] = [request["cwd"], *extra, *base_path]
-        sys.argv = [request["module"], *request["args"]]
-        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
-    else:
-        sys.path[:] = [os.path.dirname(request["script"]), *extra, *base_path]
-        sys.argv = [request["script"], *request["args"]]
-        runpy.run_path(request["script"], run_name="__main__")
-
-
 def _child(request, fds, base_path):
-    """The forked child's whole life: run the request, then exit as the interpreter would, the code sent first."""
+    """The forked child's whole life: become `python SCRIPT ARGS` or `python -m MODULE ARGS` with the client's
+    environment, directory and stdio, then exit as the interpreter would, the exit code sent to the client first."""
     import atexit
 
     *stdio, lifeline, status = fds
     code = 1
     try:
-        _run(request, stdio, lifeline, base_path)
-        code = 0
-    except SystemExit as e:
-        if e.code is None or isinstance(e.code, int):
-            code = e.code or 0
-        else:
-            print(e.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001  (reported as the interpreter would)
-        import traceback
-
-        traceback.print_exc()
-    atexit._run_exitfuncs()  # as the interpreter does at exit (Ray's own shutdown among them)
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001
-            pass
-    os.write(status, str(code).encode())
-    os._exit(code)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server reaps its children; a child waits for its own
+        for target, fd in enumerate(stdio):
+            os.dup2(fd, target)
+            os.close(fd)
+        _die_with(lifeline)
+        code = run_as_main(request, base_path)
+        atexit._run_exitfuncs()  # as the interpreter does at exit (Ray's own shutdown among them)
+    finally:
+        flush_stdio()
+        os.write(status, str(code).encode())
+        os._exit(code)
 
 
 def _kill_orphans(workers):

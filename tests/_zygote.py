@@ -50,16 +50,13 @@ def _recv(conn, maxfds=0):
     return json.loads(data), fds
 
 
-def _run_child(request, fds, base_path):
-    """In the forked child: become `python3 -m MODULE ARGS` run in CWD with ENV and the caller's stdio; never returns."""
+def run_as_main(request, base_path):
+    """Run the request's `script` or `module` as `__main__` in this (forked) process, with its arguments, working
+    directory and environment, as a fresh interpreter would; returns the exit code that interpreter would give."""
     import runpy
     import traceback
 
-    code = 1
     try:
-        for target, fd in enumerate(fds):
-            os.dup2(fd, target)
-            os.close(fd)
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -75,20 +72,35 @@ def _run_child(request, fds, base_path):
             # a fresh interpreter has not imported the module it runs as __main__ (runpy warns when it finds it)
             sys.modules.pop(request["module"], None)
             runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
-        code = 0
+        return 0
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
-            code = e.code or 0
-        else:
-            print(e.code, file=sys.stderr)
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
     except BaseException:  # noqa: BLE001  (reported as the interpreter would, then exit 1)
         traceback.print_exc()
+        return 1
+
+
+def flush_stdio():
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _run_child(request, fds, base_path):
+    """In the forked child: become `python3 -m MODULE ARGS` run in CWD with ENV and the caller's stdio; never returns."""
+    code = 1
+    try:
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        code = run_as_main(request, base_path)
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001
-                pass
+        flush_stdio()
         os._exit(code)
 
 
