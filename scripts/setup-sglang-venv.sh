@@ -3,14 +3,16 @@
 # `--sglang-*` launch command and decode weight payloads with SGLang's own code, and re-generate the checked-in
 # SGLang definitions (tools/gen_sglang_contract.py) to diff them. It cannot serve (no CPU sgl_kernel on PyPI):
 # SGLang is installed without its dependencies, plus the packages its server_args / utils / serializer import.
-# Idempotent; about 3 minutes and 2.6 GB the first time. Usage: bash scripts/setup-sglang-venv.sh [VENV_DIR]
+# Idempotent; under a minute and 2.6 GB the first time. Usage: bash scripts/setup-sglang-venv.sh [VENV_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${1:-.venv-sglang}
 SGLANG_VERSION=${SGLANG_VERSION:-0.5.23}
 PY=${PYTHON:-python3}
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip install -q)
+[ -x "$VENV/bin/uv" ] || "$VENV/bin/python" -m pip install -q "uv==0.13.9"  # as scripts/setup.sh: uv installs
+PIP=("$VENV/bin/uv" pip install -q --python "$VENV/bin/python")
+for links in ${PIP_FIND_LINKS:-}; do PIP+=(--find-links "$links"); done
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   "${PIP[@]}" "torch==${TORCH_VERSION:-2.13.0}" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 fi

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what is needed (scripts/setup.sh, and scripts/setup-sglang-venv.sh: the side venv with the real SGLang
-# package that the contract tests check against; about 5 minutes and 2.3 GB the first time, ~10 s after), lints and
+# package that the contract tests check against; about a minute and 2.3 GB the first time, seconds after), lints and
 # checks formatting (ruff, config in pyproject.toml), then runs the whole test suite offline and prints its slowest
 # tests. Fails on a lint or format error, or on zero tests run.
 #
@@ -20,13 +20,14 @@ if [ "${1:-}" = "--fast" ]; then
   marker=(--dev-tier)
   shift
 fi
+# Every test starts many Python processes (Ray actors, servers, runs): let the first one cache the project's and the
+# installed packages' bytecode for the rest (uv installs without it), even where the environment says not to (it does
+# on the CI machine).
+unset PYTHONDONTWRITEBYTECODE
 bash scripts/setup.sh
 bash scripts/setup-sglang-venv.sh
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HOME="$(mktemp -d)"
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=disabled OMP_NUM_THREADS=1 WANDB_MODE=offline
-# Every test starts many Python processes (Ray actors, servers, runs): let the first one cache the project's bytecode
-# for the rest, even where the environment says not to (it does on the CI machine).
-unset PYTHONDONTWRITEBYTECODE
 export SLIME_REQUIRE_SGLANG_VENV=1  # the SGLang contract tests fail, not skip, without the side venv
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
