@@ -73,6 +73,14 @@ def kill(procs):
     psutil.wait_procs(procs, timeout=10)
 
 
+def listening_pid(port):
+    """The process listening on TCP `port` (a server, whichever interpreter launched it)."""
+    for c in psutil.net_connections(kind="tcp"):
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == int(port) and c.pid:
+            return c.pid
+    raise AssertionError(f"nothing listens on port {port}")
+
+
 def run_env(marker):
     """Environment for a subprocess run of train.py: the session's, without RAY_ADDRESS (the run starts its own Ray),
     with `SLIME_TEST_RUN`=`marker` so that everything the run starts can be found afterwards."""

@@ -25,6 +25,7 @@ import os
 import select
 import signal
 import socket
+import struct
 import sys
 import threading
 
@@ -68,14 +69,27 @@ def _child(request, fds, base_path):
         os._exit(code)
 
 
+def _gone(pid):
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def _kill_orphans(workers):
-    """Kill the server's children that it did not fork: descendants of dead workers, adopted by this subreaper."""
+    """Kill the server's children that it did not fork (descendants of dead workers, adopted by this subreaper) and
+    the workers whose client is gone: a worker dies with its client through the lifeline thread, but one that is
+    stopped (SIGSTOP, as the fault tests do to hang a server) cannot run it."""
     import psutil
 
     for child in psutil.Process().children():
-        if child.pid not in workers:
+        if child.pid not in workers or _gone(workers[child.pid]):
             child.kill()
-    workers.intersection_update(c.pid for c in psutil.Process().children())
+    alive = {c.pid for c in psutil.Process().children()}
+    for pid in [p for p in workers if p not in alive]:
+        del workers[pid]
 
 
 def serve(path):
@@ -91,7 +105,7 @@ def serve(path):
     base_path = [p for p in sys.path[1:] if p not in pythonpath]
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped as they exit
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1)
-    workers = set()
+    workers = {}  # pid of each child it forked -> pid of the client it stands in for
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
     server.listen(64)
@@ -120,7 +134,7 @@ def serve(path):
                 server.close()
                 conn.close()
                 _child(request, fds, base_path)
-            workers.add(pid)
+            workers[pid] = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
             for fd in fds:
                 os.close(fd)
             try:

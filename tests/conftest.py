@@ -1,6 +1,7 @@
 """Test-session environment: offline HF, loopback-only Ray, one torch thread, one Ray session, one tiny kit."""
 
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -70,8 +71,8 @@ def tiny_vlm(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """One local Ray with 4 logical GPUs for the whole test session, its Python workers forked from a server that
-    imported torch, transformers and Megatron once (tests/_ray_zygote.py)."""
+    """One local Ray with 4 logical GPUs for the whole test session, its Python workers and its engines' CPU servers
+    forked from a server that imported torch, transformers and Megatron once (tests/_ray_zygote.py)."""
     import psutil
     import ray
 
@@ -83,7 +84,11 @@ def ray_session():
             include_dashboard=False,
             object_store_memory=1 << 30,
             log_to_driver=True,
-            runtime_env={"py_executable": " ".join(_ray_zygote.command(sock))},
+            # the engines' CPU servers come from the same server (SLIME_SERVER_PYTHON: the launcher they run with)
+            runtime_env={
+                "py_executable": " ".join(_ray_zygote.command(sock)),
+                "env_vars": {"SLIME_SERVER_PYTHON": shlex.join(_ray_zygote.command(sock))},
+            },
             _temp_dir=tempfile.mkdtemp(prefix="ray", dir="/tmp"),
         )
     yield ray

@@ -23,7 +23,7 @@ SESSION = requests.Session()
 SESSION.trust_env = False
 
 
-def start_cpu_server(model_dir, *extra, timeout=120):
+def start_cpu_server(model_dir, *extra, timeout=120, env=None):
     """Launch `python -m slime.backends.cpu_server` on a free 127.0.0.1 port, forked from the session's pre-imported
     interpreter (tests/_ray_zygote.py); returns (process, url). Caller stops it."""
     port = free_port()  # bound seconds later by the new process: never an ephemeral port
@@ -45,6 +45,7 @@ def start_cpu_server(model_dir, *extra, timeout=120):
         stderr=subprocess.PIPE,
         start_new_session=True,
         text=True,
+        env=env,
         preexec_fn=die_with_parent,  # a killed test run leaves no server behind
     )
     url = f"http://127.0.0.1:{port}"
@@ -520,6 +521,24 @@ def test_health_probe_aborted_by_abort_all_is_healthy(tiny_kit):
         assert status == {"code": 200}
     finally:
         stop_cpu_server(proc)
+
+
+def test_server_stops_when_the_engine_actor_that_started_it_dies(tiny_kit):
+    """SLIME_PARENT_PID names the engine actor: the server serves while that process lives, even when it is not the
+    server's parent (here the server is forked by the test session's fork server), and shuts down once it died,
+    unreaped (a zombie) included."""
+    actor, proc = subprocess.Popen(["sleep", "600"]), None
+    try:
+        proc, url = start_cpu_server(tiny_kit[0], env=dict(os.environ, SLIME_PARENT_PID=str(actor.pid)))
+        time.sleep(2.5)  # the watchdog looks every second
+        assert proc.poll() is None and SESSION.get(url + "/health", timeout=5).status_code == 200
+        actor.kill()  # not waited for: a zombie until the end of the test
+        proc.wait(30)
+    finally:
+        actor.kill()
+        actor.wait()
+        if proc is not None:
+            stop_cpu_server(proc)
 
 
 def test_release_and_resume_memory(server):

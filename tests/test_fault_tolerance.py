@@ -179,22 +179,6 @@ def _fault_dir(args):
     return os.path.dirname(os.path.abspath(args.metrics_path))
 
 
-def _server_pid(port):
-    """The CPU server of this session on `port` (the session's marker keeps other runs' servers out)."""
-    for p in _procs.carrying(_procs.SESSION_KEY, os.environ[_procs.SESSION_KEY]):
-        cmd = p.info["cmdline"] or []
-        if "slime.backends.cpu_server" in " ".join(cmd) and str(port) in cmd:
-            return p.pid
-    raise AssertionError(f"no CPU server on port {port}")
-
-
-def _router_pid(port):
-    for c in psutil.net_connections(kind="tcp"):
-        if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid:
-            return c.pid
-    raise AssertionError(f"nothing listens on the router port {port}")
-
-
 async def inject_faults_generate(args, sample, sampling_params):
     """Custom generate (runs in the rollout controller): before the first request of a sample whose index reaches a
     planned fault's `at_index`, apply it — SIGKILL or SIGSTOP the first engine's server, or SIGKILL the router — and
@@ -212,10 +196,10 @@ async def inject_faults_generate(args, sample, sampling_params):
         if sample.index >= fault["at_index"] and fault["kind"] not in done:
             router = f"http://{args.sglang_router_ip}:{args.sglang_router_port}"
             if fault["kind"] == "kill_router":
-                os.kill(_router_pid(args.sglang_router_port), signal.SIGKILL)
+                os.kill(_procs.listening_pid(args.sglang_router_port), signal.SIGKILL)
             else:
                 url = sorted(list_workers(router))[0]
-                pid = _server_pid(url.rsplit(":", 1)[1])
+                pid = _procs.listening_pid(url.rsplit(":", 1)[1])
                 os.kill(pid, signal.SIGKILL if fault["kind"] == "sigkill_engine" else signal.SIGSTOP)
                 fault["url"] = url
             done[fault["kind"]] = {"at": time.time(), **fault}
@@ -481,7 +465,7 @@ def _kill_engine_during_update(args, hold, version, done, stop):
         for marker in sorted(hold.parent.glob(hold.name + ".v*")):
             if marker.name == f"{hold.name}.v{version}" and "at" not in done:  # held again when the push restarts
                 url = sorted(list_workers(f"http://{args.sglang_router_ip}:{args.sglang_router_port}"))[0]
-                os.kill(_server_pid(url.rsplit(":", 1)[1]), signal.SIGKILL)
+                os.kill(_procs.listening_pid(url.rsplit(":", 1)[1]), signal.SIGKILL)
                 done.update(url=url, at=time.time())
                 time.sleep(0.5)  # the server is gone before the push goes on
             marker.unlink()

@@ -4,8 +4,8 @@ by-name lookup, and a train.py run with a frozen model beside the policy whose w
 import asyncio
 import json
 import os
+import signal
 
-import psutil
 import pytest
 import requests
 import torch
@@ -25,6 +25,7 @@ from slime.backends.sglang_utils.sglang_config import (
 from slime.backends.sglang_utils.sglang_engine import server_command
 from slime.ray.model_servers import engine_args
 from slime.utils.types import Sample
+from tests import _procs
 from tests._args import make_args
 from tests.test_cpu_server import start_cpu_server, stop_cpu_server
 from tests.test_e2e import make_args as e2e_args
@@ -367,10 +368,7 @@ async def judge_reward_killing_the_judge(args, sample, **kwargs):
         open(marker, "w").close()
         port = args.sglang_model_routers["judge"][1]
         worker = list_workers(f"http://127.0.0.1:{port}")[0]
-        for p in psutil.process_iter(["cmdline"]):
-            cmd = " ".join(p.info["cmdline"] or [])
-            if "slime.backends.cpu_server" in cmd and f"--port {worker.rsplit(':', 1)[1]}" in cmd:
-                p.kill()
+        os.kill(_procs.listening_pid(worker.rsplit(":", 1)[1]), signal.SIGKILL)
     return await probing_judge_reward(args, sample)
 
 

@@ -2,6 +2,7 @@
 
 import os
 import re
+import sys
 import time
 
 import pytest
@@ -73,7 +74,7 @@ def _engine(ray, args, rank, port=None):
     return engine
 
 
-def test_server_command_picks_cpu_server(tiny_kit):
+def test_server_command_picks_cpu_server(tiny_kit, monkeypatch):
     a = _args(tiny_kit[0])
     assert a.inference_server == "cpu"  # server_command reads the choice parse_args made (auto resolved there)
     kind, cmd = server_command(a, 1, "127.0.0.1", 1234, 1235, "127.0.0.1:1240")
@@ -89,6 +90,16 @@ def test_server_command_picks_cpu_server(tiny_kit):
     assert "--skip-server-warmup" in cmd and "--disable-cuda-graph" in cmd
     # only options changed from SGLang's defaults are passed; unknown ones are dropped
     assert "--tokenizer-mode" not in cmd and "--bogus-option" not in cmd and "--max-running-requests" in cmd
+    assert cmd[0] == sys.executable
+    # SLIME_SERVER_PYTHON: another interpreter (or a launcher with its own arguments) runs either server
+    monkeypatch.setenv("SLIME_SERVER_PYTHON", "'/opt/sglang venv/bin/python' -S")
+    for kind in ("sglang", "cpu"):
+        a.inference_server = kind
+        assert server_command(a, 1, "127.0.0.1", 1234, 1235, "127.0.0.1:1240")[1][:3] == [
+            "/opt/sglang venv/bin/python",
+            "-S",
+            "-m",
+        ]
 
 
 def test_engine_lifecycle(ray_session, router, tiny_kit):

@@ -19,6 +19,7 @@ import signal
 import threading
 import time
 
+import psutil
 import torch
 from aiohttp import web
 
@@ -442,15 +443,27 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
 
 
 def _exit_with_parent():
-    """A server started by an engine actor (SLIME_PARENT_PID) shuts down when that actor dies, even by SIGKILL."""
-    parent = int(os.environ.get("SLIME_PARENT_PID", "0"))
-    if not parent:
+    """A server started by an engine actor (SLIME_PARENT_PID) shuts down when that actor dies, even by SIGKILL. The
+    actor is watched by pid and start time, not as this process's parent: an interpreter launcher
+    (SLIME_SERVER_PYTHON) may run the server as another process's child."""
+    pid = int(os.environ.get("SLIME_PARENT_PID", "0"))
+    if not pid:
         return
+    try:
+        parent = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        parent = None
+
+    def alive():
+        try:  # is_running also tells a reused pid from the actor
+            return parent.is_running() and parent.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
 
     def watch():
-        while os.getppid() == parent:
+        while parent is not None and alive():
             time.sleep(1.0)
-        logger.warning("parent process %d is gone; shutting down", parent)
+        logger.warning("parent process %d is gone; shutting down", pid)
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()

@@ -14,6 +14,7 @@ import functools
 import json
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -209,6 +210,12 @@ def lora_server_fields(args) -> dict:
     return fields
 
 
+def server_python() -> list:
+    """The interpreter command the engines run their servers with: SLIME_SERVER_PYTHON (split as a shell would, e.g.
+    another venv's python for SGLang, or a launcher that forks pre-imported interpreters) or else this Python."""
+    return shlex.split(os.environ.get("SLIME_SERVER_PYTHON", "")) or [sys.executable]
+
+
 def server_command(args, rank: int, host: str, port: int, nccl_port: int, dist_init_addr: str) -> tuple[str, list]:
     """(kind, argv) of the inference server for engine `rank`: THE place that picks SGLang or slime's CPU server."""
     kind = args.inference_server  # sglang | cpu: parse_args resolved --inference-server auto
@@ -227,7 +234,7 @@ def server_command(args, rank: int, host: str, port: int, nccl_port: int, dist_i
         kw.update(lora_server_fields(args))
         if args.use_rollout_routing_replay:  # R3: the engine returns each token's routed experts
             kw["enable_return_routed_experts"] = True
-        return kind, [sys.executable, "-m", "slime.backends.cpu_server"] + _cli(kw)
+        return kind, [*server_python(), "-m", "slime.backends.cpu_server"] + _cli(kw)
     gpus_per_engine, gpus_per_node = args.rollout_num_gpus_per_engine, args.rollout_num_gpus_per_node
     nnodes = max(1, gpus_per_engine // gpus_per_node)
     kw = {
@@ -254,7 +261,7 @@ def server_command(args, rank: int, host: str, port: int, nccl_port: int, dist_i
     }
     if args.use_rollout_routing_replay:  # R3: the engine returns each token's routed experts
         kw["enable_return_routed_experts"] = True
-    return kind, [sys.executable, "-m", "sglang.launch_server"] + _cli(kw) + _sglang_passthrough(args)
+    return kind, [*server_python(), "-m", "sglang.launch_server"] + _cli(kw) + _sglang_passthrough(args)
 
 
 def _die_with_parent():
