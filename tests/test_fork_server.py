@@ -44,3 +44,13 @@ def test_signals_reach_the_child_and_a_killed_client_takes_the_child_with_it(tmp
     client.kill()
     client.wait(60)
     child.wait(30)  # psutil.TimeoutExpired if the child outlives its client
+
+
+def test_a_stopped_child_dies_with_its_client(tmp_path):
+    """A stopped child cannot run its lifeline thread (the fault tests stop a server to hang it): the server kills
+    it once its client is gone."""
+    client, child = _start(tmp_path, "prog.py", "60", "0")
+    child.send_signal(signal.SIGSTOP)
+    client.kill()
+    client.wait(60)
+    child.wait(30)  # psutil.TimeoutExpired if the child outlives its client
