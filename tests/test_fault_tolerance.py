@@ -42,8 +42,9 @@ def processes_naming(marker):
 
 
 def leftovers(model):
-    """What of an in-process run still runs after it: its inference servers (their command line names `model`, the
-    run's own copy of the checkpoint) and its routers (forked from this process, so their command line is pytest's:
+    """What of an in-process run still runs after it: its inference servers' launchers (their command line names
+    `model`, the run's own copy of the checkpoint; a server forked by the session's fork server dies with its
+    launcher, and the session's last check sees any that does not) and its routers (forked from this process, so their command line is pytest's:
     found as this process's live `sglang-router` children, restarted ones included)."""
     servers = [" ".join(p.info["cmdline"])[:160] for p in processes_naming(str(model))]
     routers = [f"sglang-router pid {c.pid}" for c in multiprocessing.active_children() if c.name == "sglang-router"]
