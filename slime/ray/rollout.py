@@ -234,6 +234,8 @@ class RolloutManager:
                         self.failure = _failure(what)
                         return
                     try:
+                        if m.slots[j][2] > 1:  # as before the groups were one: documented in docs/multi_model.md
+                            raise RuntimeError(f"frozen model {m.name!r}: a multi-node engine cannot be replaced")
                         m.replace([j])
                     except Exception as e:  # noqa: BLE001  (a replacement that cannot start ends the run)
                         self.failure = _failure(f"{what}; its replacement failed: {str(e).splitlines()[0][:300]}")
