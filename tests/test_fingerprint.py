@@ -156,13 +156,15 @@ def test_sglang_engines_must_agree_rank_by_rank():
 def test_the_opt_out_flag_skips_the_check_with_one_warning(caplog):
     import threading
 
+    from slime.ray.engine_group import EngineGroup
     from slime.ray.rollout import RolloutManager
     from tests._args import make_args
 
     args = make_args("--no-check-weight-fingerprints")
     assert args.check_weight_fingerprints is False and make_args().check_weight_fingerprints is True
     manager = RolloutManager.__new__(RolloutManager)
-    manager.args, manager.rollout_engines, manager.engine_urls = args, [object()], ["http://127.0.0.1:1"]
+    manager.args, manager.policy = args, EngineGroup(None, args, None)
+    manager.policy.engines, manager.policy.urls = [object()], ["http://127.0.0.1:1"]
     manager.trainer_tensor_hashes, manager._warned, manager._lock = {}, set(), threading.RLock()
     bad = {"update_weights/weight_version": 2, "update_weights/tensor_hashes": {"x": "0000000000000001"}}
     for _ in range(2):

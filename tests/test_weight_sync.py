@@ -267,11 +267,12 @@ def check_fingerprints(args, engines, metrics):
     real update results; returns the trainers' merged per-tensor map."""
     import threading
 
+    from slime.ray.engine_group import EngineGroup
     from slime.ray.rollout import RolloutManager
 
     manager = RolloutManager.__new__(RolloutManager)  # the check only: no router, no controller
-    manager.args, manager.rollout_engines = args, [e for e, _ in engines]
-    manager.engine_urls = [u for _, u in engines]
+    manager.args, manager.policy = args, EngineGroup(None, args, None)
+    manager.policy.engines, manager.policy.urls = [e for e, _ in engines], [u for _, u in engines]
     manager.trainer_tensor_hashes, manager._warned, manager._lock = {}, set(), threading.RLock()
     manager.check_weight_fingerprints([dict(m) for m in metrics])
     return manager.trainer_tensor_hashes

@@ -1,6 +1,6 @@
-"""Inference engine actors in the rollout placement group: one implementation for the policy's engines
-(`RolloutManager`) and the frozen models' (`FrozenModel`). An engine's slot is its index in the placement group's
-engine order; a replacement lands in the same slot, hence the same bundle."""
+"""Inference engine actors in the rollout placement group, for the policy's engines and the frozen models' alike
+(`slime.ray.engine_group.EngineGroup` holds them). An engine's slot is its index in the placement group's engine
+order; a replacement lands in the same slot, hence the same bundle."""
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -43,7 +43,7 @@ def new_engine(args, pg, rank):
 def start_engines(args, engines, ranks, join_router=True):
     """Start the servers of `engines[r]` for r in `ranks` (ports per node, as at start-up); each joins the router
     unless `join_router` is False."""
-    ports = allocate_ports(args, engines)
+    ports = allocate_ports(args, engines, ranks)
     ray.get([engines[r].init.remote(**ports[r], join_router=join_router) for r in ranks])
 
 
@@ -58,34 +58,26 @@ def attach_external_engines(args):
     return engines
 
 
-def create_rollout_engines(args, pg):
-    if args.debug_train_only:
-        return []
-    if args.rollout_external:
-        return attach_external_engines(args)
-    _, num_engines, _ = engine_layout(args)
-    engines = [new_engine(args, pg, i) for i in range(num_engines)]
-    start_engines(args, engines, range(num_engines))
-    return engines
-
-
-def allocate_ports(args, engines):
+def allocate_ports(args, engines, ranks=None):
     """Per node: `port`, `nccl_port` and a `dist_init_addr` per engine (shared by a multi-node engine), from
-    `free_port` and distinct within the node."""
+    `free_port` and distinct within the node; only for the nodes of `ranks` (default all), probed on one of them
+    (the others may be removed engines)."""
     gpus_per_engine = args.rollout_num_gpus_per_engine
     nodes_per_engine = max(1, gpus_per_engine // args.rollout_num_gpus_per_node)
     engines_per_node = max(1, min(args.rollout_num_gpus_per_node, policy_num_gpus(args)) // gpus_per_engine)
+    ranks = set(range(len(engines)) if ranks is None else ranks)
     addr_and_ports = [{} for _ in engines]
     dp_size = args.sglang_dp_size or 1
     for node_start in range(0, len(engines), engines_per_node):
         taken = set()
         node_engines = range(node_start, min(node_start + engines_per_node, len(engines)))
+        probe = next((engines[i] for i in node_engines if i in ranks), None)
+        if probe is None:
+            continue
 
         def take(consecutive=1):
             while True:  # a probed port stays free until a server binds it: never hand one out twice
-                addr, port = ray.get(
-                    engines[node_start]._get_current_node_ip_and_free_port.remote(consecutive=consecutive)
-                )
+                addr, port = ray.get(probe._get_current_node_ip_and_free_port.remote(consecutive=consecutive))
                 ports = set(range(port, port + consecutive))
                 if not ports & taken:
                     taken.update(ports)
@@ -98,6 +90,7 @@ def allocate_ports(args, engines):
                 addr, port = take(6 + dp_size)
                 for j in range(i, min(i + nodes_per_engine, len(engines))):
                     addr_and_ports[j]["dist_init_addr"] = f"{addr}:{port}"
-    for i, ports in enumerate(addr_and_ports):
+    for i in ranks:
+        ports = addr_and_ports[i]
         assert {"port", "nccl_port", "dist_init_addr"} <= ports.keys(), f"engine {i} got incomplete ports {ports}"
     return addr_and_ports

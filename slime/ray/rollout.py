@@ -1,5 +1,6 @@
-"""RolloutManager: the driver-side owner of the router, the inference engines, the weight-update lock and the
-RolloutController actor that turns rollouts into training data."""
+"""RolloutManager: the driver-side owner of the policy's router and inference engines (an `EngineGroup`), the frozen
+models' (one `EngineGroup` each), the weight-update lock and the RolloutController actor that turns rollouts into
+training data."""
 
 import logging
 import threading
@@ -7,18 +8,12 @@ import time
 
 import ray
 
-from slime.backends.sglang_utils.router import (
-    add_worker,
-    launch_router,
-    remove_worker,
-    router_url,
-    start_router,
-    stop_router,
-)
+from slime.backends.sglang_utils.router import start_router
 from slime.ray.buffer import RolloutController
 from slime.ray.driver import register_cleanup
-from slime.ray.engines import create_rollout_engines, engine_layout, new_engine, start_engines
-from slime.ray.model_servers import start_frozen_routers
+from slime.ray.engine_group import EngineGroup
+from slime.ray.engines import attach_external_engines
+from slime.ray.model_servers import frozen_groups, start_frozen_engines
 from slime.ray.utils import Lock
 from slime.rollout.weight_fingerprints import (
     WeightFingerprintError,
@@ -46,12 +41,13 @@ def _failure(what):
 
 class RolloutManager:
     """Router, engines, controller and weight-update lock of a run, and what happens when an engine or the router
-    fails (see `slime.utils.health_monitor` and docs/fault_tolerance.md)."""
+    fails (see `slime.utils.health_monitor` and docs/fault_tolerance.md). The policy's engines are `policy`, an
+    `EngineGroup`; each frozen model's (--sglang-config) is one of `frozen_models`."""
 
     def __init__(self, args, pg, wandb_run_id=None):
         self.args, self.pg = args, pg
-        self.router_process, self.all_rollout_engines, self.controller, self.rollout_engine_lock = None, [], None, None
-        self.rollout_engines, self.health_monitor, self.frozen_models = [], None, []
+        self.policy = EngineGroup(None, args, pg)
+        self.controller, self.rollout_engine_lock, self.health_monitor, self.frozen_models = None, None, None, []
         self.weight_version = None  # what the engines serve: the label of the last push (`set_weight_version`)
         self._reconnect_due = False  # see `reconnect_due`
         self.off_router = set()  # replacements that do not serve the trainers' weights yet (see `join_router`)
@@ -62,9 +58,10 @@ class RolloutManager:
         self.trainer_tensor_hashes = {}  # the last pushed version's {HF name: tiles32}, for diagnosis
         self._warned = set()
         register_cleanup(self.shutdown)
-        self.router_process = _start_router(args)
+        self.policy.router_process = _start_router(args)  # which sets args.sglang_router_ip/port
+        self.policy.router_ip, self.policy.router_port = args.sglang_router_ip, args.sglang_router_port
         # --sglang-config's frozen models: routers first, so the controller (rollout, reward) knows their addresses
-        self.frozen_models = [] if args.debug_train_only else start_frozen_routers(args)
+        self.frozen_models = [] if args.debug_train_only else frozen_groups(args, pg)
         args.sglang_model_routers = {
             (args.served_models[0].name if args.served_models else "default"): (
                 args.sglang_router_ip,
@@ -73,29 +70,46 @@ class RolloutManager:
             **{m.name: (m.router_ip, m.router_port) for m in self.frozen_models},
         }
         self.controller = RolloutController.options(num_cpus=1, num_gpus=0).remote(args, wandb_run_id)
-        self.all_rollout_engines = create_rollout_engines(args, pg)
-        for m in self.frozen_models:
-            m.start_engines(pg)
-        # no engines (and no --rollout-num-gpus) under --debug-train-only: only the per-engine layout is needed here
-        self.nodes_per_engine = (
-            1 if args.rollout_external else max(1, args.rollout_num_gpus_per_engine // args.rollout_num_gpus_per_node)
-        )
-        # Only the node-0 process of a multi-node engine receives requests and admin calls.
-        self.rollout_engines = self.all_rollout_engines[:: self.nodes_per_engine]
-        self.engine_urls = ray.get([e.get_url.remote() for e in self.rollout_engines])
+        if args.rollout_external:
+            self.policy.attach(attach_external_engines(args))
+        elif not args.debug_train_only:  # which has no engines (and no --rollout-num-gpus)
+            self.policy.start([(args, 0)])
+        start_frozen_engines(args, self.frozen_models)
         self.rollout_engine_lock = Lock.options(num_cpus=0, num_gpus=0).remote()
         if self.rollout_engines:
-            print(f"inference engines {self.engine_urls} behind sglang-router {router_url(args)}", flush=True)
+            print(f"inference engines {self.engine_urls} behind sglang-router {self.policy.router_url}", flush=True)
         if args.check_weight_update_equal and self.rollout_engines:
             # SGLang's own check: keep the weights loaded from --hf-checkpoint, scramble the served ones; the first
             # weight push must then reproduce the snapshot exactly (`compare`, after that push)
             for action in ("snapshot", "reset_tensors"):
                 ray.get(self.async_check_weights(action))
         if args.offload_rollout and self.rollout_engines:
-            ray.get([e.release_memory_occupation.remote() for e in self.rollout_engines + self._frozen_engines()])
+            ray.get([ref for g in self._groups() for ref in g.release_memory()])
         if not args.debug_train_only:
             self.health_monitor = RolloutHealthMonitor(self, args)
             self.health_monitor.start()
+
+    # ------------------------------------------------------------------ the policy's engines, as callers know them
+    @property
+    def rollout_engines(self) -> list:
+        """The node-0 actor of each policy engine (the one that takes requests and admin calls); None while removed."""
+        return self.policy.engines
+
+    @property
+    def all_rollout_engines(self) -> list:
+        """Every policy engine actor, one per node of a multi-node engine."""
+        return self.policy.actors
+
+    @property
+    def engine_urls(self) -> list:
+        return self.policy.urls
+
+    @property
+    def router_process(self):
+        return self.policy.router_process
+
+    def _groups(self):
+        return [self.policy, *self.frozen_models]
 
     # ------------------------------------------------------------------ the controller's side of the run
     def async_generate(self, rollout_id):
@@ -136,24 +150,18 @@ class RolloutManager:
             names[self.controller._actor_id.hex()] = "rollout controller"
         return names
 
+    # The frozen models' engines are offloaded and onloaded with the policy's (they may share its GPUs) and keep
+    # their own weights across it, but never receive a weight update.
     def async_offload(self):
         self.pause_health_checks()
         if self.args.use_fault_tolerance:  # an engine that died since the last health check is removed first
             self.check_engines_alive()
-        return [e.release_memory_occupation.remote() for e in self._all_engines()]
+        return [ref for g in self._groups() for ref in g.release_memory()]
 
     def async_onload(self, tags=None):
         if self.args.use_fault_tolerance:
             self.check_engines_alive()
-        return [e.resume_memory_occupation.remote(tags=tags) for e in self._all_engines()]
-
-    def _frozen_engines(self):
-        """The frozen models' engines: offloaded and onloaded with the policy's (they share its GPUs when
-        colocated) and keep their own weights across it, but never receive a weight update."""
-        return [e for m in self.frozen_models for e in m.engines if e is not None]
-
-    def _all_engines(self):
-        return [e for e in self.rollout_engines if e is not None] + self._frozen_engines()
+        return [ref for g in self._groups() for ref in g.resume_memory(tags)]
 
     def pause_health_checks(self):
         """Before a weight update or offload: an engine busy receiving weights cannot answer a generation."""
@@ -165,6 +173,14 @@ class RolloutManager:
             self.health_monitor.resume()
 
     # ------------------------------------------------------------------ faults
+    def check_engines(self, timeout, halted):
+        """The health monitor's round: the policy's engines, then the frozen models' (`halted()`: the monitor was
+        paused or stopped meanwhile, so what is still unanswered says nothing)."""
+        for i, why in self.policy.failed_engines(timeout, halted):
+            self.engine_failed(i, why)
+        if not halted():
+            self.check_frozen_models(timeout, halted)
+
     def _event(self, kind, what, **extra):
         event = {"time": time.time(), "kind": kind, "what": what, **extra}
         self.fault_events.append(event)
@@ -193,17 +209,8 @@ class RolloutManager:
             if self.args.rollout_external:
                 self._drop_external(index, what)
                 return
-            bundle = self.pg[1][index * self.nodes_per_engine * engine_layout(self.args)[0]]
-            self._event("engine_failed", what, engine=index, bundle=bundle)
-            try:  # off the router first: no new request goes there
-                remove_worker(router_url(self.args), self.engine_urls[index])
-            except Exception as e:  # noqa: BLE001  (a dead router is handled by check_router)
-                logger.warning("could not remove %s from the router: %s", self.engine_urls[index], e)
-            for j in range(index * self.nodes_per_engine, (index + 1) * self.nodes_per_engine):
-                if self.all_rollout_engines[j] is not None:
-                    ray.kill(self.all_rollout_engines[j])  # its server dies with it (parent-death signal)
-                    self.all_rollout_engines[j] = None
-            self.rollout_engines[index] = None
+            self._event("engine_failed", what, engine=index, bundle=self.policy.bundle(index))
+            self.policy.remove(index)
             alive = sum(e is not None for e in self.rollout_engines)
             self._event(
                 "engine_removed",
@@ -212,25 +219,28 @@ class RolloutManager:
                 engine=index,
             )
 
-    def check_frozen_models(self, timeout):
+    def check_frozen_models(self, timeout, halted=lambda: False):
         """The health monitor's round over --sglang-config's frozen models: a dead or hung engine fails the run or,
-        with --use-fault-tolerance, is replaced in its bundle at once (it needs no weights)."""
+        with --use-fault-tolerance, is replaced in its bundle at once (it serves its own checkpoint, so it joins the
+        router at once: nothing is pushed to a frozen model)."""
         for m in self.frozen_models:
-            for j, why in m.failed_engines(timeout):
+            for j, why in m.failed_engines(timeout, halted):
                 with self._lock:
                     if self._closing or self.failure is not None:
                         return
-                    what = f"frozen model {m.name!r} engine {j} ({m.engine_urls[j]}) {why}"
+                    what = f"{m.what} {j} ({m.urls[j]}) {why}"
                     self._event("engine_failed", what, model=m.name, engine=j)
                     if not self.args.use_fault_tolerance:
                         self.failure = _failure(what)
                         return
                     try:
-                        url = m.replace(j)
+                        if m.slots[j][2] > 1:  # as before the groups were one: documented in docs/multi_model.md
+                            raise RuntimeError(f"frozen model {m.name!r}: a multi-node engine cannot be replaced")
+                        m.replace([j])
                     except Exception as e:  # noqa: BLE001  (a replacement that cannot start ends the run)
                         self.failure = _failure(f"{what}; its replacement failed: {str(e).splitlines()[0][:300]}")
                         return
-                    self._event("engine_restarted", f"frozen model {m.name!r} engine {j} restarted at {url}")
+                    self._event("engine_restarted", f"{m.what} {j} restarted at {m.urls[j]}")
 
     def _drop_external(self, index, what):
         """--use-fault-tolerance: an external engine that vanished leaves the run for good (someone else owns it, so
@@ -238,28 +248,12 @@ class RolloutManager:
         the others before the next weight update (`recover`)."""
         url = self.engine_urls[index]
         self._event("engine_failed", what, engine=index)
-        try:
-            remove_worker(router_url(self.args), url)
-        except Exception as e:  # noqa: BLE001  (a dead router is handled by check_router)
-            logger.warning("could not remove %s from the router: %s", url, e)
-        ray.kill(self.rollout_engines[index])  # the actor only: an external server is no child of it
-        self.rollout_engines[index] = self.all_rollout_engines[index] = None  # indices stay put until `recover`
+        self.policy.remove(index)  # indices stay put until `recover`
         alive = [u for e, u in zip(self.rollout_engines, self.engine_urls) if e is not None]
         if not alive:
             self.failure = _failure(f"{what}; no external inference engine is left")
             return
         self._event("engine_removed", f"external inference engine {url} dropped; {len(alive)} serve on: {alive}")
-
-    def _compact_external(self) -> bool:
-        """Forget dropped external engines (before the trainers reconnect, so their engine indices match ours).
-        True if any was dropped."""
-        keep = [i for i, e in enumerate(self.rollout_engines) if e is not None]
-        if len(keep) == len(self.rollout_engines):
-            return False
-        self.rollout_engines = [self.rollout_engines[i] for i in keep]
-        self.all_rollout_engines = list(self.rollout_engines)
-        self.engine_urls = [self.engine_urls[i] for i in keep]
-        return True
 
     def check_engines_alive(self):
         """Is every engine's actor and server process still there? A dead one fails the run (a one-line error naming
@@ -281,19 +275,16 @@ class RolloutManager:
         with self._lock:
             if self.router_process is not process or self.failure is not None:
                 return
-            what = f"sglang-router (pid {process.pid}, {router_url(self.args)}) exited with code {process.exitcode}"
+            what = f"sglang-router (pid {process.pid}, {self.policy.router_url}) exited with code {process.exitcode}"
             if not self.args.use_fault_tolerance:
                 self._event("router_failed", what)
                 self.failure = _failure(what)
                 return
             self._event("router_failed", what)
-            self.router_process = launch_router(self.args, self.args.sglang_router_ip, self.args.sglang_router_port)
-            for i, url in enumerate(self.engine_urls):
-                if self.rollout_engines[i] is not None and i not in self.off_router:
-                    add_worker(router_url(self.args), url, api_key=self.args.sglang_api_key)
+            self.policy.restart_router(keep_off=self.off_router)
             self._event(
                 "router_restarted",
-                f"sglang-router restarted at {router_url(self.args)} (pid "
+                f"sglang-router restarted at {self.policy.router_url} (pid "
                 f"{self.router_process.pid}) with {sum(e is not None for e in self.rollout_engines)} engine(s)",
             )
 
@@ -309,21 +300,17 @@ class RolloutManager:
             return []
         if self.args.rollout_external:
             with self._lock:
-                self._reconnect_due = self._compact_external() or self._reconnect_due
+                # forget the dropped ones before the trainers reconnect, so their engine indices match ours
+                self._reconnect_due = self.policy.compact() or self._reconnect_due
             return []
         with self._lock:
             dead = [i for i, e in enumerate(self.rollout_engines) if e is None]
             if not dead:
                 return []
-            slots = [j for i in dead for j in range(i * self.nodes_per_engine, (i + 1) * self.nodes_per_engine)]
-            for j in slots:
-                self.all_rollout_engines[j] = new_engine(self.args, self.pg, j)
-            start_engines(self.args, self.all_rollout_engines, slots, join_router=False)
+            self.policy.replace(dead, join_router=False)
             for i in dead:
-                self.rollout_engines[i] = self.all_rollout_engines[i * self.nodes_per_engine]
-                self.engine_urls[i] = ray.get(self.rollout_engines[i].get_url.remote())
                 self.off_router.add(i)
-                bundle = self.pg[1][i * self.nodes_per_engine * engine_layout(self.args)[0]]
+                bundle = self.policy.bundle(i)
                 self._event(
                     "engine_restarted",
                     f"inference engine {i} restarted at {self.engine_urls[i]} in placement-group bundle {bundle}; "
@@ -332,9 +319,9 @@ class RolloutManager:
                     bundle=bundle,
                 )
         if self.args.offload_rollout:
-            get([self.rollout_engines[i].release_memory_occupation.remote() for i in dead])
+            get(self.policy.release_memory(dead))
             if resume_tags:
-                get([self.rollout_engines[i].resume_memory_occupation.remote(tags=resume_tags) for i in dead])
+                get(self.policy.resume_memory(resume_tags, dead))
         return dead
 
     def reconnect_due(self) -> bool:
@@ -467,23 +454,18 @@ class RolloutManager:
         return [e.check_weights.remote(action) for e in self.rollout_engines]
 
     def shutdown(self):
-        """Stop engines (each removes itself from the router and kills its server), the controller and the router."""
+        """Stop the frozen models' and the policy's engines and routers (each engine removes itself from its router
+        and kills its server), then the controller and the lock."""
         self._closing = True  # what stops now is not a fault
         self.pause_health_checks()
         for m in self.frozen_models:
             m.shutdown()
         self.frozen_models = []
-        engines = [e for e in self.all_rollout_engines if e is not None]
-        try:
-            ray.get([e.shutdown.remote() for e in engines], timeout=60)
-        except Exception as e:  # an engine that already died has nothing left to stop
-            logger.warning(f"engine shutdown: {e}")
-        for actor in [*engines, self.controller, self.rollout_engine_lock]:
+        self.policy.shutdown()
+        for actor in [self.controller, self.rollout_engine_lock]:
             if actor is not None:
                 ray.kill(actor)
-        self.all_rollout_engines, self.rollout_engines, self.controller, self.rollout_engine_lock = [], [], None, None
-        stop_router(self.router_process)
-        self.router_process = None
+        self.controller, self.rollout_engine_lock = None, None
         if self.health_monitor is not None:
             self.health_monitor.stop()
             self.health_monitor = None

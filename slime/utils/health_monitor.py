@@ -15,8 +15,6 @@ import logging
 import threading
 import time
 
-import ray
-
 logger = logging.getLogger(__name__)
 
 TICK_S = 0.5
@@ -73,26 +71,6 @@ class RolloutHealthMonitor:
                 logger.exception("health monitor: check failed: %s", e)
 
     def check_engines(self):
-        """One round: /health_generate on every engine at once; each failure goes to the manager."""
-        engines = list(enumerate(self.manager.rollout_engines))
-        refs = {i: e.health_generate.remote(timeout=self.timeout) for i, e in engines if e is not None}
-        # the Ray-level deadline covers an engine actor that is itself stuck; the HTTP timeout is the engine's own
-        deadline = time.monotonic() + self.timeout + 10
-        for i, ref in refs.items():
-            if self._paused.is_set() or self._stop.is_set():
-                return
-            try:
-                ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
-                continue
-            except ray.exceptions.GetTimeoutError:
-                why = f"did not answer /health_generate within {self.timeout:g}s (hung?)"
-            except ray.exceptions.RayActorError as e:
-                why = f"engine actor died ({type(e).__name__})"
-            except Exception as e:  # noqa: BLE001  (an HTTP error or timeout raised by the engine, or its server died)
-                why = str(getattr(e, "cause", None) or e).splitlines()[0][:300]
-            # a check that overlapped a pause (a weight update refuses generation with 503) says nothing
-            if self._paused.is_set() or self._stop.is_set():
-                return
-            self.manager.engine_failed(i, why)
-        if not (self._paused.is_set() or self._stop.is_set()):
-            self.manager.check_frozen_models(self.timeout)
+        """One round: /health_generate on every engine of each group at once (`EngineGroup.failed_engines`); each
+        failure goes to the manager."""
+        self.manager.check_engines(self.timeout, halted=lambda: self._paused.is_set() or self._stop.is_set())
