@@ -35,7 +35,7 @@ class WeightSyncTrainer(TrainRayActor):
         from slime.backends.megatron_utils.megatron_to_hf import hf_to_megatron
         from slime.backends.megatron_utils.model_provider import get_model_provider_func
         from slime.backends.megatron_utils.param_utils import named_parameters
-        from slime.backends.megatron_utils.update_weight import updater_class
+        from slime.backends.megatron_utils.update_weight.choose import updater_class
 
         initialize.init(args)
         self.model = [get_model_provider_func(args)()]
@@ -509,7 +509,8 @@ def test_dead_engine_fails_the_update_fast_naming_its_url(ray_session, tiny_kit,
 def test_transport_choice_and_shm_refused_for_a_remote_engine():
     """auto = shared memory when every engine is on this host (CPU), broadcast otherwise; shm for a remote engine is
     a clear error naming it."""
-    from slime.backends.megatron_utils.update_weight import WeightUpdateError, transport_class
+    from slime.backends.megatron_utils.update_weight import WeightUpdateError
+    from slime.backends.megatron_utils.update_weight.choose import transport_class
 
     def choose(transport, urls):
         return transport_class(make_args("--update-weight-transport", transport), urls).name

@@ -37,7 +37,7 @@ from .megatron_to_hf import resolve_model_name
 from .model import forward_only, initialize_model_and_optimizer, log
 from .model import train as train_steps
 from .param_utils import named_parameters
-from .update_weight import updater_class
+from .update_weight.choose import updater_class
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,6 @@
 """Weight sync Megatron -> inference engines: broadcast or shared memory (disaggregated), tensor handles (colocated),
 files (disk), or LoRA adapters alone (`--lora-sync adapter`); `choose.py` decides which."""
 
-from .choose import transport_class, updater_class
 from .common import WeightUpdateError
 from .update_lora_adapter import UpdateLoRAAdapter
 from .update_weight_from_disk import UpdateWeightFromDisk
@@ -15,6 +14,4 @@ __all__ = [
     "UpdateWeightFromTensor",
     "WeightUpdateError",
     "get_param_info_buckets",
-    "transport_class",
-    "updater_class",
 ]
