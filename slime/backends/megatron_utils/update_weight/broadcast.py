@@ -53,11 +53,15 @@ class BroadcastTransport:
 
     def connect(self, timeout):
         """Build a group, under a new name, of this trainer and every engine of the session."""
+        self._rename()
+        self._join(timeout)
+
+    def _rename(self):
+        """`slime-pp_{pp_rank}`, then `-2`, `-3`, ...: each new group gets a name of its own."""
         self.connections += 1
         self.group_name = f"slime-pp_{mpu.get_pipeline_model_parallel_rank()}" + (
             f"-{self.connections}" if self.connections > 1 else ""
         )
-        self._join(timeout)
 
     def _join(self, timeout):
         """Build the group `self.group_name`: this trainer (rank 0) and every rank of the session's engines."""
@@ -118,8 +122,7 @@ class BroadcastTransport:
             f"destroy_weights_update_group {self.group_name}",
             timeout,
         )
-        self.connections += 1
-        self.group_name = f"slime-pp_{mpu.get_pipeline_model_parallel_rank()}-{self.connections}"
+        self._rename()
         if self.session.rollout_engines:
             self._join(timeout)
 
