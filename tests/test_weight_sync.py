@@ -35,12 +35,7 @@ class WeightSyncTrainer(TrainRayActor):
         from slime.backends.megatron_utils.megatron_to_hf import hf_to_megatron
         from slime.backends.megatron_utils.model_provider import get_model_provider_func
         from slime.backends.megatron_utils.param_utils import named_parameters
-        from slime.backends.megatron_utils.update_weight import (
-            UpdateLoRAAdapter,
-            UpdateWeightFromDisk,
-            UpdateWeightFromDistributed,
-            UpdateWeightFromTensor,
-        )
+        from slime.backends.megatron_utils.update_weight.choose import updater_class
 
         initialize.init(args)
         self.model = [get_model_provider_func(args)()]
@@ -57,12 +52,8 @@ class WeightSyncTrainer(TrainRayActor):
                     p.add_(torch.randn(p.shape, generator=gen) * noise)
         # slime's actor keeps this CPU copy (weights["actor"]) and the colocated path must read from it
         self.weights = {"actor": {n: p.detach().clone() for n, p in named_parameters(args, self.model)}}
-        cls = UpdateWeightFromTensor if colocate else UpdateWeightFromDistributed
-        if args.update_weight_transport == "disk":
-            cls = UpdateWeightFromDisk
-        if adapter_sync:
-            cls = UpdateLoRAAdapter
-        self.updater = cls(
+        args.colocate = colocate  # the rule slime's actor follows (`updater_class`) picks the updater
+        self.updater = updater_class(args)(
             args,
             self.model,
             self.weights,
@@ -519,12 +510,11 @@ def test_dead_engine_fails_the_update_fast_naming_its_url(ray_session, tiny_kit,
 def test_transport_choice_and_shm_refused_for_a_remote_engine():
     """auto = shared memory when every engine is on this host (CPU), broadcast otherwise; shm for a remote engine is
     a clear error naming it."""
-    from slime.backends.megatron_utils.update_weight import UpdateWeightFromDistributed, WeightUpdateError
+    from slime.backends.megatron_utils.update_weight import WeightUpdateError
+    from slime.backends.megatron_utils.update_weight.choose import transport_class
 
     def choose(transport, urls):
-        updater = UpdateWeightFromDistributed.__new__(UpdateWeightFromDistributed)
-        updater.args, updater._urls = make_args("--update-weight-transport", transport), urls
-        return updater._choose_transport()
+        return transport_class(make_args("--update-weight-transport", transport), urls).name
 
     # 127.0.2.87 is another loopback address: another Ray node on this machine (this host is 127.0.0.1), so remote
     local, remote = ["http://127.0.0.1:30000"], ["http://127.0.0.1:30000", "http://127.0.2.87:30000"]

@@ -37,7 +37,7 @@ from .megatron_to_hf import resolve_model_name
 from .model import forward_only, initialize_model_and_optimizer, log
 from .model import train as train_steps
 from .param_utils import named_parameters
-from .update_weight import UpdateLoRAAdapter, UpdateWeightFromDisk, UpdateWeightFromDistributed, UpdateWeightFromTensor
+from .update_weight.choose import updater_class
 
 logger = logging.getLogger(__name__)
 
@@ -90,13 +90,7 @@ class MegatronTrainRayActor(TrainRayActor):
             self.weights["old_actor"] = _clone_dict(self.weights["actor"])
             self.weights["rollout_actor"] = _clone_dict(self.weights["actor"])
 
-        if args.enable_lora and args.lora_sync == "adapter":
-            updater_cls = UpdateLoRAAdapter
-        elif args.update_weight_transport == "disk":
-            updater_cls = UpdateWeightFromDisk
-        else:
-            updater_cls = UpdateWeightFromTensor if args.colocate else UpdateWeightFromDistributed
-        self.weight_updator = updater_cls(
+        self.weight_updator = updater_class(args)(
             args,
             self.model,
             self.weights,

@@ -1,5 +1,5 @@
-"""Weight sync Megatron -> inference engines: broadcast (disaggregated), tensor handles (colocated), files (disk),
-or LoRA adapters alone (`--lora-sync adapter`)."""
+"""Weight sync Megatron -> inference engines: broadcast or shared memory (disaggregated), tensor handles (colocated),
+files (disk), or LoRA adapters alone (`--lora-sync adapter`); `choose.py` decides which."""
 
 from .common import WeightUpdateError
 from .update_lora_adapter import UpdateLoRAAdapter
