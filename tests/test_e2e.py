@@ -410,7 +410,7 @@ async def kill_engine_then_generate(args, sample, sampling_params):
     from slime.rollout.sglang_rollout import generate
 
     for url in list_workers(f"http://{args.sglang_router_ip}:{args.sglang_router_port}"):
-        with contextlib.suppress(AssertionError):  # another sample's call killed it already
+        with contextlib.suppress(AssertionError, ProcessLookupError):  # another sample's call killed it already
             os.kill(_procs.listening_pid(url.rsplit(":", 1)[1]), signal.SIGKILL)
     return await generate(args, sample, sampling_params)
 
