@@ -164,7 +164,7 @@ MODULE_TIERS = {
         "agent_adapters agent_examples agent_examples_engine agent_sandbox compat_v010 converters core_utils cpu_server fork_server "
         "cpu_server_lora critic_parallel customization_examples data_pad_size hf_megatron_conversion layering "
         "log_correct_samples log_probs_chunk lora megatron_gpu megatron_model megatron_parallel optimizer_state_flags "
-        "param_freeze ppo_utils rm_hub rollout_buffer router scripts search_r1 sglang_contract top_p_replay "
+        "param_freeze ppo_utils recording_proxy rm_hub rollout_buffer router scripts search_r1 sglang_contract top_p_replay "
         "upstream_examples wandb_utils cpu_server_quantized weight_sync_quantized gdn_kernel_gpu int4 vlm_server vlm_trainer".split(),
         "component",
     ),

@@ -91,6 +91,11 @@ def check_against_engine(sample, calls, model):
             expect_mask[start + k], expect_lp[start + k] = 1, lp
     assert sample.loss_mask == expect_mask
     assert sample.rollout_log_probs == expect_lp
+    # each trained token carries the weight version the engine decoded it under (its per-token spans)
+    versions = [None] * sample.response_length
+    for span in sample.weight_version_spans:
+        versions[span["start"] : span["end"]] = [span["version"]] * (span["end"] - span["start"])
+    assert versions == [last[2]["meta_info"]["weight_version"] if m else None for m in expect_mask]
     # independent: the trained log-probs are the policy's own (a transformers forward on the sample's tokens)
     with torch.no_grad():
         logits = model(torch.tensor([sample.tokens])).logits[0].float()

@@ -54,6 +54,29 @@ def test_a_turn_shared_by_two_branches_is_trained_once():
     assert (b.tokens, b.loss_mask, b.rollout_log_probs) == ([1, 10, 3, 12], [0, 0, 1], [0.0, 0.0, -0.6])
 
 
+def test_each_trained_turns_per_token_weight_versions_are_placed_in_its_branchs_response():
+    """A turn decoded across a weight update (SGLang's spans) on a branching session: each sample gets the versions
+    of the turns it trains, at their place in its response (a shared turn only in the branch that trains it)."""
+    import dataclasses
+
+    def versioned(t, *spans):
+        return dataclasses.replace(
+            t, weight_version_spans=tuple({"version": v, "start": a, "end": b} for v, a, b in spans)
+        )
+
+    tree = TrajectoryTree("s")
+    tree.add_turn(versioned(turn([1], [10, 11, 12]), ("1", 0, 2), ("2", 2, 3)))
+    tree.add_turn(versioned(turn([1, 10, 11, 12, 5], [13, 14]), ("2", 0, 2)))
+    tree.add_turn(versioned(turn([1, 10, 11, 12, 6], [15]), ("3", 0, 1)))
+    a, b = tree.to_samples(Sample(index=0))
+    assert a.weight_version_spans == [
+        {"version": "1", "start": 0, "end": 2},
+        {"version": "2", "start": 2, "end": 3},
+        {"version": "2", "start": 4, "end": 6},
+    ]
+    assert b.weight_version_spans == [{"version": "3", "start": 4, "end": 5}]
+
+
 def test_a_history_re_rendered_differently_forks_and_keeps_both_responses():
     # e.g. a template that drops earlier turns' reasoning: the held response no longer prefixes the next prompt
     tree = TrajectoryTree("s")

@@ -298,6 +298,9 @@ def test_train_cp2(ray_session, tiny_kit, tmp_path):
 
 @pytest.mark.slow
 def test_debug_rollout_only_needs_no_megatron_training(ray_session, tiny_kit, tmp_path):
+    """Also: a user's generate function that sends its own temperature through the router and records nothing
+    (tests/_naive_generate.py) gets, from slime's recording proxy at that address, what each sample was sampled
+    with and the weight version of its tokens (tests/test_recording_proxy.py checks the proxy itself)."""
     args = make_args(
         tiny_kit,
         tmp_path,
@@ -306,12 +309,19 @@ def test_debug_rollout_only_needs_no_megatron_training(ray_session, tiny_kit, tm
         "1",
         "--save-debug-rollout-data",
         str(tmp_path / "rollout_{rollout_id}.pt"),
+        "--custom-generate-function-path",
+        "tests._naive_generate.generate",
     )
     sync_driver.train(args)
     rows = read_metrics(tmp_path)
     assert len(rows) == 2 and not any(k.startswith("train/") for k in rows[0])
     saved = torch.load(tmp_path / "rollout_1.pt", weights_only=False)
     assert saved["rollout_id"] == 1 and len(saved["samples"]) == 16
+    for s in saved["samples"]:
+        [rec] = s["metadata"]["sampling_params"]
+        assert (rec["temperature"], rec["response_span"]) == (0.8, [0, s["response_length"]])
+        assert rec["origin"] == "engine echo, recorded at the router"
+        assert s["weight_version_spans"] == [{"version": "0", "start": 0, "end": s["response_length"]}]
 
 
 @pytest.mark.slow

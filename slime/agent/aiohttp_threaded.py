@@ -28,9 +28,16 @@ class AppHandle:
 
 
 def run_app_in_thread(
-    app: web.Application, *, host: str = "127.0.0.1", port: int = 0, timeout: float = 30.0
+    app: web.Application,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    timeout: float = 30.0,
+    name: str = "slime-agent-app",
+    cancel_on_disconnect: bool = False,
 ) -> AppHandle:
-    """Start `app` on host:port (0 picks a free port) and return once it accepts connections."""
+    """Start `app` on host:port (0 picks a free port) and return once it accepts connections. With
+    `cancel_on_disconnect` a client that disconnects cancels its handler."""
     loop = asyncio.new_event_loop()
     ready: dict = {}
     started = threading.Event()
@@ -38,7 +45,7 @@ def run_app_in_thread(
     def serve():
         asyncio.set_event_loop(loop)
         try:
-            runner = web.AppRunner(app, access_log=None)
+            runner = web.AppRunner(app, access_log=None, handler_cancellation=cancel_on_disconnect)
             loop.run_until_complete(runner.setup())
             site = web.TCPSite(runner, host, port)
             loop.run_until_complete(site.start())
@@ -52,7 +59,7 @@ def run_app_in_thread(
         loop.run_forever()
         loop.close()
 
-    thread = threading.Thread(target=serve, name="slime-agent-app", daemon=True)
+    thread = threading.Thread(target=serve, name=name, daemon=True)
     thread.start()
     if not started.wait(timeout):
         raise TimeoutError(f"the app did not start on {host}:{port} within {timeout}s")

@@ -19,6 +19,7 @@ from typing import Any
 
 from slime.utils.sampling_record import META_KEY as SAMPLING_KEY
 from slime.utils.types import Sample
+from slime.utils.weight_versions import append_spans
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,8 @@ class TurnRecord:
     message: dict | None = None  # the parsed assistant message returned to the client
     ill_formed: bool = False  # the output looked like a tool call but did not parse
     weight_version: str | None = None
+    # the weight version of each output token: SGLang's per-token spans (slime.utils.weight_versions.call_spans)
+    weight_version_spans: tuple = ()
     # what the output was sampled with (slime.utils.sampling_record.segment_record; its response_span is set when
     # the turn becomes part of a sample)
     sampling_params: dict | None = None
@@ -115,6 +118,7 @@ class TrajectoryTree:
             loss_mask = [0] * (len(tokens) - prompt_len)
             log_probs = [0.0] * (len(tokens) - prompt_len)
             sampled_with = []  # one record per trained turn
+            version_spans = []  # the trained turns' per-token weight versions, placed in the response
             for node in path:
                 if node.index in trained:
                     continue
@@ -123,6 +127,7 @@ class TrajectoryTree:
                 for k, lp in enumerate(node.record.output_log_probs):
                     loss_mask[start + k] = 1
                     log_probs[start + k] = lp
+                append_spans(version_spans, [dict(x) for x in node.record.weight_version_spans], start)
                 if node.record.sampling_params is not None and node.record.output_ids:
                     span = [start, start + len(node.record.output_ids)]
                     sampled_with.append({**node.record.sampling_params, "response_span": span})
@@ -147,6 +152,7 @@ class TrajectoryTree:
                 status=status,
                 session_id=self.session_id,
                 weight_versions=[n.record.weight_version for n in path if n.record.weight_version],
+                weight_version_spans=version_spans,
                 metadata={
                     **base_sample.metadata,
                     **(extra_metadata or {}),

@@ -64,7 +64,8 @@ def add_rollout_arguments(parser):
         help="Train samples whose recorded sampling parameters the trainer cannot score exactly (a temperature other "
         "than a greedy --rollout-temperature's, top-p/top-k/min-p without kept sets, penalties, logit_bias, grammars; under "
         "--lora-sync adapter, not recorded as sampled with the policy's adapter); by default such a sample is "
-        "refused in one line (warned once when set).",
+        "refused in one line (warned once when set). Also starts no recording proxy at the router address (which "
+        "records what every /generate through it was sampled with, for samples that record nothing).",
     )
     g.add_argument(
         "--rollout-max-prompt-len",

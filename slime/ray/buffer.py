@@ -16,6 +16,7 @@ import torch
 
 from slime.rollout.base_types import RolloutFnEvalOutput, call_rollout_fn
 from slime.rollout.provenance import PushedVersions, record_provenance
+from slime.rollout.recording_proxy import start_recording_proxy
 from slime.rollout.sample_hooks import set_current_rollout_id
 
 # the conversion's public names, importable from here as in earlier versions
@@ -62,6 +63,8 @@ class RolloutController:
 
     def __init__(self, args, wandb_run_id=None):
         self.args = args
+        # before any user code reads the router's address: what each request through it samples with is recorded
+        self.proxy, self.ledger = start_recording_proxy(args)
         # Log to wandb only when this actor joined the driver's run; TensorBoard needs no run to join.
         self.wandb = None
         wandb_utils = _wandb_utils() if args.use_wandb or args.use_tensorboard else None
@@ -114,6 +117,8 @@ class RolloutController:
             )
             output = call_rollout_fn(user_fn, args, rollout_id, self.data_source, evaluation=False)
             data, extra = flatten_rollout_output(output, self.rollout_fn_path)
+            if self.ledger is not None:  # what samples that record nothing were sampled with, seen at the router
+                self.ledger.attach(data)
         rollout_time = time.time() - start
 
         if args.save_debug_rollout_data:

@@ -133,27 +133,13 @@ def check_sampling_params(args, samples, fn_path=None) -> None:
         )
         return
     for i, s in enumerate(samples):
-        if s.remove_sample:
+        if s.remove_sample or not s.response_length:
             continue
         records = (s.metadata or {}).get(META_KEY) if isinstance(s.metadata, dict) else None
-        if not records:
-            if s.response_length and (s.loss_mask is None or any(s.loss_mask)):
-                where = _generate_function(args, s)
-                if generate_fields(args):
-                    raise ValueError(
-                        f"sample {s.index} (position {i}) from {where} (rollout function {fn_path!r}) records no "
-                        f"sampling parameters (sample.metadata[{META_KEY!r}]), so nothing shows it was sampled from "
-                        f"the policy's adapter {ADAPTER_NAME!r} and not the frozen base under --lora-sync adapter "
-                        f"({_ADAPTER_HINT}; pass --no-check-sampling-params to train on it anyway)"
-                    )
-                _warn_once(
-                    ("unrecorded", where),
-                    f"sample {s.index} (position {i}) from {where} (rollout function {fn_path!r}) records no sampling "
-                    f"parameters (sample.metadata[{META_KEY!r}]): it is trained as if sampled at "
-                    f"--rollout-temperature {args.rollout_temperature:g} with no penalties (warned once per function)",
-                )
-            continue
-        for rec in records:
+        uncovered = _uncovered(s, records or ())
+        if uncovered is not None:
+            _unrecorded(args, s, i, fn_path, uncovered, whole=not records)
+        for rec in records or ():
             start, end = rec.get("response_span") or (0, s.response_length)
             if not _trained(s.loss_mask, start, end):
                 continue
@@ -165,6 +151,38 @@ def check_sampling_params(args, samples, fn_path=None) -> None:
                     f"from the {rec.get('origin') or 'record'}) with {problem}; the sample cannot be trained "
                     "without biased importance ratios (pass --no-check-sampling-params to train on it anyway)"
                 )
+
+
+def _uncovered(sample, records):
+    """(start, end) of the trained response tokens no record covers (first to last), or None when all are."""
+    trained = np.ones(sample.response_length, bool) if sample.loss_mask is None else np.asarray(sample.loss_mask) != 0
+    for rec in records:
+        start, end = rec.get("response_span") or (0, sample.response_length)
+        trained[start:end] = False
+    left = np.flatnonzero(trained)
+    return None if not len(left) else (int(left[0]), int(left[-1]) + 1)
+
+
+def _unrecorded(args, s, i, fn_path, span, whole):
+    """Trained tokens with no record: refused under --lora-sync adapter, else trained at the flags (warned once)."""
+    where = _generate_function(args, s)
+    what = (
+        "records no sampling parameters"
+        if whole
+        else f"records no sampling parameters for response tokens {span[0]}..{span[1]}"
+    )
+    what += f" (sample.metadata[{META_KEY!r}]; the tokens match no /generate that went through slime's router either)"
+    if generate_fields(args):
+        raise ValueError(
+            f"sample {s.index} (position {i}) from {where} (rollout function {fn_path!r}) {what}, so nothing shows it "
+            f"was sampled from the policy's adapter {ADAPTER_NAME!r} and not the frozen base under --lora-sync "
+            f"adapter ({_ADAPTER_HINT}; pass --no-check-sampling-params to train on it anyway)"
+        )
+    _warn_once(
+        ("unrecorded", where),
+        f"sample {s.index} (position {i}) from {where} (rollout function {fn_path!r}) {what}: it is trained as if "
+        f"sampled at --rollout-temperature {args.rollout_temperature:g} with no penalties (warned once per function)",
+    )
 
 
 def rollout_temperatures(args, samples):

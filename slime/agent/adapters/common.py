@@ -30,6 +30,7 @@ from slime.agent.trajectory import TrajectoryTree, TurnRecord
 from slime.backends.sglang_utils.router import ROUTING_KEY_HEADER
 from slime.utils.sampling_record import applied_sampling_params, segment_record
 from slime.utils.types import Sample
+from slime.utils.weight_versions import call_spans
 
 logger = logging.getLogger(__name__)
 
@@ -385,6 +386,7 @@ class BaseAdapter:
             output_log_probs=[float(p[0]) for p in pairs],
             finish_reason=(meta.get("finish_reason") or {}).get("type") or "stop",
             weight_version=meta.get("weight_version"),
+            weight_version_spans=tuple(call_spans(meta, len(pairs))),
             sampling_params=segment_record(
                 meta,
                 payload["sampling_params"],

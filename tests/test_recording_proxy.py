@@ -1,0 +1,214 @@
+"""The recording proxy at the router address: every `/generate` a user's generate function sends through it is
+forwarded unchanged and recorded, and samples that record nothing themselves get what their tokens were sampled with
+-- so the trainer scores them at their own temperature, or refuses them. The run-level wiring (the controller puts
+the proxy on the address user code reads) is checked in tests/test_e2e.py::test_debug_rollout_only_needs_no_megatron_training."""
+
+import json
+import logging
+
+import pytest
+import requests
+
+from slime.rollout import sampling_provenance
+from slime.rollout.recording_proxy import SOURCE, RecordingProxy, RequestLedger, record_generate, start_recording_proxy
+from slime.rollout.train_data import convert_samples_to_train_data
+from slime.utils.types import Sample
+from tests._args import make_args
+from tests.test_cpu_server import start_cpu_server, stop_cpu_server
+
+pytestmark = pytest.mark.timeout(300)
+HTTP = requests.Session()
+HTTP.trust_env = False
+PROMPT = [5, 9, 11, 3]
+ONE = ("--n-samples-per-prompt", "1", "--global-batch-size", "4")  # single samples convert on their own
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings():
+    sampling_provenance._warned.clear()
+    yield
+    sampling_provenance._warned.clear()
+
+
+def _record(temperature, **kw):
+    return {"temperature": temperature, "source": SOURCE, "origin": "request, recorded at the router", **kw}
+
+
+def _sample(prompt, response, mask=None, index=0):
+    s = Sample(index=index, tokens=list(prompt) + list(response), response_length=len(response), reward=1.0)
+    s.rollout_log_probs, s.loss_mask, s.status = [-0.5] * len(response), mask, Sample.Status.COMPLETED
+    return s
+
+
+# ---------------------------------------------------------------- the ledger: which outputs a sample is made of
+def test_a_multi_turn_sample_takes_each_turns_output_and_skips_tool_tokens():
+    ledger = RequestLedger(max_tokens=1000)
+    ledger.add([7, 8, 9], _record(0.6), [{"version": "1", "start": 0, "end": 3}], PROMPT)
+    ledger.add([4, 2], _record(1.3), [{"version": "2", "start": 0, "end": 2}], PROMPT + [7, 8, 9, 50, 51])
+    s = _sample(PROMPT, [7, 8, 9, 50, 51, 4, 2], mask=[1, 1, 1, 0, 0, 1, 1])
+    assert ledger.attach([s]) == 1 and len(ledger) == 0
+    recs = s.metadata["sampling_params"]
+    assert [(r["temperature"], r["response_span"]) for r in recs] == [(0.6, [0, 3]), (1.3, [5, 7])]
+    assert s.weight_version_spans == [{"version": "1", "start": 0, "end": 3}, {"version": "2", "start": 5, "end": 7}]
+
+
+def test_a_resumed_turn_is_split_into_the_outputs_it_was_made_of():
+    """A partial rollout's turn: an aborted output, then the continuation (no masked token between them)."""
+    ledger = RequestLedger(max_tokens=1000)
+    ledger.add([7, 8], _record(0.6), [], PROMPT)
+    ledger.add([9, 10, 11], _record(0.9), [], PROMPT + [7, 8])
+    s = _sample(PROMPT, [7, 8, 9, 10, 11])
+    ledger.attach([s])
+    assert [r["response_span"] for r in s.metadata["sampling_params"]] == [[0, 2], [2, 5]]
+
+
+def test_identical_outputs_go_to_the_samples_of_their_own_prompts_once_each():
+    ledger = RequestLedger(max_tokens=1000)
+    other = [6, 6, 6]
+    ledger.add([7, 8], _record(0.6), [], PROMPT)
+    ledger.add([7, 8], _record(1.4), [], other)
+    ledger.add([7, 8], _record(0.7), [], None)  # a text request: no input ids to tell it apart
+    a, b, c, d = _sample(other, [7, 8]), _sample(PROMPT, [7, 8]), _sample([1], [7, 8]), _sample([1], [7, 8])
+    ledger.attach([a, b, c, d])
+    assert [x.metadata["sampling_params"][0]["temperature"] for x in (a, b, c)] == [1.4, 0.6, 0.7]
+    assert not d.metadata  # three outputs recorded, three taken
+
+
+def test_unmatched_and_self_recorded_samples_are_left_alone_and_old_outputs_are_dropped():
+    ledger = RequestLedger(max_tokens=5)
+    ledger.add([1, 2, 3], _record(0.5), [])
+    ledger.add([7, 8, 9], _record(0.6), [])  # 6 tokens > 5: the oldest output goes
+    own = _sample(PROMPT, [7, 8, 9])
+    own.metadata = {"sampling_params": [{"temperature": 1.0, "response_span": [0, 3]}]}
+    gone, fabricated = _sample(PROMPT, [1, 2, 3]), _sample(PROMPT, [40, 41])
+    assert ledger.attach([own, gone, fabricated]) == 0
+    assert own.metadata["sampling_params"][0]["temperature"] == 1.0 and not gone.metadata and not fabricated.metadata
+    assert len(ledger) == 1
+
+
+def test_trained_tokens_no_record_covers_are_named_and_refused_under_adapter_sync(caplog):
+    """A record that covers only part of a sample's trained tokens: the rest is trained at the flags with one warning
+    naming the span (refused under --lora-sync adapter, where nothing shows the adapter served them)."""
+    s = _sample(PROMPT, [7, 8, 9, 10])
+    s.metadata = {"sampling_params": [{**_record(1.0), "response_span": [0, 2]}]}
+    with caplog.at_level(logging.WARNING):
+        convert_samples_to_train_data(make_args(*ONE), [s], fn_path="f")
+    assert "records no sampling parameters for response tokens 2..4" in caplog.text
+    s.metadata["sampling_params"][0]["lora_path"] = "slime_policy"
+    with pytest.raises(
+        ValueError, match=r"for response tokens 2\.\.4 .*not the frozen base under --lora-sync adapter"
+    ):
+        convert_samples_to_train_data(make_args(*ONE, "--enable-lora", "--lora-sync", "adapter"), [s], fn_path="f")
+
+
+# ---------------------------------------------------------------- the proxy in front of a real server
+@pytest.fixture(scope="module")
+def proxied(tiny_kit):
+    proc, url = start_cpu_server(tiny_kit[0], "--random-seed", "3")
+    ledger = RequestLedger(max_tokens=1 << 16)
+    proxy = RecordingProxy(url, ledger, timeout=120).start("127.0.0.1")
+    try:
+        yield url, proxy.url, ledger
+    finally:
+        proxy.stop()
+        stop_cpu_server(proc)
+
+
+def _generate(url, **body):
+    r = HTTP.post(f"{url}/generate", json=body, timeout=120)
+    return r.status_code, r.json()
+
+
+def test_answers_pass_through_unchanged_errors_included(proxied):
+    server, proxy, ledger = proxied
+    body = {"input_ids": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 4}}
+    _generate(server, **body)  # both answers below then reuse the prompt's cache alike
+    direct, through = _generate(server, **body), _generate(proxy, **body)
+    for d in (direct[1], through[1]):
+        for key in ("e2e_latency", "id"):
+            d["meta_info"].pop(key)
+    assert through == direct and direct[0] == 200
+    bad = {"input_ids": PROMPT, "sampling_params": {"temperature": -1}}
+    assert _generate(proxy, **bad) == _generate(server, **bad) and _generate(proxy, **bad)[0] == 400
+    assert HTTP.get(f"{proxy}/model_info", timeout=30).json() == HTTP.get(f"{server}/model_info", timeout=30).json()
+
+
+def test_a_user_generate_that_changes_the_temperature_is_scored_at_it(proxied):
+    """What a naive generate function does: its own temperature (0.6 against the flag's 1.0), no record. Through the
+    proxy the sample is trained at 0.6 per token; without it, at 1.0 (a biased importance ratio, no error)."""
+    _, proxy, ledger = proxied
+    status, out = _generate(
+        proxy, input_ids=PROMPT, sampling_params={"temperature": 0.6, "max_new_tokens": 5}, return_logprob=True
+    )
+    assert status == 200
+    s = _sample(PROMPT, out["output_ids"])
+    assert ledger.attach([s]) == 1
+    [rec] = s.metadata["sampling_params"]
+    assert rec["temperature"] == 0.6 and rec["origin"] == "engine echo, recorded at the router"
+    assert s.weight_version_spans == [{"version": out["meta_info"]["weight_version"], "start": 0, "end": 5}]
+    data = convert_samples_to_train_data(make_args(*ONE, "--rollout-temperature", "1.0"), [s], fn_path="f")
+    assert data["rollout_temperatures"][0].tolist() == pytest.approx([0.6] * 5)
+
+
+def test_a_streamed_penalised_generate_is_refused_naming_the_router(proxied):
+    _, proxy, ledger = proxied
+    body = {"input_ids": PROMPT, "stream": True, "sampling_params": {"max_new_tokens": 4, "frequency_penalty": 0.5}}
+    with HTTP.post(f"{proxy}/generate", json=body, stream=True, timeout=120) as r:
+        events = [
+            json.loads(line[5:]) for line in r.iter_lines() if line.startswith(b"data:") and b"[DONE]" not in line
+        ]
+    s = _sample(PROMPT, events[-1]["output_ids"])
+    ledger.attach([s])
+    with pytest.raises(ValueError, match=r"sampled by a request through slime's router .*frequency_penalty=0.5"):
+        convert_samples_to_train_data(make_args(*ONE), [s], fn_path="f")
+
+
+def test_a_batch_with_n_samples_per_prompt_gives_each_output_its_prompts_parameters(proxied):
+    _, proxy, ledger = proxied
+    other = [6, 7, 8]
+    sps = [{"temperature": 0.5, "max_new_tokens": 3, "n": 2}, {"temperature": 1.5, "max_new_tokens": 3, "n": 2}]
+    status, outs = _generate(proxy, input_ids=[PROMPT, other], sampling_params=sps)
+    assert status == 200 and len(outs) == 4
+    samples = [
+        _sample(p, o["output_ids"], index=k) for k, (p, o) in enumerate(zip([PROMPT, PROMPT, other, other], outs))
+    ]
+    assert ledger.attach(samples) == 4
+    assert [x.metadata["sampling_params"][0]["temperature"] for x in samples] == [0.5, 0.5, 1.5, 1.5]
+
+
+def test_start_up_points_the_runs_router_address_at_the_proxy(proxied):
+    """What the rollout controller does first: user code reading args.sglang_router_ip/port (or the policy's entry
+    of args.sglang_model_routers) reaches the proxy; nothing starts under --no-check-sampling-params."""
+    server, _, _ = proxied
+    port = int(server.rsplit(":", 1)[1])
+    args = make_args("--sglang-router-ip", "127.0.0.1", "--sglang-router-port", str(port))
+    args.sglang_model_routers = {"policy": ("127.0.0.1", port), "judge": ("127.0.0.1", 1)}
+    proxy, ledger = start_recording_proxy(args)
+    try:
+        assert args.sglang_router_port == proxy.handle.port != port
+        assert args.sglang_model_routers == {"policy": ("127.0.0.1", proxy.handle.port), "judge": ("127.0.0.1", 1)}
+        status, out = _generate(
+            f"http://127.0.0.1:{args.sglang_router_port}", input_ids=PROMPT, sampling_params={"max_new_tokens": 2}
+        )
+        assert status == 200 and len(ledger) == 1
+    finally:
+        proxy.stop()
+    off = make_args("--sglang-router-ip", "127.0.0.1", "--sglang-router-port", str(port), "--no-check-sampling-params")
+    assert start_recording_proxy(off) == (None, None) and off.sglang_router_port == port
+
+
+def test_record_generate_maps_outputs_to_their_prompts_adapters():
+    ledger = RequestLedger(max_tokens=100)
+    body = {"input_ids": [PROMPT, [6]], "lora_path": ["slime_policy", None], "sampling_params": {"temperature": 0.9}}
+    meta = {"finish_reason": {"type": "length"}, "weight_version": "3"}
+    assert (
+        record_generate(
+            ledger, body, [{"output_ids": [1, 2], "meta_info": meta}, {"output_ids": [3], "meta_info": meta}]
+        )
+        == 2
+    )
+    a, b = _sample(PROMPT, [1, 2]), _sample([6], [3])
+    ledger.attach([a, b])
+    assert a.metadata["sampling_params"][0]["lora_path"] == "slime_policy"
+    assert b.metadata["sampling_params"][0]["lora_path"] is None
+    assert b.weight_version_spans == [{"version": "3", "start": 0, "end": 1}]
