@@ -118,6 +118,13 @@ def test_train_data_carries_the_kept_sets_and_refuses_samples_without_them():
         convert_samples_to_train_data(args, [_sampled(0, [[3], [4]]), _sampled(1)], fn_path="f")
     plain = convert_samples_to_train_data(make_args(), [_sampled(0), _sampled(1)], fn_path="f")
     assert "rollout_top_p_token_ids" not in plain
+    # no truncating flag, but one sample's own request truncated and brought its sets: replayed for it alone, the
+    # other scored over the full vocabulary (empty spans)
+    own = convert_samples_to_train_data(make_args(), [_sampled(0, [[3, 0], [4]]), _sampled(1)], fn_path="f")
+    assert [a.tolist() for a in own["rollout_top_p_token_ids"]] == [[3, 0, 4], []]
+    assert [a.tolist() for a in own["rollout_top_p_token_offsets"]] == [[0, 2, 3], [0, 0, 0]]
+    with pytest.raises(ValueError, match="sample 0 .* response token 0 .* the trainer replays the kept token sets"):
+        convert_samples_to_train_data(make_args(), [_sampled(0, [[7], [4]]), _sampled(1)], fn_path="f")
 
 
 def test_top_p_alone_samples_with_the_engines_mask_cap_as_top_k_and_says_so(capsys, caplog):
@@ -210,9 +217,15 @@ def test_policy_loss_scores_over_the_kept_sets_and_needs_them():
     _, m = policy_loss_function(args, batch, logits, reducer)
     assert m["ppo_kl"].item() == pytest.approx(0.0, abs=1e-6)  # this forward replays the same sets
     assert m["mismatch_kl"].item() == pytest.approx(0.0, abs=1e-6)
+    # without truncating flags, kept sets a batch carries (a sample's own request truncated) are replayed all the same
+    _, m = policy_loss_function(make_args(), batch, logits, reducer)
+    assert m["ppo_kl"].item() == pytest.approx(0.0, abs=1e-6)
     del batch["rollout_top_p_token_ids"]
     with pytest.raises(ValueError, match="--rollout-top-p 0.9 / --rollout-top-k 20: the training batch has no"):
         policy_loss_function(args, batch, logits, reducer)
+    del batch["rollout_top_p_token_offsets"]  # neither flags nor sets: the full vocabulary, off the replayed values
+    _, m = policy_loss_function(make_args(), batch, logits, reducer)
+    assert abs(m["ppo_kl"].item()) > 1e-3
 
 
 def _tp2_rank(rank, logits, tokens, ids, offsets, expected):

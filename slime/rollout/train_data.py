@@ -146,6 +146,34 @@ def rollout_ids(samples):
     return [s.rollout_id if s.rollout_id is not None else -1 - i for i, s in enumerate(samples)]
 
 
+def kept_sets_train_data(args, samples, fn_path) -> dict:
+    """Top-p replay: the trainer scores each token over the set the engine kept. Under truncating flags every sample
+    must carry its sets (never silently scored over all tokens); otherwise the samples whose own requests truncated
+    brought theirs (e.g. a generate function that asked for `return_sampling_mask`), and the others get empty spans,
+    scored over the full vocabulary as they were sampled."""
+    flags = sampling_is_truncated(args)
+    ids, offsets = [], []
+    for i, s in enumerate(samples):
+        if flags or s.rollout_top_p_token_offsets is not None:
+            problem = kept_sets_error(s)
+            if problem:
+                raise ValueError(
+                    f"sample {s.index} (position {i}) from rollout function {fn_path!r} {problem}; "
+                    + (
+                        f"with --rollout-top-p {args.rollout_top_p} / --rollout-top-k {args.rollout_top_k} the trainer "
+                        "replays each step's kept token set (the default generate asks the engine for it)"
+                        if flags
+                        else "the trainer replays the kept token sets a sample carries"
+                    )
+                )
+            ids.append(np.asarray(s.rollout_top_p_token_ids, dtype=np.int32))
+            offsets.append(np.asarray(s.rollout_top_p_token_offsets, dtype=np.int32))
+        else:
+            ids.append(np.zeros(0, dtype=np.int32))
+            offsets.append(np.zeros(s.response_length + 1, dtype=np.int32))
+    return {"rollout_top_p_token_ids": ids, "rollout_top_p_token_offsets": offsets}
+
+
 def convert_samples_to_train_data(
     args, samples, custom_reward_fn=None, fn_path=None, pushed_versions=None
 ) -> TrainData:
@@ -204,22 +232,10 @@ def convert_samples_to_train_data(
     temperatures = rollout_temperatures(args, samples)
     if temperatures is not None:
         train_data[TEMPERATURES_KEY] = temperatures
-    if sampling_is_truncated(args) and args.loss_type != "sft_loss":
-        # top-p replay: the trainer scores each token over the set the engine kept (never silently over all tokens)
-        for i, s in enumerate(samples):
-            problem = kept_sets_error(s)
-            if problem:
-                raise ValueError(
-                    f"sample {s.index} (position {i}) from rollout function {fn_path!r} {problem}; with "
-                    f"--rollout-top-p {args.rollout_top_p} / --rollout-top-k {args.rollout_top_k} the trainer replays "
-                    "each step's kept token set (the default generate asks the engine for it)"
-                )
-        train_data["rollout_top_p_token_ids"] = [
-            np.asarray(s.rollout_top_p_token_ids, dtype=np.int32) for s in samples
-        ]
-        train_data["rollout_top_p_token_offsets"] = [
-            np.asarray(s.rollout_top_p_token_offsets, dtype=np.int32) for s in samples
-        ]
+    if args.loss_type != "sft_loss" and (
+        sampling_is_truncated(args) or any(s.rollout_top_p_token_offsets is not None for s in samples)
+    ):
+        train_data.update(kept_sets_train_data(args, samples, fn_path))
     if args.use_rollout_routing_replay and args.loss_type != "sft_loss":
         # R3: the trainer routes every token to the engine's experts (never silently to its own)
         for i, s in enumerate(samples):

@@ -69,12 +69,12 @@ def _mask_padded_vocab(logits, vocab_size):
 
 
 def get_rollout_top_p_logprob_kwargs(args, batch):
-    """`get_log_probs_and_entropy`'s top-p replay arguments for a micro-batch: `{}` unless training rollouts sample
-    from a truncated distribution (`--rollout-top-p` < 1 or `--rollout-top-k` > 0), then the per-sample kept sets,
-    which the batch must carry."""
-    if not sampling_is_truncated(args):
-        return {}
+    """`get_log_probs_and_entropy`'s top-p replay arguments for a micro-batch: the per-sample kept sets, which the
+    batch must carry when training rollouts sample from a truncated distribution (`--rollout-top-p` < 1 or
+    `--rollout-top-k` > 0) and may carry otherwise (samples whose own requests truncated); else `{}`."""
     ids, offsets = batch.get("rollout_top_p_token_ids"), batch.get("rollout_top_p_token_offsets")
+    if not sampling_is_truncated(args) and (ids is None or offsets is None):
+        return {}
     if ids is None or offsets is None:
         raise ValueError(
             f"--rollout-top-p {args.rollout_top_p} / --rollout-top-k {args.rollout_top_k}: the training batch has no "
