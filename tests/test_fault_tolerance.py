@@ -197,7 +197,8 @@ async def inject_faults_generate(args, sample, sampling_params):
         if sample.index >= fault["at_index"] and fault["kind"] not in done:
             router = f"http://{args.sglang_router_ip}:{args.sglang_router_port}"
             if fault["kind"] == "kill_router":
-                os.kill(_procs.listening_pid(args.sglang_router_port), signal.SIGKILL)
+                # the router itself, not the recording proxy in front of it (in this process)
+                os.kill(_procs.listening_pid(args.sglang_router_behind_proxy[1]), signal.SIGKILL)
             else:
                 url = sorted(list_workers(router))[0]
                 pid = _procs.listening_pid(url.rsplit(":", 1)[1])

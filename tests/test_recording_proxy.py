@@ -186,6 +186,7 @@ def test_start_up_points_the_runs_router_address_at_the_proxy(proxied):
     proxy, ledger = start_recording_proxy(args)
     try:
         assert args.sglang_router_port == proxy.handle.port != port
+        assert args.sglang_router_behind_proxy == ("127.0.0.1", port)
         assert args.sglang_model_routers == {"policy": ("127.0.0.1", proxy.handle.port), "judge": ("127.0.0.1", 1)}
         status, out = _generate(
             f"http://127.0.0.1:{args.sglang_router_port}", input_ids=PROMPT, sampling_params={"max_new_tokens": 2}

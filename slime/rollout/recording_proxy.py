@@ -303,6 +303,7 @@ def start_recording_proxy(args):
         f"http://{router[0]}:{router[1]}", ledger, timeout=float(args.sglang_router_request_timeout_secs) + 60
     ).start(router[0])
     args.sglang_router_port = proxy.handle.port
+    args.sglang_router_behind_proxy = router  # the real router's (ip, port), for code that must reach it, not the proxy
     routers = args.sglang_model_routers or {}
     args.sglang_model_routers = {
         k: (proxy.handle.host, proxy.handle.port) if tuple(v) == router else v for k, v in routers.items()
