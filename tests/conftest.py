@@ -172,7 +172,7 @@ MODULE_TIERS = {
     **dict.fromkeys(
         "actor_import_path critic external_engines fan_out hybrid_models model_families mtp multi_model opd placement "
         "profiling ref_update release_train rollout_controller routing_replay save_hf sglang_rollout startup_checks "
-        "train_data tree_parallel tree_training weight_sync".split(),
+        "train_data tree_parallel tree_training weight_check weight_sync".split(),
         "component",
     ),
     **dict.fromkeys(
