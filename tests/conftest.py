@@ -155,7 +155,7 @@ def mpu_world1(tmp_path_factory):
 TIERS = ("unit", "component", "e2e", "cluster")
 MODULE_TIERS = {
     **dict.fromkeys(
-        "agent_trajectory arguments fingerprint consistency cp_utils data disk_delta eval_config extension_points filter_hub fully_async "
+        "agent_trajectory arguments fingerprint sglang_change_set consistency cp_utils data disk_delta eval_config extension_points filter_hub fully_async "
         "flag_support gae loss loss_variants mask_utils memory_saver model_config no_outside_addresses provenance sampling_provenance "
         "rollout_data_source run sft_rollout vlm_data spec_plugin upstream_flags quantization flags_read flags_honoured".split(),
         "unit",
@@ -172,7 +172,7 @@ MODULE_TIERS = {
     **dict.fromkeys(
         "actor_import_path critic external_engines fan_out hybrid_models model_families mtp multi_model opd placement "
         "profiling ref_update release_train rollout_controller routing_replay save_hf sglang_rollout startup_checks "
-        "train_data tree_parallel tree_training weight_sync".split(),
+        "train_data tree_parallel tree_training weight_check weight_sync".split(),
         "component",
     ),
     **dict.fromkeys(

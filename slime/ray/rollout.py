@@ -19,7 +19,9 @@ from slime.rollout.weight_fingerprints import (
     WeightFingerprintError,
     engine_mismatch,
     merge_rank_hashes,
+    sglang_change_set_violation,
     sglang_disagreement,
+    sglang_names_known,
 )
 from slime.utils.health_monitor import RolloutHealthMonitor
 
@@ -31,6 +33,11 @@ def _start_router(args):
     if args.sglang_router_ip is not None or args.debug_train_only:
         return None
     return start_router(args)
+
+
+def _first_line(error) -> str:
+    text = str(getattr(error, "cause", None) or error).strip()
+    return text.splitlines()[0][:300] if text else type(error).__name__
 
 
 def _failure(what):
@@ -56,6 +63,7 @@ class RolloutManager:
         self._lock = threading.RLock()
         self._closing = False
         self.trainer_tensor_hashes = {}  # the last pushed version's {HF name: tiles32}, for diagnosis
+        self._sglang_checksums = {}  # engine index -> (its actor, its last /weights_checker checksum), see _check_sglang
         self._warned = set()
         register_cleanup(self.shutdown)
         self.policy.router_process = _start_router(args)  # which sets args.sglang_router_ip/port
@@ -367,8 +375,9 @@ class RolloutManager:
 
     def check_weight_fingerprints(self, update_metrics):
         """After every push (before its version is recorded as pushed): every CPU-server engine serves exactly the
-        tensors the trainers sent (see slime.rollout.weight_fingerprints); SGLang engines agree with each other.
-        Raises naming the engine, the version and both fingerprints."""
+        tensors the trainers sent; every SGLang engine agrees with the others and changed exactly where the trainers'
+        tensors changed (see slime.rollout.weight_fingerprints). Raises in one line naming the engine and the version.
+        An engine that died since the push is a failed engine (`_ask_engines`)."""
         parts = [(m or {}).pop("update_weights/tensor_hashes", None) for m in update_metrics]
         algorithms = {(m or {}).pop("update_weights/tensor_hash_algorithm", None) for m in update_metrics} - {None}
         if not self.args.check_weight_fingerprints:
@@ -390,21 +399,22 @@ class RolloutManager:
         if len(algorithms) > 1:  # trainer ranks on different devices
             raise WeightFingerprintError(f"weight version {version}: trainer ranks hashed with {sorted(algorithms)}")
         algorithm = algorithms.pop() if algorithms else "tiles32"
-        self.trainer_tensor_hashes = trainer
+        # a push that sends part of the tensors (a delta) leaves the others as they were
+        previous = self.trainer_tensor_hashes
+        self.trainer_tensor_hashes = trainer = {**previous, **trainer}
         timeout = float(self.args.update_weight_timeout or 300)
-        refs = [e.get_weights_fingerprint.remote(timeout, algorithm) for _, e in engines]
-        try:
-            infos = ray.get(refs, timeout=timeout + 30)
-        except ray.exceptions.GetTimeoutError as e:
-            raise WeightFingerprintError(
-                f"weight version {version}: no weight fingerprint from the engines {self.engine_urls} within "
-                f"{timeout + 30:.0f}s (--update-weight-timeout)"
-            ) from e
+        infos = self._ask_engines(
+            engines, lambda e: e.get_weights_fingerprint.remote(timeout, algorithm), timeout, version
+        )
         sglang = []
-        for (i, _), info in zip(engines, infos):
-            name = f"inference engine {i} ({self.engine_urls[i]})"
+        for i, info in infos.items():
+            name = self._engine_name(i)
+            if isinstance(info, Exception):
+                raise WeightFingerprintError(
+                    f"weight version {version}: {name} did not report its weight fingerprint: {_first_line(info)}"
+                )
             if info is None:
-                sglang.append((i, name))
+                sglang.append(i)
                 continue
             unsent = [n for n in info.get("tensor_hashes") or {} if n not in trainer]
             if unsent:
@@ -419,34 +429,115 @@ class RolloutManager:
                     f"{reason}; stopping before any sample of that version is trained "
                     "(--no-check-weight-fingerprints skips this check)"
                 )
-        if len(sglang) > 1:
-            self._check_sglang_agreement(sglang, version, timeout)
+        if sglang:
+            sglang = self._check_sglang(sglang, version, timeout, previous, trainer)
         logger.info(
             "weight version %s: %d CPU-server engine(s) serve what the trainers pushed (fingerprints match); "
-            "%d SGLang engine(s) checked against each other",
+            "%d SGLang engine(s) checked (agreement and change set)",
             version,
-            len(engines) - len(sglang),
-            len(sglang) if len(sglang) > 1 else 0,
+            len(infos) - len(sglang),
+            len(sglang),
         )
 
-    def _check_sglang_agreement(self, engines, version, timeout):
+    def _engine_name(self, i):
+        return f"inference engine {i} ({self.engine_urls[i]})"
+
+    def _ask_engines(self, engines, call, timeout, version) -> dict:
+        """`{i: call(actor)'s result, or the exception it raised}` over `engines` [(i, actor)], asked at once. An engine
+        that died since the push is a failed engine: without --use-fault-tolerance the run stops in one line naming
+        it; with it, it is removed (replaced before the next push, joining the router once it serves it) and left out
+        here, so the check goes on with the others. One that does not answer within `timeout` stops the run."""
+        refs = {i: call(e) for i, e in engines}
+        deadline = time.monotonic() + timeout + 30
+        out = {}
+        for i, ref in refs.items():
+            try:
+                out[i] = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+                continue
+            except ray.exceptions.GetTimeoutError:
+                raise WeightFingerprintError(
+                    f"weight version {version}: {self._engine_name(i)} gave no answer to the weight check within "
+                    f"{timeout + 30:.0f}s (--update-weight-timeout)"
+                ) from None
+            except Exception as e:  # noqa: BLE001  (dead or not is asked below)
+                why = self._why_dead(i, e)
+                if why is None:
+                    out[i] = e
+                    continue
+            what = f"died during the weight check of version {version} ({why})"
+            self.engine_failed(i, what)
+            if not self.args.use_fault_tolerance:
+                raise self.failure or _failure(f"{self._engine_name(i)} {what}")
+        return out
+
+    def _why_dead(self, i, error):
+        """Why engine i is dead (its actor died, or its server exited: `check_alive`), or None if it lives."""
+        if isinstance(error, ray.exceptions.RayActorError):
+            return "its engine actor died"
+        engine = self.rollout_engines[i]
+        if engine is None:  # removed meanwhile
+            return "removed"
         try:
-            bodies = ray.get(
-                [self.rollout_engines[i].check_weights.remote("checksum") for i, _ in engines], timeout=timeout
-            )
-        except Exception as e:  # noqa: BLE001  (e.g. a layer SGLang cannot checksum: the check is skipped, loudly)
+            ray.get(engine.check_alive.remote(), timeout=60)
+        except Exception as e:  # noqa: BLE001  (a server that exited, or an actor that died)
+            return _first_line(e).split(" Last log lines")[0]
+        return None
+
+    def _check_sglang(self, indices, version, timeout, previous, trainer) -> list:
+        """SGLang engines (no HF-named hashes): `/weights_checker checksum` of each, then every engine agrees with
+        the others and each one's change since its previous check is the trainers' (`sglang_change_set_violation`).
+        Returns the indices of the engines checked."""
+        answers = self._ask_engines(
+            [(i, self.rollout_engines[i]) for i in indices],
+            lambda e: e.check_weights.remote("checksum"),
+            timeout,
+            version,
+        )
+        failed = [e for e in answers.values() if isinstance(e, Exception)]
+        if failed:  # e.g. a layer SGLang cannot checksum: the check is skipped, loudly
+            self._sglang_checksums = {}  # and the next push is the change-set rule's new baseline
             self._warn_once(
                 "sglang",
-                f"weight version {version}: SGLang /weights_checker checksum failed ({e}); "
-                "engine-vs-engine agreement is not checked",
+                f"weight version {version}: SGLang /weights_checker checksum failed ({_first_line(failed[0])}); "
+                "the SGLang engines' weights are not checked",
             )
-            return
-        reason = sglang_disagreement({name: body for (_, name), body in zip(engines, bodies)})
+            return []
+        bodies = answers
+        reason = sglang_disagreement({self._engine_name(i): body for i, body in bodies.items()})
         if reason is not None:
             raise WeightFingerprintError(
                 f"weight version {version}: SGLang engines disagree after the push: {reason} "
                 "(--no-check-weight-fingerprints skips this check)"
             )
+        known = sglang_names_known(getattr(self.args, "model_name", None))
+        if not known:
+            self._warn_once(
+                "sglang-names",
+                f"--model-name {getattr(self.args, 'model_name', None)!r}: no HF -> SGLang name map for this family "
+                "(see slime.rollout.weight_fingerprints.SGLANG_MAPPED_FAMILIES): the change-set rule checks only that "
+                "a changed trainer weight changes every engine",
+            )
+        baselines = self._sglang_checksums
+        self._sglang_checksums = {i: (self.rollout_engines[i], body) for i, body in bodies.items()}
+        for i, body in bodies.items():
+            actor, before = baselines.get(i, (None, None))
+            if not previous or actor is not self.rollout_engines[i]:
+                # no checksums of the previous version on this engine (the first push of this driver, or a
+                # replacement): which of its parameters should change is unknown, so this push is its baseline
+                logger.info(
+                    "weight version %s: %s: the SGLang change-set rule starts at the next push (this push's checksums "
+                    "are its baseline; --check-weight-update-equal checks a first push exactly)",
+                    version,
+                    self._engine_name(i),
+                )
+                continue
+            reason = sglang_change_set_violation(previous, trainer, before, body, self._engine_name(i), version, known)
+            if reason is not None:
+                raise WeightFingerprintError(
+                    f"{reason}; stopping before any sample of that version is trained "
+                    "(--no-check-weight-fingerprints skips this check)"
+                )
+        return list(bodies)
 
     def async_check_weights(self, action):
         """SGLang's `/weights_checker` action on every engine; a failed `compare` raises naming the engine and

@@ -8,9 +8,12 @@ the version, both fingerprints and the first differing tensor. Names only one si
 that the engine ignores by design (MTP layers), the engine's that no trainer sends (kept from the checkpoint); the
 manager logs how many once.
 
-SGLang engines report no HF-named hashes (their tensors are fused and sharded); for them the check is engine-vs-engine:
-`/weights_checker checksum` per TP rank, sorted by rank, must be equal on every SGLang engine after the push.
+SGLang engines report no HF-named hashes (their tensors are fused and sharded); for them two checks run on
+`/weights_checker checksum` (SGLang's per-parameter hash, per TP rank): every SGLang engine reports the same checksums
+(`sglang_disagreement`), and each engine's change since the previous push is the trainer's (`sglang_change_set_violation`).
 """
+
+import re
 
 from slime.utils.fingerprint import combine, first_difference
 
@@ -78,4 +81,99 @@ def sglang_disagreement(payloads: dict) -> str | None:
                 return (
                     f"{engine} and {ref_engine} differ on rank {k} parameter {name!r} ({b.get(name)} vs {a.get(name)})"
                 )
+    return None
+
+
+# ------------------------------------------------------------------ SGLang's change-set rule
+# Families whose HF tensors SGLang 0.5.23 loads by `sglang_param_names`' rules (sglang/srt/models/{llama,qwen2,qwen3,
+# qwen3_moe,mimo,glm4,glm4_moe}.py `load_weights`: `stacked_params_mapping`, `FusedMoE.make_expert_params_mapping`).
+SGLANG_MAPPED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3moe", "mimo", "glm4", "glm4moe")
+# checked first (they contain a mapped family's name): SGLang loads them by other rules (MLA's
+# fused_qkv_a_proj_with_mqa, Gated DeltaNet's in_proj_qkvz/in_proj_ba, a vision tower), so their names are unknown
+_UNMAPPED_FAMILIES = ("qwen3next", "qwen35", "qwen25vl", "deepseekv3")
+_STACKED = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
+_PROJ = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
+_ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.")
+_SHARED_EXPERTS = re.compile(r"\.shared_experts\.(gate_proj|up_proj|down_proj)\.")
+
+
+def sglang_names_known(model_name) -> bool:
+    """Whether `sglang_param_names` holds for this `--model-name` (matched as the converters are: lowercased, without
+    "_" and "-")."""
+    key = (model_name or "").lower().replace("_", "").replace("-", "")
+    return not any(s in key for s in _UNMAPPED_FAMILIES) and any(s in key for s in SGLANG_MAPPED_FAMILIES)
+
+
+def sglang_param_names(hf_name: str) -> tuple:
+    """The SGLang parameter HF tensor `hf_name` loads into, by name only, as candidates in order (the first one the
+    engine reports is it): q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj, routed expert e's gate/up_proj ->
+    experts.w13_<suffix>, its down_proj -> experts.w2_<suffix>, GLM-4.5's shared_experts.* -> fused as above or, with
+    SGLang's shared-expert fusion, as one more routed expert; any other name loads into itself (a tied lm_head is not
+    sent: the engine's lm_head is embed_tokens)."""
+    routed = _ROUTED_EXPERT.search(hf_name)
+    if routed:  # checked before q/k/v/gate/up, as SGLang skips the stacked mapping for "mlp.experts"
+        return (_fused_expert(hf_name, routed),)
+    stacked = _PROJ.sub(lambda m: f".{_STACKED[m.group(1)]}.", hf_name, count=1)
+    shared = _SHARED_EXPERTS.search(hf_name)
+    return (stacked, _fused_expert(hf_name, shared)) if shared else (stacked,)
+
+
+def _fused_expert(name, m):
+    return name[: m.start()] + (".experts.w2_" if m.group(1) == "down_proj" else ".experts.w13_") + name[m.end() :]
+
+
+def _per_rank(body) -> dict:
+    """{(rank, SGLang parameter): checksum} of one `/weights_checker checksum` response."""
+    out = {}
+    for r in (body or {}).get("ranks") or []:
+        rank = (r.get("parallelism_info") or [{}])[0].get("rank", 0)
+        out.update({(rank, name): c for name, c in (r.get("checksums") or {}).items()})
+    return out
+
+
+def sglang_change_set_violation(prev: dict, cur: dict, before, after, engine: str, version, names_known=True):
+    """Why SGLang engine `engine`'s change from checksum response `before` (the previous push's check) to `after` is
+    not the trainer's change from `prev` to `cur` ({HF name: hash} of the two versions), or None. A parameter counts
+    as changed if its checksum changed on any rank.
+
+    (a) the trainer changed a tensor the engine loads (any, for a family whose names are unknown) => some parameter of
+        the engine changed ("nobody received the update");
+    (b) a changed parameter must be one some changed HF tensor loads into; a parameter no HF tensor maps onto may
+        change only while a changed HF tensor has no parameter of the engine's (it may load there, by another name);
+    (c) every changed HF tensor that maps onto a parameter of the engine changes it.
+    With `names_known` False only (a) is checked."""
+    b, a = _per_rank(before), _per_rank(after)
+    changed = {key[1] for key in set(a) | set(b) if a.get(key) != b.get(key)}
+    served = {name for _, name in a}
+    target = {h: next((p for p in sglang_param_names(h) if p in served), None) if names_known else None for h in cur}
+    changed_hf = sorted(h for h in cur if prev.get(h) != cur[h])
+    if changed_hf and not changed and (not names_known or any(target[h] for h in changed_hf)):
+        return (
+            f"{engine}: the trainer changed {len(changed_hf)} tensor(s) for weight version {version} (e.g. "
+            f"{changed_hf[0]!r}) but none of the engine's parameter checksums changed: the update did not reach it"
+        )
+    if not names_known:
+        return None
+    for h in changed_hf:  # (c)
+        if target[h] is not None and target[h] not in changed:
+            return (
+                f"{engine}: HF tensor {h!r} changed in weight version {version} but {target[h]!r}, the SGLang "
+                "parameter it loads into, did not"
+            )
+    sources = {target[h] for h in changed_hf}
+    mapped = set(target.values())
+    unmapped_changed = None in sources
+    for p in sorted(changed - sources):  # (b)
+        if p not in mapped and unmapped_changed:
+            continue
+        return (
+            f"{engine}: SGLang parameter {p!r} changed in weight version {version} but no HF tensor the trainer "
+            "changed loads into it"
+        )
     return None

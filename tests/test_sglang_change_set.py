@@ -1,0 +1,247 @@
+"""SGLang's change-set rule (slime.rollout.weight_fingerprints): the HF -> SGLang name map held to SGLang's own
+loader, and the rule on `/weights_checker checksum` responses in SGLang's shape (per TP rank, ranks in any order)."""
+
+import ast
+import hashlib
+from pathlib import Path
+from typing import List, Tuple
+
+import pytest
+
+from slime.rollout.weight_fingerprints import (
+    sglang_change_set_violation,
+    sglang_disagreement,
+    sglang_names_known,
+    sglang_param_names,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+SGLANG_SRT = next(iter(sorted((ROOT / ".venv-sglang").glob("lib/python*/site-packages/sglang/srt"))), None)
+
+# Copied from SGLang 0.5.23: sglang/srt/models/qwen3_moe.py `Qwen3MoeForCausalLM.load_weights`
+# (`stacked_params_mapping`) and sglang/srt/layers/moe/fused_moe_triton/layer.py
+# `FusedMoE.make_expert_params_mapping` (its body); `test_the_copies_are_sglang_s_own` reads both from the source.
+STACKED = [
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+]
+
+
+def make_expert_params_mapping(cls, ckpt_gate_proj_name, ckpt_down_proj_name, ckpt_up_proj_name, num_experts):
+    return [
+        (
+            ("experts.w13_" if weight_name in [ckpt_gate_proj_name, ckpt_up_proj_name] else "experts.w2_"),
+            f"experts.{expert_id}.{weight_name}.",
+            expert_id,
+            shard_id,
+        )
+        for expert_id in range(num_experts)
+        for shard_id, weight_name in [
+            ("w1", ckpt_gate_proj_name),
+            ("w2", ckpt_down_proj_name),
+            ("w3", ckpt_up_proj_name),
+        ]
+    ]
+
+
+EXPERTS = make_expert_params_mapping(None, "gate_proj", "down_proj", "up_proj", 2)
+
+
+def sglang_loads_into(name, stacked=STACKED, experts=EXPERTS):
+    """The parameter name SGLang's Qwen3MoeForCausalLM.load_weights loads HF tensor `name` into (its name handling,
+    transcribed: the stacked mapping, skipped for "mlp.experts", then the expert mapping, else the name itself)."""
+    for param_name, weight_name, _ in stacked:
+        if weight_name in name and "mlp.experts" not in name:
+            return name.replace(weight_name, param_name)
+    for param_name, weight_name, _, _ in experts:
+        if weight_name in name:
+            return name.replace(weight_name, param_name)
+    return name
+
+
+def hf_names(layers=4, experts=2):
+    """A Qwen3-MoE checkpoint's tensor names (untied lm_head)."""
+    names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    for L in range(layers):
+        p = f"model.layers.{L}."
+        names += [p + n for n in ("input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate.weight")]
+        names += [f"{p}self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")]
+        names += [
+            f"{p}mlp.experts.{e}.{n}.weight" for e in range(experts) for n in ("gate_proj", "up_proj", "down_proj")
+        ]
+    return names
+
+
+HF = hf_names()
+PARAMS = sorted({sglang_loads_into(h) for h in HF})  # what the engine's /weights_checker names
+
+
+@pytest.mark.skipif(SGLANG_SRT is None, reason="no side venv with SGLang (bash scripts/setup-sglang-venv.sh)")
+def test_the_copies_are_sglang_s_own():
+    def function(path, cls, fn):
+        tree = ast.parse((SGLANG_SRT / path).read_text())
+        klass = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+        return next(n for n in klass.body if isinstance(n, ast.FunctionDef) and n.name == fn)
+
+    load = function("models/qwen3_moe.py", "Qwen3MoeForCausalLM", "load_weights")
+    assign = next(
+        n
+        for n in ast.walk(load)
+        if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "stacked_params_mapping"
+    )
+    assert ast.literal_eval(assign.value) == STACKED
+    mapping = function("layers/moe/fused_moe_triton/layer.py", "FusedMoE", "make_expert_params_mapping")
+    mapping.decorator_list = []
+    namespace = {"List": List, "Tuple": Tuple}
+    exec(ast.unparse(mapping), namespace)  # SGLang's own function, run here
+    assert namespace["make_expert_params_mapping"](None, "gate_proj", "down_proj", "up_proj", 2) == EXPERTS
+
+
+def test_hf_names_map_to_the_parameters_sglang_loads_them_into():
+    for h in HF + ["model.layers.0.self_attn.q_proj.bias", "model.layers.0.mlp.gate_proj.weight"]:  # Qwen2, dense
+        assert sglang_param_names(h)[0] == sglang_loads_into(h), h
+    assert sglang_param_names("model.layers.1.mlp.experts.0.gate_proj.weight") == (
+        "model.layers.1.mlp.experts.w13_weight",
+    )
+    assert sglang_param_names("model.layers.1.mlp.experts.7.down_proj.weight_scale_inv") == (
+        "model.layers.1.mlp.experts.w2_weight_scale_inv",
+    )
+    # GLM-4.5's shared experts: their own fused MLP, or (SGLang's shared-expert fusion) one more routed expert
+    assert sglang_param_names("model.layers.3.mlp.shared_experts.up_proj.weight") == (
+        "model.layers.3.mlp.shared_experts.gate_up_proj.weight",
+        "model.layers.3.mlp.experts.w13_weight",
+    )
+    known = [
+        "qwen3config",
+        "qwen2config",
+        "qwen3moeconfig",
+        "llamaconfig",
+        "mimoconfig",
+        "glm4config",
+        "glm4moeconfig",
+    ]
+    assert all(sglang_names_known(n) for n in known)
+    unknown = ["deepseekv3config", "qwen3nextconfig", "qwen3_5moeconfig", "qwen2_5_vlconfig", "gpt2config", None]
+    assert not any(sglang_names_known(n) for n in unknown)
+
+
+def _h(*parts):
+    return hashlib.sha256("/".join(map(str, parts)).encode()).hexdigest()[:16]
+
+
+def trainer(version, changed=()):
+    """{HF name: hash}: version 0 everywhere, `version` on the names in `changed`."""
+    return {h: _h(h, version if h in changed else 0) for h in HF}
+
+
+def checksums(hashes, tp=2, touched=()):
+    """An SGLang engine's /weights_checker checksum response (ranks in reverse order, as zmq may deliver them) for HF
+    weights `hashes` loaded as SGLang loads them, each rank's checksum of its shard; `touched` parameters are changed
+    by someone else."""
+    sources = {}
+    for h, v in hashes.items():
+        sources.setdefault(sglang_loads_into(h), []).append(v)
+    ranks = [
+        {
+            "checksums": {p: _h(p, r, *sorted(sources.get(p, [])), "touched" if p in touched else "") for p in PARAMS},
+            "per_gpu_checksum": "x",
+            "parallelism_info": [{"role": "target", "rank": r, "tp_rank": r, "tp_size": tp}],
+        }
+        for r in reversed(range(tp))
+    ]
+    return {"success": True, "ranks": ranks, "per_engine_checksum": "y"}
+
+
+def check(prev, cur, before, after, names_known=True):
+    return sglang_change_set_violation(prev, cur, before, after, "inference engine 0 (http://e0)", 3, names_known)
+
+
+CHANGED = [
+    "model.layers.0.self_attn.q_proj.weight",
+    "model.layers.1.mlp.experts.1.down_proj.weight",
+    "model.norm.weight",
+]
+
+
+def test_a_push_that_changed_only_the_mapped_parameters_is_accepted():
+    prev, cur = trainer(0), trainer(1, CHANGED)
+    assert check(prev, cur, checksums(prev), checksums(cur)) is None
+    # every tensor changed (a training step): every parameter changes
+    assert check(prev, trainer(1, HF), checksums(prev), checksums(trainer(1, HF))) is None
+    # nothing changed, nothing changed
+    assert check(prev, prev, checksums(prev), checksums(prev)) is None
+
+
+def test_nobody_received_the_update_is_refused_which_agreement_alone_passes():
+    prev, cur = trainer(0), trainer(1, CHANGED)
+    stale = checksums(prev)
+    assert sglang_disagreement({"e0": stale, "e1": checksums(prev)}) is None  # both engines missed it: they agree
+    for names_known in (True, False):  # also for a family with no name map
+        assert check(prev, cur, stale, checksums(prev), names_known) == (
+            "inference engine 0 (http://e0): the trainer changed 3 tensor(s) for weight version 3 (e.g. "
+            "'model.layers.0.self_attn.q_proj.weight') but none of the engine's parameter checksums changed: the "
+            "update did not reach it"
+        )
+
+
+def test_a_parameter_that_no_changed_hf_tensor_loads_into_may_not_change():
+    prev, cur = trainer(0), trainer(1, CHANGED)
+    o_proj = "model.layers.2.self_attn.o_proj.weight"
+    assert check(prev, cur, checksums(prev), checksums(cur, touched=[o_proj])) == (
+        f"inference engine 0 (http://e0): SGLang parameter {o_proj!r} changed in weight version 3 but no HF tensor "
+        "the trainer changed loads into it"
+    )
+
+
+def test_a_changed_hf_tensor_must_change_the_fused_parameter_it_loads_into():
+    """Only layer 3's k_proj (and its o_proj) changed: qkv_proj of layer 3 must change too."""
+    k, o = "model.layers.3.self_attn.k_proj.weight", "model.layers.3.self_attn.o_proj.weight"
+    prev, cur = trainer(0), trainer(1, [k, o])
+    assert check(prev, cur, checksums(prev), checksums(cur)) is None
+    missed = checksums({**cur, k: prev[k]})  # the engine got o_proj, not k_proj
+    assert check(prev, cur, checksums(prev), missed) == (
+        f"inference engine 0 (http://e0): HF tensor {k!r} changed in weight version 3 but "
+        "'model.layers.3.self_attn.qkv_proj.weight', the SGLang parameter it loads into, did not"
+    )
+
+
+def test_moe_experts_load_into_w13_and_w2():
+    up = "model.layers.0.mlp.experts.1.up_proj.weight"
+    w13, w2 = "model.layers.0.mlp.experts.w13_weight", "model.layers.0.mlp.experts.w2_weight"
+    prev, cur = trainer(0), trainer(1, [up])
+    before = checksums(prev)
+    assert check(prev, cur, before, checksums(cur)) is None
+    # expert parallel: expert 1 lives on rank 1 only, so only rank 1's w13 changes
+    ep = checksums(prev)
+    ep["ranks"][0]["checksums"][w13] = "0" * 16  # ranks[0] is rank 1
+    assert check(prev, cur, before, ep) is None
+    wrong = checksums(prev, touched=[w2])  # the update landed in w2
+    assert check(prev, cur, before, wrong) == (
+        f"inference engine 0 (http://e0): HF tensor {up!r} changed in weight version 3 but {w13!r}, the SGLang "
+        "parameter it loads into, did not"
+    )
+
+
+def test_unknown_names_and_families_fall_back_to_what_can_be_checked():
+    prev, cur = trainer(0), trainer(1, CHANGED)
+    stray = "model.layers.2.self_attn.o_proj.weight"
+    # a family with no name map: only "the trainer changed => the engine changed"
+    assert check(prev, cur, checksums(prev), checksums(cur, touched=[stray]), names_known=False) is None
+    # an HF tensor the engine holds under no mapped name (an MTP layer loaded into a draft model): a parameter no HF
+    # tensor maps onto may change while it does, and it alone changing is no "nobody received the update"
+    mtp, draft = "model.mtp.layers.0.eh_proj.weight", "draft.model.layers.0.eh_proj.weight"
+    PARAMS.append(draft)
+    try:
+        prev2, cur2 = {**prev, mtp: _h(mtp, 0)}, {**cur, mtp: _h(mtp, 1)}
+        assert check(prev2, cur2, checksums(prev), checksums(cur, touched=[draft])) is None
+        only_mtp = {**prev, mtp: _h(mtp, 1)}
+        assert check(prev2, only_mtp, checksums(prev), checksums(prev)) is None
+        # but a parameter some HF tensor maps onto still may not change without it
+        assert "'model.layers.2.self_attn.o_proj.weight' changed" in check(
+            prev2, cur2, checksums(prev), checksums(cur, touched=[draft, stray])
+        )
+    finally:
+        PARAMS.remove(draft)
