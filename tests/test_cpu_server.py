@@ -1307,3 +1307,101 @@ def test_generate_reports_weight_version_spans_across_an_update(own_server):
     assert [s["version"] for s in spans] == ["default", "3"] and meta["weight_version"] == "3"
     assert spans[0]["start"] == 0 and 0 < spans[0]["end"] == spans[1]["start"] < spans[1]["end"] == 490
     assert meta["completion_tokens"] == 490
+
+
+# ------------------------------------------------------------------ the fingerprint is hashed off the scheduler thread
+class _GatedHash:
+    """`hash_named` for the server's fingerprint that hashes one tensor, then waits for `go` (the rest of a slow hash
+    is still to come): `started` is set once it waits."""
+
+    def __init__(self):
+        from slime.utils.fingerprint import hash_named
+
+        self.real, self.started, self.go = hash_named, threading.Event(), threading.Event()
+
+    def __call__(self, pairs, out=None, algorithm="tiles32"):
+        out = {}
+        for i, (name, t) in enumerate(pairs):
+            if i == 1:
+                self.started.set()
+                assert self.go.wait(120), "the test never let the hash go on"
+            self.real([(name, t)], out, algorithm)
+        return out
+
+
+def _in_process(tiny_kit, monkeypatch, scenario):
+    """Run `scenario(client, server, gate)` against an in-process CPU server whose fingerprint hash is gated."""
+    import asyncio
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from slime.backends.cpu_server import fingerprint
+    from slime.backends.cpu_server.__main__ import build_parser
+    from slime.backends.cpu_server.server import CPUInferenceServer
+
+    gate = _GatedHash()
+    monkeypatch.setattr(fingerprint, "hash_named", gate)
+    server = CPUInferenceServer(build_parser().parse_args(["--model-path", tiny_kit[0], "--weight-version", "1"]))
+
+    async def run():
+        async with TestClient(TestServer(server.make_app())) as client:
+            try:
+                await scenario(client, server, gate)
+            finally:
+                gate.go.set()  # never leave the hash (and, before the fix, the scheduler) blocked
+
+    asyncio.run(run())
+
+
+def _served_hashes(server, algorithm="xxh3"):
+    from slime.utils.fingerprint import hash_named
+
+    w = server.weights
+    return hash_named(((n, t.to(w.sent_dtypes[n])) for n, t in w.named.items() if n in w.sent_dtypes), None, algorithm)
+
+
+def test_generation_goes_on_while_a_fingerprint_is_hashed(tiny_kit, monkeypatch):
+    """The hash runs in a worker thread, not on the scheduler's: a generation sent while a (slow) fingerprint is
+    being computed completes before it; the fingerprint is then the served weights'."""
+    import asyncio
+
+    async def scenario(client, server, gate):
+        want = _served_hashes(server)
+        fp = asyncio.ensure_future(client.get("/slime/weights_fingerprint", params={"algorithm": "xxh3"}))
+        assert await asyncio.to_thread(gate.started.wait, 60), "the fingerprint never started hashing"
+        body = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
+        try:
+            r = await asyncio.wait_for(client.post("/generate", json=body), 30)
+        except asyncio.TimeoutError:
+            pytest.fail("no generation while the fingerprint was hashed (the hash blocks the scheduler)")
+        assert r.status == 200 and len((await r.json())["output_ids"]) == 3
+        assert not fp.done()
+        gate.go.set()
+        info = await (await fp).json()
+        assert info["tensor_hashes"] == want and info["weight_version"] == "1"
+
+    _in_process(tiny_kit, monkeypatch, scenario)
+
+
+def test_a_weight_change_waits_for_the_fingerprint_being_hashed(tiny_kit, monkeypatch):
+    """Updates copy into the served tensors in place: a change of the weights (here `/weights_checker
+    reset_tensors`) and of their version label sent while a fingerprint is hashed wait for it, so the report
+    describes one state (the weights and version before), and the next one the state after."""
+    import asyncio
+
+    async def scenario(client, server, gate):
+        before = _served_hashes(server)
+        fp = asyncio.ensure_future(client.get("/slime/weights_fingerprint", params={"algorithm": "xxh3"}))
+        assert await asyncio.to_thread(gate.started.wait, 60), "the fingerprint never started hashing"
+        reset = asyncio.ensure_future(client.post("/weights_checker", json={"action": "reset_tensors"}))
+        version = asyncio.ensure_future(client.post("/update_weight_version", json={"new_version": "2"}))
+        await asyncio.sleep(1.0)
+        assert not reset.done() and not version.done()  # held until the hash is done
+        gate.go.set()
+        info = await (await fp).json()
+        assert info["weight_version"] == "1" and info["tensor_hashes"] == before
+        assert (await reset).status == 200 and (await version).status == 200
+        after = await (await client.get("/slime/weights_fingerprint", params={"algorithm": "xxh3"})).json()
+        assert after["weight_version"] == "2" and after["tensor_hashes"] == _served_hashes(server) != before
+
+    _in_process(tiny_kit, monkeypatch, scenario)

@@ -177,3 +177,44 @@ def test_lora_at_start_up_and_without_enable_lora(tiny_kit, adapter):
         stop_cpu_server(proc)
     with pytest.raises(RuntimeError, match="you need to specify both --max-lora-rank and --lora-target-modules"):
         start_cpu_server(tiny_kit[0], "--enable-lora")
+
+
+def test_adapter_fingerprint_is_the_trainers_and_a_different_adapter_is_refused(server, adapter):
+    """`--lora-sync adapter`'s check: `/slime/weights_fingerprint?adapter=NAME` hashes the adapter loaded under NAME
+    as its tensors arrived, which is what the trainer computes over what it sends (PEFT names, bf16 here); a
+    different adapter under the name (one tensor altered) is refused by the manager's comparison, naming it."""
+    from slime.rollout.weight_fingerprints import adapter_mismatch
+    from slime.utils.fingerprint import combine, hash_named
+
+    sent = {n: t.to(torch.bfloat16) for n, t in adapter["tensors"].items()}  # as the trainer sends it
+    r = _load_from_tensors(server, "fp", dict(adapter, tensors=sent))
+    assert r.status_code == 200, r.text
+    engine = f"inference engine 0 ({server})"
+    try:
+        for algorithm in ("xxh3", "tiles32"):
+            trainer = hash_named(sent.items(), algorithm=algorithm)
+            q = {"algorithm": algorithm, "adapter": "fp"}
+            info = SESSION.get(server + "/slime/weights_fingerprint", params=q, timeout=60).json()
+            assert info["adapter"] == "fp" and info["algorithm"] == algorithm
+            assert info["adapter_tensor_hashes"] == trainer and info["adapter_fingerprint"] == combine(trainer)
+            assert adapter_mismatch(trainer, info, info["weight_version"], "fp", engine) is None
+        version = info["weight_version"]
+        none = SESSION.get(server + "/slime/weights_fingerprint", params={"adapter": "nope"}, timeout=60).json()
+        assert none["adapter_tensor_hashes"] is None
+        assert adapter_mismatch(trainer, none, version, "nope", engine) == (
+            f"{engine} serves no LoRA adapter 'nope' after the push of weight version {version}"
+        )
+        # the engine serves another adapter under the name: one tensor altered
+        assert SESSION.post(server + "/unload_lora_adapter", json={"lora_name": "fp"}, timeout=60).status_code == 200
+        altered = sorted(sent)[3]
+        other = dict(sent, **{altered: sent[altered] + 0.5})
+        assert _load_from_tensors(server, "fp", dict(adapter, tensors=other)).status_code == 200
+        info = SESSION.get(server + "/slime/weights_fingerprint", params=q, timeout=60).json()
+        served = hash_named(other.items(), algorithm="tiles32")
+        assert adapter_mismatch(trainer, info, version, "fp", engine) == (
+            f"{engine} serves LoRA adapter 'fp' of weight version {version} with fingerprint {combine(served)}, the "
+            f"trainer pushed {combine(trainer)}; first differing tensor: {altered} (trainer {trainer[altered]}, "
+            f"engine {served[altered]})"
+        )
+    finally:
+        SESSION.post(server + "/unload_lora_adapter", json={"lora_name": "fp"}, timeout=60)

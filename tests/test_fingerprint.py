@@ -4,7 +4,7 @@ transcription of SGLang's Triton kernel, the order-free combine, and what the po
 import pytest
 import torch
 
-from slime.rollout.weight_fingerprints import engine_mismatch, merge_rank_hashes, sglang_disagreement
+from slime.rollout.weight_fingerprints import adapter_mismatch, engine_mismatch, merge_rank_hashes, sglang_disagreement
 from slime.utils import fingerprint as fp
 
 M32 = 0xFFFFFFFF
@@ -139,6 +139,30 @@ def test_engine_mismatch_names_the_engine_version_fingerprints_and_first_tensor(
     )
 
 
+def test_adapter_mismatch_names_the_engine_version_adapter_fingerprints_and_first_tensor():
+    a, b = (
+        "base_model.model.model.layers.0.mlp.up_proj.lora_A.weight",
+        "base_model.model.model.layers.0.mlp.up_proj.lora_B.weight",
+    )
+    trainer = {a: "0000000000000001", b: "0000000000000002"}
+    info = {"weight_version": "3", "adapter": "slime_policy", "adapter_tensor_hashes": dict(trainer)}
+    assert adapter_mismatch(trainer, info, 3, "slime_policy", "e") is None
+    # every tensor counts: the adapter is pushed whole
+    short = dict(info, adapter_tensor_hashes={a: trainer[a]})
+    assert adapter_mismatch(trainer, short, 3, "slime_policy", "engine 1 (http://h:2)") == (
+        f"engine 1 (http://h:2) serves LoRA adapter 'slime_policy' of weight version 3 with fingerprint "
+        f"{fp.combine({a: trainer[a]})}, the trainer pushed {fp.combine(trainer)}; first differing tensor: {b} "
+        "(trainer 0000000000000002, engine not served)"
+    )
+    none = dict(info, adapter_tensor_hashes=None)
+    assert adapter_mismatch(trainer, none, 3, "slime_policy", "e") == (
+        "e serves no LoRA adapter 'slime_policy' after the push of weight version 3"
+    )
+    assert "reports weight version '2' after the push of version 3" in adapter_mismatch(
+        trainer, dict(info, weight_version="2"), 3, "slime_policy", "e"
+    )
+
+
 def test_sglang_engines_must_agree_rank_by_rank():
     def body(*ranks):  # ranks arrive in any order (zmq)
         return {
@@ -171,4 +195,8 @@ def test_the_opt_out_flag_skips_the_check_with_one_warning(caplog):
         metrics = [dict(bad)]
         manager.check_weight_fingerprints(metrics)  # an engine object without the method: never called
         assert "update_weights/tensor_hashes" not in metrics[0]  # the map never reaches the logged metrics
+        # --lora-sync adapter's check, off by the same flag
+        metrics = [{"update_weights/weight_version": 2, "update_weights/adapter_tensor_hashes": {"x": "01"}}]
+        manager.check_adapter_fingerprints(metrics)
+        assert "update_weights/adapter_tensor_hashes" not in metrics[0]
     assert sum("--no-check-weight-fingerprints" in r.getMessage() for r in caplog.records) == 1

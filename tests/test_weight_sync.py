@@ -254,8 +254,9 @@ def cleanup(engines):
 
 
 def check_fingerprints(args, engines, metrics):
-    """RolloutManager.check_weight_fingerprints (the check run after every push) on these engines and the trainers'
-    real update results; returns the trainers' merged per-tensor map."""
+    """RolloutManager.check_weight_fingerprints (the check run after every push; check_adapter_fingerprints under
+    --lora-sync adapter) on these engines and the trainers' real update results; returns the trainers' merged
+    per-tensor map."""
     import threading
 
     from slime.ray.engine_group import EngineGroup
@@ -265,7 +266,9 @@ def check_fingerprints(args, engines, metrics):
     manager.args, manager.policy = args, EngineGroup(None, args, None)
     manager.policy.engines, manager.policy.urls = [e for e, _ in engines], [u for _, u in engines]
     manager.trainer_tensor_hashes, manager._warned, manager._lock = {}, set(), threading.RLock()
-    manager.check_weight_fingerprints([dict(m) for m in metrics])
+    adapter_sync = args.enable_lora and args.lora_sync == "adapter"
+    check = manager.check_adapter_fingerprints if adapter_sync else manager.check_weight_fingerprints
+    check([dict(m) for m in metrics])
     return manager.trainer_tensor_hashes
 
 
@@ -410,7 +413,12 @@ def test_lora_adapter_update_sends_only_adapters_and_engines_serve_base_plus_ada
             reference = trainer_greedy(trainers)
             assert max_logprob_diff(url, reference)[0] > 1e-3, "the adapters must change the trainer's output"
             ray.get([t.connect.remote([engine], lock) for t in trainers], timeout=120)
-            metrics = ray.get([t.update_weights.remote() for t in trainers], timeout=300)[0]
+            all_metrics = ray.get([t.update_weights.remote() for t in trainers], timeout=300)
+            metrics = all_metrics[0]
+            # the adapter the engine loaded hashes as what the trainer sent (rank 0 sends it and reports the hashes)
+            pushed = check_fingerprints(lora_args(tp), [(engine, url)], all_metrics)
+            assert len(pushed) > 10 and all(".lora_" in n for n in pushed)
+            assert ["update_weights/adapter_tensor_hashes" in m for m in all_metrics] == [True] + [False] * (tp - 1)
             diff, version = max_logprob_diff(url, reference, **generate_fields(args))
             assert diff < 1e-4, f"TP={tp}: the engine's base + adapter differs from the trainer: max |d logp| {diff}"
             assert version == "1" == str(metrics["update_weights/weight_version"])

@@ -17,6 +17,7 @@ from slime.ray.model_servers import frozen_groups, start_frozen_engines
 from slime.ray.utils import Lock
 from slime.rollout.weight_fingerprints import (
     WeightFingerprintError,
+    adapter_mismatch,
     engine_mismatch,
     merge_rank_hashes,
     sglang_change_set_violation,
@@ -24,6 +25,7 @@ from slime.rollout.weight_fingerprints import (
     sglang_names_known,
 )
 from slime.utils.health_monitor import RolloutHealthMonitor
+from slime.utils.lora_utils import ADAPTER_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -543,6 +545,63 @@ class RolloutManager:
         """SGLang's `/weights_checker` action on every engine; a failed `compare` raises naming the engine and
         the tensors that differ."""
         return [e.check_weights.remote(action) for e in self.rollout_engines]
+
+    def check_adapter_fingerprints(self, update_metrics):
+        """`--lora-sync adapter`, after every push (before its version is recorded as pushed): every CPU-server engine
+        serves, under `slime_policy`, exactly the adapter tensors the trainer sent. Raises naming the engine, the
+        version, the adapter, both fingerprints and the first differing tensor. SGLang has no adapter hash: there the
+        sha256 `expected_checksums` the engine verified when it loaded the adapter is the check."""
+        parts = [(m or {}).pop("update_weights/adapter_tensor_hashes", None) for m in update_metrics]
+        algorithms = {(m or {}).pop("update_weights/tensor_hash_algorithm", None) for m in update_metrics} - {None}
+        if not self.args.check_weight_fingerprints:
+            self._warn_once(
+                "off", "--no-check-weight-fingerprints: the engines' weights are not compared with the trainer's"
+            )
+            return
+        version = next((m["update_weights/weight_version"] for m in update_metrics if m), None)
+        trainer = merge_rank_hashes(parts, version)
+        engines = [(i, e) for i, e in enumerate(self.rollout_engines) if e is not None]
+        if not trainer or not engines:
+            if engines:
+                self._warn_once(
+                    "no-adapter-hashes",
+                    "the trainers reported no adapter hashes: the engines' adapter is not fingerprinted",
+                )
+            return
+        if len(algorithms) > 1:
+            raise WeightFingerprintError(f"weight version {version}: trainer ranks hashed with {sorted(algorithms)}")
+        algorithm = algorithms.pop() if algorithms else "tiles32"
+        self.trainer_tensor_hashes = trainer
+        timeout = float(self.args.update_weight_timeout or 300)
+        refs = [e.get_weights_fingerprint.remote(timeout, algorithm, ADAPTER_NAME) for _, e in engines]
+        try:
+            infos = ray.get(refs, timeout=timeout + 30)
+        except ray.exceptions.GetTimeoutError as e:
+            raise WeightFingerprintError(
+                f"weight version {version}: no adapter fingerprint from the engines {self.engine_urls} within "
+                f"{timeout + 30:.0f}s (--update-weight-timeout)"
+            ) from e
+        for (i, _), info in zip(engines, infos):
+            name = f"inference engine {i} ({self.engine_urls[i]})"
+            reason = None if info is None else adapter_mismatch(trainer, info, version, ADAPTER_NAME, name)
+            if reason is not None:
+                raise WeightFingerprintError(
+                    f"{reason}; stopping before any sample of that version is trained "
+                    "(--no-check-weight-fingerprints skips this check)"
+                )
+        sglang = sum(info is None for info in infos)
+        if sglang:
+            self._warn_once(
+                "sglang-adapter",
+                f"{sglang} SGLang engine(s) report no adapter hash: their adapter is verified by the sha256 "
+                "expected_checksums they check when loading it",
+            )
+        logger.info(
+            "weight version %s: %d CPU-server engine(s) serve the adapter %s the trainer pushed (fingerprints match)",
+            version,
+            len(engines) - sglang,
+            ADAPTER_NAME,
+        )
 
     def shutdown(self):
         """Stop the frozen models' and the policy's engines and routers (each engine removes itself from its router

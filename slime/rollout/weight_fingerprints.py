@@ -56,6 +56,25 @@ def engine_mismatch(trainer: dict, info: dict, version, engine: str) -> str | No
     )
 
 
+def adapter_mismatch(trainer: dict, info: dict, version, adapter: str, engine: str) -> str | None:
+    """`--lora-sync adapter`: why `engine`'s report `info` (`/slime/weights_fingerprint?adapter=NAME`: the hashes of
+    the adapter it loaded under that name, its tensors as they arrived) does not match the trainer's map of the
+    adapter it pushed (PEFT names, the dtype they travel in), or None. Every tensor counts: the adapter is pushed
+    whole, so a tensor on one side only is a difference."""
+    if str(info.get("weight_version")) != str(version):
+        return f"{engine} reports weight version {info.get('weight_version')!r} after the push of version {version}"
+    served = info.get("adapter_tensor_hashes")
+    if served is None:
+        return f"{engine} serves no LoRA adapter {adapter!r} after the push of weight version {version}"
+    diff = first_difference(trainer, served)
+    if diff is None:
+        return None
+    return (
+        f"{engine} serves LoRA adapter {adapter!r} of weight version {version} with fingerprint {combine(served)}, "
+        f"the trainer pushed {combine(trainer)}; first differing tensor: {diff}"
+    )
+
+
 def sglang_disagreement(payloads: dict) -> str | None:
     """`{engine: /weights_checker checksum response}` of SGLang engines: None when every engine reports the same
     per-rank checksums (ranks sorted by their global rank), else which engine differs from the first and where."""

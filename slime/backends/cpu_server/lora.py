@@ -17,6 +17,8 @@ from collections import OrderedDict
 
 import torch
 
+from slime.utils.fingerprint import hash_named
+
 from .weights import WeightError
 
 # HF projection -> (fused projection of the server's layer, its part); the part order is the fused layout's
@@ -57,6 +59,9 @@ class Adapter:
 
     def __init__(self, name, path, config: dict, tensors: dict, cfg, dtype, pinned=False):
         self.name, self.path, self.pinned = name, path, pinned
+        # the tensors as they arrived, by their names: `/slime/weights_fingerprint?adapter=` hashes these, as the
+        # trainer hashes what it sent (the served form below is fused, scaled and cast)
+        self.received, self._hashes = dict(tensors), {}
         r, alpha = int(config.get("r", 8)), float(config.get("lora_alpha", 8))
         self.rank = r
         self.scale = alpha / (r**0.5 if config.get("use_rslora") else r)
@@ -93,6 +98,12 @@ class Adapter:
                 b[row : row + sizes[p], col : col + r] = by_part[p][1] * self.scale
                 col += r
             self.layers[(layer, fused)] = (a.to(dtype), b.to(dtype))
+
+    def tensor_hashes(self, algorithm: str) -> dict:
+        """`{name: 16-hex-digit hash}` of the tensors as they arrived (slime.utils.fingerprint), cached."""
+        if algorithm not in self._hashes:
+            self._hashes[algorithm] = hash_named(self.received.items(), algorithm=algorithm)
+        return self._hashes[algorithm]
 
 
 def _out_dims(cfg) -> dict:
@@ -229,6 +240,10 @@ class LoRARegistry:
                 self.in_use[id(adapter)] = n
             else:
                 self.in_use.pop(id(adapter), None)
+
+    def get(self, name) -> Adapter | None:
+        with self.lock:
+            return self.adapters.get(name)
 
     def busy(self, adapter: Adapter) -> bool:
         with self.lock:

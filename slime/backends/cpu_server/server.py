@@ -98,6 +98,9 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
         self.weight_session_open = False  # between /begin_weight_update and /end_weight_update
         self.weight_checker = WeightChecker(lambda: self.weights.state(), on_change=self._weights_changed)
         self.served_fingerprint = ServedFingerprint(lambda: self.weights)
+        # held by every change of the weights or of their version label (`_weights_control`) and by a fingerprint
+        # while it hashes off the scheduler thread: updates copy in place, so the two must not overlap
+        self.weights_lock = asyncio.Lock()
         self.started = time.time()
         self.last_gen_throughput = 0.0
 
@@ -343,23 +346,30 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
 
     async def weights_fingerprint(self, request):
         """The served weights' fingerprint and the hash of every HF tensor behind it (`?algorithm=tiles32|xxh3`, the
-        trainer's; default tiles32)."""
-        algorithm = request.query.get("algorithm", "tiles32")
+        trainer's; default tiles32); with `?adapter=NAME`, those of the LoRA adapter loaded under NAME instead (its
+        tensors as they arrived; null when no adapter of that name is loaded)."""
+        algorithm, adapter = request.query.get("algorithm", "tiles32"), request.query.get("adapter")
         if algorithm not in ALGORITHMS:
             raise RequestError(f"/slime/weights_fingerprint: algorithm {algorithm!r} is not one of {list(ALGORITHMS)}")
-
-        def compute():
-            return self.state.weight_version, self.served_fingerprint.hashes(algorithm)
-
-        version, hashes = await self._control(compute)
-        return web.json_response(
-            {
-                "weight_version": version,
-                "algorithm": algorithm,
-                "weights_fingerprint": combine(hashes) if hashes else None,
-                "tensor_hashes": hashes,
-            }
-        )
+        if adapter is not None and self.loras is None:
+            raise RequestError("/slime/weights_fingerprint: adapter given but LoRA is not enabled (--enable-lora)")
+        # hashed in a worker thread, so generation goes on; the lock keeps weight and version changes out until the
+        # hashes are done, so (weight_version, hashes) describe one state
+        async with self.weights_lock:
+            version = self.state.weight_version
+            if adapter is not None:
+                loaded = self.loras.get(adapter)
+                hashes = None if loaded is None else await asyncio.to_thread(loaded.tensor_hashes, algorithm)
+                body = {
+                    "adapter": adapter,
+                    "adapter_fingerprint": combine(hashes) if hashes else None,
+                    "adapter_tensor_hashes": hashes,
+                }
+            else:
+                snap = self.served_fingerprint.snapshot(algorithm)
+                hashes = await asyncio.to_thread(self.served_fingerprint.hashes, snap)
+                body = {"weights_fingerprint": combine(hashes) if hashes else None, "tensor_hashes": hashes}
+        return web.json_response({"weight_version": version, "algorithm": algorithm, **body})
 
     async def model_info(self, request):
         algorithm, fingerprint = self.served_fingerprint.cached()
@@ -409,6 +419,11 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
     # ------------------------------------------------------------------ control
     async def _control(self, fn):
         return await asyncio.wrap_future(self.scheduler.run_control(fn))
+
+    async def _weights_control(self, fn):
+        """`_control` for a change of the weights or of their version label: waits for a fingerprint being hashed."""
+        async with self.weights_lock:
+            return await self._control(fn)
 
     async def flush_cache(self, request):
         # no prefix cache to drop; like SGLang, refuse while requests are in flight (callers retry until 200)

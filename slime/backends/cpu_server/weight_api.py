@@ -47,7 +47,7 @@ class WeightAPI:
                 self.received.clear()
             self.released_tags.update(tags)  # cuda_graph: no graphs here, but the tag is held released all the same
 
-        await self._control(release)
+        await self._weights_control(release)
         return web.Response(text="")
 
     async def resume_memory(self, request):
@@ -60,7 +60,7 @@ class WeightAPI:
                 self.pool.allocate()
             self.released_tags.difference_update(tags)
 
-        await self._control(resume)
+        await self._weights_control(resume)
         self.scheduler.wakeup.set()
         return web.Response(text="")
 
@@ -150,7 +150,7 @@ class WeightAPI:
                 self.weights.note_loaded(names)
             self.state.bump_version(b.get("weight_version"))
 
-        await self._control(receive_and_load)
+        await self._weights_control(receive_and_load)
         return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
 
     async def update_weights_from_tensor(self, request):
@@ -178,7 +178,7 @@ class WeightAPI:
             self.state.bump_version(b.get("weight_version"))
             self.received.keep(b.get("weight_version"), [t for _, t in named])
 
-        await self._control(load)
+        await self._weights_control(load)
         return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
 
     async def update_weights_from_disk(self, request):
@@ -191,7 +191,7 @@ class WeightAPI:
             self.weights.load_from_dir(path)
             self.state.bump_version(b.get("weight_version"))
 
-        await self._control(load)
+        await self._weights_control(load)
         return web.json_response(
             {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
         )
@@ -230,7 +230,7 @@ class WeightAPI:
             raise WeightError("no weight-update session is open; call begin_weight_update() first")
         self.weight_session_open = False
         if getattr(self.weights, "quant", None) is not None:  # SGLang's process_weights_after_loading
-            await self._control(lambda: self.weights.finish_quantized("end_weight_update"))
+            await self._weights_control(lambda: self.weights.finish_quantized("end_weight_update"))
         return web.json_response({"success": True, "message": "Success"})
 
     async def update_weight_version(self, request):
@@ -238,7 +238,7 @@ class WeightAPI:
         if not isinstance(b.get("new_version"), str):
             raise RequestError("update_weight_version needs new_version (a string)")
         # on the scheduler thread, between steps: live requests record the change in their version spans
-        await self._control(lambda: self.state.set_version(b["new_version"]))
+        await self._weights_control(lambda: self.state.set_version(b["new_version"]))
         return web.json_response(
             {
                 "success": True,
@@ -328,7 +328,7 @@ class WeightAPI:
             return self.weight_checker.handle(b.get("action", "checksum"), b.get("skip_tensor_list"))
 
         try:
-            ranks = await self._control(check)
+            ranks = await self._weights_control(check)
         except (WeightCheckError, WeightError) as e:
             return web.json_response({"success": False, "message": str(e)}, status=400)
         body = {"success": True, "message": "Success."}

@@ -628,17 +628,18 @@ class SGLangEngine(RayActor):
             return next(i["tp_size"] for i in self.args.rollout_external_engine_infos if i["url"] == self.url)
         return self.args.rollout_num_gpus_per_engine if self.kind == "sglang" else 1
 
-    def get_weights_fingerprint(self, timeout: float = 300, algorithm: str = "tiles32"):
+    def get_weights_fingerprint(self, timeout: float = 300, algorithm: str = "tiles32", adapter: str | None = None):
         """slime's CPU server: `{weight_version, weights_fingerprint, tensor_hashes}` of the weights it serves (tiles32
-        per HF tensor, see slime.utils.fingerprint). None for an engine without the route (SGLang: its tensors are
-        fused and sharded, not HF-named)."""
+        per HF tensor, see slime.utils.fingerprint), or with `adapter` `{weight_version, adapter_fingerprint,
+        adapter_tensor_hashes}` of the LoRA adapter it serves under that name. None for an engine without the route
+        (SGLang: its tensors are fused and sharded, not HF-named; it has no adapter hash either)."""
         if self.kind == "sglang":
             return None
         url = f"{self.url}/slime/weights_fingerprint"
         try:
             resp = self._http.get(
                 url,
-                params={"algorithm": algorithm},
+                params={"algorithm": algorithm, **({"adapter": adapter} if adapter is not None else {})},
                 timeout=timeout,
                 headers=self._headers("slime/weights_fingerprint"),
             )

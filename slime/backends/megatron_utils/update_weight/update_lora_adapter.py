@@ -6,6 +6,8 @@ SGLang's `/load_lora_adapter_from_tensors`. Every rollout request names the adap
 All ranks gather the adapters (TP, then PP); rank 0 sends them by value, so any topology works (colocated,
 disaggregated, external engines on other hosts), with a sha256 per tensor that the engine checks before it serves
 the new version. The replacement happens between pause_generation and continue_generation, like a full update.
+The update's metrics carry the adapter's per-tensor hashes (`slime.utils.fingerprint`), which the rollout manager
+compares with what each CPU-server engine loaded (`RolloutManager.check_adapter_fingerprints`).
 """
 
 import time
@@ -14,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from slime.backends.megatron_utils.lora import full_adapters, peft_config, peft_tensors
+from slime.utils.fingerprint import default_algorithm, hash_named
 from slime.utils.lora_utils import ADAPTER_NAME, serialize_by_value, tensor_sha256
 
 from .common import engine_urls, log_metrics, update_metrics, update_timeout, wait_engines
@@ -36,17 +39,24 @@ class UpdateLoRAAdapter:
         self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
         # from the actor's CPU weight dict (the live model may be offloaded); collective over every trainer rank
         adapters = full_adapters(self.args, self.model, self.weights["actor"])
-        nbytes = 0
+        nbytes, hashes = 0, None
         if dist.get_rank() == 0:
             tensors = peft_tensors(self.args, adapters, self.model_name)
             tensors = {n: t.to(self.args.params_dtype) for n, t in tensors.items()}
             modules = {n.split(".lora_")[0].rsplit(".", 1)[1] for n in tensors}
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values()) * len(self.rollout_engines)
             self._send(peft_config(self.args, modules), tensors)
+            if getattr(self.args, "check_weight_fingerprints", True) and tensors:
+                # what was sent, under the names and in the dtype it travelled in: the rollout manager compares it
+                # with each engine's hashes of the adapter it loaded (RolloutManager.check_adapter_fingerprints)
+                algorithm = default_algorithm(next(iter(tensors.values())).device)
+                hashes = (hash_named(tensors.items(), algorithm=algorithm), algorithm)
         dist.barrier()
         metrics = update_metrics(time.perf_counter() - start, nbytes, self.weight_version)
         if dist.get_rank() == 0:
             log_metrics(metrics)
+        if hashes is not None:
+            metrics["update_weights/adapter_tensor_hashes"], metrics["update_weights/tensor_hash_algorithm"] = hashes
         return metrics
 
     def _send(self, config, tensors):
