@@ -380,6 +380,8 @@ class RolloutManager:
         tensors the trainers sent; every SGLang engine agrees with the others and changed exactly where the trainers'
         tensors changed (see slime.rollout.weight_fingerprints). Raises in one line naming the engine and the version.
         An engine that died since the push is a failed engine (`_ask_engines`)."""
+        if any("update_weights/adapter_tensor_hashes" in (m or {}) for m in update_metrics):
+            return self.check_adapter_fingerprints(update_metrics)  # --lora-sync adapter: only the adapter moved
         parts = [(m or {}).pop("update_weights/tensor_hashes", None) for m in update_metrics]
         algorithms = {(m or {}).pop("update_weights/tensor_hash_algorithm", None) for m in update_metrics} - {None}
         if not self.args.check_weight_fingerprints:
@@ -394,8 +396,7 @@ class RolloutManager:
             if engines:
                 self._warn_once(
                     "no-hashes",
-                    "this weight-update path reports no tensor hashes (--lora-sync adapter pushes only the adapter): "
-                    "the engines' weights are not fingerprinted",
+                    "this weight-update path reports no tensor hashes: the engines' weights are not fingerprinted",
                 )
             return
         if len(algorithms) > 1:  # trainer ranks on different devices
@@ -571,25 +572,23 @@ class RolloutManager:
         if len(algorithms) > 1:
             raise WeightFingerprintError(f"weight version {version}: trainer ranks hashed with {sorted(algorithms)}")
         algorithm = algorithms.pop() if algorithms else "tiles32"
-        self.trainer_tensor_hashes = trainer
         timeout = float(self.args.update_weight_timeout or 300)
-        refs = [e.get_weights_fingerprint.remote(timeout, algorithm, ADAPTER_NAME) for _, e in engines]
-        try:
-            infos = ray.get(refs, timeout=timeout + 30)
-        except ray.exceptions.GetTimeoutError as e:
-            raise WeightFingerprintError(
-                f"weight version {version}: no adapter fingerprint from the engines {self.engine_urls} within "
-                f"{timeout + 30:.0f}s (--update-weight-timeout)"
-            ) from e
-        for (i, _), info in zip(engines, infos):
-            name = f"inference engine {i} ({self.engine_urls[i]})"
+        infos = self._ask_engines(
+            engines, lambda e: e.get_weights_fingerprint.remote(timeout, algorithm, ADAPTER_NAME), timeout, version
+        )
+        for i, info in infos.items():
+            name = self._engine_name(i)
+            if isinstance(info, Exception):
+                raise WeightFingerprintError(
+                    f"weight version {version}: {name} did not report its adapter fingerprint: {_first_line(info)}"
+                )
             reason = None if info is None else adapter_mismatch(trainer, info, version, ADAPTER_NAME, name)
             if reason is not None:
                 raise WeightFingerprintError(
                     f"{reason}; stopping before any sample of that version is trained "
                     "(--no-check-weight-fingerprints skips this check)"
                 )
-        sglang = sum(info is None for info in infos)
+        sglang = sum(info is None for info in infos.values())
         if sglang:
             self._warn_once(
                 "sglang-adapter",
@@ -599,7 +598,7 @@ class RolloutManager:
         logger.info(
             "weight version %s: %d CPU-server engine(s) serve the adapter %s the trainer pushed (fingerprints match)",
             version,
-            len(engines) - sglang,
+            len(infos) - sglang,
             ADAPTER_NAME,
         )
 

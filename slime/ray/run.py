@@ -118,10 +118,7 @@ class Run:
             metrics = self.get(self.actor_model.async_update_weights(version))
         version = next((m["update_weights/weight_version"] for m in metrics if m), weight_version)
         # a version counts as pushed (its samples may be trained) only once the engines' fingerprints match it
-        if args.enable_lora and args.lora_sync == "adapter":  # only the adapter was pushed: its fingerprint
-            manager.check_adapter_fingerprints(metrics)
-        else:
-            manager.check_weight_fingerprints(metrics)
+        manager.check_weight_fingerprints(metrics)
         if version is not None:
             self.get(manager.set_weight_version(version))
         if args.check_weight_update_equal and self._pushes == 0:
