@@ -266,9 +266,7 @@ def check_fingerprints(args, engines, metrics):
     manager.args, manager.policy = args, EngineGroup(None, args, None)
     manager.policy.engines, manager.policy.urls = [e for e, _ in engines], [u for _, u in engines]
     manager.trainer_tensor_hashes, manager._warned, manager._lock = {}, set(), threading.RLock()
-    adapter_sync = args.enable_lora and args.lora_sync == "adapter"
-    check = manager.check_adapter_fingerprints if adapter_sync else manager.check_weight_fingerprints
-    check([dict(m) for m in metrics])
+    manager.check_weight_fingerprints([dict(m) for m in metrics])
     return manager.trainer_tensor_hashes
 
 

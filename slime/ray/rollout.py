@@ -572,6 +572,7 @@ class RolloutManager:
         if len(algorithms) > 1:
             raise WeightFingerprintError(f"weight version {version}: trainer ranks hashed with {sorted(algorithms)}")
         algorithm = algorithms.pop() if algorithms else "tiles32"
+        self.trainer_tensor_hashes = trainer  # (the adapter's, under adapter sync: no full push ever follows)
         timeout = float(self.args.update_weight_timeout or 300)
         infos = self._ask_engines(
             engines, lambda e: e.get_weights_fingerprint.remote(timeout, algorithm, ADAPTER_NAME), timeout, version
