@@ -9,6 +9,7 @@ import logging
 import pytest
 import requests
 
+from slime.backends.sglang_utils.router import router_url
 from slime.rollout import sampling_provenance
 from slime.rollout.recording_proxy import SOURCE, RecordingProxy, RequestLedger, record_generate, start_recording_proxy
 from slime.rollout.train_data import convert_samples_to_train_data
@@ -187,6 +188,7 @@ def test_start_up_points_the_runs_router_address_at_the_proxy(proxied):
     try:
         assert args.sglang_router_port == proxy.handle.port != port
         assert args.sglang_router_behind_proxy == ("127.0.0.1", port)
+        assert router_url(args) == server  # slime's own generate records itself: no extra hop
         assert args.sglang_model_routers == {"policy": ("127.0.0.1", proxy.handle.port), "judge": ("127.0.0.1", 1)}
         status, out = _generate(
             f"http://127.0.0.1:{args.sglang_router_port}", input_ids=PROMPT, sampling_params={"max_new_tokens": 2}

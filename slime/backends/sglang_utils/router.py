@@ -172,7 +172,10 @@ def stop_router(process, timeout: float = 10.0):
 
 
 def router_url(args) -> str:
-    return f"http://{args.sglang_router_ip}:{args.sglang_router_port}"
+    """The policy's router, for slime's own calls: behind the recording proxy when one runs (slime's generate records
+    what it samples with itself, so it skips the proxy's hop; user code reads args.sglang_router_ip/port, the proxy)."""
+    ip, port = getattr(args, "sglang_router_behind_proxy", None) or (args.sglang_router_ip, args.sglang_router_port)
+    return f"http://{ip}:{port}"
 
 
 def add_worker(router: str, worker_url: str, timeout: float = 60.0, wait: bool = True, api_key: str | None = None):
