@@ -41,7 +41,7 @@ class FakeSGLangEngine:
     def check_alive(self):
         if self.server_dead:  # SGLangEngine.check_alive's message
             raise RuntimeError(
-                "inference server of engine 1 at http://10.0.0.2:30000 exited with code -9. Last log "
+                "inference server of engine 1 at http://127.0.2.2:30000 exited with code -9. Last log "
                 "lines (/tmp/x.log):\n..."
             )
         return "alive"
@@ -90,7 +90,7 @@ def test_one_sglang_engine_is_held_to_the_change_set_rule(fake_sglang, caplog):
     caplog.set_level(logging.INFO, logger="slime.ray.rollout")
     args = _args_sglang()
     (engine,) = fake_sglang(1)
-    manager = manager_of(args, [engine], ["http://10.0.0.1:30000"])
+    manager = manager_of(args, [engine], ["http://127.0.2.1:30000"])
     v0, v1, v2 = trainer(0), trainer(1, CHANGED), trainer(2, CHANGED)
     for version, hashes in ((1, v0), (2, v1)):
         ray.get(engine.set_checksums.remote(checksums(hashes)))
@@ -100,7 +100,7 @@ def test_one_sglang_engine_is_held_to_the_change_set_rule(fake_sglang, caplog):
     with pytest.raises(WeightFingerprintError) as err:
         manager.check_weight_fingerprints(push(3, v2))
     assert str(err.value) == (
-        "inference engine 0 (http://10.0.0.1:30000): the trainer changed 3 tensor(s) for weight version 3 (e.g. "
+        "inference engine 0 (http://127.0.2.1:30000): the trainer changed 3 tensor(s) for weight version 3 (e.g. "
         "'model.layers.0.self_attn.q_proj.weight') but none of the engine's parameter checksums changed: the update "
         "did not reach it; stopping before any sample of that version is trained (--no-check-weight-fingerprints "
         "skips this check)"
@@ -124,7 +124,7 @@ def test_an_sglang_engine_dead_at_the_check_is_a_failed_engine(fake_sglang, faul
     check skipped itself with a warning)."""
     args = _args_sglang(use_fault_tolerance=fault_tolerance)
     engines = fake_sglang(2)
-    urls = ["http://10.0.0.1:30000", "http://10.0.0.2:30000"]
+    urls = ["http://127.0.2.1:30000", "http://127.0.2.2:30000"]
     manager = manager_of(args, engines, urls)
     v0, v1 = trainer(0), trainer(1, CHANGED)
     ray.get([e.set_checksums.remote(checksums(v0)) for e in engines])
