@@ -85,6 +85,13 @@ def test_unmatched_and_self_recorded_samples_are_left_alone_and_old_outputs_are_
     assert ledger.attach([own, gone, fabricated]) == 0
     assert own.metadata["sampling_params"][0]["temperature"] == 1.0 and not gone.metadata and not fabricated.metadata
     assert len(ledger) == 1
+    # outputs taken behind one nobody takes are not kept: the arrival queue stays near the live count
+    big = RequestLedger(max_tokens=1 << 20)
+    big.add([1, 2], _record(0.5), [])
+    for k in range(3000):
+        big.add([5, k], _record(0.5), [])
+        big.attach([_sample(PROMPT, [5, k])])
+    assert len(big) == 1 and len(big._fifo) <= 1024 + 3
 
 
 def test_trained_tokens_no_record_covers_are_named_and_refused_under_adapter_sync(caplog):

@@ -65,11 +65,11 @@ class RequestLedger:
         self._lock = threading.Lock()
         self._by_ids = {}  # xxh3 of the output's int32 ids -> [_Entry] (identical outputs: oldest first)
         self._lengths = {}  # first token -> Counter(output length): where an output starting there may end
-        self._fifo = collections.deque()
-        self._tokens = 0
+        self._fifo = collections.deque()  # arrival order, for eviction (taken entries are dropped lazily)
+        self._tokens, self._live = 0, 0
 
     def __len__(self):
-        return sum(len(v) for v in self._by_ids.values())
+        return self._live
 
     # ---------------------------------------------------------------- recording (the proxy's thread)
     def add(self, output_ids, record: dict, spans: list, input_ids=None) -> None:
@@ -80,11 +80,13 @@ class RequestLedger:
             self._by_ids.setdefault(xxhash.xxh3_64_intdigest(ids), []).append(entry)
             self._lengths.setdefault(int(output_ids[0]), collections.Counter())[len(output_ids)] += 1
             self._fifo.append(entry)
-            self._tokens += len(output_ids)
+            self._tokens, self._live = self._tokens + len(output_ids), self._live + 1
             while self._tokens > self.max_tokens and self._fifo:
                 old = self._fifo.popleft()
                 if not old.taken:
                     self._remove(old)
+            if len(self._fifo) > 2 * self._live + 1024:  # taken entries behind an old one nobody took
+                self._fifo = collections.deque(e for e in self._fifo if not e.taken)
 
     def _remove(self, entry):
         key = xxhash.xxh3_64_intdigest(entry.ids)
@@ -99,7 +101,7 @@ class RequestLedger:
             del lengths[n]
         if not lengths:
             del self._lengths[first]
-        self._tokens -= n
+        self._tokens, self._live = self._tokens - n, self._live - 1
         entry.taken = True
 
     def _take(self, ids: bytes, tail: bytes):
@@ -303,7 +305,9 @@ def start_recording_proxy(args):
         f"http://{router[0]}:{router[1]}", ledger, timeout=float(args.sglang_router_request_timeout_secs) + 60
     ).start(router[0])
     args.sglang_router_port = proxy.handle.port
-    args.sglang_router_behind_proxy = router  # the real router's (ip, port), for code that must reach it, not the proxy
+    args.sglang_router_behind_proxy = (
+        router  # the real router's (ip, port), for code that must reach it, not the proxy
+    )
     routers = args.sglang_model_routers or {}
     args.sglang_model_routers = {
         k: (proxy.handle.host, proxy.handle.port) if tuple(v) == router else v for k, v in routers.items()
