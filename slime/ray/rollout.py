@@ -375,6 +375,29 @@ class RolloutManager:
             self._warned.add(key)
             logger.warning(message)
 
+    def _pushed_hashes(self, update_metrics, key):
+        """(version, {name: hash} the trainers sent under `key`, the engines in service, the hash algorithm) of a push,
+        or None when there is nothing to compare: the check is off, no hashes, no engine."""
+        parts = [(m or {}).pop(key, None) for m in update_metrics]
+        algorithms = {(m or {}).pop("update_weights/tensor_hash_algorithm", None) for m in update_metrics} - {None}
+        if not self.args.check_weight_fingerprints:
+            self._warn_once(
+                "off", "--no-check-weight-fingerprints: the engines' weights are not compared with the trainer's"
+            )
+            return None
+        version = next((m["update_weights/weight_version"] for m in update_metrics if m), None)
+        trainer = merge_rank_hashes(parts, version)
+        engines = [(i, e) for i, e in enumerate(self.rollout_engines) if e is not None]
+        if not trainer or not engines:
+            if engines:
+                self._warn_once(
+                    ("no-hashes", key), f"this push reports no {key}: the engines' weights are not fingerprinted"
+                )
+            return None
+        if len(algorithms) > 1:  # trainer ranks on different devices
+            raise WeightFingerprintError(f"weight version {version}: trainer ranks hashed with {sorted(algorithms)}")
+        return version, trainer, engines, algorithms.pop() if algorithms else "tiles32"
+
     def check_weight_fingerprints(self, update_metrics):
         """After every push (before its version is recorded as pushed): every CPU-server engine serves exactly the
         tensors the trainers sent; every SGLang engine agrees with the others and changed exactly where the trainers'
@@ -382,26 +405,10 @@ class RolloutManager:
         An engine that died since the push is a failed engine (`_ask_engines`)."""
         if any("update_weights/adapter_tensor_hashes" in (m or {}) for m in update_metrics):
             return self.check_adapter_fingerprints(update_metrics)  # --lora-sync adapter: only the adapter moved
-        parts = [(m or {}).pop("update_weights/tensor_hashes", None) for m in update_metrics]
-        algorithms = {(m or {}).pop("update_weights/tensor_hash_algorithm", None) for m in update_metrics} - {None}
-        if not self.args.check_weight_fingerprints:
-            self._warn_once(
-                "off", "--no-check-weight-fingerprints: the engines' weights are not compared with the trainer's"
-            )
+        pushed = self._pushed_hashes(update_metrics, "update_weights/tensor_hashes")
+        if pushed is None:
             return
-        version = next((m["update_weights/weight_version"] for m in update_metrics if m), None)
-        trainer = merge_rank_hashes(parts, version)
-        engines = [(i, e) for i, e in enumerate(self.rollout_engines) if e is not None]
-        if not trainer or not engines:
-            if engines:
-                self._warn_once(
-                    "no-hashes",
-                    "this weight-update path reports no tensor hashes: the engines' weights are not fingerprinted",
-                )
-            return
-        if len(algorithms) > 1:  # trainer ranks on different devices
-            raise WeightFingerprintError(f"weight version {version}: trainer ranks hashed with {sorted(algorithms)}")
-        algorithm = algorithms.pop() if algorithms else "tiles32"
+        version, trainer, engines, algorithm = pushed
         # a push that sends part of the tensors (a delta) leaves the others as they were
         previous = self.trainer_tensor_hashes
         self.trainer_tensor_hashes = trainer = {**previous, **trainer}
@@ -552,26 +559,10 @@ class RolloutManager:
         serves, under `slime_policy`, exactly the adapter tensors the trainer sent. Raises naming the engine, the
         version, the adapter, both fingerprints and the first differing tensor. SGLang has no adapter hash: there the
         sha256 `expected_checksums` the engine verified when it loaded the adapter is the check."""
-        parts = [(m or {}).pop("update_weights/adapter_tensor_hashes", None) for m in update_metrics]
-        algorithms = {(m or {}).pop("update_weights/tensor_hash_algorithm", None) for m in update_metrics} - {None}
-        if not self.args.check_weight_fingerprints:
-            self._warn_once(
-                "off", "--no-check-weight-fingerprints: the engines' weights are not compared with the trainer's"
-            )
+        pushed = self._pushed_hashes(update_metrics, "update_weights/adapter_tensor_hashes")
+        if pushed is None:
             return
-        version = next((m["update_weights/weight_version"] for m in update_metrics if m), None)
-        trainer = merge_rank_hashes(parts, version)
-        engines = [(i, e) for i, e in enumerate(self.rollout_engines) if e is not None]
-        if not trainer or not engines:
-            if engines:
-                self._warn_once(
-                    "no-adapter-hashes",
-                    "the trainers reported no adapter hashes: the engines' adapter is not fingerprinted",
-                )
-            return
-        if len(algorithms) > 1:
-            raise WeightFingerprintError(f"weight version {version}: trainer ranks hashed with {sorted(algorithms)}")
-        algorithm = algorithms.pop() if algorithms else "tiles32"
+        version, trainer, engines, algorithm = pushed
         self.trainer_tensor_hashes = trainer  # (the adapter's, under adapter sync: no full push ever follows)
         timeout = float(self.args.update_weight_timeout or 300)
         infos = self._ask_engines(
