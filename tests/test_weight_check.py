@@ -153,11 +153,11 @@ def test_an_sglang_engine_dead_at_the_check_is_a_failed_engine(fake_sglang, faul
         manager.check_weight_fingerprints(push(3, trainer(3, CHANGED)))
 
 
-@pytest.mark.parametrize("fault_tolerance", [False, True])
-def test_a_cpu_server_killed_between_the_push_and_the_check(ray_session, tiny_kit, fault_tolerance):
+def test_a_cpu_server_killed_between_the_push_and_the_check(ray_session, tiny_kit):
     """Two real CPU servers; engine 1's server is SIGKILLed after the push. Without --use-fault-tolerance the run
-    stops in one line saying it died; with it, it is removed and engine 0's fingerprint is still checked."""
-    args = _args(tiny_kit[0], 1, use_fault_tolerance=fault_tolerance)
+    stops in one line saying it died; with it (the same engines), it is removed and engine 0's fingerprint is still
+    checked."""
+    args = _args(tiny_kit[0], 1)
     engines = start_engines(args, 2)
     try:
         urls = ray.get([e.get_url.remote() for e in engines])
@@ -171,15 +171,14 @@ def test_a_cpu_server_killed_between_the_push_and_the_check(ray_session, tiny_ki
                 time.sleep(0.2)
             except Exception:  # noqa: BLE001  (the server is gone)
                 break
+        with pytest.raises(RuntimeError) as err:
+            manager_of(args, engines, urls).check_weight_fingerprints(push(version, served["tensor_hashes"]))
+        assert str(err.value) == (
+            f"inference engine 1 ({urls[1]}) died during the weight check of version {version} (inference "
+            f"server of engine 1 at {urls[1]} exited with code -9.)"
+        )
+        args.use_fault_tolerance = True
         manager = manager_of(args, engines, urls)
-        if not fault_tolerance:
-            with pytest.raises(RuntimeError) as err:
-                manager.check_weight_fingerprints(push(version, served["tensor_hashes"]))
-            assert str(err.value) == (
-                f"inference engine 1 ({urls[1]}) died during the weight check of version {version} (inference "
-                f"server of engine 1 at {urls[1]} exited with code -9.)"
-            )
-            return
         manager.check_weight_fingerprints(push(version, served["tensor_hashes"]))
         assert manager.rollout_engines == [engines[0], None]
         assert [e["kind"] for e in manager.fault_events] == ["engine_failed", "engine_removed"]
