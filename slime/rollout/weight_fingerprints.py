@@ -105,42 +105,65 @@ def sglang_disagreement(payloads: dict) -> str | None:
 
 # ------------------------------------------------------------------ SGLang's change-set rule
 # Families whose HF tensors SGLang 0.5.23 loads by `sglang_param_names`' rules (sglang/srt/models/{llama,qwen2,qwen3,
-# qwen3_moe,mimo,glm4,glm4_moe}.py `load_weights`: `stacked_params_mapping`, `FusedMoE.make_expert_params_mapping`).
-SGLANG_MAPPED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3moe", "mimo", "glm4", "glm4moe")
-# checked first (they contain a mapped family's name): SGLang loads them by other rules (MLA's
-# fused_qkv_a_proj_with_mqa, Gated DeltaNet's in_proj_qkvz/in_proj_ba, a vision tower), so their names are unknown
-_UNMAPPED_FAMILIES = ("qwen3next", "qwen35", "qwen25vl", "deepseekv3")
+# qwen3_moe,mimo,glm4,glm4_moe,qwen3_next,qwen3_5,qwen2_5_vl}.py `load_weights`: `stacked_params_mapping`,
+# `FusedMoE.make_expert_params_mapping`). Not DeepSeek-V3: its MLA loader fuses q_a_proj with kv_a_proj_with_mqa
+# only once both arrived and derives more tensors after loading (post_load_weights).
+SGLANG_MAPPED_FAMILIES = (
+    "llama", "qwen2", "qwen3", "qwen3moe", "mimo", "glm4", "glm4moe", "qwen3next", "qwen35", "qwen25vl",
+)  # fmt: skip
 _STACKED = {
     "q_proj": "qkv_proj",
     "k_proj": "qkv_proj",
     "v_proj": "qkv_proj",
     "gate_proj": "gate_up_proj",
     "up_proj": "gate_up_proj",
+    # Qwen3.5's Gated DeltaNet projections (Qwen3-Next's checkpoints hold them fused already)
+    "in_proj_qkv": "in_proj_qkvz",
+    "in_proj_z": "in_proj_qkvz",
+    "in_proj_b": "in_proj_ba",
+    "in_proj_a": "in_proj_ba",
 }
-_PROJ = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
+_PROJ = re.compile(r"\.(" + "|".join(_STACKED) + r")\.")
 _ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.")
-_SHARED_EXPERTS = re.compile(r"\.shared_experts\.(gate_proj|up_proj|down_proj)\.")
+_SHARED_EXPERTS = re.compile(r"\.shared_experts?\.(gate_proj|up_proj|down_proj)\.")
 
 
 def sglang_names_known(model_name) -> bool:
     """Whether `sglang_param_names` holds for this `--model-name` (matched as the converters are: lowercased, without
     "_" and "-")."""
     key = (model_name or "").lower().replace("_", "").replace("-", "")
-    return not any(s in key for s in _UNMAPPED_FAMILIES) and any(s in key for s in SGLANG_MAPPED_FAMILIES)
+    return any(s in key for s in SGLANG_MAPPED_FAMILIES)
+
+
+def _sglang_spellings(hf_name: str) -> tuple:
+    """`hf_name` as SGLang's loaders may rename it before mapping: itself; without a vision-language checkpoint's
+    `model.language_model.` prefix (Qwen3-VL, Qwen3.5); and without `.self_attn` too (Qwen3-Next, Qwen3.5, whose
+    attention layers hold the projections directly). A vision tower's `attn.qkv` is SGLang's `attn.qkv_proj`."""
+    if "visual." in hf_name:
+        return (hf_name.replace("model.visual.", "visual.", 1).replace(".attn.qkv.", ".attn.qkv_proj.", 1),)
+    bare = hf_name.replace("model.language_model.", "model.", 1)
+    return tuple(dict.fromkeys((hf_name, bare, bare.replace(".self_attn.", ".", 1))))
 
 
 def sglang_param_names(hf_name: str) -> tuple:
     """The SGLang parameter HF tensor `hf_name` loads into, by name only, as candidates in order (the first one the
-    engine reports is it): q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj, routed expert e's gate/up_proj ->
-    experts.w13_<suffix>, its down_proj -> experts.w2_<suffix>, GLM-4.5's shared_experts.* -> fused as above or, with
-    SGLang's shared-expert fusion, as one more routed expert; any other name loads into itself (a tied lm_head is not
-    sent: the engine's lm_head is embed_tokens)."""
-    routed = _ROUTED_EXPERT.search(hf_name)
-    if routed:  # checked before q/k/v/gate/up, as SGLang skips the stacked mapping for "mlp.experts"
-        return (_fused_expert(hf_name, routed),)
-    stacked = _PROJ.sub(lambda m: f".{_STACKED[m.group(1)]}.", hf_name, count=1)
-    shared = _SHARED_EXPERTS.search(hf_name)
-    return (stacked, _fused_expert(hf_name, shared)) if shared else (stacked,)
+    engine reports is it): q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj, Qwen3.5's in_proj_qkv/z ->
+    in_proj_qkvz and in_proj_b/a -> in_proj_ba, routed expert e's gate/up_proj -> experts.w13_<suffix>, its
+    down_proj -> experts.w2_<suffix>, shared experts (GLM-4.5's shared_experts.*, Qwen3-Next's shared_expert.*) ->
+    fused as above or, with SGLang's shared-expert fusion, as one more routed expert; any other name loads into
+    itself (a tied lm_head is not sent: the engine's lm_head is embed_tokens). Each in every spelling of
+    `_sglang_spellings`."""
+    out = []
+    for name in _sglang_spellings(hf_name):
+        routed = _ROUTED_EXPERT.search(name)
+        if routed:  # checked before q/k/v/gate/up, as SGLang skips the stacked mapping for "mlp.experts"
+            out.append(_fused_expert(name, routed))
+            continue
+        out.append(_PROJ.sub(lambda m: f".{_STACKED[m.group(1)]}.", name, count=1))
+        shared = _SHARED_EXPERTS.search(name)
+        if shared:
+            out.append(_fused_expert(name, shared))
+    return tuple(out)
 
 
 def _fused_expert(name, m):
