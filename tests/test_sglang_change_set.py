@@ -106,11 +106,11 @@ def test_hf_names_map_to_the_parameters_sglang_loads_them_into():
     assert sglang_param_names("model.layers.1.mlp.experts.0.gate_proj.weight") == (
         "model.layers.1.mlp.experts.w13_weight",
     )
-    assert sglang_param_names("model.layers.1.mlp.experts.7.down_proj.weight_scale_inv") == (
-        "model.layers.1.mlp.experts.w2_weight_scale_inv",
+    assert sglang_param_names("model.layers.1.mlp.experts.7.down_proj.weight_scale_inv")[0] == (
+        "model.layers.1.mlp.experts.w2_weight_scale_inv"
     )
     # GLM-4.5's shared experts: their own fused MLP, or (SGLang's shared-expert fusion) one more routed expert
-    assert sglang_param_names("model.layers.3.mlp.shared_experts.up_proj.weight") == (
+    assert sglang_param_names("model.layers.3.mlp.shared_experts.up_proj.weight")[:2] == (
         "model.layers.3.mlp.shared_experts.gate_up_proj.weight",
         "model.layers.3.mlp.experts.w13_weight",
     )
@@ -125,9 +125,10 @@ def test_hf_names_map_to_the_parameters_sglang_loads_them_into():
         "qwen3nextconfig",
         "qwen3_5moeconfig",
         "qwen2_5_vlconfig",
+        "deepseekv3config",
     ]
     assert all(sglang_names_known(n) for n in known)
-    unknown = ["deepseekv3config", "gpt2config", None]
+    unknown = ["gpt2config", None]
     assert not any(sglang_names_known(n) for n in unknown)
 
 
@@ -258,12 +259,18 @@ def test_unknown_names_and_families_fall_back_to_what_can_be_checked():
 class _Param:
     def __init__(self, name, loads):
         self.name = name
-        self.weight_loader = lambda param, weight, *a, **k: loads.setdefault(weight.name, []).append(param.name)
+        self.weight_loader = lambda param, weight, *a, **k: [
+            loads.setdefault(n, []).append(param.name) for n in weight.names
+        ]
 
 
 class _Weight:
-    def __init__(self, name):
-        self.name = name
+    """A tensor stand-in: the HF names it holds (two once SGLang fused them with torch.cat)."""
+
+    shape = (1,)
+
+    def __init__(self, *names):
+        self.names = names
 
 
 class _Mapper:
@@ -272,14 +279,19 @@ class _Mapper:
         return weights
 
 
-def run_sglang_loader(path, cls, hf, *, num_experts=0, shared_expert_fusion=False):
-    """{HF name: [SGLang parameter it was loaded into]} from `cls.load_weights` of sglang/srt/`path`."""
+def run_sglang_loader(path, cls, hf, *, method="load_weights", helpers=(), num_experts=0, shared_expert_fusion=False,
+                      config=()):  # fmt: skip
+    """{HF name: [SGLang parameters it was loaded into]} from `cls.<method>` of sglang/srt/`path`, with the module's
+    functions and classes named in `helpers` run from the source too."""
+    import concurrent.futures
+    import dataclasses
     import logging
     from types import SimpleNamespace
+    from typing import Dict, Optional
 
     tree = ast.parse((SGLANG_SRT / path).read_text())
     klass = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
-    load = next(n for n in klass.body if isinstance(n, ast.FunctionDef) and n.name == "load_weights")
+    load = next(n for n in klass.body if isinstance(n, ast.FunctionDef) and n.name == method)
     for a in load.args.args:
         a.annotation = None
     load.returns = None
@@ -294,24 +306,55 @@ def run_sglang_loader(path, cls, hf, *, num_experts=0, shared_expert_fusion=Fals
         "JointSchemaPooler": type("JointSchemaPooler", (), {}),
         "_is_cpu": False,
         "_is_amx_available": False,
+        "_is_npu": False,
         "Set": set,
-        "torch": SimpleNamespace(Tensor=object),  # an inner function's annotations
+        "Dict": Dict,
+        "List": List,
+        "Optional": Optional,
+        "Tuple": Tuple,
+        "dataclass": dataclasses.dataclass,
+        "concurrent": concurrent,
+        # torch: annotations, and DeepSeek's fusion of its two MLA down-projections
+        "torch": SimpleNamespace(Tensor=object, Size=tuple, cat=lambda ws, dim=0: _Weight(*ws[0].names, *ws[1].names)),
         "LazyValue": lambda compute: None,  # an expert-weight view built after loading, read by EPLB only
+        # DeepSeek's loader: no quantisation, no async loading (run inline), no indexer (DSA)
+        "RUNAI_STREAMER_TENSOR_ATTR": "_sglang_runai_streamer_tensor",
+        "NVFP4_CKPT_FP8_ATTN_QUANT_MODULES": [],
+        "should_async_load": lambda weight: False,
+        "maybe_executor_submit": lambda *, func, func_args=(), func_kwargs=None, **_: func(
+            *func_args, **(func_kwargs or {})
+        ),
+        "is_wint4afp8_or_wint4a16_config": lambda quant_config: False,
+        "log_info_on_rank0": lambda *a: None,
+        "_load_fused_indexer_wk": lambda *a: False,
     }
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in helpers:
+            exec(ast.unparse(node), namespace)
     exec(ast.unparse(ast.Module(body=[load], type_ignores=[])), namespace)
     universe = {p for h in hf for p in sglang_param_names(h)}
     fused = 1 if shared_expert_fusion else 0
     model = SimpleNamespace(
         config=SimpleNamespace(
-            num_experts=num_experts, tie_word_embeddings=False, encoder_only=False, language_only=False
-        ),
+            num_experts=num_experts,
+            n_routed_experts=num_experts,
+            tie_word_embeddings=False,
+            encoder_only=False,
+            language_only=False,
+            **dict(config),
+        ),  # fmt: skip
         enable_shared_expert_fusion=shared_expert_fusion,
         num_fused_shared_experts=fused,
         pp_group=SimpleNamespace(is_last_rank=True),
         pooler=None,
+        model=SimpleNamespace(),
+        quant_config=None,
         named_parameters=lambda remove_duplicate=True: [(p, _Param(p, loads)) for p in sorted(universe)],
+        _initialize_nextn_conf=lambda is_nextn: namespace["NextNDisabledConfig"](),
+        _maybe_quant_weights_to_fp8_ue8m0=lambda weights, modules, nextn_conf: weights,
+        post_load_weights=lambda **kw: None,  # derives w_kc / w_vc from kv_b_proj: plain tensors, not parameters
     )
-    namespace["load_weights"](model, [(h, _Weight(h)) for h in hf])
+    namespace[method](model, [(h, _Weight(h)) for h in hf])
     return loads
 
 
@@ -330,6 +373,8 @@ def _decoder(prefix, layer, attention, mlp):
     names = [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
     if attention == "full":
         names += [f"{p}self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")]
+    elif attention in ("mla", "mla-lite"):
+        names += _mla(p, q_lora=attention == "mla")
     elif attention == "qwen2":
         names += [f"{p}self_attn.{n}.{w}" for n in ("q_proj", "k_proj", "v_proj") for w in ("weight", "bias")]
         names += [p + "self_attn.o_proj.weight"]
@@ -342,6 +387,9 @@ def _decoder(prefix, layer, attention, mlp):
     else:
         names += [p + "mlp.gate.weight"]
         names += [f"{p}mlp.experts.{e}.{n}.weight" for e in range(2) for n in ("gate_proj", "up_proj", "down_proj")]
+    if mlp == "moe+shared_experts":  # DeepSeek's and GLM-4.5's
+        names += [p + "mlp.gate.e_score_correction_bias"]
+        names += [f"{p}mlp.shared_experts.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")]
     if mlp == "moe+shared":  # Qwen3-Next's and Qwen3.5's shared expert, with its gate
         names += [f"{p}mlp.shared_expert.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")]
         names += [p + "mlp.shared_expert_gate.weight"]
@@ -349,6 +397,19 @@ def _decoder(prefix, layer, attention, mlp):
 
 
 QWEN35_GDN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+_DEEPSEEK_HELPERS = (
+    "_clone_if_runai_streamed_tensor", "_resolve_quark_fp8_block_scale_name", "_load_fused_expert_tensor",
+    "NextNEnabledConfig", "NextNDisabledConfig",
+)  # fmt: skip
+
+
+def _mla(p, q_lora):
+    """A DeepSeek layer's multi-latent attention tensors (with a q LoRA rank as V3, or V2-Lite's plain q_proj)."""
+    q = ("q_a_proj", "q_a_layernorm", "q_b_proj") if q_lora else ("q_proj",)
+    names = (*q, "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
+    return [f"{p}self_attn.{n}.weight" for n in names]
+
+
 MTP = ["mtp.fc.weight", "mtp.layers.0.self_attn.q_proj.weight", "mtp.layers.0.mlp.gate_proj.weight"]
 VISION = [
     "visual.patch_embed.proj.weight",
@@ -400,6 +461,33 @@ SGLANG_LOADERS = {  # family: (SGLang file, class, HF names as slime's converter
         + _decoder("model.language_model.", 3, "full", "moe+shared"),
         {"num_experts": 2},
     ),
+    "deepseekv3": (
+        "models/deepseek_common/deepseek_weight_loader.py",
+        "DeepseekV2WeightLoaderMixin",
+        ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+        + _decoder("model.", 0, "mla", "dense")
+        + _decoder("model.", 1, "mla", "moe+shared_experts")
+        + ["model.layers.2.eh_proj.weight", "model.layers.2.enorm.weight", "model.layers.2.shared_head.norm.weight"]
+        + _mla("model.layers.2.", q_lora=True),  # the MTP layer, which the target model does not load
+        {
+            "method": "do_load_weights",
+            "helpers": _DEEPSEEK_HELPERS,
+            "num_experts": 2,
+            "config": {"q_lora_rank": 8, "num_nextn_predict_layers": 1, "num_hidden_layers": 2},
+        },
+    ),
+    "deepseekv2 lite (no q LoRA)": (
+        "models/deepseek_common/deepseek_weight_loader.py",
+        "DeepseekV2WeightLoaderMixin",
+        ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+        + _decoder("model.", 0, "mla-lite", "moe+shared_experts"),
+        {
+            "method": "do_load_weights",
+            "helpers": _DEEPSEEK_HELPERS,
+            "num_experts": 2,
+            "config": {"q_lora_rank": None, "num_nextn_predict_layers": 0, "num_hidden_layers": 1},
+        },
+    ),
     "qwen2_5_vl": (
         "models/qwen2_5_vl.py",
         "Qwen2_5_VLForConditionalGeneration",
@@ -415,7 +503,7 @@ SGLANG_LOADERS = {  # family: (SGLang file, class, HF names as slime's converter
 @pytest.mark.parametrize("family", list(SGLANG_LOADERS))
 def test_the_map_resolves_each_hf_tensor_to_the_parameter_sglang_s_own_loader_fills(family, fusion):
     path, cls, hf, options = SGLANG_LOADERS[family]
-    if fusion and not any(".shared_expert." in h for h in hf):
+    if fusion and not any((".shared_expert." in h) or (".shared_experts." in h) for h in hf):
         pytest.skip("no shared experts to fuse")
     loads = run_sglang_loader(path, cls, hf, shared_expert_fusion=fusion, **options)
     served = {p for params in loads.values() for p in params}
@@ -423,6 +511,6 @@ def test_the_map_resolves_each_hf_tensor_to_the_parameter_sglang_s_own_loader_fi
     for h in hf:
         ours = next((p for p in sglang_param_names(h) if p in served), None)
         assert loads.get(h, [None]) == [ours], h
-    # the loader filled what the rule relies on: fused q/k/v and GDN projections, stacked experts, MTP left out
-    assert not any(h.startswith("mtp.") for h in loads)
-    assert any(p.endswith(("qkv_proj.weight", "in_proj_qkvz.weight", "experts.w13_weight")) for p in served)
+    # SGLang loaded every tensor but the MTP layers (DeepSeek's is the layer after the last, here layer 2): a tensor it
+    # could not place among the parameters the map proposes would be missing here
+    assert sorted(loads) == sorted(h for h in hf if not h.startswith(("mtp.", "model.layers.2.")))

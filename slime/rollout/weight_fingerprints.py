@@ -106,10 +106,9 @@ def sglang_disagreement(payloads: dict) -> str | None:
 # ------------------------------------------------------------------ SGLang's change-set rule
 # Families whose HF tensors SGLang 0.5.23 loads by `sglang_param_names`' rules (sglang/srt/models/{llama,qwen2,qwen3,
 # qwen3_moe,mimo,glm4,glm4_moe,qwen3_next,qwen3_5,qwen2_5_vl}.py `load_weights`: `stacked_params_mapping`,
-# `FusedMoE.make_expert_params_mapping`). Not DeepSeek-V3: its MLA loader fuses q_a_proj with kv_a_proj_with_mqa
-# only once both arrived and derives more tensors after loading (post_load_weights).
+# `FusedMoE.make_expert_params_mapping`; DeepSeek's in models/deepseek_common/deepseek_weight_loader.py).
 SGLANG_MAPPED_FAMILIES = (
-    "llama", "qwen2", "qwen3", "qwen3moe", "mimo", "glm4", "glm4moe", "qwen3next", "qwen35", "qwen25vl",
+    "llama", "qwen2", "qwen3", "qwen3moe", "mimo", "glm4", "glm4moe", "qwen3next", "qwen35", "qwen25vl", "deepseek",
 )  # fmt: skip
 _STACKED = {
     "q_proj": "qkv_proj",
@@ -122,6 +121,10 @@ _STACKED = {
     "in_proj_z": "in_proj_qkvz",
     "in_proj_b": "in_proj_ba",
     "in_proj_a": "in_proj_ba",
+    # DeepSeek's MLA with a q LoRA rank: both down-projections load into one parameter (once both arrived in the
+    # same load: SGLang caches the first)
+    "q_a_proj": "fused_qkv_a_proj_with_mqa",
+    "kv_a_proj_with_mqa": "fused_qkv_a_proj_with_mqa",
 }
 _PROJ = re.compile(r"\.(" + "|".join(_STACKED) + r")\.")
 _ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.")
@@ -148,22 +151,23 @@ def _sglang_spellings(hf_name: str) -> tuple:
 def sglang_param_names(hf_name: str) -> tuple:
     """The SGLang parameter HF tensor `hf_name` loads into, by name only, as candidates in order (the first one the
     engine reports is it): q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj, Qwen3.5's in_proj_qkv/z ->
-    in_proj_qkvz and in_proj_b/a -> in_proj_ba, routed expert e's gate/up_proj -> experts.w13_<suffix>, its
-    down_proj -> experts.w2_<suffix>, shared experts (GLM-4.5's shared_experts.*, Qwen3-Next's shared_expert.*) ->
-    fused as above or, with SGLang's shared-expert fusion, as one more routed expert; any other name loads into
-    itself (a tied lm_head is not sent: the engine's lm_head is embed_tokens). Each in every spelling of
-    `_sglang_spellings`."""
+    in_proj_qkvz and in_proj_b/a -> in_proj_ba, DeepSeek's q_a_proj/kv_a_proj_with_mqa ->
+    fused_qkv_a_proj_with_mqa, routed expert e's gate/up_proj -> experts.w13_<suffix>, its down_proj ->
+    experts.w2_<suffix>, shared experts (GLM-4.5's and DeepSeek's shared_experts.*, Qwen3-Next's shared_expert.*) ->
+    fused as above or, with SGLang's shared-expert fusion, as one more routed expert; then, but for a routed expert
+    (always fused), the name itself (e.g. DeepSeek-V2-Lite's q_proj and unfused kv_a_proj_with_mqa), which is also
+    where any other name loads (a tied lm_head is not sent: the engine's lm_head is embed_tokens). Each in every
+    spelling of `_sglang_spellings`."""
+    spellings = _sglang_spellings(hf_name)
+    if _ROUTED_EXPERT.search(hf_name):  # before q/k/v/gate/up: SGLang skips the stacked mapping for "mlp.experts"
+        return tuple(_fused_expert(name, _ROUTED_EXPERT.search(name)) for name in spellings)
     out = []
-    for name in _sglang_spellings(hf_name):
-        routed = _ROUTED_EXPERT.search(name)
-        if routed:  # checked before q/k/v/gate/up, as SGLang skips the stacked mapping for "mlp.experts"
-            out.append(_fused_expert(name, routed))
-            continue
+    for name in spellings:
         out.append(_PROJ.sub(lambda m: f".{_STACKED[m.group(1)]}.", name, count=1))
         shared = _SHARED_EXPERTS.search(name)
         if shared:
             out.append(_fused_expert(name, shared))
-    return tuple(out)
+    return tuple(dict.fromkeys(out + list(spellings)))
 
 
 def _fused_expert(name, m):
