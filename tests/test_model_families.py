@@ -384,12 +384,25 @@ def test_cpu_server_serves_family_and_takes_trainer_named_weights(kind, hf_model
     "kind, parallel",
     [
         ("glm4", []),
-        ("deepseekv3", ["--actor-num-gpus-per-node", "2", "--expert-model-parallel-size", "2"]),
+        # one tensor per bucket, but for the MLA down-projections, which the engine loads only together
+        (
+            "deepseekv3",
+            [
+                "--actor-num-gpus-per-node",
+                "2",
+                "--expert-model-parallel-size",
+                "2",
+                "--update-weight-buffer-size",
+                "1",
+            ],
+        ),
     ],
 )
 def test_rl_steps_end_to_end(kind, parallel, ray_session, tiny_kit, tmp_path):
     """train.py from the HF checkpoint alone: rollouts on the CPU server, GRPO steps on the trainer (EP=2 for the
-    MoE), weights pushed back with --check-weight-update-equal; both steps are on-policy (engine = trainer)."""
+    MoE), weights pushed back with --check-weight-update-equal; both steps are on-policy (engine = trainer). DeepSeek's
+    push cuts a bucket after every tensor but between a layer's q_a_proj and kv_a_proj_with_mqa: the CPU server,
+    as SGLang, drops one that comes alone, which the weight checks would see."""
     import json
 
     import train as sync_driver

@@ -514,3 +514,55 @@ def test_the_map_resolves_each_hf_tensor_to_the_parameter_sglang_s_own_loader_fi
     # SGLang loaded every tensor but the MTP layers (DeepSeek's is the layer after the last, here layer 2): a tensor it
     # could not place among the parameters the map proposes would be missing here
     assert sorted(loads) == sorted(h for h in hf if not h.startswith(("mtp.", "model.layers.2.")))
+
+
+# ------------------------------------------------------------------ DeepSeek's MLA pair: loaded only together
+DEEPSEEK = SGLANG_LOADERS["deepseekv3"]
+
+
+@pytest.mark.skipif(SGLANG_SRT is None, reason="no side venv with SGLang (bash scripts/setup-sglang-venv.sh)")
+def test_the_cpu_server_drops_an_mla_down_projection_that_comes_alone_as_sglang_does():
+    """SGLang's DeepSeek loader (q LoRA rank set) fuses q_a_proj and kv_a_proj_with_mqa only when both come in one
+    load and silently drops one that comes alone; slime's CPU server, standing in for it, loads the same tensors."""
+    from slime.backends.cpu_server.hf_fallback import mla_down_projections_in_pairs
+
+    path, cls, hf, options = DEEPSEEK
+    q, kv = "model.layers.1.self_attn.q_a_proj.weight", "model.layers.1.self_attn.kv_a_proj_with_mqa.weight"
+    for load in ([q], [kv], [q, "model.norm.weight"], [kv, "model.norm.weight", q], [q, kv]):
+        sglang = set(run_sglang_loader(path, cls, load, **options))
+        ours = {n for n, _ in mla_down_projections_in_pairs(((n, None) for n in load), "test")}
+        assert ours == sglang, load
+    assert {q, kv} <= sglang  # the last load held both
+
+
+def test_buckets_never_end_between_a_layers_mla_down_projections():
+    """`BucketCuts`: with a buffer smaller than any tensor every parameter is a bucket of its own, but a layer's
+    linear_q_down_proj and linear_kv_down_proj (DeepSeek's q_a_proj / kv_a_proj_with_mqa) always share one, in either
+    order, with whatever lies between them; a model without the pair (no q LoRA rank) is cut everywhere."""
+    from slime.backends.megatron_utils.update_weight.common import BucketCuts
+
+    def buckets(names):
+        cuts, out = BucketCuts(names), []
+        for name in names:
+            if out and cuts.may_cut:  # every tensor is over the buffer
+                out.append([])
+            out[-1:] = [(out[-1] if out else []) + [name]]
+            cuts.add(name)
+        return out
+
+    layer = "decoder.layers.{}.self_attention.{}.weight"
+    q_lora = ["linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj"]
+    names = ["embedding.word_embeddings.weight"] + [layer.format(i, m) for i in range(2) for m in q_lora]
+    assert buckets(names) == [
+        ["embedding.word_embeddings.weight"],
+        [layer.format(0, m) for m in q_lora[:3]],
+        [layer.format(0, "linear_kv_up_proj")],
+        [layer.format(0, "linear_proj")],
+        [layer.format(1, m) for m in q_lora[:3]],
+        [layer.format(1, "linear_kv_up_proj")],
+        [layer.format(1, "linear_proj")],
+    ]
+    sorted_names = sorted(names)  # the colocated path walks names sorted: kv_down first
+    assert [layer.format(0, m) for m in ("linear_kv_down_proj", "linear_kv_up_proj", "linear_proj", "linear_q_down_proj")] in buckets(sorted_names)  # fmt: skip
+    lite = [n for n in names if "linear_q_down_proj" not in n and "linear_q_up_proj" not in n]
+    assert buckets(lite) == [[n] for n in lite]

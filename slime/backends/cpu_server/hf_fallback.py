@@ -5,6 +5,8 @@ interfaces of `Transformer` / `KVPool` / `WeightStore`, but keeps token ids inst
 each sequence every step (no KV cache): correct for any model, quadratic in length, meant for small models.
 """
 
+import contextlib
+import logging
 import os
 import shutil
 import tempfile
@@ -13,6 +15,8 @@ import torch
 
 from .model import UnsupportedModelError
 from .weights import QuantizedParams, WeightError, is_mtp_weight, quantized_parts, resolve_dtype
+
+logger = logging.getLogger(__name__)
 
 
 class FallbackConfig:
@@ -125,6 +129,8 @@ class HFWeights(QuantizedParams):
             raise WeightError("weights are released (release_memory_occupation); resume_memory_occupation first")
         params, loaded = self.named, set()
         self.generation += 1
+        if getattr(self.model.config.get_text_config(), "q_lora_rank", None) is not None:
+            named_tensors = mla_down_projections_in_pairs(named_tensors, source)
         with torch.no_grad():
             for name, t in named_tensors:
                 if self.is_ignored(name) and name not in params:
@@ -160,12 +166,12 @@ class HFWeights(QuantizedParams):
 
         from safetensors import safe_open
 
-        files, loaded = sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))), set()
+        files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
         if not files:
             raise WeightError(f"{model_dir}: no *.safetensors weight files found (a quantised checkpoint needs them)")
-        for fn in files:
-            with safe_open(fn, framework="pt") as f:
-                loaded |= self.load(((k, f.get_tensor(k)) for k in f.keys()), fn)
+        with contextlib.ExitStack() as stack:  # one load over every file, as SGLang loads a checkpoint
+            handles = [stack.enter_context(safe_open(fn, framework="pt")) for fn in files]
+            loaded = self.load(((k, f.get_tensor(k)) for f in handles for k in f.keys()), model_dir)
         fused = {n for n, p in self.model.named_parameters() if p.dim() == 3}  # stored per expert, loaded as views
         missing = sorted(set(self.named) - loaded - fused)
         if missing:
@@ -206,6 +212,34 @@ class HFWeights(QuantizedParams):
 # Qwen2.5-VL in memory -> as its checkpoints (and the trainer's weight updates) name it: transformers renames on load
 _LEGACY_VL_TYPES = ("qwen2_5_vl",)
 _LEGACY_VL_NAMES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+
+
+_MLA_DOWN = (".q_a_proj.", ".kv_a_proj_with_mqa.")
+
+
+def mla_down_projections_in_pairs(named_tensors, source: str):
+    """`named_tensors` as SGLang's DeepSeek loader takes them with a q LoRA rank: a layer's q_a_proj and
+    kv_a_proj_with_mqa load (fused into one parameter) only once both arrived in the same load; one that came alone
+    is dropped, and the engine keeps serving the old values (SGLang says nothing; this server logs it)."""
+    held = {}
+    for name, t in named_tensors:
+        member = next((m for m in _MLA_DOWN if m in name), None)
+        if member is None:
+            yield name, t
+            continue
+        partner = name.replace(member, _MLA_DOWN[1 - _MLA_DOWN.index(member)])
+        if partner in held:
+            yield partner, held.pop(partner)
+            yield name, t
+        else:
+            held[name] = t
+    if held:
+        logger.warning(
+            "%s: %s arrived without its partner in the same load: not loaded (SGLang's DeepSeek loader fuses "
+            "q_a_proj and kv_a_proj_with_mqa only together)",
+            source,
+            sorted(held),
+        )
 
 
 def checkpoint_views(model) -> dict:

@@ -203,3 +203,34 @@ def log_metrics(metrics: dict) -> None:
 def describe_bucket(index: int, named_tensors) -> str:
     nbytes = sum(t.numel() * t.element_size() for _, t in named_tensors)
     return f"bucket {index} ({len(named_tensors)} tensors, {nbytes / 1e6:.1f} MB, first {named_tensors[0][0]})"
+
+
+# Megatron tensors whose HF ones SGLang loads only together: its DeepSeek loader fuses q_a_proj and
+# kv_a_proj_with_mqa into fused_qkv_a_proj_with_mqa once both arrived in one load, and drops one that came alone
+_LOADED_TOGETHER = (("linear_q_down_proj", "linear_kv_down_proj"),)
+
+
+class BucketCuts:
+    """Where a bucket may end: never while it holds one of a layer's `_LOADED_TOGETHER` pair whose partner is still
+    to come (the bucket then grows past the buffer size until it does). `names`: every parameter name the buckets
+    will hold."""
+
+    def __init__(self, names):
+        names = set(names)
+        self.partner, self.waiting = {}, set()
+        for a, b in _LOADED_TOGETHER:
+            for n in names:
+                m = n.replace(f".{a}.", f".{b}.")
+                if m != n and m in names:
+                    self.partner[n], self.partner[m] = m, n
+
+    def add(self, name) -> None:
+        partner = self.partner.get(name)
+        if partner in self.waiting:
+            self.waiting.discard(partner)
+        elif partner is not None:
+            self.waiting.add(name)
+
+    @property
+    def may_cut(self) -> bool:
+        return not self.waiting

@@ -27,6 +27,7 @@ from slime.backends.megatron_utils.param_utils import expert_parallel_copies, na
 from slime.utils.http_utils import get_host_info
 
 from .common import (
+    BucketCuts,
     SentHashes,
     WeightUpdateError,
     acquire_lock,
@@ -169,6 +170,7 @@ class UpdateWeightFromDistributed:
         bucket, bucket_bytes, sent, failed = [], 0, 0, False
         num_buckets, self._closed = 0, False
         self.sent_hashes.reset()  # a push started again (an engine died) hashes again
+        cuts = BucketCuts(name for name, _ in named_parameters(self.args, self.model))
         # with --enable-lora the engines get merged weights: W + s B A per shard, no adapter tensors
         for name, param in merge_for_sync(self.args, named_parameters(self.args, self.model)):
             if is_tied_output_copy(self.args, name):
@@ -186,13 +188,14 @@ class UpdateWeightFromDistributed:
             self.sent_hashes.add(hf_tensors)
             size = sum(t.numel() * t.element_size() for _, t in hf_tensors)
             # a tensor larger than the buffer still goes, alone
-            if bucket and bucket_bytes + size > self.args.update_weight_buffer_size:
+            if bucket and bucket_bytes + size > self.args.update_weight_buffer_size and cuts.may_cut:
                 num_buckets += 1
                 failed = not self._send_bucket_surviving(bucket, num_buckets)
                 sent += 0 if failed else sum(t.numel() * t.element_size() for _, t in bucket)
                 bucket, bucket_bytes = [], 0
             bucket += hf_tensors
             bucket_bytes += size
+            cuts.add(name)
         if bucket and not failed:
             num_buckets += 1
             failed = not self._send_bucket_surviving(bucket, num_buckets, last=True)

@@ -26,6 +26,7 @@ from slime.utils.tensor_serialization import bucket_payload
 from slime.utils.types import ParamInfo
 
 from .common import (
+    BucketCuts,
     SentHashes,
     WeightUpdateError,
     by_dtype,
@@ -79,14 +80,16 @@ def get_param_info_buckets(args, model) -> list:
 
     tp_size = mpu.get_tensor_model_parallel_world_size()
     buckets, bucket, bucket_bytes = [], [], 0
+    cuts = BucketCuts(infos)
     for name in sorted(infos):
         info = infos[name]
         full = info.size * (tp_size if info.attrs.get("tensor_model_parallel") else 1)
-        if bucket and bucket_bytes + full > args.update_weight_buffer_size:
+        if bucket and bucket_bytes + full > args.update_weight_buffer_size and cuts.may_cut:
             buckets.append(bucket)
             bucket, bucket_bytes = [], 0
         bucket.append(info)
         bucket_bytes += full
+        cuts.add(name)
     if bucket:
         buckets.append(bucket)
     # every rank must walk the same buckets in the same order (the TP gathers are collective)
