@@ -131,6 +131,17 @@ def test_kept_sets_of_a_branching_session_are_placed_in_each_branchs_response():
         TurnRecord([1], [2, 3], [-0.1, -0.2], "stop", kept_sets=((2,),))
 
 
+def test_an_engine_reply_without_the_kept_sets_asked_for_is_a_502_naming_the_engine():
+    from slime.agent.adapters import AdapterError, BaseAdapter
+
+    meta = {"output_token_sampling_mask": [[5], [6, 7]], "output_token_sampling_logprobs": [0.0, -0.5]}
+    assert BaseAdapter._kept_sets(meta, 2, "http://127.0.0.1:9") == ((5,), (6, 7))
+    for bad in ({}, {**meta, "output_token_sampling_mask": [[5]]}):
+        with pytest.raises(AdapterError, match="the engine at http://127.0.0.1:9 returned") as e:
+            BaseAdapter._kept_sets(bad, 2, "http://127.0.0.1:9")
+        assert e.value.status == 502
+
+
 TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
 
 

@@ -2,7 +2,8 @@
 
 A turn: the client's request is translated to chat-template messages (the protocol's job), rendered to token ids
 with the tokenizer's chat template, sent to the engine's `/generate` (through the router, keyed by the session id)
-with `input_ids` and `return_logprob`, the sampled text is split into reasoning / text / tool calls in the model
+with `input_ids` and `return_logprob` (and, under top-p replay, `return_sampling_mask`, sent to one worker
+directly since the router drops it), the sampled text is split into reasoning / text / tool calls in the model
 family's format, the protocol's reply is sent (JSON or SSE), and only then the turn -- prompt ids, sampled ids and
 log-probs as the engine returned them -- is recorded in the session's tree (a client that went away never received
 the turn, so it is not part of its trajectory). `finish_session` turns the tree into `Sample`s.
