@@ -8,7 +8,8 @@ from what was sampled) starts a new root. Each leaf of the tree is one branch an
 are the leaf's prompt + output, the sampled spans of the turns on its path are trained (loss mask 1, the engine's
 log-probs) and everything else -- templates, tool results, user text -- is context (loss mask 0). A turn shared by
 several branches is trained in the first branch only, so every sampled response is trained exactly once. The sampled
-ids are used as they came from the engine; text is never re-tokenised.
+ids are used as they came from the engine; text is never re-tokenised. Turns that carry the engine's kept token
+sets (top-p replay) put them at their place in every branch through them.
 """
 
 from __future__ import annotations

@@ -409,7 +409,7 @@ class BaseAdapter:
         )
 
     async def _post(self, base: str, payload: dict, headers: dict) -> tuple[dict, str]:
-        """POST the /generate to `base`; AdapterError for the engine's errors, aiohttp's for an unreachable one."""
+        """POST the /generate to `base`: (its JSON, base), else an AdapterError (`Unreachable` when no connection)."""
         timeout = aiohttp.ClientTimeout(total=self.request_timeout)
         try:
             async with (
