@@ -482,3 +482,95 @@ def test_a_client_sampling_parameter_that_differs_from_the_sessions_is_refused(s
     )
     assert Sample.from_dict(sample.to_dict()).metadata["sampling_params"] == [rec]
     assert finish_all(an, "sp-an") == []
+
+
+def test_top_p_replay_a_two_turn_session_carries_the_engines_kept_sets(stack, kit):
+    """Under --rollout-top-p < 1 (temperature 0.7) the adapter asks for each step's kept set straight from a worker
+    (the router drops return_sampling_mask): a router whose first listing holds only dead workers is re-read, and
+    its /generate is never used. Every trained token is in its step's kept set, the sets are what the engine
+    returned for the turn's request and what a transformers forward keeps at those parameters, the log-probs are
+    renormalised over them, and the train data accepts the samples."""
+    import asyncio
+
+    from slime.rollout.sampling_provenance import check_sampling_params
+    from slime.rollout.train_data import kept_sets_train_data
+    from slime.utils.top_p_replay import kept_sets_error, sampling_is_truncated
+    from tests._args import make_args
+
+    recorder = stack["recorder"]
+    recorder.take()
+    rec_url = stack["openai"][0].sglang_url  # the recorder, in front of the engine
+    listings = [["http://127.0.0.1:1", "http://127.0.0.1:2"], [rec_url]]  # dead workers, then the engine
+    routed = []
+
+    async def workers(request):
+        urls = listings.pop(0) if len(listings) > 1 else listings[0]
+        return web.json_response({"urls": urls, "workers": [{"url": u, "id": u} for u in urls]})
+
+    async def generate(request):
+        routed.append(await request.json())
+        return web.json_response({"error": "the router drops return_sampling_mask"}, status=500)
+
+    router = web.Application()
+    router.router.add_get("/workers", workers)
+    router.router.add_get("/list_workers", workers)
+    router.router.add_post("/generate", generate)
+    router_h = run_app_in_thread(router)
+    args = make_args("--rollout-top-p", "0.9", "--rollout-temperature", "0.7", hf_checkpoint=kit[0])
+    assert sampling_is_truncated(args) and args.rollout_top_k > 0  # top-p alone runs with the mask cap as top-k
+    adapter = OpenAIAdapter(
+        tokenizer=kit[1], sglang_url=router_h.url, tool_parser="qwen25", return_kept_sets=sampling_is_truncated(args)
+    )
+    handle = run_app_in_thread(adapter.app)
+    try:
+        sp = {"temperature": args.rollout_temperature, "top_p": args.rollout_top_p, "top_k": args.rollout_top_k}
+        adapter.open_session("tp-1", sampling_defaults=sp)
+        client = openai.OpenAI(api_key="tp-1", base_url=handle.url + "/v1", max_retries=0)
+        messages = [{"role": "user", "content": "What is 3+4?"}]
+        r = client.chat.completions.create(model="p", messages=messages, tools=[CALCULATOR], max_tokens=48)
+        messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "And times 2?"}]
+        client.chat.completions.create(model="p", messages=messages, tools=[CALCULATOR], max_tokens=24)
+        samples = finish_all(adapter, "tp-1")
+        # one engine is its own only worker (it lists none)
+        single = OpenAIAdapter(tokenizer=kit[1], sglang_url=rec_url, return_kept_sets=True)
+        assert asyncio.run(single._list_workers()) == [rec_url]
+    finally:
+        handle.stop()
+        router_h.stop()
+    calls = recorder.take()
+    assert routed == [] and listings == [[rec_url]] and len(calls) == 2
+    assert all(req["return_sampling_mask"] and "X-SMG-Routing-Key" not in h for h, req, _ in calls)
+    for s in samples:
+        expect_sets, expect_lp = [[] for _ in range(s.response_length)], [0.0] * s.response_length
+        prompt_len = len(s.tokens) - s.response_length
+        for _, req, resp in calls:  # the turns on this sample's path: their prompt + output prefix its tokens
+            meta, n_in = resp["meta_info"], len(req["input_ids"])
+            out = [p[1] for p in meta["output_token_logprobs"]]
+            if s.tokens[: n_in + len(out)] == req["input_ids"] + out:
+                expect_sets[n_in - prompt_len : n_in - prompt_len + len(out)] = meta["output_token_sampling_mask"]
+                expect_lp[n_in - prompt_len : n_in - prompt_len + len(out)] = meta["output_token_sampling_logprobs"]
+        offsets = [0]
+        for kept in expect_sets:
+            offsets.append(offsets[-1] + len(kept))
+        assert s.rollout_top_p_token_ids == [t for kept in expect_sets for t in kept]
+        assert s.rollout_top_p_token_offsets == offsets
+        assert kept_sets_error(s) is None
+        trained = [k for k, m in enumerate(s.loss_mask) if m]
+        assert trained and all(s.tokens[prompt_len + k] in expect_sets[k] for k in trained)
+        assert [s.rollout_log_probs[k] for k in trained] == pytest.approx([expect_lp[k] for k in trained], abs=1e-6)
+        # independent: the top-k / top-p set of a transformers forward at the session's temperature
+        with torch.no_grad():
+            logits = kit[2](torch.tensor([s.tokens])).logits[0, prompt_len - 1 : -1].float()
+        for k in trained:
+            probs, order = torch.softmax(logits[k] / sp["temperature"], -1).sort(descending=True)
+            before = probs.cumsum(0) - probs  # SGLang keeps a token while the mass before it is within top_p
+            keep = order[(before <= sp["top_p"]) & (torch.arange(len(probs)) < sp["top_k"])]
+            assert set(expect_sets[k]) == set(keep.tolist()), k
+            ref = torch.log_softmax(logits[k][keep] / sp["temperature"], -1)[
+                keep.tolist().index(s.tokens[prompt_len + k])
+            ]
+            assert s.rollout_log_probs[k] == pytest.approx(float(ref), abs=1e-4)
+    assert {s.metadata["sampling_params"][0]["top_p"] for s in samples} == {0.9}
+    check_sampling_params(args, samples, "test")  # truncated, with kept sets for every trained token
+    data = kept_sets_train_data(args, samples, "test")
+    assert [list(o) for o in data["rollout_top_p_token_offsets"]] == [s.rollout_top_p_token_offsets for s in samples]

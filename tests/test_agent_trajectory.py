@@ -100,6 +100,48 @@ def test_turn_record_needs_one_log_prob_per_token():
         TurnRecord([1], [2, 3], [-0.1], "stop")
 
 
+def test_kept_sets_of_a_branching_session_are_placed_in_each_branchs_response():
+    """Top-p replay on a forked history: each sample carries the kept sets of every sampled turn on its path (the
+    shared first turn's in both), empty spans for the tokens the engine did not sample, and none when no turn on
+    its path asked for them."""
+    import dataclasses
+
+    from slime.utils.top_p_replay import kept_sets_error
+
+    def kept(t, *sets):
+        return dataclasses.replace(t, kept_sets=tuple(tuple(k) for k in sets))
+
+    tree = TrajectoryTree("s")
+    tree.add_turn(kept(turn([1], [10, 11]), (10, 4), (11,)))
+    tree.add_turn(kept(turn([1, 10, 11, 2], [12]), (12, 13)))  # two continuations of the same history
+    tree.add_turn(kept(turn([1, 10, 11, 3], [14, 15]), (15, 14, 16), (15,)))
+    tree.add_turn(turn([7], [8]))  # a root that asked for no kept sets
+    a, b, c = tree.to_samples(Sample(index=0))
+    # a: response 10 11 | 2 | 12 -> sets {10,4} {11} {} {12,13}
+    assert (a.tokens, a.loss_mask) == ([1, 10, 11, 2, 12], [1, 1, 0, 1])
+    assert a.rollout_top_p_token_ids == [10, 4, 11, 12, 13]
+    assert a.rollout_top_p_token_offsets == [0, 2, 3, 3, 5]
+    # b: the shared turn is trained in a only, but its sets are b's too: 10 11 | 3 | 14 15
+    assert (b.tokens, b.loss_mask) == ([1, 10, 11, 3, 14, 15], [0, 0, 0, 1, 1])
+    assert b.rollout_top_p_token_ids == [10, 4, 11, 15, 14, 16, 15]
+    assert b.rollout_top_p_token_offsets == [0, 2, 3, 3, 6, 7]
+    assert kept_sets_error(a) is None and kept_sets_error(b) is None
+    assert c.rollout_top_p_token_ids is None and c.rollout_top_p_token_offsets is None
+    with pytest.raises(ValueError, match="one kept set per sampled token"):
+        TurnRecord([1], [2, 3], [-0.1, -0.2], "stop", kept_sets=((2,),))
+
+
+def test_an_engine_reply_without_the_kept_sets_asked_for_is_a_502_naming_the_engine():
+    from slime.agent.adapters import AdapterError, BaseAdapter
+
+    meta = {"output_token_sampling_mask": [[5], [6, 7]], "output_token_sampling_logprobs": [0.0, -0.5]}
+    assert BaseAdapter._kept_sets(meta, 2, "http://127.0.0.1:9") == ((5,), (6, 7))
+    for bad in ({}, {**meta, "output_token_sampling_mask": [[5]]}):
+        with pytest.raises(AdapterError, match="the engine at http://127.0.0.1:9 returned") as e:
+            BaseAdapter._kept_sets(bad, 2, "http://127.0.0.1:9")
+        assert e.value.status == 502
+
+
 TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
 
 

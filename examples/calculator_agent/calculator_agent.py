@@ -33,6 +33,7 @@ from slime.rollout import RolloutSamples
 from slime.rollout.base_types import accepts_data_buffer
 from slime.rollout.sglang_rollout import generate_rollout as default_generate_rollout
 from slime.utils.lora_utils import generate_fields
+from slime.utils.top_p_replay import sampling_is_truncated
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,9 @@ def _adapter(args):
             tool_parser=TOOL_PARSER,
             reasoning_parser=REASONING_PARSER,
             generate_fields=generate_fields(args),
+            # top-p replay: each turn's kept token sets, asked of a worker directly (the router drops the field)
+            return_kept_sets=sampling_is_truncated(args),
+            worker_api_key=args.sglang_api_key,
         )
         _state["adapter"], _state["handle"] = adapter, run_app_in_thread(adapter.app)
     return _state["adapter"], _state["handle"].url

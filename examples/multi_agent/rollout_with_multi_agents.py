@@ -28,6 +28,7 @@ from transformers import AutoTokenizer
 from slime.agent.adapters import OpenAIAdapter
 from slime.agent.aiohttp_threaded import run_app_in_thread
 from slime.utils.lora_utils import generate_fields
+from slime.utils.top_p_replay import sampling_is_truncated
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -109,6 +110,9 @@ def _adapter(args):
             sglang_url=f"http://{args.sglang_router_ip}:{args.sglang_router_port}",
             reasoning_parser="qwen3",  # the Qwen3 family's <think> format; the agents use no tools
             generate_fields=generate_fields(args),
+            # top-p replay: each turn's kept token sets, asked of a worker directly (the router drops the field)
+            return_kept_sets=sampling_is_truncated(args),
+            worker_api_key=args.sglang_api_key,
         )
         _state["adapter"], _state["handle"] = adapter, run_app_in_thread(adapter.app)
     return _state["adapter"], _state["handle"].url

@@ -8,7 +8,8 @@ from what was sampled) starts a new root. Each leaf of the tree is one branch an
 are the leaf's prompt + output, the sampled spans of the turns on its path are trained (loss mask 1, the engine's
 log-probs) and everything else -- templates, tool results, user text -- is context (loss mask 0). A turn shared by
 several branches is trained in the first branch only, so every sampled response is trained exactly once. The sampled
-ids are used as they came from the engine; text is never re-tokenised.
+ids are used as they came from the engine; text is never re-tokenised. Turns that carry the engine's kept token
+sets (top-p replay) put them at their place in every branch through them.
 """
 
 from __future__ import annotations
@@ -40,12 +41,20 @@ class TurnRecord:
     # what the output was sampled with (slime.utils.sampling_record.segment_record; its response_span is set when
     # the turn becomes part of a sample)
     sampling_params: dict | None = None
+    # the token ids the engine kept at each sampling step (SGLang's output_token_sampling_mask), one tuple per output
+    # token, for top-p / top-k replay (slime.utils.top_p_replay); None when the turn did not ask for them
+    kept_sets: tuple | None = None
 
     def __post_init__(self):
         if len(self.output_log_probs) != len(self.output_ids):
             raise ValueError(
                 f"a turn needs one log-prob per sampled token: {len(self.output_ids)} tokens, "
                 f"{len(self.output_log_probs)} log-probs"
+            )
+        if self.kept_sets is not None and len(self.kept_sets) != len(self.output_ids):
+            raise ValueError(
+                f"a turn needs one kept set per sampled token: {len(self.output_ids)} tokens, "
+                f"{len(self.kept_sets)} kept sets"
             )
 
     @property
@@ -167,9 +176,29 @@ class TrajectoryTree:
                 },
             )
             sample.metadata.pop(SAMPLING_KEY, None)  # never the base sample's record
+            set_kept_sets(sample, path, prompt_len)
             if sampled_with:
                 sample.metadata[SAMPLING_KEY] = sampled_with
             if tokenizer is not None:
                 sample.response = tokenizer.decode(tokens[prompt_len:], skip_special_tokens=False)
             samples.append(sample)
         return samples
+
+
+def set_kept_sets(sample: Sample, path: list[TurnNode], prompt_len: int) -> None:
+    """The branch's kept sets for top-p replay: every turn on its path that carries them -- a turn shared with an
+    earlier branch too, as its tokens were sampled from those sets here as well -- and empty spans for the tokens the
+    engine did not sample (later turns' prompts). None, as without replay, when no turn on the path carries any."""
+    sample.rollout_top_p_token_ids = sample.rollout_top_p_token_offsets = None
+    if all(node.record.kept_sets is None for node in path):
+        return
+    per_token = [()] * sample.response_length
+    for node in path:
+        if node.record.kept_sets is not None:
+            start = len(node.record.prompt_ids) - prompt_len
+            per_token[start : start + len(node.record.kept_sets)] = node.record.kept_sets
+    ids, offsets = [], [0]
+    for kept in per_token:
+        ids += [int(t) for t in kept]
+        offsets.append(len(ids))
+    sample.rollout_top_p_token_ids, sample.rollout_top_p_token_offsets = ids, offsets

@@ -2,7 +2,8 @@
 
 A turn: the client's request is translated to chat-template messages (the protocol's job), rendered to token ids
 with the tokenizer's chat template, sent to the engine's `/generate` (through the router, keyed by the session id)
-with `input_ids` and `return_logprob`, the sampled text is split into reasoning / text / tool calls in the model
+with `input_ids` and `return_logprob` (and, under top-p replay, `return_sampling_mask`, sent to one worker
+directly since the router drops it), the sampled text is split into reasoning / text / tool calls in the model
 family's format, the protocol's reply is sent (JSON or SSE), and only then the turn -- prompt ids, sampled ids and
 log-probs as the engine returned them -- is recorded in the session's tree (a client that went away never received
 the turn, so it is not part of its trajectory). `finish_session` turns the tree into `Sample`s.
@@ -19,7 +20,9 @@ import json
 import logging
 import threading
 import time
+import urllib.error
 import uuid
+import zlib
 from typing import Any
 
 import aiohttp
@@ -27,7 +30,7 @@ from aiohttp import web
 
 from slime.agent.parsing import ParsedOutput, check_parser_names, parse_output
 from slime.agent.trajectory import TrajectoryTree, TurnRecord
-from slime.backends.sglang_utils.router import ROUTING_KEY_HEADER
+from slime.backends.sglang_utils.router import ROUTING_KEY_HEADER, list_workers
 from slime.utils.sampling_record import applied_sampling_params, segment_record
 from slime.utils.types import Sample
 from slime.utils.weight_versions import call_spans
@@ -56,6 +59,10 @@ class AdapterError(Exception):
         self.status, self.message, self.kind, self.param = status, message, kind, param
 
 
+class Unreachable(AdapterError):
+    """An engine that could not be connected to (or dropped the connection)."""
+
+
 @dataclasses.dataclass
 class Session:
     session_id: str
@@ -79,6 +86,10 @@ class BaseAdapter:
     allow_client_sampling_params: accept a client's temperature / top-p / top-k / penalties that differ from the
         session's (logged once). By default such a request is refused with a 400 naming the parameter: the trainer
         scores at the rollout's parameters, so a turn sampled at others would train with biased importance ratios.
+    return_kept_sets: ask the engine for each step's kept token set (top-p / top-k replay); set it to
+        `slime.utils.top_p_replay.sampling_is_truncated(args)`. The router drops the field, so these turns go to one
+        of its workers directly (or to sglang_url itself when it is one engine).
+    worker_api_key: the engines' --sglang-api-key, sent with the requests that go to a worker directly.
     """
 
     protocol = ""
@@ -94,6 +105,8 @@ class BaseAdapter:
         request_timeout: float = 900.0,
         generate_fields: dict | None = None,
         allow_client_sampling_params: bool = False,
+        return_kept_sets: bool = False,
+        worker_api_key: str | None = None,
     ):
         check_parser_names(tool_parser, reasoning_parser)
         self.allow_client_sampling_params = allow_client_sampling_params
@@ -111,6 +124,8 @@ class BaseAdapter:
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.request_timeout = request_timeout
         self.generate_fields = dict(generate_fields or {})
+        self.return_kept_sets, self.worker_api_key = return_kept_sets, worker_api_key
+        self._workers: list[str] = []  # the router's workers, read on first use and after a failure
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
         self.app = web.Application(client_max_size=64 << 20)
@@ -364,26 +379,21 @@ class BaseAdapter:
             "return_logprob": True,
             **self.generate_fields,
         }
-        timeout = aiohttp.ClientTimeout(total=self.request_timeout)
-        try:
-            async with (
-                aiohttp.ClientSession(timeout=timeout, trust_env=False) as http,
-                http.post(f"{self.sglang_url}/generate", json=payload, headers={ROUTING_KEY_HEADER: session_id}) as r,
-            ):
-                text = await r.text()
-                if r.status >= 500:
-                    raise AdapterError(502, f"the engine failed ({r.status}): {text[:500]}", kind="api_error")
-                if r.status >= 400:
-                    raise AdapterError(400, f"the engine refused the request: {_engine_message(text)}")
-                data = await r.json(content_type=None)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise AdapterError(502, f"the engine at {self.sglang_url} is unreachable: {e!r}", kind="api_error") from e
+        if self.return_kept_sets:  # top-p replay: each step's kept token set
+            payload["return_sampling_mask"] = True
+            data, url = await self._post_to_a_worker(session_id, payload)
+        else:
+            data, url = await self._post(self.sglang_url, payload, {ROUTING_KEY_HEADER: session_id})
         meta = data["meta_info"]
         pairs = meta["output_token_logprobs"]
+        kept_sets = self._kept_sets(meta, len(pairs), url) if self.return_kept_sets else None
         return TurnRecord(
             prompt_ids=list(prompt_ids),
             output_ids=[int(p[1]) for p in pairs],
-            output_log_probs=[float(p[0]) for p in pairs],
+            # under replay the engine's log-probs renormalised over the kept sets, as the trainer scores them
+            output_log_probs=[float(x) for x in meta["output_token_sampling_logprobs"]]
+            if kept_sets is not None
+            else [float(p[0]) for p in pairs],
             finish_reason=(meta.get("finish_reason") or {}).get("type") or "stop",
             weight_version=meta.get("weight_version"),
             weight_version_spans=tuple(call_spans(meta, len(pairs))),
@@ -395,7 +405,78 @@ class BaseAdapter:
                 source=f"the {self.protocol} agent adapter",
                 body=payload,
             ),
+            kept_sets=kept_sets,
         )
+
+    async def _post(self, base: str, payload: dict, headers: dict) -> tuple[dict, str]:
+        """POST the /generate to `base`: (its JSON, base), else an AdapterError (`Unreachable` when no connection)."""
+        timeout = aiohttp.ClientTimeout(total=self.request_timeout)
+        try:
+            async with (
+                aiohttp.ClientSession(timeout=timeout, trust_env=False) as http,
+                http.post(f"{base}/generate", json=payload, headers=headers) as r,
+            ):
+                text = await r.text()
+                if r.status >= 500:
+                    raise AdapterError(
+                        502, f"the engine at {base} failed ({r.status}): {text[:500]}", kind="api_error"
+                    )
+                if r.status >= 400:
+                    raise AdapterError(400, f"the engine refused the request: {_engine_message(text)}")
+                return await r.json(content_type=None), base
+        except aiohttp.ClientConnectionError as e:  # _post_to_a_worker tries another worker
+            raise Unreachable(502, f"the engine at {base} is unreachable: {e!r}", kind="api_error") from e
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise AdapterError(502, f"the engine at {base} is unreachable: {e!r}", kind="api_error") from e
+
+    async def _post_to_a_worker(self, session_id: str, payload: dict, attempts: int = 3) -> tuple[dict, str]:
+        """POST a /generate that asks for kept sets straight to one engine: sglang-router drops
+        `return_sampling_mask`. A session always goes to the same worker (a stable hash of its id, so its turns keep
+        their prefix cache); a worker that cannot be reached is skipped, with the list re-read (fault tolerance
+        replaces engines). These requests bypass slime's recording proxy; the turns record their own parameters."""
+        headers = {"Authorization": f"Bearer {self.worker_api_key}"} if self.worker_api_key else {}
+        key, last = zlib.crc32(session_id.encode()), None
+        for attempt in range(attempts):
+            if attempt or not self._workers:
+                self._workers = await self._list_workers()
+            worker = self._workers[(key + attempt) % len(self._workers)]
+            try:
+                return await self._post(worker, payload, headers)
+            except Unreachable as e:
+                last = e
+                logger.warning(
+                    "session %s: worker %s did not serve /generate (%s); trying another", session_id, worker, e.message
+                )
+        raise AdapterError(
+            502, f"no worker of {self.sglang_url} served session {session_id}: {last.message}", kind="api_error"
+        )
+
+    async def _list_workers(self) -> list[str]:
+        """The router's workers, or [sglang_url] when it is one engine (which lists no workers: 404)."""
+        try:
+            urls = await asyncio.get_running_loop().run_in_executor(None, list_workers, self.sglang_url)
+        except urllib.error.HTTPError as e:
+            if e.code == 404:
+                return [self.sglang_url]
+            raise AdapterError(502, f"{self.sglang_url} did not list its workers: {e}", kind="api_error") from e
+        except (urllib.error.URLError, OSError) as e:
+            raise AdapterError(502, f"the router at {self.sglang_url} is unreachable: {e!r}", kind="api_error") from e
+        if not urls:
+            raise AdapterError(502, f"the router at {self.sglang_url} lists no worker", kind="api_error")
+        return [u.rstrip("/") for u in urls]
+
+    @staticmethod
+    def _kept_sets(meta: dict, num_tokens: int, url: str) -> tuple:
+        """One kept set per output token (and their renormalised log-probs), or a 502 naming the engine."""
+        masks, logprobs = meta.get("output_token_sampling_mask"), meta.get("output_token_sampling_logprobs")
+        if masks is None or logprobs is None or len(masks) != num_tokens or len(logprobs) != num_tokens:
+            raise AdapterError(
+                502,
+                f"the engine at {url} returned {'no' if masks is None else len(masks)} sampling mask(s) for "
+                f"{num_tokens} tokens, which top-p / top-k replay needs (its return_sampling_mask)",
+                kind="api_error",
+            )
+        return tuple(tuple(int(t) for t in m) for m in masks)
 
 
 def _engine_message(text: str) -> str:
