@@ -3,6 +3,7 @@ transformers' own on the same processed inputs; the default rollout's request pa
 
 import base64
 import io
+import os
 import types
 
 import pytest
@@ -253,6 +254,34 @@ def test_weight_updates_take_the_checkpoint_names_the_trainer_sends(tiny_vlm):
     assert weights.load(update.items(), "test") == set(update)
     memory = {n: p for n, p in model.named_parameters() if n != "lm_head.weight"}  # tied to the embedding
     assert len(memory) == len(update)
+    for name, param in memory.items():
+        checkpoint = name.replace("model.language_model.", "model.", 1).replace("model.visual.", "visual.", 1)
+        assert torch.equal(param, update[checkpoint]), name
+
+
+def test_update_from_disk_loads_a_vision_language_version_written_under_the_trainers_names(tiny_vlm, tmp_path):
+    """`update_weights_from_disk` of a version as the disk transport publishes it (the trainer's checkpoint names in
+    safetensors, beside the checkpoint's config and processor files): the served model, vision tower included, then
+    computes with exactly those tensors."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForImageTextToText
+
+    from slime.backends.cpu_server.hf_fallback import HFWeights
+    from tests._megatron_helpers import read_checkpoint
+
+    version = tmp_path / "weight_v000001"
+    version.mkdir()
+    for f in os.listdir(tiny_vlm):
+        if not f.endswith((".safetensors", ".safetensors.index.json")):
+            shutil.copy2(os.path.join(tiny_vlm, f), version / f)
+    update = {k: v + 1 for k, v in read_checkpoint(tiny_vlm).items()}
+    save_file(update, str(version / "model.safetensors"))
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm, dtype=torch.float32).eval()
+    HFWeights(model).load_from_dir(str(version))
+    memory = {n: p for n, p in model.named_parameters() if n != "lm_head.weight"}  # tied to the embedding
+    assert any(n.startswith("model.visual.") for n in memory)
     for name, param in memory.items():
         checkpoint = name.replace("model.language_model.", "model.", 1).replace("model.visual.", "visual.", 1)
         assert torch.equal(param, update[checkpoint]), name

@@ -272,7 +272,9 @@ def alternating_reward(args, sample):
 def test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine(tiny_vlm, tmp_path):
     """`train.py --multimodal-keys` on the tiny kit with the CPU server: images from the dataset to the engine and the
     trainer, two GRPO steps, weight sync (vision tower included) between them. The engine's log-probs of the second
-    rollout, sampled with the first step's weights, equal the trainer's: the whole model reached the engine."""
+    rollout, sampled with the first step's weights, equal the trainer's: the whole model reached the engine. With
+    --check-weight-update-equal the engine's every tensor, the tower's too, is overwritten with noise before the first
+    push and must equal the checkpoint after it: the push leaves none out."""
     import base64
     import io
     import json
@@ -296,7 +298,7 @@ def test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine(tiny_vlm,
         "--multimodal-keys", '{"image": "images"}', "--custom-rm-path", "tests.test_vlm_trainer.alternating_reward",
         "--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4",
         "--lr", "1e-2", "--lr-decay-style", "constant", "--rollout-max-response-len", "4", "--seed", "1", "--ci-test",
-        "--metrics-path", str(tmp_path / "metrics.jsonl"),
+        "--metrics-path", str(tmp_path / "metrics.jsonl"), "--check-weight-update-equal",
     ]  # fmt: skip
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = None

@@ -156,9 +156,8 @@ class HFWeights(QuantizedParams):
         if self.quant is not None:  # checkpoint names as stored (transformers cannot load the packed layout)
             self._load_safetensors(model_dir)
             return
-        from transformers import AutoModelForCausalLM  # heavy
-
-        src = AutoModelForCausalLM.from_pretrained(model_dir, dtype=next(self.model.parameters()).dtype)
+        # the served model's own class: AutoModelForCausalLM refuses a vision-language checkpoint such as Qwen2.5-VL
+        src = type(self.model).from_pretrained(model_dir, dtype=next(self.model.parameters()).dtype)
         self.load(src.named_parameters(), model_dir)
 
     def _load_safetensors(self, model_dir: str):
