@@ -325,6 +325,7 @@ def _run_parallel(hf_dir, tmp_path, world, *layout):
     [
         ("mimo", []),
         ("glm4moe", ["--decoder-last-pipeline-num-layers", "2"]),  # dense layer 0 | MoE layers 1, 2 + MTP
+        ("deepseekv3", ["--decoder-last-pipeline-num-layers", "2"]),  # MLA; dense layer 0 | MoE layers 1, 2 + MTP
         ("mimo_4_layers", ["--num-layers-per-virtual-pipeline-stage", "1"]),  # VPP 2: MTP on rank 1's second chunk
     ],
 )
