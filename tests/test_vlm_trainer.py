@@ -103,13 +103,15 @@ def hf_vlm_log_probs(hf_dir, samples):
 
 
 def _export(args, model):
-    """The model's weights under HF names, as weight sync and --save-hf produce them (collective over TP)."""
+    """The model's weights under HF names, as weight sync and --save-hf produce them (collective over TP; with
+    --enable-lora the adapters merged into their base weights, as `--lora-sync merged` sends them)."""
+    from slime.backends.megatron_utils.lora import merge_for_sync
     from slime.backends.megatron_utils.megatron_to_hf import convert_to_hf
     from slime.backends.megatron_utils.param_utils import all_gather_param, named_parameters, remove_padding
     from slime.backends.megatron_utils.update_weight.common import is_tied_output_copy
 
     exported = {}
-    for name, param in named_parameters(args, model):
+    for name, param in merge_for_sync(args, named_parameters(args, model)):
         if is_tied_output_copy(args, name):  # the last stage's copy of the tied embedding: not sent
             continue
         full = remove_padding(name, all_gather_param(name, param), args.vocab_size)
@@ -242,6 +244,76 @@ def test_tp2_and_pp2_equal_tp1(tiny_vlm, samples, tp, pp, tmp_path):
     worst = max(gap, key=gap.get)
     print(f"tp{tp} pp{pp} vs tp1 weights after one step: max |diff| = {gap[worst]:.3g} ({worst})")
     assert gap[worst] <= 1e-5, (worst, gap[worst])
+
+
+def _lora_step(rank, hf_dir, samples, out):
+    """`--enable-lora` on the vision-language model: log-probs before the step, which weights one GRPO step moves,
+    the log-probs after it and the merged weights weight sync would send."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import ray
+
+    from slime.backends.megatron_utils.advantages import compute_advantages_and_returns
+    from slime.backends.megatron_utils.data import get_data_iterator
+    from slime.backends.megatron_utils.initialize import init
+    from slime.backends.megatron_utils.model import forward_only, initialize_model_and_optimizer, train
+    from slime.backends.megatron_utils.param_utils import PREFIX, named_parameters
+    from slime.backends.megatron_utils.rollout_data import process_rollout_data
+    from slime.rollout.train_data import convert_samples_to_train_data
+
+    class _Ref:
+        def __init__(self, data):
+            self.inner = data
+
+    ray.get = lambda x: x
+    args = vlm_args(hf_dir, "--enable-lora", "--lora-rank", "4", "--lora-alpha", "8", "--lr", "1e-2")
+    init(args)
+    model, opt, sched, _ = initialize_model_and_optimizer(args)
+    rollout = process_rollout_data(args, _Ref(convert_samples_to_train_data(args, samples)), 0, 1)
+    iters, nmb = get_data_iterator(args, model, rollout)
+    before_lp = forward_only(args, model, iters, nmb)["log_probs"]
+    before = {n[len(PREFIX) :]: p.detach().clone() for n, p in named_parameters(args, model)}
+    rollout.update(forward_only(args, model, iters, nmb, store_prefix="ref_"))
+    rollout.update(forward_only(args, model, iters, nmb))
+    compute_advantages_and_returns(args, rollout)
+    train(args, 0, model, opt, sched, iters, nmb)  # B starts at 0: this step moves B (A's gradient is 0)
+    moved = {n[len(PREFIX) :]: not torch.equal(before[n[len(PREFIX) :]], p) for n, p in named_parameters(args, model)}
+    after_lp = forward_only(args, model, iters, nmb)["log_probs"]
+    torch.save({"before": before_lp, "after": after_lp, "moved": moved, "merged": _export(args, model)}, out)
+
+
+def test_lora_trains_the_language_models_adapters_and_syncs_them_merged(tiny_vlm, samples, tmp_path):
+    """`--enable-lora` with images: adapters on the language model's linear layers only (the vision tower, like every
+    base weight, stays frozen); at the start the model is the checkpoint (transformers' log-probs);
+    the merged weights that `--lora-sync merged` sends after a step, loaded into transformers' Qwen2.5-VL, give the
+    trainer's log-probs: an engine serving them samples from the policy being trained."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out = str(tmp_path / "lora.pt")
+    spawn(_lora_step, 1, tiny_vlm, samples, out, timeout=300)
+    res = torch.load(out, weights_only=False)
+    ref = hf_vlm_log_probs(tiny_vlm, samples)
+    assert max((g - e).abs().max().item() for g, e in zip(res["before"], ref)) <= 1e-5
+    moved = res["moved"]
+    assert any("lora" in n for n in moved) and not any("visual" in n and "lora" in n for n in moved)
+    assert all(moved[n] for n in moved if "lora_B" in n), [n for n in moved if "lora_B" in n and not moved[n]]
+    assert not any(moved[n] for n in moved if "lora" not in n), [n for n in moved if "lora" not in n and moved[n]]
+
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    for f in os.listdir(tiny_vlm):
+        if not f.endswith(".safetensors"):
+            shutil.copy2(os.path.join(tiny_vlm, f), merged / f)
+    save_file(res["merged"], str(merged / "model.safetensors"))
+    assert sorted(res["merged"]) == sorted(read_checkpoint(tiny_vlm))
+    engine = hf_vlm_log_probs(str(merged), samples)
+    gap = max((g - e).abs().max().item() for g, e in zip(res["after"], engine))
+    moved_by = max((g - e).abs().max().item() for g, e in zip(res["after"], res["before"]))
+    print(f"LoRA VLM: merged weights vs trainer log-probs after a step {gap:.3g} (the step moved them {moved_by:.3g})")
+    assert moved_by > 1e-3 and gap <= 1e-5
 
 
 def test_startup_derives_the_model_from_the_checkpoint_and_refuses_untested_layouts(tiny_vlm, capsys):
