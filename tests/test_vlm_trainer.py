@@ -417,3 +417,43 @@ def test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine(tiny_vlm,
         )
         assert m["train/train_rollout_logprob_abs_diff"] < 1e-4
     assert _procs.wait_none_carrying(_procs.RUN_KEY, str(tmp_path), 30) == []
+
+
+def test_packed_rows_get_each_samples_own_3d_positions(tiny_vlm, samples):
+    """The packed (THD) layout the GPU trainer uses: one row of the micro-batch's samples back to back, split by
+    `cu_seqlens`, plus padding. Each sample's 3-D positions are exactly those it gets alone in the padded layout
+    (transformers' `get_rope_index` on its tokens and its own images)."""
+    from types import SimpleNamespace
+
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from transformers import AutoConfig
+
+    from slime_plugins.models.qwen2_5_vl import Qwen2_5VLModel, _RopeIndex
+
+    config = AutoConfig.from_pretrained(tiny_vlm)
+    model = SimpleNamespace(
+        image_token_id=config.image_token_id,
+        merge=config.vision_config.spatial_merge_size,
+        rope_index=_RopeIndex(config),
+    )
+    model._segments = Qwen2_5VLModel._segments.__get__(model)
+    positions = Qwen2_5VLModel._positions.__get__(model)
+    grids = [s.multimodal_train_inputs["image_grid_thw"] for s in samples if s.multimodal_train_inputs]
+    all_grids = torch.cat(grids)
+    tokens = [torch.tensor(s.tokens) for s in samples]
+    alone, g = [], 0
+    for s, t in zip(samples, tokens):  # the padded layout, one sample per row
+        n = len(s.multimodal_train_inputs["image_grid_thw"]) if s.multimodal_train_inputs else 0
+        alone.append(positions(t[None], None, all_grids[g : g + n] if n else None)[:, 0])
+        g += n
+    pad = 5
+    row = torch.cat([*tokens, torch.zeros(pad, dtype=torch.long)])[None]
+    # as `_packed_layout` cuts it: the padding is a segment of its own
+    cu = torch.tensor([0, *np.cumsum([len(t) for t in tokens]), row.size(1)], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    packed = positions(row, params, all_grids)[:, 0]
+    for i, expect in enumerate(alone):
+        got = packed[:, int(cu[i]) : int(cu[i + 1])]
+        assert torch.equal(got, expect), i
+    assert alone[0][:, -1].max() > len(tokens[0]) / 2  # 3-D positions, not offsets into the row
+    assert torch.equal(packed[:, -pad:], torch.arange(pad).expand(3, pad))  # text positions of its own
