@@ -19,26 +19,28 @@ from tests._megatron_helpers import build_random_hf, fixed_rollout, spawn
 from tests.test_model_families import RL, family_args
 
 
-def _add_nextn_layer(hf_dir, seed):
-    """Append DeepSeek-V3-style MTP layer L (= num_hidden_layers) to a tiny checkpoint: transformers drops these
-    tensors, the published checkpoints carry them (SGLang's deepseek_nextn / glm4_moe_nextn read them)."""
+def _add_nextn_layer(hf_dir, seed, depth=1):
+    """Append DeepSeek-V3-style MTP layers L, L+1, ... (L = num_hidden_layers; `depth` of them) to a tiny checkpoint:
+    transformers drops these tensors, the published checkpoints carry them (SGLang's deepseek_nextn / glm4_moe_nextn
+    read them)."""
     with open(f"{hf_dir}/config.json") as f:
         config = json.load(f)
     L, h = config["num_hidden_layers"], config["hidden_size"]
     weights = load_file(f"{hf_dir}/model.safetensors")
-    pre, last = f"model.layers.{L}.", f"model.layers.{L - 1}."  # the last decoder layer is MoE, as the MTP layer is
+    last = f"model.layers.{L - 1}."  # the last decoder layer is MoE, as the MTP layer is
     g = torch.Generator().manual_seed(seed)
-    for name, t in list(weights.items()):
-        if name.startswith(last):
-            base = 1.0 if name.endswith("norm.weight") else 0.0
-            weights[pre + name[len(last) :]] = torch.randn(t.shape, generator=g) * 0.1 + base
-    for name, shape, base in (("enorm.weight", (h,), 1.0), ("hnorm.weight", (h,), 1.0),
-                              ("eh_proj.weight", (h, 2 * h), 0.0), ("shared_head.norm.weight", (h,), 1.0)):  # fmt: skip
-        weights[pre + name] = torch.randn(shape, generator=g) * 0.1 + base
-    weights[pre + "embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
-    weights[pre + "shared_head.head.weight"] = weights["lm_head.weight"].clone()
+    for pre in (f"model.layers.{L + k}." for k in range(depth)):
+        for name, t in list(weights.items()):
+            if name.startswith(last):
+                base = 1.0 if name.endswith("norm.weight") else 0.0
+                weights[pre + name[len(last) :]] = torch.randn(t.shape, generator=g) * 0.1 + base
+        for name, shape, base in (("enorm.weight", (h,), 1.0), ("hnorm.weight", (h,), 1.0),
+                                  ("eh_proj.weight", (h, 2 * h), 0.0), ("shared_head.norm.weight", (h,), 1.0)):  # fmt: skip
+            weights[pre + name] = torch.randn(shape, generator=g) * 0.1 + base
+        weights[pre + "embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
+        weights[pre + "shared_head.head.weight"] = weights["lm_head.weight"].clone()
     save_file(weights, f"{hf_dir}/model.safetensors", metadata={"format": "pt"})
-    config["num_nextn_predict_layers"] = 1
+    config["num_nextn_predict_layers"] = depth
     with open(f"{hf_dir}/config.json", "w") as f:
         json.dump(config, f)
     return hf_dir
@@ -310,6 +312,54 @@ def _train_parallel(rank, hf_dir, world, out_dir, *layout):
         sent=sent,
     )
     torch.save(result, f"{out_dir}/rank{rank}.pt")
+
+
+def _depth_two(rank, hf_dir, out):
+    """`--mtp-num-layers 2` on a checkpoint with two DeepSeek-style MTP layers: what weight sync sends before any
+    step, then one training step's metrics and which MTP depths got a gradient."""
+    import ray
+
+    import slime.ray.train_actor as train_actor
+    from slime.backends.megatron_utils.actor import MegatronTrainRayActor
+    from slime.backends.megatron_utils.param_utils import named_parameters
+    from slime.backends.megatron_utils.update_weight.common import gather_and_convert
+    from tests.test_megatron_parallel import _Ref
+
+    ray.get = lambda x: x
+    train_actor.tcp_store = train_actor.dist.init_process_group = lambda *a, **k: None  # `spawn` joined the group
+    mtp = ["--mtp-num-layers", "2", "--enable-mtp-training", "--mtp-loss-scaling-factor", "0.5"]
+    args = family_args(hf_dir, 1, *mtp, "--micro-batch-size", "1")
+    actor = object.__new__(MegatronTrainRayActor)
+    assert actor.init(args, "actor", None, with_ref=False) == 0
+    sent = {}
+    for name, param in named_parameters(args, actor.model):
+        for hf_name, t in gather_and_convert(args, actor.model_name, name, param, actor.vocab_size):
+            sent.setdefault(hf_name, t.clone())
+    data = fixed_rollout(vocab_size=args.vocab_size)
+    history = actor.train(0, _Ref(data))["train"]
+    grads = {
+        n: p.main_grad.abs().sum().item() for n, p in named_parameters(args, actor.model) if hasattr(p, "main_grad")
+    }
+    torch.save({"sent": sent, "history": history, "grads": grads}, out)
+
+
+def test_two_mtp_depths_round_trip_and_both_train(tmp_path):
+    """A checkpoint with two DeepSeek-style MTP layers (`num_nextn_predict_layers` 2: `model.layers.L` and `L+1`),
+    `--mtp-num-layers 2`: weight sync gives back every tensor of both layers bit for bit, and one step with
+    `--enable-mtp-training` gives both depths' layers a gradient (the second depth's loss reaches its own weights)."""
+    hf_dir = _add_nextn_layer(build_random_hf("deepseekv3", str(tmp_path / "ds"), seed=4), seed=10, depth=2)
+    out = str(tmp_path / "depth2.pt")
+    spawn(_depth_two, 1, hf_dir, out, timeout=400)
+    res = torch.load(out, weights_only=False)
+    expected = load_file(f"{hf_dir}/model.safetensors")
+    assert sorted(res["sent"]) == sorted(expected), set(res["sent"]) ^ set(expected)
+    assert all(torch.equal(res["sent"][k], v) for k, v in expected.items())
+    assert any(k.startswith("model.layers.4.") for k in expected)  # the second MTP layer (3 decoder layers)
+    (metrics,) = res["history"]
+    assert metrics["train/mtp_loss"] > 0
+    for depth in (0, 1):
+        touched = [n for n, g in res["grads"].items() if f".mtp.layers.{depth}." in n and g > 0]
+        assert any(n.endswith("eh_proj.weight") for n in touched), (depth, touched)
 
 
 def _run_parallel(hf_dir, tmp_path, world, *layout):
