@@ -377,6 +377,7 @@ def _run_parallel(hf_dir, tmp_path, world, *layout):
         ("glm4moe", ["--decoder-last-pipeline-num-layers", "2"]),  # dense layer 0 | MoE layers 1, 2 + MTP
         ("deepseekv3", ["--decoder-last-pipeline-num-layers", "2"]),  # MLA; dense layer 0 | MoE layers 1, 2 + MTP
         ("mimo_4_layers", ["--num-layers-per-virtual-pipeline-stage", "1"]),  # VPP 2: MTP on rank 1's second chunk
+        ("qwen3_5", []),  # Gated DeltaNet: linear, full | linear, full + the shared-fc MTP layer
     ],
 )
 def test_mtp_under_pipeline_parallelism_matches_pp1(mtp_models, kind, split, tmp_path):
@@ -386,6 +387,8 @@ def test_mtp_under_pipeline_parallelism_matches_pp1(mtp_models, kind, split, tmp
     share included); weight sync sends every HF tensor once, as at PP=1."""
     if kind == "mimo_4_layers":  # one layer per virtual stage
         hf_dir = build_random_hf("mimo", str(tmp_path / "mimo4"), seed=3, num_layers=4)
+    elif kind == "qwen3_5":
+        hf_dir = _qwen3_5_with_mtp(tmp_path)
     else:
         hf_dir = mtp_models[kind]
     (ref,) = _run_parallel(hf_dir, tmp_path, 1)
@@ -412,16 +415,26 @@ def test_mtp_under_pipeline_parallelism_matches_pp1(mtp_models, kind, split, tmp
         torch.testing.assert_close(sent[name], t, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def _qwen3_5_with_mtp(tmp_path):
+    """A tiny Qwen3.5 (linear, full, linear, full) with the published shared-fc MTP layer."""
+    from tests.test_hybrid_models import add_mtp_layer
+
+    pattern = ["linear_attention", "full_attention"] * 2
+    return add_mtp_layer(build_random_hf("qwen3_5", str(tmp_path / "q35"), seed=5, layer_types=pattern), seed=11)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("pp", [1, 2])
-def test_mtp_under_context_parallelism_matches_cp1(mtp_models, pp, tmp_path):
+@pytest.mark.parametrize("kind, pp", [("mimo", 1), ("mimo", 2), ("qwen3_5", 1)])
+def test_mtp_under_context_parallelism_matches_cp1(mtp_models, kind, pp, tmp_path):
     """--mtp-num-layers with --context-parallel-size 2, alone and with --pipeline-model-parallel-size 2 (the layout of
     run-glm4.7-30B-A3B.sh): each CP rank holds its zigzag pair of chunks of every sample, megatron's rolls carry the
     chunk boundaries between the ranks, and the MTP loss is the mean over the whole samples. One training step's
-    metrics (on the last stage) and gradients equal CP=1's (MiMo)."""
-    (ref,) = _run_parallel(mtp_models["mimo"], tmp_path, 1)
+    metrics (on the last stage) and gradients equal CP=1's (MiMo; Qwen3.5, whose Gated DeltaNet layers see the whole
+    sequence under CP, with its shared-fc MTP layer)."""
+    hf_dir = _qwen3_5_with_mtp(tmp_path) if kind == "qwen3_5" else mtp_models[kind]
+    (ref,) = _run_parallel(hf_dir, tmp_path, 1)
     layout = ["--context-parallel-size", "2", "--pipeline-model-parallel-size", str(pp)]
-    ranks = _run_parallel(mtp_models["mimo"], tmp_path, 2 * pp, *layout)
+    ranks = _run_parallel(hf_dir, tmp_path, 2 * pp, *layout)
     (exp,) = ref["history"]
     assert exp["train/mtp_loss"] > 0
     assert sum(r["last"] for r in ranks) == 2  # the two CP ranks of the last stage
