@@ -497,7 +497,9 @@ def _hand_hybrid_mtp_loss(hf_dir, rollout):
     w = load_file(f"{hf_dir}/model.safetensors")
     config = copy.deepcopy(hf.config)
     config.layer_types = ["full_attention"] * config.num_hidden_layers
-    layer = type(hf.model.layers[0])(config, layer_idx=0)  # the model's decoder layer, as a full-attention one
+    # the model's last decoder layer (whose MLP the MTP layer carries: dense in the tiny Qwen3-Next's
+    # mlp_only_layers), as a full-attention one
+    layer = type(hf.model.layers[0])(config, layer_idx=config.num_hidden_layers - 1)
     state = {k[len("mtp.layers.0.") :]: v for k, v in w.items() if k.startswith("mtp.layers.0.")}
     if "mlp.experts.gate_up_proj" in layer.state_dict():  # transformers stacks the per-expert tensors
         E = config.num_experts
@@ -524,7 +526,8 @@ def _hand_hybrid_mtp_loss(hf_dir, rollout):
         x = torch.cat([norm(e, "pre_fc_norm_embedding"), norm(h[:-1], "pre_fc_norm_hidden")], -1) @ fc.T
         pos = torch.arange(T - 1)[None]
         causal = torch.full((T - 1, T - 1), float("-inf")).triu(1)[None, None]
-        out = layer(x[None], hf.model.rotary_emb(x[None], pos[None].expand(3, 1, -1)), causal, pos)
+        rope_pos = pos if config.model_type == "qwen3_next" else pos[None].expand(3, 1, -1)  # Qwen3.5: 3-D (MRoPE)
+        out = layer(x[None], hf.model.rotary_emb(x[None], rope_pos), causal, pos)
         out = out[0] if isinstance(out, tuple) else out
         logits = norm(out[0], "norm") @ w["lm_head.weight"].T
         ce = F.cross_entropy(logits[: T - 2], t[2:], reduction="none")  # predicts token i+2
@@ -587,7 +590,7 @@ def _hybrid_mtp_trains(rank, hf_dir, out):
     torch.testing.assert_close(grad, 0.5 * fc_grad, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe", "qwen3next"])
 def test_qwen3_5_mtp_layer_trains_like_the_hand_computation(kind, tmp_path):
     hf_dir = build_random_hf(kind, str(tmp_path / kind), seed=7, layer_types=["linear_attention", "full_attention"])
     add_mtp_layer(hf_dir, seed=8)
