@@ -222,3 +222,106 @@ def test_record_generate_maps_outputs_to_their_prompts_adapters():
     assert a.metadata["sampling_params"][0]["lora_path"] == "slime_policy"
     assert b.metadata["sampling_params"][0]["lora_path"] is None
     assert b.weight_version_spans == [{"version": "3", "start": 0, "end": 1}]
+
+
+# ---------------------------------------------------------------- OpenAI requests: SGLang's defaults, recorded
+@pytest.fixture(scope="module")
+def chat_kit(tiny_kit, tmp_path_factory):
+    """The tiny model with a generation_config.json that recommends sampling parameters, as published checkpoints do
+    (Qwen3: temperature 0.6, top_p 0.95, top_k 20)."""
+    import shutil
+
+    kit = tmp_path_factory.mktemp("chat_kit") / "model"
+    shutil.copytree(tiny_kit[0], kit)
+    config = json.loads((kit / "generation_config.json").read_text())
+    (kit / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.6, "top_k": 20}))
+    return str(kit)
+
+
+@pytest.fixture(scope="module")
+def chat_proxied(chat_kit):
+    proc, url = start_cpu_server(chat_kit, "--random-seed", "3")
+    ledger = RequestLedger(max_tokens=1 << 16)
+    proxy = RecordingProxy(url, ledger, timeout=120, chat_defaults={"temperature": 0.6, "top_k": 20}).start(
+        "127.0.0.1"
+    )
+    try:
+        yield url, proxy.url, ledger
+    finally:
+        proxy.stop()
+        stop_cpu_server(proc)
+
+
+MESSAGES = [{"role": "user", "content": "What is 2+3?"}]
+
+
+def _v1(url, path, **body):
+    r = HTTP.post(f"{url}{path}", json={"model": "m", "max_tokens": 6, "seed": 11, **body}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def test_chat_requests_take_the_generation_configs_sampling_defaults_as_sglang_does(chat_proxied):
+    """SGLang's /v1/chat/completions fills what a request leaves out from generation_config.json (temperature 0.6,
+    top_k 20 here); /v1/completions never does. Seen from outside: with the same seed each OpenAI answer equals the
+    /generate of the same ids at the parameters SGLang would apply, and `return_token_ids` returns those ids."""
+    server, _, _ = chat_proxied
+    chat = _v1(server, "/v1/chat/completions", messages=MESSAGES, return_token_ids=True)
+    ids = chat["prompt_token_ids"]
+
+    def generate(**sp):
+        _, out = _generate(server, input_ids=ids, sampling_params={"max_new_tokens": 6, "sampling_seed": 11, **sp})
+        return out["output_ids"]
+
+    assert chat["response_token_ids"] == generate(temperature=0.6, top_k=20) != generate()
+    explicit = _v1(server, "/v1/chat/completions", messages=MESSAGES, return_token_ids=True, temperature=1.3)
+    assert explicit["response_token_ids"] == generate(temperature=1.3, top_k=20)
+    completion = _v1(server, "/v1/completions", prompt=ids, return_token_ids=True)
+    assert completion["prompt_token_ids"] == ids and completion["token_ids"] == generate()
+    assert "response_token_ids" not in _v1(server, "/v1/chat/completions", messages=MESSAGES)
+
+
+def test_a_chat_request_through_the_router_is_recorded_with_what_sglang_applied(chat_proxied):
+    """A user's generate function that calls /v1/chat/completions (with return_token_ids, to train on the ids) and sets
+    no temperature samples at the checkpoint's recommended 0.6 and top-k 20, not --rollout-temperature: recorded at
+    the router, the sample is refused (top-k needs kept sets the OpenAI endpoint cannot return) instead of being
+    trained as if sampled at 1.0; its explicit parameters are recorded as sent."""
+    _, proxy, ledger = chat_proxied
+    chat = _v1(proxy, "/v1/chat/completions", messages=MESSAGES, return_token_ids=True)
+    s = _sample(chat["prompt_token_ids"], chat["response_token_ids"])
+    assert ledger.attach([s]) == 1
+    [rec] = s.metadata["sampling_params"]
+    assert (rec["temperature"], rec["top_k"], rec["top_p"]) == (0.6, 20, 1.0)
+    assert rec["origin"].startswith("/v1/chat/completions request")
+    with pytest.raises(ValueError, match=r"sampled by a request through slime's router .*top_k=20"):
+        convert_samples_to_train_data(make_args(*ONE), [s], fn_path="f")
+    # its own temperature and top_k: scored at 0.8 per token
+    chat = _v1(proxy, "/v1/chat/completions", messages=MESSAGES, return_token_ids=True, temperature=0.8, top_k=-1)
+    s = _sample(chat["prompt_token_ids"], chat["response_token_ids"])
+    assert ledger.attach([s]) == 1
+    data = convert_samples_to_train_data(make_args(*ONE, "--rollout-temperature", "1.0"), [s], fn_path="f")
+    assert data["rollout_temperatures"][0].tolist() == pytest.approx([0.8] * len(chat["response_token_ids"]))
+
+
+def test_the_engines_chat_defaults_follow_sglangs_sampling_defaults_flag(chat_kit):
+    """What the proxy assumes the engines apply: --hf-checkpoint's recommendations under SGLang's default
+    `--sampling-defaults model`, OpenAI's under `--sglang-sampling-defaults openai` (which the CPU server takes too)."""
+    from slime.backends.sglang_utils.sglang_engine import server_command
+    from slime.rollout.recording_proxy import chat_sampling_defaults
+
+    args = make_args()
+    args.hf_checkpoint = chat_kit
+    assert chat_sampling_defaults(args) == {"temperature": 0.6, "top_k": 20}
+    openai = make_args("--sglang-sampling-defaults", "openai")
+    openai.hf_checkpoint = chat_kit
+    assert chat_sampling_defaults(openai) == {}
+    kind, argv = server_command(openai, 0, "127.0.0.1", 1, 2, "127.0.0.1:3")
+    assert kind == "cpu" and argv[argv.index("--sampling-defaults") + 1] == "openai"
+    proc, url = start_cpu_server(chat_kit, "--random-seed", "3", "--sampling-defaults", "openai")
+    try:
+        chat = _v1(url, "/v1/chat/completions", messages=MESSAGES, return_token_ids=True)
+        sp = {"max_new_tokens": 6, "sampling_seed": 11}
+        _, out = _generate(url, input_ids=chat["prompt_token_ids"], sampling_params=sp)
+        assert chat["response_token_ids"] == out["output_ids"]  # OpenAI's temperature 1.0, no top-k
+    finally:
+        stop_cpu_server(proc)

@@ -12,7 +12,9 @@ sample with no record of its own, the outputs its trained tokens are made of (a 
 consecutive ones when a partial rollout resumed it) and writes their records onto the sample, as the default generate
 would have. Tokens that match no output keep today's rule (trained at the flags, one warning; refused under
 `--lora-sync adapter`). Identical outputs from different prompts are told apart by the last input ids when the request
-sent ids (a text request cannot be). `--no-check-sampling-params` starts no proxy.
+sent ids (a text request cannot be). OpenAI requests (`/v1/chat/completions`, `/v1/completions`) are recorded when
+their answers carry token ids (`return_token_ids`), with what SGLang applied (`record_openai`). `--no-check-sampling-params`
+starts no proxy.
 """
 
 import asyncio
@@ -27,7 +29,7 @@ import xxhash
 from aiohttp import web
 
 from slime.agent.aiohttp_threaded import run_app_in_thread
-from slime.utils.sampling_record import META_KEY, segment_record
+from slime.utils.sampling_record import META_KEY, generation_config_defaults, openai_sampling_params, segment_record
 from slime.utils.weight_versions import append_spans, call_spans
 
 logger = logging.getLogger(__name__)
@@ -199,12 +201,37 @@ def record_generate(ledger: RequestLedger, body: dict, outputs: list) -> int:
     return recorded
 
 
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
+def record_openai(ledger: RequestLedger, path: str, body: dict, answer: dict, chat_defaults: dict) -> int:
+    """Add every finished choice of one OpenAI request whose answer carries its token ids (SGLang's
+    `return_token_ids`: `response_token_ids` for chat, `token_ids` for completions) to the ledger, sampled with what
+    SGLang applies: the request's parameters, then (chat only) `chat_defaults`, the model's generation_config.json,
+    then OpenAI's. A choice without its ids cannot be matched to a sample and is not recorded."""
+    chat = path == "/v1/chat/completions"
+    sp = openai_sampling_params(body, chat_defaults if chat else {})
+    recorded = 0
+    for choice in answer.get("choices") or []:
+        output_ids = choice.get("response_token_ids" if chat else "token_ids")
+        if not output_ids or not choice.get("finish_reason"):
+            continue
+        request = {"lora_path": body.get("lora_path")}
+        record = segment_record(None, sp, start=0, end=len(output_ids), source=SOURCE, body=request)
+        record["origin"] = f"{path} request with SGLang's defaults, recorded at the router"
+        ledger.add(output_ids, record, [], choice.get("prompt_token_ids"))
+        recorded += 1
+    return recorded
+
+
 class RecordingProxy:
     """An aiohttp server, in a thread of its own, that forwards everything to `upstream` (the router) and records
-    each `/generate` into `ledger`."""
+    each `/generate` (and each OpenAI request whose answer carries token ids) into `ledger`. `chat_defaults`: what
+    the engines give a chat request that leaves a sampling parameter out (`chat_sampling_defaults`)."""
 
-    def __init__(self, upstream: str, ledger: RequestLedger, timeout: float):
+    def __init__(self, upstream: str, ledger: RequestLedger, timeout: float, chat_defaults=None):
         self.upstream, self.ledger, self.timeout = upstream.rstrip("/"), ledger, timeout
+        self.chat_defaults = dict(chat_defaults or {})
         self.session = None
         self._warned = False
 
@@ -240,6 +267,7 @@ class RecordingProxy:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP}
         url = f"{self.upstream}{request.rel_url}"
         generate = request.method == "POST" and request.path == "/generate"
+        openai = request.method == "POST" and request.path in OPENAI_PATHS
         try:
             async with self.session.request(
                 request.method, url, data=body, headers=headers, timeout=aiohttp.ClientTimeout(total=self.timeout)
@@ -250,6 +278,8 @@ class RecordingProxy:
                 data = await up.read()
                 if generate and up.status == 200:
                     self._record(body, lambda: json.loads(data))
+                elif openai and up.status == 200:
+                    self._record(body, lambda: json.loads(data), path=request.path)
                 return web.Response(body=data, status=up.status, headers=out_headers)
         except asyncio.TimeoutError:
             return web.json_response(
@@ -280,15 +310,26 @@ class RecordingProxy:
         await resp.write_eof()
         return resp
 
-    def _record(self, body: bytes, outputs):
+    def _record(self, body: bytes, outputs, path="/generate"):
         """Recording never fails a request: what cannot be parsed stays unrecorded (logged once)."""
         try:
             answer = outputs()
-            record_generate(self.ledger, json.loads(body), answer if isinstance(answer, list) else [answer])
+            if path == "/generate":
+                record_generate(self.ledger, json.loads(body), answer if isinstance(answer, list) else [answer])
+            else:
+                record_openai(self.ledger, path, json.loads(body), answer, self.chat_defaults)
         except Exception as e:  # noqa: BLE001
             if not self._warned:
                 self._warned = True
-                logger.warning("recording proxy: could not record a /generate (%s: %s)", type(e).__name__, e)
+                logger.warning("recording proxy: could not record a %s (%s: %s)", path, type(e).__name__, e)
+
+
+def chat_sampling_defaults(args) -> dict:
+    """What the policy's engines give a chat request that leaves a sampling parameter out: `--hf-checkpoint`'s
+    generation_config.json under SGLang's `--sampling-defaults model` (its default, `--sglang-sampling-defaults`)."""
+    if (getattr(args, "sglang_sampling_defaults", None) or "model") != "model":
+        return {}
+    return generation_config_defaults(args.hf_checkpoint)
 
 
 def start_recording_proxy(args):
@@ -301,9 +342,9 @@ def start_recording_proxy(args):
     # room for a few rollouts of full-length answers (they are taken as samples are converted)
     ledger = RequestLedger(max_tokens=max(1 << 22, 4 * samples * (args.rollout_max_response_len or 1024)))
     router = (args.sglang_router_ip, args.sglang_router_port)
-    proxy = RecordingProxy(
-        f"http://{router[0]}:{router[1]}", ledger, timeout=float(args.sglang_router_request_timeout_secs) + 60
-    ).start(router[0])
+    timeout = float(args.sglang_router_request_timeout_secs) + 60
+    proxy = RecordingProxy(f"http://{router[0]}:{router[1]}", ledger, timeout, chat_sampling_defaults(args))
+    proxy.start(router[0])
     args.sglang_router_port = proxy.handle.port
     args.sglang_router_behind_proxy = (
         router  # the real router's (ip, port), for code that must reach it, not the proxy

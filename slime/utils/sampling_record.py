@@ -14,6 +14,9 @@ when the request body is passed, `lora_path` (the adapter the request named, Non
 response says nothing of the adapter that served it, so that one always comes from the request.
 """
 
+import json
+import os
+
 import numpy as np
 
 GREEDY_EPS = 1e-6  # SGLang's sampling_params.py: a temperature below this is greedy
@@ -27,6 +30,35 @@ PROCESSOR_KEYS = ("logit_bias", "regex", "json_schema", "ebnf", "structural_tag"
 def _get(d, key, default):
     v = d.get(key)
     return default if v is None else v
+
+
+# SGLang 0.5.23's OpenAI endpoints (entrypoints/openai/protocol.py): what a request that leaves one of these out gets.
+# /v1/chat/completions first takes the model's generation_config.json (`ModelConfig.get_default_sampling_params`, under
+# `--sampling-defaults model`, SGLang's default); /v1/completions never does.
+OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+def generation_config_defaults(model_dir) -> dict:
+    """The sampling defaults SGLang takes from `model_dir`'s generation_config.json for chat requests (the keys of
+    `OPENAI_DEFAULTS` it sets); {} without one."""
+    path = os.path.join(model_dir or "", "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        config = json.load(f)
+    return {k: config[k] for k in OPENAI_DEFAULTS if config.get(k) is not None}
+
+
+def openai_sampling_params(body: dict, model_defaults: dict) -> dict:
+    """The `sampling_params` SGLang builds from an OpenAI request `body` (those that change the distribution): each
+    of `OPENAI_DEFAULTS` from the request, else `model_defaults` (a chat request's generation-config defaults; {} for
+    /v1/completions), else OpenAI's; the penalties and min_tokens as sent."""
+    sp = {k: _get(body, k, model_defaults.get(k, v)) for k, v in OPENAI_DEFAULTS.items()}
+    for key, name in (("frequency_penalty", "frequency_penalty"), ("presence_penalty", "presence_penalty"),
+                      ("min_tokens", "min_new_tokens")):  # fmt: skip
+        if body.get(key) is not None:
+            sp[name] = body[key]
+    return sp
 
 
 def applied_sampling_params(sampling_params: dict | None, *, custom_logit_processor=False) -> dict:

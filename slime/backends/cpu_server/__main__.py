@@ -55,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--admin-api-key", default=None, help="as SGLang's: required on admin endpoints instead of --api-key"
     )
     p.add_argument(
+        "--sampling-defaults",
+        choices=["openai", "model"],
+        default="model",
+        help="as SGLang's: where /v1/chat/completions takes the sampling parameters a request leaves out: the "
+        "model's generation_config.json (model), else OpenAI's defaults",
+    )
+    p.add_argument(
         "--enable-return-routed-experts",
         action="store_true",
         help="as SGLang's: requests may ask for each token's routed MoE experts (return_routed_experts)",

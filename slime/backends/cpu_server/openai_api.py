@@ -5,6 +5,8 @@ import uuid
 
 from aiohttp import web
 
+from slime.utils.sampling_record import openai_sampling_params
+
 from .sampling import RequestError, SamplingParams
 from .scheduler import Req
 
@@ -12,39 +14,30 @@ from .scheduler import Req
 class OpenAIAPI:
     """`/v1/completions` and `/v1/chat/completions` over the same scheduler as `/generate`."""
 
-    def _openai_sampling(self, b, prompt_len):
+    def _openai_sampling(self, b, prompt_len, model_defaults):
+        """SGLang's sampling parameters for an OpenAI request (`model_defaults`: what a chat request takes from the
+        model's generation_config.json where it sends nothing; {} for /v1/completions)."""
         max_tokens = b.get("max_completion_tokens", b.get("max_tokens"))
         sp = {
             "max_new_tokens": max_tokens if max_tokens is not None else self.context_len - prompt_len - 1,
-            "temperature": b.get("temperature", 1.0),
-            "top_p": b.get("top_p", 1.0),
             "n": b.get("n", 1),
             "stop": b.get("stop"),
             "stop_token_ids": b.get("stop_token_ids"),
-            "frequency_penalty": b.get("frequency_penalty", 0.0),
-            "presence_penalty": b.get("presence_penalty", 0.0),
             "sampling_seed": b.get("seed"),
+            **openai_sampling_params(b, model_defaults),
         }
-        for k in (
-            "top_k",
-            "min_p",
-            "ignore_eos",
-            "skip_special_tokens",
-            "no_stop_trim",
-            "min_tokens",
-            "repetition_penalty",
-        ):
+        for k in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
             if k in b:
-                sp["min_new_tokens" if k == "min_tokens" else k] = b[k]
+                sp[k] = b[k]
         return {k: v for k, v in sp.items() if v is not None}
 
     def _finish_str(self, r):
         return {"stop": "stop", "length": "length", "abort": "abort"}[r.finish_reason["type"]]
 
-    async def _openai_run(self, b, ids):
+    async def _openai_run(self, b, ids, model_defaults):
         if b.get("stream"):
             raise RequestError("stream=true is not supported by slime's CPU server's OpenAI endpoints")
-        sp = SamplingParams.from_dict(self._openai_sampling(b, len(ids)), self.cfg.vocab_size)
+        sp = SamplingParams.from_dict(self._openai_sampling(b, len(ids), model_defaults), self.cfg.vocab_size)
         self._check_prompt(ids, sp)
         want_lp = bool(b.get("logprobs"))
         return await self._run([Req(ids, sp, return_logprob=want_lp) for _ in range(sp.n)])
@@ -65,7 +58,7 @@ class OpenAIAPI:
             ids = prompt
         else:
             raise RequestError("prompt must be a string or a list of token ids (batch prompts: send one request each)")
-        reqs = await self._openai_run(b, ids)
+        reqs = await self._openai_run(b, ids, {})
         choices = []
         for i, r in enumerate(reqs):
             lp = None
@@ -79,6 +72,8 @@ class OpenAIAPI:
                     "logprobs": lp,
                     "finish_reason": self._finish_str(r),
                     "matched_stop": r.finish_reason.get("matched"),
+                    # SGLang's return_token_ids: the sampled and the prompt's ids
+                    **({"token_ids": r.output_ids, "prompt_token_ids": ids} if b.get("return_token_ids") else {}),
                 }
             )
         return web.json_response(
@@ -105,7 +100,8 @@ class OpenAIAPI:
             )
         except Exception as e:  # noqa: BLE001  (a template error is the client's message list)
             raise RequestError(f"the chat template could not render these messages: {e}") from None
-        reqs = await self._openai_run(b, list(ids))
+        reqs = await self._openai_run(b, list(ids), self.chat_sampling_defaults)
+        want_prompt = b.get("return_prompt_token_ids") or b.get("return_token_ids")
         choices = []
         for i, r in enumerate(reqs):
             lp = None
@@ -128,6 +124,9 @@ class OpenAIAPI:
                     "logprobs": lp,
                     "finish_reason": self._finish_str(r),
                     "matched_stop": r.finish_reason.get("matched"),
+                    # SGLang's return_prompt_token_ids / return_token_ids
+                    **({"prompt_token_ids": list(ids)} if want_prompt else {}),
+                    **({"response_token_ids": r.output_ids} if b.get("return_token_ids") else {}),
                 }
             )
         return web.json_response(

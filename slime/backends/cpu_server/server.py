@@ -26,6 +26,7 @@ from aiohttp import web
 from slime.backends.sglang_utils.contract import body_errors, route
 from slime.utils.fingerprint import ALGORITHMS, combine
 from slime.utils.quantization import QuantScheme
+from slime.utils.sampling_record import generation_config_defaults
 from slime.utils.tensor_serialization import set_shared_authkey
 
 from .fingerprint import ServedFingerprint
@@ -66,6 +67,9 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
     def __init__(self, args):
         self.args = args
         self.model_path = os.path.abspath(args.model_path)
+        # as SGLang's --sampling-defaults: what a chat request that leaves a sampling parameter out gets
+        model_defaults = args.sampling_defaults == "model"
+        self.chat_sampling_defaults = generation_config_defaults(self.model_path) if model_defaults else {}
         from transformers import AutoTokenizer  # heavy
 
         self._load_model(args)

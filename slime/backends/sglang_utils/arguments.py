@@ -51,6 +51,7 @@ CPU_SERVER_HONOURED = (
     "enable_return_routed_experts",
     "disable_radix_cache",
     "sampling_mask_max_tokens",
+    "sampling_defaults",
 )
 
 # GPU-only performance knobs: meaningless on the CPU server, harmless to ignore (results do not depend on them).
