@@ -62,7 +62,8 @@ def _image(size, seed):
 
 
 def make_samples(hf_dir):
-    """Samples as the default rollout leaves them: expanded prompt ids + a response, the processor's other outputs."""
+    """Samples as the default rollout leaves them: expanded prompt ids + a response, the processor's other outputs,
+    the images themselves."""
     from slime.utils.processing_utils import load_processor, process_prompt
     from slime.utils.types import Sample
 
@@ -80,6 +81,7 @@ def make_samples(hf_dir):
                 response_length=len(response),
                 reward=reward,
                 multimodal_train_inputs=train_inputs if images else None,
+                multimodal_inputs={"images": images} if images else None,
             )
         )
     return samples
