@@ -314,6 +314,8 @@ def test_opd_teacher_scores_image_samples_with_their_images(vlm_server, tiny_vlm
         s.reward = reward
         assert reward["meta_info"]["prompt_tokens"] == len(s.tokens)  # re-expanded as the sample's own ids
     opd.post_process_rewards(args, samples)
+    diff = max((torch.tensor(s.teacher_log_probs) - w).abs().max().item() for s, w in zip(samples, want))
+    print(f"OPD teacher (CPU server) vs transformers: max |log-prob diff| = {diff:.3g}")
     for s, w in zip(samples, want):
         assert torch.allclose(torch.tensor(s.teacher_log_probs), w, atol=1e-4), (s.index, s.teacher_log_probs, w)
 
@@ -324,6 +326,7 @@ def test_opd_teacher_scores_image_samples_with_their_images(vlm_server, tiny_vlm
     opd.post_process_rewards(args, blind)
     for s, b, w in zip(samples, blind, want):
         gap = (torch.tensor(b.teacher_log_probs) - w).abs().max().item()
+        print(f"sample {s.index} scored without its images: max |log-prob diff| = {gap:.3g}")
         assert gap > 1e-2 if s.multimodal_inputs else gap < 1e-4, (s.index, gap)
 
     # SGLang hands the decoded ids to transformers' processor: an expanded run is 6 pads for 1 image, refused
