@@ -330,8 +330,9 @@ def test_opd_teacher_scores_image_samples_with_their_images(vlm_server, tiny_vlm
         assert gap > 1e-2 if s.multimodal_inputs else gap < 1e-4, (s.index, gap)
 
     # SGLang hands the decoded ids to transformers' processor: an expanded run is 6 pads for 1 image, refused
-    s = samples[2]
-    body = {"input_ids": s.tokens, "image_data": opd.teacher_prompt_fields(args, s)["image_data"]}
+    s, fields = samples[2], opd.teacher_prompt_fields(args, samples[2])
+    assert body_errors("/generate", {**fields, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True}) == []
+    body = {"input_ids": s.tokens, "image_data": fields["image_data"]}
     r = SESSION.post(vlm_server + "/generate", json={**body, "sampling_params": {"max_new_tokens": 0}}, timeout=30)
     assert r.status_code == 400, r.text
     assert "Found total 4 <|image_pad|> tokens and 1 images" in r.text, r.text
