@@ -285,3 +285,54 @@ def test_update_from_disk_loads_a_vision_language_version_written_under_the_trai
     for name, param in memory.items():
         checkpoint = name.replace("model.language_model.", "model.", 1).replace("model.visual.", "visual.", 1)
         assert torch.equal(param, update[checkpoint]), name
+
+
+def test_opd_teacher_scores_image_samples_with_their_images(vlm_server, tiny_vlm):
+    """`--opd-type sglang` on image samples: the teacher request carries the images (`image_data`, each pad run
+    collapsed to one pad as SGLang takes it), and the teacher log-probs of the response equal transformers' forward of
+    the same tokens and images; without the images they are clearly other. Ids with an image's run already expanded
+    are refused as SGLang refuses them (its processor's message)."""
+    import asyncio
+
+    from slime.rollout import on_policy_distillation as opd
+    from slime.utils.async_utils import run  # the rollout's persistent loop (one HTTP session)
+    from tests._args import make_args
+    from tests.test_vlm_trainer import hf_vlm_log_probs, make_samples
+
+    # sample 1: two images of 6 and 2 tokens; 2: text only; 3: one image of 4 tokens
+    samples = make_samples(tiny_vlm)[1:]
+    args = make_args(
+        "--use-opd", "--opd-type", "sglang", "--rm-url", vlm_server + "/generate", "--rollout-temperature", "1",
+        "--multimodal-keys", '{"image": "images"}', hf_checkpoint=tiny_vlm,
+    )  # fmt: skip
+    want = hf_vlm_log_probs(tiny_vlm, samples)
+
+    async def score(batch):
+        return await asyncio.gather(*(opd.reward_func(args, s) for s in batch))
+
+    for s, reward in zip(samples, run(score(samples))):
+        s.reward = reward
+        assert reward["meta_info"]["prompt_tokens"] == len(s.tokens)  # re-expanded as the sample's own ids
+    opd.post_process_rewards(args, samples)
+    diff = max((torch.tensor(s.teacher_log_probs) - w).abs().max().item() for s, w in zip(samples, want))
+    print(f"OPD teacher (CPU server) vs transformers: max |log-prob diff| = {diff:.3g}")
+    for s, w in zip(samples, want):
+        assert torch.allclose(torch.tensor(s.teacher_log_probs), w, atol=1e-4), (s.index, s.teacher_log_probs, w)
+
+    # the same tokens without the images: the pads are scored as plain embeddings, far from the teacher's answer
+    blind = [Sample(index=s.index, tokens=s.tokens, response_length=s.response_length) for s in samples]
+    for s, reward in zip(blind, run(score(blind))):
+        s.reward = reward
+    opd.post_process_rewards(args, blind)
+    for s, b, w in zip(samples, blind, want):
+        gap = (torch.tensor(b.teacher_log_probs) - w).abs().max().item()
+        print(f"sample {s.index} scored without its images: max |log-prob diff| = {gap:.3g}")
+        assert gap > 1e-2 if s.multimodal_inputs else gap < 1e-4, (s.index, gap)
+
+    # SGLang hands the decoded ids to transformers' processor: an expanded run is 6 pads for 1 image, refused
+    s, fields = samples[2], opd.teacher_prompt_fields(args, samples[2])
+    assert body_errors("/generate", {**fields, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True}) == []
+    body = {"input_ids": s.tokens, "image_data": fields["image_data"]}
+    r = SESSION.post(vlm_server + "/generate", json={**body, "sampling_params": {"max_new_tokens": 0}}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert "Found total 4 <|image_pad|> tokens and 1 images" in r.text, r.text

@@ -9,6 +9,7 @@ Qwen2.5-VL forward of the same images; a training step moves every vision-tower 
 """
 
 import os
+import types
 
 import numpy as np
 import pytest
@@ -62,7 +63,8 @@ def _image(size, seed):
 
 
 def make_samples(hf_dir):
-    """Samples as the default rollout leaves them: expanded prompt ids + a response, the processor's other outputs."""
+    """Samples as the default rollout leaves them: expanded prompt ids + a response, the processor's other outputs,
+    the images themselves."""
     from slime.utils.processing_utils import load_processor, process_prompt
     from slime.utils.types import Sample
 
@@ -80,6 +82,7 @@ def make_samples(hf_dir):
                 response_length=len(response),
                 reward=reward,
                 multimodal_train_inputs=train_inputs if images else None,
+                multimodal_inputs={"images": images} if images else None,
             )
         )
     return samples
@@ -457,3 +460,78 @@ def test_packed_rows_get_each_samples_own_3d_positions(tiny_vlm, samples):
         assert torch.equal(got, expect), i
     assert alone[0][:, -1].max() > len(tokens[0]) / 2  # 3-D positions, not offsets into the row
     assert torch.equal(packed[:, -pad:], torch.arange(pad).expand(3, pad))  # text positions of its own
+
+
+def _megatron_teacher(rank, student_dir, teacher_dir, samples, ckpt, out):
+    """The actor's own `--opd-type megatron` path on one rank: the teacher's Megatron checkpoint (written here from
+    `teacher_dir`) loaded by `load_other_checkpoint`, then the forwards of `forward_passes` on the image samples."""
+    import contextlib
+    import copy
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import ray
+    from megatron.core import parallel_state as mpu
+
+    from slime.backends.megatron_utils.actor import MegatronTrainRayActor
+    from slime.backends.megatron_utils.checkpoint import save_checkpoint
+    from slime.backends.megatron_utils.data import get_data_iterator
+    from slime.backends.megatron_utils.initialize import init
+    from slime.backends.megatron_utils.megatron_to_hf.hf_to_megatron import hf_to_megatron
+    from slime.backends.megatron_utils.model import initialize_model_and_optimizer
+    from slime.backends.megatron_utils.rollout_data import process_rollout_data
+    from slime.rollout.train_data import convert_samples_to_train_data
+
+    class _Ref:
+        def __init__(self, data):
+            self.inner = data
+
+    ray.get = lambda x: x  # the test hands the dict itself instead of an ObjectRef
+    opd = ["--use-opd", "--opd-type", "megatron", "--opd-teacher-load", ckpt]  # written below
+    args = parse_args(argv=[*RL, "--hf-checkpoint", student_dir, *opd], check_paths=False)
+    init(args)
+    model, _, _, _ = initialize_model_and_optimizer(args)
+    actor = object.__new__(MegatronTrainRayActor)  # its methods, without Ray and the engines
+    actor.args, actor.model, actor.weights = args, model, {"actor": {}}
+    actor.prof = types.SimpleNamespace(phase=lambda name: contextlib.nullcontext())
+    actor.update_cpu_params_dict(actor.weights["actor"])
+    hf_to_megatron(args, model, hf_checkpoint=teacher_dir)  # the teacher as --opd-teacher-load holds it
+    save_args = copy.copy(args)
+    save_args.save = ckpt
+    save_checkpoint(save_args, 1, model, None, None, with_optimizer=False)
+    actor.update_gpu_params_dict(actor.weights["actor"])
+    actor.load_other_checkpoint("teacher", ckpt)  # as `init` does with --opd-type megatron
+
+    data = convert_samples_to_train_data(args, samples)
+    rollout = process_rollout_data(args, _Ref(data), mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size())
+    iters, nmb = get_data_iterator(args, model, rollout)
+    for tag, _, prefix, _ in actor.forward_passes(len(nmb)):
+        rollout.update(actor.compute_log_prob(tag, iters, nmb, prefix))
+    torch.save({k: rollout[k] for k in ("teacher_log_probs", "log_probs")}, out)
+
+
+def test_megatron_opd_teacher_sees_the_images(tiny_vlm, samples, tmp_path):
+    """`--use-opd --opd-type megatron` on image samples: the teacher (another Qwen2.5-VL, its tower included, swapped
+    into the live model) gets the micro-batch's pixel_values and grids like the policy, so its log-probs equal
+    transformers' forward of the teacher on the same tokens and images, and the student's stay the student's."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    teacher_dir = str(tmp_path / "teacher")
+    shutil.copytree(tiny_vlm, teacher_dir)
+    weights = load_file(os.path.join(teacher_dir, "model.safetensors"))
+    for name, t in weights.items():  # other weights, the tower's included
+        if name.startswith("visual.") or name == "model.norm.weight":
+            t.mul_(3.0)
+    save_file(weights, os.path.join(teacher_dir, "model.safetensors"), metadata={"format": "pt"})
+
+    out = str(tmp_path / "lps.pt")
+    spawn(_megatron_teacher, 1, tiny_vlm, teacher_dir, samples, str(tmp_path / "teacher_ckpt"), out, timeout=300)
+    got = torch.load(out, weights_only=False)
+    teacher, student = hf_vlm_log_probs(teacher_dir, samples), hf_vlm_log_probs(tiny_vlm, samples)
+    diff = max((g - w).abs().max().item() for g, w in zip(got["teacher_log_probs"], teacher))
+    print(f"megatron teacher vs transformers' teacher: max |log-prob diff| = {diff:.3g}")
+    assert diff <= 1e-5
+    assert all(torch.allclose(g, w, atol=1e-5) for g, w in zip(got["log_probs"], student))
+    assert not torch.allclose(teacher[1], student[1], atol=1e-2)  # two different models

@@ -8,19 +8,46 @@ Wire it as upstream slime's example does:
     --custom-reward-post-process-path slime.rollout.on_policy_distillation.post_process_rewards
 
 `reward_func` has the teacher score each sample's whole token sequence (prefill only, no token generated, at the
-rollout temperature) and returns the server's answer as the sample's reward; `post_process_rewards` keeps the
-teacher's log-probs of the response tokens in `sample.teacher_log_probs` and gives every sample the task reward
-0.0. The trainer then turns each response token's advantage A into A - coef * (student - teacher log-prob)
+rollout temperature; a sample's images go with it as `image_data`, so a vision-language teacher sees them) and
+returns the server's answer as the sample's reward; `post_process_rewards` keeps the teacher's log-probs of the
+response tokens in `sample.teacher_log_probs` and gives every sample the task reward 0.0. The trainer then turns each
+response token's advantage A into A - coef * (student - teacher log-prob)
 (`slime.backends.megatron_utils.advantages.apply_opd_kl_to_advantages`). The teacher must share the student's tokenizer:
 it scores the student's token ids as they are (checked at start-up by
 `slime.backends.sglang_utils.external.check_opd_teacher`).
 """
 
+import functools
+
 import torch
 
 from slime.backends.sglang_utils.sglang_config import OPD_TEACHER, get_model_url
 from slime.utils.http_utils import post
+from slime.utils.processing_utils import encode_image_for_rollout_engine, load_processor
 from slime.utils.types import Sample
+
+
+@functools.lru_cache(maxsize=4)
+def _image_token_id(hf_checkpoint):
+    return load_processor(hf_checkpoint).image_token_id
+
+
+def collapse_image_runs(tokens, pad):
+    """`tokens` with every run of the image-pad id `pad` shortened to one pad."""
+    return [t for i, t in enumerate(tokens) if t != pad or i == 0 or tokens[i - 1] != pad]
+
+
+def teacher_prompt_fields(args, sample: Sample) -> dict:
+    """The prompt part of the teacher request: `input_ids`, and for a sample with images one PNG data URL per image
+    as `image_data`, each image's pad run collapsed to one pad. SGLang re-expands a single pad per image and keeps the
+    other ids verbatim; an already-expanded run reaches transformers' processor, which refuses it."""
+    images = (sample.multimodal_inputs or {}).get("images")
+    if not images:
+        return {"input_ids": sample.tokens}
+    return {
+        "input_ids": collapse_image_runs(sample.tokens, _image_token_id(args.hf_checkpoint)),
+        "image_data": [encode_image_for_rollout_engine(image) for image in images],
+    }
 
 
 async def reward_func(args, sample: Sample, **kwargs):
@@ -28,7 +55,7 @@ async def reward_func(args, sample: Sample, **kwargs):
     `meta_info.input_token_logprobs` holds, per input position, [log-prob, token id, ...] (the first is None).
     Retried like every engine request; an HTTP error names the URL."""
     payload = {
-        "input_ids": sample.tokens,
+        **teacher_prompt_fields(args, sample),
         "sampling_params": {
             "temperature": args.rollout_temperature,
             "max_new_tokens": 0,

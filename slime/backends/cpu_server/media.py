@@ -66,14 +66,20 @@ def images_per_prompt(body, num_prompts, batch):
 
 def expand(processor, ids, images, where="the prompt"):
     """(expanded ids, {pixel_values, image_grid_thw, mm_token_type_ids}) of caller `ids` with one image-pad token per
-    image: each becomes that image's token count, the other ids kept verbatim (SGLang's no-retokenize path)."""
+    image: each becomes that image's token count, the other ids kept verbatim (SGLang's no-retokenize path). Ids with
+    an image's run already expanded are refused with transformers' message, as SGLang 0.5.23 answers them."""
     pad = processor.image_token_id
-    singles = [i for i, t in enumerate(ids) if t == pad and (i == 0 or ids[i - 1] != pad)]
     runs = sum(1 for i, t in enumerate(ids) if t == pad and (i + 1 == len(ids) or ids[i + 1] != pad))
-    if len(singles) != len(images) or any(ids[i + 1 : i + 2] == [pad] for i in singles):
+    if runs != len(images):
         raise RequestError(
             f"{where} has {runs} image placeholder(s) but image_data has {len(images)} image(s); they must match "
             "(one <|vision_start|><|image_pad|><|vision_end|> or <image> per image)"
+        )
+    total = ids.count(pad)
+    if total != len(images):  # SGLang hands the decoded ids to transformers' processor, which refuses expanded runs
+        raise RequestError(
+            f"The total number of {processor.image_token} tokens in the prompts should be the same as the number of "
+            f"images passed. Found total {total} {processor.image_token} tokens and {len(images)} images."
         )
     out = processor.image_processor(images=images, return_tensors="pt")
     grid = out["image_grid_thw"]
