@@ -29,6 +29,7 @@ from transformers import AutoTokenizer
 
 from slime.agent.adapters import OpenAIAdapter
 from slime.agent.aiohttp_threaded import run_app_in_thread
+from slime.backends.sglang_utils.router import router_url
 from slime.rollout import RolloutSamples
 from slime.rollout.base_types import accepts_data_buffer
 from slime.rollout.sglang_rollout import generate_rollout as default_generate_rollout
@@ -104,7 +105,7 @@ def _adapter(args):
         tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint, trust_remote_code=True)
         adapter = OpenAIAdapter(
             tokenizer=tokenizer,
-            sglang_url=f"http://{args.sglang_router_ip}:{args.sglang_router_port}",
+            sglang_url=router_url(args),  # the adapter records each turn itself: no hop through the proxy
             tool_parser=TOOL_PARSER,
             reasoning_parser=REASONING_PARSER,
             generate_fields=generate_fields(args),

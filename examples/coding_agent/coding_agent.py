@@ -27,6 +27,7 @@ from transformers import AutoTokenizer
 from slime.agent.adapters import OpenAIAdapter
 from slime.agent.aiohttp_threaded import run_app_in_thread
 from slime.agent.sandbox import Limits, LocalSandbox
+from slime.backends.sglang_utils.router import router_url
 from slime.utils.lora_utils import generate_fields
 from slime.utils.top_p_replay import sampling_is_truncated
 from slime.utils.types import Sample
@@ -132,7 +133,7 @@ def _adapter(args):
     if "adapter" not in _state:
         adapter = OpenAIAdapter(
             tokenizer=AutoTokenizer.from_pretrained(args.hf_checkpoint, trust_remote_code=True),
-            sglang_url=f"http://{args.sglang_router_ip}:{args.sglang_router_port}",
+            sglang_url=router_url(args),  # the adapter records each turn itself: no hop through the proxy
             tool_parser=TOOL_PARSER,
             reasoning_parser=REASONING_PARSER,
             generate_fields=generate_fields(args),

@@ -27,6 +27,7 @@ from transformers import AutoTokenizer
 
 from slime.agent.adapters import OpenAIAdapter
 from slime.agent.aiohttp_threaded import run_app_in_thread
+from slime.backends.sglang_utils.router import router_url
 from slime.utils.lora_utils import generate_fields
 from slime.utils.top_p_replay import sampling_is_truncated
 from slime.utils.types import Sample
@@ -107,7 +108,7 @@ def _adapter(args):
     if "adapter" not in _state:
         adapter = OpenAIAdapter(
             tokenizer=AutoTokenizer.from_pretrained(args.hf_checkpoint, trust_remote_code=True),
-            sglang_url=f"http://{args.sglang_router_ip}:{args.sglang_router_port}",
+            sglang_url=router_url(args),  # the adapter records each turn itself: no hop through the proxy
             reasoning_parser="qwen3",  # the Qwen3 family's <think> format; the agents use no tools
             generate_fields=generate_fields(args),
             # top-p replay: each turn's kept token sets, asked of a worker directly (the router drops the field)
