@@ -54,10 +54,11 @@ def openai_sampling_params(body: dict, model_defaults: dict) -> dict:
     of `OPENAI_DEFAULTS` from the request, else `model_defaults` (a chat request's generation-config defaults; {} for
     /v1/completions), else OpenAI's; the penalties and min_tokens as sent."""
     sp = {k: _get(body, k, model_defaults.get(k, v)) for k, v in OPENAI_DEFAULTS.items()}
-    for key, name in (("frequency_penalty", "frequency_penalty"), ("presence_penalty", "presence_penalty"),
-                      ("min_tokens", "min_new_tokens")):  # fmt: skip
+    for key in ("frequency_penalty", "presence_penalty"):
         if body.get(key) is not None:
-            sp[name] = body[key]
+            sp[key] = body[key]
+    if body.get("min_tokens") is not None:
+        sp["min_new_tokens"] = body["min_tokens"]
     return sp
 
 
