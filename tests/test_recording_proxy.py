@@ -224,6 +224,21 @@ def test_record_generate_maps_outputs_to_their_prompts_adapters():
     assert b.weight_version_spans == [{"version": "3", "start": 0, "end": 1}]
 
 
+def test_a_text_batch_gives_each_prompts_n_outputs_its_own_parameters():
+    """A batch of text prompts (no input ids to match on), n = 2 each: SGLang answers prompt after prompt, so outputs
+    0-1 were sampled with the first prompt's parameters and 2-3 with the second's; an unfinished output is skipped."""
+    ledger = RequestLedger(max_tokens=100)
+    sps = [{"temperature": 0.5, "n": 2}, {"temperature": 1.5, "n": 2}]
+    done, running = {"finish_reason": {"type": "stop"}}, {"finish_reason": None}
+    outputs = [{"output_ids": [10 + k], "meta_info": done} for k in range(4)]
+    outputs[3]["meta_info"] = running
+    assert record_generate(ledger, {"text": ["a", "b"], "sampling_params": sps}, outputs) == 3
+    samples = [_sample([1], [10 + k], index=k) for k in range(4)]
+    assert ledger.attach(samples) == 3
+    assert [x.metadata["sampling_params"][0]["temperature"] for x in samples[:3]] == [0.5, 0.5, 1.5]
+    assert not samples[3].metadata
+
+
 # ---------------------------------------------------------------- OpenAI requests: SGLang's defaults, recorded
 @pytest.fixture(scope="module")
 def chat_kit(tiny_kit, tmp_path_factory):
