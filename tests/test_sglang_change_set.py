@@ -422,53 +422,54 @@ VISION = [
     "visual.blocks.0.mlp.down_proj.weight",
     "visual.merger.mlp.0.weight",
 ]
+
+
+def _checkpoint(prefix, layers, extra=()):
+    """An HF checkpoint's names: embedding and final norm under `prefix`, lm_head, `extra`, and each
+    (layer, attention, mlp) decoder layer of `layers`."""
+    names = [f"{prefix}embed_tokens.weight", f"{prefix}norm.weight", "lm_head.weight", *extra]
+    return names + [n for i, attention, mlp in layers for n in _decoder(prefix, i, attention, mlp)]
+
+
+VL = "model.language_model."
+# the DeepSeek MTP layer (layer 2 after two decoder layers), which the target model does not load
+DEEPSEEK_MTP = [f"model.layers.2.{n}.weight" for n in ("eh_proj", "enorm", "shared_head.norm")]
+DEEPSEEK_MTP += _mla("model.layers.2.", q_lora=True)
+_DEEPSEEK = ("models/deepseek_common/deepseek_weight_loader.py", "DeepseekV2WeightLoaderMixin")
 SGLANG_LOADERS = {  # family: (SGLang file, class, HF names as slime's converters send them, loader options)
     "qwen3moe": (
         "models/qwen3_moe.py",
         "Qwen3MoeForCausalLM",
-        ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"] + _decoder("model.", 0, "full", "moe"),
+        _checkpoint("model.", [(0, "full", "moe")]),
         {"num_experts": 2},
     ),
     "qwen3next": (
         "models/qwen3_next.py",
         "Qwen3NextForCausalLM",
-        ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", *MTP]
-        + _decoder("model.", 0, "gdn_fused", "moe+shared")
-        + _decoder("model.", 3, "full", "moe+shared"),
+        _checkpoint("model.", [(0, "gdn_fused", "moe+shared"), (3, "full", "moe+shared")], MTP),
         {"num_experts": 2},
     ),
     "qwen3_5 (vision-language checkpoint)": (
         "models/qwen3_5.py",
         "Qwen3_5ForConditionalGeneration",
-        ["model.language_model.embed_tokens.weight", "model.language_model.norm.weight", "lm_head.weight", *MTP]
-        + _decoder("model.language_model.", 0, QWEN35_GDN, "dense")
-        + _decoder("model.language_model.", 3, "full", "dense"),
+        _checkpoint(VL, [(0, QWEN35_GDN, "dense"), (3, "full", "dense")], MTP),
         {},
     ),
     "qwen3_5_moe_text": (
         "models/qwen3_5.py",
         "Qwen3_5MoeForCausalLM",
-        ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", *MTP]
-        + _decoder("model.", 0, QWEN35_GDN, "moe+shared")
-        + _decoder("model.", 3, "full", "moe+shared"),
+        _checkpoint("model.", [(0, QWEN35_GDN, "moe+shared"), (3, "full", "moe+shared")], MTP),
         {"num_experts": 2},
     ),
     "qwen3_5_moe (vision-language checkpoint)": (
         "models/qwen3_5.py",
         "Qwen3_5MoeForConditionalGeneration",
-        ["model.language_model.embed_tokens.weight", "model.language_model.norm.weight", "lm_head.weight", *MTP]
-        + _decoder("model.language_model.", 0, QWEN35_GDN, "moe+shared")
-        + _decoder("model.language_model.", 3, "full", "moe+shared"),
+        _checkpoint(VL, [(0, QWEN35_GDN, "moe+shared"), (3, "full", "moe+shared")], MTP),
         {"num_experts": 2},
     ),
     "deepseekv3": (
-        "models/deepseek_common/deepseek_weight_loader.py",
-        "DeepseekV2WeightLoaderMixin",
-        ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
-        + _decoder("model.", 0, "mla", "dense")
-        + _decoder("model.", 1, "mla", "moe+shared_experts")
-        + ["model.layers.2.eh_proj.weight", "model.layers.2.enorm.weight", "model.layers.2.shared_head.norm.weight"]
-        + _mla("model.layers.2.", q_lora=True),  # the MTP layer, which the target model does not load
+        *_DEEPSEEK,
+        _checkpoint("model.", [(0, "mla", "dense"), (1, "mla", "moe+shared_experts")], DEEPSEEK_MTP),
         {
             "method": "do_load_weights",
             "helpers": _DEEPSEEK_HELPERS,
@@ -477,10 +478,8 @@ SGLANG_LOADERS = {  # family: (SGLang file, class, HF names as slime's converter
         },
     ),
     "deepseekv2 lite (no q LoRA)": (
-        "models/deepseek_common/deepseek_weight_loader.py",
-        "DeepseekV2WeightLoaderMixin",
-        ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
-        + _decoder("model.", 0, "mla-lite", "moe+shared_experts"),
+        *_DEEPSEEK,
+        _checkpoint("model.", [(0, "mla-lite", "moe+shared_experts")]),
         {
             "method": "do_load_weights",
             "helpers": _DEEPSEEK_HELPERS,
@@ -491,8 +490,7 @@ SGLANG_LOADERS = {  # family: (SGLang file, class, HF names as slime's converter
     "qwen2_5_vl": (
         "models/qwen2_5_vl.py",
         "Qwen2_5_VLForConditionalGeneration",
-        ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", *VISION]
-        + _decoder("model.", 0, "qwen2", "dense"),
+        _checkpoint("model.", [(0, "qwen2", "dense")], VISION),
         {},
     ),
 }
