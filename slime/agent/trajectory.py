@@ -19,6 +19,7 @@ import logging
 from typing import Any
 
 from slime.utils.sampling_record import META_KEY as SAMPLING_KEY
+from slime.utils.top_p_replay import append_kept_sets
 from slime.utils.types import Sample
 from slime.utils.weight_versions import append_spans
 
@@ -197,8 +198,5 @@ def set_kept_sets(sample: Sample, path: list[TurnNode], prompt_len: int) -> None
         if node.record.kept_sets is not None:
             start = len(node.record.prompt_ids) - prompt_len
             per_token[start : start + len(node.record.kept_sets)] = node.record.kept_sets
-    ids, offsets = [], [0]
-    for kept in per_token:
-        ids += [int(t) for t in kept]
-        offsets.append(len(ids))
-    sample.rollout_top_p_token_ids, sample.rollout_top_p_token_offsets = ids, offsets
+    sample.rollout_top_p_token_ids, sample.rollout_top_p_token_offsets = [], [0]
+    append_kept_sets(sample, per_token)
