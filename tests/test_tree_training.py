@@ -187,3 +187,15 @@ def test_tree_training_refusals(capsys, flags, refused):
     assert make_args("--tree-training").tree_training is True
     err = one_line_refusal(capsys, "--tree-training", *flags)
     assert f"--tree-training does not support {refused} yet." in err, err
+
+
+def test_tree_training_refuses_the_transformer_engine_spec(capsys, monkeypatch):
+    """Where Transformer Engine is usable (a GPU machine) and not turned off with --transformer-impl local, the TE
+    path would build the model: refused at start-up, and decided without importing megatron on the driver."""
+    from slime.backends.megatron_utils import arguments
+    from tests._args import make_args, one_line_refusal
+
+    monkeypatch.setattr(arguments, "transformer_engine_usable", lambda: True)
+    err = one_line_refusal(capsys, "--tree-training", "--transformer-impl", "transformer_engine")
+    assert "--tree-training needs the local layer spec (--transformer-impl local)" in err, err
+    assert make_args("--tree-training", "--transformer-impl", "local").tree_training

@@ -25,6 +25,11 @@ from .hf_config import HYBRID_SPECS, VLM_SPECS
 logger = logging.getLogger(__name__)
 
 
+def use_transformer_engine(args) -> bool:
+    """TE spec only on GPU with transformer_engine installed (and not forced off by --transformer-impl local)."""
+    return args.transformer_impl != "local" and transformer_engine_usable()
+
+
 def _vocab_size_with_padding(vocab_size, args):
     multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
     return (vocab_size + multiple - 1) // multiple * multiple
@@ -132,8 +137,6 @@ def check_tree_training(args, error):
     for refused, what in refusals:
         if refused:
             error(f"--tree-training does not support {what} yet.")
-    from slime.backends.megatron_utils.model_provider import use_transformer_engine  # heavy (megatron)
-
     if use_transformer_engine(args):
         error(
             "--tree-training needs the local layer spec (--transformer-impl local): the Transformer-Engine path "

@@ -24,19 +24,15 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from slime.backends.megatron_utils.cp_attention import AllGatherKVDotProductAttention
-from slime.utils.device import current_device, default_dtype, transformer_engine_usable
+from slime.utils.device import current_device, default_dtype
 from slime.utils.misc import accepted_kwargs
 from slime.utils.user_errors import user_function
 
 from . import cpu_compat
+from .arguments import use_transformer_engine
 from .local_layers import mla_local_spec, with_post_norms
 from .mtp import MTPGPTModel, mtp_block_spec
 from .param_utils import PREFIX, named_parameters
-
-
-def use_transformer_engine(args) -> bool:
-    """TE spec only on GPU with transformer_engine installed (and not forced off by --transformer-impl local)."""
-    return args.transformer_impl != "local" and transformer_engine_usable()
 
 
 def rope_fusion(args) -> bool:
