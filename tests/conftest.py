@@ -185,8 +185,8 @@ TEST_TIERS = {  # "module::test name" (parameters aside) -> tier, where it diffe
     "test_e2e::test_crash_then_resume_continues_data_order": "cluster",
     "test_e2e::test_dead_inference_server_fails_the_run_fast_naming_the_engine": "cluster",
     "test_e2e::test_ctrl_c_leaves_no_processes_behind": "cluster",
-    "test_e2e::test_driver_joins_an_existing_cluster_from_ray_address": "cluster",
     "test_e2e::test_two_concurrent_runs_on_one_machine_each_train_their_own_engines": "cluster",
+    "test_actor_import_path::test_plugin_on_the_drivers_pythonpath_runs_in_the_trainer_and_rollout_actors_of_a_joined_cluster": "cluster",
     "test_vlm_trainer::test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine": "e2e",
 }
 # the end-to-end runs the development tier keeps: one whole train.py loop (disaggregated, with eval and the first

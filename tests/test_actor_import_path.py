@@ -1,6 +1,6 @@
 """A plugin the driver imports through the user's PYTHONPATH is importable in every actor, also when the run joins a
-Ray cluster started separately (`ray start --head`), whose workers inherit the cluster's environment, not the
-driver's."""
+Ray cluster started separately (`ray start --head`, then `RAY_ADDRESS=... python train.py`, as slime's launch scripts
+do), whose workers inherit the cluster's environment, not the driver's."""
 
 import json
 import os
@@ -13,9 +13,9 @@ import textwrap
 import pytest
 
 from slime.ray.utils import driver_import_path, driver_runtime_env
-from slime.utils.http_utils import find_available_port
+from slime.utils.http_utils import free_port
 from tests import _procs
-from tests.test_e2e import train_py_argv
+from tests.test_e2e import read_metrics, train_py_argv
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,7 +35,6 @@ def test_a_submitted_jobs_own_env_vars_win(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_plugin_on_the_drivers_pythonpath_runs_in_the_trainer_and_rollout_actors_of_a_joined_cluster(
     tiny_kit, tmp_path
@@ -58,7 +57,7 @@ def test_plugin_on_the_drivers_pythonpath_runs_in_the_trainer_and_rollout_actors
     )
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
     temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short (unix socket paths)
-    port = find_available_port(30000)
+    port = free_port()
     env = _procs.run_env(tmp_path)  # the cluster's processes and the run's carry it
     cluster_env = dict(env, PYTHONPATH=REPO)  # the cluster's workers find slime, not the plugin
     proc = None
@@ -71,7 +70,7 @@ def test_plugin_on_the_drivers_pythonpath_runs_in_the_trainer_and_rollout_actors
         argv = train_py_argv(
             tiny_kit, 1,
             "--custom-megatron-before-train-step-hook-path", "my_site_hooks.before_train_step",
-            "--custom-rm-path", "my_site_hooks.reward",
+            "--custom-rm-path", "my_site_hooks.reward", "--metrics-path", str(tmp_path / "metrics.jsonl"),
         )  # fmt: skip
         proc = subprocess.Popen(
             [sys.executable, "train.py", *argv],
@@ -84,6 +83,7 @@ def test_plugin_on_the_drivers_pythonpath_runs_in_the_trainer_and_rollout_actors
         out, _ = proc.communicate(timeout=360)  # inside the test's own timeout, so the cluster is always stopped
         assert proc.returncode == 0, out[-5000:]
         assert "Connected to Ray cluster" in out  # joined, did not start its own
+        assert len(read_metrics(tmp_path)) == 1
         pids = {name.split("-")[1] for name in os.listdir(marks)}
         kinds = {name.split("-")[0] for name in os.listdir(marks)}
         assert kinds == {"train", "reward"}

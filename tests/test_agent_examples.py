@@ -307,6 +307,7 @@ def test_every_branch_of_an_episode_is_trained(monkeypatch):
     assert out.metrics == {"rollout/x": 1.0, "agent/tool_call_rate": 1.0, "agent/reward_with_tool": 1.0}
 
 
+@pytest.mark.slow  # development tier: a script's dry run (tests/test_scripts.py keeps them in the tier)
 def test_tiny_run_script_dry_run_validates(tiny_kit, tmp_path):
     """SLIME_DRY_RUN=1: both stages' arguments validate; GRPO drives the calculator agent and logs its metrics."""
     from slime.config import parse_args

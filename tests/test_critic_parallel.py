@@ -157,6 +157,7 @@ def _assert_matches(run, ref, after_tol):
     ],
     ids=["tp2", "pp2", "cp2"],
 )
+@pytest.mark.slow  # development tier: a multi-rank layout or several processes (tens of seconds)
 def test_critic_parallel_layout_matches_a_single_rank(ref, tiny_kit, tmp_path_factory, layout):
     run = _launch(tmp_path_factory, tiny_kit[0], "critic_" + "_".join(layout), 2, critic_overrides=layout)
     assert run["sizes"] == tuple(

@@ -625,57 +625,6 @@ def test_ctrl_c_leaves_no_processes_behind(tiny_kit, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_driver_joins_an_existing_cluster_from_ray_address(tiny_kit, tmp_path):
-    """As slime's launch scripts do: `ray start --head --num-gpus N`, then `RAY_ADDRESS=... python train.py ...`."""
-    import shutil
-    import subprocess
-    import sys
-    import tempfile
-
-    from slime.utils.http_utils import free_port
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
-    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short (unix socket paths)
-    port = free_port()
-    env = _procs.run_env(tmp_path)  # the cluster's processes and the run's carry it
-    try:
-        subprocess.run(
-            [
-                ray_bin,
-                "start",
-                "--head",
-                f"--port={port}",
-                "--num-gpus=2",
-                "--num-cpus=8",
-                "--include-dashboard=false",
-                f"--temp-dir={temp_dir}",
-                "--disable-usage-stats",
-            ],
-            env=env,
-            check=True,
-            capture_output=True,
-            timeout=120,
-        )
-        argv = train_py_argv(tiny_kit, 1, "--metrics-path", str(tmp_path / "metrics.jsonl"))
-        proc = subprocess.run(
-            [sys.executable, "train.py", *argv],
-            cwd=root,
-            env=dict(env, RAY_ADDRESS=f"127.0.0.1:{port}"),
-            capture_output=True,
-            text=True,
-            timeout=360,  # inside the test's own timeout, so the cluster below is always stopped
-        )
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        assert "Connected to Ray cluster" in proc.stdout + proc.stderr  # joined, did not start its own
-        assert len(read_metrics(tmp_path)) == 1
-    finally:
-        _procs.stop_run(None, tmp_path, timeout=0)  # the cluster, by pid: never `ray stop`, which stops every Ray
-        shutil.rmtree(temp_dir, ignore_errors=True)
-
-
-@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_two_concurrent_runs_on_one_machine_each_train_their_own_engines(tiny_kit, tmp_path):
     """Two `python train.py` at once on one machine: different ports, engines that prove they belong to their run,

@@ -56,18 +56,20 @@ def _forwarded_dests(parser):
     return out
 
 
-def _is_read(dest, sources):
-    attr = re.compile(r"\b\w*args\.%s\b(?!\s*=[^=])(?P<none>\s+is\s+None\b)?" % re.escape(dest))
-    by_name = re.compile(r"getattr\(\s*[\w.]+\s*,\s*[\"']%s[\"']" % re.escape(dest))
-    literal = re.compile(r"(?<!dest=)[\"']%s[\"']" % re.escape(dest))
+# One pass per file over every `...args.<name>` and every quoted identifier (a getattr by name included): the names a
+# file reads. A read is not an assignment (`args.x = ...`), nor, where flags are declared, a None-check.
+_ATTR = re.compile(r"\b\w*args\.(\w+)\b(?!\s*=[^=])(\s+is\s+None\b)?")
+_LITERAL = re.compile(r"(?<!dest=)[\"'](\w+)(?=[\"'])")  # the closing quote stays free to open the next literal
+
+
+def _read_names(sources):
+    read = set()
     for path, text in sources.items():
         declaring = path in ARGUMENT_MODULES
-        for m in attr.finditer(text):
-            if not (declaring and m.group("none")):
-                return True
-        if not declaring and (by_name.search(text) or literal.search(text)):
-            return True
-    return False
+        read.update(m.group(1) for m in _ATTR.finditer(text) if not (declaring and m.group(2)))
+        if not declaring:
+            read.update(_LITERAL.findall(text))
+    return read
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +78,7 @@ def parser():
 
 
 def test_every_accepted_flag_is_read_refused_or_forwarded(parser):
-    sources = _sources()
+    read = _read_names(_sources())
     forwarded = _forwarded_dests(parser)
     handled = set(REFUSED) | set(NO_EFFECT) | set(READ_UNSEEN)
     unread = []
@@ -85,7 +87,7 @@ def test_every_accepted_flag_is_read_refused_or_forwarded(parser):
             continue
         if any(f in handled for f in action.option_strings):
             continue
-        if not _is_read(action.dest, sources):
+        if action.dest not in read:
             unread.append(action.option_strings[0])
     assert unread == [], (
         f"{len(unread)} accepted flags are read by nothing in slime/ (honour, refuse or list each): "
@@ -98,3 +100,15 @@ def test_lists_name_accepted_flags(parser):
     for table in (NO_EFFECT, READ_UNSEEN):
         assert [f for f in table if f not in known] == []
     assert not set(NO_EFFECT) & set(REFUSED)
+
+
+def test_the_scan_tells_a_read_from_an_assignment_or_a_default():
+    declaring = "slime/utils/flag_support.py"
+    sources = {
+        "slime/a.py": "args.assigned = 1\nif args.compared == 2: pass\nx = getattr(args, 'by_name')\n",
+        "slime/b.py": "self.args.nested_read.append(1)\nf(dest='declared_only')\n",
+        declaring: "if args.defaulted is None:\n    args.defaulted = 3\n",
+    }
+    read = _read_names(sources)
+    assert {"compared", "by_name", "nested_read"} <= read
+    assert not read & {"assigned", "defaulted", "declared_only"}

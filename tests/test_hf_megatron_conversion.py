@@ -166,5 +166,6 @@ def test_roundtrip_exact_and_logits_match_transformers_tp1(hf_models):
     spawn(_roundtrip_and_forward, 1, hf_models, [(k, 1, 1) for k in FAMILIES])
 
 
+@pytest.mark.slow  # development tier: a multi-rank layout or several processes (tens of seconds)
 def test_roundtrip_exact_and_logits_match_transformers_tp2_and_ep2(hf_models):
     spawn(_roundtrip_and_forward, 2, hf_models, [(k, 2, 1) for k in FAMILIES] + [("qwen3moe", 1, 2)])

@@ -114,10 +114,11 @@ def _modules(tops=("slime",)):
                     yield path, name.removesuffix(".__init__"), f == "__init__.py"
 
 
-def _imports(path, module, is_package, with_names=False):
-    """(imported module, line) for each import; with_names, `from a import b` also yields `a.b` (b may be a module)."""
+def _imports(path, module, is_package, with_names=False, nodes=None):
+    """(imported module, line) for each import; with_names, `from a import b` also yields `a.b` (b may be a module).
+    `nodes`: the module's AST nodes, where the caller walked them already."""
     package = module if is_package else module.rpartition(".")[0]
-    for node in ast.walk(ast.parse(open(path).read(), path)):
+    for node in ast.walk(ast.parse(open(path).read(), path)) if nodes is None else nodes:
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield alias.name, node.lineno
@@ -193,13 +194,13 @@ def shim_uses(modules):
         if os.path.relpath(path, ROOT) in SHIM_USERS or module in SHIMS:
             continue
         where = os.path.relpath(path, ROOT)
-        for target, line in _imports(path, module, is_package, with_names=True):
+        nodes = list(ast.walk(ast.parse(open(path).read(), path)))  # walked once: the slowest part of the check
+        for target, line in _imports(path, module, is_package, with_names=True, nodes=nodes):
             for shim in SHIMS:
                 if _under(target, shim):
                     found.append(f"{where}:{line} imports {shim} (use {SHIMS[shim]})")
-        tree = ast.parse(open(path).read(), path)
-        docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)}
-        for node in ast.walk(tree):
+        docstrings = {id(n.value) for n in nodes if isinstance(n, ast.Expr)}
+        for node in nodes:
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
                 for m in _SHIM_TEXT.finditer(node.value):
                     shim = m["path"] or next(s for i, s in enumerate(SHIMS) if m[f"s{i}"])

@@ -109,7 +109,10 @@ def _resume_steps(rank, model_dir, tp, save_dir, out_path):
         torch.save({"hist1": hist, "log_probs": final}, out_path)
 
 
-@pytest.mark.parametrize("tp_save,tp_load", [(1, 1), (2, 1)])
+@pytest.mark.parametrize(
+    "tp_save,tp_load",
+    [(1, 1), pytest.param(2, 1, marks=pytest.mark.slow)],  # slow: leaves the development tier
+)
 def test_train_lowers_loss_and_checkpoint_resume_is_identical(tiny_kit, tmp_path, tp_save, tp_load):
     model_dir, _ = tiny_kit
     save_dir = str(tmp_path / "ckpt")

@@ -106,6 +106,7 @@ def test_mtp_roundtrip_mimo_deepseekv3_glm4moe(mtp_models):
     spawn(_roundtrip, 1, mtp_models, timeout=400)
 
 
+@pytest.mark.slow  # development tier: a multi-rank layout or several processes (tens of seconds)
 def test_mtp_roundtrip_and_loss_tp2(mtp_models):
     spawn(_roundtrip, 2, mtp_models, timeout=400)
     spawn(_loss_and_log_probs, 2, mtp_models["mimo"], timeout=400)
@@ -343,6 +344,7 @@ def _depth_two(rank, hf_dir, out):
     torch.save({"sent": sent, "history": history, "grads": grads}, out)
 
 
+@pytest.mark.slow  # development tier: a multi-rank layout or several processes (tens of seconds)
 def test_two_mtp_depths_round_trip_and_both_train(tmp_path):
     """A checkpoint with two DeepSeek-style MTP layers (`num_nextn_predict_layers` 2: `model.layers.L` and `L+1`),
     `--mtp-num-layers 2`: weight sync gives back every tensor of both layers bit for bit, and one step with

@@ -156,6 +156,7 @@ def _answer_match(response, label):  # written out here, independent of rm_hub
     return 1.0 if m and int(m.group(1)) == int(label) else 0.0
 
 
+@pytest.mark.slow  # development tier: a multi-rank layout or several processes (tens of seconds)
 @pytest.mark.skipif(importlib.util.find_spec("slime.utils.mask_utils") is None, reason="mask_utils not written yet")
 @pytest.mark.timeout(300)
 def test_end_to_end_cpu(tiny_kit, tmp_path, processes):

@@ -176,6 +176,7 @@ def test_multi_turn_samples_take_the_latest_routing(tmp_path):
     assert np.array_equal(s.rollout_routed_experts, arr) and routed_experts_error(s, 2, 2) is None
 
 
+@pytest.mark.slow  # development tier: SGLang's own parser in the side venv (a subprocess)
 @needs_side_venv
 def test_engines_start_with_sglangs_routed_experts_flag(tmp_path):
     """R3 launches SGLang with --enable-return-routed-experts (read back by SGLang's own parser) and the CPU server

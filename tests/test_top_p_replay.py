@@ -251,6 +251,7 @@ def _tp2_rank(rank, logits, tokens, ids, offsets, expected):
         mpu.destroy_model_parallel()
 
 
+@pytest.mark.slow  # development tier: a multi-rank layout or several processes (tens of seconds)
 def test_kept_sets_with_the_vocabulary_split_over_two_tensor_parallel_ranks():
     """Each TP rank masks its own vocabulary slice; the set [5, 0, 9] spans both halves of V = 12."""
     from tests._megatron_helpers import spawn

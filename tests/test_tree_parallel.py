@@ -253,10 +253,12 @@ def test_dp2_tree_equals_dp1_flat(model_dir, flat, tmp_path_factory):
     _assert_equal_to_flat(ranks, flat)
 
 
+@pytest.mark.slow  # development tier: a multi-rank layout or several processes (tens of seconds)
 def test_tp2_tree_equals_tp1_flat(model_dir, flat, tmp_path_factory):
     _assert_equal_to_flat(_launch(tmp_path_factory, model_dir, "tp2", 2, tensor_model_parallel_size=2), flat)
 
 
+@pytest.mark.slow  # development tier: a multi-rank layout or several processes (tens of seconds)
 def test_pp2_tree_equals_pp1_flat(model_dir, flat, tmp_path_factory):
     _assert_equal_to_flat(_launch(tmp_path_factory, model_dir, "pp2", 2, pipeline_model_parallel_size=2), flat)
 
@@ -284,6 +286,7 @@ def test_dynamic_batching_fills_micro_batches_by_tree_tokens(model_dir, flat, tm
     _assert_equal_to_flat(ranks, flat)
 
 
+@pytest.mark.slow  # development tier: a multi-rank layout or several processes (tens of seconds)
 def test_per_token_loss_dp2_dynamic_tree_equals_flat(model_dir, tmp_path_factory):
     """--calculate-per-token-loss (each micro-batch's token sum, normalised by the step's tokens over DP): DP=2 tree
     micro-batches filled by tree tokens against the one-rank flat run with the same flag."""
@@ -300,6 +303,7 @@ def test_per_token_loss_dp2_dynamic_tree_equals_flat(model_dir, tmp_path_factory
     _assert_equal_to_flat(ranks, ref)
 
 
+@pytest.mark.slow  # development tier: a multi-rank layout or several processes (tens of seconds)
 @pytest.mark.parametrize("layout", [dict(), dict(tensor_model_parallel_size=2)], ids=["dp2", "tp2"])
 def test_critic_tree_equals_flat(model_dir, tmp_path_factory, layout):
     """PPO's critic: the value head's values at each response token, and the value loss's gradients, with tree
@@ -310,6 +314,7 @@ def test_critic_tree_equals_flat(model_dir, tmp_path_factory, layout):
     _assert_equal_to_flat(ranks, ref)
 
 
+@pytest.mark.slow  # development tier: a multi-rank layout or several processes (tens of seconds)
 def test_opd_teacher_tree_equals_flat(model_dir, tmp_path_factory):
     """--use-opd --opd-type megatron: the teacher's log-probs (a forward of other weights over the same tree
     micro-batches) and the gradients of the OPD-shaped advantages at DP=2 against the one-rank flat run."""
@@ -325,6 +330,7 @@ def moe_dir(tmp_path_factory):
     return build_random_hf("qwen3moe", str(tmp_path_factory.mktemp("qwen3moe")))
 
 
+@pytest.mark.slow  # development tier: a multi-rank layout or several processes (tens of seconds)
 def test_moe_dp2_tree_equals_flat(moe_dir, tmp_path_factory):
     """A tiny Qwen3-MoE (no load-balancing loss, which counts a shared token once instead of once per sample):
     every token is routed by its own hidden state, so the tree routes the shared prompt as flat packing does."""
@@ -332,6 +338,7 @@ def test_moe_dp2_tree_equals_flat(moe_dir, tmp_path_factory):
     _assert_equal_to_flat(_launch(tmp_path_factory, moe_dir, "moe_dp2", 2), ref)
 
 
+@pytest.mark.slow  # development tier: a multi-rank layout or several processes (tens of seconds)
 @pytest.mark.parametrize("layout", [dict(), dict(expert_model_parallel_size=2)], ids=["dp2", "ep2"])
 def test_rollout_routing_replay_tree_equals_flat(moe_dir, tmp_path_factory, layout):
     """R3 (--use-rollout-routing-replay): the engine's routing of each sample laid out in tree order (a shared
@@ -344,6 +351,7 @@ def test_rollout_routing_replay_tree_equals_flat(moe_dir, tmp_path_factory, layo
     _assert_equal_to_flat(_launch(tmp_path_factory, moe_dir, f"r3_{len(layout)}", 2, mode="r3", **layout), ref)
 
 
+@pytest.mark.slow  # development tier: a multi-rank layout or several processes (tens of seconds)
 def test_routing_replay_r2_tree_equals_flat(moe_dir, tmp_path_factory):
     """R2 (--use-routing-replay): the routing recorded in the tree's log-prob pass, handed back per sample (a
     shared token's routing to every sample through it), is flat packing's record exactly, and replays in training
@@ -388,6 +396,7 @@ def flat_kit(tiny_kit, tmp_path_factory):
     return _launch(tmp_path_factory, tiny_kit[0], "flat_kit", 1, tree=False)[0]
 
 
+@pytest.mark.slow  # development tier: a multi-rank layout or several processes (tens of seconds)
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_vpp2_tree_equals_pp1_flat(tiny_kit, flat_kit, tmp_path_factory, dynamic):
     """PP=2 x VPP=2: the RoPE hook on every model chunk, the per-sample gather on the last virtual chunk only;

@@ -231,6 +231,7 @@ def test_log_probs_equal_transformers_and_the_vision_tower_trains(tiny_vlm, samp
     assert all(moved[n] for n in lm), [n for n in lm if not moved[n]]
 
 
+@pytest.mark.slow  # development tier: a multi-rank layout or several processes (tens of seconds)
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
 def test_tp2_and_pp2_equal_tp1(tiny_vlm, samples, tp, pp, tmp_path):
     """At TP=2 the tower is replicated on both ranks (the language model sharded); at PP=2 it runs on the first stage
@@ -510,6 +511,7 @@ def _megatron_teacher(rank, student_dir, teacher_dir, samples, ckpt, out):
     torch.save({k: rollout[k] for k in ("teacher_log_probs", "log_probs")}, out)
 
 
+@pytest.mark.slow  # development tier: a multi-rank layout or several processes (tens of seconds)
 def test_megatron_opd_teacher_sees_the_images(tiny_vlm, samples, tmp_path):
     """`--use-opd --opd-type megatron` on image samples: the teacher (another Qwen2.5-VL, its tower included, swapped
     into the live model) gets the micro-batch's pixel_values and grids like the policy, so its log-probs equal

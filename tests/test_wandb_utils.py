@@ -60,6 +60,7 @@ def test_bad_mode_names_flag(tmp_path, monkeypatch):
         wandb_utils.init_wandb_primary(_args(tmp_path, wandb_mode="cloudy"))
 
 
+@pytest.mark.slow  # development tier: starts wandb's offline service (tens of seconds)
 def test_offline_primary_and_secondary_share_run(tmp_path, monkeypatch):
     import wandb
 
