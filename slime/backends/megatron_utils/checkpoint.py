@@ -11,6 +11,7 @@ Sharded tensors are stored in global (unsharded) coordinates, so loading with a 
 
 import argparse
 import os
+import queue
 import random
 import shutil
 
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core import parallel_state as mpu
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
 from slime.utils.checkpoint_tracker import (
@@ -156,6 +158,9 @@ def save_checkpoint(args, iteration, model, optimizer, opt_param_scheduler, *, w
     state["iteration"] = iteration
     state["parallel_layout"] = _parallel_layout()
     state["args"] = _portable_args(args)
+    # Saves are synchronous here (--async-save is refused), so the writers' results never leave this process: a plain
+    # queue instead of Megatron's cross-process one, whose "spawn" Manager costs seconds on each trainer's first save.
+    filesystem_async._results_queue = filesystem_async._results_queue or queue.Queue()
     dist_checkpointing.save(state, tmp_dir)
     fsync_tree(tmp_dir)  # each rank: its shards are on disk (not only in the page cache) before the rename below
     dist.barrier()
