@@ -21,8 +21,10 @@ tests/_procs.py finds it); its `os.environ` is the client's. Standard library on
 """
 
 import contextlib
+import json
 import os
 import select
+import shlex
 import signal
 import socket
 import struct
@@ -199,6 +201,15 @@ def shared():
         process, _, sock = _shared.enter_context(preimporting_server("the fork server", "tests._ray_zygote", "serve"))
         _server = process, sock
     return _server
+
+
+def job_env():
+    """Environment for a train.py the test runs as a subprocess: the job config that `ray job submit` hands a driver
+    (Ray merges its runtime env into the driver's `ray.init`), so that the run's Ray workers and CPU servers start
+    through this process's server too."""
+    launcher = command(shared()[1])
+    runtime_env = {"py_executable": " ".join(launcher), "env_vars": {"SLIME_SERVER_PYTHON": shlex.join(launcher)}}
+    return {"RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps({"runtime_env": runtime_env})}  # the variable's name is itself
 
 
 def stop_shared():

@@ -13,7 +13,7 @@ import train as sync_driver
 import train_async as async_driver
 from slime.config import parse_args
 from slime.utils.user_errors import UserCodeError
-from tests import _procs
+from tests import _procs, _ray_zygote
 
 # tiers (tests/conftest.py): e2e, the fault and several-driver runs cluster; SHORT_E2E names the one the development
 # tier keeps, and longer or subprocess runs are also `slow`
@@ -449,6 +449,7 @@ def run_main_job(tiny_kit, out, timeout, **env):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(
         _procs.run_env(out),
+        **_ray_zygote.job_env(),  # the run's workers and servers forked from the session's pre-imported interpreter
         MODEL_DIR=tiny_kit[0],
         DATA_DIR=tiny_kit[1],
         OUT=str(out),
