@@ -151,7 +151,8 @@ def mpu_world1(tmp_path_factory):
 #   e2e        train.py / train_async.py or anything on Ray (a test taking `ray_session` or marked `e2e` is e2e at least)
 #   cluster    fault injection, several drivers or nodes, a driver joining an outside Ray cluster
 # `slow` (on tests) still leaves a test out of the development tier. That tier, `bash scripts/test.sh --fast`, is
-# FAST_MARKEXPR: units, components and the short end-to-end runs named in SHORT_E2E.
+# FAST_MARKEXPR: units, components and the short end-to-end runs named in SHORT_E2E. A component marked `slow` is a
+# variant of one the tier keeps: another parallel layout of a one-rank check, another model family, another script.
 TIERS = ("unit", "component", "e2e", "cluster")
 MODULE_TIERS = {
     **dict.fromkeys(

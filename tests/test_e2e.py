@@ -652,7 +652,7 @@ def test_two_concurrent_runs_on_one_machine_each_train_their_own_engines(tiny_ki
             str(out / "metrics.jsonl"),
             lr="1e-3" if run == "a" else "1e-4",
         )
-        env = _procs.run_env(out)
+        env = dict(_procs.run_env(out), **_ray_zygote.job_env())  # workers forked from the pre-imported server
         env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix=f"r{run}", dir="/tmp")  # each run its own local Ray
         ray_dirs.append(env["RAY_TMPDIR"])
         log = open(out / "log.txt", "w")
