@@ -14,8 +14,8 @@ convert, transfer, load into the engine, continue):
     (--model tiny: the test suite's tiny kit sizes; mid: a few hundred MB; --hidden/--ffn/--layers override either)
 
   --fingerprint  the weight fingerprint's share of a push (shm path): the update with the trainer hashing what it
-             sends plus the engine hashing what it serves (what the rollout manager asks after every push), against
-             the update without (--no-check-weight-fingerprints), alternated run by run; median ratio and its range
+             sends plus the engine's fingerprint (what the rollout manager asks after every push), against the update
+             without (--no-check-weight-fingerprints), alternated push by push; median ratio and its range
 
   --bytes    bytes one update sends into a quantised engine against a bf16 one (deterministic, no Ray): FP8 block
              128x128 on the tiny dense Qwen3 and a tiny Qwen3-MoE, INT4 W4A16 (group 32, symmetric, routed experts)
@@ -141,41 +141,52 @@ def bench_mode(args, engine, mode, repeats, workdir):
     return runs[0]["perf/update_weights_bytes"], min(times), statistics.median(times)
 
 
-def fingerprint_cost(args, engine, repeats):
-    """Paired runs: (update without fingerprints, update with them + the engine's fingerprint), per repeat."""
+def fingerprint_cost(args, engines, repeats):
+    """Paired pushes, alternated within each pair: a trainer without the check pushes to one engine, a trainer with
+    it to another (its push, then that engine's fingerprint, as the rollout manager asks after every push). Two
+    engines, since an engine that was asked once hashes every later push as it lands. Per pair the ratio."""
     from slime.ray.utils import Lock
     from tests.test_weight_sync import start_trainers, stop
 
     args.update_weight_transport, args.update_weight_mode = "auto", "full"
-    times, engine_side = {}, []
-    for on in (False, True):
-        args.check_weight_fingerprints = on
-        trainers, lock = start_trainers(args, colocate=False), Lock.remote()
-        try:
+    sides, actors = {}, []
+    try:
+        for on, engine in zip((False, True), engines):
+            args.check_weight_fingerprints = on
+            trainers, lock = start_trainers(args, colocate=False), Lock.remote()
+            actors += trainers + [lock]
             ray.get(trainers[0].connect.remote([engine], lock), timeout=600)
-            ray.get(trainers[0].update_weights.remote(), timeout=600)  # warm-up
-            runs = []
-            for _ in range(repeats):
-                t = time.perf_counter()
-                metrics = ray.get(trainers[0].update_weights.remote(), timeout=600)
-                if on:  # the engine hashes with the trainer's algorithm (xxh3 for a CPU trainer)
-                    e = time.perf_counter()
-                    ray.get(
-                        engine.get_weights_fingerprint.remote(600, metrics["update_weights/tensor_hash_algorithm"]),
-                        timeout=600,
-                    )
-                    engine_side.append(time.perf_counter() - e)
-                runs.append(time.perf_counter() - t)
-            times[on] = runs
-        finally:
-            stop(trainers + [lock])
+            sides[on] = (trainers[0], engine)
+
+        def push(on):
+            """(the driver's wall time, the trainer's own update time, the engine's fingerprint time or None)"""
+            trainer, engine = sides[on]
+            t = time.perf_counter()
+            metrics = ray.get(trainer.update_weights.remote(), timeout=600)
+            engine_part = None
+            if on:  # the engine hashes with the trainer's algorithm (xxh3 for a CPU trainer)
+                e = time.perf_counter()
+                algorithm = metrics["update_weights/tensor_hash_algorithm"]
+                ray.get(engine.get_weights_fingerprint.remote(600, algorithm), timeout=600)
+                engine_part = time.perf_counter() - e
+            return time.perf_counter() - t, metrics["perf/update_weights_time"], engine_part
+
+        for on in (False, True):  # warm-up: connections, first-touch pages, the engine's first (whole) hash
+            push(on)
+        runs = {False: [], True: []}
+        for i in range(repeats):
+            for on in (False, True) if i % 2 == 0 else (True, False):
+                runs[on].append(push(on))
+    finally:
+        stop(actors)
     args.check_weight_fingerprints = True
-    ratios = sorted(a / b for a, b in zip(times[True], times[False]))
-    print(f"fingerprint cost, shm path, {repeats} pushes each (wall time of the push as the driver waits for it)")
-    print(f"  without: median {statistics.median(times[False]) * 1e3:.1f} ms")
+    med = {on: [statistics.median(r[k] for r in runs[on]) * 1e3 for k in (0, 1)] for on in runs}
+    ratios = sorted(a[0] / b[0] for a, b in zip(runs[True], runs[False]))
+    print(f"fingerprint cost, shm path, {repeats} pushes each, alternated (wall time of the push as the driver waits)")
+    print(f"  without: median {med[False][0]:.1f} ms (the trainer's own update time {med[False][1]:.1f} ms)")
     print(
-        f"  with:    median {statistics.median(times[True]) * 1e3:.1f} ms (trainer hash + engine hash; the engine's "
-        f"part {statistics.median(engine_side) * 1e3:.1f} ms)"
+        f"  with:    median {med[True][0]:.1f} ms (trainer's update {med[True][1]:.1f} ms; the engine's fingerprint "
+        f"{statistics.median(r[2] for r in runs[True]) * 1e3:.1f} ms)"
     )
     print(f"  ratio with/without: median {statistics.median(ratios):.2f}x (range {ratios[0]:.2f}-{ratios[-1]:.2f})")
 
@@ -230,9 +241,9 @@ def main():
             update_weight_timeout=600,
             check_weight_update_equal=False,
         )
-        engines = start_engines(args, 1)
+        engines = start_engines(args, 2 if opts.fingerprint else 1)
         if opts.fingerprint:
-            return fingerprint_cost(args, engines[0], opts.repeats)
+            return fingerprint_cost(args, engines, opts.repeats)
         results = {mode: bench_mode(args, engines[0], mode, opts.repeats, workdir) for mode in opts.modes}
     finally:
         stop(engines)

@@ -866,6 +866,24 @@ def test_weight_load_copies_a_large_update_in_pieces_over_threads(monkeypatch):
     assert backing[-1] == 9.0
 
 
+def test_a_load_that_reports_its_parts_reports_each_once_it_is_in_place(monkeypatch):
+    """`copy_reporting` with `on_copied` (what the served fingerprint hashes as an update lands): parts of about
+    `_REPORT_BYTES`, in order, each reported after every tensor in it is copied and before the next part is."""
+    from slime.backends.cpu_server import weights
+
+    monkeypatch.setattr(weights, "_REPORT_BYTES", 4000)
+    items = [(f"t{i}", torch.zeros(n), torch.randn(n)) for i, n in enumerate([600, 600, 2000, 10, 5])]
+    reported = []
+
+    def on_copied(names):
+        done = [n for n, d, s in items if torch.equal(d, s)]
+        assert done == [n for n, _, _ in items][: len(done)] and set(names) <= set(done)
+        reported.append((names, len(done)))
+
+    weights.copy_reporting(items, on_copied)
+    assert reported == [(["t0", "t1"], 2), (["t2"], 3), (["t3", "t4"], 5)]  # 4800, 8000, 60 bytes
+
+
 @pytest.mark.parametrize("arch", ["llama3", "qwen2"])
 def test_other_llama_family_architectures_match_transformers(arch, tmp_path):
     from slime.backends.cpu_server.model import KVPool, ModelConfig, Transformer
@@ -1405,3 +1423,106 @@ def test_a_weight_change_waits_for_the_fingerprint_being_hashed(tiny_kit, monkey
         assert after["weight_version"] == "2" and after["tensor_hashes"] == _served_hashes(server) != before
 
     _in_process(tiny_kit, monkeypatch, scenario)
+
+
+async def _push(client, named, version):
+    """One update session of `/update_weights_from_tensor` carrying `named` [(HF name, tensor)] (shared memory)."""
+    set_shared_authkey()
+    payload = MultiprocessingSerializer.serialize(named, output_str=True)
+    assert (await client.post("/begin_weight_update", json={})).status == 200
+    r = await client.post(
+        "/update_weights_from_tensor", json={"serialized_named_tensors": [payload], "weight_version": version}
+    )
+    assert r.status == 200, await r.text()
+    assert (await client.post("/end_weight_update", json={})).status == 200
+
+
+async def _fingerprint(client):
+    r = await client.get("/slime/weights_fingerprint", params={"algorithm": "xxh3"})
+    assert r.status == 200, await r.text()
+    return await r.json()
+
+
+def test_a_push_is_hashed_as_it_lands_and_any_other_write_is_still_caught(tiny_kit, monkeypatch):
+    """Once the check has asked for a fingerprint, an update's tensors are hashed as the update writes them (read back
+    from the served tensors): the map is the new weights' before anyone asks. A write that is not an update
+    (`reset_tensors`, here between two pushes) leaves the cached map behind: the next report hashes what is served."""
+    from slime.utils.fingerprint import hash_named
+
+    async def scenario(client, server, gate):
+        gate.go.set()
+        w, fp = server.weights, server.served_fingerprint
+        name, other = "model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight"
+        assert (await _fingerprint(client))["tensor_hashes"] == _served_hashes(server)
+        new = torch.randn(w.named[name].shape)
+        await _push(client, [(name, new)], "2")
+        assert fp._cached[:2] == (w.generation, "xxh3")  # hashed as it landed
+        info = await _fingerprint(client)
+        assert info["weight_version"] == "2" and info["tensor_hashes"] == _served_hashes(server)
+        assert info["tensor_hashes"][name] == hash_named([(name, new)], None, "xxh3")[name]
+        assert (await client.post("/weights_checker", json={"action": "reset_tensors"})).status == 200
+        # in bf16 this time: hashed in the dtype it arrived in, as the trainer hashes it
+        bf16 = torch.randn(w.named[other].shape).to(torch.bfloat16)
+        await _push(client, [(other, bf16)], "3")
+        after = (await _fingerprint(client))["tensor_hashes"]
+        assert after[other] == hash_named([(other, bf16)], None, "xxh3")[other]
+        # every tensor the reset scrambled is reported as served, not as hashed before the reset
+        assert after == _served_hashes(server) and after[name] != info["tensor_hashes"][name]
+
+    _in_process(tiny_kit, monkeypatch, scenario)
+
+
+def test_a_weight_change_waits_for_the_hash_of_an_update_that_landed(tiny_kit, monkeypatch):
+    """The update answers before its tensors are hashed (a worker thread reads them back); a weight change sent
+    meanwhile (here `reset_tensors`) waits for that hash, which must not read bytes being overwritten."""
+    import asyncio
+
+    async def scenario(client, server, gate):
+        gate.go.set()
+        await _fingerprint(client)
+        gate.go.clear()
+        w = server.weights
+        names = ["model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight"]
+        named = [(n, torch.randn(w.named[n].shape)) for n in names]
+        await asyncio.wait_for(_push(client, named, "2"), 60)  # answered while its hash waits for the gate
+        assert await asyncio.to_thread(gate.started.wait, 60), "the update's tensors were not hashed as they landed"
+        reset = asyncio.ensure_future(client.post("/weights_checker", json={"action": "reset_tensors"}))
+        await asyncio.sleep(1.0)
+        assert not reset.done()  # held until the hash is done
+        gate.go.set()
+        assert (await reset).status == 200
+        assert (await _fingerprint(client))["tensor_hashes"] == _served_hashes(server)
+
+    _in_process(tiny_kit, monkeypatch, scenario)
+
+
+def test_a_write_under_one_name_hashes_again_every_name_sharing_its_bytes():
+    """Served names can alias (the transformers fallback's per-expert views of fused experts, a vision-language
+    model's two names of one tensor): a write under one name makes every tensor sharing those bytes hashed again,
+    and only those."""
+    from types import SimpleNamespace
+
+    from slime.backends.cpu_server.fingerprint import ServedFingerprint
+
+    fused, tied = torch.zeros(2, 4, 3), torch.zeros(5)
+    named = {"experts": fused, "e0": fused[0], "e1": fused[1], "a.w": tied, "b.w": tied, "c.w": torch.zeros(5)}
+    sent = {n: torch.float32 for n in named if n != "experts"}  # the fused tensor never arrives by name
+    store = SimpleNamespace(released=False, generation=0, named=named, sent_dtypes=sent)
+    fp = ServedFingerprint(lambda: store)
+    calls = []
+
+    def write(*names):
+        landed = fp.landing(store.generation)
+        store.generation += 1
+        for n in names:
+            named[n].add_(1)
+        landed(names)
+        calls.append(sorted(n for n, h in fp.snapshot("xxh3").items() if not isinstance(h, str)))
+        fresh = ServedFingerprint(lambda: store)
+        assert fp.hashes(fp.snapshot("xxh3")) == fresh.hashes(fresh.snapshot("xxh3"))
+
+    fp.hashes(fp.snapshot("xxh3"))
+    write("experts")
+    write("a.w")
+    write("e1")
+    assert calls == [["e0", "e1"], ["a.w", "b.w"], ["e1"]]

@@ -200,3 +200,55 @@ def test_the_opt_out_flag_skips_the_check_with_one_warning(caplog):
         manager.check_adapter_fingerprints(metrics)
         assert "update_weights/adapter_tensor_hashes" not in metrics[0]
     assert sum("--no-check-weight-fingerprints" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_cpu_trainer_hashes_what_it_sends_in_a_worker_thread_and_waits_for_it_at_the_end(monkeypatch):
+    """SentHashes with xxh3: `add` hands the tensors to a worker thread (the next bucket goes meanwhile), at most
+    about one bucket's bytes waiting; `into` waits for all of it. Lists and generators give the inline map; a job of a
+    failed push does not leak into the next."""
+    import threading
+    from types import SimpleNamespace
+
+    from slime.backends.megatron_utils.update_weight import common
+
+    gate, seen = threading.Event(), []
+
+    def slow_hash(pairs, out, algorithm):
+        seen.append(threading.current_thread().name)
+        assert gate.wait(60)
+        return fp.hash_named(pairs, out, algorithm)
+
+    monkeypatch.setattr(common, "hash_named", slow_hash)
+    args = SimpleNamespace(check_weight_fingerprints=True, update_weight_buffer_size=1000)
+    sent = common.SentHashes(args)
+    assert sent.algorithm == "xxh3"
+    tensors = [(f"w{i}", torch.randn(100)) for i in range(4)]  # 400 bytes each
+    sent.add(tensors[:2])
+    sent.add(t for t in tensors[2:3])
+    assert len(sent._jobs) == 2 and not sent.hashes  # not hashed on the caller's thread
+    waiter = threading.Thread(target=sent.add, args=(tensors[3:],))
+    waiter.start()  # 800 bytes wait already: within the bound, so this add does not block
+    waiter.join(30)
+    assert not waiter.is_alive()
+    gate.set()
+    metrics = sent.into({})
+    assert metrics["update_weights/tensor_hashes"] == fp.hash_named(tensors, None, "xxh3")
+    assert set(seen) != {threading.current_thread().name}
+
+    gate.clear()
+    sent.reset()
+    sent.add([("w0", torch.randn(300))])  # 1200 bytes: over the bound, the next add waits for it
+    blocked = threading.Thread(target=sent.add, args=([("w1", torch.randn(3))],))
+    blocked.start()
+    blocked.join(0.5)
+    assert blocked.is_alive()
+    gate.set()
+    blocked.join(30)
+    assert set(sent.into({})["update_weights/tensor_hashes"]) == {"w0", "w1"}
+
+    monkeypatch.setattr(common, "hash_named", lambda *a: 1 / 0)  # a push that failed mid-hash
+    sent.add(tensors[:1])
+    sent.reset()
+    monkeypatch.setattr(common, "hash_named", fp.hash_named)
+    sent.add(tensors[1:2])
+    assert sent.into({})["update_weights/tensor_hashes"] == fp.hash_named(tensors[1:2], None, "xxh3")

@@ -124,7 +124,8 @@ class HFWeights(QuantizedParams):
             or is_mtp_weight(name, text.num_hidden_layers, getattr(text, "num_nextn_predict_layers", 0) or 0)
         )
 
-    def load(self, named_tensors, source: str) -> set:
+    def load(self, named_tensors, source: str, on_copied=None) -> set:
+        """As WeightStore.load; `on_copied(names)` once, at the end."""
         if self.released:
             raise WeightError("weights are released (release_memory_occupation); resume_memory_occupation first")
         params, loaded = self.named, set()
@@ -150,6 +151,8 @@ class HFWeights(QuantizedParams):
                 loaded.add(name)
                 if name not in self._fused:
                     self.sent_dtypes[name] = t.dtype
+        if on_copied is not None and loaded:
+            on_copied(sorted(loaded))
         return loaded
 
     def load_from_dir(self, model_dir: str):

@@ -425,8 +425,11 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
         return await asyncio.wrap_future(self.scheduler.run_control(fn))
 
     async def _weights_control(self, fn):
-        """`_control` for a change of the weights or of their version label: waits for a fingerprint being hashed."""
+        """`_control` for a change of the weights or of their version label: waits for a fingerprint being hashed,
+        and for an earlier update's tensors still being hashed as they landed."""
         async with self.weights_lock:
+            for job in self.served_fingerprint.hashing():
+                await asyncio.wrap_future(job)
             return await self._control(fn)
 
     async def flush_cache(self, request):

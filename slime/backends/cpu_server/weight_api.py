@@ -125,6 +125,8 @@ class WeightAPI:
             # receive straight into the live weight when it matches (no extra copy), else into a buffer then load;
             # always consume every broadcast, so a rejected update never leaves the trainer blocked in the collective.
             # All receives are posted at once (the trainer posts all its sends), then awaited.
+            landed = self.served_fingerprint.landing(self.weights.generation)
+            self.weights.generation += 1  # written in place below even if the update is then refused
             received, unknown, works, released = [], [], [], self.weights.released
             named = {} if released else self.weights.named
             for n, dt, shape in zip(names, dts, shapes):
@@ -148,6 +150,8 @@ class WeightAPI:
             self.weights.sent_dtypes.update((n, dt) for n, dt in zip(names, dts) if n in named)
             if getattr(self.weights, "quant", None) is not None:  # received in place: still to be dequantised
                 self.weights.note_loaded(names)
+            if landed is not None:
+                landed(names)
             self.state.bump_version(b.get("weight_version"))
 
         await self._weights_control(receive_and_load)
@@ -174,7 +178,8 @@ class WeightAPI:
         named = await asyncio.get_running_loop().run_in_executor(None, unpack)
 
         def load():
-            self.weights.load(named, "update_weights_from_tensor")
+            landed = self.served_fingerprint.landing(self.weights.generation)
+            self.weights.load(named, "update_weights_from_tensor", on_copied=landed)
             self.state.bump_version(b.get("weight_version"))
             self.received.keep(b.get("weight_version"), [t for _, t in named])
 

@@ -27,6 +27,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb
 _COPY_THREADS = min(8, len(os.sched_getaffinity(0)))
 _COPY_PIECE = 1 << 20  # elements: pieces small enough to balance the threads, large enough to stay bandwidth-bound
 _COPY_BATCH_BYTES = 256 << 20
+_REPORT_BYTES = 32 << 20  # a load that reports what it copied (`on_copied`) does so about this often
 _copy_pool = None
 
 
@@ -48,11 +49,12 @@ def is_mtp_weight(name, num_layers, num_mtp_layers=0):
     return m is not None and num_layers <= int(m.group(1)) < num_layers + num_mtp_layers
 
 
-def parallel_copy(pairs) -> None:
-    """`dst.copy_(src)` for every (dst, src), the large contiguous ones cut into pieces shared by `_COPY_THREADS`
-    threads (a pair of 1-D views per piece, so each byte is copied once, straight into place)."""
+def parallel_copy(pairs, threads=None) -> None:
+    """`dst.copy_(src)` for every (dst, src), the large contiguous ones cut into pieces shared by `threads` (default
+    `_COPY_THREADS`) threads (a pair of 1-D views per piece, so each byte is copied once, straight into place)."""
     global _copy_pool
-    if _COPY_THREADS == 1 or sum(d.numel() for d, _ in pairs) < 4 * _COPY_PIECE:
+    threads = min(threads or _COPY_THREADS, _COPY_THREADS)
+    if threads == 1 or sum(d.numel() for d, _ in pairs) < 4 * _COPY_PIECE:
         for dst, src in pairs:
             dst.copy_(src)
         return
@@ -67,11 +69,28 @@ def parallel_copy(pairs) -> None:
         _copy_pool = ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="weight-copy")
 
     def run(k):
-        for dst, src in pieces[k::_COPY_THREADS]:
+        for dst, src in pieces[k::threads]:
             dst.copy_(src)
 
-    for f in [_copy_pool.submit(run, k) for k in range(_COPY_THREADS)]:
+    for f in [_copy_pool.submit(run, k) for k in range(threads)]:
         f.result()
+
+
+def copy_reporting(items, on_copied=None) -> None:
+    """`parallel_copy` of [(name, dst, src)]. With `on_copied`, part by part (about `_REPORT_BYTES` each) on one
+    thread fewer, each part's names passed to `on_copied` once in place: the served fingerprint hashes a part on the
+    core left free while the next part is copied."""
+    if on_copied is None:
+        parallel_copy([(dst, src) for _, dst, src in items])
+        return
+    part, nbytes = [], 0
+    for k, (name, dst, src) in enumerate(items):
+        part.append((name, dst, src))
+        nbytes += dst.numel() * dst.element_size()
+        if nbytes >= _REPORT_BYTES or k == len(items) - 1:
+            parallel_copy([(d, s) for _, d, s in part], threads=max(1, _COPY_THREADS - 1))
+            on_copied([n for n, _, _ in part])
+            part, nbytes = [], 0
 
 
 _QUANT_DTYPES = (torch.float8_e4m3fn, torch.int32)
@@ -253,8 +272,9 @@ class WeightStore(QuantizedParams):
             or is_mtp_weight(name, self.cfg.num_layers)  # MiMo's (DeepSeek-style ones are the fallback's)
         )
 
-    def load(self, named_tensors, source: str) -> set:
-        """Copy each (hf_name, tensor) into place (casting dtype). Unknown names / wrong shapes raise naming the tensor."""
+    def load(self, named_tensors, source: str, on_copied=None) -> set:
+        """Copy each (hf_name, tensor) into place (casting dtype). Unknown names / wrong shapes raise naming the tensor.
+        `on_copied(names)`: called with the names of each part once it is in place (see `copy_reporting`)."""
         if self.released:
             raise WeightError("weights are released (release_memory_occupation); resume_memory_occupation first")
         loaded, pairs, pending = set(), [], 0
@@ -278,14 +298,14 @@ class WeightStore(QuantizedParams):
                     self._check_dtype(name, t, dst, source)
                     if name in self._quant_names:
                         self.pending.add(name)
-                pairs.append((dst, t))
+                pairs.append((name, dst, t))
                 loaded.add(name)
                 self.sent_dtypes[name] = t.dtype
                 pending += t.numel() * t.element_size()
                 if pending >= _COPY_BATCH_BYTES:  # a checkpoint file streams in: hold a bounded part of it
-                    parallel_copy(pairs)
+                    copy_reporting(pairs, on_copied)
                     pairs, pending = [], 0
-            parallel_copy(pairs)
+            copy_reporting(pairs, on_copied)
         return loaded
 
     def load_from_dir(self, model_dir: str):

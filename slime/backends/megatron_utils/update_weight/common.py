@@ -6,7 +6,8 @@ buffers (`load_format="flattened_bucket"`), engine calls that time out and name 
 import logging
 import os
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
+from concurrent.futures import ThreadPoolExecutor
 
 import ray
 from megatron.core import parallel_state as mpu
@@ -159,21 +160,49 @@ def acquire_lock(lock, what, timeout):
 class SentHashes:
     """The hash of every HF tensor this rank sent in the current update (`slime.utils.fingerprint`: tiles32 on a GPU,
     on the device; xxh3 on a CPU), in the dtype it travels in (quantised tensors as sent). The trainer keeps the map of
-    the last version; the rollout manager combines the ranks' maps and checks each engine's fingerprint against it."""
+    the last version; the rollout manager combines the ranks' maps and checks each engine's fingerprint against it.
+
+    xxh3 hashes on the host without the GIL: a worker thread hashes what `add` gets while the push goes on (the next
+    bucket is built and sent), and `into` waits for it. The tensors must not change until then: nothing trains during
+    an update. At most about one bucket's bytes wait to be hashed, so the thread keeps no more tensors alive than
+    that. tiles32 runs inline: its kernels queue on the device behind the sync's own."""
 
     def __init__(self, args):
         self.enabled = getattr(args, "check_weight_fingerprints", True)
         self.algorithm = default_algorithm(local_device())
         self.hashes = {}
+        self._async = self.enabled and self.algorithm == "xxh3"
+        self._max_waiting = getattr(args, "update_weight_buffer_size", None) or 512 << 20
+        self._pool, self._jobs, self._waiting = None, deque(), 0  # worker (made at the first add), (Future, bytes)
+
+    def _wait(self, max_bytes=None):
+        """Until no more than `max_bytes` (None: nothing) wait to be hashed, the oldest first; drops finished jobs."""
+        while self._jobs and (max_bytes is None or self._jobs[0][0].done() or self._waiting > max_bytes):
+            job, nbytes = self._jobs.popleft()
+            self._waiting -= nbytes
+            job.result()
 
     def reset(self):
-        self.hashes = {}
+        for job, _ in self._jobs:  # an earlier (failed) push's job must not write into the new map
+            job.exception()
+        self._jobs, self._waiting, self.hashes = deque(), 0, {}
 
     def add(self, named_tensors):
-        if self.enabled:
+        if not self.enabled:
+            return
+        if not self._async:
             hash_named(named_tensors, self.hashes, self.algorithm)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="sent-hashes")
+        # a generator (the disk path's dtype casts) is consumed in the worker, one tensor at a time, as before
+        nbytes = sum(t.numel() * t.element_size() for _, t in named_tensors) if isinstance(named_tensors, list) else 0
+        self._wait(self._max_waiting)
+        self._jobs.append((self._pool.submit(hash_named, named_tensors, self.hashes, self.algorithm), nbytes))
+        self._waiting += nbytes
 
     def into(self, metrics: dict) -> dict:
+        self._wait()
         if self.enabled and self.hashes:
             metrics["update_weights/tensor_hashes"] = dict(self.hashes)
             metrics["update_weights/tensor_hash_algorithm"] = self.algorithm
