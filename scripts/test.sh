@@ -37,7 +37,9 @@ set +e
 # waiting on a server, a Ray actor or a subprocess, so a second worker fills the idle core. Whole files per worker
 # (loadfile), so a module's shared fixture (a server, the main job's long run) starts once. (`--dist loadgroup`
 # would be finer, but pytest-xdist 3.8 cannot tag a test's group under pytest 9.2: every test is its own group.)
-.venv/bin/python -m pytest tests -q --durations=25 -n "${SLIME_TEST_WORKERS:-2}" --dist loadfile "${marker[@]}" "$@"
+# Files start costliest first (COSTLIEST_FIRST in tests/conftest.py), so neither worker ends with a long file alone.
+.venv/bin/python -m pytest tests -q --durations=25 -n "${SLIME_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder \
+  "${marker[@]}" "$@"
 rc=$?
 set -e
 [ "$rc" -eq 5 ] && { echo "pytest collected no tests: failing"; exit 1; }
