@@ -1378,6 +1378,24 @@ def _served_hashes(server, algorithm="xxh3"):
     return hash_named(((n, t.to(w.sent_dtypes[n])) for n, t in w.named.items() if n in w.sent_dtypes), None, algorithm)
 
 
+async def _push(client, named, version):
+    """One update session of `/update_weights_from_tensor` carrying `named` [(HF name, tensor)] (shared memory)."""
+    set_shared_authkey()
+    payload = MultiprocessingSerializer.serialize(named, output_str=True)
+    assert (await client.post("/begin_weight_update", json={})).status == 200
+    r = await client.post(
+        "/update_weights_from_tensor", json={"serialized_named_tensors": [payload], "weight_version": version}
+    )
+    assert r.status == 200, await r.text()
+    assert (await client.post("/end_weight_update", json={})).status == 200
+
+
+async def _fingerprint(client):
+    r = await client.get("/slime/weights_fingerprint", params={"algorithm": "xxh3"})
+    assert r.status == 200, await r.text()
+    return await r.json()
+
+
 def test_generation_goes_on_while_a_fingerprint_is_hashed(tiny_kit, monkeypatch):
     """The hash runs in a worker thread, not on the scheduler's: a generation sent while a (slow) fingerprint is
     being computed completes before it; the fingerprint is then the served weights'."""
@@ -1419,28 +1437,10 @@ def test_a_weight_change_waits_for_the_fingerprint_being_hashed(tiny_kit, monkey
         info = await (await fp).json()
         assert info["weight_version"] == "1" and info["tensor_hashes"] == before
         assert (await reset).status == 200 and (await version).status == 200
-        after = await (await client.get("/slime/weights_fingerprint", params={"algorithm": "xxh3"})).json()
+        after = await _fingerprint(client)
         assert after["weight_version"] == "2" and after["tensor_hashes"] == _served_hashes(server) != before
 
     _in_process(tiny_kit, monkeypatch, scenario)
-
-
-async def _push(client, named, version):
-    """One update session of `/update_weights_from_tensor` carrying `named` [(HF name, tensor)] (shared memory)."""
-    set_shared_authkey()
-    payload = MultiprocessingSerializer.serialize(named, output_str=True)
-    assert (await client.post("/begin_weight_update", json={})).status == 200
-    r = await client.post(
-        "/update_weights_from_tensor", json={"serialized_named_tensors": [payload], "weight_version": version}
-    )
-    assert r.status == 200, await r.text()
-    assert (await client.post("/end_weight_update", json={})).status == 200
-
-
-async def _fingerprint(client):
-    r = await client.get("/slime/weights_fingerprint", params={"algorithm": "xxh3"})
-    assert r.status == 200, await r.text()
-    return await r.json()
 
 
 def test_a_push_is_hashed_as_it_lands_and_any_other_write_is_still_caught(tiny_kit, monkeypatch):
