@@ -10,7 +10,6 @@ forward), rollout ids, rewards -- and the environment state the rewards come fro
 import asyncio
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -219,7 +218,14 @@ def test_tau_retail_user_simulator_can_be_a_served_model(stack):
 def test_coding_agent_fixes_the_file_survives_a_hanging_tool_and_is_graded_clean(stack, kit, monkeypatch):
     monkeypatch.setattr(coding_agent, "TOOL_TIMEOUT_S", 1.0)
     stack["recorder"].take()
-    sandboxes_before = set(Path(tempfile.gettempdir()).glob("slime-sandbox-*"))
+    roots = []  # every sandbox the agent and the grader open (other workers' sandboxes share the temp dir)
+
+    class RecordedSandbox(coding_agent.LocalSandbox):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            roots.append(self.root)
+
+    monkeypatch.setattr(coding_agent, "LocalSandbox", RecordedSandbox)
     sample = Sample(index=5, prompt=ISSUE, metadata={"task": CODE_TASK})
     [sample] = asyncio.run(coding_agent.generate(stack["args"], sample, SP))
     calls = stack["recorder"].take()
@@ -236,4 +242,4 @@ def test_coding_agent_fixes_the_file_survives_a_hanging_tool_and_is_graded_clean
     assert len(calls) == 3 and md["agent"]["num_tool_calls"] == 2
     check_against_engine(sample, calls, kit[1])
     # the agent's and the grader's sandboxes are gone
-    assert set(Path(tempfile.gettempdir()).glob("slime-sandbox-*")) <= sandboxes_before
+    assert len(roots) == 2 and not any(root.exists() for root in roots)
