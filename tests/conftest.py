@@ -70,6 +70,14 @@ def tiny_vlm(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_vl(tmp_path_factory):
+    """Directory of the tiny offline Qwen3-VL (DeepStack, interleaved MRoPE), built once per test session."""
+    from tools.build_tiny_vlm import build_model
+
+    return build_model(str(tmp_path_factory.mktemp("tiny_vlm") / "qwen3-vl-tiny"), family="qwen3_vl")
+
+
+@pytest.fixture(scope="session")
 def ray_session():
     """One local Ray with 4 logical GPUs for the whole test session, its Python workers and its engines' CPU servers
     forked from a server that imported torch, transformers and Megatron once (tests/_ray_zygote.py)."""

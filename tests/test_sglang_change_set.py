@@ -125,6 +125,7 @@ def test_hf_names_map_to_the_parameters_sglang_loads_them_into():
         "qwen3nextconfig",
         "qwen3_5moeconfig",
         "qwen2_5_vlconfig",
+        "qwen3vlconfig",
         "deepseekv3config",
     ]
     assert all(sglang_names_known(n) for n in known)
@@ -422,6 +423,17 @@ VISION = [
     "visual.blocks.0.mlp.down_proj.weight",
     "visual.merger.mlp.0.weight",
 ]
+# Qwen3-VL's tower as its checkpoints and slime's export name it (a sample of each kind of tensor)
+VISION3 = [
+    "model.visual.patch_embed.proj.weight",
+    "model.visual.pos_embed.weight",
+    "model.visual.blocks.0.norm1.weight",
+    "model.visual.blocks.0.attn.qkv.weight",
+    "model.visual.blocks.0.attn.proj.bias",
+    "model.visual.blocks.0.mlp.linear_fc1.weight",
+    "model.visual.merger.linear_fc2.weight",
+    "model.visual.deepstack_merger_list.1.norm.weight",
+]
 
 
 def _checkpoint(prefix, layers, extra=()):
@@ -491,6 +503,12 @@ SGLANG_LOADERS = {  # family: (SGLang file, class, HF names as slime's converter
         "models/qwen2_5_vl.py",
         "Qwen2_5_VLForConditionalGeneration",
         _checkpoint("model.", [(0, "qwen2", "dense")], VISION),
+        {},
+    ),
+    "qwen3_vl": (
+        "models/qwen3_vl.py",
+        "Qwen3VLForConditionalGeneration",
+        _checkpoint(VL, [(0, "full", "dense")], VISION3),
         {},
     ),
 }

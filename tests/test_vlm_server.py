@@ -336,3 +336,45 @@ def test_opd_teacher_scores_image_samples_with_their_images(vlm_server, tiny_vlm
     r = SESSION.post(vlm_server + "/generate", json={**body, "sampling_params": {"max_new_tokens": 0}}, timeout=30)
     assert r.status_code == 400, r.text
     assert "Found total 4 <|image_pad|> tokens and 1 images" in r.text, r.text
+
+
+@pytest.mark.slow  # development tier: a second server process (Qwen2.5-VL's serving is checked above)
+def test_qwen3_vl_generates_as_transformers_with_deepstack_and_takes_its_checkpoint_names(tiny_qwen3_vl):
+    """A Qwen3-VL (DeepStack, interleaved MRoPE): in one batch with a text-only row, each image prompt's greedy
+    tokens and log-probs equal transformers' `generate` and forward; weight updates under the checkpoint's own names
+    (`model.language_model.*`, `model.visual.*`, `lm_head`: what the trainer sends) all land."""
+    from transformers import AutoModelForImageTextToText
+
+    from slime.backends.cpu_server.hf_fallback import HFWeights
+    from tests._megatron_helpers import read_checkpoint
+
+    images = [_image((64, 96), 0), _image((32, 32), 3)]  # 16-px patches: 6 image tokens and 1
+    refs = [_reference(tiny_qwen3_vl, image, 6) for image in images]
+    proc, url = start_cpu_server(tiny_qwen3_vl, "--random-seed", "1")
+    try:
+        body = {
+            "text": [TEXT, TEXT, "<|im_start|>user\nhello<|im_end|>\n"],
+            "image_data": [
+                [encode_image_for_rollout_engine(images[0])],
+                [encode_image_for_rollout_engine(images[1])],
+                [],
+            ],
+            "sampling_params": {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True},
+            "return_logprob": True,
+        }
+        assert body_errors("/generate", body) == []
+        outs = SESSION.post(url + "/generate", json=body, timeout=120).json()
+    finally:
+        stop_cpu_server(proc)
+    for (prompt_ids, tokens, lps), out in zip(refs, outs):
+        meta = out["meta_info"]
+        assert meta["prompt_tokens"] == len(prompt_ids)
+        assert [t for _, t, _ in meta["output_token_logprobs"]] == tokens
+        served = torch.tensor([lp for lp, _, _ in meta["output_token_logprobs"]])
+        assert torch.allclose(served, torch.tensor(lps), atol=1e-5), (served, lps)
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_qwen3_vl, dtype=torch.float32).eval()
+    update = {k: v + 1 for k, v in read_checkpoint(tiny_qwen3_vl).items()}
+    assert HFWeights(model).load(update.items(), "test") == set(update)
+    memory = dict(model.named_parameters())
+    assert sorted(memory) == sorted(update) and all(torch.equal(p, update[n]) for n, p in memory.items())

@@ -1,10 +1,12 @@
-"""Build a tiny offline Qwen2.5-VL: a random ~0.2M-parameter `Qwen2_5_VLForConditionalGeneration` and its processor
-(a PIL image processor plus a byte-BPE tokenizer with Qwen's vision special tokens), in one directory, in seconds.
+"""Build a tiny offline Qwen2.5-VL (or, with `--family qwen3_vl`, a Qwen3-VL: DeepStack features from two vision
+layers, interleaved MRoPE, qk-norm, an untied LM head): a random ~0.2M-parameter model and its processor (a PIL image
+processor plus a byte-BPE tokenizer with Qwen's vision special tokens), in one directory, in seconds.
 
 No hub: the tokenizer is trained here (as tools/build_tiny_kit.py does). Video needs torchvision, which this machine
 lacks, so the saved processor is image-only; `slime.utils.processing_utils.load_processor` loads it.
 
     python tools/build_tiny_vlm.py --model-dir models/qwen2.5-vl-tiny
+    python tools/build_tiny_vlm.py --family qwen3_vl --model-dir models/qwen3-vl-tiny
 """
 
 import argparse
@@ -30,7 +32,8 @@ CHAT_TEMPLATE = (
     "{%- endfor %}{%- endif %}{{- '<|im_end|>\\n' }}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-PATCH, MERGE, TEMPORAL = 14, 2, 2
+MERGE, TEMPORAL = 2, 2
+PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16}  # the families' own patch sizes
 
 
 def build_tokenizer():
@@ -66,29 +69,82 @@ def build_tokenizer():
     return hf_tok
 
 
-def build_processor():
+def build_processor(family="qwen2_5_vl"):
     from transformers import Qwen2VLImageProcessorPil  # heavy
 
     from slime.utils.processing_utils import ImageOnlyQwenVLProcessor
 
+    side = PATCH[family] * MERGE  # pixels per image token, each way
     image_processor = Qwen2VLImageProcessorPil(
-        patch_size=PATCH,
+        patch_size=PATCH[family],
         merge_size=MERGE,
         temporal_patch_size=TEMPORAL,
-        # pixel counts: 28x28 (1 image token) up to 112x112 (16 image tokens)
-        size={"shortest_edge": 28 * 28, "longest_edge": 112 * 112},
+        # 1 image token (28x28 px for Qwen2.5-VL) up to 16 (112x112)
+        size={"shortest_edge": side * side, "longest_edge": 16 * side * side},
     )
     return ImageOnlyQwenVLProcessor(
         image_processor=image_processor, tokenizer=build_tokenizer(), chat_template=CHAT_TEMPLATE
     )
 
 
-def build_model(model_dir, seed=0):
+def _qwen2_5_vl_config(text, ids):
+    from transformers import Qwen2_5_VLConfig  # heavy
+
+    # head_dim 16 -> 8 rotary frequencies, split (t, h, w) in contiguous sections
+    text["rope_scaling"] = {"type": "mrope", "rope_type": "default", "mrope_section": [2, 3, 3]}
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=PATCH["qwen2_5_vl"],
+        spatial_merge_size=MERGE,
+        temporal_patch_size=TEMPORAL,
+        window_size=56,
+        fullatt_block_indexes=[1],
+        in_chans=3,
+    )
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
+
+
+def _qwen3_vl_config(text, ids):
+    from transformers import Qwen3VLConfig  # heavy
+
+    # 8 rotary frequencies interleaved t h w t h w t t (sections [4, 2, 2]); an untied LM head, as in Qwen3-VL-8B;
+    # 3 layers: what DeepStack adds to the last layer's output at the image tokens reaches no response token
+    text.update(
+        num_hidden_layers=3,
+        head_dim=16,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]},
+    )
+    text["rope_parameters"]["mrope_interleaved"] = True
+    vision = dict(
+        depth=3,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=PATCH["qwen3_vl"],
+        spatial_merge_size=MERGE,
+        temporal_patch_size=TEMPORAL,
+        num_position_embeddings=16,  # a 4x4 learned grid, interpolated to each image's
+        deepstack_visual_indexes=[0, 2],  # added to the outputs of decoder layers 0 and 1
+        in_channels=3,
+    )
+    return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+
+
+_CONFIGS = {"qwen2_5_vl": _qwen2_5_vl_config, "qwen3_vl": _qwen3_vl_config}
+
+
+def build_model(model_dir, seed=0, family="qwen2_5_vl"):
     import torch  # heavy
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration  # heavy
+    from transformers import AutoModelForImageTextToText  # heavy
 
     os.makedirs(model_dir, exist_ok=True)
-    processor = build_processor()
+    processor = build_processor(family)
     tok = processor.tokenizer
     ids = {name: tok.convert_tokens_to_ids(name) for name in SPECIALS}
     vocab_size = (len(tok) + 127) // 128 * 128
@@ -106,34 +162,17 @@ def build_model(model_dir, seed=0):
         eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|endoftext|>"],
         tie_word_embeddings=True,
-        # head_dim 16 -> 8 rotary frequencies, split (t, h, w)
-        rope_scaling={"type": "mrope", "rope_type": "default", "mrope_section": [2, 3, 3]},
     )
-    vision = dict(
-        depth=2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=2,
-        out_hidden_size=64,
-        patch_size=PATCH,
-        spatial_merge_size=MERGE,
-        temporal_patch_size=TEMPORAL,
-        window_size=56,
-        fullatt_block_indexes=[1],
-        in_chans=3,
-    )
-    cfg = Qwen2_5_VLConfig(
-        text_config=text,
-        vision_config=vision,
+    special = dict(
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=True,
         torch_dtype="float32",
     )
+    cfg = _CONFIGS[family](text, special)
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(cfg)
+    model = AutoModelForImageTextToText.from_config(cfg)
     model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     model.save_pretrained(model_dir)
@@ -152,10 +191,11 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", default="models/qwen2.5-vl-tiny")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--family", choices=sorted(_CONFIGS), default="qwen2_5_vl")
     a = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    build_model(a.model_dir, a.seed)
-    print(f"tiny Qwen2.5-VL in {a.model_dir}")
+    build_model(a.model_dir, a.seed, a.family)
+    print(f"tiny {a.family} in {a.model_dir}")
 
 
 if __name__ == "__main__":

@@ -19,12 +19,14 @@ from slime.backends.megatron_utils.model_provider import default_layer_spec, gpt
 class _RopeIndex:
     """transformers' `get_rope_index` without building its model: the method reads only the config."""
 
-    def __init__(self, hf_config):
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel  # heavy
+    def __init__(self, hf_config, hf_model_class=None):
+        if hf_model_class is None:
+            from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel  # heavy
 
+            hf_model_class = Qwen2_5_VLModel
         self.config = hf_config
-        self._get_rope_index = Qwen2_5_VLModel.get_rope_index.__get__(self)
-        self.get_vision_position_ids = Qwen2_5_VLModel.get_vision_position_ids.__get__(self)
+        self._get_rope_index = hf_model_class.get_rope_index.__get__(self)
+        self.get_vision_position_ids = hf_model_class.get_vision_position_ids.__get__(self)
 
     def __call__(self, ids, image_grid_thw):
         """[3, len(ids)] positions of one sample's token ids and its images' grids."""
@@ -33,27 +35,41 @@ class _RopeIndex:
         return positions[:, 0]
 
 
+def at_image_tokens(dense, mask, features):
+    """`dense` [s, b, h] with `features` written at the image tokens (`mask` [s, b, 1]) in (row, position) order,
+    as the processor laid them out."""
+    by_row = dense.transpose(0, 1).masked_scatter(mask.transpose(0, 1), features.to(dense.dtype))
+    return by_row.transpose(0, 1).contiguous()
+
+
 class Qwen2_5VLModel(GPTModel):
     """`GPTModel` with `position_embedding_type="mrope"` that also takes `pixel_values` / `image_grid_thw` (the
     processor's outputs, concatenated over the micro-batch's samples in order)."""
+
+    @staticmethod
+    def hf_classes():
+        """(transformers' model class whose `get_rope_index` this family uses, its vision tower class)"""
+        from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m  # heavy
+
+        return m.Qwen2_5_VLModel, m.Qwen2_5_VisionTransformerPretrainedModel
 
     def __init__(self, hf_config, **kwargs):
         super().__init__(**kwargs)
         self.image_token_id = hf_config.image_token_id
         self.merge = hf_config.vision_config.spatial_merge_size
-        self.rope_index = _RopeIndex(hf_config)
+        hf_model, tower = self.hf_classes()
+        self.rope_index = _RopeIndex(hf_config, hf_model)
         if self.pre_process:
-            from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (  # heavy
-                Qwen2_5_VisionTransformerPretrainedModel,
-            )
-
             vision_config = hf_config.vision_config
             vision_config._attn_implementation = "sdpa"
-            self.visual = Qwen2_5_VisionTransformerPretrainedModel._from_config(
-                vision_config, dtype=self.config.params_dtype
-            )
+            self.visual = tower._from_config(vision_config, dtype=self.config.params_dtype)
             for p in self.visual.parameters():  # replicated on every TP rank, gathered by no one
                 p.tensor_model_parallel = False
+            # the embeddings are scattered over the sequence (--sequence-parallel) only once the image features are
+            # written over them, at their positions in the whole sequence
+            self.embedding.scatter_to_sequence_parallel = False
+            self.embedding.reduce_scatter_embeddings = False
+            self.embedding.word_embeddings.reduce_scatter_embeddings = False
 
     def forward(
         self,
@@ -115,27 +131,41 @@ class Qwen2_5VLModel(GPTModel):
         return positions
 
     def _embed_with_images(self, input_ids, pixel_values, image_grid_thw):
-        """Word embeddings [s, b, h] with the vision features written at the image tokens, in (row, position)
-        order, as the processor laid them out."""
+        """Word embeddings [s, b, h] with the vision features written at the image tokens (scattered over the
+        sequence with --sequence-parallel)."""
         embeddings = self.embedding(input_ids=input_ids, position_ids=None)
-        if pixel_values is None:
-            return embeddings
-        features = self.visual(pixel_values.to(self.visual.dtype), grid_thw=image_grid_thw).pooler_output
-        mask = (input_ids == self.image_token_id).t()[..., None]  # [s, b, 1], like the embeddings
-        by_row = embeddings.transpose(0, 1).masked_scatter(mask.transpose(0, 1), features.to(embeddings.dtype))
-        return by_row.transpose(0, 1).contiguous()
+        if pixel_values is not None:
+            vision = self.visual(pixel_values.to(self.visual.dtype), grid_thw=image_grid_thw)
+            mask = (input_ids == self.image_token_id).t()[..., None]  # [s, b, 1], like the embeddings
+            embeddings = self._with_vision(embeddings, mask, vision)
+        return self._to_sequence_parallel(embeddings)
+
+    def _with_vision(self, embeddings, mask, vision):
+        return at_image_tokens(embeddings, mask, vision.pooler_output)
+
+    def _to_sequence_parallel(self, x):
+        if not self.config.sequence_parallel:
+            return x
+        from megatron.core import tensor_parallel
+
+        return tensor_parallel.scatter_to_sequence_parallel_region(x)
 
 
-def get_qwen2_5_vl_model_provider(args, config, vp_stage=None):
-    """Current slime's `--spec` protocol: a model provider for `--hf-checkpoint`'s Qwen2.5-VL."""
+def vlm_model_provider(model_class, args, config):
+    """A model provider building `model_class` for `--hf-checkpoint`'s config."""
     from transformers import AutoConfig  # heavy
 
     hf_config = AutoConfig.from_pretrained(args.hf_checkpoint, trust_remote_code=True)
 
     def provider(pre_process=True, post_process=True, vp_stage=None):
         layer_spec = default_layer_spec(args, config, vp_stage)
-        return Qwen2_5VLModel(
+        return model_class(
             hf_config, **gpt_model_kwargs(args, config, layer_spec, pre_process, post_process, vp_stage)
         )
 
     return provider
+
+
+def get_qwen2_5_vl_model_provider(args, config, vp_stage=None):
+    """Current slime's `--spec` protocol: a model provider for `--hf-checkpoint`'s Qwen2.5-VL."""
+    return vlm_model_provider(Qwen2_5VLModel, args, config)

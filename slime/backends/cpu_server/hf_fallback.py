@@ -34,7 +34,7 @@ class FallbackConfig:
         self.eos_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None) or torch.float32
         self.torch_dtype = str(dtype).replace("torch.", "")
-        # a vision-language model (Qwen2.5-VL): served with its processor, images through `image_data`
+        # a vision-language model (Qwen2.5-VL, Qwen3-VL): served with its processor, images through `image_data`
         self.vision = getattr(hf_config, "vision_config", None) is not None
 
 
@@ -321,7 +321,8 @@ class HFFallbackModel:
     def _run_vision(self, ids, mask, mm):
         """A vision-language forward over right-padded rows, some with images: each row's image features are
         written at its prompt's image-token positions (`mm_token_type_ids`; a generated token with the image-token
-        id stays text), with the model's own 3-D (MRoPE) positions for those positions."""
+        id stays text), with the model's own 3-D (MRoPE) positions for those positions; Qwen3-VL's DeepStack features
+        are added at the same positions to the outputs of its first decoder layers."""
         B, L = ids.shape
         types = torch.zeros(B, L, dtype=torch.long)
         for b, m in enumerate(mm):
@@ -333,10 +334,21 @@ class HFFallbackModel:
         rows = [m for m in mm if m is not None]
         grid = torch.cat([m["image_grid_thw"] for m in rows])
         pixels = torch.cat([m["pixel_values"] for m in rows])
-        features = torch.cat(inner.get_image_features(pixels, grid, return_dict=True).pooler_output)
-        embeds = embeds.masked_scatter((types == 1)[..., None], features.to(embeds.dtype))
+        vision = inner.get_image_features(pixels, grid, return_dict=True)
+        image = types == 1
+        embeds = embeds.masked_scatter(image[..., None], torch.cat(vision.pooler_output).to(embeds.dtype))
         positions, _ = inner.get_rope_index(ids, types, image_grid_thw=grid, attention_mask=mask.long())
-        return self.model(inputs_embeds=embeds, attention_mask=mask.long(), position_ids=positions).logits
+        deepstack = getattr(vision, "deepstack_features", None)
+        if not deepstack:
+            return self.model(inputs_embeds=embeds, attention_mask=mask.long(), position_ids=positions).logits
+        hidden = inner.language_model(
+            inputs_embeds=embeds,
+            attention_mask=mask.long(),
+            position_ids=positions,
+            visual_pos_masks=image,
+            deepstack_visual_embeds=[torch.cat(level) for level in deepstack],
+        ).last_hidden_state
+        return self.model.lm_head(hidden)
 
     @torch.inference_mode()
     def forward_prefill(self, pool: TokenPool, tokens, lens, rows, all_logits: bool = False, lora=None, mm=None):

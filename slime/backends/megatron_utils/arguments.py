@@ -72,14 +72,14 @@ def check_vlm_training(args, error):
     (`VLM_SPECS`), in the layouts tested so far; anything else is one line naming what is missing."""
     if not args.spec or tuple(args.spec) not in VLM_SPECS.values():
         error(
-            f"--multimodal-keys: the trainer takes images for Qwen2.5-VL only, but --hf-checkpoint {args.hf_checkpoint} "
-            "is not a Qwen2.5-VL checkpoint (other vision-language families are not built yet); rollouts with "
+            f"--multimodal-keys: the trainer takes images for Qwen2.5-VL and Qwen3-VL only, but --hf-checkpoint "
+            f"{args.hf_checkpoint} is neither (other vision-language families are not built yet); rollouts with "
             "images run with --debug-rollout-only."
         )
     if args.context_parallel_size > 1:
         error(
-            f"--context-parallel-size {args.context_parallel_size}: training Qwen2.5-VL on images is tested at CP=1 "
-            "only so far."
+            f"--context-parallel-size {args.context_parallel_size}: training a vision-language model on images is "
+            "tested at CP=1 only so far."
         )
     if getattr(args, "tree_training", False):
         error("--tree-training with --multimodal-keys: the prefix-tree layout has no 3-D (MRoPE) positions.")

@@ -40,7 +40,10 @@ HYBRID_SPECS = {
 }
 # HF text model_type of a vision-language checkpoint -> the model provider (current slime's `--spec` protocol) that
 # builds its language model and vision tower.
-VLM_SPECS = {"qwen2_5_vl_text": ("slime_plugins.models.qwen2_5_vl", "get_qwen2_5_vl_model_provider")}
+VLM_SPECS = {
+    "qwen2_5_vl_text": ("slime_plugins.models.qwen2_5_vl", "get_qwen2_5_vl_model_provider"),
+    "qwen3_vl_text": ("slime_plugins.models.qwen3_vl", "get_qwen3_vl_model_provider"),
+}
 
 
 def hf_architecture(cfg) -> dict:
@@ -87,7 +90,7 @@ def hf_architecture(cfg) -> dict:
         rope["rope_type"] == "yarn" and model_type == "deepseek_v3"
     ):
         raise ValueError(f"rope_parameters.rope_type={rope['rope_type']!r} is not supported for {model_type!r}")
-    if model_type in VLM_SPECS:  # 3-D (temporal, height, width) positions, Qwen2-VL's contiguous frequency sections
+    if model_type in VLM_SPECS:  # 3-D (temporal, height, width) positions; the model lays out the frequencies
         arch.update(position_embedding_type="mrope", mrope_section=list(rope["mrope_section"]))
         arch["spec"] = list(VLM_SPECS[model_type])
     if arch["use_rope_scaling"]:

@@ -219,7 +219,8 @@ class GPTFamily:
         """
         local = strip_prefix(name)
         if local == "output_layer.weight":
-            return load("lm_head.weight", fallback="model.embed_tokens.weight")  # tied HF checkpoints have no lm_head
+            # tied HF checkpoints have no lm_head
+            return load("lm_head.weight", fallback=self.top_level["embedding.word_embeddings.weight"])
         if local in self.top_level:
             return load(self.top_level[local])
         probe = self.to_hf(args, name, _NamesOnly())

@@ -54,7 +54,10 @@ def possible_param_names(args, hf_names=None):
     for e in range(getattr(args, "num_experts", None) or 0):
         for fc in ("linear_fc1", "linear_fc2"):
             layer |= {f"mlp.experts.local_experts.{e}.{fc}.weight", f"mlp.experts.{fc}.weight{e}"}
-    names = set(_TOP_LEVEL) | {n for n in hf_names if n.startswith("visual.")}  # a vision tower keeps its HF names
+    # a vision tower keeps its HF names (`visual.*`, or `model.visual.*` as Qwen3-VL's checkpoints name it)
+    names = set(_TOP_LEVEL) | {
+        n.removeprefix("model.") for n in hf_names if n.startswith(("visual.", "model.visual."))
+    }
     for i in range(args.num_layers or 0):
         names |= {f"decoder.layers.{i}.{s}" for s in layer}
     for i in range(getattr(args, "mtp_num_layers", None) or 0):

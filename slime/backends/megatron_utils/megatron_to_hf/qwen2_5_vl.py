@@ -8,10 +8,16 @@ _VISION = "visual."
 
 
 class VisionLanguageFamily(GPTFamily):
+    """`vision_prefix`: where the checkpoint keeps the tower the trainer calls `visual.`."""
+
+    def __init__(self, name, vision_prefix=_VISION, **kw):
+        super().__init__(name, **kw)
+        self.vision_prefix = vision_prefix
+
     def to_hf(self, args, name, param):
         local = strip_prefix(name)
         if local.startswith(_VISION):
-            return [(local, param)]
+            return [(self.vision_prefix + local[len(_VISION) :], param)]
         return super().to_hf(args, name, param)
 
 
