@@ -146,6 +146,11 @@ def _train_step(rank, hf_dir, samples, tp, pp, freeze, out):
     ray.get = lambda x: x  # the test hands the dict itself instead of an ObjectRef
     layout = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
     layout += ["--actor-num-gpus-per-node", str(tp * pp)]
+    if pp > 1:  # every layer but the last on the first stage, with the tower (Qwen3-VL's DeepStack layers)
+        from transformers import AutoConfig
+
+        layers = AutoConfig.from_pretrained(hf_dir).text_config.num_hidden_layers
+        layout += ["--decoder-first-pipeline-num-layers", str(layers - 1)]
     args = vlm_args(hf_dir, *layout, *(["--freeze-params-name-list", "visual"] if freeze else []))
     init(args)
     model, opt, sched, _ = initialize_model_and_optimizer(args)
@@ -292,14 +297,17 @@ def test_qwen3_vl_needs_its_deepstack_layers_on_the_first_pipeline_stage():
 
 @pytest.mark.slow  # development tier: a multi-rank layout or several processes (tens of seconds)
 @pytest.mark.parametrize(
-    "family, tp, pp", [("qwen2_5_vl", 2, 1), ("qwen2_5_vl", 1, 2), ("qwen3_vl", 2, 1)], ids=["tp2", "pp2", "qwen3_tp2"]
+    "family, tp, pp",
+    [("qwen2_5_vl", 2, 1), ("qwen2_5_vl", 1, 2), ("qwen3_vl", 2, 1), ("qwen3_vl", 1, 2)],
+    ids=["tp2", "pp2", "qwen3_tp2", "qwen3_pp2"],
 )
 def test_tp2_and_pp2_equal_tp1(request, family, tp, pp, tmp_path):
     """At TP=2 the tower is replicated on both ranks (the language model sharded); at PP=2 it runs on the first stage
     (each stage computes its samples' 3-D positions from the tokens). Either way the same log-probs, and after one
     step (lr 1, Adam eps 1: each weight moves by g / (|g| + 1) of its clipped gradient g) the same weights, tower
     included, as at TP=1: its gradients are neither summed over the TP ranks nor counted twice in the norm, and the
-    stages' norms add up to the whole model's. Qwen3-VL at TP=2: the DeepStack features too."""
+    stages' norms add up to the whole model's. Qwen3-VL: its DeepStack features too, at PP=2 with its two DeepStack
+    layers on the first stage and the third on the second."""
     kit = request.getfixturevalue({"qwen2_5_vl": "tiny_vlm", "qwen3_vl": "tiny_qwen3_vl"}[family])
     samples = request.getfixturevalue({"qwen2_5_vl": "samples", "qwen3_vl": "qwen3_samples"}[family])
     tp1 = train_once(kit, samples, 1, False, str(tmp_path))
