@@ -78,6 +78,22 @@ def tiny_qwen3_vl(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_5_vl(tmp_path_factory):
+    """Directory of the tiny offline Qwen3.5 with its vision tower (hybrid decoder, partial interleaved MRoPE)."""
+    from tools.build_tiny_vlm import build_model
+
+    return build_model(str(tmp_path_factory.mktemp("tiny_vlm") / "qwen3.5-vl-tiny"), family="qwen3_5")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5_moe_vl(tmp_path_factory):
+    """Directory of the tiny offline Qwen3.5-MoE with its vision tower."""
+    from tools.build_tiny_vlm import build_model
+
+    return build_model(str(tmp_path_factory.mktemp("tiny_vlm") / "qwen3.5-moe-vl-tiny"), family="qwen3_5_moe")
+
+
+@pytest.fixture(scope="session")
 def ray_session():
     """One local Ray with 4 logical GPUs for the whole test session, its Python workers and its engines' CPU servers
     forked from a server that imported torch, transformers and Megatron once (tests/_ray_zygote.py)."""

@@ -236,10 +236,9 @@ export -f _cap ray python python3 torchrun pip
 
 # What stops each launch script that does not parse, and why that is right (the rest parse cleanly).
 SCRIPT_REFUSALS = {
-    # impossible on this stack: PD disaggregation, DSA (GLM-5's all-gather CP), VLM training other than Qwen2.5-VL, FP8 GEMMs on a CPU
+    # impossible on this stack: PD disaggregation, DSA (GLM-5's all-gather CP), FP8 GEMMs on a CPU
     "scripts/run-glm5-744B-A40B.sh": "--prefill-num-servers: not supported",
     "scripts/run-glm5.2-744B-A40B.sh": "--allgather-cp: not supported",
-    "examples/geo3k_vlm/run_geo3k_qwen35.sh": "--multimodal-keys: the trainer takes images for Qwen2.5-VL and Qwen3-VL only",
     "scripts/low_precision/run-qwen3-30b-a3b-fp8.sh": "--fp8-format e4m3: FP8 training runs Transformer Engine",
     # the scripts' own mistakes, which current slime / Megatron-LM stop on too: 47 layers over 2 stages without an
     # uneven split; a missing backslash ends the command after --update-weight-buffer-size; a flag current slime

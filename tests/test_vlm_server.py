@@ -339,18 +339,22 @@ def test_opd_teacher_scores_image_samples_with_their_images(vlm_server, tiny_vlm
 
 
 @pytest.mark.slow  # development tier: a second server process (Qwen2.5-VL's serving is checked above)
-def test_qwen3_vl_generates_as_transformers_with_deepstack_and_takes_its_checkpoint_names(tiny_qwen3_vl):
-    """A Qwen3-VL (DeepStack, interleaved MRoPE): in one batch with a text-only row, each image prompt's greedy
-    tokens and log-probs equal transformers' `generate` and forward; weight updates under the checkpoint's own names
-    (`model.language_model.*`, `model.visual.*`, `lm_head`: what the trainer sends) all land."""
+@pytest.mark.parametrize("kit", ["tiny_qwen3_vl", "tiny_qwen3_5_vl"])
+def test_qwen3_families_generate_as_transformers_and_take_their_checkpoint_names(request, kit):
+    """Qwen3-VL (DeepStack, interleaved MRoPE) and Qwen3.5 with its tower (the hybrid decoder): in one batch with a
+    text-only row, each image prompt's greedy tokens and log-probs equal transformers' `generate` and forward; weight
+    updates under the checkpoint's own names (`model.language_model.*`, `model.visual.*`, `lm_head`: what the trainer
+    sends) all land."""
     from transformers import AutoModelForImageTextToText
 
     from slime.backends.cpu_server.hf_fallback import HFWeights
     from tests._megatron_helpers import read_checkpoint
 
-    images = [_image((64, 96), 0), _image((32, 32), 3)]  # 16-px patches: 6 image tokens and 1
-    refs = [_reference(tiny_qwen3_vl, image, 6) for image in images]
-    proc, url = start_cpu_server(tiny_qwen3_vl, "--random-seed", "1")
+    model_dir = request.getfixturevalue(kit)
+    images = [_image((64, 96), 1), _image((32, 32), 3)]  # seed 0 makes Qwen3.5 generate the image-pad id, which
+    # transformers' reference forward then counts as an image token; 16-px patches: 6 image tokens and 1
+    refs = [_reference(model_dir, image, 6) for image in images]
+    proc, url = start_cpu_server(model_dir, "--random-seed", "1")
     try:
         body = {
             "text": [TEXT, TEXT, "<|im_start|>user\nhello<|im_end|>\n"],
@@ -373,8 +377,8 @@ def test_qwen3_vl_generates_as_transformers_with_deepstack_and_takes_its_checkpo
         served = torch.tensor([lp for lp, _, _ in meta["output_token_logprobs"]])
         assert torch.allclose(served, torch.tensor(lps), atol=1e-5), (served, lps)
 
-    model = AutoModelForImageTextToText.from_pretrained(tiny_qwen3_vl, dtype=torch.float32).eval()
-    update = {k: v + 1 for k, v in read_checkpoint(tiny_qwen3_vl).items()}
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    update = {k: v + 1 for k, v in read_checkpoint(model_dir).items()}
     assert HFWeights(model).load(update.items(), "test") == set(update)
     memory = dict(model.named_parameters())
     assert sorted(memory) == sorted(update) and all(torch.equal(p, update[n]) for n, p in memory.items())

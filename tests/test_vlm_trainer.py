@@ -121,7 +121,7 @@ def _export(args, model):
     return exported
 
 
-def _train_step(rank, hf_dir, samples, tp, pp, freeze, out):
+def _train_step(rank, hf_dir, samples, tp, pp, freeze, out, extra=()):
     """Build the trainer from --hf-checkpoint, check its log-probs against transformers (on the last pipeline stage),
     train one GRPO step and report which weights moved and their values after the step (each pipeline stage its
     own, merged by `train_once`)."""
@@ -151,7 +151,7 @@ def _train_step(rank, hf_dir, samples, tp, pp, freeze, out):
 
         layers = AutoConfig.from_pretrained(hf_dir).text_config.num_hidden_layers
         layout += ["--decoder-first-pipeline-num-layers", str(layers - 1)]
-    args = vlm_args(hf_dir, *layout, *(["--freeze-params-name-list", "visual"] if freeze else []))
+    args = vlm_args(hf_dir, *layout, *(["--freeze-params-name-list", "visual"] if freeze else []), *extra)
     init(args)
     model, opt, sched, _ = initialize_model_and_optimizer(args)
     data = convert_samples_to_train_data(args, samples)
@@ -188,12 +188,13 @@ def _train_step(rank, hf_dir, samples, tp, pp, freeze, out):
 _RESULTS = {}
 
 
-def train_once(hf_dir, samples, tp, freeze, tmp_dir, pp=1):
-    """`_train_step`'s result for one layout, run once per test session, its pipeline stages' parts merged."""
-    key = (hf_dir, tp, pp, freeze)
+def train_once(hf_dir, samples, tp, freeze, tmp_dir, pp=1, extra=()):
+    """`_train_step`'s result for one layout (and `extra` flags), run once per test session, its pipeline stages'
+    parts merged."""
+    key = (hf_dir, tp, pp, freeze, tuple(extra))
     if key not in _RESULTS:
         out = os.path.join(tmp_dir, f"tp{tp}_pp{pp}_freeze{int(freeze)}.pt")
-        spawn(_train_step, tp * pp, hf_dir, samples, tp, pp, freeze, out, timeout=300)
+        spawn(_train_step, tp * pp, hf_dir, samples, tp, pp, freeze, out, tuple(extra), timeout=300)
         stages = [torch.load(f"{out}.{stage}", weights_only=False) for stage in range(pp)]
         exported = [n for s in stages for n in s["exported"]]
         assert sorted(exported) == sorted(read_checkpoint(hf_dir)), "the stages' exports are not the checkpoint"
@@ -210,9 +211,21 @@ def samples(tiny_vlm):
     return make_samples(tiny_vlm)
 
 
-@pytest.fixture(scope="module")
-def qwen3_samples(tiny_qwen3_vl):
-    return make_samples(tiny_qwen3_vl)
+KITS = {  # family: fixture
+    "qwen2_5_vl": "tiny_vlm",
+    "qwen3_vl": "tiny_qwen3_vl",
+    "qwen3_5": "tiny_qwen3_5_vl",
+    "qwen3_5_moe": "tiny_qwen3_5_moe_vl",
+}
+_SAMPLES = {}
+
+
+def kit_and_samples(request, family):
+    """The tiny kit of `family` and its samples (`make_samples`, made once per kit)."""
+    kit = request.getfixturevalue(KITS[family])
+    if kit not in _SAMPLES:
+        _SAMPLES[kit] = make_samples(kit)
+    return kit, _SAMPLES[kit]
 
 
 def test_samples_mix_image_sizes_and_text_only_rows(samples):
@@ -240,23 +253,38 @@ def test_log_probs_equal_transformers_and_the_vision_tower_trains(tiny_vlm, samp
     assert all(moved[n] for n in lm), [n for n in lm if not moved[n]]
 
 
-def test_qwen3_vl_log_probs_equal_transformers_with_deepstack_and_interleaved_mrope(
-    tiny_qwen3_vl, qwen3_samples, tmp_path
-):
-    """Qwen3-VL (slime_plugins/models/qwen3_vl.py) on the same kinds of samples: the trainer's log-probs equal
-    transformers' within 1e-5 (measured 4.8e-7; with megatron-core's contiguous MRoPE sections instead of the
-    interleaved ones the gap is 5.9e-3, without the DeepStack features 4.9e-2), the export is the checkpoint bit for
-    bit under its `model.language_model.*` / `model.visual.*` names (`_train_step`), and one step moves every weight,
-    both DeepStack mergers' included (they feed decoder layers 0 and 1 of 3)."""
-    grids = [s.multimodal_train_inputs["image_grid_thw"].tolist() for s in qwen3_samples if s.multimodal_train_inputs]
+# current slime's Qwen3.5 -vl model scripts: its provider's dotted path, and 1-D RoPE in the flags (the model's own 3-D)
+UPSTREAM_QWEN3_5_VL = (
+    "--spec", "slime_plugins.models.qwen3_5_vl", "get_qwen3_5_vl_model_provider", "--position-embedding-type", "rope",
+)  # fmt: skip
+FLAGS = {"qwen3_5": UPSTREAM_QWEN3_5_VL, "qwen3_5_moe": UPSTREAM_QWEN3_5_VL}  # family: extra flags of its runs
+
+
+@pytest.mark.parametrize(
+    "family, tower_tensors",
+    [("qwen3_vl", 57), ("qwen3_5", 33), pytest.param("qwen3_5_moe", 33, marks=pytest.mark.slow)],
+)
+def test_qwen3_families_log_probs_equal_transformers_with_interleaved_mrope(request, family, tower_tensors, tmp_path):
+    """Qwen3-VL and Qwen3.5 (dense and MoE) with its tower (slime_plugins/models/qwen3_vl.py) on the same kinds of
+    samples: the trainer's log-probs equal transformers' within 1e-5 (measured 4.8e-7 for each; with megatron-core's contiguous
+    MRoPE sections instead of the interleaved ones the gap is 5.9e-3 and 1.6e-3, without Qwen3-VL's DeepStack
+    features 4.9e-2), the export is the checkpoint bit for bit under its `model.language_model.*` / `model.visual.*`
+    names (`_train_step`), and one step moves every weight: Qwen3-VL's two DeepStack mergers (they feed decoder
+    layers 0 and 1 of 3), Qwen3.5's Gated DeltaNet layer (and every expert of Qwen3.5-MoE's). Qwen3.5 runs with the
+    flags of current slime's -vl model scripts (`UPSTREAM_QWEN3_5_VL`)."""
+    kit, samples = kit_and_samples(request, family)
+    grids = [s.multimodal_train_inputs["image_grid_thw"].tolist() for s in samples if s.multimodal_train_inputs]
     assert grids == [[[1, 2, 2]], [[1, 4, 6], [1, 4, 2]], [[1, 4, 4]]]  # 16-px patches: 28 px round up to 32
-    result = train_once(tiny_qwen3_vl, qwen3_samples, 1, False, str(tmp_path))
-    print(f"Qwen3-VL trainer vs transformers max |log-prob diff| = {result['diff']:.3g}")
+    result = train_once(kit, samples, 1, False, str(tmp_path), extra=FLAGS.get(family, ()))
+    print(f"{family} trainer vs transformers max |log-prob diff| = {result['diff']:.3g}")
     moved = result["moved"]
     visual = [n for n in moved if n.startswith("visual.")]
-    assert len(visual) == len([n for n in read_checkpoint(tiny_qwen3_vl) if n.startswith("model.visual.")]) == 57
-    assert any("deepstack_merger_list.1." in n for n in visual)
+    assert len(visual) == len([n for n in read_checkpoint(kit) if n.startswith("model.visual.")]) == tower_tensors
     assert all(moved.values()), [n for n, m in moved.items() if not m]
+    if family == "qwen3_vl":
+        assert any("deepstack_merger_list.1." in n for n in visual)
+    else:
+        assert any(".linear_attn." in n for n in moved)
 
 
 def test_interleaved_mrope_equals_transformers_qwen3_vl_rotary(tiny_qwen3_vl):
@@ -298,8 +326,8 @@ def test_qwen3_vl_needs_its_deepstack_layers_on_the_first_pipeline_stage():
 @pytest.mark.slow  # development tier: a multi-rank layout or several processes (tens of seconds)
 @pytest.mark.parametrize(
     "family, tp, pp",
-    [("qwen2_5_vl", 2, 1), ("qwen2_5_vl", 1, 2), ("qwen3_vl", 2, 1), ("qwen3_vl", 1, 2)],
-    ids=["tp2", "pp2", "qwen3_tp2", "qwen3_pp2"],
+    [(f, tp, pp) for f in ("qwen2_5_vl", "qwen3_vl", "qwen3_5") for tp, pp in ((2, 1), (1, 2))],
+    ids=["tp2", "pp2", "qwen3_tp2", "qwen3_pp2", "qwen3_5_tp2", "qwen3_5_pp2"],
 )
 def test_tp2_and_pp2_equal_tp1(request, family, tp, pp, tmp_path):
     """At TP=2 the tower is replicated on both ranks (the language model sharded); at PP=2 it runs on the first stage
@@ -308,10 +336,9 @@ def test_tp2_and_pp2_equal_tp1(request, family, tp, pp, tmp_path):
     included, as at TP=1: its gradients are neither summed over the TP ranks nor counted twice in the norm, and the
     stages' norms add up to the whole model's. Qwen3-VL: its DeepStack features too, at PP=2 with its two DeepStack
     layers on the first stage and the third on the second."""
-    kit = request.getfixturevalue({"qwen2_5_vl": "tiny_vlm", "qwen3_vl": "tiny_qwen3_vl"}[family])
-    samples = request.getfixturevalue({"qwen2_5_vl": "samples", "qwen3_vl": "qwen3_samples"}[family])
-    tp1 = train_once(kit, samples, 1, False, str(tmp_path))
-    other = train_once(kit, samples, tp, False, str(tmp_path), pp=pp)
+    kit, samples = kit_and_samples(request, family)
+    tp1 = train_once(kit, samples, 1, False, str(tmp_path), extra=FLAGS.get(family, ()))
+    other = train_once(kit, samples, tp, False, str(tmp_path), pp=pp, extra=FLAGS.get(family, ()))
     print(f"tp{tp} pp{pp}: trainer vs transformers max |log-prob diff| = {other['diff']:.3g}")
     assert other["diff"] <= 1e-5
     assert sorted(other["after"]) == sorted(tp1["after"])
@@ -391,9 +418,13 @@ def test_lora_trains_the_language_models_adapters_and_syncs_them_merged(tiny_vlm
     assert moved_by > 1e-3 and gap <= 1e-5
 
 
-def test_startup_derives_the_model_from_the_checkpoint_and_refuses_untested_layouts(tiny_vlm, tiny_qwen3_vl, capsys):
+def test_startup_derives_the_model_from_the_checkpoint_and_refuses_untested_layouts(
+    tiny_vlm, tiny_qwen3_vl, tiny_qwen3_5_vl, capsys
+):
     """`--hf-checkpoint` alone: the text config's qkv bias or q/k norm, MRoPE sections and LM head tying, the
-    vision-language model provider. What is not tested yet stops at start-up in one line naming the flag."""
+    vision-language model provider. Qwen3.5's checkpoint with a tower takes it (and MRoPE) with --multimodal-keys only;
+    without, its decoder trains alone as before. What is not tested yet stops at start-up in one line naming the
+    flag."""
     from tests._args import one_line_refusal
 
     args = vlm_args(tiny_vlm)
@@ -406,6 +437,13 @@ def test_startup_derives_the_model_from_the_checkpoint_and_refuses_untested_layo
     assert args.position_embedding_type == "mrope" and args.mrope_section == [4, 2, 2]
     assert args.spec == ["slime_plugins.models.qwen3_vl", "get_qwen3_vl_model_provider"]
     assert (args.num_layers, args.hidden_size, args.num_query_groups, args.kv_channels) == (3, 64, 2, 16)
+    args = vlm_args(tiny_qwen3_5_vl)
+    assert args.spec == ["slime_plugins.models.qwen3_5_vl", "get_qwen3_5_vl_model_provider"]
+    assert args.position_embedding_type == "mrope" and args.mrope_section == [4, 2, 2] and args.rotary_percent == 0.25
+    keys_at = RL.index("--multimodal-keys")
+    text_only = parse_args(argv=[*RL[:keys_at], *RL[keys_at + 2 :], "--hf-checkpoint", tiny_qwen3_5_vl])
+    assert text_only.spec == ["slime_plugins.models.qwen3_5", "get_qwen3_5_spec"]
+    assert text_only.position_embedding_type == "rope"
     keys = ["--multimodal-keys", '{"image": "images"}']
     argv = [*keys, "--context-parallel-size", "2", "--actor-num-gpus-per-node", "2"]
     err = one_line_refusal(capsys, *argv, hf_checkpoint=tiny_vlm)

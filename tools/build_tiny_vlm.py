@@ -1,6 +1,7 @@
 """Build a tiny offline Qwen2.5-VL (or, with `--family qwen3_vl`, a Qwen3-VL: DeepStack features from two vision
-layers, interleaved MRoPE, qk-norm, an untied LM head): a random ~0.2M-parameter model and its processor (a PIL image
-processor plus a byte-BPE tokenizer with Qwen's vision special tokens), in one directory, in seconds.
+layers, interleaved MRoPE, qk-norm, an untied LM head; with `--family qwen3_5` / `qwen3_5_moe`, a Qwen3.5 (-MoE)
+with its vision tower: the Gated DeltaNet hybrid decoder, partial interleaved MRoPE): a random ~0.2M-parameter model and its processor (a PIL
+image processor plus a byte-BPE tokenizer with Qwen's vision special tokens), in one directory, in seconds.
 
 No hub: the tokenizer is trained here (as tools/build_tiny_kit.py does). Video needs torchvision, which this machine
 lacks, so the saved processor is image-only; `slime.utils.processing_utils.load_processor` loads it.
@@ -33,7 +34,7 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 MERGE, TEMPORAL = 2, 2
-PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16}  # the families' own patch sizes
+PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16, "qwen3_5": 16, "qwen3_5_moe": 16}  # the families' own patch sizes
 
 
 def build_tokenizer():
@@ -136,7 +137,53 @@ def _qwen3_vl_config(text, ids):
     return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
 
 
-_CONFIGS = {"qwen2_5_vl": _qwen2_5_vl_config, "qwen3_vl": _qwen3_vl_config}
+def _qwen3_5_config(text, ids, moe=False):
+    from transformers import Qwen3_5Config, Qwen3_5MoeConfig  # heavy
+
+    # the hybrid decoder: a Gated DeltaNet layer, then a gated full-attention layer with partial (1/4) interleaved
+    # MRoPE over 8 frequencies; no DeepStack
+    text.update(
+        head_dim=64,
+        tie_word_embeddings=False,
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=12,
+        linear_conv_kernel_dim=4,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [4, 2, 2],
+            "mrope_interleaved": True,
+        },
+    )
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=PATCH["qwen3_5"],
+        spatial_merge_size=MERGE,
+        temporal_patch_size=TEMPORAL,
+        num_position_embeddings=16,
+        in_channels=3,
+    )
+    if moe:  # every layer: softmax top-2 of 4 experts and a gated shared expert, no dense MLP
+        text.pop("intermediate_size")
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+        return Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+    return Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+
+
+_CONFIGS = {
+    "qwen2_5_vl": _qwen2_5_vl_config,
+    "qwen3_vl": _qwen3_vl_config,
+    "qwen3_5": _qwen3_5_config,
+    "qwen3_5_moe": lambda text, ids: _qwen3_5_config(text, ids, moe=True),
+}
 
 
 def build_model(model_dir, seed=0, family="qwen2_5_vl"):

@@ -47,17 +47,19 @@ class Qwen2_5VLModel(GPTModel):
     processor's outputs, concatenated over the micro-batch's samples in order)."""
 
     @staticmethod
-    def hf_classes():
+    def hf_classes(hf_config):
         """(transformers' model class whose `get_rope_index` this family uses, its vision tower class)"""
         from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m  # heavy
 
         return m.Qwen2_5_VLModel, m.Qwen2_5_VisionTransformerPretrainedModel
 
     def __init__(self, hf_config, **kwargs):
-        super().__init__(**kwargs)
+        # 3-D positions whatever the flags say (current slime's -vl scripts pass --position-embedding-type rope)
+        kwargs["config"].mrope_section = list(hf_config.text_config.rope_parameters["mrope_section"])
+        super().__init__(**{**kwargs, "position_embedding_type": "mrope"})
         self.image_token_id = hf_config.image_token_id
         self.merge = hf_config.vision_config.spatial_merge_size
-        hf_model, tower = self.hf_classes()
+        hf_model, tower = self.hf_classes(hf_config)
         self.rope_index = _RopeIndex(hf_config, hf_model)
         if self.pre_process:
             vision_config = hf_config.vision_config
@@ -151,14 +153,15 @@ class Qwen2_5VLModel(GPTModel):
         return tensor_parallel.scatter_to_sequence_parallel_region(x)
 
 
-def vlm_model_provider(model_class, args, config):
-    """A model provider building `model_class` for `--hf-checkpoint`'s config."""
+def vlm_model_provider(model_class, args, config, layer_spec_fn=default_layer_spec):
+    """A model provider building `model_class` for `--hf-checkpoint`'s config, its decoder layers from
+    `layer_spec_fn(args, config, vp_stage)`."""
     from transformers import AutoConfig  # heavy
 
     hf_config = AutoConfig.from_pretrained(args.hf_checkpoint, trust_remote_code=True)
 
     def provider(pre_process=True, post_process=True, vp_stage=None):
-        layer_spec = default_layer_spec(args, config, vp_stage)
+        layer_spec = layer_spec_fn(args, config, vp_stage)
         return model_class(
             hf_config, **gpt_model_kwargs(args, config, layer_spec, pre_process, post_process, vp_stage)
         )

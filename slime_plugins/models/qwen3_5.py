@@ -1,7 +1,8 @@
 """Qwen3.5 (dense and MoE): the Qwen3-Next hybrid (see qwen3_next.py) with separate Gated DeltaNet input projections
 (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`, q/k/v in a flat `[q_all, k_all, v_all]` layout).
 
-Layer spec: `--spec slime_plugins.models.qwen3_5 get_qwen3_5_spec` (what config.json implies by itself).
+Layer spec: `--spec slime_plugins.models.qwen3_5 get_qwen3_5_spec` (what config.json implies by itself); with
+`--multimodal-keys` and a vision-language checkpoint, qwen3_5_vl.py's `get_qwen3_5_vl_model_provider`.
 """
 
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet

@@ -1,4 +1,4 @@
-"""Qwen3-VL in the trainer: Qwen2.5-VL's design (slime_plugins/models/qwen2_5_vl.py: megatron-core's `GPTModel`, with
+"""Qwen3-VL (and Qwen3.5's vision-language model) in the trainer: Qwen2.5-VL's design (slime_plugins/models/qwen2_5_vl.py: megatron-core's `GPTModel`, with
 transformers' vision tower on the first pipeline stage) plus what Qwen3-VL changes:
 
 - **Interleaved MRoPE**: the rotary frequencies go to (temporal, height, width) in turn, `t h w t h w ... t t`
@@ -46,19 +46,38 @@ def deepstack_layout_problem(levels, first_stage_layers):
     )
 
 
-class Qwen3VLModel(Qwen2_5VLModel):
+class Qwen3_5VLModel(Qwen2_5VLModel):
+    """Qwen3.5 with its vision tower: interleaved MRoPE over the hybrid decoder's rotary share, no DeepStack."""
+
     @staticmethod
-    def hf_classes():
+    def hf_classes(hf_config):
+        if hf_config.model_type == "qwen3_5_moe":
+            from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as m  # heavy
+
+            return m.Qwen3_5MoeModel, m.Qwen3_5MoeVisionModel
+        from transformers.models.qwen3_5 import modeling_qwen3_5 as m  # heavy
+
+        return m.Qwen3_5Model, m.Qwen3_5VisionModel
+
+    def __init__(self, hf_config, **kwargs):
+        super().__init__(hf_config, **kwargs)
+        if not hf_config.text_config.rope_parameters.get("mrope_interleaved", True):
+            raise ValueError(
+                f"{type(self).__name__}: rope_parameters.mrope_interleaved=false is not this model's RoPE"
+            )
+        # same frequencies (inv_freq) as megatron-core's, laid out as Qwen3-VL's and Qwen3.5's
+        self.rotary_pos_emb.__class__ = InterleavedMultimodalRotaryEmbedding
+
+
+class Qwen3VLModel(Qwen3_5VLModel):
+    @staticmethod
+    def hf_classes(hf_config):
         from transformers.models.qwen3_vl import modeling_qwen3_vl as m  # heavy
 
         return m.Qwen3VLModel, m.Qwen3VLVisionModel
 
     def __init__(self, hf_config, **kwargs):
         super().__init__(hf_config, **kwargs)
-        if not hf_config.text_config.rope_parameters.get("mrope_interleaved", True):
-            raise ValueError(f"{type(self).__name__}: rope_parameters.mrope_interleaved=false is not Qwen3-VL's RoPE")
-        # same frequencies (inv_freq) as megatron-core's, laid out as Qwen3-VL's
-        self.rotary_pos_emb.__class__ = InterleavedMultimodalRotaryEmbedding
         self._deepstack = None
         levels = min(len(hf_config.vision_config.deepstack_visual_indexes), self.config.num_layers)
         problem = deepstack_layout_problem(levels, [layer.layer_number - 1 for layer in self.decoder.layers])

@@ -20,7 +20,7 @@ from slime.utils.device import (
 )
 from slime.utils.lora_utils import resolve_target_modules
 
-from .hf_config import HYBRID_SPECS, VLM_SPECS
+from .hf_config import HYBRID_SPECS, HYBRID_VLM_SPECS, VLM_SPECS
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def set_default_megatron_args(args):
 def check_hybrid_model(args, error):
     """Start-up checks of the layer specs that wrap transformers modules (slime_plugins/models/qwen3_*.py)."""
     args.attention_output_gate = bool(args.attention_output_gate or args.use_gated_attention)
-    if not args.spec or tuple(args.spec) not in HYBRID_SPECS.values():
+    if not args.spec or tuple(args.spec) not in {*HYBRID_SPECS.values(), *HYBRID_VLM_SPECS.values()}:
         return
     from slime_plugins.models.qwen_gdn_backend import gdn_backend_problem
 
@@ -70,9 +70,9 @@ def check_hybrid_model(args, error):
 def check_vlm_training(args, error):
     """`--multimodal-keys` in a training run: the trainer takes images for the vision-language models it builds
     (`VLM_SPECS`), in the layouts tested so far; anything else is one line naming what is missing."""
-    if not args.spec or tuple(args.spec) not in VLM_SPECS.values():
+    if not args.spec or tuple(args.spec) not in {*VLM_SPECS.values(), *HYBRID_VLM_SPECS.values()}:
         error(
-            f"--multimodal-keys: the trainer takes images for Qwen2.5-VL and Qwen3-VL only, but --hf-checkpoint "
+            f"--multimodal-keys: the trainer takes images for Qwen2.5-VL, Qwen3-VL and Qwen3.5 only, but --hf-checkpoint "
             f"{args.hf_checkpoint} is neither (other vision-language families are not built yet); rollouts with "
             "images run with --debug-rollout-only."
         )

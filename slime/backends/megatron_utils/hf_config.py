@@ -44,11 +44,18 @@ VLM_SPECS = {
     "qwen2_5_vl_text": ("slime_plugins.models.qwen2_5_vl", "get_qwen2_5_vl_model_provider"),
     "qwen3_vl_text": ("slime_plugins.models.qwen3_vl", "get_qwen3_vl_model_provider"),
 }
+# HF text model_type of a hybrid checkpoint with a vision tower -> the provider that trains both; chosen by
+# --multimodal-keys (without it the decoder trains alone and the engine keeps the checkpoint's tower).
+HYBRID_VLM_SPECS = {
+    "qwen3_5_text": ("slime_plugins.models.qwen3_5_vl", "get_qwen3_5_vl_model_provider"),
+    "qwen3_5_moe_text": ("slime_plugins.models.qwen3_5_vl", "get_qwen3_5_vl_model_provider"),
+}
 
 
-def hf_architecture(cfg) -> dict:
+def hf_architecture(cfg, images=False) -> dict:
     """Megatron flag values (by dest) that describe the HF model `cfg` (Qwen2/3, Llama 2/3, Qwen3-MoE, GLM-4,
-    GLM-4.5, DeepSeek-V3, MiMo). Raises ValueError for HF settings Megatron cannot reproduce."""
+    GLM-4.5, DeepSeek-V3, MiMo, the vision-language ones' decoders); `images`: the checkpoint has a vision tower
+    and the run trains on images. Raises ValueError for HF settings Megatron cannot reproduce."""
     model_type = getattr(cfg, "model_type", "") or ""
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
@@ -143,6 +150,9 @@ def hf_architecture(cfg) -> dict:
                 moe_shared_expert_gate=True,
                 moe_router_pre_softmax=not getattr(cfg, "norm_topk_prob", True),
             )
+    if images and model_type in HYBRID_VLM_SPECS:
+        arch.update(position_embedding_type="mrope", mrope_section=list(rope["mrope_section"]))
+        arch["spec"] = list(HYBRID_VLM_SPECS[model_type])
     if getattr(cfg, "n_routed_experts", None):  # DeepSeek-V3 / GLM-4.5 routing
         if not getattr(cfg, "norm_topk_prob", True):
             raise ValueError("norm_topk_prob=False: Megatron-Core always renormalises sigmoid top-k scores")
@@ -309,11 +319,12 @@ def apply_hf_config(args, error, check_paths, given=frozenset()):
     if args.model_name is None:
         args.model_name = type(cfg).__name__.lower()
     _dropout_from_hf(args, cfg, given)
+    images = bool(getattr(args, "multimodal_keys", None)) and getattr(cfg, "vision_config", None) is not None
     cfg = getattr(cfg, "text_config", None) or cfg  # vision-language checkpoints: the decoder's config
     if not hasattr(cfg, "num_hidden_layers") or not hasattr(cfg, "num_attention_heads"):
         return  # not a decoder LLM config we know how to map; Megatron flags must be given
     try:
-        arch = hf_architecture(cfg)
+        arch = hf_architecture(cfg, images)
     except ValueError as e:
         error(f"--hf-checkpoint {path}/config.json: {e}.")
     infer_all = args.num_layers is None  # no MODEL_ARGS at all: the HF config is the whole description

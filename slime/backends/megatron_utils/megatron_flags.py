@@ -75,7 +75,7 @@ def add_megatron_arguments(parser):
         nargs="+",
         default=None,
         help="Multimodal RoPE (--position-embedding-type mrope): rotary frequency pairs per (temporal, height, width) "
-        "position; taken from a Qwen2.5-VL or Qwen3-VL --hf-checkpoint's rope_parameters.mrope_section.",
+        "position; taken from a vision-language --hf-checkpoint's rope_parameters.mrope_section.",
     )
     g.add_argument(
         "--use-rotary-position-embeddings",
