@@ -481,9 +481,11 @@ def alternating_reward(args, sample):
     return float(sample.index % 2)
 
 
-def test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine(tiny_vlm, tmp_path):
-    """`train.py --multimodal-keys` on the tiny kit with the CPU server: images from the dataset to the engine and the
-    trainer, two GRPO steps, weight sync (vision tower included) between them. The engine's log-probs of the second
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
+def test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine(request, family, tmp_path):
+    """`train.py --multimodal-keys` on the tiny kit with the CPU server (Qwen2.5-VL, and Qwen3.5 with its tower,
+    current slime's native vision-language model, chosen from the checkpoint alone): images from the dataset to the
+    engine and the trainer, two GRPO steps, weight sync (vision tower included) between them. The engine's log-probs of the second
     rollout, sampled with the first step's weights, equal the trainer's: the whole model reached the engine. With
     --check-weight-update-equal the engine's every tensor, the tower's too, is overwritten with noise before the first
     push and must equal the checkpoint after it: the push leaves none out."""
@@ -495,6 +497,7 @@ def test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine(tiny_vlm,
 
     from tests import _procs
 
+    tiny_vlm = request.getfixturevalue(KITS[family])
     rows = []
     for i, size in enumerate([(28, 28), (56, 56), (84, 56), (28, 56)]):
         buf = io.BytesIO()
