@@ -204,3 +204,65 @@ def test_text_only_rows_mix_in_and_a_checkpoint_without_processor_is_refused(tmp
         multimodal_dataset_kwargs(
             types.SimpleNamespace(multimodal_keys='{"image": "images"}', hf_checkpoint=tiny_kit[0])
         )
+
+
+def test_each_eval_dataset_reads_its_own_multimodal_keys(tmp_path, tiny_vlm, capsys):
+    """`--eval-config` datasets take `multimodal_keys` of their own (current slime's eval config field): a dataset with
+    its images in another column, a text-only one (`{}`), one that inherits --multimodal-keys. The start-up check
+    loads each file with its keys (the first has no `images` column: read with the flag's keys it is refused), and so
+    does the eval (`multimodal_dataset_kwargs`). A bad value is one line naming the file, the dataset and the key."""
+    import yaml
+
+    from slime.utils.processing_utils import multimodal_dataset_kwargs
+    from slime.utils.startup_checks import check_prompt_data
+
+    image = _b64((28, 28), (0, 0, 255))
+    for name in ("pics", "text", "inherit"):
+        (tmp_path / name).mkdir()
+    files = {
+        "pics": _write(tmp_path / "pics", [{"prompt": "<image>Colour?", "pics": [image], "label": "blue"}]),
+        "text": _write(tmp_path / "text", [{"prompt": [{"role": "user", "content": "Say blue."}], "label": "blue"}]),
+        "inherit": _write(tmp_path / "inherit", [{"prompt": "<image>Colour?", "images": [image], "label": "blue"}]),
+    }
+    keys = {"pics": {"image": "pics"}, "text": {}, "inherit": None}
+    datasets = [
+        {"name": n, "path": p, **({"multimodal_keys": keys[n]} if keys[n] is not None else {})}
+        for n, p in files.items()
+    ]
+    config = tmp_path / "eval.yaml"
+    config.write_text(yaml.safe_dump({"eval": {"datasets": datasets}}))
+    flags = ["--multimodal-keys", '{"image": "images"}', "--debug-rollout-only", "--rollout-num-gpus", "1"]
+    flags += [
+        "--prompt-data",
+        files["inherit"],
+        "--input-key",
+        "prompt",
+        "--label-key",
+        "label",
+        "--apply-chat-template",
+    ]
+    flags += ["--eval-config", str(config)]
+    args = make_args(*flags, hf_checkpoint=tiny_vlm)
+    assert [d.multimodal_keys for d in args.eval_datasets] == [{"image": "pics"}, {}, {"image": "images"}]
+
+    def error(message):
+        raise AssertionError(message)
+
+    check_prompt_data(args, error)
+    loaded = []
+    for d in args.eval_datasets:
+        kw = multimodal_dataset_kwargs(args, d.multimodal_keys)
+        ds = Dataset(
+            d.path, load_processor(tiny_vlm).tokenizer, None, prompt_key="prompt", apply_chat_template=True, **kw
+        )
+        loaded.append([s.multimodal_inputs is not None for s in ds.origin_samples])
+    assert loaded == [[True], [False], [True]]
+    # without its own keys, the first dataset is read with the flag's: no `images` column
+    args.eval_datasets[0].multimodal_keys = None
+    with pytest.raises(AssertionError, match="images"):
+        check_prompt_data(args, error)
+
+    datasets[0]["multimodal_keys"] = {"video": "clips"}
+    config.write_text(yaml.safe_dump({"eval": {"datasets": datasets}}))
+    err = one_line_refusal(capsys, *flags, hf_checkpoint=tiny_vlm)
+    assert f"--eval-config {config}" in err and "pics" in err and "multimodal_keys" in err and "video" in err, err

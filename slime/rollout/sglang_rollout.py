@@ -46,7 +46,9 @@ class GenerateState(metaclass=SingletonMeta):
         self.args = args
         init_http_client(args)
         self.tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint, trust_remote_code=True)
-        self.processor = multimodal_dataset_kwargs(args).get("processor")  # None without --multimodal-keys
+        # None unless --multimodal-keys or an eval dataset's own keys bring images
+        media = [args.multimodal_keys, *(d.multimodal_keys for d in getattr(args, "eval_datasets", None) or [])]
+        self.processor = next((multimodal_dataset_kwargs(args, k)["processor"] for k in media if k), None)
         # Bound in-flight requests to what the engines accept: concurrency per engine x number of engines.
         self.semaphore = asyncio.Semaphore(
             max(1, args.sglang_server_concurrency * policy_num_gpus(args) // args.rollout_num_gpus_per_engine)
@@ -512,7 +514,7 @@ async def eval_rollout_single_dataset(args, rollout_id, dataset_cfg: EvalDataset
             tool_key=dataset_cfg.tool_key,
             apply_chat_template=dataset_cfg.apply_chat_template,
             apply_chat_template_kwargs=args.apply_chat_template_kwargs,
-            **multimodal_dataset_kwargs(args),
+            **multimodal_dataset_kwargs(args, dataset_cfg.multimodal_keys),
         )
     dataset = EVAL_PROMPT_DATASET[dataset_cfg.cache_key]
     sampling_params = dataset_cfg.sampling_params(state.sampling_params)

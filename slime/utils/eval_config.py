@@ -7,6 +7,7 @@ of `EvalDatasetConfig`. A field resolves as: the dataset's entry, else `defaults
 `--eval-prompt-data` name/path pairs resolve the same way, so the default eval always reads `args.eval_datasets`.
 """
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -31,6 +32,7 @@ ARG_CHAINS = {
     "metadata_key": ("metadata_key",),
     "apply_chat_template": ("apply_chat_template",),
     "custom_rm_path": ("eval_custom_rm_path", "custom_rm_path"),
+    "multimodal_keys": ("multimodal_keys",),
 }
 
 
@@ -61,11 +63,22 @@ class EvalDatasetConfig:
     skip_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
     metadata_overrides: dict = dataclasses.field(default_factory=dict)  # merged into each sample's metadata
+    # media type -> column (as --multimodal-keys; `{}`: a text-only dataset in a run on images)
+    multimodal_keys: dict | None = None
 
     @property
     def cache_key(self):
         """What the loaded prompts depend on (datasets that share it share one load)."""
-        return (self.path, self.input_key, self.label_key, self.tool_key, self.metadata_key, self.apply_chat_template)
+        media = tuple(sorted((self.multimodal_keys or {}).items()))
+        return (
+            self.path,
+            self.input_key,
+            self.label_key,
+            self.tool_key,
+            self.metadata_key,
+            self.apply_chat_template,
+            media,
+        )
 
     def inject_metadata(self, metadata) -> dict:
         """A sample's metadata with this dataset's `rm_type` and `metadata_overrides` applied."""
@@ -119,6 +132,7 @@ _TYPES = {
     "stop": ((list, str), "a string or a list of strings"),
     "stop_token_ids": ((list,), "a list of token ids"),
     "metadata_overrides": ((dict,), "a mapping"),
+    "multimodal_keys": ((dict, str), 'a mapping of media type to column, e.g. {"image": "images"}'),
 }
 # value bounds, as the command-line flags they stand for
 _BOUNDS = {
@@ -158,6 +172,13 @@ def _check_value(where, key, value, error):
         error(f"{where}.stop_token_ids: expected a list of token ids, got {value!r}")
     if key in _BOUNDS and not _BOUNDS[key][0](value):
         error(f"{where}.{key}: {value} must be {_BOUNDS[key][1]}")
+    if key == "multimodal_keys" and value != {}:
+        from slime.utils.processing_utils import parse_multimodal_keys
+
+        try:
+            parse_multimodal_keys(value, f"{where}.multimodal_keys")
+        except ValueError as e:
+            error(str(e))
 
 
 def _dataset_entries(path, datasets, error):
@@ -197,6 +218,9 @@ def resolve(args, entries, defaults):
             if values.get(key) is None:
                 values[key] = next((getattr(args, a) for a in chain if getattr(args, a) is not None), None)
         values["metadata_overrides"] = values.get("metadata_overrides") or {}
+        if isinstance(values.get("multimodal_keys"), str):  # --multimodal-keys's JSON (its own check refuses bad JSON)
+            with contextlib.suppress(json.JSONDecodeError):
+                values["multimodal_keys"] = json.loads(values["multimodal_keys"])
         datasets.append(EvalDatasetConfig(**values))
     return datasets
 

@@ -225,10 +225,11 @@ def process_prompt(processor, text, images):
     return ids, train_inputs
 
 
-def multimodal_dataset_kwargs(args):
-    """`Dataset`'s multimodal arguments from the flags: {} without --multimodal-keys, else the parsed keys and the
-    processor of --hf-checkpoint (which must have one)."""
-    keys = parse_multimodal_keys(getattr(args, "multimodal_keys", None))
+def multimodal_dataset_kwargs(args, keys=None):
+    """`Dataset`'s multimodal arguments: {} without media keys (`keys`, an eval dataset's own, else
+    --multimodal-keys), else the parsed keys and the processor of --hf-checkpoint (which must have one)."""
+    keys = keys if keys is not None else getattr(args, "multimodal_keys", None)
+    keys = parse_multimodal_keys(keys) if keys != {} else None
     if not keys:
         return {}
     processor = load_processor(args.hf_checkpoint) if args.hf_checkpoint else None

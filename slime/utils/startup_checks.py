@@ -316,6 +316,7 @@ class _PromptFile:
     apply_chat_template: bool
     max_response_len: int
     budget: str  # the flag or key of max_response_len
+    multimodal_keys: dict | str | None = None  # None: --multimodal-keys
 
 
 def _prompt_files(args):
@@ -350,6 +351,7 @@ def _prompt_files(args):
                 "its max_response_len"
                 if args.eval_config
                 else ("--eval-max-response-len" if args.eval_max_response_len else "--rollout-max-response-len"),
+                d.multimodal_keys,
             )
         )
     return files
@@ -401,7 +403,7 @@ def check_prompt_data(args, error):
                 metadata_key=file.metadata_key,
                 apply_chat_template=file.apply_chat_template and tokenizer is not None,
                 apply_chat_template_kwargs=args.apply_chat_template_kwargs,
-                **multimodal_dataset_kwargs(args),
+                **multimodal_dataset_kwargs(args, file.multimodal_keys),
             )
         except Exception as e:  # noqa: BLE001  (datasets / tokenizers raise many types; each names the file or row)
             error(f"{flag} {one_line(e)}")
