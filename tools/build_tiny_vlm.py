@@ -1,7 +1,8 @@
-"""Build a tiny offline Qwen2.5-VL (or, with `--family qwen3_vl`, a Qwen3-VL: DeepStack features from two vision
-layers, interleaved MRoPE, qk-norm, an untied LM head; with `--family qwen3_5` / `qwen3_5_moe`, a Qwen3.5 (-MoE)
-with its vision tower: the Gated DeltaNet hybrid decoder, partial interleaved MRoPE): a random ~0.2M-parameter model and its processor (a PIL
-image processor plus a byte-BPE tokenizer with Qwen's vision special tokens), in one directory, in seconds.
+"""Build a tiny offline Qwen2.5-VL, in one directory, in seconds: a random ~0.2M-parameter model and its processor (a
+PIL image processor plus a byte-BPE tokenizer with Qwen's vision special tokens). `--family qwen3_vl` builds a
+Qwen3-VL instead (DeepStack features from two vision layers, interleaved MRoPE, qk-norm, an untied LM head);
+`--family qwen3_5` / `qwen3_5_moe` a Qwen3.5 (-MoE) with its vision tower (the Gated DeltaNet hybrid decoder, partial
+interleaved MRoPE).
 
 No hub: the tokenizer is trained here (as tools/build_tiny_kit.py does). Video needs torchvision, which this machine
 lacks, so the saved processor is image-only; `slime.utils.processing_utils.load_processor` loads it.

@@ -1,13 +1,14 @@
-"""Qwen3-VL (and Qwen3.5's vision-language model) in the trainer: Qwen2.5-VL's design (slime_plugins/models/qwen2_5_vl.py: megatron-core's `GPTModel`, with
-transformers' vision tower on the first pipeline stage) plus what Qwen3-VL changes:
+"""Qwen3-VL, and Qwen3.5 with its vision tower, in the trainer: Qwen2.5-VL's design (qwen2_5_vl.py: megatron-core's
+`GPTModel`, or Qwen3.5's hybrid layers, with transformers' vision tower on the first pipeline stage) plus what they
+change:
 
 - **Interleaved MRoPE**: the rotary frequencies go to (temporal, height, width) in turn, `t h w t h w ... t t`
   (`mrope_section` counts each axis's share), not in three contiguous runs as Qwen2-VL's and megatron-core's.
-- **DeepStack**: the tower also returns features from some of its middle layers (`deepstack_visual_indexes`);
+- **DeepStack** (Qwen3-VL): the tower also returns features from some of its middle layers (`deepstack_visual_indexes`);
   the i-th is added at the image tokens to the output of decoder layer i. Those decoder layers must sit on the first
   pipeline stage, next to the tower.
-- The language model is Qwen3's (per-head q/k RMSNorm, no qkv bias); checkpoints name it `model.language_model.*`
-  and the tower `model.visual.*` (the trainer's `visual.*`).
+- Qwen3-VL's language model is Qwen3's (per-head q/k RMSNorm, no qkv bias). Both families' checkpoints name it
+  `model.language_model.*` and the tower `model.visual.*` (the trainer's `visual.*`).
 """
 
 import torch
