@@ -574,3 +574,32 @@ def test_top_p_replay_a_two_turn_session_carries_the_engines_kept_sets(stack, ki
     check_sampling_params(args, samples, "test")  # truncated, with kept sets for every trained token
     data = kept_sets_train_data(args, samples, "test")
     assert [list(o) for o in data["rollout_top_p_token_offsets"]] == [s.rollout_top_p_token_offsets for s in samples]
+
+
+def test_a_streamed_turn_the_client_has_read_is_recorded_when_it_finishes_the_session_at_once(stack, kit, monkeypatch):
+    """A streamed answer reaches the client before the adapter records its turn; an agent that calls finish_session
+    at once (a loaded machine widens the gap: here one second) still gets that turn in its sample, since
+    finish_session waits for the requests in flight."""
+    import asyncio
+
+    from slime.agent.adapters.openai import OpenAIAdapter
+
+    adapter, url = stack["openai"]
+    stack["recorder"].take()
+    respond = OpenAIAdapter._respond
+
+    async def slow_after_answering(self, *a, **kw):
+        response = await respond(self, *a, **kw)
+        await asyncio.sleep(1.0)
+        return response
+
+    monkeypatch.setattr(OpenAIAdapter, "_respond", slow_after_answering)
+    adapter.open_session("late-1", sampling_defaults={"temperature": 0})
+    client = openai.OpenAI(api_key="late-1", base_url=url + "/v1", max_retries=0)
+    messages = [{"role": "user", "content": "What is 3+4?"}]
+    stream = client.chat.completions.create(model="policy", messages=messages, max_tokens=16, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    [sample] = finish_all(adapter, "late-1", reward=1.0)
+    calls = stack["recorder"].take()
+    assert len(calls) == 1 and text
+    check_against_engine(sample, calls, kit[2])

@@ -70,7 +70,8 @@ class Session:
     sampling_defaults: dict
     max_context_tokens: int
     inflight: int = 0
-    closed: bool = False
+    closed: bool = False  # no new requests
+    finished: bool = False  # its samples are built: no more turns (a request still running then is not recorded)
     opened_at: float = dataclasses.field(default_factory=time.monotonic)
 
 
@@ -192,6 +193,7 @@ class BaseAdapter:
             await asyncio.sleep(0.01)
         with self._lock:
             self._sessions.pop(session_id, None)
+            session.finished = True
             if session.inflight:
                 logger.warning(
                     "session %s finished with %d request(s) still running; their turns are not recorded",
@@ -208,7 +210,7 @@ class BaseAdapter:
             session = self._sessions.pop(session_id, None)
         if session is None:
             return
-        session.closed = True
+        session.closed = session.finished = True
         logger.warning(
             "agent session %s dropped after %d turn(s), its samples discarded: %s",
             session_id,
@@ -293,10 +295,13 @@ class BaseAdapter:
             )
             turn = dataclasses.replace(turn, message=assistant_message(parsed), ill_formed=parsed.ill_formed)
             response = await api._respond(request, body, parsed, turn)
+            # a streamed answer has reached the client by now, which may already be in finish_session: it waits for
+            # this request, so the turn counts unless the samples were built without it (the wait timed out)
             with self._lock:
-                if session.closed:
+                if session.finished:
                     logger.warning(
-                        "session %s: a turn finished after finish_session; not recorded", session.session_id
+                        "session %s: a turn finished after finish_session gave up waiting; not recorded",
+                        session.session_id,
                     )
                 else:
                     session.tree.add_turn(turn)
