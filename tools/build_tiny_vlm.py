@@ -89,24 +89,18 @@ def build_processor(family="qwen2_5_vl"):
     )
 
 
+def _tower(family, **extra):
+    """The vision tower's config: 2 heads of 16, merged 2x2 into the decoder's width (64)."""
+    base = dict(hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=PATCH[family])
+    return dict(base, spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL, **extra)
+
+
 def _qwen2_5_vl_config(text, ids):
     from transformers import Qwen2_5_VLConfig  # heavy
 
     # head_dim 16 -> 8 rotary frequencies, split (t, h, w) in contiguous sections
     text["rope_scaling"] = {"type": "mrope", "rope_type": "default", "mrope_section": [2, 3, 3]}
-    vision = dict(
-        depth=2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=2,
-        out_hidden_size=64,
-        patch_size=PATCH["qwen2_5_vl"],
-        spatial_merge_size=MERGE,
-        temporal_patch_size=TEMPORAL,
-        window_size=56,
-        fullatt_block_indexes=[1],
-        in_chans=3,
-    )
+    vision = _tower("qwen2_5_vl", depth=2, window_size=56, fullatt_block_indexes=[1], in_chans=3)
     return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
 
 
@@ -115,22 +109,11 @@ def _qwen3_vl_config(text, ids):
 
     # 8 rotary frequencies interleaved t h w t h w t t (sections [4, 2, 2]); an untied LM head, as in Qwen3-VL-8B;
     # 3 layers: what DeepStack adds to the last layer's output at the image tokens reaches no response token
-    text.update(
-        num_hidden_layers=3,
-        head_dim=16,
-        tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]},
-    )
-    text["rope_parameters"]["mrope_interleaved"] = True
-    vision = dict(
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2], "mrope_interleaved": True}
+    text.update(num_hidden_layers=3, head_dim=16, tie_word_embeddings=False, rope_parameters=rope)
+    vision = _tower(
+        "qwen3_vl",
         depth=3,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=2,
-        out_hidden_size=64,
-        patch_size=PATCH["qwen3_vl"],
-        spatial_merge_size=MERGE,
-        temporal_patch_size=TEMPORAL,
         num_position_embeddings=16,  # a 4x4 learned grid, interpolated to each image's
         deepstack_visual_indexes=[0, 2],  # added to the outputs of decoder layers 0 and 1
         in_channels=3,
@@ -143,6 +126,7 @@ def _qwen3_5_config(text, ids, moe=False):
 
     # the hybrid decoder: a Gated DeltaNet layer, then a gated full-attention layer with partial (1/4) interleaved
     # MRoPE over 8 frequencies; no DeepStack
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
     text.update(
         head_dim=64,
         tie_word_embeddings=False,
@@ -152,26 +136,9 @@ def _qwen3_5_config(text, ids, moe=False):
         linear_key_head_dim=8,
         linear_value_head_dim=12,
         linear_conv_kernel_dim=4,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 10000.0,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [4, 2, 2],
-            "mrope_interleaved": True,
-        },
+        rope_parameters=dict(rope, mrope_section=[4, 2, 2], mrope_interleaved=True),
     )
-    vision = dict(
-        depth=2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=2,
-        out_hidden_size=64,
-        patch_size=PATCH["qwen3_5"],
-        spatial_merge_size=MERGE,
-        temporal_patch_size=TEMPORAL,
-        num_position_embeddings=16,
-        in_channels=3,
-    )
+    vision = _tower("qwen3_5", depth=2, num_position_embeddings=16, in_channels=3)
     if moe:  # every layer: softmax top-2 of 4 experts and a gated shared expert, no dense MLP
         text.pop("intermediate_size")
         text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
