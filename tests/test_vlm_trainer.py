@@ -1,4 +1,4 @@
-"""Training Qwen2.5-VL and Qwen3-VL on images, on the tiny offline kits (tools/build_tiny_vlm.py).
+"""Training Qwen2.5-VL, Qwen3-VL and Qwen3.5 on images, on the tiny offline kits (tools/build_tiny_vlm.py).
 
 `--hf-checkpoint` alone builds the model (megatron-core's `GPTModel` with multimodal RoPE plus transformers' vision
 tower, `slime_plugins/models/qwen2_5_vl.py`); samples carry the processor's outputs (`multimodal_train_inputs`)
@@ -266,12 +266,12 @@ FLAGS = {"qwen3_5": UPSTREAM_QWEN3_5_VL, "qwen3_5_moe": UPSTREAM_QWEN3_5_VL}  # 
 )
 def test_qwen3_families_log_probs_equal_transformers_with_interleaved_mrope(request, family, tower_tensors, tmp_path):
     """Qwen3-VL and Qwen3.5 (dense and MoE) with its tower (slime_plugins/models/qwen3_vl.py) on the same kinds of
-    samples: the trainer's log-probs equal transformers' within 1e-5 (measured 4.8e-7 for each; with megatron-core's contiguous
-    MRoPE sections instead of the interleaved ones the gap is 5.9e-3 and 1.6e-3, without Qwen3-VL's DeepStack
-    features 4.9e-2), the export is the checkpoint bit for bit under its `model.language_model.*` / `model.visual.*`
-    names (`_train_step`), and one step moves every weight: Qwen3-VL's two DeepStack mergers (they feed decoder
-    layers 0 and 1 of 3), Qwen3.5's Gated DeltaNet layer (and every expert of Qwen3.5-MoE's). Qwen3.5 runs with the
-    flags of current slime's -vl model scripts (`UPSTREAM_QWEN3_5_VL`)."""
+    samples: the trainer's log-probs equal transformers' within 1e-5 (measured 4.8e-7 for each; with megatron-core's
+    contiguous MRoPE sections instead of the interleaved ones the gap is 5.9e-3 and 1.6e-3, without Qwen3-VL's
+    DeepStack features 4.9e-2), the export is the checkpoint bit for bit under its `model.language_model.*` /
+    `model.visual.*` names (`_train_step`), and one step moves every weight: Qwen3-VL's two DeepStack mergers (they
+    feed decoder layers 0 and 1 of 3), Qwen3.5's Gated DeltaNet layer (and every expert of Qwen3.5-MoE's). Qwen3.5
+    runs with the flags of current slime's -vl model scripts (`UPSTREAM_QWEN3_5_VL`)."""
     kit, samples = kit_and_samples(request, family)
     grids = [s.multimodal_train_inputs["image_grid_thw"].tolist() for s in samples if s.multimodal_train_inputs]
     assert grids == [[[1, 2, 2]], [[1, 4, 6], [1, 4, 2]], [[1, 4, 4]]]  # 16-px patches: 28 px round up to 32
@@ -485,10 +485,10 @@ def alternating_reward(args, sample):
 def test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine(request, family, tmp_path):
     """`train.py --multimodal-keys` on the tiny kit with the CPU server (Qwen2.5-VL, and Qwen3.5 with its tower,
     current slime's native vision-language model, chosen from the checkpoint alone): images from the dataset to the
-    engine and the trainer, two GRPO steps, weight sync (vision tower included) between them. The engine's log-probs of the second
-    rollout, sampled with the first step's weights, equal the trainer's: the whole model reached the engine. With
-    --check-weight-update-equal the engine's every tensor, the tower's too, is overwritten with noise before the first
-    push and must equal the checkpoint after it: the push leaves none out."""
+    engine and the trainer, two GRPO steps, weight sync (vision tower included) between them. The engine's log-probs
+    of the second rollout, sampled with the first step's weights, equal the trainer's: the whole model reached the
+    engine. With --check-weight-update-equal the engine's every tensor, the tower's too, is overwritten with noise
+    before the first push and must equal the checkpoint after it: the push leaves none out."""
     import base64
     import io
     import json
