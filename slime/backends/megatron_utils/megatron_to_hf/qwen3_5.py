@@ -13,29 +13,14 @@ from .qwen2_5_vl import VisionLanguageFamily
 
 _FEATURES = ("qk_norm", "gated_attention")
 _MOE_FEATURES = (*_FEATURES, "moe", "shared_expert")
-_VL_PREFIX = "model.language_model."
-# the vision-language checkpoints: their tower (`model.visual.*`) is trained with --multimodal-keys
-FAMILY = VisionLanguageFamily(
-    "qwen3_5",
-    vision_prefix="model.visual.",
-    features=_FEATURES,
-    hf_modules=("linear_attn",),
-    prefix=_VL_PREFIX,
-    mtp="mtp",
-)
-TEXT_FAMILY = GPTFamily("qwen3_5_text", features=_FEATURES, hf_modules=("linear_attn",), mtp="mtp")
-MOE_FAMILY = VisionLanguageFamily(
-    "qwen3_5_moe",
-    vision_prefix="model.visual.",
-    features=_MOE_FEATURES,
-    hf_modules=("linear_attn",),
-    prefix=_VL_PREFIX,
-    mtp="mtp",
-    stacked_experts=True,
-)
-MOE_TEXT_FAMILY = GPTFamily(
-    "qwen3_5_moe_text", features=_MOE_FEATURES, hf_modules=("linear_attn",), mtp="mtp", stacked_experts=True
-)
+_HYBRID = dict(hf_modules=("linear_attn",), mtp="mtp")
+# the vision-language checkpoints: the decoder under `model.language_model.`, the tower (`model.visual.*`, trained
+# with --multimodal-keys) beside it
+_VL = dict(_HYBRID, prefix="model.language_model.", vision_prefix="model.visual.")
+FAMILY = VisionLanguageFamily("qwen3_5", features=_FEATURES, **_VL)
+TEXT_FAMILY = GPTFamily("qwen3_5_text", features=_FEATURES, **_HYBRID)
+MOE_FAMILY = VisionLanguageFamily("qwen3_5_moe", features=_MOE_FEATURES, stacked_experts=True, **_VL)
+MOE_TEXT_FAMILY = GPTFamily("qwen3_5_moe_text", features=_MOE_FEATURES, stacked_experts=True, **_HYBRID)
 
 
 def convert_qwen3_5_to_hf(args, name, param):
