@@ -382,3 +382,86 @@ def test_qwen3_families_generate_as_transformers_and_take_their_checkpoint_names
     assert HFWeights(model).load(update.items(), "test") == set(update)
     memory = dict(model.named_parameters())
     assert sorted(memory) == sorted(update) and all(torch.equal(p, update[n]) for n, p in memory.items())
+
+
+OBSERVATION = (
+    "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Look again.<|im_end|>\n<|im_start|>assistant\n"
+)
+
+
+def test_multi_turn_rollout_with_images_between_turns_equals_transformers(vlm_router, tiny_vlm, tmp_path):
+    """examples/geo3k_vlm_multi_turn's generate through the router and the CPU server, with an environment whose
+    every observation is a new image (`tests/_image_env.py`), its settings from --custom-config-path: three model
+    turns of at most 3 tokens, two image observations between them, loss-masked, each the processor's expansion of
+    its chat turn. The sample keeps the three images and their grids in order, and the engine's log-probs of every
+    model token equal transformers' forward over the whole sequence with all three images: the engine saw each image
+    where the trainer will (a request with expanded pad runs, or without the later images, is refused)."""
+    from transformers import AutoModelForImageTextToText
+
+    from examples.geo3k_vlm_multi_turn.rollout import generate
+    from slime.rollout.sglang_rollout import GenerateState
+    from slime.utils.async_utils import run
+    from slime.utils.misc import SingletonMeta
+    from tests import _image_env
+    from tests.test_sglang_rollout import make_args
+
+    config = tmp_path / "multi_turn.yaml"
+    config.write_text("max_turns: 3\nrollout_interaction_env_path: tests._image_env\nmax_new_tokens_per_turn: 3\n")
+    args = make_args(
+        vlm_router,
+        (tiny_vlm,),
+        (None, None),
+        "--custom-config-path",
+        str(config),
+        multimodal_keys='{"image": "images"}',
+    )
+    assert (args.max_turns, args.max_new_tokens_per_turn) == (3, 3)
+    first = _image((56, 84), 0)
+    sample = Sample(prompt=TEXT, multimodal_inputs={"images": [first]}, index=0)
+    params = {"temperature": 0.0, "max_new_tokens": 64, "skip_special_tokens": False}
+    SingletonMeta.clear_instances(GenerateState)
+    try:
+        sample = run(generate(args, sample, params))
+    finally:
+        SingletonMeta.clear_instances(GenerateState)
+
+    processor = load_processor(tiny_vlm)
+    images = [first, _image_env.image(1), _image_env.image(2)]
+    assert [im.size for im in sample.multimodal_inputs["images"]] == [im.size for im in images]
+    prompt, prompt_train = process_prompt(processor, TEXT, [first])
+    observations = [process_prompt(processor, OBSERVATION, [im]) for im in images[1:]]
+    mask = sample.loss_mask
+    assert sample.tokens[: len(prompt)] == prompt and len(mask) == sample.response_length == len(sample.tokens) - len(
+        prompt
+    )
+    # response: 3 model tokens, observation 1, 3 model tokens, observation 2, 3 model tokens
+    turns, at = [], len(prompt)
+    for obs_ids, _ in observations:
+        assert sample.tokens[at + 3 : at + 3 + len(obs_ids)] == obs_ids
+        turns.append(at)
+        at += 3 + len(obs_ids)
+    assert len(sample.tokens) == at + 3 and sample.status == Sample.Status.TRUNCATED  # the last turn hit its cap
+    expected_mask = [1] * 3 + [0] * len(observations[0][0]) + [1] * 3 + [0] * len(observations[1][0]) + [1] * 3
+    assert mask == expected_mask
+    grids = torch.cat([prompt_train["image_grid_thw"]] + [t["image_grid_thw"] for _, t in observations])
+    assert torch.equal(sample.multimodal_train_inputs["image_grid_thw"], grids) and len(grids) == 3
+    assert sample.response.count("Look again.") == 2
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm, dtype=torch.float32).eval()
+    ids = torch.tensor([sample.tokens])
+    pad = processor.image_token_id
+    model_positions = [len(prompt) + i for i, m in enumerate(mask) if m]
+    assert all(sample.tokens[p] != pad for p in model_positions)  # no generated token reads as an image token
+    with torch.no_grad():
+        logits = model(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            mm_token_type_ids=(ids == pad).long(),
+            **sample.multimodal_train_inputs,
+        ).logits[0]
+    ref = torch.log_softmax(logits.float(), -1)[
+        [p - 1 for p in model_positions], [sample.tokens[p] for p in model_positions]
+    ]
+    got = torch.tensor([lp for lp, m in zip(sample.rollout_log_probs, mask) if m])
+    assert torch.allclose(got, ref, atol=1e-5), (got - ref).abs().max()
+    assert all(lp == 0.0 for lp, m in zip(sample.rollout_log_probs, mask) if not m)

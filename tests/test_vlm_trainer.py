@@ -488,7 +488,9 @@ def test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine(request, 
     engine and the trainer, two GRPO steps, weight sync (vision tower included) between them. The engine's log-probs
     of the second rollout, sampled with the first step's weights, equal the trainer's: the whole model reached the
     engine. With --check-weight-update-equal the engine's every tensor, the tower's too, is overwritten with noise
-    before the first push and must equal the checkpoint after it: the push leaves none out."""
+    before the first push and must equal the checkpoint after it: the push leaves none out. The Qwen3.5 run rolls out
+    with examples/geo3k_vlm_multi_turn's generate: two turns with an image observation between them (loss-masked), so
+    its log-prob check also covers images in the response."""
     import base64
     import io
     import json
@@ -515,6 +517,13 @@ def test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine(request, 
         "--lr", "1e-2", "--lr-decay-style", "constant", "--rollout-max-response-len", "4", "--seed", "1", "--ci-test",
         "--metrics-path", str(tmp_path / "metrics.jsonl"), "--check-weight-update-equal",
     ]  # fmt: skip
+    multi_turn = family == "qwen3_5"
+    if multi_turn:
+        config = tmp_path / "multi_turn.yaml"
+        config.write_text("max_turns: 2\nrollout_interaction_env_path: tests._image_env\nmax_new_tokens_per_turn: 4\n")
+        argv += ["--custom-generate-function-path", "examples.geo3k_vlm_multi_turn.rollout.generate"]
+        argv += ["--custom-config-path", str(config), "--rollout-max-response-len", "64"]
+        argv += ["--save-debug-rollout-data", str(tmp_path / "rollout_{rollout_id}.pt")]
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = None
     try:
@@ -539,6 +548,12 @@ def test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine(request, 
         )
         assert m["train/train_rollout_logprob_abs_diff"] < 1e-4
     assert _procs.wait_none_carrying(_procs.RUN_KEY, str(tmp_path), 30) == []
+    if multi_turn:  # every sample: 4 model tokens, the observation (its image included), then the second answer
+        samples = torch.load(tmp_path / "rollout_0.pt", weights_only=False)["samples"]
+        for s in samples:
+            mask = s["loss_mask"]
+            assert mask[:4] == [1] * 4 and 0 in mask and mask[-1] == 1, mask
+            assert len(s["multimodal_train_inputs"]["image_grid_thw"]) == 2 == len(s["multimodal_inputs"]["images"])
 
 
 def test_packed_rows_get_each_samples_own_3d_positions(tiny_vlm, samples):

@@ -23,7 +23,7 @@ import torch
 
 from slime.backends.sglang_utils.sglang_config import OPD_TEACHER, get_model_url
 from slime.utils.http_utils import post
-from slime.utils.processing_utils import encode_image_for_rollout_engine, load_processor
+from slime.utils.processing_utils import image_prompt_fields, load_processor
 from slime.utils.types import Sample
 
 
@@ -32,22 +32,13 @@ def _image_token_id(hf_checkpoint):
     return load_processor(hf_checkpoint).image_token_id
 
 
-def collapse_image_runs(tokens, pad):
-    """`tokens` with every run of the image-pad id `pad` shortened to one pad."""
-    return [t for i, t in enumerate(tokens) if t != pad or i == 0 or tokens[i - 1] != pad]
-
-
 def teacher_prompt_fields(args, sample: Sample) -> dict:
-    """The prompt part of the teacher request: `input_ids`, and for a sample with images one PNG data URL per image
-    as `image_data`, each image's pad run collapsed to one pad. SGLang re-expands a single pad per image and keeps the
-    other ids verbatim; an already-expanded run reaches transformers' processor, which refuses it."""
+    """The prompt part of the teacher request: `input_ids`, plus for a sample with images its images and each pad
+    run collapsed to one pad (SGLang re-expands it), so the teacher scores `sample.tokens` position for position."""
     images = (sample.multimodal_inputs or {}).get("images")
     if not images:
         return {"input_ids": sample.tokens}
-    return {
-        "input_ids": collapse_image_runs(sample.tokens, _image_token_id(args.hf_checkpoint)),
-        "image_data": [encode_image_for_rollout_engine(image) for image in images],
-    }
+    return image_prompt_fields(_image_token_id(args.hf_checkpoint), sample.tokens, images)
 
 
 async def reward_func(args, sample: Sample, **kwargs):

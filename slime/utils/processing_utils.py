@@ -225,6 +225,34 @@ def process_prompt(processor, text, images):
     return ids, train_inputs
 
 
+def image_prompt_fields(image_token_id, tokens, images):
+    """The prompt part of a /generate request for `tokens` whose image-pad runs are expanded (what the trainer trains
+    on) and their `images` in order: `input_ids` with each run collapsed to one pad, which SGLang re-expands to its
+    image's token count (an expanded run reaches transformers' processor, which refuses it), and one PNG data URL
+    per image as `image_data`."""
+    pad = image_token_id
+    collapsed = [t for i, t in enumerate(tokens) if t != pad or i == 0 or tokens[i - 1] != pad]
+    return {"input_ids": collapsed, "image_data": [encode_image_for_rollout_engine(image) for image in images]}
+
+
+# per-token processor outputs over one processed text: the model derives token types from the ids
+_PER_TOKEN_KEYS = ("mm_token_type_ids",)
+
+
+def merge_multimodal_inputs(chunks):
+    """Processor outputs of several texts (samples of a micro-batch, or the turns of one sample) as one: each key's
+    tensors concatenated along dim 0 in order (None chunks have none), so images follow the order of their tokens;
+    per-token keys are dropped. {} without any."""
+    import torch  # heavy
+
+    merged = {}
+    for inputs in chunks or []:
+        for key, value in (inputs or {}).items():
+            if key not in _PER_TOKEN_KEYS:
+                merged.setdefault(key, []).append(value)
+    return {key: torch.cat(values) for key, values in merged.items()}
+
+
 def multimodal_dataset_kwargs(args, keys=None):
     """`Dataset`'s multimodal arguments: {} without media keys (`keys`, an eval dataset's own, else
     --multimodal-keys), else the parsed keys and the processor of --hf-checkpoint (which must have one)."""

@@ -29,6 +29,7 @@ from slime.backends.megatron_utils.rollout_data import (
 )
 from slime.utils.device import current_device
 from slime.utils.flops_utils import forward_flops
+from slime.utils.processing_utils import merge_multimodal_inputs
 from slime.utils.sampling_record import TEMPERATURES_KEY
 from slime.utils.top_p_replay import TOP_P_KEYS
 
@@ -197,21 +198,6 @@ def get_batch(data_iterator, keys, pad_multiplier=128):
     if "multimodal_train_inputs" in batch:
         batch["multimodal_train_inputs"] = merge_multimodal_inputs(batch["multimodal_train_inputs"])
     return batch
-
-
-# per-token processor outputs over the prompt only: the model derives token types from the ids
-_PER_TOKEN_KEYS = ("mm_token_type_ids",)
-
-
-def merge_multimodal_inputs(per_sample):
-    """The micro-batch's `multimodal_train_inputs` as model keyword arguments: each key's tensors concatenated along
-    dim 0 in sample order (text-only samples have none), so images follow the order of their tokens; {} without any."""
-    merged = {}
-    for inputs in per_sample or []:
-        for key, value in (inputs or {}).items():
-            if key not in _PER_TOKEN_KEYS:
-                merged.setdefault(key, []).append(value)
-    return {key: torch.cat(values) for key, values in merged.items()}
 
 
 def _tp_size():
