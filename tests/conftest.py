@@ -182,7 +182,7 @@ MODULE_TIERS = {
     **dict.fromkeys(
         "agent_trajectory arguments fingerprint sglang_change_set consistency cp_utils data disk_delta eval_config extension_points filter_hub fully_async "
         "flag_support gae loss loss_variants mask_utils memory_saver model_config no_outside_addresses provenance sampling_provenance "
-        "rollout_data_source run sft_rollout vlm_data vlm_multi_turn spec_plugin upstream_flags quantization flags_read flags_honoured".split(),
+        "rollout_data_source run sft_rollout vlm_data vlm_examples spec_plugin upstream_flags quantization flags_read flags_honoured".split(),
         "unit",
     ),
     **dict.fromkeys(

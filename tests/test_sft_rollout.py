@@ -160,3 +160,45 @@ def test_sleep_rollout_never_returns(monkeypatch, capsys):
         "rollout 0: sleeping for 1 hour(s)",
         "rollout 0: sleeping for 2 hour(s)",
     ]
+
+
+def test_sft_transcripts_with_images_expand_each_pad_as_the_processor_does(tiny_vlm, tmp_path):
+    """--multimodal-keys: a transcript's tokens are the processor's expansion of the chat template's text (each
+    image's pad run as long as its grid says), its image tokens untrained, its processor outputs the trainer's."""
+    import base64
+    import io
+
+    import torch
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    from slime.utils.processing_utils import load_processor, process_prompt
+
+    images = [Image.new("RGB", (56, 84), (255, 0, 0)), Image.new("RGB", (28, 28), (0, 0, 255)), None]
+    rows = [
+        {"messages": [{"role": "user", "content": "<image>Colour?"}, {"role": "assistant", "content": "red"}]},
+        {"messages": [{"role": "user", "content": "<image>Colour?"}, {"role": "assistant", "content": "blue"}]},
+        {"messages": [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "hi"}]},
+    ]
+    for row, image in zip(rows, images):
+        buf = io.BytesIO()
+        if image is not None:
+            image.save(buf, format="PNG")
+        row["images"] = [base64.b64encode(buf.getvalue()).decode()] if image is not None else []
+    path = tmp_path / "vlm_sft.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = make_args((tiny_vlm,), str(path), multimodal_keys='{"image": "images"}')
+    groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    processor, tokenizer = load_processor(tiny_vlm), AutoTokenizer.from_pretrained(tiny_vlm)
+    for (sample,), image, answer in zip(groups, images, ["red", "blue", "hi"]):
+        text = tokenizer.apply_chat_template(sample.prompt, tokenize=False)
+        ids, train = process_prompt(processor, text, [image] if image else None)
+        assert sample.tokens == ids
+        trained = [t for t, m in zip(sample.tokens[-sample.response_length :], sample.loss_mask) if m]
+        assert tokenizer.decode(trained) == f"{answer}<|im_end|>\n"
+        if image is None:
+            assert sample.multimodal_train_inputs is None
+            continue
+        assert ids.count(processor.image_token_id) == {(56, 84): 6, (28, 28): 1}[image.size]
+        assert torch.equal(sample.multimodal_train_inputs["image_grid_thw"], train["image_grid_thw"])
+        assert torch.equal(sample.multimodal_train_inputs["pixel_values"], train["pixel_values"])

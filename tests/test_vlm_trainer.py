@@ -450,30 +450,35 @@ def test_startup_derives_the_model_from_the_checkpoint_and_refuses_untested_layo
     assert "--context-parallel-size 2: training a vision-language model on images is tested at CP=1 only" in err, err
 
 
-def test_image_tokens_and_grids_that_disagree_fail_in_one_line(tiny_vlm):
-    """The trainer checks each sample's image tokens against its images' grids (a processor run with other limits
-    than the rollout's, a truncated prompt): a one-line error naming the sample and both counts."""
+def test_image_tokens_are_the_processors_runs_and_grids_that_disagree_fail_in_one_line(tiny_vlm):
+    """The trainer finds each image's tokens as the processor lays them out: the run of image-pad ids after a
+    <|vision_start|>, as long as the image's feature count, in order. An image-pad id the model generated (no bracket,
+    or a run of another length) is text, as the engine keeps it: MRoPE counts it as text and no feature is written
+    over it. Grids that disagree with the runs (a processor with other limits than the rollout's, a truncated
+    prompt) fail in one line."""
     from transformers import AutoConfig
 
     from slime_plugins.models.qwen2_5_vl import Qwen2_5VLModel, _RopeIndex
 
     cfg = AutoConfig.from_pretrained(tiny_vlm)
     model = object.__new__(Qwen2_5VLModel)  # the position builder needs only these
-    model.image_token_id, model.merge, model.rope_index = cfg.image_token_id, 2, _RopeIndex(cfg)
-    img, text = cfg.image_token_id, 20
-    ids = torch.tensor([[text, img, text, text, 0, 0], [text, img, img, img, img, text]])
-    grids = torch.tensor([[1, 2, 2], [1, 4, 2]])  # 1 and 2 features, the second row holds 4 image tokens
-    with pytest.raises(ValueError) as e:
-        model._positions(ids, None, grids)
-    msg = str(e.value)
-    assert "sample 1 of the micro-batch has 4 image tokens" in msg and "give 2 features" in msg
-    assert len(msg.splitlines()) == 1
-    with pytest.raises(
-        ValueError, match="has 3 images in multimodal_train_inputs but its tokens hold image tokens for 1"
-    ):
-        model._positions(ids[:1], None, torch.tensor([[1, 2, 2], [1, 2, 2], [1, 2, 2]]))
-    positions = model._positions(ids, None, torch.tensor([[1, 2, 2], [1, 4, 4]]))  # row 1: a 2x2 merged grid
-    assert positions[:, 1].tolist() == [[0, 1, 1, 1, 1, 3], [0, 1, 1, 2, 2, 3], [0, 1, 2, 1, 2, 3]]
+    model.image_token_id, model.vision_start_token_id = cfg.image_token_id, cfg.vision_start_token_id
+    model.merge, model.rope_index = 2, _RopeIndex(cfg)
+    img, vs, ve, text = cfg.image_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id, 20
+    ids = torch.tensor([[text, vs, img, ve, text, img, text], [text, vs, img, img, img, img, ve]])
+    is_image, positions = model._image_tokens_and_positions(ids, None, torch.tensor([[1, 2, 2], [1, 4, 4]]))
+    # row 0: one 1-token image, then a generated image-pad id (text); row 1: a 2x2 merged grid
+    assert is_image.int().tolist() == [[0, 0, 1, 0, 0, 0, 0], [0, 0, 1, 1, 1, 1, 0]]
+    assert positions[:, 0].tolist() == [[0, 1, 2, 3, 4, 5, 6]] * 3
+    assert positions[:, 1].tolist() == [[0, 1, 2, 2, 2, 2, 4], [0, 1, 2, 2, 3, 3, 4], [0, 1, 2, 3, 2, 3, 4]]
+    # row 1 holds 4 tokens, not 2: 1 image of 2 found; a third image: 2 of 3
+    for grids, found in (([[1, 2, 2], [1, 4, 2]], 1), ([[1, 2, 2], [1, 4, 4], [1, 2, 2]], 2)):
+        with pytest.raises(ValueError) as e:
+            model._image_tokens_and_positions(ids, None, torch.tensor(grids))
+        msg = str(e.value)
+        assert f"has {len(grids)} images in multimodal_train_inputs but its tokens hold the image-token runs" in msg
+        assert msg.endswith(f"of {found}: multimodal_train_inputs do not match the tokens")
+        assert len(msg.splitlines()) == 1
 
 
 def alternating_reward(args, sample):

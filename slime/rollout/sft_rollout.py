@@ -2,10 +2,15 @@
 
 Use with `--rollout-function-path slime.rollout.sft_rollout.generate_rollout --input-key messages
 --loss-type sft_loss --calculate-per-token-loss --disable-compute-advantages-and-returns --debug-train-only`.
+With `--multimodal-keys` a transcript's images go to the trainer too: each image's pad, as the chat template renders
+it, is expanded to the image's token count (untrained), as the processor expands it.
 """
+
+import functools
 
 from slime.rollout.base_types import accepts_data_buffer
 from slime.utils.mask_utils import MultiTurnLossMaskGenerator
+from slime.utils.processing_utils import load_processor
 from slime.utils.types import Sample
 
 _MASK_GENERATORS = {}  # (hf_checkpoint, loss_mask_type) -> MultiTurnLossMaskGenerator
@@ -19,6 +24,11 @@ def _mask_generator(args):
         tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint, trust_remote_code=True)
         _MASK_GENERATORS[key] = MultiTurnLossMaskGenerator(tokenizer, tokenizer_type=args.loss_mask_type)
     return _MASK_GENERATORS[key]
+
+
+@functools.lru_cache(maxsize=2)
+def _processor(hf_checkpoint):
+    return load_processor(hf_checkpoint)
 
 
 @accepts_data_buffer
@@ -43,6 +53,9 @@ def generate_rollout(args, rollout_id, data_source, evaluation=False):
                 f"{type(messages).__name__}. Point --input-key at the messages column and do not pass --apply-chat-template."
             )
         token_ids, loss_mask = mask_generator.get_loss_mask(messages)
+        images = (sample.multimodal_inputs or {}).get("images")
+        if images:
+            token_ids, loss_mask, sample.multimodal_train_inputs = _with_images(args, sample, token_ids, loss_mask)
         response_length = mask_generator.get_response_lengths([loss_mask])[0]
         sample.tokens = list(token_ids)
         sample.response_length = response_length
@@ -50,3 +63,29 @@ def generate_rollout(args, rollout_id, data_source, evaluation=False):
         sample.reward = 0
         sample.status = Sample.Status.COMPLETED
     return samples
+
+
+def _with_images(args, sample, token_ids, loss_mask):
+    """(ids, loss mask, processor outputs) of a transcript with images: each image's one pad expanded to its
+    grid's token count (t * h * w / merge_size^2), as the processor expands it, with loss mask 0."""
+    processor = _processor(args.hf_checkpoint)
+    images = sample.multimodal_inputs["images"]
+    train_inputs = dict(processor.image_processor(images=images, return_tensors="pt"))
+    merge = processor.image_processor.merge_size
+    counts = (train_inputs["image_grid_thw"].prod(-1) // merge**2).tolist()
+    pad = processor.image_token_id
+    if token_ids.count(pad) != len(images):
+        raise ValueError(
+            f"SFT sample {sample.index}: the chat template rendered {token_ids.count(pad)} image pad(s) for "
+            f"{len(images)} image(s); each image must be rendered as one pad"
+        )
+    ids, mask, k = [], [], 0
+    for token, m in zip(token_ids, loss_mask):
+        if token == pad:
+            ids += [pad] * counts[k]
+            mask += [0] * counts[k]
+            k += 1
+        else:
+            ids.append(token)
+            mask.append(m)
+    return ids, mask, train_inputs

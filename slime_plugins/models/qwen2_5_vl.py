@@ -28,10 +28,9 @@ class _RopeIndex:
         self._get_rope_index = hf_model_class.get_rope_index.__get__(self)
         self.get_vision_position_ids = hf_model_class.get_vision_position_ids.__get__(self)
 
-    def __call__(self, ids, image_grid_thw):
-        """[3, len(ids)] positions of one sample's token ids and its images' grids."""
-        types = (ids == self.config.image_token_id).int()[None]
-        positions, _ = self._get_rope_index(ids[None], types, image_grid_thw=image_grid_thw)
+    def __call__(self, ids, is_image, image_grid_thw):
+        """[3, len(ids)] positions of one sample's token ids, which of them are image tokens, and its images' grids."""
+        positions, _ = self._get_rope_index(ids[None], is_image.int()[None], image_grid_thw=image_grid_thw)
         return positions[:, 0]
 
 
@@ -58,6 +57,7 @@ class Qwen2_5VLModel(GPTModel):
         kwargs["config"].mrope_section = list(hf_config.text_config.rope_parameters["mrope_section"])
         super().__init__(**{**kwargs, "position_embedding_type": "mrope"})
         self.image_token_id = hf_config.image_token_id
+        self.vision_start_token_id = hf_config.vision_start_token_id
         self.merge = hf_config.vision_config.spatial_merge_size
         hf_model, tower = self.hf_classes(hf_config)
         self.rope_index = _RopeIndex(hf_config, hf_model)
@@ -85,9 +85,9 @@ class Qwen2_5VLModel(GPTModel):
         image_grid_thw=None,
         **kwargs,
     ):
-        positions = self._positions(input_ids, packed_seq_params, image_grid_thw)
+        is_image, positions = self._image_tokens_and_positions(input_ids, packed_seq_params, image_grid_thw)
         if self.pre_process and decoder_input is None:
-            decoder_input = self._embed_with_images(input_ids, pixel_values, image_grid_thw)
+            decoder_input = self._embed_with_images(input_ids, is_image, pixel_values, image_grid_thw)
         return super().forward(
             input_ids,
             positions,
@@ -105,40 +105,42 @@ class Qwen2_5VLModel(GPTModel):
         cu = packed_seq_params.cu_seqlens_q.tolist()
         return [(0, lo, hi) for lo, hi in zip(cu[:-1], cu[1:]) if hi > lo]
 
-    def _positions(self, input_ids, packed_seq_params, image_grid_thw):
-        """[3, b, s] positions; checks that each sample's image tokens are exactly its images' features."""
+    def _image_tokens_and_positions(self, input_ids, packed_seq_params, image_grid_thw):
+        """([b, s] bool: the image tokens, [3, b, s] positions). The images' tokens are, in order, the runs of
+        image-pad ids right after a <|vision_start|> that are as long as the next image's feature count (as the
+        processor lays them out); any other image-pad id is one the model generated, text to the engine and here.
+        Fails in one line unless every image of `image_grid_thw` finds its run."""
         grids = image_grid_thw if image_grid_thw is not None else input_ids.new_zeros(0, 3)
         per_image = (grids.prod(-1) // self.merge**2).tolist()
+        is_image = torch.zeros_like(input_ids, dtype=torch.bool)
         positions = torch.zeros(3, *input_ids.shape, dtype=torch.long, device=input_ids.device)
         used = 0
-        for k, (row, lo, hi) in enumerate(self._segments(input_ids, packed_seq_params)):
-            ids = input_ids[row, lo:hi]
-            need, first = int((ids == self.image_token_id).sum()), used
-            while need > 0 and used < len(per_image):
-                need -= per_image[used]
-                used += 1
-            if need != 0:
-                n = int((ids == self.image_token_id).sum())
-                raise ValueError(
-                    f"sample {k} of the micro-batch has {n} image tokens (id {self.image_token_id}) but its images' "
-                    f"image_grid_thw give {sum(per_image[first:used])} features: multimodal_train_inputs do not "
-                    "match the tokens"
-                )
-            positions[:, row, lo:hi] = self.rope_index(ids, grids[first:used] if used > first else None)
+        for row, lo, hi in self._segments(input_ids, packed_seq_params):
+            ids, first = input_ids[row, lo:hi].tolist(), used
+            for start in (i + 1 for i, t in enumerate(ids) if t == self.vision_start_token_id):
+                end = start
+                while end < len(ids) and ids[end] == self.image_token_id:
+                    end += 1
+                if used < len(per_image) and end - start == per_image[used] > 0:
+                    is_image[row, lo + start : lo + end] = True
+                    used += 1
+            images = grids[first:used] if used > first else None
+            positions[:, row, lo:hi] = self.rope_index(input_ids[row, lo:hi], is_image[row, lo:hi], images)
         if used != len(per_image):
             raise ValueError(
-                f"the micro-batch has {len(per_image)} images in multimodal_train_inputs but its tokens hold image "
-                f"tokens for {used}: multimodal_train_inputs do not match the tokens"
+                f"the micro-batch has {len(per_image)} images in multimodal_train_inputs but its tokens hold the "
+                f"image-token runs (id {self.image_token_id}, each after <|vision_start|>, as long as its image's "
+                f"features) of {used}: multimodal_train_inputs do not match the tokens"
             )
-        return positions
+        return is_image, positions
 
-    def _embed_with_images(self, input_ids, pixel_values, image_grid_thw):
+    def _embed_with_images(self, input_ids, is_image, pixel_values, image_grid_thw):
         """Word embeddings [s, b, h] with the vision features written at the image tokens (scattered over the
         sequence with --sequence-parallel)."""
         embeddings = self.embedding(input_ids=input_ids, position_ids=None)
         if pixel_values is not None:
             vision = self.visual(pixel_values.to(self.visual.dtype), grid_thw=image_grid_thw)
-            mask = (input_ids == self.image_token_id).t()[..., None]  # [s, b, 1], like the embeddings
+            mask = is_image.t()[..., None]  # [s, b, 1], like the embeddings
             embeddings = self._with_vision(embeddings, mask, vision)
         return self._to_sequence_parallel(embeddings)
 

@@ -1,6 +1,7 @@
-"""The multi-turn VLM example's parts that need no server: the geo3k environment's tool calls and scores, the base
-environment's observation message, and the rollout's one-line refusals. The rollout against the CPU server is in
-tests/test_vlm_server.py, in a train.py run in tests/test_vlm_trainer.py."""
+"""The vision-language examples' parts that need no server. examples/geo3k_vlm_multi_turn: the geo3k environment's
+tool calls and scores, the base environment's observation message, the rollout's one-line refusals (the rollout
+against the CPU server is in tests/test_vlm_server.py, in a train.py run in tests/test_vlm_trainer.py).
+examples/vlm_shapes: its data, its reward and its run script's two stages."""
 
 import os
 
@@ -137,3 +138,97 @@ def test_the_rollout_refuses_what_it_cannot_run_in_one_line(tiny_vlm, tmp_path, 
             run(rollout.generate(args, Sample(prompt=TEXT, multimodal_inputs={"images": [image]}, index=4), params))
     finally:
         SingletonMeta.clear_instances(GenerateState)
+
+
+def test_shapes_data_reads_with_its_images_and_each_colour_answer_is_drawn(tmp_path, tiny_vlm):
+    """prepare_data.py's files read through --multimodal-keys (one image per row); a colour question's label is the
+    figure's colour, the only figure colour in its image; a shape question's label is a shape."""
+    import base64
+    import io
+    import json
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    from examples.vlm_shapes.prepare_data import COLOURS, SHAPES
+    from slime.utils.data import Dataset
+    from slime.utils.processing_utils import load_processor
+
+    data = tmp_path / "data"
+    script = os.path.join(os.path.dirname(__file__), "..", "examples", "vlm_shapes", "prepare_data.py")
+    cmd = [sys.executable, script, "--data-dir", str(data), "--sft", "8", "--train", "8", "--eval", "8"]
+    subprocess.run(cmd, check=True, capture_output=True)
+    processor = load_processor(tiny_vlm)
+    keys = {"image": "images"}
+    sft = Dataset(
+        str(data / "sft.jsonl"), None, None, prompt_key="messages", multimodal_keys=keys, processor=processor
+    )
+    assert len(sft.samples) == 8 and all(len(s.multimodal_inputs["images"]) == 1 for s in sft.samples)
+    kinds = set()
+    for row in map(json.loads, (data / "train.jsonl").read_text().splitlines()):
+        (image,) = row["images"]
+        pixels = set(Image.open(io.BytesIO(base64.b64decode(image))).convert("RGB").getdata())
+        drawn = [c for c, rgb in COLOURS.items() if rgb in pixels]
+        if "colour" in row["prompt"][0]["content"]:
+            assert drawn == [row["label"]]
+            kinds.add("colour")
+        else:
+            assert row["label"] in SHAPES and len(drawn) == 1
+            kinds.add("shape")
+    assert kinds == {"colour", "shape"}
+
+
+def test_shapes_reward_takes_the_one_word_answer_only():
+    from examples.vlm_shapes.reward import reward_func
+    from slime.utils.async_utils import run
+
+    def reward(response, label):
+        return run(reward_func(None, Sample(response=response, label=label)))
+
+    assert reward("red<|im_end|>", "red") == 1.0
+    assert reward(" Blue \n", "blue") == 1.0
+    assert reward("red circle", "red") == 0.0
+    assert reward("", "square") == 0.0
+
+
+@pytest.mark.slow  # development tier: a script's dry run (tests/test_scripts.py keeps them in the tier)
+def test_shapes_run_script_dry_run_validates(tiny_vlm, tmp_path):
+    """SLIME_DRY_RUN=1: the SFT and GRPO stages' arguments validate, with the images, the reward and the eval."""
+    import shlex
+    import subprocess
+    import sys
+
+    from slime.config import parse_args
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run(
+        [sys.executable, "examples/vlm_shapes/prepare_data.py", "--data-dir", str(tmp_path / "data"), "--sft", "4"],
+        cwd=root,
+        check=True,
+        capture_output=True,
+    )
+    out = tmp_path / "out"
+    env = dict(
+        os.environ,
+        SLIME_DRY_RUN="1",
+        MODEL_DIR=tiny_vlm,
+        DATA_DIR=str(tmp_path / "data"),
+        OUT=str(out),
+        PATH=f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}",
+    )
+    script = os.path.join(root, "examples", "vlm_shapes", "run_tiny_cpu.sh")
+    res = subprocess.run(["bash", script], capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    assert [line for line in res.stdout.splitlines() if line == "ok"] == ["ok", "ok"]
+    assert not out.exists()
+    (sft_driver, *sft_argv), (rl_driver, *rl_argv) = [
+        shlex.split(line[2:]) for line in res.stdout.splitlines() if line.startswith("+ ")
+    ]
+    assert (sft_driver, rl_driver) == ("train_async.py", "train.py")
+    sft = parse_args(argv=sft_argv, check_paths=False)
+    assert sft.rollout_function_path == "slime.rollout.sft_rollout.generate_rollout"
+    assert sft.multimodal_keys == '{"image": "images"}' or sft.multimodal_keys == {"image": "images"}
+    rl = parse_args(argv=rl_argv, check_paths=False)
+    assert rl.custom_rm_path == "examples.vlm_shapes.reward.reward_func" and rl.ref_load == f"{out}/sft"
+    assert rl.eval_prompt_data == ["shapes", f"{tmp_path}/data/eval.jsonl"] and rl.eval_temperature == 0
