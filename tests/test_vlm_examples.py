@@ -142,7 +142,8 @@ def test_the_rollout_refuses_what_it_cannot_run_in_one_line(tiny_vlm, tmp_path, 
 
 def test_shapes_data_reads_with_its_images_and_each_colour_answer_is_drawn(tmp_path, tiny_vlm):
     """prepare_data.py's files read through --multimodal-keys (one image per row); a colour question's label is the
-    figure's colour, the only figure colour in its image; a shape question's label is a shape."""
+    figure's colour, the only figure colour in its image; a shape question's label is a shape. With --sft-noise 0
+    every SFT colour answer is the figure's colour too."""
     import base64
     import io
     import json
@@ -157,7 +158,20 @@ def test_shapes_data_reads_with_its_images_and_each_colour_answer_is_drawn(tmp_p
 
     data = tmp_path / "data"
     script = os.path.join(os.path.dirname(__file__), "..", "examples", "vlm_shapes", "prepare_data.py")
-    cmd = [sys.executable, script, "--data-dir", str(data), "--sft", "8", "--train", "8", "--eval", "8"]
+    cmd = [
+        sys.executable,
+        script,
+        "--data-dir",
+        str(data),
+        "--sft",
+        "8",
+        "--train",
+        "8",
+        "--eval",
+        "8",
+        "--sft-noise",
+        "1",
+    ]
     subprocess.run(cmd, check=True, capture_output=True)
     processor = load_processor(tiny_vlm)
     keys = {"image": "images"}
@@ -165,18 +179,29 @@ def test_shapes_data_reads_with_its_images_and_each_colour_answer_is_drawn(tmp_p
         str(data / "sft.jsonl"), None, None, prompt_key="messages", multimodal_keys=keys, processor=processor
     )
     assert len(sft.samples) == 8 and all(len(s.multimodal_inputs["images"]) == 1 for s in sft.samples)
+
+    def drawn(row):
+        pixels = set(Image.open(io.BytesIO(base64.b64decode(row["images"][0]))).convert("RGB").getdata())
+        return [c for c, rgb in COLOURS.items() if rgb in pixels]
+
     kinds = set()
     for row in map(json.loads, (data / "train.jsonl").read_text().splitlines()):
-        (image,) = row["images"]
-        pixels = set(Image.open(io.BytesIO(base64.b64decode(image))).convert("RGB").getdata())
-        drawn = [c for c, rgb in COLOURS.items() if rgb in pixels]
         if "colour" in row["prompt"][0]["content"]:
-            assert drawn == [row["label"]]
+            assert drawn(row) == [row["label"]]
             kinds.add("colour")
         else:
-            assert row["label"] in SHAPES and len(drawn) == 1
+            assert row["label"] in SHAPES and len(drawn(row)) == 1
             kinds.add("shape")
     assert kinds == {"colour", "shape"}
+    colours = 0
+    for row in map(json.loads, (data / "sft.jsonl").read_text().splitlines()):
+        question, answer = (m["content"] for m in row["messages"])
+        if "colour" in question:
+            assert drawn(row) == [answer]
+            colours += 1
+        else:
+            assert answer in SHAPES
+    assert colours > 0
 
 
 def test_shapes_reward_takes_the_one_word_answer_only():
@@ -231,4 +256,5 @@ def test_shapes_run_script_dry_run_validates(tiny_vlm, tmp_path):
     assert sft.multimodal_keys == '{"image": "images"}' or sft.multimodal_keys == {"image": "images"}
     rl = parse_args(argv=rl_argv, check_paths=False)
     assert rl.custom_rm_path == "examples.vlm_shapes.reward.reward_func" and rl.ref_load == f"{out}/sft"
-    assert rl.eval_prompt_data == ["shapes", f"{tmp_path}/data/eval.jsonl"] and rl.eval_temperature == 0
+    data = tmp_path / "data"
+    assert rl.eval_prompt_data == ["colour", f"{data}/eval_colour.jsonl", "shape", f"{data}/eval_shape.jsonl"]

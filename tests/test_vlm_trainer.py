@@ -549,7 +549,7 @@ def test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine(request, 
     assert metrics[0]["train/grad_norm"] > 0
     for m in metrics:
         print(
-            f"rollout {m['rollout_id']}: train_rollout_logprob_abs_diff {m['train/train_rollout_logprob_abs_diff']:.3g}"
+            f"rollout {m['rollout_id']}: train_rollout_logprob_abs_diff {m['train/train_rollout_logprob_abs_diff']:.3g} ppo_kl {m['train/ppo_kl']:.3g} clip {m['train/pg_clipfrac']:.3g}"
         )
         assert m["train/train_rollout_logprob_abs_diff"] < 1e-4
     assert _procs.wait_none_carrying(_procs.RUN_KEY, str(tmp_path), 30) == []

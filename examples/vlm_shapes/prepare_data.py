@@ -2,8 +2,11 @@
 triangle in red, green, blue or yellow on a grey background (its size and place random), asked either its colour or
 its shape. Writes, as JSON lines with the images inline (base64 PNG, the `images` column):
 
-- sft.jsonl: transcripts (`messages`: the question with an `<image>` placeholder, the one-word answer);
-- train.jsonl / eval.jsonl: prompts (`prompt`) with the answer as `label`.
+- sft.jsonl: transcripts (`messages`: the question with an `<image>` placeholder, the one-word answer), a
+  `--sft-noise` share of them answered with a word of the same kind drawn at random: the warm start teaches the
+  answer format, and at `--sft-noise 1` nothing of what the images show, which GRPO then has to learn;
+- train.jsonl, and eval_colour.jsonl / eval_shape.jsonl (one kind of question each): prompts (`prompt`) with the
+  answer as `label`.
 
     python examples/vlm_shapes/prepare_data.py --data-dir outputs/vlm-shapes/data
 """
@@ -44,32 +47,43 @@ def draw(colour, shape, rng):
     return base64.b64encode(buffer.getvalue()).decode()
 
 
-def examples(n, rng):
+def examples(n, rng, noise=0.0, kinds=tuple(QUESTIONS)):
     for _ in range(n):
-        colour, shape, kind = rng.choice(list(COLOURS)), rng.choice(SHAPES), rng.choice(list(QUESTIONS))
-        yield QUESTIONS[kind], colour if kind == "colour" else shape, draw(colour, shape, rng)
+        colour, shape, kind = rng.choice(list(COLOURS)), rng.choice(SHAPES), rng.choice(kinds)
+        answer, choices = (colour, list(COLOURS)) if kind == "colour" else (shape, list(SHAPES))
+        if rng.random() < noise:
+            answer = rng.choice(choices)
+        yield QUESTIONS[kind], answer, draw(colour, shape, rng)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data-dir", required=True)
     parser.add_argument("--sft", type=int, default=2000, help="SFT transcripts")
+    parser.add_argument("--sft-noise", type=float, default=0.5, help="share of SFT answers drawn at random")
     parser.add_argument("--train", type=int, default=2000, help="RL prompts")
-    parser.add_argument("--eval", type=int, default=64, help="eval prompts")
+    parser.add_argument("--eval", type=int, default=64, help="eval prompts of each kind")
+    parser.add_argument("--questions", default="colour,shape", help="the kinds of question asked, comma-separated")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rng = random.Random(args.seed)
+    kinds = tuple(args.questions.split(","))
+    if not kinds or any(k not in QUESTIONS for k in kinds):
+        parser.error(f"--questions {args.questions!r}: use some of {', '.join(QUESTIONS)}")
     os.makedirs(args.data_dir, exist_ok=True)
     with open(os.path.join(args.data_dir, "sft.jsonl"), "w") as f:
-        for question, answer, image in examples(args.sft, rng):
+        for question, answer, image in examples(args.sft, rng, args.sft_noise, kinds):
             messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
             f.write(json.dumps({"messages": messages, "images": [image]}) + "\n")
-    for name, n in (("train", args.train), ("eval", args.eval)):
+    splits = [("train", args.train, kinds)] + [(f"eval_{kind}", args.eval, (kind,)) for kind in kinds]
+    for name, n, asked in splits:
         with open(os.path.join(args.data_dir, f"{name}.jsonl"), "w") as f:
-            for question, answer, image in examples(n, rng):
+            for question, answer, image in examples(n, rng, 0.0, asked):
                 row = {"prompt": [{"role": "user", "content": question}], "images": [image], "label": answer}
                 f.write(json.dumps(row) + "\n")
-    print(f"wrote {args.sft} SFT transcripts, {args.train} train and {args.eval} eval prompts to {args.data_dir}")
+    print(
+        f"wrote {args.sft} SFT transcripts, {args.train} train and {args.eval} eval prompts a kind to {args.data_dir}"
+    )
 
 
 if __name__ == "__main__":
