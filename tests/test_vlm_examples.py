@@ -158,20 +158,8 @@ def test_shapes_data_reads_with_its_images_and_each_colour_answer_is_drawn(tmp_p
 
     data = tmp_path / "data"
     script = os.path.join(os.path.dirname(__file__), "..", "examples", "vlm_shapes", "prepare_data.py")
-    cmd = [
-        sys.executable,
-        script,
-        "--data-dir",
-        str(data),
-        "--sft",
-        "8",
-        "--train",
-        "8",
-        "--eval",
-        "8",
-        "--sft-noise",
-        "1",
-    ]
+    cmd = [sys.executable, script, "--data-dir", str(data), "--sft", "8", "--train", "8", "--eval", "8"]
+    cmd += ["--sft-noise", "0"]
     subprocess.run(cmd, check=True, capture_output=True)
     processor = load_processor(tiny_vlm)
     keys = {"image": "images"}

@@ -552,6 +552,7 @@ def test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine(request, 
             f"rollout {m['rollout_id']}: train_rollout_logprob_abs_diff {m['train/train_rollout_logprob_abs_diff']:.3g} ppo_kl {m['train/ppo_kl']:.3g} clip {m['train/pg_clipfrac']:.3g}"
         )
         assert m["train/train_rollout_logprob_abs_diff"] < 1e-4
+        assert abs(m["train/ppo_kl"]) < 1e-6  # one step a rollout: the training pass sees what the log-prob pass saw
     assert _procs.wait_none_carrying(_procs.RUN_KEY, str(tmp_path), 30) == []
     if multi_turn:  # every sample: 4 model tokens, the observation (its image included), then the second answer
         samples = torch.load(tmp_path / "rollout_0.pt", weights_only=False)["samples"]
