@@ -576,11 +576,16 @@ def test_packed_rows_get_each_samples_own_3d_positions(tiny_vlm, samples):
     config = AutoConfig.from_pretrained(tiny_vlm)
     model = SimpleNamespace(
         image_token_id=config.image_token_id,
+        vision_start_token_id=config.vision_start_token_id,
         merge=config.vision_config.spatial_merge_size,
         rope_index=_RopeIndex(config),
     )
     model._segments = Qwen2_5VLModel._segments.__get__(model)
-    positions = Qwen2_5VLModel._positions.__get__(model)
+    image_tokens_and_positions = Qwen2_5VLModel._image_tokens_and_positions.__get__(model)
+
+    def positions(*args):
+        return image_tokens_and_positions(*args)[1]
+
     grids = [s.multimodal_train_inputs["image_grid_thw"] for s in samples if s.multimodal_train_inputs]
     all_grids = torch.cat(grids)
     tokens = [torch.tensor(s.tokens) for s in samples]
