@@ -207,7 +207,8 @@ def test_shapes_reward_takes_the_one_word_answer_only():
 
 @pytest.mark.slow  # development tier: a script's dry run (tests/test_scripts.py keeps them in the tier)
 def test_shapes_run_script_dry_run_validates(tiny_vlm, tmp_path):
-    """SLIME_DRY_RUN=1: the SFT and GRPO stages' arguments validate, with the images, the reward and the eval."""
+    """SLIME_DRY_RUN=1: the SFT and GRPO stages' arguments validate, with the images, the reward and an eval set per
+    kind of question asked (QUESTIONS)."""
     import shlex
     import subprocess
     import sys
@@ -228,6 +229,7 @@ def test_shapes_run_script_dry_run_validates(tiny_vlm, tmp_path):
         MODEL_DIR=tiny_vlm,
         DATA_DIR=str(tmp_path / "data"),
         OUT=str(out),
+        QUESTIONS="shape,colour",
         PATH=f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}",
     )
     script = os.path.join(root, "examples", "vlm_shapes", "run_tiny_cpu.sh")
@@ -245,4 +247,4 @@ def test_shapes_run_script_dry_run_validates(tiny_vlm, tmp_path):
     rl = parse_args(argv=rl_argv, check_paths=False)
     assert rl.custom_rm_path == "examples.vlm_shapes.reward.reward_func" and rl.ref_load == f"{out}/sft"
     data = tmp_path / "data"
-    assert rl.eval_prompt_data == ["colour", f"{data}/eval_colour.jsonl", "shape", f"{data}/eval_shape.jsonl"]
+    assert rl.eval_prompt_data == ["shape", f"{data}/eval_shape.jsonl", "colour", f"{data}/eval_colour.jsonl"]

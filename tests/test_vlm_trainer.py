@@ -448,6 +448,8 @@ def test_startup_derives_the_model_from_the_checkpoint_and_refuses_untested_layo
     argv = [*keys, "--context-parallel-size", "2", "--actor-num-gpus-per-node", "2"]
     err = one_line_refusal(capsys, *argv, hf_checkpoint=tiny_vlm)
     assert "--context-parallel-size 2: training a vision-language model on images is tested at CP=1 only" in err, err
+    err = one_line_refusal(capsys, *keys, "--enable-lora", "--lora-sync", "adapter", hf_checkpoint=tiny_vlm)
+    assert "--lora-sync adapter with --multimodal-keys: serving adapters on a vision-language engine" in err, err
 
 
 def test_image_tokens_are_the_processors_runs_and_grids_that_disagree_fail_in_one_line(tiny_vlm):
