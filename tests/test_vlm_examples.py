@@ -140,6 +140,48 @@ def test_the_rollout_refuses_what_it_cannot_run_in_one_line(tiny_vlm, tmp_path, 
         SingletonMeta.clear_instances(GenerateState)
 
 
+def test_an_answer_holding_an_image_pad_ends_the_episode(tiny_vlm, tmp_path, monkeypatch):
+    """A generated image-pad id cannot be sent back (the engine would read it as one more image): the episode ends
+    after that answer, which the sample keeps, trainable, with its one image."""
+    from examples.geo3k_vlm_multi_turn import rollout
+    from slime.rollout.sglang_rollout import GenerateState
+    from slime.utils.async_utils import run
+    from slime.utils.misc import SingletonMeta
+    from slime.utils.processing_utils import load_processor
+    from tests.test_vlm_server import TEXT, _image
+
+    config = tmp_path / "c.yaml"
+    config.write_text("max_turns: 3\nrollout_interaction_env_path: tests._image_env\n")
+    args = make_args(
+        "--multimodal-keys", '{"image": "images"}', "--custom-config-path", config, hf_checkpoint=tiny_vlm
+    )
+    processor = load_processor(tiny_vlm)
+    answer = [
+        processor.tokenizer.convert_tokens_to_ids("A"),
+        processor.image_token_id,
+        processor.tokenizer.eos_token_id,
+    ]
+    posts = []
+
+    async def engine(url, payload, **_):
+        posts.append(payload)
+        meta = {"finish_reason": {"type": "stop"}, "output_token_logprobs": [[-0.5, t] for t in answer]}
+        return {"text": processor.tokenizer.decode(answer), "meta_info": meta}
+
+    monkeypatch.setattr(rollout, "post", engine)
+    SingletonMeta.clear_instances(GenerateState)
+    try:
+        params = {"temperature": 1.0, "max_new_tokens": 256}  # room for an observation and a turn
+        sample = run(
+            rollout.generate(args, Sample(prompt=TEXT, multimodal_inputs={"images": [_image((56, 56), 0)]}), params)
+        )
+    finally:
+        SingletonMeta.clear_instances(GenerateState)
+    assert len(posts) == 1 and len(posts[0]["image_data"]) == 1
+    assert sample.tokens[-3:] == answer and sample.loss_mask == [1, 1, 1] and sample.rollout_log_probs == [-0.5] * 3
+    assert len(sample.multimodal_inputs["images"]) == 1 and sample.status == Sample.Status.COMPLETED
+
+
 def test_shapes_data_reads_with_its_images_and_each_colour_answer_is_drawn(tmp_path, tiny_vlm):
     """prepare_data.py's files read through --multimodal-keys (one image per row); a colour question's label is the
     figure's colour, the only figure colour in its image; a shape question's label is a shape. With --sft-noise 0

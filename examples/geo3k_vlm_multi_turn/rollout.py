@@ -12,6 +12,8 @@ the chat template renders as one turn and the processor expands (its images' pad
 (`multimodal_inputs["images"]`) and their processor outputs (`multimodal_train_inputs`), so the trainer sees what the
 engine saw. Each request sends the tokens so far with each image's pad run collapsed to one pad plus all images so
 far, which SGLang re-expands (an expanded run is refused); the engine's prompt length is checked against the tokens.
+An answer holding an image-pad id ends the episode (the engine would take it for another image; the trainer reads
+it as text).
 The response budget (--rollout-max-response-len) covers the model's and the observations' tokens.
 """
 
@@ -136,6 +138,8 @@ async def generate(args, sample: Sample, sampling_params) -> Sample:
             )
             if not (sample.status == Sample.Status.COMPLETED or cut_at_turn_cap) or turn + 1 == max_turns:
                 break
+            if images and state.processor.image_token_id in (p[1] for p in pairs):
+                break  # the engine would read a generated image pad as one more image: no next turn can be sent
             observation, done, _ = env.step(output["text"])
             if done:
                 break

@@ -105,9 +105,8 @@ def main():
     train = rows("train.jsonl")
     rng.shuffle(train)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, betas=(0.9, 0.99))
+    evaluate(0)
     for rollout in range(args.num_rollout):
-        if rollout % 5 == 0:
-            evaluate(rollout)
         answers, rewarded = [], []
         for row in train[rollout * 8 : (rollout + 1) * 8]:
             inputs = prompt(row["prompt"][0]["content"], row["images"][0])
@@ -128,7 +127,8 @@ def main():
                 ratio = (log_probs(inputs, response) - old).exp()
                 loss = loss + torch.max(-ratio * advantage, -ratio.clamp(0.8, 1.28) * advantage).mean()
             step(optimizer, loss / len(half))
-    evaluate(args.num_rollout)
+        if (rollout + 1) % 5 == 0:  # as slime's --eval-interval 5: after rollouts 4, 9, ...
+            evaluate(rollout)
 
 
 if __name__ == "__main__":
