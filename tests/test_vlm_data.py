@@ -149,6 +149,34 @@ def test_dataset_fills_images_renders_the_template_and_filters_after_expansion(t
         assert [s.label for s in kept.origin_samples] == labels, limit
 
 
+def test_geo3k_parquet_reads_as_current_slimes_geo3k_vlm_script_reads_it(tmp_path, tiny_vlm):
+    """Current slime's geo3k_vlm data (a parquet written by HF datasets: a `problem` string with an `<image>`
+    placeholder, `answer`, `images` as {"bytes", "path"} dicts), read with its script's flags (--input-key problem
+    --label-key answer --apply-chat-template --multimodal-keys '{"image": "images"}')."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    red, blue = (base64.b64decode(_b64((56, 56), c)) for c in [(255, 0, 0), (0, 0, 255)])
+    rows = [
+        {"problem": "<image>Find x. Choices: A 1 B 2", "answer": "2", "images": [{"bytes": red, "path": None}]},
+        {"problem": "Which is larger?<image>", "answer": "A", "images": [{"bytes": blue, "path": "b.png"}]},
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    processor = load_processor(tiny_vlm)
+    ds = Dataset(
+        str(tmp_path / "train.parquet"), processor.tokenizer, None, prompt_key="problem", label_key="answer",
+        apply_chat_template=True, multimodal_keys={"image": "images"}, processor=processor,
+    )  # fmt: skip
+    image = "<|vision_start|><|image_pad|><|vision_end|>"
+    assert [s.prompt for s in ds.origin_samples] == [
+        f"<|im_start|>user\n{image}Find x. Choices: A 1 B 2<|im_end|>\n<|im_start|>assistant\n",
+        f"<|im_start|>user\nWhich is larger?{image}<|im_end|>\n<|im_start|>assistant\n",
+    ]
+    assert [s.label for s in ds.origin_samples] == ["2", "A"]
+    pixels = [s.multimodal_inputs["images"][0].getpixel((0, 0)) for s in ds.origin_samples]
+    assert pixels == [(255, 0, 0), (0, 0, 255)]
+
+
 def test_dataset_names_the_row_when_placeholders_and_media_disagree(tmp_path, tiny_vlm):
     processor = load_processor(tiny_vlm)
     ok = {"prompt": "<image>hi", "images": [_b64((28, 28), (1, 2, 3))]}
