@@ -247,6 +247,27 @@ def test_shapes_reward_takes_the_one_word_answer_only():
     assert reward("", "square") == 0.0
 
 
+def test_shapes_reference_recipe_runs_on_a_few_rows(tiny_vlm, tmp_path, monkeypatch, capsys):
+    """reference_transformers.py (the plain-transformers yardstick) on 32 transcripts, 8 prompts and 2 eval images:
+    an SFT step, an eval, a rollout of 8 x 8 sampled answers and its two GRPO steps, the figures printed."""
+    import re
+    import subprocess
+    import sys
+
+    from examples.vlm_shapes import reference_transformers
+
+    data = tmp_path / "data"
+    prepare = [sys.executable, "examples/vlm_shapes/prepare_data.py", "--data-dir", str(data), "--questions", "colour"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([*prepare, "--sft", "32", "--train", "8", "--eval", "2"], cwd=root, check=True, capture_output=True)
+    argv = ["ref", "--data-dir", str(data), "--model-dir", tiny_vlm, "--num-rollout", "1"]
+    monkeypatch.setattr(sys, "argv", argv)
+    reference_transformers.main()
+    lines = capsys.readouterr().out.splitlines()
+    assert [re.sub(r"[0-9.]+$", "x", line) for line in lines] == ["rollout 0 eval/colour x", "rollout 0 raw_reward x"]
+    assert all(0 <= float(line.split()[-1]) <= 1 for line in lines)
+
+
 @pytest.mark.slow  # development tier: a script's dry run (tests/test_scripts.py keeps them in the tier)
 def test_shapes_run_script_dry_run_validates(tiny_vlm, tmp_path):
     """SLIME_DRY_RUN=1: the SFT and GRPO stages' arguments validate, with the images, the reward and an eval set per

@@ -121,7 +121,7 @@ def main():
                 if pad not in r
             ]
         print(f"rollout {rollout} raw_reward {sum(rewarded) / len(rewarded):.4f}", flush=True)
-        for half in (answers[: len(answers) // 2], answers[len(answers) // 2 :]):
+        for half in filter(None, (answers[: len(answers) // 2], answers[len(answers) // 2 :])):
             loss = 0
             for inputs, response, advantage, old in half:
                 ratio = (log_probs(inputs, response) - old).exp()

@@ -10,8 +10,8 @@
 #   bash examples/vlm_shapes/run_tiny_cpu.sh
 #   NUM_ROLLOUT=2 bash examples/vlm_shapes/run_tiny_cpu.sh   # a smoke run
 # Knobs: NUM_ROLLOUT (GRPO rollouts, 60), SFT_EPOCHS (over SFT_SIZE transcripts, 1), SFT_SIZE (800), SFT_NOISE
-# (share of SFT answers drawn at random, 0), QUESTIONS (colour; colour,shape asks about the shape too, which this
-# tower does not learn), LR (GRPO, 1e-3), OUT, MODEL_DIR (the tiny kit, built if missing), DATA_DIR (made if
+# (share of SFT answers drawn at random, 0), QUESTIONS (colour; colour,shape asks about the shape too, which GRPO
+# does not improve at this size), LR (GRPO, 1e-3), OUT, MODEL_DIR (the tiny kit, built if missing), DATA_DIR (made if
 # missing). SLIME_DRY_RUN=1 prints both stages' commands and validates their arguments, running nothing.
 # reference_transformers.py runs the same recipe in plain transformers, a yardstick for the curve.
 set -euo pipefail
