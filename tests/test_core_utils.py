@@ -338,6 +338,24 @@ def test_one_console_metrics_format():
     assert RunRecorder._line(record) == "rollout 3 | reward 0.4123 | eval/add 0.5 | step_time_s 12.34"
 
 
+def test_the_run_record_takes_the_training_metrics_from_the_last_pipeline_stage(tmp_path):
+    """Under PP the optimizer steps' metrics are on the last stage's ranks; rank 0 (the first stage) has the rollout
+    and perf sections and an empty step history. The metrics file gets every section, each from a rank that has it."""
+    import json
+    import types
+
+    from slime.ray.driver import RunRecorder
+
+    manager = types.SimpleNamespace(pop_metrics=lambda rollout_id: {"rollout/raw_reward": 0.5}, fault_events=[])
+    args = types.SimpleNamespace(metrics_path=str(tmp_path / "m.jsonl"))
+    first_stage = {"rollout": {"rollout/log_probs": -1.0}, "train": [], "perf": {"perf/tflops": 2.0}}
+    last_stage = {"rollout": {"rollout/log_probs": -9.0}, "train": [{"train/pg_loss": 0.1}, {"train/pg_loss": 0.3}]}
+    RunRecorder(args, manager).rollout_done(0, [first_stage, last_stage, {"train": [{"train/pg_loss": 7.0}]}])
+    (record,) = [json.loads(line) for line in open(args.metrics_path)]
+    assert record["train/pg_loss"] == 0.3  # the last of the rollout's steps, from the first rank that has any
+    assert record["rollout/log_probs"] == -1.0 and record["perf/tflops"] == 2.0 and record["rollout/raw_reward"] == 0.5
+
+
 # ---------------------------------------------------------------- process-group rendezvous
 
 

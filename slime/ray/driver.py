@@ -138,7 +138,7 @@ class RunRecorder:
         now = time.time()
         record = {"rollout_id": rollout_id}
         record.update(self.rollout_manager.pop_metrics(rollout_id))
-        record.update(_flatten(next((m for m in train_metrics or [] if m), {})))  # rank 0 reports for the group
+        record.update(_flatten(_group_report(train_metrics)))
         record.update(_flatten(next((m for m in update_metrics or [] if m), {})))
         record.update(self.pending_eval)
         record.update(self._fault_metrics())
@@ -184,6 +184,17 @@ class RunRecorder:
 
             if wandb.run is not None:
                 wandb.finish()
+
+
+def _group_report(results):
+    """A trainer group's per-rank results as one report: each section (rollout, train, perf, critic) from the first
+    rank that has it. The optimizer steps' metrics exist on the last pipeline stage only, not on rank 0 under PP."""
+    report = {}
+    for result in results or []:
+        for section, value in (result or {}).items():
+            if value and section not in report:
+                report[section] = value
+    return report
 
 
 def _flatten(metrics):
