@@ -340,10 +340,12 @@ def test_one_console_metrics_format():
 
 def test_the_run_record_takes_the_training_metrics_from_the_last_pipeline_stage(tmp_path):
     """Under PP the optimizer steps' metrics are on the last stage's ranks; rank 0 (the first stage) has the rollout
-    and perf sections and an empty step history. The metrics file gets every section, each from a rank that has it."""
+    and perf sections and an empty step history. The metrics file gets every section, each from a rank that has it;
+    the critic's report is its last stage's."""
     import json
     import types
 
+    from slime.ray.critic import _critic_report as critic_report
     from slime.ray.driver import RunRecorder
 
     manager = types.SimpleNamespace(pop_metrics=lambda rollout_id: {"rollout/raw_reward": 0.5}, fault_events=[])
@@ -354,6 +356,9 @@ def test_the_run_record_takes_the_training_metrics_from_the_last_pipeline_stage(
     (record,) = [json.loads(line) for line in open(args.metrics_path)]
     assert record["train/pg_loss"] == 0.3  # the last of the rollout's steps, from the first rank that has any
     assert record["rollout/log_probs"] == -1.0 and record["perf/tflops"] == 2.0 and record["rollout/raw_reward"] == 0.5
+    # the critic's report too: its ranks hand back values, the last stage's also the steps' metrics
+    critic = [{"values": {0: [0.1]}, "train": []}, {"values": {}, "train": [{"train/critic_value_loss": 0.2}]}]
+    assert critic_report(critic) == {"train": [{"train/critic_value_loss": 0.2}]}
 
 
 # ---------------------------------------------------------------- process-group rendezvous

@@ -111,13 +111,14 @@ def _in_rollout_order(results, key):
 
 
 def _critic_report(results):
-    return next(({k: v for k, v in r.items() if k != "values"} for r in results if "train" in r), {})
+    # the steps' metrics are on the last pipeline stage: under PP rank 0 has an empty history
+    return next(({k: v for k, v in r.items() if k != "values"} for r in results if r.get("train")), {})
 
 
 def _with_critic_report(actor_results, report):
     for i, r in enumerate(actor_results):
-        if r:  # the recorder reads the first non-empty result; the critic's first, so that the actor's own
-            # `train/step` is the one kept (the critic counts its own steps: the critic role may set more per rollout)
+        if r:  # the recorder takes each section from the first rank that has it; the critic's first, so that the
+            # actor's own `train/step` is the one kept (the critic counts its own steps: it may take more per rollout)
             actor_results[i] = {"critic": report, **r}
             break
     return actor_results
