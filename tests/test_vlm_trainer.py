@@ -496,9 +496,9 @@ def test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine(request, 
     of the second rollout, sampled with the first step's weights, equal the trainer's: the whole model reached the
     engine. With --check-weight-update-equal the engine's every tensor, the tower's too, is overwritten with noise
     before the first push and must equal the checkpoint after it: the push leaves none out. The Qwen2.5-VL run trains
-    on two pipeline stages (the tower on the first; the metrics file gets the last stage's training metrics). The Qwen3.5 run rolls out
-    with examples/geo3k_vlm_multi_turn's generate: two turns with an image observation between them (loss-masked), so
-    its log-prob check also covers images in the response."""
+    on two pipeline stages (the tower on the first; the metrics file gets the last stage's training metrics). The
+    Qwen3.5 run rolls out with examples/geo3k_vlm_multi_turn's generate: two turns with an image observation between
+    them (loss-masked), so its log-prob check also covers images in the response."""
     import base64
     import io
     import json
@@ -526,14 +526,14 @@ def test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine(request, 
         "--metrics-path", str(tmp_path / "metrics.jsonl"), "--check-weight-update-equal",
     ]  # fmt: skip
     multi_turn = family == "qwen3_5"
-    if not multi_turn:  # two pipeline stages: the tower on the first, the training metrics on the last
-        argv += ["--pipeline-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"]
     if multi_turn:
         config = tmp_path / "multi_turn.yaml"
         config.write_text("max_turns: 2\nrollout_interaction_env_path: tests._image_env\nmax_new_tokens_per_turn: 4\n")
         argv += ["--custom-generate-function-path", "examples.geo3k_vlm_multi_turn.rollout.generate"]
         argv += ["--custom-config-path", str(config), "--rollout-max-response-len", "64"]
         argv += ["--save-debug-rollout-data", str(tmp_path / "rollout_{rollout_id}.pt")]
+    else:  # two pipeline stages: the tower on the first, the training metrics on the last
+        argv += ["--pipeline-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"]
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = None
     try:
