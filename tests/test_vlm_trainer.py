@@ -517,23 +517,24 @@ def test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine(request, 
             {"prompt": [{"role": "user", "content": content}], "images": [base64.b64encode(buf.getvalue()).decode()]}
         )
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    multi_turn = family == "qwen3_5"
+    trainers = "1" if multi_turn else "2"  # Qwen2.5-VL on two pipeline stages: the tower on the first
     argv = [
-        "--hf-checkpoint", tiny_vlm, "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
+        "--hf-checkpoint", tiny_vlm, "--actor-num-gpus-per-node", trainers, "--rollout-num-gpus", "1",
         "--prompt-data", str(tmp_path / "train.jsonl"), "--input-key", "prompt", "--apply-chat-template",
         "--multimodal-keys", '{"image": "images"}', "--custom-rm-path", "tests.test_vlm_trainer.alternating_reward",
         "--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4",
         "--lr", "1e-2", "--lr-decay-style", "constant", "--rollout-max-response-len", "4", "--seed", "1", "--ci-test",
         "--metrics-path", str(tmp_path / "metrics.jsonl"), "--check-weight-update-equal",
     ]  # fmt: skip
-    multi_turn = family == "qwen3_5"
     if multi_turn:
         config = tmp_path / "multi_turn.yaml"
         config.write_text("max_turns: 2\nrollout_interaction_env_path: tests._image_env\nmax_new_tokens_per_turn: 4\n")
         argv += ["--custom-generate-function-path", "examples.geo3k_vlm_multi_turn.rollout.generate"]
         argv += ["--custom-config-path", str(config), "--rollout-max-response-len", "64"]
         argv += ["--save-debug-rollout-data", str(tmp_path / "rollout_{rollout_id}.pt")]
-    else:  # two pipeline stages: the tower on the first, the training metrics on the last
-        argv += ["--pipeline-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"]
+    else:  # the training metrics come from the last stage
+        argv += ["--pipeline-model-parallel-size", trainers]
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = None
     try:
