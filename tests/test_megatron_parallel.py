@@ -158,6 +158,12 @@ def _max_diff(a, b):
     return max((x - y).abs().max().item() for x, y in zip(a, b))
 
 
+# Trained weights of two layouts after three Adam steps at LR 1e-3. Adam divides by sqrt(v), so a near-zero gradient
+# that differs by rounding moves its weight differently by a small fraction of the LR (1.06e-5 measured on an
+# AVX-512/AMX machine); a weight that missed an update, or came from another stage, is off by about the LR or more.
+WEIGHT_ATOL = 1e-4
+
+
 def _assert_matches_pp1(ranks, pp1, tiny_kit):
     """Log-probs, per-step metrics and trained weights of a pipelined run equal the PP=1 run."""
     last, ref = _last(ranks), pp1[0]
@@ -238,7 +244,7 @@ def test_pp2_weight_export_is_the_hf_checkpoint_and_stays_tied(pp1, pp2, tiny_ki
     assert torch.equal(after[TIED_COPY], after["model.embed_tokens.weight"])
     ref = pp1[0]["hf_after"]
     for name, t in ref.items():
-        assert (after[name] - t).abs().max().item() <= 1e-5, name
+        assert (after[name] - t).abs().max().item() <= WEIGHT_ATOL, name
 
 
 def test_uneven_pp2_split_matches_pp1(pp1, tiny_kit, tmp_path_factory):
@@ -281,7 +287,7 @@ def test_vpp2_matches_pp1(pp1, tiny_kit, tmp_path_factory, batching):
     after = _merged(vpp, "hf_after")
     assert torch.equal(after[TIED_COPY], after["model.embed_tokens.weight"])
     for name, t in pp1[0]["hf_after"].items():
-        assert (after[name] - t).abs().max().item() <= 1e-5, name
+        assert (after[name] - t).abs().max().item() <= WEIGHT_ATOL, name
 
 
 def _max_rel_diff(got, exp):

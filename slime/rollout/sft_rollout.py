@@ -10,7 +10,7 @@ import functools
 
 from slime.rollout.base_types import accepts_data_buffer
 from slime.utils.mask_utils import MultiTurnLossMaskGenerator
-from slime.utils.processing_utils import load_processor
+from slime.utils.processing_utils import expand_image_pads, load_processor
 from slime.utils.types import Sample
 
 _MASK_GENERATORS = {}  # (hf_checkpoint, loss_mask_type) -> MultiTurnLossMaskGenerator
@@ -70,22 +70,12 @@ def _with_images(args, sample, token_ids, loss_mask):
     grid's token count (t * h * w / merge_size^2), as the processor expands it, with loss mask 0."""
     processor = _processor(args.hf_checkpoint)
     images = sample.multimodal_inputs["images"]
-    train_inputs = dict(processor.image_processor(images=images, return_tensors="pt"))
-    merge = processor.image_processor.merge_size
-    counts = (train_inputs["image_grid_thw"].prod(-1) // merge**2).tolist()
     pad = processor.image_token_id
     if token_ids.count(pad) != len(images):
         raise ValueError(
             f"SFT sample {sample.index}: the chat template rendered {token_ids.count(pad)} image pad(s) for "
             f"{len(images)} image(s); each image must be rendered as one pad"
         )
-    ids, mask, k = [], [], 0
-    for token, m in zip(token_ids, loss_mask):
-        if token == pad:
-            ids += [pad] * counts[k]
-            mask += [0] * counts[k]
-            k += 1
-        else:
-            ids.append(token)
-            mask.append(m)
-    return ids, mask, train_inputs
+    train_inputs, index = expand_image_pads(processor, token_ids, images)
+    ids = [token_ids[i] for i in index]
+    return ids, [0 if t == pad else loss_mask[i] for t, i in zip(ids, index)], dict(train_inputs)

@@ -225,6 +225,17 @@ def process_prompt(processor, text, images):
     return ids, train_inputs
 
 
+def expand_image_pads(processor, ids, images):
+    """(the processor's outputs for `images`, the source index of each expanded id): `ids` with one image-pad token
+    per image, each pad repeated to its image's token count (t * h * w / merge_size^2), as the processor expands
+    it; `[ids[i] for i in index]` are the expanded ids, and any per-token list follows the same index."""
+    out = processor.image_processor(images=images, return_tensors="pt")
+    counts = iter((out["image_grid_thw"].prod(-1) // processor.image_processor.merge_size**2).tolist())
+    pad = processor.image_token_id
+    index = [i for i, t in enumerate(ids) for _ in range(next(counts) if t == pad else 1)]
+    return out, index
+
+
 def image_prompt_fields(image_token_id, tokens, images):
     """The prompt part of a /generate request for `tokens` whose image-pad runs are expanded (what the trainer trains
     on) and their `images` in order: `input_ids` with each run collapsed to one pad, which SGLang re-expands to its

@@ -5,7 +5,7 @@ import re
 
 import torch
 
-from slime.utils.processing_utils import load_image
+from slime.utils.processing_utils import expand_image_pads, load_image
 
 from .sampling import RequestError
 
@@ -81,18 +81,12 @@ def expand(processor, ids, images, where="the prompt"):
             f"The total number of {processor.image_token} tokens in the prompts should be the same as the number of "
             f"images passed. Found total {total} {processor.image_token} tokens and {len(images)} images."
         )
-    out = processor.image_processor(images=images, return_tensors="pt")
-    grid = out["image_grid_thw"]
-    merge = processor.image_processor.merge_size**2
-    counts = (grid.prod(-1) // merge).tolist()
-    expanded, types, k = [], [], 0
-    for t in ids:
-        if t == pad:
-            expanded += [pad] * counts[k]
-            types += [1] * counts[k]
-            k += 1
-        else:
-            expanded.append(t)
-            types.append(0)
-    mm = {"pixel_values": out["pixel_values"], "image_grid_thw": grid, "mm_token_type_ids": torch.tensor(types)}
+    out, index = expand_image_pads(processor, ids, images)
+    expanded = [ids[i] for i in index]
+    types = [int(t == pad) for t in expanded]
+    mm = {
+        "pixel_values": out["pixel_values"],
+        "image_grid_thw": out["image_grid_thw"],
+        "mm_token_type_ids": torch.tensor(types),
+    }
     return expanded, mm
