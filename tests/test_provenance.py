@@ -138,6 +138,16 @@ def test_per_call_labels_stand_in_for_missing_spans_and_no_version_only_warns(ca
     assert len(lines) == 1 and "generate function my.gen" in lines[0]
 
 
+def test_without_engines_the_samples_are_data_and_nothing_is_checked_or_warned(caplog):
+    """--debug-train-only (the main job's SFT stage): no engine ran, so a transcript's tokens name no weight version
+    and no generate function; the gate neither refuses nor blames the default generate for them."""
+    args = make_args("--debug-train-only")
+    provenance._warned.clear()
+    with caplog.at_level(logging.WARNING):
+        _convert(args, [_sample(0, [], weight_versions=[]), _sample(1, [("7", 0, 4)])], _pushed())
+    assert not [r for r in caplog.records if "weight version" in r.getMessage()]
+
+
 def test_the_opt_out_trains_anyway_with_one_warning(caplog):
     args = make_args("--no-check-weight-versions")
     provenance._warned.clear()

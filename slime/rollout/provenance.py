@@ -16,7 +16,8 @@ the mode allows:
 A label slime never sets (SGLang's "default": an engine slime did not label), a version never pushed or one outside
 the window stops the run in one line naming the sample and the version. A sample that records no version at all (a
 custom generate function that reads no `meta_info`, as upstream examples) is trained, with one warning naming the
-generate function. `--no-check-weight-versions` turns the gate off (one warning).
+generate function. `--no-check-weight-versions` turns the gate off (one warning). Under `--debug-train-only` no
+engine runs, so nothing was sampled from this run's weights and there is nothing to check (an SFT run's transcripts).
 
 What this proves: the engines' *labels*, as slime set them, per token. Not the weights themselves (a label is an
 assertion of whoever set it), nor the prompt's KV computed before a change.
@@ -102,7 +103,7 @@ def _generate_function(args, sample) -> str:
 def check_weight_versions(args, samples, loss_masks, versions: PushedVersions | None, fn_path=None) -> None:
     """The gate: every trainable token's weight version is a pushed one the mode allows (see the module doc).
     `loss_masks`: the samples' masks over their response tokens (a removed sample's are zeros: nothing to check)."""
-    if versions is None:
+    if versions is None or args.debug_train_only:  # no engines: the samples are data (SFT transcripts), not sampled
         return
     if not getattr(args, "check_weight_versions", True):
         _warn_once("off", "--no-check-weight-versions: the weight versions of trained tokens are not checked")
