@@ -50,9 +50,9 @@ def long_rollout(vocab_size):
 
 def logprob_atol(kind):
     """Trainer vs transformers fp32 log-prob tolerance. The tiny Qwen3.5-MoE (three routed layers after Gated
-    DeltaNet) has one token of 38 far from both at every layout, every other token within 3.4e-6: fp32 rounding, not
-    a layout error. On an AVX2 machine it is 1.4e-5 from transformers' fp32 forward (1.2e-5 from an fp64 one); on an
-    AVX-512/AMX one 2.3e-5, the trainer 1.5e-5 and transformers 7.9e-6 on either side of the fp64 forward."""
+    DeltaNet) has one token of 38 further off than the rest at every layout (they are within 3.4e-6): fp32 rounding,
+    not a layout error. On an AVX2 machine it is 1.4e-5 from transformers' fp32 forward (the trainer 1.2e-5 from an
+    fp64 one); on an AVX-512/AMX one 2.3e-5, the trainer 1.5e-5 and transformers 7.9e-6 from fp64, on opposite sides."""
     return 4e-5 if kind == "qwen3_5_moe" else 1e-5
 
 
