@@ -38,16 +38,17 @@ PAIRS = {
 }
 
 
-def run_job(out, cpu, variant, seed, args, sft_from=None):
-    """Start the main job pinned to one core; returns the process (its output in `out`.log)."""
+def run_job(out, cpu, variant, seed, args, sft_from, ray_dir):
+    """Start the main job pinned to one core, its own local Ray in `ray_dir`; returns the process (output in
+    `out`.log)."""
     _, variant_env, variant_args = variant
     extra = f"--lr-decay-style constant --seed {seed} --rollout-seed {seed} {variant_args}"
-    env = dict(os.environ, OUT=out, NUM_ROLLOUT=str(args.num_rollout), **variant_env)
-    env.update(EVAL_INTERVAL=str(args.eval_interval), EXTRA_ARGS=extra, RAY_TMPDIR=tempfile.mkdtemp(dir="/tmp"))
-    if sft_from:
-        env["SFT_FROM"] = sft_from
-    log = open(f"{out}.log", "w")
-    return subprocess.Popen(["taskset", "-c", str(cpu), "bash", SCRIPT], env=env, stdout=log, stderr=subprocess.STDOUT)
+    env = dict(os.environ, OUT=out, NUM_ROLLOUT=str(args.num_rollout), SFT_FROM=sft_from, **variant_env)
+    env.update(EVAL_INTERVAL=str(args.eval_interval), EXTRA_ARGS=extra, RAY_TMPDIR=ray_dir)
+    os.makedirs(ray_dir, exist_ok=True)
+    with open(f"{out}.log", "w") as log:
+        cmd = ["taskset", "-c", str(cpu), "bash", SCRIPT]
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def summary(out, thresholds):
@@ -125,10 +126,14 @@ def main():
     for seed in args.seeds:
         outs = [os.path.join(args.out, f"seed{seed}_{name}") for name in names]
         if not (args.keep and all(finished(out, args.num_rollout) for out in outs)):
-            jobs = [run_job(out, cpu, v, seed, args, sft_from) for cpu, (v, out) in enumerate(zip(variants, outs))]
-            for proc, out in zip(jobs, outs):
-                if proc.wait() != 0:
-                    sys.exit(f"bench_main_job.py: the run in {out} failed; see {out}.log")
+            with tempfile.TemporaryDirectory(dir="/tmp") as ray_root:
+                jobs = [
+                    run_job(out, cpu, v, seed, args, sft_from, os.path.join(ray_root, str(cpu)))
+                    for cpu, (v, out) in enumerate(zip(variants, outs))
+                ]
+                for proc, out in zip(jobs, outs):
+                    if proc.wait() != 0:
+                        sys.exit(f"bench_main_job.py: the run in {out} failed; see {out}.log")
         for name, out in zip(names, outs):
             results[seed, name] = summary(out, args.thresholds)
             print(f"seed {seed} {name}: {json.dumps(results[seed, name])}", flush=True)
