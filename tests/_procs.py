@@ -3,7 +3,10 @@
 A command line does not identify them: Ray retitles its daemons and workers (`raylet`, `ray::MegatronTrainRayActor`),
 and a run's forked router carries its driver's. The environment does: every process inherits it, so a marker
 variable set before the start (`SLIME_TEST_SESSION` for the session, `SLIME_TEST_RUN` for one subprocess run) is
-carried by the driver, its router, the Ray it starts and every worker of that Ray, even after they are reparented."""
+carried by the driver, its router, the Ray it starts and every worker of that Ray, even after they are reparented.
+Except where a process writes its title over its environment, as Ray's agents (`ray::DashboardAgent`,
+`ray::RuntimeEnvAgent`) do: those are found as children of a marked raylet while it lives, and once it died
+abruptly (killed, or with its driver) as orphaned agents (`orphaned_ray_agents`)."""
 
 import contextlib
 import os
@@ -26,8 +29,9 @@ _ENDS_WITH_INTERPRETER = ("multiprocessing.resource_tracker", "multiprocessing.f
 
 
 def carrying(key, value, include_interpreter_helpers=True):
-    """Live processes (zombies excluded) other than this one whose environment has `key`=`value`."""
-    me, found = os.getpid(), []
+    """Live processes (zombies excluded) other than this one whose environment has `key`=`value`, and their
+    descendants (a child that wrote its title over its environment still belongs to whoever started it)."""
+    me, found = os.getpid(), {}
     for p in psutil.process_iter(["environ", "status", "cmdline"]):
         try:
             if p.pid == me or p.info["status"] == psutil.STATUS_ZOMBIE or (p.info["environ"] or {}).get(key) != value:
@@ -35,10 +39,32 @@ def carrying(key, value, include_interpreter_helpers=True):
             cmd = " ".join(p.info["cmdline"] or [])
             if not include_interpreter_helpers and p.ppid() == me and any(h in cmd for h in _ENDS_WITH_INTERPRETER):
                 continue
-            found.append(p)
+            found[p.pid] = p
         except psutil.Error:
             pass
-    return found
+    for p in list(found.values()):
+        with contextlib.suppress(psutil.Error):
+            for child in p.children(recursive=True):
+                if child.pid != me and child.status() != psutil.STATUS_ZOMBIE:
+                    found.setdefault(child.pid, child)
+    return list(found.values())
+
+
+RAY_AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")  # their titles
+
+
+def orphaned_ray_agents(since, timeout):
+    """Ray's per-node agents started after `since` whose raylet is gone (adopted by init), still there after waiting
+    up to `timeout` seconds. An agent notices its raylet's death at once but first reports it to the GCS, which
+    takes about a minute when the GCS died too (a driver killed with SIGKILL takes both with it)."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "ppid", "create_time", "status"]):
+        with contextlib.suppress(psutil.Error):
+            title = (p.info["cmdline"] or [""])[0]
+            if p.info["ppid"] == 1 and p.info["create_time"] >= since and title.startswith(RAY_AGENTS):
+                if p.info["status"] != psutil.STATUS_ZOMBIE:
+                    found.append(p)
+    return psutil.wait_procs(found, timeout=timeout)[1]
 
 
 def wait_none_carrying(key, value, timeout, include_interpreter_helpers=True):

@@ -26,6 +26,7 @@ for k, v in {
     os.environ.setdefault(k, v)
 # Marks every process this session starts (tests/_procs.py): set before any of them, never inherited from a caller.
 os.environ["SLIME_TEST_SESSION"] = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+SESSION_STARTED = time.time()
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -44,6 +45,7 @@ def nothing_left_running():
     _ray_zygote.stop_shared()  # the fork server Ray's workers and the CPU servers came from, if one was started
     key, value = _procs.SESSION_KEY, os.environ[_procs.SESSION_KEY]
     left = _procs.wait_none_carrying(key, value, timeout=60, include_interpreter_helpers=False)
+    left += _procs.orphaned_ray_agents(since=SESSION_STARTED, timeout=90)
     described = _procs.describe(left)
     _procs.kill(left)
     assert not described, "processes started by this test session still ran after it:\n" + "\n".join(described)

@@ -140,7 +140,9 @@ def test_trainer_killed_mid_save_resumes_from_last_complete_checkpoint(ray_sessi
 def test_driver_sigkill_leaves_no_router_server_or_ray_behind(tiny_kit, tmp_path):
     """`kill -9` of a running `python train.py`: its router (a forked child), engines' servers, trainers and the Ray
     it started (daemons and workers) all go away on their own. Every one of them carries the run's environment
-    marker, which is how they are found, whatever their command line or parent."""
+    marker, which is how they are found, whatever their command line or parent; Ray's agents, which write their
+    title over their environment, are found as the raylet's children and followed by pid once it died (they take
+    about a minute: each reports its raylet's death to the dead GCS first)."""
     argv = train_py_argv(tiny_kit, 1000)
     proc = subprocess.Popen(
         [sys.executable, "train.py", *argv],
@@ -156,13 +158,15 @@ def test_driver_sigkill_leaves_no_router_server_or_ray_behind(tiny_kit, tmp_path
         assert proc.poll() is None, "train.py ended before the first rollout"
         run = _procs.carrying(_procs.RUN_KEY, str(tmp_path))
         names = " ".join(map(_procs.cmdline, run))
-        for what in ("raylet", "gcs_server", "MegatronTrainRayActor", "slime.backends.cpu_server"):
+        for what in ("raylet", "gcs_server", "MegatronTrainRayActor", "slime.backends.cpu_server", *_procs.RAY_AGENTS):
             assert what in names, f"the run's {what} was not found among its processes: {names[:2000]}"
         assert any(p.ppid() == proc.pid and "train.py" in _procs.cmdline(p) for p in run)  # the forked router
         proc.kill()
         killed = time.time()
         proc.wait(30)
         left = _procs.wait_none_carrying(_procs.RUN_KEY, str(tmp_path), timeout=90)
+        agents = [p for p in run if _procs.cmdline(p).startswith(_procs.RAY_AGENTS)]
+        left += psutil.wait_procs(agents, timeout=90)[1]
         timing("driver-sigkill", all_processes_gone=time.time() - killed)
         left_cmd = _procs.describe(left)
     finally:
