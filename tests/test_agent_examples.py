@@ -181,9 +181,10 @@ FIXED = "def add(a, b):\n    return a + b\n"
 
 
 def test_coding_agent_tools_edit_and_run_in_the_sandbox(monkeypatch):
-    monkeypatch.setattr(
-        coding_agent, "TOOL_TIMEOUT_S", 2.0
-    )  # each isolated command pays ~0.3 s of mounts: room for python3 on a busy machine
+    async def run_hanging(sb):
+        # a short limit for the command that hangs only: on a loaded machine python3 alone can take seconds
+        monkeypatch.setattr(coding_agent, "TOOL_TIMEOUT_S", 2.0)
+        return await coding_agent.run_tool(sb, "run", '{"command": "sleep 30"}')
 
     async def go():
         async with LocalSandbox() as sb:
@@ -194,7 +195,7 @@ def test_coding_agent_tools_edit_and_run_in_the_sandbox(monkeypatch):
                 await coding_agent.run_tool(sb, "read_file", '{"path": "mathx.py"}'),
                 await coding_agent.run_tool(sb, "write_file", json.dumps({"path": "mathx.py", "content": FIXED})),
                 await coding_agent.run_tool(sb, "run", '{"command": "python3 test_mathx.py && echo passed"}'),
-                await coding_agent.run_tool(sb, "run", '{"command": "sleep 30"}'),
+                await run_hanging(sb),
                 await coding_agent.run_tool(sb, "read_file", '{"path": "../../etc/passwd"}'),
                 await coding_agent.run_tool(sb, "read_file", '{"path": "nope.py"}'),
                 await coding_agent.run_tool(sb, "write_file", '{"path": "x.py"}'),
@@ -218,12 +219,12 @@ def test_coding_agent_tools_edit_and_run_in_the_sandbox(monkeypatch):
 
 
 def test_coding_agent_is_graded_by_the_tasks_tests_in_a_clean_sandbox(monkeypatch):
-    monkeypatch.setattr(coding_agent, "GRADE_TIMEOUT_S", 2.0)
     assert asyncio.run(coding_agent.grade(TASK, {"mathx.py": FIXED}))[0] == 1.0
     reward, graded = asyncio.run(coding_agent.grade(TASK, {}))  # the untouched bug
     assert reward == 0.0 and graded["returncode"] == 1 and "AssertionError" in graded["output"]
     # the agent's own copy of the tests is not what grades it
     assert asyncio.run(coding_agent.grade(TASK, {"test_mathx.py": "pass\n"}))[0] == 0.0
+    monkeypatch.setattr(coding_agent, "GRADE_TIMEOUT_S", 2.0)  # for the one that never ends only
     reward, graded = asyncio.run(coding_agent.grade(TASK, {"mathx.py": "while True:\n    pass\n"}))
     assert reward == 0.0 and graded["timed_out"]
 
