@@ -2,7 +2,8 @@
 # Line coverage of slime/ and slime_plugins/ over the test suite, counting every process a test starts (servers,
 # spawned ranks, Ray's workers, forked children): coverage.py starts in each through a `.pth` file and
 # COVERAGE_PROCESS_START, and scripts/coverage_saver.py saves the Ray workers' data as they run, since Ray ends them
-# without atexit. Not part of CI: the suite takes about twice as long. Both files are removed from .venv at the end.
+# without atexit. Not part of CI: slower than the suite (54 min for all of it, beside another run, on 2026-11-30).
+# Both files are removed from .venv at the end.
 #
 #   bash scripts/coverage.sh [ARGS...]    ARGS as for scripts/test.sh (e.g. --fast, tests/test_loss.py)
 #   COVERAGE_DIR=DIR keeps the data and the JSON report there (default: a temporary directory, printed)

@@ -61,9 +61,9 @@ def orphaned_ray_agents(since, timeout):
     for p in psutil.process_iter(["cmdline", "ppid", "create_time", "status"]):
         with contextlib.suppress(psutil.Error):
             title = (p.info["cmdline"] or [""])[0]
-            if p.info["ppid"] == 1 and p.info["create_time"] >= since and title.startswith(RAY_AGENTS):
-                if p.info["status"] != psutil.STATUS_ZOMBIE:
-                    found.append(p)
+            alive = p.info["status"] != psutil.STATUS_ZOMBIE
+            if alive and p.info["ppid"] == 1 and p.info["create_time"] >= since and title.startswith(RAY_AGENTS):
+                found.append(p)
     return psutil.wait_procs(found, timeout=timeout)[1]
 
 
