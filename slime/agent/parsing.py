@@ -97,7 +97,8 @@ def split_tool_calls(text: str, tools: list[dict] | None, parser: str | None) ->
         calls.append({"name": obj["name"], "arguments": args})
     if "<tool_call>" in text and not calls:
         ill_formed = True
-    # as SGLang: the visible text is what precedes the first call; with no valid call the text stays whole
+    # the visible text is what precedes the first call, as SGLang; with no valid call the text stays whole (SGLang
+    # 0.5.23 keeps only what precedes the call then too: docs/agent.md)
     return text[: text.index("<tool_call>")].strip() if calls else text, calls, ill_formed
 
 
