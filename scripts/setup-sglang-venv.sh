@@ -28,11 +28,16 @@ fi
   pydantic tqdm ipython aiohttp triton
 # slime's own argument module (imported by the contract tests) reads sglang-router's flags, as on a GPU machine
 "${PIP[@]}" -c "$CONSTRAINTS" "sglang-router==0.3.2"
+# What its tool-call and reasoning parsers import (slime.agent.parsing uses them where SGLang is installed), at the
+# versions SGLang 0.5.23 pins
+"${PIP[@]}" -c "$CONSTRAINTS" "openai==2.8.0" partial-json-parser regex "xgrammar==0.2.7"
 "$VENV/bin/python" - <<'PY'
 from sglang.srt.server_args import ServerArgs  # noqa: F401
 from sglang.srt.utils import MultiprocessingSerializer  # noqa: F401
 from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket  # noqa: F401
 from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions  # noqa: F401
+from sglang.srt.function_call.function_call_parser import FunctionCallParser  # noqa: F401
+from sglang.srt.parser.reasoning_parser import ReasoningParser  # noqa: F401
 import sglang
 print("sglang", sglang.__version__, "importable")
 PY

@@ -115,7 +115,9 @@ def test_openai_sdk_tools_multi_turn_streaming_and_branches(stack, kit):
     r = client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR], max_tokens=128)
     msg = r.choices[0].message
     assert r.choices[0].finish_reason == "tool_calls"
-    assert msg.model_extra["reasoning_content"] == "add them\n"  # as SGLang parses it
+    assert (
+        msg.model_extra["reasoning_content"] == "\nadd them\n"
+    )  # as SGLang parses it: the newlines inside <think> stay
     [call] = msg.tool_calls
     assert (call.function.name, json.loads(call.function.arguments)) == ("calculator", {"expression": "3+4"})
     messages += [msg.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "7"}]
@@ -192,7 +194,7 @@ def test_openai_sdk_responses_api_tool_loop(stack, kit):
     r = client.responses.create(model="policy", input=items, tools=[tool], max_output_tokens=128, store=False)
     assert r.status == "completed" and [o.type for o in r.output] == ["reasoning", "function_call"]
     reasoning, call = r.output
-    assert reasoning.content[0].text == "add them\n"  # as the chat API's reasoning_content
+    assert reasoning.content[0].text == "\nadd them\n"  # as the chat API's reasoning_content
     assert (call.name, json.loads(call.arguments)) == ("calculator", {"expression": "3+4"})
     items += [o.model_dump(exclude_none=True) for o in r.output]
     items.append({"type": "function_call_output", "call_id": call.call_id, "output": "7"})
@@ -254,7 +256,7 @@ def test_anthropic_sdk_tools_thinking_and_streaming(stack, kit):
     r = client.messages.create(model="policy", max_tokens=128, tools=[tool], messages=messages)
     assert r.stop_reason == "tool_use"
     thinking, use = r.content
-    assert (thinking.type, thinking.thinking) == ("thinking", "add them\n")
+    assert (thinking.type, thinking.thinking) == ("thinking", "\nadd them\n")
     assert (use.type, use.name, use.input) == ("tool_use", "calculator", {"expression": "3+4"})
     messages += [
         {"role": "assistant", "content": [b.model_dump() for b in r.content]},

@@ -155,7 +155,7 @@ def test_parse_reasoning_text_and_several_tool_calls():
         '{"expression": "1+1"}}\n</tool_call>\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2"}}'
         "\n</tool_call>"
     )
-    assert out.reasoning == "sum first\n"  # as SGLang: the newline before </think> stays (templates strip it)
+    assert out.reasoning == "\nsum first\n"  # as SGLang: the newlines inside <think> stay (templates strip them)
     assert out.text == "Let me compute."  # the text before the first call
     assert out.tool_calls == [
         {"name": "calculator", "arguments": {"expression": "1+1"}},
@@ -164,18 +164,29 @@ def test_parse_reasoning_text_and_several_tool_calls():
     assert not out.ill_formed
 
 
-def test_parse_bad_calls_stay_text_and_are_flagged():
+def test_parse_bad_calls_are_dropped_and_flagged():
     bad_json = '<tool_call>\n{"name": "calculator", "arguments": {\n</tool_call>'
     unknown = '<tool_call>\n{"name": "rm", "arguments": {}}\n</tool_call>'
-    for text in (bad_json, unknown):
-        out = parse(text)
-        assert (out.tool_calls, out.text, out.ill_formed) == ([], text, True)
+    not_object = '<tool_call>\n{"name": "calculator", "arguments": [1]}\n</tool_call>'
+    good = '<tool_call>\n{"name": "calculator", "arguments": {"x": 1}}\n</tool_call>'
+    for call in (bad_json, unknown, not_object):
+        out = parse("Trying.\n" + call)
+        assert (out.tool_calls, out.text, out.ill_formed) == ([], "Trying.", True)  # as SGLang: the text before it
+        out = parse("Both.\n" + call + "\n" + good)
+        assert (out.tool_calls, out.text, out.ill_formed) == (
+            [{"name": "calculator", "arguments": {"x": 1}}],
+            "Both.",
+            True,
+        )
+    # hermes: a call that is not JSON leaves the whole output as text
+    out = parse_output("Trying.\n" + bad_json, tools=TOOLS, tool_parser="hermes", reasoning_parser=None)
+    assert (out.tool_calls, out.text, out.ill_formed) == ([], "Trying.\n" + bad_json, True)
     # no tools offered: a tool-call-looking text is just text
     assert parse(unknown, tools=None).tool_calls == []
 
 
 def test_parse_reasoning_cut_off_or_opened_in_the_prompt():
-    assert parse("<think>\nstill going").reasoning == "still going"
+    assert parse("<think>\nstill going").reasoning == "\nstill going"
     # Qwen3 reasons only when it opened <think>; DeepSeek-R1's template opens it in the prompt
     assert (parse("plan\n</think>\n\n42").reasoning, parse("42").reasoning) == ("", "")
     out = parse_output("plan\n</think>\n\n42", tools=None, tool_parser=None, reasoning_parser="deepseek-r1")
@@ -217,7 +228,7 @@ def test_parse_inverts_the_real_qwen3_template(qwen3_tokenizer):
     assert full.startswith(prompt)
     sampled = full[len(prompt) :].removesuffix("\n").removesuffix("<|im_end|>")
     out = parse_output(sampled, tools=tools, tool_parser="qwen25", reasoning_parser="qwen3")
-    assert (out.reasoning, out.text, out.tool_calls, out.ill_formed) == ("multiply\n", "Computing.", calls, False)
+    assert (out.reasoning, out.text, out.tool_calls, out.ill_formed) == ("\nmultiply\n", "Computing.", calls, False)
     # and the parsed turn re-renders to the same text, so the next prompt extends the sampled tokens
     again = {"role": "assistant", "reasoning_content": out.reasoning, "content": out.text}
     again["tool_calls"] = [{"type": "function", "function": c} for c in out.tool_calls]
@@ -253,8 +264,11 @@ def test_parsers_this_process_cannot_run_are_refused_up_front():
     from slime.agent.parsing import have_sglang
 
     if have_sglang():
-        pytest.skip("with SGLang installed every SGLang parser name is accepted")
-    with pytest.raises(ValueError, match="tool_parser='llama3' needs SGLang"):
-        AnthropicAdapter(tokenizer=None, sglang_url="http://x", tool_parser="llama3")
-    with pytest.raises(ValueError, match="reasoning_parser='kimi' needs SGLang"):
-        AnthropicAdapter(tokenizer=None, sglang_url="http://x", reasoning_parser="kimi")
+        pytest.skip("with SGLang installed its own names are checked (tests/test_sglang_contract.py)")
+    with pytest.raises(ValueError, match=r"tool_parser='llama3' is not a tool-call parser slime without SGLang has"):
+        AnthropicAdapter(tokenizer=None, sglang_url="http://127.0.0.1:9", tool_parser="llama3")
+    with pytest.raises(ValueError, match="reasoning_parser='kimi' is not a reasoning parser slime without SGLang has"):
+        AnthropicAdapter(tokenizer=None, sglang_url="http://127.0.0.1:9", reasoning_parser="kimi")
+    # SGLang has no tool-call parser named "qwen3" (its Qwen3 format is "qwen25"): refused here too
+    with pytest.raises(ValueError, match="tool_parser='qwen3'"):
+        AnthropicAdapter(tokenizer=None, sglang_url="http://127.0.0.1:9", tool_parser="qwen3")

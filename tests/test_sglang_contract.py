@@ -547,3 +547,99 @@ def test_adapter_payload_loads_in_sglangs_own_deserializer():
     )
     r = run_side(code)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
+# ------------------------------------------------------------------ agent output parsers
+
+_WEATHER = {"name": "get_weather", "arguments": {"city": "Paris"}}
+_ADD = {"name": "add", "arguments": {"a": 1, "b": 2}}
+PARSER_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}},
+]
+
+
+def _call(obj, sep="\n"):
+    return f"<tool_call>{sep}{obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}{sep}</tool_call>"
+
+
+# (text, tool parser, reasoning parser): valid, malformed, unknown and cut-off calls, both JSON formats, and
+# reasoning opened, closed, cut off, or interrupted by a call
+PARSER_CASES = {
+    "plain": ("Hello there.", "qwen25", None),
+    "two_calls_then_text": ("Both.\n" + _call(_WEATHER) + "\n" + _call(_ADD) + "\nDone.", "qwen25", None),
+    "only_a_call": (_call(_WEATHER), "qwen", None),
+    "list_in_one_call": ("L.\n" + _call([_WEATHER, _ADD]), "qwen25", None),
+    "bad_json": ("Trying.\n" + _call('{"name": "add", "arguments": {"a": }'), "qwen25", None),
+    "unknown_then_known": ("U.\n" + _call({"name": "rm", "arguments": {}}) + "\n" + _call(_WEATHER), "qwen25", None),
+    "not_an_object": ("N.\n" + _call("[1, 2]"), "qwen25", None),
+    "arguments_not_an_object": ("A.\n" + _call({"name": "add", "arguments": [1, 2]}), "qwen25", None),
+    "parameters_key": ("P.\n" + _call({"name": "get_weather", "parameters": {"city": "Rome"}}), "qwen25", None),
+    "arguments_as_string": ("S.\n" + _call({"name": "add", "arguments": json.dumps({"a": 3})}), "qwen25", None),
+    "unicode": ("Ü.\n" + _call({"name": "get_weather", "arguments": {"city": "Zürich"}}), "qwen25", None),
+    "cut_off_call": ('Cut.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', "qwen25", None),
+    "no_newlines_qwen25": ("X.\n" + _call(_WEATHER, sep=""), "qwen25", None),
+    "no_newlines_hermes": ("X.\n" + _call(_WEATHER, sep="") + _call(_ADD, sep=""), "hermes", None),
+    "hermes_bad_json": ("H.\n" + _call(_WEATHER) + _call('{"name": "add", "arguments": {'), "hermes", None),
+    "hermes_cut_off": ("H.\n" + _call(_WEATHER) + '<tool_call>{"name": "add", "arguments": {}}', "hermes", None),
+    "hermes_empty": ("E.\n<tool_call></tool_call>" + _call(_ADD), "hermes", None),
+    "qwen3_reasoning": ("<think>\nI think.\n</think>\n\nThe answer.", None, "qwen3"),
+    "qwen3_no_think": ("No think here.", None, "qwen3"),
+    "qwen3_think_twice": ("<think><think>x</think>y</think>z", None, "qwen3"),
+    "qwen3_think_midway": ("Hi <think>x</think> y", None, "qwen3"),
+    "qwen3_close_only": ("I think.\n</think>\n\nThe answer.", None, "qwen3"),
+    "qwen3_cut_off": ("<think>\nStill thinking", None, "qwen3"),
+    "qwen3_call_inside_think": ("<think>\nplan\n" + _call(_WEATHER), "qwen25", "qwen3"),
+    "qwen3_reasoning_and_call": ("<think>\nplan\n</think>\n\nChecking.\n" + _call(_WEATHER), "qwen25", "qwen3"),
+    "r1_reasoning": ("I think.\n</think>\n\nThe answer.", None, "deepseek-r1"),
+    "r1_opened": ("<think>I think.</think>Answer.", None, "deepseek-r1"),
+    "r1_cut_off": ("Still thinking", None, "deepseek-r1"),
+    "r1_call": ("plan</think>\n\n" + _call(_ADD), "hermes", "deepseek-r1"),
+}
+
+
+@needs_side_venv
+def test_agent_output_parsing_without_sglang_answers_as_sglangs_own_parsers(tmp_path):
+    """slime.agent.parsing's own rules (machines without SGLang) against SGLang's parsers (GPU machines): the same
+    reasoning, visible text, tool calls and ill-formed flag for every case; and with SGLang, parser names are its."""
+    from slime.agent.parsing import have_sglang, parse_output
+
+    assert not have_sglang()  # this venv runs the rules written here
+    (tmp_path / "cases.json").write_text(json.dumps({"tools": PARSER_TOOLS, "cases": PARSER_CASES}))
+
+    def parse_all(parse):
+        out = {}
+        for name, (text, tool_parser, reasoning_parser) in PARSER_CASES.items():
+            p = parse(text, tools=PARSER_TOOLS, tool_parser=tool_parser, reasoning_parser=reasoning_parser)
+            out[name] = [p.reasoning, p.text, p.tool_calls, p.ill_formed]
+        return out
+
+    code = (
+        "import json, logging, sys\n"
+        "logging.disable(logging.WARNING)\n"
+        "from slime.agent.parsing import have_sglang, parse_output\n"
+        "assert have_sglang()\n"
+        "d = json.load(open(sys.argv[1]))\n"
+        "out = {}\n"
+        "for name, (text, tp, rp) in d['cases'].items():\n"
+        "    p = parse_output(text, tools=d['tools'], tool_parser=tp, reasoning_parser=rp)\n"
+        "    out[name] = [p.reasoning, p.text, p.tool_calls, p.ill_formed]\n"
+        "from slime.agent.parsing import check_parser_names\n"
+        "check_parser_names('llama3', 'kimi')\n"
+        "try:\n"
+        "    check_parser_names('qwen3', None)\n"
+        "except ValueError as e:\n"
+        "    print(e)\n"
+        "print(json.dumps(out))\n"
+    )
+    run = run_side(code, str(tmp_path / "cases.json"))
+    assert run.returncode == 0, run.stderr[-2000:]
+    theirs, ours = json.loads(run.stdout.strip().splitlines()[-1]), parse_all(parse_output)
+    assert {k: {"here": ours[k], "sglang": theirs[k]} for k in ours if ours[k] != theirs[k]} == {}
+    # the table exercises what it claims to: calls kept and dropped, flags both ways, reasoning split
+    assert ours["two_calls_then_text"] == ["", "Both.", [_WEATHER, _ADD], False]
+    assert ours["unknown_then_known"] == ["", "U.", [_WEATHER], True]
+    assert ours["hermes_bad_json"][1:] == [PARSER_CASES["hermes_bad_json"][0], [], True]
+    assert ours["qwen3_call_inside_think"] == ["\nplan\n", "", [_WEATHER], False]
+    # SGLang has no tool-call parser "qwen3" (Qwen3's format is "qwen25"): refused up front on both paths
+    assert "tool_parser='qwen3' is not a tool-call parser SGLang has" in run.stdout

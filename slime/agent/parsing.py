@@ -1,13 +1,19 @@
 """Split a model's raw output into reasoning, visible text and tool calls, in the model family's own format.
 
 Where SGLang is installed its parsers do the work (the same ones its OpenAI server uses, so the names are SGLang's
-`--tool-call-parser` / `--reasoning-parser` names). Without SGLang, the formats below are parsed here:
+`--tool-call-parser` / `--reasoning-parser` names). Without SGLang, the formats below are parsed here by the rules of
+SGLang 0.5.23's one-shot parsers (tests/test_sglang_contract.py runs both on one table and compares):
 
-- tool calls "qwen25" / "qwen3" / "hermes": ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``
-  (the format Qwen2.5 / Qwen3 chat templates render and the models emit), any number of them;
-- reasoning "qwen3" / "deepseek-r1": ``<think>...</think>``. As in SGLang, "qwen3" finds reasoning only when the
-  output opens ``<think>``; "deepseek-r1" treats the output as reasoning up to ``</think>`` (its template opens the
-  tag in the prompt); output cut off before ``</think>`` is all reasoning.
+- tool calls "qwen25" / "qwen" (``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, any number) and
+  "hermes" (the same without the newlines; a call left unclosed counts, and one that is not JSON leaves the whole
+  output as text). The visible text is what precedes the first call; calls naming a tool the request did not offer
+  are dropped;
+- reasoning "qwen3" (only when the output contains ``<think>``; an opened ``<tool_call>`` ends unclosed reasoning)
+  and "deepseek-r1" (reasoning up to ``</think>``: its template opens the tag in the prompt). Output cut off before
+  ``</think>`` is reasoning.
+
+On both paths a call's arguments must be a JSON object (or a string holding one); a call that is dropped or does not
+parse marks the output `ill_formed`.
 """
 
 from __future__ import annotations
@@ -20,9 +26,31 @@ import re
 
 logger = logging.getLogger(__name__)
 
-JSON_TOOL_CALL_PARSERS = ("qwen25", "qwen3", "hermes")
-THINK_REASONING_PARSERS = ("qwen3", "deepseek-r1")
-_TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+@dataclasses.dataclass(frozen=True)
+class ToolCallFormat:
+    start: str  # SGLang's bot_token: a call begins here, and the visible text ends here
+    call: re.Pattern  # one call's JSON in group 1 (or 2)
+    any_error_keeps_text: bool  # a call that is not JSON leaves the whole output as text, no calls
+
+
+_QWEN25 = ToolCallFormat("<tool_call>\n", re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL), False)
+TOOL_CALL_FORMATS = {
+    "qwen25": _QWEN25,
+    "qwen": _QWEN25,
+    "hermes": ToolCallFormat(
+        "<tool_call>", re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL), True
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ReasoningFormat:
+    always_reasoning: bool  # the chat template opens <think> in the prompt
+    tool_start: str | None  # ends reasoning the output never closed
+
+
+REASONING_FORMATS = {"qwen3": ReasoningFormat(False, "<tool_call>"), "deepseek-r1": ReasoningFormat(True, None)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,20 +68,26 @@ def have_sglang() -> bool:
 def check_parser_names(tool_parser: str | None, reasoning_parser: str | None) -> None:
     """Fail at construction on a parser this process cannot run."""
     if have_sglang():
-        return
-    if tool_parser and tool_parser not in JSON_TOOL_CALL_PARSERS:
-        raise ValueError(
-            f"tool_parser={tool_parser!r} needs SGLang installed; without it slime parses {JSON_TOOL_CALL_PARSERS}"
+        from sglang.srt.function_call.function_call_parser import FunctionCallParser  # lazy: optional dependency
+        from sglang.srt.parser.reasoning_parser import ReasoningParser
+
+        tool_names, reasoning_names, where = (
+            FunctionCallParser.ToolCallParserEnum,
+            ReasoningParser.DetectorMap,
+            "SGLang",
         )
-    if reasoning_parser and reasoning_parser not in THINK_REASONING_PARSERS:
+    else:
+        tool_names, reasoning_names, where = TOOL_CALL_FORMATS, REASONING_FORMATS, "slime without SGLang"
+    if tool_parser and tool_parser not in tool_names:
+        raise ValueError(f"tool_parser={tool_parser!r} is not a tool-call parser {where} has: {sorted(tool_names)}")
+    if reasoning_parser and reasoning_parser not in reasoning_names:
         raise ValueError(
-            f"reasoning_parser={reasoning_parser!r} needs SGLang installed; without it slime parses "
-            f"{THINK_REASONING_PARSERS}"
+            f"reasoning_parser={reasoning_parser!r} is not a reasoning parser {where} has: {sorted(reasoning_names)}"
         )
 
 
 def split_reasoning(text: str, parser: str | None) -> tuple[str, str]:
-    """(reasoning, rest)."""
+    """(reasoning, rest), neither stripped (as SGLang)."""
     if not parser:
         return "", text
     if have_sglang():
@@ -61,71 +95,83 @@ def split_reasoning(text: str, parser: str | None) -> tuple[str, str]:
 
         reasoning, rest = ReasoningParser(model_type=parser, stream_reasoning=False).parse_non_stream(text)
         return reasoning or "", rest or ""
-    # as SGLang's one-shot detector: Qwen3 reasons only when it opened <think>; DeepSeek-R1 always starts reasoning
-    if parser != "deepseek-r1" and "<think>" not in text:
+    fmt = REASONING_FORMATS[parser]
+    if not fmt.always_reasoning and "<think>" not in text:
         return "", text
-    body = text.replace("<think>", "").strip()
-    if "</think>" not in body:  # cut off while thinking
-        return body, ""
-    reasoning, rest = body.split("</think>", 1)
-    return reasoning, rest.strip()
+    while text.startswith("<think>"):
+        text = text[len("<think>") :]
+    if "</think>" in text:
+        reasoning, rest = text.split("</think>", 1)
+        return reasoning, rest
+    cut = text.find(fmt.tool_start) if fmt.tool_start else -1
+    return (text[:cut], text[cut:]) if cut != -1 else (text, "")  # cut off while thinking
 
 
 def split_tool_calls(text: str, tools: list[dict] | None, parser: str | None) -> tuple[str, list[dict], bool]:
     """(visible text, [{"name", "arguments"}], ill_formed). Only tools offered in the request are accepted."""
     if not parser or not tools:
         return text, [], False
-    names = {t["function"]["name"] for t in tools}
-    if have_sglang():
-        return _split_tool_calls_sglang(text, tools, parser)
-    calls, ill_formed = [], False
-    for m in _TOOL_CALL_RE.finditer(text):
-        try:
-            obj = json.loads(m.group(1))
-        except json.JSONDecodeError:
-            ill_formed = True
-            continue
-        args = obj.get("arguments", obj.get("parameters", {})) if isinstance(obj, dict) else None
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
-                args = None
-        if not isinstance(obj, dict) or obj.get("name") not in names or not isinstance(args, dict):
-            ill_formed = True
-            continue
-        calls.append({"name": obj["name"], "arguments": args})
-    if "<tool_call>" in text and not calls:
-        ill_formed = True
-    # the visible text is what precedes the first call, as SGLang; with no valid call the text stays whole (SGLang
-    # 0.5.23 keeps only what precedes the call then too: docs/agent.md)
-    return text[: text.index("<tool_call>")].strip() if calls else text, calls, ill_formed
+    try:
+        found, rest, raw_calls = (_tool_calls_sglang if have_sglang() else _tool_calls_here)(text, tools, parser)
+    except Exception as e:  # a malformed call must not fail the turn; the sample records it
+        logger.warning("tool-call parsing failed (%s); the output stays text", e)
+        return text, [], True
+    if not found:
+        return text, [], False
+    objects = [(name, _object(arguments)) for name, arguments in raw_calls]
+    calls = [{"name": name, "arguments": args} for name, args in objects if args is not None]
+    return rest.strip(), calls, not calls or len(calls) < found
 
 
-def _split_tool_calls_sglang(text: str, tools: list[dict], parser: str) -> tuple[str, list[dict], bool]:
-    # lazy: optional dependency
-    from sglang.srt.entrypoints.openai.protocol import Function, Tool
+def _object(arguments: str) -> dict | None:
+    """A call's arguments as SGLang hands them on (JSON text), if they are an object or a string holding one."""
+    try:
+        value = json.loads(arguments)
+        if isinstance(value, str):  # models sometimes encode the arguments twice
+            value = json.loads(value)
+    except json.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _tool_calls_sglang(text: str, tools: list[dict], parser: str) -> tuple[int, str, list[tuple[str, str]]]:
+    """(calls begun: 0 when none, visible text, [(name, arguments JSON)])."""
+    from sglang.srt.entrypoints.openai.protocol import Function, Tool  # lazy: optional dependency
     from sglang.srt.function_call.function_call_parser import FunctionCallParser
 
     fc = FunctionCallParser(
         tools=[Tool(type="function", function=Function(**t["function"])) for t in tools], tool_call_parser=parser
     )
     if not fc.has_tool_call(text):
-        return text, [], False
-    try:
-        rest, items = fc.parse_non_stream(text)
-    except Exception as e:  # a malformed call must not fail the turn; the sample records it
-        logger.warning("tool-call parsing failed (%s); the output stays text", e)
-        return text, [], True
-    calls, ill_formed = [], False
-    for it in items:
-        try:
-            args = json.loads(it.parameters or "{}")
-        except json.JSONDecodeError:
-            ill_formed = True
+        return 0, text, []
+    rest, items = fc.parse_non_stream(text)
+    start = getattr(fc.detector, "bot_token", None)  # formats that wrap several calls in one start count as one
+    begun = max(1, text.count(start) if start else 1)
+    return begun, rest or "", [(it.name, it.parameters or "{}") for it in items]
+
+
+def _tool_calls_here(text: str, tools: list[dict], parser: str) -> tuple[int, str, list[tuple[str, str]]]:
+    fmt = TOOL_CALL_FORMATS[parser]
+    if fmt.start not in text:
+        return 0, text, []
+    names = {t["function"]["name"] for t in tools}
+    calls = []
+    for m in fmt.call.finditer(text):
+        raw = "".join(g or "" for g in m.groups())  # hermes: a closed call, or one cut off
+        if not raw:
             continue
-        calls.append({"name": it.name, "arguments": args})
-    return (rest or "").strip(), calls, ill_formed or not calls
+        try:
+            obj = json.loads(raw.strip())
+        except json.JSONDecodeError:
+            if fmt.any_error_keeps_text:
+                return text.count(fmt.start), text, []
+            continue
+        for act in obj if isinstance(obj, list) else [obj]:
+            name = act.get("name")  # not an object: raises, as in SGLang
+            if name and name in names:
+                args = act.get("parameters") or act.get("arguments", {})
+                calls.append((name, json.dumps(args, ensure_ascii=False)))
+    return text.count(fmt.start), text[: text.index(fmt.start)].strip(), calls
 
 
 def parse_output(
