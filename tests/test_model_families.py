@@ -208,8 +208,8 @@ def test_transformers_path_exposes_every_checkpoint_tensor(kind, hf_models):
 
 
 def _roundtrip_and_log_probs(rank, hf_models, layouts, out):
-    """For each (family, tp, ep, etp): load through the trainer, export back to HF names (bit-exact with the
-    checkpoint's safetensors), and compare `forward_only` log-probs with transformers."""
+    """For each (family, tp, ep, etp, *extra arguments): load through the trainer, export back to HF names (bit-exact
+    with the checkpoint's safetensors), and compare `forward_only` log-probs with transformers."""
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -230,7 +230,7 @@ def _roundtrip_and_log_probs(rank, hf_models, layouts, out):
 
     ray.get = lambda x: x  # the test hands the dict itself instead of an ObjectRef
     world = torch.distributed.get_world_size()
-    for kind, tp, ep, etp in layouts:
+    for kind, tp, ep, etp, *extra in layouts:
         hf_dir = hf_models[kind]
         args = family_args(
             hf_dir,
@@ -241,6 +241,7 @@ def _roundtrip_and_log_probs(rank, hf_models, layouts, out):
             str(ep),
             "--expert-tensor-parallel-size",
             str(etp),
+            *extra,
         )
         mpu.destroy_model_parallel()
         init(args)
@@ -261,7 +262,7 @@ def _roundtrip_and_log_probs(rank, hf_models, layouts, out):
         gathered = [None] * world  # each EP rank holds some experts: merge names across ranks
         torch.distributed.all_gather_object(gathered, got)
         got = {k: v for d in gathered for k, v in d.items()}
-        layout = f"{kind} tp{tp} ep{ep} etp{etp}"
+        layout = " ".join([f"{kind} tp{tp} ep{ep} etp{etp}", *extra])
         assert sorted(got) == sorted(expected), f"{layout}: {set(got) ^ set(expected)}"
         for k, v in expected.items():
             assert got[k].dtype == v.dtype and torch.equal(got[k], v), f"{layout}: {k} differs after the round trip"
@@ -281,11 +282,13 @@ def _roundtrip_and_log_probs(rank, hf_models, layouts, out):
 
 
 def test_families_roundtrip_and_log_probs_tp1(hf_models, tmp_path):
+    # GLM-4 also through the layer spec slime's GLM-4 scripts name (--spec slime_plugins.models.glm4 get_glm_spec)
+    glm_spec = ("glm4", 1, 1, 1, "--spec", "slime_plugins.models.glm4", "get_glm_spec")
     spawn(
         _roundtrip_and_log_probs,
         1,
         hf_models,
-        [(k, 1, 1, 1) for k in FAMILIES],
+        [(k, 1, 1, 1) for k in FAMILIES] + [glm_spec],
         str(tmp_path / "diffs.txt"),
         timeout=400,
     )
