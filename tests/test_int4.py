@@ -241,6 +241,86 @@ def test_trainer_fake_quantises_routed_experts_with_a_straight_through_gradient(
     spawn(_qat_expert_forward, 1, moe[1])  # the INT4 checkpoint of the grid QAT trains on (start-up checks it)
 
 
+def _qat_log_probs_under_expert_tp(rank, int4_dir, full_dir, fq_dir, out):
+    """With QAT on (group 16), the trainer's log-probs at TP=1 and at TP=2 with expert TP=2 (each rank fake-quantises
+    its shard of the experts) equal transformers' on a checkpoint whose experts are the fake-quantised weights."""
+    import ray
+    from megatron.core import parallel_state as mpu
+
+    from slime.backends.megatron_utils.data import get_data_iterator
+    from slime.backends.megatron_utils.initialize import init
+    from slime.backends.megatron_utils.model import forward_only, initialize_model_and_optimizer
+    from slime.backends.megatron_utils.rollout_data import process_rollout_data
+    from tests._megatron_helpers import hf_log_probs
+    from tests.test_model_families import family_args, long_rollout
+
+    class _Ref:
+        def __init__(self, data):
+            self.inner = data
+
+    ray.get = lambda x: x  # the test hands the dict itself instead of an ObjectRef
+    os.environ.update({Q.INT4_QAT_FLAG: "1", Q.INT4_QAT_GROUP_SIZE: "16"})
+    for tp, etp in ((1, 1), (2, 2)):
+        par = ["--tensor-model-parallel-size", str(tp), "--expert-tensor-parallel-size", str(etp)]
+        args = family_args(int4_dir, 2, *par)  # the engine's INT4 grid passes the start-up checks
+        args.hf_checkpoint = full_dir  # the trainer's own weights are full precision (what --load holds in a run)
+        mpu.destroy_model_parallel()
+        init(args)
+        model, _, _, _ = initialize_model_and_optimizer(args)
+        rollout = process_rollout_data(
+            args, _Ref(long_rollout(args.vocab_size)), mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+        )
+        iters, nmb = get_data_iterator(args, model, rollout)
+        log_probs = forward_only(args, model, iters, nmb)["log_probs"]
+        diff = max((g - e).abs().max().item() for g, e in zip(log_probs, hf_log_probs(fq_dir, rollout)))
+        assert diff <= 1e-5, f"tp{tp} etp{etp}: max |log-probs - transformers on the fake-quantised experts| = {diff}"
+        if rank == 0:
+            # the grid matters at this size: full-precision experts are far off what QAT computes
+            off = max((g - e).abs().max().item() for g, e in zip(log_probs, hf_log_probs(full_dir, rollout)))
+            assert off > 1e-4, off
+            with open(out, "a") as f:
+                f.write(f"tp{tp} etp{etp}: {diff:.3g} from the fake-quantised reference, {off:.3g} from full\n")
+
+
+@pytest.mark.slow  # two Megatron ranks, two layouts
+def test_qat_under_expert_tensor_parallelism_fake_quantises_each_shard_as_the_whole(moe, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from tools import convert_hf_to_int4_direct
+
+    src = moe[0]
+    int4 = str(tmp_path / "int4_g16")
+    convert_hf_to_int4_direct.convert(src, int4, 16, True)
+    fq = tmp_path / "fake_quantised"
+    shutil.copytree(src, fq)
+    tensors = load_file(f"{src}/model.safetensors")
+    for name, t in tensors.items():
+        if ".mlp.experts." in name and name.endswith(("gate_proj.weight", "up_proj.weight", "down_proj.weight")):
+            tensors[name] = Q.fake_quantize_int4(t, 16)
+    save_file(tensors, f"{fq}/model.safetensors")
+    spawn(_qat_log_probs_under_expert_tp, 2, int4, src, str(fq), str(tmp_path / "diffs.txt"), timeout=400)
+    print((tmp_path / "diffs.txt").read_text())
+
+
+def test_start_up_names_an_expert_shard_the_group_does_not_divide(moe, capsys, monkeypatch):
+    """Expert TP splits linear_fc2's input (moe_ffn_hidden_size 32) into shards of 16: group 32 cannot fake-quantise
+    a shard as the engine's whole weight is grouped, so the run stops at start-up naming both."""
+    from slime.config import parse_args
+    from tests.test_model_families import RL
+    from tests.test_startup_checks import error_line
+
+    sym = moe[1]
+    monkeypatch.setenv(Q.INT4_QAT_FLAG, "1")
+    monkeypatch.setenv(Q.INT4_QAT_GROUP_SIZE, str(G))
+    base = [*RL, "--actor-num-gpus-per-node", "2", "--hf-checkpoint", sym, "--tensor-model-parallel-size", "2"]
+    assert error_line(capsys, model=[], base=base) == (
+        "OPEN_TRAINING_INT4_FAKE_QAT_FLAG=1 with OPEN_TRAINING_INT4_GROUP_SIZE=32: --expert-tensor-parallel-size 2 "
+        "splits each expert's linear_fc2 input (32, --moe-ffn-hidden-size) into shards of 16, which the group does "
+        "not divide; use an expert tensor parallel size whose shards it divides"
+    )
+    assert parse_args(argv=[*base, "--expert-tensor-parallel-size", "1"]).expert_tensor_parallel_size == 1
+
+
 def test_qat_group_size_from_the_environment():
     assert Q.qat_group_size({}) is None and Q.qat_group_size({Q.INT4_QAT_FLAG: "0"}) is None
     assert Q.qat_group_size({Q.INT4_QAT_FLAG: "1"}) == 128  # current slime's default

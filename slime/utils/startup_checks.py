@@ -555,6 +555,17 @@ def check_int4_qat_grid(args, hf, scheme, error):
             f"{FLAG}=1 fake-quantises experts symmetrically, but --hf-checkpoint {hf} is asymmetric INT4 "
             "(quantization_config symmetric: false): convert it with tools/convert_hf_to_int4_direct.py --is-symmetric"
         )
+    else:
+        # each expert-TP rank fake-quantises its shard of linear_fc2, whose input (FFN) dimension is split: the
+        # shard's groups are the full weight's only if the group divides the shard
+        etp = getattr(args, "expert_tensor_parallel_size", None) or getattr(args, "tensor_model_parallel_size", 1)
+        ffn = getattr(args, "moe_ffn_hidden_size", None)
+        if etp > 1 and ffn and (ffn // etp) % group:
+            error(
+                f"{FLAG}=1 with {GROUP_SIZE}={group}: --expert-tensor-parallel-size {etp} splits each expert's "
+                f"linear_fc2 input ({ffn}, --moe-ffn-hidden-size) into shards of {ffn // etp}, which the group does not "
+                "divide; use an expert tensor parallel size whose shards it divides"
+            )
 
 
 def check_inputs(args, error, user_load=None):
