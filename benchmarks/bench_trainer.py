@@ -12,8 +12,14 @@ utilisation against two ceilings: a matmul of the model's own shape measured in 
 a GPU the datasheet's dense bf16 rate. The device is whatever slime picks (`slime.utils.device`; SLIME_DEVICE=cpu
 forces the CPU): on a GPU, bf16 with Transformer Engine when installed; on a CPU, fp32 on the local spec.
 
+`--layout flat tree` times flat packing and `--tree-training` (local spec; its attention `--tree-attention-backend`,
+by default FlexAttention on a GPU) one after the other in the same run and prints tree/flat per pass (the ratio of
+the medians; each layout's min-max beside it). Keep `--micro-batch-size` a multiple of `--n-samples`, so a group's
+samples share one tree. FLOPs and MFU count the flat tokens in both (the work the model's output stands for).
+
     python benchmarks/bench_trainer.py                         # CPU-sized default shape
     python benchmarks/bench_trainer.py --shape qwen3-0.6b --prompts 8 --n-samples 8 --prompt-len 512 --response-len 512
+    python benchmarks/bench_trainer.py --layout flat tree --micro-batch-size 8
 """
 
 import argparse
@@ -141,10 +147,12 @@ def _bench(model_dir, opts, out_path):
         micro_batch_size=opts["micro_batch_size"],
         seq_length=seq,
         bf16=device.bf16_by_default(),
-        transformer_impl=device.default_transformer_impl(),
+        transformer_impl="local" if opts["layout"] == "tree" else device.default_transformer_impl(),
         ci_test=False,
         use_kl_loss=False,
         lr=1e-6,
+        tree_training=opts["layout"] == "tree",
+        tree_attention_backend=opts["tree_attention_backend"] or device.default_tree_attention_backend(),
     )
     init(args)
     model, opt, sched, _ = initialize_model_and_optimizer(args)
@@ -204,6 +212,8 @@ def main():
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--timeout", type=int, default=1800)
+    p.add_argument("--layout", nargs="+", choices=["flat", "tree"], default=["flat"])
+    p.add_argument("--tree-attention-backend", choices=["dense", "flex"], help="default: the device's")
     opts = vars(p.parse_args())
 
     from transformers import AutoConfig
@@ -215,17 +225,28 @@ def main():
         if not opts["model_dir"]:
             build_model(model_dir, opts["shape"])
         config = AutoConfig.from_pretrained(model_dir)
-        out = os.path.join(tmp, "result.json")
-        run_processes(_entry, (model_dir, opts, free_port(), out), 1, "bench_trainer", opts["timeout"], "spawn")
-        with open(out) as f:
-            result = json.load(f)
+        results = {}
+        for layout in opts["layout"]:
+            out = os.path.join(tmp, f"{layout}.json")
+            run = dict(opts, layout=layout)
+            run_processes(_entry, (model_dir, run, free_port(), out), 1, "bench_trainer", opts["timeout"], "spawn")
+            with open(out) as f:
+                results[layout] = json.load(f)
+    for layout, result in results.items():
+        report(opts, config, layout, result)
+    if len(results) == 2:
+        for name in ("log-prob pass", "training step"):
+            tree, flat = (statistics.median(results[k][name]["times"]) for k in ("tree", "flat"))
+            print(f"  tree/flat {name}: {tree / flat:.2f}x ({tree:.3f} s vs {flat:.3f} s, medians)")
 
+
+def report(opts, config, layout, result):
     samples, seq = opts["prompts"] * opts["n_samples"], opts["prompt_len"] + opts["response_len"]
     tokens = samples * seq
     flops_fwd = model_flops_per_token(config, seq) * tokens
     peak = next((v for k, v in GPU_PEAK_BF16.items() if k in result["device"]), None)
     print(
-        f"bench_trainer: {opts['model_dir'] or opts['shape']} on {result['device']} ({result['dtype']}), "
+        f"bench_trainer ({layout}): {opts['model_dir'] or opts['shape']} on {result['device']} ({result['dtype']}), "
         f"{opts['prompts']} prompts x {opts['n_samples']} samples x ({opts['prompt_len']}+{opts['response_len']}) "
         f"tokens = {tokens} tokens per pass; matmul of the model's shape here: {result['matmul_flops'] / 1e12:.3f} "
         f"TFLOP/s"

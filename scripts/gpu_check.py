@@ -8,7 +8,8 @@ without package registries has, once those are carried as wheels):
   1. tests/test_megatron_gpu.py (Transformer-Engine specs vs transformers, bf16 step, NCCL bucket, GPU offload);
   2. tests/test_gdn_kernel_gpu.py (the `fla` Gated DeltaNet kernel against the project's torch rule: forward and
      gradients, grouped value heads, variable lengths, bf16 and fp32; skipped without `fla`);
-  3. benchmarks/bench_trainer.py on a random Qwen3-0.6B: log-prob pass and training step, tokens/s, peak memory, MFU.
+  3. benchmarks/bench_trainer.py on a random Qwen3-0.6B: log-prob pass and training step, tokens/s, peak memory, MFU,
+     flat packing and then --tree-training (FlexAttention on the tree's block mask), and tree/flat.
 `all` (the default) adds the runs with real SGLang (`slime[sglang]`):
   4. colocated train.py (--colocate, so --offload with torch_memory_saver): two rollout/update cycles, the engine
      releasing and resuming kv_cache, weights and cuda_graph around each update, --check-weight-update-equal;
@@ -134,9 +135,10 @@ def core_checks(a):
                     a.timeout),
         run("tests/test_gdn_kernel_gpu.py", [*pytest, "tests/test_gdn_kernel_gpu.py"], f"{a.out}/gdn_kernel",
                     a.timeout),
-        run("benchmarks/bench_trainer.py --shape qwen3-0.6b",
+        run("benchmarks/bench_trainer.py --shape qwen3-0.6b --layout flat tree",
                     [sys.executable, "benchmarks/bench_trainer.py", "--shape", "qwen3-0.6b", "--prompts", "4",
-                     "--n-samples", "8", "--prompt-len", "512", "--response-len", "512", "--micro-batch-size", "4"],
+                     "--n-samples", "8", "--prompt-len", "512", "--response-len", "512", "--micro-batch-size", "8",
+                     "--layout", "flat", "tree"],
                     f"{a.out}/bench_trainer", a.timeout),
     ]  # fmt: skip
 

@@ -222,3 +222,58 @@ def _gpu_offload(index, model_dir, port):
 
 def test_offload_onload_on_gpu_is_bit_exact(tiny_kit):
     _spawn(_gpu_offload, 1, tiny_kit[0], free_port())
+
+
+# ---- (v) --tree-attention-backend flex: compiled FlexAttention on the tree's block mask ----------------------------
+def _tree_flex_vs_dense(index, out):
+    import torch.nn.functional as F
+
+    from slime.backends.megatron_utils import tree_attention
+    from slime.backends.megatron_utils.data import _tree_layout
+    from slime.utils.device import compile_kernels
+
+    assert compile_kernels()  # a GPU trainer compiles the kernel and the block mask
+    g = torch.Generator().manual_seed(0)
+    # two groups of four: a 300-token prompt each, 200-token responses (several 128-token blocks, some skipped)
+    samples = []
+    for _ in range(2):
+        prompt = torch.randint(3, 1000, (300,), generator=g)
+        samples += [torch.cat([prompt, torch.randint(3, 1000, (200,), generator=g)]) for _ in range(4)]
+    samples = [s.cuda() for s in samples]
+    dense, block = _tree_layout(samples, "dense")["attention_mask"], _tree_layout(samples, "flex")["attention_mask"]
+    n = dense.shape[-1]
+    result = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = (torch.randn(1, h, n, 64, generator=g).cuda() for h in (8, 2, 2))
+        dy = torch.randn(1, 8, n, 64, generator=g).cuda()
+
+        def run(fn, dt):
+            x = [t.to(dt).requires_grad_(True) for t in (q, k, v)]
+            y = fn(*x)
+            y.backward(dy.to(dt))
+            return [y.float()] + [t.grad.float() for t in x]
+
+        flex = run(
+            lambda a, b, c: tree_attention._flex()(a, b, c, block_mask=block, scale=0.125, enable_gqa=True), dtype
+        )
+        sdpa = lambda a, b, c: F.scaled_dot_product_attention(  # noqa: E731
+            a, b.repeat_interleave(4, 1), c.repeat_interleave(4, 1), attn_mask=~dense, scale=0.125
+        )
+        ref64 = run(sdpa, torch.float64)  # the reference; the dense path in the same dtype sets the tolerance
+        dense_dt = run(sdpa, dtype)
+        result[str(dtype)] = [
+            ((a - r).abs().max().item(), (d - r).abs().max().item()) for a, d, r in zip(flex, dense_dt, ref64)
+        ]
+    torch.save(result, out)
+
+
+def test_tree_flex_attention_matches_the_dense_mask_forward_and_backward(tmp_path):
+    """What `--tree-attention-backend flex` runs on a GPU (compiled FlexAttention, compiled block mask) against the
+    dense ancestor mask through SDPA, on a tree row of two groups: output and the gradients of q, k and v, each within
+    twice the dense path's own error from an fp64 reference (fp32 and bf16)."""
+    out = tmp_path / "errors.pt"
+    _spawn(_tree_flex_vs_dense, 1, str(out))
+    for dtype, errors in torch.load(out).items():
+        print(dtype, errors)
+        for name, (flex, dense) in zip(("out", "dq", "dk", "dv"), errors):
+            assert flex <= 2 * dense + 1e-6, f"{dtype} {name}: flex {flex:.3g} vs the dense path's {dense:.3g}"

@@ -94,6 +94,8 @@ def _equality(rank, model_dir, out_path):
         entropy_coef=0.01,
         use_rollout_entropy=True,
         ci_test=False,
+        tree_training=True,  # built with the FlexAttention core attention, which takes dense masks as before
+        tree_attention_backend="flex",
     )
     init(args)
     model, opt, sched, _ = initialize_model_and_optimizer(args)
@@ -105,9 +107,16 @@ def _equality(rank, model_dir, out_path):
         for it in iters:
             it.tree = on
 
+    with_tree(False)
     flat = forward_only(args, model, iters, nmb)
-    with_tree(True)
+    with_tree("dense")
     tree = forward_only(args, model, iters, nmb)
+    with_tree("flex")  # forward only: FlexAttention has no CPU backward
+    flex = forward_only(args, model, iters, nmb)
+    with_tree("dense")
+    from slime.backends.megatron_utils import tree_attention
+
+    assert tree_attention._flex.cache_info().misses == 1  # the flex forward ran FlexAttention
     original = model_mod.rope_by_position
     model_mod.rope_by_position = lambda *a: torch.no_grad()  # naive: positions = row index, not tree depth
     try:
@@ -142,6 +151,8 @@ def _equality(rank, model_dir, out_path):
         {
             "log_probs": max_diff(flat["log_probs"], tree["log_probs"]),
             "entropy": max_diff(flat["entropy"], tree["entropy"]),
+            "flex_log_probs": max_diff(flat["log_probs"], flex["log_probs"]),
+            "flex_entropy": max_diff(flat["entropy"], flex["entropy"]),
             "naive": max_diff(flat["log_probs"], naive["log_probs"]),
             "grad_rel": num / den,
             "grad_rel_per_param": per_param,
@@ -162,6 +173,28 @@ def test_tree_equals_flat_log_probs_entropy_and_grads(tmp_path):
     assert r["log_probs"] <= 2e-6 and r["entropy"] <= 2e-6, r
     assert r["grad_norm"] > 0 and r["grad_rel"] <= 2e-6, r
     assert r["naive"] > 1e-3, r  # without RoPE by position the tree row is wrong: the hook is load-bearing
+    assert r["flex_log_probs"] <= 2e-6 and r["flex_entropy"] <= 2e-6, r  # --tree-attention-backend flex
+
+
+def test_flex_block_mask_is_the_dense_ancestor_mask():
+    """FlexAttention with the tree's block mask computes what the dense ancestor mask gives (GQA, a branching forest
+    longer than one 128-token block, so some blocks are skipped and some partial)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from slime.backends.megatron_utils.data import _tree_layout
+
+    g = torch.Generator().manual_seed(0)
+    samples = [torch.randint(3, 99, (n,), generator=g) for n in (90, 70)]
+    samples += [torch.cat([samples[0][:60], torch.randint(3, 99, (50,), generator=g)]) for _ in range(3)]
+    dense, flex = _tree_layout(samples, "dense")["attention_mask"], _tree_layout(samples, "flex")["attention_mask"]
+    n = dense.shape[-1]
+    assert n == 90 + 70 + 3 * 50 and flex.shape[-2:] == (n, n)
+    q, k, v = (torch.randn(1, h, n, 16, generator=g) for h in (4, 2, 2))
+    got = flex_attention(q, k, v, block_mask=flex, scale=0.3, enable_gqa=True)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=~dense, scale=0.3
+    )
+    assert (got - want).abs().max() <= 1e-6
 
 
 @pytest.mark.parametrize(
@@ -187,6 +220,19 @@ def test_tree_training_refusals(capsys, flags, refused):
     assert make_args("--tree-training").tree_training is True
     err = one_line_refusal(capsys, "--tree-training", *flags)
     assert f"--tree-training does not support {refused} yet." in err, err
+
+
+def test_tree_attention_backend_is_checked_with_tree_training(capsys):
+    from tests._args import make_args, one_line_refusal
+
+    # the CPU default: FlexAttention has no CPU backward
+    assert make_args("--tree-training").tree_attention_backend == "dense"
+    flex = ("--tree-training", "--tree-attention-backend", "flex")
+    assert make_args(*flex, "--attention-dropout", "0.0").tree_attention_backend == "flex"
+    err = one_line_refusal(capsys, "--tree-attention-backend", "flex")
+    assert "--tree-attention-backend has no effect without --tree-training." in err, err
+    err = one_line_refusal(capsys, *flex, "--attention-dropout", "0.1")
+    assert "--tree-attention-backend flex has no attention dropout, but --attention-dropout is 0.1" in err, err
 
 
 def test_tree_training_refuses_the_transformer_engine_spec(capsys, monkeypatch):

@@ -84,6 +84,14 @@ def add_data_arguments(parser):
         "local); DP, TP, PP, EP, dynamic batching, critic, OPD and routing replay; context and sequence parallelism "
         "are refused; see docs/usage.md.",
     )
+    g.add_argument(
+        "--tree-attention-backend",
+        choices=["dense", "flex"],
+        default=None,
+        help="The tree row's attention with --tree-training: 'flex' (default on GPU) runs FlexAttention with the "
+        "ancestor mask as a block mask, skipping the blocks no token sees; 'dense' (default on CPU, where "
+        "FlexAttention has no backward) masks dense [L, L] scores in the local spec's attention. Same values.",
+    )
     g.add_argument("--max-tokens-per-gpu", type=int, default=None)
     g.add_argument("--log-probs-max-tokens-per-gpu", type=int, default=None)
     return parser

@@ -210,3 +210,15 @@ def default_gdn_backend() -> str:
     """`--qwen-gdn-backend` default: flash-linear-attention's Triton kernels on GPU, the plain-torch chunked rule on
     CPU (slime_plugins/models/qwen_gdn_backend.py)."""
     return "torch" if is_cpu() else "fla"
+
+
+def default_tree_attention_backend() -> str:
+    """`--tree-attention-backend` default: FlexAttention's block-sparse kernel on GPU (blocks no query sees are
+    skipped), the local spec's dense-mask attention on CPU (FlexAttention has no CPU backward)."""
+    return "dense" if is_cpu() else "flex"
+
+
+def compile_kernels() -> bool:
+    """Whether kernels written for torch.compile (FlexAttention, its block masks) are compiled: True on GPU, where
+    that is what makes them fused; False on CPU, where they run eagerly (no C++ toolchain assumed)."""
+    return not is_cpu()

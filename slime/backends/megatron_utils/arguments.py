@@ -12,6 +12,7 @@ import torch
 from slime.utils.device import (
     bf16_by_default,
     default_transformer_impl,
+    default_tree_attention_backend,
     dist_backend,
     gradient_accumulation_fusion_by_default,
     note_cpu_fallbacks,
@@ -121,7 +122,11 @@ def check_tree_training(args, error):
     dense ancestor mask and on `model.rope_by_position` finding megatron-core's `RotaryEmbedding`: a model built
     any other way is refused."""
     if not args.tree_training:
+        if args.tree_attention_backend is not None:
+            error("--tree-attention-backend has no effect without --tree-training.")
         return
+    if args.tree_attention_backend is None:
+        args.tree_attention_backend = default_tree_attention_backend()
     refusals = [
         (args.context_parallel_size > 1, "context parallelism (--context-parallel-size > 1)"),
         # untested: CPU has no sequence-parallel norms, and at TP 1 the flag is dropped anyway
@@ -142,6 +147,11 @@ def check_tree_training(args, error):
     for refused, what in refusals:
         if refused:
             error(f"--tree-training does not support {what} yet.")
+    if args.tree_attention_backend == "flex" and args.attention_dropout > 0:
+        error(
+            f"--tree-attention-backend flex has no attention dropout, but --attention-dropout is "
+            f"{args.attention_dropout}: set --attention-dropout 0.0 (as RL scripts do) or --tree-attention-backend dense."
+        )
     if use_transformer_engine(args):
         error(
             "--tree-training needs the local layer spec (--transformer-impl local): the Transformer-Engine path "

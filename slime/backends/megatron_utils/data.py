@@ -27,6 +27,7 @@ from slime.backends.megatron_utils.rollout_data import (
     get_micro_batch_partitions,
     get_minimum_num_micro_batch_size,
 )
+from slime.backends.megatron_utils.tree_attention import tree_block_mask
 from slime.utils.device import current_device
 from slime.utils.flops_utils import forward_flops
 from slime.utils.processing_utils import merge_multimodal_inputs
@@ -74,7 +75,10 @@ def get_data_iterator(args, model, rollout_data):
 
     vpp_size = mpu.get_virtual_pipeline_model_parallel_world_size() or 1
     packed = use_packed_sequences(args)
-    tree = bool(getattr(args, "tree_training", False))
+    # --tree-training: the tree row's attention ("dense" mask or "flex" block mask), else False
+    tree = (
+        (getattr(args, "tree_attention_backend", None) or "dense") if getattr(args, "tree_training", False) else False
+    )
 
     if not args.use_dynamic_batch_size:
         if not fan_out:
@@ -189,8 +193,9 @@ def get_batch(data_iterator, keys, pad_multiplier=128):
     batch = data_iterator.get_next(keys)
     tokens = batch["tokens"]
     batch["unconcat_tokens"] = tokens
-    if getattr(data_iterator, "tree", False):
-        batch.update(_tree_layout(tokens))
+    tree = getattr(data_iterator, "tree", False)
+    if tree:
+        batch.update(_tree_layout(tokens, "dense" if tree is True else tree))
     elif data_iterator.packed_sequences:
         batch.update(_packed_layout(tokens, _tp_size() * pad_multiplier))
     else:
@@ -312,7 +317,7 @@ def build_token_tree(tokens):
     )
 
 
-def _tree_layout(tokens):
+def _tree_layout(tokens, attention="dense"):
     """`--tree-training`: the micro-batch as one row holding its prefix forest in DFS order (`build_token_tree`),
     with an ancestor mask (a token attends to itself and its ancestors only: key k is visible from query q iff
     k <= q <= subtree_end[k]; other trees of the forest are never ancestors) and `position_ids` = depth, so
@@ -329,11 +334,15 @@ def _tree_layout(tokens):
         node_tokens = F.pad(node_tokens, (0, pad), value=PAD_TOKEN_ID)
         depth = F.pad(depth, (0, pad), value=0)
         end = torch.cat([end, torch.arange(n, n + pad, device=end.device)])
-    q = torch.arange(node_tokens.numel(), device=node_tokens.device)
-    visible = (q[None, :] <= q[:, None]) & (q[:, None] <= end[None, :])  # [q, k]
+    if attention == "flex":  # --tree-attention-backend flex: the same mask as FlexAttention blocks
+        mask = tree_block_mask(end)
+    else:
+        q = torch.arange(node_tokens.numel(), device=node_tokens.device)
+        visible = (q[None, :] <= q[:, None]) & (q[:, None] <= end[None, :])  # [q, k]
+        mask = ~visible[None, None]  # Megatron's convention: True = masked out
     return {
         "tokens": node_tokens.unsqueeze(0),
-        "attention_mask": ~visible[None, None],  # Megatron's convention: True = masked out
+        "attention_mask": mask,
         "position_ids": depth.unsqueeze(0),
         "packed_seq_params": None,
         "tree_index": index,

@@ -24,6 +24,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from slime.backends.megatron_utils.cp_attention import AllGatherKVDotProductAttention
+from slime.backends.megatron_utils.tree_attention import TreeFlexAttention
 from slime.utils.device import current_device, default_dtype
 from slime.utils.misc import accepted_kwargs
 from slime.utils.user_errors import user_function
@@ -208,23 +209,36 @@ def default_layer_spec(args, config, vp_stage=None):
         spec = with_post_norms(spec, args, te)
     if config.context_parallel_size > 1 and not te:  # TE's attention implements CP itself (config.cp_comm_type)
         spec = with_cp_attention(spec)
+    if getattr(args, "tree_training", False) and getattr(args, "tree_attention_backend", None) == "flex":
+        spec = with_core_attention(
+            spec, TreeFlexAttention, "--tree-attention-backend flex", "--tree-attention-backend dense"
+        )
     return spec
 
 
 def with_cp_attention(spec):
     """The local spec under CP: megatron's DotProductAttention refuses CP > 1, the all-gather-KV one takes its place."""
+    return with_core_attention(
+        spec,
+        AllGatherKVDotProductAttention,
+        "--context-parallel-size > 1 without Transformer Engine",
+        "--context-parallel-size 1 or the TE spec (GPU)",
+    )
+
+
+def with_core_attention(spec, cls, what, instead):
+    """`spec` with `cls` in place of megatron's local DotProductAttention (`what` needs it; else use `instead`)."""
     spec = copy.deepcopy(spec)
     for layer in getattr(spec, "layer_specs", None) or [spec]:
         attention = layer.submodules.self_attention.submodules
-        if attention.core_attention is AllGatherKVDotProductAttention:  # block specs share one submodule spec
+        if attention.core_attention is cls:  # block specs share one submodule spec
             continue
         if attention.core_attention is not DotProductAttention:
             raise ValueError(
-                f"--context-parallel-size > 1 without Transformer Engine replaces megatron's "
-                f"DotProductAttention, but this layer spec's core attention is "
-                f"{attention.core_attention.__name__}; use --context-parallel-size 1 or the TE spec (GPU)"
+                f"{what} replaces megatron's DotProductAttention, but this layer spec's core attention is "
+                f"{attention.core_attention.__name__}; use {instead}"
             )
-        attention.core_attention = AllGatherKVDotProductAttention
+        attention.core_attention = cls
     return spec
 
 

@@ -45,7 +45,8 @@ class DataIterator:
         self.micro_batch_size = micro_batch_size
         self.micro_batch_indices = micro_batch_indices
         self.packed_sequences = packed_sequences
-        self.tree = tree  # --tree-training: the batch builder packs the micro-batch as a prefix tree
+        # --tree-training: the batch builder packs the micro-batch as a prefix tree, its attention "dense" or "flex"
+        self.tree = tree
         self.offset = 0
 
     def get_next(self, keys):
