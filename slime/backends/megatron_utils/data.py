@@ -76,9 +76,7 @@ def get_data_iterator(args, model, rollout_data):
     vpp_size = mpu.get_virtual_pipeline_model_parallel_world_size() or 1
     packed = use_packed_sequences(args)
     # --tree-training: the tree row's attention ("dense" mask or "flex" block mask), else False
-    tree = (
-        (getattr(args, "tree_attention_backend", None) or "dense") if getattr(args, "tree_training", False) else False
-    )
+    tree = getattr(args, "tree_training", False) and (getattr(args, "tree_attention_backend", None) or "dense")
 
     if not args.use_dynamic_batch_size:
         if not fan_out:
@@ -193,9 +191,8 @@ def get_batch(data_iterator, keys, pad_multiplier=128):
     batch = data_iterator.get_next(keys)
     tokens = batch["tokens"]
     batch["unconcat_tokens"] = tokens
-    tree = getattr(data_iterator, "tree", False)
-    if tree:
-        batch.update(_tree_layout(tokens, "dense" if tree is True else tree))
+    if getattr(data_iterator, "tree", False):
+        batch.update(_tree_layout(tokens, data_iterator.tree))
     elif data_iterator.packed_sequences:
         batch.update(_packed_layout(tokens, _tp_size() * pad_multiplier))
     else:
