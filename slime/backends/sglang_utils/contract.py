@@ -32,6 +32,22 @@ def request_fields(path: str) -> dict | None:
     return load_contract()["classes"][r["request"]]
 
 
+_SIMPLE = {
+    "str": lambda v: isinstance(v, str),
+    "bytes": lambda v: isinstance(v, str),
+    "bool": lambda v: isinstance(v, bool),
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "list": lambda v: isinstance(v, list),
+    "List": lambda v: isinstance(v, list),
+    "dict": lambda v: isinstance(v, dict),
+    "Dict": lambda v: isinstance(v, dict),
+    "tuple": lambda v: isinstance(v, list),
+    "Tuple": lambda v: isinstance(v, list),
+}
+_ANYTHING = lambda v: True  # noqa: E731
+
+
 def _check_type(value, node) -> bool:
     """Whether a JSON value fits a Python annotation (as SGLang's pydantic/msgspec decoding would take it).
     Names the contract does not define (SGLang's own aliases and classes) accept anything."""
@@ -42,21 +58,7 @@ def _check_type(value, node) -> bool:
     if isinstance(node, ast.Attribute):
         node = ast.Name(node.attr)
     if isinstance(node, ast.Name):
-        name = node.id
-        simple = {
-            "str": lambda v: isinstance(v, str),
-            "bytes": lambda v: isinstance(v, str),
-            "bool": lambda v: isinstance(v, bool),
-            "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
-            "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-            "list": lambda v: isinstance(v, list),
-            "List": lambda v: isinstance(v, list),
-            "dict": lambda v: isinstance(v, dict),
-            "Dict": lambda v: isinstance(v, dict),
-            "tuple": lambda v: isinstance(v, list),
-            "Tuple": lambda v: isinstance(v, list),
-        }
-        return simple.get(name, lambda v: True)(value)
+        return _SIMPLE.get(node.id, _ANYTHING)(value)
     if isinstance(node, ast.Subscript):
         head = node.value.attr if isinstance(node.value, ast.Attribute) else getattr(node.value, "id", "")
         args = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
@@ -69,6 +71,8 @@ def _check_type(value, node) -> bool:
         if head == "Literal":
             return value in [ast.literal_eval(a) for a in args]
         if head in ("List", "list", "Sequence"):
+            if isinstance(args[0], ast.Name):  # a list of a simple type (token ids): one predicate per element
+                return isinstance(value, list) and all(map(_SIMPLE.get(args[0].id, _ANYTHING), value))
             return isinstance(value, list) and all(_check_type(v, args[0]) for v in value)
         if head in ("Dict", "dict"):
             return isinstance(value, dict) and all(_check_type(v, args[-1]) for v in value.values())
@@ -79,7 +83,13 @@ def _check_type(value, node) -> bool:
 
 
 def type_ok(value, annotation: str) -> bool:
-    return _check_type(value, ast.parse(annotation, mode="eval").body)
+    return _check_type(value, _annotation(annotation))
+
+
+@functools.lru_cache(None)
+def _annotation(text: str) -> ast.expr:
+    """Parsed once per annotation: the CPU server checks every request body it serves."""
+    return ast.parse(text, mode="eval").body
 
 
 def fields_errors(body: dict, fields: dict, what: str) -> list:
