@@ -607,13 +607,10 @@ def test_agent_output_parsing_without_sglang_answers_as_sglangs_own_parsers(tmp_
     assert not have_sglang()  # this venv runs the rules written here
     (tmp_path / "cases.json").write_text(json.dumps({"tools": PARSER_TOOLS, "cases": PARSER_CASES}))
 
-    def parse_all(parse):
-        out = {}
-        for name, (text, tool_parser, reasoning_parser) in PARSER_CASES.items():
-            p = parse(text, tools=PARSER_TOOLS, tool_parser=tool_parser, reasoning_parser=reasoning_parser)
-            out[name] = [p.reasoning, p.text, p.tool_calls, p.ill_formed]
-        return out
-
+    ours = {}
+    for name, (text, tool_parser, reasoning_parser) in PARSER_CASES.items():
+        p = parse_output(text, tools=PARSER_TOOLS, tool_parser=tool_parser, reasoning_parser=reasoning_parser)
+        ours[name] = [p.reasoning, p.text, p.tool_calls, p.ill_formed]
     code = (
         "import json, logging, sys\n"
         "logging.disable(logging.WARNING)\n"
@@ -634,7 +631,7 @@ def test_agent_output_parsing_without_sglang_answers_as_sglangs_own_parsers(tmp_
     )
     run = run_side(code, str(tmp_path / "cases.json"))
     assert run.returncode == 0, run.stderr[-2000:]
-    theirs, ours = json.loads(run.stdout.strip().splitlines()[-1]), parse_all(parse_output)
+    theirs = json.loads(run.stdout.strip().splitlines()[-1])
     assert {k: {"here": ours[k], "sglang": theirs[k]} for k in ours if ours[k] != theirs[k]} == {}
     # the table exercises what it claims to: calls kept and dropped, flags both ways, reasoning split
     assert ours["two_calls_then_text"] == ["", "Both.", [_WEATHER, _ADD], False]
