@@ -3,8 +3,9 @@
 coverage.py writes a process's data at exit, on SIGTERM and (with `patch = _exit`) before `os._exit`. Ray ends its
 workers without any of these, so a trainer's or a rollout controller's lines would never be counted. This module,
 loaded at every interpreter start by a `.pth` file, saves the data every two seconds in Ray workers: those Ray execs
-(`default_worker.py`) and those the tests' Ray zygote forks. Saves are serialised with coverage's own, and a forked
-child gets a fresh lock (one held by the saver thread at the fork would never be released there)."""
+(`default_worker.py`) and those the tests' Ray zygote forks. Saves are serialised with coverage's own, and a fork
+waits for a save in progress: a child forked mid-save would inherit coverage's data lock held by a thread it does not
+have, and hang at its own exit save (seen in Megatron's async checkpoint writer). The child gets a fresh lock."""
 
 import os
 import sys
@@ -21,7 +22,9 @@ if os.getenv("COVERAGE_PROCESS_START"):
         global _lock
         _lock = threading.RLock()
 
-    os.register_at_fork(after_in_child=_fresh_lock)
+    os.register_at_fork(
+        before=lambda: _lock.acquire(), after_in_parent=lambda: _lock.release(), after_in_child=_fresh_lock
+    )
 
     def _serialised(cov):
         if cov is not None and not getattr(cov, "_slime_serialised", False):
