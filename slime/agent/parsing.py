@@ -146,7 +146,7 @@ def _tool_calls_sglang(text: str, tools: list[dict], parser: str) -> tuple[int, 
         return 0, text, []
     rest, items = fc.parse_non_stream(text)
     start = getattr(fc.detector, "bot_token", None)  # formats that wrap several calls in one start count as one
-    begun = max(1, text.count(start) if start else 1)
+    begun = max(1, text.count(start)) if start else 1
     return begun, rest or "", [(it.name, it.parameters or "{}") for it in items]
 
 
