@@ -409,6 +409,35 @@ def test_process_group_rendezvous_listens_on_its_host_only():
             tcp_store("127.0.0.1", busy, 1, True, seconds(5))
 
 
+def test_rank0_holds_its_rendezvous_port_from_announcing_it_until_its_store_listens(monkeypatch):
+    """Rank 0 announces its port in `__init__` and listens on it in `init`, seconds later; a port only probed in
+    between was taken by another process once in CI (`Address already in use`). Now no one can bind it meanwhile,
+    and `init` forms the group on it."""
+    import ray
+    import torch.distributed as dist
+
+    from slime.ray import train_actor
+
+    monkeypatch.setattr(ray._private.services, "get_node_ip_address", lambda: "127.0.0.1")
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: [])
+    monkeypatch.setattr(train_actor, "set_shared_authkey", lambda: None)
+    for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.setenv(key, "")  # restored after the test: `__init__` sets them
+    actor = object.__new__(train_actor.TrainRayActor)
+    train_actor.TrainRayActor.__init__(actor, 1, 0, None, None)
+    addr, port = actor.get_master_addr_and_port()
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        with pytest.raises(OSError, match="Address already in use"):
+            other.bind((addr, port))
+    train_actor.TrainRayActor.init(actor, make_args(), "actor")
+    try:
+        assert (dist.get_rank(), dist.get_world_size()) == (0, 1)
+        assert _listening_ips(port) == {"127.0.0.1"}
+    finally:
+        dist.destroy_process_group()
+
+
 def test_cpu_run_says_once_that_megatron_falls_back_to_torch():
     """megatron-core warns at import that Transformer Engine and Apex are missing, in every process that imports it
     (each trainer, the controller, the driver). On CPU that is the design: no such warning, and one line from the

@@ -15,7 +15,7 @@ def test_trainer_process_group_takes_backend_and_timeout(monkeypatch):
     from slime.ray import train_actor
 
     calls = {}
-    monkeypatch.setattr(train_actor, "tcp_store", lambda *a: calls.setdefault("store_timeout", a[-1]))
+    monkeypatch.setattr(train_actor, "tcp_store", lambda *a, **k: calls.setdefault("store_timeout", a[-1]))
     monkeypatch.setattr(train_actor.dist, "init_process_group", lambda **kw: calls.setdefault("group", kw))
     monkeypatch.setattr(train_actor.dist, "get_rank", lambda: 0)
     monkeypatch.setattr(train_actor.dist, "get_world_size", lambda: 1)

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from slime.ray.ray_actor import RayActor
 from slime.utils import device
-from slime.utils.distributed_utils import tcp_store
+from slime.utils.distributed_utils import rendezvous_socket, tcp_store
 from slime.utils.tensor_serialization import set_shared_authkey
 
 
@@ -24,8 +24,10 @@ class TrainRayActor(RayActor):
         self._world_size, self._rank = world_size, rank
         if master_addr:
             self.master_addr, self.master_port = master_addr, master_port
-        else:
-            self.master_addr, self.master_port = self._get_current_node_ip_and_free_port()
+        else:  # rank 0: its rendezvous port is bound now and held until `init` listens on it
+            self.master_addr = ray._private.services.get_node_ip_address().strip("[]")
+            self._store_socket = rendezvous_socket(self.master_addr)
+            self.master_port = self._store_socket.getsockname()[1]
         os.environ.update(
             MASTER_ADDR=self.master_addr, MASTER_PORT=str(self.master_port), WORLD_SIZE=str(world_size), RANK=str(rank)
         )
@@ -46,7 +48,8 @@ class TrainRayActor(RayActor):
         addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         backend, timeout = process_group_settings(args)
-        store = tcp_store(addr, port, world_size, rank == 0, timeout)
+        held = self.__dict__.pop("_store_socket", None)
+        store = tcp_store(addr, port, world_size, rank == 0, timeout, sock=held)
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         args.rank, args.world_size = dist.get_rank(), dist.get_world_size()
         args.local_rank = local_rank

@@ -23,15 +23,29 @@ from torch.distributed.distributed_c10d import (
 )
 
 
-def tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout: timedelta) -> TCPStore:
-    """A TCPStore at host:port; its server (on the master) listens on `host` only, never on the wildcard address."""
+def rendezvous_socket(host: str, port: int = 0) -> socket.socket:
+    """A socket bound to host:port (0: a port the OS picks), for `tcp_store` to listen on. Rank 0 binds it when it
+    announces its port and holds it until its store listens: a port only probed could be taken meanwhile."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        if port:  # a fixed port may still be in TIME_WAIT from a previous run; an OS-picked one never is
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise RuntimeError(f"cannot listen on {host}:{port} for a process-group rendezvous: {e}") from e
+    return sock
+
+
+def tcp_store(
+    host: str, port: int, world_size: int, is_master: bool, timeout: timedelta, sock: socket.socket | None = None
+) -> TCPStore:
+    """A TCPStore at host:port; its server (on the master) listens on `host` only, never on the wildcard address,
+    on `sock` when the master bound it beforehand."""
     if not is_master:
         return TCPStore(host, port, world_size, False, timeout)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = sock or rendezvous_socket(host, port)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
         sock.listen(max(128, world_size))
     except OSError as e:
         sock.close()

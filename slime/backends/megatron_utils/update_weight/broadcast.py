@@ -15,8 +15,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
 from slime.utils.device import dist_backend
-from slime.utils.distributed_utils import init_process_group, seconds
-from slime.utils.http_utils import free_port, get_host_info
+from slime.utils.distributed_utils import init_process_group, rendezvous_socket, seconds, tcp_store
+from slime.utils.http_utils import get_host_info
 
 from .common import WeightUpdateError, wait_engines
 
@@ -69,7 +69,8 @@ class BroadcastTransport:
         gpus_per_engine = self.session.args.rollout_num_gpus_per_engine
         world_size = len(engines) * gpus_per_engine + 1
         master_address = get_host_info()[1]
-        master_port = free_port()  # drawn at random: concurrent runs on one machine do not race for one number
+        held = rendezvous_socket(master_address)  # bound before the engines learn its port: no one else can take it
+        master_port = held.getsockname()[1]
         backend = dist_backend()
         refs = [
             engine.init_process_group.remote(
@@ -82,9 +83,10 @@ class BroadcastTransport:
 
         def join():
             try:
+                store = tcp_store(master_address, master_port, world_size, True, seconds(timeout), sock=held)
                 joined["group"] = init_process_group(
                     backend=backend,
-                    init_method=f"tcp://{master_address}:{master_port}",
+                    store=store,
                     world_size=world_size,
                     rank=0,
                     group_name=self.group_name,
