@@ -25,43 +25,41 @@ SESSION.trust_env = False
 
 def start_cpu_server(model_dir, *extra, timeout=120, env=None):
     """Launch `python -m slime.backends.cpu_server` on a free 127.0.0.1 port, forked from the session's pre-imported
-    interpreter (tests/_ray_zygote.py); returns (process, url). Caller stops it."""
-    port = free_port()  # bound seconds later by the new process: never an ephemeral port
-    cmd = [
-        *_ray_zygote.command(_ray_zygote.shared()[1]),
-        "-m",
-        "slime.backends.cpu_server",
-        "--model-path",
-        model_dir,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        *extra,
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-        text=True,
-        env=env,
-        preexec_fn=die_with_parent,  # a killed test run leaves no server behind
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"cpu server exited with {proc.returncode}: {proc.stderr.read()[-3000:]}")
-        try:
-            if SESSION.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except requests.RequestException:
-            pass
-        if time.time() > deadline:
-            stop_cpu_server(proc)
-            raise TimeoutError(f"cpu server at {url} not healthy within {timeout}s")
-        time.sleep(0.2)
+    interpreter (tests/_ray_zygote.py); returns (process, url). Caller stops it. A port taken between choosing and
+    binding it (by a process of the other test worker) is chosen again, twice."""
+    for attempt in range(3):
+        port = free_port()  # bound seconds later by the new process: never an ephemeral port
+        cmd = [
+            *_ray_zygote.command(_ray_zygote.shared()[1]),
+            *["-m", "slime.backends.cpu_server", "--model-path", model_dir],
+            *["--host", "127.0.0.1", "--port", str(port), *extra],
+        ]
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            text=True,
+            env=env,
+            preexec_fn=die_with_parent,  # a killed test run leaves no server behind
+        )
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + timeout
+        while True:
+            if proc.poll() is not None:
+                err = proc.stderr.read()[-3000:]
+                if "address already in use" in err.lower() and attempt < 2:
+                    break
+                raise RuntimeError(f"cpu server exited with {proc.returncode}: {err}")
+            try:
+                if SESSION.get(url + "/health", timeout=2).status_code == 200:
+                    return proc, url
+            except requests.RequestException:
+                pass
+            if time.time() > deadline:
+                stop_cpu_server(proc)
+                raise TimeoutError(f"cpu server at {url} not healthy within {timeout}s")
+            time.sleep(0.2)
 
 
 def stop_cpu_server(proc):
