@@ -4,6 +4,7 @@ import hashlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -910,6 +911,21 @@ def test_other_llama_family_architectures_match_transformers(arch, tmp_path):
     with torch.no_grad():
         want = torch.stack([ref(torch.tensor([s + [t]])).logits[0, -1] for s, t in zip(seqs, [11, 12])])
     assert (got - want).abs().max() < 1e-4
+
+
+def test_a_busy_port_is_one_line_and_the_server_never_says_it_is_ready(tiny_kit):
+    """SGLang's "fired up and ready to roll" line, which launch scripts wait for, comes only once the port listens."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cmd = [*_ray_zygote.command(_ray_zygote.shared()[1]), "-m", "slime.backends.cpu_server"]
+        cmd += ["--model-path", tiny_kit[0], "--host", "127.0.0.1", "--port", str(port)]
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, preexec_fn=die_with_parent)
+    assert run.returncode == 1, run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert "cannot start" in last and f"('127.0.0.1', {port})" in last and "address already in use" in last, last
+    assert "ready to roll" not in run.stderr
 
 
 def test_unsupported_model_is_a_clear_error(tmp_path):

@@ -506,9 +506,7 @@ def run_server(args):
         args.max_running_requests,
     )
 
-    async def ready(app):
+    def ready(_):  # run_app "prints" once its sockets listen: SGLang's line, said only when it is true
         logger.info("The server is fired up and ready to roll! http://%s:%d", args.host, args.port)
 
-    app = server.make_app()
-    app.on_startup.append(ready)
-    web.run_app(app, host=args.host, port=args.port, access_log=None, print=None, handle_signals=True)
+    web.run_app(server.make_app(), host=args.host, port=args.port, access_log=None, print=ready, handle_signals=True)
