@@ -154,14 +154,6 @@ def read_bytes(location) -> np.ndarray:
         return np.frombuffer(f.read(nbytes), dtype=np.uint8)
 
 
-def _write_bytes(location, data: np.ndarray) -> None:
-    path, offset, nbytes = location[:3]
-    assert data.size == nbytes
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        f.write(data.tobytes())
-
-
 # ------------------------------------------------------------------ publishing (trainer side)
 
 
