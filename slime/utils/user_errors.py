@@ -18,6 +18,10 @@ import traceback
 from slime.utils.misc import load_function
 
 
+def one_line(text) -> str:
+    return " ".join(str(text).split())
+
+
 class StartupError(Exception):
     """A user mistake found after argument parsing (e.g. the cluster is too small): one line, no traceback."""
 
