@@ -651,7 +651,7 @@ def test_cpu_server_ignores_gpu_knobs_with_one_warning(caplog):
 
 def test_cpu_server_honours_disable_radix_cache(caplog):
     """--sglang-disable-radix-cache turns the CPU server's shared prefill off: passed on, not ignored."""
-    from slime.backends.sglang_utils.sglang_engine import server_command
+    from slime.backends.sglang_utils.server_launch import server_command
 
     with caplog.at_level(logging.WARNING):
         a = parse("--inference-server", "cpu", "--sglang-disable-radix-cache")
@@ -665,7 +665,7 @@ def test_cpu_server_takes_the_sampling_mask_cap():
     """--sglang-sampling-mask-max-tokens reaches the CPU server (which bounds top-k by it, tests/test_cpu_server.py),
     so the top-k that top-p alone samples at is the engine's bound on both servers."""
     from slime.backends.cpu_server.__main__ import build_parser
-    from slime.backends.sglang_utils.sglang_engine import server_command
+    from slime.backends.sglang_utils.server_launch import server_command
 
     a = parse("--inference-server", "cpu", "--sglang-sampling-mask-max-tokens", "256", "--rollout-top-p", "0.9")
     argv = server_command(a, 0, "127.0.0.1", 30000, 30001, "127.0.0.1:30002")[1]
@@ -676,7 +676,7 @@ def test_cpu_server_takes_the_sampling_mask_cap():
 def test_engines_start_at_weight_version_0_not_sglangs_default(server):
     """Issue #37: every engine slime launches starts labelled "0" (the --hf-checkpoint weights), never SGLang's
     "default", so each label a sample records is one slime set."""
-    from slime.backends.sglang_utils.sglang_engine import server_command
+    from slime.backends.sglang_utils.server_launch import server_command
 
     argv = server_command(make_args(inference_server=server), 0, "127.0.0.1", 30000, 30001, "127.0.0.1:30002")[1]
     assert argv[argv.index("--weight-version") + 1] == "0"

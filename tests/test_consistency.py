@@ -265,7 +265,7 @@ def test_deterministic_mode_seeds_each_sample_of_a_group_from_the_rollout_seed()
 
 
 def test_deterministic_mode_turns_on_the_engines_deterministic_inference():
-    from slime.backends.sglang_utils.sglang_engine import server_command
+    from slime.backends.sglang_utils.server_launch import server_command
 
     assert make_args().sglang_enable_deterministic_inference is False
     for server in ("cpu", "sglang"):

@@ -45,7 +45,7 @@ def _sources():
 
 
 def _forwarded_dests(parser):
-    """Dests forwarded wholesale: the `--sglang-<flag>` pass-through group (`sglang_engine._sglang_passthrough` hands
+    """Dests forwarded wholesale: the `--sglang-<flag>` pass-through group (`server_launch._sglang_passthrough` hands
     every `args.sglang_*` the user changed to SGLang's server), and every `--router-*` flag (sglang-router's own
     `RouterArgs`, built by `RouterArgs.from_cli_args(args, use_router_prefix=True)`)."""
     with open(UPSTREAM_FLAGS) as f:

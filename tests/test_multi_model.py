@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import train as sync_driver
 from slime.backends.sglang_utils.router import list_workers
+from slime.backends.sglang_utils.server_launch import server_command
 from slime.backends.sglang_utils.sglang_config import (
     SglangConfig,
     SglangConfigError,
@@ -22,7 +23,6 @@ from slime.backends.sglang_utils.sglang_config import (
     policy_num_gpus,
     resolve,
 )
-from slime.backends.sglang_utils.sglang_engine import server_command
 from slime.ray.model_servers import engine_args
 from slime.utils.types import Sample
 from tests import _procs

@@ -321,7 +321,7 @@ def test_a_chat_request_through_the_router_is_recorded_with_what_sglang_applied(
 def test_the_engines_chat_defaults_follow_sglangs_sampling_defaults_flag(chat_kit):
     """What the proxy assumes the engines apply: --hf-checkpoint's recommendations under SGLang's default
     `--sampling-defaults model`, OpenAI's under `--sglang-sampling-defaults openai` (which the CPU server takes too)."""
-    from slime.backends.sglang_utils.sglang_engine import server_command
+    from slime.backends.sglang_utils.server_launch import server_command
     from slime.rollout.recording_proxy import chat_sampling_defaults
 
     args = make_args()

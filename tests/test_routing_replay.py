@@ -20,7 +20,7 @@ import requests
 import torch
 
 from slime.backends.megatron_utils.routing_replay import KEY
-from slime.backends.sglang_utils import sglang_engine
+from slime.backends.sglang_utils import server_launch
 from slime.backends.sglang_utils.contract import body_errors
 from slime.config import parse_args
 from slime.utils.routing_replay import decode_routed_experts, routed_experts_error
@@ -187,7 +187,7 @@ def test_engines_start_with_sglangs_routed_experts_flag(tmp_path):
         for server in ("sglang", "cpu"):
             flags = ["--use-rollout-routing-replay"] if r3 else []
             args = make_args(*flags, hf_checkpoint=moe, inference_server=server)
-            commands[r3, server] = sglang_engine.server_command(args, 0, "127.0.0.1", 3000, 3001, "127.0.0.1:3002")[1]
+            commands[r3, server] = server_launch.server_command(args, 0, "127.0.0.1", 3000, 3001, "127.0.0.1:3002")[1]
             assert ("--enable-return-routed-experts" in commands[r3, server]) == r3, (r3, server)
     cmd = commands[True, "sglang"]
     code = """

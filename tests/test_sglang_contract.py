@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from slime.backends.sglang_utils import arguments as sglang_arguments
-from slime.backends.sglang_utils import sglang_engine
+from slime.backends.sglang_utils import server_launch, sglang_engine
 from slime.backends.sglang_utils.contract import body_errors, load_contract, request_fields
 from tests._args import make_args
 
@@ -150,7 +150,7 @@ _VALID_VALUES = {"--cuda-graph-config": {"decode": {"backend": "full", "max_bs":
 def _user_settable_entries():
     """Pinned-release options a user sets as --sglang-*: each dest once, its non-deprecated spelling."""
     table = sglang_arguments.load_table()
-    engine_set = set(sglang_engine._ENGINE_FIELDS) | set(sglang_arguments.SKIPPED_ARGS)
+    engine_set = set(server_launch._ENGINE_FIELDS) | set(sglang_arguments.SKIPPED_ARGS)
     out = {}
     for e in table["arguments"]:
         dest = e.get("dest") or e["flags"][0][2:].replace("-", "_")
@@ -171,7 +171,7 @@ def _gpu_launch_argv(values):
     for dest, value in values.items():
         assert hasattr(args, f"sglang_{dest}"), f"--sglang-{dest} is not a slime option"
         setattr(args, f"sglang_{dest}", value)
-    kind, cmd = sglang_engine.server_command(args, 0, "127.0.0.1", 30000, 30001, "127.0.0.1:30002")
+    kind, cmd = server_launch.server_command(args, 0, "127.0.0.1", 30000, 30001, "127.0.0.1:30002")
     assert kind == "sglang" and cmd[1:3] == ["-m", "sglang.launch_server"]
     return cmd[3:]
 
@@ -231,7 +231,7 @@ def test_lora_adapter_launch_fields_parse_with_sglangs_own_parser():
         inference_server="sglang", enable_lora=True, lora_sync="adapter", lora_rank=8, offload_rollout=True
     )
     args.lora_target_modules = ["linear_qkv", "linear_fc1"]
-    _, cmd = sglang_engine.server_command(args, 0, "127.0.0.1", 30000, 30001, "127.0.0.1:30002")
+    _, cmd = server_launch.server_command(args, 0, "127.0.0.1", 30000, 30001, "127.0.0.1:30002")
     code = """
 import argparse, json, sys
 from sglang.srt.server_args import ServerArgs

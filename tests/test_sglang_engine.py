@@ -8,7 +8,7 @@ import time
 import pytest
 
 from slime.backends.sglang_utils.router import list_workers, router_url, start_router, stop_router
-from slime.backends.sglang_utils.sglang_engine import server_command
+from slime.backends.sglang_utils.server_launch import server_command
 from tests._args import make_args
 from tests.test_cpu_server import PROMPTS, SESSION
 

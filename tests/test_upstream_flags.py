@@ -2,7 +2,7 @@
 
 import pytest
 
-from slime.backends.sglang_utils.sglang_engine import server_command
+from slime.backends.sglang_utils.server_launch import server_command
 from tests._args import make_args, one_line_refusal
 
 

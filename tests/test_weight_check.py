@@ -87,7 +87,7 @@ def fake_sglang(ray_session):
 def test_one_sglang_engine_is_held_to_the_change_set_rule(fake_sglang, caplog):
     """One SGLang engine (no peer to agree with): the first push is the baseline, a correct push passes, a push the
     engine did not receive stops the run naming the engine, the version, a tensor and the opt-out."""
-    caplog.set_level(logging.INFO, logger="slime.ray.rollout")
+    caplog.set_level(logging.INFO, logger="slime.ray.weight_checks")
     args = _args_sglang()
     (engine,) = fake_sglang(1)
     manager = manager_of(args, [engine], ["http://127.0.2.1:30000"])

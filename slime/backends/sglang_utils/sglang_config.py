@@ -28,7 +28,7 @@ import yaml
 from slime.utils.device import auto_inference_server
 
 from .arguments import _GPU_PERF_KNOB, CPU_SERVER_HONOURED, sglang_available
-from .sglang_engine import _ENGINE_FIELDS, _sglang_flags
+from .server_launch import _ENGINE_FIELDS, _sglang_flags
 
 _TOP_KEYS = {"sglang"}
 _MODEL_KEYS = {"name", "model_path", "update_weights", "num_gpus_per_engine", "server_groups", "engine_groups"}
