@@ -25,7 +25,7 @@ class TrainRayActor(RayActor):
         if master_addr:
             self.master_addr, self.master_port = master_addr, master_port
         else:  # rank 0: its rendezvous port is bound now and held until `init` listens on it
-            self.master_addr = ray._private.services.get_node_ip_address().strip("[]")
+            self.master_addr = self._node_ip()
             self._store_socket = rendezvous_socket(self.master_addr)
             self.master_port = self._store_socket.getsockname()[1]
         os.environ.update(
