@@ -13,9 +13,9 @@ convert, transfer, load into the engine, continue):
     python benchmarks/bench_weight_sync.py [--model mid|tiny] [--repeats 5] [--modes shm colocated]
     (--model tiny: the test suite's tiny kit sizes; mid: a few hundred MB; --hidden/--ffn/--layers override either)
 
-  --fingerprint  the weight fingerprint's share of a push (shm path): the update with the trainer hashing what it
-             sends plus the engine's fingerprint (what the rollout manager asks after every push), against the update
-             without (--no-check-weight-fingerprints), alternated push by push; median ratio and its range
+  --fingerprint  the weight fingerprint's cost (shm path): steps of push, rollout and, with the check, the check as
+             the driver runs it before the version's samples train, against the same without
+             (--no-check-weight-fingerprints), alternated step by step; median ratios and their ranges
 
   --bytes    bytes one update sends into a quantised engine against a bf16 one (deterministic, no Ray): FP8 block
              128x128 on the tiny dense Qwen3 and a tiny Qwen3-MoE, INT4 W4A16 (group 32, symmetric, routed experts)
@@ -141,54 +141,88 @@ def bench_mode(args, engine, mode, repeats, workdir):
     return runs[0]["perf/update_weights_bytes"], min(times), statistics.median(times)
 
 
-def fingerprint_cost(args, engines, repeats):
-    """Paired pushes, alternated within each pair: a trainer without the check pushes to one engine, a trainer with
-    it to another (its push, then that engine's fingerprint, as the rollout manager asks after every push). Two
-    engines, since an engine that was asked once hashes every later push as it lands. Per pair the ratio."""
+def fingerprint_cost(args, engines, repeats, rollout_tokens, swap=False):
+    """One step as the driver runs it, for a trainer with the check and one without, alternated push by push, each
+    side with its own engine (an engine asked once hashes every later push as it lands): the push (the weight
+    update's time), a rollout (16 concurrent requests to the engine, the stand-in for generation, during which the
+    trainer and the engine finish hashing), then, with the check, the check itself, as `Run` runs it before the
+    version's samples train (the trainer's hashes, the engine's fingerprint, compared). Per pair the ratios. The
+    side started first runs without the check, or with it under `swap`: run both to cancel what the start order
+    alone does."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import requests
+
     from slime.ray.utils import Lock
+    from slime.rollout.weight_fingerprints import engine_mismatch
     from tests.test_weight_sync import start_trainers, stop
 
     args.update_weight_transport, args.update_weight_mode = "auto", "full"
     sides, actors = {}, []
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 400, (24,), generator=gen).tolist() for _ in range(16)]
+    sampling = {"max_new_tokens": rollout_tokens, "temperature": 0.8, "ignore_eos": True}
+    pool = ThreadPoolExecutor(len(prompts))
     try:
-        for on, engine in zip((False, True), engines):
+        for on, engine in zip((True, False) if swap else (False, True), engines):
             args.check_weight_fingerprints = on
             trainers, lock = start_trainers(args, colocate=False), Lock.remote()
             actors += trainers + [lock]
             ray.get(trainers[0].connect.remote([engine], lock), timeout=600)
-            sides[on] = (trainers[0], engine)
+            sides[on] = (trainers[0], engine, ray.get(engine.get_url.remote(), timeout=60))
 
-        def push(on):
-            """(the driver's wall time, the trainer's own update time, the engine's fingerprint time or None)"""
-            trainer, engine = sides[on]
-            t = time.perf_counter()
-            metrics = ray.get(trainer.update_weights.remote(), timeout=600)
-            engine_part = None
-            if on:  # the engine hashes with the trainer's algorithm (xxh3 for a CPU trainer)
-                e = time.perf_counter()
-                algorithm = metrics["update_weights/tensor_hash_algorithm"]
-                ray.get(engine.get_weights_fingerprint.remote(600, algorithm), timeout=600)
-                engine_part = time.perf_counter() - e
-            return time.perf_counter() - t, metrics["perf/update_weights_time"], engine_part
+        def rollout(url):
+            def one(ids):
+                r = requests.post(f"{url}/generate", json={"input_ids": ids, "sampling_params": sampling}, timeout=600)
+                r.raise_for_status()
 
-        for on in (False, True):  # warm-up: connections, first-touch pages, the engine's first (whole) hash
-            push(on)
+            list(pool.map(one, prompts))
+
+        def step(on):
+            """(push, rollout, check) wall times in seconds; the check is 0 without it."""
+            trainer, engine, url = sides[on]
+            t0 = time.perf_counter()
+            version = ray.get(trainer.push.remote(), timeout=600)["update_weights/weight_version"]
+            t1 = time.perf_counter()
+            rollout(url)
+            t2 = time.perf_counter()
+            if on:
+                sent = ray.get(trainer.sent_weight_hashes.remote(), timeout=600)
+                algorithm = sent["update_weights/tensor_hash_algorithm"]
+                info = ray.get(engine.get_weights_fingerprint.remote(600, algorithm), timeout=600)
+                mismatch = engine_mismatch(sent["update_weights/tensor_hashes"], info, version, "the engine")
+                assert mismatch is None, mismatch
+            return t1 - t0, t2 - t1, time.perf_counter() - t2
+
+        for on in (False, True, True):  # warm-up: connections, first-touch pages, the engine's first (whole) hash
+            step(on)
         runs = {False: [], True: []}
         for i in range(repeats):
             for on in (False, True) if i % 2 == 0 else (True, False):
-                runs[on].append(push(on))
+                runs[on].append(step(on))
     finally:
+        pool.shutdown()
         stop(actors)
     args.check_weight_fingerprints = True
-    med = {on: [statistics.median(r[k] for r in runs[on]) * 1e3 for k in (0, 1)] for on in runs}
-    ratios = sorted(a[0] / b[0] for a, b in zip(runs[True], runs[False]))
-    print(f"fingerprint cost, shm path, {repeats} pushes each, alternated (wall time of the push as the driver waits)")
-    print(f"  without: median {med[False][0]:.1f} ms (the trainer's own update time {med[False][1]:.1f} ms)")
+
+    def med(on, k):
+        return statistics.median(r[k] for r in runs[on]) * 1e3
+
+    def ratio(label, part):
+        rs = sorted(part(a) / part(b) for a, b in zip(runs[True], runs[False]))
+        print(f"  {label:<34} median {statistics.median(rs):.3f}x (range {rs[0]:.3f}-{rs[-1]:.3f})")
+
+    first = "with" if swap else "without"
     print(
-        f"  with:    median {med[True][0]:.1f} ms (trainer's update {med[True][1]:.1f} ms; the engine's fingerprint "
-        f"{statistics.median(r[2] for r in runs[True]) * 1e3:.1f} ms)"
+        f"fingerprint cost, shm path, {repeats} steps each, alternated; rollout 16 x {rollout_tokens} tokens; {first} started first"
     )
-    print(f"  ratio with/without: median {statistics.median(ratios):.2f}x (range {ratios[0]:.2f}-{ratios[-1]:.2f})")
+    print(f"  without: push {med(False, 0):.1f} ms, rollout {med(False, 1):.1f} ms")
+    print(
+        f"  with:    push {med(True, 0):.1f} ms, rollout {med(True, 1):.1f} ms, then the check {med(True, 2):.1f} ms"
+    )
+    ratio("the weight update (push), with/without", lambda r: r[0])
+    ratio("the rollout after it", lambda r: r[1])
+    ratio("the whole step (push, rollout, check)", lambda r: sum(r))
 
 
 def main():
@@ -200,6 +234,8 @@ def main():
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--modes", nargs="+", choices=[m for m, _ in MODES], default=[m for m, _ in MODES])
     p.add_argument("--fingerprint", action="store_true", help="the weight fingerprint's share of a push, then exit")
+    p.add_argument("--rollout-tokens", type=int, default=32, help="--fingerprint: tokens per request of the rollout")
+    p.add_argument("--swap", action="store_true", help="--fingerprint: start the side with the check first")
     p.add_argument("--bytes", action="store_true", help="bytes per update into FP8 / INT4 engines vs bf16, then exit")
     opts = p.parse_args()
     if opts.bytes:
@@ -243,7 +279,7 @@ def main():
         )
         engines = start_engines(args, 2 if opts.fingerprint else 1)
         if opts.fingerprint:
-            return fingerprint_cost(args, engines, opts.repeats)
+            return fingerprint_cost(args, engines, opts.repeats, opts.rollout_tokens, opts.swap)
         results = {mode: bench_mode(args, engines[0], mode, opts.repeats, workdir) for mode in opts.modes}
     finally:
         stop(engines)

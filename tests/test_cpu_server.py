@@ -865,22 +865,22 @@ def test_weight_load_copies_a_large_update_in_pieces_over_threads(monkeypatch):
     assert backing[-1] == 9.0
 
 
-def test_a_load_that_reports_its_parts_reports_each_once_it_is_in_place(monkeypatch):
-    """`copy_reporting` with `on_copied` (what the served fingerprint hashes as an update lands): parts of about
-    `_REPORT_BYTES`, in order, each reported after every tensor in it is copied and before the next part is."""
+def test_a_load_reports_what_it_copied_only_once_all_of_it_is_in_place():
+    """`copy_reporting` with `on_copied` (what the served fingerprint hashes after an update): one report, with
+    every name, after every tensor is copied, so that no hash competes with the copy."""
     from slime.backends.cpu_server import weights
 
-    monkeypatch.setattr(weights, "_REPORT_BYTES", 4000)
     items = [(f"t{i}", torch.zeros(n), torch.randn(n)) for i, n in enumerate([600, 600, 2000, 10, 5])]
     reported = []
 
     def on_copied(names):
-        done = [n for n, d, s in items if torch.equal(d, s)]
-        assert done == [n for n, _, _ in items][: len(done)] and set(names) <= set(done)
-        reported.append((names, len(done)))
+        assert all(torch.equal(d, s) for _, d, s in items)
+        reported.append(names)
 
     weights.copy_reporting(items, on_copied)
-    assert reported == [(["t0", "t1"], 2), (["t2"], 3), (["t3", "t4"], 5)]  # 4800, 8000, 60 bytes
+    assert reported == [["t0", "t1", "t2", "t3", "t4"]]
+    weights.copy_reporting([], on_copied)
+    assert len(reported) == 1
 
 
 @pytest.mark.parametrize("arch", ["llama3", "qwen2"])
@@ -1458,8 +1458,8 @@ def test_a_weight_change_waits_for_the_fingerprint_being_hashed(tiny_kit, monkey
 
 
 def test_a_push_is_hashed_as_it_lands_and_any_other_write_is_still_caught(tiny_kit, monkeypatch):
-    """Once the check has asked for a fingerprint, an update's tensors are hashed as the update writes them (read back
-    from the served tensors): the map is the new weights' before anyone asks. A write that is not an update
+    """Once the check has asked for a fingerprint, an update records the tensors it writes, to be hashed (read back
+    from the served tensors) when asked: the map is the new weights' at once, only what changed is hashed again. A write that is not an update
     (`reset_tensors`, here between two pushes) leaves the cached map behind: the next report hashes what is served."""
     from slime.utils.fingerprint import hash_named
 
@@ -1470,7 +1470,7 @@ def test_a_push_is_hashed_as_it_lands_and_any_other_write_is_still_caught(tiny_k
         assert (await _fingerprint(client))["tensor_hashes"] == _served_hashes(server)
         new = torch.randn(w.named[name].shape)
         await _push(client, [(name, new)], "2")
-        assert fp._cached[:2] == (w.generation, "xxh3")  # hashed as it landed
+        assert fp._cached[:2] == (w.generation, "xxh3")  # the map moved with the update
         info = await _fingerprint(client)
         assert info["weight_version"] == "2" and info["tensor_hashes"] == _served_hashes(server)
         assert info["tensor_hashes"][name] == hash_named([(name, new)], None, "xxh3")[name]
@@ -1487,25 +1487,57 @@ def test_a_push_is_hashed_as_it_lands_and_any_other_write_is_still_caught(tiny_k
 
 
 def test_a_weight_change_waits_for_the_hash_of_an_update_that_landed(tiny_kit, monkeypatch):
-    """The update answers before its tensors are hashed (a worker thread reads them back); a weight change sent
-    meanwhile (here `reset_tensors`) waits for that hash, which must not read bytes being overwritten."""
+    """The update answers before its tensors are hashed (a worker thread reads them back once asked); a weight change
+    sent meanwhile (here `reset_tensors`) starts that hash and waits for it, which must not read bytes being
+    overwritten."""
     import asyncio
 
     async def scenario(client, server, gate):
         gate.go.set()
         await _fingerprint(client)
         gate.go.clear()
+        gate.started.clear()  # set by that first, whole hash
         w = server.weights
         names = ["model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight"]
         named = [(n, torch.randn(w.named[n].shape)) for n in names]
-        await asyncio.wait_for(_push(client, named, "2"), 60)  # answered while its hash waits for the gate
-        assert await asyncio.to_thread(gate.started.wait, 60), "the update's tensors were not hashed as they landed"
+        await asyncio.wait_for(_push(client, named, "2"), 60)  # answered before its tensors are hashed
         reset = asyncio.ensure_future(client.post("/weights_checker", json={"action": "reset_tensors"}))
+        assert await asyncio.to_thread(gate.started.wait, 60), "the weight change did not start the update's hash"
         await asyncio.sleep(1.0)
         assert not reset.done()  # held until the hash is done
         gate.go.set()
         assert (await reset).status == 200
         assert (await _fingerprint(client))["tensor_hashes"] == _served_hashes(server)
+
+    _in_process(tiny_kit, monkeypatch, scenario)
+
+
+def test_the_hash_of_an_update_starts_only_when_something_waits_for_it(tiny_kit, monkeypatch):
+    """The tensors an update wrote are hashed after the update, never beside its copies nor the trainer's end of
+    the push: not during the session, not when it ends, but when the check asks for the fingerprint."""
+    import asyncio
+
+    async def scenario(client, server, gate):
+        gate.go.set()
+        await _fingerprint(client)
+        gate.go.clear()
+        gate.started.clear()  # set by that first, whole hash
+        w = server.weights
+        names = ["model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight"]
+        set_shared_authkey()
+        payload = MultiprocessingSerializer.serialize(
+            [(n, torch.randn(w.named[n].shape)) for n in names], output_str=True
+        )
+        assert (await client.post("/begin_weight_update", json={})).status == 200
+        r = await client.post("/update_weights_from_tensor", json={"serialized_named_tensors": [payload]})
+        assert r.status == 200, await r.text()
+        assert not await asyncio.to_thread(gate.started.wait, 1.0), "hashed while the session was still open"
+        assert (await client.post("/end_weight_update", json={})).status == 200
+        assert not await asyncio.to_thread(gate.started.wait, 1.0), "hashed beside the end of the push"
+        fingerprint = asyncio.ensure_future(_fingerprint(client))
+        assert await asyncio.to_thread(gate.started.wait, 60), "asked for, the update's hash never started"
+        gate.go.set()
+        assert (await fingerprint)["tensor_hashes"] == _served_hashes(server)
 
     _in_process(tiny_kit, monkeypatch, scenario)
 

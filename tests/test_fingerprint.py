@@ -202,10 +202,11 @@ def test_the_opt_out_flag_skips_the_check_with_one_warning(caplog):
     assert sum("--no-check-weight-fingerprints" in r.getMessage() for r in caplog.records) == 1
 
 
-def test_a_cpu_trainer_hashes_what_it_sends_in_a_worker_thread_and_waits_for_it_at_the_end(monkeypatch):
-    """SentHashes with xxh3: `add` hands the tensors to a worker thread (the next bucket goes meanwhile), at most
-    about one bucket's bytes waiting; `into` waits for all of it. Lists and generators give the inline map; a job of a
-    failed push does not leak into the next."""
+def test_a_cpu_trainer_hashes_what_it_sent_in_a_worker_thread_after_the_push(monkeypatch):
+    """SentHashes with xxh3: during the push `add` only queues (the hash does not compete with the push); `push_done`
+    hands the queue to a worker thread and `report` waits for it. More than about one bucket's bytes queued start the
+    worker during the push and hold the push until no more than that wait. Lists and generators give the same map; a
+    job of a failed push does not leak into the next."""
     import threading
     from types import SimpleNamespace
 
@@ -223,32 +224,98 @@ def test_a_cpu_trainer_hashes_what_it_sends_in_a_worker_thread_and_waits_for_it_
     sent = common.SentHashes(args)
     assert sent.algorithm == "xxh3"
     tensors = [(f"w{i}", torch.randn(100)) for i in range(4)]  # 400 bytes each
-    sent.add(tensors[:2])
-    sent.add(t for t in tensors[2:3])
-    assert len(sent._jobs) == 2 and not sent.hashes  # not hashed on the caller's thread
-    waiter = threading.Thread(target=sent.add, args=(tensors[3:],))
-    waiter.start()  # 800 bytes wait already: within the bound, so this add does not block
-    waiter.join(30)
-    assert not waiter.is_alive()
+    sent.add(tensors[:2])  # 800 bytes: within the bound
+    sent.add(t for t in tensors[2:])  # a generator (the disk path's casts): its bytes are not counted
+    assert not seen and not sent._jobs  # nothing hashed while the push goes on
+    sent.push_done()
+    assert len(sent._jobs) == 2 and not sent.hashes
     gate.set()
-    metrics = sent.into({})
-    assert metrics["update_weights/tensor_hashes"] == fp.hash_named(tensors, None, "xxh3")
-    assert set(seen) != {threading.current_thread().name}
+    report = sent.report(3)
+    assert report["update_weights/tensor_hashes"] == fp.hash_named(tensors, None, "xxh3")
+    assert (report["update_weights/weight_version"], report["update_weights/tensor_hash_algorithm"]) == (3, "xxh3")
+    assert seen and set(seen) == {seen[0]} != threading.current_thread().name  # one worker, not the caller
 
     gate.clear()
     sent.reset()
-    sent.add([("w0", torch.randn(300))])  # 1200 bytes: over the bound, the next add waits for it
-    blocked = threading.Thread(target=sent.add, args=([("w1", torch.randn(3))],))
-    blocked.start()
+    sent.add([("w0", torch.randn(200))])  # 800 bytes: queued
+    blocked = threading.Thread(target=sent.add, args=([("w1", torch.randn(100))],))
+    blocked.start()  # 1200 bytes: over the bound, the worker starts and this add waits until w0 is hashed
     blocked.join(0.5)
-    assert blocked.is_alive()
+    assert blocked.is_alive() and sent._jobs
     gate.set()
     blocked.join(30)
-    assert set(sent.into({})["update_weights/tensor_hashes"]) == {"w0", "w1"}
+    assert set(sent.report(4)["update_weights/tensor_hashes"]) == {"w0", "w1"}
 
     monkeypatch.setattr(common, "hash_named", lambda *a: 1 / 0)  # a push that failed mid-hash
     sent.add(tensors[:1])
+    sent.push_done()
     sent.reset()
     monkeypatch.setattr(common, "hash_named", fp.hash_named)
     sent.add(tensors[1:2])
-    assert sent.into({})["update_weights/tensor_hashes"] == fp.hash_named(tensors[1:2], None, "xxh3")
+    assert sent.report(5)["update_weights/tensor_hashes"] == fp.hash_named(tensors[1:2], None, "xxh3")
+
+
+def test_a_trainer_hashes_after_its_push_returns_and_waits_for_it_before_it_trains_or_offloads(monkeypatch):
+    """The push returns while what it sent is still being hashed (the driver checks it before the version's samples
+    train); the worker reads the trainer's tensors, so `train` and `sleep` (which change or free them) wait for it,
+    and `sent_weight_hashes` hands the finished map with the push's version."""
+    import threading
+    from types import SimpleNamespace
+
+    from slime.backends.megatron_utils.actor import MegatronTrainRayActor
+    from slime.backends.megatron_utils.update_weight import common
+
+    gate = threading.Event()
+
+    def slow_hash(pairs, out, algorithm):
+        assert gate.wait(60)
+        return fp.hash_named(pairs, out, algorithm)
+
+    monkeypatch.setattr(common, "hash_named", slow_hash)
+    args = SimpleNamespace(check_weight_fingerprints=True, update_weight_buffer_size=1 << 20, debug_rollout_only=True)
+    trainer = MegatronTrainRayActor.__new__(MegatronTrainRayActor)
+    trainer.args, trainer.role, trainer._offload_backup = args, "actor", None
+    trainer._offload_storages = list  # nothing to move: what matters is when `sleep` starts
+    trainer.weight_updator = SimpleNamespace(sent_hashes=common.SentHashes(args), weight_version=4)
+    tensor = torch.randn(64)
+    for call in (lambda: trainer.train(0, None), lambda: trainer.sleep(), trainer.sent_weight_hashes):
+        gate.clear()
+        trainer._offload_backup = None
+        trainer.weight_updator.sent_hashes.reset()
+        trainer.weight_updator.sent_hashes.add([("w", tensor)])  # what a push sent; the push has returned
+        result = []
+        worker = threading.Thread(target=lambda: result.append(call()))
+        worker.start()
+        worker.join(0.5)
+        assert worker.is_alive() and not result  # waits for the hash
+        gate.set()
+        worker.join(30)
+        assert result and not worker.is_alive()
+    assert result[0] == {
+        "update_weights/weight_version": 4,
+        "update_weights/tensor_hashes": fp.hash_named([("w", tensor)], None, "xxh3"),
+        "update_weights/tensor_hash_algorithm": "xxh3",
+    }
+
+
+def test_the_trainers_background_hash_runs_at_the_lowest_cpu_priority(monkeypatch):
+    """The hash after a push runs at nice 19 (Linux sets it per thread): it takes only the cores that generation and
+    the next steps leave idle. The CPU server's hash of what landed runs in the same kind of worker (`hash_worker`)."""
+    import os
+    import threading
+    from types import SimpleNamespace
+
+    from slime.backends.cpu_server import fingerprint as served
+    from slime.backends.megatron_utils.update_weight import common
+
+    def nice():
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    seen = []
+    monkeypatch.setattr(common, "hash_named", lambda *a: seen.append(nice()))
+    sent = common.SentHashes(SimpleNamespace(check_weight_fingerprints=True, update_weight_buffer_size=1 << 20))
+    sent.add([("w", torch.randn(4))])
+    sent.push_done()
+    sent.wait()
+    assert seen == [19]
+    assert served.hash_worker is fp.hash_worker

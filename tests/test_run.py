@@ -83,7 +83,7 @@ def run_with(args, dead=(), lost_engines=()):
     run.args, run.get = args, lambda refs: refs
     run.actor_model = Recorder(log)
     run.rollout_manager = Recorder(log, lost_engines=lost_engines, dead=dead)
-    run._trainers_offloaded, run._pushes = False, 1
+    run._trainers_offloaded, run._pushes, run._unchecked = False, 1, None
     return run, log
 
 
@@ -114,3 +114,39 @@ def test_an_engine_lost_during_the_push_is_replaced_and_given_the_same_version_b
     calls = [c[0] for c in log]
     assert calls.index("remove_lost") < calls.index("async_init_weight_update_connections")
     assert calls[-2:] == ["check_weight_versions", "join_router"]
+
+
+def test_the_fingerprint_check_runs_before_the_versions_samples_train_not_inside_the_push(monkeypatch):
+    """A push returns while the trainers still hash what they sent; `Run` checks the engines against those hashes
+    (merged into each rank's push metrics) before the next training step (before colocated engines release their
+    weights), before the next push when nothing trained, and at the end of the run, each push once."""
+    from slime.ray import run as run_module
+
+    run, log = run_with(make_args("--colocate"))
+    hashes = {
+        "update_weights/tensor_hashes": {"w": "0123456789abcdef"},
+        "update_weights/tensor_hash_algorithm": "xxh3",
+    }
+    run.actor_model.async_sent_weight_hashes = lambda: log.append(("async_sent_weight_hashes",)) or [hashes]
+    run.actor_model.released, run.critic_model = False, None
+    monkeypatch.setattr(run_module.critic, "train_step", lambda *a: log.append(("train_step",)))
+
+    run.push_weights(3)
+    calls = [c[0] for c in log]
+    assert "check_weight_fingerprints" not in calls and "async_sent_weight_hashes" not in calls
+    assert ("set_weight_version", 3) in log  # the version is recorded; its samples train only after the check
+    del log[:]
+    run.train(0, "rollout-ref")
+    calls = [c[0] for c in log]
+    assert calls[:2] == ["async_sent_weight_hashes", "check_weight_fingerprints"]
+    assert calls.index("check_weight_fingerprints") < calls.index("async_offload") < calls.index("train_step")
+    assert log[1][1] == [{"update_weights/weight_version": 3, **hashes}]
+    run.train(1, "rollout-ref")  # checked once
+    run.push_weights(4)
+    run.push_weights(5)  # nothing trained on 4: checked before 5 is pushed
+    checks = [c[1][0]["update_weights/weight_version"] for c in log if c[0] == "check_weight_fingerprints"]
+    assert checks == [3, 4]
+    run.recorder = type("Recorder", (), {"finish": lambda self: log.append(("finish",))})()
+    run.finish()
+    assert [c[0] for c in log][-3:] == ["async_sent_weight_hashes", "check_weight_fingerprints", "finish"]
+    assert log[-2][1][0]["update_weights/weight_version"] == 5

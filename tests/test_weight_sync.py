@@ -70,8 +70,17 @@ class WeightSyncTrainer(TrainRayActor):
     def connect(self, engines, lock):
         self.updater.connect_rollout_engines(engines, lock)
 
-    def update_weights(self, weight_version=None):
+    def push(self, weight_version=None):
+        """The push alone, as the actor's `update_weights`: it returns while what it sent is still being hashed."""
         return self.updater.update_weights(weight_version)
+
+    def sent_weight_hashes(self):
+        hashes = getattr(self.updater, "sent_hashes", None)  # the LoRA adapter's push reports its own
+        return hashes.report(self.updater.weight_version) if hashes else {}
+
+    def update_weights(self, weight_version=None):
+        """The push's metrics with the hashes of what it sent, merged as the driver merges them for its check."""
+        return {**self.push(weight_version), **self.sent_weight_hashes()}
 
     @torch.no_grad()
     def adam_like_step(self, lr, seed):

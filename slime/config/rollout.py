@@ -140,8 +140,9 @@ def add_rollout_arguments(parser):
         "--no-check-weight-fingerprints",
         dest="check_weight_fingerprints",
         action="store_false",
-        help="After every weight push, do not compare each CPU-server engine's weight fingerprint (a hash per HF "
-        "tensor, combined) with the trainer's, nor SGLang engines' checksums with each other. Logs a warning once.",
+        help="Do not compare, after every weight push (before its samples train), each CPU-server engine's weight "
+        "fingerprint (a hash per HF tensor, combined) with the trainer's, nor SGLang engines' checksums with each "
+        "other. Logs a warning once.",
     )
     g.add_argument(
         "--update-weight-timeout",

@@ -97,6 +97,9 @@ class RayTrainGroup:
     def async_update_weights(self, weight_version=None):
         return [a.update_weights.remote(weight_version) for a in self._actor_handlers]
 
+    def async_sent_weight_hashes(self):
+        return [a.sent_weight_hashes.remote() for a in self._actor_handlers]
+
     def async_offload(self):
         return [a.sleep.remote(("model",)) for a in self._actor_handlers]
 

@@ -79,6 +79,7 @@ class Run:
         self._connect()
         self._trainers_offloaded = args.offload_train  # with --offload(-train) the trainers sleep after init
         self._pushes = 0
+        self._unchecked = None  # the last push's metrics until its fingerprint check ran (`_check_pushed`)
         self._saved = False  # whether this run saved a checkpoint yet (what --release-train's trainers load)
 
     # ------------------------------------------------------------------ the loop's steps
@@ -90,6 +91,7 @@ class Run:
         return self.get(self.start_generate(rollout_id))
 
     def train(self, rollout_id, rollout_data_ref):
+        self._check_pushed()  # before the engines release their weights, and before any sample trains
         if self.args.offload_rollout:  # colocated: the engines release the GPU before the trainers take it
             self.get(self.rollout_manager.async_offload())
         if self.actor_model.released:
@@ -104,6 +106,7 @@ class Run:
         the update's metrics. Lost engines (--use-fault-tolerance) are replaced first, after the trainers released
         the GPU when colocated, and a replacement joins the router only once it serves these weights."""
         args, manager = self.args, self.rollout_manager
+        self._check_pushed()  # the previous push's, when nothing trained since (the engines still serve it)
         manager.pause_health_checks()  # an engine busy receiving weights cannot answer a generation
         if args.offload_train and not self._trainers_offloaded:
             self.get(self.actor_model.async_offload())
@@ -117,8 +120,7 @@ class Run:
             replaced += self._replace_lost_engines(resume_tags=["weights"] if args.offload_rollout else None)
             metrics = self.get(self.actor_model.async_update_weights(version))
         version = next((m["update_weights/weight_version"] for m in metrics if m), weight_version)
-        # a version counts as pushed (its samples may be trained) only once the engines' fingerprints match it
-        manager.check_weight_fingerprints(metrics)
+        self._unchecked = metrics
         if version is not None:
             self.get(manager.set_weight_version(version))
         if args.check_weight_update_equal and self._pushes == 0:
@@ -130,8 +132,19 @@ class Run:
             manager.join_router(sorted(set(replaced)))
         self._pushes += 1
         if args.release_train:  # the engines loaded the version from disk: no trainer is needed until training
+            self._check_pushed()
             self.actor_model.kill()
         return metrics
+
+    def _check_pushed(self):
+        """The last push's fingerprint check (`RolloutManager.check_weight_fingerprints`): do the engines serve what
+        the trainers sent? It runs before any sample of that version trains, before the next push and at the end,
+        not inside the push: the trainers hash what they sent while the engines generate."""
+        if self._unchecked is None:
+            return
+        metrics, self._unchecked = self._unchecked, None
+        hashes = self.get(self.actor_model.async_sent_weight_hashes())
+        self.rollout_manager.check_weight_fingerprints([{**(m or {}), **h} for m, h in zip(metrics, hashes)])
 
     def _recreate_trainers(self, rollout_id):
         """--release-train: new trainers resume from the checkpoint saved after the previous rollout, optimizer and
@@ -183,6 +196,7 @@ class Run:
         self.recorder.rollout_done(rollout_id, train_metrics, update_metrics)
 
     def finish(self):
+        self._check_pushed()
         self.recorder.finish()
 
 

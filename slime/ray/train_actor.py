@@ -71,3 +71,8 @@ class TrainRayActor(RayActor):
 
     @abc.abstractmethod
     def update_weights(self, weight_version=None): ...
+
+    def sent_weight_hashes(self):
+        """`{"update_weights/tensor_hashes": {HF name: hash}, ...}` of what the last `update_weights` sent, for the
+        driver's fingerprint check (slime.ray.weight_checks); a trainer that hashes nothing returns {}."""
+        return {}

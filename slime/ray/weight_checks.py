@@ -77,8 +77,9 @@ class EngineWeightChecks:
         return version, trainer, engines, algorithms.pop() if algorithms else "tiles32"
 
     def check_weight_fingerprints(self, update_metrics):
-        """After every push (before its version is recorded as pushed): every CPU-server engine serves exactly the
-        tensors the trainers sent; every SGLang engine agrees with the others and changed exactly where the trainers'
+        """After every push, before any sample of its version trains (`Run._check_pushed`; `update_metrics`: each
+        rank's push metrics with the hashes of what it sent): every CPU-server engine serves exactly the tensors the
+        trainers sent; every SGLang engine agrees with the others and changed exactly where the trainers'
         tensors changed (see slime.rollout.weight_fingerprints). Raises in one line naming the engine and the version.
         An engine that died since the push is a failed engine (`_ask_engines`)."""
         if any("update_weights/adapter_tensor_hashes" in (m or {}) for m in update_metrics):
@@ -233,7 +234,7 @@ class EngineWeightChecks:
         return [e.check_weights.remote(action) for e in self.rollout_engines]
 
     def check_adapter_fingerprints(self, update_metrics):
-        """`--lora-sync adapter`, after every push (before its version is recorded as pushed): every CPU-server engine
+        """`--lora-sync adapter`, after every push, before any sample of its version trains: every CPU-server engine
         serves, under `slime_policy`, exactly the adapter tensors the trainer sent. Raises naming the engine, the
         version, the adapter, both fingerprints and the first differing tensor. SGLang has no adapter hash: there the
         sha256 `expected_checksums` the engine verified when it loaded the adapter is the check."""

@@ -8,20 +8,30 @@ Computed in two parts so that generation goes on meanwhile: `snapshot` (cheap: r
 no weight change can run) and `hashes` (the hashing, in a worker thread; the server keeps weight changes out until it
 returns, since updates copy into the served tensors in place).
 
-Once a map is cached (the check is on and its algorithm known), an update's tensors are hashed as they land
-(`landing`): read back from the store right after the update wrote them, in a worker thread while the rest is
-copied, so the request after the push mostly finds the map done. Only an update moves the cached map to the next
-generation; any other change leaves it behind, and the next request hashes everything again."""
+Once a map is cached (the check is on and its algorithm known), an update records the tensors it wrote (`landing`)
+and they are hashed later, read back from the store in a worker thread, when something waits for them: the check's
+request (made before the version's samples train, while the engine generates) or the next weight change
+(`release`). So the hash never competes with the update's copy nor with the end of the trainer's push, and only
+what changed is hashed again. Only an update moves the cached map to the next generation; any other change leaves
+it behind, and the next request hashes everything again."""
 
+import threading
 from bisect import bisect_left
 from collections import defaultdict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
-from slime.utils.fingerprint import combine, hash_named
+from slime.utils.fingerprint import combine, hash_named, hash_worker
 
 
 def _hash_items(items, algorithm) -> dict:
     return hash_named(((n, t.to(dt)) for n, t, dt in items), algorithm=algorithm)
+
+
+def _hash_into(job: Future, items, algorithm):
+    try:
+        job.set_result(_hash_items(items, algorithm))
+    except BaseException as e:  # noqa: BLE001  (whoever waits for the job gets it)
+        job.set_exception(e)
 
 
 def _span(t):
@@ -69,6 +79,7 @@ class ServedFingerprint:
         # (store generation, algorithm, {name: hash, or the Future of the {name: hash} of a load still hashing it})
         self._cached = None
         self._pool = None  # the one thread hashing loads as they land, made at the first
+        self._held, self._held_lock = [], threading.Lock()  # [(Future, items, algorithm)] landed, not released
 
     @staticmethod
     def _items(store):
@@ -87,9 +98,17 @@ class ServedFingerprint:
             return self._cached[2]
         return store.generation, algorithm, self._items(store)
 
+    def release(self):
+        """Start hashing what landed so far: someone waits for the hashes (a request, a weight change)."""
+        with self._held_lock:
+            held, self._held = self._held, []
+        for job, items, algorithm in held:
+            self._pool.submit(_hash_into, job, items, algorithm)
+
     def hashes(self, snap) -> dict:
         """`{HF name: 16-hex-digit hash}` of a `snapshot` (any thread; the tensors must not change meanwhile)."""
         if isinstance(snap, dict):  # the cached map: waits for the loads still being hashed
+            self.release()
             out = {n: h.result()[n] if isinstance(h, Future) else h for n, h in snap.items()}
             cached = self._cached
             if cached is not None and cached[2] is snap:
@@ -102,16 +121,17 @@ class ServedFingerprint:
 
     def landing(self, generation_before: int):
         """For an update about to write into the store, now at `generation_before`: a function for it to call with the
-        names it wrote, part by part as each is in place (`WeightStore.load`'s `on_copied`). Each call hashes every
-        served tensor those writes touched again, in a worker thread that reads them back from the store, and makes
-        the map the current generation's. None when no map of `generation_before` is cached (the check is off, or
+        names it wrote once they are in place (`WeightStore.load`'s `on_copied`). Each call marks every served tensor
+        those writes touched to be hashed again, in a worker thread that reads them back from the store once
+        released (`release`: a request for the hashes, the next weight change), and makes the map the current
+        generation's. None when no map of `generation_before` is cached (the check is off, or
         the weights changed otherwise since): the next request hashes everything. Called, and the function too,
         where no other weight change runs (the scheduler thread, in this update)."""
         store, cached = self._get_weights(), self._cached
         if cached is None or cached[0] != generation_before or store.released:
             return None
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="served-fingerprint")
+            self._pool = hash_worker("served-fingerprint")
         named = store.named
         by_storage = _by_storage(named)
 
@@ -120,13 +140,19 @@ class ServedFingerprint:
             dtypes = store.sent_dtypes  # as the update left them: a tensor may arrive in another dtype than before
             touched = _touched([named[n] for n in names if n in named], by_storage)
             items = [(n, named[n], dtypes[n]) for n in sorted(touched) if n in dtypes]
-            job = self._pool.submit(_hash_items, items, algorithm)
+            job = Future()
+            with self._held_lock:
+                self._held.append((job, items, algorithm))
             self._cached = (store.generation, algorithm, {**hashes, **dict.fromkeys((n for n, _, _ in items), job)})
 
         return landed
 
     def hashing(self) -> list:
-        """The unfinished jobs of `landing`: a weight change waits for them (they read the served tensors)."""
+        """The unfinished jobs of `landing`, started: a weight change waits for them (they read the served tensors)."""
+        self.release()
+        return self._unfinished()
+
+    def _unfinished(self) -> list:
         if self._cached is None:
             return []
         return list({h for h in self._cached[2].values() if isinstance(h, Future) and not h.done()})
@@ -137,6 +163,6 @@ class ServedFingerprint:
         store = self._get_weights()
         if store.released or self._cached is None or self._cached[0] != store.generation or not self._cached[2]:
             return None, None
-        if self.hashing():
+        if self._unfinished():
             return None, None
         return self._cached[1], combine(self.hashes(self._cached[2]))

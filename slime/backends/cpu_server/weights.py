@@ -27,7 +27,6 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb
 _COPY_THREADS = min(8, len(os.sched_getaffinity(0)))
 _COPY_PIECE = 1 << 20  # elements: pieces small enough to balance the threads, large enough to stay bandwidth-bound
 _COPY_BATCH_BYTES = 256 << 20
-_REPORT_BYTES = 32 << 20  # a load that reports what it copied (`on_copied`) does so about this often
 _copy_pool = None
 
 
@@ -77,20 +76,12 @@ def parallel_copy(pairs, threads=None) -> None:
 
 
 def copy_reporting(items, on_copied=None) -> None:
-    """`parallel_copy` of [(name, dst, src)]. With `on_copied`, part by part (about `_REPORT_BYTES` each) on one
-    thread fewer, each part's names passed to `on_copied` once in place: the served fingerprint hashes a part on the
-    core left free while the next part is copied."""
-    if on_copied is None:
-        parallel_copy([(dst, src) for _, dst, src in items])
-        return
-    part, nbytes = [], 0
-    for k, (name, dst, src) in enumerate(items):
-        part.append((name, dst, src))
-        nbytes += dst.numel() * dst.element_size()
-        if nbytes >= _REPORT_BYTES or k == len(items) - 1:
-            parallel_copy([(d, s) for _, d, s in part], threads=max(1, _COPY_THREADS - 1))
-            on_copied([n for n, _, _ in part])
-            part, nbytes = [], 0
+    """`parallel_copy` of [(name, dst, src)] on every copy thread, then the names passed to `on_copied` once all are
+    in place: the served fingerprint hashes them after the copy, in the background, never on a core the copy could
+    use (a weight update is waited for; generation after it is not held up by the hash)."""
+    parallel_copy([(dst, src) for _, dst, src in items])
+    if on_copied is not None and items:
+        on_copied([n for n, _, _ in items])
 
 
 _QUANT_DTYPES = (torch.float8_e4m3fn, torch.int32)
@@ -274,7 +265,7 @@ class WeightStore(QuantizedParams):
 
     def load(self, named_tensors, source: str, on_copied=None) -> set:
         """Copy each (hf_name, tensor) into place (casting dtype). Unknown names / wrong shapes raise naming the tensor.
-        `on_copied(names)`: called with the names of each part once it is in place (see `copy_reporting`)."""
+        `on_copied(names)`: called with the names of each copied batch once it is in place (see `copy_reporting`)."""
         if self.released:
             raise WeightError("weights are released (release_memory_occupation); resume_memory_occupation first")
         loaded, pairs, pending = set(), [], 0

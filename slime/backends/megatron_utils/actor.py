@@ -200,6 +200,7 @@ class MegatronTrainRayActor(TrainRayActor):
         optimizer state — stays valid and comes back bit-exact on `wake_up`."""
         if self._offload_backup is not None:
             return
+        self._hashed()
         if (saver := _memory_saver()) is not None:
             # as slime: the saver pauses what is allocated, so first hand cached blocks back, and take NCCL's
             # buffers out of the paused region by destroying the process groups (Megatron builds with reloadable
@@ -262,6 +263,7 @@ class MegatronTrainRayActor(TrainRayActor):
         `"phase"` "returns" also hands back this rollout's returns (`{"returns": {global index: array}}`, for the
         critic with `--kl-coef` != 0), "returns_only" hands back only them, without training."""
         args = self.args
+        self._hashed()
         if "train_wait" in Timer().start_time:
             Timer().end("train_wait")
         if args.debug_rollout_only:  # rollout debugging: the data is produced and dropped here
@@ -428,6 +430,20 @@ class MegatronTrainRayActor(TrainRayActor):
             return
         self.weight_updator.connect_rollout_engines(rollout_engines, rollout_engine_lock)
         dist.barrier(group=megatron_init.get_gloo_group())
+
+    def _sent_hashes(self):
+        return getattr(getattr(self, "weight_updator", None), "sent_hashes", None)
+
+    def _hashed(self):
+        """Before anything changes the parameters: the last push's hashes may still be computed from them."""
+        if (hashes := self._sent_hashes()) is not None:
+            hashes.wait()
+
+    def sent_weight_hashes(self):
+        """The hashes of every HF tensor the last push sent (`update_weight.common.SentHashes`), once computed: the
+        driver checks the engines against them before any sample of that version trains, outside the push."""
+        hashes = self._sent_hashes()
+        return {} if hashes is None else hashes.report(self.weight_updator.weight_version)
 
     def continue_weight_version(self, version):
         """--release-train: this new trainer's engines already hold weight `version`, published from disk by the

@@ -7,7 +7,6 @@ import logging
 import os
 import time
 from collections import defaultdict, deque
-from concurrent.futures import ThreadPoolExecutor
 
 import ray
 from megatron.core import parallel_state as mpu
@@ -15,7 +14,7 @@ from megatron.core import parallel_state as mpu
 from slime.backends.megatron_utils.megatron_to_hf import convert_to_hf
 from slime.backends.megatron_utils.param_utils import PREFIX, all_gather_param, remove_padding
 from slime.utils.device import get_device
-from slime.utils.fingerprint import default_algorithm, hash_named
+from slime.utils.fingerprint import default_algorithm, hash_named, hash_worker
 from slime.utils.tensor_serialization import FlattenedTensorMetadata
 
 logger = logging.getLogger(__name__)
@@ -162,10 +161,13 @@ class SentHashes:
     on the device; xxh3 on a CPU), in the dtype it travels in (quantised tensors as sent). The trainer keeps the map of
     the last version; the rollout manager combines the ranks' maps and checks each engine's fingerprint against it.
 
-    xxh3 hashes on the host without the GIL: a worker thread hashes what `add` gets while the push goes on (the next
-    bucket is built and sent), and `into` waits for it. The tensors must not change until then: nothing trains during
-    an update. At most about one bucket's bytes wait to be hashed, so the thread keeps no more tensors alive than
-    that. tiles32 runs inline: its kernels queue on the device behind the sync's own."""
+    xxh3 hashes on the host without the GIL, in a worker thread, after the push: `add` queues what was sent and
+    `push_done` (the push's last step) starts the worker, so the hash never competes with the push for cores or
+    memory bandwidth; the update returns without waiting, and `report` (the driver's check, before any sample of the
+    version trains) waits. Only when more than about one bucket's bytes are queued does the worker start during the
+    push, so that it keeps no more tensors alive than that. The tensors must not change until they are hashed: the
+    trainer calls `wait` before it trains or offloads. tiles32 runs inline: its kernels queue on the device behind
+    the sync's own."""
 
     def __init__(self, args):
         self.enabled = getattr(args, "check_weight_fingerprints", True)
@@ -174,9 +176,18 @@ class SentHashes:
         self._async = self.enabled and self.algorithm == "xxh3"
         self._max_waiting = getattr(args, "update_weight_buffer_size", None) or 512 << 20
         self._pool, self._jobs, self._waiting = None, deque(), 0  # worker (made at the first add), (Future, bytes)
+        self._queued = []  # named tensors added but not handed to the worker yet
+
+    def _start(self):
+        if self._queued and self._pool is None:
+            self._pool = hash_worker("sent-hashes")
+        for named, nbytes in self._queued:
+            self._jobs.append((self._pool.submit(hash_named, named, self.hashes, self.algorithm), nbytes))
+        self._queued = []
 
     def _wait(self, max_bytes=None):
         """Until no more than `max_bytes` (None: nothing) wait to be hashed, the oldest first; drops finished jobs."""
+        self._start()
         while self._jobs and (max_bytes is None or self._jobs[0][0].done() or self._waiting > max_bytes):
             job, nbytes = self._jobs.popleft()
             self._waiting -= nbytes
@@ -185,7 +196,7 @@ class SentHashes:
     def reset(self):
         for job, _ in self._jobs:  # an earlier (failed) push's job must not write into the new map
             job.exception()
-        self._jobs, self._waiting, self.hashes = deque(), 0, {}
+        self._jobs, self._queued, self._waiting, self.hashes = deque(), [], 0, {}
 
     def add(self, named_tensors):
         if not self.enabled:
@@ -193,20 +204,31 @@ class SentHashes:
         if not self._async:
             hash_named(named_tensors, self.hashes, self.algorithm)
             return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="sent-hashes")
-        # a generator (the disk path's dtype casts) is consumed in the worker, one tensor at a time, as before
+        # a generator (the disk path's dtype casts) is consumed in the worker, one tensor at a time
         nbytes = sum(t.numel() * t.element_size() for _, t in named_tensors) if isinstance(named_tensors, list) else 0
-        self._wait(self._max_waiting)
-        self._jobs.append((self._pool.submit(hash_named, named_tensors, self.hashes, self.algorithm), nbytes))
+        self._queued.append((named_tensors, nbytes))
         self._waiting += nbytes
+        if self._waiting > self._max_waiting:
+            self._wait(self._max_waiting)
 
-    def into(self, metrics: dict) -> dict:
+    def push_done(self):
+        """The push sent everything: hash what is queued, in the background."""
+        self._start()
+
+    def wait(self):
+        """Until every tensor of the last update is hashed (the worker reads them: nothing may change them before)."""
         self._wait()
-        if self.enabled and self.hashes:
-            metrics["update_weights/tensor_hashes"] = dict(self.hashes)
-            metrics["update_weights/tensor_hash_algorithm"] = self.algorithm
-        return metrics
+
+    def report(self, weight_version) -> dict:
+        """The last update's hashes, `{}` when the check is off or nothing was sent; waits for them."""
+        self._wait()
+        if not (self.enabled and self.hashes):
+            return {}
+        return {
+            "update_weights/weight_version": weight_version,
+            "update_weights/tensor_hashes": dict(self.hashes),
+            "update_weights/tensor_hash_algorithm": self.algorithm,
+        }
 
 
 def update_metrics(seconds: float, bytes_moved: int, weight_version: int) -> dict:

@@ -125,10 +125,10 @@ class UpdateWeightFromDisk:
         totals = [None] * dist.get_world_size(group=group)
         dist.all_gather_object(totals, (written, full_bytes), group=group)
         written, full_bytes = sum(w for w, _ in totals), sum(f for _, f in totals)
+        self.sent_hashes.push_done()  # hashed in the background from here: `report` waits
         metrics = update_metrics(time.perf_counter() - start, written, self.weight_version)
         if self.delta and full_bytes:
             metrics["update_weights/delta_ratio"] = written / full_bytes
-        self.sent_hashes.into(metrics)
         if dist.get_rank() == 0:
             log_metrics(metrics)
         return metrics

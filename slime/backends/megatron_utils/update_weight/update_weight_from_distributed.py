@@ -154,10 +154,10 @@ class UpdateWeightFromDistributed:
         lost_ids = [None] * dist.get_world_size(group=get_gloo_group())
         dist.all_gather_object(lost_ids, sorted(self._lost), group=get_gloo_group())
         self._drop({a for x in lost_ids for a in x})
+        self.sent_hashes.push_done()  # hashed in the background from here: `report` waits
         metrics = update_metrics(
             time.perf_counter() - start, sent * max(1, self._num_engine_ranks), self.weight_version
         )
-        self.sent_hashes.into(metrics)
         if self._lost:
             metrics["update_weights/lost_engines"] = [i for i, e in enumerate(connected) if _id(e) in self._lost]
         if dist.get_rank() == 0:

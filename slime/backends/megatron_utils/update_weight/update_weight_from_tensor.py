@@ -174,8 +174,8 @@ class UpdateWeightFromTensor:
         if not self._weights_in_buffers:
             self._flat.clear()  # GPU memory belongs to the engine during rollout
         dist.barrier(group=get_gloo_group())
+        self.sent_hashes.push_done()  # hashed in the background from here: `report` waits
         metrics = update_metrics(time.perf_counter() - start, sent * len(self.rollout_engines), self.weight_version)
-        self.sent_hashes.into(metrics)
         if dist.get_rank() == 0:
             log_metrics(metrics)
         return metrics
