@@ -1410,6 +1410,17 @@ async def _fingerprint(client):
     return await r.json()
 
 
+async def _asked_once(client, server, gate):
+    """The check asked for a fingerprint once (from then on updates record what they write); later hashes wait at
+    the gate. Returns new values for two served tensors."""
+    gate.go.set()
+    await _fingerprint(client)
+    gate.go.clear()
+    gate.started.clear()  # set by that first, whole hash
+    names = ["model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight"]
+    return [(n, torch.randn(server.weights.named[n].shape)) for n in names]
+
+
 def test_generation_goes_on_while_a_fingerprint_is_hashed(tiny_kit, monkeypatch):
     """The hash runs in a worker thread, not on the scheduler's: a generation sent while a (slow) fingerprint is
     being computed completes before it; the fingerprint is then the served weights'."""
@@ -1493,13 +1504,7 @@ def test_a_weight_change_waits_for_the_hash_of_an_update_that_landed(tiny_kit, m
     import asyncio
 
     async def scenario(client, server, gate):
-        gate.go.set()
-        await _fingerprint(client)
-        gate.go.clear()
-        gate.started.clear()  # set by that first, whole hash
-        w = server.weights
-        names = ["model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight"]
-        named = [(n, torch.randn(w.named[n].shape)) for n in names]
+        named = await _asked_once(client, server, gate)
         await asyncio.wait_for(_push(client, named, "2"), 60)  # answered before its tensors are hashed
         reset = asyncio.ensure_future(client.post("/weights_checker", json={"action": "reset_tensors"}))
         assert await asyncio.to_thread(gate.started.wait, 60), "the weight change did not start the update's hash"
@@ -1518,16 +1523,8 @@ def test_the_hash_of_an_update_starts_only_when_something_waits_for_it(tiny_kit,
     import asyncio
 
     async def scenario(client, server, gate):
-        gate.go.set()
-        await _fingerprint(client)
-        gate.go.clear()
-        gate.started.clear()  # set by that first, whole hash
-        w = server.weights
-        names = ["model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight"]
         set_shared_authkey()
-        payload = MultiprocessingSerializer.serialize(
-            [(n, torch.randn(w.named[n].shape)) for n in names], output_str=True
-        )
+        payload = MultiprocessingSerializer.serialize(await _asked_once(client, server, gate), output_str=True)
         assert (await client.post("/begin_weight_update", json={})).status == 200
         r = await client.post("/update_weights_from_tensor", json={"serialized_named_tensors": [payload]})
         assert r.status == 200, await r.text()

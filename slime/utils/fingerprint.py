@@ -16,11 +16,6 @@ order tensors are hashed in, parts hashed on different ranks add up, and a tenso
 64-bit and not cryptographic: it catches accidents (a stale, corrupted or mis-converted tensor), not an adversary.
 """
 
-import os
-import sys
-import threading
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
 import torch
 import xxhash
@@ -200,17 +195,6 @@ def hash_named(named_tensors, out: dict | None = None, algorithm: str = "tiles32
     for name, t in named_tensors:
         out[name] = hex64(tensor_hash(t, algorithm))
     return out
-
-
-def _lowest_priority():
-    if sys.platform.startswith("linux"):  # Linux gives each thread its own nice value
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-
-
-def hash_worker(name: str) -> ThreadPoolExecutor:
-    """The one thread a side hashes in, in the background: at the lowest CPU priority, so that it runs on cores the
-    push, the server's replies and generation leave idle, and never delays them."""
-    return ThreadPoolExecutor(1, thread_name_prefix=name, initializer=_lowest_priority)
 
 
 def first_difference(expected: dict, got: dict) -> str | None:

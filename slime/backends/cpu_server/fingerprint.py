@@ -18,9 +18,9 @@ it behind, and the next request hashes everything again."""
 import threading
 from bisect import bisect_left
 from collections import defaultdict
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
-from slime.utils.fingerprint import combine, hash_named, hash_worker
+from slime.utils.fingerprint import combine, hash_named
 
 
 def _hash_items(items, algorithm) -> dict:
@@ -78,7 +78,7 @@ class ServedFingerprint:
         self._get_weights = get_weights  # () -> the weight store (WeightStore or HFWeights)
         # (store generation, algorithm, {name: hash, or the Future of the {name: hash} of a load still hashing it})
         self._cached = None
-        self._pool = None  # the one thread hashing loads as they land, made at the first
+        self._pool = None  # the one thread hashing what updates wrote, made at the first
         self._held, self._held_lock = [], threading.Lock()  # [(Future, items, algorithm)] landed, not released
 
     @staticmethod
@@ -131,7 +131,7 @@ class ServedFingerprint:
         if cached is None or cached[0] != generation_before or store.released:
             return None
         if self._pool is None:
-            self._pool = hash_worker("served-fingerprint")
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="served-fingerprint")
         named = store.named
         by_storage = _by_storage(named)
 

@@ -77,8 +77,7 @@ def parallel_copy(pairs, threads=None) -> None:
 
 def copy_reporting(items, on_copied=None) -> None:
     """`parallel_copy` of [(name, dst, src)] on every copy thread, then the names passed to `on_copied` once all are
-    in place: the served fingerprint hashes them after the copy, in the background, never on a core the copy could
-    use (a weight update is waited for; generation after it is not held up by the hash)."""
+    in place (the served fingerprint records them, to hash when asked: never beside the copy)."""
     parallel_copy([(dst, src) for _, dst, src in items])
     if on_copied is not None and items:
         on_copied([n for n, _, _ in items])

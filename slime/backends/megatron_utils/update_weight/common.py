@@ -5,8 +5,11 @@ buffers (`load_format="flattened_bucket"`), engine calls that time out and name 
 
 import logging
 import os
+import sys
+import threading
 import time
 from collections import defaultdict, deque
+from concurrent.futures import ThreadPoolExecutor
 
 import ray
 from megatron.core import parallel_state as mpu
@@ -14,7 +17,7 @@ from megatron.core import parallel_state as mpu
 from slime.backends.megatron_utils.megatron_to_hf import convert_to_hf
 from slime.backends.megatron_utils.param_utils import PREFIX, all_gather_param, remove_padding
 from slime.utils.device import get_device
-from slime.utils.fingerprint import default_algorithm, hash_named, hash_worker
+from slime.utils.fingerprint import default_algorithm, hash_named
 from slime.utils.tensor_serialization import FlattenedTensorMetadata
 
 logger = logging.getLogger(__name__)
@@ -156,14 +159,24 @@ def acquire_lock(lock, what, timeout):
         time.sleep(0.1)
 
 
+def _lowest_priority():
+    """The trainer's hash thread yields every core to what follows a push (generation, the engines' replies): the
+    driver waits for it only before the version's samples train. Linux gives each thread its own nice value."""
+    if sys.platform.startswith("linux"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:  # a sandbox that forbids it: the hash runs at the process's priority
+            pass
+
+
 class SentHashes:
     """The hash of every HF tensor this rank sent in the current update (`slime.utils.fingerprint`: tiles32 on a GPU,
     on the device; xxh3 on a CPU), in the dtype it travels in (quantised tensors as sent). The trainer keeps the map of
     the last version; the rollout manager combines the ranks' maps and checks each engine's fingerprint against it.
 
     xxh3 hashes on the host without the GIL, in a worker thread, after the push: `add` queues what was sent and
-    `push_done` (the push's last step) starts the worker, so the hash never competes with the push for cores or
-    memory bandwidth; the update returns without waiting, and `report` (the driver's check, before any sample of the
+    `push_done` (the push's last step) starts the worker, at the lowest CPU priority, so the hash never competes with
+    the push for cores or memory bandwidth; the update returns without waiting, and `report` (the driver's check, before any sample of the
     version trains) waits. Only when more than about one bucket's bytes are queued does the worker start during the
     push, so that it keeps no more tensors alive than that. The tensors must not change until they are hashed: the
     trainer calls `wait` before it trains or offloads. tiles32 runs inline: its kernels queue on the device behind
@@ -180,7 +193,7 @@ class SentHashes:
 
     def _start(self):
         if self._queued and self._pool is None:
-            self._pool = hash_worker("sent-hashes")
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="sent-hashes", initializer=_lowest_priority)
         for named, nbytes in self._queued:
             self._jobs.append((self._pool.submit(hash_named, named, self.hashes, self.algorithm), nbytes))
         self._queued = []
