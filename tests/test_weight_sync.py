@@ -75,8 +75,9 @@ class WeightSyncTrainer(TrainRayActor):
         return self.updater.update_weights(weight_version)
 
     def sent_weight_hashes(self):
-        hashes = getattr(self.updater, "sent_hashes", None)  # the LoRA adapter's push reports its own
-        return hashes.report(self.updater.weight_version) if hashes else {}
+        from slime.backends.megatron_utils.update_weight.common import sent_weight_hashes
+
+        return sent_weight_hashes(self.updater)
 
     def update_weights(self, weight_version=None):
         """The push's metrics with the hashes of what it sent, merged as the driver merges them for its check."""

@@ -38,6 +38,7 @@ from .model import forward_only, initialize_model_and_optimizer, log
 from .model import train as train_steps
 from .param_utils import named_parameters
 from .update_weight.choose import updater_class
+from .update_weight.common import sent_weight_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -431,19 +432,15 @@ class MegatronTrainRayActor(TrainRayActor):
         self.weight_updator.connect_rollout_engines(rollout_engines, rollout_engine_lock)
         dist.barrier(group=megatron_init.get_gloo_group())
 
-    def _sent_hashes(self):
-        return getattr(getattr(self, "weight_updator", None), "sent_hashes", None)
-
     def _hashed(self):
         """Before anything changes the parameters: the last push's hashes may still be computed from them."""
-        if (hashes := self._sent_hashes()) is not None:
+        if (hashes := getattr(getattr(self, "weight_updator", None), "sent_hashes", None)) is not None:
             hashes.wait()
 
     def sent_weight_hashes(self):
-        """The hashes of every HF tensor the last push sent (`update_weight.common.SentHashes`), once computed: the
-        driver checks the engines against them before any sample of that version trains, outside the push."""
-        hashes = self._sent_hashes()
-        return {} if hashes is None else hashes.report(self.weight_updator.weight_version)
+        """The hashes of every HF tensor the last push sent, once computed: the driver checks the engines against
+        them before any sample of that version trains, outside the push."""
+        return sent_weight_hashes(getattr(self, "weight_updator", None))
 
     def continue_weight_version(self, version):
         """--release-train: this new trainer's engines already hold weight `version`, published from disk by the

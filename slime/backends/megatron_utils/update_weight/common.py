@@ -244,6 +244,13 @@ class SentHashes:
         }
 
 
+def sent_weight_hashes(updater) -> dict:
+    """What `updater`'s last push sent, hashed (waits for it): `SentHashes.report` with the push's version; {} for an
+    updater that hashes nothing (the LoRA adapter's push reports its own hashes with the push)."""
+    hashes = getattr(updater, "sent_hashes", None)
+    return {} if hashes is None else hashes.report(updater.weight_version)
+
+
 def update_metrics(seconds: float, bytes_moved: int, weight_version: int) -> dict:
     """`bytes_moved` counts every byte delivered to every engine rank."""
     return {
