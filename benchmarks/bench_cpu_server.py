@@ -10,8 +10,11 @@ asked for, use 1 torch thread, and include tokenized prompts only (no text proce
 own max_new_tokens. A second server with `--disable-radix-cache` runs in the same rounds, so the ratio of the shared
 prefill to the server without it is measured beside the ratio to transformers.
 
+`--history-tokens H`: each group's prompt starts with H tokens standing for an earlier conversation (seeded random
+ids), the multi-turn agent's case, where the shared prefix is long and the decode's reads of it dominate.
+
     python benchmarks/bench_cpu_server.py [--model-dir DIR] [--num-prompts 64] [--min-new 4] [--max-new 64]
-                                          [--samples-per-prompt 8]
+                                          [--samples-per-prompt 8] [--history-tokens 300]
 """
 
 import argparse
@@ -28,8 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def workload(tok, n, lo, hi, seed=0, samples_per_prompt=1):
-    rng = random.Random(seed)
+def workload(tok, n, lo, hi, seed=0, samples_per_prompt=1, history_tokens=0):
+    rng, history_rng = random.Random(seed), random.Random(seed + 1)  # the same lengths with and without history
     prompts, lens = [], []
     for i in range(n):
         if i % samples_per_prompt:  # another sample of the group's prompt
@@ -39,8 +42,9 @@ def workload(tok, n, lo, hi, seed=0, samples_per_prompt=1):
         a, b = rng.randint(0, 99), rng.randint(0, 99)
         g = i // samples_per_prompt
         msgs = [{"role": "user", "content": f"What is {a}+{b}?" + " Think step by step." * (g % 4)}]
+        history = [history_rng.randint(3, len(tok) - 1) for _ in range(history_tokens)]
         prompts.append(
-            list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
+            history + list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
         )
         lens.append(rng.randint(lo, hi))
     return prompts, lens
@@ -132,6 +136,7 @@ def main():
     p.add_argument("--max-new", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--samples-per-prompt", type=int, default=1, help="n > 1: groups of n requests with one prompt")
+    p.add_argument("--history-tokens", type=int, default=0, help="tokens of earlier conversation before each prompt")
     a = p.parse_args()
     import torch
     from transformers import AutoTokenizer
@@ -144,7 +149,9 @@ def main():
         model_dir = build_model(os.path.join(tempfile.mkdtemp(prefix="bench-cpu-server-"), "qwen3-tiny"))
     tok = AutoTokenizer.from_pretrained(model_dir)
     n = a.samples_per_prompt
-    prompts, lens = workload(tok, a.num_prompts, a.min_new, a.max_new, samples_per_prompt=n)
+    prompts, lens = workload(
+        tok, a.num_prompts, a.min_new, a.max_new, samples_per_prompt=n, history_tokens=a.history_tokens
+    )
     useful = sum(lens)
     from transformers import AutoModelForCausalLM
 

@@ -913,6 +913,59 @@ def test_other_llama_family_architectures_match_transformers(arch, tmp_path):
     assert (got - want).abs().max() < 1e-4
 
 
+def test_cascade_decode_reads_each_shared_prompt_once_and_equals_transformers(tiny_kit, hf):
+    """Cascade attention: members of a group attend their shared prompt's rows through the group (kv_index holds only
+    their own rows), others attend all of theirs; logits equal transformers' full-sequence forward and the plain
+    decode. Groups of 3 and 2 with prompts of different lengths, members 0-5 tokens past the prompt, one request in
+    no group; GQA (4 query heads on 2 KV heads) and q/k-norm."""
+    from slime.backends.cpu_server.model import KVPool, ModelConfig, SharedPrefix, Transformer
+    from slime.backends.cpu_server.weights import WeightStore
+
+    cfg = ModelConfig.from_model_dir(tiny_kit[0])
+    assert cfg.num_heads == 2 * cfg.num_kv_heads and cfg.qk_norm
+    w = WeightStore(cfg, torch.float32)
+    w.load_from_dir(tiny_kit[0])
+    model, pool = Transformer(cfg, w, torch.float32, 257), KVPool(cfg, 1024, torch.float32)
+    a, b = list(range(20, 29)), list(range(100, 120))
+    seqs = [a, a + [5, 6], a + [7, 8, 9, 10, 11], b + [40], b + [41, 42, 43], [60, 61, 62, 63]]
+    group_of = [0, 0, 0, 1, 1, None]
+    rows = []
+    for s in seqs:  # each prefilled alone; a group's prompt rows are then read from its first member's
+        rows.append(pool.alloc(len(s)))
+        model.forward_prefill(pool, torch.tensor(s), torch.tensor([len(s)]), torch.tensor(rows[-1]))
+    prompts = [(a, rows[0][: len(a)]), (b, rows[3][: len(b)])]
+    groups = [(prompts[0][1], [0, 1, 2]), (prompts[1][1], [3, 4])]
+    B, new = len(seqs), pool.alloc(len(seqs))
+    own = [rows[i][len(prompts[g][0]) :] if g is not None else rows[i] for i, g in enumerate(group_of)]
+    own = [r + [n] for r, n in zip(own, new)]
+    S = max(len(r) for r in own)
+    index = torch.tensor([r + [0] * (S - len(r)) for r in own])
+    valid = torch.arange(S)[None, :] < torch.tensor([len(r) for r in own])[:, None]
+    tokens, lens = torch.tensor([11, 12, 13, 14, 15, 16]), torch.tensor([len(s) for s in seqs])
+    shared = SharedPrefix.build(groups, B, torch.float32)
+    assert shared.index.shape == (2, len(b)) and shared.members.tolist() == [[0, 1, 2], [3, 4, B]]
+    got = model.forward_decode(pool, tokens, lens, torch.tensor(new), index, valid, shared=shared)
+    full = [(prompts[g][1] if g is not None else []) + r for g, r in zip(group_of, own)]
+    Sf = max(len(r) for r in full)
+    full_index = torch.tensor([r + [0] * (Sf - len(r)) for r in full])
+    full_valid = torch.arange(Sf)[None, :] < torch.tensor([len(r) for r in full])[:, None]
+    plain = model.forward_decode(pool, tokens, lens, torch.tensor(new), full_index, full_valid)
+    with torch.no_grad():
+        want = torch.stack([hf[0](torch.tensor([s + [t]])).logits[0, -1] for s, t in zip(seqs, tokens.tolist())])
+    assert (got - want).abs().max() < 1e-4
+    assert (got - plain).abs().max() < 1e-5
+    # the cascade really reads the prompt through the group: spoil a member's own copy of it and nothing changes,
+    # spoil the group's rows and the members' logits move
+    for i in range(cfg.num_layers):
+        pool.k[i][torch.tensor(rows[1][: len(a)])] = 9.0
+    again = model.forward_decode(pool, tokens, lens, torch.tensor(new), index, valid, shared=shared)
+    assert torch.equal(again, got)
+    for i in range(cfg.num_layers):
+        pool.k[i][torch.tensor(prompts[0][1])] = 9.0
+    spoiled = model.forward_decode(pool, tokens, lens, torch.tensor(new), index, valid, shared=shared)
+    assert (spoiled[:3] - got[:3]).abs().max() > 1e-2 and torch.equal(spoiled[3:], got[3:])
+
+
 def test_a_busy_port_is_one_line_and_the_server_never_says_it_is_ready(tiny_kit):
     """SGLang's "fired up and ready to roll" line, which launch scripts wait for, comes only once the port listens."""
     with socket.socket() as taken:
@@ -1190,9 +1243,17 @@ def test_shared_prefill_is_exact_and_computes_each_prompt_once(tiny_kit):
             sched = _scheduler(
                 tiny_kit[0], max_running=16, max_total_tokens=400, share_prefill=share, batch_invariant=batch_invariant
             )
+            cascades, decode = [], sched.model.forward_decode
+
+            def spy(*args, shared=None, **kw):
+                cascades.append(shared is not None)
+                return decode(*args, shared=shared, **kw)
+
+            sched.model.forward_decode = spy  # the decode reads a group's prompt once (none in deterministic mode)
             reqs = group()
             _serve(sched, reqs)
             assert sched.pool.num_free() == 400 and not sched.row_refs and not sched.shared  # all handed back
+            assert any(cascades) == (share and not batch_invariant)
             results[share] = (reqs, sched.num_prefill_tokens, sched.num_cached_tokens)
         (on, on_prefill, on_cached), (off, off_prefill, off_cached) = results[True], results[False]
         p0, p1, p2 = (len(p) for p in PROMPTS)

@@ -11,6 +11,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -176,8 +177,36 @@ class KVPool:
         return 2 * self.cfg.num_layers * self.cfg.num_kv_heads * self.cfg.head_dim * torch.finfo(self.dtype).bits // 8
 
 
+class SharedPrefix(NamedTuple):
+    """Cascade attention's layout for one decode step: each group's shared prompt rows, read once for all its members.
+
+    A request in a group gets kv_index / kv_valid over its own rows after the prompt only; the others, all of theirs."""
+
+    index: torch.Tensor  # [G, P] pool rows of each group's prompt (padding: row 0)
+    mask: torch.Tensor  # [G, 1, 1, P] additive: 0 on the prompt, -inf on padding
+    members: torch.Tensor  # [G, M] batch positions of each group's requests (padding: B, a zero query)
+    slot: torch.Tensor  # [B] each request's place in the flattened [G * M] layout (G * M: in no group)
+
+    @classmethod
+    def build(cls, groups, batch_size: int, dtype: torch.dtype) -> "SharedPrefix":
+        """groups: [(prompt rows, batch positions of its requests)]."""
+        P, M = max(len(rows) for rows, _ in groups), max(len(who) for _, who in groups)
+        slot = [len(groups) * M] * batch_size
+        for g, (_, who) in enumerate(groups):
+            for j, b in enumerate(who):
+                slot[b] = g * M + j
+        index = torch.tensor([rows + [0] * (P - len(rows)) for rows, _ in groups])
+        members = torch.tensor([who + [batch_size] * (M - len(who)) for _, who in groups])
+        lens = torch.tensor([len(rows) for rows, _ in groups])
+        mask = torch.zeros(len(groups), 1, 1, P, dtype=dtype)
+        mask.masked_fill_((torch.arange(P)[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
+        return cls(index, mask, members, torch.tensor(slot))
+
+
 class Transformer:
     """forward_prefill / forward_decode over a WeightStore and a KVPool."""
+
+    shares_prefix_kv = True  # forward_decode takes a SharedPrefix (cascade attention)
 
     def __init__(self, cfg: ModelConfig, weights, dtype: torch.dtype, max_positions: int):
         self.cfg, self.w, self.dtype = cfg, weights, dtype
@@ -199,16 +228,16 @@ class Transformer:
     def _qkv(self, layer, h, cos, sin, lora=None, i=0):
         cfg = self.cfg
         qkv = self._linear(h, layer, "qkv", lora, i)
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.unflatten(-1, (cfg.num_heads, cfg.head_dim))
-        k = k.unflatten(-1, (cfg.num_kv_heads, cfg.head_dim))
-        v = v.unflatten(-1, (cfg.num_kv_heads, cfg.head_dim))
+        H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qk, v = qkv.split([(H + KVH) * D, KVH * D], dim=-1)
+        qk, v = qk.unflatten(-1, (H + KVH, D)), v.unflatten(-1, (KVH, D))
         if cfg.qk_norm:
-            q, k = self._norm(q, layer["q_norm"]), self._norm(k, layer["k_norm"])
+            qk = torch.cat(
+                [self._norm(qk[..., :H, :], layer["q_norm"]), self._norm(qk[..., H:, :], layer["k_norm"])], -2
+            )
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        qk = qk * cos + _rotate_half(qk) * sin  # q and k heads rotated in one pass
+        q, k = qk.split([H, KVH], dim=-2)
         return q, k, v
 
     def _mlp(self, layer, h, lora=None, i=0):
@@ -272,9 +301,11 @@ class Transformer:
         kv_index: torch.Tensor,
         kv_valid: torch.Tensor,
         lora=None,
+        shared: SharedPrefix | None = None,
     ):
         """One token per request. tokens/positions/new_rows [B]; kv_index [B, S] pool rows of every cached position
-        including the new one (padding points at row 0), kv_valid [B, S]; lora as in forward_prefill.
+        including the new one (padding points at row 0), kv_valid [B, S]; lora as in forward_prefill; shared: the
+        groups whose prompt rows are attended once (kv_index then holds only their members' rows after it), or None.
         Returns logits [B, V]."""
         cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)
         B, S = kv_index.shape
@@ -290,9 +321,42 @@ class Transformer:
             # index_select, not advanced indexing: ~100x faster gathers on CPU
             ks = pool.k[i].index_select(0, flat_index).unflatten(0, (B, S)).transpose(1, 2)  # [B, kv_heads, S, D]
             vs = pool.v[i].index_select(0, flat_index).unflatten(0, (B, S)).transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                q.unsqueeze(2), ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=True
-            )
-            h = h + self._linear(o.flatten(1), layer, "o", lora, i)
+            if shared is None:
+                o = F.scaled_dot_product_attention(
+                    q.unsqueeze(2), ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=True
+                ).flatten(1)
+            else:
+                o = self._cascade_attention(q, ks, vs, mask, pool.k[i], pool.v[i], shared)
+            h = h + self._linear(o, layer, "o", lora, i)
             h = h + self._mlp(layer, self._norm(h, layer["post_norm"]), lora, i)
         return self._logits(h)
+
+    def _cascade_attention(self, q, ks, vs, mask, pool_k, pool_v, shared):
+        """Attention over [shared prompt rows | own rows] as two blocks merged by their log-sum-exps: a group's
+        prompt K/V are gathered and attended once for all its members, not once per request.
+        q [B, H, D]; ks/vs [B, KVH, S, D] each request's own rows, mask [B, 1, 1, S]. Returns [B, H * D]."""
+        B, H, D = q.shape
+        G, P = shared.index.shape
+        M, KVH = shared.members.shape[1], ks.shape[1]
+        rep = H // KVH  # query head h reads KV head h // rep (SDPA's enable_gqa): a KV head's queries form its rows
+        pk = pool_k.index_select(0, shared.index.reshape(-1)).unflatten(0, (G, P)).transpose(1, 2)  # [G, KVH, P, D]
+        pv = pool_v.index_select(0, shared.index.reshape(-1)).unflatten(0, (G, P)).transpose(1, 2)
+        qg = torch.cat([q, q.new_zeros(1, H, D)]).index_select(0, shared.members.reshape(-1))
+        qg = qg.view(G, M, KVH, rep, D).transpose(1, 2).reshape(G, KVH, M * rep, D)
+        op, lp = _attention_lse(qg, pk, pv, shared.mask, self.scale)  # [G, KVH, M*rep, D], [G, KVH, M*rep]
+        # to per-request [B, KVH, rep, D + 1]; a request in no group reads a row of log-sum-exp -inf
+        stats = torch.cat([op, lp.unsqueeze(-1).to(op.dtype)], -1).view(G, KVH, M, rep, D + 1).transpose(1, 2)
+        stats = torch.cat([stats.reshape(G * M, KVH, rep, D + 1), stats.new_full((1, KVH, rep, D + 1), -math.inf)])
+        stats = stats.index_select(0, shared.slot)
+        op, lp = stats[..., :D].float(), stats[..., D:].float()
+        os_, ls = _attention_lse(q.view(B, KVH, rep, D), ks, vs, mask, self.scale)
+        ls = ls.unsqueeze(-1).float()
+        m = torch.maximum(lp, ls)  # finite: each request's own block holds its new token
+        a, b = (lp - m).exp_(), (ls - m).exp_()
+        o = (op.nan_to_num_(0.0) * a + os_.float() * b) / (a + b)
+        return o.reshape(B, H * D).to(self.dtype)
+
+
+def _attention_lse(q, k, v, mask, scale):
+    """SDPA that also returns each query's log-sum-exp (fp32) of its scores: PyTorch's CPU flash kernel."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask, scale=scale)

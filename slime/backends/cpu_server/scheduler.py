@@ -30,6 +30,7 @@ import torch
 from slime.utils.weight_versions import compute_spans
 
 from .lora import LoRABatch
+from .model import SharedPrefix
 from .sampling import SamplingParams, sample
 
 logger = logging.getLogger("slime.cpu_server")
@@ -383,15 +384,35 @@ class Scheduler:
         self.req_to_token[slots, kv_lens] = torch.tensor(new_rows)
         for r, row in zip(reqs, new_rows):
             r.rows.append(row)
-        S = int(kv_lens.max()) + 1
-        kv_index = self.req_to_token[slots, :S]
-        kv_valid = torch.arange(S)[None, :] <= kv_lens[:, None]
+        groups = self._decode_groups(reqs)
+        kwargs = self._mm_kwargs(reqs)
+        skip = torch.zeros(len(reqs), dtype=torch.long)  # leading positions read through the shared prompt instead
+        if groups:
+            for rows, who in groups:
+                skip[who] = len(rows)
+            kwargs["shared"] = SharedPrefix.build(groups, len(reqs), self.model.dtype)
+        own = kv_lens + 1 - skip
+        S = int(own.max())
+        at = (skip[:, None] + torch.arange(S)[None, :]).clamp_(max=self.req_to_token.shape[1] - 1)
+        kv_index = self.req_to_token[slots[:, None], at]
+        kv_valid = torch.arange(S)[None, :] < own[:, None]
         tokens = torch.tensor([r.output_ids[-1] for r in reqs])
         lora = LoRABatch.of([r.lora for r in reqs], [1] * len(reqs))
         logits = self.model.forward_decode(
-            self.pool, tokens, kv_lens, torch.tensor(new_rows), kv_index, kv_valid, lora=lora, **self._mm_kwargs(reqs)
+            self.pool, tokens, kv_lens, torch.tensor(new_rows), kv_index, kv_valid, lora=lora, **kwargs
         )
         self._sample_and_append(reqs, logits.float())
+
+    def _decode_groups(self, reqs) -> list:
+        """[(prompt rows, batch positions)] of the shared prompts two or more of reqs attend this step (cascade
+        attention); none in deterministic mode, where each request's forward must not depend on the others."""
+        if self.batch_invariant or not getattr(self.model, "shares_prefix_kv", False):
+            return []
+        members = {}
+        for i, r in enumerate(reqs):
+            if r.prefix is not None:
+                members.setdefault(id(r.prefix), (r.prefix.rows, []))[1].append(i)
+        return [g for g in members.values() if len(g[1]) > 1]
 
     def _retract(self, r):
         logger.info("KV pool full: retracting request %s (%d tokens)", r.rid, len(r.rows))
