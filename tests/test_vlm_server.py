@@ -231,6 +231,42 @@ def test_default_rollout_with_images_end_to_end_equals_transformers(vlm_router, 
         assert torch.equal(sample.multimodal_train_inputs["image_grid_thw"], train["image_grid_thw"])
 
 
+def test_a_partial_sample_with_images_resumes_as_one_uninterrupted_generation(vlm_router, tiny_vlm):
+    """--partial-rollout with images: a sample stopped after 3 tokens (as an abort leaves it) resumes with its tokens so
+    far, each image's run collapsed to one pad for the engine to re-expand, and ends with transformers' greedy tokens
+    and log-probs of one uninterrupted generation. A partial response holding the image-pad token cannot be resumed
+    exactly: a one-line error naming the sample."""
+    from slime.rollout.sglang_rollout import GenerateState, generate
+    from slime.utils.async_utils import run
+    from slime.utils.misc import SingletonMeta
+    from tests.test_sglang_rollout import make_args
+
+    image = _image((56, 84), 0)
+    prompt_ids, ref_tokens, ref_lps = _reference(tiny_vlm, image, 8)
+    SingletonMeta.clear_instances(GenerateState)
+    try:
+        args = make_args(
+            vlm_router, (tiny_vlm,), (None, None), multimodal_keys='{"image": "images"}', partial_rollout=True
+        )
+        sample = Sample(prompt=TEXT, multimodal_inputs={"images": [image]}, index=7)
+        sp = {"temperature": 0.0, "max_new_tokens": 3, "ignore_eos": True}
+        run(generate(args, sample, dict(sp)))
+        assert sample.response_length == 3 and sample.tokens == prompt_ids + ref_tokens[:3]
+        train = sample.multimodal_train_inputs
+        sample.status = Sample.Status.ABORTED
+        run(generate(args, sample, {**sp, "max_new_tokens": 8}))  # the whole budget: 5 more
+        spoiled = Sample(prompt=TEXT, multimodal_inputs={"images": [image]}, index=8, status=Sample.Status.ABORTED)
+        pad = load_processor(tiny_vlm).image_token_id
+        spoiled.tokens, spoiled.response_length, spoiled.rollout_log_probs = prompt_ids + [pad], 1, [0.0]
+        with pytest.raises(ValueError, match=f"sample 8: its partial response holds the image-pad token {pad}"):
+            run(generate(args, spoiled, dict(sp)))
+    finally:
+        SingletonMeta.clear_instances(GenerateState)
+    assert sample.tokens == prompt_ids + ref_tokens and sample.response_length == 8
+    assert torch.allclose(torch.tensor(sample.rollout_log_probs), torch.tensor(ref_lps), atol=1e-5)
+    assert sample.multimodal_train_inputs is train  # the prompt's processor outputs, kept from the first pass
+
+
 def test_text_only_generates_refuse_samples_with_images(tiny_vlm):
     from slime.rollout.sglang_rollout import prompt_ids
 

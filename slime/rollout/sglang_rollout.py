@@ -159,22 +159,26 @@ def multimodal_prompt_fields(state, sample: Sample) -> dict:
     """The prompt part of a /generate request for a sample with images, as current slime sends it: the template text
     (SGLang expands its placeholders with its own processor) and one PNG data URL per image as `image_data`. The
     processor's expanded ids become the sample's tokens, its other outputs (pixel_values, image_grid_thw, ...) the
-    sample's `multimodal_train_inputs`."""
-    from slime.utils.processing_utils import encode_image_for_rollout_engine, process_prompt
+    sample's `multimodal_train_inputs`. A resumed sample (--partial-rollout) sends its tokens so far as `input_ids`
+    instead, each image's run collapsed to one pad, which the engine expands to the same ids again."""
+    from slime.utils.processing_utils import encode_image_for_rollout_engine, image_prompt_fields, process_prompt
 
-    if sample.response_length > 0:
-        raise ValueError(
-            f"sample {sample.index}: resuming a partially generated sample with images is not supported yet "
-            "(drop --partial-rollout with --multimodal-keys)"
-        )
+    if state.processor is None:
+        raise ValueError(f"sample {sample.index} has images but --hf-checkpoint has no processor")
+    images = sample.multimodal_inputs["images"]
+    if sample.response_length > 0:  # resumed: its tokens so far, each image's run collapsed for the engine to re-expand
+        pad = state.processor.image_token_id
+        if pad in sample.tokens[len(sample.tokens) - sample.response_length :]:
+            raise ValueError(
+                f"sample {sample.index}: its partial response holds the image-pad token {pad}, which the engine would "
+                "read as an image placeholder; it cannot be resumed (drop --partial-rollout with --multimodal-keys)"
+            )
+        return image_prompt_fields(pad, sample.tokens, images)
     if not isinstance(sample.prompt, str):
         raise TypeError(
             f"sample {sample.index}: a prompt with images must be rendered to text; pass --apply-chat-template "
             "with --multimodal-keys"
         )
-    if state.processor is None:
-        raise ValueError(f"sample {sample.index} has images but --hf-checkpoint has no processor")
-    images = sample.multimodal_inputs["images"]
     sample.tokens, sample.multimodal_train_inputs = process_prompt(state.processor, sample.prompt, images)
     return {"text": sample.prompt, "image_data": [encode_image_for_rollout_engine(image) for image in images]}
 
