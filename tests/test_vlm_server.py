@@ -231,13 +231,18 @@ def test_default_rollout_with_images_end_to_end_equals_transformers(vlm_router, 
         assert torch.equal(sample.multimodal_train_inputs["image_grid_thw"], train["image_grid_thw"])
 
 
-def test_a_partial_sample_with_images_resumes_as_one_uninterrupted_generation(vlm_router, tiny_vlm):
-    """--partial-rollout with images: a sample stopped after 3 tokens (as an abort leaves it) resumes with its tokens so
-    far, each image's run collapsed to one pad for the engine to re-expand, and ends with transformers' greedy tokens
-    and log-probs of one uninterrupted generation. A partial response holding the image-pad token cannot be resumed
-    exactly: a one-line error naming the sample."""
-    from slime.rollout.sglang_rollout import GenerateState, generate
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_partial_sample_with_images_resumes_as_one_uninterrupted_generation(vlm_router, tiny_vlm, streaming):
+    """--partial-rollout with images, default and streaming generate: a sample stopped after 3 tokens (as an abort
+    leaves it) resumes with its tokens so far, each image's run collapsed to one pad for the engine to re-expand, and
+    ends with transformers' greedy tokens and log-probs of one uninterrupted generation. A partial response holding
+    the image-pad token cannot be resumed exactly: a one-line error naming the sample."""
+    from slime.rollout.sglang_rollout import GenerateState
+    from slime.rollout.sglang_rollout import generate as default_generate
+    from slime.rollout.sglang_streaming_rollout import generate_streaming
     from slime.utils.async_utils import run
+
+    generate = generate_streaming if streaming else default_generate
     from slime.utils.misc import SingletonMeta
     from tests.test_sglang_rollout import make_args
 

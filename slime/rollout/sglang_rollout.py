@@ -141,8 +141,8 @@ def prompt_ids(state, sample: Sample) -> list:
     """What a (resumed) sample sends: its tokens so far, else its text prompt tokenised (then kept as its tokens)."""
     if sample.multimodal_inputs and sample.multimodal_inputs.get("images"):  # never drop the images silently
         raise ValueError(
-            f"sample {sample.index} has images, which this generate does not send (only the default generate "
-            "does, docs/vlm.md)"
+            f"sample {sample.index} has images, which this generate does not send (the default and streaming "
+            "generates do: prompt_fields, docs/vlm.md)"
         )
     if not sample.tokens:
         if not isinstance(sample.prompt, str):
@@ -153,6 +153,13 @@ def prompt_ids(state, sample: Sample) -> list:
             )
         sample.tokens = list(state.tokenizer(sample.prompt, add_special_tokens=False)["input_ids"])
     return list(sample.tokens)
+
+
+def prompt_fields(state, sample: Sample) -> dict:
+    """The prompt part of a sample's /generate request: its images with it when it has any, else `input_ids`."""
+    if sample.multimodal_inputs and sample.multimodal_inputs.get("images"):
+        return multimodal_prompt_fields(state, sample)
+    return {"input_ids": prompt_ids(state, sample)}
 
 
 def multimodal_prompt_fields(state, sample: Sample) -> dict:
@@ -204,13 +211,8 @@ async def generate(args, sample: Sample, sampling_params, evaluation=False) -> S
             sample.status = Sample.Status.TRUNCATED
             return sample
 
-    if sample.multimodal_inputs and sample.multimodal_inputs.get("images"):
-        prompt_fields = multimodal_prompt_fields(state, sample)
-    else:
-        prompt_fields = {"input_ids": list(prompt_ids(state, sample))}
-
     payload = {
-        **prompt_fields,
+        **prompt_fields(state, sample),
         "sampling_params": sampling_params,
         "return_logprob": True,
         **generate_fields(args),  # the policy's LoRA adapter under --lora-sync adapter

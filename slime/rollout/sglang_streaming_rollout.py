@@ -1,7 +1,7 @@
 """A generate function that streams: `--custom-generate-function-path
 slime.rollout.sglang_streaming_rollout.generate_streaming` (current slime's path and name).
 
-It sends the default generate's request with `stream: true`. The engine answers with server-sent events, each
+It sends the default generate's request (images included) with `stream: true`. The engine answers with server-sent events, each
 holding the call's output so far (SGLang's stream is cumulative), and every event is written onto the sample as it
 arrives. So when a rollout ends with an abort (`--partial-rollout`, a weight update) the sample already holds the
 tokens and log-probs received up to then: it is marked ABORTED and keeps them, without waiting for the abort's own
@@ -9,7 +9,7 @@ answer. The rollout loop around it (concurrency, aborts, the partial-rollout buf
 """
 
 from slime.backends.sglang_utils.router import router_url
-from slime.rollout.sglang_rollout import GenerateState, prompt_ids, routing_headers
+from slime.rollout.sglang_rollout import GenerateState, prompt_fields, routing_headers
 from slime.utils.http_utils import post_stream
 from slime.utils.lora_utils import generate_fields
 from slime.utils.sampling_record import record_segment
@@ -35,7 +35,7 @@ async def generate_streaming(args, sample: Sample, sampling_params, evaluation=F
         sample.status = Sample.Status.TRUNCATED
         return sample
     payload = {
-        "input_ids": prompt_ids(state, sample),
+        **prompt_fields(state, sample),  # with its images, if it has any
         "sampling_params": {**sampling_params, "max_new_tokens": budget},
         "return_logprob": True,
         "stream": True,
