@@ -218,3 +218,19 @@ def test_adapter_fingerprint_is_the_trainers_and_a_different_adapter_is_refused(
         )
     finally:
         SESSION.post(server + "/unload_lora_adapter", json={"lora_name": "fp"}, timeout=60)
+
+
+def test_an_adapter_for_a_projection_the_model_lacks_is_refused_by_name():
+    """The served model's projections (the compact decoder's, or the hooked ones of a transformers model) bound what
+    an adapter may carry: a layer past the model's, or a projection it does not have, is named in one line."""
+    from slime.backends.cpu_server.lora import Adapter
+    from slime.backends.cpu_server.weights import WeightError
+
+    dims = {(0, "q_proj"): 8, (0, "o_proj"): 4}  # e.g. a hybrid decoder whose layer 1 has no attention projections
+    pair = {"lora_A.weight": torch.ones(2, 4), "lora_B.weight": torch.ones(8, 2)}
+    tensors = {f"base_model.model.model.layers.0.self_attn.q_proj.{k}": v for k, v in pair.items()}
+    adapter = Adapter("a", "p", {"r": 2, "lora_alpha": 4}, tensors, dims, torch.float32, fuse=False)
+    assert torch.equal(adapter.projections[0, "q_proj"][1], torch.full((8, 2), 2.0)) and not adapter.layers
+    tensors = {f"base_model.model.model.layers.1.self_attn.q_proj.{k}": v for k, v in pair.items()}
+    with pytest.raises(WeightError, match="LoRA adapter a: the served model has no layer 1 q_proj"):
+        Adapter("a", "p", {"r": 2, "lora_alpha": 4}, tensors, dims, torch.float32, fuse=False)

@@ -359,6 +359,7 @@ def _lora_step(rank, hf_dir, samples, out):
     from slime.backends.megatron_utils.advantages import compute_advantages_and_returns
     from slime.backends.megatron_utils.data import get_data_iterator
     from slime.backends.megatron_utils.initialize import init
+    from slime.backends.megatron_utils.lora import full_adapters, peft_config, peft_tensors
     from slime.backends.megatron_utils.model import forward_only, initialize_model_and_optimizer, train
     from slime.backends.megatron_utils.param_utils import PREFIX, named_parameters
     from slime.backends.megatron_utils.rollout_data import process_rollout_data
@@ -382,14 +383,29 @@ def _lora_step(rank, hf_dir, samples, out):
     train(args, 0, model, opt, sched, iters, nmb)  # B starts at 0: this step moves B (A's gradient is 0)
     moved = {n[len(PREFIX) :]: not torch.equal(before[n[len(PREFIX) :]], p) for n, p in named_parameters(args, model)}
     after_lp = forward_only(args, model, iters, nmb)["log_probs"]
-    torch.save({"before": before_lp, "after": after_lp, "moved": moved, "merged": _export(args, model)}, out)
+    # what --lora-sync adapter sends: the PEFT tensors and config of the adapters
+    adapter = peft_tensors(args, full_adapters(args, model), args.model_name)
+    config = peft_config(args, {n.split(".lora_")[0].rsplit(".", 1)[1] for n in adapter})
+    torch.save(
+        {
+            "before": before_lp,
+            "after": after_lp,
+            "moved": moved,
+            "merged": _export(args, model),
+            "adapter": {"config": config, "tensors": adapter},
+        },
+        out,
+    )
 
 
-def test_lora_trains_the_language_models_adapters_and_syncs_them_merged(tiny_vlm, samples, tmp_path):
+def test_lora_trains_the_language_models_adapters_and_syncs_them_merged_or_as_adapters(tiny_vlm, samples, tmp_path):
     """`--enable-lora` with images: adapters on the language model's linear layers only (the vision tower, like every
     base weight, stays frozen); at the start the model is the checkpoint (transformers' log-probs);
     the merged weights that `--lora-sync merged` sends after a step, loaded into transformers' Qwen2.5-VL, give the
-    trainer's log-probs: an engine serving them samples from the policy being trained."""
+    trainer's log-probs: an engine serving them samples from the policy being trained. So do the adapters that
+    `--lora-sync adapter` sends, loaded into the CPU server on the base checkpoint (its transformers model with the
+    adapters hooked onto the decoder's projections), while a request without `lora_path` in the same batch gets
+    the base's."""
     import shutil
 
     from safetensors.torch import save_file
@@ -416,6 +432,43 @@ def test_lora_trains_the_language_models_adapters_and_syncs_them_merged(tiny_vlm
     moved_by = max((g - e).abs().max().item() for g, e in zip(res["after"], res["before"]))
     print(f"LoRA VLM: merged weights vs trainer log-probs after a step {gap:.3g} (the step moved them {moved_by:.3g})")
     assert moved_by > 1e-3 and gap <= 1e-5
+
+    from slime.utils.processing_utils import image_prompt_fields, load_processor
+    from tests.test_cpu_server import SESSION, start_cpu_server, stop_cpu_server
+    from tests.test_cpu_server_lora import _load_from_tensors
+
+    pad = load_processor(tiny_vlm).image_token_id
+    proc, url = start_cpu_server(tiny_vlm, "--enable-lora", "--max-lora-rank", "4", "--lora-target-modules", "all")
+    try:
+        r = _load_from_tensors(url, "policy", res["adapter"])
+        assert r.status_code == 200, r.text
+        gaps = []
+        for s, after, before in zip(samples, res["after"], res["before"]):
+            images = (s.multimodal_inputs or {}).get("images")
+            fields = image_prompt_fields(pad, s.tokens, images) if images else {"input_ids": s.tokens}
+            body = {"input_ids": [fields["input_ids"]] * 2, "lora_path": ["policy", None], "logprob_start_len": 0}
+            body |= {"sampling_params": {"max_new_tokens": 0}, "return_logprob": True}
+            if images:
+                body["image_data"] = [fields["image_data"]] * 2
+            r = SESSION.post(url + "/generate", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            served, base = (
+                torch.tensor([x[0] for x in o["meta_info"]["input_token_logprobs"][-s.response_length :]])
+                for o in r.json()
+            )
+            gaps.append((served - after).abs().max().item())
+            assert gaps[-1] <= 1e-5 and (base - before).abs().max() <= 1e-5, s.index
+        print(f"LoRA VLM: adapters served by the CPU server vs trainer log-probs after a step {max(gaps):.3g}")
+        # the decode steps serve the adapter too: their log-probs are the adapter's prefill of the same tokens
+        body = {k: v[0] for k, v in body.items() if isinstance(v, list)} | {"return_logprob": True}
+        out = SESSION.post(url + "/generate", json={**body, "sampling_params": {"max_new_tokens": 3}}, timeout=120)
+        decoded = out.json()["meta_info"]["output_token_logprobs"]
+        body["input_ids"] = body["input_ids"] + [t for _, t, _ in decoded]
+        body |= {"logprob_start_len": 0, "sampling_params": {"max_new_tokens": 0}}
+        again = SESSION.post(url + "/generate", json=body, timeout=120).json()["meta_info"]["input_token_logprobs"]
+        assert max(abs(a[0] - b[0]) for a, b in zip(decoded, again[-3:])) <= 1e-5
+    finally:
+        stop_cpu_server(proc)
 
 
 def test_startup_derives_the_model_from_the_checkpoint_and_refuses_untested_layouts(
@@ -448,8 +501,8 @@ def test_startup_derives_the_model_from_the_checkpoint_and_refuses_untested_layo
     argv = [*keys, "--context-parallel-size", "2", "--actor-num-gpus-per-node", "2"]
     err = one_line_refusal(capsys, *argv, hf_checkpoint=tiny_vlm)
     assert "--context-parallel-size 2: training a vision-language model on images is tested at CP=1 only" in err, err
-    err = one_line_refusal(capsys, *keys, "--enable-lora", "--lora-sync", "adapter", hf_checkpoint=tiny_vlm)
-    assert "--lora-sync adapter with --multimodal-keys: serving adapters on a vision-language engine" in err, err
+    args = vlm_args(tiny_vlm, "--enable-lora", "--lora-sync", "adapter")  # taken: the engine serves the adapters
+    assert args.lora_sync == "adapter"
 
 
 def test_image_tokens_are_the_processors_runs_and_grids_that_disagree_fail_in_one_line(tiny_vlm):

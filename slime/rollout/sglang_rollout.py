@@ -173,7 +173,9 @@ def multimodal_prompt_fields(state, sample: Sample) -> dict:
     if state.processor is None:
         raise ValueError(f"sample {sample.index} has images but --hf-checkpoint has no processor")
     images = sample.multimodal_inputs["images"]
-    if sample.response_length > 0:  # resumed: its tokens so far, each image's run collapsed for the engine to re-expand
+    if (
+        sample.response_length > 0
+    ):  # resumed: its tokens so far, each image's run collapsed for the engine to re-expand
         pad = state.processor.image_token_id
         if pad in sample.tokens[len(sample.tokens) - sample.response_length :]:
             raise ValueError(

@@ -6,8 +6,10 @@ each sequence every step (no KV cache): correct for any model, quadratic in leng
 """
 
 import contextlib
+import functools
 import logging
 import os
+import re
 import shutil
 import tempfile
 
@@ -275,13 +277,58 @@ def checkpoint_views(model) -> dict:
     return out
 
 
+# a decoder layer's projection that LoRA adapters target (a vision tower's blocks are not `layers.N`)
+_LORA_MODULE = re.compile(
+    r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$"
+)
+
+
 class HFFallbackModel:
-    """Transformer's forward_prefill / forward_decode over a transformers model and a TokenPool (`lora` is always
-    None: the server refuses --enable-lora with this fallback)."""
+    """Transformer's forward_prefill / forward_decode over a transformers model and a TokenPool. LoRA adapters
+    (`lora`, a LoRABatch) are added by forward hooks on the decoder's projections, each to its requests' rows."""
+
+    fuses_lora = False  # adapters are applied per HF projection
 
     def __init__(self, model):
         self.model = model
         self._routed = None  # layer -> the [B * L, top_k] experts its router chose in the current forward
+        self._lora = None  # [(Adapter, batch rows)] of the current forward
+        self._lora_dims = None
+
+    def lora_dims(self) -> dict:
+        """{(layer, HF projection): out features} of the decoder's linear projections; hooks them (once) to add the
+        current forward's adapters."""
+        if self._lora_dims is None:
+            self._lora_dims = {}
+            for name, module in self.model.named_modules():
+                m = _LORA_MODULE.search(name)
+                if m is not None and isinstance(module, torch.nn.Linear):
+                    key = (int(m.group(1)), m.group(2))
+                    self._lora_dims[key] = module.out_features
+                    module.register_forward_hook(functools.partial(self._add_lora, key))
+        return self._lora_dims
+
+    def _add_lora(self, key, _module, inputs, output):
+        for adapter, rows in self._lora or ():
+            ab = adapter.projections.get(key)
+            if ab is not None:
+                a, b = ab
+                output = output.index_add(0, rows, (inputs[0].index_select(0, rows) @ a.t()) @ b.t())
+        return output
+
+    @contextlib.contextmanager
+    def _adapters(self, lora):
+        """The forward's adapters by batch row (one row per request) while it runs."""
+        if lora is not None:
+            rows = {}
+            for i, a in enumerate(lora.adapters):
+                if a is not None:
+                    rows.setdefault(id(a), (a, []))[1].append(i)
+            self._lora = [(a, torch.tensor(r)) for a, r in rows.values()]
+        try:
+            yield
+        finally:
+            self._lora = None
 
     def enable_routed_experts_capture(self, pool: TokenPool):
         """SGLang's --enable-return-routed-experts: record every token's top-k experts per layer into `pool`.
@@ -357,7 +404,8 @@ class HFFallbackModel:
         ids = torch.zeros(B, L, dtype=torch.long)
         mask = torch.arange(L)[None, :] < lens[:, None]
         ids[mask] = tokens
-        logits, routed = self._run(ids, mask, mm)
+        with self._adapters(lora):
+            logits, routed = self._run(ids, mask, mm)
         if pool.routed is not None:
             for layer, experts in routed.items():
                 pool.routed[rows, layer] = experts.view(B, L, -1)[mask].to(torch.int32)
@@ -369,7 +417,8 @@ class HFFallbackModel:
     def forward_decode(self, pool: TokenPool, tokens, positions, new_rows, kv_index, kv_valid, lora=None, mm=None):
         pool.tokens.index_copy_(0, new_rows, tokens)
         ids = pool.tokens.index_select(0, kv_index.reshape(-1)).view(kv_index.shape)
-        logits, routed = self._run(ids, kv_valid, mm)
+        with self._adapters(lora):
+            logits, routed = self._run(ids, kv_valid, mm)
         batch = torch.arange(len(tokens))
         if pool.routed is not None:  # only the new tokens: earlier ones keep what they were routed to when computed
             for layer, experts in routed.items():

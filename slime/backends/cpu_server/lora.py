@@ -55,9 +55,11 @@ def server_target_modules(names) -> set:
 
 
 class Adapter:
-    """One loaded adapter: per layer and fused projection, (A stacked [sum r, in], B block-diagonal [out, sum r])."""
+    """One loaded adapter: per layer and HF projection (A [r, in], B [out, r] scaled), and for the compact decoder
+    per layer and fused projection (A stacked [sum r, in], B block-diagonal [out, sum r]).
+    dims: {(layer, HF projection): out features} of the served model's projections; fuse: build the fused form."""
 
-    def __init__(self, name, path, config: dict, tensors: dict, cfg, dtype, pinned=False):
+    def __init__(self, name, path, config: dict, tensors: dict, dims: dict, dtype, pinned=False, fuse=True):
         self.name, self.path, self.pinned = name, path, pinned
         # the tensors as they arrived, by their names: `/slime/weights_fingerprint?adapter=` hashes these, as the
         # trainer hashes what it sent (the served form below is fused, scaled and cast)
@@ -75,21 +77,24 @@ class Adapter:
                 )
             pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = t
         self.modules = sorted({proj for _, proj in pairs})
-        out_dims = _out_dims(cfg)
+        self.projections = {}  # (layer, HF projection) -> (A, B * scale)
         for (layer, proj), ab in pairs.items():
-            if set(ab) != {"A", "B"} or not 0 <= layer < cfg.num_layers:
+            if set(ab) != {"A", "B"}:
                 raise WeightError(f"LoRA adapter {name}: layer {layer} {proj} needs lora_A and lora_B")
+            if (layer, proj) not in dims:
+                raise WeightError(f"LoRA adapter {name}: the served model has no layer {layer} {proj}")
             fused, part = PROJECTIONS[proj]
             a, b = ab["A"].float(), ab["B"].float()
-            if a.shape[0] != r or b.shape[1] != r or b.shape[0] != out_dims[fused][part]:
+            if a.shape[0] != r or b.shape[1] != r or b.shape[0] != dims[layer, proj]:
                 raise WeightError(
                     f"LoRA adapter {name}: layer {layer} {proj} has A {tuple(a.shape)} and B {tuple(b.shape)}, "
-                    f"not rank {r} with {out_dims[fused][part]} outputs"
+                    f"not rank {r} with {dims[layer, proj]} outputs"
                 )
             parts.setdefault((layer, fused), {})[part] = (a, b)
+            self.projections[layer, proj] = (a.to(dtype), (b * self.scale).to(dtype))
         self.layers = {}
-        for (layer, fused), by_part in parts.items():
-            sizes = out_dims[fused]
+        for (layer, fused), by_part in parts.items() if fuse else ():
+            sizes = [dims[layer, p] for p in _PARTS[fused]]
             a = torch.cat([by_part[p][0] for p in sorted(by_part)])
             b = torch.zeros(sum(sizes), a.shape[0])
             col = 0
@@ -106,10 +111,21 @@ class Adapter:
         return self._hashes[algorithm]
 
 
-def _out_dims(cfg) -> dict:
+_PARTS = {
+    "qkv": ["q_proj", "k_proj", "v_proj"],
+    "o": ["o_proj"],
+    "gate_up": ["gate_proj", "up_proj"],
+    "down": ["down_proj"],
+}
+
+
+def projection_dims(cfg) -> dict:
+    """{(layer, HF projection): out features} of the compact decoder."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    inter = cfg.intermediate_size
-    return {"qkv": [q, kv, kv], "o": [cfg.hidden_size], "gate_up": [inter, inter], "down": [cfg.hidden_size]}
+    inter, hidden = cfg.intermediate_size, cfg.hidden_size
+    out = {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": hidden, "gate_proj": inter, "up_proj": inter}
+    out["down_proj"] = hidden
+    return {(i, p): n for i in range(cfg.num_layers) for p, n in out.items()}
 
 
 def read_peft_dir(path):
@@ -133,8 +149,8 @@ class LoRARegistry:
     """The loaded adapters by name (least recently used first), SGLang's checks on each load, and how many
     requests hold each adapter (an unload waits for them)."""
 
-    def __init__(self, args, cfg, dtype):
-        self.cfg, self.dtype = cfg, dtype
+    def __init__(self, args, dims: dict, dtype, fuse: bool = True):
+        self.dims, self.dtype, self.fuse = dims, dtype, fuse  # as Adapter takes them
         self.max_rank = args.max_lora_rank
         self.targets = server_target_modules(args.lora_target_modules) if args.lora_target_modules else None
         self.max_per_batch, self.max_loaded = args.max_loras_per_batch, args.max_loaded_loras
@@ -155,11 +171,15 @@ class LoRARegistry:
         initial = [self._parse_path(p) for p in args.lora_paths or ()]
         for name, path, pinned in initial:
             config, tensors = read_peft_dir(path)
-            adapter = Adapter(name, path, config, tensors, cfg, dtype, pinned)
+            adapter = self.new_adapter(name, path, config, tensors, pinned)
             self.max_rank = max(self.max_rank or 0, adapter.rank) if not args.max_lora_rank else self.max_rank
             if args.lora_target_modules is None:
                 self.targets = (self.targets or set()) | set(adapter.modules)
             self.add(adapter)
+
+    def new_adapter(self, name, path, config, tensors, pinned=False) -> Adapter:
+        """An adapter in the served model's form (not yet loaded)."""
+        return Adapter(name, path, config, tensors, self.dims, self.dtype, pinned, self.fuse)
 
     @staticmethod
     def _parse_path(item: str):
@@ -217,7 +237,7 @@ class LoRARegistry:
             for name in names:
                 if name is not None and name not in self.adapters and name in self.evicted:
                     path, pinned = self.evicted[name]
-                    self.add(Adapter(name, path, *read_peft_dir(path), self.cfg, self.dtype, pinned))
+                    self.add(self.new_adapter(name, path, *read_peft_dir(path), pinned))
             missing = [n for n in names if n is not None and n not in self.adapters]
             if missing:
                 raise KeyError(
@@ -257,8 +277,9 @@ class LoRARegistry:
 class LoRABatch:
     """The adapters of one forward: for each, the rows (packed tokens or decode rows) it applies to."""
 
-    def __init__(self, groups):
+    def __init__(self, groups, adapters=()):
         self.groups = groups  # [(Adapter, index tensor or None for every row)]
+        self.adapters = list(adapters)  # each request's Adapter or None
 
     @classmethod
     def of(cls, adapters, rows_per_req):
@@ -277,7 +298,7 @@ class LoRABatch:
         for a, idx in by_adapter.values():
             idx = torch.cat(idx)
             groups.append((a, None if len(idx) == start else idx))
-        return cls(groups)
+        return cls(groups, adapters)
 
     def add(self, layer: int, fused: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         for adapter, idx in self.groups:

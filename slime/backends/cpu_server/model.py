@@ -207,6 +207,7 @@ class Transformer:
     """forward_prefill / forward_decode over a WeightStore and a KVPool."""
 
     shares_prefix_kv = True  # forward_decode takes a SharedPrefix (cascade attention)
+    fuses_lora = True  # adapters are applied per fused projection (qkv, gate_up)
 
     def __init__(self, cfg: ModelConfig, weights, dtype: torch.dtype, max_positions: int):
         self.cfg, self.w, self.dtype = cfg, weights, dtype
@@ -215,6 +216,12 @@ class Transformer:
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
+
+    def lora_dims(self) -> dict:
+        """{(layer, HF projection): out features} that LoRA adapters may target."""
+        from .lora import projection_dims
+
+        return projection_dims(self.cfg)
 
     def _norm(self, x, w):
         return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_norm_eps)

@@ -33,7 +33,7 @@ from .fingerprint import ServedFingerprint
 from .generate_api import GenerateAPI
 from .hf_fallback import TokenPool, load_fallback
 from .lora import LoRARegistry
-from .model import SUPPORTED_ARCHITECTURES, KVPool, ModelConfig, Transformer, UnsupportedModelError
+from .model import KVPool, ModelConfig, Transformer, UnsupportedModelError
 from .openai_api import OpenAIAPI
 from .sampling import RequestError, SamplingParams
 from .scheduler import Req, Scheduler
@@ -158,13 +158,8 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
     def _lora_registry(self, args):
         if not (args.enable_lora or args.lora_paths):  # as SGLang: --lora-paths implies --enable-lora
             return None
-        if self.fallback:
-            raise UnsupportedModelError(
-                f"--enable-lora: slime's CPU server serves LoRA adapters on its own decoder "
-                f"({', '.join(sorted(SUPPORTED_ARCHITECTURES))}), not through the transformers fallback"
-            )
         try:
-            return LoRARegistry(args, self.cfg, self.dtype)
+            return LoRARegistry(args, self.model.lora_dims(), self.dtype, fuse=self.model.fuses_lora)
         except ValueError as e:
             raise UnsupportedModelError(str(e)) from None
 

@@ -15,7 +15,7 @@ from slime.utils.distributed_utils import init_process_group, seconds
 from slime.utils.lora_utils import tensor_sha256
 from slime.utils.tensor_serialization import FlattenedTensorBucket, MultiprocessingSerializer
 
-from .lora import TENSOR_PATH, Adapter, read_peft_dir
+from .lora import TENSOR_PATH, read_peft_dir
 from .sampling import RequestError
 from .weight_checker import WeightCheckError
 from .weights import WeightError, parse_dtype
@@ -268,7 +268,7 @@ class WeightAPI:
             self._lora_enabled()
             config, tensors = await asyncio.get_running_loop().run_in_executor(None, read_peft_dir, b["lora_path"])
             self.loras.load(
-                Adapter(b["lora_name"], b["lora_path"], config, tensors, self.cfg, self.dtype, b.get("pinned", False))
+                self.loras.new_adapter(b["lora_name"], b["lora_path"], config, tensors, b.get("pinned", False))
             )
         except WeightError as e:
             return self._lora_reply(str(e))
@@ -300,17 +300,10 @@ class WeightAPI:
                         f"[LORA-CHECK] rank0 adapter sync MISMATCH of {len(expected)} expected: {len(bad)} missing or "
                         f"value-diff {bad[:5]}, {len(extra)} extra {extra[:5]}"
                     )
-            self.loras.load(
-                Adapter(
-                    b["lora_name"],
-                    TENSOR_PATH,
-                    b["config_dict"],
-                    tensors,
-                    self.cfg,
-                    self.dtype,
-                    b.get("pinned", False),
-                )
+            adapter = self.loras.new_adapter(
+                b["lora_name"], TENSOR_PATH, b["config_dict"], tensors, b.get("pinned", False)
             )
+            self.loras.load(adapter)
         except WeightError as e:
             return self._lora_reply(str(e))
         return self._lora_reply()

@@ -84,11 +84,6 @@ def check_vlm_training(args, error):
         )
     if getattr(args, "tree_training", False):
         error("--tree-training with --multimodal-keys: the prefix-tree layout has no 3-D (MRoPE) positions.")
-    if args.enable_lora and args.lora_sync == "adapter":
-        error(
-            "--lora-sync adapter with --multimodal-keys: serving adapters on a vision-language engine is not tested "
-            "yet; use --lora-sync merged (the default), which sends base + adapters as full weights."
-        )
 
 
 def check_param_patterns_match(args, error):
