@@ -163,8 +163,9 @@ def _equality(rank, model_dir, out_path):
     )
 
 
-def test_tree_equals_flat_log_probs_entropy_and_grads(tmp_path):
-    model_dir = build_random_hf("qwen3", str(tmp_path / "qwen3"))
+@pytest.mark.parametrize("kind", ["qwen3", "deepseekv3"])  # DeepSeek-V3: multi-latent attention, YaRN RoPE, MoE
+def test_tree_equals_flat_log_probs_entropy_and_grads(tmp_path, kind):
+    model_dir = build_random_hf(kind, str(tmp_path / kind))
     out = tmp_path / "out.pt"
     spawn(_equality, 1, model_dir, str(out))
     r = torch.load(out)
@@ -205,9 +206,7 @@ def test_flex_block_mask_is_the_dense_ancestor_mask():
             ["--sequence-parallel", "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"],
             "sequence parallelism (--sequence-parallel)",
         ),
-        (["--multi-latent-attention"], "multi-latent attention (--multi-latent-attention)"),
         (["--mtp-num-layers", "1"], "MTP (--mtp-num-layers)"),
-        (["--rope-type", "yarn"], "YaRN RoPE (--rope-type yarn)"),
         (["--position-embedding-type", "mrope"], "--position-embedding-type mrope"),
         (["--custom-model-provider-path", "my.provider"], "a custom model provider (--custom-model-provider-path)"),
     ],

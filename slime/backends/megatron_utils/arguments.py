@@ -132,12 +132,10 @@ def check_tree_training(args, error):
         (bool(args.spec), "a custom or hybrid layer spec (--spec, e.g. Qwen3-Next/Qwen3.5 linear attention)"),
         (bool(args.custom_model_provider_path), "a custom model provider (--custom-model-provider-path)"),
         (bool(args.mtp_num_layers), "MTP (--mtp-num-layers)"),
-        (bool(args.multi_latent_attention), "multi-latent attention (--multi-latent-attention)"),
         (
             args.position_embedding_type not in ("rope", "none", "learned_absolute"),
             f"--position-embedding-type {args.position_embedding_type}",
         ),
-        (args.rope_type == "yarn", "YaRN RoPE (--rope-type yarn)"),
     ]
     for refused, what in refusals:
         if refused:

@@ -16,6 +16,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -201,15 +202,18 @@ def rope_by_position(model, position_ids):
     """While active, every RoPE module of `model` returns its frequencies gathered by `position_ids` ([b, s]) as
     `[s, b, 1, d]` (the shape the mRoPE path feeds the same attention code) instead of those of positions 0..s-1:
     megatron-core's `GPTModel` hands `position_ids` to the embedding only and asks RoPE for a length. Needed by
-    `--tree-training`, whose positions continue from the parent node rather than from the previous token."""
-    patched = [m for m in model.modules() if type(m) is RotaryEmbedding]
+    `--tree-training`, whose positions continue from the parent node rather than from the previous token.
+    YaRN's module (multi-latent attention's) returns its attention scale beside the table: passed on unchanged."""
+    patched = [m for m in model.modules() if type(m) in (RotaryEmbedding, YarnRotaryEmbedding)]
     table_len = int(position_ids.max()) + 1
     index = position_ids.t()
 
     def by_position(original):
         def forward(max_seq_len, offset=0, packed_seq=False, cp_group=None):
-            table = original(table_len, offset, packed_seq, cp_group)  # [table_len, 1, 1, d]
-            return table[:, 0, 0][index.to(table.device)].unsqueeze(2)
+            out = original(table_len, offset, packed_seq, cp_group)  # [table_len, 1, 1, d] (, mscale)
+            table = out[0] if isinstance(out, tuple) else out
+            table = table[:, 0, 0][index.to(table.device)].unsqueeze(2)
+            return (table, *out[1:]) if isinstance(out, tuple) else table
 
         return forward
 

@@ -24,7 +24,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from slime.backends.megatron_utils.cp_attention import AllGatherKVDotProductAttention
-from slime.backends.megatron_utils.tree_attention import TreeFlexAttention
+from slime.backends.megatron_utils.tree_attention import TREE_FLEX
 from slime.utils.device import current_device, default_dtype
 from slime.utils.misc import accepted_kwargs
 from slime.utils.user_errors import user_function
@@ -210,9 +210,7 @@ def default_layer_spec(args, config, vp_stage=None):
     if config.context_parallel_size > 1 and not te:  # TE's attention implements CP itself (config.cp_comm_type)
         spec = with_cp_attention(spec)
     if getattr(args, "tree_training", False) and getattr(args, "tree_attention_backend", None) == "flex":
-        spec = with_core_attention(
-            spec, TreeFlexAttention, "--tree-attention-backend flex", "--tree-attention-backend dense"
-        )
+        spec = with_core_attention(spec, TREE_FLEX, "--tree-attention-backend flex", "--tree-attention-backend dense")
     return spec
 
 
@@ -220,25 +218,26 @@ def with_cp_attention(spec):
     """The local spec under CP: megatron's DotProductAttention refuses CP > 1, the all-gather-KV one takes its place."""
     return with_core_attention(
         spec,
-        AllGatherKVDotProductAttention,
+        {DotProductAttention: AllGatherKVDotProductAttention},
         "--context-parallel-size > 1 without Transformer Engine",
         "--context-parallel-size 1 or the TE spec (GPU)",
     )
 
 
-def with_core_attention(spec, cls, what, instead):
-    """`spec` with `cls` in place of megatron's local DotProductAttention (`what` needs it; else use `instead`)."""
+def with_core_attention(spec, replacements, what, instead):
+    """`spec` with each local core attention replaced as `replacements` ({class: its replacement}) says (`what`
+    needs it; else use `instead`)."""
     spec = copy.deepcopy(spec)
     for layer in getattr(spec, "layer_specs", None) or [spec]:
         attention = layer.submodules.self_attention.submodules
-        if attention.core_attention is cls:  # block specs share one submodule spec
+        if attention.core_attention in replacements.values():  # block specs share one submodule spec
             continue
-        if attention.core_attention is not DotProductAttention:
+        if attention.core_attention not in replacements:
             raise ValueError(
-                f"{what} replaces megatron's DotProductAttention, but this layer spec's core attention is "
+                f"{what} replaces megatron's local core attention, but this layer spec's core attention is "
                 f"{attention.core_attention.__name__}; use {instead}"
             )
-        attention.core_attention = cls
+        attention.core_attention = replacements[attention.core_attention]
     return spec
 
 

@@ -15,6 +15,8 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 from slime.utils import device
 
+from .local_layers import MLADotProductAttention
+
 
 def tree_block_mask(subtree_end: torch.Tensor) -> BlockMask:
     """The ancestor mask of a tree row whose token j's subtree ends at layout index `subtree_end[j]`."""
@@ -48,3 +50,11 @@ class TreeFlexAttention(DotProductAttention):
         scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
         out = _flex()(q, k, v, block_mask=attention_mask, scale=scale, enable_gqa=q.size(1) != k.size(1))
         return out.permute(2, 0, 1, 3).flatten(2)  # [s, b, heads * d], as DotProductAttention returns
+
+
+class TreeFlexMLAAttention(TreeFlexAttention, MLADotProductAttention):
+    """TreeFlexAttention for multi-latent attention's local core attention (v heads narrower than q/k heads)."""
+
+
+# the local core attention a layer spec has -> the one that takes a tree's BlockMask
+TREE_FLEX = {DotProductAttention: TreeFlexAttention, MLADotProductAttention: TreeFlexMLAAttention}
