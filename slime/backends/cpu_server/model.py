@@ -351,16 +351,17 @@ class Transformer:
         qg = torch.cat([q, q.new_zeros(1, H, D)]).index_select(0, shared.members.reshape(-1))
         qg = qg.view(G, M, KVH, rep, D).transpose(1, 2).reshape(G, KVH, M * rep, D)
         op, lp = _attention_lse(qg, pk, pv, shared.mask, self.scale)  # [G, KVH, M*rep, D], [G, KVH, M*rep]
-        # to per-request [B, KVH, rep, D + 1]; a request in no group reads a row of log-sum-exp -inf
-        stats = torch.cat([op, lp.unsqueeze(-1).to(op.dtype)], -1).view(G, KVH, M, rep, D + 1).transpose(1, 2)
-        stats = torch.cat([stats.reshape(G * M, KVH, rep, D + 1), stats.new_full((1, KVH, rep, D + 1), -math.inf)])
-        stats = stats.index_select(0, shared.slot)
-        op, lp = stats[..., :D].float(), stats[..., D:].float()
+        # to per-request [B, KVH, rep, D + 1], in fp32; a request in no group reads zeros with log-sum-exp -inf
+        stats = torch.cat([op.float(), lp.unsqueeze(-1).float()], -1).view(G, KVH, M, rep, D + 1).transpose(1, 2)
+        none = stats.new_zeros(1, KVH, rep, D + 1)
+        none[..., D] = -math.inf
+        stats = torch.cat([stats.reshape(G * M, KVH, rep, D + 1), none]).index_select(0, shared.slot)
+        op, lp = stats[..., :D], stats[..., D:]
         os_, ls = _attention_lse(q.view(B, KVH, rep, D), ks, vs, mask, self.scale)
         ls = ls.unsqueeze(-1).float()
         m = torch.maximum(lp, ls)  # finite: each request's own block holds its new token
         a, b = (lp - m).exp_(), (ls - m).exp_()
-        o = (op.nan_to_num_(0.0) * a + os_.float() * b) / (a + b)
+        o = (op * a + os_.float() * b) / (a + b)
         return o.reshape(B, H * D).to(self.dtype)
 
 
