@@ -55,9 +55,9 @@ def server_target_modules(names) -> set:
 
 
 class Adapter:
-    """One loaded adapter: per layer and HF projection (A [r, in], B [out, r] scaled), and for the compact decoder
-    per layer and fused projection (A stacked [sum r, in], B block-diagonal [out, sum r]).
-    dims: {(layer, HF projection): out features} of the served model's projections; fuse: build the fused form."""
+    """One loaded adapter, in the served model's form: per layer and fused projection (A stacked [sum r, in], B
+    block-diagonal [out, sum r]; `fuse`, the compact decoder), else per layer and HF projection (A [r, in], B [out, r]).
+    B carries the scale. dims: {(layer, HF projection): out features} of the served model's projections."""
 
     def __init__(self, name, path, config: dict, tensors: dict, dims: dict, dtype, pinned=False, fuse=True):
         self.name, self.path, self.pinned = name, path, pinned
@@ -77,7 +77,7 @@ class Adapter:
                 )
             pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = t
         self.modules = sorted({proj for _, proj in pairs})
-        self.projections = {}  # (layer, HF projection) -> (A, B * scale)
+        self.projections = {}  # (layer, HF projection) -> (A, B * scale), unless fused
         for (layer, proj), ab in pairs.items():
             if set(ab) != {"A", "B"}:
                 raise WeightError(f"LoRA adapter {name}: layer {layer} {proj} needs lora_A and lora_B")
@@ -91,7 +91,8 @@ class Adapter:
                     f"not rank {r} with {dims[layer, proj]} outputs"
                 )
             parts.setdefault((layer, fused), {})[part] = (a, b)
-            self.projections[layer, proj] = (a.to(dtype), (b * self.scale).to(dtype))
+            if not fuse:
+                self.projections[layer, proj] = (a.to(dtype), (b * self.scale).to(dtype))
         self.layers = {}
         for (layer, fused), by_part in parts.items() if fuse else ():
             sizes = [dims[layer, p] for p in _PARTS[fused]]
