@@ -244,3 +244,25 @@ def test_tree_training_refuses_the_transformer_engine_spec(capsys, monkeypatch):
     err = one_line_refusal(capsys, "--tree-training", "--transformer-impl", "transformer_engine")
     assert "--tree-training needs the local layer spec (--transformer-impl local)" in err, err
     assert make_args("--tree-training", "--transformer-impl", "local").tree_training
+
+
+def test_tree_token_counts_key_image_pad_runs_by_the_samples_images():
+    """Dynamic batching's count of a group's tree tokens (`--tree-training` with images): two samples whose token ids
+    agree but whose images differ share nothing, as `get_batch` lays them out; the same images share the prompt."""
+    import types
+
+    from slime.backends.megatron_utils.data import _tree_units
+
+    def image(value):
+        return {"pixel_values": torch.full((4, 3), value), "image_grid_thw": torch.tensor([[1, 2, 2]])}
+
+    prompt = [1, 2, 3, 3, 3, 3, 4]  # a vision run of pad id 3 in the middle
+    tokens = [torch.tensor(prompt + r) for r in ([10, 11], [10, 12], [10, 11], [20])]
+    data = {"tokens": tokens, "multimodal_train_inputs": [image(0.0), image(0.0), image(1.0), None]}
+    units, counts = _tree_units(types.SimpleNamespace(n_samples_per_prompt=2), data, [0, 1, 2, 3, 4], 4)
+    assert units == [[[0, 1], [2, 3]]]
+    assert counts == [[len(prompt) + 3, 2 * len(prompt) + 3]]  # other images: the same ids counted twice
+    del data["multimodal_train_inputs"]
+    assert _tree_units(types.SimpleNamespace(n_samples_per_prompt=2), data, [0, 1, 2, 3, 4], 4)[1] == [
+        [len(prompt) + 3, len(prompt) + 3]
+    ]

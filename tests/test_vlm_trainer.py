@@ -471,6 +471,110 @@ def test_lora_trains_the_language_models_adapters_and_syncs_them_merged_or_as_ad
         stop_cpu_server(proc)
 
 
+def _tree_samples(hf_dir):
+    """Three GRPO pairs: two samples on image A whose responses branch; two on image B, of A's size (the same token
+    ids as A's prompt), one with A's first response; two images (A and a small one) and a text-only sample."""
+    from slime.utils.processing_utils import load_processor, process_prompt
+    from slime.utils.types import Sample
+
+    processor = load_processor(hf_dir)
+    a, b, c = _image((56, 84), 1), _image((56, 84), 2), _image((28, 28), 3)
+    cases = [([a], [10, 11, 12, 13]), ([a], [10, 11, 14, 15, 16]), ([b], [10, 11, 12, 13]), ([b], [20, 21])]
+    cases += [([a, c], [10, 11]), ([], [10, 11, 12])]
+    samples = []
+    for i, (images, response) in enumerate(cases):
+        ids, train_inputs = process_prompt(processor, TEXT.format(images=IMAGE * len(images)), images)
+        samples.append(
+            Sample(
+                index=i,
+                tokens=ids + response,
+                response_length=len(response),
+                reward=float(i % 2 == 0),
+                multimodal_train_inputs=train_inputs if images else None,
+                multimodal_inputs={"images": images} if images else None,
+            )
+        )
+    return samples
+
+
+def _tree_equality(rank, hf_dir, out):
+    """Flat packing vs --tree-training on the same micro-batch: log-probs and gradients (lr 0)."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import ray
+
+    from slime.backends.megatron_utils.advantages import compute_advantages_and_returns
+    from slime.backends.megatron_utils.data import get_batch, get_data_iterator
+    from slime.backends.megatron_utils.initialize import init
+    from slime.backends.megatron_utils.model import forward_only, initialize_model_and_optimizer, train
+    from slime.backends.megatron_utils.rollout_data import process_rollout_data
+    from slime.rollout.train_data import convert_samples_to_train_data
+
+    class _Ref:
+        def __init__(self, data):
+            self.inner = data
+
+    ray.get = lambda x: x
+    sizes = ["--rollout-batch-size", "3", "--global-batch-size", "6", "--micro-batch-size", "6"]
+    args = vlm_args(hf_dir, *sizes, "--tree-training", "--lr", "0", "--clip-grad", "0")
+    init(args)
+    model, opt, sched, _ = initialize_model_and_optimizer(args)
+    rollout = process_rollout_data(args, _Ref(convert_samples_to_train_data(args, _tree_samples(hf_dir))), 0, 1)
+    iters, nmb = get_data_iterator(args, model, rollout)
+
+    def with_tree(on):
+        for it in iters:
+            it.tree = on
+
+    with_tree(False)
+    flat = forward_only(args, model, iters, nmb)
+    with_tree("dense")
+    tree = forward_only(args, model, iters, nmb)
+    row = get_batch(iters[0], ["tokens", "multimodal_train_inputs"])
+    iters[0].reset()
+    data = dict(rollout)
+    data.update({"ref_" + k: v for k, v in flat.items()})
+    data.update(flat)
+    compute_advantages_and_returns(args, data)
+    for it in iters:
+        it.rollout_data = data
+    params = [p for m in model for p in m.parameters() if p.requires_grad]
+
+    def grads():
+        train(args, 0, model, opt, sched, iters, nmb)
+        return [p.main_grad.detach().clone() for p in params]
+
+    with_tree(False)
+    g_flat = grads()
+    with_tree("dense")
+    g_tree = grads()
+    num = sum((a - b).pow(2).sum() for a, b in zip(g_flat, g_tree)).sqrt().item()
+    den = sum(a.pow(2).sum() for a in g_flat).sqrt().item()
+    torch.save(
+        {
+            "log_probs": max((x - y).abs().max().item() for x, y in zip(flat["log_probs"], tree["log_probs"])),
+            "grad_rel": num / den,
+            "row_tokens": row["tokens"].numel(),
+            "flat_tokens": sum(t.numel() for t in row["unconcat_tokens"]),
+        },
+        out,
+    )
+
+
+@pytest.mark.parametrize("kit", ["tiny_vlm", "tiny_qwen3_vl"])  # Qwen2.5-VL; Qwen3-VL (DeepStack, interleaved MRoPE)
+def test_tree_training_with_images_equals_flat_packing(request, kit, tmp_path):
+    """--tree-training on images: samples with the same images share their prompt (its image encoded once), samples
+    whose images differ never share a node even where their token ids agree, and every 3-D position is the sample's
+    own; log-probs and gradients equal flat packing's."""
+    out = str(tmp_path / "tree.pt")
+    spawn(_tree_equality, 1, request.getfixturevalue(kit), out, timeout=300)
+    r = torch.load(out)
+    print(r)
+    assert r["log_probs"] <= 2e-6 and r["grad_rel"] <= 2e-6, r
+    assert r["row_tokens"] < r["flat_tokens"], r
+
+
 def test_startup_derives_the_model_from_the_checkpoint_and_refuses_untested_layouts(
     tiny_vlm, tiny_qwen3_vl, tiny_qwen3_5_vl, capsys
 ):
@@ -503,6 +607,9 @@ def test_startup_derives_the_model_from_the_checkpoint_and_refuses_untested_layo
     assert "--context-parallel-size 2: training a vision-language model on images is tested at CP=1 only" in err, err
     args = vlm_args(tiny_vlm, "--enable-lora", "--lora-sync", "adapter")  # taken: the engine serves the adapters
     assert args.lora_sync == "adapter"
+    assert vlm_args(tiny_vlm, "--tree-training").tree_training  # taken; Qwen3.5's linear attention cannot share
+    err = one_line_refusal(capsys, *keys, "--tree-training", hf_checkpoint=tiny_qwen3_5_vl)
+    assert "--tree-training does not support a custom or hybrid layer spec" in err, err
 
 
 def test_image_tokens_are_the_processors_runs_and_grids_that_disagree_fail_in_one_line(tiny_vlm):

@@ -83,9 +83,15 @@ class Qwen2_5VLModel(GPTModel):
         packed_seq_params=None,
         pixel_values=None,
         image_grid_thw=None,
+        tree_samples=None,
         **kwargs,
     ):
-        is_image, positions = self._image_tokens_and_positions(input_ids, packed_seq_params, image_grid_thw)
+        if tree_samples is not None:  # --tree-training: a prefix-tree row
+            is_image, positions, pixel_values, image_grid_thw = self._tree_images_and_positions(
+                input_ids, tree_samples
+            )
+        else:
+            is_image, positions = self._image_tokens_and_positions(input_ids, packed_seq_params, image_grid_thw)
         if self.pre_process and decoder_input is None:
             decoder_input = self._embed_with_images(input_ids, is_image, pixel_values, image_grid_thw)
         return super().forward(
@@ -133,6 +139,31 @@ class Qwen2_5VLModel(GPTModel):
                 f"features) of {used}: multimodal_train_inputs do not match the tokens"
             )
         return is_image, positions
+
+    def _tree_images_and_positions(self, input_ids, tree_samples):
+        """A prefix-tree row ([1, n]) of samples `tree_samples` [(layout indices, processor outputs or None)]: each
+        sample's image runs and 3-D positions found on its own tokens and written at its nodes (equal on shared
+        nodes, whose tokens and images are the same); an image on nodes several samples share is encoded once.
+        Returns (is_image, positions, pixel_values, image_grid_thw), the images in the row's order."""
+        is_image = torch.zeros_like(input_ids, dtype=torch.bool)
+        positions = torch.zeros(3, *input_ids.shape, dtype=torch.long, device=input_ids.device)
+        images = {}  # layout index of an image run's first token -> (its pixel rows, its grid)
+        for index, mm in tree_samples:
+            index = index.to(input_ids.device)
+            grids = None if mm is None else mm["image_grid_thw"]
+            mine, pos = self._image_tokens_and_positions(input_ids[:, index], None, grids)
+            positions[:, :, index], mine = pos, mine[0]
+            is_image[0, index] |= mine
+            if mm is not None:
+                starts = (mine & ~torch.cat([mine.new_zeros(1), mine[:-1]])).nonzero()[:, 0].tolist()
+                pixels = mm["pixel_values"].split(grids.prod(-1).tolist())
+                for start, pix, grid in zip(starts, pixels, grids):
+                    images.setdefault(int(index[start]), (pix, grid))
+        if not images:
+            return is_image, positions, None, None
+        order = sorted(images)
+        pixel_values = torch.cat([images[n][0] for n in order])
+        return is_image, positions, pixel_values, torch.stack([images[n][1] for n in order])
 
     def _embed_with_images(self, input_ids, is_image, pixel_values, image_grid_thw):
         """Word embeddings [s, b, h] with the vision features written at the image tokens (scattered over the

@@ -82,8 +82,6 @@ def check_vlm_training(args, error):
             f"--context-parallel-size {args.context_parallel_size}: training a vision-language model on images is "
             "tested at CP=1 only so far."
         )
-    if getattr(args, "tree_training", False):
-        error("--tree-training with --multimodal-keys: the prefix-tree layout has no 3-D (MRoPE) positions.")
 
 
 def check_param_patterns_match(args, error):
@@ -129,11 +127,15 @@ def check_tree_training(args, error):
             args.sequence_parallel and args.tensor_model_parallel_size > 1,
             "sequence parallelism (--sequence-parallel)",
         ),
-        (bool(args.spec), "a custom or hybrid layer spec (--spec, e.g. Qwen3-Next/Qwen3.5 linear attention)"),
+        (  # the vision-language providers (Qwen2.5-VL, Qwen3-VL) build the local spec's attention around a tower
+            bool(args.spec) and tuple(args.spec) not in VLM_SPECS.values(),
+            "a custom or hybrid layer spec (--spec, e.g. Qwen3-Next/Qwen3.5 linear attention)",
+        ),
         (bool(args.custom_model_provider_path), "a custom model provider (--custom-model-provider-path)"),
         (bool(args.mtp_num_layers), "MTP (--mtp-num-layers)"),
-        (
-            args.position_embedding_type not in ("rope", "none", "learned_absolute"),
+        (  # a vision-language model computes its 3-D positions per sample of the tree itself
+            args.position_embedding_type not in ("rope", "none", "learned_absolute")
+            and not (args.position_embedding_type == "mrope" and getattr(args, "multimodal_keys", None)),
             f"--position-embedding-type {args.position_embedding_type}",
         ),
     ]

@@ -159,13 +159,20 @@ def _tree_units(args, rollout_data, starts, num_local_gbs):
             f"--tree-training keeps a prompt group's tree in one step, but global_batch_size/dp = {num_local_gbs} "
             f"rollouts per step is not a multiple of --n-samples-per-prompt {n}"
         )
-    tokens = rollout_data["tokens"]
+    tokens, mm = rollout_data["tokens"], rollout_data.get("multimodal_train_inputs")
     num_rollouts = len(starts) - 1
     step_units = [
         [list(range(starts[g], starts[g + n])) for g in range(i, i + num_local_gbs, n)]
         for i in range(0, num_rollouts, num_local_gbs)
     ]
-    return step_units, [[count_tree_tokens([tokens[j] for j in u]) for u in units] for units in step_units]
+
+    def unique_tokens(unit):  # as get_batch lays the group out: keyed by images where it has any
+        ts = [tokens[j] for j in unit]
+        if mm is not None and any(mm[j] is not None for j in unit):
+            ts, _ = _keyed_by_images(ts, [mm[j] for j in unit])
+        return count_tree_tokens(ts)
+
+    return step_units, [[unique_tokens(u) for u in units] for units in step_units]
 
 
 def _same_on_every_dp_rank(counts, dp_size):
@@ -191,15 +198,43 @@ def get_batch(data_iterator, keys, pad_multiplier=128):
     batch = data_iterator.get_next(keys)
     tokens = batch["tokens"]
     batch["unconcat_tokens"] = tokens
+    mm = batch.get("multimodal_train_inputs")
+    images = mm is not None and any(m is not None for m in mm)
     if getattr(data_iterator, "tree", False):
+        if images:  # samples with other images never share a node; the model places each sample's images itself
+            keys, vocab = _keyed_by_images(tokens, mm)
+            batch.update(_tree_layout(keys, data_iterator.tree))
+            batch["tokens"] = batch["tokens"] % vocab
+            batch["multimodal_train_inputs"] = {"tree_samples": list(zip(batch["tree_index"], mm))}
+            return batch
         batch.update(_tree_layout(tokens, data_iterator.tree))
     elif data_iterator.packed_sequences:
         batch.update(_packed_layout(tokens, _tp_size() * pad_multiplier))
     else:
         batch.update(_padded_layout(tokens))
     if "multimodal_train_inputs" in batch:
-        batch["multimodal_train_inputs"] = merge_multimodal_inputs(batch["multimodal_train_inputs"])
+        batch["multimodal_train_inputs"] = merge_multimodal_inputs(mm)
     return batch
+
+
+def _keyed_by_images(tokens, mm):
+    """(tokens + vocab * the index of the sample's image set, vocab): a prefix tree over these keys shares tokens
+    only between samples with the same images (two images of one size have identical pad runs: merged on token ids,
+    one would get the other's features). 0 for samples without images; `% vocab` gives the tokens back."""
+    import hashlib
+
+    vocab = int(max(int(t.max()) for t in tokens)) + 1
+    sets, keys = {}, []
+    for t, m in zip(tokens, mm):
+        digest = None
+        if m is not None:
+            h = hashlib.blake2b(digest_size=16)
+            for name in sorted(m):
+                h.update(name.encode() + m[name].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            digest = h.digest()
+        index = 0 if digest is None else sets.setdefault(digest, len(sets) + 1)
+        keys.append(t + vocab * index)
+    return keys, vocab
 
 
 def _tp_size():
