@@ -67,15 +67,39 @@ def test_tree_row_token_count():
     assert sum(len(s) for s in samples) == 72  # flat: 3.1x the tokens
 
 
+def flat_vs_tree_grads(args, model, opt, sched, iters, nmb, rollout, flat):
+    """One training step's gradients (lr 0: the weights stay) with the iterators laid out flat, then as a tree, on
+    the advantages of the flat log-probs `flat`: (L2 norm of the difference, L2 norm of the flat ones, the largest
+    per-tensor max-abs difference relative to that tensor's max)."""
+    from slime.backends.megatron_utils.advantages import compute_advantages_and_returns
+    from slime.backends.megatron_utils.model import train
+
+    data = {**rollout, **{"ref_" + k: v for k, v in flat.items()}, **flat}
+    compute_advantages_and_returns(args, data)
+    params = [p for m in model for p in m.parameters() if p.requires_grad]
+    grads = []
+    for tree in (False, "dense"):
+        for it in iters:
+            it.rollout_data, it.tree = data, tree
+        train(args, 0, model, opt, sched, iters, nmb)
+        grads.append([p.main_grad.detach().clone() for p in params])
+    for it in iters:
+        it.tree = False
+    g_flat, g_tree = grads
+    num = sum((a - b).pow(2).sum() for a, b in zip(g_flat, g_tree)).sqrt().item()
+    den = sum(a.pow(2).sum() for a in g_flat).sqrt().item()
+    per_param = max(((a - b).abs().max() / a.abs().max().clamp_min(1e-30)).item() for a, b in zip(g_flat, g_tree))
+    return num, den, per_param
+
+
 def _equality(rank, model_dir, out_path):
     import ray
     from megatron.core import parallel_state as mpu
 
     from slime.backends.megatron_utils import model as model_mod
-    from slime.backends.megatron_utils.advantages import compute_advantages_and_returns
     from slime.backends.megatron_utils.data import get_data_iterator
     from slime.backends.megatron_utils.initialize import init
-    from slime.backends.megatron_utils.model import forward_only, initialize_model_and_optimizer, train
+    from slime.backends.megatron_utils.model import forward_only, initialize_model_and_optimizer
     from slime.backends.megatron_utils.rollout_data import process_rollout_data
 
     class _Ref:
@@ -123,30 +147,11 @@ def _equality(rank, model_dir, out_path):
         naive = forward_only(args, model, iters, nmb)
     finally:
         model_mod.rope_by_position = original
-    with_tree(False)
 
     def max_diff(a, b):
         return max((x - y).abs().max().item() for x, y in zip(a, b))
 
-    data = dict(rollout)
-    data.update({"ref_" + k: v for k, v in flat.items()})
-    data.update(flat)
-    compute_advantages_and_returns(args, data)
-    for it in iters:
-        it.rollout_data = data
-    params = [p for m in model for p in m.parameters() if p.requires_grad]
-
-    def grads():
-        train(args, 0, model, opt, sched, iters, nmb)
-        return [p.main_grad.detach().clone() for p in params]
-
-    g_flat = grads()
-    with_tree(True)
-    g_tree = grads()
-    with_tree(False)
-    num = sum((a - b).pow(2).sum() for a, b in zip(g_flat, g_tree)).sqrt().item()
-    den = sum(a.pow(2).sum() for a in g_flat).sqrt().item()
-    per_param = max(((a - b).abs().max() / a.abs().max().clamp_min(1e-30)).item() for a, b in zip(g_flat, g_tree))
+    num, den, per_param = flat_vs_tree_grads(args, model, opt, sched, iters, nmb, rollout, flat)
     torch.save(
         {
             "log_probs": max_diff(flat["log_probs"], tree["log_probs"]),

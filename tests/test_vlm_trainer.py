@@ -504,12 +504,12 @@ def _tree_equality(rank, hf_dir, out):
     warnings.filterwarnings("ignore")
     import ray
 
-    from slime.backends.megatron_utils.advantages import compute_advantages_and_returns
     from slime.backends.megatron_utils.data import get_batch, get_data_iterator
     from slime.backends.megatron_utils.initialize import init
-    from slime.backends.megatron_utils.model import forward_only, initialize_model_and_optimizer, train
+    from slime.backends.megatron_utils.model import forward_only, initialize_model_and_optimizer
     from slime.backends.megatron_utils.rollout_data import process_rollout_data
     from slime.rollout.train_data import convert_samples_to_train_data
+    from tests.test_tree_training import flat_vs_tree_grads
 
     class _Ref:
         def __init__(self, data):
@@ -533,24 +533,7 @@ def _tree_equality(rank, hf_dir, out):
     tree = forward_only(args, model, iters, nmb)
     row = get_batch(iters[0], ["tokens", "multimodal_train_inputs"])
     iters[0].reset()
-    data = dict(rollout)
-    data.update({"ref_" + k: v for k, v in flat.items()})
-    data.update(flat)
-    compute_advantages_and_returns(args, data)
-    for it in iters:
-        it.rollout_data = data
-    params = [p for m in model for p in m.parameters() if p.requires_grad]
-
-    def grads():
-        train(args, 0, model, opt, sched, iters, nmb)
-        return [p.main_grad.detach().clone() for p in params]
-
-    with_tree(False)
-    g_flat = grads()
-    with_tree("dense")
-    g_tree = grads()
-    num = sum((a - b).pow(2).sum() for a, b in zip(g_flat, g_tree)).sqrt().item()
-    den = sum(a.pow(2).sum() for a in g_flat).sqrt().item()
+    num, den, _ = flat_vs_tree_grads(args, model, opt, sched, iters, nmb, rollout, flat)
     torch.save(
         {
             "log_probs": max((x - y).abs().max().item() for x, y in zip(flat["log_probs"], tree["log_probs"])),

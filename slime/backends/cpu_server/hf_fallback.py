@@ -288,6 +288,7 @@ class HFFallbackModel:
     (`lora`, a LoRABatch) are added by forward hooks on the decoder's projections, each to its requests' rows."""
 
     fuses_lora = False  # adapters are applied per HF projection
+    shares_prefix_kv = False  # no KV cache: each step recomputes every sequence
 
     def __init__(self, model):
         self.model = model

@@ -406,7 +406,7 @@ class Scheduler:
     def _decode_groups(self, reqs) -> list:
         """[(prompt rows, batch positions)] of the shared prompts two or more of reqs attend this step (cascade
         attention); none in deterministic mode, where each request's forward must not depend on the others."""
-        if self.batch_invariant or not getattr(self.model, "shares_prefix_kv", False):
+        if self.batch_invariant or not self.model.shares_prefix_kv:
             return []
         members = {}
         for i, r in enumerate(reqs):
