@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 
@@ -278,8 +279,22 @@ def check_generated(sample, tokenizer, max_len):
 def test_generate_rollout_default_path(engine, tiny_kit, prompts):
     args = make_args(engine, tiny_kit, prompts, rollout_batch_size=3, n_samples_per_prompt=2)
     ds = RolloutDataSourceWithBuffer(args)
+    state, texts = GenerateState(args), Counter()
+    real = state.tokenizer
+
+    class CountingTokenizer:  # the texts the generate tokenises
+        def __call__(self, text, **kw):
+            texts[text] += 1
+            return real(text, **kw)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    state.tokenizer = CountingTokenizer()
     groups = generate_rollout(args, 0, ds)
+    state.tokenizer = real
     assert len(groups) == 3 and all(len(g) == 2 for g in groups)
+    assert texts == Counter(g[0].prompt for g in groups)  # a group's prompt tokenised once, not once per sample
     assert [[s.index for s in g] for g in groups] == [[0, 1], [2, 3], [4, 5]]
     assert [g[0].label for g in groups] == ["1", "3", "5"]
     tokenizer = GenerateState(args).tokenizer

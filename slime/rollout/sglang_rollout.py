@@ -6,6 +6,7 @@ Module import needs neither sglang, megatron nor a GPU.
 
 import asyncio
 import copy
+import functools
 import logging
 from collections import Counter
 
@@ -46,6 +47,10 @@ class GenerateState(metaclass=SingletonMeta):
         self.args = args
         init_http_client(args)
         self.tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint, trust_remote_code=True)
+        # a group's n samples share their prompt text: tokenised once, not n times
+        self.prompt_token_ids = functools.lru_cache(maxsize=4096)(
+            lambda text: tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        )
         # None unless --multimodal-keys or an eval dataset's own keys bring images
         media = [args.multimodal_keys, *(d.multimodal_keys for d in getattr(args, "eval_datasets", None) or [])]
         self.processor = next((multimodal_dataset_kwargs(args, k)["processor"] for k in media if k), None)
@@ -151,7 +156,7 @@ def prompt_ids(state, sample: Sample) -> list:
                 f"sends text prompts; pass --apply-chat-template for chat-message prompts, or use "
                 f"--custom-generate-function-path."
             )
-        sample.tokens = list(state.tokenizer(sample.prompt, add_special_tokens=False)["input_ids"])
+        sample.tokens = list(state.prompt_token_ids(sample.prompt))
     return list(sample.tokens)
 
 

@@ -1,3 +1,4 @@
+import functools
 import importlib
 import inspect
 import threading
@@ -21,11 +22,20 @@ def load_function(path: str):
 def accepted_kwargs(fn, **kwargs) -> dict:
     """The subset of `kwargs` that `fn` declares (all of them if it takes `**kwargs`): optional keywords such as
     `evaluation=` reach only the user functions that ask for them."""
+    try:
+        names = _keyword_names(fn)
+    except TypeError:  # an unhashable callable: not cached
+        names = _keyword_names.__wrapped__(fn)
+    return kwargs if names is None else {k: v for k, v in kwargs.items() if k in names}
+
+
+@functools.lru_cache(maxsize=1024)
+def _keyword_names(fn):
+    """The keywords `fn` declares, None if it takes `**kwargs`: worked out once per function (called per sample)."""
     params = inspect.signature(fn).parameters.values()
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return kwargs
-    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    return {k: v for k, v in kwargs.items() if k in names}
+        return None
+    return frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
 
 
 def load_rollout_data_postprocess(path):
