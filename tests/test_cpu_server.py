@@ -913,6 +913,35 @@ def test_other_llama_family_architectures_match_transformers(arch, tmp_path):
     assert (got - want).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q_and_k_norms_in_one_pass_round_as_two_rms_norms(tiny_kit, dtype):
+    """The projection normalises q and k heads together: bit for bit what F.rms_norm gives each with its own weight,
+    in bf16 too (one rounding, after the weight, as SGLang's and Transformer Engine's norms round)."""
+    import torch.nn.functional as F
+
+    from slime.backends.cpu_server.model import ModelConfig, Transformer, _rotate_half
+    from slime.backends.cpu_server.weights import WeightStore
+
+    cfg = ModelConfig.from_model_dir(tiny_kit[0])
+    w = WeightStore(cfg, dtype)
+    w.load_from_dir(tiny_kit[0])
+    model, layer = Transformer(cfg, w, dtype, 64), w.layers[1]
+    with torch.no_grad():
+        layer["q_norm"].copy_(torch.randn(cfg.head_dim))  # distinct weights: a swap of q's and k's would show
+        layer["k_norm"].copy_(torch.randn(cfg.head_dim))
+    h, pos = torch.randn(5, cfg.hidden_size).to(dtype), torch.arange(5)
+    q, k, v = model._qkv(layer, h, model.cos[pos], model.sin[pos])
+    H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    qk = F.linear(h, layer["qkv"])[:, : (H + KVH) * D].unflatten(-1, (H + KVH, D))
+    eps = cfg.rms_norm_eps
+    want = torch.cat(
+        [F.rms_norm(qk[:, :H], (D,), layer["q_norm"], eps), F.rms_norm(qk[:, H:], (D,), layer["k_norm"], eps)], 1
+    )
+    cos, sin = model.cos[pos][:, None], model.sin[pos][:, None]
+    want = want * cos + _rotate_half(want) * sin
+    assert torch.equal(q, want[:, :H]) and torch.equal(k, want[:, H:])
+
+
 def test_cascade_decode_reads_each_shared_prompt_once_and_equals_transformers(tiny_kit, hf):
     """Cascade attention: members of a group attend their shared prompt's rows through the group (kv_index holds only
     their own rows), others attend all of theirs; logits equal transformers' full-sequence forward and the plain
@@ -955,14 +984,18 @@ def test_cascade_decode_reads_each_shared_prompt_once_and_equals_transformers(ti
     assert (got - want).abs().max() < 1e-4
     assert (got - plain).abs().max() < 1e-5
     # the cascade really reads the prompt through the group: spoil a member's own copy of it and nothing changes,
-    # spoil the group's rows and the members' logits move
+    # spoil the group's rows and the members' logits move, once gathered anew: a SharedPrefix keeps the prompts' K/V
+    # its first step gathered (the scheduler hands it to every step over the same groups)
     for i in range(cfg.num_layers):
         pool.k[i][torch.tensor(rows[1][: len(a)])] = 9.0
     again = model.forward_decode(pool, tokens, lens, torch.tensor(new), index, valid, shared=shared)
     assert torch.equal(again, got)
     for i in range(cfg.num_layers):
         pool.k[i][torch.tensor(prompts[0][1])] = 9.0
-    spoiled = model.forward_decode(pool, tokens, lens, torch.tensor(new), index, valid, shared=shared)
+    reused = model.forward_decode(pool, tokens, lens, torch.tensor(new), index, valid, shared=shared)
+    assert torch.equal(reused, got)
+    anew = SharedPrefix.build(groups, B, torch.float32)
+    spoiled = model.forward_decode(pool, tokens, lens, torch.tensor(new), index, valid, shared=anew)
     assert (spoiled[:3] - got[:3]).abs().max() > 1e-2 and torch.equal(spoiled[3:], got[3:])
 
 

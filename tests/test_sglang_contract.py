@@ -21,7 +21,7 @@ import pytest
 
 from slime.backends.sglang_utils import arguments as sglang_arguments
 from slime.backends.sglang_utils import server_launch, sglang_engine
-from slime.backends.sglang_utils.contract import body_errors, load_contract, request_fields
+from slime.backends.sglang_utils.contract import body_errors, load_contract, request_fields, type_ok
 from tests._args import make_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -441,6 +441,25 @@ def test_strict_check_catches_a_misspelt_or_missing_field():
     assert body_errors("/pause_generation", {"mode": "pause"}) != []
     assert body_errors("/generate", {"input_ids": [1], "sampling_params": {"max_tokens": 3}}) != []
     assert request_fields("/weights_checker")["action"]["default"] == {"value": "checksum"}
+
+
+@pytest.mark.parametrize(
+    "input_ids, ok",
+    [
+        ([1, 2], True),
+        ([[1], [2, 3]], True),
+        (None, True),
+        ([1, True], False),  # JSON true is no token id, though Python's bool is an int
+        ([1, 2.0], False),
+        ([1, "2"], False),
+        ([[1], [True]], False),
+        ("1 2", False),
+    ],
+)
+def test_token_id_lists_are_checked_element_by_element(input_ids, ok):
+    """GenerateReqInput.input_ids: Optional[Union[List[List[int]], List[int]]]."""
+    assert (body_errors("/generate", {"input_ids": input_ids}) == []) is ok
+    assert type_ok([1, 2.5], "List[float]") and not type_ok([1.0, False], "List[float]")
 
 
 @pytest.mark.parametrize("keys", [{"api_key": "k1"}, {"api_key": "k1", "admin_api_key": "adm"}])

@@ -186,10 +186,14 @@ class SharedPrefix(NamedTuple):
     mask: torch.Tensor  # [G, 1, 1, P] additive: 0 on the prompt, -inf on padding
     members: torch.Tensor  # [G, M] batch positions of each group's requests (padding: B, a zero query)
     slot: torch.Tensor  # [B] each request's place in the flattened [G * M] layout (G * M: in no group)
+    # layer -> the prompts' gathered K/V ([G, KVH, P, D] each): a prompt's rows do not change while it is decoded
+    # from, so the scheduler hands the same dict to every step over the same groups and each layer gathers once
+    kv: dict
 
     @classmethod
-    def build(cls, groups, batch_size: int, dtype: torch.dtype) -> "SharedPrefix":
-        """groups: [(prompt rows, batch positions of its requests)]."""
+    def build(cls, groups, batch_size: int, dtype: torch.dtype, kv: dict | None = None) -> "SharedPrefix":
+        """groups: [(prompt rows, batch positions of its requests)]; kv: the K/V gathered by an earlier step over
+        the same prompts in the same order, or None."""
         P, M = max(len(rows) for rows, _ in groups), max(len(who) for _, who in groups)
         slot = [len(groups) * M] * batch_size
         for g, (_, who) in enumerate(groups):
@@ -200,7 +204,7 @@ class SharedPrefix(NamedTuple):
         lens = torch.tensor([len(rows) for rows, _ in groups])
         mask = torch.zeros(len(groups), 1, 1, P, dtype=dtype)
         mask.masked_fill_((torch.arange(P)[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
-        return cls(index, mask, members, torch.tensor(slot))
+        return cls(index, mask, members, torch.tensor(slot), {} if kv is None else kv)
 
 
 class Transformer:
@@ -238,10 +242,9 @@ class Transformer:
         H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qk, v = qkv.split([(H + KVH) * D, KVH * D], dim=-1)
         qk, v = qk.unflatten(-1, (H + KVH, D)), v.unflatten(-1, (KVH, D))
-        if cfg.qk_norm:
-            qk = torch.cat(
-                [self._norm(qk[..., :H, :], layer["q_norm"]), self._norm(qk[..., H:, :], layer["k_norm"])], -2
-            )
+        if cfg.qk_norm:  # q and k heads in one pass, scaled by their own weights in fp32: F.rms_norm's exact bits
+            w = torch.cat([layer["q_norm"].expand(H, D), layer["k_norm"].expand(KVH, D)])
+            qk = (F.rms_norm(qk.float(), (D,), None, cfg.rms_norm_eps) * w.float()).to(qk.dtype)
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
         qk = qk * cos + _rotate_half(qk) * sin  # q and k heads rotated in one pass
         q, k = qk.split([H, KVH], dim=-2)
@@ -333,21 +336,29 @@ class Transformer:
                     q.unsqueeze(2), ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=True
                 ).flatten(1)
             else:
-                o = self._cascade_attention(q, ks, vs, mask, pool.k[i], pool.v[i], shared)
+                o = self._cascade_attention(q, ks, vs, mask, self._prompt_kv(pool, i, shared), shared)
             h = h + self._linear(o, layer, "o", lora, i)
             h = h + self._mlp(layer, self._norm(h, layer["post_norm"]), lora, i)
         return self._logits(h)
 
-    def _cascade_attention(self, q, ks, vs, mask, pool_k, pool_v, shared):
+    @staticmethod
+    def _prompt_kv(pool, i, shared):
+        """Layer i's K/V of the groups' prompts, [G, KVH, P, D] each: gathered by the first step that needs them."""
+        if i not in shared.kv:
+            G, P = shared.index.shape
+            gather = lambda t: t.index_select(0, shared.index.reshape(-1)).unflatten(0, (G, P)).transpose(1, 2)  # noqa: E731
+            shared.kv[i] = (gather(pool.k[i]).contiguous(), gather(pool.v[i]).contiguous())
+        return shared.kv[i]
+
+    def _cascade_attention(self, q, ks, vs, mask, prompt_kv, shared):
         """Attention over [shared prompt rows | own rows] as two blocks merged by their log-sum-exps: a group's
         prompt K/V are gathered and attended once for all its members, not once per request.
-        q [B, H, D]; ks/vs [B, KVH, S, D] each request's own rows, mask [B, 1, 1, S]. Returns [B, H * D]."""
+        q [B, H, D]; ks/vs [B, KVH, S, D] each request's own rows, mask [B, 1, 1, S]; prompt_kv: `_prompt_kv`.
+        Returns [B, H * D]."""
         B, H, D = q.shape
-        G, P = shared.index.shape
-        M, KVH = shared.members.shape[1], ks.shape[1]
+        G, M, KVH = shared.members.shape[0], shared.members.shape[1], ks.shape[1]
         rep = H // KVH  # query head h reads KV head h // rep (SDPA's enable_gqa): a KV head's queries form its rows
-        pk = pool_k.index_select(0, shared.index.reshape(-1)).unflatten(0, (G, P)).transpose(1, 2)  # [G, KVH, P, D]
-        pv = pool_v.index_select(0, shared.index.reshape(-1)).unflatten(0, (G, P)).transpose(1, 2)
+        pk, pv = prompt_kv
         qg = torch.cat([q, q.new_zeros(1, H, D)]).index_select(0, shared.members.reshape(-1))
         qg = qg.view(G, M, KVH, rep, D).transpose(1, 2).reshape(G, KVH, M * rep, D)
         op, lp = _attention_lse(qg, pk, pv, shared.mask, self.scale)  # [G, KVH, M*rep, D], [G, KVH, M*rep]

@@ -132,6 +132,8 @@ class Scheduler:
         self.share_prefill = share_prefill
         self.shared: dict = {}  # (prompt ids, adapter id, weight version) -> its live _SharedPrompt
         self.row_refs: dict = {}  # pool row -> holders beyond the first (a row is freed when its last holder goes)
+        # (the decode's group prompts, layer -> their gathered K/V): reused by the steps over the same prompts
+        self.prompt_kv: tuple = ((), {})
         self.num_prefill_tokens = 0  # tokens run through forward_prefill
         self.num_cached_tokens = 0  # prompt tokens served from a shared prefill instead
         self.gen = torch.Generator().manual_seed(random_seed)
@@ -220,11 +222,13 @@ class Scheduler:
                 self.running, self.waiting = [], deque()
                 self.shared.clear()
                 self.row_refs.clear()
+                self.prompt_kv = ((), {})
 
     def _drain(self):
         while not self.controls.empty():
             fn, fut = self.controls.get()
             self.shared.clear()  # weights, adapters or the pool may change: nothing computed before is shared after
+            self.prompt_kv = ((), {})
             if fut.set_running_or_notify_cancel():
                 try:
                     fut.set_result(fn())
@@ -388,9 +392,13 @@ class Scheduler:
         kwargs = self._mm_kwargs(reqs)
         skip = torch.zeros(len(reqs), dtype=torch.long)  # leading positions read through the shared prompt instead
         if groups:
+            prompts = tuple(p for p, _ in groups)  # the prompt objects: held, so compared by identity
+            if prompts != self.prompt_kv[0]:  # another group set: its prompts' K/V are gathered anew
+                self.prompt_kv = (prompts, {})
+            groups = [(p.rows, who) for p, who in groups]
             for rows, who in groups:
                 skip[who] = len(rows)
-            kwargs["shared"] = SharedPrefix.build(groups, len(reqs), self.model.dtype)
+            kwargs["shared"] = SharedPrefix.build(groups, len(reqs), self.model.dtype, self.prompt_kv[1])
         own = kv_lens + 1 - skip
         S = int(own.max())
         at = (skip[:, None] + torch.arange(S)[None, :]).clamp_(max=self.req_to_token.shape[1] - 1)
@@ -404,14 +412,14 @@ class Scheduler:
         self._sample_and_append(reqs, logits.float())
 
     def _decode_groups(self, reqs) -> list:
-        """[(prompt rows, batch positions)] of the shared prompts two or more of reqs attend this step (cascade
+        """[(_SharedPrompt, batch positions)] of the shared prompts two or more of reqs attend this step (cascade
         attention); none in deterministic mode, where each request's forward must not depend on the others."""
         if self.batch_invariant or not self.model.shares_prefix_kv:
             return []
         members = {}
         for i, r in enumerate(reqs):
             if r.prefix is not None:
-                members.setdefault(id(r.prefix), (r.prefix.rows, []))[1].append(i)
+                members.setdefault(id(r.prefix), (r.prefix, []))[1].append(i)
         return [g for g in members.values() if len(g[1]) > 1]
 
     def _retract(self, r):

@@ -46,50 +46,61 @@ _SIMPLE = {
     "Tuple": lambda v: isinstance(v, list),
 }
 _ANYTHING = lambda v: True  # noqa: E731
+# The exact types a parsed JSON scalar of each simple annotation may have (bool is not an int here).
+_JSON_TYPES = {"str": {str}, "bytes": {str}, "bool": {bool}, "int": {int}, "float": {int, float}}
 
 
-def _check_type(value, node) -> bool:
-    """Whether a JSON value fits a Python annotation (as SGLang's pydantic/msgspec decoding would take it).
-    Names the contract does not define (SGLang's own aliases and classes) accept anything."""
+def _compile(node):
+    """A predicate: whether a JSON value fits a Python annotation (as SGLang's pydantic/msgspec decoding would take
+    it). Built once per annotation, since the CPU server checks every request body it serves. Names the contract does
+    not define (SGLang's own aliases and classes) accept anything."""
     if isinstance(node, ast.Constant) and node.value is None:
-        return value is None
+        return lambda v: v is None
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
-        return _check_type(value, node.left) or _check_type(value, node.right)
+        return _any_of([_compile(node.left), _compile(node.right)])
     if isinstance(node, ast.Attribute):
         node = ast.Name(node.attr)
     if isinstance(node, ast.Name):
-        return _SIMPLE.get(node.id, _ANYTHING)(value)
-    if isinstance(node, ast.Subscript):
-        head = node.value.attr if isinstance(node.value, ast.Attribute) else getattr(node.value, "id", "")
-        args = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
-        if head == "Optional":
-            return value is None or _check_type(value, args[0])
-        if head == "Union":
-            return any(_check_type(value, a) for a in args)
-        if head == "Annotated":
-            return _check_type(value, args[0])
-        if head == "Literal":
-            return value in [ast.literal_eval(a) for a in args]
-        if head in ("List", "list", "Sequence"):
-            if isinstance(args[0], ast.Name):  # a list of a simple type (token ids): one predicate per element
-                return isinstance(value, list) and all(map(_SIMPLE.get(args[0].id, _ANYTHING), value))
-            return isinstance(value, list) and all(_check_type(v, args[0]) for v in value)
-        if head in ("Dict", "dict"):
-            return isinstance(value, dict) and all(_check_type(v, args[-1]) for v in value.values())
-        if head in ("Tuple", "tuple"):
-            return isinstance(value, list)
-        return True
-    return True
+        return _SIMPLE.get(node.id, _ANYTHING)
+    if not isinstance(node, ast.Subscript):
+        return _ANYTHING
+    head = node.value.attr if isinstance(node.value, ast.Attribute) else getattr(node.value, "id", "")
+    args = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+    if head == "Optional":
+        inner = _compile(args[0])
+        return lambda v: v is None or inner(v)
+    if head == "Union":
+        return _any_of([_compile(a) for a in args])
+    if head == "Annotated":
+        return _compile(args[0])
+    if head == "Literal":
+        allowed = [ast.literal_eval(a) for a in args]
+        return lambda v: v in allowed
+    if head in ("List", "list", "Sequence"):
+        if isinstance(args[0], ast.Name) and args[0].id in _JSON_TYPES:  # token ids: checked at C speed
+            allowed = _JSON_TYPES[args[0].id]
+            return lambda v: isinstance(v, list) and allowed.issuperset(map(type, v))
+        item = _compile(args[0])
+        return lambda v: isinstance(v, list) and all(map(item, v))
+    if head in ("Dict", "dict"):
+        item = _compile(args[-1])
+        return lambda v: isinstance(v, dict) and all(map(item, v.values()))
+    if head in ("Tuple", "tuple"):
+        return _SIMPLE["list"]
+    return _ANYTHING
 
 
-def type_ok(value, annotation: str) -> bool:
-    return _check_type(value, _annotation(annotation))
+def _any_of(predicates):
+    return lambda v: any(p(v) for p in predicates)
 
 
 @functools.lru_cache(None)
-def _annotation(text: str) -> ast.expr:
-    """Parsed once per annotation: the CPU server checks every request body it serves."""
-    return ast.parse(text, mode="eval").body
+def _predicate(annotation: str):
+    return _compile(ast.parse(annotation, mode="eval").body)
+
+
+def type_ok(value, annotation: str) -> bool:
+    return _predicate(annotation)(value)
 
 
 def fields_errors(body: dict, fields: dict, what: str) -> list:
