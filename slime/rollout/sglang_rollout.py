@@ -423,7 +423,9 @@ async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[li
 
     data = []
     surplus = []  # groups that finished after the target was reached (in the same wait)
-    finished = []  # every group that finished: kept, dropped by the filter, surplus
+    # every group that finished (kept, dropped by the filter, surplus), for --rollout-all-samples-process-path only:
+    # a filter that keeps dropping would otherwise hold every group it ever saw
+    finished = []
     drops = Counter()
     gatherer = MetricGatherer()
     pbar = tqdm(total=target_data_size * n, desc="Rollout generation")
@@ -450,7 +452,8 @@ async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[li
                     raise RuntimeError(
                         f"a group of {len(group)} samples came back, expected --n-samples-per-prompt={n}"
                     )
-                finished.append(group)
+                if args.rollout_all_samples_process_path:
+                    finished.append(group)
                 if dynamic_filter is not None:
                     output = call_dynamic_filter(dynamic_filter, args, group)
                     if should_drop_dynamic_filter_output(
