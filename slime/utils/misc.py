@@ -1,4 +1,5 @@
 import functools
+import gc
 import importlib
 import inspect
 import threading
@@ -85,3 +86,12 @@ def should_run_periodic_action(rollout_id: int, interval, num_rollout_per_epoch=
         return False
     step = rollout_id + 1
     return step % interval == 0 or (num_rollout_per_epoch is not None and step % num_rollout_per_epoch == 0)
+
+
+def freeze_startup_objects():
+    """Call at the end of a trainer's start-up: every object alive then (imported modules, the model, the optimizer,
+    about half a million) leaves the cyclic garbage collector's sight for good, so a full collection (megatron-core's
+    at each checkpoint save, `clear_memory`'s on a GPU) scans only what was made since. On the main job a save step
+    took about 0.35 s less."""
+    gc.collect()
+    gc.freeze()

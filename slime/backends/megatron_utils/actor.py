@@ -22,7 +22,7 @@ from slime.observability.wandb_utils import init_wandb_secondary
 from slime.ray.train_actor import TrainRayActor
 from slime.utils import device
 from slime.utils.device import empty_cache, pin_memory, synchronize
-from slime.utils.misc import load_rollout_data_postprocess
+from slime.utils.misc import freeze_startup_objects, load_rollout_data_postprocess
 from slime.utils.quantization import hf_quantization_config
 from slime.utils.user_errors import call_user_function
 
@@ -107,6 +107,7 @@ class MegatronTrainRayActor(TrainRayActor):
         if args.offload_train:
             self.sleep(("model",))
         self.prof.on_init_end()
+        freeze_startup_objects()
         Timer().start("train_wait")
         return start_rollout_id
 
