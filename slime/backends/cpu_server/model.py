@@ -345,9 +345,11 @@ class Transformer:
     def _prompt_kv(pool, i, shared):
         """Layer i's K/V of the groups' prompts, [G, KVH, P, D] each: gathered by the first step that needs them."""
         if i not in shared.kv:
-            G, P = shared.index.shape
-            gather = lambda t: t.index_select(0, shared.index.reshape(-1)).unflatten(0, (G, P)).transpose(1, 2)  # noqa: E731
-            shared.kv[i] = (gather(pool.k[i]).contiguous(), gather(pool.v[i]).contiguous())
+            (G, P), rows = shared.index.shape, shared.index.reshape(-1)
+            shared.kv[i] = tuple(
+                t.index_select(0, rows).unflatten(0, (G, P)).transpose(1, 2).contiguous()
+                for t in (pool.k[i], pool.v[i])
+            )
         return shared.kv[i]
 
     def _cascade_attention(self, q, ks, vs, mask, prompt_kv, shared):
