@@ -2,6 +2,8 @@
 rollout with a reference model at TP=1 and TP=2, checkpoint, and resume at the next rollout id; a user's loss that
 raises inside the trainers comes back as their own exception."""
 
+import gc
+
 import pytest
 
 from slime.utils.user_errors import UserCodeError
@@ -42,7 +44,7 @@ def test_actor_trains_tiny_qwen3_and_resumes(ray_session, tiny_kit, tmp_path, tp
         assert starts == [0] * tp
         # start-up's objects (modules, model, optimizer) are out of the cyclic GC's sight: megatron-core's full
         # collection at each checkpoint save scans only what training made since
-        frozen = ray.get(actors[0].__ray_call__.remote(lambda self: __import__("gc").get_freeze_count()), timeout=60)
+        frozen = ray.get(actors[0].__ray_call__.remote(lambda self: gc.get_freeze_count()), timeout=60)
         assert frozen > 100_000, frozen
         data_ref = Box(ray.put(fixed_rollout()))
         results = ray.get([a.train.remote(0, data_ref) for a in actors], timeout=300)
