@@ -87,6 +87,72 @@ def make_samples(hf_dir):
     return samples
 
 
+def video_prompt(hf_dir, frames, height, width):
+    """(the prompt ids of one video of `frames` frames of `height` x `width` px, as transformers' processor of the
+    family lays them out, random pixel rows, video_grid_thw) for the tiny kit at `hf_dir`. The processor itself
+    needs torchvision; the layouts are the ones its Qwen2.5-VL and Qwen3-VL processors print: one pad run per video
+    after <|vision_start|> (Qwen2.5-VL), or per temporal step, each behind its timestamp and a <|vision_start|> of its
+    own, inside the video's <|vision_start|> ... <|vision_end|> (Qwen3-VL, Qwen3.5)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    cfg, tok = AutoConfig.from_pretrained(hf_dir), AutoTokenizer.from_pretrained(hf_dir)
+    vision = cfg.vision_config
+    patch, merge, step = vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size
+    grid = [frames // step, height // patch, width // patch]
+    per_step = grid[1] * grid[2] // merge**2
+    pad = "<|video_pad|>"
+    if cfg.model_type == "qwen2_5_vl":
+        inner = pad * (grid[0] * per_step)
+    else:
+        inner = "".join(
+            f"<{t + 0.5:.1f} seconds><|vision_start|>{pad * per_step}<|vision_end|>" for t in range(grid[0])
+        )
+    ids = tok(f"<|vision_start|>{inner}<|vision_end|>", add_special_tokens=False)["input_ids"]
+    rows = grid[0] * grid[1] * grid[2]
+    pixels = torch.randn(rows, 3 * step * patch * patch, generator=torch.Generator().manual_seed(rows))
+    return ids, pixels, torch.tensor([grid])
+
+
+def make_video_samples(hf_dir):
+    """Samples with videos: one video (2 temporal steps); an image and then a video of another size (Qwen2.5-VL: with
+    its seconds per temporal step); text only; a 3-step video."""
+    from transformers import AutoConfig
+
+    from slime.utils.processing_utils import load_processor, process_prompt
+    from slime.utils.types import Sample
+
+    qwen2_5 = AutoConfig.from_pretrained(hf_dir).model_type == "qwen2_5_vl"
+    processor = load_processor(hf_dir)
+    head, tail = (processor.tokenizer(part, add_special_tokens=False)["input_ids"] for part in TEXT.split("{images}"))
+    rng = np.random.default_rng(1)
+    samples = []
+    for i, (image, videos) in enumerate(
+        [(None, [(4, 64, 64)]), ((56, 28), [(4, 32, 96)]), (None, []), (None, [(6, 32, 32)])]
+    ):
+        ids, mm = list(head), {}
+        if image:
+            image_ids, mm = process_prompt(processor, IMAGE, [_image(image, i)])
+            ids += image_ids
+            mm.pop("mm_token_type_ids")
+        for frames, h, w in videos:
+            video_ids, pixels, grid = video_prompt(hf_dir, frames, h, w)
+            ids += video_ids
+            mm.update(pixel_values_videos=pixels, video_grid_thw=grid)
+            if qwen2_5:
+                mm["second_per_grid_ts"] = torch.tensor([0.5 + i])
+        response = rng.integers(10, 300, 3 + i).tolist()
+        samples.append(
+            Sample(
+                index=i,
+                tokens=ids + tail + response,
+                response_length=len(response),
+                reward=float(i % 2),
+                multimodal_train_inputs=mm or None,
+            )
+        )
+    return samples
+
+
 def hf_vlm_log_probs(hf_dir, samples):
     """Each sample's response log-probs from transformers' Qwen2.5-VL, fp32, one sample at a time."""
     from transformers import AutoModelForImageTextToText
@@ -97,7 +163,9 @@ def hf_vlm_log_probs(hf_dir, samples):
         for s in samples:
             ids = torch.tensor(s.tokens)[None]
             inputs = dict(s.multimodal_train_inputs or {})
-            inputs["mm_token_type_ids"] = (ids == model.config.image_token_id).long()
+            inputs["mm_token_type_ids"] = (ids == model.config.image_token_id) + 2 * (
+                ids == model.config.video_token_id
+            )
             logits = model(input_ids=ids, **inputs).logits[0].float()
             r = s.response_length
             out.append(torch.log_softmax(logits[-r - 1 : -1], -1).gather(1, ids[0, -r:, None])[:, 0])
@@ -188,12 +256,12 @@ def _train_step(rank, hf_dir, samples, tp, pp, freeze, out, extra=()):
 _RESULTS = {}
 
 
-def train_once(hf_dir, samples, tp, freeze, tmp_dir, pp=1, extra=()):
-    """`_train_step`'s result for one layout (and `extra` flags), run once per test session, its pipeline stages'
-    parts merged."""
-    key = (hf_dir, tp, pp, freeze, tuple(extra))
+def train_once(hf_dir, samples, tp, freeze, tmp_dir, pp=1, extra=(), name="images"):
+    """`_train_step`'s result for one layout (and `extra` flags) on the samples called `name`, run once per test
+    session, its pipeline stages' parts merged."""
+    key = (hf_dir, name, tp, pp, freeze, tuple(extra))
     if key not in _RESULTS:
-        out = os.path.join(tmp_dir, f"tp{tp}_pp{pp}_freeze{int(freeze)}.pt")
+        out = os.path.join(tmp_dir, f"{name}_tp{tp}_pp{pp}_freeze{int(freeze)}.pt")
         spawn(_train_step, tp * pp, hf_dir, samples, tp, pp, freeze, out, tuple(extra), timeout=300)
         stages = [torch.load(f"{out}.{stage}", weights_only=False) for stage in range(pp)]
         exported = [n for s in stages for n in s["exported"]]
@@ -285,6 +353,28 @@ def test_qwen3_families_log_probs_equal_transformers_with_interleaved_mrope(requ
         assert any("deepstack_merger_list.1." in n for n in visual)
     else:
         assert any(".linear_attn." in n for n in moved)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+def test_videos_log_probs_equal_transformers_and_train_the_tower(request, family, tmp_path):
+    """Videos beside images and text-only rows (`make_video_samples`): the trainer finds each video's tokens (one pad
+    run, or one per temporal step behind its timestamp), encodes its pixels with the tower and gives it transformers'
+    3-D positions (Qwen2.5-VL's temporal axis scaled by `second_per_grid_ts`; without it, or with the video's runs
+    taken as text, the log-probs move far beyond 1e-5): the log-probs equal transformers' forward within 1e-5 and one
+    step moves every weight."""
+    kit = request.getfixturevalue(KITS[family])
+    key = ("videos", kit)
+    if key not in _SAMPLES:
+        _SAMPLES[key] = make_video_samples(kit)
+    samples = _SAMPLES[key]
+    assert (
+        [len(s.multimodal_train_inputs or {}) for s in samples] == [2, 4, 0, 2]
+        if family != "qwen2_5_vl"
+        else [3, 5, 0, 3]
+    )
+    result = train_once(kit, samples, 1, False, str(tmp_path), extra=FLAGS.get(family, ()), name="videos")
+    print(f"{family} videos: trainer vs transformers max |log-prob diff| = {result['diff']:.3g}")
+    assert all(result["moved"].values()), [n for n, m in result["moved"].items() if not m]
 
 
 def test_interleaved_mrope_equals_transformers_qwen3_vl_rotary(tiny_qwen3_vl):
@@ -472,26 +562,32 @@ def test_lora_trains_the_language_models_adapters_and_syncs_them_merged_or_as_ad
 
 
 def _tree_samples(hf_dir):
-    """Three GRPO pairs: two samples on image A whose responses branch; two on image B, of A's size (the same token
-    ids as A's prompt), one with A's first response; two images (A and a small one) and a text-only sample."""
+    """Four GRPO pairs: two samples on image A whose responses branch; two on image B, of A's size (the same token
+    ids as A's prompt), one with A's first response; two images (A and a small one) and a text-only sample; two on
+    one video whose responses branch."""
     from slime.utils.processing_utils import load_processor, process_prompt
     from slime.utils.types import Sample
 
     processor = load_processor(hf_dir)
     a, b, c = _image((56, 84), 1), _image((56, 84), 2), _image((28, 28), 3)
     cases = [([a], [10, 11, 12, 13]), ([a], [10, 11, 14, 15, 16]), ([b], [10, 11, 12, 13]), ([b], [20, 21])]
-    cases += [([a, c], [10, 11]), ([], [10, 11, 12])]
+    cases += [([a, c], [10, 11]), ([], [10, 11, 12]), ("video", [10, 11, 12]), ("video", [10, 13])]
+    video_ids, pixels, grid = video_prompt(hf_dir, 4, 64, 32)
     samples = []
     for i, (images, response) in enumerate(cases):
-        ids, train_inputs = process_prompt(processor, TEXT.format(images=IMAGE * len(images)), images)
+        if images == "video":
+            head, tail = processor.tokenizer(TEXT.split("{images}"), add_special_tokens=False)["input_ids"]
+            ids, train_inputs = head + video_ids + tail, {"pixel_values_videos": pixels, "video_grid_thw": grid}
+        else:
+            ids, train_inputs = process_prompt(processor, TEXT.format(images=IMAGE * len(images)), images)
+            train_inputs = train_inputs if images else None
         samples.append(
             Sample(
                 index=i,
                 tokens=ids + response,
                 response_length=len(response),
                 reward=float(i % 2 == 0),
-                multimodal_train_inputs=train_inputs if images else None,
-                multimodal_inputs={"images": images} if images else None,
+                multimodal_train_inputs=train_inputs,
             )
         )
     return samples
@@ -516,7 +612,7 @@ def _tree_equality(rank, hf_dir, out):
             self.inner = data
 
     ray.get = lambda x: x
-    sizes = ["--rollout-batch-size", "3", "--global-batch-size", "6", "--micro-batch-size", "6"]
+    sizes = ["--rollout-batch-size", "4", "--global-batch-size", "8", "--micro-batch-size", "8"]
     args = vlm_args(hf_dir, *sizes, "--tree-training", "--lr", "0", "--clip-grad", "0")
     init(args)
     model, opt, sched, _ = initialize_model_and_optimizer(args)
@@ -547,7 +643,7 @@ def _tree_equality(rank, hf_dir, out):
 
 @pytest.mark.parametrize("kit", ["tiny_vlm", "tiny_qwen3_vl"])  # Qwen2.5-VL; Qwen3-VL (DeepStack, interleaved MRoPE)
 def test_tree_training_with_images_equals_flat_packing(request, kit, tmp_path):
-    """--tree-training on images: samples with the same images share their prompt (its image encoded once), samples
+    """--tree-training on images and videos: samples with the same media share their prompt (each encoded once), samples
     whose images differ never share a node even where their token ids agree, and every 3-D position is the sample's
     own; log-probs and gradients equal flat packing's."""
     out = str(tmp_path / "tree.pt")
@@ -595,6 +691,19 @@ def test_startup_derives_the_model_from_the_checkpoint_and_refuses_untested_layo
     assert "--tree-training does not support a custom or hybrid layer spec" in err, err
 
 
+def position_builder(hf_config, model_class=None):
+    """A `Qwen2_5VLModel` (or `model_class`) with only what its token and position builder reads: no weights."""
+    from slime_plugins.models.qwen2_5_vl import Qwen2_5VLModel, _RopeIndex
+
+    model_class = model_class or Qwen2_5VLModel
+    model = object.__new__(model_class)
+    model.pad_ids = {"image": hf_config.image_token_id, "video": hf_config.video_token_id}
+    model.vision_start_token_id = hf_config.vision_start_token_id
+    model.merge = hf_config.vision_config.spatial_merge_size
+    model.rope_index = _RopeIndex(hf_config, model_class.hf_classes(hf_config)[0])
+    return model
+
+
 def test_image_tokens_are_the_processors_runs_and_grids_that_disagree_fail_in_one_line(tiny_vlm):
     """The trainer finds each image's tokens as the processor lays them out: the run of image-pad ids after a
     <|vision_start|>, as long as the image's feature count, in order. An image-pad id the model generated (no bracket,
@@ -603,27 +712,55 @@ def test_image_tokens_are_the_processors_runs_and_grids_that_disagree_fail_in_on
     prompt) fail in one line."""
     from transformers import AutoConfig
 
-    from slime_plugins.models.qwen2_5_vl import Qwen2_5VLModel, _RopeIndex
-
     cfg = AutoConfig.from_pretrained(tiny_vlm)
-    model = object.__new__(Qwen2_5VLModel)  # the position builder needs only these
-    model.image_token_id, model.vision_start_token_id = cfg.image_token_id, cfg.vision_start_token_id
-    model.merge, model.rope_index = 2, _RopeIndex(cfg)
+    model = position_builder(cfg)
     img, vs, ve, text = cfg.image_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id, 20
     ids = torch.tensor([[text, vs, img, ve, text, img, text], [text, vs, img, img, img, img, ve]])
-    is_image, positions = model._image_tokens_and_positions(ids, None, torch.tensor([[1, 2, 2], [1, 4, 4]]))
+    types, positions, _ = model._media_tokens_and_positions(
+        ids, None, {"image_grid_thw": torch.tensor([[1, 2, 2], [1, 4, 4]])}
+    )
     # row 0: one 1-token image, then a generated image-pad id (text); row 1: a 2x2 merged grid
-    assert is_image.int().tolist() == [[0, 0, 1, 0, 0, 0, 0], [0, 0, 1, 1, 1, 1, 0]]
+    assert types.tolist() == [[0, 0, 1, 0, 0, 0, 0], [0, 0, 1, 1, 1, 1, 0]]
     assert positions[:, 0].tolist() == [[0, 1, 2, 3, 4, 5, 6]] * 3
     assert positions[:, 1].tolist() == [[0, 1, 2, 2, 2, 2, 4], [0, 1, 2, 2, 3, 3, 4], [0, 1, 2, 3, 2, 3, 4]]
     # row 1 holds 4 tokens, not 2: 1 image of 2 found; a third image: 2 of 3
     for grids, found in (([[1, 2, 2], [1, 4, 2]], 1), ([[1, 2, 2], [1, 4, 4], [1, 2, 2]], 2)):
         with pytest.raises(ValueError) as e:
-            model._image_tokens_and_positions(ids, None, torch.tensor(grids))
+            model._media_tokens_and_positions(ids, None, {"image_grid_thw": torch.tensor(grids)})
         msg = str(e.value)
         assert f"has {len(grids)} images in multimodal_train_inputs but its tokens hold the image-token runs" in msg
         assert msg.endswith(f"of {found}: multimodal_train_inputs do not match the tokens")
         assert len(msg.splitlines()) == 1
+
+
+def test_video_tokens_are_one_run_per_video_or_per_temporal_step(tiny_vlm, tiny_qwen3_vl):
+    """A Qwen2.5-VL video is one pad run after <|vision_start|>; a Qwen3-VL video one run per temporal step, each
+    behind its timestamp and a <|vision_start|> of its own. Grids that disagree fail in one line."""
+    from transformers import AutoConfig
+
+    from slime_plugins.models.qwen3_vl import Qwen3VLModel
+
+    for kit, model_class in ((tiny_vlm, None), (tiny_qwen3_vl, Qwen3VLModel)):
+        cfg = AutoConfig.from_pretrained(kit)
+        model = position_builder(cfg, model_class)
+        v, vs, ve, ts = cfg.video_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id, 20
+        if model_class is None:  # 2 steps of 2 x 2 merged patches: 4 tokens in one run
+            ids, types = [ts, vs, v, v, v, v, ve], [0, 0, 2, 2, 2, 2, 0]
+        else:
+            ids = [vs, ts, vs, v, v, ve, ts, vs, v, v, ve, ve]
+            types = [0, 0, 0, 2, 2, 0, 0, 0, 2, 2, 0, 0]
+        grid = {"video_grid_thw": torch.tensor([[2, 2, 4]])}
+        got, positions, starts = model._media_tokens_and_positions(torch.tensor([ids]), None, grid)
+        assert got[0].tolist() == types and starts == {"image": [], "video": [(0, 2 if model_class is None else 3)]}
+        assert positions[0, 0, types.index(2) + 1] == positions[0, 0, types.index(2)]  # one step: one time
+        with pytest.raises(ValueError) as e:
+            model._media_tokens_and_positions(torch.tensor([ids]), None, {"video_grid_thw": torch.tensor([[2, 4, 4]])})
+        per_frame = " per frame" if model_class else ""
+        assert str(e.value) == (
+            f"the micro-batch has 1 videos in multimodal_train_inputs but its tokens hold the video-token runs (id "
+            f"{v}, each after <|vision_start|>, as long as its video's features{per_frame}) of 0: "
+            "multimodal_train_inputs do not match the tokens"
+        )
 
 
 def alternating_reward(args, sample):
@@ -715,25 +852,13 @@ def test_packed_rows_get_each_samples_own_3d_positions(tiny_vlm, samples):
     """The packed (THD) layout the GPU trainer uses: one row of the micro-batch's samples back to back, split by
     `cu_seqlens`, plus padding. Each sample's 3-D positions are exactly those it gets alone in the padded layout
     (transformers' `get_rope_index` on its tokens and its own images)."""
-    from types import SimpleNamespace
-
     from megatron.core.packed_seq_params import PackedSeqParams
     from transformers import AutoConfig
 
-    from slime_plugins.models.qwen2_5_vl import Qwen2_5VLModel, _RopeIndex
+    model = position_builder(AutoConfig.from_pretrained(tiny_vlm))
 
-    config = AutoConfig.from_pretrained(tiny_vlm)
-    model = SimpleNamespace(
-        image_token_id=config.image_token_id,
-        vision_start_token_id=config.vision_start_token_id,
-        merge=config.vision_config.spatial_merge_size,
-        rope_index=_RopeIndex(config),
-    )
-    model._segments = Qwen2_5VLModel._segments.__get__(model)
-    image_tokens_and_positions = Qwen2_5VLModel._image_tokens_and_positions.__get__(model)
-
-    def positions(*args):
-        return image_tokens_and_positions(*args)[1]
+    def positions(ids, params, grids):
+        return model._media_tokens_and_positions(ids, params, {"image_grid_thw": grids})[1]
 
     grids = [s.multimodal_train_inputs["image_grid_thw"] for s in samples if s.multimodal_train_inputs]
     all_grids = torch.cat(grids)

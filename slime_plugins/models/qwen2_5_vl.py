@@ -1,9 +1,9 @@
 """Qwen2.5-VL in the trainer: megatron-core's `GPTModel` (multimodal RoPE) as the language model, plus `visual`,
 transformers' own vision tower built from the checkpoint's `vision_config`, on the first pipeline stage.
 
-The vision features replace the embeddings at the image-token positions (the `decoder_input`); each sample's 3-D
-(temporal, height, width) positions come from transformers' `get_rope_index` on that sample's tokens, per row of the
-padded layout or per segment of a packed row. The tower's parameters are named `visual.*`, the checkpoint's own
+The vision features replace the embeddings at the image- and video-token positions (the `decoder_input`); each
+sample's 3-D (temporal, height, width) positions come from transformers' `get_rope_index` on that sample's tokens, per
+row of the padded layout or per segment of a packed row. The tower's parameters are named `visual.*`, the checkpoint's own
 names, so loading, weight sync and export pass them through unchanged.
 
 Selected by `--hf-checkpoint` (the text config's `model_type`, `arguments.VLM_SPECS`) through current slime's `--spec`
@@ -14,6 +14,9 @@ import torch
 from megatron.core.models.gpt import GPTModel
 
 from slime.backends.megatron_utils.model_provider import default_layer_spec, gpt_model_kwargs
+
+# each kind of media a processor outputs: its value in transformers' `mm_token_type_ids`, its pixels, its grids
+MEDIA = {"image": (1, "pixel_values", "image_grid_thw"), "video": (2, "pixel_values_videos", "video_grid_thw")}
 
 
 class _RopeIndex:
@@ -28,9 +31,16 @@ class _RopeIndex:
         self._get_rope_index = hf_model_class.get_rope_index.__get__(self)
         self.get_vision_position_ids = hf_model_class.get_vision_position_ids.__get__(self)
 
-    def __call__(self, ids, is_image, image_grid_thw):
-        """[3, len(ids)] positions of one sample's token ids, which of them are image tokens, and its images' grids."""
-        positions, _ = self._get_rope_index(ids[None], is_image.int()[None], image_grid_thw=image_grid_thw)
+    def __call__(self, ids, token_types, image_grid_thw=None, video_grid_thw=None, second_per_grid_ts=None):
+        """[3, len(ids)] positions of one sample's token ids, their media types (0 text, 1 image, 2 video), and its
+        images' and videos' grids (and seconds per temporal grid step, Qwen2.5-VL's videos)."""
+        positions, _ = self._get_rope_index(
+            ids[None],
+            token_types.int()[None],
+            image_grid_thw=image_grid_thw,
+            video_grid_thw=video_grid_thw,
+            second_per_grid_ts=second_per_grid_ts,
+        )
         return positions[:, 0]
 
 
@@ -42,8 +52,13 @@ def at_image_tokens(dense, mask, features):
 
 
 class Qwen2_5VLModel(GPTModel):
-    """`GPTModel` with `position_embedding_type="mrope"` that also takes `pixel_values` / `image_grid_thw` (the
-    processor's outputs, concatenated over the micro-batch's samples in order)."""
+    """`GPTModel` with `position_embedding_type="mrope"` that also takes the processor's image and video outputs
+    (`pixel_values` / `image_grid_thw`, `pixel_values_videos` / `video_grid_thw` / `second_per_grid_ts`),
+    concatenated over the micro-batch's samples in order."""
+
+    # a video's tokens: one run of video-pad ids (Qwen2.5-VL), or one run per temporal grid step, each after a
+    # <|vision_start|> of its own and a timestamp (Qwen3-VL, Qwen3.5)
+    video_run_per_frame = False
 
     @staticmethod
     def hf_classes(hf_config):
@@ -56,7 +71,7 @@ class Qwen2_5VLModel(GPTModel):
         # 3-D positions whatever the flags say (current slime's -vl scripts pass --position-embedding-type rope)
         kwargs["config"].mrope_section = list(hf_config.text_config.rope_parameters["mrope_section"])
         super().__init__(**{**kwargs, "position_embedding_type": "mrope"})
-        self.image_token_id = hf_config.image_token_id
+        self.pad_ids = {"image": hf_config.image_token_id, "video": hf_config.video_token_id}
         self.vision_start_token_id = hf_config.vision_start_token_id
         self.merge = hf_config.vision_config.spatial_merge_size
         hf_model, tower = self.hf_classes(hf_config)
@@ -83,17 +98,25 @@ class Qwen2_5VLModel(GPTModel):
         packed_seq_params=None,
         pixel_values=None,
         image_grid_thw=None,
+        pixel_values_videos=None,
+        video_grid_thw=None,
+        second_per_grid_ts=None,
         tree_samples=None,
         **kwargs,
     ):
         if tree_samples is not None:  # --tree-training: a prefix-tree row
-            is_image, positions, pixel_values, image_grid_thw = self._tree_images_and_positions(
-                input_ids, tree_samples
-            )
+            token_types, positions, media = self._tree_media_and_positions(input_ids, tree_samples)
         else:
-            is_image, positions = self._image_tokens_and_positions(input_ids, packed_seq_params, image_grid_thw)
+            media = {
+                "pixel_values": pixel_values,
+                "image_grid_thw": image_grid_thw,
+                "pixel_values_videos": pixel_values_videos,
+                "video_grid_thw": video_grid_thw,
+                "second_per_grid_ts": second_per_grid_ts,
+            }
+            token_types, positions, _ = self._media_tokens_and_positions(input_ids, packed_seq_params, media)
         if self.pre_process and decoder_input is None:
-            decoder_input = self._embed_with_images(input_ids, is_image, pixel_values, image_grid_thw)
+            decoder_input = self._embed_with_media(input_ids, token_types, media)
         return super().forward(
             input_ids,
             positions,
@@ -111,72 +134,104 @@ class Qwen2_5VLModel(GPTModel):
         cu = packed_seq_params.cu_seqlens_q.tolist()
         return [(0, lo, hi) for lo, hi in zip(cu[:-1], cu[1:]) if hi > lo]
 
-    def _image_tokens_and_positions(self, input_ids, packed_seq_params, image_grid_thw):
-        """([b, s] bool: the image tokens, [3, b, s] positions). The images' tokens are, in order, the runs of
-        image-pad ids right after a <|vision_start|> that are as long as the next image's feature count (as the
-        processor lays them out); any other image-pad id is one the model generated, text to the engine and here.
-        Fails in one line unless every image of `image_grid_thw` finds its run."""
-        grids = image_grid_thw if image_grid_thw is not None else input_ids.new_zeros(0, 3)
-        per_image = (grids.prod(-1) // self.merge**2).tolist()
-        is_image = torch.zeros_like(input_ids, dtype=torch.bool)
-        positions = torch.zeros(3, *input_ids.shape, dtype=torch.long, device=input_ids.device)
-        used = 0
-        for row, lo, hi in self._segments(input_ids, packed_seq_params):
-            ids, first = input_ids[row, lo:hi].tolist(), used
-            for start in (i + 1 for i, t in enumerate(ids) if t == self.vision_start_token_id):
-                end = start
-                while end < len(ids) and ids[end] == self.image_token_id:
-                    end += 1
-                if used < len(per_image) and end - start == per_image[used] > 0:
-                    is_image[row, lo + start : lo + end] = True
-                    used += 1
-            images = grids[first:used] if used > first else None
-            positions[:, row, lo:hi] = self.rope_index(input_ids[row, lo:hi], is_image[row, lo:hi], images)
-        if used != len(per_image):
-            raise ValueError(
-                f"the micro-batch has {len(per_image)} images in multimodal_train_inputs but its tokens hold the "
-                f"image-token runs (id {self.image_token_id}, each after <|vision_start|>, as long as its image's "
-                f"features) of {used}: multimodal_train_inputs do not match the tokens"
-            )
-        return is_image, positions
+    def _runs(self, kind, grids):
+        """[(item, token count)] of the pad runs `grids` (one per image or video, in order) should find."""
+        if grids is None:
+            return []
+        if kind == "video" and self.video_run_per_frame:
+            return [(i, h * w // self.merge**2) for i, (t, h, w) in enumerate(grids.tolist()) for _ in range(t)]
+        return [(i, n) for i, n in enumerate((grids.prod(-1) // self.merge**2).tolist())]
 
-    def _tree_images_and_positions(self, input_ids, tree_samples):
-        """A prefix-tree row ([1, n]) of samples `tree_samples` [(layout indices, processor outputs or None)]: each
-        sample's image runs and 3-D positions found on its own tokens and written at its nodes (equal on shared
-        nodes, whose tokens and images are the same); an image on nodes several samples share is encoded once.
-        Returns (is_image, positions, pixel_values, image_grid_thw), the images in the row's order."""
-        is_image = torch.zeros_like(input_ids, dtype=torch.bool)
+    def _media_tokens_and_positions(self, input_ids, packed_seq_params, media):
+        """([b, s] media type of each token (0 text, 1 image, 2 video), [3, b, s] positions, {kind: [(row, index)
+        of each item's first token]}). The images' and videos' tokens are, in order, the runs of their pad ids right
+        after a <|vision_start|> that are as long as the next item's feature count (per frame for Qwen3's videos),
+        as the processor lays them out; any other pad id is one the model generated, text to the engine and here.
+        Fails in one line unless every image and video of `media` finds its runs."""
+        runs = {kind: self._runs(kind, media.get(grids)) for kind, (_, _, grids) in MEDIA.items()}
+        kind_of = {pad: kind for kind, pad in self.pad_ids.items()}
+        token_types = torch.zeros_like(input_ids)
         positions = torch.zeros(3, *input_ids.shape, dtype=torch.long, device=input_ids.device)
-        images = {}  # layout index of an image run's first token -> (its pixel rows, its grid)
+        used, starts = dict.fromkeys(MEDIA, 0), {kind: [] for kind in MEDIA}
+        for row, lo, hi in self._segments(input_ids, packed_seq_params):
+            ids, first = input_ids[row, lo:hi].tolist(), dict(used)
+            for start in (i + 1 for i, t in enumerate(ids[:-1]) if t == self.vision_start_token_id):
+                kind = kind_of.get(ids[start])
+                if kind is None:
+                    continue
+                end = start
+                while end < len(ids) and ids[end] == self.pad_ids[kind]:
+                    end += 1
+                k, todo = used[kind], runs[kind]
+                if k < len(todo) and end - start == todo[k][1] > 0:
+                    token_types[row, lo + start : lo + end] = MEDIA[kind][0]
+                    if k == 0 or todo[k - 1][0] != todo[k][0]:
+                        starts[kind].append((row, lo + start))
+                    used[kind] += 1
+            mine = {}
+            for kind, (_, _, grids) in MEDIA.items():
+                items = sorted({item for item, _ in runs[kind][first[kind] : used[kind]]})
+                mine[kind] = media[grids][items] if items else None
+                if kind == "video" and items and media.get("second_per_grid_ts") is not None:
+                    mine["seconds"] = media["second_per_grid_ts"][items]
+            positions[:, row, lo:hi] = self.rope_index(
+                input_ids[row, lo:hi], token_types[row, lo:hi], mine["image"], mine["video"], mine.get("seconds")
+            )
+        for kind, todo in runs.items():
+            if used[kind] != len(todo):
+                items = len(media[MEDIA[kind][2]])
+                found = todo[used[kind]][0]  # the items before the first run not found
+                raise ValueError(
+                    f"the micro-batch has {items} {kind}s in multimodal_train_inputs but its tokens hold the "
+                    f"{kind}-token runs (id {self.pad_ids[kind]}, each after <|vision_start|>, as long as its "
+                    f"{kind}'s features{' per frame' if kind == 'video' and self.video_run_per_frame else ''}) of "
+                    f"{found}: multimodal_train_inputs do not match the tokens"
+                )
+        return token_types, positions, starts
+
+    def _tree_media_and_positions(self, input_ids, tree_samples):
+        """A prefix-tree row ([1, n]) of samples `tree_samples` [(layout indices, processor outputs or None)]: each
+        sample's media runs and 3-D positions found on its own tokens and written at its nodes (equal on shared
+        nodes, whose tokens and media are the same); an image or video on nodes several samples share is encoded
+        once. Returns (token types, positions, the row's media in its order)."""
+        token_types = torch.zeros_like(input_ids)
+        positions = torch.zeros(3, *input_ids.shape, dtype=torch.long, device=input_ids.device)
+        found = {kind: {} for kind in MEDIA}  # kind -> layout index of an item's first token -> (its pixels, grid)
         for index, mm in tree_samples:
             index = index.to(input_ids.device)
-            grids = None if mm is None else mm["image_grid_thw"]
-            mine, pos = self._image_tokens_and_positions(input_ids[:, index], None, grids)
-            positions[:, :, index], mine = pos, mine[0]
-            is_image[0, index] |= mine
-            if mm is not None:
-                starts = (mine & ~torch.cat([mine.new_zeros(1), mine[:-1]])).nonzero()[:, 0].tolist()
-                pixels = mm["pixel_values"].split(grids.prod(-1).tolist())
-                for start, pix, grid in zip(starts, pixels, grids):
-                    images.setdefault(int(index[start]), (pix, grid))
-        if not images:
-            return is_image, positions, None, None
-        order = sorted(images)
-        pixel_values = torch.cat([images[n][0] for n in order])
-        return is_image, positions, pixel_values, torch.stack([images[n][1] for n in order])
+            types, pos, starts = self._media_tokens_and_positions(input_ids[:, index], None, mm or {})
+            positions[:, :, index] = pos
+            token_types[0, index] = torch.maximum(token_types[0, index], types[0])
+            for kind, (_, pixels, grids) in MEDIA.items():
+                if starts[kind]:
+                    split = mm[pixels].split(mm[grids].prod(-1).tolist())
+                    for (_, start), pix, grid in zip(starts[kind], split, mm[grids]):
+                        found[kind].setdefault(int(index[start]), (pix, grid))
+        media = {}
+        for kind, (_, pixels, grids) in MEDIA.items():
+            order = sorted(found[kind])
+            if order:
+                media[pixels] = torch.cat([found[kind][n][0] for n in order])
+                media[grids] = torch.stack([found[kind][n][1] for n in order])
+        return token_types, positions, media
 
-    def _embed_with_images(self, input_ids, is_image, pixel_values, image_grid_thw):
-        """Word embeddings [s, b, h] with the vision features written at the image tokens (scattered over the
-        sequence with --sequence-parallel)."""
+    def _embed_with_media(self, input_ids, token_types, media):
+        """Word embeddings [s, b, h] with the vision features of the images and videos written at their tokens
+        (scattered over the sequence with --sequence-parallel)."""
         embeddings = self.embedding(input_ids=input_ids, position_ids=None)
-        if pixel_values is not None:
-            vision = self.visual(pixel_values.to(self.visual.dtype), grid_thw=image_grid_thw)
-            mask = is_image.t()[..., None]  # [s, b, 1], like the embeddings
-            embeddings = self._with_vision(embeddings, mask, vision)
+        parts = []  # (mask [s, b, 1], the tower's output) per kind present: transformers encodes each kind apart
+        for type_id, pixels, grids in MEDIA.values():
+            if media.get(pixels) is not None:
+                vision = self.visual(media[pixels].to(self.visual.dtype), grid_thw=media[grids])
+                parts.append(((token_types == type_id).t()[..., None], vision))
+        if parts:
+            embeddings = self._with_vision(embeddings, parts)
         return self._to_sequence_parallel(embeddings)
 
-    def _with_vision(self, embeddings, mask, vision):
-        return at_image_tokens(embeddings, mask, vision.pooler_output)
+    def _with_vision(self, embeddings, parts):
+        for mask, vision in parts:
+            embeddings = at_image_tokens(embeddings, mask, vision.pooler_output)
+        return embeddings
 
     def _to_sequence_parallel(self, x):
         if not self.config.sequence_parallel:

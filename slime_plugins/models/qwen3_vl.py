@@ -50,6 +50,8 @@ def deepstack_layout_problem(levels, first_stage_layers):
 class Qwen3_5VLModel(Qwen2_5VLModel):
     """Qwen3.5 with its vision tower: interleaved MRoPE over the hybrid decoder's rotary share, no DeepStack."""
 
+    video_run_per_frame = True
+
     @staticmethod
     def hf_classes(hf_config):
         if hf_config.model_type == "qwen3_5_moe":
@@ -95,13 +97,17 @@ class Qwen3VLModel(Qwen3_5VLModel):
         finally:
             self._deepstack = None
 
-    def _with_vision(self, embeddings, mask, vision):
-        # each level dense over the sequence: scattered with the hidden states under --sequence-parallel
-        zeros = torch.zeros_like(embeddings)
-        self._deepstack = [
-            self._to_sequence_parallel(at_image_tokens(zeros, mask, f)) for f in vision.deepstack_features
-        ]
-        return at_image_tokens(embeddings, mask, vision.pooler_output)
+    def _with_vision(self, embeddings, parts):
+        # each level dense over the sequence (images' and videos' features at their own tokens): scattered with the
+        # hidden states under --sequence-parallel
+        levels = []
+        for level in range(len(parts[0][1].deepstack_features)):
+            dense = torch.zeros_like(embeddings)
+            for mask, vision in parts:
+                dense = at_image_tokens(dense, mask, vision.deepstack_features[level])
+            levels.append(self._to_sequence_parallel(dense))
+        self._deepstack = levels
+        return super()._with_vision(embeddings, parts)
 
     def _add_deepstack(self, index):
         def hook(_layer, _inputs, output):
