@@ -189,7 +189,7 @@ def _export(args, model):
     return exported
 
 
-def _train_step(rank, hf_dir, samples, tp, pp, freeze, out, extra=()):
+def _train_step(rank, hf_dir, samples, tp, pp, freeze, out, extra=(), cp=1):
     """Build the trainer from --hf-checkpoint, check its log-probs against transformers (on the last pipeline stage),
     train one GRPO step and report which weights moved and their values after the step (each pipeline stage its
     own, merged by `train_once`)."""
@@ -213,7 +213,7 @@ def _train_step(rank, hf_dir, samples, tp, pp, freeze, out, extra=()):
 
     ray.get = lambda x: x  # the test hands the dict itself instead of an ObjectRef
     layout = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
-    layout += ["--actor-num-gpus-per-node", str(tp * pp)]
+    layout += ["--context-parallel-size", str(cp), "--actor-num-gpus-per-node", str(tp * pp * cp)]
     if pp > 1:  # every layer but the last on the first stage, with the tower (Qwen3-VL's DeepStack layers)
         from transformers import AutoConfig
 
@@ -231,7 +231,7 @@ def _train_step(rank, hf_dir, samples, tp, pp, freeze, out, extra=()):
     if last_stage:
         ref = hf_vlm_log_probs(hf_dir, samples)
         diff = max((g - e).abs().max().item() for g, e in zip(log_probs, ref))
-        assert diff <= 1e-5, f"tp{tp} pp{pp}: max |trainer - transformers| log-prob = {diff}"
+        assert diff <= 1e-5, f"tp{tp} pp{pp} cp{cp}: max |trainer - transformers| log-prob = {diff}"
 
     # export (weight sync, --save-hf) gives back the checkpoint bit for bit, the tower under its own names (each
     # pipeline stage its part: the tower on the first)
@@ -248,7 +248,7 @@ def _train_step(rank, hf_dir, samples, tp, pp, freeze, out, extra=()):
     moved = {n[len(PREFIX) :]: p.detach() for n, p in named_parameters(args, model)}
     moved = {n: not torch.equal(before[n], p) for n, p in moved.items()}
     after = _export(args, model)
-    if mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0:
+    if mpu.get_tensor_model_parallel_rank() == mpu.get_data_parallel_rank() == mpu.get_context_parallel_rank() == 0:
         stage = mpu.get_pipeline_model_parallel_rank()
         torch.save({"diff": diff, "moved": moved, "after": after, "exported": set(exported)}, f"{out}.{stage}")
 
@@ -256,13 +256,13 @@ def _train_step(rank, hf_dir, samples, tp, pp, freeze, out, extra=()):
 _RESULTS = {}
 
 
-def train_once(hf_dir, samples, tp, freeze, tmp_dir, pp=1, extra=(), name="images"):
+def train_once(hf_dir, samples, tp, freeze, tmp_dir, pp=1, extra=(), name="images", cp=1):
     """`_train_step`'s result for one layout (and `extra` flags) on the samples called `name`, run once per test
     session, its pipeline stages' parts merged."""
-    key = (hf_dir, name, tp, pp, freeze, tuple(extra))
+    key = (hf_dir, name, tp, pp, cp, freeze, tuple(extra))
     if key not in _RESULTS:
-        out = os.path.join(tmp_dir, f"{name}_tp{tp}_pp{pp}_freeze{int(freeze)}.pt")
-        spawn(_train_step, tp * pp, hf_dir, samples, tp, pp, freeze, out, tuple(extra), timeout=300)
+        out = os.path.join(tmp_dir, f"{name}_tp{tp}_pp{pp}_cp{cp}_freeze{int(freeze)}.pt")
+        spawn(_train_step, tp * pp * cp, hf_dir, samples, tp, pp, freeze, out, tuple(extra), cp, timeout=300)
         stages = [torch.load(f"{out}.{stage}", weights_only=False) for stage in range(pp)]
         exported = [n for s in stages for n in s["exported"]]
         assert sorted(exported) == sorted(read_checkpoint(hf_dir)), "the stages' exports are not the checkpoint"
@@ -362,11 +362,7 @@ def test_videos_log_probs_equal_transformers_and_train_the_tower(request, family
     3-D positions (Qwen2.5-VL's temporal axis scaled by `second_per_grid_ts`; without it, or with the video's runs
     taken as text, the log-probs move far beyond 1e-5): the log-probs equal transformers' forward within 1e-5 and one
     step moves every weight."""
-    kit = request.getfixturevalue(KITS[family])
-    key = ("videos", kit)
-    if key not in _SAMPLES:
-        _SAMPLES[key] = make_video_samples(kit)
-    samples = _SAMPLES[key]
+    kit, samples = video_samples(request, family)
     assert (
         [len(s.multimodal_train_inputs or {}) for s in samples] == [2, 4, 0, 2]
         if family != "qwen2_5_vl"
@@ -435,6 +431,34 @@ def test_tp2_and_pp2_equal_tp1(request, family, tp, pp, tmp_path):
     gap = {k: (other["after"][k] - v).abs().max().item() for k, v in tp1["after"].items()}
     worst = max(gap, key=gap.get)
     print(f"tp{tp} pp{pp} vs tp1 weights after one step: max |diff| = {gap[worst]:.3g} ({worst})")
+    assert gap[worst] <= 1e-5, (worst, gap[worst])
+
+
+def video_samples(request, family):
+    """The tiny kit of `family` and its `make_video_samples`, made once per kit."""
+    kit = request.getfixturevalue(KITS[family])
+    if ("videos", kit) not in _SAMPLES:
+        _SAMPLES["videos", kit] = make_video_samples(kit)
+    return kit, _SAMPLES["videos", kit]
+
+
+@pytest.mark.slow  # development tier: a multi-rank layout or several processes (tens of seconds)
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+def test_cp2_equals_cp1_on_images_and_videos(request, family, tmp_path):
+    """Context parallelism with images and videos: every CP rank gathers the whole sequence's ids, finds the media
+    and 3-D positions on it and keeps its zigzag chunks' share (the tower runs on each rank; the gradient reduction
+    over data and context parallel ranks adds up each rank's part of its gradient). The same log-probs as
+    transformers' and, after one step, the same weights as CP=1, tower included (Qwen3.5: its Gated DeltaNet layer
+    over the gathered sequence)."""
+    kit, samples = video_samples(request, family)
+    extra = FLAGS.get(family, ())
+    cp1 = train_once(kit, samples, 1, False, str(tmp_path), extra=extra, name="videos")
+    cp2 = train_once(kit, samples, 1, False, str(tmp_path), extra=extra, name="videos", cp=2)
+    print(f"{family} cp2: trainer vs transformers max |log-prob diff| = {cp2['diff']:.3g}")
+    assert cp2["diff"] <= 1e-5
+    gap = {k: (cp2["after"][k] - v).abs().max().item() for k, v in cp1["after"].items()}
+    worst = max(gap, key=gap.get)
+    print(f"{family} cp2 vs cp1 weights after one step: max |diff| = {gap[worst]:.3g} ({worst})")
     assert gap[worst] <= 1e-5, (worst, gap[worst])
 
 
@@ -681,9 +705,9 @@ def test_startup_derives_the_model_from_the_checkpoint_and_refuses_untested_layo
     assert text_only.spec == ["slime_plugins.models.qwen3_5", "get_qwen3_5_spec"]
     assert text_only.position_embedding_type == "rope"
     keys = ["--multimodal-keys", '{"image": "images"}']
-    argv = [*keys, "--context-parallel-size", "2", "--actor-num-gpus-per-node", "2"]
-    err = one_line_refusal(capsys, *argv, hf_checkpoint=tiny_vlm)
-    assert "--context-parallel-size 2: training a vision-language model on images is tested at CP=1 only" in err, err
+    assert (
+        vlm_args(tiny_vlm, "--context-parallel-size", "2", "--actor-num-gpus-per-node", "2").context_parallel_size == 2
+    )
     args = vlm_args(tiny_vlm, "--enable-lora", "--lora-sync", "adapter")  # taken: the engine serves the adapters
     assert args.lora_sync == "adapter"
     assert vlm_args(tiny_vlm, "--tree-training").tree_training  # taken; Qwen3.5's linear attention cannot share

@@ -11,8 +11,12 @@ protocol: `get_qwen2_5_vl_model_provider(args, config, vp_stage)` returns the mo
 """
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
 from megatron.core.models.gpt import GPTModel
 
+from slime.backends.megatron_utils.cp_utils import cp_size_and_rank, local_global_positions
 from slime.backends.megatron_utils.model_provider import default_layer_spec, gpt_model_kwargs
 
 # each kind of media a processor outputs: its value in transformers' `mm_token_type_ids`, its pixels, its grids
@@ -42,6 +46,14 @@ class _RopeIndex:
             second_per_grid_ts=second_per_grid_ts,
         )
         return positions[:, 0]
+
+
+class RankLocalMultimodalRotaryEmbedding(MultimodalRotaryEmbedding):
+    """megatron-core's multimodal RoPE for positions that are already this CP rank's own tokens' (the model builds
+    them on the whole sequence and keeps its rank's), so not cut to the rank's chunks a second time."""
+
+    def forward(self, position_ids, mrope_section, cp_group=None):
+        return super().forward(position_ids, mrope_section, cp_group=self.cp_group)
 
 
 def at_image_tokens(dense, mask, features):
@@ -76,6 +88,8 @@ class Qwen2_5VLModel(GPTModel):
         self.merge = hf_config.vision_config.spatial_merge_size
         hf_model, tower = self.hf_classes(hf_config)
         self.rope_index = _RopeIndex(hf_config, hf_model)
+        self.rotary_pos_emb.__class__ = RankLocalMultimodalRotaryEmbedding
+        self.rotary_pos_emb.cp_group = None  # positions come per CP rank (`_whole_sequence`)
         if self.pre_process:
             vision_config = hf_config.vision_config
             vision_config._attn_implementation = "sdpa"
@@ -104,8 +118,10 @@ class Qwen2_5VLModel(GPTModel):
         tree_samples=None,
         **kwargs,
     ):
+        # under CP the media and 3-D positions are found on the whole sequence, then cut to this rank's tokens
+        ids, local = self._whole_sequence(input_ids, packed_seq_params)
         if tree_samples is not None:  # --tree-training: a prefix-tree row
-            token_types, positions, media = self._tree_media_and_positions(input_ids, tree_samples)
+            token_types, positions, media = self._tree_media_and_positions(ids, tree_samples)
         else:
             media = {
                 "pixel_values": pixel_values,
@@ -114,9 +130,11 @@ class Qwen2_5VLModel(GPTModel):
                 "video_grid_thw": video_grid_thw,
                 "second_per_grid_ts": second_per_grid_ts,
             }
-            token_types, positions, _ = self._media_tokens_and_positions(input_ids, packed_seq_params, media)
+            token_types, positions, _ = self._media_tokens_and_positions(ids, packed_seq_params, media)
         if self.pre_process and decoder_input is None:
-            decoder_input = self._embed_with_media(input_ids, token_types, media)
+            decoder_input = self._embed_with_media(ids, token_types, media, local)
+        if local is not None:
+            positions = positions[:, :, local]
         return super().forward(
             input_ids,
             positions,
@@ -126,6 +144,19 @@ class Qwen2_5VLModel(GPTModel):
             packed_seq_params=packed_seq_params,
             **kwargs,
         )
+
+    def _whole_sequence(self, input_ids, packed_seq_params):
+        """(the whole sequence's ids [b, s] under context parallelism, gathered from every CP rank's zigzag chunks,
+        and this rank's positions in it; `input_ids` and None without CP)."""
+        cp_size, cp_rank = cp_size_and_rank()
+        if cp_size == 1:
+            return input_ids, None
+        global_cu = packed_seq_params.cu_seqlens_q if packed_seq_params is not None else None
+        index, total = local_global_positions(input_ids.size(1), cp_size, cp_rank, global_cu)
+        index = index.to(input_ids.device)
+        ids = input_ids.new_zeros(input_ids.size(0), total).index_copy(1, index, input_ids)
+        dist.all_reduce(ids, group=mpu.get_context_parallel_group())
+        return ids, index
 
     def _segments(self, input_ids, packed_seq_params):
         """(row, start, end) of each sample: whole rows (padded layout), or the packed row's `cu_seqlens` runs."""
@@ -215,9 +246,9 @@ class Qwen2_5VLModel(GPTModel):
                 media[grids] = torch.stack([found[kind][n][1] for n in order])
         return token_types, positions, media
 
-    def _embed_with_media(self, input_ids, token_types, media):
-        """Word embeddings [s, b, h] with the vision features of the images and videos written at their tokens
-        (scattered over the sequence with --sequence-parallel)."""
+    def _embed_with_media(self, input_ids, token_types, media, local=None):
+        """Word embeddings [s, b, h] with the vision features of the images and videos written at their tokens, cut
+        to this CP rank's positions `local` (None: all) and scattered over the sequence with --sequence-parallel."""
         embeddings = self.embedding(input_ids=input_ids, position_ids=None)
         parts = []  # (mask [s, b, 1], the tower's output) per kind present: transformers encodes each kind apart
         for type_id, pixels, grids in MEDIA.values():
@@ -225,15 +256,20 @@ class Qwen2_5VLModel(GPTModel):
                 vision = self.visual(media[pixels].to(self.visual.dtype), grid_thw=media[grids])
                 parts.append(((token_types == type_id).t()[..., None], vision))
         if parts:
-            embeddings = self._with_vision(embeddings, parts)
-        return self._to_sequence_parallel(embeddings)
+            embeddings = self._with_vision(embeddings, parts, local)
+        return self._to_rank(embeddings, local)
 
-    def _with_vision(self, embeddings, parts):
+    def _with_vision(self, embeddings, parts, local=None):
         for mask, vision in parts:
             embeddings = at_image_tokens(embeddings, mask, vision.pooler_output)
         return embeddings
 
-    def _to_sequence_parallel(self, x):
+    def _to_rank(self, x, local):
+        """`x` [s, b, h] over the whole sequence as this rank holds it: its CP positions, its sequence-parallel
+        part. The tower runs on every CP rank; each keeps the gradient of its own positions' features, and the
+        gradient reduction over data and context parallel ranks adds them up."""
+        if local is not None:
+            x = x.index_select(0, local)
         if not self.config.sequence_parallel:
             return x
         from megatron.core import tensor_parallel

@@ -12,14 +12,14 @@ change:
 """
 
 import torch
-from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
 
-from .qwen2_5_vl import Qwen2_5VLModel, at_image_tokens, vlm_model_provider
+from .qwen2_5_vl import Qwen2_5VLModel, RankLocalMultimodalRotaryEmbedding, at_image_tokens, vlm_model_provider
 
 
-class InterleavedMultimodalRotaryEmbedding(MultimodalRotaryEmbedding):
+class InterleavedMultimodalRotaryEmbedding(RankLocalMultimodalRotaryEmbedding):
     """megatron-core's multimodal RoPE with transformers' Qwen3-VL frequency layout (`recomposition_frequencies`):
-    frequency j follows axis j % 3 while that axis has frequencies left (`mrope_section`), the temporal axis after."""
+    frequency j follows axis j % 3 while that axis has frequencies left (`mrope_section`), the temporal axis after.
+    Like its parent, it takes each CP rank's own positions."""
 
     def forward(self, position_ids, mrope_section, cp_group=None):
         seq = position_ids.to(device=self.inv_freq.device, dtype=self.inv_freq.dtype)
@@ -97,17 +97,17 @@ class Qwen3VLModel(Qwen3_5VLModel):
         finally:
             self._deepstack = None
 
-    def _with_vision(self, embeddings, parts):
-        # each level dense over the sequence (images' and videos' features at their own tokens): scattered with the
-        # hidden states under --sequence-parallel
+    def _with_vision(self, embeddings, parts, local=None):
+        # each level dense over the sequence (images' and videos' features at their own tokens), held as the hidden
+        # states are: this CP rank's positions, scattered under --sequence-parallel
         levels = []
         for level in range(len(parts[0][1].deepstack_features)):
             dense = torch.zeros_like(embeddings)
             for mask, vision in parts:
                 dense = at_image_tokens(dense, mask, vision.deepstack_features[level])
-            levels.append(self._to_sequence_parallel(dense))
+            levels.append(self._to_rank(dense, local))
         self._deepstack = levels
-        return super()._with_vision(embeddings, parts)
+        return super()._with_vision(embeddings, parts, local)
 
     def _add_deepstack(self, index):
         def hook(_layer, _inputs, output):

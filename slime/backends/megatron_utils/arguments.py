@@ -70,17 +70,12 @@ def check_hybrid_model(args, error):
 
 def check_vlm_training(args, error):
     """`--multimodal-keys` in a training run: the trainer takes images for the vision-language models it builds
-    (`VLM_SPECS`), in the layouts tested so far; anything else is one line naming what is missing."""
+    (`VLM_SPECS`); anything else is one line naming what is missing."""
     if not args.spec or tuple(args.spec) not in {*VLM_SPECS.values(), *HYBRID_VLM_SPECS.values()}:
         error(
             "--multimodal-keys: the trainer takes images for Qwen2.5-VL, Qwen3-VL and Qwen3.5 only, but "
             f"--hf-checkpoint {args.hf_checkpoint} is none of them (other vision-language families are not built "
             "yet); rollouts with images run with --debug-rollout-only."
-        )
-    if args.context_parallel_size > 1:
-        error(
-            f"--context-parallel-size {args.context_parallel_size}: training a vision-language model on images is "
-            "tested at CP=1 only so far."
         )
 
 
