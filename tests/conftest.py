@@ -80,6 +80,14 @@ def tiny_qwen3_vl(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_vl_moe(tmp_path_factory):
+    """Directory of the tiny offline Qwen3-VL-MoE (Qwen3-VL with routed experts, stacked as published)."""
+    from tools.build_tiny_vlm import build_model
+
+    return build_model(str(tmp_path_factory.mktemp("tiny_vlm") / "qwen3-vl-moe-tiny"), family="qwen3_vl_moe")
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_5_vl(tmp_path_factory):
     """Directory of the tiny offline Qwen3.5 with its vision tower (hybrid decoder, partial interleaved MRoPE)."""
     from tools.build_tiny_vlm import build_model

@@ -209,7 +209,9 @@ def test_multimodal_keys_pass_for_rollouts_and_refuse_training_other_models_in_o
     args = make_args(*argv, "--debug-rollout-only", "--rollout-num-gpus", "1")
     assert parse_multimodal_keys(args.multimodal_keys) == {"image": "images"}
     err = one_line_refusal(capsys, *argv)  # a text model: the trainer has no vision tower for it
-    assert "--multimodal-keys: the trainer takes images for Qwen2.5-VL, Qwen3-VL and Qwen3.5 only" in err
+    assert (
+        "--multimodal-keys: the trainer takes images for Qwen2.5-VL, Qwen3-VL (dense and MoE) and Qwen3.5 only" in err
+    )
     err = one_line_refusal(capsys, "--multimodal-keys", "{image}", "--debug-rollout-only", "--rollout-num-gpus", "1")
     assert "is not JSON" in err
     assert load_processor(tiny_vlm) is not None

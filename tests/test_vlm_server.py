@@ -4,6 +4,7 @@ transformers' own on the same processed inputs; the default rollout's request pa
 import base64
 import io
 import os
+import re
 import types
 
 import pytest
@@ -380,15 +381,16 @@ def test_opd_teacher_scores_image_samples_with_their_images(vlm_server, tiny_vlm
 
 
 @pytest.mark.slow  # development tier: a second server process (Qwen2.5-VL's serving is checked above)
-@pytest.mark.parametrize("kit", ["tiny_qwen3_vl", "tiny_qwen3_5_vl"])
+@pytest.mark.parametrize("kit", ["tiny_qwen3_vl", "tiny_qwen3_vl_moe", "tiny_qwen3_5_vl"])
 def test_qwen3_families_generate_as_transformers_and_take_their_checkpoint_names(request, kit):
-    """Qwen3-VL (DeepStack, interleaved MRoPE) and Qwen3.5 with its tower (the hybrid decoder): in one batch with a
-    text-only row, each image prompt's greedy tokens and log-probs equal transformers' `generate` and forward; weight
-    updates under the checkpoint's own names (`model.language_model.*`, `model.visual.*`, `lm_head`: what the trainer
-    sends) all land."""
+    """Qwen3-VL (DeepStack, interleaved MRoPE; dense and MoE) and Qwen3.5 with its tower (the hybrid decoder): in one
+    batch with a text-only row, each image prompt's greedy tokens and log-probs equal transformers' `generate` and
+    forward; weight updates under the checkpoint's own names (`model.language_model.*`, `model.visual.*`, `lm_head`;
+    Qwen3-VL-MoE's experts stacked as published, [E, H, 2I] and [E, I, H], as SGLang loads them) all land, and so do
+    the per-expert tensors the trainer sends."""
     from transformers import AutoModelForImageTextToText
 
-    from slime.backends.cpu_server.hf_fallback import HFWeights
+    from slime.backends.cpu_server.hf_fallback import HFWeights, checkpoint_views
     from tests._megatron_helpers import read_checkpoint
 
     model_dir = request.getfixturevalue(kit)
@@ -421,8 +423,14 @@ def test_qwen3_families_generate_as_transformers_and_take_their_checkpoint_names
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     update = {k: v + 1 for k, v in read_checkpoint(model_dir).items()}
     assert HFWeights(model).load(update.items(), "test") == set(update)
-    memory = dict(model.named_parameters())
-    assert sorted(memory) == sorted(update) and all(torch.equal(p, update[n]) for n, p in memory.items())
+    assert sorted(dict(model.named_parameters())) == sorted(update)
+    views = checkpoint_views(model)
+    assert all(torch.equal(views[n], t) for n, t in update.items())
+    per_expert = {n: t + 1 for n, t in views.items() if re.search(r"experts\.\d+\.", n)}
+    assert bool(per_expert) == (kit == "tiny_qwen3_vl_moe")
+    assert HFWeights(model).load(per_expert.items(), "test") == set(per_expert)
+    views = checkpoint_views(model)
+    assert all(torch.equal(views[n], t) for n, t in per_expert.items())
 
 
 OBSERVATION = (

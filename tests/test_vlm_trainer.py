@@ -173,19 +173,22 @@ def hf_vlm_log_probs(hf_dir, samples):
 
 
 def _export(args, model):
-    """The model's weights under HF names, as weight sync and --save-hf produce them (collective over TP; with
-    --enable-lora the adapters merged into their base weights, as `--lora-sync merged` sends them)."""
+    """The model's weights under HF names, as --save-hf writes them (collective over TP; with --enable-lora the
+    adapters merged into their base weights, as `--lora-sync merged` sends them)."""
     from slime.backends.megatron_utils.lora import merge_for_sync
-    from slime.backends.megatron_utils.megatron_to_hf import convert_to_hf
+    from slime.backends.megatron_utils.megatron_to_hf import convert_to_hf, get_family
+    from slime.backends.megatron_utils.megatron_to_hf._common import CheckpointLayout
     from slime.backends.megatron_utils.param_utils import all_gather_param, named_parameters, remove_padding
     from slime.backends.megatron_utils.update_weight.common import is_tied_output_copy
 
-    exported = {}
+    exported, layout = {}, CheckpointLayout(get_family(args.model_name), args.num_experts)
     for name, param in merge_for_sync(args, named_parameters(args, model)):
         if is_tied_output_copy(args, name):  # the last stage's copy of the tied embedding: not sent
             continue
         full = remove_padding(name, all_gather_param(name, param), args.vocab_size)
-        exported.update((k, v.clone()) for k, v in convert_to_hf(args, args.model_name, name, full))
+        for k, v in convert_to_hf(args, args.model_name, name, full):
+            exported.update((n, t.clone()) for n, t in layout.add(k, v))
+    layout.close()
     return exported
 
 
@@ -282,6 +285,7 @@ def samples(tiny_vlm):
 KITS = {  # family: fixture
     "qwen2_5_vl": "tiny_vlm",
     "qwen3_vl": "tiny_qwen3_vl",
+    "qwen3_vl_moe": "tiny_qwen3_vl_moe",
     "qwen3_5": "tiny_qwen3_5_vl",
     "qwen3_5_moe": "tiny_qwen3_5_moe_vl",
 }
@@ -330,7 +334,7 @@ FLAGS = {"qwen3_5": UPSTREAM_QWEN3_5_VL, "qwen3_5_moe": UPSTREAM_QWEN3_5_VL}  # 
 
 @pytest.mark.parametrize(
     "family, tower_tensors",
-    [("qwen3_vl", 57), ("qwen3_5", 33), pytest.param("qwen3_5_moe", 33, marks=pytest.mark.slow)],
+    [("qwen3_vl", 57), ("qwen3_vl_moe", 57), ("qwen3_5", 33), pytest.param("qwen3_5_moe", 33, marks=pytest.mark.slow)],
 )
 def test_qwen3_families_log_probs_equal_transformers_with_interleaved_mrope(request, family, tower_tensors, tmp_path):
     """Qwen3-VL and Qwen3.5 (dense and MoE) with its tower (slime_plugins/models/qwen3_vl.py) on the same kinds of
@@ -349,7 +353,7 @@ def test_qwen3_families_log_probs_equal_transformers_with_interleaved_mrope(requ
     visual = [n for n in moved if n.startswith("visual.")]
     assert len(visual) == len([n for n in read_checkpoint(kit) if n.startswith("model.visual.")]) == tower_tensors
     assert all(moved.values()), [n for n, m in moved.items() if not m]
-    if family == "qwen3_vl":
+    if family.startswith("qwen3_vl"):
         assert any("deepstack_merger_list.1." in n for n in visual)
     else:
         assert any(".linear_attn." in n for n in moved)
@@ -371,6 +375,28 @@ def test_videos_log_probs_equal_transformers_and_train_the_tower(request, family
     result = train_once(kit, samples, 1, False, str(tmp_path), extra=FLAGS.get(family, ()), name="videos")
     print(f"{family} videos: trainer vs transformers max |log-prob diff| = {result['diff']:.3g}")
     assert all(result["moved"].values()), [n for n, m in result["moved"].items() if not m]
+
+
+def _tools_round_trip(rank, kits, out):
+    """tools/convert_hf_to_torch_dist.py's main (in this rank) and tools/convert_torch_dist_to_hf.py back, per kit."""
+    from tests.test_converters import _assert_same_weights, _to_hf
+    from tools.convert_hf_to_torch_dist import main as to_torch_dist
+
+    for i, hf_dir in enumerate(kits):
+        to_torch_dist(["--hf-checkpoint", hf_dir, "--save", f"{out}/{i}_release"])
+        _to_hf("--input-dir", f"{out}/{i}_release", "--output-dir", f"{out}/{i}_hf", "--origin-hf-dir", hf_dir)
+        _assert_same_weights(hf_dir, f"{out}/{i}_hf")
+
+
+def test_converter_tools_round_trip_qwen3_vl_and_its_stacked_moe_bit_exactly(
+    tiny_qwen3_vl, tiny_qwen3_vl_moe, tmp_path
+):
+    """HF -> torch_dist -> HF with the tools gives the checkpoint back bit for bit, vision tower included; Qwen3-VL-MoE's
+    experts come back stacked as published (`gate_up_proj` [E, H, 2I], `down_proj` [E, I, H]): transformers loads
+    its checkpoints only so."""
+    spawn(_tools_round_trip, 1, [tiny_qwen3_vl, tiny_qwen3_vl_moe], str(tmp_path), timeout=300)
+    stacked = read_checkpoint(str(tmp_path / "1_hf"))["model.language_model.layers.0.mlp.experts.gate_up_proj"]
+    assert stacked.shape == (4, 64, 48)
 
 
 def test_interleaved_mrope_equals_transformers_qwen3_vl_rotary(tiny_qwen3_vl):
@@ -792,7 +818,7 @@ def alternating_reward(args, sample):
     return float(sample.index % 2)
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5", "qwen3_vl_moe"])
 def test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine(request, family, tmp_path):
     """`train.py --multimodal-keys` on the tiny kit with the CPU server (Qwen2.5-VL, and Qwen3.5 with its tower,
     current slime's native vision-language model, chosen from the checkpoint alone): images from the dataset to the
@@ -802,7 +828,8 @@ def test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine(request, 
     before the first push and must equal the checkpoint after it: the push leaves none out. The Qwen2.5-VL run trains
     on two pipeline stages (the tower on the first; the metrics file gets the last stage's training metrics). The
     Qwen3.5 run rolls out with examples/geo3k_vlm_multi_turn's generate: two turns with an image observation between
-    them (loss-masked), so its log-prob check also covers images in the response."""
+    them (loss-masked), so its log-prob check also covers images in the response. The Qwen3-VL-MoE run syncs every
+    routed expert (per-expert tensors into the engine's fused ones) beside DeepStack's mergers."""
     import base64
     import io
     import json
@@ -822,7 +849,7 @@ def test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine(request, 
         )
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     multi_turn = family == "qwen3_5"
-    trainers = "1" if multi_turn else "2"  # Qwen2.5-VL on two pipeline stages: the tower on the first
+    trainers = "2" if family == "qwen2_5_vl" else "1"  # Qwen2.5-VL on two pipeline stages: the tower on the first
     argv = [
         "--hf-checkpoint", tiny_vlm, "--actor-num-gpus-per-node", trainers, "--rollout-num-gpus", "1",
         "--prompt-data", str(tmp_path / "train.jsonl"), "--input-key", "prompt", "--apply-chat-template",
@@ -837,7 +864,7 @@ def test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine(request, 
         argv += ["--custom-generate-function-path", "examples.geo3k_vlm_multi_turn.rollout.generate"]
         argv += ["--custom-config-path", str(config), "--rollout-max-response-len", "64"]
         argv += ["--save-debug-rollout-data", str(tmp_path / "rollout_{rollout_id}.pt")]
-    else:  # the training metrics come from the last stage
+    if trainers == "2":  # the training metrics come from the last stage
         argv += ["--pipeline-model-parallel-size", trainers]
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = None

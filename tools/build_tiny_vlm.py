@@ -2,7 +2,7 @@
 PIL image processor plus a byte-BPE tokenizer with Qwen's vision special tokens). `--family qwen3_vl` builds a
 Qwen3-VL instead (DeepStack features from two vision layers, interleaved MRoPE, qk-norm, an untied LM head);
 `--family qwen3_5` / `qwen3_5_moe` a Qwen3.5 (-MoE) with its vision tower (the Gated DeltaNet hybrid decoder, partial
-interleaved MRoPE).
+interleaved MRoPE); `--family qwen3_vl_moe` a Qwen3-VL-MoE (Qwen3-VL with routed experts, stacked as published).
 
 No hub: the tokenizer is trained here (as tools/build_tiny_kit.py does). Video needs torchvision, which this machine
 lacks, so the saved processor is image-only; `slime.utils.processing_utils.load_processor` loads it.
@@ -35,7 +35,13 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 MERGE, TEMPORAL = 2, 2
-PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16, "qwen3_5": 16, "qwen3_5_moe": 16}  # the families' own patch sizes
+PATCH = {
+    "qwen2_5_vl": 14,
+    "qwen3_vl": 16,
+    "qwen3_vl_moe": 16,
+    "qwen3_5": 16,
+    "qwen3_5_moe": 16,
+}  # the families' own patch sizes
 
 
 def build_tokenizer():
@@ -104,8 +110,8 @@ def _qwen2_5_vl_config(text, ids):
     return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
 
 
-def _qwen3_vl_config(text, ids):
-    from transformers import Qwen3VLConfig  # heavy
+def _qwen3_vl_config(text, ids, moe=False):
+    from transformers import Qwen3VLConfig, Qwen3VLMoeConfig  # heavy
 
     # 8 rotary frequencies interleaved t h w t h w t t (sections [4, 2, 2]); an untied LM head, as in Qwen3-VL-8B;
     # 3 layers: what DeepStack adds to the last layer's output at the image tokens reaches no response token
@@ -118,6 +124,11 @@ def _qwen3_vl_config(text, ids):
         deepstack_visual_indexes=[0, 2],  # added to the outputs of decoder layers 0 and 1
         in_channels=3,
     )
+    if (
+        moe
+    ):  # Qwen3-VL-30B-A3B's shape: every layer routed (softmax top-2 of 4 experts, renormalised), no shared expert
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, decoder_sparse_step=1)
+        return Qwen3VLMoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
     return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
 
 
@@ -149,9 +160,23 @@ def _qwen3_5_config(text, ids, moe=False):
 _CONFIGS = {
     "qwen2_5_vl": _qwen2_5_vl_config,
     "qwen3_vl": _qwen3_vl_config,
+    "qwen3_vl_moe": lambda text, ids: _qwen3_vl_config(text, ids, moe=True),
     "qwen3_5": _qwen3_5_config,
     "qwen3_5_moe": lambda text, ids: _qwen3_5_config(text, ids, moe=True),
 }
+
+
+def _publish_expert_layout(model_dir):
+    """Qwen3-VL-MoE's experts as its published checkpoints hold them, `gate_up_proj` [E, H, 2I] and `down_proj`
+    [E, I, H] (transformers saves its in-memory [E, 2I, H] / [E, H, I]; it loads either, SGLang only the published)."""
+    from safetensors.torch import load_file, save_file  # heavy
+
+    path = os.path.join(model_dir, "model.safetensors")
+    tensors = load_file(path)
+    for name in tensors:
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[name] = tensors[name].transpose(1, 2).contiguous()
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def build_model(model_dir, seed=0, family="qwen2_5_vl"):
@@ -191,6 +216,8 @@ def build_model(model_dir, seed=0, family="qwen2_5_vl"):
     model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     model.save_pretrained(model_dir)
+    if family == "qwen3_vl_moe":
+        _publish_expert_layout(model_dir)
     processor.save_pretrained(model_dir)
     cfg_path = os.path.join(model_dir, "tokenizer_config.json")
     if os.path.exists(cfg_path):  # transformers 5 writes "TokenizersBackend"; this class gives the same ids

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script from anywhere
 
 TRACKER = "latest_checkpointed_iteration.txt"
-_MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
+_MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.", "visual.")
 _MTP_EXPERTS = ".transformer_layer.mlp.experts.experts."
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -344,6 +344,7 @@ def convert(
     ckpt = resolve_input_dir(input_dir)
     # heavy (Megatron): after the argument checks
     from slime.backends.megatron_utils.megatron_to_hf import convert_to_hf, get_family
+    from slime.backends.megatron_utils.megatron_to_hf._common import CheckpointLayout
     from slime.backends.megatron_utils.param_utils import PREFIX, remove_padding
 
     args, hf_cfg = model_args(load_common(ckpt), origin_hf_dir)
@@ -370,6 +371,7 @@ def convert(
         )
     prepare_output_dir(output_dir, force)
     writer = ShardWriter(output_dir, chunk_size)
+    layout = CheckpointLayout(get_family(model_name), args.num_experts)  # e.g. Qwen3-VL-MoE's stacked experts
     batch, batch_bytes = [], 0
     for i, region in enumerate(regions):  # read about a shard's worth at a time: memory stays ~2 shards
         batch.append(region)
@@ -379,8 +381,10 @@ def convert(
         for r, tensor in zip(batch, read_regions(reader, batch)):
             name = PREFIX + r.name
             for hf_name, hf_tensor in convert_to_hf(args, model_name, name, remove_padding(name, tensor, vocab_size)):
-                writer.add(hf_name, hf_tensor)
+                for ready in layout.add(hf_name, hf_tensor):
+                    writer.add(*ready)
         batch, batch_bytes = [], 0
+    layout.close()
     if origin_hf_dir and not args.mtp_num_layers:
         pass_through_mtp(origin_hf_dir, writer)
     shards = writer.close()

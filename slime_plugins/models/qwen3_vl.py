@@ -73,8 +73,14 @@ class Qwen3_5VLModel(Qwen2_5VLModel):
 
 
 class Qwen3VLModel(Qwen3_5VLModel):
+    """Qwen3-VL (dense or MoE) with DeepStack."""
+
     @staticmethod
     def hf_classes(hf_config):
+        if hf_config.model_type == "qwen3_vl_moe":
+            from transformers.models.qwen3_vl_moe import modeling_qwen3_vl_moe as m  # heavy
+
+            return m.Qwen3VLMoeModel, m.Qwen3VLMoeVisionModel
         from transformers.models.qwen3_vl import modeling_qwen3_vl as m  # heavy
 
         return m.Qwen3VLModel, m.Qwen3VLVisionModel

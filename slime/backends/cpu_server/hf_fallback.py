@@ -246,14 +246,20 @@ def mla_down_projections_in_pairs(named_tensors, source: str):
         )
 
 
+# model types whose checkpoints stack experts transposed from transformers' memory
+_TRANSPOSED_EXPERTS = ("qwen3_vl_moe",)
+
+
 def checkpoint_views(model) -> dict:
     """`name -> tensor` for every parameter, every persistent buffer (e.g. MoE `e_score_correction_bias`), and a view
     per expert under its checkpoint name where transformers fuses MoE experts in memory (`experts.gate_up_proj`
     [E, 2I, H] with gate rows first, `experts.down_proj` [E, H, I]): trainers and checkpoints name them
     `experts.<e>.{gate,up,down}_proj.weight`. Writing a view updates the fused parameter. A vision-language model's
     tensors also go by their checkpoint names (`model.language_model.X` as `model.X`, `model.visual.X` as
-    `visual.X`), which the trainer sends."""
+    `visual.X`), which the trainer sends. Qwen3-VL-MoE's stacked experts go by their published layout ([E, H, 2I],
+    [E, I, H]: transposed views), which SGLang's loader takes."""
     out = dict(model.named_parameters())
+    transposed = getattr(model.config, "model_type", None) in _TRANSPOSED_EXPERTS
     for module_name, module in model.named_modules():
         for buf_name, buf in module.named_buffers(recurse=False):
             if buf_name not in module._non_persistent_buffers_set:
@@ -265,6 +271,8 @@ def checkpoint_views(model) -> dict:
                 out[checkpoint + name[len(memory) :]] = p
         if p.dim() != 3:
             continue
+        if transposed and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            out[name] = p.transpose(1, 2)
         if name.endswith("experts.gate_up_proj"):
             prefix = name[: -len("gate_up_proj")]
             gate, up = p.chunk(2, dim=1)

@@ -73,7 +73,7 @@ def check_vlm_training(args, error):
     (`VLM_SPECS`); anything else is one line naming what is missing."""
     if not args.spec or tuple(args.spec) not in {*VLM_SPECS.values(), *HYBRID_VLM_SPECS.values()}:
         error(
-            "--multimodal-keys: the trainer takes images for Qwen2.5-VL, Qwen3-VL and Qwen3.5 only, but "
+            "--multimodal-keys: the trainer takes images for Qwen2.5-VL, Qwen3-VL (dense and MoE) and Qwen3.5 only, but "
             f"--hf-checkpoint {args.hf_checkpoint} is none of them (other vision-language families are not built "
             "yet); rollouts with images run with --debug-rollout-only."
         )

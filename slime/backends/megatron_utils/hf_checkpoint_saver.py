@@ -15,6 +15,8 @@ from safetensors.torch import save_file
 
 from slime.backends.megatron_utils.initialize import get_gloo_group
 from slime.backends.megatron_utils.lora import export_peft
+from slime.backends.megatron_utils.megatron_to_hf import get_family
+from slime.backends.megatron_utils.megatron_to_hf._common import CheckpointLayout
 from slime.backends.megatron_utils.param_utils import named_parameters
 from slime.backends.megatron_utils.update_weight.update_weight_from_disk import gather_stage, is_pp_src_rank
 from slime.utils import disk_delta
@@ -36,6 +38,9 @@ def save_hf_model_to_path(args, output_dir, model, *, model_name, vocab_size, qu
         os.makedirs(partial)
     dist.barrier(group=group)
     tensors = gather_stage(args, named_parameters(args, model), model_name, vocab_size, quantization_config)
+    layout = CheckpointLayout(get_family(model_name), args.num_experts)  # e.g. Qwen3-VL-MoE's stacked experts
+    tensors = {n: t for name, tensor in tensors.items() for n, t in layout.add(name, tensor)}
+    layout.close()
     weight_map = {}
     if is_pp_src_rank():
         fname = f"pp{mpu.get_pipeline_model_parallel_rank():03d}.safetensors"

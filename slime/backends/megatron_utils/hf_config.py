@@ -43,6 +43,7 @@ HYBRID_SPECS = {
 VLM_SPECS = {
     "qwen2_5_vl_text": ("slime_plugins.models.qwen2_5_vl", "get_qwen2_5_vl_model_provider"),
     "qwen3_vl_text": ("slime_plugins.models.qwen3_vl", "get_qwen3_vl_model_provider"),
+    "qwen3_vl_moe_text": ("slime_plugins.models.qwen3_vl", "get_qwen3_vl_model_provider"),
 }
 # HF text model_type of a hybrid checkpoint with a vision tower -> the provider that trains both; chosen by
 # --multimodal-keys (without it the decoder trains alone and the engine keeps the checkpoint's tower).

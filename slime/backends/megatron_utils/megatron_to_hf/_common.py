@@ -122,7 +122,10 @@ class GPTFamily:
     "mtp", see `_MTP_NAMES`; None: the family has none). `stacked_experts`: the family's checkpoints may also hold
     each layer's routed experts stacked, `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows first) and
     `mlp.experts.down_proj` [E, H, I], as the published Qwen3.5-MoE ones do; loading takes either spelling, export
-    writes the per-expert one (what transformers saves and SGLang loads)."""
+    writes the per-expert one (what transformers saves and SGLang loads). `stacked_experts="transposed"`: stacked
+    as the published Qwen3-VL-MoE checkpoints are, `gate_up_proj` [E, H, 2I] and `down_proj` [E, I, H], the only
+    spelling transformers loads for them: weight sync still sends per-expert tensors (SGLang takes both), and
+    checkpoints are written stacked (`CheckpointLayout`)."""
 
     def __init__(self, name, features=(), hf_modules=(), prefix="model.", mtp=None, stacked_experts=False):
         self.name, self.features, self.mtp = name, frozenset(features), mtp
@@ -231,7 +234,8 @@ class GPTFamily:
                 tensors = [load(hf_name) for hf_name, _ in probe]
             except KeyError:
                 stacked = "down_proj" if m.group(3) == "down" else "gate_up_proj"  # [gate; up] rows, as fc1's
-                return load(f"{m.group(1)}experts.{stacked}")[int(m.group(2))]
+                expert = load(f"{m.group(1)}experts.{stacked}")[int(m.group(2))]
+                return expert.t() if self.stacked_experts == "transposed" else expert
         else:
             tensors = [load(hf_name) for hf_name, _ in probe]
         if len(tensors) == 1:
@@ -241,6 +245,42 @@ class GPTFamily:
         if len(tensors) == 3:  # q, k, v
             return (merge_gated_qkv if "gated_attention" in self.features else merge_qkv)(args, *tensors)
         return torch.cat(tensors, dim=0)  # gate, up
+
+
+class CheckpointLayout:
+    """HF tensors (`add` them as `to_hf` gives them, in any order) as `family`'s checkpoints hold them: each layer's
+    per-expert tensors stacked once all `num_experts` have come, for a family whose checkpoints load only stacked
+    (`stacked_experts="transposed"`); every other tensor as it is."""
+
+    def __init__(self, family, num_experts):
+        self.stack = family.stacked_experts == "transposed"
+        self.num_experts = num_experts or 0
+        self.pending = {}  # layer prefix -> {(expert, gate|up|down): tensor}
+
+    def add(self, name, tensor):
+        """[(hf name, tensor)] ready to write: `tensor`, or nothing yet, or a layer's two stacked tensors."""
+        m = _HF_EXPERT_RE.match(name) if self.stack else None
+        if m is None:
+            return [(name, tensor)]
+        layer = self.pending.setdefault(m.group(1), {})
+        layer[int(m.group(2)), m.group(3)] = tensor
+        if len(layer) < 3 * self.num_experts:
+            return []
+        del self.pending[m.group(1)]
+        experts = range(self.num_experts)
+        gate_up = torch.stack([torch.cat([layer[e, "gate"], layer[e, "up"]]).t() for e in experts])
+        down = torch.stack([layer[e, "down"].t() for e in experts])
+        return [
+            (f"{m.group(1)}experts.gate_up_proj", gate_up.contiguous()),
+            (f"{m.group(1)}experts.down_proj", down.contiguous()),
+        ]
+
+    def close(self):
+        """Fails in one line if a layer's experts did not all come."""
+        for prefix, layer in self.pending.items():
+            raise ValueError(
+                f"{prefix}experts: {len(layer)} of the {3 * self.num_experts} per-expert tensors to stack came"
+            )
 
 
 class _NamesOnly:
