@@ -3,8 +3,8 @@ transformers' own vision tower built from the checkpoint's `vision_config`, on t
 
 The vision features replace the embeddings at the image- and video-token positions (the `decoder_input`); each
 sample's 3-D (temporal, height, width) positions come from transformers' `get_rope_index` on that sample's tokens, per
-row of the padded layout or per segment of a packed row. The tower's parameters are named `visual.*`, the checkpoint's own
-names, so loading, weight sync and export pass them through unchanged.
+row of the padded layout or per segment of a packed row. The tower's parameters are named `visual.*`, the
+checkpoint's own names, so loading, weight sync and export pass them through unchanged.
 
 Selected by `--hf-checkpoint` (the text config's `model_type`, `arguments.VLM_SPECS`) through current slime's `--spec`
 protocol: `get_qwen2_5_vl_model_provider(args, config, vp_stage)` returns the model provider.
@@ -53,7 +53,7 @@ class RankLocalMultimodalRotaryEmbedding(MultimodalRotaryEmbedding):
     them on the whole sequence and keeps its rank's), so not cut to the rank's chunks a second time."""
 
     def forward(self, position_ids, mrope_section, cp_group=None):
-        return super().forward(position_ids, mrope_section, cp_group=self.cp_group)
+        return super().forward(position_ids, mrope_section)  # its own cp_group is None: no cut
 
 
 def at_image_tokens(dense, mask, features):
