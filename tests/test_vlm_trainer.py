@@ -853,7 +853,8 @@ def test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine(request, 
     on two pipeline stages (the tower on the first; the metrics file gets the last stage's training metrics). The
     Qwen3.5 run rolls out with examples/geo3k_vlm_multi_turn's generate: two turns with an image observation between
     them (loss-masked), so its log-prob check also covers images in the response. The Qwen3-VL-MoE run syncs every
-    routed expert (per-expert tensors into the engine's fused ones) beside DeepStack's mergers."""
+    routed expert (per-expert tensors into the engine's fused ones) beside DeepStack's mergers, and its --save-hf
+    output (experts stacked as published) loads in transformers with the trained weights."""
     import base64
     import io
     import json
@@ -890,6 +891,8 @@ def test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine(request, 
         argv += ["--save-debug-rollout-data", str(tmp_path / "rollout_{rollout_id}.pt")]
     if trainers == "2":  # the training metrics come from the last stage
         argv += ["--pipeline-model-parallel-size", trainers]
+    if family == "qwen3_vl_moe":  # the last step's model as an HF checkpoint, experts stacked as published
+        argv += ["--save", str(tmp_path / "ckpt"), "--save-interval", "2", "--save-hf", str(tmp_path / "hf")]
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = None
     try:
@@ -915,6 +918,19 @@ def test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine(request, 
         assert m["train/train_rollout_logprob_abs_diff"] < 1e-4
         assert abs(m["train/ppo_kl"]) < 1e-6  # one step a rollout: the training pass sees what the log-prob pass saw
     assert _procs.wait_none_carrying(_procs.RUN_KEY, str(tmp_path), 30) == []
+    if family == "qwen3_vl_moe":  # transformers loads --save-hf's output whole, with trained experts and tower
+        from transformers import AutoModelForImageTextToText
+
+        saved = read_checkpoint(str(tmp_path / "hf"))
+        start = read_checkpoint(tiny_vlm)
+        assert sorted(saved) == sorted(start)
+        for name in (
+            "model.language_model.layers.0.mlp.experts.gate_up_proj",
+            "model.visual.merger.linear_fc1.weight",
+        ):
+            assert saved[name].shape == start[name].shape and not torch.equal(saved[name], start[name]), name
+        _, info = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "hf"), output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"], info
     if multi_turn:  # every sample: 4 model tokens, the observation (its image included), then the second answer
         samples = torch.load(tmp_path / "rollout_0.pt", weights_only=False)["samples"]
         for s in samples:
