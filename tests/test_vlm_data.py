@@ -105,6 +105,27 @@ def test_image_items_in_every_accepted_form_decode_to_the_same_pixels(tmp_path):
             load_image(bad, "row 2 image 0")
 
 
+def test_rich_items_with_their_own_size_limits_are_resized_as_qwen_vl_utils_does(tmp_path, tiny_vlm):
+    """A rich item's `max_pixels` / `min_pixels` / `resized_height` + `resized_width` resize its image (to multiples
+    of 28, the tiny kit's 14-px patches merged 2x2) before the processor, so its token count follows them: 112x112
+    px is 16 tokens under the processor's own limits, 4 under max_pixels 56*56, and 2 as 28x56 (a width of 60 rounds
+    to 56); items without limits keep their size."""
+    processor = load_processor(tiny_vlm)
+    big = _png(tmp_path / "big.png", (112, 112), (0, 0, 255))
+    rows = [
+        {"prompt": "<image><image><image><image>Sizes?", "label": "x",
+         "images": [big, {"image": big, "max_pixels": 56 * 56}, {"image": big, "resized_height": 28,
+                    "resized_width": 60}, {"image": big, "max_pixels": 112 * 112}]},
+    ]  # fmt: skip
+    keys = {"multimodal_keys": {"image": "images"}, "processor": processor}
+    ds = Dataset(_write(tmp_path, rows), processor.tokenizer, None, prompt_key="prompt", label_key="label", **keys)
+    images = ds.origin_samples[0].multimodal_inputs["images"]
+    assert [i.size for i in images] == [(112, 112), (56, 56), (56, 28), (112, 112)]
+    assert images[1].getpixel((5, 5)) == (0, 0, 255)
+    _, train = process_prompt(processor, "<|vision_start|><|image_pad|><|vision_end|>" * 4, images)
+    assert (train["image_grid_thw"].prod(-1) // 4).tolist() == [16, 4, 2, 16]
+
+
 def _write(tmp_path, rows):
     path = tmp_path / "vlm.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))

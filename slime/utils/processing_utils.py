@@ -135,8 +135,16 @@ def encode_image_for_rollout_engine(image):
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
+# a rich image item's own size limits, as qwen-vl-utils reads them
+_SIZE_KEYS = ("min_pixels", "max_pixels", "resized_height", "resized_width")
+
+
 def process_vision_info(prompt, processor=None):
-    """{"images": [PIL, ...]} of a message-list prompt's image content items, in order (None when it has none)."""
+    """{"images": [PIL, ...]} of a message-list prompt's image content items, in order (None when it has none).
+    With `processor`, an item that is a rich dict with its own `min_pixels` / `max_pixels` (or `resized_height` and
+    `resized_width`) is resized as qwen-vl-utils resizes it (transformers' `smart_resize` to a multiple of the
+    processor's patch x merge size; the other limit the processor's own), so the trainer and the engine, which
+    receives the resized image, see the same grid."""
     images = []
     if isinstance(prompt, list):
         for message in prompt:
@@ -145,8 +153,26 @@ def process_vision_info(prompt, processor=None):
                 continue
             for item in content:
                 if isinstance(item, dict) and item.get("type") == "image":
-                    images.append(load_image(item["image"]))
+                    image = load_image(item["image"])
+                    rich = item["image"] if isinstance(item["image"], dict) else {}
+                    if processor is not None and any(k in rich for k in _SIZE_KEYS):
+                        image = _resized(image, rich, processor.image_processor)
+                    images.append(image)
     return {"images": images} if images else None
+
+
+def _resized(image, limits, image_processor):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize  # heavy
+
+    factor = image_processor.patch_size * image_processor.merge_size
+    low = int(limits.get("min_pixels", image_processor.size["shortest_edge"]))
+    high = int(limits.get("max_pixels", image_processor.size["longest_edge"]))
+    if "resized_height" in limits and "resized_width" in limits:
+        height, width = int(limits["resized_height"]), int(limits["resized_width"])
+    else:
+        height, width = image.height, image.width
+    height, width = smart_resize(height, width, factor, min_pixels=low, max_pixels=high)
+    return image if (width, height) == image.size else image.resize((width, height))
 
 
 def parse_multimodal_keys(value, flag="--multimodal-keys"):
