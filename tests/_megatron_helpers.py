@@ -316,10 +316,13 @@ def build_random_hf(kind, out_dir, seed=0, vocab_size=200, layer_types=None, num
         cls = tf.DeepseekV3ForCausalLM
     elif kind == "mimo":
         cfg, cls = _build_mimo(common, out_dir)
-    elif kind == "qwen3moe":
-        cfg = tf.Qwen3MoeConfig(
-            head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, **common
-        )
+    elif kind in ("qwen3moe", "qwen3moe_dense_layers"):
+        moe = dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+        if (
+            kind == "qwen3moe_dense_layers"
+        ):  # dense MLPs in layers 0, 2 (decoder_sparse_step 2) and 3 (mlp_only_layers)
+            moe.update(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3])
+        cfg = tf.Qwen3MoeConfig(**{**common, **moe})
         cls = tf.Qwen3MoeForCausalLM
     elif kind in (
         "qwen3next",

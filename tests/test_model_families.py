@@ -12,7 +12,8 @@ import torch
 from slime.config import parse_args
 from tests._megatron_helpers import build_random_hf, decoder_checkpoint, fixed_rollout, hf_log_probs, spawn
 
-FAMILIES = ["llama3", "glm4", "glm4moe", "deepseekv3", "mimo"]
+# qwen3moe_dense_layers: Qwen3-MoE with dense MLPs where `decoder_sparse_step` and `mlp_only_layers` put them
+FAMILIES = ["llama3", "glm4", "glm4moe", "deepseekv3", "mimo", "qwen3moe_dense_layers"]
 MOE = ["glm4moe", "deepseekv3"]
 # 2 prompts x 2 samples, one optimizer step per rollout; world size set per run.
 RL = [
@@ -297,7 +298,8 @@ def test_families_roundtrip_and_log_probs_tp1(hf_models, tmp_path):
 
 @pytest.mark.slow  # development tier: a multi-rank layout or several processes (tens of seconds)
 def test_families_roundtrip_and_log_probs_tp2_ep2(hf_models, tmp_path):
-    layouts = [(k, 2, 1, 2) for k in FAMILIES] + [(k, 1, 2, 1) for k in MOE] + [("glm4moe", 2, 2, 1)]
+    layouts = [(k, 2, 1, 2) for k in FAMILIES] + [(k, 1, 2, 1) for k in [*MOE, "qwen3moe_dense_layers"]]
+    layouts += [("glm4moe", 2, 2, 1)]
     spawn(_roundtrip_and_log_probs, 2, hf_models, layouts, str(tmp_path / "diffs.txt"), timeout=500)
     print((tmp_path / "diffs.txt").read_text())
 

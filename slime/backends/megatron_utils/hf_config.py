@@ -53,6 +53,14 @@ HYBRID_VLM_SPECS = {
 }
 
 
+def _qwen_moe_layers(cfg):
+    """1 for each routed layer of a Qwen-MoE config, 0 for a dense one, as transformers builds them: dense where
+    `mlp_only_layers` lists the layer or `(layer + 1) % decoder_sparse_step` is not 0."""
+    step = getattr(cfg, "decoder_sparse_step", None) or 1
+    dense = getattr(cfg, "mlp_only_layers", None) or []
+    return [0 if i in dense or (i + 1) % step else 1 for i in range(cfg.num_hidden_layers)]
+
+
 def hf_architecture(cfg, images=False) -> dict:
     """Megatron flag values (by dest) that describe the HF model `cfg` (Qwen2/3, Llama 2/3, Qwen3-MoE, GLM-4,
     GLM-4.5, DeepSeek-V3, MiMo, the vision-language ones' decoders); `images`: the checkpoint has a vision tower
@@ -131,6 +139,9 @@ def hf_architecture(cfg, images=False) -> dict:
         )
         if getattr(cfg, "shared_expert_intermediate_size", None):
             arch["moe_shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
+        sparse = _qwen_moe_layers(cfg)
+        if 0 in sparse:  # Qwen-MoE's dense layers (mlp_only_layers, decoder_sparse_step): a dense MLP there
+            arch["moe_layer_freq"] = sparse
     if model_type in HYBRID_SPECS:  # Gated DeltaNet layers between gated full-attention layers
         from slime_plugins.models.qwen3_next import hybrid_layer_types  # heavy (transformers modeling)
 
@@ -140,14 +151,9 @@ def hf_architecture(cfg, images=False) -> dict:
         arch.update(spec=list(HYBRID_SPECS[model_type]), apply_layernorm_1p=True, attention_output_gate=True)
         if arch.get("num_experts"):
             # Qwen3.5-MoE: every layer routed (no mlp_only_layers / decoder_sparse_step), no dense MLP size
-            step = getattr(cfg, "decoder_sparse_step", None) or 1
-            sparse = [
-                0 if i in (getattr(cfg, "mlp_only_layers", None) or []) or (i + 1) % step else 1
-                for i in range(cfg.num_hidden_layers)
-            ]
             arch.update(
                 ffn_hidden_size=arch["ffn_hidden_size"] or arch["moe_ffn_hidden_size"],
-                moe_layer_freq=sparse,
+                moe_layer_freq=_qwen_moe_layers(cfg),
                 moe_shared_expert_gate=True,
                 moe_router_pre_softmax=not getattr(cfg, "norm_topk_prob", True),
             )
