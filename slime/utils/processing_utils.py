@@ -162,6 +162,7 @@ def process_vision_info(prompt, processor=None):
 
 
 def _resized(image, limits, image_processor):
+    """`image` resized to the grid its item's `limits` give (qwen-vl-utils' `fetch_image`)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize  # heavy
 
     factor = image_processor.patch_size * image_processor.merge_size
