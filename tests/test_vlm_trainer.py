@@ -374,11 +374,8 @@ def test_videos_log_probs_equal_transformers_and_train_the_tower(request, family
     taken as text, the log-probs move far beyond 1e-5): the log-probs equal transformers' forward within 1e-5 and one
     step moves every weight."""
     kit, samples = video_samples(request, family)
-    assert (
-        [len(s.multimodal_train_inputs or {}) for s in samples] == [2, 4, 0, 2]
-        if family != "qwen2_5_vl"
-        else [3, 5, 0, 3]
-    )
+    keys = [2, 4, 0, 2] if family != "qwen2_5_vl" else [3, 5, 0, 3]  # Qwen2.5-VL's videos add second_per_grid_ts
+    assert [len(s.multimodal_train_inputs or {}) for s in samples] == keys
     result = train_once(kit, samples, 1, False, str(tmp_path), extra=FLAGS.get(family, ()), name="videos")
     print(f"{family} videos: trainer vs transformers max |log-prob diff| = {result['diff']:.3g}")
     assert all(result["moved"].values()), [n for n, m in result["moved"].items() if not m]
