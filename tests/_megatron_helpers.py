@@ -324,6 +324,19 @@ def build_random_hf(kind, out_dir, seed=0, vocab_size=200, layer_types=None, num
             moe.update(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3])
         cfg = tf.Qwen3MoeConfig(**{**common, **moe})
         cls = tf.Qwen3MoeForCausalLM
+    elif kind == "qwen2moe":  # Qwen1.5/Qwen2-MoE: qkv bias, a sigmoid-gated shared expert, top-k weights not
+        # renormalised (norm_topk_prob=False, as the published configs), a dense MLP in layer 0 (mlp_only_layers)
+        moe = dict(
+            num_hidden_layers=3,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=False,
+            mlp_only_layers=[0],
+        )
+        cfg = tf.Qwen2MoeConfig(**{**common, **moe})
+        cls = tf.Qwen2MoeForCausalLM
     elif kind in (
         "qwen3next",
         "qwen3_5",

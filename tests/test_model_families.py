@@ -1,5 +1,6 @@
 """Model families beyond Qwen/Llama-2: Llama 3.x RoPE scaling, GLM-4, GLM-4.5 MoE, DeepSeek-V3 (MLA, grouped sigmoid
-routing with expert bias, shared experts, first-k dense layers), MiMo (its MTP layers: tests/test_mtp.py).
+routing with expert bias, shared experts, first-k dense layers), MiMo (its MTP layers: tests/test_mtp.py), Qwen-MoE
+with dense layers, Qwen2-MoE.
 
 Each family: a tiny random HF checkpoint; `parse_args` with only `--hf-checkpoint` gives the architecture (checked
 against hand-written values); HF -> Megatron -> HF is bit-exact at TP=1, TP=2 and (MoE) EP=2 / ETP=2; the trainer's
@@ -12,8 +13,9 @@ import torch
 from slime.config import parse_args
 from tests._megatron_helpers import build_random_hf, decoder_checkpoint, fixed_rollout, hf_log_probs, spawn
 
-# qwen3moe_dense_layers: Qwen3-MoE with dense MLPs where `decoder_sparse_step` and `mlp_only_layers` put them
-FAMILIES = ["llama3", "glm4", "glm4moe", "deepseekv3", "mimo", "qwen3moe_dense_layers"]
+# qwen3moe_dense_layers: Qwen3-MoE with dense MLPs where `decoder_sparse_step` and `mlp_only_layers` put them;
+# qwen2moe: Qwen2-MoE (gated shared expert, top-k weights not renormalised)
+FAMILIES = ["llama3", "glm4", "glm4moe", "deepseekv3", "mimo", "qwen3moe_dense_layers", "qwen2moe"]
 MOE = ["glm4moe", "deepseekv3"]
 # 2 prompts x 2 samples, one optimizer step per rollout; world size set per run.
 RL = [
@@ -142,6 +144,30 @@ def test_glm_and_deepseek_architecture_inferred(hf_models):
     assert (d.qk_head_dim, d.qk_pos_emb_head_dim, d.v_head_dim) == (16, 8, 16)
     assert d.rope_type == "yarn" and (d.rotary_scaling_factor, d.mscale, d.mscale_all_dim) == (40.0, 1.0, 1.0)
     assert (d.moe_router_num_groups, d.moe_router_group_topk, d.moe_router_topk) == (4, 2, 4)
+
+
+def test_qwen2_moe_architecture_inferred_and_routing_flag_checked(hf_models, capsys):
+    """Qwen2-MoE: its own converter, the gated shared expert, the dense layer, and routing without renormalised
+    top-k weights (norm_topk_prob=False: softmax over all experts first); Qwen3-MoE's config renormalises."""
+    q = family_args(hf_models["qwen2moe"])
+    assert q.model_name == "qwen2moeconfig" and q.add_qkv_bias and not q.qk_layernorm
+    assert (q.num_experts, q.moe_router_topk, q.moe_ffn_hidden_size, q.moe_shared_expert_intermediate_size) == (
+        4,
+        2,
+        32,
+        48,
+    )
+    assert q.moe_shared_expert_gate and q.moe_router_pre_softmax and q.moe_layer_freq == [0, 1, 1]
+    assert not family_args(hf_models["qwen3moe_dense_layers"]).moe_router_pre_softmax
+    # model flags given without --moe-router-pre-softmax: named, not trained with the other routing
+    model = """--num-layers 3 --hidden-size 64 --ffn-hidden-size 96 --num-attention-heads 4 --group-query-attention
+    --num-query-groups 2 --add-qkv-bias --swiglu --untie-embeddings-and-output-weights --num-experts 4
+    --moe-router-topk 2 --moe-ffn-hidden-size 32 --moe-shared-expert-intermediate-size 48 --moe-shared-expert-gate
+    --moe-layer-freq [0,1,1]""".split()
+    assert family_args(hf_models["qwen2moe"], 1, *model, "--moe-router-pre-softmax").moe_router_pre_softmax
+    with pytest.raises(SystemExit):
+        family_args(hf_models["qwen2moe"], 1, *model)
+    assert "--moe-router-pre-softmax is not set but norm_topk_prob=False" in capsys.readouterr().err
 
 
 def test_mimo_is_qwen2_with_mtp_layers(hf_models, caplog):
@@ -298,7 +324,7 @@ def test_families_roundtrip_and_log_probs_tp1(hf_models, tmp_path):
 
 @pytest.mark.slow  # development tier: a multi-rank layout or several processes (tens of seconds)
 def test_families_roundtrip_and_log_probs_tp2_ep2(hf_models, tmp_path):
-    layouts = [(k, 2, 1, 2) for k in FAMILIES] + [(k, 1, 2, 1) for k in [*MOE, "qwen3moe_dense_layers"]]
+    layouts = [(k, 2, 1, 2) for k in FAMILIES] + [(k, 1, 2, 1) for k in [*MOE, "qwen3moe_dense_layers", "qwen2moe"]]
     layouts += [("glm4moe", 2, 2, 1)]
     spawn(_roundtrip_and_log_probs, 2, hf_models, layouts, str(tmp_path / "diffs.txt"), timeout=500)
     print((tmp_path / "diffs.txt").read_text())

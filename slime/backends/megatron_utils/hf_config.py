@@ -137,8 +137,12 @@ def hf_architecture(cfg, images=False) -> dict:
             moe_router_topk=cfg.num_experts_per_tok,
             moe_ffn_hidden_size=getattr(cfg, "moe_intermediate_size", None) or arch["ffn_hidden_size"],
         )
-        if getattr(cfg, "shared_expert_intermediate_size", None):
+        # softmax routing: transformers renormalises the top-k weights only with norm_topk_prob (Qwen2/3-MoE's default
+        # is False; configs without the key, e.g. Mixtral's, always do), Megatron only without pre-softmax
+        arch["moe_router_pre_softmax"] = not getattr(cfg, "norm_topk_prob", True)
+        if getattr(cfg, "shared_expert_intermediate_size", None):  # Qwen2-MoE's shared expert, always gated
             arch["moe_shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
+            arch["moe_shared_expert_gate"] = True
         sparse = _qwen_moe_layers(cfg)
         if 0 in sparse:  # Qwen-MoE's dense layers (mlp_only_layers, decoder_sparse_step): a dense MLP there
             arch["moe_layer_freq"] = sparse
@@ -154,8 +158,6 @@ def hf_architecture(cfg, images=False) -> dict:
             arch.update(
                 ffn_hidden_size=arch["ffn_hidden_size"] or arch["moe_ffn_hidden_size"],
                 moe_layer_freq=_qwen_moe_layers(cfg),
-                moe_shared_expert_gate=True,
-                moe_router_pre_softmax=not getattr(cfg, "norm_topk_prob", True),
             )
     if images and model_type in HYBRID_VLM_SPECS:
         arch.update(position_embedding_type="mrope", mrope_section=list(rope["mrope_section"]))
@@ -220,6 +222,7 @@ _HF_CHECKS = (
     ("model_type", "--attention-output-gate", "attention_output_gate"),
     ("model_type", "--apply-layernorm-1p", "apply_layernorm_1p"),
     ("shared_expert_gate", "--moe-shared-expert-gate", "moe_shared_expert_gate"),
+    ("norm_topk_prob", "--moe-router-pre-softmax", "moe_router_pre_softmax"),
     ("q_lora_rank", "--q-lora-rank", "q_lora_rank"),
     ("kv_lora_rank", "--kv-lora-rank", "kv_lora_rank"),
     ("qk_nope_head_dim", "--qk-head-dim", "qk_head_dim"),
@@ -242,6 +245,7 @@ _BOOL_FLAGS = {
     "attention_output_gate",
     "apply_layernorm_1p",
     "moe_shared_expert_gate",
+    "moe_router_pre_softmax",
 }
 
 
@@ -267,11 +271,14 @@ def _hf_mismatches(args, arch, cfg):
             if mine != hf_value:
                 out.append(f"{flag} {mine} but first_k_dense_replace={hf_value.count(0)}")
             continue
+        if dest == "moe_router_pre_softmax" and arch.get("moe_router_score_function") == "sigmoid":
+            continue  # sigmoid scores are the same either way
         if dest in _BOOL_FLAGS:
             if hf_value is not None and bool(mine) != bool(hf_value):
                 shown = {
                     "untie_embeddings_and_output_weights": not hf_value,
                     "use_rope_scaling": _rope_parameters(cfg)["rope_type"],
+                    "moe_router_pre_softmax": not hf_value,
                 }.get(dest, cfg.model_type if hf_name == "model_type" else hf_value)
                 out.append(f"{flag} is {'set' if mine else 'not set'} but {hf_name}={shown}")
             continue

@@ -7,12 +7,25 @@ initialise training. Each family module keeps slime's `convert_<family>_to_hf(ar
 their own converters on it.
 """
 
-from . import deepseekv3, glm4, glm4moe, llama, mimo, qwen2, qwen2_5_vl, qwen3_5, qwen3_vl, qwen3moe, qwen3next
+from . import (
+    deepseekv3,
+    glm4,
+    glm4moe,
+    llama,
+    mimo,
+    qwen2,
+    qwen2_5_vl,
+    qwen2moe,
+    qwen3_5,
+    qwen3_vl,
+    qwen3moe,
+    qwen3next,
+)
 from .hf_to_megatron import hf_to_megatron
 
 # Checked in this order on the lowercased name without "_"/"-": "qwen3moe" must win over "qwen3", "glm4moe" over "glm4",
 # "qwen3next" / "qwen35..." over "qwen3", "qwen35text" (text-only checkpoint) over "qwen35" (vision-language one),
-# "qwen35moe..." over "qwen35", "qwen25vl" over "qwen2", "qwen3vlmoe" over "qwen3vl" over "qwen3".
+# "qwen35moe..." over "qwen35", "qwen25vl" and "qwen2moe" over "qwen2", "qwen3vlmoe" over "qwen3vl" over "qwen3".
 _FAMILIES = [
     (("qwen3next",), qwen3next.FAMILY),
     (("qwen35moetext",), qwen3_5.MOE_TEXT_FAMILY),
@@ -23,6 +36,7 @@ _FAMILIES = [
     (("glm4",), glm4.FAMILY),
     (("qwen3moe",), qwen3moe.FAMILY),
     (("qwen25vl",), qwen2_5_vl.FAMILY),
+    (("qwen2moe",), qwen2moe.FAMILY),
     (("qwen3vlmoe",), qwen3_vl.MOE_FAMILY),
     (("qwen3vl",), qwen3_vl.FAMILY),
     (("qwen2", "qwen3"), qwen2.FAMILY),
