@@ -104,9 +104,10 @@ def sglang_disagreement(payloads: dict) -> str | None:
 
 
 # ------------------------------------------------------------------ SGLang's change-set rule
-# Families whose HF tensors SGLang 0.5.23 loads by `sglang_param_names`' rules (sglang/srt/models/{llama,qwen2,qwen2_moe,qwen3,
-# qwen3_moe,mimo,glm4,glm4_moe,qwen3_next,qwen3_5,qwen2_5_vl,qwen3_vl_moe}.py `load_weights`: `stacked_params_mapping`,
-# `FusedMoE.make_expert_params_mapping`; DeepSeek's in models/deepseek_common/deepseek_weight_loader.py).
+# Families whose HF tensors SGLang 0.5.23 loads by `sglang_param_names`' rules (sglang/srt/models/{llama,qwen2,
+# qwen2_moe,qwen3,qwen3_moe,mimo,glm4,glm4_moe,qwen3_next,qwen3_5,qwen2_5_vl,qwen3_vl_moe}.py `load_weights`:
+# `stacked_params_mapping`, `FusedMoE.make_expert_params_mapping`; DeepSeek's in
+# models/deepseek_common/deepseek_weight_loader.py).
 SGLANG_MAPPED_FAMILIES = (
     "llama", "qwen2", "qwen3", "qwen3moe", "mimo", "glm4", "glm4moe", "qwen3next", "qwen35", "qwen25vl", "deepseek",
 )  # fmt: skip
