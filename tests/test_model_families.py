@@ -202,6 +202,21 @@ def test_deepseek_model_args_that_disagree_are_named(hf_models, capsys):
     assert "--moe-router-num-groups 2 but n_group=4" in err
 
 
+def test_a_family_without_a_converter_is_refused_at_start_up(tmp_path, capsys):
+    """Mixtral's config maps onto Megatron flags, but no converter carries its weights: the run stops in parse_args
+    naming --model-name, not in the trainer after Ray and the engines started. A rollout-only run converts nothing."""
+    import transformers as tf
+
+    from tests._args import make_args, one_line_refusal
+
+    tf.MixtralConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4
+    ).save_pretrained(tmp_path)
+    err = one_line_refusal(capsys, hf_checkpoint=tmp_path)
+    assert "--model-name 'mixtralconfig': no Megatron->HF converter matches it" in err
+    assert make_args("--debug-rollout-only", hf_checkpoint=tmp_path).model_name == "mixtralconfig"
+
+
 def test_expert_names_follow_the_expert_parallel_rank():
     from slime.backends.megatron_utils.param_utils import _with_expert
 

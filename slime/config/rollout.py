@@ -46,7 +46,8 @@ def add_rollout_arguments(parser):
         "--model-name",
         type=str,
         default=None,
-        help="Model family for Megatron->HF conversion; default: lowercased HF config class name.",
+        help="Model family for Megatron->HF conversion (a substring a converter matches, e.g. qwen3moe); default: "
+        "lowercased HF config class name. One no converter matches stops the run at start-up.",
     )
     g.add_argument(
         "--rollout-function-path",

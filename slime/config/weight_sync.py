@@ -57,6 +57,19 @@ def add_weight_sync_arguments(parser):
     return parser
 
 
+def check_converter(args, error):
+    """The Megatron <-> HF converter (`--model-name`, by default the HF config's class) exists: every weight update
+    and every start from `--hf-checkpoint` goes through it. Runs that convert nothing skip the check."""
+    if not args.model_name or args.debug_rollout_only or args.debug_train_only:
+        return
+    from slime.backends.megatron_utils.megatron_to_hf import get_family
+
+    try:
+        get_family(args.model_name)
+    except ValueError as e:
+        error(str(e))
+
+
 def check_weight_sync(args, error, check_paths):
     """The disk transport's flags: a writable shared directory, delta's local checkpoint, and the engine endpoint
     (`/pull_weights`) stock SGLang lacks."""
@@ -71,6 +84,7 @@ def check_weight_sync(args, error, check_paths):
             "--update-weight-transport disk, or drop the flag."
         )
     check_release_train(args, error)
+    check_converter(args, error)
     if not disk:
         return
     if args.colocate and args.update_weight_mode == "delta":
