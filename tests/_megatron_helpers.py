@@ -324,6 +324,16 @@ def build_random_hf(kind, out_dir, seed=0, vocab_size=200, layer_types=None, num
             moe.update(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3])
         cfg = tf.Qwen3MoeConfig(**{**common, **moe})
         cls = tf.Qwen3MoeForCausalLM
+    elif kind == "minimaxm2":  # q/k norms over all heads, partial RoPE 0.5, sigmoid top-2 of 4 with a score bias
+        cfg = tf.MiniMaxM2Config(
+            head_dim=16,
+            bos_token_id=1,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
+            **{**common, "intermediate_size": 32},
+        )
+        cls = tf.MiniMaxM2ForCausalLM
     elif kind == "qwen2moe":  # Qwen1.5/Qwen2-MoE: qkv bias, a sigmoid-gated shared expert, top-k weights not
         # renormalised (norm_topk_prob=False, as the published configs), a dense MLP in layer 0 (mlp_only_layers)
         moe = dict(

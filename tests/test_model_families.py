@@ -1,6 +1,6 @@
 """Model families beyond Qwen/Llama-2: Llama 3.x RoPE scaling, GLM-4, GLM-4.5 MoE, DeepSeek-V3 (MLA, grouped sigmoid
 routing with expert bias, shared experts, first-k dense layers), MiMo (its MTP layers: tests/test_mtp.py), Qwen-MoE
-with dense layers, Qwen2-MoE.
+with dense layers, Qwen2-MoE, MiniMax-M2.
 
 Each family: a tiny random HF checkpoint; `parse_args` with only `--hf-checkpoint` gives the architecture (checked
 against hand-written values); HF -> Megatron -> HF is bit-exact at TP=1, TP=2 and (MoE) EP=2 / ETP=2; the trainer's
@@ -14,8 +14,9 @@ from slime.config import parse_args
 from tests._megatron_helpers import build_random_hf, decoder_checkpoint, fixed_rollout, hf_log_probs, spawn
 
 # qwen3moe_dense_layers: Qwen3-MoE with dense MLPs where `decoder_sparse_step` and `mlp_only_layers` put them;
-# qwen2moe: Qwen2-MoE (gated shared expert, top-k weights not renormalised)
-FAMILIES = ["llama3", "glm4", "glm4moe", "deepseekv3", "mimo", "qwen3moe_dense_layers", "qwen2moe"]
+# qwen2moe: Qwen2-MoE (gated shared expert, top-k weights not renormalised); minimaxm2: MiniMax-M2 (q/k norms over all
+# heads, sigmoid routing with a score bias, Mixtral's MoE names)
+FAMILIES = ["llama3", "glm4", "glm4moe", "deepseekv3", "mimo", "qwen3moe_dense_layers", "qwen2moe", "minimaxm2"]
 MOE = ["glm4moe", "deepseekv3"]
 # 2 prompts x 2 samples, one optimizer step per rollout; world size set per run.
 RL = [
@@ -202,6 +203,28 @@ def test_deepseek_model_args_that_disagree_are_named(hf_models, capsys):
     assert "--moe-router-num-groups 2 but n_group=4" in err
 
 
+def test_minimax_m2_architecture_inferred(hf_models, capsys):
+    """MiniMax-M2 from its config.json alone: its attention (current slime's spec, full-width q/k norms), partial
+    RoPE from `partial_rotary_factor`, and DeepSeek-style sigmoid routing with a score-correction bias."""
+    m = family_args(hf_models["minimaxm2"])
+    assert m.model_name == "minimaxm2config" and m.spec == [
+        "slime_plugins.models.minimax_m2",
+        "get_minimax_m2_layer_spec",
+    ]
+    assert m.qk_layernorm and m.rotary_percent == 0.5 and not m.add_qkv_bias and m.kv_channels == 16
+    assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.moe_router_score_function) == (
+        4,
+        2,
+        32,
+        "sigmoid",
+    )
+    assert m.moe_router_enable_expert_bias and m.moe_router_bias_update_rate == 0.0 and m.moe_layer_freq == 1
+    # its key norm gathers whole key heads over the TP group: 4 ranks for 2 key/value heads is refused at start-up
+    with pytest.raises(SystemExit):
+        family_args(hf_models["minimaxm2"], 4, "--tensor-model-parallel-size", "4")
+    assert "MiniMax-M2's full-width key norm needs whole key/value heads on each TP rank" in capsys.readouterr().err
+
+
 def test_a_family_without_a_converter_is_refused_at_start_up(tmp_path, capsys):
     """Mixtral's config maps onto Megatron flags, but no converter carries its weights: the run stops in parse_args
     naming --model-name, not in the trainer after Ray and the engines started. A rollout-only run converts nothing."""
@@ -339,7 +362,9 @@ def test_families_roundtrip_and_log_probs_tp1(hf_models, tmp_path):
 
 @pytest.mark.slow  # development tier: a multi-rank layout or several processes (tens of seconds)
 def test_families_roundtrip_and_log_probs_tp2_ep2(hf_models, tmp_path):
-    layouts = [(k, 2, 1, 2) for k in FAMILIES] + [(k, 1, 2, 1) for k in [*MOE, "qwen3moe_dense_layers", "qwen2moe"]]
+    layouts = [(k, 2, 1, 2) for k in FAMILIES] + [
+        (k, 1, 2, 1) for k in [*MOE, "qwen3moe_dense_layers", "qwen2moe", "minimaxm2"]
+    ]
     layouts += [("glm4moe", 2, 2, 1)]
     spawn(_roundtrip_and_log_probs, 2, hf_models, layouts, str(tmp_path / "diffs.txt"), timeout=500)
     print((tmp_path / "diffs.txt").read_text())

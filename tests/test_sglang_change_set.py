@@ -328,6 +328,8 @@ def run_sglang_loader(path, cls, hf, *, method="load_weights", helpers=(), num_e
         "is_wint4afp8_or_wint4a16_config": lambda quant_config: False,
         "log_info_on_rank0": lambda *a: None,
         "_load_fused_indexer_wk": lambda *a: False,
+        "maybe_remap_kv_scale_name": lambda name, params_dict: name,  # SGLang's renames only k/v scales
+        "PretrainedConfig": object,  # an annotation
     }
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in helpers:
@@ -478,6 +480,19 @@ SGLANG_LOADERS = {  # family: (SGLang file, class, HF names as slime's converter
         "Qwen3_5MoeForConditionalGeneration",
         _checkpoint(VL, [(0, QWEN35_GDN, "moe+shared"), (3, "full", "moe+shared")], MTP),
         {"num_experts": 2},
+    ),
+    "minimaxm2": (
+        "models/minimax_m2.py",
+        "MiniMaxM2ForCausalLM",
+        ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+        + [f"model.layers.0.{n}.weight" for n in ("input_layernorm", "post_attention_layernorm")]
+        + [
+            f"model.layers.0.self_attn.{n}.weight"
+            for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+        ]
+        + ["model.layers.0.block_sparse_moe.gate.weight", "model.layers.0.block_sparse_moe.e_score_correction_bias"]
+        + [f"model.layers.0.block_sparse_moe.experts.{e}.w{i}.weight" for e in range(2) for i in (1, 2, 3)],
+        {"helpers": ("get_spec_layer_idx_from_weight_name",), "config": {"num_local_experts": 2}},
     ),
     "deepseekv3": (
         *_DEEPSEEK,

@@ -2,7 +2,12 @@
 next to its flags. A step is `fn(args, error, *needs)`; `needs` names what the run passes besides the arguments
 (`check_paths`: read the paths the flags name; `asynchronous`: the job is train_async.py's)."""
 
-from slime.backends.megatron_utils.arguments import check_hybrid_model, check_mtp, check_tree_training
+from slime.backends.megatron_utils.arguments import (
+    check_hybrid_model,
+    check_minimax_m2,
+    check_mtp,
+    check_tree_training,
+)
 from slime.backends.sglang_utils.sglang_config import check_sglang_config
 from slime.config.algorithm import (
     check_algorithm,
@@ -68,6 +73,7 @@ STEPS = (
     (check_mtp, ()),
     (check_routing_replay, ()),
     (check_hybrid_model, ()),
+    (check_minimax_m2, ()),
     (check_tree_training, ()),
     (apply_custom_config, PATHS),  # last but one: it sets values as given, after everything is derived
     (check_consistency, ()),  # after --custom-config-path, which may set use_tis

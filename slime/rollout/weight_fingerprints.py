@@ -105,11 +105,12 @@ def sglang_disagreement(payloads: dict) -> str | None:
 
 # ------------------------------------------------------------------ SGLang's change-set rule
 # Families whose HF tensors SGLang 0.5.23 loads by `sglang_param_names`' rules (sglang/srt/models/{llama,qwen2,
-# qwen2_moe,qwen3,qwen3_moe,mimo,glm4,glm4_moe,qwen3_next,qwen3_5,qwen2_5_vl,qwen3_vl_moe}.py `load_weights`:
+# qwen2_moe,qwen3,qwen3_moe,mimo,glm4,glm4_moe,qwen3_next,qwen3_5,qwen2_5_vl,qwen3_vl_moe,minimax_m2}.py `load_weights`:
 # `stacked_params_mapping`, `FusedMoE.make_expert_params_mapping`; DeepSeek's in
 # models/deepseek_common/deepseek_weight_loader.py).
 SGLANG_MAPPED_FAMILIES = (
     "llama", "qwen2", "qwen3", "qwen3moe", "mimo", "glm4", "glm4moe", "qwen3next", "qwen35", "qwen25vl", "deepseek",
+    "minimaxm2",
 )  # fmt: skip
 _STACKED = {
     "q_proj": "qkv_proj",
@@ -128,7 +129,7 @@ _STACKED = {
     "kv_a_proj_with_mqa": "fused_qkv_a_proj_with_mqa",
 }
 _PROJ = re.compile(r"\.(" + "|".join(_STACKED) + r")\.")
-_ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.")
+_ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.")  # w*: Mixtral's names
 _SHARED_EXPERTS = re.compile(r"\.shared_experts?\.(gate_proj|up_proj|down_proj)\.")
 
 
@@ -153,8 +154,8 @@ def sglang_param_names(hf_name: str) -> tuple:
     """The SGLang parameter HF tensor `hf_name` loads into, by name only, as candidates in order (the first one the
     engine reports is it): q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj, Qwen3.5's in_proj_qkv/z ->
     in_proj_qkvz and in_proj_b/a -> in_proj_ba, DeepSeek's q_a_proj/kv_a_proj_with_mqa ->
-    fused_qkv_a_proj_with_mqa, routed expert e's gate/up_proj -> experts.w13_<suffix>, its down_proj ->
-    experts.w2_<suffix>, shared experts (GLM-4.5's and DeepSeek's shared_experts.*, Qwen3-Next's shared_expert.*) ->
+    fused_qkv_a_proj_with_mqa, routed expert e's gate/up_proj (Mixtral-style w1/w3) -> experts.w13_<suffix>, its
+    down_proj (w2) -> experts.w2_<suffix>, shared experts (GLM-4.5's and DeepSeek's shared_experts.*, Qwen3-Next's shared_expert.*) ->
     fused as above or, with SGLang's shared-expert fusion, as one more routed expert; then, but for a routed expert
     (always fused), the name itself (e.g. DeepSeek-V2-Lite's q_proj and unfused kv_a_proj_with_mqa), which is also
     where any other name loads (a tied lm_head is not sent: the engine's lm_head is embed_tokens). Each in every
@@ -172,7 +173,11 @@ def sglang_param_names(hf_name: str) -> tuple:
 
 
 def _fused_expert(name, m):
-    return name[: m.start()] + (".experts.w2_" if m.group(1) == "down_proj" else ".experts.w13_") + name[m.end() :]
+    return (
+        name[: m.start()]
+        + (".experts.w2_" if m.group(1) in ("down_proj", "w2") else ".experts.w13_")
+        + name[m.end() :]
+    )
 
 
 def _per_rank(body) -> dict:

@@ -248,6 +248,15 @@ def mla_down_projections_in_pairs(named_tensors, source: str):
 
 # model types whose checkpoints stack experts transposed from transformers' memory
 _TRANSPOSED_EXPERTS = ("qwen3_vl_moe",)
+# Mixtral-style checkpoint names of the MoE block, by model type (transformers renames them on load)
+_MOE_CHECKPOINT_NAMES = {
+    "minimax_m2": (
+        (".mlp.", ".block_sparse_moe."),
+        (".gate_proj.", ".w1."),
+        (".up_proj.", ".w3."),
+        (".down_proj.", ".w2."),
+    )
+}
 
 
 def checkpoint_views(model) -> dict:
@@ -257,7 +266,8 @@ def checkpoint_views(model) -> dict:
     `experts.<e>.{gate,up,down}_proj.weight`. Writing a view updates the fused parameter. A vision-language model's
     tensors also go by their checkpoint names (`model.language_model.X` as `model.X`, `model.visual.X` as
     `visual.X`), which the trainer sends. Qwen3-VL-MoE's stacked experts go by their published layout ([E, H, 2I],
-    [E, I, H]: transposed views), which SGLang's loader takes."""
+    [E, I, H]: transposed views), which SGLang's loader takes; MiniMax-M2's MoE block by its Mixtral-style names
+    (`block_sparse_moe.experts.<e>.w1/w3/w2`)."""
     out = dict(model.named_parameters())
     transposed = getattr(model.config, "model_type", None) in _TRANSPOSED_EXPERTS
     for module_name, module in model.named_modules():
@@ -282,6 +292,11 @@ def checkpoint_views(model) -> dict:
             prefix = name[: -len("down_proj")]
             for e in range(p.shape[0]):
                 out[f"{prefix}{e}.down_proj.weight"] = p[e]
+    for name, p in list(out.items()):
+        alias = name
+        for memory, checkpoint in _MOE_CHECKPOINT_NAMES.get(getattr(model.config, "model_type", None), ()):
+            alias = alias.replace(memory, checkpoint)
+        out[alias] = p
     return out
 
 

@@ -21,7 +21,7 @@ from slime.utils.device import (
 )
 from slime.utils.lora_utils import resolve_target_modules
 
-from .hf_config import HYBRID_SPECS, HYBRID_VLM_SPECS, VLM_SPECS
+from .hf_config import HYBRID_SPECS, HYBRID_VLM_SPECS, MINIMAX_M2_SPEC, VLM_SPECS
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,19 @@ def check_hybrid_model(args, error):
     problem = gdn_backend_problem(args.qwen_gdn_backend)
     if problem:
         error(problem + ".")
+
+
+def check_minimax_m2(args, error):
+    """MiniMax-M2's key norm (slime_plugins/models/minimax_m2.py) gathers whole key heads over the TP group, which a
+    TP size above the key/value heads would split (Megatron then copies heads across ranks)."""
+    if not args.spec or tuple(args.spec) != MINIMAX_M2_SPEC:
+        return
+    kv_heads = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+    if kv_heads and args.tensor_model_parallel_size > kv_heads:
+        error(
+            f"--tensor-model-parallel-size {args.tensor_model_parallel_size}: MiniMax-M2's full-width key norm needs "
+            f"whole key/value heads on each TP rank, and the model has {kv_heads}; use at most {kv_heads}."
+        )
 
 
 def check_vlm_training(args, error):

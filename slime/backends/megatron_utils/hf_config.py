@@ -38,6 +38,8 @@ HYBRID_SPECS = {
     "qwen3_5_text": ("slime_plugins.models.qwen3_5", "get_qwen3_5_spec"),
     "qwen3_5_moe_text": ("slime_plugins.models.qwen3_5", "get_qwen3_5_spec"),
 }
+# MiniMax-M2's attention (q/k norms over all heads)
+MINIMAX_M2_SPEC = ("slime_plugins.models.minimax_m2", "get_minimax_m2_layer_spec")
 # HF text model_type of a vision-language checkpoint -> the model provider (current slime's `--spec` protocol) that
 # builds its language model and vision tower.
 VLM_SPECS = {
@@ -146,6 +148,17 @@ def hf_architecture(cfg, images=False) -> dict:
         sparse = _qwen_moe_layers(cfg)
         if 0 in sparse:  # Qwen-MoE's dense layers (mlp_only_layers, decoder_sparse_step): a dense MLP there
             arch["moe_layer_freq"] = sparse
+    if (
+        model_type == "minimax_m2"
+    ):  # q/k RMSNorm over all heads; sigmoid top-k with a score-correction bias, renormalised
+        arch.update(
+            spec=list(MINIMAX_M2_SPEC),
+            qk_layernorm=True,
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+            moe_router_bias_update_rate=0.0,
+            moe_router_dtype="fp32",
+        )
     if model_type in HYBRID_SPECS:  # Gated DeltaNet layers between gated full-attention layers
         from slime_plugins.models.qwen3_next import hybrid_layer_types  # heavy (transformers modeling)
 

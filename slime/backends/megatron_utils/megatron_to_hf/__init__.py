@@ -13,6 +13,7 @@ from . import (
     glm4moe,
     llama,
     mimo,
+    minimax_m2,
     qwen2,
     qwen2_5_vl,
     qwen2moe,
@@ -43,6 +44,7 @@ _FAMILIES = [
     (("deepseekv3",), deepseekv3.FAMILY),
     (("llama",), llama.FAMILY),
     (("mimo",), mimo.FAMILY),
+    (("minimaxm2",), minimax_m2.FAMILY),
 ]
 
 

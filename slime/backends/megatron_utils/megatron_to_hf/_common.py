@@ -65,6 +65,11 @@ _COPY_RULES = {
         "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
         "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
     },
+    # one RMSNorm over all heads of the query / key projection (MiniMax-M2: slime_plugins/models/minimax_m2.py)
+    "full_qk_norm": {
+        "self_attention.q_norm.weight": "self_attn.q_norm.weight",
+        "self_attention.k_norm.weight": "self_attn.k_norm.weight",
+    },
     "moe": {"mlp.router.weight": "mlp.gate.weight"},
     "expert_bias": {"mlp.router.expert_bias": "mlp.gate.e_score_correction_bias"},
     "shared_experts": {"mlp.shared_experts.linear_fc2.weight": "mlp.shared_experts.down_proj.weight"},
@@ -111,8 +116,8 @@ def attention_dims(args):
 
 
 class GPTFamily:
-    """One HF model family: its mapping table is the rules of its `features` ⊆ {"qkv_bias", "qk_norm", "moe",
-    "expert_bias", "shared_experts", "shared_expert", "post_norms", "fused_gate_up", "mla", "gated_attention"}.
+    """One HF model family: its mapping table is the rules of its `features` ⊆ {"qkv_bias", "qk_norm", "full_qk_norm",
+    "moe", "expert_bias", "shared_experts", "shared_expert", "post_norms", "fused_gate_up", "mla", "gated_attention"}.
 
     `gated_attention`: HF's `q_proj` holds each head's query and output gate (`[q_h; gate_h]` per head), Megatron's
     `linear_qkv` holds `[q; gate; k; v]` per query group. `hf_modules`: HF attribute names of transformers modules
