@@ -225,6 +225,16 @@ def test_minimax_m2_architecture_inferred(hf_models, capsys):
     assert "MiniMax-M2's full-width key norm needs whole key/value heads on each TP rank" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # development tier: a multi-rank layout or several processes (tens of seconds)
+def test_minimax_m2_saves_and_loads(hf_models, tmp_path):
+    """MiniMax-M2's full-width q/k norms (modules megatron-core's attention lacks) in torch_dist checkpoints: HF ->
+    torch_dist -> HF bit-exact, and save -> load gives identical weights and log-probs."""
+    from tests.test_hybrid_models import _save_load_log_probs
+
+    spawn(_save_load_log_probs, 1, {"minimaxm2": hf_models["minimaxm2"]}, str(tmp_path), timeout=300)
+    assert (tmp_path / "done.txt").read_text() == "minimaxm2 saved, loaded, identical\n"
+
+
 def test_a_family_without_a_converter_is_refused_at_start_up(tmp_path, capsys):
     """Mixtral's config maps onto Megatron flags, but no converter carries its weights: the run stops in parse_args
     naming --model-name, not in the trainer after Ray and the engines started. A rollout-only run converts nothing."""
