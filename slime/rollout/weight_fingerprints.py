@@ -155,11 +155,11 @@ def sglang_param_names(hf_name: str) -> tuple:
     engine reports is it): q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj, Qwen3.5's in_proj_qkv/z ->
     in_proj_qkvz and in_proj_b/a -> in_proj_ba, DeepSeek's q_a_proj/kv_a_proj_with_mqa ->
     fused_qkv_a_proj_with_mqa, routed expert e's gate/up_proj (Mixtral-style w1/w3) -> experts.w13_<suffix>, its
-    down_proj (w2) -> experts.w2_<suffix>, shared experts (GLM-4.5's and DeepSeek's shared_experts.*, Qwen3-Next's shared_expert.*) ->
-    fused as above or, with SGLang's shared-expert fusion, as one more routed expert; then, but for a routed expert
-    (always fused), the name itself (e.g. DeepSeek-V2-Lite's q_proj and unfused kv_a_proj_with_mqa), which is also
-    where any other name loads (a tied lm_head is not sent: the engine's lm_head is embed_tokens). Each in every
-    spelling of `_sglang_spellings`."""
+    down_proj (w2) -> experts.w2_<suffix>, shared experts (GLM-4.5's and DeepSeek's shared_experts.*, Qwen3-Next's
+    shared_expert.*) -> fused as above or, with SGLang's shared-expert fusion, as one more routed expert; then, but
+    for a routed expert (always fused), the name itself (e.g. DeepSeek-V2-Lite's q_proj and unfused
+    kv_a_proj_with_mqa), which is also where any other name loads (a tied lm_head is not sent: the engine's lm_head is
+    embed_tokens). Each in every spelling of `_sglang_spellings`."""
     spellings = _sglang_spellings(hf_name)
     if _ROUTED_EXPERT.search(hf_name):  # before q/k/v/gate/up: SGLang skips the stacked mapping for "mlp.experts"
         return tuple(_fused_expert(name, _ROUTED_EXPERT.search(name)) for name in spellings)

@@ -292,11 +292,11 @@ def checkpoint_views(model) -> dict:
             prefix = name[: -len("down_proj")]
             for e in range(p.shape[0]):
                 out[f"{prefix}{e}.down_proj.weight"] = p[e]
-    for name, p in list(out.items()):
-        alias = name
-        for memory, checkpoint in _MOE_CHECKPOINT_NAMES.get(getattr(model.config, "model_type", None), ()):
-            alias = alias.replace(memory, checkpoint)
-        out[alias] = p
+    renames = _MOE_CHECKPOINT_NAMES.get(getattr(model.config, "model_type", None), ())
+    for name, p in list(out.items()) if renames else ():
+        for memory, checkpoint in renames:
+            name = name.replace(memory, checkpoint)
+        out[name] = p
     return out
 
 
