@@ -1,6 +1,5 @@
 """Test-session environment: offline HF, loopback-only Ray, one torch thread, one Ray session, one tiny kit."""
 
-import contextlib
 import os
 import shlex
 import sys
@@ -37,28 +36,16 @@ from tests import _procs, _ray_zygote  # noqa: E402
 torch.set_num_threads(1)
 
 
-@contextlib.contextmanager
-def _slow_teardown(what, seconds=5.0):
-    """Reports a session-teardown phase that took over `seconds` (on the real stderr: pytest has stopped capturing)."""
-    start = time.time()
-    yield
-    if time.time() - start > seconds:
-        print(f"\nsession teardown (pid {os.getpid()}): {what} took {time.time() - start:.1f} s", file=sys.__stderr__)
-
-
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_running():
     """After the last test (and every other fixture's teardown, this one being set up first): no process that this
     session started is still running — Ray's daemons and workers, routers, inference servers and subprocess runs
     included, wherever they were reparented. Those found are killed, and the session fails naming them."""
     yield
-    with _slow_teardown("stopping the fork server"):
-        _ray_zygote.stop_shared()  # the fork server Ray's workers and the CPU servers came from, if one was started
+    _ray_zygote.stop_shared()  # the fork server Ray's workers and the CPU servers came from, if one was started
     key, value = _procs.SESSION_KEY, os.environ[_procs.SESSION_KEY]
-    with _slow_teardown("waiting for this session's processes to exit"):
-        left = _procs.wait_none_carrying(key, value, timeout=60, include_interpreter_helpers=False)
-    with _slow_teardown("waiting for orphaned Ray agents to exit"):
-        left += _procs.orphaned_ray_agents(since=SESSION_STARTED, timeout=90)
+    left = _procs.wait_none_carrying(key, value, timeout=60, include_interpreter_helpers=False)
+    left += _procs.orphaned_ray_agents(since=SESSION_STARTED, timeout=90)
     described = _procs.describe(left)
     _procs.kill(left)
     assert not described, "processes started by this test session still ran after it:\n" + "\n".join(described)
@@ -139,13 +126,11 @@ def ray_session():
             _temp_dir=tempfile.mkdtemp(prefix="ray", dir="/tmp"),
         )
     yield ray
-    with _slow_teardown("shutting Ray down"):
-        ray.shutdown()
+    ray.shutdown()
     # the workers exit with Ray; what they leave behind, the zygote kills while it lives
     deadline = time.time() + 30
-    with _slow_teardown("waiting for the Ray workers to exit"):
-        while zygote.poll() is None and psutil.Process(zygote.pid).children() and time.time() < deadline:
-            time.sleep(0.2)
+    while zygote.poll() is None and psutil.Process(zygote.pid).children() and time.time() < deadline:
+        time.sleep(0.2)
 
 
 class PreimportedPython:
