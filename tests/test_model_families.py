@@ -237,7 +237,8 @@ def test_minimax_m2_saves_and_loads(hf_models, tmp_path):
 
 def test_a_family_without_a_converter_is_refused_at_start_up(tmp_path, capsys):
     """Mixtral's config maps onto Megatron flags, but no converter carries its weights: the run stops in parse_args
-    naming --model-name, not in the trainer after Ray and the engines started. A rollout-only run converts nothing."""
+    naming --model-name, not in the trainer after Ray and the engines started; a train-only run too, which loads
+    the HF checkpoint through the converter. A rollout-only run converts nothing."""
     import transformers as tf
 
     from tests._args import make_args, one_line_refusal
@@ -247,6 +248,7 @@ def test_a_family_without_a_converter_is_refused_at_start_up(tmp_path, capsys):
     ).save_pretrained(tmp_path)
     err = one_line_refusal(capsys, hf_checkpoint=tmp_path)
     assert "--model-name 'mixtralconfig': no Megatron->HF converter matches it" in err
+    assert "--model-name 'mixtralconfig'" in one_line_refusal(capsys, "--debug-train-only", hf_checkpoint=tmp_path)
     assert make_args("--debug-rollout-only", hf_checkpoint=tmp_path).model_name == "mixtralconfig"
 
 

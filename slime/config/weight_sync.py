@@ -59,8 +59,10 @@ def add_weight_sync_arguments(parser):
 
 def check_converter(args, error):
     """The Megatron <-> HF converter (`--model-name`, by default the HF config's class) exists: every weight update
-    and every start from `--hf-checkpoint` goes through it. Runs that convert nothing skip the check."""
-    if not args.model_name or args.debug_rollout_only or args.debug_train_only:
+    and every start from `--hf-checkpoint` goes through it. Runs that convert nothing skip the check: rollout-only
+    ones, and train-only ones that start from a Megatron checkpoint."""
+    train_from_megatron = args.debug_train_only and (args.load or args.ref_load)
+    if not args.model_name or args.debug_rollout_only or train_from_megatron:
         return
     from slime.backends.megatron_utils.megatron_to_hf import get_family
 

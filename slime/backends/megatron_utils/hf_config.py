@@ -148,9 +148,8 @@ def hf_architecture(cfg, images=False) -> dict:
         sparse = _qwen_moe_layers(cfg)
         if 0 in sparse:  # Qwen-MoE's dense layers (mlp_only_layers, decoder_sparse_step): a dense MLP there
             arch["moe_layer_freq"] = sparse
-    if (
-        model_type == "minimax_m2"
-    ):  # q/k RMSNorm over all heads; sigmoid top-k with a score-correction bias, renormalised
+    # MiniMax-M2: q/k RMSNorm over all heads; sigmoid top-k with a score-correction bias, renormalised
+    if model_type == "minimax_m2":
         arch.update(
             spec=list(MINIMAX_M2_SPEC),
             qk_layernorm=True,
