@@ -1,6 +1,7 @@
 """Reward graders: every normalisation rule decides a reward, so each is pinned on hand-worked cases."""
 
 import asyncio
+import sys
 import time
 import types
 
@@ -8,6 +9,7 @@ import pytest
 from aiohttp import web
 
 import slime.rollout.rm_hub as rm_hub
+from slime.config import parse_args
 from slime.rollout.rm_hub import RM_TYPES, async_rm, batched_async_rm, close_remote_rm_session, remote_rm
 from slime.rollout.rm_hub import math_dapo_utils as dapo
 from slime.rollout.rm_hub import math_utils as mu
@@ -351,6 +353,127 @@ def test_answer_match():
     assert compute_answer_match("", "7") == 0.0
     with pytest.raises(ValueError, match="answer_match"):
         compute_answer_match("7", "seven")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# ifbench: IFBench's verifiers, driven as its strict evaluation drives them
+# ---------------------------------------------------------------------------------------------------------------------
+
+# IFBench cannot be installed here (it is not on PyPI and GitHub is out of reach), so a package with its layout and its
+# verifiers' interface stands in: `instructions_registry.INSTRUCTION_DICT` of classes built with the instruction id,
+# then `build_description(**kwargs)`, `get_instruction_args()`, `check_following(response)`.
+IFBENCH_REGISTRY = """
+class MinWords:  # a None N would fail: the reward must drop None kwargs so that the default applies
+    def __init__(self, instruction_id):
+        self.id = instruction_id
+
+    def build_description(self, *, N=3):
+        self.n = N
+
+    def get_instruction_args(self):
+        return {"N": self.n}
+
+    def check_following(self, value):
+        return len(value.split()) >= self.n
+
+
+class RepeatPrompt:  # quotes the prompt: IFBench's strict evaluation builds it a second time with prompt=
+    def __init__(self, instruction_id):
+        self.prompt = None
+
+    def build_description(self, *, prompt=None):
+        self.prompt = prompt
+
+    def get_instruction_args(self):
+        return {"prompt": self.prompt}
+
+    def check_following(self, value):
+        return value.startswith(self.prompt)
+
+
+INSTRUCTION_DICT = {"length:min_words": MinWords, "repeat:prompt": RepeatPrompt}
+"""
+
+
+@pytest.fixture
+def ifbench_pkg(tmp_path, monkeypatch):
+    """A directory holding the stand-in `ifbench` package (not yet importable); IFBench's clone location moved into
+    tmp_path, and what the test imports of it forgotten afterwards."""
+    from slime.rollout.rm_hub import ifbench
+
+    root = tmp_path / "site"
+    (root / "ifbench").mkdir(parents=True)
+    (root / "ifbench" / "__init__.py").write_text("")
+    (root / "ifbench" / "instructions_registry.py").write_text(IFBENCH_REGISTRY)
+    monkeypatch.setattr(ifbench, "CLONE_DIR", tmp_path / "IFBench")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for name in [m for m in sys.modules if m == "ifbench" or m.startswith("ifbench.")]:
+        monkeypatch.delitem(sys.modules, name)
+    yield root
+    for name in [m for m in sys.modules if m == "ifbench" or m.startswith("ifbench.")]:
+        del sys.modules[name]
+
+
+def ifbench_reward(response, ids, kwargs, prompt="Say hi"):
+    meta = {"rm_type": "ifbench", "instruction_id_list": ids, "kwargs": kwargs, "prompt_text": prompt}
+    return rm(None, response, None, metadata=meta)
+
+
+def test_ifbench_reward_follows_every_instruction_as_ifbench_strict_does(ifbench_pkg, monkeypatch):
+    monkeypatch.syspath_prepend(str(ifbench_pkg))
+    both = ["length:min_words", "repeat:prompt"]
+    assert ifbench_reward("Say hi to all", both, [{"N": 4}, {"prompt": None}]) == 1.0
+    assert ifbench_reward("Say hi all", both, [{"N": 4}, {}]) == 0.0  # 3 words
+    assert ifbench_reward("Hi, say hi to all", both, [{"N": 4}, {}]) == 0.0  # does not repeat the prompt
+    # None values mean the verifier's default (N=3); one dict serves every instruction; a short list repeats its last
+    assert ifbench_reward("a b", ["length:min_words"], [{"N": None}]) == 0.0
+    assert ifbench_reward("a b c", ["length:min_words"], [{"N": None}]) == 1.0
+    assert ifbench_reward("Say hi", ["length:min_words"] * 2, {"N": 2}) == 1.0
+    assert ifbench_reward("Say hi", ["length:min_words"] * 2, {"N": 3}) == 0.0
+    assert ifbench_reward("Say hi", ["length:min_words"] * 2, [{"N": 1}]) == 1.0
+    assert ifbench_reward("Say hi", ["length:min_words"] * 2, [{"N": 1}, {"N": 5}]) == 0.0
+    assert ifbench_reward("Say hi", ["length:min_words"], [{"N": 1}, {"N": 5}]) == 1.0  # a longer list is cut
+    # an empty response, and a sample without instructions, score 0 without a verifier
+    assert ifbench_reward("  \n", both, [{"N": 0}, {"prompt": ""}]) == 0.0
+    assert ifbench_reward("Say hi", [], []) == 0.0
+    with pytest.raises(ValueError, match="no instruction 'length:max_words'"):
+        ifbench_reward("Say hi", ["length:max_words"], [{}])
+
+
+def test_ifbench_verifiers_come_from_a_clone_where_current_slime_puts_it(ifbench_pkg):
+    from slime.rollout.rm_hub import ifbench
+
+    ifbench_pkg.rename(ifbench.CLONE_DIR)
+    assert ifbench_reward("Say hi", ["repeat:prompt"], [{}]) == 1.0
+
+
+def test_ifbench_without_its_verifiers_or_nltk_data_stops_at_start_up(ifbench_pkg, tmp_path, capsys, monkeypatch):
+    import nltk
+
+    from tests.test_startup_checks import error_line
+
+    config = tmp_path / "eval.yaml"
+    config.write_text(
+        f"eval:\n  datasets:\n    - name: ifb\n      path: {_args.TINY_PROMPTS}\n      rm_type: ifbench\n"
+    )
+    install = 'pip install "ifbench @ git+https://github.com/allenai/IFBench"'
+    assert error_line(capsys, "--rm-type", "ifbench").startswith("--rm-type ifbench: rm_type ifbench needs IFBench's")
+    assert install in error_line(capsys, "--rm-type", "ifbench")
+    assert error_line(capsys, "--eval-config", str(config)).startswith("eval dataset 'ifb' ifbench: ")
+
+    monkeypatch.syspath_prepend(str(ifbench_pkg))
+    (ifbench_pkg / "ifbench" / "__init__.py").write_text("import nltk\n")  # as IFBench's verifiers do
+    monkeypatch.setattr(nltk.data, "path", [str(tmp_path / "nltk_data")])
+    for resource in ("tokenizers/punkt", "corpora/stopwords"):
+        (tmp_path / "nltk_data" / resource).mkdir(parents=True)
+    assert error_line(capsys, "--rm-type", "ifbench") == (
+        "--rm-type ifbench: IFBench's verifiers need NLTK data that is not installed: python -m nltk.downloader "
+        "punkt_tab averaged_perceptron_tagger_eng"
+    )
+    for resource in ("tokenizers/punkt_tab", "taggers/averaged_perceptron_tagger_eng"):
+        (tmp_path / "nltk_data" / resource).mkdir(parents=True)
+    args = parse_args(argv=[*_args.BASE, *_args.TINY_MODEL, "--rm-type", "ifbench", "--eval-config", str(config)])
+    assert args.rm_type == "ifbench" and args.eval_datasets[0].rm_type == "ifbench"
 
 
 # ---------------------------------------------------------------------------------------------------------------------

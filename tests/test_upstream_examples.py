@@ -247,8 +247,6 @@ SCRIPT_REFUSALS = {
     "scripts/run-kimi-k2-Instruct.sh": "the following arguments are required: --rollout-batch-size",
     "slime_plugins/rollout_buffer/rollout_buffer_example.sh": "unrecognized arguments: --ref-micro-batch-size",
     "tests/test_gspo.sh": "--num-layers, --hidden-size, --num-attention-heads required",
-    # not here yet: the ifbench reward (it clones and installs IFBench at first use)
-    "examples/eval_multi_task/multi_task.sh": "rm_type: 'ifbench' is unknown",
 }
 
 

@@ -242,7 +242,7 @@ def add_reward_model_arguments(parser):
         "--rm-type",
         type=str,
         default=None,
-        help="deepscaler | dapo | math | f1 | gpqa | random | answer_match | remote_rm | boxed_<type>.",
+        help="deepscaler | dapo | math | f1 | gpqa | ifbench | random | answer_match | remote_rm | boxed_<type>.",
     )
     g.add_argument("--reward-key", type=str, default=None, help="Key of a dict reward used for training.")
     g.add_argument("--eval-reward-key", type=str, default=None, help="Default: --reward-key.")

@@ -1,7 +1,7 @@
 """Reward models: `async_rm(args, sample)` / `batched_async_rm(args, samples)` dispatch on `--rm-type` or `--custom-rm-path`.
 
-Rule types: deepscaler, dapo (returns a dict, use `--reward-key score`), math, f1, gpqa (multiple choice), random (a 0/1
-coin flip), answer_match (slime-clone specific) and
+Rule types: deepscaler, dapo (returns a dict, use `--reward-key score`), math, f1, gpqa (multiple choice), ifbench
+(instruction following, IFBench's verifiers), random (a 0/1 coin flip), answer_match (slime-clone specific) and
 remote_rm (POST to `--rm-url`). A `boxed_` prefix (e.g. `boxed_f1`) grades only the last `\\boxed{}` of the response.
 A sample's `metadata["rm_type"]` overrides `--rm-type` (mixed-task datasets).
 """
@@ -25,7 +25,7 @@ from .math_utils import grade_answer_verl
 
 __all__ = ["async_rm", "batched_async_rm", "remote_rm", "close_remote_rm_session", "RM_TYPES"]
 
-RM_TYPES = ("deepscaler", "dapo", "math", "f1", "gpqa", "random", "answer_match", "remote_rm")
+RM_TYPES = ("deepscaler", "dapo", "math", "f1", "gpqa", "ifbench", "random", "answer_match", "remote_rm")
 
 REMOTE_RM_TIMEOUT_S = 120.0
 REMOTE_RM_MAX_RETRIES = 6
@@ -132,6 +132,10 @@ async def async_rm(args, sample: Sample, **kwargs):
         return compute_answer_match(response, label)
     if rm_type == "gpqa":
         return compute_gpqa_reward(response, label, metadata=metadata)
+    if rm_type == "ifbench":
+        from .ifbench import compute_ifbench_reward  # lazy: IFBench is an optional dependency
+
+        return compute_ifbench_reward(response, label, metadata=metadata)
     if rm_type == "random":  # a 0/1 coin flip (pipeline and throughput tests)
         return random.randint(0, 1)
     raise NotImplementedError(
