@@ -67,7 +67,7 @@ def test_generate_with_an_image_equals_transformers(vlm_server, tiny_vlm, tmp_pa
     image.save(buf, format="PNG")
     b64 = base64.b64encode(buf.getvalue()).decode()
     sp = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
-    for item in [encode_image_for_rollout_engine(image), str(path), "file://" + str(path), b64, {"url": str(path)}]:
+    for item in [encode_image_for_rollout_engine(image), str(path), "file://" + str(path), b64]:
         body = {"text": TEXT, "image_data": [item], "sampling_params": sp, "return_logprob": True}
         assert body_errors("/generate", body) == []
         out = SESSION.post(vlm_server + "/generate", json=body, timeout=60).json()
@@ -133,7 +133,10 @@ def test_a_batch_mixing_image_sizes_and_text_equals_each_alone(vlm_server):
         ({"image_data": ["rel/x.png"]}, "relative path"),
         ({"image_data": ["!!notbase64"]}, "not a decodable base64 image"),
         ({"image_data": ["http://127.0.0.1:1/a.png"]}, "offline"),
-        ({"image_data": [{"url": "/x.png", "detail": "high"}]}, "detail"),
+        # SGLang's Qwen2.5-VL processing hands a MediaRef object to load_image, which refuses it; its JSON contract
+        # refuses keys a MediaRef does not have, whatever the model
+        ({"image_data": [{"url": PNG}]}, "Invalid image"),
+        ({"image_data": [{"url": PNG, "max_pixel": 9}]}, "unknown field `max_pixel`"),
         ({"video_data": ["/x.mp4"]}, "video_data is not supported"),
     ],
 )
@@ -397,12 +400,14 @@ def test_qwen3_families_generate_as_transformers_and_take_their_checkpoint_names
     images = [_image((64, 96), 1), _image((32, 32), 3)]  # seed 0 makes Qwen3.5 generate the image-pad id, which
     # transformers' reference forward then counts as an image token; 16-px patches: 6 image tokens and 1
     refs = [_reference(model_dir, image, 6) for image in images]
+    # Qwen3-VL's SGLang processing loads a MediaRef's url and nothing else of it (max_pixels would shrink the image)
+    media_ref = {"url": encode_image_for_rollout_engine(images[0]), "max_pixels": 32 * 32, "detail": "low"}
     proc, url = start_cpu_server(model_dir, "--random-seed", "1")
     try:
         body = {
             "text": [TEXT, TEXT, "<|im_start|>user\nhello<|im_end|>\n"],
             "image_data": [
-                [encode_image_for_rollout_engine(images[0])],
+                [media_ref if kit != "tiny_qwen3_5_vl" else media_ref["url"]],
                 [encode_image_for_rollout_engine(images[1])],
                 [],
             ],
@@ -411,6 +416,10 @@ def test_qwen3_families_generate_as_transformers_and_take_their_checkpoint_names
         }
         assert body_errors("/generate", body) == []
         outs = SESSION.post(url + "/generate", json=body, timeout=120).json()
+        if kit == "tiny_qwen3_5_vl":  # SGLang's Qwen3.5 processing hands a MediaRef object to load_image
+            bad = {"text": TEXT, "image_data": [media_ref], "sampling_params": {"max_new_tokens": 1}}
+            r = SESSION.post(url + "/generate", json=bad, timeout=60)
+            assert r.status_code == 400 and "Invalid image" in r.text, r.text
     finally:
         stop_cpu_server(proc)
     for (prompt_ids, tokens, lps), out in zip(refs, outs):

@@ -104,7 +104,9 @@ class GenerateAPI:
             raise RequestError(
                 f"image_data / video_data / audio_data: the served model ({self.cfg.architecture}) takes text only"
             )
-        images = images_per_prompt(body, len(prompts), batch) if self.processor is not None else None
+        images = (
+            images_per_prompt(body, len(prompts), batch, self.cfg.model_type) if self.processor is not None else None
+        )
         masks_raw, mode_raw = body.get("return_sampling_mask"), body.get("sampling_logprobs_mode")
         want_routed, routed_start = bool(body.get("return_routed_experts")), body.get("routed_experts_start_len") or 0
         loras_raw, lora_names = body.get("lora_path"), []

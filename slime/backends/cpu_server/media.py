@@ -12,7 +12,28 @@ from .sampling import RequestError
 # SGLang's Qwen-VL processor: a whole (pre-expanded) vision run counts as one image, as does the legacy <image>
 _RUN = re.compile(r"<\|vision_start\|>(?:<\|image_pad\|>)+<\|vision_end\|>|<image>")
 _ONE = "<|vision_start|><|image_pad|><|vision_end|>"
-MEDIA_REF_KEYS = {"url"}  # the MediaRef keys honoured here (SGLang knows more; they are refused)
+# The keys of SGLang's MediaRef object (its JSON contract refuses any other with a 400). Its Qwen-VL processing reads
+# only `url`: the others key its preprocessing cache, and the image is resized by the server's own settings.
+MEDIA_REF_KEYS = (
+    "url",
+    "detail",
+    "max_dynamic_patch",
+    "content_hash",
+    "min_pixels",
+    "max_pixels",
+    "total_max_pixels",
+    "fps",
+    "num_frames",
+    "min_frames",
+    "max_frames",
+    "max_tokens_per_frame",
+    "max_image_tokens",
+    "use_audio",
+    "image_grid_thw",
+)
+# The models whose SGLang processor loads a MediaRef's url (its media-artifact path); the others hand the object to
+# load_image, which refuses it ("Invalid image").
+MEDIA_REF_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 
 
 def collapse_placeholders(text: str) -> str:
@@ -20,7 +41,7 @@ def collapse_placeholders(text: str) -> str:
     return _RUN.sub(_ONE, text)
 
 
-def _items(entry, where):
+def _items(entry, where, model_type):
     if entry is None:
         return []
     items = entry if isinstance(entry, list) else [entry]
@@ -29,13 +50,18 @@ def _items(entry, where):
         if item is None:
             continue
         if isinstance(item, dict):
-            extra = set(item) - MEDIA_REF_KEYS
-            if extra or "url" not in item:
+            unknown = next((k for k in item if k not in MEDIA_REF_KEYS), None)
+            if unknown is not None:
                 raise RequestError(
-                    f"{where}[{j}]: a MediaRef here takes only 'url'; got keys {sorted(item)} (not supported: "
-                    f"{sorted(extra) or 'no url'})"
+                    f"{where}[{j}]: unknown field `{unknown}`, expected one of "
+                    + ", ".join(f"`{k}`" for k in MEDIA_REF_KEYS)
                 )
-            item = item["url"]
+            if model_type not in MEDIA_REF_MODEL_TYPES:
+                raise RequestError(
+                    f"{where}[{j}]: Invalid image: {item!r} (SGLang loads a MediaRef object only for "
+                    f"{' / '.join(MEDIA_REF_MODEL_TYPES)} models; send its url as a string)"
+                )
+            item = item.get("url", "")
         if not isinstance(item, str):
             raise RequestError(f"{where}[{j}]: an image must be a string (path, data URL, base64) or a MediaRef")
         if not item.startswith(("data:", "file://", "/", "http://", "https://")) and item.lower().endswith(
@@ -49,7 +75,7 @@ def _items(entry, where):
     return out
 
 
-def images_per_prompt(body, num_prompts, batch):
+def images_per_prompt(body, num_prompts, batch, model_type):
     """The decoded images of each prompt (lists, empty for a prompt without any), from `image_data`."""
     for field in ("video_data", "audio_data"):
         if body.get(field):
@@ -58,10 +84,10 @@ def images_per_prompt(body, num_prompts, batch):
     if not data:
         return [[] for _ in range(num_prompts)]
     if not batch:
-        return [_items(data, "image_data")]
+        return [_items(data, "image_data", model_type)]
     if not isinstance(data, list) or len(data) != num_prompts:
         raise RequestError(f"image_data of a batch needs one entry per prompt ({num_prompts})")
-    return [_items(entry, f"image_data[{i}]") for i, entry in enumerate(data)]
+    return [_items(entry, f"image_data[{i}]", model_type) for i, entry in enumerate(data)]
 
 
 def expand(processor, ids, images, where="the prompt"):
