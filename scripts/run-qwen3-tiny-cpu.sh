@@ -22,10 +22,11 @@
 # LORA_ALPHA (32), LR (1e-3 then), LORA_SYNC (adapter). SFT_HF=1 also writes the SFT model as an HF directory
 # ($OUT/sft_hf; always with LORA=1). SFT_FROM=DIR skips the SFT stage and starts GRPO from an earlier run's SFT
 # output, DIR/sft (DIR being that run's OUT; with LORA=1, DIR/sft_hf too: a run with LORA=1 or SFT_HF=1 wrote it).
+# PYTHON: the interpreter (default .venv/bin/python, else python3).
 # SLIME_DRY_RUN=1 prints both stages' commands and validates their arguments, running nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ -x .venv/bin/python ] && PY=.venv/bin/python || PY=python3
+[ -x .venv/bin/python ] && PY=${PYTHON:-.venv/bin/python} || PY=${PYTHON:-python3}
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=${RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER:-0} RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} SLIME_HOST_IP=${SLIME_HOST_IP:-127.0.0.1} GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}

@@ -474,7 +474,7 @@ def test_train_opd_with_the_teacher_started_from_sglang_config(ray_session, tiny
 
 
 @pytest.mark.slow
-def test_main_job_opd_dry_run(tiny_kit, tmp_path):
+def test_main_job_opd_dry_run(tiny_kit, tmp_path, preimported_python):
     """MODE=opd of the main job: the same SFT start, the TEACHER HF model converted to a Megatron checkpoint, and
     GRPO with --opd-type megatron on it, every group kept (no dynamic-sampling filter); the default job writes the
     HF model that MODE=opd takes as its teacher. Both stages validate, and a dry run writes nothing."""
@@ -482,7 +482,9 @@ def test_main_job_opd_dry_run(tiny_kit, tmp_path):
     from tests.test_scripts import _dry_run_main_job
 
     out, teacher = tmp_path / "out", tmp_path / "main_job" / "grpo_hf"
-    res, stages = _dry_run_main_job(tiny_kit, out, MODE="opd", TEACHER=str(teacher), OPD_KL_COEF="2")
+    res, stages = _dry_run_main_job(
+        tiny_kit, out, preimported_python, MODE="opd", TEACHER=str(teacher), OPD_KL_COEF="2"
+    )
     assert res.returncode == 0, f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
     assert [line for line in res.stdout.splitlines() if line == "ok"] == ["ok", "ok"]
     assert not out.exists()
@@ -500,13 +502,15 @@ def test_main_job_opd_dry_run(tiny_kit, tmp_path):
     assert rl.custom_reward_post_process_path is None  # the answer's reward is trained on beside the teacher
 
     # OPD_REWARD=0: the reward is logged only, the teacher is the whole signal
-    res, stages = _dry_run_main_job(tiny_kit, out, MODE="opd", TEACHER=str(teacher), OPD_REWARD="0")
+    res, stages = _dry_run_main_job(
+        tiny_kit, out, preimported_python, MODE="opd", TEACHER=str(teacher), OPD_REWARD="0"
+    )
     assert res.returncode == 0, f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
     rl = parse_args(argv=stages[-1][1:], check_paths=False)
     assert rl.custom_reward_post_process_path == "slime.rollout.on_policy_distillation.task_reward_logged_only"
     assert rl.opd_kl_coef == 0.3  # the script's default
 
-    res, stages = _dry_run_main_job(tiny_kit, out)
+    res, stages = _dry_run_main_job(tiny_kit, out, preimported_python)
     assert res.returncode == 0, f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
     rl = parse_args(argv=stages[-1][1:], check_paths=False)
     assert rl.save_hf == f"{out}/grpo_hf" and not rl.use_opd

@@ -575,8 +575,9 @@ def test_family_model_args_agree_with_published_config(name, tmp_path, capsys):
     assert f"--hidden-size 1024 but hidden_size={decoder['hidden_size']}" in capsys.readouterr().err
 
 
-def _dry_run_main_job(tiny_kit, out, **env):
-    """`SLIME_DRY_RUN=1 bash scripts/run-qwen3-tiny-cpu.sh` with `env`: (result, [argv of each stage it prints])."""
+def _dry_run_main_job(tiny_kit, out, preimported_python, **env):
+    """`SLIME_DRY_RUN=1 bash scripts/run-qwen3-tiny-cpu.sh` with `env`, its stages validated by the pre-imported
+    interpreter: (result, [argv of each stage it prints])."""
     model_dir, data_dir = tiny_kit
     env = dict(
         os.environ,
@@ -584,7 +585,8 @@ def _dry_run_main_job(tiny_kit, out, **env):
         MODEL_DIR=model_dir,
         DATA_DIR=data_dir,
         OUT=str(out),
-        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        PYTHON="python3",
+        **preimported_python.env,
         **env,
     )
     res = subprocess.run(
@@ -595,14 +597,16 @@ def _dry_run_main_job(tiny_kit, out, **env):
 
 
 @pytest.mark.slow
-def test_main_job_lora_dry_run(tiny_kit, tmp_path):
+def test_main_job_lora_dry_run(tiny_kit, tmp_path, preimported_python):
     """LORA=1: the SFT stage also writes an HF copy, and GRPO trains adapters on it as the frozen base (trainer and
     engines), with no --ref-load; both stages validate, and a dry run starts nothing and writes nothing."""
     from slime.config import parse_args
 
     out = tmp_path / "out"
-    res, stages = _dry_run_main_job(tiny_kit, out, LORA="1")
+    served = preimported_python.served()
+    res, stages = _dry_run_main_job(tiny_kit, out, preimported_python, LORA="1")
     assert res.returncode == 0, f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    assert preimported_python.wait_served(served + 2) == served + 2  # PYTHON: both stages validated by the server
     assert [line for line in res.stdout.splitlines() if line == "ok"] == ["ok", "ok"]
     assert not out.exists()
     (sft_driver, *sft_argv), (rl_driver, *rl_argv) = stages
@@ -615,7 +619,7 @@ def test_main_job_lora_dry_run(tiny_kit, tmp_path):
     assert (rl.lr, rl.min_lr) == (1e-3, 1e-4)
 
     # the default job is untouched: no HF copy, GRPO fine-tunes all weights from the SFT checkpoint
-    res, stages = _dry_run_main_job(tiny_kit, out)
+    res, stages = _dry_run_main_job(tiny_kit, out, preimported_python)
     assert res.returncode == 0, f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
     (_, *sft_argv), (_, *rl_argv) = stages
     assert parse_args(argv=sft_argv, check_paths=False).save_hf is None
@@ -624,10 +628,10 @@ def test_main_job_lora_dry_run(tiny_kit, tmp_path):
     assert (rl.lr, rl.min_lr) == (3e-4, 3e-5)
     # GRPO packs each group as a prefix tree by default (the LoRA run too, above); TREE=0 packs flat
     assert rl.tree_training
-    res, stages = _dry_run_main_job(tiny_kit, out, TREE="0")
+    res, stages = _dry_run_main_job(tiny_kit, out, preimported_python, TREE="0")
     assert res.returncode == 0 and not parse_args(argv=stages[1][1:], check_paths=False).tree_training
 
-    res, _ = _dry_run_main_job(tiny_kit, out, LORA="1", MODE="ppo")
+    res, _ = _dry_run_main_job(tiny_kit, out, preimported_python, LORA="1", MODE="ppo")
     assert res.returncode == 2 and "LORA=1 runs with MODE=sync, colocate or async (got ppo)" in res.stderr
 
 
