@@ -456,9 +456,10 @@ def test_ifbench_without_its_verifiers_or_nltk_data_stops_at_start_up(ifbench_pk
     config.write_text(
         f"eval:\n  datasets:\n    - name: ifb\n      path: {_args.TINY_PROMPTS}\n      rm_type: ifbench\n"
     )
-    install = 'pip install "ifbench @ git+https://github.com/allenai/IFBench"'
+    from slime.rollout.rm_hub.ifbench import INSTALL
+
     assert error_line(capsys, "--rm-type", "ifbench").startswith("--rm-type ifbench: rm_type ifbench needs IFBench's")
-    assert install in error_line(capsys, "--rm-type", "ifbench")
+    assert INSTALL in error_line(capsys, "--rm-type", "ifbench")
     assert error_line(capsys, "--eval-config", str(config)).startswith("eval dataset 'ifb' ifbench: ")
 
     monkeypatch.syspath_prepend(str(ifbench_pkg))

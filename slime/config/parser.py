@@ -68,6 +68,7 @@ from slime.config.rollout import (
     add_reward_model_arguments,
     add_rollout_arguments,
     add_rollout_buffer_arguments,
+    check_reward_dependencies,
 )
 from slime.config.validate import slime_validate_args
 from slime.config.weight_sync import add_weight_sync_arguments, check_weight_sync
@@ -208,6 +209,7 @@ def parse_args(add_custom_arguments=None, argv=None, *, check_paths=True, asynch
     check_critic(args, error, user_load, check_paths)
     if check_paths:
         check_inputs(args, error, user_load)
+        check_reward_dependencies(args, error)
     return args
 
 

@@ -453,19 +453,6 @@ def check_inputs(args, error, user_load=None):
     check_checkpoints(args, error, user_load)
     check_output_dirs(args, error)
     check_prompt_data(args, error)
-    check_reward_dependencies(args, error)
-
-
-def check_reward_dependencies(args, error):
-    """The optional packages of the rule-based rewards this run names (`--rm-type`, each eval dataset's `rm_type`)."""
-    named = [("--rm-type", args.rm_type)] if not args.custom_rm_path else []
-    named += [(f"eval dataset {d.name!r}", d.rm_type) for d in args.eval_datasets or [] if not d.custom_rm_path]
-    for where, rm_type in named:
-        if (rm_type or "").removeprefix("boxed_") == "ifbench":
-            from slime.rollout.rm_hub import ifbench
-
-            if reason := ifbench.missing():
-                error(f"{where} ifbench: {reason}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
