@@ -109,6 +109,67 @@ def test_refusals_in_one_line(fp8_dir, tmp_path):
         Q.QuantScheme(cfg["quantization_config"])
 
 
+def test_weights_checker_compares_block_fp8_dequantised_as_sglang_does():
+    """SGLang 0.5.23's /weights_checker on a block-FP8 weight: weight and scale are one entry, compared dequantised
+    to bf16; `allow_quant_error` passes a difference within one e4m3 ulp of each side's code times its scale; the
+    checksum hashes the bf16 dequantisation and lists no scale; integer parameters are reset to random integers.
+    Values by hand: codes 1.0 at scale 2 against 1.125 (1.0's next e4m3 value): |2.25 - 2| = 0.25, tolerance
+    0.125 * 2 + 0.125 * 2 = 0.5 (so num_exceed 0: strict fails, allow_quant_error passes); 1.25 sits on the bound,
+    1.5 past it."""
+    from slime.backends.cpu_server.weight_checker import WeightChecker, WeightCheckError, tensor_hash
+
+    codes = [[1.0, -2.0], [0.5, 0.0]]
+    state = {
+        "m.weight": torch.tensor(codes).to(Q.FP8_DTYPE),
+        "m.weight_scale_inv": torch.tensor([[2.0]]),
+        "norm.weight": torch.ones(2),
+        "m.weight_shape": torch.tensor([2, 2], dtype=torch.int32),
+    }
+    checker = WeightChecker(lambda: state)
+
+    def compare(new_codes, scale=2.0, allow_quant_error=False, norm=1.0):
+        state["m.weight"].copy_(torch.tensor(codes).to(Q.FP8_DTYPE))
+        state["m.weight_scale_inv"].fill_(2.0)
+        state["norm.weight"].fill_(1.0)
+        checker.handle("snapshot")
+        state["m.weight"].copy_(torch.tensor(new_codes).to(Q.FP8_DTYPE))
+        state["m.weight_scale_inv"].fill_(scale)
+        state["norm.weight"].fill_(norm)
+        try:
+            checker.handle("compare", allow_quant_error)
+        except WeightCheckError as e:
+            return str(e)
+        return "ok"
+
+    one_ulp = [[1.125, -2.0], [0.5, 0.0]]
+    assert compare(one_ulp) == (
+        "check tensor equality failed:\nname=m.weight max_abs_err=0.25 mean_abs_err=0.0625 num_exceed=0 "
+        "expect=fp8_block(shape=(2, 2) dtype=torch.float8_e4m3fn is_shuffled=False) "
+        "actual=fp8_block(shape=(2, 2) dtype=torch.float8_e4m3fn is_shuffled=False) "
+    )
+    assert compare(one_ulp, allow_quant_error=True) == "ok"
+    assert compare([[1.25, -2.0], [0.5, 0.0]], allow_quant_error=True) == "ok"
+    assert "name=m.weight max_abs_err=1.0 mean_abs_err=0.25 num_exceed=1 " in compare(
+        [[1.5, -2.0], [0.5, 0.0]], allow_quant_error=True
+    )
+    assert compare([[2.0, -4.0], [1.0, 0.0]], scale=1.0) == "ok"  # other bytes, the same dequantised weight
+    assert (
+        "name=norm.weight max_abs_err=1.0 mean_abs_err=1.0 num_exceed=2 expect=raw(shape=(2,) dtype=torch.float32)"
+        in (
+            compare(codes, norm=2.0, allow_quant_error=True)  # not quantised: no tolerance
+        )
+    )
+    (rank,) = checker.handle("checksum")
+    deq = (torch.tensor(codes) * 2.0).to(torch.bfloat16)
+    assert rank["checksums"] == {
+        "m.weight": tensor_hash(deq),
+        "norm.weight": tensor_hash(torch.full((2,), 2.0)),  # as the last compare left it
+        "m.weight_shape": tensor_hash(torch.tensor([2, 2], dtype=torch.int32)),
+    }
+    checker.handle("reset_tensors", skip_tensor_list=["norm"])
+    assert torch.equal(state["norm.weight"], torch.full((2,), 2.0)) and state["m.weight_shape"].tolist() != [0, 0]
+
+
 def test_server_serves_fp8_and_takes_quantised_updates_in_a_session(fp8_dir, tiny_kit, tmp_path):
     """The real server: greedy outputs and log-probs equal transformers' on the dequantised weights; an update of
     quantised tensors (another model's, quantised by the same quantiser) inside a session changes what it serves to
@@ -157,6 +218,23 @@ def test_server_serves_fp8_and_takes_quantised_updates_in_a_session(fp8_dir, tin
         assert r.status_code == 200, r.text
         end_update(url)
         assert check("compare").json() == {"success": True, "message": "Success."}
+
+        # a bf16 trainer's weights quantised (F8): other bytes, within both sides' rounding; a failed compare keeps
+        # the snapshot, so the same update is compared twice
+        src = ((n, t.to(torch.bfloat16).float()) for n, t in read_checkpoint(tiny_kit[0]).items() if "_proj." in n)
+        bf16_q = list(Q.quantize_named_tensors(src, Q.QuantScheme(Q.fp8_config([32, 32]))))
+        assert check("snapshot").status_code == 200
+        begin_update(url)
+        r = SESSION.post(
+            url + "/update_weights_from_tensor",
+            json={"serialized_named_tensors": [MultiprocessingSerializer.serialize(bf16_q, output_str=True)]},
+        )
+        assert r.status_code == 200, r.text
+        end_update(url)
+        r = check("compare")
+        assert r.status_code == 400 and "num_exceed=0 expect=fp8_block(shape=(128, 128)" in r.json()["message"], r.text
+        r = SESSION.post(url + "/weights_checker", json={"action": "compare", "allow_quant_error": True})
+        assert r.json() == {"success": True, "message": "Success."}
 
         begin_update(url)
         r = SESSION.post(

@@ -323,7 +323,9 @@ class WeightAPI:
         b = await self._body(request)
 
         def check():
-            return self.weight_checker.handle(b.get("action", "checksum"), b.get("skip_tensor_list"))
+            return self.weight_checker.handle(
+                b.get("action", "checksum"), bool(b.get("allow_quant_error", False)), b.get("skip_tensor_list")
+            )
 
         try:
             ranks = await self._weights_control(check)

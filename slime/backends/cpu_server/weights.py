@@ -238,6 +238,7 @@ class WeightStore(QuantizedParams):
             self.layers.append(L)
         self.quantized = {}  # module -> (compute view, {suffix: checkpoint-layout tensor})
         self._quant_names = {}  # parameter name -> module
+        self._working_copies = set()
         if self.quant is not None:
             self._add_quantized()
 
@@ -249,6 +250,14 @@ class WeightStore(QuantizedParams):
                 self.storage[pname] = self.named[pname] = t
                 self._quant_names[pname] = module
             self.quantized[module] = (view, parts)
+        # a fused tensor wholly made of dequantised views is the model's working copy, not a parameter SGLang holds
+        covered = {}
+        for view, _ in self.quantized.values():
+            ptr = view.untyped_storage().data_ptr()
+            covered[ptr] = covered.get(ptr, 0) + view.numel()
+        self._working_copies = {
+            k for k, t in self.storage.items() if covered.get(t.untyped_storage().data_ptr()) == t.numel()
+        }
 
     @property
     def released(self) -> bool:
@@ -319,10 +328,11 @@ class WeightStore(QuantizedParams):
 
     # ----- verification -----
     def state(self) -> dict:
-        """The tensors the model computes with, by storage name (`/weights_checker` works on these)."""
+        """The parameters, by storage name (`/weights_checker` works on these): a quantised linear's checkpoint-layout
+        tensors, as SGLang holds them, not the dequantised copy the model computes with."""
         if self.released:
             raise WeightError("weights are released (release_memory_occupation); resume_memory_occupation first")
-        return dict(self.storage)
+        return {k: t for k, t in self.storage.items() if k not in self._working_copies}
 
     # ----- memory release -----
     def release(self):
