@@ -21,7 +21,7 @@ drops: the share of steps whose nucleus exceeds the cap and the nucleus mass bey
 
 `--low-precision`: a full-precision trainer against an FP8 engine (tiny kit) and an INT4-experts engine (tiny
 Qwen3-MoE; the trainer without and with fake QAT), each next to the same model served in full precision, with
---get-mismatch-metrics' k3 KL and the importance weights --use-tis would use.
+--get-mismatch-metrics' k3 KL, the importance weights --use-tis would use, and what the MIS helper would reject.
 
     .venv/bin/python benchmarks/bench_consistency_gap.py [--samples 16] [--max-new-tokens 48] [--families F,..] [--moe]
         [--top-p-cap CAP ..] [--low-precision]
@@ -226,7 +226,36 @@ def mismatch_row(trainer, data):
         "k3_kl": float(m["mismatch_k3_kl"].double().mean()),
         "is_weight_abs_dev": float((rho - 1).abs().mean()),
         "tis_truncated": float((rho > 2.0).double().mean()),
+        **mis_dropped(train, rollout),
     }
+
+
+def mis_dropped(train, rollout):
+    """What the MIS helper (examples/train_infer_mismatch_helper) rejects: the share of tokens its shipped mis.yaml
+    drops (token-level band [0.5, 2], veto 1e-4), and the share of samples it drops at the geometric level with the
+    band [0.9999, 1.0001] that current slime's mis.yaml recommends for that level; and the median over samples of
+    |geometric-mean rho - 1|, which that band compares with 1e-4."""
+    from types import SimpleNamespace
+
+    import yaml
+
+    from examples.train_infer_mismatch_helper.mis import compute_mis_weights
+
+    path = os.path.join(ROOT, "examples", "train_infer_mismatch_helper", "mis.yaml")
+    shipped = SimpleNamespace(**yaml.safe_load(open(path)))
+    geometric = SimpleNamespace(**{**vars(shipped), "rs_level": "geometric"})
+    geometric.tis_lower_bound, geometric.tis_upper_bound = 0.9999, 1.0001
+    masks = [torch.ones(len(r)) for r in rollout]
+    geo = [float((t.double() - r.double()).mean().exp()) for t, r in zip(train, rollout)]
+    out = {"geometric_rho_dev": float(np.median(np.abs(np.asarray(geo) - 1)))}
+    for key, args in (("mis_token_dropped", shipped), ("mis_geometric_samples_dropped", geometric)):
+        _, kept, _ = compute_mis_weights(args, train_log_probs=train, rollout_log_probs=rollout, loss_masks=masks)
+        kept = [k.double() for k in kept]
+        if key == "mis_token_dropped":
+            out[key] = 1 - float(torch.cat(kept).mean())
+        else:
+            out[key] = float(np.mean([float(k.sum() == 0) for k in kept]))
+    return out
 
 
 def measure_low_precision(kit, tmp, samples=16, max_new_tokens=48):
@@ -299,11 +328,13 @@ def main():
             print(
                 f"full-precision trainer vs engine, per response token ({result.pop('tokens')} tokens, fp32 trainer)"
             )
-            print(f"{'engine':42s}{'|diff|':>10}{'k3 KL':>10}{'|rho-1|':>10}{'TIS cut':>9}")
+            head = ("|diff|", "k3 KL", "|rho-1|", "TIS cut", "MIS tok", "geo dev", "MIS geo")
+            print(f"{'engine':42s}" + "".join(f"{h:>10}" for h in head))
             for name, r in result.items():
                 print(
                     f"{name:42s}{r['abs_diff']:>10.2e}{r['k3_kl']:>10.2e}{r['is_weight_abs_dev']:>10.2e}"
-                    f"{r['tis_truncated']:>9.4f}"
+                    f"{r['tis_truncated']:>10.4f}{r['mis_token_dropped']:>10.4f}{r['geometric_rho_dev']:>10.2e}"
+                    f"{r['mis_geometric_samples_dropped']:>10.4f}"
                 )
             return
         if opts.top_p_cap:

@@ -65,6 +65,14 @@ def tiny_kit(tmp_path_factory):
     return model_dir, data_dir
 
 
+@pytest.fixture(scope="module")
+def media_host():
+    """http://127.0.0.1:PORT serving images (tests/_media_host.py)."""
+    from tests._media_host import serve
+
+    yield from serve()
+
+
 @pytest.fixture(scope="session")
 def tiny_vlm(tmp_path_factory):
     """Directory of the tiny offline Qwen2.5-VL (model and image-only processor), built once per test session."""

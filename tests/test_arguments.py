@@ -672,6 +672,28 @@ def test_cpu_server_takes_the_sampling_mask_cap():
     assert a.rollout_top_k == 256 and build_parser().parse_args(argv[3:]).sampling_mask_max_tokens == 256
 
 
+def test_cpu_server_takes_the_media_url_policy(capsys):
+    """--sglang-allowed-media-domains / --sglang-media-url-max-file-size-mb reach the CPU server (which downloads
+    http(s) images under them, tests/test_vlm_server.py); unset, the server's defaults are SGLang's (any host, 64)."""
+    from slime.backends.cpu_server.__main__ import build_parser
+    from slime.backends.sglang_utils.server_launch import server_command
+
+    a = parse(
+        "--inference-server",
+        "cpu",
+        "--sglang-allowed-media-domains",
+        "127.0.0.1",
+        "localhost",
+        "--sglang-media-url-max-file-size-mb",
+        "2",
+    )
+    served = build_parser().parse_args(server_command(a, 0, "127.0.0.1", 30000, 30001, "127.0.0.1:30002")[1][3:])
+    assert served.allowed_media_domains == ["127.0.0.1", "localhost"] and served.media_url_max_file_size_mb == 2
+    b = parse("--inference-server", "cpu")
+    served = build_parser().parse_args(server_command(b, 0, "127.0.0.1", 30000, 30001, "127.0.0.1:30002")[1][3:])
+    assert served.allowed_media_domains == [] and served.media_url_max_file_size_mb == 64
+
+
 @pytest.mark.parametrize("server", ["cpu", "sglang"])
 def test_engines_start_at_weight_version_0_not_sglangs_default(server):
     """Issue #37: every engine slime launches starts labelled "0" (the --hf-checkpoint weights), never SGLang's

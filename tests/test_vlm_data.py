@@ -77,7 +77,7 @@ def test_bad_multimodal_keys_are_one_line_errors(value, why):
     assert why in str(e.value) and "--multimodal-keys" in str(e.value) and "\n" not in str(e.value)
 
 
-def test_image_items_in_every_accepted_form_decode_to_the_same_pixels(tmp_path):
+def test_image_items_in_every_accepted_form_decode_to_the_same_pixels(tmp_path, media_host):
     path = _png(tmp_path / "red.png", (30, 20), (255, 0, 0))
     b64 = _b64((30, 20), (255, 0, 0))
     rgba = Image.new("RGBA", (30, 20), (255, 0, 0, 255))
@@ -99,10 +99,14 @@ def test_image_items_in_every_accepted_form_decode_to_the_same_pixels(tmp_path):
     for bad, why in [
         ("relative.txt", "not a decodable base64 image"),
         ("/nope.png", "does not exist"),
-        ("https://x/y.png", "offline"),
+        ("http://127.0.0.1:1/y.png", r"row 2 image 0: could not download image 'http://127.0.0.1:1/y.png'"),
     ]:
         with pytest.raises(ValueError, match=why):
             load_image(bad, "row 2 image 0")
+    # an http(s) URL is downloaded (slime.utils.media_download), through redirects
+    from tests._media_host import IMAGE_SIZE
+
+    assert load_image(media_host + "/hop/2").size == IMAGE_SIZE
 
 
 def test_rich_items_with_their_own_size_limits_are_resized_as_qwen_vl_utils_does(tmp_path, tiny_vlm):

@@ -15,6 +15,7 @@ from PIL import Image
 from slime.backends.sglang_utils.contract import body_errors
 from slime.utils.processing_utils import encode_image_for_rollout_engine, load_processor, process_prompt
 from slime.utils.types import Sample
+from tests._media_host import Media
 from tests.test_cpu_server import start_cpu_server, stop_cpu_server
 
 SESSION = requests.Session()
@@ -29,6 +30,47 @@ def _image(size, seed):
 
 
 PNG = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"
+
+
+def test_image_urls_are_downloaded_under_sglangs_policy(media_host, monkeypatch, capsys):
+    """SGLang 0.5.23's download_remote_media: redirects followed up to 5, each destination checked against
+    --allowed-media-domains; --media-url-max-file-size-mb enforced with and without a Content-Length; REQUEST_TIMEOUT
+    bounds the whole download; bad policy flags are refused at start-up."""
+    from slime.backends.cpu_server.__main__ import main
+    from slime.utils import media_download as media
+
+    monkeypatch.setattr(media, "_policy", dict(media._policy))
+    media.configure_media_urls([], 64)
+    assert media.download(media_host + "/hop/4") == Media.image  # five redirects: /hop/4 ... /hop/0, then /img
+    with pytest.raises(requests.exceptions.TooManyRedirects, match="exceeded 5 redirects"):
+        media.download(media_host + "/hop/5")
+    media.configure_media_urls(["127.0.0.1."], 64)  # hostnames normalised as SGLang's (trailing dot, case)
+    assert media.download(media_host + "/img") == Media.image
+    port = media_host.rsplit(":", 1)[1]
+    with pytest.raises(ValueError, match=r"not allowed. Allowed domains: \['127.0.0.1'\]; input domain: localhost"):
+        media.download(f"http://localhost:{port}/img")
+    with pytest.raises(ValueError, match="input domain: localhost"):  # a redirect is checked before it is followed
+        media.download(media_host + "/to/localhost")
+    media.configure_media_urls([], 0)  # 0: no limit
+    assert len(media.download(media_host + "/stream/2000000")) == 2000000
+    media.configure_media_urls([], 1)
+    assert len(media.download(media_host + "/stream/1048576")) == 1048576
+    with pytest.raises(ValueError, match="exceeds the 1048576 byte download limit"):
+        media.download(media_host + "/stream/1048577")
+    monkeypatch.setattr(media, "_policy", {**media._policy, "max_bytes": 100})
+    with pytest.raises(ValueError, match="exceeds the 100 byte download limit"):  # by its Content-Length
+        media.download(media_host + "/img")
+    monkeypatch.setenv("REQUEST_TIMEOUT", "1")
+    with pytest.raises(requests.exceptions.Timeout):
+        media.download(media_host + "/slow")
+    for flags, why in [
+        (["--allowed-media-domains", "127.0.0.1:80"], "ports are not supported"),
+        (["--allowed-media-domains", "http://x"], "provide a hostname only"),
+        (["--media-url-max-file-size-mb", "-1"], "must be non-negative"),
+    ]:
+        with pytest.raises(SystemExit):
+            main(["--model-path", "/nonexistent", *flags])
+        assert why in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +100,7 @@ def _reference(model_dir, image, max_new_tokens):
     return inputs["input_ids"][0].tolist(), new.tolist(), lps.tolist()
 
 
-def test_generate_with_an_image_equals_transformers(vlm_server, tiny_vlm, tmp_path):
+def test_generate_with_an_image_equals_transformers(vlm_server, tiny_vlm, tmp_path, media_host):
     image = _image((56, 84), 0)  # 4x6 patches of 14 -> 6 image tokens
     prompt_ids, ref_tokens, ref_lps = _reference(tiny_vlm, image, 8)
     path = tmp_path / "img.png"
@@ -67,7 +109,7 @@ def test_generate_with_an_image_equals_transformers(vlm_server, tiny_vlm, tmp_pa
     image.save(buf, format="PNG")
     b64 = base64.b64encode(buf.getvalue()).decode()
     sp = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
-    for item in [encode_image_for_rollout_engine(image), str(path), "file://" + str(path), b64]:
+    for item in [encode_image_for_rollout_engine(image), str(path), "file://" + str(path), b64, media_host + "/hop/1"]:
         body = {"text": TEXT, "image_data": [item], "sampling_params": sp, "return_logprob": True}
         assert body_errors("/generate", body) == []
         out = SESSION.post(vlm_server + "/generate", json=body, timeout=60).json()
@@ -132,7 +174,10 @@ def test_a_batch_mixing_image_sizes_and_text_equals_each_alone(vlm_server):
         ({"image_data": ["/no/such.png"]}, "does not exist"),
         ({"image_data": ["rel/x.png"]}, "relative path"),
         ({"image_data": ["!!notbase64"]}, "not a decodable base64 image"),
-        ({"image_data": ["http://127.0.0.1:1/a.png"]}, "offline"),
+        (
+            {"image_data": ["http://127.0.0.1:1/a.png"]},
+            "image_data[0]: could not download image 'http://127.0.0.1:1/a.png'",
+        ),
         # SGLang's Qwen2.5-VL processing hands a MediaRef object to load_image, which refuses it; its JSON contract
         # refuses keys a MediaRef does not have, whatever the model
         ({"image_data": [{"url": PNG}]}, "Invalid image"),
@@ -144,6 +189,22 @@ def test_bad_image_requests_are_400s_naming_the_problem(vlm_server, extra, why):
     body = {"text": TEXT, "sampling_params": {"max_new_tokens": 2}, **extra}
     r = SESSION.post(vlm_server + "/generate", json=body, timeout=30)
     assert r.status_code == 400 and why in r.text, r.text
+
+
+def test_an_image_download_does_not_hold_up_the_server(vlm_server, media_host):
+    """The download runs off the server's event loop: /health answers while an image is still being fetched (the
+    image's host holds it until then; were the loop blocked, the download would time out first and fail)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    Media.entered.clear()
+    Media.gate.clear()
+    body = {"text": TEXT, "image_data": [media_host + "/gate"], "sampling_params": {"max_new_tokens": 2}}
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(requests.post, vlm_server + "/generate", json=body, timeout=60)
+        assert Media.entered.wait(30), "the server did not ask for the image"
+        assert requests.get(vlm_server + "/health", timeout=30).status_code == 200
+        Media.gate.set()
+        assert pending.result().status_code == 200, pending.result().text
 
 
 def test_text_only_models_refuse_image_data(tiny_kit):

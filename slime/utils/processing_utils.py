@@ -69,7 +69,8 @@ def load_processor(path):
 
 def load_image(item, where="image"):
     """A PIL RGB image from what current slime accepts as an image: a PIL image, a dict with `bytes`/`path`/`image`
-    (HF datasets' Image feature, a rich item), a data URL, a `file://` URL, a path, or raw base64."""
+    (HF datasets' Image feature, a rich item), an http(s) URL (downloaded under slime.utils.media_download's policy),
+    a data URL, a `file://` URL, a path, or raw base64."""
     from PIL import Image  # heavy
 
     if isinstance(item, Image.Image):
@@ -88,8 +89,8 @@ def load_image(item, where="image"):
         image = Image.open(io.BytesIO(item))
     elif isinstance(item, str):
         if item.startswith(("http://", "https://")):
-            raise ValueError(f"{where}: {item[:80]!r} is a URL; this machine is offline (give a path or base64 data)")
-        if item.startswith("data:"):
+            image = Image.open(io.BytesIO(_download(item, where)))
+        elif item.startswith("data:"):
             _, _, data = item.partition(",")
             image = _open_b64(data, where)
         elif item.startswith("file://"):
@@ -101,6 +102,17 @@ def load_image(item, where="image"):
     else:
         raise ValueError(f"{where}: cannot read an image from a {type(item).__name__}")
     return image.convert("RGB") if image.mode != "RGB" else image
+
+
+def _download(url, where):
+    import requests
+
+    from slime.utils.media_download import download
+
+    try:
+        return download(url)
+    except (requests.RequestException, ValueError) as e:
+        raise ValueError(f"{where}: could not download image {url[:200]!r}: {e}") from None
 
 
 def _open_path(path, where):

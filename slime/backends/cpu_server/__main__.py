@@ -66,6 +66,18 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="as SGLang's: requests may ask for each token's routed MoE experts (return_routed_experts)",
     )
+    p.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=[],
+        help="as SGLang's: the only hosts http(s) image URLs may name (redirects included); unset: any host",
+    )
+    p.add_argument(
+        "--media-url-max-file-size-mb",
+        type=int,
+        default=64,
+        help="as SGLang's: the largest image download in MiB (0: no limit); REQUEST_TIMEOUT (s, default 3) bounds it",
+    )
     # LoRA serving, as SGLang's flags
     p.add_argument("--enable-lora", action="store_true", default=None, help="serve LoRA adapters")
     p.add_argument("--max-lora-rank", type=int, default=None, help="the largest adapter rank accepted")
@@ -77,7 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from slime.utils.media_download import configure_media_urls
+
+    try:
+        configure_media_urls(args.allowed_media_domains, args.media_url_max_file_size_mb)
+    except ValueError as e:
+        parser.error(str(e))
     logging.basicConfig(
         level=args.log_level.upper(), stream=sys.stderr, format="[%(asctime)s cpu_server] %(levelname)s %(message)s"
     )

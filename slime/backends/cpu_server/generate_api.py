@@ -8,7 +8,7 @@ import time
 
 from aiohttp import web
 
-from .media import collapse_placeholders, expand, images_per_prompt
+from .media import collapse_placeholders, expand, fetch_remote_images, has_remote_images, images_per_prompt
 from .sampling import RequestError, SamplingParams
 from .scheduler import Req
 
@@ -251,6 +251,8 @@ class GenerateAPI:
     async def generate(self, request):
         body = await self._body(request)
         self._check_ready()
+        if self.processor is not None and has_remote_images(body):
+            body = await asyncio.to_thread(fetch_remote_images, body)
         if body.get("stream"):
             return await self._generate_stream(request, body)
         reqs, batch = self._build_reqs(body)

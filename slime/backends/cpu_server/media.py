@@ -3,8 +3,10 @@ placeholders expanded to each image's token count in the caller's ids, the proce
 
 import re
 
+import requests
 import torch
 
+from slime.utils.media_download import download
 from slime.utils.processing_utils import expand_image_pads, load_image
 
 from .sampling import RequestError
@@ -36,6 +38,41 @@ MEDIA_REF_KEYS = (
 MEDIA_REF_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 
 
+def _is_url(item) -> bool:
+    return isinstance(item, str) and item.startswith(("http://", "https://"))
+
+
+def fetch_remote_images(body: dict) -> dict:
+    """`body` with each http(s) image of `image_data` (a string or a MediaRef's url) replaced by its downloaded
+    bytes; blocking, so the server calls it off its event loop. A failed download is a 400 naming the URL."""
+
+    def fetch(item, where):
+        url = item.get("url") if isinstance(item, dict) else item
+        if not _is_url(url):
+            return item
+        try:
+            data = download(url)
+        except (requests.RequestException, ValueError) as e:
+            raise RequestError(f"{where}: could not download image {url[:200]!r}: {e}") from None
+        return {**item, "url": data} if isinstance(item, dict) else data
+
+    def walk(entry, where):
+        if isinstance(entry, list):
+            return [walk(x, f"{where}[{j}]") for j, x in enumerate(entry)]
+        return fetch(entry, where)
+
+    return {**body, "image_data": walk(body["image_data"], "image_data")}
+
+
+def has_remote_images(body: dict) -> bool:
+    def any_url(entry):
+        if isinstance(entry, list):
+            return any(any_url(x) for x in entry)
+        return _is_url(entry.get("url") if isinstance(entry, dict) else entry)
+
+    return any_url(body.get("image_data"))
+
+
 def collapse_placeholders(text: str) -> str:
     """`text` with every image placeholder run (or `<image>`) as one `<|vision_start|><|image_pad|><|vision_end|>`."""
     return _RUN.sub(_ONE, text)
@@ -62,6 +99,9 @@ def _items(entry, where, model_type):
                     f"{' / '.join(MEDIA_REF_MODEL_TYPES)} models; send its url as a string)"
                 )
             item = item.get("url", "")
+        if isinstance(item, bytes):  # downloaded by fetch_remote_images (JSON has no bytes)
+            out.append(load_image(item, f"{where}[{j}]"))
+            continue
         if not isinstance(item, str):
             raise RequestError(f"{where}[{j}]: an image must be a string (path, data URL, base64) or a MediaRef")
         if not item.startswith(("data:", "file://", "/", "http://", "https://")) and item.lower().endswith(

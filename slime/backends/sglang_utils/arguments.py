@@ -52,6 +52,8 @@ CPU_SERVER_HONOURED = (
     "disable_radix_cache",
     "sampling_mask_max_tokens",
     "sampling_defaults",
+    "allowed_media_domains",
+    "media_url_max_file_size_mb",
 )
 
 # GPU-only performance knobs: meaningless on the CPU server, harmless to ignore (results do not depend on them).

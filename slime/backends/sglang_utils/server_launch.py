@@ -215,7 +215,7 @@ def server_command(args, rank: int, host: str, port: int, nccl_port: int, dist_i
             "weight_version": INITIAL_WEIGHT_VERSION,
         }
         for field in CPU_SERVER_HONOURED:
-            if getattr(args, f"sglang_{field}") is not None:
+            if getattr(args, f"sglang_{field}") not in (None, []):
                 kw[field] = getattr(args, f"sglang_{field}")
         kw.update(lora_server_fields(args))
         if args.use_rollout_routing_replay:  # R3: the engine returns each token's routed experts
