@@ -62,7 +62,8 @@ class Media(http.server.BaseHTTPRequestHandler):
 
 
 def serve():
-    """(a generator, the `media_host` fixture's body) http://127.0.0.1:PORT of a local server of the handler above, serving a random IMAGE_SIZE PNG (seed 0)."""
+    """The `media_host` fixture's body: yields http://127.0.0.1:PORT of a local server of the handler above, its
+    image a random IMAGE_SIZE PNG (seed 0, as tests/test_vlm_server.py's `_image`)."""
     g = torch.Generator().manual_seed(0)
     pixels = (torch.rand(IMAGE_SIZE[1], IMAGE_SIZE[0], 3, generator=g) * 255).to(torch.uint8).numpy()
     buf = io.BytesIO()
