@@ -134,6 +134,28 @@ def test_generate_with_an_image_equals_transformers(vlm_server, tiny_vlm, tmp_pa
         assert [t for _, t, _ in meta["output_token_logprobs"]] == ref_tokens, prompt
     info = SESSION.get(vlm_server + "/model_info", timeout=10).json()
     assert info["has_image_understanding"] is True
+    # /v1/chat/completions with an OpenAI image part (as SGLang: the part's url to image_data, {"type": "image"} to the
+    # template), here a URL through a redirect: the same prompt, tokens and log-probs
+    content = [
+        {"type": "image_url", "image_url": {"url": media_host + "/hop/1"}},
+        {"type": "text", "text": "What colour is it?"},
+    ]
+    body = {
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 0,
+        "max_tokens": 8,
+        "ignore_eos": True,
+        "logprobs": True,
+        "return_token_ids": True,
+    }
+    out = SESSION.post(vlm_server + "/v1/chat/completions", json=body, timeout=60).json()
+    assert out["usage"]["prompt_tokens"] == len(prompt_ids), out
+    assert out["choices"][0]["response_token_ids"] == ref_tokens
+    chat_lps = [c["logprob"] for c in out["choices"][0]["logprobs"]["content"]]
+    assert torch.allclose(torch.tensor(chat_lps), torch.tensor(ref_lps), atol=1e-5)
+    content[0] = {"type": "video_url", "video_url": {"url": media_host + "/img"}}
+    r = SESSION.post(vlm_server + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and "messages[0].content[0]: video_url is not supported" in r.text, r.text
 
 
 def test_a_batch_mixing_image_sizes_and_text_equals_each_alone(vlm_server):
@@ -213,6 +235,10 @@ def test_text_only_models_refuse_image_data(tiny_kit):
         body = {"text": "hi", "image_data": [encode_image_for_rollout_engine(_image((28, 28), 0))]}
         r = SESSION.post(url + "/generate", json=body, timeout=30)
         assert r.status_code == 400 and "takes text only" in r.text
+        part = {"type": "image_url", "image_url": {"url": body["image_data"][0]}}
+        chat = {"messages": [{"role": "user", "content": [part, {"type": "text", "text": "hi"}]}], "max_tokens": 2}
+        r = SESSION.post(url + "/v1/chat/completions", json=chat, timeout=30)
+        assert r.status_code == 400 and "image parts: the served model (Qwen3ForCausalLM) takes text only" in r.text
     finally:
         stop_cpu_server(proc)
 

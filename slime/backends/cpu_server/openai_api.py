@@ -1,5 +1,6 @@
 """OpenAI-compatible API of slime's CPU server: `/v1/completions` and `/v1/chat/completions`."""
 
+import asyncio
 import time
 import uuid
 
@@ -7,6 +8,7 @@ from aiohttp import web
 
 from slime.utils.sampling_record import openai_sampling_params
 
+from .media import chat_images, expand, fetch_remote_images, images_per_prompt
 from .sampling import RequestError, SamplingParams
 from .scheduler import Req
 
@@ -34,13 +36,26 @@ class OpenAIAPI:
     def _finish_str(self, r):
         return {"stop": "stop", "length": "length", "abort": "abort"}[r.finish_reason["type"]]
 
-    async def _openai_run(self, b, ids, model_defaults):
+    async def _openai_run(self, b, ids, model_defaults, mm=None):
         if b.get("stream"):
             raise RequestError("stream=true is not supported by slime's CPU server's OpenAI endpoints")
         sp = SamplingParams.from_dict(self._openai_sampling(b, len(ids), model_defaults), self.cfg.vocab_size)
         self._check_prompt(ids, sp)
         want_lp = bool(b.get("logprobs"))
-        return await self._run([Req(ids, sp, return_logprob=want_lp) for _ in range(sp.n)])
+        reqs = [Req(ids, sp, return_logprob=want_lp) for _ in range(sp.n)]
+        for r in reqs:
+            r.mm = mm
+        return await self._run(reqs)
+
+    async def _chat_media(self, msgs):
+        """(messages for the template, the images' processor inputs or None): image parts as SGLang takes them."""
+        msgs, image_data = chat_images(msgs)
+        if not image_data:
+            return msgs, None
+        if self.processor is None:
+            raise RequestError(f"image parts: the served model ({self.cfg.architecture}) takes text only")
+        body = await asyncio.to_thread(fetch_remote_images, {"image_data": image_data})
+        return msgs, images_per_prompt(body, 1, False, self.cfg.model_type)[0]
 
     def _usage(self, prompt_len, reqs):
         c = sum(len(r.output_ids) for r in reqs)
@@ -94,13 +109,17 @@ class OpenAIAPI:
         if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and "role" in m for m in msgs):
             raise RequestError("messages must be a non-empty list of {role, content} objects")
         kw = {"tools": b["tools"]} if b.get("tools") else {}
+        msgs, images = await self._chat_media(msgs)
         try:
             ids = self.tokenizer.apply_chat_template(
                 msgs, add_generation_prompt=True, tokenize=True, return_dict=False, **kw
             )
         except Exception as e:  # noqa: BLE001  (a template error is the client's message list)
             raise RequestError(f"the chat template could not render these messages: {e}") from None
-        reqs = await self._openai_run(b, list(ids), self.chat_sampling_defaults)
+        mm = None
+        if images:
+            ids, mm = expand(self.processor, list(ids), images, "the chat prompt")
+        reqs = await self._openai_run(b, list(ids), self.chat_sampling_defaults, mm)
         want_prompt = b.get("return_prompt_token_ids") or b.get("return_token_ids")
         choices = []
         for i, r in enumerate(reqs):
