@@ -601,10 +601,18 @@ def test_weights_checker_answers_as_sglang(server, tiny_kit):
     (rank,) = body["ranks"]
     assert set(rank) == set(load_contract()["classes"]["ChecksumInfo"])
     assert set(rank["parallelism_info"][0]) == set(load_contract()["classes"]["ParallelismInfo"])
-    assert rank["checksums"]["embed"] == _sha(sd["model.embed_tokens.weight"])[:16]
+    assert rank["checksums"]["model.embed_tokens.weight"] == _sha(sd["model.embed_tokens.weight"])[:16]
     q, k = sd["model.layers.1.self_attn.q_proj.weight"], sd["model.layers.1.self_attn.k_proj.weight"]
     v = sd["model.layers.1.self_attn.v_proj.weight"]
-    assert rank["checksums"]["layers.1.qkv"] == _sha(torch.cat([q, k, v]))[:16]  # fused, as SGLang's qkv_proj
+    assert rank["checksums"]["model.layers.1.self_attn.qkv_proj.weight"] == _sha(torch.cat([q, k, v]))[:16]  # fused
+    # the names are SGLang's Qwen3ForCausalLM parameters (tied embeddings: no lm_head of its own)
+    attn = ["qkv_proj.weight", "o_proj.weight", "q_norm.weight", "k_norm.weight"]
+    layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_up_proj.weight"]
+    layer += ["mlp.down_proj.weight"] + [f"self_attn.{n}" for n in attn]
+    names = {"model.embed_tokens.weight", "model.norm.weight"} | {
+        f"model.layers.{i}.{n}" for i in range(4) for n in layer
+    }
+    assert set(rank["checksums"]) == names
     h = hashlib.sha256()
     for name in sorted(rank["checksums"]):
         h.update(name.encode() + rank["checksums"][name].encode())
@@ -624,7 +632,7 @@ def test_weights_checker_snapshot_reset_compare(own_server, tiny_kit):
     before = gen(server, sp)["output_ids"]
     assert check("snapshot").json() == {"success": True, "message": "Success."}
     assert check("reset_tensors").status_code == 200
-    assert _checksums(server)["ranks"][0]["checksums"]["embed"] != _sha(torch.zeros(1))[:16]
+    assert _checksums(server)["ranks"][0]["checksums"]["model.embed_tokens.weight"] != _sha(torch.zeros(1))[:16]
     assert SESSION.post(server + "/update_weights_from_disk", json={"model_path": tiny_kit[0]}).status_code == 200
     assert check("compare").json() == {"success": True, "message": "Success."}
     assert gen(server, sp)["output_ids"] == before
@@ -643,7 +651,7 @@ def test_weights_checker_snapshot_reset_compare(own_server, tiny_kit):
     assert r.status_code == 200, r.text
     r = check("compare")
     assert r.status_code == 400 and r.json()["success"] is False
-    assert r.json()["message"].startswith("check tensor equality failed:\nname=layers.0.down ")
+    assert r.json()["message"].startswith("check tensor equality failed:\nname=model.layers.0.mlp.down_proj.weight ")
     SESSION.post(server + "/update_weights_from_disk", json={"model_path": tiny_kit[0]})
     assert check("bogus").json() == {"success": False, "message": "Unsupported action='bogus'"}
 

@@ -120,7 +120,7 @@ def test_engine_lifecycle(ray_session, router, tiny_kit):
         return ray.get(engine.check_weights.remote("checksum"))["ranks"][0]["checksums"]
 
     sums = checksums()
-    assert "layers.0.qkv" in sums  # the server's own (fused) tensors, as SGLang's checker reports
+    assert "model.layers.0.self_attn.qkv_proj.weight" in sums  # SGLang's fused parameter, as its checker reports
     ray.get(engine.pause_generation.remote())
     ray.get(engine.continue_generation.remote())
     ray.get(engine.flush_cache.remote())
@@ -145,7 +145,10 @@ def test_engine_lifecycle(ray_session, router, tiny_kit):
     new_sums = checksums()
     import hashlib
 
-    assert new_sums["layers.3.down"] == hashlib.sha256(bytes(128 * 512 * 4)).hexdigest()[:16] and new_sums != sums
+    assert (
+        new_sums["model.layers.3.mlp.down_proj.weight"] == hashlib.sha256(bytes(128 * 512 * 4)).hexdigest()[:16]
+        and new_sums != sums
+    )
     assert ray.get(engine.get_weight_version.remote()) == "42"
     ray.get(engine.update_weights_from_disk.remote(tiny_kit[0]))
     assert checksums() == sums

@@ -2,8 +2,8 @@
 
 `snapshot` copies the served tensors, `reset_tensors` overwrites them with noise, `compare` checks the served
 tensors against the snapshot (and drops it once they are equal), `checksum` hashes each tensor as SGLang does on CPU
-(the first 8 bytes of the sha256 of its bytes, 16 hex digits). Tensors are the server's own storage (fused q|k|v and
-gate|up, as SGLang's `qkv_proj` / `gate_up_proj`), not the HF names the trainer sends.
+(the first 8 bytes of the sha256 of its bytes, 16 hex digits). Tensors go by SGLang's parameter names (the fused
+`qkv_proj` / `gate_up_proj`), not the HF names the trainer sends.
 
 As in SGLang 0.5.23, a block-FP8 weight and its `weight_scale_inv` are one entry, compared and hashed dequantised
 to bf16; with `allow_quant_error` a difference within both sides' e4m3 rounding (one ulp of each code times its

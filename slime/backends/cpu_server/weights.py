@@ -158,6 +158,32 @@ def quantized_parts(quant, views: dict, dtype) -> dict:
     return out
 
 
+# storage key -> SGLang's parameter name (layer keys: layers.{i}.<key>)
+_SGLANG_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
+_SGLANG_LAYER_NAMES = {
+    "input_norm": "input_layernorm.weight",
+    "post_norm": "post_attention_layernorm.weight",
+    "qkv": "self_attn.qkv_proj.weight",
+    "qkv_bias": "self_attn.qkv_proj.bias",
+    "o": "self_attn.o_proj.weight",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
+    "gate_up": "mlp.gate_up_proj.weight",
+    "gate_up_bias": "mlp.gate_up_proj.bias",
+    "down": "mlp.down_proj.weight",
+    "down_bias": "mlp.down_proj.bias",
+}
+
+
+def _sglang_name(key: str) -> str:
+    if key in _SGLANG_NAMES:
+        return _SGLANG_NAMES[key]
+    if key.startswith("layers."):
+        _, i, part = key.split(".", 2)
+        return f"model.layers.{i}.{_SGLANG_LAYER_NAMES[part]}"
+    return key  # a quantised linear's part: already its checkpoint name
+
+
 class WeightStore(QuantizedParams):
     """`quant` (a slime.utils.quantization.QuantScheme, from the checkpoint's `quantization_config`): each linear it
     quantises keeps its checkpoint-layout tensors (`weight` e4m3 + `weight_scale_inv`/`weight_scale`, or INT4
@@ -328,11 +354,12 @@ class WeightStore(QuantizedParams):
 
     # ----- verification -----
     def state(self) -> dict:
-        """The parameters, by storage name (`/weights_checker` works on these): a quantised linear's checkpoint-layout
-        tensors, as SGLang holds them, not the dequantised copy the model computes with."""
+        """The parameters under SGLang's names (`/weights_checker` works on these): the fused `qkv_proj` and
+        `gate_up_proj` as SGLang's Llama/Qwen models hold them; a quantised linear's checkpoint-layout tensors, not
+        the dequantised copy the model computes with."""
         if self.released:
             raise WeightError("weights are released (release_memory_occupation); resume_memory_occupation first")
-        return {k: t for k, t in self.storage.items() if k not in self._working_copies}
+        return {_sglang_name(k): t for k, t in self.storage.items() if k not in self._working_copies}
 
     # ----- memory release -----
     def release(self):
