@@ -465,7 +465,7 @@ def test_check_weight_update_equal_protocol_passes_for_the_checkpoint_and_names_
     with pytest.raises(ray.exceptions.RayTaskError) as err:
         ray.get(engine.check_weights.remote("compare"), timeout=120)
     msg = str(err.value)
-    assert url in msg and "check tensor equality failed" in msg and "name=embed " in msg, msg
+    assert url in msg and "check tensor equality failed" in msg and "name=model.embed_tokens.weight " in msg, msg
 
 
 @pytest.mark.slow
