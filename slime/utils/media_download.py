@@ -79,3 +79,11 @@ def download(url: str) -> bytes:
                     content.extend(chunk)
                 return bytes(content)
     raise AssertionError("unreachable")
+
+
+def download_image(url: str, where: str) -> bytes:
+    """`download`, any failure a ValueError of one line naming `where` and the URL."""
+    try:
+        return download(url)
+    except (requests.RequestException, ValueError) as e:
+        raise ValueError(f"{where}: could not download image {url[:200]!r}: {e}") from None

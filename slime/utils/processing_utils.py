@@ -89,7 +89,9 @@ def load_image(item, where="image"):
         image = Image.open(io.BytesIO(item))
     elif isinstance(item, str):
         if item.startswith(("http://", "https://")):
-            image = Image.open(io.BytesIO(_download(item, where)))
+            from slime.utils.media_download import download_image
+
+            image = Image.open(io.BytesIO(download_image(item, where)))
         elif item.startswith("data:"):
             _, _, data = item.partition(",")
             image = _open_b64(data, where)
@@ -102,17 +104,6 @@ def load_image(item, where="image"):
     else:
         raise ValueError(f"{where}: cannot read an image from a {type(item).__name__}")
     return image.convert("RGB") if image.mode != "RGB" else image
-
-
-def _download(url, where):
-    import requests
-
-    from slime.utils.media_download import download
-
-    try:
-        return download(url)
-    except (requests.RequestException, ValueError) as e:
-        raise ValueError(f"{where}: could not download image {url[:200]!r}: {e}") from None
 
 
 def _open_path(path, where):

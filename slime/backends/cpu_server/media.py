@@ -3,10 +3,9 @@ placeholders expanded to each image's token count in the caller's ids, the proce
 
 import re
 
-import requests
 import torch
 
-from slime.utils.media_download import download
+from slime.utils.media_download import download_image
 from slime.utils.processing_utils import expand_image_pads, load_image
 
 from .sampling import RequestError
@@ -38,39 +37,40 @@ MEDIA_REF_KEYS = (
 MEDIA_REF_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 
 
-def _is_url(item) -> bool:
-    return isinstance(item, str) and item.startswith(("http://", "https://"))
+def _url(item):
+    """The http(s) URL an `image_data` item names (a string or a MediaRef's url), else None."""
+    url = item.get("url") if isinstance(item, dict) else item
+    return url if isinstance(url, str) and url.startswith(("http://", "https://")) else None
 
 
-def fetch_remote_images(body: dict) -> dict:
-    """`body` with each http(s) image of `image_data` (a string or a MediaRef's url) replaced by its downloaded
-    bytes; blocking, so the server calls it off its event loop. A failed download is a 400 naming the URL."""
-
-    def fetch(item, where):
-        url = item.get("url") if isinstance(item, dict) else item
-        if not _is_url(url):
-            return item
-        try:
-            data = download(url)
-        except (requests.RequestException, ValueError) as e:
-            raise RequestError(f"{where}: could not download image {url[:200]!r}: {e}") from None
-        return {**item, "url": data} if isinstance(item, dict) else data
-
-    def walk(entry, where):
-        if isinstance(entry, list):
-            return [walk(x, f"{where}[{j}]") for j, x in enumerate(entry)]
-        return fetch(entry, where)
-
-    return {**body, "image_data": walk(body["image_data"], "image_data")}
+def _map(entry, fn, where):
+    """`entry` (an item or nested lists of items) with fn(item, where) applied to each item."""
+    if isinstance(entry, list):
+        return [_map(x, fn, f"{where}[{j}]") for j, x in enumerate(entry)]
+    return fn(entry, where)
 
 
 def has_remote_images(body: dict) -> bool:
-    def any_url(entry):
-        if isinstance(entry, list):
-            return any(any_url(x) for x in entry)
-        return _is_url(entry.get("url") if isinstance(entry, dict) else entry)
+    found = []
+    _map(body.get("image_data"), lambda item, _: found.append(_url(item)), "image_data")
+    return any(found)
 
-    return any_url(body.get("image_data"))
+
+def fetch_remote_images(body: dict) -> dict:
+    """`body` with each http(s) image of `image_data` replaced by its downloaded bytes (a MediaRef keeps its other
+    keys); blocking, so the server calls it off its event loop. A failed download is a 400 naming the URL."""
+
+    def fetch(item, where):
+        url = _url(item)
+        if url is None:
+            return item
+        try:
+            data = download_image(url, where)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        return {**item, "url": data} if isinstance(item, dict) else data
+
+    return {**body, "image_data": _map(body["image_data"], fetch, "image_data")}
 
 
 def chat_images(messages: list) -> tuple[list, list]:
