@@ -8,19 +8,16 @@ import asyncio
 import json
 import os
 import re
-import subprocess
 import sys
-import time
 
-import httpx
 import pytest
 import torch
 
 from slime.utils.misc import load_function
-from slime.utils.process_utils import die_with_parent
 from slime.utils.types import Sample
 from tests._args import TINY_PROMPTS
 from tests._args import make_args as real_args
+from tests.test_cpu_server import start_cpu_server, stop_cpu_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, "docs", "customization.md")
@@ -84,50 +81,11 @@ def test_rollout_function(examples, tiny_kit):
 
 @pytest.fixture(scope="module")
 def cpu_server(tiny_kit, tmp_path_factory):
-    from slime.utils.http_utils import find_available_port
-
-    model_dir, _ = tiny_kit
-    port = find_available_port(34000)
-    log = open(tmp_path_factory.mktemp("server") / "server.log", "w")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "slime.backends.cpu_server",
-            "--model-path",
-            model_dir,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ],
-        cwd=ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        preexec_fn=die_with_parent,  # a killed test run leaves no server behind
-    )
+    proc, url = start_cpu_server(tiny_kit[0])
     try:
-        deadline = time.time() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"CPU inference server exited with {proc.returncode} (log: {log.name})")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                raise TimeoutError(f"CPU inference server on port {port} not healthy within 120s")
-            time.sleep(0.3)
-        yield port
+        yield int(url.rsplit(":", 1)[1])
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
+        stop_cpu_server(proc)
 
 
 @pytest.mark.timeout(240)

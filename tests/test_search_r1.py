@@ -8,16 +8,12 @@ import asyncio
 import itertools
 import json
 import os
-import subprocess
-import sys
-import time
 
-import httpx
 import pytest
 
-from slime.utils.process_utils import die_with_parent
 from slime.utils.types import Sample
 from tests._args import make_args
+from tests.test_cpu_server import start_cpu_server, stop_cpu_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "search-r1")
@@ -134,53 +130,12 @@ def test_search_turns_and_loss_masks(gws, tiny_kit, monkeypatch):
 
 
 @pytest.fixture()
-def cpu_server(tiny_kit, tmp_path):
-    from slime.utils.http_utils import free_port
-
-    model_dir, _ = tiny_kit
-    port = free_port()
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "slime.backends.cpu_server",
-            "--model-path",
-            model_dir,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--random-seed",
-            "3",
-        ],
-        cwd=ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        preexec_fn=die_with_parent,  # a killed test run leaves no server behind
-    )
+def cpu_server(tiny_kit):
+    proc, url = start_cpu_server(tiny_kit[0], "--random-seed", "3")
     try:
-        deadline = time.time() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"CPU inference server exited ({proc.returncode}); see {tmp_path / 'server.log'}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                raise TimeoutError(f"CPU inference server on port {port} not healthy within 120s")
-            time.sleep(0.3)
-        yield port
+        yield int(url.rsplit(":", 1)[1])
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
+        stop_cpu_server(proc)
 
 
 @pytest.mark.timeout(240)

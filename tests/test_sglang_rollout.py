@@ -5,24 +5,21 @@ abort + partial rollout resumed in the next rollout, eval, and the RolloutContro
 import copy
 import json
 import os
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
 
-from slime.backends.sglang_utils.router import add_worker, start_router, stop_router, wait_for_http
+from slime.backends.sglang_utils.router import add_worker, start_router, stop_router
 from slime.rollout import sglang_rollout
 from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.filter_hub.over_sampling_filters import sort_by_reward_std
 from slime.rollout.sglang_rollout import GenerateState, generate, generate_rollout
 from slime.rollout.sglang_streaming_rollout import generate_streaming
 from slime.utils.async_utils import run
-from slime.utils.http_utils import find_available_port
 from slime.utils.misc import SingletonMeta
-from slime.utils.process_utils import die_with_parent
 from slime.utils.types import Sample
 from tests._args import make_args as real_args
+from tests.test_cpu_server import start_cpu_server, stop_cpu_server
 
 HERE = "tests.test_sglang_rollout"
 # Response budgets of the "short" and "long" groups in the abort tests. The gaps are the margins of their races: a
@@ -129,49 +126,18 @@ async def two_agents_generate(args, sample, sampling_params):
 def engine(tiny_kit):
     """One CPU inference server registered with one real sglang-router. Yields the router namespace."""
     model_dir, _ = tiny_kit
-    port = find_available_port(31000)
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "slime.backends.cpu_server",
-            "--model-path",
-            model_dir,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--random-seed",
-            "0",
-            "--weight-version",
-            "0",  # as slime launches its engines: the --hf-checkpoint weights are version 0
-            "--max-running-requests",
-            "64",
-            "--log-level",
-            "warning",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=die_with_parent,  # a killed test run leaves no server behind
-    )
+    # as slime launches its engines: the --hf-checkpoint weights are version 0
+    flags = ["--random-seed", "0", "--weight-version", "0", "--max-running-requests", "64", "--log-level", "warning"]
+    server, url = start_cpu_server(model_dir, *flags)
     router_args = real_args()
     router = None
     try:
-        wait_for_http(f"http://127.0.0.1:{port}/health", 120, "CPU inference server", server)
         router = start_router(router_args)
-        add_worker(
-            f"http://{router_args.sglang_router_ip}:{router_args.sglang_router_port}", f"http://127.0.0.1:{port}"
-        )
+        add_worker(f"http://{router_args.sglang_router_ip}:{router_args.sglang_router_port}", url)
         yield router_args
     finally:
         stop_router(router)
-        server.terminate()
-        try:
-            server.wait(20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(5)
+        stop_cpu_server(server)
 
 
 @pytest.fixture(scope="module")

@@ -860,7 +860,7 @@ def test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine(request, 
     import subprocess
     import sys
 
-    from tests import _procs
+    from tests import _procs, _ray_zygote
 
     tiny_vlm = request.getfixturevalue(KITS[family])
     rows = []
@@ -898,7 +898,8 @@ def test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine(request, 
         proc = subprocess.Popen(
             [sys.executable, "train.py", *argv],
             cwd=repo,
-            env=dict(_procs.run_env(tmp_path), PYTHONPATH=repo),
+            # the run's workers and servers forked from the session's pre-imported interpreter
+            env=dict(_procs.run_env(tmp_path), PYTHONPATH=repo, **_ray_zygote.job_env()),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
