@@ -176,7 +176,14 @@ def test_a_batch_mixing_image_sizes_and_text_equals_each_alone(vlm_server):
         "return_logprob": True,
     }
     assert body_errors("/generate", body) == []
+    # and the first prompt again, as a GRPO group's second sample: its prefill is the first one's (the same ids and
+    # images); the others' are their own, the last one's too (the same ids as the first, another image of its size)
+    body["text"] += [TEXT, TEXT]
+    body["image_data"] += [[big], [encode_image_for_rollout_engine(_image((112, 84), 3))]]
     batched = [o["meta_info"] for o in SESSION.post(vlm_server + "/generate", json=body, timeout=60).json()]
+    assert [b["cached_tokens"] for b in batched] == [0, 0, 0, batched[0]["prompt_tokens"], 0]
+    assert batched[4]["prompt_tokens"] == batched[0]["prompt_tokens"]
+    assert batched[3]["output_token_logprobs"] == batched[0]["output_token_logprobs"]
     for a, b in zip(alone, batched):
         assert a["prompt_tokens"] == b["prompt_tokens"]
         assert [t for _, t, _ in a["output_token_logprobs"]] == [t for _, t, _ in b["output_token_logprobs"]]
@@ -361,6 +368,62 @@ def test_a_partial_sample_with_images_resumes_as_one_uninterrupted_generation(vl
     assert sample.tokens == prompt_ids + ref_tokens and sample.response_length == 8
     assert torch.allclose(torch.tensor(sample.rollout_log_probs), torch.tensor(ref_lps), atol=1e-5)
     assert sample.multimodal_train_inputs is train  # the prompt's processor outputs, kept from the first pass
+
+
+def test_the_tower_runs_once_per_image_and_weights(tiny_vlm):
+    """The CPU server recomputes every sequence at each step (no KV cache), but not its images: the tower's output
+    is kept per images and weights. A group's two samples of one image and a third of another take one tower call,
+    at prefill, none while decoding; after a weight update the tower runs again, with the new weights. The logits
+    are transformers' forward of the same ids and images, before and after the update."""
+    from transformers import AutoModelForImageTextToText
+
+    from slime.backends.cpu_server.hf_fallback import HFWeights, TokenPool, load_fallback
+    from slime.backends.cpu_server.media import expand
+    from tests._megatron_helpers import read_checkpoint
+
+    processor = load_processor(tiny_vlm)
+    _, _, weights, model = load_fallback(tiny_vlm, "float32", False)
+    reference = AutoModelForImageTextToText.from_pretrained(tiny_vlm, dtype=torch.float32).eval()
+    calls = []
+    model.model.model.visual.register_forward_hook(lambda _m, inputs, _o: calls.append(len(inputs[0])))
+    images = [_image((56, 84), 0), _image((56, 84), 0), _image((28, 56), 1)]  # each request decodes its own
+    ids = processor.tokenizer.encode(TEXT)
+    seqs, mm = zip(*(expand(processor, ids, [image]) for image in images))
+    patches = [len(m["pixel_values"]) for m in mm]
+
+    def expected(seq, image):
+        inputs = processor(text=[TEXT], images=[image], return_tensors="pt")
+        n = inputs["input_ids"].shape[1]
+        inputs["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], torch.zeros(1, len(seq) - n).long()], 1)
+        inputs["input_ids"], inputs["attention_mask"] = torch.tensor([seq]), torch.ones(1, len(seq)).long()
+        with torch.no_grad():
+            return reference(**inputs).logits[0, -1]
+
+    def steps():
+        """Prefill the three prompts, then decode one token each; the logits of both steps."""
+        pool, lens = TokenPool(512), torch.tensor([len(s) for s in seqs])
+        rows = torch.tensor(pool.alloc(int(lens.sum())))
+        first = model.forward_prefill(pool, torch.tensor([t for s in seqs for t in s]), lens, rows, mm=list(mm))
+        nxt = first.argmax(-1)
+        new_rows = torch.tensor(pool.alloc(3))
+        own = [torch.cat([r, n[None]]) for r, n in zip(rows.split(lens.tolist()), new_rows)]
+        kv_index = torch.nn.utils.rnn.pad_sequence(own, batch_first=True)  # right-padded with row 0
+        valid = torch.arange(kv_index.shape[1])[None, :] <= lens[:, None]
+        second = model.forward_decode(pool, nxt, lens, new_rows, kv_index, valid, mm=list(mm))
+        for seq, image, a, b, t in zip(seqs, images, first, second, nxt.tolist()):
+            assert torch.allclose(a, expected(seq, image), atol=1e-5) and torch.allclose(
+                b, expected(seq + [t], image), atol=1e-5
+            )
+
+    steps()
+    assert calls == [patches[0] + patches[2]]  # the group's image once, beside the other one; nothing at decode
+    steps()
+    assert len(calls) == 1  # the same images, the same weights: nothing to recompute
+    tower = {k: v * 1.5 for k, v in read_checkpoint(tiny_vlm).items() if k.startswith("visual.")}
+    weights.load(tower.items(), "test")
+    HFWeights(reference).load(tower.items(), "test")
+    steps()
+    assert len(calls) == 2 and calls[1] == calls[0]  # recomputed with the new tower, whose features differ
 
 
 def test_text_only_generates_refuse_samples_with_images(tiny_vlm):

@@ -5,6 +5,7 @@ interfaces of `Transformer` / `KVPool` / `WeightStore`, but keeps token ids inst
 each sequence every step (no KV cache): correct for any model, quadratic in length, meant for small models.
 """
 
+import collections
 import contextlib
 import functools
 import logging
@@ -313,11 +314,15 @@ class HFFallbackModel:
     fuses_lora = False  # adapters are applied per HF projection
     shares_prefix_kv = False  # no KV cache: each step recomputes every sequence
 
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model, weights=None):
+        self.model, self.weights = model, weights
         self._routed = None  # layer -> the [B * L, top_k] experts its router chose in the current forward
         self._lora = None  # [(Adapter, batch rows)] of the current forward
         self._lora_dims = None
+        # (weights generation, images digest) -> the vision tower's outputs for those images: every step recomputes
+        # each sequence, but not its images, and a group's n samples send the same images (adapters leave the tower
+        # alone: they target the decoder's layers only)
+        self._image_features = collections.OrderedDict()
 
     def lora_dims(self) -> dict:
         """{(layer, HF projection): out features} of the decoder's linear projections; hooks them (once) to add the
@@ -404,22 +409,47 @@ class HFFallbackModel:
         embeds = self.model.get_input_embeddings()(ids)
         rows = [m for m in mm if m is not None]
         grid = torch.cat([m["image_grid_thw"] for m in rows])
-        pixels = torch.cat([m["pixel_values"] for m in rows])
-        vision = inner.get_image_features(pixels, grid, return_dict=True)
+        features = self._features(rows)
         image = types == 1
-        embeds = embeds.masked_scatter(image[..., None], torch.cat(vision.pooler_output).to(embeds.dtype))
+        embeds = embeds.masked_scatter(image[..., None], torch.cat([f for f, _ in features]).to(embeds.dtype))
         positions, _ = inner.get_rope_index(ids, types, image_grid_thw=grid, attention_mask=mask.long())
-        deepstack = getattr(vision, "deepstack_features", None)
-        if not deepstack:
+        if features[0][1] is None:
             return self.model(inputs_embeds=embeds, attention_mask=mask.long(), position_ids=positions).logits
         hidden = inner.language_model(
             inputs_embeds=embeds,
             attention_mask=mask.long(),
             position_ids=positions,
             visual_pos_masks=image,
-            deepstack_visual_embeds=[torch.cat(level) for level in deepstack],
+            deepstack_visual_embeds=[torch.cat(level) for level in zip(*(d for _, d in features))],
         ).last_hidden_state
         return self.model.lm_head(hidden)
+
+    def _features(self, rows, keep=256):
+        """Per row (a request's images), the tower's output at its image tokens and, for Qwen3-VL, its DeepStack
+        levels (else None): cached per images and weights, the rows not cached computed in one tower call."""
+        generation = 0 if self.weights is None else self.weights.generation
+        keys = [(generation, m["digest"]) for m in rows]
+        todo = {k: m for k, m in zip(keys, rows) if k not in self._image_features}
+        if todo:
+            grid = torch.cat([m["image_grid_thw"] for m in todo.values()])
+            pixels = torch.cat([m["pixel_values"] for m in todo.values()])
+            vision = self.model.model.get_image_features(pixels, grid, return_dict=True)
+            deepstack = getattr(vision, "deepstack_features", None)
+            first = 0
+            for key, m in todo.items():  # the tower's outputs come per image
+                images = slice(first, first + len(m["image_grid_thw"]))
+                first = images.stop
+                levels = None if not deepstack else [torch.cat(level[images]) for level in deepstack]
+                self._image_features[key] = (torch.cat(vision.pooler_output[images]), levels)
+        out = [self._image_features[k] for k in keys]
+        for key in keys:
+            self._image_features.move_to_end(key)
+        # older weights' entries sit first (none is used again), then the least recently used
+        while self._image_features and (
+            len(self._image_features) > keep or next(iter(self._image_features))[0] != generation
+        ):
+            self._image_features.popitem(last=False)
+        return out
 
     @torch.inference_mode()
     def forward_prefill(self, pool: TokenPool, tokens, lens, rows, all_logits: bool = False, lora=None, mm=None):
@@ -468,10 +498,11 @@ def load_fallback(model_dir: str, dtype_name: str, trust_remote_code: bool, quan
         if cfg.vision:  # AutoModelForCausalLM refuses Qwen2.5-VL (and drops Qwen3.5's vision tower)
             from transformers import AutoModelForImageTextToText as auto  # heavy
         model = auto.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code)
-        return cfg, dtype, HFWeights(model.eval()), HFFallbackModel(model)
+        weights = HFWeights(model.eval())
+        return cfg, dtype, weights, HFFallbackModel(model, weights)
     if hasattr(hf_config, "quantization_config"):  # transformers' own quantizers are not what serves it here
         del hf_config.quantization_config
     model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, trust_remote_code=trust_remote_code).eval()
     weights = HFWeights(model, quant)
     weights.load_from_dir(model_dir)
-    return cfg, dtype, weights, HFFallbackModel(model)
+    return cfg, dtype, weights, HFFallbackModel(model, weights)

@@ -1,6 +1,7 @@
 """`image_data` of a /generate request, as SGLang 0.5.23 takes it for a Qwen-VL model: the images decoded, the prompt's
 placeholders expanded to each image's token count in the caller's ids, the processor outputs the model needs."""
 
+import hashlib
 import re
 
 import torch
@@ -162,9 +163,10 @@ def images_per_prompt(body, num_prompts, batch, model_type):
 
 
 def expand(processor, ids, images, where="the prompt"):
-    """(expanded ids, {pixel_values, image_grid_thw, mm_token_type_ids}) of caller `ids` with one image-pad token per
-    image: each becomes that image's token count, the other ids kept verbatim (SGLang's no-retokenize path). Ids with
-    an image's run already expanded are refused with transformers' message, as SGLang 0.5.23 answers them."""
+    """(expanded ids, {pixel_values, image_grid_thw, mm_token_type_ids, digest}) of caller `ids` with one image-pad
+    token per image: each becomes that image's token count, the other ids kept verbatim (SGLang's no-retokenize path).
+    Ids with an image's run already expanded are refused with transformers' message, as SGLang 0.5.23 answers them.
+    `digest` identifies the processed images (what the vision tower sees), for caches keyed by their content."""
     pad = processor.image_token_id
     runs = sum(1 for i, t in enumerate(ids) if t == pad and (i + 1 == len(ids) or ids[i + 1] != pad))
     if runs != len(images):
@@ -181,9 +183,8 @@ def expand(processor, ids, images, where="the prompt"):
     out, index = expand_image_pads(processor, ids, images)
     expanded = [ids[i] for i in index]
     types = [int(t == pad) for t in expanded]
-    mm = {
-        "pixel_values": out["pixel_values"],
-        "image_grid_thw": out["image_grid_thw"],
-        "mm_token_type_ids": torch.tensor(types),
-    }
-    return expanded, mm
+    pixels, grid = out["pixel_values"], out["image_grid_thw"]
+    digest = hashlib.blake2b(pixels.contiguous().numpy().tobytes(), digest_size=16)
+    digest.update(grid.numpy().tobytes())
+    mm = {"pixel_values": pixels, "image_grid_thw": grid, "mm_token_type_ids": torch.tensor(types)}
+    return expanded, {**mm, "digest": digest.hexdigest()}

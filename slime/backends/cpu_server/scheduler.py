@@ -257,9 +257,10 @@ class Scheduler:
 
     def _share_key(self, r):
         """The key of the shared prompt r may use or start, or None when r prefills on its own."""
-        if not self.share_prefill or r.output_ids or r.mm is not None:  # retracted: prompt + output alone; images
+        if not self.share_prefill or r.output_ids:  # retracted: prompt + output alone
             return None
-        return (tuple(r.input_ids), id(r.lora), self.state.weight_version)
+        images = None if r.mm is None else r.mm["digest"]  # the same ids show the same images only if these match
+        return (tuple(r.input_ids), images, id(r.lora), self.state.weight_version)
 
     def _admit(self) -> list:
         admitted, budget = [], self.max_prefill_tokens
