@@ -836,6 +836,22 @@ def test_video_tokens_are_one_run_per_video_or_per_temporal_step(tiny_vlm, tiny_
         )
 
 
+def _teacher_copy(kit, out):
+    """A copy of the checkpoint at `kit` with its language model's first layer scaled by 1.25: another model that
+    shares its tokenizer, processor and vision tower (an OPD teacher)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out.mkdir()
+    for f in os.listdir(kit):
+        if not f.endswith((".safetensors", ".safetensors.index.json")):
+            shutil.copy2(os.path.join(kit, f), out / f)
+    weights = {k: v * 1.25 if ".layers.0." in k and "visual" not in k else v for k, v in read_checkpoint(kit).items()}
+    save_file(weights, str(out / "model.safetensors"))
+    return str(out)
+
+
 def alternating_reward(args, sample):
     """1 for odd sample indices: every GRPO group has a non-zero advantage, so each step changes the weights."""
     return float(sample.index % 2)
@@ -851,7 +867,10 @@ def test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine(request, 
     before the first push and must equal the checkpoint after it: the push leaves none out. The Qwen2.5-VL run trains
     on two pipeline stages (the tower on the first; the metrics file gets the last stage's training metrics). The
     Qwen3.5 run rolls out with examples/geo3k_vlm_multi_turn's generate: two turns with an image observation between
-    them (loss-masked), so its log-prob check also covers images in the response. The Qwen3-VL-MoE run syncs every
+    them (loss-masked), so its log-prob check also covers images in the response, and distils (OPD) from a teacher
+    on a CPU server of its own (the checkpoint with its first layer scaled): the teacher's log-probs of every
+    response token, the observation's image tokens included, are transformers' forward of the teacher over the whole
+    sequence with both images, so each image reached it where the trainer sees it. The Qwen3-VL-MoE run syncs every
     routed expert (per-expert tensors into the engine's fused ones) beside DeepStack's mergers, and its --save-hf
     output (experts stacked as published) loads in transformers with the trained weights."""
     import base64
@@ -860,7 +879,10 @@ def test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine(request, 
     import subprocess
     import sys
 
+    from transformers import AutoConfig
+
     from tests import _procs, _ray_zygote
+    from tests.test_cpu_server import start_cpu_server, stop_cpu_server
 
     tiny_vlm = request.getfixturevalue(KITS[family])
     rows = []
@@ -877,12 +899,20 @@ def test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine(request, 
     argv = [
         "--hf-checkpoint", tiny_vlm, "--actor-num-gpus-per-node", trainers, "--rollout-num-gpus", "1",
         "--prompt-data", str(tmp_path / "train.jsonl"), "--input-key", "prompt", "--apply-chat-template",
-        "--multimodal-keys", '{"image": "images"}', "--custom-rm-path", "tests.test_vlm_trainer.alternating_reward",
+        "--multimodal-keys", '{"image": "images"}',
         "--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4",
         "--lr", "1e-2", "--lr-decay-style", "constant", "--rollout-max-response-len", "4", "--seed", "1", "--ci-test",
         "--metrics-path", str(tmp_path / "metrics.jsonl"), "--check-weight-update-equal",
     ]  # fmt: skip
-    if multi_turn:
+    teacher = None
+    if not multi_turn:
+        argv += ["--custom-rm-path", "tests.test_vlm_trainer.alternating_reward"]
+    else:
+        teacher_dir = _teacher_copy(tiny_vlm, tmp_path / "teacher")
+        teacher, teacher_url = start_cpu_server(teacher_dir)
+        argv += ["--use-opd", "--opd-type", "sglang", "--opd-kl-coef", "1.0", "--rm-url", teacher_url + "/generate"]
+        argv += ["--custom-rm-path", "slime.rollout.on_policy_distillation.reward_func"]
+        argv += ["--custom-reward-post-process-path", "slime.rollout.on_policy_distillation.post_process_rewards"]
         config = tmp_path / "multi_turn.yaml"
         config.write_text("max_turns: 2\nrollout_interaction_env_path: tests._image_env\nmax_new_tokens_per_turn: 4\n")
         argv += ["--custom-generate-function-path", "examples.geo3k_vlm_multi_turn.rollout.generate"]
@@ -907,6 +937,8 @@ def test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine(request, 
         out, _ = proc.communicate(timeout=480)
     finally:
         _procs.stop_run(proc, tmp_path, timeout=0)
+        if teacher is not None:
+            stop_cpu_server(teacher)
     assert proc.returncode == 0, out[-5000:]
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["rollout/weight_version"] for m in metrics] == [1, 2]
@@ -932,11 +964,26 @@ def test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine(request, 
         _, info = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "hf"), output_loading_info=True)
         assert not info["missing_keys"] and not info["unexpected_keys"], info
     if multi_turn:  # every sample: 4 model tokens, the observation (its image included), then the second answer
+        from transformers import AutoModelForImageTextToText
+
+        from slime.rollout.on_policy_distillation import teacher_response_log_probs
+
+        reference = AutoModelForImageTextToText.from_pretrained(teacher_dir, dtype=torch.float32).eval()
+        pad = AutoConfig.from_pretrained(tiny_vlm).image_token_id
         samples = torch.load(tmp_path / "rollout_0.pt", weights_only=False)["samples"]
         for s in samples:
             mask = s["loss_mask"]
             assert mask[:4] == [1] * 4 and 0 in mask and mask[-1] == 1, mask
             assert len(s["multimodal_train_inputs"]["image_grid_thw"]) == 2 == len(s["multimodal_inputs"]["images"])
+            ids, n = torch.tensor([s["tokens"]]), s["response_length"]
+            with torch.no_grad():
+                logits = reference(
+                    input_ids=ids, mm_token_type_ids=(ids == pad).long(), **s["multimodal_train_inputs"]
+                ).logits[0, -n - 1 : -1]
+            want = torch.log_softmax(logits.float(), -1).gather(1, ids[0, -n:, None]).squeeze(1)
+            got = teacher_response_log_probs(s["reward"], n)  # the teacher's answer, as post-processing reads it
+            assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+        assert all(abs(m["rollout/opd_reverse_kl"]) > 1e-3 for m in metrics)  # a teacher other than the student
 
 
 def test_packed_rows_get_each_samples_own_3d_positions(tiny_vlm, samples):
