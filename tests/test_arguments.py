@@ -797,3 +797,27 @@ def test_check_weight_update_equal_is_refused_when_load_resumes_a_checkpoint(cap
     err = parse_error(capsys, "--check-weight-update-equal", "--load", str(tmp_path))
     assert "--check-weight-update-equal" in err and f"--load {tmp_path}" in err
     assert parse("--load", str(tmp_path)).load == str(tmp_path)
+
+
+def test_sglang_serving_a_trained_vision_tower_gets_its_image_embedding_cache_off(tmp_path, monkeypatch):
+    """SGLang caches image embeddings by image hash and no weight update clears them, so slime starts SGLang with the
+    cache off (SGLANG_VLM_CACHE_SIZE_MB=0) for a vision-language checkpoint the trainers may change; not for a text
+    model, a LoRA run (the tower stays frozen), the CPU server, or when the environment sizes the cache itself."""
+    from slime.backends.sglang_utils.server_launch import server_env
+
+    vlm, text = tmp_path / "vlm", tmp_path / "text"
+    for d, config in ((vlm, {"vision_config": {"depth": 2}}), (text, {"hidden_size": 8})):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(config))
+    monkeypatch.delenv("SGLANG_VLM_CACHE_SIZE_MB", raising=False)
+    args = make_args(inference_server="sglang", hf_checkpoint=None)
+    args.hf_checkpoint = str(vlm)
+    assert server_env(args, "sglang") == {"SGLANG_VLM_CACHE_SIZE_MB": "0"}
+    assert server_env(args, "cpu") == {}
+    args.enable_lora = True
+    assert server_env(args, "sglang") == {}
+    args.enable_lora, args.hf_checkpoint = False, str(text)
+    assert server_env(args, "sglang") == {}
+    args.hf_checkpoint = str(vlm)
+    monkeypatch.setenv("SGLANG_VLM_CACHE_SIZE_MB", "100")
+    assert server_env(args, "sglang") == {}

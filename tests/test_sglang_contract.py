@@ -659,3 +659,23 @@ def test_agent_output_parsing_without_sglang_answers_as_sglangs_own_parsers(tmp_
     assert ours["qwen3_call_inside_think"] == ["\nplan\n", "", [_WEATHER], False]
     # SGLang has no tool-call parser "qwen3" (Qwen3's format is "qwen25"): refused up front on both paths
     assert "tool_parser='qwen3' is not a tool-call parser SGLang has" in run.stdout
+
+
+@needs_side_venv
+def test_a_vlm_cache_of_0_mb_keeps_no_image_embedding():
+    """What `server_env`'s SGLANG_VLM_CACHE_SIZE_MB=0 does in SGLang 0.5.23: its image-embedding cache (100 MB by
+    default) then stores nothing, so every request runs the vision tower with the weights it has."""
+    code = (
+        "import os, torch\n"
+        "from sglang.srt.environ import envs\n"
+        "from sglang.srt.mem_cache.multimodal_cache import EmbeddingResult, MultiModalStaticCache\n"
+        "default = envs.SGLANG_VLM_CACHE_SIZE_MB.get()\n"
+        "os.environ['SGLANG_VLM_CACHE_SIZE_MB'] = '0'\n"
+        "size = envs.SGLANG_VLM_CACHE_SIZE_MB.get()\n"
+        "off, on = MultiModalStaticCache(size * 1024 * 1024), MultiModalStaticCache(default * 1024 * 1024)\n"
+        "e = EmbeddingResult(embedding=torch.ones(4, 8))\n"
+        "print(default, size, off.set(7, e), off.get_single(7) is None, on.set(7, e), on.get_single(7) is not None)\n"
+    )
+    run = run_side(code)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["100", "0", "False", "True", "True", "True"], run.stdout

@@ -250,6 +250,26 @@ def server_command(args, rank: int, host: str, port: int, nccl_port: int, dist_i
     return kind, [*server_python(), "-m", "sglang.launch_server"] + _cli(kw) + _sglang_passthrough(args)
 
 
+# SGLang keeps a vision-language model's image embeddings across requests, by image hash (up to this many MB, 100 by
+# default), and no weight update clears them: an image seen before an update would be served with the old tower.
+VLM_CACHE_ENV = "SGLANG_VLM_CACHE_SIZE_MB"
+
+
+def server_env(args, kind: str) -> dict:
+    """Environment variables the inference server starts with besides the actor's own. SGLang serving a
+    vision-language checkpoint whose tower the trainers may update (full-parameter training: LoRA leaves the tower
+    frozen) gets its image-embedding cache off, unless the environment sizes it (e.g. with a frozen tower). slime's
+    CPU server keys its own cache by the weights, so it needs nothing."""
+    if kind != "sglang" or VLM_CACHE_ENV in os.environ or args.enable_lora:
+        return {}
+    try:
+        with open(os.path.join(args.hf_checkpoint, "config.json")) as f:
+            vision = "vision_config" in json.load(f)
+    except (OSError, ValueError):  # checked at start-up; nothing to decide here without it
+        return {}
+    return {VLM_CACHE_ENV: "0"} if vision else {}
+
+
 def _die_with_parent():
     """preexec_fn: new session (own process group) and SIGKILL when the actor process dies (Linux)."""
     os.setsid()

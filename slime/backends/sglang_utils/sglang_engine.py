@@ -22,7 +22,7 @@ from slime.utils.http_utils import get_host_info
 
 from .contract import route
 from .router import add_worker, remove_worker
-from .server_launch import _die_with_parent, kill_process_group, server_command
+from .server_launch import _die_with_parent, kill_process_group, server_command, server_env
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class SGLangEngine(RayActor):
         self.url = f"http://{self.host}:{port}"
         kind, cmd = server_command(args, self.rank, self.host, port, nccl_port, dist_init_addr)
         self.kind = kind
-        env = dict(os.environ, SLIME_PARENT_PID=str(os.getpid()))
+        env = dict(os.environ, SLIME_PARENT_PID=str(os.getpid()), **server_env(args, kind))
         fd, self.log_path = tempfile.mkstemp(prefix=f"slime-engine{self.rank}-", suffix=".log")
         with os.fdopen(fd, "w") as log:
             self.process = subprocess.Popen(
