@@ -5,7 +5,7 @@
 # little of the colours), then GRPO with the images in every rollout and weight sync of the whole model, vision tower
 # included, to slime's CPU inference server; every 5 rollouts an eval of 64 held-out images, 4 sampled answers each
 # (eval/colour). GRPO takes the eval from about 0.1 to about 0.5 in 60 rollouts. The reward and the eval are plotted
-# to $OUT/curve.png. About 5 minutes on 2 cores.
+# to $OUT/curve.png. Under 3 minutes on 2 cores.
 #
 #   bash examples/vlm_shapes/run_tiny_cpu.sh
 #   NUM_ROLLOUT=2 bash examples/vlm_shapes/run_tiny_cpu.sh   # a smoke run
