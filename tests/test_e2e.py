@@ -567,14 +567,14 @@ def test_main_job_in_deterministic_mode_repeats_its_metrics_exactly(main_job, ti
     model and writes the main job's SFT metrics exactly (the SFT stage takes no EXTRA_ARGS, so it is the same stage
     in both jobs), while the second starts from the main job's SFT model (SFT_FROM), so the two GRPO runs also agree
     only if the two SFT stages wrote the same model."""
-    deterministic = dict(NUM_ROLLOUT="3", EVAL_INTERVAL="2", EXTRA_ARGS="--deterministic-mode")
+    deterministic = dict(NUM_ROLLOUT="2", EVAL_INTERVAL="2", EXTRA_ARGS="--deterministic-mode")
     first, again = tmp_path / "run0", tmp_path / "run1"
     # one after the other: side by side they took longer on two busy cores (253 s against 200 s)
     run_main_job(tiny_kit, first, 900, **MAIN_JOB_SFT, **deterministic)
     run_main_job(tiny_kit, again, 600, SFT_FROM=str(main_job[0]), **deterministic)
     sft, sft_again = _metrics(main_job[0], "sft_metrics.jsonl", False), _metrics(first, "sft_metrics.jsonl", False)
     rl, rl_again = _metrics(first, "metrics.jsonl", False), _metrics(again, "metrics.jsonl", False)
-    assert len(sft) == 60 and [r["rollout_id"] for r in rl] == [0, 1, 2] and "eval/addition" in rl[0]
+    assert len(sft) == 60 and [r["rollout_id"] for r in rl] == [0, 1] and "eval/addition" in rl[0]
     assert f"reusing {main_job[0]}/sft" in open(f"{again}.stdout").read() and not (again / "sft").exists()
     # the rollouts trained on something: sampled rewards and a policy update each step
     assert all(r["rollout/raw_reward"] > 0 and r["train/grad_norm"] > 0 for r in rl)
