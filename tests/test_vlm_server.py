@@ -386,7 +386,8 @@ def test_the_tower_runs_once_per_image_and_weights(tiny_vlm):
     reference = AutoModelForImageTextToText.from_pretrained(tiny_vlm, dtype=torch.float32).eval()
     calls = []
     model.model.model.visual.register_forward_hook(lambda _m, inputs, _o: calls.append(len(inputs[0])))
-    images = [_image((56, 84), 0), _image((56, 84), 0), _image((28, 56), 1)]  # each request decodes its own
+    # one image sent twice (each request processes its own copy, as over HTTP), then another
+    images = [_image((56, 84), 0), _image((56, 84), 0), _image((28, 56), 1)]
     ids = processor.tokenizer.encode(TEXT)
     seqs, mm = zip(*(expand(processor, ids, [image]) for image in images))
     patches = [len(m["pixel_values"]) for m in mm]
@@ -400,7 +401,7 @@ def test_the_tower_runs_once_per_image_and_weights(tiny_vlm):
             return reference(**inputs).logits[0, -1]
 
     def steps():
-        """Prefill the three prompts, then decode one token each; the logits of both steps."""
+        """Prefill the three prompts, then decode one token each; both steps' logits checked against transformers."""
         pool, lens = TokenPool(512), torch.tensor([len(s) for s in seqs])
         rows = torch.tensor(pool.alloc(int(lens.sum())))
         first = model.forward_prefill(pool, torch.tensor([t for s in seqs for t in s]), lens, rows, mm=list(mm))
@@ -423,7 +424,7 @@ def test_the_tower_runs_once_per_image_and_weights(tiny_vlm):
     weights.load(tower.items(), "test")
     HFWeights(reference).load(tower.items(), "test")
     steps()
-    assert len(calls) == 2 and calls[1] == calls[0]  # recomputed with the new tower, whose features differ
+    assert len(calls) == 2 and calls[1] == calls[0]  # recomputed: the logits matched the updated reference
 
 
 def test_text_only_generates_refuse_samples_with_images(tiny_vlm):
