@@ -66,6 +66,38 @@ def test_cpu_server_returns_each_steps_kept_set_and_renormalised_log_prob(top_k,
         assert float(full_lp[i]) == pytest.approx(math.log(probs[t]), abs=1e-5)  # output_token_logprobs: full
 
 
+@pytest.mark.parametrize("seeded", [False, True])
+def test_cpu_server_draws_follow_the_filtered_distribution_and_stay_in_the_kept_set(seeded):
+    """The sampler's draws (one uniform per row, inverse CDF) have the frequencies of the temperature-scaled softmax
+    renormalised over the top-k / top-p kept set, from the shared generator and from each request's own
+    (`sampling_seed`), and a filtered-out token is never drawn."""
+    n, top_k, top_p, temperature = 20000, 5, 0.8, 0.7
+    logits = torch.randn(V, generator=torch.Generator().manual_seed(3)) * 2
+    sp = SamplingParams.from_dict({"top_k": top_k, "top_p": top_p, "temperature": temperature}, V)
+    reqs = [_Req(sp, seed=i, mask=False) for i in range(n)]
+    if not seeded:
+        for r in reqs:
+            r.generator = None
+    tokens, _, _, _ = sample(logits.expand(n, V).clone(), reqs, torch.Generator().manual_seed(0), lambda r: [])
+    probs = torch.softmax(logits / temperature, -1).tolist()
+    kept = _nucleus(probs, top_k, top_p)
+    assert 1 < len(kept) < top_k  # both filters bind
+    counts = torch.bincount(tokens, minlength=V).tolist()
+    assert sum(counts[t] for t in kept) == n
+    mass = sum(probs[t] for t in kept)
+    for t in kept:
+        p = probs[t] / mass
+        assert abs(counts[t] / n - p) < 5 * math.sqrt(p * (1 - p) / n), (t, counts[t] / n, p)
+    if seeded:  # each request's own generator: its draw does not depend on the batch
+        again, _, _, _ = sample(
+            logits.expand(3, V).clone(),
+            [_Req(sp, seed=i, mask=False) for i in range(3)],
+            torch.Generator(),
+            lambda r: [],
+        )
+        assert again.tolist() == tokens[:3].tolist()
+
+
 def test_cpu_server_greedy_mask_is_the_token_alone_and_no_mask_unless_asked():
     logits = torch.randn(2, V, generator=torch.Generator().manual_seed(1))
     greedy = SamplingParams.from_dict({"temperature": 0}, V)

@@ -89,9 +89,10 @@ def should_run_periodic_action(rollout_id: int, interval, num_rollout_per_epoch=
 
 
 def freeze_startup_objects():
-    """Call at the end of a trainer's start-up: every object alive then (imported modules, the model, the optimizer,
-    about half a million) leaves the cyclic garbage collector's sight for good, so a full collection (megatron-core's
-    at each checkpoint save, `clear_memory`'s on a GPU) scans only what was made since. On the main job a save step
-    took about 0.35 s less."""
+    """Call at the end of a long-lived actor's start-up: every object alive then (imported modules, the model, the
+    optimizer, the dataset: about half a million) leaves the cyclic garbage collector's sight for good, so a
+    collection (megatron-core's at each checkpoint save, `clear_memory`'s on a GPU, the ones a rollout's allocations
+    trigger) scans only what was made since. On the main job a save step took about 0.35 s less, and the rollout
+    controller spends about 100 ms less CPU per rollout."""
     gc.collect()
     gc.freeze()

@@ -250,14 +250,15 @@ def sample(logits: torch.Tensor, reqs, default_gen: torch.Generator, stop_ids_of
             probs_sort[(probs_sum - probs_sort) > top_ps[:, None]] = 0.0
             probs_sort[probs_sort < (probs_sort[:, 0] * min_ps)[:, None]] = 0.0
             probs = torch.zeros_like(probs).scatter_(1, probs_idx, probs_sort)
+        # one uniform per row: from the shared generator for the unseeded rows, from its own for a seeded one
+        draws = torch.empty(len(sampled), dtype=torch.float64)
         own = [j for j, i in enumerate(sampled) if reqs[i].generator is not None]
         shared = [j for j, i in enumerate(sampled) if reqs[i].generator is None]
-        picks = torch.empty(len(sampled), dtype=torch.long)
         if shared:
-            picks[shared] = torch.multinomial(probs[shared], 1, generator=default_gen).squeeze(1)
+            draws[shared] = torch.rand(len(shared), dtype=torch.float64, generator=default_gen)
         for j in own:
-            picks[j] = torch.multinomial(probs[j], 1, generator=reqs[sampled[j]].generator)[0]
-        tokens[idx] = picks
+            draws[j] = torch.rand(1, dtype=torch.float64, generator=reqs[sampled[j]].generator)[0]
+        tokens[idx] = draw(probs, draws)
         for j, i in enumerate(sampled):
             if reqs[i].return_sampling_mask:
                 supports[i] = _support(probs[j])
@@ -265,6 +266,18 @@ def sample(logits: torch.Tensor, reqs, default_gen: torch.Generator, stop_ids_of
         if r.return_sampling_mask and r.sp.greedy:
             supports[i] = ([int(tokens[i])], [0.0])
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1), logprobs, supports
+
+
+def draw(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: per row of non-negative `weights` [R, V] (unnormalised), the token whose cumulative-weight
+    interval holds `uniforms` [R] (in [0, 1)) times the row's total. The same distribution as `torch.multinomial`,
+    which on a CPU draws one exponential variate per vocabulary entry (about 20x the time of this at V = 512, and
+    0.46 s a step for 128 rows of a 152k vocabulary)."""
+    cdf = weights.double().cumsum(-1)
+    total = cdf[:, -1:]
+    # strictly below the total, so a zero-weight tail is never chosen, whatever the rounding of uniform x total
+    u = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, u, right=True).squeeze(1)
 
 
 def _support(weights):
