@@ -137,12 +137,23 @@ def test_trainer_killed_mid_save_resumes_from_last_complete_checkpoint(ray_sessi
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
 
 
-def test_driver_sigkill_leaves_no_router_server_or_ray_behind(tiny_kit, tmp_path):
+@pytest.fixture(scope="module")
+def ray_agents_exit():
+    """[(agents, deadline)]: Ray agents a test saw orphaned, which must have exited on their own by the deadline. They
+    take about a minute (each reports its raylet's death to the dead GCS first, with a fixed 60 s timeout), so the
+    module's later tests run meanwhile and its end checks."""
+    pending = []
+    yield pending
+    left = [p for agents, deadline in pending for p in psutil.wait_procs(agents, max(0, deadline - time.time()))[1]]
+    assert not left, f"Ray agents of a killed driver's cluster still ran 90 s after it: {_procs.describe(left)}"
+
+
+def test_driver_sigkill_leaves_no_router_server_or_ray_behind(tiny_kit, tmp_path, ray_agents_exit):
     """`kill -9` of a running `python train.py`: its router (a forked child), engines' servers, trainers and the Ray
     it started (daemons and workers) all go away on their own. Every one of them carries the run's environment
     marker, which is how they are found, whatever their command line or parent; Ray's agents, which write their
     title over their environment, are found as the raylet's children and followed by pid once it died (they take
-    about a minute: each reports its raylet's death to the dead GCS first)."""
+    about a minute, so `ray_agents_exit` checks them at the module's end)."""
     argv = train_py_argv(tiny_kit, 1000)
     proc = subprocess.Popen(
         [sys.executable, "train.py", *argv],
@@ -165,9 +176,9 @@ def test_driver_sigkill_leaves_no_router_server_or_ray_behind(tiny_kit, tmp_path
         killed = time.time()
         proc.wait(30)
         left = _procs.wait_none_carrying(_procs.RUN_KEY, str(tmp_path), timeout=90)
+        timing("driver-sigkill", run_processes_gone=time.time() - killed)
         agents = [p for p in run if _procs.cmdline(p).startswith(_procs.RAY_AGENTS)]
-        left += psutil.wait_procs(agents, timeout=90)[1]
-        timing("driver-sigkill", all_processes_gone=time.time() - killed)
+        ray_agents_exit.append((agents, killed + 90))
         left_cmd = _procs.describe(left)
     finally:
         swept = _procs.stop_run(proc, tmp_path, timeout=0)
