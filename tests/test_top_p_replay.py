@@ -98,6 +98,16 @@ def test_cpu_server_draws_follow_the_filtered_distribution_and_stay_in_the_kept_
         assert again.tolist() == tokens[:3].tolist()
 
 
+def test_cpu_server_refuses_to_draw_from_a_row_without_probability():
+    """A row whose logits are all -inf has NaN probabilities: the draw raises naming it (as torch.multinomial did),
+    rather than returning an id past the vocabulary."""
+    sp = SamplingParams.from_dict({"temperature": 1.0}, V)
+    logits = torch.zeros(2, V)
+    logits[1] = float("-inf")
+    with pytest.raises(RuntimeError, match="probabilities are NaN or sum to 0"):
+        sample(logits, [_Req(sp, seed=0, mask=False), _Req(sp, seed=1, mask=False)], torch.Generator(), lambda r: [])
+
+
 def test_cpu_server_greedy_mask_is_the_token_alone_and_no_mask_unless_asked():
     logits = torch.randn(2, V, generator=torch.Generator().manual_seed(1))
     greedy = SamplingParams.from_dict({"temperature": 0}, V)

@@ -275,6 +275,8 @@ def draw(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     2.3x for 128 rows of a 152k vocabulary (0.46 s)."""
     cdf = weights.double().cumsum(-1)
     total = cdf[:, -1:]
+    if not bool((total > 0).all()):  # NaN compares False: what torch.multinomial refuses, refused by name
+        raise RuntimeError("sampling: a request's probabilities are NaN or sum to 0 (are all its logits -inf?)")
     # strictly below the total, so a zero-weight tail is never chosen, whatever the rounding of uniform x total
     u = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, u, right=True).squeeze(1)
