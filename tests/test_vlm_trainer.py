@@ -879,7 +879,7 @@ def test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine(request, 
     import subprocess
     import sys
 
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoModelForImageTextToText
 
     from tests import _procs, _ray_zygote
     from tests.test_cpu_server import start_cpu_server, stop_cpu_server
@@ -951,8 +951,6 @@ def test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine(request, 
         assert abs(m["train/ppo_kl"]) < 1e-6  # one step a rollout: the training pass sees what the log-prob pass saw
     assert _procs.wait_none_carrying(_procs.RUN_KEY, str(tmp_path), 30) == []
     if family == "qwen3_vl_moe":  # transformers loads --save-hf's output whole, with trained experts and tower
-        from transformers import AutoModelForImageTextToText
-
         saved = read_checkpoint(str(tmp_path / "hf"))
         start = read_checkpoint(tiny_vlm)
         assert sorted(saved) == sorted(start)
@@ -964,8 +962,6 @@ def test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine(request, 
         _, info = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "hf"), output_loading_info=True)
         assert not info["missing_keys"] and not info["unexpected_keys"], info
     if multi_turn:  # every sample: 4 model tokens, the observation (its image included), then the second answer
-        from transformers import AutoModelForImageTextToText
-
         from slime.rollout.on_policy_distillation import teacher_response_log_probs
 
         reference = AutoModelForImageTextToText.from_pretrained(teacher_dir, dtype=torch.float32).eval()

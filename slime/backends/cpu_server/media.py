@@ -182,9 +182,13 @@ def expand(processor, ids, images, where="the prompt"):
         )
     out, index = expand_image_pads(processor, ids, images)
     expanded = [ids[i] for i in index]
-    types = [int(t == pad) for t in expanded]
+    types = torch.tensor([int(t == pad) for t in expanded])
     pixels, grid = out["pixel_values"], out["image_grid_thw"]
     digest = hashlib.blake2b(pixels.contiguous().numpy().tobytes(), digest_size=16)
     digest.update(grid.numpy().tobytes())
-    mm = {"pixel_values": pixels, "image_grid_thw": grid, "mm_token_type_ids": torch.tensor(types)}
-    return expanded, {**mm, "digest": digest.hexdigest()}
+    return expanded, {
+        "pixel_values": pixels,
+        "image_grid_thw": grid,
+        "mm_token_type_ids": types,
+        "digest": digest.hexdigest(),
+    }
