@@ -77,3 +77,34 @@ def test_chunked_log_probs_equal_unchunked(tp):
 def test_chunk_size_parses_as_upstream():
     assert make_args().log_probs_chunk_size == -1
     assert make_args("--log-probs-chunk-size", "512").log_probs_chunk_size == 512
+
+
+def _batches(rank):
+    from megatron.core import parallel_state as mpu
+
+    from slime.backends.megatron_utils import log_probs
+
+    mpu.initialize_model_parallel()
+    rows = []
+    score = log_probs.compute_log_probs
+    log_probs.compute_log_probs = lambda logits, tokens, group: (
+        rows.append(len(tokens)) or score(logits, tokens, group)
+    )
+    try:
+        logits, tokens = _inputs()
+        for chunk, want in [(-1, [10]), (64, [10]), (4, [3, 4, 1, 2]), (7, [3, 7]), (8, [8, 2])]:
+            rows.clear()
+            args = make_args("--log-probs-chunk-size", str(chunk))
+            kw = dict(args=args, unconcat_tokens=tokens, total_lengths=LENGTHS, response_lengths=RESPONSES)
+            out = log_probs.get_log_probs_and_entropy(logits, **kw)
+            assert rows == want, (chunk, rows)
+            assert [lp.numel() for lp in out["log_probs"]] == RESPONSES
+    finally:
+        log_probs.compute_log_probs = score
+        mpu.destroy_model_parallel()
+
+
+def test_responses_are_scored_together_up_to_the_chunk_size():
+    """A micro-batch's responses (3, 5 and 2 tokens) go through the vocabulary softmax together, in batches of whole
+    responses up to --log-probs-chunk-size tokens (a longer one alone, in chunks), not one sample at a time."""
+    spawn(_batches, 1)

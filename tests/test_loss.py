@@ -101,6 +101,10 @@ def test_sum_of_sample_mean_per_sample_and_per_token():
     per_token = get_sum_of_sample_mean([5, 4, 2], [3, 2, 1], masks, calculate_per_token_loss=True)
     assert per_sample(x).item() == pytest.approx((1 + 2) / 2 + (4 + 5) / 2 + 0.0)  # fully masked sample adds 0
     assert per_token(x).item() == pytest.approx(1 + 2 + 4 + 5)
+    # fan-out: the first two samples are one rollout, averaged over its 4 masked tokens together
+    per_rollout = get_sum_of_sample_mean([5, 4, 2], [3, 2, 1], masks, sample_denoms=[4, 4, 0])
+    assert per_rollout(x).item() == pytest.approx((1 + 2 + 4 + 5) / 4 + 0.0)
+    assert get_sum_of_sample_mean([], [], [])(torch.zeros(0, requires_grad=True)).item() == 0
 
 
 # ---------------------------------------------------------------- log-probs from logits

@@ -104,7 +104,8 @@ def add_batch_memory_arguments(parser):
         type=int,
         default=-1,
         help="Compute log-probs (and entropy) over the vocabulary this many tokens at a time, to bound the memory "
-        "of the softmax; <= 0: all of a sample's response tokens at once.",
+        "of the softmax (a micro-batch's short responses are scored together up to this many tokens); <= 0: whole "
+        "responses, together up to 2^24 logits (64 MiB in fp32).",
     )
     g.add_argument(
         "--data-pad-size-multiplier",

@@ -345,19 +345,23 @@ def get_sum_of_sample_mean(
     """Reducer over a micro-batch's concatenated per-token values: sum over samples of the masked per-sample mean
     (`(x_i * m_i).sum() / max(d_i, 1)`, `d_i` = `m_i.sum()` or the given `sample_denoms`, e.g. a fan-out rollout's
     mask total shared by its samples, so the rollout contributes one token mean), or with `calculate_per_token_loss`
-    the plain masked sum."""
-    if sample_denoms is None:
-        sample_denoms = [m.sum() for m in loss_masks]
+    the plain masked sum. Each token's weight (`m / max(d, 1)`) is computed once, so a reduction is one multiply and
+    one sum over the micro-batch, not a few operations per sample."""
+    if not loss_masks:
+        return lambda x: x.sum() * 0
+    mask = torch.cat(loss_masks)
+    if calculate_per_token_loss:
+        weights = mask
+    else:
+        lengths = torch.as_tensor(response_lengths, device=mask.device)
+        if sample_denoms is None:
+            owner = torch.repeat_interleave(torch.arange(len(loss_masks), device=mask.device), lengths)
+            denoms = torch.zeros(len(loss_masks), dtype=mask.dtype, device=mask.device).index_add_(0, owner, mask)
+        else:
+            denoms = torch.stack([torch.as_tensor(d, device=mask.device) for d in sample_denoms])
+        weights = mask / torch.repeat_interleave(denoms.clamp_min(1), lengths)
 
     def reduce(x):
-        chunks = x.split(response_lengths, dim=0)
-        if calculate_per_token_loss:
-            terms = [(x_i * m_i).sum() for x_i, m_i in zip(chunks, loss_masks)]
-        else:
-            terms = [
-                (x_i * m_i).sum() / torch.clamp_min(torch.as_tensor(d_i), 1)
-                for x_i, m_i, d_i in zip(chunks, loss_masks, sample_denoms)
-            ]
-        return torch.stack(terms).sum() if terms else x.sum() * 0
+        return (x * weights).sum()
 
     return reduce

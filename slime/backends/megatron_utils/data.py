@@ -340,13 +340,9 @@ def build_token_tree(tokens):
         end[j] = n - 1
     device = tokens[0].device
     as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-    return (
-        as_long(layout_tokens),
-        as_long(parent),
-        as_long(depth),
-        as_long(end),
-        [as_long([order[v] for v in path]) for path in paths],
-    )
+    # every sample's indices in one tensor, split into views: one conversion, not one per sample
+    index = as_long([order[v] for path in paths for v in path]).split([len(path) for path in paths])
+    return as_long(layout_tokens), as_long(parent), as_long(depth), as_long(end), list(index)
 
 
 def _tree_layout(tokens, attention="dense"):
@@ -385,10 +381,7 @@ def unpack_tree_output(output, tree_index):
     """The model's `[1, L, ...]` output on a tree row as the flat padded layout's `[b, s, ...]`: row i holds
     sample i's token outputs at positions 0..T_i-1 (a differentiable gather; positions past T_i repeat node 0
     and are never read)."""
-    s = max(idx.numel() for idx in tree_index)
-    gather = torch.zeros(len(tree_index), s, dtype=torch.long, device=output.device)
-    for i, idx in enumerate(tree_index):
-        gather[i, : idx.numel()] = idx.to(output.device)
+    gather = torch.nn.utils.rnn.pad_sequence([idx.to(output.device) for idx in tree_index], batch_first=True)
     return output[0][gather]
 
 

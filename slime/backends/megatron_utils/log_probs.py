@@ -1,6 +1,7 @@
 """Per-sample log-probs / entropy and values from the model's output: the map from a rank's (packed or padded,
 CP-split) logits to each sample's response tokens (`get_responses`), the padded-vocab mask, top-p replay's kept-set
-restriction, chunked scoring (`--log-probs-chunk-size`) and the CP gather of the whole response.
+restriction, scoring in batches of whole responses or in chunks (`--log-probs-chunk-size`) and the CP gather of the
+whole response.
 """
 
 import torch
@@ -54,6 +55,7 @@ def get_responses(logits, *, unconcat_tokens, total_lengths, response_lengths):
             start += local_len
 
 
+_BATCH_LOGITS = 1 << 24  # logits scored in one batch of responses (64 MiB in fp32)
 _MASKED_LOGIT = -1e30  # finite: p = 0 without the 0 * inf = nan of -inf in the entropy and its gradient
 
 
@@ -120,7 +122,7 @@ def _restrict_to_kept_sets(logits, pieces, kept_ids, offsets):
 
 
 def _log_probs_in_chunks(logits, tokens, tp_group, with_entropy, chunk_size):
-    """`[log_probs (, entropy)]` of one sample's rows, `--log-probs-chunk-size` rows at a time when it is > 0, so
+    """`[log_probs (, entropy)]` of the rows, `--log-probs-chunk-size` rows at a time when it is > 0, so
     that the forward's fp32 softmax temporaries are chunk x V/tp instead of rows x V/tp."""
     if chunk_size > 0 and logits.size(0) > chunk_size:
         parts = [
@@ -160,13 +162,22 @@ def get_log_probs_and_entropy(
     logits = _mask_padded_vocab(logits, args.vocab_size)
     tp_group = mpu.get_tensor_model_parallel_group()
     gather = mpu.get_context_parallel_world_size() > 1
-    log_probs, entropy = [], []
-    for i, ((logits_chunk, tokens_chunk, pieces), resp_len) in enumerate(
-        zip(
-            get_responses(
-                logits, unconcat_tokens=unconcat_tokens, total_lengths=total_lengths, response_lengths=response_lengths
-            ),
-            response_lengths,
+    chunk_size = args.log_probs_chunk_size
+    # Whole responses are scored together up to a budget of rows (--log-probs-chunk-size, else _BATCH_LOGITS
+    # logits): one softmax per batch instead of per sample, each row's values the same (the reductions are per row).
+    budget = chunk_size if chunk_size > 0 else max(1, _BATCH_LOGITS // logits.size(-1))
+    batch, rows, scored, pieces_of = [], 0, [], []
+
+    def score():
+        lgs, tks = zip(*batch)  # a lone sample's rows as they are: no copy of a long response
+        lg, tk = (lgs[0], tks[0]) if len(batch) == 1 else (torch.cat(lgs), torch.cat(tks))
+        values = _log_probs_in_chunks(lg, tk, tp_group, with_entropy, chunk_size)
+        scored.extend(zip(*[v.split([t.numel() for t in tks]) for v in values]))
+        batch.clear()
+
+    for i, (logits_chunk, tokens_chunk, pieces) in enumerate(
+        get_responses(
+            logits, unconcat_tokens=unconcat_tokens, total_lengths=total_lengths, response_lengths=response_lengths
         )
     ):
         if temperatures is not None:
@@ -174,7 +185,16 @@ def get_log_probs_and_entropy(
             logits_chunk = logits_chunk / t[_response_positions(pieces, logits_chunk.device)].unsqueeze(-1)
         if top_p_token_offsets is not None:
             logits_chunk = _restrict_to_kept_sets(logits_chunk, pieces, top_p_token_ids[i], top_p_token_offsets[i])
-        values = _log_probs_in_chunks(logits_chunk, tokens_chunk, tp_group, with_entropy, args.log_probs_chunk_size)
+        if batch and rows + tokens_chunk.numel() > budget:
+            score()
+            rows = 0
+        batch.append((logits_chunk, tokens_chunk))
+        rows += tokens_chunk.numel()
+        pieces_of.append(pieces)
+    if batch:
+        score()
+    log_probs, entropy = [], []
+    for values, pieces, resp_len in zip(scored, pieces_of, response_lengths):
         if gather:  # every CP rank gets the whole response, so the loss below is the same as without CP
             values = [gather_response_across_cp(pieces, v, resp_len) for v in values]
         log_probs.append(values[0])
