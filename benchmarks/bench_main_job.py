@@ -10,10 +10,12 @@ and data order). Per run it reads `metrics.jsonl`: GRPO time (the sum of `perf/s
 evals and weight pushes included), the trainer's part of it (`perf/train_time`), the mean trainer/engine log-prob
 gap (`train/train_rollout_logprob_abs_diff`), the greedy eval curve (every EVAL_INTERVAL rollouts), and the GRPO
 time and the rollouts until the eval first reaches each threshold. Prints each run, then per quantity the median
-(min-max) over seeds of each variant, and of the per-seed first/second ratios.
+(min-max) over seeds of each variant, and of the per-seed first/second ratios; `--plot PNG` also draws every run's
+eval accuracy against its seconds of GRPO.
 
     python benchmarks/bench_main_job.py --pair tree --seeds 1 2 3 --num-rollout 150
     python benchmarks/bench_main_job.py --pair tree --seeds 1 2 3 4 5 --num-rollout 150 --keep   # two more seeds
+    python benchmarks/bench_main_job.py --pair tree-today --seeds 1 2 3 4 --keep --plot docs/tree_main_job_curve.png
 """
 
 import argparse
@@ -56,11 +58,12 @@ def run_job(out, cpu, variant, seed, args, sft_from, ray_dir):
 
 def summary(out, thresholds):
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    elapsed, evals, reached = 0.0, [], {}
+    elapsed, evals, reached, curve = 0.0, [], {}, []
     for r in rows:
         elapsed += r["perf/step_time"]
         if "eval/addition" in r:
             evals.append(round(r["eval/addition"], 2))
+            curve.append((elapsed, r["eval/addition"]))
             for t in thresholds:
                 if r["eval/addition"] >= t and t not in reached:
                     reached[t] = (elapsed, r["rollout_id"] + 1)
@@ -71,6 +74,7 @@ def summary(out, thresholds):
         "evals": evals,
         "to": {t: reached.get(t, (None, None))[0] for t in thresholds},  # seconds of GRPO
         "rollouts_to": {t: reached.get(t, (None, None))[1] for t in thresholds},
+        "curve": curve,  # (seconds of GRPO, greedy eval accuracy) at each eval
     }
 
 
@@ -96,6 +100,7 @@ def main():
     p.add_argument("--sft-from", help="an earlier main job's OUT (its sft/); default: train one here first")
     p.add_argument("--out", default=os.path.join(ROOT, "outputs", "bench_main_job"))
     p.add_argument("--keep", action="store_true", help="reuse the seeds' finished runs in --out (add seeds later)")
+    p.add_argument("--plot", help="also draw every run's greedy eval against its seconds of GRPO into this PNG")
     args = p.parse_args()
     if len(os.sched_getaffinity(0)) < 2:
         sys.exit("bench_main_job.py: needs 2 cores (the two variants side by side, one core each)")
@@ -139,7 +144,7 @@ def main():
                         sys.exit(f"bench_main_job.py: the run in {out} failed; see {out}.log")
         for name, out in zip(names, outs):
             results[seed, name] = summary(out, args.thresholds)
-            print(f"seed {seed} {name}: {json.dumps(results[seed, name])}", flush=True)
+            print(f"seed {seed} {name}: {json.dumps({k: v for k, v in results[seed, name].items() if k != 'curve'})}")
 
     a, b = names
     print(f"\n{len(args.seeds)} seeds, {args.num_rollout} rollouts each, side by side one core each; seconds of GRPO")
@@ -157,6 +162,29 @@ def main():
         second = [get(results[s, b]) for s in args.seeds]
         ratios = [x / y if x is not None and y else None for x, y in zip(first, second)]
         print(f"{label:>24}: {a} {spread(first)}  {b} {spread(second)}  {a}/{b} {spread(ratios)}")
+    if args.plot:
+        plot(args.plot, results, args.seeds, names)
+
+
+def plot(path, results, seeds, names):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, color in zip(names, ["tab:blue", "tab:orange"]):
+        for i, seed in enumerate(seeds):
+            x, y = zip(*results[seed, name]["curve"])
+            ax.plot(x, y, color=color, alpha=0.7, marker=".", label=name if i == 0 else None)
+    ax.set_xlabel("seconds of GRPO (one core each, side by side)")
+    ax.set_ylabel("greedy eval accuracy")
+    ax.set_title(f"main job, {len(seeds)} seeds per variant")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -355,11 +355,14 @@ def get_sum_of_sample_mean(
     else:
         lengths = torch.as_tensor(response_lengths, device=mask.device)
         if sample_denoms is None:
-            owner = torch.repeat_interleave(torch.arange(len(loss_masks), device=mask.device), lengths)
+            owner = torch.repeat_interleave(
+                torch.arange(len(loss_masks), device=mask.device), lengths, output_size=mask.numel()
+            )
             denoms = torch.zeros(len(loss_masks), dtype=mask.dtype, device=mask.device).index_add_(0, owner, mask)
         else:
             denoms = torch.stack([torch.as_tensor(d, device=mask.device) for d in sample_denoms])
-        weights = mask / torch.repeat_interleave(denoms.clamp_min(1), lengths)
+        # output_size: the length is known, so a GPU need not sync to learn it
+        weights = mask / torch.repeat_interleave(denoms.clamp_min(1), lengths, output_size=mask.numel())
 
     def reduce(x):
         return (x * weights).sum()
