@@ -144,7 +144,8 @@ def main():
                         sys.exit(f"bench_main_job.py: the run in {out} failed; see {out}.log")
         for name, out in zip(names, outs):
             results[seed, name] = summary(out, args.thresholds)
-            print(f"seed {seed} {name}: {json.dumps({k: v for k, v in results[seed, name].items() if k != 'curve'})}")
+            shown = {k: v for k, v in results[seed, name].items() if k != "curve"}
+            print(f"seed {seed} {name}: {json.dumps(shown)}", flush=True)
 
     a, b = names
     print(f"\n{len(args.seeds)} seeds, {args.num_rollout} rollouts each, side by side one core each; seconds of GRPO")
