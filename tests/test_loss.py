@@ -105,6 +105,8 @@ def test_sum_of_sample_mean_per_sample_and_per_token():
     per_rollout = get_sum_of_sample_mean([5, 4, 2], [3, 2, 1], masks, sample_denoms=[4, 4, 0])
     assert per_rollout(x).item() == pytest.approx((1 + 2 + 4 + 5) / 4 + 0.0)
     assert get_sum_of_sample_mean([], [], [])(torch.zeros(0, requires_grad=True)).item() == 0
+    with pytest.raises(ValueError, match=r"\(5,\) values for 6 response tokens"):
+        per_sample(x[:5])
 
 
 # ---------------------------------------------------------------- log-probs from logits

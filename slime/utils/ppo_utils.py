@@ -365,6 +365,8 @@ def get_sum_of_sample_mean(
         weights = mask / torch.repeat_interleave(denoms.clamp_min(1), lengths, output_size=mask.numel())
 
     def reduce(x):
+        if x.shape[:1] != weights.shape:  # a mismatch would broadcast silently
+            raise ValueError(f"sum_of_sample_mean: {tuple(x.shape)} values for {weights.numel()} response tokens")
         return (x * weights).sum()
 
     return reduce
