@@ -200,7 +200,7 @@ def mpu_world1(tmp_path_factory):
 TIERS = ("unit", "component", "e2e", "cluster")
 MODULE_TIERS = {
     **dict.fromkeys(
-        "agent_trajectory arguments fingerprint sglang_change_set consistency cp_utils data disk_delta eval_config extension_points filter_hub fully_async "
+        "actor_import_path agent_trajectory arguments fingerprint sglang_change_set consistency cp_utils data disk_delta eval_config extension_points filter_hub fully_async "
         "flag_support gae loss loss_variants mask_utils memory_saver model_config no_outside_addresses provenance sampling_provenance "
         "rollout_data_source run sft_rollout vlm_data vlm_examples spec_plugin upstream_flags quantization flags_read flags_honoured".split(),
         "unit",
@@ -215,7 +215,7 @@ MODULE_TIERS = {
     ),
     # mixed modules: their tests without Ray are components (a server, a subprocess) or units; those on Ray are e2e
     **dict.fromkeys(
-        "actor_import_path critic external_engines fan_out hybrid_models model_families mtp multi_model opd placement "
+        "critic external_engines fan_out hybrid_models model_families mtp multi_model opd placement "
         "profiling ref_update release_train rollout_controller routing_replay save_hf sglang_rollout startup_checks "
         "train_data tree_parallel tree_training weight_check weight_sync".split(),
         "component",
@@ -231,7 +231,6 @@ TEST_TIERS = {  # "module::test name" (parameters aside) -> tier, where it diffe
     "test_e2e::test_dead_inference_server_fails_the_run_fast_naming_the_engine": "cluster",
     "test_e2e::test_ctrl_c_leaves_no_processes_behind": "cluster",
     "test_e2e::test_two_concurrent_runs_on_one_machine_each_train_their_own_engines": "cluster",
-    "test_actor_import_path::test_plugin_on_the_drivers_pythonpath_runs_in_the_trainer_and_rollout_actors_of_a_joined_cluster": "cluster",
     "test_vlm_trainer::test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine": "e2e",
 }
 # the end-to-end runs the development tier keeps: one whole train.py loop (disaggregated, with eval and the first
@@ -242,13 +241,14 @@ SHORT_E2E = {
 FAST_MARKEXPR = "(unit or component or short_e2e) and not slow"
 
 
-# Costliest modules first (worker-seconds from this suite's own summary, 2026-11-29), the rest in file order: with whole
+# Costliest modules first (worker-seconds from this suite's own summary, 2026-12-02), the rest in file order: with whole
 # files per worker, the longest file starting first keeps the two workers' last minutes even. scripts/test.sh runs
 # xdist with --no-loadscope-reorder, which keeps this order (xdist's default puts the files with most tests first).
 COSTLIEST_FIRST = (
-    "e2e fault_tolerance hybrid_models opd mtp critic fully_async external_engines disk_sync_faults weight_sync "
-    "vlm_trainer model_families actor_import_path converters two_nodes multi_model weight_sync_quantized release_train "
-    "routing_replay scripts cpu_server sglang_contract sglang_rollout top_p_replay tree_parallel megatron_model"
+    "e2e fault_tolerance hybrid_models vlm_trainer two_nodes opd mtp fully_async model_families external_engines "
+    "critic sglang_contract weight_sync agent_examples_engine disk_sync_faults weight_sync_quantized agent_adapters "
+    "converters profiling multi_model release_train routing_replay scripts cpu_server sglang_rollout top_p_replay "
+    "tree_parallel megatron_model"
 ).split()
 
 

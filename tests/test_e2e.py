@@ -476,13 +476,13 @@ def run_main_job(tiny_kit, out, timeout, **env):
 
 
 # The main job's tests share its runs. One long run (SFT, then 100 GRPO rollouts) is what every
-# convergence assertion reads; the LoRA run and the second deterministic run start from an SFT model already trained
+# convergence assertion reads; the LoRA run and the deterministic runs start from an SFT model already trained
 # (SFT_FROM) instead of training their own. The long run is not in --deterministic-mode, whose engine decodes each
 # request alone (slower rollouts) and seeds each sample's draws by its index in the group. Measured 2026-11-28 on a
 # loaded 2-core machine: these flags gave greedy eval 0.10 -> 0.35 at rollout 99 (sampled reward 0.197 -> 0.291);
 # with --deterministic-mode added 0.10 -> 0.32 (0.185 -> 0.289), and a short deterministic run then repeated that long
 # run's SFT metrics and its first 10 rollouts exactly. Either design keeps every assertion; determinism is checked
-# here on two short runs of its own: one with its own SFT stage, one from the long run's. Those figures are of flat
+# here on two short runs of its own from the long run's SFT model. Those figures are of flat
 # packing; every run here now trains GRPO with --tree-training, the script's default (side by side on 2026-11-28:
 # greedy eval 0.10 -> 0.57 at rollout 99 against flat's 0.40, trainer time 0.55x).
 MAIN_JOB_SFT = dict(SFT_EPOCHS="30", SFT_HF="1")  # SFT_HF: the LoRA run's frozen base
@@ -561,24 +561,21 @@ def test_main_job_lora_trains_adapters_on_the_sft_model(main_job, tiny_kit, tmp_
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_main_job_in_deterministic_mode_repeats_its_metrics_exactly(main_job, tiny_kit, tmp_path):
-    """`--deterministic-mode`: two runs of the main job's GRPO (dynamic sampling and a greedy eval) write identical
-    metrics files, timings aside: the same shuffles, the engine's seeded draws and
-    batch-invariant log-probs, the trainer's updates. The SFT stage repeats too: the first run trains its own SFT
-    model and writes the main job's SFT metrics exactly (the SFT stage takes no EXTRA_ARGS, so it is the same stage
-    in both jobs), while the second starts from the main job's SFT model (SFT_FROM), so the two GRPO runs also agree
-    only if the two SFT stages wrote the same model."""
+    """`--deterministic-mode`: two runs of the main job's GRPO (dynamic sampling and a greedy eval), both from the
+    main job's SFT model (SFT_FROM), write identical metrics files, timings aside: the same shuffles, the engine's
+    seeded draws and batch-invariant log-probs, the trainer's updates. (Both start from one SFT model: an SFT stage
+    run twice, in its own train_async.py each time, is not compared; a trainer step repeated from saved rollout data
+    is, in test_replay_saved_rollout_reproduces_first_step.)"""
     deterministic = dict(NUM_ROLLOUT="2", EVAL_INTERVAL="2", EXTRA_ARGS="--deterministic-mode")
     first, again = tmp_path / "run0", tmp_path / "run1"
     # one after the other: side by side they took longer on two busy cores (253 s against 200 s)
-    run_main_job(tiny_kit, first, 900, **MAIN_JOB_SFT, **deterministic)
+    run_main_job(tiny_kit, first, 600, SFT_FROM=str(main_job[0]), **deterministic)
     run_main_job(tiny_kit, again, 600, SFT_FROM=str(main_job[0]), **deterministic)
-    sft, sft_again = _metrics(main_job[0], "sft_metrics.jsonl", False), _metrics(first, "sft_metrics.jsonl", False)
     rl, rl_again = _metrics(first, "metrics.jsonl", False), _metrics(again, "metrics.jsonl", False)
-    assert len(sft) == 60 and [r["rollout_id"] for r in rl] == [0, 1] and "eval/addition" in rl[0]
+    assert [r["rollout_id"] for r in rl] == [0, 1] and "eval/addition" in rl[0]
     assert f"reusing {main_job[0]}/sft" in open(f"{again}.stdout").read() and not (again / "sft").exists()
     # the rollouts trained on something: sampled rewards and a policy update each step
     assert all(r["rollout/raw_reward"] > 0 and r["train/grad_norm"] > 0 for r in rl)
-    assert sft_again == sft
     assert len(rl_again) == len(rl)
     for a, b in zip(rl, rl_again):
         assert a == b, {k: (a.get(k), b.get(k)) for k in a.keys() | b.keys() if a.get(k) != b.get(k)}

@@ -1,7 +1,10 @@
 """A real two-node Ray cluster on one machine: the head node on 127.0.0.2 (trainers and the driver), a second node on
 127.0.0.3 (the inference engine), every address a loopback one. The whole loop runs across the two nodes: placement,
 per-node ports, the router reaching the engine by its node IP, weight sync over the broadcast group (shared memory is
-never chosen across nodes), and both nodes stop cleanly afterwards."""
+never chosen across nodes), and both nodes stop cleanly afterwards. The run joins the cluster as slime's launch
+scripts do (`ray start`, then `RAY_ADDRESS=... python train.py`), so its actors inherit the cluster's environment, not
+the driver's: a plugin the driver imports through the user's PYTHONPATH must still load in the trainer and rollout
+actors."""
 
 import ipaddress
 import os
@@ -10,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 
 import psutil
@@ -76,6 +80,22 @@ def test_two_node_cluster_trainers_on_one_node_engines_on_the_other(tiny_kit, tm
     markers = [head_dir, f"{HEAD_IP}:{port}", WORKER_IP]  # in the command line of every process of the two nodes
     common = ["--num-gpus=1", "--num-cpus=4", "--disable-usage-stats", "--object-store-memory=500000000"]
     model = shutil.copytree(tiny_kit[0], tmp_path / "model")
+    plugins, marks = tmp_path / "plugins", tmp_path / "marks"  # the plugin: neither in the repo nor the driver's cwd
+    plugins.mkdir()
+    marks.mkdir()
+    (plugins / "my_site_hooks.py").write_text(
+        textwrap.dedent(f"""
+        import os
+
+        def before_train_step(args, rollout_id, step_id, model, optimizer, opt_param_scheduler):
+            open(os.path.join({str(marks)!r}, f"train-{{os.getpid()}}"), "w").close()
+
+        async def reward(args, sample, **kwargs):
+            open(os.path.join({str(marks)!r}, f"reward-{{os.getpid()}}"), "w").close()
+            return 0.0
+        """)
+    )
+    env["PYTHONPATH"] = ROOT  # the cluster's workers find slime, not the plugin
     driver = None
     try:
         subprocess.run(
@@ -101,14 +121,20 @@ def test_two_node_cluster_trainers_on_one_node_engines_on_the_other(tiny_kit, tm
             capture_output=True,
             timeout=120,
         )
-        argv = train_py_argv(tiny_kit, 2, "--metrics-path", str(tmp_path / "metrics.jsonl"), hf_checkpoint=str(model))
+        argv = train_py_argv(
+            tiny_kit, 2, "--metrics-path", str(tmp_path / "metrics.jsonl"),
+            "--custom-megatron-before-train-step-hook-path", "my_site_hooks.before_train_step",
+            "--custom-rm-path", "my_site_hooks.reward", hf_checkpoint=str(model),
+        )  # fmt: skip
         driver = subprocess.Popen(
             [sys.executable, "train.py", *argv],
             cwd=ROOT,
             text=True,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            env=dict(env, RAY_ADDRESS=f"{HEAD_IP}:{port}", SLIME_HOST_IP=HEAD_IP),
+            env=dict(
+                env, RAY_ADDRESS=f"{HEAD_IP}:{port}", SLIME_HOST_IP=HEAD_IP, PYTHONPATH=f"{ROOT}{os.pathsep}{plugins}"
+            ),
         )
         listeners, lines = set(), []
         deadline = time.time() + 480  # inside the test's own timeout, so the cleanup below always runs
@@ -122,6 +148,10 @@ def test_two_node_cluster_trainers_on_one_node_engines_on_the_other(tiny_kit, tm
         out = "".join(lines)
         assert driver.returncode == 0, out[-4000:]
         assert sum(1 for _ in open(tmp_path / "metrics.jsonl")) == 2
+        assert "Connected to Ray cluster" in out  # joined, did not start its own
+        # the plugin ran in the trainer and in the rollout actor, not in the driver
+        assert {name.split("-")[0] for name in os.listdir(marks)} == {"train", "reward"}
+        assert str(driver.pid) not in {name.split("-")[1] for name in os.listdir(marks)}
         # the engine runs on the second node, behind a router on the head node, and gets weights by broadcast
         assert f"inference engines ['http://{WORKER_IP}:" in out and f"sglang-router http://{HEAD_IP}:" in out, out[
             -3000:
@@ -185,7 +215,9 @@ def _stop_cluster(markers):
             p.terminate()
         except psutil.Error:
             pass
-    _, alive = psutil.wait_procs(list(procs.values()), timeout=15)
+    # a few seconds, not more: with its raylets gone, the GCS server and Ray's monitor wait out their own shutdown
+    # timeouts on SIGTERM (15 s and more)
+    _, alive = psutil.wait_procs(list(procs.values()), timeout=3)
     for p in alive:
         try:
             p.kill()
