@@ -8,8 +8,6 @@ import os
 
 from slime.ray.utils import driver_import_path, driver_runtime_env
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def test_driver_import_path_lists_pythonpath_entries_then_cwd_then_the_workers_own(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
