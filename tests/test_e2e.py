@@ -563,9 +563,8 @@ def test_main_job_lora_trains_adapters_on_the_sft_model(main_job, tiny_kit, tmp_
 def test_main_job_in_deterministic_mode_repeats_its_metrics_exactly(main_job, tiny_kit, tmp_path):
     """`--deterministic-mode`: two runs of the main job's GRPO (dynamic sampling and a greedy eval), both from the
     main job's SFT model (SFT_FROM), write identical metrics files, timings aside: the same shuffles, the engine's
-    seeded draws and batch-invariant log-probs, the trainer's updates. (Both start from one SFT model: an SFT stage
-    run twice, in its own train_async.py each time, is not compared; a trainer step repeated from saved rollout data
-    is, in test_replay_saved_rollout_reproduces_first_step.)"""
+    seeded draws and batch-invariant log-probs, the trainer's updates. The SFT stage itself is not run twice here; a
+    trainer step repeated from saved rollout data is checked in test_replay_saved_rollout_reproduces_first_step."""
     deterministic = dict(NUM_ROLLOUT="2", EVAL_INTERVAL="2", EXTRA_ARGS="--deterministic-mode")
     first, again = tmp_path / "run0", tmp_path / "run1"
     # one after the other: side by side they took longer on two busy cores (253 s against 200 s)
