@@ -9,8 +9,10 @@ and `tests/test_cpu_server.py`'s `start_cpu_server` runs `python -m slime.backen
 client sends its arguments (a script and its arguments, or `-m MODULE ...`), environment, working directory and
 stdin/stdout/stderr to the server, which forks a child that runs them; the client stays as the process its caller
 started, passes signals on, and exits as the child did (its exit code, or SIGKILL for a child a signal killed). The
-program itself runs unchanged: only the interpreter's start is shared. Ray is not pre-imported, nor is slime, so
-nothing they read from the environment at import time comes from the server's.
+program itself runs unchanged: only the interpreter's start is shared. Ray is not pre-imported, nor is any slime
+module but the package itself, so nothing they read from the environment at import time comes from the server's;
+`import slime` comes first, as in every slime process, because it decides how megatron-core is imported (on CPU,
+its fused helpers run eagerly: `slime.utils.device.eager_megatron_fusions`).
 
 If the client is killed (SIGKILL included), the child dies with it: it holds the read end of a pipe whose only
 writer is the client. What a worker leaves behind when it dies (a Megatron checkpoint's writer processes, say) Ray's
@@ -34,7 +36,7 @@ import threading
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests._zygote import _recv, _send, flush_stdio, run_as_main  # noqa: E402
 
-PRELOAD = ("torch", "torch.distributed", "transformers", "megatron.core", "megatron.core.models.gpt")
+PRELOAD = ("slime", "torch", "torch.distributed", "transformers", "megatron.core", "megatron.core.models.gpt")
 _PR_SET_CHILD_SUBREAPER = 36
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 

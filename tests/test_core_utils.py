@@ -441,7 +441,8 @@ def test_rank0_holds_its_rendezvous_port_from_announcing_it_until_its_store_list
 def test_cpu_run_says_once_that_megatron_falls_back_to_torch():
     """megatron-core warns at import that Transformer Engine and Apex are missing, in every process that imports it
     (each trainer, the controller, the driver). On CPU that is the design: no such warning, and one line from the
-    driver's argument check that says it is expected, however often the arguments are parsed."""
+    driver's argument check that says it is expected, however often the arguments are parsed. Its fused helpers run
+    eagerly there: not wrapped by torch.compile, and TorchDynamo (4 s per process) never imported."""
     import os
     import subprocess
     import sys
@@ -449,7 +450,12 @@ def test_cpu_run_says_once_that_megatron_falls_back_to_torch():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = (
         "from tests._args import make_args; make_args(); make_args(); "
-        "import slime.backends.megatron_utils.actor, megatron.core.models.gpt.gpt_layer_specs"
+        "import slime.backends.megatron_utils.actor, megatron.core.models.gpt.gpt_layer_specs; "
+        "import sys, megatron.core.jit as jit; from megatron.core.fusions.fused_bias_swiglu import bias_swiglu; "
+        "from megatron.core.transformer.attention import Attention; "
+        "assert jit.jit_fuser is jit.noop_decorator, jit.jit_fuser; "
+        "assert type(bias_swiglu).__name__ == 'function' and type(Attention._apply_output_gate).__name__ == 'function'; "
+        "assert 'torch._dynamo' not in sys.modules"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code],
@@ -462,3 +468,24 @@ def test_cpu_run_says_once_that_megatron_falls_back_to_torch():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "not installed" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.count("this is expected on CPU") == 1, proc.stderr[-3000:]
+
+
+def test_megatron_fusions_stay_compiled_off_cpu():
+    """Off CPU megatron-core's default stands: `import slime` leaves its jit fuser alone."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = (
+        "import sys, slime; assert not [f for f in sys.meta_path if type(f).__name__ == '_AfterImport'], sys.meta_path"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=root,
+        env=dict(os.environ, SLIME_DEVICE="cuda", PYTHONPATH=root),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -11,9 +11,11 @@ decision the device makes for the rest of slime (flag defaults, Ray resources, h
 
 import functools
 import gc
+import importlib.abc
 import importlib.util
 import logging
 import os
+import sys
 import warnings
 
 import torch
@@ -121,15 +123,49 @@ _MISSING_GPU_KERNELS = r"(Transformer Engine and Apex are|Transformer Engine is|
 _noted_cpu_fallbacks = False
 
 
+def _cpu_process() -> bool:
+    """Whether this process is a CPU run, decided before megatron-core is imported and without asking CUDA (that
+    would initialise the driver in a process that may fork GPU workers later): a CPU-only torch build, or
+    SLIME_DEVICE=cpu. It does not fix the device: a process may still set SLIME_DEVICE after importing slime."""
+    forced = os.environ.get("SLIME_DEVICE")
+    return forced == "cpu" or (not forced and not torch.backends.cuda.is_built())
+
+
 def quiet_expected_warnings() -> None:
     """On CPU, drop megatron-core's "Transformer Engine / Apex are not installed" import warnings (expected there);
-    on GPU they stay, as a missing kernel is worth knowing about. Run at `import slime`, before megatron-core. It
-    neither fixes the device (a process may still set SLIME_DEVICE after importing slime) nor asks CUDA (that would
-    initialise the driver in a process that may fork GPU workers later): a CPU-only torch build, or SLIME_DEVICE=cpu,
-    is a CPU run."""
-    forced = os.environ.get("SLIME_DEVICE")
-    if forced == "cpu" or (not forced and not torch.backends.cuda.is_built()):
+    on GPU they stay, as a missing kernel is worth knowing about. Run at `import slime`, before megatron-core."""
+    if _cpu_process():
         warnings.filterwarnings("ignore", message=_MISSING_GPU_KERNELS, category=UserWarning)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs `then(module)` right after module `name` executes, before any importer can read its names."""
+
+    def __init__(self, name, then):
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)  # once; and so that the lookup below finds the real spec
+        spec = importlib.util.find_spec(fullname)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            self.then(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def eager_megatron_fusions() -> None:
+    """On CPU, megatron-core's fused helpers (activations, norms, MoE routing, gated attention's output gate) run
+    eagerly rather than through `torch.compile`, its default: decorating them imports TorchDynamo (about 4 s in every
+    process that imports megatron-core), and each first call would compile C++ for the CPU. Same math, as the PyTorch
+    fallbacks a CPU run uses anyway; on GPU megatron's default stays. Run at `import slime`, before megatron-core."""
+    if _cpu_process() and "megatron.core.jit" not in sys.modules:
+        sys.meta_path.insert(0, _AfterImport("megatron.core.jit", lambda jit: jit.disable_jit_fuser()))
 
 
 def note_cpu_fallbacks(logger: logging.Logger) -> None:
