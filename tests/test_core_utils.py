@@ -438,16 +438,22 @@ def test_rank0_holds_its_rendezvous_port_from_announcing_it_until_its_store_list
         dist.destroy_process_group()
 
 
-def test_cpu_run_says_once_that_megatron_falls_back_to_torch():
-    """megatron-core warns at import that Transformer Engine and Apex are missing, in every process that imports it
-    (each trainer, the controller, the driver). On CPU that is the design: no such warning, and one line from the
-    driver's argument check that says it is expected, however often the arguments are parsed. Its fused helpers run
-    eagerly there: not wrapped by torch.compile, and TorchDynamo (4 s per process) never imported."""
+def _python(code: str, device: str):
+    """`python -c code` from the repository root with SLIME_DEVICE=device; its CompletedProcess (text output)."""
     import os
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, SLIME_DEVICE=device, PYTHONPATH=root)
+    return subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_cpu_run_says_once_that_megatron_falls_back_to_torch():
+    """megatron-core warns at import that Transformer Engine and Apex are missing, in every process that imports it
+    (each trainer, the controller, the driver). On CPU that is the design: no such warning, and one line from the
+    driver's argument check that says it is expected, however often the arguments are parsed. Its fused helpers run
+    eagerly there: not wrapped by torch.compile, and TorchDynamo (4 s per process) never imported."""
     code = (
         "from tests._args import make_args; make_args(); make_args(); "
         "import slime.backends.megatron_utils.actor, megatron.core.models.gpt.gpt_layer_specs; "
@@ -457,14 +463,7 @@ def test_cpu_run_says_once_that_megatron_falls_back_to_torch():
         "assert type(bias_swiglu).__name__ == 'function' and type(Attention._apply_output_gate).__name__ == 'function'; "
         "assert 'torch._dynamo' not in sys.modules"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=root,
-        env=dict(os.environ, SLIME_DEVICE="cpu", PYTHONPATH=root),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _python(code, "cpu")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "not installed" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.count("this is expected on CPU") == 1, proc.stderr[-3000:]
@@ -472,20 +471,8 @@ def test_cpu_run_says_once_that_megatron_falls_back_to_torch():
 
 def test_megatron_fusions_stay_compiled_off_cpu():
     """Off CPU megatron-core's default stands: `import slime` leaves its jit fuser alone."""
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = (
         "import sys, slime; assert not [f for f in sys.meta_path if type(f).__name__ == '_AfterImport'], sys.meta_path"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=root,
-        env=dict(os.environ, SLIME_DEVICE="cuda", PYTHONPATH=root),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _python(code, "cuda")
     assert proc.returncode == 0, proc.stderr[-3000:]
