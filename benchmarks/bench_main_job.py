@@ -1,9 +1,11 @@
 """Two variants of the main job's GRPO stage, over several seeds: time and rollouts to an eval accuracy.
 
 `--pair` names the variants (PAIRS below): `tree`, `--tree-training` against flat packing; `tree-today`, against flat
-packing on an engine without shared prefill (`--sglang-disable-radix-cache`: the main job before either existed);
-`fp8-tis`, an FP8 engine (the tiny kit converted by tools/convert_hf_to_fp8.py, block 128x128: every push quantises
-the trainer's weights) with `--use-tis` against the same without it. Each seed runs `scripts/run-qwen3-tiny-cpu.sh` once per variant, side by
+packing on an engine without shared prefill, one request per sample (`--sglang-disable-radix-cache
+--rollout-request-per-sample`: the main job before any of the three existed); `one-request`, the main job as it is
+against the same with `--rollout-request-per-sample`; `fp8-tis`, an FP8 engine (the tiny kit converted by
+tools/convert_hf_to_fp8.py, block 128x128: every push quantises the trainer's weights) with `--use-tis` against the
+same without it. Each seed runs `scripts/run-qwen3-tiny-cpu.sh` once per variant, side by
 side, each pinned to its own core (`taskset`), both from one SFT model (SFT_FROM: trained once, by the first run of
 this benchmark unless given), at a constant LR, with `--seed` and `--rollout-seed` set to the seed (engine sampling
 and data order). Per run it reads `metrics.jsonl`: GRPO time (the sum of `perf/step_time`: the loop's wall time,
@@ -34,8 +36,14 @@ FP8_DIR = os.path.join(ROOT, "models", "qwen3-tiny-fp8")
 # pair -> the two variants: (name, the script's environment, extra arguments)
 PAIRS = {
     "tree": [("tree", {"TREE": "1"}, ""), ("flat", {"TREE": "0"}, "")],
-    # the issue's baseline: flat packing on an engine without shared prefill (the main job before either existed)
-    "tree-today": [("tree", {"TREE": "1"}, ""), ("today", {"TREE": "0"}, "--sglang-disable-radix-cache")],
+    # the issue's baseline: flat packing, an engine without shared prefill, one request per sample (the main job
+    # before any of the three existed)
+    "tree-today": [
+        ("tree", {"TREE": "1"}, ""),
+        ("today", {"TREE": "0"}, "--sglang-disable-radix-cache --rollout-request-per-sample"),
+    ],
+    # a group's fresh samples in one /generate (the default) against one request per sample
+    "one-request": [("group", {}, ""), ("per_sample", {}, "--rollout-request-per-sample")],
     "fp8-tis": [
         ("fp8_tis", {"MODEL_DIR": FP8_DIR}, "--use-tis --get-mismatch-metrics"),
         ("fp8", {"MODEL_DIR": FP8_DIR}, "--get-mismatch-metrics"),

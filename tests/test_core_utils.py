@@ -183,6 +183,13 @@ def test_async_run_uses_one_background_loop():
     with pytest.raises(TimeoutError, match="did not finish within 0.2s"):
         async_utils.run(slow(), timeout=0.2)
 
+    async def times_out_itself():  # its own error, with its own message, not this wait's
+        await asyncio.wait_for(asyncio.sleep(5), 0.01)
+
+    with pytest.raises(TimeoutError) as e:
+        async_utils.run(times_out_itself())
+    assert "did not finish within" not in str(e.value)
+
 
 # ---------------------------------------------------------------- http
 

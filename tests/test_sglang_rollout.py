@@ -275,6 +275,143 @@ def test_generate_rollout_default_path(engine, tiny_kit, prompts):
     assert [g[0].label for g in generate_rollout(args, 1, ds)] == ["7", "9", "11"]
 
 
+def _recording_posts(monkeypatch):
+    """The /generate bodies the default rollout sends through the router (the real `post`, observed)."""
+    bodies, real_post = [], sglang_rollout.post
+
+    async def recording_post(url, payload, **kw):
+        if url.endswith("/generate"):
+            bodies.append(copy.deepcopy(payload))
+        return await real_post(url, payload, **kw)
+
+    monkeypatch.setattr(sglang_rollout, "post", recording_post)
+    return bodies
+
+
+def test_a_groups_fresh_samples_go_out_as_one_batch_request(engine, tiny_kit, prompts, monkeypatch):
+    """Each group of 4 is one /generate with 4 input_ids; every sample gets what the per-sample path gives it: greedy,
+    the same tokens and log-probs (the engine batches both alike) and its own sampling record."""
+    shape = dict(rollout_batch_size=2, n_samples_per_prompt=4, rollout_temperature=0.0)
+    args = make_args(engine, tiny_kit, prompts, **shape)
+    bodies = _recording_posts(monkeypatch)
+    groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    assert len(bodies) == 2
+    for body, group in zip(sorted(bodies, key=lambda b: b["input_ids"][0]), sorted(groups, key=lambda g: g[0].tokens)):
+        assert body["input_ids"] == [s.tokens[: len(s.tokens) - s.response_length] for s in group]
+        assert isinstance(body["sampling_params"], dict)  # one for all: sglang-router takes no list here
+    tokenizer = GenerateState(args).tokenizer
+    for s in (s for g in groups for s in g):
+        check_generated(s, tokenizer, 8)
+        (record,) = s.metadata["sampling_params"]
+        assert record["response_span"] == [0, s.response_length] and record["source"] == sglang_rollout.GENERATE
+
+    bodies.clear()  # the same prompts one request per sample
+    SingletonMeta.clear_instances(GenerateState)
+    args = make_args(engine, tiny_kit, prompts, "--rollout-request-per-sample", **shape)
+    alone = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    assert len(bodies) == 8 and all(isinstance(b["input_ids"][0], int) for b in bodies)
+    assert [[s.tokens for s in g] for g in alone] == [[s.tokens for s in g] for g in groups]
+    for a, b in zip((s for g in alone for s in g), (s for g in groups for s in g)):
+        assert a.rollout_log_probs == pytest.approx(b.rollout_log_probs, abs=1e-5)
+        assert a.metadata["sampling_params"] == b.metadata["sampling_params"]
+
+    # outputs land on their own samples: two different prompts in one batch, each as its own request gives it
+    two = [Sample(index=i, prompt=p) for i, p in enumerate(["What is 1+2?", "Tell me a long story"])]
+    params = dict(GenerateState(args).sampling_params, temperature=0.0)
+    batched = run(sglang_rollout.generate_group(args, copy.deepcopy(two), params))
+    single = [run(generate(args, s, dict(params))) for s in copy.deepcopy(two)]
+    assert [s.tokens for s in batched] == [s.tokens for s in single] and batched[0].tokens != batched[1].tokens
+
+    # sampled (temperature 1): each sample of a batch draws on its own
+    SingletonMeta.clear_instances(GenerateState)
+    args = make_args(engine, tiny_kit, prompts, **dict(shape, rollout_temperature=1.0))
+    for group in generate_rollout(args, 0, RolloutDataSourceWithBuffer(args)):
+        assert len({tuple(s.tokens) for s in group}) > 1
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "default",
+        "evaluation with top-p",
+        "custom generate",
+        "sample's own generate",
+        "deterministic",
+        "top-p replay",
+        "routing replay",
+        "resumed",
+        "images",
+        "one sample",
+        "over the concurrency",
+        "--rollout-request-per-sample",
+        "sessions under consistent hashing",
+    ],
+)
+def test_only_groups_of_fresh_text_samples_the_default_generate_sends_alone_become_one_request(
+    engine, tiny_kit, prompts, case
+):
+    argv, overrides = [], {"n_samples_per_prompt": 4}
+    if case == "evaluation with top-p" or case == "top-p replay":
+        overrides.update(rollout_top_p=0.9)
+    if case == "custom generate":
+        overrides.update(custom_generate_function_path=f"{HERE}.short_and_long_generate")
+    if case == "deterministic":
+        argv.append("--deterministic-mode")
+    if case == "routing replay":
+        overrides.update(use_rollout_routing_replay=True)
+    if case == "--rollout-request-per-sample":
+        argv.append(case)
+    if case == "sessions under consistent hashing":
+        overrides.update(router_policy="consistent_hashing")
+    if case == "over the concurrency":
+        overrides.update(sglang_server_concurrency=3)
+    args = make_args(engine, tiny_kit, prompts, *argv, **overrides)
+    group = [Sample(index=i, prompt="What is 1+2?") for i in range(1 if case == "one sample" else 4)]
+    if case == "sample's own generate":
+        group[2].generate_function_path = f"{HERE}.short_and_long_generate"
+    if case == "resumed":
+        group[1].response_length, group[1].status = 2, Sample.Status.ABORTED
+    if case == "images":
+        group[0].multimodal_inputs = {"images": ["a.png"]}
+    if case == "sessions under consistent hashing":  # each its own engine; one session would be one request
+        for i, s in enumerate(group):
+            s.session_id = f"session-{i}"
+    expected = case in ("default", "evaluation with top-p")
+    assert sglang_rollout._one_request(args, group, case == "evaluation with top-p") is expected
+
+
+def test_group_slots_are_taken_whole_so_two_groups_never_wait_on_each_other(engine, tiny_kit, prompts):
+    """Concurrency 4, two groups of 3 queued behind a holder of all 4: taken slot by slot they could split 2 + 2 and
+    wait forever; a group cancelled while waiting gives back what it took."""
+    import asyncio
+
+    args = make_args(engine, tiny_kit, prompts, sglang_server_concurrency=4)
+    state = GenerateState(args)
+    peak, held = [0], [0]
+
+    async def group(n, hold=0.01):
+        async with state.slots(n):
+            held[0] += n
+            peak[0] = max(peak[0], held[0])
+            await asyncio.sleep(hold)
+            held[0] -= n
+
+    async def scenario():
+        first = asyncio.create_task(group(4, hold=0.05))
+        await asyncio.sleep(0)
+        await asyncio.wait_for(asyncio.gather(first, group(3), group(3)), 10)
+        blocker = asyncio.create_task(group(2, hold=0.2))
+        await asyncio.sleep(0)
+        cancelled = asyncio.create_task(group(3))  # takes 2 of 3, then waits
+        await asyncio.sleep(0.05)
+        cancelled.cancel()
+        await asyncio.gather(blocker, cancelled, return_exceptions=True)
+        await asyncio.wait_for(group(4), 10)  # every slot came back
+
+    run(scenario())
+    assert peak[0] == 4
+
+
 def test_top_p_rollout_records_each_steps_kept_set_through_the_router(engine, tiny_kit, prompts):
     from slime.ray.buffer import convert_samples_to_train_data
     from slime.utils.top_p_replay import kept_sets_error

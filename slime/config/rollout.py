@@ -114,6 +114,14 @@ def add_rollout_arguments(parser):
         default=None,
         help="async generate(args, sample, sampling_params) replacing the default single-turn generate.",
     )
+    g.add_argument(
+        "--rollout-request-per-sample",
+        action="store_true",
+        default=False,
+        help="The default generate sends each sample of a group as its own /generate (current slime's way) instead "
+        "of a group's fresh samples as one batch request, e.g. for a proxy in front of the router that takes one "
+        "prompt per request.",
+    )
     g.add_argument("--buffer-filter-path", type=str, default=None)
     g.add_argument(
         "--update-weight-buffer-size", type=int, default=512 * 1024**2, help="Bytes per weight-update bucket."

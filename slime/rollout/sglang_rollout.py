@@ -5,6 +5,7 @@ Module import needs neither sglang, megatron nor a GPU.
 """
 
 import asyncio
+import contextlib
 import copy
 import functools
 import logging
@@ -55,9 +56,11 @@ class GenerateState(metaclass=SingletonMeta):
         media = [args.multimodal_keys, *(d.multimodal_keys for d in getattr(args, "eval_datasets", None) or [])]
         self.processor = next((multimodal_dataset_kwargs(args, k)["processor"] for k in media if k), None)
         # Bound in-flight requests to what the engines accept: concurrency per engine x number of engines.
-        self.semaphore = asyncio.Semaphore(
-            max(1, args.sglang_server_concurrency * policy_num_gpus(args) // args.rollout_num_gpus_per_engine)
+        self.concurrency = max(
+            1, args.sglang_server_concurrency * policy_num_gpus(args) // args.rollout_num_gpus_per_engine
         )
+        self.semaphore = asyncio.Semaphore(self.concurrency)
+        self._multi_acquire = asyncio.Lock()
         self.sampling_params = dict(
             temperature=args.rollout_temperature,
             top_p=args.rollout_top_p,
@@ -79,6 +82,21 @@ class GenerateState(metaclass=SingletonMeta):
         self.aborted = False
         self.request_timeouts = 0  # /generate calls over --rollout-request-timeout (each retried)
         self.timed_out_groups = []  # groups over --rollout-group-timeout, as they were handed out
+
+    @contextlib.asynccontextmanager
+    async def slots(self, n: int):
+        """n of the semaphore's slots (n <= concurrency), taken by one holder at a time: two groups each holding
+        part of what they need would wait on each other forever."""
+        taken = 0
+        try:
+            async with self._multi_acquire:
+                while taken < n:
+                    await self.semaphore.acquire()
+                    taken += 1
+            yield
+        finally:  # also the slots taken before a cancellation
+            for _ in range(taken):
+                self.semaphore.release()
 
     def submit_generate_tasks(self, samples: list[list[Sample]]):
         for group in samples:
@@ -206,11 +224,7 @@ async def generate(args, sample: Sample, sampling_params, evaluation=False) -> S
     sets, as the trainer computes them."""
     state = GenerateState(args)
     url = f"{router_url(args)}/generate"
-
-    if sample.status not in (Sample.Status.PENDING, Sample.Status.ABORTED):
-        raise ValueError(
-            f"sample {sample.index} has status {sample.status.value}; only pending or aborted samples are generated"
-        )
+    _check_generatable(sample)
 
     if sample.response_length > 0:  # resume a partial rollout: only the remaining token budget
         sampling_params["max_new_tokens"] -= sample.response_length
@@ -218,6 +232,44 @@ async def generate(args, sample: Sample, sampling_params, evaluation=False) -> S
             sample.status = Sample.Status.TRUNCATED
             return sample
 
+    payload, replay, routed = _payload(args, state, sample, sampling_params, evaluation)
+    on_retry = _on_retry(args, state, f"sample {sample.index}")
+    if replay or routed:  # the router drops both request fields
+        output, url = await _post_to_a_worker(args, state, sample, payload, on_retry)
+    else:
+        output = await _post_router(args, url, payload, sample, on_retry, f"sample {sample.index}")
+    return _take_output(args, sample, output, url, payload, sampling_params, replay, routed)
+
+
+async def generate_group(args, group: list[Sample], sampling_params) -> list[Sample]:
+    """The default generate for a group of fresh samples in one batch `/generate` (SGLang's list `input_ids`, one
+    `sampling_params` for all): one HTTP round trip, one request to parse and one response to write for the group
+    instead of one per sample. Each sample gets exactly what `generate` would give it from the same output."""
+    state = GenerateState(args)
+    url = f"{router_url(args)}/generate"
+    for sample in group:
+        _check_generatable(sample)
+    payloads = [_payload(args, state, sample, sampling_params, False)[0] for sample in group]
+    body = {**payloads[0], "input_ids": [p["input_ids"] for p in payloads]}
+    what = f"samples {[s.index for s in group]}"
+    outputs = await _post_router(args, url, body, group[0], _on_retry(args, state, what), what)
+    if not isinstance(outputs, list) or len(outputs) != len(group):
+        raise RuntimeError(f"{url} returned an unexpected response for {what}: {str(outputs)[:300]}")
+    return [
+        _take_output(args, sample, output, url, payload, sampling_params, False, False)
+        for sample, output, payload in zip(group, outputs, payloads)
+    ]
+
+
+def _check_generatable(sample):
+    if sample.status not in (Sample.Status.PENDING, Sample.Status.ABORTED):
+        raise ValueError(
+            f"sample {sample.index} has status {sample.status.value}; only pending or aborted samples are generated"
+        )
+
+
+def _payload(args, state, sample, sampling_params, evaluation):
+    """(the sample's /generate body, whether it asks for sampling masks, whether for routed experts)."""
     payload = {
         **prompt_fields(state, sample),
         "sampling_params": sampling_params,
@@ -230,30 +282,36 @@ async def generate(args, sample: Sample, sampling_params, evaluation=False) -> S
     routed = not evaluation and args.use_rollout_routing_replay
     if routed:  # R3: every token's experts per layer (for the whole sequence: a resumed prompt is re-routed)
         payload["return_routed_experts"] = True
+    return payload, replay, routed
 
+
+def _on_retry(args, state, what):
     def on_retry(error):
         if isinstance(error, asyncio.TimeoutError):
             state.request_timeouts += 1
             logger.warning(
-                f"sample {sample.index}: /generate took longer than --rollout-request-timeout "
+                f"{what}: /generate took longer than --rollout-request-timeout "
                 f"{args.rollout_request_timeout:g}s; retrying it"
             )
 
-    if replay or routed:  # the router drops both request fields
-        output, url = await _post_to_a_worker(args, state, sample, payload, on_retry)
-    else:
-        try:
-            output = await post(
-                url,
-                payload,
-                timeout=args.rollout_request_timeout,
-                headers=routing_headers(args, sample),
-                on_retry=on_retry,
-            )
-        except ConnectionError as e:
-            raise ConnectionError(
-                f"sglang-router at {router_url(args)} did not serve sample {sample.index}: {e}"
-            ) from e
+    return on_retry
+
+
+async def _post_router(args, url, payload, sample, on_retry, what):
+    try:
+        return await post(
+            url,
+            payload,
+            timeout=args.rollout_request_timeout,
+            headers=routing_headers(args, sample),
+            on_retry=on_retry,
+        )
+    except ConnectionError as e:
+        raise ConnectionError(f"sglang-router at {router_url(args)} did not serve {what}: {e}") from e
+
+
+def _take_output(args, sample, output, url, payload, sampling_params, replay, routed) -> Sample:
+    """Append one /generate output (tokens, log-probs, kept sets, routed experts, its sampling record) to sample."""
     if not isinstance(output, dict) or "meta_info" not in output:
         raise RuntimeError(f"{url} returned an unexpected response for sample {sample.index}: {str(output)[:300]}")
 
@@ -318,6 +376,12 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict, evaluatio
         sample = await generate_fn(
             args, sample, sampling_params, **accepted_kwargs(generate_fn, evaluation=evaluation)
         )
+    return await _hooks_and_reward(args, sample, evaluation)
+
+
+async def _hooks_and_reward(args, sample, evaluation):
+    """A generated sample (or a custom generate's list of them) through the sample hooks, then its reward unless
+    --group-rm scores the whole group."""
     sample = await apply_rollout_sample_hooks(args, sample, evaluation=evaluation)
 
     # group RM scores the whole group in generate_and_rm_group
@@ -341,6 +405,42 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict, evaluatio
     return sample
 
 
+def _one_request(args, group, evaluation) -> bool:
+    """Whether the default generate sends the group as one batch request (unless --rollout-request-per-sample): fresh
+    text samples that it generates itself, through the router, to one engine (one session under consistent hashing),
+    with the same sampling parameters (not --deterministic-mode's per-sample seeds), no more of them than the
+    concurrency limit admits at once."""
+    return (
+        len(group) > 1
+        and len(group) <= GenerateState(args).concurrency
+        and not args.rollout_request_per_sample
+        and not args.custom_generate_function_path
+        and not args.sglang_enable_deterministic_inference
+        and (evaluation or not (sampling_is_truncated(args) or args.use_rollout_routing_replay))
+        and all(routing_headers(args, s) == routing_headers(args, group[0]) for s in group)
+        and all(
+            s.status == Sample.Status.PENDING
+            and s.response_length == 0
+            and not s.generate_function_path
+            and not (s.multimodal_inputs and s.multimodal_inputs.get("images"))
+            for s in group
+        )
+    )
+
+
+async def generate_and_rm_one_request(args, group, sampling_params, evaluation=False) -> list[Sample]:
+    """`generate_and_rm` for each sample of a group that `_one_request` admits, the group's /generate calls sent as
+    one: it holds one concurrency slot per sample, as n separate requests would."""
+    state = GenerateState(args)
+    async with state.slots(len(group)):
+        if state.aborted:
+            for sample in group:
+                sample.status = Sample.Status.ABORTED
+            return group
+        group = await generate_group(args, group, sampling_params)
+    return list(await asyncio.gather(*(_hooks_and_reward(args, s, evaluation) for s in group)))
+
+
 def seeded(args, sampling_params, j):
     """A copy of `sampling_params`; with --sglang-enable-deterministic-inference (which --deterministic-mode turns on)
     the j-th sample of a group gets `sampling_seed` --rollout-seed + j (as current slime), so the engine's draws
@@ -356,12 +456,15 @@ async def generate_and_rm_group(args, group: list[Sample], sampling_params: dict
     if state.aborted:
         return group
 
-    results = await asyncio.gather(
-        *(
-            generate_and_rm(args, sample, seeded(args, sampling_params, j), evaluation=evaluation)
-            for j, sample in enumerate(group)
+    if _one_request(args, group, evaluation):
+        results = await generate_and_rm_one_request(args, group, sampling_params, evaluation=evaluation)
+    else:
+        results = await asyncio.gather(
+            *(
+                generate_and_rm(args, sample, seeded(args, sampling_params, j), evaluation=evaluation)
+                for j, sample in enumerate(group)
+            )
         )
-    )
     group = [s for r in results for s in (r if isinstance(r, list) else [r])]
 
     if args.group_rm and not state.aborted and not any(s.status == Sample.Status.ABORTED for s in group):

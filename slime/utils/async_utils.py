@@ -22,6 +22,8 @@ def run(coro, timeout=None):
     try:
         return future.result(timeout)
     except TimeoutError:
+        if future.done():  # the coroutine's own TimeoutError, not this wait's
+            raise
         future.cancel()
         raise TimeoutError(
             f"coroutine {getattr(coro, '__qualname__', coro)} did not finish within {timeout}s"
