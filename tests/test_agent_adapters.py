@@ -329,6 +329,16 @@ def test_requests_the_adapters_cannot_honour_get_the_apis_error_shape(stack, cap
     assert oc.chat.completions.create(model="p", messages=user, max_tokens=4).choices[0].message is not None
     assert finish_all(oa, "bad-oa")[0].response_length > 0
     assert finish_all(an, "bad-an") == []
+    # a request after its session ended hears so (409), not "open it first"; the id may be opened again
+    recorder.take()
+    with pytest.raises(openai.ConflictError, match="session 'bad-oa' is already finished"):
+        oc.chat.completions.create(model="p", messages=user, max_tokens=4)
+    status, err = anthropic_error()
+    assert status == 409 and "session 'bad-an' is already finished" in err["message"]
+    assert recorder.take() == []
+    an.open_session("bad-an", sampling_defaults={"temperature": 0})
+    assert ac.messages.create(model="p", max_tokens=2, messages=user).content is not None
+    assert len(finish_all(an, "bad-an")) == 1
 
     # a session never finished is dropped with its reason logged when the adapter closes
     oa.open_session("abandoned")
@@ -337,6 +347,12 @@ def test_requests_the_adapters_cannot_honour_get_the_apis_error_shape(stack, cap
     assert "agent session abandoned dropped after 0 turn(s)" in caplog.text
     assert "the adapter closed before finish_session" in caplog.text
     assert oa.open_sessions() == []
+    with pytest.raises(
+        openai.ConflictError, match=r"'abandoned' was dropped \(the adapter closed before finish_session"
+    ):
+        openai.OpenAI(api_key="abandoned", base_url=oa_url + "/v1", max_retries=0).chat.completions.create(
+            model="p", messages=user
+        )
 
 
 def test_openai_agents_sdk_runs_a_tool_loop_through_the_adapter(stack, kit):

@@ -15,6 +15,7 @@ table is guarded by a lock and nothing here is tied to one loop.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import json
 import logging
@@ -36,6 +37,7 @@ from slime.utils.types import Sample
 from slime.utils.weight_versions import call_spans
 
 logger = logging.getLogger(__name__)
+_ENDED_SESSIONS_KEPT = 10_000  # ended session ids remembered for a clear 409 (a few hundred KB at most)
 
 
 # the sampling parameters a client could send that change the distribution sampled from, with the engine's defaults
@@ -128,6 +130,8 @@ class BaseAdapter:
         self.return_kept_sets, self.worker_api_key = return_kept_sets, worker_api_key
         self._workers: list[str] = []  # the router's workers, read on first use and after a failure
         self._sessions: dict[str, Session] = {}
+        # the latest ended sessions (id -> how they ended), so a late request hears 409, not "open it first"
+        self._ended: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.app = web.Application(client_max_size=64 << 20)
         self.app.router.add_get("/health", self._health)
@@ -170,6 +174,7 @@ class BaseAdapter:
         with self._lock:
             if session_id in self._sessions:
                 raise ValueError(f"session {session_id!r} is already open; session ids must be unique")
+            self._ended.pop(session_id, None)
             self._sessions[session_id] = Session(
                 session_id, TrajectoryTree(session_id), dict(sampling_defaults or {}), int(max_context_tokens)
             )
@@ -193,6 +198,7 @@ class BaseAdapter:
             await asyncio.sleep(0.01)
         with self._lock:
             self._sessions.pop(session_id, None)
+            self._remember_ended(session_id, "is already finished")
             session.finished = True
             if session.inflight:
                 logger.warning(
@@ -208,6 +214,8 @@ class BaseAdapter:
         """Forget a session without producing samples (the episode failed or was abandoned); logs why."""
         with self._lock:
             session = self._sessions.pop(session_id, None)
+            if session is not None:
+                self._remember_ended(session_id, f"was dropped ({reason})")
         if session is None:
             return
         session.closed = session.finished = True
@@ -237,6 +245,11 @@ class BaseAdapter:
     def open_sessions(self) -> list[str]:
         with self._lock:
             return list(self._sessions)
+
+    def _remember_ended(self, session_id: str, how: str) -> None:
+        self._ended[session_id] = how
+        if len(self._ended) > _ENDED_SESSIONS_KEPT:
+            self._ended.popitem(last=False)
 
     def _close(self, session_id: str) -> Session:
         with self._lock:
@@ -326,6 +339,8 @@ class BaseAdapter:
             )
         with self._lock:
             session = self._sessions.get(session_id)
+            if session is None and session_id in self._ended:
+                raise AdapterError(409, f"session {session_id!r} {self._ended[session_id]}")
             if session is None:
                 raise AdapterError(
                     404, f"unknown session {session_id!r}: open_session it first", kind="not_found_error"
