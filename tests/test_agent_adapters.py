@@ -621,3 +621,36 @@ def test_a_streamed_turn_the_client_has_read_is_recorded_when_it_finishes_the_se
     calls = stack["recorder"].take()
     assert len(calls) == 1 and text
     check_against_engine(sample, calls, kit[2])
+
+
+def test_session_id_fallbacks_and_refused_responses_settings():
+    """Which header or body field names the session, per adapter and in order; and the Responses API refuses a
+    non-empty `reasoning` setting and `truncation: "auto"` with a 400 naming the field. No engine: the hooks are
+    called on adapters that never start."""
+    from aiohttp.test_utils import make_mocked_request
+
+    from slime.agent.adapters.common import AdapterError
+
+    def req(**headers):
+        return make_mocked_request("POST", "/v1/x", headers=headers)
+
+    oa = OpenAIAdapter(tokenizer=None, sglang_url="http://127.0.0.1:1")
+    an = AnthropicAdapter(tokenizer=None, sglang_url="http://127.0.0.1:1")
+    body = {"metadata": {"session_id": "md", "user_id": "uid"}, "user": "u"}
+    for sid in (oa._session_id, oa._responses._session_id):  # Chat Completions and Responses alike
+        assert sid(req(Authorization="Bearer key"), body) == "key"
+        assert sid(req(Authorization="Bearer  "), body) == "md"  # an empty token names nothing
+        assert sid(req(), body) == "md"
+        assert sid(req(), {"metadata": {}, "user": "u"}) == "u"
+        assert sid(req(), {}) is None
+    assert an._session_id(req(**{"x-api-key": "key", "Authorization": "Bearer tok"}), body) == "key"
+    assert an._session_id(req(Authorization="Bearer tok"), body) == "tok"
+    assert an._session_id(req(), body) == "uid"
+    assert an._session_id(req(), {"metadata": {"session_id": "md"}}) is None
+
+    ok = {"model": "p", "input": "hi"}
+    oa._responses._check_body(dict(ok, reasoning={"effort": None, "summary": None}, truncation="disabled"))
+    for field, value in (("reasoning", {"effort": "high"}), ("truncation", "auto")):
+        with pytest.raises(AdapterError) as e:
+            oa._responses._check_body(dict(ok, **{field: value}))
+        assert e.value.status == 400 and e.value.param == field and field in e.value.message

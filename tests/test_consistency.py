@@ -77,6 +77,8 @@ def test_one_optimizer_step_per_rollout_reuses_the_training_forwards_log_probs()
         ["--keep-old-actor"],
         ["--advantage-estimator", "gspo"],
         ["--loss-type", "sft_loss"],
+        ["--custom-advantage-function-path", "my_module.my_advantages"],
+        ["--rollout-data-postprocess-path", "my_module.my_postprocess"],
     ):
         assert needs_old_log_prob_forward(make_args(*flags), num_steps=1), flags
 

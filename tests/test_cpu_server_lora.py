@@ -234,3 +234,124 @@ def test_an_adapter_for_a_projection_the_model_lacks_is_refused_by_name():
     tensors = {f"base_model.model.model.layers.1.self_attn.q_proj.{k}": v for k, v in pair.items()}
     with pytest.raises(WeightError, match="LoRA adapter a: the served model has no layer 1 q_proj"):
         Adapter("a", "p", {"r": 2, "lora_alpha": 4}, tensors, dims, torch.float32, fuse=False)
+
+
+def _registry(targets=("all",), max_per_batch=2, max_loaded=None):
+    """A LoRARegistry as `--enable-lora --max-lora-rank 8 --lora-target-modules ...` builds it, over a one-layer
+    model whose projections all have 4 outputs."""
+    from types import SimpleNamespace
+
+    from slime.backends.cpu_server.lora import PROJECTIONS, LoRARegistry
+
+    args = SimpleNamespace(
+        max_lora_rank=8,
+        lora_target_modules=list(targets),
+        max_loras_per_batch=max_per_batch,
+        max_loaded_loras=max_loaded,
+        lora_paths=None,
+    )
+    return LoRARegistry(args, {(0, p): 4 for p in PROJECTIONS}, torch.float32)
+
+
+def _tensor_adapter(registry, name, projections=("q_proj",)):
+    """A rank-2 adapter loaded from tensors (SGLang's `__tensor__` path) on layer 0's `projections`."""
+    tensors = {}
+    for p in projections:
+        where = "self_attn" if p in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+        tensors[f"base_model.model.model.layers.0.{where}.{p}.lora_A.weight"] = torch.ones(2, 4)
+        tensors[f"base_model.model.model.layers.0.{where}.{p}.lora_B.weight"] = torch.ones(4, 2)
+    from slime.backends.cpu_server.lora import TENSOR_PATH
+
+    return registry.new_adapter(name, TENSOR_PATH, {"r": 2, "lora_alpha": 4}, tensors)
+
+
+def test_a_batch_holds_at_most_max_loras_per_batch_adapters_the_base_counting_as_one(tiny_kit):
+    """`--max-loras-per-batch 2`: base + adapter a are admitted together; b waits (and, in order, the request
+    behind it) until the batch has room for it; once the base request is gone, a and b share a batch."""
+    from slime.backends.cpu_server.sampling import SamplingParams
+    from slime.backends.cpu_server.scheduler import Req
+    from tests.test_cpu_server import _scheduler
+
+    loras = _registry(max_per_batch=2)
+    for name in ("a", "b"):
+        loras.load(_tensor_adapter(loras, name))
+    a, b = loras.acquire(["a", "b"])
+    sched = _scheduler(tiny_kit[0], max_running=8, max_total_tokens=256, lora_registry=loras)  # never started
+    sp = SamplingParams.from_dict({"max_new_tokens": 4}, 512)
+    base_r, a_r, b_r, a2_r = (Req(p, sp, lora=x) for p, x in zip(PROMPTS * 2, (None, a, b, a)))
+    sched.waiting.extend([base_r, a_r, b_r, a2_r])
+    assert sched._admit() == [base_r, a_r]
+    assert list(sched.waiting) == [b_r, a2_r]
+    sched.running = [base_r, a_r]  # base and a running: b would make three
+    assert sched._admit() == []
+    sched.running = [a_r]  # the base request finished
+    assert sched._admit() == [b_r, a2_r] and not sched.waiting
+
+
+def test_an_unload_waits_for_the_requests_using_the_adapter():
+    """`/unload_lora_adapter` takes the adapter out at once (new requests naming it fail) but answers only once the
+    requests holding it have released it."""
+    import asyncio
+    import json
+
+    from slime.backends.cpu_server.weight_api import WeightAPI
+
+    class API(WeightAPI):
+        def __init__(self, loras):
+            self.loras = loras
+
+        @staticmethod
+        async def _body(request):
+            return request
+
+    async def scenario():
+        api = API(_registry())
+        api.loras.load(_tensor_adapter(api.loras, "u"))
+        (held,) = api.loras.acquire(["u"])  # a running request using it
+        unload = asyncio.ensure_future(api.unload_lora_adapter({"lora_name": "u"}))
+        for _ in range(20):
+            await asyncio.sleep(0.01)
+        assert not unload.done()
+        assert api.loras.loaded() == {}
+        with pytest.raises(KeyError, match="not loaded: u"):
+            api.loras.acquire(["u"])
+        api.loras.release(held)  # the request finished
+        reply = await asyncio.wait_for(unload, 30)
+        assert reply.status == 200 and json.loads(reply.body)["success"] is True
+
+    asyncio.run(scenario())
+
+
+def test_an_adapter_on_modules_the_server_was_not_started_for_is_refused_as_incompatible():
+    """`--lora-target-modules qkv_proj`: an adapter on q/v loads; one that also targets o_proj is refused."""
+    from slime.backends.cpu_server.weights import WeightError
+
+    loras = _registry(targets=("qkv_proj",))
+    loras.load(_tensor_adapter(loras, "qv", ("q_proj", "v_proj")))
+    with pytest.raises(WeightError, match="LoRA adapter o with rank 2 is incompatible"):
+        loras.load(_tensor_adapter(loras, "o", ("q_proj", "o_proj")))
+    assert loras.loaded() == {"qv": "__tensor__"}
+
+
+def test_max_loaded_loras_evicts_the_least_recently_used_adapter():
+    """`--max-loaded-loras 2`: loading a third adapter evicts the one least recently loaded or requested; an
+    adapter a request still holds is not evicted."""
+    from slime.backends.cpu_server.weights import WeightError
+
+    loras = _registry(max_loaded=2)
+    loras.load(_tensor_adapter(loras, "a"))
+    loras.load(_tensor_adapter(loras, "b"))
+    loras.release(*loras.acquire(["a"]))  # a request used a: b is now the least recently used
+    loras.load(_tensor_adapter(loras, "c"))
+    assert list(loras.loaded()) == ["a", "c"]
+    (held,) = loras.acquire(["a"])  # a request holds a
+    loras.release(*loras.acquire(["c"]))  # c used since: a is the least recently used, but held
+    loras.load(_tensor_adapter(loras, "d"))
+    assert list(loras.loaded()) == ["a", "d"]
+    # every other adapter held: the new one is refused, not loaded and evicted at once (a tensor adapter is then lost)
+    (held_d,) = loras.acquire(["d"])
+    with pytest.raises(WeightError, match="Failed to load LoRA adapter e: --max-loaded-loras 2 adapters are loaded"):
+        loras.load(_tensor_adapter(loras, "e"))
+    assert list(loras.loaded()) == ["a", "d"] and "e" not in loras.evicted
+    loras.release(held_d)
+    loras.release(held)

@@ -94,6 +94,26 @@ def test_start_up_reads_the_engine_and_refuses_bad_addresses(capsys, tiny_kit, t
     assert f"{url}: --lora-sync adapter needs engines started with --enable-lora" in err
 
 
+@pytest.mark.parametrize(
+    "flags, what",
+    [
+        (["--offload"], "--offload/--offload-rollout"),
+        (["--offload-rollout"], "--offload/--offload-rollout"),
+        (["--debug-rollout-only"], "--debug-rollout-only"),
+    ],
+)
+def test_external_engines_refuse_offload_and_debug_rollout_only(capsys, monkeypatch, tiny_kit, flags, what):
+    """Refused at start-up, in one line, before any engine is contacted (no server runs here)."""
+    import slime.config.rollout as rollout_config
+
+    contacted = []
+    monkeypatch.setattr(rollout_config, "discover_external_engines", lambda *a: contacted.append(a) or [])
+    addr = f"127.0.0.1:{find_available_port(25000)}"  # nothing listens there, and nothing may try
+    err = _parse_error(capsys, tiny_kit, tiny_kit[0], addr, *flags)
+    assert f"--rollout-external-engine-addrs cannot be combined with {what}" in err
+    assert contacted == []
+
+
 @pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.parametrize("transport", ["broadcast", "disk"])

@@ -4,13 +4,17 @@ crash and resume. The bound is asserted from what every trained sample recorded:
 generation segments (`Sample.weight_versions`); the trainer's weights at rollout r are version r + 1."""
 
 import asyncio
+import logging
 import os
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import train_async as async_driver
+from slime.rollout import fully_async_rollout
+from slime.rollout.data_source import RolloutDataSourceWithBuffer
 from slime.rollout.fully_async_rollout import Group, select_batch, staleness
 from slime.rollout.sglang_rollout import generate
 from slime.utils.types import Sample
@@ -70,6 +74,85 @@ def test_select_batch_with_k0_takes_exactly_the_groups_of_the_current_version():
     assert select_batch(groups(1, 1), groups(1, first_gid=2), 3, trainer_version=1, max_staleness=0) is None
     chosen = select_batch(groups(1, 1, 1), [], 3, trainer_version=1, max_staleness=0)
     assert sorted(g.gid for g in chosen) == [0, 1, 2]
+
+
+# ---------------------------------------------------------------------------------------------- worker, no engines
+@pytest.fixture
+def one_fully_async_batch(tiny_kit, tmp_path, monkeypatch):
+    """`generate_rollout_fully_async` for rollout 0 at K=0 (2 groups live at a time, so admission order is fixed) on
+    a real data source, with `generate_and_rm_group` replaced by `fake(args, samples)`; the worker is stopped after."""
+    from slime.utils import async_utils
+
+    monkeypatch.setattr(fully_async_rollout, "GenerateState", lambda args: SimpleNamespace(sampling_params={}))
+    monkeypatch.setattr(fully_async_rollout, "run", lambda coro: async_utils.run(coro, timeout=60))
+    monkeypatch.setattr(fully_async_rollout, "_worker", None)
+
+    def take(fake, *extra):
+        async def generate_and_rm_group(args, samples, sampling_params, evaluation):
+            await asyncio.sleep(0)
+            return fake(args, samples)
+
+        monkeypatch.setattr(fully_async_rollout, "generate_and_rm_group", generate_and_rm_group)
+        args = make_args(tiny_kit, tmp_path, *FULLY_ASYNC, "--rollout-batch-size", "2", "--max-staleness", "0", *extra)
+        return fully_async_rollout.generate_rollout_fully_async(args, 0, RolloutDataSourceWithBuffer(args))
+
+    yield take
+
+    async def stop(worker):
+        for task in list(worker.tasks.values()):
+            task.cancel()
+
+    if fully_async_rollout._worker is not None:
+        async_utils.run(stop(fully_async_rollout._worker), timeout=10)
+
+
+def rewarded(samples, *rewards):
+    for s, r in zip(samples, rewards):
+        s.reward, s.status = r, Sample.Status.COMPLETED
+    return samples
+
+
+def test_a_group_the_dynamic_filter_rejects_is_dropped_counted_and_its_slot_admitted_again(one_fully_async_batch):
+    """docs/async.md: even groups all reward 1 (zero std: dropped), odd ones 0 and 1 (kept); only 2 groups are
+    live, so the batch exists only if each dropped group's slot was admitted again."""
+    out = one_fully_async_batch(
+        lambda args, samples: rewarded(samples, *([1.0] * 4 if samples[0].group_index % 2 == 0 else [0.0, 1.0] * 2)),
+        "--dynamic-sampling-filter-path",
+        "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std",
+    )
+    assert [g[0].group_index for g in out.samples] == [1, 3]
+    assert out.metrics["rollout/dynamic_filter/drop"] == 2  # groups 0 and 2
+    assert out.metrics["rollout/dynamic_filter/drop_zero_std_1.0"] == 2
+
+
+def test_a_group_whose_generation_raises_is_retried_from_its_prompt_then_dropped_after_3(
+    one_fully_async_batch, caplog
+):
+    """docs/async.md: group 0 raises twice then succeeds (trained, fully_async_failures 2); group 1 always raises
+    (dropped after 3 failures, an error in the log, drop_generation_error 1); group 2 takes its slot."""
+    caplog.set_level(logging.WARNING, logger="slime.rollout.fully_async_rollout")
+    attempts = {}
+
+    def flaky(args, samples):
+        g = samples[0].group_index
+        attempts[g] = attempts.get(g, 0) + 1
+        assert samples[0].response == "" and samples[0].reward is None  # from its prompt, not a partial result
+        if g == 1 or (g == 0 and attempts[g] <= 2):
+            raise RuntimeError(f"engine error on group {g}")
+        return rewarded(samples, 0.0, 1.0, 0.0, 1.0)
+
+    out = one_fully_async_batch(flaky)
+    assert [g[0].group_index for g in out.samples] == [0, 2]
+    assert [s.metadata.get("fully_async_failures") for s in out.samples[0]] == [2] * 4
+    assert all("fully_async_failures" not in s.metadata for s in out.samples[1])
+    assert attempts[0] == 3 and attempts[1] == 3
+    assert out.metrics["rollout/dynamic_filter/drop"] == 1
+    assert out.metrics["rollout/dynamic_filter/drop_generation_error"] == 1
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert errors == [
+        "fully async: dropping prompt group 1 after 3 failed generations; last error: RuntimeError: engine error on "
+        "group 1"
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- end to end

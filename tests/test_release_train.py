@@ -45,10 +45,25 @@ BASE = [
         ),
         ([*BASE, "--advantage-estimator", "ppo"], "with a critic"),
         ([*BASE, "--keep-old-actor"], "with --keep-old-actor"),
+        (
+            [*BASE, "--use-kl-loss", "--ref-update-interval", "2"],
+            "with --ref-update-interval: the updated reference lives in the trainers only",
+        ),
+        ([*BASE, "--debug-rollout-only"], "with --debug-rollout-only: there are no trainers to release"),
     ],
 )
 def test_release_train_start_up_checks(capsys, argv, why):
     assert f"--release-train {why}" in one_line_refusal(capsys, *argv)
+
+
+def test_release_train_refuses_lora_adapter_sync(capsys):
+    """--lora-sync adapter sends adapters by value, never through the disk --release-train needs: refused in one
+    line whichever transport is given (with disk, by --lora-sync adapter's own rule, which runs first)."""
+    lora = ["--enable-lora", "--lora-sync", "adapter"]
+    err = one_line_refusal(capsys, *BASE, *lora)
+    assert "--lora-sync adapter" in err and "use --lora-sync merged" in err
+    err = one_line_refusal(capsys, "--release-train", "--save", "/tmp/s", *lora)
+    assert "--release-train needs --update-weight-transport disk" in err
 
 
 def test_release_train_is_refused_by_train_async(capsys):

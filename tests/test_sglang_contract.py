@@ -286,6 +286,36 @@ def test_too_old_sglang_is_refused_naming_the_version():
     assert "SGLang 0.5.9 is installed" in msg and ">= 0.5.21" in msg and "slime[sglang]" in msg
 
 
+@pytest.mark.parametrize("version, refused", [("0.5.9", True), ("0.5.21", False), ("0.5.23", False)])
+def test_start_up_with_too_old_sglang_stops_in_one_line_naming_the_version(capsys, monkeypatch, version, refused):
+    """--inference-server sglang with SGLang installed: validate_args (run by parse_args) checks its version."""
+    args, cpu_args = make_args(inference_server="sglang"), make_args(inference_server="cpu")  # parsed without SGLang
+    monkeypatch.setattr(sglang_arguments, "sglang_available", lambda: True)
+    monkeypatch.setattr(sglang_arguments, "installed_sglang_version", lambda: version)
+    parser = argparse.ArgumentParser(prog="train.py")
+    if not refused:
+        sglang_arguments.validate_args(args, parser, check_cpu_server=False)
+        return
+    with pytest.raises(SystemExit) as e:
+        sglang_arguments.validate_args(args, parser, check_cpu_server=False)
+    assert e.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("train.py: error: SGLang 0.5.9 is installed, but slime needs SGLang >= 0.5.21"), last
+    # the CPU server needs no SGLang: no version check
+    sglang_arguments.validate_args(cpu_args, parser, check_cpu_server=False)
+
+
+def test_lora_adapter_launch_fields_keep_a_cpu_copy_of_the_base_only_when_sglang_releases_memory():
+    """--lora-sync adapter never pushes the base weights, so SGLang with --offload-rollout keeps a CPU copy of them."""
+    lora = dict(enable_lora=True, lora_sync="adapter", lora_rank=8)
+    fields = server_launch.lora_server_fields(make_args(inference_server="sglang", offload_rollout=True, **lora))
+    assert fields["enable_lora"] is True and fields["enable_weights_cpu_backup"] is True
+    without = server_launch.lora_server_fields(make_args(inference_server="sglang", offload_rollout=False, **lora))
+    assert without["enable_lora"] is True and "enable_weights_cpu_backup" not in without
+    cpu = server_launch.lora_server_fields(make_args(inference_server="cpu", offload_rollout=True, **lora))
+    assert cpu["enable_lora"] is True and "enable_weights_cpu_backup" not in cpu
+
+
 # ------------------------------------------------------------------ admin bodies in GPU mode
 
 

@@ -412,6 +412,32 @@ def test_group_slots_are_taken_whole_so_two_groups_never_wait_on_each_other(engi
     assert peak[0] == 4
 
 
+def test_a_batch_request_holds_one_concurrency_slot_per_sample(tiny_kit, prompts, monkeypatch):
+    """docs/usage.md: a group sent as one batch /generate holds one --sglang-server-concurrency slot per sample while
+    it runs, as n separate requests would, and gives them all back. No engine: the batch call is a stand-in."""
+    args = make_args(
+        real_args(sglang_router_ip="127.0.0.1", sglang_router_port=9), tiny_kit, prompts, sglang_server_concurrency=4
+    )
+    state = GenerateState(args)
+    assert state.concurrency == 4  # 4 per engine x 1 GPU // 1 GPU per engine
+    free_while_running = []
+
+    async def fake_generate_group(args, group, sampling_params):
+        free_while_running.append(state.semaphore._value)
+        for s in group:
+            s.tokens, s.response, s.response_length = [1, 5, 6], "x", 1
+            s.status, s.reward = Sample.Status.COMPLETED, 1.0
+        return group
+
+    monkeypatch.setattr(sglang_rollout, "generate_group", fake_generate_group)
+    group = [Sample(index=i, prompt="What is 1+2?") for i in range(3)]
+    assert sglang_rollout._one_request(args, group, False)
+    out = run(sglang_rollout.generate_and_rm_one_request(args, group, dict(state.sampling_params)), timeout=60)
+    assert free_while_running == [4 - 3]
+    assert state.semaphore._value == 4  # every slot given back
+    assert [s.status for s in out] == [Sample.Status.COMPLETED] * 3 and [s.reward for s in out] == [1.0] * 3
+
+
 def test_top_p_rollout_records_each_steps_kept_set_through_the_router(engine, tiny_kit, prompts):
     from slime.ray.buffer import convert_samples_to_train_data
     from slime.utils.top_p_replay import kept_sets_error
@@ -646,6 +672,85 @@ def test_abort_returns_partial_groups_that_resume_next_rollout(engine, tiny_kit,
     assert all(left[i].metadata["start_rollout_id"] == 0 for i in left if i != 5)
 
 
+def _wait_until_generating(args, n, prompt_len, timeout=60.0):
+    """Poll the engine's /get_load (bounded) until n requests run and each holds some decoded rows beyond its
+    prompt: the abort then lands mid-generation, whatever the machine's speed (LONG leaves a wide margin)."""
+    import time
+
+    import requests
+
+    from slime.backends.sglang_utils.router import list_workers, router_url
+
+    (worker,) = list_workers(router_url(args))
+    deadline, load = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        (load,) = requests.get(f"{worker}/get_load", timeout=5).json()
+        if load["num_reqs"] == n and load["num_tokens"] >= n * (prompt_len + 8):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"the engine did not start generating {n} requests within {timeout}s (last load: {load})")
+
+
+def test_an_aborted_batch_group_keeps_each_samples_tokens_and_resumes_one_request_per_sample(
+    engine, tiny_kit, prompts, monkeypatch
+):
+    """docs/usage.md (--partial-rollout, batch /generate): a fresh group of 4 goes out as one batch request; aborted
+    mid-generation, every sample keeps its own partial tokens and log-probs; resumed, the group goes one request per
+    sample, each continuing from its tokens to the whole budget."""
+    import asyncio
+
+    args = make_args(
+        engine,
+        tiny_kit,
+        prompts,
+        partial_rollout=True,
+        n_samples_per_prompt=4,
+        rollout_max_response_len=LONG,
+        custom_rm_path=f"{HERE}.response_length_rm",
+    )
+    state = GenerateState(args)
+    state.sampling_params["ignore_eos"] = True  # every request runs its whole budget unless aborted
+    prompt = state.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 1+2?"}], tokenize=False, add_generation_prompt=True
+    )
+    prompt_len = len(state.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    group = [Sample(index=i, group_index=0, prompt=prompt, label="3") for i in range(4)]
+    bodies = _recording_posts(monkeypatch)
+
+    async def submit_then_abort():
+        state.submit_generate_tasks([group])
+        await asyncio.get_running_loop().run_in_executor(None, _wait_until_generating, args, 4, prompt_len)
+        return await sglang_rollout.abort(args, 0)
+
+    (partial,) = run(submit_then_abort(), timeout=180)
+    assert len(bodies) == 1 and len(bodies[0]["input_ids"]) == 4  # one batch request for the group
+    assert len(partial) == 4
+    for s in partial:
+        assert s.status == Sample.Status.ABORTED and s.reward is None
+        assert 0 < s.response_length < LONG
+        assert len(s.tokens) == prompt_len + s.response_length
+        assert len(s.rollout_log_probs) == s.response_length
+        assert s.metadata["start_rollout_id"] == 0
+    old = copy.deepcopy(partial)
+
+    # the next rollout resumes them: one request per sample, each from its own tokens, within the same budget
+    state.reset()
+    bodies.clear()
+    params = dict(state.sampling_params)
+    resumed = run(sglang_rollout.generate_and_rm_group(args, partial, params), timeout=300)
+    assert len(bodies) == 4 and all(isinstance(b["input_ids"][0], int) for b in bodies)
+    assert sorted(b["input_ids"] for b in bodies) == sorted(s.tokens for s in old)
+    assert sorted(b["sampling_params"]["max_new_tokens"] for b in bodies) == sorted(
+        LONG - s.response_length for s in old
+    )
+    assert [s.index for s in resumed] == [0, 1, 2, 3]
+    for s, o in zip(resumed, old):
+        assert s.tokens[: len(o.tokens)] == o.tokens and s.response.startswith(o.response)
+        assert s.rollout_log_probs[: o.response_length] == o.rollout_log_probs
+        assert s.response_length == LONG and len(s.rollout_log_probs) == LONG
+        assert s.status == Sample.Status.TRUNCATED and s.reward == float(LONG)
+
+
 @pytest.mark.parametrize("mask", [True, False])
 def test_mask_offpolicy_in_partial_rollout_masks_what_a_resumed_sample_brought(engine, tiny_kit, prompts, mask):
     """A sample cut after 3 tokens resumes to 8 through the real engine: with the flag its loss mask is 3 zeros (older
@@ -856,3 +961,23 @@ def test_streaming_generate_gives_the_default_generates_tokens_and_log_probs(eng
         [([0, 8], "engine echo", 1.0, 1)]
     ] * 2
     assert [x[0]["lora_path"] for x in recs] == [None, None]  # the adapter each request named (none: the base)
+
+
+@pytest.mark.parametrize("truncation", [{"rollout_top_p": 0.9}, {"rollout_top_k": 20}])
+def test_streaming_generate_refuses_truncated_sampling(tiny_kit, prompts, monkeypatch, truncation):
+    """docs/usage.md: the streaming generate does not ask for the kept token sets top-p/top-k replay needs, so a
+    training rollout with truncated sampling is refused before any request goes out."""
+    from slime.rollout import sglang_streaming_rollout
+
+    async def no_request(url, payload, **kw):
+        raise AssertionError(f"a request went out: {payload}")
+        yield  # an async generator, as post_stream is
+
+    monkeypatch.setattr(sglang_streaming_rollout, "post_stream", no_request)
+    args = make_args(real_args(sglang_router_ip="127.0.0.1", sglang_router_port=9), tiny_kit, prompts, **truncation)
+    with pytest.raises(
+        ValueError,
+        match="generate_streaming does not ask the engine for the kept token sets.*"
+        "use the default generate for truncated sampling",
+    ):
+        run(generate_streaming(args, Sample(index=0, prompt="1+2="), {"max_new_tokens": 4}), timeout=60)

@@ -21,10 +21,16 @@ class FakeSGLangEngine:
     fingerprint, the `/weights_checker checksum` response the test sets."""
 
     def __init__(self):
-        self.body, self.server_dead = None, False
+        self.body, self.server_dead, self.checksum_error = None, False, None
 
     def set_checksums(self, body):
         self.body = body
+
+    def fail_checksums(self, message):
+        self.checksum_error = message  # SGLang's /weights_checker checksum fails (None: it answers again)
+
+    def hang(self, seconds):
+        time.sleep(seconds)  # a call the driver waits on
 
     def kill_server(self):
         self.server_dead = True
@@ -36,6 +42,8 @@ class FakeSGLangEngine:
         assert action == "checksum"
         if self.server_dead:  # as SGLangEngine's request fails on a closed port
             raise RuntimeError("POST /weights_checker failed: Connection refused")
+        if self.checksum_error:
+            raise RuntimeError(self.checksum_error)
         return self.body
 
     def check_alive(self):
@@ -105,6 +113,60 @@ def test_one_sglang_engine_is_held_to_the_change_set_rule(fake_sglang, caplog):
         "did not reach it; stopping before any sample of that version is trained (--no-check-weight-fingerprints "
         "skips this check)"
     )
+
+
+def test_a_failed_sglang_checksum_is_skipped_with_one_warning_and_the_next_push_is_a_new_baseline(fake_sglang, caplog):
+    """docs/consistency.md: a /weights_checker checksum that fails skips the check (one warning however often), and the
+    next push that answers is the change-set rule's baseline again; the push after it is held to the rule."""
+    caplog.set_level(logging.INFO, logger="slime.ray.weight_checks")
+    args = _args_sglang()
+    (engine,) = fake_sglang(1)
+    manager = manager_of(args, [engine], ["http://127.0.2.1:30000"])
+    v = [trainer(0)] + [trainer(k, CHANGED) for k in range(1, 6)]
+    for version in (1, 2):  # baseline, then a correct push
+        ray.get(engine.set_checksums.remote(checksums(v[version - 1])))
+        manager.check_weight_fingerprints(push(version, v[version - 1]))
+    ray.get(engine.fail_checksums.remote("layer 7: cannot checksum a quantized weight"))
+    for version in (3, 4):  # skipped, not an error
+        manager.check_weight_fingerprints(push(version, v[version - 1]))
+    ray.get(engine.fail_checksums.remote(None))
+    # version 5: the engine still serves version 2's checksums; against the last baseline (version 2) that is a push
+    # that did not reach it, but after the failed checks it is the new baseline
+    manager.check_weight_fingerprints(push(5, v[4]))
+    warnings = [
+        r.getMessage() for r in caplog.records if r.name == "slime.ray.weight_checks" and r.levelno >= logging.WARNING
+    ]
+    assert warnings == [
+        "weight version 3: SGLang /weights_checker checksum failed (layer 7: cannot checksum a quantized weight); "
+        "the SGLang engines' weights are not checked"
+    ]
+    assert sum("change-set rule starts at the next push" in r.getMessage() for r in caplog.records) == 2
+    infos = [r.getMessage() for r in caplog.records if "SGLang engine(s) checked" in r.getMessage()]
+    assert [m.split(": ", 1)[1] for m in infos] == [
+        f"0 CPU-server engine(s) serve what the trainers pushed (fingerprints match); {n} of 1 SGLang engine(s) "
+        "checked (agreement and change set)"
+        for n in (1, 1, 0, 0, 1)
+    ]
+    # version 6, still not received: held to the rule again
+    with pytest.raises(WeightFingerprintError, match=r"^inference engine 0 .* the update did not reach it"):
+        manager.check_weight_fingerprints(push(6, v[5]))
+
+
+def test_without_fault_tolerance_a_dead_engine_stops_the_drivers_wait(fake_sglang):
+    """docs/fault_tolerance.md: the driver's wait (`Watchdog.get`) checks the engines every few seconds; a dead one
+    (its server exited) stops the run in one line naming it, instead of waiting on what will never come."""
+    from slime.ray.driver import Watchdog
+
+    engine, busy = fake_sglang(2)  # `busy` (no engine of the manager) runs the call the driver waits on
+    manager = manager_of(_args_sglang(use_fault_tolerance=False), [engine], ["http://127.0.2.2:30000"])
+    ray.get(engine.kill_server.remote())
+    why = "inference engine died while waiting: inference server of engine 1 at http://127.0.2.2:30000 exited with code -9."
+    with pytest.raises(RuntimeError) as err:
+        manager.check_engines_alive()
+    assert str(err.value).startswith(why)
+    with pytest.raises(RuntimeError) as err:
+        Watchdog(manager, poll_s=0.05, engine_check_s=0.2).get(busy.hang.remote(30))
+    assert str(err.value).startswith(why)
 
 
 def _args_sglang(**kw):

@@ -131,8 +131,6 @@ def check_release_train(args, error):
             "needs --update-weight-transport disk --update-weight-mode full (a delta's base lives in the trainers, "
             "which are recreated)"
         )
-    elif args.enable_lora and args.lora_sync == "adapter":
-        why = "with --lora-sync adapter: adapters travel by value, not through disk; use --lora-sync merged"
     elif not args.save:
         why = "needs --save: the trainers are recreated from the checkpoint saved after each rollout"
     elif args.save_interval not in (None, 1):

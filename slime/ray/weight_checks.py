@@ -118,13 +118,13 @@ class EngineWeightChecks:
                     f"{reason}; stopping before any sample of that version is trained "
                     "(--no-check-weight-fingerprints skips this check)"
                 )
-        if sglang:
-            sglang = self._check_sglang(sglang, version, timeout, previous, trainer)
+        checked = self._check_sglang(sglang, version, timeout, previous, trainer) if sglang else []
         logger.info(
             "weight version %s: %d CPU-server engine(s) serve what the trainers pushed (fingerprints match); "
-            "%d SGLang engine(s) checked (agreement and change set)",
+            "%d of %d SGLang engine(s) checked (agreement and change set)",
             version,
             len(infos) - len(sglang),
+            len(checked),
             len(sglang),
         )
 

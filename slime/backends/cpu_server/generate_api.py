@@ -11,6 +11,7 @@ from aiohttp import web
 from .media import collapse_placeholders, expand, fetch_remote_images, has_remote_images, images_per_prompt
 from .sampling import RequestError, SamplingParams
 from .scheduler import Req
+from .weights import WeightError
 
 # SGLang's --sampling-mask-max-tokens default: the most token ids one returned sampling mask may hold
 SAMPLING_MASK_MAX_TOKENS = 4096
@@ -176,7 +177,7 @@ class GenerateAPI:
             )
         try:
             return self.loras.acquire([n or None for n in names])
-        except KeyError as e:
+        except (KeyError, WeightError) as e:  # not loaded, or evicted and no room to load it again
             raise RequestError(e.args[0]) from None
 
     def _check_ready(self):

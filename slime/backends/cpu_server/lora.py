@@ -213,15 +213,19 @@ class LoRARegistry:
                 f"Failed to load LoRA adapter {adapter.name} as a pinned adapter. It is not allowed to pin all slots "
                 "in the LoRA memory pool to avoid starvation for unpinned adapters and base models."
             )
-        self.adapters[adapter.name] = adapter
-        self.evicted.pop(adapter.name, None)
-        while self.max_loaded is not None and len(self.adapters) > self.max_loaded:
+        if self.max_loaded is not None and len(self.adapters) >= self.max_loaded:
+            # never the adapter being loaded: a tensor adapter evicted is gone for good
             lru = next((n for n, a in self.adapters.items() if not a.pinned and not self.in_use.get(id(a))), None)
             if lru is None:
-                break
+                raise WeightError(
+                    f"Failed to load LoRA adapter {adapter.name}: --max-loaded-loras {self.max_loaded} adapters are "
+                    "loaded and each is pinned or in use by a request"
+                )
             evicted = self.adapters.pop(lru)
             if evicted.path != TENSOR_PATH:
                 self.evicted[lru] = (evicted.path, evicted.pinned)
+        self.adapters[adapter.name] = adapter
+        self.evicted.pop(adapter.name, None)
 
     def remove(self, name) -> Adapter:
         with self.lock:
