@@ -544,15 +544,44 @@ def test_transport_choice_and_shm_refused_for_a_remote_engine():
 
 
 @pytest.mark.slow
+def record_post_write(args, version_dir, engines):
+    """--custom-update-weight-post-write-path of the disk test: what each trainer rank sees when it is called."""
+    import torch.distributed as dist
+
+    record = {
+        "rank": dist.get_rank(),
+        "dir": version_dir,
+        "published": os.path.isfile(os.path.join(version_dir, "config.json")),
+        "partial": sorted(n for n in os.listdir(args.update_weight_disk_dir) if n.startswith(".")),
+        "served": ray.get(engines[0].get_weight_version.remote(), timeout=60),
+    }
+    with open(os.path.join(os.path.dirname(args.update_weight_disk_dir), "post_write.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
 def test_disk_full_versions_reach_the_engines_and_old_ones_are_removed(tiny_kit, engines, lock, cleanup, tmp_path):
-    """TP=2 trainers write one HF checkpoint per version; the engine loads it with update_weights_from_disk."""
+    """TP=2 trainers write one HF checkpoint per version; the engine loads it with update_weights_from_disk. The
+    post-write hook runs on every rank once the version is published, before the engine reads it."""
     root = tmp_path / "versions"
-    args = _args(tiny_kit[0], 2, update_weight_transport="disk", update_weight_disk_dir=str(root))
+    args = _args(
+        tiny_kit[0],
+        2,
+        update_weight_transport="disk",
+        update_weight_disk_dir=str(root),
+        custom_update_weight_post_write_path=f"{__name__}.record_post_write",
+    )
     engine, url = engines[0]
     cleanup += start_trainers(args, colocate=False)
     reference = trainer_greedy(cleanup)
     ray.get([t.connect.remote([engine], lock) for t in cleanup], timeout=120)
+    served_before = ray.get(engine.get_weight_version.remote(), timeout=60)
     all_metrics = ray.get([t.update_weights.remote() for t in cleanup], timeout=300)
+    with open(tmp_path / "post_write.jsonl") as f:
+        calls = sorted((json.loads(line) for line in f), key=lambda r: r["rank"])
+    assert calls == [
+        {"rank": r, "dir": str(root / "weight_v000001"), "published": True, "partial": [], "served": served_before}
+        for r in (0, 1)
+    ]
     metrics = all_metrics[0]
     diff, version = max_logprob_diff(url, reference)
     assert diff < 1e-4 and version == "1"
