@@ -200,7 +200,7 @@ def mpu_world1(tmp_path_factory):
 TIERS = ("unit", "component", "e2e", "cluster")
 MODULE_TIERS = {
     **dict.fromkeys(
-        "actor_import_path agent_trajectory arguments fingerprint sglang_change_set consistency cp_utils data disk_delta eval_config extension_points filter_hub fully_async "
+        "actor_import_path agent_trajectory arguments health_monitor fingerprint sglang_change_set consistency cp_utils data disk_delta eval_config extension_points filter_hub fully_async "
         "flag_support gae loss loss_variants mask_utils memory_saver model_config no_outside_addresses provenance sampling_provenance "
         "rollout_data_source run sft_rollout vlm_data vlm_examples spec_plugin upstream_flags quantization flags_read flags_honoured".split(),
         "unit",

@@ -780,6 +780,27 @@ def test_fault_tolerance_flags_defaults_and_checks(capsys):
     )
 
 
+def test_inference_server_auto_is_sglang_only_on_a_gpu_where_it_is_installed(monkeypatch, capsys):
+    from slime.config import cluster
+    from slime.utils import device as device_module
+
+    assert parse().inference_server == "cpu"  # the default, auto, on this CPU machine without SGLang
+    err = parse_error(capsys, "--inference-server", "sglang")
+    assert "--inference-server sglang: SGLang is not installed here" in err
+
+    def resolved(device, installed):
+        monkeypatch.setattr(device_module, "is_cpu", lambda: device == "cpu")
+        monkeypatch.setattr(cluster, "sglang_available", lambda: installed)
+        args = make_args()
+        args.inference_server = "auto"
+        cluster.resolve_inference_server(args, error=pytest.fail)
+        return args.inference_server
+
+    assert resolved("cuda", True) == "sglang"
+    assert resolved("cuda", False) == "cpu"
+    assert resolved("cpu", True) == "cpu"  # SGLang cannot serve on a CPU even where the package is installed
+
+
 def test_opt_param_scheduler_flags_in_both_spellings_and_not_both(capsys):
     assert parse("--override-opt-param-scheduler").override_opt_param_scheduler
     assert parse("--use-checkpoint-opt_param-scheduler").use_checkpoint_opt_param_scheduler

@@ -53,6 +53,17 @@ def test_profiling_start_up_checks(capsys, argv, message):
     assert message in one_line_refusal(capsys, *argv)
 
 
+def test_memray_recording_is_refused_at_start_up_where_memray_is_not_installed(capsys, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "memray" else find_spec(name, *a)
+    )
+    argv = ["--record-memory-history", "--memory-recorder", "memray", "--memory-snapshot-num-steps", "1"]
+    assert "--memory-recorder memray needs the memray package" in one_line_refusal(capsys, *argv)
+
+
 def test_profiling_flags_parse_with_upstream_defaults():
     args = make_args()
     assert (args.use_pytorch_profiler, args.profile_step_start, args.profile_step_end) == (False, 10, 12)

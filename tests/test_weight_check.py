@@ -160,7 +160,10 @@ def test_without_fault_tolerance_a_dead_engine_stops_the_drivers_wait(fake_sglan
     engine, busy = fake_sglang(2)  # `busy` (no engine of the manager) runs the call the driver waits on
     manager = manager_of(_args_sglang(use_fault_tolerance=False), [engine], ["http://127.0.2.2:30000"])
     ray.get(engine.kill_server.remote())
-    why = "inference engine died while waiting: inference server of engine 1 at http://127.0.2.2:30000 exited with code -9."
+    why = (
+        "inference engine 0 (http://127.0.2.2:30000) died: inference server of engine 1 at http://127.0.2.2:30000 "
+        "exited with code -9."
+    )
     with pytest.raises(RuntimeError) as err:
         manager.check_engines_alive()
     assert str(err.value).startswith(why)

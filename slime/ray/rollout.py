@@ -253,9 +253,10 @@ class RolloutManager(EngineWeightChecks):
             try:
                 ray.get(ref, timeout=60)
             except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
-                if not self.args.use_fault_tolerance:
-                    raise RuntimeError(f"inference engine died while waiting: {getattr(e, 'cause', e)}") from None
-                self.engine_failed(i, f"died ({str(getattr(e, 'cause', e)).splitlines()[0][:200]})")
+                cause = (str(getattr(e, "cause", None) or e).strip().splitlines() or ["?"])[0][:200]
+                if not self.args.use_fault_tolerance:  # Ray's text runs to many lines: its first one says why
+                    raise RuntimeError(f"inference engine {i} ({self.engine_urls[i]}) died: {cause}") from None
+                self.engine_failed(i, f"died ({cause})")
 
     def check_router(self):
         """Router process gone: restart it on the same address (with --use-fault-tolerance) or fail the run."""
