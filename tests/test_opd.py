@@ -122,6 +122,49 @@ def test_teacher_that_does_not_answer_is_refused():
         check_opd_teacher(url, None, timeout=2)
 
 
+@pytest.mark.parametrize(
+    "status, body, message",
+    [
+        (404, "Not Found", r"the OPD teacher answers a prefill with HTTP 404 \(Not Found\)$"),
+        (500, "Internal Server Error", r"the OPD teacher answers a prefill with HTTP 500 \(Internal Server Error\)$"),
+        (400, "Token id 511 is out of vocabulary", r"differs from the student's .*refuses the student's token ids"),
+    ],
+)
+def test_teacher_whose_prefill_fails_is_refused(tiny_kit, status, body, message):
+    """A server that answers /server_info but not the prefill the rollout will send (a mistyped --rm-url path, a
+    broken teacher): refused at start-up naming the URL, instead of every sample failing at the first rollout."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Teacher(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def _answer(self, code, text):
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(text)))
+            self.end_headers()
+            self.wfile.write(text.encode())
+
+        def do_GET(self):
+            self._answer(200, json.dumps({"tokenizer_path": "/on/the/teachers/host"}))
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self._answer(status, body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Teacher)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}/generate"
+    try:
+        with pytest.raises(ValueError, match=f"^--rm-url {url}: .*{message}"):
+            check_opd_teacher(url, tiny_kit[0], timeout=5)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_post_process_keeps_the_response_span_of_the_teachers_answer():
     # prompt of 3 tokens + response of 2: the teacher's answer has an entry per input token, the first without a
     # log-prob

@@ -138,7 +138,8 @@ def probe_teacher_vocab(rm_url: str, teacher_tok, hf_checkpoint: str, timeout: f
     """Ask the teacher's own /generate (`rm_url`) to decode probe ids of the student's vocabulary (SGLang's
     `return_text_in_logprobs`, prefill only) and compare each token's text with the student tokenizer's.
     ValueError naming the URL and both vocabularies on a difference (or when the teacher refuses an id of the
-    student's vocabulary); True when they agree, False when the server gave no token texts to compare."""
+    student's vocabulary), or naming the URL when the prefill fails; True when they agree, False when the server
+    gave no token texts to compare."""
     from transformers import AutoTokenizer  # heavy, and only when a teacher is checked
 
     tok = AutoTokenizer.from_pretrained(hf_checkpoint, trust_remote_code=True)
@@ -166,8 +167,11 @@ def probe_teacher_vocab(rm_url: str, teacher_tok, hf_checkpoint: str, timeout: f
             f"--rm-url {rm_url}: {theirs} differs from {ours}: the teacher refuses the student's token ids "
             f"({reason}); OPD needs one tokenizer for both"
         )
-    if resp.status_code != 200:
-        return False
+    if resp.status_code != 200:  # the rollout's scoring requests are prefills like this one: they would fail too
+        reason = " ".join(resp.text.split())[:200]
+        raise ValueError(
+            f"--rm-url {rm_url}: the OPD teacher answers a prefill with HTTP {resp.status_code} ({reason})"
+        )
     try:
         entries = resp.json()["meta_info"]["input_token_logprobs"]
     except (ValueError, KeyError, TypeError):
