@@ -418,6 +418,15 @@ def reject_middle_tis(
     return pg_loss, masks, {"rejected": torch.cat([1 - m for m in masks]).float()}
 
 
+def reject_middle_tis_in_place(
+    args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths, response_lengths
+):
+    """reject_middle_tis, editing the masks it was given."""
+    for m in loss_masks:
+        m[len(m) // 2] = 0
+    return pg_loss, loss_masks, {"rejected": torch.cat([1 - m for m in loss_masks]).float()}
+
+
 def constant_denominator_reducer(total_lengths, response_lengths, loss_masks, calculate_per_token_loss):
     """Dr.GRPO: masked token sum over a constant 10."""
     mask = torch.cat(loss_masks).float()
@@ -448,11 +457,13 @@ def test_tis_function_by_path_icepop_and_rejection():
         (2 + 0 + 0.95) / 3
     )
 
-    reject = _args(use_tis=True, custom_tis_function_path=f"{HERE}.reject_middle_tis")
-    _, m = policy_loss_function(reject, batch, logits, _reducer(batch))
-    # middle token rejected: numerator -(1 + 1), denominator still the 3 original mask tokens
-    assert m["pg_loss"].item() == pytest.approx(-2 / 3, abs=1e-5)
-    assert m["rejected"].item() == pytest.approx(1 / 3)  # reduced with the pre-rejection reducer
+    for tis in ("reject_middle_tis", "reject_middle_tis_in_place"):
+        reject = _args(use_tis=True, custom_tis_function_path=f"{HERE}.{tis}")
+        _, m = policy_loss_function(reject, batch, logits, _reducer(batch))
+        # middle token rejected: numerator -(1 + 1), denominator still the 3 original mask tokens
+        assert m["pg_loss"].item() == pytest.approx(-2 / 3, abs=1e-5), tis
+        assert m["rejected"].item() == pytest.approx(1 / 3)  # reduced with the pre-rejection reducer
+        assert batch["loss_masks"][0].tolist() == [1, 1, 1]  # the batch's own masks are not changed
 
 
 def test_pg_loss_reducer_by_path_applies_to_pg_loss_only():

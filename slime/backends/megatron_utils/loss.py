@@ -167,11 +167,11 @@ def policy_loss_function(args, batch, logits, sum_of_sample_mean):
             pg_loss=pg_loss,
             train_log_probs=train_log_probs,
             rollout_log_probs=rollout_lp,
-            loss_masks=batch["loss_masks"],
+            loss_masks=[m.clone() for m in batch["loss_masks"]],  # a function may reject tokens in place
             total_lengths=batch["total_lengths"],
             response_lengths=response_lengths,
         )
-        if pg_loss_masks is not batch["loss_masks"]:
+        if any(not torch.equal(a, b) for a, b in zip(pg_loss_masks, batch["loss_masks"])):
             # rejected tokens leave the numerator; each sample's denominator stays its original mask sum
             pg_loss = pg_loss * torch.cat(pg_loss_masks).to(pg_loss.dtype)
         metrics.update({k: sum_of_sample_mean(v) for k, v in tis_metrics.items()})
