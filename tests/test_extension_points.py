@@ -23,7 +23,7 @@ from slime.rollout.filter_hub.dynamic_sampling_filters import (
 from slime.rollout.sample_hooks import apply_rollout_sample_hooks, set_current_rollout_id
 from slime.utils.sampling_record import applied_sampling_params, response_temperatures
 from slime.utils.types import Sample
-from tests._args import make_args
+from tests._args import BASE, make_args
 
 HERE = "tests.test_extension_points"
 
@@ -368,6 +368,9 @@ def test_megatron_config_overrides_the_actor_role(tmp_path, capsys):
     )
     args = make_args("--megatron-config-path", str(path))
     assert (args.lr, args.clip_grad, args.actor_num_nodes) == (2e-5, 0.5, 1)  # numeric string coerced; nodes ignored
+    i = BASE.index("--lr")
+    args = make_args("--megatron-config-path", str(path), base=BASE[:i] + BASE[i + 2 :])  # --lr from the file only
+    assert args.lr == 2e-5 and isinstance(args.lr, float)
     path.write_text("megatron:\n  - name: value\n    role: critic\n    overrides: {lr: 1.0}\n")
     with pytest.raises(SystemExit):
         make_args("--megatron-config-path", str(path))

@@ -64,7 +64,7 @@ def read_yaml(flag, path, error):
         error(f"{flag} {path}: cannot read it as YAML ({type(e).__name__}: {e})")
 
 
-def apply_megatron_config(args, error, check_paths):
+def apply_megatron_config(args, parser, error, check_paths):
     """--megatron-config-path: YAML `megatron: [{name, role, overrides: {dest: value}}]`; the actor role's overrides
     replace the command-line values, the critic role's are kept in `args.critic_overrides` for the critic's copy of
     the arguments (`slime.ray.critic`). Returns the keys set on the actor."""
@@ -78,6 +78,7 @@ def apply_megatron_config(args, error, check_paths):
         error(f"--megatron-config-path {path}: expected a top-level list `megatron: [{{name, role, overrides}}]`")
     if len({r.get("role", "actor") for r in roles}) != len(roles):
         error(f"--megatron-config-path {path}: at most one entry per role")
+    types = {a.dest: a.type for a in parser._actions}
     overridden = []
     for entry in roles:
         role = entry.get("role", "actor")
@@ -93,10 +94,11 @@ def apply_megatron_config(args, error, check_paths):
                 continue
             if not hasattr(args, key):
                 error(f"--megatron-config-path {path}: {key!r} is not an argument (use argparse names, e.g. lr)")
-            current = getattr(args, key)
-            if isinstance(value, str) and isinstance(current, (int, float)) and not isinstance(current, bool):
+            # YAML reads 2e-5 as a string: a number flag's string becomes a number, whether or not it was given
+            kind = types.get(key) or type(getattr(args, key))
+            if isinstance(value, str) and kind in (int, float):
                 try:
-                    value = type(current)(float(value)) if isinstance(current, int) else float(value)
+                    value = kind(float(value))
                 except ValueError:
                     error(f"--megatron-config-path {path}: {key}={value!r} is not a number")
             if role == "critic":  # applied to the critic's copy of the arguments (slime.ray.critic)

@@ -161,7 +161,7 @@ def parse_args(add_custom_arguments=None, argv=None, *, check_paths=True, asynch
         parser = build_parser(add_slime_arguments)
         args = parser.parse_args(argv)
     error = _one_line_error(parser)
-    overridden = apply_megatron_config(args, error, check_paths)
+    overridden = apply_megatron_config(args, parser, error, check_paths)
     refuse_unsupported(args, parser, error)
     warn_no_effect(args, parser, logger.warning)
     user_load = args.load  # validation replaces a --load without a checkpoint by --ref-load
