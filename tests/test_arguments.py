@@ -704,6 +704,19 @@ def test_engines_start_at_weight_version_0_not_sglangs_default(server):
     assert argv[argv.index("--weight-version") + 1] == "0"
 
 
+def test_sglang_pipeline_parallel_engines_split_their_gpus_into_tp_and_pp(capsys):
+    """An engine of 4 GPUs with --sglang-pp-size 2 is TP 2 x PP 2 (as current slime launches it), not TP 4 x PP 2,
+    which would reach 4 GPUs past its own."""
+    from slime.backends.sglang_utils.server_launch import server_command
+
+    engines = ["--rollout-num-gpus-per-engine", "4", "--rollout-num-gpus", "8"]
+    a = make_args(*engines, "--sglang-pp-size", "2", inference_server="sglang")
+    argv = server_command(a, 1, "127.0.0.1", 30000, 30001, "127.0.0.1:30002")[1]
+    assert [argv[argv.index(f) + 1] for f in ("--tp-size", "--pp-size")] == ["2", "2"]
+    err = parse_error(capsys, *engines, "--sglang-pp-size", "3")
+    assert "--sglang-pp-size 3: an engine's --rollout-num-gpus-per-engine 4 GPUs are its TP x PP ranks" in err
+
+
 def test_debug_train_only_skips_cpu_server_check():
     base = without("--rollout-num-gpus")
     a = parse("--debug-train-only", "--sglang-speculative-algorithm", "EAGLE", "--inference-server", "cpu", base=base)
@@ -780,13 +793,9 @@ def test_fault_tolerance_flags_defaults_and_checks(capsys):
     )
 
 
-def test_inference_server_auto_is_sglang_only_on_a_gpu_where_it_is_installed(monkeypatch, capsys):
+def test_inference_server_auto_is_sglang_only_on_a_gpu_where_it_is_installed(monkeypatch):
     from slime.config import cluster
     from slime.utils import device as device_module
-
-    assert parse().inference_server == "cpu"  # the default, auto, on this CPU machine without SGLang
-    err = parse_error(capsys, "--inference-server", "sglang")
-    assert "--inference-server sglang: SGLang is not installed here" in err
 
     def resolved(device, installed):
         monkeypatch.setattr(device_module, "is_cpu", lambda: device == "cpu")

@@ -15,7 +15,7 @@ from slime.rollout import sampling_provenance
 from slime.rollout.train_data import convert_samples_to_train_data
 from slime.utils.sampling_record import applied_sampling_params, record_segment
 from slime.utils.types import Sample
-from tests._args import make_args
+from tests._args import make_args, one_line_refusal
 
 GEN = "the default generate (slime.rollout.sglang_rollout.generate)"
 
@@ -68,7 +68,7 @@ def _echo(temperature, **kw):
     return {**SamplingParams.from_dict({"temperature": temperature, **kw}, vocab_size=64).applied()}
 
 
-def test_other_temperatures_are_replayed_per_token_and_a_greedy_flag_refuses_them_in_one_line():
+def test_other_temperatures_are_replayed_per_token_and_what_cannot_be_replayed_is_refused_in_one_line():
     """A segment sampled at a temperature other than the flag's trains at its own: the train data carries each
     response token's temperature (the flag's where nothing is recorded), which the log-prob forward divides by
     (tests/test_top_p_replay.py checks the trainer then equals the engine)."""
@@ -84,21 +84,30 @@ def test_other_temperatures_are_replayed_per_token_and_a_greedy_flag_refuses_the
     # all at the flag's temperature: nothing to replay, the forward divides by the flag as before
     assert "rollout_temperatures" not in convert_samples_to_train_data(args, [samples[0], samples[2]], fn_path="f")
 
-    greedy = make_args("--rollout-temperature", "0")
+    # what cannot be replayed (a penalty) is refused in one line naming the sample, the source and the way out
+    penalised = [_sample(0, sent={"presence_penalty": 0.5}), two_turns, _sample(2), _sample(3)]
     with pytest.raises(ValueError) as e:
-        convert_samples_to_train_data(greedy, samples, fn_path="my.rollout")
+        convert_samples_to_train_data(args, penalised, fn_path="my.rollout")
     msg = str(e.value)
     assert "\n" not in msg
     assert msg.startswith("sample 0 (position 0) from rollout function 'my.rollout': its response tokens 0..2")
-    assert "temperature=1, but the trainer scores at --rollout-temperature 0" in msg
     assert "--no-check-sampling-params" in msg
     # a loss-masked segment (e.g. an off-policy part of a partial rollout) is not trained, so not refused
-    samples[0].loss_mask, samples[1].loss_mask, samples[3].loss_mask = [0, 0], [0, 0, 0, 0], [0, 0]
-    convert_samples_to_train_data(greedy, samples, fn_path="my.rollout")
+    penalised[0].loss_mask = [0, 0]
+    convert_samples_to_train_data(args, penalised, fn_path="my.rollout")
     # and the opt-out trains it, warning once
-    samples[0].loss_mask = samples[1].loss_mask = samples[3].loss_mask = None
-    off = make_args("--rollout-temperature", "0", "--no-check-sampling-params")
-    convert_samples_to_train_data(off, samples, fn_path="my.rollout")
+    penalised[0].loss_mask = None
+    convert_samples_to_train_data(make_args("--no-check-sampling-params"), penalised, fn_path="my.rollout")
+
+
+def test_a_greedy_rollout_temperature_is_refused_unless_only_generating(capsys):
+    """The trainer divides its logits by --rollout-temperature: at 0 (or below SGLang's greedy threshold) its
+    log-probs would be NaN or meaningless, so such a run is refused at start-up; generating only is fine."""
+    for t in ("0", "1e-07"):
+        assert f"--rollout-temperature {t}: the trainer divides the logits by it" in one_line_refusal(
+            capsys, "--rollout-temperature", t
+        )
+    assert make_args("--rollout-temperature", "0", "--debug-rollout-only").rollout_temperature == 0
 
 
 def test_penalties_and_processors_are_refused():

@@ -7,6 +7,7 @@ from slime.backends.megatron_utils.arguments import check_vlm_training
 from slime.backends.sglang_utils.external import discover_external_engines
 from slime.config.base import Group
 from slime.utils.mask_utils import LOSS_MASK_TYPES
+from slime.utils.sampling_record import GREEDY_EPS
 from slime.utils.startup_checks import DEFAULT_ROLLOUT_FUNCTION
 from slime.utils.top_p_replay import sampling_is_truncated
 
@@ -366,6 +367,11 @@ def check_algorithm_and_rollout(args, error):
             "--advantage-estimator cispo with --eps-clip %s < 1: the importance ratio is also clipped from below "
             "(canonical CISPO has no lower bound: set --eps-clip >= 1)",
             args.eps_clip,
+        )
+    if args.rollout_temperature < GREEDY_EPS and not args.debug_rollout_only:
+        error(
+            f"--rollout-temperature {args.rollout_temperature:g}: the trainer divides the logits by it, so greedy "
+            "rollouts cannot be trained on; use a positive temperature, or --debug-rollout-only to only generate."
         )
     if args.loss_type == "custom_loss" and not args.custom_loss_function_path:
         error("--loss-type custom_loss needs --custom-loss-function-path pkg.module.fn (the loss to call).")

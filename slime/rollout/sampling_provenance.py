@@ -85,14 +85,8 @@ def segment_problem(args, sample, rec) -> str | None:
     adapter = adapter_problem(args, rec)
     if adapter:
         return adapter
-    t = rec.get("temperature")
-    if t is not None and args.rollout_temperature < GREEDY_EPS and abs(float(t) - args.rollout_temperature) > 0:
-        # any other temperature is replayed per token (rollout_temperatures); a greedy flag has no scale to replay
-        return (
-            f"temperature={t:g}, but the trainer scores at --rollout-temperature {args.rollout_temperature:g} "
-            "(greedy sampling is temperature 1 at top_k 1 after SGLang's normalisation; the trainer would divide its "
-            "logits by 0)"
-        )
+    # a temperature other than the flag's is replayed per token (rollout_temperatures); a greedy flag is refused
+    # at start-up
     for key, default in (
         ("frequency_penalty", 0.0),
         ("presence_penalty", 0.0),

@@ -223,7 +223,7 @@ VALUE_RANGES = (
     ("max_tokens_per_gpu", _at_least(1), "tokens per micro-batch with --use-dynamic-batch-size"),
     ("log_probs_max_tokens_per_gpu", _at_least(1), "tokens per log-prob micro-batch"),
     ("sglang_server_concurrency", _at_least(1), "requests in flight per engine"),
-    ("rollout_temperature", _at_least(0), "the sampling temperature (0 = greedy)"),
+    ("rollout_temperature", _at_least(0), "the sampling temperature (0 = greedy, with --debug-rollout-only)"),
     ("eval_temperature", _at_least(0), "the eval sampling temperature (0 = greedy)"),
     ("rollout_top_p", _top_p(), "nucleus sampling mass"),
     ("eval_top_p", _top_p(), "eval nucleus sampling mass"),

@@ -323,6 +323,11 @@ def validate_args(args, parser=None, check_cpu_server=True):
     args.sglang_tp_size = args.rollout_num_gpus_per_engine
     args.sglang_dp_size = args.sglang_dp_size or 1
     args.sglang_pp_size = args.sglang_pp_size or 1
+    if args.rollout_num_gpus_per_engine % args.sglang_pp_size:
+        error(
+            f"--sglang-pp-size {args.sglang_pp_size}: an engine's --rollout-num-gpus-per-engine "
+            f"{args.rollout_num_gpus_per_engine} GPUs are its TP x PP ranks, so they must divide by it"
+        )
     args.sglang_ep_size = args.sglang_ep_size or 1
     if args.sglang_dp_size > 1 and not (args.sglang_enable_dp_attention or (args.sglang_attn_dp_size or 1) > 1):
         error(

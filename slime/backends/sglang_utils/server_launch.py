@@ -235,7 +235,7 @@ def server_command(args, rank: int, host: str, port: int, nccl_port: int, dist_i
         "dist_init_addr": dist_init_addr,
         "gpu_id_step": 1,
         "base_gpu_id": get_base_gpu_id(args, rank),
-        "tp_size": gpus_per_engine,
+        "tp_size": gpus_per_engine // (args.sglang_pp_size or 1),  # an engine's GPUs are its TP x PP ranks
         "dp_size": args.sglang_dp_size or 1,
         "pp_size": args.sglang_pp_size or 1,
         "ep_size": args.sglang_ep_size or 1,
