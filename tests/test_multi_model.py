@@ -23,6 +23,7 @@ from slime.backends.sglang_utils.sglang_config import (
     policy_num_gpus,
     resolve,
 )
+from slime.ray.engine_group import EngineGroup
 from slime.ray.model_servers import engine_args
 from slime.utils.types import Sample
 from tests import _procs
@@ -30,6 +31,7 @@ from tests._args import make_args
 from tests.test_cpu_server import start_cpu_server, stop_cpu_server
 from tests.test_e2e import make_args as e2e_args
 from tests.test_e2e import read_metrics
+from tests.test_weight_check import manager_of
 
 
 def _write(tmp_path, config, name="models.yaml"):
@@ -47,24 +49,22 @@ def _two_models(judge_path="/models/judge", **judge):
 
 
 def test_two_models_parse_with_upstreams_defaults(tmp_path):
-    path = _write(
-        tmp_path,
-        {
-            "sglang": [
-                _model("actor", 2),  # update_weights left out: true, its path being --hf-checkpoint
-                {
-                    "name": "judge",
-                    "model_path": "/models/judge",  # another path: frozen by default
-                    "num_gpus_per_engine": 2,
-                    "server_groups": [
-                        {"worker_type": "placeholder", "num_gpus": 2},
-                        {"worker_type": "regular", "num_gpus": 4, "overrides": {"context_length": 512}},
-                        {"worker_type": "regular", "num_gpus": 1, "num_gpus_per_engine": 1},
-                    ],
-                },
-            ]
-        },
-    )
+    config = {
+        "sglang": [
+            _model("actor", 2),  # update_weights left out: true, its path being --hf-checkpoint
+            {
+                "name": "judge",
+                "model_path": "/models/judge",  # another path: frozen by default
+                "num_gpus_per_engine": 2,
+                "server_groups": [
+                    {"worker_type": "placeholder", "num_gpus": 2},
+                    {"worker_type": "regular", "num_gpus": 4, "overrides": {"context_length": 512}},
+                    {"worker_type": "regular", "num_gpus": 1, "num_gpus_per_engine": 1},
+                ],
+            },
+        ]
+    }
+    path = _write(tmp_path, config)
     args = make_args("--sglang-config", path, "--rollout-num-gpus", "9", hf_checkpoint=None)
     actor, judge = args.served_models
     assert (actor.name, actor.update_weights, actor.model_path) == ("actor", True, args.hf_checkpoint)
@@ -78,6 +78,13 @@ def test_two_models_parse_with_upstreams_defaults(tmp_path):
     assert actor.server_groups[0].num_gpus_per_engine == 1
     assert policy_num_gpus(args) == 2
     assert args.sglang_model_routers is None  # set when the routers start
+    # upstream's older key `engine_groups` (docs/multi_model.md: read too), in every model: the same models
+    older = {
+        "sglang": [{"engine_groups" if k == "server_groups" else k: v for k, v in m.items()} for m in config["sglang"]]
+    }
+    assert "server_groups" not in yaml.safe_dump(older)
+    older_path = _write(tmp_path, older, "older.yaml")
+    assert make_args("--sglang-config", older_path, "--rollout-num-gpus", "9").served_models == args.served_models
 
 
 def test_without_sglang_config_the_policy_has_every_rollout_gpu():
@@ -226,6 +233,29 @@ def test_frozen_engine_serves_its_own_model_with_its_overrides_behind_its_router
     assert "--config" not in policy_argv
 
 
+@pytest.mark.parametrize(
+    "server, offload, backup",
+    [("sglang", True, True), ("sglang", False, False), ("cpu", True, False)],
+)
+def test_offloaded_frozen_sglang_engines_keep_a_cpu_copy_of_their_weights(tmp_path, server, offload, backup):
+    """docs/multi_model.md: with --offload-rollout on SGLang a frozen engine is started with
+    enable_weights_cpu_backup (nobody pushes its weights back after a release); not without offloading, not on the
+    CPU server (which keeps its own copy), and never on the policy's engines (the pushes refill those)."""
+    path = _judge_config(tmp_path, "/models/judge")
+    args = make_args(
+        "--sglang-config", path, "--rollout-num-gpus", "2", inference_server=server, offload_rollout=offload
+    )
+    judge = args.served_models[1]
+    a = engine_args(args, judge, judge.server_groups[0], "127.0.0.9", 4321)
+    assert a.sglang_enable_weights_cpu_backup is backup
+    assert args.sglang_enable_weights_cpu_backup is False  # the run's args, which the policy's engines take
+    kind, argv = server_command(a, 1, "127.0.0.1", 5000, 5001, "127.0.0.1:5002")
+    assert kind == server and argv[argv.index("--model-path") + 1] == "/models/judge"
+    assert ("--enable-weights-cpu-backup" in argv) is backup, argv
+    _, policy_argv = server_command(args, 0, "127.0.0.1", 5000, 5001, "127.0.0.1:5002")
+    assert "--enable-weights-cpu-backup" not in policy_argv
+
+
 def test_get_model_url_reaches_a_model_by_name_and_names_the_served_ones_otherwise():
     args = make_args()
     args.sglang_model_routers = {"actor": ("127.0.2.1", 3000), "judge": ("127.0.2.2", 3001)}
@@ -233,6 +263,91 @@ def test_get_model_url_reaches_a_model_by_name_and_names_the_served_ones_otherwi
     assert get_model_url(args, "actor", "/health") == "http://127.0.2.1:3000/health"
     with pytest.raises(KeyError, match="no router serves a model named 'ref' \\(served: actor, judge\\)"):
         get_model_url(args, "ref")
+
+
+# ------------------------------------------------------------------ a frozen engine that dies or hangs
+
+
+class FrozenEngines(EngineGroup):
+    """A frozen model's two engines (`nodes` nodes each) as the health monitor sees them, without processes: a round
+    (`failed_engines`) reports the (index, why) in `failing`; `replace` records its call and gives each engine the
+    new URL a restart in its bundle would."""
+
+    def __init__(self, name, args, failing=(), nodes=1):
+        super().__init__(name, args, (None, list(range(8))), "127.0.3.1", 3000)
+        self._add_block(args, 0, [object() for _ in range(2 * nodes)], nodes)  # stand-ins for the engine actors
+        self.urls = ["http://127.0.3.2:30000", "http://127.0.3.3:30000"]
+        self.failing, self.replaced = list(failing), []
+
+    def failed_engines(self, timeout, halted=lambda: False):
+        yield from self.failing
+
+    def replace(self, indices, join_router=True):
+        self.replaced.append((list(indices), join_router))
+        for j in indices:
+            self.urls[j] = f"http://127.0.3.9:3100{j}"
+
+
+DEAD, HUNG = "engine actor died (ActorDiedError)", "did not answer /health_generate within 5s (hung?)"
+
+
+def _frozen_manager(fault_tolerance, nodes=1, why=DEAD):
+    """The health monitor's round (`check_engines`) over a policy without engines, a healthy frozen `teacher` and a
+    frozen `judge` whose engine 1 failed (`why`: as `EngineGroup.failed_engines` words a dead or a hung one)."""
+    args = make_args(use_fault_tolerance=fault_tolerance)
+    manager = manager_of(args, [], [])
+    manager.frozen_models = [
+        FrozenEngines("teacher", args),
+        FrozenEngines("judge", args, [(1, why)], nodes),
+    ]
+    manager.check_engines(5, halted=lambda: False)
+    return manager, manager.frozen_models[1]
+
+
+ENGINE_1 = "frozen model 'judge' engine 1 (http://127.0.3.3:30000)"
+DIED = f"{ENGINE_1} {DEAD}"
+
+
+@pytest.mark.parametrize("why", [DEAD, HUNG])
+def test_a_frozen_engine_that_died_or_hangs_ends_the_run_naming_the_model_and_the_engine(why):
+    """Without --use-fault-tolerance: the first fault is the run's failure (the driver's waits raise it), one line
+    naming the model, the engine and its URL; nothing is replaced, and a later round changes nothing."""
+    manager, judge = _frozen_manager(fault_tolerance=False, why=why)
+    with pytest.raises(RuntimeError) as e:
+        manager.raise_if_failed()
+    assert e.value is manager.failure and str(e.value) == f"{ENGINE_1} {why}"
+    assert [(ev["kind"], ev["what"], ev["model"], ev["engine"]) for ev in manager.fault_events] == [
+        ("engine_failed", f"{ENGINE_1} {why}", "judge", 1)
+    ]
+    manager.check_engines(5, halted=lambda: False)
+    assert len(manager.fault_events) == 1 and str(manager.failure) == f"{ENGINE_1} {why}"
+    assert judge.replaced == [] and manager.frozen_models[0].replaced == []
+
+
+def test_under_fault_tolerance_a_multi_node_frozen_engine_is_not_replaced_and_the_run_ends():
+    """docs/multi_model.md: a frozen engine of 2 nodes is not replaced; the run ends, saying why."""
+    manager, judge = _frozen_manager(fault_tolerance=True, nodes=2)
+    assert judge.slots[1] == (0, 2, 2)  # engine 1: actors 2 and 3 of the block
+    assert judge.replaced == []
+    with pytest.raises(RuntimeError) as e:
+        manager.raise_if_failed()
+    assert (
+        str(e.value) == f"{DIED}; its replacement failed: frozen model 'judge': a multi-node engine cannot be replaced"
+    )
+    assert [ev["kind"] for ev in manager.fault_events] == ["engine_failed"]
+
+
+def test_under_fault_tolerance_a_frozen_engine_that_died_is_replaced_in_its_slot_behind_its_router():
+    """The run goes on: the engine is replaced at once and joins its router (it serves its own checkpoint)."""
+    manager, judge = _frozen_manager(fault_tolerance=True)
+    manager.raise_if_failed()  # the run goes on
+    assert manager.failure is None
+    assert judge.replaced == [([1], True)]
+    assert manager.frozen_models[0].replaced == []
+    assert [(ev["kind"], ev["what"]) for ev in manager.fault_events] == [
+        ("engine_failed", DIED),
+        ("engine_restarted", "frozen model 'judge' engine 1 restarted at http://127.0.3.9:31001"),
+    ]
 
 
 # ------------------------------------------------------------------ the LLM-as-judge example, on a CPU server

@@ -14,10 +14,14 @@ from slime.utils.processing_utils import (
     fill_placeholders,
     load_image,
     load_processor,
+    multimodal_dataset_kwargs,
     parse_multimodal_keys,
     process_prompt,
 )
 from tests._args import make_args, one_line_refusal
+
+# a rollout-only job on images (the trainer's model checks do not apply)
+RUN_ON_IMAGES = ["--multimodal-keys", '{"image": "images"}', "--debug-rollout-only", "--rollout-num-gpus", "1"]
 
 
 def _png(path, size, colour):
@@ -77,7 +81,7 @@ def test_bad_multimodal_keys_are_one_line_errors(value, why):
     assert why in str(e.value) and "--multimodal-keys" in str(e.value) and "\n" not in str(e.value)
 
 
-def test_image_items_in_every_accepted_form_decode_to_the_same_pixels(tmp_path, media_host):
+def test_image_items_in_every_accepted_form_decode_to_the_same_pixels(tmp_path, media_host, monkeypatch):
     path = _png(tmp_path / "red.png", (30, 20), (255, 0, 0))
     b64 = _b64((30, 20), (255, 0, 0))
     rgba = Image.new("RGBA", (30, 20), (255, 0, 0, 255))
@@ -96,6 +100,9 @@ def test_image_items_in_every_accepted_form_decode_to_the_same_pixels(tmp_path, 
     for form in forms:
         image = load_image(form)
         assert image.mode == "RGB" and image.size == (30, 20) and image.getpixel((3, 3)) == (255, 0, 0), form
+    # a relative path ending in an image suffix is a file (from the working directory), not base64
+    monkeypatch.chdir(tmp_path)
+    assert load_image("red.png").getpixel((3, 3)) == (255, 0, 0)
     for bad, why in [
         ("relative.txt", "not a decodable base64 image"),
         ("/nope.png", "does not exist"),
@@ -113,21 +120,24 @@ def test_rich_items_with_their_own_size_limits_are_resized_as_qwen_vl_utils_does
     """A rich item's `max_pixels` / `min_pixels` / `resized_height` + `resized_width` resize its image (to multiples
     of 28, the tiny kit's 14-px patches merged 2x2) before the processor, so its token count follows them: 112x112
     px is 16 tokens under the processor's own limits, 4 under max_pixels 56*56, and 2 as 28x56 (a width of 60 rounds
-    to 56); items without limits keep their size."""
+    to 56); 28x28 px (1 token) grows to 56x56 (4 tokens) under min_pixels 56*56; items without limits keep their
+    size."""
     processor = load_processor(tiny_vlm)
     big = _png(tmp_path / "big.png", (112, 112), (0, 0, 255))
+    small = _png(tmp_path / "small.png", (28, 28), (0, 255, 0))
     rows = [
-        {"prompt": "<image><image><image><image>Sizes?", "label": "x",
+        {"prompt": "<image><image><image><image><image>Sizes?", "label": "x",
          "images": [big, {"image": big, "max_pixels": 56 * 56}, {"image": big, "resized_height": 28,
-                    "resized_width": 60}, {"image": big, "max_pixels": 112 * 112}]},
+                    "resized_width": 60}, {"image": big, "max_pixels": 112 * 112},
+                    {"image": small, "min_pixels": 56 * 56}]},
     ]  # fmt: skip
     keys = {"multimodal_keys": {"image": "images"}, "processor": processor}
     ds = Dataset(_write(tmp_path, rows), processor.tokenizer, None, prompt_key="prompt", label_key="label", **keys)
     images = ds.origin_samples[0].multimodal_inputs["images"]
-    assert [i.size for i in images] == [(112, 112), (56, 56), (56, 28), (112, 112)]
-    assert images[1].getpixel((5, 5)) == (0, 0, 255)
-    _, train = process_prompt(processor, "<|vision_start|><|image_pad|><|vision_end|>" * 4, images)
-    assert (train["image_grid_thw"].prod(-1) // 4).tolist() == [16, 4, 2, 16]
+    assert [i.size for i in images] == [(112, 112), (56, 56), (56, 28), (112, 112), (56, 56)]
+    assert images[1].getpixel((5, 5)) == (0, 0, 255) and images[4].getpixel((5, 5)) == (0, 255, 0)
+    _, train = process_prompt(processor, "<|vision_start|><|image_pad|><|vision_end|>" * 5, images)
+    assert (train["image_grid_thw"].prod(-1) // 4).tolist() == [16, 4, 2, 16, 4]
 
 
 def _write(tmp_path, rows):
@@ -229,6 +239,21 @@ def test_dataset_names_the_row_when_placeholders_and_media_disagree(tmp_path, ti
         )
 
 
+def test_a_row_whose_image_cannot_be_read_is_named_in_one_line(tmp_path, tiny_vlm):
+    """An image that cannot be read (here a missing file; a failed download goes the same way) fails in one line
+    naming the data file, the row (and its line: a blank line comes before it) and the image's index in the row."""
+    missing = str(tmp_path / "missing.png")
+    ok = {"prompt": "<image>hi", "images": [_b64((28, 28), (1, 2, 3))]}
+    bad = {"prompt": "<image>hi", "images": [missing]}
+    path = tmp_path / "vlm.jsonl"
+    path.write_text(json.dumps(ok) + "\n\n" + json.dumps(bad) + "\n")
+    processor = load_processor(tiny_vlm)
+    kw = multimodal_dataset_kwargs(make_args(*RUN_ON_IMAGES, hf_checkpoint=tiny_vlm))
+    with pytest.raises(ValueError) as e:
+        Dataset(str(path), processor.tokenizer, None, prompt_key="prompt", **kw)
+    assert str(e.value) == f"{path}: row 2 (line 3) image 0: image file {missing!r} does not exist"
+
+
 def test_multimodal_keys_pass_for_rollouts_and_refuse_training_other_models_in_one_line(capsys, tiny_vlm):
     argv = ["--multimodal-keys", '{"image": "images"}']
     args = make_args(*argv, "--debug-rollout-only", "--rollout-num-gpus", "1")
@@ -247,13 +272,18 @@ def test_text_only_rows_mix_in_and_a_checkpoint_without_processor_is_refused(tmp
 
     from slime.utils.processing_utils import multimodal_dataset_kwargs
 
-    path = _write(
-        tmp_path, [{"prompt": "plain", "images": []}, {"prompt": "<image>x", "images": [_b64((28, 28), (0, 0, 0))]}]
-    )
+    # an empty image column, a null one and a row without the column are text-only rows
+    rows = [
+        {"prompt": "plain", "images": []},
+        {"prompt": "<image>x", "images": [_b64((28, 28), (0, 0, 0))]},
+        {"prompt": "null", "images": None},
+        {"prompt": "absent"},
+    ]
+    path = _write(tmp_path, rows)
     args = types.SimpleNamespace(multimodal_keys='{"image": "images"}', hf_checkpoint=tiny_vlm)
     kw = multimodal_dataset_kwargs(args)
     ds = Dataset(path, kw["processor"].tokenizer, 100, prompt_key="prompt", apply_chat_template=True, **kw)
-    assert [s.multimodal_inputs is None for s in ds.origin_samples] == [True, False]
+    assert [s.multimodal_inputs is None for s in ds.origin_samples] == [True, False, True, True]
     assert multimodal_dataset_kwargs(types.SimpleNamespace(multimodal_keys=None, hf_checkpoint=tiny_vlm)) == {}
     with pytest.raises(ValueError, match="--multimodal-keys needs a vision-language --hf-checkpoint with a processor"):
         multimodal_dataset_kwargs(
@@ -321,3 +351,46 @@ def test_each_eval_dataset_reads_its_own_multimodal_keys(tmp_path, tiny_vlm, cap
     config.write_text(yaml.safe_dump({"eval": {"datasets": datasets}}))
     err = one_line_refusal(capsys, *flags, hf_checkpoint=tiny_vlm)
     assert f"--eval-config {config}" in err and "pics" in err and "multimodal_keys" in err and "video" in err, err
+
+
+def test_the_eval_rollout_reads_each_dataset_with_its_own_multimodal_keys(tmp_path, tiny_vlm, monkeypatch):
+    """The default eval (`generate_rollout(..., evaluation=True)`, its generate_and_rm faked: no server) loads each
+    eval dataset with its own `multimodal_keys` (`{}`: text only; unset: --multimodal-keys), and the rollout's
+    processor comes from an eval dataset's keys when --multimodal-keys is unset."""
+    import yaml
+
+    from slime.rollout import sglang_rollout
+    from slime.utils.misc import SingletonMeta
+
+    async def fake_generate_and_rm(args, sample, sampling_params, evaluation=False):
+        sample.reward = 0.0
+        return sample
+
+    monkeypatch.setattr(sglang_rollout, "generate_and_rm", fake_generate_and_rm)
+    image = _b64((28, 28), (0, 0, 255))
+    ask = [{"role": "user", "content": "<image>Colour?"}]
+    rows = {
+        "pics": [{"prompt": ask, "pics": [image], "label": "blue"}],
+        "text": [{"prompt": [{"role": "user", "content": "Say blue."}], "label": "blue"}],
+        "inherit": [{"prompt": ask, "images": [image], "label": "blue"}],
+    }
+    datasets = [{"name": "pics", "multimodal_keys": {"image": "pics"}}, {"name": "text", "multimodal_keys": {}}]
+    datasets.append({"name": "inherit"})
+    for d in datasets:
+        (tmp_path / d["name"]).mkdir()
+        d["path"] = _write(tmp_path / d["name"], rows[d["name"]])
+    config = tmp_path / "eval.yaml"
+    config.write_text(yaml.safe_dump({"eval": {"datasets": datasets}}))
+    flags = ["--input-key", "prompt", "--label-key", "label", "--apply-chat-template", "--eval-config", str(config)]
+    for media_flags, images in [(RUN_ON_IMAGES, [True, False, True]), (RUN_ON_IMAGES[2:], [True, False, False])]:
+        args = make_args(*media_flags, "--prompt-data", datasets[2]["path"], *flags, hf_checkpoint=tiny_vlm)
+        SingletonMeta.clear_instances(sglang_rollout.GenerateState)
+        monkeypatch.setattr(sglang_rollout, "EVAL_PROMPT_DATASET", {})
+        try:
+            results = sglang_rollout.generate_rollout(args, 0, None, evaluation=True)
+            # without the flag (second pass) only the first dataset's own keys bring images: its processor
+            assert sglang_rollout.GenerateState(args).processor is not None
+        finally:
+            SingletonMeta.clear_instances(sglang_rollout.GenerateState)
+        carried = [bool(s.multimodal_inputs) for d in datasets for s in results[d["name"]]["samples"]]
+        assert carried == images, media_flags

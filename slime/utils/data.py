@@ -120,7 +120,7 @@ class Dataset:
 
                 where = f"{path}: row {i + 1}{_line_of_row(path, i)}"
                 prompt = fill_placeholders(prompt, {m: row[c] for m, c in multimodal_keys.items()}, where)
-                media.append(process_vision_info(prompt, processor))
+                media.append(process_vision_info(prompt, processor, where))
             else:
                 media.append(None)
             if apply_chat_template:

@@ -142,12 +142,13 @@ def encode_image_for_rollout_engine(image):
 _SIZE_KEYS = ("min_pixels", "max_pixels", "resized_height", "resized_width")
 
 
-def process_vision_info(prompt, processor=None):
+def process_vision_info(prompt, processor=None, where=None):
     """{"images": [PIL, ...]} of a message-list prompt's image content items, in order (None when it has none).
     With `processor`, an item that is a rich dict with its own `min_pixels` / `max_pixels` (or `resized_height` and
     `resized_width`) is resized as qwen-vl-utils resizes it (transformers' `smart_resize` to a multiple of the
     processor's patch x merge size; the other limit the processor's own), so the trainer and the engine, which
-    receives the resized image, see the same grid."""
+    receives the resized image, see the same grid. An image that cannot be read fails in one line starting with
+    `where` (the row, e.g. "data.jsonl: row 2 (line 2)") and the image's index: "<where> image 0: ..."."""
     images = []
     if isinstance(prompt, list):
         for message in prompt:
@@ -156,7 +157,7 @@ def process_vision_info(prompt, processor=None):
                 continue
             for item in content:
                 if isinstance(item, dict) and item.get("type") == "image":
-                    image = load_image(item["image"])
+                    image = load_image(item["image"], "image" if where is None else f"{where} image {len(images)}")
                     rich = item["image"] if isinstance(item["image"], dict) else {}
                     if processor is not None and any(k in rich for k in _SIZE_KEYS):
                         image = _resized(image, rich, processor.image_processor)
