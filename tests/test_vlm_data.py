@@ -107,6 +107,9 @@ def test_image_items_in_every_accepted_form_decode_to_the_same_pixels(tmp_path, 
         ("relative.txt", "not a decodable base64 image"),
         ("/nope.png", "does not exist"),
         ("http://127.0.0.1:1/y.png", r"row 2 image 0: could not download image 'http://127.0.0.1:1/y.png'"),
+        (b"not an image", r"^row 2 image 0: 12 bytes are not a decodable image \(UnidentifiedImageError\)$"),
+        ({"bytes": b"junk"}, r"^row 2 image 0: 4 bytes are not a decodable image"),
+        ("anVuaw==", r"^row 2 image 0: 4 bytes \(base64\) are not a decodable image"),
     ]:
         with pytest.raises(ValueError, match=why):
             load_image(bad, "row 2 image 0")

@@ -78,7 +78,7 @@ def load_image(item, where="image"):
     elif isinstance(item, dict):
         inner = item.get("image", item.get("url"))
         if item.get("bytes") is not None:
-            image = Image.open(io.BytesIO(item["bytes"]))
+            image = _open_bytes(item["bytes"], where)
         elif item.get("path"):
             image = load_image(item["path"], where)
         elif inner is not None:
@@ -86,12 +86,12 @@ def load_image(item, where="image"):
         else:
             raise ValueError(f"{where}: a dict image needs 'bytes', 'path', 'image' or 'url'; got keys {sorted(item)}")
     elif isinstance(item, (bytes, bytearray)):
-        image = Image.open(io.BytesIO(item))
+        image = _open_bytes(item, where)
     elif isinstance(item, str):
         if item.startswith(("http://", "https://")):
             from slime.utils.media_download import download_image
 
-            image = Image.open(io.BytesIO(download_image(item, where)))
+            image = _open_bytes(download_image(item, where), where, f" downloaded from {item}")
         elif item.startswith("data:"):
             _, _, data = item.partition(",")
             image = _open_b64(data, where)
@@ -120,14 +120,21 @@ def _open_path(path, where):
 
 
 def _open_b64(data, where):
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except ValueError as e:
+        raise ValueError(f"{where}: not a decodable base64 image ({type(e).__name__}: {e})") from None
+    return _open_bytes(raw, where, " (base64)")
+
+
+def _open_bytes(raw, where, what=""):
     from PIL import Image  # heavy
 
     try:
-        raw = base64.b64decode(data, validate=True)
         image = Image.open(io.BytesIO(raw))
         image.load()
     except Exception as e:
-        raise ValueError(f"{where}: not a decodable base64 image ({type(e).__name__}: {e})") from None
+        raise ValueError(f"{where}: {len(raw)} bytes{what} are not a decodable image ({type(e).__name__})") from None
     return image
 
 
