@@ -806,6 +806,43 @@ def test_image_tokens_are_the_processors_runs_and_grids_that_disagree_fail_in_on
         assert len(msg.splitlines()) == 1
 
 
+def test_each_sample_s_image_runs_match_its_own_grids_and_a_sample_that_disagrees_fails_naming_it(tiny_vlm):
+    """`get_batch` tells the model how many images each sample of the micro-batch brought, and each sample's image
+    runs are matched against its own grids (padded and packed layouts). A sample holding two 1-token image runs but
+    one grid keeps its second run as text (a generated <|vision_start|> + pad), and the next sample's run is its own
+    image (matched over the whole micro-batch, sample 0 took both grids and sample 1's image trained as text); a
+    sample with more grids than runs fails in one line naming it and both counts."""
+    from transformers import AutoConfig
+
+    from slime.backends.megatron_utils.data import get_batch
+    from slime.backends.megatron_utils.rollout_data import DataIterator
+
+    cfg = AutoConfig.from_pretrained(tiny_vlm)
+    model = position_builder(cfg)
+    img, vs, ve, text = cfg.image_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id, 20
+    tokens = [torch.tensor([text, vs, img, ve, vs, img, ve]), torch.tensor([text, vs, img, ve])]
+    one, two = {"image_grid_thw": torch.tensor([[1, 2, 2]])}, {"image_grid_thw": torch.tensor([[1, 2, 2]] * 2)}
+
+    def build(mm, packed):
+        it = DataIterator({"tokens": tokens, "multimodal_train_inputs": mm}, 2, packed_sequences=packed)
+        batch = get_batch(it, ["tokens", "multimodal_train_inputs"])
+        return model._media_tokens_and_positions(
+            batch["tokens"], batch["packed_seq_params"], batch["multimodal_train_inputs"]
+        )
+
+    for packed in (False, True):
+        second = (0, 9) if packed else (1, 2)  # sample 1's run
+        types = build([two, one], packed)[0]  # each sample's runs are its images
+        assert types[second] == 1 and (types == 1).sum() == 3
+        types = build([one, one], packed)[0]  # sample 0's second run is text; sample 1's run is its image
+        assert types[0, 2] == 1 and types[0, 5] == 0 and types[second] == 1 and (types == 1).sum() == 2
+        with pytest.raises(ValueError) as e:
+            build([None, two], packed)
+        msg = str(e.value)
+        assert msg.startswith("sample 1 of the micro-batch has 2 images in multimodal_train_inputs")
+        assert msg.endswith("of 1: multimodal_train_inputs do not match the tokens") and "\n" not in msg
+
+
 def test_video_tokens_are_one_run_per_video_or_per_temporal_step(tiny_vlm, tiny_qwen3_vl):
     """A Qwen2.5-VL video is one pad run after <|vision_start|>; a Qwen3-VL video one run per temporal step, each
     behind its timestamp and a <|vision_start|> of its own. Grids that disagree fail in one line."""

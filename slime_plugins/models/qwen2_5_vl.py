@@ -115,6 +115,7 @@ class Qwen2_5VLModel(GPTModel):
         pixel_values_videos=None,
         video_grid_thw=None,
         second_per_grid_ts=None,
+        rows_per_sample=None,
         tree_samples=None,
         **kwargs,
     ):
@@ -129,6 +130,7 @@ class Qwen2_5VLModel(GPTModel):
                 "pixel_values_videos": pixel_values_videos,
                 "video_grid_thw": video_grid_thw,
                 "second_per_grid_ts": second_per_grid_ts,
+                "rows_per_sample": rows_per_sample,
             }
             token_types, positions, _ = self._media_tokens_and_positions(ids, packed_seq_params, media)
         if self.pre_process and decoder_input is None:
@@ -173,51 +175,72 @@ class Qwen2_5VLModel(GPTModel):
             return [(i, h * w // self.merge**2) for i, (t, h, w) in enumerate(grids.tolist()) for _ in range(t)]
         return [(i, n) for i, n in enumerate((grids.prod(-1) // self.merge**2).tolist())]
 
+    def _samples(self, segments, media):
+        """[(name, segments, {kind: runs [(item, token count)]})] per sample: each segment (row or packed run) with
+        its own images' and videos' runs where `media["rows_per_sample"]` ({grids key: each sample's count}, as
+        `get_batch` passes it) says how many each sample brought, else all segments with all of `media`'s."""
+        runs = {kind: self._runs(kind, media.get(grids)) for kind, (_, _, grids) in MEDIA.items()}
+        counts = media.get("rows_per_sample")
+        if counts is None:
+            return [("the micro-batch", segments, runs)]
+        samples, first = [], dict.fromkeys(MEDIA, 0)
+        for i, segment in enumerate(segments):  # the padding of a packed row: a segment of no sample, no media
+            mine = {}
+            for kind, (_, _, grids) in MEDIA.items():
+                n = counts.get(grids, [])
+                last = first[kind] + (n[i] if i < len(n) else 0)
+                mine[kind] = [run for run in runs[kind] if first[kind] <= run[0] < last]
+                first[kind] = last
+            samples.append((f"sample {i} of the micro-batch", [segment], mine))
+        return samples
+
     def _media_tokens_and_positions(self, input_ids, packed_seq_params, media):
         """([b, s] media type of each token (0 text, 1 image, 2 video), [3, b, s] positions, {kind: [(row, index)
-        of each item's first token]}). The images' and videos' tokens are, in order, the runs of their pad ids right
-        after a <|vision_start|> that are as long as the next item's feature count (per frame for Qwen3's videos),
-        as the processor lays them out; any other pad id is one the model generated, text to the engine and here.
-        Fails in one line unless every image and video of `media` finds its runs."""
-        runs = {kind: self._runs(kind, media.get(grids)) for kind, (_, _, grids) in MEDIA.items()}
+        of each item's first token]}). A sample's images' and videos' tokens are, in order, the runs of their pad
+        ids right after a <|vision_start|>, each as long as the next of its items' feature count (per frame for
+        Qwen3's videos), as the processor lays them out; any other pad id is one the model generated, text to the
+        engine and here, as is a run past the sample's items. Fails in one line, naming the sample, unless each of a
+        sample's images and videos finds its runs (`_samples`)."""
         kind_of = {pad: kind for kind, pad in self.pad_ids.items()}
         token_types = torch.zeros_like(input_ids)
         positions = torch.zeros(3, *input_ids.shape, dtype=torch.long, device=input_ids.device)
-        used, starts = dict.fromkeys(MEDIA, 0), {kind: [] for kind in MEDIA}
-        for row, lo, hi in self._segments(input_ids, packed_seq_params):
-            ids, first = input_ids[row, lo:hi].tolist(), dict(used)
-            for start in (i + 1 for i, t in enumerate(ids[:-1]) if t == self.vision_start_token_id):
-                kind = kind_of.get(ids[start])
-                if kind is None:
-                    continue
-                end = start
-                while end < len(ids) and ids[end] == self.pad_ids[kind]:
-                    end += 1
-                k, todo = used[kind], runs[kind]
-                if k < len(todo) and end - start == todo[k][1] > 0:
-                    token_types[row, lo + start : lo + end] = MEDIA[kind][0]
-                    if k == 0 or todo[k - 1][0] != todo[k][0]:
-                        starts[kind].append((row, lo + start))
-                    used[kind] += 1
-            mine = {}
-            for kind, (_, _, grids) in MEDIA.items():
-                items = sorted({item for item, _ in runs[kind][first[kind] : used[kind]]})
-                mine[kind] = media[grids][items] if items else None
-                if kind == "video" and items and media.get("second_per_grid_ts") is not None:
-                    mine["seconds"] = media["second_per_grid_ts"][items]
-            positions[:, row, lo:hi] = self.rope_index(
-                input_ids[row, lo:hi], token_types[row, lo:hi], mine["image"], mine["video"], mine.get("seconds")
-            )
-        for kind, todo in runs.items():
-            if used[kind] != len(todo):
-                items = len(media[MEDIA[kind][2]])
-                found = todo[used[kind]][0]  # the items before the first run not found
-                raise ValueError(
-                    f"the micro-batch has {items} {kind}s in multimodal_train_inputs but its tokens hold the "
-                    f"{kind}-token runs (id {self.pad_ids[kind]}, each after <|vision_start|>, as long as its "
-                    f"{kind}'s features{' per frame' if kind == 'video' and self.video_run_per_frame else ''}) of "
-                    f"{found}: multimodal_train_inputs do not match the tokens"
+        starts = {kind: [] for kind in MEDIA}
+        for name, segments, runs in self._samples(self._segments(input_ids, packed_seq_params), media):
+            used = dict.fromkeys(MEDIA, 0)
+            for row, lo, hi in segments:
+                ids, first = input_ids[row, lo:hi].tolist(), dict(used)
+                for start in (i + 1 for i, t in enumerate(ids[:-1]) if t == self.vision_start_token_id):
+                    kind = kind_of.get(ids[start])
+                    if kind is None:
+                        continue
+                    end = start
+                    while end < len(ids) and ids[end] == self.pad_ids[kind]:
+                        end += 1
+                    k, todo = used[kind], runs[kind]
+                    if k < len(todo) and end - start == todo[k][1] > 0:
+                        token_types[row, lo + start : lo + end] = MEDIA[kind][0]
+                        if k == 0 or todo[k - 1][0] != todo[k][0]:
+                            starts[kind].append((row, lo + start))
+                        used[kind] += 1
+                mine = {}
+                for kind, (_, _, grids) in MEDIA.items():
+                    items = sorted({item for item, _ in runs[kind][first[kind] : used[kind]]})
+                    mine[kind] = media[grids][items] if items else None
+                    if kind == "video" and items and media.get("second_per_grid_ts") is not None:
+                        mine["seconds"] = media["second_per_grid_ts"][items]
+                positions[:, row, lo:hi] = self.rope_index(
+                    input_ids[row, lo:hi], token_types[row, lo:hi], mine["image"], mine["video"], mine.get("seconds")
                 )
+            for kind, todo in runs.items():
+                if used[kind] != len(todo):
+                    items = len({item for item, _ in todo})
+                    found = todo[used[kind]][0] - todo[0][0]  # the sample's items before the first run not found
+                    raise ValueError(
+                        f"{name} has {items} {kind}s in multimodal_train_inputs but its tokens hold the "
+                        f"{kind}-token runs (id {self.pad_ids[kind]}, each after <|vision_start|>, as long as its "
+                        f"{kind}'s features{' per frame' if kind == 'video' and self.video_run_per_frame else ''}) of "
+                        f"{found}: multimodal_train_inputs do not match the tokens"
+                    )
         return token_types, positions, starts
 
     def _tree_media_and_positions(self, input_ids, tree_samples):

@@ -213,7 +213,10 @@ def get_batch(data_iterator, keys, pad_multiplier=128):
     else:
         batch.update(_padded_layout(tokens))
     if "multimodal_train_inputs" in batch:
-        batch["multimodal_train_inputs"] = merge_multimodal_inputs(mm)
+        merged = merge_multimodal_inputs(mm)
+        if merged:  # how many of each key's rows (images, videos) each sample brought: the model matches its own
+            merged["rows_per_sample"] = {k: [len(m[k]) if m and k in m else 0 for m in mm] for k in merged}
+        batch["multimodal_train_inputs"] = merged
     return batch
 
 
