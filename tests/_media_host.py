@@ -13,10 +13,14 @@ IMAGE_SIZE = (56, 84)
 
 class Media(http.server.BaseHTTPRequestHandler):
     """/img (an image's bytes), /hop/N (a redirect to /hop/N-1, /hop/0 to /img), /to/HOST (a redirect to /img on
-    HOST), /stream/N (N bytes without a Content-Length), /slow (waits 3 s), /gate (the image once the test opens the
-    gate), else 404."""
+    HOST), /stream/N (N bytes without a Content-Length), /slow (waits 3 s), /drip/body (the image in DRIP_PIECES pieces
+    DRIP_PAUSE s apart: each read gets bytes well within any timeout, the whole body takes 5 s; /drip/unsized the
+    same without a Content-Length; /drip/headers as many header lines as slowly, then the image), /gate (the image
+    once the test opens the gate), else 404."""
 
     image = b""
+    DRIP_PIECES, DRIP_PAUSE = 20, 0.25
+    drip_done = threading.Event()  # set when a /drip handler returns
     entered, gate = threading.Event(), threading.Event()  # /gate: set `entered`, then wait for `gate`
 
     def do_GET(self):
@@ -37,6 +41,8 @@ class Media(http.server.BaseHTTPRequestHandler):
             self.entered.set()
             self.gate.wait(30)
             return self._send(200, self.image)
+        if parts[0] == "drip":
+            return self._drip(parts[1])
         if parts[0] == "slow":
             time.sleep(3)
             return self._send(200, self.image)
@@ -50,6 +56,30 @@ class Media(http.server.BaseHTTPRequestHandler):
             self.wfile.write(body)
         except OSError:  # /slow: the client gave up
             pass
+
+    def _drip(self, mode):
+        step = -(-len(self.image) // self.DRIP_PIECES)
+        pieces = [self.image[i : i + step] for i in range(0, len(self.image), step)]
+        try:
+            self.send_response(200)
+            if mode == "headers":
+                self.flush_headers()  # the status line
+                for i in range(self.DRIP_PIECES):
+                    self.wfile.write(f"X-Drip-{i}: {i}\r\n".encode())
+                    self.wfile.flush()
+                    time.sleep(self.DRIP_PAUSE)
+            if mode != "unsized":
+                self.send_header("Content-Length", str(len(self.image)))
+            self.end_headers()
+            for piece in pieces:
+                self.wfile.write(piece)
+                self.wfile.flush()
+                if mode != "headers":
+                    time.sleep(self.DRIP_PAUSE)
+        except OSError:  # the client gave up: stop at the next piece
+            self.close_connection = True
+        finally:
+            self.drip_done.set()
 
     def _redirect(self, location):
         self.send_response(302)

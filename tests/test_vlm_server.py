@@ -5,6 +5,7 @@ import base64
 import io
 import os
 import re
+import time
 import types
 
 import pytest
@@ -71,6 +72,50 @@ def test_image_urls_are_downloaded_under_sglangs_policy(media_host, monkeypatch,
         with pytest.raises(SystemExit):
             main(["--model-path", "/nonexistent", *flags])
         assert why in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("part", ["body", "unsized", "headers"])
+def test_request_timeout_bounds_a_download_that_trickles(media_host, monkeypatch, part):
+    """REQUEST_TIMEOUT bounds the whole download, not each socket read: a server that sends its body (with and without
+    a Content-Length) or its header lines a piece every 0.25 s, 5 s in all, fails at the deadline with the timeout
+    error naming the URL and the limit, and its handler stops soon after the client goes."""
+    from slime.utils import media_download as media
+
+    monkeypatch.setattr(media, "_policy", {"domains": frozenset(), "max_bytes": 64 * 1024 * 1024})
+    monkeypatch.setenv("REQUEST_TIMEOUT", "1")
+    url = f"{media_host}/drip/{part}"
+    Media.drip_done.clear()
+    start = time.monotonic()
+    why = f"Timed out after 1 s (REQUEST_TIMEOUT) while downloading media URL: {url}"
+    with pytest.raises(requests.exceptions.Timeout, match=f"^{re.escape(why)}$"):
+        media.download(url)
+    assert time.monotonic() - start < 1 + 1.5
+    assert Media.drip_done.wait(1), "the /drip handler outlived its client"
+
+
+def test_chat_image_parts_are_taken_as_sglang_takes_them():
+    """/v1/chat/completions' content parts: `input_image` (its image_url a string) and `image_url` (an object) become
+    `{"type": "image"}` with their urls in image_data, in order; `input_text` becomes a text part; audio and video
+    parts are refused, naming the part."""
+    from slime.backends.cpu_server.media import chat_images
+    from slime.backends.cpu_server.sampling import RequestError
+
+    url = "http://127.0.0.1:1/a.png"
+    system = {"role": "system", "content": "Be brief."}
+    user = [
+        {"type": "input_text", "text": "Compare"},
+        {"type": "input_image", "image_url": url},
+        {"type": "image_url", "image_url": {"url": PNG}},
+    ]
+    messages, images = chat_images([system, {"role": "user", "content": user}])
+    assert images == [url, PNG]
+    assert messages == [
+        system,
+        {"role": "user", "content": [{"type": "text", "text": "Compare"}, {"type": "image"}, {"type": "image"}]},
+    ]
+    for kind in ("audio_url", "video_url"):
+        with pytest.raises(RequestError, match=rf"^messages\[1\]\.content\[1\]: {kind} is not supported"):
+            chat_images([system, {"role": "user", "content": [user[0], {"type": kind, kind: {"url": url}}]}])
 
 
 @pytest.fixture(scope="module")
@@ -425,6 +470,51 @@ def test_the_tower_runs_once_per_image_and_weights(tiny_vlm):
     HFWeights(reference).load(tower.items(), "test")
     steps()
     assert len(calls) == 2 and calls[1] == calls[0]  # recomputed: the logits matched the updated reference
+
+
+def test_a_generated_image_pad_token_stays_text(tiny_vlm):
+    """A decoded token that happens to be the image-pad id is text, as in transformers' own generate (its cached decode
+    step embeds the new token as text, at text positions): the CPU server's decode logits after a forced image-pad
+    token equal generate's next-step logits after the same forced token."""
+    from transformers import AutoModelForImageTextToText, LogitsProcessor, LogitsProcessorList
+
+    from slime.backends.cpu_server.hf_fallback import TokenPool, load_fallback
+    from slime.backends.cpu_server.media import expand
+
+    processor = load_processor(tiny_vlm)
+    pad, image = processor.image_token_id, _image((56, 84), 0)
+    _, _, _, model = load_fallback(tiny_vlm, "float32", False)
+    reference = AutoModelForImageTextToText.from_pretrained(tiny_vlm, dtype=torch.float32).eval()
+    inputs = processor(text=[TEXT], images=[image], return_tensors="pt")
+    n = inputs["input_ids"].shape[1]
+
+    class ForcePad(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            if input_ids.shape[1] == n:
+                scores = torch.full_like(scores, -float("inf"))
+                scores[:, pad] = 0
+            return scores
+
+    with torch.no_grad():
+        out = reference.generate(
+            **inputs,
+            max_new_tokens=2,
+            do_sample=False,
+            logits_processor=LogitsProcessorList([ForcePad()]),
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    assert out.sequences[0, n].item() == pad
+    seq, mm = expand(processor, processor.tokenizer.encode(TEXT), [image])
+    assert seq == inputs["input_ids"][0].tolist()
+    pool, lens = TokenPool(512), torch.tensor([n])
+    rows = torch.tensor(pool.alloc(n))
+    model.forward_prefill(pool, torch.tensor(seq), lens, rows, mm=[mm])
+    new_rows = torch.tensor(pool.alloc(1))
+    kv_index = torch.cat([rows, new_rows])[None]
+    valid = torch.ones(kv_index.shape, dtype=torch.bool)
+    logits = model.forward_decode(pool, torch.tensor([pad]), lens, new_rows, kv_index, valid, mm=[mm])[0]
+    assert torch.allclose(logits, out.logits[1][0], atol=1e-5)
 
 
 def test_text_only_generates_refuse_samples_with_images(tiny_vlm):
