@@ -1,9 +1,12 @@
 """Current upstream slime's flags: every recorded flag parses, and is honoured or refused in one line at start-up."""
 
+import ast
+import json
+
 import pytest
 
 from slime.config.parser import build_parser, get_slime_extra_args_provider
-from slime.utils.flag_support import REFUSED, upstream_flags
+from slime.utils.flag_support import COMPUTED, DEFAULT_DIFFERS, NO_EFFECT, REFUSED, is_computed, upstream_flags
 from tests._args import make_args, one_line_refusal
 from tools import gen_flags_doc
 
@@ -50,6 +53,12 @@ def test_refused_flag_stops_start_up_in_one_line(capsys, argv, flag, why):
         (["--async-save"], "--async-save", "synchronously"),
         (["--moe-z-loss-coeff", "0.001"], "--moe-z-loss-coeff", "z-loss"),
         (["--lr-decay-samples", "100"], "--lr-decay-samples", "--lr-decay-iters"),
+        (["--min-batch-collection-ratio", "0.5"], "--min-batch-collection-ratio", "reads it nowhere either"),
+        # the tokenizer is always --hf-checkpoint's, as with --vocab-file
+        (["--tokenizer-type", "SentencePieceTokenizer"], "--tokenizer-type", "--hf-checkpoint"),
+        (["--tokenizer-type", "HuggingFaceTokenizer"], "--tokenizer-type", "--hf-checkpoint"),
+        (["--tokenizer-model", "/tmp/x.model"], "--tokenizer-model", "--hf-checkpoint"),
+        (["--vocab-file", "/tmp/vocab.json"], "--vocab-file", "--hf-checkpoint"),
     ],
 )
 def test_flags_nothing_reads_are_refused_when_set(capsys, argv, flag, why):
@@ -65,6 +74,12 @@ def test_no_effect_flag_is_accepted_with_a_warning(caplog):
     warned = [r.getMessage() for r in caplog.records if "no effect" in r.getMessage()]
     assert any(m.startswith("--optimizer-cpu-offload: accepted, but has no effect") for m in warned), warned
     assert any(m.startswith("--attention-backend: accepted, but has no effect") for m in warned), warned
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="slime.config"):
+        args = make_args("--max-tokens-per-gpu", "512", "--log-probs-max-tokens-per-gpu", "64")
+    assert args.log_probs_max_tokens_per_gpu == 64
+    warned = [r.getMessage() for r in caplog.records if "no effect" in r.getMessage()]
+    assert any(m.startswith("--log-probs-max-tokens-per-gpu: accepted, but has no effect") for m in warned), warned
     caplog.clear()
     with caplog.at_level("WARNING", logger="slime.config"):
         make_args()
@@ -97,6 +112,73 @@ def test_router_flags_reach_the_router_configuration():
     router = router_args_of(make_args(), "127.0.0.1", 4321)
     assert (router.log_level, router.balance_abs_threshold, router.balance_rel_threshold) == ("warn", 10, 1.2)
     assert router.policy == "cache_aware"
+    # what slime sets itself, whatever the flags: which is why those flags are refused (below)
+    router = router_args_of(make_args("--sglang-router-request-timeout-secs", "77"), "127.0.0.1", 4321)
+    assert (router.worker_urls, router.prometheus_host, router.request_timeout_secs) == ([], "127.0.0.1", 77)
+    assert router.prometheus_port not in (29000, 4321)
+
+
+@pytest.mark.parametrize(
+    "argv, flag, why",
+    [
+        (["--router-prometheus-port", "9999"], "--router-prometheus-port", "a free port"),
+        (["--router-prometheus-host", "127.0.0.1"], "--router-prometheus-host", "router's own host"),
+        (["--router-request-timeout-secs", "77"], "--router-request-timeout-secs", "--sglang-router-request-timeout"),
+        (["--worker-urls", "http://127.0.0.1:1"], "--worker-urls", "registers itself"),
+    ],
+)
+def test_router_flags_slime_sets_itself_are_refused(capsys, argv, flag, why):
+    err = one_line_refusal(capsys, *argv)
+    assert f"{flag}: not supported by this slime" in err
+    assert why in err
+
+
+def _upstream_default(entry):
+    """Upstream's default as argparse gives it: a store_true / store_false flag without one is false / true; a
+    computed default (e.g. 512 * 1024**2) is evaluated when it is plain arithmetic."""
+    if "default" not in entry:
+        action = entry.get("action")
+        return {"store_true": False, "store_false": True}.get(action) if isinstance(action, str) else None
+    default = entry["default"]
+    if is_computed(default):
+        tree = ast.parse(default[COMPUTED], mode="eval")
+        allowed = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Constant, ast.operator, ast.unaryop)
+        assert all(isinstance(n, allowed) for n in ast.walk(tree)), default
+        return eval(compile(tree, "<default>", "eval"), {"__builtins__": {}})
+    return default
+
+
+def _converted(value, action):
+    # argparse converts a string default with the flag's type
+    if isinstance(value, str) and action.type not in (None, str):
+        return action.type(value)
+    return value
+
+
+def test_honoured_flags_have_upstream_defaults(parser):
+    """Every honoured flag's default here is upstream's, but for DEFAULT_DIFFERS (each with its reason)."""
+    known = parser._option_string_actions
+    differ = {}
+    for entry in upstream_flags():
+        flag = entry["flags"][0]
+        if flag in REFUSED or flag in NO_EFFECT:
+            continue
+        action = next(known[f] for f in entry["flags"] if f in known)
+        ours = _converted(parser.get_default(action.dest), action)
+        upstream = _converted(_upstream_default(entry), action)
+        if ours != upstream:
+            differ[flag] = (upstream, ours)
+    assert sorted(differ) == sorted(DEFAULT_DIFFERS), f"defaults not upstream's (flag: (upstream, here)): {differ}"
+    for flag in ("--rollout-max-response-len", "--sglang-router-request-timeout-secs", "--lr", "--tool-key"):
+        assert flag in DEFAULT_DIFFERS
+
+
+def test_flags_doc_states_each_default_that_differs(parser):
+    rows = {line.split(" | ")[0].lstrip("| ").split(" / ")[0]: line for line in gen_flags_doc.render().splitlines()}
+    for flag, why in DEFAULT_DIFFERS.items():
+        default = parser.get_default(parser._option_string_actions[flag].dest)
+        row = rows[f"`{flag}`"]
+        assert f"**default here `{json.dumps(default)}`**: {why}" in row, row
 
 
 def test_flags_doc_is_current():

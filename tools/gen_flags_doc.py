@@ -15,6 +15,7 @@ import re
 from slime.config.parser import build_parser, get_slime_extra_args_provider
 from slime.utils.flag_support import (
     COMPUTED,
+    DEFAULT_DIFFERS,
     MEGATRON_SCRIPT_FLAGS,
     NO_EFFECT,
     REFUSED,
@@ -63,8 +64,9 @@ def render():
         "",
         f"Every flag that current upstream slime (commit `{meta['upstream_commit']}`) declares parses here. Each one is "
         "either **honoured** with upstream's name, default and meaning (some code reads it: "
-        "`tests/test_flags_read.py` checks that for every flag), or **refused**: the job stops at start-up "
-        "(exit 2, nothing started) with one line naming the flag, why, and what to do instead, as soon as the flag "
+        "`tests/test_flags_read.py` checks that for every flag; where the default here is not upstream's, the row "
+        "says so and why: `tests/test_flag_support.py` checks every default), or **refused**: the job stops at "
+        "start-up (exit 2, nothing started) with one line naming the flag, why, and what to do instead, as soon as the flag "
         "is set to anything but its upstream default. A few that current slime declares but never reads either are "
         "**accepted, no effect here**, with a warning at start-up when set. No flag is silently ignored.",
         "",
@@ -93,7 +95,10 @@ def render():
             else:
                 action = next(known[f] for f in entry["flags"] if f in known)
                 help_text = action.help if action.help and action.help != argparse.SUPPRESS else entry.get("help", "")
-                status = f"honoured. {help_text}" if help_text else "honoured"
+                status = "honoured"
+                if flag in DEFAULT_DIFFERS:
+                    status += f", **default here `{json.dumps(action.default)}`**: {DEFAULT_DIFFERS[flag]}"
+                status = f"{status}. {help_text}" if help_text else status
             lines.append(f"| {names} | {_cell(_default(entry))} | {_cell(status)} |")
         lines.append("")
     no_effect = [f for f in NO_EFFECT if not any(f in e["flags"] for e in flags)]

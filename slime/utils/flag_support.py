@@ -40,6 +40,17 @@ REFUSED = {
     "is not used; the tracker moves only once the whole checkpoint and the data source's state are on disk): "
     "drop it",
     # not implemented here yet
+    "--min-batch-collection-ratio": "collecting part of a batch from the rollout buffer is not built (current slime "
+    "declares this flag and reads it nowhere either): drop it (every batch is collected whole)",
+    # sglang-router flags that slime sets itself when it starts the router (as current slime does), so a value given
+    # here would be overwritten (slime/backends/sglang_utils/router.py: router_args_of)
+    "--worker-urls": "slime starts the router with no workers and each engine registers itself once it is up: drop "
+    "it (--rollout-external-engine-addrs for engines slime does not start)",
+    "--router-prometheus-host": "slime binds the router's Prometheus exporter on the router's own host: drop it",
+    "--router-prometheus-port": "slime gives the router's Prometheus exporter a free port (sglang-router's 29000 is "
+    "shared by every run on the host): drop it",
+    "--router-request-timeout-secs": "slime sets the router's per-request timeout from "
+    "--sglang-router-request-timeout-secs: use that",
 }
 
 # Megatron-LM flags that this slime's trainer does not implement and that would change the model, the schedule or
@@ -81,6 +92,8 @@ REFUSED.update(
         "--split": _PRETRAINING,
         "--vocab-file": "the tokenizer is --hf-checkpoint's: drop it",
         "--merge-file": "the tokenizer is --hf-checkpoint's: drop it",
+        "--tokenizer-type": "the tokenizer is --hf-checkpoint's (Hugging Face): drop it",
+        "--tokenizer-model": "the tokenizer is --hf-checkpoint's: drop it",
         "--num-workers": _PRETRAINING,
         "--eval-iters": "evaluation runs --eval-prompt-data / --eval-config every --eval-interval rollouts: drop it",
         "--log-interval": "slime logs every rollout and every optimizer step: drop it",
@@ -141,6 +154,25 @@ NO_EFFECT = {
     "their addresses directly)",
     "--use-http2": "current slime declares it and reads it nowhere (the client speaks HTTP/1.1, which every server "
     "here answers)",
+    "--log-probs-max-tokens-per-gpu": "the log-prob pass reuses the training micro-batches (--max-tokens-per-gpu), "
+    "which cannot change the log-probs (current slime declares it and reads it nowhere either)",
+}
+
+
+# Honoured flags whose default here is not upstream's (tests/test_flag_support.py compares every honoured flag's
+# default with upstream_flags.json; docs/flags.md shows the default here and this reason). flag -> why (one line).
+DEFAULT_DIFFERS = {
+    "--distributed-backend": "chosen at start-up by the device (upstream's nccl wherever GPUs can run it)",
+    "--qwen-gdn-backend": "chosen at start-up by the device (upstream's fla wherever GPUs can run it)",
+    "--update-weight-transport": "auto: shared memory where engines share the trainer's host, else broadcast "
+    "(upstream's nccl)",
+    "--rollout-max-response-len": "1024 tokens: a bounded response unless set (upstream: unset, SGLang's "
+    "max_new_tokens None)",
+    "--tool-key": "unset: a --tool-key column must exist in the data here (upstream uses its 'tools' column only "
+    "where a row has one), so none is assumed",
+    "--lr": "required: a learning rate is never assumed (upstream: 1e-6)",
+    "--no-save-optim": "Megatron-LM's null, made false at start-up: the same as upstream's false",
+    "--sglang-router-request-timeout-secs": "an hour (upstream: 4 hours): a hung request fails sooner",
 }
 
 

@@ -233,7 +233,6 @@ VALUE_RANGES = (
     ("eps_clip_high", _at_least(0), "the upper PPO clip range"),
     ("gamma", _between(0, 1), "the discount factor"),
     ("tis_clip", _above(0), "the truncated importance-sampling cap"),
-    ("min_batch_collection_ratio", _between(0, 1), "the fraction of a batch a rollout buffer must collect"),
     ("rollout_health_check_interval", _above(0), "seconds between engine health checks"),
     ("rollout_health_check_timeout", _above(0), "seconds an engine's /health_generate may take"),
     ("rollout_health_check_first_wait", _at_least(0), "seconds before the first health check of a rollout"),

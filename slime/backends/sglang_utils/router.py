@@ -109,7 +109,8 @@ def start_router(args, timeout: float = 60.0):
 def router_args_of(args, ip: str, port: int):
     """The router's configuration: the user's `--router-*` flags (sglang-router's own, as current slime passes
     them), with this run's address, a free Prometheus port (its default 29000 is shared by every run on the host)
-    and `--sglang-router-request-timeout-secs` as the per-request timeout."""
+    and `--sglang-router-request-timeout-secs` as the per-request timeout. The `--router-*` flags for what is set
+    here (and `--worker-urls`) are refused at start-up (`slime.utils.flag_support.REFUSED`)."""
     from sglang_router.router_args import RouterArgs  # lazy: rollout code uses this module's worker calls only
 
     router_args = RouterArgs.from_cli_args(args, use_router_prefix=True)
