@@ -352,7 +352,7 @@ def test_tis_function_and_pg_loss_reducer(examples):
 
 
 def test_model_provider(examples, mpu_world1):
-    from slime.backends.megatron_utils.model_provider import get_model_provider_func
+    from slime.backends.megatron_utils.model_provider import ValueHead, get_model_provider_func
     from tests._args import make_args
 
     examples("tiny_gpt_provider")
@@ -362,3 +362,16 @@ def test_model_provider(examples, mpu_world1):
     assert full.embedding.word_embeddings.weight.shape == (64, 32) and full.output_layer is not None
     first_stage = provider(pre_process=True, post_process=False)
     assert not hasattr(first_stage, "output_layer") or first_stage.output_layer is None
+
+    # the critic (--advantage-estimator ppo) uses the same provider; the last stage's output_layer is a value head
+    critic_provider = get_model_provider_func(
+        make_args("--custom-model-provider-path", "custom_examples.tiny_gpt_provider"), role="critic"
+    )
+    critic = critic_provider(pre_process=True, post_process=True, vp_stage=None)
+    assert isinstance(critic.output_layer, ValueHead) and not isinstance(full.output_layer, ValueHead)
+    assert critic.output_layer.weight.shape == (1, 32) and critic.output_layer.bias.shape == (1,)
+    assert critic.embedding.word_embeddings.weight.shape == (64, 32)  # the rest is the provider's model
+    values, bias = critic.output_layer(torch.randn(5, 2, 32))
+    assert values.shape == (5, 2, 1) and bias is None  # one value per position
+    critic_first_stage = critic_provider(pre_process=True, post_process=False)
+    assert not hasattr(critic_first_stage, "output_layer") or critic_first_stage.output_layer is None

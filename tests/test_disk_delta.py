@@ -248,6 +248,63 @@ def test_old_versions_are_removed(dirs):
     assert sorted(os.listdir(root)) == [".weight_v000004.partial", "weight_v000003"]
 
 
+def test_the_writer_honours_overwrite_encoding_and_blake3_checksum(dirs, mpu_world1, monkeypatch):
+    """--update-weight-delta-encoding overwrite / --update-weight-delta-checksum blake3 (docs/flags.md) through the
+    trainer's writer: the delta file holds overwrite deltas (count, positions, new bytes) whose per-tensor checksums,
+    like the index's file checksum, are blake3; the index names both, and the engine side applies the version."""
+    import blake3
+    import safetensors.numpy
+
+    from slime.backends.megatron_utils.update_weight import update_weight_from_disk as uwd
+
+    hf, root, local = dirs
+    args = make_args(
+        "--update-weight-transport", "disk", "--update-weight-disk-dir", root, "--update-weight-mode", "delta",
+        "--update-weight-local-checkpoint-dir", local,
+        "--update-weight-delta-encoding", "overwrite", "--update-weight-delta-checksum", "blake3",
+    )  # fmt: skip
+    args.hf_checkpoint = hf
+    monkeypatch.setattr(uwd, "get_gloo_group", lambda: None)  # the one-rank world group
+    writer = uwd.UpdateWeightFromDisk(args, None, None, model_name="qwen3", quantization_config=None, vocab_size=None)
+    writer._base = uwd._read_checkpoint_bytes(hf)  # what connect_rollout_engines reads: the engines' start
+    old = _tensors(1.0)
+    new = {"a.weight": old["a.weight"].clone(), "b.bias": old["b.bias"].clone()}
+    new["a.weight"][1, 2] = -7.0  # one changed float: 4 changed bytes at most, at offsets 20..23
+    monkeypatch.setattr(writer, "_gather_stage", lambda: {n: t.clone() for n, t in new.items()})
+    writer.weight_version = 1
+    writer._write_version(delta=True)
+
+    version_dir = os.path.join(root, "weight_v000001")
+    with open(os.path.join(version_dir, disk_delta.INDEX)) as f:
+        index = json.load(f)
+    meta = index["metadata"]
+    assert (meta["delta_encoding"], meta["checksum_format"], meta["base_version"]) == ("overwrite", "blake3", "000000")
+    (fname,) = set(index["weight_map"].values())
+    path = os.path.join(version_dir, fname)
+    with open(path, "rb") as f:
+        assert meta["file_checksums"] == {fname: blake3.blake3(f.read()).hexdigest()}
+    header_meta = disk_delta._header(path)[1]["__metadata__"]
+    blobs = safetensors.numpy.load_file(path)
+    assert blobs.keys() == new.keys()
+    for name, blob in blobs.items():  # decoded here by hand, as the overwrite layout is documented
+        raw = np.frombuffer(zstandard.ZstdDecompressor().decompress(blob.tobytes()), dtype=np.uint8)
+        ob = old[name].view(-1).view(torch.uint8).numpy()
+        nb = new[name].view(-1).view(torch.uint8).numpy()
+        count = int(raw[:8].view("<u8")[0])
+        pos = raw[8 : 8 + 8 * count].view("<u8")
+        expected_pos = np.flatnonzero(nb != ob)
+        assert pos.tolist() == expected_pos.tolist() and raw[8 + 8 * count :].tolist() == nb[expected_pos].tolist()
+        assert (count > 0) == (name == "a.weight") and all(20 <= p < 24 for p in pos.tolist())
+        rebuilt = ob.copy()
+        rebuilt[pos] = raw[8 + 8 * count :]
+        assert rebuilt.tobytes() == nb.tobytes()
+        assert header_meta[name] == blake3.blake3(nb.tobytes()).hexdigest()  # blake3 of the new bytes
+
+    assert pull_version(root, local, 0, hf)["applied"] == "seed"
+    assert pull_version(root, local, 1, hf)["applied"] == "overwrite"
+    _assert_intact(local, 1, new)
+
+
 # ------------------------------------------------------------------ start-up checks
 
 

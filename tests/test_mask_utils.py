@@ -135,6 +135,26 @@ def test_distill_qwen_masks_the_last_message(tiny_tokenizer):
     assert ids == prompt + response and mask == [0] * len(prompt) + [1] * len(response)
 
 
+def test_qwen_switches_to_distill_qwen_when_the_vocabulary_has_the_r1_assistant_token(tiny_kit, tmp_path):
+    """docs/sft.md: `distill_qwen` is picked automatically for `qwen` when the vocabulary has <｜Assistant｜>."""
+    from transformers import AutoTokenizer
+
+    msgs = [{"role": "user", "content": "What is 3+4?"}, {"role": "assistant", "content": "7"}]
+    plain = AutoTokenizer.from_pretrained(tiny_kit[0])
+    assert "<｜Assistant｜>" not in plain.get_added_vocab()
+    qwen_plain = MultiTurnLossMaskGenerator(plain, "qwen").get_loss_mask(msgs)
+    distill_plain = MultiTurnLossMaskGenerator(plain, "distill_qwen").get_loss_mask(msgs)
+    assert qwen_plain != distill_plain  # without the token `qwen` keeps its own per-turn masking
+
+    r1 = AutoTokenizer.from_pretrained(tiny_kit[0])  # a fresh copy: the module's tiny_tokenizer stays unchanged
+    r1.add_special_tokens({"additional_special_tokens": ["<｜Assistant｜>"]})
+    assert "<｜Assistant｜>" in r1.get_added_vocab()
+    got = MultiTurnLossMaskGenerator(r1, "qwen").get_loss_mask(msgs)
+    assert got == MultiTurnLossMaskGenerator(r1, "distill_qwen").get_loss_mask(msgs)
+    assert got == distill_plain  # the added token is unused here, so the ids match the plain tokenizer's
+    assert MultiTurnLossMaskGenerator(r1, "qwen3").get_loss_mask(msgs) != got  # only `qwen` switches
+
+
 def test_response_lengths_and_text_segments(tiny_tokenizer):
     gen = MultiTurnLossMaskGenerator(tiny_tokenizer)
     assert gen.get_response_lengths([[0, 0, 1, 0, 1], [0, 0], [1], []]) == [3, 0, 1, 0]

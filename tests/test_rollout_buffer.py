@@ -86,6 +86,52 @@ def test_generator_discovery(tmp_path):
         discover_generators((str(tmp_path),))
 
 
+GENERATOR_WITH_HOOKS = """
+TASK_TYPE = "tagged"
+SEEN = []
+
+
+def run_rollout(data):
+    pass
+
+
+def is_valid_group(group, min_size, task_type):
+    instance_id, samples = group
+    SEEN.append((instance_id, min_size, task_type))
+    return instance_id % 2 == 0 and len(samples) >= min_size  # odd instances are never valid
+
+
+def transform_group(group, task_type):
+    instance_id, samples = group
+    return instance_id, [dict(s, tag=f"{task_type}:{instance_id}") for s in samples]
+
+
+def get_group_data_meta_info(temp_data):
+    return {"custom": {iid: [s["tag"] for s in samples] for iid, samples in temp_data.items()}}
+"""
+
+
+def test_a_generators_optional_hooks_are_used_by_the_buffer(tmp_path):
+    """docs/customization.md: a generator module may define is_valid_group, transform_group and
+    get_group_data_meta_info; the buffer of its TASK_TYPE uses them in place of the defaults."""
+    from slime_plugins.rollout_buffer.buffer import RolloutBuffer
+
+    (tmp_path / "tagged_gen.py").write_text(GENERATOR_WITH_HOOKS)
+    buffer = RolloutBuffer(1, "tagged", (str(tmp_path),))
+    module = buffer.generators["tagged"]
+    buffer.queue.append(_item(4, 1.0))
+    buffer.queue.append(_item(3, 0.0))
+    out = buffer.queue.get()
+    assert [(d["instance_id"], d["tag"]) for d in out["data"]] == [(4, "tagged:4")]  # transformed, odd one rejected
+    assert out["meta_info"] == {"custom": {4: ["tagged:4"]}, "finished_groups": [4], "dropped_groups": 1}
+    assert sorted(module.SEEN) == [(3, 1, "tagged"), (4, 1, "tagged")]
+    # another task type's buffer keeps the defaults
+    other = RolloutBuffer(1, "math", (str(tmp_path),))
+    other.queue.append(_item(3, 0.5))
+    out = other.queue.get()
+    assert "tag" not in out["data"][0] and out["meta_info"]["avg_reward"] == 0.5 and "custom" not in out["meta_info"]
+
+
 def test_endpoints(tmp_path):
     from fastapi.testclient import TestClient
 

@@ -526,3 +526,57 @@ def test_controller_data_source_convert_and_log_functions(ray_mod, tmp_path):
             ray.get(controller.generate.remote(0), timeout=120)
     finally:
         ray.kill(controller)
+
+
+# ------------------------------------------------------------------ log functions' return values (no Ray cluster)
+
+LOG_CALLS = []
+
+
+def log_true(rollout_id, args, samples, rollout_extra_metrics, rollout_time):
+    LOG_CALLS.append(("rollout", rollout_id))
+    return True
+
+
+def log_false(rollout_id, args, samples, rollout_extra_metrics, rollout_time):
+    LOG_CALLS.append(("rollout", rollout_id))
+    return False
+
+
+def eval_log_true(rollout_id, args, data, extra_metrics):
+    LOG_CALLS.append(("eval", rollout_id))
+    return True
+
+
+def eval_log_false(rollout_id, args, data, extra_metrics):
+    LOG_CALLS.append(("eval", rollout_id))
+    return None  # falsy, as a function that only adds to the default logging returns
+
+
+@pytest.mark.parametrize("skips", [True, False])
+def test_a_truthy_log_function_return_skips_the_default_logging(monkeypatch, skips):
+    """docs/customization.md: the log functions return True to replace slime's own logging, False to add to it."""
+    import slime.ray.buffer as buffer
+
+    monkeypatch.setattr(buffer.ray, "put", lambda x: x)  # the controller's class itself, outside Ray
+    monkeypatch.setattr(buffer, "freeze_startup_objects", lambda: None)  # gc.freeze is for the actor's process
+    args = make_args(
+        eval_function_path=f"{HERE}.eval_rollout",
+        custom_rollout_log_function_path=f"{HERE}.{'log_true' if skips else 'log_false'}",
+        custom_eval_rollout_log_function_path=f"{HERE}.{'eval_log_true' if skips else 'eval_log_false'}",
+    )
+    controller = buffer.RolloutController.__ray_metadata__.modified_class(args)
+    controller.set_weight_version("4")  # the push fixed_rollout's samples of rollout 3 record
+    logged = []
+    controller._log = lambda kind, rollout_id, metrics: logged.append((kind, rollout_id, dict(metrics)))
+    LOG_CALLS.clear()
+    data = controller.generate(3).inner
+    assert data["raw_reward"] == [1.0, 0.0, 1.0, 1.0]  # the rollout ran and converted whatever the logging did
+    metrics = controller.eval(3)
+    assert LOG_CALLS == [("rollout", 3), ("eval", 3)]  # the custom functions ran in both cases
+    if skips:
+        assert logged == []
+    else:
+        assert [(kind, rid) for kind, rid, _ in logged] == [("rollout", 3), ("eval", 3)]
+        assert logged[0][2]["rollout/raw_reward"] == pytest.approx(0.75) and logged[1][2] == metrics
+    assert controller.pop_metrics(3)["rollout/raw_reward"] == pytest.approx(0.75)  # returned to the driver either way
