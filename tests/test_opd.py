@@ -192,6 +192,143 @@ def test_task_reward_logged_only_trains_on_the_teacher_alone(mpu_world1):
     assert torch.allclose(data["advantages"][1], torch.tensor([-1.0, 1.0]))
 
 
+def test_reward_func_posts_a_prefill_only_request_to_the_rm_url(monkeypatch):
+    """The scoring request as docs/opd.md describes it, without a server: the whole token list, no token generated,
+    a log-prob per input token from position 0, at the rollout temperature, to --rm-url."""
+    sent = []
+
+    async def fake_post(url, payload, **kwargs):
+        sent.append((url, payload))
+        return {"meta_info": {}}
+
+    monkeypatch.setattr(opd, "post", fake_post)
+    args = _opd_args("--rollout-temperature", "0.7", rm_url="http://127.0.0.1:9/generate")
+    s = Sample(index=0, tokens=[5, 6, 7, 8, 9], response_length=2)
+    assert asyncio.run(opd.reward_func(args, s)) == {"meta_info": {}}
+    [(url, payload)] = sent
+    assert url == "http://127.0.0.1:9/generate"
+    assert payload["input_ids"] == [5, 6, 7, 8, 9] and "image_data" not in payload
+    assert payload["sampling_params"]["max_new_tokens"] == 0
+    assert payload["sampling_params"]["temperature"] == 0.7
+    assert payload["return_logprob"] is True and payload["logprob_start_len"] == 0
+
+
+def test_teacher_tokenizer_readable_here_is_compared_whole(tiny_kit, tmp_path, monkeypatch):
+    """The teacher's tokenizer directory is readable on this host: after the probe passes, the two vocabularies are
+    compared whole, so a difference the probe's ids miss is still refused."""
+    from slime.backends.sglang_utils import external
+
+    other = str(tmp_path / "teacher-tokenizer")
+    tok = AutoTokenizer.from_pretrained(tiny_kit[0])
+    tok.add_tokens(["<teacher-only>"])
+    tok.save_pretrained(other)
+    monkeypatch.setattr(external, "get_server_info", lambda base, **kw: {"tokenizer_path": other})
+    monkeypatch.setattr(external, "probe_teacher_vocab", lambda *a, **kw: True)  # the probe saw no difference
+    url = "http://127.0.0.1:9/generate"
+    with pytest.raises(
+        ValueError, match=r"OPD teacher's tokenizer \(.*teacher-tokenizer\) differs from the student's"
+    ):
+        check_opd_teacher(url, tiny_kit[0])
+    same = str(tmp_path / "same-tokenizer")
+    AutoTokenizer.from_pretrained(tiny_kit[0]).save_pretrained(same)
+    monkeypatch.setattr(external, "get_server_info", lambda base, **kw: {"tokenizer_path": same})
+    assert check_opd_teacher(url, tiny_kit[0]) is None
+
+
+def test_megatron_teacher_load_without_a_checkpoint_is_refused(tmp_path):
+    args = make_args("--use-opd", "--opd-type", "megatron", "--opd-teacher-load", str(tmp_path))
+    with pytest.raises(ValueError, match=f"--opd-teacher-load {tmp_path}: no Megatron checkpoint there"):
+        check_opd_flags(args, _raise, check_paths=True)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("3")
+    check_opd_flags(args, _raise, check_paths=True)  # a checkpoint's tracker: accepted
+
+
+def test_opd_leaves_the_returns_and_the_critics_targets_to_the_estimator(mpu_world1):
+    """PPO with a critic: OPD shapes the actor's advantages only; the returns (the critic's value targets) are
+    GAE's of the task reward, as without OPD, and the critic's arguments have OPD off."""
+    from slime.ray.critic import critic_args
+
+    def data():
+        return {**_rollout(), "values": [torch.tensor([0.5, 0.25, 0.1]), torch.tensor([0.3, -0.2])]}
+
+    ppo = ["--advantage-estimator", "ppo", "--gamma", "0.9", "--lambd", "0.5"]
+    plain, with_opd = data(), data()
+    compute_advantages_and_returns(make_args(*ppo), plain)
+    opd_args = _opd_args(*ppo, "--opd-kl-coef", "0.5")
+    compute_advantages_and_returns(opd_args, with_opd)
+    kl = [torch.tensor([0.2, -0.6, 0.0]), torch.tensor([1.0, -1.0])]  # student - teacher
+    for i in range(2):
+        assert torch.equal(with_opd["returns"][i], plain["returns"][i])
+        assert torch.allclose(with_opd["advantages"][i], plain["advantages"][i] - 0.5 * kl[i])
+    assert not torch.allclose(with_opd["advantages"][0], plain["advantages"][0])
+
+    cargs = critic_args(opd_args)
+    assert opd_args.use_opd is True and cargs.use_opd is False
+    critic = data()
+    del critic["teacher_log_probs"]  # the critic's batch needs none
+    compute_advantages_and_returns(cargs, critic)
+    assert all(torch.equal(r, p) for r, p in zip(critic["returns"], plain["returns"]))
+
+
+@pytest.mark.parametrize("response", ["text", "pad_inside", "pads_first"])
+def test_image_sample_teacher_request_expands_back_to_its_tokens(tiny_vlm, response):
+    """A sample with images: the teacher's `input_ids` + `image_data` expand (the CPU server's `media.expand`, as
+    SGLang expands them) back to `sample.tokens` with the prompt's images and no more. A response holding the
+    image-pad id (a tiny model at temperature 1 generates it): SGLang and the CPU server read every pad id in
+    `input_ids` as one more image, so the request stops before the first generated pad; the teacher's log-probs
+    cover the response up to there and the engine's fill the rest, position for position."""
+    from slime.backends.cpu_server.media import expand
+    from slime.utils.processing_utils import load_image, load_processor
+    from tests.test_vlm_trainer import make_samples
+
+    processor = load_processor(tiny_vlm)
+    pad = processor.image_token_id
+    base = make_samples(tiny_vlm)[1]  # two images
+    images = base.multimodal_inputs["images"]
+    prompt = base.tokens[: len(base.tokens) - base.response_length]
+    resp, scored = {
+        "text": ([100, 102, 101], 3),
+        "pad_inside": ([100, pad, 101], 1),
+        "pads_first": ([pad, pad, 107], 0),
+    }[response]
+    s = Sample(
+        index=1,
+        tokens=prompt + resp,
+        response_length=len(resp),
+        multimodal_inputs={"images": images},
+        rollout_log_probs=[-0.25, -0.5, -0.75],
+    )
+    args = make_args(
+        *["--use-opd", "--opd-type", "sglang", "--rm-url", "http://127.0.0.1:1/generate"],
+        *["--multimodal-keys", '{"image": "images"}'],
+        hf_checkpoint=tiny_vlm,
+    )
+    fields = opd.teacher_prompt_fields(args, s)
+    assert len(fields["image_data"]) == len(images) == 2
+    expanded, mm = expand(processor, fields["input_ids"], [load_image(u, "image") for u in fields["image_data"]])
+    assert expanded == s.tokens[: len(prompt) + scored]
+    assert mm["image_grid_thw"].shape[0] == 2
+    assert opd.teacher_scored_length(args, s) == len(prompt) + scored
+
+    # the teacher's answer has an entry per expanded id (the first without a log-prob)
+    answer = [[None, expanded[0]]] + [[-i / 100, t] for i, t in enumerate(expanded[1:], 1)]
+    s.reward = {"meta_info": {"input_token_logprobs": answer}}
+    opd.post_process_rewards(args, [s])
+    teacher = [-i / 100 for i in range(len(prompt), len(expanded))]
+    assert s.teacher_log_probs == pytest.approx(teacher + [-0.25, -0.5, -0.75][scored:])
+    assert len(s.teacher_log_probs) == s.response_length
+
+    if scored < len(resp):  # no engine log-probs to stand in for the teacher's: refused naming the sample
+        s.rollout_log_probs = None
+        with pytest.raises(
+            ValueError, match=f"sample 1: its response holds the image-pad token at response position {scored}"
+        ):
+            opd.post_process_rewards(args, [s])
+    # a text-only sample's pad id is plain text: its tokens go as they are
+    text_only = Sample(index=2, tokens=[5, 6, pad, pad, 9], response_length=3)
+    assert opd.teacher_prompt_fields(args, text_only) == {"input_ids": [5, 6, pad, pad, 9]}
+
+
 @pytest.fixture(scope="module")
 def teacher_dir(tmp_path_factory):
     """A second tiny Qwen3 (other weights, the kit's tokenizer): the OPD teacher. Its final norm is scaled up so its
@@ -264,6 +401,9 @@ def test_remote_teacher_with_another_vocabulary_is_refused(tiny_kit, teacher_dir
         msg = str(exc.value)
         assert msg.startswith(f"--rm-url {url}/generate: the OPD teacher's vocabulary ({remote_tok}, as the server ")
         assert f"differs from the student's (--hf-checkpoint {renamed}, {last + 2} tokens)" in msg
+        # the CPU server takes id last + 1 (its model has more rows than the tokenizer has tokens): the text
+        # comparison finds it and names it
+        assert f"token id {last + 1} is" in msg, msg
         assert "OPD needs one tokenizer for both" in msg and "\n" not in msg
         assert len(vocab) == last + 1
     finally:
