@@ -261,3 +261,90 @@ def test_server_serves_fp8_and_takes_quantised_updates_in_a_session(fp8_dir, tin
         )
     finally:
         stop_cpu_server(proc)
+
+
+# ---------------------------------------------------------------- MiniMax-M2 (Mixtral-style expert names)
+
+
+@pytest.fixture(scope="module")
+def minimax_quantised(tmp_path_factory):
+    """(source, {"fp8": (dir, quantization_config), "int4": ...}) of a tiny MiniMax-M2: FP8 block 32x32 and INT4
+    (default rules, symmetric, group 32)."""
+    from tests._megatron_helpers import build_random_hf
+    from tools import convert_hf_to_fp8, convert_hf_to_int4_direct
+
+    root = tmp_path_factory.mktemp("minimax")
+    src = build_random_hf("minimaxm2", str(root / "mm2"))
+    fp8, int4 = str(root / "mm2-fp8"), str(root / "mm2-int4")
+    return src, {
+        "fp8": (fp8, convert_hf_to_fp8.convert(src, fp8, "block", (32, 32))),
+        "int4": (int4, convert_hf_to_int4_direct.convert(src, int4, 32, True)),
+    }
+
+
+def test_minimax_m2_router_stays_full_precision_and_its_experts_are_quantised_linears(minimax_quantised):
+    """MiniMax-M2's router (`block_sparse_moe.gate`) is never quantised, as every other router; its routed experts
+    (`block_sparse_moe.experts.<e>.w1/w2/w3`) are, in FP8 and under the default INT4 rules, and the CPU server
+    addresses them as quantised linears."""
+    from slime.backends.cpu_server.weights import quantized_parts
+
+    src, quantised = minimax_quantised
+    source = read_checkpoint(src)
+    router = "model.layers.0.block_sparse_moe.gate.weight"
+    assert router in source and not Q.fp8_should_quantize(router)
+    assert not Q.int4_should_quantize(router, source[router], Q.INT4_DEFAULT_IGNORE_RULES)
+    experts = {n[: -len(".weight")] for n in source if ".block_sparse_moe.experts." in n}
+    attention = {n[: -len(".weight")] for n in source if n.endswith("_proj.weight") and ".self_attn." in n}
+    assert len(experts) == 2 * 4 * 3 and len(attention) == 2 * 4
+    for kind, stored, modules in (
+        ("fp8", "weight_scale_inv", experts | attention),
+        ("int4", "weight_packed", experts),
+    ):
+        out, qc = quantised[kind]
+        files = read_checkpoint(out)
+        assert torch.equal(files[router], source[router]) and router.removesuffix("weight") + stored not in files
+        assert {n[: -len(stored) - 1] for n in files if n.endswith("." + stored)} == modules, kind
+        if kind == "fp8":
+            assert router.removesuffix(".weight") in qc["modules_to_not_convert"]
+        parts = quantized_parts(Q.QuantScheme(qc), source, torch.float32)
+        assert set(parts) == modules, kind
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int4"])
+def test_fallback_loads_a_quantised_minimax_m2(minimax_quantised, kind, tmp_path):
+    """load_fallback on MiniMax-M2 FP8 block / INT4: each quantised linear (its experts' w1/w2/w3 by checkpoint name)
+    holds the checkpoint's tensors and computes with q * s exactly; the router stays as stored; the logits are
+    transformers' on the dequantised checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    from slime.backends.cpu_server.hf_fallback import load_fallback
+
+    out, qc = minimax_quantised[1][kind]
+    files = read_checkpoint(out)
+    _, _, weights, _ = load_fallback(out, "float32", False, Q.QuantScheme(qc))
+    w1 = "model.layers.1.block_sparse_moe.experts.3.w1"
+    assert w1 in weights.quantized and len(weights.quantized) == (32 if kind == "fp8" else 24)
+    dequantised = {}
+    for module, (view, parts) in weights.quantized.items():
+        own = {s: files[f"{module}.{s}"] for s in parts}
+        assert all(torch.equal(parts[s].view(torch.uint8), own[s].view(torch.uint8)) for s in own), module
+        if kind == "fp8":
+            q, s = own["weight"], own["weight_scale_inv"]
+            dequantised[module + ".weight"] = q.float() * Q._expand(s, 32, 32, q.shape)
+        else:
+            dequantised[module + ".weight"] = Q.dequantize_int4(own, 32, True, torch.float32)
+        assert torch.equal(view, dequantised[module + ".weight"]), module
+    router = "model.layers.0.block_sparse_moe.gate.weight"
+    assert torch.equal(weights.named[router], files[router])
+    # transformers on the dequantised checkpoint computes what the server computes
+    plain = {n: t for n, t in files.items() if n.rsplit(".", 1)[0] not in weights.quantized}
+    deq = tmp_path / "dequantised"
+    deq.mkdir()
+    save_file({**plain, **dequantised}, str(deq / "model.safetensors"))
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    del cfg["quantization_config"]
+    json.dump(cfg, open(deq / "config.json", "w"))
+    ref = AutoModelForCausalLM.from_pretrained(str(deq), dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 5, 7, 9, 11]])
+    with torch.no_grad():
+        assert torch.equal(weights.model(ids).logits, ref(ids).logits)

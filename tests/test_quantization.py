@@ -121,10 +121,32 @@ def test_fp8_coverage_rules():
         "model.layers.0.linear_attn.A_log",
         "model.layers.0.linear_attn.in_proj_a.weight",
         "model.layers.3.eh_proj.weight",
+        "model.layers.1.mlp.router.weight",
+        "model.layers.1.block_sparse_moe.gate.weight",  # MiniMax-M2's router
+        "model.layers.0.self_attn.indexer.weights_proj.weight",
+        "model.layers.0.linear_attn.in_proj_b.weight",
+        "model.visual.blocks.0.attn.qkv.weight",
     ]
-    assert all(Q.fp8_should_quantize(n) for n in yes)
-    assert not any(Q.fp8_should_quantize(n) for n in no)
+    for n in yes:
+        assert Q.fp8_should_quantize(n), n
+    for n in no:
+        assert not Q.fp8_should_quantize(n), n
     assert not Q.fp8_should_quantize("model.layers.0.mlp.down_proj.weight", torch.zeros(3))  # 1-D
+    # the server's module decision on `modules_to_not_convert` (SGLang's is_layer_skipped): an entry, with or without
+    # `model.`, equal to the module, a dotted prefix of it, or a dotted segment sequence inside it
+    skip = ["model.layers.0.mlp.gate", "layers.1.self_attn", "visual", "mlp.shared_expert_gate"]
+    assert Q.fp8_module_skipped("model.layers.0.mlp.gate", skip)  # equal
+    assert Q.fp8_module_skipped("layers.0.mlp.gate", skip)  # equal but for `model.`
+    assert Q.fp8_module_skipped("model.layers.1.self_attn.q_proj", skip)  # dotted prefix (entry without `model.`)
+    assert Q.fp8_module_skipped("model.visual.blocks.0.attn.qkv", skip)  # a segment inside
+    assert Q.fp8_module_skipped("model.layers.2.mlp.shared_expert_gate", skip)  # a segment sequence inside
+    for module in (
+        "model.layers.0.mlp.gate_proj",  # `mlp.gate` is no dotted prefix of it
+        "model.layers.10.self_attn.q_proj",  # nor `layers.1.self_attn` of this
+        "model.visualizer.fc",
+        "model.layers.2.mlp.shared_expert",
+    ):
+        assert not Q.fp8_module_skipped(module, skip), module
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -186,8 +208,17 @@ def test_int4_asymmetric_one_signed_group_stays_in_range():
 
 
 def test_int4_coverage_default_rules():
+    """The default rules pack the routed experts' projections and nothing else, in every family slime converts."""
     rules = Q.INT4_DEFAULT_IGNORE_RULES
-    packed = ["model.layers.1.mlp.experts.0.gate_proj.weight", "model.layers.1.mlp.experts.7.down_proj.weight"]
+    packed = [
+        "model.layers.1.mlp.experts.0.gate_proj.weight",
+        "model.layers.1.mlp.experts.7.down_proj.weight",
+        "model.language_model.layers.0.mlp.experts.3.up_proj.weight",  # Qwen3.5-MoE VL's decoder
+        "model.layers.1.block_sparse_moe.experts.0.w1.weight",  # MiniMax-M2
+        "model.layers.1.block_sparse_moe.experts.3.w2.weight",
+        "model.layers.61.mlp.experts.0.down_proj.weight",  # a DeepSeek-V3 MTP layer's experts
+        "mtp.layers.0.mlp.experts.1.gate_proj.weight",  # Qwen3-Next's
+    ]
     kept = [
         "model.layers.1.mlp.gate.weight",
         "model.layers.1.mlp.shared_experts.gate_proj.weight",
@@ -197,10 +228,41 @@ def test_int4_coverage_default_rules():
         "lm_head.weight",
         "model.layers.0.input_layernorm.weight",
         "model.layers.1.mlp.experts.0.gate_proj.bias",
+        # beyond current slime's rules: Qwen2-MoE / Qwen3-Next / Qwen3.5's singular shared expert and its gate,
+        # Gated DeltaNet, MiniMax-M2's router, a vision tower, MTP layers' own projections
+        "model.layers.1.mlp.shared_expert.gate_proj.weight",
+        "model.layers.1.mlp.shared_expert.down_proj.weight",
+        "model.layers.1.mlp.shared_expert_gate.weight",
+        "model.layers.0.linear_attn.in_proj_qkvz.weight",
+        "model.layers.0.linear_attn.in_proj_qkv.weight",
+        "model.layers.0.linear_attn.in_proj_ba.weight",
+        "model.layers.0.linear_attn.out_proj.weight",
+        "model.layers.0.linear_attn.conv1d.weight",
+        "model.layers.1.block_sparse_moe.gate.weight",
+        "model.visual.blocks.0.attn.qkv.weight",
+        "model.visual.merger.linear_fc1.weight",
+        "model.layers.61.eh_proj.weight",
+        "model.layers.61.shared_head.head.weight",
+        "model.mtp_layers.0.input_proj.weight",
+        "mtp.fc.weight",
     ]
     two_d = torch.zeros(8, 8)
-    assert all(Q.int4_should_quantize(n, two_d, rules) for n in packed)
-    assert not any(Q.int4_should_quantize(n, two_d, rules) for n in kept)
+    for n in packed:
+        assert Q.int4_should_quantize(n, two_d, rules), n
+    for n in kept:
+        assert not Q.int4_should_quantize(n, two_d, rules), n
+    # SGLang decides on module names: its fused MoE modules stay quantised, the kept linears are ignored
+    for module in ("model.layers.1.mlp.experts", "model.layers.1.block_sparse_moe.experts", *packed):
+        assert not Q.sglang_ignores_module(module.removesuffix(".weight"), rules), module
+    for n in kept:
+        if n.endswith(".weight"):
+            assert Q.sglang_ignores_module(n.removesuffix(".weight"), rules), n
+    # only 2-D weights are packed, whatever the rules: a 3-D conv1d stays as it is, and the quantiser refuses it
+    conv = torch.zeros(16, 1, 4)
+    assert not Q.int4_should_quantize("model.layers.0.linear_attn.conv1d.weight", conv, ())
+    assert not Q.int4_should_quantize("model.layers.1.mlp.experts.0.gate_proj.weight", torch.zeros(8), ())
+    with pytest.raises(ValueError, match=r"only 2-D weights are group-quantised, got shape \(16, 1, 4\)"):
+        Q.quantize_int4(conv, 8)
     # slime matches plain rules as name prefixes; SGLang as dotted module suffixes
     assert Q.int4_rule_matches("model.layers.1.mlp", "model.layers.1.mlp.experts.0.up_proj.weight")
     assert not Q.sglang_ignores_module("model.layers.1.mlp.experts.0.up_proj", ["model.layers.1.mlp"])
@@ -264,7 +326,8 @@ def test_convert_hf_to_fp8_block_and_cast_back(tiny_kit, tmp_path):
     fp8_cast_bf16.main(["--input-fp8-hf-path", str(out), "--output-bf16-hf-path", str(back)])
     cast = read_checkpoint(str(back))
     assert set(cast) == set(src)
-    assert "quantization_config" not in json.load(open(back / "config.json"))
+    cfg = json.load(open(back / "config.json"))
+    assert "quantization_config" not in cfg and cfg["torch_dtype"] == cfg["dtype"] == "bfloat16"
     for n in quantised:
         assert cast[n].dtype == torch.bfloat16
         assert torch.equal(
@@ -272,8 +335,8 @@ def test_convert_hf_to_fp8_block_and_cast_back(tiny_kit, tmp_path):
         )
 
 
-def test_convert_hf_to_fp8_tensor_and_channel(tiny_kit, tmp_path):
-    from tools import convert_hf_to_fp8
+def test_convert_hf_to_fp8_tensor_and_channel(tiny_kit, tmp_path, capsys):
+    from tools import convert_hf_to_fp8, fp8_cast_bf16
 
     model_dir, _ = tiny_kit
     for strategy in ("tensor", "channel"):
@@ -284,8 +347,65 @@ def test_convert_hf_to_fp8_tensor_and_channel(tiny_kit, tmp_path):
         assert dst[name].dtype == E4M3 and dst[name + "_scale"].shape == ((1,) if strategy == "tensor" else (128, 1))
         qc = json.load(open(out / "config.json"))["quantization_config"]
         assert Q.QuantScheme(qc).kind == "fp8_" + strategy
+        # and back: W = q * s with the per-tensor / per-channel scale, rounded once to bf16; the scales are gone
+        back = tmp_path / f"{strategy}-bf16"
+        fp8_cast_bf16.main(["--input-fp8-hf-path", str(out), "--output-bf16-hf-path", str(back)])
+        cast = read_checkpoint(str(back))
+        assert set(cast) == {n for n in dst if not n.endswith("_scale")}
+        for n in (n for n in dst if n + "_scale" in dst):
+            assert torch.equal(cast[n], (dst[n].float() * dst[n + "_scale"]).bfloat16()), n
+        cfg = json.load(open(back / "config.json"))
+        assert "quantization_config" not in cfg and cfg["torch_dtype"] == cfg["dtype"] == "bfloat16"
     with pytest.raises(SystemExit):
         convert_hf_to_fp8.parse_args(["--model-dir", model_dir, "--save-dir", str(tmp_path / "x")])  # block, no size
+    capsys.readouterr()
+    args = ["--model-dir", model_dir, "--save-dir", str(tmp_path / "x"), "--block-size", "32", "32"]
+    with pytest.raises(SystemExit) as e:
+        convert_hf_to_fp8.parse_args([*args, "--scale-fmt", "ue8m0"])
+    assert e.value.code == 2 and "--scale-fmt ue8m0 is not supported" in capsys.readouterr().err
+
+
+def test_fp8_cast_bf16_finds_a_scale_in_another_shard(tmp_path):
+    """A 2-shard FP8 checkpoint with a block weight in one shard and its `weight_scale_inv` in the other (and a
+    per-tensor and a per-channel weight split the same way): each becomes q * s, the scales are dropped, and the
+    config says bfloat16 in both `torch_dtype` and `dtype` (transformers 5 writes `dtype`)."""
+    from safetensors.torch import save_file
+
+    from tools import fp8_cast_bf16
+
+    g = torch.Generator().manual_seed(0)
+    w = {n: torch.randn(64, 96, generator=g) for n in ("a", "b", "c")}
+    qa, sa = Q.quantize_fp8_block(w["a"], (32, 32))
+    qb, sb = Q.quantize_fp8_tensor(w["b"])
+    qc_, sc = Q.quantize_fp8_channel(w["c"])
+    p = "model.layers.0.mlp."
+    first = {p + "up_proj.weight": qa, p + "down_proj.weight_scale": sb, p + "gate_proj.weight": qc_}
+    second = {p + "up_proj.weight_scale_inv": sa, p + "down_proj.weight": qb, p + "gate_proj.weight_scale": sc}
+    second["model.norm.weight"] = torch.ones(96)
+    src = tmp_path / "fp8"
+    src.mkdir()
+    files = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+    for fn, tensors in zip(files, (first, second)):
+        save_file(tensors, str(src / fn))
+    weight_map = {n: fn for fn, tensors in zip(files, (first, second)) for n in tensors}
+    json.dump({"metadata": {}, "weight_map": weight_map}, open(src / "model.safetensors.index.json", "w"))
+    cfg = {"model_type": "qwen3", "dtype": "float32", "quantization_config": Q.fp8_config([32, 32])}
+    json.dump(cfg, open(src / "config.json", "w"))
+
+    out = tmp_path / "bf16"
+    fp8_cast_bf16.main(["--input-fp8-hf-path", str(src), "--output-bf16-hf-path", str(out)])
+    cast = read_checkpoint(str(out))
+    assert set(cast) == {p + "up_proj.weight", p + "down_proj.weight", p + "gate_proj.weight", "model.norm.weight"}
+    assert torch.equal(cast[p + "up_proj.weight"], (qa.float() * Q._expand(sa, 32, 32, qa.shape)).bfloat16())
+    assert torch.equal(cast[p + "down_proj.weight"], (qb.float() * sb).bfloat16())
+    assert torch.equal(cast[p + "gate_proj.weight"], (qc_.float() * sc).bfloat16())
+    assert torch.equal(cast["model.norm.weight"], torch.ones(96))
+    out_cfg = json.load(open(out / "config.json"))
+    assert "quantization_config" not in out_cfg
+    assert out_cfg["torch_dtype"] == out_cfg["dtype"] == "bfloat16"
+    assert "float32" not in {v for v in out_cfg.values() if isinstance(v, str)}
+    index = json.load(open(out / "model.safetensors.index.json"))["weight_map"]
+    assert index == {n: weight_map[n] for n in cast}
 
 
 def test_convert_hf_to_int4_direct_dense_and_moe(tiny_kit, tmp_path):
@@ -346,6 +466,31 @@ def test_convert_hf_to_int4_direct_dense_and_moe(tiny_kit, tmp_path):
             assert ((dq - src[n]).abs() <= step * 0.5 * (1 + 1e-5) + 1e-7).all()
 
 
+def test_convert_hf_to_int4_direct_defaults_on_qwen3_5(tmp_path):
+    """The default rules on Gated DeltaNet hybrids (3-D conv1d, linear_attn projections, a singular shared expert and
+    its gate): a dense Qwen3.5 gets nothing packed, a Qwen3.5-MoE only its routed experts, and the start-up check of a
+    trained INT4 checkpoint (routed experts only) passes on it."""
+    from slime.utils.quantization_checks import int4_packed_modules
+    from tests._megatron_helpers import build_random_hf
+    from tools import convert_hf_to_int4_direct
+
+    for kind in ("qwen3_5", "qwen3_5_moe"):
+        model = build_random_hf(kind, str(tmp_path / kind))
+        out = tmp_path / f"{kind}-int4"
+        convert_hf_to_int4_direct.convert(model, str(out), 32, True)
+        src, dst = read_checkpoint(model), read_checkpoint(str(out))
+        assert any(n.endswith("linear_attn.conv1d.weight") and t.dim() == 3 for n, t in src.items())
+        experts = {n[: -len(".weight")] for n in src if ".mlp.experts." in n and n.endswith("_proj.weight")}
+        assert len(experts) == (0 if kind == "qwen3_5" else 3 * 4 * 3)  # 3 layers x 4 experts x gate/up/down
+        if kind == "qwen3_5_moe":
+            assert any(".mlp.shared_expert." in n for n in src) and any("shared_expert_gate" in n for n in src)
+        assert set(int4_packed_modules(str(out))) == experts
+        parts = ("weight_packed", "weight_scale", "weight_shape")
+        assert set(dst) == (set(src) - {m + ".weight" for m in experts}) | {f"{m}.{p}" for m in experts for p in parts}
+        for n in set(src) & set(dst):
+            assert torch.equal(_u8(dst[n]), _u8(src[n])), n
+
+
 def test_quantised_hf_checkpoint_start_up_checks(tiny_kit, tmp_path, capsys):
     """Blockwise FP8 (and INT4: tests/test_int4.py) trains (quantise-on-sync, over every transport, disk included);
     other formats and adapter-only LoRA sync into a quantised engine start only with --debug-rollout-only; a config
@@ -354,18 +499,28 @@ def test_quantised_hf_checkpoint_start_up_checks(tiny_kit, tmp_path, capsys):
     from tests.test_startup_checks import BASE, error_line
     from tools import convert_hf_to_fp8
 
-    block, tensor = tmp_path / "fp8", tmp_path / "fp8-tensor"
+    block, tensor, channel = tmp_path / "fp8", tmp_path / "fp8-tensor", tmp_path / "fp8-channel"
     convert_hf_to_fp8.convert(tiny_kit[0], str(block), "block", (32, 32))
     convert_hf_to_fp8.convert(tiny_kit[0], str(tensor), "tensor")
+    convert_hf_to_fp8.convert(tiny_kit[0], str(channel), "channel")
     base = [*BASE, "--rollout-max-response-len", "64"]
     assert parse_args(argv=[*base, "--hf-checkpoint", str(block)]).hf_checkpoint == str(block)
-    err = error_line(capsys, "--hf-checkpoint", str(tensor), model=[], base=base)
+    for path, kind in ((tensor, "fp8_tensor"), (channel, "fp8_channel")):
+        err = error_line(capsys, "--hf-checkpoint", str(path), model=[], base=base)
+        assert err == (
+            f"--hf-checkpoint {path} is quantised ({kind}): training into it (quantise-on-sync) is implemented for "
+            "blockwise FP8 and compressed-tensors W4A16 only; use --debug-rollout-only to serve it without training, "
+            "or train with the full-precision checkpoint"
+        )
+        assert parse_args(argv=[*base, "--hf-checkpoint", str(path), "--debug-rollout-only"]).debug_rollout_only
+    # LoRA onto a quantised base: merged (the merged weights are quantised on sync), never adapter-only
+    lora = ["--enable-lora", "--lora-rank", "8"]
+    assert parse_args(argv=[*base, "--hf-checkpoint", str(block), *lora]).lora_sync == "merged"
+    err = error_line(capsys, "--hf-checkpoint", str(block), *lora, "--lora-sync", "adapter", model=[], base=base)
     assert err == (
-        f"--hf-checkpoint {tensor} is quantised (fp8_tensor): training into it (quantise-on-sync) is implemented for "
-        "blockwise FP8 and compressed-tensors W4A16 only; use --debug-rollout-only to serve it without training, or "
-        "train with the full-precision checkpoint"
+        f"--hf-checkpoint {block} is quantised (FP8): --lora-sync adapter onto a quantised base is not supported "
+        "(use --lora-sync merged: merged weights are quantised on sync)"
     )
-    assert parse_args(argv=[*base, "--hf-checkpoint", str(tensor), "--debug-rollout-only"]).debug_rollout_only
     disk = ["--update-weight-transport", "disk", "--update-weight-disk-dir", str(tmp_path / "versions")]
     assert parse_args(argv=[*base, "--hf-checkpoint", str(block), *disk]).update_weight_transport == "disk"
     cfg = json.load(open(block / "config.json"))

@@ -4,11 +4,13 @@ with current slime's command line.
     python tools/convert_hf_to_int4_direct.py --model-dir Qwen3-30B-A3B --save-dir Qwen3-30B-A3B-INT4 \
         --group-size 128 --is-symmetric
 
-Every `.weight` of >= 2 dims that no `--ignore-rules` entry matches becomes `weight_packed` (int32, 8 nibbles),
+Every 2-D `.weight` that no `--ignore-rules` entry matches becomes `weight_packed` (int32, 8 nibbles),
 `weight_scale` (per row per group, in the weight's dtype) and `weight_shape` (int32 [2]), plus `weight_zero_point`
 when asymmetric (the default, as in current slime). A rule `re:<regex>` matches with re.match; a plain rule matches
-a name equal to it or starting with it. The default rules leave only routed MoE experts quantised: a dense model
-gets nothing quantised. The quantiser is slime.utils.quantization's, shared with the CPU server.
+a name equal to it or starting with it. The default rules (slime.utils.quantization.INT4_DEFAULT_IGNORE_RULES:
+current slime's, plus the shared expert, linear attention, MiniMax-M2's router, vision and MTP projections that
+those miss) leave only routed MoE experts quantised: a dense model gets nothing quantised. The quantiser is
+slime.utils.quantization's, shared with the CPU server.
 """
 
 import argparse

@@ -4,8 +4,10 @@
 
 Every e4m3 tensor with a `<name>_scale_inv` (block scales; the tile from config.json's `weight_block_size`, 128 x 128
 when absent) or a `<name>_scale` (per-tensor / per-channel) becomes W = q * s (fp32 product, rounded once to bf16);
-its scale is dropped and other tensors are copied unchanged. Unlike current slime's tool, the output's config.json
-loses its `quantization_config` (so the result is a plain BF16 `--hf-checkpoint`) and says `torch_dtype: bfloat16`.
+its scale is dropped and other tensors are copied unchanged. A scale may sit in another shard than its weight (as
+DeepSeek's own tool allows): it is found through the shards' headers. Unlike current slime's tool, the output's
+config.json loses its `quantization_config` (so the result is a plain BF16 `--hf-checkpoint`) and says `bfloat16` in
+both `torch_dtype` and `dtype` (transformers 5's name, which would otherwise keep the source's value).
 """
 
 import argparse
@@ -38,30 +40,54 @@ def _block_size(model_dir):
     return (128, 128)
 
 
+def _shard_headers(model_dir):
+    """{tensor name: (shard file, safetensors dtype string)} over every top-level `*.safetensors` file (headers only;
+    the files rewrite_checkpoint rewrites, so a stale or missing index does not matter)."""
+    from safetensors import safe_open
+
+    where = {}
+    for fn in sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors")):
+        with safe_open(os.path.join(model_dir, fn), framework="pt") as f:
+            for k in f.keys():
+                where[k] = (fn, f.get_slice(k).get_dtype())
+    return where
+
+
 def convert(src, dst, dtype=torch.bfloat16):
+    from safetensors import safe_open
+
     block = _block_size(src)
+    where = _shard_headers(src)
     scales = {}
+
+    def is_fp8(name):
+        return name in where and where[name][1] == "F8_E4M3"
+
+    def scale_of(name, tensors):
+        """(the scale of FP8 tensor `name`, its block size or None), from this shard or whichever holds it."""
+        for suffix, bs in (("_scale_inv", block), ("_scale", None)):
+            if name + suffix in tensors:
+                return tensors[name + suffix], bs
+            if name + suffix in where:
+                with safe_open(os.path.join(src, where[name + suffix][0]), framework="pt") as f:
+                    return f.get_tensor(name + suffix), bs
+        raise SystemExit(f"{name}: an FP8 tensor without {name}_scale_inv or {name}_scale")
 
     def one(_fn, named):
         tensors = dict(named)
         out = []
         for name, t in named:
-            if name.endswith(("_scale_inv", "_scale")) and name.rsplit("_scale", 1)[0] in tensors:
-                continue  # folded into its weight below
+            if name.endswith(("_scale_inv", "_scale")) and is_fp8(name.rsplit("_scale", 1)[0]):
+                continue  # folded into its weight, wherever that is
             if t.dtype == Q.FP8_DTYPE:
-                if name + "_scale_inv" in tensors:
-                    t = Q.dequantize_fp8(t, tensors[name + "_scale_inv"], block, dtype)
-                elif name + "_scale" in tensors:
-                    t = Q.dequantize_fp8(t, tensors[name + "_scale"], None, dtype)
-                else:
-                    raise SystemExit(f"{name}: an FP8 tensor without {name}_scale_inv or {name}_scale")
+                s, bs = scale_of(name, tensors)
+                t = Q.dequantize_fp8(t, s, bs, dtype)
                 scales[name] = True
             out.append((name, t))
         return out
 
-    rewrite_checkpoint(
-        src, dst, one, drop_quantization=True, config_updates={"torch_dtype": str(dtype).split(".")[-1]}
-    )
+    name = str(dtype).split(".")[-1]
+    rewrite_checkpoint(src, dst, one, drop_quantization=True, config_updates={"torch_dtype": name, "dtype": name})
     return scales
 
 

@@ -43,12 +43,14 @@ class QuantizationConfigError(ValueError):
 # ---------------------------------------------------------------------------------------------------------------
 
 # FP8 (current slime's converter and sync): every 2-D `.weight` except these substrings. Vision towers are kept
-# unquantised as slime's sync keeps them.
+# unquantised as slime's sync keeps them. `block_sparse_moe.gate.` is MiniMax-M2's router (Mixtral-style names), which
+# current slime's list misses.
 FP8_SKIP_SUBSTRINGS = (
     "layernorm",
     "embed",
     "router",
     "mlp.gate.",
+    "block_sparse_moe.gate.",
     "norm",
     "lm_head",
     "eh_proj",
@@ -61,7 +63,13 @@ FP8_SKIP_SUBSTRINGS = (
     "visual.",
 )
 
-# INT4 (tools/convert_hf_to_int4_direct.py's default `--ignore-rules`): only routed experts stay quantised.
+# INT4 (tools/convert_hf_to_int4_direct.py's default `--ignore-rules`): only routed experts' projections stay
+# quantised (`mlp.experts.<e>.{gate,up,down}_proj`, MiniMax-M2's `block_sparse_moe.experts.<e>.w1/w2/w3`). The first
+# seven are current slime's; they miss the families after them, which would otherwise be packed: Qwen2-MoE /
+# Qwen3-Next / Qwen3.5's singular `shared_expert` and its `shared_expert_gate`, Gated DeltaNet `linear_attn`
+# (its conv1d is 3-D), MiniMax-M2's router, vision towers, and the MTP layers' own projections (DeepSeek-V3 / GLM-4.5
+# `eh_proj` and `shared_head.head`, MiMo `mtp_layers.<i>.input_proj`, Qwen3-Next / Qwen3.5 `mtp.fc`). None of them
+# matches a routed expert's module (SGLang's `...experts`) or tensor.
 INT4_DEFAULT_IGNORE_RULES = (
     "re:.*lm_head.*",
     "re:.*norm.*",
@@ -70,6 +78,14 @@ INT4_DEFAULT_IGNORE_RULES = (
     "re:.*shared_experts.*",
     r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
     r"re:.*mlp\.gate\.*",
+    "re:.*shared_expert.*",
+    "re:.*linear_attn.*",
+    r"re:.*block_sparse_moe\.gate\.*",
+    "re:.*visual.*",
+    "re:.*eh_proj.*",
+    "re:.*shared_head.*",
+    r"re:.*mtp_layers\.\d+\.input_proj.*",
+    r"re:.*mtp\.fc.*",
 )
 
 
@@ -89,8 +105,9 @@ def int4_rule_matches(rule: str, name: str) -> bool:
 
 
 def int4_should_quantize(name: str, tensor: torch.Tensor | None, ignore_rules) -> bool:
-    """Whether INT4 conversion/sync packs the HF tensor `name`: a `.weight` of >= 2 dims matched by no ignore rule."""
-    if not name.endswith(".weight") or (tensor is not None and tensor.dim() < 2):
+    """Whether INT4 conversion/sync packs the HF tensor `name`: a 2-D `.weight` matched by no ignore rule (a linear's;
+    a 1-D or 3-D one, e.g. a Gated DeltaNet conv1d [C, 1, K], stays as it is)."""
+    if not name.endswith(".weight") or (tensor is not None and tensor.dim() != 2):
         return False
     return not any(int4_rule_matches(r, name) for r in ignore_rules)
 
@@ -187,6 +204,8 @@ def e4m3_ulp(v: torch.Tensor) -> torch.Tensor:
 
 
 def _groups(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    if w.dim() != 2:
+        raise ValueError(f"INT4: only 2-D weights are group-quantised, got shape {tuple(w.shape)}")
     m, n = w.shape
     if n % group_size or n % PACK:
         raise ValueError(f"INT4: input dim {n} must be divisible by the group size {group_size} and by {PACK}")

@@ -94,21 +94,25 @@ class HFWeights(QuantizedParams):
         # fingerprint hashes), so the fused name is not recorded as sent
         self._fused = {n for n, p in model.named_parameters() if p.dim() == 3}
         self.generation = 0  # bumped by every change of the weights (the fingerprint's cache key)
-        self._parts = quantized_parts(quant, checkpoint_views(model), self.dtype) if quant is not None else {}
+        self._parts = quantized_parts(quant, self._views(), self.dtype) if quant is not None else {}
         self._quant_names = {f"{m}.{s}": m for m, parts in self._parts.items() for s in parts}
+
+    def _views(self) -> dict:
+        """checkpoint_views; a quantised checkpoint's by checkpoint name only (its parts replace one name per view)."""
+        return checkpoint_views(self.model, aliases=self.quant is None)
 
     @property
     def quantized(self) -> dict:
         """module -> (the view the model computes with, its checkpoint-layout tensors); views are looked up afresh
         (a resume replaces the parameters' storage)."""
-        views = checkpoint_views(self.model)
+        views = self._views()
         return {m: (views[m + ".weight"], parts) for m, parts in self._parts.items()}
 
     @property
     def named(self) -> dict:
         if self.released:
             return {}
-        views = checkpoint_views(self.model)
+        views = self._views()
         for module, parts in self._parts.items():
             del views[module + ".weight"]
             views.update({f"{module}.{s}": t for s, t in parts.items()})
@@ -177,7 +181,9 @@ class HFWeights(QuantizedParams):
         with contextlib.ExitStack() as stack:  # one load over every file, as SGLang loads a checkpoint
             handles = [stack.enter_context(safe_open(fn, framework="pt")) for fn in files]
             loaded = self.load(((k, f.get_tensor(k)) for f in handles for k in f.keys()), model_dir)
-        fused = {n for n, p in self.model.named_parameters() if p.dim() == 3}  # stored per expert, loaded as views
+        # stored per expert, loaded as views (a quantised checkpoint's fused experts go by their checkpoint names)
+        params = self._views().items() if self.quant is not None else self.model.named_parameters()
+        fused = {n for n, p in params if p.dim() == 3}
         missing = sorted(set(self.named) - loaded - fused)
         if missing:
             self.pending.clear()
@@ -260,7 +266,7 @@ _MOE_CHECKPOINT_NAMES = {
 }
 
 
-def checkpoint_views(model) -> dict:
+def checkpoint_views(model, aliases=True) -> dict:
     """`name -> tensor` for every parameter, every persistent buffer (e.g. MoE `e_score_correction_bias`), and a view
     per expert under its checkpoint name where transformers fuses MoE experts in memory (`experts.gate_up_proj`
     [E, 2I, H] with gate rows first, `experts.down_proj` [E, H, I]): trainers and checkpoints name them
@@ -268,7 +274,8 @@ def checkpoint_views(model) -> dict:
     tensors also go by their checkpoint names (`model.language_model.X` as `model.X`, `model.visual.X` as
     `visual.X`), which the trainer sends. Qwen3-VL-MoE's stacked experts go by their published layout ([E, H, 2I],
     [E, I, H]: transposed views), which SGLang's loader takes; MiniMax-M2's MoE block by its Mixtral-style names
-    (`block_sparse_moe.experts.<e>.w1/w3/w2`)."""
+    (`block_sparse_moe.experts.<e>.w1/w3/w2`), also under transformers' names unless `aliases` is False (a quantised
+    checkpoint, loaded and updated by checkpoint name only)."""
     out = dict(model.named_parameters())
     transposed = getattr(model.config, "model_type", None) in _TRANSPOSED_EXPERTS
     for module_name, module in model.named_modules():
@@ -295,9 +302,12 @@ def checkpoint_views(model) -> dict:
                 out[f"{prefix}{e}.down_proj.weight"] = p[e]
     renames = _MOE_CHECKPOINT_NAMES.get(getattr(model.config, "model_type", None), ())
     for name, p in list(out.items()) if renames else ():
+        renamed = name
         for memory, checkpoint in renames:
-            name = name.replace(memory, checkpoint)
-        out[name] = p
+            renamed = renamed.replace(memory, checkpoint)
+        out[renamed] = p
+        if not aliases and renamed != name:
+            del out[name]
     return out
 
 

@@ -144,12 +144,18 @@ class QuantizedParams:
         self.pending.clear()
 
 
+# the linears: attention and MLP/expert projections (`*_proj`), and Mixtral-style routed experts (MiniMax-M2's
+# `block_sparse_moe.experts.<e>.w1/w2/w3`)
+_LINEAR_WEIGHT = re.compile(r"(?:_proj|\.experts\.\d+\.w[123])\.weight$")
+
+
 def quantized_parts(quant, views: dict, dtype) -> dict:
-    """{module: {suffix: zeros in the checkpoint layout}} for every linear (`*_proj.weight`, 2-D) in `views` (name ->
-    full-precision tensor) that `quant` quantises, as SGLang decides it on module names."""
+    """{module: {suffix: zeros in the checkpoint layout}} for every linear (`*_proj.weight` or a Mixtral-style expert's
+    `w1/w2/w3.weight`, 2-D) in `views` (name -> full-precision tensor) that `quant` quantises, as SGLang decides it on
+    module names."""
     out = {}
     for name, view in views.items():
-        if not name.endswith("_proj.weight") or view.dim() != 2:  # the linears: attention and MLP/expert projections
+        if not _LINEAR_WEIGHT.search(name) or view.dim() != 2:
             continue
         module = name[: -len(".weight")]
         if quant.quantizes_module(module):
