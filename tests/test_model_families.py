@@ -64,6 +64,44 @@ def family_args(hf_dir, world=1, *extra):
     return parse_args(argv=[*RL, "--actor-num-gpus-per-node", str(world), "--hf-checkpoint", hf_dir, *extra])
 
 
+# Consistent MODEL_ARGS for the tiny checkpoints. Qwen2-MoE's: without --moe-router-pre-softmax (its test adds it).
+QWEN2MOE_MODEL = """--num-layers 3 --hidden-size 64 --ffn-hidden-size 96 --num-attention-heads 4 --group-query-attention
+--num-query-groups 2 --add-qkv-bias --swiglu --untie-embeddings-and-output-weights --num-experts 4
+--moe-router-topk 2 --moe-ffn-hidden-size 32 --moe-shared-expert-intermediate-size 48 --moe-shared-expert-gate
+--moe-layer-freq [0,1,1]""".split()
+# slime's deepseek-v3.sh flags resized to the tiny checkpoint (--kv-channels: MLA's value head dim, as there)
+DEEPSEEK_MODEL = """--disable-bias-linear --num-layers 3 --hidden-size 64 --ffn-hidden-size 96 --num-attention-heads 4
+--kv-channels 16 --normalization RMSNorm --norm-epsilon 1e-6 --swiglu --untie-embeddings-and-output-weights
+--vocab-size 200 --multi-latent-attention --q-lora-rank 32 --kv-lora-rank 16 --qk-head-dim 16 --qk-pos-emb-head-dim 8
+--v-head-dim 16 --qk-layernorm --rotary-scaling-factor 40 --rotary-base 10000 --mscale 1.0 --mscale-all-dim 1.0
+--num-experts 8 --moe-layer-freq [0]*1+[1]*2 --moe-ffn-hidden-size 32 --moe-router-topk 4
+--moe-shared-expert-intermediate-size 32 --moe-router-pre-softmax --moe-router-score-function sigmoid
+--moe-router-enable-expert-bias --moe-router-bias-update-rate 0 --moe-router-group-topk 2
+--moe-router-num-groups 4 --moe-router-topk-scaling-factor 2.5 --moe-router-dtype fp32""".split()
+# scripts/models/qwen3-tiny.sh: the tiny kit's Qwen3 (head_dim 32, vocab 512, SiLU MLP, RMSNorm)
+TINY_KIT_MODEL = """--num-layers 4 --hidden-size 128 --ffn-hidden-size 512 --num-attention-heads 4 --group-query-attention
+--num-query-groups 2 --kv-channels 32 --swiglu --qk-layernorm --normalization RMSNorm --norm-epsilon 1e-6
+--rotary-base 10000 --disable-bias-linear --vocab-size 512""".split()
+
+
+def _set(model, flag, value=None):
+    """`model` with `flag`'s value replaced by `value` (None: the flag and its value, if any, dropped)."""
+    i = model.index(flag)
+    has_value = i + 1 < len(model) and not model[i + 1].startswith("--")
+    rest = model[i + 1 + has_value :]
+    return model[:i] + rest if value is None else model[:i] + [flag, value] + rest
+
+
+def _refusal(capsys, hf_dir, *flags):
+    """The one start-up error line `family_args(hf_dir, 1, *flags)` exits with (status 2)."""
+    with pytest.raises(SystemExit) as e:
+        family_args(hf_dir, 1, *flags)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and hf_dir in err, err
+    return err
+
+
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_families17")
@@ -161,10 +199,7 @@ def test_qwen2_moe_architecture_inferred_and_routing_flag_checked(hf_models, cap
     assert q.moe_shared_expert_gate and q.moe_router_pre_softmax and q.moe_layer_freq == [0, 1, 1]
     assert not family_args(hf_models["qwen3moe_dense_layers"]).moe_router_pre_softmax
     # model flags given without --moe-router-pre-softmax: named, not trained with the other routing
-    model = """--num-layers 3 --hidden-size 64 --ffn-hidden-size 96 --num-attention-heads 4 --group-query-attention
-    --num-query-groups 2 --add-qkv-bias --swiglu --untie-embeddings-and-output-weights --num-experts 4
-    --moe-router-topk 2 --moe-ffn-hidden-size 32 --moe-shared-expert-intermediate-size 48 --moe-shared-expert-gate
-    --moe-layer-freq [0,1,1]""".split()
+    model = QWEN2MOE_MODEL
     assert family_args(hf_models["qwen2moe"], 1, *model, "--moe-router-pre-softmax").moe_router_pre_softmax
     with pytest.raises(SystemExit):
         family_args(hf_models["qwen2moe"], 1, *model)
@@ -183,14 +218,7 @@ def test_mimo_is_qwen2_with_mtp_layers(hf_models, caplog):
 
 def test_deepseek_model_args_that_disagree_are_named(hf_models, capsys):
     # slime's deepseek-v3.sh flags, resized to the tiny checkpoint, with two values wrong
-    model = """--disable-bias-linear --num-layers 3 --hidden-size 64 --ffn-hidden-size 96 --num-attention-heads 4
-    --normalization RMSNorm --norm-epsilon 1e-6 --swiglu --untie-embeddings-and-output-weights --vocab-size 200
-    --multi-latent-attention --q-lora-rank 32 --kv-lora-rank 16 --qk-head-dim 16 --qk-pos-emb-head-dim 8
-    --v-head-dim 16 --qk-layernorm --rotary-scaling-factor 40 --rotary-base 10000 --mscale 1.0 --mscale-all-dim 1.0
-    --num-experts 8 --moe-layer-freq [0]*1+[1]*2 --moe-ffn-hidden-size 32 --moe-router-topk 4
-    --moe-shared-expert-intermediate-size 32 --moe-router-pre-softmax --moe-router-score-function sigmoid
-    --moe-router-enable-expert-bias --moe-router-bias-update-rate 0 --moe-router-group-topk 2
-    --moe-router-num-groups 4 --moe-router-topk-scaling-factor 2.5 --moe-router-dtype fp32""".split()
+    model = DEEPSEEK_MODEL
     assert family_args(hf_models["deepseekv3"], 1, *model).multi_latent_attention
     bad = [
         ("[0]*2+[1]*1" if t == "[0]*1+[1]*2" else "2" if t == "4" and model[i - 1] == "--moe-router-num-groups" else t)
@@ -223,6 +251,84 @@ def test_minimax_m2_architecture_inferred(hf_models, capsys):
     with pytest.raises(SystemExit):
         family_args(hf_models["minimaxm2"], 4, "--tensor-model-parallel-size", "4")
     assert "MiniMax-M2's full-width key norm needs whole key/value heads on each TP rank" in capsys.readouterr().err
+
+
+def test_head_dim_activation_norm_and_vocab_flags_refused_in_one_line(tiny_kit, capsys):
+    """--kv-channels, --swiglu, --normalization and --vocab-size have HF counterparts (head_dim, hidden_act,
+    rms_norm_eps, vocab_size): a contradicting value stops parse_args in one line naming both values; absent, they
+    come from config.json, --swiglu and --normalization (Megatron defaults GeLU and LayerNorm) included."""
+    from tests._args import make_args, one_line_refusal
+
+    kit = tiny_kit[0]
+    a = make_args(hf_checkpoint=kit, model=TINY_KIT_MODEL)
+    assert (a.kv_channels, a.vocab_size, a.swiglu, a.normalization) == (32, 512, True, "RMSNorm")
+    for flag, value, message in [
+        ("--kv-channels", "16", "--kv-channels 16 but head_dim=32"),
+        ("--vocab-size", "300", "--vocab-size 300 but vocab_size=512"),
+        ("--normalization", "LayerNorm", "--normalization LayerNorm but rms_norm_eps=1e-06 (RMSNorm)"),
+    ]:
+        err = one_line_refusal(capsys, hf_checkpoint=kit, model=_set(TINY_KIT_MODEL, flag, value))
+        assert message in err and kit in err, err
+    absent = TINY_KIT_MODEL
+    for flag in ("--kv-channels", "--vocab-size", "--swiglu", "--normalization"):
+        absent = _set(absent, flag)
+    a = make_args(hf_checkpoint=kit, model=absent)
+    assert (a.kv_channels, a.vocab_size, a.swiglu, a.normalization) == (32, 512, True, "RMSNorm")
+
+
+def test_swiglu_and_layernorm_flags_follow_other_hf_configs(tiny_kit, tmp_path, capsys):
+    """--swiglu against a config whose MLP is not SiLU, and a LayerNorm model (GPT-NeoX: no converter, so a
+    rollout-only run): LayerNorm is inferred and accepted, --normalization RMSNorm and --swiglu refused."""
+    import json
+
+    import transformers as tf
+
+    from tests._args import make_args, one_line_refusal
+
+    gelu = tmp_path / "gelu"
+    gelu.mkdir()
+    cfg = json.load(open(f"{tiny_kit[0]}/config.json"))
+    (gelu / "config.json").write_text(json.dumps({**cfg, "hidden_act": "gelu"}))
+    err = one_line_refusal(capsys, hf_checkpoint=gelu, model=TINY_KIT_MODEL)
+    assert "--swiglu is set but hidden_act=gelu" in err and str(gelu) in err, err
+    assert make_args(hf_checkpoint=gelu, model=_set(TINY_KIT_MODEL, "--swiglu")).swiglu is False
+
+    neox = tmp_path / "neox"
+    tf.GPTNeoXConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4
+    ).save_pretrained(neox)
+    model = """--num-layers 2 --hidden-size 64 --ffn-hidden-size 96 --num-attention-heads 4 --add-qkv-bias
+    --untie-embeddings-and-output-weights --rotary-percent 0.25 --debug-rollout-only""".split()
+    a = make_args("--debug-rollout-only", hf_checkpoint=neox)
+    assert (a.normalization, a.swiglu, a.kv_channels) == ("LayerNorm", False, 16)
+    a = make_args("--normalization", "LayerNorm", "--vocab-size", "128", hf_checkpoint=neox, model=model)
+    assert (a.normalization, a.swiglu) == ("LayerNorm", False)
+    err = one_line_refusal(capsys, "--normalization", "RMSNorm", hf_checkpoint=neox, model=model)
+    assert "--normalization RMSNorm but layer_norm_eps=1e-05 (LayerNorm)" in err, err
+    assert "--swiglu is set but hidden_act=gelu" in one_line_refusal(
+        capsys, "--swiglu", hf_checkpoint=neox, model=model
+    )
+
+
+def test_kv_channels_flag_checked_per_family(hf_models, tmp_path, capsys):
+    """--kv-channels against each family's head dim: Qwen3's head_dim (24, not hidden/heads = 16), hidden/heads for
+    a config without head_dim (Qwen2-MoE), and MLA's value head dim (DeepSeek-V3, whose config's head_dim is the
+    RoPE part, 8)."""
+    qwen3 = build_random_hf("qwen3", str(tmp_path / "qwen3"))
+    capsys.readouterr()  # the checkpoint writer's progress bar
+    model = """--num-layers 2 --hidden-size 64 --ffn-hidden-size 96 --num-attention-heads 4 --group-query-attention
+    --num-query-groups 2 --kv-channels 24 --qk-layernorm --swiglu --normalization RMSNorm --norm-epsilon 1e-6
+    --disable-bias-linear --vocab-size 200""".split()
+    assert family_args(qwen3, 1, *model).kv_channels == 24
+    assert family_args(qwen3, 1, *_set(model, "--kv-channels")).kv_channels == 24
+    assert "--kv-channels 16 but head_dim=24" in _refusal(capsys, qwen3, *_set(model, "--kv-channels", "16"))
+    q2 = [*QWEN2MOE_MODEL, "--moe-router-pre-softmax"]
+    assert family_args(hf_models["qwen2moe"], 1, *q2, "--kv-channels", "16").kv_channels == 16
+    err = _refusal(capsys, hf_models["qwen2moe"], *q2, "--kv-channels", "24")
+    assert "--kv-channels 24 but hidden_size/num_attention_heads=16" in err
+    assert family_args(hf_models["deepseekv3"], 1, *DEEPSEEK_MODEL).kv_channels == 16
+    err = _refusal(capsys, hf_models["deepseekv3"], *_set(DEEPSEEK_MODEL, "--kv-channels", "8"))
+    assert "--kv-channels 8 but v_head_dim=16" in err
 
 
 @pytest.mark.slow  # development tier: a multi-rank layout or several processes (tens of seconds)

@@ -63,6 +63,23 @@ def _qwen_moe_layers(cfg):
     return [0 if i in dense or (i + 1) % step else 1 for i in range(cfg.num_hidden_layers)]
 
 
+# hidden_act values that are SiLU in transformers' ACT2FN ("swiglu": configs that name the gated MLP itself)
+_SILU_ACTS = ("silu", "swish", "swiglu")
+# HF config keys of a LayerNorm (not RMSNorm) model's epsilon
+_LAYER_NORM_KEYS = ("layer_norm_eps", "layer_norm_epsilon")
+
+
+def _swiglu(cfg):
+    """--swiglu for the HF config's (gated) MLP activation; None when the config names none."""
+    act = getattr(cfg, "hidden_act", None)
+    return None if act is None else str(act).lower() in _SILU_ACTS
+
+
+def _layer_norm_key(cfg):
+    """The config's LayerNorm epsilon key, for a model without `rms_norm_eps`; None if it has none."""
+    return next((k for k in _LAYER_NORM_KEYS if getattr(cfg, k, None) is not None), None)
+
+
 def hf_architecture(cfg, images=False) -> dict:
     """Megatron flag values (by dest) that describe the HF model `cfg` (Qwen2/3, Llama 2/3, Qwen3-MoE, GLM-4,
     GLM-4.5, DeepSeek-V3, MiMo, the vision-language ones' decoders); `images`: the checkpoint has a vision tower
@@ -82,7 +99,8 @@ def hf_architecture(cfg, images=False) -> dict:
         "norm_epsilon": getattr(cfg, "rms_norm_eps", None),
         "rotary_base": _rope_theta(cfg),
         "untie_embeddings_and_output_weights": not getattr(cfg, "tie_word_embeddings", False),
-        "swiglu": getattr(cfg, "hidden_act", None) == "silu",
+        # every family slime converts has a gated MLP: SiLU there is Megatron's SwiGLU
+        "swiglu": _swiglu(cfg),
         "vocab_size": cfg.vocab_size,
         "max_position_embeddings": getattr(cfg, "max_position_embeddings", None),
         "qk_layernorm": model_type.startswith("qwen3") or bool(getattr(cfg, "use_qk_norm", False)),
@@ -95,6 +113,8 @@ def hf_architecture(cfg, images=False) -> dict:
     }
     if arch["norm_epsilon"] is not None:
         arch["normalization"] = "RMSNorm"
+    elif _layer_norm_key(cfg):
+        arch["normalization"] = "LayerNorm"
     if arch["rotary_base"] is not None:
         arch["rotary_base"] = int(arch["rotary_base"])
     fixed = _FIXED_ROPE_PARAMS.get(rope["rope_type"], {})
@@ -208,6 +228,10 @@ _HF_CHECKS = (
     ("rms_norm_eps", "--norm-epsilon", "norm_epsilon"),
     ("rope_theta", "--rotary-base", "rotary_base"),
     ("num_key_value_heads", "--num-query-groups", "num_query_groups"),
+    ("head_dim", "--kv-channels", "kv_channels"),  # named per config in _head_dim_key
+    ("hidden_act", "--swiglu", "swiglu"),
+    ("rms_norm_eps", "--normalization", "normalization"),  # named per config in _hf_mismatches
+    ("vocab_size", "--vocab-size", "vocab_size"),  # unpadded: Megatron pads it (--make-vocab-size-divisible-by)
     ("rope_parameters.partial_rotary_factor", "--rotary-percent", "rotary_percent"),
     ("rope_parameters.rope_type", "--use-rope-scaling", "use_rope_scaling"),
     ("rope_parameters.factor", "--rope-scaling-factor", "rope_scaling_factor"),
@@ -258,7 +282,21 @@ _BOOL_FLAGS = {
     "apply_layernorm_1p",
     "moe_shared_expert_gate",
     "moe_router_pre_softmax",
+    "swiglu",
 }
+# Model flags whose Megatron default is not None (GeLU MLP, LayerNorm) and fits no family slime converts: when the
+# flag is absent from the command line (and from --megatron-config-path) they are taken from config.json like the None
+# ones.
+_FILLED_UNLESS_GIVEN = {"swiglu": "--swiglu", "normalization": "--normalization"}
+
+
+def _head_dim_key(cfg, arch):
+    """What --kv-channels is compared with: MLA's value head dim, `head_dim`, or hidden_size // heads."""
+    if arch.get("multi_latent_attention"):
+        return "v_head_dim"
+    if getattr(cfg, "head_dim", None):
+        return "head_dim"
+    return "hidden_size/num_attention_heads"
 
 
 def _layer_pattern(freq, num_layers):
@@ -285,12 +323,19 @@ def _hf_mismatches(args, arch, cfg):
             continue
         if dest == "moe_router_pre_softmax" and arch.get("moe_router_score_function") == "sigmoid":
             continue  # sigmoid scores are the same either way
+        if dest == "kv_channels":
+            hf_name = _head_dim_key(cfg, arch)
+        if dest == "normalization" and hf_value is not None and mine != hf_value:
+            key = "rms_norm_eps" if hf_value == "RMSNorm" else _layer_norm_key(cfg)
+            out.append(f"{flag} {mine} but {key}={getattr(cfg, key)} ({hf_value})")
+            continue
         if dest in _BOOL_FLAGS:
             if hf_value is not None and bool(mine) != bool(hf_value):
                 shown = {
                     "untie_embeddings_and_output_weights": not hf_value,
                     "use_rope_scaling": _rope_parameters(cfg)["rope_type"],
                     "moe_router_pre_softmax": not hf_value,
+                    "swiglu": getattr(cfg, "hidden_act", None),
                 }.get(dest, cfg.model_type if hf_name == "model_type" else hf_value)
                 out.append(f"{flag} is {'set' if mine else 'not set'} but {hf_name}={shown}")
             continue
@@ -358,6 +403,15 @@ def apply_hf_config(args, error, check_paths, given=frozenset()):
         if value is None or not hasattr(args, dest):
             continue
         if infer_all or getattr(args, dest) is None:
+            setattr(args, dest, value)
+        elif dest in _FILLED_UNLESS_GIVEN and _FILLED_UNLESS_GIVEN[dest] not in given:
+            if getattr(args, dest) != value:
+                logger.info(
+                    "%s %s taken from --hf-checkpoint %s/config.json (flag not given)",
+                    _FILLED_UNLESS_GIVEN[dest],
+                    value,
+                    path,
+                )
             setattr(args, dest, value)
     mismatches = _hf_mismatches(args, arch, cfg)
     hf_mtp = getattr(cfg, "num_nextn_predict_layers", 0) or 0
