@@ -483,3 +483,51 @@ def test_megatron_fusions_stay_compiled_off_cpu():
     )
     proc = _python(code, "cuda")
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- engine lock
+
+
+class _ScriptedLock:
+    """A `Lock` actor handle: `acquire.remote()` answers the next scripted result (the test's `ray.get` returns it)."""
+
+    def __init__(self, answers):
+        self.answers, self.calls = list(answers), 0
+        self.acquire = type("Method", (), {"remote": self._acquire})()
+
+    def _acquire(self):
+        self.calls += 1
+        return self.answers.pop(0) if self.answers else False
+
+
+def test_acquire_lock_gives_up_on_a_lock_that_stays_held_and_takes_a_free_one(monkeypatch):
+    """README: no weight broadcast while another source rank holds the engines; a rank that cannot get the lock
+    gives up after its timeout with a weight-update error instead of spinning forever."""
+    from types import SimpleNamespace
+
+    from slime.backends.megatron_utils.update_weight import common
+
+    monkeypatch.setattr(common, "ray", SimpleNamespace(get=lambda ref, timeout=None: ref))
+    held = _ScriptedLock([])
+    start = time.monotonic()
+    with pytest.raises(common.WeightUpdateError, match="update bucket 3: the rollout-engine lock stayed held"):
+        common.acquire_lock(held, "update bucket 3", timeout=0.3)
+    assert 0.3 <= time.monotonic() - start < 2 and held.calls >= 3  # it retried until the deadline, then gave up
+    freed = _ScriptedLock([False, False, True])  # released by the other rank while this one waits
+    assert common.acquire_lock(freed, "update bucket 3", timeout=5) is None and freed.calls == 3
+    free = _ScriptedLock([True])
+    common.acquire_lock(free, "update bucket 3", timeout=0.3)
+    assert free.calls == 1
+
+
+def test_engine_lock_is_non_blocking_and_refuses_a_second_holder():
+    from slime.ray.utils import Lock
+
+    lock = Lock.__ray_metadata__.modified_class()  # the actor's class, without a Ray cluster
+    assert lock.acquire() is True
+    assert lock.acquire() is False  # held: a second source rank is refused, not queued
+    lock.release()
+    assert lock.acquire() is True
+    lock.release()
+    with pytest.raises(AssertionError, match="not held"):
+        lock.release()

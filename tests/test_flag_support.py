@@ -184,3 +184,43 @@ def test_flags_doc_states_each_default_that_differs(parser):
 def test_flags_doc_is_current():
     with open(gen_flags_doc.OUT) as f:
         assert f.read() == gen_flags_doc.render(), "docs/flags.md is stale: run python tools/gen_flags_doc.py"
+
+
+def _non_default_argv(flag, action):
+    """The command-line words that set `flag` away from its default (None: it has no other value to take)."""
+    if action.nargs == 0:  # store_true / store_false: the flag alone
+        return [flag]
+    default = _converted(action.default, action)
+    if action.choices is not None:
+        others = [c for c in action.choices if c != default]
+        if not others:
+            return None
+        values = [others[0]]
+    elif action.type is int:
+        values = [default + 1 if isinstance(default, int) else 2]
+    elif action.type is float:
+        values = [default + 0.5 if isinstance(default, (int, float)) else 0.5]
+    else:
+        values = ["x" if default != "x" else "y"]
+    if action.nargs in ("+", "*") and values == default:
+        return None
+    return [flag, *map(str, values)]
+
+
+def test_every_refused_flag_set_away_from_its_default_stops_start_up_naming_it(parser, capsys):
+    """README: every flag of today's slime is honoured here or refused at start-up, naming it and why; each refused
+    flag is set here on its own to a value other than its default (a flag with one allowed value cannot be)."""
+    skipped, wrong = [], {}
+    for flag, reason in REFUSED.items():
+        action = parser._option_string_actions[flag]
+        argv = _non_default_argv(flag, action)
+        if argv is None:
+            skipped.append(flag)
+            continue
+        err = one_line_refusal(capsys, *argv)
+        if not err.endswith(f"{flag}: not supported by this slime: {reason}."):
+            wrong[flag] = (argv, err)
+    assert wrong == {}
+    assert "--train-backend" in skipped  # its only choice is megatron
+    assert all(len(parser._option_string_actions[f].choices or ()) == 1 for f in skipped), skipped
+    assert len(REFUSED) - len(skipped) >= 55

@@ -150,3 +150,49 @@ def test_the_fingerprint_check_runs_before_the_versions_samples_train_not_inside
     run.finish()
     assert [c[0] for c in log][-3:] == ["async_sent_weight_hashes", "check_weight_fingerprints", "finish"]
     assert log[-2][1][0]["update_weights/weight_version"] == 5
+
+
+class _VersionedEngine:
+    """An engine actor's handle as `check_weight_versions` calls it: `get_weight_version.remote()` answers the version
+    (the test's `ray.get` returns what it is given)."""
+
+    def __init__(self, version):
+        self.get_weight_version = type("Method", (), {"remote": staticmethod(lambda: version)})()
+
+
+def _manager_serving(monkeypatch, versions):
+    from types import SimpleNamespace
+
+    from slime.ray import weight_checks
+    from tests.test_weight_check import manager_of
+
+    monkeypatch.setattr(weight_checks, "ray", SimpleNamespace(get=lambda refs: refs))
+    urls = [f"http://127.0.0.1:{30000 + i}" for i in range(len(versions))]
+    return manager_of(make_args("--use-fault-tolerance"), [_VersionedEngine(v) for v in versions], urls)
+
+
+def test_check_weight_versions_names_an_engine_that_serves_another_version(monkeypatch):
+    """docs/architecture.md: a replacement joins the router only once it reports the pushed version; one that
+    reports another is named with both versions, and only the engines asked about are checked."""
+    manager = _manager_serving(monkeypatch, ["5", 4])
+    metrics = [None, {"update_weights/weight_version": 5}]  # ranks without metrics are skipped
+    with pytest.raises(RuntimeError) as err:
+        manager.check_weight_versions(metrics, [1])
+    assert str(err.value) == (
+        "inference engine 1 (http://127.0.0.1:30001) serves weight version 4 after the update, expected 5"
+    )
+    with pytest.raises(RuntimeError, match="inference engine 1 .* version 4 .* expected 5"):
+        manager.check_weight_versions(metrics)  # all engines: engine 0 serves "5" (compared as text)
+    assert manager.check_weight_versions(metrics, [0]) == ["5"]
+
+
+def test_a_replacement_serving_the_wrong_version_never_joins_the_router(monkeypatch):
+    manager = _manager_serving(monkeypatch, [7, 6])
+    run, log = run_with(make_args("--use-fault-tolerance"), dead=[1])
+    run.rollout_manager.check_weight_versions = manager.check_weight_versions  # the real check, on stand-in engines
+    with pytest.raises(
+        RuntimeError, match="inference engine 1 .* serves weight version 6 after the update, expected 7"
+    ):
+        run.push_weights()  # the stand-in trainers push version 7
+    calls = [c[0] for c in log]
+    assert "recover" in calls and "join_router" not in calls

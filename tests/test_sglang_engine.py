@@ -204,3 +204,85 @@ def test_engine_refuses_a_server_of_another_run_on_its_port(ray_session, tiny_ki
     finally:
         ray.get(engine_a.shutdown.remote())
         ray.kill(engine_a)
+
+
+class _ProbedEngine:
+    """An engine actor's handle as `allocate_ports` probes it: each `_get_current_node_ip_and_free_port.remote()`
+    answers the next scripted (addr, port) (the test's `ray.get` returns it) and records the `consecutive` asked."""
+
+    def __init__(self, answers=()):
+        self.answers, self.asked = list(answers), []
+        self._get_current_node_ip_and_free_port = type("Method", (), {"remote": self._probe})()
+
+    def _probe(self, consecutive=1):
+        self.asked.append(consecutive)
+        return self.answers.pop(0)
+
+
+def _port_args(**layout):
+    return make_args(sglang_dp_size=None, **layout)
+
+
+def _ranges(ports):
+    """Each engine's ports as ranges: port, nccl_port, and the 7 of its rendezvous (6 + dp size 1)."""
+    rendezvous = int(ports["dist_init_addr"].rsplit(":", 1)[1])
+    return [{ports["port"]}, {ports["nccl_port"]}, set(range(rendezvous, rendezvous + 7))]
+
+
+def test_allocate_ports_hands_out_disjoint_ports_per_node_and_skips_repeats(monkeypatch):
+    """docs/qa.md: each engine needs several consecutive ports, allocated per node: a probed port (or range) that
+    overlaps one already handed out on the node is probed again, never given twice; another node may reuse it."""
+    from types import SimpleNamespace
+
+    from slime.ray import engines as engines_module
+
+    monkeypatch.setattr(engines_module, "ray", SimpleNamespace(get=lambda ref: ref))
+    script = [
+        ("node", 30000),  # engine A: port
+        ("node", 30000),  # a repeat: skipped
+        ("node", 30001),  # nccl_port
+        ("node", 29995),  # 29995..30001 overlaps both: skipped
+        ("node", 40000),  # dist_init_addr 40000..40006
+        ("node", 40003),  # engine B: inside that range, skipped
+        ("node", 30002),  # port
+        ("node", 30002),  # a repeat: skipped
+        ("node", 30003),  # nccl_port
+        ("node", 40006),  # overlaps 40006: skipped
+        ("node", 40007),  # dist_init_addr 40007..40013
+    ]
+    probes = [_ProbedEngine([(f"{a}0", p) for a, p in script]), _ProbedEngine()]
+    probes += [_ProbedEngine([(f"{a}1", p) for a, p in script]), _ProbedEngine()]
+    args = _port_args(rollout_num_gpus=4, rollout_num_gpus_per_node=2, rollout_num_gpus_per_engine=1)
+    ports = engines_module.allocate_ports(args, probes)
+    for node in (0, 1):  # the same ports on both nodes: each node's free ports are its own
+        a, b = ports[2 * node], ports[2 * node + 1]
+        assert a == {"port": 30000, "nccl_port": 30001, "dist_init_addr": f"node{node}:40000"}
+        assert b == {"port": 30002, "nccl_port": 30003, "dist_init_addr": f"node{node}:40007"}
+        held = _ranges(a) + _ranges(b)
+        assert all(not (x & y) for i, x in enumerate(held) for y in held[i + 1 :])  # pairwise disjoint on the node
+        assert probes[2 * node].asked == [1, 1, 1, 7, 7, 1, 1, 1, 1, 7, 7] and probes[2 * node].answers == []
+        assert probes[2 * node + 1].asked == []  # one probe per node
+
+    # replacing engine 3 only: only its node is probed (engine 2, maybe removed, is not), on engine 3
+    probes = [_ProbedEngine(), _ProbedEngine(), _ProbedEngine(), _ProbedEngine([("node1", p) for _, p in script])]
+    ports = engines_module.allocate_ports(args, probes, ranks=[3])
+    assert ports[:2] == [{}, {}] and [p.asked for p in probes[:3]] == [[], [], []]
+    assert ports[3] == {"port": 30002, "nccl_port": 30003, "dist_init_addr": "node1:40007"}
+
+
+def test_a_multi_node_engine_shares_its_first_nodes_rendezvous_address(monkeypatch):
+    from types import SimpleNamespace
+
+    from slime.ray import engines as engines_module
+
+    monkeypatch.setattr(engines_module, "ray", SimpleNamespace(get=lambda ref: ref))
+    args = _port_args(rollout_num_gpus=4, rollout_num_gpus_per_node=2, rollout_num_gpus_per_engine=4)
+    for ranks in (None, [0, 1]):  # start-up, and a replacement (every node of the engine, as EngineGroup.replace)
+        first = _ProbedEngine([("node0", 30000), ("node0", 30001), ("node0", 40000)])
+        second = _ProbedEngine([("node1", 30000), ("node1", 30001)])
+        ports = engines_module.allocate_ports(args, [first, second], ranks)
+        assert ports == [
+            {"port": 30000, "nccl_port": 30001, "dist_init_addr": "node0:40000"},
+            {"port": 30000, "nccl_port": 30001, "dist_init_addr": "node0:40000"},
+        ]
+        assert (first.asked, second.asked) == ([1, 1, 7], [1, 1])

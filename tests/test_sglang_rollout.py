@@ -981,3 +981,43 @@ def test_streaming_generate_refuses_truncated_sampling(tiny_kit, prompts, monkey
         "use the default generate for truncated sampling",
     ):
         run(generate_streaming(args, Sample(index=0, prompt="1+2="), {"max_new_tokens": 4}), timeout=60)
+
+
+def test_rollout_stop_flags_reach_the_generate_body_and_the_eval_datasets(tiny_kit, monkeypatch):
+    """docs/qa.md: `--rollout-stop "</answer>"` and `--rollout-stop-token-ids 151645` are sent with every /generate,
+    the rollout's and (unless the eval dataset sets its own) the eval's. No engine: `post` is a stand-in."""
+    from tests._args import TINY_PROMPTS
+
+    args = real_args(
+        "--rollout-stop",
+        "</answer>",
+        "--rollout-stop-token-ids",
+        "151645",
+        "--eval-prompt-data",
+        "tiny",
+        TINY_PROMPTS,
+        hf_checkpoint=tiny_kit[0],
+        sglang_router_ip="127.0.0.1",
+        sglang_router_port=9,
+    )
+    state = GenerateState(args)
+    assert state.sampling_params["stop"] == ["</answer>"]
+    assert state.sampling_params["stop_token_ids"] == [151645]
+    (dataset,) = args.eval_datasets
+    assert (dataset.stop, dataset.stop_token_ids) == (["</answer>"], [151645])  # resolved from the flags (ARG_CHAINS)
+    eval_params = dataset.sampling_params(state.sampling_params)  # as eval_rollout_single_dataset builds them
+    assert (eval_params["stop"], eval_params["stop_token_ids"]) == (["</answer>"], [151645])
+
+    bodies = []
+
+    async def fake_post(url, payload, **kw):
+        bodies.append((url, copy.deepcopy(payload)))
+        return {"text": "", "meta_info": {"output_token_logprobs": [], "finish_reason": {"type": "stop"}}}
+
+    monkeypatch.setattr(sglang_rollout, "post", fake_post)
+    for params, evaluation in ((dict(state.sampling_params), False), (eval_params, True)):
+        run(generate(args, Sample(index=0, prompt="What is 1+2?"), params, evaluation=evaluation), timeout=60)
+    assert [url for url, _ in bodies] == ["http://127.0.0.1:9/generate"] * 2
+    for _, body in bodies:
+        assert body["sampling_params"]["stop"] == ["</answer>"]
+        assert body["sampling_params"]["stop_token_ids"] == [151645]
