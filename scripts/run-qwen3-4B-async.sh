@@ -125,7 +125,7 @@ TRAIN_ARGS=(
 )
 
 if [ "${SLIME_DRY_RUN:-0}" = "1" ]; then
-   cd "${SCRIPT_DIR}/.." && exec python3 -m slime.utils.arguments "${TRAIN_ARGS[@]}"
+   cd "${SCRIPT_DIR}/.." && exec python3 -m slime.utils.arguments train_async.py "${TRAIN_ARGS[@]}"
 fi
 
 # for rerun the task: stop a previous Ray cluster (and the SGLang servers it owned)

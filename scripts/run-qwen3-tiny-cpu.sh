@@ -67,7 +67,7 @@ if [ -n "$SFT_FROM" ] && [ "$DRY_RUN" != 1 ]; then
 fi
 if [ "$DRY_RUN" = 1 ]; then
   # print each stage's command, then parse + validate its arguments only: no Ray, no training, no files
-  run() { printf '+ %s' "$1"; printf ' %q' "${@:2}"; echo; shift; $PY -m slime.utils.arguments "$@"; }
+  run() { printf '+ %s' "$1"; printf ' %q' "${@:2}"; echo; $PY -m slime.utils.arguments "$@"; }
 else
   run() { $PY "$@"; }
   [ -f "$MODEL_DIR/config.json" ] || $PY tools/build_tiny_kit.py --model-dir "$MODEL_DIR" --data-dir "$DATA_DIR"

@@ -633,6 +633,9 @@ def test_main_job_lora_dry_run(tiny_kit, tmp_path, preimported_python):
 
     res, _ = _dry_run_main_job(tiny_kit, out, preimported_python, LORA="1", MODE="ppo")
     assert res.returncode == 2 and "LORA=1 runs with MODE=sync, colocate or async (got ppo)" in res.stderr
+    # a train_async.py stage is validated as train_async.py validates it (it was validated as train.py's)
+    res, _ = _dry_run_main_job(tiny_kit, out, preimported_python, MODE="async", EXTRA_ARGS="--colocate")
+    assert res.returncode == 2 and "--colocate: train_async.py overlaps generation with training" in res.stderr
 
 
 def test_main_job_sft_from_refuses_what_it_cannot_start_from(tmp_path):

@@ -28,7 +28,7 @@ CALC_MODEL=$OUT/model   # the tiny kit with a compact tool-call chat template
 DRY_RUN=${SLIME_DRY_RUN:-0}
 if [ "$DRY_RUN" = 1 ]; then
   # print each stage's command, then parse + validate its arguments only: no Ray, no training
-  run() { printf '+ %s' "$1"; printf ' %q' "${@:2}"; echo; shift; $PY -m slime.utils.arguments "$@"; }
+  run() { printf '+ %s' "$1"; printf ' %q' "${@:2}"; echo; $PY -m slime.utils.arguments "$@"; }
   CALC_MODEL=$MODEL_DIR
 else
   run() { $PY "$@"; }

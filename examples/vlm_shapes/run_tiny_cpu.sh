@@ -29,7 +29,7 @@ DATA_DIR=${DATA_DIR:-$OUT/data}
 NUM_ROLLOUT=${NUM_ROLLOUT:-60}
 DRY_RUN=${SLIME_DRY_RUN:-0}
 if [ "$DRY_RUN" = 1 ]; then
-  run() { printf '+ %s' "$1"; printf ' %q' "${@:2}"; echo; shift; $PY -m slime.utils.arguments "$@"; }
+  run() { printf '+ %s' "$1"; printf ' %q' "${@:2}"; echo; $PY -m slime.utils.arguments "$@"; }
 else
   run() { $PY "$@"; }
   [ -f "$MODEL_DIR/config.json" ] || $PY tools/build_tiny_vlm.py --model-dir "$MODEL_DIR"

@@ -224,7 +224,10 @@ def _one_line_error(parser):
 
 
 def main():
-    """`python -m slime.config ARGS...` (and upstream's `python -m slime.utils.arguments`): a launch script's dry
-    run, parse and validate only, paths not read; prints "ok"."""
-    parse_args(argv=sys.argv[1:], check_paths=False)
+    """`python -m slime.config [train.py | train_async.py] ARGS...` (and upstream's `python -m slime.utils.arguments`):
+    a launch script's dry run, parse and validate only (with train_async.py's checks when the first argument names
+    it), paths not read; prints "ok"."""
+    argv = sys.argv[1:]
+    driver = argv.pop(0) if argv[:1] in (["train.py"], ["train_async.py"]) else "train.py"
+    parse_args(argv=argv, check_paths=False, asynchronous=driver == "train_async.py")
     print("ok")
