@@ -265,6 +265,9 @@ def test_multimodal_keys_pass_for_rollouts_and_refuse_training_other_models_in_o
     assert (
         "--multimodal-keys: the trainer takes images for Qwen2.5-VL, Qwen3-VL (dense and MoE) and Qwen3.5 only" in err
     )
+    # a hybrid model script's text-only --spec: dropping it builds the vision-language model from the checkpoint
+    err = one_line_refusal(capsys, *argv, "--spec", "slime_plugins.models.qwen3_5", "get_qwen3_5_spec")
+    assert "--spec slime_plugins.models.qwen3_5 get_qwen3_5_spec, the hybrid models' text-only decoder: drop" in err
     err = one_line_refusal(capsys, "--multimodal-keys", "{image}", "--debug-rollout-only", "--rollout-num-gpus", "1")
     assert "is not JSON" in err
     assert load_processor(tiny_vlm) is not None

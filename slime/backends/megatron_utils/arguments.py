@@ -84,6 +84,11 @@ def check_minimax_m2(args, error):
 def check_vlm_training(args, error):
     """`--multimodal-keys` in a training run: the trainer takes images for the vision-language models it builds
     (`VLM_SPECS`); anything else is one line naming what is missing."""
+    if args.spec and tuple(args.spec) in HYBRID_SPECS.values():
+        error(
+            f"--multimodal-keys with --spec {' '.join(args.spec)}, the hybrid models' text-only decoder: drop the "
+            "--spec pair (a model script's) and the vision-language model is built from --hf-checkpoint."
+        )
     if not args.spec or tuple(args.spec) not in {*VLM_SPECS.values(), *HYBRID_VLM_SPECS.values()}:
         error(
             "--multimodal-keys: the trainer takes images for Qwen2.5-VL, Qwen3-VL (dense and MoE) and Qwen3.5 only, but "
