@@ -270,13 +270,16 @@ def test_opd_leaves_the_returns_and_the_critics_targets_to_the_estimator(mpu_wor
     assert all(torch.equal(r, p) for r, p in zip(critic["returns"], plain["returns"]))
 
 
-@pytest.mark.parametrize("response", ["text", "pad_inside", "pads_first"])
-def test_image_sample_teacher_request_expands_back_to_its_tokens(tiny_vlm, response):
+@pytest.mark.parametrize(
+    "case", ["text", "pad_inside", "pads_first", "observation", "observation_then_pad", "pad_before_observation"]
+)
+def test_image_sample_teacher_request_expands_back_to_its_tokens(tiny_vlm, case):
     """A sample with images: the teacher's `input_ids` + `image_data` expand (the CPU server's `media.expand`, as
-    SGLang expands them) back to `sample.tokens` with the prompt's images and no more. A response holding the
-    image-pad id (a tiny model at temperature 1 generates it): SGLang and the CPU server read every pad id in
-    `input_ids` as one more image, so the request stops before the first generated pad; the teacher's log-probs
-    cover the response up to there and the engine's fill the rest, position for position."""
+    SGLang expands them) back to `sample.tokens`, images in the response included (a multi-turn environment's
+    observation: a pad run after <|vision_start|>). A response holding an image-pad id the model generated: SGLang and
+    the CPU server read every pad id in `input_ids` as one more image, so the request stops before the first generated
+    pad, with the images before it; the teacher's log-probs cover the response up to there and the engine's fill the
+    rest, position for position."""
     from slime.backends.cpu_server.media import expand
     from slime.utils.processing_utils import load_image, load_processor
     from tests.test_vlm_trainer import make_samples
@@ -286,17 +289,24 @@ def test_image_sample_teacher_request_expands_back_to_its_tokens(tiny_vlm, respo
     base = make_samples(tiny_vlm)[1]  # two images
     images = base.multimodal_inputs["images"]
     prompt = base.tokens[: len(base.tokens) - base.response_length]
-    resp, scored = {
-        "text": ([100, 102, 101], 3),
-        "pad_inside": ([100, pad, 101], 1),
-        "pads_first": ([pad, pad, 107], 0),
-    }[response]
+    # between the two images' runs: what follows stands for an environment's observation with the second image
+    split = max(i for i, t in enumerate(prompt) if t == pad and prompt[i - 1] != pad) - 1
+    first, second = prompt[:split], prompt[split:]
+    tokens, prompt_len, scored, sent = {
+        "text": (prompt + [100, 102, 101], len(prompt), 3, 2),
+        "pad_inside": (prompt + [100, pad, 101], len(prompt), 1, 2),
+        "pads_first": (prompt + [pad, pad, 107], len(prompt), 0, 2),
+        "observation": (first + [100] + second + [101], split, len(second) + 2, 2),
+        "observation_then_pad": (first + [100] + second + [pad, 101], split, len(second) + 1, 2),
+        "pad_before_observation": (first + [100, pad] + second + [101], split, 1, 1),
+    }[case]
+    response_length = len(tokens) - prompt_len
     s = Sample(
         index=1,
-        tokens=prompt + resp,
-        response_length=len(resp),
+        tokens=tokens,
+        response_length=response_length,
         multimodal_inputs={"images": images},
-        rollout_log_probs=[-0.25, -0.5, -0.75],
+        rollout_log_probs=[-i / 1000 for i in range(response_length)],
     )
     args = make_args(
         *["--use-opd", "--opd-type", "sglang", "--rm-url", "http://127.0.0.1:1/generate"],
@@ -304,21 +314,21 @@ def test_image_sample_teacher_request_expands_back_to_its_tokens(tiny_vlm, respo
         hf_checkpoint=tiny_vlm,
     )
     fields = opd.teacher_prompt_fields(args, s)
-    assert len(fields["image_data"]) == len(images) == 2
+    assert len(fields["image_data"]) == sent
     expanded, mm = expand(processor, fields["input_ids"], [load_image(u, "image") for u in fields["image_data"]])
-    assert expanded == s.tokens[: len(prompt) + scored]
-    assert mm["image_grid_thw"].shape[0] == 2
-    assert opd.teacher_scored_length(args, s) == len(prompt) + scored
+    assert expanded == s.tokens[: prompt_len + scored]
+    assert mm["image_grid_thw"].shape[0] == sent
+    assert opd.teacher_scored_length(args, s) == prompt_len + scored
 
     # the teacher's answer has an entry per expanded id (the first without a log-prob)
     answer = [[None, expanded[0]]] + [[-i / 100, t] for i, t in enumerate(expanded[1:], 1)]
     s.reward = {"meta_info": {"input_token_logprobs": answer}}
     opd.post_process_rewards(args, [s])
-    teacher = [-i / 100 for i in range(len(prompt), len(expanded))]
-    assert s.teacher_log_probs == pytest.approx(teacher + [-0.25, -0.5, -0.75][scored:])
+    teacher = [-i / 100 for i in range(prompt_len, len(expanded))]
+    assert s.teacher_log_probs == pytest.approx(teacher + s.rollout_log_probs[scored:])
     assert len(s.teacher_log_probs) == s.response_length
 
-    if scored < len(resp):  # no engine log-probs to stand in for the teacher's: refused naming the sample
+    if scored < response_length:  # no engine log-probs to stand in for the teacher's: refused naming the sample
         s.rollout_log_probs = None
         with pytest.raises(
             ValueError, match=f"sample 1: its response holds the image-pad token at response position {scored}"

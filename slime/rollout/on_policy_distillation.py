@@ -33,41 +33,49 @@ _warned_pad_in_response = False
 
 
 @functools.lru_cache(maxsize=4)
-def _image_token_id(hf_checkpoint):
-    return load_processor(hf_checkpoint).image_token_id
+def _image_token_ids(hf_checkpoint):
+    """(image pad, <|vision_start|>) token ids of the checkpoint's processor."""
+    processor = load_processor(hf_checkpoint)
+    return processor.image_token_id, processor.tokenizer.convert_tokens_to_ids("<|vision_start|>")
 
 
-def _image_pad(args, sample: Sample):
-    """The image-pad token id for a sample with images, else None (a text-only sample needs no processor)."""
-    return _image_token_id(args.hf_checkpoint) if (sample.multimodal_inputs or {}).get("images") else None
+def _teacher_cut(args, sample: Sample) -> tuple[int, int]:
+    """(how many leading tokens of `sample.tokens` the teacher is sent, how many of its images they hold). An image's
+    tokens are a pad run right after <|vision_start|>, one per image in order (the prompt's, then an environment's
+    observations in the response); any other pad in the response is one the model generated (a tiny model sampling
+    at temperature 1 does). SGLang (transformers' processor, `_expand_input_ids`) and slime's CPU server
+    (`media.expand`) read every pad id in `input_ids` as an image placeholder, so a generated pad cannot be sent as
+    the text token it was: the teacher scores the sample up to it (`post_process_rewards` fills the rest)."""
+    images = len((sample.multimodal_inputs or {}).get("images") or ())
+    if not images:
+        return len(sample.tokens), 0
+    pad, start = _image_token_ids(args.hf_checkpoint)
+    tokens, runs = sample.tokens, 0
+    prompt_len = len(tokens) - sample.response_length
+    for i, t in enumerate(tokens):
+        if t != pad or (i and tokens[i - 1] == pad):  # not the first pad of a run
+            continue
+        if runs < images and i and tokens[i - 1] == start:
+            runs += 1
+        elif i >= prompt_len:
+            return i, runs
+    return len(tokens), runs
 
 
 def teacher_scored_length(args, sample: Sample) -> int:
-    """How many leading tokens of `sample.tokens` the teacher is sent: all of them, except for a sample with images
-    whose response holds the image-pad id (a tiny model sampling at temperature 1 generates it). Both SGLang
-    (transformers' processor, `_expand_input_ids`) and slime's CPU server (`media.expand`) read every pad id in
-    `input_ids` as an image placeholder, so a generated pad, sent with the images, is refused ("N image
-    placeholder(s) but image_data has M"); there is no way to send it as the text token the student generated. Such
-    a sample is scored up to its first generated pad only (`post_process_rewards` fills the rest)."""
-    pad = _image_pad(args, sample)
-    prompt_len = len(sample.tokens) - sample.response_length
-    if pad is None:
-        return len(sample.tokens)
-    response = sample.tokens[prompt_len:]
-    return prompt_len + response.index(pad) if pad in response else len(sample.tokens)
+    """How many leading tokens of `sample.tokens` the teacher scores: all, or up to a generated image pad."""
+    return _teacher_cut(args, sample)[0]
 
 
 def teacher_prompt_fields(args, sample: Sample) -> dict:
-    """The prompt part of the teacher request: `input_ids`, plus for a sample with images its images and each pad
-    run of the *prompt* collapsed to one pad (SGLang re-expands it), so the teacher scores `sample.tokens` position
-    for position; the response's ids are sent as they are, up to a generated pad (`teacher_scored_length`)."""
-    pad = _image_pad(args, sample)
-    if pad is None:
-        return {"input_ids": sample.tokens}
-    prompt_len = len(sample.tokens) - sample.response_length
-    fields = image_prompt_fields(pad, sample.tokens[:prompt_len], sample.multimodal_inputs["images"])
-    response = sample.tokens[prompt_len : teacher_scored_length(args, sample)]
-    return {**fields, "input_ids": list(fields["input_ids"]) + response}
+    """The prompt part of the teacher request: `input_ids`, plus for a sample with images the images its scored
+    tokens hold, each pad run collapsed to one pad (SGLang re-expands it), so the teacher scores `sample.tokens`
+    position for position (up to a generated pad, `_teacher_cut`)."""
+    length, images = _teacher_cut(args, sample)
+    if not images:
+        return {"input_ids": sample.tokens[:length]}
+    pad, _ = _image_token_ids(args.hf_checkpoint)
+    return image_prompt_fields(pad, sample.tokens[:length], sample.multimodal_inputs["images"][:images])
 
 
 async def reward_func(args, sample: Sample, **kwargs):
