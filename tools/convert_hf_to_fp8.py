@@ -5,8 +5,9 @@
 `block`: `X.weight` e4m3 + `X.weight_scale_inv` fp32 per (bn, bk) tile, config `quant_method: fp8` with
 `weight_block_size` (the format slime's FP8 rollout serves); `tensor`: one `X.weight_scale` per tensor, same config
 without `weight_block_size`; `channel`: `X.weight_scale` per output row, a compressed-tensors float-quantized W8A8
-config. Quantised: every 2-D `.weight` except embeddings, lm_head, norms, routers (`mlp.gate.`), MTP `eh_proj`,
-indexer `weights_proj`, linear-attention conv1d/A_log/dt_bias/in_proj_a/b; those are copied unchanged and listed in
+config. Quantised: every 2-D `.weight` except embeddings, lm_head, norms, routers (`mlp.gate.`), shared-expert gates,
+MTP `eh_proj`/`fc`/`input_proj`/`shared_head.head`, indexer `weights_proj`, linear-attention conv1d/A_log/dt_bias/
+in_proj_a/b (slime.utils.quantization.FP8_SKIP_SUBSTRINGS); those are copied unchanged and listed in
 `modules_to_not_convert`. The quantiser is slime.utils.quantization's, shared with the CPU server.
 """
 

@@ -43,14 +43,20 @@ class QuantizationConfigError(ValueError):
 # ---------------------------------------------------------------------------------------------------------------
 
 # FP8 (current slime's converter and sync): every 2-D `.weight` except these substrings. Vision towers are kept
-# unquantised as slime's sync keeps them. `block_sparse_moe.gate.` is MiniMax-M2's router (Mixtral-style names), which
-# current slime's list misses.
+# unquantised as slime's sync keeps them. Current slime's list misses the ones after `block_sparse_moe.gate.`
+# (MiniMax-M2's router): modules SGLang builds as a plain `nn.Linear` or an unquantised LM head, which cannot load an
+# FP8 weight and its scale — Qwen2-MoE / Qwen3-Next / Qwen3.5's `shared_expert_gate`, the MTP layers' `mtp.fc`
+# (Qwen3-Next / Qwen3.5), `input_proj` (MiMo) and `shared_head.head` (DeepSeek-V3 / GLM-4.5).
 FP8_SKIP_SUBSTRINGS = (
     "layernorm",
     "embed",
     "router",
     "mlp.gate.",
     "block_sparse_moe.gate.",
+    "shared_expert_gate.",
+    "mtp.fc.",
+    "input_proj.",
+    "shared_head.head.",
     "norm",
     "lm_head",
     "eh_proj",
