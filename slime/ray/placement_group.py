@@ -28,10 +28,13 @@ logger = logging.getLogger(__name__)
 PG_READY_TIMEOUT_S = float(os.environ.get("SLIME_PG_READY_TIMEOUT", 60))
 
 
-@ray.remote(num_gpus=1, num_cpus=0)
-class InfoActor:
-    def get_ip_and_gpu_id(self):
-        return ray.util.get_node_ip_address(), ray.get_gpu_ids()[0]
+# max_calls=0: a GPU task's worker is otherwise ended after one call (Ray's default for GPU tasks), which would start
+# a new process per bundle, as an actor does
+@ray.remote(num_gpus=1, num_cpus=0, max_calls=0)
+def node_ip_and_gpu_id():
+    """What a bundle holds: its node's IP and the GPU id Ray gives it. A task, not an actor (slime's InfoActor): it
+    runs in one of Ray's pooled workers instead of starting and killing a worker process per bundle."""
+    return ray.util.get_node_ip_address(), ray.get_gpu_ids()[0]
 
 
 def sort_key(x):
@@ -74,15 +77,15 @@ def _create_placement_group(num_gpus):
             f"(state={state.get('state')}, {state.get('stats', {}).get('scheduling_state')}); "
             f"free resources: { {k: v for k, v in ray.available_resources().items() if '_group_' not in k} }"
         ) from None
-    info_actors = [
-        InfoActor.options(
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
-        ).remote()
-        for i in range(num_gpus)
-    ]
-    infos = ray.get([a.get_ip_and_gpu_id.remote() for a in info_actors], timeout=PG_READY_TIMEOUT_S)
-    for a in info_actors:
-        ray.kill(a)
+    infos = ray.get(
+        [
+            node_ip_and_gpu_id.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+            ).remote()
+            for i in range(num_gpus)
+        ],
+        timeout=PG_READY_TIMEOUT_S,
+    )
     ordered = sorted(((i, ip, gpu) for i, (ip, gpu) in enumerate(infos)), key=sort_key)
     for rank, (bundle, ip, gpu) in enumerate(ordered):
         logger.info(f"placement: rank {rank} -> bundle {bundle} (node {ip}, GPU {gpu})")

@@ -119,7 +119,7 @@ class SGLangEngine(RayActor):
                     f"inference server for engine {self.rank} at {self.url} was not healthy within "
                     f"{timeout:.0f}s. Last log lines ({self.log_path}):\n{tail}"
                 )
-            time.sleep(0.5)
+            time.sleep(0.2)
         self.flush_cache(timeout=max(deadline - time.time(), 30))
 
     def _check_identity(self):
