@@ -223,6 +223,7 @@ print(json.dumps({"unknown": unknown, "wrong": wrong}))
     assert not wrong, list(wrong.items())[:5]
 
 
+@pytest.mark.slow  # development tier: 10-18 s of importing SGLang in the side venv
 @needs_side_venv
 def test_lora_adapter_launch_fields_parse_with_sglangs_own_parser():
     """--lora-sync adapter starts SGLang with LoRA serving for the run's rank and projections (and a CPU copy of the
@@ -259,6 +260,7 @@ def _json_equal(text, value):
         return False
 
 
+@pytest.mark.slow  # development tier: 10-18 s of importing SGLang in the side venv
 @needs_side_venv
 def test_with_sglang_installed_an_old_release_flag_is_a_one_line_error():
     code = """
@@ -542,6 +544,7 @@ print("decoded")
     assert run.returncode == 0 and "decoded" in run.stdout, run.stderr[-3000:]
 
 
+@pytest.mark.slow  # development tier: 10-18 s of importing SGLang in the side venv
 @needs_side_venv
 def test_regenerated_definitions_match_the_checked_in_ones(tmp_path):
     """Re-generate both definitions from the installed SGLang; a diff means SGLang changed under slime (see
@@ -691,6 +694,7 @@ def test_agent_output_parsing_without_sglang_answers_as_sglangs_own_parsers(tmp_
     assert "tool_parser='qwen3' is not a tool-call parser SGLang has" in run.stdout
 
 
+@pytest.mark.slow  # development tier: 10-18 s of importing SGLang in the side venv
 @needs_side_venv
 def test_a_vlm_cache_of_0_mb_keeps_no_image_embedding():
     """What `server_env`'s SGLANG_VLM_CACHE_SIZE_MB=0 does in SGLang 0.5.23: its image-embedding cache (100 MB by
