@@ -473,6 +473,27 @@ def test_malformed_json_then_still_serving(server):
     )
 
 
+def test_unparsable_requests_are_one_warning_line(tiny_kit):
+    """sglang-router probes each worker with HTTP/2's preface first: the 400 it gets is logged as SGLang's uvicorn
+    logs a bad request, one warning line, not an ERROR with a traceback, and the server serves on."""
+    proc, url = start_cpu_server(tiny_kit[0])
+    try:
+        for raw in (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", b"GET /health HTTP/1.1\r\nContent-Length: x\r\n\r\n"):
+            with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=10) as s:
+                s.sendall(raw)
+                assert s.recv(100).startswith(b"HTTP/1.0 400 Bad Request")
+        assert SESSION.get(url + "/health", timeout=10).status_code == 200
+    finally:
+        stop_cpu_server(proc)
+    err = proc.stderr.read()
+    warnings = [line.split(" WARNING ")[1] for line in err.splitlines() if " WARNING " in line]
+    assert warnings == [
+        "Invalid HTTP request received from 127.0.0.1: Pause on PRI/Upgrade",
+        "Invalid HTTP request received from 127.0.0.1: Invalid character in Content-Length",
+    ], err
+    assert "Traceback" not in err and " ERROR " not in err, err
+
+
 def test_pause_and_continue(server):
     assert SESSION.post(server + "/pause_generation", json={}).json()["status"] == "ok"
     result = {}

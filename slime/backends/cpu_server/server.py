@@ -22,6 +22,7 @@ import time
 import psutil
 import torch
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from slime.backends.sglang_utils.contract import body_errors, route
 from slime.utils.fingerprint import ALGORITHMS, combine
@@ -486,8 +487,22 @@ def _exit_with_parent():
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
+class _OneLineBadRequests(logging.Filter):
+    """A request aiohttp cannot parse (answered 400) is the client's fault: one warning line, as SGLang's uvicorn
+    logs it, not an ERROR with a traceback. sglang-router probes every worker with HTTP/2's preface before HTTP/1.1."""
+
+    def filter(self, record):
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            reason = (exc.message or type(exc).__name__).strip().splitlines()[0].rstrip(":")
+            record.msg, record.args = "Invalid HTTP request received from %s: %s", (*record.args[:1], reason)
+            record.levelno, record.levelname, record.exc_info, record.exc_text = logging.WARNING, "WARNING", None, None
+        return True
+
+
 def run_server(args):
     torch.set_num_threads(args.num_threads)
+    logging.getLogger("aiohttp.server").addFilter(_OneLineBadRequests())
     _exit_with_parent()
     set_shared_authkey()  # colocated trainers send shared-memory handles authenticated with this key
     server = CPUInferenceServer(args)
