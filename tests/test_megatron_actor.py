@@ -1,8 +1,10 @@
 """`MegatronTrainRayActor` as real Ray actors (logical GPUs): init from the tiny Qwen3 HF checkpoint, train one
 rollout with a reference model at TP=1 and TP=2, checkpoint, and resume at the next rollout id; a user's loss that
-raises inside the trainers comes back as their own exception."""
+raises inside the trainers comes back as their own exception; the three Megatron hooks are called where and with
+what current slime calls them."""
 
 import gc
+import os
 
 import pytest
 
@@ -12,6 +14,29 @@ from tests._megatron_helpers import fixed_rollout, train_args
 
 def raising_loss(args, batch, logits, sum_of_sample_mean):
     raise ValueError("my loss is broken")
+
+
+def _record(args, *event):
+    import torch.distributed as dist
+
+    with open(os.path.join(os.path.dirname(args.save), f"hooks.{dist.get_rank()}"), "a") as f:
+        f.write(" ".join(map(str, event)) + "\n")
+
+
+def init_hook(args):  # --custom-megatron-init-path: once per rank, after Megatron's parallel state is set up
+    from megatron.core import mpu
+
+    _record(args, "init", mpu.get_tensor_model_parallel_world_size())
+
+
+def log_prob_hook(args, model, store_prefix):  # before each log-prob pass: the model chunks and where values go
+    _record(args, "log_prob", store_prefix, type(model).__name__, len(model), model[0].training)
+
+
+def train_step_hook(args, rollout_id, step_id, model, optimizer, opt_param_scheduler):  # before each optimizer step
+    _record(
+        args, "train_step", rollout_id, step_id, len(model), type(optimizer).__name__, opt_param_scheduler.num_steps
+    )
 
 
 def _make_actors(ray, world_size):
@@ -37,7 +62,12 @@ def test_actor_trains_tiny_qwen3_and_resumes(ray_session, tiny_kit, tmp_path, tp
     ray = ray_session
     model_dir, _ = tiny_kit
     save = str(tmp_path / "ckpt")
-    args = train_args(model_dir, tensor_model_parallel_size=tp, save=save, kl_loss_coef=0.01)
+    hooks = dict(
+        custom_megatron_init_path=f"{__name__}.init_hook",
+        custom_megatron_before_log_prob_hook_path=f"{__name__}.log_prob_hook",
+        custom_megatron_before_train_step_hook_path=f"{__name__}.train_step_hook",
+    )
+    args = train_args(model_dir, tensor_model_parallel_size=tp, save=save, kl_loss_coef=0.01, **hooks)
     actors = _make_actors(ray, tp)
     try:
         starts = ray.get([a.init.remote(args, "actor", None, with_ref=True) for a in actors], timeout=300)
@@ -59,6 +89,10 @@ def test_actor_trains_tiny_qwen3_and_resumes(ray_session, tiny_kit, tmp_path, tp
         _kill(ray, actors)
     with open(f"{save}/latest_checkpointed_iteration.txt") as f:
         assert f.read() == "0"
+    # on every rank: init, then the reference model's log-prob pass (in eval mode), then the rollout's one step
+    for rank in range(tp):
+        events = (tmp_path / f"hooks.{rank}").read_text().splitlines()
+        assert events == [f"init {tp}", "log_prob ref_ list 1 False", "train_step 0 0 1 ChainedOptimizer 0"], events
 
     resumed = _make_actors(ray, tp)
     loss_path = f"{__name__}.raising_loss"

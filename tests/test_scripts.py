@@ -638,6 +638,38 @@ def test_main_job_lora_dry_run(tiny_kit, tmp_path, preimported_python):
     assert res.returncode == 2 and "--colocate: train_async.py overlaps generation with training" in res.stderr
 
 
+@pytest.mark.slow
+def test_main_job_modes_dry_run(tiny_kit, tmp_path, preimported_python):
+    """The modes the script's header offers beside the default and LoRA (MODE=async: only the driver differs):
+    both stages validate, and the RL stage is the one the header describes."""
+    from slime.config import parse_args
+
+    out, runs = tmp_path / "out", {}
+    for env, driver, check in [
+        (dict(MODE="colocate"), "train.py", lambda a: a.colocate and a.offload_train),
+        (
+            dict(MODE="fully_async", MAX_STALENESS="2"),
+            "train_async.py",
+            lambda a: a.max_staleness == 2 and a.rollout_function_path.endswith("generate_rollout_fully_async"),
+        ),
+        (dict(MODE="ppo"), "train.py", lambda a: a.advantage_estimator == "ppo" and a.num_critic_only_steps == 2),
+        (dict(MODE="opd", TEACHER="/models/t"), "train.py", lambda a: a.opd_teacher_load == f"{out}/teacher"),
+        (dict(TP="2"), "train.py", lambda a: a.tensor_model_parallel_size == 2 and a.actor_num_gpus_per_node == 2),
+    ]:
+        res, stages = _dry_run_main_job(tiny_kit, out, preimported_python, **env)
+        assert res.returncode == 0, f"{env}: {res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+        rl_driver, *rl_argv = stages[-1]
+        assert rl_driver == driver and check(parse_args(argv=rl_argv, check_paths=False)), (env, stages[-1])
+        runs[env.get("MODE")] = stages
+    # MODE=opd: the teacher, an HF directory, is first converted to the Megatron checkpoint the RL stage loads
+    convert = runs["opd"][1]
+    assert (
+        convert[1] == "tools/convert_hf_to_torch_dist.py" and convert[convert.index("--save") + 1] == f"{out}/teacher"
+    )
+    assert convert[convert.index("--hf-checkpoint") + 1] == "/models/t"
+    assert not out.exists()
+
+
 def test_main_job_sft_from_refuses_what_it_cannot_start_from(tmp_path):
     """SFT_FROM (reuse an earlier run's SFT model) stops in one line, before anything starts, when DIR has no SFT
     checkpoint, when LORA=1 finds no sft_hf/ there, or when it is OUT itself (which the run empties)."""
