@@ -130,6 +130,9 @@ def test_should_run_periodic_action():
     assert [r for r in range(12) if should_run_periodic_action(r, 5)] == [4, 9]
     # epoch boundaries (every 3 rollouts) count too
     assert [r for r in range(12) if should_run_periodic_action(r, 5, 3)] == [2, 4, 5, 8, 9, 11]
+    # checkpoint saves also come after the last rollout (current slime's train.py passes num_rollout for them)
+    assert [r for r in range(12) if should_run_periodic_action(r, 5, None, 12)] == [4, 9, 11]
+    assert [r for r in range(12) if should_run_periodic_action(r, None, None, 12)] == []
 
 
 # ---------------------------------------------------------------- timer

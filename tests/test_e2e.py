@@ -533,14 +533,15 @@ def test_main_job_sft_then_grpo_raises_reward(main_job):
 def test_main_job_lora_trains_adapters_on_the_sft_model(main_job, tiny_kit, tmp_path):
     """`LORA=1 bash scripts/run-qwen3-tiny-cpu.sh`, 4 GRPO rollouts from the main job's SFT model (SFT_FROM): GRPO
     starts from the SFT model's HF copy (the raw tiny model gets no reward), the engines serve base + adapters (their
-    log-probs match the trainer's after every update) and the GRPO checkpoint holds only the adapters."""
+    log-probs match the trainer's after every update) and the GRPO checkpoint holds only the adapters; with
+    `--save-interval 3` it is saved after rollout 2 and after the last one, 3, as current slime saves."""
     from torch.distributed.checkpoint import FileSystemReader
 
     sft_out, _ = main_job
     out = tmp_path / "job"
     stdout = run_main_job(
         tiny_kit, out, 800, LORA="1", SFT_FROM=str(sft_out), NUM_ROLLOUT="4", EVAL_INTERVAL="2",
-        EXTRA_ARGS="--save-interval 2",
+        EXTRA_ARGS="--save-interval 3",
     )  # fmt: skip
     assert (sft_out / "sft_hf" / "config.json").exists() and not (out / "sft").exists()
     assert f"reusing {sft_out}/sft" in stdout
@@ -553,6 +554,7 @@ def test_main_job_lora_trains_adapters_on_the_sft_model(main_job, tiny_kit, tmp_
     assert all(r["train/train_rollout_logprob_abs_diff"] < 1e-5 for r in rows), [
         r["train/train_rollout_logprob_abs_diff"] for r in rows
     ]
+    assert sorted(p.name for p in (out / "grpo").glob("iter_*")) == ["iter_0000002", "iter_0000003"]
     keys = FileSystemReader(str(out / "grpo" / "iter_0000003")).read_metadata().state_dict_metadata
     model_keys = [k for k in keys if not k.startswith(("optimizer", "rng_state"))]
     assert model_keys and all(k.endswith((".lora_A", ".lora_B")) for k in model_keys), model_keys

@@ -176,7 +176,8 @@ class Run:
         self.get(self.actor_model.async_init_weight_update_connections(self.rollout_manager))
 
     def save_due(self, rollout_id):
-        return should_run_periodic_action(rollout_id, self.args.save_interval, self.num_rollout_per_epoch)
+        args = self.args
+        return should_run_periodic_action(rollout_id, args.save_interval, self.num_rollout_per_epoch, args.num_rollout)
 
     def save(self, rollout_id, extra_savers=()):
         savers = (*extra_savers, *critic.checkpoint_savers(self.critic_model, self.get))

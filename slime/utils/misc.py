@@ -80,10 +80,13 @@ class SingletonMeta(type):
             SingletonMeta._instances.pop(cls, None)
 
 
-def should_run_periodic_action(rollout_id: int, interval, num_rollout_per_epoch=None) -> bool:
-    """True after rollout `rollout_id` when `(rollout_id+1) % interval == 0` or at an epoch boundary."""
+def should_run_periodic_action(rollout_id: int, interval, num_rollout_per_epoch=None, num_rollout=None) -> bool:
+    """True after rollout `rollout_id` when `(rollout_id+1) % interval == 0`, at an epoch boundary, or (given
+    `num_rollout`, as checkpoint saves give it) at the last rollout, so a run never ends without its final state."""
     if interval is None:
         return False
+    if num_rollout is not None and rollout_id == num_rollout - 1:
+        return True
     step = rollout_id + 1
     return step % interval == 0 or (num_rollout_per_epoch is not None and step % num_rollout_per_epoch == 0)
 

@@ -357,7 +357,12 @@ def add_megatron_arguments(parser):
     g = parser.add_argument_group("megatron: checkpointing")
     g.add_argument("--load", type=str, default=None)
     g.add_argument("--save", type=str, default=None)
-    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument(
+        "--save-interval",
+        type=int,
+        default=None,
+        help="A checkpoint after every N-th rollout, at each epoch's end and after the last rollout.",
+    )
     g.add_argument("--no-save-optim", action="store_true", default=None)
     g.add_argument("--no-save-rng", action="store_true", default=None)
     g.add_argument("--no-load-optim", action="store_true", default=None)
