@@ -27,6 +27,7 @@ PRELOAD = (
     "transformers.models.auto.configuration_auto",
     "transformers.models.auto.modeling_auto",
     "slime.utils.data",
+    "slime.backends.megatron_utils.megatron_to_hf",  # megatron-core, which the weight-sync checks import
     "matplotlib.pyplot",  # under Agg, the backend plot_metrics.py selects
 )
 ENV_KEY = "SLIME_TEST_ZYGOTE"  # the server's socket path, in the environment of the scripts a test runs

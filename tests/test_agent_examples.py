@@ -309,8 +309,9 @@ def test_every_branch_of_an_episode_is_trained(monkeypatch):
 
 
 @pytest.mark.slow  # development tier: a script's dry run (tests/test_scripts.py keeps them in the tier)
-def test_tiny_run_script_dry_run_validates(tiny_kit, tmp_path):
-    """SLIME_DRY_RUN=1: both stages' arguments validate; GRPO drives the calculator agent and logs its metrics."""
+def test_tiny_run_script_dry_run_validates(tiny_kit, tmp_path, preimported_python):
+    """SLIME_DRY_RUN=1: both stages' arguments validate (by the pre-imported interpreter, PYTHON); GRPO drives the
+    calculator agent and logs its metrics."""
     from slime.config import parse_args
 
     _, data = _prepare_tiny(tiny_kit, tmp_path, "--num-sft", "4", "--num-train", "4")
@@ -321,8 +322,10 @@ def test_tiny_run_script_dry_run_validates(tiny_kit, tmp_path):
         MODEL_DIR=tiny_kit[0],
         DATA_DIR=str(data),
         OUT=str(out),
-        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        PYTHON="python3",
+        **preimported_python.env,
     )
+    served = preimported_python.served()
     res = subprocess.run(
         ["bash", str(EXAMPLES / "calculator_agent/run_tiny_cpu.sh")],
         capture_output=True,
@@ -332,6 +335,7 @@ def test_tiny_run_script_dry_run_validates(tiny_kit, tmp_path):
     )
     assert res.returncode == 0, f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
     assert [line for line in res.stdout.splitlines() if line == "ok"] == ["ok", "ok"]
+    assert preimported_python.wait_served(served + 2) == served + 2
     assert not out.exists()
     stages = [shlex.split(line[2:]) for line in res.stdout.splitlines() if line.startswith("+ ")]
     (sft_driver, *sft_argv), (rl_driver, *rl_argv) = stages

@@ -269,9 +269,9 @@ def test_shapes_reference_recipe_runs_on_a_few_rows(tiny_vlm, tmp_path, monkeypa
 
 
 @pytest.mark.slow  # development tier: a script's dry run (tests/test_scripts.py keeps them in the tier)
-def test_shapes_run_script_dry_run_validates(tiny_vlm, tmp_path):
-    """SLIME_DRY_RUN=1: the SFT and GRPO stages' arguments validate, with the images, the reward and an eval set per
-    kind of question asked (QUESTIONS)."""
+def test_shapes_run_script_dry_run_validates(tiny_vlm, tmp_path, preimported_python):
+    """SLIME_DRY_RUN=1: the SFT and GRPO stages' arguments validate (by the pre-imported interpreter, PYTHON), with
+    the images, the reward and an eval set per kind of question asked (QUESTIONS)."""
     import shlex
     import subprocess
     import sys
@@ -293,12 +293,15 @@ def test_shapes_run_script_dry_run_validates(tiny_vlm, tmp_path):
         DATA_DIR=str(tmp_path / "data"),
         OUT=str(out),
         QUESTIONS="shape,colour",
-        PATH=f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}",
+        PYTHON="python3",
+        **preimported_python.env,
     )
     script = os.path.join(root, "examples", "vlm_shapes", "run_tiny_cpu.sh")
+    served = preimported_python.served()
     res = subprocess.run(["bash", script], capture_output=True, text=True, timeout=300, env=env)
     assert res.returncode == 0, f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
     assert [line for line in res.stdout.splitlines() if line == "ok"] == ["ok", "ok"]
+    assert preimported_python.wait_served(served + 2) == served + 2
     assert not out.exists()
     (sft_driver, *sft_argv), (rl_driver, *rl_argv) = [
         shlex.split(line[2:]) for line in res.stdout.splitlines() if line.startswith("+ ")

@@ -10,11 +10,12 @@
 #   NUM_ROLLOUT=2 SFT_EPOCHS=1 bash examples/calculator_agent/run_tiny_cpu.sh   # a smoke run (too short to learn)
 # Knobs: NUM_ROLLOUT (GRPO rollouts, 30), SFT_EPOCHS (over 4000 transcripts, 4 = 500 steps of 32), TOOL_FRACTION
 # (share of SFT transcripts that call the tool, 0.5), LR (GRPO, 5e-4), OUT, MODEL_DIR (the tiny kit, built if
-# missing), DATA_DIR. SLIME_DRY_RUN=1 prints both stages' commands and validates their arguments, running nothing.
+# missing), DATA_DIR, PYTHON (the interpreter: default .venv/bin/python, else python3). SLIME_DRY_RUN=1 prints both
+# stages' commands and validates their arguments, running nothing.
 set -euo pipefail
 EXAMPLE_DIR="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd)"
 cd "$EXAMPLE_DIR/../.."
-[ -x .venv/bin/python ] && PY=.venv/bin/python || PY=python3
+[ -x .venv/bin/python ] && PY=${PYTHON:-.venv/bin/python} || PY=${PYTHON:-python3}
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=${RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER:-0} RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} SLIME_HOST_IP=${SLIME_HOST_IP:-127.0.0.1} GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}

@@ -12,12 +12,13 @@
 # Knobs: NUM_ROLLOUT (GRPO rollouts, 60), SFT_EPOCHS (over SFT_SIZE transcripts, 1), SFT_SIZE (800), SFT_NOISE
 # (share of SFT answers drawn at random, 0), QUESTIONS (colour; colour,shape asks about the shape too, which GRPO
 # does not improve at this size), LR (GRPO, 1e-3), OUT, MODEL_DIR (the tiny kit, built if missing), DATA_DIR (made if
-# missing). SLIME_DRY_RUN=1 prints both stages' commands and validates their arguments, running nothing.
+# missing), PYTHON (the interpreter: default .venv/bin/python, else python3). SLIME_DRY_RUN=1 prints both stages'
+# commands and validates their arguments, running nothing.
 # reference_transformers.py runs the same recipe in plain transformers, a yardstick for the curve.
 set -euo pipefail
 EXAMPLE_DIR="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd)"
 cd "$EXAMPLE_DIR/../.."
-[ -x .venv/bin/python ] && PY=.venv/bin/python || PY=python3
+[ -x .venv/bin/python ] && PY=${PYTHON:-.venv/bin/python} || PY=${PYTHON:-python3}
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=${RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER:-0} RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} SLIME_HOST_IP=${SLIME_HOST_IP:-127.0.0.1} GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
