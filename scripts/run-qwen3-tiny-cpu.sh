@@ -91,7 +91,9 @@ SFT_ARGS=(
    --num-epoch ${SFT_EPOCHS:-30} --rollout-batch-size 50 --global-batch-size 50
    --loss-type sft_loss --calculate-per-token-loss --disable-compute-advantages-and-returns --debug-train-only
    --optimizer adam --lr 3e-3 --adam-beta1 0.9 --adam-beta2 0.98 --clip-grad 1.0
-   --save "$OUT/sft" --save-interval 1000000
+   # a checkpoint at each epoch's end and the last rollout (current slime's cadence); without the optimizer's
+   # state, which GRPO does not load (it starts from these weights with a fresh optimizer): 126 MB in all, not 493
+   --save "$OUT/sft" --save-interval 1000000 --no-save-optim
    --metrics-path "$OUT/sft_metrics.jsonl"
 )
 # LoRA needs the SFT model as the HF directory its frozen base (and the engines' weights) load from

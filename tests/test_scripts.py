@@ -622,7 +622,8 @@ def test_main_job_lora_dry_run(tiny_kit, tmp_path, preimported_python):
     res, stages = _dry_run_main_job(tiny_kit, out, preimported_python)
     assert res.returncode == 0, f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
     (_, *sft_argv), (_, *rl_argv) = stages
-    assert parse_args(argv=sft_argv, check_paths=False).save_hf is None
+    sft = parse_args(argv=sft_argv, check_paths=False)
+    assert sft.save_hf is None and sft.no_save_optim  # GRPO starts from the SFT weights with a fresh optimizer
     rl = parse_args(argv=rl_argv, check_paths=False)
     assert not rl.enable_lora and rl.ref_load == f"{out}/sft" and rl.hf_checkpoint == tiny_kit[0]
     assert (rl.lr, rl.min_lr) == (3e-4, 3e-5)
