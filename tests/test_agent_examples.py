@@ -47,6 +47,23 @@ def test_reward_is_the_last_number_against_the_label():
     assert calculator_agent.reward("", "7") == 0.0
 
 
+def test_prepare_data_writes_problems_the_calculator_solves(tmp_path):
+    """examples/calculator_agent/prepare_data.py: slime prompt rows (a user message, a label) whose label is what
+    the agent's own calculator gives for the question's expression; the same seed writes the same file."""
+    script = EXAMPLES / "calculator_agent" / "prepare_data.py"
+    for name, seed in (("a", "1"), ("b", "1"), ("c", "2")):
+        subprocess.run([sys.executable, str(script), str(tmp_path / name), "--n", "40", "--seed", seed], check=True)
+    rows = [json.loads(line) for line in (tmp_path / "a").read_text().splitlines()]
+    assert len(rows) == 40 and {"*" in r["prompt"][0]["content"] for r in rows} == {True}
+    for r in rows:
+        (msg,) = r["prompt"]
+        assert msg["role"] == "user" and msg["content"].startswith("What is ")
+        expr = msg["content"].removeprefix("What is ").split("?")[0]
+        assert calculator_agent.calculate(expr) == r["label"]
+        assert calculator_agent.reward(f"so it is {r['label']}", r["label"]) == 1.0
+    assert (tmp_path / "a").read_text() == (tmp_path / "b").read_text() != (tmp_path / "c").read_text()
+
+
 # (script, data file under BASE_DIR it reads, rows to write there; None: _fake_base_dir has it)
 LAUNCH_SCRIPTS = [
     (

@@ -68,6 +68,22 @@ def test_bm25_retriever(gws):
     assert text.startswith('Doc 1(Title: "Leonardo da Vinci") Leonardo da Vinci was an Italian polymath')
 
 
+def test_retriever_url_posts_search_r1_requests(gws, monkeypatch):
+    """SEARCH_R1_RETRIEVER_URL set: each search is one POST of Search-R1's retrieval-server request, its passages
+    formatted as the BM25 ones are, and the bundled retriever is never built."""
+    from tests.test_upstream_examples import _Retriever
+
+    retriever = _Retriever()
+    try:
+        monkeypatch.setitem(gws.SEARCH_R1_CONFIGS, "retriever_url", retriever.url)
+        text = asyncio.run(gws.search("capital of France"))
+    finally:
+        retriever.close()
+    assert retriever.bodies == [{"queries": ["capital of France"], "topk": 3, "return_scores": True}]
+    assert text == "".join(f"Doc {i + 1}(Title: Doc {i}) The answer is 5.\n" for i in range(3))
+    assert "retriever" not in gws._cache
+
+
 def _runs(mask):
     """[(mask value, run length), ...]"""
     return [(k, len(list(g))) for k, g in itertools.groupby(mask)]

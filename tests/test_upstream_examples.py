@@ -119,10 +119,10 @@ def test_multi_agent_fan_out_trains_unchanged(tiny_kit, tmp_path):
 
 class _Retriever:
     """Stands in for Search-R1's local retrieval server (POST /retrieve {queries, topk, return_scores} ->
-    {"result": [[{"document": {"contents": "title\ntext"}}]]}) on a free port; counts the queries."""
+    {"result": [[{"document": {"contents": "title\ntext"}, "score": s}]]}) on a free port; keeps the requests."""
 
     def __init__(self):
-        self.queries = []
+        self.queries, self.bodies = [], []
         app = web.Application()
         app.router.add_post("/retrieve", self.retrieve)
         self.loop = asyncio.new_event_loop()
@@ -136,8 +136,11 @@ class _Retriever:
 
     async def retrieve(self, request):
         body = await request.json()
+        self.bodies.append(body)
         self.queries += body["queries"]
-        docs = [{"document": {"contents": f"Doc {i}\nThe answer is 5."}} for i in range(body["topk"])]
+        docs = [
+            {"document": {"contents": f"Doc {i}\nThe answer is 5."}, "score": 1 / (i + 1)} for i in range(body["topk"])
+        ]
         return web.json_response({"result": [docs for _ in body["queries"]]})
 
     def close(self):
