@@ -74,13 +74,35 @@ def test_one_optimizer_step_per_rollout_reuses_the_training_forwards_log_probs()
     for flags in (
         ["--kl-coef", "0.1", "--advantage-estimator", "reinforce_plus_plus", "--normalize-advantages"],
         ["--use-rollout-entropy"],
-        ["--keep-old-actor"],
         ["--advantage-estimator", "gspo"],
         ["--loss-type", "sft_loss"],
         ["--custom-advantage-function-path", "my_module.my_advantages"],
         ["--rollout-data-postprocess-path", "my_module.my_postprocess"],
     ):
         assert needs_old_log_prob_forward(make_args(*flags), num_steps=1), flags
+    assert needs_old_log_prob_forward(make_args(keep_old_actor=True), num_steps=1)  # train_async.py's flag
+
+
+def test_keep_old_actor_is_refused_where_the_push_before_the_last_did_not_generate_the_rollout(capsys):
+    """The trainers keep the weights of the push before the last: the rollout's own weights in train_async.py's
+    one-step-off loop only (the e2e test of that loop checks the log-probs); elsewhere a one-line refusal."""
+    from slime.config.rollout import FULLY_ASYNC_ROLLOUT_FUNCTION
+
+    def parse(*argv, asynchronous=True):
+        argv = [*BASE, *TINY_MODEL, "--keep-old-actor", *argv]
+        return parse_args(argv=argv, check_paths=False, asynchronous=asynchronous)
+
+    def refusal(*argv, asynchronous=True):
+        with pytest.raises(SystemExit) as e:
+            parse(*argv, asynchronous=asynchronous)
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and len(err.splitlines()) == 1, err
+        return err
+
+    assert parse().keep_old_actor
+    assert "train.py generates each rollout with the weights it then trains" in refusal(asynchronous=False)
+    assert "several weight versions" in refusal("--rollout-function-path", FULLY_ASYNC_ROLLOUT_FUNCTION)
+    assert "--update-weights-interval 2 a rollout" in refusal("--update-weights-interval", "2")
 
 
 def test_without_an_old_log_prob_forward_the_old_policy_is_this_forward_detached():

@@ -62,7 +62,7 @@ def train_py_argv(tiny_kit, num_rollout, *extra, hf_checkpoint=None, lr="1e-5"):
     ]  # fmt: skip
 
 
-def make_args(tiny_kit, tmp_path, *extra, num_rollout=2):
+def make_args(tiny_kit, tmp_path, *extra, num_rollout=2, asynchronous=False):
     model_dir, data_dir = tiny_kit
     argv = TINY_MODEL_ARGS + [
         "--hf-checkpoint",
@@ -105,7 +105,7 @@ def make_args(tiny_kit, tmp_path, *extra, num_rollout=2):
         str(tmp_path / "metrics.jsonl"),
         *extra,
     ]
-    return parse_args(argv=argv)
+    return parse_args(argv=argv, asynchronous=asynchronous)  # asynchronous: train_async.py's checks
 
 
 def read_metrics(tmp_path):
@@ -209,24 +209,30 @@ def test_train_async_is_one_step_off_policy_and_resumes_the_rollout_in_flight_at
     ray_session, tiny_kit, tmp_path
 ):
     """One-step-off: rollout 1 is generated while rollout 0 trains, so with rollout 0's weights. A run resumed from
-    the checkpoint of rollout 0 must train rollout 1 on the prompts an uninterrupted run gives it, not skip them."""
+    the checkpoint of rollout 0 must train rollout 1 on the prompts an uninterrupted run gives it, not skip them.
+    With --keep-old-actor the old log-probs are those weights' own: the engine's log-probs, not the live actor's."""
     from slime.rollout.data_source import RolloutDataSourceWithBuffer
 
     ckpt = tmp_path / "ckpt"
-    common = ["--rollout-num-gpus", "1", "--save", str(ckpt), "--save-interval", "1"]
+    common = ["--rollout-num-gpus", "1", "--save", str(ckpt), "--save-interval", "1", "--keep-old-actor"]
+    common += ["--lr", "1e-2"]  # weights that move: the live actor's log-probs then differ from the engine's by ~4e-5
     first = tmp_path / "first"
     first.mkdir()
-    async_driver.train(make_args(tiny_kit, first, *common, num_rollout=3))
-    assert [int(r["rollout/weight_version"]) for r in read_metrics(first)] == [1, 1, 2]
+    async_driver.train(make_args(tiny_kit, first, *common, num_rollout=3, asynchronous=True))
+    rows = read_metrics(first)
+    assert [int(r["rollout/weight_version"]) for r in rows] == [1, 1, 2]
+    assert all(r["train/train_rollout_logprob_abs_diff"] < 5e-6 for r in rows), rows
     second = tmp_path / "second"
     second.mkdir()
     resumed_data = str(tmp_path / "resumed_{rollout_id}.pt")
     args = make_args(
         tiny_kit, second, *common, "--load", str(ckpt), "--ckpt-step", "0", "--save-debug-rollout-data", resumed_data,
-        num_rollout=3,  # the first run's schedule: a resume must keep it
+        num_rollout=3, asynchronous=True,  # the first run's schedule: a resume must keep it
     )  # fmt: skip
     async_driver.train(args)
-    assert [r["rollout_id"] for r in read_metrics(second)] == [1, 2]
+    rows = read_metrics(second)
+    assert [r["rollout_id"] for r in rows] == [1, 2]
+    assert all(r["train/train_rollout_logprob_abs_diff"] < 5e-6 for r in rows), rows  # old actor: the loaded weights
     fresh = RolloutDataSourceWithBuffer(make_args(tiny_kit, tmp_path, "--rollout-num-gpus", "1"))
     fresh.get_samples(4)
     expected = [g[0].prompt for g in fresh.get_samples(4)]

@@ -44,7 +44,6 @@ BASE = [
             "saves after every rollout (the next trainers load it): drop --save-interval 2",
         ),
         ([*BASE, "--advantage-estimator", "ppo"], "with a critic"),
-        ([*BASE, "--keep-old-actor"], "with --keep-old-actor"),
         (
             [*BASE, "--use-kl-loss", "--ref-update-interval", "2"],
             "with --ref-update-interval: the updated reference lives in the trainers only",

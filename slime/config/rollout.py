@@ -168,7 +168,14 @@ def add_rollout_arguments(parser):
         "they loaded from --hf-checkpoint and scramble them, and after the first push every engine "
         "must hold exactly the snapshot again (the trainer must start from that checkpoint).",
     )
-    g.add_argument("--keep-old-actor", action="store_true", default=False)
+    g.add_argument(
+        "--keep-old-actor",
+        action="store_true",
+        default=False,
+        help="train_async.py: score each rollout's old log-probs with the weights that generated it (the trainers "
+        "keep the push before the last), not the live actor; refused where that is not the rollout's weights "
+        "(train.py, the fully async rollout, --update-weights-interval > 1)",
+    )
     g.add_argument(
         "--rollout-data-postprocess-path",
         type=str,
@@ -430,6 +437,25 @@ def check_algorithm_and_rollout(args, error):
                 "fully async rollout: --over-sampling-batch-size and --partial-rollout are not used; "
                 "admission is paced by --max-staleness and interrupted samples always resume"
             )
+
+
+def check_keep_old_actor(args, error, asynchronous):
+    """--keep-old-actor: the trainers hold the weights of the push before the last, which generated the rollout
+    they train only in train_async.py's one-step-off loop with a push after every rollout."""
+    if not args.keep_old_actor:
+        return
+    if not asynchronous:
+        why = "train.py generates each rollout with the weights it then trains (the old policy is the live actor)"
+    elif args.rollout_function_path == FULLY_ASYNC_ROLLOUT_FUNCTION:
+        why = "the fully async rollout's samples come from several weight versions"
+    elif args.update_weights_interval != 1:
+        why = f"with --update-weights-interval {args.update_weights_interval} a rollout can come from the last push"
+    else:
+        return
+    error(
+        "--keep-old-actor scores a rollout with the weights of the push before the last (train_async.py's "
+        f"one-step-off rollouts), but {why}: drop it."
+    )
 
 
 def check_reward_dependencies(args, error):

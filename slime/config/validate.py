@@ -38,6 +38,7 @@ from slime.config.rollout import (
     check_algorithm_and_rollout,
     check_consistency,
     check_external_engines,
+    check_keep_old_actor,
     check_multimodal_keys,
     resolve_eval_function,
 )
@@ -75,8 +76,9 @@ STEPS = (
     (check_hybrid_model, ()),
     (check_minimax_m2, ()),
     (check_tree_training, ()),
-    (apply_custom_config, PATHS),  # last but one: it sets values as given, after everything is derived
+    (apply_custom_config, PATHS),  # near the end: it sets values as given, after everything is derived
     (check_consistency, ()),  # after --custom-config-path, which may set use_tis
+    (check_keep_old_actor, ASYNC),  # after --custom-config-path too
 )
 
 

@@ -139,8 +139,6 @@ def check_release_train(args, error):
         why = "with --debug-rollout-only: there are no trainers to release"
     elif args.advantage_estimator == "ppo":
         why = "with a critic (--advantage-estimator ppo) is not supported: the critic group is not recreated"
-    elif args.keep_old_actor:
-        why = "with --keep-old-actor: the old actor's weights live in the trainers only"
     elif args.ref_update_interval:
         why = "with --ref-update-interval: the updated reference lives in the trainers only"
     if why:
