@@ -103,6 +103,7 @@ def test_keep_old_actor_is_refused_where_the_push_before_the_last_did_not_genera
     assert "train.py generates each rollout with the weights it then trains" in refusal(asynchronous=False)
     assert "several weight versions" in refusal("--rollout-function-path", FULLY_ASYNC_ROLLOUT_FUNCTION)
     assert "--update-weights-interval 2 a rollout" in refusal("--update-weights-interval", "2")
+    assert "--debug-train-only pushes no weights" in refusal("--debug-train-only")
 
 
 def test_without_an_old_log_prob_forward_the_old_policy_is_this_forward_detached():

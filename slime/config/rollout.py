@@ -174,7 +174,7 @@ def add_rollout_arguments(parser):
         default=False,
         help="train_async.py: score each rollout's old log-probs with the weights that generated it (the trainers "
         "keep the push before the last), not the live actor; refused where that is not the rollout's weights "
-        "(train.py, the fully async rollout, --update-weights-interval > 1)",
+        "(train.py, the fully async rollout, --update-weights-interval > 1, --debug-train-only)",
     )
     g.add_argument(
         "--rollout-data-postprocess-path",
@@ -450,6 +450,8 @@ def check_keep_old_actor(args, error, asynchronous):
         why = "the fully async rollout's samples come from several weight versions"
     elif args.update_weights_interval != 1:
         why = f"with --update-weights-interval {args.update_weights_interval} a rollout can come from the last push"
+    elif args.debug_train_only:
+        why = "--debug-train-only pushes no weights (its rollouts were generated elsewhere)"
     else:
         return
     error(
