@@ -122,7 +122,7 @@ class _Retriever:
     {"result": [[{"document": {"contents": "title\ntext"}, "score": s}]]}) on a free port; keeps the requests."""
 
     def __init__(self):
-        self.queries, self.bodies = [], []
+        self.bodies = []
         app = web.Application()
         app.router.add_post("/retrieve", self.retrieve)
         self.loop = asyncio.new_event_loop()
@@ -137,7 +137,6 @@ class _Retriever:
     async def retrieve(self, request):
         body = await request.json()
         self.bodies.append(body)
-        self.queries += body["queries"]
         docs = [
             {"document": {"contents": f"Doc {i}\nThe answer is 5."}, "score": 1 / (i + 1)} for i in range(body["topk"])
         ]
