@@ -130,6 +130,44 @@ def test_train_lowers_loss_and_checkpoint_resume_is_identical(tiny_kit, tmp_path
         assert (la - lb).abs().max().item() <= tol
 
 
+def _rollout_logprobs_two_steps(rank, model_dir, out_path):
+    """--use-rollout-logprobs (no old-log-prob forward), two optimizer steps, an engine whose log-probs are the
+    trainer's own: the first step's gap is ~0; the second step scores with weights the first one moved."""
+    from slime.backends.megatron_utils.advantages import compute_advantages_and_returns
+    from slime.backends.megatron_utils.model import forward_only, train
+
+    args = train_args(
+        model_dir, use_rollout_logprobs=True, use_kl_loss=False, global_batch_size=2, micro_batch_size=1, lr=1e-2
+    )
+    model, opt, sched, _, rollout, iters, nmb = _setup(args, fixed_rollout())
+    data = dict(rollout)
+    data["rollout_log_probs"] = forward_only(args, model, iters, nmb)["log_probs"]  # not "log_probs": no old forward
+    compute_advantages_and_returns(args, data)
+    for it in iters:
+        it.rollout_data = data
+    history = train(args, 0, model, opt, sched, iters, nmb)
+    after = forward_only(args, model, iters, nmb)["log_probs"]
+    drift = max((a - b).abs().max().item() for a, b in zip(after, data["rollout_log_probs"]))
+    torch.save({"history": history, "drift": drift}, out_path)
+
+
+def test_rollout_logprobs_mismatch_is_not_the_updates_drift(tiny_kit, tmp_path):
+    """`train_rollout_logprob_abs_diff` compares the trainer's log-probs of the rollout's weights with the engine's.
+    Without an old-log-prob forward only a rollout's first optimizer step has those; a later step's gap is the
+    update's drift and is not reported, and the rollout's record keeps the first step's value."""
+    from slime.ray.driver import _flatten
+
+    spawn(_rollout_logprobs_two_steps, 1, tiny_kit[0], str(tmp_path / "out.pt"))
+    out = torch.load(tmp_path / "out.pt")
+    first, second = out["history"]
+    assert out["drift"] > 1e-2  # what the second step would have logged as mismatch
+    assert first["train/train_rollout_logprob_abs_diff"] < 1e-6
+    assert "train/train_rollout_logprob_abs_diff" not in second and second["train/grad_norm"] > 0
+    record = _flatten({"train": out["history"]})
+    assert record["train/train_rollout_logprob_abs_diff"] == first["train/train_rollout_logprob_abs_diff"]
+    assert record["train/step"] == second["train/step"]
+
+
 def _offload_roundtrip(rank, model_dir):
     from slime.backends.megatron_utils.model import train
 

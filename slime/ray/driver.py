@@ -198,13 +198,15 @@ def _group_report(results):
 
 
 def _flatten(metrics):
-    """Nested metric dicts -> one flat dict; for a list of per-step dicts (several optimizer steps) keep the last."""
+    """Nested metric dicts -> one flat dict; for a list of per-step dicts (several optimizer steps) each metric's
+    latest value (a metric some steps do not report keeps that of the last step that did)."""
     flat = {}
     for k, v in (metrics or {}).items():
         if isinstance(v, dict):
             flat.update(_flatten(v))
         elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
-            flat.update(_flatten(v[-1]))
+            for step in v:
+                flat.update(_flatten(step))
         else:
             flat[k] = v
     return flat

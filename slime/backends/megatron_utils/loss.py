@@ -207,7 +207,7 @@ def policy_loss_function(args, batch, logits, sum_of_sample_mean):
 
     if rollout_log_probs is not None and train_log_probs:
         # trainer vs inference engine on the same weights (precision / kernel mismatch): the pre-update log-probs,
-        # so later optimizer steps of this rollout do not count as mismatch
+        # so later optimizer steps of this rollout do not count as mismatch (without them model.train drops it)
         metrics["train_rollout_logprob_abs_diff"] = sum_of_sample_mean(
             (torch.cat(train_log_probs) - torch.cat(rollout_log_probs)).abs()
         )

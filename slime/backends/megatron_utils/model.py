@@ -463,6 +463,10 @@ def train(args, rollout_id, model, optimizer, opt_param_scheduler, data_iterator
         )
         if not mpu.is_pipeline_last_stage(ignore_virtual=True):
             continue
+        if step_id > 0 and data_iterator[0].rollout_data.get("log_probs") is None:
+            # no old-log-prob forward (--use-rollout-logprobs): this step scores with weights the earlier steps moved,
+            # so its gap to the engine's log-probs is the update's drift, not a train/inference mismatch
+            loss_dict.pop("train_rollout_logprob_abs_diff", None)
         if args.ci_test and rollout_id == 0 and step_id == 0 and not args.ci_disable_kl_checker:
             _ci_first_step_checks(loss_dict)
         metrics = {f"{prefix}{k}": v for k, v in loss_dict.items()}
