@@ -530,6 +530,18 @@ def reject_unknown_fields(body: dict, known: set[str], api: str) -> None:
         )
 
 
+def check_openai_tool_choice(body: dict) -> None:
+    """The OpenAI APIs' `tool_choice`: 'auto' (the default) or 'none'; one that forces a call needs constrained
+    decoding, which the adapter does not do."""
+    tc = body.get("tool_choice")
+    if tc not in (None, "auto", "none"):
+        raise AdapterError(
+            400,
+            f"tool_choice={tc!r} is not supported: the adapter does not constrain decoding; use 'auto' or 'none'",
+            param="tool_choice",
+        )
+
+
 def function_tool(name: Any, description: Any, parameters: Any) -> dict:
     if not isinstance(name, str) or not name:
         raise AdapterError(400, "every tool needs a non-empty string name", param="tools")

@@ -13,7 +13,13 @@ import time
 
 from aiohttp import web
 
-from slime.agent.adapters.common import AdapterError, BaseAdapter, function_tool, reject_unknown_fields
+from slime.agent.adapters.common import (
+    AdapterError,
+    BaseAdapter,
+    check_openai_tool_choice,
+    function_tool,
+    reject_unknown_fields,
+)
 from slime.agent.adapters.openai_responses import ResponsesAPI
 from slime.agent.parsing import ParsedOutput
 from slime.agent.trajectory import TurnRecord
@@ -104,13 +110,7 @@ class OpenAIAdapter(BaseAdapter):
                 f"response_format {rf!r} is not supported (no constrained decoding)",
                 param="response_format",
             )
-        tc = body.get("tool_choice")
-        if tc not in (None, "auto", "none"):
-            raise AdapterError(
-                400,
-                f"tool_choice={tc!r} is not supported: the adapter does not constrain decoding; use 'auto' or 'none'",
-                param="tool_choice",
-            )
+        check_openai_tool_choice(body)
 
     def _to_chat(self, body: dict) -> tuple[list[dict], list[dict] | None, bool]:
         messages = []

@@ -17,7 +17,7 @@ import time
 
 from aiohttp import web
 
-from slime.agent.adapters.common import AdapterError, function_tool, reject_unknown_fields
+from slime.agent.adapters.common import AdapterError, check_openai_tool_choice, function_tool, reject_unknown_fields
 from slime.agent.parsing import ParsedOutput
 from slime.agent.trajectory import TurnRecord
 
@@ -94,13 +94,7 @@ class ResponsesAPI:
                 "conversation as input",
                 param="previous_response_id",
             )
-        tc = body.get("tool_choice")
-        if tc not in (None, "auto", "none"):
-            raise AdapterError(
-                400,
-                f"tool_choice={tc!r} is not supported: the adapter does not constrain decoding; use 'auto' or 'none'",
-                param="tool_choice",
-            )
+        check_openai_tool_choice(body)
         fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else body.get("text")
         if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
             raise AdapterError(400, f"text.format {fmt!r} is not supported (no constrained decoding)", param="text")
