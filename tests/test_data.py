@@ -96,29 +96,53 @@ def test_dataset_drops_prompts_longer_than_max_length(tmp_path, tokenizer):
     assert len(Dataset(path, tokenizer, max_length=None)) == 3
 
 
-def test_dataset_tools_from_json_string_column(tmp_path, tokenizer):
-    tools = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
-    rows = [{"prompt": ROWS[0]["prompt"], "tools": json.dumps(tools)}]
-    seen = []
-    original = tokenizer.apply_chat_template
+SEARCH = {"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}
+CALC = {"type": "function", "function": {"name": "calc", "description": "arithmetic"}}
 
-    def recording(messages, tools=None, **kw):
-        seen.append(tools)
-        return original(messages, tools=tools, **kw)
 
-    tokenizer.apply_chat_template = recording
-    try:
-        Dataset(
-            write_jsonl(tmp_path / "t.jsonl", rows),
-            tokenizer,
-            None,
-            prompt_key="prompt",
-            tool_key="tools",
-            apply_chat_template=True,
-        )
-    finally:
-        del tokenizer.apply_chat_template
-    assert seen == [tools]
+@pytest.fixture
+def tool_tokenizer(tokenizer):
+    """The tiny kit's tokenizer with a template that lists the tools' names in a system turn."""
+    import copy
+
+    from tests._agent_kit import AGENT_TEMPLATE
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = AGENT_TEMPLATE
+    return tok
+
+
+def test_dataset_tools_reach_the_template_and_metadata(tmp_path, tool_tokenizer):
+    """--tool-key's default column, as in current slime: a row's tools (a list, or its JSON) go into the chat template
+    and into metadata["tools"] (plugins and the SFT loss mask read them there); a row without has none."""
+    rows = [
+        {"prompt": ROWS[0]["prompt"], "metadata": {"src": "a"}, "tools": [SEARCH, CALC]},
+        {"prompt": ROWS[1]["prompt"], "metadata": {"src": "b"}},
+        {"prompt": ROWS[2]["prompt"], "tools": json.dumps([CALC])},
+    ]
+    path = write_jsonl(tmp_path / "t.jsonl", rows)
+    ds = Dataset(path, tool_tokenizer, None, prompt_key="prompt", tool_key="tools", apply_chat_template=True)
+    user = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+    assert [s.prompt for s in ds.samples] == [
+        "<|im_start|>system\nTools: search calc<|im_end|>\n" + user.format("What is 3+4?"),
+        user.format("What is 1+1?"),
+        "<|im_start|>system\nTools: calc<|im_end|>\n" + user.format("What is 2+5?"),
+    ]
+    assert [s.metadata for s in ds.samples] == [{"src": "a", "tools": [SEARCH, CALC]}, {"src": "b"}, {"tools": [CALC]}]
+    # without the template (a custom generate renders the chat itself) the tools are still in the metadata
+    plain = Dataset(path, tool_tokenizer, None, prompt_key="prompt", tool_key="tools")
+    assert plain[0].prompt == ROWS[0]["prompt"] and plain[0].metadata["tools"] == [SEARCH, CALC]
+
+
+def test_dataset_tool_key_errors_name_the_row_or_column(tmp_path, tool_tokenizer):
+    path = write_jsonl(tmp_path / "p.jsonl", ROWS)
+    ds = Dataset(path, tool_tokenizer, None, prompt_key="prompt", tool_key="tools", apply_chat_template=True)
+    assert all("system" not in s.prompt for s in ds.samples)  # the default column is optional
+    with pytest.raises(ValueError, match=r"p\.jsonl: no column 'functions' \(--tool-key\)"):
+        Dataset(path, tool_tokenizer, None, prompt_key="prompt", tool_key="functions")
+    bad = write_jsonl(tmp_path / "b.jsonl", [ROWS[0], {**ROWS[1], "tools": "search, calc"}])
+    with pytest.raises(ValueError, match=r"b\.jsonl: row 2 \(line 2\): 'tools' \(--tool-key\) must be a list"):
+        Dataset(bad, tool_tokenizer, None, prompt_key="prompt", tool_key="tools")
 
 
 def test_dataset_missing_columns_are_named(tmp_path, tokenizer):

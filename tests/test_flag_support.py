@@ -159,7 +159,7 @@ def test_honoured_flags_have_upstream_defaults(parser):
         if ours != upstream:
             differ[flag] = (upstream, ours)
     assert sorted(differ) == sorted(DEFAULT_DIFFERS), f"defaults not upstream's (flag: (upstream, here)): {differ}"
-    for flag in ("--rollout-max-response-len", "--sglang-router-request-timeout-secs", "--lr", "--tool-key"):
+    for flag in ("--rollout-max-response-len", "--sglang-router-request-timeout-secs", "--lr"):
         assert flag in DEFAULT_DIFFERS
 
 

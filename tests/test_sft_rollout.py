@@ -5,6 +5,8 @@ Expected ids and masks are built here piece by piece from the tiny kit's chat te
 """
 
 import json
+import os
+import shutil
 import types
 
 import numpy as np
@@ -123,6 +125,31 @@ def test_sft_tokens_and_loss_masks(tiny_kit, sft_file, tokenizer):
     assert [m.tolist() for m in data["loss_masks"]] == [g[0].loss_mask for g in groups]
     assert all(m.dtype == np.int32 for m in data["loss_masks"])
     assert data["rewards"] == [0.0, 0.0, 0.0]
+
+
+def test_sft_trains_tool_calling_chats_with_their_tools(tiny_kit, tokenizer, tmp_path):
+    """A row's tools (the `tools` column, current slime's --tool-key default) are in the template where the
+    conversation starts, as the model sees them when asked; the trained tokens are the same, a row without has none."""
+    import copy
+
+    from tests._agent_kit import AGENT_TEMPLATE, CALCULATOR
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = AGENT_TEMPLATE  # lists the tools' names in a system turn
+    tok.save_pretrained(tmp_path / "tok")
+    shutil.copy(os.path.join(tiny_kit[0], "config.json"), tmp_path / "tok")
+    path = tmp_path / "tools.jsonl"
+    path.write_text(
+        "".join(json.dumps(r) + "\n" for r in [{"messages": CHATS[0], "tools": [CALCULATOR]}, {"messages": CHATS[0]}])
+    )
+    for mask_type in ("qwen", "qwen3"):
+        args = make_args(
+            (str(tmp_path / "tok"),), str(path), tool_key="tools", loss_mask_type=mask_type, rollout_batch_size=2
+        )
+        (with_tools,), (without,) = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+        head = "<|im_start|>system\nTools: calculator<|im_end|>\n"
+        assert tokenizer.decode(with_tools.tokens) == head + tokenizer.decode(without.tokens), mask_type
+        assert with_tools.response_length == without.response_length and with_tools.loss_mask == without.loss_mask
 
 
 def test_sft_bad_inputs(tiny_kit, sft_file):

@@ -41,7 +41,13 @@ def add_data_arguments(parser):
     g.add_argument("--input-key", type=str, default="input", help="Column holding the prompt.")
     g.add_argument("--label-key", type=str, default=None)
     g.add_argument("--metadata-key", type=str, default="metadata")
-    g.add_argument("--tool-key", type=str, default=None, help="Column with tools for the chat template.")
+    g.add_argument(
+        "--tool-key",
+        type=str,
+        default="tools",
+        help="Column with each row's tool list (or its JSON) for the chat template, also given to plugins (and the "
+        "SFT loss mask) as metadata['tools']. The default column is used where the data has it; another must exist.",
+    )
     g.add_argument("--start-rollout-id", type=int, default=None)
     g.add_argument("--rollout-batch-size", type=int, required=True, help="Prompts per rollout (required).")
     g.add_argument("--n-samples-per-prompt", type=int, default=1)

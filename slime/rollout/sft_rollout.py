@@ -52,7 +52,7 @@ def generate_rollout(args, rollout_id, data_source, evaluation=False):
                 f"SFT sample {sample.index}: the prompt must be a list of chat messages ({{'role', 'content'}}), got "
                 f"{type(messages).__name__}. Point --input-key at the messages column and do not pass --apply-chat-template."
             )
-        token_ids, loss_mask = mask_generator.get_loss_mask(messages)
+        token_ids, loss_mask = mask_generator.get_loss_mask(messages, tools=(sample.metadata or {}).get("tools"))
         images = (sample.multimodal_inputs or {}).get("images")
         if images:
             token_ids, loss_mask, sample.multimodal_train_inputs = _with_images(args, sample, token_ids, loss_mask)

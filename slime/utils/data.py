@@ -1,5 +1,6 @@
 """Prompt datasets: `read_file` (jsonl/json/parquet as row dicts) and `Dataset`."""
 
+import contextlib
 import json
 import os
 import random
@@ -64,6 +65,23 @@ def _read_parquet(path):
 _READERS = {".jsonl": iter_jsonl, ".json": _read_json, ".parquet": _read_parquet}
 
 
+DEFAULT_TOOL_KEY = "tools"  # --tool-key's default: used where the data has that column, as in current slime
+
+
+def _tools_of(row, tool_key, path, index):
+    """A row's tool list for the chat template (None: no tools), from a list or a JSON string of one."""
+    tools = row.get(tool_key) if tool_key is not None else None
+    if isinstance(tools, str):  # tools are often stored as a JSON string column
+        with contextlib.suppress(json.JSONDecodeError):  # else refused below, as a string
+            tools = json.loads(tools)
+    if tools is not None and not isinstance(tools, list):
+        raise ValueError(
+            f"{path}: row {index + 1}{_line_of_row(path, index)}: {tool_key!r} (--tool-key) must be a list of tools "
+            f"(or its JSON), got {type(tools).__name__}"
+        )
+    return tools
+
+
 def read_file(path):
     """Load a .jsonl / .json / .parquet file as `Rows` (iterate it for row dicts)."""
     ext = os.path.splitext(path)[1].lower()
@@ -105,16 +123,25 @@ class Dataset:
                 raise ValueError(
                     f"{path}: no column {column!r} (--multimodal-keys {media!r}); its columns are {data.column_names}"
                 )
-        for key, flag in ((prompt_key, "--input-key"), (label_key, "--label-key"), (tool_key, "--tool-key")):
+        required = [(prompt_key, "--input-key"), (label_key, "--label-key")]
+        if tool_key != DEFAULT_TOOL_KEY:  # the default column is optional, as in current slime
+            required.append((tool_key, "--tool-key"))
+        for key, flag in required:
             if key is not None and key not in data.column_names:
                 raise ValueError(f"{path}: no column {key!r} ({flag}); its columns are {data.column_names}")
+        if tool_key not in data.column_names:
+            tool_key = None
 
         self.column_names = data.column_names
-        prompts, rows, media = [], [], []
+        prompts, rows, media, metadata = [], [], [], []
         for i, row in enumerate(data):
             prompt = row[prompt_key]
             if prompt is None:
                 raise ValueError(f"{path}: row {i + 1}{_line_of_row(path, i)} has no {prompt_key!r} (--input-key)")
+            tools = _tools_of(row, tool_key, path, i)
+            # a row's tools also reach plugins (and the SFT loss mask) as metadata["tools"], as in current slime
+            meta = row.get(metadata_key) or {}
+            metadata.append({**meta, "tools": tools} if tools is not None else meta)
             if multimodal_keys:
                 from slime.utils.processing_utils import fill_placeholders, process_vision_info
 
@@ -124,9 +151,6 @@ class Dataset:
             else:
                 media.append(None)
             if apply_chat_template:
-                tools = row[tool_key] if tool_key is not None else None
-                if isinstance(tools, str):  # tools are often stored as a JSON string column
-                    tools = json.loads(tools)
                 prompt = tokenizer.apply_chat_template(
                     prompt, tools, tokenize=False, add_generation_prompt=True, **(apply_chat_template_kwargs or {})
                 )
@@ -138,10 +162,10 @@ class Dataset:
             Sample(
                 prompt=prompt,
                 label=row[label_key] if label_key is not None else None,
-                metadata=row.get(metadata_key) or {},
+                metadata=meta,
                 multimodal_inputs=mm,
             )
-            for prompt, row, mm, ok in zip(prompts, rows, media, keep)
+            for prompt, row, meta, mm, ok in zip(prompts, rows, metadata, media, keep)
             if ok
         ]
         self.origin_rows = [i for i, ok in enumerate(keep) if ok]  # file row of each sample, for messages

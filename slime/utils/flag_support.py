@@ -168,8 +168,6 @@ DEFAULT_DIFFERS = {
     "(upstream's nccl)",
     "--rollout-max-response-len": "1024 tokens: a bounded response unless set (upstream: unset, SGLang's "
     "max_new_tokens None)",
-    "--tool-key": "unset: a --tool-key column must exist in the data here (upstream uses its 'tools' column only "
-    "where a row has one), so none is assumed",
     "--lr": "required: a learning rate is never assumed (upstream: 1e-6)",
     "--no-save-optim": "Megatron-LM's null, made false at start-up: the same as upstream's false",
     "--sglang-router-request-timeout-secs": "an hour (upstream: 4 hours): a hung request fails sooner",
