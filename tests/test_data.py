@@ -81,6 +81,13 @@ def test_dataset_applies_chat_template_and_keeps_labels(tmp_path, tokenizer):
     assert [s.metadata for s in ds.samples] == [{"src": "a"}, {"src": "b"}, {"src": "c"}]
 
 
+def test_dataset_template_takes_a_text_prompt_as_one_user_message(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "What is 1+1?"}, {"prompt": ROWS[2]["prompt"]}])
+    ds = Dataset(path, tokenizer, None, prompt_key="prompt", apply_chat_template=True)
+    turn = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+    assert [s.prompt for s in ds.samples] == [turn.format("What is 1+1?"), turn.format("What is 2+5?")]
+
+
 def test_dataset_without_template_keeps_message_lists(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": r["prompt"]} for r in ROWS])
     ds = Dataset(path, tokenizer, max_length=4, prompt_key="prompt")  # message lists are never length-filtered

@@ -22,7 +22,12 @@ def add_data_arguments(parser):
         help="Do not load --prompt-data (a custom rollout function brings its own).",
     )
     g.add_argument("--prompt-data", type=str, default=None, help="Prompt file (.jsonl/.json/.parquet).")
-    g.add_argument("--apply-chat-template", action="store_true", default=False)
+    g.add_argument(
+        "--apply-chat-template",
+        action="store_true",
+        default=False,
+        help="Render each prompt with the tokenizer's chat template (a text prompt as one user message).",
+    )
     g.add_argument(
         "--multimodal-keys",
         type=str,

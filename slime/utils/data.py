@@ -151,6 +151,8 @@ class Dataset:
             else:
                 media.append(None)
             if apply_chat_template:
+                if isinstance(prompt, str):  # a text prompt is one user message, as in current slime
+                    prompt = [{"role": "user", "content": prompt}]
                 prompt = tokenizer.apply_chat_template(
                     prompt, tools, tokenize=False, add_generation_prompt=True, **(apply_chat_template_kwargs or {})
                 )
