@@ -771,8 +771,16 @@ def test_fully_async_flags(capsys):
     assert parse().max_staleness == 1
     assert parse(*fully_async, "--max-policy-version-lag", "0").max_staleness == 0
     assert "--max-staleness -1: must be" in parse_error(capsys, "--max-staleness", "-1")
-    err = parse_error(capsys, *fully_async, "--update-weights-interval", "2")
+    err = parse_error(capsys, *fully_async, "--update-weights-interval", "2", asynchronous=True)
     assert "--update-weights-interval 2" in err and "--max-staleness" in err
+
+
+def test_update_weights_interval_is_train_async_py_s(capsys):
+    """train.py pushes after every rollout (current slime's too): there the interval would change nothing."""
+    assert parse("--update-weights-interval", "2", asynchronous=True).update_weights_interval == 2
+    err = parse_error(capsys, "--update-weights-interval", "2")
+    assert "--update-weights-interval 2: train.py pushes the weights after every rollout" in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_fault_tolerance_flags_defaults_and_checks(capsys):

@@ -242,6 +242,20 @@ def test_train_async_is_one_step_off_policy_and_resumes_the_rollout_in_flight_at
 
 
 @pytest.mark.slow
+def test_train_async_pushes_the_weights_every_update_weights_interval(ray_session, tiny_kit, tmp_path):
+    """--update-weights-interval 2: a push after every second rollout (and never mid-generation), so rollouts 0-2 are
+    generated with the initial weights (rollout 2 starts while rollout 1 trains) and rollout 3 with those of the push
+    after rollout 1."""
+    async_driver.train(
+        make_args(tiny_kit, tmp_path, "--rollout-num-gpus", "1", "--update-weights-interval", "2", num_rollout=4,
+                  asynchronous=True)
+    )  # fmt: skip
+    rows = read_metrics(tmp_path)
+    assert [int(r["rollout/weight_version"]) for r in rows] == [1, 1, 1, 2]
+    assert [r.get("update_weights/weight_version") for r in rows] == [None, 2, None, 3]
+
+
+@pytest.mark.slow
 def test_train_tp2_with_partial_rollout(ray_session, tiny_kit, tmp_path):
     """The TP=2 and partial-rollout variants of the main job: a tensor-parallel trainer reproduces the engine's
     log-probs and pushes bit-identical weights (checked by checksums); with --partial-rollout the groups over-sampled

@@ -127,7 +127,12 @@ def add_rollout_arguments(parser):
     g.add_argument(
         "--update-weight-buffer-size", type=int, default=512 * 1024**2, help="Bytes per weight-update bucket."
     )
-    g.add_argument("--update-weights-interval", type=int, default=1, help="Rollouts between weight updates (async).")
+    g.add_argument(
+        "--update-weights-interval",
+        type=int,
+        default=1,
+        help="Rollouts between weight updates (train_async.py; refused by train.py, which pushes after every rollout).",
+    )
     g.add_argument(
         "--max-staleness",
         "--max-policy-version-lag",
@@ -437,6 +442,16 @@ def check_algorithm_and_rollout(args, error):
                 "fully async rollout: --over-sampling-batch-size and --partial-rollout are not used; "
                 "admission is paced by --max-staleness and interrupted samples always resume"
             )
+
+
+def check_update_weights_interval(args, error, asynchronous):
+    """--update-weights-interval is train_async.py's: train.py pushes the weights after every rollout (as current
+    slime's does), so there the flag would change nothing."""
+    if args.update_weights_interval != 1 and not asynchronous:
+        error(
+            f"--update-weights-interval {args.update_weights_interval}: train.py pushes the weights after every "
+            "rollout; the interval is train_async.py's."
+        )
 
 
 def check_keep_old_actor(args, error, asynchronous):

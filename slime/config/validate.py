@@ -40,6 +40,7 @@ from slime.config.rollout import (
     check_external_engines,
     check_keep_old_actor,
     check_multimodal_keys,
+    check_update_weights_interval,
     resolve_eval_function,
 )
 from slime.utils.startup_checks import check_value_ranges
@@ -79,6 +80,7 @@ STEPS = (
     (apply_custom_config, PATHS),  # near the end: it sets values as given, after everything is derived
     (check_consistency, ()),  # after --custom-config-path, which may set use_tis
     (check_keep_old_actor, ASYNC),  # after --custom-config-path too
+    (check_update_weights_interval, ASYNC),
 )
 
 
