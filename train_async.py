@@ -41,7 +41,8 @@ def one_step_off_loop(args, run):
             future = run.start_generate(rollout_id + 1) if has_next else None
 
         update_metrics = None
-        if (rollout_id + 1) % args.update_weights_interval == 0:
+        # an eval measures the weights trained so far: it gets a push between --update-weights-interval's too
+        if (rollout_id + 1) % args.update_weights_interval == 0 or run.eval_due(rollout_id):
             if future is not None:  # never change weights mid-generation: the in-flight rollout finishes first
                 ready, future = run.get(future), None
             update_metrics = run.push_weights()

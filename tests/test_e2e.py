@@ -245,14 +245,16 @@ def test_train_async_is_one_step_off_policy_and_resumes_the_rollout_in_flight_at
 def test_train_async_pushes_the_weights_every_update_weights_interval(ray_session, tiny_kit, tmp_path):
     """--update-weights-interval 2: a push after every second rollout (and never mid-generation), so rollouts 0-2 are
     generated with the initial weights (rollout 2 starts while rollout 1 trains) and rollout 3 with those of the push
-    after rollout 1."""
+    after rollout 1; the eval after rollout 2 gets a push of its own, so it measures the weights trained so far."""
+    eval_args = ["--eval-interval", "3", "--skip-eval-before-train", "--eval-prompt-data", "addition"]
     async_driver.train(
-        make_args(tiny_kit, tmp_path, "--rollout-num-gpus", "1", "--update-weights-interval", "2", num_rollout=4,
-                  asynchronous=True)
+        make_args(tiny_kit, tmp_path, "--rollout-num-gpus", "1", "--update-weights-interval", "2", *eval_args,
+                  f"{tiny_kit[1]}/eval.jsonl", num_rollout=4, asynchronous=True)
     )  # fmt: skip
     rows = read_metrics(tmp_path)
     assert [int(r["rollout/weight_version"]) for r in rows] == [1, 1, 1, 2]
-    assert [r.get("update_weights/weight_version") for r in rows] == [None, 2, None, 3]
+    assert [r.get("update_weights/weight_version") for r in rows] == [None, 2, 3, 4]
+    assert ["eval/addition" in r for r in rows] == [False, False, True, False]
 
 
 @pytest.mark.slow

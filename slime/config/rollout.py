@@ -131,7 +131,8 @@ def add_rollout_arguments(parser):
         "--update-weights-interval",
         type=int,
         default=1,
-        help="Rollouts between weight updates (train_async.py; refused by train.py, which pushes after every rollout).",
+        help="Rollouts between weight updates, and a push before each eval (train_async.py; refused by train.py, "
+        "which pushes after every rollout).",
     )
     g.add_argument(
         "--max-staleness",
