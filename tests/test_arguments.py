@@ -771,6 +771,8 @@ def test_fully_async_flags(capsys):
     assert parse().max_staleness == 1
     assert parse(*fully_async, "--max-policy-version-lag", "0").max_staleness == 0
     assert "--max-staleness -1: must be" in parse_error(capsys, "--max-staleness", "-1")
+    err = parse_error(capsys, "--max-staleness", "2", asynchronous=True)  # one step off: the flag would do nothing
+    assert "--max-staleness 2: only the fully async rollout" in err and len(err.strip().splitlines()) == 1
     err = parse_error(capsys, *fully_async, "--update-weights-interval", "2", asynchronous=True)
     assert "--update-weights-interval 2" in err and "--max-staleness" in err
 

@@ -142,7 +142,7 @@ def add_rollout_arguments(parser):
         default=1,
         help="Fully async rollout: no sample trained at policy version v was started before version v-K. "
         "Enforced by pacing the admission of new prompt groups (finished work is never discarded); "
-        "0 = on-policy.",
+        "0 = on-policy. Refused with any other rollout.",
     )
     g.add_argument(
         "--no-check-weight-versions",
@@ -443,6 +443,12 @@ def check_algorithm_and_rollout(args, error):
                 "fully async rollout: --over-sampling-batch-size and --partial-rollout are not used; "
                 "admission is paced by --max-staleness and interrupted samples always resume"
             )
+    elif args.max_staleness != 1:  # read by the fully async rollout and loop only
+        error(
+            f"--max-staleness {args.max_staleness}: only the fully async rollout (--rollout-function-path "
+            f"{FULLY_ASYNC_ROLLOUT_FUNCTION}) reads it; train.py trains on-policy, train_async.py's default loop one "
+            "step off."
+        )
 
 
 def check_update_weights_interval(args, error, asynchronous):
