@@ -5,6 +5,7 @@ import logging
 import os
 
 from slime.config.base import Group, reset_arg
+from slime.utils.data import DEFAULT_TOOL_KEY
 from slime.utils.eval_config import from_prompt_data, load_eval_config
 
 logger = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ def add_data_arguments(parser):
     g.add_argument(
         "--tool-key",
         type=str,
-        default="tools",
+        default=DEFAULT_TOOL_KEY,
         help="Column with each row's tool list (or its JSON) for the chat template, also given to plugins (and the "
         "SFT loss mask) as metadata['tools']. The default column is used where the data has it; another must exist.",
     )
