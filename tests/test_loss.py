@@ -442,7 +442,7 @@ def plus_kl_advantages(args, rollout_data):
 
 
 def test_tis_function_by_path_icepop_and_rejection():
-    batch, logits, _ = _one_sample_batch([1.0, 1.0, 1.0], [1.0, 1.0, 1.0])
+    batch, logits, new = _one_sample_batch([1.0, 1.0, 1.0], [1.0, 1.0, 1.0])
     batch["rollout_log_probs"] = [batch["log_probs"][0] - torch.log(torch.tensor([3.0, 1.0, 0.05]))]
     icepop = _args(
         use_tis=True,
@@ -464,6 +464,18 @@ def test_tis_function_by_path_icepop_and_rejection():
         assert m["pg_loss"].item() == pytest.approx(-2 / 3, abs=1e-5), tis
         assert m["rejected"].item() == pytest.approx(1 / 3)  # reduced with the pre-rejection reducer
         assert batch["loss_masks"][0].tolist() == [1, 1, 1]  # the batch's own masks are not changed
+
+    # the rejected token leaves the entropy and KL terms too (and their metrics), over the same 3-token denominator
+    logp = torch.log_softmax(logits[0, 1:4].detach(), -1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    batch["ref_log_probs"] = [batch["log_probs"][0] - torch.tensor([0.5, 0.25, 0.125])]  # k1 KL = new - ref
+    kl = new - batch["ref_log_probs"][0]
+    args = _args(use_tis=True, custom_tis_function_path=f"{HERE}.reject_middle_tis", entropy_coef=0.1)
+    args.use_kl_loss, args.kl_loss_coef = True, 1.0
+    loss, m = policy_loss_function(args, batch, logits, _reducer(batch))
+    assert m["entropy_loss"].item() == pytest.approx((entropy[0] + entropy[2]).item() / 3, abs=1e-5)
+    assert m["kl_loss"].item() == pytest.approx((kl[0] + kl[2]).item() / 3, abs=1e-5)
+    assert loss.item() == pytest.approx(-2 / 3 - 0.1 * m["entropy_loss"].item() + m["kl_loss"].item(), abs=1e-5)
 
 
 def test_pg_loss_reducer_by_path_applies_to_pg_loss_only():

@@ -291,6 +291,17 @@ def test_dapo_minerva_scoring():
     assert dapo.compute_score("." * 400 + "\nAnswer: 5", "5")["acc"]
 
 
+@pytest.mark.parametrize("label", ["5", "5.0", "05", "5e0", 5, 5.0])
+def test_dapo_labels_are_whole_numbers(label):
+    assert dapo.compute_score("Answer: 5", label)["acc"]
+
+
+def test_dapo_non_integer_labels_are_compared_as_written():
+    assert dapo.compute_score("Answer: 42.5", "42.5")["acc"]
+    assert not dapo.compute_score("Answer: 42", "42.5")["acc"]  # not truncated to 42
+    assert dapo.compute_score("Answer: \\frac{1}{2}", "\\frac{1}{2}")["acc"]
+
+
 def test_dapo_strict_box():
     assert dapo.compute_score("work... \\boxed{42}", "42", strict_box_verify=True) == {
         "score": 1.0,

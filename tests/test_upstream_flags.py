@@ -216,12 +216,19 @@ def test_log_reward_category_fractions():
     [
         ("<think>maybe A</think>The answer is C.", "C", {}, 1.0),  # reasoning before </think> is ignored
         ("The answer is (B)", "C", {}, 0.0),
+        ("The answer is (B)", "B", {}, 1.0),  # not the I of "is"
+        ("Based on the above, clearly (B)", "B", {}, 1.0),  # nor the B, E or C inside words
         ("I pick D", 3, {"choices": ["w", "x", "y", "z"]}, 1.0),  # an option index as label: 3 -> D
         ("A is correct", "Paris", {"choices": ["Paris", "Rome"]}, 1.0),  # the label is an option's text
         ("Rome, of course", "Paris", {"choices": ["Paris", "Rome"]}, 0.0),
         ("It must be paris.", "Paris", {}, 1.0),  # no letter anywhere: the answer text decides
         ("final: B", "x", {"correct_letter": "b"}, 1.0),
         ("", "A", {}, 0.0),
+        # options in another script: the text of a wrong one is not the right one, the right one is
+        ("我认为答案是广州", 1, {"choices": ["北京", "上海", "广州", "深圳"]}, 0.0),
+        ("我认为答案是上海", 1, {"choices": ["北京", "上海", "广州", "深圳"]}, 1.0),
+        ("surely infinite", "∞", {"choices": ["∞", "—"]}, 0.0),  # an answer of symbols only matches nothing
+        ("no letter in here", "x", {"choices": ["p", "q"], "correct_letter": "E"}, 0.0),  # not an option: no crash
     ],
 )
 def test_gpqa_reward(response, label, metadata, reward):

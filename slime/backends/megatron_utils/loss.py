@@ -156,6 +156,7 @@ def policy_loss_function(args, batch, logits, sum_of_sample_mean):
         metrics["opsm_clipfrac"] = sum_of_sample_mean(1 - opsm_mask.to(pg_loss.device))
     rollout_log_probs = batch.get("rollout_log_probs")
     pg_loss_masks = batch["loss_masks"]
+    reduce = sum_of_sample_mean  # the loss terms' reducer: without the tokens a TIS function rejects, if any
     if args.use_tis:
         rollout_lp = require_key(batch, "rollout_log_probs", "--use-tis needs (the rollout must return log-probs)")
         if args.custom_tis_function_path:
@@ -172,8 +173,14 @@ def policy_loss_function(args, batch, logits, sum_of_sample_mean):
             response_lengths=response_lengths,
         )
         if any(not torch.equal(a, b) for a, b in zip(pg_loss_masks, batch["loss_masks"])):
-            # rejected tokens leave the numerator; each sample's denominator stays its original mask sum
-            pg_loss = pg_loss * torch.cat(pg_loss_masks).to(pg_loss.dtype)
+            # rejected tokens leave every loss term's numerator (policy, entropy, KL, as current slime does); each
+            # sample's denominator stays its original mask sum
+            kept = torch.cat(pg_loss_masks).to(pg_loss.device, pg_loss.dtype)
+            pg_loss = pg_loss * kept
+
+            def reduce(x):
+                return sum_of_sample_mean(x * kept)
+
         metrics.update({k: sum_of_sample_mean(v) for k, v in tis_metrics.items()})
         metrics["ois"] = sum_of_sample_mean(torch.exp(-ppo_kl.detach()))
 
@@ -187,7 +194,7 @@ def policy_loss_function(args, batch, logits, sum_of_sample_mean):
             call_user_function, f"raised by the reducer {flag} {path} returned", reducer
         )
     pg_loss = pg_loss_reducer(pg_loss)
-    entropy_loss = sum_of_sample_mean(torch.cat(out["entropy"]) if out["entropy"] else log_probs)
+    entropy_loss = reduce(torch.cat(out["entropy"]) if out["entropy"] else log_probs)
     loss = pg_loss - args.entropy_coef * entropy_loss
 
     if args.use_kl_loss:
@@ -196,7 +203,7 @@ def policy_loss_function(args, batch, logits, sum_of_sample_mean):
         if args.use_unbiased_kl:
             old = torch.cat(old_log_probs) if old_log_probs else log_probs.detach()
             importance_ratio = torch.exp(log_probs - old)
-        kl_loss = sum_of_sample_mean(
+        kl_loss = reduce(
             compute_approx_kl(log_probs, ref_log_probs, args.kl_loss_type, importance_ratio=importance_ratio)
         )
         loss = loss + args.kl_loss_coef * kl_loss
@@ -220,8 +227,8 @@ def policy_loss_function(args, batch, logits, sum_of_sample_mean):
         "loss": loss,
         "pg_loss": pg_loss,
         "entropy_loss": entropy_loss,
-        "pg_clipfrac": sum_of_sample_mean(pg_clipfrac),
-        "ppo_kl": sum_of_sample_mean(ppo_kl),
+        "pg_clipfrac": reduce(pg_clipfrac),
+        "ppo_kl": reduce(ppo_kl),
         **metrics,
     }
     return loss, {k: v.detach().clone() for k, v in reported.items()}

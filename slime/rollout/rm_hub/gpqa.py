@@ -20,7 +20,8 @@ def _final_part(text):
 
 
 def _norm(text):
-    return re.sub(r"[^a-z0-9]+", " ", str(text).lower()).strip()
+    # letters and digits of any script ("上海", "α" keep theirs); punctuation and symbols are separators
+    return re.sub(r"[\W_]+", " ", str(text).lower()).strip()
 
 
 def _picked_letter(response, letters):
@@ -55,13 +56,15 @@ def compute_gpqa_reward(response, label, metadata=None):
         elif isinstance(label, (int, float)) and not isinstance(label, bool) and 0 <= int(label) < len(letters):
             correct = letters[int(label)]
         elif label_text:
-            correct = next((letters[i] for i, c in enumerate(choices) if _norm(c) == _norm(label_text)), None)
+            label_norm = _norm(label_text)
+            correct = next((letters[i] for i, c in enumerate(choices) if label_norm and _norm(c) == label_norm), None)
 
     picked = _picked_letter(response, set(letters))
     if picked and correct:
         return 1.0 if picked == correct else 0.0
     targets = [metadata.get("correct_answer"), metadata.get("answer_text"), label_text]
-    if correct and letters.index(correct) < len(choices):
+    if correct in letters and letters.index(correct) < len(choices):
         targets.append(choices[letters.index(correct)])
     answer = _norm(_final_part(response))
-    return 1.0 if any(t and _norm(t) in answer for t in targets) else 0.0
+    targets = [_norm(t) for t in targets if t]
+    return 1.0 if any(t and t in answer for t in targets) else 0.0  # a target of symbols only matches nothing

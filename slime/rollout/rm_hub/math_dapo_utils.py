@@ -4,6 +4,7 @@
 """
 
 import re
+from decimal import Decimal, InvalidOperation
 from typing import Optional
 
 
@@ -94,7 +95,17 @@ def is_correct_minerva(
         gt = normalize_final_answer(remove_boxed(last_boxed_only_string(gt)))
     else:
         gt = normalize_final_answer(gt)
-    return pred == gt, pred
+    return pred == _whole_number(gt), pred
+
+
+def _whole_number(gt: str) -> str:
+    """DAPO's answers are integers: a label written "5.0", "07" or "1e3" is compared as "5", "7", "1000" (as current
+    slime does); any other label, as written (where current slime stops, or truncates "42.5" to 42)."""
+    try:
+        d = Decimal(gt)
+    except InvalidOperation:
+        return gt
+    return str(int(d)) if d.is_finite() and d.adjusted() < 100 and d == d.to_integral_value() else gt
 
 
 def is_correct_strict_box(pred: str, gt, pause_tokens_index: Optional[list[int]] = None) -> tuple[int, Optional[str]]:
