@@ -271,6 +271,16 @@ def test_mis_mask_mode_drops_tokens_from_the_loss_numerator_only(tmp_path):
     assert m["mis_tis_mask_fraction_low"].item() == pytest.approx(1 / 3)
 
 
+def test_mis_mask_mode_batch_normalises_over_the_rejected_tokens_too(tmp_path):
+    args = _mis_args(tmp_path, tis_mode="mask", tis_lower_bound=0.6, tis_upper_bound=2.0, tis_batch_normalize=True)
+    train, rollout, masks = _two_samples()
+    pg, out_masks, _ = _mis(args, train[:1], rollout[:1], masks[:1])
+    # rho [3, 1, 0.5]: the band [0.6, 2] keeps the middle token; as current slime, the batch mean counts every
+    # loss-masked token's weight, rejected ones included: (3 + 1 + 0.5) / 3 = 1.5
+    assert out_masks[0].tolist() == [0, 1, 0]
+    assert pg[1].item() == pytest.approx(1 / 1.5, rel=1e-6)
+
+
 def test_mis_rejects_an_unknown_level(tmp_path):
     args = _mis_args(tmp_path, tis_level="tokens")
     with pytest.raises(ValueError, match="tis_level is 'tokens'"):

@@ -129,9 +129,7 @@ def compute_mis_weights(args, *, train_log_probs, rollout_log_probs, loss_masks)
         else:  # mask
             add("tis_mask_fraction_low", (w < low).float())
             add("tis_mask_fraction_high", (w > high).float())
-            inside = ((w >= low) & (w <= high)).float()
-            kept = kept * inside
-            w = w * inside
+            kept = kept * ((w >= low) & (w <= high)).float()  # out of band: rejected by the mask, weight kept
         if k["use_rs"]:
             rs_w = torch.exp(_level_log_ratio(log_ratio, m, k["rs_level"]).clamp(-LOG_BOUND, LOG_BOUND))
             rs_low, rs_high = k["rs_lower_bound"], k["rs_upper_bound"]
