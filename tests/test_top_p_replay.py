@@ -234,6 +234,27 @@ def test_log_probs_are_renormalised_over_each_steps_kept_set(temperatures):
     assert set(torch.nonzero(grad).squeeze(1).tolist()) <= {5, 0, 9}
 
 
+def test_a_token_its_kept_set_lacks_is_scored_over_the_set_and_itself():
+    """As current slime: the sampled token always stays in its step's support, so a set that lacks it (a token the
+    engine did not sample) gives a finite log-prob, not -1e30 (whose ratio would make the loss NaN)."""
+    tokens, logits, _, _, _ = _batch()
+    ids, offsets = torch.tensor([0, 9, 6, 3, 7]), torch.tensor([0, 2, 3, 5])  # step 0's set [0, 9] lacks token 5
+    out = get_log_probs_and_entropy(
+        logits,
+        args=make_args("--rollout-top-p", "0.9", "--rollout-top-k", "20"),
+        unconcat_tokens=[tokens],
+        total_lengths=[5],
+        response_lengths=[3],
+        top_p_token_ids=[ids],
+        top_p_token_offsets=[offsets],
+    )
+    expected = []
+    for r, support in enumerate([[0, 9, 5], [6, 7], [3, 7]]):
+        row = logits[0, 1 + r].detach()
+        expected.append(float(row[int(tokens[2 + r])] - torch.logsumexp(row[support], 0)))
+    assert out["log_probs"][0].tolist() == pytest.approx(expected, abs=1e-5)
+
+
 def test_policy_loss_scores_over_the_kept_sets_and_needs_them():
     tokens, logits, kept, ids, offsets = _batch(1)
     args = make_args("--rollout-top-p", "0.9", "--rollout-top-k", "20", "--get-mismatch-metrics")

@@ -98,10 +98,12 @@ def _response_positions(pieces, device):
     return torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long, device=device)
 
 
-def _restrict_to_kept_sets(logits, pieces, kept_ids, offsets):
+def _restrict_to_kept_sets(logits, pieces, kept_ids, offsets, tokens):
     """`logits` [n, V/tp] of one sample's response rows with every token outside that step's kept set masked out,
     so the (vocab-parallel) softmax renormalises over exactly the engine's sampling support. `pieces` map the rows
-    to response positions (`get_responses`); a step with an empty set keeps the whole vocabulary."""
+    to response positions (`get_responses`); a step with an empty set keeps the whole vocabulary. The row's own
+    token `tokens` [n] always stays in (as current slime): one its set lacks (a token the engine did not sample)
+    scores finitely, not at -1e30, whose ratio would make the loss NaN even under a loss mask of 0."""
     part = logits.size(-1)
     vocab_start = mpu.get_tensor_model_parallel_rank() * part
     device = logits.device
@@ -117,6 +119,9 @@ def _restrict_to_kept_sets(logits, pieces, kept_ids, offsets):
     here = (local >= 0) & (local < part)
     keep = torch.zeros(positions.numel(), part, dtype=torch.bool, device=device)
     keep[rows[here], local[here]] = True
+    target = tokens.to(device) - vocab_start
+    mine = (target >= 0) & (target < part)
+    keep[torch.arange(target.numel(), device=device)[mine], target[mine]] = True
     keep[lengths == 0] = True
     return logits.masked_fill(~keep, _MASKED_LOGIT)
 
@@ -184,7 +189,9 @@ def get_log_probs_and_entropy(
             t = temperatures[i].to(device=logits_chunk.device, dtype=logits_chunk.dtype)
             logits_chunk = logits_chunk / t[_response_positions(pieces, logits_chunk.device)].unsqueeze(-1)
         if top_p_token_offsets is not None:
-            logits_chunk = _restrict_to_kept_sets(logits_chunk, pieces, top_p_token_ids[i], top_p_token_offsets[i])
+            logits_chunk = _restrict_to_kept_sets(
+                logits_chunk, pieces, top_p_token_ids[i], top_p_token_offsets[i], tokens_chunk
+            )
         if batch and rows + tokens_chunk.numel() > budget:
             score()
             rows = 0
