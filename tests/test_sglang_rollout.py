@@ -5,6 +5,7 @@ abort + partial rollout resumed in the next rollout, eval, and the RolloutContro
 import copy
 import json
 import os
+import uuid
 from collections import Counter
 
 import pytest
@@ -52,6 +53,7 @@ async def parity_rm(args, sample, **kwargs):
 async def group_rank_rm(args, samples, **kwargs):
     """Group RM: called once per group with the whole list."""
     RECORD.setdefault("group_rm_sizes", []).append(len(samples))
+    RECORD.setdefault("group_rm_masks", []).append([s.loss_mask for s in samples])
     return [float(i) for i in range(len(samples))]
 
 
@@ -512,6 +514,13 @@ def test_group_rm(engine, tiny_kit, prompts):
     groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
     assert [[s.reward for s in g] for g in groups] == [[0.0, 1.0, 2.0]] * 2
     assert RECORD["group_rm_sizes"] == [3, 3]  # one call per group, never per sample
+    # as current slime's Sample: each its own session (the routing key under consistent hashing), and a loss mask
+    # over its response from generation on, which the reward function, hooks and filters see
+    samples = [s for g in groups for s in g]
+    assert len({str(uuid.UUID(s.session_id)) for s in samples}) == 6
+    assert RECORD["group_rm_masks"] == [[[1] * s.response_length for s in g] for g in groups]
+    hashing = make_args(engine, tiny_kit, prompts, router_policy="consistent_hashing")
+    assert sglang_rollout.routing_headers(hashing, samples[0]) == {"X-SMG-Routing-Key": samples[0].session_id}
 
 
 def test_dynamic_filter_accounting(engine, tiny_kit, prompts):
@@ -754,7 +763,7 @@ def test_an_aborted_batch_group_keeps_each_samples_tokens_and_resumes_one_reques
 @pytest.mark.parametrize("mask", [True, False])
 def test_mask_offpolicy_in_partial_rollout_masks_what_a_resumed_sample_brought(engine, tiny_kit, prompts, mask):
     """A sample cut after 3 tokens resumes to 8 through the real engine: with the flag its loss mask is 3 zeros (older
-    weights' tokens) then 5 ones; without it, no mask (every token trains). A finished sample returned to the buffer
+    weights' tokens) then 5 ones; without it, 8 ones (every token trains). A finished sample returned to the buffer
     with its group is all zeros."""
     from slime.ray.buffer import convert_samples_to_train_data
 
@@ -766,12 +775,12 @@ def test_mask_offpolicy_in_partial_rollout_masks_what_a_resumed_sample_brought(e
     )
     first = Sample(index=0, prompt=prompt, label="3")
     run(sglang_rollout.generate_and_rm(args, first, dict(params, max_new_tokens=3)))
-    assert first.response_length == 3 and first.loss_mask is None
+    assert first.response_length == 3 and first.loss_mask == [1, 1, 1]  # a list from generation on, as upstream
     first.status, first.reward = Sample.Status.ABORTED, None  # as an abort leaves it in the buffer
 
     resumed = run(sglang_rollout.generate_and_rm(args, first, dict(params)))
     assert resumed.response_length == 8 and len(resumed.rollout_log_probs) == 8
-    assert resumed.loss_mask == ([0, 0, 0, 1, 1, 1, 1, 1] if mask else None)
+    assert resumed.loss_mask == ([0, 0, 0, 1, 1, 1, 1, 1] if mask else [1] * 8)
 
     done = Sample(index=1, prompt=prompt, label="3", tokens=list(resumed.tokens), response_length=8, reward=1.0)
     done.status = Sample.Status.COMPLETED

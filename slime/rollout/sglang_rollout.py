@@ -9,6 +9,7 @@ import contextlib
 import copy
 import functools
 import logging
+import uuid
 from collections import Counter
 
 from tqdm import tqdm
@@ -343,9 +344,11 @@ def _take_output(args, sample, output, url, payload, sampling_params, replay, ro
         sample.rollout_routed_experts = decode_routed_experts(
             meta_info, len(sample.tokens), args.num_layers, args.moe_router_topk, where
         )
+    # generated tokens train: the mask covers the response from here on (as current slime's Sample does), so hooks,
+    # reward functions, filters and converters see a list; a resumed sample's masked earlier tokens stay masked
+    mask = [1] * sample.response_length if sample.loss_mask is None else sample.loss_mask
+    sample.loss_mask = mask + [1] * len(new_tokens)
     sample.response_length += len(new_tokens)
-    if sample.loss_mask is not None:  # e.g. a resumed sample's masked earlier tokens: the new ones train
-        sample.loss_mask = sample.loss_mask + [1] * len(new_tokens)
     sample.response += output.get("text", "")
     if sample.rollout_log_probs is None:
         sample.rollout_log_probs = []
@@ -455,6 +458,9 @@ async def generate_and_rm_group(args, group: list[Sample], sampling_params: dict
     state = GenerateState(args)
     if state.aborted:
         return group
+    for sample in group:  # each sample its own session (as current slime): its turns' routing key
+        if sample.session_id is None:
+            sample.session_id = str(uuid.uuid4())
 
     if _one_request(args, group, evaluation):
         results = await generate_and_rm_one_request(args, group, sampling_params, evaluation=evaluation)
