@@ -86,6 +86,9 @@ def test_call_dynamic_filter_and_metric_gatherer():
     out = check_reward_nonzero_std(args, same)
     assert (bool(out), out.reason, out.keep_when_insufficient) == (False, "zero_std_1.0", False)
     assert check_reward_nonzero_std_with_fallback(args, same).keep_when_insufficient is True
+    # current slime's metric names: an int reward's group is zero_std_1, a float's rounded as Python rounds (0.25: zero_std_0.2)
+    assert check_reward_nonzero_std(args, [Sample(reward=1), Sample(reward=1)]).reason == "zero_std_1"
+    assert check_reward_nonzero_std(args, [Sample(reward=0.25), Sample(reward=0.25)]).reason == "zero_std_0.2"
     assert check_reward_nonzero_std(args, [Sample(reward=0.0), Sample(reward=1.0)]).reason is None
     gatherer = MetricGatherer()
     for reason in ("zero_std_1.0", "zero_std_1.0", None, "zero_std_0.0"):

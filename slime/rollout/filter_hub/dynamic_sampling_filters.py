@@ -15,12 +15,14 @@ def check_reward_nonzero_std(args, samples: list[Sample], **kwargs) -> DynamicFi
     """Keep a group only if its rewards (`--reward-key` aware) differ; an all-equal group has zero GRPO advantage.
 
     A one-sample group has an undefined std and is dropped. A dropped group's reason is `zero_std_<reward>`
-    (its common reward, rounded to 0.1).
+    (its common reward, rounded to 0.1, written as current slime writes it: `zero_std_1` for an int reward 1,
+    `zero_std_1.0` for a float one).
     """
     rewards = [sample.get_reward_value(args) for sample in samples]
     values = torch.tensor(rewards, dtype=torch.float64)
     keep = bool(values.std() > _STD_EPS) if values.numel() > 1 else False
-    return DynamicFilterOutput(keep=keep, reason=None if keep else f"zero_std_{round(float(rewards[0]), 1)}")
+    first = rewards[0] if isinstance(rewards[0], (int, float)) else float(rewards[0])  # a tensor or numpy scalar
+    return DynamicFilterOutput(keep=keep, reason=None if keep else f"zero_std_{round(first, 1)}")
 
 
 def check_reward_nonzero_std_with_fallback(args, samples: list[Sample], **kwargs) -> DynamicFilterOutput:
