@@ -236,6 +236,12 @@ def test_convert_optional_fields():
     ]
     data = convert_samples_to_train_data(args, samples)
     assert data["raw_reward"] == [0, 1]  # raw reward kept by the rollout (e.g. an external buffer) wins
+    # a batch of mixed sources carries it on some samples only: the others keep their own reward, whichever comes first
+    for first in (0, 1):
+        samples[first].metadata.pop("raw_reward")
+        expected = [0.5, 1] if first == 0 else [0, 0.5]
+        assert convert_samples_to_train_data(args, samples)["raw_reward"] == expected
+        samples[first].metadata["raw_reward"] = first
     assert data["round_number"] == [3, 4]
     assert data["rollout_log_probs"][1].dtype == np.float32
     assert data["rollout_log_probs"][1].tolist() == pytest.approx([-0.1, -0.2])

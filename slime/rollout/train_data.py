@@ -218,9 +218,10 @@ def convert_samples_to_train_data(
     if any(s.multimodal_train_inputs for s in samples):  # contiguous CPU tensors: one Ray object, any device later
         train_data["multimodal_train_inputs"] = [_cpu_tensors(s.multimodal_train_inputs) for s in samples]
 
-    # Rewards rewritten by the rollout (e.g. an external buffer) keep the grader's raw value for logging.
-    if "raw_reward" in samples[0].metadata:
-        train_data["raw_reward"] = [s.metadata["raw_reward"] for s in samples]
+    # Rewards rewritten by the rollout (e.g. an external buffer) keep the grader's raw value for logging; a batch of
+    # mixed sources may carry it on some samples only (as current slime: the others keep their own)
+    if any("raw_reward" in (s.metadata or {}) for s in samples):
+        train_data["raw_reward"] = [(s.metadata or {}).get("raw_reward", r) for s, r in zip(samples, raw_rewards)]
     if "round_number" in samples[0].metadata:
         train_data["round_number"] = [s.metadata["round_number"] for s in samples]
     if samples[0].train_metadata is not None:
