@@ -95,6 +95,24 @@ def test_mapping_form_json_and_prompt_data_pairs(tmp_path):
     assert all(d.custom_rm_path == "slime.rollout.rm_hub.async_rm" for d in args.eval_datasets)
     # without a file, --eval-prompt-data resolves the same way: the default eval reads args.eval_datasets
     (d,) = parse("--eval-prompt-data", "toy", TINY_PROMPTS, "--eval-top-k", "3").eval_datasets
+    assert d.apply_chat_template_kwargs == {}  # --apply-chat-template-kwargs, unset
+    # a dataset's chat-template arguments: its own, else the defaults', else --apply-chat-template-kwargs (whole)
+    config = write(
+        tmp_path,
+        {
+            "defaults": {"apply_chat_template_kwargs": {"enable_thinking": True}},
+            "datasets": {
+                "a": {"path": TINY_PROMPTS, "apply_chat_template_kwargs": {"x": 1}},
+                "b": {"path": TINY_PROMPTS},
+            },
+        },
+        name="kwargs.json",
+    )
+    a, b = parse("--eval-config", config, "--apply-chat-template-kwargs", '{"y": 2}').eval_datasets
+    assert (a.apply_chat_template_kwargs, b.apply_chat_template_kwargs) == ({"x": 1}, {"enable_thinking": True})
+    assert a.cache_key != b.cache_key  # loaded apart
+    (c,) = parse("--eval-prompt-data", "c", TINY_PROMPTS, "--apply-chat-template-kwargs", '{"y": 2}').eval_datasets
+    assert c.apply_chat_template_kwargs == {"y": 2}
     assert (d.name, d.path, d.top_k, d.temperature, d.max_response_len) == ("toy", TINY_PROMPTS, 3, 0.3, 64)
 
 
@@ -107,6 +125,10 @@ def test_mapping_form_json_and_prompt_data_pairs(tmp_path):
         ("datasets: {a: {}}", "datasets.a: no `path` (the prompt file)"),
         ("datasets: {a: {path: P, temprature: 0}}", "datasets.a: unknown key 'temprature'; known keys: apply_chat"),
         ("datasets: {a: {path: P, temperature: hot}}", "datasets.a.temperature: expected a number, got 'hot'"),
+        (
+            "datasets: {a: {path: P, apply_chat_template_kwargs: off}}",
+            "apply_chat_template_kwargs: expected a mapping",
+        ),
         ("datasets: {a: {path: P, top_p: 0}}", "datasets.a.top_p: 0 must be in (0, 1]"),
         (
             "datasets: {a: {path: P, n_samples_per_eval_prompt: true}}",

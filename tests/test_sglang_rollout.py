@@ -826,6 +826,17 @@ async def recording_generate(args, sample, sampling_params):
 
 
 def test_eval_config_datasets_get_their_own_params_reward_and_generate(engine, tiny_kit, prompts, tmp_path):
+    # the tiny kit's tokenizer with a Qwen3-like template that reads enable_thinking (the engine serves the same vocab)
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in os.listdir(tiny_kit[0]):
+        if f != "chat_template.jinja":
+            os.symlink(os.path.join(tiny_kit[0], f), model / f)
+    (model / "chat_template.jinja").write_text(
+        "{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+        "{%- endfor %}{{ '<|im_start|>assistant\\n' }}"
+        "{%- if enable_thinking is defined and not enable_thinking %}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    )
     config = tmp_path / "eval.yaml"
     config.write_text(
         f"""
@@ -844,9 +855,11 @@ eval:
       rm_type: answer_match
       metadata_overrides: {{tag: t1}}
       custom_generate_function_path: {HERE}.recording_generate
+      apply_chat_template_kwargs: {{enable_thinking: false}}
 """
     )
     args = make_args(engine, tiny_kit, prompts, "--eval-config", str(config), rm_type=None, eval_prompt_data=None)
+    args.hf_checkpoint = str(model)
     data = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args), evaluation=True)
     short, tagged = data["short"], data["tagged"]
     # 3 prompts x 2 greedy samples of at most 2 tokens, rewarded by their length (the dataset's custom RM)
@@ -861,6 +874,9 @@ eval:
     assert all(m["rm_type"] == "answer_match" and m["tag"] == "t1" for _, m in calls)
     assert all(s.response_length == 5 for s in tagged["samples"])
     assert all(r in (0, 1) for r in tagged["rewards"]) and tagged["truncated"] == [True] * 3
+    # the dataset's own chat-template arguments (as current slime's eval config), the other's the command line's
+    assert all(s.prompt.endswith("assistant\n<think>\n\n</think>\n\n") for s in tagged["samples"])
+    assert all(s.prompt.endswith("assistant\n") for s in short["samples"])
 
 
 def test_default_generate_rejects_message_prompts(engine, tiny_kit, prompts):

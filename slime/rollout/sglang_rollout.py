@@ -638,7 +638,7 @@ async def eval_rollout_single_dataset(args, rollout_id, dataset_cfg: EvalDataset
             metadata_key=dataset_cfg.metadata_key,
             tool_key=dataset_cfg.tool_key,
             apply_chat_template=dataset_cfg.apply_chat_template,
-            apply_chat_template_kwargs=args.apply_chat_template_kwargs,
+            apply_chat_template_kwargs=dataset_cfg.apply_chat_template_kwargs,
             **multimodal_dataset_kwargs(args, dataset_cfg.multimodal_keys),
         )
     dataset = EVAL_PROMPT_DATASET[dataset_cfg.cache_key]

@@ -31,6 +31,7 @@ ARG_CHAINS = {
     "tool_key": ("eval_tool_key", "tool_key"),
     "metadata_key": ("metadata_key",),
     "apply_chat_template": ("apply_chat_template",),
+    "apply_chat_template_kwargs": ("apply_chat_template_kwargs",),
     "custom_rm_path": ("eval_custom_rm_path", "custom_rm_path"),
     "multimodal_keys": ("multimodal_keys",),
 }
@@ -51,6 +52,7 @@ class EvalDatasetConfig:
     tool_key: str | None = None
     metadata_key: str | None = None
     apply_chat_template: bool | None = None
+    apply_chat_template_kwargs: dict | None = None  # the chat template's extra arguments, e.g. enable_thinking
     n_samples_per_eval_prompt: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -77,6 +79,7 @@ class EvalDatasetConfig:
             self.tool_key,
             self.metadata_key,
             self.apply_chat_template,
+            json.dumps(self.apply_chat_template_kwargs or {}, sort_keys=True),
             media,
         )
 
@@ -132,6 +135,7 @@ _TYPES = {
     "stop": ((list, str), "a string or a list of strings"),
     "stop_token_ids": ((list,), "a list of token ids"),
     "metadata_overrides": ((dict,), "a mapping"),
+    "apply_chat_template_kwargs": ((dict,), "a mapping, e.g. {enable_thinking: false}"),
     "multimodal_keys": ((dict, str), 'a mapping of media type to column, e.g. {"image": "images"}'),
 }
 # value bounds, as the command-line flags they stand for

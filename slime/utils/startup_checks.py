@@ -313,6 +313,7 @@ class _PromptFile:
     max_response_len: int
     budget: str  # the flag or key of max_response_len
     multimodal_keys: dict | str | None = None  # None: --multimodal-keys
+    apply_chat_template_kwargs: dict | None = None  # None: --apply-chat-template-kwargs
 
 
 def _prompt_files(args):
@@ -348,6 +349,7 @@ def _prompt_files(args):
                 if args.eval_config
                 else ("--eval-max-response-len" if args.eval_max_response_len else "--rollout-max-response-len"),
                 d.multimodal_keys,
+                d.apply_chat_template_kwargs,
             )
         )
     return files
@@ -398,7 +400,11 @@ def check_prompt_data(args, error):
                 tool_key=file.tool_key,
                 metadata_key=file.metadata_key,
                 apply_chat_template=file.apply_chat_template and tokenizer is not None,
-                apply_chat_template_kwargs=args.apply_chat_template_kwargs,
+                apply_chat_template_kwargs=(
+                    args.apply_chat_template_kwargs
+                    if file.apply_chat_template_kwargs is None
+                    else file.apply_chat_template_kwargs
+                ),
                 **multimodal_dataset_kwargs(args, file.multimodal_keys),
             )
         except Exception as e:  # noqa: BLE001  (datasets / tokenizers raise many types; each names the file or row)
