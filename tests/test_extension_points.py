@@ -304,6 +304,11 @@ async def plain_generate(args, sample, sampling_params):
     return sample
 
 
+async def forwarding_generate(args, sample, sampling_params, **kwargs):
+    """Forwards its keywords to a callee that takes none: as in current slime, `evaluation=` is not among them."""
+    return await plain_generate(args, sample, sampling_params, **kwargs)
+
+
 async def sample_rm(args, sample, **kwargs):
     return 5.0
 
@@ -336,9 +341,18 @@ def test_per_sample_generate_and_rm_paths_and_hooks(tiny_kit):
         )
         out = asyncio.run(generate_and_rm(args, own, {}, evaluation=True))
         flagged = asyncio.run(generate_and_rm(args, Sample(index=1, label="7"), {}, evaluation=False))
+        forwarding = Sample(index=2, label="7", generate_function_path=f"{HERE}.forwarding_generate")
+        asyncio.run(generate_and_rm(args, forwarding, {}, evaluation=True))
     finally:
         SingletonMeta.clear_instances(GenerateState)
-    assert CALLS == [("eval_aware", 0, True), ("hook", 0, None), ("plain", 1), ("hook", 1, None)]
+    assert CALLS == [
+        ("eval_aware", 0, True),
+        ("hook", 0, None),
+        ("plain", 1),
+        ("hook", 1, None),
+        ("plain", 2),
+        ("hook", 2, None),
+    ]
     assert out.reward == 5.0  # the sample's own RM wins over --rm-type
     assert flagged.reward == 1  # --rm-type answer_match: "7" answers label "7"
 

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import copy
 import functools
+import inspect
 import logging
 import uuid
 from collections import Counter
@@ -26,7 +27,7 @@ from slime.utils.data import Dataset
 from slime.utils.eval_config import EvalDatasetConfig, eval_datasets
 from slime.utils.http_utils import init_http_client, post
 from slime.utils.lora_utils import generate_fields
-from slime.utils.misc import SingletonMeta, accepted_kwargs, load_function
+from slime.utils.misc import SingletonMeta, load_function
 from slime.utils.processing_utils import multimodal_dataset_kwargs
 from slime.utils.routing_replay import decode_routed_experts
 from slime.utils.sampling_record import record_segment
@@ -376,9 +377,10 @@ async def generate_and_rm(args, sample: Sample, sampling_params: dict, evaluatio
         # a sample's own generate_function_path (e.g. from an eval dataset config) wins over the flag
         path = sample.generate_function_path or args.custom_generate_function_path
         generate_fn = load_function(path) if path else generate
-        sample = await generate_fn(
-            args, sample, sampling_params, **accepted_kwargs(generate_fn, evaluation=evaluation)
-        )
+        # as current slime: `evaluation=` only to a generate function that names it (a **kwargs one may forward
+        # its keywords to a callee that takes none)
+        named = "evaluation" in inspect.signature(generate_fn).parameters
+        sample = await generate_fn(args, sample, sampling_params, **({"evaluation": evaluation} if named else {}))
     return await _hooks_and_reward(args, sample, evaluation)
 
 
