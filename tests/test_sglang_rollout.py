@@ -543,6 +543,8 @@ def test_dynamic_filter_accounting(engine, tiny_kit, prompts):
 
     data, aborted = run(sglang_rollout.generate_rollout_async(args, 0, counting_source))
     assert len(data) == 3 and all(g[0].group_index % 2 == 0 for g in data)
+    # a list (slime v0.1.0) and current slime's RolloutFnTrainOutput: .samples, and .metrics with the drops
+    assert data.samples is data and data.metrics["rollout/dynamic_filter/drop"] >= 1
     assert [g[0].index for g in data] == sorted(g[0].index for g in data)
     assert aborted == []  # no partial rollout: aborted groups are dropped
     # remaining_batch_size is always "submitted minus dropped so far" and never lets the in-flight count fall short
@@ -807,6 +809,12 @@ def test_eval_rollout(engine, tiny_kit, prompts):
     )
     data = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args), evaluation=True)
     assert set(data) == {"toy", "toy_again"}
+    assert data.data is data  # also current slime's RolloutFnEvalOutput
+    # eval_rollout returns (results, []) as slime v0.1.0 and current slime do; again: the same greedy results
+    again, aborted = run(sglang_rollout.eval_rollout(args, 1))
+    assert aborted == [] and {k: v["rewards"] for k, v in again.data.items()} == {
+        k: v["rewards"] for k, v in data.items()
+    }
     for name in data:
         rewards, truncated = data[name]["rewards"], data[name]["truncated"]
         assert len(rewards) == len(truncated) == 6  # 3 prompts x 2 samples

@@ -19,3 +19,16 @@ class RolloutSamples(list):
     def samples(self):
         """The groups themselves, as `RolloutFnTrainOutput.samples` of current slime."""
         return self
+
+
+class EvalResults(dict):
+    """`{name: {"rewards", "truncated", "samples"}}`, the default eval's result, that is also current slime's
+    `RolloutFnEvalOutput` (`.data`, `.metrics`): callers written against either slime read it their way."""
+
+    def __init__(self, results=(), metrics=None):
+        super().__init__(results)
+        self.metrics = dict(metrics or {})
+
+    @property
+    def data(self):
+        return self

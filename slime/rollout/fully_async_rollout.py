@@ -310,6 +310,7 @@ def generate_rollout_fully_async(args, rollout_id, data_buffer, evaluation=False
             "--disable-rollout-global-dataset or set a custom --rollout-function-path"
         )
     if evaluation:
-        return run(eval_rollout(args, rollout_id))
+        results, _ = run(eval_rollout(args, rollout_id))
+        return results
     groups, metrics = run(_take_batch(args, rollout_id, data_buffer))
     return RolloutSamples(groups, metrics=metrics)

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from slime.backends.sglang_utils.router import ROUTING_KEY_HEADER, abort_all, list_workers, router_url
 from slime.backends.sglang_utils.sglang_config import get_model_url, policy_num_gpus
-from slime.rollout import RolloutSamples
+from slime.rollout import EvalResults, RolloutSamples
 from slime.rollout.base_types import accepts_data_buffer
 from slime.rollout.filter_hub.base_types import MetricGatherer, call_dynamic_filter, should_drop_dynamic_filter_output
 from slime.rollout.rm_hub import async_rm, batched_async_rm
@@ -515,11 +515,12 @@ def _data_order(group):
     return (1, -1 if first.group_index is None else first.group_index, -1 if first.index is None else first.index)
 
 
-async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[list[list[Sample]], list[list[Sample]]]:
+async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[RolloutSamples, list[list[Sample]]]:
     """Keep `rollout_batch_size` (or over-sampling) groups in flight until enough pass the dynamic filter.
 
-    `data_source` is a callable `n -> list[list[Sample]]`. Returns (groups sorted by index, aborted groups);
-    the metrics of this call (dynamic-filter drops) are left in `GenerateState(args).metrics`. With
+    `data_source` is a callable `n -> list[list[Sample]]`. Returns (groups sorted by index, aborted groups); the
+    groups are a `RolloutSamples` (a list with `.samples` and `.metrics`: the dynamic-filter drops of this call,
+    also left in `GenerateState(args).metrics`). With
     --partial-rollout the aborted groups (and finished surplus groups) carry `metadata["start_rollout_id"]`.
     Then `--rollout-sample-filter-path fn(args, groups)` sees the kept groups (it may set `remove_sample`) and
     `--rollout-all-samples-process-path fn(args, all_groups, data_source)` every group that finished.
@@ -619,7 +620,8 @@ async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[li
     if args.rollout_all_samples_process_path:
         all_groups = sorted(finished, key=lambda group: group[0].index)
         load_function(args.rollout_all_samples_process_path)(args, all_groups, data_source)
-    return data, aborted_samples
+    # a list (slime v0.1.0) that is also current slime's RolloutFnTrainOutput (.samples, .metrics)
+    return RolloutSamples(data, metrics=metrics), aborted_samples
 
 
 EVAL_PROMPT_DATASET = {}  # EvalDatasetConfig.cache_key -> loaded prompts
@@ -680,11 +682,13 @@ async def eval_rollout_single_dataset(args, rollout_id, dataset_cfg: EvalDataset
 
 
 async def eval_rollout(args, rollout_id):
-    """Scores eval samples one by one (--group-rm with the default eval is refused at start-up)."""
-    results = {}
+    """Scores eval samples one by one (--group-rm with the default eval is refused at start-up). Returns
+    `(results, [])`, as both slime v0.1.0 (a dict) and current slime (`RolloutFnEvalOutput`) do: `EvalResults` is
+    either."""
+    results = EvalResults()
     for dataset_cfg in eval_datasets(args):
         results.update(await eval_rollout_single_dataset(args, rollout_id, dataset_cfg))
-    return results
+    return results, []
 
 
 def generate_abortable_samples(args, rollout_id, data_source, evaluation=False):
@@ -703,7 +707,8 @@ def generate_rollout(args, rollout_id, data_source, evaluation=False):
     The training result is a `list[list[Sample]]` (`RolloutSamples`) that also has `.samples` and `.metrics`, so
     callers written against either slime v0.1.0 (a list) or current slime (`RolloutFnTrainOutput`) work."""
     if evaluation:
-        return generate_abortable_samples(args, rollout_id, data_source, evaluation=True)
+        results, _ = generate_abortable_samples(args, rollout_id, data_source, evaluation=True)
+        return results
     completed, aborted = generate_abortable_samples(args, rollout_id, data_source.get_samples)
     data_source.add_samples(aborted)
-    return RolloutSamples(completed, metrics=GenerateState(args).metrics)
+    return completed
