@@ -103,6 +103,14 @@ async def short_and_long_streaming(args, sample, sampling_params):
     return await generate_streaming(args, sample, sampling_params)
 
 
+async def instant_generate(args, sample, sampling_params):
+    """Custom generate that answers at once (no engine): every submitted group finishes in the rollout's first wait."""
+    RECORD.setdefault("generated", []).append(sample.group_index)
+    sample.tokens, sample.response, sample.response_length = [1, 2, 3], "3", 1
+    sample.status = Sample.Status.COMPLETED
+    return sample
+
+
 async def pre_scored_generate(args, sample, sampling_params):
     """Custom generate that sets the reward itself: the RM must not overwrite it."""
     sample = await generate(args, sample, sampling_params)
@@ -681,6 +689,31 @@ def test_abort_returns_partial_groups_that_resume_next_rollout(engine, tiny_kit,
     assert set(left) == {1, 3, 5} - set(done)
     assert left[5].metadata["start_rollout_id"] == 1
     assert all(left[i].metadata["start_rollout_id"] == 0 for i in left if i != 5)
+
+
+def test_partial_rollout_returns_groups_that_finish_past_the_batch_to_the_buffer(engine, tiny_kit, prompts):
+    """Over-sampling 4 for a batch of 2: all 4 finish in one wait; the 2 past the batch go back to the buffer whole
+    (rewarded, marked with their rollout) and the next rollout trains them first, without generating them again."""
+    args = make_args(
+        engine,
+        tiny_kit,
+        prompts,
+        partial_rollout=True,
+        rollout_batch_size=2,
+        over_sampling_batch_size=4,
+        n_samples_per_prompt=1,
+        custom_rm_path=f"{HERE}.response_length_rm",
+        custom_generate_function_path=f"{HERE}.instant_generate",
+    )
+    ds = RolloutDataSourceWithBuffer(args)
+    assert [g[0].group_index for g in generate_rollout(args, 0, ds)] == [0, 1]
+    surplus = sorted(g[0].group_index for g in ds.buffer)
+    assert surplus == [2, 3] and RECORD["generated"] == [0, 1, 2, 3]
+    assert all(g[0].status == Sample.Status.COMPLETED and g[0].reward == 1.0 for g in ds.buffer)
+    assert all(g[0].metadata["start_rollout_id"] == 0 for g in ds.buffer)
+    SingletonMeta.clear_instances(GenerateState)
+    assert [g[0].group_index for g in generate_rollout(args, 1, ds)] == [2, 3]
+    assert RECORD["generated"][:4] == [0, 1, 2, 3] and 2 not in RECORD["generated"][4:]
 
 
 def _wait_until_generating(args, n, prompt_len, timeout=60.0):

@@ -553,9 +553,9 @@ async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[Ro
             # rollout keeps does not depend on which finished first
             when = asyncio.ALL_COMPLETED if args.deterministic_mode else asyncio.FIRST_COMPLETED
             done, state.pendings = await asyncio.wait(state.pendings, return_when=when)
-            groups = [task.result() for task in done]
-            if args.deterministic_mode:
-                groups.sort(key=_data_order)
+            # the groups that finished together, in data order (asyncio's done set has none): which of them fill
+            # the batch is then reproducible, and groups taken back from the buffer (earlier in the data) go first
+            groups = sorted((task.result() for task in done), key=_data_order)
             for group in groups:
                 if group is None:  # over --rollout-group-timeout: replaced by a fresh prompt
                     state.remaining_batch_size -= 1
