@@ -151,6 +151,10 @@ def _uneven(rank, model_dir):
         ValueError, match=r"different micro-batch counts per step on the DP ranks \(\[\[3\], \[2\]\]\)"
     ):
         get_data_iterator(args, model, rollout)
+    # a rollout function that returned 2 of --rollout-batch-size's 4 groups
+    short = {k: v[:2] for k, v in fixed_rollout().items()}
+    with pytest.raises(ValueError, match=r"the rollout holds 2 rollouts \(2 samples\) but the trainer takes"):
+        process_rollout_data(args, _Ref(short), mpu.get_data_parallel_rank(), 2)
 
 
 @pytest.mark.slow
