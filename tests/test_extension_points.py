@@ -148,12 +148,12 @@ def test_hooks_run_in_order_with_declared_keywords_and_keep_nesting():
     assert [out[0].index, [s.index for s in out[1]]] == [100, [101, 102]]
     assert out is not nested and out[1] is not inner  # new lists, same shape
     assert all(s.metadata["tags"] == ["tag"] for s in [out[0], *out[1]])
-    assert SEEN == [
+    assert SEEN == [  # as current slime: all hooks on a sample, then the next sample
         ("id", 0, 7),
-        ("id", 1, 7),
-        ("id", 2, 7),
         ("kw", 0, {"rollout_id": 7, "evaluation": True}),
+        ("id", 1, 7),
         ("kw", 1, {"rollout_id": 7, "evaluation": True}),
+        ("id", 2, 7),
         ("kw", 2, {"rollout_id": 7, "evaluation": True}),
     ]
     # an explicit rollout_id wins over the current one

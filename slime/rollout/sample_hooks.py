@@ -3,7 +3,8 @@ right after generation and before the reward.
 
 A hook is `hook(args, sample, **kw)`, sync or async, where `kw` holds the keywords it declares among `rollout_id`,
 `evaluation` and any other keyword the caller passes (all of them if it takes `**kwargs`). It returns None (keep the possibly mutated sample) or a
-`Sample` that replaces it. Hooks run in flag order on every `Sample` of a possibly nested list.
+`Sample` that replaces it. On every `Sample` of a possibly nested list, one sample after another, the hooks run in
+flag order.
 """
 
 import inspect
@@ -33,10 +34,13 @@ async def _apply_one(hook, path, args, sample, kwargs):
     return result
 
 
-async def _apply(hook, path, args, item, kwargs):
+async def _apply(hooks, args, item, kwargs):
+    """Every hook, in flag order, on one sample before the next (as current slime)."""
     if isinstance(item, list):
-        return [await _apply(hook, path, args, x, kwargs) for x in item]  # a new list: the shape is kept
-    return await _apply_one(hook, path, args, item, kwargs)
+        return [await _apply(hooks, args, x, kwargs) for x in item]  # a new list: the shape is kept
+    for path, hook in hooks:
+        item = await _apply_one(hook, path, args, item, kwargs)
+    return item
 
 
 async def apply_rollout_sample_hooks(args, sample_or_samples, *, evaluation=False, rollout_id=None, **extra):
@@ -55,6 +59,4 @@ async def apply_rollout_sample_hooks(args, sample_or_samples, *, evaluation=Fals
         "evaluation": evaluation,
         **extra,
     }
-    for path in paths:
-        sample_or_samples = await _apply(load_function(path), path, args, sample_or_samples, kwargs)
-    return sample_or_samples
+    return await _apply([(path, load_function(path)) for path in paths], args, sample_or_samples, kwargs)
