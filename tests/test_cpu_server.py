@@ -394,6 +394,35 @@ def test_openai_endpoints(server, hf):
     assert c["object"] == "text_completion" and c["choices"][0]["text"] == ref["text"]
 
 
+def test_openai_requests_are_read_as_sglang_reads_them(server):
+    chat = {"model": "x", "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "ignore_eos": True}
+    # max_completion_tokens or max_tokens: a null one does not hide the other
+    r = SESSION.post(server + "/v1/chat/completions", json={**chat, "max_tokens": 3, "max_completion_tokens": None})
+    assert r.json()["usage"]["completion_tokens"] == 3
+    # /v1/completions: 16 tokens unless asked, and a budget must be positive
+    r = SESSION.post(server + "/v1/completions", json={"prompt": [1, 2], "temperature": 0, "ignore_eos": True})
+    assert r.json()["usage"]["completion_tokens"] == 16
+    r = SESSION.post(server + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 0})
+    assert r.status_code == 400 and "max_tokens must be positive" in r.json()["error"]
+    # logit_bias is applied: +100 on token 5 makes it the greedy choice every step
+    body = {"prompt": [1, 2], "max_tokens": 3, "temperature": 0, "logit_bias": {"5": 100}, "return_token_ids": True}
+    assert SESSION.post(server + "/v1/completions", json=body).json()["choices"][0]["token_ids"] == [5, 5, 5]
+    # roles outside SGLang's set, and grammars this server cannot run, are refused
+    r = SESSION.post(server + "/v1/chat/completions", json={**chat, "messages": [{"role": "bogus", "content": "a"}]})
+    assert r.status_code == 400 and "'role' must be one of" in r.json()["error"]
+    r = SESSION.post(server + "/v1/chat/completions", json={**chat, "response_format": {"type": "json_object"}})
+    assert r.status_code == 400 and "json_schema is not supported" in r.json()["error"]
+    r = SESSION.post(
+        server + "/v1/chat/completions",
+        json={
+            **chat,
+            "max_tokens": 1,
+            "messages": [{"role": "System", "content": "a"}, {"role": "user", "content": "b"}],
+        },
+    )
+    assert r.status_code == 200
+
+
 def test_abort_returns_partial_output(server):
     result = {}
     payload = {
@@ -434,7 +463,24 @@ def test_abort_returns_partial_output(server):
         ({"input_ids": [1, 2], "text": "hi"}, "Either text or input_ids"),
         ({}, "Either text or input_ids"),
         ({"input_ids": "abc"}, "field 'input_ids' = 'abc' is not"),
-        ({"input_ids": [1, 2], "sampling_params": {"temperature": -1}}, "temperature must be non-negative"),
+        ({"input_ids": [1, 2], "sampling_params": {"temperature": -1}}, "temperature must be a non-negative finite"),
+        # SGLang 0.5.23's other request checks (io_struct.py normalisation, SamplingParams.verify / normalize)
+        ({"input_ids": [1, 2], "sampling_params": {"temperature": float("nan")}}, "non-negative finite number"),
+        ({"input_ids": [1, 2], "sampling_params": {"temperature": float("inf")}}, "non-negative finite number"),
+        ({"input_ids": [1, 2], "sampling_params": {"sampling_seed": 2**64}}, "sampling_seed must be in [-2**63"),
+        ({"input_ids": [1, 2], "sampling_params": {"stop": ["x"] * 33}}, "at most 32 stop strings are allowed"),
+        ({"input_ids": [1, 2], "sampling_params": {"beam_width": 0}}, "beam_width must be at least 1"),
+        ({"input_ids": [[1, 2], [3]], "rid": ["a", "a"]}, "Duplicate request IDs detected within the request: ['a']"),
+        ({"input_ids": [[1, 2], [3]], "rid": ["a"]}, "rids length mismatch with the batch_size"),
+        ({"input_ids": [[1, 2], [3]], "return_logprob": [True]}, "return_logprob is a list of 1"),
+        (
+            {"input_ids": [[1, 2], [3]], "sampling_params": [{"n": 2}, {"n": 1}]},
+            "The parallel_sample_num should be the same",
+        ),
+        (
+            {"input_ids": [1, 2], "sampling_params": {"n": 2}, "return_logprob": [True]},
+            "Cannot use list return_logprob with parallel_sample_num > 1",
+        ),
         ({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "top_p"),
         ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "ten"}}, "max_new_tokens must be an integer"),
         ({"input_ids": [1, 999999]}, "outside the vocabulary"),
@@ -447,8 +493,37 @@ def test_abort_returns_partial_output(server):
     ],
 )
 def test_bad_requests_get_400(server, body, needle):
-    r = SESSION.post(server + "/generate", json=body)
+    # NaN and Infinity as Python's (and SGLang's) JSON parser reads them, which requests' json= refuses to write
+    headers = {"Content-Type": "application/json"}
+    r = SESSION.post(server + "/generate", data=json.dumps(body), headers=headers)
     assert r.status_code == 400 and needle in r.json()["error"], r.text
+
+
+def test_what_sglang_accepts_is_served_as_sglang_serves_it(server):
+    # an explicit null budget is no limit (the context caps it), not the default 128
+    out = gen(server, {"input_ids": [5] * 300, "sampling_params": {"ignore_eos": True, "max_new_tokens": None}})
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 210}  # 512 - 1 - 300 - 1
+    # grammars left empty are unset; an empty stop string is a stop string
+    out = gen(server, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3, "json_schema": "", "choice": []}})
+    assert out["meta_info"]["completion_tokens"] == 3
+    out = gen(server, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3, "stop": [""]}})
+    assert out["meta_info"]["finish_reason"]["type"] == "stop"
+    # a batch's string rid names its prompts R_0, R_1; parallel samples get ids of their own
+    outs = gen(server, {"input_ids": [[1, 2], [3]], "rid": "R", "sampling_params": {"max_new_tokens": 1}})
+    assert [o["meta_info"]["id"] for o in outs] == ["R_0", "R_1"]
+    outs = gen(server, {"input_ids": [1, 2], "rid": "R", "sampling_params": {"max_new_tokens": 1, "n": 2}})
+    assert len({o["meta_info"]["id"] for o in outs} | {"R"}) == 3
+    # top_logprobs_num per prompt
+    outs = gen(
+        server,
+        {
+            "input_ids": [[1, 2], [3]],
+            "return_logprob": True,
+            "top_logprobs_num": [1, 2],
+            "sampling_params": {"max_new_tokens": 1},
+        },
+    )
+    assert [len(o["meta_info"]["output_top_logprobs"][0]) for o in outs] == [1, 2]
 
 
 def test_budgets_are_capped_to_the_context_as_sglang_does(server):

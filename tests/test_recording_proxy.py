@@ -316,6 +316,13 @@ def test_a_chat_request_through_the_router_is_recorded_with_what_sglang_applied(
     assert ledger.attach([s]) == 1
     data = convert_samples_to_train_data(make_args(*ONE, "--rollout-temperature", "1.0"), [s], fn_path="f")
     assert data["rollout_temperatures"][0].tolist() == pytest.approx([0.8] * len(chat["response_token_ids"]))
+    # a client's logit_bias shapes what the engine samples (as SGLang applies it): recorded, so the sample is refused
+    biased = dict(temperature=0.8, top_k=-1, logit_bias={"5": 3.0}, max_tokens=4)
+    chat = _v1(proxy, "/v1/chat/completions", messages=MESSAGES, return_token_ids=True, **biased)
+    s = _sample(chat["prompt_token_ids"], chat["response_token_ids"])
+    assert ledger.attach([s]) == 1 and s.metadata["sampling_params"][0]["logit_bias"] is True
+    with pytest.raises(ValueError, match="logit_bias"):
+        convert_samples_to_train_data(make_args(*ONE, "--rollout-temperature", "0.8"), [s], fn_path="f")
 
 
 def test_the_engines_chat_defaults_follow_sglangs_sampling_defaults_flag(chat_kit):

@@ -59,6 +59,16 @@ def openai_sampling_params(body: dict, model_defaults: dict) -> dict:
             sp[key] = body[key]
     if body.get("min_tokens") is not None:
         sp["min_new_tokens"] = body["min_tokens"]
+    # the logit processors SGLang builds from the body (protocol.py's to_sampling_params): recorded, so a sample
+    # they shaped is refused by the trainer, and asked of the engine (the CPU server refuses the grammars)
+    for key in ("logit_bias", "regex", "ebnf"):
+        if body.get(key):
+            sp[key] = body[key]
+    kind = (body.get("response_format") or {}).get("type") if isinstance(body.get("response_format"), dict) else None
+    if kind in ("json_schema", "json_object"):
+        sp["json_schema"] = json.dumps(body["response_format"].get("json_schema") or {"type": "object"})
+    elif kind == "structural_tag":
+        sp["structural_tag"] = json.dumps(body["response_format"])
     return sp
 
 

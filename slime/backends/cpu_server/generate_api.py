@@ -31,6 +31,29 @@ def _check_sampling_mask(want_mask, mode, sp, cap=SAMPLING_MASK_MAX_TOKENS):
         )
 
 
+def _check_batch_fields(body, num_prompts, batch, sps_raw):
+    """SGLang's GenerateReqInput normalisation checks of the per-prompt fields (io_struct.py), answered as its 400s."""
+    ns = [(d or {}).get("n", 1) for d in sps_raw] if isinstance(sps_raw, list) else [(sps_raw or {}).get("n", 1)]
+    if len(set(map(str, ns))) > 1:
+        raise RequestError("The parallel_sample_num should be the same for all samples in sample params.")
+    rids = body.get("rid")
+    if rids is not None and not isinstance(rids, (str, list)):
+        raise RequestError("The rid should be a string or a list of strings.")
+    if isinstance(rids, list):
+        if len(rids) != num_prompts:
+            raise RequestError("The specified rids length mismatch with the batch_size for batch processing.")
+        duplicates = sorted({r for r in rids if rids.count(r) > 1}, key=str)
+        if duplicates:
+            raise RequestError(f"Duplicate request IDs detected within the request: {duplicates}")
+    for name in ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_sampling_mask"):
+        value = body.get(name)
+        if isinstance(value, list):
+            if ns[0] != 1:
+                raise RequestError(f"Cannot use list {name} with parallel_sample_num > 1")
+            if len(value) != num_prompts:
+                raise RequestError(f"{name} is a list of {len(value)}: it needs one entry per prompt ({num_prompts})")
+
+
 class GenerateAPI:
     """`/generate` and `/abort_request`: prompts checked, requests built and run on the scheduler, SGLang's output shape."""
 
@@ -97,8 +120,10 @@ class GenerateAPI:
             raise RequestError("sampling_params is a list: it needs a batch input with one entry per prompt.")
         rids, lps = body.get("rid"), body.get("return_logprob", False)
         start, topn = body.get("logprob_start_len"), body.get("top_logprobs_num") or 0
-        if not isinstance(topn, int) or isinstance(topn, bool) or topn < 0:
-            raise RequestError(f"top_logprobs_num must be a non-negative integer, got {topn!r}")
+        _check_batch_fields(body, len(prompts), batch, sps_raw)
+        for t in topn if isinstance(topn, list) else [topn]:  # one for all prompts, or one per prompt
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise RequestError(f"top_logprobs_num must be a non-negative integer, got {t!r}")
         if body.get("custom_logit_processor") or body.get("input_embeds") is not None:
             raise RequestError("custom_logit_processor and input_embeds are not supported by slime's CPU server.")
         if self.processor is None and (body.get("image_data") or body.get("video_data") or body.get("audio_data")):
@@ -139,17 +164,18 @@ class GenerateAPI:
                     )
             lp = lps[i] if isinstance(lps, list) else lps
             st = start[i] if isinstance(start, list) else start
-            rid = rids[i] if isinstance(rids, list) else (rids if not batch else None)
+            # SGLang's request ids: a string names a batch's prompts R_0, R_1, ...; parallel samples get fresh ones
+            rid = rids[i] if isinstance(rids, list) else (f"{rids}_{i}" if batch and rids is not None else rids)
             if not isinstance(lp, bool) or (st is not None and not isinstance(st, int)):
                 raise RequestError("return_logprob must be a boolean and logprob_start_len an integer.")
             for k in range(sp.n):
                 r = Req(
                     ids,
                     sp,
-                    rid=(f"{rid}-{k}" if rid and sp.n > 1 else rid),
+                    rid=None if sp.n > 1 else rid,
                     return_logprob=lp,
                     logprob_start_len=-1 if st is None else st,
-                    top_logprobs_num=topn,
+                    top_logprobs_num=topn[i] if isinstance(topn, list) else topn,
                     stream=bool(body.get("stream")),
                     on_update=on_update,
                     return_sampling_mask=want_mask,

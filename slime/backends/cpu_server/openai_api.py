@@ -12,14 +12,33 @@ from .media import chat_images, expand, fetch_remote_images, images_per_prompt
 from .sampling import RequestError, SamplingParams
 from .scheduler import Req
 
+# SGLang's ChatCompletionMessageParam: "user", or one of these (case-insensitive, lowered)
+_GENERIC_ROLES = ("system", "assistant", "tool", "function", "developer", "latest_reminder", "root")
+
+
+def _with_checked_role(message):
+    role = message["role"]
+    if role == "user":
+        return message
+    if not isinstance(role, str) or role.lower() not in _GENERIC_ROLES:
+        allowed = ", ".join(repr(r) for r in _GENERIC_ROLES)
+        raise RequestError(f"'role' must be one of {allowed} (case-insensitive), or 'user'; got {role!r}.")
+    return {**message, "role": role.lower()}
+
 
 class OpenAIAPI:
     """`/v1/completions` and `/v1/chat/completions` over the same scheduler as `/generate`."""
 
-    def _openai_sampling(self, b, prompt_len, model_defaults):
+    def _openai_sampling(self, b, prompt_len, model_defaults, chat):
         """SGLang's sampling parameters for an OpenAI request (`model_defaults`: what a chat request takes from the
         model's generation_config.json where it sends nothing; {} for /v1/completions)."""
-        max_tokens = b.get("max_completion_tokens", b.get("max_tokens"))
+        if chat:  # SGLang: `max_completion_tokens or max_tokens`, else up to the context
+            max_tokens = b.get("max_completion_tokens") or b.get("max_tokens")
+        else:  # CompletionRequest.max_tokens: 16 unless sent, and positive
+            max_tokens = b.get("max_tokens")
+            max_tokens = 16 if max_tokens is None else max_tokens
+            if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
+                raise RequestError("max_tokens must be positive")
         sp = {
             "max_new_tokens": max_tokens if max_tokens is not None else self.context_len - prompt_len - 1,
             "n": b.get("n", 1),
@@ -36,10 +55,10 @@ class OpenAIAPI:
     def _finish_str(self, r):
         return {"stop": "stop", "length": "length", "abort": "abort"}[r.finish_reason["type"]]
 
-    async def _openai_run(self, b, ids, model_defaults, mm=None):
+    async def _openai_run(self, b, ids, model_defaults, mm=None, chat=True):
         if b.get("stream"):
             raise RequestError("stream=true is not supported by slime's CPU server's OpenAI endpoints")
-        sp = SamplingParams.from_dict(self._openai_sampling(b, len(ids), model_defaults), self.cfg.vocab_size)
+        sp = SamplingParams.from_dict(self._openai_sampling(b, len(ids), model_defaults, chat), self.cfg.vocab_size)
         self._check_prompt(ids, sp)
         want_lp = bool(b.get("logprobs"))
         reqs = [Req(ids, sp, return_logprob=want_lp) for _ in range(sp.n)]
@@ -73,7 +92,7 @@ class OpenAIAPI:
             ids = prompt
         else:
             raise RequestError("prompt must be a string or a list of token ids (batch prompts: send one request each)")
-        reqs = await self._openai_run(b, ids, {})
+        reqs = await self._openai_run(b, ids, {}, chat=False)
         choices = []
         for i, r in enumerate(reqs):
             lp = None
@@ -108,6 +127,7 @@ class OpenAIAPI:
         msgs = b.get("messages")
         if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and "role" in m for m in msgs):
             raise RequestError("messages must be a non-empty list of {role, content} objects")
+        msgs = [_with_checked_role(m) for m in msgs]
         kw = {"tools": b["tools"]} if b.get("tools") else {}
         msgs, images = await self._chat_media(msgs)
         try:

@@ -6,6 +6,7 @@ penalties / logit_bias / min_new_tokens masking), in float32. A request with `sa
 generator, so its output is reproducible regardless of what else is in the batch.
 """
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +47,7 @@ SAMPLING_KEYS = (
 # Accepted by SGLang but needing machinery this server does not have (grammars, beam search, ...).
 _UNSUPPORTED = ("stop_regex", "json_schema", "regex", "ebnf", "structural_tag", "beam_width", "choice", "watermark")
 _EPS = 1e-6
+_MAX_STOP_COUNT = 32  # SGLang's MAX_STOP_COUNT
 
 
 class RequestError(ValueError):
@@ -132,11 +134,17 @@ class SamplingParams:
                 raise RequestError(
                     f"unknown field {k!r}, expected one of " + ", ".join(f"'{x}'" for x in SAMPLING_KEYS)
                 )
+        beam = d.get("beam_width")
+        if isinstance(beam, int) and not isinstance(beam, bool) and beam < 1:
+            raise RequestError(f"beam_width must be at least 1, got {beam}.")
         for k in _UNSUPPORTED:
-            if d.get(k) not in (None, False):
+            if d.get(k):  # SGLang reads "", [] and false as unset
                 raise RequestError(f"sampling_params.{k} is not supported by slime's CPU server")
         p = cls()
-        p.max_new_tokens = _num(d, "max_new_tokens", 128, int)
+        if "max_new_tokens" in d and d["max_new_tokens"] is None:
+            p.max_new_tokens = 1 << 30  # SGLang: an explicit null is no limit (the context caps it)
+        else:
+            p.max_new_tokens = _num(d, "max_new_tokens", 128, int)
         p.max_new_tokens_explicit = d.get("max_new_tokens") is not None
         p.temperature = _num(d, "temperature", 1.0, float)
         p.top_p = _num(d, "top_p", 1.0, float)
@@ -153,14 +161,16 @@ class SamplingParams:
         p.no_stop_trim = _bool(d, "no_stop_trim", False)
         seed = d.get("sampling_seed")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-            raise RequestError(f"sampling_params.sampling_seed must be an integer, got {seed!r}")
+            raise RequestError(f"sampling_seed must be an integer, got {type(seed).__name__}.")
+        if seed is not None and not -(2**63) <= seed <= 2**63 - 1:
+            raise RequestError(f"sampling_seed must be in [-2**63, 2**63 - 1], got {seed}.")
         p.sampling_seed = seed
         stop = d.get("stop") or []
         stop = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-            raise RequestError(
-                f"sampling_params.stop must be a non-empty string or a list of them, got {d.get('stop')!r}"
-            )
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise RequestError(f"sampling_params.stop must be a string or a list of strings, got {d.get('stop')!r}")
+        if len(stop) > _MAX_STOP_COUNT:
+            raise RequestError(f"at most {_MAX_STOP_COUNT} stop strings are allowed, got {len(stop)}")
         p.stop = stop
         ids = d.get("stop_token_ids") or []
         if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
@@ -180,8 +190,8 @@ class SamplingParams:
 
     def _verify(self, vocab_size):
         # Same checks and wording style as SGLang's SamplingParams.verify.
-        if self.temperature < 0.0:
-            raise RequestError(f"temperature must be non-negative, got {self.temperature}.")
+        if not math.isfinite(self.temperature) or self.temperature < 0.0:
+            raise RequestError(f"temperature must be a non-negative finite number, got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p}.")
         if not 0.0 <= self.min_p <= 1.0:
