@@ -112,6 +112,32 @@ def test_log_passrate_and_multi_turn_metrics_of_a_rollout():
     assert not [k for k in metrics if k.startswith(("passrate/", "multi_turn/"))]
 
 
+def test_current_slimes_sample_metrics_of_a_rollout_and_of_each_eval_dataset():
+    args = make_args("--n-samples-per-prompt", "4")
+    masks = [[1, 1, 1], [1, 0, 1], [1, 0], [1], [1, 1, 1], [0, 1, 1], [1, 1], [1]]
+    samples = _samples([1, 0, 0, 0, 1, 1, 1, 1], 4, masks)  # group 1 all 1: zero std
+    samples[0].status, samples[1].response = Sample.Status.TRUNCATED, "ab" * 6000  # 12,000 chars that compress
+    samples[2].prefix_cache_info.cached_tokens, samples[2].prefix_cache_info.total_prompt_tokens = 6, 8
+    samples[3].prefix_cache_info.total_prompt_tokens = 8
+    metrics = rollout_metrics(args, samples, convert_samples_to_train_data(args, samples), None)
+    # trained tokens per sample: 3 2 1 1 3 2 2 1
+    assert {k: metrics[f"rollout/response_len/{k}"] for k in ("mean", "median", "max", "min")} == {
+        "mean": 15 / 8,
+        "median": 2.0,
+        "max": 3.0,
+        "min": 1.0,
+    }
+    assert metrics["rollout/zero_std/count_1"] == 1 and "rollout/zero_std/count_0" not in metrics
+    assert (
+        metrics["rollout/prefix_cache_hit_rate"] == 6 / 16 and metrics["rollout/avg_cached_tokens_per_sample"] == 6 / 8
+    )
+    assert metrics["rollout/repetition_frac"] == 1 / 8 and metrics["rollout/truncated_ratio"] == 1 / 8
+    ppo = make_args("--n-samples-per-prompt", "4", "--advantage-estimator", "ppo")
+    assert not [k for k in eval_metrics({"m": {"rewards": [1] * 8, "samples": samples}}, ppo) if "zero_std" in k]
+    per_dataset = eval_metrics({"m": {"rewards": [1, 0, 0, 0, 1, 1, 1, 1], "samples": samples}}, args)
+    assert per_dataset["eval/m/response_len/max"] == 3.0 and per_dataset["eval/m/zero_std/count_1"] == 1
+
+
 def test_log_passrate_of_an_eval_dataset():
     args = make_args("--log-passrate", "--n-samples-per-eval-prompt", "2")
     data = {"math": {"rewards": [1, 0, 0, 0]}}

@@ -4,6 +4,7 @@ read, and the rollout's / eval's metrics. `RolloutController` (slime/ray/buffer.
 importable from `slime.ray.buffer` as before."""
 
 import numbers
+import zlib
 
 import numpy as np
 import torch
@@ -332,10 +333,48 @@ def multi_turn_metrics(args, train_data):
     return out
 
 
+def sample_metrics(args, samples, prefix) -> dict:
+    """Current slime's metrics of a rollout's or an eval dataset's samples (`compute_metrics_from_samples`), under
+    `prefix`: trained response lengths, zero-std groups by reward (not for PPO), prefix-cache hits, repetition and
+    truncation."""
+    if not samples:
+        return {}
+    lengths = np.array([s.effective_response_length for s in samples])
+    out = {
+        "response_len/mean": float(lengths.mean()),
+        "response_len/median": float(np.median(lengths)),
+        "response_len/max": float(lengths.max()),
+        "response_len/min": float(lengths.min()),
+    }
+    if args.advantage_estimator != "ppo":  # groups of one prompt's responses
+        groups = {}
+        for s in samples:
+            groups.setdefault(s.group_index, []).append(s.get_reward_value(args))
+        for rewards in groups.values():
+            if all(r == rewards[0] for r in rewards) and _is_number(rewards[0]):
+                key = f"zero_std/count_{round(rewards[0], 1)}"
+                out[key] = out.get(key, 0) + 1
+    cached = sum(s.prefix_cache_info.cached_tokens for s in samples)
+    prompt = sum(s.prefix_cache_info.total_prompt_tokens for s in samples)
+    out["prefix_cache_hit_rate"] = cached / prompt if prompt else 0.0
+    out["avg_cached_tokens_per_sample"] = cached / len(samples)
+    out["repetition_frac"] = float(np.mean([_repeats(s.response or "") for s in samples]))
+    out["truncated_ratio"] = float(np.mean([s.status == Sample.Status.TRUNCATED for s in samples]))
+    return {prefix + k: v for k, v in out.items()}
+
+
+def _repeats(text) -> bool:
+    """Current slime's `has_repetition`: the last 10,000 characters of a long response compress over 10x."""
+    if len(text) <= 10000:
+        return False
+    raw = text[-10000:].encode()
+    return len(raw) / len(zlib.compress(raw, 9)) > 10
+
+
 def rollout_metrics(args, samples, train_data, rollout_time):
     """Metrics of one training rollout (rollout/* and perf/*)."""
     lengths = train_data["response_lengths"]
-    metrics = {}
+    metrics = sample_metrics(args, samples, "rollout/")
     raw = _numeric_mean(train_data["raw_reward"])
     if raw is not None:
         metrics["rollout/raw_reward"] = raw
@@ -376,6 +415,8 @@ def eval_metrics(data, args=None):
                 metrics.update({f"eval/{name}-{k}": v for k, v in pass_at_k(groups).items()})
         if d.get("truncated"):
             metrics[f"eval/{name}-truncated_ratio"] = float(np.mean([1.0 if t else 0.0 for t in d["truncated"]]))
+        if args is not None and d.get("samples"):
+            metrics.update(sample_metrics(args, d["samples"], f"eval/{name}/"))
     return metrics
 
 
