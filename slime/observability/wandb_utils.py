@@ -122,6 +122,17 @@ def init_wandb_secondary(args, wandb_run_id):
     return run.id
 
 
+def finish_secondary(args):
+    """Close an actor's side of the run before the actor is killed: a killed actor's wandb service goes with it and
+    loses what it had not written yet (its last rollouts' metrics). In shared mode the primary alone finishes the run."""
+    if not args.use_wandb:
+        return
+    import wandb  # heavy: only with --use-wandb
+
+    if wandb.run is not None:
+        wandb.finish()
+
+
 def get_step(args, family: str, step: int) -> int:
     """The value to log on `family`'s axis. With --wandb-always-use-train-step, rollout-side metrics use the train step
     reached after rollout `step` (`rollout_id * rollout_batch_size * n_samples_per_prompt // global_batch_size`)."""

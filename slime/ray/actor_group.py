@@ -100,6 +100,9 @@ class RayTrainGroup:
     def async_sent_weight_hashes(self):
         return [a.sent_weight_hashes.remote() for a in self._actor_handlers]
 
+    def async_finish_tracking(self):
+        return [a.finish_tracking.remote() for a in self._actor_handlers]
+
     def async_offload(self):
         return [a.sleep.remote(("model",)) for a in self._actor_handlers]
 

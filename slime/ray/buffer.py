@@ -224,6 +224,11 @@ class RolloutController:
             step = self.wandb.get_step(self.args, kind, rollout_id)
             self.wandb.log(self.args, metrics, f"{kind}/step", step=step)
 
+    def finish_tracking(self):
+        """This actor's side of the W&B run, closed before the driver finishes the run and kills the actor."""
+        if self.wandb is not None:
+            self.wandb.finish_secondary(self.args)
+
     def save(self, rollout_id):
         self.data_source.save(rollout_id)
 

@@ -124,6 +124,9 @@ class RolloutManager(EngineWeightChecks):
         self.weight_version = version
         return self.controller.set_weight_version.remote(version)
 
+    def async_finish_tracking(self):
+        return [self.controller.finish_tracking.remote()]
+
     def async_save(self, rollout_id):
         return self.controller.save.remote(rollout_id)
 

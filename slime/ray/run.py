@@ -198,6 +198,12 @@ class Run:
 
     def finish(self):
         self._check_pushed()
+        # the controller's and trainers' sides of the W&B run first: they are killed after this, losing what their
+        # wandb services had not written yet
+        groups = [g for g in (self.actor_model, self.critic_model) if g is not None and not g.released]
+        self.get(
+            [ref for g in groups for ref in g.async_finish_tracking()] + self.rollout_manager.async_finish_tracking()
+        )
         self.recorder.finish()
 
 

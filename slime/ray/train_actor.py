@@ -5,6 +5,7 @@ from datetime import timedelta
 import ray
 import torch.distributed as dist
 
+from slime.observability import wandb_utils
 from slime.ray.ray_actor import RayActor
 from slime.utils import device
 from slime.utils.distributed_utils import rendezvous_socket, tcp_store
@@ -53,6 +54,11 @@ class TrainRayActor(RayActor):
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         args.rank, args.world_size = dist.get_rank(), dist.get_world_size()
         args.local_rank = local_rank
+
+    def finish_tracking(self):
+        """This rank's side of the W&B run, closed before the driver finishes the run and kills the actors."""
+        if getattr(self, "args", None) is not None:
+            wandb_utils.finish_secondary(self.args)
 
     @abc.abstractmethod
     def sleep(self, tags=None): ...
