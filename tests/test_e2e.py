@@ -152,6 +152,7 @@ def test_train_disaggregated_with_eval_and_first_step_invariants(ray_session, ti
         tiny_kit,
         tmp_path,
         *["--use-wandb", "--wandb-mode", "offline", "--wandb-dir", str(tmp_path / "wandb")],
+        "--wandb-always-use-train-step",
         "--rollout-num-gpus",
         "1",
         "--num-rollout",
@@ -185,10 +186,11 @@ def test_train_disaggregated_with_eval_and_first_step_invariants(ray_session, ti
     assert "eval/addition" in rows[0] and "eval/addition" in rows[1]  # eval before training and after rollout 1
     assert 0.0 <= rows[1]["eval/addition"] <= 1.0
     # W&B holds every rollout's and every optimizer step's metrics, the last ones too: the controller and the
-    # trainers closed their sides of the run before they were killed (2 steps per rollout: 16 samples, batch 8)
+    # trainers closed their sides of the run before they were killed. 2 steps per rollout (16 samples, batch 8), and
+    # --wandb-always-use-train-step puts rollout k's metrics, the controller's and the trainers' alike, at step 2k
     steps = wandb_steps(tmp_path / "wandb")
-    assert steps["rollout/step"] == {0, 1, 2} and steps["train/step"] == set(range(6)), steps
-    assert steps["eval/step"] == {0, 1}
+    assert steps["rollout/step"] == {0, 2, 4} and steps["train/step"] == set(range(6)), steps
+    assert steps["eval/step"] == {0, 2}
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from megatron.core import parallel_state as mpu
 from slime.backends.megatron_utils.rollout_data import process_rollout_data
 from slime.observability.profile_utils import TrainProfiler
 from slime.observability.timer import Timer, timer
-from slime.observability.wandb_utils import init_wandb_secondary
+from slime.observability.wandb_utils import get_step, init_wandb_secondary
 from slime.ray.train_actor import TrainRayActor
 from slime.utils import device
 from slime.utils.device import empty_cache, pin_memory, synchronize
@@ -314,7 +314,7 @@ class MegatronTrainRayActor(TrainRayActor):
             )
         rollout_metrics = log_rollout_data(rollout_id, args, rollout_data)
         if rollout_metrics and megatron_init.is_megatron_main_rank():
-            log(args, {**rollout_metrics, "rollout/step": rollout_id}, "rollout/step")
+            log(args, {**rollout_metrics, "rollout/step": get_step(args, "rollout", rollout_id)}, "rollout/step")
 
         # replay what R3 / R2 hold (R2 without an old-log-prob forward: one step on the rollout's own routing)
         train_routing = "replay" if routing_replay.KEY in rollout_data else None
@@ -335,7 +335,7 @@ class MegatronTrainRayActor(TrainRayActor):
                 _copy_dict(self.weights["actor"], self.weights["ref"])
         perf = _perf_metrics()
         if perf and megatron_init.is_megatron_main_rank():
-            log(args, {**perf, "rollout/step": rollout_id}, "rollout/step")
+            log(args, {**perf, "rollout/step": get_step(args, "rollout", rollout_id)}, "rollout/step")
         self.prof.step(rollout_id)
         Timer().start("train_wait")
         out = {"rollout": rollout_metrics, "train": history, "perf": perf}
@@ -394,7 +394,7 @@ class MegatronTrainRayActor(TrainRayActor):
         self.sleep(("model",))
         report = {"rollout": metrics, "train": history} if megatron_init.is_megatron_main_rank() else {}
         if report and metrics:
-            log(args, {**metrics, "rollout/step": rollout_id}, "rollout/step")
+            log(args, {**metrics, "rollout/step": get_step(args, "rollout", rollout_id)}, "rollout/step")
         Timer().reset()
         Timer().start("train_wait")
         return {"values": values, **report}
