@@ -200,11 +200,29 @@ def test_train_env_vars_are_in_the_trainer_runtime_env(monkeypatch):
 
 
 def test_log_reward_category_fractions():
-    from slime.rollout.train_data import reward_category_metrics
+    from slime.rollout.train_data import convert_samples_to_train_data, reward_category_metrics, rollout_metrics
     from slime.utils.types import Sample
 
     samples = [Sample(index=i, reward={"score": 0.0, "cat": c}) for i, c in enumerate(["ok", "format", "ok", "ok"])]
     assert reward_category_metrics("cat", samples) == {"error_cat/ok": 0.75, "error_cat/format": 0.25}
+    # logged under rollout/, as current slime logs them
+    args = make_args(
+        "--log-reward-category",
+        "cat",
+        "--reward-key",
+        "score",
+        "--n-samples-per-prompt",
+        "1",
+        "--global-batch-size",
+        "4",
+    )
+    for i, s in enumerate(samples):
+        s.tokens, s.response_length, s.group_index = [1, 2, 3], 1, i
+    metrics = rollout_metrics(args, samples, convert_samples_to_train_data(args, samples), None)
+    assert {k: v for k, v in metrics.items() if "error_cat" in k} == {
+        "rollout/error_cat/ok": 0.75,
+        "rollout/error_cat/format": 0.25,
+    }
     samples[1].reward = 1.0
     with pytest.raises(ValueError, match="--log-reward-category cat: sample 1 has reward 1.0"):
         reward_category_metrics("cat", samples)

@@ -16,7 +16,7 @@ def add_metric_arguments(parser):
         type=str,
         default=None,
         help="Key of a dict reward naming each sample's category (e.g. its failure kind): the fraction of each "
-        "category is logged per rollout as error_cat/<category>.",
+        "category is logged per rollout as rollout/error_cat/<category>.",
     )
     return parser
 

@@ -382,7 +382,8 @@ def rollout_metrics(args, samples, train_data, rollout_time):
     metrics["rollout/response_length_max"] = int(max(lengths))
     metrics["rollout/truncated_ratio"] = float(np.mean(train_data["truncated"]))
     if args.log_reward_category:
-        metrics.update(reward_category_metrics(args.log_reward_category, samples))
+        categories = reward_category_metrics(args.log_reward_category, samples)
+        metrics.update({f"rollout/{k}": v for k, v in categories.items()})  # current slime's rollout/error_cat/*
     if args.log_passrate and raw is not None:
         groups = _reward_groups(samples, train_data["raw_reward"], args.n_samples_per_prompt)
         metrics.update({f"passrate/{k}": v for k, v in pass_at_k(groups).items()})
