@@ -283,8 +283,13 @@ def _dp2_iterators_logging_and_broadcast(rank, gcs_address, data):
     assert num_mbs == [1, 1]  # gbs/dp = 2 samples per step, 2 per micro-batch, 4 local samples -> 2 steps
 
     local["log_probs"] = [torch.full((r,), -0.1 * (rank + 1)) for r in local["response_lengths"]]
+    local["loss_masks"][0][0], local["log_probs"][0][0] = 0, -5.0  # an untrained token (a tool's output)
+    local["kl"] = [torch.full((r,), float(r)) for r in local["response_lengths"]]
     metrics = log_rollout_data(0, args, local)
-    assert metrics["rollout/log_probs"] == pytest.approx(-0.15)  # mean over both ranks' per-sample means
+    # as current slime: the mean over both ranks' per-sample means over trained tokens; kl's over every token
+    assert metrics["rollout/log_probs"] == pytest.approx(-0.15)
+    lengths = data["response_lengths"]
+    assert metrics["rollout/kl"] == pytest.approx(sum(r * r for r in lengths) / sum(lengths))
     assert metrics["rollout/rewards"] == pytest.approx(sum(data["rewards"]) / 8)
     assert metrics["rollout/raw_reward"] == pytest.approx(0.5)
     assert "rollout/tokens" not in metrics and "rollout/loss_masks" not in metrics

@@ -388,13 +388,34 @@ def unpack_tree_output(output, tree_index):
     return output[0][gather]
 
 
+# token-level values logged as per-sample means over the loss-masked tokens (current slime's per-rollout-mean keys)
+_TRAINED_TOKEN_MEAN_KEYS = (
+    "log_probs",
+    "ref_log_probs",
+    "rollout_log_probs",
+    "returns",
+    "advantages",
+    "values",
+    "teacher_log_probs",
+    "opd_reverse_kl",
+)
+
+
+def _aligned(masks, values):
+    return (
+        masks is not None and len(masks) == len(values) and all(m.numel() == v.numel() for m, v in zip(masks, values))
+    )
+
+
 def log_rollout_data(rollout_id, args, rollout_data):
     """`{"rollout/<key>": value}` averaged over the whole rollout's samples (summed over DP ranks, then divided):
-    per-sample means for token-level tensors, plain means for per-sample numbers (other values are skipped). Computed on TP rank 0 of the last
+    per-sample means over the trained tokens for log-probs, returns, advantages and values, token means for other
+    token-level tensors (kl, entropy), plain means for per-sample numbers (other values are skipped). Computed on TP rank 0 of the last
     pipeline stage (other ranks return `{}`); every such rank returns the same dict."""
     if mpu.get_tensor_model_parallel_rank() != 0 or not mpu.is_pipeline_last_stage():
         return {}
     local = {}  # key: (sum, count); with fan-out the DP ranks hold different sample counts
+    masks = rollout_data.get("loss_masks")
     skip = ("tokens", "loss_masks", "sample_indices", "global_indices", "rollout_routed_experts", *TOP_P_KEYS)
     skip += (TEMPERATURES_KEY,)
     skip += ("rollout_ids", "rollout_sizes", "rollout_mask_sums", "rollout_weights", "multimodal_train_inputs")
@@ -404,8 +425,12 @@ def log_rollout_data(rollout_id, args, rollout_data):
         if isinstance(val, torch.Tensor):
             local[key] = (val.float().mean().item(), 1)
         elif isinstance(val, (list, tuple)) and len(val) > 0:
-            if isinstance(val[0], torch.Tensor):
-                local[key] = (sum(v.float().mean() for v in val).item(), len(val))
+            if isinstance(val[0], torch.Tensor) and key in _TRAINED_TOKEN_MEAN_KEYS and _aligned(masks, val):
+                # as current slime: each sample's mean over its trained tokens, averaged over samples
+                means = [(v.float() * m.float()).sum() / m.float().sum().clamp_min(1) for v, m in zip(val, masks)]
+                local[key] = (float(sum(means)), len(val))
+            elif isinstance(val[0], torch.Tensor):  # as current slime: a mean over every token
+                local[key] = (float(sum(v.float().sum() for v in val)), sum(v.numel() for v in val))
             elif isinstance(val[0], numbers.Number):
                 local[key] = (float(sum(val)), len(val))
     correct = _correct_sample_sums(args, rollout_data) if args.log_correct_samples else None
