@@ -248,7 +248,8 @@ def _tree_flex_vs_dense(index, out):
         dy = torch.randn(1, 8, n, 64, generator=g).cuda()
 
         def run(fn, dt):
-            x = [t.to(dt).requires_grad_(True) for t in (q, k, v)]
+            # fresh leaves each run: `.to` of the same dtype returns q itself, whose grad would carry over
+            x = [t.detach().to(dt, copy=True).requires_grad_(True) for t in (q, k, v)]
             y = fn(*x)
             y.backward(dy.to(dt))
             return [y.float()] + [t.grad.float() for t in x]
