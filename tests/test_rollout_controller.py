@@ -516,7 +516,17 @@ def test_controller_data_source_convert_and_log_functions(ray_mod, tmp_path):
     assert metrics["rollout/extra"] == 2.0 and metrics["rollout/raw_reward"] == 0.5
     with open(tmp_path / "rollout_3.json") as f:
         assert json.load(f) == {"n": 2, "extra": {"rollout/extra": 2.0}, "time": True}
-    assert eval_metrics == {"eval/toy": 0.5, "eval/toy-truncated_ratio": 0.0, "eval/extra": 1.0}
+    # the rewards' mean and truncation from `data`; the sample metrics from the samples (two 2-token responses, both
+    # reward 1.0 in one group, so one zero-std group)
+    per_sample = {"response_len/mean": 2.0, "response_len/median": 2.0, "response_len/max": 2.0}
+    per_sample |= {"response_len/min": 2.0, "zero_std/count_1.0": 1, "prefix_cache_hit_rate": 0.0}
+    per_sample |= {"avg_cached_tokens_per_sample": 0.0, "repetition_frac": 0.0, "truncated_ratio": 0.0}
+    assert eval_metrics == {
+        "eval/toy": 0.5,
+        "eval/toy-truncated_ratio": 0.0,
+        "eval/extra": 1.0,
+        **{f"eval/toy/{k}": v for k, v in per_sample.items()},
+    }
     with open(tmp_path / "eval_3.json") as f:
         assert json.load(f) == {"names": ["toy"], "samples": 2, "extra": {"eval/extra": 1.0}}
 

@@ -148,8 +148,15 @@ def test_the_fingerprint_check_runs_before_the_versions_samples_train_not_inside
     assert checks == [3, 4]
     run.recorder = type("Recorder", (), {"finish": lambda self: log.append(("finish",))})()
     run.finish()
-    assert [c[0] for c in log][-3:] == ["async_sent_weight_hashes", "check_weight_fingerprints", "finish"]
-    assert log[-2][1][0]["update_weights/weight_version"] == 5
+    # then the trainer's and the rollout controller's W&B sides close before the driver's
+    assert [c[0] for c in log][-5:] == [
+        "async_sent_weight_hashes",
+        "check_weight_fingerprints",
+        "async_finish_tracking",
+        "async_finish_tracking",
+        "finish",
+    ]
+    assert log[-4][1][0]["update_weights/weight_version"] == 5
 
 
 class _VersionedEngine:

@@ -9,6 +9,7 @@ from slime.observability.wandb_utils import (  # noqa: F401
     _login_and_dir,
     _resolve_mode,
     _settings,
+    finish_secondary,
     get_step,
     init_wandb_primary,
     init_wandb_secondary,
