@@ -128,6 +128,23 @@ def gen(url, payload, status=200):
     return r.json()
 
 
+def refusal(r, shape):
+    """The message of a 400 whose body has the shape SGLang 0.5.23 gives that refusal: "check" for /generate's own
+    request checks (`{"error": {"message"}}`), "contract" for /generate's schema check (`{"error": message}`),
+    "BadRequestError" for the OpenAI routes' checks, "Bad Request" for a body FastAPI cannot parse or validate
+    (both SGLang's `ErrorResponse`)."""
+    body = r.json()
+    assert r.status_code == 400, r.text
+    if shape == "check":
+        assert list(body) == ["error"] and list(body["error"]) == ["message"], r.text
+        return body["error"]["message"]
+    if shape == "contract":
+        assert list(body) == ["error"] and isinstance(body["error"], str), r.text
+        return body["error"]
+    assert body == {"object": "error", "message": body["message"], "type": shape, "param": None, "code": 400}, r.text
+    return body["message"]
+
+
 PROMPTS = [[1, 87, 198, 54, 104, 105, 115], [40, 41, 42], [300, 301, 302, 303, 304, 305, 306, 307, 308, 309, 310]]
 
 
@@ -403,15 +420,15 @@ def test_openai_requests_are_read_as_sglang_reads_them(server):
     r = SESSION.post(server + "/v1/completions", json={"prompt": [1, 2], "temperature": 0, "ignore_eos": True})
     assert r.json()["usage"]["completion_tokens"] == 16
     r = SESSION.post(server + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 0})
-    assert r.status_code == 400 and "max_tokens must be positive" in r.json()["error"]
+    assert "max_tokens must be positive" in refusal(r, "BadRequestError")
     # logit_bias is applied: +100 on token 5 makes it the greedy choice every step
     body = {"prompt": [1, 2], "max_tokens": 3, "temperature": 0, "logit_bias": {"5": 100}, "return_token_ids": True}
     assert SESSION.post(server + "/v1/completions", json=body).json()["choices"][0]["token_ids"] == [5, 5, 5]
     # roles outside SGLang's set, and grammars this server cannot run, are refused
     r = SESSION.post(server + "/v1/chat/completions", json={**chat, "messages": [{"role": "bogus", "content": "a"}]})
-    assert r.status_code == 400 and "'role' must be one of" in r.json()["error"]
+    assert "'role' must be one of" in refusal(r, "BadRequestError")
     r = SESSION.post(server + "/v1/chat/completions", json={**chat, "response_format": {"type": "json_object"}})
-    assert r.status_code == 400 and "json_schema is not supported" in r.json()["error"]
+    assert "json_schema is not supported" in refusal(r, "BadRequestError")
     r = SESSION.post(
         server + "/v1/chat/completions",
         json={
@@ -457,46 +474,100 @@ def test_abort_returns_partial_output(server):
 
 
 @pytest.mark.parametrize(
-    "body,needle",
+    "body,shape,needle",
     [
-        ({"input_ids": [1, 2], "sampling_params": {"foo": 1}}, "unknown field 'foo'"),
-        ({"input_ids": [1, 2], "text": "hi"}, "Either text or input_ids"),
-        ({}, "Either text or input_ids"),
-        ({"input_ids": "abc"}, "field 'input_ids' = 'abc' is not"),
-        ({"input_ids": [1, 2], "sampling_params": {"temperature": -1}}, "temperature must be a non-negative finite"),
+        ({"input_ids": [1, 2], "sampling_params": {"foo": 1}}, "contract", "unknown field 'foo'"),
+        ({"input_ids": [1, 2], "text": "hi"}, "check", "Either text or input_ids"),
+        ({}, "check", "Either text or input_ids"),
+        ({"input_ids": "abc"}, "contract", "field 'input_ids' = 'abc' is not"),
+        (
+            {"input_ids": [1, 2], "sampling_params": {"temperature": -1}},
+            "check",
+            "temperature must be a non-negative finite",
+        ),
         # SGLang 0.5.23's other request checks (io_struct.py normalisation, SamplingParams.verify / normalize)
-        ({"input_ids": [1, 2], "sampling_params": {"temperature": float("nan")}}, "non-negative finite number"),
-        ({"input_ids": [1, 2], "sampling_params": {"temperature": float("inf")}}, "non-negative finite number"),
-        ({"input_ids": [1, 2], "sampling_params": {"sampling_seed": 2**64}}, "sampling_seed must be in [-2**63"),
-        ({"input_ids": [1, 2], "sampling_params": {"stop": ["x"] * 33}}, "at most 32 stop strings are allowed"),
-        ({"input_ids": [1, 2], "sampling_params": {"beam_width": 0}}, "beam_width must be at least 1"),
-        ({"input_ids": [[1, 2], [3]], "rid": ["a", "a"]}, "Duplicate request IDs detected within the request: ['a']"),
-        ({"input_ids": [[1, 2], [3]], "rid": ["a"]}, "rids length mismatch with the batch_size"),
-        ({"input_ids": [[1, 2], [3]], "return_logprob": [True]}, "return_logprob is a list of 1"),
+        (
+            {"input_ids": [1, 2], "sampling_params": {"temperature": float("nan")}},
+            "check",
+            "non-negative finite number",
+        ),
+        (
+            {"input_ids": [1, 2], "sampling_params": {"temperature": float("inf")}},
+            "check",
+            "non-negative finite number",
+        ),
+        (
+            {"input_ids": [1, 2], "sampling_params": {"sampling_seed": 2**64}},
+            "check",
+            "sampling_seed must be in [-2**63",
+        ),
+        (
+            {"input_ids": [1, 2], "sampling_params": {"stop": ["x"] * 33}},
+            "check",
+            "at most 32 stop strings are allowed",
+        ),
+        ({"input_ids": [1, 2], "sampling_params": {"beam_width": 0}}, "check", "beam_width must be at least 1"),
+        (
+            {"input_ids": [[1, 2], [3]], "rid": ["a", "a"]},
+            "check",
+            "Duplicate request IDs detected within the request: ['a']",
+        ),
+        ({"input_ids": [[1, 2], [3]], "rid": ["a"]}, "check", "rids length mismatch with the batch_size"),
+        ({"input_ids": [[1, 2], [3]], "return_logprob": [True]}, "check", "return_logprob is a list of 1"),
         (
             {"input_ids": [[1, 2], [3]], "sampling_params": [{"n": 2}, {"n": 1}]},
+            "check",
             "The parallel_sample_num should be the same",
         ),
         (
             {"input_ids": [1, 2], "sampling_params": {"n": 2}, "return_logprob": [True]},
+            "check",
             "Cannot use list return_logprob with parallel_sample_num > 1",
         ),
-        ({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "top_p"),
-        ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "ten"}}, "max_new_tokens must be an integer"),
-        ({"input_ids": [1, 999999]}, "outside the vocabulary"),
-        ({"input_ids": [5] * 600}, "longer than the model's context length"),
+        ({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "check", "top_p"),
+        (
+            {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "ten"}},
+            "contract",
+            "'ten' is not Optional[int]",
+        ),
+        ({"input_ids": [1, 999999]}, "check", "outside the vocabulary"),
+        ({"input_ids": [5] * 600}, "check", "longer than the model's context length"),
         (
             {"input_ids": [5] * 500, "sampling_params": {"max_new_tokens": 100}},
+            "check",
             "exceeds the model's maximum context length",
         ),
-        ({"input_ids": [1, 2], "sampling_params": {"regex": "a+"}}, "not supported"),
+        ({"input_ids": [1, 2], "sampling_params": {"regex": "a+"}}, "check", "not supported"),
     ],
 )
-def test_bad_requests_get_400(server, body, needle):
+def test_bad_requests_get_400(server, body, shape, needle):
     # NaN and Infinity as Python's (and SGLang's) JSON parser reads them, which requests' json= refuses to write
     headers = {"Content-Type": "application/json"}
     r = SESSION.post(server + "/generate", data=json.dumps(body), headers=headers)
-    assert r.status_code == 400 and needle in r.json()["error"], r.text
+    assert needle in refusal(r, shape)
+
+
+def test_a_streamed_request_is_refused_inside_its_stream_as_sglang_does(server):
+    """SGLang checks a streamed /generate request once its stream has begun: 200, one error event, [DONE]; slime's
+    stream reader raises it as the HTTP error it stands for."""
+    import asyncio
+
+    from slime.utils.http_utils import HTTPStatusError, post_stream
+
+    body = {"input_ids": [1, 2], "stream": True, "sampling_params": {"temperature": -1}}
+    r = SESSION.post(server + "/generate", json=body)
+    events = [line[len("data: ") :] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert r.status_code == 200 and events[-1] == "[DONE]" and len(events) == 2, r.text
+    error = json.loads(events[0])["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == 400 and error["retryable"] is False
+    assert "temperature must be a non-negative finite" in error["message"]
+
+    async def read():
+        return [e async for e in post_stream(server + "/generate", body, timeout=60)]
+
+    with pytest.raises(HTTPStatusError, match="temperature must be a non-negative finite") as e:
+        asyncio.run(read())
+    assert e.value.status == 400
 
 
 def test_what_sglang_accepts_is_served_as_sglang_serves_it(server):
@@ -524,6 +595,9 @@ def test_what_sglang_accepts_is_served_as_sglang_serves_it(server):
         },
     )
     assert [len(o["meta_info"]["output_top_logprobs"][0]) for o in outs] == [1, 2]
+    # meta_info's keys SGLang always sends (no reasoning parser: 0), and the logprob count with return_logprob
+    assert all(o["meta_info"]["reasoning_tokens"] == 0 for o in outs)
+    assert [o["meta_info"]["output_token_logprobs_length"] for o in outs] == [1, 1]
 
 
 def test_budgets_are_capped_to_the_context_as_sglang_does(server):
@@ -539,9 +613,20 @@ def test_budgets_are_capped_to_the_context_as_sglang_does(server):
 
 def test_malformed_json_then_still_serving(server):
     r = SESSION.post(server + "/generate", data="{not json", headers={"Content-Type": "application/json"})
-    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]
+    assert "not valid JSON" in refusal(r, "Bad Request")
     r = SESSION.post(server + "/generate", data="[1, 2]")
-    assert r.status_code == 400
+    assert "must be a JSON object" in refusal(r, "Bad Request")
+    # the Content-Type as SGLang's FastAPI reads it: none or a JSON one is JSON; a form (plain `curl -d`) is not; the
+    # OpenAI routes take application/json only
+    ok = json.dumps({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})
+    for content_type in (None, "application/json; charset=utf-8", "application/vnd.api+json"):
+        headers = {"Content-Type": content_type} if content_type else {}
+        assert SESSION.post(server + "/generate", data=ok, headers=headers).status_code == 200, content_type
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    r = SESSION.post(server + "/generate", data=ok, headers=form)
+    assert "only 'application/json' is allowed" in refusal(r, "Bad Request")
+    r = SESSION.post(server + "/v1/completions", data=json.dumps({"prompt": [1, 2], "max_tokens": 1}))
+    assert "only 'application/json' is allowed" in refusal(r, "Bad Request")
     assert (
         gen(server, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})["meta_info"]["completion_tokens"]
         == 2
@@ -785,11 +870,11 @@ def test_weight_updates_need_a_session_as_in_sglang(server):
 
 def test_bodies_are_checked_strictly_against_sglangs_request_classes(server):
     r = SESSION.post(server + "/release_memory_occupation", json={"tag": ["weights"]})
-    assert r.status_code == 400 and "unknown field 'tag'" in r.json()["error"]
+    assert "unknown field 'tag'" in refusal(r, "Bad Request")
     r = SESSION.post(server + "/pause_generation", json={"mode": "soft"})
-    assert r.status_code == 400 and "'mode' = 'soft' is not Literal" in r.json()["error"]
+    assert "'mode' = 'soft' is not Literal" in refusal(r, "Bad Request")
     r = SESSION.post(server + "/generate", json={"input_ids": [1, 2], "sampling_params": {"max_tokens": 3}})
-    assert r.status_code == 400 and "unknown field 'max_tokens'" in r.json()["error"]
+    assert "unknown field 'max_tokens'" in refusal(r, "contract")
     # what sglang-router adds when it re-serialises /generate passes, as on SGLang
     assert (
         SESSION.post(

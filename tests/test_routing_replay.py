@@ -132,7 +132,7 @@ def test_cpu_server_returns_sglang_routed_experts(tmp_path, tiny_kit):
         )
         # SGLang's checks, and nothing unless asked
         bad = _generate(url, PROMPTS[0], return_routed_experts=True, routed_experts_start_len=len(PROMPTS[0]) + 1)
-        assert bad.status_code == 400 and "routed_experts_start_len" in bad.json()["error"]
+        assert bad.status_code == 400 and "routed_experts_start_len" in bad.json()["error"]["message"]
         assert "routed_experts" not in _generate(url, PROMPTS[0]).json()["meta_info"]
     finally:
         stop_cpu_server(proc)

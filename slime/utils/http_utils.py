@@ -191,7 +191,11 @@ async def post_stream(url, payload, timeout=None, headers=None):
                 data = line[len("data:") :].strip()
                 if data == "[DONE]":
                     return
-                yield json.loads(data)
+                event = json.loads(data)
+                if isinstance(event, dict) and "error" in event:  # SGLang checks a streamed request in its stream
+                    error = event["error"]
+                    raise HTTPStatusError(url, error.get("code", 400) if isinstance(error, dict) else 400, error)
+                yield event
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         raise ConnectionError(f"POST {url} (stream) failed: {type(e).__name__}: {e}") from e
 

@@ -9,7 +9,7 @@ import time
 from aiohttp import web
 
 from .media import collapse_placeholders, expand, fetch_remote_images, has_remote_images, images_per_prompt
-from .sampling import RequestError, SamplingParams
+from .sampling import RequestError, SamplingParams, error_response
 from .scheduler import Req
 from .weights import WeightError
 
@@ -245,6 +245,7 @@ class GenerateAPI:
             "finish_reason": r.finish_reason,
             "prompt_tokens": len(r.input_ids),
             "weight_version": r.weight_version or self.state.weight_version,
+            "reasoning_tokens": 0,  # SGLang counts a reasoning parser's thinking tokens; this server runs none
             "completion_tokens": len(r.output_ids),
             "cached_tokens": r.cached_tokens,  # prompt tokens served from another request's prefill
             "num_retractions": r.num_retractions,
@@ -261,6 +262,7 @@ class GenerateAPI:
                 return self.tokenizer.decode([t]) if r.text_in_logprobs else None
 
             meta["output_token_logprobs"] = [[lp, t, text_of(t)] for lp, t in zip(r.output_logprobs, r.output_ids)]
+            meta["output_token_logprobs_length"] = len(meta["output_token_logprobs"])
             meta["input_token_logprobs"] = [[lp, t, text_of(t)] for lp, t, _ in (r.input_logprobs or [])]
             if r.top_logprobs_num:
                 meta["output_top_logprobs"] = r.output_top_logprobs
@@ -287,8 +289,11 @@ class GenerateAPI:
         done = await self._run(reqs)
         self.last_gen_throughput = sum(len(r.output_ids) for r in done) / max(time.time() - t0, 1e-6)
         for r in done:
-            if r.finish_reason.get("status_code"):
-                return web.json_response({"error": r.finish_reason["message"]}, status=r.finish_reason["status_code"])
+            code = r.finish_reason.get("status_code")
+            if code:  # SGLang: a 400 abort is its ValueError's body, another code its HTTPException's
+                message = r.finish_reason["message"]
+                body = {"error": {"message": message}} if code == 400 else error_response(message, str(code), code)
+                return web.json_response(body, status=code)
         outs = [self._output(r) for r in done]
         return web.json_response(outs if batch or len(outs) > 1 else outs[0])
 
@@ -301,8 +306,15 @@ class GenerateAPI:
             snap = (req, text, list(req.output_ids), req.finished)
             loop.call_soon_threadsafe(events.put_nowait, snap)
 
-        reqs, batch = self._build_reqs(body, on_update=on_update)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        try:
+            reqs, batch = self._build_reqs(body, on_update=on_update)
+        except RequestError as e:  # SGLang checks a streamed request inside its stream: 200, one error event, [DONE]
+            error = {"message": str(e), "type": "invalid_request_error", "code": 400, "retryable": False}
+            await resp.prepare(request)
+            await resp.write(f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n".encode())
+            await resp.write_eof()
+            return resp
         try:
             await resp.prepare(request)
         except BaseException:  # the client left before anything ran: give back the adapters the requests hold

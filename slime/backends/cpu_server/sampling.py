@@ -51,7 +51,34 @@ _MAX_STOP_COUNT = 32  # SGLang's MAX_STOP_COUNT
 
 
 class RequestError(ValueError):
-    """A bad request: answered with HTTP 400 {"error": message}."""
+    """A bad request: answered with HTTP 400 in the body SGLang gives its route (`server.error_body`)."""
+
+
+class ContractError(RequestError):
+    """A body that fails SGLang's request schema (a wrong type, an unknown field) or is no JSON object (`unparsed`):
+    SGLang refuses it before its handler runs, in another body than the handler's own errors."""
+
+    def __init__(self, message, unparsed=False):
+        super().__init__(message)
+        self.unparsed = unparsed
+
+
+def error_response(message, kind, code=400):
+    """SGLang's `ErrorResponse` body (its OpenAI routes, and every body FastAPI cannot parse or validate)."""
+    return {"object": "error", "message": message, "type": kind, "param": None, "code": code}
+
+
+def error_body(path, e):
+    """The body SGLang 0.5.23 answers a bad request with, by route: /generate's schema check a flat
+    `{"error": message}` and its request checks `{"error": {"message": ...}}`; the OpenAI routes their
+    `ErrorResponse` ("BadRequestError"); a body FastAPI cannot parse or validate (any route's) `ErrorResponse`
+    ("Bad Request")."""
+    contract, message = isinstance(e, ContractError), str(e)
+    if path == "/generate" and not (contract and e.unparsed):
+        return {"error": message} if contract else {"error": {"message": message}}
+    if path.startswith("/v1/") and not contract:
+        return error_response(message, "BadRequestError")
+    return error_response(message, "Bad Request")
 
 
 def _num(d, key, default, kind):

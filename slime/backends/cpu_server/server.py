@@ -36,7 +36,7 @@ from .hf_fallback import TokenPool, load_fallback
 from .lora import LoRARegistry
 from .model import KVPool, ModelConfig, Transformer, UnsupportedModelError
 from .openai_api import OpenAIAPI
-from .sampling import RequestError, SamplingParams
+from .sampling import ContractError, RequestError, SamplingParams, error_body
 from .scheduler import Req, Scheduler
 from .weight_api import ReceivedBuffers, WeightAPI
 from .weight_checker import WeightChecker
@@ -256,7 +256,7 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
         try:
             return await handler(request)
         except RequestError as e:
-            return web.json_response({"error": str(e)}, status=400)
+            return web.json_response(error_body(request.path, e), status=400)
         except WeightError as e:
             return web.json_response({"success": False, "message": str(e)}, status=400)
         except web.HTTPException:
@@ -270,12 +270,23 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
         text = await request.text()
         if not text.strip():
             return {}
+        # FastAPI (SGLang's HTTP layer) reads a body as JSON when it has no Content-Type or a JSON one (else the
+        # body fails validation); SGLang's OpenAI routes insist on application/json
+        content_type = request.headers.get("Content-Type")
+        media = (content_type or "").split(";")[0].strip().lower()
+        is_json = media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+        if (request.path.startswith("/v1/") and media != "application/json") or (content_type and not is_json):
+            raise ContractError(
+                f"{request.path}: Content-Type {content_type!r}: only 'application/json' is allowed", unparsed=True
+            )
         try:
             body = json.loads(text)
         except ValueError as e:
-            raise RequestError(f"{request.path}: request body is not valid JSON ({e})") from None
+            raise ContractError(f"{request.path}: request body is not valid JSON ({e})", unparsed=True) from None
         if not isinstance(body, dict):
-            raise RequestError(f"{request.path}: request body must be a JSON object, got {type(body).__name__}")
+            raise ContractError(
+                f"{request.path}: request body must be a JSON object, got {type(body).__name__}", unparsed=True
+            )
         if route(request.path) is not None:
             errors = body_errors(request.path, body)
             if request.path == "/generate":
@@ -283,7 +294,7 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
                 # contract ignores unknown top-level keys too. Types and sampling_params stay strict.
                 errors = [e for e in errors if not e.startswith("/generate: unknown field")]
             if errors:
-                raise RequestError("; ".join(errors))
+                raise ContractError("; ".join(errors))
         return body
 
     # ------------------------------------------------------------------ info

@@ -129,7 +129,7 @@ def body_errors(path: str, body) -> list:
     if not isinstance(body, dict):
         return [f"{path}: the body must be a JSON object"]
     errors = fields_errors(body, fields, path)
-    if path == "/generate":  # SGLang rejects unknown sampling_params keys itself (its api_contract)
+    if path == "/generate":  # SGLang checks sampling_params' keys and types itself (its api_contract)
         sp_fields = load_contract()["schemas"]["SamplingParams"]
         sps = body.get("sampling_params")
         for sp in sps if isinstance(sps, list) else [sps]:
@@ -138,5 +138,10 @@ def body_errors(path: str, body) -> list:
                     f"unknown field {k!r}, expected one of {', '.join(map(repr, sp_fields))} (sampling_params)"
                     for k in sp
                     if k not in sp_fields
+                ]
+                errors += [
+                    f"field {k!r} = {str(v)[:80]!r} is not {sp_fields[k]['type']} (sampling_params)"
+                    for k, v in sp.items()
+                    if k in sp_fields and not type_ok(v, sp_fields[k]["type"])
                 ]
     return errors
