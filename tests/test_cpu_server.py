@@ -404,6 +404,7 @@ def test_openai_endpoints(server, hf):
     )
     ref = gen(server, {"input_ids": list(prompt), "sampling_params": {"temperature": 0, "max_new_tokens": 6}})
     assert r["object"] == "chat.completion" and r["choices"][0]["message"]["content"] == ref["text"]
+    assert "tool_calls" not in r["choices"][0]["message"]  # SGLang leaves a null tool_calls out
     assert r["usage"]["prompt_tokens"] == len(prompt) and r["choices"][0]["finish_reason"] in ("stop", "length")
     assert len(r["choices"][0]["logprobs"]["content"]) == r["usage"]["completion_tokens"]
     c = SESSION.post(server + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0}).json()
@@ -669,7 +670,8 @@ def test_pause_and_continue(server):
         time.sleep(0.01)
     assert SESSION.get(server + "/get_load").json()[0]["num_reqs"] == 0 and t.is_alive()
     # held requests do not block the weight-update dance: flush, release and resume all succeed while paused
-    assert SESSION.get(server + "/flush_cache").status_code == 200
+    flushed = SESSION.get(server + "/flush_cache")
+    assert flushed.status_code == 200 and flushed.text.startswith("Cache flushed.\nPlease check backend logs")
     assert SESSION.post(server + "/release_memory_occupation", json={}).status_code == 200
     assert SESSION.post(server + "/resume_memory_occupation", json={}).status_code == 200
     assert SESSION.post(server + "/continue_generation", json={}).json()["status"] == "ok"

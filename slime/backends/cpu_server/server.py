@@ -443,7 +443,10 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
         # no prefix cache to drop; like SGLang, refuse while requests are in flight (callers retry until 200)
         if not self.scheduler.is_idle():
             return web.Response(status=400, text="Cache not flushed: there are running or waiting requests.")
-        return web.Response(text="Cache flushed.\n")
+        return web.Response(
+            text="Cache flushed.\nPlease check backend logs for more details. "
+            "(When there are running or waiting requests, the operation will not be performed.)\n"
+        )
 
     async def pause_generation(self, request):
         body = await self._body(request)
