@@ -508,6 +508,8 @@ def test_abort_returns_partial_output(server):
             "at most 32 stop strings are allowed",
         ),
         ({"input_ids": [1, 2], "sampling_params": {"beam_width": 0}}, "check", "beam_width must be at least 1"),
+        ({"input_ids": [1, 2], "session_id": "s", "session_params": {"id": "s"}}, "check", "cannot both be set"),
+        ({"input_ids": [1, 2], "return_hidden_states": True}, "check", "not configured to return hidden states"),
         (
             {"input_ids": [[1, 2], [3]], "rid": ["a", "a"]},
             "check",
@@ -571,7 +573,7 @@ def test_a_streamed_request_is_refused_inside_its_stream_as_sglang_does(server):
     assert e.value.status == 400
 
 
-def test_what_sglang_accepts_is_served_as_sglang_serves_it(server):
+def test_what_sglang_accepts_is_served_as_sglang_serves_it(server, hf):
     # an explicit null budget is no limit (the context caps it), not the default 128
     out = gen(server, {"input_ids": [5] * 300, "sampling_params": {"ignore_eos": True, "max_new_tokens": None}})
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 210}  # 512 - 1 - 300 - 1
@@ -599,6 +601,12 @@ def test_what_sglang_accepts_is_served_as_sglang_serves_it(server):
     # meta_info's keys SGLang always sends (no reasoning parser: 0), and the logprob count with return_logprob
     assert all(o["meta_info"]["reasoning_tokens"] == 0 for o in outs)
     assert [o["meta_info"]["output_token_logprobs_length"] for o in outs] == [1, 1]
+    # return_prompt_token_ids: the prompt's ids beside the answer, and nothing unless asked
+    outs = gen(
+        server, {"text": ["1+1=", "hi"], "return_prompt_token_ids": True, "sampling_params": {"max_new_tokens": 1}}
+    )
+    assert [o["prompt_token_ids"] for o in outs] == [hf[1].encode("1+1="), hf[1].encode("hi")]
+    assert "prompt_token_ids" not in gen(server, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})
 
 
 def test_budgets_are_capped_to_the_context_as_sglang_does(server):

@@ -124,6 +124,13 @@ class GenerateAPI:
         for t in topn if isinstance(topn, list) else [topn]:  # one for all prompts, or one per prompt
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise RequestError(f"top_logprobs_num must be a non-negative integer, got {t!r}")
+        if body.get("session_id") is not None and body.get("session_params") is not None:
+            raise RequestError("session_id and session_params cannot both be set.")
+        if body.get("return_hidden_states"):  # SGLang's answer when its server was not started to return them
+            raise RequestError(
+                "The server is not configured to return hidden states. Please set `--return-hidden-states-mode last`, "
+                "`--return-hidden-states-mode full`, or the legacy `--enable-return-hidden-states` flag."
+            )
         if body.get("custom_logit_processor") or body.get("input_embeds") is not None:
             raise RequestError("custom_logit_processor and input_embeds are not supported by slime's CPU server.")
         if self.processor is None and (body.get("image_data") or body.get("video_data") or body.get("audio_data")):
@@ -183,6 +190,7 @@ class GenerateAPI:
                     routed_experts_start_len=routed_start,
                 )
                 r.index, r.text_in_logprobs = len(reqs), bool(body.get("return_text_in_logprobs"))
+                r.return_prompt_token_ids = bool(body.get("return_prompt_token_ids"))
                 r.mm = mm
                 r.support_logprobs = mode == "support"
                 reqs.append(r)
@@ -275,7 +283,10 @@ class GenerateAPI:
             meta["output_token_sampling_mask_length"] = len(r.output_sampling_masks)
         if r.routed_experts is not None:  # SGLang: base64 of the int32 [tokens, layers, top_k] array, row-major
             meta["routed_experts"] = base64.b64encode(r.routed_experts.numpy().tobytes()).decode("utf-8")
-        return {"text": r.text if text is None else text, "output_ids": list(r.output_ids), "meta_info": meta}
+        out = {"text": r.text if text is None else text, "output_ids": list(r.output_ids), "meta_info": meta}
+        if r.return_prompt_token_ids:  # the prompt as the model saw it (images expanded)
+            out["prompt_token_ids"] = list(r.input_ids)
+        return out
 
     async def generate(self, request):
         body = await self._body(request)

@@ -159,7 +159,11 @@ class OpenAIAPI:
             choices.append(
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": r.text, "reasoning_content": None},  # null tool_calls left out
+                    "message": {
+                        "role": "assistant",
+                        "content": r.text,
+                        "reasoning_content": None,
+                    },  # null tool_calls left out
                     "logprobs": lp,
                     "finish_reason": self._finish_str(r),
                     "matched_stop": r.finish_reason.get("matched"),
