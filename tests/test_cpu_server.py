@@ -412,6 +412,27 @@ def test_openai_endpoints(server, hf):
     assert c["object"] == "text_completion" and c["choices"][0]["text"] == ref["text"]
 
 
+def test_openai_top_logprobs_are_the_models_most_likely_tokens(server, hf):
+    """Chat's `top_logprobs` and completions' `logprobs: N` answer, per generated token, the N most likely tokens
+    and their log-probs, as transformers' forward gives them; `logprobs: 0` still answers the tokens' own."""
+    model, tok = hf
+    prompt = tok.encode("What is 3+4?")
+    top = torch.log_softmax(model(torch.tensor([prompt])).logits[0, -1].float(), -1).topk(3)
+    want = [(tok.decode([int(t)]), float(v)) for v, t in zip(top.values, top.indices)]
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 3}
+    lp = SESSION.post(server + "/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert list(lp["top_logprobs"][0]) == [t for t, _ in want] and lp["text_offset"] == [-1]
+    assert all(abs(lp["top_logprobs"][0][t] - v) < 1e-4 for t, v in want)
+    lp = SESSION.post(server + "/v1/completions", json={**body, "logprobs": 0}).json()["choices"][0]["logprobs"]
+    assert lp["top_logprobs"] == [] and abs(lp["token_logprobs"][0] - want[0][1]) < 1e-4
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0, "logprobs": True}
+    content = SESSION.post(server + "/v1/chat/completions", json={**chat, "top_logprobs": 2}).json()["choices"][0]
+    for item in content["logprobs"]["content"]:
+        alts = item["top_logprobs"]
+        assert len(alts) == 2 and alts[0]["token"] == item["token"] and alts[0]["logprob"] == item["logprob"]
+        assert alts[0]["logprob"] >= alts[1]["logprob"] and alts[1]["bytes"] == list(alts[1]["token"].encode())
+
+
 def test_openai_requests_are_read_as_sglang_reads_them(server):
     chat = {"model": "x", "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "ignore_eos": True}
     # max_completion_tokens or max_tokens: a null one does not hide the other
@@ -422,6 +443,10 @@ def test_openai_requests_are_read_as_sglang_reads_them(server):
     assert r.json()["usage"]["completion_tokens"] == 16
     r = SESSION.post(server + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 0})
     assert "max_tokens must be positive" in refusal(r, "BadRequestError")
+    # what this server does not do is refused, not ignored
+    for extra in ({"stream": True}, {"echo": True}):
+        r = SESSION.post(server + "/v1/completions", json={"prompt": [1, 2], **extra})
+        assert "is not supported by slime's CPU server" in refusal(r, "BadRequestError")
     # logit_bias is applied: +100 on token 5 makes it the greedy choice every step
     body = {"prompt": [1, 2], "max_tokens": 3, "temperature": 0, "logit_bias": {"5": 100}, "return_token_ids": True}
     assert SESSION.post(server + "/v1/completions", json=body).json()["choices"][0]["token_ids"] == [5, 5, 5]

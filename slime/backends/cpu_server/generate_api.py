@@ -273,7 +273,9 @@ class GenerateAPI:
             meta["output_token_logprobs_length"] = len(meta["output_token_logprobs"])
             meta["input_token_logprobs"] = [[lp, t, text_of(t)] for lp, t, _ in (r.input_logprobs or [])]
             if r.top_logprobs_num:
-                meta["output_top_logprobs"] = r.output_top_logprobs
+                meta["output_top_logprobs"] = [
+                    [[v, t, text_of(t)] for v, t, _ in row] for row in r.output_top_logprobs
+                ]
         if r.return_sampling_mask:  # SGLang: per output token its sampling support and behaviour log-prob(s)
             meta["output_token_sampling_mask"] = [list(m) for m in r.output_sampling_masks]
             meta["output_token_sampling_logprobs"] = [

@@ -52,16 +52,29 @@ class OpenAIAPI:
                 sp[k] = b[k]
         return {k: v for k, v in sp.items() if v is not None}
 
+    def _token_logprob(self, token_id, logprob):
+        text = self.tokenizer.decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
     def _finish_str(self, r):
         return {"stop": "stop", "length": "length", "abort": "abort"}[r.finish_reason["type"]]
 
     async def _openai_run(self, b, ids, model_defaults, mm=None, chat=True):
         if b.get("stream"):
             raise RequestError("stream=true is not supported by slime's CPU server's OpenAI endpoints")
+        if b.get("echo"):
+            raise RequestError("echo=true is not supported by slime's CPU server's OpenAI endpoints")
         sp = SamplingParams.from_dict(self._openai_sampling(b, len(ids), model_defaults, chat), self.cfg.vocab_size)
         self._check_prompt(ids, sp)
-        want_lp = bool(b.get("logprobs"))
-        reqs = [Req(ids, sp, return_logprob=want_lp) for _ in range(sp.n)]
+        if chat:  # SGLang: `logprobs` a boolean, `top_logprobs` how many alternatives
+            want_lp, top_n = bool(b.get("logprobs")), b.get("top_logprobs") or 0
+        else:  # `logprobs: N` both asks for log-probs (0 too) and for N alternatives
+            want_lp, top_n = b.get("logprobs") is not None, b.get("logprobs") or 0
+        if not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 0:
+            raise RequestError(
+                f"{'top_logprobs' if chat else 'logprobs'} must be a non-negative integer, got {top_n!r}"
+            )
+        reqs = [Req(ids, sp, return_logprob=want_lp, top_logprobs_num=top_n) for _ in range(sp.n)]
         for r in reqs:
             r.mm = mm
         return await self._run(reqs)
@@ -96,9 +109,15 @@ class OpenAIAPI:
         choices = []
         for i, r in enumerate(reqs):
             lp = None
-            if r.return_logprob:
+            if r.return_logprob:  # SGLang's LogProbs: a {token: logprob} per position when asked, offsets unknown
                 toks = [self.tokenizer.decode([t]) for t in r.output_ids]
-                lp = {"tokens": toks, "token_logprobs": r.output_logprobs, "top_logprobs": None, "text_offset": None}
+                top = [{self.tokenizer.decode([t]): v for v, t, _ in row} for row in r.output_top_logprobs]
+                lp = {
+                    "tokens": toks,
+                    "token_logprobs": r.output_logprobs,
+                    "top_logprobs": top,
+                    "text_offset": [-1] * len(toks),
+                }
             choices.append(
                 {
                     "index": i,
@@ -145,15 +164,14 @@ class OpenAIAPI:
         for i, r in enumerate(reqs):
             lp = None
             if r.return_logprob:
+                tops = r.output_top_logprobs or [[] for _ in r.output_ids]
                 lp = {
                     "content": [
                         {
-                            "token": self.tokenizer.decode([t]),
-                            "logprob": v,
-                            "bytes": list(self.tokenizer.decode([t]).encode()),
-                            "top_logprobs": [],
+                            **self._token_logprob(t, v),
+                            "top_logprobs": [self._token_logprob(alt, alt_v) for alt_v, alt, _ in top],
                         }
-                        for t, v in zip(r.output_ids, r.output_logprobs)
+                        for t, v, top in zip(r.output_ids, r.output_logprobs, tops)
                     ]
                 }
             choices.append(
