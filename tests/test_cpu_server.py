@@ -623,6 +623,11 @@ def test_what_sglang_accepts_is_served_as_sglang_serves_it(server, hf):
         },
     )
     assert [len(o["meta_info"]["output_top_logprobs"][0]) for o in outs] == [1, 2]
+    # with return_text_in_logprobs the alternatives carry their text too
+    one = gen(
+        server, {"input_ids": [1, 2], "return_logprob": True, "top_logprobs_num": 2, "return_text_in_logprobs": True}
+    )
+    assert all(text == hf[1].decode([t]) for _, t, text in one["meta_info"]["output_top_logprobs"][0])
     # meta_info's keys SGLang always sends (no reasoning parser: 0), and the logprob count with return_logprob
     assert all(o["meta_info"]["reasoning_tokens"] == 0 for o in outs)
     assert [o["meta_info"]["output_token_logprobs_length"] for o in outs] == [1, 1]
