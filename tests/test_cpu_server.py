@@ -957,6 +957,13 @@ def test_update_weights_from_tensor_and_disk(own_server, hf, other_weights, tiny
     r = SESSION.post(server + "/update_weights_from_tensor", json={"serialized_named_tensors": [bad]})
     end_update(server)
     assert r.status_code == 400 and "model.layers.0.mlp.bogus.weight" in r.json()["message"]
+    # a path that is no checkpoint: SGLang's failure body (with its paused-request count), the weights unchanged
+    r = SESSION.post(server + "/update_weights_from_disk", json={"model_path": str(tiny_kit[0]) + "-missing"})
+    assert r.status_code == 400 and r.json() == {
+        "success": False,
+        "message": r.json()["message"],
+        "num_paused_requests": 0,
+    }
     # back to the original weights from disk
     r = SESSION.post(server + "/update_weights_from_disk", json={"model_path": tiny_kit[0], "weight_version": "disk"})
     assert r.status_code == 200 and r.json()["success"]

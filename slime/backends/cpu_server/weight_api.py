@@ -189,14 +189,17 @@ class WeightAPI:
     async def update_weights_from_disk(self, request):
         b = await self._body(request)
         path = b.get("model_path")
-        if not isinstance(path, str) or not os.path.isdir(path):
-            raise WeightError(f"update_weights_from_disk: model_path {path!r} is not a directory")
 
         def load():
             self.weights.load_from_dir(path)
             self.state.bump_version(b.get("weight_version"))
 
-        await self._weights_control(load)
+        try:
+            if not isinstance(path, str) or not os.path.isdir(path):
+                raise WeightError(f"update_weights_from_disk: model_path {path!r} is not a directory")
+            await self._weights_control(load)
+        except WeightError as e:  # SGLang's body, failure or not, counts the requests the update paused
+            return web.json_response({"success": False, "message": str(e), "num_paused_requests": 0}, status=400)
         return web.json_response(
             {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
         )
