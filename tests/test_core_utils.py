@@ -367,8 +367,8 @@ def test_the_run_record_takes_the_training_metrics_from_the_last_pipeline_stage(
     assert record["train/pg_loss"] == 0.3  # the last of the rollout's steps, from the first rank that has any
     assert record["rollout/log_probs"] == -1.0 and record["perf/tflops"] == 2.0 and record["rollout/raw_reward"] == 0.5
     # the critic's report too: its ranks hand back values, the last stage's also the steps' metrics
-    critic = [{"values": {0: [0.1]}, "train": []}, {"values": {}, "train": [{"train/critic_value_loss": 0.2}]}]
-    assert critic_report(critic) == {"train": [{"train/critic_value_loss": 0.2}]}
+    critic = [{"values": {0: [0.1]}, "train": []}, {"values": {}, "train": [{"train/critic-value_loss": 0.2}]}]
+    assert critic_report(critic) == {"train": [{"train/critic-value_loss": 0.2}]}
 
 
 # ---------------------------------------------------------------- process-group rendezvous

@@ -200,8 +200,9 @@ def test_critic_trains_hands_values_to_the_actor_and_resumes(ray_session, tiny_k
         _, returns = _hand_returns(data, values, 0.99, 0.95)
         expect = np.mean([((torch.tensor(v) - r) ** 2).mean().item() for v, r in zip(values, returns)])
         step = r0["train"][0]
-        assert step["train/critic_value_loss"] == pytest.approx(expect, rel=1e-4)
-        assert step["train/critic_value_clipfrac"] == 0.0 and step["train/critic_grad_norm"] > 0
+        assert step["train/critic-value_loss"] == pytest.approx(expect, rel=1e-4)
+        assert step["train/critic-value_clipfrac"] == 0.0 and step["train/critic-grad_norm"] > 0
+        assert step["train/critic-global_batch_size"] == n and "train/global_batch_size" not in step
         assert r0["rollout"]["rollout/critic_value_mean"] == pytest.approx(np.concatenate(values).mean(), rel=1e-4)
         assert "rollout/critic_explained_variance" in r0["rollout"]
 
@@ -261,12 +262,12 @@ def test_train_py_ppo_critic_only_warm_up_checkpoint_and_resume(ray_session, tin
     async_driver.train(e2e_args(tiny_kit, first, *ppo, num_rollout=2))
     rows = read_metrics(first)
     assert [r["rollout_id"] for r in rows] == [0, 1]
-    assert "train/critic_value_loss" in rows[0] and "train/pg_loss" not in rows[0]  # the critic-only warm-up
-    assert "train/critic_value_loss" in rows[1] and "train/pg_loss" in rows[1]
+    assert "train/critic-value_loss" in rows[0] and "train/pg_loss" not in rows[0]  # the critic-only warm-up
+    assert "train/critic-value_loss" in rows[1] and "train/pg_loss" in rows[1]
     # the record keeps each rollout's last step: the critic's alone in the warm-up (its 4th step of rollout 0,
     # train/step 0 * 4 + 3), then the actor's (its 2nd step of rollout 1: 1 * 2 + 1; the critic's would be 7)
     assert (rows[0]["train/step"], rows[1]["train/step"]) == (3, 3)
-    for key in ("train/critic_value_clipfrac", "rollout/critic_value_mean", "rollout/critic_explained_variance"):
+    for key in ("train/critic-value_clipfrac", "rollout/critic_value_mean", "rollout/critic_explained_variance"):
         assert key in rows[1], key
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
     assert (ckpt / "critic" / "iter_0000001").is_dir() and (ckpt / "iter_0000001").is_dir()
@@ -279,7 +280,7 @@ def test_train_py_ppo_critic_only_warm_up_checkpoint_and_resume(ray_session, tin
     rows = read_metrics(second)
     assert [r["rollout_id"] for r in rows] == [2]
     assert rows[0]["train/step"] == 2 * 2 + 1
-    assert "train/critic_value_loss" in rows[0] and "train/pg_loss" in rows[0]
+    assert "train/critic-value_loss" in rows[0] and "train/pg_loss" in rows[0]
     assert (ckpt / "critic" / "iter_0000002").is_dir()
 
 
@@ -302,7 +303,7 @@ def test_ppo_with_a_critic_colocated_and_asynchronous(ray_session, tiny_kit, tmp
     (sync_driver if mode == "colocate" else async_driver).train(args)
     rows = read_metrics(tmp_path)
     assert [r["rollout_id"] for r in rows] == [0, 1]
-    assert "train/pg_loss" not in rows[0] and "train/critic_value_loss" in rows[0]
+    assert "train/pg_loss" not in rows[0] and "train/critic-value_loss" in rows[0]
     assert "train/pg_loss" in rows[1] and "rollout/critic_explained_variance" in rows[1]
 
 
@@ -339,14 +340,14 @@ class _FakeCritic:
         self.calls.append(phase)
         if phase == "train":
             self.trained_on = [np.asarray(r).tolist() for r in extra["returns"]]
-            return [{"values": {}, "train": [{"train/critic_value_loss": 0.0}], "rollout": {}}]
+            return [{"values": {}, "train": [{"train/critic-value_loss": 0.0}], "rollout": {}}]
         values = {0: np.array([0.5, 0.25], dtype=np.float32)}
         if phase == "values":
             return [{"values": values}]
         data = _one_sample(values=[values[0]])
         compute_advantages_and_returns(critic_args(self.args), data)
         self.trained_on = [r.tolist() for r in data["returns"]]
-        return [{"values": values, "train": [{"train/critic_value_loss": 0.0}], "rollout": {}}]
+        return [{"values": values, "train": [{"train/critic-value_loss": 0.0}], "rollout": {}}]
 
 
 class _FakeActor:
@@ -388,12 +389,12 @@ def test_with_kl_coef_the_critic_regresses_on_the_actors_kl_penalised_returns(mo
     assert critic.calls == ["values", "train"]
     if rollout_id == 0:  # the warm-up: the actor computes its returns and does not train
         assert actor.calls == ["returns_only"] and results == [
-            {"critic": {"train": [{"train/critic_value_loss": 0.0}], "rollout": {}}}
+            {"critic": {"train": [{"train/critic-value_loss": 0.0}], "rollout": {}}}
         ]
     else:
         assert actor.calls == ["returns"] and actor.advantages[0] == pytest.approx([-0.0825, 0.65], abs=1e-6)
         assert "returns" not in results[0] and results[0]["train"] == [{"train/pg_loss": 1.0}]
-        assert results[0]["critic"]["train"] == [{"train/critic_value_loss": 0.0}]
+        assert results[0]["critic"]["train"] == [{"train/critic-value_loss": 0.0}]
     # --kl-coef 0: one critic call, on its own (identical) returns of the task reward
     args0 = make_args(*PPO, "--gamma", "0.9", "--lambd", "0.5")
     critic = _FakeCritic(args0)

@@ -15,7 +15,7 @@ from tests.test_critic import _hand_returns
 
 PPO = dict(advantage_estimator="ppo", use_critic=True, gamma=0.99, lambd=0.95, use_kl_loss=False)
 NUM_ROLLOUTS = 2
-_COMPARED = ("train/critic_value_loss", "train/critic_value_clipfrac", "train/critic_grad_norm")
+_COMPARED = ("train/critic-value_loss", "train/critic-value_clipfrac", "train/critic-grad_norm")
 
 
 class _Ref:
@@ -114,9 +114,9 @@ def test_critic_takes_the_critic_roles_steps_per_rollout(ref, tiny_kit, tmp_path
     _, returns = _hand_returns(fixed_rollout(), values, 0.99, 0.95)
     per_sample = [((torch.tensor(v) - r) ** 2).mean().item() for v, r in zip(values, returns)]
     first = run["history"][0][0]
-    assert first["train/critic_value_loss"] == pytest.approx(np.mean(per_sample[:2]), rel=1e-5)
-    assert first["train/critic_value_clipfrac"] == 0.0
-    assert ref["history"][0][0]["train/critic_value_loss"] == pytest.approx(np.mean(per_sample), rel=1e-5)
+    assert first["train/critic-value_loss"] == pytest.approx(np.mean(per_sample[:2]), rel=1e-5)
+    assert first["train/critic-value_clipfrac"] == 0.0
+    assert ref["history"][0][0]["train/critic-value_loss"] == pytest.approx(np.mean(per_sample), rel=1e-5)
     # the second rollout's values come from a critic updated twice: not those of the critic updated once
     assert not np.allclose(run["values"][1][0], ref["values"][1][0], atol=1e-6)
 

@@ -82,6 +82,7 @@ def test_actor_trains_tiny_qwen3_and_resumes(ray_session, tiny_kit, tmp_path, tp
         assert len(train) == 1 and train[0]["train/step"] == 0
         assert train[0]["train/ppo_kl"] == 0.0 and train[0]["train/kl_loss"] == 0.0  # --ci-test checks too
         assert train[0]["train/grad_norm"] > 0 and train[0]["train/lr"] == pytest.approx(1e-3)
+        assert train[0]["train/global_batch_size"] == len(fixed_rollout()["tokens"])  # the step's samples
         # one optimizer step per rollout: PPO's old log-probs are the training forward's, no separate forward
         assert "rollout/log_probs" not in results[0]["rollout"] and "rollout/ref_log_probs" in results[0]["rollout"]
         ray.get([a.save_model.remote(0) for a in actors], timeout=300)

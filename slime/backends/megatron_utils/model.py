@@ -447,8 +447,8 @@ def _grads_are_finite(model):
 
 def train(args, rollout_id, model, optimizer, opt_param_scheduler, data_iterator, num_microbatches, role="actor"):
     """Run this rollout's `len(num_microbatches)` optimizer steps; returns the per-step metric dicts (main rank).
-    The critic's metrics are named `train/critic_*`, beside the actor's `train/*`."""
-    prefix = "train/" if role == "actor" else f"train/{role}_"
+    The critic's metrics are named `train/critic-*` (current slime's names), beside the actor's `train/*`."""
+    prefix = "train/" if role == "actor" else f"train/{role}-"
     for m in model:
         m.train()
     for it in data_iterator:
@@ -476,6 +476,7 @@ def train(args, rollout_id, model, optimizer, opt_param_scheduler, data_iterator
         for i, group in enumerate(optimizer.param_groups):
             metrics[f"{prefix}lr-pg_{i}"] = group["lr"]
         metrics[f"{prefix}lr"] = optimizer.param_groups[0]["lr"]
+        metrics[f"{prefix}global_batch_size"] = args.global_batch_size  # the samples of each step
         metrics["train/step"] = rollout_id * steps + step_id
         history.append(metrics)
         if is_megatron_main_rank():
