@@ -359,6 +359,9 @@ def test_two_mtp_depths_round_trip_and_both_train(tmp_path):
     assert any(k.startswith("model.layers.4.") for k in expected)  # the second MTP layer (3 decoder layers)
     (metrics,) = res["history"]
     assert metrics["train/mtp_loss"] > 0
+    # each depth's loss too (current slime's keys), summing to the total
+    depth_losses = [metrics["train/mtp_1_loss"], metrics["train/mtp_2_loss"]]
+    assert min(depth_losses) > 0 and sum(depth_losses) == pytest.approx(metrics["train/mtp_loss"], rel=1e-5)
     for depth in (0, 1):
         touched = [n for n, g in res["grads"].items() if f".mtp.layers.{depth}." in n and g > 0]
         assert any(n.endswith("eh_proj.weight") for n in touched), (depth, touched)

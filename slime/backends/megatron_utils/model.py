@@ -363,10 +363,11 @@ def train_one_step(args, rollout_id, step_id, data_iterator, model, optimizer, o
 
         def loss_func(logits):
             loss, num_tokens, report = loss_function(args, batch, num_microbatches, logits)
-            if train_mtp:  # logged as the mean over samples, like the loss terms
-                report["keys"].append("mtp_loss")
-                mtp_loss = last_mtp_losses(chunk).sum().to(report["values"].device)
-                report["values"] = torch.cat([report["values"], (report["values"][0] * mtp_loss).reshape(1)])
+            if train_mtp:  # each depth's and their sum (current slime's keys), means over samples like the loss terms
+                depths = last_mtp_losses(chunk).to(report["values"].device)
+                report["keys"] += [f"mtp_{i + 1}_loss" for i in range(len(depths))] + ["mtp_loss"]
+                mtp = torch.cat([depths, depths.sum().reshape(1)])
+                report["values"] = torch.cat([report["values"], report["values"][0] * mtp])
             # the schedule clamps/sums num_tokens as a tensor
             return loss, torch.as_tensor(num_tokens, device=loss.device).reshape(()).int(), report
 
