@@ -218,6 +218,8 @@ def policy_loss_function(args, batch, logits, sum_of_sample_mean):
         metrics["train_rollout_logprob_abs_diff"] = sum_of_sample_mean(
             (torch.cat(train_log_probs) - torch.cat(rollout_log_probs)).abs()
         )
+    if batch.get("opd_reverse_kl"):  # OPD: the student's reverse KL to the teacher, per step as current slime logs it
+        metrics["opd_reverse_kl"] = sum_of_sample_mean(torch.cat(batch["opd_reverse_kl"]).to(pg_loss.device))
     if args.get_mismatch_metrics:
         metrics.update(
             _mismatch_metrics(args, batch, train_log_probs, pg_loss_before_tis, sum_of_sample_mean, response_lengths)

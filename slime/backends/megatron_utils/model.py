@@ -57,6 +57,7 @@ TRAIN_KEYS = [
     *TOP_P_KEYS,
     TEMPERATURES_KEY,
     "values",
+    "opd_reverse_kl",
     routing_replay.KEY,
     "rollout_mask_sums",
     "rollout_weights",
