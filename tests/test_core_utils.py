@@ -359,7 +359,7 @@ def test_the_run_record_takes_the_training_metrics_from_the_last_pipeline_stage(
     from slime.ray.driver import RunRecorder
 
     manager = types.SimpleNamespace(pop_metrics=lambda rollout_id: {"rollout/raw_reward": 0.5}, fault_events=[])
-    args = types.SimpleNamespace(metrics_path=str(tmp_path / "m.jsonl"))
+    args = make_args("--metrics-path", str(tmp_path / "m.jsonl"))
     first_stage = {"rollout": {"rollout/log_probs": -1.0}, "train": [], "perf": {"perf/tflops": 2.0}}
     last_stage = {"rollout": {"rollout/log_probs": -9.0}, "train": [{"train/pg_loss": 0.1}, {"train/pg_loss": 0.3}]}
     RunRecorder(args, manager).rollout_done(0, [first_stage, last_stage, {"train": [{"train/pg_loss": 7.0}]}])

@@ -113,15 +113,15 @@ def read_metrics(tmp_path):
         return [json.loads(line) for line in f]
 
 
-def wandb_steps(wandb_dir):
-    """{step key: the steps logged under it} over every offline W&B run file in `wandb_dir` (each process writes its
+def wandb_history(wandb_dir):
+    """{key: the values logged under it} over every offline W&B run file in `wandb_dir` (each process writes its
     own): the records of wandb's log-structured `.wandb` files, 32 KiB blocks of 7-byte-headed chunks."""
     import glob
     import struct
 
     from wandb.proto import wandb_internal_pb2
 
-    steps = {}
+    history = {}
     for path in glob.glob(os.path.join(wandb_dir, "wandb", "offline-run-*", "*.wandb")):
         buf, pos, pending = open(path, "rb").read(), 7, b""
         while pos + 7 <= len(buf):
@@ -140,11 +140,10 @@ def wandb_steps(wandb_dir):
                 pending = b""
                 for item in record.history.item if record.WhichOneof("record_type") == "history" else ():
                     key = item.key or "/".join(item.nested_key)  # "a/b" is stored split
-                    if key.endswith("/step"):
-                        steps.setdefault(key, set()).add(json.loads(item.value_json))
+                    history.setdefault(key, []).append(json.loads(item.value_json))
             elif kind in (2, 3):  # the first or a middle chunk
                 pending = (pending if kind == 3 else b"") + chunk
-    return steps
+    return history
 
 
 def test_train_disaggregated_with_eval_and_first_step_invariants(ray_session, tiny_kit, tmp_path):
@@ -188,9 +187,12 @@ def test_train_disaggregated_with_eval_and_first_step_invariants(ray_session, ti
     # W&B holds every rollout's and every optimizer step's metrics, the last ones too: the controller and the
     # trainers closed their sides of the run before they were killed. 2 steps per rollout (16 samples, batch 8), and
     # --wandb-always-use-train-step puts rollout k's metrics, the controller's and the trainers' alike, at step 2k
-    steps = wandb_steps(tmp_path / "wandb")
+    history = wandb_history(tmp_path / "wandb")
+    steps = {k: set(v) for k, v in history.items() if k.endswith("/step")}
     assert steps["rollout/step"] == {0, 2, 4} and steps["train/step"] == set(range(6)), steps
     assert steps["eval/step"] == {0, 2}
+    # and what only the driver measures: each step's wall time and weight push (the initial push is no rollout's)
+    assert len(history["perf/step_time"]) == 3 and len(history["perf/update_weights_time"]) == 3, sorted(history)
 
 
 @pytest.mark.slow

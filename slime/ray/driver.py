@@ -10,6 +10,7 @@ import time
 
 import ray
 
+from slime.observability.wandb_utils import get_step, log
 from slime.utils.console import metrics_line
 from slime.utils.user_errors import UserCodeError
 
@@ -144,10 +145,25 @@ class RunRecorder:
         record.update(self._fault_metrics())
         record["perf/step_time"] = now - self.last_time
         self.pending_eval, self.last_time = {}, now
+        self._track(rollout_id, record)
         print(self._line(record), flush=True)
         if self.args.metrics_path:
             with open(self.args.metrics_path, "a") as f:
                 f.write(json.dumps(_jsonable(record)) + "\n")
+
+    def _track(self, rollout_id, record):
+        """What only the driver measures (the step's wall time, the weight push, fault counts) to W&B and
+        TensorBoard on the rollout axis; the controller and the trainers log the rest themselves."""
+        if not (self.args.use_wandb or self.args.use_tensorboard):
+            return
+        own = {
+            k: v
+            for k, v in record.items()
+            if k.startswith(("perf/step_time", "perf/update_weights", "update_weights/", "fault/"))
+            and isinstance(v, (int, float))
+            and not isinstance(v, bool)
+        }
+        log(self.args, own, "rollout/step", step=get_step(self.args, "rollout", rollout_id))
 
     def _fault_metrics(self):
         """Counts of engine/router faults so far and what was done (`fault/*`), plus this rollout's new events."""
