@@ -177,11 +177,8 @@ class OpenAIAPI:
             choices.append(
                 {
                     "index": i,
-                    "message": {
-                        "role": "assistant",
-                        "content": r.text,
-                        "reasoning_content": None,
-                    },  # null tool_calls left out
+                    # SGLang leaves a null tool_calls out
+                    "message": {"role": "assistant", "content": r.text, "reasoning_content": None},
                     "logprobs": lp,
                     "finish_reason": self._finish_str(r),
                     "matched_stop": r.finish_reason.get("matched"),

@@ -51,7 +51,7 @@ _MAX_STOP_COUNT = 32  # SGLang's MAX_STOP_COUNT
 
 
 class RequestError(ValueError):
-    """A bad request: answered with HTTP 400 in the body SGLang gives its route (`server.error_body`)."""
+    """A bad request: answered with HTTP 400 in the body SGLang gives its route (`error_body`)."""
 
 
 class ContractError(RequestError):
