@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from slime.utils.flops_utils import forward_flops
 from slime.utils.user_errors import UserCodeError
 from tests._megatron_helpers import fixed_rollout, train_args
 
@@ -85,6 +86,14 @@ def test_actor_trains_tiny_qwen3_and_resumes(ray_session, tiny_kit, tmp_path, tp
         assert train[0]["train/global_batch_size"] == len(fixed_rollout()["tokens"])  # the step's samples
         # one optimizer step per rollout: PPO's old log-probs are the training forward's, no separate forward
         assert "rollout/log_probs" not in results[0]["rollout"] and "rollout/ref_log_probs" in results[0]["rollout"]
+        # current slime's throughput: the rollout's tokens, and 3 forwards' FLOPs shared by the tp GPUs
+        perf, lengths = results[0]["perf"], [len(t) for t in fixed_rollout()["tokens"]]
+        flops = ray.get(actors[0].__ray_call__.remote(lambda self: [forward_flops(self.args, n) for n in lengths]))
+        train_time, ref_time = perf["perf/actor_train_time"], perf["perf/ref_log_probs_time"]
+        assert perf["perf/actor_train_tok_per_s"] == pytest.approx(sum(lengths) / train_time)
+        assert perf["perf/actor_train_tflops"] == pytest.approx(3 * sum(flops) / tp / 1e12 / train_time)
+        assert perf["perf/ref_log_probs_tflops"] == pytest.approx(sum(flops) / tp / 1e12 / ref_time)
+        assert "perf/log_probs_tflops" not in perf
         ray.get([a.save_model.remote(0) for a in actors], timeout=300)
     finally:
         _kill(ray, actors)

@@ -357,3 +357,29 @@ def _tp2_padded_batch_log_probs_match_transformers(rank, hf_dir):
 def test_padded_batch_log_probs_tp2_match_transformers(tmp_path):
     hf_dir = build_random_hf("qwen3", str(tmp_path / "qwen3"))
     spawn(_tp2_padded_batch_log_probs_match_transformers, 2, hf_dir, timeout=300)
+
+
+def _dp2_throughput(rank):
+    from megatron.core import parallel_state as mpu
+
+    from slime.backends.megatron_utils.actor import _throughput
+
+    mpu.initialize_model_parallel()  # 2 ranks: data parallel
+    try:
+        perf = {"perf/actor_train_time": 2.0, "perf/log_probs_time": 0.5}
+        out = _throughput(make_args(), perf, [[10], [20, 5]][rank])
+        # the tiny model's forward: 196608 L + 256 L^2 FLOPs (test above); both ranks' 35 tokens on 2 GPUs
+        per_gpu = (196608 * 35 + 256 * (10**2 + 20**2 + 5**2)) / 2 / 1e12
+        assert out == pytest.approx(
+            {
+                "perf/actor_train_tflops": 3 * per_gpu / 2.0,
+                "perf/actor_train_tok_per_s": 35 / 2.0,
+                "perf/log_probs_tflops": per_gpu / 0.5,
+            }
+        )
+    finally:
+        mpu.destroy_model_parallel()
+
+
+def test_train_throughput_counts_every_data_parallel_ranks_samples():
+    spawn(_dp2_throughput, 2)

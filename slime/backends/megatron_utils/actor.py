@@ -22,6 +22,7 @@ from slime.observability.wandb_utils import get_step, init_wandb_secondary
 from slime.ray.train_actor import TrainRayActor
 from slime.utils import device
 from slime.utils.device import empty_cache, pin_memory, synchronize
+from slime.utils.flops_utils import forward_flops
 from slime.utils.misc import freeze_startup_objects, load_rollout_data_postprocess
 from slime.utils.quantization import hf_quantization_config
 from slime.utils.user_errors import call_user_function
@@ -334,6 +335,7 @@ class MegatronTrainRayActor(TrainRayActor):
             with timer("ref_model_update"):
                 _copy_dict(self.weights["actor"], self.weights["ref"])
         perf = _perf_metrics()
+        perf.update(_throughput(args, perf, rollout_data["total_lengths"]))
         if perf and megatron_init.is_megatron_main_rank():
             log(args, {**perf, "rollout/step": get_step(args, "rollout", rollout_id)}, "rollout/step")
         self.prof.step(rollout_id)
@@ -515,6 +517,27 @@ def _perf_metrics():
     if "train_wait" in times and busy + times["train_wait"] > 0:
         perf["perf/wait_time_ratio"] = times["train_wait"] / (busy + times["train_wait"])
     return perf
+
+
+def _throughput(args, perf, total_lengths):
+    """Current slime's `perf/{log_probs,ref_log_probs,actor_train}_tflops` (per GPU; training counts 3 forwards) and
+    `perf/actor_train_tok_per_s`, from the lengths of the rollout's samples on every data-parallel rank. Counted as
+    flat packing computes them, so under --tree-training they are the flat-equivalent rate."""
+    if not perf.get("perf/actor_train_time"):
+        return {}
+    local = [sum(forward_flops(args, n) for n in total_lengths), sum(total_lengths)]
+    totals = torch.tensor(local, dtype=torch.float64, device=device.current_device())
+    dist.all_reduce(totals, group=mpu.get_data_parallel_group())
+    flops, tokens = totals.tolist()
+    tflops = flops / dist.get_world_size() / 1e12
+    out = {
+        "perf/actor_train_tflops": 3 * tflops / perf["perf/actor_train_time"],
+        "perf/actor_train_tok_per_s": tokens / perf["perf/actor_train_time"],
+    }
+    for name in ("log_probs", "ref_log_probs"):
+        if perf.get(f"perf/{name}_time"):
+            out[f"perf/{name}_tflops"] = tflops / perf[f"perf/{name}_time"]
+    return out
 
 
 def _value_metrics(rollout_data):
