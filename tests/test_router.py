@@ -202,6 +202,29 @@ def test_router_refuses_a_port_another_router_answers_on(router):
     assert requests.get(url + "/health", timeout=5).status_code == 200  # the first run's router is untouched
 
 
+def test_a_port_taken_after_it_was_chosen_is_chosen_again(monkeypatch):
+    """Another process can bind the free port slime chose before the router binds it (the router then exits): slime
+    chooses new ports and starts it there, rather than failing the run."""
+    import socket
+
+    from slime.backends.sglang_utils import router as router_module
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        chosen = iter([busy])
+        real = router_module.free_port
+        monkeypatch.setattr(router_module, "free_port", lambda *a, **k: next(chosen, None) or real(*a, **k))
+        args = make_args()
+        proc = start_router(args)
+    try:
+        assert args.sglang_router_port not in (None, busy)
+        assert requests.get(router_url(args) + "/health", timeout=5).status_code == 200
+    finally:
+        stop_router(proc)
+
+
 def test_consistent_hashing_sends_every_turn_of_a_session_to_one_engine(tiny_kit):
     """`--router-policy consistent_hashing` (current slime's session affinity) on the real router: the requests of
     one session key (`Sample.session_id`, sent as the routing-key header) all reach the same engine, and the keys

@@ -5,10 +5,10 @@ same start, health checks, replacement and shutdown. See docs/multi_model.md."""
 
 import argparse
 
-from slime.backends.sglang_utils.router import launch_router
+from slime.backends.sglang_utils.router import launch_router_on_free_port
 from slime.backends.sglang_utils.sglang_config import frozen_models
 from slime.ray.engine_group import EngineGroup
-from slime.utils.http_utils import free_port, get_host_info
+from slime.utils.http_utils import get_host_info
 
 
 def engine_args(args, model, group, router_ip, router_port):
@@ -35,8 +35,9 @@ def frozen_groups(args, pg) -> list:
     controller, so rollout and reward code get their addresses; engines come with `start_frozen_engines`)."""
     groups = []
     for model in frozen_models(args):
-        ip, port = get_host_info()[1], free_port()
-        groups.append(EngineGroup(model.name, args, pg, ip, port, launch_router(args, ip, port)))
+        ip = get_host_info()[1]
+        process, port = launch_router_on_free_port(args, ip)
+        groups.append(EngineGroup(model.name, args, pg, ip, port, process))
     return groups
 
 

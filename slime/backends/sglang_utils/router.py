@@ -99,11 +99,26 @@ def start_router(args, timeout: float = 60.0):
                 "--sglang-router-ip is set but --sglang-router-port is not: give both for an external router"
             )
         return None
-    ip = get_host_info()[1]
-    port = args.sglang_router_port or free_port()
-    process = launch_router(args, ip, port, timeout)
+    ip, port = get_host_info()[1], args.sglang_router_port
+    if port:
+        process = launch_router(args, ip, port, timeout)
+    else:
+        process, port = launch_router_on_free_port(args, ip, timeout)
     args.sglang_router_ip, args.sglang_router_port = ip, port
     return process
+
+
+def launch_router_on_free_port(args, ip: str, timeout: float = 60.0):
+    """`launch_router` on a port chosen here; returns (process, port). Another process can take a free port before
+    the router binds it (the router then exits): new ports are chosen, twice."""
+    for attempt in range(3):
+        port = free_port()
+        try:
+            return launch_router(args, ip, port, timeout), port
+        except RuntimeError as e:
+            if attempt == 2:
+                raise
+            logger.warning("sglang-router did not start on port %d (%s); trying other ports", port, e)
 
 
 def router_args_of(args, ip: str, port: int):
