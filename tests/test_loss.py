@@ -282,6 +282,17 @@ def test_kl_loss_entropy_bonus_and_rollout_logprob_diff():
     assert m["kl_loss"].item() == pytest.approx(0.1, abs=1e-5)
 
 
+def test_opd_reverse_kl_is_logged_per_step_over_the_trained_tokens():
+    # --use-opd: each token's log pi_student - log pi_teacher (computed before training), averaged per sample over the
+    # loss mask: the masked-out 5.0 does not count
+    batch, logits, _ = _one_sample_batch([1.0, 1.0, 1.0], [0.0, 0.0, 0.0], mask=[1, 1, 0])
+    batch["opd_reverse_kl"] = [torch.tensor([0.3, 0.1, 5.0])]
+    _, m = policy_loss_function(_args(), batch, logits, _reducer(batch))
+    assert m["opd_reverse_kl"].item() == pytest.approx(0.2, abs=1e-6)
+    del batch["opd_reverse_kl"]
+    assert "opd_reverse_kl" not in policy_loss_function(_args(), batch, logits, _reducer(batch))[1]
+
+
 # ---------------------------------------------------------------- loss_function
 def _custom_loss(args, batch, logits, sum_of_sample_mean):
     loss = logits.sum() * 0 + 7.0
