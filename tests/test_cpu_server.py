@@ -566,6 +566,17 @@ def test_abort_returns_partial_output(server):
             "exceeds the model's maximum context length",
         ),
         ({"input_ids": [1, 2], "sampling_params": {"regex": "a+"}}, "check", "not supported"),
+        (
+            {"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 3},
+            "check",
+            "req.logprob_start_len=3 is higher than the number of input tokens len(req.origin_input_ids)=2",
+        ),
+        ({"input_ids": [1, 2], "token_ids_logprob": [5, 512]}, "check", "512 is not a token id of this model"),
+        (
+            {"input_ids": [1, 2], "token_ids_logprob": [[5]], "sampling_params": {"n": 2}},
+            "check",
+            "Cannot use list token_ids_logprob with parallel_sample_num > 1",
+        ),
     ],
 )
 def test_bad_requests_get_400(server, body, shape, needle):
@@ -1345,6 +1356,41 @@ def test_input_and_top_logprobs(server, hf):
     assert len(top) == 4 and all(len(x) == 3 for x in top)
     assert top[0][0][1] == out["output_ids"][0] and abs(top[0][0][0] - meta["output_token_logprobs"][0][0]) < 1e-6
     assert top[0][0][0] >= top[0][1][0] >= top[0][2][0]
+
+
+def test_input_top_logprobs_token_ids_logprob_and_a_later_logprob_start_len(server, hf):
+    """SGLang's per-position rows, temperature-scaled, against transformers: from logprob_start_len on, the first
+    entry without a value (SGLang's hidden states from there predict the tokens after it), then per position the
+    top-k of the next token's distribution and the log-probs of the ids token_ids_logprob names; those ids again at
+    every output token."""
+    prompt, start, ids, temp, n_out = PROMPTS[2], 3, [5, 17, 300], 0.7, 4
+    body = {
+        "input_ids": prompt,
+        "return_logprob": True,
+        "logprob_start_len": start,
+        "top_logprobs_num": 2,
+        "token_ids_logprob": ids,
+        "sampling_params": {"temperature": temp, "max_new_tokens": n_out, "ignore_eos": True},
+    }
+    meta = (out := gen(server, body))["meta_info"]
+    with torch.no_grad():  # lp[i]: the distribution of token i + 1
+        lp = torch.log_softmax(hf[0](torch.tensor([prompt + out["output_ids"]])).logits[0].float() / temp, -1)
+    n = len(prompt)
+    inp = meta["input_token_logprobs"]
+    assert [t for _, t, _ in inp] == prompt[start:] and inp[0][0] is None
+    assert max(abs(v - float(lp[i - 1, t])) for (v, t, _), i in zip(inp[1:], range(start + 1, n))) <= 1e-4
+    tops, chosen = meta["input_top_logprobs"], meta["input_token_ids_logprobs"]
+    assert len(tops) == len(chosen) == n - start and tops[0] is None and chosen[0] is None
+    for top, row, i in zip(tops[1:], chosen[1:], range(start + 1, n)):
+        want = lp[i - 1].topk(2)
+        assert [t for _, t, _ in top] == want.indices.tolist()
+        assert max(abs(v - w) for (v, _, _), w in zip(top, want.values.tolist())) <= 1e-4
+        assert [t for _, t, _ in row] == ids and max(abs(v - float(lp[i - 1, t])) for v, t, _ in row) <= 1e-4
+    outs = meta["output_token_ids_logprobs"]
+    assert len(outs) == len(meta["output_top_logprobs"]) == n_out
+    for row, j in zip(outs, range(n, n + n_out)):
+        assert [t for _, t, _ in row] == ids and max(abs(v - float(lp[j - 1, t])) for v, t, _ in row) <= 1e-4
+    assert "input_token_ids_logprobs" not in gen(server, {**body, "token_ids_logprob": None})["meta_info"]
 
 
 def test_penalties_follow_sglang(server, hf):

@@ -54,6 +54,33 @@ def _check_batch_fields(body, num_prompts, batch, sps_raw):
                 raise RequestError(f"{name} is a list of {len(value)}: it needs one entry per prompt ({num_prompts})")
 
 
+def _token_ids_logprob(value, num_prompts, sps_raw, vocab_size) -> list:
+    """SGLang's normalisation of token_ids_logprob to one list (or None) per prompt: one id, one list for every
+    prompt, or a list per prompt; ids outside the vocabulary are refused by name (SGLang would index past it)."""
+    if not value:
+        return [None] * num_prompts
+    if not isinstance(value, list):
+        value = [value]
+    if not isinstance(value[0], list):
+        per_prompt = [value] * num_prompts
+    else:
+        ns = [(d or {}).get("n", 1) for d in sps_raw] if isinstance(sps_raw, list) else [(sps_raw or {}).get("n", 1)]
+        if ns[0] != 1:
+            raise RequestError("Cannot use list token_ids_logprob with parallel_sample_num > 1")
+        if len(value) != num_prompts:
+            raise RequestError(
+                f"token_ids_logprob is a list of {len(value)} lists: it needs one per prompt ({num_prompts})"
+            )
+        per_prompt = [ids or None for ids in value]
+    for ids in per_prompt:
+        if ids is not None and not isinstance(ids, list):
+            raise RequestError(f"token_ids_logprob: {ids!r} is not a list of token ids")
+        for t in ids or []:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+                raise RequestError(f"token_ids_logprob: {t!r} is not a token id of this model (0..{vocab_size - 1})")
+    return per_prompt
+
+
 class GenerateAPI:
     """`/generate` and `/abort_request`: prompts checked, requests built and run on the scheduler, SGLang's output shape."""
 
@@ -121,6 +148,7 @@ class GenerateAPI:
         rids, lps = body.get("rid"), body.get("return_logprob", False)
         start, topn = body.get("logprob_start_len"), body.get("top_logprobs_num") or 0
         _check_batch_fields(body, len(prompts), batch, sps_raw)
+        token_ids = _token_ids_logprob(body.get("token_ids_logprob"), len(prompts), sps_raw, self.cfg.vocab_size)
         for t in topn if isinstance(topn, list) else [topn]:  # one for all prompts, or one per prompt
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise RequestError(f"top_logprobs_num must be a non-negative integer, got {t!r}")
@@ -175,6 +203,11 @@ class GenerateAPI:
             rid = rids[i] if isinstance(rids, list) else (f"{rids}_{i}" if batch and rids is not None else rids)
             if not isinstance(lp, bool) or (st is not None and not isinstance(st, int)):
                 raise RequestError("return_logprob must be a boolean and logprob_start_len an integer.")
+            if lp and st is not None and st > len(ids):  # SGLang's scheduler check, answered as its 400 abort
+                raise RequestError(
+                    f"req.logprob_start_len={st} is higher than the number of input tokens "
+                    f"len(req.origin_input_ids)={len(ids)}. Please use a smaller logprob_start_len."
+                )
             for k in range(sp.n):
                 r = Req(
                     ids,
@@ -183,6 +216,7 @@ class GenerateAPI:
                     return_logprob=lp,
                     logprob_start_len=-1 if st is None else st,
                     top_logprobs_num=topn[i] if isinstance(topn, list) else topn,
+                    token_ids_logprob=token_ids[i],
                     stream=bool(body.get("stream")),
                     on_update=on_update,
                     return_sampling_mask=want_mask,
@@ -272,10 +306,16 @@ class GenerateAPI:
             meta["output_token_logprobs"] = [[lp, t, text_of(t)] for lp, t in zip(r.output_logprobs, r.output_ids)]
             meta["output_token_logprobs_length"] = len(meta["output_token_logprobs"])
             meta["input_token_logprobs"] = [[lp, t, text_of(t)] for lp, t, _ in (r.input_logprobs or [])]
+
+            def rows(entries):  # per position [[log-prob, id, text], ...], or None where SGLang has none
+                return [row and [[v, t, text_of(t)] for v, t, _ in row] for row in entries or []]
+
             if r.top_logprobs_num:
-                meta["output_top_logprobs"] = [
-                    [[v, t, text_of(t)] for v, t, _ in row] for row in r.output_top_logprobs
-                ]
+                meta["input_top_logprobs"] = rows(r.input_top_logprobs)
+                meta["output_top_logprobs"] = rows(r.output_top_logprobs)
+            if r.token_ids_logprob:
+                meta["input_token_ids_logprobs"] = rows(r.input_token_ids_logprobs)
+                meta["output_token_ids_logprobs"] = rows(r.output_token_ids_logprobs)
         if r.return_sampling_mask:  # SGLang: per output token its sampling support and behaviour log-prob(s)
             meta["output_token_sampling_mask"] = [list(m) for m in r.output_sampling_masks]
             meta["output_token_sampling_logprobs"] = [

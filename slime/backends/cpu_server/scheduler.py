@@ -46,6 +46,7 @@ class Req:
         return_logprob=False,
         logprob_start_len=-1,
         top_logprobs_num=0,
+        token_ids_logprob=None,
         stream=False,
         on_update=None,
         return_sampling_mask=False,
@@ -64,6 +65,9 @@ class Req:
         self.generator = None if sp.sampling_seed is None else torch.Generator().manual_seed(sp.sampling_seed)
         self.output_ids, self.output_logprobs, self.output_top_logprobs = [], [], []
         self.input_logprobs = None
+        # SGLang's token_ids_logprob: these ids' log-probs at every input position and output token
+        self.token_ids_logprob, self.output_token_ids_logprobs = token_ids_logprob, []
+        self.input_top_logprobs = self.input_token_ids_logprobs = None  # [None, rows...] from logprob_start_len
         # SGLang's return_sampling_mask: per output token the kept token ids and their renormalised log-probs
         self.return_sampling_mask, self.support_logprobs = return_sampling_mask, False
         self.output_sampling_masks, self.output_sampling_logprobs = [], []
@@ -89,6 +93,33 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.return_logprob and self.logprob_start_len >= 0
+
+
+def _from_start(entries, start):
+    """SGLang's input log-prob entries from `start`: the first has no value, whatever its position (its hidden
+    states from `start` on predict the tokens after it)."""
+    if start >= len(entries):
+        return []
+    first, *rest = entries[start:]
+    return [[None, first[1], first[2]], *rest]
+
+
+def _input_rows(r, logits):
+    """r's input_top_logprobs / input_token_ids_logprobs from its prompt's logits [L, V], as SGLang lays them out:
+    None at logprob_start_len, then per position the top-k (or the asked ids') log-probs of the token after."""
+    start = r.logprob_start_len
+    lp = torch.log_softmax(logits[start:-1] / r.sp.temperature, dim=-1)
+    none = [None] if start < len(logits) else []
+    if r.top_logprobs_num:
+        v, ix = lp.topk(min(r.top_logprobs_num, lp.shape[-1]), dim=-1)
+        r.input_top_logprobs = none + [[[a, b, None] for a, b in zip(*row)] for row in zip(v.tolist(), ix.tolist())]
+    if r.token_ids_logprob:
+        ids = r.token_ids_logprob
+        r.input_token_ids_logprobs = none + [[[a, b, None] for a, b in zip(row, ids)] for row in lp[:, ids].tolist()]
 
 
 class _SharedPrompt:
@@ -259,6 +290,8 @@ class Scheduler:
         """The key of the shared prompt r may use or start, or None when r prefills on its own."""
         if not self.share_prefill or r.output_ids:  # retracted: prompt + output alone
             return None
+        if r.wants_input_logprobs and (r.top_logprobs_num or r.token_ids_logprob):  # per-position rows: its own
+            return None
         images = None if r.mm is None else r.mm["digest"]  # the same ids show the same images only if these match
         return (tuple(r.input_ids), images, id(r.lora), self.state.weight_version)
 
@@ -269,7 +302,7 @@ class Scheduler:
             r = self.waiting[0]
             key = self._share_key(r)
             entry = self.shared.get(key) if key is not None else None
-            need_lp = r.return_logprob and r.logprob_start_len >= 0
+            need_lp = r.wants_input_logprobs
             if entry is not None and entry.logits is not None and need_lp:
                 if entry.input_lps is None or r.sp.temperature not in entry.input_lps:
                     entry = None  # computed without the input log-probs r asks for: r prefills on its own
@@ -312,8 +345,8 @@ class Scheduler:
             if r.cached_tokens and not r.output_ids:
                 e = r.prefix
                 last[id(r)] = e.logits
-                if r.return_logprob and r.logprob_start_len >= 0:
-                    r.input_logprobs = e.input_lps[r.sp.temperature][r.logprob_start_len :]
+                if r.wants_input_logprobs:
+                    r.input_logprobs = _from_start(e.input_lps[r.sp.temperature], r.logprob_start_len)
                 self.num_cached_tokens += r.cached_tokens
         fresh = [r for r in reqs if not r.output_ids]
         for r in reqs:
@@ -335,7 +368,7 @@ class Scheduler:
         # the temperatures each fresh request's input log-probs are wanted at (its own, and its group's)
         temps = [set() if r.output_ids else (r.prefix.want_temps if r.prefix is not None else set()) for r in reqs]
         for i, r in enumerate(reqs):
-            if r.return_logprob and r.logprob_start_len >= 0 and not r.output_ids:
+            if r.wants_input_logprobs and not r.output_ids:
                 temps[i] = temps[i] | {r.sp.temperature}
         lora = LoRABatch.of([r.lora for r in reqs], lens.tolist())
         logits = self.model.forward_prefill(
@@ -349,8 +382,9 @@ class Scheduler:
                 if temps[i]:
                     a, b = int(ends[i] - lens[i]), int(ends[i])
                     lps = {t: self._input_logprobs(full[a:b], tokens[a:b], t) for t in temps[i]}
-                    if r.return_logprob and r.logprob_start_len >= 0:
-                        r.input_logprobs = lps[r.sp.temperature][r.logprob_start_len :]
+                    if r.wants_input_logprobs:
+                        r.input_logprobs = _from_start(lps[r.sp.temperature], r.logprob_start_len)
+                        _input_rows(r, full[a:b])
                     if r.prefix is not None:
                         r.prefix.input_lps = lps
         logits = logits.float()
@@ -444,6 +478,9 @@ class Scheduler:
             if r.return_logprob and r.top_logprobs_num:
                 v, ix = rows[i].topk(r.top_logprobs_num)
                 r.output_top_logprobs.append([[a, b, None] for a, b in zip(v.tolist(), ix.tolist())])
+            if r.return_logprob and r.token_ids_logprob:
+                ids = r.token_ids_logprob
+                r.output_token_ids_logprobs.append([[a, b, None] for a, b in zip(rows[i][ids].tolist(), ids)])
             self.num_generated += 1
             reason = self._check_finished(r, t)
             if reason:
