@@ -67,6 +67,21 @@ async def group_1_hangs_once(args, sample, sampling_params):
     return await generate(args, sample, sampling_params)
 
 
+async def sample_1_gives_up_once(args, sample, sampling_params):
+    """Custom generate: the first attempt at sample 1 comes back aborted after 3 tokens, as an engine's abort leaves
+    a sample (what it generated so far kept)."""
+    if sample.index == 1 and not RECORD.get("partial"):
+        sample = await generate(args, sample, {**sampling_params, "max_new_tokens": 3, "ignore_eos": True})
+        sample.status, RECORD["partial"] = Sample.Status.ABORTED, list(sample.tokens)
+        return sample
+    return await generate(args, sample, sampling_params)
+
+
+async def always_aborts(args, sample, sampling_params):
+    sample.status = Sample.Status.ABORTED
+    return sample
+
+
 def drop_odd_groups(args, samples, **kwargs):
     """Dynamic filter: keep even group_index; records the accounting state it sees."""
     state = GenerateState(args)
@@ -1004,6 +1019,28 @@ def test_group_timeout_drops_a_straggler_and_serves_its_prompt_again(engine, tin
     groups = generate_rollout(args, 1, ds)
     assert [g[0].group_index for g in groups] == [1, 4]  # the straggler's prompt, now generated; then the next one
     assert [s.index for s in groups[0]] == [2, 3] and groups.metrics["rollout/timeouts/groups"] == 0
+
+
+@pytest.mark.parametrize("group_rm", [False, True])
+def test_a_sample_aborted_mid_rollout_is_resumed_and_one_that_keeps_aborting_stops_the_run(
+    engine, tiny_kit, prompts, group_rm
+):
+    """Not slime's abort at the end of a rollout (samples then go back to the buffer): a sample an engine (or a custom
+    generate) aborts mid-rollout goes on from its tokens under the same weights and is rewarded like the rest, with
+    --group-rm too; one that keeps coming back aborted stops the run, named, instead of training without a reward."""
+    rm = dict(group_rm=True, custom_rm_path=f"{HERE}.group_rank_rm") if group_rm else {}
+    args = make_args(engine, tiny_kit, prompts, custom_generate_function_path=f"{HERE}.sample_1_gives_up_once", **rm)
+    groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    resumed, partial = groups[0][1], RECORD["partial"]
+    assert resumed.index == 1 and resumed.tokens[: len(partial)] == partial and len(resumed.tokens) > len(partial)
+    assert 3 < resumed.response_length <= 8 and len(resumed.rollout_log_probs) == resumed.response_length
+    assert all(s.status != Sample.Status.ABORTED and s.reward is not None for g in groups for s in g)
+    assert groups.metrics["rollout/engine_abort_resumes"] == 1
+
+    SingletonMeta.clear_instances(GenerateState)
+    args = make_args(engine, tiny_kit, prompts, custom_generate_function_path=f"{HERE}.always_aborts", **rm)
+    with pytest.raises(RuntimeError, match=r"samples \[\d+, \d+\] came back aborted 4 times in a row"):
+        generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
 
 
 def test_streaming_generate_gives_the_default_generates_tokens_and_log_probs(engine, tiny_kit, prompts):

@@ -84,6 +84,7 @@ class GenerateState(metaclass=SingletonMeta):
         self.aborted = False
         self.request_timeouts = 0  # /generate calls over --rollout-request-timeout (each retried)
         self.timed_out_groups = []  # groups over --rollout-group-timeout, as they were handed out
+        self.engine_abort_resumes = 0  # samples resumed after coming back aborted mid-rollout
 
     @contextlib.asynccontextmanager
     async def slots(self, n: int):
@@ -473,12 +474,43 @@ async def generate_and_rm_group(args, group: list[Sample], sampling_params: dict
                 for j, sample in enumerate(group)
             )
         )
+    if all(isinstance(r, Sample) for r in results):
+        results = await _resume_engine_aborts(args, list(results), sampling_params, evaluation)
     group = [s for r in results for s in (r if isinstance(r, list) else [r])]
 
     if args.group_rm and not state.aborted and not any(s.status == Sample.Status.ABORTED for s in group):
         rewards = await batched_async_rm(args, group)
         for sample, reward in zip(group, rewards):
             sample.reward = reward
+    return group
+
+
+ENGINE_ABORT_RESUMES = 3
+
+
+async def _resume_engine_aborts(args, group, sampling_params, evaluation):
+    """A sample that comes back aborted while the rollout is not being aborted (an engine paused or aborted it on its
+    own, or a custom generate gave up) goes on from what it holds, under the same weights, up to
+    ENGINE_ABORT_RESUMES times; after that the run stops naming it, rather than training on a sample without a
+    reward."""
+    state = GenerateState(args)
+    for attempt in range(ENGINE_ABORT_RESUMES + 1):
+        todo = [j for j, s in enumerate(group) if isinstance(s, Sample) and s.status == Sample.Status.ABORTED]
+        if not todo or state.aborted:
+            return group
+        indices = [group[j].index for j in todo]
+        if attempt == ENGINE_ABORT_RESUMES:
+            raise RuntimeError(
+                f"samples {indices} came back aborted {attempt + 1} times in a row while the rollout was not being "
+                "aborted: see the engines' logs (or the --custom-generate-function-path) for why they abort them"
+            )
+        logger.warning(f"samples {indices} came back aborted while the rollout was not: resuming them")
+        state.engine_abort_resumes += len(todo)
+        resumed = await asyncio.gather(
+            *(generate_and_rm(args, group[j], seeded(args, sampling_params, j), evaluation=evaluation) for j in todo)
+        )
+        for j, sample in zip(todo, resumed):
+            group[j] = sample
     return group
 
 
@@ -610,6 +642,8 @@ async def generate_rollout_async(args, rollout_id: int, data_source) -> tuple[Ro
         metrics["rollout/timeouts/requests"] = state.request_timeouts
     if args.rollout_group_timeout is not None:
         metrics["rollout/timeouts/groups"] = len(state.timed_out_groups)
+    if state.engine_abort_resumes:
+        metrics["rollout/engine_abort_resumes"] = state.engine_abort_resumes
     # dropped by the group timeout: served again, first, by the next rollout (same indices: nothing lost)
     aborted_samples = aborted_samples + state.timed_out_groups
     state.reset()
