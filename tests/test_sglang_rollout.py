@@ -1027,7 +1027,8 @@ def test_a_sample_aborted_mid_rollout_is_resumed_and_one_that_keeps_aborting_sto
 ):
     """Not slime's abort at the end of a rollout (samples then go back to the buffer): a sample an engine (or a custom
     generate) aborts mid-rollout goes on from its tokens under the same weights and is rewarded like the rest, with
-    --group-rm too; one that keeps coming back aborted stops the run, named, instead of training without a reward."""
+    --group-rm too; one that keeps coming back aborted stops the run, named, instead of training without a reward.
+    (The fully asynchronous rollout resumes them without a bound: a weight update pauses generation by aborting.)"""
     rm = dict(group_rm=True, custom_rm_path=f"{HERE}.group_rank_rm") if group_rm else {}
     args = make_args(engine, tiny_kit, prompts, custom_generate_function_path=f"{HERE}.sample_1_gives_up_once", **rm)
     groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))

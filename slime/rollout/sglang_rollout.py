@@ -109,16 +109,13 @@ class GenerateState(metaclass=SingletonMeta):
 
 
 async def _generate_group(args, group, sampling_params):
-    """`generate_and_rm_group` under --rollout-group-timeout: a group over it is dropped from this rollout (None is
+    """`_generated_to_the_end` under --rollout-group-timeout: a group over it is dropped from this rollout (None is
     returned) and kept, as it was handed out, in `GenerateState.timed_out_groups` to go back to the data source."""
     if args.rollout_group_timeout is None:
-        return await generate_and_rm_group(args, group, sampling_params=sampling_params, evaluation=False)
+        return await _generated_to_the_end(args, group, sampling_params)
     pristine = copy.deepcopy(group)
     try:
-        return await asyncio.wait_for(
-            generate_and_rm_group(args, group, sampling_params=sampling_params, evaluation=False),
-            args.rollout_group_timeout,
-        )
+        return await asyncio.wait_for(_generated_to_the_end(args, group, sampling_params), args.rollout_group_timeout)
     except asyncio.TimeoutError:
         state = GenerateState(args)
         state.timed_out_groups.append(pristine)
@@ -127,6 +124,31 @@ async def _generate_group(args, group, sampling_params):
             f"{args.rollout_group_timeout:g}s: dropped from this rollout, its prompt goes back to the data source"
         )
         return None
+
+
+ENGINE_ABORT_RESUMES = 3
+
+
+async def _generated_to_the_end(args, group, sampling_params):
+    """`generate_and_rm_group`, then again for the samples that came back aborted while the rollout was not being
+    aborted (an engine paused or aborted them on its own, or a custom generate gave up): they go on from what they
+    hold, under the same weights, up to ENGINE_ABORT_RESUMES times; after that the run stops naming them rather
+    than train a sample without a reward. (A custom generate that turns a prompt into several samples: not resumed.)"""
+    state = GenerateState(args)
+    for attempt in range(ENGINE_ABORT_RESUMES + 1):
+        out = await generate_and_rm_group(args, group, sampling_params=sampling_params.copy(), evaluation=False)
+        aborted = [s.index for s in out if s.status == Sample.Status.ABORTED]
+        if not aborted or state.aborted or len(out) != len(group):
+            return out
+        if attempt == ENGINE_ABORT_RESUMES:
+            raise RuntimeError(
+                f"samples {aborted} came back aborted {attempt + 1} times in a row while the rollout was not being "
+                "aborted: see the engines' logs (or the --custom-generate-function-path) for why they abort them"
+            )
+        logger.warning(f"samples {aborted} came back aborted while the rollout was not: resuming them")
+        state.engine_abort_resumes += len(aborted)
+        group = out
+    return out
 
 
 def routing_headers(args, sample: Sample) -> dict | None:
@@ -474,43 +496,12 @@ async def generate_and_rm_group(args, group: list[Sample], sampling_params: dict
                 for j, sample in enumerate(group)
             )
         )
-    if all(isinstance(r, Sample) for r in results):
-        results = await _resume_engine_aborts(args, list(results), sampling_params, evaluation)
     group = [s for r in results for s in (r if isinstance(r, list) else [r])]
 
     if args.group_rm and not state.aborted and not any(s.status == Sample.Status.ABORTED for s in group):
         rewards = await batched_async_rm(args, group)
         for sample, reward in zip(group, rewards):
             sample.reward = reward
-    return group
-
-
-ENGINE_ABORT_RESUMES = 3
-
-
-async def _resume_engine_aborts(args, group, sampling_params, evaluation):
-    """A sample that comes back aborted while the rollout is not being aborted (an engine paused or aborted it on its
-    own, or a custom generate gave up) goes on from what it holds, under the same weights, up to
-    ENGINE_ABORT_RESUMES times; after that the run stops naming it, rather than training on a sample without a
-    reward."""
-    state = GenerateState(args)
-    for attempt in range(ENGINE_ABORT_RESUMES + 1):
-        todo = [j for j, s in enumerate(group) if isinstance(s, Sample) and s.status == Sample.Status.ABORTED]
-        if not todo or state.aborted:
-            return group
-        indices = [group[j].index for j in todo]
-        if attempt == ENGINE_ABORT_RESUMES:
-            raise RuntimeError(
-                f"samples {indices} came back aborted {attempt + 1} times in a row while the rollout was not being "
-                "aborted: see the engines' logs (or the --custom-generate-function-path) for why they abort them"
-            )
-        logger.warning(f"samples {indices} came back aborted while the rollout was not: resuming them")
-        state.engine_abort_resumes += len(todo)
-        resumed = await asyncio.gather(
-            *(generate_and_rm(args, group[j], seeded(args, sampling_params, j), evaluation=evaluation) for j in todo)
-        )
-        for j, sample in zip(todo, resumed):
-            group[j] = sample
     return group
 
 
