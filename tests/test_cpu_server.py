@@ -407,9 +407,17 @@ def test_openai_endpoints(server, hf):
     assert "tool_calls" not in r["choices"][0]["message"]  # SGLang leaves a null tool_calls out
     assert r["usage"]["prompt_tokens"] == len(prompt) and r["choices"][0]["finish_reason"] in ("stop", "length")
     assert len(r["choices"][0]["logprobs"]["content"]) == r["usage"]["completion_tokens"]
+    # as SGLang answers: the request's model echoed, its UsageInfo, and the weights that generated it
+    assert r["model"] == "x" and r["metadata"] == {
+        "weight_version": "default",
+        "weight_versions": [{"version": "default", "start": 0, "end": r["usage"]["completion_tokens"]}],
+    }
+    assert r["usage"]["reasoning_tokens"] == 0 and r["usage"]["prompt_tokens_details"] is None
     c = SESSION.post(server + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0}).json()
     ref = gen(server, {"text": "Hello", "sampling_params": {"temperature": 0, "max_new_tokens": 4}})
     assert c["object"] == "text_completion" and c["choices"][0]["text"] == ref["text"]
+    assert c["model"] == "default" and c["metadata"]["weight_version"] == "default"
+    assert c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + 4
 
 
 def test_openai_top_logprobs_are_the_models_most_likely_tokens(server, hf):

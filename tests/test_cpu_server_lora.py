@@ -128,6 +128,41 @@ def test_adapter_from_tensors_serves_peft_log_probs_and_leaves_the_base(server, 
     assert r.status_code == 400 and "does not exist" in r.json()["error_message"]
 
 
+def test_openai_routes_serve_the_adapter_their_model_or_lora_path_names(server, adapter):
+    """SGLang's OpenAI routes pick an adapter by `model: "<served name>:<adapter>"`, which wins, or by `lora_path`;
+    without either the base model answers. (They must not answer with the base when an adapter is named.)"""
+    assert _load_from_tensors(server, "oai", adapter).status_code == 200
+    name = SESSION.get(server + "/server_info", timeout=10).json()["served_model_name"]
+
+    def generate(lora=None):
+        body = {
+            "input_ids": PROMPTS[0],
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
+        }
+        out = SESSION.post(server + "/generate", json={**body, "lora_path": lora}, timeout=60).json()
+        return out["output_ids"], [x[0] for x in out["meta_info"].get("output_token_logprobs", [])] or None
+
+    def completion(**kw):
+        body = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        r = SESSION.post(server + "/v1/completions", json={**body, **kw}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    with_adapter, base = generate("oai")[0], generate()[0]
+    assert with_adapter != base
+    assert completion(lora_path="oai") == with_adapter
+    assert completion(model=f"{name}:oai", lora_path="not-loaded") == with_adapter
+    assert completion(model=name) == completion() == base
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    answers = [
+        SESSION.post(server + "/v1/chat/completions", json={**chat, **kw}, timeout=60).json()["choices"][0]["message"]
+        for kw in ({"model": f"{name}:oai"}, {"lora_path": "oai"}, {})
+    ]
+    assert answers[0] == answers[1] != answers[2]
+    r = SESSION.post(server + "/v1/completions", json={"prompt": "x", "lora_path": "not-loaded"}, timeout=60)
+    assert r.status_code == 400 and "not-loaded" in r.json()["message"]
+
+
 def test_adapter_checksums_and_shape_are_verified(server, adapter):
     sums = {n: tensor_sha256(t) for n, t in adapter["tensors"].items()}
     first = next(iter(sums))

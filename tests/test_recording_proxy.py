@@ -11,8 +11,16 @@ import requests
 
 from slime.backends.sglang_utils.router import router_url
 from slime.rollout import sampling_provenance
-from slime.rollout.recording_proxy import SOURCE, RecordingProxy, RequestLedger, record_generate, start_recording_proxy
+from slime.rollout.recording_proxy import (
+    SOURCE,
+    RecordingProxy,
+    RequestLedger,
+    record_generate,
+    record_openai,
+    start_recording_proxy,
+)
 from slime.rollout.train_data import convert_samples_to_train_data
+from slime.utils.sampling_record import openai_requested_adapter
 from slime.utils.types import Sample
 from tests._args import make_args
 from tests.test_cpu_server import start_cpu_server, stop_cpu_server
@@ -222,6 +230,23 @@ def test_record_generate_maps_outputs_to_their_prompts_adapters():
     assert a.metadata["sampling_params"][0]["lora_path"] == "slime_policy"
     assert b.metadata["sampling_params"][0]["lora_path"] is None
     assert b.weight_version_spans == [{"version": "3", "start": 0, "end": 1}]
+
+
+def test_an_openai_request_records_the_adapter_its_model_or_lora_path_names():
+    """As SGLang resolves it: `model: "<base>:<adapter>"` wins over `lora_path`; a plain model name is no adapter."""
+    answer = {"choices": [{"response_token_ids": [1, 2], "prompt_token_ids": PROMPT, "finish_reason": "stop"}]}
+    for body, adapter in [
+        ({"model": "m:slime_policy", "lora_path": "other"}, "slime_policy"),
+        ({"model": "m", "lora_path": "slime_policy"}, "slime_policy"),
+        ({"model": "m"}, None),
+    ]:
+        ledger = RequestLedger(max_tokens=100)
+        assert record_openai(ledger, "/v1/chat/completions", {"messages": MESSAGES, **body}, answer, {}) == 1
+        ledger.attach([sample := _sample(PROMPT, [1, 2])])
+        assert sample.metadata["sampling_params"][0]["lora_path"] == adapter, body
+    # a served name with a colon in it names no adapter when the engine knows it (the CPU server passes its own)
+    assert openai_requested_adapter({"model": "s3://b/m"}, "s3://b/m") is None
+    assert openai_requested_adapter({"model": "s3://b/m:a"}, "s3://b/m") == "a"
 
 
 def test_a_text_batch_gives_each_prompts_n_outputs_its_own_parameters():

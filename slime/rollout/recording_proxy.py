@@ -29,7 +29,13 @@ import xxhash
 from aiohttp import web
 
 from slime.agent.aiohttp_threaded import run_app_in_thread
-from slime.utils.sampling_record import META_KEY, generation_config_defaults, openai_sampling_params, segment_record
+from slime.utils.sampling_record import (
+    META_KEY,
+    generation_config_defaults,
+    openai_requested_adapter,
+    openai_sampling_params,
+    segment_record,
+)
 from slime.utils.weight_versions import append_spans, call_spans
 
 logger = logging.getLogger(__name__)
@@ -216,7 +222,7 @@ def record_openai(ledger: RequestLedger, path: str, body: dict, answer: dict, ch
         output_ids = choice.get("response_token_ids" if chat else "token_ids")
         if not output_ids or not choice.get("finish_reason"):
             continue
-        request = {"lora_path": body.get("lora_path")}
+        request = {"lora_path": openai_requested_adapter(body)}
         record = segment_record(None, sp, start=0, end=len(output_ids), source=SOURCE, body=request)
         record["origin"] = f"{path} request with SGLang's defaults, recorded at the router"
         ledger.add(output_ids, record, [], choice.get("prompt_token_ids"))

@@ -135,6 +135,21 @@ def requested_adapter(body: dict):
     return lora[0] if isinstance(lora, list) and len(lora) == 1 else lora
 
 
+def openai_requested_adapter(body: dict, served_model_name: str | None = None):
+    """The adapter an OpenAI request names, as SGLang resolves it: `model: "<base>:<adapter>"` wins over
+    `lora_path`. A `model` equal to the served name is no adapter, even with a colon in it; without the served name
+    a colon splits."""
+    model = body.get("model")
+    if isinstance(model, str) and ":" in model and model != served_model_name:
+        if served_model_name and model.startswith(f"{served_model_name}:"):
+            adapter = model[len(served_model_name) + 1 :]
+        else:
+            adapter = model.split(":", 1)[1]
+        if adapter.strip():
+            return adapter.strip()
+    return requested_adapter(body)
+
+
 def segment_record(meta_info: dict | None, sent: dict | None, *, start: int, end: int, source: str, body=None):
     """One segment's record: the engine's echo (`meta_info["sampling_params"]`) when it has one, else the
     normalised form of the `sampling_params` slime sent (`body`: the whole request, for `custom_logit_processor` and

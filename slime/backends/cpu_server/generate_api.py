@@ -281,12 +281,20 @@ class GenerateAPI:
                 self.scheduler.abort(rid=r.rid)
             raise
 
+    def _versions(self, r) -> dict:
+        """`weight_version`, and (SGLang 0.5.23) the per-token version spans of a finished request."""
+        if r.finished and r.weight_versions:
+            return {
+                "weight_version": r.weight_versions[-1]["version"],
+                "weight_versions": [dict(s) for s in r.weight_versions],
+            }
+        return {"weight_version": r.weight_version or self.state.weight_version}
+
     def _output(self, r, text=None):
         meta = {
             "id": r.rid,
             "finish_reason": r.finish_reason,
             "prompt_tokens": len(r.input_ids),
-            "weight_version": r.weight_version or self.state.weight_version,
             "reasoning_tokens": 0,  # SGLang counts a reasoning parser's thinking tokens; this server runs none
             "completion_tokens": len(r.output_ids),
             "cached_tokens": r.cached_tokens,  # prompt tokens served from another request's prefill
@@ -295,9 +303,7 @@ class GenerateAPI:
             # slime's addition (SGLang echoes no sampling parameter): what this request was sampled with
             "sampling_params": r.sp.applied(),
         }
-        if r.finished and r.weight_versions:  # SGLang 0.5.23: per-token version spans of a finished request
-            meta["weight_versions"] = [dict(s) for s in r.weight_versions]
-            meta["weight_version"] = r.weight_versions[-1]["version"]
+        meta.update(self._versions(r))
         if r.return_logprob:
 
             def text_of(t):  # SGLang's return_text_in_logprobs: the token's text in the third slot

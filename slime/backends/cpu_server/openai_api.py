@@ -6,7 +6,7 @@ import uuid
 
 from aiohttp import web
 
-from slime.utils.sampling_record import openai_sampling_params
+from slime.utils.sampling_record import openai_requested_adapter, openai_sampling_params
 
 from .media import chat_images, expand, fetch_remote_images, images_per_prompt
 from .sampling import RequestError, SamplingParams
@@ -74,9 +74,12 @@ class OpenAIAPI:
             raise RequestError(
                 f"{'top_logprobs' if chat else 'logprobs'} must be a non-negative integer, got {top_n!r}"
             )
+        adapter = openai_requested_adapter(b, self.served_model_name)
+        if isinstance(adapter, list):  # a list for one prompt: what SGLang's batch normalisation refuses
+            raise RequestError(f"lora_path is a list of {len(adapter)}: it needs one entry per prompt (1)")
         reqs = [Req(ids, sp, return_logprob=want_lp, top_logprobs_num=top_n) for _ in range(sp.n)]
-        for r in reqs:
-            r.mm = mm
+        for r, lora in zip(reqs, self._acquire_loras([adapter] * len(reqs))):
+            r.mm, r.lora = mm, lora
         return await self._run(reqs)
 
     async def _chat_media(self, msgs):
@@ -90,8 +93,31 @@ class OpenAIAPI:
         return msgs, images_per_prompt(body, 1, False, self.cfg.model_type)[0]
 
     def _usage(self, prompt_len, reqs):
+        """SGLang's UsageInfo (no reasoning parser, no --enable-cache-report: no details)."""
         c = sum(len(r.output_ids) for r in reqs)
-        return {"prompt_tokens": prompt_len, "completion_tokens": c, "total_tokens": prompt_len + c}
+        return {
+            "prompt_tokens": prompt_len,
+            "total_tokens": prompt_len + c,
+            "completion_tokens": c,
+            "prompt_tokens_details": None,
+            "reasoning_tokens": 0,
+            "completion_tokens_details": None,
+        }
+
+    def _response(self, b, kind, choices, prompt_len, reqs):
+        """The response around `choices`, as SGLang builds it: the request's own `model` echoed, and the first
+        choice's weight version (and its per-token spans) in `metadata`."""
+        return web.json_response(
+            {
+                "id": uuid.uuid4().hex,
+                "object": kind,
+                "created": int(time.time()),
+                "model": b.get("model", "default"),
+                "choices": choices,
+                "usage": self._usage(prompt_len, reqs),
+                "metadata": self._versions(reqs[0]),
+            }
+        )
 
     async def v1_completions(self, request):
         b = await self._body(request)
@@ -129,16 +155,7 @@ class OpenAIAPI:
                     **({"token_ids": r.output_ids, "prompt_token_ids": ids} if b.get("return_token_ids") else {}),
                 }
             )
-        return web.json_response(
-            {
-                "id": uuid.uuid4().hex,
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": self.served_model_name,
-                "choices": choices,
-                "usage": self._usage(len(ids), reqs),
-            }
-        )
+        return self._response(b, "text_completion", choices, len(ids), reqs)
 
     async def v1_chat_completions(self, request):
         b = await self._body(request)
@@ -187,13 +204,4 @@ class OpenAIAPI:
                     **({"response_token_ids": r.output_ids} if b.get("return_token_ids") else {}),
                 }
             )
-        return web.json_response(
-            {
-                "id": uuid.uuid4().hex,
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": self.served_model_name,
-                "choices": choices,
-                "usage": self._usage(len(ids), reqs),
-            }
-        )
+        return self._response(b, "chat.completion", choices, len(ids), reqs)
