@@ -581,6 +581,11 @@ def test_abort_returns_partial_output(server):
         ),
         ({"input_ids": [1, 2], "token_ids_logprob": [5, 512]}, "check", "512 is not a token id of this model"),
         (
+            {"input_ids": [1, 2], "return_entropy": True, "max_thinking_tokens": 8},
+            "check",
+            "return_entropy, max_thinking_tokens: not supported by slime's CPU server",
+        ),
+        (
             {"input_ids": [1, 2], "token_ids_logprob": [[5]], "sampling_params": {"n": 2}},
             "check",
             "Cannot use list token_ids_logprob with parallel_sample_num > 1",

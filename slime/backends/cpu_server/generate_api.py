@@ -54,6 +54,21 @@ def _check_batch_fields(body, num_prompts, batch, sps_raw):
                 raise RequestError(f"{name} is a list of {len(value)}: it needs one entry per prompt ({num_prompts})")
 
 
+# SGLang request fields that change its answer and this server does not implement: refused when set, not ignored
+_NOT_SERVED = (
+    "return_entropy",
+    "return_flat_raw_top_logprobs",
+    "return_flat_raw_output_top_logprobs",
+    "return_flat_raw_top_logprobs_b64",
+    "return_indexer_topk",
+    "require_reasoning",
+    "max_thinking_tokens",
+    "positional_embed_overrides",
+    "multi_item_delimiter_indices",
+    "token_indices_to_pool",
+)
+
+
 def _token_ids_logprob(value, num_prompts, sps_raw, vocab_size) -> list:
     """SGLang's normalisation of token_ids_logprob to one list (or None) per prompt: one id, one list for every
     prompt, or a list per prompt; ids outside the vocabulary are refused by name (SGLang would index past it)."""
@@ -161,6 +176,9 @@ class GenerateAPI:
             )
         if body.get("custom_logit_processor") or body.get("input_embeds") is not None:
             raise RequestError("custom_logit_processor and input_embeds are not supported by slime's CPU server.")
+        unserved = [k for k in _NOT_SERVED if body.get(k) not in (None, False)]
+        if unserved:
+            raise RequestError(f"{', '.join(unserved)}: not supported by slime's CPU server")
         if self.processor is None and (body.get("image_data") or body.get("video_data") or body.get("audio_data")):
             raise RequestError(
                 f"image_data / video_data / audio_data: the served model ({self.cfg.architecture}) takes text only"
