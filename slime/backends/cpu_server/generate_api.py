@@ -31,9 +31,14 @@ def _check_sampling_mask(want_mask, mode, sp, cap=SAMPLING_MASK_MAX_TOKENS):
         )
 
 
+def _parallel_sample_nums(sps_raw) -> list:
+    """Each prompt's `n` (SGLang's parallel_sample_num), from one sampling_params dict or a list of them."""
+    return [(d or {}).get("n", 1) for d in sps_raw] if isinstance(sps_raw, list) else [(sps_raw or {}).get("n", 1)]
+
+
 def _check_batch_fields(body, num_prompts, batch, sps_raw):
     """SGLang's GenerateReqInput normalisation checks of the per-prompt fields (io_struct.py), answered as its 400s."""
-    ns = [(d or {}).get("n", 1) for d in sps_raw] if isinstance(sps_raw, list) else [(sps_raw or {}).get("n", 1)]
+    ns = _parallel_sample_nums(sps_raw)
     if len(set(map(str, ns))) > 1:
         raise RequestError("The parallel_sample_num should be the same for all samples in sample params.")
     rids = body.get("rid")
@@ -79,8 +84,7 @@ def _token_ids_logprob(value, num_prompts, sps_raw, vocab_size) -> list:
     if not isinstance(value[0], list):
         per_prompt = [value] * num_prompts
     else:
-        ns = [(d or {}).get("n", 1) for d in sps_raw] if isinstance(sps_raw, list) else [(sps_raw or {}).get("n", 1)]
-        if ns[0] != 1:
+        if _parallel_sample_nums(sps_raw)[0] != 1:
             raise RequestError("Cannot use list token_ids_logprob with parallel_sample_num > 1")
         if len(value) != num_prompts:
             raise RequestError(
