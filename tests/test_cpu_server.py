@@ -18,6 +18,7 @@ from slime.utils.http_utils import free_port
 from slime.utils.process_utils import die_with_parent
 from slime.utils.tensor_serialization import MultiprocessingSerializer, set_shared_authkey
 from tests import _ray_zygote
+from tests.test_sglang_contract import needs_side_venv, run_side
 
 pytestmark = pytest.mark.timeout(300)
 SESSION = requests.Session()
@@ -452,9 +453,11 @@ def test_openai_requests_are_read_as_sglang_reads_them(server):
     r = SESSION.post(server + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 0})
     assert "max_tokens must be positive" in refusal(r, "BadRequestError")
     # what this server does not do is refused, not ignored
-    for extra in ({"stream": True}, {"echo": True}):
-        r = SESSION.post(server + "/v1/completions", json={"prompt": [1, 2], **extra})
-        assert "is not supported by slime's CPU server" in refusal(r, "BadRequestError")
+    r = SESSION.post(server + "/v1/completions", json={"prompt": [1, 2], "echo": True})
+    assert "is not supported by slime's CPU server" in refusal(r, "BadRequestError")
+    # what SGLang refuses on a streamed chat
+    r = SESSION.post(server + "/v1/chat/completions", json={**chat, "stream": True, "return_token_ids": True})
+    assert "return_token_ids is not supported with streaming on /v1/chat/completions" in refusal(r, "BadRequestError")
     # logit_bias is applied: +100 on token 5 makes it the greedy choice every step
     body = {"prompt": [1, 2], "max_tokens": 3, "temperature": 0, "logit_bias": {"5": 100}, "return_token_ids": True}
     assert SESSION.post(server + "/v1/completions", json=body).json()["choices"][0]["token_ids"] == [5, 5, 5]
@@ -472,6 +475,135 @@ def test_openai_requests_are_read_as_sglang_reads_them(server):
         },
     )
     assert r.status_code == 200
+
+
+def _events(url, path, body):
+    """The JSON events of a streamed OpenAI answer, up to its `[DONE]`."""
+    with SESSION.post(url + path, json={**body, "stream": True}, stream=True, timeout=120) as r:
+        assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+        data = [line[6:] for line in r.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+def test_openai_streams_add_up_to_the_plain_answer(server):
+    """stream=true on the chat route, read with the OpenAI SDK (temperature 0.8, two choices, top log-probs): per
+    choice a first chunk with the role, text that joins into the plain answer's, each text chunk with its one new
+    token's log-probs (a subsequence of the plain answer's: an update that adds no text sends none, as SGLang's), then
+    the finish reasons, then the usage SGLang counts."""
+    import openai
+
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "What is 3+4?"}],
+        "max_tokens": 8,
+        "temperature": 0.8,
+        "seed": 5,
+        "n": 2,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    plain = SESSION.post(server + "/v1/chat/completions", json=body, timeout=120).json()
+    client = openai.OpenAI(api_key="x", base_url=server + "/v1", max_retries=0)
+    chunks = list(client.chat.completions.create(**body, stream=True, stream_options={"include_usage": True}))
+    *chunks, usage = chunks
+    assert usage.choices == [] and usage.usage.model_dump() == plain["usage"]
+    ends = [c for c in chunks if c.choices[0].finish_reason]
+    assert chunks[-len(ends) :] == ends and sorted(c.choices[0].index for c in ends) == [0, 1]
+    for i, want in enumerate(plain["choices"]):
+        mine = [c.choices[0] for c in chunks[: -len(ends)] if c.choices[0].index == i]
+        assert (mine[0].delta.role, mine[0].delta.content) == ("assistant", "")
+        assert "".join(c.delta.content for c in mine) == want["message"]["content"]
+        assert next(c for c in ends if c.choices[0].index == i).choices[0].finish_reason == want["finish_reason"]
+        streamed = [c.logprobs.model_dump()["content"] for c in mine[1:]]
+        assert all(len(items) == 1 for items in streamed)
+        rest = iter(want["logprobs"]["content"])
+        assert all(any(items[0] == item for item in rest) for items in streamed)  # in order, none made up
+        assert len(streamed) >= 1
+
+
+def test_openai_streams_hold_a_split_character_back_and_report_its_bytes(server):
+    """A character split over two tokens (é: bytes C3 A9, forced as A, B, A, B by logit_bias and a frequency
+    penalty): a stream shows it once both arrived, never its half as U+FFFD; log-probs name each token's own bytes
+    (chat), or render a fragment as latin-1 (completions), as SGLang does. A streamed completion's chunks carry each
+    update's tokens, its log-probs and text, and join into the plain answer."""
+    tok_a, tok_b = 130, 105  # the tiny tokenizer's byte-level pieces "Ã" (0xC3) and "©" (0xA9)
+    force = {
+        "max_tokens": 4,
+        "temperature": 0,
+        "logit_bias": {str(tok_a): 100, str(tok_b): 99},
+        "frequency_penalty": 2,
+    }
+    chat = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, **force}
+    chunks = _events(server, "/v1/chat/completions", chat)
+    text = [c["choices"][0]["delta"]["content"] for c in chunks if c["choices"][0]["delta"].get("content")]
+    assert text == ["é", "é"]  # without the hold-back: "\ufffd", then nothing new
+    items = [c["choices"][0]["logprobs"]["content"][0] for c in chunks if c["choices"][0]["logprobs"]]
+    assert [(x["token"], x["bytes"]) for x in items] == [("\ufffd", [0xA9])] * 2
+    plain = SESSION.post(server + "/v1/chat/completions", json=chat, timeout=120).json()["choices"][0]
+    assert plain["message"]["content"] == "éé"
+    assert [x["bytes"] for x in plain["logprobs"]["content"]] == [[0xC3], [0xA9]] * 2
+
+    completion = {"prompt": "hi", "logprobs": 0, "return_token_ids": True, **force}
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    *chunks, usage = _events(server, "/v1/completions", {**completion, "stream_options": options})
+    choices = [c["choices"][0] for c in chunks]
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2, 3, 4]
+    assert [c["text"] for c in choices] == ["", "é", "", "é"] and [c["token_ids"] for c in choices] == [
+        [tok_a],
+        [tok_b],
+    ] * 2
+    assert [c["finish_reason"] for c in choices] == [None, None, None, "length"]
+    assert ["prompt_token_ids" in c for c in choices] == [True, False, False, False]
+    plain = SESSION.post(server + "/v1/completions", json=completion, timeout=120).json()
+    want = plain["choices"][0]["logprobs"]
+    assert want["tokens"] == ["Ã", "©", "Ã", "©"]  # latin-1 of each fragment's byte
+    assert {k: sum((c["logprobs"][k] for c in choices), []) for k in want} == want
+    assert choices[0]["prompt_token_ids"] == plain["choices"][0]["prompt_token_ids"]
+    assert usage["choices"] == [] and usage["usage"] == {k: v for k, v in plain["usage"].items() if v is not None}
+
+
+@pytest.mark.slow  # development tier: 10-18 s of importing SGLang in the side venv
+@needs_side_venv
+def test_openai_stream_chunks_are_what_sglangs_own_classes_serialise(server, tmp_path):
+    """Every chunk of a streamed chat and completion (log-probs with alternatives, token ids, usage in each chunk and
+    at the end) parsed by SGLang's own stream classes and serialised again is unchanged: no field missing, extra,
+    mistyped or (where SGLang leaves it out) present."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    common = {"max_tokens": 5, "temperature": 0.8, "seed": 1, "stream_options": options}
+    chat = _events(
+        server,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "model": "m", "logprobs": True, "top_logprobs": 2, **common},
+    )
+    completion = _events(
+        server, "/v1/completions", {"prompt": "hi", "logprobs": 2, "return_token_ids": True, **common}
+    )
+    path = tmp_path / "chunks.json"
+    path.write_text(json.dumps([chat, completion]))
+    code = """
+import json, sys
+import msgspec
+from sglang.srt.entrypoints.openai.protocol import ChatCompletionStreamResponse, ChoiceLogprobs, CompletionStreamResponse
+from sglang.srt.entrypoints.openai.sse_utils import StreamChunk
+
+chat, completion = json.load(open(sys.argv[1]))
+for c in chat:
+    if c["choices"]:  # SGLang's chunks of a choice (sse_utils, msgspec); their log-probs a ChoiceLogprobs dump
+        again = json.loads(msgspec.json.encode(msgspec.convert(c, StreamChunk)))
+        lp = c["choices"][0]["logprobs"]
+        assert lp is None or ChoiceLogprobs.model_validate(lp).model_dump() == lp, lp
+    else:  # the usage chunk
+        again = json.loads(ChatCompletionStreamResponse.model_validate(c).model_dump_json())
+    assert again == c, (c, again)
+*chunks, usage = completion
+for c in chunks:
+    assert json.loads(CompletionStreamResponse.model_validate(c).model_dump_json()) == c, c
+assert json.loads(CompletionStreamResponse.model_validate(usage).model_dump_json(exclude_none=True)) == usage, usage
+print("unchanged", len(chat), len(completion))
+"""
+    run = run_side(code, str(path))
+    assert run.returncode == 0 and "unchanged" in run.stdout, run.stderr[-3000:]
 
 
 def test_abort_returns_partial_output(server):

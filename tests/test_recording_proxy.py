@@ -350,6 +350,21 @@ def test_a_chat_request_through_the_router_is_recorded_with_what_sglang_applied(
         convert_samples_to_train_data(make_args(*ONE, "--rollout-temperature", "0.8"), [s], fn_path="f")
 
 
+def test_a_streamed_completion_through_the_router_is_recorded(chat_proxied):
+    """A streamed /v1/completions with return_token_ids: its chunks' token ids, joined, are recorded with the
+    request's temperature (a streamed chat carries no ids: SGLang refuses return_token_ids there)."""
+    _, proxy, ledger = chat_proxied
+    body = {"model": "m", "prompt": [5, 9, 11], "max_tokens": 6, "temperature": 0.7, "seed": 2, "stream": True}
+    with HTTP.post(f"{proxy}/v1/completions", json={**body, "return_token_ids": True}, stream=True, timeout=120) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith(b"data: {")]
+    ids = [t for e in events for t in e["choices"][0]["token_ids"]]
+    assert len(ids) == 6 and events[0]["choices"][0]["prompt_token_ids"] == [5, 9, 11]
+    s = _sample([5, 9, 11], ids)
+    assert ledger.attach([s]) == 1
+    [rec] = s.metadata["sampling_params"]
+    assert rec["temperature"] == 0.7 and rec["origin"].startswith("/v1/completions request")
+
+
 def test_the_engines_chat_defaults_follow_sglangs_sampling_defaults_flag(chat_kit):
     """What the proxy assumes the engines apply: --hf-checkpoint's recommendations under SGLang's default
     `--sampling-defaults model`, OpenAI's under `--sglang-sampling-defaults openai` (which the CPU server takes too)."""

@@ -13,7 +13,8 @@ consecutive ones when a partial rollout resumed it) and writes their records ont
 would have. Tokens that match no output keep today's rule (trained at the flags, one warning; refused under
 `--lora-sync adapter`). Identical outputs from different prompts are told apart by the last input ids when the request
 sent ids (a text request cannot be). OpenAI requests (`/v1/chat/completions`, `/v1/completions`) are recorded when
-their answers carry token ids (`return_token_ids`), with what SGLang applied (`record_openai`). `--no-check-sampling-params`
+their answers carry token ids (`return_token_ids`; streamed completions too, while SGLang refuses them on a streamed
+chat), with what SGLang applied (`record_openai`). `--no-check-sampling-params`
 starts no proxy.
 """
 
@@ -210,6 +211,22 @@ def record_generate(ledger: RequestLedger, body: dict, outputs: list) -> int:
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 
+def _stream_answer(path, events):
+    """What a stream's events add up to: /generate's last event per output (SGLang's events are cumulative); a
+    streamed completion's choices, each with its token ids joined, its prompt's ids and its finish reason."""
+    if path == "/generate":
+        last = {e.get("index", 0): e for e in events}
+        return [last[k] for k in sorted(last)]
+    choices = {}
+    for e in events:
+        for c in e.get("choices") or []:
+            choice = choices.setdefault(c["index"], {"token_ids": [], "prompt_token_ids": None, "finish_reason": None})
+            choice["token_ids"] += c.get("token_ids") or []
+            choice["prompt_token_ids"] = choice["prompt_token_ids"] or c.get("prompt_token_ids")
+            choice["finish_reason"] = c.get("finish_reason") or choice["finish_reason"]
+    return {"choices": [choices[k] for k in sorted(choices)]}
+
+
 def record_openai(ledger: RequestLedger, path: str, body: dict, answer: dict, chat_defaults: dict) -> int:
     """Add every finished choice of one OpenAI request whose answer carries its token ids (SGLang's
     `return_token_ids`: `response_token_ids` for chat, `token_ids` for completions) to the ledger, sampled with what
@@ -280,7 +297,10 @@ class RecordingProxy:
             ) as up:
                 out_headers = {k: v for k, v in up.headers.items() if k.lower() not in _DROP}
                 if up.content_type == "text/event-stream":
-                    return await self._stream(request, up, out_headers, body if generate else None)
+                    recordable = generate or (
+                        openai and request.path == "/v1/completions"
+                    )  # chat streams carry no ids
+                    return await self._stream(request, up, out_headers, body if recordable else None, request.path)
                 data = await up.read()
                 if generate and up.status == 200:
                     self._record(body, lambda: json.loads(data))
@@ -294,10 +314,12 @@ class RecordingProxy:
         except aiohttp.ClientError as e:
             return web.json_response({"error": f"slime's recording proxy: {url}: {type(e).__name__}: {e}"}, status=502)
 
-    async def _stream(self, request, up, headers, body):
+    async def _stream(self, request, up, headers, body, path):
+        """Forward a stream as it comes; record its outputs (`body`: the request, None for a stream nothing can be
+        recorded from) once it ends."""
         resp = web.StreamResponse(status=up.status, headers=headers)
         await resp.prepare(request)
-        last, buffer = {}, b""  # the last event of each output (SGLang's events are cumulative)
+        events, buffer = [], b""
         async for chunk in up.content.iter_any():
             await resp.write(chunk)
             if body is None:
@@ -307,12 +329,11 @@ class RecordingProxy:
             for line in lines:
                 if line.startswith(b"data:") and line[5:].strip() not in (b"", b"[DONE]"):
                     try:
-                        event = json.loads(line[5:])
-                        last[event.get("index", 0)] = event
+                        events.append(json.loads(line[5:]))
                     except ValueError:
                         pass
         if body is not None and up.status == 200:
-            self._record(body, lambda: [last[k] for k in sorted(last)])
+            self._record(body, lambda: _stream_answer(path, events), path=path)
         await resp.write_eof()
         return resp
 

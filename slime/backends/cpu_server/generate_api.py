@@ -15,6 +15,15 @@ from .weights import WeightError
 
 # SGLang's --sampling-mask-max-tokens default: the most token ids one returned sampling mask may hold
 SAMPLING_MASK_MAX_TOKENS = 4096
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+class EndOfStream(Exception):
+    """Raised by a stream's `events` with the events that end it early; its other requests are aborted."""
+
+    def __init__(self, events):
+        super().__init__("end of stream")
+        self.events = events
 
 
 def _check_sampling_mask(want_mask, mode, sp, cap=SAMPLING_MASK_MAX_TOKENS):
@@ -159,7 +168,7 @@ class GenerateAPI:
                 f"{self.max_total_tokens} (--max-total-tokens)."
             )
 
-    def _build_reqs(self, body, on_update=None):
+    def _build_reqs(self, body):
         prompts, batch = self._prompts(body)
         sps_raw = body.get("sampling_params")
         if isinstance(sps_raw, list) and (not batch or len(sps_raw) != len(prompts)):
@@ -239,8 +248,6 @@ class GenerateAPI:
                     logprob_start_len=-1 if st is None else st,
                     top_logprobs_num=topn[i] if isinstance(topn, list) else topn,
                     token_ids_logprob=token_ids[i],
-                    stream=bool(body.get("stream")),
-                    on_update=on_update,
                     return_sampling_mask=want_mask,
                     return_routed_experts=want_routed,
                     routed_experts_start_len=routed_start,
@@ -379,23 +386,46 @@ class GenerateAPI:
         return web.json_response(outs if batch or len(outs) > 1 else outs[0])
 
     async def _generate_stream(self, request, body):
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-
-        def on_update(req):  # scheduler thread: snapshot the text there (its tokenizer), hand it to the loop
-            text = req.text if req.finished else self.scheduler.detokenize(req)
-            snap = (req, text, list(req.output_ids), req.finished)
-            loop.call_soon_threadsafe(events.put_nowait, snap)
-
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         try:
-            reqs, batch = self._build_reqs(body, on_update=on_update)
+            reqs, batch = self._build_reqs(body)
         except RequestError as e:  # SGLang checks a streamed request inside its stream: 200, one error event, [DONE]
             error = {"message": str(e), "type": "invalid_request_error", "code": 400, "retryable": False}
+            resp = web.StreamResponse(headers=SSE_HEADERS)
             await resp.prepare(request)
             await resp.write(f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n".encode())
             await resp.write_eof()
             return resp
+
+        def events(r, text, ids, finished):  # each update: the request's whole output so far
+            out = self._output(r, text)
+            out["output_ids"] = ids
+            if not finished:
+                out["meta_info"]["finish_reason"] = None
+                out["meta_info"]["completion_tokens"] = len(ids)
+            if batch or len(reqs) > 1:
+                out["index"] = r.index
+            return [f"data: {json.dumps(out)}\n\n"]
+
+        return await self._stream(request, reqs, events)
+
+    async def _stream(self, request, reqs, events, tail=lambda: []):
+        """Run `reqs`, answering as a server-sent event stream: `events(req, text, output ids, finished)` -> the
+        events of one update (or EndOfStream), then `tail()`'s and `data: [DONE]`. A client that leaves aborts the
+        requests."""
+        loop = asyncio.get_running_loop()
+        updates: asyncio.Queue = asyncio.Queue()
+        shown = {}
+
+        def on_update(req):  # scheduler thread: snapshot the text there (its tokenizer), hand it to the loop
+            text = req.text
+            if not req.finished:  # as SGLang's detokenizer: a character still missing bytes is not shown yet
+                text = self.scheduler.detokenize(req)
+                if text.endswith("\ufffd"):
+                    text = shown.get(id(req), "")
+                shown[id(req)] = text
+            loop.call_soon_threadsafe(updates.put_nowait, (req, text, list(req.output_ids), req.finished))
+
+        resp = web.StreamResponse(headers=SSE_HEADERS)
         try:
             await resp.prepare(request)
         except BaseException:  # the client left before anything ran: give back the adapters the requests hold
@@ -404,25 +434,32 @@ class GenerateAPI:
                     self.loras.release(r.lora)
             raise
         for r in reqs:
+            r.stream, r.on_update = True, on_update
             self.scheduler.submit(r)
         remaining = len(reqs)
         try:
             while remaining:
-                r, text, ids, finished = await events.get()
-                out = self._output(r, text)
-                out["output_ids"] = ids
-                if not finished:
-                    out["meta_info"]["finish_reason"] = None
-                    out["meta_info"]["completion_tokens"] = len(ids)
-                if batch or len(reqs) > 1:
-                    out["index"] = r.index
-                remaining -= finished
-                await resp.write(f"data: {json.dumps(out)}\n\n".encode())
+                update = await updates.get()
+                remaining -= update[3]
+                try:
+                    out, ended = events(*update), False
+                except EndOfStream as end:
+                    out, ended = end.events, True
+                for event in out:
+                    await resp.write(event.encode())
+                if ended:
+                    break
+            else:
+                for event in tail():
+                    await resp.write(event.encode())
             await resp.write(b"data: [DONE]\n\n")
         except (ConnectionResetError, asyncio.CancelledError):
-            for r in reqs:
-                self.scheduler.abort(rid=r.rid)
+            remaining = True
             raise
+        finally:
+            if remaining:
+                for r in reqs:
+                    self.scheduler.abort(rid=r.rid)
         await resp.write_eof()
         return resp
 

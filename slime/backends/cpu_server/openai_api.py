@@ -1,13 +1,17 @@
 """OpenAI-compatible API of slime's CPU server: `/v1/completions` and `/v1/chat/completions`."""
 
 import asyncio
+import functools
+import json
 import time
 import uuid
+from http import HTTPStatus
 
 from aiohttp import web
 
 from slime.utils.sampling_record import openai_requested_adapter, openai_sampling_params
 
+from .generate_api import EndOfStream
 from .media import chat_images, expand, fetch_remote_images, images_per_prompt
 from .sampling import RequestError, SamplingParams
 from .scheduler import Req
@@ -26,8 +30,130 @@ def _with_checked_role(message):
     return {**message, "role": role.lower()}
 
 
+@functools.cache
+def _byte_decoder() -> dict:
+    """GPT-2's byte-level BPE alphabet, character -> byte: printable bytes stand for themselves, the others for
+    characters from U+0100 on."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+class TokenText:
+    """A token's text and bytes in OpenAI log-probs, as SGLang renders them: a byte-level BPE token's bytes come from
+    its id, as its decoded text loses a fragment of a character to U+FFFD (legacy completions then show the fragment
+    as latin-1, one character per byte)."""
+
+    def __init__(self, tokenizer):
+        self.tok, dec = tokenizer, _byte_decoder()
+        n = len(tokenizer.get_vocab())  # SGLang's probe: a few pieces, all in the byte alphabet
+        pieces = [tokenizer.convert_ids_to_tokens(i) for i in (0, 1, 2, 3, n // 2, n - 2) if 0 <= i < n]
+        self.byte_level = all(ch in dec for piece in pieces if piece for ch in piece)
+
+    def text(self, t) -> str:
+        return self.tok.decode([t])
+
+    def raw(self, t):
+        """The token's bytes, or None where its piece is not byte-level (special tokens, SentencePiece)."""
+        dec = _byte_decoder()
+        piece = self.tok.convert_ids_to_tokens(t) if self.byte_level else None
+        if not piece or any(ch not in dec for ch in piece):
+            return None
+        return [dec[ch] for ch in piece]
+
+    def item(self, t, logprob) -> dict:
+        """Chat's {token, bytes, logprob} of one token."""
+        text, raw = self.text(t), self.raw(t)
+        return {"token": text, "bytes": list(text.encode()) if raw is None else raw, "logprob": logprob}
+
+    def lossless(self, t) -> str:
+        """Legacy completions' text of one token."""
+        text = self.text(t)
+        raw = self.raw(t) if "\ufffd" in text else None
+        if raw is None:
+            return text
+        try:
+            bytes(raw).decode("utf-8")  # a whole character that is U+FFFD itself
+            return text
+        except UnicodeDecodeError:
+            return bytes(raw).decode("latin-1")
+
+
+def _usage(prompt_tokens, completion_tokens) -> dict:
+    """SGLang's UsageInfo (no reasoning parser, no --enable-cache-report: no details)."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": None,
+        "reasoning_tokens": 0,
+        "completion_tokens_details": None,
+    }
+
+
+def _event(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+class _StreamState:
+    """What SGLang's OpenAI stream has sent of each choice (its index): text, log-probs, tokens; the rest of the
+    stream reads it."""
+
+    def __init__(self, b, prompt_len):
+        self.created, self.model = int(time.time()), b.get("model", "default")
+        opts = b.get("stream_options") or {}  # SGLang's server default: no usage
+        self.include_usage, self.continuous = bool(opts.get("include_usage")), bool(opts.get("continuous_usage_stats"))
+        self.prompt_len, self.text, self.tokens, self.finished, self.rid = prompt_len, {}, {}, {}, None
+
+    def take(self, r, text, ids, finished):
+        """(is it the choice's first update, its new text, [start, end) of its new tokens) from a cumulative update."""
+        i, self.rid = r.index, r.rid
+        first, sent = i not in self.text, self.text.get(i, "")
+        start = self.tokens.get(i, 0)
+        self.text[i], self.tokens[i] = text, len(ids)
+        if finished:
+            self.finished[i] = r.finish_reason
+        return first, text[len(sent) :], (start, len(ids))
+
+    def usage(self, i) -> dict:
+        return _usage(self.prompt_len, self.tokens.get(i, 0))
+
+    def total_usage(self) -> dict:
+        return _usage(self.prompt_len, sum(self.tokens.values()))
+
+    def chunk(self, kind, choices, **extra) -> dict:
+        return {
+            "id": self.rid,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
+
+
+def _end_on_error(r):
+    """SGLang ends an OpenAI stream with one error event when a choice is aborted with an error code."""
+    code = (r.finish_reason or {}).get("status_code") if r.finished else None
+    if not code:
+        return
+    code = HTTPStatus(code)
+    message = r.finish_reason.get("message") or "Generation aborted."
+    error = {"object": "error", "message": message, "type": code.name, "param": None, "code": code.value}
+    raise EndOfStream([_event({"error": error})])
+
+
 class OpenAIAPI:
-    """`/v1/completions` and `/v1/chat/completions` over the same scheduler as `/generate`."""
+    """`/v1/completions` and `/v1/chat/completions` over the same scheduler as `/generate`, plain or streamed."""
+
+    @functools.cached_property
+    def token_text(self) -> TokenText:
+        return TokenText(self.tokenizer)
 
     def _openai_sampling(self, b, prompt_len, model_defaults, chat):
         """SGLang's sampling parameters for an OpenAI request (`model_defaults`: what a chat request takes from the
@@ -52,18 +178,20 @@ class OpenAIAPI:
                 sp[k] = b[k]
         return {k: v for k, v in sp.items() if v is not None}
 
-    def _token_logprob(self, token_id, logprob):
-        text = self.tokenizer.decode([token_id])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
     def _finish_str(self, r):
         return {"stop": "stop", "length": "length", "abort": "abort"}[r.finish_reason["type"]]
 
-    async def _openai_run(self, b, ids, model_defaults, mm=None, chat=True):
-        if b.get("stream"):
-            raise RequestError("stream=true is not supported by slime's CPU server's OpenAI endpoints")
+    def _openai_reqs(self, b, ids, model_defaults, mm=None, chat=True):
+        """The checked requests of one OpenAI call, one per choice."""
         if b.get("echo"):
             raise RequestError("echo=true is not supported by slime's CPU server's OpenAI endpoints")
+        if chat and b.get("stream"):  # SGLang's checks of a streamed chat request
+            for field in ("return_prompt_token_ids", "return_token_ids", "return_meta_info"):
+                if b.get(field):
+                    where = " on /v1/chat/completions" if field == "return_token_ids" else ""
+                    raise RequestError(
+                        f"{field} is not supported with streaming{where}. Please set stream=false when using {field}=true."
+                    )
         sp = SamplingParams.from_dict(self._openai_sampling(b, len(ids), model_defaults, chat), self.cfg.vocab_size)
         self._check_prompt(ids, sp)
         if chat:  # SGLang: `logprobs` a boolean, `top_logprobs` how many alternatives
@@ -78,9 +206,9 @@ class OpenAIAPI:
         if isinstance(adapter, list):  # a list for one prompt: what SGLang's batch normalisation refuses
             raise RequestError(f"lora_path is a list of {len(adapter)}: it needs one entry per prompt (1)")
         reqs = [Req(ids, sp, return_logprob=want_lp, top_logprobs_num=top_n) for _ in range(sp.n)]
-        for r, lora in zip(reqs, self._acquire_loras([adapter] * len(reqs))):
-            r.mm, r.lora = mm, lora
-        return await self._run(reqs)
+        for i, (r, lora) in enumerate(zip(reqs, self._acquire_loras([adapter] * len(reqs)))):
+            r.index, r.mm, r.lora = i, mm, lora
+        return reqs
 
     async def _chat_media(self, msgs):
         """(messages for the template, the images' processor inputs or None): image parts as SGLang takes them."""
@@ -92,18 +220,6 @@ class OpenAIAPI:
         body = await asyncio.to_thread(fetch_remote_images, {"image_data": image_data})
         return msgs, images_per_prompt(body, 1, False, self.cfg.model_type)[0]
 
-    def _usage(self, prompt_len, reqs):
-        """SGLang's UsageInfo (no reasoning parser, no --enable-cache-report: no details)."""
-        c = sum(len(r.output_ids) for r in reqs)
-        return {
-            "prompt_tokens": prompt_len,
-            "total_tokens": prompt_len + c,
-            "completion_tokens": c,
-            "prompt_tokens_details": None,
-            "reasoning_tokens": 0,
-            "completion_tokens_details": None,
-        }
-
     def _response(self, b, kind, choices, prompt_len, reqs):
         """The response around `choices`, as SGLang builds it: the request's own `model` echoed, and the first
         choice's weight version (and its per-token spans) in `metadata`."""
@@ -114,11 +230,38 @@ class OpenAIAPI:
                 "created": int(time.time()),
                 "model": b.get("model", "default"),
                 "choices": choices,
-                "usage": self._usage(prompt_len, reqs),
+                "usage": _usage(prompt_len, sum(len(r.output_ids) for r in reqs)),
                 "metadata": self._versions(reqs[0]),
             }
         )
 
+    # ------------------------------------------------------------------ log-probs of output tokens [a, b)
+    def _completion_logprobs(self, r, a=0, b=None):
+        """SGLang's LogProbs of legacy completions (offsets unknown: -1)."""
+        tt, ids = self.token_text, r.output_ids[a:b]
+        return {
+            "text_offset": [-1] * len(ids),
+            "token_logprobs": r.output_logprobs[a:b],
+            "tokens": [tt.lossless(t) for t in ids],
+            "top_logprobs": [
+                None if row is None else {tt.lossless(t): v for v, t, _ in row} for row in r.output_top_logprobs[a:b]
+            ],
+        }
+
+    def _chat_logprobs(self, r, a=0, b=None):
+        """SGLang's ChoiceLogprobs of chat."""
+        tt, tops = self.token_text, r.output_top_logprobs[a:b]
+        return {
+            "content": [
+                {
+                    **tt.item(t, v),
+                    "top_logprobs": [tt.item(alt, alt_v) for alt_v, alt, _ in (tops[k] if k < len(tops) else [])],
+                }
+                for k, (t, v) in enumerate(zip(r.output_ids[a:b], r.output_logprobs[a:b]))
+            ]
+        }
+
+    # ------------------------------------------------------------------ /v1/completions
     async def v1_completions(self, request):
         b = await self._body(request)
         self._check_ready()
@@ -131,24 +274,17 @@ class OpenAIAPI:
             ids = prompt
         else:
             raise RequestError("prompt must be a string or a list of token ids (batch prompts: send one request each)")
-        reqs = await self._openai_run(b, ids, {}, chat=False)
+        reqs = self._openai_reqs(b, ids, {}, chat=False)
+        if b.get("stream"):
+            return await self._completion_stream(request, b, ids, reqs)
+        reqs = await self._run(reqs)
         choices = []
         for i, r in enumerate(reqs):
-            lp = None
-            if r.return_logprob:  # SGLang's LogProbs: a {token: logprob} per position when asked, offsets unknown
-                toks = [self.tokenizer.decode([t]) for t in r.output_ids]
-                top = [{self.tokenizer.decode([t]): v for v, t, _ in row} for row in r.output_top_logprobs]
-                lp = {
-                    "tokens": toks,
-                    "token_logprobs": r.output_logprobs,
-                    "top_logprobs": top,
-                    "text_offset": [-1] * len(toks),
-                }
             choices.append(
                 {
                     "index": i,
                     "text": r.text,
-                    "logprobs": lp,
+                    "logprobs": self._completion_logprobs(r) if r.return_logprob else None,
                     "finish_reason": self._finish_str(r),
                     "matched_stop": r.finish_reason.get("matched"),
                     # SGLang's return_token_ids: the sampled and the prompt's ids
@@ -157,6 +293,37 @@ class OpenAIAPI:
             )
         return self._response(b, "text_completion", choices, len(ids), reqs)
 
+    async def _completion_stream(self, request, b, ids, reqs):
+        """SGLang's streamed completion: a chunk per update of a choice (its new text, log-probs and, asked, token
+        ids; the prompt's ids in its first), the finish reason in its last; then the usage when asked."""
+        st = _StreamState(b, len(ids))
+
+        def events(r, text, out_ids, finished):
+            first, delta, (a, e) = st.take(r, text, out_ids, finished)
+            _end_on_error(r)
+            choice = {
+                "index": r.index,
+                "text": delta,
+                "logprobs": self._completion_logprobs(r, a, e) if r.return_logprob and a < e else None,
+                "finish_reason": self._finish_str(r) if finished else None,
+                "matched_stop": r.finish_reason.get("matched") if finished else None,
+            }
+            if b.get("return_token_ids"):
+                choice["token_ids"] = out_ids[a:e]
+                if first:
+                    choice["prompt_token_ids"] = list(ids)
+            usage = st.usage(r.index) if st.continuous else None
+            return [_event(st.chunk("text_completion", [choice], usage=usage))]
+
+        def tail():
+            if not st.include_usage:
+                return []
+            usage = {k: v for k, v in st.total_usage().items() if v is not None}  # SGLang: exclude_none
+            return [_event(st.chunk("text_completion", [], usage=usage))]
+
+        return await self._stream(request, reqs, events, tail)
+
+    # ------------------------------------------------------------------ /v1/chat/completions
     async def v1_chat_completions(self, request):
         b = await self._body(request)
         self._check_ready()
@@ -175,33 +342,63 @@ class OpenAIAPI:
         mm = None
         if images:
             ids, mm = expand(self.processor, list(ids), images, "the chat prompt")
-        reqs = await self._openai_run(b, list(ids), self.chat_sampling_defaults, mm)
+        ids = list(ids)
+        reqs = self._openai_reqs(b, ids, self.chat_sampling_defaults, mm)
+        if b.get("stream"):
+            return await self._chat_stream(request, b, ids, reqs)
+        reqs = await self._run(reqs)
         want_prompt = b.get("return_prompt_token_ids") or b.get("return_token_ids")
         choices = []
         for i, r in enumerate(reqs):
-            lp = None
-            if r.return_logprob:
-                tops = r.output_top_logprobs or [[] for _ in r.output_ids]
-                lp = {
-                    "content": [
-                        {
-                            **self._token_logprob(t, v),
-                            "top_logprobs": [self._token_logprob(alt, alt_v) for alt_v, alt, _ in top],
-                        }
-                        for t, v, top in zip(r.output_ids, r.output_logprobs, tops)
-                    ]
-                }
             choices.append(
                 {
                     "index": i,
                     # SGLang leaves a null tool_calls out
                     "message": {"role": "assistant", "content": r.text, "reasoning_content": None},
-                    "logprobs": lp,
+                    "logprobs": self._chat_logprobs(r) if r.return_logprob else None,
                     "finish_reason": self._finish_str(r),
                     "matched_stop": r.finish_reason.get("matched"),
                     # SGLang's return_prompt_token_ids / return_token_ids
-                    **({"prompt_token_ids": list(ids)} if want_prompt else {}),
+                    **({"prompt_token_ids": ids} if want_prompt else {}),
                     **({"response_token_ids": r.output_ids} if b.get("return_token_ids") else {}),
                 }
             )
         return self._response(b, "chat.completion", choices, len(ids), reqs)
+
+    async def _chat_stream(self, request, b, ids, reqs):
+        """SGLang's streamed chat completion: per choice a first chunk with the role, then a chunk per update
+        that adds text (with its new tokens' log-probs: an update that adds no text sends none, as SGLang); once
+        every choice finished, a chunk with each one's finish reason, then the usage when asked."""
+        st = _StreamState(b, len(ids))
+
+        def chunk(i, delta, logprobs=None, finish_reason=None, matched_stop=None, usage=None):
+            choice = {
+                "index": i,
+                "delta": {"reasoning_content": None, **delta},
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+                "matched_stop": matched_stop,
+            }
+            return _event(st.chunk("chat.completion.chunk", [choice], **({} if usage is None else {"usage": usage})))
+
+        def events(r, text, out_ids, finished):
+            first, delta, (a, e) = st.take(r, text, out_ids, finished)
+            _end_on_error(r)
+            out = [chunk(r.index, {"role": "assistant", "content": ""})] if first else []
+            if delta:
+                logprobs = self._chat_logprobs(r, a, e) if r.return_logprob and a < e else None
+                out.append(
+                    chunk(r.index, {"content": delta}, logprobs, usage=st.usage(r.index) if st.continuous else None)
+                )
+            return out
+
+        def tail():
+            out = [
+                chunk(i, {}, finish_reason=reason["type"], matched_stop=reason.get("matched"))
+                for i, reason in st.finished.items()
+            ]
+            if st.include_usage:
+                out.append(_event(st.chunk("chat.completion.chunk", [], usage=st.total_usage())))
+            return out
+
+        return await self._stream(request, reqs, events, tail)
