@@ -563,6 +563,23 @@ def test_openai_streams_hold_a_split_character_back_and_report_its_bytes(server)
     assert usage["choices"] == [] and usage["usage"] == {k: v for k, v in plain["usage"].items() if v is not None}
 
 
+@pytest.mark.parametrize("path", ["/generate", "/v1/chat/completions"])
+def test_a_client_that_leaves_a_stream_aborts_its_requests(server, path):
+    """A streaming client that closes its connection after the first chunk: its requests leave the running batch
+    at once, long before the 4 x 490 tokens they asked for (about a second of decoding here)."""
+    if path == "/generate":
+        body = {"input_ids": PROMPTS[1], "sampling_params": {"max_new_tokens": 490, "ignore_eos": True, "n": 4}}
+    else:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 490, "ignore_eos": True, "n": 4}
+    with SESSION.post(server + path, json={**body, "stream": True}, stream=True, timeout=60) as r:
+        next(line for line in r.iter_lines() if line.startswith(b"data: "))
+    seen, deadline = [], time.time() + 30
+    while (load := SESSION.get(server + "/get_load", timeout=10).json()[0])["num_reqs"]:
+        seen.append(load["num_tokens"])
+        assert time.time() < deadline, "the requests of a stream its client left are still running after 30 s"
+    assert max(seen, default=0) < 2 * 490, seen  # they would hold 4 x (prompt + 490) rows had they gone on
+
+
 @pytest.mark.slow  # development tier: 10-18 s of importing SGLang in the side venv
 @needs_side_venv
 def test_openai_stream_chunks_are_what_sglangs_own_classes_serialise(server, tmp_path):
