@@ -452,9 +452,6 @@ def test_openai_requests_are_read_as_sglang_reads_them(server):
     assert r.json()["usage"]["completion_tokens"] == 16
     r = SESSION.post(server + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 0})
     assert "max_tokens must be positive" in refusal(r, "BadRequestError")
-    # what this server does not do is refused, not ignored
-    r = SESSION.post(server + "/v1/completions", json={"prompt": [1, 2], "echo": True})
-    assert "is not supported by slime's CPU server" in refusal(r, "BadRequestError")
     # what SGLang refuses on a streamed chat
     r = SESSION.post(server + "/v1/chat/completions", json={**chat, "stream": True, "return_token_ids": True})
     assert "return_token_ids is not supported with streaming on /v1/chat/completions" in refusal(r, "BadRequestError")
@@ -475,6 +472,58 @@ def test_openai_requests_are_read_as_sglang_reads_them(server):
         },
     )
     assert r.status_code == 200
+
+
+def test_completions_take_batch_prompts_and_echo_them_as_sglang_does(server, hf):
+    """/v1/completions with several prompts (strings, or lists of ids) and n: choices prompt by prompt, each the
+    /generate answer of its prompt, usage counting each prompt once; `echo` puts the prompt's text (ids decoded
+    without special tokens) before each choice's, and with `logprobs: N` the prompt's tokens and log-probs (the first
+    without one) before the output's, as /generate's input log-probs give them; a stream sends the echo first."""
+    texts = ["What is 3+4?", "Hello"]
+    body = {"prompt": texts, "n": 2, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    out = SESSION.post(server + "/v1/completions", json=body, timeout=120).json()
+    want = [
+        gen(server, {"text": t, "sampling_params": {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True}})
+        for t in texts
+    ]
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in out["choices"]] == [want[0]["text"]] * 2 + [want[1]["text"]] * 2
+    ids = [c["prompt_token_ids"] for c in out["choices"][::2]]
+    assert out["usage"]["prompt_tokens"] == sum(map(len, ids)) and out["usage"]["completion_tokens"] == 12
+
+    def hf_text(ids):
+        return hf[1].decode(ids, skip_special_tokens=True)
+
+    prompt = [PROMPTS[1], PROMPTS[0]]
+    body = {"prompt": prompt, "max_tokens": 3, "temperature": 0.7, "seed": 4, "echo": True, "logprobs": 2}
+    out = SESSION.post(server + "/v1/completions", json=body, timeout=120).json()
+    for p, choice in zip(prompt, out["choices"]):
+        ref = gen(
+            server,
+            {
+                "input_ids": p,
+                "return_logprob": True,
+                "logprob_start_len": 0,
+                "top_logprobs_num": 2,
+                "sampling_params": {"temperature": 0.7, "sampling_seed": 4, "max_new_tokens": 3},
+            },
+        )
+        meta, lp = ref["meta_info"], choice["logprobs"]
+        assert choice["text"] == hf_text(p) + ref["text"]
+        # (a batch of two prefills packed together: within float error of one prefilled alone)
+        entries = meta["input_token_logprobs"] + meta["output_token_logprobs"]
+        assert lp["token_logprobs"][1:] == pytest.approx([x[0] for x in entries[1:]], abs=1e-5)
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None and len(lp["tokens"]) == len(p) + 3
+        tops = [[x[0] for x in row] for row in meta["input_top_logprobs"][1:] + meta["output_top_logprobs"]]
+        assert [list(row.values()) for row in lp["top_logprobs"][1:]] == [pytest.approx(t, abs=1e-5) for t in tops]
+    chunks = _events(server, "/v1/completions", body)
+    for i, choice in enumerate(out["choices"]):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == i]
+        assert mine[0]["text"].startswith(hf_text(prompt[i])) and "".join(c["text"] for c in mine) == choice["text"]
+        assert sum((c["logprobs"]["token_logprobs"] for c in mine), []) == choice["logprobs"]["token_logprobs"]
+    for bad, needle in [("", "Prompt cannot be empty"), (["a", [1, 2]], "a batch is all strings or all lists")]:
+        r = SESSION.post(server + "/v1/completions", json={"prompt": bad})
+        assert needle in refusal(r, "BadRequestError")
 
 
 def _events(url, path, body):
@@ -582,42 +631,50 @@ def test_a_client_that_leaves_a_stream_aborts_its_requests(server, path):
 
 @pytest.mark.slow  # development tier: 10-18 s of importing SGLang in the side venv
 @needs_side_venv
-def test_openai_stream_chunks_are_what_sglangs_own_classes_serialise(server, tmp_path):
-    """Every chunk of a streamed chat and completion (log-probs with alternatives, token ids, usage in each chunk and
-    at the end) parsed by SGLang's own stream classes and serialised again is unchanged: no field missing, extra,
-    mistyped or (where SGLang leaves it out) present."""
+def test_openai_answers_are_what_sglangs_own_classes_serialise(server, tmp_path):
+    """Every OpenAI answer (chat and completion, plain and each chunk of a stream: n = 2, log-probs with
+    alternatives, token ids, an echoed batch, usage in each chunk and at the end) parsed by SGLang's own response
+    classes and serialised again is unchanged: no field missing, extra, mistyped or (where SGLang leaves it out)
+    present."""
     options = {"include_usage": True, "continuous_usage_stats": True}
-    common = {"max_tokens": 5, "temperature": 0.8, "seed": 1, "stream_options": options}
-    chat = _events(
-        server,
-        "/v1/chat/completions",
-        {"messages": [{"role": "user", "content": "hi"}], "model": "m", "logprobs": True, "top_logprobs": 2, **common},
-    )
-    completion = _events(
-        server, "/v1/completions", {"prompt": "hi", "logprobs": 2, "return_token_ids": True, **common}
-    )
-    path = tmp_path / "chunks.json"
-    path.write_text(json.dumps([chat, completion]))
+    common = {"model": "m", "max_tokens": 5, "temperature": 0.8, "seed": 1, "n": 2}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2, **common}
+    completion = {"prompt": ["hi", "ho"], "echo": True, "logprobs": 2, "return_token_ids": True, **common}
+    answers = {
+        "chat": SESSION.post(server + "/v1/chat/completions", json={**chat, "return_token_ids": True}).json(),
+        "completion": SESSION.post(server + "/v1/completions", json=completion).json(),
+        "chat_chunks": _events(server, "/v1/chat/completions", {**chat, "stream_options": options}),
+        "completion_chunks": _events(server, "/v1/completions", {**completion, "stream_options": options}),
+    }
+    path = tmp_path / "answers.json"
+    path.write_text(json.dumps(answers))
     code = """
 import json, sys
 import msgspec
-from sglang.srt.entrypoints.openai.protocol import ChatCompletionStreamResponse, ChoiceLogprobs, CompletionStreamResponse
+from sglang.srt.entrypoints.openai.protocol import (ChatCompletionResponse, ChatCompletionStreamResponse,
+    ChoiceLogprobs, CompletionResponse, CompletionStreamResponse)
 from sglang.srt.entrypoints.openai.sse_utils import StreamChunk
 
-chat, completion = json.load(open(sys.argv[1]))
-for c in chat:
+def same(cls, obj, **kw):
+    again = json.loads(cls.model_validate(obj).model_dump_json(**kw))
+    assert again == obj, (obj, again)
+
+a = json.load(open(sys.argv[1]))
+same(ChatCompletionResponse, a["chat"])
+same(CompletionResponse, a["completion"])
+for c in a["chat_chunks"]:
     if c["choices"]:  # SGLang's chunks of a choice (sse_utils, msgspec); their log-probs a ChoiceLogprobs dump
         again = json.loads(msgspec.json.encode(msgspec.convert(c, StreamChunk)))
+        assert again == c, (c, again)
         lp = c["choices"][0]["logprobs"]
         assert lp is None or ChoiceLogprobs.model_validate(lp).model_dump() == lp, lp
     else:  # the usage chunk
-        again = json.loads(ChatCompletionStreamResponse.model_validate(c).model_dump_json())
-    assert again == c, (c, again)
-*chunks, usage = completion
+        same(ChatCompletionStreamResponse, c)
+*chunks, usage = a["completion_chunks"]
 for c in chunks:
-    assert json.loads(CompletionStreamResponse.model_validate(c).model_dump_json()) == c, c
-assert json.loads(CompletionStreamResponse.model_validate(usage).model_dump_json(exclude_none=True)) == usage, usage
-print("unchanged", len(chat), len(completion))
+    same(CompletionStreamResponse, c)
+same(CompletionStreamResponse, usage, exclude_none=True)
+print("unchanged")
 """
     run = run_side(code, str(path))
     assert run.returncode == 0 and "unchanged" in run.stdout, run.stderr[-3000:]

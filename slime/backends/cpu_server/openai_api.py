@@ -104,11 +104,12 @@ class _StreamState:
     """What SGLang's OpenAI stream has sent of each choice (its index): text, log-probs, tokens; the rest of the
     stream reads it."""
 
-    def __init__(self, b, prompt_len):
+    def __init__(self, b, reqs, n):
         self.created, self.model = int(time.time()), b.get("model", "default")
         opts = b.get("stream_options") or {}  # SGLang's server default: no usage
         self.include_usage, self.continuous = bool(opts.get("include_usage")), bool(opts.get("continuous_usage_stats"))
-        self.prompt_len, self.text, self.tokens, self.finished, self.rid = prompt_len, {}, {}, {}, None
+        self.prompt_lens, self.n = [len(r.input_ids) for r in reqs], n
+        self.text, self.tokens, self.finished, self.rid = {}, {}, {}, None
 
     def take(self, r, text, ids, finished):
         """(is it the choice's first update, its new text, [start, end) of its new tokens) from a cumulative update."""
@@ -121,10 +122,11 @@ class _StreamState:
         return first, text[len(sent) :], (start, len(ids))
 
     def usage(self, i) -> dict:
-        return _usage(self.prompt_len, self.tokens.get(i, 0))
+        return _usage(self.prompt_lens[i], self.tokens.get(i, 0))
 
     def total_usage(self) -> dict:
-        return _usage(self.prompt_len, sum(self.tokens.values()))
+        """SGLang's: each prompt counted once (its first choice's), every choice's tokens."""
+        return _usage(sum(self.prompt_lens[:: self.n]), sum(self.tokens.values()))
 
     def chunk(self, kind, choices, **extra) -> dict:
         return {
@@ -181,10 +183,8 @@ class OpenAIAPI:
     def _finish_str(self, r):
         return {"stop": "stop", "length": "length", "abort": "abort"}[r.finish_reason["type"]]
 
-    def _openai_reqs(self, b, ids, model_defaults, mm=None, chat=True):
-        """The checked requests of one OpenAI call, one per choice."""
-        if b.get("echo"):
-            raise RequestError("echo=true is not supported by slime's CPU server's OpenAI endpoints")
+    def _openai_reqs(self, b, prompts, model_defaults, mm=None, chat=True):
+        """The checked requests of one OpenAI call: for each prompt (a list of ids) its n choices, prompt by prompt."""
         if chat and b.get("stream"):  # SGLang's checks of a streamed chat request
             for field in ("return_prompt_token_ids", "return_token_ids", "return_meta_info"):
                 if b.get(field):
@@ -192,8 +192,6 @@ class OpenAIAPI:
                     raise RequestError(
                         f"{field} is not supported with streaming{where}. Please set stream=false when using {field}=true."
                     )
-        sp = SamplingParams.from_dict(self._openai_sampling(b, len(ids), model_defaults, chat), self.cfg.vocab_size)
-        self._check_prompt(ids, sp)
         if chat:  # SGLang: `logprobs` a boolean, `top_logprobs` how many alternatives
             want_lp, top_n = bool(b.get("logprobs")), b.get("top_logprobs") or 0
         else:  # `logprobs: N` both asks for log-probs (0 too) and for N alternatives
@@ -202,12 +200,27 @@ class OpenAIAPI:
             raise RequestError(
                 f"{'top_logprobs' if chat else 'logprobs'} must be a non-negative integer, got {top_n!r}"
             )
+        # an echoed completion with log-probs: SGLang's from the prompt's first token on
+        start = 0 if not chat and b.get("echo") and top_n else -1
         adapter = openai_requested_adapter(b, self.served_model_name)
-        if isinstance(adapter, list):  # a list for one prompt: what SGLang's batch normalisation refuses
-            raise RequestError(f"lora_path is a list of {len(adapter)}: it needs one entry per prompt (1)")
-        reqs = [Req(ids, sp, return_logprob=want_lp, top_logprobs_num=top_n) for _ in range(sp.n)]
-        for i, (r, lora) in enumerate(zip(reqs, self._acquire_loras([adapter] * len(reqs)))):
-            r.index, r.mm, r.lora = i, mm, lora
+        if isinstance(adapter, list) and len(adapter) != len(prompts):  # SGLang's batch normalisation
+            raise RequestError(
+                f"lora_path is a list of {len(adapter)}: it needs one entry per prompt ({len(prompts)})"
+            )
+        adapters = adapter if isinstance(adapter, list) else [adapter] * len(prompts)
+        reqs, names = [], []
+        for ids, name in zip(prompts, adapters):
+            sp = SamplingParams.from_dict(
+                self._openai_sampling(b, len(ids), model_defaults, chat), self.cfg.vocab_size
+            )
+            self._check_prompt(ids, sp)
+            for _ in range(sp.n):
+                r = Req(ids, sp, return_logprob=want_lp, logprob_start_len=start, top_logprobs_num=top_n)
+                r.index, r.mm = len(reqs), mm
+                reqs.append(r)
+                names.append(name)
+        for r, lora in zip(reqs, self._acquire_loras(names)):
+            r.lora = lora
         return reqs
 
     async def _chat_media(self, msgs):
@@ -236,16 +249,19 @@ class OpenAIAPI:
         )
 
     # ------------------------------------------------------------------ log-probs of output tokens [a, b)
-    def _completion_logprobs(self, r, a=0, b=None):
-        """SGLang's LogProbs of legacy completions (offsets unknown: -1)."""
-        tt, ids = self.token_text, r.output_ids[a:b]
+    def _completion_logprobs(self, r, a=0, b=None, prompt=False):
+        """SGLang's LogProbs of legacy completions (offsets unknown: -1): output tokens [a, b), after the prompt's
+        tokens (`prompt`: an echo asked for their log-probs; the first has none)."""
+        tt = self.token_text
+        entries = [(lp, t) for lp, t, _ in r.input_logprobs or []] if prompt else []
+        entries += zip(r.output_logprobs[a:b], r.output_ids[a:b])
+        tops = (r.input_top_logprobs or []) if prompt else []
+        tops += r.output_top_logprobs[a:b]
         return {
-            "text_offset": [-1] * len(ids),
-            "token_logprobs": r.output_logprobs[a:b],
-            "tokens": [tt.lossless(t) for t in ids],
-            "top_logprobs": [
-                None if row is None else {tt.lossless(t): v for v, t, _ in row} for row in r.output_top_logprobs[a:b]
-            ],
+            "text_offset": [-1] * len(entries),
+            "token_logprobs": [lp for lp, _ in entries],
+            "tokens": [tt.lossless(t) for _, t in entries],
+            "top_logprobs": [None if row is None else {tt.lossless(t): v for v, t, _ in row} for row in tops],
         }
 
     def _chat_logprobs(self, r, a=0, b=None):
@@ -262,56 +278,80 @@ class OpenAIAPI:
         }
 
     # ------------------------------------------------------------------ /v1/completions
+    def _completion_prompts(self, prompt) -> list:
+        """SGLang's CompletionRequest.prompt (a string, a list of ids, or a list of either): [(ids, echo text)]."""
+        if not prompt or (isinstance(prompt, list) and all(not p for p in prompt)):
+            raise RequestError("Prompt cannot be empty")
+
+        def ids_ok(p):
+            return isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+
+        if isinstance(prompt, str) or ids_ok(prompt):
+            prompt = [prompt]
+        if not isinstance(prompt, list) or not all(isinstance(p, str) or ids_ok(p) for p in prompt):
+            raise RequestError("prompt must be a string, a list of token ids, or a list of either")
+        if len({type(p) for p in prompt}) > 1:
+            raise RequestError("prompt: a batch is all strings or all lists of token ids")
+        return [
+            (self.tokenizer.encode(p), p)
+            if isinstance(p, str)
+            else (p, self.tokenizer.decode(p, skip_special_tokens=True))
+            for p in prompt
+        ]
+
     async def v1_completions(self, request):
         b = await self._body(request)
         self._check_ready()
-        prompt = b.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            ids = prompt
-        else:
-            raise RequestError("prompt must be a string or a list of token ids (batch prompts: send one request each)")
-        reqs = self._openai_reqs(b, ids, {}, chat=False)
+        prompts = self._completion_prompts(b.get("prompt"))
+        reqs = self._openai_reqs(b, [ids for ids, _ in prompts], {}, chat=False)
+        n = len(reqs) // len(prompts)
+        # SGLang's echo: each choice's text after its prompt's (ids decoded without special tokens)
+        echo = [text if b.get("echo") else "" for _, text in prompts for _ in range(n)]
+        echo_logprobs = bool(b.get("echo") and b.get("logprobs"))
         if b.get("stream"):
-            return await self._completion_stream(request, b, ids, reqs)
+            return await self._completion_stream(request, b, reqs, n, echo, echo_logprobs)
         reqs = await self._run(reqs)
         choices = []
-        for i, r in enumerate(reqs):
+        for r in reqs:
             choices.append(
                 {
-                    "index": i,
-                    "text": r.text,
-                    "logprobs": self._completion_logprobs(r) if r.return_logprob else None,
+                    "index": r.index,
+                    "text": echo[r.index] + r.text,
+                    "logprobs": self._completion_logprobs(r, prompt=echo_logprobs) if r.return_logprob else None,
                     "finish_reason": self._finish_str(r),
                     "matched_stop": r.finish_reason.get("matched"),
                     # SGLang's return_token_ids: the sampled and the prompt's ids
-                    **({"token_ids": r.output_ids, "prompt_token_ids": ids} if b.get("return_token_ids") else {}),
+                    **(
+                        {"token_ids": r.output_ids, "prompt_token_ids": r.input_ids}
+                        if b.get("return_token_ids")
+                        else {}
+                    ),
                 }
             )
-        return self._response(b, "text_completion", choices, len(ids), reqs)
+        return self._response(b, "text_completion", choices, sum(len(ids) for ids, _ in prompts), reqs)
 
-    async def _completion_stream(self, request, b, ids, reqs):
+    async def _completion_stream(self, request, b, reqs, n, echo, echo_logprobs):
         """SGLang's streamed completion: a chunk per update of a choice (its new text, log-probs and, asked, token
-        ids; the prompt's ids in its first), the finish reason in its last; then the usage when asked."""
-        st = _StreamState(b, len(ids))
+        ids; in its first the echo and the prompt's ids), the finish reason in its last; then the usage when asked."""
+        st = _StreamState(b, reqs, n)
 
         def events(r, text, out_ids, finished):
             first, delta, (a, e) = st.take(r, text, out_ids, finished)
             _end_on_error(r)
+            with_prompt = first and echo_logprobs
             choice = {
                 "index": r.index,
-                "text": delta,
-                "logprobs": self._completion_logprobs(r, a, e) if r.return_logprob and a < e else None,
+                "text": echo[r.index] + delta if first else delta,
+                "logprobs": self._completion_logprobs(r, a, e, with_prompt)
+                if r.return_logprob and (a < e or with_prompt)
+                else None,
                 "finish_reason": self._finish_str(r) if finished else None,
                 "matched_stop": r.finish_reason.get("matched") if finished else None,
             }
             if b.get("return_token_ids"):
                 choice["token_ids"] = out_ids[a:e]
                 if first:
-                    choice["prompt_token_ids"] = list(ids)
+                    choice["prompt_token_ids"] = list(r.input_ids)
             usage = st.usage(r.index) if st.continuous else None
             return [_event(st.chunk("text_completion", [choice], usage=usage))]
 
@@ -343,9 +383,9 @@ class OpenAIAPI:
         if images:
             ids, mm = expand(self.processor, list(ids), images, "the chat prompt")
         ids = list(ids)
-        reqs = self._openai_reqs(b, ids, self.chat_sampling_defaults, mm)
+        reqs = self._openai_reqs(b, [ids], self.chat_sampling_defaults, mm)
         if b.get("stream"):
-            return await self._chat_stream(request, b, ids, reqs)
+            return await self._chat_stream(request, b, reqs)
         reqs = await self._run(reqs)
         want_prompt = b.get("return_prompt_token_ids") or b.get("return_token_ids")
         choices = []
@@ -365,11 +405,11 @@ class OpenAIAPI:
             )
         return self._response(b, "chat.completion", choices, len(ids), reqs)
 
-    async def _chat_stream(self, request, b, ids, reqs):
+    async def _chat_stream(self, request, b, reqs):
         """SGLang's streamed chat completion: per choice a first chunk with the role, then a chunk per update
         that adds text (with its new tokens' log-probs: an update that adds no text sends none, as SGLang); once
         every choice finished, a chunk with each one's finish reason, then the usage when asked."""
-        st = _StreamState(b, len(ids))
+        st = _StreamState(b, reqs, len(reqs))
 
         def chunk(i, delta, logprobs=None, finish_reason=None, matched_stop=None, usage=None):
             choice = {
