@@ -206,7 +206,7 @@ MODULE_TIERS = {
         "unit",
     ),
     **dict.fromkeys(
-        "agent_adapters agent_examples agent_examples_engine agent_sandbox compat_v010 converters core_utils cpu_server fork_server "
+        "agent_adapters agent_examples agent_examples_engine agent_sandbox chat_prompt compat_v010 converters core_utils cpu_server fork_server "
         "cpu_server_lora critic_parallel customization_examples data_pad_size hf_megatron_conversion layering "
         "log_correct_samples log_probs_chunk lora megatron_gpu megatron_model megatron_parallel optimizer_state_flags "
         "param_freeze ppo_utils recording_proxy rm_hub rollout_buffer router scripts search_r1 sglang_contract top_p_replay "

@@ -474,6 +474,34 @@ def test_openai_requests_are_read_as_sglang_reads_them(server):
     assert r.status_code == 200
 
 
+def test_chat_prompts_tools_and_request_fields_are_taken_as_sglang_takes_them(server):
+    """The chat prompt is built as SGLang builds it (tests/test_chat_prompt.py holds its rules to SGLang's code): a
+    trailing assistant message is rendered as a user's; with tools in play the output's text keeps special tokens
+    (here <|im_start|>, forced), which it drops without; `rid` names the request (the response's id); fields SGLang
+    serves and this server does not are refused by name."""
+    turn = {"model": "m", "max_tokens": 3, "temperature": 0, "ignore_eos": True, "return_prompt_token_ids": True}
+    asked = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "What is 3+4?"}]
+    as_user = [{"role": "user", "content": "hi"}, {"role": "user", "content": "What is 3+4?"}]
+    ids = [
+        SESSION.post(server + "/v1/chat/completions", json={**turn, "messages": m}).json()["choices"][0]
+        for m in (asked, as_user)
+    ]
+    assert ids[0]["prompt_token_ids"] == ids[1]["prompt_token_ids"]
+    forced = {**turn, "messages": as_user, "logit_bias": {"1": 100}, "rid": "turn-7"}
+    tool = {"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}
+    out = SESSION.post(server + "/v1/chat/completions", json={**forced, "tools": [tool]}).json()
+    assert out["id"] == "turn-7" and out["choices"][0]["message"]["content"] == "<|im_start|>" * 3
+    out = SESSION.post(server + "/v1/chat/completions", json={**forced, "tools": [tool], "tool_choice": "none"})
+    assert out.json()["choices"][0]["message"]["content"] == ""
+    for field, value in [("return_hidden_states", True), ("session_id", "s"), ("stop_regex", "x")]:
+        r = SESSION.post(server + "/v1/chat/completions", json={**turn, "messages": as_user, field: value})
+        assert f"{field}: not supported by slime's CPU server" in refusal(r, "BadRequestError")
+    r = SESSION.post(
+        server + "/v1/chat/completions", json={**turn, "messages": as_user, "tools": [tool], "tool_choice": "required"}
+    )
+    assert "a grammar slime's CPU server does not run" in refusal(r, "BadRequestError")
+
+
 def test_completions_take_batch_prompts_and_echo_them_as_sglang_does(server, hf):
     """/v1/completions with several prompts (strings, or lists of ids) and n: choices prompt by prompt, each the
     /generate answer of its prompt, usage counting each prompt once; `echo` puts the prompt's text (ids decoded

@@ -94,10 +94,11 @@ def test_request_timeout_bounds_a_download_that_trickles(media_host, monkeypatch
 
 
 def test_chat_image_parts_are_taken_as_sglang_takes_them():
-    """/v1/chat/completions' content parts: `input_image` (its image_url a string) and `image_url` (an object) become
-    `{"type": "image"}` with their urls in image_data, in order; `input_text` becomes a text part; audio and video
-    parts are refused, naming the part."""
-    from slime.backends.cpu_server.media import chat_images
+    """/v1/chat/completions' content parts for a template that loops over them: `input_image` (its image_url a
+    string) and `image_url` (an object) become `{"type": "image"}` with their urls in order, `input_text` becomes a
+    text part; audio and video parts are refused, naming the part. A template that reads content as a string gets
+    the text parts joined, and no image (as SGLang)."""
+    from slime.backends.cpu_server.chat_prompt import template_inputs
     from slime.backends.cpu_server.sampling import RequestError
 
     url = "http://127.0.0.1:1/a.png"
@@ -106,16 +107,24 @@ def test_chat_image_parts_are_taken_as_sglang_takes_them():
         {"type": "input_text", "text": "Compare"},
         {"type": "input_image", "image_url": url},
         {"type": "image_url", "image_url": {"url": PNG}},
+        {"type": "text", "text": "these"},
     ]
-    messages, images = chat_images([system, {"role": "user", "content": user}])
-    assert images == [url, PNG]
-    assert messages == [
-        system,
-        {"role": "user", "content": [{"type": "text", "text": "Compare"}, {"type": "image"}, {"type": "image"}]},
+    inputs = template_inputs({}, [system, {"role": "user", "content": user}], "openai")
+    assert inputs.images == [url, PNG]
+    parts = [
+        {"type": "text", "text": "Compare"},
+        {"type": "image"},
+        {"type": "image"},
+        {"type": "text", "text": "these"},
     ]
+    assert inputs.messages == [system, {"role": "user", "content": parts}]
+    inputs = template_inputs({}, [system, {"role": "user", "content": user}], "string")
+    assert inputs.images == [] and inputs.messages[1] == {"role": "user", "content": "Compare these"}
     for kind in ("audio_url", "video_url"):
         with pytest.raises(RequestError, match=rf"^messages\[1\]\.content\[1\]: {kind} is not supported"):
-            chat_images([system, {"role": "user", "content": [user[0], {"type": kind, kind: {"url": url}}]}])
+            template_inputs(
+                {}, [system, {"role": "user", "content": [user[0], {"type": kind, kind: {"url": url}}]}], "openai"
+            )
 
 
 @pytest.fixture(scope="module")
@@ -290,7 +299,8 @@ def test_text_only_models_refuse_image_data(tiny_kit):
         part = {"type": "image_url", "image_url": {"url": body["image_data"][0]}}
         chat = {"messages": [{"role": "user", "content": [part, {"type": "text", "text": "hi"}]}], "max_tokens": 2}
         r = SESSION.post(url + "/v1/chat/completions", json=chat, timeout=30)
-        assert r.status_code == 400 and "image parts: the served model (Qwen3ForCausalLM) takes text only" in r.text
+        want = "Model only supports text input; received unsupported content type 'image_url'."
+        assert r.status_code == 400 and want in r.text
     finally:
         stop_cpu_server(proc)
 

@@ -211,20 +211,27 @@ def record_generate(ledger: RequestLedger, body: dict, outputs: list) -> int:
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 
-def _stream_answer(path, events):
-    """What a stream's events add up to: /generate's last event per output (SGLang's events are cumulative); a
-    streamed completion's choices, each with its token ids joined, its prompt's ids and its finish reason."""
-    if path == "/generate":
-        last = {e.get("index", 0): e for e in events}
-        return [last[k] for k in sorted(last)]
-    choices = {}
-    for e in events:
-        for c in e.get("choices") or []:
-            choice = choices.setdefault(c["index"], {"token_ids": [], "prompt_token_ids": None, "finish_reason": None})
+class _StreamAnswer:
+    """What a stream's events add up to, folded as they pass: /generate's last event per output (SGLang's events are
+    cumulative); a streamed completion's choices, each with its token ids joined, its prompt's ids and its finish
+    reason."""
+
+    def __init__(self, path):
+        self.generate, self.outputs = path == "/generate", {}
+
+    def add(self, event):
+        if self.generate:
+            self.outputs[event.get("index", 0)] = event
+            return
+        for c in event.get("choices") or []:
+            choice = self.outputs.setdefault(c["index"], {"token_ids": [], "prompt_token_ids": None})
             choice["token_ids"] += c.get("token_ids") or []
             choice["prompt_token_ids"] = choice["prompt_token_ids"] or c.get("prompt_token_ids")
-            choice["finish_reason"] = c.get("finish_reason") or choice["finish_reason"]
-    return {"choices": [choices[k] for k in sorted(choices)]}
+            choice["finish_reason"] = c.get("finish_reason")
+
+    def answer(self):
+        outputs = [self.outputs[k] for k in sorted(self.outputs)]
+        return outputs if self.generate else {"choices": outputs}
 
 
 def record_openai(ledger: RequestLedger, path: str, body: dict, answer: dict, chat_defaults: dict) -> int:
@@ -297,9 +304,8 @@ class RecordingProxy:
             ) as up:
                 out_headers = {k: v for k, v in up.headers.items() if k.lower() not in _DROP}
                 if up.content_type == "text/event-stream":
-                    recordable = generate or (
-                        openai and request.path == "/v1/completions"
-                    )  # chat streams carry no ids
+                    # a streamed chat carries no token ids (SGLang refuses return_token_ids there)
+                    recordable = generate or (openai and request.path == "/v1/completions")
                     return await self._stream(request, up, out_headers, body if recordable else None, request.path)
                 data = await up.read()
                 if generate and up.status == 200:
@@ -319,7 +325,7 @@ class RecordingProxy:
         recorded from) once it ends."""
         resp = web.StreamResponse(status=up.status, headers=headers)
         await resp.prepare(request)
-        events, buffer = [], b""
+        answer, buffer = _StreamAnswer(path), b""
         async for chunk in up.content.iter_any():
             await resp.write(chunk)
             if body is None:
@@ -329,11 +335,11 @@ class RecordingProxy:
             for line in lines:
                 if line.startswith(b"data:") and line[5:].strip() not in (b"", b"[DONE]"):
                     try:
-                        events.append(json.loads(line[5:]))
+                        answer.add(json.loads(line[5:]))
                     except ValueError:
                         pass
         if body is not None and up.status == 200:
-            self._record(body, lambda: _stream_answer(path, events), path=path)
+            self._record(body, answer.answer, path=path)
         await resp.write_eof()
         return resp
 

@@ -74,37 +74,6 @@ def fetch_remote_images(body: dict) -> dict:
     return {**body, "image_data": _map(body["image_data"], fetch, "image_data")}
 
 
-def chat_images(messages: list) -> tuple[list, list]:
-    """(messages, image_data) as SGLang's chat serving prepares them for a template that iterates content parts: each
-    `image_url` / `input_image` part becomes `{"type": "image"}` and its url joins image_data, in order; `input_text`
-    becomes `text`. Video and audio parts are refused (images only)."""
-    images, out = [], []
-    for i, m in enumerate(messages):
-        if not isinstance(m.get("content"), list):
-            out.append(m)
-            continue
-        parts = []
-        for j, part in enumerate(m["content"]):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind in ("image_url", "input_image"):
-                ref = part.get("image_url") or {}
-                url = ref if isinstance(ref, str) else ref.get("url")
-                if not isinstance(url, str):
-                    raise RequestError(f"messages[{i}].content[{j}]: an image part needs image_url.url")
-                images.append(url)
-                parts.append({"type": "image"})
-            elif kind in ("video_url", "audio_url"):
-                raise RequestError(
-                    f"messages[{i}].content[{j}]: {kind} is not supported by slime's CPU server (images only)"
-                )
-            elif kind in ("text", "input_text"):
-                parts.append({"type": "text", "text": part.get("text")})
-            else:
-                parts.append(part)
-        out.append({**m, "content": parts})
-    return out, images
-
-
 def collapse_placeholders(text: str) -> str:
     """`text` with every image placeholder run (or `<image>`) as one `<|vision_start|><|image_pad|><|vision_end|>`."""
     return _RUN.sub(_ONE, text)

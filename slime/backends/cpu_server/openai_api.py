@@ -4,17 +4,45 @@ import asyncio
 import functools
 import json
 import time
-import uuid
 from http import HTTPStatus
 
 from aiohttp import web
 
 from slime.utils.sampling_record import openai_requested_adapter, openai_sampling_params
 
+from . import chat_prompt
 from .generate_api import EndOfStream
-from .media import chat_images, expand, fetch_remote_images, images_per_prompt
+from .media import expand, fetch_remote_images, images_per_prompt
 from .sampling import RequestError, SamplingParams
 from .scheduler import Req
+
+# Fields of SGLang's OpenAI requests that change what is sampled or what the answer carries, which this server does
+# not serve: refused by name when set (SGLang's own no-ops here -- user, priority, cache keys, thinking/task and the
+# parsers' switches, which need a model family's encoder or a parser this server has not -- are accepted)
+_NOT_SERVED = (
+    "return_hidden_states",
+    "return_routed_experts",
+    "return_cached_tokens_details",
+    "return_spec_tokens_details",
+    "return_input_ids_in_sglext",
+    "return_output_ids_in_sglext",
+    "return_meta_info",
+    "return_sampling_mask",
+    "sampling_logprobs_mode",
+    "return_flat_raw_output_top_logprobs",
+    "session_id",
+    "session_params",
+    "input_ids",
+    "stop_regex",
+    "custom_logit_processor",
+    "watermark",
+    "images_config",
+    "video_config",
+    "mm_processor_kwargs",
+    "min_dynamic_patch",
+    "max_dynamic_patch",
+    "use_audio_in_video",
+)
 
 # SGLang's ChatCompletionMessageParam: "user", or one of these (case-insensitive, lowered)
 _GENERIC_ROLES = ("system", "assistant", "tool", "function", "developer", "latest_reminder", "root")
@@ -139,9 +167,9 @@ class _StreamState:
         }
 
 
-def _end_on_error(r):
+def _end_on_error(r, finished):
     """SGLang ends an OpenAI stream with one error event when a choice is aborted with an error code."""
-    code = (r.finish_reason or {}).get("status_code") if r.finished else None
+    code = r.finish_reason.get("status_code") if finished else None
     if not code:
         return
     code = HTTPStatus(code)
@@ -185,6 +213,12 @@ class OpenAIAPI:
 
     def _openai_reqs(self, b, prompts, model_defaults, mm=None, chat=True):
         """The checked requests of one OpenAI call: for each prompt (a list of ids) its n choices, prompt by prompt."""
+        unserved = [k for k in _NOT_SERVED if b.get(k) not in (None, False)]
+        if unserved:
+            raise RequestError(f"{', '.join(unserved)}: not supported by slime's CPU server")
+        rids = b.get("rid")  # SGLang's request ids: one per prompt; a string names a batch's prompts R_0, R_1, ...
+        if rids is not None and not (isinstance(rids, str) or (isinstance(rids, list) and len(rids) == len(prompts))):
+            raise RequestError(f"rid must be a string or a list of one per prompt ({len(prompts)})")
         if chat and b.get("stream"):  # SGLang's checks of a streamed chat request
             for field in ("return_prompt_token_ids", "return_token_ids", "return_meta_info"):
                 if b.get(field):
@@ -209,13 +243,21 @@ class OpenAIAPI:
             )
         adapters = adapter if isinstance(adapter, list) else [adapter] * len(prompts)
         reqs, names = [], []
-        for ids, name in zip(prompts, adapters):
+        for i, (ids, name) in enumerate(zip(prompts, adapters)):
             sp = SamplingParams.from_dict(
                 self._openai_sampling(b, len(ids), model_defaults, chat), self.cfg.vocab_size
             )
             self._check_prompt(ids, sp)
+            rid = rids[i] if isinstance(rids, list) else (f"{rids}_{i}" if len(prompts) > 1 and rids else rids)
             for _ in range(sp.n):
-                r = Req(ids, sp, return_logprob=want_lp, logprob_start_len=start, top_logprobs_num=top_n)
+                r = Req(
+                    ids,
+                    sp,
+                    rid=None if sp.n > 1 else rid,  # parallel samples get fresh ids
+                    return_logprob=want_lp,
+                    logprob_start_len=start,
+                    top_logprobs_num=top_n,
+                )
                 r.index, r.mm = len(reqs), mm
                 reqs.append(r)
                 names.append(name)
@@ -223,22 +265,21 @@ class OpenAIAPI:
             r.lora = lora
         return reqs
 
-    async def _chat_media(self, msgs):
-        """(messages for the template, the images' processor inputs or None): image parts as SGLang takes them."""
-        msgs, image_data = chat_images(msgs)
-        if not image_data:
-            return msgs, None
+    async def _chat_images(self, urls):
+        """The processor inputs of a chat's images (None without any), fetched and checked as SGLang takes them."""
+        if not urls:
+            return None
         if self.processor is None:
             raise RequestError(f"image parts: the served model ({self.cfg.architecture}) takes text only")
-        body = await asyncio.to_thread(fetch_remote_images, {"image_data": image_data})
-        return msgs, images_per_prompt(body, 1, False, self.cfg.model_type)[0]
+        body = await asyncio.to_thread(fetch_remote_images, {"image_data": urls})
+        return images_per_prompt(body, 1, False, self.cfg.model_type)[0]
 
     def _response(self, b, kind, choices, prompt_len, reqs):
         """The response around `choices`, as SGLang builds it: the request's own `model` echoed, and the first
         choice's weight version (and its per-token spans) in `metadata`."""
         return web.json_response(
             {
-                "id": uuid.uuid4().hex,
+                "id": reqs[0].rid,  # SGLang's: the first choice's request id
                 "object": kind,
                 "created": int(time.time()),
                 "model": b.get("model", "default"),
@@ -255,8 +296,7 @@ class OpenAIAPI:
         tt = self.token_text
         entries = [(lp, t) for lp, t, _ in r.input_logprobs or []] if prompt else []
         entries += zip(r.output_logprobs[a:b], r.output_ids[a:b])
-        tops = (r.input_top_logprobs or []) if prompt else []
-        tops += r.output_top_logprobs[a:b]
+        tops = [*(r.input_top_logprobs or []), *r.output_top_logprobs[a:b]] if prompt else r.output_top_logprobs[a:b]
         return {
             "text_offset": [-1] * len(entries),
             "token_logprobs": [lp for lp, _ in entries],
@@ -337,7 +377,7 @@ class OpenAIAPI:
 
         def events(r, text, out_ids, finished):
             first, delta, (a, e) = st.take(r, text, out_ids, finished)
-            _end_on_error(r)
+            _end_on_error(r, finished)
             with_prompt = first and echo_logprobs
             choice = {
                 "index": r.index,
@@ -371,14 +411,19 @@ class OpenAIAPI:
         if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and "role" in m for m in msgs):
             raise RequestError("messages must be a non-empty list of {role, content} objects")
         msgs = [_with_checked_role(m) for m in msgs]
-        kw = {"tools": b["tools"]} if b.get("tools") else {}
-        msgs, images = await self._chat_media(msgs)
-        try:
-            ids = self.tokenizer.apply_chat_template(
-                msgs, add_generation_prompt=True, tokenize=True, return_dict=False, **kw
-            )
-        except Exception as e:  # noqa: BLE001  (a template error is the client's message list)
-            raise RequestError(f"the chat template could not render these messages: {e}") from None
+        if self.processor is None:  # SGLang's check for a text-only model
+            parts = [
+                p for m in msgs if isinstance(m.get("content"), list) for p in m["content"] if isinstance(p, dict)
+            ]
+            media = [p.get("type") for p in parts]
+            media = [t for t in media if t in ("image_url", "video_url", "audio_url")]
+            if media:
+                raise RequestError(f"Model only supports text input; received unsupported content type '{media[0]}'.")
+        inputs = chat_prompt.template_inputs(b, msgs, chat_prompt.content_format(self.tokenizer.chat_template or ""))
+        images = await self._chat_images(inputs.images)
+        ids = chat_prompt.render(self.tokenizer, inputs)
+        if inputs.tools_active:  # SGLang keeps special tokens in the text of a chat with tools
+            b = {**b, "skip_special_tokens": False}
         mm = None
         if images:
             ids, mm = expand(self.processor, list(ids), images, "the chat prompt")
@@ -423,7 +468,7 @@ class OpenAIAPI:
 
         def events(r, text, out_ids, finished):
             first, delta, (a, e) = st.take(r, text, out_ids, finished)
-            _end_on_error(r)
+            _end_on_error(r, finished)
             out = [chunk(r.index, {"role": "assistant", "content": ""})] if first else []
             if delta:
                 logprobs = self._chat_logprobs(r, a, e) if r.return_logprob and a < e else None
