@@ -502,6 +502,37 @@ def test_chat_prompts_tools_and_request_fields_are_taken_as_sglang_takes_them(se
     assert "a grammar slime's CPU server does not run" in refusal(r, "BadRequestError")
 
 
+def test_tokenize_and_detokenize_as_sglang(server, hf):
+    """/tokenize (and /v1/tokenize): text encoded as the tokenizer encodes it, a list per text; a chat's messages to
+    the very ids its chat completion is prompted with, or (add_generation_prompt given) rendered as given; exactly
+    one of prompt and messages. /detokenize: ids, or lists of them, decoded."""
+    tok = hf[1]
+    out = SESSION.post(server + "/tokenize", json={"prompt": "What is 3+4?"}).json()
+    assert out["tokens"] == tok.encode("What is 3+4?") and out["count"] == len(out["tokens"])
+    assert out["max_model_len"] == tok.model_max_length or out["max_model_len"] > 0
+    out = SESSION.post(server + "/v1/tokenize", json={"prompt": ["a b", "c"]}).json()
+    assert out["tokens"] == [tok.encode("a b"), tok.encode("c")] and out["count"] == [len(tok.encode("a b")), 1]
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "What is 3+4?"}]
+    chat = SESSION.post(
+        server + "/v1/chat/completions",
+        json={"messages": msgs, "max_tokens": 1, "return_prompt_token_ids": True},
+    ).json()
+    out = SESSION.post(server + "/tokenize", json={"messages": msgs}).json()
+    assert out["tokens"] == chat["choices"][0]["prompt_token_ids"]
+    out = SESSION.post(server + "/tokenize", json={"messages": msgs, "add_generation_prompt": False}).json()
+    assert out["tokens"] == tok.apply_chat_template(msgs, tokenize=True, return_dict=False)
+    r = SESSION.post(server + "/tokenize", json={"prompt": "a", "messages": msgs})
+    assert "Exactly one of 'prompt' or 'messages' must be provided." in refusal(r, "Bad Request")
+    r = SESSION.post(server + "/tokenize", json={"prompt": 5})
+    assert "Invalid prompt type" in refusal(r, "Bad Request")  # SGLang's schema refuses it
+    ids = tok.encode("What is 3+4?")
+    assert SESSION.post(server + "/detokenize", json={"tokens": ids}).json() == {"text": "What is 3+4?"}
+    assert SESSION.post(server + "/v1/detokenize", json={"tokens": [ids, ids[:2]]}).json() == {
+        "text": ["What is 3+4?", tok.decode(ids[:2])]
+    }
+    assert SESSION.post(server + "/detokenize", json={"tokens": []}).json() == {"text": ""}
+
+
 def test_completions_take_batch_prompts_and_echo_them_as_sglang_does(server, hf):
     """/v1/completions with several prompts (strings, or lists of ids) and n: choices prompt by prompt, each the
     /generate answer of its prompt, usage counting each prompt once; `echo` puts the prompt's text (ids decoded

@@ -51,6 +51,8 @@ class TemplateInputs:
     prefix: str | None  # continue_final_message: text appended to the rendered prompt's ids
     images: list  # image urls, in the order of their parts
     tools_active: bool  # tools declared and tool_choice not "none": special tokens stay in the output's text
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False  # the rendered text encoded with the tokenizer's own special tokens
 
 
 @functools.lru_cache(maxsize=8)
@@ -213,9 +215,10 @@ def _reasoning(b: dict):
     return effort, thinking
 
 
-def template_inputs(b: dict, msgs: list, fmt: str) -> TemplateInputs:
+def template_inputs(b: dict, msgs: list, fmt: str, add_generation_prompt=None, add_special_tokens=False):
     """What the chat template gets for the request body `b` (its messages `msgs`, roles checked) under a template of
-    content format `fmt`."""
+    content format `fmt` (a TemplateInputs). `add_generation_prompt` (SGLang's /tokenize): None renders as for a
+    chat completion; True or False renders the messages as given, with or without the assistant's opening."""
     tools, active = _tools(b, msgs)
     effort, thinking = _reasoning(b)
     template_kwargs = dict(b.get("chat_template_kwargs") or {})
@@ -232,28 +235,31 @@ def template_inputs(b: dict, msgs: list, fmt: str) -> TemplateInputs:
     images = []
     messages = [_message(m, fmt, images, f"messages[{i}]") for i, m in enumerate(msgs)]
     prefix = None
-    if messages[-1]["role"] == "assistant" and isinstance(messages[-1]["content"], str):
+    if add_generation_prompt is False and b.get("continue_final_message"):
+        raise RequestError("continue_final_message needs add_generation_prompt to open the assistant turn.")
+    last_assistant = messages[-1]["role"] == "assistant" and isinstance(messages[-1]["content"], str)
+    if last_assistant and (add_generation_prompt is None or b.get("continue_final_message")):
         if b.get("continue_final_message"):
             prefix, messages = messages[-1]["content"], messages[:-1]
         else:
             messages[-1] = {"role": "user", "content": messages[-1]["content"]}
-    return TemplateInputs(messages, tools, kwargs, prefix, images, active)
+    opening = True if add_generation_prompt is None else add_generation_prompt
+    return TemplateInputs(messages, tools, kwargs, prefix, images, active, opening, add_special_tokens)
 
 
 def render(tokenizer, inputs: TemplateInputs) -> list:
     """The prompt's token ids (before images are expanded)."""
     try:
-        ids = tokenizer.apply_chat_template(
+        text = tokenizer.apply_chat_template(
             inputs.messages,
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=False,
+            add_generation_prompt=inputs.add_generation_prompt,
+            tokenize=False,
             tools=inputs.tools,
             **inputs.kwargs,
         )
     except Exception as e:  # noqa: BLE001  (a template error is the client's message list)
         raise RequestError(f"the chat template could not render these messages: {e}") from None
-    ids = list(ids)
+    ids = tokenizer.encode(text, add_special_tokens=inputs.add_special_tokens)
     if inputs.prefix:
         encoded = tokenizer.encode(inputs.prefix)
         if encoded and encoded[0] == tokenizer.bos_token_id:

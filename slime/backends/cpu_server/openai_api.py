@@ -13,7 +13,7 @@ from slime.utils.sampling_record import openai_requested_adapter, openai_samplin
 from . import chat_prompt
 from .generate_api import EndOfStream
 from .media import expand, fetch_remote_images, images_per_prompt
-from .sampling import RequestError, SamplingParams
+from .sampling import ContractError, RequestError, SamplingParams
 from .scheduler import Req
 
 # Fields of SGLang's OpenAI requests that change what is sampled or what the answer carries, which this server does
@@ -404,22 +404,24 @@ class OpenAIAPI:
         return await self._stream(request, reqs, events, tail)
 
     # ------------------------------------------------------------------ /v1/chat/completions
-    async def v1_chat_completions(self, request):
-        b = await self._body(request)
-        self._check_ready()
+    def _chat_inputs(self, b, **kw) -> chat_prompt.TemplateInputs:
         msgs = b.get("messages")
         if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and "role" in m for m in msgs):
             raise RequestError("messages must be a non-empty list of {role, content} objects")
         msgs = [_with_checked_role(m) for m in msgs]
         if self.processor is None:  # SGLang's check for a text-only model
-            parts = [
-                p for m in msgs if isinstance(m.get("content"), list) for p in m["content"] if isinstance(p, dict)
-            ]
-            media = [p.get("type") for p in parts]
+            parts = [p for m in msgs if isinstance(m.get("content"), list) for p in m["content"]]
+            media = [p.get("type") for p in parts if isinstance(p, dict)]
             media = [t for t in media if t in ("image_url", "video_url", "audio_url")]
             if media:
                 raise RequestError(f"Model only supports text input; received unsupported content type '{media[0]}'.")
-        inputs = chat_prompt.template_inputs(b, msgs, chat_prompt.content_format(self.tokenizer.chat_template or ""))
+        fmt = chat_prompt.content_format(self.tokenizer.chat_template or "")
+        return chat_prompt.template_inputs(b, msgs, fmt, **kw)
+
+    async def v1_chat_completions(self, request):
+        b = await self._body(request)
+        self._check_ready()
+        inputs = self._chat_inputs(b)
         images = await self._chat_images(inputs.images)
         ids = chat_prompt.render(self.tokenizer, inputs)
         if inputs.tools_active:  # SGLang keeps special tokens in the text of a chat with tools
@@ -487,3 +489,65 @@ class OpenAIAPI:
             return out
 
         return await self._stream(request, reqs, events, tail)
+
+    # ------------------------------------------------------------------ /tokenize, /detokenize
+    async def tokenize(self, request):
+        """SGLang's /tokenize: a prompt (or a list of them) encoded, or a chat's messages rendered as a chat
+        completion renders them (`add_generation_prompt` given: as given, with or without the assistant's opening)."""
+        b = await self._body(request)
+        prompt, msgs = b.get("prompt"), b.get("messages")
+        if (prompt is None) == (msgs is None):
+            # SGLang's TokenizeRequest validator: refused before its handler runs
+            raise ContractError("Value error, Exactly one of 'prompt' or 'messages' must be provided.")
+        max_len = getattr(self.tokenizer, "model_max_length", -1)
+        if not isinstance(max_len, int) or not -(2**63) <= max_len < 2**64:
+            max_len = self.context_len
+        special = b.get("add_special_tokens", True)
+        if msgs is not None:
+            opening = b.get("add_generation_prompt")
+            # SGLang encodes a chat rendered as given with add_special_tokens only when the request set it
+            inputs = self._chat_inputs(
+                b,
+                add_generation_prompt=opening,
+                add_special_tokens=opening is not None and special and "add_special_tokens" in b,
+            )
+            if inputs.images:
+                raise RequestError("image parts: /tokenize of slime's CPU server counts text only")
+            tokens = chat_prompt.render(self.tokenizer, inputs)
+            count = len(tokens)
+        elif isinstance(prompt, str):
+            tokens = self.tokenizer.encode(prompt, add_special_tokens=special)
+            count = len(tokens)
+        elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+            tokens = [self.tokenizer.encode(p, add_special_tokens=special) for p in prompt]
+            count = [len(t) for t in tokens]
+        else:
+            raise ContractError(f"prompt: Invalid prompt type: {type(prompt).__name__}. Expected str or List[str].")
+        return web.json_response({"tokens": tokens, "count": count, "max_model_len": max_len})
+
+    async def detokenize(self, request):
+        """SGLang's /detokenize: a list of ids, or a list of such lists, decoded."""
+        b = await self._body(request)
+        tokens, skip = b.get("tokens"), b.get("skip_special_tokens", True)
+
+        def ids(seq, message):
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in seq):
+                raise RequestError(message)
+            return seq
+
+        if isinstance(tokens, list) and tokens and isinstance(tokens[0], int):
+            ids(tokens, "Invalid input: 'tokens' must be a list of integers.")
+            text = self.tokenizer.decode(tokens, skip_special_tokens=skip)
+        elif isinstance(tokens, list) and tokens and isinstance(tokens[0], list):
+            text = [
+                self.tokenizer.decode(
+                    ids(t, f"Invalid input: Sublist in 'tokens' must contain only integers. Found: {t}"),
+                    skip_special_tokens=skip,
+                )
+                for t in tokens
+            ]
+        elif tokens == []:
+            text = ""
+        else:
+            raise RequestError(f"Invalid tokens type: {type(tokens)}. Expected List[int] or List[List[int]].")
+        return web.json_response({"text": text})

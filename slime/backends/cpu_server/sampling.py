@@ -68,6 +68,9 @@ def error_response(message, kind, code=400):
     return {"object": "error", "message": message, "type": kind, "param": None, "code": code}
 
 
+_OPENAI_SERVED = ("/tokenize", "/detokenize")  # SGLang serves these with its OpenAI handlers too
+
+
 def error_body(path, e):
     """The body SGLang 0.5.23 answers a bad request with, by route: /generate's schema check a flat
     `{"error": message}` and its request checks `{"error": {"message": ...}}`; the OpenAI routes their
@@ -76,7 +79,7 @@ def error_body(path, e):
     contract, message = isinstance(e, ContractError), str(e)
     if path == "/generate" and not (contract and e.unparsed):
         return {"error": message} if contract else {"error": {"message": message}}
-    if path.startswith("/v1/") and not contract:
+    if (path.startswith("/v1/") or path in _OPENAI_SERVED) and not contract:
         return error_response(message, "BadRequestError")
     return error_response(message, "Bad Request")
 

@@ -220,6 +220,10 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
             ("/unload_lora_adapter", self.unload_lora_adapter),
             ("/v1/completions", self.v1_completions),
             ("/v1/chat/completions", self.v1_chat_completions),
+            ("/tokenize", self.tokenize),
+            ("/v1/tokenize", self.tokenize),
+            ("/detokenize", self.detokenize),
+            ("/v1/detokenize", self.detokenize),
         ]:
             r.add_post(path, h)
         r.add_put("/generate", self.generate)
