@@ -25,7 +25,6 @@ import functools
 import json
 
 import jinja2
-from transformers.utils import chat_template_utils
 
 from .sampling import RequestError
 
@@ -61,6 +60,8 @@ def content_format(template: str) -> str:
     modality), else "string"."""
     if any(word in template for word in ("image", "audio", "video", "vision")):
         return "openai"
+    from transformers.utils import chat_template_utils  # lazy: heavy, and the tokenizer has loaded it by now
+
     try:
         ast = chat_template_utils._compile_jinja_template(template).environment.parse(template)
     except Exception:  # noqa: BLE001  (SGLang falls back the same way)
