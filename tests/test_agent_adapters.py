@@ -68,6 +68,43 @@ def stack(kit):
     stop_cpu_server(proc)
 
 
+def test_the_cpu_server_answers_tool_calls_with_sglangs_tool_call_parser(stack, kit):
+    """The OpenAI SDK straight at a CPU server started with --tool-call-parser qwen25 (as SGLang with it): the
+    model's call comes back as message.tool_calls (finish_reason "tool_calls"), the call sent back with the tool's
+    result gets the answer; a stream with tools is refused; without the parser (the `stack` engine) the call stays
+    text, as on SGLang."""
+    import openai
+
+    proc, url = start_cpu_server(kit[0], "--random-seed", "1", "--tool-call-parser", "qwen25")
+    try:
+        client = openai.OpenAI(api_key="x", base_url=url + "/v1", max_retries=0)
+        ask = dict(model="m", tools=[CALCULATOR], temperature=0, max_tokens=200)
+        messages = [{"role": "user", "content": "What is 12*5?"}]
+        r = client.chat.completions.create(messages=messages, **ask)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content == ""
+        [call] = choice.message.tool_calls
+        assert call.id.startswith("call_") and call.function.name == "calculator"
+        assert json.loads(call.function.arguments) == {"expression": "12*5"}
+        messages += [
+            choice.message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "60"},
+        ]
+        r = client.chat.completions.create(messages=messages, **ask)
+        assert (r.choices[0].message.content, r.choices[0].finish_reason, r.choices[0].message.tool_calls) == (
+            "60",
+            "stop",
+            None,
+        )
+        with pytest.raises(openai.BadRequestError, match="parses tool calls"):
+            client.chat.completions.create(messages=messages[:1], stream=True, **ask)
+    finally:
+        stop_cpu_server(proc)
+    plain = openai.OpenAI(api_key="x", base_url=stack["engine"] + "/v1", max_retries=0)
+    r = plain.chat.completions.create(messages=messages[:1], **ask)
+    assert r.choices[0].message.tool_calls is None and "<tool_call>" in r.choices[0].message.content
+
+
 def finish_all(adapter, sid, **kw):
     import asyncio
 

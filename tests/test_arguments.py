@@ -661,6 +661,18 @@ def test_cpu_server_honours_disable_radix_cache(caplog):
     assert "--disable-radix-cache" not in server_command(b, 0, "127.0.0.1", 30000, 30001, "127.0.0.1:30002")[1]
 
 
+def test_cpu_server_takes_the_tool_call_parsers_it_runs(capsys):
+    """--sglang-tool-call-parser reaches the CPU server when it parses that format; another SGLang parser is refused
+    at start-up, naming the ones it runs."""
+    from slime.backends.sglang_utils.server_launch import server_command
+
+    a = parse("--inference-server", "cpu", "--sglang-tool-call-parser", "qwen25")
+    argv = server_command(a, 0, "127.0.0.1", 30000, 30001, "127.0.0.1:30002")[1]
+    assert argv[argv.index("--tool-call-parser") + 1] == "qwen25"
+    err = parse_error(capsys, "--inference-server", "cpu", "--sglang-tool-call-parser", "llama3")
+    assert "--sglang-tool-call-parser='llama3' (it parses ['hermes', 'qwen', 'qwen25'])" in err
+
+
 def test_cpu_server_takes_the_sampling_mask_cap():
     """--sglang-sampling-mask-max-tokens reaches the CPU server (which bounds top-k by it, tests/test_cpu_server.py),
     so the top-k that top-p alone samples at is the engine's bound on both servers."""

@@ -4,6 +4,8 @@ import argparse
 import logging
 import sys
 
+from slime.agent.parsing import TOOL_CALL_FORMATS
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m slime.backends.cpu_server", description=__doc__)
@@ -60,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="model",
         help="as SGLang's: where /v1/chat/completions takes the sampling parameters a request leaves out: the "
         "model's generation_config.json (model), else OpenAI's defaults",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_CALL_FORMATS),
+        default=None,
+        help="as SGLang's: a chat with tools answers the calls in the output as message.tool_calls (not streamed)",
     )
     p.add_argument(
         "--enable-return-routed-experts",

@@ -50,6 +50,7 @@ class TemplateInputs:
     prefix: str | None  # continue_final_message: text appended to the rendered prompt's ids
     images: list  # image urls, in the order of their parts
     tools_active: bool  # tools declared and tool_choice not "none": special tokens stay in the output's text
+    declared_tools: list  # the request's and the system messages' tools
     add_generation_prompt: bool = True
     add_special_tokens: bool = False  # the rendered text encoded with the tokenizer's own special tokens
 
@@ -165,8 +166,9 @@ def _message(m: dict, fmt: str, images: list, where: str) -> dict:
     return {k: v for k, v in d.items() if v is not None}
 
 
-def _tools(b: dict, msgs: list) -> tuple[list | None, bool]:
-    """(the tools the template gets, or None; whether tools are in play), after SGLang's checks of `tool_choice`."""
+def _tools(b: dict, msgs: list) -> tuple[list | None, bool, list]:
+    """(the tools the template gets, or None; whether tools are in play; every tool declared), after SGLang's
+    checks of `tool_choice`."""
     declared = [t for m in msgs if m["role"] in ("root", "system", "developer") for t in (m.get("tools") or [])]
     tools = (b.get("tools") or []) + declared
     choice = b.get("tool_choice")
@@ -186,7 +188,7 @@ def _tools(b: dict, msgs: list) -> tuple[list | None, bool]:
             "slime's CPU server does not run"
         )
     active = bool(tools) and choice != "none"
-    return ([_tool(t) for t in b["tools"]] if active and b.get("tools") else None), active
+    return ([_tool(t) for t in b["tools"]] if active and b.get("tools") else None), active, tools
 
 
 def _reasoning(b: dict):
@@ -220,7 +222,7 @@ def template_inputs(b: dict, msgs: list, fmt: str, add_generation_prompt=None, a
     """What the chat template gets for the request body `b` (its messages `msgs`, roles checked) under a template of
     content format `fmt` (a TemplateInputs). `add_generation_prompt` (SGLang's /tokenize): None renders as for a
     chat completion; True or False renders the messages as given, with or without the assistant's opening."""
-    tools, active = _tools(b, msgs)
+    tools, active, declared = _tools(b, msgs)
     effort, thinking = _reasoning(b)
     template_kwargs = dict(b.get("chat_template_kwargs") or {})
     if "chat_template" in template_kwargs:
@@ -245,7 +247,7 @@ def template_inputs(b: dict, msgs: list, fmt: str, add_generation_prompt=None, a
         else:
             messages[-1] = {"role": "user", "content": messages[-1]["content"]}
     opening = True if add_generation_prompt is None else add_generation_prompt
-    return TemplateInputs(messages, tools, kwargs, prefix, images, active, opening, add_special_tokens)
+    return TemplateInputs(messages, tools, kwargs, prefix, images, active, declared, opening, add_special_tokens)
 
 
 def render(tokenizer, inputs: TemplateInputs) -> list:

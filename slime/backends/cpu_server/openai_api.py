@@ -4,10 +4,12 @@ import asyncio
 import functools
 import json
 import time
+import uuid
 from http import HTTPStatus
 
 from aiohttp import web
 
+from slime.agent.parsing import split_tool_calls
 from slime.utils.sampling_record import openai_requested_adapter, openai_sampling_params
 
 from . import chat_prompt
@@ -167,6 +169,31 @@ class _StreamState:
         }
 
 
+def _finish(r) -> str:
+    return {"stop": "stop", "length": "length", "abort": "abort"}[r.finish_reason["type"]]
+
+
+def _tool_calls(r, parser, tools):
+    """(the chat message, its finish reason) of a finished choice: with a tool-call parser (and tools in play),
+    SGLang's calls parsed out of the text (calls naming no declared tool dropped), the text before them left as
+    the content, and a stop that made calls reported as "tool_calls"."""
+    finish = _finish(r)
+    content, calls, _ = split_tool_calls(r.text, tools, parser) if parser else (r.text, [], False)
+    message = {"role": "assistant", "content": content or "", "reasoning_content": None}  # no null tool_calls
+    if calls:
+        message["tool_calls"] = [
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "index": k,
+                "type": "function",
+                "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)},
+            }
+            for k, c in enumerate(calls)
+        ]
+        finish = "tool_calls" if finish == "stop" else finish
+    return message, finish
+
+
 def _end_on_error(r, finished):
     """SGLang ends an OpenAI stream with one error event when a choice is aborted with an error code."""
     code = r.finish_reason.get("status_code") if finished else None
@@ -207,9 +234,6 @@ class OpenAIAPI:
             if k in b:
                 sp[k] = b[k]
         return {k: v for k, v in sp.items() if v is not None}
-
-    def _finish_str(self, r):
-        return {"stop": "stop", "length": "length", "abort": "abort"}[r.finish_reason["type"]]
 
     def _openai_reqs(self, b, prompts, model_defaults, mm=None, chat=True):
         """The checked requests of one OpenAI call: for each prompt (a list of ids) its n choices, prompt by prompt."""
@@ -358,7 +382,7 @@ class OpenAIAPI:
                     "index": r.index,
                     "text": echo[r.index] + r.text,
                     "logprobs": self._completion_logprobs(r, prompt=echo_logprobs) if r.return_logprob else None,
-                    "finish_reason": self._finish_str(r),
+                    "finish_reason": _finish(r),
                     "matched_stop": r.finish_reason.get("matched"),
                     # SGLang's return_token_ids: the sampled and the prompt's ids
                     **(
@@ -385,7 +409,7 @@ class OpenAIAPI:
                 "logprobs": self._completion_logprobs(r, a, e, with_prompt)
                 if r.return_logprob and (a < e or with_prompt)
                 else None,
-                "finish_reason": self._finish_str(r) if finished else None,
+                "finish_reason": _finish(r) if finished else None,
                 "matched_stop": r.finish_reason.get("matched") if finished else None,
             }
             if b.get("return_token_ids"):
@@ -431,20 +455,25 @@ class OpenAIAPI:
             ids, mm = expand(self.processor, list(ids), images, "the chat prompt")
         ids = list(ids)
         reqs = self._openai_reqs(b, [ids], self.chat_sampling_defaults, mm)
+        parser = self.args.tool_call_parser if inputs.tools_active else None
         if b.get("stream"):
+            if parser:
+                raise RequestError(
+                    "a streamed chat with tools: slime's CPU server parses tool calls (--tool-call-parser) only in whole answers"
+                )
             return await self._chat_stream(request, b, reqs)
         reqs = await self._run(reqs)
         want_prompt = b.get("return_prompt_token_ids") or b.get("return_token_ids")
         choices = []
         for i, r in enumerate(reqs):
+            message, finish = _tool_calls(r, parser, inputs.declared_tools)
             choices.append(
                 {
                     "index": i,
-                    # SGLang leaves a null tool_calls out
-                    "message": {"role": "assistant", "content": r.text, "reasoning_content": None},
+                    "message": message,
                     "logprobs": self._chat_logprobs(r) if r.return_logprob else None,
-                    "finish_reason": self._finish_str(r),
-                    "matched_stop": r.finish_reason.get("matched"),
+                    "finish_reason": finish,
+                    "matched_stop": None if finish == "tool_calls" else r.finish_reason.get("matched"),
                     # SGLang's return_prompt_token_ids / return_token_ids
                     **({"prompt_token_ids": ids} if want_prompt else {}),
                     **({"response_token_ids": r.output_ids} if b.get("return_token_ids") else {}),

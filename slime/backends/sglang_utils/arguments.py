@@ -54,6 +54,7 @@ CPU_SERVER_HONOURED = (
     "sampling_defaults",
     "allowed_media_domains",
     "media_url_max_file_size_mb",
+    "tool_call_parser",
 )
 
 # GPU-only performance knobs: meaningless on the CPU server, harmless to ignore (results do not depend on them).
@@ -346,6 +347,12 @@ def validate_args(args, parser=None, check_cpu_server=True):
         for name, (flag, value) in explicit.items()
         if name not in CPU_SERVER_HONOURED and not _GPU_PERF_KNOB.search(name)
     )
+    from slime.agent.parsing import TOOL_CALL_FORMATS  # the formats the CPU server parses
+
+    if args.sglang_tool_call_parser and args.sglang_tool_call_parser not in TOOL_CALL_FORMATS:
+        unsupported.append(
+            f"--sglang-tool-call-parser={args.sglang_tool_call_parser!r} (it parses {sorted(TOOL_CALL_FORMATS)})"
+        )
     if unsupported:
         error(
             f"slime's CPU inference server cannot honour {', '.join(unsupported)}. It supports "
