@@ -446,6 +446,11 @@ class OpenAIAPI:
         b = await self._body(request)
         self._check_ready()
         inputs = self._chat_inputs(b)
+        parser = self.args.tool_call_parser if inputs.tools_active else None
+        if parser and b.get("stream"):  # SGLang streams the calls as deltas
+            raise RequestError(
+                "a streamed chat with tools: slime's CPU server parses tool calls only in whole answers"
+            )
         images = await self._chat_images(inputs.images)
         ids = chat_prompt.render(self.tokenizer, inputs)
         if inputs.tools_active:  # SGLang keeps special tokens in the text of a chat with tools
@@ -455,12 +460,7 @@ class OpenAIAPI:
             ids, mm = expand(self.processor, list(ids), images, "the chat prompt")
         ids = list(ids)
         reqs = self._openai_reqs(b, [ids], self.chat_sampling_defaults, mm)
-        parser = self.args.tool_call_parser if inputs.tools_active else None
         if b.get("stream"):
-            if parser:
-                raise RequestError(
-                    "a streamed chat with tools: slime's CPU server parses tool calls (--tool-call-parser) only in whole answers"
-                )
             return await self._chat_stream(request, b, reqs)
         reqs = await self._run(reqs)
         want_prompt = b.get("return_prompt_token_ids") or b.get("return_token_ids")
