@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from slime.agent.parsing import parse_output
 from slime.agent.trajectory import TrajectoryTree, TurnRecord
+from slime.utils.output_parsing import parse_output
 from slime.utils.types import Sample
 
 
@@ -261,7 +261,7 @@ def test_sessions_never_finished_are_dropped_with_a_logged_reason(caplog):
 
 def test_parsers_this_process_cannot_run_are_refused_up_front():
     from slime.agent.adapters import AnthropicAdapter
-    from slime.agent.parsing import have_sglang
+    from slime.utils.output_parsing import have_sglang
 
     if have_sglang():
         pytest.skip("with SGLang installed its own names are checked (tests/test_sglang_contract.py)")

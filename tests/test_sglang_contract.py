@@ -652,9 +652,9 @@ PARSER_CASES = {
 
 @needs_side_venv
 def test_agent_output_parsing_without_sglang_answers_as_sglangs_own_parsers(tmp_path):
-    """slime.agent.parsing's own rules (machines without SGLang) against SGLang's parsers (GPU machines): the same
+    """slime.utils.output_parsing's own rules (machines without SGLang) against SGLang's parsers (GPU machines): the same
     reasoning, visible text, tool calls and ill-formed flag for every case; and with SGLang, parser names are its."""
-    from slime.agent.parsing import have_sglang, parse_output
+    from slime.utils.output_parsing import have_sglang, parse_output
 
     assert not have_sglang()  # this venv runs the rules written here
     (tmp_path / "cases.json").write_text(json.dumps({"tools": PARSER_TOOLS, "cases": PARSER_CASES}))
@@ -666,14 +666,14 @@ def test_agent_output_parsing_without_sglang_answers_as_sglangs_own_parsers(tmp_
     code = (
         "import json, logging, sys\n"
         "logging.disable(logging.WARNING)\n"
-        "from slime.agent.parsing import have_sglang, parse_output\n"
+        "from slime.utils.output_parsing import have_sglang, parse_output\n"
         "assert have_sglang()\n"
         "d = json.load(open(sys.argv[1]))\n"
         "out = {}\n"
         "for name, (text, tp, rp) in d['cases'].items():\n"
         "    p = parse_output(text, tools=d['tools'], tool_parser=tp, reasoning_parser=rp)\n"
         "    out[name] = [p.reasoning, p.text, p.tool_calls, p.ill_formed]\n"
-        "from slime.agent.parsing import check_parser_names\n"
+        "from slime.utils.output_parsing import check_parser_names\n"
         "check_parser_names('llama3', 'kimi')\n"
         "try:\n"
         "    check_parser_names('qwen3', None)\n"

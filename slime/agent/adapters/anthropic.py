@@ -12,8 +12,8 @@ import secrets
 from aiohttp import web
 
 from slime.agent.adapters.common import AdapterError, BaseAdapter, function_tool, reject_unknown_fields
-from slime.agent.parsing import ParsedOutput
 from slime.agent.trajectory import TurnRecord
+from slime.utils.output_parsing import ParsedOutput
 
 KNOWN_FIELDS = {
     "model",

@@ -29,9 +29,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from slime.agent.parsing import ParsedOutput, check_parser_names, parse_output
 from slime.agent.trajectory import TrajectoryTree, TurnRecord
 from slime.backends.sglang_utils.router import ROUTING_KEY_HEADER, list_workers
+from slime.utils.output_parsing import ParsedOutput, check_parser_names, parse_output
 from slime.utils.sampling_record import applied_sampling_params, segment_record
 from slime.utils.types import Sample
 from slime.utils.weight_versions import call_spans

@@ -21,8 +21,8 @@ from slime.agent.adapters.common import (
     reject_unknown_fields,
 )
 from slime.agent.adapters.openai_responses import ResponsesAPI
-from slime.agent.parsing import ParsedOutput
 from slime.agent.trajectory import TurnRecord
+from slime.utils.output_parsing import ParsedOutput
 
 KNOWN_FIELDS = {
     "model",

@@ -18,8 +18,8 @@ import time
 from aiohttp import web
 
 from slime.agent.adapters.common import AdapterError, check_openai_tool_choice, function_tool, reject_unknown_fields
-from slime.agent.parsing import ParsedOutput
 from slime.agent.trajectory import TurnRecord
+from slime.utils.output_parsing import ParsedOutput
 
 KNOWN_FIELDS = {
     "model",

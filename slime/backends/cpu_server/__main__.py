@@ -4,7 +4,7 @@ import argparse
 import logging
 import sys
 
-from slime.agent.parsing import TOOL_CALL_FORMATS
+from slime.utils.output_parsing import TOOL_CALL_FORMATS
 
 
 def build_parser() -> argparse.ArgumentParser:

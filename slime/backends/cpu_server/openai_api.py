@@ -9,7 +9,7 @@ from http import HTTPStatus
 
 from aiohttp import web
 
-from slime.agent.parsing import split_tool_calls
+from slime.utils.output_parsing import split_tool_calls
 from slime.utils.sampling_record import openai_requested_adapter, openai_sampling_params
 
 from . import chat_prompt

@@ -347,7 +347,7 @@ def validate_args(args, parser=None, check_cpu_server=True):
         for name, (flag, value) in explicit.items()
         if name not in CPU_SERVER_HONOURED and not _GPU_PERF_KNOB.search(name)
     )
-    from slime.agent.parsing import TOOL_CALL_FORMATS  # the formats the CPU server parses
+    from slime.utils.output_parsing import TOOL_CALL_FORMATS  # the formats the CPU server parses
 
     if args.sglang_tool_call_parser and args.sglang_tool_call_parser not in TOOL_CALL_FORMATS:
         unsupported.append(
