@@ -7,8 +7,8 @@
 #   bash scripts/test.sh              everything (what CI runs: .ci/run)
 #   bash scripts/test.sh --fast       the development tier (pytest --dev-tier): the unit and component tiers and the
 #                                     short end-to-end runs named in tests/conftest.py (SHORT_E2E), less the tests
-#                                     marked `slow`; 3 min 42 s to 4 min 21 s of pytest on a 2-core AMD EPYC
-#                                     (2026-12-03), 4 min 46 s on a slower one (2026-11-30), against a 5-minute target
+#                                     marked `slow`; 2 min 26 s to 4 min 21 s of pytest on 2-core machines
+#                                     (2026-12-03/04), 4 min 46 s on a slower one (2026-11-30), against a 5-minute target
 #   bash scripts/test.sh [--fast] ARGS...   ARGS go to pytest (e.g. tests/test_loss.py, -k name, -x, -m unit)
 # Tiers (pytest markers assigned in tests/conftest.py from one table, MODULE_TIERS, by what a test starts):
 #   unit (no process, no Ray), component (one server or one process group), e2e (train.py / train_async.py, or
