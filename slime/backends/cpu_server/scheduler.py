@@ -47,8 +47,6 @@ class Req:
         logprob_start_len=-1,
         top_logprobs_num=0,
         token_ids_logprob=None,
-        stream=False,
-        on_update=None,
         return_sampling_mask=False,
         lora=None,
         return_routed_experts=False,
@@ -61,7 +59,8 @@ class Req:
             logprob_start_len,
             top_logprobs_num,
         )
-        self.stream, self.on_update = stream, on_update  # on_update(req) is called from the scheduler thread
+        # on_update(req), called from the scheduler thread when it finishes (and, for a stream, at every token)
+        self.stream, self.on_update = False, None
         self.generator = None if sp.sampling_seed is None else torch.Generator().manual_seed(sp.sampling_seed)
         self.output_ids, self.output_logprobs, self.output_top_logprobs = [], [], []
         self.input_logprobs = None
