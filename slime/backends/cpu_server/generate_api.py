@@ -40,6 +40,12 @@ def _check_sampling_mask(want_mask, mode, sp, cap=SAMPLING_MASK_MAX_TOKENS):
         )
 
 
+def prompt_rid(rids, i, batch):
+    """Prompt i's request id from a request's `rid` (SGLang's normalisation): its entry of a list, or a string
+    naming a batch's prompts R_0, R_1, ..."""
+    return rids[i] if isinstance(rids, list) else (f"{rids}_{i}" if batch and rids is not None else rids)
+
+
 def _parallel_sample_nums(sps_raw) -> list:
     """Each prompt's `n` (SGLang's parallel_sample_num), from one sampling_params dict or a list of them."""
     return [(d or {}).get("n", 1) for d in sps_raw] if isinstance(sps_raw, list) else [(sps_raw or {}).get("n", 1)]
@@ -231,7 +237,7 @@ class GenerateAPI:
             lp = lps[i] if isinstance(lps, list) else lps
             st = start[i] if isinstance(start, list) else start
             # SGLang's request ids: a string names a batch's prompts R_0, R_1, ...; parallel samples get fresh ones
-            rid = rids[i] if isinstance(rids, list) else (f"{rids}_{i}" if batch and rids is not None else rids)
+            rid = prompt_rid(rids, i, batch)
             if not isinstance(lp, bool) or (st is not None and not isinstance(st, int)):
                 raise RequestError("return_logprob must be a boolean and logprob_start_len an integer.")
             if lp and st is not None and st > len(ids):  # SGLang's scheduler check, answered as its 400 abort

@@ -1,4 +1,5 @@
-"""OpenAI-compatible API of slime's CPU server: `/v1/completions` and `/v1/chat/completions`."""
+"""OpenAI-compatible API of slime's CPU server: `/v1/completions` and `/v1/chat/completions` (plain and streamed),
+`/tokenize` and `/detokenize`, as SGLang 0.5.23's OpenAI serving answers them."""
 
 import asyncio
 import functools
@@ -13,7 +14,7 @@ from slime.utils.output_parsing import split_tool_calls
 from slime.utils.sampling_record import openai_requested_adapter, openai_sampling_params
 
 from . import chat_prompt
-from .generate_api import EndOfStream
+from .generate_api import EndOfStream, prompt_rid
 from .media import expand, fetch_remote_images, images_per_prompt
 from .sampling import ContractError, RequestError, SamplingParams
 from .scheduler import Req
@@ -272,7 +273,7 @@ class OpenAIAPI:
                 self._openai_sampling(b, len(ids), model_defaults, chat), self.cfg.vocab_size
             )
             self._check_prompt(ids, sp)
-            rid = rids[i] if isinstance(rids, list) else (f"{rids}_{i}" if len(prompts) > 1 and rids else rids)
+            rid = prompt_rid(rids, i, len(prompts) > 1)
             for _ in range(sp.n):
                 r = Req(
                     ids,
