@@ -133,6 +133,10 @@ def test_tool_choice_is_checked_as_sglang_checks_it_and_a_grammar_it_needs_is_re
         ({"tools": [CALC], "tool_choice": named}, "Tool 'nope' not found in tools list."),
         ({"tools": [CALC], "tool_choice": "required"}, "a grammar slime's CPU server does not run"),
         ({"chat_template_kwargs": {"chat_template": "x"}}, "Request-supplied chat_template is not allowed"),
+        (
+            {"tools": [CALC], "tool_choice": "any"},
+            "tool_choice must be 'auto', 'required', 'none' or a named function",
+        ),
     ]:
         with pytest.raises(RequestError, match=message):
             template_inputs(body, user, "string")

@@ -174,7 +174,9 @@ def _tools(b: dict, msgs: list) -> tuple[list | None, bool, list]:
     choice = b.get("tool_choice")
     if choice is None:
         choice = "none" if b.get("tools") is None and not declared else "auto"
-    if isinstance(choice, str) and choice.lower() == "required" and not tools:
+    if not (choice in ("auto", "required", "none") or isinstance(choice, dict)):  # SGLang's request model
+        raise RequestError(f"tool_choice must be 'auto', 'required', 'none' or a named function, got {choice!r}")
+    if choice == "required" and not tools:
         raise RequestError("Tools cannot be empty if tool choice is set to required.")
     if not isinstance(choice, str):
         if not tools:
