@@ -317,7 +317,9 @@ def test_engine_sigstop_is_detected_and_replaced(ray_session, tiny_kit, tmp_path
     other engine, the health check finds it within interval + timeout, and it is replaced at the next update."""
     model = shutil.copytree(tiny_kit[0], tmp_path / "model")
     plan_faults(tmp_path, ("sigstop_engine", SAMPLES_PER_ROLLOUT))
-    args = ft_args(tiny_kit, tmp_path, model, "--rollout-request-timeout", "4")
+    # round robin sends half of rollout 1's requests to the stopped engine (the default cache-aware policy may send
+    # it none, and then nothing times out)
+    args = ft_args(tiny_kit, tmp_path, model, "--rollout-request-timeout", "4", "--router-policy", "round_robin")
     sync_driver.train(args)
     rows = read_metrics(tmp_path)
     done = faults_done(tmp_path)
