@@ -631,6 +631,75 @@ def test_top_p_replay_a_two_turn_session_carries_the_engines_kept_sets(stack, ki
     assert [list(o) for o in data["rollout_top_p_token_offsets"]] == [s.rollout_top_p_token_offsets for s in samples]
 
 
+def test_a_clients_own_top_p_is_replayed_when_allowed(stack, kit):
+    """A run without truncating flags, an adapter that accepts clients' sampling parameters: a turn at the client's
+    top-p 0.8 and temperature 0.7 asks its worker for the kept sets (top-p alone gets the engine's mask cap as its
+    top-k), a turn at the session's parameters does not. The sample carries the first turn's sets (what a
+    transformers forward keeps at the client's parameters) with its log-probs renormalised over them, the second
+    turn's tokens empty spans and full-vocabulary log-probs; the train-data check accepts it, the per-token
+    temperatures hold the client's 0.7 on the first turn."""
+    from slime.rollout.sampling_provenance import check_sampling_params, rollout_temperatures
+    from slime.rollout.train_data import kept_sets_train_data
+    from tests._args import make_args
+
+    recorder = stack["recorder"]
+    recorder.take()
+    args = make_args("--rollout-temperature", "1.0", hf_checkpoint=kit[0])
+    cap = 64
+    adapter = OpenAIAdapter(
+        tokenizer=kit[1],
+        sglang_url=stack["openai"][0].sglang_url,  # the recorder, in front of the one engine
+        allow_client_sampling_params=True,
+        sampling_mask_max_tokens=cap,
+    )
+    handle = run_app_in_thread(adapter.app)
+    try:
+        adapter.open_session("own-p", sampling_defaults={"temperature": 1.0, "top_p": 1.0, "top_k": -1})
+        client = openai.OpenAI(api_key="own-p", base_url=handle.url + "/v1", max_retries=0)
+        messages = [{"role": "user", "content": "What is 3+4?"}]
+        r = client.chat.completions.create(model="p", messages=messages, max_tokens=24, top_p=0.8, temperature=0.7)
+        messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "And 5+6?"}]
+        client.chat.completions.create(model="p", messages=messages, max_tokens=16)
+        [s] = finish_all(adapter, "own-p")
+    finally:
+        handle.stop()
+    (_, first, first_resp), (_, second, _) = recorder.take()
+    assert first["return_sampling_mask"] and "return_sampling_mask" not in second
+    assert {k: first["sampling_params"][k] for k in ("temperature", "top_p", "top_k")} == {
+        "temperature": 0.7,
+        "top_p": 0.8,
+        "top_k": cap,
+    }
+    prompt_len = len(s.tokens) - s.response_length
+    n_first = len(first_resp["meta_info"]["output_token_logprobs"])
+    start = len(first["input_ids"]) - prompt_len
+    assert start == 0 and s.tokens[: prompt_len + n_first] == first["input_ids"] + [
+        p[1] for p in first_resp["meta_info"]["output_token_logprobs"]
+    ]
+    offsets = s.rollout_top_p_token_offsets
+    spans = [s.rollout_top_p_token_ids[offsets[k] : offsets[k + 1]] for k in range(s.response_length)]
+    assert all(spans[k] for k in range(n_first)) and not any(spans[n_first:])
+    with torch.no_grad():
+        logits = kit[2](torch.tensor([s.tokens])).logits[0, prompt_len - 1 : -1].float()
+    trained = [k for k, m in enumerate(s.loss_mask) if m]
+    assert trained[0] == 0 and trained[-1] >= n_first  # both turns are trained
+    for k in trained:
+        token = s.tokens[prompt_len + k]
+        if k < n_first:  # independent: the top-k / top-p set of a transformers forward at the client's parameters
+            probs, order = torch.softmax(logits[k] / 0.7, -1).sort(descending=True)
+            before = probs.cumsum(0) - probs  # SGLang keeps a token while the mass before it is within top_p
+            keep = order[(before <= 0.8) & (torch.arange(len(probs)) < cap)].tolist()
+            assert set(spans[k]) == set(keep), k
+            ref = torch.log_softmax(logits[k][keep] / 0.7, -1)[keep.index(token)]
+        else:
+            ref = torch.log_softmax(logits[k], -1)[token]
+        assert s.rollout_log_probs[k] == pytest.approx(float(ref), abs=1e-4), k
+    check_sampling_params(args, [s], "test")  # before: refused (top-p 0.8 without kept sets)
+    assert list(kept_sets_train_data(args, [s], "test")["rollout_top_p_token_offsets"][0]) == offsets
+    temps = rollout_temperatures(args, [s])[0]
+    assert list(temps[:n_first]) == pytest.approx([0.7] * n_first) and set(temps[n_first:].tolist()) == {1.0}
+
+
 def test_a_streamed_turn_the_client_has_read_is_recorded_when_it_finishes_the_session_at_once(stack, kit, monkeypatch):
     """A streamed answer reaches the client before the adapter records its turn; an agent that calls finish_session
     at once (a loaded machine widens the gap: here one second) still gets that turn in its sample, since

@@ -20,6 +20,16 @@ def sampling_is_truncated(args) -> bool:
     return args.rollout_top_p < 1.0 or args.rollout_top_k > 0
 
 
+# SGLang's --sampling-mask-max-tokens default: the largest kept set it returns
+SGLANG_SAMPLING_MASK_MAX_TOKENS = 4096
+
+
+def truncates(applied: dict) -> bool:
+    """Whether normalised sampling parameters (`sampling_record.applied_sampling_params`) sample from a truncated
+    distribution, whose kept sets the trainer must replay."""
+    return applied["top_p"] < 1.0 or applied["top_k"] > 0 or applied["min_p"] > 0.0
+
+
 def append_kept_sets(sample, kept_sets) -> None:
     """Append one kept set per new response token (`[]` for a token the engine did not sample) to `sample`'s ragged
     `rollout_top_p_token_ids` / `rollout_top_p_token_offsets`. Call before `response_length` grows by these tokens;

@@ -33,6 +33,7 @@ from slime.agent.trajectory import TrajectoryTree, TurnRecord
 from slime.backends.sglang_utils.router import ROUTING_KEY_HEADER, list_workers
 from slime.utils.output_parsing import ParsedOutput, check_parser_names, parse_output
 from slime.utils.sampling_record import applied_sampling_params, segment_record
+from slime.utils.top_p_replay import SGLANG_SAMPLING_MASK_MAX_TOKENS, truncates
 from slime.utils.types import Sample
 from slime.utils.weight_versions import call_spans
 
@@ -89,9 +90,14 @@ class BaseAdapter:
     allow_client_sampling_params: accept a client's temperature / top-p / top-k / penalties that differ from the
         session's (logged once). By default such a request is refused with a 400 naming the parameter: the trainer
         scores at the rollout's parameters, so a turn sampled at others would train with biased importance ratios.
-    return_kept_sets: ask the engine for each step's kept token set (top-p / top-k replay); set it to
+        Accepted, a client's temperature is replayed per token and a client's top-p / top-k / min-p turn asks for
+        its kept sets (below), which the trainer replays for that turn's tokens.
+    return_kept_sets: ask the engine for each step's kept token set (top-p / top-k replay) on every turn; set it to
         `slime.utils.top_p_replay.sampling_is_truncated(args)`. The router drops the field, so these turns go to one
         of its workers directly (or to sglang_url itself when it is one engine).
+    sampling_mask_max_tokens: the engines' --sampling-mask-max-tokens (slime's
+        --sglang-sampling-mask-max-tokens). SGLang returns kept sets only under a finite top-k up to it, so a turn
+        that asks for them with top-p or min-p alone samples with it as its top-k, as the rollout flags do.
     worker_api_key: the engines' --sglang-api-key, sent with the requests that go to a worker directly.
     """
 
@@ -110,6 +116,7 @@ class BaseAdapter:
         allow_client_sampling_params: bool = False,
         return_kept_sets: bool = False,
         worker_api_key: str | None = None,
+        sampling_mask_max_tokens: int = SGLANG_SAMPLING_MASK_MAX_TOKENS,
     ):
         check_parser_names(tool_parser, reasoning_parser)
         self.allow_client_sampling_params = allow_client_sampling_params
@@ -128,6 +135,7 @@ class BaseAdapter:
         self.request_timeout = request_timeout
         self.generate_fields = dict(generate_fields or {})
         self.return_kept_sets, self.worker_api_key = return_kept_sets, worker_api_key
+        self.sampling_mask_max_tokens = sampling_mask_max_tokens
         self._workers: list[str] = []  # the router's workers, read on first use and after a failure
         self._sessions: dict[str, Session] = {}
         # the latest ended sessions (id -> how they ended), so a late request hears 409, not "open it first"
@@ -391,6 +399,11 @@ class BaseAdapter:
         sp["max_new_tokens"] = min(sp.get("max_new_tokens", limit), limit - len(prompt_ids))
 
     async def _generate(self, session_id: str, prompt_ids: list[int], sp: dict) -> TurnRecord:
+        applied = applied_sampling_params(sp)
+        # a client's own truncation (allowed) is replayed like the flags': the turn brings its kept sets
+        replayed = self.return_kept_sets or (self.allow_client_sampling_params and truncates(applied))
+        if replayed and applied["top_k"] <= 0:  # SGLang returns kept sets only under a finite top-k
+            sp = {**sp, "top_k": self.sampling_mask_max_tokens}
         payload = {
             "rid": uuid.uuid4().hex,
             "input_ids": prompt_ids,
@@ -399,14 +412,14 @@ class BaseAdapter:
             "return_logprob": True,
             **self.generate_fields,
         }
-        if self.return_kept_sets:  # top-p replay: each step's kept token set
+        if replayed:  # top-p replay: each step's kept token set
             payload["return_sampling_mask"] = True
             data, url = await self._post_to_a_worker(session_id, payload)
         else:
             data, url = await self._post(self.sglang_url, payload, {ROUTING_KEY_HEADER: session_id})
         meta = data["meta_info"]
         pairs = meta["output_token_logprobs"]
-        kept_sets = self._kept_sets(meta, len(pairs), url) if self.return_kept_sets else None
+        kept_sets = self._kept_sets(meta, len(pairs), url) if replayed else None
         return TurnRecord(
             prompt_ids=list(prompt_ids),
             output_ids=[int(p[1]) for p in pairs],

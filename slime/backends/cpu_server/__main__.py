@@ -5,6 +5,7 @@ import logging
 import sys
 
 from slime.utils.output_parsing import TOOL_CALL_FORMATS
+from slime.utils.top_p_replay import SGLANG_SAMPLING_MASK_MAX_TOKENS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--sampling-mask-max-tokens",
         type=int,
-        default=4096,
+        default=SGLANG_SAMPLING_MASK_MAX_TOKENS,
         help="as SGLang's: return_sampling_mask needs top_k=1 or 1 < top_k <= this (token ids per returned mask)",
     )
     p.add_argument("--trust-remote-code", action="store_true")

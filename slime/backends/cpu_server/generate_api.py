@@ -8,13 +8,13 @@ import time
 
 from aiohttp import web
 
+from slime.utils.top_p_replay import SGLANG_SAMPLING_MASK_MAX_TOKENS
+
 from .media import collapse_placeholders, expand, fetch_remote_images, has_remote_images, images_per_prompt
 from .sampling import RequestError, SamplingParams, error_response
 from .scheduler import Req
 from .weights import WeightError
 
-# SGLang's --sampling-mask-max-tokens default: the most token ids one returned sampling mask may hold
-SAMPLING_MASK_MAX_TOKENS = 4096
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
@@ -26,7 +26,7 @@ class EndOfStream(Exception):
         self.events = events
 
 
-def _check_sampling_mask(want_mask, mode, sp, cap=SAMPLING_MASK_MAX_TOKENS):
+def _check_sampling_mask(want_mask, mode, sp, cap=SGLANG_SAMPLING_MASK_MAX_TOKENS):
     """SGLang's checks of return_sampling_mask / sampling_logprobs_mode (tokenizer manager and scheduler); `cap` is
     the server's --sampling-mask-max-tokens."""
     if mode is not None and not want_mask:
