@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import os
 import socket
 import threading
 import time
@@ -300,6 +301,21 @@ def test_http_post_get_and_errors(http_server, monkeypatch):
         dead = s.getsockname()[1]  # bound but not listening: connection refused
         with pytest.raises(ConnectionError, match=rf"POST http://127.0.0.1:{dead}/x failed after 2 attempt"):
             async_utils.run(http_utils.post(f"http://127.0.0.1:{dead}/x", {}, max_retries=2), timeout=30)
+
+
+def test_posts_from_short_lived_loops_leave_no_session_or_socket_behind(http_server):
+    """A user's synchronous function that runs `asyncio.run(http_utils.post(...))` per call: each loop's shared session
+    closes with it (before: one open session and keep-alive socket per call, until the process ran out of files)."""
+    url, _ = http_server
+
+    def open_fds():
+        return len(os.listdir("/proc/self/fd"))
+
+    asyncio.run(http_utils.post(f"{url}/echo", {"warm": 1}))  # first-use imports and the like
+    before, sessions = open_fds(), len(http_utils._sessions)  # the background loop's may be among them
+    for i in range(20):
+        assert asyncio.run(http_utils.post(f"{url}/echo", {"i": i})) == {"got": {"i": i}}
+    assert open_fds() - before <= 2 and len(http_utils._sessions) == sessions
 
 
 def test_cleanup_on_exit_runs_every_step_even_when_one_hangs_or_fails(monkeypatch, capsys):

@@ -57,6 +57,7 @@ def run_app_in_thread(
             return
         started.set()
         loop.run_forever()
+        loop.run_until_complete(loop.shutdown_asyncgens())  # as asyncio.run: closes e.g. http_utils' session
         loop.close()
 
     thread = threading.Thread(target=serve, name=name, daemon=True)

@@ -82,34 +82,56 @@ def _ray_node_ip():
     return None
 
 
-_sessions: dict = {}
+_sessions: dict = {}  # event loop -> (its session, the generator that closes it with the loop)
 
 
-def _session() -> aiohttp.ClientSession:
-    # One session per event loop: aiohttp sessions are bound to the loop that created them.
+async def loop_session() -> aiohttp.ClientSession:
+    """This event loop's shared HTTP session (aiohttp sessions are bound to the loop that created them). It closes
+    with its loop: a loop that `asyncio.run` (or any `shutdown_asyncgens`) ends closes it first, so a caller that runs
+    `asyncio.run(post(...))` per request leaves no session or socket behind."""
     loop = asyncio.get_running_loop()
-    s = _sessions.get(loop)
-    if s is None or s.closed:
-        s = aiohttp.ClientSession(
+    entry = _sessions.get(loop)
+    if entry is None or entry[0].closed:
+        for gone in [other for other in _sessions if other.is_closed()]:  # closed without shutting down
+            del _sessions[gone]
+        session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, force_close=False),
             trust_env=False,
             timeout=aiohttp.ClientTimeout(total=None),
         )
-        _sessions[loop] = s
-    return s
+        closer = _closed_with_loop(loop, session)
+        await closer.__anext__()  # suspended at its yield: the loop now tracks it
+        entry = _sessions[loop] = (session, closer)
+    return entry[0]
+
+
+async def close_loop_session() -> None:
+    """Close this event loop's shared session now (a later request opens another)."""
+    entry = _sessions.get(asyncio.get_running_loop())
+    if entry is not None:
+        await entry[1].aclose()
+
+
+async def _closed_with_loop(loop, session):
+    try:
+        yield
+    finally:
+        if _sessions.get(loop, (None,))[0] is session:
+            del _sessions[loop]
+        await session.close()
 
 
 @atexit.register
 def close_sessions(timeout: float = 2.0) -> None:
-    """Close the shared sessions (at exit, so aiohttp does not warn about unclosed sessions)."""
-    for loop, session in list(_sessions.items()):
+    """Close the shared sessions of loops still open at exit (the background loop of slime.utils.async_utils)."""
+    for loop, (session, closer) in list(_sessions.items()):
         if session.closed or loop.is_closed():
             continue
         try:
-            if loop.is_running():  # the background loop thread of slime.utils.async_utils
-                asyncio.run_coroutine_threadsafe(session.close(), loop).result(timeout)
+            if loop.is_running():
+                asyncio.run_coroutine_threadsafe(closer.aclose(), loop).result(timeout)
             else:
-                loop.run_until_complete(session.close())
+                loop.run_until_complete(closer.aclose())
         except Exception:  # exiting anyway: a loop that cannot close its session has nothing left to leak
             pass
     _sessions.clear()
@@ -151,7 +173,7 @@ async def _request(
     last = None
     for attempt in range(max(1, max_retries)):
         try:
-            async with _session().request(
+            async with (await loop_session()).request(
                 method, url, json=payload, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)
             ) as resp:
                 text = await resp.text()
@@ -179,7 +201,7 @@ async def post_stream(url, payload, timeout=None, headers=None):
     Not retried: a stream cut half-way cannot be resumed by sending the request again. Leaving the loop early
     closes the connection, which the server takes as an abort."""
     try:
-        async with _session().post(
+        async with (await loop_session()).post(
             url, json=payload, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)
         ) as resp:
             if resp.status >= 400:

@@ -12,6 +12,7 @@ import random
 
 import aiohttp
 
+from slime.utils.http_utils import close_loop_session, loop_session
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
 
@@ -32,24 +33,11 @@ REMOTE_RM_MAX_RETRIES = 6
 REMOTE_RM_BACKOFF_S = 0.5  # first retry delay; doubles per attempt up to REMOTE_RM_BACKOFF_MAX_S (plus jitter)
 REMOTE_RM_BACKOFF_MAX_S = 8.0
 
-# One aiohttp session per event loop (sessions are bound to the loop that created them); shared by all remote_rm calls.
-_sessions: dict = {}
-
-
-def _session() -> aiohttp.ClientSession:
-    loop = asyncio.get_running_loop()
-    session = _sessions.get(loop)
-    if session is None or session.closed:
-        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), trust_env=False)
-        _sessions[loop] = session
-    return session
-
 
 async def close_remote_rm_session() -> None:
-    """Close this event loop's shared remote-RM session (call before the loop ends to avoid 'Unclosed session' noise)."""
-    session = _sessions.pop(asyncio.get_running_loop(), None)
-    if session is not None:
-        await session.close()
+    """Close this event loop's shared HTTP session (`slime.utils.http_utils.loop_session`, which remote_rm uses; it
+    also closes with its loop)."""
+    await close_loop_session()
 
 
 async def remote_rm(
@@ -73,7 +61,9 @@ async def remote_rm(
     last_error = None
     for attempt in range(max(1, max_retries)):
         try:
-            async with _session().post(url, json=payload, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            async with (await loop_session()).post(
+                url, json=payload, timeout=aiohttp.ClientTimeout(total=timeout)
+            ) as resp:
                 body = await resp.text()
                 if 400 <= resp.status < 500:
                     raise RuntimeError(
