@@ -569,6 +569,8 @@ def test_rule18_num_epoch_and_num_rollout(capsys):
 def test_save_interval_requires_save(capsys, tmp_path):
     assert "--save-interval requires --save" in parse_error(capsys, "--save-interval", "5")
     assert parse("--save-interval", "5", "--save", str(tmp_path)).save_interval == 5
+    assert "--async-save writes the checkpoints of --save in the background" in parse_error(capsys, "--async-save")
+    assert parse("--async-save", "--save", str(tmp_path)).async_save is True
 
 
 def test_engines_need_gpus(capsys):

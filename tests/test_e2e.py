@@ -230,18 +230,36 @@ def check_adapter_sync(rows, tiny_kit):
     assert 0 < rows[-1]["perf/update_weights_bytes"] < checkpoint / 10
 
 
+def tracker_names_written_checkpoints(args, rollout_id, step_id, model, optimizer, opt_param_scheduler):
+    """--custom-megatron-before-train-step-hook-path for --async-save --save-interval 1: at every train step the
+    tracker names a checkpoint whose write has ended (renamed, its metadata written), and by rollout N's step at least
+    that of N - 2 (waited for before the save of N - 1)."""
+    from slime.utils.checkpoint_tracker import checkpoint_dir, read_tracker
+
+    named = read_tracker(args.save)
+    if named is not None:
+        done = checkpoint_dir(args.save, named)
+        assert all(os.path.exists(os.path.join(done, f)) for f in (".metadata", "metadata.json")), done
+    if rollout_id >= 2:
+        assert named is not None and named >= rollout_id - 2, (rollout_id, named)
+
+
 @pytest.mark.slow
 def test_lora_kl_reference_is_the_base_also_after_a_resume(ray_session, tiny_kit, tmp_path):
     """With --enable-lora the KL reference is the frozen base: zero KL at a fresh start (B = 0), and after a resume
     that brings trained adapters the KL is against the base again, not against the resumed policy. The first run is
-    also the disaggregated case of adapter-only sync."""
+    also the disaggregated case of adapter-only sync, and both save with --async-save: the tracker names only
+    checkpoints whose write has ended, the last one once the run ends, and the resume loads it."""
     common = (
         "--rollout-num-gpus", "1", "--enable-lora", "--lora-rank", "8", "--lora-sync", "adapter", "--lr", "3e-2",
         "--entropy-coef", "0.01", "--use-kl-loss", "--kl-loss-coef", "0.001", "--save", str(tmp_path / "ckpt"),
-        "--save-interval", "1",
+        "--save-interval", "1", "--async-save",
+        "--custom-megatron-before-train-step-hook-path", f"{__name__}.tracker_names_written_checkpoints",
         "--global-batch-size", "16",  # one optimizer step per rollout: its KL is that of the rollout's policy
     )  # fmt: skip
     sync_driver.train(make_args(tiny_kit, tmp_path, *common, num_rollout=3))
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert not list((tmp_path / "ckpt").glob("*.tmp"))
     rows = read_metrics(tmp_path)
     check_adapter_sync(rows, tiny_kit)
     assert rows[0]["train/kl_loss"] == 0.0  # the adapters start as a no-op: the policy is the base

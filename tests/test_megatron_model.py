@@ -56,13 +56,17 @@ def test_forward_log_probs_match_transformers_and_tp2_equals_tp1(tiny_kit, tmp_p
         assert (a - b).abs().max().item() <= 2e-6
 
 
-def _train_steps(rank, model_dir, tp, save_dir, out_path):
-    """Two rollouts of training on a fixed batch: GRPO loss goes down; checkpoint after the first, then resume."""
-    from slime.backends.megatron_utils.advantages import compute_advantages_and_returns
-    from slime.backends.megatron_utils.checkpoint import save_checkpoint
-    from slime.backends.megatron_utils.model import forward_only, train
+def _train_steps(rank, model_dir, tp, save_dir, out_path, async_save=False):
+    """Two rollouts of training on a fixed batch: GRPO loss goes down; checkpoint after the first, then resume. With
+    --async-save the checkpoint is written while the second rollout trains."""
+    import os
 
-    args = train_args(model_dir, tensor_model_parallel_size=tp, save=save_dir)
+    from slime.backends.megatron_utils.advantages import compute_advantages_and_returns
+    from slime.backends.megatron_utils.checkpoint import finalize_async_save, save_checkpoint
+    from slime.backends.megatron_utils.model import forward_only, train
+    from slime.utils.checkpoint_tracker import read_tracker
+
+    args = train_args(model_dir, tensor_model_parallel_size=tp, save=save_dir, async_save=async_save)
     model, opt, sched, _, rollout, iters, nmb = _setup(args, fixed_rollout())
     base = dict(rollout)
 
@@ -84,7 +88,11 @@ def _train_steps(rank, model_dir, tp, save_dir, out_path):
     surrogate = lambda lps: sum(a[0].item() * lp.mean().item() for a, lp in zip(data0["advantages"], lps))  # noqa: E731
     assert surrogate(after) > surrogate(data0["log_probs"]) + 1e-4, (surrogate(after), surrogate(data0["log_probs"]))
     save_checkpoint(args, 0, model, opt, sched)
-    _, hist1 = one_rollout(1)
+    if async_save:  # written by a forked process until finalized: neither published nor named yet
+        assert not os.path.exists(f"{save_dir}/iter_0000000") and read_tracker(save_dir) is None
+    _, hist1 = one_rollout(1)  # moves every weight and Adam moment while the fork may still be writing them
+    if async_save:
+        assert finalize_async_save() == 0 and finalize_async_save() is None
     final = forward_only(args, model, iters, nmb)["log_probs"]  # collective: every rank runs it
     if rank == 0:
         torch.save({"hist1": hist1, "log_probs": final}, out_path)
@@ -110,13 +118,17 @@ def _resume_steps(rank, model_dir, tp, save_dir, out_path):
 
 
 @pytest.mark.parametrize(
-    "tp_save,tp_load",
-    [(1, 1), pytest.param(2, 1, marks=pytest.mark.slow)],  # slow: leaves the development tier
+    "tp_save,tp_load,async_save",
+    [
+        (1, 1, False),
+        pytest.param(2, 1, False, marks=pytest.mark.slow),  # slow: leaves the development tier
+        pytest.param(2, 2, True, marks=pytest.mark.slow),  # --async-save: the checkpoint is the state when saved
+    ],
 )
-def test_train_lowers_loss_and_checkpoint_resume_is_identical(tiny_kit, tmp_path, tp_save, tp_load):
+def test_train_lowers_loss_and_checkpoint_resume_is_identical(tiny_kit, tmp_path, tp_save, tp_load, async_save):
     model_dir, _ = tiny_kit
     save_dir = str(tmp_path / "ckpt")
-    spawn(_train_steps, tp_save, model_dir, tp_save, save_dir, str(tmp_path / "a.pt"))
+    spawn(_train_steps, tp_save, model_dir, tp_save, save_dir, str(tmp_path / "a.pt"), async_save)
     with open(f"{save_dir}/latest_checkpointed_iteration.txt") as f:
         assert f.read() == "0"
     spawn(_resume_steps, tp_load, model_dir, tp_load, save_dir, str(tmp_path / "b.pt"))

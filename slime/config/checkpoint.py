@@ -139,6 +139,8 @@ def resolve_load(args, error, check_paths):
 def check_save(args, error):
     if args.save_interval is not None and args.save is None:
         error("--save-interval requires --save (the checkpoint directory).")
+    if args.async_save and args.save is None:
+        error("--async-save writes the checkpoints of --save in the background: it needs --save.")
     check_save_hf(args, error)
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         error(

@@ -94,6 +94,9 @@ class RayTrainGroup:
     def async_save_model(self, step_id, commit=True):
         return [a.save_model.remote(step_id, commit=commit) for a in self._actor_handlers]
 
+    def async_finalize_save(self, blocking=True):
+        return [a.finalize_save.remote(blocking) for a in self._actor_handlers]
+
     def async_update_weights(self, weight_version=None):
         return [a.update_weights.remote(weight_version) for a in self._actor_handlers]
 

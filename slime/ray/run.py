@@ -81,6 +81,10 @@ class Run:
         self._pushes = 0
         self._unchecked = None  # the last push's metrics until its fingerprint check ran (`_check_pushed`)
         self._saved = False  # whether this run saved a checkpoint yet (what --release-train's trainers load)
+        # --async-save: the checkpoint still being written (the trainers' part), named in the tracker once written
+        self._async_commits = None
+        if args.async_save and not args.debug_rollout_only:
+            self._async_commits = checkpoint.AsyncCommits(args, self.get)
 
     # ------------------------------------------------------------------ the loop's steps
     def start_generate(self, rollout_id):
@@ -133,6 +137,7 @@ class Run:
         self._pushes += 1
         if args.release_train:  # the engines loaded the version from disk: no trainer is needed until training
             self._check_pushed()
+            self._commit_saves(blocking=True)  # the new trainers load it; a killed trainer's write dies with it
             self.actor_model.kill()
         return metrics
 
@@ -180,9 +185,19 @@ class Run:
         return should_run_periodic_action(rollout_id, args.save_interval, self.num_rollout_per_epoch, args.num_rollout)
 
     def save(self, rollout_id, extra_savers=()):
+        self._commit_saves(blocking=True)  # one checkpoint in flight at a time, named in the order they were taken
         savers = (*extra_savers, *critic.checkpoint_savers(self.critic_model, self.get))
-        checkpoint.save(self.args, rollout_id, self.actor_model, self.rollout_manager, self.get, savers)
+        commit = self._async_commits is None
+        checkpoint.save(self.args, rollout_id, self.actor_model, self.rollout_manager, self.get, savers, commit)
+        if not commit:
+            self._async_commits.started(
+                rollout_id, [g for g in (self.actor_model, self.critic_model) if g is not None]
+            )
         self._saved = True
+
+    def _commit_saves(self, blocking):
+        if self._async_commits is not None:
+            self._async_commits.poll(blocking)
 
     def eval_due(self, rollout_id):
         return should_run_periodic_action(rollout_id, self.args.eval_interval, self.num_rollout_per_epoch)
@@ -194,10 +209,12 @@ class Run:
         self.recorder.eval(rollout_id, self.get(self.rollout_manager.async_eval(rollout_id)))
 
     def rollout_done(self, rollout_id, train_metrics, update_metrics=None):
+        self._commit_saves(blocking=False)
         self.recorder.rollout_done(rollout_id, train_metrics, update_metrics)
 
     def finish(self):
         self._check_pushed()
+        self._commit_saves(blocking=True)
         # the controller's and trainers' sides of the W&B run first: they are killed after this, losing what their
         # wandb services had not written yet
         groups = [g for g in (self.actor_model, self.critic_model) if g is not None and not g.released]

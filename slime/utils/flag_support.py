@@ -36,9 +36,6 @@ REFUSED = {
     "--train-backend": "Megatron is the only training backend (as in current slime, which removed FSDP): drop it",
     "--load-forge-rollout-data": "forge replay keeps engines and weight sync live while replaying dumps, for GPU "
     "memory tests: use --load-debug-rollout-data",
-    "--async-save": "checkpoints are written synchronously here (Megatron-LM's asynchronous dist-checkpoint writer "
-    "is not used; the tracker moves only once the whole checkpoint and the data source's state are on disk): "
-    "drop it",
     # not implemented here yet
     "--min-batch-collection-ratio": "collecting part of a batch from the rollout buffer is not built (current slime "
     "declares this flag and reads it nowhere either): drop it (every batch is collected whole)",

@@ -30,7 +30,7 @@ from slime.utils.user_errors import call_user_function
 from . import initialize as megatron_init
 from . import routing_replay
 from .advantages import compute_advantages_and_returns
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import finalize_async_save, load_checkpoint, save_checkpoint
 from .data import get_data_iterator, log_rollout_data
 from .hf_checkpoint_saver import save_hf_model_to_path, save_hf_path
 from .log_probs import get_values
@@ -427,6 +427,21 @@ class MegatronTrainRayActor(TrainRayActor):
             )
         if asleep:
             self.sleep(("model",))
+
+    def finalize_save(self, blocking=True):
+        """--async-save: end this rank's checkpoint write once it is done (collective over the trainer ranks);
+        returns the iteration it finished, or None (none in flight, or still writing and not `blocking`). Asleep
+        (colocated), a poll returns None and a blocking call wakes the trainer for it, as a save does."""
+        asleep = self._offload_backup is not None
+        if asleep and not blocking:
+            return None
+        if asleep:
+            self.wake_up(("model",))
+        try:
+            return finalize_async_save(blocking)
+        finally:
+            if asleep:
+                self.sleep(("model",))
 
     # ---- weight sync (delegated to update_weight) --------------------------------------------------------------
     def connect_rollout_engines(self, rollout_engines, rollout_engine_lock):

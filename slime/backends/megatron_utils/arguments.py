@@ -211,7 +211,7 @@ def megatron_defaults(args):
         args.moe_ffn_hidden_size = args.ffn_hidden_size
     if args.expert_tensor_parallel_size is None:
         args.expert_tensor_parallel_size = args.tensor_model_parallel_size
-    for name in ("no_save_optim", "no_save_rng", "no_load_optim", "no_load_rng", "async_save"):
+    for name in ("no_save_optim", "no_save_rng", "no_load_optim", "no_load_rng"):
         if getattr(args, name) is None:
             setattr(args, name, False)
     if args.use_cpu_initialization is None:

@@ -7,9 +7,17 @@ The iteration directory is written under a temporary name and renamed when compl
 atomically afterwards: here with `commit=True` (tools, standalone use), or by the driver once the data source's state
 is written too (`slime.ray.checkpoint.save`), so a crash mid-save never points `--load` at a partial checkpoint.
 Sharded tensors are stored in global (unsharded) coordinates, so loading with a different TP size reshards.
+
+With --async-save the shards are written by a process forked from each trainer (megatron-core's async request, run
+by its `AsyncCallsQueue` as Megatron-LM runs it): the fork holds the state as it was when the save was called (device
+tensors copied to host first, host memory by copy-on-write), so training goes on meanwhile. `finalize_async_save`
+then waits for it, writes the metadata and renames the directory; only after that may the tracker name it.
 """
 
 import argparse
+import functools
+import multiprocessing
+import multiprocessing.queues
 import os
 import queue
 import random
@@ -22,6 +30,7 @@ from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core import parallel_state as mpu
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
 from slime.utils.checkpoint_tracker import (
@@ -133,7 +142,11 @@ def _portable_args(args):
 
 def save_checkpoint(args, iteration, model, optimizer, opt_param_scheduler, *, with_optimizer=True, commit=True):
     """Write `{args.save}/iter_{iteration:07d}` from every rank (collective); with `commit`, then update the tracker
-    (the RL driver passes commit=False and updates it itself once the rest of the run's state is saved)."""
+    (the RL driver passes commit=False and updates it itself once the rest of the run's state is saved). With
+    --async-save it returns once the write has started; `finalize_async_save` ends it (a new save first waits for
+    the one before)."""
+    if args.async_save:
+        finalize_async_save()
     root = args.save
     final_dir = checkpoint_dir(root, iteration)
     tmp_dir = final_dir + ".tmp"
@@ -158,21 +171,62 @@ def save_checkpoint(args, iteration, model, optimizer, opt_param_scheduler, *, w
     state["iteration"] = iteration
     state["parallel_layout"] = _parallel_layout()
     state["args"] = _portable_args(args)
-    # Saves are synchronous here (--async-save is refused), so the writers' results never leave this process: a plain
-    # queue instead of Megatron's cross-process one, whose "spawn" Manager costs seconds on each trainer's first save.
-    filesystem_async._results_queue = filesystem_async._results_queue or queue.Queue()
-    dist_checkpointing.save(state, tmp_dir)
+    publish = functools.partial(_publish, root, tmp_dir, final_dir, iteration, commit)
+    if not args.async_save:
+        # The writers' results never leave this process: a plain queue instead of Megatron's cross-process one,
+        # whose "spawn" Manager costs seconds on each trainer's first save.
+        filesystem_async._results_queue = filesystem_async._results_queue or queue.Queue()
+        dist_checkpointing.save(state, tmp_dir)
+        publish()
+        return final_dir
+    # The forked writer sends its results back through a pipe it inherits (no Manager process to outlive a killed
+    # trainer).
+    if not isinstance(filesystem_async._results_queue, multiprocessing.queues.Queue):
+        filesystem_async._results_queue = multiprocessing.get_context("fork").Queue()
+    request = dist_checkpointing.save(state, tmp_dir, async_sharded_save=True)
+    request.add_finalize_fn(publish)
+    _async_writes.schedule(request, iteration)
+    return final_dir
+
+
+def _publish(root, tmp_dir, final_dir, iteration, commit):
     fsync_tree(tmp_dir)  # each rank: its shards are on disk (not only in the page cache) before the rename below
     dist.barrier()
-
-    if rank0:
+    if dist.get_rank() == 0:
         shutil.rmtree(final_dir, ignore_errors=True)
         os.replace(tmp_dir, final_dir)
         fsync_path(root)  # the rename itself is durable before anyone publishes the tracker
         if commit:
             write_tracker(root, iteration)
     dist.barrier()
-    return final_dir
+
+
+class _AsyncWrites:
+    """This trainer's checkpoint write in flight (one at a time, as Megatron-LM keeps them)."""
+
+    def __init__(self):
+        self.queue, self.iteration = None, None
+
+    def schedule(self, request, iteration):
+        self.queue = self.queue or AsyncCallsQueue()
+        self.queue.schedule_async_request(request)
+        self.iteration = iteration
+
+    def finalize(self, blocking):
+        if self.iteration is None or not self.queue.maybe_finalize_async_calls(blocking=blocking):
+            return None
+        iteration, self.iteration = self.iteration, None
+        return iteration
+
+
+_async_writes = _AsyncWrites()
+
+
+def finalize_async_save(blocking=True):
+    """Finish this trainer's --async-save write if it is done (or, `blocking`, once it is): its metadata, then its
+    directory under the final name. Collective: every trainer rank calls it. Returns the iteration finished, or
+    None (nothing in flight, or not done yet)."""
+    return _async_writes.finalize(blocking)
 
 
 def _drop_unfit_output_layers(state, ckpt):

@@ -378,7 +378,13 @@ def add_megatron_arguments(parser):
         "--no-ckpt-fully-parallel-save", dest="ckpt_fully_parallel_save", action="store_false", default=True
     )
     g.add_argument("--ckpt-fully-parallel-load", action="store_true", default=False)
-    g.add_argument("--async-save", action="store_true", default=None)
+    g.add_argument(
+        "--async-save",
+        action="store_true",
+        default=False,
+        help="Write each checkpoint from a process forked off every trainer while training goes on; the tracker names "
+        "it once written (docs/usage.md#checkpoints-megatron).",
+    )
     g.add_argument("--ckpt-assume-constant-structure", action="store_true", default=False)
     g.add_argument("--dist-ckpt-strictness", type=str, default="assume_ok_unexpected")
     g.add_argument("--non-persistent-save-interval", type=int, default=None)
