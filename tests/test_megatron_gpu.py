@@ -1,5 +1,6 @@
 """The Megatron trainer's GPU-only paths on the tiny Qwen3 kit: the Transformer-Engine layer spec (THD-packed batches)
-against transformers, a bf16 training step, an NCCL broadcast of a weight bucket, and offload/onload on the GPU.
+against transformers, a bf16 training step, an NCCL broadcast of a weight bucket, offload/onload on the GPU and an
+--async-save checkpoint written while training goes on.
 
 Each test runs in fresh processes with SLIME_DEVICE=cuda, so slime picks CUDA + NCCL in `slime.utils.device` exactly
 as a trainer on a GPU node does. Without CUDA every test here is skipped (the reasons show with `pytest -rs`).
@@ -222,6 +223,34 @@ def _gpu_offload(index, model_dir, port):
 
 def test_offload_onload_on_gpu_is_bit_exact(tiny_kit):
     _spawn(_gpu_offload, 1, tiny_kit[0], free_port())
+
+
+# ---- (vi) --async-save: the forked writer of a CUDA process holds the state of the save call -----------------------
+def _gpu_async_save(index, model_dir, port, save_dir):
+    import copy
+
+    from slime.backends.megatron_utils.checkpoint import finalize_async_save, load_checkpoint, save_checkpoint
+    from slime.backends.megatron_utils.model import train
+
+    impl = "transformer_engine" if HAS_TE else "local"
+    args = train_args(model_dir, transformer_impl=impl, bf16=True, loss_type="sft_loss", ci_test=False)
+    args.save, args.async_save = save_dir, True
+    model, opt, sched, _, iters, nmb = _init_trainer(args, port)
+    train(args, 0, model, opt, sched, iters, nmb)
+    params = lambda: {n: p.detach().float().cpu() for n, p in unwrap_model(model[0]).named_parameters()}  # noqa: E731
+    saved = params()
+    save_checkpoint(args, 0, model, opt, sched)  # device tensors copied to host, then the writer forked
+    train(args, 1, model, opt, sched, iters, nmb)  # moves the weights while the fork writes
+    assert finalize_async_save() == 0 and os.path.isdir(f"{save_dir}/iter_0000000")
+    assert any(not torch.equal(saved[n], p) for n, p in params().items()), "the second step moved nothing"
+    load = copy.copy(args)
+    load.load, load.finetune, load.no_load_optim, load.no_load_rng = save_dir, False, True, True
+    assert load_checkpoint(load, model, opt, sched) == 0
+    assert all(torch.equal(saved[n], p) for n, p in params().items()), "the checkpoint is not the saved state"
+
+
+def test_async_save_writes_the_state_of_the_save_call_on_gpu(tiny_kit, tmp_path):
+    _spawn(_gpu_async_save, 1, tiny_kit[0], free_port(), str(tmp_path / "ckpt"))
 
 
 # ---- (v) --tree-attention-backend flex: compiled FlexAttention on the tree's block mask ----------------------------
