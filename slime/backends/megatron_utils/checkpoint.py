@@ -174,8 +174,10 @@ def save_checkpoint(args, iteration, model, optimizer, opt_param_scheduler, *, w
     publish = functools.partial(_publish, root, tmp_dir, final_dir, iteration, commit)
     if not args.async_save:
         # The writers' results never leave this process: a plain queue instead of Megatron's cross-process one,
-        # whose "spawn" Manager costs seconds on each trainer's first save.
-        filesystem_async._results_queue = filesystem_async._results_queue or queue.Queue()
+        # whose "spawn" Manager costs seconds on each trainer's first save (and not an async save's pipe, whose
+        # items arrive a moment after they are put).
+        if not isinstance(filesystem_async._results_queue, queue.Queue):
+            filesystem_async._results_queue = queue.Queue()
         dist_checkpointing.save(state, tmp_dir)
         publish()
         return final_dir
