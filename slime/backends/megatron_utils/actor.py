@@ -430,18 +430,9 @@ class MegatronTrainRayActor(TrainRayActor):
 
     def finalize_save(self, blocking=True):
         """--async-save: end this rank's checkpoint write once it is done (collective over the trainer ranks);
-        returns the iteration it finished, or None (none in flight, or still writing and not `blocking`). Asleep
-        (colocated), a poll returns None and a blocking call wakes the trainer for it, as a save does."""
-        asleep = self._offload_backup is not None
-        if asleep and not blocking:
-            return None
-        if asleep:
-            self.wake_up(("model",))
-        try:
-            return finalize_async_save(blocking)
-        finally:
-            if asleep:
-                self.sleep(("model",))
+        returns the iteration it finished, or None (none in flight, or still writing and not `blocking`). It touches
+        no model tensor (the write holds host copies), so an offloaded trainer stays asleep."""
+        return finalize_async_save(blocking)
 
     # ---- weight sync (delegated to update_weight) --------------------------------------------------------------
     def connect_rollout_engines(self, rollout_engines, rollout_engine_lock):
