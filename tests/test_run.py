@@ -83,8 +83,37 @@ def run_with(args, dead=(), lost_engines=()):
     run.args, run.get = args, lambda refs: refs
     run.actor_model = Recorder(log)
     run.rollout_manager = Recorder(log, lost_engines=lost_engines, dead=dead)
-    run._trainers_offloaded, run._pushes, run._unchecked = False, 1, None
+    run._trainers_offloaded, run._pushes, run._unchecked, run._async_commits = False, 1, None, None
     return run, log
+
+
+class WritingGroup:
+    """A trainer group of two ranks whose --async-save write of checkpoint 7 ends after `polls_to_finish` polls."""
+
+    def __init__(self, polls_to_finish):
+        self.polls, self.polls_to_finish = 0, polls_to_finish
+
+    def async_finalize_save(self, blocking):
+        self.polls += 1
+        return [7 if blocking or self.polls >= self.polls_to_finish else None] * 2
+
+
+def test_async_save_names_a_checkpoint_once_every_trainer_group_has_written_it(tmp_path):
+    from slime.ray.checkpoint import AsyncCommits
+    from slime.utils.checkpoint_tracker import read_tracker
+
+    commits = AsyncCommits(make_args("--async-save", "--save", str(tmp_path)), get=lambda refs: refs)
+    actor, critic = WritingGroup(1), WritingGroup(3)
+    commits.poll(blocking=True)  # nothing in flight: nothing asked, nothing named
+    commits.started(7, [actor, critic])
+    commits.poll()  # the actor's write has ended, the critic's has not
+    assert read_tracker(str(tmp_path)) is None and (actor.polls, critic.polls) == (1, 1)
+    commits.poll()
+    assert read_tracker(str(tmp_path)) is None and (actor.polls, critic.polls) == (1, 2)  # a finished group rests
+    commits.poll(blocking=True)  # the next save, --release-train or the run's end waits for it
+    assert read_tracker(str(tmp_path)) == 7 and (actor.polls, critic.polls) == (1, 3)
+    commits.poll(blocking=True)
+    assert (actor.polls, critic.polls) == (1, 3)
 
 
 def test_colocated_push_starts_a_replacement_engine_only_after_the_trainers_released_the_gpu():
