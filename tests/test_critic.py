@@ -246,7 +246,8 @@ def test_critic_trains_hands_values_to_the_actor_and_resumes(ray_session, tiny_k
 @pytest.mark.e2e
 def test_train_py_ppo_critic_only_warm_up_checkpoint_and_resume(ray_session, tiny_kit, tmp_path):
     """A critic under train_async.py's loop then train.py's: rollout 0 trains only the critic, then both; the
-    critic's checkpoint is written with the actor's and a restart with --load continues with it. The critic role
+    critic's checkpoint is written with the actor's (by --async-save's writers in the first run) and a restart with
+    --load continues with it. The critic role
     takes 4 optimizer steps per rollout (its num_steps_per_rollout) where the actor takes 2 (16 samples,
     --global-batch-size 8)."""
     import train as sync_driver
@@ -259,7 +260,8 @@ def test_train_py_ppo_critic_only_warm_up_checkpoint_and_resume(ray_session, tin
     ppo += ["--save", str(ckpt), "--save-interval", "1", *_critic_role(tmp_path, "{num_steps_per_rollout: 4}")]
     first = tmp_path / "first"
     first.mkdir()
-    async_driver.train(e2e_args(tiny_kit, first, *ppo, num_rollout=2))
+    # --async-save: the actor's and the critic's writes are both finished (at the run's end) before the tracker
+    async_driver.train(e2e_args(tiny_kit, first, *ppo, "--async-save", num_rollout=2))
     rows = read_metrics(first)
     assert [r["rollout_id"] for r in rows] == [0, 1]
     assert "train/critic-value_loss" in rows[0] and "train/pg_loss" not in rows[0]  # the critic-only warm-up
@@ -271,6 +273,7 @@ def test_train_py_ppo_critic_only_warm_up_checkpoint_and_resume(ray_session, tin
         assert key in rows[1], key
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
     assert (ckpt / "critic" / "iter_0000001").is_dir() and (ckpt / "iter_0000001").is_dir()
+    assert not list(ckpt.glob("**/*.tmp"))
 
     second = tmp_path / "second"
     second.mkdir()
