@@ -2,8 +2,10 @@
 named in one line (data slice)."""
 
 import base64
+import hashlib
 import io
 import json
+import os
 
 import pytest
 from PIL import Image
@@ -17,6 +19,7 @@ from slime.utils.processing_utils import (
     multimodal_dataset_kwargs,
     parse_multimodal_keys,
     process_prompt,
+    process_vision_info,
 )
 from tests._args import make_args, one_line_refusal
 
@@ -72,7 +75,7 @@ def test_placeholder_and_media_counts_must_agree(text, items, counts):
         ("{image: images}", "is not JSON"),
         ('{"smell": "x"}', "unknown media type 'smell'"),
         ('["images"]', "JSON object"),
-        ('{"video": "v"}', "images only"),
+        ('{"audio": "a"}', "images and videos only"),
     ],
 )
 def test_bad_multimodal_keys_are_one_line_errors(value, why):
@@ -143,8 +146,8 @@ def test_rich_items_with_their_own_size_limits_are_resized_as_qwen_vl_utils_does
     assert (train["image_grid_thw"].prod(-1) // 4).tolist() == [16, 4, 2, 16, 4]
 
 
-def _write(tmp_path, rows):
-    path = tmp_path / "vlm.jsonl"
+def _write(tmp_path, rows, name="vlm.jsonl"):
+    path = tmp_path / name
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
 
@@ -353,10 +356,10 @@ def test_each_eval_dataset_reads_its_own_multimodal_keys(tmp_path, tiny_vlm, cap
     with pytest.raises(AssertionError, match="images"):
         check_prompt_data(args, error)
 
-    datasets[0]["multimodal_keys"] = {"video": "clips"}
+    datasets[0]["multimodal_keys"] = {"audio": "clips"}
     config.write_text(yaml.safe_dump({"eval": {"datasets": datasets}}))
     err = one_line_refusal(capsys, *flags, hf_checkpoint=tiny_vlm)
-    assert f"--eval-config {config}" in err and "pics" in err and "multimodal_keys" in err and "video" in err, err
+    assert f"--eval-config {config}" in err and "pics" in err and "multimodal_keys" in err and "audio" in err, err
 
 
 def test_the_eval_rollout_reads_each_dataset_with_its_own_multimodal_keys(tmp_path, tiny_vlm, monkeypatch):
@@ -400,3 +403,133 @@ def test_the_eval_rollout_reads_each_dataset_with_its_own_multimodal_keys(tmp_pa
             SingletonMeta.clear_instances(sglang_rollout.GenerateState)
         carried = [bool(s.multimodal_inputs) for d in datasets for s in results[d["name"]]["samples"]]
         assert carried == images, media_flags
+
+
+VIDEO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "video")
+CLIPS = [os.path.join(VIDEO_DIR, name) for name in ("clip_a.mp4", "clip_b.mp4")]
+
+
+def _digest(t):
+    return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
+
+
+@pytest.mark.parametrize("kit", ["tiny_vlm", "tiny_qwen3_vl"])
+def test_videos_are_processed_as_transformers_torchvision_processors_process_them(request, kit):
+    """Two clips (6 of 12 frames at 4 fps, 6 of 30 at 10 fps) sampled and resized as SGLang's preprocess_video does,
+    then through the processor: frames, expanded ids (Qwen3-VL: a timestamp and a vision run per frame pair), token
+    types, grids, pixels and Qwen2.5-VL's second_per_grid_ts all equal what transformers' own processors (their
+    torchvision video processors; tests/data/video/make_reference.py) made of them."""
+    from slime.utils.video import processor_video_inputs, sample_and_resize
+
+    family = {"tiny_vlm": "qwen2_5_vl", "tiny_qwen3_vl": "qwen3_vl"}[kit]
+    with open(os.path.join(VIDEO_DIR, "reference.json")) as f:
+        ref = json.load(f)[family]
+    processor = load_processor(request.getfixturevalue(kit))
+    raws = [open(path, "rb").read() for path in CLIPS]
+    frames = [sample_and_resize(raw)[0] for raw in raws]
+    assert [tuple(v.shape[:2]) for v in frames] == [(6, 3), (6, 3)]
+    assert [_digest(v) for v in frames] == ref["frames"]
+    messages = [
+        {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What moves?"}, {"type": "video"}]}
+    ]
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == ref["text"]
+    ids, train = process_prompt(processor, text, None, raws)
+    assert ids == ref["input_ids"] and train["mm_token_type_ids"][0].tolist() == ref["mm_token_type_ids"]
+    assert train["video_grid_thw"].tolist() == ref["video_grid_thw"]
+    assert _digest(train["pixel_values_videos"]) == ref["pixel_values_videos"]
+    assert (train["second_per_grid_ts"].tolist() if "second_per_grid_ts" in train else None) == ref[
+        "second_per_grid_ts"
+    ]
+    videos, kwargs = processor_video_inputs(processor, raws)
+    assert bool(kwargs) == (family == "qwen3_vl")  # SGLang passes the sampling metadata for the timestamped layouts
+
+
+def test_dataset_reads_videos_in_every_accepted_form_and_filters_after_expansion(tmp_path, tiny_vlm):
+    """--multimodal-keys '{"video": "videos"}' with images beside: a path, a file:// URL, a data URL and raw base64 of
+    one clip give the same bytes; the rendered prompt holds one video run per <video>; the length filter counts the
+    processor's expansion (36 video tokens: 3 x 6 x 8 patches, merged 2 x 2); an unreadable video is named in one line."""
+    processor = load_processor(tiny_vlm)
+    raw = open(CLIPS[0], "rb").read()
+    b64 = base64.b64encode(raw).decode()
+    forms = [CLIPS[0], "file://" + CLIPS[0], "data:video/mp4;base64," + b64, b64, {"path": CLIPS[0]}]
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": "<video>What moves?<image>"}],
+            "videos": [v],
+            "images": [_b64((28, 28), (0, 0, 0))],
+            "label": str(i),
+        }
+        for i, v in enumerate(forms)
+    ]
+    path = _write(tmp_path, rows)
+    keys = {"multimodal_keys": {"video": "videos", "image": "images"}, "processor": processor}
+    ds = Dataset(
+        path, processor.tokenizer, None, prompt_key="prompt", label_key="label", apply_chat_template=True, **keys
+    )
+    text = (
+        "<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>What moves?<|vision_start|><|image_pad|>"
+        "<|vision_end|><|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert [s.prompt for s in ds.origin_samples] == [text] * len(forms)
+    assert all(s.multimodal_inputs["videos"] == [raw] for s in ds.origin_samples)
+    ids, train = process_prompt(processor, text, ds.origin_samples[0].multimodal_inputs["images"], [raw])
+    assert ids.count(processor.video_token_id) == 36 and ids.count(processor.image_token_id) == 1
+    assert train["video_grid_thw"].tolist() == [[3, 6, 8]] and train["image_grid_thw"].tolist() == [[1, 2, 2]]
+    kept = Dataset(
+        path,
+        processor.tokenizer,
+        len(ids) - 1,
+        prompt_key="prompt",
+        label_key="label",
+        apply_chat_template=True,
+        **keys,
+    )
+    assert kept.origin_samples == []
+    kept = Dataset(
+        path, processor.tokenizer, len(ids), prompt_key="prompt", label_key="label", apply_chat_template=True, **keys
+    )
+    assert len(kept.origin_samples) == len(forms)
+    bad = _write(
+        tmp_path, [{"prompt": "<video>hi", "videos": [str(tmp_path / "gone.mp4")], "label": "x"}], "bad.jsonl"
+    )
+    keys["multimodal_keys"] = {"video": "videos"}
+    with pytest.raises(ValueError) as e:
+        Dataset(
+            bad, processor.tokenizer, None, prompt_key="prompt", label_key="label", apply_chat_template=True, **keys
+        )
+    assert (
+        "row 1" in str(e.value)
+        and "video 0" in str(e.value)
+        and "gone.mp4" in str(e.value)
+        and "\n" not in str(e.value)
+    )
+    (tmp_path / "text.mp4").write_bytes(b"not a video")
+    not_video = _write(
+        tmp_path, [{"prompt": "<video>hi", "videos": [str(tmp_path / "text.mp4")], "label": "x"}], "nv.jsonl"
+    )
+    ds = Dataset(
+        not_video, processor.tokenizer, None, prompt_key="prompt", label_key="label", apply_chat_template=True, **keys
+    )
+    with pytest.raises(ValueError, match=r"video 0: per-video fps, max_pixels are not supported \(SGLang applies"):
+        process_vision_info(
+            [{"role": "user", "content": [{"type": "video", "video": {"path": CLIPS[0], "max_pixels": 9, "fps": 1}}]}],
+            processor,
+            "row 1",
+        )
+    with pytest.raises(ValueError, match="11 bytes are not a decodable video"):
+        process_prompt(processor, ds.origin_samples[0].prompt, None, ds.origin_samples[0].multimodal_inputs["videos"])
+
+
+@pytest.mark.parametrize(
+    "extra, flag",
+    [
+        (["--partial-rollout", "--over-sampling-batch-size", "32"], "--partial-rollout"),
+        (["--rollout-function-path", "slime.rollout.sft_rollout.generate_rollout"], "the SFT rollout"),
+    ],
+)
+def test_videos_are_refused_where_their_tokens_cannot_be_resent(capsys, extra, flag):
+    err = one_line_refusal(
+        capsys, "--multimodal-keys", '{"video": "videos"}', "--debug-rollout-only", "--rollout-num-gpus", "1", *extra
+    )
+    assert f"--multimodal-keys: videos are not supported with {flag} (images are)" in err

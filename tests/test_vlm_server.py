@@ -134,13 +134,18 @@ def vlm_server(tiny_vlm):
     stop_cpu_server(proc)
 
 
-def _reference(model_dir, image, max_new_tokens):
-    """transformers' greedy generate on the processor's inputs, and the log-probs of its tokens by one forward."""
+def _reference(model_dir, image, max_new_tokens, text=TEXT, videos=None):
+    """transformers' greedy generate on the processor's inputs, and the log-probs of its tokens by one forward (with
+    `videos`, encoded clips: prepared as SGLang prepares them, slime.utils.video)."""
     from transformers import AutoModelForImageTextToText
+
+    from slime.utils.video import processor_video_inputs
 
     processor = load_processor(model_dir)
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
-    inputs = processor(text=[TEXT], images=[image], return_tensors="pt")
+    frames, kwargs = processor_video_inputs(processor, videos) if videos else (None, {})
+    images = [image] if image is not None else None
+    inputs = processor(text=[text], images=images, videos=frames, return_tensors="pt", **kwargs)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
         prompt_len = inputs["input_ids"].shape[1]
@@ -212,6 +217,55 @@ def test_generate_with_an_image_equals_transformers(vlm_server, tiny_vlm, tmp_pa
     assert r.status_code == 400 and "messages[0].content[0]: video_url is not supported" in r.text, r.text
 
 
+VIDEO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "video")
+CLIP = os.path.join(VIDEO_DIR, "clip_a.mp4")
+VIDEO_TEXT = TEXT.replace("<|image_pad|>", "<|video_pad|>")
+
+
+def test_generate_with_a_video_equals_transformers(vlm_server, tiny_vlm, media_host, monkeypatch):
+    """SGLang's `video_data` (a data URL, a path, a file:// URL, raw base64, an http URL) with the template text: the
+    clip sampled and resized as SGLang does, expanded by the processor; greedy tokens and log-probs equal
+    transformers' generate and forward on the same inputs (which the trainer gets, tests/test_vlm_data.py). In one
+    batch with an image prompt and a text prompt, each row answers as it does alone. A video that cannot be read is a
+    400 naming it; audio_data is refused."""
+    raw = open(CLIP, "rb").read()
+    prompt_ids, ref_tokens, ref_lps = _reference(tiny_vlm, None, 8, VIDEO_TEXT, [raw])
+    b64 = base64.b64encode(raw).decode()
+    sp = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    monkeypatch.setattr(Media, "image", raw)  # what the media host serves at /img
+    for item in ["data:video/mp4;base64," + b64, CLIP, "file://" + CLIP, b64, media_host + "/hop/1"]:
+        body = {"text": VIDEO_TEXT, "video_data": [item], "sampling_params": sp, "return_logprob": True}
+        assert body_errors("/generate", body) == []
+        out = SESSION.post(vlm_server + "/generate", json=body, timeout=60).json()
+        meta = out["meta_info"]
+        assert meta["prompt_tokens"] == len(prompt_ids), (str(item)[:40], out)
+        assert [t for _, t, _ in meta["output_token_logprobs"]] == ref_tokens
+        served = torch.tensor([lp for lp, _, _ in meta["output_token_logprobs"]])
+        assert torch.allclose(served, torch.tensor(ref_lps), atol=1e-5)
+    image = _image((56, 84), 0)
+    body = {
+        "text": [VIDEO_TEXT, TEXT, "<|im_start|>user\nhello<|im_end|>\n"],
+        "video_data": [[CLIP], [], []],
+        "image_data": [[], [encode_image_for_rollout_engine(image)], []],
+        "sampling_params": sp,
+        "return_logprob": True,
+    }
+    outs = SESSION.post(vlm_server + "/generate", json=body, timeout=60).json()
+    alone = [_reference(tiny_vlm, None, 8, VIDEO_TEXT, [raw]), _reference(tiny_vlm, image, 8)]
+    for out, (ids, tokens, lps) in zip(outs, alone):
+        assert out["meta_info"]["prompt_tokens"] == len(ids)
+        assert [t for _, t, _ in out["meta_info"]["output_token_logprobs"]] == tokens
+    for extra, why in [
+        ({"video_data": [base64.b64encode(b"not a video").decode()]}, "11 bytes are not a decodable video"),
+        ({"video_data": [CLIP, CLIP]}, "video"),
+        ({"audio_data": ["a.wav"]}, "audio_data is not supported"),
+    ]:
+        r = SESSION.post(
+            vlm_server + "/generate", json={"text": VIDEO_TEXT, **extra, "sampling_params": sp}, timeout=60
+        )
+        assert r.status_code == 400 and why in r.text, (extra, r.text)
+
+
 def test_a_batch_mixing_image_sizes_and_text_equals_each_alone(vlm_server):
     sp = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
     big, small = (
@@ -265,7 +319,8 @@ def test_a_batch_mixing_image_sizes_and_text_equals_each_alone(vlm_server):
         # refuses keys a MediaRef does not have, whatever the model
         ({"image_data": [{"url": PNG}]}, "Invalid image"),
         ({"image_data": [{"url": PNG, "max_pixel": 9}]}, "unknown field `max_pixel`"),
-        ({"video_data": ["/x.mp4"]}, "video_data is not supported"),
+        ({"video_data": ["/x.mp4"]}, "video_data[0]: video file '/x.mp4' does not exist"),
+        ({"video_data": ["http://127.0.0.1:1/a.mp4"]}, "video_data[0]: could not download video"),
     ],
 )
 def test_bad_image_requests_are_400s_naming_the_problem(vlm_server, extra, why):
@@ -318,6 +373,14 @@ def test_the_default_generate_sends_text_and_image_data_and_records_expanded_tok
     assert sample.multimodal_train_inputs["image_grid_thw"].tolist() == [[1, 6, 4]]  # (t, h, w): 84 px high, 56 wide
     assert torch.equal(sample.multimodal_train_inputs["pixel_values"], train["pixel_values"])
     assert body_errors("/generate", {**fields, "sampling_params": {"max_new_tokens": 2}, "return_logprob": True}) == []
+    # a video goes as a data URL of the encoded clip in `video_data` (SGLang decodes and samples it itself)
+    raw = open(CLIP, "rb").read()
+    sample = Sample(prompt=VIDEO_TEXT, multimodal_inputs={"videos": [raw]}, index=4)
+    fields = multimodal_prompt_fields(types.SimpleNamespace(processor=processor), sample)
+    assert fields == {"text": VIDEO_TEXT, "video_data": ["data:video/mp4;base64," + base64.b64encode(raw).decode()]}
+    assert sample.tokens == process_prompt(processor, VIDEO_TEXT, None, [raw])[0]
+    assert sample.multimodal_train_inputs["video_grid_thw"].tolist() == [[3, 6, 8]]
+    assert body_errors("/generate", {**fields, "sampling_params": {"max_new_tokens": 2}}) == []
 
 
 @pytest.fixture(scope="module")
@@ -382,6 +445,57 @@ def test_default_rollout_with_images_end_to_end_equals_transformers(vlm_router, 
         assert 0 < len(got) == sample.response_length and got == ref_tokens[: len(got)]
         assert torch.allclose(torch.tensor(sample.rollout_log_probs), torch.tensor(ref_lps[: len(got)]), atol=1e-5)
         assert torch.equal(sample.multimodal_train_inputs["image_grid_thw"], train["image_grid_thw"])
+
+
+def test_default_rollout_with_videos_end_to_end_equals_transformers(vlm_router, tiny_vlm, tmp_path):
+    """--multimodal-keys with videos (and images) through the data source, the default generate_rollout, the router
+    and the CPU server: the request carries the template text, `image_data` and `video_data`; each sample's prompt
+    tokens are the processor's expansion of its clip as SGLang prepares it, its train inputs the processor's video
+    outputs, its greedy response and log-probs transformers' own."""
+    import json
+
+    from slime.rollout.data_source import RolloutDataSourceWithBuffer
+    from slime.rollout.sglang_rollout import GenerateState, generate_rollout
+    from slime.utils.misc import SingletonMeta
+    from tests.test_sglang_rollout import make_args
+
+    clips = [os.path.join(VIDEO_DIR, name) for name in ("clip_a.mp4", "clip_b.mp4")]
+    rows = [
+        {"prompt": [{"role": "user", "content": "<video>What moves?"}], "videos": [c], "label": "1"} for c in clips
+    ]
+    data = tmp_path / "video.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    SingletonMeta.clear_instances(GenerateState)
+    try:
+        args = make_args(
+            vlm_router,
+            (tiny_vlm,),
+            (str(data), None),
+            multimodal_keys='{"video": "videos"}',
+            rollout_temperature=0.0,
+            rollout_batch_size=2,
+            n_samples_per_prompt=2,
+        )
+        groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    finally:
+        SingletonMeta.clear_instances(GenerateState)
+    text = (
+        "<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>What moves?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    processor = load_processor(tiny_vlm)
+    for group, clip in zip(groups, clips):
+        raw = open(clip, "rb").read()
+        ids, train = process_prompt(processor, text, None, [raw])
+        prompt_ids, ref_tokens, ref_lps = _reference(tiny_vlm, None, 8, text, [raw])
+        assert ids == prompt_ids and ids.count(processor.video_token_id) == 36
+        for sample in group:
+            assert sample.prompt == text and sample.multimodal_inputs["videos"] == [raw]
+            assert sample.tokens[: len(ids)] == ids
+            got = sample.tokens[len(ids) :]
+            assert 0 < len(got) == sample.response_length and got == ref_tokens[: len(got)]
+            assert torch.allclose(torch.tensor(sample.rollout_log_probs), torch.tensor(ref_lps[: len(got)]), atol=1e-5)
+            assert sorted(sample.multimodal_train_inputs) == sorted(train)
+            assert all(torch.equal(sample.multimodal_train_inputs[k], v) for k, v in train.items())
 
 
 @pytest.mark.parametrize("streaming", [False, True])
@@ -530,9 +644,10 @@ def test_a_generated_image_pad_token_stays_text(tiny_vlm):
 def test_text_only_generates_refuse_samples_with_images(tiny_vlm):
     from slime.rollout.sglang_rollout import prompt_ids
 
-    sample = Sample(prompt=TEXT, multimodal_inputs={"images": [_image((28, 28), 0)]}, index=5)
-    with pytest.raises(ValueError, match="sample 5 has images, which this generate does not send"):
-        prompt_ids(types.SimpleNamespace(tokenizer=None), sample)
+    for media in [{"images": [_image((28, 28), 0)]}, {"videos": [b"clip"]}]:
+        sample = Sample(prompt=TEXT, multimodal_inputs=media, index=5)
+        with pytest.raises(ValueError, match="sample 5 has images or videos, which this generate does not send"):
+            prompt_ids(types.SimpleNamespace(tokenizer=None), sample)
 
 
 def test_weight_updates_take_the_checkpoint_names_the_trainer_sends(tiny_vlm):
@@ -638,7 +753,7 @@ def test_opd_teacher_scores_image_samples_with_their_images(vlm_server, tiny_vlm
 @pytest.mark.parametrize("kit", ["tiny_qwen3_vl", "tiny_qwen3_vl_moe", "tiny_qwen3_5_vl"])
 def test_qwen3_families_generate_as_transformers_and_take_their_checkpoint_names(request, kit):
     """Qwen3-VL (DeepStack, interleaved MRoPE; dense and MoE) and Qwen3.5 with its tower (the hybrid decoder): in one
-    batch with a text-only row, each image prompt's greedy tokens and log-probs equal transformers' `generate` and
+    batch with a text-only row, each image or video prompt's greedy tokens and log-probs equal transformers' `generate` and
     forward; weight updates under the checkpoint's own names (`model.language_model.*`, `model.visual.*`, `lm_head`;
     Qwen3-VL-MoE's experts stacked as published, [E, H, 2I] and [E, I, H], as SGLang loads them) all land, and so do
     the per-expert tensors the trainer sends."""
@@ -650,18 +765,21 @@ def test_qwen3_families_generate_as_transformers_and_take_their_checkpoint_names
     model_dir = request.getfixturevalue(kit)
     images = [_image((64, 96), 1), _image((32, 32), 3)]  # seed 0 makes Qwen3.5 generate the image-pad id, which
     # transformers' reference forward then counts as an image token; 16-px patches: 6 image tokens and 1
-    refs = [_reference(model_dir, image, 6) for image in images]
+    raw = open(CLIP, "rb").read()  # and a video: a timestamp and a vision run per frame pair
+    refs = [_reference(model_dir, image, 6) for image in images] + [_reference(model_dir, None, 6, VIDEO_TEXT, [raw])]
     # Qwen3-VL's SGLang processing loads a MediaRef's url and nothing else of it (max_pixels would shrink the image)
     media_ref = {"url": encode_image_for_rollout_engine(images[0]), "max_pixels": 32 * 32, "detail": "low"}
     proc, url = start_cpu_server(model_dir, "--random-seed", "1")
     try:
         body = {
-            "text": [TEXT, TEXT, "<|im_start|>user\nhello<|im_end|>\n"],
+            "text": [TEXT, TEXT, VIDEO_TEXT, "<|im_start|>user\nhello<|im_end|>\n"],
             "image_data": [
                 [media_ref if kit != "tiny_qwen3_5_vl" else media_ref["url"]],
                 [encode_image_for_rollout_engine(images[1])],
                 [],
+                [],
             ],
+            "video_data": [[], [], ["data:video/mp4;base64," + base64.b64encode(raw).decode()], []],
             "sampling_params": {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True},
             "return_logprob": True,
         }

@@ -289,6 +289,7 @@ def samples(tiny_vlm):
     return make_samples(tiny_vlm)
 
 
+CLIP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "video", "clip_a.mp4")
 KITS = {  # family: fixture
     "qwen2_5_vl": "tiny_vlm",
     "qwen3_vl": "tiny_qwen3_vl",
@@ -897,8 +898,8 @@ def alternating_reward(args, sample):
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5", "qwen3_vl_moe"])
 def test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine(request, family, tmp_path):
     """`train.py --multimodal-keys` on the tiny kit with the CPU server (Qwen2.5-VL, and Qwen3.5 with its tower,
-    current slime's native vision-language model, chosen from the checkpoint alone): images from the dataset to the
-    engine and the trainer, two GRPO steps, weight sync (vision tower included) between them. The engine's log-probs
+    current slime's native vision-language model, chosen from the checkpoint alone): images (and, but for the OPD run,
+    a video) from the dataset to the engine and the trainer, two GRPO steps, weight sync (vision tower included) between them. The engine's log-probs
     of the second rollout, sampled with the first step's weights, equal the trainer's: the whole model reached the
     engine. With --check-weight-update-equal the engine's every tensor, the tower's too, is overwritten with noise
     before the first push and must equal the checkpoint after it: the push leaves none out. The Qwen2.5-VL run trains
@@ -922,6 +923,7 @@ def test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine(request, 
     from tests.test_cpu_server import start_cpu_server, stop_cpu_server
 
     tiny_vlm = request.getfixturevalue(KITS[family])
+    multi_turn = family == "qwen3_5"
     rows = []
     for i, size in enumerate([(28, 28), (56, 56), (84, 56), (28, 56)]):
         buf = io.BytesIO()
@@ -930,13 +932,14 @@ def test_train_py_grpo_on_images_syncs_the_trained_tower_to_the_engine(request, 
         rows.append(
             {"prompt": [{"role": "user", "content": content}], "images": [base64.b64encode(buf.getvalue()).decode()]}
         )
+    if not multi_turn:  # a clip in the second prompt, to the engine as `video_data` and to the trainer (OPD: refused)
+        rows[1] = {"prompt": [{"role": "user", "content": "<video>What moves?"}], "videos": [CLIP]}
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    multi_turn = family == "qwen3_5"
     trainers = "2" if family == "qwen2_5_vl" else "1"  # Qwen2.5-VL on two pipeline stages: the tower on the first
     argv = [
         "--hf-checkpoint", tiny_vlm, "--actor-num-gpus-per-node", trainers, "--rollout-num-gpus", "1",
         "--prompt-data", str(tmp_path / "train.jsonl"), "--input-key", "prompt", "--apply-chat-template",
-        "--multimodal-keys", '{"image": "images"}',
+        "--multimodal-keys", '{"image": "images"}' if multi_turn else '{"image": "images", "video": "videos"}',
         "--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4",
         "--lr", "1e-2", "--lr-decay-style", "constant", "--rollout-max-response-len", "4", "--seed", "1", "--ci-test",
         "--metrics-path", str(tmp_path / "metrics.jsonl"), "--check-weight-update-equal",

@@ -4,8 +4,8 @@ Qwen3-VL instead (DeepStack features from two vision layers, interleaved MRoPE, 
 `--family qwen3_5` / `qwen3_5_moe` a Qwen3.5 (-MoE) with its vision tower (the Gated DeltaNet hybrid decoder, partial
 interleaved MRoPE); `--family qwen3_vl_moe` a Qwen3-VL-MoE (Qwen3-VL with routed experts, stacked as published).
 
-No hub: the tokenizer is trained here (as tools/build_tiny_kit.py does). Video needs torchvision, which this machine
-lacks, so the saved processor is image-only; `slime.utils.processing_utils.load_processor` loads it.
+The processor is saved image-only (transformers' video processors need torchvision) with the family's video processor
+config beside it; `slime.utils.processing_utils.load_processor` loads both.
 
     python tools/build_tiny_vlm.py --model-dir models/qwen2.5-vl-tiny
     python tools/build_tiny_vlm.py --family qwen3_vl --model-dir models/qwen3-vl-tiny
@@ -30,6 +30,7 @@ CHAT_TEMPLATE = (
     "{%- if message['content'] is string %}{{- message['content'] }}{%- else %}"
     "{%- for item in message['content'] %}"
     "{%- if item['type'] == 'image' or 'image' in item %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif item['type'] == 'video' or 'video' in item %}{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"
     "{%- elif item['type'] == 'text' %}{{- item['text'] }}{%- endif %}"
     "{%- endfor %}{%- endif %}{{- '<|im_end|>\\n' }}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
@@ -93,6 +94,16 @@ def build_processor(family="qwen2_5_vl"):
     return ImageOnlyQwenVLProcessor(
         image_processor=image_processor, tokenizer=build_tokenizer(), chat_template=CHAT_TEMPLATE
     )
+
+
+def video_processor_config(family):
+    """The video processor's config (transformers' class defaults but a small frame: at most 16 tokens per 2 frames)."""
+    from slime.utils.video_processing import DEFAULTS
+
+    kind = "Qwen2VLVideoProcessor" if family == "qwen2_5_vl" else "Qwen3VLVideoProcessor"
+    side = PATCH[family] * MERGE
+    config = dict(DEFAULTS[kind], video_processor_type=kind, merge_size=MERGE, temporal_patch_size=TEMPORAL)
+    return dict(config, size={"shortest_edge": side * side, "longest_edge": 16 * side * side})
 
 
 def _tower(family, **extra):
@@ -219,6 +230,8 @@ def build_model(model_dir, seed=0, family="qwen2_5_vl"):
     if family == "qwen3_vl_moe":
         _publish_expert_layout(model_dir)
     processor.save_pretrained(model_dir)
+    with open(os.path.join(model_dir, "video_preprocessor_config.json"), "w") as f:
+        json.dump(video_processor_config(family), f, indent=2, sort_keys=True)
     cfg_path = os.path.join(model_dir, "tokenizer_config.json")
     if os.path.exists(cfg_path):  # transformers 5 writes "TokenizersBackend"; this class gives the same ids
         with open(cfg_path) as f:

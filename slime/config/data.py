@@ -33,9 +33,9 @@ def add_data_arguments(parser):
         "--multimodal-keys",
         type=str,
         default=None,
-        help='JSON mapping of media type to dataset column, e.g. \'{"image": "images"}\': each <image> in a '
-        "message-list prompt is filled from that column (docs/vlm.md). The trainer takes images (and videos a rollout "
-        "of your own processes) for Qwen2.5-VL, Qwen3-VL and Qwen3.5.",
+        help='JSON mapping of media type to dataset column, e.g. \'{"image": "images", "video": "videos"}\': each '
+        "<image> / <video> in a message-list prompt is filled from that column (docs/vlm.md). Images and videos go to "
+        "the engine and the trainer, for Qwen2.5-VL, Qwen3-VL and Qwen3.5.",
     )
     g.add_argument(
         "--apply-chat-template-kwargs",

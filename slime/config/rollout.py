@@ -500,10 +500,22 @@ def check_multimodal_keys(args, error):
         return
     from slime.utils.processing_utils import parse_multimodal_keys
 
+    keys = {}
     try:
-        parse_multimodal_keys(args.multimodal_keys)
+        keys = parse_multimodal_keys(args.multimodal_keys)
     except ValueError as e:
         error(str(e))
+    if "video" in keys:
+        # a video's tokens (Qwen3-VL's carry frame timestamps) cannot be collapsed back to one placeholder per video
+        # for an engine to re-expand, which resuming and the OPD teacher's request need; SFT expands placeholders
+        # in the transcript's ids, images only
+        for on, flag in (
+            (args.partial_rollout, "--partial-rollout"),
+            (args.use_opd, "--use-opd"),
+            (args.rollout_function_path == "slime.rollout.sft_rollout.generate_rollout", "the SFT rollout"),
+        ):
+            if on:
+                error(f"--multimodal-keys: videos are not supported with {flag} (images are)")
     if not args.debug_rollout_only:
         check_vlm_training(args, error)
 

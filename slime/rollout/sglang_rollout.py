@@ -187,10 +187,10 @@ async def _post_to_a_worker(args, state, sample, payload, on_retry, attempts=3):
 
 def prompt_ids(state, sample: Sample) -> list:
     """What a (resumed) sample sends: its tokens so far, else its text prompt tokenised (then kept as its tokens)."""
-    if sample.multimodal_inputs and sample.multimodal_inputs.get("images"):  # never drop the images silently
+    if has_media(sample):  # never drop the images or videos silently
         raise ValueError(
-            f"sample {sample.index} has images, which this generate does not send (the default and streaming "
-            "generates do: prompt_fields, docs/vlm.md)"
+            f"sample {sample.index} has images or videos, which this generate does not send (the default and "
+            "streaming generates do: prompt_fields, docs/vlm.md)"
         )
     if not sample.tokens:
         if not isinstance(sample.prompt, str):
@@ -203,27 +203,41 @@ def prompt_ids(state, sample: Sample) -> list:
     return list(sample.tokens)
 
 
+def has_media(sample: Sample) -> bool:
+    """Whether the sample's prompt holds images or videos."""
+    return bool(
+        sample.multimodal_inputs and (sample.multimodal_inputs.get("images") or sample.multimodal_inputs.get("videos"))
+    )
+
+
 def prompt_fields(state, sample: Sample) -> dict:
-    """The prompt part of a sample's /generate request: its images with it when it has any, else `input_ids`."""
-    if sample.multimodal_inputs and sample.multimodal_inputs.get("images"):
+    """The prompt part of a sample's /generate request: its images and videos with it when it has any, else
+    `input_ids`."""
+    if has_media(sample):
         return multimodal_prompt_fields(state, sample)
     return {"input_ids": prompt_ids(state, sample)}
 
 
 def multimodal_prompt_fields(state, sample: Sample) -> dict:
-    """The prompt part of a /generate request for a sample with images, as current slime sends it: the template text
-    (SGLang expands its placeholders with its own processor) and one PNG data URL per image as `image_data`. The
-    processor's expanded ids become the sample's tokens, its other outputs (pixel_values, image_grid_thw, ...) the
-    sample's `multimodal_train_inputs`. A resumed sample (--partial-rollout) sends its tokens so far as `input_ids`
-    instead, each image's run collapsed to one pad, which the engine expands to the same ids again."""
+    """The prompt part of a /generate request for a sample with images or videos, as current slime sends it: the
+    template text (SGLang expands its placeholders with its own processor), one PNG data URL per image as `image_data`
+    and one data URL of each encoded video as `video_data`. The processor's expanded ids (each video sampled and
+    resized as SGLang does, slime.utils.video) become the sample's tokens, its other outputs (pixel_values,
+    image_grid_thw, pixel_values_videos, ...) the sample's `multimodal_train_inputs`. A resumed sample
+    (--partial-rollout) sends its tokens so far as `input_ids` instead, each image's run collapsed to one pad, which
+    the engine expands to the same ids again (not with videos: refused at start-up)."""
     from slime.utils.processing_utils import encode_image_for_rollout_engine, image_prompt_fields, process_prompt
+    from slime.utils.video import data_url
 
     if state.processor is None:
-        raise ValueError(f"sample {sample.index} has images but --hf-checkpoint has no processor")
-    images = sample.multimodal_inputs["images"]
+        raise ValueError(f"sample {sample.index} has images or videos but --hf-checkpoint has no processor")
+    images = sample.multimodal_inputs.get("images") or []
+    videos = sample.multimodal_inputs.get("videos") or []
     if (
         sample.response_length > 0
     ):  # resumed: its tokens so far, each image's run collapsed for the engine to re-expand
+        if videos:
+            raise ValueError(f"sample {sample.index} has videos; a sample with videos cannot be resumed")
         pad = state.processor.image_token_id
         if pad in sample.tokens[len(sample.tokens) - sample.response_length :]:
             raise ValueError(
@@ -236,8 +250,13 @@ def multimodal_prompt_fields(state, sample: Sample) -> dict:
             f"sample {sample.index}: a prompt with images must be rendered to text; pass --apply-chat-template "
             "with --multimodal-keys"
         )
-    sample.tokens, sample.multimodal_train_inputs = process_prompt(state.processor, sample.prompt, images)
-    return {"text": sample.prompt, "image_data": [encode_image_for_rollout_engine(image) for image in images]}
+    sample.tokens, sample.multimodal_train_inputs = process_prompt(state.processor, sample.prompt, images, videos)
+    fields = {"text": sample.prompt}
+    if images:
+        fields["image_data"] = [encode_image_for_rollout_engine(image) for image in images]
+    if videos:
+        fields["video_data"] = [data_url(video) for video in videos]
+    return fields
 
 
 async def generate(args, sample: Sample, sampling_params, evaluation=False) -> Sample:
@@ -450,7 +469,7 @@ def _one_request(args, group, evaluation) -> bool:
             s.status == Sample.Status.PENDING
             and s.response_length == 0
             and not s.generate_function_path
-            and not (s.multimodal_inputs and s.multimodal_inputs.get("images"))
+            and not has_media(s)
             for s in group
         )
     )

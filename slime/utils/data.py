@@ -188,7 +188,7 @@ class Dataset:
 
             for i, (p, mm) in enumerate(zip(prompts, media)):
                 if isinstance(p, str) and mm:
-                    keep[i] = len(process_prompt(processor, p, mm.get("images"))[0]) <= max_length
+                    keep[i] = len(process_prompt(processor, p, mm.get("images"), mm.get("videos"))[0]) <= max_length
         text_idx = [
             i for i, p in enumerate(prompts) if isinstance(p, str) and not (processor is not None and media[i])
         ]

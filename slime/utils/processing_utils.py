@@ -2,7 +2,8 @@
 
 `load_processor(path)` returns the checkpoint's multimodal processor (a `ProcessorMixin`), or None for a text-only
 checkpoint. transformers' Qwen-VL processors insist on a video processor, which needs torchvision (absent on CPU
-machines); `ImageOnlyQwenVLProcessor` is the same processor without video, used when `AutoProcessor` cannot build one.
+machines); where `AutoProcessor` cannot build one, the family's processor class is built without it
+(`ImageOnlyQwenVLProcessor`) and given slime's torchvision-free video processor (slime.utils.video_processing).
 """
 
 import base64
@@ -13,14 +14,23 @@ import os
 PLACEHOLDERS = {"image": "<image>", "video": "<video>", "audio": "<audio>"}
 
 
-_IMAGE_ONLY = []
+_FALLBACK = {}
+
+# model type -> (transformers' processor class, its video processor): Qwen3-VL's lays a video out per frame with
+# timestamps, Qwen2.5-VL's as one run
+_FAMILIES = {"qwen3_vl": ("Qwen3VLProcessor", "Qwen3VLVideoProcessor")}
+_FAMILIES.update({k: _FAMILIES["qwen3_vl"] for k in ("qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")})
+_QWEN2_5 = ("Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor")
 
 
-def _image_only_class():
-    from transformers import Qwen2_5_VLProcessor  # heavy
+def _image_only_class(base_name="Qwen2_5_VLProcessor"):
+    import transformers  # heavy
 
-    class ImageOnlyQwenVLProcessor(Qwen2_5_VLProcessor):
-        """Qwen2.5-VL's processor for images only (no video processor, so no torchvision)."""
+    base = getattr(transformers, base_name)
+
+    class ImageOnlyQwenVLProcessor(base):
+        """A Qwen-VL processor built without transformers' video processor (which needs torchvision); `load_processor`
+        gives it slime's torchvision-free one as `video_processor`."""
 
         def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
             from transformers import ProcessorMixin  # heavy
@@ -29,18 +39,26 @@ def _image_only_class():
             self.video_token = getattr(tokenizer, "video_token", None) or "<|video_pad|>"
             self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
             self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+            for name in ("vision_start", "vision_end"):  # Qwen3-VL's video layout wraps each frame in these
+                setattr(self, f"{name}_token", getattr(tokenizer, f"{name}_token", None) or f"<|{name}|>")
+                setattr(self, f"{name}_token_id", tokenizer.convert_tokens_to_ids(getattr(self, f"{name}_token")))
             # ProcessorMixin reads the attributes (image_processor, tokenizer) from this __init__'s signature
             ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
 
+    ImageOnlyQwenVLProcessor.__qualname__ = ImageOnlyQwenVLProcessor.__name__
     return ImageOnlyQwenVLProcessor
 
 
 def __getattr__(name):  # the class is built on first use: transformers is heavy for modules that only import this
     if name == "ImageOnlyQwenVLProcessor":
-        if not _IMAGE_ONLY:
-            _IMAGE_ONLY.append(_image_only_class())
-        return _IMAGE_ONLY[0]
+        return _fallback_class(_QWEN2_5[0])
     raise AttributeError(name)
+
+
+def _fallback_class(base_name):
+    if base_name not in _FALLBACK:
+        _FALLBACK[base_name] = _image_only_class(base_name)
+    return _FALLBACK[base_name]
 
 
 def _has_processor_files(path):
@@ -49,8 +67,20 @@ def _has_processor_files(path):
     )
 
 
+def _model_type(path):
+    import json
+
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return json.load(f).get("model_type")
+    except (OSError, ValueError):
+        return None
+
+
 def load_processor(path):
-    """The multimodal processor of the checkpoint at `path`, or None when it has none (a text-only model)."""
+    """The multimodal processor of the checkpoint at `path`, or None when it has none (a text-only model). Where
+    transformers cannot build the checkpoint's video processor (no torchvision), the same processor class with
+    slime's torchvision-free video processor."""
     if not os.path.isdir(path) or not _has_processor_files(path):
         return None
     from transformers import AutoProcessor, ProcessorMixin  # heavy
@@ -61,10 +91,15 @@ def load_processor(path):
         processor = None
     if isinstance(processor, ProcessorMixin) and getattr(processor, "image_processor", None) is not None:
         return processor
+    from slime.utils.video_processing import QwenVLVideoProcessor
+
+    processor_class, video_processor_type = _FAMILIES.get(_model_type(path), _QWEN2_5)
     try:
-        return __getattr__("ImageOnlyQwenVLProcessor").from_pretrained(path)
+        processor = _fallback_class(processor_class).from_pretrained(path)
     except Exception as e:
         raise ValueError(f"{path}: has a processor config but no image processor loads from it ({e})") from e
+    processor.video_processor = QwenVLVideoProcessor.from_pretrained(path, video_processor_type)
+    return processor
 
 
 def load_image(item, where="image"):
@@ -150,26 +185,35 @@ _SIZE_KEYS = ("min_pixels", "max_pixels", "resized_height", "resized_width")
 
 
 def process_vision_info(prompt, processor=None, where=None):
-    """{"images": [PIL, ...]} of a message-list prompt's image content items, in order (None when it has none).
+    """{"images": [PIL, ...], "videos": [encoded bytes, ...]} of a message-list prompt's image and video content items,
+    each list in order and present only when the prompt has some (None when it has neither); a video is kept encoded,
+    as a rollout sends it (slime.utils.video).
     With `processor`, an item that is a rich dict with its own `min_pixels` / `max_pixels` (or `resized_height` and
     `resized_width`) is resized as qwen-vl-utils resizes it (transformers' `smart_resize` to a multiple of the
     processor's patch x merge size; the other limit the processor's own), so the trainer and the engine, which
     receives the resized image, see the same grid. An image that cannot be read fails in one line starting with
     `where` (the row, e.g. "data.jsonl: row 2 (line 2)") and the image's index: "<where> image 0: ..."."""
-    images = []
+    images, videos = [], []
     if isinstance(prompt, list):
         for message in prompt:
             content = message.get("content") if isinstance(message, dict) else None
             if not isinstance(content, list):
                 continue
             for item in content:
+                if isinstance(item, dict) and item.get("type") == "video":
+                    from slime.utils.video import read_video
+
+                    videos.append(
+                        read_video(item["video"], "video" if where is None else f"{where} video {len(videos)}")
+                    )
                 if isinstance(item, dict) and item.get("type") == "image":
                     image = load_image(item["image"], "image" if where is None else f"{where} image {len(images)}")
                     rich = item["image"] if isinstance(item["image"], dict) else {}
                     if processor is not None and any(k in rich for k in _SIZE_KEYS):
                         image = _resized(image, rich, processor.image_processor)
                     images.append(image)
-    return {"images": images} if images else None
+    media = {k: v for k, v in (("images", images), ("videos", videos)) if v}
+    return media or None
 
 
 def _resized(image, limits, image_processor):
@@ -205,8 +249,8 @@ def parse_multimodal_keys(value, flag="--multimodal-keys"):
     for media, column in keys.items():
         if media not in PLACEHOLDERS:
             raise ValueError(f"{flag}: unknown media type {media!r}; known: {sorted(PLACEHOLDERS)}")
-        if media != "image":
-            raise ValueError(f"{flag}: {media!r} media are not supported here yet (images only)")
+        if media == "audio":
+            raise ValueError(f"{flag}: {media!r} media are not supported here yet (images and videos only)")
         if not isinstance(column, str):
             raise ValueError(f"{flag}: the column of {media!r} must be a string, got {column!r}")
     return keys
@@ -254,10 +298,16 @@ def fill_placeholders(prompt, media, where):
     return filled
 
 
-def process_prompt(processor, text, images):
-    """(expanded prompt ids, the processor's other outputs) of a rendered prompt and its PIL images: what a
-    multimodal sample trains on (`tokens`, `multimodal_train_inputs`)."""
-    out = processor(text=[text], images=images or None, return_tensors="pt")
+def process_prompt(processor, text, images, videos=None):
+    """(expanded prompt ids, the processor's other outputs) of a rendered prompt, its PIL images and its encoded
+    videos (prepared as SGLang prepares them, slime.utils.video): what a multimodal sample trains on (`tokens`,
+    `multimodal_train_inputs`)."""
+    kwargs = {}
+    if videos:
+        from slime.utils.video import processor_video_inputs
+
+        videos, kwargs = processor_video_inputs(processor, videos)
+    out = processor(text=[text], images=images or None, videos=videos or None, return_tensors="pt", **kwargs)
     ids = out["input_ids"][0].tolist()
     train_inputs = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")}
     return ids, train_inputs

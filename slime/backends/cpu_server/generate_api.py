@@ -10,7 +10,15 @@ from aiohttp import web
 
 from slime.utils.top_p_replay import SGLANG_SAMPLING_MASK_MAX_TOKENS
 
-from .media import collapse_placeholders, expand, fetch_remote_images, has_remote_images, images_per_prompt
+from .media import (
+    collapse_placeholders,
+    expand,
+    expand_with_videos,
+    fetch_remote_images,
+    has_remote_images,
+    images_per_prompt,
+    videos_per_prompt,
+)
 from .sampling import RequestError, SamplingParams, error_response
 from .scheduler import Req
 from .weights import WeightError
@@ -202,9 +210,10 @@ class GenerateAPI:
             raise RequestError(
                 f"image_data / video_data / audio_data: the served model ({self.cfg.architecture}) takes text only"
             )
-        images = (
-            images_per_prompt(body, len(prompts), batch, self.cfg.model_type) if self.processor is not None else None
-        )
+        images = videos = None
+        if self.processor is not None:
+            images = images_per_prompt(body, len(prompts), batch, self.cfg.model_type)
+            videos = videos_per_prompt(body, len(prompts), batch)
         masks_raw, mode_raw = body.get("return_sampling_mask"), body.get("sampling_logprobs_mode")
         want_routed, routed_start = bool(body.get("return_routed_experts")), body.get("routed_experts_start_len") or 0
         loras_raw, lora_names = body.get("lora_path"), []
@@ -217,8 +226,11 @@ class GenerateAPI:
             sp_d = sps_raw[i] if isinstance(sps_raw, list) else sps_raw
             sp = SamplingParams.from_dict(sp_d, self.cfg.vocab_size)
             mm = None
-            if images is not None and images[i]:
-                ids, mm = expand(self.processor, ids, images[i], f"prompt {i}" if batch else "the prompt")
+            where = f"prompt {i}" if batch else "the prompt"
+            if videos is not None and videos[i]:
+                ids, mm = expand_with_videos(self.processor, ids, images[i], videos[i], where)
+            elif images is not None and images[i]:
+                ids, mm = expand(self.processor, ids, images[i], where)
             self._check_prompt(ids, sp)
             want_mask = bool(masks_raw[i] if isinstance(masks_raw, list) else masks_raw)
             mode = mode_raw[i] if isinstance(mode_raw, list) else mode_raw

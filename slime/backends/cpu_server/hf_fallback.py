@@ -312,6 +312,8 @@ def checkpoint_views(model, aliases=True) -> dict:
 
 
 # a decoder layer's projection that LoRA adapters target (a vision tower's blocks are not `layers.N`)
+# (pixels, grid) processor outputs of images, then videos: mm_token_type_ids 1 and 2
+_MEDIA = (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw"))
 _LORA_MODULE = re.compile(
     r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$"
 )
@@ -405,10 +407,10 @@ class HFFallbackModel:
             self._routed = None
 
     def _run_vision(self, ids, mask, mm):
-        """A vision-language forward over right-padded rows, some with images: each row's image features are
-        written at its prompt's image-token positions (`mm_token_type_ids`; a generated token with the image-token
-        id stays text), with the model's own 3-D (MRoPE) positions for those positions; Qwen3-VL's DeepStack features
-        are added at the same positions to the outputs of its first decoder layers."""
+        """A vision-language forward over right-padded rows, some with images or videos: each row's image and video
+        features are written at its prompt's image- and video-token positions (`mm_token_type_ids`, 1 and 2; a
+        generated token with a pad id stays text), with the model's own 3-D (MRoPE) positions for those positions;
+        Qwen3-VL's DeepStack features are added at the same positions to the outputs of its first decoder layers."""
         B, L = ids.shape
         types = torch.zeros(B, L, dtype=torch.long)
         for b, m in enumerate(mm):
@@ -418,39 +420,63 @@ class HFFallbackModel:
         inner = self.model.model
         embeds = self.model.get_input_embeddings()(ids)
         rows = [m for m in mm if m is not None]
-        grid = torch.cat([m["image_grid_thw"] for m in rows])
         features = self._features(rows)
-        image = types == 1
-        embeds = embeds.masked_scatter(image[..., None], torch.cat([f for f, _ in features]).to(embeds.dtype))
-        positions, _ = inner.get_rope_index(ids, types, image_grid_thw=grid, attention_mask=mask.long())
-        if features[0][1] is None:
+        grids, deepstack = {}, []
+        for kind, (pixels_key, grid_key) in enumerate(_MEDIA, start=1):
+            feats = [f[kind - 1] for f in features if f[kind - 1] is not None]
+            if not feats:
+                continue
+            grids[grid_key] = torch.cat([m[grid_key] for m in rows if grid_key in m])
+            at = types == kind
+            embeds = embeds.masked_scatter(at[..., None], torch.cat([f for f, _ in feats]).to(embeds.dtype))
+            if feats[0][1] is not None:
+                deepstack.append((at, [torch.cat(level) for level in zip(*(d for _, d in feats))]))
+        if any("second_per_grid_ts" in m for m in rows):
+            grids["second_per_grid_ts"] = torch.cat(
+                [m["second_per_grid_ts"] for m in rows if "second_per_grid_ts" in m]
+            )
+        positions, _ = inner.get_rope_index(ids, types, attention_mask=mask.long(), **grids)
+        if not deepstack:
             return self.model(inputs_embeds=embeds, attention_mask=mask.long(), position_ids=positions).logits
+        visual = types != 0  # transformers' joint layout: each level over all visual positions, in order
+        levels = []
+        for i in range(len(deepstack[0][1])):
+            joint = embeds.new_zeros(int(visual.sum()), embeds.shape[-1])
+            for at, lv in deepstack:
+                joint[at[visual]] = lv[i].to(joint.dtype)
+            levels.append(joint)
         hidden = inner.language_model(
             inputs_embeds=embeds,
             attention_mask=mask.long(),
             position_ids=positions,
-            visual_pos_masks=image,
-            deepstack_visual_embeds=[torch.cat(level) for level in zip(*(d for _, d in features))],
+            visual_pos_masks=visual,
+            deepstack_visual_embeds=levels,
         ).last_hidden_state
         return self.model.lm_head(hidden)
 
     def _features(self, rows, keep=256):
-        """Per row (a request's images), the tower's output at its image tokens and, for Qwen3-VL, its DeepStack
-        levels (else None): cached per images and weights, the rows not cached computed in one tower call."""
+        """Per row (a request's images and videos), for images then videos, the tower's output at their tokens and,
+        for Qwen3-VL, its DeepStack levels (else None), or None without any: cached per media and weights, the rows
+        not cached computed in one tower call per kind."""
         generation = 0 if self.weights is None else self.weights.generation
         keys = [(generation, m["digest"]) for m in rows]
         todo = {k: m for k, m in zip(keys, rows) if k not in self._image_features}
-        if todo:
-            grid = torch.cat([m["image_grid_thw"] for m in todo.values()])
-            pixels = torch.cat([m["pixel_values"] for m in todo.values()])
+        computed = {k: [None, None] for k in todo}
+        for kind, (pixels_key, grid_key) in enumerate(_MEDIA):
+            have = {k: m for k, m in todo.items() if pixels_key in m}
+            if not have:
+                continue
+            grid = torch.cat([m[grid_key] for m in have.values()])
+            pixels = torch.cat([m[pixels_key] for m in have.values()])
             vision = self.model.model.get_image_features(pixels, grid, return_dict=True)
             deepstack = getattr(vision, "deepstack_features", None)
             first = 0
-            for key, m in todo.items():  # the tower's outputs come per image
-                images = slice(first, first + len(m["image_grid_thw"]))
-                first = images.stop
-                levels = None if not deepstack else [torch.cat(level[images]) for level in deepstack]
-                self._image_features[key] = (torch.cat(vision.pooler_output[images]), levels)
+            for key, m in have.items():  # the tower's outputs come per image (per video)
+                items = slice(first, first + len(m[grid_key]))
+                first = items.stop
+                levels = None if not deepstack else [torch.cat(level[items]) for level in deepstack]
+                computed[key][kind] = (torch.cat(vision.pooler_output[items]), levels)
+        self._image_features.update(computed)
         out = [self._image_features[k] for k in keys]
         for key in keys:
             self._image_features.move_to_end(key)

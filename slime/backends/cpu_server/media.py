@@ -1,5 +1,6 @@
-"""`image_data` of a /generate request, as SGLang 0.5.23 takes it for a Qwen-VL model: the images decoded, the prompt's
-placeholders expanded to each image's token count in the caller's ids, the processor outputs the model needs."""
+"""`image_data` and `video_data` of a /generate request, as SGLang 0.5.23 takes them for a Qwen-VL model: the images
+decoded, the prompt's placeholders expanded to each image's token count in the caller's ids (videos: through the
+processor, as SGLang does), the processor outputs the model needs."""
 
 import hashlib
 import re
@@ -53,25 +54,29 @@ def _map(entry, fn, where):
 
 def has_remote_images(body: dict) -> bool:
     found = []
-    _map(body.get("image_data"), lambda item, _: found.append(_url(item)), "image_data")
+    for field in ("image_data", "video_data"):
+        _map(body.get(field), lambda item, _: found.append(_url(item)), field)
     return any(found)
 
 
 def fetch_remote_images(body: dict) -> dict:
-    """`body` with each http(s) image of `image_data` replaced by its downloaded bytes (a MediaRef keeps its other
-    keys); blocking, so the server calls it off its event loop. A failed download is a 400 naming the URL."""
+    """`body` with each http(s) image of `image_data` (and video of `video_data`) replaced by its downloaded bytes (a
+    MediaRef keeps its other keys); blocking, so the server calls it off its event loop. A failed download is a 400
+    naming the URL."""
 
     def fetch(item, where):
         url = _url(item)
         if url is None:
             return item
+        from slime.utils.video import read_video
+
         try:
-            data = download_image(url, where)
+            data = read_video(url, where) if where.startswith("video_data") else download_image(url, where)
         except ValueError as e:
             raise RequestError(str(e)) from None
         return {**item, "url": data} if isinstance(item, dict) else data
 
-    return {**body, "image_data": _map(body["image_data"], fetch, "image_data")}
+    return {**body, **{f: _map(body[f], fetch, f) for f in ("image_data", "video_data") if body.get(f) is not None}}
 
 
 def collapse_placeholders(text: str) -> str:
@@ -116,19 +121,71 @@ def _items(entry, where, model_type):
     return out
 
 
-def images_per_prompt(body, num_prompts, batch, model_type):
+def images_per_prompt(body, num_prompts, batch, model_type, field="image_data", items=None):
     """The decoded images of each prompt (lists, empty for a prompt without any), from `image_data`."""
-    for field in ("video_data", "audio_data"):
-        if body.get(field):
-            raise RequestError(f"{field} is not supported by slime's CPU server (images only)")
-    data = body.get("image_data")
+    if body.get("audio_data"):
+        raise RequestError("audio_data is not supported by slime's CPU server (images and videos only)")
+    data = body.get(field)
+    items = items or _items
     if not data:
         return [[] for _ in range(num_prompts)]
     if not batch:
-        return [_items(data, "image_data", model_type)]
+        return [items(data, field, model_type)]
     if not isinstance(data, list) or len(data) != num_prompts:
-        raise RequestError(f"image_data of a batch needs one entry per prompt ({num_prompts})")
-    return [_items(entry, f"image_data[{i}]", model_type) for i, entry in enumerate(data)]
+        raise RequestError(f"{field} of a batch needs one entry per prompt ({num_prompts})")
+    return [items(entry, f"{field}[{i}]", model_type) for i, entry in enumerate(data)]
+
+
+def videos_per_prompt(body, num_prompts, batch):
+    """The encoded videos of each prompt (lists of bytes, empty for a prompt without any), from `video_data`: each a
+    path, `file://` or data URL, raw base64, downloaded bytes, or a MediaRef naming one by its url."""
+    return images_per_prompt(body, num_prompts, batch, None, "video_data", _videos)
+
+
+def _videos(entry, where, _model_type):
+    from slime.utils.video import read_video
+
+    out = []
+    for j, item in enumerate(entry if isinstance(entry, list) else [entry]):
+        if isinstance(item, dict):
+            unknown = next((k for k in item if k not in MEDIA_REF_KEYS), None)
+            if unknown is not None:
+                raise RequestError(
+                    f"{where}[{j}]: unknown field `{unknown}`, expected one of " + ", ".join(MEDIA_REF_KEYS)
+                )
+            item = item.get("url")
+        if item is None:
+            continue
+        try:
+            out.append(read_video(item, f"{where}[{j}]"))
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+    return out
+
+
+def expand_with_videos(processor, ids, images, videos, where="the prompt"):
+    """(expanded ids, processor outputs and `digest`, as `expand` gives them) of caller `ids` whose prompt holds
+    videos (and perhaps images). As SGLang 0.5.23 does, the ids are decoded to text and run through transformers'
+    processor with the videos prepared as its `preprocess_video` prepares them (slime.utils.video): Qwen3-VL's layout
+    (a timestamp and a vision run per frame pair) is text the processor writes."""
+    from slime.utils.video import processor_video_inputs
+
+    text = processor.tokenizer.decode(ids, skip_special_tokens=False)
+    try:
+        frames, kwargs = processor_video_inputs(processor, videos, f"{where}: video_data")
+        out = processor(text=[text], images=images or None, videos=frames, return_tensors="pt", **kwargs)
+    except ValueError as e:
+        raise RequestError(f"{where}: {e}") from None
+    mm = {k: out[k] for k in _VIDEO_KEYS if k in out}
+    mm["mm_token_type_ids"] = out["mm_token_type_ids"][0]
+    digest = hashlib.blake2b(digest_size=16)
+    for key in sorted(mm):
+        digest.update(mm[key].contiguous().numpy().tobytes())
+    mm["digest"] = digest.hexdigest()
+    return out["input_ids"][0].tolist(), mm
+
+
+_VIDEO_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
 
 def expand(processor, ids, images, where="the prompt"):
