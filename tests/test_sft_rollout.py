@@ -229,3 +229,54 @@ def test_sft_transcripts_with_images_expand_each_pad_as_the_processor_does(tiny_
         assert ids.count(processor.image_token_id) == {(56, 84): 6, (28, 28): 1}[image.size]
         assert torch.equal(sample.multimodal_train_inputs["image_grid_thw"], train["image_grid_thw"])
         assert torch.equal(sample.multimodal_train_inputs["pixel_values"], train["pixel_values"])
+
+
+@pytest.mark.parametrize("kit", ["tiny_vlm", "tiny_qwen3_vl"])
+def test_sft_transcripts_with_videos_expand_each_run_as_the_processor_does(request, kit, tmp_path):
+    """--multimodal-keys with videos (one transcript with a video and an image, one with a video only): the tokens are
+    the processor's expansion of the chat template's text (Qwen3-VL: a timestamp and a vision run per frame pair),
+    untrained but for the answers, and the multimodal outputs the processor's."""
+    import torch
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    from slime.utils.processing_utils import (
+        encode_image_for_rollout_engine,
+        load_image,
+        load_processor,
+        process_prompt,
+    )
+
+    model_dir = request.getfixturevalue(kit)
+    clips = [os.path.join(os.path.dirname(__file__), "data", "video", n) for n in ("clip_a.mp4", "clip_b.mp4")]
+    png = encode_image_for_rollout_engine(Image.new("RGB", (28, 28), (0, 255, 0)))
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": "<video>What moves?<image>"},
+                {"role": "assistant", "content": "a"},
+            ],
+            "videos": [clips[0]],
+            "images": [png],
+        },
+        {
+            "messages": [{"role": "user", "content": "<video>And now?"}, {"role": "assistant", "content": "b"}],
+            "videos": [clips[1]],
+            "images": [],
+        },
+    ]
+    path = tmp_path / "video_sft.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = make_args((model_dir,), str(path), multimodal_keys='{"video": "videos", "image": "images"}')
+    groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    processor, tokenizer = load_processor(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    for (sample,), row, answer in zip(groups, rows, ["a", "b"]):
+        text = tokenizer.apply_chat_template(sample.prompt, tokenize=False)
+        images = [load_image(i) for i in row["images"]] or None
+        ids, train = process_prompt(processor, text, images, [open(c, "rb").read() for c in row["videos"]])
+        assert sample.tokens == ids
+        trained = [t for t, m in zip(sample.tokens[-sample.response_length :], sample.loss_mask) if m]
+        assert tokenizer.decode(trained) == f"{answer}<|im_end|>\n"
+        train.pop("mm_token_type_ids")
+        assert sorted(sample.multimodal_train_inputs) == sorted(train)
+        assert all(torch.equal(sample.multimodal_train_inputs[k], v) for k, v in train.items())

@@ -525,7 +525,7 @@ def test_dataset_reads_videos_in_every_accepted_form_and_filters_after_expansion
     "extra, flag",
     [
         (["--partial-rollout", "--over-sampling-batch-size", "32"], "--partial-rollout"),
-        (["--rollout-function-path", "slime.rollout.sft_rollout.generate_rollout"], "the SFT rollout"),
+        (["--use-opd", "--opd-type", "sglang", "--rm-url", "http://127.0.0.1:1/generate"], "--use-opd"),
     ],
 )
 def test_videos_are_refused_where_their_tokens_cannot_be_resent(capsys, extra, flag):

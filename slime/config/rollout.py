@@ -507,13 +507,8 @@ def check_multimodal_keys(args, error):
         error(str(e))
     if "video" in keys:
         # a video's tokens (Qwen3-VL's carry frame timestamps) cannot be collapsed back to one placeholder per video
-        # for an engine to re-expand, which resuming and the OPD teacher's request need; SFT expands placeholders
-        # in the transcript's ids, images only
-        for on, flag in (
-            (args.partial_rollout, "--partial-rollout"),
-            (args.use_opd, "--use-opd"),
-            (args.rollout_function_path == "slime.rollout.sft_rollout.generate_rollout", "the SFT rollout"),
-        ):
+        # for an engine to re-expand, which resuming and the OPD teacher's request need
+        for on, flag in ((args.partial_rollout, "--partial-rollout"), (args.use_opd, "--use-opd")):
             if on:
                 error(f"--multimodal-keys: videos are not supported with {flag} (images are)")
     if not args.debug_rollout_only:

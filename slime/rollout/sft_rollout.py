@@ -2,8 +2,9 @@
 
 Use with `--rollout-function-path slime.rollout.sft_rollout.generate_rollout --input-key messages
 --loss-type sft_loss --calculate-per-token-loss --disable-compute-advantages-and-returns --debug-train-only`.
-With `--multimodal-keys` a transcript's images go to the trainer too: each image's pad, as the chat template renders
-it, is expanded to the image's token count (untrained), as the processor expands it.
+With `--multimodal-keys` a transcript's images and videos go to the trainer too: each image's pad, as the chat
+template renders it, is expanded to the image's token count (untrained), as the processor expands it, and each video's
+run to the processor's layout of it.
 """
 
 import functools
@@ -53,9 +54,15 @@ def generate_rollout(args, rollout_id, data_source, evaluation=False):
                 f"{type(messages).__name__}. Point --input-key at the messages column and do not pass --apply-chat-template."
             )
         token_ids, loss_mask = mask_generator.get_loss_mask(messages, tools=(sample.metadata or {}).get("tools"))
-        images = (sample.multimodal_inputs or {}).get("images")
-        if images:
-            token_ids, loss_mask, sample.multimodal_train_inputs = _with_images(args, sample, token_ids, loss_mask)
+        media = sample.multimodal_inputs or {}
+        if media.get("images") or media.get("videos"):
+            processor, train = _processor(args.hf_checkpoint), {}
+            if media.get("images"):
+                token_ids, loss_mask, train = _with_images(processor, sample, token_ids, loss_mask)
+            if media.get("videos"):
+                token_ids, loss_mask, videos = _with_videos(processor, sample, token_ids, loss_mask)
+                train.update(videos)
+            sample.multimodal_train_inputs = train
         response_length = mask_generator.get_response_lengths([loss_mask])[0]
         sample.tokens = list(token_ids)
         sample.response_length = response_length
@@ -65,10 +72,9 @@ def generate_rollout(args, rollout_id, data_source, evaluation=False):
     return samples
 
 
-def _with_images(args, sample, token_ids, loss_mask):
+def _with_images(processor, sample, token_ids, loss_mask):
     """(ids, loss mask, processor outputs) of a transcript with images: each image's one pad expanded to its
     grid's token count (t * h * w / merge_size^2), as the processor expands it, with loss mask 0."""
-    processor = _processor(args.hf_checkpoint)
     images = sample.multimodal_inputs["images"]
     pad = processor.image_token_id
     if token_ids.count(pad) != len(images):
@@ -79,3 +85,29 @@ def _with_images(args, sample, token_ids, loss_mask):
     train_inputs, index = expand_image_pads(processor, token_ids, images)
     ids = [token_ids[i] for i in index]
     return ids, [0 if t == pad else loss_mask[i] for t, i in zip(ids, index)], dict(train_inputs)
+
+
+def _with_videos(processor, sample, token_ids, loss_mask):
+    """(ids, loss mask, processor outputs) of a transcript with videos: each video's run as the chat template renders
+    it (<|vision_start|><|video_pad|><|vision_end|>) replaced by what the processor makes of that run and the video
+    (sampled as SGLang samples it; Qwen3-VL's layout with a timestamp per frame pair), with loss mask 0."""
+    from slime.utils.processing_utils import merge_multimodal_inputs, process_prompt
+
+    videos = sample.multimodal_inputs["videos"]
+    run = processor.tokenizer.convert_tokens_to_ids(["<|vision_start|>", processor.video_token, "<|vision_end|>"])
+    starts = [i for i in range(len(token_ids) - 2) if token_ids[i : i + 3] == run]
+    if len(starts) != len(videos) or token_ids.count(run[1]) != len(videos):
+        raise ValueError(
+            f"SFT sample {sample.index}: the chat template rendered {token_ids.count(run[1])} video pad(s) for "
+            f"{len(videos)} video(s); each video must be rendered as one <|vision_start|><|video_pad|><|vision_end|>"
+        )
+    ids, mask, outputs, last = [], [], [], 0
+    for start, video in zip(starts, videos):
+        expanded, out = process_prompt(
+            processor, "<|vision_start|>" + processor.video_token + "<|vision_end|>", None, [video]
+        )
+        ids += token_ids[last:start] + expanded
+        mask += list(loss_mask[last:start]) + [0] * len(expanded)
+        outputs.append(out)
+        last = start + 3
+    return ids + token_ids[last:], mask + list(loss_mask[last:]), merge_multimodal_inputs(outputs)
