@@ -311,9 +311,9 @@ def checkpoint_views(model, aliases=True) -> dict:
     return out
 
 
-# a decoder layer's projection that LoRA adapters target (a vision tower's blocks are not `layers.N`)
 # (pixels, grid) processor outputs of images, then videos: mm_token_type_ids 1 and 2
 _MEDIA = (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw"))
+# a decoder layer's projection that LoRA adapters target (a vision tower's blocks are not `layers.N`)
 _LORA_MODULE = re.compile(
     r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$"
 )

@@ -121,28 +121,33 @@ def _items(entry, where, model_type):
     return out
 
 
-def images_per_prompt(body, num_prompts, batch, model_type, field="image_data", items=None):
+def images_per_prompt(body, num_prompts, batch, model_type):
     """The decoded images of each prompt (lists, empty for a prompt without any), from `image_data`."""
     if body.get("audio_data"):
         raise RequestError("audio_data is not supported by slime's CPU server (images and videos only)")
-    data = body.get(field)
-    items = items or _items
-    if not data:
-        return [[] for _ in range(num_prompts)]
-    if not batch:
-        return [items(data, field, model_type)]
-    if not isinstance(data, list) or len(data) != num_prompts:
-        raise RequestError(f"{field} of a batch needs one entry per prompt ({num_prompts})")
-    return [items(entry, f"{field}[{i}]", model_type) for i, entry in enumerate(data)]
+    return _per_prompt(body, "image_data", num_prompts, batch, lambda entry, where: _items(entry, where, model_type))
 
 
 def videos_per_prompt(body, num_prompts, batch):
     """The encoded videos of each prompt (lists of bytes, empty for a prompt without any), from `video_data`: each a
     path, `file://` or data URL, raw base64, downloaded bytes, or a MediaRef naming one by its url."""
-    return images_per_prompt(body, num_prompts, batch, None, "video_data", _videos)
+    return _per_prompt(body, "video_data", num_prompts, batch, _videos)
 
 
-def _videos(entry, where, _model_type):
+def _per_prompt(body, field, num_prompts, batch, parse):
+    """`parse(entry, where)` of each prompt's entry of `body[field]`: one entry for a single prompt, one per prompt
+    for a batch."""
+    data = body.get(field)
+    if not data:
+        return [[] for _ in range(num_prompts)]
+    if not batch:
+        return [parse(data, field)]
+    if not isinstance(data, list) or len(data) != num_prompts:
+        raise RequestError(f"{field} of a batch needs one entry per prompt ({num_prompts})")
+    return [parse(entry, f"{field}[{i}]") for i, entry in enumerate(data)]
+
+
+def _videos(entry, where):
     from slime.utils.video import read_video
 
     out = []
@@ -163,6 +168,10 @@ def _videos(entry, where, _model_type):
     return out
 
 
+# the processor outputs the model takes for a prompt's media
+_PROCESSOR_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+
+
 def expand_with_videos(processor, ids, images, videos, where="the prompt"):
     """(expanded ids, processor outputs and `digest`, as `expand` gives them) of caller `ids` whose prompt holds
     videos (and perhaps images). As SGLang 0.5.23 does, the ids are decoded to text and run through transformers'
@@ -176,16 +185,13 @@ def expand_with_videos(processor, ids, images, videos, where="the prompt"):
         out = processor(text=[text], images=images or None, videos=frames, return_tensors="pt", **kwargs)
     except ValueError as e:
         raise RequestError(f"{where}: {e}") from None
-    mm = {k: out[k] for k in _VIDEO_KEYS if k in out}
+    mm = {k: out[k] for k in _PROCESSOR_KEYS if k in out}
     mm["mm_token_type_ids"] = out["mm_token_type_ids"][0]
     digest = hashlib.blake2b(digest_size=16)
     for key in sorted(mm):
         digest.update(mm[key].contiguous().numpy().tobytes())
     mm["digest"] = digest.hexdigest()
     return out["input_ids"][0].tolist(), mm
-
-
-_VIDEO_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
 
 def expand(processor, ids, images, where="the prompt"):
