@@ -96,7 +96,8 @@ def test_request_timeout_bounds_a_download_that_trickles(media_host, monkeypatch
 def test_chat_image_parts_are_taken_as_sglang_takes_them():
     """/v1/chat/completions' content parts for a template that loops over them: `input_image` (its image_url a
     string) and `image_url` (an object) become `{"type": "image"}` with their urls in order, `input_text` becomes a
-    text part; audio and video parts are refused, naming the part. A template that reads content as a string gets
+    text part, `video_url` `{"type": "video"}` with its url among the videos; audio parts and a video part's own
+    settings are refused, naming the part. A template that reads content as a string gets
     the text parts joined, and no image (as SGLang)."""
     from slime.backends.cpu_server.chat_prompt import template_inputs
     from slime.backends.cpu_server.sampling import RequestError
@@ -120,11 +121,14 @@ def test_chat_image_parts_are_taken_as_sglang_takes_them():
     assert inputs.messages == [system, {"role": "user", "content": parts}]
     inputs = template_inputs({}, [system, {"role": "user", "content": user}], "string")
     assert inputs.images == [] and inputs.messages[1] == {"role": "user", "content": "Compare these"}
-    for kind in ("audio_url", "video_url"):
+    video = {"type": "video_url", "video_url": {"url": url}}
+    inputs = template_inputs({}, [system, {"role": "user", "content": [video, *user]}], "openai")
+    assert inputs.videos == [url] and inputs.images == [url, PNG]
+    assert inputs.messages[1]["content"] == [{"type": "video"}, *parts]
+    for kind, part in [("audio_url", {"url": url}), ("video_url.max_frames", {"url": url, "max_frames": 4})]:
+        name = kind.split(".")[0]
         with pytest.raises(RequestError, match=rf"^messages\[1\]\.content\[1\]: {kind} is not supported"):
-            template_inputs(
-                {}, [system, {"role": "user", "content": [user[0], {"type": kind, kind: {"url": url}}]}], "openai"
-            )
+            template_inputs({}, [system, {"role": "user", "content": [user[0], {"type": name, name: part}]}], "openai")
 
 
 @pytest.fixture(scope="module")
@@ -212,9 +216,9 @@ def test_generate_with_an_image_equals_transformers(vlm_server, tiny_vlm, tmp_pa
     assert out["choices"][0]["response_token_ids"] == ref_tokens
     chat_lps = [c["logprob"] for c in out["choices"][0]["logprobs"]["content"]]
     assert torch.allclose(torch.tensor(chat_lps), torch.tensor(ref_lps), atol=1e-5)
-    content[0] = {"type": "video_url", "video_url": {"url": media_host + "/img"}}
+    content[0] = {"type": "audio_url", "audio_url": {"url": media_host + "/img"}}
     r = SESSION.post(vlm_server + "/v1/chat/completions", json=body, timeout=60)
-    assert r.status_code == 400 and "messages[0].content[0]: video_url is not supported" in r.text, r.text
+    assert r.status_code == 400 and "messages[0].content[0]: audio_url is not supported" in r.text, r.text
 
 
 VIDEO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "video")
@@ -225,9 +229,9 @@ VIDEO_TEXT = TEXT.replace("<|image_pad|>", "<|video_pad|>")
 def test_generate_with_a_video_equals_transformers(vlm_server, tiny_vlm, media_host, monkeypatch):
     """SGLang's `video_data` (a data URL, a path, a file:// URL, raw base64, an http URL) with the template text: the
     clip sampled and resized as SGLang does, expanded by the processor; greedy tokens and log-probs equal
-    transformers' generate and forward on the same inputs (which the trainer gets, tests/test_vlm_data.py). In one
-    batch with an image prompt and a text prompt, each row answers as it does alone. A video that cannot be read is a
-    400 naming it; audio_data is refused."""
+    transformers' generate and forward on the same inputs (which the trainer gets, tests/test_vlm_data.py), and so
+    does /v1/chat/completions with a video part. In one batch with an image prompt and a text prompt, each row answers
+    as it does alone. A video that cannot be read is a 400 naming it; audio_data is refused."""
     raw = open(CLIP, "rb").read()
     prompt_ids, ref_tokens, ref_lps = _reference(tiny_vlm, None, 8, VIDEO_TEXT, [raw])
     b64 = base64.b64encode(raw).decode()
@@ -255,6 +259,17 @@ def test_generate_with_a_video_equals_transformers(vlm_server, tiny_vlm, media_h
     for out, (ids, tokens, lps) in zip(outs, alone):
         assert out["meta_info"]["prompt_tokens"] == len(ids)
         assert [t for _, t, _ in out["meta_info"]["output_token_logprobs"]] == tokens
+    # /v1/chat/completions with an OpenAI video part (as SGLang: its url to video_data, {"type": "video"} to the
+    # template): the same prompt, tokens and log-probs; a part's per-video settings (GLM's, in SGLang) are refused
+    content = [{"type": "video_url", "video_url": {"url": CLIP}}, {"type": "text", "text": "What colour is it?"}]
+    chat = {"messages": [{"role": "user", "content": content}], "temperature": 0, "max_tokens": 8, "ignore_eos": True}
+    out = SESSION.post(vlm_server + "/v1/chat/completions", json={**chat, "logprobs": True}, timeout=60).json()
+    assert out["usage"]["prompt_tokens"] == len(prompt_ids), out
+    chat_lps = [c["logprob"] for c in out["choices"][0]["logprobs"]["content"]]
+    assert torch.allclose(torch.tensor(chat_lps), torch.tensor(ref_lps), atol=1e-5)
+    content[0]["video_url"]["fps"] = 1
+    r = SESSION.post(vlm_server + "/v1/chat/completions", json=chat, timeout=60)
+    assert r.status_code == 400 and "content[0]: video_url.fps is not supported" in r.text, r.text
     for extra, why in [
         ({"video_data": [base64.b64encode(b"not a video").decode()]}, "11 bytes are not a decodable video"),
         ({"video_data": [CLIP, CLIP]}, "video"),

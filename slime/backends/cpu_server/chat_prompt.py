@@ -49,6 +49,7 @@ class TemplateInputs:
     kwargs: dict  # the template's other arguments
     prefix: str | None  # continue_final_message: text appended to the rendered prompt's ids
     images: list  # image urls, in the order of their parts
+    videos: list  # video urls, in the order of their parts
     tools_active: bool  # tools declared and tool_choice not "none": special tokens stay in the output's text
     declared_tools: list  # the request's and the system messages' tools
     add_generation_prompt: bool = True
@@ -121,7 +122,7 @@ def _tool_call(call) -> dict:
     }
 
 
-def _content(content: list, fmt: str, images: list, where: str):
+def _content(content: list, fmt: str, media: tuple, where: str):
     if fmt == "string":
         text = [p["text"] for p in content if isinstance(p, dict) and p.get("type") in ("text", "input_text")]
         return " ".join(text)
@@ -133,10 +134,20 @@ def _content(content: list, fmt: str, images: list, where: str):
             url = ref if isinstance(ref, str) else ref.get("url")
             if not isinstance(url, str):
                 raise RequestError(f"{where}.content[{j}]: an image part needs image_url.url")
-            images.append(url)
+            media[0].append(url)
             parts.append({"type": "image"})
-        elif kind in ("video_url", "audio_url"):
-            raise RequestError(f"{where}.content[{j}]: {kind} is not supported by slime's CPU server (images only)")
+        elif kind == "video_url":  # SGLang: the url joins video_data, the template sees {"type": "video"}
+            ref = part.get("video_url")
+            url = ref.get("url") if isinstance(ref, dict) else None
+            if not isinstance(url, str):
+                raise RequestError(f"{where}.content[{j}]: a video part needs video_url.url")
+            own = next((k for k, v in ref.items() if k != "url" and v is not None), None)
+            if own is not None:  # SGLang hands these to GLM's video processing only
+                raise RequestError(f"{where}.content[{j}]: video_url.{own} is not supported by slime's CPU server")
+            media[1].append(url)
+            parts.append({"type": "video"})
+        elif kind == "audio_url":
+            raise RequestError(f"{where}.content[{j}]: audio_url is not supported by slime's CPU server")
         elif kind in ("text", "input_text"):
             parts.append({"type": "text", "text": part["text"]})
         elif kind == "tool_reference":
@@ -144,7 +155,7 @@ def _content(content: list, fmt: str, images: list, where: str):
     return parts
 
 
-def _message(m: dict, fmt: str, images: list, where: str) -> dict:
+def _message(m: dict, fmt: str, media: tuple, where: str) -> dict:
     d = (
         {"role": "user", "content": m.get("content")}
         if m["role"] == "user"
@@ -158,7 +169,7 @@ def _message(m: dict, fmt: str, images: list, where: str) -> dict:
     if d["content"] is None:
         d["content"] = ""
     if isinstance(d["content"], list):
-        d["content"] = _content(d["content"], fmt, images, where)
+        d["content"] = _content(d["content"], fmt, media, where)
     if d["role"] == "tool" and isinstance(d["content"], list):
         parts = d["content"]
         if all(isinstance(p, str) or (isinstance(p, dict) and p.get("type") == "text") for p in parts):
@@ -237,8 +248,8 @@ def template_inputs(b: dict, msgs: list, fmt: str, add_generation_prompt=None, a
         template_kwargs.setdefault("enable_thinking", thinking)
     kwargs = {} if effort is None else {"reasoning_effort": effort}
     kwargs.update(template_kwargs)
-    images = []
-    messages = [_message(m, fmt, images, f"messages[{i}]") for i, m in enumerate(msgs)]
+    images, videos = [], []
+    messages = [_message(m, fmt, (images, videos), f"messages[{i}]") for i, m in enumerate(msgs)]
     prefix = None
     if add_generation_prompt is False and b.get("continue_final_message"):
         raise RequestError("continue_final_message needs add_generation_prompt to open the assistant turn.")
@@ -249,7 +260,9 @@ def template_inputs(b: dict, msgs: list, fmt: str, add_generation_prompt=None, a
         else:
             messages[-1] = {"role": "user", "content": messages[-1]["content"]}
     opening = True if add_generation_prompt is None else add_generation_prompt
-    return TemplateInputs(messages, tools, kwargs, prefix, images, active, declared, opening, add_special_tokens)
+    return TemplateInputs(
+        messages, tools, kwargs, prefix, images, videos, active, declared, opening, add_special_tokens
+    )
 
 
 def render(tokenizer, inputs: TemplateInputs) -> list:

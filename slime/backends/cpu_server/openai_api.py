@@ -15,7 +15,7 @@ from slime.utils.sampling_record import openai_requested_adapter, openai_samplin
 
 from . import chat_prompt
 from .generate_api import EndOfStream, prompt_rid
-from .media import expand, fetch_remote_images, images_per_prompt
+from .media import expand, expand_with_videos, fetch_remote_images, images_per_prompt, videos_per_prompt
 from .sampling import ContractError, RequestError, SamplingParams
 from .scheduler import Req
 
@@ -290,14 +290,15 @@ class OpenAIAPI:
             r.lora = lora
         return reqs
 
-    async def _chat_images(self, urls):
-        """The processor inputs of a chat's images (None without any), fetched and checked as SGLang takes them."""
-        if not urls:
-            return None
+    async def _chat_media(self, inputs):
+        """(images, videos) of a chat's parts, fetched and checked as SGLang takes them (empty lists without any)."""
+        if not inputs.images and not inputs.videos:
+            return [], []
         if self.processor is None:
-            raise RequestError(f"image parts: the served model ({self.cfg.architecture}) takes text only")
-        body = await asyncio.to_thread(fetch_remote_images, {"image_data": urls})
-        return images_per_prompt(body, 1, False, self.cfg.model_type)[0]
+            raise RequestError(f"media parts: the served model ({self.cfg.architecture}) takes text only")
+        body = {"image_data": inputs.images, "video_data": inputs.videos}
+        body = await asyncio.to_thread(fetch_remote_images, body)
+        return images_per_prompt(body, 1, False, self.cfg.model_type)[0], videos_per_prompt(body, 1, False)[0]
 
     def _response(self, b, kind, choices, prompt_len, reqs):
         """The response around `choices`, as SGLang builds it: the request's own `model` echoed, and the first
@@ -452,12 +453,14 @@ class OpenAIAPI:
             raise RequestError(
                 "a streamed chat with tools: slime's CPU server parses tool calls only in whole answers"
             )
-        images = await self._chat_images(inputs.images)
+        images, videos = await self._chat_media(inputs)
         ids = chat_prompt.render(self.tokenizer, inputs)
         if inputs.tools_active:  # SGLang keeps special tokens in the text of a chat with tools
             b = {**b, "skip_special_tokens": False}
         mm = None
-        if images:
+        if videos:
+            ids, mm = expand_with_videos(self.processor, list(ids), images, videos, "the chat prompt")
+        elif images:
             ids, mm = expand(self.processor, list(ids), images, "the chat prompt")
         ids = list(ids)
         reqs = self._openai_reqs(b, [ids], self.chat_sampling_defaults, mm)
@@ -541,8 +544,8 @@ class OpenAIAPI:
                 add_generation_prompt=opening,
                 add_special_tokens=opening is not None and special and "add_special_tokens" in b,
             )
-            if inputs.images:
-                raise RequestError("image parts: /tokenize of slime's CPU server counts text only")
+            if inputs.images or inputs.videos:
+                raise RequestError("media parts: /tokenize of slime's CPU server counts text only")
             tokens = chat_prompt.render(self.tokenizer, inputs)
             count = len(tokens)
         elif isinstance(prompt, str):
