@@ -611,6 +611,51 @@ def test_the_tower_runs_once_per_image_and_weights(tiny_vlm):
     assert len(calls) == 2 and calls[1] == calls[0]  # recomputed: the logits matched the updated reference
 
 
+@pytest.mark.parametrize("kit", ["tiny_vlm", "tiny_qwen3_vl"])
+def test_rows_with_videos_and_images_run_the_tower_once_per_request_media(request, kit):
+    """A group's two samples of one clip and a third row with the clip and an image, in one prefill and one decode
+    step: each row's logits are transformers' forward of its ids, image and video (Qwen3-VL: DeepStack levels over
+    the row's image and video positions together); the tower runs once for the images and once for the videos (the
+    group's clip once, the third row's own), at prefill only."""
+    tiny_vlm = request.getfixturevalue(kit)
+    from transformers import AutoModelForImageTextToText
+
+    from slime.backends.cpu_server.hf_fallback import TokenPool, load_fallback
+    from slime.backends.cpu_server.media import expand_with_videos
+
+    processor = load_processor(tiny_vlm)
+    _, _, _, model = load_fallback(tiny_vlm, "float32", False)
+    reference = AutoModelForImageTextToText.from_pretrained(tiny_vlm, dtype=torch.float32).eval()
+    calls = []
+    model.model.model.visual.register_forward_hook(lambda _m, inputs, _o: calls.append(len(inputs[0])))
+    raw, image = open(CLIP, "rb").read(), _image((28, 56), 1)
+    both = VIDEO_TEXT.replace("What", "<|vision_start|><|image_pad|><|vision_end|>What")
+    rows = [(VIDEO_TEXT, []), (VIDEO_TEXT, []), (both, [image])]
+    seqs, mm = zip(*(expand_with_videos(processor, processor.tokenizer.encode(t), im, [raw]) for t, im in rows))
+    assert seqs[0] == seqs[1] and mm[0]["digest"] == mm[1]["digest"] != mm[2]["digest"]
+
+    def expected(seq, m):
+        inputs = {k: v for k, v in m.items() if k not in ("digest", "mm_token_type_ids")}
+        types = torch.cat([m["mm_token_type_ids"], torch.zeros(len(seq) - len(m["mm_token_type_ids"])).long()])
+        with torch.no_grad():
+            return reference(input_ids=torch.tensor([seq]), mm_token_type_ids=types[None], **inputs).logits[0, -1]
+
+    pool, lens = TokenPool(1024), torch.tensor([len(s) for s in seqs])
+    rows_ = torch.tensor(pool.alloc(int(lens.sum())))
+    first = model.forward_prefill(pool, torch.tensor([t for s in seqs for t in s]), lens, rows_, mm=list(mm))
+    nxt = first.argmax(-1)
+    new_rows = torch.tensor(pool.alloc(3))
+    own = [torch.cat([r, n[None]]) for r, n in zip(rows_.split(lens.tolist()), new_rows)]
+    kv_index = torch.nn.utils.rnn.pad_sequence(own, batch_first=True)
+    valid = torch.arange(kv_index.shape[1])[None, :] <= lens[:, None]
+    second = model.forward_decode(pool, nxt, lens, new_rows, kv_index, valid, mm=list(mm))
+    for seq, m, a, b, t in zip(seqs, mm, first, second, nxt.tolist()):
+        assert torch.allclose(a, expected(seq, m), atol=1e-5)
+        assert torch.allclose(b, expected(seq + [t], m), atol=1e-5)
+    video_patches = len(mm[0]["pixel_values_videos"])
+    assert calls == [len(mm[2]["pixel_values"]), 2 * video_patches]  # images, then the two distinct rows' videos
+
+
 def test_a_generated_image_pad_token_stays_text(tiny_vlm):
     """A decoded token that happens to be the image-pad id is text, as in transformers' own generate (its cached decode
     step embeds the new token as text, at text positions): the CPU server's decode logits after a forced image-pad
