@@ -446,9 +446,10 @@ def test_videos_are_processed_as_transformers_torchvision_processors_process_the
 
 
 def test_dataset_reads_videos_in_every_accepted_form_and_filters_after_expansion(tmp_path, tiny_vlm):
-    """--multimodal-keys '{"video": "videos"}' with images beside: a path, a file:// URL, a data URL and raw base64 of
-    one clip give the same bytes; the rendered prompt holds one video run per <video>; the length filter counts the
-    processor's expansion (36 video tokens: 3 x 6 x 8 patches, merged 2 x 2); an unreadable video is named in one line."""
+    """--multimodal-keys '{"video": "videos"}' with images beside: a path, a file:// URL, a data URL, raw base64 and a
+    {"path"} dict of one clip give the same bytes; the rendered prompt holds one video run per <video>; the length
+    filter counts the processor's expansion (36 video tokens: 3 x 6 x 8 patches, merged 2 x 2); a missing video, a
+    rich item's own sampling settings and bytes that are no video are one-line errors."""
     processor = load_processor(tiny_vlm)
     raw = open(CLIPS[0], "rb").read()
     b64 = base64.b64encode(raw).decode()

@@ -7,14 +7,13 @@ machines); where `AutoProcessor` cannot build one, the family's processor class 
 """
 
 import base64
+import functools
 import io
 import os
 
 # current slime's MultimodalTypes: media type -> placeholder in message text
 PLACEHOLDERS = {"image": "<image>", "video": "<video>", "audio": "<audio>"}
 
-
-_FALLBACK = {}
 
 # model type -> (transformers' processor class, its video processor): Qwen3-VL's lays a video out per frame with
 # timestamps, Qwen2.5-VL's as one run
@@ -23,7 +22,8 @@ _FAMILIES.update({k: _FAMILIES["qwen3_vl"] for k in ("qwen3_vl_moe", "qwen3_5", 
 _QWEN2_5 = ("Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor")
 
 
-def _image_only_class(base_name="Qwen2_5_VLProcessor"):
+@functools.lru_cache(maxsize=None)
+def _fallback_class(base_name="Qwen2_5_VLProcessor"):
     import transformers  # heavy
 
     base = getattr(transformers, base_name)
@@ -45,20 +45,13 @@ def _image_only_class(base_name="Qwen2_5_VLProcessor"):
             # ProcessorMixin reads the attributes (image_processor, tokenizer) from this __init__'s signature
             ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
 
-    ImageOnlyQwenVLProcessor.__qualname__ = ImageOnlyQwenVLProcessor.__name__
     return ImageOnlyQwenVLProcessor
 
 
 def __getattr__(name):  # the class is built on first use: transformers is heavy for modules that only import this
     if name == "ImageOnlyQwenVLProcessor":
-        return _fallback_class(_QWEN2_5[0])
+        return _fallback_class()
     raise AttributeError(name)
-
-
-def _fallback_class(base_name):
-    if base_name not in _FALLBACK:
-        _FALLBACK[base_name] = _image_only_class(base_name)
-    return _FALLBACK[base_name]
 
 
 def _has_processor_files(path):
