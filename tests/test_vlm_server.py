@@ -413,9 +413,8 @@ def vlm_router(vlm_server):
         stop_router(router)
 
 
-def test_default_rollout_with_images_end_to_end_equals_transformers(vlm_router, tiny_vlm, tmp_path):
-    """--multimodal-keys through the data source, the default generate_rollout, the router and the CPU server: each
-    sample's prompt tokens are the processor's expansion, its greedy response and log-probs transformers' own."""
+def _default_rollout(router_args, model_dir, path, rows, keys, n_samples_per_prompt):
+    """The groups of one greedy `generate_rollout` (data source, router, server) over the dataset `rows`."""
     import json
 
     from slime.rollout.data_source import RolloutDataSourceWithBuffer
@@ -423,6 +422,26 @@ def test_default_rollout_with_images_end_to_end_equals_transformers(vlm_router, 
     from slime.utils.misc import SingletonMeta
     from tests.test_sglang_rollout import make_args
 
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    SingletonMeta.clear_instances(GenerateState)
+    try:
+        args = make_args(
+            router_args,
+            (model_dir,),
+            (str(path), None),
+            multimodal_keys=keys,
+            rollout_temperature=0.0,
+            rollout_batch_size=len(rows),
+            n_samples_per_prompt=n_samples_per_prompt,
+        )
+        return generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
+    finally:
+        SingletonMeta.clear_instances(GenerateState)
+
+
+def test_default_rollout_with_images_end_to_end_equals_transformers(vlm_router, tiny_vlm, tmp_path):
+    """--multimodal-keys through the data source, the default generate_rollout, the router and the CPU server: each
+    sample's prompt tokens are the processor's expansion, its greedy response and log-probs transformers' own."""
     images = [_image((56, 84), 0), _image((112, 56), 3)]
     rows = []
     for i, image in enumerate(images):
@@ -434,22 +453,7 @@ def test_default_rollout_with_images_end_to_end_equals_transformers(vlm_router, 
                 "label": "1",
             }
         )
-    data = tmp_path / "vlm.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    SingletonMeta.clear_instances(GenerateState)
-    try:
-        args = make_args(
-            vlm_router,
-            (tiny_vlm,),
-            (str(data), None),
-            multimodal_keys='{"image": "images"}',
-            rollout_temperature=0.0,
-            rollout_batch_size=2,
-            n_samples_per_prompt=1,
-        )
-        groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
-    finally:
-        SingletonMeta.clear_instances(GenerateState)
+    groups = _default_rollout(vlm_router, tiny_vlm, tmp_path / "vlm.jsonl", rows, '{"image": "images"}', 1)
     processor = load_processor(tiny_vlm)
     for (sample,), image in zip(groups, images):
         assert sample.prompt == TEXT
@@ -463,37 +467,15 @@ def test_default_rollout_with_images_end_to_end_equals_transformers(vlm_router, 
 
 
 def test_default_rollout_with_videos_end_to_end_equals_transformers(vlm_router, tiny_vlm, tmp_path):
-    """--multimodal-keys with videos (and images) through the data source, the default generate_rollout, the router
-    and the CPU server: the request carries the template text, `image_data` and `video_data`; each sample's prompt
-    tokens are the processor's expansion of its clip as SGLang prepares it, its train inputs the processor's video
-    outputs, its greedy response and log-probs transformers' own."""
-    import json
-
-    from slime.rollout.data_source import RolloutDataSourceWithBuffer
-    from slime.rollout.sglang_rollout import GenerateState, generate_rollout
-    from slime.utils.misc import SingletonMeta
-    from tests.test_sglang_rollout import make_args
-
+    """--multimodal-keys with videos through the data source, the default generate_rollout, the router and the CPU
+    server: the request carries the template text and `video_data`; each sample of a group's prompt tokens are the
+    processor's expansion of its clip as SGLang prepares it, its train inputs the processor's video outputs, its
+    greedy response and log-probs transformers' own."""
     clips = [os.path.join(VIDEO_DIR, name) for name in ("clip_a.mp4", "clip_b.mp4")]
     rows = [
         {"prompt": [{"role": "user", "content": "<video>What moves?"}], "videos": [c], "label": "1"} for c in clips
     ]
-    data = tmp_path / "video.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    SingletonMeta.clear_instances(GenerateState)
-    try:
-        args = make_args(
-            vlm_router,
-            (tiny_vlm,),
-            (str(data), None),
-            multimodal_keys='{"video": "videos"}',
-            rollout_temperature=0.0,
-            rollout_batch_size=2,
-            n_samples_per_prompt=2,
-        )
-        groups = generate_rollout(args, 0, RolloutDataSourceWithBuffer(args))
-    finally:
-        SingletonMeta.clear_instances(GenerateState)
+    groups = _default_rollout(vlm_router, tiny_vlm, tmp_path / "video.jsonl", rows, '{"video": "videos"}', 2)
     text = (
         "<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>What moves?<|im_end|>\n<|im_start|>assistant\n"
     )
@@ -554,6 +536,21 @@ def test_a_partial_sample_with_images_resumes_as_one_uninterrupted_generation(vl
     assert sample.multimodal_train_inputs is train  # the prompt's processor outputs, kept from the first pass
 
 
+def _prefill_and_decode(model, seqs, mm):
+    """(prefill logits, the greedy next tokens, their decode-step logits) of the fallback model over rows `seqs`."""
+    from slime.backends.cpu_server.hf_fallback import TokenPool
+
+    pool, lens = TokenPool(1024), torch.tensor([len(s) for s in seqs])
+    rows = torch.tensor(pool.alloc(int(lens.sum())))
+    first = model.forward_prefill(pool, torch.tensor([t for s in seqs for t in s]), lens, rows, mm=list(mm))
+    nxt = first.argmax(-1)
+    new_rows = torch.tensor(pool.alloc(len(seqs)))
+    own = [torch.cat([r, n[None]]) for r, n in zip(rows.split(lens.tolist()), new_rows)]
+    kv_index = torch.nn.utils.rnn.pad_sequence(own, batch_first=True)  # right-padded with row 0
+    valid = torch.arange(kv_index.shape[1])[None, :] <= lens[:, None]
+    return first, nxt, model.forward_decode(pool, nxt, lens, new_rows, kv_index, valid, mm=list(mm))
+
+
 def test_the_tower_runs_once_per_image_and_weights(tiny_vlm):
     """The CPU server recomputes every sequence at each step (no KV cache), but not its images: the tower's output
     is kept per images and weights. A group's two samples of one image and a third of another take one tower call,
@@ -561,7 +558,7 @@ def test_the_tower_runs_once_per_image_and_weights(tiny_vlm):
     are transformers' forward of the same ids and images, before and after the update."""
     from transformers import AutoModelForImageTextToText
 
-    from slime.backends.cpu_server.hf_fallback import HFWeights, TokenPool, load_fallback
+    from slime.backends.cpu_server.hf_fallback import HFWeights, load_fallback
     from slime.backends.cpu_server.media import expand
     from tests._megatron_helpers import read_checkpoint
 
@@ -586,15 +583,7 @@ def test_the_tower_runs_once_per_image_and_weights(tiny_vlm):
 
     def steps():
         """Prefill the three prompts, then decode one token each; both steps' logits checked against transformers."""
-        pool, lens = TokenPool(512), torch.tensor([len(s) for s in seqs])
-        rows = torch.tensor(pool.alloc(int(lens.sum())))
-        first = model.forward_prefill(pool, torch.tensor([t for s in seqs for t in s]), lens, rows, mm=list(mm))
-        nxt = first.argmax(-1)
-        new_rows = torch.tensor(pool.alloc(3))
-        own = [torch.cat([r, n[None]]) for r, n in zip(rows.split(lens.tolist()), new_rows)]
-        kv_index = torch.nn.utils.rnn.pad_sequence(own, batch_first=True)  # right-padded with row 0
-        valid = torch.arange(kv_index.shape[1])[None, :] <= lens[:, None]
-        second = model.forward_decode(pool, nxt, lens, new_rows, kv_index, valid, mm=list(mm))
+        first, nxt, second = _prefill_and_decode(model, seqs, mm)
         for seq, image, a, b, t in zip(seqs, images, first, second, nxt.tolist()):
             assert torch.allclose(a, expected(seq, image), atol=1e-5) and torch.allclose(
                 b, expected(seq + [t], image), atol=1e-5
@@ -620,7 +609,7 @@ def test_rows_with_videos_and_images_run_the_tower_once_per_request_media(reques
     tiny_vlm = request.getfixturevalue(kit)
     from transformers import AutoModelForImageTextToText
 
-    from slime.backends.cpu_server.hf_fallback import TokenPool, load_fallback
+    from slime.backends.cpu_server.hf_fallback import load_fallback
     from slime.backends.cpu_server.media import expand_with_videos
 
     processor = load_processor(tiny_vlm)
@@ -640,15 +629,7 @@ def test_rows_with_videos_and_images_run_the_tower_once_per_request_media(reques
         with torch.no_grad():
             return reference(input_ids=torch.tensor([seq]), mm_token_type_ids=types[None], **inputs).logits[0, -1]
 
-    pool, lens = TokenPool(1024), torch.tensor([len(s) for s in seqs])
-    rows_ = torch.tensor(pool.alloc(int(lens.sum())))
-    first = model.forward_prefill(pool, torch.tensor([t for s in seqs for t in s]), lens, rows_, mm=list(mm))
-    nxt = first.argmax(-1)
-    new_rows = torch.tensor(pool.alloc(3))
-    own = [torch.cat([r, n[None]]) for r, n in zip(rows_.split(lens.tolist()), new_rows)]
-    kv_index = torch.nn.utils.rnn.pad_sequence(own, batch_first=True)
-    valid = torch.arange(kv_index.shape[1])[None, :] <= lens[:, None]
-    second = model.forward_decode(pool, nxt, lens, new_rows, kv_index, valid, mm=list(mm))
+    first, nxt, second = _prefill_and_decode(model, seqs, mm)
     for seq, m, a, b, t in zip(seqs, mm, first, second, nxt.tolist()):
         assert torch.allclose(a, expected(seq, m), atol=1e-5)
         assert torch.allclose(b, expected(seq + [t], m), atol=1e-5)

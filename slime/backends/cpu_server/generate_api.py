@@ -14,8 +14,8 @@ from .media import (
     collapse_placeholders,
     expand,
     expand_with_videos,
-    fetch_remote_images,
-    has_remote_images,
+    fetch_remote_media,
+    has_remote_media,
     images_per_prompt,
     videos_per_prompt,
 )
@@ -386,8 +386,8 @@ class GenerateAPI:
     async def generate(self, request):
         body = await self._body(request)
         self._check_ready()
-        if self.processor is not None and has_remote_images(body):
-            body = await asyncio.to_thread(fetch_remote_images, body)
+        if self.processor is not None and has_remote_media(body):
+            body = await asyncio.to_thread(fetch_remote_media, body)
         if body.get("stream"):
             return await self._generate_stream(request, body)
         reqs, batch = self._build_reqs(body)

@@ -52,24 +52,24 @@ def _map(entry, fn, where):
     return fn(entry, where)
 
 
-def has_remote_images(body: dict) -> bool:
+def has_remote_media(body: dict) -> bool:
     found = []
     for field in ("image_data", "video_data"):
         _map(body.get(field), lambda item, _: found.append(_url(item)), field)
     return any(found)
 
 
-def fetch_remote_images(body: dict) -> dict:
+def fetch_remote_media(body: dict) -> dict:
     """`body` with each http(s) image of `image_data` (and video of `video_data`) replaced by its downloaded bytes (a
     MediaRef keeps its other keys); blocking, so the server calls it off its event loop. A failed download is a 400
     naming the URL."""
+
+    from slime.utils.video import read_video
 
     def fetch(item, where):
         url = _url(item)
         if url is None:
             return item
-        from slime.utils.video import read_video
-
         try:
             data = read_video(url, where) if where.startswith("video_data") else download_image(url, where)
         except ValueError as e:
@@ -105,7 +105,7 @@ def _items(entry, where, model_type):
                     f"{' / '.join(MEDIA_REF_MODEL_TYPES)} models; send its url as a string)"
                 )
             item = item.get("url", "")
-        if isinstance(item, bytes):  # downloaded by fetch_remote_images (JSON has no bytes)
+        if isinstance(item, bytes):  # downloaded by fetch_remote_media (JSON has no bytes)
             out.append(load_image(item, f"{where}[{j}]"))
             continue
         if not isinstance(item, str):

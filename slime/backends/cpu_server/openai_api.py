@@ -15,7 +15,7 @@ from slime.utils.sampling_record import openai_requested_adapter, openai_samplin
 
 from . import chat_prompt
 from .generate_api import EndOfStream, prompt_rid
-from .media import expand, expand_with_videos, fetch_remote_images, images_per_prompt, videos_per_prompt
+from .media import expand, expand_with_videos, fetch_remote_media, images_per_prompt, videos_per_prompt
 from .sampling import ContractError, RequestError, SamplingParams
 from .scheduler import Req
 
@@ -297,7 +297,7 @@ class OpenAIAPI:
         if self.processor is None:
             raise RequestError(f"media parts: the served model ({self.cfg.architecture}) takes text only")
         body = {"image_data": inputs.images, "video_data": inputs.videos}
-        body = await asyncio.to_thread(fetch_remote_images, body)
+        body = await asyncio.to_thread(fetch_remote_media, body)
         return images_per_prompt(body, 1, False, self.cfg.model_type)[0], videos_per_prompt(body, 1, False)[0]
 
     def _response(self, b, kind, choices, prompt_len, reqs):
