@@ -1438,13 +1438,53 @@ def test_other_llama_family_architectures_match_transformers(arch, tmp_path):
     assert (got - want).abs().max() < 1e-4
 
 
+def test_projections_follow_every_write_into_the_weights_and_free_with_them(tiny_kit):
+    """The decoder multiplies by a contiguous transpose of each fused weight (faster GEMMs): it follows every write
+    into the weight's storage (through an HF-name view, in inference mode too), and leaves with the weight when the
+    weights are released, so release_memory_occupation still frees that RAM."""
+    import gc
+    import weakref
+
+    import torch.nn.functional as F
+
+    from slime.backends.cpu_server.model import ModelConfig, Transformer, _transposed
+    from slime.backends.cpu_server.weights import WeightStore
+
+    cfg = ModelConfig.from_model_dir(tiny_kit[0])
+    w = WeightStore(cfg, torch.float32)
+    w.load_from_dir(tiny_kit[0])
+    model, x = Transformer(cfg, w, torch.float32, 64), torch.randn(3, cfg.hidden_size)
+
+    def project():
+        return model._linear(x, w.layers[0], "qkv", None, 0)
+
+    before = project()
+    assert torch.allclose(before, F.linear(x, w.layers[0]["qkv"]), atol=1e-5)
+    k = slice(cfg.num_heads * cfg.head_dim, (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim)
+    for mode in (torch.no_grad, torch.inference_mode):  # a load's copy_, and a write during serving
+        with mode():
+            w.named["model.layers.0.self_attn.k_proj.weight"].add_(0.5)
+        after = project()
+        assert torch.allclose(after, F.linear(x, w.layers[0]["qkv"]), atol=1e-5)
+        assert (after[:, k] - before[:, k]).abs().max() > 1e-2 and torch.equal(
+            after[:, : k.start], before[:, : k.start]
+        )
+        before = after
+    kept = weakref.ref(_transposed(w.layers[0]["qkv"]))
+    w.release()
+    gc.collect()
+    assert kept() is None
+    w.cleanup()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_q_and_k_norms_in_one_pass_round_as_two_rms_norms(tiny_kit, dtype):
     """The projection normalises q and k heads together: bit for bit what F.rms_norm gives each with its own weight,
     in bf16 too (one rounding, after the weight, as SGLang's and Transformer Engine's norms round)."""
     import torch.nn.functional as F
+    from transformers.models.qwen3.modeling_qwen3 import rotate_half
 
-    from slime.backends.cpu_server.model import ModelConfig, Transformer, _rotate_half
+    from slime.backends.cpu_server.model import ModelConfig, Transformer, rope_inv_freq
     from slime.backends.cpu_server.weights import WeightStore
 
     cfg = ModelConfig.from_model_dir(tiny_kit[0])
@@ -1455,31 +1495,35 @@ def test_q_and_k_norms_in_one_pass_round_as_two_rms_norms(tiny_kit, dtype):
         layer["q_norm"].copy_(torch.randn(cfg.head_dim))  # distinct weights: a swap of q's and k's would show
         layer["k_norm"].copy_(torch.randn(cfg.head_dim))
     h, pos = torch.randn(5, cfg.hidden_size).to(dtype), torch.arange(5)
-    q, k, v = model._qkv(layer, h, model.cos[pos], model.sin[pos])
+    q, k, v = model._qkv(layer, h, *model._rope(pos))
     H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    qk = F.linear(h, layer["qkv"])[:, : (H + KVH) * D].unflatten(-1, (H + KVH, D))
+    qk = model._linear(h, layer, "qkv", None, 1)[:, : (H + KVH) * D].unflatten(-1, (H + KVH, D))  # its projection
     eps = cfg.rms_norm_eps
     want = torch.cat(
         [F.rms_norm(qk[:, :H], (D,), layer["q_norm"], eps), F.rms_norm(qk[:, H:], (D,), layer["k_norm"], eps)], 1
     )
-    cos, sin = model.cos[pos][:, None], model.sin[pos][:, None]
-    want = want * cos + _rotate_half(want) * sin
+    freqs = torch.outer(
+        pos.float(), rope_inv_freq(cfg)
+    )  # transformers' rotary embedding, from its inverse frequencies
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+    want = want * emb.cos().to(dtype) + rotate_half(want) * emb.sin().to(dtype)
     assert torch.equal(q, want[:, :H]) and torch.equal(k, want[:, H:])
 
 
-def test_cascade_decode_reads_each_shared_prompt_once_and_equals_transformers(tiny_kit, hf):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cascade_decode_reads_each_shared_prompt_once_and_equals_transformers(tiny_kit, hf, dtype):
     """Cascade attention: members of a group attend their shared prompt's rows through the group (kv_index holds only
-    their own rows), others attend all of theirs; logits equal transformers' full-sequence forward and the plain
-    decode. Groups of 3 and 2 with prompts of different lengths, members 0-5 tokens past the prompt, one request in
-    no group; GQA (4 query heads on 2 KV heads) and q/k-norm."""
+    their own rows), others attend all of theirs; logits equal transformers' full-sequence forward (fp32) and the
+    plain decode (within bf16's rounding in bf16). Groups of 3 and 2 with prompts of different lengths, members 0-5
+    tokens past the prompt, one request in no group; GQA (4 query heads on 2 KV heads) and q/k-norm."""
     from slime.backends.cpu_server.model import KVPool, ModelConfig, SharedPrefix, Transformer
     from slime.backends.cpu_server.weights import WeightStore
 
     cfg = ModelConfig.from_model_dir(tiny_kit[0])
     assert cfg.num_heads == 2 * cfg.num_kv_heads and cfg.qk_norm
-    w = WeightStore(cfg, torch.float32)
+    w = WeightStore(cfg, dtype)
     w.load_from_dir(tiny_kit[0])
-    model, pool = Transformer(cfg, w, torch.float32, 257), KVPool(cfg, 1024, torch.float32)
+    model, pool = Transformer(cfg, w, dtype, 257), KVPool(cfg, 1024, dtype)
     a, b = list(range(20, 29)), list(range(100, 120))
     seqs = [a, a + [5, 6], a + [7, 8, 9, 10, 11], b + [40], b + [41, 42, 43], [60, 61, 62, 63]]
     group_of = [0, 0, 0, 1, 1, None]
@@ -1496,18 +1540,22 @@ def test_cascade_decode_reads_each_shared_prompt_once_and_equals_transformers(ti
     index = torch.tensor([r + [0] * (S - len(r)) for r in own])
     valid = torch.arange(S)[None, :] < torch.tensor([len(r) for r in own])[:, None]
     tokens, lens = torch.tensor([11, 12, 13, 14, 15, 16]), torch.tensor([len(s) for s in seqs])
-    shared = SharedPrefix.build(groups, B, torch.float32)
-    assert shared.index.shape == (2, len(b)) and shared.members.tolist() == [[0, 1, 2], [3, 4, B]]
+    shared = SharedPrefix.build(groups, B, dtype)
+    assert shared.index.shape == (2, len(b)) and shared.members.tolist() == [[0, 1, 2], [3, 4, 0]]
+    assert shared.ungrouped.view(-1).tolist() == [0.0] * 5 + [float("-inf")]  # request 5 reads its own rows only
     got = model.forward_decode(pool, tokens, lens, torch.tensor(new), index, valid, shared=shared)
     full = [(prompts[g][1] if g is not None else []) + r for g, r in zip(group_of, own)]
     Sf = max(len(r) for r in full)
     full_index = torch.tensor([r + [0] * (Sf - len(r)) for r in full])
     full_valid = torch.arange(Sf)[None, :] < torch.tensor([len(r) for r in full])[:, None]
     plain = model.forward_decode(pool, tokens, lens, torch.tensor(new), full_index, full_valid)
-    with torch.no_grad():
-        want = torch.stack([hf[0](torch.tensor([s + [t]])).logits[0, -1] for s, t in zip(seqs, tokens.tolist())])
-    assert (got - want).abs().max() < 1e-4
-    assert (got - plain).abs().max() < 1e-5
+    if dtype == torch.float32:
+        with torch.no_grad():
+            want = torch.stack([hf[0](torch.tensor([s + [t]])).logits[0, -1] for s, t in zip(seqs, tokens.tolist())])
+        assert (got - want).abs().max() < 1e-4
+    assert got.dtype == dtype and (got.float() - plain.float()).abs().max() < (
+        1e-5 if dtype == torch.float32 else 2e-2
+    )
     # the cascade really reads the prompt through the group: spoil a member's own copy of it and nothing changes,
     # spoil the group's rows and the members' logits move, once gathered anew: a SharedPrefix keeps the prompts' K/V
     # its first step gathered (the scheduler hands it to every step over the same groups)
@@ -1519,7 +1567,7 @@ def test_cascade_decode_reads_each_shared_prompt_once_and_equals_transformers(ti
         pool.k[i][torch.tensor(prompts[0][1])] = 9.0
     reused = model.forward_decode(pool, tokens, lens, torch.tensor(new), index, valid, shared=shared)
     assert torch.equal(reused, got)
-    anew = SharedPrefix.build(groups, B, torch.float32)
+    anew = SharedPrefix.build(groups, B, dtype)
     spoiled = model.forward_decode(pool, tokens, lens, torch.tensor(new), index, valid, shared=anew)
     assert (spoiled[:3] - got[:3]).abs().max() > 1e-2 and torch.equal(spoiled[3:], got[3:])
 

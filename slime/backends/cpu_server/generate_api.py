@@ -310,19 +310,20 @@ class GenerateAPI:
 
     async def _run(self, reqs, timeout=None):
         loop = asyncio.get_running_loop()
-        futs = []
+        all_done = loop.create_future()
+        pending = {id(r) for r in reqs}
+
+        def done(req):  # on the scheduler thread: the event loop is woken once, by the last request to finish
+            if req.finished and id(req) in pending:
+                pending.discard(id(req))
+                if not pending:
+                    loop.call_soon_threadsafe(lambda: all_done.done() or all_done.set_result(reqs))
+
         for r in reqs:
-            fut = loop.create_future()
-            futs.append(fut)
-
-            def done(req, fut=fut):
-                if req.finished:
-                    loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(req))
-
             r.on_update = done
-            self.scheduler.submit(r)
+        self.scheduler.submit(*reqs)
         try:
-            return await asyncio.wait_for(asyncio.gather(*futs), timeout)
+            return await asyncio.wait_for(all_done, timeout)
         except (asyncio.CancelledError, asyncio.TimeoutError):
             for r in reqs:
                 self.scheduler.abort(rid=r.rid)
@@ -453,7 +454,7 @@ class GenerateAPI:
             raise
         for r in reqs:
             r.stream, r.on_update = True, on_update
-            self.scheduler.submit(r)
+        self.scheduler.submit(*reqs)
         remaining = len(reqs)
         try:
             while remaining:

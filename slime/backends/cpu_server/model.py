@@ -132,11 +132,6 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def _rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class KVPool:
     """Per-layer K/V rows for `size` tokens plus a free list; `release()` really frees the memory."""
 
@@ -184,27 +179,35 @@ class SharedPrefix(NamedTuple):
 
     index: torch.Tensor  # [G, P] pool rows of each group's prompt (padding: row 0)
     mask: torch.Tensor  # [G, 1, 1, P] additive: 0 on the prompt, -inf on padding
-    members: torch.Tensor  # [G, M] batch positions of each group's requests (padding: B, a zero query)
-    slot: torch.Tensor  # [B] each request's place in the flattened [G * M] layout (G * M: in no group)
+    members: torch.Tensor  # [G, M] batch positions of each group's requests (padding: 0, a query nobody reads)
+    slot: torch.Tensor  # [B] each request's place in the flattened [G * M] layout (in no group: 0, outweighed)
+    # [B, 1, 1, 1] additive to the prompt block's log-sum-exp: 0 for a group's member, -inf for a request in no
+    # group (its own rows are all it reads); None when every request is in a group
+    ungrouped: torch.Tensor | None
     # layer -> the prompts' gathered K/V ([G, KVH, P, D] each): a prompt's rows do not change while it is decoded
-    # from, so the scheduler hands the same dict to every step over the same groups and each layer gathers once
+    # from, so every step over the same prompts shares this dict (and index, mask) and each layer gathers once
     kv: dict
 
     @classmethod
-    def build(cls, groups, batch_size: int, dtype: torch.dtype, kv: dict | None = None) -> "SharedPrefix":
-        """groups: [(prompt rows, batch positions of its requests)]; kv: the K/V gathered by an earlier step over
-        the same prompts in the same order, or None."""
-        P, M = max(len(rows) for rows, _ in groups), max(len(who) for _, who in groups)
-        slot = [len(groups) * M] * batch_size
+    def build(cls, groups, batch_size: int, dtype: torch.dtype, prev: "SharedPrefix | None" = None) -> "SharedPrefix":
+        """groups: [(prompt rows, batch positions of its requests)]; prev: an earlier step's SharedPrefix over the
+        same prompts in the same order (its prompt tensors and gathered K/V are kept), or None."""
+        M = max(len(who) for _, who in groups)
+        slot = [None] * batch_size
         for g, (_, who) in enumerate(groups):
             for j, b in enumerate(who):
                 slot[b] = g * M + j
+        ungrouped = None
+        if None in slot:
+            ungrouped = torch.tensor([-math.inf if x is None else 0.0 for x in slot]).view(batch_size, 1, 1, 1)
+        members = torch.tensor([who + [0] * (M - len(who)) for _, who in groups])
+        slot = torch.tensor([0 if x is None else x for x in slot])
+        if prev is not None:
+            return cls(prev.index, prev.mask, members, slot, ungrouped, prev.kv)
+        P = max(len(rows) for rows, _ in groups)
         index = torch.tensor([rows + [0] * (P - len(rows)) for rows, _ in groups])
-        members = torch.tensor([who + [batch_size] * (M - len(who)) for _, who in groups])
-        lens = torch.tensor([len(rows) for rows, _ in groups])
-        mask = torch.zeros(len(groups), 1, 1, P, dtype=dtype)
-        mask.masked_fill_((torch.arange(P)[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
-        return cls(index, mask, members, torch.tensor(slot), {} if kv is None else kv)
+        mask = torch.tensor([[0.0] * len(rows) + [-math.inf] * (P - len(rows)) for rows, _ in groups], dtype=dtype)
+        return cls(index, mask.view(len(groups), 1, 1, P), members, slot, ungrouped, {})
 
 
 class Transformer:
@@ -218,7 +221,9 @@ class Transformer:
         pos = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(pos, rope_inv_freq(cfg))
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        # rotate_half(x) * sin == roll(x, D/2) * sin_rot: the sign of rotate_half's negated half moved into the table
+        sign = torch.cat((-torch.ones(cfg.head_dim // 2), torch.ones(cfg.head_dim // 2)))
+        self.cos, self.sin_rot = emb.cos().to(dtype), (emb.sin() * sign).to(dtype)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
 
     def lora_dims(self) -> dict:
@@ -233,20 +238,23 @@ class Transformer:
     @staticmethod
     def _linear(x, layer, name, lora, i):
         """One projection of layer i, plus the LoRA deltas of the batch's adapters (lora: a LoRABatch or None)."""
-        out = F.linear(x, layer[name], layer.get(name + "_bias"))
+        wt, bias = _transposed(layer[name]), layer.get(name + "_bias")
+        out = x @ wt if bias is None else torch.addmm(bias, x, wt)
         return out if lora is None else lora.add(i, name, x, out)
+
+    def _rope(self, positions):
+        """The rotary tables at `positions`, [N, 1, D] each (broadcast over heads): `_qkv`'s cos and sin."""
+        return self.cos.index_select(0, positions).unsqueeze(1), self.sin_rot.index_select(0, positions).unsqueeze(1)
 
     def _qkv(self, layer, h, cos, sin, lora=None, i=0):
         cfg = self.cfg
         qkv = self._linear(h, layer, "qkv", lora, i)
         H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qk, v = qkv.split([(H + KVH) * D, KVH * D], dim=-1)
-        qk, v = qk.unflatten(-1, (H + KVH, D)), v.unflatten(-1, (KVH, D))
+        qk, v = qkv.unflatten(-1, (H + 2 * KVH, D)).split([H + KVH, KVH], dim=-2)
         if cfg.qk_norm:  # q and k heads in one pass, scaled by their own weights in fp32: F.rms_norm's exact bits
             w = torch.cat([layer["q_norm"].expand(H, D), layer["k_norm"].expand(KVH, D)])
             qk = (F.rms_norm(qk.float(), (D,), None, cfg.rms_norm_eps) * w.float()).to(qk.dtype)
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
-        qk = qk * cos + _rotate_half(qk) * sin  # q and k heads rotated in one pass
+        qk = qk * cos + qk.roll(D // 2, -1) * sin  # q and k heads rotated in one pass (transformers' bits)
         q, k = qk.split([H, KVH], dim=-2)
         return q, k, v
 
@@ -279,7 +287,7 @@ class Transformer:
         ar = torch.arange(L)
         # queries see earlier tokens of their own sequence causally, nothing past its length
         mask = ((ar[None, :, None] >= ar[None, None, :]) & (ar[None, None, :] < lens[:, None, None])).unsqueeze(1)
-        cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+        cos, sin = self._rope(positions)
         h = F.embedding(tokens, self.w.embed)  # [N, hidden]
 
         def padded(t):  # [N, heads, D] -> [B, heads, L, D]
@@ -317,11 +325,12 @@ class Transformer:
         including the new one (padding points at row 0), kv_valid [B, S]; lora as in forward_prefill; shared: the
         groups whose prompt rows are attended once (kv_index then holds only their members' rows after it), or None.
         Returns logits [B, V]."""
-        cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+        cos, sin = self._rope(positions)
         B, S = kv_index.shape
         # one additive float mask per step (a bool mask is converted inside every attention call)
         mask = torch.zeros(B, 1, 1, S, dtype=self.dtype).masked_fill_(~kv_valid[:, None, None, :], float("-inf"))
         flat_index = kv_index.reshape(-1)
+        rowsel = None if shared is None else self._stats_rows(shared)
         h = F.embedding(tokens, self.w.embed)  # [B, hidden]
         for i, layer in enumerate(self.w.layers):
             x = self._norm(h, layer["input_norm"])
@@ -336,7 +345,7 @@ class Transformer:
                     q.unsqueeze(2), ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=True
                 ).flatten(1)
             else:
-                o = self._cascade_attention(q, ks, vs, mask, self._prompt_kv(pool, i, shared), shared)
+                o = self._cascade_attention(q, ks, vs, mask, self._prompt_kv(pool, i, shared), shared, rowsel)
             h = h + self._linear(o, layer, "o", lora, i)
             h = h + self._mlp(layer, self._norm(h, layer["post_norm"]), lora, i)
         return self._logits(h)
@@ -352,30 +361,43 @@ class Transformer:
             )
         return shared.kv[i]
 
-    def _cascade_attention(self, q, ks, vs, mask, prompt_kv, shared):
+    def _stats_rows(self, shared):
+        """[B * KVH * rep]: where each request's (KV head, query head) rows sit in the prompt attention's output
+        [G, KVH, M * rep] flattened (once per step; the same for every layer)."""
+        KVH = self.cfg.num_kv_heads
+        rep, M = self.cfg.num_heads // KVH, shared.members.shape[1]
+        g, j = (shared.slot // M)[:, None, None], (shared.slot % M)[:, None, None]
+        kvh, r = torch.arange(KVH)[None, :, None], torch.arange(rep)[None, None, :]
+        return (((g * KVH + kvh) * M + j) * rep + r).reshape(-1)
+
+    def _cascade_attention(self, q, ks, vs, mask, prompt_kv, shared, rowsel):
         """Attention over [shared prompt rows | own rows] as two blocks merged by their log-sum-exps: a group's
         prompt K/V are gathered and attended once for all its members, not once per request.
-        q [B, H, D]; ks/vs [B, KVH, S, D] each request's own rows, mask [B, 1, 1, S]; prompt_kv: `_prompt_kv`.
-        Returns [B, H * D]."""
+        q [B, H, D]; ks/vs [B, KVH, S, D] each request's own rows, mask [B, 1, 1, S]; prompt_kv: `_prompt_kv`;
+        rowsel: `_stats_rows`. Returns [B, H * D]."""
         B, H, D = q.shape
         G, M, KVH = shared.members.shape[0], shared.members.shape[1], ks.shape[1]
         rep = H // KVH  # query head h reads KV head h // rep (SDPA's enable_gqa): a KV head's queries form its rows
-        pk, pv = prompt_kv
-        qg = torch.cat([q, q.new_zeros(1, H, D)]).index_select(0, shared.members.reshape(-1))
-        qg = qg.view(G, M, KVH, rep, D).transpose(1, 2).reshape(G, KVH, M * rep, D)
-        op, lp = _attention_lse(qg, pk, pv, shared.mask, self.scale)  # [G, KVH, M*rep, D], [G, KVH, M*rep]
-        # to per-request [B, KVH, rep, D + 1], in fp32; a request in no group reads zeros with log-sum-exp -inf
-        stats = torch.cat([op.float(), lp.unsqueeze(-1).float()], -1).view(G, KVH, M, rep, D + 1).transpose(1, 2)
-        none = stats.new_zeros(1, KVH, rep, D + 1)
-        none[..., D] = -math.inf
-        stats = torch.cat([stats.reshape(G * M, KVH, rep, D + 1), none]).index_select(0, shared.slot)
-        op, lp = stats[..., :D], stats[..., D:]
+        qg = q.index_select(0, shared.members.view(-1)).view(G, M, KVH, rep, D).transpose(1, 2)
+        op, lp = _attention_lse(qg.reshape(G, KVH, M * rep, D), *prompt_kv, shared.mask, self.scale)
+        # each request's prompt-block output and log-sum-exp, [B, KVH, rep, D + 1] (fp32)
+        stats = torch.cat([op, lp.unsqueeze(-1)], -1).view(-1, D + 1).index_select(0, rowsel).view(B, KVH, rep, D + 1)
         os_, ls = _attention_lse(q.view(B, KVH, rep, D), ks, vs, mask, self.scale)
-        ls = ls.unsqueeze(-1).float()
-        m = torch.maximum(lp, ls)  # finite: each request's own block holds its new token
-        a, b = (lp - m).exp_(), (ls - m).exp_()
-        o = (op * a + os_.float() * b) / (a + b)
-        return o.reshape(B, H * D).to(self.dtype)
+        # softmax over both blocks = own + (prompt - own) * sigmoid(lse_prompt - lse_own)
+        diff = stats[..., D:] - ls.unsqueeze(-1)
+        if shared.ungrouped is not None:
+            diff = diff + shared.ungrouped
+        return torch.lerp(os_.float(), stats[..., :D], torch.sigmoid(diff)).reshape(B, H * D).to(self.dtype)
+
+
+def _transposed(w):
+    """w.T made contiguous (a second copy of the weight): at decode batch sizes a CPU GEMM from it runs up to 2x
+    faster than F.linear's on the transposed view. Kept on the weight itself (freed with it) and made again after any
+    write into its storage (every in-place write bumps the version counter a tensor shares with its views)."""
+    kept = getattr(w, "_slime_transposed", None)
+    if kept is None or kept[0] != w._version:
+        kept = w._slime_transposed = (w._version, w.t().contiguous())
+    return kept[1]
 
 
 def _attention_lse(q, k, v, mask, scale):

@@ -162,8 +162,9 @@ class Scheduler:
         self.share_prefill = share_prefill
         self.shared: dict = {}  # (prompt ids, adapter id, weight version) -> its live _SharedPrompt
         self.row_refs: dict = {}  # pool row -> holders beyond the first (a row is freed when its last holder goes)
-        # (the decode's group prompts, layer -> their gathered K/V): reused by the steps over the same prompts
-        self.prompt_kv: tuple = ((), {})
+        # (the decode's group prompts, the last step's SharedPrefix over them): its prompt rows, mask and gathered
+        # K/V serve every step over the same prompts
+        self.last_shared: tuple = ((), None)
         self.num_prefill_tokens = 0  # tokens run through forward_prefill
         self.num_cached_tokens = 0  # prompt tokens served from a shared prefill instead
         self.gen = torch.Generator().manual_seed(random_seed)
@@ -190,8 +191,9 @@ class Scheduler:
         self.wakeup.set()
         self.thread.join(timeout=10)
 
-    def submit(self, req: Req):
-        self.inbox.put(req)
+    def submit(self, *reqs: Req):
+        """Hand requests to the scheduler, those of one call as one (an HTTP batch reaches one scheduling step)."""
+        self.inbox.put(reqs)
         self.wakeup.set()
 
     def abort(self, rid=None, abort_all=False, message="Aborted"):
@@ -252,22 +254,22 @@ class Scheduler:
                 self.running, self.waiting = [], deque()
                 self.shared.clear()
                 self.row_refs.clear()
-                self.prompt_kv = ((), {})
+                self.last_shared = ((), None)
 
     def _drain(self):
         while not self.controls.empty():
             fn, fut = self.controls.get()
             self.shared.clear()  # weights, adapters or the pool may change: nothing computed before is shared after
-            self.prompt_kv = ((), {})
+            self.last_shared = ((), None)
             if fut.set_running_or_notify_cancel():
                 try:
                     fut.set_result(fn())
                 except BaseException as e:  # noqa: BLE001  (the caller re-raises it)
                     fut.set_exception(e)
         while not self.inbox.empty():
-            r = self.inbox.get()
-            self.all_reqs[r.rid] = r
-            self.waiting.append(r)
+            for r in self.inbox.get():
+                self.all_reqs[r.rid] = r
+                self.waiting.append(r)
 
     def _step(self) -> bool:
         """One scheduling iteration; False when there is nothing to do."""
@@ -416,32 +418,35 @@ class Scheduler:
             self._decode_batch(batch)
 
     def _decode_batch(self, reqs):
-        kv_lens = torch.tensor([len(r.rows) for r in reqs])  # cached positions before this step
-        new_rows = self.pool.alloc(len(reqs))
-        slots = torch.tensor([r.slot for r in reqs])
-        self.req_to_token[slots, kv_lens] = torch.tensor(new_rows)
+        B, W = len(reqs), self.req_to_token.shape[1]
+        lens = [len(r.rows) for r in reqs]  # cached positions before this step
+        new_rows = self.pool.alloc(B)
         for r, row in zip(reqs, new_rows):
             r.rows.append(row)
+        table = self.req_to_token.view(-1)  # [slot * W + position] (Python-built flat indices: few tensor ops)
+        table.index_copy_(0, torch.tensor([r.slot * W + n for r, n in zip(reqs, lens)]), torch.tensor(new_rows))
         groups = self._decode_groups(reqs)
         kwargs = self._mm_kwargs(reqs)
-        skip = torch.zeros(len(reqs), dtype=torch.long)  # leading positions read through the shared prompt instead
+        skip = [0] * B  # leading positions read through the shared prompt instead
         if groups:
             prompts = tuple(p for p, _ in groups)  # the prompt objects: held, so compared by identity
-            if prompts != self.prompt_kv[0]:  # another group set: its prompts' K/V are gathered anew
-                self.prompt_kv = (prompts, {})
+            prev = self.last_shared[1] if prompts == self.last_shared[0] else None  # else: their K/V gathered anew
             groups = [(p.rows, who) for p, who in groups]
             for rows, who in groups:
-                skip[who] = len(rows)
-            kwargs["shared"] = SharedPrefix.build(groups, len(reqs), self.model.dtype, self.prompt_kv[1])
-        own = kv_lens + 1 - skip
-        S = int(own.max())
-        at = (skip[:, None] + torch.arange(S)[None, :]).clamp_(max=self.req_to_token.shape[1] - 1)
-        kv_index = self.req_to_token[slots[:, None], at]
-        kv_valid = torch.arange(S)[None, :] < own[:, None]
+                for b in who:
+                    skip[b] = len(rows)
+            kwargs["shared"] = SharedPrefix.build(groups, B, self.model.dtype, prev)
+            self.last_shared = (prompts, kwargs["shared"])
+        own = [n + 1 - k for n, k in zip(lens, skip)]
+        S = max(own)
+        # each request's positions from `skip` on; past its own (masked) any row will do, so only the table's end caps
+        at = torch.tensor([r.slot * W + k for r, k in zip(reqs, skip)])[:, None] + torch.arange(S)
+        kv_index = table.index_select(0, at.view(-1).clamp_(max=table.numel() - 1)).view(B, S)
+        kv_valid = torch.arange(S) < torch.tensor(own)[:, None]
         tokens = torch.tensor([r.output_ids[-1] for r in reqs])
-        lora = LoRABatch.of([r.lora for r in reqs], [1] * len(reqs))
+        lora = LoRABatch.of([r.lora for r in reqs], [1] * B)
         logits = self.model.forward_decode(
-            self.pool, tokens, kv_lens, torch.tensor(new_rows), kv_index, kv_valid, lora=lora, **kwargs
+            self.pool, tokens, torch.tensor(lens), torch.tensor(new_rows), kv_index, kv_valid, lora=lora, **kwargs
         )
         self._sample_and_append(reqs, logits.float())
 
