@@ -1502,9 +1502,7 @@ def test_q_and_k_norms_in_one_pass_round_as_two_rms_norms(tiny_kit, dtype):
     want = torch.cat(
         [F.rms_norm(qk[:, :H], (D,), layer["q_norm"], eps), F.rms_norm(qk[:, H:], (D,), layer["k_norm"], eps)], 1
     )
-    freqs = torch.outer(
-        pos.float(), rope_inv_freq(cfg)
-    )  # transformers' rotary embedding, from its inverse frequencies
+    freqs = torch.outer(pos.float(), rope_inv_freq(cfg))  # transformers' rotary embedding from its frequencies
     emb = torch.cat((freqs, freqs), dim=-1)[:, None]
     want = want * emb.cos().to(dtype) + rotate_half(want) * emb.sin().to(dtype)
     assert torch.equal(q, want[:, :H]) and torch.equal(k, want[:, H:])
@@ -1558,7 +1556,8 @@ def test_cascade_decode_reads_each_shared_prompt_once_and_equals_transformers(ti
     )
     # the cascade really reads the prompt through the group: spoil a member's own copy of it and nothing changes,
     # spoil the group's rows and the members' logits move, once gathered anew: a SharedPrefix keeps the prompts' K/V
-    # its first step gathered (the scheduler hands it to every step over the same groups)
+    # its first step gathered, and so does the next step's, built from it (as the scheduler builds every step over
+    # the same groups)
     for i in range(cfg.num_layers):
         pool.k[i][torch.tensor(rows[1][: len(a)])] = 9.0
     again = model.forward_decode(pool, tokens, lens, torch.tensor(new), index, valid, shared=shared)
@@ -1567,6 +1566,10 @@ def test_cascade_decode_reads_each_shared_prompt_once_and_equals_transformers(ti
         pool.k[i][torch.tensor(prompts[0][1])] = 9.0
     reused = model.forward_decode(pool, tokens, lens, torch.tensor(new), index, valid, shared=shared)
     assert torch.equal(reused, got)
+    following = SharedPrefix.build(groups, B, dtype, prev=shared)
+    assert torch.equal(
+        model.forward_decode(pool, tokens, lens, torch.tensor(new), index, valid, shared=following), got
+    )
     anew = SharedPrefix.build(groups, B, dtype)
     spoiled = model.forward_decode(pool, tokens, lens, torch.tensor(new), index, valid, shared=anew)
     assert (spoiled[:3] - got[:3]).abs().max() > 1e-2 and torch.equal(spoiled[3:], got[3:])
