@@ -1440,8 +1440,9 @@ def test_other_llama_family_architectures_match_transformers(arch, tmp_path):
 
 def test_projections_follow_every_write_into_the_weights_and_free_with_them(tiny_kit):
     """The decoder multiplies by a contiguous transpose of each fused weight (faster GEMMs): it follows every write
-    into the weight's storage (through an HF-name view, in inference mode too), and leaves with the weight when the
-    weights are released, so release_memory_occupation still frees that RAM."""
+    into the weight's storage (through an HF-name view, in inference mode too, and one torch does not see, such as a
+    broadcast received in place, which bumps the store's generation), and leaves with the weight when the weights are
+    released, so release_memory_occupation still frees that RAM."""
     import gc
     import weakref
 
@@ -1461,16 +1462,22 @@ def test_projections_follow_every_write_into_the_weights_and_free_with_them(tiny
     before = project()
     assert torch.allclose(before, F.linear(x, w.layers[0]["qkv"]), atol=1e-5)
     k = slice(cfg.num_heads * cfg.head_dim, (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim)
-    for mode in (torch.no_grad, torch.inference_mode):  # a load's copy_, and a write during serving
-        with mode():
-            w.named["model.layers.0.self_attn.k_proj.weight"].add_(0.5)
+    k_proj = w.named["model.layers.0.self_attn.k_proj.weight"]
+    for write in ("no_grad", "inference_mode", "raw"):  # a load's copy_, a write during serving, a collective's
+        if write == "raw":  # into the memory behind torch's back (no version bump), as the update API announces it
+            k_proj.data.add_(0.5)
+            w.generation += 1
+        else:
+            with getattr(torch, write)():
+                k_proj.add_(0.5)
         after = project()
         assert torch.allclose(after, F.linear(x, w.layers[0]["qkv"]), atol=1e-5)
         assert (after[:, k] - before[:, k]).abs().max() > 1e-2 and torch.equal(
             after[:, : k.start], before[:, : k.start]
         )
         before = after
-    kept = weakref.ref(_transposed(w.layers[0]["qkv"]))
+    kept = weakref.ref(_transposed(w.layers[0]["qkv"], w.generation))
+    del k_proj  # a view keeps its base alive
     w.release()
     gc.collect()
     assert kept() is None

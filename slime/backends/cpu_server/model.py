@@ -235,10 +235,9 @@ class Transformer:
     def _norm(self, x, w):
         return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_norm_eps)
 
-    @staticmethod
-    def _linear(x, layer, name, lora, i):
+    def _linear(self, x, layer, name, lora, i):
         """One projection of layer i, plus the LoRA deltas of the batch's adapters (lora: a LoRABatch or None)."""
-        wt, bias = _transposed(layer[name]), layer.get(name + "_bias")
+        wt, bias = _transposed(layer[name], self.w.generation), layer.get(name + "_bias")
         out = x @ wt if bias is None else torch.addmm(bias, x, wt)
         return out if lora is None else lora.add(i, name, x, out)
 
@@ -390,13 +389,14 @@ class Transformer:
         return torch.lerp(os_.float(), stats[..., :D], torch.sigmoid(diff)).reshape(B, H * D).to(self.dtype)
 
 
-def _transposed(w):
+def _transposed(w, generation):
     """w.T made contiguous (a second copy of the weight): at decode batch sizes a CPU GEMM from it runs up to 2x
     faster than F.linear's on the transposed view. Kept on the weight itself (freed with it) and made again after any
-    write into its storage (every in-place write bumps the version counter a tensor shares with its views)."""
+    write into its storage: a torch write bumps the version counter a tensor shares with its views; one torch does
+    not see (a collective receiving straight into the weight) comes with a new `generation` of the weight store."""
     kept = getattr(w, "_slime_transposed", None)
-    if kept is None or kept[0] != w._version:
-        kept = w._slime_transposed = (w._version, w.t().contiguous())
+    if kept is None or kept[0] != (w._version, generation):
+        kept = w._slime_transposed = ((w._version, generation), w.t().contiguous())
     return kept[1]
 
 
