@@ -24,6 +24,19 @@ MAX_RATIO = 200
 # each frame's timestamp
 TIMESTAMPED = "Qwen3VLProcessor"
 
+# qwen-vl-utils' per-video sampling and size settings (refused: SGLang applies its server's to every video)
+_PER_VIDEO_SETTINGS = (
+    "fps",
+    "nframes",
+    "min_frames",
+    "max_frames",
+    "min_pixels",
+    "max_pixels",
+    "total_pixels",
+    "resized_height",
+    "resized_width",
+)
+
 
 def read_video(item, where="video"):
     """The encoded bytes of a video item: bytes, a path, a `file://` / `http(s)://` / data URL, raw base64, or a dict
@@ -60,11 +73,6 @@ def read_video(item, where="video"):
     if item.startswith(("/", "file://")) or "." in os.path.basename(item)[-6:]:
         raise ValueError(f"{where}: video file {path!r} does not exist")
     return _b64(item, where)
-
-
-# qwen-vl-utils' per-video sampling and size settings
-_PER_VIDEO_SETTINGS = ("fps", "nframes", "min_frames", "max_frames", "min_pixels", "max_pixels", "total_pixels")
-_PER_VIDEO_SETTINGS += ("resized_height", "resized_width")
 
 
 def _b64(data, where):
