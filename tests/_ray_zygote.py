@@ -104,7 +104,9 @@ def _kill_orphans(workers):
 
     for child in psutil.Process().children():
         if child.pid not in workers or _gone(workers[child.pid]):
-            child.kill()
+            # it may have exited since it was listed: an uncaught NoSuchProcess would end the server's loop
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
     alive = {c.pid for c in psutil.Process().children()}
     for pid in [p for p in workers if p not in alive]:
         del workers[pid]

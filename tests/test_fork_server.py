@@ -54,3 +54,18 @@ def test_a_stopped_child_dies_with_its_client(tmp_path):
     client.kill()
     client.wait(60)
     child.wait(30)  # psutil.TimeoutExpired if the child outlives its client
+
+
+def test_a_child_that_exits_while_orphans_are_swept_does_not_stop_the_server(monkeypatch):
+    """The server lists its children, then kills the orphans among them: one that exits in between (a run's servers
+    dying together) must not end its loop, or every later client would find no server and run the program itself."""
+    import psutil
+
+    proc = subprocess.Popen(["sleep", "60"])
+    gone = psutil.Process(proc.pid)
+    proc.kill()
+    proc.wait()  # reaped: killing it now raises NoSuchProcess, as for a child that exited after the listing
+    monkeypatch.setattr(psutil.Process, "children", lambda self, recursive=False: [gone])
+    workers = {}
+    _ray_zygote._kill_orphans(workers)
+    assert workers == {}
