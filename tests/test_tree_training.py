@@ -203,6 +203,43 @@ def test_flex_block_mask_is_the_dense_ancestor_mask():
     assert (got - want).abs().max() <= 1e-6
 
 
+@pytest.mark.slow  # development tier: the eager FlexAttention test above; compiling takes ~15 s here
+def test_compiled_flex_path_equals_the_dense_mask_and_stops_compiling(monkeypatch):
+    """What `--tree-attention-backend flex` runs where the device compiles kernels (a GPU): the block mask built by a
+    compiled `create_block_mask` and the attention by `torch.compile(flex_attention, dynamic=True)`, run here on
+    the CPU (forward only: FlexAttention has no CPU backward). Each tree row's output equals the dense ancestor mask's,
+    and once two row lengths have been seen (the block mask's compile turns dynamic at the second, as TorchDynamo does
+    by default), rows of other lengths and shapes compile nothing more: a new tree per micro-batch must not recompile."""
+    from torch._dynamo.utils import counters
+
+    from slime.backends.megatron_utils import tree_attention
+    from slime.backends.megatron_utils.data import _tree_layout
+    from slime.utils import device
+
+    monkeypatch.setattr(device, "compile_kernels", lambda: True)
+    tree_attention._flex.cache_clear()
+    g = torch.Generator().manual_seed(1)
+    graphs = []
+    try:
+        # rows of 900, 150, 190 and 900 tokens: one group each, of 3, 2, 4 and 3 samples
+        for prompt, answers in ((300, (200, 210, 190)), (77, (33, 40)), (50, (20, 30, 40, 50)), (300, (1, 2, 597))):
+            head = torch.randint(3, 99, (prompt,), generator=g)
+            samples = [torch.cat([head, torch.randint(3, 99, (n,), generator=g)]) for n in answers]
+            dense, block = (_tree_layout(samples, kind)["attention_mask"] for kind in ("dense", "flex"))
+            n = dense.shape[-1]
+            q, k, v = (torch.randn(1, h, n, 32, generator=g) for h in (4, 2, 2))
+            with torch.no_grad():
+                got = tree_attention._flex()(q, k, v, block_mask=block, scale=0.2, enable_gqa=True)
+            want = torch.nn.functional.scaled_dot_product_attention(
+                q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=~dense, scale=0.2
+            )
+            assert (got - want).abs().max() <= 1e-6, n
+            graphs.append(counters["stats"]["unique_graphs"])
+        assert graphs[1] == graphs[2] == graphs[3], graphs
+    finally:
+        tree_attention._flex.cache_clear()  # the compiled kernel stays with this test, not the next one
+
+
 @pytest.mark.parametrize(
     "flags, refused",
     [
