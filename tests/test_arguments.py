@@ -668,11 +668,12 @@ def test_cpu_server_takes_the_tool_call_parsers_it_runs(capsys):
     at start-up, naming the ones it runs."""
     from slime.backends.sglang_utils.server_launch import server_command
 
-    a = parse("--inference-server", "cpu", "--sglang-tool-call-parser", "qwen25")
-    argv = server_command(a, 0, "127.0.0.1", 30000, 30001, "127.0.0.1:30002")[1]
-    assert argv[argv.index("--tool-call-parser") + 1] == "qwen25"
+    for parser in ("qwen25", "qwen3_coder"):  # current slime's agent scripts pass qwen3_coder
+        a = parse("--inference-server", "cpu", "--sglang-tool-call-parser", parser)
+        argv = server_command(a, 0, "127.0.0.1", 30000, 30001, "127.0.0.1:30002")[1]
+        assert argv[argv.index("--tool-call-parser") + 1] == parser
     err = parse_error(capsys, "--inference-server", "cpu", "--sglang-tool-call-parser", "llama3")
-    assert "--sglang-tool-call-parser='llama3' (it parses ['hermes', 'qwen', 'qwen25'])" in err
+    assert "--sglang-tool-call-parser='llama3' (it parses ['hermes', 'qwen', 'qwen25', 'qwen3_coder'])" in err
 
 
 def test_cpu_server_takes_the_sampling_mask_cap():

@@ -474,6 +474,31 @@ def test_openai_requests_are_read_as_sglang_reads_them(server):
     assert r.status_code == 200
 
 
+def test_a_chat_answers_qwen3_coder_calls_as_sglang_does():
+    """`--tool-call-parser qwen3_coder` (Qwen3-Coder's and Qwen3.5's XML calls): the chat message a finished choice
+    gets, as SGLang's server builds it: the text before the first call as the content, unstripped; each call with
+    its values typed by the tool's schema, an undeclared tool's call kept (SGLang's qwen3_coder keeps it, where its
+    JSON formats drop it); a stop that made calls reported as "tool_calls", a length cut as "length"."""
+    from types import SimpleNamespace
+
+    from slime.backends.cpu_server.openai_api import _tool_calls
+
+    tools = [
+        {"type": "function", "function": {"name": "add", "parameters": {"properties": {"a": {"type": "integer"}}}}}
+    ]
+    text = (
+        "Let me add.\n\n<tool_call>\n<function=add>\n<parameter=a>\n 7\n</parameter>\n</function>\n</tool_call>\n"
+        "<tool_call>\n<function=rm>\n<parameter=path>\n/tmp\n</parameter>\n</function>\n</tool_call>"
+    )
+    for reason, finish in (("stop", "tool_calls"), ("length", "length")):
+        r = SimpleNamespace(text=text, finish_reason={"type": reason})
+        message, got = _tool_calls(r, "qwen3_coder", tools)
+        assert got == finish and message["content"] == "Let me add.\n\n"
+        calls = [(c["index"], c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
+        assert calls == [(0, "add", '{"a": 7}'), (1, "rm", '{"path": "/tmp"}')]
+        assert all(c["id"].startswith("call_") and c["type"] == "function" for c in message["tool_calls"])
+
+
 def test_chat_prompts_tools_and_request_fields_are_taken_as_sglang_takes_them(server):
     """The chat prompt is built as SGLang builds it (tests/test_chat_prompt.py holds its rules to SGLang's code): a
     trailing assistant message is rendered as a user's; with tools in play the output's text keeps special tokens

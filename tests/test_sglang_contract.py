@@ -605,9 +605,26 @@ def test_adapter_payload_loads_in_sglangs_own_deserializer():
 
 _WEATHER = {"name": "get_weather", "arguments": {"city": "Paris"}}
 _ADD = {"name": "add", "arguments": {"a": 1, "b": 2}}
+_TYPED = {  # qwen3_coder converts each value by its parameter's schema
+    "n": {"type": "integer"},
+    "x": {"type": "number"},
+    "flag": {"type": "boolean"},
+    "obj": {"type": "object"},
+    "items": {"type": "array", "items": {"type": "string"}},
+    "s": {"type": "string"},
+    "maybe": {"type": ["integer", "null"]},
+    "choice": {"enum": [1, 2]},
+    "either": {"anyOf": [{"type": "number"}, {"type": "null"}]},
+    "mixed": {"anyOf": [{"type": "integer"}, {"type": "string"}]},
+    "all": {"allOf": [{"description": "no type"}, {"type": "integer"}]},
+    "any": {},
+    "tup": {"type": "tuple"},
+}
 PARSER_TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
     {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "typed", "parameters": {"type": "object", "properties": _TYPED}}},
+    {"type": "function", "function": {"name": "union", "parameters": {"anyOf": [{"properties": {"n": _TYPED["n"]}}]}}},
 ]
 
 
@@ -615,7 +632,17 @@ def _call(obj, sep="\n"):
     return f"<tool_call>{sep}{obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}{sep}</tool_call>"
 
 
-# (text, tool parser, reasoning parser): valid, malformed, unknown and cut-off calls, both JSON formats, and
+def _xml(name, **params):
+    """One qwen3_coder call, as Qwen3-Coder writes it."""
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+_VALUES = dict(n="42", x="3", flag="True", obj='{"a": [1, 2]}', items='["a", "b"]', s="007", maybe="null")
+_VALUES.update(choice="2", either="1e3", mixed="5", all="7", any="[1, 2]", tup="(1, 2)", extra="9")
+_BAD_VALUES = dict(n="4.5", x="abc", flag="yes", obj="{'a': 1}", items="not a list", maybe="NULL", tup="x +")
+
+# (text, tool parser, reasoning parser): valid, malformed, unknown and cut-off calls, the JSON and XML formats, and
 # reasoning opened, closed, cut off, or interrupted by a call
 PARSER_CASES = {
     "plain": ("Hello there.", "qwen25", None),
@@ -647,6 +674,28 @@ PARSER_CASES = {
     "r1_opened": ("<think>I think.</think>Answer.", None, "deepseek-r1"),
     "r1_cut_off": ("Still thinking", None, "deepseek-r1"),
     "r1_call": ("plan</think>\n\n" + _call(_ADD), "hermes", "deepseek-r1"),
+    "coder_call": ("Let me check.\n\n" + _xml("get_weather", city="Paris\nFrance"), "qwen3_coder", None),
+    "coder_typed": (_xml("typed", **_VALUES), "qwen3_coder", None),
+    "coder_bad_values": (_xml("typed", **_BAD_VALUES), "qwen3_coder", None),
+    "coder_undeclared_tool_kept": ("U\n" + _xml("rm", path="/") + "\n" + _xml("add", a="1"), "qwen3_coder", None),
+    "coder_two_functions_one_block": (
+        "<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n</function>\n"
+        "<function=typed>\n<parameter=n>\n2\n</parameter>\n</function>\n</tool_call>",
+        "qwen3_coder",
+        None,
+    ),
+    "coder_unclosed_parameters": (
+        "<tool_call>\n<function=typed>\n<parameter=n>\n1\n<parameter=s>\nx\n</function>\n</tool_call>",
+        "qwen3_coder",
+        None,
+    ),
+    "coder_cut_off": ("Cut.\n<tool_call>\n<function=typed>\n<parameter=n>\n12", "qwen3_coder", None),
+    "coder_no_function": ("N.\n<tool_call>\nnothing here\n</tool_call>", "qwen3_coder", None),
+    "coder_not_json_serialisable": ("S.\n" + _xml("typed", obj="{1, 2}"), "qwen3_coder", None),
+    "coder_schema_without_properties": (_xml("get_weather", type="object", city="Rome"), "qwen3_coder", None),
+    "coder_schema_in_a_branch": (_xml("union", n="3"), "qwen3_coder", None),
+    "coder_after_reasoning": ("<think>\nplan\n</think>\n\n" + _xml("add", a="1", b="2"), "qwen3_coder", "qwen3"),
+    "coder_no_call": ("Plain <function=add> text.", "qwen3_coder", None),
 }
 
 
@@ -659,20 +708,30 @@ def test_agent_output_parsing_without_sglang_answers_as_sglangs_own_parsers(tmp_
     assert not have_sglang()  # this venv runs the rules written here
     (tmp_path / "cases.json").write_text(json.dumps({"tools": PARSER_TOOLS, "cases": PARSER_CASES}))
 
+    from slime.utils.output_parsing import split_tool_calls
+
     ours = {}
     for name, (text, tool_parser, reasoning_parser) in PARSER_CASES.items():
         p = parse_output(text, tools=PARSER_TOOLS, tool_parser=tool_parser, reasoning_parser=reasoning_parser)
-        ours[name] = [p.reasoning, p.text, p.tool_calls, p.ill_formed]
+        # and the calls' split alone, unstripped: the CPU server's chat answers its visible text as the content
+        ours[name] = [
+            p.reasoning,
+            p.text,
+            p.tool_calls,
+            p.ill_formed,
+            split_tool_calls(text, PARSER_TOOLS, tool_parser),
+        ]
+    ours = json.loads(json.dumps(ours))  # tuples as lists, as the other side's JSON has them
     code = (
         "import json, logging, sys\n"
         "logging.disable(logging.WARNING)\n"
-        "from slime.utils.output_parsing import have_sglang, parse_output\n"
+        "from slime.utils.output_parsing import have_sglang, parse_output, split_tool_calls\n"
         "assert have_sglang()\n"
         "d = json.load(open(sys.argv[1]))\n"
         "out = {}\n"
         "for name, (text, tp, rp) in d['cases'].items():\n"
         "    p = parse_output(text, tools=d['tools'], tool_parser=tp, reasoning_parser=rp)\n"
-        "    out[name] = [p.reasoning, p.text, p.tool_calls, p.ill_formed]\n"
+        "    out[name] = [p.reasoning, p.text, p.tool_calls, p.ill_formed, split_tool_calls(text, d['tools'], tp)]\n"
         "from slime.utils.output_parsing import check_parser_names\n"
         "check_parser_names('llama3', 'kimi')\n"
         "try:\n"
@@ -684,12 +743,23 @@ def test_agent_output_parsing_without_sglang_answers_as_sglangs_own_parsers(tmp_
     run = run_side(code, str(tmp_path / "cases.json"))
     assert run.returncode == 0, run.stderr[-2000:]
     theirs = json.loads(run.stdout.strip().splitlines()[-1])
-    assert {k: {"here": ours[k], "sglang": theirs[k]} for k in ours if ours[k] != theirs[k]} == {}
+    differ = [k for k in ours if json.dumps(ours[k]) != json.dumps(theirs[k])]  # as text: 1000 is not 1000.0
+    assert {k: {"here": ours[k], "sglang": theirs[k]} for k in differ} == {}
     # the table exercises what it claims to: calls kept and dropped, flags both ways, reasoning split
-    assert ours["two_calls_then_text"] == ["", "Both.", [_WEATHER, _ADD], False]
-    assert ours["unknown_then_known"] == ["", "U.", [_WEATHER], True]
-    assert ours["hermes_bad_json"][1:] == [PARSER_CASES["hermes_bad_json"][0], [], True]
-    assert ours["qwen3_call_inside_think"] == ["\nplan\n", "", [_WEATHER], False]
+    assert ours["two_calls_then_text"][:4] == ["", "Both.", [_WEATHER, _ADD], False]
+    assert ours["unknown_then_known"][:4] == ["", "U.", [_WEATHER], True]
+    assert ours["hermes_bad_json"][1:4] == [PARSER_CASES["hermes_bad_json"][0], [], True]
+    assert ours["qwen3_call_inside_think"][:4] == ["\nplan\n", "", [_WEATHER], False]
+    typed = {"n": 42, "x": 3, "flag": True, "obj": {"a": [1, 2]}, "items": ["a", "b"], "s": "007", "maybe": None}
+    typed.update(choice=2, either=1000.0, mixed="5", all=7, any="[1, 2]", tup=[1, 2], extra="9")  # any: no type, text
+    assert ours["coder_typed"][2] == [{"name": "typed", "arguments": typed}]
+    assert ours["coder_bad_values"][2][0]["arguments"] == {
+        **dict(n="4.5", x="abc", flag=False, obj={"a": 1}, items="not a list", maybe=None, tup="x +")
+    }
+    rm = {"name": "rm", "arguments": {"path": "/"}}
+    assert ours["coder_undeclared_tool_kept"][4] == ["U\n", [rm, {"name": "add", "arguments": {"a": "1"}}], False]
+    assert ours["coder_call"][4][0] == "Let me check.\n\n"  # unstripped, as SGLang's content
+    assert ours["coder_not_json_serialisable"][4] == [PARSER_CASES["coder_not_json_serialisable"][0], [], True]
     # SGLang has no tool-call parser "qwen3" (Qwen3's format is "qwen25"): refused up front on both paths
     assert "tool_parser='qwen3' is not a tool-call parser SGLang has" in run.stdout
 

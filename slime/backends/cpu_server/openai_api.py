@@ -176,8 +176,8 @@ def _finish(r) -> str:
 
 def _tool_calls(r, parser, tools):
     """(the chat message, its finish reason) of a finished choice: with a tool-call parser (and tools in play),
-    SGLang's calls parsed out of the text (calls naming no declared tool dropped), the text before them left as
-    the content, and a stop that made calls reported as "tool_calls"."""
+    SGLang's calls parsed out of the text by the format's rules (`slime.utils.output_parsing`), the text before
+    them left as the content, and a stop that made calls reported as "tool_calls"."""
     finish = _finish(r)
     content, calls, _ = split_tool_calls(r.text, tools, parser) if parser else (r.text, [], False)
     message = {"role": "assistant", "content": content or "", "reasoning_content": None}  # no null tool_calls
