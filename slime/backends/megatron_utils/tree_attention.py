@@ -25,12 +25,17 @@ def tree_block_mask(subtree_end: torch.Tensor) -> BlockMask:
         return (k <= q) & (q <= subtree_end[k])
 
     n = subtree_end.numel()
-    return create_block_mask(ancestor, None, None, n, n, device=subtree_end.device, _compile=device.compile_kernels())
+    return _kernel(create_block_mask)(ancestor, None, None, n, n, device=subtree_end.device)
+
+
+def _flex():
+    return _kernel(flex_attention)
 
 
 @functools.cache
-def _flex():
-    return torch.compile(flex_attention, dynamic=True) if device.compile_kernels() else flex_attention
+def _kernel(fn):
+    """`fn` compiled for any length where the device compiles kernels (a GPU: fused), else `fn` itself (eager)."""
+    return torch.compile(fn, dynamic=True) if device.compile_kernels() else fn
 
 
 class TreeFlexAttention(DotProductAttention):
