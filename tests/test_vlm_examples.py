@@ -192,6 +192,7 @@ def test_shapes_data_reads_with_its_images_and_each_colour_answer_is_drawn(tmp_p
     import subprocess
     import sys
 
+    import numpy as np
     from PIL import Image
 
     from examples.vlm_shapes.prepare_data import COLOURS, SHAPES
@@ -211,7 +212,8 @@ def test_shapes_data_reads_with_its_images_and_each_colour_answer_is_drawn(tmp_p
     assert len(sft.samples) == 8 and all(len(s.multimodal_inputs["images"]) == 1 for s in sft.samples)
 
     def drawn(row):
-        pixels = set(Image.open(io.BytesIO(base64.b64decode(row["images"][0]))).convert("RGB").getdata())
+        image = Image.open(io.BytesIO(base64.b64decode(row["images"][0]))).convert("RGB")
+        pixels = set(map(tuple, np.asarray(image).reshape(-1, 3).tolist()))  # getdata() leaves Pillow 14
         return [c for c, rgb in COLOURS.items() if rgb in pixels]
 
     kinds = set()
