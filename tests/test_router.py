@@ -225,6 +225,23 @@ def test_a_port_taken_after_it_was_chosen_is_chosen_again(monkeypatch):
         stop_router(proc)
 
 
+def test_a_router_that_exits_while_its_port_is_checked_is_reported_as_exited(monkeypatch):
+    """The router can exit (its port was taken) between the liveness check and the look at its sockets: start-up
+    must still say it exited, a RuntimeError its caller retries on other ports, not psutil's NoSuchProcess."""
+    import multiprocessing
+
+    from slime.backends.sglang_utils import router as router_module
+
+    process = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(0,))
+    process.start()
+    process.join(30)
+    answers = iter([True])  # alive when checked, gone when its sockets are read
+    real = router_module._alive
+    monkeypatch.setattr(router_module, "_alive", lambda p: next(answers, None) or real(p))
+    with pytest.raises(RuntimeError, match="sglang-router exited \\(code 0\\): port 1 is taken"):
+        router_module._check_listener(process, 1, "sglang-router")
+
+
 def test_consistent_hashing_sends_every_turn_of_a_session_to_one_engine(tiny_kit):
     """`--router-policy consistent_hashing` (current slime's session affinity) on the real router: the requests of
     one session key (`Sample.session_id`, sent as the routing-key header) all reach the same engine, and the keys

@@ -164,12 +164,11 @@ def _check_listener(process, port: int, what: str):
     while time.time() < deadline:
         if not _alive(process):
             raise RuntimeError(f"{what} exited (code {_exitcode(process)}): port {port} is taken by another process")
-        listening = {
-            c.laddr.port
-            for c in psutil.Process(process.pid).net_connections(kind="tcp")
-            if c.status == psutil.CONN_LISTEN
-        }
-        if port in listening:
+        try:
+            connections = psutil.Process(process.pid).net_connections(kind="tcp")
+        except psutil.NoSuchProcess:  # it exited since: the check above says so, next round (and the caller retries)
+            continue
+        if port in {c.laddr.port for c in connections if c.status == psutil.CONN_LISTEN}:
             return
         time.sleep(0.1)
     raise RuntimeError(
