@@ -276,7 +276,7 @@ def split_reasoning(text: str, parser: str | None) -> tuple[str, str]:
 
 
 def split_tool_calls(text: str, tools: list[dict] | None, parser: str | None) -> tuple[str, list[dict], bool]:
-    """(visible text, [{"name", "arguments"}], ill_formed). Only tools offered in the request are accepted."""
+    """(visible text, [{"name", "arguments"}], ill_formed), by the format's rules (module docstring)."""
     if not parser or not tools:
         return text, [], False
     try:
