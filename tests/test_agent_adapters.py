@@ -77,6 +77,7 @@ def test_the_cpu_server_answers_tool_calls_with_sglangs_tool_call_parser(stack, 
 
     proc, url = start_cpu_server(kit[0], "--random-seed", "1", "--tool-call-parser", "qwen25")
     try:
+        assert requests.get(url + "/model_info", timeout=30).json()["tool_call_parser"] == "qwen25"  # as SGLang
         client = openai.OpenAI(api_key="x", base_url=url + "/v1", max_retries=0)
         ask = dict(model="m", tools=[CALCULATOR], temperature=0, max_tokens=200)
         messages = [{"role": "user", "content": "What is 12*5?"}]

@@ -171,6 +171,11 @@ def test_health_and_info(server, tiny_kit):
     assert SESSION.get(server + "/health").status_code == 200
     assert SESSION.get(server + "/health_generate", timeout=60).status_code == 200
     info = SESSION.get(server + "/model_info").json()
+    sglang_keys = "model_path served_model_name tokenizer_path is_generation preferred_sampling_params weight_version "
+    sglang_keys += "load_format reasoning_parser tool_call_parser disaggregation_mode has_image_understanding "
+    sglang_keys += "has_audio_understanding model_type architectures"  # SGLang 0.5.23's /model_info for a text LM
+    assert set(sglang_keys.split()) <= set(info), set(sglang_keys.split()) - set(info)
+    assert (info["reasoning_parser"], info["tool_call_parser"], info["disaggregation_mode"]) == (None, None, "null")
     assert info["model_type"] == "qwen3" and info["architectures"] == ["Qwen3ForCausalLM"]
     assert os.path.samefile(info["model_path"], tiny_kit[0]) and info["weight_version"] == "default"
     assert SESSION.get(server + "/get_model_info").json() == info

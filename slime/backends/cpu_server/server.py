@@ -402,6 +402,9 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
                 "preferred_sampling_params": None,
                 "weight_version": self.state.weight_version,
                 "load_format": "auto",
+                "reasoning_parser": None,  # none runs here (refused at start-up)
+                "tool_call_parser": self.args.tool_call_parser,
+                "disaggregation_mode": "null",  # SGLang's default, a string
                 "has_image_understanding": self.processor is not None,
                 "has_audio_understanding": False,
                 "model_type": self.cfg.model_type,
