@@ -94,7 +94,7 @@ class Qwen3CoderFormat:
                         key, value = found.split(">", 1)
                         value = value[1:] if value.startswith("\n") else value
                         value = value[:-1] if value.endswith("\n") else value
-                        args[key] = _typed(value, schema.get(key, _UNDECLARED) if schema else _UNDECLARED)
+                        args[key] = _typed(value, schema.get(key, _UNDECLARED))
                     calls.append((name, json.dumps(args, ensure_ascii=False)))
         except Exception:  # noqa: BLE001  (SGLang's: any failure leaves the output as text, no calls)
             return 1, text, []

@@ -423,8 +423,9 @@ class Scheduler:
         new_rows = self.pool.alloc(B)
         for r, row in zip(reqs, new_rows):
             r.rows.append(row)
+        new_rows = torch.tensor(new_rows)
         table = self.req_to_token.view(-1)  # [slot * W + position] (Python-built flat indices: few tensor ops)
-        table.index_copy_(0, torch.tensor([r.slot * W + n for r, n in zip(reqs, lens)]), torch.tensor(new_rows))
+        table.index_copy_(0, torch.tensor([r.slot * W + n for r, n in zip(reqs, lens)]), new_rows)
         groups = self._decode_groups(reqs)
         kwargs = self._mm_kwargs(reqs)
         skip = [0] * B  # leading positions read through the shared prompt instead
@@ -446,7 +447,7 @@ class Scheduler:
         tokens = torch.tensor([r.output_ids[-1] for r in reqs])
         lora = LoRABatch.of([r.lora for r in reqs], [1] * B)
         logits = self.model.forward_decode(
-            self.pool, tokens, torch.tensor(lens), torch.tensor(new_rows), kv_index, kv_valid, lora=lora, **kwargs
+            self.pool, tokens, torch.tensor(lens), new_rows, kv_index, kv_valid, lora=lora, **kwargs
         )
         self._sample_and_append(reqs, logits.float())
 
