@@ -13,8 +13,12 @@ prefill to the server without it is measured beside the ratio to transformers.
 `--history-tokens H`: each group's prompt starts with H tokens standing for an earlier conversation (seeded random
 ids), the multi-turn agent's case, where the shared prefix is long and the decode's reads of it dominate.
 
+`--turns T` (T > 1): every request goes on as a conversation of T turns, each turn's prompt the last one plus its
+output plus 5 new tokens (seeded; the user's next message), a turn's requests sent together. The server's prefix cache
+then serves each turn's history from the turn before; `--disable-radix-cache` and transformers prefill it whole.
+
     python benchmarks/bench_cpu_server.py [--model-dir DIR] [--num-prompts 64] [--min-new 4] [--max-new 64]
-                                          [--samples-per-prompt 8] [--history-tokens 300]
+                                          [--samples-per-prompt 8] [--history-tokens 300] [--turns 4]
 """
 
 import argparse
@@ -128,6 +132,22 @@ def run_hf(model, prompts, lens):
     return elapsed, cpu, [out[i, L : L + n].tolist() for i, n in enumerate(lens)]
 
 
+def next_turn(prompts, outs, vocab, turn):
+    """Each conversation's next prompt: the last one, its output, and 5 new (seeded) tokens."""
+    rng = random.Random(1000 + turn)
+    return [p + o + [rng.randint(3, vocab - 1) for _ in range(5)] for p, o in zip(prompts, outs)]
+
+
+def conversations(run, prompts, lens, turns, vocab):
+    """run(prompts, lens) -> (seconds, outputs) over `turns` turns: (total seconds, every turn's outputs)."""
+    total, outs = 0.0, []
+    for turn in range(turns):
+        t, o = run(prompts, lens)
+        total, outs = total + t, outs + o
+        prompts = next_turn(prompts, o, vocab, turn)
+    return total, outs
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", default=None, help="HF model dir (default: build the tiny Qwen3 kit in a temp dir)")
@@ -137,6 +157,7 @@ def main():
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--samples-per-prompt", type=int, default=1, help="n > 1: groups of n requests with one prompt")
     p.add_argument("--history-tokens", type=int, default=0, help="tokens of earlier conversation before each prompt")
+    p.add_argument("--turns", type=int, default=1, help="T > 1: every request goes on as a conversation of T turns")
     a = p.parse_args()
     import torch
     from transformers import AutoTokenizer
@@ -152,13 +173,13 @@ def main():
     prompts, lens = workload(
         tok, a.num_prompts, a.min_new, a.max_new, samples_per_prompt=n, history_tokens=a.history_tokens
     )
-    useful = sum(lens)
+    useful = sum(lens) * a.turns
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    # the server as configured by default, and (n > 1) the same server without shared prefill
+    # the server as configured by default, and (n > 1 or T > 1) the same server without shared prefill and cache
     sides = {"server": start_server(model_dir, len(prompts))}
-    if n > 1:
+    if n > 1 or a.turns > 1:
         sides["server --disable-radix-cache"] = start_server(model_dir, len(prompts), "--disable-radix-cache")
     times = {k: [] for k in sides}
     cpus = {k: [] for k in [*sides, "hf"]}  # CPU seconds of the server process / of transformers, per round
@@ -171,21 +192,33 @@ def main():
         # interleaved rounds: a shared machine's load drifts, so every side of a round sees the same conditions
         for _ in range(a.repeats):
             for k, (_, url, session) in sides.items():
+                # every round prefills its first prompts anew: an earlier round's would be in the prefix cache (a
+                # later GRPO rollout's prompts are new ones, and a weight update empties the cache anyway)
+                assert session.post(url + "/flush_cache", timeout=60).status_code == 200
                 c0 = cpu_seconds(sides[k][0].pid)
-                t, outs[k] = run_server(url, session, prompts, lens)
+                t, outs[k] = conversations(
+                    lambda p, n_, url=url, session=session: run_server(url, session, p, n_),
+                    prompts,
+                    lens,
+                    a.turns,
+                    len(tok),
+                )
                 times[k].append(t)
                 cpus[k].append(cpu_seconds(sides[k][0].pid) - c0)
-            t, c, out_hf = run_hf(model, prompts, lens)
+            c0 = time.process_time()
+            t, out_hf = conversations(lambda p, n_: run_hf(model, p, n_)[::2], prompts, lens, a.turns, len(tok))
             hf.append(t)
-            cpus["hf"].append(c)
+            cpus["hf"].append(time.process_time() - c0)
     finally:
         for proc, _, _ in sides.values():
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(30)
     shape = f"{len(prompts)} prompts" if n == 1 else f"{len(prompts) // n} prompts x {n} samples"
+    if a.turns > 1:
+        shape += f", {a.turns} turns each (first prompts below)"
     print(
         f"workload: {shape}, {min(len(x) for x in prompts)}-{max(len(x) for x in prompts)} prompt tokens, "
-        f"{useful} output tokens ({a.min_new}..{a.max_new} per request), greedy, 1 torch thread, "
+        f"{useful} output tokens ({a.min_new}..{a.max_new} per request and turn), greedy, 1 torch thread, "
         f"median (min-max) of {a.repeats} interleaved rounds"
     )
     for k, ts in times.items():
@@ -202,7 +235,7 @@ def main():
         same = sum(x == y for x, y in zip(outs[k], out_hf))
         print(
             f"ratio {k} / transformers: median {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}x, "
-            f"same-round pairs; greedy outputs identical for {same}/{len(prompts)} requests)"
+            f"same-round pairs; greedy outputs identical for {same}/{len(out_hf)} requests)"
         )
     for k in sides:
         ratios = [h / v for v, h in zip(cpus[k], cpus["hf"])]
@@ -211,7 +244,7 @@ def main():
             f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}x; "
             f"{statistics.median(cpus[k]):.3f} vs {statistics.median(cpus['hf']):.3f} CPU s)"
         )
-    if n > 1:
+    if len(sides) > 1:
         ts, off = cpus["server"], cpus["server --disable-radix-cache"]
         ratios = [b / v for v, b in zip(ts, off)]
         print(

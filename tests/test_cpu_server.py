@@ -207,7 +207,14 @@ def test_health_and_info(server, tiny_kit):
     assert SESSION.get(server + "/get_load").json()[0]["num_reqs"] == 0
 
 
+def flush(url):
+    """SGLang's /flush_cache: the prefix cache emptied, so the next requests prefill their whole prompts."""
+    r = SESSION.post(url + "/flush_cache", timeout=60)
+    assert r.status_code == 200, r.text
+
+
 def test_greedy_and_logprobs_match_transformers(server, hf):
+    flush(server)  # earlier tests' prompts cached: these would start from their rows
     for prompt in PROMPTS:
         out = gen(
             server,
@@ -642,7 +649,9 @@ def test_openai_streams_add_up_to_the_plain_answer(server):
         "logprobs": True,
         "top_logprobs": 2,
     }
+    flush(server)  # both answers prefill the whole prompt: log-probs to the bit, whatever ran before
     plain = SESSION.post(server + "/v1/chat/completions", json=body, timeout=120).json()
+    flush(server)
     client = openai.OpenAI(api_key="x", base_url=server + "/v1", max_retries=0)
     chunks = list(client.chat.completions.create(**body, stream=True, stream_options={"include_usage": True}))
     *chunks, usage = chunks
@@ -1664,6 +1673,10 @@ def _scheduler(model_dir, **kw):
     )
 
 
+def _cached_rows(sched):
+    return sum(cache.num_rows for _, cache in sched.caches.values())
+
+
 def _run_all(sched, reqs, timeout=120):
     done = threading.Semaphore(0)
     for r in reqs:
@@ -1698,7 +1711,10 @@ def test_scheduler_queues_retracts_and_stays_exact(tiny_kit, hf):
     for r, p in zip(reqs, prompts):
         ref_ids, ref_lps = hf_greedy(hf[0], p, 40)
         assert r.output_ids == ref_ids and max(abs(a - b) for a, b in zip(r.output_logprobs, ref_lps)) <= 1e-4
-    assert sched.pool.num_free() == 70 and len(sched.free_slots) == 2  # everything handed back
+    # everything handed back to the pool or kept by the prefix cache, which the flush empties
+    assert sched.pool.num_free() + _cached_rows(sched) == 70 and len(sched.free_slots) == 2 and not sched.row_refs
+    sched._flush_cache()
+    assert sched.pool.num_free() == 70
 
 
 def test_input_and_top_logprobs(server, hf):
@@ -1934,7 +1950,9 @@ def test_shared_prefill_is_exact_and_computes_each_prompt_once(tiny_kit):
             sched.model.forward_decode = spy  # the decode reads a group's prompt once (none in deterministic mode)
             reqs = group()
             _serve(sched, reqs)
-            assert sched.pool.num_free() == 400 and not sched.row_refs and not sched.shared  # all handed back
+            # all handed back, or (batched) kept by the prefix cache
+            assert sched.pool.num_free() + _cached_rows(sched) == 400 and not sched.row_refs and not sched.shared
+            assert bool(sched.caches) == (share and not batch_invariant)
             assert any(cascades) == (share and not batch_invariant)
             results[share] = (reqs, sched.num_prefill_tokens, sched.num_cached_tokens)
         (on, on_prefill, on_cached), (off, off_prefill, off_cached) = results[True], results[False]
@@ -1984,18 +2002,142 @@ def test_shared_prefill_spans_steps_but_not_weight_updates(tiny_kit):
     while sched.running:
         step()
     assert first.output_ids == second.output_ids == third.output_ids
-    assert sched.pool.num_free() == 200 and not sched.row_refs and not sched.shared
+    assert sched.pool.num_free() + _cached_rows(sched) == 200 and not sched.row_refs and not sched.shared
+
+
+def _step(sched):
+    sched._drain()
+    with torch.inference_mode():
+        sched._step()
+
+
+def _serve_one(sched, r):
+    """r alone through the scheduler's steps (no thread), to its end."""
+    sched.submit(r)
+    while not r.finished:
+        _step(sched)
+
+
+def test_the_prefix_cache_serves_later_turns_and_branches_exactly(tiny_kit):
+    """SGLang's radix cache: a finished request's computed rows stay, and a later request starting with the same
+    tokens (an agent's next turn, a branch off the same prompt, a shorter shared start) prefills only the rest, up to
+    all but its last token and no further than the input log-probs it asks for. Outputs, output and input log-probs
+    and input top log-probs equal the same requests without the cache (--disable-radix-cache) within 1e-6; a control
+    task (here a weight-version bump) empties it, and rows computed across one are never cached."""
+    from slime.backends.cpu_server.sampling import SamplingParams
+    from slime.backends.cpu_server.scheduler import Req
+
+    P = PROMPTS[2]
+
+    def req(ids, n=5, **kw):
+        sp = {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
+        return Req(ids, SamplingParams.from_dict(sp, 512), return_logprob=True, **kw)
+
+    runs = {}
+    for cache in (True, False):
+        sched = _scheduler(tiny_kit[0], max_running=4, max_total_tokens=300, share_prefill=cache)
+        first = req(P, 6)
+        _serve_one(sched, first)
+        turn = P + first.output_ids + [40, 41, 42]  # the next turn: the whole history, then new tokens
+        later = [
+            req(turn),
+            req(P + [7, 8, 9]),  # a branch after the prompt
+            req(P[:4] + [99, 98]),  # a shorter shared start
+            req(turn, logprob_start_len=5),  # input log-probs from 5: nothing before it may be cached
+            req(turn, logprob_start_len=12, top_logprobs_num=2, token_ids_logprob=[5, 300]),
+        ]
+        for r in later:
+            _serve_one(sched, r)
+            assert sched.pool.num_free() + _cached_rows(sched) == 300 and not sched.row_refs
+        sched.run_control(lambda: sched.state.bump_version())  # noqa: B023
+        after = req(P)
+        _serve_one(sched, after)
+        across = req(PROMPTS[0])  # admitted and prefilled, then a control task, then decoded to its end
+        sched.submit(across)
+        _step(sched)
+        sched.run_control(lambda: sched.state.bump_version())  # noqa: B023
+        while not across.finished:
+            _step(sched)
+        behind = req(PROMPTS[0])
+        _serve_one(sched, behind)
+        runs[cache] = ([first, *later, after, across, behind], sched.num_prefill_tokens)
+        sched._flush_cache()
+        assert sched.pool.num_free() == 300
+
+    (on, on_prefill), (off, off_prefill) = runs[True], runs[False]
+    cached = [r.cached_tokens for r in on]
+    assert cached == [0, len(P) + 5, len(P), 4, 5, 12, 0, 0, 0]
+    assert [r.cached_tokens for r in off] == [0] * 9 and off_prefill - on_prefill == sum(cached)
+    for a, b in zip(on, off):
+        assert a.output_ids == b.output_ids
+        assert max(abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs)) <= 1e-6
+        if a.input_logprobs is not None:
+            assert [e[1] for e in a.input_logprobs] == [e[1] for e in b.input_logprobs]
+            assert max(abs(x[0] - y[0]) for x, y in zip(a.input_logprobs[1:], b.input_logprobs[1:])) <= 1e-6
+    a, b = on[5], off[5]
+    assert (
+        a.input_top_logprobs[0] is None and len(a.input_top_logprobs) == len(b.input_top_logprobs) == len(P) + 9 - 12
+    )
+    for rows_a, rows_b in (
+        (a.input_top_logprobs, b.input_top_logprobs),
+        (a.input_token_ids_logprobs, b.input_token_ids_logprobs),
+    ):
+        for x, y in zip(rows_a[1:], rows_b[1:]):
+            assert [e[1] for e in x] == [e[1] for e in y] and max(abs(e[0] - f[0]) for e, f in zip(x, y)) <= 1e-6
+
+
+def test_the_prefix_cache_gives_its_rows_back_before_anyone_is_retracted(tiny_kit, hf):
+    """A pool too small for a cached request and a new long one: the decode evicts the cached rows (no request
+    holds them) instead of failing or retracting, and the output is transformers' greedy decode."""
+    from slime.backends.cpu_server.sampling import SamplingParams
+    from slime.backends.cpu_server.scheduler import Req
+
+    sched = _scheduler(tiny_kit[0], max_running=2, max_total_tokens=60)
+
+    def req(ids, n):
+        return Req(ids, SamplingParams.from_dict({"temperature": 0, "max_new_tokens": n, "ignore_eos": True}, 512))
+
+    _serve_one(sched, req(PROMPTS[2], 30))
+    assert _cached_rows(sched) == 40 and sched.pool.num_free() == 20
+    long = req(PROMPTS[0], 40)
+    _serve_one(sched, long)
+    assert long.output_ids == hf_greedy(hf[0], PROMPTS[0], 40)[0] and long.num_retractions == 0
+    assert _cached_rows(sched) == len(PROMPTS[0]) + 39 and sched.pool.num_free() == 60 - _cached_rows(sched)
+
+
+def test_radix_cache_matches_splits_and_evicts_the_least_recently_used_unheld_leaf():
+    """The tree by hand: rows per token, a split where a branch leaves an edge, what insert says the cache already
+    held, LRU eviction of leaves no one else holds, parents evicted once their last child goes."""
+    from slime.backends.cpu_server.radix_cache import RadixCache
+
+    c = RadixCache()
+    assert c.insert((1, 2, 3, 4), [11, 12, 13, 14]) == 0
+    assert c.insert((1, 2, 5), [11, 12, 25]) == 2  # the first two already held: the caller drops its holds on them
+    assert c.insert((1, 2, 3, 4), [31, 32, 33, 34]) == 4 and c.num_rows == 5
+    assert c.match((1, 2, 3, 9), 4) == [11, 12, 13]
+    assert c.match((1, 2, 3, 4, 7), 3) == [11, 12, 13]  # no further than the limit
+    assert c.match((1, 2, 5, 6), 4) == [11, 12, 25] and c.match((2,), 1) == []
+    assert c.insert((7, 8), [41, 42]) == 0
+    c.match((1, 2, 3, 4), 4)  # touched: leaves by last use are now (5,), (7, 8), (3, 4)
+    assert c.evict(1, held=lambda row: False) == [25]
+    assert c.evict(1, held=lambda row: row == 42) == [13, 14]  # (7, 8) held: the next least recent leaf
+    assert c.evict(10, held=lambda row: row == 42) == [11, 12]  # (1, 2) became a leaf; (7, 8) still held
+    assert c.num_rows == 2 and sorted(c.reset()) == [41, 42] and c.match((7, 8), 2) == []
 
 
 def test_generate_batch_reports_shared_prompt_as_cached_tokens(server):
-    """Over HTTP: one /generate with a prompt 4 times prefills it once (SGLang's meta_info cached_tokens)."""
+    """Over HTTP: one /generate with a prompt 4 times prefills it once (SGLang's meta_info cached_tokens); the same
+    prompt later starts from the cached rows (all but its last token, as SGLang matches) until /flush_cache."""
     prompt = PROMPTS[1]
     sp = {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}
+    flush(server)
     outs = gen(server, {"input_ids": [prompt] * 4, "return_logprob": True, "sampling_params": sp})
+    again = gen(server, {"input_ids": prompt, "return_logprob": True, "sampling_params": sp})
+    flush(server)
     alone = gen(server, {"input_ids": prompt, "return_logprob": True, "sampling_params": sp})
     assert sum(o["meta_info"]["cached_tokens"] for o in outs) == 3 * len(prompt)
-    assert alone["meta_info"]["cached_tokens"] == 0
-    for o in outs:
+    assert again["meta_info"]["cached_tokens"] == len(prompt) - 1 and alone["meta_info"]["cached_tokens"] == 0
+    for o in outs + [again]:
         assert o["output_ids"] == alone["output_ids"]
         lps = [x[0] for x in o["meta_info"]["output_token_logprobs"]]
         assert max(abs(a - b[0]) for a, b in zip(lps, alone["meta_info"]["output_token_logprobs"])) <= 1e-6

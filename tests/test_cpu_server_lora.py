@@ -7,7 +7,7 @@ import torch
 
 from slime.backends.sglang_utils.contract import body_errors
 from slime.utils.lora_utils import serialize_by_value, tensor_sha256
-from tests.test_cpu_server import SESSION, start_cpu_server, stop_cpu_server
+from tests.test_cpu_server import SESSION, flush, start_cpu_server, stop_cpu_server
 
 pytestmark = pytest.mark.timeout(300)
 PROMPTS = [[3, 17, 5, 9, 11, 4], [8, 2, 14, 6]]
@@ -190,6 +190,52 @@ def test_adapter_from_a_peft_directory(server, adapter):
     assert SESSION.post(server + "/unload_lora_adapter", json={"lora_name": "disk"}, timeout=60).status_code == 200
 
 
+def test_the_prefix_cache_keeps_each_adapters_rows_apart(server, adapter):
+    """A prompt cached under the base is not reused by an adapter (its K/V differ), and the other way round: each
+    adapter starts from its own cached rows only, with its own outputs."""
+    flush(server)  # earlier tests' base requests cached these prompts
+    r = SESSION.post(server + "/load_lora_adapter", json={"lora_name": "c", "lora_path": adapter["path"]}, timeout=60)
+    assert r.status_code == 200, r.text
+
+    def generate(lora_path=None):
+        body = {"input_ids": PROMPTS[0], "return_logprob": True, "sampling_params": {"max_new_tokens": 3}}
+        body["sampling_params"].update(temperature=0, ignore_eos=True)
+        out = SESSION.post(server + "/generate", json={**body, "lora_path": lora_path}, timeout=60).json()
+        return out["meta_info"]["cached_tokens"], [x[0] for x in out["meta_info"]["output_token_logprobs"]]
+
+    try:
+        base, lora, lora_again, base_again = generate(), generate("c"), generate("c"), generate()
+    finally:
+        assert SESSION.post(server + "/unload_lora_adapter", json={"lora_name": "c"}, timeout=60).status_code == 200
+    n = len(PROMPTS[0])
+    assert [base[0], lora[0], lora_again[0], base_again[0]] == [0, 0, n - 1, n - 1]
+    assert max(abs(a - b) for a, b in zip(lora[1], lora_again[1])) <= 1e-5
+    assert max(abs(a - b) for a, b in zip(base[1], base_again[1])) <= 1e-5
+    assert max(abs(a - b) for a, b in zip(base[1], lora[1])) > 1e-3  # the adapter changes these outputs
+
+
+def test_an_unloaded_adapters_cached_rows_go_back_to_the_pool(tiny_kit, adapter):
+    """The prefix cache pins the adapter it keys rows by; once the adapter is unloaded, the next step hands those rows
+    back (and the adapter with them), while the base model's cached rows stay."""
+    from slime.backends.cpu_server.lora import TENSOR_PATH
+    from slime.backends.cpu_server.sampling import SamplingParams
+    from slime.backends.cpu_server.scheduler import Req
+    from tests.test_cpu_server import _cached_rows, _scheduler, _serve_one
+
+    sched = _scheduler(tiny_kit[0], max_running=4, max_total_tokens=100)
+    sched.loras = loras = _registry(dims=sched.model.lora_dims())
+    loras.load(loras.new_adapter("c", TENSOR_PATH, adapter["config"], adapter["tensors"]))
+    sp = SamplingParams.from_dict({"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}, 512)
+    (c,) = loras.acquire(["c"])
+    _serve_one(sched, Req(PROMPTS[0], sp, lora=c))
+    _serve_one(sched, Req(PROMPTS[1], sp))
+    assert set(sched.caches) == {id(c), id(None)} and _cached_rows(sched) == len(PROMPTS[0]) + len(PROMPTS[1]) + 4
+    loras.remove("c")
+    _serve_one(sched, Req(PROMPTS[1], sp))
+    assert set(sched.caches) == {id(None)} and sched.pool.num_free() + _cached_rows(sched) == 100
+    assert _cached_rows(sched) == len(PROMPTS[1]) + 2
+
+
 @pytest.mark.slow  # development tier: a multi-rank layout or several processes (tens of seconds)
 def test_lora_at_start_up_and_without_enable_lora(tiny_kit, adapter):
     proc, url = start_cpu_server(tiny_kit[0], "--lora-paths", f"pre={adapter['path']}")  # --lora-paths implies it
@@ -271,9 +317,9 @@ def test_an_adapter_for_a_projection_the_model_lacks_is_refused_by_name():
         Adapter("a", "p", {"r": 2, "lora_alpha": 4}, tensors, dims, torch.float32, fuse=False)
 
 
-def _registry(targets=("all",), max_per_batch=2, max_loaded=None):
-    """A LoRARegistry as `--enable-lora --max-lora-rank 8 --lora-target-modules ...` builds it, over a one-layer
-    model whose projections all have 4 outputs."""
+def _registry(targets=("all",), max_per_batch=2, max_loaded=None, dims=None):
+    """A LoRARegistry as `--enable-lora --max-lora-rank 8 --lora-target-modules ...` builds it, over a model with
+    these projection dims (default: one layer whose projections all have 4 outputs)."""
     from types import SimpleNamespace
 
     from slime.backends.cpu_server.lora import PROJECTIONS, LoRARegistry
@@ -285,7 +331,7 @@ def _registry(targets=("all",), max_per_batch=2, max_loaded=None):
         max_loaded_loras=max_loaded,
         lora_paths=None,
     )
-    return LoRARegistry(args, {(0, p): 4 for p in PROJECTIONS}, torch.float32)
+    return LoRARegistry(args, dims or {(0, p): 4 for p in PROJECTIONS}, torch.float32)
 
 
 def _tensor_adapter(registry, name, projections=("q_proj",)):

@@ -214,6 +214,7 @@ class Transformer:
     """forward_prefill / forward_decode over a WeightStore and a KVPool."""
 
     shares_prefix_kv = True  # forward_decode takes a SharedPrefix (cascade attention)
+    extends_prefix = True  # forward_prefill takes cached rows before each sequence (prefix_rows)
     fuses_lora = True  # adapters are applied per fused projection (qkv, gate_up)
 
     def __init__(self, cfg: ModelConfig, weights, dtype: torch.dtype, max_positions: int):
@@ -273,19 +274,30 @@ class Transformer:
         rows: torch.Tensor,
         all_logits: bool = False,
         lora=None,
+        prefix_rows: list | None = None,
     ):
-        """tokens [N]: whole sequences packed back to back, lens [B] their lengths, rows [N] their pool rows;
-        lora: the LoRA adapters of the packed tokens (a LoRABatch) or None.
+        """tokens [N]: sequences packed back to back, lens [B] their lengths, rows [N] their pool rows;
+        lora: the LoRA adapters of the packed tokens (a LoRABatch) or None; prefix_rows: per sequence the pool rows
+        of the positions before its tokens, already computed (a prefix cache hit), or None (every sequence whole).
         Returns logits at each sequence's last token [B, V] (or at every token [N, V]).
         Matmuls run on the packed tokens (no padding waste); only attention uses a padded [B, L] layout."""
         B, N, L = len(lens), len(tokens), int(lens.max())
         starts = torch.cumsum(lens, 0) - lens
         seq = torch.repeat_interleave(torch.arange(B), lens)
-        positions = torch.arange(N) - starts[seq]
-        pad_index = seq * L + positions  # where each packed token sits in the padded [B * L] layout
-        ar = torch.arange(L)
-        # queries see earlier tokens of their own sequence causally, nothing past its length
-        mask = ((ar[None, :, None] >= ar[None, None, :]) & (ar[None, None, :] < lens[:, None, None])).unsqueeze(1)
+        local = torch.arange(N) - starts[seq]
+        pad_index = seq * L + local  # where each packed token sits in the padded [B * L] layout
+        past = torch.tensor([len(p) for p in prefix_rows]) if prefix_rows else torch.zeros(B, dtype=torch.long)
+        positions = local + past[seq]
+        total = past + lens
+        T = int(total.max())
+        # queries see the keys of their own sequence (cached ones, then its own causally), nothing past its end
+        kpos, qpos = torch.arange(T)[None, None, :], past[:, None, None] + torch.arange(L)[None, :, None]
+        mask = ((kpos <= qpos) & (kpos < total[:, None, None])).unsqueeze(1)
+        kv_index = None
+        if prefix_rows:  # keys gathered from the pool: each sequence's cached rows, then its new ones (row 0 pads)
+            new = rows.split(lens.tolist())
+            kv_index = torch.tensor([r + n.tolist() + [0] * (T - len(r) - len(n)) for r, n in zip(prefix_rows, new)])
+            kv_index = kv_index.view(-1)
         cos, sin = self._rope(positions)
         h = F.embedding(tokens, self.w.embed)  # [N, hidden]
 
@@ -293,13 +305,18 @@ class Transformer:
             out = t.new_zeros((B * L,) + t.shape[1:]).index_copy_(0, pad_index, t)
             return out.unflatten(0, (B, L)).transpose(1, 2)
 
+        def keys(cache, t):  # -> [B, kv_heads, T, D]
+            if kv_index is None:
+                return padded(t)
+            return cache.index_select(0, kv_index).unflatten(0, (B, T)).transpose(1, 2)
+
         for i, layer in enumerate(self.w.layers):
             x = self._norm(h, layer["input_norm"])
             q, k, v = self._qkv(layer, x, cos, sin, lora, i)
             pool.k[i].index_copy_(0, rows, k)
             pool.v[i].index_copy_(0, rows, v)
             o = F.scaled_dot_product_attention(
-                padded(q), padded(k), padded(v), attn_mask=mask, scale=self.scale, enable_gqa=True
+                padded(q), keys(pool.k[i], k), keys(pool.v[i], v), attn_mask=mask, scale=self.scale, enable_gqa=True
             )
             o = o.transpose(1, 2).flatten(2).flatten(0, 1).index_select(0, pad_index)  # back to packed [N, H*D]
             h = h + self._linear(o, layer, "o", lora, i)

@@ -8,13 +8,19 @@ retracted (its rows freed) and re-prefilled later from prompt + output, as SGLan
 Shared prefill (on unless --disable-radix-cache): the n samples of a GRPO group arrive as n requests with the same
 prompt. The first one admitted is prefilled; every later one with the same prompt token ids, the same LoRA adapter and
 the same weights, admitted while any request of the group still holds the prompt's KV rows (in the same step or a
-later one), is not prefilled at all: its first positions point at the same pool rows (refcounted: a row returns to
-the pool when its last holder frees it) and it samples its first token, with its own generator, from the same
-last-token logits. From there each request decodes into rows of its own, as before. Only identical whole prompts are
-shared (a v1 of SGLang's radix cache: no partial-prefix match, nothing kept once the group is done). A retracted
-request re-prefills on its own; any control task (weight update, LoRA load, flush, release/resume) ends the sharing
-of what was computed before it. In --enable-deterministic-inference mode every prefill is a batch of one, so the
-shared rows and logits are bit for bit what each request would have computed alone.
+later one), is not prefilled at all: its first positions point at the same pool rows and it samples its first token,
+with its own generator, from the same last-token logits. From there each request decodes into rows of its own.
+
+Prefix cache (the same flag; SGLang's radix cache, page size 1): a finished request's computed rows stay in a radix
+tree of token ids (radix_cache.py), one per adapter, and a later request whose tokens start the same way (an agent's
+next turn, another branch of a prompt) points its first positions at them and prefills only the rest: at most all but
+its last token, and none of the positions whose input log-probs it asks for, as SGLang matches. Pool rows are counted
+per holder (requests and the cache; `_hold` / `_release`), so a row returns to the pool with its last holder; when the
+pool runs dry, least recently used cached rows no request holds go first, before any retraction. Any control task
+(weight update, flush, release/resume, pause) empties the cache, and rows a request computed across one are not
+cached, nor are a retracted request's (as SGLang's); an unloaded adapter's rows go at the next step. In --enable-
+deterministic-inference mode the cache is off (its rows were computed in other batch shapes) and every prefill is a
+batch of one, so a group's shared rows and logits are bit for bit what each request would have computed alone.
 """
 
 import concurrent.futures
@@ -86,6 +92,9 @@ class Req:
         self.lora = lora  # the LoRA adapter serving this request (held in the registry until it finishes), or None
         self.prefix = None  # the _SharedPrompt whose KV rows this request's prompt positions point at, or None
         self.cached_tokens = 0  # prompt tokens it did not prefill (SGLang's meta_info cached_tokens)
+        # admitted as a group's follower (its whole prompt prefilled by another request); else the leading positions
+        # it took from the prefix cache, and the cache's epoch then (its rows are cached at the end only if unchanged)
+        self.skip_prefill, self.num_cached, self.cache_epoch = False, 0, None
         # its images' processor outputs (pixel_values, image_grid_thw, mm_token_type_ids over the prompt), or None
         self.mm = None
 
@@ -107,10 +116,11 @@ def _from_start(entries, start):
     return [[None, first[1], first[2]], *rest]
 
 
-def _input_rows(r, logits):
-    """r's input_top_logprobs / input_token_ids_logprobs from its prompt's logits [L, V], as SGLang lays them out:
-    None at logprob_start_len, then per position the top-k (or the asked ids') log-probs of the token after."""
-    start = r.logprob_start_len
+def _input_rows(r, logits, offset=0):
+    """r's input_top_logprobs / input_token_ids_logprobs from its prompt's logits [L, V] from position `offset`, as
+    SGLang lays them out: None at logprob_start_len, then per position the top-k (or the asked ids') log-probs of the
+    token after."""
+    start = r.logprob_start_len - offset
     lp = torch.log_softmax(logits[start:-1] / r.sp.temperature, dim=-1)
     none = [None] if start < len(logits) else []
     if r.top_logprobs_num:
@@ -130,6 +140,7 @@ class _SharedPrompt:
         self.input_lps = None  # {temperature: SGLang input_token_logprobs entries from position 0}, or None
         self.want_temps = set()  # temperatures whose input log-probs the prefill must compute
         self.holders = 0
+        self.cached = 0  # leading prompt positions its prefill took from the prefix cache (no input log-probs there)
 
 
 class Scheduler:
@@ -162,6 +173,12 @@ class Scheduler:
         self.share_prefill = share_prefill
         self.shared: dict = {}  # (prompt ids, adapter id, weight version) -> its live _SharedPrompt
         self.row_refs: dict = {}  # pool row -> holders beyond the first (a row is freed when its last holder goes)
+        # finished requests' rows, kept for later requests that start with the same tokens (SGLang's radix cache), one
+        # cache per adapter; not in deterministic mode (a cached prefix is computed in another batch shape) nor for
+        # the transformers fallback (MoE and vision-language models), which recomputes every sequence every step
+        self.use_cache = share_prefill and not batch_invariant and getattr(model, "extends_prefix", False)
+        self.caches: dict = {}  # id(adapter) -> (adapter, RadixCache)
+        self.cache_epoch = 0  # bumped by every flush: rows computed before one are never cached after it
         # (the decode's group prompts, the last step's SharedPrefix over them): its prompt rows, mask and gathered
         # K/V serve every step over the same prompts
         self.last_shared: tuple = ((), None)
@@ -253,6 +270,7 @@ class Scheduler:
                     )
                 self.running, self.waiting = [], deque()
                 self.shared.clear()
+                self._flush_cache()
                 self.row_refs.clear()
                 self.last_shared = ((), None)
 
@@ -261,6 +279,7 @@ class Scheduler:
             fn, fut = self.controls.get()
             self.shared.clear()  # weights, adapters or the pool may change: nothing computed before is shared after
             self.last_shared = ((), None)
+            self._flush_cache()
             if fut.set_running_or_notify_cancel():
                 try:
                     fut.set_result(fn())
@@ -277,6 +296,7 @@ class Scheduler:
             self._finish(r, {"type": "abort", "message": r.to_abort, "status_code": None, "err_type": None})
         if self.paused or not self.pool.allocated or self.weights.released:
             return False
+        self._drop_unloaded_adapters()
         admitted = self._admit()
         for batch in self._batches(admitted):
             self._prefill(batch)
@@ -304,29 +324,38 @@ class Scheduler:
             key = self._share_key(r)
             entry = self.shared.get(key) if key is not None else None
             need_lp = r.wants_input_logprobs
-            if entry is not None and entry.logits is not None and need_lp:
-                if entry.input_lps is None or r.sp.temperature not in entry.input_lps:
+            if entry is not None and need_lp:
+                if entry.cached or (entry.logits is not None and r.sp.temperature not in (entry.input_lps or {})):
                     entry = None  # computed without the input log-probs r asks for: r prefills on its own
-            n = 0 if entry is not None else len(r.input_ids) + max(len(r.output_ids) - 1, 0)
+            prefix = [] if entry is not None else self._match(r)
+            self._hold(prefix)  # before any eviction below can take them
+            n = 0 if entry is not None else len(r.input_ids) + max(len(r.output_ids) - 1, 0) - len(prefix)
             reserve = len(self.running) + len(admitted) + 1  # the next decode step must fit too
+            if self.pool.num_free() < n + reserve and not (admitted and n > budget):
+                self._evict(n + reserve - self.pool.num_free())
             if self.pool.num_free() < n + reserve or (admitted and n > budget):
+                self._release(prefix)
                 break
             if self.loras is not None and len(adapters | {id(r.lora)}) > self.loras.max_per_batch:
+                self._release(prefix)
                 break
             adapters.add(id(r.lora))
             self.waiting.popleft()
             r.slot = self.free_slots.pop()
+            r.skip_prefill, r.num_cached, r.cache_epoch = entry is not None, len(prefix), self.cache_epoch
             if entry is not None:  # the prompt's rows are (or will be, this step) computed: point at them
                 r.rows = list(entry.rows)
-                for x in entry.rows:
-                    self.row_refs[x] = self.row_refs.get(x, 0) + 1
+                self._hold(entry.rows)
                 if need_lp and entry.logits is None:
                     entry.want_temps.add(r.sp.temperature)
                 r.cached_tokens = len(entry.rows)
             else:
-                r.rows = self.pool.alloc(n)
+                r.rows = prefix + self.pool.alloc(n)
+                if not r.output_ids:
+                    r.cached_tokens = len(prefix)
                 if key is not None and key not in self.shared:
                     entry = self.shared[key] = _SharedPrompt(key, r.rows[: len(r.input_ids)], r.lora)
+                    entry.cached = len(prefix)
                     if need_lp:
                         entry.want_temps.add(r.sp.temperature)
             if entry is not None:
@@ -340,16 +369,16 @@ class Scheduler:
     def _prefill(self, reqs):
         # A request sharing a prompt prefilled by another one (earlier in this batch or in an earlier step) skips
         # the forward; the others run it, and the first of a group fills its _SharedPrompt for the rest.
-        run = [r for r in reqs if not r.cached_tokens or r.output_ids]
+        run = [r for r in reqs if not r.skip_prefill]
         last = self._forward_prefill(run) if run else {}
         for r in reqs:
-            if r.cached_tokens and not r.output_ids:
+            if r.skip_prefill:
                 e = r.prefix
                 last[id(r)] = e.logits
                 if r.wants_input_logprobs:
                     r.input_logprobs = _from_start(e.input_lps[r.sp.temperature], r.logprob_start_len)
-                self.num_cached_tokens += r.cached_tokens
         fresh = [r for r in reqs if not r.output_ids]
+        self.num_cached_tokens += sum(r.cached_tokens for r in fresh)
         for r in reqs:
             self.running.append(r)
         for r in fresh:
@@ -361,11 +390,13 @@ class Scheduler:
 
     def _forward_prefill(self, reqs) -> dict:
         """Prefill reqs in one packed batch; returns id(request) -> last-token logits [V] float32 (fresh ones).
-        A retracted request re-fills prompt + output[:-1]; its last output token is the next decode input."""
-        seqs = [r.input_ids + r.output_ids[:-1] for r in reqs]
+        A retracted request re-fills prompt + output[:-1]; its last output token is the next decode input. A request
+        with a prefix cache hit fills only the positions after it."""
+        seqs = [(r.input_ids + r.output_ids[:-1])[r.num_cached :] for r in reqs]
         lens = torch.tensor([len(x) for x in seqs])
         tokens = torch.tensor([t for x in seqs for t in x])
-        rows = torch.tensor([x for r in reqs for x in r.rows])
+        rows = torch.tensor([x for r in reqs for x in r.rows[r.num_cached :]])
+        cached = {"prefix_rows": [r.rows[: r.num_cached] for r in reqs]} if any(r.num_cached for r in reqs) else {}
         # the temperatures each fresh request's input log-probs are wanted at (its own, and its group's)
         temps = [set() if r.output_ids else (r.prefix.want_temps if r.prefix is not None else set()) for r in reqs]
         for i, r in enumerate(reqs):
@@ -373,7 +404,7 @@ class Scheduler:
                 temps[i] = temps[i] | {r.sp.temperature}
         lora = LoRABatch.of([r.lora for r in reqs], lens.tolist())
         logits = self.model.forward_prefill(
-            self.pool, tokens, lens, rows, all_logits=any(temps), lora=lora, **self._mm_kwargs(reqs)
+            self.pool, tokens, lens, rows, all_logits=any(temps), lora=lora, **self._mm_kwargs(reqs), **cached
         )
         self.num_prefill_tokens += len(tokens)
         ends = torch.cumsum(lens, 0)
@@ -383,10 +414,10 @@ class Scheduler:
                 if temps[i]:
                     a, b = int(ends[i] - lens[i]), int(ends[i])
                     lps = {t: self._input_logprobs(full[a:b], tokens[a:b], t) for t in temps[i]}
-                    if r.wants_input_logprobs:
-                        r.input_logprobs = _from_start(lps[r.sp.temperature], r.logprob_start_len)
-                        _input_rows(r, full[a:b])
-                    if r.prefix is not None:
+                    if r.wants_input_logprobs:  # computed from position num_cached <= logprob_start_len
+                        r.input_logprobs = _from_start(lps[r.sp.temperature], r.logprob_start_len - r.num_cached)
+                        _input_rows(r, full[a:b], r.num_cached)
+                    if r.prefix is not None and not r.num_cached:
                         r.prefix.input_lps = lps
         logits = logits.float()
         out = {}
@@ -411,6 +442,8 @@ class Scheduler:
 
     def _decode(self):
         need = len(self.running)
+        if self.pool.num_free() < need:
+            self._evict(need - self.pool.num_free())
         while self.pool.num_free() < need and len(self.running) > 1:
             self._retract(self.running[-1])
             need = len(self.running)
@@ -465,7 +498,7 @@ class Scheduler:
     def _retract(self, r):
         logger.info("KV pool full: retracting request %s (%d tokens)", r.rid, len(r.rows))
         self.running.remove(r)
-        self._free(r)
+        self._free(r, cache=False)  # as SGLang: a retracted request's rows are not cached
         r.num_retractions += 1
         self.waiting.appendleft(r)
 
@@ -511,20 +544,76 @@ class Scheduler:
                     return {"type": "stop", "matched": s}
         return None
 
-    def _free(self, r):
+    # ----- KV rows: held by requests and the prefix cache; a row returns to the pool with its last holder -----
+    def _hold(self, rows):
+        for x in rows:
+            self.row_refs[x] = self.row_refs.get(x, 0) + 1
+
+    def _release(self, rows):
+        if self.row_refs:
+            free = []
+            for x in rows:
+                c = self.row_refs.get(x)
+                if c is None:
+                    free.append(x)
+                elif c == 1:
+                    del self.row_refs[x]
+                else:
+                    self.row_refs[x] = c - 1
+            rows = free
+        self.pool.give_back(rows)
+
+    def _cache_of(self, r, create=False):
+        """The prefix cache r may read from or add to, or None (off)."""
+        if not self.use_cache:
+            return None
+        entry = self.caches.get(id(r.lora))
+        if entry is None and create:
+            from .radix_cache import RadixCache
+
+            entry = self.caches[id(r.lora)] = (r.lora, RadixCache())  # the adapter pinned while its id keys it
+        return None if entry is None else entry[1]
+
+    def _match(self, r) -> list:
+        """Rows of r's longest cached prefix, as SGLang matches: at least one token left to prefill, and none of the
+        positions whose input log-probs r asks for."""
+        cache = self._cache_of(r)
+        seq = r.input_ids + r.output_ids
+        limit = len(seq) - 1 - (1 if r.output_ids else 0)  # a retracted request re-fills all but its last token
+        if r.wants_input_logprobs:
+            limit = min(limit, r.logprob_start_len)
+        return cache.match(seq, limit) if cache is not None and limit > 0 else []
+
+    def _evict(self, want):
+        """Free at least `want` rows from the prefix caches if they hold that many no request holds."""
+        held = self.row_refs.__contains__
+        for _, cache in self.caches.values():
+            if want > 0:
+                rows = cache.evict(want, held)
+                self._release(rows)
+                want -= len(rows)
+
+    def _drop_unloaded_adapters(self):
+        """An unloaded (or evicted) adapter's cached rows go back to the pool, and the adapter with them."""
+        for key, (adapter, cache) in list(self.caches.items()):
+            if adapter is not None and self.loras.get(adapter.name) is not adapter:
+                del self.caches[key]
+                self._release(cache.reset())
+
+    def _flush_cache(self):
+        for _, cache in self.caches.values():
+            self._release(cache.reset())
+        self.caches.clear()
+        self.cache_epoch += 1
+
+    def _free(self, r, cache=True):
         if r.rows:
             rows = r.rows
-            if self.row_refs:  # a shared row goes back to the pool only with its last holder
-                rows = []
-                for x in r.rows:
-                    c = self.row_refs.get(x)
-                    if c is None:
-                        rows.append(x)
-                    elif c == 1:
-                        del self.row_refs[x]
-                    else:
-                        self.row_refs[x] = c - 1
-            self.pool.give_back(rows)
+            c = self._cache_of(r, create=True) if cache and r.cache_epoch == self.cache_epoch else None
+            if c is not None:  # its computed positions' rows stay for later requests (as SGLang's cache_finished_req)
+                tokens = (r.input_ids + r.output_ids)[: len(rows)]
+                rows = rows[: c.insert(tokens, rows)]  # the rest pass to the cache, held
+            self._release(rows)
             r.rows = []
         e, r.prefix = r.prefix, None
         if e is not None:

@@ -447,9 +447,10 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
             return await self._control(fn)
 
     async def flush_cache(self, request):
-        # no prefix cache to drop; like SGLang, refuse while requests are in flight (callers retry until 200)
+        # like SGLang, refuse while requests are in flight (callers retry until 200)
         if not self.scheduler.is_idle():
             return web.Response(status=400, text="Cache not flushed: there are running or waiting requests.")
+        await self._control(lambda: None)  # every control task drops the prefix cache first
         return web.Response(
             text="Cache flushed.\nPlease check backend logs for more details. "
             "(When there are running or waiting requests, the operation will not be performed.)\n"
