@@ -18,9 +18,10 @@ its last token, and none of the positions whose input log-probs it asks for, as 
 per holder (requests and the cache; `_hold` / `_release`), so a row returns to the pool with its last holder; when the
 pool runs dry, least recently used cached rows no request holds go first, before any retraction. Any control task
 (weight update, flush, release/resume, pause) empties the cache, and rows a request computed across one are not
-cached, nor are a retracted request's (as SGLang's); an unloaded adapter's rows go at the next step. In --enable-
-deterministic-inference mode the cache is off (its rows were computed in other batch shapes) and every prefill is a
-batch of one, so a group's shared rows and logits are bit for bit what each request would have computed alone.
+cached, nor are a retracted request's (as SGLang's); an unloaded adapter's rows go at the next step. In
+--enable-deterministic-inference mode the cache is off (its rows were computed in other batch shapes) and every
+prefill is a batch of one, so a group's shared rows and logits are bit for bit what each request would have computed
+alone.
 """
 
 import concurrent.futures
