@@ -2102,7 +2102,37 @@ def test_the_prefix_cache_gives_its_rows_back_before_anyone_is_retracted(tiny_ki
     long = req(PROMPTS[0], 40)
     _serve_one(sched, long)
     assert long.output_ids == hf_greedy(hf[0], PROMPTS[0], 40)[0] and long.num_retractions == 0
-    assert _cached_rows(sched) == len(PROMPTS[0]) + 39 and sched.pool.num_free() == 60 - _cached_rows(sched)
+    # only what the decode needed went: the first request's output (a leaf of 29 rows), not its prompt (cached, as
+    # SGLang's, once prefilled: a node of its own)
+    assert _cached_rows(sched) == len(PROMPTS[2]) + len(PROMPTS[0]) + 39 and sched.pool.num_free() == 3
+
+
+def test_a_running_requests_prompt_is_matched_by_later_requests(tiny_kit):
+    """As SGLang's cache_unfinished_req: a request's prompt is cached once prefilled, so a request arriving while it
+    still decodes starts from the prompt they share; both outputs equal the cache-off server's."""
+    from slime.backends.cpu_server.sampling import SamplingParams
+    from slime.backends.cpu_server.scheduler import Req
+
+    def req(ids):
+        sp = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+        return Req(ids, SamplingParams.from_dict(sp, 512), return_logprob=True)
+
+    runs = {}
+    for cache in (True, False):
+        sched = _scheduler(tiny_kit[0], max_running=4, max_total_tokens=100, share_prefill=cache)
+        first, second = req(PROMPTS[2] + [7, 8]), req(PROMPTS[2] + [50])
+        sched.submit(first)
+        _step(sched)
+        _step(sched)
+        sched.submit(second)
+        while not (first.finished and second.finished):
+            _step(sched)
+        runs[cache] = (first, second)
+        assert sched.pool.num_free() + _cached_rows(sched) == 100 and not sched.row_refs
+    assert [r.cached_tokens for r in runs[True]] == [0, len(PROMPTS[2])]
+    for a, b in zip(runs[True], runs[False]):
+        assert a.output_ids == b.output_ids
+        assert max(abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs)) <= 1e-6
 
 
 def test_radix_cache_matches_splits_and_evicts_the_least_recently_used_unheld_leaf():

@@ -1,8 +1,9 @@
 """A prefix cache over KV pool rows: SGLang's radix cache with page size 1.
 
-Finished requests leave their computed tokens' rows here instead of freeing them; a later request whose tokens start
-the same way points its first positions at those rows and prefills only the rest (a multi-turn agent's next turn
-prefills its new turn, not its whole history). Each edge holds a run of tokens and the pool row of each.
+Requests leave their computed tokens' rows here (a prompt's once prefilled, the rest when the request finishes); a later
+request whose tokens start the same way points its first positions at those rows and prefills only the rest (a
+multi-turn agent's next turn prefills its new turn, not its whole history). Each edge holds a run of tokens and the
+pool row of each.
 
 The cache is one holder of its rows among others (the scheduler counts holders per row): a request that matched a
 prefix holds those rows too, so eviction only ever takes leaves whose rows no request holds, least recently used first.

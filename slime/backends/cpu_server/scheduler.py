@@ -11,17 +11,17 @@ the same weights, admitted while any request of the group still holds the prompt
 later one), is not prefilled at all: its first positions point at the same pool rows and it samples its first token,
 with its own generator, from the same last-token logits. From there each request decodes into rows of its own.
 
-Prefix cache (the same flag; SGLang's radix cache, page size 1): a finished request's computed rows stay in a radix
-tree of token ids (radix_cache.py), one per adapter, and a later request whose tokens start the same way (an agent's
-next turn, another branch of a prompt) points its first positions at them and prefills only the rest: at most all but
-its last token, and none of the positions whose input log-probs it asks for, as SGLang matches. Pool rows are counted
-per holder (requests and the cache; `_hold` / `_release`), so a row returns to the pool with its last holder; when the
-pool runs dry, least recently used cached rows no request holds go first, before any retraction. Any control task
-(weight update, flush, release/resume, pause) empties the cache, and rows a request computed across one are not
-cached, nor are a retracted request's (as SGLang's); an unloaded adapter's rows go at the next step. In
---enable-deterministic-inference mode the cache is off (its rows were computed in other batch shapes) and every
-prefill is a batch of one, so a group's shared rows and logits are bit for bit what each request would have computed
-alone.
+Prefix cache (the same flag; SGLang's radix cache, page size 1): a request's computed rows stay in a radix tree of
+token ids (radix_cache.py), one per adapter (its prompt's once prefilled, the rest when it finishes), and a later
+request whose tokens start the same way (an agent's next turn, another branch of a prompt) points its first positions
+at them and prefills only the rest: at most all but its last token, and none of the positions whose input log-probs it
+asks for, as SGLang matches. Pool rows are counted per holder (requests and the cache; `_hold` / `_release`), so a row
+returns to the pool with its last holder; when the pool runs dry, least recently used cached rows no request holds go
+first, before any retraction. Any control task (weight update, flush, release/resume, pause) empties the cache, and
+rows a request computed across one are not cached, nor are a retracted request's decoded ones (as SGLang's); an
+unloaded adapter's rows go at the next step. In --enable-deterministic-inference mode the cache is off (its rows were
+computed in other batch shapes) and every prefill is a batch of one, so a group's shared rows and logits are bit for
+bit what each request would have computed alone.
 """
 
 import concurrent.futures
@@ -372,6 +372,10 @@ class Scheduler:
         # the forward; the others run it, and the first of a group fills its _SharedPrompt for the rest.
         run = [r for r in reqs if not r.skip_prefill]
         last = self._forward_prefill(run) if run else {}
+        for r in run:  # as SGLang's cache_unfinished_req: what a live request computed, later ones may start from
+            if (cache := self._cache_of(r, create=True)) is not None:
+                k = len(r.input_ids) + max(len(r.output_ids) - 1, 0)
+                self._hold(r.rows[cache.insert((r.input_ids + r.output_ids)[:k], r.rows[:k]) : k])
         for r in reqs:
             if r.skip_prefill:
                 e = r.prefix
