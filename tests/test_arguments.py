@@ -651,16 +651,18 @@ def test_cpu_server_ignores_gpu_knobs_with_one_warning(caplog):
     ]
 
 
-def test_cpu_server_honours_disable_radix_cache(caplog):
-    """--sglang-disable-radix-cache turns the CPU server's shared prefill off: passed on, not ignored."""
+@pytest.mark.parametrize("flag", ["--disable-radix-cache", "--enable-cache-report"])
+def test_cpu_server_honours_its_prefix_cache_flags(caplog, flag):
+    """--sglang-disable-radix-cache (the CPU server's prefix cache and shared prefill off) and
+    --sglang-enable-cache-report (cached tokens in OpenAI usage) are passed on, not ignored."""
     from slime.backends.sglang_utils.server_launch import server_command
 
     with caplog.at_level(logging.WARNING):
-        a = parse("--inference-server", "cpu", "--sglang-disable-radix-cache")
+        a = parse("--inference-server", "cpu", "--sglang-" + flag[2:])
     assert not [r for r in caplog.records if "ignoring GPU-only SGLang options" in r.getMessage()]
-    assert "--disable-radix-cache" in server_command(a, 0, "127.0.0.1", 30000, 30001, "127.0.0.1:30002")[1]
+    assert flag in server_command(a, 0, "127.0.0.1", 30000, 30001, "127.0.0.1:30002")[1]
     b = parse("--inference-server", "cpu")
-    assert "--disable-radix-cache" not in server_command(b, 0, "127.0.0.1", 30000, 30001, "127.0.0.1:30002")[1]
+    assert flag not in server_command(b, 0, "127.0.0.1", 30000, 30001, "127.0.0.1:30002")[1]
 
 
 def test_cpu_server_takes_the_tool_call_parsers_it_runs(capsys):

@@ -730,21 +730,30 @@ def test_a_client_that_leaves_a_stream_aborts_its_requests(server, path):
 
 @pytest.mark.slow  # development tier: 10-18 s of importing SGLang in the side venv
 @needs_side_venv
-def test_openai_answers_are_what_sglangs_own_classes_serialise(server, tmp_path):
+def test_openai_answers_are_what_sglangs_own_classes_serialise(server, tiny_kit, tmp_path):
     """Every OpenAI answer (chat and completion, plain and each chunk of a stream: n = 2, log-probs with
-    alternatives, token ids, an echoed batch, usage in each chunk and at the end) parsed by SGLang's own response
-    classes and serialised again is unchanged: no field missing, extra, mistyped or (where SGLang leaves it out)
-    present."""
+    alternatives, token ids, an echoed batch, usage in each chunk and at the end; and with --enable-cache-report,
+    cached-token details) parsed by SGLang's own response classes and serialised again is unchanged: no field
+    missing, extra, mistyped or (where SGLang leaves it out) present."""
     options = {"include_usage": True, "continuous_usage_stats": True}
     common = {"model": "m", "max_tokens": 5, "temperature": 0.8, "seed": 1, "n": 2}
     chat = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2, **common}
     completion = {"prompt": ["hi", "ho"], "echo": True, "logprobs": 2, "return_token_ids": True, **common}
-    answers = {
-        "chat": SESSION.post(server + "/v1/chat/completions", json={**chat, "return_token_ids": True}).json(),
-        "completion": SESSION.post(server + "/v1/completions", json=completion).json(),
-        "chat_chunks": _events(server, "/v1/chat/completions", {**chat, "stream_options": options}),
-        "completion_chunks": _events(server, "/v1/completions", {**completion, "stream_options": options}),
-    }
+
+    def answers_of(url):
+        return {
+            "chat": SESSION.post(url + "/v1/chat/completions", json={**chat, "return_token_ids": True}).json(),
+            "completion": SESSION.post(url + "/v1/completions", json=completion).json(),
+            "chat_chunks": _events(url, "/v1/chat/completions", {**chat, "stream_options": options}),
+            "completion_chunks": _events(url, "/v1/completions", {**completion, "stream_options": options}),
+        }
+
+    proc, reporting = start_cpu_server(tiny_kit[0], "--enable-cache-report")
+    try:
+        answers = [answers_of(server), answers_of(reporting)]
+    finally:
+        stop_cpu_server(proc)
+    assert answers[1]["chat"]["usage"]["prompt_tokens_details"] is not None
     path = tmp_path / "answers.json"
     path.write_text(json.dumps(answers))
     code = """
@@ -758,21 +767,21 @@ def same(cls, obj, **kw):
     again = json.loads(cls.model_validate(obj).model_dump_json(**kw))
     assert again == obj, (obj, again)
 
-a = json.load(open(sys.argv[1]))
-same(ChatCompletionResponse, a["chat"])
-same(CompletionResponse, a["completion"])
-for c in a["chat_chunks"]:
-    if c["choices"]:  # SGLang's chunks of a choice (sse_utils, msgspec); their log-probs a ChoiceLogprobs dump
-        again = json.loads(msgspec.json.encode(msgspec.convert(c, StreamChunk)))
-        assert again == c, (c, again)
-        lp = c["choices"][0]["logprobs"]
-        assert lp is None or ChoiceLogprobs.model_validate(lp).model_dump() == lp, lp
-    else:  # the usage chunk
-        same(ChatCompletionStreamResponse, c)
-*chunks, usage = a["completion_chunks"]
-for c in chunks:
-    same(CompletionStreamResponse, c)
-same(CompletionStreamResponse, usage, exclude_none=True)
+for a in json.load(open(sys.argv[1])):
+    same(ChatCompletionResponse, a["chat"])
+    same(CompletionResponse, a["completion"])
+    for c in a["chat_chunks"]:
+        if c["choices"]:  # SGLang's chunks of a choice (sse_utils, msgspec); their log-probs a ChoiceLogprobs dump
+            again = json.loads(msgspec.json.encode(msgspec.convert(c, StreamChunk)))
+            assert again == c, (c, again)
+            lp = c["choices"][0]["logprobs"]
+            assert lp is None or ChoiceLogprobs.model_validate(lp).model_dump() == lp, lp
+        else:  # the usage chunk
+            same(ChatCompletionStreamResponse, c)
+    *chunks, usage = a["completion_chunks"]
+    for c in chunks:
+        same(CompletionStreamResponse, c)
+    same(CompletionStreamResponse, usage, exclude_none=True)
 print("unchanged")
 """
     run = run_side(code, str(path))
@@ -2171,6 +2180,44 @@ def test_generate_batch_reports_shared_prompt_as_cached_tokens(server):
         assert o["output_ids"] == alone["output_ids"]
         lps = [x[0] for x in o["meta_info"]["output_token_logprobs"]]
         assert max(abs(a - b[0]) for a, b in zip(lps, alone["meta_info"]["output_token_logprobs"])) <= 1e-6
+
+
+def test_openai_usage_reports_cached_tokens_with_enable_cache_report(tiny_kit):
+    """SGLang's --enable-cache-report: usage.prompt_tokens_details.cached_tokens, each prompt counted by its first
+    choice, in plain answers and a stream's last chunk; a chat chunk's usage carries its own choice's count, a
+    completion chunk's none, as SGLang's. (Without the flag there are no details: test_openai_endpoints.)"""
+    proc, url = start_cpu_server(tiny_kit[0], "--enable-cache-report")
+    try:
+        chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "n": 2}
+        completion = {"model": "m", "prompt": ["hi", "ho there"], "max_tokens": 3, "n": 2}
+        answers = [
+            SESSION.post(url + path, json=body).json()["usage"]
+            for path, body in [
+                ("/v1/chat/completions", chat),
+                ("/v1/chat/completions", chat),  # now cached: all of its prompt but the last token
+                ("/v1/completions", completion),
+                ("/v1/completions", completion),
+            ]
+        ]
+        options = {"include_usage": True, "continuous_usage_stats": True}
+        chat_chunks = _events(url, "/v1/chat/completions", {**chat, "stream_options": options})
+        completion_chunks = _events(url, "/v1/completions", {**completion, "stream_options": options})
+    finally:
+        stop_cpu_server(proc)
+    p_chat, p_completion = answers[0]["prompt_tokens"], answers[2]["prompt_tokens"]
+    details = [u["prompt_tokens_details"] for u in answers]
+    assert details == [{"cached_tokens": n} for n in (0, p_chat - 1, 0, p_completion - 2)]
+    *chunks, last = chat_chunks
+    assert last["usage"]["prompt_tokens_details"] == {"cached_tokens": p_chat - 1}
+    # choice 0 took the cached rows; choice 1, a sample of the same prompt, shares choice 0's whole prefill
+    counted = [c for c in chunks if "usage" in c]  # the text chunks (not the role's or the finish reasons')
+    assert {(c["choices"][0]["index"], c["usage"]["prompt_tokens_details"]["cached_tokens"]) for c in counted} == {
+        (0, p_chat - 1),
+        (1, p_chat),
+    }
+    *chunks, last = completion_chunks
+    assert last["usage"]["prompt_tokens_details"] == {"cached_tokens": p_completion - 2}
+    assert all(c["usage"]["prompt_tokens_details"] is None for c in chunks)
 
 
 def test_meta_info_echoes_the_applied_sampling_params(server):

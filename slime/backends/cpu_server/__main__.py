@@ -40,8 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--disable-radix-cache",
         action="store_true",
-        help="as SGLang's: no prefix sharing (requests with identical prompts are each prefilled, on KV rows of "
-        "their own; by default one prefill and its KV rows serve them all until their outputs diverge)",
+        help="as SGLang's: no prefix cache and no prefix sharing (by default computed rows are kept for later "
+        "requests that start the same way, and one prefill serves live requests with identical prompts)",
     )
     p.add_argument(
         "--sampling-mask-max-tokens",
@@ -69,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(TOOL_CALL_FORMATS),
         default=None,
         help="as SGLang's: a chat with tools answers the calls in the output as message.tool_calls (not streamed)",
+    )
+    p.add_argument(
+        "--enable-cache-report",
+        action="store_true",
+        help="as SGLang's: OpenAI answers report the prompt tokens taken from the prefix cache (usage."
+        "prompt_tokens_details.cached_tokens)",
     )
     p.add_argument(
         "--enable-return-routed-experts",

@@ -115,13 +115,14 @@ class TokenText:
             return bytes(raw).decode("latin-1")
 
 
-def _usage(prompt_tokens, completion_tokens) -> dict:
-    """SGLang's UsageInfo (no reasoning parser, no --enable-cache-report: no details)."""
+def _usage(prompt_tokens, completion_tokens, cached=None) -> dict:
+    """SGLang's UsageInfo (no reasoning parser); cached: the prompt tokens taken from the prefix cache, reported as
+    SGLang's --enable-cache-report does, or None (no details)."""
     return {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
-        "prompt_tokens_details": None,
+        "prompt_tokens_details": None if cached is None else {"cached_tokens": cached},
         "reasoning_tokens": 0,
         "completion_tokens_details": None,
     }
@@ -135,11 +136,12 @@ class _StreamState:
     """What SGLang's OpenAI stream has sent of each choice (its index): text, log-probs, tokens; the rest of the
     stream reads it."""
 
-    def __init__(self, b, reqs, n):
+    def __init__(self, b, reqs, n, cache_report):
         self.created, self.model = int(time.time()), b.get("model", "default")
         opts = b.get("stream_options") or {}  # SGLang's server default: no usage
         self.include_usage, self.continuous = bool(opts.get("include_usage")), bool(opts.get("continuous_usage_stats"))
-        self.prompt_lens, self.n = [len(r.input_ids) for r in reqs], n
+        self.reqs, self.prompt_lens, self.n = reqs, [len(r.input_ids) for r in reqs], n
+        self.cache_report = cache_report
         self.text, self.tokens, self.finished, self.rid = {}, {}, {}, None
 
     def take(self, r, text, ids, finished):
@@ -152,12 +154,16 @@ class _StreamState:
             self.finished[i] = r.finish_reason
         return first, text[len(sent) :], (start, len(ids))
 
-    def usage(self, i) -> dict:
-        return _usage(self.prompt_lens[i], self.tokens.get(i, 0))
+    def usage(self, i, cached=False) -> dict:
+        """Choice i's usage so far; cached: with its cached tokens when reported (SGLang's chat chunks have them, its
+        completion chunks not)."""
+        cached = self.reqs[i].cached_tokens if cached and self.cache_report else None
+        return _usage(self.prompt_lens[i], self.tokens.get(i, 0), cached)
 
     def total_usage(self) -> dict:
         """SGLang's: each prompt counted once (its first choice's), every choice's tokens."""
-        return _usage(sum(self.prompt_lens[:: self.n]), sum(self.tokens.values()))
+        cached = sum(r.cached_tokens for r in self.reqs[:: self.n]) if self.cache_report else None
+        return _usage(sum(self.prompt_lens[:: self.n]), sum(self.tokens.values()), cached)
 
     def chunk(self, kind, choices, **extra) -> dict:
         return {
@@ -300,9 +306,11 @@ class OpenAIAPI:
         body = await asyncio.to_thread(fetch_remote_media, body)
         return images_per_prompt(body, 1, False, self.cfg.model_type)[0], videos_per_prompt(body, 1, False)[0]
 
-    def _response(self, b, kind, choices, prompt_len, reqs):
-        """The response around `choices`, as SGLang builds it: the request's own `model` echoed, and the first
-        choice's weight version (and its per-token spans) in `metadata`."""
+    def _response(self, b, kind, choices, prompt_len, reqs, n):
+        """The response around `choices` (n per prompt), as SGLang builds it: the request's own `model` echoed, each
+        prompt's tokens (and cached ones) counted once, and the first choice's weight version (and its per-token
+        spans) in `metadata`."""
+        cached = sum(r.cached_tokens for r in reqs[::n]) if self.args.enable_cache_report else None
         return web.json_response(
             {
                 "id": reqs[0].rid,  # SGLang's: the first choice's request id
@@ -310,7 +318,7 @@ class OpenAIAPI:
                 "created": int(time.time()),
                 "model": b.get("model", "default"),
                 "choices": choices,
-                "usage": _usage(prompt_len, sum(len(r.output_ids) for r in reqs)),
+                "usage": _usage(prompt_len, sum(len(r.output_ids) for r in reqs), cached),
                 "metadata": self._versions(reqs[0]),
             }
         )
@@ -394,12 +402,12 @@ class OpenAIAPI:
                     ),
                 }
             )
-        return self._response(b, "text_completion", choices, sum(len(ids) for ids, _ in prompts), reqs)
+        return self._response(b, "text_completion", choices, sum(len(ids) for ids, _ in prompts), reqs, n)
 
     async def _completion_stream(self, request, b, reqs, n, echo, echo_logprobs):
         """SGLang's streamed completion: a chunk per update of a choice (its new text, log-probs and, asked, token
         ids; in its first the echo and the prompt's ids), the finish reason in its last; then the usage when asked."""
-        st = _StreamState(b, reqs, n)
+        st = _StreamState(b, reqs, n, self.args.enable_cache_report)
 
         def events(r, text, out_ids, finished):
             first, delta, (a, e) = st.take(r, text, out_ids, finished)
@@ -483,13 +491,13 @@ class OpenAIAPI:
                     **({"response_token_ids": r.output_ids} if b.get("return_token_ids") else {}),
                 }
             )
-        return self._response(b, "chat.completion", choices, len(ids), reqs)
+        return self._response(b, "chat.completion", choices, len(ids), reqs, len(reqs))
 
     async def _chat_stream(self, request, b, reqs):
         """SGLang's streamed chat completion: per choice a first chunk with the role, then a chunk per update
         that adds text (with its new tokens' log-probs: an update that adds no text sends none, as SGLang); once
         every choice finished, a chunk with each one's finish reason, then the usage when asked."""
-        st = _StreamState(b, reqs, len(reqs))
+        st = _StreamState(b, reqs, len(reqs), self.args.enable_cache_report)
 
         def chunk(i, delta, logprobs=None, finish_reason=None, matched_stop=None, usage=None):
             choice = {
@@ -508,7 +516,9 @@ class OpenAIAPI:
             if delta:
                 logprobs = self._chat_logprobs(r, a, e) if r.return_logprob and a < e else None
                 out.append(
-                    chunk(r.index, {"content": delta}, logprobs, usage=st.usage(r.index) if st.continuous else None)
+                    chunk(
+                        r.index, {"content": delta}, logprobs, usage=st.usage(r.index, True) if st.continuous else None
+                    )
                 )
             return out
 

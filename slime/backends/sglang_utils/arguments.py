@@ -55,6 +55,7 @@ CPU_SERVER_HONOURED = (
     "allowed_media_domains",
     "media_url_max_file_size_mb",
     "tool_call_parser",
+    "enable_cache_report",
 )
 
 # GPU-only performance knobs: meaningless on the CPU server, harmless to ignore (results do not depend on them).
@@ -63,7 +64,7 @@ _GPU_PERF_KNOB = re.compile(
     r"nccl|symm_mem|mscclpp|overlap|schedule_policy|schedule_conservativeness|page_size|max_prefill_tokens|"
     r"prefill_max_requests|radix|kv_cache_dtype|cpu_offload|hicache|hierarchical_cache|num_continuous_decode_steps|"
     r"mixed_chunk|stream_interval|watchdog|log_requests|log_level_http|enable_metrics|show_time_cost|decode_log_interval|"
-    r"tokenizer_worker_num|detokenizer_worker_num|p2p_check|dist_timeout|enable_cache_report|"
+    r"tokenizer_worker_num|detokenizer_worker_num|p2p_check|dist_timeout|"
     r"enable_tf32_matmul|nvtx|^device$|numa_node|gc_threshold|sleep_on_idle|weights_cpu_backup|enable_fused_|aiter|"
     r"nvidia|megakernel|monokernel|enable_dp_lm_head|enable_p2p|max_queued_requests|enable_nan_detection"
 )
