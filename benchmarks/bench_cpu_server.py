@@ -139,13 +139,13 @@ def next_turn(prompts, outs, vocab, turn):
 
 
 def conversations(run, prompts, lens, turns, vocab):
-    """run(prompts, lens) -> (seconds, outputs) over `turns` turns: (total seconds, every turn's outputs)."""
-    total, outs = 0.0, []
+    """run(prompts, lens) -> (*seconds, outputs), over `turns` turns: (*summed seconds, every turn's outputs)."""
+    sums, outs = None, []
     for turn in range(turns):
-        t, o = run(prompts, lens)
-        total, outs = total + t, outs + o
+        *seconds, o = run(prompts, lens)
+        sums, outs = seconds if sums is None else [a + b for a, b in zip(sums, seconds)], outs + o
         prompts = next_turn(prompts, o, vocab, turn)
-    return total, outs
+    return (*sums, outs)
 
 
 def main():
@@ -205,10 +205,9 @@ def main():
                 )
                 times[k].append(t)
                 cpus[k].append(cpu_seconds(sides[k][0].pid) - c0)
-            c0 = time.process_time()
-            t, out_hf = conversations(lambda p, n_: run_hf(model, p, n_)[::2], prompts, lens, a.turns, len(tok))
+            t, c, out_hf = conversations(lambda p, n_: run_hf(model, p, n_), prompts, lens, a.turns, len(tok))
             hf.append(t)
-            cpus["hf"].append(time.process_time() - c0)
+            cpus["hf"].append(c)
     finally:
         for proc, _, _ in sides.values():
             os.killpg(proc.pid, signal.SIGTERM)

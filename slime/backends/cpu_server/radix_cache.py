@@ -52,9 +52,8 @@ class RadixCache:
         return rows
 
     def insert(self, tokens, rows) -> int:
-        """Cache rows[i] as the K/V of tokens[: i + 1]. Returns how many leading tokens the cache already held: the
-        caller's holds on rows[:that] are its own to drop (the cache keeps its rows for them), those on the rest pass
-        to the cache."""
+        """Cache rows[i] as the K/V of tokens[: i + 1]. Returns how many leading tokens the cache already held (with
+        rows of its own, which it keeps): rows[that:] are now held by the cache too."""
         node, i, now = self.root, 0, next(self.clock)
         while i < len(tokens):
             child = node.children.get(tokens[i])
