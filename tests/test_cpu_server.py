@@ -94,6 +94,14 @@ def test_sampling_mask_cap_is_the_servers_flag(server):
     assert len(ok["meta_info"]["output_token_sampling_mask"]) == 2
 
 
+@pytest.fixture(scope="module")
+def reporting_server(tiny_kit):
+    """A second server, with SGLang's --enable-cache-report."""
+    proc, url = start_cpu_server(tiny_kit[0], "--enable-cache-report")
+    yield url
+    stop_cpu_server(proc)
+
+
 @pytest.fixture()
 def own_server(tiny_kit):
     """A server of the test's own, as `server` starts it: the weights and weight version a test updates do not reach
@@ -730,7 +738,7 @@ def test_a_client_that_leaves_a_stream_aborts_its_requests(server, path):
 
 @pytest.mark.slow  # development tier: 10-18 s of importing SGLang in the side venv
 @needs_side_venv
-def test_openai_answers_are_what_sglangs_own_classes_serialise(server, tiny_kit, tmp_path):
+def test_openai_answers_are_what_sglangs_own_classes_serialise(server, reporting_server, tmp_path):
     """Every OpenAI answer (chat and completion, plain and each chunk of a stream: n = 2, log-probs with
     alternatives, token ids, an echoed batch, usage in each chunk and at the end; and with --enable-cache-report,
     cached-token details) parsed by SGLang's own response classes and serialised again is unchanged: no field
@@ -748,11 +756,7 @@ def test_openai_answers_are_what_sglangs_own_classes_serialise(server, tiny_kit,
             "completion_chunks": _events(url, "/v1/completions", {**completion, "stream_options": options}),
         }
 
-    proc, reporting = start_cpu_server(tiny_kit[0], "--enable-cache-report")
-    try:
-        answers = [answers_of(server), answers_of(reporting)]
-    finally:
-        stop_cpu_server(proc)
+    answers = [answers_of(server), answers_of(reporting_server)]
     assert answers[1]["chat"]["usage"]["prompt_tokens_details"] is not None
     path = tmp_path / "answers.json"
     path.write_text(json.dumps(answers))
@@ -2182,28 +2186,26 @@ def test_generate_batch_reports_shared_prompt_as_cached_tokens(server):
         assert max(abs(a - b[0]) for a, b in zip(lps, alone["meta_info"]["output_token_logprobs"])) <= 1e-6
 
 
-def test_openai_usage_reports_cached_tokens_with_enable_cache_report(tiny_kit):
+def test_openai_usage_reports_cached_tokens_with_enable_cache_report(reporting_server):
     """SGLang's --enable-cache-report: usage.prompt_tokens_details.cached_tokens, each prompt counted by its first
     choice, in plain answers and a stream's last chunk; a chat chunk's usage carries its own choice's count, a
     completion chunk's none, as SGLang's. (Without the flag there are no details: test_openai_endpoints.)"""
-    proc, url = start_cpu_server(tiny_kit[0], "--enable-cache-report")
-    try:
-        chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "n": 2}
-        completion = {"model": "m", "prompt": ["hi", "ho there"], "max_tokens": 3, "n": 2}
-        answers = [
-            SESSION.post(url + path, json=body).json()["usage"]
-            for path, body in [
-                ("/v1/chat/completions", chat),
-                ("/v1/chat/completions", chat),  # now cached: all of its prompt but the last token
-                ("/v1/completions", completion),
-                ("/v1/completions", completion),
-            ]
+    url = reporting_server
+    flush(url)  # from a known state: the other test on this server asks the same prompts
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "n": 2}
+    completion = {"model": "m", "prompt": ["hi", "ho there"], "max_tokens": 3, "n": 2}
+    answers = [
+        SESSION.post(url + path, json=body).json()["usage"]
+        for path, body in [
+            ("/v1/chat/completions", chat),
+            ("/v1/chat/completions", chat),  # now cached: all of its prompt but the last token
+            ("/v1/completions", completion),
+            ("/v1/completions", completion),
         ]
-        options = {"include_usage": True, "continuous_usage_stats": True}
-        chat_chunks = _events(url, "/v1/chat/completions", {**chat, "stream_options": options})
-        completion_chunks = _events(url, "/v1/completions", {**completion, "stream_options": options})
-    finally:
-        stop_cpu_server(proc)
+    ]
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chat_chunks = _events(url, "/v1/chat/completions", {**chat, "stream_options": options})
+    completion_chunks = _events(url, "/v1/completions", {**completion, "stream_options": options})
     p_chat, p_completion = answers[0]["prompt_tokens"], answers[2]["prompt_tokens"]
     details = [u["prompt_tokens_details"] for u in answers]
     assert details == [{"cached_tokens": n} for n in (0, p_chat - 1, 0, p_completion - 2)]
