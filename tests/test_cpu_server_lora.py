@@ -191,8 +191,8 @@ def test_adapter_from_a_peft_directory(server, adapter):
 
 
 def test_the_prefix_cache_keeps_each_adapters_rows_apart(server, adapter):
-    """A prompt cached under the base is not reused by an adapter (its K/V differ), and the other way round: each
-    adapter starts from its own cached rows only, with its own outputs."""
+    """A prompt cached under the base is not reused by an adapter (its K/V differ): each adapter, and the base,
+    starts from its own cached rows only, with its own outputs."""
     flush(server)  # earlier tests' base requests cached these prompts
     r = SESSION.post(server + "/load_lora_adapter", json={"lora_name": "c", "lora_path": adapter["path"]}, timeout=60)
     assert r.status_code == 200, r.text
