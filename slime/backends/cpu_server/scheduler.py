@@ -332,12 +332,11 @@ class Scheduler:
             self._hold(prefix)  # before any eviction below can take them
             n = 0 if entry is not None else len(r.input_ids) + max(len(r.output_ids) - 1, 0) - len(prefix)
             reserve = len(self.running) + len(admitted) + 1  # the next decode step must fit too
-            if self.pool.num_free() < n + reserve and not (admitted and n > budget):
-                self._evict(n + reserve - self.pool.num_free())
-            if self.pool.num_free() < n + reserve or (admitted and n > budget):
-                self._release(prefix)
-                break
-            if self.loras is not None and len(adapters | {id(r.lora)}) > self.loras.max_per_batch:
+            over_budget = admitted and n > budget
+            too_many_adapters = self.loras is not None and len(adapters | {id(r.lora)}) > self.loras.max_per_batch
+            if not (over_budget or too_many_adapters) and self.pool.num_free() < n + reserve:
+                self._evict(n + reserve - self.pool.num_free())  # cached rows no one holds make room
+            if over_budget or too_many_adapters or self.pool.num_free() < n + reserve:
                 self._release(prefix)
                 break
             adapters.add(id(r.lora))
