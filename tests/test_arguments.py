@@ -678,6 +678,30 @@ def test_cpu_server_takes_the_tool_call_parsers_it_runs(capsys):
     assert "--sglang-tool-call-parser='llama3' (it parses ['hermes', 'qwen', 'qwen25', 'qwen3_coder'])" in err
 
 
+def test_cpu_server_takes_the_eviction_policies_it_implements(capsys):
+    """--sglang-radix-eviction-policy and its JSON config reach the CPU server as its own parser reads them back (the
+    server evicts by them, tests/test_cpu_server.py); SGLang's priority and tlru, or a parameter the policy does not
+    take, are refused at start-up in one line."""
+    from slime.backends.cpu_server.__main__ import build_parser, main
+    from slime.backends.sglang_utils.server_launch import server_command
+
+    a = parse(
+        *("--inference-server", "cpu", "--sglang-radix-eviction-policy", "slru"),
+        *("--sglang-radix-eviction-policy-config", '{"protected_threshold": 3}'),
+    )
+    server = build_parser().parse_args(server_command(a, 0, "127.0.0.1", 30000, 30001, "127.0.0.1:30002")[1][3:])
+    assert (server.radix_eviction_policy, server.radix_eviction_policy_config) == ("slru", {"protected_threshold": 3})
+    err = parse_error(capsys, "--inference-server", "cpu", "--sglang-radix-eviction-policy", "tlru")
+    assert "--sglang-radix-eviction-policy 'tlru': slime's CPU server evicts by lru, lfu, slru" in err
+    err = parse_error(
+        capsys, "--inference-server", "cpu", "--sglang-radix-eviction-policy-config", '{"protected_threshold": 3}'
+    )
+    assert "'protected_threshold' is no parameter of eviction policy 'lru'" in err
+    with pytest.raises(SystemExit):  # the server itself, started by hand
+        main(["--model-path", "m", "--radix-eviction-policy", "lfu", "--radix-eviction-policy-config", '{"x": 1}'])
+    assert "--radix-eviction-policy-config: 'x' is no parameter of eviction policy 'lfu'" in capsys.readouterr().err
+
+
 def test_cpu_server_takes_the_sampling_mask_cap():
     """--sglang-sampling-mask-max-tokens reaches the CPU server (which bounds top-k by it, tests/test_cpu_server.py),
     so the top-k that top-p alone samples at is the engine's bound on both servers."""

@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -2166,6 +2167,88 @@ def test_radix_cache_matches_splits_and_evicts_the_least_recently_used_unheld_le
     assert c.evict(1, held=lambda row: row == 42) == [13, 14]  # (7, 8) held: the next least recent leaf
     assert c.evict(10, held=lambda row: row == 42) == [11, 12]  # (1, 2) became a leaf; (7, 8) still held
     assert c.num_rows == 2 and sorted(c.reset()) == [41, 42] and c.match((7, 8), 2) == []
+
+
+def test_radix_cache_evicts_in_the_order_of_each_eviction_policy():
+    """--radix-eviction-policy on the tree by hand: SGLang's hit counting (a node counts each request that inserts
+    through it, not again for a second insert by the same request: `inserted`, its inserted_len) and its policies'
+    orders, lru (last use), lfu (hits, then last use) and slru (fewer hits than protected_threshold first, each part
+    by last use), every one different here; a node split by a diverging insert keeps its hits in its head."""
+    from slime.backends.cpu_server.radix_cache import RadixCache, eviction_order
+
+    def evictions(order):
+        c = RadixCache(order)
+        for tokens, inserted in [
+            ((20, 21, 22), 0),
+            ((20, 21, 22), 0),  # H = (20, 21, 22) (2)
+            ((20, 21, 30), 0),  # split: K = (20, 21) (3), H' = (22,) (2), L = (30,) (1)
+            ((1, 2, 3), 0),  # a request's prompt: node A (hits 1)
+            ((1, 2, 3, 4, 5), 3),  # the same request at its end: B = (4, 5) (1); A not counted again
+            ((1, 2, 3, 6), 0),  # another request: A (2), C = (6,) (1)
+            ((1, 2, 3, 6, 7), 4),  # ... at its end: D = (7,) (1)
+            ((9, 9), 0),  # E (1)
+            ((9, 9, 8), 0),  # E (2), F = (8,) (1)
+            ((9, 9, 8), 3),  # the same request again: only touched
+            ((9, 9), 0),  # E (3)
+            ((1, 2, 3, 6, 7, 5), 0),  # A (3), C (2), D (2), G = (5,) (1)
+        ]:
+            c.insert(tokens, [100 + t for t in tokens], inserted)
+            if tokens == (20, 21, 30):
+                c.match((20, 21, 22), 3)  # K and H' used after L
+        c.match((1, 2, 3, 4, 5), 5)  # A and B used last
+        out = []
+        while c.num_rows:
+            out.append(c.evict(1, held=lambda row: False))
+        return out
+
+    A, B, C, D, E, F, G = [101, 102, 103], [104, 105], [106], [107], [109, 109], [108], [105]
+    K, H, L = [120, 121], [122], [130]
+    assert evictions(eviction_order("lru")) == [L, H, K, F, E, G, D, C, B, A]
+    assert evictions(eviction_order("lfu")) == [L, F, G, B, H, D, C, K, E, A]
+    assert evictions(eviction_order("slru")) == [L, F, G, B, H, K, E, D, C, A]  # protected: 2 hits or more
+    assert evictions(eviction_order("slru", {"protected_threshold": 3})) == [L, H, F, G, D, C, B, K, E, A]
+    for policy, config, message in [
+        ("tlru", None, "--radix-eviction-policy 'tlru': slime's CPU server evicts by lru, lfu, slru"),
+        ("lfu", {"protected_threshold": 2}, "'protected_threshold' is no parameter of eviction policy 'lfu'"),
+        ("slru", {"protected_threshold": "2"}, "'protected_threshold' must be an integer, not '2'"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            eviction_order(policy, config)
+
+
+def test_the_eviction_policy_decides_which_cached_prefix_a_full_pool_gives_up(tiny_kit):
+    """Through the scheduler: prompt X served twice (its cached nodes hit twice), then prompt Y once; a long request
+    then needs two rows more than the pool has free. lru (and slru with protected_threshold 3) gives up X, used
+    longest ago; lfu (and slru's default threshold, 2) gives up Y, hit once: what a later X or Y finds cached."""
+    from slime.backends.cpu_server.radix_cache import eviction_order
+    from slime.backends.cpu_server.sampling import SamplingParams
+    from slime.backends.cpu_server.scheduler import Req
+
+    X, Y, Z = PROMPTS[2], PROMPTS[0], PROMPTS[1]
+
+    def req(ids, n):
+        return Req(ids, SamplingParams.from_dict({"temperature": 0, "max_new_tokens": n, "ignore_eos": True}, 512))
+
+    kept = {}
+    for name, policy, config in [
+        ("lru", "lru", None),
+        ("lfu", "lfu", None),
+        ("slru", "slru", None),
+        ("slru3", "slru", {"protected_threshold": 3}),
+    ]:
+        sched = _scheduler(
+            tiny_kit[0], max_running=2, max_total_tokens=40, eviction_order=eviction_order(policy, config)
+        )
+        for ids in (X, X, Y):
+            _serve_one(sched, req(ids, 2))
+        assert _cached_rows(sched) == len(X) + 1 + len(Y) + 1 and sched.pool.num_free() == 20
+        long = req(Z, 20)  # 3 prompt rows + 19 decoded: 2 more than free
+        _serve_one(sched, long)
+        assert long.num_retractions == 0
+        cache = sched.caches[id(None)][1]
+        kept[name] = [len(cache.match(ids, len(ids))) for ids in (X, Y)]
+    whole = [len(X), len(Y)]
+    assert kept == {"lru": [0, len(Y)], "lfu": [len(X), 0], "slru": [len(X), 0], "slru3": [0, len(Y)]}, whole
 
 
 def test_generate_batch_reports_shared_prompt_as_cached_tokens(server):

@@ -1,6 +1,7 @@
 """`python -m slime.backends.cpu_server --model-path DIR --host 127.0.0.1 --port P ...` (flag names as SGLang's)."""
 
 import argparse
+import json
 import logging
 import sys
 
@@ -42,6 +43,18 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="as SGLang's: no prefix cache and no prefix sharing (by default computed rows are kept for later "
         "requests that start the same way, and one prefill serves live requests with identical prompts)",
+    )
+    p.add_argument(
+        "--radix-eviction-policy",
+        default="lru",
+        help="as SGLang's: which cached rows go first when the KV pool runs dry: lru, lfu or slru (SGLang's "
+        "priority and tlru are not implemented here)",
+    )
+    p.add_argument(
+        "--radix-eviction-policy-config",
+        type=json.loads,
+        default=None,
+        help="as SGLang's: the policy's parameters as a JSON object (slru: {\"protected_threshold\": 2})",
     )
     p.add_argument(
         "--sampling-mask-max-tokens",
@@ -108,8 +121,11 @@ def main(argv=None):
     args = parser.parse_args(argv)
     from slime.utils.media_download import configure_media_urls
 
+    from .radix_cache import eviction_order
+
     try:
         configure_media_urls(args.allowed_media_domains, args.media_url_max_file_size_mb)
+        args.eviction_order = eviction_order(args.radix_eviction_policy, args.radix_eviction_policy_config)
     except ValueError as e:
         parser.error(str(e))
     logging.basicConfig(

@@ -94,8 +94,9 @@ class Req:
         self.prefix = None  # the _SharedPrompt whose KV rows this request's prompt positions point at, or None
         self.cached_tokens = 0  # prompt tokens it did not prefill (SGLang's meta_info cached_tokens)
         # admitted as a group's follower (its whole prompt prefilled by another request); else the leading positions
-        # it took from the prefix cache, and the cache's epoch then (its rows are cached at the end only if unchanged)
-        self.skip_prefill, self.num_cached, self.cache_epoch = False, 0, None
+        # it took from the prefix cache, and the cache's epoch then (its rows are cached at the end only if unchanged);
+        # how many of its positions it has put in the cache
+        self.skip_prefill, self.num_cached, self.cache_epoch, self.cache_inserted = False, 0, None, 0
         # its images' processor outputs (pixel_values, image_grid_thw, mm_token_type_ids over the prompt), or None
         self.mm = None
 
@@ -161,6 +162,7 @@ class Scheduler:
         lora_registry=None,
         batch_invariant: bool = False,
         share_prefill: bool = True,
+        eviction_order=None,
     ):
         self.model, self.weights, self.pool, self.tok = model, weights, pool, tokenizer
         self.max_running, self.context_len, self.eos_ids = max_running, context_len, set(eos_ids)
@@ -179,6 +181,7 @@ class Scheduler:
         # the transformers fallback (MoE and vision-language models), which recomputes every sequence every step
         self.use_cache = share_prefill and not batch_invariant and getattr(model, "extends_prefix", False)
         self.caches: dict = {}  # id(adapter) -> (adapter, RadixCache)
+        self.eviction_order = eviction_order  # radix_cache.eviction_order(--radix-eviction-policy, its config)
         self.cache_epoch = 0  # bumped by every flush: rows computed before one are never cached after it
         # (the decode's group prompts, the last step's SharedPrefix over them): its prompt rows, mask and gathered
         # K/V serve every step over the same prompts
@@ -374,7 +377,7 @@ class Scheduler:
         for r in run:  # as SGLang's cache_unfinished_req: what a live request computed, later ones may start from
             if (cache := self._cache_of(r, create=True)) is not None:
                 k = len(r.input_ids) + max(len(r.output_ids) - 1, 0)
-                self._hold(r.rows[cache.insert((r.input_ids + r.output_ids)[:k], r.rows[:k]) : k])
+                self._hold(r.rows[self._insert(cache, r, k) : k])
         for r in reqs:
             if r.skip_prefill:
                 e = r.prefix
@@ -503,6 +506,7 @@ class Scheduler:
         logger.info("KV pool full: retracting request %s (%d tokens)", r.rid, len(r.rows))
         self.running.remove(r)
         self._free(r, cache=False)  # as SGLang: a retracted request's rows are not cached
+        r.cache_inserted = 0
         r.num_retractions += 1
         self.waiting.appendleft(r)
 
@@ -575,7 +579,10 @@ class Scheduler:
         if entry is None and create:
             from .radix_cache import RadixCache
 
-            entry = self.caches[id(r.lora)] = (r.lora, RadixCache())  # the adapter pinned while its id keys it
+            entry = self.caches[id(r.lora)] = (
+                r.lora,
+                RadixCache(self.eviction_order),
+            )  # the adapter pinned while its id keys it
         return None if entry is None else entry[1]
 
     def _match(self, r) -> list:
@@ -587,6 +594,13 @@ class Scheduler:
         if r.wants_input_logprobs:
             limit = min(limit, r.logprob_start_len)
         return cache.match(seq, limit) if cache is not None and limit > 0 else []
+
+    @staticmethod
+    def _insert(cache, r, k) -> int:
+        """Cache r's first k positions' rows; returns how many of them the cache already held."""
+        held = cache.insert((r.input_ids + r.output_ids)[:k], r.rows[:k], r.cache_inserted)
+        r.cache_inserted = max(r.cache_inserted, k)  # not counted as hits again (SGLang's cache_inserted_len)
+        return held
 
     def _evict(self, want):
         """Free at least `want` rows from the prefix caches if they hold that many no request holds."""
@@ -615,8 +629,7 @@ class Scheduler:
             rows = r.rows
             c = self._cache_of(r, create=True) if cache and r.cache_epoch == self.cache_epoch else None
             if c is not None:  # its computed positions' rows stay for later requests (as SGLang's cache_finished_req)
-                tokens = (r.input_ids + r.output_ids)[: len(rows)]
-                rows = rows[: c.insert(tokens, rows)]  # the rest pass to the cache, held
+                rows = rows[: self._insert(c, r, len(rows))]  # the rest pass to the cache, held
             self._release(rows)
             r.rows = []
         e, r.prefix = r.prefix, None

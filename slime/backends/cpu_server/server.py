@@ -95,6 +95,7 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
             lora_registry=self.loras,
             batch_invariant=args.enable_deterministic_inference,
             share_prefill=not args.disable_radix_cache,
+            eviction_order=getattr(args, "eviction_order", None),
         )
         self.served_model_name = args.served_model_name or self.model_path
         self.groups: dict = {}

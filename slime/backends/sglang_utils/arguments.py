@@ -56,6 +56,8 @@ CPU_SERVER_HONOURED = (
     "media_url_max_file_size_mb",
     "tool_call_parser",
     "enable_cache_report",
+    "radix_eviction_policy",
+    "radix_eviction_policy_config",
 )
 
 # GPU-only performance knobs: meaningless on the CPU server, harmless to ignore (results do not depend on them).
@@ -354,6 +356,13 @@ def validate_args(args, parser=None, check_cpu_server=True):
         unsupported.append(
             f"--sglang-tool-call-parser={args.sglang_tool_call_parser!r} (it parses {sorted(TOOL_CALL_FORMATS)})"
         )
+    from slime.backends.cpu_server.radix_cache import eviction_order  # the policies the CPU server evicts by
+
+    if "radix_eviction_policy" in explicit or "radix_eviction_policy_config" in explicit:
+        try:
+            eviction_order(args.sglang_radix_eviction_policy, args.sglang_radix_eviction_policy_config)
+        except ValueError as e:
+            unsupported.append(f"--sglang-{str(e)[2:]}")
     if unsupported:
         error(
             f"slime's CPU inference server cannot honour {', '.join(unsupported)}. It supports "

@@ -179,6 +179,8 @@ def _cli(kwargs: dict) -> list:
         flag = "--" + k.replace("_", "-")
         if isinstance(v, bool):
             argv += [flag] if v else []
+        elif isinstance(v, dict):  # a JSON-typed flag
+            argv += [flag, json.dumps(v)]
         else:
             argv += [flag, *map(str, v)] if isinstance(v, list) else [flag, str(v)]
     return argv
