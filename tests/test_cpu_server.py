@@ -2150,7 +2150,8 @@ def test_a_running_requests_prompt_is_matched_by_later_requests(tiny_kit):
 
 
 def test_radix_cache_matches_splits_and_evicts_the_least_recently_used_unheld_leaf():
-    """The tree by hand: rows per token, a split where a branch leaves an edge, what insert says the cache already
+    """The tree by hand: rows per token, a split where a branch leaves an edge or a match ends inside one (as SGLang
+    splits, so the unmatched rest can be evicted while the matched part is held), what insert says the cache already
     held, LRU eviction of leaves no one else holds, parents evicted once their last child goes."""
     from slime.backends.cpu_server.radix_cache import RadixCache
 
@@ -2164,9 +2165,12 @@ def test_radix_cache_matches_splits_and_evicts_the_least_recently_used_unheld_le
     assert c.insert((7, 8), [41, 42]) == 0
     c.match((1, 2, 3, 4), 4)  # touched: leaves by last use are now (5,), (7, 8), (3, 4)
     assert c.evict(1, held=lambda row: False) == [25]
-    assert c.evict(1, held=lambda row: row == 42) == [13, 14]  # (7, 8) held: the next least recent leaf
-    assert c.evict(10, held=lambda row: row == 42) == [11, 12]  # (1, 2) became a leaf; (7, 8) still held
+    assert c.evict(1, held=lambda row: row == 42) == [14]  # (7, 8) held: the next least recent leaf (split off (3,))
+    assert c.evict(10, held=lambda row: row == 42) == [13, 11, 12]  # parents as they become leaves; (7, 8) held
     assert c.num_rows == 2 and sorted(c.reset()) == [41, 42] and c.match((7, 8), 2) == []
+    c.insert((1, 2, 3, 4, 5), [51, 52, 53, 54, 55])
+    held = c.match((1, 2, 3, 9), 4)  # a running request holds these three rows: the rest of the edge can still go
+    assert held == [51, 52, 53] and c.evict(10, held=held.__contains__) == [54, 55] and c.num_rows == 3
 
 
 def test_radix_cache_evicts_in_the_order_of_each_eviction_policy():
@@ -2218,8 +2222,10 @@ def test_radix_cache_evicts_in_the_order_of_each_eviction_policy():
 
 def test_the_eviction_policy_decides_which_cached_prefix_a_full_pool_gives_up(tiny_kit):
     """Through the scheduler: prompt X served twice (its cached nodes hit twice), then prompt Y once; a long request
-    then needs two rows more than the pool has free. lru (and slru with protected_threshold 3) gives up X, used
-    longest ago; lfu (and slru's default threshold, 2) gives up Y, hit once: what a later X or Y finds cached."""
+    then needs three rows more than the pool has free, evicted a leaf at a time. lru (and slru with protected_threshold
+    3) gives up X, used longest ago (its output, the last token of X that its second request's match split off, the
+    rest of X); lfu (and slru's default threshold, 2) gives up Y, hit once (its output, then Y): what a later X or Y
+    finds cached."""
     from slime.backends.cpu_server.radix_cache import eviction_order
     from slime.backends.cpu_server.sampling import SamplingParams
     from slime.backends.cpu_server.scheduler import Req
@@ -2242,7 +2248,7 @@ def test_the_eviction_policy_decides_which_cached_prefix_a_full_pool_gives_up(ti
         for ids in (X, X, Y):
             _serve_one(sched, req(ids, 2))
         assert _cached_rows(sched) == len(X) + 1 + len(Y) + 1 and sched.pool.num_free() == 20
-        long = req(Z, 20)  # 3 prompt rows + 19 decoded: 2 more than free
+        long = req(Z, 21)  # 3 prompt rows + 20 decoded: 3 more than free
         _serve_one(sched, long)
         assert long.num_retractions == 0
         cache = sched.caches[id(None)][1]

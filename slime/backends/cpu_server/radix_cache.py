@@ -77,9 +77,11 @@ class RadixCache:
                 break
             n = _common(child.key, tokens[i:limit])
             child.used = now
-            rows += child.rows[:n]
-            if n < len(child.key):
+            if n < len(child.key):  # as SGLang: the matched part becomes a node, so the rest can be evicted alone
+                self._split(child, n)
+                rows += node.children[tokens[i]].rows
                 break
+            rows += child.rows
             node, i = child, i + n
         return rows
 
