@@ -2100,6 +2100,79 @@ def test_the_prefix_cache_serves_later_turns_and_branches_exactly(tiny_kit):
             assert [e[1] for e in x] == [e[1] for e in y] and max(abs(e[0] - f[0]) for e, f in zip(x, y)) <= 1e-6
 
 
+def test_the_prefix_cache_under_random_turns_branches_and_a_full_pool_serves_what_no_cache_serves(tiny_kit):
+    """A seeded random workload through the scheduler with its prefix cache and without (--disable-radix-cache):
+    requests arrive while others run, as new prompts, branches off earlier prompts, identical prompts and next turns
+    of finished conversations (prompt + output + new tokens), some asking for input log-probs from a random position,
+    on a pool so small that cached rows are evicted and requests retracted. Every request's output tokens and
+    log-probs and input log-probs equal the cache-off run's within 1e-6; afterwards, the cache emptied, every pool row
+    is free again and no holder is left."""
+    import random
+
+    from slime.backends.cpu_server.sampling import SamplingParams
+    from slime.backends.cpu_server.scheduler import Req
+
+    POOL = 60  # rows: four running requests outgrow it
+    plan_rng = random.Random(11)
+    bases = [[plan_rng.randrange(3, 500) for _ in range(plan_rng.randint(4, 12))] for _ in range(3)]
+    plan = []  # (kind, parent, extra tokens, max_new_tokens, logprob_start_len or None, arrival step or delay)
+    for i in range(28):
+        kind = plan_rng.choice(["new", "branch", "same", "turn"]) if i >= 3 else "new"
+        parent = plan_rng.randrange(i) if kind != "new" else i % 3
+        if kind == "turn" and plan[parent][0] == "turn" and plan[plan[parent][1]][0] == "turn":
+            kind = "branch"  # at most two turns deep: every request fits the pool alone
+        extra = [plan_rng.randrange(3, 500) for _ in range(plan_rng.randint(1, 4))]
+        start = plan_rng.choice([None, None, plan_rng.randint(1, 6)])
+        plan.append((kind, parent, extra, plan_rng.randint(2, 12), start, plan_rng.randint(0, 12)))
+
+    def run(cache):
+        sched = _scheduler(tiny_kit[0], max_running=4, max_total_tokens=POOL, share_prefill=cache)
+        evicted = []
+        evict = sched._evict
+        sched._evict = lambda want: (evicted.append(want), evict(want))
+        reqs, done_at, step = [None] * len(plan), {}, 0
+        while len(done_at) < len(plan):
+            assert step < 3000, "the scheduler did not finish the workload"
+            for i, (kind, parent, extra, n, start, at) in enumerate(plan):
+                if reqs[i] is not None:
+                    continue
+                if kind == "turn":  # the parent's whole conversation so far, then a new message
+                    if parent not in done_at or step < done_at[parent] + at:
+                        continue
+                    ids = reqs[parent].input_ids + reqs[parent].output_ids + extra
+                elif step < at or (kind != "new" and parent not in plan_ids):  # a branch waits for its parent
+                    continue
+                else:
+                    src = bases[parent] if kind == "new" else plan_ids[parent]
+                    ids = {"new": src, "same": src, "branch": src[: max(1, len(src) // 2)] + extra}[kind]
+                sp = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": n, "ignore_eos": True}, 512)
+                start = None if start is None or start >= len(ids) else start
+                reqs[i] = Req(ids, sp, return_logprob=True, logprob_start_len=-1 if start is None else start)
+                plan_ids[i] = ids
+                sched.submit(reqs[i])
+            _step(sched)
+            step += 1
+            done_at.update({i: step for i, r in enumerate(reqs) if r is not None and r.finished and i not in done_at})
+        sched._flush_cache()
+        assert sched.pool.num_free() == POOL and not sched.row_refs and not sched.shared
+        return reqs, evicted
+
+    plan_ids = {}
+    on, evicted = run(True)
+    on_ids, plan_ids = plan_ids, {}
+    off, _ = run(False)
+    assert plan_ids == on_ids
+    assert sum(r.cached_tokens for r in on) > 0 and evicted and sum(r.num_retractions for r in on + off) > 0
+    for i, (a, b) in enumerate(zip(on, off)):
+        assert a.output_ids == b.output_ids, i
+        assert max(abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs)) <= 1e-6, i
+        if a.input_logprobs is not None:
+            assert [e[1] for e in a.input_logprobs] == [e[1] for e in b.input_logprobs], i
+            assert (
+                max((abs(x[0] - y[0]) for x, y in zip(a.input_logprobs[1:], b.input_logprobs[1:])), default=0) <= 1e-6
+            )
+
+
 def test_the_prefix_cache_gives_its_rows_back_before_anyone_is_retracted(tiny_kit, hf):
     """A pool too small for a cached request and a new long one: the decode evicts the cached rows (no request
     holds them) instead of failing or retracting, and the output is transformers' greedy decode."""
@@ -2133,7 +2206,7 @@ def test_a_running_requests_prompt_is_matched_by_later_requests(tiny_kit):
 
     runs = {}
     for cache in (True, False):
-        sched = _scheduler(tiny_kit[0], max_running=4, max_total_tokens=100, share_prefill=cache)
+        sched = _scheduler(tiny_kit[0], max_running=4, max_total_tokens=POOL, share_prefill=cache)
         first, second = req(PROMPTS[2] + [7, 8]), req(PROMPTS[2] + [50])
         sched.submit(first)
         _step(sched)
