@@ -18,7 +18,8 @@ from slime.agent.adapters import AnthropicAdapter, OpenAIAdapter
 from slime.agent.aiohttp_threaded import run_app_in_thread
 from slime.utils.types import Sample
 from tests._agent_kit import CALCULATOR, build_agent_model
-from tests.test_cpu_server import start_cpu_server, stop_cpu_server
+from tests.test_cpu_server import _events, start_cpu_server, stop_cpu_server
+from tests.test_sglang_contract import needs_side_venv, run_side
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -71,8 +72,8 @@ def stack(kit):
 def test_the_cpu_server_answers_tool_calls_with_sglangs_tool_call_parser(stack, kit):
     """The OpenAI SDK straight at a CPU server started with --tool-call-parser qwen25 (as SGLang with it): the
     model's call comes back as message.tool_calls (finish_reason "tool_calls"), the call sent back with the tool's
-    result gets the answer; a stream with tools is refused; without the parser (the `stack` engine) the call stays
-    text, as on SGLang."""
+    result gets the answer; streamed, the call comes in SGLang's pieces; without the parser (the `stack` engine) the
+    call stays text, as on SGLang."""
     import openai
 
     proc, url = start_cpu_server(kit[0], "--random-seed", "1", "--tool-call-parser", "qwen25")
@@ -97,13 +98,59 @@ def test_the_cpu_server_answers_tool_calls_with_sglangs_tool_call_parser(stack, 
             "stop",
             None,
         )
-        with pytest.raises(openai.BadRequestError, match="parses tool calls"):
-            client.chat.completions.create(messages=messages[:1], stream=True, **ask)
+        # streamed, as SGLang streams it: the call's id and name, then its arguments in pieces; "tool_calls" at the end
+        pieces, finish, text = [], None, ""
+        for c in client.chat.completions.create(messages=messages[:1], stream=True, logprobs=True, **ask):
+            for choice in c.choices:
+                pieces += choice.delta.tool_calls or []
+                text += choice.delta.content or ""
+                finish = choice.finish_reason or finish
+        assert finish == "tool_calls" and text == "" and len(pieces) > 2 and {p.index for p in pieces} == {0}
+        assert pieces[0].id.startswith("call_") and pieces[0].function.name == "calculator"
+        assert all(p.id is None and p.function.name is None for p in pieces[1:])
+        assert json.loads("".join(p.function.arguments for p in pieces)) == {"expression": "12*5"}
     finally:
         stop_cpu_server(proc)
     plain = openai.OpenAI(api_key="x", base_url=stack["engine"] + "/v1", max_retries=0)
     r = plain.chat.completions.create(messages=messages[:1], **ask)
     assert r.choices[0].message.tool_calls is None and "<tool_call>" in r.choices[0].message.content
+
+
+@pytest.mark.slow  # development tier: 10-18 s of importing SGLang in the side venv
+@needs_side_venv
+def test_a_streamed_chat_with_tools_is_what_sglangs_own_classes_serialise(kit, tmp_path):
+    """Every chunk of a streamed chat with tools (log-probs, usage in each chunk and at the end), parsed by the class
+    SGLang builds it with and serialised again, is unchanged: the parser's text and call pieces (pydantic
+    ChatCompletionStreamResponse), the role, log-prob and finish chunks (sse_utils' msgspec StreamChunk)."""
+    proc, url = start_cpu_server(kit[0], "--random-seed", "1", "--tool-call-parser", "qwen25")
+    try:
+        body = {"model": "m", "tools": [CALCULATOR], "temperature": 0, "max_tokens": 200, "logprobs": True}
+        body.update(messages=[{"role": "user", "content": "What is 12*5?"}], top_logprobs=1)
+        chunks = _events(url, "/v1/chat/completions", {**body, "stream_options": {"continuous_usage_stats": True}})
+    finally:
+        stop_cpu_server(proc)
+    assert sum("tool_calls" in c["choices"][0]["delta"] for c in chunks) > 2
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    (tmp_path / "chunks.json").write_text(json.dumps(chunks))
+    code = """
+import json, sys
+import msgspec
+from sglang.srt.entrypoints.openai.protocol import ChatCompletionStreamResponse, ChoiceLogprobs
+from sglang.srt.entrypoints.openai.sse_utils import StreamChunk
+
+for c in json.load(open(sys.argv[1])):
+    delta = c["choices"][0]["delta"]
+    if "tool_calls" in delta or delta.get("role", "") is None:  # _process_tool_call_stream's pydantic chunks
+        again = json.loads(ChatCompletionStreamResponse.model_validate(c).model_dump_json())
+    else:
+        again = json.loads(msgspec.json.encode(msgspec.convert(c, StreamChunk)))
+        lp = c["choices"][0]["logprobs"]
+        assert lp is None or ChoiceLogprobs.model_validate(lp).model_dump() == lp, lp
+    assert again == c, (c, again)
+print("unchanged")
+"""
+    run = run_side(code, str(tmp_path / "chunks.json"))
+    assert run.returncode == 0 and "unchanged" in run.stdout, run.stderr[-3000:]
 
 
 def finish_all(adapter, sid, **kw):

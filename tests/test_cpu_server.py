@@ -97,8 +97,8 @@ def test_sampling_mask_cap_is_the_servers_flag(server):
 
 @pytest.fixture(scope="module")
 def reporting_server(tiny_kit):
-    """A second server, with SGLang's --enable-cache-report."""
-    proc, url = start_cpu_server(tiny_kit[0], "--enable-cache-report")
+    """A second server, with SGLang's --enable-cache-report and a tool-call parser."""
+    proc, url = start_cpu_server(tiny_kit[0], "--enable-cache-report", "--tool-call-parser", "qwen25")
     yield url
     stop_cpu_server(proc)
 
@@ -718,6 +718,18 @@ def test_openai_streams_hold_a_split_character_back_and_report_its_bytes(server)
     assert {k: sum((c["logprobs"][k] for c in choices), []) for k in want} == want
     assert choices[0]["prompt_token_ids"] == plain["choices"][0]["prompt_token_ids"]
     assert usage["choices"] == [] and usage["usage"] == {k: v for k, v in plain["usage"].items() if v is not None}
+
+
+def test_with_a_tool_call_parser_log_probs_no_text_carried_come_in_a_chunk_alone(reporting_server):
+    """SGLang's server with a tool-call parser (here one without tools in the request): an update whose token adds no
+    text (half of é) sends its log-probs in a chunk of their own with an empty delta, where a server without a parser
+    sends none (the test above)."""
+    force = {"max_tokens": 4, "temperature": 0, "logit_bias": {"130": 100, "105": 99}, "frequency_penalty": 2}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, **force}
+    chunks = [c["choices"][0] for c in _events(reporting_server, "/v1/chat/completions", chat)]
+    with_lps = [(c["delta"], [x["bytes"] for x in c["logprobs"]["content"]]) for c in chunks if c["logprobs"]]
+    alone, with_text = {"reasoning_content": None}, {"reasoning_content": None, "content": "é"}
+    assert with_lps == [(alone, [[0xC3]]), (with_text, [[0xA9]])] * 2
 
 
 @pytest.mark.parametrize("path", ["/generate", "/v1/chat/completions"])
@@ -2206,7 +2218,7 @@ def test_a_running_requests_prompt_is_matched_by_later_requests(tiny_kit):
 
     runs = {}
     for cache in (True, False):
-        sched = _scheduler(tiny_kit[0], max_running=4, max_total_tokens=POOL, share_prefill=cache)
+        sched = _scheduler(tiny_kit[0], max_running=4, max_total_tokens=100, share_prefill=cache)
         first, second = req(PROMPTS[2] + [7, 8]), req(PROMPTS[2] + [50])
         sched.submit(first)
         _step(sched)

@@ -764,6 +764,93 @@ def test_agent_output_parsing_without_sglang_answers_as_sglangs_own_parsers(tmp_
     assert "tool_parser='qwen3' is not a tool-call parser SGLang has" in run.stdout
 
 
+# streamed calls: the one-shot table's tool-call cases and a few whose pieces stream in ways only a stream shows
+STREAM_CASES = {
+    name: (text, parser) for name, (text, parser, reasoning) in PARSER_CASES.items() if parser and not reasoning
+}
+STREAM_CASES.update(
+    stray_close=("A </tool_call> b <tool_c", "qwen25"),
+    numbers=("N.\n" + _call({"name": "add", "arguments": {"a": 12345, "b": -1.5e3, "c": [1, 22, 333]}}), "qwen25"),
+    nested=(_call({"name": "get_weather", "arguments": {"q": {"r": [1, {"s": 't"u\\n'}]}, "z": None}}), "qwen25"),
+    calls_then_text=(_call(_ADD, sep="") + " and " + _call(_WEATHER, sep="") + " done", "hermes"),
+    cut_in_a_number=('<tool_call>\n{"name": "add", "arguments": {"a": 12', "qwen25"),
+    coder_angles=("a < b <c " + _xml("add", a="1 < 2") + " <tail", "qwen3_coder"),
+)
+
+
+@needs_side_venv
+def test_streamed_tool_calls_are_parsed_as_sglangs_own_stream_parsers_parse_them(tmp_path):
+    """The CPU server's streamed chat (`slime.backends.cpu_server.tool_stream`) against SGLang 0.5.23's
+    FunctionCallParser.parse_stream_chunk / parse_stream_end fed the same chunks (one, two, five characters, the
+    whole text): the same visible text and call pieces after every chunk, the same arguments left unsent at the end
+    (SGLang's serving layer sends them, computed from its detector's state), the same failures."""
+    from slime.backends.cpu_server.tool_stream import tool_call_stream
+
+    cases = {
+        f"{name}/{size}": (parser, [text[i : i + size] for i in range(0, len(text), size)])
+        for name, (text, parser) in STREAM_CASES.items()
+        for size in (1, 2, 5, 10_000)
+    }
+    ours = {}
+    for name, (parser, chunks) in cases.items():
+        stream, got = tool_call_stream(parser, PARSER_TOOLS), []
+        try:
+            for c in chunks:
+                text, calls = stream.feed(c)
+                got.append([text, [[x["tool_index"], x["name"], x["parameters"]] for x in calls]])
+            got.append(["", []])  # none of these formats holds text back at the end
+            rest = stream.unstreamed()
+            got.append(None if rest is None else [rest["tool_index"], rest["name"], rest["parameters"]])
+        except Exception as e:  # noqa: BLE001
+            got.append(["raised", type(e).__name__])
+        ours[name] = got
+    (tmp_path / "cases.json").write_text(json.dumps({"tools": PARSER_TOOLS, "cases": cases}))
+    code = (
+        "import json, logging, sys\n"
+        "logging.disable(logging.CRITICAL)\n"
+        "from sglang.srt.entrypoints.openai.protocol import Function, Tool\n"
+        "from sglang.srt.function_call.function_call_parser import FunctionCallParser\n"
+        "d = json.load(open(sys.argv[1]))\n"
+        "tools = [Tool(type='function', function=Function(**t['function'])) for t in d['tools']]\n"
+        "out = {}\n"
+        "for name, (parser, chunks) in d['cases'].items():\n"
+        "    fc, got = FunctionCallParser(tools=tools, tool_call_parser=parser), []\n"
+        "    try:\n"
+        "        for c in chunks:\n"
+        "            text, calls = fc.parse_stream_chunk(c)\n"
+        "            got.append([text, [[x.tool_index, x.name, x.parameters] for x in calls]])\n"
+        "        text, calls = fc.parse_stream_end()\n"
+        "        got.append([text, [[x.tool_index, x.name, x.parameters] for x in calls]])\n"
+        "        det, rest = fc.detector, None\n"
+        "        # serving_chat._check_for_unstreamed_tool_args, on the detector's state\n"
+        "        if getattr(det, 'prev_tool_call_arr', None) and getattr(det, 'streamed_args_for_tool', None):\n"
+        "            i = len(det.prev_tool_call_arr) - 1\n"
+        "            if 0 <= i < len(det.streamed_args_for_tool):\n"
+        "                want = det.prev_tool_call_arr[i].get('arguments', {})\n"
+        "                want = want if isinstance(want, str) else json.dumps(want, ensure_ascii=False)\n"
+        "                sent = det.streamed_args_for_tool[i]\n"
+        "                left = want[len(sent):] if want.startswith(sent) else ''\n"
+        "                rest = [i, None, left] if left else None\n"
+        "        got.append(rest)\n"
+        "    except Exception as e:\n"
+        "        got.append(['raised', type(e).__name__])\n"
+        "    out[name] = got\n"
+        "print(json.dumps(out))\n"
+    )
+    run = run_side(code, str(tmp_path / "cases.json"))
+    assert run.returncode == 0, run.stderr[-2000:]
+    theirs = json.loads(run.stdout.strip().splitlines()[-1])
+    differ = [k for k in ours if json.dumps(ours[k]) != json.dumps(theirs[k])]
+    assert {k: {"here": ours[k], "sglang": theirs[k]} for k in differ[:3]} == {}, f"{len(differ)} cases differ"
+    # the table streams what it claims to: names first, arguments in pieces, held-back text, a failure
+    pieces = ours["two_calls_then_text/1"][:-2]  # per chunk (then the end, and what was left unsent)
+    assert [c for _, calls in pieces for c in calls if c[1]] == [[0, "get_weather", ""], [1, "add", ""]]
+    assert "".join(c[2] for _, calls in pieces for c in calls if c[0] == 1) == '{"a": 1, "b": 2}'
+    assert "".join(t for t, _ in pieces) == "Both.\n"  # SGLang's qwen25 stream drops the text after a second call
+    assert ours["cut_in_a_number/1"][-1] == [0, None, "2}"]  # the rest of the last call's arguments, at the end
+    assert ours["coder_not_json_serialisable/1"][-1] == ["raised", "TypeError"]
+
+
 @pytest.mark.slow  # development tier: 10-18 s of importing SGLang in the side venv
 @needs_side_venv
 def test_a_vlm_cache_of_0_mb_keeps_no_image_embedding():

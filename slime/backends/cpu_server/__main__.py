@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--tool-call-parser",
         choices=sorted(TOOL_CALL_FORMATS),
         default=None,
-        help="as SGLang's: a chat with tools answers the calls in the output as message.tool_calls (not streamed)",
+        help="as SGLang's: a chat with tools answers the calls in the output as message.tool_calls (streamed: "
+        "as delta.tool_calls pieces)",
     )
     p.add_argument(
         "--enable-cache-report",

@@ -18,6 +18,7 @@ from .generate_api import EndOfStream, prompt_rid
 from .media import expand, expand_with_videos, fetch_remote_media, images_per_prompt, videos_per_prompt
 from .sampling import ContractError, RequestError, SamplingParams
 from .scheduler import Req
+from .tool_stream import tool_call_stream
 
 # Fields of SGLang's OpenAI requests that change what is sampled or what the answer carries, which this server does
 # not serve: refused by name when set (SGLang's own no-ops here -- user, priority, cache keys, thinking/task and the
@@ -199,6 +200,11 @@ def _tool_calls(r, parser, tools):
         ]
         finish = "tool_calls" if finish == "stop" else finish
     return message, finish
+
+
+def _stream_finish(reason, made_calls) -> str:
+    """A streamed choice's finish reason: a stop after calls is "tool_calls", as SGLang's stream reports it."""
+    return "tool_calls" if made_calls and reason["type"] == "stop" else reason["type"]
 
 
 def _end_on_error(r, finished):
@@ -457,10 +463,6 @@ class OpenAIAPI:
         self._check_ready()
         inputs = self._chat_inputs(b)
         parser = self.args.tool_call_parser if inputs.tools_active else None
-        if parser and b.get("stream"):  # SGLang streams the calls as deltas
-            raise RequestError(
-                "a streamed chat with tools: slime's CPU server parses tool calls only in whole answers"
-            )
         images, videos = await self._chat_media(inputs)
         ids = chat_prompt.render(self.tokenizer, inputs)
         if inputs.tools_active:  # SGLang keeps special tokens in the text of a chat with tools
@@ -473,7 +475,7 @@ class OpenAIAPI:
         ids = list(ids)
         reqs = self._openai_reqs(b, [ids], self.chat_sampling_defaults, mm)
         if b.get("stream"):
-            return await self._chat_stream(request, b, reqs)
+            return await self._chat_stream(request, b, reqs, parser, inputs.declared_tools)
         reqs = await self._run(reqs)
         want_prompt = b.get("return_prompt_token_ids") or b.get("return_token_ids")
         choices = []
@@ -493,11 +495,15 @@ class OpenAIAPI:
             )
         return self._response(b, "chat.completion", choices, len(ids), reqs, len(reqs))
 
-    async def _chat_stream(self, request, b, reqs):
+    async def _chat_stream(self, request, b, reqs, parser=None, tools=None):
         """SGLang's streamed chat completion: per choice a first chunk with the role, then a chunk per update
         that adds text (with its new tokens' log-probs: an update that adds no text sends none, as SGLang); once
-        every choice finished, a chunk with each one's finish reason, then the usage when asked."""
+        every choice finished, a chunk with each one's finish reason, then the usage when asked. With a tool-call
+        parser and tools in play, each update's text goes through it (`_tool_events`); with a parser on the server,
+        log-probs no text chunk carried go in a chunk of their own, as SGLang's."""
         st = _StreamState(b, reqs, len(reqs), self.args.enable_cache_report)
+        calls = {r.index: tool_call_stream(parser, tools) for r in reqs} if parser else {}
+        made_calls = set()  # choices that sent a call: a stop is reported as "tool_calls"
 
         def chunk(i, delta, logprobs=None, finish_reason=None, matched_stop=None, usage=None):
             choice = {
@@ -513,18 +519,20 @@ class OpenAIAPI:
             first, delta, (a, e) = st.take(r, text, out_ids, finished)
             _end_on_error(r, finished)
             out = [chunk(r.index, {"role": "assistant", "content": ""})] if first else []
-            if delta:
-                logprobs = self._chat_logprobs(r, a, e) if r.return_logprob and a < e else None
-                out.append(
-                    chunk(
-                        r.index, {"content": delta}, logprobs, usage=st.usage(r.index, True) if st.continuous else None
-                    )
-                )
+            logprobs = self._chat_logprobs(r, a, e) if r.return_logprob and a < e else None
+            usage = st.usage(r.index, True) if st.continuous else None
+            if calls:  # the parser's chunks carry no log-probs
+                out += self._tool_events(st, r, delta, finished, calls[r.index], made_calls, usage)
+            elif delta:
+                out.append(chunk(r.index, {"content": delta}, logprobs, usage=usage))
+                logprobs = None
+            if logprobs is not None and self.args.tool_call_parser:
+                out.append(chunk(r.index, {}, logprobs, usage=usage))  # SGLang's, with a parser: in a chunk alone
             return out
 
         def tail():
             out = [
-                chunk(i, {}, finish_reason=reason["type"], matched_stop=reason.get("matched"))
+                chunk(i, {}, finish_reason=_stream_finish(reason, i in made_calls), matched_stop=reason.get("matched"))
                 for i, reason in st.finished.items()
             ]
             if st.include_usage:
@@ -532,6 +540,32 @@ class OpenAIAPI:
             return out
 
         return await self._stream(request, reqs, events, tail)
+
+    @staticmethod
+    def _tool_events(st, r, delta, finished, stream, made_calls, usage) -> list:
+        """One update of a streamed chat with tools, as SGLang's `_process_tool_call_stream` sends it: the visible
+        text the parser lets through, then each call piece (a call's id, name and empty arguments first, then its
+        arguments' pieces), and when the choice ends the arguments its parser held back."""
+
+        def piece(fields):
+            delta = {"role": None, "content": None, "reasoning_content": None, **fields}
+            choice = {"index": r.index, "delta": delta, "logprobs": None, "finish_reason": None, "matched_stop": None}
+            return _event(st.chunk("chat.completion.chunk", [choice], usage=usage))
+
+        def call(c):
+            made_calls.add(r.index)
+            ident = f"call_{uuid.uuid4().hex[:24]}" if c["name"] else None  # with the name: once per call
+            function = {"name": c["name"] or None, "arguments": c["parameters"]}
+            return piece(
+                {"tool_calls": [{"id": ident, "index": c["tool_index"], "type": "function", "function": function}]}
+            )
+
+        text, found = stream.feed(delta)
+        out = [piece({"content": text})] if text else []
+        out += [call(c) for c in found]
+        if finished and (rest := stream.unstreamed()) is not None:
+            out.append(call(rest))
+        return out
 
     # ------------------------------------------------------------------ /tokenize, /detokenize
     async def tokenize(self, request):
