@@ -666,8 +666,8 @@ def test_cpu_server_honours_its_prefix_cache_flags(caplog, flag):
 
 
 def test_cpu_server_takes_the_tool_call_parsers_it_runs(capsys):
-    """--sglang-tool-call-parser reaches the CPU server when it parses that format; another SGLang parser is refused
-    at start-up, naming the ones it runs."""
+    """--sglang-tool-call-parser and --sglang-reasoning-parser reach the CPU server when it parses that format;
+    another SGLang parser is refused at start-up, naming the ones it runs."""
     from slime.backends.sglang_utils.server_launch import server_command
 
     for parser in ("qwen25", "qwen3_coder"):  # current slime's agent scripts pass qwen3_coder
@@ -676,6 +676,12 @@ def test_cpu_server_takes_the_tool_call_parsers_it_runs(capsys):
         assert argv[argv.index("--tool-call-parser") + 1] == parser
     err = parse_error(capsys, "--inference-server", "cpu", "--sglang-tool-call-parser", "llama3")
     assert "--sglang-tool-call-parser='llama3' (it parses ['hermes', 'qwen', 'qwen25', 'qwen3_coder'])" in err
+    # and the reasoning parsers it runs (current slime's coding-agent example passes qwen3)
+    a = parse("--inference-server", "cpu", "--sglang-reasoning-parser", "qwen3")
+    argv = server_command(a, 0, "127.0.0.1", 30000, 30001, "127.0.0.1:30002")[1]
+    assert argv[argv.index("--reasoning-parser") + 1] == "qwen3"
+    err = parse_error(capsys, "--inference-server", "cpu", "--sglang-reasoning-parser", "kimi")
+    assert "--sglang-reasoning-parser='kimi' (it parses ['qwen3', 'qwen3-thinking', 'deepseek-r1'])" in err
 
 
 def test_cpu_server_takes_the_eviction_policies_it_implements(capsys):

@@ -103,6 +103,14 @@ def reporting_server(tiny_kit):
     stop_cpu_server(proc)
 
 
+@pytest.fixture(scope="module")
+def thinking_server(tiny_kit):
+    """A server with SGLang's --reasoning-parser qwen3."""
+    proc, url = start_cpu_server(tiny_kit[0], "--reasoning-parser", "qwen3")
+    yield url
+    stop_cpu_server(proc)
+
+
 @pytest.fixture()
 def own_server(tiny_kit):
     """A server of the test's own, as `server` starts it: the weights and weight version a test updates do not reach
@@ -514,7 +522,7 @@ def test_a_chat_answers_qwen3_coder_calls_as_sglang_does():
     )
     for reason, finish in (("stop", "tool_calls"), ("length", "length")):
         r = SimpleNamespace(text=text, finish_reason={"type": reason})
-        message, got = _tool_calls(r, "qwen3_coder", tools)
+        message, got = _tool_calls(r, "qwen3_coder", tools, text)
         assert got == finish and message["content"] == "Let me add.\n\n"
         calls = [(c["index"], c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
         assert calls == [(0, "add", '{"a": 7}'), (1, "rm", '{"path": "/tmp"}')]
@@ -732,6 +740,46 @@ def test_with_a_tool_call_parser_log_probs_no_text_carried_come_in_a_chunk_alone
     assert with_lps == [(alone, [[0xC3]]), (with_text, [[0xA9]])] * 2
 
 
+def test_a_reasoning_parser_splits_chats_and_counts_their_thinking_as_sglang_does(thinking_server, server):
+    """--reasoning-parser qwen3 with a template that has no reasoning toggle (the tiny kit's; SGLang then thinks
+    unless chat_template_kwargs.enable_thinking is false): the output, which never closes a </think>, is all
+    reasoning_content, counted in usage.reasoning_tokens and completion_tokens_details; with enable_thinking false it
+    is the content, uncounted; with separate_reasoning false whole, still counted; streamed, its reasoning_content
+    chunks join into it, with the same usage; a continued assistant message whose thinking closed makes the output
+    content (its tokens still counted as thinking: SGLang counts a thinking-mode output's tokens up to its own
+    </think>). The text is the parser-less server's every time."""
+    hi = {"role": "user", "content": "What is 3+4?"}
+    body = {"model": "m", "messages": [hi], "max_tokens": 6, "temperature": 0}
+    plain = SESSION.post(server + "/v1/chat/completions", json=body, timeout=120).json()
+    text, n = plain["choices"][0]["message"]["content"], plain["usage"]["completion_tokens"]
+    assert text and "<think>" not in text and "</think>" not in text
+
+    def ask(url=thinking_server, **kw):
+        answer = SESSION.post(url + "/v1/chat/completions", json={**body, **kw}, timeout=120).json()
+        m = answer["choices"][0]["message"]
+        return m["reasoning_content"], m["content"], answer["usage"]
+
+    think, content, usage = ask()
+    assert (think, content, usage["reasoning_tokens"]) == (text, "", n)
+    assert usage["completion_tokens_details"] == {"reasoning_tokens": n}
+    assert ask(chat_template_kwargs={"enable_thinking": False}) == (None, text, plain["usage"])
+    think, content, whole = ask(separate_reasoning=False)
+    assert (think, content, whole) == (None, text, usage)
+    *chunks, last = _events(
+        thinking_server, "/v1/chat/completions", {**body, "stream_options": {"include_usage": True}}
+    )
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == text and not any(
+        d.get("content") for d in deltas
+    )
+    assert last["usage"] == usage
+    closed = {"messages": [hi, {"role": "assistant", "content": "<think>x</think>"}], "continue_final_message": True}
+    think, content, usage = ask(**closed)
+    assert (think, content) == (None, ask(server, **closed)[1])
+    assert usage["reasoning_tokens"] == usage["completion_tokens"]  # as SGLang: a thinking-mode output's, unclosed
+    assert SESSION.get(thinking_server + "/model_info", timeout=30).json()["reasoning_parser"] == "qwen3"
+
+
 @pytest.mark.parametrize("path", ["/generate", "/v1/chat/completions"])
 def test_a_client_that_leaves_a_stream_aborts_its_requests(server, path):
     """A streaming client that closes its connection after the first chunk: its requests leave the running batch
@@ -751,11 +799,12 @@ def test_a_client_that_leaves_a_stream_aborts_its_requests(server, path):
 
 @pytest.mark.slow  # development tier: 10-18 s of importing SGLang in the side venv
 @needs_side_venv
-def test_openai_answers_are_what_sglangs_own_classes_serialise(server, reporting_server, tmp_path):
+def test_openai_answers_are_what_sglangs_own_classes_serialise(server, reporting_server, thinking_server, tmp_path):
     """Every OpenAI answer (chat and completion, plain and each chunk of a stream: n = 2, log-probs with
-    alternatives, token ids, an echoed batch, usage in each chunk and at the end; and with --enable-cache-report,
-    cached-token details) parsed by SGLang's own response classes and serialised again is unchanged: no field
-    missing, extra, mistyped or (where SGLang leaves it out) present."""
+    alternatives, token ids, an echoed batch, usage in each chunk and at the end; with --enable-cache-report,
+    cached-token details; with --reasoning-parser, reasoning content, its chunks and thinking-token counts) parsed by
+    SGLang's own response classes and serialised again is unchanged: no field missing, extra, mistyped or (where
+    SGLang leaves it out) present."""
     options = {"include_usage": True, "continuous_usage_stats": True}
     common = {"model": "m", "max_tokens": 5, "temperature": 0.8, "seed": 1, "n": 2}
     chat = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2, **common}
@@ -769,8 +818,12 @@ def test_openai_answers_are_what_sglangs_own_classes_serialise(server, reporting
             "completion_chunks": _events(url, "/v1/completions", {**completion, "stream_options": options}),
         }
 
-    answers = [answers_of(server), answers_of(reporting_server)]
+    answers = [answers_of(server), answers_of(reporting_server), answers_of(thinking_server)]
     assert answers[1]["chat"]["usage"]["prompt_tokens_details"] is not None
+    assert (
+        answers[2]["chat"]["usage"]["completion_tokens_details"]
+        and answers[2]["chat"]["choices"][0]["message"]["reasoning_content"]
+    )
     path = tmp_path / "answers.json"
     path.write_text(json.dumps(answers))
     code = """

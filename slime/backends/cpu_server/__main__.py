@@ -8,6 +8,8 @@ import sys
 from slime.utils.output_parsing import TOOL_CALL_FORMATS
 from slime.utils.top_p_replay import SGLANG_SAMPLING_MASK_MAX_TOKENS
 
+from .reasoning import PARSERS
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m slime.backends.cpu_server", description=__doc__)
@@ -83,6 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="as SGLang's: a chat with tools answers the calls in the output as message.tool_calls (streamed: "
         "as delta.tool_calls pieces)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=PARSERS,
+        default=None,
+        help="as SGLang's: a chat's output split into message.reasoning_content and content (streamed: "
+        "delta.reasoning_content), its thinking tokens counted in usage.reasoning_tokens",
     )
     p.add_argument(
         "--enable-cache-report",

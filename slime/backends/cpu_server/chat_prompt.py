@@ -1,6 +1,6 @@
-"""A chat request's prompt, built as SGLang 0.5.23's OpenAI server builds it for a Jinja chat template with no
-tool-call or reasoning parser (serving_chat.py, jinja_template_utils.py): the same messages, tools and template
-arguments reach the template, so the CPU server samples from the prompt SGLang would have.
+"""A chat request's prompt, built as SGLang 0.5.23's OpenAI server builds it for a Jinja chat template (its tool-call
+and reasoning parsers change no prompt: serving_chat.py, jinja_template_utils.py): the same messages, tools and
+template arguments reach the template, so the CPU server samples from the prompt SGLang would have.
 
 - messages: as SGLang's message models dump them (a user message keeps only its role and content; an assistant's
   tool calls gain `id`, `index` and `type`), then without their null fields; tool-call `arguments` given as JSON text

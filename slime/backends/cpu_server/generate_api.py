@@ -343,7 +343,7 @@ class GenerateAPI:
             "id": r.rid,
             "finish_reason": r.finish_reason,
             "prompt_tokens": len(r.input_ids),
-            "reasoning_tokens": 0,  # SGLang counts a reasoning parser's thinking tokens; this server runs none
+            "reasoning_tokens": 0,  # SGLang counts thinking tokens of thinking-mode chats only
             "completion_tokens": len(r.output_ids),
             "cached_tokens": r.cached_tokens,  # prompt tokens served from another request's prefill
             "num_retractions": r.num_retractions,

@@ -16,6 +16,7 @@ from slime.utils.sampling_record import openai_requested_adapter, openai_samplin
 from . import chat_prompt
 from .generate_api import EndOfStream, prompt_rid
 from .media import expand, expand_with_videos, fetch_remote_media, images_per_prompt, videos_per_prompt
+from .reasoning import detector, reasoning_tokens, thinking
 from .sampling import ContractError, RequestError, SamplingParams
 from .scheduler import Req
 from .tool_stream import tool_call_stream
@@ -116,16 +117,16 @@ class TokenText:
             return bytes(raw).decode("latin-1")
 
 
-def _usage(prompt_tokens, completion_tokens, cached=None) -> dict:
-    """SGLang's UsageInfo (no reasoning parser); cached: the prompt tokens taken from the prefix cache, reported as
-    SGLang's --enable-cache-report does, or None (no details)."""
+def _usage(prompt_tokens, completion_tokens, cached=None, reasoning=0) -> dict:
+    """SGLang's UsageInfo; cached: the prompt tokens taken from the prefix cache, reported as SGLang's
+    --enable-cache-report does, or None (no details); reasoning: the thinking tokens (a reasoning parser's count)."""
     return {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
         "prompt_tokens_details": None if cached is None else {"cached_tokens": cached},
-        "reasoning_tokens": 0,
-        "completion_tokens_details": None,
+        "reasoning_tokens": reasoning,
+        "completion_tokens_details": {"reasoning_tokens": reasoning} if reasoning else None,
     }
 
 
@@ -137,13 +138,13 @@ class _StreamState:
     """What SGLang's OpenAI stream has sent of each choice (its index): text, log-probs, tokens; the rest of the
     stream reads it."""
 
-    def __init__(self, b, reqs, n, cache_report):
+    def __init__(self, b, reqs, n, cache_report, count_reasoning=None):
         self.created, self.model = int(time.time()), b.get("model", "default")
         opts = b.get("stream_options") or {}  # SGLang's server default: no usage
         self.include_usage, self.continuous = bool(opts.get("include_usage")), bool(opts.get("continuous_usage_stats"))
         self.reqs, self.prompt_lens, self.n = reqs, [len(r.input_ids) for r in reqs], n
-        self.cache_report = cache_report
-        self.text, self.tokens, self.finished, self.rid = {}, {}, {}, None
+        self.cache_report, self.count_reasoning = cache_report, count_reasoning  # output ids -> thinking tokens
+        self.text, self.tokens, self.reasoning, self.finished, self.rid = {}, {}, {}, {}, None
 
     def take(self, r, text, ids, finished):
         """(is it the choice's first update, its new text, [start, end) of its new tokens) from a cumulative update."""
@@ -151,6 +152,7 @@ class _StreamState:
         first, sent = i not in self.text, self.text.get(i, "")
         start = self.tokens.get(i, 0)
         self.text[i], self.tokens[i] = text, len(ids)
+        self.reasoning[i] = self.count_reasoning(ids) if self.count_reasoning else 0
         if finished:
             self.finished[i] = r.finish_reason
         return first, text[len(sent) :], (start, len(ids))
@@ -159,12 +161,14 @@ class _StreamState:
         """Choice i's usage so far; cached: with its cached tokens when reported (SGLang's chat chunks have them, its
         completion chunks not)."""
         cached = self.reqs[i].cached_tokens if cached and self.cache_report else None
-        return _usage(self.prompt_lens[i], self.tokens.get(i, 0), cached)
+        return _usage(self.prompt_lens[i], self.tokens.get(i, 0), cached, self.reasoning.get(i, 0))
 
     def total_usage(self) -> dict:
         """SGLang's: each prompt counted once (its first choice's), every choice's tokens."""
         cached = sum(r.cached_tokens for r in self.reqs[:: self.n]) if self.cache_report else None
-        return _usage(sum(self.prompt_lens[:: self.n]), sum(self.tokens.values()), cached)
+        return _usage(
+            sum(self.prompt_lens[:: self.n]), sum(self.tokens.values()), cached, sum(self.reasoning.values())
+        )
 
     def chunk(self, kind, choices, **extra) -> dict:
         return {
@@ -181,12 +185,13 @@ def _finish(r) -> str:
     return {"stop": "stop", "length": "length", "abort": "abort"}[r.finish_reason["type"]]
 
 
-def _tool_calls(r, parser, tools):
-    """(the chat message, its finish reason) of a finished choice: with a tool-call parser (and tools in play),
-    SGLang's calls parsed out of the text by the format's rules (`slime.utils.output_parsing`), the text before
-    them left as the content, and a stop that made calls reported as "tool_calls"."""
+def _tool_calls(r, parser, tools, text):
+    """(the chat message, its finish reason) of a finished choice whose text (after any reasoning) is `text`: with a
+    tool-call parser (and tools in play), SGLang's calls parsed out of it by the format's rules
+    (`slime.utils.output_parsing`), the text before them left as the content, and a stop that made calls reported as
+    "tool_calls"."""
     finish = _finish(r)
-    content, calls, _ = split_tool_calls(r.text, tools, parser) if parser else (r.text, [], False)
+    content, calls, _ = split_tool_calls(text, tools, parser) if parser else (text, [], False)
     message = {"role": "assistant", "content": content or "", "reasoning_content": None}  # no null tool_calls
     if calls:
         message["tool_calls"] = [
@@ -312,7 +317,7 @@ class OpenAIAPI:
         body = await asyncio.to_thread(fetch_remote_media, body)
         return images_per_prompt(body, 1, False, self.cfg.model_type)[0], videos_per_prompt(body, 1, False)[0]
 
-    def _response(self, b, kind, choices, prompt_len, reqs, n):
+    def _response(self, b, kind, choices, prompt_len, reqs, n, reasoning=0):
         """The response around `choices` (n per prompt), as SGLang builds it: the request's own `model` echoed, each
         prompt's tokens (and cached ones) counted once, and the first choice's weight version (and its per-token
         spans) in `metadata`."""
@@ -324,7 +329,7 @@ class OpenAIAPI:
                 "created": int(time.time()),
                 "model": b.get("model", "default"),
                 "choices": choices,
-                "usage": _usage(prompt_len, sum(len(r.output_ids) for r in reqs), cached),
+                "usage": _usage(prompt_len, sum(len(r.output_ids) for r in reqs), cached, reasoning),
                 "metadata": self._versions(reqs[0]),
             }
         )
@@ -474,13 +479,16 @@ class OpenAIAPI:
             ids, mm = expand(self.processor, list(ids), images, "the chat prompt")
         ids = list(ids)
         reqs = self._openai_reqs(b, [ids], self.chat_sampling_defaults, mm)
+        split, count = self._reasoning(b, inputs)
         if b.get("stream"):
-            return await self._chat_stream(request, b, reqs, parser, inputs.declared_tools)
+            return await self._chat_stream(request, b, reqs, parser, inputs.declared_tools, split, count)
         reqs = await self._run(reqs)
         want_prompt = b.get("return_prompt_token_ids") or b.get("return_token_ids")
         choices = []
         for i, r in enumerate(reqs):
-            message, finish = _tool_calls(r, parser, inputs.declared_tools)
+            reasoning, text = split(False).parse(r.text) if split else (None, r.text)
+            message, finish = _tool_calls(r, parser, inputs.declared_tools, text)
+            message["reasoning_content"] = reasoning or None
             choices.append(
                 {
                     "index": i,
@@ -493,15 +501,35 @@ class OpenAIAPI:
                     **({"response_token_ids": r.output_ids} if b.get("return_token_ids") else {}),
                 }
             )
-        return self._response(b, "chat.completion", choices, len(ids), reqs, len(reqs))
+        thought = sum(count(r.output_ids) for r in reqs) if count else 0
+        return self._response(b, "chat.completion", choices, len(ids), reqs, len(reqs), thought)
 
-    async def _chat_stream(self, request, b, reqs, parser=None, tools=None):
+    def _reasoning(self, b, inputs):
+        """With --reasoning-parser, as SGLang decides for a chat: (`split(stream_reasoning)` -> a reasoning detector
+        of an output, or None when `separate_reasoning` is false; `count(output ids)` -> its thinking tokens, or None
+        outside thinking mode). Without: (None, None)."""
+        parser = self.args.reasoning_parser
+        if not parser:
+            return None, None
+        template_forces, toggle = self.reasoning_toggle
+        think = thinking(parser, toggle, inputs.kwargs, inputs.kwargs.get("reasoning_effort"))
+        count = functools.partial(reasoning_tokens, end_ids=self.think_end_ids) if think else None
+        if b.get("separate_reasoning") is False:
+            return None, count
+        nonempty = inputs.kwargs.get("force_nonempty_content") is True
+        return functools.partial(
+            detector, parser, template_forces or think, previous_content=inputs.prefix or "", force_nonempty=nonempty
+        ), count
+
+    async def _chat_stream(self, request, b, reqs, parser=None, tools=None, split=None, count=None):
         """SGLang's streamed chat completion: per choice a first chunk with the role, then a chunk per update
         that adds text (with its new tokens' log-probs: an update that adds no text sends none, as SGLang); once
         every choice finished, a chunk with each one's finish reason, then the usage when asked. With a tool-call
-        parser and tools in play, each update's text goes through it (`_tool_events`); with a parser on the server,
-        log-probs no text chunk carried go in a chunk of their own, as SGLang's."""
-        st = _StreamState(b, reqs, len(reqs), self.args.enable_cache_report)
+        parser and tools in play, each update's text goes through it (`_tool_events`); with a reasoning parser, first
+        through the reasoning split (its part in `reasoning_content` chunks); with a parser on the server, log-probs no
+        text chunk carried go in a chunk of their own, as SGLang's."""
+        st = _StreamState(b, reqs, len(reqs), self.args.enable_cache_report, count)
+        thoughts = {r.index: split(b.get("stream_reasoning") is not False) for r in reqs} if split else {}
         calls = {r.index: tool_call_stream(parser, tools) for r in reqs} if parser else {}
         made_calls = set()  # choices that sent a call: a stop is reported as "tool_calls"
 
@@ -521,12 +549,20 @@ class OpenAIAPI:
             out = [chunk(r.index, {"role": "assistant", "content": ""})] if first else []
             logprobs = self._chat_logprobs(r, a, e) if r.return_logprob and a < e else None
             usage = st.usage(r.index, True) if st.continuous else None
+            if thoughts:
+                think, delta = thoughts[r.index].feed(delta)
+                if finished and r.finish_reason["type"] != "abort":  # what the split still holds
+                    more, rest = thoughts[r.index].finish()
+                    think, delta = think + more, delta + rest
+                if think:
+                    out.append(chunk(r.index, {"reasoning_content": think}, logprobs, usage=usage))
+                    logprobs = None
             if calls:  # the parser's chunks carry no log-probs
                 out += self._tool_events(st, r, delta, finished, calls[r.index], made_calls, usage)
             elif delta:
                 out.append(chunk(r.index, {"content": delta}, logprobs, usage=usage))
                 logprobs = None
-            if logprobs is not None and self.args.tool_call_parser:
+            if logprobs is not None and (self.args.tool_call_parser or self.args.reasoning_parser):
                 out.append(chunk(r.index, {}, logprobs, usage=usage))  # SGLang's, with a parser: in a chunk alone
             return out
 

@@ -36,6 +36,7 @@ from .hf_fallback import TokenPool, load_fallback
 from .lora import LoRARegistry
 from .model import KVPool, ModelConfig, Transformer, UnsupportedModelError
 from .openai_api import OpenAIAPI
+from .reasoning import THINK_END, template_toggle
 from .sampling import ContractError, RequestError, SamplingParams, error_body
 from .scheduler import Req, Scheduler
 from .weight_api import ReceivedBuffers, WeightAPI
@@ -79,6 +80,9 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
         self.tokenizer = AutoTokenizer.from_pretrained(tok_path, trust_remote_code=args.trust_remote_code)
         sched_tok = AutoTokenizer.from_pretrained(tok_path, trust_remote_code=args.trust_remote_code)
         self.eos_ids = self._eos_ids()
+        if args.reasoning_parser:  # the chat template's reasoning toggle, and how </think> encodes
+            self.reasoning_toggle = template_toggle(self.tokenizer.chat_template)
+            self.think_end_ids = self.tokenizer.encode(THINK_END, add_special_tokens=False)
         self.state = ServerState(args.weight_version, args.num_threads)
         self.loras = self._lora_registry(args)
         self.scheduler = Scheduler(
@@ -403,7 +407,7 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
                 "preferred_sampling_params": None,
                 "weight_version": self.state.weight_version,
                 "load_format": "auto",
-                "reasoning_parser": None,  # none runs here (refused at start-up)
+                "reasoning_parser": self.args.reasoning_parser,
                 "tool_call_parser": self.args.tool_call_parser,
                 "disaggregation_mode": "null",  # SGLang's default, a string
                 "has_image_understanding": self.processor is not None,

@@ -55,6 +55,7 @@ CPU_SERVER_HONOURED = (
     "allowed_media_domains",
     "media_url_max_file_size_mb",
     "tool_call_parser",
+    "reasoning_parser",
     "enable_cache_report",
     "radix_eviction_policy",
     "radix_eviction_policy_config",
@@ -355,6 +356,12 @@ def validate_args(args, parser=None, check_cpu_server=True):
     if args.sglang_tool_call_parser and args.sglang_tool_call_parser not in TOOL_CALL_FORMATS:
         unsupported.append(
             f"--sglang-tool-call-parser={args.sglang_tool_call_parser!r} (it parses {sorted(TOOL_CALL_FORMATS)})"
+        )
+    from slime.backends.cpu_server.reasoning import PARSERS as REASONING_PARSERS
+
+    if args.sglang_reasoning_parser and args.sglang_reasoning_parser not in REASONING_PARSERS:
+        unsupported.append(
+            f"--sglang-reasoning-parser={args.sglang_reasoning_parser!r} (it parses {list(REASONING_PARSERS)})"
         )
     from slime.backends.cpu_server.radix_cache import eviction_order  # the policies the CPU server evicts by
 
