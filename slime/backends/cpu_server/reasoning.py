@@ -212,7 +212,7 @@ _RULES = (
 def template_toggle(template: str | None):
     """(template forces reasoning, (toggle argument, its default, special case) or None): SGLang's
     `detect_reasoning_pattern`."""
-    for matches, (always, param, default, special) in _RULES if template else ():
+    for matches, (always, param, default, special) in _RULES if isinstance(template, str) else ():
         if matches(template):
             return always, (param, default, special)
     return False, None
