@@ -135,7 +135,7 @@ def main(argv=None):
 
     try:
         configure_media_urls(args.allowed_media_domains, args.media_url_max_file_size_mb)
-        args.eviction_order = eviction_order(args.radix_eviction_policy, args.radix_eviction_policy_config)
+        eviction_order(args.radix_eviction_policy, args.radix_eviction_policy_config)  # checked before loading
     except ValueError as e:
         parser.error(str(e))
     logging.basicConfig(

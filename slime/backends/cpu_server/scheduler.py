@@ -579,10 +579,8 @@ class Scheduler:
         if entry is None and create:
             from .radix_cache import RadixCache
 
-            entry = self.caches[id(r.lora)] = (
-                r.lora,
-                RadixCache(self.eviction_order),
-            )  # the adapter pinned while its id keys it
+            cache = RadixCache(self.eviction_order)
+            entry = self.caches[id(r.lora)] = (r.lora, cache)  # the adapter pinned while its id keys it
         return None if entry is None else entry[1]
 
     def _match(self, r) -> list:

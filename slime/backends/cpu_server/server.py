@@ -36,6 +36,7 @@ from .hf_fallback import TokenPool, load_fallback
 from .lora import LoRARegistry
 from .model import KVPool, ModelConfig, Transformer, UnsupportedModelError
 from .openai_api import OpenAIAPI
+from .radix_cache import eviction_order
 from .reasoning import THINK_END, template_toggle
 from .sampling import ContractError, RequestError, SamplingParams, error_body
 from .scheduler import Req, Scheduler
@@ -99,7 +100,7 @@ class CPUInferenceServer(GenerateAPI, WeightAPI, OpenAIAPI):
             lora_registry=self.loras,
             batch_invariant=args.enable_deterministic_inference,
             share_prefill=not args.disable_radix_cache,
-            eviction_order=getattr(args, "eviction_order", None),
+            eviction_order=eviction_order(args.radix_eviction_policy, args.radix_eviction_policy_config),
         )
         self.served_model_name = args.served_model_name or self.model_path
         self.groups: dict = {}

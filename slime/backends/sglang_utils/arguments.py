@@ -351,20 +351,19 @@ def validate_args(args, parser=None, check_cpu_server=True):
         for name, (flag, value) in explicit.items()
         if name not in CPU_SERVER_HONOURED and not _GPU_PERF_KNOB.search(name)
     )
-    from slime.utils.output_parsing import TOOL_CALL_FORMATS  # the formats the CPU server parses
+    # what the CPU server parses and evicts by
+    from slime.backends.cpu_server.radix_cache import eviction_order
+    from slime.backends.cpu_server.reasoning import PARSERS as REASONING_PARSERS
+    from slime.utils.output_parsing import TOOL_CALL_FORMATS
 
     if args.sglang_tool_call_parser and args.sglang_tool_call_parser not in TOOL_CALL_FORMATS:
         unsupported.append(
             f"--sglang-tool-call-parser={args.sglang_tool_call_parser!r} (it parses {sorted(TOOL_CALL_FORMATS)})"
         )
-    from slime.backends.cpu_server.reasoning import PARSERS as REASONING_PARSERS
-
     if args.sglang_reasoning_parser and args.sglang_reasoning_parser not in REASONING_PARSERS:
         unsupported.append(
             f"--sglang-reasoning-parser={args.sglang_reasoning_parser!r} (it parses {list(REASONING_PARSERS)})"
         )
-    from slime.backends.cpu_server.radix_cache import eviction_order  # the policies the CPU server evicts by
-
     if "radix_eviction_policy" in explicit or "radix_eviction_policy_config" in explicit:
         try:
             eviction_order(args.sglang_radix_eviction_policy, args.sglang_radix_eviction_policy_config)
