@@ -700,6 +700,17 @@ PARSER_CASES = {
 }
 
 
+def _same_as_sglang(code, path, ours):
+    """Run `code` on `path` in the side venv: its last line, JSON of the same cases as `ours`, must equal `ours` case
+    by case (compared as JSON text: 1000 is not 1000.0). Returns the run."""
+    run = run_side(code, str(path))
+    assert run.returncode == 0, run.stderr[-2000:]
+    theirs = json.loads(run.stdout.strip().splitlines()[-1])
+    differ = [k for k in ours if json.dumps(ours[k]) != json.dumps(theirs[k])]
+    assert {k: {"here": ours[k], "sglang": theirs[k]} for k in differ[:3]} == {}, f"{len(differ)} cases differ"
+    return run
+
+
 @needs_side_venv
 def test_agent_output_parsing_without_sglang_answers_as_sglangs_own_parsers(tmp_path):
     """slime.utils.output_parsing's own rules (machines without SGLang) against SGLang's parsers (GPU machines): the same
@@ -741,11 +752,7 @@ def test_agent_output_parsing_without_sglang_answers_as_sglangs_own_parsers(tmp_
         "    print(e)\n"
         "print(json.dumps(out))\n"
     )
-    run = run_side(code, str(tmp_path / "cases.json"))
-    assert run.returncode == 0, run.stderr[-2000:]
-    theirs = json.loads(run.stdout.strip().splitlines()[-1])
-    differ = [k for k in ours if json.dumps(ours[k]) != json.dumps(theirs[k])]  # as text: 1000 is not 1000.0
-    assert {k: {"here": ours[k], "sglang": theirs[k]} for k in differ} == {}
+    run = _same_as_sglang(code, tmp_path / "cases.json", ours)
     # the table exercises what it claims to: calls kept and dropped, flags both ways, reasoning split
     assert ours["two_calls_then_text"][:4] == ["", "Both.", [_WEATHER, _ADD], False]
     assert ours["unknown_then_known"][:4] == ["", "U.", [_WEATHER], True]
@@ -838,11 +845,7 @@ def test_streamed_tool_calls_are_parsed_as_sglangs_own_stream_parsers_parse_them
         "    out[name] = got\n"
         "print(json.dumps(out))\n"
     )
-    run = run_side(code, str(tmp_path / "cases.json"))
-    assert run.returncode == 0, run.stderr[-2000:]
-    theirs = json.loads(run.stdout.strip().splitlines()[-1])
-    differ = [k for k in ours if json.dumps(ours[k]) != json.dumps(theirs[k])]
-    assert {k: {"here": ours[k], "sglang": theirs[k]} for k in differ[:3]} == {}, f"{len(differ)} cases differ"
+    _same_as_sglang(code, tmp_path / "cases.json", ours)
     # the table streams what it claims to: names first, arguments in pieces, held-back text, a failure
     pieces = ours["two_calls_then_text/1"][:-2]  # per chunk (then the end, and what was left unsent)
     assert [c for _, calls in pieces for c in calls if c[1]] == [[0, "get_weather", ""], [1, "add", ""]]
@@ -912,11 +915,7 @@ def test_reasoning_is_split_as_sglangs_own_reasoning_parser_splits_it(tmp_path):
         "    out[key] = got\n"
         "print(json.dumps(out))\n"
     )
-    run = run_side(code, str(tmp_path / "cases.json"))
-    assert run.returncode == 0, run.stderr[-2000:]
-    theirs = json.loads(run.stdout.strip().splitlines()[-1])
-    differ = [k for k in ours if ours[k] != theirs[k]]
-    assert {k: {"here": ours[k], "sglang": theirs[k]} for k in differ[:3]} == {}, f"{len(differ)} cases differ"
+    _same_as_sglang(code, tmp_path / "cases.json", ours)
     assert ours["closed/qwen3/False/False/True/1"][0] == ["\nI think.\n", "\n\nThe answer."]
     assert ours["no_tags/qwen3/True/False/True/1"][0] == ["The answer.", ""]  # forced: all of it is reasoning
     assert ours["no_tags/qwen3/True/True/True/1"][0] == ["", "The answer."]  # ... unless content must not be empty
@@ -975,9 +974,7 @@ def test_the_chat_templates_reasoning_toggle_is_read_as_sglang_reads_it(tmp_path
         "    out[name] = [force, None if c is None else [c.toggle_param, c.default_enabled, c.special_case]]\n"
         "print(json.dumps(out))\n"
     )
-    run = run_side(code, str(tmp_path / "templates.json"))
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert ours == json.loads(run.stdout.strip().splitlines()[-1])
+    _same_as_sglang(code, tmp_path / "templates.json", ours)
     assert ours["qwen3"] == [False, ["enable_thinking", True, None]] and ours["tiny_kit"] == [False, None]
     assert ours["always_open"] == [True, [None, None, "always"]] and ours["collapsed_filter"] == [False, None]
     # thinking mode: the toggle, its default, a request's chat_template_kwargs; else the parser's default
