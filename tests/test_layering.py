@@ -56,6 +56,8 @@ FORBIDDEN = {
 ALLOWED = {
     # start-up validation of --rm-type names in an --eval-config (lazy)
     ("slime.utils.eval_config", "slime.rollout.rm_hub"),
+    # start-up validation of --sglang-radix-eviction-policy for the CPU server, by its own table (lazy)
+    ("slime.backends.sglang_utils.arguments", "slime.backends.cpu_server.radix_cache"),
     # upstream slime's import paths, re-exports
     ("slime.utils.arguments", "slime.config"),
     ("slime.utils.timer", "slime.observability.timer"),

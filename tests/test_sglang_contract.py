@@ -874,11 +874,11 @@ REASONING_TEXTS = {
 
 @needs_side_venv
 def test_reasoning_is_split_as_sglangs_own_reasoning_parser_splits_it(tmp_path):
-    """`--reasoning-parser` on the CPU server (`slime.backends.cpu_server.reasoning`) against SGLang 0.5.23's
+    """`--reasoning-parser` on the CPU server (`slime.utils.reasoning_parser`) against SGLang 0.5.23's
     ReasoningParser: qwen3, qwen3-thinking and deepseek-r1, reasoning forced or not, a continued assistant message,
     force_nonempty_content; a whole output's (reasoning, content), and a stream's after every chunk (one, four
     characters, whole; reasoning streamed or held) and at its end."""
-    from slime.backends.cpu_server.reasoning import detector
+    from slime.utils.reasoning_parser import detector
 
     cases = {}
     for name, (text, previous) in REASONING_TEXTS.items():
@@ -947,11 +947,11 @@ TOGGLE_TEMPLATES = {
 
 @needs_side_venv
 def test_the_chat_templates_reasoning_toggle_is_read_as_sglang_reads_it(tmp_path):
-    """`reasoning.template_toggle` against SGLang 0.5.23's `detect_reasoning_pattern` (its module loaded alone:
+    """`reasoning_parser.template_toggle` against SGLang 0.5.23's `detect_reasoning_pattern` (its module loaded alone:
     the rest of SGLang's parser package needs torchvision), on templates of every rule kind and Qwen3's own; and the
-    thinking mode `reasoning.thinking` decides from the toggle, by SGLang's `_get_reasoning_from_request`'s rules, and
-    the thinking tokens `reasoning.reasoning_tokens` counts, as its scheduler's `update_reasoning_tokens` does."""
-    from slime.backends.cpu_server.reasoning import reasoning_tokens, template_toggle, thinking
+    thinking mode `reasoning_parser.thinking` decides from the toggle, by SGLang's `_get_reasoning_from_request`'s rules, and
+    the thinking tokens `reasoning_parser.reasoning_tokens` counts, as its scheduler's `update_reasoning_tokens` does."""
+    from slime.utils.reasoning_parser import reasoning_tokens, template_toggle, thinking
 
     templates = dict(TOGGLE_TEMPLATES, qwen3=_qwen3_template())
     ours = {

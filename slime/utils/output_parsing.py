@@ -13,9 +13,9 @@ SGLang 0.5.23's one-shot parsers (tests/test_sglang_contract.py runs both on one
   parameter (integers, numbers, booleans, JSON objects and arrays, Python literals, else the text), a function or
   parameter cut off still counted; the visible text is what precedes the first call, unstripped; calls naming an
   undeclared tool are kept, as SGLang keeps them;
-- reasoning "qwen3" (only when the output contains ``<think>``; an opened ``<tool_call>`` ends unclosed reasoning)
-  and "deepseek-r1" (reasoning up to ``</think>``: its template opens the tag in the prompt). Output cut off before
-  ``</think>`` is reasoning.
+- reasoning "qwen3" (only when the output contains ``<think>``; an opened ``<tool_call>`` ends unclosed reasoning),
+  "qwen3-thinking" and "deepseek-r1" (reasoning up to ``</think>``: their templates open the tag in the prompt), by
+  slime.utils.reasoning_parser. Output cut off before ``</think>`` is reasoning.
 
 On both paths a call's arguments must be a JSON object (or a string holding one); a call that is dropped or does not
 parse marks the output `ill_formed`.
@@ -30,6 +30,9 @@ import json
 import logging
 import re
 import warnings
+
+from slime.utils.reasoning_parser import PARSERS as REASONING_PARSERS
+from slime.utils.reasoning_parser import detector
 
 logger = logging.getLogger(__name__)
 
@@ -213,15 +216,6 @@ TOOL_CALL_FORMATS = {
 
 
 @dataclasses.dataclass(frozen=True)
-class ReasoningFormat:
-    always_reasoning: bool  # the chat template opens <think> in the prompt
-    tool_start: str | None  # ends reasoning the output never closed
-
-
-REASONING_FORMATS = {"qwen3": ReasoningFormat(False, "<tool_call>"), "deepseek-r1": ReasoningFormat(True, None)}
-
-
-@dataclasses.dataclass(frozen=True)
 class ParsedOutput:
     reasoning: str
     text: str
@@ -245,7 +239,7 @@ def check_parser_names(tool_parser: str | None, reasoning_parser: str | None) ->
             "SGLang",
         )
     else:
-        tool_names, reasoning_names, where = TOOL_CALL_FORMATS, REASONING_FORMATS, "slime without SGLang"
+        tool_names, reasoning_names, where = TOOL_CALL_FORMATS, REASONING_PARSERS, "slime without SGLang"
     if tool_parser and tool_parser not in tool_names:
         raise ValueError(f"tool_parser={tool_parser!r} is not a tool-call parser {where} has: {sorted(tool_names)}")
     if reasoning_parser and reasoning_parser not in reasoning_names:
@@ -263,16 +257,7 @@ def split_reasoning(text: str, parser: str | None) -> tuple[str, str]:
 
         reasoning, rest = ReasoningParser(model_type=parser, stream_reasoning=False).parse_non_stream(text)
         return reasoning or "", rest or ""
-    fmt = REASONING_FORMATS[parser]
-    if not fmt.always_reasoning and "<think>" not in text:
-        return "", text
-    while text.startswith("<think>"):
-        text = text[len("<think>") :]
-    if "</think>" in text:
-        reasoning, rest = text.split("</think>", 1)
-        return reasoning, rest
-    cut = text.find(fmt.tool_start) if fmt.tool_start else -1
-    return (text[:cut], text[cut:]) if cut != -1 else (text, "")  # cut off while thinking
+    return detector(parser, force=False, stream_reasoning=False).parse(text)  # the parser's own default
 
 
 def split_tool_calls(text: str, tools: list[dict] | None, parser: str | None) -> tuple[str, list[dict], bool]:

@@ -6,9 +6,8 @@ import logging
 import sys
 
 from slime.utils.output_parsing import TOOL_CALL_FORMATS
+from slime.utils.reasoning_parser import PARSERS
 from slime.utils.top_p_replay import SGLANG_SAMPLING_MASK_MAX_TOKENS
-
-from .reasoning import PARSERS
 
 
 def build_parser() -> argparse.ArgumentParser:

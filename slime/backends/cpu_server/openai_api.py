@@ -11,12 +11,12 @@ from http import HTTPStatus
 from aiohttp import web
 
 from slime.utils.output_parsing import split_tool_calls
+from slime.utils.reasoning_parser import detector, reasoning_tokens, thinking
 from slime.utils.sampling_record import openai_requested_adapter, openai_sampling_params
 
 from . import chat_prompt
 from .generate_api import EndOfStream, prompt_rid
 from .media import expand, expand_with_videos, fetch_remote_media, images_per_prompt, videos_per_prompt
-from .reasoning import detector, reasoning_tokens, thinking
 from .sampling import ContractError, RequestError, SamplingParams
 from .scheduler import Req
 from .tool_stream import tool_call_stream

@@ -27,6 +27,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from slime.backends.sglang_utils.contract import body_errors, route
 from slime.utils.fingerprint import ALGORITHMS, combine
 from slime.utils.quantization import QuantScheme
+from slime.utils.reasoning_parser import THINK_END, template_toggle
 from slime.utils.sampling_record import generation_config_defaults
 from slime.utils.tensor_serialization import set_shared_authkey
 
@@ -37,7 +38,6 @@ from .lora import LoRARegistry
 from .model import KVPool, ModelConfig, Transformer, UnsupportedModelError
 from .openai_api import OpenAIAPI
 from .radix_cache import eviction_order
-from .reasoning import THINK_END, template_toggle
 from .sampling import ContractError, RequestError, SamplingParams, error_body
 from .scheduler import Req, Scheduler
 from .weight_api import ReceivedBuffers, WeightAPI

@@ -353,8 +353,8 @@ def validate_args(args, parser=None, check_cpu_server=True):
     )
     # what the CPU server parses and evicts by
     from slime.backends.cpu_server.radix_cache import eviction_order
-    from slime.backends.cpu_server.reasoning import PARSERS as REASONING_PARSERS
     from slime.utils.output_parsing import TOOL_CALL_FORMATS
+    from slime.utils.reasoning_parser import PARSERS as REASONING_PARSERS
 
     if args.sglang_tool_call_parser and args.sglang_tool_call_parser not in TOOL_CALL_FORMATS:
         unsupported.append(

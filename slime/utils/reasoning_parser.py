@@ -1,6 +1,7 @@
-"""`--reasoning-parser` for the CPU server's chats, by the rules of SGLang 0.5.23 (parser/reasoning_parser.py,
-parser/template_detection.py, entrypoints/openai/serving_chat.py, the scheduler's reasoning-token count), for the
-parsers `qwen3`, `qwen3-thinking` and `deepseek-r1`:
+"""SGLang's reasoning parsers without SGLang: the rules of SGLang 0.5.23 (parser/reasoning_parser.py,
+parser/template_detection.py, entrypoints/openai/serving_chat.py, the scheduler's reasoning-token count) for the
+parsers `qwen3`, `qwen3-thinking` and `deepseek-r1`, as the CPU server's `--reasoning-parser` and the agent adapters'
+output parsing (slime.utils.output_parsing) apply them:
 
 - whether a chat is in thinking mode: the chat template's reasoning toggle, detected from its source (an always-on
   template; a toggle `enable_thinking` / `thinking` defaulting on or off), else the parser's default (`qwen3`: on
@@ -13,11 +14,8 @@ parsers `qwen3`, `qwen3-thinking` and `deepseek-r1`:
 tests/test_sglang_contract.py runs the split against SGLang's own parser on the same texts and chunks.
 """
 
+import functools
 import re
-
-import jinja2
-import jinja2.ext
-import jinja2.nodes
 
 PARSERS = ("qwen3", "qwen3-thinking", "deepseek-r1")
 THINK_START, THINK_END = "<think>", "</think>"
@@ -124,8 +122,10 @@ def detector(parser, force, stream_reasoning=True, previous_content="", force_no
 # ---- the chat template's reasoning toggle (SGLang's REASONING_MODE_RULES, in order) --------------------------------
 def _default_assignment(template: str, param: str, default: bool) -> bool:
     """`param | default(<default>)` (or `d(...)`) as a working toggle, read from the template's syntax tree."""
+    import jinja2.nodes  # lazy: only a server with a reasoning parser reads templates
+
     try:
-        tree = jinja2.Environment(extensions=[jinja2.ext.loopcontrols, _GenerationTag]).parse(template)
+        tree = _jinja_env().parse(template)
     except Exception:  # noqa: BLE001  (an unparsable template has no toggle; start-up goes on)
         return False
     for node in tree.find_all(jinja2.nodes.Filter):
@@ -146,15 +146,21 @@ def _default_assignment(template: str, param: str, default: bool) -> bool:
     return False
 
 
-class _GenerationTag(jinja2.ext.Extension):
-    """Parses transformers' `{% generation %}` blocks (assistant masks), so such templates build a tree."""
+@functools.cache
+def _jinja_env():
+    import jinja2.ext
 
-    tags = {"generation"}
+    class GenerationTag(jinja2.ext.Extension):
+        """Parses transformers' `{% generation %}` blocks (assistant masks), so such templates build a tree."""
 
-    def parse(self, parser):
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.Scope(body).set_lineno(lineno)
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+    return jinja2.Environment(extensions=[jinja2.ext.loopcontrols, GenerationTag])
 
 
 def _toggle_on(t, p):
