@@ -700,28 +700,110 @@ PARSER_CASES = {
 }
 
 
-def _same_as_sglang(code, path, ours):
-    """Run `code` on `path` in the side venv: its last line, JSON of the same cases as `ours`, must equal `ours` case
-    by case (compared as JSON text: 1000 is not 1000.0). Returns the run."""
-    run = run_side(code, str(path))
+# The side venv's half of the four comparisons below: SGLang's own parsers over every table, in one process (SGLang
+# imported once). Its input: {"tools", "parsing", "stream", "reasoning", "templates"}; its last line: the answers.
+_SGLANG_PARSERS = """
+import importlib.util, json, logging, sys, types
+logging.disable(logging.CRITICAL)
+d = json.load(open(sys.argv[1]))
+out = {}
+
+# one-shot output parsing: slime.utils.output_parsing, which runs SGLang's own parsers where SGLang is installed
+from slime.utils.output_parsing import check_parser_names, have_sglang, parse_output, split_tool_calls
+assert have_sglang()
+out['parsing'] = {}
+for name, (text, tp, rp) in d['parsing'].items():
+    p = parse_output(text, tools=d['tools'], tool_parser=tp, reasoning_parser=rp)
+    out['parsing'][name] = [p.reasoning, p.text, p.tool_calls, p.ill_formed, split_tool_calls(text, d['tools'], tp)]
+check_parser_names('llama3', 'kimi')
+try:
+    check_parser_names('qwen3', None)
+except ValueError as e:
+    out['name_error'] = str(e)
+
+# streamed tool calls: FunctionCallParser, and serving_chat._check_for_unstreamed_tool_args on its detector's state
+from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, Function, Tool
+from sglang.srt.function_call.function_call_parser import FunctionCallParser
+tools = [Tool(type='function', function=Function(**t['function'])) for t in d['tools']]
+out['stream'] = {}
+for name, (parser, chunks) in d['stream'].items():
+    fc, got = FunctionCallParser(tools=tools, tool_call_parser=parser), []
+    try:
+        for c in chunks:
+            text, calls = fc.parse_stream_chunk(c)
+            got.append([text, [[x.tool_index, x.name, x.parameters] for x in calls]])
+        text, calls = fc.parse_stream_end()
+        got.append([text, [[x.tool_index, x.name, x.parameters] for x in calls]])
+        det, rest = fc.detector, None
+        if getattr(det, 'prev_tool_call_arr', None) and getattr(det, 'streamed_args_for_tool', None):
+            i = len(det.prev_tool_call_arr) - 1
+            if 0 <= i < len(det.streamed_args_for_tool):
+                want = det.prev_tool_call_arr[i].get('arguments', {})
+                want = want if isinstance(want, str) else json.dumps(want, ensure_ascii=False)
+                sent = det.streamed_args_for_tool[i]
+                left = want[len(sent):] if want.startswith(sent) else ''
+                rest = [i, None, left] if left else None
+        got.append(rest)
+    except Exception as e:
+        got.append(['raised', type(e).__name__])
+    out['stream'][name] = got
+
+# reasoning: ReasoningParser, whole and chunk by chunk
+from sglang.srt.parser.reasoning_parser import ReasoningParser
+out['reasoning'] = {}
+for key, (parser, force, nonempty, stream, previous, text, chunks) in d['reasoning'].items():
+    messages = [{'role': 'user', 'content': 'q'}]
+    if previous is not None:
+        messages.append({'role': 'assistant', 'content': previous})
+    request = ChatCompletionRequest(model='m', messages=messages, continue_final_message=previous is not None,
+                                    chat_template_kwargs={'force_nonempty_content': True} if nonempty else None)
+    make = lambda: ReasoningParser(parser, stream, force, request)
+    p, got = make(), [list(make().parse_non_stream(text))]
+    got += [list(p.parse_stream_chunk(c)) for c in chunks] + [list(p.parse_stream_end())]
+    out['reasoning'][key] = got
+
+# the chat template's reasoning toggle: template_detection loaded alone (SGLang's parser package needs torchvision,
+# which the side venv lacks); the two modules it imports at its top serve its other functions
+for name, attrs in {'sglang.srt.arg_groups.muse_spark_hook': ['muse_spark_chat_template_default'],
+                    'sglang.srt.arg_groups.overrides': ['declare_resolution', 'resolving_view']}.items():
+    sys.modules[name] = types.SimpleNamespace(**{a: None for a in attrs})
+import sglang
+where = sglang.__path__[0] + '/srt/parser/template_detection.py'
+spec = importlib.util.spec_from_file_location('template_detection', where)
+td = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(td)
+out['templates'] = {}
+for name, t in d['templates'].items():
+    force, c = td.detect_reasoning_pattern(t)
+    out['templates'][name] = [force, None if c is None else [c.toggle_param, c.default_enabled, c.special_case]]
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def sglang_parsers(tmp_path_factory):
+    """SGLang's answers for every table of the parser comparisons below, from one side-venv run."""
+    path = tmp_path_factory.mktemp("parsers") / "tables.json"
+    tables = {"tools": PARSER_TOOLS, "parsing": PARSER_CASES, "stream": STREAM_CHUNKS, "reasoning": REASONING_CASES}
+    path.write_text(json.dumps({**tables, "templates": toggle_templates()}))
+    run = run_side(_SGLANG_PARSERS, str(path))
     assert run.returncode == 0, run.stderr[-2000:]
-    theirs = json.loads(run.stdout.strip().splitlines()[-1])
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def _same(ours, theirs):
+    """Case by case, compared as JSON text (1000 is not 1000.0)."""
     differ = [k for k in ours if json.dumps(ours[k]) != json.dumps(theirs[k])]
     assert {k: {"here": ours[k], "sglang": theirs[k]} for k in differ[:3]} == {}, f"{len(differ)} cases differ"
-    return run
 
 
 @needs_side_venv
-def test_agent_output_parsing_without_sglang_answers_as_sglangs_own_parsers(tmp_path):
+def test_agent_output_parsing_without_sglang_answers_as_sglangs_own_parsers(sglang_parsers):
     """slime.utils.output_parsing's own rules (machines without SGLang) against SGLang's parsers (GPU machines): the same
     reasoning, visible text, tool calls and ill-formed flag for every case; and with SGLang, parser names are its."""
-    from slime.utils.output_parsing import have_sglang, parse_output
+    from slime.utils.output_parsing import have_sglang, parse_output, split_tool_calls
 
     assert not have_sglang()  # this venv runs the rules written here
-    (tmp_path / "cases.json").write_text(json.dumps({"tools": PARSER_TOOLS, "cases": PARSER_CASES}))
-
-    from slime.utils.output_parsing import split_tool_calls
-
     ours = {}
     for name, (text, tool_parser, reasoning_parser) in PARSER_CASES.items():
         p = parse_output(text, tools=PARSER_TOOLS, tool_parser=tool_parser, reasoning_parser=reasoning_parser)
@@ -734,25 +816,7 @@ def test_agent_output_parsing_without_sglang_answers_as_sglangs_own_parsers(tmp_
             split_tool_calls(text, PARSER_TOOLS, tool_parser),
         ]
     ours = json.loads(json.dumps(ours))  # tuples as lists, as the other side's JSON has them
-    code = (
-        "import json, logging, sys\n"
-        "logging.disable(logging.WARNING)\n"
-        "from slime.utils.output_parsing import have_sglang, parse_output, split_tool_calls\n"
-        "assert have_sglang()\n"
-        "d = json.load(open(sys.argv[1]))\n"
-        "out = {}\n"
-        "for name, (text, tp, rp) in d['cases'].items():\n"
-        "    p = parse_output(text, tools=d['tools'], tool_parser=tp, reasoning_parser=rp)\n"
-        "    out[name] = [p.reasoning, p.text, p.tool_calls, p.ill_formed, split_tool_calls(text, d['tools'], tp)]\n"
-        "from slime.utils.output_parsing import check_parser_names\n"
-        "check_parser_names('llama3', 'kimi')\n"
-        "try:\n"
-        "    check_parser_names('qwen3', None)\n"
-        "except ValueError as e:\n"
-        "    print(e)\n"
-        "print(json.dumps(out))\n"
-    )
-    run = _same_as_sglang(code, tmp_path / "cases.json", ours)
+    _same(ours, sglang_parsers["parsing"])
     # the table exercises what it claims to: calls kept and dropped, flags both ways, reasoning split
     assert ours["two_calls_then_text"][:4] == ["", "Both.", [_WEATHER, _ADD], False]
     assert ours["unknown_then_known"][:4] == ["", "U.", [_WEATHER], True]
@@ -769,7 +833,7 @@ def test_agent_output_parsing_without_sglang_answers_as_sglangs_own_parsers(tmp_
     assert ours["coder_call"][4][0] == "Let me check.\n\n"  # unstripped, as SGLang's content
     assert ours["coder_not_json_serialisable"][4] == [PARSER_CASES["coder_not_json_serialisable"][0], [], True]
     # SGLang has no tool-call parser "qwen3" (Qwen3's format is "qwen25"): refused up front on both paths
-    assert "tool_parser='qwen3' is not a tool-call parser SGLang has" in run.stdout
+    assert "tool_parser='qwen3' is not a tool-call parser SGLang has" in sglang_parsers["name_error"]
 
 
 # streamed calls: the one-shot table's tool-call cases and a few whose pieces stream in ways only a stream shows
@@ -785,22 +849,23 @@ STREAM_CASES.update(
     coder_angles=("a < b <c " + _xml("add", a="1 < 2") + " <tail", "qwen3_coder"),
 )
 
+STREAM_CHUNKS = {  # name/size: (parser, the text in chunks of one, two, five characters, whole)
+    f"{name}/{size}": (parser, [text[i : i + size] for i in range(0, len(text), size)])
+    for name, (text, parser) in STREAM_CASES.items()
+    for size in (1, 2, 5, 10_000)
+}
+
 
 @needs_side_venv
-def test_streamed_tool_calls_are_parsed_as_sglangs_own_stream_parsers_parse_them(tmp_path):
+def test_streamed_tool_calls_are_parsed_as_sglangs_own_stream_parsers_parse_them(sglang_parsers):
     """The CPU server's streamed chat (`slime.backends.cpu_server.tool_stream`) against SGLang 0.5.23's
     FunctionCallParser.parse_stream_chunk / parse_stream_end fed the same chunks (one, two, five characters, the
     whole text): the same visible text and call pieces after every chunk, the same arguments left unsent at the end
     (SGLang's serving layer sends them, computed from its detector's state), the same failures."""
     from slime.backends.cpu_server.tool_stream import tool_call_stream
 
-    cases = {
-        f"{name}/{size}": (parser, [text[i : i + size] for i in range(0, len(text), size)])
-        for name, (text, parser) in STREAM_CASES.items()
-        for size in (1, 2, 5, 10_000)
-    }
     ours = {}
-    for name, (parser, chunks) in cases.items():
+    for name, (parser, chunks) in STREAM_CHUNKS.items():
         stream, got = tool_call_stream(parser, PARSER_TOOLS), []
         try:
             for c in chunks:
@@ -812,40 +877,7 @@ def test_streamed_tool_calls_are_parsed_as_sglangs_own_stream_parsers_parse_them
         except Exception as e:  # noqa: BLE001
             got.append(["raised", type(e).__name__])
         ours[name] = got
-    (tmp_path / "cases.json").write_text(json.dumps({"tools": PARSER_TOOLS, "cases": cases}))
-    code = (
-        "import json, logging, sys\n"
-        "logging.disable(logging.CRITICAL)\n"
-        "from sglang.srt.entrypoints.openai.protocol import Function, Tool\n"
-        "from sglang.srt.function_call.function_call_parser import FunctionCallParser\n"
-        "d = json.load(open(sys.argv[1]))\n"
-        "tools = [Tool(type='function', function=Function(**t['function'])) for t in d['tools']]\n"
-        "out = {}\n"
-        "for name, (parser, chunks) in d['cases'].items():\n"
-        "    fc, got = FunctionCallParser(tools=tools, tool_call_parser=parser), []\n"
-        "    try:\n"
-        "        for c in chunks:\n"
-        "            text, calls = fc.parse_stream_chunk(c)\n"
-        "            got.append([text, [[x.tool_index, x.name, x.parameters] for x in calls]])\n"
-        "        text, calls = fc.parse_stream_end()\n"
-        "        got.append([text, [[x.tool_index, x.name, x.parameters] for x in calls]])\n"
-        "        det, rest = fc.detector, None\n"
-        "        # serving_chat._check_for_unstreamed_tool_args, on the detector's state\n"
-        "        if getattr(det, 'prev_tool_call_arr', None) and getattr(det, 'streamed_args_for_tool', None):\n"
-        "            i = len(det.prev_tool_call_arr) - 1\n"
-        "            if 0 <= i < len(det.streamed_args_for_tool):\n"
-        "                want = det.prev_tool_call_arr[i].get('arguments', {})\n"
-        "                want = want if isinstance(want, str) else json.dumps(want, ensure_ascii=False)\n"
-        "                sent = det.streamed_args_for_tool[i]\n"
-        "                left = want[len(sent):] if want.startswith(sent) else ''\n"
-        "                rest = [i, None, left] if left else None\n"
-        "        got.append(rest)\n"
-        "    except Exception as e:\n"
-        "        got.append(['raised', type(e).__name__])\n"
-        "    out[name] = got\n"
-        "print(json.dumps(out))\n"
-    )
-    _same_as_sglang(code, tmp_path / "cases.json", ours)
+    _same(ours, sglang_parsers["stream"])
     # the table streams what it claims to: names first, arguments in pieces, held-back text, a failure
     pieces = ours["two_calls_then_text/1"][:-2]  # per chunk (then the end, and what was left unsent)
     assert [c for _, calls in pieces for c in calls if c[1]] == [[0, "get_weather", ""], [1, "add", ""]]
@@ -871,51 +903,40 @@ REASONING_TEXTS = {
     "continued_after": ("Answer.", "<think>x</think>So"),
 }
 
+REASONING_CASES = {  # text/parser/force/nonempty/stream/size: the detector's arguments, the text, its chunks
+    f"{name}/{parser}/{force}/{nonempty}/{stream}/{size}": (
+        parser,
+        force,
+        nonempty,
+        stream,
+        previous,
+        text,
+        [text[i : i + size] for i in range(0, len(text), size)],
+    )
+    for name, (text, previous) in REASONING_TEXTS.items()
+    for parser in ("qwen3", "qwen3-thinking", "deepseek-r1")
+    for force in (False, True)
+    for nonempty in ((False, True) if name in ("cut_off", "no_tags") else (False,))
+    for stream in (True, False)
+    for size in (1, 4, 10_000)
+}
+
 
 @needs_side_venv
-def test_reasoning_is_split_as_sglangs_own_reasoning_parser_splits_it(tmp_path):
-    """`--reasoning-parser` on the CPU server (`slime.utils.reasoning_parser`) against SGLang 0.5.23's
-    ReasoningParser: qwen3, qwen3-thinking and deepseek-r1, reasoning forced or not, a continued assistant message,
-    force_nonempty_content; a whole output's (reasoning, content), and a stream's after every chunk (one, four
-    characters, whole; reasoning streamed or held) and at its end."""
+def test_reasoning_is_split_as_sglangs_own_reasoning_parser_splits_it(sglang_parsers):
+    """`--reasoning-parser` on the CPU server and the agent adapters' parsing (`slime.utils.reasoning_parser`) against
+    SGLang 0.5.23's ReasoningParser: qwen3, qwen3-thinking and deepseek-r1, reasoning forced or not, a continued
+    assistant message, force_nonempty_content; a whole output's (reasoning, content), and a stream's after every chunk
+    (one, four characters, whole; reasoning streamed or held) and at its end."""
     from slime.utils.reasoning_parser import detector
 
-    cases = {}
-    for name, (text, previous) in REASONING_TEXTS.items():
-        for parser in ("qwen3", "qwen3-thinking", "deepseek-r1"):
-            for force in (False, True):
-                for nonempty in (False, True) if name in ("cut_off", "no_tags") else (False,):
-                    for stream in (True, False):
-                        for size in (1, 4, 10_000):
-                            chunks = [text[i : i + size] for i in range(0, len(text), size)]
-                            key = f"{name}/{parser}/{force}/{nonempty}/{stream}/{size}"
-                            cases[key] = (parser, force, nonempty, stream, previous, text, chunks)
     ours = {}
-    for key, (parser, force, nonempty, stream, previous, text, chunks) in cases.items():
+    for key, (parser, force, nonempty, stream, previous, text, chunks) in REASONING_CASES.items():
         make = lambda: detector(parser, force, stream, previous or "", nonempty)  # noqa: B023, E731
         d, got = make(), [list(make().parse(text))]
         got += [list(d.feed(c)) for c in chunks] + [list(d.finish())]
         ours[key] = got
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-    code = (
-        "import json, logging, sys\n"
-        "logging.disable(logging.CRITICAL)\n"
-        "from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest\n"
-        "from sglang.srt.parser.reasoning_parser import ReasoningParser\n"
-        "out = {}\n"
-        "for key, (parser, force, nonempty, stream, previous, text, chunks) in json.load(open(sys.argv[1])).items():\n"
-        "    messages = [{'role': 'user', 'content': 'q'}]\n"
-        "    if previous is not None:\n"
-        "        messages.append({'role': 'assistant', 'content': previous})\n"
-        "    request = ChatCompletionRequest(model='m', messages=messages, continue_final_message=previous is not None,\n"
-        "                                    chat_template_kwargs={'force_nonempty_content': True} if nonempty else None)\n"
-        "    make = lambda: ReasoningParser(parser, stream, force, request)\n"
-        "    p, got = make(), [list(make().parse_non_stream(text))]\n"
-        "    got += [list(p.parse_stream_chunk(c)) for c in chunks] + [list(p.parse_stream_end())]\n"
-        "    out[key] = got\n"
-        "print(json.dumps(out))\n"
-    )
-    _same_as_sglang(code, tmp_path / "cases.json", ours)
+    _same(ours, sglang_parsers["reasoning"])
     assert ours["closed/qwen3/False/False/True/1"][0] == ["\nI think.\n", "\n\nThe answer."]
     assert ours["no_tags/qwen3/True/False/True/1"][0] == ["The answer.", ""]  # forced: all of it is reasoning
     assert ours["no_tags/qwen3/True/True/True/1"][0] == ["", "The answer."]  # ... unless content must not be empty
@@ -945,36 +966,22 @@ TOGGLE_TEMPLATES = {
 }
 
 
+def toggle_templates():
+    return dict(TOGGLE_TEMPLATES, qwen3=_qwen3_template())
+
+
 @needs_side_venv
-def test_the_chat_templates_reasoning_toggle_is_read_as_sglang_reads_it(tmp_path):
+def test_the_chat_templates_reasoning_toggle_is_read_as_sglang_reads_it(sglang_parsers):
     """`reasoning_parser.template_toggle` against SGLang 0.5.23's `detect_reasoning_pattern` (its module loaded alone:
     the rest of SGLang's parser package needs torchvision), on templates of every rule kind and Qwen3's own; and the
-    thinking mode `reasoning_parser.thinking` decides from the toggle, by SGLang's `_get_reasoning_from_request`'s rules, and
-    the thinking tokens `reasoning_parser.reasoning_tokens` counts, as its scheduler's `update_reasoning_tokens` does."""
+    thinking mode `reasoning_parser.thinking` decides from the toggle, by SGLang's `_get_reasoning_from_request`'s
+    rules, and the thinking tokens `reasoning_parser.reasoning_tokens` counts, as its scheduler's
+    `update_reasoning_tokens` does."""
     from slime.utils.reasoning_parser import reasoning_tokens, template_toggle, thinking
 
-    templates = dict(TOGGLE_TEMPLATES, qwen3=_qwen3_template())
-    ours = {
-        name: [*template_toggle(t)[:1], list(template_toggle(t)[1] or []) or None] for name, t in templates.items()
-    }
-    (tmp_path / "templates.json").write_text(json.dumps(templates))
-    code = (
-        "import importlib.util, json, sys, types\n"
-        "for name, attrs in {'sglang.srt.arg_groups.muse_spark_hook': ['muse_spark_chat_template_default'],\n"
-        "                    'sglang.srt.arg_groups.overrides': ['declare_resolution', 'resolving_view']}.items():\n"
-        "    sys.modules[name] = types.SimpleNamespace(**{a: None for a in attrs})  # unused by the detector\n"
-        "import sglang\n"
-        "path = sglang.__path__[0] + '/srt/parser/template_detection.py'\n"
-        "spec = importlib.util.spec_from_file_location('template_detection', path)\n"
-        "td = importlib.util.module_from_spec(spec)\n"
-        "spec.loader.exec_module(td)\n"
-        "out = {}\n"
-        "for name, t in json.load(open(sys.argv[1])).items():\n"
-        "    force, c = td.detect_reasoning_pattern(t)\n"
-        "    out[name] = [force, None if c is None else [c.toggle_param, c.default_enabled, c.special_case]]\n"
-        "print(json.dumps(out))\n"
-    )
-    _same_as_sglang(code, tmp_path / "templates.json", ours)
+    templates = toggle_templates()
+    ours = {name: [template_toggle(t)[0], list(template_toggle(t)[1] or []) or None] for name, t in templates.items()}
+    _same(ours, sglang_parsers["templates"])
     assert ours["qwen3"] == [False, ["enable_thinking", True, None]] and ours["tiny_kit"] == [False, None]
     assert ours["always_open"] == [True, [None, None, "always"]] and ours["collapsed_filter"] == [False, None]
     # thinking mode: the toggle, its default, a request's chat_template_kwargs; else the parser's default
