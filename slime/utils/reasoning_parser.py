@@ -27,7 +27,7 @@ class _Detector:
     def __init__(self, force, stream_reasoning=True, tool_start=None, previous_content="", force_nonempty=False):
         self.tool_start, self.stream_reasoning, self.force_nonempty = tool_start, stream_reasoning, force_nonempty
         self.in_reasoning = force
-        self.buffer, self.tail, self.stripped_start, self.accumulated = "", "", False, ""
+        self.buffer, self.stripped_start, self.accumulated = "", False, ""
         self.previous = previous_content
         if THINK_START in previous_content:
             self.in_reasoning = True
@@ -84,10 +84,8 @@ class _Detector:
             held = [THINK_END] + ([self.tool_start] if self.tool_start else [])
             held += [] if self.stripped_start else [THINK_START]
             keep = max(_partial_tail(text, t) for t in held)
-            self.buffer, reasoning = text[len(text) - keep :], text[: len(text) - keep]
-            if reasoning:
-                self.tail = reasoning[-1]
-            return reasoning, ""
+            self.buffer = text[len(text) - keep :]
+            return text[: len(text) - keep], ""
         self.buffer = ""
         return "", text
 
