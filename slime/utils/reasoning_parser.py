@@ -83,7 +83,7 @@ class _Detector:
             # all but a trailing piece that may begin a tag split across updates
             held = [THINK_END] + ([self.tool_start] if self.tool_start else [])
             held += [] if self.stripped_start else [THINK_START]
-            keep = max(_partial_tail(text, t) for t in held)
+            keep = max(partial_tag(text, t) for t in held)
             self.buffer = text[len(text) - keep :]
             return text[: len(text) - keep], ""
         self.buffer = ""
@@ -102,8 +102,10 @@ class _Detector:
         return buffer, ""
 
 
-def _partial_tail(text: str, token: str) -> int:
-    """The longest end of text that begins token (not all of it)."""
+def partial_tag(text: str, token: str) -> int:
+    """The longest end of text that begins token (not all of it): a tag maybe split across updates. (SGLang's tool
+    detectors take the shortest such end, its reasoning detectors the longest: the same for tags that do not begin
+    with a piece of their own end, as every tag here.)"""
     for i in range(min(len(text), len(token) - 1), 0, -1):
         if token.startswith(text[-i:]):
             return i

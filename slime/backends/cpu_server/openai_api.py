@@ -185,14 +185,14 @@ def _finish(r) -> str:
     return {"stop": "stop", "length": "length", "abort": "abort"}[r.finish_reason["type"]]
 
 
-def _tool_calls(r, parser, tools, text):
-    """(the chat message, its finish reason) of a finished choice whose text (after any reasoning) is `text`: with a
-    tool-call parser (and tools in play), SGLang's calls parsed out of it by the format's rules
+def _tool_calls(r, parser, tools, text, reasoning=None):
+    """(the chat message, its finish reason) of a finished choice whose text after its reasoning (if split off) is
+    `text`: with a tool-call parser (and tools in play), SGLang's calls parsed out of it by the format's rules
     (`slime.utils.output_parsing`), the text before them left as the content, and a stop that made calls reported as
     "tool_calls"."""
     finish = _finish(r)
     content, calls, _ = split_tool_calls(text, tools, parser) if parser else (text, [], False)
-    message = {"role": "assistant", "content": content or "", "reasoning_content": None}  # no null tool_calls
+    message = {"role": "assistant", "content": content or "", "reasoning_content": reasoning or None}  # no null calls
     if calls:
         message["tool_calls"] = [
             {
@@ -487,8 +487,7 @@ class OpenAIAPI:
         choices = []
         for i, r in enumerate(reqs):
             reasoning, text = split(False).parse(r.text) if split else (None, r.text)
-            message, finish = _tool_calls(r, parser, inputs.declared_tools, text)
-            message["reasoning_content"] = reasoning or None
+            message, finish = _tool_calls(r, parser, inputs.declared_tools, text, reasoning)
             choices.append(
                 {
                     "index": i,

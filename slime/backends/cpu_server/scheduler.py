@@ -375,9 +375,8 @@ class Scheduler:
         run = [r for r in reqs if not r.skip_prefill]
         last = self._forward_prefill(run) if run else {}
         for r in run:  # as SGLang's cache_unfinished_req: what a live request computed, later ones may start from
-            if (cache := self._cache_of(r, create=True)) is not None:
-                k = len(r.input_ids) + max(len(r.output_ids) - 1, 0)
-                self._hold(r.rows[self._insert(cache, r, k) : k])
+            if (cache := self._cache_of(r, create=True)) is not None:  # all its rows: it computed them all
+                self._hold(r.rows[self._insert(cache, r, len(r.rows)) :])
         for r in reqs:
             if r.skip_prefill:
                 e = r.prefix

@@ -18,6 +18,7 @@ from partial_json_parser.core.exceptions import MalformedJSON
 from partial_json_parser.core.options import Allow
 
 from slime.utils.output_parsing import _UNDECLARED, _parameter_schemas, _typed
+from slime.utils.reasoning_parser import partial_tag
 
 logger = logging.getLogger(__name__)
 
@@ -56,14 +57,6 @@ def _common_prefix(a: str, b: str) -> str:
     return a[:n]
 
 
-def _ends_with_partial(buffer: str, token: str) -> int:
-    """How many trailing characters of buffer begin token (SGLang's `_ends_with_partial_token`, shortest first)."""
-    for i in range(1, min(len(buffer) + 1, len(token))):
-        if token.startswith(buffer[-i:]):
-            return i
-    return 0
-
-
 def _call(index, parameters, name=None) -> dict:
     return {"tool_index": index, "name": name, "parameters": parameters}
 
@@ -86,7 +79,7 @@ class _JsonCalls:
         self.buffer += new_text
         text = self.buffer
         if not (self.bot in text or (self.current > 0 and text.startswith(self.separator))):
-            if _ends_with_partial(self.buffer, self.bot):
+            if partial_tag(self.buffer, self.bot):
                 return "", []  # maybe the start of a call: wait
             self.buffer = ""
             return text.replace(self.eot, "") if self.eot in text else text, []
@@ -196,7 +189,7 @@ class _Qwen25Calls(_JsonCalls):
             end = self.eot[1:]
             if end in self.text_buffer:
                 text, self.text_buffer = self.text_buffer.replace(end, ""), ""
-            elif n := _ends_with_partial(self.text_buffer, end):
+            elif n := partial_tag(self.text_buffer, end):
                 text, self.text_buffer = self.text_buffer[:-n], self.text_buffer[-n:]
             else:
                 text, self.text_buffer = self.text_buffer, ""
@@ -218,7 +211,7 @@ class _HermesCalls(_JsonCalls):
         self.text_buffer += text
         if self.eot in self.text_buffer:
             text, self.text_buffer = self.text_buffer.replace(self.eot, ""), ""
-        elif n := _ends_with_partial(self.text_buffer, self.eot):
+        elif n := partial_tag(self.text_buffer, self.eot):
             text, self.text_buffer = self.text_buffer[:-n], self.text_buffer[-n:]
         else:
             text, self.text_buffer = self.text_buffer, ""
@@ -228,7 +221,7 @@ class _HermesCalls(_JsonCalls):
         self.buffer += new_text
         text = self.buffer
         if self.bot not in text:
-            n = _ends_with_partial(text, self.bot)
+            n = partial_tag(text, self.bot)
             safe, self.buffer = (text[:-n], text[-n:]) if n else (text, "")
             return self._clean(safe), []
         at = text.find(self.bot)
